@@ -1,0 +1,477 @@
+"""Exact linear + cross-entropy over many classes, computed slice by slice over the classes.
+
+``linear_cross_entropy(x, weight, target)`` equals ``F.cross_entropy(x @ weight.T + bias, target)``
+(same ``ignore_index``, ``label_smoothing`` and ``reduction`` semantics) without ever holding the
+``batch x num_classes`` logits:
+
+* forward: one pass over class slices keeps an online log-sum-exp per row (running max and
+  running sum of exponentials), picks out the target logit and, with label smoothing, the sum of
+  the logits. Only the per-row log-sum-exp is saved for backward.
+* backward: a second pass recomputes each slice's logits, turns them into
+  ``scale * (softmax - (1 - eps) * onehot - eps / C)`` in place, and does
+  ``grad_x += g @ W_s`` and ``grad_W_s = g.T @ x``.
+
+That is four matrix products where the dense version needs three; everything else works in place
+on one reused ``batch x slice`` buffer (no extra passes, no allocation per slice).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from headroom.heads._slices import (
+    GradSink,
+    SliceSource,
+    TensorGradSink,
+    TensorSlices,
+    slice_bounds,
+)
+
+__all__ = ["DEFAULT_LOGITS_BUDGET", "linear_cross_entropy", "pick_slice_size"]
+
+# NOTE: a few hundred MB is the issue's "default budget"; within that, slices of a few thousand
+# classes keep the reused buffer in the last-level cache for the elementwise passes, which run
+# at cache speed instead of memory speed. Larger slices do not make the matrix products faster.
+DEFAULT_LOGITS_BUDGET = 256 * 2**20
+_CACHE_FRIENDLY_SLICE = 4096
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def pick_slice_size(
+    batch: int, num_classes: int, *, accum_dtype: torch.dtype = torch.float32,
+    budget_bytes: int = DEFAULT_LOGITS_BUDGET,
+) -> int:
+    """Classes per slice so that one ``batch x slice`` logits buffer fits ``budget_bytes``.
+
+    Args:
+        batch: rows of ``x`` (after flattening leading dimensions).
+        num_classes: number of classes.
+        accum_dtype: dtype of the logits buffer.
+        budget_bytes: bytes the logits buffer may take.
+
+    Returns:
+        A slice size between 1 and ``num_classes`` (at most a cache-friendly few thousand).
+
+    Example:
+        >>> pick_slice_size(4096, 262144)
+        4096
+    """
+    elem = torch.empty((), dtype=accum_dtype).element_size()
+    fit = budget_bytes // max(1, batch * elem)
+    return int(max(1, min(num_classes, fit, _CACHE_FRIENDLY_SLICE)))
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (before any compute)
+
+
+def _check_target(
+    target: torch.Tensor, num_classes: int, ignore_index: int
+) -> None:
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold class indices as an integer tensor, got dtype {target.dtype}; "
+            "convert with target.long() (class probabilities are not supported)"
+        )
+    if target.numel() == 0:
+        return
+    bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
+    # NOTE: one host sync on an accelerator; an out-of-range label would otherwise silently
+    # read another row (or nothing) and give a wrong loss.
+    if bool(bad.any()):
+        first = target[bad].flatten()[0].item()
+        count = int(bad.sum())
+        raise ValueError(
+            f"target has {count} label(s) outside [0, {num_classes}) (first: {first}) that are "
+            f"not ignore_index={ignore_index}; fix the labels or num_classes"
+        )
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    accum_dtype: torch.dtype,
+    slice_size: int | None,
+) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if slice_size is not None and (not isinstance(slice_size, int) or slice_size < 1):
+        raise ValueError(f"slice_size must be a positive int or None, got {slice_size!r}")
+    if not accum_dtype.is_floating_point:
+        raise TypeError(f"accum_dtype must be a floating dtype, got {accum_dtype}")
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be 2-D (num_classes, in_features), got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] < 1:
+        raise ValueError("weight has no classes (num_classes == 0)")
+    if x.dim() < 1:
+        raise ValueError("x must have a last dimension of features, got a 0-d tensor")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x has {x.shape[-1]} features but weight has {weight.shape[1]} "
+            f"(weight shape {tuple(weight.shape)} is (num_classes, in_features)); "
+            "pass weight, not weight.T, and check in_features"
+        )
+    if not x.dtype.is_floating_point or x.dtype != weight.dtype:
+        raise TypeError(
+            f"x and weight must share one floating dtype, got {x.dtype} and {weight.dtype}; "
+            "cast one of them"
+        )
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal x's shape without its last "
+            f"dimension, {tuple(x.shape[:-1])}"
+        )
+    if bias is not None:
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+            )
+        if bias.device != weight.device or bias.dtype != weight.dtype:
+            raise ValueError("bias must have the same device and dtype as weight")
+    if target.device != x.device:
+        raise ValueError(f"target is on {target.device} but x is on {x.device}; move it")
+    if weight.device != x.device and not (weight.device.type == "cpu"):
+        raise ValueError(
+            f"weight is on {weight.device} but x is on {x.device}; weight must be on x's device "
+            "or in host memory (then it is streamed slice by slice)"
+        )
+    _check_target(target, weight.shape[0], ignore_index)
+
+
+# ---------------------------------------------------------------------------------------------
+# the two passes (shared with HugeClassifier, which brings its own slice source and sink)
+
+
+def _local_targets(
+    target: torch.Tensor, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of each row's target within ``start:stop`` (clamped) and whether it lies there."""
+    inside = (target >= start) & (target < stop)
+    local = (target - start).clamp_(0, stop - start - 1)
+    return local.unsqueeze(1), inside
+
+
+def lse_pass(
+    x: torch.Tensor,
+    source: SliceSource,
+    target: torch.Tensor,
+    *,
+    slice_size: int,
+    want_logit_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Online log-sum-exp over class slices.
+
+    Args:
+        x: ``(B, D)`` in the accumulation dtype on the compute device.
+        source: the weight slices.
+        target: ``(B,)`` int64 on the compute device (ignored rows may hold anything).
+        slice_size: classes per slice.
+        want_logit_sum: also return the sum of each row's logits (label smoothing).
+
+    Returns:
+        ``(lse, target_logit, logit_sum or None)``, each ``(B,)`` in the accumulation dtype.
+    """
+    batch = x.shape[0]
+    dt, dev = x.dtype, x.device
+    run_max = torch.full((batch,), -math.inf, dtype=dt, device=dev)
+    run_sum = torch.zeros(batch, dtype=dt, device=dev)
+    z_target = torch.zeros(batch, dtype=dt, device=dev)
+    z_sum = torch.zeros(batch, dtype=dt, device=dev) if want_logit_sum else None
+    flat = torch.empty(batch * min(slice_size, source.num_classes), dtype=dt, device=dev)
+    bounds = slice_bounds(source.num_classes, slice_size)
+    for start, stop, w, b in source.slices(bounds):
+        z = flat[: batch * (stop - start)].view(batch, stop - start)
+        if b is None:
+            torch.mm(x, w.t(), out=z)
+        else:
+            torch.addmm(b, x, w.t(), out=z)
+        local, inside = _local_targets(target, start, stop)
+        z_target = torch.where(inside, z.gather(1, local).squeeze(1), z_target)
+        if z_sum is not None:
+            z_sum += z.sum(1)
+        new_max = torch.maximum(run_max, z.amax(1))
+        # NOTE: rescale the running sum to the new max before adding this slice (online softmax).
+        run_sum.mul_(torch.exp(run_max - new_max))
+        z.sub_(new_max.unsqueeze(1)).exp_()
+        run_sum += z.sum(1)
+        run_max = new_max
+    lse = run_max + torch.log(run_sum)
+    return lse, z_target, z_sum
+
+
+def grad_pass(
+    x: torch.Tensor,
+    source: SliceSource,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    slice_size: int,
+    label_smoothing: float,
+    need_x: bool,
+    sink: GradSink | None,
+    need_weight: bool,
+    need_bias: bool,
+) -> torch.Tensor | None:
+    """Recompute each slice's logits and form the gradients of x, weight and bias.
+
+    The gradient of the loss with respect to logit ``z[b, c]`` is
+    ``scale[b] * (softmax[b, c] - (1 - eps) * [c == y_b] - eps / C)``.
+
+    Args:
+        x: ``(B, D)`` in the accumulation dtype on the compute device.
+        source: the weight slices.
+        target: ``(B,)`` int64 (rows with ``scale == 0`` may hold anything).
+        lse: ``(B,)`` from :func:`lse_pass`.
+        scale: ``(B,)`` per-row factor (incoming gradient, ``1/n`` for mean, 0 for ignored rows).
+        slice_size: classes per slice.
+        label_smoothing: ``eps``.
+        need_x: whether to return the gradient of ``x``.
+        sink: receives the weight and bias gradient slices (``None``: neither is wanted).
+        need_weight: whether to form the weight gradient (one matrix product per slice).
+        need_bias: whether to hand bias gradient slices to the sink.
+
+    Returns:
+        The ``(B, D)`` gradient of ``x`` in the accumulation dtype, or ``None``.
+    """
+    batch = x.shape[0]
+    dt, dev = x.dtype, x.device
+    num_classes = source.num_classes
+    # NOTE: fold the per-row scale into the exponent, exp(z - lse + log|s|) = |s| * softmax, so no
+    # separate multiply pass over the batch x slice buffer. The sign goes into the matrix
+    # products' alpha. Rows with s == 0 (ignored) get exp(-inf) = 0. Mixed signs (only possible
+    # with reduction="none" and an arbitrary incoming gradient) fall back to a multiply pass.
+    if bool((scale >= 0).all()):
+        sign, row_scale, post = 1.0, scale, None
+    elif bool((scale <= 0).all()):
+        sign, row_scale, post = -1.0, -scale, None
+    else:
+        sign, row_scale, post = 1.0, scale, scale.unsqueeze(1)
+    shift = lse if post is not None else lse - torch.log(row_scale)
+    neg_shift = (-shift).unsqueeze(1)
+    onehot_coef = (1.0 - label_smoothing) * row_scale
+    uniform = (label_smoothing / num_classes) * row_scale if label_smoothing > 0 else None
+    if uniform is not None:
+        uniform = uniform.unsqueeze(1)
+
+    grad_x = torch.zeros_like(x) if need_x else None
+    flat = torch.empty(batch * min(slice_size, num_classes), dtype=dt, device=dev)
+    for start, stop, w, b in source.slices(slice_bounds(num_classes, slice_size)):
+        g = flat[: batch * (stop - start)].view(batch, stop - start)
+        if b is None:
+            torch.addmm(neg_shift, x, w.t(), out=g)
+        else:
+            torch.add(b.unsqueeze(0), neg_shift, out=g)
+            g.addmm_(x, w.t())
+        g.exp_()
+        if post is not None:
+            g.mul_(post)
+        if uniform is not None:
+            g.sub_(uniform)
+        local, inside = _local_targets(target, start, stop)
+        g.scatter_add_(1, local, -(onehot_coef * inside).unsqueeze(1))
+        if grad_x is not None:
+            grad_x.addmm_(g, w, alpha=sign)
+        if sink is not None:
+            gb = None
+            if need_bias:
+                gb = g.sum(0)
+                if sign != 1.0:
+                    gb.neg_()
+            gw = None
+            if need_weight:
+                gw = sink.out(start, stop)
+                torch.mm(g.t(), x, out=gw)
+                if sign != 1.0:
+                    gw.neg_()
+            sink.commit(start, stop, gw, gb)
+    return grad_x
+
+
+def row_losses(
+    lse: torch.Tensor,
+    z_target: torch.Tensor,
+    z_sum: torch.Tensor | None,
+    valid: torch.Tensor,
+    *,
+    num_classes: int,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """Per-row loss ``(1-eps) * (lse - z_y) + eps * (lse - mean(z))``, 0 on ignored rows."""
+    loss = lse - z_target
+    if label_smoothing > 0:
+        assert z_sum is not None
+        smooth = lse - z_sum / num_classes
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def reduce_loss(
+    rows: torch.Tensor, valid: torch.Tensor, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce per-row losses like ``F.cross_entropy``; also return the valid-row count."""
+    n_valid = valid.sum().to(rows.dtype)
+    if reduction == "none":
+        return rows, n_valid
+    total = rows.sum()
+    # NOTE: "mean" divides by the number of non-ignored rows (nan when there are none), which is
+    # what F.cross_entropy does, label smoothing included.
+    return (total / n_valid if reduction == "mean" else total), n_valid
+
+
+def row_scale(
+    grad_out: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, reduction: str
+) -> torch.Tensor:
+    """Per-row factor of d(loss)/d(row loss) times the incoming gradient; 0 on ignored rows."""
+    if reduction == "none":
+        g = grad_out.reshape(-1).to(n_valid.dtype)
+    elif reduction == "mean":
+        g = (grad_out.to(n_valid.dtype) / n_valid).expand(valid.shape)
+    else:
+        g = grad_out.to(n_valid.dtype).expand(valid.shape)
+    return torch.where(valid, g, torch.zeros_like(g))
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        slice_size: int,
+        ignore_index: int,
+        label_smoothing: float,
+        reduction: str,
+        accum_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        lead_shape = target.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        t = target.reshape(-1).long()
+        xa = x2.to(accum_dtype)
+        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype)
+        lse, z_t, z_sum = lse_pass(
+            xa, source, t, slice_size=slice_size, want_logit_sum=label_smoothing > 0
+        )
+        valid = t != ignore_index
+        rows = row_losses(
+            lse, z_t, z_sum, valid, num_classes=weight.shape[0], label_smoothing=label_smoothing
+        )
+        loss, n_valid = reduce_loss(rows, valid, reduction)
+        ctx.save_for_backward(x, weight, bias, t, lse, n_valid)
+        ctx.opts = (slice_size, ignore_index, label_smoothing, reduction, accum_dtype)
+        if reduction == "none":
+            loss = loss.reshape(lead_shape)
+        return loss.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        x, weight, bias, t, lse, n_valid = ctx.saved_tensors
+        slice_size, ignore_index, label_smoothing, reduction, accum_dtype = ctx.opts
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        valid = t != ignore_index
+        scale = row_scale(grad_out, valid, n_valid, reduction)
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = x2.to(accum_dtype)
+        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype)
+        need_b = need_b and bias is not None
+        sink = None
+        if need_w or need_b:
+            sink = TensorGradSink(
+                weight, bias if need_b else None, device=x.device, dtype=accum_dtype,
+                need_weight=need_w,
+            )
+        grad_x = grad_pass(
+            xa, source, t, lse, scale, slice_size=slice_size, label_smoothing=label_smoothing,
+            need_x=need_x, sink=sink, need_weight=need_w, need_bias=need_b,
+        )
+        gx = None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)
+        gw = None if sink is None else sink.grad_weight
+        gb = None if sink is None else sink.grad_bias
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    slice_size: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    accum_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
+
+    The classes are processed in slices: a forward pass keeps an online log-sum-exp, and backward
+    recomputes each slice's logits to form the exact gradients of ``x``, ``weight`` and ``bias``.
+    Peak extra memory is one ``B x slice_size`` buffer plus a few ``B``- and ``B x D``-sized
+    tensors, whatever the number of classes.
+
+    Args:
+        x: ``(..., D)`` features, on the compute device.
+        weight: ``(C, D)`` class weights, on ``x``'s device, or in host memory while ``x`` is on
+            an accelerator (then each slice is copied to the device when used, in both passes).
+        target: ``x.shape[:-1]`` integer class indices in ``[0, C)`` or ``ignore_index``.
+        bias: optional ``(C,)``, same device and dtype as ``weight``.
+        slice_size: classes per slice. ``None`` picks one from a logits budget
+            (:data:`DEFAULT_LOGITS_BUDGET`, capped at a cache-friendly few thousand classes).
+            Larger slices cost more memory and do not speed up the matrix products; very small
+            slices (below a few hundred) make the products inefficient.
+        ignore_index: target value whose rows contribute neither loss nor gradient.
+        label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``: the target becomes
+            ``(1 - eps) * onehot + eps / C``.
+        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target).
+        accum_dtype: dtype of logits, softmax and gradient accumulation. With bf16/fp16 inputs the
+            default fp32 keeps the loss and gradients accurate at the cost of upcasting each
+            weight slice; the returned loss and gradients have the input dtype.
+
+    Returns:
+        The loss, a scalar or (``reduction="none"``) shaped like ``target``, in ``x``'s dtype.
+
+    Raises:
+        TypeError: ``target`` not an integer tensor; ``x``/``weight`` dtypes differ.
+        ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
+            disagree, wrong shapes, bad options. All checked before any compute.
+
+    Example:
+        >>> x = torch.randn(8, 16, requires_grad=True)
+        >>> w = torch.randn(1000, 16, requires_grad=True)
+        >>> y = torch.randint(0, 1000, (8,))
+        >>> loss = linear_cross_entropy(x, w, y, slice_size=256)
+        >>> loss.backward()
+    """
+    _check_inputs(
+        x, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction=reduction, accum_dtype=accum_dtype, slice_size=slice_size,
+    )
+    batch = math.prod(target.shape)
+    num_classes = weight.shape[0]
+    if slice_size is None:
+        slice_size = pick_slice_size(batch, num_classes, accum_dtype=accum_dtype)
+    slice_size = max(1, min(slice_size, num_classes))
+    return _LinearCrossEntropy.apply(
+        x, weight, bias, target, slice_size, ignore_index, float(label_smoothing), reduction,
+        accum_dtype,
+    )

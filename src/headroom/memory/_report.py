@@ -1,0 +1,178 @@
+"""Reports of a memory tracker: a readable table, JSON, and a PNG timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from headroom.memory._categories import CATEGORIES, format_bytes
+
+if TYPE_CHECKING:
+    from headroom.memory._tracker import MemoryTracker
+
+# One color per category, the same in every plot headroom makes.
+COLORS = {
+    "parameters": "#4C72B0",
+    "gradients": "#DD8452",
+    "optimizer_state": "#55A868",
+    "activations": "#C44E52",
+    "buffers": "#8172B3",
+    "other": "#937860",
+}
+_PHASE_SHADE = {"forward": None, "backward": "#f2f2f2", "optimizer": "#e6f0e6"}
+
+
+def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
+    """A table: per device, each category at the peak, its own maximum, and at the end."""
+    lines = []
+    devices = mem.devices or ["cpu"]
+    for dev in devices:
+        s = mem.stats(dev) if mem.devices else mem.stats()
+        lines.append(f"headroom memory report - {dev}")
+        lines.append(f"{'category':<17}{'at peak':>12}{'max':>12}")
+        for cat in CATEGORIES:
+            lines.append(
+                f"{cat:<17}{format_bytes(s.peak_by_category[cat]):>12}"
+                f"{format_bytes(s.max_by_category[cat]):>12}"
+            )
+        lines.append(f"{'total (peak)':<17}{format_bytes(s.peak):>12}")
+        lines.append(f"{'live at end':<17}{format_bytes(s.current):>12}")
+        alloc = {k.split("/", 1)[1]: v for k, v in s.allocator.items() if k.startswith(dev + "/")}
+        if alloc:
+            lines.append(
+                "allocator        "
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(alloc.items()))
+            )
+            if "reserved" in alloc and s.peak:
+                outside = alloc["reserved"] - s.peak
+                lines.append(
+                    f"{'reserved - peak':<17}{format_bytes(outside):>12}"
+                    "  (fragmentation, cached blocks, or memory outside tracked tensors)"
+                )
+        lines.append("")
+    by_module = mem.by_module
+    if by_module:
+        lines.append("activations saved at the peak, by module")
+        for name, nbytes in list(by_module.items())[:top_modules]:
+            lines.append(f"  {name or '(outside any module)':<40}{format_bytes(nbytes):>12}")
+        rest = list(by_module.values())[top_modules:]
+        if rest:
+            lines.append(f"  {f'({len(rest)} more)':<40}{format_bytes(sum(rest)):>12}")
+        lines.append("")
+    peak_label = _peak_label(mem)
+    if peak_label:
+        lines.append(f"peak reached during: {peak_label}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _peak_label(mem: MemoryTracker) -> str:
+    best, label = -1, ""
+    for s in mem.timeline:
+        if s.total > best:
+            best, label = s.total, s.label
+    return label
+
+
+def to_dict(mem: MemoryTracker) -> dict[str, Any]:
+    """Everything measured, as JSON-ready data (bytes as ints, times in seconds)."""
+    timeline = mem.timeline
+    return {
+        "format": "headroom.memory/1",
+        "categories": list(CATEGORIES),
+        "peak": mem.peak,
+        "peak_by_category": mem.peak_by_category,
+        "max_by_category": mem.max_by_category,
+        "current": mem.current,
+        "by_module": mem.by_module,
+        "devices": {
+            d: {
+                "peak": (s := mem.stats(d)).peak,
+                "peak_by_category": s.peak_by_category,
+                "max_by_category": s.max_by_category,
+                "current": s.current,
+                "allocator": s.allocator,
+            }
+            for d in mem.devices
+        },
+        "timeline": {
+            "time_s": [round(s.time_s, 6) for s in timeline],
+            "label": [s.label for s in timeline],
+            "bytes": {c: [s.by_category[c] for s in timeline] for c in CATEGORIES},
+        },
+    }
+
+
+def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_json(mem: MemoryTracker, path: str | os.PathLike) -> None:
+    _atomic_write(path, json.dumps(to_dict(mem), indent=1).encode())
+
+
+def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None) -> None:
+    """A stacked area timeline by category, phases shaded, the peak marked."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    timeline = mem.timeline
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
+    if timeline:
+        x = np.array([s.time_s for s in timeline]) * 1e3
+        scale, unit = _unit(max(s.total for s in timeline))
+        ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
+        # shade backward and optimizer phases
+        start = 0
+        for i in range(1, len(timeline) + 1):
+            if i == len(timeline) or timeline[i].phase != timeline[start].phase:
+                color = _PHASE_SHADE.get(timeline[start].phase)
+                if color and i - 1 > start:
+                    ax.axvspan(x[start], x[i - 1], color=color, zorder=0, lw=0)
+                start = i
+        ax.stackplot(
+            x,
+            *ys,
+            labels=list(CATEGORIES),
+            colors=[COLORS[c] for c in CATEGORIES],
+            step="post",
+            alpha=0.9,
+            zorder=1,
+        )
+        totals = np.sum(ys, axis=0)
+        k = int(np.argmax(totals))
+        ax.axvline(x[k], color="black", ls="--", lw=1, zorder=2)
+        ax.annotate(
+            f"peak {format_bytes(mem.peak)}\n{timeline[k].label}",
+            xy=(x[k], totals[k]),
+            xytext=(8, -4),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+            zorder=3,
+        )
+        ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
+        ax.set_ylabel(f"live tensor memory ({unit})")
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or f"headroom: memory by category ({', '.join(mem.devices) or 'cpu'})")
+    ax.legend(loc="upper left", fontsize=8, ncol=3)
+    ax.grid(alpha=0.3, zorder=0)
+    fig.tight_layout()
+    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _unit(n: float) -> tuple[float, str]:
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= scale:
+            return float(scale), unit
+    return 1.0, "bytes"

@@ -1,0 +1,963 @@
+"""Live memory tracking: every tensor storage, per device, attributed to one category.
+
+The tracker sees allocations through a ``TorchDispatchMode`` (every op's outputs, and inputs that
+existed before it started), frees through weak references to storages, and roles through
+PyTorch's own hooks: saved-tensor hooks (activations), post-accumulate-grad hooks (gradients),
+global optimizer step hooks (optimizer state) and global module hooks (parameters, buffers, and
+which module is running).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from headroom.memory._categories import (
+    ACTIVATIONS,
+    BUFFERS,
+    CATEGORIES,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    OTHER,
+    PARAMETERS,
+    STICKY,
+    category_index,
+)
+
+_NCAT = len(CATEGORIES)
+_ORIG_STORAGE_RESIZE = torch.UntypedStorage.resize_
+_RESIZE_STORAGE_BYTES = torch.ops.inductor.resize_storage_bytes_.default
+
+_active_lock = threading.Lock()
+_active: MemoryTracker | None = None
+_active_where = ""
+
+
+def _active_tracker() -> MemoryTracker | None:
+    return _active
+
+
+@dataclass(frozen=True)
+class TimelineSample:
+    """One point of the timeline: bytes per category (all devices) after an op.
+
+    Attributes:
+        time_s: seconds since the tracker was entered.
+        phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``.
+        module: qualified name of the module running (``""`` if none).
+        by_category: bytes per category at that moment.
+    """
+
+    time_s: float
+    phase: str
+    module: str
+    by_category: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_category.values())
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase}:{self.module}" if self.module else self.phase
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """Memory numbers for one device (or for all devices together).
+
+    Attributes:
+        peak: most bytes live at once.
+        peak_by_category: bytes per category at the moment of ``peak``; they sum to ``peak``.
+        max_by_category: each category's own maximum over the run.
+        current: bytes live now (at exit, once the tracker has exited).
+        allocator: for accelerators, the caching allocator's ``allocated`` and ``reserved``
+            bytes (at the peak and their maxima); empty on CPU.
+    """
+
+    peak: int
+    peak_by_category: dict[str, int]
+    max_by_category: dict[str, int]
+    current: int
+    allocator: dict[str, int] = field(default_factory=dict)
+
+
+class _Info:
+    """What the tracker knows of one live storage."""
+
+    __slots__ = (
+        "key",
+        "device",
+        "nbytes",
+        "cat",
+        "seq",
+        "module",
+        "saved",
+        "ref",
+        "retro",
+        "__weakref__",
+    )
+
+    def __init__(self, key: int, device: str, nbytes: int, cat: int, seq: int) -> None:
+        self.key = key
+        self.device = device
+        self.nbytes = nbytes
+        self.cat = cat
+        self.seq = seq
+        self.module = ""
+        self.saved = 0
+        self.ref: weakref.ref | None = None
+        # may a role found later be applied to peaks already past? (see MemoryTracker._reclass)
+        self.retro = True
+
+
+class _Peak:
+    """A running peak whose per-category snapshot is taken lazily.
+
+    NOTE: between a new peak and the next decrease nothing is freed, and any allocation would make
+    a new peak, so the set of live storages at the first decrease *is* the set at the peak. Taking
+    the snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made
+    in between (an output turning out to be saved for backward) land in the right category.
+    """
+
+    __slots__ = ("value", "seq", "pending", "cats", "by_module", "allocator")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.seq = -1
+        self.pending = False
+        self.cats = [0] * _NCAT
+        self.by_module: dict[str, int] = {}
+        self.allocator: dict[str, int] = {}
+
+
+class _Packed:
+    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted.
+
+    NOTE: wrapping instead of returning the tensor lets the tracker know when autograd lets go of
+    it (graph freed after backward), so an output still held by the user afterwards stops counting
+    as an activation. The wrapped tensor shares storage with the original: no bytes are added.
+    """
+
+    __slots__ = ("tensor", "info", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, info: _Info | None, tracker: MemoryTracker) -> None:
+        self.tensor = tensor
+        self.info = info
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        if self.info is not None:
+            self.tracker._unsave(self.info)
+
+
+def _storage_of(t: Any) -> torch.UntypedStorage | None:
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+        return None
+    if t.layout is not torch.strided or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    index = device.index if device.index is not None else _current_index(device.type)
+    return f"{device.type}:{index}"
+
+
+def _current_index(device_type: str) -> int:
+    mod = getattr(torch, device_type, None)
+    try:
+        return int(mod.current_device())  # type: ignore[union-attr]
+    except Exception:
+        return 0
+
+
+def _allocator_bytes(device: str) -> tuple[int, int] | None:
+    """``(allocated, reserved)`` of an accelerator's caching allocator, or ``None``."""
+    dtype, _, index = device.partition(":")
+    mod = getattr(torch, dtype, None)
+    if dtype == "cpu" or mod is None or not hasattr(mod, "memory_allocated"):
+        return None
+    try:
+        idx = int(index) if index else None
+        return int(mod.memory_allocated(idx)), int(mod.memory_reserved(idx))
+    except Exception:
+        return None
+
+
+class _Mode(TorchDispatchMode):
+    """Sees every op: registers unseen input storages, new outputs, and size changes."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tracker = self.tracker
+        tracker._op_start = tracker._seq
+        tracker._see_inputs(args)
+        if kwargs:
+            tracker._see_inputs(kwargs.values())
+        out = func(*args, **(kwargs or {}))
+        if func is _RESIZE_STORAGE_BYTES:
+            tracker._see(args[0], OTHER, check_size=True)
+        tracker._see_outputs(out)
+        tracker._sample()
+        return out
+
+
+class MemoryTracker:
+    """Tracks live tensor memory per device and attributes every byte to one category.
+
+    Use it through :func:`track_memory`. Tracking never changes results: it only observes (the
+    saved-tensor hooks hand autograd back the very same tensors).
+
+    Args:
+        model: module(s) whose parameters, buffers and gradients exist before entry, so they are
+            classified and counted from the start. Modules that run inside are found by themselves.
+        optimizer: optimizer(s) whose state exists before entry. Optimizers that step inside are
+            found by themselves.
+        max_samples: the timeline keeps at most this many samples; older ones are merged in pairs
+            (keeping the larger) so peaks survive. Trade-off: more samples, finer plots, more memory.
+        sample_allocator: also sample the accelerator caching allocator's allocated and reserved
+            bytes (a cheap call per timeline sample). Ignored on CPU.
+
+    Raises:
+        RuntimeError: when entered while another tracker is active (nesting is not supported), or
+            entered twice.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module | Iterable[nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+        max_samples: int = 50_000,
+        sample_allocator: bool = True,
+    ) -> None:
+        if max_samples < 2:
+            raise ValueError(f"max_samples must be at least 2, got {max_samples}")
+        self._models = [model] if isinstance(model, nn.Module) else list(model or [])
+        self._optimizers = (
+            [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
+        )
+        for m in self._models:
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"model must be an nn.Module or a list of them, got {type(m)}")
+        for o in self._optimizers:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(o)}"
+                )
+        self._max_samples = max_samples
+        self._sample_allocator = sample_allocator
+        self._lock = threading.RLock()
+        self._infos: dict[int, _Info] = {}
+        self._current: dict[str, list[int]] = {}
+        self._max: dict[str, list[int]] = {}
+        self._dev_peak: dict[str, _Peak] = {}
+        self._peak = _Peak()
+        self._total = 0
+        self._seq = 0
+        self._act_by_module: dict[str, int] = {}
+        self._alloc_max: dict[str, list[int]] = {}
+        self._samples: list[tuple] = []
+        self._labels: list[str] = []
+        self._label_index: dict[str, int] = {}
+        self._dirty = False
+        self._t0 = 0.0
+        self._state = "new"  # new -> active -> done
+        self._handles: list[Any] = []
+        self._grad_hooked: set[int] = set()
+        self._names: dict[int, str] = {}
+        self._roots: list[weakref.ref] = []
+        self._stack: list[str] = []
+        self._bwd_module = ""
+        self._hooked_nodes: set[int] = set()
+        self._in_optimizer = 0
+        self._op_start = 0
+        self._mode: _Mode | None = None
+        self._saved_hooks: Any = None
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> MemoryTracker:
+        global _active, _active_where
+        if self._state != "new":
+            raise RuntimeError(
+                "this memory tracker was already used; create a new one with "
+                "headroom.track_memory() for each tracked region"
+            )
+        with _active_lock:
+            if _active is not None:
+                raise RuntimeError(
+                    "headroom.track_memory() is already active (entered at "
+                    f"{_active_where}); nested tracking is not supported. Track the whole region "
+                    "with the outer tracker, or exit it before entering a new one."
+                )
+            _active = self
+            frame = traceback.extract_stack(limit=3)[0]
+            _active_where = f"{frame.filename}:{frame.lineno}"
+        self._state = "active"
+        self._t0 = time.perf_counter()
+        try:
+            self._install()
+        except BaseException:
+            self._uninstall()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._sample(force=True)
+        self._uninstall()
+
+    def _install(self) -> None:
+        for model in self._models:
+            self._add_root(model)
+        for opt in self._optimizers:
+            self._see_optimizer(opt)
+        self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._pre_fw))
+        self._handles.append(
+            nn.modules.module.register_module_forward_hook(self._post_fw, always_call=True)
+        )
+        self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
+        self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        tracker = self
+
+        # NOTE: `UntypedStorage.resize_` is not an op, so no dispatch mode sees it; offloading
+        # frees and refills parameters this way. Wrapping it while tracking is what PyTorch's own
+        # MemTracker does too.
+        def resize_(storage: torch.UntypedStorage, size: int):
+            result = _ORIG_STORAGE_RESIZE(storage, size)
+            tracker._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        self._sample(force=True)
+
+    def _uninstall(self) -> None:
+        global _active
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        torch.UntypedStorage.resize_ = _ORIG_STORAGE_RESIZE  # type: ignore[method-assign]
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        with self._lock:
+            for p in self._peaks():
+                self._snapshot(p)
+            # NOTE: freeze the numbers; storages freed after exit must not change them.
+            for info in self._infos.values():
+                info.ref = None
+            self._infos = {}
+            self._state = "done"
+        with _active_lock:
+            if _active is self:
+                _active = None
+
+    # ------------------------------------------------------------------ registration
+    def _see(
+        self, t: Any, cat: int, *, check_size: bool = False, force: bool = False
+    ) -> _Info | None:
+        st = _storage_of(t)
+        if st is None:
+            return None
+        key = st._cdata
+        with self._lock:
+            info = self._infos.get(key)
+            if info is None:
+                if self._state != "active":
+                    return None
+                self._seq += 1
+                info = _Info(key, _device_name(t.device), st.nbytes(), cat, self._seq)
+                info.ref = weakref.ref(st, self._make_free_cb(info))
+                self._infos[key] = info
+                if cat == ACTIVATIONS:
+                    info.module = self._module_label()
+                    by_mod = self._act_by_module
+                    by_mod[info.module] = by_mod.get(info.module, 0) + info.nbytes
+                self._add(info.device, cat, info.nbytes)
+                return info
+            if check_size:
+                nbytes = st.nbytes()
+                if nbytes != info.nbytes:
+                    self._resize(info, nbytes)
+            if force or (cat != info.cat and cat != OTHER and info.cat not in STICKY):
+                self._reclass(info, cat)
+            return info
+
+    def _see_inputs(self, args: Iterable[Any]) -> None:
+        infos = self._infos
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                st = _storage_of(a)
+                if st is not None and st._cdata not in infos:
+                    self._see(a, PARAMETERS if isinstance(a, nn.Parameter) else OTHER)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        st = _storage_of(b)
+                        if st is not None and st._cdata not in infos:
+                            self._see(b, PARAMETERS if isinstance(b, nn.Parameter) else OTHER)
+
+    def _see_outputs(self, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self._see(out, OTHER, check_size=True)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._see(o, OTHER, check_size=True)
+
+    def _make_free_cb(self, info: _Info):
+        tracker_ref = weakref.ref(self)
+
+        def on_free(_ref: weakref.ref) -> None:
+            tracker = tracker_ref()
+            if tracker is not None:
+                tracker._freed(info)
+
+        return on_free
+
+    # ------------------------------------------------------------------ accounting
+    def _add(self, device: str, cat: int, nbytes: int) -> None:
+        cur = self._current.get(device)
+        if cur is None:
+            cur = self._current[device] = [0] * _NCAT
+            self._max[device] = [0] * _NCAT
+            self._dev_peak[device] = _Peak()
+        if nbytes < 0:
+            self._decreased()  # snapshot pending peaks before the bytes leave
+        cur[cat] += nbytes
+        mx = self._max[device]
+        if cur[cat] > mx[cat]:
+            mx[cat] = cur[cat]
+        self._total += nbytes
+        self._dirty = True
+        if nbytes <= 0:
+            return
+        dev_total = sum(cur)
+        dp = self._dev_peak[device]
+        if dev_total > dp.value:
+            self._new_peak(dp, dev_total, device)
+        if self._total > self._peak.value:
+            self._new_peak(self._peak, self._total, None)
+
+    def _new_peak(self, peak: _Peak, value: int, device: str | None) -> None:
+        peak.value = value
+        peak.seq = self._seq
+        peak.pending = True
+        if self._sample_allocator:
+            devices = [device] if device is not None else list(self._current)
+            alloc = {}
+            for d in devices:
+                ab = _allocator_bytes(d)
+                if ab is not None:
+                    alloc[f"{d}/allocated"], alloc[f"{d}/reserved"] = ab
+                    mx = self._alloc_max.setdefault(d, [0, 0])
+                    mx[0], mx[1] = max(mx[0], ab[0]), max(mx[1], ab[1])
+            peak.allocator = alloc
+
+    def _decreased(self) -> None:
+        if self._peak.pending:
+            # NOTE: a peak inside an op (temporaries freed before it returns) would be missed by
+            # per-op sampling; this sample is the state at the peak itself.
+            self._sample(force=True)
+        for p in self._peaks():
+            if p.pending:
+                self._snapshot(p)
+
+    def _peaks(self) -> list[_Peak]:
+        return [self._peak, *self._dev_peak.values()]
+
+    def _snapshot(self, peak: _Peak) -> None:
+        if not peak.pending:
+            return
+        peak.pending = False
+        if peak is self._peak:
+            cats = [0] * _NCAT
+            for cur in self._current.values():
+                for i, v in enumerate(cur):
+                    cats[i] += v
+        else:
+            device = next(d for d, p in self._dev_peak.items() if p is peak)
+            cats = list(self._current[device])
+        peak.cats = cats
+        peak.by_module = {k: v for k, v in self._act_by_module.items() if v}
+        if peak is not self._peak:
+            # per-device activation attribution: only this device's activations
+            peak.by_module = self._by_module_for(device)
+
+    def _by_module_for(self, device: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for info in self._infos.values():
+            if info.cat == ACTIVATIONS and info.device == device:
+                out[info.module] = out.get(info.module, 0) + info.nbytes
+        return out
+
+    def _freed(self, info: _Info) -> None:
+        with self._lock:
+            if self._infos.get(info.key) is not info:
+                return
+            del self._infos[info.key]
+            self._seq += 1
+            if info.cat == ACTIVATIONS:
+                self._act_by_module[info.module] -= info.nbytes
+            self._add(info.device, info.cat, -info.nbytes)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            info = self._infos.get(storage._cdata)
+            if info is not None:
+                nbytes = storage.nbytes()
+                if nbytes != info.nbytes:
+                    self._resize(info, nbytes)
+
+    def _resize(self, info: _Info, nbytes: int) -> None:
+        self._seq += 1
+        delta = nbytes - info.nbytes
+        info.nbytes = nbytes
+        # NOTE: a resized storage counts as newly allocated for retroactive reclassification.
+        info.seq = self._seq
+        if info.cat == ACTIVATIONS:
+            self._act_by_module[info.module] += delta
+        self._add(info.device, info.cat, delta)
+
+    def _reclass(self, info: _Info, cat: int) -> None:
+        old = info.cat
+        if old == cat:
+            return
+        n = info.nbytes
+        cur = self._current[info.device]
+        cur[old] -= n
+        cur[cat] += n
+        mx = self._max[info.device]
+        if cur[cat] > mx[cat]:
+            mx[cat] = cur[cat]
+        if old == ACTIVATIONS:
+            self._act_by_module[info.module] -= n
+        if cat == ACTIVATIONS:
+            info.module = self._module_label()
+            self._act_by_module[info.module] = self._act_by_module.get(info.module, 0) + n
+        info.cat = cat
+        self._dirty = True
+        # NOTE: a storage alive now and allocated before a peak was alive at that peak. If it had
+        # its new role since birth (a gradient before AccumulateGrad hands it over, an output
+        # saved by the op that made it), already-taken snapshots are corrected. A storage that
+        # gained the role later (an input batch saved by a layer) keeps its old role in the past.
+        if not info.retro or (cat == ACTIVATIONS and info.seq <= self._op_start):
+            return
+        for i in range(len(self._samples) - 1, -1, -1):
+            sample = self._samples[i]
+            if sample[2] < info.seq:
+                break
+            fixed = list(sample)
+            fixed[3 + old] -= n
+            fixed[3 + cat] += n
+            self._samples[i] = tuple(fixed)
+        for p in self._peaks():
+            if p.pending or info.seq > p.seq:
+                continue
+            if p is not self._peak and self._dev_peak.get(info.device) is not p:
+                continue
+            p.cats[old] -= n
+            p.cats[cat] += n
+            if old == ACTIVATIONS and p.by_module.get(info.module):
+                p.by_module[info.module] -= n
+            if cat == ACTIVATIONS:
+                p.by_module[info.module] = p.by_module.get(info.module, 0) + n
+
+    # ------------------------------------------------------------------ roles
+    def _pack(self, t: torch.Tensor) -> Any:
+        info = self._see(t, ACTIVATIONS)
+        if info is not None and info.cat == ACTIVATIONS:
+            with self._lock:
+                info.saved += 1
+            return _Packed(t, info, self)
+        return _Packed(t, None, self)
+
+    @staticmethod
+    def _unpack(packed: _Packed) -> torch.Tensor:
+        return packed.tensor
+
+    def _unsave(self, info: _Info) -> None:
+        with self._lock:
+            info.saved -= 1
+            if info.saved == 0 and info.cat == ACTIVATIONS and self._infos.get(info.key) is info:
+                self._reclass_live(info, OTHER)
+
+    def _reclass_live(self, info: _Info, cat: int) -> None:
+        # Leaving a role is not a discovery about the past: no retroactive correction.
+        self._decreased()
+        info.retro = False
+        self._reclass(info, cat)
+
+    def _see_param(self, p: torch.Tensor, cat: int) -> None:
+        self._see(p, cat, check_size=True)
+        if cat == PARAMETERS and p.grad is not None:
+            self._see(p.grad, GRADIENTS)
+        if cat == PARAMETERS and p.requires_grad and id(p) not in self._grad_hooked:
+            try:
+                h = p.register_post_accumulate_grad_hook(self._grad_done)
+            except RuntimeError:  # not a leaf
+                return
+            self._grad_hooked.add(id(p))
+            self._handles.append(h)
+
+    def _grad_done(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._see(p.grad, GRADIENTS, check_size=True)
+
+    def _see_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                self._see_param(p, PARAMETERS)
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    self._see(v, OPTIMIZER_STATE)
+
+    def _pre_step(self, opt, args, kwargs) -> None:
+        self._in_optimizer += 1
+        self._see_optimizer(opt)
+
+    def _post_step(self, opt, args, kwargs) -> None:
+        self._see_optimizer(opt)
+        self._in_optimizer -= 1
+
+    def _add_root(self, module: nn.Module) -> None:
+        self._roots.append(weakref.ref(module))
+        multi = len(self._roots) > 1
+        root_name = type(module).__name__
+        for name, m in module.named_modules():
+            if id(m) not in self._names:
+                self._names[id(m)] = (
+                    f"{root_name}.{name}" if (multi and name) else name or root_name
+                )
+            for p in m.parameters(recurse=False):
+                self._see_param(p, PARAMETERS)
+            for b in m.buffers(recurse=False):
+                self._see(b, BUFFERS)
+
+    def _pre_fw(self, module: nn.Module, args: Any) -> None:
+        if not self._stack and id(module) not in self._names:
+            self._add_root(module)
+        name = self._names.get(id(module))
+        if name is None:
+            name = self._names[id(module)] = type(module).__name__
+            for p in module.parameters(recurse=False):
+                self._see_param(p, PARAMETERS)
+            for b in module.buffers(recurse=False):
+                self._see(b, BUFFERS)
+        self._stack.append(name)
+
+    def _post_fw(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            name = self._stack.pop()
+        else:
+            return
+        # NOTE: a pre-hook on the output's autograd node names the module whose backward is about
+        # to run; the innermost module registers first, so outer containers do not overwrite it.
+        node = getattr(output, "grad_fn", None) if isinstance(output, torch.Tensor) else None
+        if node is not None and id(node) not in self._hooked_nodes:
+            self._hooked_nodes.add(id(node))
+            if len(self._hooked_nodes) > 100_000:
+                self._hooked_nodes.clear()
+            node.register_prehook(self._bwd_hook(name))
+
+    def _bwd_hook(self, name: str):
+        tracker_ref = weakref.ref(self)
+
+        def hook(grad_outputs):
+            tracker = tracker_ref()
+            if tracker is not None:
+                tracker._bwd_module = name
+
+        return hook
+
+    def _phase(self) -> str:
+        if self._in_optimizer:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self._stack:
+            return "forward"
+        return "other"
+
+    def _module_label(self) -> str:
+        phase = self._phase()
+        if phase == "forward":
+            return self._stack[-1]
+        if phase == "backward":
+            return self._bwd_module
+        return ""
+
+    # ------------------------------------------------------------------ timeline
+    def _sample(self, force: bool = False) -> None:
+        if not (self._dirty or force):
+            return
+        with self._lock:
+            self._dirty = False
+            phase = self._phase()
+            module = self._module_label()
+            label = f"{phase}:{module}"
+            idx = self._label_index.get(label)
+            if idx is None:
+                idx = self._label_index[label] = len(self._labels)
+                self._labels.append(label)
+            cats = [0] * _NCAT
+            for cur in self._current.values():
+                for i, v in enumerate(cur):
+                    cats[i] += v
+            self._samples.append((time.perf_counter() - self._t0, idx, self._seq, *cats))
+            if len(self._samples) > self._max_samples:
+                self._decimate()
+
+    def _decimate(self) -> None:
+        s = self._samples
+        kept = []
+        for i in range(0, len(s) - 1, 2):
+            a, b = s[i], s[i + 1]
+            kept.append(a if sum(a[3:]) >= sum(b[3:]) else b)
+        if len(s) % 2:
+            kept.append(s[-1])
+        self._samples = kept
+
+    # ------------------------------------------------------------------ public numbers
+    def _check_used(self) -> None:
+        if self._state == "new":
+            raise RuntimeError(
+                "the tracker has not run yet: use it as `with headroom.track_memory() as mem:`"
+            )
+
+    def _peak_view(self, peak: _Peak) -> tuple[int, dict[str, int], dict[str, int]]:
+        with self._lock:
+            if peak.pending and self._state == "active":
+                # read-only view of the pending snapshot: take it without clearing the flag
+                self._snapshot(peak)
+                peak.pending = True
+            cats = dict(zip(CATEGORIES, peak.cats, strict=True))
+            return peak.value, cats, dict(peak.by_module)
+
+    @property
+    def peak(self) -> int:
+        """Most bytes live at once, all tracked devices together."""
+        self._check_used()
+        return self._peak.value
+
+    @property
+    def peak_by_category(self) -> dict[str, int]:
+        """Bytes per category at the moment of :attr:`peak` (they sum to it)."""
+        self._check_used()
+        return self._peak_view(self._peak)[1]
+
+    @property
+    def max_by_category(self) -> dict[str, int]:
+        """Each category's own maximum over the run (summed over devices per device maximum)."""
+        self._check_used()
+        with self._lock:
+            out = [0] * _NCAT
+            for mx in self._max.values():
+                for i, v in enumerate(mx):
+                    out[i] += v
+            return dict(zip(CATEGORIES, out, strict=True))
+
+    @property
+    def current(self) -> int:
+        """Bytes live now; after exit, bytes that were live at exit."""
+        self._check_used()
+        return self._total
+
+    @property
+    def current_by_category(self) -> dict[str, int]:
+        """Bytes per category now (or at exit)."""
+        self._check_used()
+        with self._lock:
+            out = [0] * _NCAT
+            for cur in self._current.values():
+                for i, v in enumerate(cur):
+                    out[i] += v
+            return dict(zip(CATEGORIES, out, strict=True))
+
+    @property
+    def peak_by_device(self) -> dict[str, int]:
+        """Each device's own peak."""
+        self._check_used()
+        return {d: p.value for d, p in self._dev_peak.items()}
+
+    @property
+    def devices(self) -> list[str]:
+        """Devices on which tensors were seen, e.g. ``["cpu", "cuda:0"]``."""
+        return list(self._current)
+
+    @property
+    def by_module(self) -> dict[str, int]:
+        """Activation bytes saved for backward per module at the moment of :attr:`peak`,
+        largest first. ``""`` holds tensors saved outside any module (e.g. by a loss function)."""
+        self._check_used()
+        by_module = self._peak_view(self._peak)[2]
+        return dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def timeline(self) -> list[TimelineSample]:
+        """Samples after each op that changed memory (merged in pairs past ``max_samples``)."""
+        self._check_used()
+        with self._lock:
+            out = []
+            for s in self._samples:
+                phase, _, module = self._labels[s[1]].partition(":")
+                out.append(
+                    TimelineSample(s[0], phase, module, dict(zip(CATEGORIES, s[3:], strict=True)))
+                )
+            return out
+
+    def stats(self, device: str | torch.device | None = None) -> DeviceStats:
+        """The numbers for one device, or for all devices together with ``device=None``.
+
+        Args:
+            device: e.g. ``"cpu"``, ``"cuda"`` (the current CUDA device) or ``"cuda:1"``.
+
+        Raises:
+            ValueError: if nothing was tracked on ``device``.
+        """
+        self._check_used()
+        if device is None:
+            value, cats, _ = self._peak_view(self._peak)
+            alloc = dict(self._peak.allocator)
+            for d, (a, r) in self._alloc_max.items():
+                alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = a, r
+            return DeviceStats(value, cats, self.max_by_category, self.current, alloc)
+        name = _device_name(torch.device(device))
+        if name not in self._dev_peak:
+            seen = ", ".join(self._current) or "none"
+            raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")
+        value, cats, _ = self._peak_view(self._dev_peak[name])
+        with self._lock:
+            mx = dict(zip(CATEGORIES, self._max[name], strict=True))
+            cur = sum(self._current[name])
+        alloc = dict(self._dev_peak[name].allocator)
+        if name in self._alloc_max:
+            alloc[f"{name}/max_allocated"], alloc[f"{name}/max_reserved"] = self._alloc_max[name]
+        return DeviceStats(value, cats, mx, cur, alloc)
+
+    # ------------------------------------------------------------------ reports
+    def report(self, *, file=None, top_modules: int = 10) -> str:
+        """Print (to ``file``, default stdout) and return a readable table of the numbers."""
+        from headroom.memory._report import format_report
+
+        text = format_report(self, top_modules=top_modules)
+        print(text, file=file)
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything the tracker measured, as plain JSON-ready data."""
+        from headroom.memory._report import to_dict
+
+        return to_dict(self)
+
+    def to_json(self, path) -> None:
+        """Write :meth:`to_dict` as JSON to ``path``."""
+        from headroom.memory._report import write_json
+
+        write_json(self, path)
+
+    def plot(self, path, *, title: str | None = None) -> None:
+        """Write a PNG stacked timeline by category with the peak marked (needs matplotlib)."""
+        from headroom.memory._report import plot
+
+        plot(self, path, title=title)
+
+    # ------------------------------------------------------------------ for other layers
+    def annotate(self, tensor: torch.Tensor, category: str) -> None:
+        """Attribute ``tensor``'s storage to ``category`` from now on (see :func:`annotate`)."""
+        self._see(tensor, category_index(category), force=True, check_size=True)
+
+
+def track_memory(
+    *,
+    model: nn.Module | Iterable[nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
+    max_samples: int = 50_000,
+    sample_allocator: bool = True,
+) -> MemoryTracker:
+    """Track live tensor memory per device while code runs, by category.
+
+    Every tensor storage that is created, or used, inside the block is counted once (views share
+    their storage) until it is freed, and attributed to one of ``parameters``, ``gradients``,
+    ``optimizer_state``, ``activations`` (saved by autograd for backward), ``buffers`` or ``other``.
+    Tensors that existed before entry count from their first use, or from entry for the
+    parameters, gradients, buffers and optimizer state of ``model`` and ``optimizer``.
+
+    Args:
+        model: module(s) to classify from the start (otherwise found when they run).
+        optimizer: optimizer(s) whose existing state to count from the start.
+        max_samples: bound on the timeline length; see :class:`MemoryTracker`.
+        sample_allocator: also sample the accelerator allocator's allocated/reserved bytes, which
+            shows fragmentation and memory outside PyTorch tensors.
+
+    Returns:
+        A :class:`MemoryTracker` to use as a context manager; read its numbers inside or after.
+
+    Raises:
+        RuntimeError: if another tracker is already active (nesting is not supported).
+
+    Example:
+        >>> with hr.track_memory(model=model, optimizer=opt) as mem:
+        ...     model(x).sum().backward(); opt.step()
+        >>> mem.peak, mem.peak_by_category["activations"]
+        >>> mem.report(); mem.plot("memory.png")
+
+    Saved tensors are seen through ``torch.autograd.graph.saved_tensors_hooks``: tensors saved
+    under other saved-tensor hooks opened inside the block (activation checkpointing, activation
+    offloading) are not activations for the tracker, which is what those features are for.
+    """
+    return MemoryTracker(
+        model=model, optimizer=optimizer, max_samples=max_samples, sample_allocator=sample_allocator
+    )
+
+
+def annotate(tensor: torch.Tensor, category: str) -> None:
+    """Tell the active tracker (if any) which category ``tensor``'s storage belongs to.
+
+    Used by headroom's own layers (e.g. host-side optimizer state); a no-op when no tracker is
+    active, so it costs nothing in normal runs.
+
+    Raises:
+        ValueError: if ``category`` is not a known category.
+    """
+    category_index(category)
+    tracker = _active
+    if tracker is not None:
+        tracker.annotate(tensor, category)
+
+
+def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Resize ``tensor``'s storage to ``nbytes`` (0 frees it, keeping the tensor object valid).
+
+    Goes through ``torch.ops.inductor.resize_storage_bytes_`` so trackers see it.
+    """
+    torch.ops.inductor.resize_storage_bytes_(tensor, nbytes)

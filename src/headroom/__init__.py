@@ -36,7 +36,8 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from headroom.memory import MemoryTracker, track_memory
+    from headroom.memory import MemoryTracker as MemoryTracker
+    from headroom.memory import track_memory as track_memory
 
 
 def __getattr__(name: str) -> Any:

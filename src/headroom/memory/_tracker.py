@@ -235,8 +235,8 @@ class MemoryTracker:
             classified and counted from the start. Modules that run inside are found by themselves.
         optimizer: optimizer(s) whose state exists before entry. Optimizers that step inside are
             found by themselves.
-        max_samples: the timeline keeps at most this many samples; older ones are merged in pairs
-            (keeping the larger) so peaks survive. Trade-off: more samples, finer plots, more memory.
+        max_samples: the timeline keeps at most this many samples; past that, samples are merged
+            in pairs (keeping the larger) so peaks survive. Trade-off: finer plots, more memory.
         sample_allocator: also sample the accelerator caching allocator's allocated and reserved
             bytes (a cheap call per timeline sample). Ignored on CPU.
 

@@ -1,0 +1,27 @@
+"""Where tensors rest and how they move: stores (host memory, disk) and the mover.
+
+This layer is the only one that knows about streams, events, page-locked memory and file I/O.
+"""
+
+from headroom.transfer._binding import ParamBinding, bind, binding, unbind
+from headroom.transfer._disk import DiskStore
+from headroom.transfer._handle import Handle
+from headroom.transfer._host import HostStore, PinnedPool
+from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._store import Store, StoreFullError, resolve_store
+
+__all__ = [
+    "DiskStore",
+    "Handle",
+    "HostStore",
+    "Mover",
+    "ParamBinding",
+    "PinnedPool",
+    "Store",
+    "StoreFullError",
+    "Ticket",
+    "bind",
+    "binding",
+    "resolve_store",
+    "unbind",
+]

@@ -1,0 +1,212 @@
+"""The store protocol shared by host memory and disk, and `resolve_store`."""
+
+from __future__ import annotations
+
+import abc
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from headroom.transfer._handle import Handle, check_rows, row_count
+
+__all__ = ["Store", "StoreFullError", "done", "resolve_store"]
+
+
+class StoreFullError(RuntimeError):
+    """Raised when a store's byte budget (or the disk under it) cannot hold a new tensor."""
+
+
+def done(value: Any = None) -> Future:
+    """A future that is already completed with ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class Store(abc.ABC):
+    """Where tensors rest between uses. Subclasses: `HostStore`, `DiskStore`.
+
+    Every method that moves bytes returns a `concurrent.futures.Future`; a store may complete it
+    at once (host memory) or from background threads (disk). Operations on one key run in the
+    order they were issued.
+    """
+
+    def __init__(self, *, max_bytes: int | None) -> None:
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._handles: dict[str, Handle] = {}
+        self._used = 0
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def used_bytes(self) -> int:
+        """Bytes currently allocated to handles."""
+        return self._used
+
+    def keys(self) -> list[str]:
+        """The keys of all tensors in the store."""
+        with self._lock:
+            return list(self._handles)
+
+    def get(self, key: str) -> Handle:
+        """The handle stored under ``key``.
+
+        Raises:
+            KeyError: nothing is stored under ``key``.
+        """
+        with self._lock:
+            try:
+                return self._handles[key]
+            except KeyError:
+                raise KeyError(f"no tensor {key!r} in {self!r}") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._handles
+
+    def _reserve(self, handle: Handle) -> None:
+        with self._lock:
+            if handle.key in self._handles:
+                raise KeyError(
+                    f"{handle.key!r} is already in {self!r}; free() it first or pick another key"
+                )
+            if self.max_bytes is not None and self._used + handle.nbytes > self.max_bytes:
+                raise StoreFullError(
+                    f"store full: budget {self.max_bytes} bytes, need {self._used + handle.nbytes}"
+                    f" ({handle.nbytes} for {handle.key!r}); raise budget (max_bytes=) or use"
+                    " DiskStore"
+                )
+            self._handles[handle.key] = handle
+            self._used += handle.nbytes
+
+    def _release(self, handle: Handle) -> None:
+        with self._lock:
+            if self._handles.get(handle.key) != handle:
+                raise KeyError(f"{handle.key!r} is not in {self!r} (already freed?)")
+            del self._handles[handle.key]
+            self._used -= handle.nbytes
+
+    def _check(self, handle: Handle) -> None:
+        if self._handles.get(handle.key) != handle:
+            raise KeyError(f"{handle.key!r} is not in {self!r} (freed, or from another store)")
+
+    @staticmethod
+    def _check_src(handle: Handle, src: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"expected a tensor for {handle.key!r}, got {type(src).__name__}")
+        if src.dtype != handle.dtype:
+            raise TypeError(
+                f"dtype mismatch for {handle.key!r}: stored as {handle.dtype}, got {src.dtype};"
+                f" cast with .to({handle.dtype})"
+            )
+        if tuple(src.shape) != shape:
+            raise ValueError(
+                f"shape mismatch for {handle.key!r}: expected {shape}, got {tuple(src.shape)}"
+            )
+
+    @staticmethod
+    def _out(handle: Handle, out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=handle.dtype)
+        Store._check_src(handle, out, shape)
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out for {handle.key!r} must be a contiguous host (cpu) tensor")
+        return out
+
+    @staticmethod
+    def _rows_shape(handle: Handle, rows: slice | torch.Tensor) -> tuple[int, ...]:
+        return (row_count(rows), *handle.shape[1:])
+
+    # ------------------------------------------------------------------ protocol
+    def put(self, key: str, tensor: torch.Tensor) -> Handle:
+        """Allocate room for ``tensor`` under ``key`` and write it (complete on return).
+
+        Raises:
+            KeyError: ``key`` is taken. StoreFullError: over the byte budget.
+        """
+        handle = self.alloc(key, tuple(tensor.shape), tensor.dtype, zero=False)
+        src = tensor.detach()
+        if src.device.type != "cpu":
+            src = src.cpu()
+        self.write(handle, src.contiguous()).result()
+        return handle
+
+    @abc.abstractmethod
+    def alloc(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *, zero: bool = True
+    ) -> Handle:
+        """Allocate a tensor (zero-filled unless ``zero=False``) under ``key``."""
+
+    @abc.abstractmethod
+    def read(self, handle: Handle, out: torch.Tensor | None = None) -> Future:
+        """Read the whole tensor; the future's result is a host tensor (``out`` when given)."""
+
+    @abc.abstractmethod
+    def write(self, handle: Handle, src: torch.Tensor) -> Future:
+        """Write the whole tensor from host tensor ``src`` (keep ``src`` unchanged until done)."""
+
+    @abc.abstractmethod
+    def read_rows(
+        self, handle: Handle, rows: slice | torch.Tensor, out: torch.Tensor | None = None
+    ) -> Future:
+        """Read rows (a step-1 slice or sorted indices) of a tensor with at least one dimension."""
+
+    @abc.abstractmethod
+    def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
+        """Write rows (a step-1 slice or sorted indices) from host tensor ``src``."""
+
+    def host_tensor(self, handle: Handle) -> torch.Tensor | None:
+        """The resting host tensor itself (zero-copy), or ``None`` when it rests elsewhere."""
+        return None
+
+    @abc.abstractmethod
+    def free(self, handle: Handle) -> None:
+        """Forget the tensor and give its space back."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Wait for all pending operations (and persist metadata, where there is any)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Flush and release background resources."""
+
+    @property
+    def pinned(self) -> bool:
+        """Whether host tensors this store hands out are page-locked."""
+        return False
+
+    _check_rows = staticmethod(check_rows)
+
+
+def is_accelerator(device: torch.device) -> bool:
+    return device.type not in ("cpu", "meta")
+
+
+def resolve_store(store: str | Store, device: str | torch.device | None = None) -> Store:
+    """Turn the ``store=`` argument of the public API into a `Store`.
+
+    Args:
+        store: ``"cpu"`` for host memory (a `HostStore`, pinned from a pool with a byte budget
+            when ``device`` is an accelerator), or a `Store` instance (e.g. ``DiskStore(path)``),
+            returned as is.
+        device: the compute device the store feeds.
+
+    Raises:
+        ValueError: an unknown store name.
+
+    Example:
+        >>> store = resolve_store("cpu", "cpu")
+    """
+    if isinstance(store, Store):
+        return store
+    if isinstance(store, str) and store in ("cpu", "host"):
+        from headroom.transfer._host import HostStore
+
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        return HostStore(pin=is_accelerator(dev))
+    raise ValueError(
+        f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
+        " headroom.DiskStore(path)"
+    )

@@ -1,0 +1,170 @@
+"""Stores: host memory and disk keep tensors exactly, row access, budgets, errors, reopening."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from headroom.transfer import DiskStore, Handle, HostStore, StoreFullError, resolve_store
+from headroom.transfer import _disk as disk_mod
+from tests.conftest import accelerator_type
+
+
+@pytest.fixture(params=["host", "disk"])
+def store(request, tmp_path):
+    s = HostStore() if request.param == "host" else DiskStore(tmp_path / "s", threads=2)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_put_read_roundtrip_is_exact(store, dtype):
+    x = (torch.randn(5, 7) * 100).to(dtype)
+    h = store.put("x", x)
+    assert h == Handle.of("x", (5, 7), dtype) and h.nbytes == x.numel() * x.element_size()
+    assert torch.equal(store.read(h).result(), x)
+    out = torch.empty_like(x)
+    assert store.read(h, out=out).result() is out and torch.equal(out, x)
+
+
+def test_alloc_is_zero_and_write_overwrites(store):
+    h = store.alloc("z", (3, 4), torch.float32)
+    assert torch.equal(store.read(h).result(), torch.zeros(3, 4))
+    y = torch.randn(3, 4)
+    store.write(h, y).result()
+    assert torch.equal(store.read(h).result(), y)
+    h0 = store.alloc("scalar", (), torch.float32)
+    store.write(h0, torch.tensor(2.5)).result()
+    assert store.read(h0).result().item() == 2.5
+
+
+def test_rows_slice_and_indices(store):
+    x = torch.randn(10, 3)
+    h = store.put("x", x)
+    assert torch.equal(store.read_rows(h, slice(2, 6)).result(), x[2:6])
+    rows = torch.tensor([0, 1, 2, 5, 7, 8])  # two runs and a single row
+    assert torch.equal(store.read_rows(h, rows).result(), x[rows])
+    src = torch.randn(len(rows), 3)
+    store.write_rows(h, rows, src).result()
+    expect = x.clone()
+    expect[rows] = src
+    assert torch.equal(store.read(h).result(), expect)
+    store.write_rows(h, slice(9, 10), torch.ones(1, 3)).result()
+    expect[9] = 1
+    assert torch.equal(store.read(h).result(), expect)
+    with pytest.raises(ValueError, match="sorted"):
+        store.read_rows(h, torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="out of range"):
+        store.read_rows(h, torch.tensor([10]))
+    with pytest.raises(ValueError, match="step 1"):
+        store.read_rows(h, slice(0, 10, 2))
+
+
+def test_operations_on_one_key_run_in_issue_order(store):
+    h = store.alloc("k", (1000,), torch.float32)
+    for i in range(20):
+        store.write(h, torch.full((1000,), float(i)))
+    assert torch.equal(store.read(h).result(), torch.full((1000,), 19.0))
+
+
+def test_errors_name_cause_and_fix(store):
+    h = store.put("x", torch.zeros(2, 2))
+    with pytest.raises(KeyError, match="already in"):
+        store.put("x", torch.zeros(1))
+    with pytest.raises(TypeError, match="dtype mismatch.*float32.*float64"):
+        store.write(h, torch.zeros(2, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        store.write(h, torch.zeros(4))
+    store.free(h)
+    with pytest.raises(KeyError, match="not in"):
+        store.read(h)
+    assert "x" not in store
+
+
+def test_budget_full_error(tmp_path):
+    for s in (HostStore(max_bytes=100), DiskStore(tmp_path / "b", max_bytes=100)):
+        s.put("a", torch.zeros(20))  # 80 bytes
+        with pytest.raises(StoreFullError, match=r"store full: budget 100 bytes, need 160"):
+            s.put("b", torch.zeros(20))
+        assert s.keys() == ["a"] and s.used_bytes == 80
+        s.free(s.get("a"))
+        s.put("b", torch.zeros(20))  # freed bytes count again
+        s.close()
+
+
+def test_disk_not_writable_and_disk_full(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(PermissionError, match="not writable"):
+        DiskStore(blocker / "sub")
+    s = DiskStore(tmp_path / "d")
+    monkeypatch.setattr(disk_mod.shutil, "disk_usage", lambda p: SimpleNamespace(free=10))
+    with pytest.raises(StoreFullError, match="disk full.*needs 400 bytes, 10 free"):
+        s.alloc("big", (100,), torch.float32)
+    monkeypatch.undo()
+    h = s.alloc("w", (100,), torch.float32)
+
+    def enospc(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_mod.os, "pwritev", enospc)
+    with pytest.raises(StoreFullError, match="disk full while writing"):
+        s.write(h, torch.ones(100)).result()
+    monkeypatch.undo()
+    s.close()
+
+
+def test_disk_store_reopens_in_another_process(tmp_path):
+    s = DiskStore(tmp_path / "r")
+    x = torch.randn(64, 8)
+    s.put("layer.0.weight", x)
+    s.put("half", x.to(torch.bfloat16))
+    s.close()
+    script = textwrap.dedent(f"""
+        import torch
+        from headroom.transfer import DiskStore
+        s = DiskStore({str(tmp_path / "r")!r})
+        assert sorted(s.keys()) == ["half", "layer.0.weight"], s.keys()
+        w = s.read(s.get("layer.0.weight")).result()
+        s.write(s.get("half"), (w * 2).to(torch.bfloat16)).result()
+        s.close()
+        print(float(w.sum()))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert float(r.stdout) == float(x.sum())
+    s2 = DiskStore(tmp_path / "r")
+    assert torch.equal(s2.read(s2.get("half")).result(), (x * 2).to(torch.bfloat16))
+    s2.close()
+
+
+def test_resolve_store():
+    s = resolve_store("cpu", "cpu")
+    assert isinstance(s, HostStore) and not s.pinned
+    assert resolve_store(s, "cpu") is s
+    with pytest.raises(ValueError, match="unknown store 'gpu'"):
+        resolve_store("gpu", "cpu")
+
+
+def test_host_tensor_is_zero_copy():
+    s = HostStore()
+    h = s.put("x", torch.ones(3))
+    t = s.host_tensor(h)
+    t.add_(1)
+    assert torch.equal(s.read(h).result(), torch.full((3,), 2.0))
+
+
+@pytest.mark.gpu
+def test_pinned_host_store_on_accelerator():
+    s = resolve_store("cpu", accelerator_type())
+    assert s.pinned and s.max_bytes is not None
+    h = s.put("x", torch.randn(1000))
+    assert s.host_tensor(h).is_pinned()
+    s.free(h)
+    h2 = s.alloc("y", (1000,), torch.float32)  # reuses the pooled buffer
+    assert s.host_tensor(h2).is_pinned()

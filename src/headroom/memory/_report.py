@@ -54,7 +54,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
         lines.append("")
     by_module = mem.by_module
     if by_module:
-        lines.append("activations saved at the peak, by module")
+        lines.append("activations saved for backward at their peak, by module")
         for name, nbytes in list(by_module.items())[:top_modules]:
             lines.append(f"  {name or '(outside any module)':<40}{format_bytes(nbytes):>12}")
         rest = list(by_module.values())[top_modules:]

@@ -133,14 +133,13 @@ class _Peak:
     in between (an output turning out to be saved for backward) land in the right category.
     """
 
-    __slots__ = ("value", "seq", "pending", "cats", "by_module", "allocator")
+    __slots__ = ("value", "seq", "pending", "cats", "allocator")
 
     def __init__(self) -> None:
         self.value = 0
         self.seq = -1
         self.pending = False
         self.cats = [0] * _NCAT
-        self.by_module: dict[str, int] = {}
         self.allocator: dict[str, int] = {}
 
 
@@ -278,6 +277,10 @@ class MemoryTracker:
         self._total = 0
         self._seq = 0
         self._act_by_module: dict[str, int] = {}
+        self._act_total = 0
+        self._act_peak = 0
+        self._act_pending = False
+        self._act_at_peak: dict[str, int] = {}
         self._alloc_max: dict[str, list[int]] = {}
         self._samples: list[tuple] = []
         self._labels: list[str] = []
@@ -399,8 +402,7 @@ class MemoryTracker:
                 self._infos[key] = info
                 if cat == ACTIVATIONS:
                     info.module = self._module_label()
-                    by_mod = self._act_by_module
-                    by_mod[info.module] = by_mod.get(info.module, 0) + info.nbytes
+                    self._act_change(info.module, info.nbytes)
                 self._add(info.device, cat, info.nbytes)
                 return info
             if check_size:
@@ -507,17 +509,17 @@ class MemoryTracker:
             device = next(d for d, p in self._dev_peak.items() if p is peak)
             cats = list(self._current[device])
         peak.cats = cats
-        peak.by_module = {k: v for k, v in self._act_by_module.items() if v}
-        if peak is not self._peak:
-            # per-device activation attribution: only this device's activations
-            peak.by_module = self._by_module_for(device)
 
-    def _by_module_for(self, device: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for info in self._infos.values():
-            if info.cat == ACTIVATIONS and info.device == device:
-                out[info.module] = out.get(info.module, 0) + info.nbytes
-        return out
+    def _act_change(self, module: str, delta: int) -> None:
+        """Activation bytes per module, and a snapshot of them when activations peak."""
+        if delta < 0 and self._act_pending:
+            self._act_at_peak = {k: v for k, v in self._act_by_module.items() if v}
+            self._act_pending = False
+        self._act_by_module[module] = self._act_by_module.get(module, 0) + delta
+        self._act_total += delta
+        if self._act_total > self._act_peak:
+            self._act_peak = self._act_total
+            self._act_pending = True
 
     def _freed(self, info: _Info) -> None:
         with self._lock:
@@ -526,7 +528,7 @@ class MemoryTracker:
             del self._infos[info.key]
             self._seq += 1
             if info.cat == ACTIVATIONS:
-                self._act_by_module[info.module] -= info.nbytes
+                self._act_change(info.module, -info.nbytes)
             self._add(info.device, info.cat, -info.nbytes)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
@@ -544,7 +546,7 @@ class MemoryTracker:
         # NOTE: a resized storage counts as newly allocated for retroactive reclassification.
         info.seq = self._seq
         if info.cat == ACTIVATIONS:
-            self._act_by_module[info.module] += delta
+            self._act_change(info.module, delta)
         self._add(info.device, info.cat, delta)
 
     def _reclass(self, info: _Info, cat: int) -> None:
@@ -559,10 +561,10 @@ class MemoryTracker:
         if cur[cat] > mx[cat]:
             mx[cat] = cur[cat]
         if old == ACTIVATIONS:
-            self._act_by_module[info.module] -= n
+            self._act_change(info.module, -n)
         if cat == ACTIVATIONS:
             info.module = self._module_label()
-            self._act_by_module[info.module] = self._act_by_module.get(info.module, 0) + n
+            self._act_change(info.module, n)
         info.cat = cat
         self._dirty = True
         # NOTE: a storage alive now and allocated before a peak was alive at that peak. If it had
@@ -586,10 +588,6 @@ class MemoryTracker:
                 continue
             p.cats[old] -= n
             p.cats[cat] += n
-            if old == ACTIVATIONS and p.by_module.get(info.module):
-                p.by_module[info.module] -= n
-            if cat == ACTIVATIONS:
-                p.by_module[info.module] = p.by_module.get(info.module, 0) + n
 
     # ------------------------------------------------------------------ roles
     def _pack(self, t: torch.Tensor) -> Any:
@@ -754,14 +752,14 @@ class MemoryTracker:
                 "the tracker has not run yet: use it as `with headroom.track_memory() as mem:`"
             )
 
-    def _peak_view(self, peak: _Peak) -> tuple[int, dict[str, int], dict[str, int]]:
+    def _peak_view(self, peak: _Peak) -> tuple[int, dict[str, int]]:
         with self._lock:
             if peak.pending and self._state == "active":
                 # read-only view of the pending snapshot: take it without clearing the flag
                 self._snapshot(peak)
                 peak.pending = True
             cats = dict(zip(CATEGORIES, peak.cats, strict=True))
-            return peak.value, cats, dict(peak.by_module)
+            return peak.value, cats
 
     @property
     def peak(self) -> int:
@@ -816,10 +814,15 @@ class MemoryTracker:
 
     @property
     def by_module(self) -> dict[str, int]:
-        """Activation bytes saved for backward per module at the moment of :attr:`peak`,
-        largest first. ``""`` holds tensors saved outside any module (e.g. by a loss function)."""
+        """Who holds the activations: bytes saved for backward per module at the moment
+        activations peaked (``max_by_category["activations"]``), largest first. ``""`` holds
+        tensors saved outside any module (e.g. by a loss function)."""
         self._check_used()
-        by_module = self._peak_view(self._peak)[2]
+        with self._lock:
+            if self._act_pending:
+                by_module = {k: v for k, v in self._act_by_module.items() if v}
+            else:
+                by_module = dict(self._act_at_peak)
         return dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
 
     @property
@@ -846,7 +849,7 @@ class MemoryTracker:
         """
         self._check_used()
         if device is None:
-            value, cats, _ = self._peak_view(self._peak)
+            value, cats = self._peak_view(self._peak)
             alloc = dict(self._peak.allocator)
             for d, (a, r) in self._alloc_max.items():
                 alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = a, r
@@ -855,7 +858,7 @@ class MemoryTracker:
         if name not in self._dev_peak:
             seen = ", ".join(self._current) or "none"
             raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")
-        value, cats, _ = self._peak_view(self._dev_peak[name])
+        value, cats = self._peak_view(self._dev_peak[name])
         with self._lock:
             mx = dict(zip(CATEGORIES, self._max[name], strict=True))
             cur = sum(self._current[name])

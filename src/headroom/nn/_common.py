@@ -1,0 +1,100 @@
+"""Helpers shared by the memory-saving layers: shape stand-ins and the ReLU consumer registry."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class TensorMeta:
+    """What a backward kernel needs of a tensor it only reads the shape of: size, stride, dtype.
+
+    # NOTE: several aten backward kernels (``convolution_backward`` for one of its two grads,
+    # ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``, the padding backwards) take a
+    # full tensor but read only its sizes, strides and dtype. We keep exactly those and hand the
+    # kernel an uninitialized tensor with the same strides, so it takes the same code path (same
+    # backend choice, same memory format) and gives bitwise the same result. On CPU the large
+    # ``empty`` is never written, so the OS does not even back it with pages; on an accelerator it
+    # is a transient allocation that lives only inside this backward call.
+    """
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.size = t.size()
+        self.stride = t.stride()
+        self.dtype = t.dtype
+        self.device = t.device
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+# --- which layer consumes a ReLU's output -------------------------------------------------------
+#
+# NOTE: a ReLU's backward needs its output's sign only. When the next layer keeps that output
+# for its own backward anyway (a convolution whose weight trains), the cheapest thing is to keep
+# the output too: both saved references share one storage, so autograd holds no extra byte. When
+# the next layer does not keep it (a frozen convolution, a pool, dropout), a 1-bit mask is the
+# cheapest. The ReLU must choose in its forward, before its consumer runs, so consumers that are
+# headroom layers report themselves: each looks its input's storage up in the registry below and
+# records (ReLU module, call site) -> consumer. From the next forward on, the ReLU asks those
+# consumers whether they will save their input under the current ``requires_grad`` flags. With no
+# consumer recorded yet (the first forward, or a consumer that is not a headroom layer) it keeps
+# its output, which is exactly what PyTorch keeps.
+
+_registry_lock = threading.Lock()
+# storage key -> (weak storage ref, weak ReLU module, call-site key)
+_relu_outputs: dict[int, tuple[StorageWeakRef, weakref.ref, tuple]] = {}
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def register_relu_output(module: nn.Module, site: tuple, out: torch.Tensor) -> None:
+    """Remember that ``out`` came from ReLU ``module`` at call site ``site``."""
+    ref = StorageWeakRef(out.untyped_storage())
+    with _registry_lock:
+        if len(_relu_outputs) > 256:
+            for k in [k for k, v in _relu_outputs.items() if v[0].expired()]:
+                del _relu_outputs[k]
+        _relu_outputs[_storage_key(out)] = (ref, weakref.ref(module), site)
+
+
+def note_consumer(consumer: nn.Module, x: torch.Tensor) -> None:
+    """Called by headroom layers on their input: record ``consumer`` for the ReLU behind ``x``."""
+    if not _relu_outputs or x.layout != torch.strided:
+        return
+    key = _storage_key(x)
+    with _registry_lock:
+        entry = _relu_outputs.get(key)
+    if entry is None or entry[0].expired() or entry[0].cdata != key:
+        return
+    relu = entry[1]()
+    if relu is None:
+        return
+    consumers = relu.__dict__.setdefault("_hr_consumers", {}).setdefault(entry[2], [])
+    for ref in consumers:
+        if ref() is consumer:
+            return
+    consumers.append(weakref.ref(consumer))
+
+
+def consumers_keep_output(module: nn.Module, site: tuple) -> bool:
+    """Whether the ReLU ``module`` at ``site`` should keep its output rather than a bit mask."""
+    consumers = module.__dict__.get("_hr_consumers", {}).get(site)
+    if not consumers:
+        return True
+    for ref in consumers:
+        c = ref()
+        if c is None or c._hr_saves_input():
+            return True
+    return False

@@ -1,0 +1,184 @@
+"""Convolutions that save only what this backward needs.
+
+``ConvolutionBackward0`` in PyTorch keeps the input and the weight whatever requires grad
+(pytorch/pytorch#133566): a frozen convolution in a fine-tuned network still holds its whole
+input until backward. Here the forward looks at which of input, weight and bias require grad and
+keeps the input only if the weight's gradient is needed, the weight only if the input's gradient
+is needed. Backward calls the same ``aten.convolution_backward`` kernel with the same
+``output_mask`` as PyTorch, so gradients are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from headroom.nn._common import TensorMeta, note_consumer
+from headroom.nn._pad import pad as _pad
+
+
+class _ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, transposed, out_padding, groups):
+        out = torch.ops.aten.convolution(
+            x, weight, bias, stride, padding, dilation, transposed, out_padding, groups
+        )
+        need_x, need_w, _ = ctx.needs_input_grad[:3]
+        # NOTE: grad_input needs the weight and the input's shape; grad_weight needs the input
+        # and the weight's shape; grad_bias needs neither. Save exactly that.
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        ctx.x_meta = None if need_w else TensorMeta(x)
+        ctx.w_meta = None if need_x else TensorMeta(weight)
+        ctx.bias_sizes = None if bias is None else [bias.shape[0]]
+        ctx.args = (stride, padding, dilation, transposed, out_padding, groups)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        if x is None:
+            x = ctx.x_meta.empty()
+        if weight is None:
+            weight = ctx.w_meta.empty()
+        mask = list(ctx.needs_input_grad[:3])
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad, x, weight, ctx.bias_sizes, *ctx.args, mask
+        )
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+def _needs_graph(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _same_padding(
+    x: torch.Tensor, weight: torch.Tensor, dilation: tuple[int, ...]
+) -> tuple[torch.Tensor, list[int]]:
+    # NOTE: mirrors aten's handling of padding="same": symmetric padding where the total is even,
+    # and a zero-padded copy for the odd remainder on the right (same ops, same order).
+    dims = weight.dim() - 2
+    left, extra = [], [0] * (2 * dims)
+    for i in range(dims):
+        total = dilation[i] * (weight.shape[i + 2] - 1)
+        lo = total // 2
+        left.append(lo)
+        extra[2 * (dims - 1 - i) + 1] = total - 2 * lo
+    if any(extra):
+        x = torch.constant_pad_nd(x, extra, 0)
+    return x, left
+
+
+class _ConvMixin:
+    """Forward of ``nn.ConvNd``/``nn.ConvTransposeNd`` through :class:`_ConvFunction`."""
+
+    _hr_dims: int
+
+    def _hr_saves_input(self) -> bool:
+        # NOTE: only a zeros-padded convolution saves a tensor that shares its input's storage.
+        return (
+            self.weight.requires_grad
+            and self.padding_mode == "zeros"
+            and not (isinstance(self.padding, str) and self._hr_asymmetric_same())
+        )
+
+    def _hr_asymmetric_same(self) -> bool:
+        return self.padding == "same" and any(
+            d * (k - 1) % 2 for d, k in zip(self.dilation, self.kernel_size, strict=True)
+        )
+
+    def _hr_conv(self, x, weight, bias, padding, output_padding) -> torch.Tensor:
+        unbatched = x.dim() == self._hr_dims + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        out = _ConvFunction.apply(
+            x,
+            weight,
+            bias,
+            list(self.stride),
+            list(padding),
+            list(self.dilation),
+            self.transposed,
+            list(output_padding),
+            self.groups,
+        )
+        return out.squeeze(0) if unbatched else out
+
+
+class _Conv(_ConvMixin):
+    def _conv_forward(self, input, weight, bias):
+        if not _needs_graph(input, weight, bias):
+            return super()._conv_forward(input, weight, bias)
+        note_consumer(self, input)
+        zeros = [0] * self._hr_dims
+        if self.padding_mode != "zeros":
+            x = _pad(input, self._reversed_padding_repeated_twice, self.padding_mode)
+            return self._hr_conv(x, weight, bias, zeros, zeros)
+        if self.padding == "valid":
+            return self._hr_conv(input, weight, bias, zeros, zeros)
+        if self.padding == "same":
+            unbatched = input.dim() == self._hr_dims + 1
+            x = input.unsqueeze(0) if unbatched else input
+            x, left = _same_padding(x, weight, self.dilation)
+            out = self._hr_conv(x, weight, bias, left, zeros)
+            return out.squeeze(0) if unbatched else out
+        return self._hr_conv(input, weight, bias, self.padding, zeros)
+
+
+class _ConvTranspose(_ConvMixin):
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if not _needs_graph(input, self.weight, self.bias):
+            return super().forward(input, output_size)
+        if self.padding_mode != "zeros":
+            raise ValueError(
+                f"Only `zeros` padding mode is supported for {type(self).__name__}; "
+                f"got {self.padding_mode!r}. Use padding_mode='zeros'."
+            )
+        note_consumer(self, input)
+        output_padding = self._output_padding(
+            input,
+            output_size,
+            self.stride,
+            self.padding,
+            self.kernel_size,
+            self._hr_dims,
+            self.dilation,
+        )
+        return self._hr_conv(input, self.weight, self.bias, self.padding, output_padding)
+
+
+class Conv1d(_Conv, nn.Conv1d):
+    """``nn.Conv1d`` that keeps its input only if its weight trains (see module docstring)."""
+
+    _hr_dims = 1
+
+
+class Conv2d(_Conv, nn.Conv2d):
+    """``nn.Conv2d`` that keeps its input only if its weight trains (see module docstring)."""
+
+    _hr_dims = 2
+
+
+class Conv3d(_Conv, nn.Conv3d):
+    """``nn.Conv3d`` that keeps its input only if its weight trains (see module docstring)."""
+
+    _hr_dims = 3
+
+
+class ConvTranspose1d(_ConvTranspose, nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` that keeps its input only if its weight trains."""
+
+    _hr_dims = 1
+
+
+class ConvTranspose2d(_ConvTranspose, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` that keeps its input only if its weight trains."""
+
+    _hr_dims = 2
+
+
+class ConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` that keeps its input only if its weight trains."""
+
+    _hr_dims = 3

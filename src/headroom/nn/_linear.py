@@ -1,0 +1,25 @@
+"""``nn.Linear`` that reports to the ReLU before it whether it keeps its input.
+
+PyTorch's ``AddmmBackward0`` already saves the input only when the weight trains, so this layer
+computes exactly what ``nn.Linear`` computes, through the same call; it exists so that a converted
+ReLU feeding a frozen ``Linear`` knows it can keep a 1-bit mask instead of its output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headroom.nn._common import note_consumer
+
+
+class Linear(nn.Linear):
+    """``nn.Linear``, unchanged, that tells the ReLU before it whether it keeps its input."""
+
+    def _hr_saves_input(self) -> bool:
+        return self.weight.requires_grad
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and input.requires_grad:
+            note_consumer(self, input)
+        return super().forward(input)

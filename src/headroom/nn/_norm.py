@@ -1,0 +1,217 @@
+"""Normalization layers that skip the input when this backward does not need it.
+
+- ``BatchNorm`` in eval mode (running statistics) with a frozen ``weight``: the input's gradient
+  is ``grad * weight / sqrt(running_var + eps)`` and needs no input, yet PyTorch saves it.
+- ``BatchNorm``/``LayerNorm``/``GroupNorm`` where only ``bias`` trains and the input needs no
+  gradient: ``grad_bias`` is a sum of the output gradient and needs no input either.
+
+In every other case these layers run PyTorch's own forward (same kernels, same saved tensors, no
+overhead). Where they differ they call the aten forward/backward kernels PyTorch's autograd
+uses, so results are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from headroom.nn._common import TensorMeta, note_consumer
+
+
+def _rg(t: torch.Tensor | None) -> bool:
+    return t is not None and t.requires_grad
+
+
+class _BatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+        out, save_mean, save_invstd, reserve, impl = torch.ops.aten._batch_norm_impl_index(
+            x,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            training,
+            momentum,
+            eps,
+            torch.backends.cudnn.enabled,
+        )
+        need_x, need_w = ctx.needs_input_grad[:2]
+        keep_x = need_w or (need_x and training)
+        ctx.save_for_backward(
+            x if keep_x else None, weight if need_x else None, save_mean, save_invstd, reserve
+        )
+        ctx.meta = None if keep_x else TensorMeta(x)
+        # NOTE: running statistics are module buffers (resident anyway); eval backward reads them.
+        ctx.running = (running_mean, running_var)
+        ctx.training, ctx.eps, ctx.impl = training, eps, impl
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight, save_mean, save_invstd, reserve = ctx.saved_tensors
+        if x is None:
+            x = ctx.meta.empty()
+        mask = list(ctx.needs_input_grad[:3])
+        rm, rv = ctx.running
+        if ctx.training:
+            gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
+                ctx.impl,
+                x,
+                grad,
+                weight,
+                rm,
+                rv,
+                save_mean,
+                save_invstd,
+                True,
+                ctx.eps,
+                mask,
+                reserve,
+            )
+        else:
+            # NOTE: PyTorch's eval-mode backward is native_batch_norm_backward for every backend.
+            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                grad, x, weight, rm, rv, save_mean, save_invstd, False, ctx.eps, mask
+            )
+        return gx, gw, gb, None, None, None, None, None
+
+
+class _BatchNorm:
+    def _hr_saves_input(self) -> bool:
+        return self.training or (self.running_mean is None) or _rg(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        if grad and input.requires_grad:
+            note_consumer(self, input)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        need_x = grad and input.requires_grad
+        need_w = grad and _rg(self.weight)
+        need_b = grad and _rg(self.bias)
+        skips = not need_w and (need_x or need_b) and not (need_x and bn_training)
+        if not skips:
+            return super().forward(input)
+        # Same bookkeeping as nn.BatchNorm's forward (momentum, num_batches_tracked).
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        track = not self.training or self.track_running_stats
+        if bn_training:
+            F._verify_batch_size(input.size())
+        if bn_training and self.eps <= 0.0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
+        return _BatchNormFunction.apply(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            bn_training,
+            factor,
+            self.eps,
+        )
+
+
+class BatchNorm1d(_BatchNorm, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` that skips its input where backward does not need it."""
+
+
+class BatchNorm2d(_BatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` that skips its input where backward does not need it."""
+
+
+class BatchNorm3d(_BatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` that skips its input where backward does not need it."""
+
+
+class _BiasOnlyLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps):
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(mean, rstd)
+        ctx.meta, ctx.shape, ctx.params = TensorMeta(x), normalized_shape, (weight, bias)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        mean, rstd = ctx.saved_tensors
+        weight, bias = ctx.params
+        _, _, gb = torch.ops.aten.native_layer_norm_backward(
+            grad, ctx.meta.empty(), ctx.shape, mean, rstd, weight, bias, [False, False, True]
+        )
+        return None, None, gb, None, None
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that keeps no input when only its ``bias`` trains."""
+
+    def _hr_saves_input(self) -> bool:
+        return True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().forward(input)
+        if input.requires_grad:
+            note_consumer(self, input)
+            return super().forward(input)
+        if _rg(self.weight) or not _rg(self.bias):
+            return super().forward(input)
+        return _BiasOnlyLayerNorm.apply(
+            input, self.weight, self.bias, list(self.normalized_shape), self.eps
+        )
+
+
+class _BiasOnlyGroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps):
+        n, c = x.shape[0], x.shape[1]
+        hxw = x.numel() // (n * c) if n * c else 0
+        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+        ctx.save_for_backward(mean, rstd)
+        ctx.meta, ctx.args, ctx.weight = TensorMeta(x), (n, c, hxw, groups), weight
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        mean, rstd = ctx.saved_tensors
+        _, _, gb = torch.ops.aten.native_group_norm_backward(
+            grad, ctx.meta.empty(), mean, rstd, ctx.weight, *ctx.args, [False, False, True]
+        )
+        return None, None, gb, None, None
+
+
+class GroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` that keeps no input when only its ``bias`` trains."""
+
+    def _hr_saves_input(self) -> bool:
+        return True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().forward(input)
+        if input.requires_grad:
+            note_consumer(self, input)
+            return super().forward(input)
+        if _rg(self.weight) or not _rg(self.bias) or input.dim() < 2:
+            return super().forward(input)
+        # NOTE: aten.group_norm hands native_group_norm a copy contiguous in the input's
+        # suggested memory format on CPU; do the same so the kernel sees the same layout.
+        fmt = torch.contiguous_format
+        if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
+            fmt = torch.channels_last if not input.is_contiguous() else fmt
+        elif input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
+            fmt = torch.channels_last_3d if not input.is_contiguous() else fmt
+        if input.device.type not in ("cpu", "xpu"):
+            fmt = torch.contiguous_format
+        return _BiasOnlyGroupNorm.apply(
+            input.contiguous(memory_format=fmt), self.weight, self.bias, self.num_groups, self.eps
+        )

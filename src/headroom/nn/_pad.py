@@ -1,0 +1,103 @@
+"""Reflection and replication padding that keep only the input's shape for backward.
+
+PyTorch's ``ReflectionPad*Backward0`` and ``ReplicationPad*Backward0`` save the whole input,
+but their backward kernels read only its sizes. This matters on its own (``nn.ReflectionPad2d``
+in style-transfer and GAN generators) and inside convolutions with ``padding_mode="reflect"`` or
+``"replicate"``, where PyTorch keeps both the unpadded and the padded input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from headroom.nn._common import TensorMeta, note_consumer
+
+_BACKWARD = {
+    ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
+    ("reflect", 2): torch.ops.aten.reflection_pad2d_backward,
+    ("reflect", 3): torch.ops.aten.reflection_pad3d_backward,
+    ("replicate", 1): torch.ops.aten.replication_pad1d_backward,
+    ("replicate", 2): torch.ops.aten.replication_pad2d_backward,
+    ("replicate", 3): torch.ops.aten.replication_pad3d_backward,
+}
+
+
+class _PadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pad: tuple[int, ...], mode: str) -> torch.Tensor:
+        out = F.pad(x, pad, mode=mode)
+        ctx.meta = TensorMeta(x)
+        ctx.pad = list(pad)
+        ctx.backward_op = _BACKWARD[(mode, len(pad) // 2)]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.backward_op(grad, ctx.meta.empty(), ctx.pad), None, None
+
+
+def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
+    """``F.pad(x, padding, mode)``, bitwise, keeping only ``x``'s shape when mode needs one."""
+    padding = tuple(padding)
+    if (
+        mode in ("reflect", "replicate")
+        and len(padding) in (2, 4, 6)
+        and x.requires_grad
+        and torch.is_grad_enabled()
+    ):
+        return _PadFunction.apply(x, padding, mode)
+    return F.pad(x, padding, mode=mode)
+
+
+class _PadMixin:
+    _hr_mode: str
+
+    def _hr_saves_input(self) -> bool:
+        return False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and input.requires_grad:
+            note_consumer(self, input)
+        return pad(input, self.padding, self._hr_mode)
+
+
+class ReflectionPad1d(_PadMixin, nn.ReflectionPad1d):
+    """``nn.ReflectionPad1d`` that keeps only its input's shape for backward."""
+
+    _hr_mode = "reflect"
+
+
+class ReflectionPad2d(_PadMixin, nn.ReflectionPad2d):
+    """``nn.ReflectionPad2d`` that keeps only its input's shape for backward."""
+
+    _hr_mode = "reflect"
+
+
+class ReflectionPad3d(_PadMixin, nn.ReflectionPad3d):
+    """``nn.ReflectionPad3d`` that keeps only its input's shape for backward."""
+
+    _hr_mode = "reflect"
+
+
+class ReplicationPad1d(_PadMixin, nn.ReplicationPad1d):
+    """``nn.ReplicationPad1d`` that keeps only its input's shape for backward."""
+
+    _hr_mode = "replicate"
+
+
+class ReplicationPad2d(_PadMixin, nn.ReplicationPad2d):
+    """``nn.ReplicationPad2d`` that keeps only its input's shape for backward."""
+
+    _hr_mode = "replicate"
+
+
+class ReplicationPad3d(_PadMixin, nn.ReplicationPad3d):
+    """``nn.ReplicationPad3d`` that keeps only its input's shape for backward."""
+
+    _hr_mode = "replicate"

@@ -1,0 +1,202 @@
+"""Pooling layers that keep only indices (max) or nothing (average) plus the input's shape.
+
+``MaxPool2DWithIndicesBackward0`` saves the input next to the indices, and
+``AvgPool2DBackward0``/``AdaptiveAvgPool2DBackward0`` save the input, but their backward kernels
+read only the input's sizes. These layers call the same aten kernels and hand backward an
+uninitialized stand-in of the input's shape (see :class:`headroom.nn._common.TensorMeta`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.utils import _list_with_default, _ntuple
+
+from headroom.nn._common import TensorMeta, note_consumer
+
+aten = torch.ops.aten
+
+
+def _needs_graph(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+class _IndexedPool(torch.autograd.Function):
+    """``fwd(x, *args) -> (out, indices)``; backward ``bwd(grad, x, *bwd_args, indices)``."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, args, bwd, bwd_args):
+        out, indices = fwd(x, *args)
+        ctx.mark_non_differentiable(indices)
+        ctx.save_for_backward(indices)
+        ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
+        return out, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, _grad_indices):
+        (indices,) = ctx.saved_tensors
+        gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, indices)
+        return gx, None, None, None, None
+
+
+class _ShapeOnlyPool(torch.autograd.Function):
+    """``fwd(x, *args) -> out``; backward ``bwd(grad, x, *bwd_args)`` reading x's shape only."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, args, bwd, bwd_args):
+        ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
+        return fwd(x, *args)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
+
+
+class _MaxPool:
+    _hr_dims: int
+
+    def _hr_saves_input(self) -> bool:
+        return False
+
+    def forward(self, input: torch.Tensor):
+        if not _needs_graph(input):
+            return super().forward(input)
+        note_consumer(self, input)
+        n = self._hr_dims
+        k = list(_ntuple(n)(self.kernel_size))
+        s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
+        p = list(_ntuple(n)(self.padding))
+        d = list(_ntuple(n)(self.dilation))
+        if n == 1:
+            # NOTE: aten's max_pool1d_with_indices is max_pool2d_with_indices on unsqueeze(-2).
+            x = input.unsqueeze(-2)
+            args = ([1, k[0]], [1, s[0]], [0, p[0]], [1, d[0]], self.ceil_mode)
+            out, idx = _IndexedPool.apply(
+                x, aten.max_pool2d_with_indices, args, aten.max_pool2d_with_indices_backward, args
+            )
+            out, idx = out.squeeze(-2), idx.squeeze(-2)
+        else:
+            fwd = aten.max_pool2d_with_indices if n == 2 else aten.max_pool3d_with_indices
+            bwd = (
+                aten.max_pool2d_with_indices_backward
+                if n == 2
+                else aten.max_pool3d_with_indices_backward
+            )
+            args = (k, s, p, d, self.ceil_mode)
+            out, idx = _IndexedPool.apply(input, fwd, args, bwd, args)
+        return (out, idx) if self.return_indices else out
+
+
+class MaxPool1d(_MaxPool, nn.MaxPool1d):
+    """``nn.MaxPool1d`` that keeps indices and the input's shape, not the input."""
+
+    _hr_dims = 1
+
+
+class MaxPool2d(_MaxPool, nn.MaxPool2d):
+    """``nn.MaxPool2d`` that keeps indices and the input's shape, not the input."""
+
+    _hr_dims = 2
+
+
+class MaxPool3d(_MaxPool, nn.MaxPool3d):
+    """``nn.MaxPool3d`` that keeps indices and the input's shape, not the input."""
+
+    _hr_dims = 3
+
+
+class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
+    """``nn.AdaptiveMaxPool2d`` that keeps indices and the input's shape, not the input."""
+
+    def _hr_saves_input(self) -> bool:
+        return False
+
+    def forward(self, input: torch.Tensor):
+        if not _needs_graph(input):
+            return super().forward(input)
+        note_consumer(self, input)
+        size = list(_list_with_default(self.output_size, input.size()))
+        out, idx = _IndexedPool.apply(
+            input, aten.adaptive_max_pool2d, (size,), aten.adaptive_max_pool2d_backward, ()
+        )
+        return (out, idx) if self.return_indices else out
+
+
+class _AvgPool:
+    _hr_dims: int
+
+    def _hr_saves_input(self) -> bool:
+        return False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _needs_graph(input):
+            return super().forward(input)
+        note_consumer(self, input)
+        n = self._hr_dims
+        k = list(_ntuple(n)(self.kernel_size))
+        s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
+        p = list(_ntuple(n)(self.padding))
+        if n == 1:
+            # NOTE: aten's avg_pool1d is avg_pool2d on unsqueeze(-2), no divisor_override.
+            args = ([1, k[0]], [1, s[0]], [0, p[0]], self.ceil_mode, self.count_include_pad, None)
+            out = _ShapeOnlyPool.apply(
+                input.unsqueeze(-2), aten.avg_pool2d, args, aten.avg_pool2d_backward, args
+            )
+            return out.squeeze(-2)
+        fwd = aten.avg_pool2d if n == 2 else aten.avg_pool3d
+        bwd = aten.avg_pool2d_backward if n == 2 else aten.avg_pool3d_backward
+        args = (k, s, p, self.ceil_mode, self.count_include_pad, self.divisor_override)
+        return _ShapeOnlyPool.apply(input, fwd, args, bwd, args)
+
+
+class AvgPool1d(_AvgPool, nn.AvgPool1d):
+    """``nn.AvgPool1d`` that keeps only its input's shape."""
+
+    _hr_dims = 1
+
+
+class AvgPool2d(_AvgPool, nn.AvgPool2d):
+    """``nn.AvgPool2d`` that keeps only its input's shape."""
+
+    _hr_dims = 2
+
+
+class AvgPool3d(_AvgPool, nn.AvgPool3d):
+    """``nn.AvgPool3d`` that keeps only its input's shape."""
+
+    _hr_dims = 3
+
+
+class _AdaptiveAvgPool:
+    _hr_dims: int
+
+    def _hr_saves_input(self) -> bool:
+        return False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _needs_graph(input):
+            return super().forward(input)
+        note_consumer(self, input)
+        n = self._hr_dims
+        size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
+        # NOTE: an all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
+        if all(v == 1 for v in size) or input.is_quantized:
+            return super().forward(input)
+        fwd = aten._adaptive_avg_pool2d if n == 2 else aten._adaptive_avg_pool3d
+        bwd = aten._adaptive_avg_pool2d_backward if n == 2 else aten._adaptive_avg_pool3d_backward
+        return _ShapeOnlyPool.apply(input, fwd, (size,), bwd, ())
+
+
+class AdaptiveAvgPool2d(_AdaptiveAvgPool, nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` that keeps only its input's shape."""
+
+    _hr_dims = 2
+
+
+class AdaptiveAvgPool3d(_AdaptiveAvgPool, nn.AdaptiveAvgPool3d):
+    """``nn.AdaptiveAvgPool3d`` that keeps only its input's shape."""
+
+    _hr_dims = 3

@@ -1,0 +1,75 @@
+"""Helpers for the headroom.nn tests: saved-bytes measurement and plain-vs-converted runs."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
+    """Bytes autograd saves while ``fn`` runs, deduplicated by storage.
+
+    Storages of ``exclude`` (parameters and buffers, resident anyway) are not counted.
+    Returns ``(bytes, output)``; the saved tensors stay alive as long as ``output`` does.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def model_state(model: nn.Module) -> list[torch.Tensor]:
+    return list(model.parameters()) + list(model.buffers())
+
+
+def twin(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """A plain deep copy and a converted deep copy of ``model``, with identical values."""
+    import headroom as hr
+
+    plain = copy.deepcopy(model)
+    ours = hr.convert(copy.deepcopy(model), inplace=True)
+    return plain, ours
+
+
+def set_trainable(model: nn.Module, which: Callable[[str, nn.Parameter], bool]) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(which(name, p))
+
+
+def step(model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0):
+    """One forward+backward; returns (output, loss, input grad, param grads, saved bytes)."""
+    x = x.detach().clone().requires_grad_(input_grad)
+    torch.manual_seed(seed)
+    nbytes, out = saved_bytes(lambda: model(x), model_state(model))
+    loss = (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    grads = {}
+    if loss.requires_grad:
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return out.detach(), loss.detach(), (x.grad if input_grad else None), grads, nbytes
+
+
+def assert_same(a, b) -> None:
+    out_a, loss_a, gx_a, g_a, _ = a
+    out_b, loss_b, gx_b, g_b, _ = b
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(loss_a, loss_b)
+    assert (gx_a is None) == (gx_b is None)
+    if gx_a is not None:
+        assert torch.equal(gx_a, gx_b)
+    assert g_a.keys() == g_b.keys()
+    for k in g_a:
+        assert torch.equal(g_a[k], g_b[k]), k

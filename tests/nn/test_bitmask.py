@@ -1,0 +1,32 @@
+"""The 1-bit mask packing used by ReLU and friends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headroom.nn._bitmask import pack_bool, pack_gt, pack_le, unpack_bool
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 63, 64, 1000, 12345])
+def test_round_trip_and_size(numel):
+    mask = torch.rand(numel) > 0.5
+    bits = pack_bool(mask)
+    assert bits.dtype == torch.uint8 and bits.numel() == (numel + 7) // 8
+    assert torch.equal(unpack_bool(bits, (numel,)), mask)
+
+
+def test_comparisons_handle_nan_and_views():
+    x = torch.randn(3, 5, 7)
+    x[0, 0, 0] = float("nan")
+    x[1, 1, 1] = 0.0
+    assert torch.equal(unpack_bool(pack_le(x), x.shape), x <= 0)
+    assert torch.equal(unpack_bool(pack_gt(x), x.shape), x > 0)
+    view = x[:, 1:].transpose(1, 2)  # non-contiguous
+    assert torch.equal(unpack_bool(pack_le(view), view.shape), view <= 0)
+    assert torch.equal(unpack_bool(pack_bool(view > 0), view.shape), view > 0)
+
+
+def test_bit_order_is_little_endian_within_a_byte():
+    mask = torch.tensor([True, False, False, False, False, False, False, True, True])
+    assert pack_bool(mask).tolist() == [0b10000001, 0b1]

@@ -1,0 +1,204 @@
+"""Each headroom.nn layer against its torch.nn twin: bitwise equal results, fewer saved bytes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tests.nn._util import assert_same, set_trainable, step, twin
+
+# name -> (factory, input shape, modes where ours must save strictly less than PyTorch)
+# modes: "all" (params + input), "input" (input only), "params" (params only), "bias"
+# (bias only), "none"; each run in train and eval mode ("+eval" marks eval-only strictness).
+CONV = {"input", "bias"}
+LAYERS = {
+    "Conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=2), (2, 4, 9), CONV),
+    "Conv1d-reflect": (
+        lambda: nn.Conv1d(4, 6, 3, padding=2, padding_mode="reflect"),
+        (2, 4, 9),
+        CONV | {"all"},
+    ),
+    "Conv2d": (lambda: nn.Conv2d(4, 6, 3, padding=1), (2, 4, 9, 9), CONV),
+    "Conv2d-options": (
+        lambda: nn.Conv2d(4, 6, 3, stride=2, dilation=2, groups=2, padding=2, bias=False),
+        (2, 4, 11, 11),
+        {"input"},
+    ),
+    "Conv2d-replicate": (
+        lambda: nn.Conv2d(4, 6, 3, padding=(1, 2), padding_mode="replicate"),
+        (2, 4, 9, 9),
+        CONV | {"all"},
+    ),
+    "Conv2d-circular": (
+        lambda: nn.Conv2d(4, 6, 3, padding=1, padding_mode="circular"),
+        (2, 4, 9, 9),
+        CONV,
+    ),
+    "Conv2d-same-even": (lambda: nn.Conv2d(4, 6, 4, padding="same"), (2, 4, 9, 9), CONV),
+    "Conv2d-same-dilated": (
+        lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2),
+        (2, 4, 9, 9),
+        CONV,
+    ),
+    "Conv2d-valid": (lambda: nn.Conv2d(4, 6, 3, padding="valid"), (2, 4, 9, 9), CONV),
+    "Conv2d-unbatched": (lambda: nn.Conv2d(4, 6, 3), (4, 9, 9), CONV),
+    "Conv3d": (lambda: nn.Conv3d(4, 6, 3, padding=1), (2, 4, 5, 5, 5), CONV),
+    "ConvTranspose1d": (
+        lambda: nn.ConvTranspose1d(4, 6, 3, stride=2, output_padding=1),
+        (2, 4, 9),
+        CONV,
+    ),
+    "ConvTranspose2d": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, dilation=2),
+        (2, 4, 7, 7),
+        CONV,
+    ),
+    "ConvTranspose3d": (lambda: nn.ConvTranspose3d(4, 6, 3, stride=2), (2, 4, 3, 3, 3), CONV),
+    "BatchNorm1d": (lambda: nn.BatchNorm1d(4), (3, 4, 5), {"bias", "input+eval"}),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(4), (3, 4, 5, 5), {"bias", "input+eval"}),
+    "BatchNorm3d-cumulative": (
+        lambda: nn.BatchNorm3d(4, momentum=None),
+        (3, 4, 3, 3, 3),
+        {"bias", "input+eval"},
+    ),
+    "BatchNorm2d-no-affine": (
+        lambda: nn.BatchNorm2d(4, affine=False),
+        (3, 4, 5, 5),
+        {"input+eval"},
+    ),
+    "LayerNorm": (lambda: nn.LayerNorm(16), (3, 5, 16), {"bias"}),
+    "GroupNorm": (lambda: nn.GroupNorm(2, 4), (3, 4, 5, 5), {"bias"}),
+    "LeakyReLU": (lambda: nn.LeakyReLU(0.1), (2, 4, 9, 9), {"all", "input"}),
+    "ReLU6": (lambda: nn.ReLU6(), (2, 4, 9, 9), {"all", "input"}),
+    "Hardtanh": (lambda: nn.Hardtanh(-0.5, 0.5), (2, 4, 9, 9), {"all", "input"}),
+    "Dropout": (lambda: nn.Dropout(0.3), (2, 4, 9, 9), {"all+train", "input+train"}),
+    "Dropout-p0.9": (lambda: nn.Dropout(0.9), (2, 4, 9, 9), {"all+train", "input+train"}),
+    "MaxPool1d": (lambda: nn.MaxPool1d(3, 2, 1), (2, 4, 9), {"all", "input"}),
+    "MaxPool2d": (lambda: nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 4, 9, 9), {"all", "input"}),
+    "MaxPool3d": (lambda: nn.MaxPool3d(2), (2, 4, 4, 4, 4), {"all", "input"}),
+    "AdaptiveMaxPool2d": (lambda: nn.AdaptiveMaxPool2d((3, None)), (2, 4, 9, 9), {"all", "input"}),
+    "AvgPool1d": (lambda: nn.AvgPool1d(3, 2, 1), (2, 4, 9), {"all", "input"}),
+    "AvgPool2d": (
+        lambda: nn.AvgPool2d(3, 2, 1, count_include_pad=False, divisor_override=2),
+        (2, 4, 9, 9),
+        {"all", "input"},
+    ),
+    "AvgPool3d": (lambda: nn.AvgPool3d(2), (2, 4, 4, 4, 4), {"all", "input"}),
+    "AdaptiveAvgPool2d": (lambda: nn.AdaptiveAvgPool2d(3), (2, 4, 9, 9), {"all", "input"}),
+    "AdaptiveAvgPool2d-1": (lambda: nn.AdaptiveAvgPool2d(1), (2, 4, 9, 9), set()),
+    "AdaptiveAvgPool3d": (lambda: nn.AdaptiveAvgPool3d(2), (2, 4, 5, 5, 5), {"all", "input"}),
+    "ReflectionPad2d": (lambda: nn.ReflectionPad2d(2), (2, 4, 9, 9), {"all", "input"}),
+    "ReplicationPad3d": (lambda: nn.ReplicationPad3d(1), (2, 4, 4, 4, 4), {"all", "input"}),
+    "Linear": (lambda: nn.Linear(9, 5), (2, 4, 9), set()),
+    "ReLU-alone": (lambda: nn.ReLU(), (2, 4, 9, 9), set()),
+}
+
+MODES = ("all", "input", "params", "bias", "none")
+
+
+def _strict(spec: set[str], mode: str, train: bool) -> bool:
+    suffix = "+train" if train else "+eval"
+    return mode in spec or (mode + suffix) in spec
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_matches_torch_and_saves_less(name):
+    factory, shape, strict = LAYERS[name]
+    x = torch.randn(shape)
+    for mode in MODES:
+        for train in (True, False):
+            torch.manual_seed(1)
+            layer = factory().train(train)
+            if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+                layer.running_mean.uniform_()
+                layer.running_var.uniform_(0.5, 2)
+                with torch.no_grad():
+                    for p in layer.parameters():
+                        p.uniform_()
+            plain, ours = twin(layer)
+            assert type(ours) is not type(plain) or name == "none"
+            for m in (plain, ours):
+                set_trainable(
+                    m,
+                    lambda n, _p, mode=mode: (
+                        mode in ("all", "params") or (mode == "bias" and n == "bias")
+                    ),
+                )
+            input_grad = mode in ("all", "input")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # padding="same" with even kernels
+                a = step(plain, x, input_grad=input_grad)
+                b = step(ours, x, input_grad=input_grad)
+            assert_same(a, b)
+            where = f"{name} mode={mode} train={train}: ours {b[4]} B, torch {a[4]} B"
+            assert b[4] <= a[4], where
+            if _strict(strict, mode, train):
+                assert b[4] < a[4], where
+
+
+def test_conv_frozen_weight_saves_nothing_and_bias_only_saves_nothing():
+    conv = nn.Conv2d(3, 5, 3)
+    ours = twin(conv)[1]
+    ours.weight.requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8)
+    assert step(ours, x, input_grad=True)[4] == 0
+    assert step(ours, x, input_grad=False)[4] == 0  # bias only
+    ours.bias.requires_grad_(False)
+    ours.weight.requires_grad_(True)
+    # weight only: the input (2*3*8*8 fp32) and nothing else
+    assert step(ours, x, input_grad=False)[4] == 2 * 3 * 8 * 8 * 4
+
+
+def test_maxpool_keeps_indices_only():
+    ours = twin(nn.MaxPool2d(2))[1]
+    x = torch.randn(2, 3, 8, 8)
+    assert step(ours, x, input_grad=True)[4] == 2 * 3 * 4 * 4 * 8  # int64 indices
+
+
+def test_maxpool_return_indices_matches():
+    plain, ours = twin(nn.MaxPool2d(2, return_indices=True))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    (o1, i1), (o2, i2) = plain(x), ours(x)
+    assert torch.equal(o1, o2) and torch.equal(i1, i2)
+    assert not i2.requires_grad
+
+
+def test_leaky_relu_keeps_one_bit_per_element():
+    ours = twin(nn.LeakyReLU(0.2))[1]
+    x = torch.randn(3, 5, 7, 11)  # 1155 elements -> 145 bytes
+    assert step(ours, x, input_grad=True)[4] == (x.numel() + 7) // 8
+
+
+@pytest.mark.parametrize("cls", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
+def test_inplace_activations_match(cls):
+    plain, ours = twin(cls(inplace=True))
+    conv = nn.Conv2d(3, 3, 1)
+    x = torch.randn(2, 3, 5, 5)
+    x[0, 0, 0, 0] = float("nan")
+    outs = []
+    for act in (plain, ours):
+        conv.zero_grad()
+        y = act(conv(x))
+        (y * torch.arange(y.numel()).view_as(y)).nansum().backward()
+        outs.append((y.detach(), conv.weight.grad.clone()))
+    assert torch.equal(outs[0][0].nan_to_num(), outs[1][0].nan_to_num())
+    assert torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num())
+
+
+def test_no_grad_mode_runs_torch_path():
+    ours = twin(nn.Conv2d(3, 5, 3))[1]
+    with torch.no_grad():
+        y = ours(torch.randn(1, 3, 6, 6))
+    assert y.grad_fn is None
+
+
+def test_double_backward_raises():
+    ours = twin(nn.Conv2d(3, 5, 3))[1]
+    ours.weight.requires_grad_(False)
+    x = torch.randn(1, 3, 6, 6, requires_grad=True)
+    (g,) = torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()

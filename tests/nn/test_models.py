@@ -1,0 +1,110 @@
+"""Whole models: bitwise equal to torch.nn in every case, and fewer saved bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import headroom as hr
+from tests.nn._models import CASES, resnet_like, trainable, vgg_like
+from tests.nn._util import assert_same, step
+
+MODELS = {"vgg": vgg_like, "resnet": resnet_like}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("case", CASES)
+def test_model_matches_torch_and_saves_less(name, case):
+    torch.manual_seed(0)
+    plain = MODELS[name]()
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(4, 3, 16, 16)
+    input_grad = case == "input"
+    for m in (plain, ours):
+        trainable(m, case)
+    # Two steps: the first teaches converted ReLUs their consumers; both must match PyTorch.
+    results = []
+    for seed in (1, 2):
+        a = step(plain, x, input_grad=input_grad, seed=seed)
+        b = step(ours, x, input_grad=input_grad, seed=seed)
+        assert_same(a, b)
+        assert b[4] <= a[4], f"{name}/{case} step {seed}: ours {b[4]} B > torch {a[4]} B"
+        results.append((a[4], b[4]))
+    (plain_bytes, ours_bytes) = results[1]
+    if case == "none":
+        assert plain_bytes == ours_bytes == 0
+    else:
+        assert ours_bytes < plain_bytes
+    if case in ("input", "norm"):
+        # frozen convolutions drop their inputs: at least a third less than PyTorch
+        assert ours_bytes < 0.67 * plain_bytes, (name, case, results)
+
+
+def _relu_chain(train_convs: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    for p in model.parameters():
+        p.requires_grad_(train_convs)
+    return model
+
+
+def test_relu_adds_nothing_when_consumer_keeps_its_output():
+    plain = _relu_chain(True)
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 9, 9)
+    x_bytes, out_bytes = x.numel() * 4, 2 * 8 * 9 * 9 * 4
+    for _ in range(2):
+        a, b = step(plain, x, input_grad=False), step(ours, x, input_grad=False)
+        assert_same(a, b)
+        assert a[4] == b[4] == x_bytes + out_bytes
+
+
+def test_relu_keeps_one_bit_when_consumer_does_not_keep_its_output():
+    plain = _relu_chain(False)
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 9, 9)
+    numel = 2 * 8 * 9 * 9
+    first = step(ours, x, input_grad=True)  # learns that the frozen conv is its consumer
+    assert first[4] == numel * 4  # as PyTorch's ReLU: the output
+    a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
+    assert_same(a, b)
+    assert a[4] == x.numel() * 4 + numel * 4
+    assert b[4] == (numel + 7) // 8  # 1 bit per element, nothing else
+
+
+def test_requires_grad_changes_between_steps():
+    plain = _relu_chain(True)
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 9, 9)
+    numel = 2 * 8 * 9 * 9
+    expected = {True: x.numel() * 4 + numel * 4, False: (numel + 7) // 8}
+    for train in (True, False, True, False):
+        for m in (plain, ours):
+            for p in m.parameters():
+                p.requires_grad_(train)
+        step(ours, x, input_grad=not train)  # a step under the new flags
+        a = step(plain, x, input_grad=not train)
+        b = step(ours, x, input_grad=not train)
+        assert_same(a, b)
+        assert b[4] == expected[train]
+
+
+def test_training_steps_give_bitwise_equal_parameters():
+    torch.manual_seed(0)
+    plain = vgg_like()
+    ours = hr.convert(copy.deepcopy(plain))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, ours)]
+    for i, case in enumerate(("all", "norm", "surgical", "all")):
+        x = torch.randn(4, 3, 16, 16)
+        y = torch.randint(0, 5, (4,))
+        for model, opt in zip((plain, ours), opts, strict=True):
+            trainable(model, case)
+            torch.manual_seed(100 + i)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for (n, p), q in zip(plain.state_dict().items(), ours.state_dict().values(), strict=True):
+        assert torch.equal(p, q), n

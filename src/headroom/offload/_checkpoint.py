@@ -1,0 +1,416 @@
+"""`save` / `load`: model and optimizer checkpoints as one safetensors file, JSON inside, no pickle.
+
+The file is a standard safetensors file: tensors named ``model/<state_dict key>`` and
+``optimizer/<param index>/<state key>``, and the rest (optimizer class, hyperparameters,
+parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
+It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
+never gathered whole), to a temporary file next to ``path`` that replaces ``path`` only once it
+is complete and on disk: a crash mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, BinaryIO
+
+import torch
+from torch import nn
+
+from headroom.offload._optimizer import HostOptimizer
+from headroom.transfer import Handle, Store, binding
+
+__all__ = ["load", "save"]
+
+_FORMAT = "headroom-checkpoint"
+_VERSION = 1
+_CHUNK = 32 << 20
+_ALIGN = 8
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+class _Item:
+    """One tensor to write: in memory, or resting in a store (streamed in row slices)."""
+
+    __slots__ = ("name", "dtype", "shape", "tensor", "store", "handle")
+
+    def __init__(self, name: str, *, tensor: torch.Tensor | None = None,
+                 store: Store | None = None, handle: Handle | None = None) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.store = store
+        self.handle = handle
+        src_dtype = tensor.dtype if tensor is not None else handle.dtype
+        if src_dtype not in _DTYPES:
+            raise TypeError(f"cannot save {name!r}: dtype {src_dtype} has no safetensors code")
+        self.dtype = src_dtype
+        self.shape = tuple(tensor.shape) if tensor is not None else handle.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def write_to(self, f: BinaryIO) -> None:
+        if self.tensor is not None:
+            t = self.tensor.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            _write_bytes(f, t.contiguous())
+            return
+        h = self.handle
+        host = self.store.host_tensor(h)
+        if host is not None:
+            _write_bytes(f, host.contiguous())
+            return
+        if not h.shape:
+            _write_bytes(f, self.store.read(h).result())
+            return
+        per = max(1, _CHUNK // max(1, h.row_nbytes))
+        # NOTE: read slice i+1 while slice i is written: disk reads overlap file writes.
+        nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
+        for a in range(0, h.shape[0], per):
+            cur = nxt
+            b = min(a + per, h.shape[0])
+            if b < h.shape[0]:
+                nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
+            _write_bytes(f, cur.result())
+
+
+def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
+    if t.numel() == 0:
+        return
+    flat = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+    f.write(memoryview(flat.numpy()))
+
+
+def _jsonable(value: Any, where: str, tensors: list[_Item]) -> Any:
+    if isinstance(value, torch.Tensor):
+        name = f"json/{len(tensors)}"
+        tensors.append(_Item(name, tensor=value.detach().cpu().clone()))
+        return {"__tensor__": name}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_jsonable(v, where, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_jsonable(v, where, tensors) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, where, tensors) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"__float__": repr(value)}
+        return value
+    raise TypeError(
+        f"cannot save {where}: {type(value).__name__} is not a tensor or JSON value (checkpoints "
+        "hold no pickled objects); store it as a number, string, list or tensor"
+    )
+
+
+def _unjson(value: Any, get: Callable[[str], torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return get(value["__tensor__"])
+        if "__tuple__" in value:
+            return tuple(_unjson(v, get) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        return {k: _unjson(v, get) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjson(v, get) for v in value]
+    return value
+
+
+def _model_items(model: nn.Module) -> tuple[list[_Item], list[str]]:
+    items = []
+    names = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        b = binding(t) if isinstance(t, torch.Tensor) else None
+        if b is not None:
+            items.append(_Item(f"model/{name}", store=b.store, handle=b.handle))
+        else:
+            items.append(_Item(f"model/{name}", tensor=t))
+        names.append(name)
+    return items, names
+
+
+def _optimizer_items(
+    optimizer: torch.optim.Optimizer, model: nn.Module, tensors: list[_Item]
+) -> tuple[list[_Item], dict[str, Any]]:
+    pname = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    items: list[_Item] = []
+    groups = []
+    params: list[dict[str, Any]] = []
+    small: dict[str, dict[str, Any]] = {}
+    if isinstance(optimizer, HostOptimizer):
+        optimizer._wait()
+        for gi, g in enumerate(optimizer.param_groups):
+            hp = {k: v for k, v in g.items() if k != "params"}
+            groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
+                           "params": [optimizer._entries[id(p)].index for p in g["params"]]})
+        inner_state = optimizer._inner.state if optimizer._inner is not None else {}
+        store = optimizer._state_store or optimizer._aux
+        for e in optimizer._order:
+            params.append({"name": pname.get(id(e.param)), "shape": list(e.param.shape)})
+            if not e.streamed:
+                st = inner_state.get(e.master)
+                if not st:
+                    continue
+                sm = {}
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        items.append(_Item(f"optimizer/{e.index}/{k}", tensor=v))
+                    else:
+                        sm[k] = _jsonable(v, f"state of parameter {e.index}", tensors)
+                small[str(e.index)] = sm
+            elif e.initialized:
+                sm = {}
+                for k, h in e.state_handles.items():
+                    items.append(_Item(f"optimizer/{e.index}/{k}", store=store, handle=h))
+                for k, v in e.small.items():
+                    if isinstance(v, torch.Tensor):
+                        items.append(_Item(f"optimizer/{e.index}/{k}", tensor=v))
+                    else:
+                        sm[k] = _jsonable(v, f"state of parameter {e.index}", tensors)
+                small[str(e.index)] = sm
+    else:
+        sd = optimizer.state_dict()
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        for gi, g in enumerate(sd["param_groups"]):
+            hp = {k: v for k, v in g.items() if k != "params"}
+            groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
+                           "params": list(g["params"])})
+        for p in order:
+            params.append({"name": pname.get(id(p)), "shape": list(p.shape)})
+        for idx, st in sd["state"].items():
+            sm = {}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    items.append(_Item(f"optimizer/{idx}/{k}", tensor=v))
+                else:
+                    sm[k] = _jsonable(v, f"state of parameter {idx}", tensors)
+            small[str(idx)] = sm
+    meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
+            "small": small}
+    if isinstance(optimizer, HostOptimizer):
+        meta["inner_class"] = optimizer._cls.__name__
+    return items, meta
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Save ``model`` (and ``optimizer``) to one safetensors file, atomically.
+
+    Parameters and optimizer state that rest on disk are streamed into the file slice by
+    slice. The file replaces ``path`` only when complete and synced: a crash mid-save leaves
+    the old checkpoint intact.
+
+    Args:
+        path: the file to write (conventionally ``*.safetensors``).
+        model: the model; its ``state_dict()`` keys name the tensors. Store-resident
+            parameters (``headroom.offload``) are read from their store.
+        optimizer: a `HostOptimizer` or any ``torch.optim`` optimizer over ``model``'s
+            parameters.
+        extra: JSON-friendly values to keep alongside (epoch, an LR scheduler's
+            ``state_dict()``, ...); tensors inside are saved as tensors. Returned by `load`.
+
+    Raises:
+        TypeError: a value that is neither a tensor nor JSON (checkpoints hold no pickles).
+        OSError: the file cannot be written (the old checkpoint, if any, is untouched).
+
+    Example:
+        >>> hr.save("ckpt.safetensors", model, opt, extra={"step": 100})   # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    json_tensors: list[_Item] = []
+    items, names = _model_items(model)
+    meta: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "model": names}
+    if optimizer is not None:
+        opt_items, meta["optimizer"] = _optimizer_items(optimizer, model, json_tensors)
+        items += opt_items
+    meta["extra"] = _jsonable(dict(extra or {}), "extra", json_tensors)
+    items += json_tensors
+    header: dict[str, Any] = {"__metadata__": {"headroom": json.dumps(meta)}}
+    offset = 0
+    for it in items:
+        if it.name in header:
+            raise ValueError(f"duplicate tensor name {it.name!r} in checkpoint")
+        header[it.name] = {"dtype": _DTYPES[it.dtype], "shape": list(it.shape),
+                           "data_offsets": [offset, offset + it.nbytes]}
+        offset += it.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % _ALIGN)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for it in items:
+                it.write_to(f)
+            f.flush()
+            os.fsync(f.fileno())
+        # NOTE: os.replace is atomic on POSIX and Windows: readers see the old file or the new.
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # pragma: no cover - directories cannot be fsynced on some systems
+        pass
+
+
+class _LazyState(Mapping):
+    """One parameter's saved optimizer state, read from the file only when accessed."""
+
+    def __init__(self, keys: list[str], small: dict[str, Any], get) -> None:
+        self._keys = keys
+        self._small = small
+        self._get = get
+
+    def __getitem__(self, k: str) -> Any:
+        if k in self._small:
+            return self._small[k]
+        if k in self._keys:
+            return self._get(k)
+        raise KeyError(k)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._small) + self._keys)
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._keys)
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in place.
+
+    Parameters resting in a store are written into their store; tensors are read from the
+    file one at a time (memory-mapped), so a checkpoint larger than RAM loads into an
+    offloaded model and a disk-state optimizer.
+
+    Args:
+        path: the file `save` wrote.
+        model: a model with the same ``state_dict()`` keys and shapes.
+        optimizer: an optimizer over ``model``'s parameters, of the same class as saved.
+        strict: require the model's keys to match the file's exactly.
+
+    Returns:
+        The ``extra`` values given to `save`.
+
+    Raises:
+        ValueError: not a headroom checkpoint; keys, shapes or optimizer layout differ.
+        FileNotFoundError: no file at ``path``.
+
+    Example:
+        >>> extra = hr.load("ckpt.safetensors", model, opt)   # doctest: +SKIP
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as f:
+        raw = (f.metadata() or {}).get("headroom")
+        if raw is None:
+            raise ValueError(f"{path!r} is a safetensors file but not a headroom checkpoint")
+        meta = json.loads(raw)
+        if meta.get("format") != _FORMAT or meta.get("version", 0) > _VERSION:
+            raise ValueError(f"{path!r}: unsupported checkpoint format {meta.get('format')!r} "
+                             f"version {meta.get('version')!r}")
+        _load_model(f, model, meta["model"], strict)
+        if optimizer is not None:
+            if "optimizer" not in meta:
+                raise ValueError(f"{path!r} holds no optimizer state (saved without optimizer)")
+            _load_optimizer(f, optimizer, meta["optimizer"])
+            if isinstance(optimizer, HostOptimizer):
+                optimizer.reload_params()
+        return _unjson(meta.get("extra", {}), f.get_tensor)
+
+
+@torch.no_grad()
+def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
+    sd = model.state_dict(keep_vars=True)
+    if strict:
+        missing = [k for k in sd if k not in names]
+        unexpected = [k for k in names if k not in sd]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}; build the same model, or pass strict=False"
+            )
+    for name, t in sd.items():
+        if name not in names:
+            continue
+        key = f"model/{name}"
+        sl = f.get_slice(key)
+        shape = tuple(sl.get_shape())
+        if shape != tuple(t.shape):
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {shape}, model "
+                             f"{tuple(t.shape)}")
+        b = binding(t)
+        if b is not None:
+            h = b.handle
+            if not h.shape:
+                b.store.write(h, f.get_tensor(key).to(h.dtype).contiguous()).result()
+                continue
+            per = max(1, _CHUNK // max(1, h.row_nbytes))
+            futs = []
+            for a in range(0, h.shape[0], per):
+                part = sl[a:min(a + per, h.shape[0])].to(h.dtype).contiguous()
+                futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
+                if len(futs) > 2:
+                    futs.pop(0).result()
+            for fu in futs:
+                fu.result()
+        else:
+            t.data.copy_(f.get_tensor(key))
+
+
+def _load_optimizer(f, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+    is_host = isinstance(optimizer, HostOptimizer)
+    cls_name = optimizer._cls.__name__ if is_host else type(optimizer).__name__
+    saved_cls = meta.get("inner_class", meta["class"])
+    if cls_name != saved_cls:
+        raise ValueError(f"checkpoint holds {saved_cls} state, the optimizer is {cls_name}")
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(order) != len(meta["params"]):
+        raise ValueError(f"checkpoint optimizer has {len(meta['params'])} parameters, this one "
+                         f"{len(order)}")
+    for i, (p, info) in enumerate(zip(order, meta["params"], strict=True)):
+        if list(p.shape) != info["shape"]:
+            raise ValueError(f"optimizer parameter {i} ({info.get('name')}): checkpoint shape "
+                             f"{info['shape']}, parameter {list(p.shape)}")
+    keys = set(f.keys())
+    groups = []
+    for g in meta["groups"]:
+        hp = _unjson(g["hparams"], f.get_tensor)
+        groups.append({**hp, "params": g["params"]})
+    state: dict[int, Any] = {}
+    for idx, sm in meta["small"].items():
+        prefix = f"optimizer/{idx}/"
+        tkeys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+        small = {k: _unjson(v, f.get_tensor) for k, v in sm.items()}
+        state[int(idx)] = _LazyState(
+            tkeys, small, lambda k, prefix=prefix: f.get_tensor(prefix + k))
+    if not is_host:
+        state = {i: dict(st) for i, st in state.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,913 @@
+"""`HostOptimizer`: optimizer state and the step off the device, overlapped with backward.
+
+Adam keeps two fp32 tensors per parameter; for a model that barely fits, the optimizer is what
+breaks the device. The host optimizer keeps fp32 master weights, gradients and optimizer state
+in host memory (or state on disk) and runs PyTorch's own optimizer there, block by block as
+gradients arrive, so the device holds neither state nor more than the gradients in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from headroom.memory import annotate
+from headroom.offload._sliced import ELEMENTWISE, SliceRunner, SliceSource, probe_layout
+from headroom.transfer import (
+    Handle,
+    Mover,
+    ParamBinding,
+    Store,
+    StoreFullError,
+    binding,
+    resolve_store,
+)
+
+__all__ = ["HostOptimizer"]
+
+# NOTE: PyTorch ships fused CPU kernels for these four; they run at the memory-bandwidth limit
+# (as fast as hand-written CPU Adam kernels), so there is no reason to write our own.
+_FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+_LAZY = (torch.optim.Adam, torch.optim.AdamW)
+_ALIAS, _HOSTED, _BOUND = "alias", "hosted", "bound"
+
+
+class _Bucket:
+    """Parameters whose gradients complete close together; stepped together when all are in.
+
+    NOTE: one hand-off to the worker per bucket (not per parameter) keeps the two threads from
+    trading the GIL on every gradient, which costs more than it overlaps for small tensors.
+    """
+
+    __slots__ = ("entries", "remaining")
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self.entries = entries
+        self.remaining = len(entries)
+
+
+class _Entry:
+    """Book-keeping for one parameter."""
+
+    __slots__ = (
+        "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
+        "state_handles", "small", "initialized", "count", "expected", "launched", "grad_scale",
+        "bucket",
+    )
+
+    def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
+        self.param = param
+        self.index = index
+        self.group = group
+        self.kind = _ALIAS
+        self.master: torch.Tensor | None = None  # in-memory fp32 master (None: in a store)
+        self.own: ParamBinding | None = None  # HOSTED: our host master + gradient
+        self.bound: ParamBinding | None = None  # BOUND: the store-resident parameter's binding
+        self.sparse = False
+        self.streamed = False  # state rests in handles (sliced step) rather than in memory
+        self.state_handles: dict[str, Handle] = {}
+        self.small: dict[str, Any] = {}
+        self.initialized = False
+        self.count = 0  # gradients received since the last step
+        self.expected = 0  # gradients after which the step may start early (0: at step())
+        self.launched = False
+        self.grad_scale: torch.Tensor | None = None
+        self.bucket: _Bucket | None = None
+
+
+    @property
+    def binding(self) -> ParamBinding | None:
+        return self.own if self.kind == _HOSTED else self.bound
+
+    def has_grad(self) -> bool:
+        if self.kind == _ALIAS:
+            return self.param.grad is not None
+        b = self.binding
+        return b is not None and b.grad_handle is not None and b.has_grad
+
+    def grad_tensor(self) -> torch.Tensor | None:
+        """The gradient as an in-memory host tensor, or ``None`` if it rests elsewhere."""
+        if self.kind == _ALIAS:
+            return self.param.grad
+        b = self.binding
+        if b is None or b.grad_handle is None or not b.has_grad:
+            return None
+        return b.store.host_tensor(b.grad_handle)
+
+
+def _check_class(cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW,"
+            f" got {cls!r}"
+        )
+    if cls is torch.optim.LBFGS:
+        raise ValueError(
+            "torch.optim.LBFGS cannot run as a HostOptimizer: it re-evaluates the model inside "
+            "step() with a closure over all parameters at once; use it directly"
+        )
+
+
+def _probe_cpu(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Build and step ``cls`` on a CPU tensor; returns its defaults or explains why it can't."""
+    p = torch.zeros(4)
+    p.grad = torch.full((4,), 0.5)
+    try:
+        opt = cls([p], **kwargs)
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - any failure means it cannot run on the host
+        raise ValueError(
+            f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) cannot step "
+            f"on CPU tensors ({type(e).__name__}: {e}). HostOptimizer runs the step in host "
+            "memory: pick options that run on the CPU (e.g. fused=False, capturable=False) or an "
+            "optimizer with a CPU implementation"
+        ) from e
+    return dict(opt.defaults)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
+    return a == b
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer whose state and step live in host memory (or on disk).
+
+    Each parameter gets an fp32 master copy in host memory (for parameters on the CPU in fp32
+    the parameter itself is the master); its gradient moves to the host as soon as autograd
+    finishes accumulating it (a post-accumulate-grad hook; on an accelerator through the
+    transfer layer's mover on a side stream); PyTorch's own optimizer class updates the master
+    on the host and the result is copied back. Parameters offloaded by `headroom.offload` are
+    read from and written back to their store. The result is bitwise that of
+    ``optimizer_class`` itself on the same CPU tensors.
+
+    It is a ``torch.optim.Optimizer``: ``zero_grad``, ``step``, ``state_dict``,
+    ``load_state_dict``, ``param_groups`` and LR schedulers work as usual. Gradients of
+    parameters on an accelerator do not stay in ``param.grad`` (they move to the host); use
+    `clip_grad_norm_` and `grad` to reach them.
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
+            one device (store-resident parameters count as on their compute device).
+        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. For Adam,
+            AdamW, SGD and Adagrad the fused CPU kernel is chosen unless ``fused``/``foreach``
+            is given (it is bitwise equal to ``optimizer_class(..., fused=True)``; pass
+            ``fused=False`` to match PyTorch's default single-tensor CPU path instead).
+        state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
+            ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
+            slices with reads, update and writes overlapped; needs an element-wise optimizer
+            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam). Costs disk bandwidth on
+            every step (read and write each state tensor once).
+        overlap: start a parameter's step on a worker thread as soon as its gradient is
+            complete, while backward continues; ``step()`` then waits for the rest. When a
+            gradient counts as complete is learned from the previous iteration (how many
+            backward passes each parameter saw before ``step()``), so the first iteration and
+            any iteration after `clip_grad_norm_` step at ``step()``. Bitwise the same result
+            as ``overlap=False``. Hyperparameters (e.g. the learning rate) are read when a
+            parameter's step starts: change them before backward, not between backward and
+            ``step()`` (that is detected and raises).
+        row_sparse: parameters (2-D or more, e.g. embeddings and huge classifier weights) that
+            take *lazy Adam* steps: only rows with a non-zero gradient (or the rows named by
+            their binding's ``grad_rows``) are read, updated and written; the moments of other
+            rows are not decayed and get no weight decay that step. Adam and AdamW only. Not
+            the same result as dense Adam unless every row has a gradient.
+        slice_bytes: fp32 bytes of one slice in the sliced (disk) step. Larger slices amortize
+            per-call costs; smaller ones bound the host memory in flight (about 8 slices).
+        bucket_bytes: with ``overlap``, parameters are grouped in the order their gradients
+            arrived in the previous iteration into buckets of about this many fp32 bytes; a
+            bucket's step starts once all its gradients are in. Smaller buckets start earlier
+            and overlap more; each costs one hand-off to the worker thread.
+        **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ...).
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
+        ValueError: parameters on more than one device; an optimizer that cannot run on the
+            CPU; ``state_store``/``row_sparse`` with an optimizer they cannot support.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        state_store: str | Store = "cpu",
+        overlap: bool = True,
+        row_sparse: Iterable[torch.Tensor] = (),
+        slice_bytes: int = 16 << 20,
+        bucket_bytes: int = 32 << 20,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        _check_class(optimizer_class)
+        kwargs = dict(optimizer_kwargs)
+        if optimizer_class in _FUSED_CPU and "fused" not in kwargs and "foreach" not in kwargs:
+            kwargs["fused"] = True
+        defaults = _probe_cpu(optimizer_class, kwargs)
+        if slice_bytes <= 0 or bucket_bytes <= 0:
+            raise ValueError(
+                f"slice_bytes and bucket_bytes must be positive, got {slice_bytes}, {bucket_bytes}")
+        self._bucket_bytes = bucket_bytes
+        self._cls = optimizer_class
+        self._kwargs = kwargs
+        self._overlap = bool(overlap)
+        self._row_sparse_ids = {id(p) for p in row_sparse}
+        if self._row_sparse_ids and optimizer_class not in _LAZY:
+            raise ValueError(
+                f"row_sparse needs Adam or AdamW (lazy Adam), got {optimizer_class.__name__};"
+                " drop row_sparse to step those parameters densely"
+            )
+        if isinstance(state_store, str):
+            if state_store not in ("cpu", "host"):
+                resolve_store(state_store)  # raises the standard message
+            self._state_store: Store | None = None
+        elif isinstance(state_store, Store):
+            self._state_store = state_store
+        else:
+            raise TypeError(
+                f"state_store must be 'cpu' or a store such as headroom.DiskStore(path), got"
+                f" {state_store!r}"
+            )
+        if self._state_store is not None and optimizer_class not in ELEMENTWISE:
+            raise ValueError(
+                f"state_store={self._state_store!r} steps the state in slices, which is exact "
+                f"only for element-wise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE)})"
+                f"; {optimizer_class.__name__} needs state_store='cpu'"
+            )
+        self._entries: dict[int, _Entry] = {}
+        self._order: list[_Entry] = []
+        self._device: torch.device | None = None
+        self._inner: torch.optim.Optimizer | None = None
+        self._inner_groups: dict[int, dict[str, Any]] = {}
+        self._host: Store | None = None  # host masters/gradients of HOSTED parameters
+        self._aux: Store | None = None  # handle-based state when state_store is "cpu"
+        self._mover: Mover | None = None
+        self._mover_lock = threading.Lock()
+        self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes)
+        self._layouts: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
+        self._ready: list[_Entry] = []
+        self._arrival: list[_Entry] = []  # first-gradient order in this iteration
+        self._launched_hparams: dict[int, dict[str, Any]] = {}
+        self._clipped = False
+        self._tickets: list[Any] = []
+        self._hooks: list[Any] = []
+        self._key_prefix = f"hr-opt-{id(self):x}"
+        super().__init__(params, defaults)
+        self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
+
+    # ------------------------------------------------------------------ setup
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (same contract as ``torch.optim.Optimizer.add_param_group``)."""
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        entries = []
+        try:
+            for p in group["params"]:
+                e = self._make_entry(p, gi, len(self._order) + len(entries))
+                entries.append(e)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        for e in entries:
+            self._entries[id(e.param)] = e
+            self._order.append(e)
+        masters = [e.master for e in entries if not e.streamed]
+        hp = {k: v for k, v in group.items() if k != "params"}
+        if masters:
+            if self._inner is None:
+                self._inner = self._cls([{**hp, "params": masters}], **self._kwargs)
+            else:
+                self._inner.add_param_group({**hp, "params": masters})
+            self._inner_groups[gi] = self._inner.param_groups[-1]
+        for e in entries:
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> _Entry:
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            raise TypeError(f"HostOptimizer steps floating-point tensors, got {type(p)} "
+                            f"{getattr(p, 'dtype', '')}")
+        dev = p.device
+        if self._device is None:
+            self._device = dev
+        elif dev != self._device:
+            raise ValueError(
+                f"HostOptimizer got parameters on {self._device} and on {dev}: all parameters "
+                "must be on one device. Move the model to one device (model.to(device)) or use "
+                "one HostOptimizer per device"
+            )
+        e = _Entry(p, index, gi)
+        e.sparse = id(p) in self._row_sparse_ids
+        if e.sparse and p.dim() < 2:
+            raise ValueError(
+                f"row_sparse parameter of shape {tuple(p.shape)} has no rows; pass only 2-D "
+                "(or larger) parameters such as embedding or classifier weights"
+            )
+        b = binding(p)
+        if b is not None:
+            e.kind = _BOUND
+            e.bound = b
+            host = b.store.host_tensor(b.handle)
+            if host is not None and host.dtype == torch.float32:
+                e.master = host
+        elif dev.type == "cpu" and p.dtype == torch.float32:
+            e.kind = _ALIAS
+            # NOTE: on the CPU in fp32 the parameter is its own master: no copy, and the
+            # gradient stays in param.grad, where torch's own utilities find it.
+            e.master = p.detach()
+        else:
+            e.kind = _HOSTED
+            if self._host is None:
+                self._host = resolve_store("cpu", dev)
+                self._mover = Mover(dev, self._host)
+            key = f"{self._key_prefix}/{e.index}"
+            mh = self._host.alloc(key + "/master", tuple(p.shape), torch.float32, zero=False)
+            gh = self._host.alloc(key + "/grad", tuple(p.shape), torch.float32, zero=False)
+            e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh)
+            e.master = self._host.host_tensor(mh)
+            with torch.no_grad():
+                e.master.copy_(p.detach())
+        e.streamed = (self._state_store is not None or e.sparse or e.master is None)
+        if e.streamed and self._cls not in ELEMENTWISE:
+            raise ValueError(
+                f"{self._cls.__name__} cannot step parameters whose master rests on disk (it is "
+                "not element-wise); use an element-wise optimizer such as AdamW"
+            )
+        return e
+
+    # ------------------------------------------------------------------ gradients
+    def _on_grad(self, p: torch.Tensor) -> None:
+        e = self._entries.get(id(p))
+        if e is None:
+            return
+        if e.launched:
+            raise RuntimeError(
+                "HostOptimizer(overlap=True) had already started the step of a parameter when it "
+                f"received another gradient (after {e.expected} backward pass(es), as in the "
+                "previous iteration). Call step() after the same number of backward passes "
+                "each iteration, or pass overlap=False"
+            )
+        if e.kind == _HOSTED and p.grad is not None:
+            g = p.grad
+            with self._mover_lock:
+                acc = e.own.has_grad
+                self._mover.push_grad(g, e.own, accumulate=acc)
+            # NOTE: free the device gradient now: at most the gradients in flight to the host
+            # stay on the device.
+            p.grad = None
+        e.count += 1
+        if e.count == 1:
+            self._arrival.append(e)
+        if e.bucket is not None and e.count == e.expected:
+            bucket = e.bucket
+            bucket.remaining -= 1
+            if bucket.remaining == 0:
+                for x in bucket.entries:
+                    x.launched = True
+                with self._lock:
+                    self._ready.extend(bucket.entries)
+                self._futures.append(self._pool.submit(self._drain))
+
+    def _start_pool(self) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-host-step")
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._ready = self._ready, []
+        if batch:
+            self._step_entries(batch, early=True)
+
+    def _wait(self) -> None:
+        futures, self._futures = self._futures, []
+        err = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as ex:  # noqa: BLE001 - re-raised below, first one wins
+                err = err or ex
+        if err is not None:
+            raise err
+
+    # ------------------------------------------------------------------ the step
+    def _hparams(self, gi: int) -> dict[str, Any]:
+        return {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+
+    @torch.no_grad()
+    def _step_entries(self, batch: list[_Entry], *, early: bool = False) -> None:
+        if not batch:
+            return
+        if any(e.kind == _HOSTED for e in batch) and self._mover is not None:
+            with self._mover_lock:
+                self._mover.synchronize()
+        if early:
+            with self._lock:
+                for e in batch:
+                    self._launched_hparams.setdefault(e.group, self._hparams(e.group))
+        in_mem = [e for e in batch if not e.streamed and e.has_grad()]
+        streamed = [e for e in batch if e.streamed and e.has_grad()]
+        self._allocate_state(streamed)
+        if in_mem:
+            # NOTE: the inner optimizer sees only this batch's masters (and their gradients):
+            # its per-call Python work then scales with the batch, not with the model.
+            saved = {}
+            for gi, inner in self._inner_groups.items():
+                for k, v in self.param_groups[gi].items():
+                    if k != "params":
+                        inner[k] = v
+                saved[gi] = inner["params"]
+                inner["params"] = [e.master for e in in_mem if e.group == gi]
+            for e in in_mem:
+                e.master.grad = e.grad_tensor()
+            try:
+                self._inner.step()
+            finally:
+                for e in in_mem:
+                    e.master.grad = None
+                for gi, inner in self._inner_groups.items():
+                    inner["params"] = saved[gi]
+        for e in streamed:
+            self._step_streamed(e)
+        for e in in_mem + streamed:
+            self._copy_back(e)
+
+    def _step_streamed(self, e: _Entry) -> None:
+        b = e.binding
+        grad = e.grad_tensor()
+        rows = None
+        if e.sparse:
+            rows = self._grad_rows(e, grad)
+            if rows is not None and rows.numel() == 0:
+                return  # lazy Adam: a parameter without any gradient row takes no step
+        src = SliceSource(
+            master=e.master,
+            master_store=None if e.master is not None else e.bound.store,
+            master_handle=None if e.master is not None else e.bound.handle,
+            grad=grad,
+            grad_store=None if grad is not None else b.store,
+            grad_handle=None if grad is not None else b.grad_handle,
+            grad_scale=e.grad_scale,
+            state_store=self._state_store or self._aux,
+            state_handles=e.state_handles,
+            small=e.small,
+            initialized=e.initialized,
+            rows=rows,
+        )
+        e.small = self._slicer.step(src, e.group, self.param_groups[e.group])
+        e.initialized = True
+        e.grad_scale = None
+
+    def _grad_rows(self, e: _Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
+        b = e.binding
+        if b is not None and b.grad_rows is not None:
+            return b.grad_rows.to("cpu", torch.int64)
+        if grad is None:
+            grad = b.store.read(b.grad_handle).result()
+        nz = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)
+        return torch.nonzero(nz).flatten()
+
+    def _allocate_state(self, entries: list[_Entry]) -> None:
+        """Allocate the state of every entry about to take its first sliced step, up front.
+
+        NOTE: allocating before anything is updated makes a full store fail the step whole:
+        no parameter has moved and no state is half-written (DiskStore reserves the blocks at
+        allocation, so later writes cannot run out of space).
+        """
+        todo = [e for e in entries if not e.state_handles]
+        if not todo:
+            return
+        store = self._state_store
+        if store is None:
+            if self._aux is None:
+                self._aux = resolve_store("cpu", "cpu")
+            store = self._aux
+        made: list[Handle] = []
+        try:
+            for e in todo:
+                layout = self._layout(e.group)
+                handles = {}
+                for k in layout.shaped:
+                    h = store.alloc(f"{self._key_prefix}/{e.index}/{k}",
+                                    tuple(e.param.shape), torch.float32, zero=True)
+                    made.append(h)
+                    handles[k] = h
+                    host = store.host_tensor(h)
+                    if host is not None:
+                        annotate(host, "optimizer_state")
+                e.state_handles = handles
+        except BaseException as ex:
+            for h in made:
+                store.free(h)
+            for e in todo:
+                e.state_handles = {}
+            need = sum(
+                e.param.numel() * 4 * len(self._layout(e.group).shaped) for e in todo)
+            if isinstance(ex, (StoreFullError, OSError)):
+                raise StoreFullError(
+                    f"optimizer state does not fit in {store!r}: this step needs {need} more "
+                    f"bytes ({ex}). Nothing was updated; free space, raise max_bytes, or point "
+                    "state_store at a larger disk"
+                ) from ex
+            raise
+
+    def _layout(self, gi: int):
+        lay = self._layouts.get(gi)
+        if lay is None:
+            lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
+        return lay
+
+    def _copy_back(self, e: _Entry) -> None:
+        if e.kind == _ALIAS or e.kind == _BOUND:
+            return  # updated in place / written back to the store
+        p = e.param
+        if self._mover is not None and self._mover.accelerated:
+            with self._mover_lock:
+                self._tickets.append(self._mover.fetch(e.own.handle, p.data))
+        else:
+            with torch.no_grad():
+                p.data.copy_(e.master)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish the step: wait for the parameters already stepping, step the rest.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional, as in torch.optim).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            RuntimeError: a hyperparameter changed after some parameters already took this
+                step (overlap), or a background step failed.
+            StoreFullError: the state store cannot hold new state (nothing was updated).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._wait()
+        self._check_hparams()
+        rest = [e for e in self._order if not e.launched]
+        self._step_entries(rest)
+        self._finish_iteration()
+        return loss
+
+    def _finish_iteration(self) -> None:
+        if self._tickets:
+            with self._mover_lock:
+                for t in self._tickets:
+                    self._mover.wait(t)
+            self._tickets = []
+        arm = self._overlap and not self._clipped
+        for e in self._order:
+            e.expected = e.count if arm else 0
+            e.bucket = None
+        if arm and self._arrival:
+            self._start_pool()
+            # NOTE: buckets follow the order gradients arrived in (backward order), like DDP's
+            # rebuilt buckets, so each bucket completes as early as possible.
+            cur: list[_Entry] = []
+            size = 0
+            for e in self._arrival:
+                cur.append(e)
+                size += e.param.numel() * 4
+                if size >= self._bucket_bytes:
+                    self._buckets_add(cur)
+                    cur, size = [], 0
+            if cur:
+                self._buckets_add(cur)
+        for e in self._order:
+            e.count = 0
+            e.launched = False
+        self._arrival = []
+        self._clipped = False
+        self._launched_hparams = {}
+        self._refresh_state_view()
+
+    @staticmethod
+    def _buckets_add(entries: list[_Entry]) -> None:
+        bucket = _Bucket(entries)
+        for e in entries:
+            e.bucket = bucket
+
+    def _reset_buckets(self) -> None:
+        for e in self._order:
+            if e.bucket is not None:
+                e.bucket.remaining = len(e.bucket.entries)
+
+    def _check_hparams(self) -> None:
+        for gi, snap in self._launched_hparams.items():
+            now = self._hparams(gi)
+            for k, v in snap.items():
+                if not _same(v, now.get(k)):
+                    raise RuntimeError(
+                        f"param_groups[{gi}][{k!r}] changed from {v!r} to {now.get(k)!r} after "
+                        "HostOptimizer(overlap=True) had started stepping parameters with the "
+                        "old value during backward. Set hyperparameters before backward (LR "
+                        "schedulers do: call scheduler.step() after opt.step()), or pass "
+                        "overlap=False"
+                    )
+
+    def _refresh_state_view(self) -> None:
+        view: defaultdict = defaultdict(dict)
+        inner_state = self._inner.state if self._inner is not None else {}
+        for e in self._order:
+            if not e.streamed:
+                st = inner_state.get(e.master)
+                if st:
+                    view[e.param] = st
+            elif e.initialized:
+                st = dict(e.small)
+                if self._state_store is None:
+                    for k, h in e.state_handles.items():
+                        st[k] = self._aux.host_tensor(h)
+                view[e.param] = st
+        self.state = view
+
+    # ------------------------------------------------------------------ gradients API
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients wherever they rest (device, host or store).
+
+        Raises:
+            RuntimeError: some parameters already started this iteration's step (overlap) and
+                ``step()`` was not called.
+        """
+        self._wait()
+        if any(e.launched for e in self._order):
+            raise RuntimeError(
+                "zero_grad() after backward already started stepping parameters "
+                "(HostOptimizer(overlap=True)); call step() first, or pass overlap=False"
+            )
+        for e in self._order:
+            p = e.param
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+            b = e.binding if e.kind != _ALIAS else None
+            if b is not None and b.grad_handle is not None and b.has_grad:
+                if set_to_none:
+                    b.has_grad = False
+                    b.grad_rows = None
+                else:
+                    host = b.store.host_tensor(b.grad_handle)
+                    if host is not None:
+                        host.zero_()
+                    else:
+                        b.store.write(b.grad_handle, torch.zeros(
+                            b.grad_handle.shape, dtype=b.grad_handle.dtype)).result()
+            e.count = 0
+            e.grad_scale = None
+        self._arrival = []
+        self._reset_buckets()
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The accumulated gradient of ``param`` as a host tensor (a copy if it rests on disk).
+
+        Args:
+            param: one of this optimizer's parameters.
+
+        Raises:
+            KeyError: ``param`` is not in this optimizer.
+        """
+        e = self._entries.get(id(param))
+        if e is None:
+            raise KeyError("parameter is not managed by this HostOptimizer")
+        self._wait()
+        if e.kind == _HOSTED and self._mover is not None:
+            with self._mover_lock:
+                self._mover.synchronize()
+        if not e.has_grad():
+            return None
+        g = e.grad_tensor()
+        if g is None:
+            b = e.binding
+            g = b.store.read(b.grad_handle).result()
+        if e.grad_scale is not None:
+            g = g * e.grad_scale
+        return g
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of all parameters by their total norm, wherever they rest.
+
+        The same computation as ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, then the
+        norm of those), so the result is bitwise equal on the same gradients. Gradients on
+        disk are read once for the norm and scaled as they are read by the step.
+
+        Args:
+            max_norm: largest allowed total norm.
+            norm_type: the p of the p-norm (``float('inf')`` for the max norm).
+            error_if_nonfinite: raise if the total norm is nan or inf.
+
+        Returns:
+            The total norm before clipping (a host tensor).
+
+        Raises:
+            RuntimeError: called after parameters already started this iteration's step
+                (overlap; cannot happen on the iteration after a call to this method), or the
+                norm is non-finite and ``error_if_nonfinite``.
+        """
+        self._wait()
+        if any(e.launched for e in self._order):
+            raise RuntimeError(
+                "clip_grad_norm_() after backward had already started stepping parameters "
+                "(HostOptimizer(overlap=True) learned from the previous iteration that no "
+                "clipping was done). Call clip_grad_norm_ every iteration, or pass overlap=False"
+            )
+        self._clipped = True
+        if self._mover is not None:
+            with self._mover_lock:
+                self._mover.synchronize()
+        norm_type = float(norm_type)
+        in_mem: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
+        disk: list[_Entry] = []
+        for e in self._order:
+            if not e.has_grad():
+                continue
+            g = e.grad_tensor()
+            if g is not None:
+                in_mem.append(g)
+                norms.append(None)  # filled below, in parameter order
+            else:
+                b = e.binding
+                norms.append(torch.linalg.vector_norm(
+                    b.store.read(b.grad_handle).result(), norm_type))
+                disk.append(e)
+        if not norms:
+            return torch.tensor(0.0)
+        if in_mem:
+            # NOTE: torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
+            mem_norms = iter(torch._foreach_norm(in_mem, norm_type))
+            norms = [next(mem_norms) if n is None else n for n in norms]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; pass error_if_nonfinite=False to scale by it anyway"
+            )
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if in_mem:
+            torch._foreach_mul_(in_mem, coef)
+        for e in disk:
+            e.grad_scale = coef if e.grad_scale is None else e.grad_scale * coef
+        return total
+
+    # ------------------------------------------------------------------ state dicts
+    def _index_state(self, e: _Entry) -> dict[str, Any] | None:
+        if not e.streamed:
+            st = self._inner.state.get(e.master) if self._inner is not None else None
+            return dict(st) if st else None
+        if not e.initialized:
+            return None
+        store = self._state_store or self._aux
+        st = dict(e.small)
+        for k, h in e.state_handles.items():
+            st[k] = store.read(h).result()
+        return st
+
+    def state_dict(self) -> dict[str, Any]:
+        """The same structure as ``optimizer_class(...).state_dict()`` for these parameters.
+
+        State resting on disk is read into memory; `headroom.save` streams it instead.
+        """
+        self._wait()
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [e.index for e in self._order if e.group == gi]
+            groups.append(packed)
+        state = {}
+        for e in self._order:
+            st = self._index_state(e)
+            if st:
+                state[e.index] = st
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from `state_dict` (or from the plain ``optimizer_class``).
+
+        Raises:
+            ValueError: the parameter groups do not match in number or size.
+        """
+        self._wait()
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved)} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if sizes != [len(g["params"]) for g in saved]:
+            raise ValueError(
+                "loaded state dict has parameter groups of sizes "
+                f"{[len(g['params']) for g in saved]}, this optimizer has {sizes}"
+            )
+        id_map = {}
+        for sg, g in zip(saved, self.param_groups, strict=True):
+            for old, p in zip(sg["params"], g["params"], strict=True):
+                id_map[old] = self._entries[id(p)]
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+        states = state_dict["state"]
+        inner_sd_state = {}
+        streamed_state: dict[_Entry, dict[str, Any]] = {}
+        for old, st in states.items():
+            e = id_map[int(old)]
+            if e.streamed:
+                streamed_state[e] = st
+            else:
+                inner_sd_state[e] = dict(st)
+        if self._inner is not None:
+            inner_ids = {}
+            order = [e for e in self._order if not e.streamed]
+            for i, e in enumerate(order):
+                inner_ids[e] = i
+            inner_groups = []
+            for gi in sorted(self._inner_groups):
+                packed = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+                packed["params"] = [inner_ids[e] for e in order if e.group == gi]
+                inner_groups.append(packed)
+            self._inner.load_state_dict({
+                "state": {inner_ids[e]: st for e, st in inner_sd_state.items()},
+                "param_groups": inner_groups,
+            })
+        for e in self._order:
+            if e.streamed:
+                e.initialized = False
+                e.small = {}
+        self._allocate_state(list(streamed_state))
+        store = self._state_store or self._aux
+        for e, st in streamed_state.items():
+            for k, h in e.state_handles.items():
+                if k not in st:
+                    raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
+                t = st[k].detach().to("cpu", torch.float32).reshape(h.shape).contiguous()
+                store.write(h, t).result()
+            e.small = {k: (v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v)
+                       for k, v in st.items() if k not in e.state_handles}
+            e.initialized = True
+        self._refresh_state_view()
+
+    def reload_params(self) -> None:
+        """Re-read the master copies from the parameters after they changed outside ``step``.
+
+        Needed only for parameters on an accelerator or not in fp32 (elsewhere the parameter
+        is its own master); `headroom.load` calls it.
+        """
+        self._wait()
+        with torch.no_grad():
+            for e in self._order:
+                if e.kind == _HOSTED:
+                    e.master.copy_(e.param.detach())
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the worker thread (the state stays readable)."""
+        self._wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "HostOptimizer cannot be pickled or deep-copied (it holds hooks and a worker "
+            "thread); save it with headroom.save(path, model, optimizer) or state_dict()"
+        )
+
+    def __repr__(self) -> str:
+        return (f"HostOptimizer({self._cls.__name__}, params={len(self._order)}, "
+                f"state_store={self._state_store or 'cpu'!r}, overlap={self._overlap})")
+

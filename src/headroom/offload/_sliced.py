@@ -1,0 +1,299 @@
+"""Running a ``torch.optim`` optimizer on slices of a parameter whose state rests in a store.
+
+The host optimizer keeps optimizer state in host memory by default, where PyTorch's own
+optimizer steps whole tensors. When the state (or the master weights) rest in a store that is
+not plain host memory (a `DiskStore`), or when only some rows of a parameter take a step
+(row-sparse mode), the step runs slice by slice: read the master, gradient and state rows of a
+slice, let PyTorch's optimizer update that slice, write the results back. Reads of the next
+slice and writes of the previous one overlap the update of the current one.
+
+This is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each
+element's update depends only on that element and on per-tensor scalars (the step count), which
+every slice carries as its own copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from headroom.transfer import Handle, Store
+
+__all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
+
+# NOTE: only optimizers whose update is element-wise may be sliced. Others (Adafactor's factored
+# row/column statistics, LBFGS) are refused for sliced state rather than silently changed.
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
+    if hasattr(torch.optim, name)
+)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which per-parameter state entries an optimizer keeps, learned from a one-step probe.
+
+    Attributes:
+        shaped: keys of state tensors shaped like the parameter (sliced with it).
+        small: keys of everything else (step counters and other scalars), kept in memory.
+    """
+
+    shaped: tuple[str, ...]
+    small: tuple[str, ...] = field(default=())
+
+
+def ctor_kwargs(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of ``group`` that ``cls``'s constructor accepts."""
+    names = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    return {k: v for k, v in group.items() if k in names}
+
+
+def probe_layout(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> StateLayout:
+    """Step ``cls`` once on a tiny parameter to learn the layout of its state."""
+    p = torch.zeros(2, 3)
+    p.grad = torch.full((2, 3), 0.5)
+    opt = cls([p], **ctor_kwargs(cls, group))
+    opt.step()
+    shaped, small = [], []
+    for k, v in opt.state[p].items():
+        if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3):
+            shaped.append(k)
+        else:
+            small.append(k)
+    return StateLayout(tuple(shaped), tuple(small))
+
+
+def _clone_small(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+@dataclass
+class SliceSource:
+    """Where one parameter's master, gradient and state rest for a sliced step.
+
+    Exactly one of ``master`` (an in-memory fp32 tensor updated in place) or
+    ``master_handle`` (in ``master_store``) is set; the same holds for the gradient.
+    """
+
+    master: torch.Tensor | None
+    master_store: Store | None
+    master_handle: Handle | None
+    grad: torch.Tensor | None
+    grad_store: Store | None
+    grad_handle: Handle | None
+    grad_scale: torch.Tensor | None
+    state_store: Store
+    state_handles: dict[str, Handle]
+    small: dict[str, Any]
+    initialized: bool
+    rows: torch.Tensor | None = None  # row-sparse mode: sorted rows to touch; None = all rows
+
+
+def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return max(1, slice_bytes // max(1, row * 4))
+
+
+class SliceRunner:
+    """Steps parameters slice by slice with a private instance of the user's optimizer class.
+
+    Args:
+        cls: the ``torch.optim.Optimizer`` subclass.
+        slice_bytes: target fp32 bytes of one slice of the master weight.
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer], *, slice_bytes: int) -> None:
+        self.cls = cls
+        self.slice_bytes = slice_bytes
+        self._opts: dict[int, torch.optim.Optimizer] = {}
+        self._bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _buf(self, name: str, parity: int, handle: Handle, n_rows: int) -> torch.Tensor:
+        """A reusable landing buffer for ``n_rows`` rows of ``handle`` (double-buffered)."""
+        shape = (n_rows, *handle.shape[1:])
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * handle.dtype.itemsize
+        buf = self._bufs.get((name, parity))
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self._bufs[(name, parity)] = buf
+        return buf[:nbytes].view(handle.dtype).view(shape)
+
+    def release_buffers(self) -> None:
+        """Drop the landing buffers (they are re-created on the next sliced step)."""
+        self._bufs.clear()
+
+    def _optimizer(self, gi: int, group: dict[str, Any]) -> torch.optim.Optimizer:
+        opt = self._opts.get(gi)
+        if opt is None:
+            placeholder = torch.zeros(1)
+            opt = self.cls([placeholder], **ctor_kwargs(self.cls, group))
+            opt.state.clear()
+            self._opts[gi] = opt
+        inner = opt.param_groups[0]
+        for k, v in group.items():
+            if k != "params":
+                inner[k] = v
+        return opt
+
+    def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        # NOTE: most optimizers create state lazily in step(); a few (Adagrad) create it in the
+        # constructor. A throwaway instance on the slice covers both.
+        tmp = self.cls([work], **ctor_kwargs(self.cls, group))
+        return dict(tmp.state.get(work, {}))
+
+    def step(self, src: SliceSource, gi: int, group: dict[str, Any]) -> dict[str, Any]:
+        """Step one parameter; returns its new small state. State handles must exist."""
+        opt = self._optimizer(gi, group)
+        shape = (src.master_handle.shape if src.master is None else tuple(src.master.shape))
+        if not shape:  # 0-dim: one slice of one element
+            return self._step_scalar(src, opt, group)
+        n_rows = shape[0] if src.rows is None else int(src.rows.numel())
+        per = _rows_per_slice(shape, self.slice_bytes)
+        slices = [(a, min(a + per, n_rows)) for a in range(0, n_rows, per)]
+        if not slices:
+            return src.small
+        pending_writes: list[list[Future]] = [[], []]
+        new_small: dict[str, Any] = src.small
+
+        def sel(a: int, b: int) -> slice | torch.Tensor:
+            return slice(a, b) if src.rows is None else src.rows[a:b]
+
+        def fetch(i: int) -> dict[str, Any]:
+            a, b = slices[i]
+            rows = sel(a, b)
+            par = i % 2
+            got: dict[str, Any] = {"rows": rows}
+            got["p"] = self._load(src.master, src.master_store, src.master_handle, rows,
+                                  ("p", par, b - a))
+            got["g"] = self._load(src.grad, src.grad_store, src.grad_handle, rows,
+                                  ("g", par, b - a))
+            if src.initialized:
+                got["s"] = {
+                    k: self._load(None, src.state_store, h, rows, ("s" + k, par, b - a))
+                    for k, h in src.state_handles.items()
+                }
+            return got
+
+        nxt = fetch(0)
+        for i, _ in enumerate(slices):
+            cur = nxt
+            if i + 1 < len(slices):
+                # NOTE: wait for the writes that used the other half of the double buffer,
+                # then start the next slice's reads: they overlap this slice's update.
+                for f in pending_writes[(i + 1) % 2]:
+                    f.result()
+                pending_writes[(i + 1) % 2] = []
+                nxt = fetch(i + 1)
+            work = _result(cur["p"])
+            grad = _result(cur["g"])
+            if src.grad_scale is not None:
+                # NOTE: scale a landed copy in place; never the resting gradient itself.
+                owned = isinstance(cur["g"], Future)
+                grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
+            rows = cur["rows"]
+            if src.initialized:
+                state = {k: _result(v) for k, v in cur["s"].items()}
+                state.update({k: _clone_small(v) for k, v in src.small.items()})
+            else:
+                state = self._fresh_state(work, group)
+            opt.param_groups[0]["params"] = [work]
+            opt.state[work] = state
+            work.grad = grad
+            try:
+                opt.step()
+            finally:
+                work.grad = None
+                opt.param_groups[0]["params"] = []
+                state = opt.state.pop(work, state)
+            writes = pending_writes[i % 2]
+            for k, h in src.state_handles.items():
+                t = state[k]
+                if _is_view_of(t, cur.get("s", {}).get(k)):
+                    continue  # updated in place in the resting host tensor
+                writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
+            if not _is_in_place(cur["p"]):
+                writes.append(src.master_store.write_rows(src.master_handle, rows, work))
+            elif src.rows is not None and src.master is not None:
+                src.master.index_copy_(0, rows, work)
+            new_small = {k: state[k] for k in state if k not in src.state_handles}
+        for ws in pending_writes:
+            for f in ws:
+                f.result()
+        return new_small
+
+    def _step_scalar(self, src: SliceSource, opt, group) -> dict[str, Any]:
+        work = (src.master if src.master is not None
+                else src.master_store.read(src.master_handle).result())
+        grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
+        if src.grad_scale is not None:
+            grad = grad.mul(src.grad_scale)
+        if src.initialized:
+            state = {k: src.state_store.read(h).result() for k, h in src.state_handles.items()}
+            state.update({k: _clone_small(v) for k, v in src.small.items()})
+        else:
+            state = self._fresh_state(work, group)
+        opt.param_groups[0]["params"] = [work]
+        opt.state[work] = state
+        work.grad = grad
+        try:
+            opt.step()
+        finally:
+            work.grad = None
+            opt.param_groups[0]["params"] = []
+            state = opt.state.pop(work, state)
+        for k, h in src.state_handles.items():
+            src.state_store.write(h, state[k].contiguous()).result()
+        if src.master is None:
+            src.master_store.write(src.master_handle, work).result()
+        return {k: state[k] for k in state if k not in src.state_handles}
+
+    def _load(
+        self, mem: torch.Tensor | None, store: Store | None, handle: Handle | None,
+        rows: slice | torch.Tensor, buf: tuple[str, int, int],
+    ) -> Any:
+        """A slice: a view of an in-memory tensor, of a resting host tensor, or a read future."""
+        if mem is not None:
+            if isinstance(rows, slice):
+                return _InPlace(mem[rows])
+            return mem.index_select(0, rows)
+        assert store is not None and handle is not None
+        host = store.host_tensor(handle)
+        if host is not None and isinstance(rows, slice):
+            return _InPlace(host[rows])
+        return store.read_rows(handle, rows, out=self._buf(buf[0], buf[1], handle, buf[2]))
+
+
+class _InPlace:
+    """A slice that is a view of the resting tensor: updating it updates the rest."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _result(x: Any) -> torch.Tensor:
+    if isinstance(x, _InPlace):
+        return x.t
+    if isinstance(x, Future):
+        return x.result()
+    return x
+
+
+def _is_in_place(x: Any) -> bool:
+    return not isinstance(x, Future)
+
+
+def _is_view_of(t: torch.Tensor, src: Any) -> bool:
+    return isinstance(src, _InPlace) and t is src.t
+

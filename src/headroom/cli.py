@@ -1,0 +1,135 @@
+"""The ``headroom`` command: ``demo`` and ``profile``."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+DESCRIPTION = """\
+headroom: train and run PyTorch models that do not fit in accelerator memory, and see where
+memory goes.
+
+commands:
+  demo      train a small model with a progress bar; print and plot its memory report
+  profile   run a training script under the memory tracker (like python -m cProfile) and
+            write its report (.txt), data (.json) and timeline (.png) where it is run
+"""
+
+
+def _write_reports(mem, prefix: Path, *, plot: bool, title: str) -> list[Path]:
+    written = [prefix.with_suffix(".txt"), prefix.with_suffix(".json")]
+    with open(written[0], "w") as f:
+        mem.report(file=f)
+    mem.to_json(written[1])
+    if plot:
+        written.append(prefix.with_suffix(".png"))
+        mem.plot(written[2], title=title)
+    return written
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import headroom as hr
+
+    if args.module:
+        target, run = args.target, lambda: runpy.run_module(args.target, run_name="__main__")
+        sys.argv = [args.target, *args.args]
+    else:
+        script = Path(args.target)
+        if not script.is_file():
+            print(f"headroom profile: no such script: {script}", file=sys.stderr)
+            return 2
+        target = str(script)
+        sys.argv = [str(script), *args.args]
+        # NOTE: like `python script.py`, the script's own folder comes first on sys.path.
+        sys.path.insert(0, str(script.resolve().parent))
+        run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
+
+    prefix = Path(args.out)
+    status, failure = 0, None
+    with hr.track_memory(max_samples=args.max_samples) as mem:
+        try:
+            run()
+        except SystemExit as e:  # the script's own exit code is kept
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # the report up to the failure, then the error
+            failure = e
+            status = 1
+    mem.report(file=sys.stderr if args.quiet else None)
+    written = _write_reports(
+        mem, prefix, plot=not args.no_plot, title=f"headroom profile: {target}"
+    )
+    print("headroom profile: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    if failure is not None:
+        print(
+            f"headroom profile: {target} raised (report above covers the run up to it):",
+            file=sys.stderr,
+        )
+        traceback.print_exception(failure)
+    return status
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from headroom._demo import run_demo
+
+    return run_demo(steps=args.steps, out=Path(args.out), plot=not args.no_plot)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="headroom", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="command")
+
+    demo = sub.add_parser("demo", help="train a small model and show its memory report")
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.add_argument(
+        "--out", default="headroom_demo", help="prefix of the report files (default headroom_demo)"
+    )
+    demo.add_argument("--no-plot", action="store_true", help="skip the PNG timeline")
+    demo.set_defaults(func=_demo)
+
+    prof = sub.add_parser(
+        "profile",
+        help="run a script under the memory tracker and write its report",
+        description="Run a Python training script under headroom.track_memory() and write "
+        "PREFIX.txt, PREFIX.json and PREFIX.png. A script that raises still gets its report "
+        "up to the failure, then the error. The script must not open its own tracker.",
+    )
+    prof.add_argument("-m", dest="module", action="store_true", help="run TARGET as a module")
+    prof.add_argument(
+        "--out",
+        default="headroom_report",
+        help="prefix of the report files (default headroom_report)",
+    )
+    prof.add_argument("--no-plot", action="store_true", help="skip the PNG timeline")
+    prof.add_argument("--quiet", action="store_true", help="print the table to stderr")
+    prof.add_argument(
+        "--max-samples", type=int, default=50_000, help="bound on timeline samples (default 50000)"
+    )
+    prof.add_argument("target", help="the script (or module, with -m)")
+    prof.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    prof.set_defaults(func=_profile)
+    return parser
+
+
+def _version() -> str:
+    from headroom import __version__
+
+    return f"headroom {__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

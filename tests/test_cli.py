@@ -1,0 +1,95 @@
+"""The `headroom` command: help, demo and profile, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from headroom.cli import main
+
+
+def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "headroom.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def assert_real_png(path) -> None:
+    from PIL import Image
+
+    img = Image.open(path).convert("RGB")
+    assert img.size[0] >= 800 and img.size[1] >= 400
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert colors is not None and len(colors) > 20, "the plot is blank"
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "demo" in out and "profile" in out
+
+
+def test_demo_trains_and_reports(tmp_path, capsys):
+    assert main(["demo", "--steps", "30", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "trained 30 steps" in out
+    assert "optimizer_state" in out
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["peak"] > 0 and data["peak_by_category"]["optimizer_state"] > 0
+    assert_real_png(tmp_path / "demo.png")
+
+
+SCRIPT = """
+import sys
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+opt = torch.optim.Adam(model.parameters())
+steps = int(sys.argv[1])
+for i in range(steps):
+    model(torch.randn(16, 32)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if len(sys.argv) > 2 and i == 2:
+        raise ValueError("boom at step 2")
+print("script done", __name__)
+"""
+
+
+def test_profile_writes_report_json_and_png(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
+    r = run_cli("profile", "train.py", "5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "script done __main__" in r.stdout
+    assert "optimizer_state" in r.stdout
+    data = json.loads((tmp_path / "headroom_report.json").read_text())
+    params = (32 * 64 + 64 + 64 + 1) * 4
+    assert data["max_by_category"]["parameters"] == params
+    assert data["max_by_category"]["optimizer_state"] == 2 * params + 4 * 4
+    assert (tmp_path / "headroom_report.txt").read_text().startswith("headroom memory report")
+    assert_real_png(tmp_path / "headroom_report.png")
+
+
+def test_profile_reports_up_to_a_failure_then_the_error(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
+    r = run_cli("profile", "--out", "fail", "train.py", "10", "fail", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "ValueError: boom at step 2" in r.stderr
+    assert "script done" not in r.stdout
+    data = json.loads((tmp_path / "fail.json").read_text())
+    assert data["max_by_category"]["optimizer_state"] > 0  # steps before the failure are there
+    assert (tmp_path / "fail.png").exists()
+
+
+def test_profile_missing_script_is_a_clear_error(tmp_path, capsys):
+    assert main(["profile", str(tmp_path / "nope.py")]) == 2
+    assert "no such script" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -16,7 +17,6 @@ from pathlib import Path
 import torch
 
 from headroom.transfer._handle import Handle
-from headroom.transfer._host import as_bytes
 from headroom.transfer._store import Store, StoreFullError, done
 
 __all__ = ["DiskStore"]
@@ -45,7 +45,15 @@ def _pwrite_from(fd: int, buf: memoryview, offset: int) -> None:
 
 
 def _view(t: torch.Tensor) -> memoryview:
-    return memoryview(as_bytes(t).numpy())
+    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive.
+
+    NOTE: not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters
+    resize their storage to 0 between uses.
+    """
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:

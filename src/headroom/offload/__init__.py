@@ -3,9 +3,11 @@
 import sys
 import types
 
+from headroom.offload._checkpoint import load, save
+from headroom.offload._optimizer import HostOptimizer
 from headroom.offload._params import describe, offload, unoffload
 
-__all__ = ["describe", "offload", "unoffload"]
+__all__ = ["HostOptimizer", "describe", "load", "offload", "save", "unoffload"]
 
 
 class _CallableModule(types.ModuleType):

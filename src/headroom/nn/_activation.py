@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from headroom.nn._bitmask import pack_bool, pack_gt, pack_le, unpack_bool
+from headroom.nn._bitmask import pack_bool, pack_gt, pack_ne, unpack_nonzero
 from headroom.nn._common import consumers_keep_output, note_consumer, register_relu_output
 
 
@@ -35,9 +35,12 @@ class _ReLUMask(torch.autograd.Function):
             out = torch.relu_(x)
         else:
             out = torch.relu(x)
-        # NOTE: PyTorch's threshold_backward zeroes the gradient where ``out <= 0``; NaN outputs
-        # let it pass. Packing ``out <= 0`` reproduces that exactly.
-        ctx.save_for_backward(pack_le(out))
+        # NOTE: PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
+        # A ReLU output is never negative, so "passes" is ``out != 0`` (one compare). Backward
+        # hands threshold_backward a tensor that is positive exactly where the mask is set: the
+        # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
+        # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
+        ctx.save_for_backward(pack_ne(out))
         ctx.shape = out.shape
         return out
 
@@ -45,7 +48,8 @@ class _ReLUMask(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (bits,) = ctx.saved_tensors
-        return grad.masked_fill(unpack_bool(bits, ctx.shape), 0), None
+        passes = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
+        return torch.ops.aten.threshold_backward(grad, passes, 0), None
 
 
 class ReLU(nn.ReLU):
@@ -88,7 +92,7 @@ class _LeakyReLUMask(torch.autograd.Function):
         (bits,) = ctx.saved_tensors
         # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a 1/0
         # tensor built from the mask gives bitwise the same result as PyTorch's own backward.
-        sign = unpack_bool(bits, ctx.shape).to(grad.dtype)
+        sign = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
         gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
         return gx, None, None
 
@@ -117,8 +121,10 @@ class _HardtanhMask(torch.autograd.Function):
         else:
             out = F.hardtanh(x, lo, hi)
         # NOTE: hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
-        # satisfies the same conditions (clamped values equal the bounds), NaN passes.
-        ctx.save_for_backward(pack_bool(torch.le(out, lo).logical_or_(torch.ge(out, hi))))
+        # meets the same conditions (clamped values equal the bounds) and NaN passes. Backward
+        # hands threshold_backward a 1.0/0.0 "passes" tensor (see _ReLUMask for why).
+        stops = torch.le(out, lo).logical_or_(torch.ge(out, hi))
+        ctx.save_for_backward(pack_bool(stops.logical_not_()))
         ctx.shape = out.shape
         return out
 
@@ -126,7 +132,8 @@ class _HardtanhMask(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (bits,) = ctx.saved_tensors
-        return grad.masked_fill(unpack_bool(bits, ctx.shape), 0), None, None, None
+        passes = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
+        return torch.ops.aten.threshold_backward(grad, passes, 0), None, None, None
 
 
 class _HardtanhMixin:

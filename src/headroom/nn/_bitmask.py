@@ -46,8 +46,11 @@ def pack_bool(mask: torch.Tensor) -> torch.Tensor:
     return ((words * _PACK) >> 56).to(torch.uint8)
 
 
-def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Pack ``x <= threshold`` without keeping a full-size bool tensor beyond this call."""
+def pack_le(x: torch.Tensor, threshold: float = 0.0, *, invert: bool = False) -> torch.Tensor:
+    """Pack ``x <= threshold`` (or its complement with ``invert``; NaN is never ``<=``).
+
+    The full-size bool tensor lives only inside this call.
+    """
     numel = x.numel()
     buf = (
         _padded_bool(numel, x.device)
@@ -55,6 +58,21 @@ def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
         else torch.empty(numel, dtype=torch.bool, device=x.device)
     )
     torch.le(x.reshape(-1), threshold, out=buf[:numel])
+    if invert:
+        buf[:numel].logical_not_()
+    words = buf.view(torch.uint8).view(torch.int64)
+    return ((words * _PACK) >> 56).to(torch.uint8)
+
+
+def pack_ne(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """Pack ``x != value`` (NaN is never equal; see :func:`pack_le`)."""
+    numel = x.numel()
+    buf = (
+        _padded_bool(numel, x.device)
+        if numel % 8
+        else torch.empty(numel, dtype=torch.bool, device=x.device)
+    )
+    torch.ne(x.reshape(-1), value, out=buf[:numel])
     words = buf.view(torch.uint8).view(torch.int64)
     return ((words * _PACK) >> 56).to(torch.uint8)
 
@@ -74,8 +92,18 @@ def pack_gt(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
 
 def unpack_bool(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """Inverse of :func:`pack_bool`: a contiguous ``bool`` tensor of ``shape``."""
+    return unpack_nonzero(bits, shape).ne(0)
+
+
+def unpack_nonzero(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """``uint8`` tensor of ``shape``, non-zero exactly where the packed mask is set.
+
+    Element ``i`` is ``bit(i) << (i % 8)``: enough for kernels that only test ``> 0`` (ReLU's
+    ``threshold_backward``, ``leaky_relu_backward``) once cast to the gradient's dtype, and one
+    word-wide multiply and one mask cheaper than normalizing to 0/1.
+    """
     numel = 1
     for s in shape:
         numel *= s
     words = (bits.to(torch.int64) * _SPREAD) & _SELECT
-    return words.view(torch.uint8)[:numel].ne(0).view(shape)
+    return words.view(torch.uint8)[:numel].view(shape)

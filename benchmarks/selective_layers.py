@@ -1,0 +1,272 @@
+"""Bytes kept for backward and time, plain PyTorch vs memsave_torch vs ``hr.convert``.
+
+Two models built from ``torch.nn`` (a VGG-like CNN with six convolutions and a ResNet-18-like
+network), four cases of what trains:
+
+- ``all``: every parameter (ordinary training);
+- ``input``: only the input (adversarial examples, feature visualization);
+- ``norm``: only the BatchNorm affine parameters (norm tuning);
+- ``surgical``: one convolution in the middle of the network.
+
+Memory is measured two ways after a warm-up step, as bytes of storages created during the forward
+that are still alive when it returns ("kept", the number that matters and the only fair one:
+memsave_torch keeps some tensors as plain attributes of the autograd context, invisible to
+saved-tensor hooks), and as bytes passed to ``torch.autograd.graph.saved_tensors_hooks``
+("saved"), deduplicated by storage. Parameters and buffers are never counted.
+
+Time is forward+backward, medians of interleaved repeats, ours / plain.
+
+Run (memsave_torch is optional; give the folder that contains the ``memsave_torch`` package):
+
+    MEMSAVE_TORCH_PATH=/path/to/memsave_torch_checkout .venv/bin/python benchmarks/selective_layers.py
+
+Writes ``benchmarks/results/selective_layers.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import headroom as hr
+
+MiB = 1 << 20
+CASES = ("all", "input", "norm", "surgical")
+
+
+# --------------------------------------------------------------------------------- models
+def vgg_like(width: int = 64, classes: int = 10, size: int = 64) -> nn.Module:
+    layers: list[nn.Module] = []
+    cin = 3
+    for cout in (width, width, "M", 2 * width, 2 * width, "M", 4 * width, 4 * width, "M"):
+        if cout == "M":
+            layers.append(nn.MaxPool2d(2))
+            continue
+        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+    return nn.Sequential(
+        *layers,
+        nn.Flatten(),
+        nn.Linear(cin * (size // 8) ** 2, 256),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(256, classes),
+    )
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+def resnet_like(width: int = 32, classes: int = 10) -> nn.Module:
+    """ResNet-18 layout (stem, 4 stages of 2 BasicBlocks, global pool, fc) at a given width."""
+    blocks: list[nn.Module] = []
+    cin = width
+    for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
+        blocks += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout)]
+        cin = cout
+    return nn.Sequential(
+        nn.Conv2d(3, width, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+        *blocks,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(cin, classes),
+    )
+
+
+def set_case(model: nn.Module, case: str) -> None:
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    surgical = convs[len(convs) // 2]
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if case == "all":
+                p.requires_grad_(True)
+            elif case == "norm":
+                p.requires_grad_(isinstance(m, nn.BatchNorm2d))
+            elif case == "surgical":
+                p.requires_grad_(m is surgical)
+            else:
+                p.requires_grad_(False)
+
+
+# --------------------------------------------------------------------------------- measuring
+class _Created(TorchDispatchMode):
+    """Weak references to every storage an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                s = t.untyped_storage()
+                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        return out
+
+
+def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """(kept, saved) bytes of one forward, as described in the module docstring."""
+    resident = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s._cdata not in resident:
+            saved[s._cdata] = s.nbytes()
+        return t
+
+    gc.collect()
+    mode = _Created()
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    loss = out.float().sum()
+    skip = resident | {out.untyped_storage()._cdata, loss.untyped_storage()._cdata}
+    del out
+    gc.collect()
+    kept = sum(
+        n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in skip
+    )
+    if loss.requires_grad:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return kept, sum(saved.values())
+
+
+def fwd_bwd(model: nn.Module, x: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    out = model(x)
+    out.float().sum().backward()
+    dt = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return dt
+
+
+def load_memsave():
+    path = os.environ.get("MEMSAVE_TORCH_PATH")
+    if path:
+        sys.path.insert(0, path)
+    try:
+        from memsave_torch.nn import convert_to_memory_saving
+    except ImportError as exc:
+        print(f"memsave_torch not importable ({exc}); set MEMSAVE_TORCH_PATH to compare")
+        return None
+    # NOTE: memsave_torch's MemSaveDropout passes the bound method ``self.train`` where a bool is
+    # expected and raises in training mode, so its dropout replacement is left off.
+    return lambda model: convert_to_memory_saving(model, dropout=False)
+
+
+# --------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--size", type=int, default=64, help="input height and width")
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats per variant and case")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results/selective_layers.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    memsave = load_memsave()
+
+    results = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "batch": args.batch,
+        "size": args.size,
+        "memsave_torch": memsave is not None,
+        "models": {},
+    }
+    builders = {"vgg_like": lambda: vgg_like(size=args.size), "resnet_like": resnet_like}
+    for name, build in builders.items():
+        torch.manual_seed(0)
+        plain = build()
+        variants = {"torch": plain, "headroom": hr.convert(copy.deepcopy(plain))}
+        if memsave is not None:
+            variants["memsave"] = memsave(copy.deepcopy(plain))
+        x0 = torch.randn(args.batch, 3, args.size, args.size)
+        rows = {}
+        for case in CASES:
+            x = x0.clone().requires_grad_(case == "input")
+            for model in variants.values():
+                set_case(model, case)
+                fwd_bwd(model, x)  # warm-up (and: converted ReLUs learn their consumers)
+            row = {}
+            for vname, model in variants.items():
+                kept, saved = measure_bytes(model, x)
+                row[vname] = {"kept_bytes": kept, "saved_bytes": saved}
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(args.repeats):
+                for vname, model in variants.items():
+                    times[vname].append(fwd_bwd(model, x))
+            for vname in variants:
+                row[vname]["time_s"] = statistics.median(times[vname])
+            base = row["torch"]["time_s"]
+            for vname in variants:
+                row[vname]["time_vs_torch"] = row[vname]["time_s"] / base
+            rows[case] = row
+            line = f"{name:12s} {case:9s}"
+            for vname in variants:
+                r = row[vname]
+                line += (
+                    f" | {vname} kept {r['kept_bytes'] / MiB:7.2f} MiB"
+                    f" saved {r['saved_bytes'] / MiB:7.2f}"
+                    f" t {r['time_s'] * 1e3:7.1f} ms ({r['time_vs_torch']:.3f}x)"
+                )
+            print(line, flush=True)
+        results["models"][name] = rows
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    print("\n| model | case | torch MiB | memsave MiB | headroom MiB | headroom time vs torch |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, rows in results["models"].items():
+        for case, row in rows.items():
+            ms = row.get("memsave")
+            ms_txt = f"{ms['kept_bytes'] / MiB:.1f}" if ms else "n/a"
+            print(
+                f"| {name} | {case} | {row['torch']['kept_bytes'] / MiB:.1f} | {ms_txt} | "
+                f"{row['headroom']['kept_bytes'] / MiB:.1f} | "
+                f"{row['headroom']['time_vs_torch']:.3f}x |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Parameter offload API: state dicts, unoffload, describe, modes, dtypes and clear errors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import headroom as hr
+from headroom.offload._params import _state
+from headroom.transfer import DiskStore, HostStore, StoreFullError, binding
+from tests.conftest import accelerator_type
+from tests.offload.test_offload_helpers import (
+    CNN,
+    StoreStep,
+    Transformer,
+    cnn_batch,
+    cnn_loss,
+    lm_batch,
+    lm_loss,
+    one_thread,  # noqa: F401 - autouse fixture
+    values,
+)
+
+
+def _offload(model, store="cpu", **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return hr.offload(model, device="cpu", store=store, **kw)
+
+
+@pytest.fixture(params=["cpu", "disk"])
+def store(request, tmp_path):
+    return "cpu" if request.param == "cpu" else DiskStore(tmp_path / "s", threads=2)
+
+
+def test_state_dict_round_trip(store):
+    ref = Transformer(tie=True)
+    model = _offload(copy.deepcopy(ref), store)
+    sd = model.state_dict()
+    assert set(sd) == set(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(sd[k], v), k  # real values, not placeholders
+    other = Transformer(tie=True).state_dict()
+    model.load_state_dict(other)
+    ref.load_state_dict(other)
+    for k, v in values(model).items():
+        assert torch.equal(v, other[k]), k
+    ref.eval()
+    model.eval()
+    x, _ = lm_batch(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_unoffload_restores_plain_parameters(store):
+    ref, model = Transformer(n=3), None
+    model = _offload(copy.deepcopy(ref), store)
+    opt = StoreStep(model.parameters(), lr=1e-2) if isinstance(store, DiskStore) else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        b = lm_batch(g)
+        for m, o in ((ref, opt_ref), (model, opt)):
+            torch.manual_seed(1)
+            lm_loss(m, b).backward()
+            o.step()
+            o.zero_grad()
+    st = _state(model).store
+    torch.manual_seed(1)
+    lm_loss(model, b).backward()  # a gradient comes back too
+    torch.manual_seed(1)
+    lm_loss(ref, b).backward()
+    hr.unoffload(model)
+    assert st.keys() == []
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert binding(p) is None and p.device.type == "cpu"
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad), n
+    assert model.head.weight is not None and not hasattr(model, "_headroom_offload")
+    torch.manual_seed(1)
+    assert torch.equal(lm_loss(model, b), (torch.manual_seed(1), lm_loss(ref, b))[1])
+    _offload(model)  # can be offloaded again
+
+
+def test_describe_lists_blocks_and_outside():
+    model = _offload(Transformer(n=3, tie=True))
+    text = hr.describe(model)
+    for name in ("layers.0", "layers.2", "found automatically", "emb.weight", "tied",
+                 "(prefetch+1) x largest block"):
+        assert name in text, name
+
+
+def test_train_eval_and_frozen_blocks(store):
+    ref = Transformer(n=4)
+    model = _offload(copy.deepcopy(ref), store)
+    for m in (ref, model):
+        for p in m.layers[0].parameters():
+            p.requires_grad_(False)
+    x, y = lm_batch(torch.Generator().manual_seed(0))
+    for m in (ref, model):
+        m.eval()
+        torch.manual_seed(0)
+    assert torch.equal(model(x), ref(x))
+    for m in (ref, model):
+        m.train()
+        torch.manual_seed(0)
+        lm_loss(m, (x, y)).backward()
+    for n, p in model.named_parameters():
+        r = ref.get_parameter(n)
+        if r.grad is None:
+            assert p.grad is None, n
+        else:
+            b = binding(p)
+            assert torch.equal(b.store.read(b.grad_handle).result(), r.grad), n
+    assert not any(b.resident for b in _state(model).blocks)
+
+
+def test_compute_dtype_bf16_keeps_fp32_master_and_grads():
+    ref = Transformer(n=3)
+    model = _offload(copy.deepcopy(ref), compute_dtype=torch.bfloat16)
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)
+    x, y = lm_batch(torch.Generator().manual_seed(0))
+    for m in (model, ref16):
+        torch.manual_seed(0)
+        lm_loss(m, (x, y)).backward()
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, n
+        # the device copy was bf16: gradients equal the bf16 model's, widened to fp32
+        assert torch.equal(p.grad, ref16.get_parameter(n).grad.float()), n
+        assert torch.equal(p, ref.get_parameter(n)), n  # master untouched, still fp32
+    assert {s.dev.dtype for s in _state(model).slots} == {torch.bfloat16}
+
+
+def test_cpu_host_store_warns_that_it_saves_nothing():
+    with pytest.warns(UserWarning, match="saves no memory"):
+        hr.offload(CNN(), device="cpu", store="cpu")
+
+
+def test_errors_are_clear_and_early(tmp_path):
+    bad = "cuda:99" if accelerator_type() else "cuda"
+    with pytest.raises(RuntimeError, match="not available"):
+        hr.offload(CNN(), device=bad)
+    model = _offload(CNN())
+    with pytest.raises(RuntimeError, match="already offloaded.*unoffload"):
+        _offload(model)
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        _offload(nn.Sequential(model))
+    with pytest.raises(StoreFullError, match="store full: budget 1000 bytes.*DiskStore"):
+        _offload(CNN(), HostStore(max_bytes=1000))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(PermissionError, match="not writable"):
+        _offload(CNN(), DiskStore(tmp_path / "f" / "d"))
+    with pytest.raises(ValueError, match="compute_dtype must be a floating-point"):
+        _offload(CNN(), compute_dtype=torch.int8)
+    with pytest.raises(ValueError, match="prefetch"):
+        _offload(CNN(), prefetch=-1)
+    m = CNN()
+    with pytest.raises(ValueError, match="nested"):
+        _offload(m, blocks=[m.stages, m.stages[0]])
+    with pytest.raises(ValueError, match="not a submodule"):
+        _offload(m, blocks=[nn.Linear(2, 2)])
+    with pytest.raises(RuntimeError, match="not offloaded"):
+        hr.describe(CNN())
+
+
+def test_torch_optim_on_disk_parameters_points_to_host_optimizer(tmp_path):
+    model = _offload(CNN(), DiskStore(tmp_path / "s"))
+    opt = torch.optim.AdamW(model.parameters())
+    cnn_loss(model, cnn_batch(torch.Generator().manual_seed(0))).backward()
+    with pytest.raises(RuntimeError, match="HostOptimizer"):
+        opt.step()
+
+
+def test_parameter_used_outside_its_block_is_reported():
+    class Leaky(Transformer):
+        def forward(self, x):  # reads a block's weight outside that block's forward
+            return super().forward(x) + self.layers[1].fc1.bias.sum()
+
+    model = _offload(Leaky(n=3))
+    with pytest.raises(RuntimeError, match=r"layers\.1\.fc1\.bias.*used outside"):
+        lm_loss(model, lm_batch(torch.Generator().manual_seed(0))).backward()
+
+
+def test_disk_parameters_placeholders_and_reopen(tmp_path):
+    model = _offload(CNN(), DiskStore(tmp_path / "s"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    st = _state(model).store
+    st.flush()
+    again = DiskStore(tmp_path / "s")
+    assert sorted(again.keys()) == sorted(st.keys())

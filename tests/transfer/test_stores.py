@@ -168,3 +168,15 @@ def test_pinned_host_store_on_accelerator():
     s.free(h)
     h2 = s.alloc("y", (1000,), torch.float32)  # reuses the pooled buffer
     assert s.host_tensor(h2).is_pinned()
+
+
+def test_disk_stats_and_page_cache_off(tmp_path):
+    s = DiskStore(tmp_path / "p", page_cache=False, threads=2)
+    x = torch.randn(128, 64)
+    h = s.put("x", x)
+    assert torch.equal(s.read(h).result(), x)
+    assert torch.equal(s.read_rows(h, torch.tensor([3, 4, 9])).result(), x[[3, 4, 9]])
+    st = s.stats()
+    assert st["bytes_written"] == x.numel() * 4 and st["reads"] == 2
+    assert st["bytes_read"] == (128 + 3) * 64 * 4 and st["read_busy_s"] > 0
+    s.close()

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -85,6 +86,10 @@ class DiskStore(Store):
         max_bytes: byte budget for the store; ``None`` means the free space of the disk.
         threads: background I/O threads. More threads help fast NVMe drives with many tensors
             in flight; one thread suffices for a single sequential stream.
+        page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
+            them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
+            writes): a model bigger than RAM then does not evict everything else from the
+            cache, and every read really comes from the disk; writes cost a sync each.
 
     Raises:
         PermissionError: ``path`` cannot be created or written.
@@ -98,7 +103,12 @@ class DiskStore(Store):
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, max_bytes: int | None = None, threads: int = 4
+        self,
+        path: str | os.PathLike,
+        *,
+        max_bytes: int | None = None,
+        threads: int = 4,
+        page_cache: bool = True,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
         self.path = Path(path)
@@ -117,6 +127,10 @@ class DiskStore(Store):
         self._entries: dict[str, dict] = {}
         self._pending: dict[str, Future] = {}
         self._meta = {"counter": 0}
+        self.page_cache = page_cache
+        self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0}
+        self._active_reads = 0
+        self._read_since = 0.0
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hr-disk")
         self._closed = False
         self._load_index()
@@ -193,34 +207,77 @@ class DiskStore(Store):
             )
         return e
 
+    def stats(self) -> dict[str, float]:
+        """I/O counters since creation: ``bytes_read``, ``bytes_written``, ``reads`` and
+        ``read_busy_s`` (wall seconds during which at least one read was in flight, so
+        ``bytes_read / read_busy_s`` is the achieved read throughput)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def _read_begin(self) -> None:
+        with self._lock:
+            if self._active_reads == 0:
+                self._read_since = time.perf_counter()
+            self._active_reads += 1
+
+    def _read_end(self, nbytes: int) -> None:
+        with self._lock:
+            self._active_reads -= 1
+            if self._active_reads == 0:
+                self._stats["read_busy_s"] += time.perf_counter() - self._read_since
+            self._stats["bytes_read"] += nbytes
+            self._stats["reads"] += 1
+
+    def _drop_cache(self, fd: int, offset: int, length: int, written: bool) -> None:
+        if self.page_cache:
+            return
+        if written:
+            os.fdatasync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
     def _read_job(self, path: str, out: torch.Tensor, offset: int) -> torch.Tensor:
-        fd = os.open(path, os.O_RDONLY)
+        n = out.numel() * out.element_size()
+        self._read_begin()
         try:
-            _pread_into(fd, _view(out), offset)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _pread_into(fd, _view(out), offset)
+                self._drop_cache(fd, offset, n, False)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            self._read_end(n)
         return out
 
     def _read_runs_job(self, path, out, runs, row_nbytes) -> torch.Tensor:
-        fd = os.open(path, os.O_RDONLY)
+        self._read_begin()
         try:
-            mv = _view(out)
-            for first, count, pos in runs:
-                _pread_into(fd, mv[pos * row_nbytes:(pos + count) * row_nbytes],
-                            first * row_nbytes)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                mv = _view(out)
+                for first, count, pos in runs:
+                    _pread_into(fd, mv[pos * row_nbytes:(pos + count) * row_nbytes],
+                                first * row_nbytes)
+                    self._drop_cache(fd, first * row_nbytes, count * row_nbytes, False)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            self._read_end(out.numel() * out.element_size())
         return out
 
     def _write_job(self, path: str, src: torch.Tensor, offset: int) -> None:
         try:
             fd = os.open(path, os.O_WRONLY)
             try:
+                n = src.numel() * src.element_size()
                 _pwrite_from(fd, _view(src), offset)
+                self._drop_cache(fd, offset, n, True)
             finally:
                 os.close(fd)
         except OSError as e:
             raise self._io_error(e, path) from e
+        with self._lock:
+            self._stats["bytes_written"] += n
 
     def _write_runs_job(self, path, src, runs, row_nbytes) -> None:
         try:
@@ -230,10 +287,13 @@ class DiskStore(Store):
                 for first, count, pos in runs:
                     _pwrite_from(fd, mv[pos * row_nbytes:(pos + count) * row_nbytes],
                                  first * row_nbytes)
+                    self._drop_cache(fd, first * row_nbytes, count * row_nbytes, True)
             finally:
                 os.close(fd)
         except OSError as e:
             raise self._io_error(e, path) from e
+        with self._lock:
+            self._stats["bytes_written"] += src.numel() * src.element_size()
 
     # ------------------------------------------------------------------ protocol
     def alloc(

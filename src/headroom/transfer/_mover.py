@@ -62,6 +62,7 @@ class Mover:
         self._grads: deque = deque()
         self._staged = 0
         self._disk_writes: deque = deque()
+        self._writing = 0
         if self.accelerated:
             self._h2d = torch.Stream(self.device)
             self._d2h = torch.Stream(self.device)
@@ -184,18 +185,23 @@ class Mover:
             if accumulate:
                 acc = store.read(gh).result()
                 acc.add_(grad)
-                self._grads_disk(store.write(gh, acc))
+                self._grads_disk(store.write(gh, acc), gh.nbytes)
                 return
             if grad.dtype != gh.dtype or not grad.is_contiguous() or self.accelerated:
                 # NOTE: on an accelerator `grad` is a pooled staging buffer that is about to be
                 # reused, so the disk write gets its own copy.
                 grad = grad.to(gh.dtype, copy=True).contiguous()
-            self._grads_disk(store.write(gh, grad))
+            self._grads_disk(store.write(gh, grad), gh.nbytes)
 
-    def _grads_disk(self, fut: Future) -> None:
-        self._disk_writes.append(fut)
-        if len(self._disk_writes) > 64:
-            self._disk_writes.popleft().result()
+    def _grads_disk(self, fut: Future, nbytes: int) -> None:
+        # NOTE: a pending write keeps its gradient alive; bound those bytes so host memory
+        # stays at a few tensors however many parameters the model has.
+        self._disk_writes.append((fut, nbytes))
+        self._writing += nbytes
+        while len(self._disk_writes) > 1 and self._writing > _MAX_STAGED_BYTES // 4:
+            done_fut, n = self._disk_writes.popleft()
+            self._writing -= n
+            done_fut.result()
 
     def synchronize(self) -> None:
         """Wait until every gradient pushed so far rests in the store.
@@ -206,7 +212,9 @@ class Mover:
         while self._grads:
             self._finish_one()
         while self._disk_writes:
-            self._disk_writes.popleft().result()
+            fut, n = self._disk_writes.popleft()
+            self._writing -= n
+            fut.result()
         if self.accelerated:
             self._h2d.synchronize()
             self._reclaim()

@@ -163,14 +163,10 @@ class _Packed:
             self.tracker._unsave(self.info)
 
 
-def _storage_of(t: Any) -> torch.UntypedStorage | None:
-    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
-        return None
-    if t.layout is not torch.strided or t.device.type == "meta":
-        return None
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+    except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without storage
         return None
 
 
@@ -271,6 +267,7 @@ class MemoryTracker:
         self._lock = threading.RLock()
         self._infos: dict[int, _Info] = {}
         self._current: dict[str, list[int]] = {}
+        self._all = [0] * _NCAT  # per category, all devices
         self._max: dict[str, list[int]] = {}
         self._dev_peak: dict[str, _Peak] = {}
         self._peak = _Peak()
@@ -284,7 +281,7 @@ class MemoryTracker:
         self._alloc_max: dict[str, list[int]] = {}
         self._samples: list[tuple] = []
         self._labels: list[str] = []
-        self._label_index: dict[str, int] = {}
+        self._label_index: dict[tuple[str, str], int] = {}
         self._dirty = False
         self._t0 = 0.0
         self._state = "new"  # new -> active -> done
@@ -394,7 +391,7 @@ class MemoryTracker:
         with self._lock:
             info = self._infos.get(key)
             if info is None:
-                if self._state != "active":
+                if self._state != "active" or st.device.type == "meta":
                     return None
                 self._seq += 1
                 info = _Info(key, _device_name(t.device), st.nbytes(), cat, self._seq)
@@ -455,6 +452,7 @@ class MemoryTracker:
         if nbytes < 0:
             self._decreased()  # snapshot pending peaks before the bytes leave
         cur[cat] += nbytes
+        self._all[cat] += nbytes
         mx = self._max[device]
         if cur[cat] > mx[cat]:
             mx[cat] = cur[cat]
@@ -557,6 +555,8 @@ class MemoryTracker:
         cur = self._current[info.device]
         cur[old] -= n
         cur[cat] += n
+        self._all[old] -= n
+        self._all[cat] += n
         mx = self._max[info.device]
         if cur[cat] > mx[cat]:
             mx[cat] = cur[cat]
@@ -721,17 +721,17 @@ class MemoryTracker:
         with self._lock:
             self._dirty = False
             phase = self._phase()
-            module = self._module_label()
-            label = f"{phase}:{module}"
+            if phase == "forward":
+                label = (phase, self._stack[-1])
+            elif phase == "backward":
+                label = (phase, self._bwd_module)
+            else:
+                label = (phase, "")
             idx = self._label_index.get(label)
             if idx is None:
                 idx = self._label_index[label] = len(self._labels)
-                self._labels.append(label)
-            cats = [0] * _NCAT
-            for cur in self._current.values():
-                for i, v in enumerate(cur):
-                    cats[i] += v
-            self._samples.append((time.perf_counter() - self._t0, idx, self._seq, *cats))
+                self._labels.append(f"{label[0]}:{label[1]}")
+            self._samples.append((time.perf_counter() - self._t0, idx, self._seq, *self._all))
             if len(self._samples) > self._max_samples:
                 self._decimate()
 

@@ -124,14 +124,14 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     args = ap.parse_args()
     rows = [run(m, args.rounds, args.steps) for m in args.models]
-    print(
-        f"{'model':<12}{'plain ms':>10}{'headroom':>10}{'MemTracker':>12}  peak (headroom / MemTracker)"
-    )
+    head = f"{'model':<12}{'plain ms':>10}{'headroom':>10}{'MemTracker':>12}"
+    print(head + "  peak (headroom / MemTracker)")
     for r in rows:
         m, q = r["median_step_s"], r["ratio_to_plain"]
         p = r["peak_bytes"]
         print(
-            f"{r['model']:<12}{m['plain'] * 1e3:>10.1f}{q['headroom']:>9.2f}x{q['memtracker']:>11.2f}x"
+            f"{r['model']:<12}{m['plain'] * 1e3:>10.1f}"
+            f"{q['headroom']:>9.2f}x{q['memtracker']:>11.2f}x"
             f"  {p['headroom'] / 2**20:.1f} / {p['memtracker'] / 2**20:.1f} MiB"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,11 @@ from tests.offload._optim_util import (
     assert_state_equal,
     loss_fn,
     make_model,
+    one_thread,  # noqa: F401 - fixture
     train,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS = 50
 

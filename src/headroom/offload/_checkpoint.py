@@ -409,8 +409,10 @@ def _load_optimizer(f, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -
         prefix = f"optimizer/{idx}/"
         tkeys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
         small = {k: _unjson(v, f.get_tensor) for k, v in sm.items()}
+        # NOTE: clone: the optimizer keeps these tensors, and they must own their memory rather
+        # than point into the file's mapping, which closes with the file.
         state[int(idx)] = _LazyState(
-            tkeys, small, lambda k, prefix=prefix: f.get_tensor(prefix + k))
+            tkeys, small, lambda k, prefix=prefix: f.get_tensor(prefix + k).clone())
     if not is_host:
         state = {i: dict(st) for i, st in state.items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -249,7 +249,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._order: list[_Entry] = []
         self._device: torch.device | None = None
         self._inner: torch.optim.Optimizer | None = None
-        self._inner_groups: dict[int, dict[str, Any]] = {}
+        self._inner_index: dict[int, int] = {}  # outer group -> inner group position
         self._host: Store | None = None  # host masters/gradients of HOSTED parameters
         self._aux: Store | None = None  # handle-based state when state_store is "cpu"
         self._mover: Mover | None = None
@@ -293,7 +293,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._inner = self._cls([{**hp, "params": masters}], **self._kwargs)
             else:
                 self._inner.add_param_group({**hp, "params": masters})
-            self._inner_groups[gi] = self._inner.param_groups[-1]
+            self._inner_index[gi] = len(self._inner.param_groups) - 1
         for e in entries:
             self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -425,7 +425,9 @@ class HostOptimizer(torch.optim.Optimizer):
             # NOTE: the inner optimizer sees only this batch's masters (and their gradients):
             # its per-call Python work then scales with the batch, not with the model.
             saved = {}
-            for gi, inner in self._inner_groups.items():
+            # NOTE: look the inner groups up each time: load_state_dict replaces those dicts.
+            inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
+            for gi, inner in inner_groups.items():
                 for k, v in self.param_groups[gi].items():
                     if k != "params":
                         inner[k] = v
@@ -438,7 +440,7 @@ class HostOptimizer(torch.optim.Optimizer):
             finally:
                 for e in in_mem:
                     e.master.grad = None
-                for gi, inner in self._inner_groups.items():
+                for gi, inner in inner_groups.items():
                     inner["params"] = saved[gi]
         for e in streamed:
             self._step_streamed(e)
@@ -848,7 +850,7 @@ class HostOptimizer(torch.optim.Optimizer):
             for i, e in enumerate(order):
                 inner_ids[e] = i
             inner_groups = []
-            for gi in sorted(self._inner_groups):
+            for gi in sorted(self._inner_index):
                 packed = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
                 packed["params"] = [inner_ids[e] for e in order if e.group == gi]
                 inner_groups.append(packed)

@@ -313,3 +313,24 @@ def test_agrees_with_pytorch_memtracker():
     # ours classifies them as gradients when AccumulateGrad hands them over.
     assert t["GRAD"] <= ours["gradients"] <= t["GRAD"] + t["TEMP"]
     assert ours["gradients"] == param_bytes(model)
+
+
+@pytest.mark.gpu
+def test_accelerator_device_stats_and_allocator():
+    from tests.conftest import accelerator_type
+
+    dev = accelerator_type()
+    model = mlp().to(dev)
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(B, D_IN, device=dev)
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        model(x).square().mean().backward()
+        opt.step()
+    s = mem.stats(dev)
+    assert s.max_by_category["parameters"] == param_bytes(model)
+    assert s.max_by_category["gradients"] == param_bytes(model)
+    assert sum(s.peak_by_category.values()) == s.peak
+    name = f"{dev}:{torch.device(dev, 0).index}"
+    assert s.allocator[f"{name}/reserved"] >= s.allocator[f"{name}/allocated"] > 0
+    assert s.allocator[f"{name}/max_reserved"] >= s.peak
+    assert "allocator" in mem.report(file=open("/dev/null", "w"))  # noqa: SIM115

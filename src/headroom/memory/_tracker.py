@@ -198,6 +198,18 @@ def _allocator_bytes(device: str) -> tuple[int, int] | None:
         return None
 
 
+def _allocator_active(device: str) -> int | None:
+    """Bytes in active blocks of a CUDA-like caching allocator, or ``None``."""
+    dtype, _, index = device.partition(":")
+    mod = getattr(torch, dtype, None)
+    if dtype == "cpu" or mod is None or not hasattr(mod, "memory_stats"):
+        return None
+    try:
+        return int(mod.memory_stats(int(index) if index else None)["active_bytes.all.current"])
+    except Exception:
+        return None
+
+
 class _Mode(TorchDispatchMode):
     """Sees every op: registers unseen input storages, new outputs, and size changes."""
 
@@ -499,14 +511,20 @@ class MemoryTracker:
             return
         peak.pending = False
         if peak is self._peak:
-            cats = [0] * _NCAT
-            for cur in self._current.values():
-                for i, v in enumerate(cur):
-                    cats[i] += v
+            device = None
+            cats = list(self._all)
         else:
             device = next(d for d, p in self._dev_peak.items() if p is peak)
             cats = list(self._current[device])
         peak.cats = cats
+        if self._sample_allocator:
+            # NOTE: "active" (blocks in use, including those waiting on other streams) costs a
+            # full stats query, so it is read once per local peak, not at every new maximum.
+            devices = list(self._current) if peak is self._peak else [device]
+            for d in devices:
+                active = _allocator_active(d)
+                if active is not None:
+                    peak.allocator[f"{d}/active"] = active
 
     def _act_change(self, module: str, delta: int) -> None:
         """Activation bytes per module, and a snapshot of them when activations peak."""

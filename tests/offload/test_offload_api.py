@@ -192,3 +192,20 @@ def test_disk_parameters_placeholders_and_reopen(tmp_path):
     st.flush()
     again = DiskStore(tmp_path / "s")
     assert sorted(again.keys()) == sorted(st.keys())
+
+
+def test_meta_model_is_initialized_module_by_module(tmp_path):
+    def make():
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)], nn.BatchNorm1d(8))
+
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = make()
+    _offload(lazy, DiskStore(tmp_path / "s"))
+    sd = lazy.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    x = torch.randn(4, 8)
+    assert torch.equal(lazy(x), eager(x))

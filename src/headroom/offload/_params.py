@@ -365,7 +365,9 @@ def offload(
     there and stay.
 
     Args:
-        model: the model; its parameters may be anywhere.
+        model: the model; its parameters may be anywhere, including the ``meta`` device:
+            such modules are initialized one at a time (``reset_parameters()``) right before
+            their parameters go to the store, so a model bigger than RAM never exists whole.
         device: where computation runs (``"cuda"``, any ``torch.accelerator``, or ``"cpu"``).
         store: ``"cpu"`` (host memory; pinned from a pool with a byte budget when ``device``
             is an accelerator) or a store such as ``hr.DiskStore(path)`` for models bigger than
@@ -450,7 +452,15 @@ def offload(
     for b in state.blocks:
         for m in b.module.modules():
             blocks_of_module.setdefault(id(m), []).append(b)
+    replaced: dict[int, nn.Parameter] = {}
+    unprocessed = set(params)
     for pid, p in params.items():
+        p = replaced.get(pid, p)
+        if p.device.type == "meta":
+            _materialize(owners[pid][0][0], first_name[pid], owners, params, unprocessed,
+                         replaced)
+            p = replaced[pid]
+        unprocessed.discard(pid)
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
         # NOTE: a parameter belongs to a block only if every module registering it is inside
@@ -525,6 +535,34 @@ def offload(
 
 
 _guard_handle = None
+
+
+def _materialize(module: nn.Module, name: str, owners, params, unprocessed: set[int],
+                 replaced: dict[int, nn.Parameter]) -> None:
+    """Deferred initialization of one module whose parameters are on the meta device.
+
+    NOTE: done module by module, right before its parameters go to the store, so a model
+    created on the meta device never exists whole in host memory.
+    """
+    reset = getattr(module, "reset_parameters", None)
+    own = [(a, t) for a, t in module._parameters.items() if t is not None]
+    if reset is None or any(id(t) not in unprocessed for _, t in own):
+        raise ValueError(
+            f"parameter {name!r} is on the meta device and its {type(module).__name__} cannot be"
+            " initialized here (it has no reset_parameters(), or shares parameters with a module"
+            " initialized earlier); materialize it first, e.g. model.to_empty(device='cpu')"
+            " followed by your initialization"
+        )
+    for _attr, t in own:
+        new = nn.Parameter(torch.empty_like(t, device="cpu"), requires_grad=t.requires_grad)
+        for m, a in owners[id(t)]:
+            m._parameters[a] = new
+        replaced[id(t)] = new
+    for attr, b in list(module._buffers.items()):
+        if b is not None and b.device.type == "meta":
+            module._buffers[attr] = torch.empty_like(b, device="cpu")
+    with torch.no_grad():
+        reset()
 
 
 def _install_optimizer_guard() -> None:

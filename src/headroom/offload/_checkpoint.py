@@ -124,10 +124,31 @@ def _unjson(value: Any, get: Callable[[str], torch.Tensor]) -> Any:
     return value
 
 
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict(keep_vars=True)``, without materializing store-resident parameters.
+
+    NOTE: an offloaded model's ``state_dict()`` reads every parameter from its store into
+    memory at once; walking the modules instead yields the bound masters, which are then
+    streamed slice by slice.
+    """
+    if not any(binding(p) is not None for p in model.parameters()):
+        return dict(model.state_dict(keep_vars=True))
+    out: dict[str, torch.Tensor] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                out[prefix + n] = p
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                out[prefix + n] = b
+    return out
+
+
 def _model_items(model: nn.Module) -> tuple[list[_Item], list[str]]:
     items = []
     names = []
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in _named_tensors(model).items():
         b = binding(t) if isinstance(t, torch.Tensor) else None
         if b is not None:
             items.append(_Item(f"model/{name}", store=b.store, handle=b.handle))
@@ -348,7 +369,7 @@ def load(
 
 @torch.no_grad()
 def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
-    sd = model.state_dict(keep_vars=True)
+    sd = _named_tensors(model)
     if strict:
         missing = [k for k in sd if k not in names]
         unexpected = [k for k in names if k not in sd]

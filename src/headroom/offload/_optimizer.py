@@ -302,7 +302,10 @@ class HostOptimizer(torch.optim.Optimizer):
             raise TypeError(f"HostOptimizer steps floating-point tensors, got {type(p)} "
                             f"{getattr(p, 'dtype', '')}")
         dev = p.device
-        if self._device is None:
+        b = binding(p)
+        if b is not None:
+            pass  # NOTE: store-resident: its master's device (host or meta) is not a compute device
+        elif self._device is None:
             self._device = dev
         elif dev != self._device:
             raise ValueError(
@@ -317,7 +320,6 @@ class HostOptimizer(torch.optim.Optimizer):
                 f"row_sparse parameter of shape {tuple(p.shape)} has no rows; pass only 2-D "
                 "(or larger) parameters such as embedding or classifier weights"
             )
-        b = binding(p)
         if b is not None:
             e.kind = _BOUND
             e.bound = b

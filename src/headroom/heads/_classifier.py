@@ -1,0 +1,488 @@
+"""`HugeClassifier`: a linear + softmax cross-entropy head whose weight rests in a store.
+
+The ``num_classes x in_features`` weight (and bias) rest in host memory or on disk and are read
+slice by slice in both passes of the exact sliced cross-entropy; gradients are written back to
+the store slice by slice, where `headroom.HostOptimizer` (or, with ``store="cpu"``, any
+``torch.optim`` optimizer) finds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from headroom.heads._linear_ce import (
+    _check_target,
+    grad_pass,
+    linear_cross_entropy,
+    lse_pass,
+    pick_slice_size,
+    reduce_loss,
+    row_losses,
+    row_scale,
+)
+from headroom.heads._slices import slice_bounds
+from headroom.heads._store_io import StoreGradSink, StoreSlices
+from headroom.transfer import Handle, Store, bind, binding, resolve_store
+
+__all__ = ["HugeClassifier"]
+
+_ids = itertools.count()
+
+
+class _StoreCrossEntropy(torch.autograd.Function):
+    """Exact sliced cross-entropy whose weight gradient goes to the store, not to autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, features, weight, bias, target, head, opts):  # type: ignore[override]
+        slice_size, ignore_index, eps, reduction = opts
+        lead = target.shape
+        x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
+        t = target.reshape(-1).long()
+        source = head._source(slice_size)
+        lse, z_t, z_sum = lse_pass(x, source, t, slice_size=slice_size, want_logit_sum=eps > 0)
+        valid = t != ignore_index
+        rows = row_losses(lse, z_t, z_sum, valid, num_classes=head.num_classes,
+                          label_smoothing=eps)
+        loss, n_valid = reduce_loss(rows, valid, reduction)
+        ctx.save_for_backward(features, t, lse, n_valid)
+        ctx.head, ctx.opts = head, opts
+        if reduction == "none":
+            loss = loss.reshape(lead)
+        return loss.to(features.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out):  # type: ignore[override]
+        features, t, lse, n_valid = ctx.saved_tensors
+        head: HugeClassifier = ctx.head
+        slice_size, ignore_index, eps, reduction = ctx.opts
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        valid = t != ignore_index
+        scale = row_scale(grad_out, valid, n_valid, reduction)
+        x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
+        need_b = need_b and head.bias is not None
+        sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
+        grad_x = grad_pass(
+            x, head._source(slice_size), t, lse, scale, slice_size=slice_size,
+            label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w, need_bias=need_b,
+        )
+        if sink is not None:
+            sink.finish()
+            head._grads_landed(weight=need_w, bias=need_b, rows=None)
+        gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
+        return gx, None, None, None, None, None
+
+
+class HugeClassifier(nn.Module):
+    """Linear classifier + exact softmax cross-entropy over a huge number of classes.
+
+    The weight never sits whole on the compute device: it rests in ``store`` and is read one
+    slice of classes at a time, in forward (an online log-sum-exp) and again in backward (the
+    exact gradient of that slice, written back to the store). Device memory is one
+    ``batch x slice_size`` logits buffer plus one weight slice, whatever ``num_classes`` is.
+
+    Parameters and gradients: ``weight`` (and ``bias``) are parameters bound to the store
+    (``headroom.transfer.binding``). With ``store="cpu"`` the parameter's data *is* the store's
+    host tensor and its ``.grad`` is the store's gradient tensor, so any ``torch.optim`` optimizer
+    can step it; with a `DiskStore` the parameter is a ``meta`` placeholder, the values live in
+    files, and `headroom.HostOptimizer` steps them (with ``row_sparse=[head.weight]`` in the
+    sampled mode). Gradients accumulate across backward passes until ``zero_grad``.
+
+    Args:
+        num_classes: number of classes ``C``.
+        in_features: feature size ``D``.
+        bias: whether to learn a per-class bias (rests in the store too).
+        device: the compute device (features and labels live there).
+        store: ``"cpu"`` (host memory, pinned when ``device`` is an accelerator) or a store such
+            as ``headroom.DiskStore(path)`` (files; for weights bigger than RAM, costs disk reads
+            of the whole weight twice per training step and writes of its gradient once).
+        slice_size: classes per slice; ``None`` picks one per batch from a logits budget (a few
+            hundred MB). Bigger slices cost device memory and do not speed up the products.
+        sample_rate: ``1.0`` (default) is the exact loss. ``< 1`` is an opt-in *approximation*
+            (as Partial FC does): each forward uses all classes that appear in the batch plus
+            uniformly sampled other classes, ``ceil(sample_rate * C)`` in all (at least the
+            positives), and the softmax runs over those only. Gradients are row-sparse:
+            only the sampled rows get one (``binding(weight).grad_rows``). Faster and lighter
+            for millions of classes; not the same loss. ``topk`` always uses all classes.
+        dtype: dtype of the weight in the store. Logits and gradients accumulate in fp32.
+        key: name prefix of the tensors in the store (defaults to a fresh unique name; give one
+            to find the tensors again in a reopened `DiskStore`).
+
+    Raises:
+        ValueError: bad sizes or ``sample_rate``; a store that cannot hold the weight.
+
+    Example:
+        >>> head = HugeClassifier(100_000, 64, device="cpu")
+        >>> feats = torch.randn(32, 64, requires_grad=True)
+        >>> loss = head(feats, torch.randint(0, 100_000, (32,)))
+        >>> loss.backward()
+        >>> values, classes = head.topk(feats.detach(), 5)
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        in_features: int,
+        *,
+        bias: bool = False,
+        device: str | torch.device,
+        store: str | Store = "cpu",
+        slice_size: int | None = None,
+        sample_rate: float = 1.0,
+        dtype: torch.dtype = torch.float32,
+        key: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_classes < 1 or in_features < 1:
+            raise ValueError(
+                f"num_classes and in_features must be >= 1, got {num_classes}, {in_features}"
+            )
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+        if slice_size is not None and slice_size < 1:
+            raise ValueError(f"slice_size must be a positive int or None, got {slice_size}")
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+        self.num_classes = int(num_classes)
+        self.in_features = int(in_features)
+        self.device = torch.device(device)
+        self.slice_size = slice_size
+        self.sample_rate = float(sample_rate)
+        self.dtype = dtype
+        self.accum_dtype = torch.float32
+        self.store = resolve_store(store, self.device)
+        if self.device.type == "cpu" and isinstance(store, str):
+            # NOTE: "cpu" on a cpu device is legal (it is the exact path tests use); it just
+            # saves no device memory, which the design asks to say.
+            warnings.warn(
+                "HugeClassifier(device='cpu', store='cpu') keeps the weight in ordinary memory: "
+                "this exercises the streaming mechanics but saves no memory; use "
+                "store=headroom.DiskStore(path) for weights bigger than RAM",
+                stacklevel=2,
+            )
+        prefix = key if key is not None else f"huge_classifier.{next(_ids)}"
+        self._prefix = prefix
+        shape = (self.num_classes, self.in_features)
+        self._wh = self._alloc(f"{prefix}.weight", shape)
+        self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
+        self.weight = self._param(self._wh)
+        self.bias = self._param(self._bh) if self._bh is not None else None
+        # rows of the gradients holding values since the last overwrite; None: maybe all rows
+        self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
+        self.last_sampled_classes: torch.Tensor | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ storage
+    def _alloc(self, key: str, shape: tuple[int, ...]) -> Handle:
+        if key in self.store:
+            h = self.store.get(key)
+            if h.shape != shape or h.dtype != self.dtype:
+                raise ValueError(
+                    f"store already holds {key!r} with shape {h.shape} and dtype {h.dtype}, "
+                    f"not {shape} {self.dtype}; pass another key="
+                )
+            return h
+        return self.store.alloc(key, shape, self.dtype, zero=False)
+
+    def _param(self, h: Handle) -> nn.Parameter:
+        host = self.store.host_tensor(h)
+        if host is not None:
+            p = nn.Parameter(host, requires_grad=True)
+        else:
+            p = nn.Parameter(torch.empty(h.shape, dtype=h.dtype, device="meta"))
+        gkey = f"{h.key}.grad"
+        gh = self.store.get(gkey) if gkey in self.store else self.store.alloc(
+            gkey, h.shape, h.dtype, zero=True
+        )
+        bind(p, h, grad_handle=gh, store=self.store)
+        return p
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialize like ``nn.Linear``: uniform in ``+-1/sqrt(in_features)``, slice by slice.
+
+        Same distribution as ``nn.Linear`` (kaiming-uniform with ``a=sqrt(5)``), written one
+        slice at a time so a weight bigger than RAM never sits whole in memory. Not the same
+        random numbers as an ``nn.Linear`` of this size.
+        """
+        bound = 1.0 / math.sqrt(self.in_features)
+        rows = max(1, (64 << 20) // (self.in_features * 4))
+        for start, stop in slice_bounds(self.num_classes, rows):
+            w = torch.empty(stop - start, self.in_features, dtype=self.dtype)
+            w.uniform_(-bound, bound)
+            self.store.write_rows(self._wh, slice(start, stop), w).result()
+            if self._bh is not None:
+                b = torch.empty(stop - start, dtype=self.dtype).uniform_(-bound, bound)
+                self.store.write_rows(self._bh, slice(start, stop), b).result()
+
+    @torch.no_grad()
+    def read_weight(self) -> torch.Tensor:
+        """The whole weight as a host tensor (a copy; needs ``C x D`` host memory)."""
+        return self.store.read(self._wh).result()
+
+    @torch.no_grad()
+    def read_bias(self) -> torch.Tensor | None:
+        """The whole bias as a host tensor (a copy), or ``None``."""
+        return None if self._bh is None else self.store.read(self._bh).result()
+
+    @torch.no_grad()
+    def load_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Write ``weight`` (and ``bias``) into the store.
+
+        Raises:
+            ValueError: wrong shape, or a bias given to a head without one.
+        """
+        if tuple(weight.shape) != self._wh.shape:
+            raise ValueError(f"weight must have shape {self._wh.shape}, got {tuple(weight.shape)}")
+        self.store.write(self._wh, weight.detach().to("cpu", self.dtype).contiguous()).result()
+        if bias is not None:
+            if self._bh is None:
+                raise ValueError("this HugeClassifier has no bias (bias=False)")
+            self.store.write(self._bh, bias.detach().to("cpu", self.dtype).contiguous()).result()
+
+    def _source(self, slice_size: int) -> StoreSlices:
+        return StoreSlices(
+            self.store, self._wh, self._bh, device=self.device, dtype=self.accum_dtype,
+            max_rows=min(slice_size, self.num_classes),
+        )
+
+    def _accumulating(self) -> bool:
+        b = binding(self.weight)
+        return b is not None and b.has_grad and self.weight.grad is not None
+
+    def _sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
+        acc = self._accumulating()
+        wb = binding(self.weight)
+        bb = binding(self.bias) if self.bias is not None else None
+        return StoreGradSink(
+            self.store,
+            wb.grad_handle if (weight and wb is not None) else None,
+            bb.grad_handle if (bias and bb is not None) else None,
+            accumulate=acc, device=self.device, dtype=self.accum_dtype,
+            max_rows=min(slice_size, self.num_classes),
+        )
+
+    def _grads_landed(self, *, weight: bool, bias: bool, rows: torch.Tensor | None) -> None:
+        for p, flag in ((self.weight, weight), (self.bias, bias)):
+            if p is None or not flag:
+                continue
+            b = binding(p)
+            assert b is not None and b.grad_handle is not None
+            was = b.has_grad and p.grad is not None
+            if rows is None:
+                b.grad_rows = None
+            elif not was:
+                b.grad_rows = rows
+            elif b.grad_rows is not None:
+                b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
+            b.has_grad = True
+            host = self.store.host_tensor(b.grad_handle)
+            # NOTE: as offloaded parameters do: the store's gradient tensor itself (host store)
+            # or a meta marker (disk); zero_grad() sets it to None, which makes the next
+            # backward overwrite instead of accumulate.
+            p.grad = host if host is not None else torch.empty(
+                p.shape, dtype=p.dtype, device="meta")
+        if weight:
+            if rows is None:
+                self._dirty = None
+            elif self._dirty is not None:
+                self._dirty = torch.unique(torch.cat([self._dirty, rows]))
+
+    def _zero_rows_for_sparse_overwrite(self) -> None:
+        """Before a row-sparse overwrite, zero every gradient row that may hold old values."""
+        for p in (self.weight, self.bias):
+            if p is None:
+                continue
+            b = binding(p)
+            assert b is not None and b.grad_handle is not None
+            h = b.grad_handle
+            host = self.store.host_tensor(h)
+            if self._dirty is None:
+                if host is not None:
+                    host.zero_()
+                else:
+                    self.store.write(h, torch.zeros(h.shape, dtype=h.dtype)).result()
+            elif self._dirty.numel():
+                zeros = torch.zeros((self._dirty.numel(), *h.shape[1:]), dtype=h.dtype)
+                self.store.write_rows(h, self._dirty, zeros).result()
+        self._dirty = torch.empty(0, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ compute
+    def _check(self, features: torch.Tensor, labels: torch.Tensor | None) -> None:
+        if features.dim() < 1 or features.shape[-1] != self.in_features:
+            raise ValueError(
+                f"features must end in in_features={self.in_features}, got shape "
+                f"{tuple(features.shape)}"
+            )
+        if not features.is_floating_point():
+            raise TypeError(f"features must be floating point, got {features.dtype}")
+        if features.device != self.device:
+            raise ValueError(
+                f"features are on {features.device} but this head computes on {self.device}; "
+                "move them with .to(device)"
+            )
+        if labels is not None:
+            if tuple(labels.shape) != tuple(features.shape[:-1]):
+                raise ValueError(
+                    f"labels shape {tuple(labels.shape)} must equal features' shape without "
+                    f"its last dimension, {tuple(features.shape[:-1])}"
+                )
+            if labels.device != features.device:
+                raise ValueError(f"labels are on {labels.device}, features on {features.device}")
+
+    def _slice_for(self, batch: int) -> int:
+        if self.slice_size is not None:
+            return max(1, min(self.slice_size, self.num_classes))
+        return pick_slice_size(batch, self.num_classes, accum_dtype=self.accum_dtype)
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Cross-entropy of ``features @ weight.T + bias`` against ``labels``.
+
+        Args:
+            features: ``(..., in_features)`` on ``device``.
+            labels: ``features.shape[:-1]`` integer classes or ``ignore_index``.
+            ignore_index: as in ``F.cross_entropy``.
+            label_smoothing: as in ``F.cross_entropy``.
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+
+        Returns:
+            The loss (exact unless ``sample_rate < 1``).
+
+        Raises:
+            TypeError / ValueError: bad labels (dtype or range), shapes or devices, before any
+                compute.
+        """
+        self._check(features, labels)
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        _check_target(labels, self.num_classes, ignore_index)
+        if self.sample_rate < 1.0:
+            return self._sampled_forward(features, labels, ignore_index, label_smoothing,
+                                         reduction)
+        batch = math.prod(labels.shape)
+        opts = (self._slice_for(batch), ignore_index, float(label_smoothing), reduction)
+        return _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts)
+
+    def _sample(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """Sorted class ids: every label in the batch plus uniform negatives."""
+        flat = labels.reshape(-1)
+        pos = torch.unique(flat[flat != ignore_index]).to("cpu", torch.int64)
+        want = max(pos.numel(), math.ceil(self.sample_rate * self.num_classes))
+        n_neg = min(want - pos.numel(), self.num_classes - pos.numel())
+        if n_neg <= 0:
+            return pos
+        # NOTE: random keys with the positives forced to the front, then the n_pos + n_neg
+        # smallest: uniform negatives without replacement in O(C), no Python loops.
+        keys = torch.rand(self.num_classes)
+        keys[pos] = -1.0
+        chosen = torch.topk(keys, pos.numel() + n_neg, largest=False, sorted=False).indices
+        return torch.sort(chosen).values
+
+    def _sampled_forward(self, features, labels, ignore_index, eps, reduction):
+        rows = self._sample(labels, ignore_index)
+        self.last_sampled_classes = rows
+        w = self.store.read_rows(self._wh, rows).result().to(self.device)
+        b = None
+        if self._bh is not None:
+            b = self.store.read_rows(self._bh, rows).result().to(self.device)
+        train = torch.is_grad_enabled() and self.weight.requires_grad
+        if train:
+            w.requires_grad_(True)
+            if b is not None:
+                b.requires_grad_(True)
+        local = torch.searchsorted(rows.to(labels.device), labels.long())
+        local = torch.where(labels == ignore_index, torch.full_like(local, ignore_index), local)
+        loss = linear_cross_entropy(
+            features.to(w.dtype) if features.dtype != w.dtype else features, w, local, b,
+            slice_size=self._slice_for(labels.numel()), ignore_index=ignore_index,
+            label_smoothing=eps, reduction=reduction, accum_dtype=self.accum_dtype,
+        )
+        if train:
+            self._hook_sparse_grads(w, b, rows)
+        return loss
+
+    def _hook_sparse_grads(self, w: torch.Tensor, b: torch.Tensor | None, rows: torch.Tensor):
+        pending = {"w": w, "b": b}
+        expected = {"w"} | ({"b"} if b is not None else set())
+        arrived: dict[str, torch.Tensor] = {}
+
+        def landed(name: str, t: torch.Tensor) -> None:
+            arrived[name] = t.grad.detach().to("cpu", self.dtype)
+            t.grad = None
+            if set(arrived) != expected:
+                return
+            acc = self._accumulating()
+            if not acc:
+                self._zero_rows_for_sparse_overwrite()
+            for key, p in (("w", self.weight), ("b", self.bias)):
+                if key not in arrived or p is None:
+                    continue
+                gh = binding(p).grad_handle
+                g = arrived[key]
+                if acc:
+                    g = g + self.store.read_rows(gh, rows).result()
+                self.store.write_rows(gh, rows, g.contiguous()).result()
+            self._grads_landed(weight=True, bias=b is not None, rows=rows)
+
+        for name, t in pending.items():
+            if t is not None:
+                t.register_post_accumulate_grad_hook(lambda t, n=name: landed(n, t))
+
+    @torch.no_grad()
+    def topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` highest logits per row and their classes, streaming slices.
+
+        Never holds more than one ``batch x slice`` block of logits plus ``2k`` candidates per
+        row; always uses every class (also with ``sample_rate < 1``).
+
+        Args:
+            features: ``(..., in_features)`` on ``device``.
+            k: how many classes per row, ``1 <= k <= num_classes``.
+
+        Returns:
+            ``(values, indices)``, each ``features.shape[:-1] + (k,)``, sorted descending
+            (``indices`` are int64 class ids).
+
+        Raises:
+            ValueError: ``k`` out of range; bad feature shape or device.
+        """
+        self._check(features, None)
+        if not 1 <= k <= self.num_classes:
+            raise ValueError(f"k must be in [1, {self.num_classes}], got {k}")
+        lead = features.shape[:-1]
+        x = features.reshape(-1, self.in_features).to(self.accum_dtype)
+        batch = x.shape[0]
+        s = max(self._slice_for(batch), min(k, self.num_classes))
+        best_v = torch.full((batch, 0), -math.inf, dtype=self.accum_dtype, device=self.device)
+        best_i = torch.empty((batch, 0), dtype=torch.int64, device=self.device)
+        for start, stop, w, b in self._source(s).slices(slice_bounds(self.num_classes, s)):
+            z = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+            v, i = torch.topk(z, min(k, stop - start), dim=1)
+            cand_v = torch.cat([best_v, v], dim=1)
+            cand_i = torch.cat([best_i, i + start], dim=1)
+            kk = min(k, cand_v.shape[1])
+            best_v, pos = torch.topk(cand_v, kk, dim=1)
+            best_i = torch.gather(cand_i, 1, pos)
+        return best_v.reshape(*lead, k), best_i.reshape(*lead, k)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_classes={self.num_classes}, in_features={self.in_features}, "
+            f"bias={self.bias is not None}, device={self.device}, store={self.store!r}, "
+            f"sample_rate={self.sample_rate}"
+        )

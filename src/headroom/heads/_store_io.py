@@ -1,0 +1,214 @@
+"""Class-weight slices read from a store, and slice gradients written back to it.
+
+The sliced passes of ``_linear_ce.py`` see these through the same two small interfaces as an
+in-memory weight (`SliceSource`, `GradSink`); this module is the only part of ``heads/`` that
+talks to a store.
+
+# NOTE: a host store hands out its resting tensor (``host_tensor``), so slices are views and cost
+# no copy; a disk store is read into two rotating buffers, the next slice's read in flight while
+# the current one computes (double buffering), and gradients leave through two rotating buffers
+# whose writes complete in the background.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import torch
+
+from headroom.transfer import Handle, Store
+
+
+def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
+class _Ring:
+    """Two reusable host buffers for row slices of one handle (plus the futures using them)."""
+
+    def __init__(self, handle: Handle, max_rows: int) -> None:
+        row = handle.numel // handle.shape[0] if handle.shape[0] else 0
+        self.handle = handle
+        self.row = row
+        self.bufs = [torch.empty(max_rows * row, dtype=handle.dtype) for _ in range(2)]
+        self.pending: list[Future | None] = [None, None]
+
+    def take(self, i: int, n_rows: int) -> torch.Tensor:
+        """Buffer ``i % 2`` viewed as ``n_rows`` rows, after the last use of it has finished."""
+        k = i % 2
+        fut = self.pending[k]
+        if fut is not None:
+            fut.result()
+            self.pending[k] = None
+        shape = (n_rows, *self.handle.shape[1:])
+        return self.bufs[k][: n_rows * self.row].view(shape)
+
+    def drain(self) -> None:
+        for k, fut in enumerate(self.pending):
+            if fut is not None:
+                fut.result()
+                self.pending[k] = None
+
+
+class StoreSlices:
+    """Weight (and bias) row slices of store-resident tensors, on the compute device.
+
+    Args:
+        store: the store holding them.
+        weight: handle of the ``(C, D)`` weight.
+        bias: handle of the ``(C,)`` bias or ``None``.
+        device: the compute device.
+        dtype: the accumulation dtype.
+        max_rows: the largest slice that will be asked for (sizes the disk buffers).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        weight: Handle,
+        bias: Handle | None,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_rows: int,
+    ) -> None:
+        self.store = store
+        self.weight = weight
+        self.bias = bias
+        self.device = device
+        self.dtype = dtype
+        self.num_classes = weight.shape[0]
+        self.has_bias = bias is not None
+        self.max_rows = max_rows
+
+    def slices(
+        self, bounds: list[tuple[int, int]]
+    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+        host_w = self.store.host_tensor(self.weight)
+        host_b = None if self.bias is None else self.store.host_tensor(self.bias)
+        if host_w is not None and (self.bias is None or host_b is not None):
+            for start, stop in bounds:
+                w = _to(host_w[start:stop], self.device, self.dtype)
+                b = None if host_b is None else _to(host_b[start:stop], self.device, self.dtype)
+                yield start, stop, w, b
+            return
+        rings = [_Ring(self.weight, self.max_rows)]
+        if self.bias is not None:
+            rings.append(_Ring(self.bias, self.max_rows))
+
+        def issue(i: int) -> list[Future]:
+            start, stop = bounds[i]
+            futs = []
+            for ring in rings:
+                buf = ring.take(i, stop - start)
+                fut = self.store.read_rows(ring.handle, slice(start, stop), out=buf)
+                ring.pending[i % 2] = fut
+                futs.append(fut)
+            return futs
+
+        try:
+            nxt = issue(0) if bounds else []
+            for i, (start, stop) in enumerate(bounds):
+                cur = nxt
+                host = [f.result() for f in cur]
+                for ring in rings:
+                    ring.pending[i % 2] = None
+                # NOTE: start the next read before computing on this slice (prefetch depth 1);
+                # the buffer it fills is the one the previous slice used, which is done.
+                nxt = issue(i + 1) if i + 1 < len(bounds) else []
+                w = _to(host[0], self.device, self.dtype)
+                b = _to(host[1], self.device, self.dtype) if self.bias is not None else None
+                yield start, stop, w, b
+        finally:
+            for ring in rings:
+                ring.drain()
+
+
+class StoreGradSink:
+    """Writes (or accumulates) slice gradients into store-resident gradient tensors.
+
+    Args:
+        store: the store.
+        weight_grad: handle of the ``(C, D)`` weight gradient, or ``None`` (not wanted).
+        bias_grad: handle of the ``(C,)`` bias gradient, or ``None``.
+        accumulate: add to what the gradient tensors hold (``False``: overwrite).
+        device: the compute device.
+        dtype: the accumulation dtype the slices are computed in.
+        max_rows: the largest slice.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        weight_grad: Handle | None,
+        bias_grad: Handle | None,
+        *,
+        accumulate: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_rows: int,
+    ) -> None:
+        self.store = store
+        self.wg = weight_grad
+        self.bg = bias_grad
+        self.accumulate = accumulate
+        self.device = device
+        self.dtype = dtype
+        self.host_wg = None if weight_grad is None else store.host_tensor(weight_grad)
+        self.host_bg = None if bias_grad is None else store.host_tensor(bias_grad)
+        self._rings: dict[str, _Ring] = {}
+        self._count = 0
+        self._tmp: torch.Tensor | None = None
+        self._max_rows = max_rows
+        # NOTE: overwriting a host gradient in the compute dtype on the CPU can write the matrix
+        # product straight into the store's tensor: no buffer, no copy.
+        self._direct = (
+            self.host_wg is not None and not accumulate and device.type == "cpu"
+            and weight_grad is not None and weight_grad.dtype == dtype
+        )
+
+    def out(self, start: int, stop: int) -> torch.Tensor:
+        if self._direct:
+            assert self.host_wg is not None
+            return self.host_wg[start:stop]
+        assert self.wg is not None
+        n, d = stop - start, self.wg.shape[1]
+        if self._tmp is None or self._tmp.numel() < n * d:
+            self._tmp = torch.empty(self._max_rows * d, device=self.device, dtype=self.dtype)
+        return self._tmp[: n * d].view(n, d)
+
+    def _land(self, name: str, handle: Handle, host: torch.Tensor | None, start: int,
+              stop: int, src: torch.Tensor) -> None:
+        if host is not None:
+            dst = host[start:stop]
+            if self.accumulate:
+                dst.add_(src.to(device="cpu", dtype=handle.dtype))
+            else:
+                dst.copy_(src)
+            return
+        ring = self._rings.get(name)
+        if ring is None:
+            ring = self._rings[name] = _Ring(handle, self._max_rows)
+        buf = ring.take(self._count, stop - start)
+        if self.accumulate:
+            self.store.read_rows(handle, slice(start, stop), out=buf).result()
+            buf.add_(src.to(device="cpu", dtype=handle.dtype))
+        else:
+            buf.copy_(src)
+        ring.pending[self._count % 2] = self.store.write_rows(handle, slice(start, stop), buf)
+
+    def commit(
+        self, start: int, stop: int, grad_w: torch.Tensor | None, grad_b: torch.Tensor | None
+    ) -> None:
+        if grad_w is not None and not self._direct:
+            assert self.wg is not None
+            self._land("w", self.wg, self.host_wg, start, stop, grad_w)
+        if grad_b is not None and self.bg is not None:
+            self._land("b", self.bg, self.host_bg, start, stop, grad_b)
+        self._count += 1
+
+    def finish(self) -> None:
+        """Wait until every gradient write has landed."""
+        for ring in self._rings.values():
+            ring.drain()

@@ -34,13 +34,23 @@ def _resident(model) -> list[str]:
         s.dev.untyped_storage().nbytes() for s in b.slots)]
 
 
+def _partly_frozen() -> Transformer:
+    m = Transformer(d=32, n=8)
+    for layer in m.layers[:4]:  # whole blocks frozen (inputs still need gradients)
+        layer.requires_grad_(False)
+    for layer in m.layers[4:]:  # frozen weights next to trainable ones (as with adapters)
+        layer.fc1.weight.requires_grad_(False)
+    return m
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("arch", ["transformer", "cnn", "checkpointed"])
+@pytest.mark.parametrize("arch", ["transformer", "cnn", "checkpointed", "frozen"])
 def test_device_parameter_bytes_within_block_budget(arch, prefetch, tmp_path):
     make, batch, loss_fn = {
         "transformer": (lambda: Transformer(d=32, n=8), lm_batch, lm_loss),
         "checkpointed": (lambda: Transformer(d=32, n=8, ckpt_blocks=True), lm_batch, lm_loss),
         "cnn": (lambda: CNN(c=16, n=6), cnn_batch, cnn_loss),
+        "frozen": (_partly_frozen, lm_batch, lm_loss),
     }[arch]
     model = make()
     total = sum(p.numel() * p.element_size() for p in model.parameters())

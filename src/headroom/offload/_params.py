@@ -97,6 +97,31 @@ def _outputs(output: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+class _DeviceCopy(nn.Parameter):
+    """The device-side copy of an offloaded parameter (storage empty while not resident)."""
+
+    def __repr__(self) -> str:
+        # NOTE: printing a tensor whose storage was resized to 0 reads freed memory.
+        resident = self.untyped_storage().nbytes() > 0
+        return (f"DeviceCopy(shape={tuple(self.shape)}, dtype={self.dtype},"
+                f" device={self.device}, resident={resident})")
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward reports that their gradients are done."""
+
+    @staticmethod
+    def forward(ctx, callback, *xs):
+        ctx.callback = callback
+        outs = tuple(x.view_as(x) for x in xs)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
 class _Slot:
     """One unique offloaded parameter: master, device copy, where it is registered."""
 
@@ -127,6 +152,7 @@ class _Block:
         self.slots: list[_Slot] = []
         self.resident = False
         self.grads_left = 0
+        self.inputs_pending = 0  # forward calls whose input gradients are not computed yet
 
     @property
     def nbytes(self) -> int:
@@ -233,7 +259,37 @@ class _Offload:
         self._order_now.append(block)
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
+        if torch.is_grad_enabled() and any(not s.dev.requires_grad for s in block.slots):
+            return self._watch_inputs(block, args, kwargs)
         return None
+
+    def _watch_inputs(self, block: _Block, args, kwargs):
+        # NOTE: with frozen parameters, "all parameter gradients are in" does not mean the
+        # block's backward is over (frozen weights are still needed for input gradients), so
+        # the block is also held until the gradients of its inputs are computed.
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keys = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not idx and not keys:
+            return None
+        block.inputs_pending += 1
+        outs = _AfterBackward.apply(partial(self.inputs_done, block),
+                                    *[args[i] for i in idx], *[kwargs[k] for k in keys])
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        args = list(args)
+        for j, i in enumerate(idx):
+            args[i] = outs[j]
+        kwargs = dict(kwargs)
+        for j, k in enumerate(keys):
+            kwargs[k] = outs[len(idx) + j]
+        return tuple(args), kwargs
+
+    def inputs_done(self, block: _Block) -> None:
+        block.inputs_pending = max(0, block.inputs_pending - 1)
+        self._maybe_release(block)
+
+    def _maybe_release(self, block: _Block) -> None:
+        if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
+            self.release(block)
 
     def post_forward(self, block: _Block, module, args, kwargs, output):
         if _in_backward():
@@ -288,13 +344,14 @@ class _Offload:
         block = slot.block
         if id(block) in self._bwd_seen:
             block.grads_left -= 1
-            if block.grads_left == 0:
-                self.release(block)
+            if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
+                self._maybe_release(block)
 
     def end_backward(self) -> None:
         self._bwd = False
         self._bwd_seen = set()
         for b in self.blocks:
+            b.inputs_pending = 0
             self.release(b)
         self.release(self.rest)
         self.mover.synchronize()
@@ -455,11 +512,12 @@ def offload(
     replaced: dict[int, nn.Parameter] = {}
     unprocessed = set(params)
     for pid, p in params.items():
-        p = replaced.get(pid, p)
+        p = replaced.pop(pid, p)
         if p.device.type == "meta":
             _materialize(owners[pid][0][0], first_name[pid], owners, params, unprocessed,
                          replaced)
-            p = replaced[pid]
+            # NOTE: pop, not get: holding on would keep every initialized tensor in RAM.
+            p = replaced.pop(pid)
         unprocessed.discard(pid)
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
@@ -471,8 +529,8 @@ def offload(
         cdtype = compute_dtype if (compute_dtype is not None and p.is_floating_point()) \
             else p.dtype
         handle = st.put(first_name[pid], p.detach())
-        dev_param = nn.Parameter(torch.empty(p.shape, dtype=cdtype, device=dev),
-                                 requires_grad=p.requires_grad)
+        dev_param = _DeviceCopy(torch.empty(p.shape, dtype=cdtype, device=dev),
+                                requires_grad=p.requires_grad)
         resize_storage(dev_param, 0)
         host = st.host_tensor(handle)
         if host is not None:
@@ -491,9 +549,15 @@ def offload(
         target.slots.append(slot)
         state.slots.append(slot)
         state.by_dev[id(dev_param)] = slot
-        state.handles.append(dev_param.register_post_accumulate_grad_hook(state.grad_hook))
-        state.handles.append(master.register_post_accumulate_grad_hook(
-            partial(state.bypass_hook, slot.name)))
+        if p.is_floating_point() or p.is_complex():
+            # NOTE: hooks need requires_grad at registration and survive toggling it, so a
+            # parameter frozen now still routes its gradient if it is unfrozen later.
+            for t, fn in ((dev_param, state.grad_hook),
+                          (master, partial(state.bypass_hook, slot.name))):
+                rg = t.requires_grad
+                t.requires_grad_(True)
+                state.handles.append(t.register_post_accumulate_grad_hook(fn))
+                t.requires_grad_(rg)
     for mname, m in model.named_modules():
         for bname, buf in list(m._buffers.items()):
             if buf is not None:

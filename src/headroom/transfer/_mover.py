@@ -41,6 +41,11 @@ def _stream_ctx(stream):
     return torch.get_device_module(stream.device.type).stream(stream)
 
 
+# NOTE: streams and events come from the device's own module (torch.cuda, torch.xpu, ...)
+# rather than the generic torch.Stream/torch.Event so that they mix with that module's
+# stream context and current_stream() everywhere.
+
+
 class Mover:
     """Moves bytes between a store and the compute device.
 
@@ -64,8 +69,9 @@ class Mover:
         self._disk_writes: deque = deque()
         self._writing = 0
         if self.accelerated:
-            self._h2d = torch.Stream(self.device)
-            self._d2h = torch.Stream(self.device)
+            self._mod = torch.get_device_module(self.device.type)
+            self._h2d = self._mod.Stream(self.device)
+            self._d2h = self._mod.Stream(self.device)
             self._pool = PinnedPool(pin=True)
             self._inflight: deque = deque()  # (event, staging) of H2D copies from staging
 
@@ -92,13 +98,13 @@ class Mover:
             return Ticket(dst, future=self.store.read(handle), staging=None)
         self._reclaim()
         if host is not None:
-            ev = torch.Event(self.device)
-            ev.record(torch.accelerator.current_stream(self.device))
+            ev = self._mod.Event()
+            ev.record(self._mod.current_stream(self.device))
             self._h2d.wait_event(ev)
             with torch.no_grad(), _stream_ctx(self._h2d), \
                     torch.autograd._unsafe_preserve_version_counter(dst):
                 dst.copy_(host, non_blocking=self.store.pinned)
-                done_ev = torch.Event(self.device)
+                done_ev = self._mod.Event()
                 done_ev.record(self._h2d)
             return Ticket(dst, event=done_ev)
         staging = self._pool.take(handle.nbytes).view(handle.dtype).view(handle.shape)
@@ -118,17 +124,17 @@ class Mover:
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(ticket.dst):
                     ticket.dst.copy_(src)
                 return
-            ev = torch.Event(self.device)
-            ev.record(torch.accelerator.current_stream(self.device))
+            ev = self._mod.Event()
+            ev.record(self._mod.current_stream(self.device))
             self._h2d.wait_event(ev)
             with torch.no_grad(), _stream_ctx(self._h2d), \
                     torch.autograd._unsafe_preserve_version_counter(ticket.dst):
                 ticket.dst.copy_(src, non_blocking=True)
-                ticket.event = torch.Event(self.device)
+                ticket.event = self._mod.Event()
                 ticket.event.record(self._h2d)
             self._inflight.append((ticket.event, src))
         if ticket.event is not None:
-            torch.accelerator.current_stream(self.device).wait_event(ticket.event)
+            self._mod.current_stream(self.device).wait_event(ticket.event)
 
     def _reclaim(self) -> None:
         while self._inflight and self._inflight[0][0].query():
@@ -151,14 +157,14 @@ class Mover:
         if not self.accelerated or grad.device.type == "cpu":
             self._land(grad.detach(), gh, accumulate)
             return
-        ev = torch.Event(self.device)
-        ev.record(torch.accelerator.current_stream(self.device))
+        ev = self._mod.Event()
+        ev.record(self._mod.current_stream(self.device))
         self._d2h.wait_event(ev)
         staging = self._pool.take(grad.numel() * grad.element_size())
         staging = staging.view(grad.dtype).view(grad.shape)
         with _stream_ctx(self._d2h):
             staging.copy_(grad.detach(), non_blocking=True)
-            done_ev = torch.Event(self.device)
+            done_ev = self._mod.Event()
             done_ev.record(self._d2h)
         self._grads.append((done_ev, grad, staging, gh, accumulate))
         self._staged += staging.numel() * staging.element_size()

@@ -110,8 +110,9 @@ class HugeClassifier(nn.Module):
             only the sampled rows get one (``binding(weight).grad_rows``). Faster and lighter
             for millions of classes; not the same loss. ``topk`` always uses all classes.
         dtype: dtype of the weight in the store. Logits and gradients accumulate in fp32.
-        key: name prefix of the tensors in the store (defaults to a fresh unique name; give one
-            to find the tensors again in a reopened `DiskStore`).
+        key: name prefix of the tensors in the store (defaults to a fresh unique name). Give
+            one to find the tensors again in a reopened `DiskStore`: when the store already
+            holds ``key``'s weight, its values are kept (not re-initialized).
 
     Raises:
         ValueError: bad sizes or ``sample_rate``; a store that cannot hold the weight.
@@ -167,6 +168,7 @@ class HugeClassifier(nn.Module):
             )
         prefix = key if key is not None else f"huge_classifier.{next(_ids)}"
         self._prefix = prefix
+        reopened = f"{prefix}.weight" in self.store
         shape = (self.num_classes, self.in_features)
         self._wh = self._alloc(f"{prefix}.weight", shape)
         self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
@@ -175,7 +177,9 @@ class HugeClassifier(nn.Module):
         # rows of the gradients holding values since the last overwrite; None: maybe all rows
         self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
         self.last_sampled_classes: torch.Tensor | None = None
-        self.reset_parameters()
+        if not reopened:
+            # NOTE: a key already in the store (a reopened DiskStore) keeps its trained values.
+            self.reset_parameters()
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, key: str, shape: tuple[int, ...]) -> Handle:

@@ -1,0 +1,229 @@
+"""HugeClassifier against a dense reference (F.cross_entropy on full logits).
+
+Bitwise equality is impossible (the log-sum-exp is summed slice by slice), so values are compared
+with `assert_close` at 1e-5 relative, as for `linear_cross_entropy`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import headroom as hr
+from headroom.transfer import DiskStore, binding
+
+C, D, B = 1000, 16, 24
+
+pytestmark = pytest.mark.filterwarnings("ignore:HugeClassifier\\(device='cpu', store='cpu'\\)")
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def _store(kind, tmp_path):
+    return "cpu" if kind == "cpu" else DiskStore(tmp_path / "store")
+
+
+def _grad(head, p):
+    b = binding(p)
+    return head.store.read(b.grad_handle).result()
+
+
+def _dense(head):
+    w = head.read_weight().clone().requires_grad_()
+    b = head.read_bias()
+    return w, (b.clone().requires_grad_() if b is not None else None)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_backward_exact(kind, bias, tmp_path):
+    head = hr.HugeClassifier(C, D, bias=bias, device="cpu", store=_store(kind, tmp_path),
+                             slice_size=300)
+    w, b = _dense(head)
+    x = torch.randn(B, D, requires_grad=True)
+    y = torch.randint(0, C, (B,))
+    y[5] = -100
+    xr = x.detach().clone().requires_grad_()
+    for _ in range(2):  # the second backward accumulates, as autograd does
+        loss = head(x, y, label_smoothing=0.1)
+        ref = F.cross_entropy(xr @ w.T + (b if b is not None else 0), y, label_smoothing=0.1)
+        _close(loss, ref)
+        loss.backward()
+        ref.backward()
+    _close(x.grad, xr.grad)
+    _close(_grad(head, head.weight), w.grad)
+    if bias:
+        _close(_grad(head, head.bias), b.grad)
+    assert binding(head.weight).has_grad and binding(head.weight).grad_rows is None
+    # zero_grad(set_to_none=True) makes the next backward overwrite
+    head.zero_grad(set_to_none=True)
+    w.grad = None
+    head(x, y, reduction="sum").backward()
+    F.cross_entropy(xr @ w.T + (b if b is not None else 0), y, reduction="sum").backward()
+    _close(_grad(head, head.weight), w.grad)
+
+
+def test_host_store_param_is_the_store_tensor_and_trains_with_torch_optim():
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", slice_size=256)
+    assert head.weight.data_ptr() == head.store.host_tensor(binding(head.weight).handle).data_ptr()
+    ref = [torch.nn.Parameter(head.read_weight()), torch.nn.Parameter(head.read_bias())]
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(B, D)
+        y = torch.randint(0, C, (B,))
+        head(x, y).backward()
+        # gradients: close to the dense ones at the same point
+        dense = torch.autograd.grad(F.cross_entropy(x @ ref[0].T + ref[1], y), ref)
+        _close(head.weight.grad, dense[0])
+        _close(head.bias.grad, dense[1])
+        # the step: a plain torch optimizer on the store's tensors, bitwise like on copies
+        ref[0].grad, ref[1].grad = head.weight.grad.clone(), head.bias.grad.clone()
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        assert torch.equal(head.read_weight(), ref[0].detach())
+        assert torch.equal(head.read_bias(), ref[1].detach())
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_topk_exact(kind, tmp_path):
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=_store(kind, tmp_path),
+                             slice_size=128)
+    w, b = _dense(head)
+    x = torch.randn(2, 7, D)
+    for k in (1, 5, 200):  # 200 > slice size
+        v, i = head.topk(x, k)
+        rv, ri = torch.topk(x @ w.T + b, k)
+        assert v.shape == (2, 7, k) and i.dtype == torch.int64
+        assert torch.equal(i, ri)
+        _close(v, rv)
+    with pytest.raises(ValueError, match="k must be"):
+        head.topk(x, C + 1)
+
+
+def test_disk_store_round_trip(tmp_path):
+    store = DiskStore(tmp_path / "s")
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=store, key="faces")
+    assert head.weight.device.type == "meta"  # values live in files only
+    w = torch.randn(C, D)
+    b = torch.randn(C)
+    head.load_weight(w, b)
+    store.close()
+    again = hr.HugeClassifier(C, D, bias=True, device="cpu", store=DiskStore(tmp_path / "s"),
+                              key="faces")
+    assert torch.equal(again.read_weight(), w) and torch.equal(again.read_bias(), b)
+    with pytest.raises(ValueError, match="already holds"):
+        hr.HugeClassifier(C, D + 1, device="cpu", store=again.store, key="faces")
+
+
+def test_sampled_mode_is_partial_fc_with_row_sparse_grads():
+    head = hr.HugeClassifier(C, D, device="cpu", slice_size=64, sample_rate=0.1)
+    w, _ = _dense(head)
+    x = torch.randn(B, D, requires_grad=True)
+    y = torch.randint(0, C, (B,))
+    loss = head(x, y)
+    rows = head.last_sampled_classes
+    assert rows.numel() == 100 and bool(torch.isin(y, rows).all())
+    assert torch.equal(rows, torch.sort(rows).values)
+    # the approximation is exactly the softmax over the sampled classes
+    local = torch.searchsorted(rows, y)
+    xr = x.detach().clone().requires_grad_()
+    ref = F.cross_entropy(xr @ w[rows].T, local)
+    _close(loss, ref)
+    loss.backward()
+    ref.backward()
+    _close(x.grad, xr.grad)
+    g = _grad(head, head.weight)
+    assert torch.equal(binding(head.weight).grad_rows, rows)
+    _close(g[rows], w.grad[rows])
+    others = torch.ones(C, dtype=torch.bool)
+    others[rows] = False
+    assert not g[others].any()
+    # a new overwrite clears the rows the previous sample wrote
+    head.zero_grad(set_to_none=True)
+    head(x.detach(), y).backward()
+    g2 = _grad(head, head.weight)
+    rows2 = head.last_sampled_classes
+    stale = torch.ones(C, dtype=torch.bool)
+    stale[rows2] = False
+    assert not g2[stale].any()
+
+
+def test_sampled_mode_trains_with_host_optimizer_on_disk(tmp_path):
+    store = DiskStore(tmp_path / "w")
+    head = hr.HugeClassifier(C, D, device="cpu", store=store, slice_size=128, sample_rate=0.2)
+    opt = hr.HostOptimizer(head.parameters(), torch.optim.AdamW, lr=1e-2,
+                           state_store=DiskStore(tmp_path / "st"), row_sparse=[head.weight])
+    before = head.read_weight()
+    x = torch.randn(B, D)
+    y = torch.randint(0, C, (B,))
+    head(x, y).backward()
+    rows = head.last_sampled_classes
+    opt.step()
+    opt.zero_grad()
+    after = head.read_weight()
+    moved = (after != before).any(dim=1)
+    assert bool(moved[rows].all())
+    moved[rows] = False
+    assert not moved.any()  # lazy Adam: rows without a gradient stay put
+
+
+def test_exact_training_with_host_optimizer_on_disk(tmp_path):
+    head = hr.HugeClassifier(C, D, device="cpu", store=DiskStore(tmp_path / "w"),
+                             slice_size=200)
+    ref = torch.nn.Parameter(head.read_weight())
+    opt = hr.HostOptimizer(head.parameters(), torch.optim.AdamW, lr=1e-2,
+                           state_store=DiskStore(tmp_path / "st"))
+    opt_ref = torch.optim.AdamW([ref], lr=1e-2, fused=True)
+    for _ in range(3):
+        x = torch.randn(B, D)
+        y = torch.randint(0, C, (B,))
+        head(x, y).backward()
+        grad = _grad(head, head.weight)
+        (dense,) = torch.autograd.grad(F.cross_entropy(x @ ref.T, y), [ref])
+        _close(grad, dense)
+        ref.grad = grad
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        # weights and Adam state rest on disk; the step is bitwise torch's AdamW
+        assert torch.equal(head.read_weight(), ref.detach())
+
+
+def test_bad_input():
+    head = hr.HugeClassifier(C, D, device="cpu")
+    x = torch.randn(4, D)
+    with pytest.raises(ValueError, match=r"outside \[0, 1000\)"):
+        head(x, torch.tensor([0, 1, 1000, 2]))
+    with pytest.raises(TypeError, match="integer"):
+        head(x, torch.zeros(4))
+    with pytest.raises(ValueError, match="in_features=16"):
+        head(torch.randn(4, D + 1), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels shape"):
+        head(x, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="sample_rate"):
+        hr.HugeClassifier(C, D, device="cpu", sample_rate=0.0)
+
+
+def test_cpu_store_on_cpu_warns():
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        hr.HugeClassifier(10, 4, device="cpu")
+    assert any("saves no memory" in str(r.message) for r in rec)
+
+
+def test_empty_batch():
+    head = hr.HugeClassifier(C, D, device="cpu")
+    x = torch.randn(0, D, requires_grad=True)
+    y = torch.empty(0, dtype=torch.long)
+    assert head(x, y, reduction="none").shape == (0,)
+    assert head(x, y, reduction="sum").item() == 0.0
+    assert torch.isnan(head(x, y))

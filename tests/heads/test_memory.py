@@ -1,0 +1,51 @@
+"""Memory of the sliced cross-entropy does not grow with the number of classes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import headroom as hr
+
+B, D, SLICE = 32, 8, 8192
+# one B x slice logits buffer, plus a few B- and B x D-sized tensors (lse, scales, grad of x)
+BUDGET = B * SLICE * 4 + 64 * B * (D + 1) * 4
+
+
+def _extra_peak(classes: int, *, bias: bool = False) -> int:
+    x = torch.randn(B, D, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(classes, D))
+    b = torch.nn.Parameter(torch.randn(classes)) if bias else None
+    y = torch.randint(0, classes, (B,))
+    with hr.track_memory() as mem:
+        loss = hr.linear_cross_entropy(x, w, y, b, slice_size=SLICE, label_smoothing=0.1)
+        loss.backward()
+    # the weight and its gradient (and bias and its gradient) are the caller's; x too
+    own = 2 * w.nbytes + 2 * x.nbytes + (2 * b.nbytes if b is not None else 0)
+    assert mem.peak >= own
+    return mem.peak - own
+
+
+@pytest.mark.parametrize("classes", [65536, 262144, 1 << 20])
+def test_peak_beyond_weight_within_batch_x_slice_budget(classes):
+    extra = _extra_peak(classes)
+    assert extra <= BUDGET
+    # the check can fail: dense logits alone would be far over the budget
+    assert B * classes * 4 > 4 * BUDGET
+
+
+def test_peak_does_not_grow_with_classes():
+    small, big = _extra_peak(65536, bias=True), _extra_peak(1 << 20, bias=True)
+    # bias slices add a few kB; the class count (16x) adds nothing
+    assert big <= small + 4 * SLICE * 4
+
+
+def test_dense_reference_exceeds_budget():
+    # the same tracker sees the dense computation's B x C logits (so it would catch ours)
+    x = torch.randn(B, D, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(65536, D))
+    y = torch.randint(0, 65536, (B,))
+    with hr.track_memory() as mem:
+        F.cross_entropy(x @ w.T, y).backward()
+    assert mem.peak - 2 * w.nbytes - 2 * x.nbytes > BUDGET

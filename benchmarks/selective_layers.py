@@ -14,11 +14,12 @@ memsave_torch keeps some tensors as plain attributes of the autograd context, in
 saved-tensor hooks), and as bytes passed to ``torch.autograd.graph.saved_tensors_hooks``
 ("saved"), deduplicated by storage. Parameters and buffers are never counted.
 
-Time is forward+backward, medians of interleaved repeats, ours / plain.
+Time is forward+backward, medians of interleaved repeats, as a ratio to plain PyTorch, in
+process CPU time (robust when other jobs share the machine; the headline) and in wall time.
 
 Run (memsave_torch is optional; give the folder that contains the ``memsave_torch`` package):
 
-    MEMSAVE_TORCH_PATH=/path/to/memsave_torch_checkout .venv/bin/python benchmarks/selective_layers.py
+    MEMSAVE_TORCH_PATH=/path/to/memsave_checkout .venv/bin/python benchmarks/selective_layers.py
 
 Writes ``benchmarks/results/selective_layers.json``.
 """
@@ -158,22 +159,21 @@ def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     skip = resident | {out.untyped_storage()._cdata, loss.untyped_storage()._cdata}
     del out
     gc.collect()
-    kept = sum(
-        n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in skip
-    )
+    kept = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in skip)
     if loss.requires_grad:
         loss.backward()
     model.zero_grad(set_to_none=True)
     return kept, sum(saved.values())
 
 
-def fwd_bwd(model: nn.Module, x: torch.Tensor) -> float:
-    t0 = time.perf_counter()
+def fwd_bwd(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one forward+backward."""
+    c0, t0 = time.process_time(), time.perf_counter()
     out = model(x)
     out.float().sum().backward()
-    dt = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     model.zero_grad(set_to_none=True)
-    return dt
+    return wall, cpu
 
 
 def load_memsave():
@@ -194,7 +194,8 @@ def load_memsave():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--size", type=int, default=64, help="input height and width")
+    ap.add_argument("--size", type=int, default=64, help="VGG-like input height and width")
+    ap.add_argument("--resnet-size", type=int, default=128, help="ResNet-like input size")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per variant and case")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/selective_layers.json"))
@@ -208,18 +209,21 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "batch": args.batch,
-        "size": args.size,
+        "size": {"vgg_like": args.size, "resnet_like": args.resnet_size},
         "memsave_torch": memsave is not None,
         "models": {},
     }
-    builders = {"vgg_like": lambda: vgg_like(size=args.size), "resnet_like": resnet_like}
-    for name, build in builders.items():
+    builders = {
+        "vgg_like": (lambda: vgg_like(size=args.size), args.size),
+        "resnet_like": (resnet_like, args.resnet_size),
+    }
+    for name, (build, size) in builders.items():
         torch.manual_seed(0)
         plain = build()
         variants = {"torch": plain, "headroom": hr.convert(copy.deepcopy(plain))}
         if memsave is not None:
             variants["memsave"] = memsave(copy.deepcopy(plain))
-        x0 = torch.randn(args.batch, 3, args.size, args.size)
+        x0 = torch.randn(args.batch, 3, size, size)
         rows = {}
         for case in CASES:
             x = x0.clone().requires_grad_(case == "input")
@@ -230,23 +234,30 @@ def main() -> None:
             for vname, model in variants.items():
                 kept, saved = measure_bytes(model, x)
                 row[vname] = {"kept_bytes": kept, "saved_bytes": saved}
-            times: dict[str, list[float]] = {v: [] for v in variants}
-            for _ in range(args.repeats):
-                for vname, model in variants.items():
-                    times[vname].append(fwd_bwd(model, x))
+            walls: dict[str, list[float]] = {v: [] for v in variants}
+            cpus: dict[str, list[float]] = {v: [] for v in variants}
+            order = list(variants.items())
+            for i in range(args.repeats):
+                # NOTE: alternate the order so that neither variant always runs first.
+                for vname, model in order if i % 2 == 0 else order[::-1]:
+                    wall, cpu = fwd_bwd(model, x)
+                    walls[vname].append(wall)
+                    cpus[vname].append(cpu)
             for vname in variants:
-                row[vname]["time_s"] = statistics.median(times[vname])
-            base = row["torch"]["time_s"]
+                row[vname]["wall_s"] = statistics.median(walls[vname])
+                row[vname]["cpu_s"] = statistics.median(cpus[vname])
             for vname in variants:
-                row[vname]["time_vs_torch"] = row[vname]["time_s"] / base
+                row[vname]["cpu_vs_torch"] = row[vname]["cpu_s"] / row["torch"]["cpu_s"]
+                row[vname]["wall_vs_torch"] = row[vname]["wall_s"] / row["torch"]["wall_s"]
             rows[case] = row
             line = f"{name:12s} {case:9s}"
             for vname in variants:
                 r = row[vname]
                 line += (
-                    f" | {vname} kept {r['kept_bytes'] / MiB:7.2f} MiB"
-                    f" saved {r['saved_bytes'] / MiB:7.2f}"
-                    f" t {r['time_s'] * 1e3:7.1f} ms ({r['time_vs_torch']:.3f}x)"
+                    f" | {vname} kept {r['kept_bytes'] / MiB:6.2f} MiB"
+                    f" saved {r['saved_bytes'] / MiB:6.2f}"
+                    f" cpu {r['cpu_s'] * 1e3:6.1f} ms ({r['cpu_vs_torch']:.3f}x)"
+                    f" wall ({r['wall_vs_torch']:.3f}x)"
                 )
             print(line, flush=True)
         results["models"][name] = rows
@@ -255,16 +266,21 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {out}")
-    print("\n| model | case | torch MiB | memsave MiB | headroom MiB | headroom time vs torch |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(
+        "\n| model | case | torch MiB | memsave MiB | headroom MiB "
+        "| headroom CPU time vs torch | memsave CPU time vs torch | headroom wall vs torch |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, rows in results["models"].items():
         for case, row in rows.items():
             ms = row.get("memsave")
             ms_txt = f"{ms['kept_bytes'] / MiB:.1f}" if ms else "n/a"
+            ms_time = f"{ms['cpu_vs_torch']:.3f}x" if ms else "n/a"
             print(
                 f"| {name} | {case} | {row['torch']['kept_bytes'] / MiB:.1f} | {ms_txt} | "
                 f"{row['headroom']['kept_bytes'] / MiB:.1f} | "
-                f"{row['headroom']['time_vs_torch']:.3f}x |"
+                f"{row['headroom']['cpu_vs_torch']:.3f}x | {ms_time} | "
+                f"{row['headroom']['wall_vs_torch']:.3f}x |"
             )
 
 

@@ -32,11 +32,11 @@ def test_bit_order_is_little_endian_within_a_byte():
     assert pack_bool(mask).tolist() == [0b10000001, 0b1]
 
 
-def test_pack_ne_matches_relu_backward_rule():
-    from headroom.nn._bitmask import pack_ne, unpack_nonzero
+def test_pack_nonzero_matches_relu_backward_rule():
+    from headroom.nn._bitmask import pack_nonzero, unpack_nonzero
 
     x = torch.tensor([1.0, 0.0, -0.0, float("nan"), -float("nan"), 3.0, 0.0, 2.0, 5.0])
-    bits = pack_ne(x)
+    bits = pack_nonzero(x)
     passes = unpack_nonzero(bits, x.shape).float()
     g = torch.arange(1.0, 10.0)
     ref = torch.ops.aten.threshold_backward(g, x, 0)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from headroom.nn._bitmask import pack_bool, pack_gt, pack_ne, unpack_nonzero
+from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_nonzero
 from headroom.nn._common import consumers_keep_output, note_consumer, register_relu_output
 
 
@@ -36,11 +36,11 @@ class _ReLUMask(torch.autograd.Function):
         else:
             out = torch.relu(x)
         # NOTE: PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
-        # A ReLU output is never negative, so "passes" is ``out != 0`` (one compare). Backward
+        # A ReLU output is never negative, so "passes" is ``out != 0`` (one cast). Backward
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
         # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
         # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
-        ctx.save_for_backward(pack_ne(out))
+        ctx.save_for_backward(pack_nonzero(out))
         ctx.shape = out.shape
         return out
 

@@ -64,15 +64,19 @@ def pack_le(x: torch.Tensor, threshold: float = 0.0, *, invert: bool = False) ->
     return ((words * _PACK) >> 56).to(torch.uint8)
 
 
-def pack_ne(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
-    """Pack ``x != value`` (NaN is never equal; see :func:`pack_le`)."""
+def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
+    """Pack ``x != 0`` (NaN counts as non-zero, ``-0.0`` as zero).
+
+    # NOTE: written as a cast to ``bool`` (which means exactly ``!= 0``): on CPU the cast kernel
+    # is vectorized and ~9x faster than the ``ne`` comparison kernel with a bool output.
+    """
     numel = x.numel()
     buf = (
         _padded_bool(numel, x.device)
         if numel % 8
         else torch.empty(numel, dtype=torch.bool, device=x.device)
     )
-    torch.ne(x.reshape(-1), value, out=buf[:numel])
+    buf[:numel].copy_(x.reshape(-1))
     words = buf.view(torch.uint8).view(torch.int64)
     return ((words * _PACK) >> 56).to(torch.uint8)
 

@@ -111,6 +111,10 @@ class _Conv(_ConvMixin):
         if not _needs_graph(input, weight, bias):
             return super()._conv_forward(input, weight, bias)
         note_consumer(self, input)
+        if self.padding_mode == "zeros" and input.requires_grad and weight.requires_grad:
+            # NOTE: both gradients needed: PyTorch saves input and weight, as we would; its own
+            # path skips a Python autograd.Function (speed) and keeps double backward.
+            return super()._conv_forward(input, weight, bias)
         zeros = [0] * self._hr_dims
         if self.padding_mode != "zeros":
             x = _pad(input, self._reversed_padding_repeated_twice, self.padding_mode)
@@ -136,6 +140,8 @@ class _ConvTranspose(_ConvMixin):
                 f"got {self.padding_mode!r}. Use padding_mode='zeros'."
             )
         note_consumer(self, input)
+        if input.requires_grad and self.weight.requires_grad:
+            return super().forward(input, output_size)  # saves what we would (see _Conv)
         output_padding = self._output_padding(
             input,
             output_size,

@@ -444,20 +444,28 @@ class HostOptimizer(torch.optim.Optimizer):
                     e.master.grad = None
                 for gi, inner in inner_groups.items():
                     inner["params"] = saved[gi]
-        for e in streamed:
-            self._step_streamed(e)
+        if streamed:
+            todo = [(e, self._source(e)) for e in streamed]
+            todo = [(e, src) for e, src in todo if src is not None]
+            results = self._slicer.step_many(
+                [(src, e.group, self.param_groups[e.group]) for e, src in todo])
+            for (e, _), small in zip(todo, results, strict=True):
+                e.small = small
+                e.initialized = True
+                e.grad_scale = None
         for e in in_mem + streamed:
             self._copy_back(e)
 
-    def _step_streamed(self, e: _Entry) -> None:
+    def _source(self, e: _Entry) -> SliceSource | None:
+        """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
         b = e.binding
         grad = e.grad_tensor()
         rows = None
         if e.sparse:
             rows = self._grad_rows(e, grad)
             if rows is not None and rows.numel() == 0:
-                return  # lazy Adam: a parameter without any gradient row takes no step
-        src = SliceSource(
+                return None  # lazy Adam: a parameter without any gradient row takes no step
+        return SliceSource(
             master=e.master,
             master_store=None if e.master is not None else e.bound.store,
             master_handle=None if e.master is not None else e.bound.handle,
@@ -471,9 +479,6 @@ class HostOptimizer(torch.optim.Optimizer):
             initialized=e.initialized,
             rows=rows,
         )
-        e.small = self._slicer.step(src, e.group, self.param_groups[e.group])
-        e.initialized = True
-        e.grad_scale = None
 
     def _grad_rows(self, e: _Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
         b = e.binding

@@ -153,24 +153,35 @@ class SliceRunner:
 
     def step(self, src: SliceSource, gi: int, group: dict[str, Any]) -> dict[str, Any]:
         """Step one parameter; returns its new small state. State handles must exist."""
-        opt = self._optimizer(gi, group)
-        shape = (src.master_handle.shape if src.master is None else tuple(src.master.shape))
-        if not shape:  # 0-dim: one slice of one element
-            return self._step_scalar(src, opt, group)
-        n_rows = shape[0] if src.rows is None else int(src.rows.numel())
-        per = _rows_per_slice(shape, self.slice_bytes)
-        slices = [(a, min(a + per, n_rows)) for a in range(0, n_rows, per)]
-        if not slices:
-            return src.small
-        pending_writes: list[list[Future]] = [[], []]
-        new_small: dict[str, Any] = src.small
+        return self.step_many([(src, gi, group)])[0]
 
-        def sel(a: int, b: int) -> slice | torch.Tensor:
-            return slice(a, b) if src.rows is None else src.rows[a:b]
+    def step_many(
+        self, items: list[tuple[SliceSource, int, dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        """Step several parameters as one pipeline of slices; returns their new small states.
+
+        NOTE: one pipeline across parameters (not one per parameter) keeps the disk busy
+        between parameters: the first slice of the next parameter is read while the last
+        slice of this one is updated and written.
+        """
+        results: list[dict[str, Any]] = [src.small for src, _, _ in items]
+        slices: list[tuple[int, int, int]] = []  # (item, first row, end row)
+        for k, (src, gi, group) in enumerate(items):
+            shape = (src.master_handle.shape if src.master is None else tuple(src.master.shape))
+            if not shape:  # 0-dim: one element, outside the pipeline
+                results[k] = self._step_scalar(src, self._optimizer(gi, group), group)
+                continue
+            n_rows = shape[0] if src.rows is None else int(src.rows.numel())
+            per = _rows_per_slice(shape, self.slice_bytes)
+            slices += [(k, a, min(a + per, n_rows)) for a in range(0, n_rows, per)]
+        if not slices:
+            return results
+        pending_writes: list[list[Future]] = [[], []]
 
         def fetch(i: int) -> dict[str, Any]:
-            a, b = slices[i]
-            rows = sel(a, b)
+            k, a, b = slices[i]
+            src = items[k][0]
+            rows = slice(a, b) if src.rows is None else src.rows[a:b]
             par = i % 2
             got: dict[str, Any] = {"rows": rows}
             got["p"] = self._load(src.master, src.master_store, src.master_handle, rows,
@@ -179,13 +190,15 @@ class SliceRunner:
                                   ("g", par, b - a))
             if src.initialized:
                 got["s"] = {
-                    k: self._load(None, src.state_store, h, rows, ("s" + k, par, b - a))
-                    for k, h in src.state_handles.items()
+                    key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
+                    for key, h in src.state_handles.items()
                 }
             return got
 
         nxt = fetch(0)
-        for i, _ in enumerate(slices):
+        for i, (k, _, _) in enumerate(slices):
+            src, gi, group = items[k]
+            opt = self._optimizer(gi, group)
             cur = nxt
             if i + 1 < len(slices):
                 # NOTE: wait for the writes that used the other half of the double buffer,
@@ -202,8 +215,8 @@ class SliceRunner:
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
             rows = cur["rows"]
             if src.initialized:
-                state = {k: _result(v) for k, v in cur["s"].items()}
-                state.update({k: _clone_small(v) for k, v in src.small.items()})
+                state = {key: _result(v) for key, v in cur["s"].items()}
+                state.update({key: _clone_small(v) for key, v in src.small.items()})
             else:
                 state = self._fresh_state(work, group)
             opt.param_groups[0]["params"] = [work]
@@ -216,20 +229,20 @@ class SliceRunner:
                 opt.param_groups[0]["params"] = []
                 state = opt.state.pop(work, state)
             writes = pending_writes[i % 2]
-            for k, h in src.state_handles.items():
-                t = state[k]
-                if _is_view_of(t, cur.get("s", {}).get(k)):
+            for key, h in src.state_handles.items():
+                t = state[key]
+                if _is_view_of(t, cur.get("s", {}).get(key)):
                     continue  # updated in place in the resting host tensor
                 writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
             if not _is_in_place(cur["p"]):
                 writes.append(src.master_store.write_rows(src.master_handle, rows, work))
             elif src.rows is not None and src.master is not None:
                 src.master.index_copy_(0, rows, work)
-            new_small = {k: state[k] for k in state if k not in src.state_handles}
+            results[k] = {key: state[key] for key in state if key not in src.state_handles}
         for ws in pending_writes:
             for f in ws:
                 f.result()
-        return new_small
+        return results
 
     def _step_scalar(self, src: SliceSource, opt, group) -> dict[str, Any]:
         work = (src.master if src.master is not None

@@ -1,0 +1,240 @@
+"""HostOptimizer speed, side by side in one run.
+
+1. Step throughput (parameters/s) of ``hr.HostOptimizer(AdamW)`` against
+   ``torch.optim.AdamW(fused=True)`` and DeepSpeed's ``DeepSpeedCPUAdam`` (if it installs and its
+   C++ op builds), all stepping the same parameter tensors with the same gradients.
+2. Optimizer state on disk (``state_store=DiskStore(page_cache=False)``): step time against the
+   disk-bandwidth bound, a raw sequential read plus write of the same state files in the same
+   run (page cache dropped, writes synced), i.e. the bytes the step must move at the speed the
+   disk moves them.
+3. A training iteration (forward + backward + step) of an 8-block MLP: plain torch AdamW,
+   HostOptimizer with ``overlap=False`` and with ``overlap=True``.
+
+Methods alternate within each repeat; the table shows medians and ratios measured in this run.
+
+    .venv/bin/python benchmarks/host_optimizer.py            # ~3 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/host_optimizer.py --quick    # smaller, for a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import headroom as hr
+from headroom.transfer import DiskStore
+
+RESULTS = Path(__file__).parent / "results" / "host_optimizer.json"
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _params(n_params: int, n_tensors: int) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    per = n_params // n_tensors
+    ps = []
+    for _ in range(n_tensors):
+        p = nn.Parameter(torch.randn(per, generator=g))
+        p.grad = torch.randn(per, generator=g) * 1e-2
+        ps.append(p)
+    return ps
+
+
+def _deepspeed_adam(params, lr):
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"deepspeed not importable: {type(e).__name__}: {e}"
+    try:
+        return DeepSpeedCPUAdam(params, lr=lr, weight_decay=0.01, adamw_mode=True), None
+    except Exception as e:  # noqa: BLE001 - the C++ op failed to build or load
+        return None, f"DeepSpeedCPUAdam unavailable: {type(e).__name__}: {e}"
+
+
+def bench_throughput(n_params: int, n_tensors: int, repeats: int) -> dict:
+    params = _params(n_params, n_tensors)
+    lr = 1e-3
+    opts = {
+        "torch_fused": torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True),
+        "headroom": hr.HostOptimizer(params, torch.optim.AdamW, lr=lr, weight_decay=0.01),
+    }
+    ds, why = _deepspeed_adam(params, lr)
+    if ds is not None:
+        opts["deepspeed_cpu_adam"] = ds
+    for o in opts.values():  # state allocation and kernel warm-up
+        o.step()
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in range(repeats):
+        for k, o in opts.items():
+            t0 = time.perf_counter()
+            o.step()
+            times[k].append(time.perf_counter() - t0)
+    out = {"n_params": n_params, "n_tensors": n_tensors, "repeats": repeats}
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        out[k] = {"step_s": med, "params_per_s": n_params / med}
+    base = out["torch_fused"]["step_s"]
+    out["ratio_headroom_vs_torch_fused"] = base / out["headroom"]["step_s"]
+    if ds is not None:
+        out["ratio_headroom_vs_deepspeed"] = (out["deepspeed_cpu_adam"]["step_s"]
+                                              / out["headroom"]["step_s"])
+    else:
+        out["deepspeed"] = why
+    return out
+
+
+def _drop(fd: int) -> None:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _raw_read_write(files: list[Path], chunk: int = 16 << 20) -> float:
+    """Seconds to read every file sequentially and write it back, page cache dropped, synced."""
+    os.sync()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        _drop(fd)
+        os.close(fd)
+    buf = bytearray(chunk)
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            off = 0
+            while off < size:
+                n = os.preadv(fd, [mv[: min(chunk, size - off)]], off)
+                os.pwritev(fd, [mv[:n]], off)  # same bytes back: the state is unchanged
+                off += n
+            os.fdatasync(fd)
+            _drop(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def bench_disk(n_params: int, n_tensors: int, repeats: int, root: Path) -> dict:
+    params = _params(n_params, n_tensors)
+    store = DiskStore(root / "state", page_cache=False)
+    opt = hr.HostOptimizer(params, torch.optim.AdamW, lr=1e-3, weight_decay=0.01,
+                           state_store=store)
+    opt.step()  # allocates the state on disk
+    store.flush()
+    files = [store.file_of(h) for e in opt._order for h in e.state_handles.values()]
+    moved = 2 * sum(f.stat().st_size for f in files)  # each state byte read once, written once
+    ours, raw = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        ours.append(time.perf_counter() - t0)
+        raw.append(_raw_read_write(files))
+    step_s, raw_s = statistics.median(ours), statistics.median(raw)
+    return {
+        "n_params": n_params, "repeats": repeats, "bytes_moved_per_step": moved,
+        "step_s": step_s, "raw_read_write_s": raw_s,
+        "achieved_MBps": moved / step_s / 1e6, "raw_MBps": moved / raw_s / 1e6,
+        "ratio_vs_disk_bound": raw_s / step_s,
+    }
+
+
+def bench_training(width: int, blocks: int, batch: int, repeats: int) -> dict:
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
+                               for _ in range(blocks)])
+
+    x = torch.randn(batch, width)
+    runs = {}
+    models = {k: make() for k in ("torch_fused", "overlap_off", "overlap_on")}
+    opts = {
+        "torch_fused": torch.optim.AdamW(models["torch_fused"].parameters(), lr=1e-4, fused=True),
+        "overlap_off": hr.HostOptimizer(models["overlap_off"].parameters(), lr=1e-4,
+                                        overlap=False),
+        "overlap_on": hr.HostOptimizer(models["overlap_on"].parameters(), lr=1e-4,
+                                       overlap=True, bucket_bytes=width * width * 4),
+    }
+
+    def it(k):
+        models[k](x).square().mean().backward()
+        opts[k].step()
+        opts[k].zero_grad()
+
+    for k in opts:
+        it(k)
+        it(k)  # the second iteration arms the overlap
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in range(repeats):
+        for k in opts:
+            t0 = time.perf_counter()
+            it(k)
+            times[k].append(time.perf_counter() - t0)
+    for k, ts in times.items():
+        runs[k] = statistics.median(ts)
+    equal = all(torch.equal(a, b) for a, b in zip(models["overlap_off"].parameters(),
+                                                   models["overlap_on"].parameters(),
+                                                   strict=True))
+    return {"width": width, "blocks": blocks, "batch": batch, "repeats": repeats,
+            "iteration_s": runs, "overlap_on_bitwise_equal_overlap_off": equal,
+            "ratio_overlap_on_vs_torch": runs["torch_fused"] / runs["overlap_on"],
+            "ratio_overlap_off_vs_torch": runs["torch_fused"] / runs["overlap_off"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    q = args.quick
+    res = {
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "platform": platform.platform()},
+        "command": "python benchmarks/host_optimizer.py" + (" --quick" if q else ""),
+    }
+    print("== step throughput (AdamW, same tensors)")
+    res["throughput"] = t = bench_throughput(
+        (4 if q else 32) << 20, 16, 5 if q else 15)
+    for k in ("torch_fused", "headroom", "deepspeed_cpu_adam"):
+        if k in t:
+            print(f"  {k:20s} {t[k]['step_s'] * 1e3:8.1f} ms  {t[k]['params_per_s'] / 1e6:8.1f} "
+                  "M params/s")
+    print(f"  headroom / torch fused: {t['ratio_headroom_vs_torch_fused']:.3f}x (target >= 0.95)")
+    if "ratio_headroom_vs_deepspeed" in t:
+        print(f"  headroom / DeepSpeed CPU Adam: {t['ratio_headroom_vs_deepspeed']:.3f}x")
+    else:
+        print(f"  DeepSpeed: {t['deepspeed']}")
+    print("== optimizer state on disk (page cache dropped)")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("HR_BENCH_DIR")) as d:
+        res["disk"] = dk = bench_disk((2 if q else 16) << 20, 8, 3 if q else 5, Path(d))
+    print(f"  step {dk['step_s']:.3f} s, raw read+write of the same bytes {dk['raw_read_write_s']:.3f}"
+          f" s ({dk['bytes_moved_per_step'] / 1e6:.0f} MB moved): {dk['ratio_vs_disk_bound']:.3f}x"
+          " of the disk bound (target >= 0.8)")
+    print("== training iteration (8-block MLP)")
+    res["training"] = tr = bench_training(512 if q else 1024, 8, 64, 5 if q else 10)
+    for k, v in tr["iteration_s"].items():
+        print(f"  {k:12s} {v * 1e3:8.1f} ms")
+    print(f"  overlap on / torch: {tr['ratio_overlap_on_vs_torch']:.3f}x, overlap off / torch: "
+          f"{tr['ratio_overlap_off_vs_torch']:.3f}x, bitwise equal: "
+          f"{tr['overlap_on_bitwise_equal_overlap_off']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -190,6 +190,93 @@ def load_memsave():
     return lambda model: convert_to_memory_saving(model, dropout=False)
 
 
+# --------------------------------------------------------------------------------- layers
+def _layer_specs() -> dict[str, tuple]:
+    """Every converted layer kind, on an 8x32x32x32 (1 MiB fp32) input unless noted."""
+    c = 32
+    return {
+        "Conv2d": (lambda: nn.Conv2d(c, c, 3, padding=1), (8, c, 32, 32)),
+        "Conv2d reflect": (
+            lambda: nn.Conv2d(c, c, 3, padding=1, padding_mode="reflect"),
+            (8, c, 32, 32),
+        ),
+        "Conv1d": (lambda: nn.Conv1d(c, c, 3, padding=1), (8, c, 1024)),
+        "Conv3d": (lambda: nn.Conv3d(c, c, 3, padding=1), (8, c, 8, 8, 16)),
+        "ConvTranspose2d": (lambda: nn.ConvTranspose2d(c, c, 2, stride=2), (8, c, 32, 32)),
+        "BatchNorm2d (train)": (lambda: nn.BatchNorm2d(c), (8, c, 32, 32)),
+        "BatchNorm2d (eval)": (lambda: nn.BatchNorm2d(c).eval(), (8, c, 32, 32)),
+        "LayerNorm": (lambda: nn.LayerNorm(256), (8, 128, 256)),
+        "GroupNorm": (lambda: nn.GroupNorm(8, c), (8, c, 32, 32)),
+        "ReLU -> frozen Conv2d": (
+            lambda: nn.Sequential(nn.ReLU(), nn.Conv2d(c, c, 1)),
+            (8, c, 32, 32),
+        ),
+        "ReLU -> trainable Conv2d": (
+            lambda: nn.Sequential(nn.ReLU(), nn.Conv2d(c, c, 1)),
+            (8, c, 32, 32),
+        ),
+        "LeakyReLU": (lambda: nn.LeakyReLU(0.1), (8, c, 32, 32)),
+        "ReLU6": (lambda: nn.ReLU6(), (8, c, 32, 32)),
+        "Hardtanh": (lambda: nn.Hardtanh(), (8, c, 32, 32)),
+        "Dropout (train)": (lambda: nn.Dropout(0.5), (8, c, 32, 32)),
+        "MaxPool2d": (lambda: nn.MaxPool2d(2), (8, c, 32, 32)),
+        "MaxPool1d": (lambda: nn.MaxPool1d(2), (8, c, 1024)),
+        "MaxPool3d": (lambda: nn.MaxPool3d(2), (8, c, 8, 8, 16)),
+        "AdaptiveMaxPool2d": (lambda: nn.AdaptiveMaxPool2d(4), (8, c, 32, 32)),
+        "AvgPool2d": (lambda: nn.AvgPool2d(2), (8, c, 32, 32)),
+        "AdaptiveAvgPool2d(4)": (lambda: nn.AdaptiveAvgPool2d(4), (8, c, 32, 32)),
+        "ReflectionPad2d": (lambda: nn.ReflectionPad2d(2), (8, c, 32, 32)),
+        "ReplicationPad2d": (lambda: nn.ReplicationPad2d(2), (8, c, 32, 32)),
+        "Linear": (lambda: nn.Linear(256, 256), (8, 128, 256)),
+    }
+
+
+LAYER_CASES = {
+    # case -> (input requires grad, which parameters train)
+    "all": (True, "all"),
+    "input only": (True, "none"),
+    "params only": (False, "all"),
+    "bias only": (False, "bias"),
+}
+
+
+def _saved(model: nn.Module, x: torch.Tensor) -> int:
+    resident = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st._cdata not in resident:
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    if out.requires_grad:
+        out.sum().backward()
+    return sum(seen.values())
+
+
+def layer_table() -> dict[str, dict[str, dict[str, int]]]:
+    """Bytes saved by autograd per layer and case, torch vs headroom (after a warm-up step)."""
+    table: dict[str, dict[str, dict[str, int]]] = {}
+    for name, (build, shape) in _layer_specs().items():
+        torch.manual_seed(0)
+        plain = build()
+        ours = hr.convert(copy.deepcopy(plain))
+        row = {}
+        for case, (input_grad, params) in LAYER_CASES.items():
+            for model in (plain, ours):
+                for pname, p in model.named_parameters():
+                    want = params == "all" or (params == "bias" and pname.endswith("bias"))
+                    p.requires_grad_(want and "frozen" not in name)
+            x = torch.randn(shape).requires_grad_(input_grad)
+            _saved(ours, x)  # warm-up: ReLUs learn their consumers
+            row[case] = {"torch": _saved(plain, x), "headroom": _saved(ours, x)}
+        table[name] = row
+    return table
+
+
 # --------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -203,6 +290,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     memsave = load_memsave()
 
+    layers = layer_table()
+    print("| layer | " + " | ".join(f"{c}: torch -> headroom KiB" for c in LAYER_CASES) + " |")
+    print("|---|" + "---:|" * len(LAYER_CASES))
+    for name, row in layers.items():
+        cells = [
+            f"{row[c]['torch'] / 1024:.1f} -> {row[c]['headroom'] / 1024:.1f}" for c in LAYER_CASES
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+
     results = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,
@@ -211,6 +308,7 @@ def main() -> None:
         "batch": args.batch,
         "size": {"vgg_like": args.size, "resnet_like": args.resnet_size},
         "memsave_torch": memsave is not None,
+        "layers_saved_bytes": layers,
         "models": {},
     }
     builders = {

@@ -80,6 +80,7 @@ LAYERS = {
     "MaxPool2d": (lambda: nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 4, 9, 9), {"all", "input"}),
     "MaxPool3d": (lambda: nn.MaxPool3d(2), (2, 4, 4, 4, 4), {"all", "input"}),
     "AdaptiveMaxPool2d": (lambda: nn.AdaptiveMaxPool2d((3, None)), (2, 4, 9, 9), {"all", "input"}),
+    "AdaptiveMaxPool2d-int": (lambda: nn.AdaptiveMaxPool2d(2), (2, 4, 9, 9), {"all", "input"}),
     "AvgPool1d": (lambda: nn.AvgPool1d(3, 2, 1), (2, 4, 9), {"all", "input"}),
     "AvgPool2d": (
         lambda: nn.AvgPool2d(3, 2, 1, count_include_pad=False, divisor_override=2),

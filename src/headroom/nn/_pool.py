@@ -118,7 +118,7 @@ class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
         if not _needs_graph(input):
             return super().forward(input)
         note_consumer(self, input)
-        size = list(_list_with_default(self.output_size, input.size()))
+        size = list(_list_with_default(_ntuple(2)(self.output_size), input.size()))
         out, idx = _IndexedPool.apply(
             input, aten.adaptive_max_pool2d, (size,), aten.adaptive_max_pool2d_backward, ()
         )

@@ -23,6 +23,15 @@ from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_nonzer
 from headroom.nn._common import consumers_keep_output, note_consumer, register_relu_output
 
 
+def _threshold_backward_into(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
+    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``, written over ``passes``.
+
+    # NOTE: the kernel is element-wise, so its output may alias an input exactly; reusing the
+    # freshly unpacked ``passes`` buffer saves one full-size allocation per backward.
+    """
+    return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
+
+
 def _needs_graph(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
 
@@ -49,7 +58,7 @@ class _ReLUMask(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (bits,) = ctx.saved_tensors
         passes = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
-        return torch.ops.aten.threshold_backward(grad, passes, 0), None
+        return _threshold_backward_into(grad, passes), None
 
 
 class ReLU(nn.ReLU):
@@ -93,7 +102,9 @@ class _LeakyReLUMask(torch.autograd.Function):
         # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a 1/0
         # tensor built from the mask gives bitwise the same result as PyTorch's own backward.
         sign = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
-        gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
+        gx = torch.ops.aten.leaky_relu_backward.grad_input(
+            grad, sign, ctx.slope, ctx.inplace, grad_input=sign
+        )
         return gx, None, None
 
 
@@ -133,7 +144,7 @@ class _HardtanhMask(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (bits,) = ctx.saved_tensors
         passes = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
-        return torch.ops.aten.threshold_backward(grad, passes, 0), None, None, None
+        return _threshold_backward_into(grad, passes), None, None, None
 
 
 class _HardtanhMixin:

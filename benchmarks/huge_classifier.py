@@ -1,0 +1,195 @@
+"""Linear + cross-entropy over many classes: time and peak RSS, side by side in one run.
+
+Methods (each measured in its own subprocess, since peak RSS is per process):
+
+* ``plain``: ``F.cross_entropy(x @ W.T, y)`` on the full ``B x C`` logits, then backward.
+* ``cce``: cut-cross-entropy's ``torch_compile`` implementation (if it is installed), warmed up
+  once at the same shape so compile time is not counted (reported separately).
+* ``headroom``: ``hr.linear_cross_entropy`` (exact, sliced over classes).
+
+Each repeat is a full forward + backward producing the gradients of ``x`` and ``W``; the table
+shows the median of the repeats and the ratio to ``plain`` measured in this run.
+
+Usage:
+    flock /tmp/hr-bigmem.lock .venv/bin/python benchmarks/huge_classifier.py
+    .venv/bin/python benchmarks/huge_classifier.py --classes 65536 --repeats 2   # quick look
+
+On a machine with an accelerator, ``--device cuda`` runs the same comparison there (peak device
+memory from ``torch.cuda.max_memory_allocated`` instead of RSS), and adds ``headroom-host``:
+the weight in host memory, streamed to the device slice by slice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.accelerator.synchronize()
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Run one method in this process and return its measurements."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dev = args.device
+    B, D, C = args.batch, args.dim, args.classes
+    x = torch.randn(B, D, device=dev, requires_grad=True)
+    wdev = "cpu" if args.method == "headroom-host" else dev
+    w = (torch.randn(C, D, device=wdev) * D**-0.5).requires_grad_()
+    y = torch.randint(0, C, (B,), device=dev)
+    rss_inputs = _peak_rss_bytes()
+
+    if args.method == "plain":
+        import torch.nn.functional as F
+
+        def step() -> torch.Tensor:
+            loss = F.cross_entropy(x @ w.T, y)
+            loss.backward()
+            return loss
+    elif args.method == "cce":
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        def step() -> torch.Tensor:
+            loss = cce(x, w, y, impl="torch_compile")
+            loss.backward()
+            return loss
+    else:
+        import headroom as hr
+
+        def step() -> torch.Tensor:
+            loss = hr.linear_cross_entropy(x, w, y, slice_size=args.slice_size)
+            loss.backward()
+            return loss
+
+    compile_s = None
+    if args.method == "cce":
+        t = time.perf_counter()
+        step()
+        _sync(dev)
+        compile_s = time.perf_counter() - t
+    times, losses = [], []
+    if dev != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.repeats):
+        x.grad = None
+        w.grad = None
+        t = time.perf_counter()
+        loss = step()
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+        losses.append(float(loss))
+    out = {
+        "method": args.method,
+        "times_s": times,
+        "median_s": statistics.median(times),
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "rss_after_inputs_bytes": rss_inputs,
+        "loss": losses[-1],
+        "grad_w_norm": float(w.grad.norm()),
+        "grad_x_norm": float(x.grad.norm()),
+        "warmup_compile_s": compile_s,
+    }
+    if dev != "cpu":
+        out["peak_device_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--classes", type=int, default=262144)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--slice-size", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--methods", default=None, help="comma list (default: all available)")
+    p.add_argument("--out", default=None, help="JSON path (default: results/huge_classifier.json)")
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.method:
+        print(json.dumps(worker(args)))
+        return
+
+    methods = ["plain", "cce", "headroom"]
+    if args.device != "cpu":
+        methods.append("headroom-host")
+    if args.methods:
+        methods = args.methods.split(",")
+    try:
+        import cut_cross_entropy  # noqa: F401
+    except ImportError:
+        if "cce" in methods:
+            print("cut-cross-entropy is not installed: skipping it "
+                  "(pip install cut-cross-entropy)")
+            methods.remove("cce")
+
+    results = {}
+    for m in methods:
+        cmd = [sys.executable, __file__, "--method", m] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("method", "methods", "out") and v is not None
+        ]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{m}: failed ({proc.returncode})\n{proc.stderr[-2000:]}")
+            results[m] = {"method": m, "error": proc.stderr[-2000:]}
+            continue
+        results[m] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[m]["process_wall_s"] = time.perf_counter() - t
+        r = results[m]
+        print(f"{m:>14}: median {r['median_s']:.2f} s  peak RSS {r['peak_rss_bytes'] / 2**30:.2f}"
+              f" GiB  loss {r['loss']:.6f}", flush=True)
+
+    base = results.get("plain", {}).get("median_s")
+    print(f"\nB={args.batch} D={args.dim} C={args.classes} fp32 forward+backward, "
+          f"{args.threads} threads, device {args.device}, median of {args.repeats}")
+    print(f"{'method':>14} | {'median s':>9} | {'x plain':>7} | {'peak RSS GiB':>12}"
+          + (" | peak dev GiB" if args.device != "cpu" else ""))
+    for m, r in results.items():
+        if "error" in r:
+            print(f"{m:>14} | failed")
+            continue
+        ratio = r["median_s"] / base if base else float("nan")
+        r["ratio_to_plain"] = ratio
+        line = (f"{m:>14} | {r['median_s']:9.2f} | {ratio:7.2f} | "
+                f"{r['peak_rss_bytes'] / 2**30:12.2f}")
+        if "peak_device_bytes" in r:
+            line += f" | {r['peak_device_bytes'] / 2**30:12.2f}"
+        print(line)
+    record = {
+        "benchmark": "huge_classifier",
+        "config": {k: v for k, v in vars(args).items() if k not in ("method",)},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__},
+        "results": results,
+    }
+    out = Path(args.out) if args.out else RESULTS / (
+        "huge_classifier.json" if args.device == "cpu" else "huge_classifier_gpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

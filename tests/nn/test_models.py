@@ -41,6 +41,8 @@ def test_model_matches_torch_and_saves_less(name, case):
     if case in ("input", "norm"):
         # frozen convolutions drop their inputs: at least a third less than PyTorch
         assert ours_bytes < 0.67 * plain_bytes, (name, case, results)
+        if name == "vgg":  # an nn.Sequential: ReLUs know their consumers from the first step
+            assert results[0][1] == ours_bytes, results
 
 
 def _relu_chain(train_convs: bool) -> nn.Module:
@@ -67,12 +69,34 @@ def test_relu_keeps_one_bit_when_consumer_does_not_keep_its_output():
     ours = hr.convert(copy.deepcopy(plain))
     x = torch.randn(2, 3, 9, 9)
     numel = 2 * 8 * 9 * 9
-    first = step(ours, x, input_grad=True)  # learns that the frozen conv is its consumer
-    assert first[4] == numel * 4  # as PyTorch's ReLU: the output
+    for _ in range(2):  # known from the nn.Sequential from the first step on
+        a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
+        assert_same(a, b)
+        assert a[4] == x.numel() * 4 + numel * 4
+        assert b[4] == (numel + 7) // 8  # 1 bit per element, nothing else
+
+
+class _Custom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = nn.ReLU()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.relu(x))
+
+
+def test_relu_in_custom_forward_learns_its_consumer_in_the_first_step():
+    torch.manual_seed(0)
+    plain = _Custom()
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 9, 9)
+    first = step(ours, x, input_grad=True)
+    assert first[4] == x.numel() * 4  # as PyTorch's ReLU: the output
     a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
     assert_same(a, b)
-    assert a[4] == x.numel() * 4 + numel * 4
-    assert b[4] == (numel + 7) // 8  # 1 bit per element, nothing else
+    assert a[4] == x.numel() * 4
+    assert b[4] == (x.numel() + 7) // 8
 
 
 def test_requires_grad_changes_between_steps():

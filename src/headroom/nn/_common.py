@@ -46,9 +46,10 @@ class TensorMeta:
 # cheapest. The ReLU must choose in its forward, before its consumer runs, so consumers that are
 # headroom layers report themselves: each looks its input's storage up in the registry below and
 # records (ReLU module, call site) -> consumer. From the next forward on, the ReLU asks those
-# consumers whether they will save their input under the current ``requires_grad`` flags. With no
-# consumer recorded yet (the first forward, or a consumer that is not a headroom layer) it keeps
-# its output, which is exactly what PyTorch keeps.
+# consumers whether they will save their input under the current ``requires_grad`` flags. Before
+# the first forward, ``convert`` seeds a ReLU inside an ``nn.Sequential`` with the next layer.
+# With no consumer known (a ReLU in a custom forward on its first call, or one feeding only
+# layers that are not headroom layers) it keeps its output, exactly what PyTorch keeps.
 
 _registry_lock = threading.Lock()
 # storage key -> (weak storage ref, weak ReLU module, call-site key)
@@ -88,9 +89,18 @@ def note_consumer(consumer: nn.Module, x: torch.Tensor) -> None:
     consumers.append(weakref.ref(consumer))
 
 
+def seed_consumer(relu: nn.Module, consumer: nn.Module) -> None:
+    """Tell ``relu`` its consumer before any forward (known from an ``nn.Sequential``)."""
+    relu.__dict__["_hr_seed"] = [weakref.ref(consumer)]
+
+
 def consumers_keep_output(module: nn.Module, site: tuple) -> bool:
     """Whether the ReLU ``module`` at ``site`` should keep its output rather than a bit mask."""
     consumers = module.__dict__.get("_hr_consumers", {}).get(site)
+    if not consumers:
+        # NOTE: nothing observed at this call site yet: trust the consumer convert() found in
+        # an nn.Sequential, if any, else keep the output exactly as PyTorch does.
+        consumers = module.__dict__.get("_hr_seed")
     if not consumers:
         return True
     for ref in consumers:

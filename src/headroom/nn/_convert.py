@@ -7,6 +7,7 @@ import copy
 from torch import nn
 
 from headroom.nn import _activation, _conv, _dropout, _linear, _norm, _pad, _pool
+from headroom.nn._common import seed_consumer
 
 # NOTE: exact classes only. A user subclass of nn.Conv2d (LoRA wrappers, parametrized modules,
 # quantized stubs) may override forward, and swapping its class would silently drop that code.
@@ -46,7 +47,7 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 # Per-instance state of headroom layers that must not follow a module into a copy.
-_PRIVATE = ("_hr_consumers",)
+_PRIVATE = ("_hr_consumers", "_hr_seed")
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -108,8 +109,10 @@ def convert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     Note:
         Converted layers support one backward per forward graph, like most custom autograd
         functions: double backward (``create_graph=True`` through them) raises an error.
-        The first forward after conversion teaches each ReLU which layers consume its output;
-        until then it keeps its output as PyTorch does (never more memory than PyTorch).
+        A ReLU learns which layers consume its output by watching forwards; inside an
+        ``nn.Sequential`` it knows from the start. Until it knows (the first forward of a ReLU
+        in a custom ``forward``) it keeps its output as PyTorch does: never more memory than
+        PyTorch, but the savings start from the second step.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -123,4 +126,18 @@ def convert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
         target = _SWAPS.get(type(m))
         if target is not None:
             m.__class__ = target
+    _seed_sequential_consumers(root)
     return root
+
+
+def _seed_sequential_consumers(root: nn.Module) -> None:
+    # NOTE: nn.Sequential's forward feeds each child's output to the next child, so the layer
+    # after a ReLU is its consumer; knowing it lets the ReLU keep a 1-bit mask from the very
+    # first forward instead of learning it during that forward.
+    for m in root.modules():
+        if type(m) is not nn.Sequential:
+            continue
+        children = [c for c in m._modules.values() if c is not None]
+        for relu, nxt in zip(children, children[1:], strict=False):
+            if type(relu) is _activation.ReLU and hasattr(nxt, "_hr_saves_input"):
+                seed_consumer(relu, nxt)

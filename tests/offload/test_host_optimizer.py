@@ -11,6 +11,7 @@ import headroom as hr
 from tests.offload._optim_util import (
     assert_params_equal,
     assert_state_equal,
+    batch,
     loss_fn,
     make_model,
     one_thread,  # noqa: F401 - fixture
@@ -331,3 +332,20 @@ def test_row_sparse_touches_only_rows_with_gradients():
     st = opt.state_dict()["state"][0]
     assert torch.equal(st["exp_avg"][rows], ref.state[sub]["exp_avg"])
     assert not st["exp_avg"][untouched].any() and not st["exp_avg_sq"][untouched].any()
+
+
+def test_float64_parameters_keep_float64_state(tmp_path):
+    a = make_model().double()
+    b = make_model().double()
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    opt = hr.HostOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2,
+                           state_store=hr.DiskStore(tmp_path / "s"), slice_bytes=512)
+    for s in range(5):
+        for m, o in ((a, ref), (b, opt)):
+            x, y = batch(s)
+            ((m(x) - y.double()) ** 2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert_params_equal(a, b)
+    assert_state_equal(ref, opt)
+    assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.float64

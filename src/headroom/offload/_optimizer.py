@@ -35,6 +35,7 @@ __all__ = ["HostOptimizer"]
 _FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 _LAZY = (torch.optim.Adam, torch.optim.AdamW)
 _ALIAS, _HOSTED, _BOUND = "alias", "hosted", "bound"
+_MASTER_DTYPES = (torch.float32, torch.float64)
 
 
 class _Bucket:
@@ -324,9 +325,9 @@ class HostOptimizer(torch.optim.Optimizer):
             e.kind = _BOUND
             e.bound = b
             host = b.store.host_tensor(b.handle)
-            if host is not None and host.dtype == torch.float32:
+            if host is not None and host.dtype in _MASTER_DTYPES:
                 e.master = host
-        elif dev.type == "cpu" and p.dtype == torch.float32:
+        elif dev.type == "cpu" and p.dtype in _MASTER_DTYPES:
             e.kind = _ALIAS
             # NOTE: on the CPU in fp32 the parameter is its own master: no copy, and the
             # gradient stays in param.grad, where torch's own utilities find it.
@@ -337,8 +338,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._host = resolve_store("cpu", dev)
                 self._mover = Mover(dev, self._host)
             key = f"{self._key_prefix}/{e.index}"
-            mh = self._host.alloc(key + "/master", tuple(p.shape), torch.float32, zero=False)
-            gh = self._host.alloc(key + "/grad", tuple(p.shape), torch.float32, zero=False)
+            # NOTE: masters and gradients in fp32 (fp64 stays fp64): low-precision parameters
+            # get full-precision updates and gradient accumulation.
+            mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            mh = self._host.alloc(key + "/master", tuple(p.shape), mdtype, zero=False)
+            gh = self._host.alloc(key + "/grad", tuple(p.shape), mdtype, zero=False)
             e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh)
             e.master = self._host.host_tensor(mh)
             with torch.no_grad():
@@ -511,7 +515,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 handles = {}
                 for k in layout.shaped:
                     h = store.alloc(f"{self._key_prefix}/{e.index}/{k}",
-                                    tuple(e.param.shape), torch.float32, zero=True)
+                                    tuple(e.param.shape), self._state_dtype(e), zero=True)
                     made.append(h)
                     handles[k] = h
                     host = store.host_tensor(h)
@@ -532,6 +536,12 @@ class HostOptimizer(torch.optim.Optimizer):
                     "state_store at a larger disk"
                 ) from ex
             raise
+
+    @staticmethod
+    def _state_dtype(e: _Entry) -> torch.dtype:
+        if e.master is not None:
+            return e.master.dtype
+        return e.bound.handle.dtype if e.bound.handle.dtype in _MASTER_DTYPES else torch.float32
 
     def _layout(self, gi: int):
         lay = self._layouts.get(gi)
@@ -875,7 +885,7 @@ class HostOptimizer(torch.optim.Optimizer):
             for k, h in e.state_handles.items():
                 if k not in st:
                     raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
-                t = st[k].detach().to("cpu", torch.float32).reshape(h.shape).contiguous()
+                t = st[k].detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
                 store.write(h, t).result()
             e.small = {k: (v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v)
                        for k, v in st.items() if k not in e.state_handles}

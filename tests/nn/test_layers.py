@@ -203,3 +203,30 @@ def test_double_backward_raises():
     (g,) = torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
+
+
+def test_conv_transpose_output_size_argument():
+    plain, ours = twin(nn.ConvTranspose2d(4, 3, 3, stride=2))
+    for m in (plain, ours):
+        m.weight.requires_grad_(False)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    outs = [m(x, output_size=[12, 12]) for m in (plain, ours)]
+    assert outs[0].shape == outs[1].shape == (2, 3, 12, 12)
+    grads = [torch.autograd.grad(o.sum(), x)[0] for o in outs]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
+def test_channels_last_block_matches(act):
+    # NOTE: layouts must match too: a contiguous gradient would send batch norm's backward
+    # down another reduction order than the channels-last one PyTorch produces.
+    torch.manual_seed(0)
+    block = nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), act(), nn.MaxPool2d(2)
+    ).to(memory_format=torch.channels_last)
+    block[0].requires_grad_(False)
+    plain, ours = twin(block)
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
+    assert_same(a, b)
+    assert b[4] < a[4]

@@ -23,13 +23,29 @@ from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_nonzer
 from headroom.nn._common import consumers_keep_output, note_consumer, register_relu_output
 
 
-def _threshold_backward_into(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
-    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``, written over ``passes``.
+def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The saved mask as ``grad.dtype`` values, positive where set, laid out like the tensor
+    PyTorch's backward would have read (same strides).
 
-    # NOTE: the kernel is element-wise, so its output may alias an input exactly; reusing the
-    # freshly unpacked ``passes`` buffer saves one full-size allocation per backward.
+    # NOTE: the strides matter for bitwise equality downstream: an element-wise backward kernel
+    # lays its output out like its inputs, and the next backward (a batch norm, say) takes a
+    # different reduction order for a channels-last gradient than for a contiguous one.
     """
-    return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
+    (bits,) = ctx.saved_tensors
+    out = torch.empty_strided(ctx.shape, ctx.stride, dtype=grad.dtype, device=grad.device)
+    return out.copy_(unpack_nonzero(bits, ctx.shape))
+
+
+def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
+    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``.
+
+    # NOTE: the kernel is element-wise, so when both inputs share one layout its output may
+    # alias ``passes`` exactly: that saves one full-size allocation per backward, and the
+    # output layout is the one PyTorch would pick anyway.
+    """
+    if passes.stride() == grad.stride() and passes.is_contiguous():
+        return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
+    return torch.ops.aten.threshold_backward(grad, passes, 0)
 
 
 def _needs_graph(x: torch.Tensor) -> bool:
@@ -50,15 +66,13 @@ class _ReLUMask(torch.autograd.Function):
         # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
         # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
         ctx.save_for_backward(pack_nonzero(out))
-        ctx.shape = out.shape
+        ctx.shape, ctx.stride = out.shape, out.stride()
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (bits,) = ctx.saved_tensors
-        passes = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
-        return _threshold_backward_into(grad, passes), None
+        return _threshold_backward(grad, _unpack_like(ctx, grad)), None
 
 
 class ReLU(nn.ReLU):
@@ -87,24 +101,22 @@ class _LeakyReLUMask(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
             out = F.leaky_relu_(x, slope)
-            bits = pack_gt(out)
+            saved = out  # PyTorch's in-place backward reads the result
         else:
-            bits = pack_gt(x)
+            saved = x  # PyTorch's backward reads the input
             out = F.leaky_relu(x, slope)
-        ctx.save_for_backward(bits)
-        ctx.shape, ctx.slope, ctx.inplace = out.shape, slope, inplace
+        ctx.save_for_backward(pack_gt(saved))
+        ctx.shape, ctx.stride = saved.shape, saved.stride()
+        ctx.slope, ctx.inplace = slope, inplace
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (bits,) = ctx.saved_tensors
-        # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a 1/0
-        # tensor built from the mask gives bitwise the same result as PyTorch's own backward.
-        sign = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
-        gx = torch.ops.aten.leaky_relu_backward.grad_input(
-            grad, sign, ctx.slope, ctx.inplace, grad_input=sign
-        )
+        # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
+        # positive exactly where the mask is set gives bitwise PyTorch's own result.
+        sign = _unpack_like(ctx, grad)
+        gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
         return gx, None, None
 
 
@@ -136,15 +148,13 @@ class _HardtanhMask(torch.autograd.Function):
         # hands threshold_backward a 1.0/0.0 "passes" tensor (see _ReLUMask for why).
         stops = torch.le(out, lo).logical_or_(torch.ge(out, hi))
         ctx.save_for_backward(pack_bool(stops.logical_not_()))
-        ctx.shape = out.shape
+        ctx.shape, ctx.stride = out.shape, out.stride()
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        (bits,) = ctx.saved_tensors
-        passes = unpack_nonzero(bits, ctx.shape).to(grad.dtype)
-        return _threshold_backward_into(grad, passes), None, None, None
+        return _threshold_backward(grad, _unpack_like(ctx, grad)), None, None, None
 
 
 class _HardtanhMixin:

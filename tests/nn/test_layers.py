@@ -81,6 +81,10 @@ LAYERS = {
     "MaxPool3d": (lambda: nn.MaxPool3d(2), (2, 4, 4, 4, 4), {"all", "input"}),
     "AdaptiveMaxPool2d": (lambda: nn.AdaptiveMaxPool2d((3, None)), (2, 4, 9, 9), {"all", "input"}),
     "AdaptiveMaxPool2d-int": (lambda: nn.AdaptiveMaxPool2d(2), (2, 4, 9, 9), {"all", "input"}),
+    "AdaptiveMaxPool1d": (lambda: nn.AdaptiveMaxPool1d(3), (2, 4, 9), {"all", "input"}),
+    "AdaptiveMaxPool3d": (lambda: nn.AdaptiveMaxPool3d(2), (2, 4, 5, 5, 5), {"all", "input"}),
+    "AdaptiveAvgPool1d": (lambda: nn.AdaptiveAvgPool1d(4), (2, 4, 9), {"all", "input"}),
+    "AdaptiveAvgPool1d-1": (lambda: nn.AdaptiveAvgPool1d(1), (2, 4, 9), set()),
     "AvgPool1d": (lambda: nn.AvgPool1d(3, 2, 1), (2, 4, 9), {"all", "input"}),
     "AvgPool2d": (
         lambda: nn.AvgPool2d(3, 2, 1, count_include_pad=False, divisor_override=2),

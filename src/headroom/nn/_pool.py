@@ -108,8 +108,8 @@ class MaxPool3d(_MaxPool, nn.MaxPool3d):
     _hr_dims = 3
 
 
-class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
-    """``nn.AdaptiveMaxPool2d`` that keeps indices and the input's shape, not the input."""
+class _AdaptiveMaxPool:
+    _hr_dims: int
 
     def _hr_saves_input(self) -> bool:
         return False
@@ -118,11 +118,42 @@ class AdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
         if not _needs_graph(input):
             return super().forward(input)
         note_consumer(self, input)
-        size = list(_list_with_default(_ntuple(2)(self.output_size), input.size()))
-        out, idx = _IndexedPool.apply(
-            input, aten.adaptive_max_pool2d, (size,), aten.adaptive_max_pool2d_backward, ()
-        )
+        n = self._hr_dims
+        if n == 1:
+            # NOTE: aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
+            size = [1, _ntuple(1)(self.output_size)[0]]
+            out, idx = _IndexedPool.apply(
+                input.unsqueeze(-2),
+                aten.adaptive_max_pool2d,
+                (size,),
+                aten.adaptive_max_pool2d_backward,
+                (),
+            )
+            out, idx = out.squeeze(-2), idx.squeeze(-2)
+        else:
+            size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
+            fwd = aten.adaptive_max_pool2d if n == 2 else aten.adaptive_max_pool3d
+            bwd = aten.adaptive_max_pool2d_backward if n == 2 else aten.adaptive_max_pool3d_backward
+            out, idx = _IndexedPool.apply(input, fwd, (size,), bwd, ())
         return (out, idx) if self.return_indices else out
+
+
+class AdaptiveMaxPool1d(_AdaptiveMaxPool, nn.AdaptiveMaxPool1d):
+    """``nn.AdaptiveMaxPool1d`` that keeps indices and the input's shape, not the input."""
+
+    _hr_dims = 1
+
+
+class AdaptiveMaxPool2d(_AdaptiveMaxPool, nn.AdaptiveMaxPool2d):
+    """``nn.AdaptiveMaxPool2d`` that keeps indices and the input's shape, not the input."""
+
+    _hr_dims = 2
+
+
+class AdaptiveMaxPool3d(_AdaptiveMaxPool, nn.AdaptiveMaxPool3d):
+    """``nn.AdaptiveMaxPool3d`` that keeps indices and the input's shape, not the input."""
+
+    _hr_dims = 3
 
 
 class _AvgPool:
@@ -181,6 +212,19 @@ class _AdaptiveAvgPool:
             return super().forward(input)
         note_consumer(self, input)
         n = self._hr_dims
+        if n == 1:
+            # NOTE: aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
+            size = [1, _ntuple(1)(self.output_size)[0]]
+            if size[1] == 1:
+                return super().forward(input)  # a mean in aten, which saves nothing
+            out = _ShapeOnlyPool.apply(
+                input.unsqueeze(-2),
+                aten._adaptive_avg_pool2d,
+                (size,),
+                aten._adaptive_avg_pool2d_backward,
+                (),
+            )
+            return out.squeeze(-2)
         size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
         # NOTE: an all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
         if all(v == 1 for v in size) or input.is_quantized:
@@ -188,6 +232,12 @@ class _AdaptiveAvgPool:
         fwd = aten._adaptive_avg_pool2d if n == 2 else aten._adaptive_avg_pool3d
         bwd = aten._adaptive_avg_pool2d_backward if n == 2 else aten._adaptive_avg_pool3d_backward
         return _ShapeOnlyPool.apply(input, fwd, (size,), bwd, ())
+
+
+class AdaptiveAvgPool1d(_AdaptiveAvgPool, nn.AdaptiveAvgPool1d):
+    """``nn.AdaptiveAvgPool1d`` that keeps only its input's shape."""
+
+    _hr_dims = 1
 
 
 class AdaptiveAvgPool2d(_AdaptiveAvgPool, nn.AdaptiveAvgPool2d):

@@ -228,7 +228,32 @@ def _layer_specs() -> dict[str, tuple]:
         "ReflectionPad2d": (lambda: nn.ReflectionPad2d(2), (8, c, 32, 32)),
         "ReplicationPad2d": (lambda: nn.ReplicationPad2d(2), (8, c, 32, 32)),
         "Linear": (lambda: nn.Linear(256, 256), (8, 128, 256)),
+        # Measured, nothing to drop (hr.convert leaves them as they are):
+        "GELU": (lambda: nn.GELU(), (8, 128, 256)),
+        "SiLU": (lambda: nn.SiLU(), (8, 128, 256)),
+        "Hardswish": (lambda: nn.Hardswish(), (8, 128, 256)),
+        "Softmax": (lambda: nn.Softmax(-1), (8, 128, 256)),
+        "Sigmoid": (lambda: nn.Sigmoid(), (8, 128, 256)),
+        "Tanh": (lambda: nn.Tanh(), (8, 128, 256)),
+        "Dropout2d (train)": (lambda: nn.Dropout2d(0.5), (8, c, 32, 32)),
+        "AdaptiveAvgPool2d(1)": (lambda: nn.AdaptiveAvgPool2d(1), (8, c, 32, 32)),
+        "Upsample (bilinear)": (
+            lambda: nn.Upsample(scale_factor=2, mode="bilinear"),
+            (8, c, 32, 32),
+        ),
+        "PixelShuffle": (lambda: nn.PixelShuffle(2), (8, c, 32, 32)),
+        "ZeroPad2d": (lambda: nn.ZeroPad2d(2), (8, c, 32, 32)),
+        "MultiheadAttention": (lambda: _SelfAttention(256), (8, 128, 256)),
     }
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
 
 
 LAYER_CASES = {

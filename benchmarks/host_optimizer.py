@@ -9,6 +9,8 @@
    disk moves them.
 3. A training iteration (forward + backward + step) of an 8-block MLP: plain torch AdamW,
    HostOptimizer with ``overlap=False`` and with ``overlap=True``.
+4. Only with an accelerator: the same model on the device, device-side fused AdamW against
+   HostOptimizer (iteration time and peak device memory).
 
 Methods alternate within each round (the order rotates); the table shows median times, and
 ratios as the median over rounds of the per-round ratio, all measured in this run.
@@ -214,6 +216,54 @@ def bench_training(width: int, blocks: int, batch: int, repeats: int) -> dict:
             "ratio_overlap_on_vs_off": _paired(times["overlap_off"], times["overlap_on"])}
 
 
+def bench_accelerator(width: int, blocks: int, batch: int, repeats: int) -> dict | None:
+    """Device-resident model on the accelerator: device-side AdamW against HostOptimizer.
+
+    Reports iteration time and the accelerator's peak allocated bytes for each; runs only
+    when an accelerator is available.
+    """
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not acc.is_available():
+        return None
+    dev = acc.current_accelerator()
+    mod = torch.get_device_module(dev.type)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
+                               for _ in range(blocks)]).to(dev)
+
+    x = torch.randn(batch, width, device=dev)
+    out = {"device": str(dev), "width": width, "blocks": blocks, "batch": batch}
+    for name in ("device_adamw", "host_overlap_off", "host_overlap_on"):
+        model = make()
+        if name == "device_adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        else:
+            opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4,
+                                   overlap=name.endswith("on"), bucket_bytes=width * width * 4)
+
+        def it(model=model, opt=opt):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        it()
+        it()
+        mod.synchronize()
+        mod.reset_peak_memory_stats()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            it()
+            mod.synchronize()
+            ts.append(time.perf_counter() - t0)
+        out[name] = {"iteration_s": statistics.median(ts),
+                     "peak_allocated_bytes": mod.max_memory_allocated()}
+        del model, opt
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -250,6 +300,13 @@ def main() -> None:
     print(f"  overlap on / torch: {tr['ratio_overlap_on_vs_torch']:.3f}x, overlap off / torch: "
           f"{tr['ratio_overlap_off_vs_torch']:.3f}x, bitwise equal: "
           f"{tr['overlap_on_bitwise_equal_overlap_off']}")
+    gpu = bench_accelerator(4096, 8, 256, 10)
+    if gpu is not None:
+        res["accelerator"] = gpu
+        print(f"== accelerator ({gpu['device']})")
+        for k in ("device_adamw", "host_overlap_off", "host_overlap_on"):
+            print(f"  {k:18s} {gpu[k]['iteration_s'] * 1e3:8.1f} ms  peak "
+                  f"{gpu[k]['peak_allocated_bytes'] / 2**20:8.0f} MiB")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     print(f"wrote {args.out}")

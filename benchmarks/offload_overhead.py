@@ -3,8 +3,9 @@
 With device="cpu" and store="cpu" offloading saves no memory; this measures the cost of its
 mechanics — refilling each block's device copy before forward and again before backward,
 moving gradients to the store, the hooks — against the same model trained plainly, for blocks
-of 4, 16 and 64 MiB. Plain and offloaded steps alternate in one process; medians; the ratio is
-offloaded / plain (target <= 1.10). The accelerator variant is `offload_overhead_gpu.py`.
+of 4, 16 and 64 MiB. Plain and offloaded steps alternate in one process; the ratio is
+offloaded / plain (target <= 1.10), of medians and of the fastest steps. The accelerator
+variant is `offload_overhead_gpu.py`.
 
     .venv/bin/python benchmarks/offload_overhead.py
 """
@@ -76,6 +77,8 @@ def bench(block_mib: float, blocks: int, tokens: int, repeats: int) -> dict:
         "plain_step_s": statistics.median(t_plain),
         "offload_step_s": statistics.median(t_off),
         "ratio": statistics.median(t_off) / statistics.median(t_plain),
+        # NOTE: the fastest step of each is the least disturbed by other processes
+        "ratio_of_fastest": min(t_off) / min(t_plain),
         "plain_all_s": t_plain,
         "offload_all_s": t_off,
         "bitwise_equal_after": same,
@@ -86,15 +89,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=512, help="rows per batch")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: steadier timings on a shared machine)")
     ap.add_argument("--out", default="benchmarks/results/offload_overhead.json")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     # (block MiB, number of blocks): fewer blocks for bigger ones keeps each run short
     configs = [(4, 8), (16, 4), (64, 2)]
     rows = [bench(mib, n, args.tokens, args.repeats) for mib, n in configs]
-    print(f"{'block':>10} {'blocks':>6} {'plain s':>9} {'offload s':>10} {'ratio':>7}  exact")
+    print(f"{'block':>10} {'blocks':>6} {'plain s':>9} {'offload s':>10} {'ratio':>7}"
+          f" {'fastest':>8}  exact")
     for r in rows:
         print(f"{r['block_mib']:>7.1f}MiB {r['blocks']:>6} {r['plain_step_s']:>9.3f}"
-              f" {r['offload_step_s']:>10.3f} {r['ratio']:>7.3f}  {r['bitwise_equal_after']}")
+              f" {r['offload_step_s']:>10.3f} {r['ratio']:>7.3f} {r['ratio_of_fastest']:>8.3f}"
+              f"  {r['bitwise_equal_after']}")
     out = {
         "command": ".venv/bin/python benchmarks/offload_overhead.py",
         "torch_threads": torch.get_num_threads(),

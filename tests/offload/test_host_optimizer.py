@@ -349,3 +349,33 @@ def test_float64_parameters_keep_float64_state(tmp_path):
     assert_params_equal(a, b)
     assert_state_equal(ref, opt)
     assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.float64
+
+
+def test_row_sparse_store_resident_uses_grad_rows(tmp_path):
+    """A store-resident weight (as the huge classifier keeps it) steps only binding.grad_rows."""
+    from headroom.transfer import bind
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 8)
+    store = hr.DiskStore(tmp_path / "w")
+    p = torch.nn.Parameter(torch.empty(64, 8, device="meta"))
+    b = bind(p, store.put("w", weight), grad_handle=store.alloc("w.grad", (64, 8), torch.float32))
+    rows = torch.tensor([2, 5, 40, 41])
+    sub = torch.nn.Parameter(weight[rows].clone())
+    ref = torch.optim.AdamW([sub], lr=1e-2, fused=True)
+    opt = hr.HostOptimizer([p], torch.optim.AdamW, lr=1e-2, row_sparse=[p], slice_bytes=64)
+    for s in range(4):
+        g = torch.zeros(64, 8)
+        g[rows] = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+        store.write(b.grad_handle, g).result()
+        b.has_grad, b.grad_rows = True, rows
+        sub.grad = g[rows]
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+        assert not b.has_grad and b.grad_rows is None  # consumed
+    now = store.read(b.handle).result()
+    assert torch.equal(now[rows], sub.detach())
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[rows] = False
+    assert torch.equal(now[keep], weight[keep])

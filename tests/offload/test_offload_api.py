@@ -236,3 +236,41 @@ def test_gradients_equal_plain_on_each_device(device, prefetch):
         assert p.device.type == "cpu" and p.grad.device.type == "cpu"
         assert torch.equal(p.grad, ref.get_parameter(n).grad.cpu()), n
     assert not any(b.resident for b in _state(model).blocks)
+
+
+class _BigEnds(nn.Module):
+    """Untied embedding and head larger than a layer, plus a second stack of layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(400, 16)
+        self.encoder = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.GELU(),
+                                                  nn.Linear(64, 16)) for _ in range(4))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 400)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for m in [*self.encoder, *self.layers]:
+            h = h + m(h)
+        return self.head(self.norm(h))
+
+
+def test_large_outside_modules_get_blocks_of_their_own(tmp_path):
+    ref = _BigEnds()
+    model = _offload(copy.deepcopy(ref), DiskStore(tmp_path / "s"))
+    st = _state(model)
+    names = [b.name for b in st.blocks]
+    assert names == ["emb", *[f"encoder.{i}" for i in range(6)],
+                     *[f"layers.{i}" for i in range(4)], "head"]
+    assert [s.name for s in st.rest.slots] == ["norm.weight", "norm.bias"]  # small: resident
+    x = torch.randint(0, 400, (2, 5))
+    with hr.track_memory() as mem:
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    largest = max(b.nbytes for b in st.blocks)
+    assert mem.max_by_category["parameters"] <= 2 * largest + st.rest.nbytes
+    for n, p in model.named_parameters():
+        b = binding(p)
+        assert torch.equal(b.store.read(b.grad_handle).result(), ref.get_parameter(n).grad), n

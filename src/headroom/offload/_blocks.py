@@ -30,7 +30,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         groups: dict[type, list[nn.Module]] = defaultdict(list)
         seen: set[int] = set()
         for child in parent.children():
-            if id(child) in seen:
+            # NOTE: ModuleList/ModuleDict have no forward: their members are the candidates.
+            if id(child) in seen or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 continue
             seen.add(id(child))
             groups[type(child)].append(child)

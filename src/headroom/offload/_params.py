@@ -430,10 +430,11 @@ def offload(
             is an accelerator) or a store such as ``hr.DiskStore(path)`` for models bigger than
             host memory (slower: disk bandwidth bounds each step).
         blocks: the submodules fetched and released together; by default the largest group of
-            similar siblings (a transformer's layers, a CNN's stages). Parameters outside blocks
-            form one more group that is resident from the start of forward to the end of
-            backward. Smaller blocks use less device memory but give transfers less compute to
-            hide behind.
+            similar siblings (a transformer's layers, a CNN's stages), plus any module outside
+            them holding at least half a block of parameters (an untied embedding or head).
+            The remaining parameters, and any shared by several blocks, form one more group that
+            is resident from the start of forward to the end of backward. Smaller blocks use
+            less device memory but give transfers less compute to hide behind.
         prefetch: how many blocks ahead to start fetching (forward order, and reverse order in
             backward). Each costs one block of device memory; 0 disables overlap.
         compute_dtype: dtype of the device copies of floating-point parameters (e.g.
@@ -478,6 +479,8 @@ def offload(
             )
     auto = blocks is None
     block_mods = find_blocks(model) if auto else check_blocks(model, list(blocks))
+    if auto and block_mods:
+        block_mods = _with_outside_blocks(model, block_mods)
     st = resolve_store(store, dev)
     if dev.type == "cpu" and not isinstance(st, DiskStore):
         warnings.warn(
@@ -565,6 +568,9 @@ def offload(
                     m._buffers[bname] = buf.to(dev)
                 state.buffers.append(f"{mname}.{bname}" if mname else bname)
 
+    # Found blocks whose parameters all went outside (e.g. a tied embedding) are dropped.
+    state.blocks = [b for b in state.blocks if b.slots or not auto]
+
     # Hooks: root, blocks, state dict.
     h = state.handles
     h.append(model.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True,
@@ -599,6 +605,41 @@ def offload(
 
 
 _guard_handle = None
+
+
+def _param_bytes(m: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def _with_outside_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Add, as blocks of their own, large modules outside the found blocks (an untied embedding
+    or output head): at least half the largest block. Smaller ones stay with the parameters that
+    are resident for the whole step. Returned in module order (the usual execution order)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    block_names = [names[id(b)] for b in blocks]
+    threshold = max(_param_bytes(b) for b in blocks) // 2
+
+    def holds_block(name: str) -> bool:
+        return name == "" or any(bn.startswith(name + ".") for bn in block_names)
+
+    extra: list[nn.Module] = []
+    ids = {id(b) for b in blocks}
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        for child in m.children():
+            if id(child) in ids:
+                continue
+            if holds_block(names.get(id(child), "")):
+                stack.append(child)
+            elif _param_bytes(child) >= threshold > 0:
+                # NOTE: a large outside module with repeated structure of its own (the encoder
+                # next to a decoder's layers) is split into its own blocks rather than fetched
+                # whole.
+                sub = find_blocks(child)
+                extra.extend(_with_outside_blocks(child, sub) if sub else [child])
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted([*blocks, *extra], key=lambda m: order[id(m)])
 
 
 def _materialize(module: nn.Module, name: str, owners, params, unprocessed: set[int],

@@ -175,6 +175,7 @@ class _Offload:
         self.rest = _Block("(outside blocks)", None)
         self.slots: list[_Slot] = []
         self.by_dev: dict[int, _Slot] = {}
+        self.by_param: dict[int, _Slot] = {}
         self.handles: list[Any] = []
         self.order: list[_Block] = []  # forward order of the last forward
         self._order_now: list[_Block] = []
@@ -397,9 +398,6 @@ class _Offload:
             else:
                 state_dict[key] = cur.detach()
 
-    @property
-    def by_param(self) -> dict[int, _Slot]:
-        return {id(s.param): s for s in self.slots}
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -552,6 +550,7 @@ def offload(
         target.slots.append(slot)
         state.slots.append(slot)
         state.by_dev[id(dev_param)] = slot
+        state.by_param[id(master)] = slot
         if p.is_floating_point() or p.is_complex():
             # NOTE: hooks need requires_grad at registration and survive toggling it, so a
             # parameter frozen now still routes its gradient if it is unfrozen later.

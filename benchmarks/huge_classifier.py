@@ -7,8 +7,10 @@ Methods (each measured in its own subprocess, since peak RSS is per process):
   once at the same shape so compile time is not counted (reported separately).
 * ``headroom``: ``hr.linear_cross_entropy`` (exact, sliced over classes).
 
-Each repeat is a full forward + backward producing the gradients of ``x`` and ``W``; the table
-shows the median of the repeats and the ratio to ``plain`` measured in this run.
+Each repeat is a full forward + backward producing the gradients of ``x`` and ``W``. The three
+processes stay alive and the repeats are interleaved round by round (plain, cce, headroom,
+plain, ...), so load from other work on a shared machine falls on all methods alike. The table
+shows median (and min) wall time, median CPU time of the process, and ratios to ``plain``.
 
 Usage:
     flock /tmp/hr-bigmem.lock .venv/bin/python benchmarks/huge_classifier.py
@@ -86,21 +88,31 @@ def worker(args: argparse.Namespace) -> dict:
         step()
         _sync(dev)
         compile_s = time.perf_counter() - t
-    times, losses = [], []
     if dev != "cpu":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.repeats):
+    # NOTE: serve repeats on request so the driver can interleave methods round by round:
+    # on a shared machine the load changes over minutes, and interleaving spreads it evenly.
+    print(json.dumps({"ready": True, "warmup_compile_s": compile_s}), flush=True)
+    times, cpu_times, losses = [], [], []
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
         x.grad = None
         w.grad = None
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         loss = step()
         _sync(dev)
         times.append(time.perf_counter() - t)
-        losses.append(float(loss))
+        cpu_times.append(time.process_time() - c)
+        losses.append(loss.item())
+        print(json.dumps({"time_s": times[-1], "cpu_s": cpu_times[-1]}), flush=True)
     out = {
         "method": args.method,
         "times_s": times,
+        "cpu_times_s": cpu_times,
         "median_s": statistics.median(times),
+        "min_s": min(times),
+        "median_cpu_s": statistics.median(cpu_times),
         "peak_rss_bytes": _peak_rss_bytes(),
         "rss_after_inputs_bytes": rss_inputs,
         "loss": losses[-1],
@@ -143,36 +155,50 @@ def main() -> None:
                   "(pip install cut-cross-entropy)")
             methods.remove("cce")
 
-    results = {}
+    procs: dict[str, subprocess.Popen] = {}
+    results: dict[str, dict] = {}
     for m in methods:
         cmd = [sys.executable, __file__, "--method", m] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
             if k not in ("method", "methods", "out") and v is not None
         ]
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{m}: failed ({proc.returncode})\n{proc.stderr[-2000:]}")
-            results[m] = {"method": m, "error": proc.stderr[-2000:]}
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait()
+            print(f"{m}: failed to start ({proc.returncode})")
+            results[m] = {"method": m, "error": f"exit {proc.returncode}"}
             continue
-        results[m] = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[m]["process_wall_s"] = time.perf_counter() - t
-        r = results[m]
-        print(f"{m:>14}: median {r['median_s']:.2f} s  peak RSS {r['peak_rss_bytes'] / 2**30:.2f}"
-              f" GiB  loss {r['loss']:.6f}", flush=True)
+        procs[m] = proc
+        print(f"{m}: ready {line.strip()}", flush=True)
+    for r in range(args.repeats):
+        for m, proc in procs.items():
+            proc.stdin.write("run\n")
+            proc.stdin.flush()
+            rep = json.loads(proc.stdout.readline())
+            print(f"round {r}: {m:>14} {rep['time_s']:7.2f} s wall  {rep['cpu_s']:7.2f} s cpu",
+                  flush=True)
+    for m, proc in procs.items():
+        out, _ = proc.communicate("stop\n")
+        results[m] = json.loads(out.strip().splitlines()[-1])
 
     base = results.get("plain", {}).get("median_s")
+    base_cpu = results.get("plain", {}).get("median_cpu_s")
     print(f"\nB={args.batch} D={args.dim} C={args.classes} fp32 forward+backward, "
           f"{args.threads} threads, device {args.device}, median of {args.repeats}")
-    print(f"{'method':>14} | {'median s':>9} | {'x plain':>7} | {'peak RSS GiB':>12}"
+    print(f"{'method':>14} | {'median s':>9} | {'x plain':>7} | {'min s':>7} | "
+          f"{'cpu s':>7} | {'x plain':>7} | {'peak RSS GiB':>12}"
           + (" | peak dev GiB" if args.device != "cpu" else ""))
     for m, r in results.items():
         if "error" in r:
             print(f"{m:>14} | failed")
             continue
         ratio = r["median_s"] / base if base else float("nan")
+        cpu_ratio = r["median_cpu_s"] / base_cpu if base_cpu else float("nan")
         r["ratio_to_plain"] = ratio
-        line = (f"{m:>14} | {r['median_s']:9.2f} | {ratio:7.2f} | "
+        r["cpu_ratio_to_plain"] = cpu_ratio
+        line = (f"{m:>14} | {r['median_s']:9.2f} | {ratio:7.2f} | {r['min_s']:7.2f} | "
+                f"{r['median_cpu_s']:7.2f} | {cpu_ratio:7.2f} | "
                 f"{r['peak_rss_bytes'] / 2**30:12.2f}")
         if "peak_device_bytes" in r:
             line += f" | {r['peak_device_bytes'] / 2**30:12.2f}"

@@ -41,3 +41,19 @@ def test_pack_nonzero_matches_relu_backward_rule():
     g = torch.arange(1.0, 10.0)
     ref = torch.ops.aten.threshold_backward(g, x, 0)
     assert torch.equal(torch.ops.aten.threshold_backward(g, passes, 0), ref)
+
+
+@pytest.mark.parametrize("numel", [1, 8, 13, 1000])
+def test_numpy_and_word_paths_give_the_same_bytes(numel):
+    from headroom.nn._bitmask import _pack_scratch, _scratch_bool, unpack_nonzero
+
+    mask = torch.rand(numel) > 0.4
+    buf_a, buf_b = _scratch_bool(numel, mask.device), _scratch_bool(numel, mask.device)
+    buf_a[:numel].copy_(mask)
+    buf_b[:numel].copy_(mask)
+    a = _pack_scratch(buf_a, numel, use_numpy=True)
+    b = _pack_scratch(buf_b, numel, use_numpy=False)
+    assert torch.equal(a, b)
+    for use_numpy in (True, False):
+        got = unpack_nonzero(a, (numel,), use_numpy=use_numpy)
+        assert torch.equal(got.ne(0), mask)

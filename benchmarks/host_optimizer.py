@@ -99,12 +99,16 @@ def bench_throughput(n_params: int, n_tensors: int, repeats: int) -> dict:
     # NOTE: this machine is shared; a median of per-round ratios cancels slow drifts in load
     # that medians of the times alone do not.
     out["ratio_headroom_vs_torch_fused"] = _paired(times["torch_fused"], times["headroom"])
+    # NOTE: the fastest of many identical steps is the least disturbed by other jobs.
+    out["ratio_min_headroom_vs_torch_fused"] = min(times["torch_fused"]) / min(times["headroom"])
     if ds is not None:
         import deepspeed
 
         out["deepspeed"] = {"version": deepspeed.__version__, "op_load_s": ds_load_s}
         out["ratio_headroom_vs_deepspeed"] = _paired(times["deepspeed_cpu_adam"],
                                                      times["headroom"])
+        out["ratio_min_headroom_vs_deepspeed"] = (min(times["deepspeed_cpu_adam"])
+                                                  / min(times["headroom"]))
     else:
         out["deepspeed"] = why
     return out
@@ -280,11 +284,14 @@ def main() -> None:
         (4 if q else 32) << 20, 16, 5 if q else 31)
     for k in ("torch_fused", "headroom", "deepspeed_cpu_adam"):
         if k in t:
-            print(f"  {k:20s} {t[k]['step_s'] * 1e3:8.1f} ms  {t[k]['params_per_s'] / 1e6:8.1f} "
+            print(f"  {k:20s} median {t[k]['step_s'] * 1e3:8.1f} ms  min "
+                  f"{t[k]['min_step_s'] * 1e3:8.1f} ms  {t[k]['params_per_s'] / 1e6:8.1f} "
                   "M params/s")
-    print(f"  headroom / torch fused: {t['ratio_headroom_vs_torch_fused']:.3f}x (target >= 0.95)")
+    print(f"  headroom / torch fused: {t['ratio_headroom_vs_torch_fused']:.3f}x median of rounds,"
+          f" {t['ratio_min_headroom_vs_torch_fused']:.3f}x fastest step (target >= 0.95)")
     if "ratio_headroom_vs_deepspeed" in t:
-        print(f"  headroom / DeepSpeed CPU Adam: {t['ratio_headroom_vs_deepspeed']:.3f}x")
+        print(f"  headroom / DeepSpeed CPU Adam: {t['ratio_headroom_vs_deepspeed']:.3f}x median of"
+              f" rounds, {t['ratio_min_headroom_vs_deepspeed']:.3f}x fastest step")
     else:
         print(f"  DeepSpeed: {t['deepspeed']}")
     print("== optimizer state on disk (page cache dropped)")

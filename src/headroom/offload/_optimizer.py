@@ -262,6 +262,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._futures: list[Future] = []
         self._ready: list[_Entry] = []
         self._arrival: list[_Entry] = []  # first-gradient order in this iteration
+        self._in_flight = 0  # device gradient bytes pushed to the host since the last reap
         self._launched_hparams: dict[int, dict[str, Any]] = {}
         self._clipped = False
         self._tickets: list[Any] = []
@@ -375,6 +376,14 @@ class HostOptimizer(torch.optim.Optimizer):
             # NOTE: free the device gradient now: at most the gradients in flight to the host
             # stay on the device.
             p.grad = None
+            if self._mover.accelerated:
+                self._in_flight += g.numel() * g.element_size()
+                if self._in_flight >= self._bucket_bytes:
+                    # NOTE: the worker waits for the copies (the mover then drops the device
+                    # gradients) so that backward, on this thread, never blocks on them.
+                    self._in_flight = 0
+                    self._start_pool()
+                    self._futures.append(self._pool.submit(self._reap))
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
@@ -387,6 +396,10 @@ class HostOptimizer(torch.optim.Optimizer):
                 with self._lock:
                     self._ready.extend(bucket.entries)
                 self._futures.append(self._pool.submit(self._drain))
+
+    def _reap(self) -> None:
+        with self._mover_lock:
+            self._mover.synchronize()
 
     def _start_pool(self) -> None:
         if self._pool is None:

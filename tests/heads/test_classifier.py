@@ -227,3 +227,27 @@ def test_empty_batch():
     assert head(x, y, reduction="none").shape == (0,)
     assert head(x, y, reduction="sum").item() == 0.0
     assert torch.isnan(head(x, y))
+
+
+def test_checkpoint_round_trip_with_hr_save(tmp_path):
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=DiskStore(tmp_path / "a"))
+    opt = hr.HostOptimizer(head.parameters(), torch.optim.AdamW, lr=1e-2,
+                           state_store=DiskStore(tmp_path / "sa"))
+    x, y = torch.randn(B, D), torch.randint(0, C, (B,))
+    head(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    hr.save(tmp_path / "ckpt.safetensors", head, opt)
+    other = hr.HugeClassifier(C, D, bias=True, device="cpu", store=DiskStore(tmp_path / "b"))
+    opt2 = hr.HostOptimizer(other.parameters(), torch.optim.AdamW, lr=1e-2,
+                            state_store=DiskStore(tmp_path / "sb"))
+    assert not torch.equal(other.read_weight(), head.read_weight())
+    hr.load(tmp_path / "ckpt.safetensors", other, opt2)
+    assert torch.equal(other.read_weight(), head.read_weight())
+    assert torch.equal(other.read_bias(), head.read_bias())
+    # one more identical step on both: same weights (state came back too)
+    for h, o in ((head, opt), (other, opt2)):
+        h(x, y).backward()
+        o.step()
+        o.zero_grad()
+    assert torch.equal(other.read_weight(), head.read_weight())

@@ -234,3 +234,19 @@ def test_channels_last_block_matches(act):
     a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
     assert_same(a, b)
     assert b[4] < a[4]
+
+
+@pytest.mark.parametrize("cls", [nn.Conv2d, nn.ConvTranspose2d])
+def test_autocast_matches(cls):
+    plain, ours = twin(cls(4, 4, 3))
+    for m in (plain, ours):
+        m.weight.requires_grad_(False)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    outs, grads = [], []
+    for m in (plain, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        outs.append(y)
+        grads.append(torch.autograd.grad(y.float().sum(), x)[0])
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])

@@ -18,11 +18,12 @@ class TensorMeta:
 
     # NOTE: several aten backward kernels (``convolution_backward`` for one of its two grads,
     # ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``, the padding backwards) take a
-    # full tensor but read only its sizes, strides and dtype. We keep exactly those and hand the
-    # kernel an uninitialized tensor with the same strides, so it takes the same code path (same
-    # backend choice, same memory format) and gives bitwise the same result. On CPU the large
-    # ``empty`` is never written, so the OS does not even back it with pages; on an accelerator it
-    # is a transient allocation that lives only inside this backward call.
+    # full tensor but read only its sizes, strides and dtype (a few also read values that only
+    # feed gradients we do not request). We keep exactly those and hand the kernel an
+    # uninitialized tensor with the same strides, so it takes the same code path (same backend
+    # choice, same memory format) and gives bitwise the same result. On CPU that tensor is a view
+    # of a shared buffer whose pages are never touched (no RAM); on an accelerator it is a
+    # transient allocation that lives only inside this backward call.
     """
 
     __slots__ = ("size", "stride", "dtype", "device")

@@ -49,6 +49,15 @@ class _ConvFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # NOTE: autocast's rule for its lower-precision ops (conv1d/2d/3d, conv_transpose*): cast
+    # floating-point arguments other than float64 to the autocast dtype. Autocast hooks those
+    # ops, not aten.convolution that we call, so the cast is done here, before the Function.
+    if t is None or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
+        return t
+    return t.to(dtype)
+
+
 def _needs_graph(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -89,6 +98,10 @@ class _ConvMixin:
         )
 
     def _hr_conv(self, x, weight, bias, padding, output_padding) -> torch.Tensor:
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x, weight, bias = (_autocast(t, dtype) for t in (x, weight, bias))
         unbatched = x.dim() == self._hr_dims + 1
         if unbatched:
             x = x.unsqueeze(0)

@@ -162,7 +162,8 @@ class LayerNorm(nn.LayerNorm):
         if input.requires_grad:
             note_consumer(self, input)
             return super().forward(input)
-        if _rg(self.weight) or not _rg(self.bias):
+        if _rg(self.weight) or not _rg(self.bias) or torch.is_autocast_enabled(input.device.type):
+            # NOTE: autocast runs layer_norm in float32 on some devices; PyTorch's path does that.
             return super().forward(input)
         return _BiasOnlyLayerNorm.apply(
             input, self.weight, self.bias, list(self.normalized_shape), self.eps
@@ -201,8 +202,13 @@ class GroupNorm(nn.GroupNorm):
         if input.requires_grad:
             note_consumer(self, input)
             return super().forward(input)
-        if _rg(self.weight) or not _rg(self.bias) or input.dim() < 2:
-            return super().forward(input)
+        if (
+            _rg(self.weight)
+            or not _rg(self.bias)
+            or input.dim() < 2
+            or torch.is_autocast_enabled(input.device.type)
+        ):
+            return super().forward(input)  # see LayerNorm.forward on autocast
         # NOTE: aten.group_norm hands native_group_norm a copy contiguous in the input's
         # suggested memory format on CPU; do the same so the kernel sees the same layout.
         fmt = torch.contiguous_format

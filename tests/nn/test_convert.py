@@ -87,3 +87,21 @@ def test_public_names():
     assert "convert" in hnn.__all__ and "Conv2d" in hnn.__all__
     for name in hnn.__all__:
         assert hasattr(hnn, name)
+
+
+def test_converted_model_pickles_and_deep_copies_after_a_step():
+    import copy
+    import io
+
+    model = hr.convert(resnet_like())
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    clone = copy.deepcopy(model)
+    x = torch.randn(2, 3, 16, 16)
+    model.eval(), loaded.eval(), clone.eval()
+    with torch.no_grad():
+        assert torch.equal(model(x), loaded(x)) and torch.equal(model(x), clone(x))
+    assert type(loaded[4].relu) is hnn.ReLU

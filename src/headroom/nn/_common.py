@@ -75,6 +75,12 @@ _standins: dict[torch.dtype, torch.Tensor] = {}
 _registry_lock = threading.Lock()
 # storage key -> (weak storage ref, weak ReLU module, call-site key)
 _relu_outputs: dict[int, tuple[StorageWeakRef, weakref.ref, tuple]] = {}
+# NOTE: kept outside the modules (weakly keyed) so that converted models still pickle, and a
+# deep copy of a model starts with no consumers rather than the original model's.
+# ReLU module -> call site -> weak consumers
+_consumers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# ReLU module -> weak consumers known from an nn.Sequential
+_seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -103,7 +109,8 @@ def note_consumer(consumer: nn.Module, x: torch.Tensor) -> None:
     relu = entry[1]()
     if relu is None:
         return
-    consumers = relu.__dict__.setdefault("_hr_consumers", {}).setdefault(entry[2], [])
+    with _registry_lock:
+        consumers = _consumers.setdefault(relu, {}).setdefault(entry[2], [])
     for ref in consumers:
         if ref() is consumer:
             return
@@ -112,16 +119,16 @@ def note_consumer(consumer: nn.Module, x: torch.Tensor) -> None:
 
 def seed_consumer(relu: nn.Module, consumer: nn.Module) -> None:
     """Tell ``relu`` its consumer before any forward (known from an ``nn.Sequential``)."""
-    relu.__dict__["_hr_seed"] = [weakref.ref(consumer)]
+    _seeds[relu] = [weakref.ref(consumer)]
 
 
 def consumers_keep_output(module: nn.Module, site: tuple) -> bool:
     """Whether the ReLU ``module`` at ``site`` should keep its output rather than a bit mask."""
-    consumers = module.__dict__.get("_hr_consumers", {}).get(site)
+    consumers = _consumers.get(module, {}).get(site)
     if not consumers:
         # NOTE: nothing observed at this call site yet: trust the consumer convert() found in
         # an nn.Sequential, if any, else keep the output exactly as PyTorch does.
-        consumers = module.__dict__.get("_hr_seed")
+        consumers = _seeds.get(module)
     if not consumers:
         return True
     for ref in consumers:

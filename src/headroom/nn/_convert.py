@@ -49,16 +49,11 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Linear: _linear.Linear,
 }
 
-# Per-instance state of headroom layers that must not follow a module into a copy.
-_PRIVATE = ("_hr_consumers", "_hr_seed")
-
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
     new = copy.copy(module)
     for key, value in list(new.__dict__.items()):
-        if key in _PRIVATE:
-            del new.__dict__[key]
-        elif isinstance(value, dict | set | list):
+        if isinstance(value, dict | set | list):
             # NOTE: containers (parameters, buffers, children, hooks) are copied one level deep:
             # the copy holds the very same Parameter, buffer and hook objects, but adding or
             # removing one on either model does not change the other.

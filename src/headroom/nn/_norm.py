@@ -107,6 +107,8 @@ class _BatchNorm:
             F._verify_batch_size(input.size())
         if bn_training and self.eps <= 0.0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
+        if self.eps < 0.0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {self.eps}")
         return _BatchNormFunction.apply(
             input,
             self.weight,

@@ -52,7 +52,8 @@ def step(model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0):
     x = x.detach().clone().requires_grad_(input_grad)
     torch.manual_seed(seed)
     nbytes, out = saved_bytes(lambda: model(x), model_state(model))
-    loss = (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
+    loss = (out.float() * weights).sum()
     grads = {}
     if loss.requires_grad:
         loss.backward()

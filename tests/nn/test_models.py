@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import headroom as hr
+from tests.conftest import DEVICES
 from tests.nn._models import CASES, resnet_like, trainable, vgg_like
 from tests.nn._util import assert_same, step
 
@@ -132,3 +133,25 @@ def test_training_steps_give_bitwise_equal_parameters():
             opt.zero_grad()
     for (n, p), q in zip(plain.state_dict().items(), ours.state_dict().values(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["all", "input", "norm"])
+def test_vgg_on_each_device(device, case):
+    # NOTE: on an accelerator, bitwise comparison needs deterministic kernels (cuDNN picks
+    # algorithms per call otherwise); on CPU this repeats the main test on the device list.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        torch.manual_seed(0)
+        plain = vgg_like().to(device)
+        ours = hr.convert(copy.deepcopy(plain))
+        for m in (plain, ours):
+            trainable(m, case)
+        x = torch.randn(4, 3, 16, 16, device=device)
+        for seed in (1, 2):
+            a = step(plain, x, input_grad=case == "input", seed=seed)
+            b = step(ours, x, input_grad=case == "input", seed=seed)
+            assert_same(a, b)
+            assert b[4] < a[4]
+    finally:
+        torch.use_deterministic_algorithms(False)

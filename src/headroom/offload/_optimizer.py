@@ -284,6 +284,10 @@ class HostOptimizer(torch.optim.Optimizer):
                 entries.append(e)
         except BaseException:
             self.param_groups.pop()
+            for e in entries:  # give back the host masters already made
+                if e.own is not None:
+                    self._host.free(e.own.handle)
+                    self._host.free(e.own.grad_handle)
             raise
         for e in entries:
             self._entries[id(e.param)] = e

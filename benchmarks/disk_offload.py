@@ -79,6 +79,25 @@ def raw_read(files: list[Path], chunk: int = 64 << 20) -> tuple[int, float]:
     return total, time.perf_counter() - t0
 
 
+def store_stream(store: DiskStore, handles) -> tuple[int, float]:
+    """Read every tensor through the store, all submitted at once (its threads, its page-cache
+    policy); returns (bytes, seconds)."""
+    os.sync()
+    bufs = [torch.empty(h.shape, dtype=h.dtype) for h in handles[:8]]
+    total = 0
+    t0 = time.perf_counter()
+    futs = []
+    for i, h in enumerate(handles):
+        out = bufs[i % len(bufs)] if bufs[i % len(bufs)].shape == h.shape else None
+        futs.append(store.read(h, out=out))
+        total += h.nbytes
+        if len(futs) >= 8:
+            futs.pop(0).result()
+    for f in futs:
+        f.result()
+    return total, time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=2048)
@@ -86,6 +105,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4, help="DiskStore I/O threads")
+    ap.add_argument("--prefetch", type=int, default=2, help="blocks fetched ahead")
     ap.add_argument("--dir", default="/tmp/headroom-disk-offload")
     ap.add_argument("--out", default="benchmarks/results/disk_offload.json")
     args = ap.parse_args()
@@ -98,10 +118,14 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     store = DiskStore(args.dir, threads=args.threads, page_cache=False)
     t0 = time.perf_counter()
-    hr.offload(model, device="cpu", store=store, prefetch=1)
+    hr.offload(model, device="cpu", store=store, prefetch=args.prefetch)
     setup_s = time.perf_counter() - t0
     opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3, overlap=False)
     x = torch.randn(args.batch, args.width)
+
+    files = [store.file_of(s.binding.handle) for s in _state(model).slots]
+    raw_before = raw_read(files)
+    stream_bytes, stream_s = store_stream(store, [s.binding.handle for s in _state(model).slots])
 
     times, losses = [], []
     before = store.stats()
@@ -119,9 +143,11 @@ def main() -> None:
     read_bytes = after["bytes_read"] - before["bytes_read"]
     read_s = after["read_busy_s"] - before["read_busy_s"]
     store_bps = read_bytes / read_s
-    files = [store.file_of(s.binding.handle) for s in _state(model).slots]
-    raw_bytes, raw_s = raw_read(files)
-    raw_bps = raw_bytes / raw_s
+    raw_after = raw_read(files)
+    # NOTE: the raw read is taken before and after training and averaged: the virtual disk's
+    # own caching outside this machine makes consecutive reads of the same files vary.
+    raw_bps = (raw_before[0] + raw_after[0]) / (raw_before[1] + raw_after[1])
+    stream_bps = stream_bytes / stream_s
 
     param_grad_bytes = 2 * 4 * n_params
     result = {
@@ -138,7 +164,11 @@ def main() -> None:
         "store_read_bytes_per_step": read_bytes / args.steps,
         "store_read_GBps": store_bps / 1e9,
         "raw_sequential_read_GBps": raw_bps / 1e9,
+        "raw_read_before_after_GBps": [raw_before[0] / raw_before[1] / 1e9,
+                                       raw_after[0] / raw_after[1] / 1e9],
         "read_throughput_ratio": store_bps / raw_bps,
+        "store_stream_GBps": stream_bps / 1e9,
+        "store_stream_ratio": stream_bps / raw_bps,
         "store_written_bytes_per_step": (after["bytes_written"] - before["bytes_written"])
         / args.steps,
     }
@@ -152,9 +182,13 @@ def main() -> None:
           f"   ratio {param_grad_bytes / peak_rss:.2f}x (target >= 2)")
     print(f"{'step time (median)':<34}{statistics.median(times):8.2f} s")
     print(f"{'store reads per step':<34}{read_bytes / args.steps / gib:8.2f} GiB")
-    print(f"{'store read throughput':<34}{store_bps / 1e9:8.3f} GB/s")
     print(f"{'raw sequential read, same files':<34}{raw_bps / 1e9:8.3f} GB/s"
+          f"   (before {raw_before[0] / raw_before[1] / 1e9:.3f}, after"
+          f" {raw_after[0] / raw_after[1] / 1e9:.3f})")
+    print(f"{'store reads during training':<34}{store_bps / 1e9:8.3f} GB/s"
           f"   ratio {store_bps / raw_bps:.2f} (target >= 0.8)")
+    print(f"{'store reading all files, no compute':<34}{stream_bps / 1e9:8.3f} GB/s"
+          f"   ratio {stream_bps / raw_bps:.2f}")
     print(f"wrote {args.out}")
     store.close()
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -6,6 +6,10 @@ Adam moments (10.2 GB) in files too. Each step streams the weight twice (exact l
 gradient pass backward), writes the gradient, then the optimizer streams weight, gradient and
 state through AdamW slice by slice. The process never holds more than a few slices.
 
+With the default ``page_cache=True`` the OS may keep the files' pages in its cache (they do not
+count in RSS, and the cache gives them back under pressure); ``--no-page-cache`` drops them after
+every read and write so each step really reads from and writes to the disk.
+
 Reports peak RSS of the whole process, time per step (split into forward+backward and optimizer
 step), bytes read/written per step and the losses (the same batch every step, so they fall).
 
@@ -69,6 +73,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--path", default=None, help="directory for the stores (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the store files")
+    p.add_argument("--no-page-cache", action="store_true",
+                   help="DiskStore(page_cache=False): every read really comes from the disk")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -78,8 +84,9 @@ def main() -> None:
     sparse = args.sample_rate < 1.0
     try:
         t0 = time.perf_counter()
-        wstore = DiskStore(root / "weights")
-        sstore = DiskStore(root / "adam")
+        cache = not args.no_page_cache
+        wstore = DiskStore(root / "weights", page_cache=cache)
+        sstore = DiskStore(root / "adam", page_cache=cache)
         head = hr.HugeClassifier(args.classes, args.dim, device="cpu", store=wstore,
                                  slice_size=args.slice_size, sample_rate=args.sample_rate)
         opt = hr.HostOptimizer(head.parameters(), torch.optim.AdamW, lr=args.lr,
@@ -134,7 +141,8 @@ def main() -> None:
           f"{record['mode']}: weight {fp32 / 1e9:.2f} GB, on disk {disk_bytes / 1e9:.1f} GB "
           f"(weight, gradient, Adam moments); median step {record['median_step_s']:.1f} s; "
           f"peak RSS {record['peak_rss_bytes'] / 2**30:.2f} GiB")
-    name = "huge_classifier_scale.json" if not sparse else "huge_classifier_scale_sampled.json"
+    name = "huge_classifier_scale" + ("_sampled" if sparse else "") + (
+        "_no_page_cache" if args.no_page_cache else "") + ".json"
     out = Path(args.out) if args.out else RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))

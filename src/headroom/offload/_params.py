@@ -708,6 +708,9 @@ def unoffload(model: nn.Module) -> nn.Module:
 
     Raises:
         RuntimeError: the model is not offloaded, or a backward pass is in progress.
+
+    Example:
+        >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
     state = _state(model)
     if state._bwd:
@@ -746,6 +749,9 @@ def describe(model: nn.Module) -> str:
 
     Raises:
         RuntimeError: the model is not offloaded.
+
+    Example:
+        >>> print(hr.describe(hr.offload(model, device="cuda")))   # doctest: +SKIP
     """
     s = _state(model)
 

@@ -274,3 +274,22 @@ def test_large_outside_modules_get_blocks_of_their_own(tmp_path):
     for n, p in model.named_parameters():
         b = binding(p)
         assert torch.equal(b.store.read(b.grad_handle).result(), ref.get_parameter(n).grad), n
+
+
+def test_optimizer_created_before_offload_keeps_working():
+    torch.manual_seed(0)
+    ref = Transformer(n=3)
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before offloading
+    _offload(model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        b = lm_batch(g)
+        for m, o in ((ref, opt_ref), (model, opt)):
+            torch.manual_seed(1)
+            lm_loss(m, b).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -251,3 +251,36 @@ def test_checkpoint_round_trip_with_hr_save(tmp_path):
         o.step()
         o.zero_grad()
     assert torch.equal(other.read_weight(), head.read_weight())
+
+
+def test_module_to_keeps_weight_in_its_store():
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(D, D), head)
+    ptr = head.weight.data_ptr()
+    model.to(torch.float64)
+    assert model[0].weight.dtype == torch.float64  # ordinary layers still convert
+    assert head.weight.dtype == torch.float32 and head.weight.data_ptr() == ptr
+    assert list(dict(head.named_parameters())) == ["weight", "bias"]
+    assert binding(head.weight) is not None
+
+
+@pytest.mark.gpu
+def test_on_accelerator_with_host_store():
+    from tests.conftest import DEVICES
+
+    dev = DEVICES[-1]
+    head = hr.HugeClassifier(C, D, bias=True, device=dev, slice_size=300)
+    w, b = _dense(head)
+    x = torch.randn(B, D, device=dev, requires_grad=True)
+    y = torch.randint(0, C, (B,), device=dev)
+    loss = head(x, y)
+    xr = x.detach().clone().requires_grad_()
+    ref = F.cross_entropy(xr @ w.to(dev).T + b.to(dev), y)
+    _close(loss, ref)
+    loss.backward()
+    ref.backward()
+    _close(x.grad, xr.grad)
+    (gw,) = torch.autograd.grad(F.cross_entropy(x.detach() @ w.T.to(dev) + b.to(dev), y), [w])
+    _close(_grad(head, head.weight), gw)
+    v, i = head.topk(x.detach(), 3)
+    assert torch.equal(i, torch.topk(x.detach() @ w.to(dev).T + b.to(dev), 3).indices)

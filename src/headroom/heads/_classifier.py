@@ -92,6 +92,10 @@ class HugeClassifier(nn.Module):
     can step it; with a `DiskStore` the parameter is a ``meta`` placeholder, the values live in
     files, and `headroom.HostOptimizer` steps them (with ``row_sparse=[head.weight]`` in the
     sampled mode). Gradients accumulate across backward passes until ``zero_grad``.
+    ``module.to(...)`` / ``.cuda()`` / ``.half()`` leave the store-resident parameters where and
+    as they rest: the compute device is ``device=`` and the stored dtype is ``dtype=``.
+    ``state_dict()`` of a disk-backed head holds ``meta`` placeholders; checkpoint with
+    ``headroom.save`` / ``headroom.load``, which stream store-resident parameters.
 
     Args:
         num_classes: number of classes ``C``.
@@ -315,6 +319,18 @@ class HugeClassifier(nn.Module):
                 zeros = torch.zeros((self._dirty.numel(), *h.shape[1:]), dtype=h.dtype)
                 self.store.write_rows(h, self._dirty, zeros).result()
         self._dirty = torch.empty(0, dtype=torch.int64)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # NOTE: `model.to("cuda")` on a model that contains this head must not copy the
+        # store-resident weight to the device (that is what the head exists to avoid) nor
+        # detach the parameters from their store binding; they stay where they rest.
+        params = self._parameters
+        self._parameters = {k: v for k, v in params.items() if v is None or binding(v) is None}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            kept = self._parameters
+            self._parameters = {k: kept.get(k, v) for k, v in params.items()}
 
     # ------------------------------------------------------------------ compute
     def _check(self, features: torch.Tensor, labels: torch.Tensor | None) -> None:

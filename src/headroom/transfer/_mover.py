@@ -9,7 +9,7 @@ the store's I/O threads and so overlap compute there too.
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,7 @@ class Mover:
         self._staged = 0
         self._disk_writes: deque = deque()
         self._writing = 0
+        self._acc_pool: ThreadPoolExecutor | None = None
         if self.accelerated:
             self._mod = torch.get_device_module(self.device.type)
             self._h2d = self._mod.Stream(self.device)
@@ -189,15 +190,29 @@ class Mover:
                     host.copy_(grad)
                 return
             if accumulate:
-                acc = store.read(gh).result()
-                acc.add_(grad)
-                self._grads_disk(store.write(gh, acc), gh.nbytes)
+                if self.accelerated:
+                    grad = grad.clone()  # the staging buffer goes back to the pool now
+                # NOTE: read-add-write on the mover's own thread, so backward does not wait
+                # for the disk; one thread keeps pushes to the same gradient in order.
+                self._grads_disk(self._accumulator().submit(self._accumulate, gh, grad),
+                                 2 * gh.nbytes)
                 return
             if grad.dtype != gh.dtype or not grad.is_contiguous() or self.accelerated:
                 # NOTE: on an accelerator `grad` is a pooled staging buffer that is about to be
                 # reused, so the disk write gets its own copy.
                 grad = grad.to(gh.dtype, copy=True).contiguous()
             self._grads_disk(store.write(gh, grad), gh.nbytes)
+
+    def _accumulator(self) -> ThreadPoolExecutor:
+        if self._acc_pool is None:
+            self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="hr-grad-acc")
+        return self._acc_pool
+
+    def _accumulate(self, gh: Handle, grad: torch.Tensor) -> None:
+        acc = self.store.read(gh).result()
+        with torch.no_grad():
+            acc.add_(grad)
+        self.store.write(gh, acc).result()
 
     def _grads_disk(self, fut: Future, nbytes: int) -> None:
         # NOTE: a pending write keeps its gradient alive; bound those bytes so host memory

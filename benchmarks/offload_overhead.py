@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -104,7 +105,7 @@ def main() -> None:
               f" {r['offload_step_s']:>10.3f} {r['ratio']:>7.3f} {r['ratio_of_fastest']:>8.3f}"
               f"  {r['bitwise_equal_after']}")
     out = {
-        "command": ".venv/bin/python benchmarks/offload_overhead.py",
+        "command": " ".join([".venv/bin/python", *sys.argv]),
         "torch_threads": torch.get_num_threads(),
         "target_ratio": 1.10,
         "results": rows,

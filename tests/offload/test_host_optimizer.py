@@ -379,3 +379,42 @@ def test_row_sparse_store_resident_uses_grad_rows(tmp_path):
     keep = torch.ones(64, dtype=torch.bool)
     keep[rows] = False
     assert torch.equal(now[keep], weight[keep])
+
+
+def test_add_param_group_later_and_closure():
+    a, b = make_model(), make_model()
+    head_a, head_b = list(a.head.parameters()), list(b.head.parameters())
+    rest_a = [p for n, p in a.named_parameters() if not n.startswith("head")]
+    rest_b = [p for n, p in b.named_parameters() if not n.startswith("head")]
+    ref = torch.optim.AdamW(rest_a, lr=1e-2, fused=True)
+    opt = hr.HostOptimizer(rest_b, torch.optim.AdamW, lr=1e-2)
+    train(a, ref, range(3))
+    train(b, opt, range(3))
+    ref.add_param_group({"params": head_a, "lr": 5e-3})
+    opt.add_param_group({"params": head_b, "lr": 5e-3})
+    for s in range(3, 8):
+        ref.step(lambda s=s: loss_fn(a, s).backward())
+        loss = opt.step(lambda s=s: loss_fn(b, s).backward() or loss_fn(b, s))
+        assert loss is not None
+        ref.zero_grad()
+        opt.zero_grad()
+    assert_params_equal(a, b)
+    assert_state_equal(ref, opt)
+
+
+def test_disk_state_dict_loads_into_plain_torch(tmp_path):
+    a, b = make_model(), make_model()
+    opt = hr.HostOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2,
+                           state_store=hr.DiskStore(tmp_path / "s"))
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    train(a, ref, range(4))
+    train(b, opt, range(4))
+    c = make_model()
+    c.load_state_dict(b.state_dict())
+    plain = torch.optim.AdamW(c.parameters(), lr=1e-2, fused=True)
+    plain.load_state_dict(opt.state_dict())
+    train(a, ref, range(4, 8))
+    train(c, plain, range(4, 8))
+    assert_params_equal(a, c)
+    loss_fn(b, 9).backward()
+    assert torch.equal(opt.grad(b.head.weight), b.head.weight.grad)

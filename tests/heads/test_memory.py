@@ -49,3 +49,29 @@ def test_dense_reference_exceeds_budget():
     with hr.track_memory() as mem:
         F.cross_entropy(x @ w.T, y).backward()
     assert mem.peak - 2 * w.nbytes - 2 * x.nbytes > BUDGET
+
+
+def _classifier_peak(classes: int, tmp_path) -> int:
+    from headroom.transfer import DiskStore
+
+    head = hr.HugeClassifier(classes, D, bias=True, device="cpu",
+                             store=DiskStore(tmp_path / str(classes)), slice_size=SLICE)
+    x = torch.randn(B, D, requires_grad=True)
+    y = torch.randint(0, classes, (B,))
+    with hr.track_memory() as mem:
+        head(x, y).backward()
+        head(x, y, label_smoothing=0.1).backward()  # accumulating: read-modify-write slices
+        head.topk(x.detach(), 5)
+    return mem.peak - 2 * x.nbytes
+
+
+def test_disk_classifier_peak_is_slices_only(tmp_path):
+    # the weight rests on disk: nothing of size C is ever in memory, only B x slice logits
+    # (forward's and topk's), and a few slice-sized host buffers (reads in flight, gradient
+    # slices being written), whatever the class count
+    budget = 2 * B * SLICE * 4 + 8 * SLICE * (D + 1) * 4 + 64 * B * (D + 1) * 4
+    small = _classifier_peak(65536, tmp_path)
+    big = _classifier_peak(1 << 20, tmp_path)
+    assert small <= budget and big <= budget
+    assert big == small
+    assert 4 * budget < (1 << 20) * D * 4  # the weight alone would not fit the budget

@@ -62,6 +62,15 @@ def test_accumulation_bitwise_and_overlap_learns_micro_batches():
     assert {e.expected for e in opt._order} == {4}  # learned: 4 backward passes per step
 
 
+def test_overlap_survives_a_short_accumulation():
+    a, ref, b, opt = _pair(overlap=True)
+    for accum in (4, 4, 4, 2, 4, 4, 3, 4, 4):  # short last iterations of epochs
+        train(a, ref, range(1), accum=accum)
+        train(b, opt, range(1), accum=accum)
+    assert_params_equal(a, b)
+    assert_state_equal(ref, opt)
+
+
 def test_clipping_bitwise():
     a, ref, b, opt = _pair(overlap=True)
     na = train(a, ref, range(STEPS), accum=2, clip=0.05)
@@ -74,7 +83,7 @@ def test_clipping_bitwise():
 
 def test_overlap_steps_during_backward():
     _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
-    train(b, opt, range(1))  # the first iteration teaches the loop's shape
+    train(b, opt, range(2))  # two iterations of the same shape arm the overlap
     before = [p.detach().clone() for p in b.parameters()]
     loss_fn(b, 1).backward()
     assert opt._futures, "no step was started during backward"

@@ -58,7 +58,7 @@ class _Entry:
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "expected", "launched", "grad_scale",
-        "bucket",
+        "bucket", "last_count",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -79,6 +79,7 @@ class _Entry:
         self.launched = False
         self.grad_scale: torch.Tensor | None = None
         self.bucket: _Bucket | None = None
+        self.last_count = 0  # gradients received in the previous iteration
 
 
     @property
@@ -168,12 +169,15 @@ class HostOptimizer(torch.optim.Optimizer):
             every step (read and write each state tensor once).
         overlap: start a parameter's step on a worker thread as soon as its gradient is
             complete, while backward continues; ``step()`` then waits for the rest. When a
-            gradient counts as complete is learned from the previous iteration (how many
-            backward passes each parameter saw before ``step()``), so the first iteration and
-            any iteration after `clip_grad_norm_` step at ``step()``. Bitwise the same result
-            as ``overlap=False``. Hyperparameters (e.g. the learning rate) are read when a
-            parameter's step starts: change them before backward, not between backward and
-            ``step()`` (that is detected and raises).
+            gradient counts as complete is learned from the loop itself: how many backward
+            passes each parameter saw before ``step()``, once the same count was seen in two
+            iterations in a row. So the first two iterations, any iteration after one that
+            called `clip_grad_norm_`, and the two after a short one (an epoch's last
+            micro-batches) step at ``step()``. Bitwise the same result as ``overlap=False``.
+            Hyperparameters (e.g. the learning rate) are read when a parameter's step starts:
+            change them before backward, not between backward and ``step()`` (that is
+            detected and raises). Trade-off: a worker thread and a few rules on the loop's
+            shape, for a step hidden behind backward on an accelerator (no gain on a CPU).
         row_sparse: parameters (2-D or more, e.g. embeddings and huge classifier weights) that
             take *lazy Adam* steps: only rows with a non-zero gradient (or the rows named by
             their binding's ``grad_rows``) are read, updated and written; the moments of other
@@ -611,15 +615,20 @@ class HostOptimizer(torch.optim.Optimizer):
             self._tickets = []
         arm = self._overlap and not self._clipped
         for e in self._order:
-            e.expected = e.count if arm else 0
+            # NOTE: arm only a pattern seen twice in a row: after a short iteration (the last
+            # micro-batches of an epoch) the next one steps at step() instead of failing.
+            e.expected = e.count if arm and e.count == e.last_count else 0
+            e.last_count = e.count
             e.bucket = None
-        if arm and self._arrival:
+        if arm and any(e.expected for e in self._arrival):
             self._start_pool()
             # NOTE: buckets follow the order gradients arrived in (backward order), like DDP's
             # rebuilt buckets, so each bucket completes as early as possible.
             cur: list[_Entry] = []
             size = 0
             for e in self._arrival:
+                if not e.expected:
+                    continue
                 cur.append(e)
                 size += e.param.numel() * 4
                 if size >= self._bucket_bytes:

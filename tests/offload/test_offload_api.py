@@ -293,3 +293,26 @@ def test_optimizer_created_before_offload_keeps_working():
             o.zero_grad()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_recovers_after_a_failed_backward():
+    model = _offload(Transformer(n=3))
+    b = lm_batch(torch.Generator().manual_seed(0))
+    fail = [True]
+
+    def boom(grad):
+        if fail[0]:
+            raise RuntimeError("boom")
+
+    # raises inside backward after the later blocks were fetched (the final callback is lost)
+    def arm(module, args, out):
+        out.register_hook(boom)
+
+    model.layers[0].register_forward_hook(arm)
+    with pytest.raises(RuntimeError, match="boom"):
+        lm_loss(model, b).backward()
+    fail[0] = False
+    model.zero_grad()
+    lm_loss(model, b).backward()  # a clean step afterwards releases everything
+    assert not any(bl.resident for bl in _state(model).blocks) and not _state(model).rest.resident
+    assert all(p.grad is not None for p in model.parameters())

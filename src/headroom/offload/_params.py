@@ -180,6 +180,7 @@ class _Offload:
         self.order: list[_Block] = []  # forward order of the last forward
         self._order_now: list[_Block] = []
         self._bwd = False
+        self._bwd_task = -1
         self._bwd_seen: set[int] = set()
         self._bypass: list[str] = []
         self.buffers: list[str] = []
@@ -305,8 +306,12 @@ class _Offload:
 
     # ------------------------------------------------------------------ backward hooks
     def pre_backward(self, block: _Block, grad: torch.Tensor) -> None:
-        if not self._bwd:
+        task = torch._C._current_graph_task_id()
+        # NOTE: keyed by the graph task, so a backward that died half-way (an exception in a
+        # hook skips the final callback) does not leave the next one without its cleanup.
+        if not self._bwd or task != self._bwd_task:
             self._bwd = True
+            self._bwd_task = task
             self._bwd_seen = set()
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         if id(block) in self._bwd_seen:

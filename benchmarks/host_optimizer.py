@@ -211,7 +211,7 @@ def bench_training(width: int, blocks: int, batch: int, repeats: int) -> dict:
 
     for k in opts:
         it(k)
-        it(k)  # the second iteration arms the overlap
+        it(k)  # two iterations of the same shape arm the overlap
     times: dict[str, list[float]] = {k: [] for k in opts}
     names = list(opts)
     for r in range(repeats):

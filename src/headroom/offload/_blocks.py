@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch.nn as nn
 
-__all__ = ["find_blocks", "check_blocks"]
+__all__ = ["check_blocks", "find_blocks", "with_outside_blocks"]
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -74,3 +74,34 @@ def check_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
                     " must not overlap — pass either the outer one or the inner ones"
                 )
     return blocks
+
+
+def with_outside_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Add, as blocks of their own, large modules outside the found blocks (an untied embedding
+    or output head): at least half the largest block. Smaller ones stay with the parameters that
+    are resident for the whole step. Returned in module order (the usual execution order)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    block_names = [names[id(b)] for b in blocks]
+    threshold = max(_param_bytes(b) for b in blocks) // 2
+
+    def holds_block(name: str) -> bool:
+        return name == "" or any(bn.startswith(name + ".") for bn in block_names)
+
+    extra: list[nn.Module] = []
+    ids = {id(b) for b in blocks}
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        for child in m.children():
+            if id(child) in ids:
+                continue
+            if holds_block(names.get(id(child), "")):
+                stack.append(child)
+            elif _param_bytes(child) >= threshold > 0:
+                # NOTE: a large outside module with repeated structure of its own (the encoder
+                # next to a decoder's layers) is split into its own blocks rather than fetched
+                # whole.
+                sub = find_blocks(child)
+                extra.extend(with_outside_blocks(child, sub) if sub else [child])
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted([*blocks, *extra], key=lambda m: order[id(m)])

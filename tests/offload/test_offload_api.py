@@ -316,3 +316,27 @@ def test_recovers_after_a_failed_backward():
     lm_loss(model, b).backward()  # a clean step afterwards releases everything
     assert not any(bl.resident for bl in _state(model).blocks) and not _state(model).rest.resident
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_accelerator_code_path_on_cpu_is_exact(kind, tmp_path, monkeypatch):
+    """The mover's accelerator path (staging buffers, side-stream bookkeeping, events) driven
+    by offload on the CPU with do-nothing streams; exact gradients over two accumulations."""
+    from headroom.offload import _residency
+    from tests.transfer.test_mover import accelerated_on_cpu
+
+    monkeypatch.setattr(_residency, "Mover", accelerated_on_cpu)
+    torch.manual_seed(0)
+    ref = Transformer(n=4, ckpt=True)
+    store = "cpu" if kind == "cpu" else DiskStore(tmp_path / "s")
+    model = _offload(copy.deepcopy(ref), store)
+    assert _state(model).mover.accelerated
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        b = lm_batch(g)
+        for m in (ref, model):
+            torch.manual_seed(1)
+            lm_loss(m, b).backward()
+    for n, p in model.named_parameters():
+        bd = binding(p)
+        assert torch.equal(bd.store.read(bd.grad_handle).result(), ref.get_parameter(n).grad), n

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
+
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, HostStore, Mover, bind, binding, resolve_store, unbind
+from headroom.transfer import (
+    DiskStore,
+    HostStore,
+    Mover,
+    PinnedPool,
+    bind,
+    binding,
+    resolve_store,
+    unbind,
+)
 from tests.conftest import DEVICES
 
 
@@ -70,4 +82,79 @@ def test_disk_fetch_overlaps_on_io_thread(tmp_path):
     for i, (t, d) in enumerate(zip(tickets, dsts, strict=True)):
         mover.wait(t)
         assert torch.equal(d, torch.full((256, 256), float(i)))
+    store.close()
+
+
+class _FakeEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeDeviceModule:
+    """Stands in for torch.cuda: streams, events and stream contexts that do nothing, so the
+    accelerator code path's bookkeeping (staging buffers, pool reuse, ordering of gradient
+    landings) runs on the CPU. Asynchrony itself is covered by the gpu-marked tests."""
+
+    Event = _FakeEvent
+
+    @staticmethod
+    def Stream(device=None):  # noqa: N802 - mirrors torch.cuda.Stream
+        return _FakeStream()
+
+    @staticmethod
+    def current_stream(device=None):
+        return _FakeStream()
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
+
+
+def accelerated_on_cpu(device, store):
+    """A Mover that takes its accelerator path while computing on the CPU."""
+    m = Mover(device, store)
+    m.accelerated = True
+    m._mod = _FakeDeviceModule
+    m._h2d, m._d2h = _FakeStream(), _FakeStream()
+    m._pool = PinnedPool(pin=False)
+    m._inflight = deque()
+    return m
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_accelerator_path_bookkeeping_on_cpu(kind, tmp_path):
+    store = HostStore() if kind == "host" else DiskStore(tmp_path / "a", threads=2)
+    x = torch.randn(64, 8)
+    h = store.put("x", x)
+    mover = accelerated_on_cpu("cpu", store)
+    for dtype in (torch.float32, torch.bfloat16):
+        dst = torch.nn.Parameter(torch.empty(64, 8, dtype=dtype))
+        mover.wait(mover.fetch(h, dst))
+        assert torch.equal(dst.detach(), x.to(dtype)) and dst._version == 0
+    p = torch.nn.Parameter(torch.zeros(64, 8))
+    b = bind(p, h, grad_handle=store.alloc("x.grad", (64, 8), torch.float32))
+    grads = [torch.randn(64, 8) for _ in range(3)]
+    mover.push_grad(grads[0], b, accumulate=False)
+    for g in grads[1:]:
+        mover.push_grad(g, b, accumulate=True)
+    mover.synchronize()
+    expect = grads[0].clone()
+    for g in grads[1:]:
+        expect += g
+    assert torch.equal(store.read(b.grad_handle).result(), expect)
+    assert not mover._grads and not mover._inflight  # every staging buffer went back
     store.close()

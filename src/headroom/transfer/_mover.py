@@ -37,10 +37,6 @@ class Ticket:
     done: bool = False
 
 
-def _stream_ctx(stream):
-    return torch.get_device_module(stream.device.type).stream(stream)
-
-
 # NOTE: streams and events come from the device's own module (torch.cuda, torch.xpu, ...)
 # rather than the generic torch.Stream/torch.Event so that they mix with that module's
 # stream context and current_stream() everywhere.
@@ -102,7 +98,7 @@ class Mover:
             ev = self._mod.Event()
             ev.record(self._mod.current_stream(self.device))
             self._h2d.wait_event(ev)
-            with torch.no_grad(), _stream_ctx(self._h2d), \
+            with torch.no_grad(), self._mod.stream(self._h2d), \
                     torch.autograd._unsafe_preserve_version_counter(dst):
                 dst.copy_(host, non_blocking=self.store.pinned)
                 done_ev = self._mod.Event()
@@ -128,7 +124,7 @@ class Mover:
             ev = self._mod.Event()
             ev.record(self._mod.current_stream(self.device))
             self._h2d.wait_event(ev)
-            with torch.no_grad(), _stream_ctx(self._h2d), \
+            with torch.no_grad(), self._mod.stream(self._h2d), \
                     torch.autograd._unsafe_preserve_version_counter(ticket.dst):
                 ticket.dst.copy_(src, non_blocking=True)
                 ticket.event = self._mod.Event()
@@ -163,7 +159,7 @@ class Mover:
         self._d2h.wait_event(ev)
         staging = self._pool.take(grad.numel() * grad.element_size())
         staging = staging.view(grad.dtype).view(grad.shape)
-        with _stream_ctx(self._d2h):
+        with self._mod.stream(self._d2h):
             staging.copy_(grad.detach(), non_blocking=True)
             done_ev = self._mod.Event()
             done_ev.record(self._d2h)

@@ -155,3 +155,29 @@ def test_vgg_on_each_device(device, case):
             assert b[4] < a[4]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_full_backward_hooks_and_checkpoint_work_on_converted_layers():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    plain = vgg_like()
+    ours = hr.convert(copy.deepcopy(plain))
+    for m in (plain, ours):
+        trainable(m, "norm")
+    calls = []
+    for m in (plain, ours):  # the second conv: frozen, its input needs a gradient
+        m[3].register_full_backward_hook(lambda m, gi, go: calls.append((gi[0].shape, go[0])))
+    x = torch.randn(4, 3, 16, 16)
+    grads = []
+    for m in (plain, ours):
+        torch.manual_seed(3)
+        out = checkpoint(m, x, use_reentrant=False)
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters() if p.grad is not None])
+        m.zero_grad(set_to_none=True)
+    assert len(calls) == 2 and calls[0][0] == calls[1][0] == torch.Size([4, 8, 16, 16])
+    assert torch.equal(calls[0][1], calls[1][1])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -35,7 +35,10 @@ class TensorMeta:
         self.device = t.device
 
     def empty(self) -> torch.Tensor:
-        if self.device.type != "cpu":
+        # NOTE: while headroom's memory tracker runs, a stand-in is a fresh allocation as on an
+        # accelerator, so the tracker charges it to the backward step that uses it instead of
+        # counting a long-lived shared buffer (virtual memory on CPU) as live bytes.
+        if self.device.type != "cpu" or _tracker_active():
             return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
         # NOTE: on CPU every stand-in is a view of one shared buffer per dtype that no kernel
         # ever reads for its values or writes, so its pages are never touched (virtual memory
@@ -52,6 +55,12 @@ class TensorMeta:
                 buf = torch.empty(need, dtype=self.dtype)
                 _standins[self.dtype] = buf
         return buf.as_strided(self.size, self.stride)
+
+
+def _tracker_active() -> bool:
+    from headroom.memory._tracker import _active_tracker
+
+    return _active_tracker() is not None
 
 
 _standin_lock = threading.Lock()

@@ -340,3 +340,44 @@ def test_accelerator_code_path_on_cpu_is_exact(kind, tmp_path, monkeypatch):
     for n, p in model.named_parameters():
         bd = binding(p)
         assert torch.equal(bd.store.read(bd.grad_handle).result(), ref.get_parameter(n).grad), n
+
+
+def test_disk_store_reopened_by_a_later_run_resumes(tmp_path):
+    torch.manual_seed(0)
+    ref = Transformer(n=3)
+    first = _offload(copy.deepcopy(ref), DiskStore(tmp_path / "w"))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = StoreStep(first.parameters(), lr=1e-2)
+    b = lm_batch(torch.Generator().manual_seed(0))
+    for m, o in ((ref, opt_ref), (first, opt)):
+        torch.manual_seed(1)
+        lm_loss(m, b).backward()
+        o.step()
+        o.zero_grad()
+    _state(first).store.close()
+    # a later run: same architecture, created without values, same directory
+    with torch.device("meta"):
+        later = Transformer(n=3)
+    store = DiskStore(tmp_path / "w")
+    _offload(later, store)
+    for k, v in values(later).items():
+        assert torch.equal(v, ref.get_parameter(k)), k  # resumed, not re-initialized
+    torch.manual_seed(1)
+    lm_loss(later, b).backward()  # gradients reuse the stored gradient files
+    with pytest.raises(RuntimeError, match="belongs to another offloaded model"):
+        _offload(Transformer(n=3), store)
+    with pytest.raises(ValueError, match="already holds"):
+        _offload(Transformer(n=3, d=8), DiskStore(tmp_path / "w"))
+
+
+def test_failed_offload_leaves_the_model_as_it_was(tmp_path):
+    ref = CNN()
+    model = copy.deepcopy(ref)
+    with pytest.raises(StoreFullError):
+        _offload(model, HostStore(max_bytes=2000))  # fails part-way through the parameters
+    assert not hasattr(model, "_headroom_offload")
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert binding(p) is None and torch.equal(p, q), n
+    _offload(model)  # and it can be offloaded afterwards
+    x, y = cnn_batch(torch.Generator().manual_seed(0))
+    cnn_loss(model, (x, y)).backward()

@@ -158,56 +158,23 @@ def offload(
     for b in state.blocks:
         for m in b.module.modules():
             blocks_of_module.setdefault(id(m), []).append(b)
-    replaced: dict[int, nn.Parameter] = {}
-    unprocessed = set(params)
-    for pid, p in params.items():
-        p = replaced.pop(pid, p)
-        if p.device.type == "meta":
-            _materialize(owners[pid][0][0], first_name[pid], owners, params, unprocessed,
-                         replaced)
-            # NOTE: pop, not get: holding on would keep every initialized tensor in RAM.
-            p = replaced.pop(pid)
-        unprocessed.discard(pid)
-        if not p.is_leaf:
-            raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
-        # NOTE: a parameter belongs to a block only if every module registering it is inside
-        # that block; tied parameters shared across blocks are kept outside, fetched once.
-        homes = {id(b) for m, _ in owners[pid] for b in blocks_of_module.get(id(m), [None])}
-        home = blocks_of_module.get(id(owners[pid][0][0]), [None])[0]
-        target = home if home is not None and len(homes) == 1 else state.rest
-        cdtype = compute_dtype if (compute_dtype is not None and p.is_floating_point()) \
-            else p.dtype
-        handle = st.put(first_name[pid], p.detach())
-        dev_param = DeviceCopy(torch.empty(p.shape, dtype=cdtype, device=dev),
-                                requires_grad=p.requires_grad)
-        resize_storage(dev_param, 0)
-        host = st.host_tensor(handle)
-        if host is not None:
-            master = p
-            with torch.no_grad():
-                master.data = host
-            if master.grad is not None:
-                master.grad = None
-        else:
-            master = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                  requires_grad=p.requires_grad)
-        b = bind(master, handle)
-        slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
-        slot.block = target
-        slot.show(master)
-        target.slots.append(slot)
-        state.slots.append(slot)
-        state.by_dev[id(dev_param)] = slot
-        state.by_param[id(master)] = slot
-        if p.is_floating_point() or p.is_complex():
-            # NOTE: hooks need requires_grad at registration and survive toggling it, so a
-            # parameter frozen now still routes its gradient if it is unfrozen later.
-            for t, fn in ((dev_param, state.grad_hook),
-                          (master, partial(state.bypass_hook, slot.name))):
-                rg = t.requires_grad
-                t.requires_grad_(True)
-                state.handles.append(t.register_post_accumulate_grad_hook(fn))
-                t.requires_grad_(rg)
+    claimed = _claimed(st)
+    for pid, p in params.items():  # validate before changing anything
+        name = first_name[pid]
+        if name in st:
+            if name in claimed:
+                raise RuntimeError(
+                    f"{name!r} in {st!r} belongs to another offloaded model; give each model"
+                    " its own store (or DiskStore directory)"
+                )
+            _check_stored(st.get(name), p, name)
+    placed: list[tuple[Slot, nn.Parameter, bool]] = []
+    try:
+        _place(state, st, dev, compute_dtype, params, owners, first_name, blocks_of_module,
+               claimed, placed)
+    except BaseException:
+        _rollback(state, st, claimed, placed)
+        raise
     for mname, m in model.named_modules():
         for bname, buf in list(m._buffers.items()):
             if buf is not None:
@@ -252,6 +219,107 @@ def offload(
 
 
 _guard_handle = None
+
+
+def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, owners,
+           first_name, blocks_of_module, claimed: set[str], placed: list) -> None:
+    """Move every parameter's master into the store and give it a device copy and hooks."""
+    replaced: dict[int, nn.Parameter] = {}
+    unprocessed = set(params)
+    for pid, p in params.items():
+        p = replaced.pop(pid, p)
+        name = first_name[pid]
+        # NOTE: a parameter already in the store (a DiskStore reopened by a later run) is
+        # resumed when the model has no values for it (meta) and overwritten when it has.
+        resume = name in st and p.device.type == "meta"
+        if p.device.type == "meta" and not resume:
+            _materialize(owners[pid][0][0], name, owners, params, unprocessed, replaced)
+            # NOTE: pop, not get: holding on would keep every initialized tensor in RAM.
+            p = replaced.pop(pid)
+        unprocessed.discard(pid)
+        if not p.is_leaf:
+            raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
+        # NOTE: a parameter belongs to a block only if every module registering it is inside
+        # that block; tied parameters shared across blocks are kept outside, fetched once.
+        homes = {id(b) for m, _ in owners[pid] for b in blocks_of_module.get(id(m), [None])}
+        home = blocks_of_module.get(id(owners[pid][0][0]), [None])[0]
+        target = home if home is not None and len(homes) == 1 else state.rest
+        cdtype = compute_dtype if (compute_dtype is not None and p.is_floating_point()) \
+            else p.dtype
+        created = name not in st
+        if resume:
+            handle = st.get(name)
+        elif name in st:
+            handle = st.get(name)
+            st.write(handle, p.detach().to("cpu").contiguous()).result()
+        else:
+            handle = st.put(name, p.detach())
+        dev_param = DeviceCopy(torch.empty(p.shape, dtype=cdtype, device=dev),
+                                requires_grad=p.requires_grad)
+        resize_storage(dev_param, 0)
+        host = st.host_tensor(handle)
+        if host is not None:
+            master = p
+            with torch.no_grad():
+                master.data = host
+            if master.grad is not None:
+                master.grad = None
+        else:
+            master = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                  requires_grad=p.requires_grad)
+        b = bind(master, handle)
+        slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
+        slot.block = target
+        slot.show(master)
+        placed.append((slot, params[pid], created))
+        claimed.add(name)
+        target.slots.append(slot)
+        state.slots.append(slot)
+        state.by_dev[id(dev_param)] = slot
+        state.by_param[id(master)] = slot
+        if p.is_floating_point() or p.is_complex():
+            # NOTE: hooks need requires_grad at registration and survive toggling it, so a
+            # parameter frozen now still routes its gradient if it is unfrozen later.
+            for t, fn in ((dev_param, state.grad_hook),
+                          (master, partial(state.bypass_hook, slot.name))):
+                rg = t.requires_grad
+                t.requires_grad_(True)
+                state.handles.append(t.register_post_accumulate_grad_hook(fn))
+                t.requires_grad_(rg)
+
+
+def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
+    """Undo a failed `offload`: parameters back in their modules, store entries freed."""
+    for h in state.handles:
+        h.remove()
+    for slot, original, created in reversed(placed):
+        host = st.host_tensor(slot.binding.handle)
+        if original is slot.param and host is not None:
+            with torch.no_grad():
+                original.data = host.clone()  # its buffer goes back to the store's pool
+        slot.show(original)
+        unbind(slot.param)
+        if created:
+            st.free(slot.binding.handle)
+        claimed.discard(slot.binding.handle.key)
+
+
+def _claimed(store: Store) -> set[str]:
+    """Keys of ``store`` in use by live offloaded models."""
+    keys = getattr(store, "_headroom_claimed", None)
+    if keys is None:
+        keys = set()
+        store._headroom_claimed = keys  # type: ignore[attr-defined]
+    return keys
+
+
+def _check_stored(handle, p: torch.Tensor, name: str) -> None:
+    if handle.shape != tuple(p.shape) or handle.dtype != p.dtype:
+        raise ValueError(
+            f"the store already holds {name!r} as {handle.dtype} {handle.shape}, but the model's"
+            f" parameter is {p.dtype} {tuple(p.shape)}; use an empty directory for a different"
+            " model, or build the model with the stored shapes and dtypes"
+        )
 
 
 def _materialize(module: nn.Module, name: str, owners, params, unprocessed: set[int],
@@ -343,6 +411,7 @@ def unoffload(model: nn.Module) -> nn.Module:
                 grad = st.read(b.grad_handle).result().to(state.device)
             st.free(b.grad_handle)
         st.free(b.handle)
+        _claimed(st).discard(b.handle.key)
         unbind(s.param)
         if s.param.device.type == "meta":
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)

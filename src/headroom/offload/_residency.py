@@ -291,7 +291,9 @@ class Offload:
         p = slot.param
         store = self.store
         if b.grad_handle is None:
-            b.grad_handle = store.alloc(f"{b.handle.key}.grad", b.handle.shape, b.handle.dtype)
+            key = f"{b.handle.key}.grad"
+            b.grad_handle = store.get(key) if key in store else \
+                store.alloc(key, b.handle.shape, b.handle.dtype)
         host = store.host_tensor(b.grad_handle)
         cur = p.grad
         if host is not None:

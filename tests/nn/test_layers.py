@@ -56,6 +56,7 @@ LAYERS = {
         (2, 4, 7, 7),
         CONV,
     ),
+    "ConvTranspose2d-unbatched": (lambda: nn.ConvTranspose2d(4, 6, 3), (4, 5, 5), CONV),
     "ConvTranspose3d": (lambda: nn.ConvTranspose3d(4, 6, 3, stride=2), (2, 4, 3, 3, 3), CONV),
     "BatchNorm1d": (lambda: nn.BatchNorm1d(4), (3, 4, 5), {"bias", "input+eval"}),
     "BatchNorm2d": (lambda: nn.BatchNorm2d(4), (3, 4, 5, 5), {"bias", "input+eval"}),
@@ -68,6 +69,11 @@ LAYERS = {
         lambda: nn.BatchNorm2d(4, affine=False),
         (3, 4, 5, 5),
         {"input+eval"},
+    ),
+    "BatchNorm2d-no-running-stats": (
+        lambda: nn.BatchNorm2d(4, track_running_stats=False),
+        (3, 4, 5, 5),
+        {"bias"},
     ),
     "LayerNorm": (lambda: nn.LayerNorm(16), (3, 5, 16), {"bias"}),
     "GroupNorm": (lambda: nn.GroupNorm(2, 4), (3, 4, 5, 5), {"bias"}),
@@ -117,7 +123,7 @@ def test_layer_matches_torch_and_saves_less(name):
         for train in (True, False):
             torch.manual_seed(1)
             layer = factory().train(train)
-            if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            if isinstance(layer, nn.modules.batchnorm._BatchNorm) and layer.track_running_stats:
                 layer.running_mean.uniform_()
                 layer.running_var.uniform_(0.5, 2)
                 with torch.no_grad():

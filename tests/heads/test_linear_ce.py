@@ -120,6 +120,9 @@ def test_all_rows_ignored_like_pytorch():
         ref = F.cross_entropy(x @ w.T, y, reduction=reduction)
         out = hr.linear_cross_entropy(x, w, y, reduction=reduction)
         torch.testing.assert_close(out, ref, equal_nan=True)
+        got, want = _grads(out, [x, w], None), _grads(ref, [x, w], None)
+        for g, r in zip(got, want, strict=True):
+            torch.testing.assert_close(g, r, equal_nan=True)
 
 
 class TestBadInput:

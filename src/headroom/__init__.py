@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# NOTE: public names resolve lazily so that `import headroom` stays cheap (no matplotlib, no
-# transformers) and each layer loads only when used. The table is the public API contract.
+# NOTE: public names resolve lazily (but see `offload` below) so `import headroom` stays cheap (no
+# matplotlib) and each layer loads only when used. The table is the public API contract.
 _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",
@@ -38,6 +38,14 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from headroom.memory import MemoryTracker as MemoryTracker
     from headroom.memory import track_memory as track_memory
+
+
+# NOTE: `headroom.offload` is both a subpackage and the public function `hr.offload`. Importing a
+# subpackage binds it as an attribute of its parent, so the function is bound here, after the
+# subpackage is loaded; later imports of its submodules no longer touch this name.
+from headroom.offload import offload as offload  # noqa: E402
+
+_EXPORTS.pop("offload")
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,17 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# Peers (the `bench` extra) are compared against in benchmarks only, never runtime dependencies.
+# If they do not all install here, each is tried alone; a benchmark whose peer is missing says so
+# in its results.
+PEERS := cut-cross-entropy deepspeed accelerate
+
 bench: $(VENV)/.installed
-	$(PY) -m pip install --quiet -e ".[bench]" "$(TORCH_PIN)" || true
+	@$(PY) -m pip install --quiet -e ".[bench]" "$(TORCH_PIN)" || { \
+		$(PY) -m pip install --quiet psutil; \
+		for p in $(PEERS); do \
+			$(PY) -m pip install --quiet "$$p" "$(TORCH_PIN)" || echo "bench: peer $$p did not install"; \
+		done; }
 	@for f in benchmarks/*.py; do \
 		case $$f in *_gpu.py|*/_*) continue;; esac; \
 		echo "== $$f"; $(PY) $$f || exit 1; \

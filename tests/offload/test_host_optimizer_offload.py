@@ -12,6 +12,7 @@ import headroom as hr
 from tests.offload._optim_util import (
     assert_params_equal,
     assert_state_equal,
+    loss_fn,
     make_model,
     one_thread,  # noqa: F401 - fixture
     train,
@@ -70,7 +71,9 @@ def test_offloaded_disk_save_kill_load_resumes_bitwise(tmp_path):
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                            state_store=hr.DiskStore(tmp_path / "state-b"), slice_bytes=512)
     hr.load(path, model, opt)
+    early = _count_early(opt)
     train(model, opt, range(STEPS // 2, STEPS), accum=2)
+    assert early[0] > 0, "the resumed run never overlapped a step with backward"
     _plain_params_equal(ref_model, model)
     assert_state_equal(ref, opt)
     # the file holds the real values, readable by a plain model
@@ -80,3 +83,80 @@ def test_offloaded_disk_save_kill_load_resumes_bitwise(tmp_path):
     fresh_opt = torch.optim.AdamW(fresh_ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     train(fresh_ref, fresh_opt, range(STEPS // 2), accum=2)
     assert_params_equal(fresh_ref, plain)
+
+
+def _count_early(opt) -> list[int]:
+    """Count store-resident parameters that start their step during backward (overlap)."""
+    early = [0]
+    inner = opt._step_entries
+
+    def spy(batch, **kw):
+        if kw.get("early", False):
+            early[0] += sum(1 for e in batch if e.kind == "bound")
+        return inner(batch, **kw)
+
+    opt._step_entries = spy
+    return early
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_offloaded_overlap_steps_early_bitwise(tmp_path, store):
+    steps, accum = 12, 4
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    train(ref_model, ref, range(steps), accum=accum)
+    results = {}
+    for overlap in (True, False):
+        model = _offloaded(store, tmp_path, tag=f"o{overlap}")
+        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                               weight_decay=0.1, overlap=overlap, bucket_bytes=1024)
+        early = _count_early(opt)
+        train(model, opt, range(steps), accum=accum)
+        _plain_params_equal(ref_model, model)
+        assert_state_equal(ref, opt)
+        results[overlap] = early[0]
+        if overlap:
+            # learned: 4 backward passes per step, so no step ran on a partial accumulation
+            assert {e.expected for e in opt._order} == {accum}
+        opt.close()
+    n = len(list(ref_model.parameters()))
+    # the first two iterations learn the loop's shape; every later one steps all early
+    assert results == {True: n * (steps - 2), False: 0}
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_offloaded_overlap_updates_before_step(tmp_path, store):
+    model = _offloaded(store, tmp_path)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=1024)
+    train(model, opt, range(2), accum=2)  # two iterations of the same shape arm the overlap
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for m in range(2):
+        loss_fn(model, 10 + m).backward()
+        if m == 0:
+            assert not opt._futures, "a step started on a partial accumulation"
+    assert opt._futures, "no step was started during backward"
+    opt._wait()
+    after = model.state_dict()
+    moved = [not torch.equal(before[k], after[k]) for k in before]
+    assert all(moved), "offloaded parameters were not updated before step()"
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="already started the step"):
+        for m in range(3):  # one backward pass more than the loop's shape
+            loss_fn(model, 20 + m).backward()
+    opt.step()
+
+
+def test_offloaded_overlap_defers_with_clipping(tmp_path):
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    na = train(ref_model, ref, range(8), accum=2, clip=0.05)
+    model = _offloaded("disk", tmp_path)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=1024)
+    early = _count_early(opt)
+    nb = train(model, opt, range(8), accum=2, clip=0.05)
+    assert all(torch.equal(x, y) for x, y in zip(na, nb, strict=True))
+    # clipping needs every gradient first, so each step waits for step()
+    assert early[0] == 0
+    _plain_params_equal(ref_model, model)
+    assert_state_equal(ref, opt)

@@ -25,7 +25,9 @@ from headroom.transfer import (
     Store,
     StoreFullError,
     binding,
+    on_grad_ready,
     resolve_store,
+    sync_grad,
 )
 
 __all__ = ["HostOptimizer"]
@@ -174,6 +176,9 @@ class HostOptimizer(torch.optim.Optimizer):
             iterations in a row. So the first two iterations, any iteration after one that
             called `clip_grad_norm_`, and the two after a short one (an epoch's last
             micro-batches) step at ``step()``. Bitwise the same result as ``overlap=False``.
+            Parameters offloaded by `headroom.offload` take part too: the offload layer signals
+            when each gradient is complete (`headroom.transfer.on_grad_ready`) and the step
+            waits for its bytes to land in the store before reading them.
             Hyperparameters (e.g. the learning rate) are read when a parameter's step starts:
             change them before backward, not between backward and ``step()`` (that is
             detected and raises). Trade-off: a worker thread and a few rules on the loop's
@@ -305,7 +310,12 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._inner.add_param_group({**hp, "params": masters})
             self._inner_index[gi] = len(self._inner.param_groups) - 1
         for e in entries:
-            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+            if e.kind == _BOUND:
+                # NOTE: a store-resident parameter's gradient reaches the store through the
+                # offload layer, not through autograd on this tensor: it tells us when done.
+                self._hooks.append(on_grad_ready(e.param, self._on_grad))
+            else:
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
 
     def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> _Entry:
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
@@ -441,6 +451,12 @@ class HostOptimizer(torch.optim.Optimizer):
         if any(e.kind == _HOSTED for e in batch) and self._mover is not None:
             with self._mover_lock:
                 self._mover.synchronize()
+        # NOTE: a store-resident gradient may still be on its way into the store (a disk write,
+        # an accumulation) when its producer signals it; its producer waits for that here.
+        syncs = {id(e.bound.grad_sync): e.bound for e in batch
+                 if e.kind == _BOUND and e.bound.grad_sync is not None}
+        for b in syncs.values():
+            sync_grad(b)
         if early:
             with self._lock:
                 for e in batch:

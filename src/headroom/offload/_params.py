@@ -268,6 +268,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
             master = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                   requires_grad=p.requires_grad)
         b = bind(master, handle)
+        b.grad_sync = state.sync_grads
         slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
         slot.block = target
         slot.show(master)
@@ -396,7 +397,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     state = _state(model)
     if state._bwd:
         raise RuntimeError("cannot unoffload during a backward pass")
-    state.mover.synchronize()
+    state.sync_grads()
     for b in [*state.blocks, state.rest]:
         state.release(b)
     for h in state.handles:

@@ -19,6 +19,7 @@ How it works (one concept per piece):
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import resize_storage
-from headroom.transfer import Mover, ParamBinding, Store, Ticket
+from headroom.transfer import Mover, ParamBinding, Store, Ticket, grad_ready
 
 __all__ = ["Offload", "Block", "Slot", "DeviceCopy", "in_backward"]
 
@@ -127,6 +128,10 @@ class Offload:
         self.device = device
         self.store = store
         self.mover = Mover(device, store)
+        # NOTE: the mover is driven by the backward thread; `sync_grads` may also be called by
+        # an optimizer's worker thread (HostOptimizer stepping a block during backward), so
+        # every use of the mover holds this lock.
+        self.lock = threading.Lock()
         self.prefetch = prefetch
         self.compute_dtype = compute_dtype
         self.auto = auto
@@ -151,7 +156,8 @@ class Offload:
             return
         for s in block.slots:
             resize_storage(s.dev, s.nbytes)
-            s.ticket = self.mover.fetch(s.binding.handle, s.dev)
+            with self.lock:
+                s.ticket = self.mover.fetch(s.binding.handle, s.dev)
             s.show(s.dev)
         block.resident = True
 
@@ -160,7 +166,8 @@ class Offload:
         self.fetch(block)
         for s in block.slots:
             if s.ticket is not None:
-                self.mover.wait(s.ticket)
+                with self.lock:
+                    self.mover.wait(s.ticket)
                 s.ticket = None
 
     def release(self, block: Block) -> None:
@@ -168,7 +175,8 @@ class Offload:
             return
         for s in block.slots:
             if s.ticket is not None:  # a prefetch that was never used
-                self.mover.wait(s.ticket)
+                with self.lock:
+                    self.mover.wait(s.ticket)
                 s.ticket = None
             resize_storage(s.dev, 0)
             s.show(s.param)
@@ -299,15 +307,21 @@ class Offload:
         if host is not None:
             if cur is not None and cur.data_ptr() != host.data_ptr():
                 host.copy_(cur)  # a gradient assigned by the user: accumulate onto it
-            self.mover.push_grad(g, b, accumulate=cur is not None)
+            with self.lock:
+                self.mover.push_grad(g, b, accumulate=cur is not None)
             if cur is None or cur.data_ptr() != host.data_ptr():
                 p.grad = host
         else:
-            self.mover.push_grad(g, b, accumulate=cur is not None)
+            with self.lock:
+                self.mover.push_grad(g, b, accumulate=cur is not None)
             if cur is None:
                 # NOTE: a meta marker: `zero_grad()` sets it to None, which tells the next
                 # backward to overwrite the stored gradient instead of accumulating.
                 p.grad = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        # NOTE: post-accumulate-grad fires once per backward, after every use of the
+        # parameter (tied weights included), so this gradient is complete: tell listeners
+        # (HostOptimizer(overlap=True) starts the parameter's step on its worker thread).
+        grad_ready(p)
         block = slot.block
         if id(block) in self._bwd_seen:
             block.grads_left -= 1
@@ -321,7 +335,7 @@ class Offload:
             b.inputs_pending = 0
             self.release(b)
         self.release(self.rest)
-        self.mover.synchronize()
+        self.sync_grads()
         if self._bypass:
             names, self._bypass = self._bypass, []
             raise RuntimeError(
@@ -330,6 +344,11 @@ class Offload:
                 " block that uses them contain them (hr.offload(..., blocks=[...])) or call"
                 " the block module itself rather than reading its parameters from outside"
             )
+
+    def sync_grads(self) -> None:
+        """Wait until every gradient pushed so far rests in the store (any thread)."""
+        with self.lock:
+            self.mover.synchronize()
 
     def bypass_hook(self, name: str, p: torch.Tensor) -> None:
         self._bypass.append(name)

@@ -3,7 +3,16 @@
 This layer is the only one that knows about streams, events, page-locked memory and file I/O.
 """
 
-from headroom.transfer._binding import ParamBinding, bind, binding, unbind
+from headroom.transfer._binding import (
+    ListenerHandle,
+    ParamBinding,
+    bind,
+    binding,
+    grad_ready,
+    on_grad_ready,
+    sync_grad,
+    unbind,
+)
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import HostStore, PinnedPool
@@ -14,6 +23,7 @@ __all__ = [
     "DiskStore",
     "Handle",
     "HostStore",
+    "ListenerHandle",
     "Mover",
     "ParamBinding",
     "PinnedPool",
@@ -22,6 +32,9 @@ __all__ = [
     "Ticket",
     "bind",
     "binding",
+    "grad_ready",
+    "on_grad_ready",
     "resolve_store",
+    "sync_grad",
     "unbind",
 ]

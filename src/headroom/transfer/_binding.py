@@ -1,15 +1,26 @@
-"""Store-resident parameters: which store holds a parameter's master copy and its gradient."""
+"""Store-resident parameters: which store holds a parameter's master copy and its gradient.
+
+Besides where things rest, a binding carries one small signal between the code that *produces*
+a store-resident gradient (the offload layer) and the code that *consumes* it (an optimizer):
+`on_grad_ready` registers a listener, the producer calls `grad_ready` once the parameter's
+gradient of one backward pass is complete, and a consumer calls `sync_grad` before reading it
+(the producer's writes may still be in flight then). Listeners are removed with the handle
+`on_grad_ready` returns, like a ``torch`` hook.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
-__all__ = ["ParamBinding", "bind", "binding", "unbind"]
+__all__ = [
+    "ParamBinding", "bind", "binding", "grad_ready", "on_grad_ready", "sync_grad", "unbind",
+]
 
 _ATTR = "_headroom_binding"
 
@@ -28,6 +39,10 @@ class ParamBinding:
         has_grad: ``grad_handle`` holds a gradient that has not been consumed yet. Producers set
             it when they write a gradient; consumers (an optimizer's ``zero_grad``) clear it,
             and the next producer then overwrites instead of accumulating.
+        grad_sync: set by the producer: blocks until every gradient it has handed over so far
+            rests in ``grad_handle`` (its writes may run in the background). ``None``: the
+            gradient is in place as soon as `grad_ready` fires.
+        listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
     """
 
     store: Store
@@ -35,6 +50,28 @@ class ParamBinding:
     grad_handle: Handle | None = None
     grad_rows: torch.Tensor | None = None
     has_grad: bool = False
+    grad_sync: Callable[[], None] | None = field(default=None, repr=False)
+    listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
+
+
+class ListenerHandle:
+    """Returned by `on_grad_ready`; ``remove()`` unregisters the listener (idempotent)."""
+
+    __slots__ = ("_binding", "_fn")
+
+    def __init__(self, b: ParamBinding, fn: Callable[[torch.Tensor], None]) -> None:
+        self._binding = b
+        self._fn = fn
+
+    def remove(self) -> None:
+        if self._binding is not None:
+            # NOTE: by identity, so two registrations of the same function stay independent.
+            ls = self._binding.listeners
+            for i, f in enumerate(ls):
+                if f is self._fn:
+                    del ls[i]
+                    break
+            self._binding = None
 
 
 def bind(
@@ -74,6 +111,54 @@ def bind(
 def binding(param: torch.Tensor) -> ParamBinding | None:
     """The `ParamBinding` of a store-resident parameter, or ``None``."""
     return getattr(param, _ATTR, None)
+
+
+def on_grad_ready(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> ListenerHandle:
+    """Call ``fn(param)`` each time a backward pass has finished ``param``'s gradient.
+
+    The producer of a store-resident gradient (the offload layer) fires it from the backward
+    thread, once per backward pass, after handing the gradient to the store; with gradient
+    accumulation it fires once per micro-batch, so the listener counts. Before reading the
+    gradient (e.g. on another thread), call `sync_grad`.
+
+    Args:
+        param: a store-resident parameter (one that `bind` was called on).
+        fn: called with ``param``; runs inside autograd's backward, so keep it short and hand
+            heavy work to another thread. An exception it raises fails the backward pass.
+
+    Returns:
+        A handle whose ``remove()`` unregisters ``fn``.
+
+    Raises:
+        ValueError: ``param`` is not store-resident.
+    """
+    b = binding(param)
+    if b is None:
+        raise ValueError(
+            "on_grad_ready needs a store-resident parameter (one offloaded by headroom.offload "
+            "or bound with headroom.transfer.bind); ordinary parameters have autograd's "
+            "register_post_accumulate_grad_hook"
+        )
+    b.listeners.append(fn)
+    return ListenerHandle(b, fn)
+
+
+def grad_ready(param: torch.Tensor) -> None:
+    """Tell ``param``'s listeners that its gradient of this backward pass is complete.
+
+    Producers call it after handing the gradient to the store (`Mover.push_grad`); the
+    binding's ``grad_sync`` is what makes the handed-over bytes readable.
+    """
+    b = binding(param)
+    if b is not None:
+        for fn in tuple(b.listeners):
+            fn(param)
+
+
+def sync_grad(b: ParamBinding) -> None:
+    """Block until every gradient handed over for ``b`` so far rests in its ``grad_handle``."""
+    if b.grad_sync is not None:
+        b.grad_sync()
 
 
 def unbind(param: torch.Tensor) -> None:

@@ -1,8 +1,18 @@
-"""``headroom demo``: a small training run, tracked, with its memory report and plot."""
+"""``headroom demo``: headroom's features on small models, each measured live against plain PyTorch.
+
+1. where memory goes: a tracked training run with its report and timeline plot;
+2. parameters, gradients and optimizer state on disk (``hr.offload`` + ``hr.HostOptimizer``);
+3. layers that keep less for backward (``hr.convert``) when only some parameters train;
+4. cross-entropy over many classes without the ``batch x classes`` logits.
+
+Every number printed is measured in this run by ``hr.track_memory``, and every "exact" is a
+``torch.equal`` (or, for the loss over classes, ``torch.testing.assert_close``) check.
+"""
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -43,22 +53,37 @@ def _task(n: int, in_features: int, classes: int, generator: torch.Generator):
     return x, (x @ teacher).argmax(dim=1)
 
 
-def run_demo(*, steps: int = 300, out: Path = Path("headroom_demo"), plot: bool = True) -> int:
-    """Train :class:`DemoNet` for ``steps`` steps under the tracker; report, JSON and plot."""
+def _mib(n: int) -> str:
+    return f"{n / 2**20:7.2f} MiB"
+
+
+def _train(model, opt, x_all, y_all, steps: int, *, bar=None, mem=None) -> None:
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        idx = torch.randint(0, x_all.shape[0], (128,), generator=g)
+        loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if bar is not None:
+            bar.update(1)
+            if step % 10 == 0 and mem is not None:
+                from headroom.memory import format_bytes
+
+                bar.set_postfix(loss=f"{loss.item():.3f}", peak=format_bytes(mem.peak))
+
+
+def _part_track(steps: int, out: Path, plot: bool) -> list[Path]:
     from tqdm.auto import tqdm
 
     import headroom as hr
-    from headroom.memory import format_bytes
 
-    if steps < 1:
-        print("headroom demo: --steps must be at least 1", file=sys.stderr)
-        return 2
+    print("== 1. where memory goes: hr.track_memory on a training run")
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     x_all, y_all = _task(8192, 64, 10, g)
     model = DemoNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = 128
 
     def accuracy() -> float:
         with torch.no_grad():
@@ -66,24 +91,134 @@ def run_demo(*, steps: int = 300, out: Path = Path("headroom_demo"), plot: bool 
 
     before = accuracy()
     with hr.track_memory(model=model, optimizer=opt) as mem:
-        bar = tqdm(range(steps), desc="headroom demo", unit="step", file=sys.stderr)
-        for step in bar:
-            idx = torch.randint(0, x_all.shape[0], (batch,), generator=g)
-            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{loss.item():.3f}", peak=format_bytes(mem.peak))
-        bar.close()
-    after = accuracy()
-    print(f"\ntrained {steps} steps: accuracy {before:.1%} -> {after:.1%}\n")
+        with tqdm(total=steps, desc="training", unit="step", file=sys.stderr) as bar:
+            _train(model, opt, x_all, y_all, steps, bar=bar, mem=mem)
+    print(f"trained {steps} steps: accuracy {before:.1%} -> {accuracy():.1%}\n")
     mem.report()
-    out = Path(out)
-    mem.to_json(out.with_suffix(".json"))
     written = [out.with_suffix(".json")]
+    mem.to_json(written[0])
     if plot:
-        mem.plot(out.with_suffix(".png"), title=f"headroom demo: {steps} steps of DemoNet (cpu)")
         written.append(out.with_suffix(".png"))
-    print("wrote " + ", ".join(str(p) for p in written))
+        mem.plot(written[1], title=f"headroom demo: {steps} steps of DemoNet (cpu)")
+    return written
+
+
+def _part_offload(steps: int) -> None:
+    import headroom as hr
+
+    print("\n== 2. parameters, gradients and Adam state on disk: hr.offload + hr.HostOptimizer")
+    g = torch.Generator().manual_seed(0)
+    x_all, y_all = _task(4096, 64, 10, g)
+    torch.manual_seed(0)
+    plain = DemoNet(depth=8)
+    torch.manual_seed(0)
+    model = DemoNet(depth=8)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
+    with hr.track_memory(model=plain, optimizer=plain_opt) as mem_plain:
+        _train(plain, plain_opt, x_all, y_all, steps)
+    with tempfile.TemporaryDirectory(prefix="headroom-demo-") as tmp:
+        hr.offload(model, device="cpu", store=hr.DiskStore(Path(tmp) / "params"), prefetch=1)
+        opt = hr.HostOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            lr=1e-3,
+            state_store=hr.DiskStore(Path(tmp) / "adam"),
+        )
+        largest = max(sum(p.numel() for p in blk.parameters()) for blk in model.blocks)
+        outside = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+        budget = (2 * largest + outside) * 4
+        with hr.track_memory() as mem:
+            _train(model, opt, x_all, y_all, steps)
+        opt.close()
+        hr.unoffload(model)
+    exact = all(
+        torch.equal(a, b)
+        for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+    print(f"{'max resident, ' + str(steps) + ' steps':<28}{'plain':>12}{'offloaded':>14}")
+    for cat in ("parameters", "gradients", "optimizer_state"):
+        print(
+            f"{cat:<28}{_mib(mem_plain.max_by_category[cat]):>12}"
+            f"{_mib(mem.max_by_category[cat]):>14}"
+        )
+    print(f"{'peak, all categories':<28}{_mib(mem_plain.peak):>12}{_mib(mem.peak):>14}")
+    print(
+        f"offload keeps at most 2 of 8 blocks on the device ({_mib(budget).strip()} with the "
+        "small layers outside blocks); the host optimizer streams slices, reusing their buffers"
+    )
+    print(f"parameters after training bitwise equal to plain AdamW(fused=True): {exact}")
+
+
+def _part_convert() -> None:
+    import headroom as hr
+
+    print("\n== 3. keep less for backward: hr.convert, fine-tuning only the norms")
+
+    def cnn() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for a, b in [(3, 32), (32, 64), (64, 64), (64, 128)]:
+            layers += [nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b), nn.ReLU()]
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+    x = torch.randn(16, 3, 32, 32)
+    results = {}
+    for name, model in (("plain", cnn()), ("converted", hr.convert(cnn()))):
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                p.requires_grad_(isinstance(m, nn.BatchNorm2d))
+        with hr.track_memory(model=model) as mem:
+            loss = model(x).square().mean()
+            loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        results[name] = (mem.max_by_category["activations"], loss.detach(), grads)
+    (a_plain, l_plain, g_plain), (a_conv, l_conv, g_conv) = results["plain"], results["converted"]
+    exact = torch.equal(l_plain, l_conv) and all(
+        torch.equal(a, b) for a, b in zip(g_plain, g_conv, strict=True)
+    )
+    print(
+        f"activations saved for backward: plain {_mib(a_plain)}, converted {_mib(a_conv)}"
+        f" ({a_conv / a_plain:.0%}); loss and gradients bitwise equal: {exact}"
+    )
+
+
+def _part_classes() -> None:
+    import headroom as hr
+
+    print("\n== 4. cross-entropy over 131072 classes without the batch x classes logits")
+    torch.manual_seed(0)
+    b, d, c = 256, 64, 131072
+    x = torch.randn(b, d, requires_grad=True)
+    w = (torch.randn(c, d) * 0.05).requires_grad_()
+    y = torch.randint(0, c, (b,))
+    out = {}
+    for name, fn in (
+        ("plain", lambda: F.cross_entropy(x @ w.T, y)),
+        ("headroom", lambda: hr.linear_cross_entropy(x, w, y)),
+    ):
+        x.grad = w.grad = None
+        with hr.track_memory() as mem:
+            loss = fn()
+            loss.backward()
+        out[name] = (mem.peak - 2 * w.numel() * 4, loss.detach(), w.grad.clone())
+    (p_plain, l_plain, g_plain), (p_ours, l_ours, g_ours) = out["plain"], out["headroom"]
+    torch.testing.assert_close(l_ours, l_plain)
+    torch.testing.assert_close(g_ours, g_plain)
+    print(
+        f"peak beyond the weight and its gradient: plain {_mib(p_plain)}, "
+        f"linear_cross_entropy {_mib(p_ours)}; loss and gradients match "
+        "(torch.testing.assert_close)"
+    )
+
+
+def run_demo(*, steps: int = 300, out: Path = Path("headroom_demo"), plot: bool = True) -> int:
+    """Run the four parts; write the first part's JSON (and PNG) with prefix ``out``."""
+    if steps < 1:
+        print("headroom demo: --steps must be at least 1", file=sys.stderr)
+        return 2
+    written = _part_track(steps, Path(out), plot)
+    _part_offload(min(steps, 30))
+    _part_convert()
+    _part_classes()
+    print("\nwrote " + ", ".join(str(p) for p in written))
     return 0

@@ -1,11 +1,11 @@
 """See where memory goes: live tracking by category, reports, plots."""
 
 from headroom.memory._categories import CATEGORIES, Category, format_bytes
+from headroom.memory._records import DeviceStats, TimelineSample
 from headroom.memory._tracker import (
-    DeviceStats,
     MemoryTracker,
-    TimelineSample,
     annotate,
+    is_tracking,
     resize_storage,
     track_memory,
 )
@@ -18,6 +18,7 @@ __all__ = [
     "TimelineSample",
     "annotate",
     "format_bytes",
+    "is_tracking",
     "resize_storage",
     "track_memory",
 ]

@@ -14,7 +14,6 @@ import time
 import traceback
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +35,13 @@ from headroom.memory._categories import (
     STICKY,
     category_index,
 )
+from headroom.memory._devices import (
+    allocator_active,
+    allocator_bytes,
+    device_name,
+    storage_of,
+)
+from headroom.memory._records import DeviceStats, Packed, Peak, StorageInfo, TimelineSample
 
 _NCAT = len(CATEGORIES)
 _ORIG_STORAGE_RESIZE = torch.UntypedStorage.resize_
@@ -50,164 +56,9 @@ def _active_tracker() -> MemoryTracker | None:
     return _active
 
 
-@dataclass(frozen=True)
-class TimelineSample:
-    """One point of the timeline: bytes per category (all devices) after an op.
-
-    Attributes:
-        time_s: seconds since the tracker was entered.
-        phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``.
-        module: qualified name of the module running (``""`` if none).
-        by_category: bytes per category at that moment.
-    """
-
-    time_s: float
-    phase: str
-    module: str
-    by_category: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_category.values())
-
-    @property
-    def label(self) -> str:
-        return f"{self.phase}:{self.module}" if self.module else self.phase
-
-
-@dataclass(frozen=True)
-class DeviceStats:
-    """Memory numbers for one device (or for all devices together).
-
-    Attributes:
-        peak: most bytes live at once.
-        peak_by_category: bytes per category at the moment of ``peak``; they sum to ``peak``.
-        max_by_category: each category's own maximum over the run.
-        current: bytes live now (at exit, once the tracker has exited).
-        allocator: for accelerators, the caching allocator's ``allocated`` and ``reserved``
-            bytes (at the peak and their maxima); empty on CPU.
-    """
-
-    peak: int
-    peak_by_category: dict[str, int]
-    max_by_category: dict[str, int]
-    current: int
-    allocator: dict[str, int] = field(default_factory=dict)
-
-
-class _Info:
-    """What the tracker knows of one live storage."""
-
-    __slots__ = (
-        "key",
-        "device",
-        "nbytes",
-        "cat",
-        "seq",
-        "module",
-        "saved",
-        "ref",
-        "retro",
-        "__weakref__",
-    )
-
-    def __init__(self, key: int, device: str, nbytes: int, cat: int, seq: int) -> None:
-        self.key = key
-        self.device = device
-        self.nbytes = nbytes
-        self.cat = cat
-        self.seq = seq
-        self.module = ""
-        self.saved = 0
-        self.ref: weakref.ref | None = None
-        # may a role found later be applied to peaks already past? (see MemoryTracker._reclass)
-        self.retro = True
-
-
-class _Peak:
-    """A running peak whose per-category snapshot is taken lazily.
-
-    NOTE: between a new peak and the next decrease nothing is freed, and any allocation would make
-    a new peak, so the set of live storages at the first decrease *is* the set at the peak. Taking
-    the snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made
-    in between (an output turning out to be saved for backward) land in the right category.
-    """
-
-    __slots__ = ("value", "seq", "pending", "cats", "allocator")
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.seq = -1
-        self.pending = False
-        self.cats = [0] * _NCAT
-        self.allocator: dict[str, int] = {}
-
-
-class _Packed:
-    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted.
-
-    NOTE: wrapping instead of returning the tensor lets the tracker know when autograd lets go of
-    it (graph freed after backward), so an output still held by the user afterwards stops counting
-    as an activation. The wrapped tensor shares storage with the original: no bytes are added.
-    """
-
-    __slots__ = ("tensor", "info", "tracker")
-
-    def __init__(self, tensor: torch.Tensor, info: _Info | None, tracker: MemoryTracker) -> None:
-        self.tensor = tensor
-        self.info = info
-        self.tracker = tracker
-
-    def __del__(self) -> None:
-        if self.info is not None:
-            self.tracker._unsave(self.info)
-
-
-def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without storage
-        return None
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "cpu"
-    index = device.index if device.index is not None else _current_index(device.type)
-    return f"{device.type}:{index}"
-
-
-def _current_index(device_type: str) -> int:
-    mod = getattr(torch, device_type, None)
-    try:
-        return int(mod.current_device())  # type: ignore[union-attr]
-    except Exception:
-        return 0
-
-
-def _allocator_bytes(device: str) -> tuple[int, int] | None:
-    """``(allocated, reserved)`` of an accelerator's caching allocator, or ``None``."""
-    dtype, _, index = device.partition(":")
-    mod = getattr(torch, dtype, None)
-    if dtype == "cpu" or mod is None or not hasattr(mod, "memory_allocated"):
-        return None
-    try:
-        idx = int(index) if index else None
-        return int(mod.memory_allocated(idx)), int(mod.memory_reserved(idx))
-    except Exception:
-        return None
-
-
-def _allocator_active(device: str) -> int | None:
-    """Bytes in active blocks of a CUDA-like caching allocator, or ``None``."""
-    dtype, _, index = device.partition(":")
-    mod = getattr(torch, dtype, None)
-    if dtype == "cpu" or mod is None or not hasattr(mod, "memory_stats"):
-        return None
-    try:
-        return int(mod.memory_stats(int(index) if index else None)["active_bytes.all.current"])
-    except Exception:
-        return None
+def is_tracking() -> bool:
+    """Whether a :func:`track_memory` region is active (in any thread)."""
+    return _active is not None
 
 
 class _Mode(TorchDispatchMode):
@@ -277,12 +128,12 @@ class MemoryTracker:
         self._max_samples = max_samples
         self._sample_allocator = sample_allocator
         self._lock = threading.RLock()
-        self._infos: dict[int, _Info] = {}
+        self._infos: dict[int, StorageInfo] = {}
         self._current: dict[str, list[int]] = {}
         self._all = [0] * _NCAT  # per category, all devices
         self._max: dict[str, list[int]] = {}
-        self._dev_peak: dict[str, _Peak] = {}
-        self._peak = _Peak()
+        self._dev_peak: dict[str, Peak] = {}
+        self._peak = Peak()
         self._total = 0
         self._seq = 0
         self._act_by_module: dict[str, int] = {}
@@ -395,8 +246,8 @@ class MemoryTracker:
     # ------------------------------------------------------------------ registration
     def _see(
         self, t: Any, cat: int, *, check_size: bool = False, force: bool = False
-    ) -> _Info | None:
-        st = _storage_of(t)
+    ) -> StorageInfo | None:
+        st = storage_of(t)
         if st is None:
             return None
         key = st._cdata
@@ -406,7 +257,7 @@ class MemoryTracker:
                 if self._state != "active" or st.device.type == "meta":
                     return None
                 self._seq += 1
-                info = _Info(key, _device_name(t.device), st.nbytes(), cat, self._seq)
+                info = StorageInfo(key, device_name(t.device), st.nbytes(), cat, self._seq)
                 info.ref = weakref.ref(st, self._make_free_cb(info))
                 self._infos[key] = info
                 if cat == ACTIVATIONS:
@@ -426,13 +277,13 @@ class MemoryTracker:
         infos = self._infos
         for a in args:
             if isinstance(a, torch.Tensor):
-                st = _storage_of(a)
+                st = storage_of(a)
                 if st is not None and st._cdata not in infos:
                     self._see(a, PARAMETERS if isinstance(a, nn.Parameter) else OTHER)
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, torch.Tensor):
-                        st = _storage_of(b)
+                        st = storage_of(b)
                         if st is not None and st._cdata not in infos:
                             self._see(b, PARAMETERS if isinstance(b, nn.Parameter) else OTHER)
 
@@ -444,7 +295,7 @@ class MemoryTracker:
                 if isinstance(o, torch.Tensor):
                     self._see(o, OTHER, check_size=True)
 
-    def _make_free_cb(self, info: _Info):
+    def _make_free_cb(self, info: StorageInfo):
         tracker_ref = weakref.ref(self)
 
         def on_free(_ref: weakref.ref) -> None:
@@ -460,7 +311,7 @@ class MemoryTracker:
         if cur is None:
             cur = self._current[device] = [0] * _NCAT
             self._max[device] = [0] * _NCAT
-            self._dev_peak[device] = _Peak()
+            self._dev_peak[device] = Peak()
         if nbytes < 0:
             self._decreased()  # snapshot pending peaks before the bytes leave
         cur[cat] += nbytes
@@ -479,7 +330,7 @@ class MemoryTracker:
         if self._total > self._peak.value:
             self._new_peak(self._peak, self._total, None)
 
-    def _new_peak(self, peak: _Peak, value: int, device: str | None) -> None:
+    def _new_peak(self, peak: Peak, value: int, device: str | None) -> None:
         peak.value = value
         peak.seq = self._seq
         peak.pending = True
@@ -487,7 +338,7 @@ class MemoryTracker:
             devices = [device] if device is not None else list(self._current)
             alloc = {}
             for d in devices:
-                ab = _allocator_bytes(d)
+                ab = allocator_bytes(d)
                 if ab is not None:
                     alloc[f"{d}/allocated"], alloc[f"{d}/reserved"] = ab
                     mx = self._alloc_max.setdefault(d, [0, 0])
@@ -503,10 +354,10 @@ class MemoryTracker:
             if p.pending:
                 self._snapshot(p)
 
-    def _peaks(self) -> list[_Peak]:
+    def _peaks(self) -> list[Peak]:
         return [self._peak, *self._dev_peak.values()]
 
-    def _snapshot(self, peak: _Peak) -> None:
+    def _snapshot(self, peak: Peak) -> None:
         if not peak.pending:
             return
         peak.pending = False
@@ -522,7 +373,7 @@ class MemoryTracker:
             # full stats query, so it is read once per local peak, not at every new maximum.
             devices = list(self._current) if peak is self._peak else [device]
             for d in devices:
-                active = _allocator_active(d)
+                active = allocator_active(d)
                 if active is not None:
                     peak.allocator[f"{d}/active"] = active
 
@@ -537,7 +388,7 @@ class MemoryTracker:
             self._act_peak = self._act_total
             self._act_pending = True
 
-    def _freed(self, info: _Info) -> None:
+    def _freed(self, info: StorageInfo) -> None:
         with self._lock:
             if self._infos.get(info.key) is not info:
                 return
@@ -555,7 +406,7 @@ class MemoryTracker:
                 if nbytes != info.nbytes:
                     self._resize(info, nbytes)
 
-    def _resize(self, info: _Info, nbytes: int) -> None:
+    def _resize(self, info: StorageInfo, nbytes: int) -> None:
         self._seq += 1
         delta = nbytes - info.nbytes
         info.nbytes = nbytes
@@ -565,7 +416,7 @@ class MemoryTracker:
             self._act_change(info.module, delta)
         self._add(info.device, info.cat, delta)
 
-    def _reclass(self, info: _Info, cat: int) -> None:
+    def _reclass(self, info: StorageInfo, cat: int) -> None:
         old = info.cat
         if old == cat:
             return
@@ -613,20 +464,20 @@ class MemoryTracker:
         if info is not None and info.cat == ACTIVATIONS:
             with self._lock:
                 info.saved += 1
-            return _Packed(t, info, self)
-        return _Packed(t, None, self)
+            return Packed(t, info, self)
+        return Packed(t, None, self)
 
     @staticmethod
-    def _unpack(packed: _Packed) -> torch.Tensor:
+    def _unpack(packed: Packed) -> torch.Tensor:
         return packed.tensor
 
-    def _unsave(self, info: _Info) -> None:
+    def _unsave(self, info: StorageInfo) -> None:
         with self._lock:
             info.saved -= 1
             if info.saved == 0 and info.cat == ACTIVATIONS and self._infos.get(info.key) is info:
                 self._reclass_live(info, OTHER)
 
-    def _reclass_live(self, info: _Info, cat: int) -> None:
+    def _reclass_live(self, info: StorageInfo, cat: int) -> None:
         # Leaving a role is not a discovery about the past: no retroactive correction.
         self._decreased()
         info.retro = False
@@ -770,7 +621,7 @@ class MemoryTracker:
                 "the tracker has not run yet: use it as `with headroom.track_memory() as mem:`"
             )
 
-    def _peak_view(self, peak: _Peak) -> tuple[int, dict[str, int]]:
+    def _peak_view(self, peak: Peak) -> tuple[int, dict[str, int]]:
         with self._lock:
             if peak.pending and self._state == "active":
                 # read-only view of the pending snapshot: take it without clearing the flag
@@ -872,7 +723,7 @@ class MemoryTracker:
             for d, (a, r) in self._alloc_max.items():
                 alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = a, r
             return DeviceStats(value, cats, self.max_by_category, self.current, alloc)
-        name = _device_name(torch.device(device))
+        name = device_name(torch.device(device))
         if name not in self._dev_peak:
             seen = ", ".join(self._current) or "none"
             raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")

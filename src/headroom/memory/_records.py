@@ -1,0 +1,131 @@
+"""What the memory tracker records: public results, and its bookkeeping per storage and peak."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from headroom.memory._categories import CATEGORIES
+
+if TYPE_CHECKING:
+    from headroom.memory._tracker import MemoryTracker
+
+_NCAT = len(CATEGORIES)
+
+
+@dataclass(frozen=True)
+class TimelineSample:
+    """One point of the timeline: bytes per category (all devices) after an op.
+
+    Attributes:
+        time_s: seconds since the tracker was entered.
+        phase: ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"``.
+        module: qualified name of the module running (``""`` if none).
+        by_category: bytes per category at that moment.
+    """
+
+    time_s: float
+    phase: str
+    module: str
+    by_category: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_category.values())
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase}:{self.module}" if self.module else self.phase
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    """Memory numbers for one device (or for all devices together).
+
+    Attributes:
+        peak: most bytes live at once.
+        peak_by_category: bytes per category at the moment of ``peak``; they sum to ``peak``.
+        max_by_category: each category's own maximum over the run.
+        current: bytes live now (at exit, once the tracker has exited).
+        allocator: for accelerators, the caching allocator's ``allocated`` and ``reserved``
+            bytes (at the peak and their maxima); empty on CPU.
+    """
+
+    peak: int
+    peak_by_category: dict[str, int]
+    max_by_category: dict[str, int]
+    current: int
+    allocator: dict[str, int] = field(default_factory=dict)
+
+
+class StorageInfo:
+    """What the tracker knows of one live storage."""
+
+    __slots__ = (
+        "key",
+        "device",
+        "nbytes",
+        "cat",
+        "seq",
+        "module",
+        "saved",
+        "ref",
+        "retro",
+        "__weakref__",
+    )
+
+    def __init__(self, key: int, device: str, nbytes: int, cat: int, seq: int) -> None:
+        self.key = key
+        self.device = device
+        self.nbytes = nbytes
+        self.cat = cat
+        self.seq = seq
+        self.module = ""
+        self.saved = 0
+        self.ref: weakref.ref | None = None
+        # may a role found later be applied to peaks already past? (see MemoryTracker._reclass)
+        self.retro = True
+
+
+class Peak:
+    """A running peak whose per-category snapshot is taken lazily.
+
+    NOTE: between a new peak and the next decrease nothing is freed, and any allocation would make
+    a new peak, so the set of live storages at the first decrease *is* the set at the peak. Taking
+    the snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made
+    in between (an output turning out to be saved for backward) land in the right category.
+    """
+
+    __slots__ = ("value", "seq", "pending", "cats", "allocator")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.seq = -1
+        self.pending = False
+        self.cats = [0] * _NCAT
+        self.allocator: dict[str, int] = {}
+
+
+class Packed:
+    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted.
+
+    NOTE: wrapping instead of returning the tensor lets the tracker know when autograd lets go of
+    it (graph freed after backward), so an output still held by the user afterwards stops counting
+    as an activation. The wrapped tensor shares storage with the original: no bytes are added.
+    """
+
+    __slots__ = ("tensor", "info", "tracker")
+
+    def __init__(
+        self, tensor: torch.Tensor, info: StorageInfo | None, tracker: MemoryTracker
+    ) -> None:
+        self.tensor = tensor
+        self.info = info
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        if self.info is not None:
+            self.tracker._unsave(self.info)

@@ -117,9 +117,15 @@ class HugeClassifier(nn.Module):
         key: name prefix of the tensors in the store (defaults to a fresh unique name). Give
             one to find the tensors again in a reopened `DiskStore`: when the store already
             holds ``key``'s weight, its values are kept (not re-initialized).
+        prefetch: with ``store="cpu"`` on an accelerator, how many slices are copied to the
+            device ahead of the one computing (on a side stream, straight from the pinned
+            store; gradient slices go back the same way). ``1`` hides each copy behind one
+            slice of compute; deeper absorbs uneven timings at one more slice of device memory
+            per step; ``0`` does not overlap. A `DiskStore` always reads one slice ahead.
 
     Raises:
-        ValueError: bad sizes or ``sample_rate``; a store that cannot hold the weight.
+        ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a store that cannot hold the
+            weight.
 
     Example:
         >>> head = HugeClassifier(100_000, 64, device="cpu")
@@ -141,6 +147,7 @@ class HugeClassifier(nn.Module):
         sample_rate: float = 1.0,
         dtype: torch.dtype = torch.float32,
         key: str | None = None,
+        prefetch: int = 1,
     ) -> None:
         super().__init__()
         if num_classes < 1 or in_features < 1:
@@ -153,6 +160,8 @@ class HugeClassifier(nn.Module):
             raise ValueError(f"slice_size must be a positive int or None, got {slice_size}")
         if not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         self.num_classes = int(num_classes)
         self.in_features = int(in_features)
         self.device = torch.device(device)
@@ -160,6 +169,7 @@ class HugeClassifier(nn.Module):
         self.sample_rate = float(sample_rate)
         self.dtype = dtype
         self.accum_dtype = torch.float32
+        self.prefetch = prefetch
         self.store = resolve_store(store, self.device)
         if self.device.type == "cpu" and isinstance(store, str):
             # NOTE: "cpu" on a cpu device is legal (it is the exact path tests use); it just
@@ -256,7 +266,7 @@ class HugeClassifier(nn.Module):
     def _source(self, slice_size: int) -> StoreSlices:
         return StoreSlices(
             self.store, self._wh, self._bh, device=self.device, dtype=self.accum_dtype,
-            max_rows=min(slice_size, self.num_classes),
+            max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
         )
 
     def _accumulating(self) -> bool:
@@ -272,7 +282,7 @@ class HugeClassifier(nn.Module):
             wb.grad_handle if (weight and wb is not None) else None,
             bb.grad_handle if (bias and bb is not None) else None,
             accumulate=acc, device=self.device, dtype=self.accum_dtype,
-            max_rows=min(slice_size, self.num_classes),
+            max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
         )
 
     def _grads_landed(self, *, weight: bool, bias: bool, rows: torch.Tensor | None) -> None:

@@ -363,12 +363,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         label_smoothing: float,
         reduction: str,
         accum_dtype: torch.dtype,
+        prefetch: int,
     ) -> torch.Tensor:
         lead_shape = target.shape
         x2 = x.reshape(-1, x.shape[-1])
         t = target.reshape(-1).long()
         xa = x2.to(accum_dtype)
-        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype)
+        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
+                              prefetch=prefetch)
         lse, z_t, z_sum = lse_pass(
             xa, source, t, slice_size=slice_size, want_logit_sum=label_smoothing > 0
         )
@@ -378,7 +380,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         loss, n_valid = reduce_loss(rows, valid, reduction)
         ctx.save_for_backward(x, weight, bias, t, lse, n_valid)
-        ctx.opts = (slice_size, ignore_index, label_smoothing, reduction, accum_dtype)
+        ctx.opts = (slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch)
         if reduction == "none":
             loss = loss.reshape(lead_shape)
         return loss.to(x.dtype)
@@ -386,28 +388,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         x, weight, bias, t, lse, n_valid = ctx.saved_tensors
-        slice_size, ignore_index, label_smoothing, reduction, accum_dtype = ctx.opts
+        slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         valid = t != ignore_index
         scale = row_scale(grad_out, valid, n_valid, reduction)
         x2 = x.reshape(-1, x.shape[-1])
         xa = x2.to(accum_dtype)
-        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype)
+        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
+                              prefetch=prefetch)
         need_b = need_b and bias is not None
         sink = None
         if need_w or need_b:
             sink = TensorGradSink(
                 weight, bias if need_b else None, device=x.device, dtype=accum_dtype,
-                need_weight=need_w,
+                need_weight=need_w, prefetch=prefetch,
             )
         grad_x = grad_pass(
             xa, source, t, lse, scale, slice_size=slice_size, label_smoothing=label_smoothing,
             need_x=need_x, sink=sink, need_weight=need_w, need_bias=need_b,
         )
+        if sink is not None:
+            sink.finish()
         gx = None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)
         gw = None if sink is None else sink.grad_weight
         gb = None if sink is None else sink.grad_bias
-        return gx, gw, gb, None, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -421,6 +426,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     accum_dtype: torch.dtype = torch.float32,
+    prefetch: int = 1,
 ) -> torch.Tensor:
     """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
 
@@ -432,7 +438,9 @@ def linear_cross_entropy(
     Args:
         x: ``(..., D)`` features, on the compute device.
         weight: ``(C, D)`` class weights, on ``x``'s device, or in host memory while ``x`` is on
-            an accelerator (then each slice is copied to the device when used, in both passes).
+            an accelerator (then slices are streamed to the device in both passes, the next
+            ``prefetch`` copied on a side stream while the current one computes, and the weight
+            gradient streams back to host memory the same way).
         target: ``x.shape[:-1]`` integer class indices in ``[0, C)`` or ``ignore_index``.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
         slice_size: classes per slice. ``None`` picks one from a logits budget
@@ -446,6 +454,11 @@ def linear_cross_entropy(
         accum_dtype: dtype of logits, softmax and gradient accumulation. With bf16/fp16 inputs the
             default fp32 keeps the loss and gradients accurate at the cost of upcasting each
             weight slice; the returned loss and gradients have the input dtype.
+        prefetch: with a host weight on an accelerator, how many slices are copied ahead of
+            the one computing. ``1`` hides each copy behind one slice of compute; deeper
+            absorbs uneven copy or compute times at one more slice of device memory (and of
+            page-locked staging, for a weight that is not pinned) per step; ``0`` does not
+            overlap. Ignored when the weight is on ``x``'s device.
 
     Returns:
         The loss, a scalar or (``reduction="none"``) shaped like ``target``, in ``x``'s dtype.
@@ -466,6 +479,8 @@ def linear_cross_entropy(
         x, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
         reduction=reduction, accum_dtype=accum_dtype, slice_size=slice_size,
     )
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     batch = math.prod(target.shape)
     num_classes = weight.shape[0]
     if slice_size is None:
@@ -473,5 +488,5 @@ def linear_cross_entropy(
     slice_size = max(1, min(slice_size, num_classes))
     return _LinearCrossEntropy.apply(
         x, weight, bias, target, slice_size, ignore_index, float(label_smoothing), reduction,
-        accum_dtype,
+        accum_dtype, prefetch,
     )

@@ -4,10 +4,12 @@ The two passes of the sliced cross-entropy (``_linear_ce.py``) only ever ask for
 (and bias) rows ``start:stop`` on the compute device, in the accumulation dtype" and hand back
 "the gradient of rows ``start:stop``". This module hides where those rows rest: a tensor on the
 compute device (views, no copy), a host tensor while the compute device is an accelerator
-(copied slice by slice), or a store (``HugeClassifier``, read slice by slice).
+(streamed slice by slice by the transfer layer's `RowStreamer`, with prefetch), or a store
+(``HugeClassifier``, read slice by slice).
 
-# NOTE: keeping this a tiny internal interface means the transfer layer's mover (streams,
-# events, pinned buffers) plugs in here without the numerics changing.
+# NOTE: keeping this a tiny internal interface means the transfer layer's streamer (streams,
+# events, pinned buffers) plugs in here without the numerics changing: streamed slices are
+# copies of the same rows, so results are bitwise those of the unstreamed path.
 """
 
 from __future__ import annotations
@@ -17,10 +19,26 @@ from typing import Protocol
 
 import torch
 
+from headroom.transfer._mover import RowStreamer
+from headroom.transfer._store import is_accelerator
+
 
 def slice_bounds(num_classes: int, slice_size: int) -> list[tuple[int, int]]:
     """``[(start, stop), ...]`` covering ``range(num_classes)`` in steps of ``slice_size``."""
     return [(s, min(s + slice_size, num_classes)) for s in range(0, num_classes, slice_size)]
+
+
+def host_streamer(
+    src_device: torch.device, device: torch.device, *, prefetch: int
+) -> RowStreamer | None:
+    """A streamer when rows resting on ``src_device`` (host) feed an accelerator, else ``None``.
+
+    # NOTE: the one switch between "views of a tensor on the compute device" and "streamed
+    # host rows"; tests replace it to drive the streamed path on the CPU.
+    """
+    if src_device.type != "cpu" or not is_accelerator(device):
+        return None
+    return RowStreamer(device, prefetch=prefetch)
 
 
 class SliceSource(Protocol):
@@ -49,18 +67,24 @@ class GradSink(Protocol):
         """Take the finished gradient of rows ``start:stop`` (``grad_w`` is what ``out`` gave)."""
         ...
 
+    def finish(self) -> None:
+        """Return once every committed gradient has landed."""
+        ...
+
 
 class TensorSlices:
     """Slices of an in-memory weight tensor, moved to ``device`` and cast to ``dtype`` if needed.
 
     When the weight is already on ``device`` in ``dtype`` the slices are views (no copy). When it
-    rests in host memory and ``device`` is an accelerator, each slice is copied on use.
+    rests in host memory and ``device`` is an accelerator, slices are streamed: the next
+    ``prefetch`` slices are copied on a side stream while the current one computes.
 
     Args:
         weight: ``(num_classes, in_features)``.
         bias: ``(num_classes,)`` or ``None``.
         device: the compute device.
         dtype: the accumulation dtype the passes compute in.
+        prefetch: slices copied ahead when streaming host rows.
     """
 
     def __init__(
@@ -70,6 +94,7 @@ class TensorSlices:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        prefetch: int = 1,
     ) -> None:
         self.weight = weight
         self.bias = bias
@@ -77,6 +102,7 @@ class TensorSlices:
         self.dtype = dtype
         self.num_classes = weight.shape[0]
         self.has_bias = bias is not None
+        self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
         # NOTE: a no-op (no copy) when the tensor is already on the device in the dtype.
@@ -85,6 +111,12 @@ class TensorSlices:
     def slices(
         self, bounds: list[tuple[int, int]]
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+        if self.streamer is not None:
+            for start, stop, (w, b) in self.streamer.stream(
+                [self.weight, self.bias], bounds, dtype=self.dtype
+            ):
+                yield start, stop, w, b
+            return
         for start, stop in bounds:
             w = self._move(self.weight[start:stop])
             b = None if self.bias is None else self._move(self.bias[start:stop])
@@ -96,6 +128,8 @@ class TensorGradSink:
 
     When the weight's gradient can be written in place (same device and dtype as the
     accumulation), ``out`` hands out a view of it and ``commit`` does nothing: no extra copy.
+    For a host weight computed on an accelerator, gradient slices go back to host memory in the
+    background (the transfer layer's `RowStreamer`) while the next slice computes.
 
     Args:
         weight: the weight the gradient is for (gives shape, dtype, device).
@@ -103,6 +137,7 @@ class TensorGradSink:
         device: the compute device.
         dtype: the accumulation dtype.
         need_weight: whether to make a weight gradient at all.
+        prefetch: ring depth of the background copies for a host weight.
     """
 
     def __init__(
@@ -113,11 +148,14 @@ class TensorGradSink:
         device: torch.device,
         dtype: torch.dtype,
         need_weight: bool,
+        prefetch: int = 1,
     ) -> None:
         self.grad_weight = torch.empty_like(weight) if need_weight else None
         self.grad_bias = None if bias is None else torch.empty_like(bias)
+        self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
         self._direct = (
             need_weight and weight.device == device and weight.dtype == dtype
+            and self.streamer is None
         )
         self._device = device
         self._dtype = dtype
@@ -128,6 +166,8 @@ class TensorGradSink:
         if self._direct:
             return self.grad_weight[start:stop]
         n, d = stop - start, self.grad_weight.shape[1]
+        if self.streamer is not None:
+            return self.streamer.out("w", (n, d), self._dtype)
         if self._tmp is None or self._tmp.numel() < n * d:
             self._tmp = torch.empty(n * d, device=self._device, dtype=self._dtype)
         return self._tmp[: n * d].view(n, d)
@@ -135,9 +175,20 @@ class TensorGradSink:
     def commit(
         self, start: int, stop: int, grad_w: torch.Tensor | None, grad_b: torch.Tensor | None
     ) -> None:
+        s = self.streamer
         if grad_w is not None and not self._direct:
             assert self.grad_weight is not None
-            self.grad_weight[start:stop].copy_(grad_w)
+            if s is not None:
+                s.push("w", self.grad_weight[start:stop], grad_w, accumulate=False)
+            else:
+                self.grad_weight[start:stop].copy_(grad_w)
         if grad_b is not None:
             assert self.grad_bias is not None
-            self.grad_bias[start:stop].copy_(grad_b)
+            if s is not None:
+                s.push("b", self.grad_bias[start:stop], grad_b, accumulate=False)
+            else:
+                self.grad_bias[start:stop].copy_(grad_b)
+
+    def finish(self) -> None:
+        if self.streamer is not None:
+            self.streamer.finish()

@@ -5,9 +5,11 @@ in-memory weight (`SliceSource`, `GradSink`); this module is the only part of ``
 talks to a store.
 
 # NOTE: a host store hands out its resting tensor (``host_tensor``), so slices are views and cost
-# no copy; a disk store is read into two rotating buffers, the next slice's read in flight while
-# the current one computes (double buffering), and gradients leave through two rotating buffers
-# whose writes complete in the background.
+# no copy on the CPU, and on an accelerator are streamed by the transfer layer's `RowStreamer`
+# (side-stream copies with prefetch, straight from the pinned store, gradient slices back the
+# same way); a disk store is read into two rotating buffers, the next slice's read in flight
+# while the current one computes (double buffering), and gradients leave through two rotating
+# buffers whose writes complete in the background.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from concurrent.futures import Future
 
 import torch
 
+from headroom.heads import _slices
 from headroom.transfer import Handle, Store
 
 
@@ -61,6 +64,7 @@ class StoreSlices:
         device: the compute device.
         dtype: the accumulation dtype.
         max_rows: the largest slice that will be asked for (sizes the disk buffers).
+        prefetch: slices copied ahead when host-store rows stream to an accelerator.
     """
 
     def __init__(
@@ -72,9 +76,11 @@ class StoreSlices:
         device: torch.device,
         dtype: torch.dtype,
         max_rows: int,
+        prefetch: int = 1,
     ) -> None:
         self.store = store
         self.weight = weight
+        self.prefetch = prefetch
         self.bias = bias
         self.device = device
         self.dtype = dtype
@@ -88,6 +94,12 @@ class StoreSlices:
         host_w = self.store.host_tensor(self.weight)
         host_b = None if self.bias is None else self.store.host_tensor(self.bias)
         if host_w is not None and (self.bias is None or host_b is not None):
+            streamer = _slices.host_streamer(host_w.device, self.device, prefetch=self.prefetch)
+            if streamer is not None:
+                for start, stop, (w, b) in streamer.stream([host_w, host_b], bounds,
+                                                           dtype=self.dtype):
+                    yield start, stop, w, b
+                return
             for start, stop in bounds:
                 w = _to(host_w[start:stop], self.device, self.dtype)
                 b = None if host_b is None else _to(host_b[start:stop], self.device, self.dtype)
@@ -136,6 +148,7 @@ class StoreGradSink:
         device: the compute device.
         dtype: the accumulation dtype the slices are computed in.
         max_rows: the largest slice.
+        prefetch: ring depth of background gradient copies from an accelerator to a host store.
     """
 
     def __init__(
@@ -148,6 +161,7 @@ class StoreGradSink:
         device: torch.device,
         dtype: torch.dtype,
         max_rows: int,
+        prefetch: int = 1,
     ) -> None:
         self.store = store
         self.wg = weight_grad
@@ -163,9 +177,12 @@ class StoreGradSink:
         self._max_rows = max_rows
         # NOTE: overwriting a host gradient in the compute dtype on the CPU can write the matrix
         # product straight into the store's tensor: no buffer, no copy.
+        host = self.host_wg if self.host_wg is not None else self.host_bg
+        self.streamer = None if host is None else _slices.host_streamer(
+            host.device, device, prefetch=prefetch)
         self._direct = (
             self.host_wg is not None and not accumulate and device.type == "cpu"
-            and weight_grad is not None and weight_grad.dtype == dtype
+            and weight_grad is not None and weight_grad.dtype == dtype and self.streamer is None
         )
 
     def out(self, start: int, stop: int) -> torch.Tensor:
@@ -174,6 +191,8 @@ class StoreGradSink:
             return self.host_wg[start:stop]
         assert self.wg is not None
         n, d = stop - start, self.wg.shape[1]
+        if self.streamer is not None and self.host_wg is not None:
+            return self.streamer.out("w", (n, d), self.dtype)
         if self._tmp is None or self._tmp.numel() < n * d:
             self._tmp = torch.empty(self._max_rows * d, device=self.device, dtype=self.dtype)
         return self._tmp[: n * d].view(n, d)
@@ -182,6 +201,9 @@ class StoreGradSink:
               stop: int, src: torch.Tensor) -> None:
         if host is not None:
             dst = host[start:stop]
+            if self.streamer is not None:
+                self.streamer.push(name, dst, src, accumulate=self.accumulate)
+                return
             if self.accumulate:
                 dst.add_(src.to(device="cpu", dtype=handle.dtype))
             else:
@@ -210,5 +232,7 @@ class StoreGradSink:
 
     def finish(self) -> None:
         """Wait until every gradient write has landed."""
+        if self.streamer is not None:
+            self.streamer.finish()
         for ring in self._rings.values():
             ring.drain()

@@ -126,7 +126,10 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
     timeline = mem.timeline
     fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
     if timeline:
-        x = np.array([s.time_s for s in timeline]) * 1e3
+        x = np.array([s.time_s for s in timeline])
+        t_unit = "s" if x[-1] > 10 else "ms"
+        if t_unit == "ms":
+            x = x * 1e3
         scale, unit = _unit(max(s.total for s in timeline))
         ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
         # shade backward and optimizer phases
@@ -160,7 +163,7 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
         )
         ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
         ax.set_ylabel(f"live tensor memory ({unit})")
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel(f"time ({t_unit if timeline else 'ms'})")
     ax.set_title(title or f"headroom: memory by category ({', '.join(mem.devices) or 'cpu'})")
     ax.legend(loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3, zorder=0)

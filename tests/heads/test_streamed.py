@@ -108,6 +108,34 @@ def test_prefetch_option_is_checked():
         hr.HugeClassifier(5, 3, device="cpu", prefetch=1.5)
 
 
+def test_sampled_negatives_follow_the_generator():
+    def sampled(seed):
+        head = hr.HugeClassifier(1000, 4, device="cpu", sample_rate=0.05,
+                                 generator=torch.Generator().manual_seed(seed))
+        y = torch.tensor([3, 7, 7, 500])
+        classes = []
+        for _ in range(2):
+            head(torch.randn(4, 4), y)
+            classes.append(head.last_sampled_classes.clone())
+        return classes
+
+    a = sampled(1)
+    torch.manual_seed(123)  # the global generator does not matter
+    b = sampled(1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    assert not torch.equal(a[0], a[1])  # the generator advances between steps
+    assert not torch.equal(a[0], sampled(2)[0])
+    assert all(len(c) == 50 and {3, 7, 500} <= set(c.tolist()) for c in a)
+    head = hr.HugeClassifier(1000, 4, device="cpu", sample_rate=0.05,
+                             generator=torch.Generator().manual_seed(1))
+    x, y = torch.randn(4, 4), torch.tensor([3, 7, 7, 500])
+    state = torch.get_rng_state()
+    head(x, y)
+    assert torch.equal(torch.get_rng_state(), state)  # the global random state is untouched
+    with pytest.raises(ValueError, match="CPU torch.Generator"):
+        hr.HugeClassifier(10, 4, device="cpu", sample_rate=0.5, generator=torch.device("cpu"))
+
+
 # ---------------------------------------------------------------------------------------------
 # accelerator: the real streams against the copy-on-use path (bitwise) and the dense reference
 

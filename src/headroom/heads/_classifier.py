@@ -122,10 +122,13 @@ class HugeClassifier(nn.Module):
             store; gradient slices go back the same way). ``1`` hides each copy behind one
             slice of compute; deeper absorbs uneven timings at one more slice of device memory
             per step; ``0`` does not overlap. A `DiskStore` always reads one slice ahead.
+        generator: a CPU ``torch.Generator`` for the negatives of the sampled mode, so that
+            they are reproducible without touching the global random state (``None``: the
+            global generator).
 
     Raises:
-        ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a store that cannot hold the
-            weight.
+        ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a generator not on the CPU;
+            a store that cannot hold the weight.
 
     Example:
         >>> head = HugeClassifier(100_000, 64, device="cpu")
@@ -148,6 +151,7 @@ class HugeClassifier(nn.Module):
         dtype: torch.dtype = torch.float32,
         key: str | None = None,
         prefetch: int = 1,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 1 or in_features < 1:
@@ -162,6 +166,13 @@ class HugeClassifier(nn.Module):
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if generator is not None and (
+            not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+        ):
+            raise ValueError(
+                "generator must be a CPU torch.Generator (negatives are drawn on the host), "
+                f"got {generator!r}; use torch.Generator().manual_seed(seed)"
+            )
         self.num_classes = int(num_classes)
         self.in_features = int(in_features)
         self.device = torch.device(device)
@@ -170,6 +181,7 @@ class HugeClassifier(nn.Module):
         self.dtype = dtype
         self.accum_dtype = torch.float32
         self.prefetch = prefetch
+        self.generator = generator
         self.store = resolve_store(store, self.device)
         if self.device.type == "cpu" and isinstance(store, str):
             # NOTE: "cpu" on a cpu device is legal (it is the exact path tests use); it just
@@ -418,7 +430,7 @@ class HugeClassifier(nn.Module):
             return pos
         # NOTE: random keys with the positives forced to the front, then the n_pos + n_neg
         # smallest: uniform negatives without replacement in O(C), no Python loops.
-        keys = torch.rand(self.num_classes)
+        keys = torch.rand(self.num_classes, generator=self.generator)
         keys[pos] = -1.0
         chosen = torch.topk(keys, pos.numel() + n_neg, largest=False, sorted=False).indices
         return torch.sort(chosen).values

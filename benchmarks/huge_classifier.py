@@ -17,8 +17,22 @@ Usage:
     .venv/bin/python benchmarks/huge_classifier.py --classes 65536 --repeats 2   # quick look
 
 On a machine with an accelerator, ``--device cuda`` runs the same comparison there (peak device
-memory from ``torch.cuda.max_memory_allocated`` instead of RSS), and adds ``headroom-host``:
-the weight in host memory, streamed to the device slice by slice.
+memory from ``torch.cuda.max_memory_allocated`` instead of RSS) and adds the weight in host
+memory, streamed to the device slice by slice by the transfer layer's ``RowStreamer``:
+
+* ``headroom-host``: a pageable host weight (copied through page-locked staging), ``--prefetch``;
+* ``headroom-host-pinned``: a page-locked host weight (what ``HugeClassifier(store="cpu")``
+  holds), copied straight from it;
+* ``headroom-host-p0``: the pageable weight with ``prefetch=0`` (the copies do not overlap
+  compute: what streaming saves).
+
+It also measures host->device and device->host bandwidth from page-locked memory and reports the
+transfer-bound limit of a streamed step: the weight crosses to the device twice (forward and
+backward) and its gradient comes back once, on separate copy engines, so
+``max(2 * bytes(W) / H2D, bytes(W) / D2H)``; a streamed step can not beat
+``max(device-resident time, transfer limit)``.
+
+    .venv/bin/python benchmarks/huge_classifier.py --device cuda --repeats 5
 """
 
 from __future__ import annotations
@@ -48,6 +62,23 @@ def _sync(device: str) -> None:
         torch.accelerator.synchronize()
 
 
+def copy_bandwidth(device: str, nbytes: int = 256 << 20, repeats: int = 7) -> dict:
+    """Median host->device and device->host bytes/s from page-locked memory (one copy each)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        times = []
+        for _ in range(repeats + 1):
+            _sync(device)
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        out[f"{name}_bytes_per_s"] = nbytes / statistics.median(times[1:])
+    return out
+
+
 def worker(args: argparse.Namespace) -> dict:
     """Run one method in this process and return its measurements."""
     torch.set_num_threads(args.threads)
@@ -55,8 +86,13 @@ def worker(args: argparse.Namespace) -> dict:
     dev = args.device
     B, D, C = args.batch, args.dim, args.classes
     x = torch.randn(B, D, device=dev, requires_grad=True)
-    wdev = "cpu" if args.method == "headroom-host" else dev
-    w = (torch.randn(C, D, device=wdev) * D**-0.5).requires_grad_()
+    host = args.method.startswith("headroom-host")
+    wdev = "cpu" if host else dev
+    w = torch.randn(C, D, device=wdev) * D**-0.5
+    if args.method == "headroom-host-pinned":
+        w = w.pin_memory()
+    w.requires_grad_()
+    prefetch = 0 if args.method == "headroom-host-p0" else args.prefetch
     y = torch.randint(0, C, (B,), device=dev)
     rss_inputs = _peak_rss_bytes()
 
@@ -78,7 +114,8 @@ def worker(args: argparse.Namespace) -> dict:
         import headroom as hr
 
         def step() -> torch.Tensor:
-            loss = hr.linear_cross_entropy(x, w, y, slice_size=args.slice_size)
+            loss = hr.linear_cross_entropy(x, w, y, slice_size=args.slice_size,
+                                           prefetch=prefetch)
             loss.backward()
             return loss
 
@@ -134,6 +171,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--slice-size", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="slices copied ahead in the streamed host-weight methods")
     p.add_argument("--methods", default=None, help="comma list (default: all available)")
     p.add_argument("--out", default=None, help="JSON path (default: results/huge_classifier.json)")
     p.add_argument("--method", help=argparse.SUPPRESS)
@@ -144,7 +183,7 @@ def main() -> None:
 
     methods = ["plain", "cce", "headroom"]
     if args.device != "cpu":
-        methods.append("headroom-host")
+        methods += ["headroom-host", "headroom-host-pinned", "headroom-host-p0"]
     if args.methods:
         methods = args.methods.split(",")
     try:
@@ -176,35 +215,61 @@ def main() -> None:
             proc.stdin.write("run\n")
             proc.stdin.flush()
             rep = json.loads(proc.stdout.readline())
-            print(f"round {r}: {m:>14} {rep['time_s']:7.2f} s wall  {rep['cpu_s']:7.2f} s cpu",
+            print(f"round {r}: {m:>20} {rep['time_s']:8.3f} s wall  {rep['cpu_s']:7.2f} s cpu",
                   flush=True)
     for m, proc in procs.items():
         out, _ = proc.communicate("stop\n")
         results[m] = json.loads(out.strip().splitlines()[-1])
 
+    limit = None
+    if args.device != "cpu":
+        bw = copy_bandwidth(args.device)
+        w_bytes = args.classes * args.dim * 4
+        limit = {
+            **bw,
+            "weight_bytes": w_bytes,
+            "transfer_limit_s": max(2 * w_bytes / bw["h2d_bytes_per_s"],
+                                    w_bytes / bw["d2h_bytes_per_s"]),
+        }
+        resident = results.get("headroom", {}).get("median_s")
+        if resident is not None:
+            limit["lower_bound_s"] = max(resident, limit["transfer_limit_s"])
     base = results.get("plain", {}).get("median_s")
     base_cpu = results.get("plain", {}).get("median_cpu_s")
     print(f"\nB={args.batch} D={args.dim} C={args.classes} fp32 forward+backward, "
           f"{args.threads} threads, device {args.device}, median of {args.repeats}")
-    print(f"{'method':>14} | {'median s':>9} | {'x plain':>7} | {'min s':>7} | "
+    print(f"{'method':>20} | {'median s':>9} | {'x plain':>7} | {'min s':>7} | "
           f"{'cpu s':>7} | {'x plain':>7} | {'peak RSS GiB':>12}"
           + (" | peak dev GiB" if args.device != "cpu" else ""))
     for m, r in results.items():
         if "error" in r:
-            print(f"{m:>14} | failed")
+            print(f"{m:>20} | failed")
             continue
         ratio = r["median_s"] / base if base else float("nan")
         cpu_ratio = r["median_cpu_s"] / base_cpu if base_cpu else float("nan")
         r["ratio_to_plain"] = ratio
         r["cpu_ratio_to_plain"] = cpu_ratio
-        line = (f"{m:>14} | {r['median_s']:9.2f} | {ratio:7.2f} | {r['min_s']:7.2f} | "
+        line = (f"{m:>20} | {r['median_s']:9.3f} | {ratio:7.2f} | {r['min_s']:7.3f} | "
                 f"{r['median_cpu_s']:7.2f} | {cpu_ratio:7.2f} | "
                 f"{r['peak_rss_bytes'] / 2**30:12.2f}")
         if "peak_device_bytes" in r:
             line += f" | {r['peak_device_bytes'] / 2**30:12.2f}"
         print(line)
+    if limit is not None:
+        print(f"H2D {limit['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H "
+              f"{limit['d2h_bytes_per_s'] / 1e9:.1f} GB/s (page-locked, 256 MiB); W "
+              f"{limit['weight_bytes'] / 2**30:.2f} GiB: transfer-bound limit "
+              f"{limit['transfer_limit_s']:.3f} s per step")
+        lb = limit.get("lower_bound_s")
+        for m, r in results.items():
+            if m.startswith("headroom-host") and "median_s" in r and lb:
+                r["x_lower_bound"] = r["median_s"] / lb
+                r["x_device_resident"] = r["median_s"] / results["headroom"]["median_s"]
+                print(f"{m:>20}: {r['x_device_resident']:.2f}x device-resident, "
+                      f"{r['x_lower_bound']:.2f}x max(device-resident, transfer limit)")
     record = {
         "benchmark": "huge_classifier",
+        "transfer": limit,
         "config": {k: v for k, v in vars(args).items() if k not in ("method",)},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__},

@@ -96,8 +96,10 @@ def test_stream_delivers_each_slice_once_in_order_exact(prefetch):
     s, mod = streamer_on_cpu(prefetch)
     bounds = _bounds(103, 10)  # 11 slices, the last one partial
     got = []
+    w.requires_grad_()
     for start, stop, (ws, none, bs) in s.stream([w, None, b], bounds):
         assert none is None
+        assert torch.is_grad_enabled() and not ws.requires_grad  # no context leaks out
         assert ws.shape == (stop - start, 7)
         # the compute stream waited for this slice's copy (recorded on the side stream)
         last_wait = [e for e in mod.trace if e[0] == "wait" and e[1] == "compute"][-1]

@@ -403,23 +403,24 @@ class RowStreamer:
                 copied[k] = ev
 
         issued = 0
+        # NOTE: no autograd context is held across the yield (it would leak into the consumer's
+        # code); the tensors are detached, so the copies record nothing anyway.
         try:
-            with torch.no_grad():
-                for i, (start, stop) in enumerate(bounds):
-                    if i > 0:
-                        # NOTE: every kernel reading slice i-1 is enqueued by now; the copy
-                        # that will overwrite its buffers waits for them on the device.
-                        ev = mod.Event()
-                        ev.record(compute)
-                        release[(i - 1) % ring] = ev
-                    while issued < len(bounds) and issued <= i + self.prefetch:
-                        issue(issued)
-                        issued += 1
-                    ev, outs = ready.pop(i)
-                    compute.wait_event(ev)
-                    if dtype is not None:
-                        outs = [None if o is None else o.to(dtype) for o in outs]
-                    yield start, stop, outs
+            for i, (start, stop) in enumerate(bounds):
+                if i > 0:
+                    # NOTE: every kernel reading slice i-1 is enqueued by now; the copy
+                    # that will overwrite its buffers waits for them on the device.
+                    ev = mod.Event()
+                    ev.record(compute)
+                    release[(i - 1) % ring] = ev
+                while issued < len(bounds) and issued <= i + self.prefetch:
+                    issue(issued)
+                    issued += 1
+                ev, outs = ready.pop(i)
+                compute.wait_event(ev)
+                if dtype is not None:
+                    outs = [None if o is None else o.to(dtype) for o in outs]
+                yield start, stop, outs
         finally:
             for ev, _ in ready.values():  # closed early: order freeing after the copies
                 compute.wait_event(ev)

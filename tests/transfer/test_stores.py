@@ -179,4 +179,9 @@ def test_disk_stats_and_page_cache_off(tmp_path):
     st = s.stats()
     assert st["bytes_written"] == x.numel() * 4 and st["reads"] == 2
     assert st["bytes_read"] == (128 + 3) * 64 * 4 and st["read_busy_s"] > 0
+    assert st["writes"] == 1 and st["write_busy_s"] > 0
+    # one thread at a time here: a read never shared the disk with a write
+    assert st["read_write_overlap_s"] == 0
+    s.write_rows(h, slice(2, 5), x[2:5].clone()).result()
+    assert s.stats()["bytes_written"] == (128 + 3) * 64 * 4
     s.close()

@@ -128,9 +128,13 @@ class DiskStore(Store):
         self._pending: dict[str, Future] = {}
         self._meta = {"counter": 0}
         self.page_cache = page_cache
-        self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0}
+        self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0,
+                       "writes": 0, "write_busy_s": 0.0, "read_write_overlap_s": 0.0}
         self._active_reads = 0
+        self._active_writes = 0
         self._read_since = 0.0
+        self._write_since = 0.0
+        self._both_since = 0.0
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hr-disk")
         self._closed = False
         self._load_index()
@@ -208,25 +212,40 @@ class DiskStore(Store):
         return e
 
     def stats(self) -> dict[str, float]:
-        """I/O counters since creation: ``bytes_read``, ``bytes_written``, ``reads`` and
-        ``read_busy_s`` (wall seconds during which at least one read was in flight, so
-        ``bytes_read / read_busy_s`` is the achieved read throughput)."""
+        """I/O counters since creation: ``bytes_read``, ``bytes_written``, ``reads``,
+        ``writes``, ``read_busy_s`` / ``write_busy_s`` (wall seconds during which at least one
+        read / write was in flight, so ``bytes_read / read_busy_s`` is the achieved read
+        throughput) and ``read_write_overlap_s`` (seconds with both in flight: reads sharing
+        the disk with writes)."""
         with self._lock:
             return dict(self._stats)
 
-    def _read_begin(self) -> None:
+    def _busy(self, kind: str, delta: int, nbytes: int = 0) -> None:
+        """Count one read or write starting (``delta=1``) or ending (``-1``)."""
+        now = time.perf_counter()
         with self._lock:
-            if self._active_reads == 0:
-                self._read_since = time.perf_counter()
-            self._active_reads += 1
+            both = self._active_reads > 0 and self._active_writes > 0
+            if kind == "read":
+                if delta > 0 and self._active_reads == 0:
+                    self._read_since = now
+                self._active_reads += delta
+                if delta < 0 and self._active_reads == 0:
+                    self._stats["read_busy_s"] += now - self._read_since
+            else:
+                if delta > 0 and self._active_writes == 0:
+                    self._write_since = now
+                self._active_writes += delta
+                if delta < 0 and self._active_writes == 0:
+                    self._stats["write_busy_s"] += now - self._write_since
+            now_both = self._active_reads > 0 and self._active_writes > 0
+            if now_both and not both:
+                self._both_since = now
+            elif both and not now_both:
+                self._stats["read_write_overlap_s"] += now - self._both_since
+            if delta < 0:
+                self._stats["bytes_read" if kind == "read" else "bytes_written"] += nbytes
+                self._stats["reads" if kind == "read" else "writes"] += 1
 
-    def _read_end(self, nbytes: int) -> None:
-        with self._lock:
-            self._active_reads -= 1
-            if self._active_reads == 0:
-                self._stats["read_busy_s"] += time.perf_counter() - self._read_since
-            self._stats["bytes_read"] += nbytes
-            self._stats["reads"] += 1
 
     def _drop_cache(self, fd: int, offset: int, length: int, written: bool) -> None:
         if self.page_cache:
@@ -235,65 +254,35 @@ class DiskStore(Store):
             os.fdatasync(fd)  # dirty pages cannot be dropped
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
-    def _read_job(self, path: str, out: torch.Tensor, offset: int) -> torch.Tensor:
-        n = out.numel() * out.element_size()
-        self._read_begin()
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                _pread_into(fd, _view(out), offset)
-                self._drop_cache(fd, offset, n, False)
-            finally:
-                os.close(fd)
-        finally:
-            self._read_end(n)
-        return out
+    def _io_job(self, kind: str, path: str, t: torch.Tensor,
+                extents: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """Read into / write from ``t``: ``extents`` are ``(byte in t, byte in file, length)``.
 
-    def _read_runs_job(self, path, out, runs, row_nbytes) -> torch.Tensor:
-        self._read_begin()
+        NOTE: one job for whole tensors and for row runs alike, so both count the same way in
+        `stats` and drop the page cache the same way.
+        """
+        write = kind == "write"
+        n = t.numel() * t.element_size()
+        self._busy(kind, 1)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_WRONLY if write else os.O_RDONLY)
             try:
-                mv = _view(out)
-                for first, count, pos in runs:
-                    _pread_into(fd, mv[pos * row_nbytes:(pos + count) * row_nbytes],
-                                first * row_nbytes)
-                    self._drop_cache(fd, first * row_nbytes, count * row_nbytes, False)
-            finally:
-                os.close(fd)
-        finally:
-            self._read_end(out.numel() * out.element_size())
-        return out
-
-    def _write_job(self, path: str, src: torch.Tensor, offset: int) -> None:
-        try:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                n = src.numel() * src.element_size()
-                _pwrite_from(fd, _view(src), offset)
-                self._drop_cache(fd, offset, n, True)
+                mv = _view(t)
+                for pos, offset, length in extents:
+                    if write:
+                        _pwrite_from(fd, mv[pos:pos + length], offset)
+                    else:
+                        _pread_into(fd, mv[pos:pos + length], offset)
+                    self._drop_cache(fd, offset, length, write)
             finally:
                 os.close(fd)
         except OSError as e:
-            raise self._io_error(e, path) from e
-        with self._lock:
-            self._stats["bytes_written"] += n
-
-    def _write_runs_job(self, path, src, runs, row_nbytes) -> None:
-        try:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                mv = _view(src)
-                for first, count, pos in runs:
-                    _pwrite_from(fd, mv[pos * row_nbytes:(pos + count) * row_nbytes],
-                                 first * row_nbytes)
-                    self._drop_cache(fd, first * row_nbytes, count * row_nbytes, True)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise self._io_error(e, path) from e
-        with self._lock:
-            self._stats["bytes_written"] += src.numel() * src.element_size()
+            self._busy(kind, -1)
+            if write:
+                raise self._io_error(e, path) from e
+            raise
+        self._busy(kind, -1, n)
+        return None if write else t
 
     # ------------------------------------------------------------------ protocol
     def alloc(
@@ -338,7 +327,8 @@ class DiskStore(Store):
         out = self._out(handle, out, handle.shape)
         if handle.nbytes == 0:
             return done(out)
-        return self._submit(handle.key, self._read_job, self._file(handle), out, 0)
+        return self._submit(handle.key, self._io_job, "read", self._file(handle), out,
+                            [(0, 0, handle.nbytes)])
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
         self._check_src(handle, src, handle.shape)
@@ -346,35 +336,37 @@ class DiskStore(Store):
             raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
         if handle.nbytes == 0:
             return done(None)
-        return self._submit(handle.key, self._write_job, self._file(handle), src, 0)
+        return self._submit(handle.key, self._io_job, "write", self._file(handle), src,
+                            [(0, 0, handle.nbytes)])
+
+    @staticmethod
+    def _extents(handle: Handle, rows: slice | torch.Tensor) -> list[tuple[int, int, int]]:
+        """``(byte in buffer, byte in file, length)`` of each run of consecutive rows."""
+        rb = handle.row_nbytes
+        if isinstance(rows, slice):
+            return [(0, rows.start * rb, (rows.stop - rows.start) * rb)] \
+                if rows.stop > rows.start else []
+        return [(pos * rb, first * rb, count * rb) for first, count, pos in _runs(rows)]
 
     def read_rows(
         self, handle: Handle, rows: slice | torch.Tensor, out: torch.Tensor | None = None
     ) -> Future:
         rows = self._check_rows(handle, rows)
         out = self._out(handle, out, self._rows_shape(handle, rows))
-        rb = handle.row_nbytes
-        if isinstance(rows, slice):
-            if rows.stop == rows.start:
-                return done(out)
-            return self._submit(handle.key, self._read_job, self._file(handle), out,
-                                rows.start * rb)
-        return self._submit(handle.key, self._read_runs_job, self._file(handle), out,
-                            _runs(rows), rb)
+        extents = self._extents(handle, rows)
+        if not extents:
+            return done(out)
+        return self._submit(handle.key, self._io_job, "read", self._file(handle), out, extents)
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
         rows = self._check_rows(handle, rows)
         self._check_src(handle, src, self._rows_shape(handle, rows))
         if src.device.type != "cpu" or not src.is_contiguous():
             raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
-        rb = handle.row_nbytes
-        if isinstance(rows, slice):
-            if rows.stop == rows.start:
-                return done(None)
-            return self._submit(handle.key, self._write_job, self._file(handle), src,
-                                rows.start * rb)
-        return self._submit(handle.key, self._write_runs_job, self._file(handle), src,
-                            _runs(rows), rb)
+        extents = self._extents(handle, rows)
+        if not extents:
+            return done(None)
+        return self._submit(handle.key, self._io_job, "write", self._file(handle), src, extents)
 
     def file_of(self, handle: Handle) -> Path:
         """The file that holds ``handle`` (for inspection and benchmarks)."""

@@ -84,7 +84,8 @@ class HugeClassifier(nn.Module):
     The weight never sits whole on the compute device: it rests in ``store`` and is read one
     slice of classes at a time, in forward (an online log-sum-exp) and again in backward (the
     exact gradient of that slice, written back to the store). Device memory is one
-    ``batch x slice_size`` logits buffer plus one weight slice, whatever ``num_classes`` is.
+    ``batch x slice_size`` logits buffer plus ``prefetch + 1`` weight slices (and as many
+    gradient slices on their way back), whatever ``num_classes`` is.
 
     Parameters and gradients: ``weight`` (and ``bias``) are parameters bound to the store
     (``headroom.transfer.binding``). With ``store="cpu"`` the parameter's data *is* the store's

@@ -160,6 +160,9 @@ def test_stream_pinned_source_goes_direct_and_casts_exactly(monkeypatch):
     out = [(a, c, r.clone()) for a, c, (r,) in s.stream([w], _bounds(50, 16),
                                                           dtype=torch.float32)]
     assert not [e for e in mod.trace if e[0] == "stage"]
+    # the host waits once, at the end, for the last copy (so it may write the source again)
+    last = [e for e in mod.trace if e[0] == "record" and e[2] == s._h2d.name][-1]
+    assert mod.trace[-1] == ("sync", last[1])
     for a, c, r in out:
         assert r.dtype == torch.float32 and torch.equal(r, w[a:c].float())
 

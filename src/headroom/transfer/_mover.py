@@ -325,7 +325,8 @@ class RowStreamer:
         """Yield ``(start, stop, [rows on the device or None, ...])`` for each ``bounds`` entry.
 
         Each yielded tensor is valid until the consumer asks for the next slice (its device
-        memory is reused by the ring): use it, do not keep it.
+        memory is reused by the ring): use it, do not keep it. Once the iteration ends (or is
+        closed) every copy out of ``tensors`` has finished, so the host may write them again.
 
         Args:
             tensors: host tensors with the same number of rows (``None`` entries stay ``None``).
@@ -360,6 +361,7 @@ class RowStreamer:
         ready: dict[int, tuple] = {}
         release: list = [None] * ring  # compute finished with slot k's device buffers
         copied: list = [None] * ring  # device copy out of slot k's staging finished
+        last: list = [None]  # the latest copy issued
 
         def issue(j: int) -> None:
             k, (start, stop) = j % ring, bounds[j]
@@ -399,6 +401,7 @@ class RowStreamer:
             ev = mod.Event()
             ev.record(self._h2d)
             ready[j] = (ev, outs)
+            last[0] = ev
             if staged:
                 copied[k] = ev
 
@@ -424,9 +427,11 @@ class RowStreamer:
         finally:
             for ev, _ in ready.values():  # closed early: order freeing after the copies
                 compute.wait_event(ev)
-            for ev in copied:
-                if ev is not None:
-                    ev.synchronize()
+            # NOTE: a pinned source is read by the device with no host wait; wait once at the
+            # end so that an optimizer step (or any host write) after the pass cannot race the
+            # last copies. Copies finish in issue order on the one side stream.
+            if last[0] is not None:
+                last[0].synchronize()
             for bufs in staging:
                 for b in bufs:
                     if b is not None:

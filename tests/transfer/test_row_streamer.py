@@ -258,3 +258,23 @@ def test_accelerator_stream_and_push_exact(pinned, prefetch):
     for a, c in _bounds(5000, 700):
         ref += w[a:c].to(dev).sum(0)
     assert torch.equal(acc, ref)
+
+
+def test_staging_reused_across_passes_and_cache_dropped_past_its_limit(monkeypatch):
+    from headroom.transfer import _mover
+
+    w = torch.randn(64, 8)
+    s, mod = streamer_on_cpu(1)
+    for _ in s.stream([w], _bounds(64, 16)):
+        pass
+    held = s._pool.total_bytes
+    first = {e[3] for e in mod.trace if e[0] == "stage"}
+    assert held == 2 * 16 * 8 * 4  # the ring's two staging buffers, cached for the next pass
+    mod.trace.clear()
+    for _ in s.stream([w], _bounds(64, 16)):
+        pass
+    assert {e[3] for e in mod.trace if e[0] == "stage"} == first and s._pool.total_bytes == held
+    monkeypatch.setattr(_mover, "_ROW_STAGING_CACHE", held - 1)
+    for _ in s.stream([w], _bounds(64, 16)):
+        pass
+    assert s._pool.total_bytes == 0

@@ -243,15 +243,16 @@ class Mover:
 
 _shared_pool: PinnedPool | None = None
 
-# NOTE: staging buffers are cached across passes (pinning is slow), under a budget so that
-# slice sizes that change with the batch do not pile up page-locked memory.
-_ROW_STAGING_BUDGET = 1 << 30
+# NOTE: staging buffers are cached across passes (pinning is slow); past this many bytes the
+# cache is dropped at the end of a pass, so that slice sizes changing with the batch do not pile
+# up page-locked memory. Not a hard limit: a pass takes what its ring needs.
+_ROW_STAGING_CACHE = 1 << 30
 
 
 def _row_staging_pool() -> PinnedPool:
     global _shared_pool
     if _shared_pool is None:
-        _shared_pool = PinnedPool(pin=True, max_bytes=_ROW_STAGING_BUDGET)
+        _shared_pool = PinnedPool(pin=True)
     return _shared_pool
 
 
@@ -436,6 +437,11 @@ class RowStreamer:
                 for b in bufs:
                     if b is not None:
                         self._pool.give(as_bytes(b))
+            self._trim_pool()
+
+    def _trim_pool(self) -> None:
+        if self._pool.total_bytes > _ROW_STAGING_CACHE:
+            self._pool.clear()
 
     # ------------------------------------------------------------------ device -> host
     def _ring(self) -> int:
@@ -520,3 +526,5 @@ class RowStreamer:
             for off in range(len(slots)):
                 self._land(key, (start + off) % len(slots))
         self._outs.clear()
+        if self.accelerated:
+            self._trim_pool()

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
@@ -29,6 +31,37 @@ def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] 
     return sum(seen.values()), out
 
 
+class _Created(TorchDispatchMode):
+    """Weak references to the storages ops create (seen without saved-tensor hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                s = t.untyped_storage()
+                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        return out
+
+
+def kept_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
+    """Bytes of storages created while ``fn`` runs that the graph still holds afterwards.
+
+    Unlike :func:`saved_bytes`, no saved-tensor hooks are installed, so converted layers take
+    their fast path (PyTorch's own nodes under headroom's hooks). The output's storage and those
+    of ``exclude`` are not counted. Returns ``(bytes, output)``.
+    """
+    mode = _Created()
+    with mode:
+        out = fn()
+    skip = {t.untyped_storage()._cdata for t in (*exclude, out)}
+    live = {k: n for k, (ref, n) in mode.refs.items() if not ref.expired() and k not in skip}
+    return sum(live.values()), out
+
+
 def model_state(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters()) + list(model.buffers())
 
@@ -47,11 +80,21 @@ def set_trainable(model: nn.Module, which: Callable[[str, nn.Parameter], bool]) 
         p.requires_grad_(which(name, p))
 
 
-def step(model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0):
-    """One forward+backward; returns (output, loss, input grad, param grads, saved bytes)."""
+def step(
+    model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0, hooks: bool = True
+):
+    """One forward+backward; returns (output, loss, input grad, param grads, bytes).
+
+    ``hooks=True`` measures saved bytes with saved-tensor hooks (converted layers then take their
+    autograd.Function path); ``hooks=False`` measures kept bytes without any (the fast path).
+    """
     x = x.detach().clone().requires_grad_(input_grad)
     torch.manual_seed(seed)
-    nbytes, out = saved_bytes(lambda: model(x), model_state(model))
+    if hooks:
+        nbytes, out = saved_bytes(lambda: model(x), model_state(model))
+    else:
+        # NOTE: the input is cloned inside, so that a layer keeping its input counts it.
+        nbytes, out = kept_bytes(lambda: model(x.clone()), model_state(model))
     weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     loss = (out.float() * weights).sum()
     grads = {}

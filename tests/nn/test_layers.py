@@ -115,8 +115,9 @@ def _strict(spec: set[str], mode: str, train: bool) -> bool:
     return mode in spec or (mode + suffix) in spec
 
 
+@pytest.mark.parametrize("hooks", [True, False], ids=["function-path", "fast-path"])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_layer_matches_torch_and_saves_less(name):
+def test_layer_matches_torch_and_saves_less(name, hooks):
     factory, shape, strict = LAYERS[name]
     x = torch.randn(shape)
     for mode in MODES:
@@ -141,10 +142,10 @@ def test_layer_matches_torch_and_saves_less(name):
             input_grad = mode in ("all", "input")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # padding="same" with even kernels
-                a = step(plain, x, input_grad=input_grad)
-                b = step(ours, x, input_grad=input_grad)
+                a = step(plain, x, input_grad=input_grad, hooks=hooks)
+                b = step(ours, x, input_grad=input_grad, hooks=hooks)
             assert_same(a, b)
-            where = f"{name} mode={mode} train={train}: ours {b[4]} B, torch {a[4]} B"
+            where = f"{name} mode={mode} train={train} hooks={hooks}: ours {b[4]} B, torch {a[4]} B"
             assert b[4] <= a[4], where
             if _strict(strict, mode, train):
                 assert b[4] < a[4], where
@@ -210,7 +211,15 @@ def test_double_backward_raises():
     ours = twin(nn.Conv2d(3, 5, 3))[1]
     ours.weight.requires_grad_(False)
     x = torch.randn(1, 3, 6, 6, requires_grad=True)
-    (g,) = torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
+    # NOTE: on the saved-tensor-hooks path the create_graph backward itself refuses (a kept
+    # shape has no values to differentiate); on the autograd.Function path (under any hooks
+    # of the caller's) the second backward does.
+    with pytest.raises(RuntimeError, match="double backward|second time|once_differentiable"):
+        (g,) = torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
+        g.sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = ours(x)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
 
@@ -256,3 +265,16 @@ def test_autocast_matches(cls):
         grads.append(torch.autograd.grad(y.float().sum(), x)[0])
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
     assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+
+
+def test_kept_weight_modified_in_place_raises_like_torch():
+    # NOTE: on the fast path the weight is kept through headroom's saved-tensor hook, which
+    # must keep PyTorch's version check: an in-place change before backward is an error.
+    for m in twin(nn.Conv2d(3, 5, 3)):
+        m.weight.requires_grad_(False)
+        x = torch.randn(1, 3, 6, 6, requires_grad=True)
+        y = m(x)
+        with torch.no_grad():
+            m.weight.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()

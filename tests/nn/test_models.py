@@ -16,9 +16,13 @@ from tests.nn._util import assert_same, step
 MODELS = {"vgg": vgg_like, "resnet": resnet_like}
 
 
+@pytest.mark.parametrize("hooks", [True, False], ids=["function-path", "fast-path"])
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("case", CASES)
-def test_model_matches_torch_and_saves_less(name, case):
+def test_model_matches_torch_and_saves_less(name, case, hooks):
+    # NOTE: hooks=True measures under saved-tensor hooks, so converted layers run their
+    # autograd.Functions; hooks=False measures live storages instead, so they run PyTorch's own
+    # nodes under headroom's hooks (the path a plain training step takes). Both must match.
     torch.manual_seed(0)
     plain = MODELS[name]()
     ours = hr.convert(copy.deepcopy(plain))
@@ -29,8 +33,8 @@ def test_model_matches_torch_and_saves_less(name, case):
     # Two steps: the first teaches converted ReLUs their consumers; both must match PyTorch.
     results = []
     for seed in (1, 2):
-        a = step(plain, x, input_grad=input_grad, seed=seed)
-        b = step(ours, x, input_grad=input_grad, seed=seed)
+        a = step(plain, x, input_grad=input_grad, seed=seed, hooks=hooks)
+        b = step(ours, x, input_grad=input_grad, seed=seed, hooks=hooks)
         assert_same(a, b)
         assert b[4] <= a[4], f"{name}/{case} step {seed}: ours {b[4]} B > torch {a[4]} B"
         results.append((a[4], b[4]))
@@ -54,27 +58,43 @@ def _relu_chain(train_convs: bool) -> nn.Module:
     return model
 
 
-def test_relu_adds_nothing_when_consumer_keeps_its_output():
+@pytest.mark.parametrize("hooks", [True, False], ids=["function-path", "fast-path"])
+def test_relu_adds_nothing_when_consumer_keeps_its_output(hooks):
     plain = _relu_chain(True)
     ours = hr.convert(copy.deepcopy(plain))
     x = torch.randn(2, 3, 9, 9)
     x_bytes, out_bytes = x.numel() * 4, 2 * 8 * 9 * 9 * 4
     for _ in range(2):
-        a, b = step(plain, x, input_grad=False), step(ours, x, input_grad=False)
+        a = step(plain, x, input_grad=False, hooks=hooks)
+        b = step(ours, x, input_grad=False, hooks=hooks)
         assert_same(a, b)
         assert a[4] == b[4] == x_bytes + out_bytes
 
 
-def test_relu_keeps_one_bit_when_consumer_does_not_keep_its_output():
+@pytest.mark.parametrize("hooks", [True, False], ids=["function-path", "fast-path"])
+def test_relu_keeps_one_bit_when_consumer_does_not_keep_its_output(hooks):
     plain = _relu_chain(False)
     ours = hr.convert(copy.deepcopy(plain))
     x = torch.randn(2, 3, 9, 9)
     numel = 2 * 8 * 9 * 9
     for _ in range(2):  # known from the nn.Sequential from the first step on
-        a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
+        a = step(plain, x, input_grad=True, hooks=hooks)
+        b = step(ours, x, input_grad=True, hooks=hooks)
         assert_same(a, b)
         assert a[4] == x.numel() * 4 + numel * 4
         assert b[4] == (numel + 7) // 8  # 1 bit per element, nothing else
+
+
+def test_fast_path_runs_pytorch_nodes_and_function_path_under_hooks():
+    ours = hr.convert(_relu_chain(False))
+    x = torch.randn(2, 3, 9, 9, requires_grad=True)
+    y = ours[1](ours[0](x))
+    assert type(y.grad_fn).__name__ == "ReluBackward0"
+    assert type(ours[2](y).grad_fn).__name__ == "ConvolutionBackward0"
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = ours[1](ours[0](x))
+        assert type(y.grad_fn).__name__ == "_ReLUMaskBackward"
+        assert type(ours[2](y).grad_fn).__name__ == "_ConvFunctionBackward"
 
 
 class _Custom(nn.Module):

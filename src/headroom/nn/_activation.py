@@ -20,7 +20,13 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_nonzero
-from headroom.nn._common import consumers_keep_output, note_consumer, register_relu_output
+from headroom.nn._common import (
+    consumers_keep_output,
+    hooks_free,
+    note_consumer,
+    register_relu_output,
+    run_saving_less,
+)
 
 
 def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -34,6 +40,31 @@ def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
     (bits,) = ctx.saved_tensors
     out = torch.empty_strided(ctx.shape, ctx.stride, dtype=grad.dtype, device=grad.device)
     return out.copy_(unpack_nonzero(bits, ctx.shape))
+
+
+class _ReLUBits:
+    """A ReLU result saved as its non-zero mask (pack hook of ``ReluBackward0``).
+
+    # NOTE: PyTorch's ReluBackward0 runs ``threshold_backward(grad, result, 0)``; handing it a
+    # tensor positive exactly where the result was non-zero, laid out like the result, gives
+    # bitwise its own gradient (see _ReLUMask). Packing happens when the node saves the result,
+    # so the full result is never held by autograd.
+    """
+
+    __slots__ = ("bits", "shape", "stride", "dtype", "device", "contiguous")
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.bits = pack_nonzero(out)
+        self.shape, self.stride = out.shape, out.stride()
+        self.dtype, self.device = out.dtype, out.device
+        self.contiguous = out.is_contiguous()
+
+    def unpack(self) -> torch.Tensor:
+        passes = unpack_nonzero(self.bits, self.shape)
+        if self.contiguous:
+            return passes.to(self.dtype)
+        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        return out.copy_(passes)
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
@@ -89,6 +120,9 @@ class ReLU(nn.ReLU):
         site = (type(grad_fn).__name__ if grad_fn is not None else "", tuple(input.shape[1:]))
         if consumers_keep_output(self, site):
             out = super().forward(input)
+        elif hooks_free():
+            relu = torch.relu_ if self.inplace else torch.relu
+            out = run_saving_less(_ReLUBits, relu, input)
         else:
             out = _ReLUMask.apply(input, self.inplace)
         register_relu_output(self, site, out)

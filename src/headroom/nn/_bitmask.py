@@ -82,6 +82,11 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
     # NOTE: written as a cast to ``bool`` (which means exactly ``!= 0``): on CPU the cast kernel
     # is vectorized and ~9x faster than the ``ne`` comparison kernel with a bool output.
     """
+    if x.device.type == "cpu":
+        # NOTE: one cast (kept in x's layout) and NumPy's packbits, which reads any strides in
+        # row-major order: 2 calls instead of 4, which matters for the many small tensors of a
+        # late CNN stage (fixed cost ~3 us instead of ~7 us).
+        return torch.from_numpy(np.packbits(x.bool().numpy(), bitorder="little"))
     numel = x.numel()
     buf = _scratch_bool(numel, x.device)
     buf[:numel].copy_(x.reshape(-1))

@@ -34,6 +34,17 @@ class TensorMeta:
         self.dtype = t.dtype
         self.device = t.device
 
+    def unpack(self) -> torch.Tensor:
+        """The stand-in, as a saved-tensor unpack hook returns it (see :func:`run_saving_less`)."""
+        if torch.is_grad_enabled():
+            # NOTE: only a double backward (create_graph=True) unpacks with grad mode on; a
+            # stand-in holds no values, so refuse instead of differentiating garbage.
+            raise RuntimeError(
+                "A headroom.nn layer kept only the shape of a tensor that this double backward "
+                "(create_graph=True) needs. Run the model unconverted for gradient penalties."
+            )
+        return self.empty()
+
     def empty(self) -> torch.Tensor:
         # NOTE: while headroom's memory tracker runs, a stand-in is a fresh allocation as on an
         # accelerator, so the tracker charges it to the backward step that uses it instead of
@@ -65,6 +76,63 @@ def _tracker_active() -> bool:
 
 _standin_lock = threading.Lock()
 _standins: dict[torch.dtype, torch.Tensor] = {}
+
+
+# --- PyTorch's own autograd node, keeping less --------------------------------------------------
+#
+# NOTE: a Python ``autograd.Function`` costs ~20-60 us per call on CPU (apply, ctx, a Python
+# backward), which is several per cent of a small CNN step. Where PyTorch's own op computes
+# exactly what we want and only saves too much, it is cheaper to run that op under
+# saved-tensor hooks that replace what is not needed by a stand-in (or a bit mask) at save time:
+# the backward stays PyTorch's C++ node, with the same kernel and arguments. Used only when this
+# thread has no saved-tensor hooks of its own (checkpointing, activation offloading, the memory
+# tracker): ours would hide the tensors from them, so those runs take the autograd.Function path.
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+
+
+def hooks_free() -> bool:
+    """Whether no saved-tensor hooks are active here, so :func:`run_saving_less` may run."""
+    return _top_hooks(False) is None and _hooks_enabled()
+
+
+class Kept:
+    """A saved tensor kept as is, with PyTorch's check that it was not modified in place."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                f"expected version {self.version} instead."
+            )
+        return t
+
+
+def _unpack(packed):
+    return packed.unpack()
+
+
+def run_saving_less(pack, fn, *args):
+    """``fn(*args)`` with every tensor its autograd node saves replaced by ``pack(tensor)``.
+
+    ``pack`` returns an object whose ``unpack()`` gives backward its tensor back
+    (:class:`Kept`, :class:`TensorMeta`, or a bit mask). The caller checks :func:`hooks_free`.
+    """
+    _push_hooks(pack, _unpack)
+    try:
+        return fn(*args)
+    finally:
+        _pop_hooks()
 
 
 # --- which layer consumes a ReLU's output -------------------------------------------------------

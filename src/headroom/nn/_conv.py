@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from headroom.nn._common import TensorMeta, note_consumer
+from headroom.nn._common import Kept, TensorMeta, hooks_free, note_consumer, run_saving_less
 from headroom.nn._pad import pad as _pad
 
 
@@ -47,6 +47,24 @@ class _ConvFunction(torch.autograd.Function):
             grad, x, weight, ctx.bias_sizes, *ctx.args, mask
         )
         return gx, gw, gb, None, None, None, None, None, None
+
+
+def _conv_pack(weight: torch.Tensor, keep_input: bool, keep_weight: bool):
+    """Pack hook for ``ConvolutionBackward0``, which saves the (padded) input and the weight."""
+
+    def pack(t: torch.Tensor):
+        keep = keep_weight if t is weight else keep_input
+        return Kept(t) if keep else TensorMeta(t)
+
+    return pack
+
+
+def _fast(module, input: torch.Tensor) -> bool:
+    # NOTE: PyTorch's own convolution under saved-tensor hooks (see headroom.nn._common):
+    # the same node and kernels as nn.ConvNd, keeping the input only if the weight trains and
+    # the weight only if the input needs a gradient. Autocast casts inputs before the node
+    # saves them (the casted copies would not be recognized), so it takes the Function path.
+    return hooks_free() and not torch.is_autocast_enabled(input.device.type)
 
 
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -128,6 +146,9 @@ class _Conv(_ConvMixin):
             # NOTE: both gradients needed: PyTorch saves input and weight, as we would; its own
             # path skips a Python autograd.Function (speed) and keeps double backward.
             return super()._conv_forward(input, weight, bias)
+        if self.padding_mode == "zeros" and _fast(self, input):
+            pack = _conv_pack(weight, weight.requires_grad, input.requires_grad)
+            return run_saving_less(pack, super()._conv_forward, input, weight, bias)
         zeros = [0] * self._hr_dims
         if self.padding_mode != "zeros":
             x = _pad(input, self._reversed_padding_repeated_twice, self.padding_mode)
@@ -155,6 +176,9 @@ class _ConvTranspose(_ConvMixin):
         note_consumer(self, input)
         if input.requires_grad and self.weight.requires_grad:
             return super().forward(input, output_size)  # saves what we would (see _Conv)
+        if _fast(self, input):
+            pack = _conv_pack(self.weight, self.weight.requires_grad, input.requires_grad)
+            return run_saving_less(pack, super().forward, input, output_size)
         output_padding = self._output_padding(
             input,
             output_size,

@@ -185,3 +185,32 @@ def test_disk_stats_and_page_cache_off(tmp_path):
     s.write_rows(h, slice(2, 5), x[2:5].clone()).result()
     assert s.stats()["bytes_written"] == (128 + 3) * 64 * 4
     s.close()
+
+
+def test_disk_large_reads_split_across_threads(tmp_path):
+    s = DiskStore(tmp_path / "p", threads=4)
+    x = torch.randn(2100, 1024)  # 8.2 MiB: read as several requests at once
+    h = s.put("x", x)
+    before = s.stats()["reads"]
+    out = torch.empty_like(x)
+    assert s.read(h, out=out).result() is out and torch.equal(out, x)
+    assert s.stats()["reads"] - before > 1
+    rows = torch.cat([torch.arange(0, 900), torch.arange(1000, 2100)])
+    assert torch.equal(s.read_rows(h, rows).result(), x[rows])
+    assert torch.equal(s.read_rows(h, slice(7, 2099)).result(), x[7:2099])
+    # later operations on the key still wait for every piece
+    s.write(h, torch.zeros_like(x))
+    assert s.read(h).result().abs().sum() == 0
+    s.close()
+
+
+def test_disk_split_read_error_reaches_the_caller(tmp_path):
+    s = DiskStore(tmp_path / "p", threads=4)
+    h = s.put("x", torch.randn(2100, 1024))
+    s.flush()
+    os_file = s.file_of(h)
+    with open(os_file, "r+b") as f:
+        f.truncate(1 << 20)  # the later pieces hit the end of the file
+    with pytest.raises(OSError, match="end of file"):
+        s.read(h).result()
+    s.close()

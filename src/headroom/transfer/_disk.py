@@ -72,6 +72,53 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
+_PIECE_BYTES = 4 << 20  # reads of at least two of these are split across the I/O threads
+
+
+def _split(extents: list[tuple[int, int, int]], threads: int) -> list[list[tuple[int, int, int]]]:
+    """Cut extents into at most ``threads`` groups of about equal bytes (page-aligned cuts)."""
+    total = sum(length for _, _, length in extents)
+    if threads < 2 or total < 2 * _PIECE_BYTES:
+        return [extents]
+    piece = max(_PIECE_BYTES, -(-total // threads))
+    piece = -(-piece // 4096) * 4096
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    room = piece
+    for pos, offset, length in extents:
+        while length:
+            if room == 0:
+                groups.append([])
+                room = piece
+            k = min(room, length)
+            groups[-1].append((pos, offset, k))
+            pos, offset, length, room = pos + k, offset + k, length - k, room - k
+    return groups
+
+
+def _all_of(futs: list[Future], result) -> Future:
+    """A future that resolves to ``result`` once every one of ``futs`` is done (first error)."""
+    out: Future = Future()
+    lock = threading.Lock()
+    left = [len(futs)]
+    errors: list[BaseException] = []
+
+    def done_one(f: Future) -> None:
+        with lock:
+            if f.exception() is not None:
+                errors.append(f.exception())
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(result)
+
+    for f in futs:
+        f.add_done_callback(done_one)
+    return out
+
+
 class DiskStore(Store):
     """Tensors in files under ``path``, one file per tensor, moved by background threads.
 
@@ -84,8 +131,9 @@ class DiskStore(Store):
         path: directory for the files; created if missing. If it holds an ``index.json`` the
             tensors listed there are reopened (see `keys`, `get`).
         max_bytes: byte budget for the store; ``None`` means the free space of the disk.
-        threads: background I/O threads. More threads help fast NVMe drives with many tensors
-            in flight; one thread suffices for a single sequential stream.
+        threads: background read threads (writes get half as many, at least one). Reads of
+            8 MiB or more are split across them. More threads help fast NVMe drives with many
+            tensors in flight.
         page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
             them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
             writes): a model bigger than RAM then does not evict everything else from the
@@ -135,7 +183,13 @@ class DiskStore(Store):
         self._read_since = 0.0
         self._write_since = 0.0
         self._both_since = 0.0
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hr-disk")
+        # NOTE: reads and writes get their own threads: a read (usually a prefetch that compute
+        # will wait for) never queues behind gradient or state writes, which nobody waits for
+        # right away; fewer write threads also leave the disk to the reads more often.
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="hr-disk")
+        self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
+                                         thread_name_prefix="hr-disk-w")
         self._closed = False
         self._load_index()
         # NOTE: persist the index if the store is garbage-collected without close().
@@ -180,22 +234,45 @@ class DiskStore(Store):
         self._check(handle)
         return os.path.join(self.path, self._entries[handle.key]["file"])
 
-    def _submit(self, key: str, fn, *args) -> Future:
-        """Run ``fn`` on an I/O thread after the previous operation on ``key``."""
+    def _submit_parts(self, key: str, parts: list[tuple], result, *,
+                      write: bool = False) -> Future:
+        """Run ``fn(*args)`` of every part concurrently, after the previous operation on ``key``.
+
+        One part: its own future. Several: a future that resolves to ``result`` when all are
+        done (or to the first error).
+        """
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         with self._lock:
             prev = self._pending.get(key)
 
-            def run():
+            def run(fn, args):
                 if prev is not None:
                     prev.exception()  # wait; its error was reported to its own caller
                 return fn(*args)
 
-            fut = self._pool.submit(run)
+            # NOTE: no deadlock across the two pools: a task waits only for an operation
+            # submitted before it, and each pool starts its tasks in submission order.
+            pool = self._wpool if write else self._pool
+            futs = [pool.submit(run, fn, args) for fn, args in parts]
+            fut = futs[0] if len(futs) == 1 else _all_of(futs, result)
             self._pending[key] = fut
         fut.add_done_callback(lambda f, k=key: self._settle(k, f))
         return fut
+
+    def _submit_io(self, handle: Handle, kind: str, t: torch.Tensor,
+                   extents: list[tuple[int, int, int]]) -> Future:
+        path = self._file(handle)
+        pieces = [extents]
+        if kind == "read":
+            # NOTE: a large read goes out as several smaller ones at once: the disk then has
+            # more requests in flight (measured here: a virtual disk reads 16 MiB files 1.2-1.4x
+            # faster with 4 requests in flight than with one), and a prefetch of one big
+            # tensor no longer waits behind a single thread.
+            pieces = _split(extents, self._threads)
+        return self._submit_parts(
+            handle.key, [(self._io_job, (kind, path, t, p)) for p in pieces], t,
+            write=kind == "write")
 
     def _settle(self, key: str, fut: Future) -> None:
         with self._lock:
@@ -262,7 +339,7 @@ class DiskStore(Store):
         `stats` and drop the page cache the same way.
         """
         write = kind == "write"
-        n = t.numel() * t.element_size()
+        n = sum(length for _, _, length in extents)
         self._busy(kind, 1)
         try:
             fd = os.open(path, os.O_WRONLY if write else os.O_RDONLY)
@@ -327,8 +404,7 @@ class DiskStore(Store):
         out = self._out(handle, out, handle.shape)
         if handle.nbytes == 0:
             return done(out)
-        return self._submit(handle.key, self._io_job, "read", self._file(handle), out,
-                            [(0, 0, handle.nbytes)])
+        return self._submit_io(handle, "read", out, [(0, 0, handle.nbytes)])
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
         self._check_src(handle, src, handle.shape)
@@ -336,8 +412,7 @@ class DiskStore(Store):
             raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
         if handle.nbytes == 0:
             return done(None)
-        return self._submit(handle.key, self._io_job, "write", self._file(handle), src,
-                            [(0, 0, handle.nbytes)])
+        return self._submit_io(handle, "write", src, [(0, 0, handle.nbytes)])
 
     @staticmethod
     def _extents(handle: Handle, rows: slice | torch.Tensor) -> list[tuple[int, int, int]]:
@@ -356,7 +431,7 @@ class DiskStore(Store):
         extents = self._extents(handle, rows)
         if not extents:
             return done(out)
-        return self._submit(handle.key, self._io_job, "read", self._file(handle), out, extents)
+        return self._submit_io(handle, "read", out, extents)
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
         rows = self._check_rows(handle, rows)
@@ -366,7 +441,7 @@ class DiskStore(Store):
         extents = self._extents(handle, rows)
         if not extents:
             return done(None)
-        return self._submit(handle.key, self._io_job, "write", self._file(handle), src, extents)
+        return self._submit_io(handle, "write", src, extents)
 
     def file_of(self, handle: Handle) -> Path:
         """The file that holds ``handle`` (for inspection and benchmarks)."""
@@ -406,4 +481,5 @@ class DiskStore(Store):
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
+            self._wpool.shutdown(wait=True)
             self._finalizer.detach()

@@ -80,9 +80,7 @@ def set_trainable(model: nn.Module, which: Callable[[str, nn.Parameter], bool]) 
         p.requires_grad_(which(name, p))
 
 
-def step(
-    model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0, hooks: bool = True
-):
+def step(model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0, hooks: bool = True):
     """One forward+backward; returns (output, loss, input grad, param grads, bytes).
 
     ``hooks=True`` measures saved bytes with saved-tensor hooks (converted layers then take their

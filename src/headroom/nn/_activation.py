@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_nonzero
 from headroom.nn._common import (
+    KeepsNoInput,
     consumers_keep_output,
     hooks_free,
     note_consumer,
@@ -154,18 +155,12 @@ class _LeakyReLUMask(torch.autograd.Function):
         return gx, None, None
 
 
-class LeakyReLU(nn.LeakyReLU):
+class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     """``nn.LeakyReLU`` that keeps a 1-bit sign mask instead of its input."""
 
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _needs_graph(input):
-            return super().forward(input)
-        note_consumer(self, input)
+    def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
-            return super().forward(input)  # PyTorch raises its own error for this
+            return self._hr_torch_forward(input)  # PyTorch raises its own error for this
         return _LeakyReLUMask.apply(input, float(self.negative_slope), self.inplace)
 
 
@@ -191,14 +186,10 @@ class _HardtanhMask(torch.autograd.Function):
         return _threshold_backward(grad, _unpack_like(ctx, grad)), None, None, None
 
 
-class _HardtanhMixin:
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _needs_graph(input) or self.min_val > self.max_val:
-            return super().forward(input)
-        note_consumer(self, input)
+class _HardtanhMixin(KeepsNoInput):
+    def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.min_val > self.max_val:
+            return self._hr_torch_forward(input)  # PyTorch raises its own error for this
         return _HardtanhMask.apply(input, float(self.min_val), float(self.max_val), self.inplace)
 
 

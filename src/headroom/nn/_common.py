@@ -160,6 +160,26 @@ _consumers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+class KeepsNoInput:
+    """Mixin of layers whose backward never reads their input's values (pools, pads, masks).
+
+    ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded; otherwise it
+    records the layer as the consumer of a ReLU's output (see below) and calls ``_hr_forward``.
+    """
+
+    def _hr_saves_input(self) -> bool:
+        return False
+
+    def _hr_torch_forward(self, input: torch.Tensor):
+        return super().forward(input)
+
+    def forward(self, input: torch.Tensor):
+        if not (torch.is_grad_enabled() and input.requires_grad):
+            return self._hr_torch_forward(input)
+        note_consumer(self, input)
+        return self._hr_forward(input)
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 

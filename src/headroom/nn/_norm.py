@@ -19,6 +19,8 @@ from torch.autograd.function import once_differentiable
 
 from headroom.nn._common import TensorMeta, note_consumer
 
+aten = torch.ops.aten
+
 
 def _rg(t: torch.Tensor | None) -> bool:
     return t is not None and t.requires_grad
@@ -133,67 +135,28 @@ class BatchNorm3d(_BatchNorm, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` that skips its input where backward does not need it."""
 
 
-class _BiasOnlyLayerNorm(torch.autograd.Function):
+class _BiasOnlyNorm(torch.autograd.Function):
+    """``fwd(x) -> (out, mean, rstd)``; backward ``bwd(grad, x, mean, rstd)`` reading x's shape.
+
+    ``weight`` and ``bias`` are passed only so that autograd knows which of them train.
+    """
+
     @staticmethod
-    def forward(ctx, x, weight, bias, normalized_shape, eps):
-        out, mean, rstd = torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    def forward(ctx, x, weight, bias, fwd, bwd):
+        out, mean, rstd = fwd(x)
         ctx.save_for_backward(mean, rstd)
-        ctx.meta, ctx.shape, ctx.params = TensorMeta(x), normalized_shape, (weight, bias)
+        ctx.meta, ctx.bwd = TensorMeta(x), bwd
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         mean, rstd = ctx.saved_tensors
-        weight, bias = ctx.params
-        _, _, gb = torch.ops.aten.native_layer_norm_backward(
-            grad, ctx.meta.empty(), ctx.shape, mean, rstd, weight, bias, [False, False, True]
-        )
-        return None, None, gb, None, None
+        return None, None, ctx.bwd(grad, ctx.meta.empty(), mean, rstd), None, None
 
 
-class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` that keeps no input when only its ``bias`` trains."""
-
-    def _hr_saves_input(self) -> bool:
-        return True
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return super().forward(input)
-        if input.requires_grad:
-            note_consumer(self, input)
-            return super().forward(input)
-        if _rg(self.weight) or not _rg(self.bias) or torch.is_autocast_enabled(input.device.type):
-            # NOTE: autocast runs layer_norm in float32 on some devices; PyTorch's path does that.
-            return super().forward(input)
-        return _BiasOnlyLayerNorm.apply(
-            input, self.weight, self.bias, list(self.normalized_shape), self.eps
-        )
-
-
-class _BiasOnlyGroupNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, groups, eps):
-        n, c = x.shape[0], x.shape[1]
-        hxw = x.numel() // (n * c) if n * c else 0
-        out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
-        ctx.save_for_backward(mean, rstd)
-        ctx.meta, ctx.args, ctx.weight = TensorMeta(x), (n, c, hxw, groups), weight
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        mean, rstd = ctx.saved_tensors
-        _, _, gb = torch.ops.aten.native_group_norm_backward(
-            grad, ctx.meta.empty(), mean, rstd, ctx.weight, *ctx.args, [False, False, True]
-        )
-        return None, None, gb, None, None
-
-
-class GroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` that keeps no input when only its ``bias`` trains."""
+class _BiasOnlyMixin:
+    """``forward`` of a norm that keeps no input when only its ``bias`` trains."""
 
     def _hr_saves_input(self) -> bool:
         return True
@@ -207,10 +170,42 @@ class GroupNorm(nn.GroupNorm):
         if (
             _rg(self.weight)
             or not _rg(self.bias)
-            or input.dim() < 2
             or torch.is_autocast_enabled(input.device.type)
+            or not self._hr_applies(input)
         ):
-            return super().forward(input)  # see LayerNorm.forward on autocast
+            # NOTE: autocast runs layer_norm/group_norm in float32 on some devices; PyTorch's
+            # path does that.
+            return super().forward(input)
+        return self._hr_bias_only(input)
+
+
+class LayerNorm(_BiasOnlyMixin, nn.LayerNorm):
+    """``nn.LayerNorm`` that keeps no input when only its ``bias`` trains."""
+
+    def _hr_applies(self, input: torch.Tensor) -> bool:
+        return True
+
+    def _hr_bias_only(self, input: torch.Tensor) -> torch.Tensor:
+        shape, weight, bias, eps = list(self.normalized_shape), self.weight, self.bias, self.eps
+
+        def fwd(x):
+            return aten.native_layer_norm(x, shape, weight, bias, eps)
+
+        def bwd(grad, x, mean, rstd):
+            return aten.native_layer_norm_backward(
+                grad, x, shape, mean, rstd, weight, bias, [False, False, True]
+            )[2]
+
+        return _BiasOnlyNorm.apply(input, weight, bias, fwd, bwd)
+
+
+class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
+    """``nn.GroupNorm`` that keeps no input when only its ``bias`` trains."""
+
+    def _hr_applies(self, input: torch.Tensor) -> bool:
+        return input.dim() >= 2
+
+    def _hr_bias_only(self, input: torch.Tensor) -> torch.Tensor:
         # NOTE: aten.group_norm hands native_group_norm a copy contiguous in the input's
         # suggested memory format on CPU; do the same so the kernel sees the same layout.
         fmt = torch.contiguous_format
@@ -220,6 +215,17 @@ class GroupNorm(nn.GroupNorm):
             fmt = torch.channels_last_3d if not input.is_contiguous() else fmt
         if input.device.type not in ("cpu", "xpu"):
             fmt = torch.contiguous_format
-        return _BiasOnlyGroupNorm.apply(
-            input.contiguous(memory_format=fmt), self.weight, self.bias, self.num_groups, self.eps
-        )
+        x = input.contiguous(memory_format=fmt)
+        n, c = x.shape[0], x.shape[1]
+        hxw = x.numel() // (n * c) if n * c else 0
+        weight, bias, groups, eps = self.weight, self.bias, self.num_groups, self.eps
+
+        def fwd(x):
+            return aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+
+        def bwd(grad, x, mean, rstd):
+            return aten.native_group_norm_backward(
+                grad, x, mean, rstd, weight, n, c, hxw, groups, [False, False, True]
+            )[2]
+
+        return _BiasOnlyNorm.apply(x, weight, bias, fwd, bwd)

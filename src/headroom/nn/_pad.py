@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from headroom.nn._common import TensorMeta, note_consumer
+from headroom.nn._common import KeepsNoInput, TensorMeta
 
 _BACKWARD = {
     ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
@@ -55,15 +55,10 @@ def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
     return F.pad(x, padding, mode=mode)
 
 
-class _PadMixin:
+class _PadMixin(KeepsNoInput):
     _hr_mode: str
 
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and input.requires_grad:
-            note_consumer(self, input)
+    def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         return pad(input, self.padding, self._hr_mode)
 
 

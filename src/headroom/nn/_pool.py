@@ -13,13 +13,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _list_with_default, _ntuple
 
-from headroom.nn._common import TensorMeta, note_consumer
+from headroom.nn._common import KeepsNoInput, TensorMeta
 
 aten = torch.ops.aten
-
-
-def _needs_graph(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
 
 
 class _IndexedPool(torch.autograd.Function):
@@ -55,16 +51,10 @@ class _ShapeOnlyPool(torch.autograd.Function):
         return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
 
 
-class _MaxPool:
+class _MaxPool(KeepsNoInput):
     _hr_dims: int
 
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor):
-        if not _needs_graph(input):
-            return super().forward(input)
-        note_consumer(self, input)
+    def _hr_forward(self, input: torch.Tensor):
         n = self._hr_dims
         k = list(_ntuple(n)(self.kernel_size))
         s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
@@ -108,16 +98,10 @@ class MaxPool3d(_MaxPool, nn.MaxPool3d):
     _hr_dims = 3
 
 
-class _AdaptiveMaxPool:
+class _AdaptiveMaxPool(KeepsNoInput):
     _hr_dims: int
 
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor):
-        if not _needs_graph(input):
-            return super().forward(input)
-        note_consumer(self, input)
+    def _hr_forward(self, input: torch.Tensor):
         n = self._hr_dims
         if n == 1:
             # NOTE: aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
@@ -156,16 +140,10 @@ class AdaptiveMaxPool3d(_AdaptiveMaxPool, nn.AdaptiveMaxPool3d):
     _hr_dims = 3
 
 
-class _AvgPool:
+class _AvgPool(KeepsNoInput):
     _hr_dims: int
 
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _needs_graph(input):
-            return super().forward(input)
-        note_consumer(self, input)
+    def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         n = self._hr_dims
         k = list(_ntuple(n)(self.kernel_size))
         s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
@@ -201,22 +179,16 @@ class AvgPool3d(_AvgPool, nn.AvgPool3d):
     _hr_dims = 3
 
 
-class _AdaptiveAvgPool:
+class _AdaptiveAvgPool(KeepsNoInput):
     _hr_dims: int
 
-    def _hr_saves_input(self) -> bool:
-        return False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _needs_graph(input):
-            return super().forward(input)
-        note_consumer(self, input)
+    def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         n = self._hr_dims
         if n == 1:
             # NOTE: aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
             size = [1, _ntuple(1)(self.output_size)[0]]
             if size[1] == 1:
-                return super().forward(input)  # a mean in aten, which saves nothing
+                return self._hr_torch_forward(input)  # a mean in aten, which saves nothing
             out = _ShapeOnlyPool.apply(
                 input.unsqueeze(-2),
                 aten._adaptive_avg_pool2d,
@@ -228,7 +200,7 @@ class _AdaptiveAvgPool:
         size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
         # NOTE: an all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
         if all(v == 1 for v in size) or input.is_quantized:
-            return super().forward(input)
+            return self._hr_torch_forward(input)
         fwd = aten._adaptive_avg_pool2d if n == 2 else aten._adaptive_avg_pool3d
         bwd = aten._adaptive_avg_pool2d_backward if n == 2 else aten._adaptive_avg_pool3d_backward
         return _ShapeOnlyPool.apply(input, fwd, (size,), bwd, ())

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 _PACK = 0x0102040810204080
 _SPREAD = 0x0101010101010101
 # NOTE: 0x8040201008040201 does not fit in a signed int64; this is the same bit pattern.
@@ -83,9 +84,12 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
     # is vectorized and ~9x faster than the ``ne`` comparison kernel with a bool output.
     """
     if x.device.type == "cpu":
-        # NOTE: one cast (kept in x's layout) and NumPy's packbits, which reads any strides in
-        # row-major order: 2 calls instead of 4, which matters for the many small tensors of a
-        # late CNN stage (fixed cost ~3 us instead of ~7 us).
+        # NOTE: one comparison and NumPy's packbits, which reads any strides in row-major
+        # order: 2 calls instead of 4, which matters for the many small tensors of a late CNN
+        # stage (fixed cost ~3 us instead of ~7 us). NumPy's float ``!= 0`` (SIMD) is ~15%
+        # faster than torch's cast to bool; dtypes NumPy lacks (bfloat16) take torch's cast.
+        if x.dtype in _NUMPY_FLOATS:
+            return torch.from_numpy(np.packbits(x.detach().numpy() != 0, bitorder="little"))
         return torch.from_numpy(np.packbits(x.bool().numpy(), bitorder="little"))
     numel = x.numel()
     buf = _scratch_bool(numel, x.device)

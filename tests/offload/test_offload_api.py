@@ -26,6 +26,19 @@ from tests.offload.test_offload_helpers import (
 )
 
 
+def _train_side_by_side(*pairs, steps: int = 3) -> torch.Tensor:
+    """Train each (model, optimizer) pair on the same LM batches; returns the last batch."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        b = lm_batch(g)
+        for m, o in pairs:
+            torch.manual_seed(1)
+            lm_loss(m, b).backward()
+            o.step()
+            o.zero_grad()
+    return b
+
+
 def _offload(model, store="cpu", **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -62,14 +75,7 @@ def test_unoffload_restores_plain_parameters(store):
     opt = StoreStep(model.parameters(), lr=1e-2) if isinstance(store, DiskStore) else \
         torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        b = lm_batch(g)
-        for m, o in ((ref, opt_ref), (model, opt)):
-            torch.manual_seed(1)
-            lm_loss(m, b).backward()
-            o.step()
-            o.zero_grad()
+    b = _train_side_by_side((ref, opt_ref), (model, opt))
     st = _state(model).store
     torch.manual_seed(1)
     lm_loss(model, b).backward()  # a gradient comes back too
@@ -283,14 +289,7 @@ def test_optimizer_created_before_offload_keeps_working():
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before offloading
     _offload(model)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        b = lm_batch(g)
-        for m, o in ((ref, opt_ref), (model, opt)):
-            torch.manual_seed(1)
-            lm_loss(m, b).backward()
-            o.step()
-            o.zero_grad()
+    _train_side_by_side((ref, opt_ref), (model, opt))
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
 

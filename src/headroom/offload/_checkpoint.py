@@ -89,6 +89,17 @@ def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
     f.write(memoryview(flat.numpy()))
 
 
+def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
+    """Queue parameter ``idx``'s state tensors as file items; return the rest as JSON."""
+    sm = {}
+    for k, v in st.items():
+        if isinstance(v, torch.Tensor):
+            items.append(_Item(f"optimizer/{idx}/{k}", tensor=v))
+        else:
+            sm[k] = _jsonable(v, f"state of parameter {idx}", tensors)
+    return sm
+
+
 def _jsonable(value: Any, where: str, tensors: list[_Item]) -> Any:
     if isinstance(value, torch.Tensor):
         name = f"json/{len(tensors)}"
@@ -180,23 +191,11 @@ def _optimizer_items(
                 st = inner_state.get(e.master)
                 if not st:
                     continue
-                sm = {}
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        items.append(_Item(f"optimizer/{e.index}/{k}", tensor=v))
-                    else:
-                        sm[k] = _jsonable(v, f"state of parameter {e.index}", tensors)
-                small[str(e.index)] = sm
+                small[str(e.index)] = _state_items(e.index, st, items, tensors)
             elif e.initialized:
-                sm = {}
                 for k, h in e.state_handles.items():
                     items.append(_Item(f"optimizer/{e.index}/{k}", store=store, handle=h))
-                for k, v in e.small.items():
-                    if isinstance(v, torch.Tensor):
-                        items.append(_Item(f"optimizer/{e.index}/{k}", tensor=v))
-                    else:
-                        sm[k] = _jsonable(v, f"state of parameter {e.index}", tensors)
-                small[str(e.index)] = sm
+                small[str(e.index)] = _state_items(e.index, e.small, items, tensors)
     else:
         sd = optimizer.state_dict()
         order = [p for g in optimizer.param_groups for p in g["params"]]
@@ -207,13 +206,7 @@ def _optimizer_items(
         for p in order:
             params.append({"name": pname.get(id(p)), "shape": list(p.shape)})
         for idx, st in sd["state"].items():
-            sm = {}
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    items.append(_Item(f"optimizer/{idx}/{k}", tensor=v))
-                else:
-                    sm[k] = _jsonable(v, f"state of parameter {idx}", tensors)
-            small[str(idx)] = sm
+            small[str(idx)] = _state_items(idx, st, items, tensors)
     meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
             "small": small}
     if isinstance(optimizer, HostOptimizer):

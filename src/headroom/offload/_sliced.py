@@ -15,6 +15,7 @@ every slice carries as its own copy.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,20 +215,8 @@ class SliceRunner:
                 owned = isinstance(cur["g"], Future)
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
             rows = cur["rows"]
-            if src.initialized:
-                state = {key: _result(v) for key, v in cur["s"].items()}
-                state.update({key: _clone_small(v) for key, v in src.small.items()})
-            else:
-                state = self._fresh_state(work, group)
-            opt.param_groups[0]["params"] = [work]
-            opt.state[work] = state
-            work.grad = grad
-            try:
-                opt.step()
-            finally:
-                work.grad = None
-                opt.param_groups[0]["params"] = []
-                state = opt.state.pop(work, state)
+            state = self._run(opt, group, src, work, grad,
+                              lambda s=cur.get("s", {}): {key: _result(v) for key, v in s.items()})
             writes = pending_writes[i % 2]
             for key, h in src.state_handles.items():
                 t = state[key]
@@ -244,14 +233,14 @@ class SliceRunner:
                 f.result()
         return results
 
-    def _step_scalar(self, src: SliceSource, opt, group) -> dict[str, Any]:
-        work = (src.master if src.master is not None
-                else src.master_store.read(src.master_handle).result())
-        grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
-        if src.grad_scale is not None:
-            grad = grad.mul(src.grad_scale)
+    def _run(self, opt, group, src: SliceSource, work: torch.Tensor, grad: torch.Tensor,
+             shaped: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Step ``opt`` on one tensor (a slice or a whole parameter); returns its new state.
+
+        ``shaped`` gives the resting per-element state (called only once initialized).
+        """
         if src.initialized:
-            state = {k: src.state_store.read(h).result() for k, h in src.state_handles.items()}
+            state = shaped()
             state.update({k: _clone_small(v) for k, v in src.small.items()})
         else:
             state = self._fresh_state(work, group)
@@ -264,6 +253,16 @@ class SliceRunner:
             work.grad = None
             opt.param_groups[0]["params"] = []
             state = opt.state.pop(work, state)
+        return state
+
+    def _step_scalar(self, src: SliceSource, opt, group) -> dict[str, Any]:
+        work = (src.master if src.master is not None
+                else src.master_store.read(src.master_handle).result())
+        grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
+        if src.grad_scale is not None:
+            grad = grad.mul(src.grad_scale)
+        state = self._run(opt, group, src, work, grad, lambda: {
+            k: src.state_store.read(h).result() for k, h in src.state_handles.items()})
         for k, h in src.state_handles.items():
             src.state_store.write(h, state[k].contiguous()).result()
         if src.master is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -110,6 +111,28 @@ def test_overlap_misuse_is_an_error():
     opt.param_groups[0]["lr"] = 0.5
     with pytest.raises(RuntimeError, match="changed"):
         opt.step()
+
+
+def test_overlap_hparam_change_detected_when_the_worker_starts_late():
+    a, ref, b, opt = _pair(overlap=True)
+    train(a, ref, range(2))
+    train(b, opt, range(2))
+    drain = opt._drain
+
+    def late():
+        time.sleep(0.2)  # the worker gets to the step only after lr was changed below
+        drain()
+
+    opt._drain = late
+    loss_fn(a, 8).backward()
+    loss_fn(b, 8).backward()
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(RuntimeError, match="changed"):
+        opt.step()
+    # the early steps used the lr of their launch, as the error says
+    ref.step()
+    opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
+    assert_params_equal(a, b)
 
 
 def test_lr_scheduler_and_param_groups():

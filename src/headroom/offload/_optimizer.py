@@ -412,6 +412,12 @@ class HostOptimizer(torch.optim.Optimizer):
                 for x in bucket.entries:
                     x.launched = True
                 with self._lock:
+                    # NOTE: the hyperparameters are taken now, on this thread, and the worker
+                    # steps with exactly these: a change made before the worker gets to run
+                    # is then still detected at step() rather than silently picked up by some
+                    # parameters and not others.
+                    for x in bucket.entries:
+                        self._launched_hparams.setdefault(x.group, self._hparams(x.group))
                     self._ready.extend(bucket.entries)
                 self._futures.append(self._pool.submit(self._drain))
 
@@ -459,8 +465,9 @@ class HostOptimizer(torch.optim.Optimizer):
             sync_grad(b)
         if early:
             with self._lock:
-                for e in batch:
-                    self._launched_hparams.setdefault(e.group, self._hparams(e.group))
+                hparams = {e.group: self._launched_hparams[e.group] for e in batch}
+        else:
+            hparams = {e.group: self._hparams(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._allocate_state(streamed)
@@ -471,9 +478,8 @@ class HostOptimizer(torch.optim.Optimizer):
             # NOTE: look the inner groups up each time: load_state_dict replaces those dicts.
             inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
             for gi, inner in inner_groups.items():
-                for k, v in self.param_groups[gi].items():
-                    if k != "params":
-                        inner[k] = v
+                for k, v in hparams.get(gi, {}).items():
+                    inner[k] = v
                 saved[gi] = inner["params"]
                 inner["params"] = [e.master for e in in_mem if e.group == gi]
             for e in in_mem:
@@ -489,7 +495,7 @@ class HostOptimizer(torch.optim.Optimizer):
             todo = [(e, self._source(e)) for e in streamed]
             todo = [(e, src) for e, src in todo if src is not None]
             results = self._slicer.step_many(
-                [(src, e.group, self.param_groups[e.group]) for e, src in todo])
+                [(src, e.group, hparams[e.group]) for e, src in todo])
             for (e, _), small in zip(todo, results, strict=True):
                 e.small = small
                 e.initialized = True

@@ -215,8 +215,9 @@ class SliceRunner:
                 owned = isinstance(cur["g"], Future)
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
             rows = cur["rows"]
+            resting = cur.get("s", {})
             state = self._run(opt, group, src, work, grad,
-                              lambda s=cur.get("s", {}): {key: _result(v) for key, v in s.items()})
+                              lambda s=resting: {key: _result(v) for key, v in s.items()})
             writes = pending_writes[i % 2]
             for key, h in src.state_handles.items():
                 t = state[key]

@@ -12,10 +12,14 @@ Memory is measured two ways after a warm-up step, as bytes of storages created d
 that are still alive when it returns ("kept", the number that matters and the only fair one:
 memsave_torch keeps some tensors as plain attributes of the autograd context, invisible to
 saved-tensor hooks), and as bytes passed to ``torch.autograd.graph.saved_tensors_hooks``
-("saved"), deduplicated by storage. Parameters and buffers are never counted.
+("saved"), deduplicated by storage. Parameters and buffers are never counted. "Kept" is taken
+from a forward without saved-tensor hooks (converted layers take their fast path, as in
+training), "saved" from a second one under hooks (their autograd.Function path).
 
 Time is forward+backward, medians of interleaved repeats, as a ratio to plain PyTorch, in
-process CPU time (robust when other jobs share the machine; the headline) and in wall time.
+process CPU time (robust when other jobs share the machine; the headline) and in wall time,
+with the median number of minor page faults per step (heap regrowth after glibc returned
+freed memory to the OS costs process CPU time too, and differs between runs).
 
 Run (memsave_torch is optional; give the folder that contains the ``memsave_torch`` package):
 
@@ -32,6 +36,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -44,83 +49,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import headroom as hr
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _cnn_models import resnet_like, set_case, vgg_like  # noqa: E402
+
 MiB = 1 << 20
-CASES = ("all", "input", "norm", "surgical")
-
-
-# --------------------------------------------------------------------------------- models
-def vgg_like(width: int = 64, classes: int = 10, size: int = 64) -> nn.Module:
-    layers: list[nn.Module] = []
-    cin = 3
-    for cout in (width, width, "M", 2 * width, 2 * width, "M", 4 * width, 4 * width, "M"):
-        if cout == "M":
-            layers.append(nn.MaxPool2d(2))
-            continue
-        layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
-        cin = cout
-    return nn.Sequential(
-        *layers,
-        nn.Flatten(),
-        nn.Linear(cin * (size // 8) ** 2, 256),
-        nn.ReLU(),
-        nn.Dropout(0.5),
-        nn.Linear(256, classes),
-    )
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
-
-
-def resnet_like(width: int = 32, classes: int = 10) -> nn.Module:
-    """ResNet-18 layout (stem, 4 stages of 2 BasicBlocks, global pool, fc) at a given width."""
-    blocks: list[nn.Module] = []
-    cin = width
-    for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
-        blocks += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout)]
-        cin = cout
-    return nn.Sequential(
-        nn.Conv2d(3, width, 7, 2, 3, bias=False),
-        nn.BatchNorm2d(width),
-        nn.ReLU(inplace=True),
-        nn.MaxPool2d(3, 2, 1),
-        *blocks,
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(cin, classes),
-    )
-
-
-def set_case(model: nn.Module, case: str) -> None:
-    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
-    surgical = convs[len(convs) // 2]
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            if case == "all":
-                p.requires_grad_(True)
-            elif case == "norm":
-                p.requires_grad_(isinstance(m, nn.BatchNorm2d))
-            elif case == "surgical":
-                p.requires_grad_(m is surgical)
-            else:
-                p.requires_grad_(False)
+CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way
 
 
 # --------------------------------------------------------------------------------- measuring
@@ -141,19 +74,16 @@ class _Created(TorchDispatchMode):
 
 
 def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """(kept, saved) bytes of one forward, as described in the module docstring."""
+    """(kept, saved) bytes, as described in the module docstring, from two forwards.
+
+    # NOTE: "kept" is measured without saved-tensor hooks, so converted layers take the path a
+    # plain training step takes (PyTorch's own nodes under headroom's hooks); under hooks of
+    # the caller's ("saved") they take their autograd.Function path instead. Both keep the same.
+    """
     resident = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s._cdata not in resident:
-            saved[s._cdata] = s.nbytes()
-        return t
-
     gc.collect()
     mode = _Created()
-    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with mode:
         out = model(x)
     loss = out.float().sum()
     skip = resident | {out.untyped_storage()._cdata, loss.untyped_storage()._cdata}
@@ -163,17 +93,21 @@ def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     if loss.requires_grad:
         loss.backward()
     model.zero_grad(set_to_none=True)
-    return kept, sum(saved.values())
+    saved = _saved(model, x)
+    model.zero_grad(set_to_none=True)
+    return kept, saved
 
 
-def fwd_bwd(model: nn.Module, x: torch.Tensor) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one forward+backward."""
+def fwd_bwd(model: nn.Module, x: torch.Tensor) -> tuple[float, float, int]:
+    """(wall seconds, process CPU seconds, minor page faults) of one forward+backward."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0, t0 = time.process_time(), time.perf_counter()
     out = model(x)
     out.float().sum().backward()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     model.zero_grad(set_to_none=True)
-    return wall, cpu
+    return wall, cpu, faults
 
 
 def load_memsave():
@@ -359,16 +293,19 @@ def main() -> None:
                 row[vname] = {"kept_bytes": kept, "saved_bytes": saved}
             walls: dict[str, list[float]] = {v: [] for v in variants}
             cpus: dict[str, list[float]] = {v: [] for v in variants}
+            faults: dict[str, list[int]] = {v: [] for v in variants}
             order = list(variants.items())
             for i in range(args.repeats):
                 # NOTE: alternate the order so that neither variant always runs first.
                 for vname, model in order if i % 2 == 0 else order[::-1]:
-                    wall, cpu = fwd_bwd(model, x)
+                    wall, cpu, nfault = fwd_bwd(model, x)
                     walls[vname].append(wall)
                     cpus[vname].append(cpu)
+                    faults[vname].append(nfault)
             for vname in variants:
                 row[vname]["wall_s"] = statistics.median(walls[vname])
                 row[vname]["cpu_s"] = statistics.median(cpus[vname])
+                row[vname]["page_faults"] = statistics.median(faults[vname])
             for vname in variants:
                 row[vname]["cpu_vs_torch"] = row[vname]["cpu_s"] / row["torch"]["cpu_s"]
                 row[vname]["wall_vs_torch"] = row[vname]["wall_s"] / row["torch"]["wall_s"]
@@ -380,7 +317,7 @@ def main() -> None:
                     f" | {vname} kept {r['kept_bytes'] / MiB:6.2f} MiB"
                     f" saved {r['saved_bytes'] / MiB:6.2f}"
                     f" cpu {r['cpu_s'] * 1e3:6.1f} ms ({r['cpu_vs_torch']:.3f}x)"
-                    f" wall ({r['wall_vs_torch']:.3f}x)"
+                    f" wall ({r['wall_vs_torch']:.3f}x) faults {r['page_faults']:.0f}"
                 )
             print(line, flush=True)
         results["models"][name] = rows

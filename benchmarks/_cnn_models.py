@@ -1,0 +1,112 @@
+"""VGG-like and ResNet-like CNNs built from ``torch.nn``, and the cases of what trains.
+
+Shared by ``benchmarks/selective_layers.py`` (full size) and ``tests/nn`` (small sizes), so the
+models the tests check bitwise are the very models the benchmark times and measures.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+CASES = ("all", "input", "norm", "surgical", "none")
+
+
+def vgg_like(
+    width: int = 64, classes: int = 10, size: int = 64, *, stages: int = 3, hidden: int = 256
+) -> nn.Module:
+    """``stages`` x (two 3x3 Conv-BatchNorm-ReLU, MaxPool2d(2)), then Linear-ReLU-Dropout-Linear.
+
+    Stage ``i`` has ``width * 2**i`` channels; ``size`` is the input's height and width.
+    """
+    layers: list[nn.Module] = []
+    cin = 3
+    for i in range(stages):
+        cout = width * 2**i
+        for _ in range(2):
+            layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+            cin = cout
+        layers.append(nn.MaxPool2d(2))
+    return nn.Sequential(
+        *layers,
+        nn.Flatten(),
+        nn.Linear(cin * (size >> stages) ** 2, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(hidden, classes),
+    )
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock shape: one inplace ReLU module used twice."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+def resnet_like(
+    width: int = 32,
+    classes: int = 10,
+    *,
+    stem: int = 7,
+    blocks: tuple[int, ...] = (2, 2, 2, 2),
+) -> nn.Module:
+    """ResNet layout: a ``stem``x``stem`` convolution (stride 2 if ``stem > 3``), max-pool,
+    ``len(blocks)`` stages of BasicBlocks (stage ``i``: ``width * 2**i`` channels, ``blocks[i]``
+    blocks, stride 2 from the second stage on), global average pool, fc. The defaults are
+    ResNet-18's layout.
+    """
+    stages: list[nn.Module] = []
+    cin = width
+    for i, count in enumerate(blocks):
+        cout = width * 2**i
+        for j in range(count):
+            stages.append(BasicBlock(cin, cout, 2 if i > 0 and j == 0 else 1))
+            cin = cout
+    return nn.Sequential(
+        nn.Conv2d(3, width, stem, 2 if stem > 3 else 1, stem // 2, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+        *stages,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(cin, classes),
+    )
+
+
+def set_case(model: nn.Module, case: str) -> None:
+    """Set ``requires_grad`` of every parameter for one of :data:`CASES`.
+
+    ``all``: every parameter; ``norm``: the BatchNorm affine parameters; ``surgical``: the
+    convolution in the middle of the network; ``input`` and ``none``: no parameter (in
+    ``input`` the caller makes the input require grad).
+    """
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    surgical = convs[len(convs) // 2]
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if case == "all":
+                p.requires_grad_(True)
+            elif case == "norm":
+                p.requires_grad_(isinstance(m, nn.BatchNorm2d))
+            elif case == "surgical":
+                p.requires_grad_(m is surgical)
+            else:
+                p.requires_grad_(False)

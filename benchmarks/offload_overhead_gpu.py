@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import statistics
 import sys
 import time
@@ -26,17 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+# NOTE: the same model as the CPU variant, so the two sets of numbers compare directly.
+from offload_overhead import MLP, width_for  # sibling script: benchmarks/ is on sys.path
+
 import headroom as hr
-
-
-class MLP(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, width)
-        self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
 
 
 def _sync() -> None:
@@ -65,7 +57,7 @@ def bandwidth(
 
 def bench(device, block_mib, blocks, tokens, repeats, h2d_bps, d2h_bps) -> dict:
     torch.manual_seed(0)
-    w = int(math.sqrt(block_mib * 2**20 / 8))
+    w = width_for(block_mib)
     base = nn.Sequential(*[MLP(w) for _ in range(blocks)])
     plain = copy.deepcopy(base).to(device)
     model = hr.offload(copy.deepcopy(base), device=device, store="cpu", prefetch=1)

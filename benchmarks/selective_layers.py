@@ -44,35 +44,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import headroom as hr
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _cnn_models import resnet_like, set_case, vgg_like  # noqa: E402
+from _selective import CreatedStorages, resnet_like, set_case, vgg_like  # noqa: E402
 
 MiB = 1 << 20
 CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way
 
 
 # --------------------------------------------------------------------------------- measuring
-class _Created(TorchDispatchMode):
-    """Weak references to every storage an op creates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                s = t.untyped_storage()
-                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        return out
-
-
 def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     """(kept, saved) bytes, as described in the module docstring, from two forwards.
 
@@ -82,14 +64,14 @@ def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     """
     resident = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     gc.collect()
-    mode = _Created()
+    mode = CreatedStorages()
     with mode:
         out = model(x)
     loss = out.float().sum()
     skip = resident | {out.untyped_storage()._cdata, loss.untyped_storage()._cdata}
     del out
     gc.collect()
-    kept = sum(n for key, (ref, n) in mode.refs.items() if not ref.expired() and key not in skip)
+    kept = mode.live_bytes(skip)
     if loss.requires_grad:
         loss.backward()
     model.zero_grad(set_to_none=True)

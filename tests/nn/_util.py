@@ -6,9 +6,8 @@ import copy
 from collections.abc import Callable, Iterable
 
 import torch
+from benchmarks._selective import CreatedStorages
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
@@ -31,22 +30,6 @@ def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] 
     return sum(seen.values()), out
 
 
-class _Created(TorchDispatchMode):
-    """Weak references to the storages ops create (seen without saved-tensor hooks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                s = t.untyped_storage()
-                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
-        return out
-
-
 def kept_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
     """Bytes of storages created while ``fn`` runs that the graph still holds afterwards.
 
@@ -54,12 +37,11 @@ def kept_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] =
     their fast path (PyTorch's own nodes under headroom's hooks). The output's storage and those
     of ``exclude`` are not counted. Returns ``(bytes, output)``.
     """
-    mode = _Created()
+    mode = CreatedStorages()
     with mode:
         out = fn()
     skip = {t.untyped_storage()._cdata for t in (*exclude, out)}
-    live = {k: n for k, (ref, n) in mode.refs.items() if not ref.expired() and k not in skip}
-    return sum(live.values()), out
+    return mode.live_bytes(skip), out
 
 
 def model_state(model: nn.Module) -> list[torch.Tensor]:

@@ -1,13 +1,16 @@
-"""VGG-like and ResNet-like CNNs built from ``torch.nn``, and the cases of what trains.
+"""VGG-like and ResNet-like CNNs built from ``torch.nn``, the cases of what trains, and the
+dispatch mode that sees which storages a forward creates.
 
 Shared by ``benchmarks/selective_layers.py`` (full size) and ``tests/nn`` (small sizes), so the
-models the tests check bitwise are the very models the benchmark times and measures.
+models the tests check bitwise are the very models the benchmark times and measures, the same way.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CASES = ("all", "input", "norm", "surgical", "none")
 
@@ -110,3 +113,27 @@ def set_case(model: nn.Module, case: str) -> None:
                 p.requires_grad_(m is surgical)
             else:
                 p.requires_grad_(False)
+
+
+class CreatedStorages(TorchDispatchMode):
+    """Weak references to every storage an op creates while the mode is active.
+
+    ``refs`` maps a storage key to ``(weak reference, nbytes)``; after the forward, the storages
+    whose reference is alive are what the graph (or the caller) still holds.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                s = t.untyped_storage()
+                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+        return out
+
+    def live_bytes(self, skip: set[int] | frozenset[int] = frozenset()) -> int:
+        """Bytes of the created storages still alive, except those whose key is in ``skip``."""
+        return sum(n for k, (ref, n) in self.refs.items() if not ref.expired() and k not in skip)

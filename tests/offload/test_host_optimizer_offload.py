@@ -160,3 +160,32 @@ def test_offloaded_overlap_defers_with_clipping(tmp_path):
     assert early[0] == 0
     _plain_params_equal(ref_model, model)
     assert_state_equal(ref, opt)
+
+
+def test_offloaded_overlap_waits_for_gradients_in_flight(tmp_path, monkeypatch):
+    """On a DiskStore the last micro-batch's gradient is added to the stored one on the
+    mover's own thread (read, add, write), still in flight when backward signals it; the early
+    step must wait for it (sync_grad), or it would step on a partial accumulation."""
+    import time
+
+    from headroom.transfer import Mover
+
+    slow = Mover._accumulate
+
+    def slow_accumulate(self, gh, grad):
+        time.sleep(0.02)
+        slow(self, gh, grad)
+
+    monkeypatch.setattr(Mover, "_accumulate", slow_accumulate)
+    steps, accum = 5, 2
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    train(ref_model, ref, range(steps), accum=accum)
+    model = _offloaded("disk", tmp_path)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                           bucket_bytes=1 << 20)
+    early = _count_early(opt)
+    train(model, opt, range(steps), accum=accum)
+    assert early[0] == len(opt._order) * (steps - 2)
+    _plain_params_equal(ref_model, model)
+    assert_state_equal(ref, opt)

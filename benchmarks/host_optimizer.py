@@ -193,6 +193,21 @@ def bench_disk(n_params: int, n_tensors: int, repeats: int, root: Path) -> dict:
     }
 
 
+def _timed_rounds(it, names: list[str], repeats: int) -> dict[str, list[float]]:
+    """Two warm-up iterations each (they arm the overlap), then ``repeats`` timed rounds, one
+    iteration of each method per round, the order rotating every round."""
+    for k in names:
+        it(k)
+        it(k)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            it(k)
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def bench_training(width: int, blocks: int, batch: int, repeats: int) -> dict:
     def make():
         torch.manual_seed(0)
@@ -215,16 +230,7 @@ def bench_training(width: int, blocks: int, batch: int, repeats: int) -> dict:
         opts[k].step()
         opts[k].zero_grad()
 
-    for k in opts:
-        it(k)
-        it(k)  # two iterations of the same shape arm the overlap
-    times: dict[str, list[float]] = {k: [] for k in opts}
-    names = list(opts)
-    for r in range(repeats):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            it(k)
-            times[k].append(time.perf_counter() - t0)
+    times = _timed_rounds(it, list(opts), repeats)
     for k, ts in times.items():
         runs[k] = statistics.median(ts)
     equal = all(torch.equal(a, b) for a, b in zip(models["overlap_off"].parameters(),
@@ -267,15 +273,7 @@ def bench_offloaded(width: int, blocks: int, batch: int, repeats: int, root: Pat
         opts[k].step()
         opts[k].zero_grad()
 
-    for k in names:
-        it(k)
-        it(k)  # two iterations of the same shape arm the overlap
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(repeats):
-        for k in (names if r % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            it(k)
-            times[k].append(time.perf_counter() - t0)
+    times = _timed_rounds(it, list(names), repeats)
     sd = {k: models[k].state_dict() for k in names}
     equal = all(torch.equal(sd["overlap_off"][n], sd["overlap_on"][n]) for n in sd["overlap_off"])
     for k in names:

@@ -49,14 +49,22 @@ class _ConvFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
-def _conv_pack(weight: torch.Tensor, keep_input: bool, keep_weight: bool):
-    """Pack hook for ``ConvolutionBackward0``, which saves the (padded) input and the weight."""
+class _ConvPack:
+    """Pack hook for ``ConvolutionBackward0``, which saves the (padded) input and the weight.
 
-    def pack(t: torch.Tensor):
-        keep = keep_weight if t is weight else keep_input
+    # NOTE: one small object rather than a closure (a function, its cells and their tuple):
+    # fewer objects per call for the garbage collector, whose passes show up in perf among the
+    # per-step costs that remain over plain PyTorch (docs/selective_layers.md).
+    """
+
+    __slots__ = ("weight", "keep_input", "keep_weight")
+
+    def __init__(self, weight: torch.Tensor, keep_input: bool, keep_weight: bool) -> None:
+        self.weight, self.keep_input, self.keep_weight = weight, keep_input, keep_weight
+
+    def __call__(self, t: torch.Tensor):
+        keep = self.keep_weight if t is self.weight else self.keep_input
         return Kept(t) if keep else TensorMeta(t)
-
-    return pack
 
 
 def _fast(module, input: torch.Tensor) -> bool:
@@ -147,7 +155,7 @@ class _Conv(_ConvMixin):
             # path skips a Python autograd.Function (speed) and keeps double backward.
             return super()._conv_forward(input, weight, bias)
         if self.padding_mode == "zeros" and _fast(self, input):
-            pack = _conv_pack(weight, weight.requires_grad, input.requires_grad)
+            pack = _ConvPack(weight, weight.requires_grad, input.requires_grad)
             return run_saving_less(pack, super()._conv_forward, input, weight, bias)
         zeros = [0] * self._hr_dims
         if self.padding_mode != "zeros":
@@ -177,7 +185,7 @@ class _ConvTranspose(_ConvMixin):
         if input.requires_grad and self.weight.requires_grad:
             return super().forward(input, output_size)  # saves what we would (see _Conv)
         if _fast(self, input):
-            pack = _conv_pack(self.weight, self.weight.requires_grad, input.requires_grad)
+            pack = _ConvPack(self.weight, self.weight.requires_grad, input.requires_grad)
             return run_saving_less(pack, super().forward, input, output_size)
         output_padding = self._output_padding(
             input,

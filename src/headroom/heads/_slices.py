@@ -19,8 +19,7 @@ from typing import Protocol
 
 import torch
 
-from headroom.transfer._mover import RowStreamer
-from headroom.transfer._store import is_accelerator
+from headroom.transfer import RowStreamer, is_accelerator
 
 
 def slice_bounds(num_classes: int, slice_size: int) -> list[tuple[int, int]]:

@@ -16,8 +16,8 @@ from headroom.transfer._binding import (
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import HostStore, PinnedPool
-from headroom.transfer._mover import Mover, Ticket
-from headroom.transfer._store import Store, StoreFullError, resolve_store
+from headroom.transfer._mover import Mover, RowStreamer, Ticket
+from headroom.transfer._store import Store, StoreFullError, is_accelerator, resolve_store
 
 __all__ = [
     "DiskStore",
@@ -27,11 +27,13 @@ __all__ = [
     "Mover",
     "ParamBinding",
     "PinnedPool",
+    "RowStreamer",
     "Store",
     "StoreFullError",
     "Ticket",
     "bind",
     "binding",
+    "is_accelerator",
     "grad_ready",
     "on_grad_ready",
     "resolve_store",

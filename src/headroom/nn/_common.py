@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from headroom.memory import is_tracking
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -49,7 +51,7 @@ class TensorMeta:
         # NOTE: while headroom's memory tracker runs, a stand-in is a fresh allocation as on an
         # accelerator, so the tracker charges it to the backward step that uses it instead of
         # counting a long-lived shared buffer (virtual memory on CPU) as live bytes.
-        if self.device.type != "cpu" or _tracker_active():
+        if self.device.type != "cpu" or is_tracking():
             return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
         # NOTE: on CPU every stand-in is a view of one shared buffer per dtype that no kernel
         # ever reads for its values or writes, so its pages are never touched (virtual memory
@@ -66,12 +68,6 @@ class TensorMeta:
                 buf = torch.empty(need, dtype=self.dtype)
                 _standins[self.dtype] = buf
         return buf.as_strided(self.size, self.stride)
-
-
-def _tracker_active() -> bool:
-    from headroom.memory._tracker import _active_tracker
-
-    return _active_tracker() is not None
 
 
 _standin_lock = threading.Lock()

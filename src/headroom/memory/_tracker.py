@@ -664,11 +664,7 @@ class MemoryTracker:
         """Bytes per category now (or at exit)."""
         self._check_used()
         with self._lock:
-            out = [0] * _NCAT
-            for cur in self._current.values():
-                for i, v in enumerate(cur):
-                    out[i] += v
-            return dict(zip(CATEGORIES, out, strict=True))
+            return dict(zip(CATEGORIES, self._all, strict=True))
 
     @property
     def peak_by_device(self) -> dict[str, int]:

@@ -57,3 +57,14 @@ def test_numpy_and_word_paths_give_the_same_bytes(numel):
     for use_numpy in (True, False):
         got = unpack_nonzero(a, (numel,), use_numpy=use_numpy)
         assert torch.equal(got.ne(0), mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (7,), (2, 4), (3, 5, 7), (4, 3, 16, 16)])
+def test_unpack_as_gives_the_mask_in_the_dtype(dtype, shape):
+    from headroom.nn._bitmask import unpack_as
+
+    mask = torch.rand(shape) > 0.5
+    got = unpack_as(pack_bool(mask), shape, dtype)
+    assert got.dtype == dtype and got.shape == mask.shape and got.is_contiguous()
+    assert torch.equal(got, mask.to(dtype))

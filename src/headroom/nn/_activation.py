@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_nonzero
+from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_as
 from headroom.nn._common import (
     KeepsNoInput,
     consumers_keep_output,
@@ -39,8 +39,11 @@ def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
     # different reduction order for a channels-last gradient than for a contiguous one.
     """
     (bits,) = ctx.saved_tensors
+    passes = unpack_as(bits, ctx.shape, grad.dtype)
+    if passes.stride() == ctx.stride:
+        return passes
     out = torch.empty_strided(ctx.shape, ctx.stride, dtype=grad.dtype, device=grad.device)
-    return out.copy_(unpack_nonzero(bits, ctx.shape))
+    return out.copy_(passes)
 
 
 class _ReLUBits:
@@ -61,9 +64,9 @@ class _ReLUBits:
         self.contiguous = out.is_contiguous()
 
     def unpack(self) -> torch.Tensor:
-        passes = unpack_nonzero(self.bits, self.shape)
+        passes = unpack_as(self.bits, self.shape, self.dtype)
         if self.contiguous:
-            return passes.to(self.dtype)
+            return passes
         out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         return out.copy_(passes)
 

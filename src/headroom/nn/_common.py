@@ -57,20 +57,21 @@ class TensorMeta:
         # ever reads for its values or writes, so its pages are never touched (virtual memory
         # only). A fresh large allocation per backward call would cost an mmap/munmap pair
         # each time: ~5% of a ResNet step on CPU, measured.
-        need = (
-            0
-            if 0 in self.size
-            else 1 + sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
-        )
-        with _standin_lock:
-            buf = _standins.get(self.dtype)
-            if buf is None or buf.numel() < need:
-                buf = torch.empty(need, dtype=self.dtype)
-                _standins[self.dtype] = buf
+        size, stride = self.size, self.stride
+        need = 1
+        for n, st in zip(size, stride, strict=True):
+            if n == 0:
+                need = 0
+                break
+            need += (n - 1) * st
+        # NOTE: no lock: dict reads and writes are atomic under the GIL, and two threads that
+        # both grow the buffer only leave the smaller one to the views already taken from it.
+        buf = _standins.get(self.dtype)
+        if buf is None or buf.numel() < need:
+            buf = _standins[self.dtype] = torch.empty(need, dtype=self.dtype)
         return buf.as_strided(self.size, self.stride)
 
 
-_standin_lock = threading.Lock()
 _standins: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -176,27 +177,25 @@ class KeepsNoInput:
         return self._hr_forward(input)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def register_relu_output(module: nn.Module, site: tuple, out: torch.Tensor) -> None:
     """Remember that ``out`` came from ReLU ``module`` at call site ``site``."""
-    ref = StorageWeakRef(out.untyped_storage())
-    with _registry_lock:
-        if len(_relu_outputs) > 256:
+    storage = out.untyped_storage()
+    entry = (StorageWeakRef(storage), weakref.ref(module), site)
+    if len(_relu_outputs) > 256:
+        with _registry_lock:
             for k in [k for k, v in _relu_outputs.items() if v[0].expired()]:
                 del _relu_outputs[k]
-        _relu_outputs[_storage_key(out)] = (ref, weakref.ref(module), site)
+    # NOTE: single dict reads and writes need no lock (atomic under the GIL); only the pruning
+    # pass above iterates, so only it takes the lock. These run once per layer call.
+    _relu_outputs[storage._cdata] = entry
 
 
 def note_consumer(consumer: nn.Module, x: torch.Tensor) -> None:
     """Called by headroom layers on their input: record ``consumer`` for the ReLU behind ``x``."""
     if not _relu_outputs or x.layout != torch.strided:
         return
-    key = _storage_key(x)
-    with _registry_lock:
-        entry = _relu_outputs.get(key)
+    key = x.untyped_storage()._cdata
+    entry = _relu_outputs.get(key)
     if entry is None or entry[0].expired() or entry[0].cdata != key:
         return
     relu = entry[1]()

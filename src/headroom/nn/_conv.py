@@ -84,8 +84,10 @@ def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
     return t.to(dtype)
 
 
-def _needs_graph(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _needs_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
 
 
 def _same_padding(

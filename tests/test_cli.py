@@ -97,3 +97,19 @@ def test_profile_reports_up_to_a_failure_then_the_error(tmp_path):
 def test_profile_missing_script_is_a_clear_error(tmp_path, capsys):
     assert main(["profile", str(tmp_path / "nope.py")]) == 2
     assert "no such script" in capsys.readouterr().err
+
+
+def test_profile_missing_module_is_a_clear_error(capsys):
+    assert main(["profile", "-m", "headroom_no_such_module"]) == 2
+    assert "no module named 'headroom_no_such_module'" in capsys.readouterr().err
+
+
+def test_profile_in_process_restores_argv_and_path(tmp_path, capsys):
+    script = tmp_path / "tiny.py"
+    script.write_text("import sys, torch\nassert sys.argv[1:] == ['a', 'b']\nx = torch.ones(256)\n")
+    argv, path = sys.argv[:], sys.path[:]
+    out = str(tmp_path / "r")
+    assert main(["profile", "--no-plot", "--quiet", "--out", out, str(script), "a", "b"]) == 0
+    assert sys.argv == argv and sys.path == path
+    assert json.loads((tmp_path / "r.json").read_text())["max_by_category"]["other"] == 1024
+    capsys.readouterr()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import runpy
 import sys
 import traceback
@@ -31,9 +33,15 @@ def _write_reports(mem, prefix: Path, *, plot: bool, title: str) -> list[Path]:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    import headroom as hr
 
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
     if args.module:
+        # NOTE: like `python -m`, the current folder comes first on sys.path.
+        sys.path.insert(0, os.getcwd())
+        if importlib.util.find_spec(args.target) is None:
+            sys.path[:] = saved_path
+            print(f"headroom profile: no module named {args.target!r}", file=sys.stderr)
+            return 2
         target, run = args.target, lambda: runpy.run_module(args.target, run_name="__main__")
         sys.argv = [args.target, *args.args]
     else:
@@ -46,6 +54,14 @@ def _profile(args: argparse.Namespace) -> int:
         # NOTE: like `python script.py`, the script's own folder comes first on sys.path.
         sys.path.insert(0, str(script.resolve().parent))
         run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
+    try:
+        return _run_profiled(args, target, run)
+    finally:  # a caller of main() in-process gets its interpreter state back
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+
+
+def _run_profiled(args: argparse.Namespace, target: str, run) -> int:
+    import headroom as hr
 
     prefix = Path(args.out)
     status, failure = 0, None

@@ -6,7 +6,8 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: demo test bench lint clean
 
-$(VENV)/.installed: pyproject.toml
+# setup.py builds the C kernels of headroom.nn; a change to them needs a reinstall.
+$(VENV)/.installed: pyproject.toml setup.py src/headroom/nn/_bitkernels.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
@@ -39,4 +40,4 @@ bench: $(VENV)/.installed
 	done
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info src/headroom/nn/*.so

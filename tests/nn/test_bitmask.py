@@ -68,3 +68,95 @@ def test_unpack_as_gives_the_mask_in_the_dtype(dtype, shape):
     got = unpack_as(pack_bool(mask), shape, dtype)
     assert got.dtype == dtype and got.shape == mask.shape and got.is_contiguous()
     assert torch.equal(got, mask.to(dtype))
+
+
+def _special_values(n: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(n, dtype=torch.float64)
+    x[::3] = 0.0
+    x[1::7] = -0.0
+    x[2::11] = float("nan")
+    x[3::13] = float("inf")
+    x[4::17] = -float("inf")
+    x = x.to(dtype)
+    if n > 5:
+        x[5] = torch.finfo(dtype).tiny / 4  # a subnormal: non-zero
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 12345])
+def test_native_kernels_give_the_numpy_bytes(monkeypatch, dtype, numel):
+    from headroom.nn import _bitmask
+
+    if _bitmask._native is None:
+        pytest.skip("the C kernels were not built here")
+    x = _special_values(numel, dtype)
+    native_bits = _bitmask.pack_nonzero(x)
+    native_floats = _bitmask.unpack_as(native_bits, x.shape, dtype)
+    monkeypatch.setattr(_bitmask, "_native", None)
+    numpy_bits = _bitmask.pack_nonzero(x)
+    assert torch.equal(native_bits, numpy_bits)
+    assert torch.equal(native_bits, pack_bool(x != 0))
+    assert torch.equal(native_floats, _bitmask.unpack_as(numpy_bits, x.shape, dtype))
+    assert torch.equal(native_floats, (x != 0).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_native_unpack_of_half_dtypes(dtype):
+    from headroom.nn import _bitmask
+
+    mask = torch.rand(1001) > 0.5
+    got = _bitmask.unpack_as(pack_bool(mask), mask.shape, dtype)
+    assert got.dtype == dtype and torch.equal(got, mask.to(dtype))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_native_kernels_split_over_threads(threads):
+    """Above a size the kernels split the work over threads: same bytes for any count."""
+    from headroom.nn import _bitmask
+
+    native = _bitmask._native
+    if native is None:
+        pytest.skip("the C kernels were not built here")
+    n = (1 << 21) + 8 * 77 + 3  # several threads' worth, not a multiple of a chunk
+    x = _special_values(n, torch.float32)
+    want = pack_bool(x != 0)
+    bits = torch.full_like(want, 0xAA)
+    native.pack_nonzero(x.data_ptr(), n, bits.data_ptr(), 0, threads)
+    assert torch.equal(bits, want)
+    floats = torch.full((n,), 7.0)
+    native.unpack(bits.data_ptr(), n, floats.data_ptr(), 0, threads)
+    assert torch.equal(floats, (x != 0).float())
+
+
+def test_native_kernels_refuse_bad_arguments():
+    from headroom.nn import _bitmask
+
+    native = _bitmask._native
+    if native is None:
+        pytest.skip("the C kernels were not built here")
+    x = torch.ones(8)
+    out = torch.empty(1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="dtype"):
+        native.pack_nonzero(x.data_ptr(), 8, out.data_ptr(), 2, 1)  # no float16 packing
+    with pytest.raises(ValueError, match="count"):
+        native.unpack(out.data_ptr(), -1, x.data_ptr(), 0, 1)
+    with pytest.raises(TypeError):
+        native.unpack(out.data_ptr(), 8, x.data_ptr())
+    with pytest.raises(ValueError, match="cannot hold"):
+        _bitmask.unpack_as(out, (9,), torch.float32)
+
+
+def test_native_kernels_are_built_here():
+    """Where a C compiler is installed they are built: a silent fallback would hide a broken
+    build (the tests above would all skip)."""
+    import os
+    import shutil
+
+    from headroom.nn._bitmask import native_kernels
+
+    if os.environ.get("HEADROOM_NATIVE", "1") == "0":
+        pytest.skip("turned off by HEADROOM_NATIVE=0")
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the NumPy code runs instead")
+    assert native_kernels() in {"avx512f", "avx2", "scalar"}

@@ -211,17 +211,15 @@ def test_double_backward_raises():
     ours = twin(nn.Conv2d(3, 5, 3))[1]
     ours.weight.requires_grad_(False)
     x = torch.randn(1, 3, 6, 6, requires_grad=True)
-    # NOTE: on the saved-tensor-hooks path the create_graph backward itself refuses (a kept
-    # shape has no values to differentiate); on the autograd.Function path (under any hooks
-    # of the caller's) the second backward does.
-    with pytest.raises(RuntimeError, match="double backward|second time|once_differentiable"):
-        (g,) = torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
-        g.sum().backward()
+    # NOTE: on both paths the create_graph backward itself refuses: on the saved-tensor-hooks
+    # path a kept shape has no values to differentiate; on the autograd.Function path (under
+    # any hooks of the caller's) the Function's backward refuses.
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(ours(x).square().sum(), x, create_graph=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         y = ours(x)
-    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        g.sum().backward()
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
 
 
 def test_conv_transpose_output_size_argument():
@@ -278,3 +276,93 @@ def test_kept_weight_modified_in_place_raises_like_torch():
             m.weight.add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+
+
+def test_relu_mask_buffer_is_reused_only_when_free():
+    """The fast path unpacks a ReLU mask into a reused buffer, never one that is still held."""
+    from headroom.nn._activation import _ReLUBits
+
+    out = torch.relu(torch.randn(4, 64))
+    first = _ReLUBits(out)
+    with torch.no_grad():  # as inside ReluBackward0
+        a = first.unpack()
+        b = _ReLUBits((out == 0).float()).unpack()  # `a` is still held: a fresh buffer
+    assert a.data_ptr() != b.data_ptr()
+    assert torch.equal(a, (out != 0).float()) and torch.equal(b, (out == 0).float())
+    ptr = b.data_ptr()
+    del a, b
+    with torch.no_grad():
+        c = first.unpack()  # nothing holds the buffer any more: reused
+    assert c.data_ptr() == ptr and torch.equal(c, (out != 0).float())
+    d = first.unpack()  # grad mode on (a double backward): always fresh
+    assert d.data_ptr() != c.data_ptr() and torch.equal(d, c)
+
+
+def _relu_node(y: torch.Tensor):
+    todo = [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if type(node).__name__ == "ReluBackward0":
+            return node
+        todo += [n for n, _ in node.next_functions if n is not None]
+    raise AssertionError("no ReLU node in the graph")
+
+
+def test_relu_double_backward_and_saved_result_match_torch():
+    """The fast-path ReLU is PyTorch's own node: double backward and ``_saved_result`` work."""
+    plain, ours = twin(nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3)))
+    x = torch.randn(3, 4, 6)
+    grads, saved = [], []
+    for m in (plain, ours):
+        m[2].requires_grad_(False)  # the ReLU's consumer keeps nothing: a 1-bit mask
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        saved.append((_relu_node(y)._saved_result != 0).float())
+        (g,) = torch.autograd.grad(y.square().sum(), xi, create_graph=True)
+        (gg,) = torch.autograd.grad(g.square().sum(), xi)
+        grads.append((g.detach(), gg))
+    assert torch.equal(saved[0], saved[1])
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_double_backward_through_a_function_layer_raises(hooks):
+    """Second-order terms through a headroom autograd.Function must never go missing silently.
+
+    # NOTE: with ``once_differentiable`` this returned zeros: ``autograd.grad(..., inputs=x)``
+    # reached ``x`` through the ReLU's saved output and never ran the pool's error node.
+    """
+    import contextlib
+
+    plain, ours = twin(nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.MaxPool1d(2)))
+    x = torch.randn(3, 4, 6)
+    ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    for m in (plain, ours):
+        xi = x.clone().requires_grad_(True)
+        m(xi)  # warm-up: the ReLU learns that the pool does not keep its output
+        with ctx if hooks else contextlib.nullcontext():
+            y = m(xi)
+        if m is plain:
+            (g,) = torch.autograd.grad(y.square().sum(), xi, create_graph=True)
+            assert torch.autograd.grad(g.square().sum(), xi)[0].abs().sum() > 0
+        else:
+            with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+                torch.autograd.grad(y.square().sum(), xi, create_graph=True)
+
+
+@pytest.mark.parametrize("fmt", ["channels_last", "channels_last_3d", "sliced"])
+def test_relu_mask_of_other_layouts(fmt):
+    from headroom.nn._activation import _ReLUBits
+
+    if fmt == "channels_last":
+        out = torch.relu(torch.randn(2, 5, 3, 7)).to(memory_format=torch.channels_last)
+    elif fmt == "channels_last_3d":
+        out = torch.relu(torch.randn(2, 3, 4, 3, 5)).to(memory_format=torch.channels_last_3d)
+    else:
+        out = torch.relu(torch.randn(6, 9))[:, 1:8]
+    packed = _ReLUBits(out)
+    assert packed.bits.numel() == (out.numel() + 7) // 8
+    with torch.no_grad():
+        got = packed.unpack()
+    assert got.shape == out.shape and got.stride() == out.stride()
+    assert torch.equal(got, (out != 0).float())

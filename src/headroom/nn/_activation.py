@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_as
 from headroom.nn._common import (
     KeepsNoInput,
     consumers_keep_output,
+    first_order_only,
     hooks_free,
     note_consumer,
     register_relu_output,
@@ -30,20 +30,52 @@ from headroom.nn._common import (
 )
 
 
-def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
-    """The saved mask as ``grad.dtype`` values, positive where set, laid out like the tensor
-    PyTorch's backward would have read (same strides).
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one stretch of its storage in a permuted (channels-last)
+    order, so that they can be packed and unpacked in memory order."""
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def _pack_nonzero_layout(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``t != 0`` packed, and whether in memory order (``t`` channels-last, see :func:`_dense`)
+    rather than row-major order. Memory order packs and unpacks without a layout copy."""
+    if not t.is_contiguous() and _dense(t):
+        return pack_nonzero(t.as_strided((t.numel(),), (1,))), True
+    return pack_nonzero(t), False
+
+
+def _unpack_layout(
+    bits: torch.Tensor,
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    memory_order: bool,
+    dtype: torch.dtype,
+    *,
+    reuse: bool = False,
+) -> torch.Tensor:
+    """The mask of :func:`_pack_nonzero_layout` as ``dtype`` values, positive where set, laid
+    out with ``stride`` like the tensor PyTorch's backward would have read.
 
     # NOTE: the strides matter for bitwise equality downstream: an element-wise backward kernel
     # lays its output out like its inputs, and the next backward (a batch norm, say) takes a
     # different reduction order for a channels-last gradient than for a contiguous one.
     """
-    (bits,) = ctx.saved_tensors
-    passes = unpack_as(bits, ctx.shape, grad.dtype)
-    if passes.stride() == ctx.stride:
+    if memory_order:
+        flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse)
+        return flat.as_strided(shape, stride)
+    passes = unpack_as(bits, shape, dtype, reuse=reuse)
+    if passes.stride() == stride:
         return passes
-    out = torch.empty_strided(ctx.shape, ctx.stride, dtype=grad.dtype, device=grad.device)
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=passes.device)
     return out.copy_(passes)
+
+
+def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The mask saved by a Function's forward as ``grad.dtype`` values (see _unpack_layout)."""
+    (bits,) = ctx.saved_tensors
+    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype)
 
 
 class _ReLUBits:
@@ -52,23 +84,26 @@ class _ReLUBits:
     # NOTE: PyTorch's ReluBackward0 runs ``threshold_backward(grad, result, 0)``; handing it a
     # tensor positive exactly where the result was non-zero, laid out like the result, gives
     # bitwise its own gradient (see _ReLUMask). Packing happens when the node saves the result,
-    # so the full result is never held by autograd.
+    # so the full result is never held by autograd. ReluBackward0 drops the unpacked tensor
+    # when it returns, so it may live in a reused buffer, except in a double backward (grad
+    # mode on), whose graph keeps it.
     """
 
-    __slots__ = ("bits", "shape", "stride", "dtype", "device", "contiguous")
+    __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
 
     def __init__(self, out: torch.Tensor) -> None:
-        self.bits = pack_nonzero(out)
-        self.shape, self.stride = out.shape, out.stride()
-        self.dtype, self.device = out.dtype, out.device
-        self.contiguous = out.is_contiguous()
+        self.bits, self.memory_order = _pack_nonzero_layout(out)
+        self.shape, self.stride, self.dtype = out.shape, out.stride(), out.dtype
 
     def unpack(self) -> torch.Tensor:
-        passes = unpack_as(self.bits, self.shape, self.dtype)
-        if self.contiguous:
-            return passes
-        out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
-        return out.copy_(passes)
+        return _unpack_layout(
+            self.bits,
+            self.shape,
+            self.stride,
+            self.memory_order,
+            self.dtype,
+            reuse=not torch.is_grad_enabled(),
+        )
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
@@ -100,12 +135,13 @@ class _ReLUMask(torch.autograd.Function):
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
         # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
         # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
-        ctx.save_for_backward(pack_nonzero(out))
+        bits, ctx.memory_order = _pack_nonzero_layout(out)
+        ctx.save_for_backward(bits)
         ctx.shape, ctx.stride = out.shape, out.stride()
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad: torch.Tensor):
         return _threshold_backward(grad, _unpack_like(ctx, grad)), None
 
@@ -144,12 +180,12 @@ class _LeakyReLUMask(torch.autograd.Function):
             saved = x  # PyTorch's backward reads the input
             out = F.leaky_relu(x, slope)
         ctx.save_for_backward(pack_gt(saved))
-        ctx.shape, ctx.stride = saved.shape, saved.stride()
+        ctx.shape, ctx.stride, ctx.memory_order = saved.shape, saved.stride(), False
         ctx.slope, ctx.inplace = slope, inplace
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad: torch.Tensor):
         # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
         # positive exactly where the mask is set gives bitwise PyTorch's own result.
@@ -180,11 +216,11 @@ class _HardtanhMask(torch.autograd.Function):
         # hands threshold_backward a 1.0/0.0 "passes" tensor (see _ReLUMask for why).
         stops = torch.le(out, lo).logical_or_(torch.ge(out, hi))
         ctx.save_for_backward(pack_bool(stops.logical_not_()))
-        ctx.shape, ctx.stride = out.shape, out.stride()
+        ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad: torch.Tensor):
         return _threshold_backward(grad, _unpack_like(ctx, grad)), None, None, None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -13,6 +14,31 @@ from headroom.memory import is_tracking
 
 if TYPE_CHECKING:
     from torch import nn
+
+
+def first_order_only(backward):
+    """Decorates the ``backward`` of a headroom ``autograd.Function``: refuse a double backward.
+
+    # NOTE: PyTorch's ``once_differentiable`` is not enough here. It makes the gradient's graph
+    # end in an error node that only raises if a later backward runs through it, and
+    # ``torch.autograd.grad(..., inputs=x)`` runs only the nodes on a path to ``x``: when another
+    # path reaches ``x`` (a ReLU's own saved output does), the second-order terms through these
+    # layers would be silently missing. Backward runs with grad mode on exactly when
+    # ``create_graph=True``, so that is refused at once, with the fix in the message.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "A headroom.nn layer cannot be differentiated twice: a backward with "
+                "create_graph=True (a gradient penalty, a Hessian product) ran through one. "
+                "Run those steps with the unconverted model (hr.convert(model) keeps the "
+                "original modules unless inplace=True)."
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 class TensorMeta:

@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from headroom.nn._common import Kept, TensorMeta, hooks_free, note_consumer, run_saving_less
+from headroom.nn._common import (
+    Kept,
+    TensorMeta,
+    first_order_only,
+    hooks_free,
+    note_consumer,
+    run_saving_less,
+)
 from headroom.nn._pad import pad as _pad
 
 
@@ -35,7 +41,7 @@ class _ConvFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         if x is None:

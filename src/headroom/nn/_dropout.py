@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from headroom.nn._common import note_consumer
+from headroom.nn._common import first_order_only, note_consumer
 
 _ALIGN = 16  # bytes: the widest vectorized access of the CUDA dropout kernel
 
@@ -70,7 +69,7 @@ class _DropoutFunction(torch.autograd.Function):
         return x * noise
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad: torch.Tensor):
         gen = _generator(ctx.device)
         now = gen.get_state()

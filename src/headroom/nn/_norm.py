@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from headroom.nn._common import TensorMeta, note_consumer
+from headroom.nn._common import TensorMeta, first_order_only, note_consumer
 
 aten = torch.ops.aten
 
@@ -52,7 +51,7 @@ class _BatchNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad):
         x, weight, save_mean, save_invstd, reserve = ctx.saved_tensors
         if x is None:
@@ -149,7 +148,7 @@ class _BiasOnlyNorm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad):
         mean, rstd = ctx.saved_tensors
         return None, None, ctx.bwd(grad, ctx.meta.empty(), mean, rstd), None, None

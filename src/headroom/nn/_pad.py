@@ -13,9 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from headroom.nn._common import KeepsNoInput, TensorMeta
+from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only
 
 _BACKWARD = {
     ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
@@ -37,7 +36,7 @@ class _PadFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad: torch.Tensor):
         return ctx.backward_op(grad, ctx.meta.empty(), ctx.pad), None, None
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn.modules.utils import _list_with_default, _ntuple
 
-from headroom.nn._common import KeepsNoInput, TensorMeta
+from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only
 
 aten = torch.ops.aten
 
@@ -30,7 +29,7 @@ class _IndexedPool(torch.autograd.Function):
         return out, indices
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad, _grad_indices):
         (indices,) = ctx.saved_tensors
         gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, indices)
@@ -46,7 +45,7 @@ class _ShapeOnlyPool(torch.autograd.Function):
         return fwd(x, *args)
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad):
         return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
 

@@ -346,7 +346,8 @@ def test_double_backward_through_a_function_layer_raises(hooks):
             (g,) = torch.autograd.grad(y.square().sum(), xi, create_graph=True)
             assert torch.autograd.grad(g.square().sum(), xi)[0].abs().sum() > 0
         else:
-            with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+            # NOTE: the fast path's pool keeps a shape, which refuses in its unpack hook
+            with pytest.raises(RuntimeError, match="differentiated twice|double backward"):
                 torch.autograd.grad(y.square().sum(), xi, create_graph=True)
 
 

@@ -183,12 +183,23 @@ _consumers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _seeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def shape_of_floats(t: torch.Tensor) -> Kept | TensorMeta:
+    """Pack hook of pools and pads: a floating-point saved tensor (their input) by its shape,
+    anything else (max-pool indices) as is."""
+    return TensorMeta(t) if t.is_floating_point() else Kept(t)
+
+
 class KeepsNoInput:
     """Mixin of layers whose backward never reads their input's values (pools, pads, masks).
 
     ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded; otherwise it
-    records the layer as the consumer of a ReLU's output (see below) and calls ``_hr_forward``.
+    records the layer as the consumer of a ReLU's output (see below) and calls ``_hr_forward``,
+    or, for layers whose PyTorch node saves only their input and integer indices
+    (``_hr_shape_only``: pools and pads), runs the twin's forward under :func:`run_saving_less`
+    with :func:`shape_of_floats`: PyTorch's own node and kernels, keeping the input's shape.
     """
+
+    _hr_shape_only = False
 
     def _hr_saves_input(self) -> bool:
         return False
@@ -200,6 +211,8 @@ class KeepsNoInput:
         if not (torch.is_grad_enabled() and input.requires_grad):
             return self._hr_torch_forward(input)
         note_consumer(self, input)
+        if self._hr_shape_only and hooks_free():
+            return run_saving_less(shape_of_floats, self._hr_torch_forward, input)
         return self._hr_forward(input)
 
 

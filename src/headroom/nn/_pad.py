@@ -55,6 +55,7 @@ def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
 
 
 class _PadMixin(KeepsNoInput):
+    _hr_shape_only = True
     _hr_mode: str
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:

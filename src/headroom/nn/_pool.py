@@ -51,6 +51,7 @@ class _ShapeOnlyPool(torch.autograd.Function):
 
 
 class _MaxPool(KeepsNoInput):
+    _hr_shape_only = True
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor):
@@ -98,6 +99,7 @@ class MaxPool3d(_MaxPool, nn.MaxPool3d):
 
 
 class _AdaptiveMaxPool(KeepsNoInput):
+    _hr_shape_only = True
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor):
@@ -140,6 +142,7 @@ class AdaptiveMaxPool3d(_AdaptiveMaxPool, nn.AdaptiveMaxPool3d):
 
 
 class _AvgPool(KeepsNoInput):
+    _hr_shape_only = True
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -179,6 +182,7 @@ class AvgPool3d(_AvgPool, nn.AvgPool3d):
 
 
 class _AdaptiveAvgPool(KeepsNoInput):
+    _hr_shape_only = True
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:

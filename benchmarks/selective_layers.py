@@ -16,11 +16,13 @@ saved-tensor hooks), and as bytes passed to ``torch.autograd.graph.saved_tensors
 from a forward without saved-tensor hooks (converted layers take their fast path, as in
 training), "saved" from a second one under hooks (their autograd.Function path).
 
-Time is forward+backward, medians of interleaved repeats, as a ratio to plain PyTorch, in
-process CPU time (robust when other jobs share the machine; the headline; also as the median
-of per-repeat ratios, "paired", in which load that drifts over the run mostly cancels) and in
-wall time, with the median number of minor page faults per step (heap regrowth after glibc returned
-freed memory to the OS costs process CPU time too, and differs between runs).
+Time is forward+backward, medians of interleaved repeats (a random order per repeat), as a
+ratio to plain PyTorch, in process CPU time (robust when other jobs share the machine; the
+headline; also as the median of per-repeat ratios, "paired", in which load that drifts over the
+run mostly cancels) and in wall time, with the median number of minor page faults per step (heap
+regrowth after glibc returned freed memory to the OS costs process CPU time too, and differs
+between runs). A second copy of the plain model is timed the same way ("torch_copy"): its ratio
+to plain, 1.000x on a quiet machine, is the run's own noise floor.
 
 Run (memsave_torch is optional; give the folder that contains the ``memsave_torch`` package):
 
@@ -37,6 +39,7 @@ import gc
 import json
 import os
 import platform
+import random
 import resource
 import statistics
 import sys
@@ -227,12 +230,18 @@ def main() -> None:
     ap.add_argument("--resnet-size", type=int, default=128, help="ResNet-like input size")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per variant and case")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the random order of the variants")
+    ap.add_argument(
+        "--models", default="vgg_like,resnet_like", help="comma-separated: vgg_like,resnet_like"
+    )
+    ap.add_argument("--no-layers", action="store_true", help="skip the per-layer bytes table")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/selective_layers.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     memsave = load_memsave()
+    rng = random.Random(args.seed)
 
-    layers = layer_table()
+    layers = {} if args.no_layers else layer_table()
     print("| layer | " + " | ".join(f"{c}: torch -> headroom KiB" for c in LAYER_CASES) + " |")
     print("|---|" + "---:|" * len(LAYER_CASES))
     for name, row in layers.items():
@@ -257,10 +266,22 @@ def main() -> None:
         "vgg_like": (lambda: vgg_like(size=args.size), args.size),
         "resnet_like": (resnet_like, args.resnet_size),
     }
+    wanted = args.models.split(",")
+    unknown = set(wanted) - set(builders)
+    if unknown:
+        ap.error(f"unknown --models {sorted(unknown)}; choose from {sorted(builders)}")
     for name, (build, size) in builders.items():
+        if name not in wanted:
+            continue
         torch.manual_seed(0)
         plain = build()
-        variants = {"torch": plain, "headroom": hr.convert(copy.deepcopy(plain))}
+        # NOTE: "torch_copy" is a second, identical plain model timed like the others: its
+        # ratio to "torch" (1.000x if the machine were quiet) is this run's noise floor.
+        variants = {
+            "torch": plain,
+            "torch_copy": copy.deepcopy(plain),
+            "headroom": hr.convert(copy.deepcopy(plain)),
+        }
         if memsave is not None:
             variants["memsave"] = memsave(copy.deepcopy(plain))
         x0 = torch.randn(args.batch, 3, size, size)
@@ -278,9 +299,11 @@ def main() -> None:
             cpus: dict[str, list[float]] = {v: [] for v in variants}
             faults: dict[str, list[int]] = {v: [] for v in variants}
             order = list(variants.items())
-            for i in range(args.repeats):
-                # NOTE: alternate the order so that neither variant always runs first.
-                for vname, model in order if i % 2 == 0 else order[::-1]:
+            for _ in range(args.repeats):
+                # NOTE: a fresh random order per repeat: no variant always runs first or after
+                # the same one (what ran before changes the allocator's and caches' state).
+                rng.shuffle(order)
+                for vname, model in order:
                     wall, cpu, nfault = fwd_bwd(model, x)
                     walls[vname].append(wall)
                     cpus[vname].append(cpu)
@@ -319,9 +342,9 @@ def main() -> None:
     print(
         "\n| model | case | torch MiB | memsave MiB | headroom MiB "
         "| headroom CPU time vs torch | paired | memsave CPU time vs torch "
-        "| headroom wall vs torch |"
+        "| headroom wall vs torch | torch copy vs torch (noise) |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, rows in results["models"].items():
         for case, row in rows.items():
             ms = row.get("memsave")
@@ -332,7 +355,8 @@ def main() -> None:
                 f"{row['headroom']['kept_bytes'] / MiB:.1f} | "
                 f"{row['headroom']['cpu_vs_torch']:.3f}x | "
                 f"{row['headroom']['cpu_vs_torch_paired']:.3f}x | {ms_time} | "
-                f"{row['headroom']['wall_vs_torch']:.3f}x |"
+                f"{row['headroom']['wall_vs_torch']:.3f}x | "
+                f"{row['torch_copy']['cpu_vs_torch']:.3f}x |"
             )
 
 

@@ -26,6 +26,7 @@ from headroom.nn._common import (
     hooks_free,
     note_consumer,
     register_relu_output,
+    relu_sites,
     run_saving_less,
 )
 
@@ -156,16 +157,17 @@ class ReLU(nn.ReLU):
         if not _needs_graph(input):
             return super().forward(input)
         note_consumer(self, input)
-        grad_fn = input.grad_fn
-        site = (type(grad_fn).__name__ if grad_fn is not None else "", tuple(input.shape[1:]))
-        if consumers_keep_output(self, site):
+        # NOTE: a call site is the producing node's type and the shape without the batch
+        # dimension: one ReLU module used twice in a block (torchvision's BasicBlock) has two.
+        site = (type(input.grad_fn), input.shape[1:])
+        sites = relu_sites(self)
+        if consumers_keep_output(sites, site):
             out = super().forward(input)
         elif hooks_free():
-            relu = torch.relu_ if self.inplace else torch.relu
-            out = run_saving_less(_ReLUBits, relu, input)
+            out = run_saving_less(_ReLUBits, torch.relu_ if self.inplace else torch.relu, input)
         else:
             out = _ReLUMask.apply(input, self.inplace)
-        register_relu_output(self, site, out)
+        register_relu_output(sites, site, out)
         return out
 
 

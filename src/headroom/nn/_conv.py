@@ -20,6 +20,7 @@ from headroom.nn._common import (
     hooks_free,
     note_consumer,
     run_saving_less,
+    weight_trains,
 )
 from headroom.nn._pad import pad as _pad
 
@@ -121,7 +122,7 @@ class _ConvMixin:
     def _hr_saves_input(self) -> bool:
         # NOTE: only a zeros-padded convolution saves a tensor that shares its input's storage.
         return (
-            self.weight.requires_grad
+            weight_trains(self)
             and self.padding_mode == "zeros"
             and not (isinstance(self.padding, str) and self._hr_asymmetric_same())
         )

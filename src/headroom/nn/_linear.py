@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headroom.nn._common import note_consumer
+from headroom.nn._common import note_consumer, weight_trains
 
 
 class Linear(nn.Linear):
     """``nn.Linear``, unchanged, that tells the ReLU before it whether it keeps its input."""
 
     def _hr_saves_input(self) -> bool:
-        return self.weight.requires_grad
+        return weight_trains(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and input.requires_grad:

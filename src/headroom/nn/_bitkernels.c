@@ -1,9 +1,9 @@
 /* Fused kernels for the 1-bit masks of headroom.nn (see _bitmask.py).
  *
- * pack_nonzero(src, n, dst, dtype, threads): bit i % 8 of dst[i / 8] = (src[i] != 0), for n
+ * pack_nonzero(src, n, dst, dtype): bit i % 8 of dst[i / 8] = (src[i] != 0), for n
  *     elements of a contiguous float32 or float64 buffer; NaN counts as non-zero, -0.0 as zero
  *     (exactly C's and PyTorch's `!= 0`). Bits past n in the last byte are zero.
- * unpack(bits, n, dst, dtype, threads): dst[i] = 1.0 where bit i is set, else +0.0.
+ * unpack(bits, n, dst, dtype): dst[i] = 1.0 where bit i is set, else +0.0.
  *
  * dtype: 0 float32, 1 float64, 2 float16 (unpack only), 3 bfloat16 (unpack only). Pointers come from the caller
  * (torch tensors it has checked: contiguous, right dtype, right size), as plain integers.
@@ -11,13 +11,14 @@
  * One pass each: the packing reads the floats once and writes n/8 bytes (NumPy would need a
  * compare into a byte array and packbits over it); the unpacking writes the floats once. x86-64
  * gets AVX-512 or AVX2 loops chosen at run time (the library is built for any x86-64); other
- * machines get the scalar loops, which the compiler may vectorize. Large buffers are split over
- * `threads` POSIX threads, with the GIL released.
+ * machines get the scalar loops, which the compiler may vectorize. One thread: they are
+ * memory-bound, and splitting a buffer over two threads right after a PyTorch op (whose OpenMP
+ * workers still spin) measured slower here, for 1 M to 16 M elements. The GIL is released for
+ * large buffers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -135,84 +136,44 @@ static int simd(void) {
 }
 #endif
 
-/* ---------------------------------------------------------------- one range of whole bytes */
+/* ---------------------------------------------------------------- the whole buffer */
 
-typedef struct {
-    const void *src;
-    void *dst;
-    int64_t n, b0, b1;
-    int dtype, unpack;
-} job_t;
-
-static void run_job(const job_t *j) {
+static void run(const void *src, void *dst, int64_t n, int dtype, int unpack) {
     /* Whole bytes below `full` hold 8 elements; the last byte may hold fewer. */
-    int64_t full = j->n / 8, b1 = j->b1 < full ? j->b1 : full, b0 = j->b0;
+    int64_t full = n / 8, bytes = (n + 7) / 8, b0 = 0;
 #ifdef HR_X86
-    if (j->dtype == F32 && b0 < b1) {
+    if (dtype == F32 && full > 0) {
         int level = simd();
         if (level == 2) {
-            if (j->unpack) unpack_f32_avx512(j->src, j->dst, b0, b1);
-            else pack_f32_avx512(j->src, j->dst, b0, b1);
-            b0 = b1;
+            if (unpack) unpack_f32_avx512(src, dst, 0, full);
+            else pack_f32_avx512(src, dst, 0, full);
+            b0 = full;
         } else if (level == 1) {
-            if (j->unpack) unpack_f32_avx2(j->src, j->dst, b0, b1);
-            else pack_f32_avx2(j->src, j->dst, b0, b1);
-            b0 = b1;
+            if (unpack) unpack_f32_avx2(src, dst, 0, full);
+            else pack_f32_avx2(src, dst, 0, full);
+            b0 = full;
         }
     }
 #endif
     /* The scalar loops take what SIMD did not, and the partial last byte. */
-    if (j->unpack) unpack_scalar(j->src, j->n, j->dst, j->dtype, b0, j->b1);
-    else pack_scalar(j->src, j->n, j->dst, j->dtype, b0, j->b1);
+    if (unpack) unpack_scalar(src, n, dst, dtype, b0, bytes);
+    else pack_scalar(src, n, dst, dtype, b0, bytes);
 }
 
-static void *thread_main(void *arg) {
-    run_job((const job_t *)arg);
-    return NULL;
-}
-
-#define MAX_THREADS 64
-/* Below this many elements a thread costs more than it saves. */
-#define MIN_PER_THREAD ((int64_t)1 << 19)
-
-/* Splits the n elements' bytes over up to `threads` threads (the caller's thread is one). */
-static int run(const void *src, void *dst, int64_t n, int dtype, int unpack, int threads) {
-    int64_t bytes = (n + 7) / 8;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n / MIN_PER_THREAD) threads = (int)(n / MIN_PER_THREAD);
-    if (threads < 1) threads = 1;
-    job_t jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    /* 64-byte chunks: threads never write the same cache line of the packed mask. */
-    int64_t per = ((bytes + threads - 1) / threads + 63) / 64 * 64;
-    for (int t = 0; t < threads; t++) {
-        int64_t b0 = t * per, b1 = (t + 1) * per;
-        jobs[t] = (job_t){src, dst, n, b0 < bytes ? b0 : bytes, b1 < bytes ? b1 : bytes, dtype,
-                          unpack};
-    }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&ids[t], NULL, thread_main, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else run_job(&jobs[t]); /* could not start a thread: do its share here */
-    }
-    return 0;
-}
+/* Above this many elements the GIL is released while the kernel runs. */
+#define RELEASE_GIL_FROM ((int64_t)1 << 16)
 
 /* ---------------------------------------------------------------- Python entry points */
 
 static PyObject *call(PyObject *const *args, Py_ssize_t nargs, int unpack) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "expected (src, n, dst, dtype, threads)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "expected (src, n, dst, dtype)");
         return NULL;
     }
     void *src = PyLong_AsVoidPtr(args[0]);
     long long n = PyLong_AsLongLong(args[1]);
     void *dst = PyLong_AsVoidPtr(args[2]);
     long dtype = PyLong_AsLong(args[3]);
-    long threads = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
     if (dtype < 0 || dtype > (unpack ? BF16 : F64) || n < 0) {
         PyErr_SetString(PyExc_ValueError, "bad dtype code or element count");
@@ -222,12 +183,12 @@ static PyObject *call(PyObject *const *args, Py_ssize_t nargs, int unpack) {
         PyErr_SetString(PyExc_ValueError, "null pointer");
         return NULL;
     }
-    if (n >= MIN_PER_THREAD) {
+    if (n >= RELEASE_GIL_FROM) {
         Py_BEGIN_ALLOW_THREADS
-        run(src, dst, (int64_t)n, (int)dtype, unpack, (int)threads);
+        run(src, dst, (int64_t)n, (int)dtype, unpack);
         Py_END_ALLOW_THREADS
     } else {
-        run(src, dst, (int64_t)n, (int)dtype, unpack, 1);
+        run(src, dst, (int64_t)n, (int)dtype, unpack);
     }
     Py_RETURN_NONE;
 }
@@ -255,9 +216,9 @@ static PyObject *py_simd(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"pack_nonzero", (PyCFunction)(void (*)(void))py_pack_nonzero, METH_FASTCALL,
-     "pack_nonzero(src, n, dst, dtype, threads): bit i of dst = src[i] != 0."},
+     "pack_nonzero(src, n, dst, dtype): bit i of dst = src[i] != 0."},
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL,
-     "unpack(bits, n, dst, dtype, threads): dst[i] = 1.0 where bit i is set, else 0.0."},
+     "unpack(bits, n, dst, dtype): dst[i] = 1.0 where bit i is set, else 0.0."},
     {"simd", py_simd, METH_NOARGS, "The instruction set the float32 loops use here."},
     {NULL, NULL, 0, NULL},
 };

@@ -59,9 +59,6 @@ def _numel(shape: torch.Size | tuple[int, ...]) -> int:
     return n
 
 
-_threads = torch.get_num_threads
-
-
 def native_kernels() -> str | None:
     """The instruction set of the compiled mask kernels in use, or None where they are not."""
     return None if _native is None else _native.simd()
@@ -122,7 +119,7 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
         if code < 2 and x.is_contiguous():
             numel = x.numel()
             bits = torch.empty((numel + 7) // 8, dtype=torch.uint8)
-            _native.pack_nonzero(x.data_ptr(), numel, bits.data_ptr(), code, _threads())
+            _native.pack_nonzero(x.data_ptr(), numel, bits.data_ptr(), code)
             return bits
         # NOTE: one comparison and NumPy's packbits, which reads any strides in row-major
         # order: 2 calls instead of 4, which matters for the many small tensors of a late CNN
@@ -255,7 +252,7 @@ def unpack_as(
             out = torch.from_numpy(np.empty(numel, dtype=_NATIVE_NUMPY[dtype]))
         else:
             out = torch.empty(numel, dtype=dtype)
-        _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype], _threads())
+        _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype])
         return out.view(shape)
     if bits.device.type == "cpu" and dtype in _NUMPY_FLOATS:
         numel = _numel(shape)

@@ -372,9 +372,7 @@ def test_relu_mask_of_other_layouts(fmt):
 def test_relu_before_a_spectral_normed_conv():
     """A consumer whose weight is not in ``_parameters`` (spectral norm) still answers."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.utils.spectral_norm(nn.Conv2d(4, 4, 3))
-    )
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.utils.spectral_norm(nn.Conv2d(4, 4, 3)))
     plain, ours = twin(model)
     x = torch.randn(2, 3, 8, 8)
     for m in (plain, ours):

@@ -189,7 +189,8 @@ class _Reusable(threading.local):
 
 
 _reusable = _Reusable()
-_use_count = torch._C._storage_Use_Count
+# NOTE: a private PyTorch function; where a version lacks it, nothing is reused.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _reusable_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -205,6 +206,8 @@ def _reusable_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     # one and the old one lives on with it. One buffer per thread and dtype, as large as the
     # largest mask unpacked on that thread so far, stays allocated.
     """
+    if _use_count is None:
+        return torch.empty(numel, dtype=dtype)
     entry = _reusable.buffers.get(dtype)
     if entry is not None:
         buf, key, unshared = entry

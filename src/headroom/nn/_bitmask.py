@@ -10,8 +10,8 @@ Three implementations give the same bytes:
 - Contiguous CPU tensors use the C kernels of ``headroom.nn._bitkernels`` where they were built
   at install: a fused compare-and-pack of float32 or float64 that reads the floats once, and an
   unpack to any float dtype that writes them once; SIMD on x86-64, chosen at run time. They are
-  2-3x faster than the NumPy code below (AVX-512 CPU, measured). ``HEADROOM_NATIVE=0`` in the
-  environment before import turns them off.
+  1.5-2x faster than the NumPy code below (AVX-512 CPU, ``benchmarks/mask_kernels.py``).
+  ``HEADROOM_NATIVE=0`` in the environment before import turns them off.
 - Other CPU tensors, and every CPU tensor where the kernels were not built, use NumPy's
   ``packbits``/``unpackbits`` on zero-copy views (one SIMD pass each; about twice as fast as the
   word trick below on CPU, measured). A mask needed as floats

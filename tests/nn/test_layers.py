@@ -378,3 +378,41 @@ def test_relu_before_a_spectral_normed_conv():
     for m in (plain, ours):
         m[2].weight_orig.requires_grad_(False)
     assert_same(step(plain, x, input_grad=True), step(ours, x, input_grad=True))
+
+
+def test_torch_compile_traces_pytorchs_own_forward(monkeypatch):
+    """Under torch.compile the layers trace PyTorch's forward: AOTAutograd saves only what the
+    compiled backward reads, and headroom's eager machinery (hooks, the ReLU registry, weak
+    storage references) must not end up in the trace."""
+    import sys
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding_mode="reflect", padding=1),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(8 * 7 * 7, 4),
+    )
+    model[0].requires_grad_(False)
+    plain, ours = twin(model)
+    x = torch.randn(2, 3, 16, 16)
+    results = []
+    for m in (plain, ours):
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(1)
+        y = compiled(xi)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, [p.grad for p in m.parameters() if p.requires_grad]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2], strict=True))
+    assert not unraisable, unraisable

@@ -25,6 +25,7 @@ from headroom.nn._common import (
     first_order_only,
     hooks_free,
     note_consumer,
+    records_graph,
     register_relu_output,
     relu_sites,
     run_saving_less,
@@ -120,7 +121,7 @@ def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tenso
 
 
 def _needs_graph(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
+    return records_graph() and x.requires_grad
 
 
 class _ReLUMask(torch.autograd.Function):

@@ -16,6 +16,21 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
+def records_graph() -> bool:
+    """Whether this forward records an eager autograd graph: grad mode on, and not being traced
+    by ``torch.compile``.
+
+    # NOTE: under torch.compile, AOTAutograd builds the backward graph itself and saves only
+    # what that compiled backward reads (a frozen convolution's input is not saved there), so
+    # headroom's layers trace PyTorch's own forward: their hooks, registry and Functions are
+    # eager-mode machinery (Dynamo would trace them into the graph or break it).
+    """
+    return torch.is_grad_enabled() and not _is_compiling()
+
+
 def first_order_only(backward):
     """Decorates the ``backward`` of a headroom ``autograd.Function``: refuse a double backward.
 
@@ -241,7 +256,7 @@ class KeepsNoInput:
         return super().forward(input)
 
     def forward(self, input: torch.Tensor):
-        if not (torch.is_grad_enabled() and input.requires_grad):
+        if not (records_graph() and input.requires_grad):
             return self._hr_torch_forward(input)
         note_consumer(self, input)
         if self._hr_shape_only and hooks_free():

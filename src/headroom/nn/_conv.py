@@ -19,6 +19,7 @@ from headroom.nn._common import (
     first_order_only,
     hooks_free,
     note_consumer,
+    records_graph,
     run_saving_less,
     weight_trains,
 )
@@ -92,7 +93,7 @@ def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
 
 
 def _needs_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and (
+    return records_graph() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
 

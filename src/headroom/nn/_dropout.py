@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headroom.nn._common import first_order_only, note_consumer
+from headroom.nn._common import first_order_only, note_consumer, records_graph
 
 _ALIGN = 16  # bytes: the widest vectorized access of the CUDA dropout kernel
 
@@ -100,7 +100,7 @@ class Dropout(nn.Dropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         p = self.p
-        if not (self.training and 0 < p < 1 and torch.is_grad_enabled() and input.requires_grad):
+        if not (self.training and 0 < p < 1 and records_graph() and input.requires_grad):
             return super().forward(input)
         if input.numel() == 0:
             return super().forward(input)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headroom.nn._common import note_consumer, weight_trains
+from headroom.nn._common import note_consumer, records_graph, weight_trains
 
 
 class Linear(nn.Linear):
@@ -20,6 +20,6 @@ class Linear(nn.Linear):
         return weight_trains(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and input.requires_grad:
+        if records_graph() and input.requires_grad:
             note_consumer(self, input)
         return super().forward(input)

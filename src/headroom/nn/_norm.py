@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import TensorMeta, first_order_only, note_consumer
+from headroom.nn._common import TensorMeta, first_order_only, note_consumer, records_graph
 
 aten = torch.ops.aten
 
@@ -86,7 +86,7 @@ class _BatchNorm:
         return self.training or (self.running_mean is None) or _rg(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        grad = torch.is_grad_enabled()
+        grad = records_graph()
         if grad and input.requires_grad:
             note_consumer(self, input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
@@ -161,7 +161,7 @@ class _BiasOnlyMixin:
         return True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
+        if not records_graph():
             return super().forward(input)
         if input.requires_grad:
             note_consumer(self, input)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only
+from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only, records_graph
 
 _BACKWARD = {
     ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
@@ -48,7 +48,7 @@ def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
         mode in ("reflect", "replicate")
         and len(padding) in (2, 4, 6)
         and x.requires_grad
-        and torch.is_grad_enabled()
+        and records_graph()
     ):
         return _PadFunction.apply(x, padding, mode)
     return F.pad(x, padding, mode=mode)

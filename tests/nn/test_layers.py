@@ -416,3 +416,24 @@ def test_torch_compile_traces_pytorchs_own_forward(monkeypatch):
     assert torch.equal(results[0][1], results[1][1])
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2], strict=True))
     assert not unraisable, unraisable
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_relu_mask_treats_subnormals_like_torch(flush):
+    """The mask's compare sees subnormals as PyTorch's kernels do, with and without
+    ``torch.set_flush_denormal`` (denormals-are-zero on this thread)."""
+    if not torch.set_flush_denormal(flush):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        plain, ours = twin(nn.Sequential(nn.ReLU(), nn.MaxPool1d(1)))
+        values = [1e-40, -1e-40, 0.0, 2.0, 1e-39, float("nan"), -0.0, 3e-42, 5.0]
+        grads = []
+        for m in (plain, ours):
+            x = torch.tensor([[values * 3]], requires_grad=True)
+            m(x)  # warm-up: the ReLU learns that the pool does not keep its output
+            y = m(x)
+            y.backward(torch.ones_like(y))
+            grads.append(x.grad)
+        assert torch.equal(grads[0], grads[1])
+    finally:
+        torch.set_flush_denormal(False)

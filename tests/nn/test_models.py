@@ -209,3 +209,43 @@ def test_full_backward_hooks_and_checkpoint_work_on_converted_layers():
     assert len(grads[0]) == len(grads[1]) > 0
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+class _Logits(nn.Module):
+    """A Hugging Face image classifier as a tensor -> tensor module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits
+
+
+@pytest.mark.parametrize("case", ["all", "input", "norm"])
+def test_hugging_face_resnet_matches_torch_and_keeps_less(case):
+    """A model defined elsewhere (transformers' ResNet, from a config): bitwise equal, and
+    fewer kept bytes where something is frozen."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 128],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        num_labels=5,
+    )
+    plain = _Logits(transformers.ResNetForImageClassification(cfg))
+    ours = hr.convert(copy.deepcopy(plain))
+    assert any(type(m).__module__.startswith("headroom.nn") for m in ours.modules())
+    for m in (plain, ours):
+        for name, p in m.named_parameters():
+            p.requires_grad_(case == "all" or (case == "norm" and "normalization" in name))
+    x = torch.randn(2, 3, 32, 32)
+    for seed in (1, 2):  # the first step teaches converted ReLUs their consumers
+        a = step(plain, x, input_grad=case == "input", seed=seed, hooks=False)
+        b = step(ours, x, input_grad=case == "input", seed=seed, hooks=False)
+        assert_same(a, b)
+        assert b[4] <= a[4]
+    if case != "all":
+        assert b[4] < 0.75 * a[4], (b[4], a[4])

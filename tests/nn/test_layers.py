@@ -437,3 +437,33 @@ def test_relu_mask_treats_subnormals_like_torch(flush):
         assert torch.equal(grads[0], grads[1])
     finally:
         torch.set_flush_denormal(False)
+
+
+def test_torch_func_transforms_run_pytorchs_own_forward():
+    """Inside torch.func.grad (functorch wrappers have no storage of their own) the layers run
+    PyTorch's forward: same gradients as the unconverted model."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 2),
+    )
+    plain, ours = twin(model.eval())  # eval: train-mode batch norm mutates a captured buffer
+    x = torch.randn(2, 3, 8, 8)
+    xs = torch.randn(3, 1, 3, 8, 8)
+    got = []
+    for m in (plain, ours):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        buffers = {k: v.clone() for k, v in m.named_buffers()}
+        loss = lambda p, m=m, buffers=buffers: functional_call(m, (p, buffers), (x,)).square().sum()
+        got.append(grad(loss)(params))
+        got.append({"vmap": vmap(lambda xi, m=m: m(xi))(xs)})
+    for a, b in ((got[0], got[2]), (got[1], got[3])):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k

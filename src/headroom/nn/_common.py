@@ -17,18 +17,21 @@ if TYPE_CHECKING:
 
 
 _is_compiling = torch.compiler.is_compiling
+_functorch_level = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 
 
 def records_graph() -> bool:
-    """Whether this forward records an eager autograd graph: grad mode on, and not being traced
-    by ``torch.compile``.
+    """Whether this forward records a plain eager autograd graph: grad mode on, not being
+    traced by ``torch.compile``, and not inside a ``torch.func`` transform.
 
-    # NOTE: under torch.compile, AOTAutograd builds the backward graph itself and saves only
-    # what that compiled backward reads (a frozen convolution's input is not saved there), so
-    # headroom's layers trace PyTorch's own forward: their hooks, registry and Functions are
-    # eager-mode machinery (Dynamo would trace them into the graph or break it).
+    # NOTE: under torch.compile, AOTAutograd builds the backward graph itself and decides what
+    # it saves, so headroom's layers trace PyTorch's own forward: their hooks, registry and
+    # Functions are eager-mode machinery (Dynamo would trace them into the graph or break it).
+    # Inside torch.func.grad/vjp/vmap the tensors are functorch wrappers without a storage of
+    # their own (the ReLU registry and the C kernels need one), so PyTorch's forward runs there
+    # too.
     """
-    return torch.is_grad_enabled() and not _is_compiling()
+    return torch.is_grad_enabled() and not _is_compiling() and _functorch_level() is None
 
 
 def first_order_only(backward):

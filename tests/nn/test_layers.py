@@ -381,8 +381,8 @@ def test_relu_before_a_spectral_normed_conv():
 
 
 def test_torch_compile_traces_pytorchs_own_forward(monkeypatch):
-    """Under torch.compile the layers trace PyTorch's forward: AOTAutograd saves only what the
-    compiled backward reads, and headroom's eager machinery (hooks, the ReLU registry, weak
+    """Under torch.compile the layers trace PyTorch's forward (what the compiled graph keeps is
+    AOTAutograd's choice), and headroom's eager machinery (hooks, the ReLU registry, weak
     storage references) must not end up in the trace."""
     import sys
 

@@ -467,3 +467,25 @@ def test_torch_func_transforms_run_pytorchs_own_forward():
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+def test_jit_trace_and_fx_symbolic_trace():
+    """torch.jit.trace records PyTorch's forward (the same ops every call); FX symbolic tracing
+    into a headroom layer fails with a message naming the fix, and that fix works."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2))
+    model[0].requires_grad_(False)
+    plain, ours = twin(model)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    traced = torch.jit.trace(ours, x)
+    assert torch.equal(traced(x), plain(x))
+    with pytest.raises(RuntimeError, match="is_leaf_module"):
+        torch.fx.symbolic_trace(ours)
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return type(m).__module__.startswith("headroom.nn") or super().is_leaf_module(m, name)
+
+    graph = torch.fx.GraphModule(ours, Tracer().trace(ours))
+    assert torch.equal(graph(x), plain(x))

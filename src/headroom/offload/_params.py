@@ -14,8 +14,17 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from headroom.memory import resize_storage
+from headroom.offload import _guard
 from headroom.offload._blocks import check_blocks, find_blocks, with_outside_blocks
-from headroom.offload._residency import Block, DeviceCopy, Offload, Slot
+from headroom.offload._residency import (
+    _LIVE,
+    Block,
+    DeviceCopy,
+    Offload,
+    Slot,
+    _BlockRole,
+    in_backward,
+)
 from headroom.transfer import DiskStore, Store, bind, binding, resolve_store, unbind
 
 __all__ = ["describe", "offload", "unoffload"]
@@ -204,9 +213,12 @@ def offload(
             h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
             h.append(m.register_load_state_dict_pre_hook(
                 partial(Offload.load_state_dict_pre_hook, state)))
-    if isinstance(st, DiskStore):
-        _install_optimizer_guard()
+    _install_optimizer_hook()
     object.__setattr__(model, _ATTR, state)
+    # NOTE: after every other step succeeded: a failed offload leaves the classes alone.
+    _guard.install(model, state)
+    for b in state.blocks:
+        _guard.install(b.module, _BlockRole(state, b))
     if not state.blocks:
         warnings.warn(
             "hr.offload found no repeated blocks in the model, so all parameters form one group"
@@ -291,6 +303,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
 
 def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
     """Undo a failed `offload`: parameters back in their modules, store entries freed."""
+    _LIVE.discard(state)
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
@@ -351,18 +364,28 @@ def _materialize(module: nn.Module, name: str, owners, params, unprocessed: set[
         reset()
 
 
-def _install_optimizer_guard() -> None:
-    """Make ``torch.optim`` optimizers fail clearly on parameters that live on disk."""
+def _install_optimizer_hook() -> None:
+    """Before any optimizer step: release device copies the step would make stale, and make
+    ``torch.optim`` optimizers fail clearly on parameters that live on disk."""
     global _guard_handle
     if _guard_handle is not None:
         return
 
-    def guard(opt, args, kwargs):
-        if type(opt).__module__.startswith("headroom."):
-            return  # headroom's own optimizers read parameters through their bindings
+    def before_step(opt, args, kwargs):
+        for state in list(_LIVE):
+            state.before_optimizer_step()
+        own = type(opt).__module__.startswith("headroom.")
         for group in opt.param_groups:
             for p in group["params"]:
-                if p.device.type == "meta" and binding(p) is not None:
+                if type(p) is DeviceCopy:
+                    raise RuntimeError(
+                        f"{type(opt).__name__} was given the device copies of offloaded"
+                        " parameters (model.parameters() was listed during the model's forward"
+                        " or backward), which training never updates. Build the optimizer from"
+                        " model.parameters() outside forward and backward"
+                    )
+                # NOTE: headroom's own optimizers read parameters through their bindings.
+                if not own and p.device.type == "meta" and binding(p) is not None:
                     raise RuntimeError(
                         f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
                         " their values are on disk, not in memory. Use"
@@ -371,7 +394,7 @@ def _install_optimizer_guard() -> None:
                         " store='cpu'"
                     )
 
-    _guard_handle = register_optimizer_step_pre_hook(guard)
+    _guard_handle = register_optimizer_step_pre_hook(before_step)
 
 
 def _state(model: nn.Module) -> Offload:
@@ -395,14 +418,19 @@ def unoffload(model: nn.Module) -> nn.Module:
         >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
     state = _state(model)
-    if state._bwd:
+    if state._bwd and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
+    state._settle()
     state.sync_grads()
     for b in [*state.blocks, state.rest]:
         state.release(b)
     for h in state.handles:
         h.remove()
     st = state.store
+    _guard.remove(model)
+    for b in state.blocks:
+        _guard.remove(b.module)
+    _LIVE.discard(state)
     for s in state.slots:
         b = s.binding
         value = st.read(b.handle).result().to(state.device)

@@ -15,11 +15,20 @@ How it works (one concept per piece):
   autograd's saved-tensor checks pass and the memory is freed again after the block's backward.
 - each device copy's post-accumulate-grad hook moves its finished gradient into the store
   (accumulating in the master dtype when a gradient is already there) and frees it.
+
+Resting state: outside forward and backward the modules hold the masters and nothing is
+resident on the device. A forward or backward that breaks off half-way (an exception,
+``KeyboardInterrupt``) puts the model back there: at once when headroom sees it (a failure inside
+the guarded root or a block, see `headroom.offload._guard`, or in headroom's own backward hooks);
+otherwise (another hook raising in backward) at the next forward or ``named_parameters()``; see
+`Offload.abort_forward`, `Offload.abort_backward` and `Offload.settle_if_idle`.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from functools import partial
 from typing import Any
 
@@ -28,7 +37,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import resize_storage
-from headroom.transfer import Mover, ParamBinding, Store, Ticket, grad_ready
+from headroom.transfer import Mover, ParamBinding, Store, StoreFullError, Ticket, grad_ready
 
 __all__ = ["Offload", "Block", "Slot", "DeviceCopy", "in_backward"]
 
@@ -119,6 +128,32 @@ class Block:
         return sum(s.nbytes for s in self.slots)
 
 
+# Live offloaded models, for the optimizer-step hook (see `before_optimizer_step`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+class _BlockRole:
+    """A block's side of the guard protocol (`headroom.offload._guard.Role`)."""
+
+    __slots__ = ("state", "block")
+
+    def __init__(self, state: Offload, block: Block) -> None:
+        self.state = state
+        self.block = block
+
+    def call_failed(self, module: nn.Module) -> None:
+        self.state.abort_forward(self.block)
+
+    def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
+        return self.state.apply(module, fn, recurse, base)
+
+    def settle(self) -> None:
+        self.state.settle_if_idle()
+
+    def wrapped_by_ddp(self, module: nn.Module) -> None:
+        self.state.wrapped_by_ddp(module)
+
+
 class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
 
@@ -143,23 +178,26 @@ class Offload:
         self.handles: list[Any] = []
         self.order: list[Block] = []  # forward order of the last forward
         self._order_now: list[Block] = []
+        self._root_running = False
+        self._active: list[list] = []  # [block, watched] of block forwards in progress
         self._bwd = False
         self._bwd_task = -1
         self._bwd_seen: set[int] = set()
         self._bypass: list[str] = []
         self.buffers: list[str] = []
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ residency
     def fetch(self, block: Block) -> None:
-        """Start bringing a block to the device (no wait)."""
+        """Start bringing a block to the device (no wait; the modules still hold the masters)."""
         if block.resident:
             return
+        block.resident = True  # first: a fetch that fails half-way is released whole
         for s in block.slots:
+            self._check_master(s)
             resize_storage(s.dev, s.nbytes)
             with self.lock:
                 s.ticket = self.mover.fetch(s.binding.handle, s.dev)
-            s.show(s.dev)
-        block.resident = True
 
     def ensure(self, block: Block) -> None:
         """Make a block resident and ready for compute."""
@@ -170,17 +208,48 @@ class Offload:
                     self.mover.wait(s.ticket)
                 s.ticket = None
 
-    def release(self, block: Block) -> None:
+    @staticmethod
+    def _show(block: Block) -> None:
+        """The modules compute with the device copies (inside a forward only)."""
+        for s in block.slots:
+            s.show(s.dev)
+
+    @staticmethod
+    def _hide(block: Block) -> None:
+        """The modules hold the masters again (residency unchanged)."""
+        for s in block.slots:
+            s.show(s.param)
+
+    def release(self, block: Block, *, quiet: bool = False) -> None:
+        """Free a block's device copies; ``quiet``: on a failure path, where a fetch that
+        failed must not hide the error being raised."""
         if not block.resident:
             return
+        self._hide(block)
         for s in block.slots:
             if s.ticket is not None:  # a prefetch that was never used
-                with self.lock:
-                    self.mover.wait(s.ticket)
+                # NOTE: wait even when quiet: a disk read may still be landing in the storage.
+                try:
+                    with self.lock:
+                        self.mover.wait(s.ticket)
+                except Exception:
+                    if not quiet:
+                        raise
                 s.ticket = None
             resize_storage(s.dev, 0)
-            s.show(s.param)
         block.resident = False
+
+    def _check_master(self, s: Slot) -> None:
+        h = s.binding.handle
+        p = s.param
+        if p.dtype != h.dtype or p.shape != h.shape or p.device.type not in ("cpu", "meta"):
+            raise RuntimeError(
+                f"offloaded parameter {s.name!r} was changed to {p.dtype} {tuple(p.shape)} on"
+                f" {p.device} after hr.offload (its stored master is {h.dtype} {h.shape}), e.g."
+                " by .half()/.to() on a submodule. Offloaded parameters keep their stored dtype:"
+                " use hr.offload(..., compute_dtype=...) to compute in another dtype, or"
+                " hr.unoffload(model), convert, and offload again"
+            )
 
     def _prefetch(self, order: list[Block], start: int, step: int) -> None:
         i = start
@@ -192,13 +261,164 @@ class Offload:
                 continue
             self.fetch(order[i])
 
+    # ------------------------------------------------------------------ failures
+    def abort_forward(self, block: Block | None) -> None:
+        """A forward (of the root when ``block`` is None) raised: back to the resting state.
+
+        A block that fails inside the root's forward releases itself (the caller may catch the
+        error and go on); the root, or a block called on its own, releases everything. Never
+        raises: the error being propagated is the one to report.
+        """
+        if in_backward():
+            # NOTE: a recomputation inside backward (activation checkpointing), which may even
+            # stop itself with an exception on purpose; the backward goes on or breaks off,
+            # and a backward that breaks off is cleaned up then.
+            return
+        try:
+            if block is not None:
+                for i in range(len(self._active) - 1, -1, -1):
+                    if self._active[i][0] is block:
+                        _, watched = self._active.pop(i)
+                        if watched:
+                            block.inputs_pending = max(0, block.inputs_pending - 1)
+                        break
+                self._hide(block)
+                self.release(block, quiet=True)
+                if self._root_running or self._active:
+                    return
+            for b, watched in self._active:
+                if watched:
+                    b.inputs_pending = max(0, b.inputs_pending - 1)
+            self._active = []
+            self._root_running = False
+            self._order_now = []
+            for b in [*self.blocks, self.rest]:
+                self._hide(b)
+                self.release(b, quiet=True)
+        except BaseException as e:  # pragma: no cover - nothing above is expected to raise
+            _warn_recovery(e)
+
+    def abort_backward(self) -> None:
+        """A backward broke off (an exception in a hook, Ctrl-C): release everything it held.
+
+        Gradients already handed to the store stay there and are visible (``param.grad`` is
+        set), as in plain PyTorch; ``zero_grad()`` clears them. Never raises.
+        """
+        try:
+            self._bwd = False
+            self._bwd_task = -1
+            self._bwd_seen = set()
+            for b in [*self.blocks, self.rest]:
+                b.inputs_pending = 0
+                self._hide(b)
+                self.release(b, quiet=True)
+            for _ in range(len(self.slots) + 1):  # let every gradient write in flight land
+                try:
+                    self.sync_grads()
+                    break
+                except Exception:
+                    continue
+        except BaseException as e:  # pragma: no cover - nothing above is expected to raise
+            _warn_recovery(e)
+
+    def _settle(self) -> None:
+        """Before a new forward: nothing of a forward or backward that broke off stays."""
+        if self._bwd:  # not inside a backward here: one broke off without its final callback
+            self.abort_backward()
+        for b in [*self.blocks, self.rest]:
+            # NOTE: only leftovers are resident here (e.g. `rest`, kept for a backward that
+            # never ran); a pending backward re-fetches what it needs, with the same values.
+            self.release(b)
+
+    def settle_if_idle(self) -> None:
+        """Outside forward and backward: back to the resting state, finishing the clean-up of a
+        backward that broke off outside headroom's hooks (or never ran)."""
+        if in_backward() or self._root_running or self._active:
+            return
+        if self._bwd:
+            self.abort_backward()
+            return
+        for b in [*self.blocks, self.rest]:
+            # NOTE: a backward still to come re-fetches what it needs, with the same values.
+            self.release(b)
+
+    def before_optimizer_step(self) -> None:
+        """An optimizer is about to change masters: drop device copies a step would outdate."""
+        if self._bwd or self._root_running or self._active:
+            return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+        for b in [*self.blocks, self.rest]:
+            self.release(b)
+
+    # ------------------------------------------------------------------ guard protocol
+    def call_failed(self, module: nn.Module) -> None:
+        self.abort_forward(None)
+
+    def settle(self) -> None:
+        self.settle_if_idle()
+
+    def wrapped_by_ddp(self, module: nn.Module) -> None:
+        raise RuntimeError(
+            f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
+            f" {type(module).__name__}): autograd runs on the device copies while DDP hooks"
+            " the stored parameters, so no gradient would be all-reduced and the replicas would"
+            " silently diverge. Data parallel training of offloaded models is not supported"
+            " yet: train offloaded models in a single process, or hr.unoffload(model) first"
+        )
+
+    def _check_not_under_ddp(self, module: nn.Module) -> None:
+        if _ddp_frames() and _called_from_ddp():
+            self.wrapped_by_ddp(module)
+
+    def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
+        """``module._apply(fn)`` (``.to()``, ``.half()``, ``.cuda()``, ...) on a guarded module.
+
+        Allowed, for buffers and everything not offloaded, when it leaves offloaded parameters'
+        dtype and device as they are (e.g. ``.to(device)`` with the compute device, ``.float()``
+        of an fp32 model); otherwise an error before anything changes.
+        """
+        if self._bwd or self._root_running or self._active:
+            raise RuntimeError(
+                "cannot move or convert an offloaded model during its forward or backward")
+        for dtype in sorted({s.binding.handle.dtype for s in self.slots}, key=str):
+            probe = torch.empty(0, dtype=dtype, device=self.device)
+            out = fn(probe)
+            if not isinstance(out, torch.Tensor):
+                continue
+            if out.dtype != dtype:
+                raise RuntimeError(
+                    f"{type(module).__name__} is offloaded with hr.offload, whose stored"
+                    f" parameters stay {dtype}; converting them to {out.dtype} (.half(),"
+                    " .to(dtype), ...) is not done behind the store's back. To compute in"
+                    f" {out.dtype}, offload with hr.offload(..., compute_dtype={out.dtype}); to"
+                    " change the stored dtype, hr.unoffload(model), convert, and offload again"
+                )
+            if _normalized(out.device) != self.device:
+                raise RuntimeError(
+                    f"{type(module).__name__} is offloaded with hr.offload(device="
+                    f"{str(self.device)!r}); moving it to {out.device} is not done behind the"
+                    " store's back. Call hr.unoffload(model) first, then move it (or offload it"
+                    " again with the new device)"
+                )
+        keep = set()
+        for s in self.slots:
+            for t in (s.param, s.dev, s.param.grad, s.dev.grad):
+                if t is not None:
+                    keep.add(id(t))
+        return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
+
     # ------------------------------------------------------------------ forward hooks
     def root_pre_forward(self, module, args, kwargs):
         if in_backward():
             self.ensure(self.rest)
+            self._show(self.rest)
             return None
+        self._check_not_under_ddp(module)
+        self._settle()
+        self._root_running = True
         self._order_now = []
+        self._active = []
         self.ensure(self.rest)
+        self._show(self.rest)
         order = self.order or self.blocks
         self._prefetch(order, -1, 1)
         return None
@@ -206,11 +426,14 @@ class Offload:
     def root_post_forward(self, module, args, kwargs, output):
         if in_backward():
             return None
+        self._root_running = False
         self.order = self._order_now or self.order
         for b in self.blocks:  # prefetched past the end, or skipped by this forward
             self.release(b)
         outs = _outputs(output) if torch.is_grad_enabled() else []
         if outs:
+            # NOTE: `rest` stays resident for backward, but the modules hold the masters again.
+            self._hide(self.rest)
             hook = partial(self.pre_backward, self.rest)
             for t in outs:
                 t.register_hook(hook)
@@ -219,9 +442,18 @@ class Offload:
         return None
 
     def pre_forward(self, block: Block, module, args, kwargs):
-        self.ensure(block)
         if in_backward():  # recomputation inside backward (activation checkpointing)
+            self.ensure(block)
+            self._show(block)
             return None
+        if not self._root_running:  # called on its own, e.g. one head of a ModuleList
+            self._check_not_under_ddp(module)
+            if self._bwd:
+                self.abort_backward()
+        entry = [block, False]
+        self._active.append(entry)
+        self.ensure(block)
+        self._show(block)
         for s in block.slots:
             if s.dev.requires_grad != s.param.requires_grad:
                 s.dev.requires_grad_(s.param.requires_grad)
@@ -229,7 +461,9 @@ class Offload:
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
         if torch.is_grad_enabled() and any(not s.dev.requires_grad for s in block.slots):
-            return self._watch_inputs(block, args, kwargs)
+            new = self._watch_inputs(block, args, kwargs)
+            entry[1] = new is not None
+            return new
         return None
 
     def _watch_inputs(self, block: Block, args, kwargs):
@@ -264,6 +498,10 @@ class Offload:
         if in_backward():
             # NOTE: keep the block: its backward, which triggered this recomputation, runs next.
             return None
+        for i in range(len(self._active) - 1, -1, -1):
+            if self._active[i][0] is block:
+                del self._active[i]
+                break
         if torch.is_grad_enabled():
             hook = partial(self.pre_backward, block)
             for t in _outputs(output):
@@ -273,10 +511,29 @@ class Offload:
 
     # ------------------------------------------------------------------ backward hooks
     def pre_backward(self, block: Block, grad: torch.Tensor) -> None:
+        try:
+            self._pre_backward(block)
+        except BaseException:
+            self.abort_backward()
+            raise
+
+    def _pre_backward(self, block: Block) -> None:
         task = torch._C._current_graph_task_id()
         # NOTE: keyed by the graph task, so a backward that died half-way (an exception in a
         # hook skips the final callback) does not leave the next one without its cleanup.
         if not self._bwd or task != self._bwd_task:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "backward with create_graph=True (double backward, e.g. a gradient penalty)"
+                    " through a model offloaded with hr.offload is not supported: the device"
+                    " copies of its parameters are released after each block's backward, so the"
+                    " graph it would create could not be differentiated again. Compute the"
+                    " penalty on an unoffloaded model (hr.unoffload), or use a penalty that needs"
+                    " no second-order gradient"
+                )
+            if self._bwd:
+                self.abort_backward()  # a backward that broke off without its final callback
+            self._alloc_grads()
             self._bwd = True
             self._bwd_task = task
             self._bwd_seen = set()
@@ -286,10 +543,42 @@ class Offload:
         self._bwd_seen.add(id(block))
         block.grads_left = sum(1 for s in block.slots if s.dev.requires_grad)
         self.ensure(block)
+        # NOTE: shown, not only resident: activation checkpointing inside a block recomputes
+        # its submodules without calling the block (no pre-forward hook to show them then).
+        self._show(block)
         if block is not self.rest and block in self.order:
             self._prefetch(self.order, self.order.index(block), -1)
 
+    def _alloc_grads(self) -> None:
+        """Room for every gradient this backward can produce, before any of them lands.
+
+        NOTE: a store that is full fails here, at the start of backward with nothing written,
+        rather than half-way with some gradients stored and others not.
+        """
+        todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
+        store = self.store
+        try:
+            for s in todo:
+                h = s.binding.handle
+                key = f"{h.key}.grad"
+                s.binding.grad_handle = store.get(key) if key in store else \
+                    store.alloc(key, h.shape, h.dtype)
+        except StoreFullError as e:
+            need = sum(s.binding.handle.nbytes for s in todo if s.binding.grad_handle is None)
+            raise StoreFullError(
+                f"no room for the gradients of this backward in {store!r}: {need} more bytes"
+                f" needed ({e}). No gradient was written and the model is unchanged; free space"
+                " or raise the store's max_bytes, then run the step again"
+            ) from e
+
     def grad_hook(self, dev: torch.Tensor) -> None:
+        try:
+            self._grad_hook(dev)
+        except BaseException:
+            self.abort_backward()
+            raise
+
+    def _grad_hook(self, dev: torch.Tensor) -> None:
         slot = self.by_dev[id(dev)]
         g = dev.grad
         dev.grad = None
@@ -382,3 +671,45 @@ class Offload:
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
             else:
                 state_dict[key] = cur.detach()
+
+
+def _normalized(device: torch.device) -> torch.device:
+    if device.type != "cpu" and device.index is None:
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
+
+
+def _warn_recovery(e: BaseException) -> None:  # pragma: no cover - defensive
+    import warnings
+
+    warnings.warn(
+        f"headroom could not fully restore an offloaded model after a failed forward/backward"
+        f" ({type(e).__name__}: {e}); call hr.unoffload(model) and offload it again",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+_DDP_CODES: tuple | None = None
+
+
+def _ddp_frames() -> bool:
+    """Whether a DistributedDataParallel could be running (torch.distributed in use)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _called_from_ddp(depth: int = 64) -> bool:
+    """Whether this call runs inside ``DistributedDataParallel.forward`` (walks the frames)."""
+    global _DDP_CODES
+    if _DDP_CODES is None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        _DDP_CODES = (DDP.forward.__code__, DDP._run_ddp_forward.__code__)
+    f = sys._getframe(2)
+    while f is not None and depth > 0:
+        if f.f_code in _DDP_CODES:
+            return True
+        f = f.f_back
+        depth -= 1
+    return False

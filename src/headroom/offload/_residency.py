@@ -674,7 +674,7 @@ class Offload:
 
 
 def _normalized(device: torch.device) -> torch.device:
-    if device.type != "cpu" and device.index is None:
+    if device.type not in ("cpu", "meta") and device.index is None:
         return torch.device(device.type, torch.accelerator.current_device_index())
     return device
 

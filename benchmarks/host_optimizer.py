@@ -8,12 +8,13 @@
    time and four files at a time (page cache dropped, writes synced), measured in the same run,
    i.e. the bytes the step must move at the speed the disk moves them.
 3. A training iteration (forward + backward + step) of an 8-block MLP: plain torch AdamW,
-   HostOptimizer with ``overlap=False`` and with ``overlap=True``.
+   HostOptimizer stepping in ``step()`` and stepping during the backward declared final
+   (``with opt.final_backward():``).
 4. An offloaded training iteration on the CPU (``hr.offload(device="cpu",
    store=DiskStore(page_cache=False))``, the setup that trains models bigger than RAM):
-   HostOptimizer with ``overlap=False`` against ``overlap=True``, where the step of a block
-   (its master and gradient read from disk, the master written back) runs while backward
-   computes the blocks before it.
+   HostOptimizer stepping in ``step()`` against stepping inside ``final_backward()``, where the
+   step of a block (its master and gradient read from disk, the master written back) runs
+   while backward computes the blocks before it.
 5. Only with an accelerator: the same model on the device, device-side fused AdamW against
    HostOptimizer (iteration time and peak device memory).
 
@@ -28,6 +29,7 @@ ratios as the median over rounds of the per-round ratio, all measured in this ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -194,8 +196,8 @@ def bench_disk(n_params: int, n_tensors: int, repeats: int, root: Path) -> dict:
 
 
 def _timed_rounds(it, names: list[str], repeats: int) -> dict[str, list[float]]:
-    """Two warm-up iterations each (they arm the overlap), then ``repeats`` timed rounds, one
-    iteration of each method per round, the order rotating every round."""
+    """Two warm-up iterations each, then ``repeats`` timed rounds, one iteration of each method
+    per round, the order rotating every round."""
     for k in names:
         it(k)
         it(k)
@@ -226,7 +228,8 @@ def bench_training(width: int, blocks: int, batch: int, repeats: int) -> dict:
     }
 
     def it(k):
-        models[k](x).square().mean().backward()
+        with opts[k].final_backward() if k == "overlap_on" else contextlib.nullcontext():
+            models[k](x).square().mean().backward()
         opts[k].step()
         opts[k].zero_grad()
 
@@ -268,8 +271,9 @@ def bench_offloaded(width: int, blocks: int, batch: int, repeats: int, root: Pat
             for k in names}
 
     def it(k):
-        for _ in range(accum):
-            models[k](x).square().mean().backward()
+        for m in range(accum):
+            with opts[k].final_backward(m == accum - 1):  # a no-op with overlap=False
+                models[k](x).square().mean().backward()
         opts[k].step()
         opts[k].zero_grad()
 
@@ -313,8 +317,9 @@ def bench_accelerator(width: int, blocks: int, batch: int, repeats: int) -> dict
             opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4,
                                    overlap=name.endswith("on"), bucket_bytes=width * width * 4)
 
-        def it(model=model, opt=opt):
-            model(x).square().mean().backward()
+        def it(model=model, opt=opt, final=name == "host_overlap_on"):
+            with opt.final_backward() if final else contextlib.nullcontext():
+                model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -63,12 +65,15 @@ def loss_fn(model: nn.Module, i: int) -> torch.Tensor:
 
 
 def train(model, opt, steps: range, *, accum: int = 1, clip: float | None = None,
-          sched=None) -> list[torch.Tensor]:
-    """Plain training loop; clips with the optimizer's method when it has one."""
+          sched=None, final: bool = False) -> list[torch.Tensor]:
+    """Plain training loop; clips with the optimizer's method when it has one; ``final``
+    declares each step's last backward final (`HostOptimizer.final_backward`)."""
     norms = []
     for s in steps:
         for m in range(accum):
-            loss_fn(model, s * accum + m).backward()
+            last = final and m == accum - 1
+            with opt.final_backward() if last else contextlib.nullcontext():
+                loss_fn(model, s * accum + m).backward()
         if clip is not None:
             if hasattr(opt, "clip_grad_norm_"):
                 norms.append(opt.clip_grad_norm_(clip))

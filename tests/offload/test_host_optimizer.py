@@ -36,7 +36,7 @@ def _pair(**kw):
 def test_adamw_50_steps_bitwise(overlap):
     a, ref, b, opt = _pair(overlap=overlap)
     train(a, ref, range(STEPS))
-    train(b, opt, range(STEPS))
+    train(b, opt, range(STEPS), final=True)
     assert_params_equal(a, b)
     assert_state_equal(ref, opt)
     assert isinstance(opt, torch.optim.Optimizer)
@@ -54,25 +54,44 @@ def test_default_single_tensor_path_matches_torch_default():
     assert_state_equal(ref, opt)
 
 
-def test_accumulation_bitwise_and_overlap_learns_micro_batches():
-    a, ref, b, opt = _pair(overlap=True)
-    train(a, ref, range(STEPS), accum=4)
-    train(b, opt, range(STEPS), accum=4)
+def _count_early(opt) -> list[int]:
+    """Count parameters whose step ran during backward (inside final_backward)."""
+    early = [0]
+    inner = opt._step_entries
+
+    def spy(batch, **kw):
+        if kw.get("early", False):
+            early[0] += len(batch)
+        return inner(batch, **kw)
+
+    opt._step_entries = spy
+    return early
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("schedule", [(2, 2, 3), (1, 1, 1, 2), (4, 4, 2, 4), (3, 1, 4, 1, 2)])
+def test_any_micro_batch_schedule_is_bitwise(schedule, final):
+    """Epochs whose last step has fewer (or more) micro-batches: only a backward declared
+    final steps early, so every schedule gives the result of overlap=False, with the default
+    overlap=True whether or not the loop declares its final backward passes."""
+    a, ref, b, opt = _pair(overlap=True, bucket_bytes=1024)
+    c = make_model()
+    off = hr.HostOptimizer(c.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                           overlap=False)
+    early = _count_early(opt)
+    for i, accum in enumerate(schedule):
+        train(a, ref, range(i, i + 1), accum=accum)
+        train(b, opt, range(i, i + 1), accum=accum, final=final)
+        train(c, off, range(i, i + 1), accum=accum, final=final)
     assert_params_equal(a, b)
+    assert_params_equal(c, b)
     assert_state_equal(ref, opt)
-    assert {e.expected for e in opt._order} == {4}  # learned: 4 backward passes per step
+    n = len(list(b.parameters()))
+    # with final_backward every step ran during its final backward; without, none early
+    assert early[0] == (n * len(schedule) if final else 0)
 
 
-def test_overlap_survives_a_short_accumulation():
-    a, ref, b, opt = _pair(overlap=True)
-    for accum in (4, 4, 4, 2, 4, 4, 3, 4, 4):  # short last iterations of epochs
-        train(a, ref, range(1), accum=accum)
-        train(b, opt, range(1), accum=accum)
-    assert_params_equal(a, b)
-    assert_state_equal(ref, opt)
-
-
-def test_clipping_bitwise():
+def test_clipping_bitwise_and_refuses_final_backward():
     a, ref, b, opt = _pair(overlap=True)
     na = train(a, ref, range(STEPS), accum=2, clip=0.05)
     nb = train(b, opt, range(STEPS), accum=2, clip=0.05)
@@ -80,13 +99,18 @@ def test_clipping_bitwise():
     assert any(float(n) > 0.05 for n in na)  # clipping really happened
     assert_params_equal(a, b)
     assert_state_equal(ref, opt)
-
-
-def test_overlap_steps_during_backward():
-    _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
-    train(b, opt, range(2))  # two iterations of the same shape arm the overlap
     before = [p.detach().clone() for p in b.parameters()]
-    loss_fn(b, 1).backward()
+    with pytest.raises(RuntimeError, match="clip_grad_norm_"), opt.final_backward():
+        loss_fn(b, 0).backward()  # refused at the `with`, before any backward or step
+    assert all(torch.equal(x, p) for x, p in zip(before, b.parameters(), strict=True))
+    assert all(p.grad is None for p in b.parameters())
+
+
+def test_final_backward_steps_during_backward():
+    _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
+    before = [p.detach().clone() for p in b.parameters()]
+    with opt.final_backward():
+        loss_fn(b, 1).backward()
     assert opt._futures, "no step was started during backward"
     opt._wait()
     moved = [not torch.equal(x, p) for x, p in zip(before, b.parameters(), strict=True)]
@@ -95,28 +119,64 @@ def test_overlap_steps_during_backward():
     opt.zero_grad()
 
 
-def test_overlap_misuse_is_an_error():
+def test_a_plain_backward_never_steps_early():
+    _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
+    early = _count_early(opt)
+    train(b, opt, range(3), accum=2)  # no final_backward
+    assert early[0] == 0
+
+
+def test_final_backward_misuse_is_an_error():
     _, _, b, opt = _pair(overlap=True)
-    train(b, opt, range(2))
-    loss_fn(b, 5).backward()
+    with opt.final_backward():
+        loss_fn(b, 5).backward()
     with pytest.raises(RuntimeError, match="clip_grad_norm_"):
         opt.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
-    loss_fn(b, 6).backward()
-    with pytest.raises(RuntimeError, match="already started the step"):
+    opt._clips = False  # pretend this optimizer never clipped, to check the other misuses
+    with opt.final_backward():
+        loss_fn(b, 6).backward()
+    with pytest.raises(RuntimeError, match="another gradient"):
         loss_fn(b, 7).backward()
+    with pytest.raises(RuntimeError, match="already used"), opt.final_backward():
+        pass
     opt.step()
-    loss_fn(b, 8).backward()
+    with opt.final_backward():
+        loss_fn(b, 8).backward()
     opt.param_groups[0]["lr"] = 0.5
     with pytest.raises(RuntimeError, match="changed"):
         opt.step()
 
 
+def test_failed_final_backward_says_what_stepped():
+    _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
+    fail = [True]
+
+    def boom(grad):
+        if fail[0]:
+            raise RuntimeError("boom")
+        return grad
+
+    x, y = batch(3)
+    h = b.emb(x)
+    h.register_hook(boom)  # the last gradient of backward: every parameter's came before it
+    out = h
+    for blk in b.blocks:
+        out = blk(out)
+    loss = ((b.head(out) - y) ** 2).mean()
+    with pytest.raises(RuntimeError, match="boom") as info, opt.final_backward():
+        loss.backward()
+    assert any("already taken this step" in n for n in getattr(info.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="restore the last checkpoint"):
+        opt.zero_grad()
+    opt.step()  # finishes the step; the optimizer is usable again
+    opt.zero_grad()
+    train(b, opt, range(1), final=True)
+
+
 def test_overlap_hparam_change_detected_when_the_worker_starts_late():
     a, ref, b, opt = _pair(overlap=True)
-    train(a, ref, range(2))
-    train(b, opt, range(2))
     drain = opt._drain
 
     def late():
@@ -125,7 +185,8 @@ def test_overlap_hparam_change_detected_when_the_worker_starts_late():
 
     opt._drain = late
     loss_fn(a, 8).backward()
-    loss_fn(b, 8).backward()
+    with opt.final_backward():
+        loss_fn(b, 8).backward()
     opt.param_groups[0]["lr"] = 0.5
     with pytest.raises(RuntimeError, match="changed"):
         opt.step()

@@ -72,7 +72,7 @@ def test_offloaded_disk_save_kill_load_resumes_bitwise(tmp_path):
                            state_store=hr.DiskStore(tmp_path / "state-b"), slice_bytes=512)
     hr.load(path, model, opt)
     early = _count_early(opt)
-    train(model, opt, range(STEPS // 2, STEPS), accum=2)
+    train(model, opt, range(STEPS // 2, STEPS), accum=2, final=True)
     assert early[0] > 0, "the resumed run never overlapped a step with backward"
     _plain_params_equal(ref_model, model)
     assert_state_equal(ref, opt)
@@ -111,29 +111,25 @@ def test_offloaded_overlap_steps_early_bitwise(tmp_path, store):
         opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
                                weight_decay=0.1, overlap=overlap, bucket_bytes=1024)
         early = _count_early(opt)
-        train(model, opt, range(steps), accum=accum)
+        train(model, opt, range(steps), accum=accum, final=True)
         _plain_params_equal(ref_model, model)
         assert_state_equal(ref, opt)
         results[overlap] = early[0]
-        if overlap:
-            # learned: 4 backward passes per step, so no step ran on a partial accumulation
-            assert {e.expected for e in opt._order} == {accum}
         opt.close()
     n = len(list(ref_model.parameters()))
-    # the first two iterations learn the loop's shape; every later one steps all early
-    assert results == {True: n * (steps - 2), False: 0}
+    # every step ran during its final backward, none on a partial accumulation
+    assert results == {True: n * steps, False: 0}
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])
 def test_offloaded_overlap_updates_before_step(tmp_path, store):
     model = _offloaded(store, tmp_path)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=1024)
-    train(model, opt, range(2), accum=2)  # two iterations of the same shape arm the overlap
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    for m in range(2):
-        loss_fn(model, 10 + m).backward()
-        if m == 0:
-            assert not opt._futures, "a step started on a partial accumulation"
+    loss_fn(model, 10).backward()
+    assert not opt._futures, "a step started on a partial accumulation"
+    with opt.final_backward():
+        loss_fn(model, 11).backward()
     assert opt._futures, "no step was started during backward"
     opt._wait()
     after = model.state_dict()
@@ -141,9 +137,10 @@ def test_offloaded_overlap_updates_before_step(tmp_path, store):
     assert all(moved), "offloaded parameters were not updated before step()"
     opt.step()
     opt.zero_grad()
-    with pytest.raises(RuntimeError, match="already started the step"):
-        for m in range(3):  # one backward pass more than the loop's shape
-            loss_fn(model, 20 + m).backward()
+    with opt.final_backward():
+        loss_fn(model, 20).backward()
+    with pytest.raises(RuntimeError, match="another gradient"):
+        loss_fn(model, 21).backward()  # one backward pass after the one declared final
     opt.step()
 
 
@@ -185,7 +182,7 @@ def test_offloaded_overlap_waits_for_gradients_in_flight(tmp_path, monkeypatch):
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                            bucket_bytes=1 << 20)
     early = _count_early(opt)
-    train(model, opt, range(steps), accum=accum)
-    assert early[0] == len(opt._order) * (steps - 2)
+    train(model, opt, range(steps), accum=accum, final=True)
+    assert early[0] == len(opt._order) * steps
     _plain_params_equal(ref_model, model)
     assert_state_equal(ref, opt)

@@ -8,9 +8,10 @@ gradients arrive, so the device holds neither state nor more than the gradients 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -59,8 +60,8 @@ class _Entry:
 
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
-        "state_handles", "small", "initialized", "count", "expected", "launched", "grad_scale",
-        "bucket", "last_count",
+        "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
+        "fired",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -77,11 +78,10 @@ class _Entry:
         self.small: dict[str, Any] = {}
         self.initialized = False
         self.count = 0  # gradients received since the last step
-        self.expected = 0  # gradients after which the step may start early (0: at step())
-        self.launched = False
+        self.launched = False  # its step started during a final backward
         self.grad_scale: torch.Tensor | None = None
         self.bucket: _Bucket | None = None
-        self.last_count = 0  # gradients received in the previous iteration
+        self.fired = False  # its gradient of the current final backward is complete
 
 
     @property
@@ -169,20 +169,16 @@ class HostOptimizer(torch.optim.Optimizer):
             slices with reads, update and writes overlapped; needs an element-wise optimizer
             (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam). Costs disk bandwidth on
             every step (read and write each state tensor once).
-        overlap: start a parameter's step on a worker thread as soon as its gradient is
-            complete, while backward continues; ``step()`` then waits for the rest. When a
-            gradient counts as complete is learned from the loop itself: how many backward
-            passes each parameter saw before ``step()``, once the same count was seen in two
-            iterations in a row. So the first two iterations, any iteration after one that
-            called `clip_grad_norm_`, and the two after a short one (an epoch's last
-            micro-batches) step at ``step()``. Bitwise the same result as ``overlap=False``.
-            Parameters offloaded by `headroom.offload` take part too: the offload layer signals
-            when each gradient is complete (`headroom.transfer.on_grad_ready`) and the step
-            waits for its bytes to land in the store before reading them.
-            Hyperparameters (e.g. the learning rate) are read when a parameter's step starts:
-            change them before backward, not between backward and ``step()`` (that is
-            detected and raises). Trade-off: a worker thread and a few rules on the loop's
-            shape, for a step hidden behind backward on an accelerator (no gain on a CPU).
+        overlap: inside `final_backward` (the last backward pass before ``step()``), start a
+            parameter's step on a worker thread as soon as its gradient is complete, while
+            backward goes on; ``step()`` then waits for those and steps the rest. Bitwise the
+            same result as ``overlap=False``, for any number of backward passes per step: only
+            a backward the loop declares final steps early, every other one just accumulates.
+            Parameters offloaded by `headroom.offload` take part too (the offload layer signals
+            each complete gradient, `headroom.transfer.on_grad_ready`, and the step waits for
+            its bytes to land in the store). Trade-off: a worker thread, and inside
+            `final_backward` the gradients are final: no `clip_grad_norm_` and no further
+            backward before ``step()``, hyperparameters set before backward.
         row_sparse: parameters (2-D or more, e.g. embeddings and huge classifier weights) that
             take *lazy Adam* steps: only rows with a non-zero gradient (or the rows named by
             their binding's ``grad_rows``) are read, updated and written; the moments of other
@@ -204,7 +200,8 @@ class HostOptimizer(torch.optim.Optimizer):
     Example:
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> with opt.final_backward():  # optional: step each parameter during backward
+        ...     model(torch.randn(3, 4)).sum().backward()
         >>> opt.step(); opt.zero_grad()
     """
 
@@ -271,9 +268,11 @@ class HostOptimizer(torch.optim.Optimizer):
         self._futures: list[Future] = []
         self._ready: list[_Entry] = []
         self._arrival: list[_Entry] = []  # first-gradient order in this iteration
+        self._last_arrival: list[_Entry] = []  # ... in the last iteration that had gradients
+        self._final = False  # inside final_backward()
+        self._clips = False  # clip_grad_norm_ has been called: gradients are not final
         self._in_flight = 0  # device gradient bytes pushed to the host since the last reap
         self._launched_hparams: dict[int, dict[str, Any]] = {}
-        self._clipped = False
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
         self._key_prefix = f"hr-opt-{id(self):x}"
@@ -381,10 +380,9 @@ class HostOptimizer(torch.optim.Optimizer):
             return
         if e.launched:
             raise RuntimeError(
-                "HostOptimizer(overlap=True) had already started the step of a parameter when it "
-                f"received another gradient (after {e.expected} backward pass(es), as in the "
-                "previous iteration). Call step() after the same number of backward passes "
-                "each iteration, or pass overlap=False"
+                "a parameter received another gradient after its step had started inside "
+                "HostOptimizer.final_backward(); declare only the last backward pass before "
+                "step() final (that step already used the gradients it had)"
             )
         if e.kind == _HOSTED and p.grad is not None:
             g = p.grad
@@ -405,7 +403,8 @@ class HostOptimizer(torch.optim.Optimizer):
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
-        if e.bucket is not None and e.count == e.expected:
+        if self._final and e.bucket is not None and not e.fired:
+            e.fired = True
             bucket = e.bucket
             bucket.remaining -= 1
             if bucket.remaining == 0:
@@ -635,47 +634,106 @@ class HostOptimizer(torch.optim.Optimizer):
                 for t in self._tickets:
                     self._mover.wait(t)
             self._tickets = []
-        arm = self._overlap and not self._clipped
-        for e in self._order:
-            # NOTE: arm only a pattern seen twice in a row: after a short iteration (the last
-            # micro-batches of an epoch) the next one steps at step() instead of failing.
-            e.expected = e.count if arm and e.count == e.last_count else 0
-            e.last_count = e.count
-            e.bucket = None
-        if arm and any(e.expected for e in self._arrival):
-            self._start_pool()
-            # NOTE: buckets follow the order gradients arrived in (backward order), like DDP's
-            # rebuilt buckets, so each bucket completes as early as possible.
-            cur: list[_Entry] = []
-            size = 0
-            for e in self._arrival:
-                if not e.expected:
-                    continue
-                cur.append(e)
-                size += e.param.numel() * 4
-                if size >= self._bucket_bytes:
-                    self._buckets_add(cur)
-                    cur, size = [], 0
-            if cur:
-                self._buckets_add(cur)
+        if self._arrival:
+            self._last_arrival = self._arrival
         for e in self._order:
             e.count = 0
             e.launched = False
+            e.fired = False
+            e.bucket = None
         self._arrival = []
-        self._clipped = False
         self._launched_hparams = {}
         self._refresh_state_view()
+
+    # ------------------------------------------------------------------ overlap
+    @contextlib.contextmanager
+    def final_backward(self, enabled: bool = True) -> Iterator[None]:
+        """Declare the backward pass inside as the last one before ``step()``: each parameter's
+        step starts as soon as its gradient is complete, overlapped with the rest of backward.
+
+        Every other backward pass only accumulates, so the result is bitwise that of
+        ``overlap=False`` whatever the number of micro-batches per step. Inside, gradients are
+        final: `clip_grad_norm_` afterwards, a further backward pass before ``step()``, or a
+        hyperparameter changed between backward and ``step()`` raise (some parameters have
+        already stepped by then); a backward that fails inside leaves the parameters that
+        already stepped stepped (see the docs' "Failure and recovery"). A no-op with
+        ``overlap=False``.
+
+        Args:
+            enabled: ``False`` makes it a no-op, for loops that decide per micro-batch.
+
+        Raises:
+            RuntimeError: `clip_grad_norm_` was used by this optimizer (clipping needs every
+                gradient before any step), or a final backward already ran since ``step()``.
+
+        Example:
+            >>> for i, (x, y) in enumerate(loader):                  # doctest: +SKIP
+            ...     last = (i + 1) % accum == 0
+            ...     with opt.final_backward(last):
+            ...         (loss_fn(model(x), y) / accum).backward()
+            ...     if last:
+            ...         opt.step(); opt.zero_grad()
+        """
+        if not enabled or not self._overlap:
+            yield
+            return
+        if self._clips:
+            raise RuntimeError(
+                "final_backward() steps parameters during backward, before every gradient is "
+                "known, but this optimizer clips gradients (clip_grad_norm_), which needs all of "
+                "them first. Drop the `with opt.final_backward():` (the step then runs in "
+                "step()), or stop clipping"
+            )
+        if self._final or any(e.launched for e in self._order):
+            raise RuntimeError(
+                "final_backward() was already used since the last step(); only the last "
+                "backward pass before step() is final"
+            )
+        self._arm()
+        self._final = True
+        try:
+            yield
+        except BaseException as exc:
+            if any(e.launched for e in self._order):
+                with contextlib.suppress(BaseException):
+                    self._wait()
+                if hasattr(exc, "add_note"):
+                    exc.add_note(
+                        "headroom: this backward failed inside HostOptimizer.final_backward() "
+                        "after some parameters had already taken this step; step() finishes "
+                        "the step for the others (with the gradients they have), or restore "
+                        "the last checkpoint (hr.load) to continue exactly"
+                    )
+            raise
+        finally:
+            self._final = False
+
+    def _arm(self) -> None:
+        """Buckets for this final backward, in the order gradients arrived in last time."""
+        # NOTE: buckets follow the order gradients arrived in (backward order), like DDP's
+        # rebuilt buckets, so each bucket completes as early as possible; before any gradient
+        # was seen, reverse registration order approximates it.
+        order = self._last_arrival or list(reversed(self._order))
+        for e in self._order:
+            e.bucket = None
+            e.fired = False
+        self._start_pool()
+        cur: list[_Entry] = []
+        size = 0
+        for e in order:
+            cur.append(e)
+            size += e.param.numel() * 4
+            if size >= self._bucket_bytes:
+                self._buckets_add(cur)
+                cur, size = [], 0
+        if cur:
+            self._buckets_add(cur)
 
     @staticmethod
     def _buckets_add(entries: list[_Entry]) -> None:
         bucket = _Bucket(entries)
         for e in entries:
             e.bucket = bucket
-
-    def _reset_buckets(self) -> None:
-        for e in self._order:
-            if e.bucket is not None:
-                e.bucket.remaining = len(e.bucket.entries)
 
     def _check_hparams(self) -> None:
         for gi, snap in self._launched_hparams.items():
@@ -684,10 +742,9 @@ class HostOptimizer(torch.optim.Optimizer):
                 if not _same(v, now.get(k)):
                     raise RuntimeError(
                         f"param_groups[{gi}][{k!r}] changed from {v!r} to {now.get(k)!r} after "
-                        "HostOptimizer(overlap=True) had started stepping parameters with the "
-                        "old value during backward. Set hyperparameters before backward (LR "
-                        "schedulers do: call scheduler.step() after opt.step()), or pass "
-                        "overlap=False"
+                        "HostOptimizer had started stepping parameters with the old value "
+                        "during final_backward(). Set hyperparameters before backward (LR "
+                        "schedulers do: call scheduler.step() after opt.step())"
                     )
 
     def _refresh_state_view(self) -> None:
@@ -711,14 +768,16 @@ class HostOptimizer(torch.optim.Optimizer):
         """Clear gradients wherever they rest (device, host or store).
 
         Raises:
-            RuntimeError: some parameters already started this iteration's step (overlap) and
-                ``step()`` was not called.
+            RuntimeError: some parameters already took this iteration's step inside
+                `final_backward` and ``step()`` was not called.
         """
         self._wait()
         if any(e.launched for e in self._order):
             raise RuntimeError(
-                "zero_grad() after backward already started stepping parameters "
-                "(HostOptimizer(overlap=True)); call step() first, or pass overlap=False"
+                "zero_grad() after some parameters already took this step inside "
+                "final_backward(): call step() first to finish it. If that backward failed, "
+                "step() finishes the step for the others with the gradients they have; to "
+                "continue exactly, restore the last checkpoint (hr.load) instead"
             )
         for e in self._order:
             p = e.param
@@ -746,7 +805,6 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.grad_scale = None
         self._arrival = []
-        self._reset_buckets()
 
     def grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient of ``param`` as a host tensor (a copy if it rests on disk).
@@ -793,18 +851,18 @@ class HostOptimizer(torch.optim.Optimizer):
             The total norm before clipping (a host tensor).
 
         Raises:
-            RuntimeError: called after parameters already started this iteration's step
-                (overlap; cannot happen on the iteration after a call to this method), or the
-                norm is non-finite and ``error_if_nonfinite``.
+            RuntimeError: called after parameters already took this iteration's step inside
+                `final_backward` (from then on `final_backward` refuses at once, before any
+                step), or the norm is non-finite and ``error_if_nonfinite``.
         """
         self._wait()
+        self._clips = True
         if any(e.launched for e in self._order):
             raise RuntimeError(
-                "clip_grad_norm_() after backward had already started stepping parameters "
-                "(HostOptimizer(overlap=True) learned from the previous iteration that no "
-                "clipping was done). Call clip_grad_norm_ every iteration, or pass overlap=False"
+                "clip_grad_norm_() after final_backward(): some parameters already took this "
+                "step with unclipped gradients. Clipping needs every gradient before any step: "
+                "drop the `with opt.final_backward():` when clipping"
             )
-        self._clipped = True
         if self._mover is not None:
             with self._mover_lock:
                 self._mover.synchronize()

@@ -609,7 +609,7 @@ class Offload:
                 p.grad = torch.empty(p.shape, dtype=p.dtype, device="meta")
         # NOTE: post-accumulate-grad fires once per backward, after every use of the
         # parameter (tied weights included), so this gradient is complete: tell listeners
-        # (HostOptimizer(overlap=True) starts the parameter's step on its worker thread).
+        # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
         block = slot.block
         if id(block) in self._bwd_seen:

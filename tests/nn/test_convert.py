@@ -54,7 +54,7 @@ def test_hooks_are_kept_and_copies_are_independent():
     assert calls == ["fwd", "pre"]
 
 
-def test_shared_module_stays_shared_and_subclasses_are_left_alone():
+def test_shared_module_stays_shared_and_subclasses_keep_their_class():
     class MyConv(nn.Conv2d):
         pass
 
@@ -62,7 +62,8 @@ def test_shared_module_stays_shared_and_subclasses_are_left_alone():
     model = nn.Sequential(nn.Conv2d(3, 3, 1), shared, MyConv(3, 3, 1), shared)
     conv = hr.convert(model)
     assert conv[1] is conv[3] and type(conv[1]) is hnn.ReLU
-    assert type(conv[2]) is MyConv
+    assert isinstance(conv[2], MyConv) and isinstance(conv[2], hnn.Conv2d)
+    assert type(conv[2]).__name__ == "MyConv" and type(model[2]) is MyConv
 
 
 def test_single_layer_and_bad_input():

@@ -1,34 +1,42 @@
-"""Activations that keep a 1-bit mask instead of a full tensor.
+"""Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway.
 
 PyTorch's ReLU keeps its whole output (32 bits per element in fp32) to know, in backward, where
-the gradient passes; LeakyReLU, Hardtanh and ReLU6 keep their whole input for the same reason.
-These layers keep one bit per element (:mod:`headroom.nn._bitmask`).
+the gradient passes; LeakyReLU, Hardtanh and ReLU6 keep their whole input (their output when in
+place) for the same reason. One bit per element is enough (:mod:`headroom.nn._bitmask`).
 
-ReLU is special: its output is very often the input of the next layer, and when that layer keeps
-its input for its own backward (a convolution whose weight trains), keeping the output costs
-nothing: both saved references share one storage. A ReLU then runs PyTorch's own ReLU and adds
-no byte; it switches to the bit mask only when every headroom layer seen consuming its output at
-this call site will not keep it under the current ``requires_grad`` flags
-(see :mod:`headroom.nn._common`).
+But the tensor PyTorch keeps is often kept by another node anyway (a ReLU's output by the next
+convolution whose weight trains, an in-place LeakyReLU's result likewise, a ReLU output by the
+product of a squeeze-excitation block): keeping it then costs nothing, since both saved
+references share one storage, and a mask would be an extra 1/32. So these layers run PyTorch's
+own op, keep the tensor its node saves in a :class:`Late` holder, and decide after their
+consumers ran: a 1-bit mask when nothing else references the storage, else the tensor as is
+(see [Note: deciding late] in :mod:`headroom.nn._common`). Under saved-tensor hooks of the
+caller's they decide in forward instead (:class:`_ReLUMask` and friends).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_as
+from headroom.nn._bitmask import GREATER, INSIDE, NONZERO, pack_gt, pack_test, unpack_as
 from headroom.nn._common import (
+    UNSHARED,
     KeepsNoInput,
+    _use_count,
     consumers_keep_output,
     first_order_only,
+    hold,
     hooks_free,
     note_consumer,
     records_graph,
     register_relu_output,
     relu_sites,
     run_saving_less,
+    settle_pending,
 )
 
 
@@ -40,12 +48,17 @@ def _dense(t: torch.Tensor) -> bool:
     return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
-def _pack_nonzero_layout(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``t != 0`` packed, and whether in memory order (``t`` channels-last, see :func:`_dense`)
-    rather than row-major order. Memory order packs and unpacks without a layout copy."""
+def _pack_layout(
+    t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0
+) -> tuple[torch.Tensor, bool, bool]:
+    """``pack_test(t, op, lo, hi)``, whether packed in memory order (``t`` channels-last, see
+    :func:`_dense`) rather than row-major order, and whether a NaN was seen (``INSIDE`` only).
+    Memory order packs and unpacks without a layout copy."""
     if not t.is_contiguous() and _dense(t):
-        return pack_nonzero(t.as_strided((t.numel(),), (1,))), True
-    return pack_nonzero(t), False
+        bits, nan = pack_test(t.as_strided((t.numel(),), (1,)), op, lo, hi)
+        return bits, True, nan
+    bits, nan = pack_test(t, op, lo, hi)
+    return bits, False, nan
 
 
 def _unpack_layout(
@@ -56,18 +69,19 @@ def _unpack_layout(
     dtype: torch.dtype,
     *,
     reuse: bool = False,
+    values: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """The mask of :func:`_pack_nonzero_layout` as ``dtype`` values, positive where set, laid
-    out with ``stride`` like the tensor PyTorch's backward would have read.
+    """The mask of :func:`_pack_layout` as ``dtype`` values (1/0, or ``values``), laid out with
+    ``stride`` like the tensor PyTorch's backward would have read.
 
     # NOTE: the strides matter for bitwise equality downstream: an element-wise backward kernel
     # lays its output out like its inputs, and the next backward (a batch norm, say) takes a
     # different reduction order for a channels-last gradient than for a contiguous one.
     """
     if memory_order:
-        flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse)
+        flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse, values=values)
         return flat.as_strided(shape, stride)
-    passes = unpack_as(bits, shape, dtype, reuse=reuse)
+    passes = unpack_as(bits, shape, dtype, reuse=reuse, values=values)
     if passes.stride() == stride:
         return passes
     out = torch.empty_strided(shape, stride, dtype=dtype, device=passes.device)
@@ -80,24 +94,96 @@ def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
     return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype)
 
 
-class _ReLUBits:
-    """A ReLU result saved as its non-zero mask (pack hook of ``ReluBackward0``).
+@functools.cache
+def _hardtanh_values(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, float] | None:
+    """Stand-in values for ``hardtanh_backward``, which passes the gradient where
+    ``lo < x < hi`` in ``dtype``: ``(lo, a value strictly inside)``, or None where 0.0 and 1.0
+    already are such a pair (``0 <= lo < 1 < hi``, ReLU6)."""
+    lo_d, hi_d = (torch.tensor(v, dtype=dtype).item() for v in (lo, hi))
+    if lo_d >= 0.0 and lo_d < 1.0 < hi_d:
+        return None
+    inside = torch.tensor((lo_d + hi_d) / 2, dtype=dtype).item()
+    if not lo_d < inside < hi_d:
+        # NOTE: no value of the dtype lies strictly between the bounds, so no mask bit is set
+        # and the "inside" value is never written.
+        inside = lo_d
+    return (lo_d, inside)
 
-    # NOTE: PyTorch's ReluBackward0 runs ``threshold_backward(grad, result, 0)``; handing it a
-    # tensor positive exactly where the result was non-zero, laid out like the result, gives
-    # bitwise its own gradient (see _ReLUMask). Packing happens when the node saves the result,
-    # so the full result is never held by autograd. ReluBackward0 drops the unpacked tensor
-    # when it returns, so it may live in a reused buffer, except in a double backward (grad
-    # mode on), whose graph keeps it.
+
+class Late:
+    """The tensor an activation's PyTorch node saves, kept whole until it is known whether
+    anything else references its storage; then, if nothing does, packed to a 1-bit mask.
+
+    The pack hook of :func:`headroom.nn._common.run_saving_less` for ``ReluBackward0``
+    (``op=NONZERO``: the result's non-zeros), ``LeakyReluBackward0`` (``GREATER``: ``x > 0``)
+    and ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``). :meth:`settle` is called by
+    :func:`headroom.nn._common.settle_pending` and at the end of a converted root's forward.
+
+    # NOTE: on unpack, backward gets the tensor, or a tensor positive exactly where the mask is
+    # set (for Hardtanh, ``lo`` and a value strictly inside), laid out like the original: the
+    # very kernel PyTorch runs then gives bitwise its own gradient. A Hardtanh input holding a
+    # NaN stays whole: PyTorch's kernel passes the gradient at a NaN in its scalar loop and
+    # stops it in its vector loop, so no bit says which. The unpacked floats are needed only
+    # inside the node's backward, which drops them when it returns, so they may live in a
+    # reused buffer, except in a double backward (grad mode on), whose graph keeps them.
     """
 
-    __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
+    __slots__ = (
+        "tensor",
+        "version",
+        "key",
+        "op",
+        "lo",
+        "hi",
+        "seq",
+        "bits",
+        "shape",
+        "stride",
+        "dtype",
+        "memory_order",
+        "values",
+        "__weakref__",
+    )
 
-    def __init__(self, out: torch.Tensor) -> None:
-        self.bits, self.memory_order = _pack_nonzero_layout(out)
-        self.shape, self.stride, self.dtype = out.shape, out.stride(), out.dtype
+    def __init__(self, t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
+        # NOTE: a detached alias, not ``t``: a saved output is the very tensor whose grad_fn
+        # holds this object (a reference cycle), and the alias counts once in the storage's use
+        # count whoever else holds ``t``.
+        self.tensor = t.detach()
+        self.version = t._version
+        self.key = t.untyped_storage()._cdata
+        self.op, self.lo, self.hi = op, lo, hi
+        self.bits = None
+        self.seq = hold(self)
+
+    def settle(self) -> bool:
+        """Pack the tensor if nothing else references its storage; whether it is decided."""
+        t = self.tensor
+        if t is None:
+            return True
+        if _use_count(self.key) != UNSHARED:
+            return False
+        if t._version != self.version:
+            return True  # changed in place: kept, so that backward raises as PyTorch's does
+        bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
+        if nan:
+            return True
+        self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
+        self.values = None if self.op != INSIDE else _hardtanh_values(self.lo, self.hi, t.dtype)
+        self.memory_order, self.bits = memory_order, bits
+        self.tensor = None
+        return True
 
     def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t is not None:
+            if t._version != self.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                    f"{t._version}; expected version {self.version} instead."
+                )
+            return t
         return _unpack_layout(
             self.bits,
             self.shape,
@@ -105,7 +191,18 @@ class _ReLUBits:
             self.memory_order,
             self.dtype,
             reuse=not torch.is_grad_enabled(),
+            values=self.values,
         )
+
+
+def _late_test(op: int, lo: float = 0.0, hi: float = 0.0):
+    """A pack hook making :class:`Late` holders of one test."""
+    if op == NONZERO:
+        return Late
+    return functools.partial(Late, op=op, lo=lo, hi=hi)
+
+
+_LATE = UNSHARED is not None and _use_count is not None
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
@@ -124,6 +221,27 @@ def _needs_graph(x: torch.Tensor) -> bool:
     return records_graph() and x.requires_grad
 
 
+class _ReLUBits:
+    """A ReLU result packed at save time (pack hook of ``ReluBackward0``), where this torch
+    lacks the storage use count that :class:`Late` needs."""
+
+    __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.bits, self.memory_order, _ = _pack_layout(out)
+        self.shape, self.stride, self.dtype = out.shape, out.stride(), out.dtype
+
+    def unpack(self) -> torch.Tensor:
+        return _unpack_layout(
+            self.bits,
+            self.shape,
+            self.stride,
+            self.memory_order,
+            self.dtype,
+            reuse=not torch.is_grad_enabled(),
+        )
+
+
 class _ReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -137,7 +255,7 @@ class _ReLUMask(torch.autograd.Function):
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
         # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
         # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
-        bits, ctx.memory_order = _pack_nonzero_layout(out)
+        bits, ctx.memory_order, _ = _pack_layout(out)
         ctx.save_for_backward(bits)
         ctx.shape, ctx.stride = out.shape, out.stride()
         return out
@@ -149,7 +267,7 @@ class _ReLUMask(torch.autograd.Function):
 
 
 class ReLU(nn.ReLU):
-    """``nn.ReLU`` that keeps a 1-bit mask, or nothing its consumer does not keep already."""
+    """``nn.ReLU`` that keeps a 1-bit mask, or nothing its consumers do not keep already."""
 
     def _hr_saves_input(self) -> bool:
         return False
@@ -157,15 +275,22 @@ class ReLU(nn.ReLU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _needs_graph(input):
             return super().forward(input)
+        settle_pending()
         note_consumer(self, input)
-        # NOTE: a call site is the producing node's type and the shape without the batch
-        # dimension: one ReLU module used twice in a block (torchvision's BasicBlock) has two.
+        relu = torch.relu_ if self.inplace else torch.relu
+        # NOTE: under the caller's saved-tensor hooks (or without the use count), the choice is
+        # made in forward, from the consumers seen at this call site in earlier forwards (on
+        # either path) or known from an nn.Sequential. A call site is the producing node's type
+        # and the shape without the batch dimension: one ReLU module used twice in a block
+        # (torchvision's BasicBlock) has two.
         site = (type(input.grad_fn), input.shape[1:])
         sites = relu_sites(self)
-        if consumers_keep_output(sites, site):
+        if _LATE and hooks_free():
+            out = run_saving_less(Late, relu, input)
+        elif consumers_keep_output(sites, site):
             out = super().forward(input)
         elif hooks_free():
-            out = run_saving_less(_ReLUBits, torch.relu_ if self.inplace else torch.relu, input)
+            out = run_saving_less(_ReLUBits, relu, input)
         else:
             out = _ReLUMask.apply(input, self.inplace)
         register_relu_output(sites, site, out)
@@ -198,7 +323,12 @@ class _LeakyReLUMask(torch.autograd.Function):
 
 
 class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
-    """``nn.LeakyReLU`` that keeps a 1-bit sign mask instead of its input."""
+    """``nn.LeakyReLU`` that keeps a 1-bit sign mask, or nothing its consumers do not keep."""
+
+    def _hr_pack(self):
+        if not _LATE or (self.inplace and self.negative_slope < 0):
+            return None
+        return _late_test(GREATER)
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
@@ -206,7 +336,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
         return _LeakyReLUMask.apply(input, float(self.negative_slope), self.inplace)
 
 
-class _HardtanhMask(torch.autograd.Function):
+class _HardtanhFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
         if inplace:
@@ -215,29 +345,51 @@ class _HardtanhMask(torch.autograd.Function):
         else:
             out = F.hardtanh(x, lo, hi)
         # NOTE: hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
-        # meets the same conditions (clamped values equal the bounds) and NaN passes. Backward
-        # hands threshold_backward a 1.0/0.0 "passes" tensor (see _ReLUMask for why).
-        stops = torch.le(out, lo).logical_or_(torch.ge(out, hi))
-        ctx.save_for_backward(pack_bool(stops.logical_not_()))
+        # meets the same conditions (clamped values equal the bounds). Backward hands the same
+        # kernel ``lo`` and a value strictly inside; a NaN keeps the tensor (see Late).
+        bits, nan = pack_test(out, INSIDE, lo, hi)
+        ctx.keep = nan
+        # NOTE: what PyTorch's node would save (the input, or the result when in place).
+        ctx.save_for_backward((out if inplace else x).detach() if nan else bits)
         ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
+        ctx.lo, ctx.hi = lo, hi
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        return _threshold_backward(grad, _unpack_like(ctx, grad)), None, None, None
+        if ctx.keep:
+            (x,) = ctx.saved_tensors
+        else:
+            (bits,) = ctx.saved_tensors
+            x = _unpack_layout(
+                bits,
+                ctx.shape,
+                ctx.stride,
+                False,
+                grad.dtype,
+                values=_hardtanh_values(ctx.lo, ctx.hi, grad.dtype),
+            )
+        return torch.ops.aten.hardtanh_backward(grad, x, ctx.lo, ctx.hi), None, None, None
 
 
 class _HardtanhMixin(KeepsNoInput):
+    def _hr_pack(self):
+        if not _LATE or self.min_val > self.max_val:
+            return None
+        return _late_test(INSIDE, float(self.min_val), float(self.max_val))
+
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.min_val > self.max_val:
             return self._hr_torch_forward(input)  # PyTorch raises its own error for this
-        return _HardtanhMask.apply(input, float(self.min_val), float(self.max_val), self.inplace)
+        lo, hi = float(self.min_val), float(self.max_val)
+        return _HardtanhFunction.apply(input, lo, hi, self.inplace)
 
 
 class Hardtanh(_HardtanhMixin, nn.Hardtanh):
-    """``nn.Hardtanh`` that keeps a 1-bit pass mask instead of its input."""
+    """``nn.Hardtanh`` that keeps a 1-bit pass mask, or nothing its consumers do not keep."""
 
 
 class ReLU6(_HardtanhMixin, nn.ReLU6):
-    """``nn.ReLU6`` that keeps a 1-bit pass mask instead of its input."""
+    """``nn.ReLU6`` that keeps a 1-bit pass mask, or nothing its consumers do not keep."""
+

@@ -134,6 +134,48 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
     return _pack_scratch(buf, numel)
 
 
+# Tests :func:`pack_test` can pack (the C kernels' op codes).
+NONZERO, GREATER, INSIDE = 0, 1, 2
+
+
+def pack_test(
+    x: torch.Tensor, op: int, lo: float = 0.0, hi: float = 0.0
+) -> tuple[torch.Tensor, bool]:
+    """Pack one test of each element of ``x``, in row-major order.
+
+    Args:
+        x: a floating-point tensor.
+        op: :data:`NONZERO` (``x != 0``: NaN set, ``-0.0`` clear, as :func:`pack_nonzero`),
+            :data:`GREATER` (``x > lo``) or :data:`INSIDE` (``lo < x < hi``); the last two are
+            ordered comparisons, false for NaN, made in ``x``'s dtype like PyTorch's kernels.
+        lo: the lower bound of ``GREATER`` and ``INSIDE``.
+        hi: the upper bound of ``INSIDE``.
+
+    Returns:
+        ``(bits, nan_seen)``: the packed mask, and for ``INSIDE`` whether ``x`` holds a NaN
+        (always False for the other tests).
+    """
+    if op == NONZERO:
+        return pack_nonzero(x), False
+    if x.device.type == "cpu":
+        code = _NATIVE_CODES.get(x.dtype, 9) if _native is not None else 9
+        if code < 2 and x.is_contiguous():
+            numel = x.numel()
+            bits = torch.empty((numel + 7) // 8, dtype=torch.uint8)
+            nan = _native.pack_cmp(x.data_ptr(), numel, bits.data_ptr(), code, op, lo, hi)
+            return bits, bool(nan)
+        if x.dtype in (torch.float32, torch.float64):
+            a = x.detach().numpy()
+            # NOTE: bounds rounded to the array's dtype first, as PyTorch's kernels do.
+            lo_, hi_ = a.dtype.type(lo), a.dtype.type(hi)
+            test = a > lo_ if op == GREATER else (a > lo_) & (a < hi_)
+            nan = op == INSIDE and bool(np.isnan(a).any())
+            return torch.from_numpy(np.packbits(test, bitorder="little")), nan
+    test = torch.gt(x, lo) if op == GREATER else torch.gt(x, lo).logical_and_(torch.lt(x, hi))
+    nan = op == INSIDE and bool(torch.isnan(x).any())
+    return pack_bool(test), nan
+
+
 def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
     """Pack ``x <= threshold`` (NaN is never ``<=``)."""
     numel = x.numel()
@@ -170,16 +212,35 @@ def unpack_nonzero(
     return words.view(torch.uint8)[:numel].view(shape)
 
 
-_LUTS: dict[torch.dtype, np.ndarray] = {}
+_LUTS: dict[tuple[torch.dtype, tuple[float, float] | None], np.ndarray] = {}
 
 
-def _lut(dtype: torch.dtype) -> np.ndarray:
-    """256 x 8 table: row ``b`` holds bit ``i`` of ``b`` in column ``i``, as ``dtype``."""
-    lut = _LUTS.get(dtype)
+def _lut(dtype: torch.dtype, values: tuple[float, float] | None = None) -> np.ndarray:
+    """256 x 8 table: row ``b`` holds bit ``i`` of ``b`` in column ``i``, as ``dtype`` (1 and 0,
+    or ``values[1]`` and ``values[0]``)."""
+    lut = _LUTS.get((dtype, values))
     if lut is None:
         rows = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
-        lut = _LUTS[dtype] = torch.from_numpy(rows).to(dtype).numpy()
+        table = torch.from_numpy(rows).to(dtype)
+        if values is not None:
+            table = torch.where(table != 0, values[1], values[0]).to(dtype)
+        lut = _LUTS[(dtype, values)] = table.numpy()
     return lut
+
+
+_UNSIGNED = {torch.float32: torch.int32, torch.float64: torch.int64}
+_PATTERNS: dict[tuple[torch.dtype, tuple[float, float]], tuple[int, int]] = {}
+
+
+def _patterns(dtype: torch.dtype, values: tuple[float, float]) -> tuple[int, int]:
+    """The bit patterns of ``values`` in ``dtype``, as unsigned integers (the C unpack's)."""
+    got = _PATTERNS.get((dtype, values))
+    if got is None:
+        width = torch.empty((), dtype=dtype).element_size() * 8
+        ints = torch.tensor(values, dtype=dtype).view(_UNSIGNED.get(dtype, torch.int16))
+        zero, one = (int(v) % (1 << width) for v in ints.tolist())
+        got = _PATTERNS[(dtype, values)] = (zero, one)
+    return got
 
 
 class _Reusable(threading.local):
@@ -225,10 +286,12 @@ def unpack_as(
     dtype: torch.dtype,
     *,
     reuse: bool = False,
+    values: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Contiguous ``dtype`` tensor of ``shape``, positive where the packed mask is set, else 0.
 
     On CPU the values are 1 and 0; off CPU they are as :func:`unpack_nonzero`'s. With
+    ``values=(clear, set)`` they are exactly those two values (rounded to ``dtype``). With
     ``reuse=True`` a CPU result may be a view of a per-thread buffer that the next call with
     ``reuse=True`` overwrites once the caller has dropped every view of it: for callers that
     are done with the result before they return (see :func:`_reusable_buffer`). While
@@ -255,7 +318,11 @@ def unpack_as(
             out = torch.from_numpy(np.empty(numel, dtype=_NATIVE_NUMPY[dtype]))
         else:
             out = torch.empty(numel, dtype=dtype)
-        _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype])
+        if values is None:
+            _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype])
+        else:
+            zero, one = _patterns(dtype, values)
+            _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype], zero, one)
         return out.view(shape)
     if bits.device.type == "cpu" and dtype in _NUMPY_FLOATS:
         numel = _numel(shape)
@@ -269,8 +336,12 @@ def unpack_as(
         else:
             table = np.empty((rows, 8), dtype=_lut(dtype).dtype)
             out = torch.from_numpy(table).view(-1)
-        np.take(_lut(dtype), bits.numpy()[:rows], axis=0, out=table, mode="wrap")
+        np.take(_lut(dtype, values), bits.numpy()[:rows], axis=0, out=table, mode="wrap")
         return (out[:numel] if numel % 8 else out).view(shape)
+    if values is not None:
+        passes = unpack_nonzero(bits, shape).ne(0)
+        full = torch.full(shape, values[0], dtype=dtype, device=bits.device)
+        return full.masked_fill_(passes, values[1])
     return unpack_nonzero(bits, shape).to(dtype)
 
 

@@ -197,6 +197,164 @@ def run_saving_less(pack, fn, *args):
         _pop_hooks()
 
 
+# --- deciding late -----------------------------------------------------------------------------
+#
+# [Note: deciding late]
+# An activation's backward needs one bit per element of the tensor its PyTorch node saves (a
+# ReLU's output, a LeakyReLU's input, ...). Keeping that tensor whole costs nothing when another
+# saved tensor shares its storage (the next convolution keeps the same tensor for its weight's
+# gradient, a squeeze-excitation product keeps it for its other factor), and 32x the mask
+# otherwise. Which of the two holds is known only once the tensor's consumers have run, so the
+# layer's pack hook keeps the tensor in a holder (headroom.nn._activation.Late) and decides
+# later: when the storage's use count shows that nothing but the holder references it, the
+# holder packs it to a bit mask and drops it, which frees the storage. Holders are settled at the
+# start of each converted layer's forward (each holder at its next few layers, while its
+# consumers run) and when the forward of a model converted by convert() returns (its root's
+# forward hooks): from the very first forward, with no need to know the consumers. A holder that
+# is still shared then keeps the tensor whole, as PyTorch does, which adds no byte.
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unshared_count() -> int | None:
+    """The use count of a storage referenced by one tensor only, after ``untyped_storage()``
+    was called on it (as a holder does), or None where torch lacks the function."""
+    if _use_count is None:
+        return None
+    t = torch.empty(1)
+    held = t.detach()
+    key = t.untyped_storage()._cdata
+    del t
+    count = _use_count(key)
+    del held
+    return count
+
+
+UNSHARED = _unshared_count()
+_YOUNG_CHECKS = 8  # checks at layer starts before a holder waits for its root's end
+
+
+class _Pending(threading.local):
+    def __init__(self) -> None:
+        self.young: list[list] = []  # [weak holder, checks so far]
+        self.old: list[weakref.ref] = []  # weak holders settled only at a root's end
+        self.seq = 0  # holders made on this thread so far
+        self.roots: list[int] = []  # ``seq`` when each running converted root started
+
+
+_pending = _Pending()
+
+
+def hold(holder) -> int:
+    """Put ``holder`` (with ``settle() -> bool`` and a ``seq``) in this thread's pending list;
+    returns its sequence number."""
+    st = _pending
+    st.seq += 1
+    st.young.append([weakref.ref(holder), 0])
+    return st.seq
+
+
+def settle_pending() -> None:
+    """Settle this thread's young holders (called at the start of converted layers' forward)."""
+    st = _pending
+    young = st.young
+    if not young:
+        return
+    keep = []
+    for entry in young:
+        holder = entry[0]()
+        if holder is None or holder.settle():
+            continue
+        entry[1] += 1
+        if entry[1] < _YOUNG_CHECKS:
+            keep.append(entry)
+        else:
+            st.old.append(entry[0])
+    st.young = keep
+    if len(st.old) > 512:  # no root ends here (layers called on their own): drop the dead
+        st.old = [ref for ref in st.old if ref() is not None]
+
+
+def _settle_root(start: int) -> list[weakref.ref]:
+    """A converted root's forward, started at sequence ``start``, returned: settle every
+    holder. Those made inside it that are still shared leave the pending lists and are
+    returned (to be tried once more when backward starts); older ones stay pending."""
+    st = _pending
+    young, old, leftover = [], [], []
+    for entry in st.young:
+        holder = entry[0]()
+        if holder is not None and not holder.settle():
+            if holder.seq <= start:
+                young.append(entry)
+            else:
+                leftover.append(entry[0])
+    for ref in st.old:
+        holder = ref()
+        if holder is not None and not holder.settle():
+            (old if holder.seq <= start else leftover).append(ref)
+    st.young, st.old = young, old
+    return leftover
+
+
+def _grad_tensors(output, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors requiring grad in a forward's output (tensors, sequences, mappings)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if depth > 2:
+        return []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, list | tuple):
+        return [t for item in output for t in _grad_tensors(item, depth + 1)]
+    return []
+
+
+class _SettleAtBackward:
+    """Tensor hook on a root's outputs: settle the holders left over at its forward's end when
+    backward starts, once references held only until then (the forward's arguments and
+    outputs, the caller's variables) are gone."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self, holders: list[weakref.ref]) -> None:
+        self.holders = holders
+
+    def __call__(self, grad):
+        holders, self.holders = self.holders, []
+        for ref in holders:
+            holder = ref()
+            if holder is not None:
+                holder.settle()
+
+
+def _root_pre_hook(module, args) -> None:
+    if _is_compiling() or _jit_tracing():
+        return
+    _pending.roots.append(_pending.seq)
+
+
+def _root_hook(module, args, output) -> None:
+    # NOTE: registered with always_call=True: also runs when the forward raised an Exception.
+    # A KeyboardInterrupt skips it; the holders of that forward are then settled at the next
+    # root's end (they die with their graph anyway), and the stale start entry stays below.
+    if _is_compiling() or _jit_tracing():
+        return
+    roots = _pending.roots
+    leftover = _settle_root(roots.pop() if roots else 0)
+    if leftover and output is not None:
+        hook = _SettleAtBackward(leftover)
+        for t in _grad_tensors(output):
+            t.register_hook(hook)
+
+
+def install_root_hooks(root: nn.Module) -> None:
+    """Settle pending holders when ``root``'s forward returns (see [Note: deciding late])."""
+    if any(h is _root_pre_hook for h in root._forward_pre_hooks.values()):
+        return
+    root.register_forward_pre_hook(_root_pre_hook)
+    root.register_forward_hook(_root_hook, always_call=True)
+
+
 # --- which layer consumes a ReLU's output -------------------------------------------------------
 #
 # NOTE: a ReLU's backward needs its output's sign only. When the next layer keeps that output
@@ -262,19 +420,22 @@ def shape_of_floats(t: torch.Tensor) -> Kept | TensorMeta:
 
 
 class KeepsNoInput:
-    """Mixin of layers whose backward never reads their input's values (pools, pads, masks).
+    """Mixin of layers whose backward never reads their input's values, or only one bit of them
+    (pools, pads, LeakyReLU and Hardtanh).
 
-    ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded; otherwise it
-    records the layer as the consumer of a ReLU's output (see below) and calls ``_hr_forward``,
-    or, for layers whose PyTorch node saves only their input and integer indices
-    (``_hr_shape_only``: pools and pads), runs the twin's forward under :func:`run_saving_less`
-    with :func:`shape_of_floats`: PyTorch's own node and kernels, keeping the input's shape.
+    ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded. Otherwise,
+    when this thread has no saved-tensor hooks of its own, it runs the twin's forward under
+    :func:`run_saving_less` with the pack hook :meth:`_hr_pack` returns (pools and pads:
+    :func:`shape_of_floats`, keeping the input's shape; activations: a holder that decides late
+    whether a 1-bit mask is cheaper); under the caller's hooks it calls ``_hr_forward``.
     """
-
-    _hr_shape_only = False
 
     def _hr_saves_input(self) -> bool:
         return False
+
+    def _hr_pack(self):
+        """The pack hook of the fast path, or None where this call must take ``_hr_forward``."""
+        return None
 
     def _hr_torch_forward(self, input: torch.Tensor):
         return super().forward(input)
@@ -282,10 +443,20 @@ class KeepsNoInput:
     def forward(self, input: torch.Tensor):
         if not (records_graph() and input.requires_grad):
             return self._hr_torch_forward(input)
+        settle_pending()
         note_consumer(self, input)
-        if self._hr_shape_only and hooks_free():
-            return run_saving_less(shape_of_floats, self._hr_torch_forward, input)
+        if hooks_free():
+            pack = self._hr_pack()
+            if pack is not None:
+                return run_saving_less(pack, self._hr_torch_forward, input)
         return self._hr_forward(input)
+
+
+class PoolOrPad(KeepsNoInput):
+    """Pools and pads: PyTorch's node saves the input (replaced by its shape) and indices."""
+
+    def _hr_pack(self):
+        return shape_of_floats
 
 
 def register_relu_output(sites: ReLUSites, site: tuple, out: torch.Tensor) -> None:

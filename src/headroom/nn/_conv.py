@@ -21,6 +21,7 @@ from headroom.nn._common import (
     note_consumer,
     records_graph,
     run_saving_less,
+    settle_pending,
     weight_trains,
 )
 from headroom.nn._pad import pad as _pad
@@ -159,6 +160,7 @@ class _Conv(_ConvMixin):
     def _conv_forward(self, input, weight, bias):
         if not _needs_graph(input, weight, bias):
             return super()._conv_forward(input, weight, bias)
+        settle_pending()
         note_consumer(self, input)
         if self.padding_mode == "zeros" and input.requires_grad and weight.requires_grad:
             # NOTE: both gradients needed: PyTorch saves input and weight, as we would; its own
@@ -191,6 +193,7 @@ class _ConvTranspose(_ConvMixin):
                 f"Only `zeros` padding mode is supported for {type(self).__name__}; "
                 f"got {self.padding_mode!r}. Use padding_mode='zeros'."
             )
+        settle_pending()
         note_consumer(self, input)
         if input.requires_grad and self.weight.requires_grad:
             return super().forward(input, output_size)  # saves what we would (see _Conv)

@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import TensorMeta, first_order_only, note_consumer, records_graph
+from headroom.nn._common import (
+    TensorMeta,
+    first_order_only,
+    note_consumer,
+    records_graph,
+    settle_pending,
+)
 
 aten = torch.ops.aten
 
@@ -87,8 +93,10 @@ class _BatchNorm:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         grad = records_graph()
-        if grad and input.requires_grad:
-            note_consumer(self, input)
+        if grad:
+            settle_pending()
+            if input.requires_grad:
+                note_consumer(self, input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         need_x = grad and input.requires_grad
         need_w = grad and _rg(self.weight)
@@ -163,6 +171,7 @@ class _BiasOnlyMixin:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not records_graph():
             return super().forward(input)
+        settle_pending()
         if input.requires_grad:
             note_consumer(self, input)
             return super().forward(input)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _list_with_default, _ntuple
 
-from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only
+from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only
 
 aten = torch.ops.aten
 
@@ -50,8 +50,7 @@ class _ShapeOnlyPool(torch.autograd.Function):
         return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
 
 
-class _MaxPool(KeepsNoInput):
-    _hr_shape_only = True
+class _MaxPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor):
@@ -98,8 +97,7 @@ class MaxPool3d(_MaxPool, nn.MaxPool3d):
     _hr_dims = 3
 
 
-class _AdaptiveMaxPool(KeepsNoInput):
-    _hr_shape_only = True
+class _AdaptiveMaxPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor):
@@ -141,8 +139,7 @@ class AdaptiveMaxPool3d(_AdaptiveMaxPool, nn.AdaptiveMaxPool3d):
     _hr_dims = 3
 
 
-class _AvgPool(KeepsNoInput):
-    _hr_shape_only = True
+class _AvgPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -181,8 +178,7 @@ class AvgPool3d(_AvgPool, nn.AvgPool3d):
     _hr_dims = 3
 
 
-class _AdaptiveAvgPool(KeepsNoInput):
-    _hr_shape_only = True
+class _AdaptiveAvgPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -94,21 +94,28 @@ def resnet_like(
     )
 
 
+NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
 def set_case(model: nn.Module, case: str) -> None:
     """Set ``requires_grad`` of every parameter for one of :data:`CASES`.
 
-    ``all``: every parameter; ``norm``: the BatchNorm affine parameters; ``surgical``: the
-    convolution in the middle of the network; ``input`` and ``none``: no parameter (in
-    ``input`` the caller makes the input require grad).
+    ``all``: every parameter; ``norm``: the affine parameters of the normalization layers
+    (BatchNorm, GroupNorm, LayerNorm and their subclasses); ``surgical``: the 2-d convolution
+    in the middle of the network (the middle convolution or linear layer where there are fewer
+    than three); ``input`` and ``none``: no parameter (in ``input`` the caller makes the input
+    require grad).
     """
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if len(convs) < 3:
+        convs = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd | nn.Linear)]
     surgical = convs[len(convs) // 2]
     for m in model.modules():
         for p in m.parameters(recurse=False):
             if case == "all":
                 p.requires_grad_(True)
             elif case == "norm":
-                p.requires_grad_(isinstance(m, nn.BatchNorm2d))
+                p.requires_grad_(isinstance(m, NORMS))
             elif case == "surgical":
                 p.requires_grad_(m is surgical)
             else:
@@ -119,21 +126,85 @@ class CreatedStorages(TorchDispatchMode):
     """Weak references to every storage an op creates while the mode is active.
 
     ``refs`` maps a storage key to ``(weak reference, nbytes)``; after the forward, the storages
-    whose reference is alive are what the graph (or the caller) still holds.
+    whose reference is alive are what the graph (or the caller) still holds. With
+    ``track_peak=True`` the mode also records ``peak``: the most bytes of created storages
+    alive at once, checked after every op (the peak during the forward; O(live storages) per
+    op, for measurements only).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, track_peak: bool = False) -> None:
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.track_peak = track_peak
+        self.peak = 0
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 s = t.untyped_storage()
-                self.refs.setdefault(s._cdata, (StorageWeakRef(s), s.nbytes()))
+                if s._cdata not in self.refs:
+                    self.refs[s._cdata] = entry = (StorageWeakRef(s), s.nbytes())
+                    if self.track_peak:
+                        self._live[s._cdata] = entry
+        if self.track_peak:
+            live = self._live
+            for k in [k for k, (ref, _) in live.items() if ref.expired()]:
+                del live[k]
+            self.peak = max(self.peak, sum(n for _, n in live.values()))
         return out
 
     def live_bytes(self, skip: set[int] | frozenset[int] = frozenset()) -> int:
         """Bytes of the created storages still alive, except those whose key is in ``skip``."""
         return sum(n for k, (ref, n) in self.refs.items() if not ref.expired() and k not in skip)
+
+
+class NumpyBuffers:
+    """Bytes of NumPy-allocated buffers (NumPy reports them to ``tracemalloc`` in its own
+    domain) that were allocated inside the ``with`` block and are still alive at its end:
+    ``bytes`` after exit. Starts and stops ``tracemalloc`` if it was not running."""
+
+    def __enter__(self) -> NumpyBuffers:
+        import tracemalloc
+
+        self._started = not tracemalloc.is_tracing()
+        if self._started:
+            tracemalloc.start()
+        self._before = self._numpy_bytes()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import tracemalloc
+
+        self.bytes = max(0, self._numpy_bytes() - self._before)
+        if self._started:
+            tracemalloc.stop()
+
+    @staticmethod
+    def _numpy_bytes() -> int:
+        import tracemalloc
+
+        import numpy as np
+
+        domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+        snap = tracemalloc.take_snapshot().filter_traces([domain])
+        return sum(stat.size for stat in snap.statistics("filename"))
+
+
+def forward_bytes(
+    fn, exclude=(), *, track_peak: bool = True
+) -> tuple[int, int, object]:
+    """``(kept, peak, output)`` of ``fn()``, a forward: ``kept`` is the bytes of storages it
+    created (dispatch mode) and NumPy buffers it allocated that are alive after it, ``peak`` the
+    most bytes of created storages alive at once during it. The output's storage and those of
+    ``exclude`` (parameters, buffers) are not counted."""
+    import gc
+
+    gc.collect()
+    mode = CreatedStorages(track_peak=track_peak)
+    with NumpyBuffers() as np_bufs, mode:
+        out = fn()
+    outs = out if isinstance(out, tuple | list) else (out,)
+    skip = {t.untyped_storage()._cdata for t in (*exclude, *outs) if isinstance(t, torch.Tensor)}
+    return mode.live_bytes(skip) + np_bufs.bytes, mode.peak, out

@@ -17,6 +17,7 @@ caller's they decide in forward instead (:class:`_ReLUMask` and friends).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +143,7 @@ class Late:
         "dtype",
         "memory_order",
         "values",
+        "watch",
         "__weakref__",
     )
 
@@ -155,13 +157,19 @@ class Late:
         self.op, self.lo, self.hi = op, lo, hi
         self.bits = None
         self.seq = hold(self)
+        # NOTE: the moment the caller drops its last reference to ``t`` (a variable rebound in
+        # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
+        # nothing else references the storage: try then. The callback holds this object weakly
+        # (no reference cycle keeps a whole tensor alive).
+        self.watch = weakref.ref(t, functools.partial(_released, weakref.ref(self)))
 
-    def settle(self) -> bool:
-        """Pack the tensor if nothing else references its storage; whether it is decided."""
+    def settle(self, dying: int = 0) -> bool:
+        """Pack the tensor if nothing else references its storage (but ``dying`` tensors about
+        to be freed); whether it is decided."""
         t = self.tensor
         if t is None:
             return True
-        if _use_count(self.key) != UNSHARED:
+        if _use_count(self.key) != UNSHARED + dying:
             return False
         if t._version != self.version:
             return True  # changed in place: kept, so that backward raises as PyTorch's does
@@ -195,6 +203,20 @@ class Late:
         )
 
 
+def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
+    """The caller's tensor a :class:`Late` holder watches is being freed: try to settle.
+
+    # NOTE: Python calls this while deallocating the tensor, whose own reference to the storage
+    # goes right after (PyTorch frees a tensor's Python object only when nothing in C++ holds
+    # the tensor too; else it keeps the object alive), so one more reference is expected.
+    # Not inside backward, where the graph drops saved tensors: settling there would pack a
+    # mask that the node reading it is about to unpack.
+    """
+    holder = holder_ref()
+    if holder is not None and holder.tensor is not None and _graph_task_id() == -1:
+        holder.settle(dying=1)
+
+
 def _late_test(op: int, lo: float = 0.0, hi: float = 0.0):
     """A pack hook making :class:`Late` holders of one test."""
     if op == NONZERO:
@@ -203,6 +225,7 @@ def _late_test(op: int, lo: float = 0.0, hi: float = 0.0):
 
 
 _LATE = UNSHARED is not None and _use_count is not None
+_graph_task_id = torch._C._current_graph_task_id
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:

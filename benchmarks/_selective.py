@@ -192,6 +192,9 @@ class NumpyBuffers:
         return sum(stat.size for stat in snap.statistics("filename"))
 
 
+_warm = False
+
+
 def forward_bytes(
     fn, exclude=(), *, track_peak: bool = True
 ) -> tuple[int, int, object]:
@@ -199,9 +202,13 @@ def forward_bytes(
     created (dispatch mode) and NumPy buffers it allocated that are alive after it, ``peak`` the
     most bytes of created storages alive at once during it. The output's storage and those of
     ``exclude`` (parameters, buffers) are not counted."""
-    import gc
-
-    gc.collect()
+    global _warm
+    if not _warm:
+        # NOTE: the first op under a dispatch mode imports half of torch (dynamo, sympy);
+        # with tracemalloc on, that makes every later snapshot slow.
+        with CreatedStorages():
+            torch.ones(1).add(1)
+        _warm = True
     mode = CreatedStorages(track_peak=track_peak)
     with NumpyBuffers() as np_bufs, mode:
         out = fn()

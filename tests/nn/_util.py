@@ -97,3 +97,52 @@ def assert_same(a, b) -> None:
     assert g_a.keys() == g_b.keys()
     for k in g_a:
         assert torch.equal(g_a[k], g_b[k]), k
+
+
+def allocated_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Bytes of every CPU allocation made while ``fn`` runs that is still alive after it, the
+    output's storage excepted: PyTorch's CPU allocator as its profiler reports it (tensors made
+    outside the dispatcher too, such as a generator's ``get_state()``), plus NumPy buffers.
+    Returns ``(bytes, output)``."""
+    from benchmarks._selective import NumpyBuffers
+    from torch.profiler import ProfilerActivity, profile
+
+    with NumpyBuffers() as np_bufs:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+    events = prof.profiler.kineto_results.events()
+    net = sum(e.nbytes() for e in events if e.name() == "[memory]")
+    return net - out.untyped_storage().nbytes() + np_bufs.bytes, out
+
+
+def first_steps(model: nn.Module, x: torch.Tensor, case: str, steps: int = 2):
+    """``steps`` forward+backward steps of ``model`` (input grad in case ``input``), each
+    ``(kept bytes, forward peak, output, input grad, parameter grads)``, bytes measured by
+    :func:`benchmarks._selective.forward_bytes` (dispatch mode and NumPy buffers)."""
+    from benchmarks._selective import forward_bytes
+
+    results = []
+    for seed in range(steps):
+        xi = x.detach().clone().requires_grad_(case == "input")
+        torch.manual_seed(seed)
+        kept, peak, out = forward_bytes(lambda xi=xi: model(xi), model_state(model))
+        grads = {}
+        if out.requires_grad:
+            weights = torch.linspace(-1, 1, out.numel()).view_as(out)
+            (out * weights).sum().backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        results.append((kept, peak, out.detach(), xi.grad, grads))
+    return results
+
+
+def assert_steps_equal(a, b) -> None:
+    """Outputs, input grads and parameter grads of :func:`first_steps` results, bitwise."""
+    for (_, _, out_a, gx_a, g_a), (_, _, out_b, gx_b, g_b) in zip(a, b, strict=True):
+        assert torch.equal(out_a, out_b)
+        assert (gx_a is None) == (gx_b is None)
+        if gx_a is not None:
+            assert torch.equal(gx_a, gx_b)
+        assert g_a.keys() == g_b.keys()
+        for k in g_a:
+            assert torch.equal(g_a[k], g_b[k]), k

@@ -1,0 +1,116 @@
+"""From the very first forward, a converted model keeps no byte more than PyTorch, in any case
+of any model here, and as little as it ever will; each defect of issue 12 has its own test.
+
+Bytes are measured independently of headroom's hooks: storages created during the forward (a
+dispatch mode) and NumPy buffers allocated during it (tracemalloc), still alive after it; the
+peak is the most bytes of created storages alive at once during the forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import headroom as hr
+from benchmarks._selective import NORMS
+from benchmarks._zoo import SqueezeExcite
+from tests.nn._models import CASES, ZOO, trainable
+from tests.nn._util import allocated_bytes, assert_steps_equal, first_steps
+
+
+def _pair(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    build, shape = ZOO[name]
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    plain = build()
+    ours = hr.convert(copy.deepcopy(plain))
+    return plain, ours, torch.randn(shape)
+
+
+@pytest.mark.parametrize("case", CASES[:4])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_first_forward_keeps_least_and_never_more_than_torch(name, case):
+    plain, ours, x = _pair(name)
+    if case == "norm" and not any(isinstance(m, NORMS) for m in plain.modules()):
+        pytest.skip("no normalization layer")
+    for m in (plain, ours):
+        trainable(m, case)
+    a, b = first_steps(plain, x, case), first_steps(ours, x, case)
+    assert_steps_equal(a, b)
+    where = f"{name}/{case}: torch {[s[:2] for s in a]}, headroom {[s[:2] for s in b]}"
+    for (kept_a, peak_a, *_), (kept_b, peak_b, *_) in zip(a, b, strict=True):
+        assert kept_b <= kept_a, where
+        assert peak_b <= peak_a, where
+    assert b[0][0] == b[1][0], where  # the first forward keeps what later ones keep
+
+
+@pytest.mark.parametrize(
+    ("name", "case", "fraction"),
+    [
+        ("resnet_like", "input", 0.6),
+        ("unet", "input", 0.5),
+        ("densenet_like", "norm", 0.55),
+        ("hf_resnet", "input", 0.6),
+    ],
+)
+def test_first_forward_of_custom_forwards_saves(name, case, fraction):
+    """Models whose ReLUs sit in custom forwards (issue 12, item 1: the first forward used to
+    keep what PyTorch keeps, ReLU outputs whole, until a ReLU had seen its consumers)."""
+    plain, ours, x = _pair(name)
+    for m in (plain, ours):
+        trainable(m, case)
+    a, b = first_steps(plain, x, case, steps=1), first_steps(ours, x, case, steps=1)
+    assert_steps_equal(a, b)
+    assert b[0][0] < fraction * a[0][0], (b[0][0], a[0][0])
+
+
+def test_inplace_leaky_relu_before_trainable_conv_adds_nothing():
+    """Issue 12, item 2a: PyTorch's leaky_relu_ saves its result, which the next trainable
+    convolution saves anyway (one storage); a 1-bit mask on top was more than PyTorch."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.LeakyReLU(0.2, inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1),
+    )
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 16, 16)
+    a, b = first_steps(plain, x, "all"), first_steps(ours, x, "all")
+    assert_steps_equal(a, b)
+    assert [s[0] for s in b] == [s[0] for s in a]
+
+
+def test_relu_output_kept_by_an_unconverted_op_adds_nothing():
+    """Issue 12, item 2b: a ReLU output that squeeze-excitation's product keeps whole anyway
+    (``y * gate(fc(pool(y)))``): its mask was added on top, though the pool keeps nothing."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), SqueezeExcite(16))
+    ours = hr.convert(copy.deepcopy(plain))
+    x = torch.randn(2, 3, 16, 16)
+    a, b = first_steps(plain, x, "all"), first_steps(ours, x, "all")
+    assert_steps_equal(a, b)
+    assert [s[0] for s in b] == [s[0] for s in a]
+
+
+@pytest.mark.parametrize("shape", [(4, 256), (4, 64), (8, 4096)])
+def test_dropout_keeps_no_more_than_torchs_mask(shape):
+    """Issue 12, item 2c: each Dropout node kept the CPU generator's whole state (5056 bytes, a
+    tensor made outside the dispatcher, so this counts every CPU allocation), more than
+    PyTorch's own noise for small inputs (a classifier head on [4, 256])."""
+    x = torch.randn(shape, requires_grad=True)
+    got = {}
+    for name, layer in (("torch", nn.Dropout(0.5)), ("headroom", hr.convert(nn.Dropout(0.5)))):
+        torch.manual_seed(3)
+        nbytes, out = allocated_bytes(lambda layer=layer: layer(x))
+        (gx,) = torch.autograd.grad((out * torch.arange(out.numel()).view_as(out)).sum(), x)
+        got[name] = (nbytes, out.detach(), gx)
+    assert torch.equal(got["torch"][1], got["headroom"][1])
+    assert torch.equal(got["torch"][2], got["headroom"][2])
+    noise = x.numel() * 4
+    assert got["torch"][0] == noise
+    assert got["headroom"][0] == min(noise, 2504), got  # PyTorch's noise, or the position

@@ -107,8 +107,9 @@ def allocated_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
     from benchmarks._selective import NumpyBuffers
     from torch.profiler import ProfilerActivity, profile
 
-    with NumpyBuffers() as np_bufs:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # NOTE: the profiler first: its first start loads much, which tracemalloc would trace.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with NumpyBuffers() as np_bufs:
             out = fn()
     events = prof.profiler.kineto_results.events()
     net = sum(e.nbytes() for e in events if e.name() == "[memory]")

@@ -222,7 +222,10 @@ def convert_report(model: nn.Module) -> ConvertReport:
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    new = copy.copy(module)
+    # NOTE: not copy.copy, which goes through __reduce_ex__: a parametrized module's class
+    # refuses that (torch.nn.utils.parametrize allows state_dict and deepcopy only).
+    new = object.__new__(type(module))
+    new.__dict__.update(module.__dict__)
     for key, value in list(new.__dict__.items()):
         if isinstance(value, dict | set | list):
             # NOTE: containers (parameters, buffers, children, hooks) are copied one level deep:

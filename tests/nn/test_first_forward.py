@@ -12,11 +12,11 @@ import copy
 
 import pytest
 import torch
+from benchmarks._selective import NORMS
+from benchmarks._zoo import SqueezeExcite
 from torch import nn
 
 import headroom as hr
-from benchmarks._selective import NORMS
-from benchmarks._zoo import SqueezeExcite
 from tests.nn._models import CASES, ZOO, trainable
 from tests.nn._util import allocated_bytes, assert_steps_equal, first_steps
 

@@ -1,7 +1,8 @@
 """Bytes kept for backward and time, plain PyTorch vs memsave_torch vs ``hr.convert``.
 
-Two models built from ``torch.nn`` (a VGG-like CNN with six convolutions and a ResNet-18-like
-network), four cases of what trains:
+Five models built from ``torch.nn`` (a VGG-like CNN with six convolutions, a ResNet-18-like
+network, a MobileNetV2-like network with depthwise convolutions and ReLU6, a UNet and a
+DenseNet-like network, from ``_selective.py`` and ``_zoo.py``), four cases of what trains:
 
 - ``all``: every parameter (ordinary training);
 - ``input``: only the input (adversarial examples, feature visualization);
@@ -53,6 +54,7 @@ import headroom as hr
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _selective import CreatedStorages, resnet_like, set_case, vgg_like  # noqa: E402
+from _zoo import UNet, densenet_like, mobilenet_v2_like  # noqa: E402
 
 MiB = 1 << 20
 CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way
@@ -228,11 +230,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=64, help="VGG-like input height and width")
     ap.add_argument("--resnet-size", type=int, default=128, help="ResNet-like input size")
+    ap.add_argument("--mobilenet-size", type=int, default=96, help="MobileNetV2-like input size")
+    ap.add_argument("--unet-size", type=int, default=64, help="UNet input size")
+    ap.add_argument("--densenet-size", type=int, default=64, help="DenseNet-like input size")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per variant and case")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="seeds the random order of the variants")
     ap.add_argument(
-        "--models", default="vgg_like,resnet_like", help="comma-separated: vgg_like,resnet_like"
+        "--models",
+        default="vgg_like,resnet_like,mobilenet_v2_like,unet,densenet_like",
+        help="comma-separated subset of the default",
     )
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer bytes table")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/selective_layers.json"))
@@ -257,7 +264,13 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "batch": args.batch,
-        "size": {"vgg_like": args.size, "resnet_like": args.resnet_size},
+        "size": {
+            "vgg_like": args.size,
+            "resnet_like": args.resnet_size,
+            "mobilenet_v2_like": args.mobilenet_size,
+            "unet": args.unet_size,
+            "densenet_like": args.densenet_size,
+        },
         "memsave_torch": memsave is not None,
         "layers_saved_bytes": layers,
         "models": {},
@@ -265,6 +278,9 @@ def main() -> None:
     builders = {
         "vgg_like": (lambda: vgg_like(size=args.size), args.size),
         "resnet_like": (resnet_like, args.resnet_size),
+        "mobilenet_v2_like": (lambda: mobilenet_v2_like(16), args.mobilenet_size),
+        "unet": (lambda: UNet(16, depth=3), args.unet_size),
+        "densenet_like": (lambda: densenet_like(12, blocks=(4, 4, 4)), args.densenet_size),
     }
     wanted = args.models.split(",")
     unknown = set(wanted) - set(builders)

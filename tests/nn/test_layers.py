@@ -492,3 +492,44 @@ def test_jit_trace_and_fx_symbolic_trace():
 
     graph = torch.fx.GraphModule(ours, Tracer().trace(ours))
     assert torch.equal(graph(x), plain(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda: nn.ReLU(),
+        lambda: nn.LeakyReLU(0.1),
+        lambda: nn.LeakyReLU(0.2, inplace=True),
+        lambda: nn.ReLU6(inplace=True),
+        lambda: nn.Hardtanh(-0.5, 0.5),
+        lambda: nn.Hardtanh(-3.0, -1.0, inplace=True),
+    ],
+    ids=["relu", "leaky", "leaky-inplace", "relu6-inplace", "hardtanh", "hardtanh-negative"],
+)
+def test_activation_masks_in_a_model(act, nan, dtype):
+    """Between a frozen convolution and a pool nothing else keeps what an activation's node
+    saves: on the fast path it is packed to a 1-bit mask once the pool ran, and the unpacked
+    stand-in (1/0, or the bound and a value inside for Hardtanh) gives PyTorch's gradient,
+    channels-last included. A Hardtanh input with a NaN is kept whole: PyTorch's kernel treats
+    a NaN differently in its vector and scalar loops."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), act(), nn.MaxPool2d(2)).to(dtype)
+    model[0].requires_grad_(False)
+    plain, ours = twin(model)
+    x = torch.randn(2, 3, 9, 9, dtype=dtype) * 3
+    if nan:
+        x[0, 0, 4, 4] = float("nan")
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        xf = x.contiguous(memory_format=fmt)
+        a = step(plain, xf, input_grad=True, hooks=False)
+        b = step(ours, xf, input_grad=True, hooks=False)
+        for u, v in zip(a[:3], b[:3], strict=True):
+            assert torch.equal(u.nan_to_num(), v.nan_to_num())
+            assert torch.equal(u.isnan(), v.isnan())
+        numel = 2 * 8 * 9 * 9
+        keeps_whole = nan and isinstance(model[1], nn.Hardtanh)
+        saved = numel * x.element_size() if keeps_whole else (numel + 7) // 8
+        # the pool keeps int64 indices; the activation a 1-bit mask (or the tensor whole)
+        assert b[4] == 2 * 8 * 4 * 4 * 8 + saved < a[4], (a[4], b[4])

@@ -293,8 +293,10 @@ def main() -> None:
         plain = build()
         # NOTE: "torch_copy" is a second, identical plain model timed like the others: its
         # ratio to "torch" (1.000x if the machine were quiet) is this run's noise floor.
+        # NOTE: every variant is a deep copy, made in the same way, so that none is favoured by
+        # where its parameters happen to lie.
         variants = {
-            "torch": plain,
+            "torch": copy.deepcopy(plain),
             "torch_copy": copy.deepcopy(plain),
             "headroom": hr.convert(copy.deepcopy(plain)),
         }

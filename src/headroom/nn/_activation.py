@@ -144,6 +144,7 @@ class Late:
         "memory_order",
         "values",
         "watch",
+        "verdict",
         "__weakref__",
     )
 
@@ -155,7 +156,7 @@ class Late:
         self.version = t._version
         self.key = t.untyped_storage()._cdata
         self.op, self.lo, self.hi = op, lo, hi
-        self.bits = None
+        self.bits = self.verdict = None
         self.seq = hold(self)
         # NOTE: the moment the caller drops its last reference to ``t`` (a variable rebound in
         # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
@@ -170,12 +171,16 @@ class Late:
         if t is None:
             return True
         if _use_count(self.key) != UNSHARED + dying:
+            if self.verdict is not None:
+                _note_verdict(self.verdict, True)
             return False
         if t._version != self.version:
             return True  # changed in place: kept, so that backward raises as PyTorch's does
         bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
         if nan:
             return True
+        if self.verdict is not None:
+            _note_verdict(self.verdict, False)
         self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
         self.values = None if self.op != INSIDE else _hardtanh_values(self.lo, self.hi, t.dtype)
         self.memory_order, self.bits = memory_order, bits
@@ -215,6 +220,21 @@ def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
     holder = holder_ref()
     if holder is not None and holder.tensor is not None and _graph_task_id() == -1:
         holder.settle(dying=1)
+
+
+def _note_verdict(verdict: tuple, keep: bool) -> None:
+    verdicts = verdict[0].verdicts
+    if len(verdicts) > 64:  # call sites of many input shapes: keep the recent ones
+        verdicts.clear()
+    verdicts[verdict[1]] = keep
+
+
+def _relu_late(verdict: tuple, t: torch.Tensor) -> Late:
+    """A ReLU's holder, which also leaves its decision where the ReLU's forward under a
+    caller's saved-tensor hooks finds it (``ReLUSites.verdicts``)."""
+    holder = Late(t)
+    holder.verdict = verdict
+    return holder
 
 
 def _late_test(op: int, lo: float = 0.0, hi: float = 0.0):
@@ -301,16 +321,16 @@ class ReLU(nn.ReLU):
         settle_pending()
         note_consumer(self, input)
         relu = torch.relu_ if self.inplace else torch.relu
-        # NOTE: under the caller's saved-tensor hooks (or without the use count), the choice is
-        # made in forward, from the consumers seen at this call site in earlier forwards (on
-        # either path) or known from an nn.Sequential. A call site is the producing node's type
-        # and the shape without the batch dimension: one ReLU module used twice in a block
-        # (torchvision's BasicBlock) has two.
+        # NOTE: a call site is the producing node's type and the shape without the batch
+        # dimension: one ReLU module used twice in a block (torchvision's BasicBlock) has two.
         site = (type(input.grad_fn), input.shape[1:])
         sites = relu_sites(self)
         if _LATE and hooks_free():
-            out = run_saving_less(Late, relu, input)
-        elif consumers_keep_output(sites, site):
+            return run_saving_less(functools.partial(_relu_late, (sites, site)), relu, input)
+        # NOTE: under the caller's saved-tensor hooks (or without the use count) the choice is
+        # made now: from the consumers seen at this call site in earlier such forwards, else
+        # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
+        if consumers_keep_output(sites, site):
             out = super().forward(input)
         elif hooks_free():
             out = run_saving_less(_ReLUBits, relu, input)

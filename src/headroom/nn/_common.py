@@ -380,13 +380,15 @@ class ReLUSites:
     # WeakKeyDictionary and a lock measured slower in A/B runs of a ResNet-18-like step.
     """
 
-    __slots__ = ("module", "sites", "seeds", "__weakref__")
+    __slots__ = ("module", "sites", "seeds", "verdicts", "__weakref__")
 
     def __init__(self, module: nn.Module) -> None:
         key = id(module)
         self.module = weakref.ref(module, lambda _, key=key: _sites.pop(key, None))
         self.sites: dict[tuple, list[weakref.ref]] = {}  # call site -> weak consumers
         self.seeds: list[weakref.ref] = []  # weak consumers known from an nn.Sequential
+        # call site -> whether the output was last kept whole, as a holder decided it late
+        self.verdicts: dict[tuple, bool] = {}
 
 
 _sites: dict[int, ReLUSites] = {}
@@ -492,11 +494,16 @@ def seed_consumer(relu: nn.Module, consumer: nn.Module) -> None:
 
 
 def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
-    """Whether the ReLU of ``sites`` at ``site`` should keep its output rather than a bit mask."""
+    """Whether the ReLU of ``sites`` at ``site`` should keep its output rather than a bit mask,
+    deciding in forward (under saved-tensor hooks of the caller's)."""
     consumers = sites.sites.get(site)
     if not consumers:
-        # NOTE: nothing observed at this call site yet: trust the consumer convert() found in
-        # an nn.Sequential, if any, else keep the output exactly as PyTorch does.
+        # NOTE: no consumer seen on this path at this call site yet: what a holder decided
+        # late at the last fast-path forward, else the consumer convert() found in an
+        # nn.Sequential, else keep the output exactly as PyTorch does.
+        verdict = sites.verdicts.get(site)
+        if verdict is not None:
+            return verdict
         consumers = sites.seeds
     if not consumers:
         return True

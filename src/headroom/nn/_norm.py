@@ -22,6 +22,7 @@ from headroom.nn._common import (
     note_consumer,
     records_graph,
     settle_pending,
+    weight_trains,
 )
 
 aten = torch.ops.aten
@@ -92,17 +93,24 @@ class _BatchNorm:
         return self.training or (self.running_mean is None) or _rg(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        grad = records_graph()
-        if grad:
-            settle_pending()
-            if input.requires_grad:
-                note_consumer(self, input)
+        if not records_graph():
+            return super().forward(input)
+        settle_pending()
+        need_x = input.requires_grad
+        if need_x:
+            note_consumer(self, input)
+        # NOTE: the input is skipped only where the weight is frozen and the input needs no
+        # gradient, or does in eval mode (running statistics); weight_trains reads _parameters
+        # first, which is faster than Module.__getattr__ on this per-layer path.
+        if weight_trains(self):
+            return super().forward(input)
+        bias = self._parameters.get("bias")
+        if bias is None:
+            bias = self.bias  # a parametrized bias, or None
+        if not (need_x or (bias is not None and bias.requires_grad)):
+            return super().forward(input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        need_x = grad and input.requires_grad
-        need_w = grad and _rg(self.weight)
-        need_b = grad and _rg(self.bias)
-        skips = not need_w and (need_x or need_b) and not (need_x and bn_training)
-        if not skips:
+        if need_x and bn_training:
             return super().forward(input)
         # Same bookkeeping as nn.BatchNorm's forward (momentum, num_batches_tracked).
         self._check_input_dim(input)

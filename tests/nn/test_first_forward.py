@@ -31,9 +31,21 @@ def _pair(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor]:
     return plain, ours, torch.randn(shape)
 
 
+FUSED = ["resnet_like", "mobilenet_v2_like", "unet", "densenet_like", "dcgan_discriminator"]
+
+
 @pytest.mark.parametrize("case", CASES[:4])
-@pytest.mark.parametrize("name", list(ZOO))
-def test_first_forward_keeps_least_and_never_more_than_torch(name, case):
+@pytest.mark.parametrize(
+    ("name", "fused"), [(n, False) for n in ZOO] + [(n, True) for n in FUSED]
+)
+def test_first_forward_keeps_least_and_never_more_than_torch(name, fused, case, monkeypatch):
+    """``fused``: every activation takes the autograd.Function that large tensors take (its
+    fused backward, and from the second step on a mask packed ahead where the last step
+    packed one)."""
+    if fused:
+        from headroom.nn import _activation
+
+        monkeypatch.setattr(_activation, "_FUSE_FROM", 0)
     plain, ours, x = _pair(name)
     if case == "norm" and not any(isinstance(m, NORMS) for m in plain.modules()):
         pytest.skip("no normalization layer")

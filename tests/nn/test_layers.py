@@ -494,6 +494,7 @@ def test_jit_trace_and_fx_symbolic_trace():
     assert torch.equal(graph(x), plain(x))
 
 
+@pytest.mark.parametrize("path", ["node", "function"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("nan", [False, True])
 @pytest.mark.parametrize(
@@ -508,12 +509,17 @@ def test_jit_trace_and_fx_symbolic_trace():
     ],
     ids=["relu", "leaky", "leaky-inplace", "relu6-inplace", "hardtanh", "hardtanh-negative"],
 )
-def test_activation_masks_in_a_model(act, nan, dtype):
+def test_activation_masks_in_a_model(act, nan, dtype, path, monkeypatch):
     """Between a frozen convolution and a pool nothing else keeps what an activation's node
     saves: on the fast path it is packed to a 1-bit mask once the pool ran, and the unpacked
     stand-in (1/0, or the bound and a value inside for Hardtanh) gives PyTorch's gradient,
-    channels-last included. A Hardtanh input with a NaN is kept whole: PyTorch's kernel treats
-    a NaN differently in its vector and scalar loops."""
+    channels-last included; so does the Function that large tensors (and in-place Hardtanh)
+    take, whose backward reads the mask in one fused pass. A Hardtanh input with a NaN is kept
+    whole: PyTorch's kernel treats a NaN differently in its vector and scalar loops."""
+    from headroom.nn import _activation
+
+    if path == "function":
+        monkeypatch.setattr(_activation, "_FUSE_FROM", 0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), act(), nn.MaxPool2d(2)).to(dtype)
     model[0].requires_grad_(False)

@@ -23,7 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._bitmask import GREATER, INSIDE, NONZERO, pack_gt, pack_test, unpack_as
+from headroom.nn import _bitmask
+from headroom.nn._bitmask import (
+    GREATER,
+    INSIDE,
+    NONZERO,
+    grad_through,
+    pack_gt,
+    pack_test,
+    unpack_as,
+)
 from headroom.nn._common import (
     UNSHARED,
     KeepsNoInput,
@@ -175,28 +184,65 @@ class Late:
                 _note_verdict(self.verdict, True)
             return False
         if t._version != self.version:
+            self.bits = None
             return True  # changed in place: kept, so that backward raises as PyTorch's does
-        bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
-        if nan:
+        if self.bits is None and not self.pack():
             return True
         if self.verdict is not None:
             _note_verdict(self.verdict, False)
+        self.tensor = None
+        return True
+
+    def pack(self) -> bool:
+        """Compute the mask (the tensor stays until :meth:`settle` drops it); False where it
+        must stay whole (a NaN for Hardtanh)."""
+        t = self.tensor
+        bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
+        if nan:
+            return False
         self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
         self.values = None if self.op != INSIDE else _hardtanh_values(self.lo, self.hi, t.dtype)
         self.memory_order, self.bits = memory_order, bits
-        self.tensor = None
         return True
+
+    def drop_mask(self) -> None:
+        """Drop a mask computed ahead (:meth:`pack`) while the tensor is still kept whole."""
+        if self.tensor is not None:
+            self.bits = None
+
+    def _kept(self, t: torch.Tensor) -> torch.Tensor:
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {self.version} instead."
+            )
+        return t
+
+    def grad(self, grad: torch.Tensor, kernel, scale: bool = False, slope: float = 0.0):
+        """The activation's input gradient (for :class:`_LateFunction`): PyTorch's backward
+        ``kernel(grad, saved)`` on the kept tensor, or straight from the mask in one pass
+        (where grad is laid out like the mask and no double backward records a graph), or
+        ``kernel`` on the unpacked stand-in."""
+        t = self.tensor
+        if t is not None:
+            return kernel(grad, self._kept(t))
+        if (
+            not torch.is_grad_enabled()
+            and grad.dtype == self.dtype
+            and grad.shape == self.shape
+            and grad.stride() == self.stride
+            and (_dense(grad) if self.memory_order else grad.is_contiguous())
+        ):
+            out = grad_through(self.bits, grad, scale=scale, slope=slope)
+            if out is not None:
+                return out
+        return kernel(grad, self.unpack())
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if t is not None:
-            if t._version != self.version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by "
-                    f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
-                    f"{t._version}; expected version {self.version} instead."
-                )
-            return t
+            return self._kept(t)
         return _unpack_layout(
             self.bits,
             self.shape,
@@ -246,6 +292,83 @@ def _late_test(op: int, lo: float = 0.0, hi: float = 0.0):
 
 _LATE = UNSHARED is not None and _use_count is not None
 _graph_task_id = torch._C._current_graph_task_id
+
+
+# --- one Function for large or cloning activations -----------------------------------------------
+#
+# NOTE: on PyTorch's own node, backward unpacks a mask into a float stand-in (a full write) that
+# the kernel then reads. For large tensors one pass from the bits is faster than the ~45 us a
+# Python autograd.Function costs per call (measured on a 2-core VM: the unpack alone is ~65 us
+# for 512 Ki float32 elements); PyTorch's in-place hardtanh_ (ReLU6(inplace=True)) even saves a
+# clone of its input, a full copy, which the Function does not make. So those calls run this
+# Function, whose backward is the same PyTorch kernel on the kept tensor, or one fused pass
+# over the mask (bitwise the same values).
+_FUSE_FROM = 1 << 17  # elements
+
+
+class _Spec:
+    """How :class:`_LateFunction` runs one activation and its backward."""
+
+    __slots__ = ("fn", "inplace", "saves_result", "op", "lo", "hi", "kernel", "scale", "slope")
+
+    def __init__(self, fn, inplace, saves_result, op, lo, hi, kernel, scale=False, slope=0.0):
+        self.fn, self.inplace, self.saves_result = fn, inplace, saves_result
+        self.op, self.lo, self.hi = op, lo, hi
+        self.kernel, self.scale, self.slope = kernel, scale, slope
+
+
+class _LateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spec: _Spec, verdict) -> torch.Tensor:
+        if spec.inplace:
+            ctx.mark_dirty(x)
+        out = spec.fn(x)
+        holder = Late(out if spec.saves_result else x, spec.op, spec.lo, spec.hi)
+        holder.verdict = verdict
+        if verdict is not None and verdict[0].verdicts.get(verdict[1]) is False:
+            # NOTE: the last forward packed a mask here: pack it now, while the tensor is still
+            # in the CPU's cache (a later pass reads it from memory); the decision is still
+            # taken late, and a mask not needed is dropped at the root's end at the latest.
+            holder.pack()
+        ctx.holder, ctx.spec = holder, spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
+
+
+def _apply_late(x: torch.Tensor, spec: _Spec, verdict=None) -> torch.Tensor:
+    out = _LateFunction.apply(x, spec, verdict)
+    if spec.inplace:
+        # NOTE: autograd bumps a dirty input's version once more after forward returns.
+        out.grad_fn.holder.version = out._version
+    return out
+
+
+def _verdict_key(module: nn.Module, x: torch.Tensor) -> tuple:
+    """Where the holder of ``module``'s call on ``x`` leaves its decision: the module's record
+    and the call site (the producing node's type and the shape without the batch dimension)."""
+    return (relu_sites(module), (type(x.grad_fn), x.shape[1:]))
+
+
+def _fuses(x: torch.Tensor) -> bool:
+    """Whether an activation on ``x`` runs :class:`_LateFunction` for its fused backward."""
+    return (
+        x.numel() >= _FUSE_FROM
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and _bitmask._native is not None
+    )
+
+
+def _relu_kernel(grad, saved):
+    return torch.ops.aten.threshold_backward(grad, saved, 0)
+
+
+_RELU = _Spec(torch.relu, False, True, NONZERO, 0.0, 0.0, _relu_kernel)
+_RELU_ = _Spec(torch.relu_, True, True, NONZERO, 0.0, 0.0, _relu_kernel)
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
@@ -326,6 +449,8 @@ class ReLU(nn.ReLU):
         site = (type(input.grad_fn), input.shape[1:])
         sites = relu_sites(self)
         if _LATE and hooks_free():
+            if _fuses(input):
+                return _apply_late(input, _RELU_ if self.inplace else _RELU, (sites, site))
             return run_saving_less(functools.partial(_relu_late, (sites, site)), relu, input)
         # NOTE: under the caller's saved-tensor hooks (or without the use count) the choice is
         # made now: from the consumers seen at this call site in earlier such forwards, else
@@ -372,6 +497,18 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
         if not _LATE or (self.inplace and self.negative_slope < 0):
             return None
         return _late_test(GREATER)
+
+    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        if not (_LATE and _fuses(input)) or (self.inplace and self.negative_slope < 0):
+            return None
+        slope, inplace = float(self.negative_slope), self.inplace
+
+        def kernel(grad, saved):
+            return torch.ops.aten.leaky_relu_backward(grad, saved, slope, inplace)
+
+        fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
+        spec = _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
+        return _apply_late(input, spec, _verdict_key(self, input))
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
@@ -421,6 +558,19 @@ class _HardtanhMixin(KeepsNoInput):
         if not _LATE or self.min_val > self.max_val:
             return None
         return _late_test(INSIDE, float(self.min_val), float(self.max_val))
+
+    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        # NOTE: always in place: PyTorch's hardtanh_ node saves a clone of its input.
+        if not _LATE or self.min_val > self.max_val or not (self.inplace or _fuses(input)):
+            return None
+        lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace
+
+        def kernel(grad, saved):
+            return torch.ops.aten.hardtanh_backward(grad, saved, lo, hi)
+
+        fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
+        spec = _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
+        return _apply_late(input, spec, _verdict_key(self, input))
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.min_val > self.max_val:

@@ -8,6 +8,10 @@
  *     comparisons (NaN gives 0). Returns whether a NaN was seen (op 2 only; else False).
  * unpack(bits, n, dst, dtype[, zero, one]): dst[i] = 1.0 where bit i is set, else +0.0; or the
  *     values whose bit patterns (as unsigned integers of dtype's width) are `one` and `zero`.
+ * grad(bits, grad, n, dst, dtype, scale, slope): an activation's backward from its mask, in one
+ *     pass: dst[i] = grad[i] where bit i is set, else +0.0 (scale 0: ReLU, Hardtanh) or
+ *     grad[i] * slope (scale 1: LeakyReLU), computed in dtype (float32 or float64) as PyTorch's
+ *     threshold_backward, hardtanh_backward and leaky_relu_backward kernels compute them.
  *
  * dtype: 0 float32, 1 float64, 2 float16 (unpack only), 3 bfloat16 (unpack only). Pointers come from the caller
  * (torch tensors it has checked: contiguous, right dtype, right size), as plain integers.
@@ -185,6 +189,40 @@ __attribute__((target("avx512f"))) static void unpack_f32_avx512(const uint8_t *
         _mm512_mask_storeu_ps(dst + 8 * b, 0xff, _mm512_mask_blend_ps(bits[b], vzero, vone));
 }
 
+__attribute__((target("avx512f"))) static void grad_f32_avx512(const uint8_t *bits,
+                                                              const float *g, float *dst,
+                                                              int64_t b0, int64_t b1,
+                                                              int scale, float slope) {
+    const __m512 vs = _mm512_set1_ps(slope);
+    int64_t b = b0;
+    for (; b + 2 <= b1; b += 2) {
+        uint16_t w;
+        memcpy(&w, bits + b, 2);
+        __m512 v = _mm512_loadu_ps(g + 8 * b);
+        __m512 other = scale ? _mm512_mul_ps(v, vs) : _mm512_setzero_ps();
+        _mm512_storeu_ps(dst + 8 * b, _mm512_mask_blend_ps((__mmask16)w, other, v));
+    }
+    for (; b < b1; b++) {
+        __m512 v = _mm512_maskz_loadu_ps(0xff, g + 8 * b);
+        __m512 other = scale ? _mm512_mul_ps(v, vs) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(dst + 8 * b, 0xff, _mm512_mask_blend_ps(bits[b], other, v));
+    }
+}
+
+__attribute__((target("avx2"))) static void grad_f32_avx2(const uint8_t *bits, const float *g,
+                                                          float *dst, int64_t b0, int64_t b1,
+                                                          int scale, float slope) {
+    const __m256i select = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 vs = _mm256_set1_ps(slope);
+    for (int64_t b = b0; b < b1; b++) {
+        __m256i m = _mm256_and_si256(_mm256_set1_epi32(bits[b]), select);
+        __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, select));
+        __m256 v = _mm256_loadu_ps(g + 8 * b);
+        __m256 other = scale ? _mm256_mul_ps(v, vs) : _mm256_setzero_ps();
+        _mm256_storeu_ps(dst + 8 * b, _mm256_blendv_ps(other, v, set));
+    }
+}
+
 static int simd_level = -1; /* 0 none, 1 avx2, 2 avx512f */
 
 static int simd(void) {
@@ -233,6 +271,44 @@ static void run_unpack(const void *src, void *dst, int64_t n, int dtype, uint64_
     }
 #endif
     unpack_scalar(src, n, dst, dtype, b0, bytes, zero, one);
+}
+
+static void grad_scalar(const uint8_t *bits, const char *g, char *dst, int64_t n, int dtype,
+                        int64_t b0, int64_t b1, int scale, double slope) {
+    for (int64_t b = b0; b < b1; b++) {
+        uint8_t byte = bits[b];
+        int64_t i0 = 8 * b;
+        int k = (n - i0) < 8 ? (int)(n - i0) : 8;
+        if (dtype == F32) {
+            const float *gf = (const float *)g;
+            float *df = (float *)dst, s = (float)slope;
+            for (int j = 0; j < k; j++)
+                df[i0 + j] = (byte >> j) & 1 ? gf[i0 + j] : (scale ? gf[i0 + j] * s : 0.0f);
+        } else {
+            const double *gd = (const double *)g;
+            double *dd = (double *)dst;
+            for (int j = 0; j < k; j++)
+                dd[i0 + j] = (byte >> j) & 1 ? gd[i0 + j] : (scale ? gd[i0 + j] * slope : 0.0);
+        }
+    }
+}
+
+static void run_grad(const uint8_t *bits, const void *g, void *dst, int64_t n, int dtype,
+                     int scale, double slope) {
+    int64_t full = n / 8, bytes = (n + 7) / 8, b0 = 0;
+#ifdef HR_X86
+    if (dtype == F32 && full > 0) {
+        int level = simd();
+        if (level == 2) {
+            grad_f32_avx512(bits, g, dst, 0, full, scale, (float)slope);
+            b0 = full;
+        } else if (level == 1) {
+            grad_f32_avx2(bits, g, dst, 0, full, scale, (float)slope);
+            b0 = full;
+        }
+    }
+#endif
+    grad_scalar(bits, g, dst, n, dtype, b0, bytes, scale, slope);
 }
 
 /* Above this many elements the GIL is released while the kernel runs. */
@@ -332,6 +408,38 @@ static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+static PyObject *py_grad(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "expected (bits, grad, n, dst, dtype, scale, slope)");
+        return NULL;
+    }
+    const uint8_t *bits = PyLong_AsVoidPtr(args[0]);
+    const void *g = PyLong_AsVoidPtr(args[1]);
+    long long n = PyLong_AsLongLong(args[2]);
+    void *dst = PyLong_AsVoidPtr(args[3]);
+    long dtype = PyLong_AsLong(args[4]);
+    int scale = PyObject_IsTrue(args[5]);
+    double slope = PyFloat_AsDouble(args[6]);
+    if (scale < 0 || PyErr_Occurred()) return NULL;
+    if (dtype < 0 || dtype > F64 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad dtype code or element count");
+        return NULL;
+    }
+    if (n > 0 && (bits == NULL || g == NULL || dst == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "null pointer");
+        return NULL;
+    }
+    if (n >= RELEASE_GIL_FROM) {
+        Py_BEGIN_ALLOW_THREADS
+        run_grad(bits, g, dst, (int64_t)n, (int)dtype, scale, slope);
+        Py_END_ALLOW_THREADS
+    } else {
+        run_grad(bits, g, dst, (int64_t)n, (int)dtype, scale, slope);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -351,6 +459,9 @@ static PyMethodDef methods[] = {
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL,
      "unpack(bits, n, dst, dtype[, zero, one]): dst[i] = one (1.0) where bit i is set, else "
      "zero (0.0); zero and one as bit patterns."},
+    {"grad", (PyCFunction)(void (*)(void))py_grad, METH_FASTCALL,
+     "grad(bits, grad, n, dst, dtype, scale, slope): dst = grad where bit i is set, else 0 "
+     "(scale false) or grad * slope."},
     {"simd", py_simd, METH_NOARGS, "The instruction set the float32 loops use here."},
     {NULL, NULL, 0, NULL},
 };

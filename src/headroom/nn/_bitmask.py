@@ -345,6 +345,26 @@ def unpack_as(
     return unpack_nonzero(bits, shape).to(dtype)
 
 
+def grad_through(
+    bits: torch.Tensor, grad: torch.Tensor, *, scale: bool = False, slope: float = 0.0
+) -> torch.Tensor | None:
+    """``where(mask, grad, grad * slope if scale else 0)`` in one pass over ``grad``'s memory
+    (mask bit ``i`` for element ``i`` of that memory), bitwise as PyTorch's ReLU, Hardtanh and
+    LeakyReLU backward kernels compute it; None where the C kernels cannot (not built, not a
+    dense float32/float64 CPU tensor), for the caller to unpack the mask instead."""
+    if (
+        _native is None
+        or grad.device.type != "cpu"
+        or grad.dtype not in (torch.float32, torch.float64)
+        or bits.numel() * 8 < grad.numel()
+    ):
+        return None
+    out = torch.empty_like(grad)
+    code = _NATIVE_CODES[grad.dtype]
+    _native.grad(bits.data_ptr(), grad.data_ptr(), grad.numel(), out.data_ptr(), code, scale, slope)
+    return out
+
+
 def unpack_bool(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """Inverse of :func:`pack_bool`: a contiguous ``bool`` tensor of ``shape``."""
     return unpack_nonzero(bits, shape).ne(0)

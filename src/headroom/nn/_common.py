@@ -287,11 +287,16 @@ def _settle_root(start: int) -> list[weakref.ref]:
             if holder.seq <= start:
                 young.append(entry)
             else:
+                holder.drop_mask()
                 leftover.append(entry[0])
     for ref in st.old:
         holder = ref()
         if holder is not None and not holder.settle():
-            (old if holder.seq <= start else leftover).append(ref)
+            if holder.seq <= start:
+                old.append(ref)
+            else:
+                holder.drop_mask()
+                leftover.append(ref)
     st.young, st.old = young, old
     return leftover
 
@@ -439,6 +444,11 @@ class KeepsNoInput:
         """The pack hook of the fast path, or None where this call must take ``_hr_forward``."""
         return None
 
+    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        """The output through a fast-path Function of the layer's own, or None where the layer
+        has none for this call (see headroom.nn._activation._LateFunction)."""
+        return None
+
     def _hr_torch_forward(self, input: torch.Tensor):
         return super().forward(input)
 
@@ -448,6 +458,9 @@ class KeepsNoInput:
         settle_pending()
         note_consumer(self, input)
         if hooks_free():
+            out = self._hr_fused(input)
+            if out is not None:
+                return out
             pack = self._hr_pack()
             if pack is not None:
                 return run_saving_less(pack, self._hr_torch_forward, input)

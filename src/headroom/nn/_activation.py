@@ -297,13 +297,13 @@ _graph_task_id = torch._C._current_graph_task_id
 # --- one Function for large or cloning activations -----------------------------------------------
 #
 # NOTE: on PyTorch's own node, backward unpacks a mask into a float stand-in (a full write) that
-# the kernel then reads. For large tensors one pass from the bits is faster than the ~45 us a
-# Python autograd.Function costs per call (measured on a 2-core VM: the unpack alone is ~65 us
-# for 512 Ki float32 elements); PyTorch's in-place hardtanh_ (ReLU6(inplace=True)) even saves a
-# clone of its input, a full copy, which the Function does not make. So those calls run this
-# Function, whose backward is the same PyTorch kernel on the kept tensor, or one fused pass
-# over the mask (bitwise the same values).
-_FUSE_FROM = 1 << 17  # elements
+# the kernel then reads: memory traffic that grows with the tensor, while a Python
+# autograd.Function costs a fixed few tens of microseconds per call. From _FUSE_FROM elements on,
+# one fused pass from the bits is the cheaper of the two; PyTorch's in-place hardtanh_
+# (ReLU6(inplace=True)) even saves a clone of its input, a full copy the Function does not make.
+# So those calls run this Function, whose backward is the same PyTorch kernel on the kept
+# tensor, or one fused pass over the mask (bitwise the same values).
+_FUSE_FROM = 1 << 18  # elements
 
 
 class _Spec:

@@ -1,4 +1,5 @@
-"""Helpers shared by the memory-saving layers: shape stand-ins and the ReLU consumer registry."""
+"""Helpers shared by the memory-saving layers: shape stand-ins, PyTorch's nodes under our
+saved-tensor hooks, the pending activations that decide late, and the ReLU consumer registry."""
 
 from __future__ import annotations
 
@@ -360,19 +361,16 @@ def install_root_hooks(root: nn.Module) -> None:
     root.register_forward_hook(_root_hook, always_call=True)
 
 
-# --- which layer consumes a ReLU's output -------------------------------------------------------
+# --- which layer consumes a ReLU's output (under a caller's saved-tensor hooks) ------------------
 #
-# NOTE: a ReLU's backward needs its output's sign only. When the next layer keeps that output
-# for its own backward anyway (a convolution whose weight trains), the cheapest thing is to keep
-# the output too: both saved references share one storage, so autograd holds no extra byte. When
-# the next layer does not keep it (a frozen convolution, a pool, dropout), a 1-bit mask is the
-# cheapest. The ReLU must choose in its forward, before its consumer runs, so consumers that are
-# headroom layers report themselves: each looks its input's storage up in the registry below and
-# records (ReLU module, call site) -> consumer. From the next forward on, the ReLU asks those
-# consumers whether they will save their input under the current ``requires_grad`` flags. Before
-# the first forward, ``convert`` seeds a ReLU inside an ``nn.Sequential`` with the next layer.
-# With no consumer known (a ReLU in a custom forward on its first call, or one feeding only
-# layers that are not headroom layers) it keeps its output, exactly what PyTorch keeps.
+# NOTE: under saved-tensor hooks of the caller's (hr.track_memory, checkpointing) what a ReLU
+# saves goes to those hooks at once, so it cannot decide late (see [Note: deciding late]) and
+# must choose in its forward, before its consumer runs. Consumers that are headroom layers report
+# themselves on that path: each looks its input's storage up in the registry below and records
+# (ReLU module, call site) -> consumer; from the next such forward on, the ReLU asks those
+# consumers whether they will save their input under the current ``requires_grad`` flags. Else
+# it follows what its holder decided at the last forward without hooks (``verdicts``), else the
+# layer ``convert`` found after it in an nn.Sequential, else it keeps its output as PyTorch does.
 
 
 class ReLUSites:

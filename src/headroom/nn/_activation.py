@@ -275,19 +275,21 @@ def _note_verdict(verdict: tuple, keep: bool) -> None:
     verdicts[verdict[1]] = keep
 
 
-def _relu_late(verdict: tuple, t: torch.Tensor) -> Late:
-    """A ReLU's holder, which also leaves its decision where the ReLU's forward under a
-    caller's saved-tensor hooks finds it (``ReLUSites.verdicts``)."""
-    holder = Late(t)
+def _make_late(verdict: tuple, op: int, lo: float, hi: float, t: torch.Tensor) -> Late:
+    """The pack hook's holder of ``t``, which leaves its decision in ``verdict`` (the module's
+    record and call site; a ReLU's forward under a caller's saved-tensor hooks reads it there)
+    and packs its mask at once where the last decision at this call site was a mask (see
+    :meth:`_LateFunction.forward`)."""
+    holder = Late(t, op, lo, hi)
     holder.verdict = verdict
+    if verdict[0].verdicts.get(verdict[1]) is False:
+        holder.pack()
     return holder
 
 
-def _late_test(op: int, lo: float = 0.0, hi: float = 0.0):
+def _late_hook(verdict: tuple, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
     """A pack hook making :class:`Late` holders of one test."""
-    if op == NONZERO:
-        return Late
-    return functools.partial(Late, op=op, lo=lo, hi=hi)
+    return functools.partial(_make_late, verdict, op, lo, hi)
 
 
 _LATE = UNSHARED is not None and _use_count is not None
@@ -451,7 +453,7 @@ class ReLU(nn.ReLU):
         if _LATE and hooks_free():
             if _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, (sites, site))
-            return run_saving_less(functools.partial(_relu_late, (sites, site)), relu, input)
+            return run_saving_less(_late_hook((sites, site)), relu, input)
         # NOTE: under the caller's saved-tensor hooks (or without the use count) the choice is
         # made now: from the consumers seen at this call site in earlier such forwards, else
         # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
@@ -493,10 +495,10 @@ class _LeakyReLUMask(torch.autograd.Function):
 class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     """``nn.LeakyReLU`` that keeps a 1-bit sign mask, or nothing its consumers do not keep."""
 
-    def _hr_pack(self):
+    def _hr_pack(self, input: torch.Tensor):
         if not _LATE or (self.inplace and self.negative_slope < 0):
             return None
-        return _late_test(GREATER)
+        return _late_hook(_verdict_key(self, input), GREATER)
 
     def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
         if not (_LATE and _fuses(input)) or (self.inplace and self.negative_slope < 0):
@@ -554,10 +556,11 @@ class _HardtanhFunction(torch.autograd.Function):
 
 
 class _HardtanhMixin(KeepsNoInput):
-    def _hr_pack(self):
+    def _hr_pack(self, input: torch.Tensor):
         if not _LATE or self.min_val > self.max_val:
             return None
-        return _late_test(INSIDE, float(self.min_val), float(self.max_val))
+        lo, hi = float(self.min_val), float(self.max_val)
+        return _late_hook(_verdict_key(self, input), INSIDE, lo, hi)
 
     def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
         # NOTE: always in place: PyTorch's hardtanh_ node saves a clone of its input.

@@ -438,7 +438,7 @@ class KeepsNoInput:
     def _hr_saves_input(self) -> bool:
         return False
 
-    def _hr_pack(self):
+    def _hr_pack(self, input: torch.Tensor):
         """The pack hook of the fast path, or None where this call must take ``_hr_forward``."""
         return None
 
@@ -459,7 +459,7 @@ class KeepsNoInput:
             out = self._hr_fused(input)
             if out is not None:
                 return out
-            pack = self._hr_pack()
+            pack = self._hr_pack(input)
             if pack is not None:
                 return run_saving_less(pack, self._hr_torch_forward, input)
         return self._hr_forward(input)
@@ -468,7 +468,7 @@ class KeepsNoInput:
 class PoolOrPad(KeepsNoInput):
     """Pools and pads: PyTorch's node saves the input (replaced by its shape) and indices."""
 
-    def _hr_pack(self):
+    def _hr_pack(self, input: torch.Tensor):
         return shape_of_floats
 
 

@@ -126,3 +126,33 @@ def test_dropout_keeps_no_more_than_torchs_mask(shape):
     noise = x.numel() * 4
     assert got["torch"][0] == noise
     assert got["headroom"][0] == min(noise, 2504), got  # PyTorch's noise, or the position
+
+
+def test_layers_called_without_their_converted_root():
+    """Layers of a converted model called one by one from an outside loop (no root hook runs):
+    holders settle when the loop drops its references, and keep as little."""
+    plain, ours, x = _pair("resnet_like")
+    for m in (plain, ours):
+        trainable(m, "input")
+
+    def by_layer(model):
+        def run(xi):
+            for layer in model:
+                xi = layer(xi)
+            return xi
+
+        return run
+
+    class Loop(nn.Module):  # an unconverted parent: hr.convert's root hooks are not on it
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, xi):
+            return by_layer(self.model)(xi)
+
+    a = first_steps(Loop(plain), x, "input")
+    b = first_steps(Loop(ours), x, "input")
+    c = first_steps(ours, x, "input")  # through the converted root
+    assert_steps_equal(a, b)
+    assert b[0][0] == b[1][0] == c[0][0] < a[0][0]

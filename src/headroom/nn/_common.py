@@ -270,6 +270,8 @@ def settle_pending() -> None:
         if entry[1] < _YOUNG_CHECKS:
             keep.append(entry)
         else:
+            if not st.roots:
+                holder.drop_mask()  # no root's end will: a mask packed ahead goes now
             st.old.append(entry[0])
     st.young = keep
     if len(st.old) > 512:  # no root ends here (layers called on their own): drop the dead

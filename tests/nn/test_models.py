@@ -115,17 +115,23 @@ class _Custom(nn.Module):
         return self.conv(self.relu(x))
 
 
-def test_relu_in_custom_forward_learns_its_consumer_in_the_first_step():
+def test_relu_in_custom_forward_keeps_a_mask_from_the_first_step():
+    """Without hooks of the caller's the first step decides late and keeps the mask; under
+    them (the autograd.Function path) a ReLU in a custom forward decides in forward and keeps
+    its output, as PyTorch does, until it has seen its consumer."""
     torch.manual_seed(0)
     plain = _Custom()
-    ours = hr.convert(copy.deepcopy(plain))
     x = torch.randn(2, 3, 9, 9)
+    mask = (x.numel() + 7) // 8
+    first = step(hr.convert(copy.deepcopy(plain)), x, input_grad=True, hooks=False)
+    assert first[4] == mask
+    ours = hr.convert(copy.deepcopy(plain))
     first = step(ours, x, input_grad=True)
     assert first[4] == x.numel() * 4  # as PyTorch's ReLU: the output
     a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
     assert_same(a, b)
     assert a[4] == x.numel() * 4
-    assert b[4] == (x.numel() + 7) // 8
+    assert b[4] == mask
 
 
 def test_requires_grad_changes_between_steps():

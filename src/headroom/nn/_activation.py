@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headroom.memory import is_tracking
 from headroom.nn import _bitmask
 from headroom.nn._bitmask import (
     GREATER,
@@ -96,6 +97,11 @@ def _unpack_layout(
         return passes
     out = torch.empty_strided(shape, stride, dtype=dtype, device=passes.device)
     return out.copy_(passes)
+
+
+def _restride(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -197,6 +203,21 @@ class Late:
         """Compute the mask (the tensor stays until :meth:`settle` drops it); False where it
         must stay whole (a NaN for Hardtanh)."""
         t = self.tensor
+        native = _bitmask._native
+        if (
+            self.op == NONZERO
+            and native is not None
+            and t.dtype is torch.float32
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+        ):
+            # NOTE: the common case without the generic dispatch (this runs per activation).
+            n = t.numel()
+            bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
+            native.pack_nonzero(t.data_ptr(), n, bits.data_ptr(), 0)
+            self.shape, self.stride, self.dtype, self.values = t.shape, t.stride(), t.dtype, None
+            self.memory_order, self.bits = False, bits
+            return True
         bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
         if nan:
             return False
@@ -243,6 +264,23 @@ class Late:
         t = self.tensor
         if t is not None:
             return self._kept(t)
+        native = _bitmask._native
+        if (
+            native is not None
+            and not self.memory_order
+            and self.values is None
+            and self.dtype is torch.float32
+            and self.bits.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and not is_tracking()
+        ):
+            # NOTE: the common case (a contiguous float32 mask unpacked inside the node's
+            # backward) without the generic dispatch, into the reused buffer.
+            n = self.shape.numel()
+            out = _bitmask._reusable_buffer(n, torch.float32)
+            native.unpack(self.bits.data_ptr(), n, out.data_ptr(), 0)
+            out = out.view(self.shape)
+            return out if out.stride() == self.stride else _restride(out, self.stride)
         return _unpack_layout(
             self.bits,
             self.shape,

@@ -183,18 +183,20 @@ def _optimizer_items(
             hp = {k: v for k, v in g.items() if k != "params"}
             groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
                            "params": [optimizer._entries[id(p)].index for p in g["params"]]})
-        inner_state = optimizer._inner.state if optimizer._inner is not None else {}
         store = optimizer._state_store or optimizer._aux
         for e in optimizer._order:
             params.append({"name": pname.get(id(e.param)), "shape": list(e.param.shape)})
             if not e.streamed:
-                st = inner_state.get(e.master)
+                st = optimizer._index_state(e)  # with the fp32 master of a bf16/fp16 param
                 if not st:
                     continue
                 small[str(e.index)] = _state_items(e.index, st, items, tensors)
             elif e.initialized:
                 for k, h in e.state_handles.items():
                     items.append(_Item(f"optimizer/{e.index}/{k}", store=store, handle=h))
+                if e.master_handle is not None:
+                    items.append(_Item(f"optimizer/{e.index}/master", store=store,
+                                       handle=e.master_handle))
                 small[str(e.index)] = _state_items(e.index, e.small, items, tensors)
     else:
         sd = optimizer.state_dict()

@@ -61,7 +61,7 @@ class _Entry:
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired",
+        "fired", "master_handle",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -82,6 +82,13 @@ class _Entry:
         self.grad_scale: torch.Tensor | None = None
         self.bucket: _Bucket | None = None
         self.fired = False  # its gradient of the current final backward is complete
+        # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
+        self.master_handle: Handle | None = None
+
+    @property
+    def lowp(self) -> bool:
+        """A store-resident parameter whose stored value is not its master (bf16, fp16)."""
+        return self.kind == _BOUND and self.bound.handle.dtype not in _MASTER_DTYPES
 
 
     @property
@@ -132,6 +139,21 @@ def _probe_cpu(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict
             "optimizer with a CPU implementation"
         ) from e
     return dict(opt.defaults)
+
+
+def _want_fp32_grad(b: ParamBinding) -> None:
+    """Ask the producer of a low-precision store-resident gradient to accumulate it in fp32."""
+    b.grad_dtype = torch.float32
+    gh = b.grad_handle
+    if gh is None or gh.dtype == torch.float32:
+        return
+    sync_grad(b)
+    old = b.store.read(gh).result() if b.has_grad else None
+    b.store.free(gh)
+    b.grad_handle = None
+    if old is not None:  # a gradient already accumulated: keep it, in fp32 from now on
+        b.grad_handle = b.store.alloc(gh.key, gh.shape, torch.float32, zero=False)
+        b.store.write(b.grad_handle, old.float()).result()
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -273,6 +295,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._clips = False  # clip_grad_norm_ has been called: gradients are not final
         self._in_flight = 0  # device gradient bytes pushed to the host since the last reap
         self._launched_hparams: dict[int, dict[str, Any]] = {}
+        self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
         self._key_prefix = f"hr-opt-{id(self):x}"
@@ -345,6 +368,10 @@ class HostOptimizer(torch.optim.Optimizer):
             host = b.store.host_tensor(b.handle)
             if host is not None and host.dtype in _MASTER_DTYPES:
                 e.master = host
+            if e.lowp:
+                # NOTE: fp32 master and state for a bf16/fp16 parameter (kept beside the state,
+                # see `_allocate_state`), and its gradient accumulated in fp32 by the producer.
+                _want_fp32_grad(b)
         elif dev.type == "cpu" and p.dtype in _MASTER_DTYPES:
             e.kind = _ALIAS
             # NOTE: on the CPU in fp32 the parameter is its own master: no copy, and the
@@ -511,10 +538,16 @@ class HostOptimizer(torch.optim.Optimizer):
             rows = self._grad_rows(e, grad)
             if rows is not None and rows.numel() == 0:
                 return None  # lazy Adam: a parameter without any gradient row takes no step
+        if e.lowp:
+            master_store, master_handle = self._state_store or self._aux, e.master_handle
+        elif e.master is None:
+            master_store, master_handle = e.bound.store, e.bound.handle
+        else:
+            master_store = master_handle = None
         return SliceSource(
             master=e.master,
-            master_store=None if e.master is not None else e.bound.store,
-            master_handle=None if e.master is not None else e.bound.handle,
+            master_store=master_store,
+            master_handle=master_handle,
             grad=grad,
             grad_store=None if grad is not None else b.store,
             grad_handle=None if grad is not None else b.grad_handle,
@@ -524,6 +557,7 @@ class HostOptimizer(torch.optim.Optimizer):
             small=e.small,
             initialized=e.initialized,
             rows=rows,
+            shadow=(e.bound.store, e.bound.handle) if e.lowp else None,
         )
 
     def _grad_rows(self, e: _Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -542,7 +576,8 @@ class HostOptimizer(torch.optim.Optimizer):
         no parameter has moved and no state is half-written (DiskStore reserves the blocks at
         allocation, so later writes cannot run out of space).
         """
-        todo = [e for e in entries if not e.state_handles]
+        todo = [e for e in entries
+                if not e.state_handles and not (e.lowp and e.master_handle is not None)]
         if not todo:
             return
         store = self._state_store
@@ -563,14 +598,21 @@ class HostOptimizer(torch.optim.Optimizer):
                     host = store.host_tensor(h)
                     if host is not None:
                         annotate(host, "optimizer_state")
+                if e.lowp:
+                    e.master_handle = store.alloc(f"{self._key_prefix}/{e.index}/master",
+                                                  tuple(e.param.shape), torch.float32,
+                                                  zero=False)
+                    made.append(e.master_handle)
                 e.state_handles = handles
         except BaseException as ex:
             for h in made:
                 store.free(h)
             for e in todo:
                 e.state_handles = {}
+                e.master_handle = None
             need = sum(
-                e.param.numel() * 4 * len(self._layout(e.group).shaped) for e in todo)
+                e.param.numel() * 4 * (len(self._layout(e.group).shaped) + e.lowp)
+                for e in todo)
             if isinstance(ex, (StoreFullError, OSError)):
                 raise StoreFullError(
                     f"optimizer state does not fit in {store!r}: this step needs {need} more "
@@ -905,13 +947,20 @@ class HostOptimizer(torch.optim.Optimizer):
     def _index_state(self, e: _Entry) -> dict[str, Any] | None:
         if not e.streamed:
             st = self._inner.state.get(e.master) if self._inner is not None else None
-            return dict(st) if st else None
+            if not st:
+                return None
+            st = dict(st)
+            if e.param.dtype not in _MASTER_DTYPES:
+                st["master"] = e.master  # the fp32 master of a bf16/fp16 parameter
+            return st
         if not e.initialized:
             return None
         store = self._state_store or self._aux
         st = dict(e.small)
         for k, h in e.state_handles.items():
             st[k] = store.read(h).result()
+        if e.lowp:
+            st["master"] = store.read(e.master_handle).result()
         return st
 
     def state_dict(self) -> dict[str, Any]:
@@ -961,12 +1010,18 @@ class HostOptimizer(torch.optim.Optimizer):
         states = state_dict["state"]
         inner_sd_state = {}
         streamed_state: dict[_Entry, dict[str, Any]] = {}
+        self._masters_loaded = set()
         for old, st in states.items():
             e = id_map[int(old)]
             if e.streamed:
                 streamed_state[e] = st
             else:
                 inner_sd_state[e] = dict(st)
+                master = inner_sd_state[e].pop("master", None)
+                if master is not None and e.kind == _HOSTED:
+                    with torch.no_grad():
+                        e.master.copy_(master)
+                    self._masters_loaded.add(id(e))
         if self._inner is not None:
             inner_ids = {}
             order = [e for e in self._order if not e.streamed]
@@ -993,8 +1048,15 @@ class HostOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
                 t = st[k].detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
                 store.write(h, t).result()
+            if e.lowp:
+                # NOTE: a state dict without the fp32 master (e.g. from the plain optimizer
+                # class) starts it from the parameter's stored low-precision value.
+                master = st["master"] if "master" in st else \
+                    e.bound.store.read(e.bound.handle).result()
+                t = master.detach().to("cpu", torch.float32).reshape(e.master_handle.shape)
+                store.write(e.master_handle, t.contiguous()).result()
             e.small = {k: (v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v)
-                       for k, v in st.items() if k not in e.state_handles}
+                       for k, v in st.items() if k not in e.state_handles and k != "master"}
             e.initialized = True
         self._refresh_state_view()
 
@@ -1002,12 +1064,15 @@ class HostOptimizer(torch.optim.Optimizer):
         """Re-read the master copies from the parameters after they changed outside ``step``.
 
         Needed only for parameters on an accelerator or not in fp32 (elsewhere the parameter
-        is its own master); `headroom.load` calls it.
+        is its own master); `headroom.load` calls it. Masters just loaded by
+        `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
+        precise than the parameter.
         """
         self._wait()
+        loaded, self._masters_loaded = self._masters_loaded, set()
         with torch.no_grad():
             for e in self._order:
-                if e.kind == _HOSTED:
+                if e.kind == _HOSTED and id(e) not in loaded:
                     e.master.copy_(e.param.detach())
 
     # ------------------------------------------------------------------ lifecycle

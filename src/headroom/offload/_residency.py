@@ -559,10 +559,7 @@ class Offload:
         store = self.store
         try:
             for s in todo:
-                h = s.binding.handle
-                key = f"{h.key}.grad"
-                s.binding.grad_handle = store.get(key) if key in store else \
-                    store.alloc(key, h.shape, h.dtype)
+                s.binding.grad_handle = _grad_handle(store, s.binding)
         except StoreFullError as e:
             need = sum(s.binding.handle.nbytes for s in todo if s.binding.grad_handle is None)
             raise StoreFullError(
@@ -588,10 +585,10 @@ class Offload:
         p = slot.param
         store = self.store
         if b.grad_handle is None:
-            key = f"{b.handle.key}.grad"
-            b.grad_handle = store.get(key) if key in store else \
-                store.alloc(key, b.handle.shape, b.handle.dtype)
-        host = store.host_tensor(b.grad_handle)
+            b.grad_handle = _grad_handle(store, b)
+        # NOTE: a gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
+        # an optimizer with fp32 masters) cannot be param.grad: it gets the marker instead.
+        host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
         if host is not None:
             if cur is not None and cur.data_ptr() != host.data_ptr():
@@ -604,9 +601,9 @@ class Offload:
             with self.lock:
                 self.mover.push_grad(g, b, accumulate=cur is not None)
             if cur is None:
-                # NOTE: a meta marker: `zero_grad()` sets it to None, which tells the next
-                # backward to overwrite the stored gradient instead of accumulating.
-                p.grad = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                # NOTE: a marker (one element, expanded): `zero_grad()` sets it to None, which
+                # tells the next backward to overwrite the stored gradient, not accumulate.
+                p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
         # NOTE: post-accumulate-grad fires once per backward, after every use of the
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
@@ -671,6 +668,19 @@ class Offload:
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
             else:
                 state_dict[key] = cur.detach()
+
+
+def _grad_handle(store: Store, b: ParamBinding):
+    """The store's gradient tensor for ``b`` (in ``b.grad_dtype``), existing or new."""
+    h = b.handle
+    key = f"{h.key}.grad"
+    dtype = b.grad_dtype or h.dtype
+    if key in store:
+        gh = store.get(key)
+        if gh.dtype == dtype:
+            return gh
+        store.free(gh)  # allocated for another dtype and not in use (b.grad_handle was None)
+    return store.alloc(key, h.shape, dtype)
 
 
 def _normalized(device: torch.device) -> torch.device:

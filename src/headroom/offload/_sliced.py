@@ -78,7 +78,11 @@ class SliceSource:
     """Where one parameter's master, gradient and state rest for a sliced step.
 
     Exactly one of ``master`` (an in-memory fp32 tensor updated in place) or
-    ``master_handle`` (in ``master_store``) is set; the same holds for the gradient.
+    ``master_handle`` (in ``master_store``) is set; the same holds for the gradient. A
+    low-precision parameter (bf16, fp16) has an fp32 master of its own: ``shadow`` names where
+    its low-precision value rests; the master is created from it on the first step
+    (``initialized`` false) and the value is rewritten from the master after every slice.
+    A gradient in another dtype than the master is cast to it.
     """
 
     master: torch.Tensor | None
@@ -93,6 +97,7 @@ class SliceSource:
     small: dict[str, Any]
     initialized: bool
     rows: torch.Tensor | None = None  # row-sparse mode: sorted rows to touch; None = all rows
+    shadow: tuple[Store, Handle] | None = None  # the low-precision value the master feeds
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
@@ -185,8 +190,11 @@ class SliceRunner:
             rows = slice(a, b) if src.rows is None else src.rows[a:b]
             par = i % 2
             got: dict[str, Any] = {"rows": rows}
-            got["p"] = self._load(src.master, src.master_store, src.master_handle, rows,
-                                  ("p", par, b - a))
+            if src.shadow is not None and not src.initialized:
+                got["p"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
+            else:
+                got["p"] = self._load(src.master, src.master_store, src.master_handle, rows,
+                                      ("p", par, b - a))
             got["g"] = self._load(src.grad, src.grad_store, src.grad_handle, rows,
                                   ("g", par, b - a))
             if src.initialized:
@@ -210,9 +218,14 @@ class SliceRunner:
                 nxt = fetch(i + 1)
             work = _result(cur["p"])
             grad = _result(cur["g"])
+            if src.shadow is not None and not src.initialized:
+                work = work.float()  # the fp32 master starts from the low-precision value
+            owned = isinstance(cur["g"], Future)
+            if grad.dtype != work.dtype:
+                grad = grad.to(work.dtype)
+                owned = True
             if src.grad_scale is not None:
                 # NOTE: scale a landed copy in place; never the resting gradient itself.
-                owned = isinstance(cur["g"], Future)
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
             rows = cur["rows"]
             resting = cur.get("s", {})
@@ -224,10 +237,15 @@ class SliceRunner:
                 if _is_view_of(t, cur.get("s", {}).get(key)):
                     continue  # updated in place in the resting host tensor
                 writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
-            if not _is_in_place(cur["p"]):
+            # NOTE: a master made from the low-precision value is new: written out too.
+            fresh = src.shadow is not None and not src.initialized
+            if fresh or not _is_in_place(cur["p"]):
                 writes.append(src.master_store.write_rows(src.master_handle, rows, work))
             elif src.rows is not None and src.master is not None:
                 src.master.index_copy_(0, rows, work)
+            if src.shadow is not None:
+                sh_store, sh_handle = src.shadow
+                writes.append(sh_store.write_rows(sh_handle, rows, work.to(sh_handle.dtype)))
             results[k] = {key: state[key] for key in state if key not in src.state_handles}
         for ws in pending_writes:
             for f in ws:
@@ -257,9 +275,14 @@ class SliceRunner:
         return state
 
     def _step_scalar(self, src: SliceSource, opt, group) -> dict[str, Any]:
-        work = (src.master if src.master is not None
-                else src.master_store.read(src.master_handle).result())
+        if src.shadow is not None and not src.initialized:
+            work = src.shadow[0].read(src.shadow[1]).result().float()
+        else:
+            work = (src.master if src.master is not None
+                    else src.master_store.read(src.master_handle).result())
         grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
+        if grad.dtype != work.dtype:
+            grad = grad.to(work.dtype)
         if src.grad_scale is not None:
             grad = grad.mul(src.grad_scale)
         state = self._run(opt, group, src, work, grad, lambda: {
@@ -268,6 +291,8 @@ class SliceRunner:
             src.state_store.write(h, state[k].contiguous()).result()
         if src.master is None:
             src.master_store.write(src.master_handle, work).result()
+        if src.shadow is not None:
+            src.shadow[0].write(src.shadow[1], work.to(src.shadow[1].dtype)).result()
         return {k: state[k] for k in state if k not in src.state_handles}
 
     def _load(

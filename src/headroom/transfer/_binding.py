@@ -42,6 +42,9 @@ class ParamBinding:
         grad_sync: set by the producer: blocks until every gradient it has handed over so far
             rests in ``grad_handle`` (its writes may run in the background). ``None``: the
             gradient is in place as soon as `grad_ready` fires.
+        grad_dtype: the dtype a producer allocates ``grad_handle`` in (``None``: the
+            parameter's). A consumer that wants full-precision accumulation of a low-precision
+            parameter's gradient (an optimizer with fp32 masters) sets ``torch.float32``.
         listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
     """
 
@@ -50,6 +53,7 @@ class ParamBinding:
     grad_handle: Handle | None = None
     grad_rows: torch.Tensor | None = None
     has_grad: bool = False
+    grad_dtype: torch.dtype | None = None
     grad_sync: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
 

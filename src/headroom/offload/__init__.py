@@ -3,6 +3,7 @@
 from headroom.offload._checkpoint import load, save
 from headroom.offload._optimizer import HostOptimizer
 from headroom.offload._params import describe, offload, unoffload
+from headroom.offload._weights import load_weights
 
-__all__ = ["HostOptimizer", "describe", "load", "offload", "save", "unoffload"]
+__all__ = ["HostOptimizer", "describe", "load", "load_weights", "offload", "save", "unoffload"]
 

@@ -147,6 +147,7 @@ def offload(
         )
     state = Offload(model, dev, st, prefetch, compute_dtype, auto)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
     state.blocks = [Block(names[id(m)], m) for m in block_mods]
 
     # Which block owns each parameter (tied parameters used by several blocks go outside).
@@ -187,7 +188,9 @@ def offload(
     for mname, m in model.named_modules():
         for bname, buf in list(m._buffers.items()):
             if buf is not None:
-                if buf.device != dev:
+                if buf.device.type == "meta":
+                    state.pending_modules[id(m)] = m  # filled like the parameters
+                elif buf.device != dev:
                     m._buffers[bname] = buf.to(dev)
                 state.buffers.append(f"{mname}.{bname}" if mname else bname)
 
@@ -199,6 +202,7 @@ def offload(
     h.append(model.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True,
                                              prepend=True))
     h.append(model.register_forward_hook(state.root_post_forward, with_kwargs=True))
+    h.append(model.register_state_dict_pre_hook(lambda *a, **k: state.init_pending()))
     for b in state.blocks:
         h.append(b.module.register_forward_pre_hook(partial(state.pre_forward, b),
                                                     with_kwargs=True, prepend=True))
@@ -236,19 +240,14 @@ _guard_handle = None
 def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, owners,
            first_name, blocks_of_module, claimed: set[str], placed: list) -> None:
     """Move every parameter's master into the store and give it a device copy and hooks."""
-    replaced: dict[int, nn.Parameter] = {}
-    unprocessed = set(params)
     for pid, p in params.items():
-        p = replaced.pop(pid, p)
         name = first_name[pid]
         # NOTE: a parameter already in the store (a DiskStore reopened by a later run) is
         # resumed when the model has no values for it (meta) and overwritten when it has.
         resume = name in st and p.device.type == "meta"
-        if p.device.type == "meta" and not resume:
-            _materialize(owners[pid][0][0], name, owners, params, unprocessed, replaced)
-            # NOTE: pop, not get: holding on would keep every initialized tensor in RAM.
-            p = replaced.pop(pid)
-        unprocessed.discard(pid)
+        # NOTE: one created on meta gets room in the store now and its values later, from a
+        # checkpoint or its module's initialization (see headroom.offload._meta).
+        pending = p.device.type == "meta" and not resume
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
         # NOTE: a parameter belongs to a block only if every module registering it is inside
@@ -261,6 +260,8 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
         created = name not in st
         if resume:
             handle = st.get(name)
+        elif pending:
+            handle = st.alloc(name, tuple(p.shape), p.dtype, zero=False)
         elif name in st:
             handle = st.get(name)
             st.write(handle, p.detach().to("cpu").contiguous()).result()
@@ -270,7 +271,9 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
                                 requires_grad=p.requires_grad)
         resize_storage(dev_param, 0)
         host = st.host_tensor(handle)
-        if host is not None:
+        if host is not None and p.device.type == "meta":
+            master = nn.Parameter(host, requires_grad=p.requires_grad)
+        elif host is not None:
             master = p
             with torch.no_grad():
                 master.data = host
@@ -280,6 +283,10 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
             master = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                   requires_grad=p.requires_grad)
         b = bind(master, handle)
+        b.has_value = not pending
+        if pending:
+            for m, _ in owners[pid]:
+                state.pending_modules[id(m)] = m
         b.grad_sync = state.sync_grads
         slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
         slot.block = target
@@ -334,34 +341,6 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
             f" parameter is {p.dtype} {tuple(p.shape)}; use an empty directory for a different"
             " model, or build the model with the stored shapes and dtypes"
         )
-
-
-def _materialize(module: nn.Module, name: str, owners, params, unprocessed: set[int],
-                 replaced: dict[int, nn.Parameter]) -> None:
-    """Deferred initialization of one module whose parameters are on the meta device.
-
-    NOTE: done module by module, right before its parameters go to the store, so a model
-    created on the meta device never exists whole in host memory.
-    """
-    reset = getattr(module, "reset_parameters", None)
-    own = [(a, t) for a, t in module._parameters.items() if t is not None]
-    if reset is None or any(id(t) not in unprocessed for _, t in own):
-        raise ValueError(
-            f"parameter {name!r} is on the meta device and its {type(module).__name__} cannot be"
-            " initialized here (it has no reset_parameters(), or shares parameters with a module"
-            " initialized earlier); materialize it first, e.g. model.to_empty(device='cpu')"
-            " followed by your initialization"
-        )
-    for _attr, t in own:
-        new = nn.Parameter(torch.empty_like(t, device="cpu"), requires_grad=t.requires_grad)
-        for m, a in owners[id(t)]:
-            m._parameters[a] = new
-        replaced[id(t)] = new
-    for attr, b in list(module._buffers.items()):
-        if b is not None and b.device.type == "meta":
-            module._buffers[attr] = torch.empty_like(b, device="cpu")
-    with torch.no_grad():
-        reset()
 
 
 def _install_optimizer_hook() -> None:
@@ -421,6 +400,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     if state._bwd and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
     state._settle()
+    state.init_pending()
     state.sync_grads()
     for b in [*state.blocks, state.rest]:
         state.release(b)

@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import resize_storage
+from headroom.offload._meta import init_pending
 from headroom.transfer import Mover, ParamBinding, Store, StoreFullError, Ticket, grad_ready
 
 __all__ = ["Offload", "Block", "Slot", "DeviceCopy", "in_backward"]
@@ -185,6 +186,9 @@ class Offload:
         self._bwd_seen: set[int] = set()
         self._bypass: list[str] = []
         self.buffers: list[str] = []
+        # modules with parameters or buffers created on meta and not filled yet (see _meta)
+        self.pending_modules: dict[int, nn.Module] = {}
+        self.module_names: dict[int, str] = {}
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ residency
@@ -260,6 +264,11 @@ class Offload:
             if step < 0 and id(order[i]) in self._bwd_seen:
                 continue
             self.fetch(order[i])
+
+    def init_pending(self) -> None:
+        """Values for whatever was created on meta and not loaded yet (see `_meta`)."""
+        if self.pending_modules:
+            init_pending(self)
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Block | None) -> None:
@@ -414,6 +423,7 @@ class Offload:
             return None
         self._check_not_under_ddp(module)
         self._settle()
+        self.init_pending()
         self._root_running = True
         self._order_now = []
         self._active = []
@@ -450,6 +460,7 @@ class Offload:
             self._check_not_under_ddp(module)
             if self._bwd:
                 self.abort_backward()
+            self.init_pending()
         entry = [block, False]
         self._active.append(entry)
         self.ensure(block)
@@ -641,6 +652,7 @@ class Offload:
 
     # ------------------------------------------------------------------ state dict
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        self.init_pending()
         for attr, t in module._parameters.items():
             slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
             if slot is None or prefix + attr not in state_dict:
@@ -661,6 +673,7 @@ class Offload:
             if tuple(value.shape) != h.shape:
                 continue  # the default loader reports the mismatch
             self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
+            slot.binding.has_value = True
             # NOTE: the default loader then copies into whatever the module holds; give it a
             # placeholder of the same kind so that copy is a no-op.
             cur = module._parameters[attr]

@@ -17,6 +17,7 @@ from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, RowStreamer, Ticket
+from headroom.transfer._safetensors import SafetensorsFile, TensorInfo
 from headroom.transfer._store import Store, StoreFullError, is_accelerator, resolve_store
 
 __all__ = [
@@ -28,8 +29,10 @@ __all__ = [
     "ParamBinding",
     "PinnedPool",
     "RowStreamer",
+    "SafetensorsFile",
     "Store",
     "StoreFullError",
+    "TensorInfo",
     "Ticket",
     "bind",
     "binding",

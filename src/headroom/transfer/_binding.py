@@ -45,6 +45,9 @@ class ParamBinding:
         grad_dtype: the dtype a producer allocates ``grad_handle`` in (``None``: the
             parameter's). A consumer that wants full-precision accumulation of a low-precision
             parameter's gradient (an optimizer with fp32 masters) sets ``torch.float32``.
+        has_value: ``False`` while ``handle`` holds no value yet (a parameter created on
+            ``meta``, still to be loaded or initialized): consumers must not read it then.
+            Whoever writes the whole value sets it.
         listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
     """
 
@@ -54,6 +57,7 @@ class ParamBinding:
     grad_rows: torch.Tensor | None = None
     has_grad: bool = False
     grad_dtype: torch.dtype | None = None
+    has_value: bool = True
     grad_sync: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
 

@@ -144,6 +144,10 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     if not any(binding(p) is not None for p in model.parameters()):
         return dict(model.state_dict(keep_vars=True))
+    for m in model.modules():
+        state = getattr(m, "_headroom_offload", None)
+        if state is not None:
+            state.init_pending()  # values for what was created on meta and never loaded
     out: dict[str, torch.Tensor] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
         prefix = f"{mname}." if mname else ""
@@ -387,6 +391,7 @@ def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
             h = b.handle
             if not h.shape:
                 b.store.write(h, f.get_tensor(key).to(h.dtype).contiguous()).result()
+                b.has_value = True
                 continue
             per = max(1, _CHUNK // max(1, h.row_nbytes))
             futs = []
@@ -397,6 +402,7 @@ def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
                     futs.pop(0).result()
             for fu in futs:
                 fu.result()
+            b.has_value = True
         else:
             t.data.copy_(f.get_tensor(key))
 

@@ -135,7 +135,7 @@ def _unjson(value: Any, get: Callable[[str], torch.Tensor]) -> Any:
     return value
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Tensor]:
     """``state_dict(keep_vars=True)``, without materializing store-resident parameters.
 
     NOTE: an offloaded model's ``state_dict()`` reads every parameter from its store into
@@ -146,7 +146,7 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         return dict(model.state_dict(keep_vars=True))
     for m in model.modules():
         state = getattr(m, "_headroom_offload", None)
-        if state is not None:
+        if state is not None and fill:
             state.init_pending()  # values for what was created on meta and never loaded
     out: dict[str, torch.Tensor] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
@@ -368,7 +368,7 @@ def load(
 
 @torch.no_grad()
 def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
-    sd = _named_tensors(model)
+    sd = _named_tensors(model, fill=False)  # about to be written: no need to initialize
     if strict:
         missing = [k for k in sd if k not in names]
         unexpected = [k for k in names if k not in sd]

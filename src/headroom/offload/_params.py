@@ -25,7 +25,15 @@ from headroom.offload._residency import (
     _BlockRole,
     in_backward,
 )
-from headroom.transfer import DiskStore, Store, bind, binding, resolve_store, unbind
+from headroom.transfer import (
+    DiskStore,
+    Store,
+    bind,
+    binding,
+    resolve_store,
+    trim_heap,
+    unbind,
+)
 
 __all__ = ["describe", "offload", "unoffload"]
 
@@ -218,6 +226,8 @@ def offload(
             h.append(m.register_load_state_dict_pre_hook(
                 partial(Offload.load_state_dict_pre_hook, state)))
     _install_optimizer_hook()
+    if dev.type == "cpu":
+        trim_heap()  # the device copies were allocated once above, and freed
     object.__setattr__(model, _ATTR, state)
     # NOTE: after every other step succeeded: a failed offload leaves the classes alone.
     _guard.install(model, state)

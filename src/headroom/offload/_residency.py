@@ -38,7 +38,15 @@ from torch.utils._pytree import tree_flatten
 
 from headroom.memory import resize_storage
 from headroom.offload._meta import init_pending
-from headroom.transfer import Mover, ParamBinding, Store, StoreFullError, Ticket, grad_ready
+from headroom.transfer import (
+    HeapTrimmer,
+    Mover,
+    ParamBinding,
+    Store,
+    StoreFullError,
+    Ticket,
+    grad_ready,
+)
 
 __all__ = ["Offload", "Block", "Slot", "DeviceCopy", "in_backward"]
 
@@ -164,6 +172,9 @@ class Offload:
         self.device = device
         self.store = store
         self.mover = Mover(device, store)
+        # NOTE: on the CPU the device copies are host memory, freed and allocated again block
+        # after block; see headroom.transfer._heap for why that memory must be given back.
+        self._trimmer = HeapTrimmer() if device.type == "cpu" else None
         # NOTE: the mover is driven by the backward thread; `sync_grads` may also be called by
         # an optimizer's worker thread (HostOptimizer stepping a block during backward), so
         # every use of the mover holds this lock.
@@ -242,6 +253,8 @@ class Offload:
                 s.ticket = None
             resize_storage(s.dev, 0)
         block.resident = False
+        if self._trimmer is not None:
+            self._trimmer.freed(block.nbytes)
 
     def _check_master(self, s: Slot) -> None:
         h = s.binding.handle

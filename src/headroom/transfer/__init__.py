@@ -15,6 +15,7 @@ from headroom.transfer._binding import (
 )
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
+from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, RowStreamer, Ticket
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo
@@ -23,6 +24,7 @@ from headroom.transfer._store import Store, StoreFullError, is_accelerator, reso
 __all__ = [
     "DiskStore",
     "Handle",
+    "HeapTrimmer",
     "HostStore",
     "ListenerHandle",
     "Mover",
@@ -41,5 +43,6 @@ __all__ = [
     "on_grad_ready",
     "resolve_store",
     "sync_grad",
+    "trim_heap",
     "unbind",
 ]

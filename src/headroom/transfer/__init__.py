@@ -17,7 +17,13 @@ from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, RowStreamer, Ticket
-from headroom.transfer._store import Store, StoreFullError, is_accelerator, resolve_store
+from headroom.transfer._store import (
+    Store,
+    StoreCorruptError,
+    StoreFullError,
+    is_accelerator,
+    resolve_store,
+)
 
 __all__ = [
     "DiskStore",
@@ -29,6 +35,7 @@ __all__ = [
     "PinnedPool",
     "RowStreamer",
     "Store",
+    "StoreCorruptError",
     "StoreFullError",
     "Ticket",
     "bind",

@@ -66,8 +66,8 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
             part = fut.result()
             if part is None or c is None:
                 c = None
-            else:
-                c = part if k == 0 else combine(c, part, e - s)
+                continue
+            c = part if k == 0 else combine(c, part, e - s)
         out.append(c)
     return out
 
@@ -134,7 +134,8 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
         ledger.resolve(rid, "none")
 
     if verify:
-        known = [(k, s, t, c) for k, e in ledger.entries.items() if k not in lost
+        known = [(k, s, t, c) for k, e in ledger.entries.items()
+                 if k not in lost and k not in recreate
                  for s, t, c in e["segments"] if isinstance(c, int)]
         crcs = file_crcs([(str(path / ledger.entries[k]["file"]), s, t)
                           for k, s, t, _ in known], pool, page_cache)

@@ -20,7 +20,7 @@ import torch
 from headroom.transfer._handle import Handle
 from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger
 from headroom.transfer._recover import file_crcs, open_checks
-from headroom.transfer._segments import BAD, bad_in, combine, crc, within
+from headroom.transfer._segments import BAD, combine, crc, scan
 from headroom.transfer._store import Store, StoreCorruptError, StoreFullError, done
 
 __all__ = ["DiskStore"]
@@ -144,25 +144,28 @@ class _ReadCheck:
         order, so the segments then describe exactly the bytes this read finds.
         """
         segs = self.store._ledger.segments(self.key)
-        out = []
-        for _, off, length in self.extents:
-            bad = bad_in(segs, off, off + length)
-            if bad:
-                raise self.store._corrupt(self.key, bad[0][0], bad[0][1], (
-                    "these bytes are marked damaged (a torn or failed write, kept by"
-                    " recover=True); they read again once rewritten: write the whole tensor"
-                    " (hr.load(checkpoint, model, optimizer) does)"))
-            if self.verify:
-                out += [s for s in within(segs, off, off + length) if isinstance(s[2], int)]
-        return out
+        covered, bad = scan(segs, [(off, off + length) for _, off, length in self.extents])
+        if bad:
+            raise self.store._corrupt(self.key, bad[0][0], bad[0][1], (
+                "these bytes are marked damaged (a torn or failed write, kept by"
+                " recover=True); they read again once rewritten: write the whole tensor"
+                " (hr.load(checkpoint, model, optimizer) does)"))
+        return covered if self.verify else []
 
     def piece(self, mv: memoryview, extents: list[tuple[int, int, int]], covered: list) -> None:
+        """CRCs of this piece's share of each covered segment (both lists sorted by offset)."""
         found = []
+        k = 0
         for pos, off, length in extents:
-            for seg in covered:
-                a, b = max(seg[0], off), min(seg[1], off + length)
-                if a < b:
-                    found.append((tuple(seg), a, b, crc(mv[pos + a - off:pos + b - off])))
+            end = off + length
+            while k < len(covered) and covered[k][1] <= off:
+                k += 1
+            j = k
+            while j < len(covered) and covered[j][0] < end:
+                seg = covered[j]
+                a, b = max(seg[0], off), min(seg[1], end)
+                found.append((tuple(seg), a, b, crc(mv[pos + a - off:pos + b - off])))
+                j += 1
         with self.lock:
             self.parts += found
 

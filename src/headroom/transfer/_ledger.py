@@ -24,6 +24,7 @@ import json
 import os
 import re
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -87,7 +88,13 @@ def _acquire(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
-        except BlockingIOError:
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):  # a file system without flock
+                warnings.warn(
+                    f"DiskStore cannot lock {str(path)!r} ({e.strerror or e}); nothing stops a"
+                    " second store from opening the folder, so open it from one place only",
+                    UserWarning, stacklevel=4)
+                break
             raw = os.pread(fd, 32, 0).decode(errors="replace").strip()
             holder = int(raw) if raw.isdigit() else None
             if holder == os.getpid() and attempt == 0:
@@ -129,6 +136,7 @@ class Ledger:
         self._jfd = -1
         self._jbytes = 0
         self._index_bytes = 0
+        self._pid = os.getpid()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -399,7 +407,10 @@ class Ledger:
 
     def finish(self) -> None:
         """At garbage collection without `close`: every write has finished (the I/O jobs hold
-        the store), so the snapshot is clean; unknown segments stay unknown."""
+        the store), so the snapshot is clean; unknown segments stay unknown. Nothing in a
+        forked child: the folder belongs to the parent's store."""
+        if os.getpid() != self._pid:
+            return
         if self._jfd >= 0:
             with contextlib.suppress(OSError):
                 self.compact(clean=True)

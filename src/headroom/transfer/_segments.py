@@ -13,7 +13,8 @@ import threading
 
 import crc32c as _crc32c
 
-__all__ = ["BAD", "Segments", "combine", "crc", "zeros_crc"]
+__all__ = ["BAD", "Segments", "combine", "crc", "crc_of_range", "put", "scan", "within",
+           "zeros_crc"]
 
 BAD = "bad"
 Crc = int | str | None
@@ -161,9 +162,23 @@ def within(segs: Segments, start: int, end: int) -> list[list]:
     return out
 
 
-def bad_in(segs: Segments, start: int, end: int) -> list[list]:
-    """The bad segments overlapping ``[start, end)``."""
-    return [s for s in segs if s[2] == BAD and s[0] < end and s[1] > start]
+def scan(segs: Segments, ranges: list[tuple[int, int]]) -> tuple[list[list], list[list]]:
+    """For sorted, disjoint ``ranges``: the known segments lying entirely inside one of them,
+    and the bad segments overlapping any (one binary search per range)."""
+    starts = [s[0] for s in segs]
+    has_bad = any(s[2] == BAD for s in segs)
+    covered: list[list] = []
+    bad: list[list] = []
+    for a, b in ranges:
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(segs) and segs[i][0] < b:
+            s = segs[i]
+            if has_bad and s[2] == BAD and s[1] > a:
+                bad.append(s)
+            elif s[0] >= a and s[1] <= b and isinstance(s[2], int):
+                covered.append(s)
+            i += 1
+    return covered, bad
 
 
 def crc_of_range(segs: Segments, start: int, end: int) -> int | None:

@@ -71,6 +71,7 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 _PIECE_BYTES = 4 << 20  # reads of at least two of these are split across the I/O threads
+_CHECK_CHUNK = 1 << 20  # a checked read lands and is checksummed in chunks of this size
 
 
 def _split(extents: list[tuple[int, int, int]], threads: int) -> list[list[tuple[int, int, int]]]:
@@ -152,20 +153,40 @@ class _ReadCheck:
                 " (hr.load(checkpoint, model, optimizer) does)"))
         return covered if self.verify else []
 
-    def piece(self, mv: memoryview, extents: list[tuple[int, int, int]], covered: list) -> None:
-        """CRCs of this piece's share of each covered segment (both lists sorted by offset)."""
+    def read(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
+             covered: list) -> None:
+        """Read this piece's ``extents`` into ``mv`` with the CRCs of its share of each covered
+        segment (both lists sorted by file offset).
+
+        NOTE: in chunks, each checksummed right after it lands, while it is still in the CPU
+        cache, rather than a second pass over memory after the whole read.
+        """
         found = []
         k = 0
         for pos, off, length in extents:
             end = off + length
             while k < len(covered) and covered[k][1] <= off:
                 k += 1
+            shares = []
             j = k
             while j < len(covered) and covered[j][0] < end:
                 seg = covered[j]
-                a, b = max(seg[0], off), min(seg[1], end)
-                found.append((tuple(seg), a, b, crc(mv[pos + a - off:pos + b - off])))
+                shares.append([tuple(seg), max(seg[0], off), min(seg[1], end), 0])
                 j += 1
+            first = 0
+            for c0 in range(off, end, _CHECK_CHUNK):
+                c1 = min(c0 + _CHECK_CHUNK, end)
+                _pread_into(fd, mv[pos + c0 - off:pos + c1 - off], c0)
+                q = first
+                while q < len(shares) and shares[q][1] < c1:
+                    share = shares[q]
+                    a, b = max(share[1], c0), min(share[2], c1)
+                    if a < b:
+                        share[3] = crc(mv[pos + a - off:pos + b - off], share[3])
+                    if share[2] <= c1:
+                        first = q + 1
+                    q += 1
+            found += [tuple(share) for share in shares]
         with self.lock:
             self.parts += found
 
@@ -420,7 +441,7 @@ class DiskStore(Store):
 
     def _read_job(self, path: str, t: torch.Tensor, extents: list[tuple[int, int, int]],
                   check: _ReadCheck) -> torch.Tensor:
-        """Read ``extents`` (``(byte in t, byte in file, length)``) into ``t``, then checksum
+        """Read ``extents`` (``(byte in t, byte in file, length)``) into ``t``, checksumming
         this piece's share of the segments the read covers."""
         covered = check.covered()
         self._busy("read", 1)
@@ -429,13 +450,15 @@ class DiskStore(Store):
             mv = _view(t)
             fd = os.open(path, os.O_RDONLY)
             try:
-                for pos, offset, length in extents:
-                    _pread_into(fd, mv[pos:pos + length], offset)
+                if covered:
+                    check.read(fd, mv, extents, covered)
+                else:
+                    for pos, offset, length in extents:
+                        _pread_into(fd, mv[pos:pos + length], offset)
+                for _, offset, length in extents:
                     self._drop_cache(fd, offset, length, False)
             finally:
                 os.close(fd)
-            if covered:
-                check.piece(mv, extents, covered)
             n = sum(length for _, _, length in extents)
         finally:
             self._busy("read", -1, n)

@@ -7,7 +7,9 @@ locking and bookkeeping stay the same and only the checksum computation is left 
 ``verify_reads=True`` vs ``False``. Reopen: ``DiskStore(path, verify=True)`` (reads the whole
 store back) vs ``verify=False``, with the files' pages dropped from the page cache (cold) and
 kept (warm). Each on both the page cache (``page_cache=True``) and the disk itself
-(``page_cache=False``: writes fdatasync'd, reads after ``posix_fadvise(DONTNEED)``).
+(``page_cache=False``: writes fdatasync'd, reads after ``posix_fadvise(DONTNEED)``). Last, what
+it costs a training step: a model of Linear layers created on ``meta``, ``hr.offload`` into a
+DiskStore, SGD through ``hr.HostOptimizer`` (checksums on = CRC32C and ``verify_reads``).
 
     .venv/bin/python benchmarks/disk_checksums.py
 """
@@ -111,6 +113,38 @@ def one_run(folder: Path, srcs: list[torch.Tensor], *, on: bool, page_cache: boo
     return out
 
 
+def train_steps(folder: Path, *, on: bool, page_cache: bool, width: int, blocks: int,
+                steps: int, threads: int) -> float:
+    """Median seconds of an offloaded training step from a DiskStore (SGD, hr.HostOptimizer):
+    every parameter read twice, every gradient written, the step read and written in slices."""
+    import torch.nn as nn
+
+    import headroom as hr
+
+    _checksums(on)
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU())
+                                for _ in range(blocks)])
+    store = DiskStore(folder, threads=threads, page_cache=page_cache, verify_reads=on)
+    hr.offload(model, device="cpu", store=store, prefetch=2)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3)
+    x = torch.randn(64, width)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if i:  # the first step allocates gradient files
+            times.append(time.perf_counter() - t0)
+    opt.close()
+    hr.unoffload(model)
+    store.close()
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensor-mib", type=int, default=64)
@@ -118,6 +152,9 @@ def main() -> None:
     ap.add_argument("--slice-mib", type=int, default=16, help="row slice (HostOptimizer's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--width", type=int, default=2048, help="training: Linear width")
+    ap.add_argument("--blocks", type=int, default=16, help="training: Linear layers")
+    ap.add_argument("--steps", type=int, default=3, help="training: timed steps per run")
     ap.add_argument("--dir", default="/tmp/headroom-disk-checksums")
     ap.add_argument("--out", default="benchmarks/results/disk_checksums.json")
     args = ap.parse_args()
@@ -129,6 +166,7 @@ def main() -> None:
     srcs = [torch.randn(rows, cols, generator=g) for _ in range(args.tensors)]
     total = sum(x.numel() * 4 for x in srcs)
     folder = Path(args.dir)
+    load_start = os.getloadavg()
     runs: dict[str, dict[str, list[float]]] = {}
     for rep in range(args.repeats):
         for page_cache in (True, False):
@@ -138,10 +176,13 @@ def main() -> None:
                 key = f"{'cache' if page_cache else 'disk'}_{'on' if on else 'off'}"
                 res = one_run(folder, srcs, on=on, page_cache=page_cache,
                               slice_rows=slice_rows, threads=args.threads)
+                res["train_step"] = train_steps(
+                    folder, on=on, page_cache=page_cache, width=args.width, blocks=args.blocks,
+                    steps=args.steps, threads=args.threads)
                 for phase, sec in res.items():
                     runs.setdefault(key, {}).setdefault(phase, []).append(sec)
-                print(rep, key, {k: f"{total / v / 1e9:.2f} GB/s" for k, v in res.items()},
-                      flush=True)
+                print(rep, key, {k: f"{total / v / 1e9:.2f} GB/s" if k != "train_step" else
+                                 f"{v:.3f} s" for k, v in res.items()}, flush=True)
     _checksums(True)
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -150,6 +191,10 @@ def main() -> None:
         for phase in runs[f"{where}_on"]:
             on = statistics.median(runs[f"{where}_on"][phase])
             off = statistics.median(runs[f"{where}_off"][phase])
+            if phase == "train_step":
+                summary[f"{where}/{phase}"] = {"s_on": on, "s_off": off,
+                                               "time_on_over_off": on / off}
+                continue
             summary[f"{where}/{phase}"] = {
                 "GBps_on": total / on / 1e9, "GBps_off": total / off / 1e9,
                 "time_on_over_off": on / off,
@@ -162,6 +207,7 @@ def main() -> None:
         "headroom": headroom.__version__,
         "bytes": total,
         "cpu_count": os.cpu_count(),
+        "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "crc32c_GBps_one_thread": srcs[0].numel() * 4 / (time.perf_counter() - t0) / 1e9,
         "summary": summary,
@@ -170,6 +216,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for k, v in summary.items():
+        if "s_on" in v:
+            print(f"{k:22s} on {v['s_on']:6.3f} s     off {v['s_off']:6.3f} s   "
+                  f"  time on/off {v['time_on_over_off']:.3f}")
+            continue
         print(f"{k:22s} on {v['GBps_on']:6.2f} GB/s  off {v['GBps_off']:6.2f} GB/s"
               f"  time on/off {v['time_on_over_off']:.3f}")
 

@@ -293,20 +293,23 @@ def test_flipped_byte_is_caught_on_reopen_and_on_read(tmp_path):
     msg = str(info.value)
     assert info.value.keys == ("x",) and f.name in msg and "bytes 0-8192" in msg
     assert str(tmp_path / "s") in msg and "recover=True" in msg
-    s = DiskStore(tmp_path / "s", verify=False)  # opens; a whole read still checks
-    with pytest.raises(StoreCorruptError, match=r"'x'.*bytes 0-8192.*read CRC32C"):
-        _read(s, "x")
-    assert torch.equal(s.read_rows(s.get("x"), slice(40, 50)).result(), x[40:50])  # no cover
-    assert torch.equal(_read(s, "other"), torch.ones(3))
-    s.close()
-    s = DiskStore(tmp_path / "s", verify=False, verify_reads=False)
-    got = _read(s, "x")  # unchecked: the flipped bit comes through
+    # opens; reads check by default when every read comes from the disk (page_cache=False)
+    for kw in ({"page_cache": False}, {"verify_reads": True}):
+        s = DiskStore(tmp_path / "s", verify=False, **kw)
+        with pytest.raises(StoreCorruptError, match=r"'x'.*bytes 0-8192.*read CRC32C"):
+            _read(s, "x")
+        assert torch.equal(s.read_rows(s.get("x"), slice(40, 50)).result(), x[40:50])  # part
+        assert torch.equal(_read(s, "other"), torch.ones(3))
+        s.close()
+    s = DiskStore(tmp_path / "s", verify=False)  # page cache: reads unchecked by default
+    assert not s.verify_reads
+    got = _read(s, "x")  # the flipped bit comes through
     assert not torch.equal(got, x) and torch.equal(got.view(-1)[251:], x.view(-1)[251:])
     s.close()
 
 
 def test_split_and_row_reads_verify_their_segments(tmp_path):
-    s = DiskStore(tmp_path / "s", threads=4)
+    s = DiskStore(tmp_path / "s", threads=4, verify_reads=True)
     x = torch.randn(2100, 1024)  # 8.2 MiB: read as several pieces at once
     h = s.put("x", x)
     rows = torch.randn(100, 1024)
@@ -320,7 +323,7 @@ def test_split_and_row_reads_verify_their_segments(tmp_path):
     f = s.file_of(h)
     s.close()
     _flip(f, 1050 * 4096 + 7)  # inside the rows written as a slice
-    s = DiskStore(tmp_path / "s", threads=4, verify=False)
+    s = DiskStore(tmp_path / "s", threads=4, verify=False, verify_reads=True)
     h = s.get("x")
     with pytest.raises(StoreCorruptError, match=r"bytes 4096000-4505600"):
         s.read_rows(h, slice(990, 1110)).result()

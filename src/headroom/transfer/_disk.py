@@ -238,8 +238,12 @@ class DiskStore(Store):
             (reads the whole store once; ``False`` checks only the writes that were in flight
             when a previous process stopped).
         verify_reads: check the checksums of the byte ranges a read covers whole (whole-tensor
-            reads and the row slices that were written as such) before the read completes.
-            Costs a CRC32C pass over those bytes in the I/O threads.
+            reads, and row reads of slices that were written as such) before the read completes,
+            with a CRC32C pass over those bytes in the I/O threads. ``None`` (the default): on
+            with ``page_cache=False``, where every read comes from the disk and the check costs
+            little next to it; off with the page cache, where reads are mostly memory copies of
+            bytes checked when the store was opened or written by it, and checking them again
+            would cost about half again the read time. ``True`` checks every read anyway.
         recover: open a store whose tensors fail their checks anyway: the damaged byte ranges
             raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load`` of a
             checkpoint); the other tensors are usable as they are.
@@ -270,7 +274,7 @@ class DiskStore(Store):
         threads: int = 4,
         page_cache: bool = True,
         verify: bool = True,
-        verify_reads: bool = True,
+        verify_reads: bool | None = None,
         recover: bool = False,
         overwrite: bool = False,
     ) -> None:
@@ -286,7 +290,7 @@ class DiskStore(Store):
         self._pending: dict[str, Future] = {}
         self._unsynced: set[str] = set()
         self.page_cache = page_cache
-        self.verify_reads = verify_reads
+        self.verify_reads = (not page_cache) if verify_reads is None else verify_reads
         self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0,
                        "writes": 0, "write_busy_s": 0.0, "read_write_overlap_s": 0.0}
         self._active_reads = 0

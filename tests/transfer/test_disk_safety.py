@@ -405,6 +405,23 @@ def test_journal_replays_allocs_writes_and_frees_of_an_unclosed_store(tmp_path):
     del y
 
 
+def test_records_already_in_the_index_are_not_replayed_twice(tmp_path):
+    """Stopped between the index's rename and the journal's truncation: records repeat."""
+    s = DiskStore(tmp_path / "s")
+    h = s.put("x", torch.zeros(4))
+    s.free(s.put("tmp", torch.ones(2)))
+    s.write_rows(h, slice(1, 2), torch.ones(1)).result()
+    journal = (tmp_path / "s" / "journal.jsonl").read_bytes()
+    s.flush()
+    s.write_rows(h, slice(2, 3), torch.full((1,), 2.0)).result()
+    snap = _snapshot(s, tmp_path / "snap")
+    s.close()
+    (snap / "journal.jsonl").write_bytes(journal + (snap / "journal.jsonl").read_bytes())
+    t, _ = _open(snap)
+    assert t.keys() == ["x"] and torch.equal(_read(t, "x"), torch.tensor([0.0, 1.0, 2.0, 0.0]))
+    t.close()
+
+
 @pytest.mark.parametrize("reached", ["all", "none", "half"])
 def test_write_in_flight_at_a_kill_is_new_old_or_torn(tmp_path, monkeypatch, reached):
     s = DiskStore(tmp_path / "s", threads=2)

@@ -149,8 +149,8 @@ class _ReadCheck:
         if bad:
             raise self.store._corrupt(self.key, bad[0][0], bad[0][1], (
                 "these bytes are marked damaged (a torn or failed write, kept by"
-                " recover=True); they read again once rewritten: write the whole tensor"
-                " (hr.load(checkpoint, model, optimizer) does)"))
+                " recover=True); they read again once written again: write the tensor"
+                " (hr.load(checkpoint, model, optimizer) rewrites every parameter)"))
         return covered if self.verify else []
 
     def read(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],

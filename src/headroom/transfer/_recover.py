@@ -150,9 +150,10 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
         raise StoreCorruptError(
             f"DiskStore {str(path)!r}: {len(keys)} tensor(s) do not hold what the store wrote:"
             f" {text}. The folder was not changed. To continue from a checkpoint, open it with"
-            " DiskStore(path, recover=True) (the other tensors open as they are; these raise"
-            " StoreCorruptError on read until rewritten whole), then hr.load(checkpoint, model,"
-            " optimizer); or start over with DiskStore(path, overwrite=True)", str(path), keys)
+            " DiskStore(path, recover=True) (the other tensors open as they are; reading these"
+            " bytes raises StoreCorruptError until they are written again), then"
+            " hr.load(checkpoint, model, optimizer); or start over with DiskStore(path,"
+            " overwrite=True)", str(path), keys)
     for key in recreate:
         n = ledger.entries[key]["nbytes"]
         fd = os.open(path / ledger.entries[key]["file"], os.O_RDWR | os.O_CREAT, 0o644)

@@ -642,9 +642,12 @@ class DiskStore(Store):
         # each as an operation on its key, so it sees exactly the bytes written before it.
         futs = []
         for key in self.keys():
-            unknown = [(s, e) for s, e, c in self._ledger.segments(key) if c is None]
-            if unknown:
+            try:
+                unknown = [(s, e) for s, e, c in self._ledger.segments(key) if c is None]
                 path = os.path.join(self.path, self._ledger.entries[key]["file"])
+            except KeyError:
+                continue  # freed meanwhile by another thread
+            if unknown:
                 futs.append(self._submit_parts(key, [(self._fill_job, (key, path, unknown))],
                                                None))
         for fut in futs:

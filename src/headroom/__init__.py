@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "MemoryTracker": "headroom.memory",
     # transfer/
     "DiskStore": "headroom.transfer",
+    "StoreCorruptError": "headroom.transfer",
     # offload/
     "offload": "headroom.offload",
     "unoffload": "headroom.offload",

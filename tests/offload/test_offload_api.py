@@ -196,8 +196,12 @@ def test_disk_parameters_placeholders_and_reopen(tmp_path):
     assert {p.device.type for p in model.parameters()} == {"meta"}
     st = _state(model).store
     st.flush()
+    with pytest.raises(RuntimeError, match="already open in this process"):
+        DiskStore(tmp_path / "s")  # one live store per folder
+    st.close()
     again = DiskStore(tmp_path / "s")
     assert sorted(again.keys()) == sorted(st.keys())
+    again.close()
 
 
 def test_meta_model_is_initialized_module_by_module(tmp_path):
@@ -365,6 +369,7 @@ def test_disk_store_reopened_by_a_later_run_resumes(tmp_path):
     lm_loss(later, b).backward()  # gradients reuse the stored gradient files
     with pytest.raises(RuntimeError, match="belongs to another offloaded model"):
         _offload(Transformer(n=3), store)
+    store.close()  # one live store per folder
     with pytest.raises(ValueError, match="already holds"):
         _offload(Transformer(n=3, d=8), DiskStore(tmp_path / "w"))
 

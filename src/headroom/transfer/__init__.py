@@ -19,7 +19,13 @@ from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, RowStreamer, Ticket
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo
-from headroom.transfer._store import Store, StoreFullError, is_accelerator, resolve_store
+from headroom.transfer._store import (
+    Store,
+    StoreCorruptError,
+    StoreFullError,
+    is_accelerator,
+    resolve_store,
+)
 
 __all__ = [
     "DiskStore",
@@ -33,6 +39,7 @@ __all__ = [
     "RowStreamer",
     "SafetensorsFile",
     "Store",
+    "StoreCorruptError",
     "StoreFullError",
     "TensorInfo",
     "Ticket",

@@ -42,6 +42,7 @@ from headroom.memory._devices import (
     storage_of,
 )
 from headroom.memory._records import DeviceStats, Packed, Peak, StorageInfo, TimelineSample
+from headroom.memory._rss import RSSWatch
 
 _NCAT = len(CATEGORIES)
 _ORIG_STORAGE_RESIZE = torch.UntypedStorage.resize_
@@ -76,7 +77,10 @@ class _Mode(TorchDispatchMode):
             tracker._see_inputs(kwargs.values())
         out = func(*args, **(kwargs or {}))
         if func is _RESIZE_STORAGE_BYTES:
-            tracker._see(args[0], OTHER, check_size=True)
+            # NOTE: a parameter whose storage is refilled (an offloaded one coming back to the
+            # device) counts as a parameter even if the tracker first saw it being created.
+            cat = PARAMETERS if isinstance(args[0], nn.Parameter) else OTHER
+            tracker._see(args[0], cat, check_size=True)
         tracker._see_outputs(out)
         tracker._sample()
         return out
@@ -159,6 +163,7 @@ class MemoryTracker:
         self._op_start = 0
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
+        self._rss = RSSWatch()
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -180,6 +185,7 @@ class MemoryTracker:
             _active_where = f"{frame.filename}:{frame.lineno}"
         self._state = "active"
         self._t0 = time.perf_counter()
+        self._rss.begin(self._t0)
         try:
             self._install()
         except BaseException:
@@ -190,6 +196,7 @@ class MemoryTracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._sample(force=True)
         self._uninstall()
+        self._rss.finish()
 
     def _install(self) -> None:
         for model in self._models:
@@ -200,6 +207,10 @@ class MemoryTracker:
         self._handles.append(
             nn.modules.module.register_module_forward_hook(self._post_fw, always_call=True)
         )
+        # NOTE: a parameter created inside the region (a model built there, as in `headroom
+        # profile`) is first seen as a new tensor; registering it in a module says what it is.
+        self._handles.append(nn.modules.module.register_module_parameter_registration_hook(
+            lambda module, name, p: None if p is None else self._see_param(p, PARAMETERS)))
         self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
         tracker = self
@@ -635,6 +646,23 @@ class MemoryTracker:
         """Most bytes live at once, all tracked devices together."""
         self._check_used()
         return self._peak.value
+
+    @property
+    def rss(self) -> dict[str, int | None]:
+        """The process's resident memory in bytes over the region: ``start``, ``peak``, ``end``.
+
+        What the operating system charges the process (interpreter, libraries, memory the C
+        allocator keeps, anything outside PyTorch), beside the tracked tensors; ``None`` values
+        where it cannot be read. Available after the region ends.
+        """
+        self._check_used()
+        return {"start": self._rss.start, "peak": self._rss.peak, "end": self._rss.end}
+
+    @property
+    def rss_timeline(self) -> list[tuple[float, int]]:
+        """RSS samples ``(seconds since entry, bytes)``, a few milliseconds apart."""
+        self._check_used()
+        return list(self._rss.samples)
 
     @property
     def peak_by_category(self) -> dict[str, int]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from headroom.memory import annotate
 from headroom.transfer import Handle, Store
 
 __all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
@@ -132,6 +133,9 @@ class SliceRunner:
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             self._bufs[(name, parity)] = buf
+        # NOTE: the optimizer's own working memory, whatever the slice holds (a tracker would
+        # otherwise count it as parameters or gradients through the inner optimizer's hooks).
+        annotate(buf, "optimizer_state")
         return buf[:nbytes].view(handle.dtype).view(shape)
 
     def release_buffers(self) -> None:

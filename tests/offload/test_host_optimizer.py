@@ -293,6 +293,41 @@ def test_bf16_params_fp32_master_through_the_mover():
     assert all(torch.equal(m, e.master) for m, e in zip(master, opt._order, strict=True))
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_lands_gradient_copies_still_in_flight(set_to_none):
+    """On an accelerator a gradient's copy to the host is only queued when backward hands it
+    over; zero_grad must let it land first, or it lands afterwards, into the next sum.
+    Emulated on the CPU with a mover that lands copies only when synchronized."""
+    from headroom.transfer import Mover
+
+    class Deferred(Mover):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.queued = []
+
+        def push_grad(self, grad, b, *, accumulate):
+            b.has_grad = True
+            self.queued.append((grad.detach().clone(), b.grad_handle, accumulate))
+
+        def synchronize(self):
+            while self.queued:
+                self._land(*self.queued.pop(0))
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    fresh = copy.deepcopy(lin)
+    opt = hr.HostOptimizer(lin.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt._mover = Deferred("cpu", opt._host)
+    x1, x2 = (torch.randn(3, 8, generator=torch.Generator().manual_seed(s)).bfloat16()
+              for s in (1, 2))
+    lin(x1).float().square().sum().backward()  # a step that is skipped
+    opt.zero_grad(set_to_none=set_to_none)
+    lin(x2).float().square().sum().backward()
+    fresh(x2).float().square().sum().backward()  # the second backward alone
+    for p, q in zip(lin.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(opt.grad(p), q.grad.float())
+
+
 # ---------------------------------------------------------------------- bad input
 def test_mixed_devices_rejected():
     p = torch.nn.Parameter(torch.zeros(3))

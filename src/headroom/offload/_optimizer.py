@@ -814,6 +814,12 @@ class HostOptimizer(torch.optim.Optimizer):
                 `final_backward` and ``step()`` was not called.
         """
         self._wait()
+        if self._mover is not None:
+            # NOTE: gradient copies to the host may still be queued (an accelerator's side
+            # stream); they must land before the host gradients are cleared, or they would
+            # land afterwards, into the next iteration's sum.
+            with self._mover_lock:
+                self._mover.synchronize()
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "zero_grad() after some parameters already took this step inside "

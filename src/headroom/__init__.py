@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "save": "headroom.offload",
     "load": "headroom.offload",
     "load_weights": "headroom.offload",
+    "save_weights": "headroom.offload",
     # nn/
     "convert": "headroom.nn",
     # heads/

@@ -258,3 +258,49 @@ def test_loading_adds_only_a_small_window_of_memory(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     growth = got["peak"] - got["before"]
     assert growth < 0.3 * size, (growth, size)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_fine_tune_in_bf16_from_disk_and_save_back(name, tmp_path):
+    """The whole use case on small models: built on meta, loaded from save_pretrained's shards
+    into a DiskStore, fine-tuned in bf16 with HostOptimizer, saved back in shards that
+    from_pretrained reads, equal to the same fine-tuning done without headroom (fp32 masters by
+    hand)."""
+    _, path = _checkpoint(name, tmp_path)
+    cls = MODELS[name][1]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = cls.from_pretrained(path, dtype=torch.bfloat16).train()
+    with torch.device("meta"):  # as transformers builds a bf16 model (fp32 rotary buffers)
+        model = transformers.AutoModelForCausalLM.from_config(MODELS[name][0](),
+                                                              dtype=torch.bfloat16)
+    _offload(model, DiskStore(tmp_path / "weights", threads=2))
+    hr.load_weights(model, path)  # fp32 files into bf16 parameters
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                           state_store=DiskStore(tmp_path / "state", threads=2))
+    masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        for m in (ref, model):
+            torch.manual_seed(2)
+            m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for mst, p in zip(masters, ref.parameters(), strict=True):
+            mst.grad = p.grad.float()
+            p.grad = None
+        opt_ref.step()
+        opt_ref.zero_grad()
+        with torch.no_grad():
+            for mst, p in zip(masters, ref.parameters(), strict=True):
+                p.copy_(mst)
+    out = tmp_path / "finetuned"
+    files = hr.save_weights(model, out, max_shard_size="30KB")
+    assert len(files) > 2 and files[-1].name == "model.safetensors.index.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = cls.from_pretrained(out, dtype=torch.bfloat16)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

@@ -3,7 +3,10 @@
 from headroom.offload._checkpoint import load, save
 from headroom.offload._optimizer import HostOptimizer
 from headroom.offload._params import describe, offload, unoffload
-from headroom.offload._weights import load_weights
+from headroom.offload._weights import load_weights, save_weights
 
-__all__ = ["HostOptimizer", "describe", "load", "load_weights", "offload", "save", "unoffload"]
+__all__ = [
+    "HostOptimizer", "describe", "load", "load_weights", "offload", "save", "save_weights",
+    "unoffload",
+]
 

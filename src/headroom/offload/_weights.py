@@ -1,4 +1,4 @@
-"""`load_weights`: a model's parameters and buffers from safetensors, straight into their store.
+"""`load_weights` / `save_weights`: a model's tensors from and to safetensors, via its store.
 
 The checkpoint may be one file or a folder as ``save_pretrained`` writes it (``model.safetensors``,
 or shards with ``model.safetensors.index.json``). Each tensor is read a few megabytes of rows at
@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding
+from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
 
-__all__ = ["load_weights"]
+__all__ = ["load_weights", "save_weights"]
 
 _ATTR = "_headroom_offload"
 _INDEX = "model.safetensors.index.json"
@@ -254,3 +254,153 @@ def _stream(f: SafetensorsFile, info: TensorInfo, write: Callable) -> None:
     for p in pending:
         if p is not None:
             p.result()
+
+
+# ------------------------------------------------------------------------------ save_weights
+_CODES = {v: k for k, v in safetensors_dtypes().items()}
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _size(v: int | str) -> int:
+    if isinstance(v, int):
+        return v
+    s = v.strip().upper().replace(" ", "")
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * _UNITS[unit])
+    return int(s)
+
+
+def save_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> list[Path]:
+    """Write ``model``'s parameters and persistent buffers as safetensors, as
+    ``save_pretrained`` does: ``model.safetensors``, or shards with their
+    ``model.safetensors.index.json``, so ``from_pretrained`` (and `load_weights`) read them.
+
+    An offloaded model's parameters are streamed from its store a few megabytes at a time,
+    never gathered in memory. Tied parameters are written once, under their first name (their
+    module registration order: the embedding before an output head tied to it), as
+    ``save_pretrained`` does. A Hugging Face model's ``config`` (and generation config) is
+    written beside them. Each file is written under a temporary name and renamed when complete.
+
+    Args:
+        model: the model (offloaded or not); not during its forward or backward.
+        path: the folder to write into (created if missing).
+        max_shard_size: bytes per file (an int, or a string such as ``"5GB"``/``"500MiB"``).
+            A tensor larger than this gets a file of its own.
+        dtype: cast floating-point tensors to this dtype in the files (e.g. ``torch.bfloat16``);
+            by default each keeps its own.
+
+    Returns:
+        The files written (the index last, if any).
+
+    Raises:
+        RuntimeError: the model is in the middle of a forward or backward.
+        TypeError: a dtype safetensors cannot hold.
+
+    Example:
+        >>> hr.save_weights(model, "finetuned")                               # doctest: +SKIP
+        >>> AutoModelForCausalLM.from_pretrained("finetuned")                 # doctest: +SKIP
+    """
+    states = _offload_states(model)
+    for state in {id(s): s for s in states.values()}.values():
+        if state._bwd or state._root_running or state._active:
+            raise RuntimeError("save_weights during the model's forward or backward; call it"
+                               " between steps")
+        state.init_pending()  # values for what was created on meta and never loaded
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    items = []
+    for tgt in _targets(model):
+        t = tgt.tensor
+        if t.device.type == "meta" and binding(t) is None:
+            raise RuntimeError(f"{tgt.names[0]!r} is on the meta device and has no values;"
+                               " load or initialize it before saving")
+        to = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if to not in _CODES:
+            raise TypeError(f"cannot save {tgt.names[0]!r}: safetensors has no {to}")
+        items.append((tgt.names[0], tgt, to, t.numel() * to.itemsize))
+    limit = _size(max_shard_size)
+    shards: list[list] = [[]]
+    size = 0
+    for it in items:
+        if shards[-1] and size + it[3] > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it[3]
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else \
+        [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    written = []
+    for name, shard in zip(names, shards, strict=True):
+        _write_shard(out / name, shard)
+        written.append(out / name)
+    if n > 1:
+        index = {"metadata": {"total_size": sum(it[3] for it in items)},
+                 "weight_map": {it[0]: name for name, shard in zip(names, shards, strict=True)
+                                for it in shard}}
+        tmp = out / (_INDEX + ".tmp")
+        tmp.write_text(json.dumps(index, indent=2))
+        os.replace(tmp, out / _INDEX)
+        written.append(out / _INDEX)
+    for attr in ("config", "generation_config"):
+        cfg = getattr(model, attr, None)
+        if cfg is not None and callable(getattr(cfg, "save_pretrained", None)):
+            cfg.save_pretrained(out)
+    return written
+
+
+@torch.no_grad()
+def _write_shard(path: Path, shard: list) -> None:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tgt, to, nbytes in shard:
+        header[name] = {"dtype": _CODES[to], "shape": list(tgt.tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for _, tgt, to, _ in shard:
+            for chunk in _chunks(tgt.tensor, to):
+                f.write(memoryview(chunk.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _chunks(t: torch.Tensor, to: torch.dtype):
+    """``t``'s values in ``to``, a few megabytes of rows at a time, read from its store if it
+    rests in one."""
+    b = binding(t)
+    if b is not None:
+        host = b.store.host_tensor(b.handle)
+        h = b.handle
+        if host is None and h.shape:
+            per = max(1, _CHUNK // max(1, h.row_nbytes))
+            nxt = b.store.read_rows(h, slice(0, min(per, h.shape[0])))
+            for a in range(0, h.shape[0], per):
+                cur = nxt
+                stop = min(a + per, h.shape[0])
+                if stop < h.shape[0]:  # the next slice is read while this one is written
+                    nxt = b.store.read_rows(h, slice(stop, min(stop + per, h.shape[0])))
+                yield cur.result().to(to).contiguous()
+            return
+        t = host if host is not None else b.store.read(h).result()
+    t = t.detach()
+    if not t.dim():
+        yield t.to("cpu", to).reshape(1)
+        return
+    per = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
+    for a in range(0, t.shape[0], per):
+        yield t[a:a + per].to("cpu", to).contiguous()

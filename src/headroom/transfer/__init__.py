@@ -18,7 +18,7 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, RowStreamer, Ticket
-from headroom.transfer._safetensors import SafetensorsFile, TensorInfo
+from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
 from headroom.transfer._store import (
     Store,
     StoreCorruptError,
@@ -49,6 +49,7 @@ __all__ = [
     "grad_ready",
     "on_grad_ready",
     "resolve_store",
+    "safetensors_dtypes",
     "sync_grad",
     "trim_heap",
     "unbind",

@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "HostOptimizer": "headroom.offload",
     "save": "headroom.offload",
     "load": "headroom.offload",
+    "CheckpointCorruptError": "headroom.offload",
     # nn/
     "convert": "headroom.nn",
     # heads/

@@ -5,27 +5,43 @@ The file is a standard safetensors file: tensors named ``model/<state_dict key>`
 parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
 It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
 never gathered whole), to a temporary file next to ``path`` that replaces ``path`` only once it
-is complete and on disk: a crash mid-save leaves the previous checkpoint intact.
+is complete and on disk: a crash mid-save leaves the previous checkpoint intact, and the next
+save on the same host removes the temporary file the crashed process left.
+
+Integrity (format version 2): the JSON holds a CRC32C of every tensor's bytes as they lie in
+the file (``"crc32c"``), and one of the header itself (``"header_crc32c"``, computed with its
+own eight hex digits read as ``0``). The header comes before the data, so it is written first
+with placeholders of the same width and rewritten in place once the data is written. `load`
+checks the header before it parses it and every tensor before it uses it. Version 1 files
+(no checksums) still load, unverified.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
+import re
+import socket
+import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
+import crc32c
 import torch
 from torch import nn
 
 from headroom.offload._optimizer import HostOptimizer
 from headroom.transfer import Handle, Store, binding
 
-__all__ = ["load", "save"]
+__all__ = ["CheckpointCorruptError", "load", "save"]
 
 _FORMAT = "headroom-checkpoint"
-_VERSION = 1
+_VERSION = 2
 _CHUNK = 32 << 20
 _ALIGN = 8
 _DTYPES = {
@@ -33,6 +49,19 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+_CODES = {code: dtype for dtype, code in _DTYPES.items()}
+# NOTE: the header's own checksum is the first field of the headroom JSON, which is the first
+# value of the header, so its eight hex digits sit at a fixed offset: `load` checks the raw
+# header bytes before parsing them, and `save` fills the digits in without moving anything.
+_HEAD = b'{"__metadata__":{"headroom":"{\\"header_crc32c\\": \\"'
+_PLACEHOLDER = "00000000"
+# Bytes of checkpoint data that `load` verifies in full before it changes anything, as a
+# fraction of the available memory (the page cache then still holds them for the second read).
+_VERIFY_FIRST_FRACTION = 0.5
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is damaged: truncated, an unreadable header, or a checksum mismatch."""
 
 
 class _Item:
@@ -56,37 +85,149 @@ class _Item:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def write_to(self, f: BinaryIO) -> None:
+    def write_to(self, f: BinaryIO, sums: _Checksums) -> None:
         if self.tensor is not None:
             t = self.tensor.detach()
             if t.device.type != "cpu":
                 t = t.cpu()
-            _write_bytes(f, t.contiguous())
+            t = t.contiguous()
+            sums.add(self.name, t)
+            _write_bytes(f, t)
             return
         h = self.handle
         host = self.store.host_tensor(h)
         if host is not None:
-            _write_bytes(f, host.contiguous())
+            host = host.contiguous()
+            sums.add(self.name, host)
+            _write_bytes(f, host)
             return
         if not h.shape:
-            _write_bytes(f, self.store.read(h).result())
+            t = self.store.read(h).result()
+            sums.add(self.name, t)
+            _write_bytes(f, t)
             return
         per = max(1, _CHUNK // max(1, h.row_nbytes))
-        # NOTE: read slice i+1 while slice i is written: disk reads overlap file writes.
+        # NOTE: read slice i+1 while slice i is written: disk reads overlap file writes (and
+        # the checksum of slice i, on the checksum thread, overlaps its write too).
         nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
         for a in range(0, h.shape[0], per):
             cur = nxt
             b = min(a + per, h.shape[0])
             if b < h.shape[0]:
                 nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
-            _write_bytes(f, cur.result())
+            t = cur.result()
+            sums.add(self.name, t)
+            _write_bytes(f, t)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, as safetensors stores them (C order)."""
+    flat = t.detach().reshape(-1) if t.dim() else t.detach().reshape(1)
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
     if t.numel() == 0:
         return
-    flat = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-    f.write(memoryview(flat.numpy()))
+    f.write(_byte_view(t))
+
+
+class _Checksums:
+    """CRC32C of each tensor's bytes as written, computed on a helper thread.
+
+    NOTE: crc32c releases the GIL, so the checksum of a chunk runs on the second core while the
+    main thread writes the same chunk; one worker keeps each tensor's chunks in order (the CRC
+    of chunk i+1 continues from that of chunk i).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.values: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-crc") if enabled else None
+        self._pending: deque[Future] = deque()
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Extend ``name``'s checksum by ``t``'s bytes (``t`` must stay unchanged until done)."""
+        self.values.setdefault(name, 0)
+        if self._pool is None or t.numel() == 0:
+            return
+
+        def run() -> None:
+            self.values[name] = crc32c.crc32c(_byte_view(t), value=self.values[name])
+
+        self._pending.append(self._pool.submit(run))
+        # NOTE: bounded, so streamed slices are not kept alive faster than they are summed.
+        while len(self._pending) > 2:
+            self._pending.popleft().result()
+
+    def finish(self) -> dict[str, int]:
+        """Wait for all checksums; the CRC32C of every tensor seen, by name."""
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self.close()
+        return self.values
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+# ------------------------------------------------------------------------- temporary files
+_HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+_OURS: set[str] = set()  # tokens of this process's saves in progress
+_OURS_LOCK = threading.Lock()
+
+
+def _tmp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":  # pragma: no cover - no cheap liveness check: keep every file
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_stale_temps(path: str) -> list[str]:
+    """Remove temporary files of ``path`` left by dead processes of this host; return them.
+
+    A temporary file is named ``.<name>.tmp-<host>-<pid>-<token>``. It is stale when its host
+    is this one and its process is gone (or, for this process's own pid, when it is not one of
+    this process's saves in progress: a process before it had the same pid, as in containers).
+    Files of other hosts (a shared file system) and of live processes are never touched.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _tmp_prefix(path)
+    removed = []
+    try:
+        entries = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in entries:
+        parts = name[len(prefix):].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+            continue
+        pid, token = int(parts[1]), parts[2]
+        if pid == os.getpid():
+            with _OURS_LOCK:
+                stale = token not in _OURS
+        else:
+            stale = not _pid_alive(pid)
+        if stale:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:  # gone already, or not ours to remove
+                pass
+    return removed
 
 
 def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
@@ -214,6 +355,28 @@ def _optimizer_items(
     return items, meta
 
 
+def _header(meta: dict[str, Any], items: list[_Item]) -> bytes:
+    """The safetensors header: its JSON, padded with spaces to a multiple of 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": {"headroom": json.dumps(meta)}}
+    offset = 0
+    for it in items:
+        if it.name in header:
+            raise ValueError(f"duplicate tensor name {it.name!r} in checkpoint")
+        header[it.name] = {"dtype": _DTYPES[it.dtype], "shape": list(it.shape),
+                           "data_offsets": [offset, offset + it.nbytes]}
+        offset += it.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % _ALIGN)
+
+
+def _header_crc(blob: bytes) -> int:
+    """CRC32C of a version-2 header, its own checksum digits read as ``0``."""
+    n = len(_HEAD)
+    value = crc32c.crc32c(blob[:n])
+    value = crc32c.crc32c(_PLACEHOLDER.encode(), value=value)
+    return crc32c.crc32c(blob[n + len(_PLACEHOLDER):], value=value)
+
+
 def save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -221,11 +384,16 @@ def save(
     *,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``) to one safetensors file, atomically.
+    """Save ``model`` (and ``optimizer``) to one checksummed safetensors file, atomically.
 
     Parameters and optimizer state that rest on disk are streamed into the file slice by
-    slice. The file replaces ``path`` only when complete and synced: a crash mid-save leaves
-    the old checkpoint intact.
+    slice. Every tensor's CRC32C (of its bytes as written) and one of the header go into the
+    header, computed on a second thread while the data is written. The file is written under
+    a temporary name next to ``path`` (``.<name>.tmp-<host>-<pid>-<token>``) and replaces
+    ``path`` only when complete and synced: a crash mid-save leaves the old checkpoint intact.
+    A ``kill -9`` leaves the temporary file behind; the next `save` to ``path`` from the same
+    host removes the temporary files of ``path`` whose process is gone (never one of a live
+    process, nor one from another host, which it cannot check).
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
@@ -243,41 +411,68 @@ def save(
     Example:
         >>> hr.save("ckpt.safetensors", model, opt, extra={"step": 100})   # doctest: +SKIP
     """
+    _save(path, model, optimizer, extra=extra, checksums=True)
+
+
+def _save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra: Mapping[str, Any] | None,
+    checksums: bool,
+) -> None:
+    """`save`; ``checksums=False`` writes a version 1 file (no checksums), as before them."""
     path = os.fspath(path)
     json_tensors: list[_Item] = []
     items, names = _model_items(model)
-    meta: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "model": names}
+    meta: dict[str, Any] = {}
+    if checksums:
+        meta["header_crc32c"] = _PLACEHOLDER
+    meta.update({"format": _FORMAT, "version": _VERSION if checksums else 1, "model": names})
     if optimizer is not None:
         opt_items, meta["optimizer"] = _optimizer_items(optimizer, model, json_tensors)
         items += opt_items
     meta["extra"] = _jsonable(dict(extra or {}), "extra", json_tensors)
     items += json_tensors
-    header: dict[str, Any] = {"__metadata__": {"headroom": json.dumps(meta)}}
-    offset = 0
-    for it in items:
-        if it.name in header:
-            raise ValueError(f"duplicate tensor name {it.name!r} in checkpoint")
-        header[it.name] = {"dtype": _DTYPES[it.dtype], "shape": list(it.shape),
-                           "data_offsets": [offset, offset + it.nbytes]}
-        offset += it.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % _ALIGN)
+    if checksums:
+        meta["crc32c"] = {it.name: _PLACEHOLDER for it in items}
+    blob = _header(meta, items)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    # NOTE: before writing, so the space they hold is free for this save.
+    _remove_stale_temps(path)
+    token = os.urandom(4).hex()
+    tmp = os.path.join(directory, f"{_tmp_prefix(path)}{_HOST}-{os.getpid()}-{token}")
+    with _OURS_LOCK:
+        _OURS.add(token)
+    sums = _Checksums(checksums)
     try:
         with open(tmp, "wb") as f:
             f.write(len(blob).to_bytes(8, "little"))
             f.write(blob)
             for it in items:
-                it.write_to(f)
+                it.write_to(f, sums)
+            crcs = sums.finish()
+            if checksums:
+                meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
+                final = _header(meta, items)
+                assert len(final) == len(blob) and final.startswith(_HEAD)
+                n = len(_HEAD)
+                final = final[:n] + f"{_header_crc(final):08x}".encode() + final[n + 8:]
+                f.seek(8)
+                f.write(final)
             f.flush()
             os.fsync(f.fileno())
         # NOTE: os.replace is atomic on POSIX and Windows: readers see the old file or the new.
         os.replace(tmp, path)
     except BaseException:
+        sums.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        with _OURS_LOCK:
+            _OURS.discard(token)
     try:
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -286,6 +481,215 @@ def save(
             os.close(fd)
     except OSError:  # pragma: no cover - directories cannot be fsynced on some systems
         pass
+
+
+class _Reader:
+    """A checkpoint file, checked and memory-mapped: its metadata and its tensors by name.
+
+    Everything that can be checked without reading the data is checked on opening (length,
+    header checksum, JSON, tensor table), so such damage is reported before `load` changes
+    anything. Tensors are zero-copy views of a private mapping of the file, checked against
+    their CRC32C the first time they are asked for (or all at once by `verify_all`).
+    """
+
+    def __init__(self, path: str, *, verify: bool) -> None:
+        self.path = path
+        self.changed = False  # whether `load` has written anything yet (for error messages)
+        self._mm: mmap.mmap | None = None
+        self._mv: memoryview | None = None
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                self._corrupt(f"it is {size} bytes long, too short for a safetensors header",
+                              truncated=True)
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                self._corrupt(f"its header should be {n} bytes but only {size - 8} follow",
+                              truncated=True)
+            raw = f.read(n)
+            checked = raw.startswith(_HEAD)
+            if checked:
+                digits = raw[len(_HEAD):len(_HEAD) + 8]
+                if not re.fullmatch(rb"[0-9a-f]{8}", digits) or int(digits, 16) != _header_crc(
+                        raw):
+                    self._corrupt("its header (tensor table and metadata) does not match its "
+                                  "checksum")
+            self.meta, self.entries, data = self._parse(raw)
+            self.version = self.meta.get("version", 0)
+            if self.version >= 2 and not checked:
+                self._corrupt("its header does not start with its checksum, as version "
+                              f"{self.version} headers do")
+            self.offset = 8 + n
+            if size < self.offset + data:
+                self._corrupt(f"it is {size} bytes long but its header describes "
+                              f"{self.offset + data}", truncated=True)
+            if size > self.offset + data:
+                self._corrupt(f"it has {size - self.offset - data} bytes after the last tensor")
+            self.crcs: dict[str, int] = {}
+            if verify and self.version >= 2:
+                self.crcs = self._checksums()
+            self.data_bytes = data
+            if data:
+                # NOTE: a private (copy-on-write) mapping, so the views handed out are writable
+                # tensors without a copy, and the file itself can never be changed through them.
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._mv = memoryview(self._mm)
+        self._verified: set[str] = set()
+
+    def _corrupt(self, what: str, *, truncated: bool = False) -> None:
+        cause = ("the file is truncated (a copy or download cut short, or a full disk)"
+                 if truncated else "the file is damaged (a disk, copy or transfer error)")
+        raise CheckpointCorruptError(
+            f"checkpoint {self.path!r} is corrupt: {what}; {cause}. hr.load changed nothing. "
+            "Load an earlier checkpoint, or copy this one again from its source"
+        )
+
+    def _parse(self, raw: bytes) -> tuple[dict[str, Any], dict[str, tuple], int]:
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._corrupt(f"its header is not valid JSON ({e})")
+        if not isinstance(header, dict):
+            self._corrupt("its header is not a JSON object")
+        md = header.pop("__metadata__", None)
+        raw_meta = md.get("headroom") if isinstance(md, dict) else None
+        if raw_meta is None:
+            raise ValueError(f"{self.path!r} is a safetensors file but not a headroom checkpoint")
+        try:
+            meta = json.loads(raw_meta)
+        except (TypeError, json.JSONDecodeError) as e:
+            self._corrupt(f"its headroom metadata is not valid JSON ({e})")
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+            raise ValueError(f"{self.path!r}: unsupported checkpoint format "
+                             f"{meta.get('format') if isinstance(meta, dict) else None!r}")
+        version = meta.get("version")
+        if not isinstance(version, int) or version > _VERSION:
+            raise ValueError(f"{self.path!r}: checkpoint format version {version!r} is newer than "
+                             f"this headroom reads ({_VERSION}); upgrade headroom")
+        entries: dict[str, tuple] = {}
+        spans = []
+        for name, info in header.items():
+            try:
+                dtype = _CODES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                start, stop = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                self._corrupt(f"its header's entry for tensor {name!r} is malformed")
+            if min(shape, default=0) < 0 or stop - start != math.prod(shape) * dtype.itemsize:
+                self._corrupt(f"tensor {name!r}'s shape and byte range disagree")
+            entries[name] = (dtype, shape, start, stop)
+            spans.append((start, stop))
+        spans.sort()
+        end = 0
+        for start, stop in spans:
+            if start != end:
+                self._corrupt("its tensors' byte ranges overlap or leave gaps")
+            end = stop
+        return meta, entries, end
+
+    def _checksums(self) -> dict[str, int]:
+        table = self.meta.get("crc32c")
+        if not isinstance(table, dict):
+            self._corrupt("its metadata lacks the tensor checksums")
+        crcs = {}
+        for name in self.entries:
+            value = table.get(name)
+            if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8}", value):
+                self._corrupt(f"its metadata lacks a checksum for tensor {name!r}")
+            crcs[name] = int(value, 16)
+        return crcs
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple:
+        try:
+            return self.entries[name]
+        except KeyError:
+            self._corrupt(f"its metadata refers to tensor {name!r}, which it does not hold")
+
+    def verify(self, name: str) -> None:
+        """Check ``name``'s bytes against their CRC32C (once), or raise naming the fix."""
+        if name in self._verified or name not in self.crcs:
+            return
+        _, _, start, stop = self._entry(name)
+        got = 0
+        if stop > start:
+            got = crc32c.crc32c(self._mv[self.offset + start:self.offset + stop])
+        if got != self.crcs[name]:
+            state = (
+                "hr.load had already loaded the tensors stored before it (model first, then "
+                "optimizer state), not it nor those after: the model (and optimizer) now mix old "
+                "and new values, so load an intact checkpoint before training on"
+                if self.changed else "hr.load changed nothing"
+            )
+            raise CheckpointCorruptError(
+                f"checkpoint {self.path!r} is corrupt: tensor {name!r} (file bytes "
+                f"{self.offset + start}-{self.offset + stop}) has CRC32C {got:08x}, its header "
+                f"recorded {self.crcs[name]:08x}; the file is damaged (a disk, copy or transfer "
+                f"error). {state}. Load an earlier checkpoint, or copy this one again from its "
+                "source"
+            )
+        self._verified.add(name)
+
+    def verify_all(self) -> None:
+        for name in self.entries:
+            self.verify(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """``name`` as a view of the mapped file (verified first); clone what must outlive it."""
+        dtype, shape, start, stop = self._entry(name)
+        self.verify(name)
+        if stop == start:
+            return torch.empty(shape, dtype=dtype)
+        n = (stop - start) // dtype.itemsize
+        flat = torch.frombuffer(self._mm, dtype=dtype, count=n, offset=self.offset + start)
+        return flat.view(shape)
+
+    def close(self) -> None:
+        if self._mv is not None:
+            self._mv.release()
+            self._mv = None
+        if self._mm is not None:
+            # NOTE: a view still alive somewhere keeps the mapping; it goes when that does.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to this process without swapping (0 when unknown)."""
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            avail = 0
+    try:  # a cgroup (v2) memory limit, as in containers
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read())
+            avail = min(avail, max(0, int(limit) - used)) if avail else max(0, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
 
 
 class _LazyState(Mapping):
@@ -320,8 +724,21 @@ def load(
     """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in place.
 
     Parameters resting in a store are written into their store; tensors are read from the
-    file one at a time (memory-mapped), so a checkpoint larger than RAM loads into an
+    file memory-mapped, one at a time, so a checkpoint larger than RAM loads into an
     offloaded model and a disk-state optimizer.
+
+    Every tensor is checked against the CRC32C `save` recorded, and the header against its
+    own, so a damaged file raises `CheckpointCorruptError` and never loads silently. What a
+    failed load leaves: the header, the file's length and the layout (keys, shapes, optimizer
+    class) are checked before anything changes. When the file's data fits in half the
+    available memory (the usual case), every tensor is verified before the first is loaded,
+    so a corrupt file leaves ``model`` and ``optimizer`` exactly as they were; the verified
+    bytes stay in the page cache for the load itself, so this costs no second disk read. A
+    bigger file is verified tensor by tensor, each in full before it is loaded: a corrupt
+    tensor stops the load there, with the tensors stored before it (model first, then
+    optimizer state) loaded and it and the rest untouched; the error says so, and the model
+    must then be loaded from an intact checkpoint before training goes on. Version 1 files
+    (saved before checksums) load unverified; `save` them again to add checksums.
 
     Args:
         path: the file `save` wrote.
@@ -333,36 +750,49 @@ def load(
         The ``extra`` values given to `save`.
 
     Raises:
-        ValueError: not a headroom checkpoint; keys, shapes or optimizer layout differ.
+        CheckpointCorruptError: (a ``ValueError``) the file is truncated, its header or
+            metadata is unreadable, or a tensor or the header does not match its checksum;
+            the message names the file, the tensor and what is left loaded.
+        ValueError: not a headroom checkpoint; keys, shapes or optimizer layout differ
+            (nothing is changed).
         FileNotFoundError: no file at ``path``.
 
     Example:
         >>> extra = hr.load("ckpt.safetensors", model, opt)   # doctest: +SKIP
     """
-    from safetensors import safe_open
+    return _load(path, model, optimizer, strict=strict, verify=True)
 
-    path = os.fspath(path)
-    with safe_open(path, framework="pt") as f:
-        raw = (f.metadata() or {}).get("headroom")
-        if raw is None:
-            raise ValueError(f"{path!r} is a safetensors file but not a headroom checkpoint")
-        meta = json.loads(raw)
-        if meta.get("format") != _FORMAT or meta.get("version", 0) > _VERSION:
-            raise ValueError(f"{path!r}: unsupported checkpoint format {meta.get('format')!r} "
-                             f"version {meta.get('version')!r}")
-        _load_model(f, model, meta["model"], strict)
+
+def _load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    strict: bool,
+    verify: bool,
+) -> dict[str, Any]:
+    """`load`; ``verify=False`` skips the checksums (to measure what they cost)."""
+    with _Reader(os.fspath(path), verify=verify) as r:
+        meta = r.meta
+        sd = _named_tensors(model)
+        _check_model(r, sd, meta["model"], strict)
         if optimizer is not None:
             if "optimizer" not in meta:
-                raise ValueError(f"{path!r} holds no optimizer state (saved without optimizer)")
-            _load_optimizer(f, optimizer, meta["optimizer"])
+                raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
+            _check_optimizer(optimizer, meta["optimizer"])
+        if r.crcs and r.data_bytes <= _VERIFY_FIRST_FRACTION * _available_memory():
+            r.verify_all()
+        get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
+        extra = _unjson(meta.get("extra", {}), get)
+        _load_model(r, sd, meta["model"])
+        if optimizer is not None:
+            _load_optimizer(r, optimizer, meta["optimizer"], get)
             if isinstance(optimizer, HostOptimizer):
                 optimizer.reload_params()
-        return _unjson(meta.get("extra", {}), f.get_tensor)
+        return extra
 
 
-@torch.no_grad()
-def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
-    sd = _named_tensors(model)
+def _check_model(r: _Reader, sd: dict[str, torch.Tensor], names: list[str], strict: bool) -> None:
     if strict:
         missing = [k for k in sd if k not in names]
         unexpected = [k for k in names if k not in sd]
@@ -374,32 +804,40 @@ def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
     for name, t in sd.items():
         if name not in names:
             continue
-        key = f"model/{name}"
-        sl = f.get_slice(key)
-        shape = tuple(sl.get_shape())
+        shape = r.shape(f"model/{name}")
         if shape != tuple(t.shape):
             raise ValueError(f"shape mismatch for {name!r}: checkpoint {shape}, model "
                              f"{tuple(t.shape)}")
+
+
+@torch.no_grad()
+def _load_model(r: _Reader, sd: dict[str, torch.Tensor], names: list[str]) -> None:
+    for name, t in sd.items():
+        if name not in names:
+            continue
+        src = r.tensor(f"model/{name}")
+        r.changed = True
         b = binding(t)
-        if b is not None:
-            h = b.handle
-            if not h.shape:
-                b.store.write(h, f.get_tensor(key).to(h.dtype).contiguous()).result()
-                continue
-            per = max(1, _CHUNK // max(1, h.row_nbytes))
-            futs = []
-            for a in range(0, h.shape[0], per):
-                part = sl[a:min(a + per, h.shape[0])].to(h.dtype).contiguous()
-                futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
-                if len(futs) > 2:
-                    futs.pop(0).result()
-            for fu in futs:
-                fu.result()
-        else:
-            t.data.copy_(f.get_tensor(key))
+        if b is None:
+            t.data.copy_(src)
+            continue
+        h = b.handle
+        if not h.shape:
+            b.store.write(h, src.to(h.dtype).contiguous()).result()
+            continue
+        per = max(1, _CHUNK // max(1, h.row_nbytes))
+        futs: deque[Future] = deque()
+        for a in range(0, h.shape[0], per):
+            # NOTE: slices of the mapped file go to the store without a copy.
+            part = src[a:a + per].to(h.dtype).contiguous()
+            futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
+            if len(futs) > 2:
+                futs.popleft().result()
+        for fu in futs:
+            fu.result()
 
 
-def _load_optimizer(f, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
     is_host = isinstance(optimizer, HostOptimizer)
     cls_name = optimizer._cls.__name__ if is_host else type(optimizer).__name__
     saved_cls = meta.get("inner_class", meta["class"])
@@ -413,20 +851,24 @@ def _load_optimizer(f, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -
         if list(p.shape) != info["shape"]:
             raise ValueError(f"optimizer parameter {i} ({info.get('name')}): checkpoint shape "
                              f"{info['shape']}, parameter {list(p.shape)}")
-    keys = set(f.keys())
+
+
+def _load_optimizer(r: _Reader, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                    get: Callable[[str], torch.Tensor]) -> None:
+    keys = r.names()
     groups = []
     for g in meta["groups"]:
-        hp = _unjson(g["hparams"], f.get_tensor)
+        hp = _unjson(g["hparams"], get)
         groups.append({**hp, "params": g["params"]})
     state: dict[int, Any] = {}
     for idx, sm in meta["small"].items():
         prefix = f"optimizer/{idx}/"
         tkeys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
-        small = {k: _unjson(v, f.get_tensor) for k, v in sm.items()}
-        # NOTE: clone: the optimizer keeps these tensors, and they must own their memory rather
-        # than point into the file's mapping, which closes with the file.
-        state[int(idx)] = _LazyState(
-            tkeys, small, lambda k, prefix=prefix: f.get_tensor(prefix + k).clone())
-    if not is_host:
+        small = {k: _unjson(v, get) for k, v in sm.items()}
+        # NOTE: clone (in `get`): the optimizer keeps these tensors, and they must own their
+        # memory rather than point into the file's mapping, which closes with the file.
+        state[int(idx)] = _LazyState(tkeys, small, lambda k, prefix=prefix: get(prefix + k))
+    if not isinstance(optimizer, HostOptimizer):
         state = {i: dict(st) for i, st in state.items()}
+    r.changed = True
     optimizer.load_state_dict({"state": state, "param_groups": groups})

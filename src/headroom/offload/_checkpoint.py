@@ -55,9 +55,6 @@ _CODES = {code: dtype for dtype, code in _DTYPES.items()}
 # header bytes before parsing them, and `save` fills the digits in without moving anything.
 _HEAD = b'{"__metadata__":{"headroom":"{\\"header_crc32c\\": \\"'
 _PLACEHOLDER = "00000000"
-# Bytes of checkpoint data that `load` verifies in full before it changes anything, as a
-# fraction of the available memory (the page cache then still holds them for the second read).
-_VERIFY_FIRST_FRACTION = 0.5
 
 
 class CheckpointCorruptError(ValueError):
@@ -87,23 +84,21 @@ class _Item:
 
     def write_to(self, f: BinaryIO, sums: _Checksums) -> None:
         if self.tensor is not None:
-            t = self.tensor.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.contiguous()
-            sums.add(self.name, t)
+            src = self.tensor.detach()
+            t = src.cpu().contiguous()
+            sums.add(self.name, t, temporary=t.data_ptr() != src.data_ptr())
             _write_bytes(f, t)
             return
         h = self.handle
         host = self.store.host_tensor(h)
         if host is not None:
-            host = host.contiguous()
-            sums.add(self.name, host)
-            _write_bytes(f, host)
+            t = host.contiguous()
+            sums.add(self.name, t, temporary=t.data_ptr() != host.data_ptr())
+            _write_bytes(f, t)
             return
         if not h.shape:
             t = self.store.read(h).result()
-            sums.add(self.name, t)
+            sums.add(self.name, t, temporary=True)
             _write_bytes(f, t)
             return
         per = max(1, _CHUNK // max(1, h.row_nbytes))
@@ -116,7 +111,7 @@ class _Item:
             if b < h.shape[0]:
                 nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
             t = cur.result()
-            sums.add(self.name, t)
+            sums.add(self.name, t, temporary=True)
             _write_bytes(f, t)
 
 
@@ -135,32 +130,55 @@ def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
 class _Checksums:
     """CRC32C of each tensor's bytes as written, computed on a helper thread.
 
-    NOTE: crc32c releases the GIL, so the checksum of a chunk runs on the second core while the
-    main thread writes the same chunk; one worker keeps each tensor's chunks in order (the CRC
-    of chunk i+1 continues from that of chunk i).
+    NOTE: crc32c releases the GIL. Buffers made for this save (slices streamed from a store,
+    copies from an accelerator) are checksummed on the helper thread while the main thread
+    writes them; the model's own tensors, which stay alive anyway, are checksummed by `finish`
+    while the main thread waits for the data's fsync, when the CPU has nothing else to do.
+    One worker keeps each tensor's chunks in order (chunk i+1's CRC continues from chunk i's).
     """
 
     def __init__(self, enabled: bool) -> None:
         self.values: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-crc") if enabled else None
         self._pending: deque[Future] = deque()
+        self._temporary: deque[Future] = deque()
+        self._later: list[tuple[str, torch.Tensor]] = []
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        """Extend ``name``'s checksum by ``t``'s bytes (``t`` must stay unchanged until done)."""
+    def add(self, name: str, t: torch.Tensor, *, temporary: bool) -> None:
+        """Extend ``name``'s checksum by ``t``'s bytes (``t`` must stay unchanged until done).
+
+        ``temporary``: ``t`` is a buffer made for this save, freed once written.
+        """
         self.values.setdefault(name, 0)
         if self._pool is None or t.numel() == 0:
             return
+        if not temporary:
+            self._later.append((name, t))
+            return
+        fut = self._submit(name, t)
+        self._temporary.append(fut)
+        # NOTE: bounded, so streamed slices are not kept alive faster than they are summed.
+        while len(self._temporary) > 2:
+            self._temporary.popleft().result()
 
+    def _submit(self, name: str, t: torch.Tensor) -> Future:
         def run() -> None:
             self.values[name] = crc32c.crc32c(_byte_view(t), value=self.values[name])
 
-        self._pending.append(self._pool.submit(run))
-        # NOTE: bounded, so streamed slices are not kept alive faster than they are summed.
-        while len(self._pending) > 2:
-            self._pending.popleft().result()
+        fut = self._pool.submit(run)
+        self._pending.append(fut)
+        return fut
+
+    def start(self) -> None:
+        """Start the checksums of the model's own tensors (call before waiting on the disk)."""
+        if self._pool is not None:
+            for name, t in self._later:
+                self._submit(name, t)
+        self._later = []
 
     def finish(self) -> dict[str, int]:
         """Wait for all checksums; the CRC32C of every tensor seen, by name."""
+        self.start()
         try:
             while self._pending:
                 self._pending.popleft().result()
@@ -369,6 +387,9 @@ def _header(meta: dict[str, Any], items: list[_Item]) -> bytes:
     return blob + b" " * (-len(blob) % _ALIGN)
 
 
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
 def _header_crc(blob: bytes) -> int:
     """CRC32C of a version-2 header, its own checksum digits read as ``0``."""
     n = len(_HEAD)
@@ -452,6 +473,12 @@ def _save(
             f.write(blob)
             for it in items:
                 it.write_to(f, sums)
+            if checksums:
+                f.flush()
+                # NOTE: the data goes to the disk while the checksums are computed; the header
+                # rewritten below then costs one more sync of a single page.
+                sums.start()
+                os.fsync(f.fileno())
             crcs = sums.finish()
             if checksums:
                 meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
@@ -462,7 +489,10 @@ def _save(
                 f.seek(8)
                 f.write(final)
             f.flush()
-            os.fsync(f.fileno())
+            if checksums:
+                _fdatasync(f.fileno())  # one page changed since the fsync above
+            else:
+                os.fsync(f.fileno())
         # NOTE: os.replace is atomic on POSIX and Windows: readers see the old file or the new.
         os.replace(tmp, path)
     except BaseException:
@@ -489,7 +519,7 @@ class _Reader:
     Everything that can be checked without reading the data is checked on opening (length,
     header checksum, JSON, tensor table), so such damage is reported before `load` changes
     anything. Tensors are zero-copy views of a private mapping of the file, checked against
-    their CRC32C the first time they are asked for (or all at once by `verify_all`).
+    their CRC32C when they are asked for, before they are handed out.
     """
 
     def __init__(self, path: str, *, verify: bool) -> None:
@@ -528,21 +558,32 @@ class _Reader:
             self.crcs: dict[str, int] = {}
             if verify and self.version >= 2:
                 self.crcs = self._checksums()
-            self.data_bytes = data
             if data:
                 # NOTE: a private (copy-on-write) mapping, so the views handed out are writable
                 # tensors without a copy, and the file itself can never be changed through them.
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 self._mv = memoryview(self._mm)
         self._verified: set[str] = set()
+        self._files = sorted(self.entries, key=lambda k: self.entries[k][2])  # file order
+        self._order = {k: i for i, k in enumerate(self._files)}
+        self._running: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def _corrupt(self, what: str, *, truncated: bool = False) -> None:
         cause = ("the file is truncated (a copy or download cut short, or a full disk)"
                  if truncated else "the file is damaged (a disk, copy or transfer error)")
         raise CheckpointCorruptError(
-            f"checkpoint {self.path!r} is corrupt: {what}; {cause}. hr.load changed nothing. "
-            "Load an earlier checkpoint, or copy this one again from its source"
+            f"checkpoint {self.path!r} is corrupt: {what}; {cause}. {self._state()}. Load an "
+            "earlier checkpoint, or copy this one again from its source"
         )
+
+    def _state(self) -> str:
+        """What `load` has changed so far, for error messages."""
+        if not self.changed:
+            return "hr.load changed nothing"
+        return ("hr.load had already loaded the tensors stored before it (model first, then "
+                "optimizer state), not it nor those after: the model (and optimizer) now mix old "
+                "and new values, so load an intact checkpoint before training on")
 
     def _parse(self, raw: bytes) -> tuple[dict[str, Any], dict[str, tuple], int]:
         try:
@@ -611,38 +652,46 @@ class _Reader:
         except KeyError:
             self._corrupt(f"its metadata refers to tensor {name!r}, which it does not hold")
 
+    def _crc(self, name: str) -> int:
+        _, _, start, stop = self._entry(name)
+        if stop == start:
+            return 0
+        return crc32c.crc32c(self._mv[self.offset + start:self.offset + stop])
+
+    def _ahead(self, name: str) -> None:
+        """Start checksumming the tensor stored after ``name`` on the helper thread."""
+        i = self._order.get(name)
+        if i is None or i + 1 >= len(self._files):
+            return
+        nxt = self._files[i + 1]
+        if nxt in self._verified or nxt in self._running or nxt not in self.crcs:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-crc")
+        self._running[nxt] = self._pool.submit(self._crc, nxt)
+
     def verify(self, name: str) -> None:
         """Check ``name``'s bytes against their CRC32C (once), or raise naming the fix."""
         if name in self._verified or name not in self.crcs:
             return
-        _, _, start, stop = self._entry(name)
-        got = 0
-        if stop > start:
-            got = crc32c.crc32c(self._mv[self.offset + start:self.offset + stop])
+        fut = self._running.pop(name, None)
+        got = fut.result() if fut is not None else self._crc(name)
         if got != self.crcs[name]:
-            state = (
-                "hr.load had already loaded the tensors stored before it (model first, then "
-                "optimizer state), not it nor those after: the model (and optimizer) now mix old "
-                "and new values, so load an intact checkpoint before training on"
-                if self.changed else "hr.load changed nothing"
-            )
-            raise CheckpointCorruptError(
-                f"checkpoint {self.path!r} is corrupt: tensor {name!r} (file bytes "
-                f"{self.offset + start}-{self.offset + stop}) has CRC32C {got:08x}, its header "
-                f"recorded {self.crcs[name]:08x}; the file is damaged (a disk, copy or transfer "
-                f"error). {state}. Load an earlier checkpoint, or copy this one again from its "
-                "source"
-            )
+            _, _, start, stop = self._entry(name)
+            self._corrupt(f"tensor {name!r} (file bytes {self.offset + start}-"
+                          f"{self.offset + stop}) has CRC32C {got:08x}, its header recorded "
+                          f"{self.crcs[name]:08x}")
         self._verified.add(name)
 
-    def verify_all(self) -> None:
-        for name in self.entries:
-            self.verify(name)
-
     def tensor(self, name: str) -> torch.Tensor:
-        """``name`` as a view of the mapped file (verified first); clone what must outlive it."""
+        """``name`` as a view of the mapped file (verified first); clone what must outlive it.
+
+        While the caller uses it, the tensor stored after it is checksummed on a helper thread
+        (crc32c releases the GIL), which also reads it from the disk into the page cache.
+        """
         dtype, shape, start, stop = self._entry(name)
         self.verify(name)
+        self._ahead(name)
         if stop == start:
             return torch.empty(shape, dtype=dtype)
         n = (stop - start) // dtype.itemsize
@@ -650,6 +699,10 @@ class _Reader:
         return flat.view(shape)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._running.clear()
         if self._mv is not None:
             self._mv.release()
             self._mv = None
@@ -664,32 +717,6 @@ class _Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _available_memory() -> int:
-    """Bytes of memory available to this process without swapping (0 when unknown)."""
-    avail = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, OSError, ValueError):
-            avail = 0
-    try:  # a cgroup (v2) memory limit, as in containers
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                used = int(f.read())
-            avail = min(avail, max(0, int(limit) - used)) if avail else max(0, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return avail
 
 
 class _LazyState(Mapping):
@@ -728,17 +755,24 @@ def load(
     offloaded model and a disk-state optimizer.
 
     Every tensor is checked against the CRC32C `save` recorded, and the header against its
-    own, so a damaged file raises `CheckpointCorruptError` and never loads silently. What a
-    failed load leaves: the header, the file's length and the layout (keys, shapes, optimizer
-    class) are checked before anything changes. When the file's data fits in half the
-    available memory (the usual case), every tensor is verified before the first is loaded,
-    so a corrupt file leaves ``model`` and ``optimizer`` exactly as they were; the verified
-    bytes stay in the page cache for the load itself, so this costs no second disk read. A
-    bigger file is verified tensor by tensor, each in full before it is loaded: a corrupt
-    tensor stops the load there, with the tensors stored before it (model first, then
-    optimizer state) loaded and it and the rest untouched; the error says so, and the model
-    must then be loaded from an intact checkpoint before training goes on. Version 1 files
-    (saved before checksums) load unverified; `save` them again to add checksums.
+    own, so a damaged file raises `CheckpointCorruptError` and never loads silently.
+
+    What a failed load leaves: the file's length, its header (checksum, JSON, tensor table)
+    and the layout (keys, shapes, optimizer class and parameter count) are checked before
+    anything changes, so a truncated file, a damaged header or metadata, or a checkpoint of
+    another model leaves ``model`` and ``optimizer`` as they were. Each tensor is verified in
+    full just before it is loaded (the next one is checksummed on a helper thread meanwhile),
+    not all of them first: a flipped byte in, say, the 10th tensor stops the load there, with
+    the 9 tensors before it loaded, it and the rest untouched (model tensors come first, in
+    the model's order; a corrupt optimizer tensor leaves the model fully loaded and the
+    optimizer with its new hyperparameters and part of its new state). The error says which
+    case it is; load an intact checkpoint before training on. Verifying everything first
+    would make a failed load change nothing, but would add a second pass over the data to
+    every load's time.
+
+    Version 1 files (saved before checksums) load unverified; `save` them again to add
+    checksums. A tensor bigger than the page cache (a store-resident weight bigger than RAM)
+    is read from the disk twice: once to verify it, once to load it.
 
     Args:
         path: the file `save` wrote.
@@ -780,8 +814,6 @@ def _load(
             if "optimizer" not in meta:
                 raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
             _check_optimizer(optimizer, meta["optimizer"])
-        if r.crcs and r.data_bytes <= _VERIFY_FIRST_FRACTION * _available_memory():
-            r.verify_all()
         get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
         extra = _unjson(meta.get("extra", {}), get)
         _load_model(r, sd, meta["model"])

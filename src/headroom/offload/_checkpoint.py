@@ -572,18 +572,18 @@ class _Reader:
     def _corrupt(self, what: str, *, truncated: bool = False) -> None:
         cause = ("the file is truncated (a copy or download cut short, or a full disk)"
                  if truncated else "the file is damaged (a disk, copy or transfer error)")
-        raise CheckpointCorruptError(
-            f"checkpoint {self.path!r} is corrupt: {what}; {cause}. {self._state()}. Load an "
-            "earlier checkpoint, or copy this one again from its source"
-        )
-
-    def _state(self) -> str:
-        """What `load` has changed so far, for error messages."""
         if not self.changed:
-            return "hr.load changed nothing"
-        return ("hr.load had already loaded the tensors stored before it (model first, then "
-                "optimizer state), not it nor those after: the model (and optimizer) now mix old "
-                "and new values, so load an intact checkpoint before training on")
+            state = "hr.load changed nothing"
+            fix = "Load an earlier checkpoint, or copy this one again from its source"
+        else:
+            state = ("hr.load had already loaded the tensors stored before it (model first, then "
+                     "optimizer state), not it nor those after: the model (and optimizer) now "
+                     "mix old and new values")
+            fix = ("Before training on, load an earlier checkpoint (it overwrites them all), or "
+                   "copy this one again from its source and load it")
+        raise CheckpointCorruptError(
+            f"checkpoint {self.path!r} is corrupt: {what}; {cause}. {state}. {fix}"
+        )
 
     def _parse(self, raw: bytes) -> tuple[dict[str, Any], dict[str, tuple], int]:
         try:

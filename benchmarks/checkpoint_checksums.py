@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.offload import _checkpoint
+from headroom.offload import _checkpoint, _ckpt_file
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint_checksums.json"
 
@@ -91,7 +91,7 @@ def bench(kind: str, width: int, layers: int, rounds: int, root: Path) -> dict:
         if not all_first:
             return _timed(lambda: _checkpoint._load(path, target, None, strict=True,
                                                     verify=verify))
-        init = _checkpoint._Reader.__init__
+        init = _ckpt_file.Reader.__init__
 
         def verify_all_first(self, *args, **kwargs):
             init(self, *args, **kwargs)
@@ -99,7 +99,7 @@ def bench(kind: str, width: int, layers: int, rounds: int, root: Path) -> dict:
                 self._ahead(name)
                 self.verify(name)
 
-        with mock.patch.object(_checkpoint._Reader, "__init__", verify_all_first):
+        with mock.patch.object(_ckpt_file.Reader, "__init__", verify_all_first):
             return _timed(lambda: _checkpoint._load(path, target, None, strict=True,
                                                     verify=True))
 

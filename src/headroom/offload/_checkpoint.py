@@ -13,7 +13,8 @@ the file (``"crc32c"``), and one of the header itself (``"header_crc32c"``, comp
 own eight hex digits read as ``0``). The header comes before the data, so it is written first
 with placeholders of the same width and rewritten in place once the data is written. `load`
 checks the header before it parses it and every tensor before it uses it. Version 1 files
-(no checksums) still load, unverified.
+(no checksums) still load, unverified. The file format itself (header, checksums, checked
+reading, temporary files) lives in `headroom.offload._ckpt_file`.
 """
 
 from __future__ import annotations

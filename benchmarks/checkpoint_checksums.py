@@ -15,18 +15,17 @@ Variants, alternating within each round (saves, then loads; a fresh random order
 
 * save with checksums (format version 2: the default) against save without them (version 1,
   ``_checkpoint._save(checksums=False)``, the writer as it was before them);
-* load verifying (the default: each tensor verified just before it is loaded, the next one
-  checksummed on a helper thread meanwhile) against load not verifying
-  (``_checkpoint._load(verify=False)``) of the same file, and, for reference, the alternative
-  ``hr.load`` does not use: every tensor verified before the first is loaded (a failed load
-  would change nothing), with the same mapping and helper thread.
+* load verifying (the default: each tensor verified just before it is loaded) against load
+  not verifying (``_checkpoint._load(verify=False)``) of the same file, and, for reference,
+  the alternative ``hr.load`` does not use: every tensor verified before the first is loaded
+  (a failed load would change nothing), with the same mapping.
 
 Every save ends with an fsync (part of ``hr.save``); before every load the checkpoint's pages
 are dropped from the page cache (``posix_fadvise(DONTNEED)``), so loads read from the disk.
 Reported: median times, ratios as the median over rounds of the per-round ratio, and the ratio
 of the fastest runs (the least disturbed by other jobs on a shared machine).
 
-    .venv/bin/python benchmarks/checkpoint_checksums.py             # ~2 min, 2 cores
+    .venv/bin/python benchmarks/checkpoint_checksums.py             # ~4 min, 2 cores
     .venv/bin/python benchmarks/checkpoint_checksums.py --quick     # small, a smoke test
 """
 
@@ -95,8 +94,7 @@ def bench(kind: str, width: int, layers: int, rounds: int, root: Path) -> dict:
 
         def verify_all_first(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            for name in self._files:
-                self._ahead(name)
+            for name in self.entries:
                 self.verify(name)
 
         with mock.patch.object(_ckpt_file.Reader, "__init__", verify_all_first):
@@ -165,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     q = args.quick
     width, layers = (1024, 4) if q else (4096, 4)  # 4 x 64 MiB: 268 MB of fp32
-    rounds = args.rounds or (3 if q else 9)
+    rounds = args.rounds or (3 if q else 21)
     res: dict = {
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "platform": platform.platform()},

@@ -385,14 +385,14 @@ def load(
     and the layout (keys, shapes, optimizer class and parameter count) are checked before
     anything changes, so a truncated file, a damaged header or metadata, or a checkpoint of
     another model leaves ``model`` and ``optimizer`` as they were. Each tensor is verified in
-    full just before it is loaded (the next one is checksummed on a helper thread meanwhile),
-    not all of them first: a flipped byte in, say, the 10th tensor stops the load there, with
-    the 9 tensors before it loaded, it and the rest untouched (model tensors come first, in
-    the model's order; a corrupt optimizer tensor leaves the model fully loaded and the
-    optimizer with its new hyperparameters and part of its new state). The error says which
-    case it is; load an intact checkpoint before training on. Verifying everything first
-    would make a failed load change nothing, but would add a second pass over the data to
-    every load's time.
+    full just before it is loaded (that checksum pass reads it from the disk; loading it then
+    reads the page cache), not all of them first: a flipped byte in, say, the 10th tensor
+    stops the load there, with the 9 tensors before it loaded, it and the rest untouched
+    (model tensors come first, in the model's order; a corrupt optimizer tensor leaves the
+    model fully loaded and the optimizer with its new hyperparameters and part of its new
+    state). The error says which case it is; load an intact checkpoint before training on.
+    Verifying everything first would make a failed load change nothing, but would add a
+    second pass over the data to every load's time.
 
     Version 1 files (saved before checksums) load unverified; `save` them again to add
     checksums. A tensor bigger than the page cache (a store-resident weight bigger than RAM)

@@ -37,6 +37,7 @@ from headroom.offload._ckpt_file import (
     CheckpointCorruptError,
     Checksums,
     Reader,
+    available_memory,
     build_header,
     byte_view,
     seal_header,
@@ -383,16 +384,14 @@ def load(
 
     What a failed load leaves: the file's length, its header (checksum, JSON, tensor table)
     and the layout (keys, shapes, optimizer class and parameter count) are checked before
-    anything changes, so a truncated file, a damaged header or metadata, or a checkpoint of
-    another model leaves ``model`` and ``optimizer`` as they were. Each tensor is verified in
-    full just before it is loaded (that checksum pass reads it from the disk; loading it then
-    reads the page cache), not all of them first: a flipped byte in, say, the 10th tensor
-    stops the load there, with the 9 tensors before it loaded, it and the rest untouched
-    (model tensors come first, in the model's order; a corrupt optimizer tensor leaves the
-    model fully loaded and the optimizer with its new hyperparameters and part of its new
-    state). The error says which case it is; load an intact checkpoint before training on.
-    Verifying everything first would make a failed load change nothing, but would add a
-    second pass over the data to every load's time.
+    anything changes. When the file's data fits in half the available memory (the usual
+    case), every tensor is then verified before the first is loaded, so a corrupt file leaves
+    ``model`` and ``optimizer`` exactly as they were; the page cache keeps what that pass read
+    for the load itself. A bigger file is verified tensor by tensor, each in full just before
+    it is loaded: a flipped byte in, say, the 10th tensor stops the load there, with the 9
+    tensors before it loaded, it and the rest untouched (model tensors come first, in the
+    model's order; a corrupt optimizer tensor leaves the model fully loaded and the optimizer
+    with its new hyperparameters and part of its new state). The error says which case it is.
 
     Version 1 files (saved before checksums) load unverified; `save` them again to add
     checksums. A tensor bigger than the page cache (a store-resident weight bigger than RAM)
@@ -438,6 +437,11 @@ def _load(
             if "optimizer" not in meta:
                 raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
             _check_optimizer(optimizer, meta["optimizer"])
+        if r.crcs and r.data_bytes <= available_memory() // 2:
+            # NOTE: all first, so that a corrupt file changes nothing: the page cache keeps what
+            # this pass read for the load itself, which then costs no second disk read (measured
+            # as cheap as verifying each tensor just before it is loaded; see the docs).
+            r.verify_all()
         get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
         extra = _unjson(meta.get("extra", {}), get)
         _load_model(r, sd, meta["model"])

@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointCorruptError",
     "Checksums",
     "Reader",
+    "available_memory",
     "build_header",
     "byte_view",
     "remove_stale_temps",
@@ -286,6 +287,7 @@ class Reader:
             self.crcs: dict[str, int] = {}
             if verify and self.version >= 2:
                 self.crcs = self._checksums()
+            self.data_bytes = data
             if data:
                 # NOTE: a private (copy-on-write) mapping, so the views handed out are writable
                 # tensors without a copy, and the file itself can never be changed through them.
@@ -394,6 +396,11 @@ class Reader:
                           f"{self.crcs[name]:08x}")
         self._verified.add(name)
 
+    def verify_all(self) -> None:
+        """Check every tensor, in file order (reading the whole file into the page cache)."""
+        for name in sorted(self.entries, key=lambda k: self.entries[k][2]):
+            self.verify(name)
+
     def tensor(self, name: str) -> torch.Tensor:
         """``name`` as a view of the mapped file (verified first); clone what must outlive it.
 
@@ -425,3 +432,31 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def available_memory() -> int:
+    """Bytes of memory this process can still fill without swapping (0 when unknown).
+
+    ``MemAvailable`` (Linux), else the free pages the OS reports, capped by a cgroup v2 memory
+    limit (containers).
+    """
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                room = max(0, int(limit) - int(f.read()))
+            avail = min(avail, room) if avail else room
+    except (OSError, ValueError):
+        pass
+    return avail

@@ -310,6 +310,19 @@ def test_one_key_one_live_head_per_store(kind, tmp_path):
     assert torch.equal(again.read_weight(), w)
 
 
+def test_failed_construction_frees_its_key_and_allocations(tmp_path):
+    from headroom.transfer import StoreFullError
+
+    store = DiskStore(tmp_path / "s", max_bytes=C * D * 4 + 100)  # the weight, not its grad
+    with pytest.raises(StoreFullError) as info:
+        hr.HugeClassifier(C, D, device="cpu", store=store, key="k")
+    assert store.keys() == []  # the weight it allocated is freed again
+    store.max_bytes = None
+    # the error (and its traceback, which holds the half-built head) is still alive here
+    head = hr.HugeClassifier(C, D, device="cpu", store=store, key="k")
+    assert info.value is not None and head.read_weight().abs().sum() > 0  # initialized
+
+
 @pytest.mark.filterwarnings("ignore:hr.offload found no repeated blocks")
 def test_head_keys_and_offloaded_models_exclude_each_other(tmp_path):
     store = DiskStore(tmp_path / "s")

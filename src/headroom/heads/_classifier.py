@@ -225,11 +225,24 @@ class HugeClassifier(nn.Module):
             shapes[f"{prefix}.bias"] = (self.num_classes,)
         for k, sh in shapes.items():
             self._check_stored(k, sh)
-        self._claim(prefix, [k for n in shapes for k in (n, f"{n}.grad")])
-        self._wh = self._alloc(f"{prefix}.weight", shape)
-        self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
-        self.weight = self._param(self._wh)
-        self.bias = self._param(self._bh) if self._bh is not None else None
+        keys = [k for n in shapes for k in (n, f"{n}.grad")]
+        before = {k for k in keys if k in self.store}
+        release = self._claim(prefix, keys)
+        try:
+            self._wh = self._alloc(f"{prefix}.weight", shape)
+            self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
+            self.weight = self._param(self._wh)
+            self.bias = self._param(self._bh) if self._bh is not None else None
+        except BaseException:
+            # NOTE: a failed head takes back what it allocated (a later head with this key
+            # would take the uninitialized tensors for trained ones) and frees its key at once,
+            # not when it is collected: a traceback kept for the user (a notebook's last
+            # error) would hold it, and the key, alive.
+            for k in keys:
+                if k not in before and k in self.store:
+                    self.store.free(self.store.get(k))
+            release()
+            raise
         # rows of the gradients holding values since the last overwrite; None: maybe all rows
         self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
         self.last_sampled_classes: torch.Tensor | None = None
@@ -238,8 +251,12 @@ class HugeClassifier(nn.Module):
             self.reset_parameters()
 
     # ------------------------------------------------------------------ storage
-    def _claim(self, prefix: str, keys: list[str]) -> None:
-        """Reserve ``keys`` of the store for this head until it is garbage-collected."""
+    def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
+        """Reserve ``keys`` of the store for this head until it is garbage-collected.
+
+        Returns:
+            The finalizer that releases them (calling it releases them now, once).
+        """
         claimed = claimed_keys(self.store)
         taken = [k for k in keys if k in claimed]
         if taken:
@@ -260,7 +277,7 @@ class HugeClassifier(nn.Module):
         # NOTE: weakref.finalize holds the set and the keys, not the head: the claim ends when
         # the head is collected (re-running a notebook cell after `del head` works), while the
         # values stay in the store for the next head with this key.
-        weakref.finalize(self, claimed.difference_update, keys)
+        return weakref.finalize(self, claimed.difference_update, keys)
 
     def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
         if key in self.store:

@@ -405,9 +405,9 @@ class Reader:
         """``name`` as a view of the mapped file (verified first); clone what must outlive it.
 
         NOTE: the checksum pass is what reads the tensor from the disk (one thread faulting the
-        mapping in); using the view then reads the page cache. A helper thread checksumming the
-        next tensor meanwhile was measured slower on two cores: it competes with the intra-op
-        threads of the copy that uses the view.
+        mapping in); using the view then reads the page cache. No helper thread checksums
+        ahead: it would compete for the cores with the intra-op threads of the copy that uses
+        the view.
         """
         dtype, shape, start, stop = self._entry(name)
         self.verify(name)

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "load": "headroom.offload",
     "load_weights": "headroom.offload",
     "save_weights": "headroom.offload",
+    "CheckpointCorruptError": "headroom.offload",
     # nn/
     "convert": "headroom.nn",
     # heads/

@@ -5,35 +5,50 @@ The file is a standard safetensors file: tensors named ``model/<state_dict key>`
 parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
 It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
 never gathered whole), to a temporary file next to ``path`` that replaces ``path`` only once it
-is complete and on disk: a crash mid-save leaves the previous checkpoint intact.
+is complete and on disk: a crash mid-save leaves the previous checkpoint intact, and the next
+save on the same host removes the temporary file the crashed process left.
+
+Integrity (format version 2): the JSON holds a CRC32C of every tensor's bytes as they lie in
+the file (``"crc32c"``), and one of the header itself (``"header_crc32c"``, computed with its
+own eight hex digits read as ``0``). The header comes before the data, so it is written first
+with placeholders of the same width and rewritten in place once the data is written. `load`
+checks the header before it parses it and every tensor before it uses it. Version 1 files
+(no checksums) still load, unverified. The file format itself (header, checksums, checked
+reading, temporary files) lives in `headroom.offload._ckpt_file`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
+from headroom.offload._ckpt_file import (
+    DTYPES,
+    FORMAT,
+    PLACEHOLDER,
+    VERSION,
+    CheckpointCorruptError,
+    Checksums,
+    Reader,
+    available_memory,
+    build_header,
+    byte_view,
+    seal_header,
+    temp_path,
+)
 from headroom.offload._optimizer import HostOptimizer
 from headroom.transfer import Handle, Store, binding
 
-__all__ = ["load", "save"]
+__all__ = ["CheckpointCorruptError", "load", "save"]
 
-_FORMAT = "headroom-checkpoint"
-_VERSION = 1
 _CHUNK = 32 << 20
-_ALIGN = 8
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-
 
 class _Item:
     """One tensor to write: in memory, or resting in a store (streamed in row slices)."""
@@ -47,7 +62,7 @@ class _Item:
         self.store = store
         self.handle = handle
         src_dtype = tensor.dtype if tensor is not None else handle.dtype
-        if src_dtype not in _DTYPES:
+        if src_dtype not in DTYPES:
             raise TypeError(f"cannot save {name!r}: dtype {src_dtype} has no safetensors code")
         self.dtype = src_dtype
         self.shape = tuple(tensor.shape) if tensor is not None else handle.shape
@@ -56,37 +71,43 @@ class _Item:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def write_to(self, f: BinaryIO) -> None:
+    def write_to(self, f: BinaryIO, sums: Checksums) -> None:
         if self.tensor is not None:
-            t = self.tensor.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            _write_bytes(f, t.contiguous())
+            src = self.tensor.detach()
+            t = src.cpu().contiguous()
+            sums.add(self.name, t, temporary=t.data_ptr() != src.data_ptr())
+            _write_bytes(f, t)
             return
         h = self.handle
         host = self.store.host_tensor(h)
         if host is not None:
-            _write_bytes(f, host.contiguous())
+            t = host.contiguous()
+            sums.add(self.name, t, temporary=t.data_ptr() != host.data_ptr())
+            _write_bytes(f, t)
             return
         if not h.shape:
-            _write_bytes(f, self.store.read(h).result())
+            t = self.store.read(h).result()
+            sums.add(self.name, t, temporary=True)
+            _write_bytes(f, t)
             return
         per = max(1, _CHUNK // max(1, h.row_nbytes))
-        # NOTE: read slice i+1 while slice i is written: disk reads overlap file writes.
+        # NOTE: read slice i+1 while slice i is written: disk reads overlap file writes (and
+        # the checksum of slice i, on the checksum thread, overlaps its write too).
         nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
         for a in range(0, h.shape[0], per):
             cur = nxt
             b = min(a + per, h.shape[0])
             if b < h.shape[0]:
                 nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
-            _write_bytes(f, cur.result())
+            t = cur.result()
+            sums.add(self.name, t, temporary=True)
+            _write_bytes(f, t)
 
 
 def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
     if t.numel() == 0:
         return
-    flat = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-    f.write(memoryview(flat.numpy()))
+    f.write(byte_view(t))
 
 
 def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
@@ -220,6 +241,9 @@ def _optimizer_items(
     return items, meta
 
 
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
 def save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -227,11 +251,16 @@ def save(
     *,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``) to one safetensors file, atomically.
+    """Save ``model`` (and ``optimizer``) to one checksummed safetensors file, atomically.
 
     Parameters and optimizer state that rest on disk are streamed into the file slice by
-    slice. The file replaces ``path`` only when complete and synced: a crash mid-save leaves
-    the old checkpoint intact.
+    slice. Every tensor's CRC32C (of its bytes as written) and one of the header go into the
+    header, computed on a second thread while the data is written. The file is written under
+    a temporary name next to ``path`` (``.<name>.tmp-<host>-<pid>-<token>``) and replaces
+    ``path`` only when complete and synced: a crash mid-save leaves the old checkpoint intact.
+    A ``kill -9`` leaves the temporary file behind; the next `save` to ``path`` from the same
+    host removes the temporary files of ``path`` whose process is gone (never one of a live
+    process, nor one from another host, which it cannot check).
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
@@ -249,41 +278,68 @@ def save(
     Example:
         >>> hr.save("ckpt.safetensors", model, opt, extra={"step": 100})   # doctest: +SKIP
     """
+    _save(path, model, optimizer, extra=extra, checksums=True)
+
+
+def _save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra: Mapping[str, Any] | None,
+    checksums: bool,
+) -> None:
+    """`save`; ``checksums=False`` writes a version 1 file (no checksums), as before them."""
     path = os.fspath(path)
     json_tensors: list[_Item] = []
     items, names = _model_items(model)
-    meta: dict[str, Any] = {"format": _FORMAT, "version": _VERSION, "model": names}
+    meta: dict[str, Any] = {}
+    if checksums:
+        meta["header_crc32c"] = PLACEHOLDER
+    meta.update({"format": FORMAT, "version": VERSION if checksums else 1, "model": names})
     if optimizer is not None:
         opt_items, meta["optimizer"] = _optimizer_items(optimizer, model, json_tensors)
         items += opt_items
     meta["extra"] = _jsonable(dict(extra or {}), "extra", json_tensors)
     items += json_tensors
-    header: dict[str, Any] = {"__metadata__": {"headroom": json.dumps(meta)}}
-    offset = 0
-    for it in items:
-        if it.name in header:
-            raise ValueError(f"duplicate tensor name {it.name!r} in checkpoint")
-        header[it.name] = {"dtype": _DTYPES[it.dtype], "shape": list(it.shape),
-                           "data_offsets": [offset, offset + it.nbytes]}
-        offset += it.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % _ALIGN)
+    if checksums:
+        meta["crc32c"] = {it.name: PLACEHOLDER for it in items}
+    blob = build_header(meta, items)
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(len(blob).to_bytes(8, "little"))
-            f.write(blob)
-            for it in items:
-                it.write_to(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # NOTE: os.replace is atomic on POSIX and Windows: readers see the old file or the new.
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with temp_path(path) as tmp:
+        sums = Checksums(checksums)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(len(blob).to_bytes(8, "little"))
+                f.write(blob)
+                for it in items:
+                    it.write_to(f, sums)
+                if checksums:
+                    f.flush()
+                    # NOTE: the data goes to the disk while the checksums are computed; the
+                    # header rewritten below then costs one more sync of a single page.
+                    sums.start()
+                    os.fsync(f.fileno())
+                crcs = sums.finish()
+                if checksums:
+                    meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
+                    final = seal_header(build_header(meta, items))
+                    if len(final) != len(blob):
+                        raise AssertionError("the checksums changed the header's length")
+                    f.seek(8)
+                    f.write(final)
+                f.flush()
+                if checksums:
+                    _fdatasync(f.fileno())  # one page changed since the fsync above
+                else:
+                    os.fsync(f.fileno())
+            # NOTE: os.replace is atomic on POSIX and Windows: readers see the old file or new.
+            os.replace(tmp, path)
+        except BaseException:
+            sums.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
     try:
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -326,8 +382,26 @@ def load(
     """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in place.
 
     Parameters resting in a store are written into their store; tensors are read from the
-    file one at a time (memory-mapped), so a checkpoint larger than RAM loads into an
+    file memory-mapped, one at a time, so a checkpoint larger than RAM loads into an
     offloaded model and a disk-state optimizer.
+
+    Every tensor is checked against the CRC32C `save` recorded, and the header against its
+    own, so a damaged file raises `CheckpointCorruptError` and never loads silently.
+
+    What a failed load leaves: the file's length, its header (checksum, JSON, tensor table)
+    and the layout (keys, shapes, optimizer class and parameter count) are checked before
+    anything changes. When the file's data fits in half the available memory (the usual
+    case), every tensor is then verified before the first is loaded, so a corrupt file leaves
+    ``model`` and ``optimizer`` exactly as they were; the page cache keeps what that pass read
+    for the load itself. A bigger file is verified tensor by tensor, each in full just before
+    it is loaded: a flipped byte in, say, the 10th tensor stops the load there, with the 9
+    tensors before it loaded, it and the rest untouched (model tensors come first, in the
+    model's order; a corrupt optimizer tensor leaves the model fully loaded and the optimizer
+    with its new hyperparameters and part of its new state). The error says which case it is.
+
+    Version 1 files (saved before checksums) load unverified; `save` them again to add
+    checksums. A tensor bigger than the page cache (a store-resident weight bigger than RAM)
+    is read from the disk twice: once to verify it, once to load it.
 
     Args:
         path: the file `save` wrote.
@@ -339,36 +413,52 @@ def load(
         The ``extra`` values given to `save`.
 
     Raises:
-        ValueError: not a headroom checkpoint; keys, shapes or optimizer layout differ.
+        CheckpointCorruptError: (a ``ValueError``) the file is truncated, its header or
+            metadata is unreadable, or a tensor or the header does not match its checksum;
+            the message names the file, the tensor and what is left loaded.
+        ValueError: not a headroom checkpoint; keys, shapes or optimizer layout differ
+            (nothing is changed).
         FileNotFoundError: no file at ``path``.
 
     Example:
         >>> extra = hr.load("ckpt.safetensors", model, opt)   # doctest: +SKIP
     """
-    from safetensors import safe_open
+    return _load(path, model, optimizer, strict=strict, verify=True)
 
-    path = os.fspath(path)
-    with safe_open(path, framework="pt") as f:
-        raw = (f.metadata() or {}).get("headroom")
-        if raw is None:
-            raise ValueError(f"{path!r} is a safetensors file but not a headroom checkpoint")
-        meta = json.loads(raw)
-        if meta.get("format") != _FORMAT or meta.get("version", 0) > _VERSION:
-            raise ValueError(f"{path!r}: unsupported checkpoint format {meta.get('format')!r} "
-                             f"version {meta.get('version')!r}")
-        _load_model(f, model, meta["model"], strict)
+
+def _load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    strict: bool,
+    verify: bool,
+) -> dict[str, Any]:
+    """`load`; ``verify=False`` skips the checksums (to measure what they cost)."""
+    with Reader(os.fspath(path), verify=verify) as r:
+        meta = r.meta
+        sd = _named_tensors(model, fill=False)  # about to be written: no need to initialize
+        _check_model(r, sd, meta["model"], strict)
         if optimizer is not None:
             if "optimizer" not in meta:
-                raise ValueError(f"{path!r} holds no optimizer state (saved without optimizer)")
-            _load_optimizer(f, optimizer, meta["optimizer"])
+                raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
+            _check_optimizer(optimizer, meta["optimizer"])
+        if r.crcs and r.data_bytes <= available_memory() // 2:
+            # NOTE: all first, so that a corrupt file changes nothing: the page cache keeps what
+            # this pass read for the load itself, which then costs no second disk read (measured
+            # as cheap as verifying each tensor just before it is loaded; see the docs).
+            r.verify_all()
+        get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
+        extra = _unjson(meta.get("extra", {}), get)
+        _load_model(r, sd, meta["model"])
+        if optimizer is not None:
+            _load_optimizer(r, optimizer, meta["optimizer"], get)
             if isinstance(optimizer, HostOptimizer):
                 optimizer.reload_params()
-        return _unjson(meta.get("extra", {}), f.get_tensor)
+        return extra
 
 
-@torch.no_grad()
-def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
-    sd = _named_tensors(model, fill=False)  # about to be written: no need to initialize
+def _check_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str], strict: bool) -> None:
     if strict:
         missing = [k for k in sd if k not in names]
         unexpected = [k for k in names if k not in sd]
@@ -380,34 +470,42 @@ def _load_model(f, model: nn.Module, names: list[str], strict: bool) -> None:
     for name, t in sd.items():
         if name not in names:
             continue
-        key = f"model/{name}"
-        sl = f.get_slice(key)
-        shape = tuple(sl.get_shape())
+        shape = r.shape(f"model/{name}")
         if shape != tuple(t.shape):
             raise ValueError(f"shape mismatch for {name!r}: checkpoint {shape}, model "
                              f"{tuple(t.shape)}")
+
+
+@torch.no_grad()
+def _load_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str]) -> None:
+    for name, t in sd.items():
+        if name not in names:
+            continue
+        src = r.tensor(f"model/{name}")
+        r.changed = True
         b = binding(t)
-        if b is not None:
-            h = b.handle
-            if not h.shape:
-                b.store.write(h, f.get_tensor(key).to(h.dtype).contiguous()).result()
-                b.has_value = True
-                continue
-            per = max(1, _CHUNK // max(1, h.row_nbytes))
-            futs = []
-            for a in range(0, h.shape[0], per):
-                part = sl[a:min(a + per, h.shape[0])].to(h.dtype).contiguous()
-                futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
-                if len(futs) > 2:
-                    futs.pop(0).result()
-            for fu in futs:
-                fu.result()
+        if b is None:
+            t.data.copy_(src)
+            continue
+        h = b.handle
+        if not h.shape:
+            b.store.write(h, src.to(h.dtype).contiguous()).result()
             b.has_value = True
-        else:
-            t.data.copy_(f.get_tensor(key))
+            continue
+        per = max(1, _CHUNK // max(1, h.row_nbytes))
+        futs: deque[Future] = deque()
+        for a in range(0, h.shape[0], per):
+            # NOTE: slices of the mapped file go to the store without a copy.
+            part = src[a:a + per].to(h.dtype).contiguous()
+            futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
+            if len(futs) > 2:
+                futs.popleft().result()
+        for fu in futs:
+            fu.result()
+        b.has_value = True
 
 
-def _load_optimizer(f, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
     is_host = isinstance(optimizer, HostOptimizer)
     cls_name = optimizer._cls.__name__ if is_host else type(optimizer).__name__
     saved_cls = meta.get("inner_class", meta["class"])
@@ -421,20 +519,24 @@ def _load_optimizer(f, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -
         if list(p.shape) != info["shape"]:
             raise ValueError(f"optimizer parameter {i} ({info.get('name')}): checkpoint shape "
                              f"{info['shape']}, parameter {list(p.shape)}")
-    keys = set(f.keys())
+
+
+def _load_optimizer(r: Reader, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                    get: Callable[[str], torch.Tensor]) -> None:
+    keys = r.names()
     groups = []
     for g in meta["groups"]:
-        hp = _unjson(g["hparams"], f.get_tensor)
+        hp = _unjson(g["hparams"], get)
         groups.append({**hp, "params": g["params"]})
     state: dict[int, Any] = {}
     for idx, sm in meta["small"].items():
         prefix = f"optimizer/{idx}/"
         tkeys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
-        small = {k: _unjson(v, f.get_tensor) for k, v in sm.items()}
-        # NOTE: clone: the optimizer keeps these tensors, and they must own their memory rather
-        # than point into the file's mapping, which closes with the file.
-        state[int(idx)] = _LazyState(
-            tkeys, small, lambda k, prefix=prefix: f.get_tensor(prefix + k).clone())
-    if not is_host:
+        small = {k: _unjson(v, get) for k, v in sm.items()}
+        # NOTE: clone (in `get`): the optimizer keeps these tensors, and they must own their
+        # memory rather than point into the file's mapping, which closes with the file.
+        state[int(idx)] = _LazyState(tkeys, small, lambda k, prefix=prefix: get(prefix + k))
+    if not isinstance(optimizer, HostOptimizer):
         state = {i: dict(st) for i, st in state.items()}
+    r.changed = True
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -13,6 +13,8 @@ from headroom.transfer._binding import (
     sync_grad,
     unbind,
 )
+from headroom.transfer._claims import claimed_keys
+from headroom.transfer._device import check_device
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
@@ -45,6 +47,8 @@ __all__ = [
     "Ticket",
     "bind",
     "binding",
+    "check_device",
+    "claimed_keys",
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",

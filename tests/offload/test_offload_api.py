@@ -367,7 +367,7 @@ def test_disk_store_reopened_by_a_later_run_resumes(tmp_path):
         assert torch.equal(v, ref.get_parameter(k)), k  # resumed, not re-initialized
     torch.manual_seed(1)
     lm_loss(later, b).backward()  # gradients reuse the stored gradient files
-    with pytest.raises(RuntimeError, match="belongs to another offloaded model"):
+    with pytest.raises(RuntimeError, match="in use by another offloaded model"):
         _offload(Transformer(n=3), store)
     store.close()  # one live store per folder
     with pytest.raises(ValueError, match="already holds"):

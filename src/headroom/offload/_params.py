@@ -30,6 +30,8 @@ from headroom.transfer import (
     Store,
     bind,
     binding,
+    check_device,
+    claimed_keys,
     resolve_store,
     trim_heap,
     unbind,
@@ -38,31 +40,6 @@ from headroom.transfer import (
 __all__ = ["describe", "offload", "unoffload"]
 
 _ATTR = "_headroom_offload"
-
-
-def _check_device(device: str | torch.device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a torch device: {e}") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type == "meta":
-        raise ValueError("device='meta' cannot compute; use 'cpu' or an accelerator")
-    acc = torch.accelerator
-    if not acc.is_available() or acc.current_accelerator().type != dev.type:
-        raise RuntimeError(
-            f"device {str(dev)!r} is not available on this machine (no {dev.type} accelerator"
-            " found); use device='cpu' — with store=hr.DiskStore(path) to train models bigger"
-            " than RAM — or run where the accelerator exists"
-        )
-    index = dev.index if dev.index is not None else acc.current_device_index()
-    if index >= acc.device_count():
-        raise RuntimeError(
-            f"device {str(dev)!r} is not available: only {acc.device_count()} {dev.type}"
-            " device(s); pick an index below that"
-        )
-    return torch.device(dev.type, index)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -118,7 +95,7 @@ def offload(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-4)                 # doctest: +SKIP
         >>> model(x.cuda()).sum().backward(); opt.step(); opt.zero_grad()        # doctest: +SKIP
     """
-    dev = _check_device(device)
+    dev = check_device(device)
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if compute_dtype is not None and (
@@ -176,14 +153,14 @@ def offload(
     for b in state.blocks:
         for m in b.module.modules():
             blocks_of_module.setdefault(id(m), []).append(b)
-    claimed = _claimed(st)
+    claimed = claimed_keys(st)
     for pid, p in params.items():  # validate before changing anything
         name = first_name[pid]
         if name in st:
             if name in claimed:
                 raise RuntimeError(
-                    f"{name!r} in {st!r} belongs to another offloaded model; give each model"
-                    " its own store (or DiskStore directory)"
+                    f"{name!r} in {st!r} is in use by another offloaded model or classifier"
+                    " head; give each model its own store (or DiskStore directory)"
                 )
             _check_stored(st.get(name), p, name)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
@@ -335,15 +312,6 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
         claimed.discard(slot.binding.handle.key)
 
 
-def _claimed(store: Store) -> set[str]:
-    """Keys of ``store`` in use by live offloaded models."""
-    keys = getattr(store, "_headroom_claimed", None)
-    if keys is None:
-        keys = set()
-        store._headroom_claimed = keys  # type: ignore[attr-defined]
-    return keys
-
-
 def _check_stored(handle, p: torch.Tensor, name: str) -> None:
     if handle.shape != tuple(p.shape) or handle.dtype != p.dtype:
         raise ValueError(
@@ -430,7 +398,7 @@ def unoffload(model: nn.Module) -> nn.Module:
                 grad = st.read(b.grad_handle).result().to(state.device)
             st.free(b.grad_handle)
         st.free(b.handle)
-        _claimed(st).discard(b.handle.key)
+        claimed_keys(st).discard(b.handle.key)
         unbind(s.param)
         if s.param.device.type == "meta":
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)

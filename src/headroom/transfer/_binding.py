@@ -143,7 +143,7 @@ def on_grad_ready(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Li
     b = binding(param)
     if b is None:
         raise ValueError(
-            "on_grad_ready needs a store-resident parameter (one offloaded by headroom.offload "
+            "on_grad_ready needs a store-resident parameter (one offloaded by hr.offload "
             "or bound with headroom.transfer.bind); ordinary parameters have autograd's "
             "register_post_accumulate_grad_hook"
         )

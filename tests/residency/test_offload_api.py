@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.offload._params import _state
+from headroom.residency._offload import _state
 from headroom.transfer import DiskStore, HostStore, StoreFullError, binding
 from tests.conftest import DEVICES, accelerator_type
-from tests.offload.test_offload_helpers import (
+from tests.residency._models import (
     CNN,
     StoreStep,
     Transformer,
@@ -21,7 +21,6 @@ from tests.offload.test_offload_helpers import (
     cnn_loss,
     lm_batch,
     lm_loss,
-    one_thread,  # noqa: F401 - autouse fixture
     values,
 )
 
@@ -325,7 +324,7 @@ def test_recovers_after_a_failed_backward():
 def test_accelerator_code_path_on_cpu_is_exact(kind, tmp_path, monkeypatch):
     """The mover's accelerator path (staging buffers, side-stream bookkeeping, events) driven
     by offload on the CPU with do-nothing streams; exact gradients over two accumulations."""
-    from headroom.offload import _residency
+    from headroom.residency import _schedule as _residency
     from tests.transfer.test_mover import accelerated_on_cpu
 
     monkeypatch.setattr(_residency, "Mover", accelerated_on_cpu)

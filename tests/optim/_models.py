@@ -4,22 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 from torch import nn
-
-
-@pytest.fixture
-def one_thread():
-    """Run a test with one intra-op thread.
-
-    NOTE: these models are tiny; with several processes sharing 2 cores, OpenMP barriers of
-    2-thread regions make them 10-30x slower. Both sides of every comparison run alike.
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Block(nn.Module):

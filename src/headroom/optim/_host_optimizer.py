@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from headroom.memory import annotate
-from headroom.offload._sliced import ELEMENTWISE, SliceRunner, SliceSource, probe_layout
+from headroom.optim._sliced import ELEMENTWISE, SliceRunner, SliceSource, probe_layout
 from headroom.transfer import (
     Handle,
     Mover,
@@ -170,7 +170,7 @@ class HostOptimizer(torch.optim.Optimizer):
     the parameter itself is the master); its gradient moves to the host as soon as autograd
     finishes accumulating it (a post-accumulate-grad hook; on an accelerator through the
     transfer layer's mover on a side stream); PyTorch's own optimizer class updates the master
-    on the host and the result is copied back. Parameters offloaded by `headroom.offload` are
+    on the host and the result is copied back. Parameters offloaded by `hr.offload` are
     read from and written back to their store. The result is bitwise that of
     ``optimizer_class`` itself on the same CPU tensors.
 
@@ -196,7 +196,7 @@ class HostOptimizer(torch.optim.Optimizer):
             backward goes on; ``step()`` then waits for those and steps the rest. Bitwise the
             same result as ``overlap=False``, for any number of backward passes per step: only
             a backward the loop declares final steps early, every other one just accumulates.
-            Parameters offloaded by `headroom.offload` take part too (the offload layer signals
+            Parameters offloaded by `hr.offload` take part too (the offload layer signals
             each complete gradient, `headroom.transfer.on_grad_ready`, and the step waits for
             its bytes to land in the store). Trade-off: a worker thread, and inside
             `final_backward` the gradients are final: no `clip_grad_norm_` and no further

@@ -19,7 +19,7 @@ How it works (one concept per piece):
 Resting state: outside forward and backward the modules hold the masters and nothing is
 resident on the device. A forward or backward that breaks off half-way (an exception,
 ``KeyboardInterrupt``) puts the model back there: at once when headroom sees it (a failure inside
-the guarded root or a block, see `headroom.offload._guard`, or in headroom's own backward hooks);
+the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward hooks);
 otherwise (another hook raising in backward) at the next forward or ``named_parameters()``; see
 `Offload.abort_forward`, `Offload.abort_backward` and `Offload.settle_if_idle`.
 """
@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import resize_storage
-from headroom.offload._meta import init_pending
+from headroom.residency._meta import init_pending
 from headroom.transfer import (
     HeapTrimmer,
     Mover,
@@ -142,7 +142,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class _BlockRole:
-    """A block's side of the guard protocol (`headroom.offload._guard.Role`)."""
+    """A block's side of the guard protocol (`headroom.residency._guard.Role`)."""
 
     __slots__ = ("state", "block")
 

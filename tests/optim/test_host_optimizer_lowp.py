@@ -15,7 +15,6 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.transfer import DiskStore, HostStore, StoreFullError
-from tests.offload.test_offload_helpers import one_thread  # noqa: F401 - autouse fixture
 
 STEPS = 4
 ACCUM = 2

@@ -18,7 +18,6 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.transfer import DiskStore, binding
-from tests.offload.test_offload_helpers import one_thread  # noqa: F401 - autouse fixture
 
 transformers = pytest.importorskip("transformers")
 SRC = Path(hr.__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Parameter offload, the public entry points: `offload`, `unoffload`, `describe`.
 
-See `headroom.offload._residency` for how blocks move between the store and the device.
+See `headroom.residency._schedule` for how blocks move between the store and the device.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from headroom.memory import resize_storage
-from headroom.offload import _guard
-from headroom.offload._blocks import check_blocks, find_blocks, with_outside_blocks
-from headroom.offload._residency import (
+from headroom.residency import _guard
+from headroom.residency._blocks import check_blocks, find_blocks, with_outside_blocks
+from headroom.residency._schedule import (
     _LIVE,
     Block,
     DeviceCopy,
@@ -233,7 +233,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
         # resumed when the model has no values for it (meta) and overwritten when it has.
         resume = name in st and p.device.type == "meta"
         # NOTE: one created on meta gets room in the store now and its values later, from a
-        # checkpoint or its module's initialization (see headroom.offload._meta).
+        # checkpoint or its module's initialization (see headroom.residency._meta).
         pending = p.device.type == "meta" and not resume
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")

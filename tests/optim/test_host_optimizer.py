@@ -9,17 +9,14 @@ import pytest
 import torch
 
 import headroom as hr
-from tests.offload._optim_util import (
+from tests.optim._models import (
     assert_params_equal,
     assert_state_equal,
     batch,
     loss_fn,
     make_model,
-    one_thread,  # noqa: F401 - fixture
     train,
 )
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS = 50
 

@@ -21,16 +21,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import headroom as hr
-from headroom.offload import _checkpoint
-from tests.offload._optim_util import (
+from headroom.checkpoint import _checkpoint
+from tests.optim._models import (
     assert_params_equal,
     assert_state_equal,
     make_model,
-    one_thread,  # noqa: F401 - fixture
     train,
 )
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 STEPS = 50
 

@@ -16,10 +16,9 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.offload._params import _state
-from headroom.offload._residency import DeviceCopy
+from headroom.residency._offload import _state
+from headroom.residency._schedule import DeviceCopy
 from headroom.transfer import DiskStore, HostStore, StoreFullError
-from tests.offload.test_offload_helpers import one_thread  # noqa: F401 - autouse fixture
 
 D = 16
 N_BLOCKS = 4

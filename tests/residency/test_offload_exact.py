@@ -10,7 +10,7 @@ import torch
 
 import headroom as hr
 from headroom.transfer import DiskStore
-from tests.offload.test_offload_helpers import (
+from tests.residency._models import (
     CNN,
     StoreStep,
     Transformer,
@@ -18,7 +18,6 @@ from tests.offload.test_offload_helpers import (
     cnn_loss,
     lm_batch,
     lm_loss,
-    one_thread,  # noqa: F401 - autouse fixture
     values,
 )
 

@@ -14,7 +14,7 @@ own eight hex digits read as ``0``). The header comes before the data, so it is 
 with placeholders of the same width and rewritten in place once the data is written. `load`
 checks the header before it parses it and every tensor before it uses it. Version 1 files
 (no checksums) still load, unverified. The file format itself (header, checksums, checked
-reading, temporary files) lives in `headroom.offload._ckpt_file`.
+reading, temporary files) lives in `headroom.checkpoint._file`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from headroom.offload._ckpt_file import (
+from headroom.checkpoint._file import (
     DTYPES,
     FORMAT,
     PLACEHOLDER,
@@ -43,7 +43,7 @@ from headroom.offload._ckpt_file import (
     seal_header,
     temp_path,
 )
-from headroom.offload._optimizer import HostOptimizer
+from headroom.optim._host_optimizer import HostOptimizer
 from headroom.transfer import Handle, Store, binding
 
 __all__ = ["CheckpointCorruptError", "load", "save"]
@@ -265,7 +265,7 @@ def save(
     Args:
         path: the file to write (conventionally ``*.safetensors``).
         model: the model; its ``state_dict()`` keys name the tensors. Store-resident
-            parameters (``headroom.offload``) are read from their store.
+            parameters (``hr.offload``) are read from their store.
         optimizer: a `HostOptimizer` or any ``torch.optim`` optimizer over ``model``'s
             parameters.
         extra: JSON-friendly values to keep alongside (epoch, an LR scheduler's

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -11,15 +10,6 @@ from torch.utils.checkpoint import checkpoint
 from headroom.transfer import binding
 
 VOCAB = 50
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, especially on a shared, busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Block(nn.Module):

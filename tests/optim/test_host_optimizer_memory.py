@@ -14,9 +14,7 @@ from torch import nn
 
 import headroom as hr
 from tests.conftest import accelerator_type
-from tests.offload._optim_util import loss_fn, make_model, one_thread  # noqa: F401 - fixture
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from tests.optim._models import loss_fn, make_model
 
 
 def _adam_state_bytes(model: nn.Module) -> int:

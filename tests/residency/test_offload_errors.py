@@ -13,7 +13,6 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.transfer import DiskStore
-from tests.offload.test_offload_helpers import one_thread  # noqa: F401 - autouse fixture
 
 
 def _net() -> nn.Sequential:

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.offload._params import _state
-from tests.offload.test_offload_helpers import one_thread  # noqa: F401 - autouse fixture
+from headroom.residency._offload import _state
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:  # pragma: no cover
-    from headroom.offload._residency import Offload
+    from headroom.residency._schedule import Offload
 
 __all__ = ["init_pending", "initializer"]
 

@@ -98,7 +98,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
 
     Works on an offloaded model (the values go straight into its store, host memory or disk,
     a few megabytes at a time) and on an ordinary one; a model built on ``meta`` gets its
-    values here instead of being initialized at random (see `headroom.offload`). Names are the
+    values here instead of being initialized at random (see `hr.offload`). Names are the
     model's ``state_dict()`` keys; tied parameters need only one of their names in the files
     (``save_pretrained`` writes one). Values are converted to the parameter's dtype when the
     file's differs. Everything is checked before anything is written.

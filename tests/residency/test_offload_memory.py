@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.offload._params import _state
+from headroom.residency._offload import _state
 from headroom.transfer import DiskStore
-from tests.offload.test_offload_helpers import (
+from tests.residency._models import (
     CNN,
     StoreStep,
     Transformer,
@@ -18,7 +18,6 @@ from tests.offload.test_offload_helpers import (
     cnn_loss,
     lm_batch,
     lm_loss,
-    one_thread,  # noqa: F401 - autouse fixture
 )
 
 

@@ -324,15 +324,15 @@ def test_recovers_after_a_failed_backward():
 def test_accelerator_code_path_on_cpu_is_exact(kind, tmp_path, monkeypatch):
     """The mover's accelerator path (staging buffers, side-stream bookkeeping, events) driven
     by offload on the CPU with do-nothing streams; exact gradients over two accumulations."""
-    from headroom.residency import _schedule as _residency
+    from headroom.residency import _group
     from tests.transfer.test_mover import accelerated_on_cpu
 
-    monkeypatch.setattr(_residency, "Mover", accelerated_on_cpu)
+    monkeypatch.setattr(_group, "Mover", accelerated_on_cpu)
     torch.manual_seed(0)
     ref = Transformer(n=4, ckpt=True)
     store = "cpu" if kind == "cpu" else DiskStore(tmp_path / "s")
     model = _offload(copy.deepcopy(ref), store)
-    assert _state(model).mover.accelerated
+    assert _state(model).res.mover.accelerated
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         b = lm_batch(g)

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
+from headroom.residency._group import DeviceCopy
 from headroom.residency._offload import _state
-from headroom.residency._schedule import DeviceCopy
 from headroom.transfer import DiskStore, HostStore, StoreFullError
 
 D = 16

@@ -849,11 +849,3 @@ def annotate(tensor: torch.Tensor, category: str) -> None:
     tracker = _active
     if tracker is not None:
         tracker.annotate(tensor, category)
-
-
-def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    """Resize ``tensor``'s storage to ``nbytes`` (0 frees it, keeping the tensor object valid).
-
-    Goes through ``torch.ops.inductor.resize_storage_bytes_`` so trackers see it.
-    """
-    torch.ops.inductor.resize_storage_bytes_(tensor, nbytes)

@@ -13,18 +13,10 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from headroom.memory import resize_storage
 from headroom.residency import _guard
 from headroom.residency._blocks import check_blocks, find_blocks, with_outside_blocks
-from headroom.residency._schedule import (
-    _LIVE,
-    Block,
-    DeviceCopy,
-    Offload,
-    Slot,
-    _BlockRole,
-    in_backward,
-)
+from headroom.residency._group import DeviceCopy, Group, Slot
+from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
 from headroom.transfer import (
     DiskStore,
     Store,
@@ -32,6 +24,7 @@ from headroom.transfer import (
     binding,
     check_device,
     claimed_keys,
+    resize_storage,
     resolve_store,
     trim_heap,
     unbind,
@@ -133,7 +126,7 @@ def offload(
     state = Offload(model, dev, st, prefetch, compute_dtype, auto)
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
-    state.blocks = [Block(names[id(m)], m) for m in block_mods]
+    state.blocks = [Group(names[id(m)], m) for m in block_mods]
 
     # Which block owns each parameter (tied parameters used by several blocks go outside).
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -149,7 +142,7 @@ def offload(
             if (m, attr) not in [(o, a) for o, a in owners[pid]]:
                 owners[pid].append((m, attr))
             first_name.setdefault(pid, f"{mname}.{attr}" if mname else attr)
-    blocks_of_module: dict[int, list[Block]] = {}
+    blocks_of_module: dict[int, list[Group]] = {}
     for b in state.blocks:
         for m in b.module.modules():
             blocks_of_module.setdefault(id(m), []).append(b)
@@ -209,7 +202,7 @@ def offload(
     # NOTE: after every other step succeeded: a failed offload leaves the classes alone.
     _guard.install(model, state)
     for b in state.blocks:
-        _guard.install(b.module, _BlockRole(state, b))
+        _guard.install(b.module, _GroupRole(state, b))
     if not state.blocks:
         warnings.warn(
             "hr.offload found no repeated blocks in the model, so all parameters form one group"
@@ -276,7 +269,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
                 state.pending_modules[id(m)] = m
         b.grad_sync = state.sync_grads
         slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
-        slot.block = target
+        slot.group = target
         slot.show(master)
         placed.append((slot, params[pid], created))
         claimed.add(name)
@@ -381,7 +374,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     state.init_pending()
     state.sync_grads()
     for b in [*state.blocks, state.rest]:
-        state.release(b)
+        state.res.release(b)
     for h in state.handles:
         h.remove()
     st = state.store

@@ -1,33 +1,24 @@
-"""Residency of offloaded parameters: which block is on the device, and the hooks that move it.
+"""When offloaded parameters move: the forward and backward hooks of an offloaded model.
 
-How it works (one concept per piece):
-
-- Every offloaded parameter keeps two tensors. The *master* is the ``nn.Parameter`` object the
-  model registers and optimizers see: with ``store="cpu"`` its data *is* the store's host tensor
-  (zero-copy), so any ``torch.optim`` optimizer steps it in place; with a `DiskStore` it is a
-  ``meta`` placeholder and the values live on disk. The *device copy* is a second leaf parameter
-  on the compute device whose storage is resized to 0 while the block is not resident.
-- A block's forward pre-hook refills its device copies (waiting for a prefetch started earlier)
-  and swaps them into the modules; the forward post-hook swaps the masters back and frees the
-  device storage. Autograd saved the device copies themselves, not their bytes, so:
-- a hook on the block's outputs fires before the block's backward and refills the same device
-  tensors (FSDP2 frees unsharded parameters this way); version counters are preserved, so
-  autograd's saved-tensor checks pass and the memory is freed again after the block's backward.
-- each device copy's post-accumulate-grad hook moves its finished gradient into the store
-  (accumulating in the master dtype when a gradient is already there) and frees it.
+A group's forward pre-hook makes it resident (waiting for a prefetch started earlier) and shows
+its device copies to the modules; the forward post-hook hides them and releases the group. A
+hook on the group's outputs fires before its backward and fetches it again; it is released as
+soon as all its gradients are in (and, with frozen parameters, its input gradients), each
+device copy's post-accumulate-grad hook having handed its gradient to the store. The moving
+itself is `headroom.residency._group.Residency`'s.
 
 Resting state: outside forward and backward the modules hold the masters and nothing is
 resident on the device. A forward or backward that breaks off half-way (an exception,
 ``KeyboardInterrupt``) puts the model back there: at once when headroom sees it (a failure inside
-the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward hooks);
-otherwise (another hook raising in backward) at the next forward or ``named_parameters()``; see
-`Offload.abort_forward`, `Offload.abort_backward` and `Offload.settle_if_idle`.
+the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward
+hooks); otherwise (another hook raising in backward) at the next forward or
+``named_parameters()``; see `Offload.abort_forward`, `Offload.abort_backward` and
+`Offload.settle_if_idle`.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from functools import partial
 from typing import Any
@@ -36,19 +27,11 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from headroom.memory import resize_storage
+from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
-from headroom.transfer import (
-    HeapTrimmer,
-    Mover,
-    ParamBinding,
-    Store,
-    StoreFullError,
-    Ticket,
-    grad_ready,
-)
+from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
 
-__all__ = ["Offload", "Block", "Slot", "DeviceCopy", "in_backward"]
+__all__ = ["Offload", "in_backward"]
 
 
 def in_backward() -> bool:
@@ -75,16 +58,6 @@ def _outputs(output: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-class DeviceCopy(nn.Parameter):
-    """The device-side copy of an offloaded parameter (storage empty while not resident)."""
-
-    def __repr__(self) -> str:
-        # NOTE: printing a tensor whose storage was resized to 0 reads freed memory.
-        resident = self.untyped_storage().nbytes() > 0
-        return (f"DeviceCopy(shape={tuple(self.shape)}, dtype={self.dtype},"
-                f" device={self.device}, resident={resident})")
-
-
 class _AfterBackward(torch.autograd.Function):
     """Identity on a block's inputs whose backward reports that their gradients are done."""
 
@@ -100,53 +73,16 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class Slot:
-    """One unique offloaded parameter: master, device copy, where it is registered."""
-
-    __slots__ = ("name", "owners", "param", "dev", "binding", "ticket", "block", "nbytes")
-
-    def __init__(self, name: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
-                 dev: nn.Parameter, b: ParamBinding) -> None:
-        self.name = name
-        self.owners = owners
-        self.param = param
-        self.dev = dev
-        self.binding = b
-        self.ticket: Ticket | None = None
-        self.block: Block | None = None
-        self.nbytes = dev.numel() * dev.element_size()
-
-    def show(self, t: nn.Parameter) -> None:
-        # NOTE: write the module's parameter dict directly: `setattr` would re-register and
-        # refuse swapping a parameter while its module runs.
-        for module, attr in self.owners:
-            module._parameters[attr] = t
-
-
-class Block:
-    def __init__(self, name: str, module: nn.Module | None) -> None:
-        self.name = name
-        self.module = module
-        self.slots: list[Slot] = []
-        self.resident = False
-        self.grads_left = 0
-        self.inputs_pending = 0  # forward calls whose input gradients are not computed yet
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
-
-
 # Live offloaded models, for the optimizer-step hook (see `before_optimizer_step`).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-class _BlockRole:
+class _GroupRole:
     """A block's side of the guard protocol (`headroom.residency._guard.Role`)."""
 
     __slots__ = ("state", "block")
 
-    def __init__(self, state: Offload, block: Block) -> None:
+    def __init__(self, state: Offload, block: Group) -> None:
         self.state = state
         self.block = block
 
@@ -171,25 +107,18 @@ class Offload:
         self.model = model
         self.device = device
         self.store = store
-        self.mover = Mover(device, store)
-        # NOTE: on the CPU the device copies are host memory, freed and allocated again block
-        # after block; see headroom.transfer._heap for why that memory must be given back.
-        self._trimmer = HeapTrimmer() if device.type == "cpu" else None
-        # NOTE: the mover is driven by the backward thread; `sync_grads` may also be called by
-        # an optimizer's worker thread (HostOptimizer stepping a block during backward), so
-        # every use of the mover holds this lock.
-        self.lock = threading.Lock()
+        self.res = Residency(device, store)
         self.prefetch = prefetch
         self.compute_dtype = compute_dtype
         self.auto = auto
-        self.blocks: list[Block] = []
-        self.rest = Block("(outside blocks)", None)
+        self.blocks: list[Group] = []
+        self.rest = Group("(outside blocks)", None)
         self.slots: list[Slot] = []
         self.by_dev: dict[int, Slot] = {}
         self.by_param: dict[int, Slot] = {}
         self.handles: list[Any] = []
-        self.order: list[Block] = []  # forward order of the last forward
-        self._order_now: list[Block] = []
+        self.order: list[Group] = []  # forward order of the last forward
+        self._order_now: list[Group] = []
         self._root_running = False
         self._active: list[list] = []  # [block, watched] of block forwards in progress
         self._bwd = False
@@ -202,73 +131,7 @@ class Offload:
         self.module_names: dict[int, str] = {}
         _LIVE.add(self)
 
-    # ------------------------------------------------------------------ residency
-    def fetch(self, block: Block) -> None:
-        """Start bringing a block to the device (no wait; the modules still hold the masters)."""
-        if block.resident:
-            return
-        block.resident = True  # first: a fetch that fails half-way is released whole
-        for s in block.slots:
-            self._check_master(s)
-            resize_storage(s.dev, s.nbytes)
-            with self.lock:
-                s.ticket = self.mover.fetch(s.binding.handle, s.dev)
-
-    def ensure(self, block: Block) -> None:
-        """Make a block resident and ready for compute."""
-        self.fetch(block)
-        for s in block.slots:
-            if s.ticket is not None:
-                with self.lock:
-                    self.mover.wait(s.ticket)
-                s.ticket = None
-
-    @staticmethod
-    def _show(block: Block) -> None:
-        """The modules compute with the device copies (inside a forward only)."""
-        for s in block.slots:
-            s.show(s.dev)
-
-    @staticmethod
-    def _hide(block: Block) -> None:
-        """The modules hold the masters again (residency unchanged)."""
-        for s in block.slots:
-            s.show(s.param)
-
-    def release(self, block: Block, *, quiet: bool = False) -> None:
-        """Free a block's device copies; ``quiet``: on a failure path, where a fetch that
-        failed must not hide the error being raised."""
-        if not block.resident:
-            return
-        self._hide(block)
-        for s in block.slots:
-            if s.ticket is not None:  # a prefetch that was never used
-                # NOTE: wait even when quiet: a disk read may still be landing in the storage.
-                try:
-                    with self.lock:
-                        self.mover.wait(s.ticket)
-                except Exception:
-                    if not quiet:
-                        raise
-                s.ticket = None
-            resize_storage(s.dev, 0)
-        block.resident = False
-        if self._trimmer is not None:
-            self._trimmer.freed(block.nbytes)
-
-    def _check_master(self, s: Slot) -> None:
-        h = s.binding.handle
-        p = s.param
-        if p.dtype != h.dtype or p.shape != h.shape or p.device.type not in ("cpu", "meta"):
-            raise RuntimeError(
-                f"offloaded parameter {s.name!r} was changed to {p.dtype} {tuple(p.shape)} on"
-                f" {p.device} after hr.offload (its stored master is {h.dtype} {h.shape}), e.g."
-                " by .half()/.to() on a submodule. Offloaded parameters keep their stored dtype:"
-                " use hr.offload(..., compute_dtype=...) to compute in another dtype, or"
-                " hr.unoffload(model), convert, and offload again"
-            )
-
-    def _prefetch(self, order: list[Block], start: int, step: int) -> None:
+    def _prefetch(self, order: list[Group], start: int, step: int) -> None:
         i = start
         for _ in range(self.prefetch):
             i += step
@@ -276,7 +139,7 @@ class Offload:
                 return
             if step < 0 and id(order[i]) in self._bwd_seen:
                 continue
-            self.fetch(order[i])
+            self.res.fetch(order[i])
 
     def init_pending(self) -> None:
         """Values for whatever was created on meta and not loaded yet (see `_meta`)."""
@@ -284,7 +147,7 @@ class Offload:
             init_pending(self)
 
     # ------------------------------------------------------------------ failures
-    def abort_forward(self, block: Block | None) -> None:
+    def abort_forward(self, block: Group | None) -> None:
         """A forward (of the root when ``block`` is None) raised: back to the resting state.
 
         A block that fails inside the root's forward releases itself (the caller may catch the
@@ -304,8 +167,8 @@ class Offload:
                         if watched:
                             block.inputs_pending = max(0, block.inputs_pending - 1)
                         break
-                self._hide(block)
-                self.release(block, quiet=True)
+                hide(block)
+                self.res.release(block, quiet=True)
                 if self._root_running or self._active:
                     return
             for b, watched in self._active:
@@ -315,8 +178,8 @@ class Offload:
             self._root_running = False
             self._order_now = []
             for b in [*self.blocks, self.rest]:
-                self._hide(b)
-                self.release(b, quiet=True)
+                hide(b)
+                self.res.release(b, quiet=True)
         except BaseException as e:  # pragma: no cover - nothing above is expected to raise
             _warn_recovery(e)
 
@@ -332,8 +195,8 @@ class Offload:
             self._bwd_seen = set()
             for b in [*self.blocks, self.rest]:
                 b.inputs_pending = 0
-                self._hide(b)
-                self.release(b, quiet=True)
+                hide(b)
+                self.res.release(b, quiet=True)
             for _ in range(len(self.slots) + 1):  # let every gradient write in flight land
                 try:
                     self.sync_grads()
@@ -350,7 +213,7 @@ class Offload:
         for b in [*self.blocks, self.rest]:
             # NOTE: only leftovers are resident here (e.g. `rest`, kept for a backward that
             # never ran); a pending backward re-fetches what it needs, with the same values.
-            self.release(b)
+            self.res.release(b)
 
     def settle_if_idle(self) -> None:
         """Outside forward and backward: back to the resting state, finishing the clean-up of a
@@ -362,14 +225,14 @@ class Offload:
             return
         for b in [*self.blocks, self.rest]:
             # NOTE: a backward still to come re-fetches what it needs, with the same values.
-            self.release(b)
+            self.res.release(b)
 
     def before_optimizer_step(self) -> None:
         """An optimizer is about to change masters: drop device copies a step would outdate."""
         if self._bwd or self._root_running or self._active:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
         for b in [*self.blocks, self.rest]:
-            self.release(b)
+            self.res.release(b)
 
     # ------------------------------------------------------------------ guard protocol
     def call_failed(self, module: nn.Module) -> None:
@@ -431,8 +294,8 @@ class Offload:
     # ------------------------------------------------------------------ forward hooks
     def root_pre_forward(self, module, args, kwargs):
         if in_backward():
-            self.ensure(self.rest)
-            self._show(self.rest)
+            self.res.ensure(self.rest)
+            show(self.rest)
             return None
         self._check_not_under_ddp(module)
         self._settle()
@@ -440,8 +303,8 @@ class Offload:
         self._root_running = True
         self._order_now = []
         self._active = []
-        self.ensure(self.rest)
-        self._show(self.rest)
+        self.res.ensure(self.rest)
+        show(self.rest)
         order = self.order or self.blocks
         self._prefetch(order, -1, 1)
         return None
@@ -452,22 +315,22 @@ class Offload:
         self._root_running = False
         self.order = self._order_now or self.order
         for b in self.blocks:  # prefetched past the end, or skipped by this forward
-            self.release(b)
+            self.res.release(b)
         outs = _outputs(output) if torch.is_grad_enabled() else []
         if outs:
             # NOTE: `rest` stays resident for backward, but the modules hold the masters again.
-            self._hide(self.rest)
+            hide(self.rest)
             hook = partial(self.pre_backward, self.rest)
             for t in outs:
                 t.register_hook(hook)
         else:
-            self.release(self.rest)
+            self.res.release(self.rest)
         return None
 
-    def pre_forward(self, block: Block, module, args, kwargs):
+    def pre_forward(self, block: Group, module, args, kwargs):
         if in_backward():  # recomputation inside backward (activation checkpointing)
-            self.ensure(block)
-            self._show(block)
+            self.res.ensure(block)
+            show(block)
             return None
         if not self._root_running:  # called on its own, e.g. one head of a ModuleList
             self._check_not_under_ddp(module)
@@ -476,8 +339,8 @@ class Offload:
             self.init_pending()
         entry = [block, False]
         self._active.append(entry)
-        self.ensure(block)
-        self._show(block)
+        self.res.ensure(block)
+        show(block)
         for s in block.slots:
             if s.dev.requires_grad != s.param.requires_grad:
                 s.dev.requires_grad_(s.param.requires_grad)
@@ -490,7 +353,7 @@ class Offload:
             return new
         return None
 
-    def _watch_inputs(self, block: Block, args, kwargs):
+    def _watch_inputs(self, block: Group, args, kwargs):
         # NOTE: with frozen parameters, "all parameter gradients are in" does not mean the
         # block's backward is over (frozen weights are still needed for input gradients), so
         # the block is also held until the gradients of its inputs are computed.
@@ -510,15 +373,15 @@ class Offload:
             kwargs[k] = outs[len(idx) + j]
         return tuple(args), kwargs
 
-    def inputs_done(self, block: Block) -> None:
+    def inputs_done(self, block: Group) -> None:
         block.inputs_pending = max(0, block.inputs_pending - 1)
         self._maybe_release(block)
 
-    def _maybe_release(self, block: Block) -> None:
+    def _maybe_release(self, block: Group) -> None:
         if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
-            self.release(block)
+            self.res.release(block)
 
-    def post_forward(self, block: Block, module, args, kwargs, output):
+    def post_forward(self, block: Group, module, args, kwargs, output):
         if in_backward():
             # NOTE: keep the block: its backward, which triggered this recomputation, runs next.
             return None
@@ -530,18 +393,18 @@ class Offload:
             hook = partial(self.pre_backward, block)
             for t in _outputs(output):
                 t.register_hook(hook)
-        self.release(block)
+        self.res.release(block)
         return None
 
     # ------------------------------------------------------------------ backward hooks
-    def pre_backward(self, block: Block, grad: torch.Tensor) -> None:
+    def pre_backward(self, block: Group, grad: torch.Tensor) -> None:
         try:
             self._pre_backward(block)
         except BaseException:
             self.abort_backward()
             raise
 
-    def _pre_backward(self, block: Block) -> None:
+    def _pre_backward(self, block: Group) -> None:
         task = torch._C._current_graph_task_id()
         # NOTE: keyed by the graph task, so a backward that died half-way (an exception in a
         # hook skips the final callback) does not leave the next one without its cleanup.
@@ -566,10 +429,10 @@ class Offload:
             return
         self._bwd_seen.add(id(block))
         block.grads_left = sum(1 for s in block.slots if s.dev.requires_grad)
-        self.ensure(block)
+        self.res.ensure(block)
         # NOTE: shown, not only resident: activation checkpointing inside a block recomputes
         # its submodules without calling the block (no pre-forward hook to show them then).
-        self._show(block)
+        show(block)
         if block is not self.rest and block in self.order:
             self._prefetch(self.order, self.order.index(block), -1)
 
@@ -617,13 +480,11 @@ class Offload:
         if host is not None:
             if cur is not None and cur.data_ptr() != host.data_ptr():
                 host.copy_(cur)  # a gradient assigned by the user: accumulate onto it
-            with self.lock:
-                self.mover.push_grad(g, b, accumulate=cur is not None)
+            self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None or cur.data_ptr() != host.data_ptr():
                 p.grad = host
         else:
-            with self.lock:
-                self.mover.push_grad(g, b, accumulate=cur is not None)
+            self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None:
                 # NOTE: a marker (one element, expanded): `zero_grad()` sets it to None, which
                 # tells the next backward to overwrite the stored gradient, not accumulate.
@@ -632,7 +493,7 @@ class Offload:
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
-        block = slot.block
+        block = slot.group
         if id(block) in self._bwd_seen:
             block.grads_left -= 1
             if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
@@ -643,8 +504,8 @@ class Offload:
         self._bwd_seen = set()
         for b in self.blocks:
             b.inputs_pending = 0
-            self.release(b)
-        self.release(self.rest)
+            self.res.release(b)
+        self.res.release(self.rest)
         self.sync_grads()
         if self._bypass:
             names, self._bypass = self._bypass, []
@@ -657,8 +518,7 @@ class Offload:
 
     def sync_grads(self) -> None:
         """Wait until every gradient pushed so far rests in the store (any thread)."""
-        with self.lock:
-            self.mover.synchronize()
+        self.res.sync_grads()
 
     def bypass_hook(self, name: str, p: torch.Tensor) -> None:
         self._bypass.append(name)

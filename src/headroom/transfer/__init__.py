@@ -21,6 +21,7 @@ from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, RowStreamer, Ticket
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
+from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (
     Store,
     StoreCorruptError,
@@ -52,6 +53,7 @@ __all__ = [
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "resize_storage",
     "resolve_store",
     "safetensors_dtypes",
     "sync_grad",

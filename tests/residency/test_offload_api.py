@@ -93,10 +93,31 @@ def test_unoffload_restores_plain_parameters(store):
 
 def test_describe_lists_blocks_and_outside():
     model = _offload(Transformer(n=3, tie=True))
-    text = hr.describe(model)
+    text = str(hr.describe(model))
     for name in ("layers.0", "layers.2", "found automatically", "emb.weight", "tied",
                  "(prefetch+1) x largest block"):
         assert name in text, name
+
+
+def test_plan_of_a_meta_model_is_the_plan_offload_runs_with(tmp_path):
+    """Plans are data: computed without a store or values (a model on meta), and what
+    hr.offload applies; the budget is the bytes the plan's groups add up to."""
+    from dataclasses import replace
+
+    from headroom.residency import plan_offload
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = Transformer(n=3, tie=True)
+    plan = plan_offload(meta, device="cpu", prefetch=2)
+    model = _offload(Transformer(n=3, tie=True), DiskStore(tmp_path / "s"), prefetch=2)
+    applied = hr.describe(model)
+    assert applied == replace(plan, store=applied.store)
+    assert [b.name for b in plan.blocks] == ["layers.0", "layers.1", "layers.2"]
+    assert "emb.weight" in [p.name for p in plan.outside.params]
+    block = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    outside = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("lay"))
+    assert plan.device_budget == 3 * block + outside
 
 
 def test_train_eval_and_frozen_blocks(store):

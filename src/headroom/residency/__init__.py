@@ -1,5 +1,21 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
 from headroom.residency._offload import describe, offload, unoffload
+from headroom.residency._plan import (
+    GroupPlan,
+    OffloadOptions,
+    OffloadPlan,
+    ParamPlan,
+    plan_offload,
+)
 
-__all__ = ["describe", "offload", "unoffload"]
+__all__ = [
+    "GroupPlan",
+    "OffloadOptions",
+    "OffloadPlan",
+    "ParamPlan",
+    "describe",
+    "offload",
+    "plan_offload",
+    "unoffload",
+]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -14,8 +15,8 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from headroom.residency import _guard
-from headroom.residency._blocks import check_blocks, find_blocks, with_outside_blocks
 from headroom.residency._group import DeviceCopy, Group, Slot
+from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
 from headroom.transfer import (
     DiskStore,
@@ -89,15 +90,7 @@ def offload(
         >>> model(x.cuda()).sum().backward(); opt.step(); opt.zero_grad()        # doctest: +SKIP
     """
     dev = check_device(device)
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if compute_dtype is not None and (
-        not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point
-    ):
-        raise ValueError(
-            f"compute_dtype must be a floating-point torch.dtype (e.g. torch.bfloat16), got"
-            f" {compute_dtype!r}"
-        )
+    check_options(prefetch, compute_dtype)
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"
@@ -110,10 +103,8 @@ def offload(
                 f"parameter {name!r} already rests in a store (offloaded elsewhere or bound by"
                 " another headroom feature); unoffload it first"
             )
-    auto = blocks is None
-    block_mods = find_blocks(model) if auto else check_blocks(model, list(blocks))
-    if auto and block_mods:
-        block_mods = with_outside_blocks(model, block_mods)
+    lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
+                 compute_dtype=compute_dtype)
     st = resolve_store(store, dev)
     if dev.type == "cpu" and not isinstance(st, DiskStore):
         warnings.warn(
@@ -123,31 +114,15 @@ def offload(
             UserWarning,
             stacklevel=2,
         )
-    state = Offload(model, dev, st, prefetch, compute_dtype, auto)
+    state = Offload(model, dev, st, prefetch, compute_dtype)
+    state.plan = replace(lay.plan, store=repr(st))
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
-    state.blocks = [Group(names[id(m)], m) for m in block_mods]
-
-    # Which block owns each parameter (tied parameters used by several blocks go outside).
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    first_name: dict[int, str] = {}
-    params: dict[int, nn.Parameter] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        for attr, p in m._parameters.items():
-            if p is None:
-                continue
-            pid = id(p)
-            params[pid] = p
-            owners.setdefault(pid, [])
-            if (m, attr) not in [(o, a) for o, a in owners[pid]]:
-                owners[pid].append((m, attr))
-            first_name.setdefault(pid, f"{mname}.{attr}" if mname else attr)
-    blocks_of_module: dict[int, list[Group]] = {}
-    for b in state.blocks:
-        for m in b.module.modules():
-            blocks_of_module.setdefault(id(m), []).append(b)
+    state.blocks = [Group(g.name, m) for g, m in zip(lay.plan.blocks, lay.block_modules,
+                                                     strict=True)]
+    first_name = lay.names
     claimed = claimed_keys(st)
-    for pid, p in params.items():  # validate before changing anything
+    for pid, p in lay.params.items():  # validate before changing anything
         name = first_name[pid]
         if name in st:
             if name in claimed:
@@ -158,8 +133,7 @@ def offload(
             _check_stored(st.get(name), p, name)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
     try:
-        _place(state, st, dev, compute_dtype, params, owners, first_name, blocks_of_module,
-               claimed, placed)
+        _place(state, st, dev, compute_dtype, lay, claimed, placed)
     except BaseException:
         _rollback(state, st, claimed, placed)
         raise
@@ -171,9 +145,6 @@ def offload(
                 elif buf.device != dev:
                     m._buffers[bname] = buf.to(dev)
                 state.buffers.append(f"{mname}.{bname}" if mname else bname)
-
-    # Found blocks whose parameters all went outside (e.g. a tied embedding) are dropped.
-    state.blocks = [b for b in state.blocks if b.slots or not auto]
 
     # Hooks: root, blocks, state dict.
     h = state.handles
@@ -217,9 +188,10 @@ def offload(
 _guard_handle = None
 
 
-def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, owners,
-           first_name, blocks_of_module, claimed: set[str], placed: list) -> None:
+def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Layout,
+           claimed: set[str], placed: list) -> None:
     """Move every parameter's master into the store and give it a device copy and hooks."""
+    owners, params, first_name = lay.owners, lay.params, lay.names
     for pid, p in params.items():
         name = first_name[pid]
         # NOTE: a parameter already in the store (a DiskStore reopened by a later run) is
@@ -230,11 +202,8 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, params, 
         pending = p.device.type == "meta" and not resume
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
-        # NOTE: a parameter belongs to a block only if every module registering it is inside
-        # that block; tied parameters shared across blocks are kept outside, fetched once.
-        homes = {id(b) for m, _ in owners[pid] for b in blocks_of_module.get(id(m), [None])}
-        home = blocks_of_module.get(id(owners[pid][0][0]), [None])[0]
-        target = home if home is not None and len(homes) == 1 else state.rest
+        g = lay.group_of[pid]
+        target = state.blocks[g] if g >= 0 else state.rest
         cdtype = compute_dtype if (compute_dtype is not None and p.is_floating_point()) \
             else p.dtype
         created = name not in st
@@ -406,8 +375,12 @@ def unoffload(model: nn.Module) -> nn.Module:
     return model
 
 
-def describe(model: nn.Module) -> str:
-    """A table of an offloaded model: its blocks, what stays resident and why, the budget.
+def describe(model: nn.Module) -> OffloadPlan:
+    """The plan an offloaded model runs with: blocks, what stays resident and why, the budget.
+
+    ``print()`` it for a table; its fields are data (``plan.blocks``, ``plan.outside``,
+    ``plan.device_budget``). `headroom.residency.plan_offload` gives the same for a model that
+    is not offloaded (one on ``meta`` too).
 
     Raises:
         RuntimeError: the model is not offloaded.
@@ -415,34 +388,4 @@ def describe(model: nn.Module) -> str:
     Example:
         >>> print(hr.describe(hr.offload(model, device="cuda")))   # doctest: +SKIP
     """
-    s = _state(model)
-
-    def mb(n: int) -> str:
-        return f"{n / 2**20:.2f} MiB"
-
-    lines = [
-        f"headroom offload: device={s.device}, store={s.store!r}, prefetch={s.prefetch},"
-        f" compute_dtype={s.compute_dtype}",
-        f"blocks ({len(s.blocks)}, {'found automatically' if s.auto else 'given'}):"
-        " fetched before their forward and backward, released right after",
-    ]
-    for b in s.blocks:
-        lines.append(f"  {b.name:<40} {type(b.module).__name__:<24} {len(b.slots):>4} params"
-                     f"  {mb(b.nbytes):>12}")
-    rest = s.rest
-    lines.append(
-        f"outside blocks: {len(rest.slots)} params, {mb(rest.nbytes)} on the device from the"
-        " start of forward to the end of backward (not inside any block, or shared by several)"
-    )
-    for sl in rest.slots:
-        tied = [f"{type(m).__name__}.{a}" for m, a in sl.owners]
-        extra = f" (tied: {', '.join(tied)})" if len(sl.owners) > 1 else ""
-        lines.append(f"  {sl.name:<40} {tuple(sl.dev.shape)!s:<24} {mb(sl.nbytes):>12}{extra}")
-    lines.append(f"buffers resident on the device: {len(s.buffers)}")
-    largest = max((b.nbytes for b in s.blocks), default=0)
-    lines.append(
-        f"device parameter bytes at most: (prefetch+1) x largest block + outside ="
-        f" {s.prefetch + 1} x {mb(largest)} + {mb(rest.nbytes)}"
-        f" = {mb((s.prefetch + 1) * largest + rest.nbytes)}"
-    )
-    return "\n".join(lines)
+    return _state(model).plan

@@ -103,14 +103,14 @@ class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
 
     def __init__(self, model: nn.Module, device: torch.device, store: Store, prefetch: int,
-                 compute_dtype: torch.dtype | None, auto: bool) -> None:
+                 compute_dtype: torch.dtype | None) -> None:
         self.model = model
         self.device = device
         self.store = store
         self.res = Residency(device, store)
         self.prefetch = prefetch
         self.compute_dtype = compute_dtype
-        self.auto = auto
+        self.plan = None  # the OffloadPlan applied (set by hr.offload)
         self.blocks: list[Group] = []
         self.rest = Group("(outside blocks)", None)
         self.slots: list[Slot] = []

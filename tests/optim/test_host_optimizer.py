@@ -108,7 +108,7 @@ def test_final_backward_steps_during_backward():
     before = [p.detach().clone() for p in b.parameters()]
     with opt.final_backward():
         loss_fn(b, 1).backward()
-    assert opt._futures, "no step was started during backward"
+    assert opt._overlap.busy, "no step was started during backward"
     opt._wait()
     moved = [not torch.equal(x, p) for x, p in zip(before, b.parameters(), strict=True)]
     assert all(moved), "parameters were not updated before step()"
@@ -131,7 +131,7 @@ def test_final_backward_misuse_is_an_error():
         opt.clip_grad_norm_(1.0)
     opt.step()
     opt.zero_grad()
-    opt._clips = False  # pretend this optimizer never clipped, to check the other misuses
+    opt._overlap.clips = False  # pretend this optimizer never clipped, to check the other misuses
     with opt.final_backward():
         loss_fn(b, 6).backward()
     with pytest.raises(RuntimeError, match="another gradient"):
@@ -174,13 +174,13 @@ def test_failed_final_backward_says_what_stepped():
 
 def test_overlap_hparam_change_detected_when_the_worker_starts_late():
     a, ref, b, opt = _pair(overlap=True)
-    drain = opt._drain
+    drain = opt._overlap._drain
 
     def late():
         time.sleep(0.2)  # the worker gets to the step only after lr was changed below
         drain()
 
-    opt._drain = late
+    opt._overlap._drain = late
     loss_fn(a, 8).backward()
     with opt.final_backward():
         loss_fn(b, 8).backward()

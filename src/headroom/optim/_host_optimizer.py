@@ -12,12 +12,26 @@ import contextlib
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from headroom.memory import annotate
+from headroom.optim import _state
+from headroom.optim._entries import (
+    ALIAS,
+    BOUND,
+    FUSED_CPU,
+    HOSTED,
+    LAZY,
+    MASTER_DTYPES,
+    Entry,
+    check_class,
+    probe_cpu,
+    want_fp32_grad,
+)
+from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import ELEMENTWISE, SliceRunner, SliceSource, probe_layout
 from headroom.transfer import (
     Handle,
@@ -31,136 +45,18 @@ from headroom.transfer import (
     sync_grad,
 )
 
-__all__ = ["HostOptimizer"]
+__all__ = ["HostOptimizer", "HostOptimizerOptions"]
 
-# NOTE: PyTorch ships fused CPU kernels for these four; they run at the memory-bandwidth limit
-# (as fast as hand-written CPU Adam kernels), so there is no reason to write our own.
-_FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
-_LAZY = (torch.optim.Adam, torch.optim.AdamW)
-_ALIAS, _HOSTED, _BOUND = "alias", "hosted", "bound"
-_MASTER_DTYPES = (torch.float32, torch.float64)
+@dataclass(frozen=True)
+class HostOptimizerOptions:
+    """How a `HostOptimizer` was configured (``opt.options``), as data."""
 
-
-class _Bucket:
-    """Parameters whose gradients complete close together; stepped together when all are in.
-
-    NOTE: one hand-off to the worker per bucket (not per parameter) keeps the two threads from
-    trading the GIL on every gradient, which costs more than it overlaps for small tensors.
-    """
-
-    __slots__ = ("entries", "remaining")
-
-    def __init__(self, entries: list[_Entry]) -> None:
-        self.entries = entries
-        self.remaining = len(entries)
-
-
-class _Entry:
-    """Book-keeping for one parameter."""
-
-    __slots__ = (
-        "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
-        "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired", "master_handle",
-    )
-
-    def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
-        self.param = param
-        self.index = index
-        self.group = group
-        self.kind = _ALIAS
-        self.master: torch.Tensor | None = None  # in-memory fp32 master (None: in a store)
-        self.own: ParamBinding | None = None  # HOSTED: our host master + gradient
-        self.bound: ParamBinding | None = None  # BOUND: the store-resident parameter's binding
-        self.sparse = False
-        self.streamed = False  # state rests in handles (sliced step) rather than in memory
-        self.state_handles: dict[str, Handle] = {}
-        self.small: dict[str, Any] = {}
-        self.initialized = False
-        self.count = 0  # gradients received since the last step
-        self.launched = False  # its step started during a final backward
-        self.grad_scale: torch.Tensor | None = None
-        self.bucket: _Bucket | None = None
-        self.fired = False  # its gradient of the current final backward is complete
-        # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
-        self.master_handle: Handle | None = None
-
-    @property
-    def lowp(self) -> bool:
-        """A store-resident parameter whose stored value is not its master (bf16, fp16)."""
-        return self.kind == _BOUND and self.bound.handle.dtype not in _MASTER_DTYPES
-
-
-    @property
-    def binding(self) -> ParamBinding | None:
-        return self.own if self.kind == _HOSTED else self.bound
-
-    def has_grad(self) -> bool:
-        if self.kind == _ALIAS:
-            return self.param.grad is not None
-        b = self.binding
-        return b is not None and b.grad_handle is not None and b.has_grad
-
-    def grad_tensor(self) -> torch.Tensor | None:
-        """The gradient as an in-memory host tensor, or ``None`` if it rests elsewhere."""
-        if self.kind == _ALIAS:
-            return self.param.grad
-        b = self.binding
-        if b is None or b.grad_handle is None or not b.has_grad:
-            return None
-        return b.store.host_tensor(b.grad_handle)
-
-
-def _check_class(cls: Any) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW,"
-            f" got {cls!r}"
-        )
-    if cls is torch.optim.LBFGS:
-        raise ValueError(
-            "torch.optim.LBFGS cannot run as a HostOptimizer: it re-evaluates the model inside "
-            "step() with a closure over all parameters at once; use it directly"
-        )
-
-
-def _probe_cpu(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build and step ``cls`` on a CPU tensor; returns its defaults or explains why it can't."""
-    p = torch.zeros(4)
-    p.grad = torch.full((4,), 0.5)
-    try:
-        opt = cls([p], **kwargs)
-        opt.step()
-    except Exception as e:  # noqa: BLE001 - any failure means it cannot run on the host
-        raise ValueError(
-            f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) cannot step "
-            f"on CPU tensors ({type(e).__name__}: {e}). HostOptimizer runs the step in host "
-            "memory: pick options that run on the CPU (e.g. fused=False, capturable=False) or an "
-            "optimizer with a CPU implementation"
-        ) from e
-    return dict(opt.defaults)
-
-
-def _want_fp32_grad(b: ParamBinding) -> None:
-    """Ask the producer of a low-precision store-resident gradient to accumulate it in fp32."""
-    b.grad_dtype = torch.float32
-    gh = b.grad_handle
-    if gh is None or gh.dtype == torch.float32:
-        return
-    sync_grad(b)
-    old = b.store.read(gh).result() if b.has_grad else None
-    b.store.free(gh)
-    b.grad_handle = None
-    if old is not None:  # a gradient already accumulated: keep it, in fp32 from now on
-        b.grad_handle = b.store.alloc(gh.key, gh.shape, torch.float32, zero=False)
-        b.store.write(b.grad_handle, old.float()).result()
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
-    return a == b
+    optimizer_class: type[torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+    state_store: str | Store
+    overlap: bool
+    slice_bytes: int
+    bucket_bytes: int
 
 
 class HostOptimizer(torch.optim.Optimizer):
@@ -239,20 +135,24 @@ class HostOptimizer(torch.optim.Optimizer):
         bucket_bytes: int = 32 << 20,
         **optimizer_kwargs: Any,
     ) -> None:
-        _check_class(optimizer_class)
+        check_class(optimizer_class)
         kwargs = dict(optimizer_kwargs)
-        if optimizer_class in _FUSED_CPU and "fused" not in kwargs and "foreach" not in kwargs:
+        if optimizer_class in FUSED_CPU and "fused" not in kwargs and "foreach" not in kwargs:
             kwargs["fused"] = True
-        defaults = _probe_cpu(optimizer_class, kwargs)
+        defaults = probe_cpu(optimizer_class, kwargs)
         if slice_bytes <= 0 or bucket_bytes <= 0:
             raise ValueError(
                 f"slice_bytes and bucket_bytes must be positive, got {slice_bytes}, {bucket_bytes}")
+        self.options = HostOptimizerOptions(
+            optimizer_class, dict(kwargs), state_store if isinstance(state_store, Store) else "cpu",
+            bool(overlap), slice_bytes, bucket_bytes)
         self._bucket_bytes = bucket_bytes
         self._cls = optimizer_class
         self._kwargs = kwargs
-        self._overlap = bool(overlap)
+        self._overlap = Overlap(lambda batch, **kw: self._step_entries(batch, **kw),
+                                self._hparams, enabled=bool(overlap), bucket_bytes=bucket_bytes)
         self._row_sparse_ids = {id(p) for p in row_sparse}
-        if self._row_sparse_ids and optimizer_class not in _LAZY:
+        if self._row_sparse_ids and optimizer_class not in LAZY:
             raise ValueError(
                 f"row_sparse needs Adam or AdamW (lazy Adam), got {optimizer_class.__name__};"
                 " drop row_sparse to step those parameters densely"
@@ -274,8 +174,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 f"only for element-wise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE)})"
                 f"; {optimizer_class.__name__} needs state_store='cpu'"
             )
-        self._entries: dict[int, _Entry] = {}
-        self._order: list[_Entry] = []
+        self._entries: dict[int, Entry] = {}
+        self._order: list[Entry] = []
         self._device: torch.device | None = None
         self._inner: torch.optim.Optimizer | None = None
         self._inner_index: dict[int, int] = {}  # outer group -> inner group position
@@ -285,16 +185,8 @@ class HostOptimizer(torch.optim.Optimizer):
         self._mover_lock = threading.Lock()
         self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes)
         self._layouts: dict[int, Any] = {}
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._futures: list[Future] = []
-        self._ready: list[_Entry] = []
-        self._arrival: list[_Entry] = []  # first-gradient order in this iteration
-        self._last_arrival: list[_Entry] = []  # ... in the last iteration that had gradients
-        self._final = False  # inside final_backward()
-        self._clips = False  # clip_grad_norm_ has been called: gradients are not final
+        self._arrival: list[Entry] = []  # first-gradient order in this iteration
         self._in_flight = 0  # device gradient bytes pushed to the host since the last reap
-        self._launched_hparams: dict[int, dict[str, Any]] = {}
         self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
@@ -332,14 +224,14 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._inner.add_param_group({**hp, "params": masters})
             self._inner_index[gi] = len(self._inner.param_groups) - 1
         for e in entries:
-            if e.kind == _BOUND:
+            if e.kind == BOUND:
                 # NOTE: a store-resident parameter's gradient reaches the store through the
                 # offload layer, not through autograd on this tensor: it tells us when done.
                 self._hooks.append(on_grad_ready(e.param, self._on_grad))
             else:
                 self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
 
-    def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> _Entry:
+    def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> Entry:
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"HostOptimizer steps floating-point tensors, got {type(p)} "
                             f"{getattr(p, 'dtype', '')}")
@@ -355,7 +247,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "must be on one device. Move the model to one device (model.to(device)) or use "
                 "one HostOptimizer per device"
             )
-        e = _Entry(p, index, gi)
+        e = Entry(p, index, gi)
         e.sparse = id(p) in self._row_sparse_ids
         if e.sparse and p.dim() < 2:
             raise ValueError(
@@ -363,22 +255,22 @@ class HostOptimizer(torch.optim.Optimizer):
                 "(or larger) parameters such as embedding or classifier weights"
             )
         if b is not None:
-            e.kind = _BOUND
+            e.kind = BOUND
             e.bound = b
             host = b.store.host_tensor(b.handle)
-            if host is not None and host.dtype in _MASTER_DTYPES:
+            if host is not None and host.dtype in MASTER_DTYPES:
                 e.master = host
             if e.lowp:
                 # NOTE: fp32 master and state for a bf16/fp16 parameter (kept beside the state,
                 # see `_allocate_state`), and its gradient accumulated in fp32 by the producer.
-                _want_fp32_grad(b)
-        elif dev.type == "cpu" and p.dtype in _MASTER_DTYPES:
-            e.kind = _ALIAS
+                want_fp32_grad(b)
+        elif dev.type == "cpu" and p.dtype in MASTER_DTYPES:
+            e.kind = ALIAS
             # NOTE: on the CPU in fp32 the parameter is its own master: no copy, and the
             # gradient stays in param.grad, where torch's own utilities find it.
             e.master = p.detach()
         else:
-            e.kind = _HOSTED
+            e.kind = HOSTED
             if self._host is None:
                 self._host = resolve_store("cpu", dev)
                 self._mover = Mover(dev, self._host)
@@ -411,7 +303,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "HostOptimizer.final_backward(); declare only the last backward pass before "
                 "step() final (that step already used the gradients it had)"
             )
-        if e.kind == _HOSTED and p.grad is not None:
+        if e.kind == HOSTED and p.grad is not None:
             g = p.grad
             with self._mover_lock:
                 acc = e.own.has_grad
@@ -425,73 +317,39 @@ class HostOptimizer(torch.optim.Optimizer):
                     # NOTE: the worker waits for the copies (the mover then drops the device
                     # gradients) so that backward, on this thread, never blocks on them.
                     self._in_flight = 0
-                    self._start_pool()
-                    self._futures.append(self._pool.submit(self._reap))
+                    self._overlap.submit(self._reap)
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
-        if self._final and e.bucket is not None and not e.fired:
-            e.fired = True
-            bucket = e.bucket
-            bucket.remaining -= 1
-            if bucket.remaining == 0:
-                for x in bucket.entries:
-                    x.launched = True
-                with self._lock:
-                    # NOTE: the hyperparameters are taken now, on this thread, and the worker
-                    # steps with exactly these: a change made before the worker gets to run
-                    # is then still detected at step() rather than silently picked up by some
-                    # parameters and not others.
-                    for x in bucket.entries:
-                        self._launched_hparams.setdefault(x.group, self._hparams(x.group))
-                    self._ready.extend(bucket.entries)
-                self._futures.append(self._pool.submit(self._drain))
+        self._overlap.gradient_complete(e)
 
     def _reap(self) -> None:
         with self._mover_lock:
             self._mover.synchronize()
 
-    def _start_pool(self) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-host-step")
-
-    def _drain(self) -> None:
-        with self._lock:
-            batch, self._ready = self._ready, []
-        if batch:
-            self._step_entries(batch, early=True)
-
     def _wait(self) -> None:
-        futures, self._futures = self._futures, []
-        err = None
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as ex:  # noqa: BLE001 - re-raised below, first one wins
-                err = err or ex
-        if err is not None:
-            raise err
+        """Wait for the steps and copies running on the worker; re-raise their first error."""
+        self._overlap.wait()
 
     # ------------------------------------------------------------------ the step
     def _hparams(self, gi: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[gi].items() if k != "params"}
 
     @torch.no_grad()
-    def _step_entries(self, batch: list[_Entry], *, early: bool = False) -> None:
+    def _step_entries(self, batch: list[Entry], *, early: bool = False) -> None:
         if not batch:
             return
-        if any(e.kind == _HOSTED for e in batch) and self._mover is not None:
+        if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             with self._mover_lock:
                 self._mover.synchronize()
         # NOTE: a store-resident gradient may still be on its way into the store (a disk write,
         # an accumulation) when its producer signals it; its producer waits for that here.
         syncs = {id(e.bound.grad_sync): e.bound for e in batch
-                 if e.kind == _BOUND and e.bound.grad_sync is not None}
+                 if e.kind == BOUND and e.bound.grad_sync is not None}
         for b in syncs.values():
             sync_grad(b)
         if early:
-            with self._lock:
-                hparams = {e.group: self._launched_hparams[e.group] for e in batch}
+            hparams = {e.group: self._overlap.launched_hparams[e.group] for e in batch}
         else:
             hparams = {e.group: self._hparams(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
@@ -529,7 +387,7 @@ class HostOptimizer(torch.optim.Optimizer):
         for e in in_mem + streamed:
             self._copy_back(e)
 
-    def _source(self, e: _Entry) -> SliceSource | None:
+    def _source(self, e: Entry) -> SliceSource | None:
         """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
         b = e.binding
         grad = e.grad_tensor()
@@ -560,7 +418,7 @@ class HostOptimizer(torch.optim.Optimizer):
             shadow=(e.bound.store, e.bound.handle) if e.lowp else None,
         )
 
-    def _grad_rows(self, e: _Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def _grad_rows(self, e: Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
         b = e.binding
         if b is not None and b.grad_rows is not None:
             return b.grad_rows.to("cpu", torch.int64)
@@ -569,7 +427,7 @@ class HostOptimizer(torch.optim.Optimizer):
         nz = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)
         return torch.nonzero(nz).flatten()
 
-    def _allocate_state(self, entries: list[_Entry]) -> None:
+    def _allocate_state(self, entries: list[Entry]) -> None:
         """Allocate the state of every entry about to take its first sliced step, up front.
 
         NOTE: allocating before anything is updated makes a full store fail the step whole:
@@ -622,10 +480,10 @@ class HostOptimizer(torch.optim.Optimizer):
             raise
 
     @staticmethod
-    def _state_dtype(e: _Entry) -> torch.dtype:
+    def _state_dtype(e: Entry) -> torch.dtype:
         if e.master is not None:
             return e.master.dtype
-        return e.bound.handle.dtype if e.bound.handle.dtype in _MASTER_DTYPES else torch.float32
+        return e.bound.handle.dtype if e.bound.handle.dtype in MASTER_DTYPES else torch.float32
 
     def _layout(self, gi: int):
         lay = self._layouts.get(gi)
@@ -633,8 +491,8 @@ class HostOptimizer(torch.optim.Optimizer):
             lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
         return lay
 
-    def _copy_back(self, e: _Entry) -> None:
-        if e.kind == _ALIAS or e.kind == _BOUND:
+    def _copy_back(self, e: Entry) -> None:
+        if e.kind == ALIAS or e.kind == BOUND:
             return  # updated in place / written back to the store
         p = e.param
         if self._mover is not None and self._mover.accelerated:
@@ -664,7 +522,7 @@ class HostOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._wait()
-        self._check_hparams()
+        self._overlap.check_hparams()
         rest = [e for e in self._order if not e.launched]
         self._step_entries(rest)
         self._finish_iteration()
@@ -676,15 +534,10 @@ class HostOptimizer(torch.optim.Optimizer):
                 for t in self._tickets:
                     self._mover.wait(t)
             self._tickets = []
-        if self._arrival:
-            self._last_arrival = self._arrival
+        self._overlap.finish(self._order, self._arrival)
         for e in self._order:
             e.count = 0
-            e.launched = False
-            e.fired = False
-            e.bucket = None
         self._arrival = []
-        self._launched_hparams = {}
         self._refresh_state_view()
 
     # ------------------------------------------------------------------ overlap
@@ -716,78 +569,8 @@ class HostOptimizer(torch.optim.Optimizer):
             ...     if last:
             ...         opt.step(); opt.zero_grad()
         """
-        if not enabled or not self._overlap:
+        with self._overlap.final_backward(self._order, enabled):
             yield
-            return
-        if self._clips:
-            raise RuntimeError(
-                "final_backward() steps parameters during backward, before every gradient is "
-                "known, but this optimizer clips gradients (clip_grad_norm_), which needs all of "
-                "them first. Drop the `with opt.final_backward():` (the step then runs in "
-                "step()), or stop clipping"
-            )
-        if self._final or any(e.launched for e in self._order):
-            raise RuntimeError(
-                "final_backward() was already used since the last step(); only the last "
-                "backward pass before step() is final"
-            )
-        self._arm()
-        self._final = True
-        try:
-            yield
-        except BaseException as exc:
-            if any(e.launched for e in self._order):
-                with contextlib.suppress(BaseException):
-                    self._wait()
-                if hasattr(exc, "add_note"):
-                    exc.add_note(
-                        "headroom: this backward failed inside HostOptimizer.final_backward() "
-                        "after some parameters had already taken this step; step() finishes "
-                        "the step for the others (with the gradients they have), or restore "
-                        "the last checkpoint (hr.load) to continue exactly"
-                    )
-            raise
-        finally:
-            self._final = False
-
-    def _arm(self) -> None:
-        """Buckets for this final backward, in the order gradients arrived in last time."""
-        # NOTE: buckets follow the order gradients arrived in (backward order), like DDP's
-        # rebuilt buckets, so each bucket completes as early as possible; before any gradient
-        # was seen, reverse registration order approximates it.
-        order = self._last_arrival or list(reversed(self._order))
-        for e in self._order:
-            e.bucket = None
-            e.fired = False
-        self._start_pool()
-        cur: list[_Entry] = []
-        size = 0
-        for e in order:
-            cur.append(e)
-            size += e.param.numel() * 4
-            if size >= self._bucket_bytes:
-                self._buckets_add(cur)
-                cur, size = [], 0
-        if cur:
-            self._buckets_add(cur)
-
-    @staticmethod
-    def _buckets_add(entries: list[_Entry]) -> None:
-        bucket = _Bucket(entries)
-        for e in entries:
-            e.bucket = bucket
-
-    def _check_hparams(self) -> None:
-        for gi, snap in self._launched_hparams.items():
-            now = self._hparams(gi)
-            for k, v in snap.items():
-                if not _same(v, now.get(k)):
-                    raise RuntimeError(
-                        f"param_groups[{gi}][{k!r}] changed from {v!r} to {now.get(k)!r} after "
-                        "HostOptimizer had started stepping parameters with the old value "
-                        "during final_backward(). Set hyperparameters before backward (LR "
-                        "schedulers do: call scheduler.step() after opt.step())"
-                    )
 
     def _refresh_state_view(self) -> None:
         view: defaultdict = defaultdict(dict)
@@ -838,7 +621,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-            b = e.binding if e.kind != _ALIAS else None
+            b = e.binding if e.kind != ALIAS else None
             if b is not None and b.grad_handle is not None and b.has_grad:
                 if set_to_none:
                     b.has_grad = False
@@ -867,7 +650,7 @@ class HostOptimizer(torch.optim.Optimizer):
         if e is None:
             raise KeyError("parameter is not managed by this HostOptimizer")
         self._wait()
-        if e.kind == _HOSTED and self._mover is not None:
+        if e.kind == HOSTED and self._mover is not None:
             with self._mover_lock:
                 self._mover.synchronize()
         if not e.has_grad():
@@ -904,7 +687,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 step), or the norm is non-finite and ``error_if_nonfinite``.
         """
         self._wait()
-        self._clips = True
+        self._overlap.clips = True
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "clip_grad_norm_() after final_backward(): some parameters already took this "
@@ -917,7 +700,7 @@ class HostOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         in_mem: list[torch.Tensor] = []
         norms: list[torch.Tensor] = []
-        disk: list[_Entry] = []
+        disk: list[Entry] = []
         for e in self._order:
             if not e.has_grad():
                 continue
@@ -950,42 +733,15 @@ class HostOptimizer(torch.optim.Optimizer):
         return total
 
     # ------------------------------------------------------------------ state dicts
-    def _index_state(self, e: _Entry) -> dict[str, Any] | None:
-        if not e.streamed:
-            st = self._inner.state.get(e.master) if self._inner is not None else None
-            if not st:
-                return None
-            st = dict(st)
-            if e.param.dtype not in _MASTER_DTYPES:
-                st["master"] = e.master  # the fp32 master of a bf16/fp16 parameter
-            return st
-        if not e.initialized:
-            return None
-        store = self._state_store or self._aux
-        st = dict(e.small)
-        for k, h in e.state_handles.items():
-            st[k] = store.read(h).result()
-        if e.lowp:
-            st["master"] = store.read(e.master_handle).result()
-        return st
+    def _index_state(self, e: Entry) -> dict[str, Any] | None:
+        return _state.index_state(self, e)
 
     def state_dict(self) -> dict[str, Any]:
         """The same structure as ``optimizer_class(...).state_dict()`` for these parameters.
 
         State resting on disk is read into memory; `headroom.save` streams it instead.
         """
-        self._wait()
-        groups = []
-        for gi, g in enumerate(self.param_groups):
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = [e.index for e in self._order if e.group == gi]
-            groups.append(packed)
-        state = {}
-        for e in self._order:
-            st = self._index_state(e)
-            if st:
-                state[e.index] = st
-        return {"state": state, "param_groups": groups}
+        return _state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from `state_dict` (or from the plain ``optimizer_class``).
@@ -993,78 +749,7 @@ class HostOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: the parameter groups do not match in number or size.
         """
-        self._wait()
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved)} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        sizes = [len(g["params"]) for g in self.param_groups]
-        if sizes != [len(g["params"]) for g in saved]:
-            raise ValueError(
-                "loaded state dict has parameter groups of sizes "
-                f"{[len(g['params']) for g in saved]}, this optimizer has {sizes}"
-            )
-        id_map = {}
-        for sg, g in zip(saved, self.param_groups, strict=True):
-            for old, p in zip(sg["params"], g["params"], strict=True):
-                id_map[old] = self._entries[id(p)]
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
-        states = state_dict["state"]
-        inner_sd_state = {}
-        streamed_state: dict[_Entry, dict[str, Any]] = {}
-        self._masters_loaded = set()
-        for old, st in states.items():
-            e = id_map[int(old)]
-            if e.streamed:
-                streamed_state[e] = st
-            else:
-                inner_sd_state[e] = dict(st)
-                master = inner_sd_state[e].pop("master", None)
-                if master is not None and e.kind == _HOSTED:
-                    with torch.no_grad():
-                        e.master.copy_(master)
-                    self._masters_loaded.add(id(e))
-        if self._inner is not None:
-            inner_ids = {}
-            order = [e for e in self._order if not e.streamed]
-            for i, e in enumerate(order):
-                inner_ids[e] = i
-            inner_groups = []
-            for gi in sorted(self._inner_index):
-                packed = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
-                packed["params"] = [inner_ids[e] for e in order if e.group == gi]
-                inner_groups.append(packed)
-            self._inner.load_state_dict({
-                "state": {inner_ids[e]: st for e, st in inner_sd_state.items()},
-                "param_groups": inner_groups,
-            })
-        for e in self._order:
-            if e.streamed:
-                e.initialized = False
-                e.small = {}
-        self._allocate_state(list(streamed_state))
-        store = self._state_store or self._aux
-        for e, st in streamed_state.items():
-            for k, h in e.state_handles.items():
-                if k not in st:
-                    raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
-                t = st[k].detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
-                store.write(h, t).result()
-            if e.lowp:
-                # NOTE: a state dict without the fp32 master (e.g. from the plain optimizer
-                # class) starts it from the parameter's stored low-precision value.
-                master = st["master"] if "master" in st else \
-                    e.bound.store.read(e.bound.handle).result()
-                t = master.detach().to("cpu", torch.float32).reshape(e.master_handle.shape)
-                store.write(e.master_handle, t.contiguous()).result()
-            e.small = {k: (v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v)
-                       for k, v in st.items() if k not in e.state_handles and k != "master"}
-            e.initialized = True
-        self._refresh_state_view()
+        _state.load_state_dict(self, state_dict)
 
     def reload_params(self) -> None:
         """Re-read the master copies from the parameters after they changed outside ``step``.
@@ -1078,7 +763,7 @@ class HostOptimizer(torch.optim.Optimizer):
         loaded, self._masters_loaded = self._masters_loaded, set()
         with torch.no_grad():
             for e in self._order:
-                if e.kind == _HOSTED and id(e) not in loaded:
+                if e.kind == HOSTED and id(e) not in loaded:
                     e.master.copy_(e.param.detach())
 
     # ------------------------------------------------------------------ lifecycle
@@ -1088,14 +773,12 @@ class HostOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._overlap.close()
 
     def __del__(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        overlap = getattr(self, "_overlap", None)
+        if overlap is not None:
+            overlap.close(wait=False)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -1105,5 +788,5 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (f"HostOptimizer({self._cls.__name__}, params={len(self._order)}, "
-                f"state_store={self._state_store or 'cpu'!r}, overlap={self._overlap})")
+                f"state_store={self._state_store or 'cpu'!r}, overlap={self._overlap.enabled})")
 

@@ -32,7 +32,7 @@ from headroom.optim._entries import (
     want_fp32_grad,
 )
 from headroom.optim._overlap import Overlap
-from headroom.optim._sliced import ELEMENTWISE, SliceRunner, SliceSource, probe_layout
+from headroom.optim._sliced import ELEMENTWISE, SliceRunner, SlicedParam, probe_layout
 from headroom.transfer import (
     Handle,
     Mover,
@@ -387,7 +387,7 @@ class HostOptimizer(torch.optim.Optimizer):
         for e in in_mem + streamed:
             self._copy_back(e)
 
-    def _source(self, e: Entry) -> SliceSource | None:
+    def _source(self, e: Entry) -> SlicedParam | None:
         """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
         b = e.binding
         grad = e.grad_tensor()
@@ -402,7 +402,7 @@ class HostOptimizer(torch.optim.Optimizer):
             master_store, master_handle = e.bound.store, e.bound.handle
         else:
             master_store = master_handle = None
-        return SliceSource(
+        return SlicedParam(
             master=e.master,
             master_store=master_store,
             master_handle=master_handle,

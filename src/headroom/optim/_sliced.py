@@ -75,7 +75,7 @@ def _clone_small(v: Any) -> Any:
 
 
 @dataclass
-class SliceSource:
+class SlicedParam:
     """Where one parameter's master, gradient and state rest for a sliced step.
 
     Exactly one of ``master`` (an in-memory fp32 tensor updated in place) or
@@ -161,12 +161,12 @@ class SliceRunner:
         tmp = self.cls([work], **ctor_kwargs(self.cls, group))
         return dict(tmp.state.get(work, {}))
 
-    def step(self, src: SliceSource, gi: int, group: dict[str, Any]) -> dict[str, Any]:
+    def step(self, src: SlicedParam, gi: int, group: dict[str, Any]) -> dict[str, Any]:
         """Step one parameter; returns its new small state. State handles must exist."""
         return self.step_many([(src, gi, group)])[0]
 
     def step_many(
-        self, items: list[tuple[SliceSource, int, dict[str, Any]]]
+        self, items: list[tuple[SlicedParam, int, dict[str, Any]]]
     ) -> list[dict[str, Any]]:
         """Step several parameters as one pipeline of slices; returns their new small states.
 
@@ -256,7 +256,7 @@ class SliceRunner:
                 f.result()
         return results
 
-    def _run(self, opt, group, src: SliceSource, work: torch.Tensor, grad: torch.Tensor,
+    def _run(self, opt, group, src: SlicedParam, work: torch.Tensor, grad: torch.Tensor,
              shaped: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
         """Step ``opt`` on one tensor (a slice or a whole parameter); returns its new state.
 
@@ -278,7 +278,7 @@ class SliceRunner:
             state = opt.state.pop(work, state)
         return state
 
-    def _step_scalar(self, src: SliceSource, opt, group) -> dict[str, Any]:
+    def _step_scalar(self, src: SlicedParam, opt, group) -> dict[str, Any]:
         if src.shadow is not None and not src.initialized:
             work = src.shadow[0].read(src.shadow[1]).result().float()
         else:

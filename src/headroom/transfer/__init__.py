@@ -19,7 +19,8 @@ from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
-from headroom.transfer._mover import Mover, RowStreamer, Ticket
+from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
 from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (

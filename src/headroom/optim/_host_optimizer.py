@@ -32,7 +32,7 @@ from headroom.optim._entries import (
     want_fp32_grad,
 )
 from headroom.optim._overlap import Overlap
-from headroom.optim._sliced import ELEMENTWISE, SliceRunner, SlicedParam, probe_layout
+from headroom.optim._sliced import ELEMENTWISE, SlicedParam, SliceRunner, probe_layout
 from headroom.transfer import (
     Handle,
     Mover,

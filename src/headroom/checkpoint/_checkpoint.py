@@ -91,7 +91,7 @@ class _Item:
             _write_bytes(f, t)
             return
         per = max(1, _CHUNK // max(1, h.row_nbytes))
-        # NOTE: read slice i+1 while slice i is written: disk reads overlap file writes (and
+        # Read slice i+1 while slice i is written: disk reads overlap file writes (and
         # the checksum of slice i, on the checksum thread, overlaps its write too).
         nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
         for a in range(0, h.shape[0], per):
@@ -157,12 +157,10 @@ def _unjson(value: Any, get: Callable[[str], torch.Tensor]) -> Any:
 
 
 def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Tensor]:
-    """``state_dict(keep_vars=True)``, without materializing store-resident parameters.
-
-    NOTE: an offloaded model's ``state_dict()`` reads every parameter from its store into
-    memory at once; walking the modules instead yields the bound masters, which are then
-    streamed slice by slice.
-    """
+    """``state_dict(keep_vars=True)``, without materializing store-resident parameters."""
+    # An offloaded model's ``state_dict()`` reads every parameter from its store into memory at
+    # once; walking the modules instead yields the bound masters, which are then streamed slice by
+    # slice.
     if not any(binding(p) is not None for p in model.parameters()):
         return dict(model.state_dict(keep_vars=True))
     for m in model.modules():
@@ -316,7 +314,7 @@ def _save(
                     it.write_to(f, sums)
                 if checksums:
                     f.flush()
-                    # NOTE: the data goes to the disk while the checksums are computed; the
+                    # The data goes to the disk while the checksums are computed; the
                     # header rewritten below then costs one more sync of a single page.
                     sums.start()
                     os.fsync(f.fileno())
@@ -333,7 +331,7 @@ def _save(
                     _fdatasync(f.fileno())  # one page changed since the fsync above
                 else:
                     os.fsync(f.fileno())
-            # NOTE: os.replace is atomic on POSIX and Windows: readers see the old file or new.
+            # os.replace is atomic on POSIX and Windows: readers see the old file or new.
             os.replace(tmp, path)
         except BaseException:
             sums.close()
@@ -444,9 +442,8 @@ def _load(
                 raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
             _check_optimizer(optimizer, meta["optimizer"])
         if r.crcs and r.data_bytes <= available_memory() // 2:
-            # NOTE: all first, so that a corrupt file changes nothing: the page cache keeps what
-            # this pass read for the load itself, which then costs no second disk read (measured
-            # as cheap as verifying each tensor just before it is loaded; see the docs).
+            # All first, so that a corrupt file changes nothing: the page cache keeps what
+            # this pass read for the load itself, which then costs no second disk read.
             r.verify_all()
         get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
         extra = _unjson(meta.get("extra", {}), get)
@@ -495,7 +492,7 @@ def _load_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str]) -> Non
         per = max(1, _CHUNK // max(1, h.row_nbytes))
         futs: deque[Future] = deque()
         for a in range(0, h.shape[0], per):
-            # NOTE: slices of the mapped file go to the store without a copy.
+            # Slices of the mapped file go to the store without a copy.
             part = src[a:a + per].to(h.dtype).contiguous()
             futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
             if len(futs) > 2:
@@ -533,7 +530,7 @@ def _load_optimizer(r: Reader, optimizer: torch.optim.Optimizer, meta: dict[str,
         prefix = f"optimizer/{idx}/"
         tkeys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
         small = {k: _unjson(v, get) for k, v in sm.items()}
-        # NOTE: clone (in `get`): the optimizer keeps these tensors, and they must own their
+        # Clone (in `get`): the optimizer keeps these tensors, and they must own their
         # memory rather than point into the file's mapping, which closes with the file.
         state[int(idx)] = _LazyState(tkeys, small, lambda k, prefix=prefix: get(prefix + k))
     if not isinstance(optimizer, HostOptimizer):

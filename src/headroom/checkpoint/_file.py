@@ -51,7 +51,7 @@ DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 _CODES = {code: dtype for dtype, code in DTYPES.items()}
-# NOTE: the header's own checksum is the first field of the headroom JSON, which is the first
+# The header's own checksum is the first field of the headroom JSON, which is the first
 # value of the header, so its eight hex digits sit at a fixed offset: `load` checks the raw
 # header bytes before parsing them, and `save` fills the digits in without moving anything.
 _HEAD = b'{"__metadata__":{"headroom":"{\\"header_crc32c\\": \\"'
@@ -69,14 +69,12 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 class Checksums:
-    """CRC32C of each tensor's bytes as written, computed on a helper thread.
-
-    NOTE: crc32c releases the GIL. Buffers made for this save (slices streamed from a store,
-    copies from an accelerator) are checksummed on the helper thread while the main thread
-    writes them; the model's own tensors, which stay alive anyway, are checksummed by `finish`
-    while the main thread waits for the data's fsync, when the CPU has nothing else to do.
-    One worker keeps each tensor's chunks in order (chunk i+1's CRC continues from chunk i's).
-    """
+    """CRC32C of each tensor's bytes as written, computed on a helper thread."""
+    # crc32c releases the GIL. Buffers made for this save (slices streamed from a store, copies from
+    # an accelerator) are checksummed on the helper thread while the main thread writes them; the
+    # model's own tensors, which stay alive anyway, are checksummed by `finish` while the main
+    # thread waits for the data's fsync, when the CPU has nothing else to do. One worker keeps each
+    # tensor's chunks in order (chunk i+1's CRC continues from chunk i's).
 
     def __init__(self, enabled: bool) -> None:
         self.values: dict[str, int] = {}
@@ -98,7 +96,7 @@ class Checksums:
             return
         fut = self._submit(name, t)
         self._temporary.append(fut)
-        # NOTE: bounded, so streamed slices are not kept alive faster than they are summed.
+        # Bounded, so streamed slices are not kept alive faster than they are summed.
         while len(self._temporary) > 2:
             self._temporary.popleft().result()
 
@@ -193,10 +191,8 @@ def remove_stale_temps(path: str) -> list[str]:
 
 @contextlib.contextmanager
 def temp_path(path: str) -> Iterator[str]:
-    """A new temporary file name next to ``path``, after removing stale ones of ``path``.
-
-    NOTE: stale files go first, so the space they hold is free for this save.
-    """
+    """A new temporary file name next to ``path``, after removing stale ones of ``path``."""
+    # Stale files go first, so the space they hold is free for this save.
     remove_stale_temps(path)
     token = os.urandom(4).hex()
     directory = os.path.dirname(os.path.abspath(path))
@@ -289,7 +285,7 @@ class Reader:
                 self.crcs = self._checksums()
             self.data_bytes = data
             if data:
-                # NOTE: a private (copy-on-write) mapping, so the views handed out are writable
+                # A private (copy-on-write) mapping, so the views handed out are writable
                 # tensors without a copy, and the file itself can never be changed through them.
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 self._mv = memoryview(self._mm)
@@ -402,13 +398,10 @@ class Reader:
             self.verify(name)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """``name`` as a view of the mapped file (verified first); clone what must outlive it.
-
-        NOTE: the checksum pass is what reads the tensor from the disk (one thread faulting the
-        mapping in); using the view then reads the page cache. No helper thread checksums
-        ahead: it would compete for the cores with the intra-op threads of the copy that uses
-        the view.
-        """
+        """``name`` as a view of the mapped file (verified first); clone what must outlive it."""
+        # The checksum pass is what reads the tensor from the disk (one thread faulting the mapping
+        # in); using the view then reads the page cache. No helper thread checksums ahead: it would
+        # compete for the cores with the intra-op threads of the copy that uses the view.
         dtype, shape, start, stop = self._entry(name)
         self.verify(name)
         if stop == start:
@@ -422,7 +415,7 @@ class Reader:
             self._mv.release()
             self._mv = None
         if self._mm is not None:
-            # NOTE: a view still alive somewhere keeps the mapping; it goes when that does.
+            # A view still alive somewhere keeps the mapping; it goes when that does.
             with contextlib.suppress(BufferError):
                 self._mm.close()
             self._mm = None

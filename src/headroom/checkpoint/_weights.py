@@ -25,7 +25,7 @@ __all__ = ["load_weights", "save_weights"]
 
 _ATTR = "_headroom_offload"
 _INDEX = "model.safetensors.index.json"
-# NOTE: file bytes read per chunk. Two chunks in flight (one being written while the next is
+# File bytes read per chunk. Two chunks in flight (one being written while the next is
 # read) plus a dtype conversion bound the memory a load adds, whatever the model's size.
 _CHUNK = 8 << 20
 

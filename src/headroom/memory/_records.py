@@ -91,13 +91,11 @@ class StorageInfo:
 
 
 class Peak:
-    """A running peak whose per-category snapshot is taken lazily.
-
-    NOTE: between a new peak and the next decrease nothing is freed, and any allocation would make
-    a new peak, so the set of live storages at the first decrease *is* the set at the peak. Taking
-    the snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made
-    in between (an output turning out to be saved for backward) land in the right category.
-    """
+    """A running peak whose per-category snapshot is taken lazily."""
+    # Between a new peak and the next decrease nothing is freed, and any allocation would make a new
+    # peak, so the set of live storages at the first decrease *is* the set at the peak. Taking the
+    # snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made in
+    # between (an output turning out to be saved for backward) land in the right category.
 
     __slots__ = ("value", "seq", "pending", "cats", "allocator")
 
@@ -110,12 +108,10 @@ class Peak:
 
 
 class Packed:
-    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted.
-
-    NOTE: wrapping instead of returning the tensor lets the tracker know when autograd lets go of
-    it (graph freed after backward), so an output still held by the user afterwards stops counting
-    as an activation. The wrapped tensor shares storage with the original: no bytes are added.
-    """
+    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted."""
+    # Wrapping instead of returning the tensor lets the tracker know when autograd lets go of it
+    # (graph freed after backward), so an output still held by the user afterwards stops counting as
+    # an activation. The wrapped tensor shares storage with the original: no bytes are added.
 
     __slots__ = ("tensor", "info", "tracker")
 

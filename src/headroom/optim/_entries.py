@@ -13,7 +13,7 @@ __all__ = [
     "check_class", "probe_cpu", "same", "want_fp32_grad",
 ]
 
-# NOTE: PyTorch ships fused CPU kernels for these four; they run at the memory-bandwidth limit
+# PyTorch ships fused CPU kernels for these four; they run at the memory-bandwidth limit
 # (as fast as hand-written CPU Adam kernels), so there is no reason to write our own.
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 LAZY = (torch.optim.Adam, torch.optim.AdamW)
@@ -22,11 +22,9 @@ MASTER_DTYPES = (torch.float32, torch.float64)
 
 
 class Bucket:
-    """Parameters whose gradients complete close together; stepped together when all are in.
-
-    NOTE: one hand-off to the worker per bucket (not per parameter) keeps the two threads from
-    trading the GIL on every gradient, which costs more than it overlaps for small tensors.
-    """
+    """Parameters whose gradients complete close together; stepped together when all are in."""
+    # One hand-off to the worker per bucket (not per parameter) keeps the two threads from trading
+    # the GIL on every gradient, which costs more than it overlaps for small tensors.
 
     __slots__ = ("entries", "remaining")
 

@@ -225,7 +225,7 @@ class HostOptimizer(torch.optim.Optimizer):
             self._inner_index[gi] = len(self._inner.param_groups) - 1
         for e in entries:
             if e.kind == BOUND:
-                # NOTE: a store-resident parameter's gradient reaches the store through the
+                # A store-resident parameter's gradient reaches the store through the
                 # offload layer, not through autograd on this tensor: it tells us when done.
                 self._hooks.append(on_grad_ready(e.param, self._on_grad))
             else:
@@ -238,7 +238,7 @@ class HostOptimizer(torch.optim.Optimizer):
         dev = p.device
         b = binding(p)
         if b is not None:
-            pass  # NOTE: store-resident: its master's device (host or meta) is not a compute device
+            pass  # store-resident: its master's device (host or meta) is not a compute device
         elif self._device is None:
             self._device = dev
         elif dev != self._device:
@@ -261,12 +261,12 @@ class HostOptimizer(torch.optim.Optimizer):
             if host is not None and host.dtype in MASTER_DTYPES:
                 e.master = host
             if e.lowp:
-                # NOTE: fp32 master and state for a bf16/fp16 parameter (kept beside the state,
+                # Fp32 master and state for a bf16/fp16 parameter (kept beside the state,
                 # see `_allocate_state`), and its gradient accumulated in fp32 by the producer.
                 want_fp32_grad(b)
         elif dev.type == "cpu" and p.dtype in MASTER_DTYPES:
             e.kind = ALIAS
-            # NOTE: on the CPU in fp32 the parameter is its own master: no copy, and the
+            # On the CPU in fp32 the parameter is its own master: no copy, and the
             # gradient stays in param.grad, where torch's own utilities find it.
             e.master = p.detach()
         else:
@@ -275,7 +275,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._host = resolve_store("cpu", dev)
                 self._mover = Mover(dev, self._host)
             key = f"{self._key_prefix}/{e.index}"
-            # NOTE: masters and gradients in fp32 (fp64 stays fp64): low-precision parameters
+            # Masters and gradients in fp32 (fp64 stays fp64): low-precision parameters
             # get full-precision updates and gradient accumulation.
             mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             mh = self._host.alloc(key + "/master", tuple(p.shape), mdtype, zero=False)
@@ -308,13 +308,13 @@ class HostOptimizer(torch.optim.Optimizer):
             with self._mover_lock:
                 acc = e.own.has_grad
                 self._mover.push_grad(g, e.own, accumulate=acc)
-            # NOTE: free the device gradient now: at most the gradients in flight to the host
+            # Free the device gradient now: at most the gradients in flight to the host
             # stay on the device.
             p.grad = None
             if self._mover.accelerated:
                 self._in_flight += g.numel() * g.element_size()
                 if self._in_flight >= self._bucket_bytes:
-                    # NOTE: the worker waits for the copies (the mover then drops the device
+                    # The worker waits for the copies (the mover then drops the device
                     # gradients) so that backward, on this thread, never blocks on them.
                     self._in_flight = 0
                     self._overlap.submit(self._reap)
@@ -342,7 +342,7 @@ class HostOptimizer(torch.optim.Optimizer):
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             with self._mover_lock:
                 self._mover.synchronize()
-        # NOTE: a store-resident gradient may still be on its way into the store (a disk write,
+        # A store-resident gradient may still be on its way into the store (a disk write,
         # an accumulation) when its producer signals it; its producer waits for that here.
         syncs = {id(e.bound.grad_sync): e.bound for e in batch
                  if e.kind == BOUND and e.bound.grad_sync is not None}
@@ -356,10 +356,10 @@ class HostOptimizer(torch.optim.Optimizer):
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._allocate_state(streamed)
         if in_mem:
-            # NOTE: the inner optimizer sees only this batch's masters (and their gradients):
+            # The inner optimizer sees only this batch's masters (and their gradients):
             # its per-call Python work then scales with the batch, not with the model.
             saved = {}
-            # NOTE: look the inner groups up each time: load_state_dict replaces those dicts.
+            # Look the inner groups up each time: load_state_dict replaces those dicts.
             inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
             for gi, inner in inner_groups.items():
                 for k, v in hparams.get(gi, {}).items():
@@ -428,12 +428,10 @@ class HostOptimizer(torch.optim.Optimizer):
         return torch.nonzero(nz).flatten()
 
     def _allocate_state(self, entries: list[Entry]) -> None:
-        """Allocate the state of every entry about to take its first sliced step, up front.
-
-        NOTE: allocating before anything is updated makes a full store fail the step whole:
-        no parameter has moved and no state is half-written (DiskStore reserves the blocks at
-        allocation, so later writes cannot run out of space).
-        """
+        """Allocate the state of every entry about to take its first sliced step, up front."""
+        # Allocating before anything is updated makes a full store fail the step whole: no parameter
+        # has moved and no state is half-written (DiskStore reserves the blocks at allocation, so
+        # later writes cannot run out of space).
         todo = [e for e in entries
                 if not e.state_handles and not (e.lowp and e.master_handle is not None)]
         if not todo:
@@ -598,7 +596,7 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         self._wait()
         if self._mover is not None:
-            # NOTE: gradient copies to the host may still be queued (an accelerator's side
+            # Gradient copies to the host may still be queued (an accelerator's side
             # stream); they must land before the host gradients are cleared, or they would
             # land afterwards, into the next iteration's sum.
             with self._mover_lock:
@@ -716,7 +714,7 @@ class HostOptimizer(torch.optim.Optimizer):
         if not norms:
             return torch.tensor(0.0)
         if in_mem:
-            # NOTE: torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
+            # torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
             mem_norms = iter(torch._foreach_norm(in_mem, norm_type))
             norms = [next(mem_norms) if n is None else n for n in norms]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)

@@ -121,7 +121,7 @@ class Overlap:
 
     def _arm(self, entries: list[Entry]) -> None:
         """Buckets for this final backward, in the order gradients arrived in last time."""
-        # NOTE: before any gradient was seen, reverse registration order approximates the
+        # Before any gradient was seen, reverse registration order approximates the
         # order of backward.
         order = self.last_arrival or list(reversed(entries))
         for e in entries:
@@ -150,7 +150,7 @@ class Overlap:
         for x in bucket.entries:
             x.launched = True
         with self._lock:
-            # NOTE: the hyperparameters are taken now, on this thread, and the worker steps
+            # The hyperparameters are taken now, on this thread, and the worker steps
             # with exactly these: a change made before the worker gets to run is then still
             # detected at step() rather than silently picked up by some parameters only.
             for x in bucket.entries:

@@ -27,7 +27,7 @@ from headroom.transfer import Handle, Store
 
 __all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
 
-# NOTE: only optimizers whose update is element-wise may be sliced. Others (Adafactor's factored
+# Only optimizers whose update is element-wise may be sliced. Others (Adafactor's factored
 # row/column statistics, LBFGS) are refused for sliced state rather than silently changed.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
@@ -133,7 +133,7 @@ class SliceRunner:
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             self._bufs[(name, parity)] = buf
-        # NOTE: the optimizer's own working memory, whatever the slice holds (a tracker would
+        # The optimizer's own working memory, whatever the slice holds (a tracker would
         # otherwise count it as parameters or gradients through the inner optimizer's hooks).
         annotate(buf, "optimizer_state")
         return buf[:nbytes].view(handle.dtype).view(shape)
@@ -156,7 +156,7 @@ class SliceRunner:
         return opt
 
     def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        # NOTE: most optimizers create state lazily in step(); a few (Adagrad) create it in the
+        # Most optimizers create state lazily in step(); a few (Adagrad) create it in the
         # constructor. A throwaway instance on the slice covers both.
         tmp = self.cls([work], **ctor_kwargs(self.cls, group))
         return dict(tmp.state.get(work, {}))
@@ -168,12 +168,10 @@ class SliceRunner:
     def step_many(
         self, items: list[tuple[SlicedParam, int, dict[str, Any]]]
     ) -> list[dict[str, Any]]:
-        """Step several parameters as one pipeline of slices; returns their new small states.
-
-        NOTE: one pipeline across parameters (not one per parameter) keeps the disk busy
-        between parameters: the first slice of the next parameter is read while the last
-        slice of this one is updated and written.
-        """
+        """Step several parameters as one pipeline of slices; returns their new small states."""
+        # One pipeline across parameters (not one per parameter) keeps the disk busy between
+        # parameters: the first slice of the next parameter is read while the last slice of this one
+        # is updated and written.
         results: list[dict[str, Any]] = [src.small for src, _, _ in items]
         slices: list[tuple[int, int, int]] = []  # (item, first row, end row)
         for k, (src, gi, group) in enumerate(items):
@@ -214,7 +212,7 @@ class SliceRunner:
             opt = self._optimizer(gi, group)
             cur = nxt
             if i + 1 < len(slices):
-                # NOTE: wait for the writes that used the other half of the double buffer,
+                # Wait for the writes that used the other half of the double buffer,
                 # then start the next slice's reads: they overlap this slice's update.
                 for f in pending_writes[(i + 1) % 2]:
                     f.result()
@@ -229,7 +227,7 @@ class SliceRunner:
                 grad = grad.to(work.dtype)
                 owned = True
             if src.grad_scale is not None:
-                # NOTE: scale a landed copy in place; never the resting gradient itself.
+                # Scale a landed copy in place; never the resting gradient itself.
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
             rows = cur["rows"]
             resting = cur.get("s", {})
@@ -241,7 +239,7 @@ class SliceRunner:
                 if _is_view_of(t, cur.get("s", {}).get(key)):
                     continue  # updated in place in the resting host tensor
                 writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
-            # NOTE: a master made from the low-precision value is new: written out too.
+            # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
             if fresh or not _is_in_place(cur["p"]):
                 writes.append(src.master_store.write_rows(src.master_handle, rows, work))

@@ -115,7 +115,7 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
             t = st[k].detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
             store.write(h, t).result()
         if e.lowp:
-            # NOTE: a state dict without the fp32 master (e.g. from the plain optimizer
+            # A state dict without the fp32 master (e.g. from the plain optimizer
             # class) starts it from the parameter's stored low-precision value.
             master = st["master"] if "master" in st else \
                 e.bound.store.read(e.bound.handle).result()

@@ -30,7 +30,7 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         groups: dict[type, list[nn.Module]] = defaultdict(list)
         seen: set[int] = set()
         for child in parent.children():
-            # NOTE: ModuleList/ModuleDict have no forward: their members are the candidates.
+            # ModuleList/ModuleDict have no forward: their members are the candidates.
             if id(child) in seen or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                 continue
             seen.add(id(child))
@@ -98,7 +98,7 @@ def with_outside_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Mo
             if holds_block(names.get(id(child), "")):
                 stack.append(child)
             elif _param_bytes(child) >= threshold > 0:
-                # NOTE: a large outside module with repeated structure of its own (the encoder
+                # A large outside module with repeated structure of its own (the encoder
                 # next to a decoder's layers) is split into its own blocks rather than fetched
                 # whole.
                 sub = find_blocks(child)

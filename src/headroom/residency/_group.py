@@ -31,7 +31,7 @@ class DeviceCopy(nn.Parameter):
     """The device-side copy of an offloaded parameter (storage empty while not resident)."""
 
     def __repr__(self) -> str:
-        # NOTE: printing a tensor whose storage was resized to 0 reads freed memory.
+        # Printing a tensor whose storage was resized to 0 reads freed memory.
         resident = self.untyped_storage().nbytes() > 0
         return (f"DeviceCopy(shape={tuple(self.shape)}, dtype={self.dtype},"
                 f" device={self.device}, resident={resident})")
@@ -54,7 +54,7 @@ class Slot:
         self.nbytes = dev.numel() * dev.element_size()
 
     def show(self, t: nn.Parameter) -> None:
-        # NOTE: write the module's parameter dict directly: `setattr` would re-register and
+        # Write the module's parameter dict directly: `setattr` would re-register and
         # refuse swapping a parameter while its module runs.
         for module, attr in self.owners:
             module._parameters[attr] = t
@@ -88,11 +88,11 @@ class Residency:
         self.device = device
         self.store = store
         self.mover = Mover(device, store)
-        # NOTE: the mover is driven by the backward thread; `sync_grads` may also be called by
+        # The mover is driven by the backward thread; `sync_grads` may also be called by
         # an optimizer's worker thread (HostOptimizer stepping a group during backward), so
         # every use of the mover holds this lock.
         self.lock = threading.Lock()
-        # NOTE: on the CPU the device copies are host memory, freed and allocated again group
+        # On the CPU the device copies are host memory, freed and allocated again group
         # after group; see headroom.transfer._heap for why that memory must be given back.
         self._trimmer = HeapTrimmer() if device.type == "cpu" else None
 
@@ -124,7 +124,7 @@ class Residency:
         hide(group)
         for s in group.slots:
             if s.ticket is not None:  # a prefetch that was never used
-                # NOTE: wait even when quiet: a disk read may still be landing in the storage.
+                # Wait even when quiet: a disk read may still be landing in the storage.
                 try:
                     with self.lock:
                         self.mover.wait(s.ticket)

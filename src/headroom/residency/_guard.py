@@ -65,7 +65,7 @@ def _guarded_class(cls: type) -> type:
         return cls.named_parameters(self, *args, **kwargs)
 
     def _ddp_ignore(self):
-        # NOTE: DistributedDataParallel asks for this attribute at construction (hasattr lets
+        # DistributedDataParallel asks for this attribute at construction (hasattr lets
         # any error but AttributeError through), so wrapping an offloaded model fails there.
         role = self.__dict__.get(_ROLE)
         if role is not None:

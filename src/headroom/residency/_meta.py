@@ -100,7 +100,7 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
     finally:
         for attr, s in own:
             module._parameters[attr] = s.param
-    # NOTE: an initializer that does not know this module (a Hugging Face _init_weights for a
+    # An initializer that does not know this module (a Hugging Face _init_weights for a
     # custom layer) leaves the NaNs in place: report it rather than store garbage.
     left = [a for a, _ in slots if _still_unset(temps[a])]
     left += [n for n, _ in buffers if _still_unset(module._buffers[n])]

@@ -170,7 +170,7 @@ def offload(
     if dev.type == "cpu":
         trim_heap()  # the device copies were allocated once above, and freed
     object.__setattr__(model, _ATTR, state)
-    # NOTE: after every other step succeeded: a failed offload leaves the classes alone.
+    # After every other step succeeded: a failed offload leaves the classes alone.
     _guard.install(model, state)
     for b in state.blocks:
         _guard.install(b.module, _GroupRole(state, b))
@@ -194,10 +194,10 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
     owners, params, first_name = lay.owners, lay.params, lay.names
     for pid, p in params.items():
         name = first_name[pid]
-        # NOTE: a parameter already in the store (a DiskStore reopened by a later run) is
+        # A parameter already in the store (a DiskStore reopened by a later run) is
         # resumed when the model has no values for it (meta) and overwritten when it has.
         resume = name in st and p.device.type == "meta"
-        # NOTE: one created on meta gets room in the store now and its values later, from a
+        # One created on meta gets room in the store now and its values later, from a
         # checkpoint or its module's initialization (see headroom.residency._meta).
         pending = p.device.type == "meta" and not resume
         if not p.is_leaf:
@@ -247,7 +247,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         state.by_dev[id(dev_param)] = slot
         state.by_param[id(master)] = slot
         if p.is_floating_point() or p.is_complex():
-            # NOTE: hooks need requires_grad at registration and survive toggling it, so a
+            # Hooks need requires_grad at registration and survive toggling it, so a
             # parameter frozen now still routes its gradient if it is unfrozen later.
             for t, fn in ((dev_param, state.grad_hook),
                           (master, partial(state.bypass_hook, slot.name))):
@@ -303,7 +303,7 @@ def _install_optimizer_hook() -> None:
                         " or backward), which training never updates. Build the optimizer from"
                         " model.parameters() outside forward and backward"
                     )
-                # NOTE: headroom's own optimizers read parameters through their bindings.
+                # Headroom's own optimizers read parameters through their bindings.
                 if not own and p.device.type == "meta" and binding(p) is not None:
                     raise RuntimeError(
                         f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"

@@ -205,7 +205,7 @@ def layout(model: nn.Module, *, device: torch.device, blocks: Iterable[nn.Module
     group_of: dict[int, int] = {}
     for pid in params:
         homes = set().union(*(homes_of.get(id(m), {-1}) for m, _ in owners[pid]))
-        # NOTE: a parameter belongs to a block only if every module registering it is inside
+        # A parameter belongs to a block only if every module registering it is inside
         # that block; tied parameters shared across blocks are kept outside, fetched once.
         group_of[pid] = homes.pop() if len(homes) == 1 else -1
     members: list[list[ParamPlan]] = [[] for _ in block_mods]

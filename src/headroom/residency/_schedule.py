@@ -42,7 +42,7 @@ def in_backward() -> bool:
 def _outputs(output: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(output)
     if not any(isinstance(x, torch.Tensor) for x in leaves):
-        # NOTE: objects pytree does not know (e.g. some model-output classes) are walked by hand.
+        # Objects pytree does not know (e.g. some model-output classes) are walked by hand.
         leaves = []
         stack = [output]
         while stack:
@@ -155,7 +155,7 @@ class Offload:
         raises: the error being propagated is the one to report.
         """
         if in_backward():
-            # NOTE: a recomputation inside backward (activation checkpointing), which may even
+            # A recomputation inside backward (activation checkpointing), which may even
             # stop itself with an exception on purpose; the backward goes on or breaks off,
             # and a backward that breaks off is cleaned up then.
             return
@@ -211,7 +211,7 @@ class Offload:
         if self._bwd:  # not inside a backward here: one broke off without its final callback
             self.abort_backward()
         for b in [*self.blocks, self.rest]:
-            # NOTE: only leftovers are resident here (e.g. `rest`, kept for a backward that
+            # Only leftovers are resident here (e.g. `rest`, kept for a backward that
             # never ran); a pending backward re-fetches what it needs, with the same values.
             self.res.release(b)
 
@@ -224,7 +224,7 @@ class Offload:
             self.abort_backward()
             return
         for b in [*self.blocks, self.rest]:
-            # NOTE: a backward still to come re-fetches what it needs, with the same values.
+            # A backward still to come re-fetches what it needs, with the same values.
             self.res.release(b)
 
     def before_optimizer_step(self) -> None:
@@ -318,7 +318,7 @@ class Offload:
             self.res.release(b)
         outs = _outputs(output) if torch.is_grad_enabled() else []
         if outs:
-            # NOTE: `rest` stays resident for backward, but the modules hold the masters again.
+            # `rest` stays resident for backward, but the modules hold the masters again.
             hide(self.rest)
             hook = partial(self.pre_backward, self.rest)
             for t in outs:
@@ -354,7 +354,7 @@ class Offload:
         return None
 
     def _watch_inputs(self, block: Group, args, kwargs):
-        # NOTE: with frozen parameters, "all parameter gradients are in" does not mean the
+        # With frozen parameters, "all parameter gradients are in" does not mean the
         # block's backward is over (frozen weights are still needed for input gradients), so
         # the block is also held until the gradients of its inputs are computed.
         idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -383,7 +383,7 @@ class Offload:
 
     def post_forward(self, block: Group, module, args, kwargs, output):
         if in_backward():
-            # NOTE: keep the block: its backward, which triggered this recomputation, runs next.
+            # Keep the block: its backward, which triggered this recomputation, runs next.
             return None
         for i in range(len(self._active) - 1, -1, -1):
             if self._active[i][0] is block:
@@ -406,7 +406,7 @@ class Offload:
 
     def _pre_backward(self, block: Group) -> None:
         task = torch._C._current_graph_task_id()
-        # NOTE: keyed by the graph task, so a backward that died half-way (an exception in a
+        # Keyed by the graph task, so a backward that died half-way (an exception in a
         # hook skips the final callback) does not leave the next one without its cleanup.
         if not self._bwd or task != self._bwd_task:
             if torch.is_grad_enabled():
@@ -430,18 +430,16 @@ class Offload:
         self._bwd_seen.add(id(block))
         block.grads_left = sum(1 for s in block.slots if s.dev.requires_grad)
         self.res.ensure(block)
-        # NOTE: shown, not only resident: activation checkpointing inside a block recomputes
+        # Shown, not only resident: activation checkpointing inside a block recomputes
         # its submodules without calling the block (no pre-forward hook to show them then).
         show(block)
         if block is not self.rest and block in self.order:
             self._prefetch(self.order, self.order.index(block), -1)
 
     def _alloc_grads(self) -> None:
-        """Room for every gradient this backward can produce, before any of them lands.
-
-        NOTE: a store that is full fails here, at the start of backward with nothing written,
-        rather than half-way with some gradients stored and others not.
-        """
+        """Room for every gradient this backward can produce, before any of them lands."""
+        # A store that is full fails here, at the start of backward with nothing written, rather
+        # than half-way with some gradients stored and others not.
         todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
         store = self.store
         try:
@@ -473,7 +471,7 @@ class Offload:
         store = self.store
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(store, b)
-        # NOTE: a gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
+        # A gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
         # an optimizer with fp32 masters) cannot be param.grad: it gets the marker instead.
         host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
@@ -486,10 +484,10 @@ class Offload:
         else:
             self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None:
-                # NOTE: a marker (one element, expanded): `zero_grad()` sets it to None, which
+                # A marker (one element, expanded): `zero_grad()` sets it to None, which
                 # tells the next backward to overwrite the stored gradient, not accumulate.
                 p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
-        # NOTE: post-accumulate-grad fires once per backward, after every use of the
+        # Post-accumulate-grad fires once per backward, after every use of the
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
@@ -547,7 +545,7 @@ class Offload:
                 continue  # the default loader reports the mismatch
             self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
             slot.binding.has_value = True
-            # NOTE: the default loader then copies into whatever the module holds; give it a
+            # The default loader then copies into whatever the module holds; give it a
             # placeholder of the same kind so that copy is a no-op.
             cur = module._parameters[attr]
             if cur.device.type == "meta":

@@ -73,7 +73,7 @@ class ListenerHandle:
 
     def remove(self) -> None:
         if self._binding is not None:
-            # NOTE: by identity, so two registrations of the same function stay independent.
+            # By identity, so two registrations of the same function stay independent.
             ls = self._binding.listeners
             for i, f in enumerate(ls):
                 if f is self._fn:

@@ -29,7 +29,7 @@ def claimed_keys(store: Store) -> set[str]:
         >>> claimed_keys(HostStore())
         set()
     """
-    # NOTE: kept on the store object (not in a global registry) so it lives and dies with the
+    # Kept on the store object (not in a global registry) so it lives and dies with the
     # store, and under the attribute name hr.offload's own registry has always used, so claims
     # made by hr.offload and by HugeClassifier see each other.
     keys = getattr(store, _ATTR, None)

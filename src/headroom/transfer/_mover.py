@@ -21,7 +21,7 @@ from headroom.transfer._store import Store, is_accelerator
 
 __all__ = ["Mover", "Ticket"]
 
-# NOTE: bound the page-locked memory held by gradients in flight to the host; past it the
+# Bound the page-locked memory held by gradients in flight to the host; past it the
 # oldest copies are waited for (they are long done by then in steady state).
 _MAX_STAGED_BYTES = 256 << 20
 
@@ -37,7 +37,7 @@ class Ticket:
     done: bool = False
 
 
-# NOTE: streams and events come from the device's own module (torch.cuda, torch.xpu, ...)
+# Streams and events come from the device's own module (torch.cuda, torch.xpu, ...)
 # rather than the generic torch.Stream/torch.Event so that they mix with that module's
 # stream context and current_stream() everywhere.
 
@@ -89,7 +89,7 @@ class Mover:
                     dst.copy_(host)
                 return Ticket(dst, done=True)
             if dst.dtype == handle.dtype and dst.is_contiguous():
-                # NOTE: read straight into the parameter's memory on an I/O thread: the
+                # Read straight into the parameter's memory on an I/O thread: the
                 # prefetch overlaps compute even on the CPU.
                 return Ticket(dst, future=self.store.read(handle, out=dst))
             return Ticket(dst, future=self.store.read(handle), staging=None)
@@ -188,13 +188,13 @@ class Mover:
             if accumulate:
                 if self.accelerated:
                     grad = grad.clone()  # the staging buffer goes back to the pool now
-                # NOTE: read-add-write on the mover's own thread, so backward does not wait
+                # Read-add-write on the mover's own thread, so backward does not wait
                 # for the disk; one thread keeps pushes to the same gradient in order.
                 self._grads_disk(self._accumulator().submit(self._accumulate, gh, grad),
                                  2 * gh.nbytes)
                 return
             if grad.dtype != gh.dtype or not grad.is_contiguous() or self.accelerated:
-                # NOTE: on an accelerator `grad` is a pooled staging buffer that is about to be
+                # On an accelerator `grad` is a pooled staging buffer that is about to be
                 # reused, so the disk write gets its own copy.
                 grad = grad.to(gh.dtype, copy=True).contiguous()
             self._grads_disk(store.write(gh, grad), gh.nbytes)
@@ -211,7 +211,7 @@ class Mover:
         self.store.write(gh, acc).result()
 
     def _grads_disk(self, fut: Future, nbytes: int) -> None:
-        # NOTE: a pending write keeps its gradient alive; bound those bytes so host memory
+        # A pending write keeps its gradient alive; bound those bytes so host memory
         # stays at a few tensors however many parameters the model has.
         self._disk_writes.append((fut, nbytes))
         self._writing += nbytes

@@ -17,7 +17,7 @@ __all__ = ["RowStreamer"]
 
 _shared_pool: PinnedPool | None = None
 
-# NOTE: staging buffers are cached across passes (pinning is slow); past this many bytes the
+# Staging buffers are cached across passes (pinning is slow); past this many bytes the
 # cache is dropped at the end of a pass, so that slice sizes changing with the batch do not pile
 # up page-locked memory. Not a hard limit: a pass takes what its ring needs.
 _ROW_STAGING_CACHE = 1 << 30
@@ -74,14 +74,14 @@ class RowStreamer:
         self._slots: dict[str, list] = {}  # push key -> ring of pending landings
         self._outs: dict[str, list] = {}  # push key -> ring of device buffers for `out`
         self._count: dict[str, int] = {}
-        # NOTE: tests set a list here to check the ring's ordering (refills, copies, landings).
+        # Tests set a list here to check the ring's ordering (refills, copies, landings).
         self._trace: list | None = None
         if is_accelerator(self.device):
             self._use_streams(torch.get_device_module(self.device.type),
                               pool if pool is not None else _row_staging_pool())
 
     def _use_streams(self, mod, pool: PinnedPool) -> None:
-        # NOTE: separate from __init__ so tests can drive the accelerator bookkeeping on the
+        # Separate from __init__ so tests can drive the accelerator bookkeeping on the
         # CPU with a stand-in device module whose streams and events do nothing.
         self.accelerated = True
         self._mod = mod
@@ -127,7 +127,7 @@ class RowStreamer:
         mod, ring = self._mod, self.prefetch + 1
         compute = mod.current_stream(self.device)
         max_rows = max((stop - start for start, stop in bounds), default=0)
-        # NOTE: rows of a contiguous page-locked tensor (a pinned host store) go to the device
+        # Rows of a contiguous page-locked tensor (a pinned host store) go to the device
         # straight from where they rest; anything else goes through page-locked staging.
         direct = [t is not None and t.is_contiguous() and t.is_pinned() for t in tensors]
         row_elems = [0 if t is None else t[:1].numel() for t in tensors]
@@ -181,12 +181,12 @@ class RowStreamer:
                 copied[k] = ev
 
         issued = 0
-        # NOTE: no autograd context is held across the yield (it would leak into the consumer's
+        # No autograd context is held across the yield (it would leak into the consumer's
         # code); the tensors are detached, so the copies record nothing anyway.
         try:
             for i, (start, stop) in enumerate(bounds):
                 if i > 0:
-                    # NOTE: every kernel reading slice i-1 is enqueued by now; the copy
+                    # Every kernel reading slice i-1 is enqueued by now; the copy
                     # that will overwrite its buffers waits for them on the device.
                     ev = mod.Event()
                     ev.record(compute)
@@ -202,7 +202,7 @@ class RowStreamer:
         finally:
             for ev, _ in ready.values():  # closed early: order freeing after the copies
                 compute.wait_event(ev)
-            # NOTE: a pinned source is read by the device with no host wait; wait once at the
+            # A pinned source is read by the device with no host wait; wait once at the
             # end so that an optimizer step (or any host write) after the pass cannot race the
             # last copies. Copies finish in issue order on the one side stream.
             if last[0] is not None:
@@ -263,7 +263,7 @@ class RowStreamer:
             with mod.stream(self._d2h):
                 if not accumulate and dst.dtype == src.dtype and dst.is_contiguous() \
                         and dst.is_pinned():
-                    dst.copy_(src, non_blocking=True)  # NOTE: into a pinned store directly
+                    dst.copy_(src, non_blocking=True)  # into a pinned store directly
                 else:
                     staging = self._pool.take(src.numel() * src.element_size())
                     staging = staging.view(src.dtype).view(src.shape)

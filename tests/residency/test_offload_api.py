@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.residency._offload import _state
+from headroom.residency import state_of
 from headroom.transfer import DiskStore, HostStore, StoreFullError, binding
 from tests.conftest import DEVICES, accelerator_type
 from tests.residency._models import (
@@ -75,7 +75,7 @@ def test_unoffload_restores_plain_parameters(store):
         torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     b = _train_side_by_side((ref, opt_ref), (model, opt))
-    st = _state(model).store
+    st = state_of(model).store
     torch.manual_seed(1)
     lm_loss(model, b).backward()  # a gradient comes back too
     torch.manual_seed(1)
@@ -142,7 +142,7 @@ def test_train_eval_and_frozen_blocks(store):
         else:
             b = binding(p)
             assert torch.equal(b.store.read(b.grad_handle).result(), r.grad), n
-    assert not any(b.resident for b in _state(model).blocks)
+    assert not any(b.resident for b in state_of(model).blocks)
 
 
 def test_compute_dtype_bf16_keeps_fp32_master_and_grads():
@@ -158,7 +158,7 @@ def test_compute_dtype_bf16_keeps_fp32_master_and_grads():
         # the device copy was bf16: gradients equal the bf16 model's, widened to fp32
         assert torch.equal(p.grad, ref16.get_parameter(n).grad.float()), n
         assert torch.equal(p, ref.get_parameter(n)), n  # master untouched, still fp32
-    assert {s.dev.dtype for s in _state(model).slots} == {torch.bfloat16}
+    assert {s.dev.dtype for s in state_of(model).slots} == {torch.bfloat16}
 
 
 def test_cpu_host_store_warns_that_it_saves_nothing():
@@ -214,7 +214,7 @@ def test_parameter_used_outside_its_block_is_reported():
 def test_disk_parameters_placeholders_and_reopen(tmp_path):
     model = _offload(CNN(), DiskStore(tmp_path / "s"))
     assert {p.device.type for p in model.parameters()} == {"meta"}
-    st = _state(model).store
+    st = state_of(model).store
     st.flush()
     with pytest.raises(RuntimeError, match="already open in this process"):
         DiskStore(tmp_path / "s")  # one live store per folder
@@ -256,7 +256,7 @@ def test_gradients_equal_plain_on_each_device(device, prefetch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hr.offload(model, device=device, store="cpu", prefetch=prefetch)
-    assert len(_state(model).blocks) == 4
+    assert len(state_of(model).blocks) == 4
     g = torch.Generator().manual_seed(0)
     for _ in range(2):  # the second backward accumulates into the stored gradients
         x = torch.randn(8, 16, generator=g).to(device)
@@ -265,7 +265,7 @@ def test_gradients_equal_plain_on_each_device(device, prefetch):
     for n, p in model.named_parameters():
         assert p.device.type == "cpu" and p.grad.device.type == "cpu"
         assert torch.equal(p.grad, ref.get_parameter(n).grad.cpu()), n
-    assert not any(b.resident for b in _state(model).blocks)
+    assert not any(b.resident for b in state_of(model).blocks)
 
 
 class _BigEnds(nn.Module):
@@ -290,7 +290,7 @@ class _BigEnds(nn.Module):
 def test_large_outside_modules_get_blocks_of_their_own(tmp_path):
     ref = _BigEnds()
     model = _offload(copy.deepcopy(ref), DiskStore(tmp_path / "s"))
-    st = _state(model)
+    st = state_of(model)
     names = [b.name for b in st.blocks]
     assert names == ["emb", *[f"encoder.{i}" for i in range(6)],
                      *[f"layers.{i}" for i in range(4)], "head"]
@@ -337,7 +337,8 @@ def test_recovers_after_a_failed_backward():
     fail[0] = False
     model.zero_grad()
     lm_loss(model, b).backward()  # a clean step afterwards releases everything
-    assert not any(bl.resident for bl in _state(model).blocks) and not _state(model).rest.resident
+    st = state_of(model)
+    assert not any(bl.resident for bl in st.blocks) and not st.rest.resident
     assert all(p.grad is not None for p in model.parameters())
 
 
@@ -353,7 +354,7 @@ def test_accelerator_code_path_on_cpu_is_exact(kind, tmp_path, monkeypatch):
     ref = Transformer(n=4, ckpt=True)
     store = "cpu" if kind == "cpu" else DiskStore(tmp_path / "s")
     model = _offload(copy.deepcopy(ref), store)
-    assert _state(model).res.mover.accelerated
+    assert state_of(model).res.mover.accelerated
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         b = lm_batch(g)
@@ -377,7 +378,7 @@ def test_disk_store_reopened_by_a_later_run_resumes(tmp_path):
         lm_loss(m, b).backward()
         o.step()
         o.zero_grad()
-    _state(first).store.close()
+    state_of(first).store.close()
     # a later run: same architecture, created without values, same directory
     with torch.device("meta"):
         later = Transformer(n=3)

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
+from headroom.residency import state_of
 from headroom.residency._group import DeviceCopy
-from headroom.residency._offload import _state
 from headroom.transfer import DiskStore, HostStore, StoreFullError
 
 D = 16
@@ -107,7 +107,7 @@ def _assert_resting(model: nn.Module, params_before: list[torch.Tensor]) -> None
     now = list(model.parameters())
     assert [id(p) for p in now] == [id(p) for p in params_before]
     assert not any(isinstance(p, DeviceCopy) for p in now)
-    state = _state(model)
+    state = state_of(model)
     assert not any(b.resident for b in [*state.blocks, state.rest])
     for s in state.slots:
         assert s.dev.untyped_storage().nbytes() == 0, s.name  # device copies released

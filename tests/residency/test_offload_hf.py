@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.residency._offload import _state
+from headroom.residency import state_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ def test_hf_model_trains_offloaded_exactly(make, ckpt):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hr.offload(model, device="cpu", store="cpu")
-    names = [b.name for b in _state(model).blocks]
+    names = [b.name for b in state_of(model).blocks]
     assert names == _expected_blocks(layers)  # found automatically
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model)]
     g = torch.Generator().manual_seed(1)
@@ -57,7 +57,7 @@ def test_hf_model_trains_offloaded_exactly(make, ckpt):
             o.zero_grad()
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
-    assert not any(b.resident for b in _state(model).blocks)
+    assert not any(b.resident for b in state_of(model).blocks)
 
 
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
@@ -66,7 +66,7 @@ def test_hf_model_trains_from_disk_with_host_optimizer(make, tmp_path):
     ref, layers = make()
     model = copy.deepcopy(ref)
     hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
-    assert [b.name for b in _state(model).blocks] == _expected_blocks(layers)
+    assert [b.name for b in state_of(model).blocks] == _expected_blocks(layers)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, fused=False)
     g = torch.Generator().manual_seed(1)

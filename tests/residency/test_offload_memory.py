@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.residency._offload import _state
+from headroom.residency import state_of
 from headroom.transfer import DiskStore
 from tests.residency._models import (
     CNN,
@@ -22,13 +22,13 @@ from tests.residency._models import (
 
 
 def _budget(model) -> tuple[int, int, int]:
-    st = _state(model)
+    st = state_of(model)
     largest = max(b.nbytes for b in st.blocks)
     return (st.prefetch + 1) * largest + st.rest.nbytes, largest, st.rest.nbytes
 
 
 def _resident(model) -> list[str]:
-    st = _state(model)
+    st = state_of(model)
     return [b.name for b in [*st.blocks, st.rest] if b.resident or any(
         s.dev.untyped_storage().nbytes() for s in b.slots)]
 
@@ -82,9 +82,9 @@ def test_no_growth_over_1000_steps():
         # small so that 1000 tracked steps stay fast; still 4 blocks + prefetch + backward
         model = hr.offload(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]),
                            device="cpu", store="cpu")
-    assert len(_state(model).blocks) == 4
+    assert len(state_of(model).blocks) == 4
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    store = _state(model).store
+    store = state_of(model).store
     x = torch.randn(2, 4)
 
     def step():

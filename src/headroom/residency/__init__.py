@@ -1,6 +1,6 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
-from headroom.residency._offload import describe, offload, unoffload
+from headroom.residency._offload import describe, offload, state_of, unoffload
 from headroom.residency._plan import (
     GroupPlan,
     OffloadOptions,
@@ -17,5 +17,6 @@ __all__ = [
     "describe",
     "offload",
     "plan_offload",
+    "state_of",
     "unoffload",
 ]

@@ -316,7 +316,16 @@ def _install_optimizer_hook() -> None:
     _guard_handle = register_optimizer_step_pre_hook(before_step)
 
 
-def _state(model: nn.Module) -> Offload:
+def state_of(model: nn.Module) -> Offload:
+    """The live offload state of an offloaded model, for tests and debugging.
+
+    Its groups (``blocks``, ``rest``; each with ``resident`` and ``slots``), ``store`` and
+    residency (``res``) show what is on the device now. Not a stable API: use `describe` for
+    the plan and `headroom.track_memory` for bytes.
+
+    Raises:
+        RuntimeError: the model is not offloaded.
+    """
     state = getattr(model, _ATTR, None)
     if state is None:
         raise RuntimeError("the model is not offloaded (call hr.offload(model, device=...) first)")
@@ -336,7 +345,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     Example:
         >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
-    state = _state(model)
+    state = state_of(model)
     if state._bwd and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
     state._settle()
@@ -388,4 +397,4 @@ def describe(model: nn.Module) -> OffloadPlan:
     Example:
         >>> print(hr.describe(hr.offload(model, device="cuda")))   # doctest: +SKIP
     """
-    return _state(model).plan
+    return state_of(model).plan

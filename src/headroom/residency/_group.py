@@ -1,5 +1,7 @@
 """The residency primitive: groups of offloaded parameters, fetched to the device and released.
 
+See [Note: masters and device copies] in docs/architecture.md.
+
 Every offloaded parameter keeps two tensors. The *master* is the ``nn.Parameter`` the model
 registers and optimizers see: with ``store="cpu"`` its data *is* the store's host tensor
 (zero-copy); with a `DiskStore` it is a ``meta`` placeholder and the values live on disk. The

@@ -7,8 +7,8 @@ soon as all its gradients are in (and, with frozen parameters, its input gradien
 device copy's post-accumulate-grad hook having handed its gradient to the store. The moving
 itself is `headroom.residency._group.Residency`'s.
 
-Resting state: outside forward and backward the modules hold the masters and nothing is
-resident on the device. A forward or backward that breaks off half-way (an exception,
+Resting state (see [Note: resting state] in docs/architecture.md): outside forward and backward
+the modules hold the masters and nothing is resident on the device. A forward or backward that breaks off half-way (an exception,
 ``KeyboardInterrupt``) puts the model back there: at once when headroom sees it (a failure inside
 the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward
 hooks); otherwise (another hook raising in backward) at the next forward or

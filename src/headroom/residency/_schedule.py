@@ -8,12 +8,12 @@ device copy's post-accumulate-grad hook having handed its gradient to the store.
 itself is `headroom.residency._group.Residency`'s.
 
 Resting state (see [Note: resting state] in docs/architecture.md): outside forward and backward
-the modules hold the masters and nothing is resident on the device. A forward or backward that breaks off half-way (an exception,
-``KeyboardInterrupt``) puts the model back there: at once when headroom sees it (a failure inside
-the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward
-hooks); otherwise (another hook raising in backward) at the next forward or
-``named_parameters()``; see `Offload.abort_forward`, `Offload.abort_backward` and
-`Offload.settle_if_idle`.
+the modules hold the masters and nothing is resident on the device. A forward or backward that
+breaks off half-way (an exception, ``KeyboardInterrupt``) puts the model back there: at once
+when headroom sees it (a failure inside the guarded root or a block, see
+`headroom.residency._guard`, or in headroom's own backward hooks); otherwise (another hook
+raising in backward) at the next forward or ``named_parameters()``; see `Offload.abort_forward`,
+`Offload.abort_backward` and `Offload.settle_if_idle`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
+from headroom.transfer._stash import Stash, StashTicket, stale_stash_keys
 from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (
     Store,
@@ -42,6 +43,8 @@ __all__ = [
     "PinnedPool",
     "RowStreamer",
     "SafetensorsFile",
+    "Stash",
+    "StashTicket",
     "Store",
     "StoreCorruptError",
     "StoreFullError",
@@ -57,6 +60,7 @@ __all__ = [
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",
+    "stale_stash_keys",
     "sync_grad",
     "trim_heap",
     "unbind",

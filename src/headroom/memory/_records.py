@@ -6,8 +6,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from headroom.memory._categories import CATEGORIES
 
 if TYPE_CHECKING:
@@ -107,21 +105,19 @@ class Peak:
         self.allocator: dict[str, int] = {}
 
 
-class Packed:
-    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted."""
-    # Wrapping instead of returning the tensor lets the tracker know when autograd lets go of it
-    # (graph freed after backward), so an output still held by the user afterwards stops counting as
-    # an activation. The wrapped tensor shares storage with the original: no bytes are added.
+class SavedToken:
+    """Kept by autograd beside a saved tensor while tracking; its release means autograd let go.
 
-    __slots__ = ("tensor", "info", "tracker")
+    Knowing when autograd lets go of a saved tensor (its graph freed after backward) lets an
+    output still held by the user afterwards stop counting as an activation. It holds no
+    tensor: activation offload may keep the bytes elsewhere meanwhile.
+    """
 
-    def __init__(
-        self, tensor: torch.Tensor, info: StorageInfo | None, tracker: MemoryTracker
-    ) -> None:
-        self.tensor = tensor
+    __slots__ = ("info", "tracker")
+
+    def __init__(self, info: StorageInfo, tracker: MemoryTracker) -> None:
         self.info = info
         self.tracker = tracker
 
     def __del__(self) -> None:
-        if self.info is not None:
-            self.tracker._unsave(self.info)
+        self.tracker._unsave(self.info)

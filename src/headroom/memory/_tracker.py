@@ -24,6 +24,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from headroom._saved_hooks import observing
 from headroom.memory._categories import (
     ACTIVATIONS,
     BUFFERS,
@@ -41,7 +42,7 @@ from headroom.memory._devices import (
     device_name,
     storage_of,
 )
-from headroom.memory._records import DeviceStats, Packed, Peak, StorageInfo, TimelineSample
+from headroom.memory._records import DeviceStats, Peak, SavedToken, StorageInfo, TimelineSample
 from headroom.memory._rss import RSSWatch
 
 _NCAT = len(CATEGORIES)
@@ -224,7 +225,7 @@ class MemoryTracker:
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks = observing(self)
         self._saved_hooks.__enter__()
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -470,17 +471,14 @@ class MemoryTracker:
             p.cats[cat] += n
 
     # ------------------------------------------------------------------ roles
-    def _pack(self, t: torch.Tensor) -> Any:
+    def observe(self, t: torch.Tensor) -> SavedToken | None:
+        """A tensor autograd saves: an activation (see `headroom._saved_hooks`)."""
         info = self._see(t, ACTIVATIONS)
         if info is not None and info.cat == ACTIVATIONS:
             with self._lock:
                 info.saved += 1
-            return Packed(t, info, self)
-        return Packed(t, None, self)
-
-    @staticmethod
-    def _unpack(packed: Packed) -> torch.Tensor:
-        return packed.tensor
+            return SavedToken(info, self)
+        return None
 
     def _unsave(self, info: StorageInfo) -> None:
         with self._lock:

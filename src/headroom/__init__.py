@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "load_weights": "headroom.checkpoint",
     "save_weights": "headroom.checkpoint",
     "CheckpointCorruptError": "headroom.checkpoint",
+    # activations/
+    "offload_activations": "headroom.activations",
     # nn/
     "convert": "headroom.nn",
     # heads/

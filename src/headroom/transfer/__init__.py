@@ -22,7 +22,7 @@ from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
-from headroom.transfer._stash import Stash, StashTicket, stale_stash_keys
+from headroom.transfer._stash import Stash, StashTicket
 from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (
     Store,
@@ -60,7 +60,6 @@ __all__ = [
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",
-    "stale_stash_keys",
     "sync_grad",
     "trim_heap",
     "unbind",

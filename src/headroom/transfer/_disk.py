@@ -21,7 +21,7 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger
 from headroom.transfer._recover import file_crcs, open_checks
 from headroom.transfer._segments import BAD, combine, crc, scan
-from headroom.transfer._store import Store, StoreCorruptError, StoreFullError, done
+from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
 __all__ = ["DiskStore"]
 
@@ -313,6 +313,11 @@ class DiskStore(Store):
             for name in self._ledger.orphans():
                 os.unlink(self.path / name)
             self._ledger.start()
+            for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
+                name = self._ledger.entries[key]["file"]
+                self._ledger.free(key)  # scratch of a process that stopped: worth nothing
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path / name)
         except BaseException:
             self._ledger.release()
             self._pool.shutdown()

@@ -25,11 +25,11 @@ import torch
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import PinnedPool
-from headroom.transfer._store import Store, is_accelerator
+from headroom.transfer._store import SCRATCH, Store, is_accelerator
 
 __all__ = ["Stash", "StashTicket"]
 
-_KEY = "headroom-stash"
+_KEY = SCRATCH + "stash"
 _ids = itertools.count()
 
 
@@ -235,9 +235,3 @@ class Stash:
                     self.disk.free(h)
         self._handles.clear()
         self._pool.clear()
-
-
-def stale_stash_keys(store: DiskStore) -> list[str]:
-    """Keys a stash of an earlier process left in ``store``. A store serves one process at a
-    time, so any stash key found before a stash starts is from a process that died."""
-    return [k for k in store.keys() if k.startswith(_KEY + "/")]  # noqa: SIM118

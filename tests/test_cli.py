@@ -36,7 +36,9 @@ def test_help_lists_the_commands(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "demo" in out and "profile" in out
+    listed = [line.split()[0] for line in out.splitlines()
+              if line.startswith("    ") and line.split()[0] in ("demo", "profile")]
+    assert listed == ["demo", "profile"], out  # each command listed once
 
 
 def test_demo_trains_and_reports(tmp_path, capsys):
@@ -48,6 +50,7 @@ def test_demo_trains_and_reports(tmp_path, capsys):
     assert "parameters after training bitwise equal to plain AdamW(fused=True): True" in out
     assert "loss and gradients bitwise equal: True" in out
     assert "loss and gradients match" in out
+    assert "from_pretrained reads the fine-tuned values: True" in out
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["peak"] > 0 and data["peak_by_category"]["optimizer_state"] > 0
     assert_real_png(tmp_path / "demo.png")
@@ -113,3 +116,32 @@ def test_profile_in_process_restores_argv_and_path(tmp_path, capsys):
     assert sys.argv == argv and sys.path == path
     assert json.loads((tmp_path / "r.json").read_text())["max_by_category"]["other"] == 1024
     capsys.readouterr()
+
+
+OFFLOAD_SCRIPT = """
+import tempfile, warnings
+import torch, torch.nn as nn
+import headroom as hr
+warnings.simplefilter("ignore")
+with torch.device("meta"):
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)])
+hr.offload(model, device="cpu", store=hr.DiskStore(tempfile.mkdtemp()), prefetch=0)
+opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+for _ in range(2):
+    model(torch.randn(8, 128)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_profile_counts_offloaded_device_copies_as_parameters(tmp_path):
+    """The model is built on meta inside the profiled script: the only parameter bytes in
+    memory are the device copies the offload layer fills block by block."""
+    (tmp_path / "train.py").write_text(OFFLOAD_SCRIPT)
+    r = run_cli("profile", "--no-plot", "train.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "headroom_report.json").read_text())
+    block = (128 * 128 + 128) * 4
+    assert block <= data["max_by_category"]["parameters"] <= 2 * block  # prefetch=0
+    assert data["rss"]["peak"] >= data["rss"]["start"] > 0
+    assert "process RSS" in (tmp_path / "headroom_report.txt").read_text()

@@ -13,11 +13,6 @@ from pathlib import Path
 DESCRIPTION = """\
 headroom: train and run PyTorch models that do not fit in accelerator memory, and see where
 memory goes.
-
-commands:
-  demo      train a small model with a progress bar; print and plot its memory report
-  profile   run a training script under the memory tracker (like python -m cProfile) and
-            write its report (.txt), data (.json) and timeline (.png) where it is run
 """
 
 
@@ -36,7 +31,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if args.module:
-        # NOTE: like `python -m`, the current folder comes first on sys.path.
+        # Like `python -m`, the current folder comes first on sys.path.
         sys.path.insert(0, os.getcwd())
         if importlib.util.find_spec(args.target) is None:
             sys.path[:] = saved_path
@@ -51,7 +46,7 @@ def _profile(args: argparse.Namespace) -> int:
             return 2
         target = str(script)
         sys.argv = [str(script), *args.args]
-        # NOTE: like `python script.py`, the script's own folder comes first on sys.path.
+        # Like `python script.py`, the script's own folder comes first on sys.path.
         sys.path.insert(0, str(script.resolve().parent))
         run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
     try:
@@ -98,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="headroom", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="command")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,profile}", title="commands")
 
-    demo = sub.add_parser("demo", help="train a small model and show its memory report")
+    demo = sub.add_parser(
+        "demo", help="headroom's features on small models, each measured against plain PyTorch"
+    )
     demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     demo.add_argument(
         "--out", default="headroom_demo", help="prefix of the report files (default headroom_demo)"
@@ -110,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser(
         "profile",
-        help="run a script under the memory tracker and write its report",
+        help="run a training script under the memory tracker (like python -m cProfile);"
+        " write its report (.txt, .json, .png)",
         description="Run a Python training script under headroom.track_memory() and write "
         "PREFIX.txt, PREFIX.json and PREFIX.png. A script that raises still gets its report "
         "up to the failure, then the error. The script must not open its own tracker.",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import headroom as hr
 from headroom.transfer import DiskStore, binding
+from tests.conftest import accelerator_type
 
 C, D, B = 1000, 16, 24
 
@@ -284,3 +285,97 @@ def test_on_accelerator_with_host_store():
     _close(_grad(head, head.weight), gw)
     v, i = head.topk(x.detach(), 3)
     assert torch.equal(i, torch.topk(x.detach() @ w.to(dev).T + b.to(dev), 3).indices)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_one_key_one_live_head_per_store(kind, tmp_path):
+    from headroom.transfer import HostStore
+
+    store = HostStore() if kind == "host" else DiskStore(tmp_path / "s")
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=store, key="faces")
+    w = head.read_weight()
+    with pytest.raises(RuntimeError, match=r"key='faces'.*in use by another live "
+                                           r"HugeClassifier.*another key=.*del head"):
+        hr.HugeClassifier(C, D, bias=True, device="cpu", store=store, key="faces")
+    with pytest.raises(RuntimeError, match="key='faces'"):  # the weight alone clashes too
+        hr.HugeClassifier(C, D, device="cpu", store=store, key="faces")
+    other = hr.HugeClassifier(C, D, device="cpu", store=store, key="other")
+    assert not torch.equal(other.read_weight(), w)
+    # a notebook cell run again after the old head is gone (here only the cycle collector can
+    # free it): the key is free, and the new head resumes the stored values
+    cycle = [head]
+    cycle.append(cycle)
+    del head, cycle
+    again = hr.HugeClassifier(C, D, bias=True, device="cpu", store=store, key="faces")
+    assert torch.equal(again.read_weight(), w)
+
+
+def test_failed_construction_frees_its_key_and_allocations(tmp_path):
+    from headroom.transfer import StoreFullError
+
+    store = DiskStore(tmp_path / "s", max_bytes=C * D * 4 + 100)  # the weight, not its grad
+    with pytest.raises(StoreFullError) as info:
+        hr.HugeClassifier(C, D, device="cpu", store=store, key="k")
+    assert store.keys() == []  # the weight it allocated is freed again
+    store.max_bytes = None
+    # the error (and its traceback, which holds the half-built head) is still alive here
+    head = hr.HugeClassifier(C, D, device="cpu", store=store, key="k")
+    assert info.value is not None and head.read_weight().abs().sum() > 0  # initialized
+
+
+@pytest.mark.filterwarnings("ignore:hr.offload found no repeated blocks")
+def test_head_keys_and_offloaded_models_exclude_each_other(tmp_path):
+    store = DiskStore(tmp_path / "s")
+    head = hr.HugeClassifier(C, D, device="cpu", store=store, key="fc")
+    model = torch.nn.Sequential()
+    model.fc = torch.nn.Linear(D, C, bias=False)  # "fc.weight": the head's weight, same shape
+    with pytest.raises(RuntimeError, match="another"):
+        hr.offload(model, device="cpu", store=store)
+    del head
+    hr.offload(model, device="cpu", store=store)  # free now; takes over the stored values
+    with pytest.raises(RuntimeError, match=r"key='fc'.*in use"):
+        hr.HugeClassifier(C, D, device="cpu", store=store, key="fc")
+
+
+@pytest.mark.skipif(accelerator_type() == "cuda", reason="cuda exists here")
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_missing_device_is_named_at_construction(kind, tmp_path):
+    store = _store(kind, tmp_path)
+    with pytest.raises(RuntimeError, match=r"'cuda' is not available on this machine.*"
+                                           r"device='cpu'"):
+        hr.HugeClassifier(C, D, device="cuda", store=store)
+    if kind == "disk":
+        assert store.keys() == []  # refused before anything was allocated
+
+
+def test_device_is_kept_with_an_index(monkeypatch, tmp_path):
+    acc = torch.accelerator  # pretend there is a cuda device 0 (nothing here touches it)
+    monkeypatch.setattr(acc, "is_available", lambda: True)
+    monkeypatch.setattr(acc, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(acc, "current_device_index", lambda: 0)
+    monkeypatch.setattr(acc, "device_count", lambda: 1)
+    head = hr.HugeClassifier(C, D, device="cuda", store=DiskStore(tmp_path / "s"))
+    # what tensors created with device="cuda" report, so features.device == head.device
+    assert head.device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("mode", ["host", "disk", "sampled"])
+def test_double_backward_is_refused_with_the_fix(mode, tmp_path):
+    store = DiskStore(tmp_path / "s") if mode == "disk" else "cpu"
+    head = hr.HugeClassifier(C, D, device="cpu", store=store, slice_size=300,
+                             sample_rate=0.5 if mode == "sampled" else 1.0)
+    x = torch.randn(B, D, requires_grad=True)
+    loss = head(x, torch.randint(0, C, (B,)))
+    with pytest.raises(RuntimeError, match=r"does not support double backward.*"
+                                           r"create_graph=True.*F\.cross_entropy"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
+@pytest.mark.gpu
+def test_accelerator_device_without_index():
+    from tests.conftest import accelerator_type as acc
+
+    head = hr.HugeClassifier(C, D, device=acc(), slice_size=300)
+    x = torch.randn(B, D, device=acc())
+    assert head.device.index is not None and x.device == head.device
+    head(x, torch.randint(0, C, (B,), device=acc()))  # accepted: same device

@@ -206,3 +206,18 @@ def test_host_weight_streamed_to_accelerator():
     _close(x.grad, rx)
     _close(w.grad, rw)
     _close(b.grad, rb)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_double_backward_is_refused_with_the_fix(bias):
+    x, w, b, y = _inputs(8, 16, 100, bias=bias)
+    loss = hr.linear_cross_entropy(x, w, y, b, slice_size=32)
+    with pytest.raises(RuntimeError, match=r"linear_cross_entropy does not support double "
+                                           r"backward.*create_graph=True.*F\.cross_entropy"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    # a first-order backward of the same graph still works
+    (gx,) = torch.autograd.grad(loss, x)
+    xr = x.detach().clone().requires_grad_()
+    logits = xr @ w.detach().T + (b.detach() if bias else 0)
+    (ref,) = torch.autograd.grad(F.cross_entropy(logits, y), xr)
+    _close(gx, ref)

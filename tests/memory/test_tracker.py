@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import headroom as hr
-from headroom.memory import CATEGORIES, annotate, resize_storage
+from headroom.memory import CATEGORIES, annotate
+from headroom.transfer import resize_storage
 
 B, D_IN, D_HID, D_OUT = 32, 64, 128, 10
 
@@ -334,3 +335,18 @@ def test_accelerator_device_stats_and_allocator():
     assert s.allocator[f"{name}/reserved"] >= s.allocator[f"{name}/allocated"] > 0
     assert s.allocator[f"{name}/max_reserved"] >= s.peak
     assert "allocator" in mem.report(file=open("/dev/null", "w"))  # noqa: SIM115
+
+
+def test_rss_is_reported_beside_tracked_bytes():
+    """Memory outside PyTorch (a NumPy array) is not a tracked tensor, but RSS sees it."""
+    import numpy as np
+
+    with hr.track_memory() as mem:
+        a = np.ones(64 << 17)  # 64 MiB
+        t = torch.ones(1 << 20)
+        del a
+    rss = mem.rss
+    assert rss["peak"] - rss["start"] >= 48 << 20  # measured independently of the tracker
+    assert mem.peak == t.numel() * 4
+    assert mem.rss_timeline and all(b > 0 for _, b in mem.rss_timeline)
+    assert "process RSS" in mem.report()

@@ -8,9 +8,11 @@ the store slice by slice, where `headroom.HostOptimizer` (or, with ``store="cpu"
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ import torch.nn as nn
 
 from headroom.heads._linear_ce import (
     _check_target,
+    _refuse_double_backward,
     grad_pass,
     linear_cross_entropy,
     lse_pass,
@@ -28,7 +31,15 @@ from headroom.heads._linear_ce import (
 )
 from headroom.heads._slices import slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
-from headroom.transfer import Handle, Store, bind, binding, resolve_store
+from headroom.transfer import (
+    Handle,
+    Store,
+    bind,
+    binding,
+    check_device,
+    claimed_keys,
+    resolve_store,
+)
 
 __all__ = ["HugeClassifier"]
 
@@ -58,6 +69,10 @@ class _StoreCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out):  # type: ignore[override]
+        _refuse_double_backward(
+            "HugeClassifier's loss",
+            "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits",
+        )
         features, t, lse, n_valid = ctx.saved_tensors
         head: HugeClassifier = ctx.head
         slice_size, ignore_index, eps, reduction = ctx.opts
@@ -102,7 +117,9 @@ class HugeClassifier(nn.Module):
         num_classes: number of classes ``C``.
         in_features: feature size ``D``.
         bias: whether to learn a per-class bias (rests in the store too).
-        device: the compute device (features and labels live there).
+        device: the compute device (features and labels live there); checked at once with
+            `headroom.transfer.check_device` and kept with an index (``"cuda"`` becomes
+            ``cuda:0``, the current device), so that features created there match it.
         store: ``"cpu"`` (host memory, pinned when ``device`` is an accelerator) or a store such
             as ``headroom.DiskStore(path)`` (files; for weights bigger than RAM, costs disk reads
             of the whole weight twice per training step and writes of its gradient once).
@@ -117,7 +134,9 @@ class HugeClassifier(nn.Module):
         dtype: dtype of the weight in the store. Logits and gradients accumulate in fp32.
         key: name prefix of the tensors in the store (defaults to a fresh unique name). Give
             one to find the tensors again in a reopened `DiskStore`: when the store already
-            holds ``key``'s weight, its values are kept (not re-initialized).
+            holds ``key``'s weight, its values are kept (not re-initialized). A key is held
+            by its head until the head is garbage-collected: a second live head with the same
+            key in the same store object is refused (it would share the weight).
         prefetch: with ``store="cpu"`` on an accelerator, how many slices are copied to the
             device ahead of the one computing (on a side stream, straight from the pinned
             store; gradient slices go back the same way). ``1`` hides each copy behind one
@@ -129,7 +148,11 @@ class HugeClassifier(nn.Module):
 
     Raises:
         ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a generator not on the CPU;
-            a store that cannot hold the weight.
+            a store that cannot hold the weight, or holds ``key``'s tensors with another shape
+            or dtype; a ``device`` that is not a torch device, or ``"meta"``.
+        RuntimeError: ``device`` is not available on this machine; ``key`` is in use by
+            another live head (or offloaded model) in ``store``. From backward: a double
+            backward (``create_graph=True``), which is not supported.
 
     Example:
         >>> head = HugeClassifier(100_000, 64, device="cpu")
@@ -176,7 +199,7 @@ class HugeClassifier(nn.Module):
             )
         self.num_classes = int(num_classes)
         self.in_features = int(in_features)
-        self.device = torch.device(device)
+        self.device = check_device(device)
         self.slice_size = slice_size
         self.sample_rate = float(sample_rate)
         self.dtype = dtype
@@ -197,10 +220,29 @@ class HugeClassifier(nn.Module):
         self._prefix = prefix
         reopened = f"{prefix}.weight" in self.store
         shape = (self.num_classes, self.in_features)
-        self._wh = self._alloc(f"{prefix}.weight", shape)
-        self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
-        self.weight = self._param(self._wh)
-        self.bias = self._param(self._bh) if self._bh is not None else None
+        shapes = {f"{prefix}.weight": shape}
+        if bias:
+            shapes[f"{prefix}.bias"] = (self.num_classes,)
+        for k, sh in shapes.items():
+            self._check_stored(k, sh)
+        keys = [k for n in shapes for k in (n, f"{n}.grad")]
+        before = {k for k in keys if k in self.store}
+        release = self._claim(prefix, keys)
+        try:
+            self._wh = self._alloc(f"{prefix}.weight", shape)
+            self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
+            self.weight = self._param(self._wh)
+            self.bias = self._param(self._bh) if self._bh is not None else None
+        except BaseException:
+            # NOTE: a failed head takes back what it allocated (a later head with this key
+            # would take the uninitialized tensors for trained ones) and frees its key at once,
+            # not when it is collected: a traceback kept for the user (a notebook's last
+            # error) would hold it, and the key, alive.
+            for k in keys:
+                if k not in before and k in self.store:
+                    self.store.free(self.store.get(k))
+            release()
+            raise
         # rows of the gradients holding values since the last overwrite; None: maybe all rows
         self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
         self.last_sampled_classes: torch.Tensor | None = None
@@ -209,7 +251,35 @@ class HugeClassifier(nn.Module):
             self.reset_parameters()
 
     # ------------------------------------------------------------------ storage
-    def _alloc(self, key: str, shape: tuple[int, ...]) -> Handle:
+    def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
+        """Reserve ``keys`` of the store for this head until it is garbage-collected.
+
+        Returns:
+            The finalizer that releases them (calling it releases them now, once).
+        """
+        claimed = claimed_keys(self.store)
+        taken = [k for k in keys if k in claimed]
+        if taken:
+            # NOTE: a head that is unreachable but caught in a reference cycle still holds its
+            # keys until the cycle collector runs; collect once before calling it a conflict.
+            gc.collect()
+            taken = [k for k in keys if k in claimed]
+        if taken:
+            raise RuntimeError(
+                f"key={prefix!r}: {taken[0]!r} in {self.store!r} is in use by another live "
+                "HugeClassifier (or offloaded model); two heads with one key would silently "
+                "share, and both train, one weight. Pass another key= (or leave it out for a "
+                "fresh one), or drop every reference to the other head first (del head; its "
+                "keys free when it is garbage-collected, and a new head with this key then "
+                "resumes its values)"
+            )
+        claimed.update(keys)
+        # NOTE: weakref.finalize holds the set and the keys, not the head: the claim ends when
+        # the head is collected (re-running a notebook cell after `del head` works), while the
+        # values stay in the store for the next head with this key.
+        return weakref.finalize(self, claimed.difference_update, keys)
+
+    def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
         if key in self.store:
             h = self.store.get(key)
             if h.shape != shape or h.dtype != self.dtype:
@@ -217,7 +287,10 @@ class HugeClassifier(nn.Module):
                     f"store already holds {key!r} with shape {h.shape} and dtype {h.dtype}, "
                     f"not {shape} {self.dtype}; pass another key="
                 )
-            return h
+
+    def _alloc(self, key: str, shape: tuple[int, ...]) -> Handle:
+        if key in self.store:
+            return self.store.get(key)
         return self.store.alloc(key, shape, self.dtype, zero=False)
 
     def _param(self, h: Handle) -> nn.Parameter:

@@ -350,6 +350,24 @@ def row_scale(
 # autograd
 
 
+def _refuse_double_backward(what: str, dense: str) -> None:
+    """Raise when a backward runs with grad mode on, that is under ``create_graph=True``.
+
+    NOTE: the passes write into reused buffers (``out=``, in-place exp), which autograd cannot
+    differentiate; without this check a double backward fails deep inside with "addmm():
+    functions with out=... arguments don't support automatic differentiation", which names
+    neither the cause nor the fix.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} does not support double backward: a backward with create_graph=True (a "
+            "gradient penalty through the loss, a Hessian-vector product) ran through it, and "
+            "its sliced backward is not differentiable. Compute such a penalty on "
+            f"{dense} (it materializes the batch x classes logits), or take the penalty of "
+            "another term; a plain backward (create_graph=False) is supported"
+        )
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -387,6 +405,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        _refuse_double_backward(
+            "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
+        )
         x, weight, bias, t, lse, n_valid = ctx.saved_tensors
         slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -467,6 +488,9 @@ def linear_cross_entropy(
         TypeError: ``target`` not an integer tensor; ``x``/``weight`` dtypes differ.
         ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
             disagree, wrong shapes, bad options. All checked before any compute.
+        RuntimeError: from backward, when it runs with ``create_graph=True`` (double backward,
+            e.g. a gradient penalty through the loss), which is not supported: use
+            ``F.cross_entropy`` on dense logits for that term.
 
     Example:
         >>> x = torch.randn(8, 16, requires_grad=True)

@@ -64,6 +64,14 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
     peak_label = _peak_label(mem)
     if peak_label:
         lines.append(f"peak reached during: {peak_label}")
+    rss = mem.rss
+    if rss["peak"] is not None:
+        lines.append(
+            f"process RSS: start {format_bytes(rss['start'] or 0)}, peak"
+            f" {format_bytes(rss['peak'])}, end {format_bytes(rss['end'] or 0)} (the tracked"
+            " tensors plus the interpreter, libraries, memory the C allocator keeps, and"
+            " anything outside PyTorch)"
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -86,6 +94,7 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
         "max_by_category": mem.max_by_category,
         "current": mem.current,
         "by_module": mem.by_module,
+        "rss": mem.rss,
         "devices": {
             d: {
                 "peak": (s := mem.stats(d)).peak,
@@ -100,6 +109,10 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
             "time_s": [round(s.time_s, 6) for s in timeline],
             "label": [s.label for s in timeline],
             "bytes": {c: [s.by_category[c] for s in timeline] for c in CATEGORIES},
+        },
+        "rss_timeline": {
+            "time_s": [round(t, 6) for t, _ in mem.rss_timeline],
+            "bytes": [b for _, b in mem.rss_timeline],
         },
     }
 
@@ -124,9 +137,15 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
     import numpy as np
 
     timeline = mem.timeline
+    # The axis starts at the first tracked allocation: a profiled script may spend most
+    # of its run importing libraries before any tensor exists.
+    first = next((i for i, s in enumerate(timeline) if s.total > 0), 0)
+    t_start = timeline[first].time_s if timeline else 0.0
+    timeline = timeline[first:]
     fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
+    t_unit = "ms"
     if timeline:
-        x = np.array([s.time_s for s in timeline])
+        x = np.array([s.time_s - t_start for s in timeline])
         t_unit = "s" if x[-1] > 10 else "ms"
         if t_unit == "ms":
             x = x * 1e3
@@ -163,7 +182,17 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
         )
         ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
         ax.set_ylabel(f"live tensor memory ({unit})")
-    ax.set_xlabel(f"time ({t_unit if timeline else 'ms'})")
+        rss = [(t - t_start, b) for t, b in mem.rss_timeline if t >= t_start]
+        if rss:
+            ax2 = ax.twinx()
+            rscale, runit = _unit(max(b for _, b in rss))
+            rx = np.array([t for t, _ in rss]) * (1e3 if t_unit == "ms" else 1.0)
+            ax2.plot(rx, np.array([b for _, b in rss]) / rscale, color="black", lw=1,
+                     label="process RSS (right axis)")
+            ax2.set_ylim(0, max(b for _, b in rss) / rscale * 1.12)
+            ax2.set_ylabel(f"process RSS ({runit})")
+            ax2.legend(loc="upper right", fontsize=8)
+    ax.set_xlabel(f"time since the first tracked allocation ({t_unit})")
     ax.set_title(title or f"headroom: memory by category ({', '.join(mem.devices) or 'cpu'})")
     ax.legend(loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3, zorder=0)

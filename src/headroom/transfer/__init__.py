@@ -13,30 +13,54 @@ from headroom.transfer._binding import (
     sync_grad,
     unbind,
 )
+from headroom.transfer._claims import claimed_keys
+from headroom.transfer._device import check_device
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
+from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
-from headroom.transfer._mover import Mover, RowStreamer, Ticket
-from headroom.transfer._store import Store, StoreFullError, is_accelerator, resolve_store
+from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._rows import RowStreamer
+from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
+from headroom.transfer._stash import Stash, StashTicket
+from headroom.transfer._storage import resize_storage
+from headroom.transfer._store import (
+    Store,
+    StoreCorruptError,
+    StoreFullError,
+    is_accelerator,
+    resolve_store,
+)
 
 __all__ = [
     "DiskStore",
     "Handle",
+    "HeapTrimmer",
     "HostStore",
     "ListenerHandle",
     "Mover",
     "ParamBinding",
     "PinnedPool",
     "RowStreamer",
+    "SafetensorsFile",
+    "Stash",
+    "StashTicket",
     "Store",
+    "StoreCorruptError",
     "StoreFullError",
+    "TensorInfo",
     "Ticket",
     "bind",
     "binding",
+    "check_device",
+    "claimed_keys",
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "resize_storage",
     "resolve_store",
+    "safetensors_dtypes",
     "sync_grad",
+    "trim_heap",
     "unbind",
 ]

@@ -42,6 +42,12 @@ class ParamBinding:
         grad_sync: set by the producer: blocks until every gradient it has handed over so far
             rests in ``grad_handle`` (its writes may run in the background). ``None``: the
             gradient is in place as soon as `grad_ready` fires.
+        grad_dtype: the dtype a producer allocates ``grad_handle`` in (``None``: the
+            parameter's). A consumer that wants full-precision accumulation of a low-precision
+            parameter's gradient (an optimizer with fp32 masters) sets ``torch.float32``.
+        has_value: ``False`` while ``handle`` holds no value yet (a parameter created on
+            ``meta``, still to be loaded or initialized): consumers must not read it then.
+            Whoever writes the whole value sets it.
         listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
     """
 
@@ -50,6 +56,8 @@ class ParamBinding:
     grad_handle: Handle | None = None
     grad_rows: torch.Tensor | None = None
     has_grad: bool = False
+    grad_dtype: torch.dtype | None = None
+    has_value: bool = True
     grad_sync: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
 
@@ -65,7 +73,7 @@ class ListenerHandle:
 
     def remove(self) -> None:
         if self._binding is not None:
-            # NOTE: by identity, so two registrations of the same function stay independent.
+            # By identity, so two registrations of the same function stay independent.
             ls = self._binding.listeners
             for i, f in enumerate(ls):
                 if f is self._fn:
@@ -135,7 +143,7 @@ def on_grad_ready(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Li
     b = binding(param)
     if b is None:
         raise ValueError(
-            "on_grad_ready needs a store-resident parameter (one offloaded by headroom.offload "
+            "on_grad_ready needs a store-resident parameter (one offloaded by hr.offload "
             "or bound with headroom.transfer.bind); ordinary parameters have autograd's "
             "register_post_accumulate_grad_hook"
         )

@@ -5,28 +5,25 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import json
 import os
 import re
 import shutil
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from headroom.transfer._handle import Handle
-from headroom.transfer._store import Store, StoreFullError, done
+from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger
+from headroom.transfer._recover import file_crcs, open_checks
+from headroom.transfer._segments import BAD, combine, crc, scan
+from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
 __all__ = ["DiskStore"]
-
-_INDEX = "index.json"
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)}
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
@@ -38,19 +35,18 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
         offset += n
 
 
-def _pwrite_from(fd: int, buf: memoryview, offset: int) -> None:
+def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> None:
     while len(buf):
         n = os.pwritev(fd, [buf], offset)
+        written[0] += n
         buf = buf[n:]
         offset += n
 
 
 def _view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive.
-
-    NOTE: not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters
-    resize their storage to 0 between uses.
-    """
+    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive."""
+    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize their
+    # storage to 0 between uses.
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -73,6 +69,7 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
 
 
 _PIECE_BYTES = 4 << 20  # reads of at least two of these are split across the I/O threads
+_CHECK_CHUNK = 1 << 20  # a checked read lands and is checksummed in chunks of this size
 
 
 def _split(extents: list[tuple[int, int, int]], threads: int) -> list[list[tuple[int, int, int]]]:
@@ -95,8 +92,9 @@ def _split(extents: list[tuple[int, int, int]], threads: int) -> list[list[tuple
     return groups
 
 
-def _all_of(futs: list[Future], result) -> Future:
-    """A future that resolves to ``result`` once every one of ``futs`` is done (first error)."""
+def _all_of(futs: list[Future], result, finish: Callable[[], None] | None = None) -> Future:
+    """A future that resolves to ``result`` once every one of ``futs`` is done (first error),
+    after ``finish()`` (run by the thread that completed the last one) returns."""
     out: Future = Future()
     lock = threading.Lock()
     left = [len(futs)]
@@ -108,15 +106,99 @@ def _all_of(futs: list[Future], result) -> Future:
                 errors.append(f.exception())
             left[0] -= 1
             last = left[0] == 0
-        if last:
-            if errors:
-                out.set_exception(errors[0])
-            else:
-                out.set_result(result)
+        if not last:
+            return
+        if not errors and finish is not None:
+            try:
+                finish()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                errors.append(e)
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(result)
 
     for f in futs:
         f.add_done_callback(done_one)
     return out
+
+
+class _ReadCheck:
+    """Checksums of one read: segments it covers whole are verified before its future resolves.
+
+    Every piece of a split read computes the CRCs of its share of those segments in its own
+    thread (right after reading them, while they are in cache); `finish` combines the shares.
+    """
+
+    def __init__(self, store: DiskStore, key: str, extents: list[tuple[int, int, int]],
+                 verify: bool) -> None:
+        self.store, self.key, self.extents, self.verify = store, key, extents, verify
+        self.parts: list[tuple[tuple, int, int, int]] = []  # (segment, start, end, crc)
+        self.lock = threading.Lock()
+
+    def covered(self) -> list[list]:
+        """Segments with a known CRC that the read covers (raises if it touches bad bytes)."""
+        # Looked up when a piece runs, not at submission: operations on a key run in order, so the
+        # segments then describe exactly the bytes this read finds.
+        segs = self.store._ledger.segments(self.key)
+        covered, bad = scan(segs, [(off, off + length) for _, off, length in self.extents])
+        if bad:
+            raise self.store._corrupt(self.key, bad[0][0], bad[0][1], (
+                "these bytes are marked damaged (a torn or failed write, kept by"
+                " recover=True); they read again once written again: write the tensor"
+                " (hr.load(checkpoint, model, optimizer) rewrites every parameter)"))
+        return covered if self.verify else []
+
+    def read(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
+             covered: list) -> None:
+        """Read this piece's ``extents`` into ``mv`` with the CRCs of its share of each covered
+        segment (both lists sorted by file offset).
+        """
+        # In chunks, each checksummed right after it lands, while it is still in the CPU cache,
+        # rather than a second pass over memory after the whole read.
+        found = []
+        k = 0
+        for pos, off, length in extents:
+            end = off + length
+            while k < len(covered) and covered[k][1] <= off:
+                k += 1
+            shares = []
+            j = k
+            while j < len(covered) and covered[j][0] < end:
+                seg = covered[j]
+                shares.append([tuple(seg), max(seg[0], off), min(seg[1], end), 0])
+                j += 1
+            first = 0
+            for c0 in range(off, end, _CHECK_CHUNK):
+                c1 = min(c0 + _CHECK_CHUNK, end)
+                _pread_into(fd, mv[pos + c0 - off:pos + c1 - off], c0)
+                q = first
+                while q < len(shares) and shares[q][1] < c1:
+                    share = shares[q]
+                    a, b = max(share[1], c0), min(share[2], c1)
+                    if a < b:
+                        share[3] = crc(mv[pos + a - off:pos + b - off], share[3])
+                    if share[2] <= c1:
+                        first = q + 1
+                    q += 1
+            found += [tuple(share) for share in shares]
+        with self.lock:
+            self.parts += found
+
+    def finish(self) -> None:
+        by_seg: dict[tuple, list] = {}
+        for seg, a, b, c in self.parts:
+            by_seg.setdefault(seg, []).append((a, b, c))
+        for (s, e, want), parts in by_seg.items():
+            parts.sort()
+            got = parts[0][2]
+            for a, b, c in parts[1:]:
+                got = combine(got, c, b - a)
+            if got != want:
+                raise self.store._corrupt(self.key, s, e, (
+                    f"read CRC32C {got:08x}, stored {want:08x}: the file was changed or damaged"
+                    " on disk. Rewrite the tensor (hr.load(checkpoint, model, optimizer)), or"
+                    " reopen with DiskStore(path, recover=True) to find all damage"))
 
 
 class DiskStore(Store):
@@ -124,12 +206,21 @@ class DiskStore(Store):
 
     Reads land in preallocated host tensors (``os.preadv`` straight into their memory, no extra
     copy); writes go out with ``os.pwritev``. Operations on the same key run in issue order; on
-    different keys they run concurrently. A small ``index.json`` (written by `flush` and `close`)
-    lets another process reopen the store with ``DiskStore(path)``.
+    different keys they run concurrently. Another process reopens the store with
+    ``DiskStore(path)``.
+
+    Crash safety: a journal in the folder records every allocation, free and write as it
+    happens, with the CRC32C of what each write puts in the file; an index snapshot is written
+    by `flush`, `close`, and whenever the journal grows. A store whose process was killed
+    reopens with every tensor, each holding its last completed write, checked against its
+    checksums; a tensor a write was tearing at the kill raises `StoreCorruptError` (or opens
+    marked damaged with ``recover=True``). After a power loss the store is safe as of the last
+    `flush` (which fsyncs). A lock file keeps a second store (in any process) out of the folder.
 
     Args:
-        path: directory for the files; created if missing. If it holds an ``index.json`` the
-            tensors listed there are reopened (see `keys`, `get`).
+        path: directory for the files; created if missing. If it holds a DiskStore's files the
+            tensors there are reopened (see `keys`, `get`). A non-empty directory without them
+            is refused rather than mixed with.
         max_bytes: byte budget for the store; ``None`` means the free space of the disk.
         threads: background read threads (writes get half as many, at least one). Reads of
             8 MiB or more are split across them. More threads help fast NVMe drives with many
@@ -138,9 +229,29 @@ class DiskStore(Store):
             them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
             writes): a model bigger than RAM then does not evict everything else from the
             cache, and every read really comes from the disk; writes cost a sync each.
+        verify: when reopening, read every tensor back and check it against its checksums
+            (reads the whole store once; ``False`` checks only the writes that were in flight
+            when a previous process stopped).
+        verify_reads: check the checksums of the byte ranges a read covers whole (whole-tensor
+            reads, and row reads of slices that were written as such) before the read completes,
+            with a CRC32C pass over those bytes in the I/O threads. ``None`` (the default): on
+            with ``page_cache=False``, where every read comes from the disk and the check costs
+            little next to it; off with the page cache, where reads are mostly memory copies of
+            bytes checked when the store was opened or written by it, and checking them again
+            would cost about half again the read time. ``True`` checks every read anyway.
+        recover: open a store whose tensors fail their checks anyway: the damaged byte ranges
+            raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load`` of a
+            checkpoint); the other tensors are usable as they are.
+        overwrite: delete the DiskStore files in ``path`` (index, journal, ``NNNNNN-*.bin``)
+            and start empty; other files there are kept.
 
     Raises:
         PermissionError: ``path`` cannot be created or written.
+        FileExistsError: ``path`` is not empty and holds no DiskStore (pass ``overwrite=True``
+            or an empty directory).
+        RuntimeError: another store (in this process or another) has ``path`` open.
+        StoreCorruptError: when opening, a tensor fails its checks or the metadata is broken;
+            from reads, a checksum mismatch or a damaged range.
         StoreFullError: from `put`/`alloc` when the budget or the disk is full.
 
     Example:
@@ -157,25 +268,24 @@ class DiskStore(Store):
         max_bytes: int | None = None,
         threads: int = 4,
         page_cache: bool = True,
+        verify: bool = True,
+        verify_reads: bool | None = None,
+        recover: bool = False,
+        overwrite: bool = False,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".probe-{os.getpid()}-{threading.get_ident()}"
-            probe.write_bytes(b"x")
-            probe.unlink()
         except OSError as e:
             raise PermissionError(
                 f"DiskStore path {str(self.path)!r} is not writable ({e.strerror or e}); pass a"
                 " directory you can write to, e.g. on a local disk with free space"
             ) from e
-        # NOTE: plain data (no handles, which point back at the store) so the finalizer that
-        # writes the index does not keep the store alive.
-        self._entries: dict[str, dict] = {}
         self._pending: dict[str, Future] = {}
-        self._meta = {"counter": 0}
+        self._unsynced: set[str] = set()
         self.page_cache = page_cache
+        self.verify_reads = (not page_cache) if verify_reads is None else verify_reads
         self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0,
                        "writes": 0, "write_busy_s": 0.0, "read_write_overlap_s": 0.0}
         self._active_reads = 0
@@ -183,7 +293,7 @@ class DiskStore(Store):
         self._read_since = 0.0
         self._write_since = 0.0
         self._both_since = 0.0
-        # NOTE: reads and writes get their own threads: a read (usually a prefetch that compute
+        # Reads and writes get their own threads: a read (usually a prefetch that compute
         # will wait for) never queues behind gradient or state writes, which nobody waits for
         # right away; fewer write threads also leave the disk to the reads more often.
         self._threads = max(1, threads)
@@ -191,55 +301,55 @@ class DiskStore(Store):
         self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
                                          thread_name_prefix="hr-disk-w")
         self._closed = False
-        self._load_index()
-        # NOTE: persist the index if the store is garbage-collected without close().
-        self._finalizer = weakref.finalize(
-            self, DiskStore._write_index_files, self.path, self._entries, self._meta
-        )
+        try:
+            self._ledger = Ledger.open(self.path, overwrite=overwrite)
+        except BaseException:
+            self._pool.shutdown()
+            self._wpool.shutdown()
+            raise
+        try:
+            open_checks(self._ledger, self._pool, verify=verify, recover=recover,
+                        page_cache=page_cache)
+            for name in self._ledger.orphans():
+                os.unlink(self.path / name)
+            self._ledger.start()
+            for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
+                name = self._ledger.entries[key]["file"]
+                self._ledger.free(key)  # scratch of a process that stopped: worth nothing
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path / name)
+        except BaseException:
+            self._ledger.release()
+            self._pool.shutdown()
+            self._wpool.shutdown()
+            raise
+        for key, e in self._ledger.entries.items():
+            self._handles[key] = Handle.of(key, tuple(e["shape"]), DTYPES[e["dtype"]], self)
+            self._used += e["nbytes"]
+        # The finalizer holds the ledger (plain data, no reference back to the store), so
+        # a store garbage-collected without close() still leaves a clean index and unlocks.
+        self._finalizer = weakref.finalize(self, Ledger.finish, self._ledger)
 
     def __repr__(self) -> str:
         return f"DiskStore({str(self.path)!r}, used={self._used}, max_bytes={self.max_bytes})"
 
-    # ------------------------------------------------------------------ index
-    def _load_index(self) -> None:
-        index = self.path / _INDEX
-        if not index.exists():
-            return
-        data = json.loads(index.read_text())
-        for key, e in data["tensors"].items():
-            handle = Handle.of(key, tuple(e["shape"]), _DTYPES[e["dtype"]], self)
-            file = self.path / e["file"]
-            if not file.exists() or file.stat().st_size < handle.nbytes:
-                raise FileNotFoundError(
-                    f"DiskStore index lists {key!r} in {file}, which is missing or truncated;"
-                    " the store was not closed cleanly — delete the directory and rebuild it"
-                )
-            self._handles[key] = handle
-            self._used += handle.nbytes
-            self._entries[key] = dict(e)
-        self._meta["counter"] = int(data.get("counter", len(self._entries)))
-
-    @staticmethod
-    def _write_index_files(path: Path, entries: dict, meta: dict) -> None:
-        data = {"version": 1, "counter": meta["counter"], "tensors": dict(entries)}
-        try:
-            tmp = path / (_INDEX + ".tmp")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, path / _INDEX)
-        except OSError:  # pragma: no cover - directory removed before exit
-            pass
+    def _corrupt(self, key: str, start: int, end: int, why: str) -> StoreCorruptError:
+        file = self._ledger.entries.get(key, {}).get("file", "?")
+        return StoreCorruptError(
+            f"DiskStore {str(self.path)!r}: tensor {key!r} ({file}, bytes {start}-{end}): {why}",
+            str(self.path), (key,))
 
     # ------------------------------------------------------------------ I/O plumbing
     def _file(self, handle: Handle) -> str:
         self._check(handle)
-        return os.path.join(self.path, self._entries[handle.key]["file"])
+        return os.path.join(self.path, self._ledger.entries[handle.key]["file"])
 
-    def _submit_parts(self, key: str, parts: list[tuple], result, *,
-                      write: bool = False) -> Future:
+    def _submit_parts(self, key: str, parts: list[tuple], result, *, write: bool = False,
+                      finish: Callable[[], None] | None = None) -> Future:
         """Run ``fn(*args)`` of every part concurrently, after the previous operation on ``key``.
 
-        One part: its own future. Several: a future that resolves to ``result`` when all are
-        done (or to the first error).
+        One part and no ``finish``: its own future. Otherwise a future that resolves to
+        ``result`` when all are done and ``finish()`` has returned (or to the first error).
         """
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
@@ -251,11 +361,12 @@ class DiskStore(Store):
                     prev.exception()  # wait; its error was reported to its own caller
                 return fn(*args)
 
-            # NOTE: no deadlock across the two pools: a task waits only for an operation
+            # No deadlock across the two pools: a task waits only for an operation
             # submitted before it, and each pool starts its tasks in submission order.
             pool = self._wpool if write else self._pool
             futs = [pool.submit(run, fn, args) for fn, args in parts]
-            fut = futs[0] if len(futs) == 1 else _all_of(futs, result)
+            fut = futs[0] if len(futs) == 1 and finish is None else \
+                _all_of(futs, result, finish)
             self._pending[key] = fut
         fut.add_done_callback(lambda f, k=key: self._settle(k, f))
         return fut
@@ -263,16 +374,17 @@ class DiskStore(Store):
     def _submit_io(self, handle: Handle, kind: str, t: torch.Tensor,
                    extents: list[tuple[int, int, int]]) -> Future:
         path = self._file(handle)
-        pieces = [extents]
-        if kind == "read":
-            # NOTE: a large read goes out as several smaller ones at once: the disk then has
-            # more requests in flight (measured here: a virtual disk reads 16 MiB files 1.2-1.4x
-            # faster with 4 requests in flight than with one), and a prefetch of one big
-            # tensor no longer waits behind a single thread.
-            pieces = _split(extents, self._threads)
+        if kind == "write":
+            return self._submit_parts(handle.key, [(self._write_job, (handle.key, path, t,
+                                                                      extents))], None,
+                                      write=True)
+        # A large read goes out as several smaller ones at once: the disk then has more
+        # requests in flight (see benchmarks/results/README.md), and a prefetch of one big
+        # tensor no longer waits behind a single thread.
+        check = _ReadCheck(self, handle.key, extents, self.verify_reads)
         return self._submit_parts(
-            handle.key, [(self._io_job, (kind, path, t, p)) for p in pieces], t,
-            write=kind == "write")
+            handle.key, [(self._read_job, (path, t, p, check))
+                         for p in _split(extents, self._threads)], t, finish=check.finish)
 
     def _settle(self, key: str, fut: Future) -> None:
         with self._lock:
@@ -293,7 +405,7 @@ class DiskStore(Store):
         ``writes``, ``read_busy_s`` / ``write_busy_s`` (wall seconds during which at least one
         read / write was in flight, so ``bytes_read / read_busy_s`` is the achieved read
         throughput) and ``read_write_overlap_s`` (seconds with both in flight: reads sharing
-        the disk with writes)."""
+        the disk with writes). Checksum time counts as part of each read and write."""
         with self._lock:
             return dict(self._stats)
 
@@ -323,7 +435,6 @@ class DiskStore(Store):
                 self._stats["bytes_read" if kind == "read" else "bytes_written"] += nbytes
                 self._stats["reads" if kind == "read" else "writes"] += 1
 
-
     def _drop_cache(self, fd: int, offset: int, length: int, written: bool) -> None:
         if self.page_cache:
             return
@@ -331,42 +442,78 @@ class DiskStore(Store):
             os.fdatasync(fd)  # dirty pages cannot be dropped
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
-    def _io_job(self, kind: str, path: str, t: torch.Tensor,
-                extents: list[tuple[int, int, int]]) -> torch.Tensor | None:
-        """Read into / write from ``t``: ``extents`` are ``(byte in t, byte in file, length)``.
-
-        NOTE: one job for whole tensors and for row runs alike, so both count the same way in
-        `stats` and drop the page cache the same way.
-        """
-        write = kind == "write"
-        n = sum(length for _, _, length in extents)
-        self._busy(kind, 1)
+    def _read_job(self, path: str, t: torch.Tensor, extents: list[tuple[int, int, int]],
+                  check: _ReadCheck) -> torch.Tensor:
+        """Read ``extents`` (``(byte in t, byte in file, length)``) into ``t``, checksumming
+        this piece's share of the segments the read covers."""
+        covered = check.covered()
+        self._busy("read", 1)
+        n = 0
         try:
-            fd = os.open(path, os.O_WRONLY if write else os.O_RDONLY)
+            mv = _view(t)
+            fd = os.open(path, os.O_RDONLY)
             try:
-                mv = _view(t)
-                for pos, offset, length in extents:
-                    if write:
-                        _pwrite_from(fd, mv[pos:pos + length], offset)
-                    else:
+                if covered:
+                    check.read(fd, mv, extents, covered)
+                else:
+                    for pos, offset, length in extents:
                         _pread_into(fd, mv[pos:pos + length], offset)
-                    self._drop_cache(fd, offset, length, write)
+                for _, offset, length in extents:
+                    self._drop_cache(fd, offset, length, False)
             finally:
                 os.close(fd)
-        except OSError as e:
-            self._busy(kind, -1)
-            if write:
+            n = sum(length for _, _, length in extents)
+        finally:
+            self._busy("read", -1, n)
+        return t
+
+    def _write_job(self, key: str, path: str, t: torch.Tensor,
+                   extents: list[tuple[int, int, int]]) -> None:
+        """Write ``extents`` of ``t``, journaled before and after. See [Note: DiskStore journal]."""
+        # The CRC of each extent is taken from the source buffer here, in the I/O thread (crc32c
+        # releases the GIL), before the first byte goes out: a write the process does not live to
+        # finish is then still recognised as complete or torn when the store reopens.
+        self._busy("write", 1)
+        n = 0
+        try:
+            mv = _view(t)
+            if len(extents) <= MAX_EXTENTS:
+                x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
+            else:
+                lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
+                x = [[lo, hi - lo, None]]
+            try:
+                rid = self._ledger.begin_write(key, x)
+            except OSError as e:
+                raise self._io_error(e, str(self.path)) from e
+            written = [0]
+            try:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    for pos, offset, length in extents:
+                        _pwrite_from(fd, mv[pos:pos + length], offset, written)
+                        self._drop_cache(fd, offset, length, True)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                # Part of a failed write may have reached the file; those ranges are then
+                # marked bad (reads raise) rather than silently mixing old and new bytes.
+                self._ledger.end_write(rid, "bad" if written[0] else "none")
                 raise self._io_error(e, path) from e
-            raise
-        self._busy(kind, -1, n)
-        return None if write else t
+            self._ledger.end_write(rid, "ok")
+            with self._lock:
+                self._unsynced.add(path)
+            n = sum(length for _, _, length in extents)
+        finally:
+            self._busy("write", -1, n)
 
     # ------------------------------------------------------------------ protocol
     def alloc(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *, zero: bool = True
     ) -> Handle:
         handle = Handle.of(key, shape, dtype, self)
-        if str(dtype).removeprefix("torch.") not in _DTYPES:
+        dname = str(dtype).removeprefix("torch.")
+        if dname not in DTYPES:
             raise TypeError(f"DiskStore cannot keep dtype {dtype} ({key!r})")
         free = shutil.disk_usage(self.path).free
         if handle.nbytes > free:
@@ -375,27 +522,36 @@ class DiskStore(Store):
                 f" {self.path}; free space or use a directory on a larger disk"
             )
         self._reserve(handle)
-        with self._lock:
-            self._meta["counter"] += 1
-            name = f"{self._meta['counter']:06d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', key)[:80]}.bin"
-            self._entries[key] = {
-                "file": name, "shape": list(handle.shape),
-                "dtype": str(dtype).removeprefix("torch."),
-            }
-        path = os.path.join(self.path, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            name = self._ledger.alloc(key, re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80],
+                                      handle.shape, dname)
+        except OSError as e:
+            self._release(handle)
+            raise self._io_error(e, str(self.path)) from e
+        path = os.path.join(self.path, name)
+        created = False
+        try:
+            # O_EXCL: a file that is already there is never truncated; it is not ours.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            created = True
             try:
-                # NOTE: reserve the blocks now so a full disk fails here, early, rather than in
+                # Reserve the blocks now so a full disk fails here, early, rather than in
                 # a background write halfway through training. Reserved blocks read as zeros.
                 if handle.nbytes:
                     os.posix_fallocate(fd, 0, handle.nbytes)
             finally:
                 os.close(fd)
         except OSError as e:
-            with self._lock:
-                del self._entries[key]
+            with contextlib.suppress(OSError):
+                self._ledger.free(key)
             self._release(handle)
+            if created:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            if isinstance(e, FileExistsError):
+                raise FileExistsError(
+                    f"{path} appeared in the folder of {self!r} while it was open; something"
+                    " else writes there. Give the store a folder of its own") from e
             raise self._io_error(e, path) from e
         del zero  # fallocated blocks are already zero-filled
         return handle
@@ -447,6 +603,14 @@ class DiskStore(Store):
         """The file that holds ``handle`` (for inspection and benchmarks)."""
         return Path(self._file(handle))
 
+    def damaged(self) -> dict[str, list[tuple[int, int]]]:
+        """Byte ranges marked damaged (by ``recover=True`` or a write that failed part-way),
+        by key; they raise `StoreCorruptError` on read until rewritten."""
+        with self._ledger.lock:
+            out = {k: [(s, e) for s, e, c in v["segments"] if c == BAD]
+                   for k, v in self._ledger.entries.items()}
+        return {k: v for k, v in out.items() if v}
+
     def free(self, handle: Handle) -> None:
         self._check(handle)
         with self._lock:
@@ -454,32 +618,86 @@ class DiskStore(Store):
         if prev is not None:
             prev.exception()
         with self._lock:
-            name = self._entries.pop(handle.key)["file"]
+            name = self._ledger.entries[handle.key]["file"]
+            self._ledger.free(handle.key)  # journaled before the file goes
             self._release(handle)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.path, name))
 
-    def flush(self) -> None:
-        """Wait for all pending reads and writes and write ``index.json``.
+    def _fill_job(self, key: str, path: str, unknown: list[tuple[int, int]]) -> None:
+        for (s, e), c in zip(unknown, file_crcs([(path, s, e) for s, e in unknown],
+                                                _InThread(), self.page_cache), strict=True):
+            if c is not None:
+                self._ledger.set_known(key, s, e, c)
 
-        Raises:
-            OSError: the first error of a pending write that nobody waited for.
-        """
+    def _sync(self, *, clean: bool) -> None:
         with self._lock:
             pending = list(self._pending.values())
         for fut in pending:
             fut.result()
+        # Checksums not known (parts of segments that row writes cut into) are read back,
+        # each as an operation on its key, so it sees exactly the bytes written before it.
+        futs = []
+        for key in self.keys():
+            try:
+                unknown = [(s, e) for s, e, c in self._ledger.segments(key) if c is None]
+                path = os.path.join(self.path, self._ledger.entries[key]["file"])
+            except KeyError:
+                continue  # freed meanwhile by another thread
+            if unknown:
+                futs.append(self._submit_parts(key, [(self._fill_job, (key, path, unknown))],
+                                               None))
+        for fut in futs:
+            fut.result()
         with self._lock:
-            self._write_index_files(self.path, self._entries, self._meta)
+            unsynced, self._unsynced = self._unsynced, set()
+        for path in unsynced:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # freed since
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._ledger.compact(clean=clean, flushed=True)
+
+    def flush(self) -> None:
+        """Wait for all pending reads and writes, make them durable and snapshot the index.
+
+        Checksums the store does not know yet (parts of the file that row writes cut out of a
+        larger written range) are computed by reading those bytes back; the files written since
+        the last flush are fsynced, then ``index.json`` is replaced atomically and the journal
+        emptied. After a power loss, the store is intact as of the last flush.
+
+        Raises:
+            OSError: the first error of a pending write that nobody waited for.
+        """
+        self._sync(clean=False)
 
     def close(self) -> None:
-        """Flush, then stop the I/O threads. The files stay; reopen with ``DiskStore(path)``."""
+        """Flush, mark the folder closed cleanly, stop the I/O threads and unlock the folder.
+        The files stay; reopen with ``DiskStore(path)``."""
         if self._closed:
             return
         try:
-            self.flush()
+            self._sync(clean=True)
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
             self._wpool.shutdown(wait=True)
             self._finalizer.detach()
+            self._ledger.release()
+
+
+class _InThread:
+    """An executor that runs each call at once in the calling thread (already an I/O thread)."""
+
+    @staticmethod
+    def submit(fn, *args) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            fut.set_exception(e)
+        return fut

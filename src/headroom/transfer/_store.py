@@ -11,11 +11,33 @@ import torch
 
 from headroom.transfer._handle import Handle, check_rows, row_count
 
-__all__ = ["Store", "StoreFullError", "done", "resolve_store"]
+__all__ = ["Store", "StoreCorruptError", "StoreFullError", "done", "resolve_store"]
+
+
+# Keys under this prefix hold scratch bytes (activations between forward and backward): worth
+# nothing once their process is gone, so a reopened DiskStore drops them unchecked.
+SCRATCH = "headroom-scratch/"
 
 
 class StoreFullError(RuntimeError):
     """Raised when a store's byte budget (or the disk under it) cannot hold a new tensor."""
+
+
+class StoreCorruptError(RuntimeError):
+    """Raised when a store's files do not hold what it wrote: a checksum mismatch, a torn write,
+    a missing tensor file, or unreadable metadata. The message names the folder, the tensors,
+    files and byte ranges, and how to recover.
+
+    Attributes:
+        path: the store's folder (``None`` when not known).
+        keys: the keys of the tensors concerned (empty when the metadata itself is broken).
+    """
+
+    def __init__(self, message: str, path: str | None = None,
+                 keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.path = path
+        self.keys = tuple(keys)
 
 
 def done(value: Any = None) -> Future:

@@ -1,0 +1,417 @@
+"""What a `DiskStore` folder holds: an index snapshot, an append-only journal and a lock file.
+
+[Note: DiskStore journal]
+The folder's metadata is ``index.json`` (a snapshot: tensors, files, checksum segments, the
+writes in flight, the sequence number it includes, whether the session that wrote it closed)
+plus ``journal.jsonl`` (records after that snapshot, one per line: ``<crc32c hex> <json>``,
+each with the next sequence number). The store journals an ``alloc`` before creating the file,
+a ``free`` before unlinking it, and each write twice: ``w`` with the CRC of every extent before
+the first byte goes out, ``d`` (done: ``ok``, ``none`` written, or ``bad`` = failed part-way)
+after the last. Reopening replays the journal over the snapshot; a ``w`` without its ``d`` is a
+write the process did not finish, checked against the file (new bytes, old bytes, or torn).
+Appends are not fsynced: a killed process's writes are in the page cache, which reaches the
+disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss the store is safe
+as of the last flush. Compaction (index rewritten via tmp + fsync + rename, then the journal
+truncated) holds the ledger lock, so no record falls between the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import json
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from headroom.transfer._segments import BAD, Segments, crc, put, zeros_crc
+from headroom.transfer._store import StoreCorruptError
+
+__all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "is_store_file"]
+
+INDEX = "index.json"
+JOURNAL = "journal.jsonl"
+LOCK = "diskstore.lock"
+_FORMAT = "headroom.DiskStore"
+_BIN = re.compile(r"\d{6,}-[A-Za-z0-9_.-]*\.bin")
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)}
+# Compaction rewrites the whole index, so it waits until the journal is both past a
+# fixed size and twice the index: amortized, journaling stays linear in the records written.
+COMPACT_BYTES = 4 << 20
+MAX_EXTENTS = 32  # a write of more row runs records one unknown span instead of a CRC each
+
+
+def seg_cap(nbytes: int) -> int:
+    """Most checksum segments kept per tensor: enough for one per 4 MiB slice written."""
+    return max(64, nbytes >> 22)
+
+
+def is_store_file(name: str) -> bool:
+    """Whether ``name`` is one of the files a DiskStore creates in its folder."""
+    return name in (INDEX, INDEX + ".tmp", JOURNAL, LOCK) or _BIN.fullmatch(name) is not None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _corrupt(path: Path, file: Path, what: str) -> StoreCorruptError:
+    return StoreCorruptError(
+        f"DiskStore {str(path)!r}: {file.name} {what}. The folder was not changed. Restore the"
+        " folder from a backup, or start over from a checkpoint: DiskStore(path, overwrite=True)"
+        " (deletes only the store's files), hr.offload the model into it and"
+        " hr.load(checkpoint, model, optimizer)", str(path))
+
+
+def _acquire(path: Path) -> int:
+    """Open and lock the folder's lock file (released by the OS when the process dies)."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise PermissionError(
+            f"DiskStore path {str(path)!r} is not writable ({e.strerror or e}); pass a"
+            " directory you can write to, e.g. on a local disk with free space"
+        ) from e
+    for attempt in range(2):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            if not isinstance(e, BlockingIOError):  # a file system without flock
+                warnings.warn(
+                    f"DiskStore cannot lock {str(path)!r} ({e.strerror or e}); nothing stops a"
+                    " second store from opening the folder, so open it from one place only",
+                    UserWarning, stacklevel=4)
+                break
+            raw = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            holder = int(raw) if raw.isdigit() else None
+            if holder == os.getpid() and attempt == 0:
+                gc.collect()  # an unreachable store's finalizer releases its lock
+                continue
+            os.close(fd)
+            who = ("this process (another DiskStore object: close() it first)"
+                   if holder == os.getpid() else
+                   f"process {holder}" if holder else "another process")
+            raise RuntimeError(
+                f"DiskStore folder {str(path)!r} is already open in {who}. A folder serves one"
+                " store at a time (two would overwrite each other's files); close the other"
+                " store, or give this one another folder"
+            ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class Ledger:
+    """The folder's metadata in memory and on disk. See [Note: DiskStore journal].
+
+    Every change goes through one method that updates memory and appends its journal record
+    under one lock. No reference to the store, so the store's finalizer can close it.
+    """
+
+    def __init__(self, path: Path, lock_fd: int) -> None:
+        self.path = path
+        self.entries: dict[str, dict] = {}  # key -> file, shape, dtype, nbytes, segments
+        self.inflight: dict[int, dict] = {}  # seq of a "w" record -> the record
+        self.seq = 0
+        self.counter = 0
+        self.found_index = False
+        self.was_clean = True  # the last session closed (as found when opening)
+        self.had_writes = False  # it changed something after its last flush
+        self.dirty = False
+        self.lock = threading.Lock()
+        self._lock_fd = lock_fd
+        self._jfd = -1
+        self._jbytes = 0
+        self._index_bytes = 0
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path: Path, *, overwrite: bool) -> Ledger:
+        """Lock the folder and read its metadata (nothing in it is changed yet).
+
+        Raises:
+            FileExistsError: a non-empty folder that is not a DiskStore's (without ``overwrite``).
+            RuntimeError: the folder is open in another store.
+            StoreCorruptError: the index or the journal cannot be read.
+        """
+        names = [n for n in os.listdir(path) if not n.startswith(".")]
+        ours = {INDEX, JOURNAL, LOCK} & set(names)
+        if names and not ours and not overwrite:
+            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise FileExistsError(
+                f"DiskStore folder {str(path)!r} is not empty ({shown}) and holds no DiskStore"
+                " index or journal, so it is not a store this version can reopen (perhaps one"
+                " stopped before its index was written, or an unrelated folder). Pass an empty"
+                " or new directory, or overwrite=True to delete the DiskStore files there"
+                " (index, journal, lock, NNNNNN-*.bin; other files are kept)")
+        fd = _acquire(path)
+        ledger = cls(path, fd)
+        try:
+            if overwrite:
+                for n in os.listdir(path):
+                    if is_store_file(n) and n != LOCK:
+                        os.unlink(path / n)
+            ledger._load()
+        except BaseException:
+            ledger.release()
+            raise
+        return ledger
+
+    def _load(self) -> None:
+        index = self.path / INDEX
+        data = None
+        if index.exists():
+            self.found_index = True
+            try:
+                data = json.loads(index.read_bytes())
+                if not isinstance(data, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                raise _corrupt(self.path, index, f"is unreadable, truncated or garbled ({e})")\
+                    from None
+            if data.get("format") != _FORMAT and not (
+                    data.get("version") == 1 and isinstance(data.get("tensors"), dict)):
+                raise FileExistsError(
+                    f"DiskStore folder {str(self.path)!r} holds an index.json that is not a"
+                    " DiskStore's; use another folder (or overwrite=True, which deletes it)")
+            try:
+                self._load_index(data)
+            except (KeyError, TypeError, ValueError) as e:
+                raise _corrupt(self.path, index, f"has an invalid entry ({e!r})") from None
+        replayed = self._replay()
+        if data is None and not replayed and any(
+                _BIN.fullmatch(n) for n in os.listdir(self.path)):
+            raise _corrupt(self.path, index, "is missing while tensor files are present")
+        clean = bool(data.get("clean", True)) if data is not None else True
+        self.was_clean = clean and not replayed and not self.inflight
+        self.had_writes = bool(data.get("dirty", False)) if data is not None else False
+        self.had_writes |= any(r["op"] in ("alloc", "free", "w") for r in replayed)
+
+    def _load_index(self, data: dict) -> None:
+        self.seq = int(data.get("seq", 0))
+        self.counter = int(data.get("counter", 0))
+        for key, e in data["tensors"].items():
+            entry = self._entry(str(key), e["file"], e["shape"], e["dtype"])
+            if "segments" in e:  # version 1 indexes had no checksums
+                segs = [[int(s), int(t), c] for s, t, c in e["segments"]]
+                if any(not (c is None or c == BAD or isinstance(c, int)) for *_, c in segs):
+                    raise ValueError(f"checksum segment of {key!r}")
+                entry["segments"] = segs
+            else:
+                entry["segments"] = [[0, entry["nbytes"], None]] if entry["nbytes"] else []
+            self.entries[str(key)] = entry
+        self.inflight = {int(s): dict(r) for s, r in data.get("inflight", {}).items()}
+
+    def _entry(self, key: str, file: str, shape: list, dtype: str) -> dict:
+        if not isinstance(file, str) or _BIN.fullmatch(file) is None:
+            raise ValueError(f"file name {file!r} of {key!r}")
+        shape = [int(s) for s in shape]
+        if any(s < 0 for s in shape) or dtype not in DTYPES:
+            raise ValueError(f"shape {shape} / dtype {dtype!r} of {key!r}")
+        n = DTYPES[dtype].itemsize
+        for s in shape:
+            n *= s
+        self.counter = max(self.counter, int(file.split("-", 1)[0]))
+        return {"file": file, "shape": shape, "dtype": dtype, "nbytes": n}
+
+    def _replay(self) -> list[dict]:
+        """Apply the journal's records after the snapshot; returns them."""
+        journal = self.path / JOURNAL
+        if not journal.exists():
+            return []
+        lines = journal.read_bytes().split(b"\n")
+        records, bad = [], None
+        for no, line in enumerate(lines, 1):
+            if not line:
+                continue
+            if bad is not None:  # a damaged record with good ones after it
+                raise _corrupt(self.path, journal, f"record {bad} is damaged (its checksum or"
+                               " JSON does not match) and later records exist")
+            body = line[9:]
+            try:
+                if line[8:9] != b" " or int(line[:8], 16) != crc(body):
+                    raise ValueError("checksum")
+                rec = json.loads(body)
+                s = int(rec["s"])
+            except (ValueError, KeyError, TypeError):
+                bad = no  # ignored when it is the last line: torn by a kill mid-append
+                continue
+            if s <= self.seq:
+                continue  # already in the index (stopped between the rename and truncation)
+            if s != self.seq + 1:
+                raise _corrupt(self.path, journal, f"record {no} has sequence number {s}, "
+                               f"expected {self.seq + 1} (records are missing)")
+            try:
+                self._apply(rec)
+            except (KeyError, TypeError, ValueError) as e:
+                raise _corrupt(self.path, journal, f"record {no} is invalid ({e!r})") from None
+            self.seq = s
+            records.append(rec)
+        return records
+
+    def _apply(self, rec: dict) -> None:
+        op = rec["op"]
+        if op == "alloc":
+            e = self._entry(rec["k"], rec["f"], rec["shape"], rec["dtype"])
+            n = e["nbytes"]
+            e["segments"] = [[0, n, zeros_crc(n)]] if n else []
+            self.entries[rec["k"]] = e
+        elif op == "free":
+            self.entries.pop(rec["k"], None)
+        elif op == "w":
+            self.inflight[rec["s"]] = rec
+        elif op == "d":
+            w = self.inflight.pop(int(rec["id"]), None)
+            if w is not None:
+                self._settle(w, rec["r"])
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+
+    def _settle(self, w: dict, result: str) -> None:
+        e = self.entries.get(w["k"])
+        if e is None or result == "none":
+            return
+        cap = seg_cap(e["nbytes"])
+        for off, length, c in w["x"]:
+            put(e["segments"], int(off), int(off) + int(length), BAD if result == "bad" else c,
+                cap)
+
+    # ------------------------------------------------------------------ changes
+    def _append(self, rec: dict) -> int:
+        """Journal ``rec`` with the next sequence number (caller holds ``lock``)."""
+        rec["s"] = self.seq + 1
+        body = json.dumps(rec, separators=(",", ":")).encode()
+        line = b"%08x %s\n" % (crc(body), body)
+        n = os.write(self._jfd, line)
+        if n != len(line):  # pragma: no cover - a short write to a regular file: disk full
+            raise OSError(28, "No space left on device (journal)")
+        self.seq += 1
+        self._jbytes += n
+        self.dirty = True
+        return self.seq
+
+    def alloc(self, key: str, name: str, shape: tuple[int, ...], dtype: str) -> str:
+        """Journal a new tensor; returns its file name (``NNNNNN-name.bin``)."""
+        with self.lock:
+            file = f"{self.counter + 1:06d}-{name}.bin"
+            rec = {"op": "alloc", "k": key, "f": file, "shape": list(shape), "dtype": dtype}
+            self._append(rec)
+            self._apply(rec)
+            return file
+
+    def free(self, key: str) -> None:
+        with self.lock:
+            rec = {"op": "free", "k": key}
+            self._append(rec)
+            self._apply(rec)
+
+    def begin_write(self, key: str, extents: list[list]) -> int:
+        """Journal a write about to start: ``[file offset, length, crc or None]`` each."""
+        with self.lock:
+            rec = {"op": "w", "k": key, "x": extents}
+            rid = self._append(rec)
+            self.inflight[rid] = rec
+            return rid
+
+    def end_write(self, rid: int, result: str) -> None:
+        """``result``: ``"ok"``, ``"none"`` (nothing reached the file) or ``"bad"`` (part did)."""
+        with self.lock:
+            self._settle(self.inflight.pop(rid), result)
+            self._append({"op": "d", "id": rid, "r": result})
+            if self._jbytes > max(COMPACT_BYTES, 2 * self._index_bytes):
+                self._compact(clean=False)
+
+    def resolve(self, rid: int, result: str) -> None:
+        """Settle a write found unfinished when opening (no record: the open snapshots)."""
+        with self.lock:
+            self._settle(self.inflight.pop(rid), result)
+
+    def segments(self, key: str) -> Segments:
+        with self.lock:
+            return [list(s) for s in self.entries[key]["segments"]]
+
+    def set_known(self, key: str, start: int, end: int, value: int) -> None:
+        """Fill in the CRC of an unknown segment (computed from the file)."""
+        with self.lock:
+            e = self.entries.get(key)
+            if e is not None and [start, end, None] in e["segments"]:
+                put(e["segments"], start, end, value, seg_cap(e["nbytes"]))
+
+    def mark_bad(self, key: str, start: int, end: int) -> None:
+        with self.lock:
+            e = self.entries[key]
+            put(e["segments"], start, end, BAD, seg_cap(e["nbytes"]))
+
+    # ------------------------------------------------------------------ snapshots
+    def start(self) -> None:
+        """Begin a session: snapshot the (recovered) state as not clean, open the journal."""
+        self._jfd = os.open(self.path / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.dirty = False
+        self.compact(clean=False)
+
+    def compact(self, *, clean: bool, flushed: bool = False) -> None:
+        """Write the index (atomically, fsynced) and empty the journal."""
+        with self.lock:
+            if flushed:
+                self.dirty = False
+            self._compact(clean=clean)
+
+    def _compact(self, *, clean: bool) -> None:
+        data = {"format": _FORMAT, "version": 2, "seq": self.seq, "counter": self.counter,
+                "clean": clean, "dirty": self.dirty, "tensors": self.entries,
+                "inflight": {str(k): v for k, v in self.inflight.items()}}
+        blob = json.dumps(data, separators=(",", ":")).encode()
+        tmp = self.path / (INDEX + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(blob)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path / INDEX)
+        _fsync_dir(self.path)
+        os.ftruncate(self._jfd, 0)
+        self._jbytes = 0
+        self._index_bytes = len(blob)
+
+    def orphans(self) -> list[str]:
+        """Tensor files in the folder that no tensor owns (freed, or never journaled)."""
+        owned = {e["file"] for e in self.entries.values()}
+        return sorted(n for n in os.listdir(self.path)
+                      if (_BIN.fullmatch(n) and n not in owned) or n == INDEX + ".tmp")
+
+    def release(self) -> None:
+        """Close the journal and give up the folder's lock."""
+        for attr in ("_jfd", "_lock_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def finish(self) -> None:
+        """At garbage collection without `close`: every write has finished (the I/O jobs hold
+        the store), so the snapshot is clean; unknown segments stay unknown. Nothing in a
+        forked child: the folder belongs to the parent's store."""
+        if os.getpid() != self._pid:
+            return
+        if self._jfd >= 0:
+            with contextlib.suppress(OSError):
+                self.compact(clean=True)
+        self.release()

@@ -1,0 +1,186 @@
+"""Reopening a `DiskStore`: finish the journal's story, verify checksums, decide what opens.
+
+See [Note: DiskStore journal]. A write the previous process did not finish is checked against
+the file: all of its new bytes there (it completed; the process stopped before journaling it),
+all of the old (it never started), or a mix: torn. A file an allocation left missing or short
+is recreated when nothing was written to it (it held zeros). With ``verify`` every segment with
+a known checksum is read back too. Problems raise `StoreCorruptError` before anything in the
+folder changes, unless ``recover``: then the damaged byte ranges are marked bad and raise on
+read until rewritten.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import Executor
+from pathlib import Path
+
+import torch
+
+from headroom.transfer._ledger import Ledger
+from headroom.transfer._segments import combine, crc, crc_of_range, zeros_crc
+from headroom.transfer._store import SCRATCH, StoreCorruptError
+
+__all__ = ["file_crcs", "open_checks", "problem_text"]
+
+_PIECE = 16 << 20  # a range is checksummed in pieces of this size, spread over the threads
+_BUF = 4 << 20
+
+
+def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
+    """CRC32C of ``length`` bytes of ``path`` at ``start``; ``None`` if the file is shorter."""
+    buf = torch.empty(min(length, _BUF), dtype=torch.uint8)
+    mv = memoryview(buf.numpy()).cast("B")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        c, off, left = 0, start, length
+        while left:
+            n = os.preadv(fd, [mv[:min(left, len(mv))]], off)
+            if n == 0:
+                return None
+            c = crc(mv[:n], c)
+            off, left = off + n, left - n
+        if not page_cache:
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return c
+
+
+def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
+              page_cache: bool = True) -> list[int | None]:
+    """CRC32C of each ``(file, start, end)`` range, read in parallel pieces; ``None``: short."""
+    jobs = []
+    for path, start, end in ranges:
+        pieces = [(s, min(end, s + _PIECE)) for s in range(start, end, _PIECE)]
+        jobs.append([(s, e, pool.submit(_piece_crc, path, s, e - s, page_cache))
+                     for s, e in pieces])
+    out: list[int | None] = []
+    for pieces in jobs:
+        c: int | None = 0
+        for k, (s, e, fut) in enumerate(pieces):
+            part = fut.result()
+            if part is None or c is None:
+                c = None
+                continue
+            c = part if k == 0 else combine(c, part, e - s)
+        out.append(c)
+    return out
+
+
+def problem_text(path: Path, ledger: Ledger, problems: list[tuple[str, int, int, str]]) -> str:
+    """``'key' (file F, bytes a-b: why)`` for each problem, at most 10."""
+    items = [f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
+             for k, s, e, why in problems[:10]]
+    more = f" and {len(problems) - 10} more" if len(problems) > 10 else ""
+    return "; ".join(items) + more
+
+
+def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
+                page_cache: bool) -> None:
+    """Check a store being opened; raise, or mark damage (``recover``), and warn as needed.
+
+    Raises:
+        StoreCorruptError: torn writes, checksum mismatches or missing files, without
+            ``recover``. Nothing in the folder has changed then.
+    """
+    path = ledger.path
+    problems: list[tuple[str, int, int, str]] = []
+    recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
+    # Scratch keys of a stopped process are dropped after opening (`scratch_keys`), unchecked.
+    for rid in [rid for rid, w in ledger.inflight.items() if w["k"].startswith(SCRATCH)]:
+        ledger.resolve(rid, "none")
+    for key, e in ledger.entries.items():
+        if key.startswith(SCRATCH):
+            continue
+        f = path / e["file"]
+        n = e["nbytes"]
+        size = f.stat().st_size if f.exists() else -1
+        if size >= n:
+            continue
+        never_written = e["segments"] == ([[0, n, zeros_crc(n)]] if n else []) and not any(
+            w["k"] == key for w in ledger.inflight.values())
+        recreate.append(key)
+        if not never_written:
+            why = "file missing" if size < 0 else f"file holds {size} of {n} bytes"
+            problems.append((key, 0, n, why))
+    lost = {k for k, *_ in problems}
+
+    # Writes the last process started and did not finish.
+    pending = [(rid, w) for rid, w in sorted(ledger.inflight.items()) if w["k"] not in lost]
+    ranges = [(str(path / ledger.entries[w["k"]]["file"]), int(o), int(o) + int(ln))
+              for _, w in pending for o, ln, _ in w["x"]]
+    got = iter(file_crcs(ranges, pool, page_cache))
+    for rid, w in pending:
+        segs = ledger.entries[w["k"]]["segments"]
+        states = []
+        for off, length, new in w["x"]:
+            now = next(got)
+            if now is not None and now == new:
+                states.append("new")
+            elif now is not None and now == crc_of_range(segs, off, off + length):
+                states.append("old")
+            else:
+                states.append("torn")
+        if all(s == "new" for s in states):
+            ledger.resolve(rid, "ok")
+        elif all(s == "old" for s in states):
+            ledger.resolve(rid, "none")
+        else:
+            ledger.resolve(rid, "none")
+            problems += [(w["k"], int(o), int(o) + int(ln),
+                          "a write was in flight when the process stopped and only part of it"
+                          " reached the file") for o, ln, _ in w["x"]]
+    for rid in [rid for rid, w in ledger.inflight.items() if w["k"] in lost]:
+        ledger.resolve(rid, "none")
+
+    if verify:
+        known = [(k, s, t, c) for k, e in ledger.entries.items()
+                 if k not in lost and k not in recreate and not k.startswith(SCRATCH)
+                 for s, t, c in e["segments"] if isinstance(c, int)]
+        crcs = file_crcs([(str(path / ledger.entries[k]["file"]), s, t)
+                          for k, s, t, _ in known], pool, page_cache)
+        for (k, s, t, c), now in zip(known, crcs, strict=True):
+            if now != c:
+                problems.append((k, s, t, "the bytes do not match their checksum" if now is not
+                                 None else "the file is shorter than the tensor"))
+
+    text = problem_text(path, ledger, problems)
+    keys = tuple(dict.fromkeys(k for k, *_ in problems))
+    if problems and not recover:
+        raise StoreCorruptError(
+            f"DiskStore {str(path)!r}: {len(keys)} tensor(s) do not hold what the store wrote:"
+            f" {text}. The folder was not changed. To continue from a checkpoint, open it with"
+            " DiskStore(path, recover=True) (the other tensors open as they are; reading these"
+            " bytes raises StoreCorruptError until they are written again), then"
+            " hr.load(checkpoint, model, optimizer); or start over with DiskStore(path,"
+            " overwrite=True)", str(path), keys)
+    for key in recreate:
+        n = ledger.entries[key]["nbytes"]
+        fd = os.open(path / ledger.entries[key]["file"], os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, 0)
+            if n:
+                os.posix_fallocate(fd, 0, n)
+        finally:
+            os.close(fd)
+    for k, s, t, _ in problems:
+        ledger.mark_bad(k, s, t)
+    if problems:
+        warnings.warn(
+            f"DiskStore {str(path)!r} opened with recover=True; damaged and unreadable until"
+            f" rewritten: {text}. Restore them, e.g. hr.load(checkpoint, model, optimizer)",
+            UserWarning, stacklevel=3)
+    elif not ledger.was_clean and ledger.had_writes:
+        checked = "all checksums verified" if verify else \
+            "writes in flight checked; verify=False skipped the other checksums"
+        warnings.warn(
+            f"DiskStore {str(path)!r} was not closed (its process stopped) after changing"
+            f" tensors since its last flush(). Each tensor holds its last completed write"
+            f" ({checked}), but a training step may have been partly applied (some tensors"
+            " updated, others not): for an exact continuation resume from a checkpoint"
+            " (hr.load)", UserWarning, stacklevel=3)

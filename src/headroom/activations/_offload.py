@@ -116,10 +116,13 @@ class _Offloader:
     # ------------------------------------------------------------------ pack / unpack
     def pack(self, t: torch.Tensor) -> Any:
         self._sweep()
-        if (self._depth <= 0 or _parameter_like(t) or t.device.type == "meta"
-                or t.untyped_storage().nbytes() < self.min_bytes):
+        if self._depth <= 0 or _parameter_like(t) or t.device.type == "meta":
             return t
         storage = t.untyped_storage()
+        # A storage that cannot be resized (memory NumPy or DLPack lent, such as the bit masks
+        # of headroom.nn) could not be freed after its copy: it stays where it is.
+        if storage.nbytes() < self.min_bytes or not storage.resizable():
+            return t
         key = storage._cdata
         entry = self._entries.get(key)
         if entry is None:

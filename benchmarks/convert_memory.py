@@ -1,6 +1,6 @@
 """Bytes kept for backward on the first and second forward, and the peak during forward: plain
-PyTorch vs memsave_torch vs ``hr.convert``, for every model of ``_zoo.py`` and the VGG-like and
-ResNet-like CNNs of ``_selective.py``, in the cases of ``_selective.CASES``.
+PyTorch vs memsave_torch vs ``hr.convert``, for every model of ``tests/nn/_zoo.py`` (the models the
+tests check at small sizes), in the cases of its ``CASES``.
 
 "Kept" is the bytes of storages created during a forward (seen by a ``TorchDispatchMode``) and
 of NumPy buffers allocated during it (seen by ``tracemalloc``) that are still alive when it
@@ -33,9 +33,10 @@ from torch import nn
 import headroom as hr
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _selective import CASES, NORMS, forward_bytes, resnet_like, set_case, vgg_like  # noqa: E402
-from _zoo import BUILDERS  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' models and measurements
 from selective_layers import load_memsave  # noqa: E402
+from tests.nn._measure import forward_bytes  # noqa: E402
+from tests.nn._zoo import BUILDERS, CASES, NORMS, resnet_like, set_case, vgg_like  # noqa: E402
 
 MiB = 1 << 20
 

@@ -2,7 +2,7 @@
 
 Five models built from ``torch.nn`` (a VGG-like CNN with six convolutions, a ResNet-18-like
 network, a MobileNetV2-like network with depthwise convolutions and ReLU6, a UNet and a
-DenseNet-like network, from ``_selective.py`` and ``_zoo.py``), four cases of what trains:
+DenseNet-like network, from ``tests/nn/_zoo.py``), four cases of what trains:
 
 - ``all``: every parameter (ordinary training);
 - ``input``: only the input (adversarial examples, feature visualization);
@@ -52,9 +52,16 @@ from torch import nn
 
 import headroom as hr
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _selective import CreatedStorages, resnet_like, set_case, vgg_like  # noqa: E402
-from _zoo import UNet, densenet_like, mobilenet_v2_like  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' models and measurements
+from tests.nn._measure import CreatedStorages  # noqa: E402
+from tests.nn._zoo import (  # noqa: E402
+    UNet,
+    densenet_like,
+    mobilenet_v2_like,
+    resnet_like,
+    set_case,
+    vgg_like,
+)
 
 MiB = 1 << 20
 CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way

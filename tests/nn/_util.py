@@ -6,8 +6,9 @@ import copy
 from collections.abc import Callable, Iterable
 
 import torch
-from benchmarks._selective import CreatedStorages
 from torch import nn
+
+from tests.nn._measure import NumpyBuffers, forward_bytes
 
 
 def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
@@ -31,17 +32,15 @@ def saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] 
 
 
 def kept_bytes(fn: Callable[[], torch.Tensor], exclude: Iterable[torch.Tensor] = ()):
-    """Bytes of storages created while ``fn`` runs that the graph still holds afterwards.
+    """Bytes of storages created while ``fn`` runs that the graph still holds afterwards, NumPy
+    buffers included (see :func:`tests.nn._measure.forward_bytes`).
 
     Unlike :func:`saved_bytes`, no saved-tensor hooks are installed, so converted layers take
     their fast path (PyTorch's own nodes under headroom's hooks). The output's storage and those
     of ``exclude`` are not counted. Returns ``(bytes, output)``.
     """
-    mode = CreatedStorages()
-    with mode:
-        out = fn()
-    skip = {t.untyped_storage()._cdata for t in (*exclude, out)}
-    return mode.live_bytes(skip), out
+    kept, _, out = forward_bytes(fn, exclude, track_peak=False)
+    return kept, out
 
 
 def model_state(model: nn.Module) -> list[torch.Tensor]:
@@ -104,7 +103,6 @@ def allocated_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
     output's storage excepted: PyTorch's CPU allocator as its profiler reports it (tensors made
     outside the dispatcher too, such as a generator's ``get_state()``), plus NumPy buffers.
     Returns ``(bytes, output)``."""
-    from benchmarks._selective import NumpyBuffers
     from torch.profiler import ProfilerActivity, profile
 
     # NOTE: the profiler first: its first start loads much, which tracemalloc would trace.
@@ -119,9 +117,7 @@ def allocated_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
 def first_steps(model: nn.Module, x: torch.Tensor, case: str, steps: int = 2):
     """``steps`` forward+backward steps of ``model`` (input grad in case ``input``), each
     ``(kept bytes, forward peak, output, input grad, parameter grads)``, bytes measured by
-    :func:`benchmarks._selective.forward_bytes` (dispatch mode and NumPy buffers)."""
-    from benchmarks._selective import forward_bytes
-
+    :func:`tests.nn._measure.forward_bytes` (dispatch mode and NumPy buffers)."""
     results = []
     for seed in range(steps):
         xi = x.detach().clone().requires_grad_(case == "input")

@@ -10,6 +10,7 @@ from torch import nn
 
 import headroom as hr
 import headroom.nn as hnn
+from tests.nn._measure import forward_bytes
 from tests.nn._models import resnet_like, vgg_like
 
 
@@ -141,8 +142,6 @@ def test_subclasses_keep_their_forward_and_lazy_modules_are_reported(capsys):
     """A subclass with its own forward is converted with that forward kept (bitwise equal),
     one calling up into torch.nn reaches the headroom twin, an uninitialized lazy module is
     left alone and named; verbose=True prints what was done and why."""
-    from benchmarks._selective import forward_bytes
-
     model = _subclass_model()
     ours = hr.convert(model, verbose=True)
     printed = capsys.readouterr().out

@@ -12,13 +12,12 @@ import copy
 
 import pytest
 import torch
-from benchmarks._selective import NORMS
-from benchmarks._zoo import SqueezeExcite
 from torch import nn
 
 import headroom as hr
-from tests.nn._models import CASES, ZOO, trainable
+from tests.nn._models import CASES, NORMS, ZOO, trainable
 from tests.nn._util import allocated_bytes, assert_steps_equal, first_steps
+from tests.nn._zoo import SqueezeExcite
 
 
 def _pair(name: str) -> tuple[nn.Module, nn.Module, torch.Tensor]:

@@ -1,10 +1,13 @@
-"""More CNNs built from ``torch.nn`` for hr.convert's tests and benchmarks, beside the VGG-like and
-ResNet-like ones of ``_selective.py``: MobileNetV2-like, MobileNetV3-like (squeeze-excitation),
-UNet, DenseNet-like, DCGAN's discriminator and generator, memsave_torch's three conv models, a
-classifier head with dropout, and transformers' ResNet/ConvNeXt/ViT/MobileNetV2 from configs.
+"""CNNs built from ``torch.nn`` for hr.convert's tests and benchmarks: VGG-like and ResNet-like,
+MobileNetV2-like, MobileNetV3-like (squeeze-excitation), UNet, DenseNet-like, DCGAN's
+discriminator and generator, memsave_torch's three conv models, a classifier head with dropout,
+and transformers' ResNet/ConvNeXt/ViT/MobileNetV2 from configs; and the cases of what trains.
 
-Each builder takes a ``scale`` (1 = test size, larger for the benchmarks) and returns the model
-and an input shape; ``BUILDERS`` names them all.
+The tests build them at small sizes (``tests/nn/_models.py``), the benchmarks
+(``benchmarks/selective_layers.py``, ``benchmarks/convert_memory.py``) at full size, so the models
+the tests check bitwise are the very models the benchmarks time and measure. The builders of
+``BUILDERS`` take a ``scale`` (1 = test size, larger for the benchmarks) and return the model and
+an input shape.
 """
 
 from __future__ import annotations
@@ -13,6 +16,116 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+CASES = ("all", "input", "norm", "surgical", "none")
+
+
+def vgg_like(
+    width: int = 64, classes: int = 10, size: int = 64, *, stages: int = 3, hidden: int = 256
+) -> nn.Module:
+    """``stages`` x (two 3x3 Conv-BatchNorm-ReLU, MaxPool2d(2)), then Linear-ReLU-Dropout-Linear.
+
+    Stage ``i`` has ``width * 2**i`` channels; ``size`` is the input's height and width.
+    """
+    layers: list[nn.Module] = []
+    cin = 3
+    for i in range(stages):
+        cout = width * 2**i
+        for _ in range(2):
+            layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+            cin = cout
+        layers.append(nn.MaxPool2d(2))
+    return nn.Sequential(
+        *layers,
+        nn.Flatten(),
+        nn.Linear(cin * (size >> stages) ** 2, hidden),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(hidden, classes),
+    )
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock shape: one inplace ReLU module used twice."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+def resnet_like(
+    width: int = 32,
+    classes: int = 10,
+    *,
+    stem: int = 7,
+    blocks: tuple[int, ...] = (2, 2, 2, 2),
+) -> nn.Module:
+    """ResNet layout: a ``stem``x``stem`` convolution (stride 2 if ``stem > 3``), max-pool,
+    ``len(blocks)`` stages of BasicBlocks (stage ``i``: ``width * 2**i`` channels, ``blocks[i]``
+    blocks, stride 2 from the second stage on), global average pool, fc. The defaults are
+    ResNet-18's layout.
+    """
+    stages: list[nn.Module] = []
+    cin = width
+    for i, count in enumerate(blocks):
+        cout = width * 2**i
+        for j in range(count):
+            stages.append(BasicBlock(cin, cout, 2 if i > 0 and j == 0 else 1))
+            cin = cout
+    return nn.Sequential(
+        nn.Conv2d(3, width, stem, 2 if stem > 3 else 1, stem // 2, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+        *stages,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(cin, classes),
+    )
+
+
+NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def set_case(model: nn.Module, case: str) -> None:
+    """Set ``requires_grad`` of every parameter for one of :data:`CASES`.
+
+    ``all``: every parameter; ``norm``: the affine parameters of the normalization layers
+    (BatchNorm, GroupNorm, LayerNorm and their subclasses); ``surgical``: the 2-d convolution
+    in the middle of the network (the middle convolution or linear layer where there are fewer
+    than three); ``input`` and ``none``: no parameter (in ``input`` the caller makes the input
+    require grad).
+    """
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    if len(convs) < 3:
+        convs = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd | nn.Linear)]
+    surgical = convs[len(convs) // 2]
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if case == "all":
+                p.requires_grad_(True)
+            elif case == "norm":
+                p.requires_grad_(isinstance(m, NORMS))
+            elif case == "surgical":
+                p.requires_grad_(m is surgical)
+            else:
+                p.requires_grad_(False)
+
 
 # --------------------------------------------------------------------------------- MobileNetV2
 

@@ -84,11 +84,10 @@ def _unpack_layout(
 ) -> torch.Tensor:
     """The mask of :func:`_pack_layout` as ``dtype`` values (1/0, or ``values``), laid out with
     ``stride`` like the tensor PyTorch's backward would have read.
-
-    # NOTE: the strides matter for bitwise equality downstream: an element-wise backward kernel
+    """
+    # The strides matter for bitwise equality downstream: an element-wise backward kernel
     # lays its output out like its inputs, and the next backward (a batch norm, say) takes a
     # different reduction order for a channels-last gradient than for a contiguous one.
-    """
     if memory_order:
         flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse, values=values)
         return flat.as_strided(shape, stride)
@@ -120,7 +119,7 @@ def _hardtanh_values(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, f
         return None
     inside = torch.tensor((lo_d + hi_d) / 2, dtype=dtype).item()
     if not lo_d < inside < hi_d:
-        # NOTE: no value of the dtype lies strictly between the bounds, so no mask bit is set
+        # No value of the dtype lies strictly between the bounds, so no mask bit is set
         # and the "inside" value is never written.
         inside = lo_d
     return (lo_d, inside)
@@ -134,15 +133,14 @@ class Late:
     (``op=NONZERO``: the result's non-zeros), ``LeakyReluBackward0`` (``GREATER``: ``x > 0``)
     and ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``). :meth:`settle` is called by
     :func:`headroom.nn._common.settle_pending` and at the end of a converted root's forward.
-
-    # NOTE: on unpack, backward gets the tensor, or a tensor positive exactly where the mask is
+    """
+    # On unpack, backward gets the tensor, or a tensor positive exactly where the mask is
     # set (for Hardtanh, ``lo`` and a value strictly inside), laid out like the original: the
     # very kernel PyTorch runs then gives bitwise its own gradient. A Hardtanh input holding a
     # NaN stays whole: PyTorch's kernel passes the gradient at a NaN in its scalar loop and
     # stops it in its vector loop, so no bit says which. The unpacked floats are needed only
     # inside the node's backward, which drops them when it returns, so they may live in a
     # reused buffer, except in a double backward (grad mode on), whose graph keeps them.
-    """
 
     __slots__ = (
         "tensor",
@@ -164,7 +162,7 @@ class Late:
     )
 
     def __init__(self, t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
-        # NOTE: a detached alias, not ``t``: a saved output is the very tensor whose grad_fn
+        # A detached alias, not ``t``: a saved output is the very tensor whose grad_fn
         # holds this object (a reference cycle), and the alias counts once in the storage's use
         # count whoever else holds ``t``.
         self.tensor = t.detach()
@@ -173,7 +171,7 @@ class Late:
         self.op, self.lo, self.hi = op, lo, hi
         self.bits = self.verdict = None
         self.seq = hold(self)
-        # NOTE: the moment the caller drops its last reference to ``t`` (a variable rebound in
+        # The moment the caller drops its last reference to ``t`` (a variable rebound in
         # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
         # nothing else references the storage: try then. The callback holds this object weakly
         # (no reference cycle keeps a whole tensor alive).
@@ -211,7 +209,7 @@ class Late:
             and t.device.type == "cpu"
             and t.is_contiguous()
         ):
-            # NOTE: the common case without the generic dispatch (this runs per activation).
+            # The common case without the generic dispatch (this runs per activation).
             n = t.numel()
             bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
             native.pack_nonzero(t.data_ptr(), n, bits.data_ptr(), 0)
@@ -274,7 +272,7 @@ class Late:
             and not torch.is_grad_enabled()
             and not is_tracking()
         ):
-            # NOTE: the common case (a contiguous float32 mask unpacked inside the node's
+            # The common case (a contiguous float32 mask unpacked inside the node's
             # backward) without the generic dispatch, into the reused buffer.
             n = self.shape.numel()
             out = _bitmask._reusable_buffer(n, torch.float32)
@@ -293,14 +291,12 @@ class Late:
 
 
 def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
-    """The caller's tensor a :class:`Late` holder watches is being freed: try to settle.
-
-    # NOTE: Python calls this while deallocating the tensor, whose own reference to the storage
+    """The caller's tensor a :class:`Late` holder watches is being freed: try to settle."""
+    # Python calls this while deallocating the tensor, whose own reference to the storage
     # goes right after (PyTorch frees a tensor's Python object only when nothing in C++ holds
     # the tensor too; else it keeps the object alive), so one more reference is expected.
     # Not inside backward, where the graph drops saved tensors: settling there would pack a
     # mask that the node reading it is about to unpack.
-    """
     holder = holder_ref()
     if holder is not None and holder.tensor is not None and _graph_task_id() == -1:
         holder.settle(dying=1)
@@ -336,7 +332,7 @@ _graph_task_id = torch._C._current_graph_task_id
 
 # --- one Function for large or cloning activations -----------------------------------------------
 #
-# NOTE: on PyTorch's own node, backward unpacks a mask into a float stand-in (a full write) that
+# On PyTorch's own node, backward unpacks a mask into a float stand-in (a full write) that
 # the kernel then reads: memory traffic that grows with the tensor, while a Python
 # autograd.Function costs a fixed few tens of microseconds per call. From _FUSE_FROM elements on,
 # one fused pass from the bits is the cheaper of the two; PyTorch's in-place hardtanh_
@@ -366,7 +362,7 @@ class _LateFunction(torch.autograd.Function):
         holder = Late(out if spec.saves_result else x, spec.op, spec.lo, spec.hi)
         holder.verdict = verdict
         if verdict is not None and verdict[0].verdicts.get(verdict[1]) is False:
-            # NOTE: the last forward packed a mask here: pack it now, while the tensor is still
+            # The last forward packed a mask here: pack it now, while the tensor is still
             # in the CPU's cache (a later pass reads it from memory); the decision is still
             # taken late, and a mask not needed is dropped at the root's end at the latest.
             holder.pack()
@@ -382,7 +378,7 @@ class _LateFunction(torch.autograd.Function):
 def _apply_late(x: torch.Tensor, spec: _Spec, verdict=None) -> torch.Tensor:
     out = _LateFunction.apply(x, spec, verdict)
     if spec.inplace:
-        # NOTE: autograd bumps a dirty input's version once more after forward returns.
+        # Autograd bumps a dirty input's version once more after forward returns.
         out.grad_fn.holder.version = out._version
     return out
 
@@ -412,12 +408,10 @@ _RELU_ = _Spec(torch.relu_, True, True, NONZERO, 0.0, 0.0, _relu_kernel)
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
-    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``.
-
-    # NOTE: the kernel is element-wise, so when both inputs share one layout its output may
+    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``."""
+    # The kernel is element-wise, so when both inputs share one layout its output may
     # alias ``passes`` exactly: that saves one full-size allocation per backward, and the
     # output layout is the one PyTorch would pick anyway.
-    """
     if passes.stride() == grad.stride() and passes.is_contiguous():
         return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
     return torch.ops.aten.threshold_backward(grad, passes, 0)
@@ -456,11 +450,11 @@ class _ReLUMask(torch.autograd.Function):
             out = torch.relu_(x)
         else:
             out = torch.relu(x)
-        # NOTE: PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
+        # PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
         # A ReLU output is never negative, so "passes" is ``out != 0`` (one cast). Backward
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
         # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
-        # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
+        # masked_fill or where is exact too, but those mixed-dtype kernels are much slower).
         bits, ctx.memory_order, _ = _pack_layout(out)
         ctx.save_for_backward(bits)
         ctx.shape, ctx.stride = out.shape, out.stride()
@@ -484,7 +478,7 @@ class ReLU(nn.ReLU):
         settle_pending()
         note_consumer(self, input)
         relu = torch.relu_ if self.inplace else torch.relu
-        # NOTE: a call site is the producing node's type and the shape without the batch
+        # A call site is the producing node's type and the shape without the batch
         # dimension: one ReLU module used twice in a block (torchvision's BasicBlock) has two.
         site = (type(input.grad_fn), input.shape[1:])
         sites = relu_sites(self)
@@ -492,7 +486,7 @@ class ReLU(nn.ReLU):
             if _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, (sites, site))
             return run_saving_less(_late_hook((sites, site)), relu, input)
-        # NOTE: under the caller's saved-tensor hooks (or without the use count) the choice is
+        # Under the caller's saved-tensor hooks (or without the use count) the choice is
         # made now: from the consumers seen at this call site in earlier such forwards, else
         # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
         if consumers_keep_output(sites, site):
@@ -523,7 +517,7 @@ class _LeakyReLUMask(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
+        # leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
         # positive exactly where the mask is set gives bitwise PyTorch's own result.
         sign = _unpack_like(ctx, grad)
         gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
@@ -564,12 +558,12 @@ class _HardtanhFunction(torch.autograd.Function):
             out = F.hardtanh_(x, lo, hi)
         else:
             out = F.hardtanh(x, lo, hi)
-        # NOTE: hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
+        # hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
         # meets the same conditions (clamped values equal the bounds). Backward hands the same
         # kernel ``lo`` and a value strictly inside; a NaN keeps the tensor (see Late).
         bits, nan = pack_test(out, INSIDE, lo, hi)
         ctx.keep = nan
-        # NOTE: what PyTorch's node would save (the input, or the result when in place).
+        # What PyTorch's node would save (the input, or the result when in place).
         ctx.save_for_backward((out if inplace else x).detach() if nan else bits)
         ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
         ctx.lo, ctx.hi = lo, hi
@@ -601,7 +595,7 @@ class _HardtanhMixin(KeepsNoInput):
         return _late_hook(_verdict_key(self, input), INSIDE, lo, hi)
 
     def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
-        # NOTE: always in place: PyTorch's hardtanh_ node saves a clone of its input.
+        # Always in place: PyTorch's hardtanh_ node saves a clone of its input.
         if not _LATE or self.min_val > self.max_val or not (self.inplace or _fuses(input)):
             return None
         lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace

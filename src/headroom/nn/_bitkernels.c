@@ -20,9 +20,8 @@
  * compare into a byte array and packbits over it); the unpacking writes the floats once. x86-64
  * gets AVX-512 or AVX2 loops chosen at run time (the library is built for any x86-64); other
  * machines get the scalar loops, which the compiler may vectorize. One thread: they are
- * memory-bound, and splitting a buffer over two threads right after a PyTorch op (whose OpenMP
- * workers still spin) measured slower on the 2-core development machine, for 1 M to 16 M
- * elements (a one-off measurement, not a benchmark). The GIL is released for large buffers.
+ * memory-bound, and splitting a buffer over two threads right after a PyTorch op competes with
+ * its OpenMP workers, which still spin. The GIL is released for large buffers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

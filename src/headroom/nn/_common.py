@@ -27,15 +27,14 @@ def records_graph() -> bool:
     """Whether this forward records a plain eager autograd graph: grad mode on, not being
     traced by ``torch.compile`` or ``torch.jit.trace``, and not inside a ``torch.func``
     transform. Raises a clear error inside ``torch.fx.symbolic_trace``.
-
-    # NOTE: under torch.compile, AOTAutograd builds the backward graph itself and decides what
+    """
+    # Under torch.compile, AOTAutograd builds the backward graph itself and decides what
     # it saves, so headroom's layers trace PyTorch's own forward: their hooks, registry and
     # Functions are eager-mode machinery (Dynamo would trace them into the graph or break it).
     # Inside torch.func.grad/vjp/vmap the tensors are functorch wrappers without a storage of
     # their own (the ReLU registry and the C kernels need one), so PyTorch's forward runs there
     # too. torch.jit.trace records the ops of one call and checks a second one against them;
     # PyTorch's forward gives the same ops every call.
-    """
     if (
         not torch.is_grad_enabled()
         or _is_compiling()
@@ -44,7 +43,7 @@ def records_graph() -> bool:
     ):
         return False
     if getattr(_fx, "_is_fx_tracing_flag", False):
-        # NOTE: FX treats torch.nn modules as leaves and traces into headroom's, whose flag
+        # FX treats torch.nn modules as leaves and traces into headroom's, whose flag
         # checks (and batch norm's own input checks) cannot run on proxies.
         raise RuntimeError(
             "torch.fx.symbolic_trace traced into a headroom.nn layer, which cannot be traced "
@@ -57,15 +56,13 @@ def records_graph() -> bool:
 
 
 def first_order_only(backward):
-    """Decorates the ``backward`` of a headroom ``autograd.Function``: refuse a double backward.
-
-    # NOTE: PyTorch's ``once_differentiable`` is not enough here. It makes the gradient's graph
+    """Decorates the ``backward`` of a headroom ``autograd.Function``: refuse a double backward."""
+    # PyTorch's ``once_differentiable`` is not enough here. It makes the gradient's graph
     # end in an error node that only raises if a later backward runs through it, and
     # ``torch.autograd.grad(..., inputs=x)`` runs only the nodes on a path to ``x``: when another
     # path reaches ``x`` (a ReLU's own saved output does), the second-order terms through these
     # layers would be silently missing. Backward runs with grad mode on exactly when
     # ``create_graph=True``, so that is refused at once, with the fix in the message.
-    """
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -82,9 +79,8 @@ def first_order_only(backward):
 
 
 class TensorMeta:
-    """What a backward kernel needs of a tensor it only reads the shape of: size, stride, dtype.
-
-    # NOTE: several aten backward kernels (``convolution_backward`` for one of its two grads,
+    """What a backward kernel needs of a tensor it only reads the shape of: size, stride, dtype."""
+    # Several aten backward kernels (``convolution_backward`` for one of its two grads,
     # ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``, the padding backwards) take a
     # full tensor but read only its sizes, strides and dtype (a few also read values that only
     # feed gradients we do not request). We keep exactly those and hand the kernel an
@@ -92,7 +88,6 @@ class TensorMeta:
     # choice, same memory format) and gives bitwise the same result. On CPU that tensor is a view
     # of a shared buffer whose pages are never touched (no RAM); on an accelerator it is a
     # transient allocation that lives only inside this backward call.
-    """
 
     __slots__ = ("size", "stride", "dtype", "device")
 
@@ -105,7 +100,7 @@ class TensorMeta:
     def unpack(self) -> torch.Tensor:
         """The stand-in, as a saved-tensor unpack hook returns it (see :func:`run_saving_less`)."""
         if torch.is_grad_enabled():
-            # NOTE: only a double backward (create_graph=True) unpacks with grad mode on; a
+            # Only a double backward (create_graph=True) unpacks with grad mode on; a
             # stand-in holds no values, so refuse instead of differentiating garbage.
             raise RuntimeError(
                 "A headroom.nn layer kept only the shape of a tensor that this double backward "
@@ -114,16 +109,16 @@ class TensorMeta:
         return self.empty()
 
     def empty(self) -> torch.Tensor:
-        # NOTE: while headroom's memory tracker runs, a stand-in is a fresh allocation as on an
+        # While headroom's memory tracker runs, a stand-in is a fresh allocation as on an
         # accelerator, so the tracker charges it to the backward step that uses it instead of
         # counting a long-lived shared buffer (virtual memory on CPU) as live bytes.
         if self.device.type != "cpu" or is_tracking():
             return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-        # NOTE: on CPU every stand-in is a view of one shared buffer per dtype that no kernel
+        # On CPU every stand-in is a view of one shared buffer per dtype that no kernel
         # ever reads for its values or writes, so its pages are never touched (virtual memory
         # only). A fresh large allocation per backward call would cost an mmap/munmap pair
-        # each time: ~5% of a ResNet step on CPU, measured. The views are cached by layout
-        # (every step asks for the same ones), which spares a view per call.
+        # each time. The views are cached by layout (every step asks for the same ones), which
+        # spares a view per call.
         size, stride = self.size, self.stride
         key = (size, stride, self.dtype)
         view = _standin_views.get(key)
@@ -135,7 +130,7 @@ class TensorMeta:
                 need = 0
                 break
             need += (n - 1) * st
-        # NOTE: no lock: dict reads and writes are atomic under the GIL, and two threads that
+        # No lock: dict reads and writes are atomic under the GIL, and two threads that
         # both grow the buffer only leave the smaller one to the views already taken from it.
         buf = _standins.get(self.dtype)
         if buf is None or buf.numel() < need:
@@ -153,8 +148,8 @@ _standin_views: dict[tuple, torch.Tensor] = {}
 
 # --- PyTorch's own autograd node, keeping less --------------------------------------------------
 #
-# NOTE: a Python ``autograd.Function`` costs ~20-60 us per call on CPU (apply, ctx, a Python
-# backward), which is several per cent of a small CNN step. Where PyTorch's own op computes
+# A Python ``autograd.Function`` costs tens of microseconds per call on CPU (apply, ctx, a
+# Python backward), a noticeable share of a small CNN step. Where PyTorch's own op computes
 # exactly what we want and only saves too much, it is cheaper to run that op under
 # saved-tensor hooks that replace what is not needed by a stand-in (or a bit mask) at save time:
 # the backward stays PyTorch's C++ node, with the same kernel and arguments. Used only when this
@@ -352,7 +347,7 @@ def _root_pre_hook(module, args) -> None:
 
 
 def _root_hook(module, args, output) -> None:
-    # NOTE: registered with always_call=True: also runs when the forward raised an Exception.
+    # Registered with always_call=True: also runs when the forward raised an Exception.
     # A KeyboardInterrupt skips it; the holders of that forward are then settled at the next
     # root's end (they die with their graph anyway), and the stale start entry stays below.
     if _is_compiling() or _jit_tracing():
@@ -375,7 +370,7 @@ def install_root_hooks(root: nn.Module) -> None:
 
 # --- which layer consumes a ReLU's output (under a caller's saved-tensor hooks) ------------------
 #
-# NOTE: under saved-tensor hooks of the caller's (hr.track_memory, checkpointing) what a ReLU
+# Under saved-tensor hooks of the caller's (hr.track_memory, checkpointing) what a ReLU
 # saves goes to those hooks at once, so it cannot decide late (see [Note: deciding late]) and
 # must choose in its forward, before its consumer runs. Consumers that are headroom layers report
 # themselves on that path: each looks its input's storage up in the registry below and records
@@ -386,14 +381,12 @@ def install_root_hooks(root: nn.Module) -> None:
 
 
 class ReLUSites:
-    """What one converted ReLU module knows of the layers that consume its output.
-
-    # NOTE: kept outside the module (in ``_sites``, keyed by ``id(module)``, dropped when the
+    """What one converted ReLU module knows of the layers that consume its output."""
+    # Kept outside the module (in ``_sites``, keyed by ``id(module)``, dropped when the
     # module dies) so that converted models still pickle, and a deep copy of a model starts
     # with no consumers rather than the original model's. Plain dicts and lists: single reads
     # and writes are atomic under the GIL; this runs on every forward of every ReLU, where a
-    # WeakKeyDictionary and a lock measured slower in A/B runs of a ResNet-18-like step.
-    """
+    # WeakKeyDictionary and a lock would cost more.
 
     __slots__ = ("module", "sites", "seeds", "verdicts", "__weakref__")
 
@@ -491,7 +484,7 @@ def register_relu_output(sites: ReLUSites, site: tuple, out: torch.Tensor) -> No
         with _registry_lock:
             for k in [k for k, v in _relu_outputs.items() if v[0].expired()]:
                 del _relu_outputs[k]
-    # NOTE: single dict reads and writes need no lock (atomic under the GIL); only the pruning
+    # Single dict reads and writes need no lock (atomic under the GIL); only the pruning
     # pass above iterates, so only it takes the lock. These run once per layer call.
     _relu_outputs[storage._cdata] = (StorageWeakRef(storage), sites, site)
 
@@ -521,7 +514,7 @@ def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
     deciding in forward (under saved-tensor hooks of the caller's)."""
     consumers = sites.sites.get(site)
     if not consumers:
-        # NOTE: no consumer seen on this path at this call site yet: what a holder decided
+        # No consumer seen on this path at this call site yet: what a holder decided
         # late at the last fast-path forward, else the consumer convert() found in an
         # nn.Sequential, else keep the output exactly as PyTorch does.
         verdict = sites.verdicts.get(site)

@@ -53,7 +53,7 @@ _TWINS = frozenset(_SWAPS.values())
 
 # --- classes for subclasses of the swapped layers ------------------------------------------------
 #
-# NOTE: a subclass of nn.Conv2d (timm's Conv2dSame, transformers' ConvNextLayerNorm, a QAT or
+# A subclass of nn.Conv2d (timm's Conv2dSame, transformers' ConvNextLayerNorm, a QAT or
 # weight-standardized convolution) may override forward or any other method. It is converted to
 # ``class Sub(Sub, headroom twin)``: the subclass's own methods come first, so its forward is
 # kept, and wherever it calls up into the torch.nn class (super().forward(), _conv_forward) it
@@ -222,13 +222,13 @@ def convert_report(model: nn.Module) -> ConvertReport:
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    # NOTE: not copy.copy, which goes through __reduce_ex__: a parametrized module's class
+    # Not copy.copy, which goes through __reduce_ex__: a parametrized module's class
     # refuses that (torch.nn.utils.parametrize allows state_dict and deepcopy only).
     new = object.__new__(type(module))
     new.__dict__.update(module.__dict__)
     for key, value in list(new.__dict__.items()):
         if isinstance(value, dict | set | list):
-            # NOTE: containers (parameters, buffers, children, hooks) are copied one level deep:
+            # Containers (parameters, buffers, children, hooks) are copied one level deep:
             # the copy holds the very same Parameter, buffer and hook objects, but adding or
             # removing one on either model does not change the other.
             new.__dict__[key] = copy.copy(value)
@@ -318,7 +318,7 @@ def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -
 
 
 def _seed_sequential_consumers(root: nn.Module) -> None:
-    # NOTE: under saved-tensor hooks of the caller's a ReLU decides in its forward (see
+    # Under saved-tensor hooks of the caller's a ReLU decides in its forward (see
     # headroom.nn._activation); nn.Sequential's forward feeds each child's output to the next
     # child, so the layer after a ReLU is its consumer and the choice is right from the first
     # forward there too.

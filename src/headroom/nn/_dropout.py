@@ -15,9 +15,8 @@ it.
   CPU ``bernoulli_`` takes two words per element, so no shorter record of them exists. Where
   PyTorch's own noise is no larger (up to 626 float32 elements), that noise is kept instead:
   never more than PyTorch keeps.
-
-# NOTE: the trade-off is time: backward redraws the noise (one extra ``bernoulli_``).
 """
+# The trade-off is time: backward redraws the noise (one extra ``bernoulli_``).
 
 from __future__ import annotations
 
@@ -68,7 +67,7 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 def _fused(x: torch.Tensor, p: float) -> bool:
-    # NOTE: the condition aten's dropout uses to pick the fused native_dropout kernel.
+    # The condition aten's dropout uses to pick the fused native_dropout kernel.
     return x.device.type in ("cuda", "xpu", "lazy", "privateuseone") and 0 < p < 1 and x.numel() > 0
 
 
@@ -86,7 +85,7 @@ class _DropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
         gen = _generator(x.device)
-        # NOTE: in-place dropout never takes the fused kernel in aten (dropout_ -> _dropout<true>).
+        # In-place dropout never takes the fused kernel in aten (dropout_ -> _dropout<true>).
         ctx.p, ctx.fused = p, not inplace and _fused(x, p)
         ctx.state = ctx.position = None
         if ctx.fused:

@@ -52,7 +52,7 @@ class _BatchNormFunction(torch.autograd.Function):
             x if keep_x else None, weight if need_x else None, save_mean, save_invstd, reserve
         )
         ctx.meta = None if keep_x else TensorMeta(x)
-        # NOTE: running statistics are module buffers (resident anyway); eval backward reads them.
+        # Running statistics are module buffers (resident anyway); eval backward reads them.
         ctx.running = (running_mean, running_var)
         ctx.training, ctx.eps, ctx.impl = training, eps, impl
         return out
@@ -81,7 +81,7 @@ class _BatchNormFunction(torch.autograd.Function):
                 reserve,
             )
         else:
-            # NOTE: PyTorch's eval-mode backward is native_batch_norm_backward for every backend.
+            # PyTorch's eval-mode backward is native_batch_norm_backward for every backend.
             gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
                 grad, x, weight, rm, rv, save_mean, save_invstd, False, ctx.eps, mask
             )
@@ -99,7 +99,7 @@ class _BatchNorm:
         need_x = input.requires_grad
         if need_x:
             note_consumer(self, input)
-        # NOTE: the input is skipped only where the weight is frozen and the input needs no
+        # The input is skipped only where the weight is frozen and the input needs no
         # gradient, or does in eval mode (running statistics); weight_trains reads _parameters
         # first, which is faster than Module.__getattr__ on this per-layer path.
         if weight_trains(self):
@@ -189,7 +189,7 @@ class _BiasOnlyMixin:
             or torch.is_autocast_enabled(input.device.type)
             or not self._hr_applies(input)
         ):
-            # NOTE: autocast runs layer_norm/group_norm in float32 on some devices; PyTorch's
+            # autocast runs layer_norm/group_norm in float32 on some devices; PyTorch's
             # path does that.
             return super().forward(input)
         return self._hr_bias_only(input)
@@ -222,7 +222,7 @@ class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
         return input.dim() >= 2
 
     def _hr_bias_only(self, input: torch.Tensor) -> torch.Tensor:
-        # NOTE: aten.group_norm hands native_group_norm a copy contiguous in the input's
+        # aten.group_norm hands native_group_norm a copy contiguous in the input's
         # suggested memory format on CPU; do the same so the kernel sees the same layout.
         fmt = torch.contiguous_format
         if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):

@@ -60,7 +60,7 @@ class _MaxPool(PoolOrPad):
         p = list(_ntuple(n)(self.padding))
         d = list(_ntuple(n)(self.dilation))
         if n == 1:
-            # NOTE: aten's max_pool1d_with_indices is max_pool2d_with_indices on unsqueeze(-2).
+            # aten's max_pool1d_with_indices is max_pool2d_with_indices on unsqueeze(-2).
             x = input.unsqueeze(-2)
             args = ([1, k[0]], [1, s[0]], [0, p[0]], [1, d[0]], self.ceil_mode)
             out, idx = _IndexedPool.apply(
@@ -103,7 +103,7 @@ class _AdaptiveMaxPool(PoolOrPad):
     def _hr_forward(self, input: torch.Tensor):
         n = self._hr_dims
         if n == 1:
-            # NOTE: aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
+            # aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
             size = [1, _ntuple(1)(self.output_size)[0]]
             out, idx = _IndexedPool.apply(
                 input.unsqueeze(-2),
@@ -148,7 +148,7 @@ class _AvgPool(PoolOrPad):
         s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
         p = list(_ntuple(n)(self.padding))
         if n == 1:
-            # NOTE: aten's avg_pool1d is avg_pool2d on unsqueeze(-2), no divisor_override.
+            # aten's avg_pool1d is avg_pool2d on unsqueeze(-2), no divisor_override.
             args = ([1, k[0]], [1, s[0]], [0, p[0]], self.ceil_mode, self.count_include_pad, None)
             out = _ShapeOnlyPool.apply(
                 input.unsqueeze(-2), aten.avg_pool2d, args, aten.avg_pool2d_backward, args
@@ -184,7 +184,7 @@ class _AdaptiveAvgPool(PoolOrPad):
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         n = self._hr_dims
         if n == 1:
-            # NOTE: aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
+            # aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
             size = [1, _ntuple(1)(self.output_size)[0]]
             if size[1] == 1:
                 return self._hr_torch_forward(input)  # a mean in aten, which saves nothing
@@ -197,7 +197,7 @@ class _AdaptiveAvgPool(PoolOrPad):
             )
             return out.squeeze(-2)
         size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
-        # NOTE: an all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
+        # An all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
         if all(v == 1 for v in size) or input.is_quantized:
             return self._hr_torch_forward(input)
         fwd = aten._adaptive_avg_pool2d if n == 2 else aten._adaptive_avg_pool3d

@@ -85,17 +85,23 @@ def step(model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0, 
     return out.detach(), loss.detach(), (x.grad if input_grad else None), grads, nbytes
 
 
-def assert_same(a, b) -> None:
-    out_a, loss_a, gx_a, g_a, _ = a
-    out_b, loss_b, gx_b, g_b, _ = b
+def _assert_results_equal(out_a, gx_a, g_a, out_b, gx_b, g_b) -> None:
+    """Outputs, input grads (or None) and parameter grads (by name), bitwise."""
     assert torch.equal(out_a, out_b)
-    assert torch.equal(loss_a, loss_b)
     assert (gx_a is None) == (gx_b is None)
     if gx_a is not None:
         assert torch.equal(gx_a, gx_b)
     assert g_a.keys() == g_b.keys()
     for k in g_a:
         assert torch.equal(g_a[k], g_b[k]), k
+
+
+def assert_same(a, b) -> None:
+    """Two :func:`step` results: output, loss, input grad and parameter grads, bitwise."""
+    out_a, loss_a, gx_a, g_a, _ = a
+    out_b, loss_b, gx_b, g_b, _ = b
+    assert torch.equal(loss_a, loss_b)
+    _assert_results_equal(out_a, gx_a, g_a, out_b, gx_b, g_b)
 
 
 def allocated_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
@@ -136,10 +142,4 @@ def first_steps(model: nn.Module, x: torch.Tensor, case: str, steps: int = 2):
 def assert_steps_equal(a, b) -> None:
     """Outputs, input grads and parameter grads of :func:`first_steps` results, bitwise."""
     for (_, _, out_a, gx_a, g_a), (_, _, out_b, gx_b, g_b) in zip(a, b, strict=True):
-        assert torch.equal(out_a, out_b)
-        assert (gx_a is None) == (gx_b is None)
-        if gx_a is not None:
-            assert torch.equal(gx_a, gx_b)
-        assert g_a.keys() == g_b.keys()
-        for k in g_a:
-            assert torch.equal(g_a[k], g_b[k]), k
+        _assert_results_equal(out_a, gx_a, g_a, out_b, gx_b, g_b)

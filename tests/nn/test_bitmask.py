@@ -144,6 +144,12 @@ def test_native_kernels_refuse_bad_arguments():
         native.unpack(out.data_ptr(), 8, x.data_ptr())  # no dtype
     with pytest.raises(ValueError, match="cannot hold"):
         _bitmask.unpack_as(out, (9,), torch.float32)
+    with pytest.raises(ValueError, match="op"):
+        native.pack_cmp(x.data_ptr(), 8, out.data_ptr(), 0, 3, 0.0, 0.0)
+    with pytest.raises(TypeError):
+        native.pack_cmp(x.data_ptr(), 8, out.data_ptr(), 0, 1)
+    with pytest.raises(TypeError):
+        native.unpack(out.data_ptr(), 8, x.data_ptr(), 0, 0)  # zero without one
 
 
 def test_native_kernels_are_built_here():
@@ -198,19 +204,3 @@ def test_unpack_with_values(monkeypatch, dtype, numel):
         for reuse in (False, True):
             got = _bitmask.unpack_as(bits, mask.shape, dtype, reuse=reuse, values=(-0.5, 0.25))
             assert got.dtype == dtype and torch.equal(got, want)
-
-
-def test_pack_cmp_refuses_bad_arguments():
-    from headroom.nn import _bitmask
-
-    native = _bitmask._native
-    if native is None:
-        pytest.skip("the C kernels were not built here")
-    x = torch.ones(8)
-    out = torch.empty(1, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="op"):
-        native.pack_cmp(x.data_ptr(), 8, out.data_ptr(), 0, 3, 0.0, 0.0)
-    with pytest.raises(TypeError):
-        native.pack_cmp(x.data_ptr(), 8, out.data_ptr(), 0, 1)
-    with pytest.raises(TypeError):
-        native.unpack(out.data_ptr(), 8, x.data_ptr(), 0, 0)  # zero without one

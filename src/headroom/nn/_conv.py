@@ -74,12 +74,17 @@ class _ConvPack:
         return Kept(t) if keep else TensorMeta(t)
 
 
+_any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a device type
+
+
 def _fast(module, input: torch.Tensor) -> bool:
     # PyTorch's own convolution under saved-tensor hooks (see headroom.nn._common):
     # the same node and kernels as nn.ConvNd, keeping the input only if the weight trains and
     # the weight only if the input needs a gradient. Autocast casts inputs before the node
     # saves them (the casted copies would not be recognized), so it takes the Function path.
-    return hooks_free() and not torch.is_autocast_enabled(input.device.type)
+    return hooks_free() and not (
+        _any_autocast() and torch.is_autocast_enabled(input.device.type)
+    )
 
 
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -283,7 +283,8 @@ def offload_activations(
     Wrap forward and backward (or forward only: tensors saved inside are restored whenever
     backward runs). Each saved tensor's storage is copied to the store as it is saved and its
     device memory freed once the forward no longer uses it; backward refills them just ahead
-    of use. Gradients are bitwise those of plain PyTorch.
+    of use. Gradients are bitwise those of plain PyTorch. Storages that cannot be resized
+    (memory lent by NumPy or DLPack, such as ``headroom.nn``'s bit masks) stay where they are.
 
     Args:
         store: ``"cpu"`` (host memory, page-locked on an accelerator) or a `DiskStore`. On a

@@ -313,12 +313,27 @@ def _make_late(verdict: tuple, op: int, lo: float, hi: float, t: torch.Tensor) -
     """The pack hook's holder of ``t``, which leaves its decision in ``verdict`` (the module's
     record and call site; a ReLU's forward under a caller's saved-tensor hooks reads it there)
     and packs its mask at once where the last decision at this call site was a mask (see
-    :meth:`_LateFunction.forward`)."""
+    :func:`_packs_ahead`)."""
     holder = Late(t, op, lo, hi)
     holder.verdict = verdict
-    if verdict[0].verdicts.get(verdict[1]) is False:
+    if _packs_ahead(verdict, t):
         holder.pack()
     return holder
+
+
+def _packs_ahead(verdict, t: torch.Tensor) -> bool:
+    """Whether a holder of ``t`` packs its mask right after the op instead of when it settles:
+    where the last forward packed one at this call site, for a tensor large enough that a later
+    pass would read it from memory again rather than from the CPU's cache."""
+    # The decision itself stays late: a mask packed ahead but not needed is dropped at the
+    # root's end at the latest. Until the holder settles, the mask and the tensor are both
+    # alive: 1/32 more bytes for a moment, which a small tensor could add to the forward's
+    # peak without any gain in time.
+    return (
+        verdict is not None
+        and verdict[0].verdicts.get(verdict[1]) is False
+        and t.numel() >= _PACK_AHEAD_FROM
+    )
 
 
 def _late_hook(verdict: tuple, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
@@ -340,6 +355,7 @@ _graph_task_id = torch._C._current_graph_task_id
 # So those calls run this Function, whose backward is the same PyTorch kernel on the kept
 # tensor, or one fused pass over the mask (bitwise the same values).
 _FUSE_FROM = 1 << 18  # elements
+_PACK_AHEAD_FROM = 1 << 15  # elements (see _packs_ahead)
 
 
 class _Spec:
@@ -361,10 +377,7 @@ class _LateFunction(torch.autograd.Function):
         out = spec.fn(x)
         holder = Late(out if spec.saves_result else x, spec.op, spec.lo, spec.hi)
         holder.verdict = verdict
-        if verdict is not None and verdict[0].verdicts.get(verdict[1]) is False:
-            # The last forward packed a mask here: pack it now, while the tensor is still
-            # in the CPU's cache (a later pass reads it from memory); the decision is still
-            # taken late, and a mask not needed is dropped at the root's end at the latest.
+        if _packs_ahead(verdict, holder.tensor):
             holder.pack()
         ctx.holder, ctx.spec = holder, spec
         return out

@@ -69,12 +69,10 @@ CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way
 
 # --------------------------------------------------------------------------------- measuring
 def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """(kept, saved) bytes, as described in the module docstring, from two forwards.
-
-    # NOTE: "kept" is measured without saved-tensor hooks, so converted layers take the path a
+    """(kept, saved) bytes, as described in the module docstring, from two forwards."""
+    # "kept" is measured without saved-tensor hooks, so converted layers take the path a
     # plain training step takes (PyTorch's own nodes under headroom's hooks); under hooks of
     # the caller's ("saved") they take their autograd.Function path instead. Both keep the same.
-    """
     resident = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     gc.collect()
     mode = CreatedStorages()
@@ -114,7 +112,7 @@ def load_memsave():
     except ImportError as exc:
         print(f"memsave_torch not importable ({exc}); set MEMSAVE_TORCH_PATH to compare")
         return None
-    # NOTE: memsave_torch's MemSaveDropout passes the bound method ``self.train`` where a bool is
+    # memsave_torch's MemSaveDropout passes the bound method ``self.train`` where a bool is
     # expected and raises in training mode, so its dropout replacement is left off.
     return lambda model: convert_to_memory_saving(model, dropout=False)
 
@@ -298,9 +296,9 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         plain = build()
-        # NOTE: "torch_copy" is a second, identical plain model timed like the others: its
+        # "torch_copy" is a second, identical plain model timed like the others: its
         # ratio to "torch" (1.000x if the machine were quiet) is this run's noise floor.
-        # NOTE: every variant is a deep copy, made in the same way, so that none is favoured by
+        # Every variant is a deep copy, made in the same way, so that none is favoured by
         # where its parameters happen to lie.
         variants = {
             "torch": copy.deepcopy(plain),
@@ -325,7 +323,7 @@ def main() -> None:
             faults: dict[str, list[int]] = {v: [] for v in variants}
             order = list(variants.items())
             for _ in range(args.repeats):
-                # NOTE: a fresh random order per repeat: no variant always runs first or after
+                # A fresh random order per repeat: no variant always runs first or after
                 # the same one (what ran before changes the allocator's and caches' state).
                 rng.shuffle(order)
                 for vname, model in order:
@@ -340,7 +338,7 @@ def main() -> None:
             for vname in variants:
                 row[vname]["cpu_vs_torch"] = row[vname]["cpu_s"] / row["torch"]["cpu_s"]
                 row[vname]["wall_vs_torch"] = row[vname]["wall_s"] / row["torch"]["wall_s"]
-                # NOTE: also the median of per-repeat ratios: within one repeat the variants
+                # Also the median of per-repeat ratios: within one repeat the variants
                 # run back to back, so load from other jobs on the machine, which drifts over
                 # the run, mostly cancels in each ratio.
                 row[vname]["cpu_vs_torch_paired"] = statistics.median(

@@ -111,7 +111,7 @@ def forward_bytes(
     ``exclude`` (parameters, buffers) are not counted."""
     global _warm
     if not _warm:
-        # NOTE: the first op under a dispatch mode imports half of torch (dynamo, sympy);
+        # The first op under a dispatch mode imports half of torch (dynamo, sympy);
         # with tracemalloc on, that makes every later snapshot slow.
         with CreatedStorages():
             torch.ones(1).add(1)

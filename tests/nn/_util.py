@@ -72,7 +72,7 @@ def step(model: nn.Module, x: torch.Tensor, *, input_grad: bool, seed: int = 0, 
     if hooks:
         nbytes, out = saved_bytes(lambda: model(x), model_state(model))
     else:
-        # NOTE: the input is cloned inside, so that a layer keeping its input counts it.
+        # The input is cloned inside, so that a layer keeping its input counts it.
         nbytes, out = kept_bytes(lambda: model(x.clone()), model_state(model))
     weights = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)
     loss = (out.float() * weights).sum()
@@ -111,7 +111,7 @@ def allocated_bytes(fn: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
     Returns ``(bytes, output)``."""
     from torch.profiler import ProfilerActivity, profile
 
-    # NOTE: the profiler first: its first start loads much, which tracemalloc would trace.
+    # The profiler first: its first start loads much, which tracemalloc would trace.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with NumpyBuffers() as np_bufs:
             out = fn()

@@ -214,7 +214,7 @@ def test_double_backward_raises():
     ours = twin(nn.Conv2d(3, 5, 3))[1]
     ours.weight.requires_grad_(False)
     x = torch.randn(1, 3, 6, 6, requires_grad=True)
-    # NOTE: on both paths the create_graph backward itself refuses: on the saved-tensor-hooks
+    # On both paths the create_graph backward itself refuses: on the saved-tensor-hooks
     # path a kept shape has no values to differentiate; on the autograd.Function path (under
     # any hooks of the caller's) the Function's backward refuses.
     with pytest.raises(RuntimeError, match="double backward"):
@@ -238,7 +238,7 @@ def test_conv_transpose_output_size_argument():
 
 @pytest.mark.parametrize("act", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
 def test_channels_last_block_matches(act):
-    # NOTE: layouts must match too: a contiguous gradient would send batch norm's backward
+    # Layouts must match too: a contiguous gradient would send batch norm's backward
     # down another reduction order than the channels-last one PyTorch produces.
     torch.manual_seed(0)
     block = nn.Sequential(
@@ -269,7 +269,7 @@ def test_autocast_matches(cls):
 
 
 def test_kept_weight_modified_in_place_raises_like_torch():
-    # NOTE: on the fast path the weight is kept through headroom's saved-tensor hook, which
+    # On the fast path the weight is kept through headroom's saved-tensor hook, which
     # must keep PyTorch's version check: an in-place change before backward is an error.
     for m in twin(nn.Conv2d(3, 5, 3)):
         m.weight.requires_grad_(False)
@@ -332,7 +332,7 @@ def test_relu_double_backward_and_saved_result_match_torch():
 def test_double_backward_through_a_function_layer_raises(hooks):
     """Second-order terms through a headroom autograd.Function must never go missing silently.
 
-    # NOTE: with ``once_differentiable`` this returned zeros: ``autograd.grad(..., inputs=x)``
+    # With ``once_differentiable`` this returned zeros: ``autograd.grad(..., inputs=x)``
     # reached ``x`` through the ReLU's saved output and never ran the pool's error node.
     """
     import contextlib
@@ -349,7 +349,7 @@ def test_double_backward_through_a_function_layer_raises(hooks):
             (g,) = torch.autograd.grad(y.square().sum(), xi, create_graph=True)
             assert torch.autograd.grad(g.square().sum(), xi)[0].abs().sum() > 0
         else:
-            # NOTE: the fast path's pool keeps a shape, which refuses in its unpack hook
+            # The fast path's pool keeps a shape, which refuses in its unpack hook
             with pytest.raises(RuntimeError, match="differentiated twice|double backward"):
                 torch.autograd.grad(y.square().sum(), xi, create_graph=True)
 

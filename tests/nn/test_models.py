@@ -21,7 +21,7 @@ MODELS = {"vgg": vgg_like, "resnet": resnet_like}
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("case", CASES)
 def test_model_matches_torch_and_saves_less(name, case, hooks, kernels, monkeypatch):
-    # NOTE: hooks=True measures under saved-tensor hooks, so converted layers run their
+    # hooks=True measures under saved-tensor hooks, so converted layers run their
     # autograd.Functions; hooks=False measures live storages instead, so they run PyTorch's own
     # nodes under headroom's hooks (the path a plain training step takes). Both must match,
     # with the C mask kernels and with the NumPy code that runs where they were not built.
@@ -172,7 +172,7 @@ def test_training_steps_give_bitwise_equal_parameters():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["all", "input", "norm"])
 def test_vgg_on_each_device(device, case):
-    # NOTE: on an accelerator, bitwise comparison needs deterministic kernels (cuDNN picks
+    # On an accelerator, bitwise comparison needs deterministic kernels (cuDNN picks
     # algorithms per call otherwise); on CPU this repeats the main test on the device list.
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

@@ -112,22 +112,50 @@ static void unpack_scalar(const uint8_t *bits, int64_t n, char *dst, int dtype, 
 #ifdef HR_X86
 /* The predicates are immediates, so each test gets its own loop. NEQ_UQ: not equal or
  * unordered (NaN), -0.0 == 0.0; GT_OQ/LT_OQ: ordered (false for NaN). */
+__attribute__((target("avx2"), always_inline)) static inline __m256 test8(__m256 v, int op,
+                                                                         __m256 lo, __m256 hi,
+                                                                         __m256 *nan) {
+    if (op == 0) return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+    if (op == 1) return _mm256_cmp_ps(v, lo, _CMP_GT_OQ);
+    *nan = _mm256_or_ps(*nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GT_OQ), _mm256_cmp_ps(v, hi, _CMP_LT_OQ));
+}
+
+/* One loop per test (`op` a constant once inlined), four mask bytes per 32-bit store: the
+ * stores through `dst` may alias anything, so a test read through `t` inside the loop would
+ * be reloaded and branched on for every byte. */
+__attribute__((target("avx2"), always_inline)) static inline void pack8_loop(
+    const float *src, uint8_t *dst, int64_t b0, int64_t b1, int op, __m256 lo, __m256 hi,
+    __m256 *nan) {
+    int64_t b = b0;
+    for (; b + 4 <= b1; b += 4) {
+        const float *s = src + 8 * b;
+        uint32_t w = (uint32_t)_mm256_movemask_ps(test8(_mm256_loadu_ps(s), op, lo, hi, nan)) |
+                     (uint32_t)_mm256_movemask_ps(test8(_mm256_loadu_ps(s + 8), op, lo, hi, nan))
+                         << 8 |
+                     (uint32_t)_mm256_movemask_ps(test8(_mm256_loadu_ps(s + 16), op, lo, hi, nan))
+                         << 16 |
+                     (uint32_t)_mm256_movemask_ps(test8(_mm256_loadu_ps(s + 24), op, lo, hi, nan))
+                         << 24;
+        memcpy(dst + b, &w, 4); /* little-endian: byte b first */
+    }
+    for (; b < b1; b++)
+        dst[b] = (uint8_t)_mm256_movemask_ps(test8(_mm256_loadu_ps(src + 8 * b), op, lo, hi, nan));
+}
+
 __attribute__((target("avx2"))) static void pack_f32_avx2(const float *src, uint8_t *dst,
                                                           int64_t b0, int64_t b1, test_t *t) {
-    const __m256 zero = _mm256_setzero_ps();
     const __m256 lo = _mm256_set1_ps((float)t->lo), hi = _mm256_set1_ps((float)t->hi);
     __m256 nan = _mm256_setzero_ps();
-    for (int64_t b = b0; b < b1; b++) {
-        __m256 v = _mm256_loadu_ps(src + 8 * b), m;
-        if (t->op == 0) {
-            m = _mm256_cmp_ps(v, zero, _CMP_NEQ_UQ);
-        } else if (t->op == 1) {
-            m = _mm256_cmp_ps(v, lo, _CMP_GT_OQ);
-        } else {
-            m = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GT_OQ), _mm256_cmp_ps(v, hi, _CMP_LT_OQ));
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        }
-        dst[b] = (uint8_t)_mm256_movemask_ps(m);
+    switch (t->op) {
+    case 0:
+        pack8_loop(src, dst, b0, b1, 0, lo, hi, &nan);
+        break;
+    case 1:
+        pack8_loop(src, dst, b0, b1, 1, lo, hi, &nan);
+        break;
+    default:
+        pack8_loop(src, dst, b0, b1, 2, lo, hi, &nan);
     }
     if (_mm256_movemask_ps(nan)) t->nan_seen = 1;
 }

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from headroom.heads._linear_ce import (
+    OneHot,
     _check_target,
     _refuse_double_backward,
     grad_pass,
@@ -29,7 +30,7 @@ from headroom.heads._linear_ce import (
     row_losses,
     row_scale,
 )
-from headroom.heads._slices import slice_bounds
+from headroom.heads._slices import landing, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
 from headroom.transfer import (
     Handle,
@@ -56,9 +57,10 @@ class _StoreCrossEntropy(torch.autograd.Function):
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         t = target.reshape(-1).long()
         source = head._source(slice_size)
-        lse, z_t, z_sum = lse_pass(x, source, t, slice_size=slice_size, want_logit_sum=eps > 0)
+        targets = OneHot(t)
+        lse, z_sum = lse_pass(x, source, targets, slice_size=slice_size, want_logit_sum=eps > 0)
         valid = t != ignore_index
-        rows = row_losses(lse, z_t, z_sum, valid, num_classes=head.num_classes,
+        rows = row_losses(lse, targets.logits, z_sum, valid, num_classes=head.num_classes,
                           label_smoothing=eps)
         loss, n_valid = reduce_loss(rows, valid, reduction)
         ctx.save_for_backward(features, t, lse, n_valid)
@@ -82,12 +84,13 @@ class _StoreCrossEntropy(torch.autograd.Function):
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         need_b = need_b and head.bias is not None
         sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
-        grad_x = grad_pass(
-            x, head._source(slice_size), t, lse, scale, slice_size=slice_size,
-            label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w, need_bias=need_b,
-        )
+        with landing(sink):
+            grad_x = grad_pass(
+                x, head._source(slice_size), OneHot(t), lse, scale, slice_size=slice_size,
+                label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w,
+                need_bias=need_b,
+            )
         if sink is not None:
-            sink.finish()
             head._grads_landed(weight=need_w, bias=need_b, rows=None)
         gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
         return gx, None, None, None, None, None
@@ -361,6 +364,9 @@ class HugeClassifier(nn.Module):
 
     def _sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
         acc = self._accumulating()
+        # NOTE: before the first write, not when the last has landed: a backward that fails
+        # half-way has written rows that the next row-sparse overwrite must clear too.
+        self._dirty = None
         wb = binding(self.weight)
         bb = binding(self.bias) if self.bias is not None else None
         return StoreGradSink(

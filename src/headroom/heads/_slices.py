@@ -15,6 +15,7 @@ compute device (views, no copy), a host tensor while the compute device is an ac
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Protocol
 
 import torch
@@ -38,6 +39,25 @@ def host_streamer(
     if src_device.type != "cpu" or not is_accelerator(device):
         return None
     return RowStreamer(device, prefetch=prefetch)
+
+
+@contextmanager
+def landing(sink: GradSink | None) -> Iterator[None]:
+    """Wait for every gradient ``sink`` was handed, when the block ends or raises.
+
+    # NOTE: on an exception (Ctrl-C included) the writes already issued still land before it
+    # propagates, so none can land later, after the caller has cleared the gradients
+    # (``zero_grad``) to start over. The first error is the one reported.
+    """
+    try:
+        yield
+    except BaseException:
+        if sink is not None:
+            with suppress(Exception):
+                sink.finish()
+        raise
+    if sink is not None:
+        sink.finish()
 
 
 class SliceSource(Protocol):

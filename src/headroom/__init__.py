@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "convert": "headroom.nn",
     # heads/
     "linear_cross_entropy": "headroom.heads",
+    "linear_loss": "headroom.heads",
     "HugeClassifier": "headroom.heads",
 }
 

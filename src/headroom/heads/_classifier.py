@@ -30,8 +30,10 @@ from headroom.heads._linear_ce import (
     row_losses,
     row_scale,
 )
+from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
 from headroom.heads._slices import landing, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
+from headroom.heads._targets import Positives
 from headroom.transfer import (
     Handle,
     Store,
@@ -94,6 +96,25 @@ class _StoreCrossEntropy(torch.autograd.Function):
             head._grads_landed(weight=need_w, bias=need_b, rows=None)
         gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
         return gx, None, None, None, None, None
+
+
+class _StoreParams:
+    """A head's store-resident weight for the multi-label passes (see ``ParamSlices``)."""
+
+    one_pass = False
+
+    def __init__(self, head: HugeClassifier) -> None:
+        self.head = head
+
+    def source(self, slice_size: int) -> StoreSlices:
+        return self.head._source(slice_size)
+
+    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
+        return self.head._sink(slice_size, weight=weight, bias=bias)
+
+    def landed(self, sink, *, weight: bool, bias: bool) -> tuple[None, None]:
+        self.head._grads_landed(weight=weight, bias=bias, rows=None)
+        return None, None
 
 
 class HugeClassifier(nn.Module):
@@ -465,31 +486,62 @@ class HugeClassifier(nn.Module):
     def forward(
         self,
         features: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | tuple | list,
         *,
+        loss: str | SliceLoss | None = None,
+        pos_weight: float | torch.Tensor | None = None,
+        ignore_rows: torch.Tensor | None = None,
         ignore_index: int = -100,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
     ) -> torch.Tensor:
-        """Cross-entropy of ``features @ weight.T + bias`` against ``labels``.
+        """The loss of ``features @ weight.T + bias`` against ``labels``.
+
+        A tensor of class ids (one per row) trains softmax cross-entropy; multi-label targets
+        (the positives of each row, as for `headroom.linear_loss`) train ``loss``.
 
         Args:
             features: ``(..., in_features)`` on ``device``.
-            labels: ``features.shape[:-1]`` integer classes or ``ignore_index``.
-            ignore_index: as in ``F.cross_entropy``.
-            label_smoothing: as in ``F.cross_entropy``.
-            reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+            labels: ``features.shape[:-1]`` integer classes or ``ignore_index``; or the
+                positives of each row: ``(offsets, indices)``, ``(offsets, indices, values)``,
+                a list of per-row index tensors or a ``torch.sparse_csr_tensor``.
+            loss: with multi-label targets, ``"bce"`` (default), ``"squared_hinge"``,
+                ``"softmax"``, ``"softmax_sum"`` or a function ``fn(scores, targets, classes)``
+                (see `headroom.linear_loss`; in the sampled mode ``classes`` is the slice's
+                int64 tensor of class ids).
+            pos_weight: with ``"bce"``/``"squared_hinge"``, as in `headroom.linear_loss`.
+            ignore_rows: with multi-label targets, rows that count for nothing (bool,
+                ``features.shape[:-1]``).
+            ignore_index: with class ids, as in ``F.cross_entropy``.
+            label_smoothing: with class ids, as in ``F.cross_entropy``.
+            reduction: ``"mean"``, ``"sum"`` or ``"none"`` (see `headroom.linear_loss` for
+                what ``"mean"`` divides by with multi-label targets).
 
         Returns:
             The loss (exact unless ``sample_rate < 1``).
 
         Raises:
-            TypeError / ValueError: bad labels (dtype or range), shapes or devices, before any
-                compute.
+            TypeError / ValueError: bad labels (dtype, range, duplicates), shapes, devices or
+                options, before any compute.
         """
-        self._check(features, labels)
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        if not (isinstance(labels, torch.Tensor) and labels.layout == torch.strided):
+            if ignore_index != -100 or label_smoothing != 0.0:
+                raise ValueError(
+                    "ignore_index and label_smoothing apply to a tensor of class ids; with "
+                    "multi-label targets, drop rows with ignore_rows="
+                )
+            return self._multilabel(features, labels, loss="bce" if loss is None else loss,
+                                    pos_weight=pos_weight, ignore_rows=ignore_rows,
+                                    reduction=reduction)
+        if loss is not None or pos_weight is not None or ignore_rows is not None:
+            raise ValueError(
+                "a tensor of class ids trains softmax cross-entropy, one label per row; loss=, "
+                "pos_weight= and ignore_rows= take multi-label targets: pass the positives as "
+                "(offsets, indices), e.g. (torch.arange(len(labels) + 1), labels) for one each"
+            )
+        self._check(features, labels)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         _check_target(labels, self.num_classes, ignore_index)
@@ -500,10 +552,33 @@ class HugeClassifier(nn.Module):
         opts = (self._slice_for(batch), ignore_index, float(label_smoothing), reduction)
         return _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts)
 
-    def _sample(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        """Sorted class ids: every label in the batch plus uniform negatives."""
-        flat = labels.reshape(-1)
-        pos = torch.unique(flat[flat != ignore_index]).to("cpu", torch.int64)
+    def _multilabel(self, features, targets, *, loss, pos_weight, ignore_rows, reduction):
+        self._check(features, None)
+        kw = dict(num_classes=self.num_classes, loss=loss, pos_weight=pos_weight,
+                  reduction=reduction, slice_size=self.slice_size, ignore_rows=ignore_rows,
+                  accum_dtype=self.accum_dtype)
+        if self.sample_rate == 1.0:
+            return multilabel_loss(features, self.weight, self.bias, targets, _StoreParams(self),
+                                   **kw)
+        picked: list = []
+
+        def sample(pos: Positives):
+            rows, w, b = self._sampled_rows(torch.unique_consecutive(pos.cols))
+            picked.extend((w, b, rows))
+            params = TensorParams(w, b, device=self.device, dtype=self.accum_dtype,
+                                  prefetch=self.prefetch)
+            return rows, params, w, b
+
+        out = multilabel_loss(features, self.weight, self.bias, targets, None, sample=sample,
+                              **kw)
+        w, b, rows = picked
+        if w.requires_grad:
+            self._hook_sparse_grads(w, b, rows)
+        return out
+
+    def _sample(self, positives: torch.Tensor) -> torch.Tensor:
+        """Sorted class ids: the classes ``positives`` plus uniform negatives."""
+        pos = torch.unique(positives).to("cpu", torch.int64)
         want = max(pos.numel(), math.ceil(self.sample_rate * self.num_classes))
         n_neg = min(want - pos.numel(), self.num_classes - pos.numel())
         if n_neg <= 0:
@@ -515,18 +590,29 @@ class HugeClassifier(nn.Module):
         chosen = torch.topk(keys, pos.numel() + n_neg, largest=False, sorted=False).indices
         return torch.sort(chosen).values
 
-    def _sampled_forward(self, features, labels, ignore_index, eps, reduction):
-        rows = self._sample(labels, ignore_index)
+    def _sampled_rows(
+        self, positives: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sample the classes and read their rows: ``(classes, weight rows, bias rows)``.
+
+        The rows are leaves that require grad when training; `_hook_sparse_grads` lands their
+        gradients in the store.
+        """
+        rows = self._sample(positives)
         self.last_sampled_classes = rows
         w = self.store.read_rows(self._wh, rows).result().to(self.device)
         b = None
         if self._bh is not None:
             b = self.store.read_rows(self._bh, rows).result().to(self.device)
-        train = torch.is_grad_enabled() and self.weight.requires_grad
-        if train:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
             w.requires_grad_(True)
             if b is not None:
                 b.requires_grad_(True)
+        return rows, w, b
+
+    def _sampled_forward(self, features, labels, ignore_index, eps, reduction):
+        flat = labels.reshape(-1)
+        rows, w, b = self._sampled_rows(flat[flat != ignore_index])
         local = torch.searchsorted(rows.to(labels.device), labels.long())
         local = torch.where(labels == ignore_index, torch.full_like(local, ignore_index), local)
         loss = linear_cross_entropy(
@@ -534,7 +620,7 @@ class HugeClassifier(nn.Module):
             slice_size=self._slice_for(labels.numel()), ignore_index=ignore_index,
             label_smoothing=eps, reduction=reduction, accum_dtype=self.accum_dtype,
         )
-        if train:
+        if w.requires_grad:
             self._hook_sparse_grads(w, b, rows)
         return loss
 

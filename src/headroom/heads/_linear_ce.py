@@ -179,8 +179,8 @@ def _check_inputs(
 class LabelTargets(Protocol):
     """Where each row's target logits are, for the two passes of a softmax loss."""
 
-    def prepare(self, bounds: list[tuple[int, int]]) -> None:
-        """Called once per pass with the slices it will visit."""
+    def prepare(self, bounds: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        """Called once per pass with the slices it will visit and the logits' dtype."""
         ...
 
     def gather(self, i: int, z: torch.Tensor, start: int, stop: int) -> None:
@@ -211,12 +211,12 @@ class OneHot:
         local = (self.target - start).clamp_(0, stop - start - 1)
         return local.unsqueeze(1), inside
 
-    def prepare(self, bounds: list[tuple[int, int]]) -> None:
-        self.logits = torch.zeros(self.target.shape[0], device=self.target.device)
+    def prepare(self, bounds: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        self.logits = torch.zeros(self.target.shape[0], dtype=dtype, device=self.target.device)
 
     def gather(self, i: int, z: torch.Tensor, start: int, stop: int) -> None:
         local, inside = self._local(start, stop)
-        self.logits = torch.where(inside, z.gather(1, local).squeeze(1), self.logits.to(z.dtype))
+        self.logits = torch.where(inside, z.gather(1, local).squeeze(1), self.logits)
 
     def subtract(
         self, i: int, g: torch.Tensor, start: int, stop: int, coef: torch.Tensor
@@ -252,7 +252,7 @@ def lse_pass(
     z_sum = torch.zeros(batch, dtype=dt, device=dev) if want_logit_sum else None
     flat = torch.empty(batch * min(slice_size, source.num_classes), dtype=dt, device=dev)
     bounds = slice_bounds(source.num_classes, slice_size)
-    targets.prepare(bounds)
+    targets.prepare(bounds, dt)
     with closing(source.slices(bounds)) as slices:
         for i, (start, stop, w, b) in enumerate(slices):
             z = flat[: batch * (stop - start)].view(batch, stop - start)
@@ -337,7 +337,7 @@ def grad_pass(
     grad_x = torch.zeros_like(x) if need_x else None
     flat = torch.empty(batch * min(slice_size, num_classes), dtype=dt, device=dev)
     bounds = slice_bounds(num_classes, slice_size)
-    targets.prepare(bounds)
+    targets.prepare(bounds, dt)
     with closing(source.slices(bounds)) as slices:
         for i, (start, stop, w, b) in enumerate(slices):
             g = flat[: batch * (stop - start)].view(batch, stop - start)
@@ -462,9 +462,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xa, source, targets, slice_size=slice_size, want_logit_sum=label_smoothing > 0
         )
         valid = t != ignore_index
-        rows = row_losses(
-            lse, targets.logits, z_sum, valid, num_classes=weight.shape[0], label_smoothing=label_smoothing
-        )
+        rows = row_losses(lse, targets.logits, z_sum, valid, num_classes=weight.shape[0],
+                          label_smoothing=label_smoothing)
         loss, n_valid = reduce_loss(rows, valid, reduction)
         ctx.save_for_backward(x, weight, bias, t, lse, n_valid)
         ctx.opts = (slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch)

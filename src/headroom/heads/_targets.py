@@ -55,7 +55,7 @@ class Positives:
         return self.values.to(dtype)
 
     def row_sums(self, dtype: torch.dtype) -> torch.Tensor:
-        """``(batch,)`` sum of each row's target values (its number of positives when unweighted)."""
+        """``(batch,)`` sum of each row's target values (its positives, when unweighted)."""
         out = torch.zeros(self.batch, dtype=dtype, device=self.rows.device)
         return out.index_add_(0, self.rows, self.value_or_one(dtype))
 
@@ -215,3 +215,36 @@ def parse_targets(
             raise ValueError("targets: values must be finite")
         vals = vals[order]
     return Positives(batch, num_classes, rows[order], indices[order], vals)
+
+
+class PositiveLogits:
+    """Several positives per row as the targets of a softmax (see ``_linear_ce.LabelTargets``).
+
+    Args:
+        pos: the positives.
+        weights: ``(nnz,)`` weight of each positive's ``-log p`` term in its row's loss.
+    """
+
+    def __init__(self, pos: Positives, weights: torch.Tensor) -> None:
+        self.pos = pos
+        self.weights = weights
+        self.logits = torch.zeros(0)
+        self._ranges: list[tuple[int, int]] = []
+
+    def prepare(self, bounds: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        self._ranges = self.pos.ranges(bounds)
+        self.logits = torch.zeros(self.pos.nnz, dtype=dtype, device=self.pos.rows.device)
+
+    def _at(self, i: int, start: int) -> tuple[slice, torch.Tensor, torch.Tensor]:
+        lo, hi = self._ranges[i]
+        return slice(lo, hi), self.pos.rows[lo:hi], self.pos.cols[lo:hi] - start
+
+    def gather(self, i: int, z: torch.Tensor, start: int, stop: int) -> None:
+        at, r, c = self._at(i, start)
+        self.logits[at] = z[r, c]
+
+    def subtract(
+        self, i: int, g: torch.Tensor, start: int, stop: int, coef: torch.Tensor
+    ) -> None:
+        at, r, c = self._at(i, start)
+        g.index_put_((r, c), -(coef[r] * self.weights[at]), accumulate=True)

@@ -24,6 +24,7 @@ from headroom.heads._linear_ce import (
     _refuse_double_backward,
     grad_pass,
     linear_cross_entropy,
+    log_sum_exp,
     lse_pass,
     pick_slice_size,
     reduce_loss,
@@ -60,12 +61,13 @@ class _StoreCrossEntropy(torch.autograd.Function):
         t = target.reshape(-1).long()
         source = head._source(slice_size)
         targets = OneHot(t)
-        lse, z_sum = lse_pass(x, source, targets, slice_size=slice_size, want_logit_sum=eps > 0)
+        row_max, row_sum, z_sum = lse_pass(x, source, targets, slice_size=slice_size,
+                                           want_logit_sum=eps > 0)
         valid = t != ignore_index
-        rows = row_losses(lse, targets.logits, z_sum, valid, num_classes=head.num_classes,
-                          label_smoothing=eps)
+        rows = row_losses(log_sum_exp(row_max, row_sum), targets.logits, z_sum, valid,
+                          num_classes=head.num_classes, label_smoothing=eps)
         loss, n_valid = reduce_loss(rows, valid, reduction)
-        ctx.save_for_backward(features, t, lse, n_valid)
+        ctx.save_for_backward(features, t, row_max, row_sum, n_valid)
         ctx.head, ctx.opts = head, opts
         if reduction == "none":
             loss = loss.reshape(lead)
@@ -77,7 +79,7 @@ class _StoreCrossEntropy(torch.autograd.Function):
             "HugeClassifier's loss",
             "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits",
         )
-        features, t, lse, n_valid = ctx.saved_tensors
+        features, t, row_max, row_sum, n_valid = ctx.saved_tensors
         head: HugeClassifier = ctx.head
         slice_size, ignore_index, eps, reduction = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -88,7 +90,8 @@ class _StoreCrossEntropy(torch.autograd.Function):
         sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
         with landing(sink):
             grad_x = grad_pass(
-                x, head._source(slice_size), OneHot(t), lse, scale, slice_size=slice_size,
+                x, head._source(slice_size), OneHot(t), row_max, row_sum, scale,
+                slice_size=slice_size,
                 label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w,
                 need_bias=need_b,
             )
@@ -385,9 +388,6 @@ class HugeClassifier(nn.Module):
 
     def _sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
         acc = self._accumulating()
-        # NOTE: before the first write, not when the last has landed: a backward that fails
-        # half-way has written rows that the next row-sparse overwrite must clear too.
-        self._dirty = None
         wb = binding(self.weight)
         bb = binding(self.bias) if self.bias is not None else None
         return StoreGradSink(

@@ -34,6 +34,7 @@ from headroom.heads._linear_ce import (
     _refuse_double_backward,
     check_linear,
     grad_pass,
+    log_sum_exp,
     lse_pass,
     pick_slice_size,
 )
@@ -345,12 +346,14 @@ def separable_pass(
 
 
 def _softmax_rows(plan: Plan, x: torch.Tensor, source: SliceSource) -> tuple[torch.Tensor, ...]:
-    """Per-row multi-label softmax loss ``sum_p w_p * (lse - z_p)`` and the lse."""
+    """Per-row multi-label softmax loss ``sum_p w_p * (lse - z_p)``, and the lse's parts."""
     targets = PositiveLogits(plan.pos, plan.pos_coef)
-    lse, _ = lse_pass(x, source, targets, slice_size=plan.slice_size, want_logit_sum=False)
+    row_max, row_sum, _ = lse_pass(x, source, targets, slice_size=plan.slice_size,
+                                   want_logit_sum=False)
+    lse = log_sum_exp(row_max, row_sum)
     rows = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    terms = plan.pos_coef * (lse[plan.pos.rows] - targets.logits)
-    return rows.index_add_(0, plan.pos.rows, terms.double()), lse
+    terms = plan.pos_coef.double() * (lse[plan.pos.rows] - targets.logits.double())
+    return rows.index_add_(0, plan.pos.rows, terms), row_max, row_sum
 
 
 def _reduce(plan: Plan, loss: torch.Tensor) -> torch.Tensor:
@@ -379,9 +382,9 @@ class _LinearLoss(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
         ctx.grads = None
-        lse = None
+        row_max = row_sum = None
         if plan.loss in _SOFTMAX:
-            loss, lse = _softmax_rows(plan, xa, params.source(plan.slice_size))
+            loss, row_max, row_sum = _softmax_rows(plan, xa, params.source(plan.slice_size))
         elif plan.one_pass:
             sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
                 need_w or need_b) else None
@@ -395,7 +398,7 @@ class _LinearLoss(torch.autograd.Function):
             ctx.grads = (gx, gw, gb)
         else:
             loss, _ = separable_pass(plan, xa, params.source(plan.slice_size), scale=None)
-        ctx.save_for_backward(x, lse)
+        ctx.save_for_backward(x, row_max, row_sum)
         ctx.params, ctx.plan, ctx.has_bias = params, plan, bias is not None
         return _reduce(plan, loss).to(x.dtype)
 
@@ -404,7 +407,7 @@ class _LinearLoss(torch.autograd.Function):
         _refuse_double_backward(
             "linear_loss", "the same loss on dense logits x @ weight.T + bias"
         )
-        x, lse = ctx.saved_tensors
+        x, row_max, row_sum = ctx.saved_tensors
         params: ParamSlices = ctx.params
         plan: Plan = ctx.plan
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -430,7 +433,7 @@ class _LinearLoss(torch.autograd.Function):
                     assert plan.softmax_scale is not None
                     gx = grad_pass(
                         xa, params.source(plan.slice_size),
-                        PositiveLogits(plan.pos, plan.pos_coef), lse,
+                        PositiveLogits(plan.pos, plan.pos_coef), row_max, row_sum,
                         row_scale * plan.softmax_scale, slice_size=plan.slice_size,
                         label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_w,
                         need_bias=need_b, target_scale=row_scale,

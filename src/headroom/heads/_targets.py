@@ -83,6 +83,8 @@ class Positives:
 
 
 def _as_index(t: object, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) and len(t) == 0:  # type: ignore[arg-type]
+        return torch.zeros(0, dtype=torch.int64)  # an empty list: no positives, not floats
     t = torch.as_tensor(t)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(

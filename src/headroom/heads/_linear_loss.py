@@ -302,6 +302,10 @@ def separable_pass(
     grad_x = torch.zeros_like(x) if want_grad and need_x else None
     bounds = slice_bounds(source.num_classes, plan.slice_size)
     ranges = pos.ranges(bounds)
+    alpha = scale if want_grad and not isinstance(scale, torch.Tensor) else 1.0
+    # NOTE: a scalar factor rides on x for the weight gradient (B x D, once) and on the products'
+    # alpha for x's, instead of a multiply pass over each gradient slice.
+    x_w = x * alpha if alpha != 1.0 and sink is not None else x
     with closing(source.slices(bounds)) as slices:
         for (start, stop, w, b), (lo, hi) in zip(slices, ranges, strict=True):
             size = batch * (stop - start)
@@ -322,11 +326,8 @@ def separable_pass(
             total = part.double() if total is None else total + part.double()
             if not want_grad:
                 continue
-            alpha = 1.0
             if isinstance(scale, torch.Tensor):
                 g.mul_(scale.unsqueeze(1))
-            else:
-                alpha = scale
             if grad_x is not None:
                 grad_x.addmm_(g, w, alpha=alpha)
             if sink is not None:
@@ -337,9 +338,7 @@ def separable_pass(
                         gb.mul_(alpha)
                 if need_weight:
                     gw = sink.out(start, stop)
-                    torch.mm(g.t(), x, out=gw)
-                    if alpha != 1.0:
-                        gw.mul_(alpha)
+                    torch.mm(g.t(), x_w, out=gw)
                 sink.commit(start, stop, gw, gb)
     assert total is not None
     return total, grad_x

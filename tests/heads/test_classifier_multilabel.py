@@ -67,33 +67,6 @@ def test_forward_backward_exact(kind, loss, tmp_path):
                              refs[torch.float64][1] / 2, "overwritten")
 
 
-def test_exact_training_with_host_optimizer_on_disk(tmp_path):
-    head = hr.HugeClassifier(C, D, device="cpu", store=DiskStore(tmp_path / "w"),
-                             slice_size=200)
-    ref = torch.nn.Parameter(head.read_weight())
-    opt = hr.HostOptimizer(head.parameters(), torch.optim.AdamW, lr=1e-2,
-                           state_store=DiskStore(tmp_path / "st"))
-    opt_ref = torch.optim.AdamW([ref], lr=1e-2, fused=True)
-    pw = torch.rand(C) * 3
-    for _ in range(3):
-        x = torch.randn(B, D)
-        targets = random_targets(B, C)
-        loss = head(x, targets, pos_weight=pw)
-        loss.backward()
-        grad = _grad(head, head.weight)
-        t = dense_target(targets, B, C, torch.float32)
-        (dense,) = torch.autograd.grad(
-            F.binary_cross_entropy_with_logits(x @ ref.T, t, pos_weight=pw), [ref])
-        torch.testing.assert_close(grad, dense, rtol=1e-5, atol=1e-9)
-        ref.grad = grad
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-        # weights and Adam state rest on disk; the step is bitwise torch's AdamW
-        assert torch.equal(head.read_weight(), ref.detach())
-
-
 @pytest.mark.parametrize("loss", ["bce", "squared_hinge", "fn"])
 def test_sampled_mode_is_the_loss_over_the_sampled_classes(loss):
     head = hr.HugeClassifier(C, D, bias=True, device="cpu", slice_size=64, sample_rate=0.1,
@@ -188,6 +161,19 @@ class _Injected(Exception):
     pass
 
 
+def _fail_read(monkeypatch, store, count, error):
+    """Make the ``count``-th ``store.read_rows`` from now raise ``error``."""
+    real, calls = store.read_rows, [0]
+
+    def broken(*a, **k):
+        calls[0] += 1
+        if calls[0] == count:
+            raise error("injected")
+        return real(*a, **k)
+
+    monkeypatch.setattr(store, "read_rows", broken)
+
+
 @pytest.mark.parametrize("where", ["forward", "backward", "accumulating_backward", "disk_read"])
 @pytest.mark.parametrize("error", [_Injected, KeyboardInterrupt])
 def test_failure_then_zero_grad_keeps_training_exact(where, error, tmp_path, monkeypatch):
@@ -224,15 +210,8 @@ def test_failure_then_zero_grad_keeps_training_exact(where, error, tmp_path, mon
                     assert plan["fail"] is None  # it did fail where it was meant to
                 else:
                     loss = head(*micro[-1], loss=fn, reduction="sum")
-                    real, n = store.read_rows, {"k": 0}
-
-                    def broken(*a, **k):
-                        n["k"] += 1
-                        if n["k"] == 5:  # backward's third weight slice (weight, bias each)
-                            raise error("injected")
-                        return real(*a, **k)
-
-                    monkeypatch.setattr(store, "read_rows", broken)
+                    # backward's third slice read (a weight and a bias read per slice)
+                    _fail_read(monkeypatch, store, 5, error)
                     with pytest.raises(error, match="injected"):
                         loss.backward()
                     monkeypatch.undo()

@@ -22,6 +22,7 @@ from headroom.heads._linear_ce import (
     OneHot,
     _check_target,
     _refuse_double_backward,
+    check_label_shape,
     grad_pass,
     linear_cross_entropy,
     log_sum_exp,
@@ -121,11 +122,17 @@ class _StoreParams:
 
 
 class HugeClassifier(nn.Module):
-    """Linear classifier + exact softmax cross-entropy over a huge number of classes.
+    """Linear classifier + exact loss over a huge number of classes.
+
+    Softmax cross-entropy with one class id per row, or multi-label targets (the positives of
+    each row) with one-vs-all BCE, squared hinge, a multi-positive softmax or a user's per-slice
+    loss, as `headroom.linear_loss` computes them.
 
     The weight never sits whole on the compute device: it rests in ``store`` and is read one
-    slice of classes at a time, in forward (an online log-sum-exp) and again in backward (the
-    exact gradient of that slice, written back to the store). Device memory is one
+    slice of classes at a time, in forward (the loss: for softmax an online log-sum-exp) and
+    again in backward (the exact gradient of that slice, written back to the store; a gradient
+    lands in the store only in backward, so multi-label losses run two passes here too, where
+    `headroom.linear_loss` forms their gradients in forward's one pass). Device memory is one
     ``batch x slice_size`` logits buffer plus ``prefetch + 1`` weight slices (and as many
     gradient slices on their way back), whatever ``num_classes`` is.
 
@@ -153,9 +160,10 @@ class HugeClassifier(nn.Module):
         slice_size: classes per slice; ``None`` picks one per batch from a logits budget (a few
             hundred MB). Bigger slices cost device memory and do not speed up the products.
         sample_rate: ``1.0`` (default) is the exact loss. ``< 1`` is an opt-in *approximation*
-            (as Partial FC does): each forward uses all classes that appear in the batch plus
-            uniformly sampled other classes, ``ceil(sample_rate * C)`` in all (at least the
-            positives), and the softmax runs over those only. Gradients are row-sparse:
+            (as Partial FC does; negative sampling for multi-label targets): each forward uses
+            all classes that appear in the batch (as labels or positives) plus uniformly sampled
+            other classes, ``ceil(sample_rate * C)`` in all (at least the positives), and the
+            loss runs over those only. Gradients are row-sparse:
             only the sampled rows get one (``binding(weight).grad_rows``). Faster and lighter
             for millions of classes; not the same loss. ``topk`` always uses all classes.
         dtype: dtype of the weight in the store. Logits and gradients accumulate in fp32.
@@ -186,6 +194,8 @@ class HugeClassifier(nn.Module):
         >>> feats = torch.randn(32, 64, requires_grad=True)
         >>> loss = head(feats, torch.randint(0, 100_000, (32,)))
         >>> loss.backward()
+        >>> offsets = torch.arange(0, 97, 3)               # three positives per row
+        >>> head(feats, (offsets, torch.arange(96) * 1000), loss="bce").backward()
         >>> values, classes = head.topk(feats.detach(), 5)
     """
 
@@ -470,13 +480,7 @@ class HugeClassifier(nn.Module):
                 "move them with .to(device)"
             )
         if labels is not None:
-            if tuple(labels.shape) != tuple(features.shape[:-1]):
-                raise ValueError(
-                    f"labels shape {tuple(labels.shape)} must equal features' shape without "
-                    f"its last dimension, {tuple(features.shape[:-1])}"
-                )
-            if labels.device != features.device:
-                raise ValueError(f"labels are on {labels.device}, features on {features.device}")
+            check_label_shape(labels, features, names=("labels", "features"))
 
     def _slice_for(self, batch: int) -> int:
         if self.slice_size is not None:

@@ -145,6 +145,20 @@ def check_linear(
         )
 
 
+def check_label_shape(
+    labels: torch.Tensor, x: torch.Tensor, *, names: tuple[str, str]
+) -> None:
+    """One label per row of ``x`` (its shape without the last dimension), on ``x``'s device."""
+    if tuple(labels.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"{names[0]} shape {tuple(labels.shape)} must equal {names[1]}'s shape without its "
+            f"last dimension, {tuple(x.shape[:-1])}"
+        )
+    if labels.device != x.device:
+        raise ValueError(
+            f"{names[0]} is on {labels.device} but {names[1]} is on {x.device}; move it")
+
+
 def _check_inputs(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -162,13 +176,7 @@ def _check_inputs(
                  slice_size=slice_size, prefetch=prefetch)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if tuple(target.shape) != tuple(x.shape[:-1]):
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal x's shape without its last "
-            f"dimension, {tuple(x.shape[:-1])}"
-        )
-    if target.device != x.device:
-        raise ValueError(f"target is on {target.device} but x is on {x.device}; move it")
+    check_label_shape(target, x, names=("target", "x"))
     _check_target(target, weight.shape[0], ignore_index)
 
 

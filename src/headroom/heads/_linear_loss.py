@@ -53,7 +53,8 @@ __all__ = ["LOSSES", "linear_loss"]
 LOSSES = ("bce", "squared_hinge", "softmax", "softmax_sum")
 _SOFTMAX = ("softmax", "softmax_sum")
 
-# NOTE: a user's loss gets the slice's scores and its B x S targets: two buffers of that size.
+# NOTE: the separable passes hold the slice's logits and a scratch of the same size (the bulk
+# loss's, or a loss function's B x S targets): two buffers, so each gets half the logits budget.
 _BUFFERS = 2
 
 SliceLoss = Callable[[torch.Tensor, torch.Tensor, range | torch.Tensor], torch.Tensor]
@@ -456,7 +457,7 @@ def _check_pos_weight(
 ) -> None:
     if pos_weight is None:
         return
-    if not isinstance(loss, str) or loss in _SOFTMAX:
+    if callable(loss) or loss in _SOFTMAX:
         raise ValueError(
             "pos_weight weighs the positive term of 'bce' and 'squared_hinge'; a softmax has no "
             "such term, and a loss function applies its own weights (it gets the targets)"
@@ -497,7 +498,8 @@ def make_plan(
     values = pos.value_or_one(dt)
     coef = values
     scale = None
-    if isinstance(loss, str) and loss in _SOFTMAX:
+    softmax = loss in _SOFTMAX
+    if softmax:
         if bool((values < 0).any()):
             raise ValueError("targets: a softmax needs target values >= 0 (a distribution)")
         sums = pos.row_sums(dt)
@@ -517,17 +519,16 @@ def make_plan(
         pos = pos.take_classes(class_ids)
         num_classes = class_ids.numel()
     rows = pos.batch
-    separable = isinstance(loss, str) and loss not in _SOFTMAX
     if slice_size is None:
-        budget = DEFAULT_LOGITS_BUDGET // (1 if isinstance(loss, str) and not separable
-                                           else _BUFFERS)
+        budget = DEFAULT_LOGITS_BUDGET // (1 if softmax else _BUFFERS)
         slice_size = pick_slice_size(rows, num_classes, accum_dtype=dt, budget_bytes=budget)
     return Plan(
         loss=loss, pos=pos, num_classes=num_classes, pos_coef=coef, values=values,
-        reduction=reduction, denominator=rows * num_classes if separable else rows,
+        reduction=reduction,
+        # NOTE: what PyTorch's dense loss divides by: elements for BCE, rows for a softmax
+        denominator=rows * num_classes if isinstance(loss, str) and not softmax else rows,
         slice_size=max(1, min(slice_size, num_classes)), class_ids=class_ids,
-        one_pass=one_pass and reduction != "none" and not (
-            isinstance(loss, str) and loss in _SOFTMAX),
+        one_pass=one_pass and reduction != "none" and not softmax,
         accum_dtype=dt, softmax_scale=scale,
     )
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.offload import _checkpoint
+from headroom.checkpoint import _checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint_checksums.json"
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.offload._params import _state
+from headroom.residency._offload import _state
 from headroom.transfer import DiskStore
 
 

@@ -1,9 +1,10 @@
 """Peak RSS of CPU training from a DiskStore against the memory headroom tracks.
 
-GPT-2 small (12 layers, 124M parameters) built on ``meta``, offloaded to a ``DiskStore`` with
-``device="cpu"``, trained with ``hr.HostOptimizer(AdamW, state_store=DiskStore)``: its training
-state (parameters, gradients, two Adam moments: 2 GB) is several times the tracked peak. Each
-run is a fresh process that reports
+GPT-2 small's layers (12 x 768) with a 16384-token vocabulary (98M parameters) built on
+``meta``, offloaded to a ``DiskStore`` with ``device="cpu"``, trained with
+``hr.HostOptimizer(AdamW, state_store=DiskStore)``: its training state (parameters, gradients,
+two Adam moments: 1.6 GB) is several times the tracked peak. Each run is a fresh process that
+reports
 
 - ``fixed``: its RSS after importing torch, transformers and headroom, before the model exists;
 - ``tracked``: ``hr.track_memory``'s peak over the training steps;
@@ -46,7 +47,7 @@ import headroom as hr
 torch.set_num_threads(2)
 fixed = rss("VmRSS")
 layers, steps, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-cfg = transformers.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257,
+cfg = transformers.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=16384,
                               n_positions=256)
 with torch.device("meta"):
     model = transformers.GPT2LMHeadModel(cfg)

@@ -1,4 +1,4 @@
-"""Shared test configuration: the `gpu` marker and the devices tests parametrize over."""
+"""Shared test configuration: the `gpu` marker, the devices tests parametrize over, fixtures."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (the folders of tiny models use it for every test).
+
+    Their models are a few kilobytes: with several intra-op threads on a shared machine, OpenMP
+    barriers dominate (10-100x slower). Results do not depend on it: every comparison runs both
+    sides in one process under the same setting.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# NOTE: public names resolve lazily (but see `offload` below) so `import headroom` stays cheap (no
-# matplotlib) and each layer loads only when used. The table is the public API contract.
+# Public names resolve lazily, so `import headroom` stays cheap (no matplotlib) and each layer
+# loads only when used. The table is the public API contract.
 _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",
@@ -20,16 +20,20 @@ _EXPORTS: dict[str, str] = {
     # transfer/
     "DiskStore": "headroom.transfer",
     "StoreCorruptError": "headroom.transfer",
-    # offload/
-    "offload": "headroom.offload",
-    "unoffload": "headroom.offload",
-    "describe": "headroom.offload",
-    "HostOptimizer": "headroom.offload",
-    "save": "headroom.offload",
-    "load": "headroom.offload",
-    "load_weights": "headroom.offload",
-    "save_weights": "headroom.offload",
-    "CheckpointCorruptError": "headroom.offload",
+    # residency/
+    "offload": "headroom.residency",
+    "unoffload": "headroom.residency",
+    "describe": "headroom.residency",
+    # optim/
+    "HostOptimizer": "headroom.optim",
+    # checkpoint/
+    "save": "headroom.checkpoint",
+    "load": "headroom.checkpoint",
+    "load_weights": "headroom.checkpoint",
+    "save_weights": "headroom.checkpoint",
+    "CheckpointCorruptError": "headroom.checkpoint",
+    # activations/
+    "offload_activations": "headroom.activations",
     # nn/
     "convert": "headroom.nn",
     # heads/
@@ -43,14 +47,6 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from headroom.memory import MemoryTracker as MemoryTracker
     from headroom.memory import track_memory as track_memory
-
-
-# NOTE: `headroom.offload` is both a subpackage and the public function `hr.offload`. Importing a
-# subpackage binds it as an attribute of its parent, so the function is bound here, after the
-# subpackage is loaded; later imports of its submodules no longer touch this name.
-from headroom.offload import offload as offload  # noqa: E402
-
-_EXPORTS.pop("offload")
 
 
 def __getattr__(name: str) -> Any:

@@ -31,7 +31,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if args.module:
-        # NOTE: like `python -m`, the current folder comes first on sys.path.
+        # Like `python -m`, the current folder comes first on sys.path.
         sys.path.insert(0, os.getcwd())
         if importlib.util.find_spec(args.target) is None:
             sys.path[:] = saved_path
@@ -46,7 +46,7 @@ def _profile(args: argparse.Namespace) -> int:
             return 2
         target = str(script)
         sys.argv = [str(script), *args.args]
-        # NOTE: like `python script.py`, the script's own folder comes first on sys.path.
+        # Like `python script.py`, the script's own folder comes first on sys.path.
         sys.path.insert(0, str(script.resolve().parent))
         run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
     try:

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import headroom as hr
-from headroom.memory import CATEGORIES, annotate, resize_storage
+from headroom.memory import CATEGORIES, annotate
+from headroom.transfer import resize_storage
 
 B, D_IN, D_HID, D_OUT = 32, 64, 128, 10
 

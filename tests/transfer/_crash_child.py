@@ -79,7 +79,7 @@ def main() -> None:
         store.write(h, torch.ones(1 << 20)).result()
     elif mode == "train":
         import headroom as hr
-        from tests.offload._optim_util import loss_fn, make_model
+        from tests.optim._models import loss_fn, make_model
 
         torch.set_num_threads(1)
         model = hr.offload(make_model(0), device="cpu", store=store)

@@ -235,7 +235,7 @@ def test_kill_mid_write_torn_tensor_raises_and_recovers(tmp_path):
 
 def test_kill_during_offloaded_training_resumes_stored_values(tmp_path):
     import headroom as hr
-    from tests.offload._optim_util import Net, loss_fn, make_model
+    from tests.optim._models import Net, loss_fn, make_model
 
     folder = tmp_path / "params"
     child = Child("train", folder)

@@ -13,8 +13,7 @@ import itertools
 import pytest
 import torch
 
-from headroom.transfer import PinnedPool
-from headroom.transfer._mover import RowStreamer
+from headroom.transfer import PinnedPool, RowStreamer
 from tests.conftest import DEVICES
 
 
@@ -261,7 +260,7 @@ def test_accelerator_stream_and_push_exact(pinned, prefetch):
 
 
 def test_staging_reused_across_passes_and_cache_dropped_past_its_limit(monkeypatch):
-    from headroom.transfer import _mover
+    from headroom.transfer import _rows
 
     w = torch.randn(64, 8)
     s, mod = streamer_on_cpu(1)
@@ -274,7 +273,7 @@ def test_staging_reused_across_passes_and_cache_dropped_past_its_limit(monkeypat
     for _ in s.stream([w], _bounds(64, 16)):
         pass
     assert {e[3] for e in mod.trace if e[0] == "stage"} == first and s._pool.total_bytes == held
-    monkeypatch.setattr(_mover, "_ROW_STAGING_CACHE", held - 1)
+    monkeypatch.setattr(_rows, "_ROW_STAGING_CACHE", held - 1)
     for _ in s.stream([w], _bounds(64, 16)):
         pass
     assert s._pool.total_bytes == 0

@@ -6,7 +6,6 @@ from headroom.memory._tracker import (
     MemoryTracker,
     annotate,
     is_tracking,
-    resize_storage,
     track_memory,
 )
 
@@ -19,6 +18,5 @@ __all__ = [
     "annotate",
     "format_bytes",
     "is_tracking",
-    "resize_storage",
     "track_memory",
 ]

@@ -17,7 +17,7 @@ CATEGORIES: tuple[Category, ...] = (
 
 PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, BUFFERS, OTHER = range(len(CATEGORIES))
 
-# NOTE: a storage can be seen in several roles (a parameter is also saved for backward by the
+# A storage can be seen in several roles (a parameter is also saved for backward by the
 # layer that uses it). The role that owns the bytes is the most durable one: these categories are
 # never demoted by automatic rules, only by an explicit `annotate`.
 STICKY = frozenset({PARAMETERS, GRADIENTS, OPTIMIZER_STATE, BUFFERS})

@@ -6,8 +6,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from headroom.memory._categories import CATEGORIES
 
 if TYPE_CHECKING:
@@ -91,13 +89,11 @@ class StorageInfo:
 
 
 class Peak:
-    """A running peak whose per-category snapshot is taken lazily.
-
-    NOTE: between a new peak and the next decrease nothing is freed, and any allocation would make
-    a new peak, so the set of live storages at the first decrease *is* the set at the peak. Taking
-    the snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made
-    in between (an output turning out to be saved for backward) land in the right category.
-    """
+    """A running peak whose per-category snapshot is taken lazily."""
+    # Between a new peak and the next decrease nothing is freed, and any allocation would make a new
+    # peak, so the set of live storages at the first decrease *is* the set at the peak. Taking the
+    # snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made in
+    # between (an output turning out to be saved for backward) land in the right category.
 
     __slots__ = ("value", "seq", "pending", "cats", "allocator")
 
@@ -109,23 +105,19 @@ class Peak:
         self.allocator: dict[str, int] = {}
 
 
-class Packed:
-    """What autograd keeps for a saved tensor while tracking: the tensor itself, counted.
+class SavedToken:
+    """Kept by autograd beside a saved tensor while tracking; its release means autograd let go.
 
-    NOTE: wrapping instead of returning the tensor lets the tracker know when autograd lets go of
-    it (graph freed after backward), so an output still held by the user afterwards stops counting
-    as an activation. The wrapped tensor shares storage with the original: no bytes are added.
+    Knowing when autograd lets go of a saved tensor (its graph freed after backward) lets an
+    output still held by the user afterwards stop counting as an activation. It holds no
+    tensor: activation offload may keep the bytes elsewhere meanwhile.
     """
 
-    __slots__ = ("tensor", "info", "tracker")
+    __slots__ = ("info", "tracker")
 
-    def __init__(
-        self, tensor: torch.Tensor, info: StorageInfo | None, tracker: MemoryTracker
-    ) -> None:
-        self.tensor = tensor
+    def __init__(self, info: StorageInfo, tracker: MemoryTracker) -> None:
         self.info = info
         self.tracker = tracker
 
     def __del__(self) -> None:
-        if self.info is not None:
-            self.tracker._unsave(self.info)
+        self.tracker._unsave(self.info)

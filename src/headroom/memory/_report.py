@@ -137,7 +137,7 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
     import numpy as np
 
     timeline = mem.timeline
-    # NOTE: the axis starts at the first tracked allocation: a profiled script may spend most
+    # The axis starts at the first tracked allocation: a profiled script may spend most
     # of its run importing libraries before any tensor exists.
     first = next((i for i, s in enumerate(timeline) if s.total > 0), 0)
     t_start = timeline[first].time_s if timeline else 0.0

@@ -101,7 +101,7 @@ class RSSWatch:
             self.samples.append((time.perf_counter() - self._t0, self.end))
         sampled = max((r for _, r in self.samples), default=None)
         hwm = peak_rss()
-        # NOTE: the kernel's high-water mark is exact, but it covers the whole process life:
+        # The kernel's high-water mark is exact, but it covers the whole process life:
         # it is this region's peak only if the region raised it.
         if hwm is not None and self._hwm0 is not None and hwm > self._hwm0:
             self.peak = hwm

@@ -24,6 +24,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from headroom._saved_hooks import observing
 from headroom.memory._categories import (
     ACTIVATIONS,
     BUFFERS,
@@ -41,7 +42,7 @@ from headroom.memory._devices import (
     device_name,
     storage_of,
 )
-from headroom.memory._records import DeviceStats, Packed, Peak, StorageInfo, TimelineSample
+from headroom.memory._records import DeviceStats, Peak, SavedToken, StorageInfo, TimelineSample
 from headroom.memory._rss import RSSWatch
 
 _NCAT = len(CATEGORIES)
@@ -77,7 +78,7 @@ class _Mode(TorchDispatchMode):
             tracker._see_inputs(kwargs.values())
         out = func(*args, **(kwargs or {}))
         if func is _RESIZE_STORAGE_BYTES:
-            # NOTE: a parameter whose storage is refilled (an offloaded one coming back to the
+            # A parameter whose storage is refilled (an offloaded one coming back to the
             # device) counts as a parameter even if the tracker first saw it being created.
             cat = PARAMETERS if isinstance(args[0], nn.Parameter) else OTHER
             tracker._see(args[0], cat, check_size=True)
@@ -207,7 +208,7 @@ class MemoryTracker:
         self._handles.append(
             nn.modules.module.register_module_forward_hook(self._post_fw, always_call=True)
         )
-        # NOTE: a parameter created inside the region (a model built there, as in `headroom
+        # A parameter created inside the region (a model built there, as in `headroom
         # profile`) is first seen as a new tensor; registering it in a module says what it is.
         self._handles.append(nn.modules.module.register_module_parameter_registration_hook(
             lambda module, name, p: None if p is None else self._see_param(p, PARAMETERS)))
@@ -215,7 +216,7 @@ class MemoryTracker:
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
         tracker = self
 
-        # NOTE: `UntypedStorage.resize_` is not an op, so no dispatch mode sees it; offloading
+        # `UntypedStorage.resize_` is not an op, so no dispatch mode sees it; offloading
         # frees and refills parameters this way. Wrapping it while tracking is what PyTorch's own
         # MemTracker does too.
         def resize_(storage: torch.UntypedStorage, size: int):
@@ -224,7 +225,7 @@ class MemoryTracker:
             return result
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks = observing(self)
         self._saved_hooks.__enter__()
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -245,7 +246,7 @@ class MemoryTracker:
         with self._lock:
             for p in self._peaks():
                 self._snapshot(p)
-            # NOTE: freeze the numbers; storages freed after exit must not change them.
+            # Freeze the numbers; storages freed after exit must not change them.
             for info in self._infos.values():
                 info.ref = None
             self._infos = {}
@@ -358,7 +359,7 @@ class MemoryTracker:
 
     def _decreased(self) -> None:
         if self._peak.pending:
-            # NOTE: a peak inside an op (temporaries freed before it returns) would be missed by
+            # A peak inside an op (temporaries freed before it returns) would be missed by
             # per-op sampling; this sample is the state at the peak itself.
             self._sample(force=True)
         for p in self._peaks():
@@ -380,7 +381,7 @@ class MemoryTracker:
             cats = list(self._current[device])
         peak.cats = cats
         if self._sample_allocator:
-            # NOTE: "active" (blocks in use, including those waiting on other streams) costs a
+            # "active" (blocks in use, including those waiting on other streams) costs a
             # full stats query, so it is read once per local peak, not at every new maximum.
             devices = list(self._current) if peak is self._peak else [device]
             for d in devices:
@@ -421,7 +422,7 @@ class MemoryTracker:
         self._seq += 1
         delta = nbytes - info.nbytes
         info.nbytes = nbytes
-        # NOTE: a resized storage counts as newly allocated for retroactive reclassification.
+        # A resized storage counts as newly allocated for retroactive reclassification.
         info.seq = self._seq
         if info.cat == ACTIVATIONS:
             self._act_change(info.module, delta)
@@ -447,7 +448,7 @@ class MemoryTracker:
             self._act_change(info.module, n)
         info.cat = cat
         self._dirty = True
-        # NOTE: a storage alive now and allocated before a peak was alive at that peak. If it had
+        # A storage alive now and allocated before a peak was alive at that peak. If it had
         # its new role since birth (a gradient before AccumulateGrad hands it over, an output
         # saved by the op that made it), already-taken snapshots are corrected. A storage that
         # gained the role later (an input batch saved by a layer) keeps its old role in the past.
@@ -470,17 +471,14 @@ class MemoryTracker:
             p.cats[cat] += n
 
     # ------------------------------------------------------------------ roles
-    def _pack(self, t: torch.Tensor) -> Any:
+    def observe(self, t: torch.Tensor) -> SavedToken | None:
+        """A tensor autograd saves: an activation (see `headroom._saved_hooks`)."""
         info = self._see(t, ACTIVATIONS)
         if info is not None and info.cat == ACTIVATIONS:
             with self._lock:
                 info.saved += 1
-            return Packed(t, info, self)
-        return Packed(t, None, self)
-
-    @staticmethod
-    def _unpack(packed: Packed) -> torch.Tensor:
-        return packed.tensor
+            return SavedToken(info, self)
+        return None
 
     def _unsave(self, info: StorageInfo) -> None:
         with self._lock:
@@ -558,7 +556,7 @@ class MemoryTracker:
             name = self._stack.pop()
         else:
             return
-        # NOTE: a pre-hook on the output's autograd node names the module whose backward is about
+        # A pre-hook on the output's autograd node names the module whose backward is about
         # to run; the innermost module registers first, so outer containers do not overwrite it.
         node = getattr(output, "grad_fn", None) if isinstance(output, torch.Tensor) else None
         if node is not None and id(node) not in self._hooked_nodes:
@@ -849,11 +847,3 @@ def annotate(tensor: torch.Tensor, category: str) -> None:
     tracker = _active
     if tracker is not None:
         tracker.annotate(tensor, category)
-
-
-def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
-    """Resize ``tensor``'s storage to ``nbytes`` (0 frees it, keeping the tensor object valid).
-
-    Goes through ``torch.ops.inductor.resize_storage_bytes_`` so trackers see it.
-    """
-    torch.ops.inductor.resize_storage_bytes_(tensor, nbytes)

@@ -19,8 +19,11 @@ from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
-from headroom.transfer._mover import Mover, RowStreamer, Ticket
+from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
+from headroom.transfer._stash import Stash, StashTicket
+from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (
     Store,
     StoreCorruptError,
@@ -40,6 +43,8 @@ __all__ = [
     "PinnedPool",
     "RowStreamer",
     "SafetensorsFile",
+    "Stash",
+    "StashTicket",
     "Store",
     "StoreCorruptError",
     "StoreFullError",
@@ -52,6 +57,7 @@ __all__ = [
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "resize_storage",
     "resolve_store",
     "safetensors_dtypes",
     "sync_grad",

@@ -73,7 +73,7 @@ class ListenerHandle:
 
     def remove(self) -> None:
         if self._binding is not None:
-            # NOTE: by identity, so two registrations of the same function stay independent.
+            # By identity, so two registrations of the same function stay independent.
             ls = self._binding.listeners
             for i, f in enumerate(ls):
                 if f is self._fn:
@@ -143,7 +143,7 @@ def on_grad_ready(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Li
     b = binding(param)
     if b is None:
         raise ValueError(
-            "on_grad_ready needs a store-resident parameter (one offloaded by headroom.offload "
+            "on_grad_ready needs a store-resident parameter (one offloaded by hr.offload "
             "or bound with headroom.transfer.bind); ordinary parameters have autograd's "
             "register_post_accumulate_grad_hook"
         )

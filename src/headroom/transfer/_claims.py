@@ -12,6 +12,8 @@ _ATTR = "_headroom_claimed"
 def claimed_keys(store: Store) -> set[str]:
     """The mutable set of ``store``'s keys that a live owner uses.
 
+    See [Note: one writer per key] in docs/architecture.md.
+
     A store key holds one tensor; two owners that both bind it would silently share (and both
     train) one set of values. Owners add their keys here when they bind them and discard them
     when they let go (``hr.unoffload``, or a `HugeClassifier` being garbage-collected), and
@@ -29,7 +31,7 @@ def claimed_keys(store: Store) -> set[str]:
         >>> claimed_keys(HostStore())
         set()
     """
-    # NOTE: kept on the store object (not in a global registry) so it lives and dies with the
+    # Kept on the store object (not in a global registry) so it lives and dies with the
     # store, and under the attribute name hr.offload's own registry has always used, so claims
     # made by hr.offload and by HugeClassifier see each other.
     keys = getattr(store, _ATTR, None)

@@ -21,7 +21,7 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger
 from headroom.transfer._recover import file_crcs, open_checks
 from headroom.transfer._segments import BAD, combine, crc, scan
-from headroom.transfer._store import Store, StoreCorruptError, StoreFullError, done
+from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
 __all__ = ["DiskStore"]
 
@@ -44,11 +44,9 @@ def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> N
 
 
 def _view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive.
-
-    NOTE: not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters
-    resize their storage to 0 between uses.
-    """
+    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive."""
+    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize their
+    # storage to 0 between uses.
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
@@ -139,11 +137,9 @@ class _ReadCheck:
         self.lock = threading.Lock()
 
     def covered(self) -> list[list]:
-        """Segments with a known CRC that the read covers (raises if it touches bad bytes).
-
-        NOTE: looked up when a piece runs, not at submission: operations on a key run in
-        order, so the segments then describe exactly the bytes this read finds.
-        """
+        """Segments with a known CRC that the read covers (raises if it touches bad bytes)."""
+        # Looked up when a piece runs, not at submission: operations on a key run in order, so the
+        # segments then describe exactly the bytes this read finds.
         segs = self.store._ledger.segments(self.key)
         covered, bad = scan(segs, [(off, off + length) for _, off, length in self.extents])
         if bad:
@@ -157,10 +153,9 @@ class _ReadCheck:
              covered: list) -> None:
         """Read this piece's ``extents`` into ``mv`` with the CRCs of its share of each covered
         segment (both lists sorted by file offset).
-
-        NOTE: in chunks, each checksummed right after it lands, while it is still in the CPU
-        cache, rather than a second pass over memory after the whole read.
         """
+        # In chunks, each checksummed right after it lands, while it is still in the CPU cache,
+        # rather than a second pass over memory after the whole read.
         found = []
         k = 0
         for pos, off, length in extents:
@@ -298,7 +293,7 @@ class DiskStore(Store):
         self._read_since = 0.0
         self._write_since = 0.0
         self._both_since = 0.0
-        # NOTE: reads and writes get their own threads: a read (usually a prefetch that compute
+        # Reads and writes get their own threads: a read (usually a prefetch that compute
         # will wait for) never queues behind gradient or state writes, which nobody waits for
         # right away; fewer write threads also leave the disk to the reads more often.
         self._threads = max(1, threads)
@@ -318,6 +313,11 @@ class DiskStore(Store):
             for name in self._ledger.orphans():
                 os.unlink(self.path / name)
             self._ledger.start()
+            for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
+                name = self._ledger.entries[key]["file"]
+                self._ledger.free(key)  # scratch of a process that stopped: worth nothing
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path / name)
         except BaseException:
             self._ledger.release()
             self._pool.shutdown()
@@ -326,7 +326,7 @@ class DiskStore(Store):
         for key, e in self._ledger.entries.items():
             self._handles[key] = Handle.of(key, tuple(e["shape"]), DTYPES[e["dtype"]], self)
             self._used += e["nbytes"]
-        # NOTE: the finalizer holds the ledger (plain data, no reference back to the store), so
+        # The finalizer holds the ledger (plain data, no reference back to the store), so
         # a store garbage-collected without close() still leaves a clean index and unlocks.
         self._finalizer = weakref.finalize(self, Ledger.finish, self._ledger)
 
@@ -361,7 +361,7 @@ class DiskStore(Store):
                     prev.exception()  # wait; its error was reported to its own caller
                 return fn(*args)
 
-            # NOTE: no deadlock across the two pools: a task waits only for an operation
+            # No deadlock across the two pools: a task waits only for an operation
             # submitted before it, and each pool starts its tasks in submission order.
             pool = self._wpool if write else self._pool
             futs = [pool.submit(run, fn, args) for fn, args in parts]
@@ -378,9 +378,8 @@ class DiskStore(Store):
             return self._submit_parts(handle.key, [(self._write_job, (handle.key, path, t,
                                                                       extents))], None,
                                       write=True)
-        # NOTE: a large read goes out as several smaller ones at once: the disk then has
-        # more requests in flight (measured here: a virtual disk reads 16 MiB files 1.2-1.4x
-        # faster with 4 requests in flight than with one), and a prefetch of one big
+        # A large read goes out as several smaller ones at once: the disk then has more
+        # requests in flight (see benchmarks/results/README.md), and a prefetch of one big
         # tensor no longer waits behind a single thread.
         check = _ReadCheck(self, handle.key, extents, self.verify_reads)
         return self._submit_parts(
@@ -470,12 +469,10 @@ class DiskStore(Store):
 
     def _write_job(self, key: str, path: str, t: torch.Tensor,
                    extents: list[tuple[int, int, int]]) -> None:
-        """Write ``extents`` of ``t``, journaled before and after. See [Note: DiskStore journal].
-
-        NOTE: the CRC of each extent is taken from the source buffer here, in the I/O thread
-        (crc32c releases the GIL), before the first byte goes out: a write the process does not
-        live to finish is then still recognised as complete or torn when the store reopens.
-        """
+        """Write ``extents`` of ``t``, journaled before and after. See [Note: DiskStore journal]."""
+        # The CRC of each extent is taken from the source buffer here, in the I/O thread (crc32c
+        # releases the GIL), before the first byte goes out: a write the process does not live to
+        # finish is then still recognised as complete or torn when the store reopens.
         self._busy("write", 1)
         n = 0
         try:
@@ -499,7 +496,7 @@ class DiskStore(Store):
                 finally:
                     os.close(fd)
             except OSError as e:
-                # NOTE: part of a failed write may have reached the file; those ranges are then
+                # Part of a failed write may have reached the file; those ranges are then
                 # marked bad (reads raise) rather than silently mixing old and new bytes.
                 self._ledger.end_write(rid, "bad" if written[0] else "none")
                 raise self._io_error(e, path) from e
@@ -534,11 +531,11 @@ class DiskStore(Store):
         path = os.path.join(self.path, name)
         created = False
         try:
-            # NOTE: O_EXCL: a file that is already there is never truncated; it is not ours.
+            # O_EXCL: a file that is already there is never truncated; it is not ours.
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             created = True
             try:
-                # NOTE: reserve the blocks now so a full disk fails here, early, rather than in
+                # Reserve the blocks now so a full disk fails here, early, rather than in
                 # a background write halfway through training. Reserved blocks read as zeros.
                 if handle.nbytes:
                     os.posix_fallocate(fd, 0, handle.nbytes)

@@ -120,7 +120,7 @@ class HostStore(Store):
         if pin and max_bytes is None:
             max_bytes = default_pinned_budget()
         super().__init__(max_bytes=max_bytes)
-        # NOTE: the store enforces the budget itself (it knows keys for the message); the pool
+        # The store enforces the budget itself (it knows keys for the message); the pool
         # only recycles the page-locked buffers of freed tensors.
         self._pool = PinnedPool(pin=pin)
         self._pin = pin

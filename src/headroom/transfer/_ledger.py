@@ -43,7 +43,7 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )}
-# NOTE: compaction rewrites the whole index, so it waits until the journal is both past a
+# Compaction rewrites the whole index, so it waits until the journal is both past a
 # fixed size and twice the index: amortized, journaling stays linear in the records written.
 COMPACT_BYTES = 4 << 20
 MAX_EXTENTS = 32  # a write of more row runs records one unknown span instead of a CRC each

@@ -20,7 +20,7 @@ import torch
 
 from headroom.transfer._ledger import Ledger
 from headroom.transfer._segments import combine, crc, crc_of_range, zeros_crc
-from headroom.transfer._store import StoreCorruptError
+from headroom.transfer._store import SCRATCH, StoreCorruptError
 
 __all__ = ["file_crcs", "open_checks", "problem_text"]
 
@@ -91,7 +91,12 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     path = ledger.path
     problems: list[tuple[str, int, int, str]] = []
     recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
+    # Scratch keys of a stopped process are dropped after opening (`scratch_keys`), unchecked.
+    for rid in [rid for rid, w in ledger.inflight.items() if w["k"].startswith(SCRATCH)]:
+        ledger.resolve(rid, "none")
     for key, e in ledger.entries.items():
+        if key.startswith(SCRATCH):
+            continue
         f = path / e["file"]
         n = e["nbytes"]
         size = f.stat().st_size if f.exists() else -1
@@ -135,7 +140,7 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
 
     if verify:
         known = [(k, s, t, c) for k, e in ledger.entries.items()
-                 if k not in lost and k not in recreate
+                 if k not in lost and k not in recreate and not k.startswith(SCRATCH)
                  for s, t, c in e["segments"] if isinstance(c, int)]
         crcs = file_crcs([(str(path / ledger.entries[k]["file"]), s, t)
                           for k, s, t, _ in known], pool, page_cache)

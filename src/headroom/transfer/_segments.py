@@ -29,7 +29,7 @@ def crc(buf, value: int = 0) -> int:
 
 
 # ------------------------------------------------------------------ combining CRCs
-# NOTE: appending zero bytes to the CRC register is linear over GF(2), so "the CRC of A then B"
+# appending zero bytes to the CRC register is linear over GF(2), so "the CRC of A then B"
 # follows from crc(A), crc(B) and len(B): crc(AB) = Z^len(B) crc(A) ^ crc(B), where Z is the
 # operator "append one zero byte" (the pre/post inversions cancel in the XOR). Z^(2^k) is kept
 # as four byte-indexed tables, so combining costs a few hundred operations, not a pass over B.

@@ -14,6 +14,11 @@ from headroom.transfer._handle import Handle, check_rows, row_count
 __all__ = ["Store", "StoreCorruptError", "StoreFullError", "done", "resolve_store"]
 
 
+# Keys under this prefix hold scratch bytes (activations between forward and backward): worth
+# nothing once their process is gone, so a reopened DiskStore drops them unchecked.
+SCRATCH = "headroom-scratch/"
+
+
 class StoreFullError(RuntimeError):
     """Raised when a store's byte budget (or the disk under it) cannot hold a new tensor."""
 

@@ -1,0 +1,95 @@
+"""The one owner of headroom's saved-tensor hooks: how its users of them compose.
+
+PyTorch applies only the innermost ``saved_tensors_hooks`` pair to a saved tensor. headroom has
+two kinds of users: *observers*, which must see every saved tensor and learn when autograd lets
+go of it (the memory tracker), and one *keeper*, which decides what autograd keeps in place of
+the tensor (activation offload keeps a ticket to a store). Pushed separately, the inner one
+would hide saved tensors from the outer one. So each of them enters here, and headroom pushes
+one pair that does all of it: every observer sees the tensor, then the keeper (if any) packs it.
+Entering and leaving is last in, first out, like PyTorch's own stack; a hook pushed by someone
+else in between (a checkpoint region) stays innermost, as it would without headroom.
+
+See [Note: saved-tensor hooks] in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Keeper", "Observer", "keeping", "observing"]
+
+
+class Observer(Protocol):
+    def observe(self, t: torch.Tensor) -> Any:
+        """See a tensor being saved; return a token autograd keeps with it (its release means
+        autograd let go of the tensor), or ``None``."""
+
+
+class Keeper(Protocol):
+    def pack(self, t: torch.Tensor) -> Any:
+        """What autograd keeps instead of ``t``."""
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The tensor back, for backward."""
+
+
+class _Saved:
+    """What autograd keeps when observers are active: the keeper's object, and their tokens."""
+
+    __slots__ = ("kept", "tokens")
+
+    def __init__(self, kept: Any, tokens: tuple) -> None:
+        self.kept = kept
+        self.tokens = tokens
+
+
+_observers: list[Observer] = []
+_keepers: list[Keeper] = []
+
+
+def _push() -> None:
+    observers = tuple(_observers)
+    keeper = _keepers[-1] if _keepers else None
+
+    def pack(t: torch.Tensor) -> Any:
+        tokens = tuple(tok for o in observers if (tok := o.observe(t)) is not None)
+        kept = keeper.pack(t) if keeper is not None else t
+        return _Saved(kept, tokens) if tokens else kept
+
+    def unpack(saved: Any) -> torch.Tensor:
+        kept = saved.kept if isinstance(saved, _Saved) else saved
+        return keeper.unpack(kept) if keeper is not None else kept
+
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def _pop() -> None:
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+@contextlib.contextmanager
+def observing(observer: Observer) -> Iterator[None]:
+    """Within the block, ``observer`` sees every tensor autograd saves on this thread."""
+    _observers.append(observer)
+    _push()
+    try:
+        yield
+    finally:
+        _pop()
+        _observers.remove(observer)
+
+
+@contextlib.contextmanager
+def keeping(keeper: Keeper) -> Iterator[None]:
+    """Within the block, ``keeper`` decides what autograd keeps for each saved tensor."""
+    _keepers.append(keeper)
+    _push()
+    try:
+        yield
+    finally:
+        _pop()
+        _keepers.remove(keeper)

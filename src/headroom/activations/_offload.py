@@ -1,0 +1,320 @@
+"""Activation offload: tensors saved for backward rest in a store between forward and backward.
+
+A saved-tensor *keeper* (see `headroom._saved_hooks`): when autograd saves a tensor, the bytes of
+its storage start moving to the store (`headroom.transfer.Stash`) and autograd keeps a small
+ticket instead. The device memory is freed as soon as the copy is out and nothing but autograd
+needed the storage any more (the forward has moved on): the storage is resized to 0 under the
+tensor, which stays (so do its version counter and identity). In backward, asking for one tensor
+refills its storage and starts refilling the ones saved before it, in reverse order, within a
+byte budget, so they arrive while the current block computes.
+
+Not moved: parameters and their views (``weight.t()``), device copies of offloaded parameters,
+tensors below ``min_bytes``, storages another tensor still uses (their bytes would not be freed).
+Views of one storage move once. Inside a ``torch.utils.checkpoint`` region, checkpoint's own
+hooks decide, so only what checkpoint keeps (the region's inputs) is offloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from headroom._saved_hooks import keeping
+from headroom.memory import annotate
+from headroom.transfer import DiskStore, Stash, StashTicket, resize_storage
+
+__all__ = ["offload_activations"]
+
+_use_count = torch._C._storage_Use_Count
+
+
+def _only_ours(e: _Entry) -> bool:
+    """Whether nothing but this entry uses the anchor tensor and its storage any more (asked
+    once the stash's copy is out, so the stash holds no reference either)."""
+    # The anchor: referenced by the entry and by getrefcount's argument only, held by no C++
+    # owner but its Python object, and the only tensor on its storage (two storage references:
+    # the anchor's and the temporary storage object asked for here).
+    return (sys.getrefcount(e.anchor) <= 2 and e.anchor._use_count() <= 1
+            and _use_count(e.anchor.untyped_storage()._cdata) <= 2)
+
+
+def _parameter_like(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+class _Entry:
+    """One storage whose bytes rest in the stash."""
+
+    __slots__ = ("anchor", "ticket", "nbytes", "index", "packs", "freed", "restored", "dead")
+
+    def __init__(self, anchor: torch.Tensor, ticket: StashTicket, index: int) -> None:
+        self.anchor = anchor  # the first saved tensor on the storage: holds storage and version
+        self.ticket = ticket
+        self.nbytes = ticket.nbytes
+        self.index = index
+        self.packs = 0
+        self.freed = False  # device storage resized to 0
+        self.restored = False  # refilled (or being refilled) for backward
+        self.dead = False
+
+
+class _Ticket:
+    """What autograd keeps for one saved tensor: its view of an entry's storage."""
+
+    __slots__ = ("owner", "entry", "size", "stride", "offset", "dtype", "version", "whole")
+
+    def __init__(self, owner: _Offloader, entry: _Entry, t: torch.Tensor) -> None:
+        self.owner = owner
+        self.entry = entry
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.dtype = t.dtype
+        self.version = t._version
+        self.whole = t is entry.anchor
+        entry.packs += 1
+
+    def __del__(self) -> None:
+        self.owner._release(self.entry)
+
+
+class _Offloader:
+    """The keeper: stashes saved tensors, frees their device memory, restores them ahead."""
+
+    def __init__(self, store: Any, min_bytes: int, prefetch: int,
+                 modules: list[nn.Module] | None) -> None:
+        self.store = store
+        self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self._stashes: dict[torch.device, Stash] = {}
+        self._entries: dict[int, _Entry] = {}  # storage key -> live entry
+        self._order: list[_Entry] = []  # live entries in the order they were saved
+        self._pending: list[_Entry] = []  # stashed, device memory not freed yet
+        self._count = 0
+        self._restored_bytes = 0  # restored for backward and not released yet
+        self._closed = False
+        self._warned = False
+        self._depth = 0 if modules is not None else 1
+        self._handles = []
+        for m in modules or ():
+            self._handles.append(m.register_forward_pre_hook(self._enter_module))
+            self._handles.append(m.register_forward_hook(self._leave_module, always_call=True))
+
+    # ------------------------------------------------------------------ scope
+    def _enter_module(self, module, args) -> None:
+        self._depth += 1
+
+    def _leave_module(self, module, args, output) -> None:
+        self._depth -= 1
+
+    # ------------------------------------------------------------------ pack / unpack
+    def pack(self, t: torch.Tensor) -> Any:
+        self._sweep()
+        if (self._depth <= 0 or _parameter_like(t) or t.device.type == "meta"
+                or t.untyped_storage().nbytes() < self.min_bytes):
+            return t
+        storage = t.untyped_storage()
+        key = storage._cdata
+        entry = self._entries.get(key)
+        if entry is None:
+            # A view keeps its base alive (and with it the storage): the base is the anchor.
+            base = t._base if t._base is not None else t
+            if t.device.type == "cpu" and self.store is None and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "hr.offload_activations with a host-memory store on the CPU saves no memory"
+                    " (the copy rests in the same RAM); it is meant for testing the mechanics."
+                    " Use store=hr.DiskStore(path) on a CPU-only machine",
+                    UserWarning, stacklevel=2)
+            stash = self._stash(t.device)
+            entry = _Entry(base, stash.stash(storage), self._count)
+            self._count += 1
+            self._entries[key] = entry
+            self._order.append(entry)
+            self._pending.append(entry)
+            if entry.ticket.host is not None:
+                annotate(entry.ticket.host, "activations")  # resting in host memory
+        return _Ticket(self, entry, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Ticket):
+            return packed
+        self._sweep()
+        entry = packed.entry
+        anchor = entry.anchor
+        if anchor._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{anchor.type()} {list(packed.size)}] is at version "
+                f"{anchor._version}; expected version {packed.version} instead. (Saved while "
+                "hr.offload_activations was active.)"
+            )
+        self._restore(entry)
+        self._prefetch_before(entry)
+        if packed.whole:
+            return anchor
+        out = torch.empty(0, dtype=packed.dtype, device=anchor.device)
+        return out.set_(anchor.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    # ------------------------------------------------------------------ device memory
+    def _sweep(self) -> None:
+        """Free the device memory of entries whose bytes are out and that only autograd uses.
+
+        Copies still in flight hold their storage; past ``prefetch`` bytes of those, the
+        oldest are waited for, so the forward never runs more than that ahead of the store.
+        """
+        keep = []
+        waiting = 0
+        for e in self._pending:
+            if e.dead:
+                continue
+            if self._stash(e.anchor.device).out_done(e.ticket):
+                if _only_ours(e):
+                    self._free(e)
+                    continue
+            else:
+                waiting += e.nbytes
+            keep.append(e)
+        for e in keep:
+            if waiting <= self.prefetch:
+                break
+            if e.ticket.source is None:
+                continue  # out already; the forward still uses it
+            self._stash(e.anchor.device).wait_out(e.ticket)
+            waiting -= e.nbytes
+            if _only_ours(e):
+                self._free(e)
+        self._pending = [e for e in keep if not e.freed]
+
+    def _free(self, e: _Entry) -> None:
+        resize_storage(e.anchor, 0)
+        e.freed = True
+
+    def _restore(self, e: _Entry) -> None:
+        if e in self._pending:  # never freed: its bytes are still where they were
+            self._pending.remove(e)
+            return
+        if not e.freed:
+            return
+        stash = self._stash(e.anchor.device)
+        if not e.restored:
+            resize_storage(e.anchor, e.nbytes)
+            e.restored = True
+            self._restored_bytes += e.nbytes
+        stash.restore(e.ticket, e.anchor.untyped_storage())
+        e.freed = False
+
+    def _prefetch_before(self, e: _Entry) -> None:
+        """Start refilling entries saved before ``e`` (backward goes there next), newest
+        first, while the restored bytes stay within the budget."""
+        i = self._order.index(e) if e in self._order else -1
+        for prev in reversed(self._order[:max(i, 0)]):
+            if self._restored_bytes + prev.nbytes > self.prefetch:
+                return
+            if not prev.freed or prev.restored:
+                continue
+            resize_storage(prev.anchor, prev.nbytes)
+            prev.restored = True
+            self._restored_bytes += prev.nbytes
+            self._stash(prev.anchor.device).prefetch(prev.ticket, prev.anchor.untyped_storage())
+
+    def _release(self, e: _Entry) -> None:
+        """A ticket autograd kept is gone; the last one takes the entry with it."""
+        e.packs -= 1
+        if e.packs or e.dead:
+            return
+        e.dead = True
+        self._entries.pop(e.anchor.untyped_storage()._cdata, None)
+        with contextlib.suppress(ValueError):
+            self._order.remove(e)
+        if e.restored:
+            self._restored_bytes -= e.nbytes
+        stash = self._stashes.get(e.anchor.device)
+        if stash is not None:
+            if e.freed:  # never restored: let a prefetch still landing finish first
+                stash.drop(e.ticket)
+                resize_storage(e.anchor, 0)
+            else:
+                stash.drop(e.ticket)
+        e.anchor = None
+        if self._closed and not self._entries:
+            self._close_stashes()
+
+    # ------------------------------------------------------------------ lifetime
+    def _stash(self, device: torch.device) -> Stash:
+        s = self._stashes.get(device)
+        if s is None:
+            s = self._stashes[device] = Stash(device, self.store)
+        return s
+
+    def close(self) -> None:
+        """No new tensors; the stash lives on until the last saved tensor is released."""
+        for h in self._handles:
+            h.remove()
+        self._closed = True
+        if not self._entries:
+            self._close_stashes()
+
+    def _close_stashes(self) -> None:
+        for s in self._stashes.values():
+            s.close()
+        self._stashes.clear()
+
+
+@contextlib.contextmanager
+def offload_activations(
+    store: str | DiskStore = "cpu",
+    *,
+    min_bytes: int = 1 << 20,
+    prefetch: int = 256 << 20,
+    modules: Iterable[nn.Module] | None = None,
+) -> Iterator[None]:
+    """Keep the tensors autograd saves for backward in a store, not on the compute device.
+
+    Wrap forward and backward (or forward only: tensors saved inside are restored whenever
+    backward runs). Each saved tensor's storage is copied to the store as it is saved and its
+    device memory freed once the forward no longer uses it; backward refills them just ahead
+    of use. Gradients are bitwise those of plain PyTorch.
+
+    Args:
+        store: ``"cpu"`` (host memory, page-locked on an accelerator) or a `DiskStore`. On a
+            CPU-only machine only a `DiskStore` saves memory.
+        min_bytes: storages smaller than this stay where they are (copying them costs more
+            than it saves).
+        prefetch: bytes of saved tensors refilled ahead of backward. More hides more transfer
+            time behind compute; each byte is device memory during backward.
+        modules: offload only what is saved inside the forward of these modules (e.g. every
+            block but the last, whose tensors backward needs first); by default everything.
+
+    Raises:
+        ValueError: ``min_bytes`` or ``prefetch`` is negative, or ``store`` is not one of the
+            above.
+
+    Example:
+        >>> with hr.offload_activations(store=hr.DiskStore("/scratch/act")):   # doctest: +SKIP
+        ...     loss = model(x).sum()
+        ...     loss.backward()
+    """
+    if not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be a byte count >= 0, got {prefetch!r}")
+    if isinstance(store, str):
+        if store not in ("cpu", "host"):
+            raise ValueError(f"unknown store {store!r}: use 'cpu' (host memory) or a"
+                             " headroom.DiskStore(path)")
+        store = None
+    elif not isinstance(store, DiskStore):
+        raise ValueError(f"store must be 'cpu' or a headroom.DiskStore, got {store!r}")
+    offloader = _Offloader(store, min_bytes, prefetch, list(modules) if modules else None)
+    try:
+        with keeping(offloader):
+            yield
+    finally:
+        offloader.close()

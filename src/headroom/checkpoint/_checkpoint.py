@@ -1,0 +1,539 @@
+"""`save` / `load`: model and optimizer checkpoints as one safetensors file, JSON inside, no pickle.
+
+The file is a standard safetensors file: tensors named ``model/<state_dict key>`` and
+``optimizer/<param index>/<state key>``, and the rest (optimizer class, hyperparameters,
+parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
+It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
+never gathered whole), to a temporary file next to ``path`` that replaces ``path`` only once it
+is complete and on disk: a crash mid-save leaves the previous checkpoint intact, and the next
+save on the same host removes the temporary file the crashed process left.
+
+Integrity (format version 2): the JSON holds a CRC32C of every tensor's bytes as they lie in
+the file (``"crc32c"``), and one of the header itself (``"header_crc32c"``, computed with its
+own eight hex digits read as ``0``). The header comes before the data, so it is written first
+with placeholders of the same width and rewritten in place once the data is written. `load`
+checks the header before it parses it and every tensor before it uses it. Version 1 files
+(no checksums) still load, unverified. The file format itself (header, checksums, checked
+reading, temporary files) lives in `headroom.checkpoint._file`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from typing import Any, BinaryIO
+
+import torch
+from torch import nn
+
+from headroom.checkpoint._file import (
+    DTYPES,
+    FORMAT,
+    PLACEHOLDER,
+    VERSION,
+    CheckpointCorruptError,
+    Checksums,
+    Reader,
+    available_memory,
+    build_header,
+    byte_view,
+    seal_header,
+    temp_path,
+)
+from headroom.optim._host_optimizer import HostOptimizer
+from headroom.transfer import Handle, Store, binding
+
+__all__ = ["CheckpointCorruptError", "load", "save"]
+
+_CHUNK = 32 << 20
+
+class _Item:
+    """One tensor to write: in memory, or resting in a store (streamed in row slices)."""
+
+    __slots__ = ("name", "dtype", "shape", "tensor", "store", "handle")
+
+    def __init__(self, name: str, *, tensor: torch.Tensor | None = None,
+                 store: Store | None = None, handle: Handle | None = None) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.store = store
+        self.handle = handle
+        src_dtype = tensor.dtype if tensor is not None else handle.dtype
+        if src_dtype not in DTYPES:
+            raise TypeError(f"cannot save {name!r}: dtype {src_dtype} has no safetensors code")
+        self.dtype = src_dtype
+        self.shape = tuple(tensor.shape) if tensor is not None else handle.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def write_to(self, f: BinaryIO, sums: Checksums) -> None:
+        if self.tensor is not None:
+            src = self.tensor.detach()
+            t = src.cpu().contiguous()
+            sums.add(self.name, t, temporary=t.data_ptr() != src.data_ptr())
+            _write_bytes(f, t)
+            return
+        h = self.handle
+        host = self.store.host_tensor(h)
+        if host is not None:
+            t = host.contiguous()
+            sums.add(self.name, t, temporary=t.data_ptr() != host.data_ptr())
+            _write_bytes(f, t)
+            return
+        if not h.shape:
+            t = self.store.read(h).result()
+            sums.add(self.name, t, temporary=True)
+            _write_bytes(f, t)
+            return
+        per = max(1, _CHUNK // max(1, h.row_nbytes))
+        # Read slice i+1 while slice i is written: disk reads overlap file writes (and
+        # the checksum of slice i, on the checksum thread, overlaps its write too).
+        nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
+        for a in range(0, h.shape[0], per):
+            cur = nxt
+            b = min(a + per, h.shape[0])
+            if b < h.shape[0]:
+                nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
+            t = cur.result()
+            sums.add(self.name, t, temporary=True)
+            _write_bytes(f, t)
+
+
+def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
+    if t.numel() == 0:
+        return
+    f.write(byte_view(t))
+
+
+def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
+    """Queue parameter ``idx``'s state tensors as file items; return the rest as JSON."""
+    sm = {}
+    for k, v in st.items():
+        if isinstance(v, torch.Tensor):
+            items.append(_Item(f"optimizer/{idx}/{k}", tensor=v))
+        else:
+            sm[k] = _jsonable(v, f"state of parameter {idx}", tensors)
+    return sm
+
+
+def _jsonable(value: Any, where: str, tensors: list[_Item]) -> Any:
+    if isinstance(value, torch.Tensor):
+        name = f"json/{len(tensors)}"
+        tensors.append(_Item(name, tensor=value.detach().cpu().clone()))
+        return {"__tensor__": name}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_jsonable(v, where, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_jsonable(v, where, tensors) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, where, tensors) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"__float__": repr(value)}
+        return value
+    raise TypeError(
+        f"cannot save {where}: {type(value).__name__} is not a tensor or JSON value (checkpoints "
+        "hold no pickled objects); store it as a number, string, list or tensor"
+    )
+
+
+def _unjson(value: Any, get: Callable[[str], torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            return get(value["__tensor__"])
+        if "__tuple__" in value:
+            return tuple(_unjson(v, get) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        return {k: _unjson(v, get) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unjson(v, get) for v in value]
+    return value
+
+
+def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Tensor]:
+    """``state_dict(keep_vars=True)``, without materializing store-resident parameters."""
+    # An offloaded model's ``state_dict()`` reads every parameter from its store into memory at
+    # once; walking the modules instead yields the bound masters, which are then streamed slice by
+    # slice.
+    if not any(binding(p) is not None for p in model.parameters()):
+        return dict(model.state_dict(keep_vars=True))
+    for m in model.modules():
+        state = getattr(m, "_headroom_offload", None)
+        if state is not None and fill:
+            state.init_pending()  # values for what was created on meta and never loaded
+    out: dict[str, torch.Tensor] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                out[prefix + n] = p
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                out[prefix + n] = b
+    return out
+
+
+def _model_items(model: nn.Module) -> tuple[list[_Item], list[str]]:
+    items = []
+    names = []
+    for name, t in _named_tensors(model).items():
+        b = binding(t) if isinstance(t, torch.Tensor) else None
+        if b is not None:
+            items.append(_Item(f"model/{name}", store=b.store, handle=b.handle))
+        else:
+            items.append(_Item(f"model/{name}", tensor=t))
+        names.append(name)
+    return items, names
+
+
+def _optimizer_items(
+    optimizer: torch.optim.Optimizer, model: nn.Module, tensors: list[_Item]
+) -> tuple[list[_Item], dict[str, Any]]:
+    pname = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    items: list[_Item] = []
+    groups = []
+    params: list[dict[str, Any]] = []
+    small: dict[str, dict[str, Any]] = {}
+    if isinstance(optimizer, HostOptimizer):
+        optimizer._wait()
+        for gi, g in enumerate(optimizer.param_groups):
+            hp = {k: v for k, v in g.items() if k != "params"}
+            groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
+                           "params": [optimizer._entries[id(p)].index for p in g["params"]]})
+        store = optimizer._state_store or optimizer._aux
+        for e in optimizer._order:
+            params.append({"name": pname.get(id(e.param)), "shape": list(e.param.shape)})
+            if not e.streamed:
+                st = optimizer._index_state(e)  # with the fp32 master of a bf16/fp16 param
+                if not st:
+                    continue
+                small[str(e.index)] = _state_items(e.index, st, items, tensors)
+            elif e.initialized:
+                for k, h in e.state_handles.items():
+                    items.append(_Item(f"optimizer/{e.index}/{k}", store=store, handle=h))
+                if e.master_handle is not None:
+                    items.append(_Item(f"optimizer/{e.index}/master", store=store,
+                                       handle=e.master_handle))
+                small[str(e.index)] = _state_items(e.index, e.small, items, tensors)
+    else:
+        sd = optimizer.state_dict()
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        for gi, g in enumerate(sd["param_groups"]):
+            hp = {k: v for k, v in g.items() if k != "params"}
+            groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
+                           "params": list(g["params"])})
+        for p in order:
+            params.append({"name": pname.get(id(p)), "shape": list(p.shape)})
+        for idx, st in sd["state"].items():
+            small[str(idx)] = _state_items(idx, st, items, tensors)
+    meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
+            "small": small}
+    if isinstance(optimizer, HostOptimizer):
+        meta["inner_class"] = optimizer._cls.__name__
+    return items, meta
+
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Save ``model`` (and ``optimizer``) to one checksummed safetensors file, atomically.
+
+    Parameters and optimizer state that rest on disk are streamed into the file slice by
+    slice. Every tensor's CRC32C (of its bytes as written) and one of the header go into the
+    header, computed on a second thread while the data is written. The file is written under
+    a temporary name next to ``path`` (``.<name>.tmp-<host>-<pid>-<token>``) and replaces
+    ``path`` only when complete and synced: a crash mid-save leaves the old checkpoint intact.
+    A ``kill -9`` leaves the temporary file behind; the next `save` to ``path`` from the same
+    host removes the temporary files of ``path`` whose process is gone (never one of a live
+    process, nor one from another host, which it cannot check).
+
+    Args:
+        path: the file to write (conventionally ``*.safetensors``).
+        model: the model; its ``state_dict()`` keys name the tensors. Store-resident
+            parameters (``hr.offload``) are read from their store.
+        optimizer: a `HostOptimizer` or any ``torch.optim`` optimizer over ``model``'s
+            parameters.
+        extra: JSON-friendly values to keep alongside (epoch, an LR scheduler's
+            ``state_dict()``, ...); tensors inside are saved as tensors. Returned by `load`.
+
+    Raises:
+        TypeError: a value that is neither a tensor nor JSON (checkpoints hold no pickles).
+        OSError: the file cannot be written (the old checkpoint, if any, is untouched).
+
+    Example:
+        >>> hr.save("ckpt.safetensors", model, opt, extra={"step": 100})   # doctest: +SKIP
+    """
+    _save(path, model, optimizer, extra=extra, checksums=True)
+
+
+def _save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    extra: Mapping[str, Any] | None,
+    checksums: bool,
+) -> None:
+    """`save`; ``checksums=False`` writes a version 1 file (no checksums), as before them."""
+    path = os.fspath(path)
+    json_tensors: list[_Item] = []
+    items, names = _model_items(model)
+    meta: dict[str, Any] = {}
+    if checksums:
+        meta["header_crc32c"] = PLACEHOLDER
+    meta.update({"format": FORMAT, "version": VERSION if checksums else 1, "model": names})
+    if optimizer is not None:
+        opt_items, meta["optimizer"] = _optimizer_items(optimizer, model, json_tensors)
+        items += opt_items
+    meta["extra"] = _jsonable(dict(extra or {}), "extra", json_tensors)
+    items += json_tensors
+    if checksums:
+        meta["crc32c"] = {it.name: PLACEHOLDER for it in items}
+    blob = build_header(meta, items)
+    directory = os.path.dirname(os.path.abspath(path))
+    with temp_path(path) as tmp:
+        sums = Checksums(checksums)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(len(blob).to_bytes(8, "little"))
+                f.write(blob)
+                for it in items:
+                    it.write_to(f, sums)
+                if checksums:
+                    f.flush()
+                    # The data goes to the disk while the checksums are computed; the
+                    # header rewritten below then costs one more sync of a single page.
+                    sums.start()
+                    os.fsync(f.fileno())
+                crcs = sums.finish()
+                if checksums:
+                    meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
+                    final = seal_header(build_header(meta, items))
+                    if len(final) != len(blob):
+                        raise AssertionError("the checksums changed the header's length")
+                    f.seek(8)
+                    f.write(final)
+                f.flush()
+                if checksums:
+                    _fdatasync(f.fileno())  # one page changed since the fsync above
+                else:
+                    os.fsync(f.fileno())
+            # os.replace is atomic on POSIX and Windows: readers see the old file or new.
+            os.replace(tmp, path)
+        except BaseException:
+            sums.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # pragma: no cover - directories cannot be fsynced on some systems
+        pass
+
+
+class _LazyState(Mapping):
+    """One parameter's saved optimizer state, read from the file only when accessed."""
+
+    def __init__(self, keys: list[str], small: dict[str, Any], get) -> None:
+        self._keys = keys
+        self._small = small
+        self._get = get
+
+    def __getitem__(self, k: str) -> Any:
+        if k in self._small:
+            return self._small[k]
+        if k in self._keys:
+            return self._get(k)
+        raise KeyError(k)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._small) + self._keys)
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._keys)
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in place.
+
+    Parameters resting in a store are written into their store; tensors are read from the
+    file memory-mapped, one at a time, so a checkpoint larger than RAM loads into an
+    offloaded model and a disk-state optimizer.
+
+    Every tensor is checked against the CRC32C `save` recorded, and the header against its
+    own, so a damaged file raises `CheckpointCorruptError` and never loads silently.
+
+    What a failed load leaves: the file's length, its header (checksum, JSON, tensor table)
+    and the layout (keys, shapes, optimizer class and parameter count) are checked before
+    anything changes. When the file's data fits in half the available memory (the usual
+    case), every tensor is then verified before the first is loaded, so a corrupt file leaves
+    ``model`` and ``optimizer`` exactly as they were; the page cache keeps what that pass read
+    for the load itself. A bigger file is verified tensor by tensor, each in full just before
+    it is loaded: a flipped byte in, say, the 10th tensor stops the load there, with the 9
+    tensors before it loaded, it and the rest untouched (model tensors come first, in the
+    model's order; a corrupt optimizer tensor leaves the model fully loaded and the optimizer
+    with its new hyperparameters and part of its new state). The error says which case it is.
+
+    Version 1 files (saved before checksums) load unverified; `save` them again to add
+    checksums. A tensor bigger than the page cache (a store-resident weight bigger than RAM)
+    is read from the disk twice: once to verify it, once to load it.
+
+    Args:
+        path: the file `save` wrote.
+        model: a model with the same ``state_dict()`` keys and shapes.
+        optimizer: an optimizer over ``model``'s parameters, of the same class as saved.
+        strict: require the model's keys to match the file's exactly.
+
+    Returns:
+        The ``extra`` values given to `save`.
+
+    Raises:
+        CheckpointCorruptError: (a ``ValueError``) the file is truncated, its header or
+            metadata is unreadable, or a tensor or the header does not match its checksum;
+            the message names the file, the tensor and what is left loaded.
+        ValueError: not a headroom checkpoint; keys, shapes or optimizer layout differ
+            (nothing is changed).
+        FileNotFoundError: no file at ``path``.
+
+    Example:
+        >>> extra = hr.load("ckpt.safetensors", model, opt)   # doctest: +SKIP
+    """
+    return _load(path, model, optimizer, strict=strict, verify=True)
+
+
+def _load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    strict: bool,
+    verify: bool,
+) -> dict[str, Any]:
+    """`load`; ``verify=False`` skips the checksums (to measure what they cost)."""
+    with Reader(os.fspath(path), verify=verify) as r:
+        meta = r.meta
+        sd = _named_tensors(model, fill=False)  # about to be written: no need to initialize
+        _check_model(r, sd, meta["model"], strict)
+        if optimizer is not None:
+            if "optimizer" not in meta:
+                raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
+            _check_optimizer(optimizer, meta["optimizer"])
+        if r.crcs and r.data_bytes <= available_memory() // 2:
+            # All first, so that a corrupt file changes nothing: the page cache keeps what
+            # this pass read for the load itself, which then costs no second disk read.
+            r.verify_all()
+        get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
+        extra = _unjson(meta.get("extra", {}), get)
+        _load_model(r, sd, meta["model"])
+        if optimizer is not None:
+            _load_optimizer(r, optimizer, meta["optimizer"], get)
+            if isinstance(optimizer, HostOptimizer):
+                optimizer.reload_params()
+        return extra
+
+
+def _check_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str], strict: bool) -> None:
+    if strict:
+        missing = [k for k in sd if k not in names]
+        unexpected = [k for k in names if k not in sd]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]}; build the same model, or pass strict=False"
+            )
+    for name, t in sd.items():
+        if name not in names:
+            continue
+        shape = r.shape(f"model/{name}")
+        if shape != tuple(t.shape):
+            raise ValueError(f"shape mismatch for {name!r}: checkpoint {shape}, model "
+                             f"{tuple(t.shape)}")
+
+
+@torch.no_grad()
+def _load_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str]) -> None:
+    for name, t in sd.items():
+        if name not in names:
+            continue
+        src = r.tensor(f"model/{name}")
+        r.changed = True
+        b = binding(t)
+        if b is None:
+            t.data.copy_(src)
+            continue
+        h = b.handle
+        if not h.shape:
+            b.store.write(h, src.to(h.dtype).contiguous()).result()
+            b.has_value = True
+            continue
+        per = max(1, _CHUNK // max(1, h.row_nbytes))
+        futs: deque[Future] = deque()
+        for a in range(0, h.shape[0], per):
+            # Slices of the mapped file go to the store without a copy.
+            part = src[a:a + per].to(h.dtype).contiguous()
+            futs.append(b.store.write_rows(h, slice(a, a + part.shape[0]), part))
+            if len(futs) > 2:
+                futs.popleft().result()
+        for fu in futs:
+            fu.result()
+        b.has_value = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+    is_host = isinstance(optimizer, HostOptimizer)
+    cls_name = optimizer._cls.__name__ if is_host else type(optimizer).__name__
+    saved_cls = meta.get("inner_class", meta["class"])
+    if cls_name != saved_cls:
+        raise ValueError(f"checkpoint holds {saved_cls} state, the optimizer is {cls_name}")
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(order) != len(meta["params"]):
+        raise ValueError(f"checkpoint optimizer has {len(meta['params'])} parameters, this one "
+                         f"{len(order)}")
+    for i, (p, info) in enumerate(zip(order, meta["params"], strict=True)):
+        if list(p.shape) != info["shape"]:
+            raise ValueError(f"optimizer parameter {i} ({info.get('name')}): checkpoint shape "
+                             f"{info['shape']}, parameter {list(p.shape)}")
+
+
+def _load_optimizer(r: Reader, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                    get: Callable[[str], torch.Tensor]) -> None:
+    keys = r.names()
+    groups = []
+    for g in meta["groups"]:
+        hp = _unjson(g["hparams"], get)
+        groups.append({**hp, "params": g["params"]})
+    state: dict[int, Any] = {}
+    for idx, sm in meta["small"].items():
+        prefix = f"optimizer/{idx}/"
+        tkeys = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+        small = {k: _unjson(v, get) for k, v in sm.items()}
+        # Clone (in `get`): the optimizer keeps these tensors, and they must own their
+        # memory rather than point into the file's mapping, which closes with the file.
+        state[int(idx)] = _LazyState(tkeys, small, lambda k, prefix=prefix: get(prefix + k))
+    if not isinstance(optimizer, HostOptimizer):
+        state = {i: dict(st) for i, st in state.items()}
+    r.changed = True
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

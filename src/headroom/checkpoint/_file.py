@@ -1,0 +1,455 @@
+"""The checkpoint file: a safetensors header with checksums, temporary files, checked reading.
+
+A checkpoint is a standard safetensors file whose header carries, in its headroom JSON, the
+CRC32C of every tensor's bytes as they lie in the file and one of the header itself (format
+version 2). `Checksums` computes them while `save` writes, `seal_header` puts them into the
+header, `temp_path` names the temporary file and removes the ones crashed saves left, and
+`Reader` opens a file, checks everything that can be checked without the data, and hands out
+tensors verified against their checksums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+import os
+import re
+import socket
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import crc32c
+import torch
+
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "PLACEHOLDER",
+    "VERSION",
+    "CheckpointCorruptError",
+    "Checksums",
+    "Reader",
+    "available_memory",
+    "build_header",
+    "byte_view",
+    "remove_stale_temps",
+    "seal_header",
+    "temp_path",
+]
+
+FORMAT = "headroom-checkpoint"
+VERSION = 2
+_ALIGN = 8
+DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_CODES = {code: dtype for dtype, code in DTYPES.items()}
+# The header's own checksum is the first field of the headroom JSON, which is the first
+# value of the header, so its eight hex digits sit at a fixed offset: `load` checks the raw
+# header bytes before parsing them, and `save` fills the digits in without moving anything.
+_HEAD = b'{"__metadata__":{"headroom":"{\\"header_crc32c\\": \\"'
+PLACEHOLDER = "00000000"
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint file is damaged: truncated, an unreadable header, or a checksum mismatch."""
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, as safetensors stores them (C order)."""
+    flat = t.detach().reshape(-1) if t.dim() else t.detach().reshape(1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+class Checksums:
+    """CRC32C of each tensor's bytes as written, computed on a helper thread."""
+    # crc32c releases the GIL. Buffers made for this save (slices streamed from a store, copies from
+    # an accelerator) are checksummed on the helper thread while the main thread writes them; the
+    # model's own tensors, which stay alive anyway, are checksummed by `finish` while the main
+    # thread waits for the data's fsync, when the CPU has nothing else to do. One worker keeps each
+    # tensor's chunks in order (chunk i+1's CRC continues from chunk i's).
+
+    def __init__(self, enabled: bool) -> None:
+        self.values: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-crc") if enabled else None
+        self._pending: deque[Future] = deque()
+        self._temporary: deque[Future] = deque()
+        self._later: list[tuple[str, torch.Tensor]] = []
+
+    def add(self, name: str, t: torch.Tensor, *, temporary: bool) -> None:
+        """Extend ``name``'s checksum by ``t``'s bytes (``t`` must stay unchanged until done).
+
+        ``temporary``: ``t`` is a buffer made for this save, freed once written.
+        """
+        self.values.setdefault(name, 0)
+        if self._pool is None or t.numel() == 0:
+            return
+        if not temporary:
+            self._later.append((name, t))
+            return
+        fut = self._submit(name, t)
+        self._temporary.append(fut)
+        # Bounded, so streamed slices are not kept alive faster than they are summed.
+        while len(self._temporary) > 2:
+            self._temporary.popleft().result()
+
+    def _submit(self, name: str, t: torch.Tensor) -> Future:
+        def run() -> None:
+            self.values[name] = crc32c.crc32c(byte_view(t), value=self.values[name])
+
+        fut = self._pool.submit(run)
+        self._pending.append(fut)
+        return fut
+
+    def start(self) -> None:
+        """Start the checksums of the model's own tensors (call before waiting on the disk)."""
+        if self._pool is not None:
+            for name, t in self._later:
+                self._submit(name, t)
+        self._later = []
+
+    def finish(self) -> dict[str, int]:
+        """Wait for all checksums; the CRC32C of every tensor seen, by name."""
+        self.start()
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self.close()
+        return self.values
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+# ------------------------------------------------------------------------- temporary files
+_HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "host"
+_OURS: set[str] = set()  # tokens of this process's saves in progress
+_OURS_LOCK = threading.Lock()
+
+
+def _tmp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":  # pragma: no cover - no cheap liveness check: keep every file
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove temporary files of ``path`` left by dead processes of this host; return them.
+
+    A temporary file is named ``.<name>.tmp-<host>-<pid>-<token>``. It is stale when its host
+    is this one and its process is gone (or, for this process's own pid, when it is not one of
+    this process's saves in progress: a process before it had the same pid, as in containers).
+    Files of other hosts (a shared file system) and of live processes are never touched.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _tmp_prefix(path)
+    removed = []
+    try:
+        entries = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
+    except OSError:
+        return removed
+
+
+    for name in entries:
+        parts = name[len(prefix):].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+            continue
+        pid, token = int(parts[1]), parts[2]
+        if pid == os.getpid():
+            with _OURS_LOCK:
+                stale = token not in _OURS
+        else:
+            stale = not _pid_alive(pid)
+        if stale:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:  # gone already, or not ours to remove
+                pass
+    return removed
+
+
+@contextlib.contextmanager
+def temp_path(path: str) -> Iterator[str]:
+    """A new temporary file name next to ``path``, after removing stale ones of ``path``."""
+    # Stale files go first, so the space they hold is free for this save.
+    remove_stale_temps(path)
+    token = os.urandom(4).hex()
+    directory = os.path.dirname(os.path.abspath(path))
+    with _OURS_LOCK:
+        _OURS.add(token)
+    try:
+        yield os.path.join(directory, f"{_tmp_prefix(path)}{_HOST}-{os.getpid()}-{token}")
+    finally:
+        with _OURS_LOCK:
+            _OURS.discard(token)
+
+
+def build_header(meta: dict[str, Any], items: list[Any]) -> bytes:
+    """The safetensors header: its JSON, padded with spaces to a multiple of 8 bytes.
+
+    ``items`` have a ``name``, ``dtype``, ``shape`` and ``nbytes``, in file order.
+    """
+    header: dict[str, Any] = {"__metadata__": {"headroom": json.dumps(meta)}}
+    offset = 0
+    for it in items:
+        if it.name in header:
+            raise ValueError(f"duplicate tensor name {it.name!r} in checkpoint")
+        header[it.name] = {"dtype": DTYPES[it.dtype], "shape": list(it.shape),
+                           "data_offsets": [offset, offset + it.nbytes]}
+        offset += it.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % _ALIGN)
+
+
+def seal_header(blob: bytes) -> bytes:
+    """``blob`` (a version 2 header) with its own checksum filled in."""
+    if not blob.startswith(_HEAD):
+        raise AssertionError("a version 2 header starts with its checksum")
+    n = len(_HEAD)
+    return blob[:n] + f"{header_crc(blob):08x}".encode() + blob[n + len(PLACEHOLDER):]
+
+
+def header_crc(blob: bytes) -> int:
+    """CRC32C of a version-2 header, its own checksum digits read as ``0``."""
+    n = len(_HEAD)
+    value = crc32c.crc32c(blob[:n])
+    value = crc32c.crc32c(PLACEHOLDER.encode(), value=value)
+    return crc32c.crc32c(blob[n + len(PLACEHOLDER):], value=value)
+
+
+class Reader:
+    """A checkpoint file, checked and memory-mapped: its metadata and its tensors by name.
+
+    Everything that can be checked without reading the data is checked on opening (length,
+    header checksum, JSON, tensor table), so such damage is reported before `load` changes
+    anything. Tensors are zero-copy views of a private mapping of the file, checked against
+    their CRC32C when they are asked for, before they are handed out.
+    """
+
+    def __init__(self, path: str, *, verify: bool) -> None:
+        self.path = path
+        self.changed = False  # whether `load` has written anything yet (for error messages)
+        self._mm: mmap.mmap | None = None
+        self._mv: memoryview | None = None
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                self._corrupt(f"it is {size} bytes long, too short for a safetensors header",
+                              truncated=True)
+            n = int.from_bytes(f.read(8), "little")
+            if n > size - 8:
+                self._corrupt(f"its header should be {n} bytes but only {size - 8} follow",
+                              truncated=True)
+            raw = f.read(n)
+            checked = raw.startswith(_HEAD)
+            if checked:
+                digits = raw[len(_HEAD):len(_HEAD) + 8]
+                if not re.fullmatch(rb"[0-9a-f]{8}", digits) or int(digits, 16) != header_crc(
+                        raw):
+                    self._corrupt("its header (tensor table and metadata) does not match its "
+                                  "checksum")
+            self.meta, self.entries, data = self._parse(raw)
+            self.version = self.meta.get("version", 0)
+            if self.version >= 2 and not checked:
+                self._corrupt("its header does not start with its checksum, as version "
+                              f"{self.version} headers do")
+            self.offset = 8 + n
+            if size < self.offset + data:
+                self._corrupt(f"it is {size} bytes long but its header describes "
+                              f"{self.offset + data}", truncated=True)
+            if size > self.offset + data:
+                self._corrupt(f"it has {size - self.offset - data} bytes after the last tensor")
+            self.crcs: dict[str, int] = {}
+            if verify and self.version >= 2:
+                self.crcs = self._checksums()
+            self.data_bytes = data
+            if data:
+                # A private (copy-on-write) mapping, so the views handed out are writable
+                # tensors without a copy, and the file itself can never be changed through them.
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._mv = memoryview(self._mm)
+        self._verified: set[str] = set()
+
+    def _corrupt(self, what: str, *, truncated: bool = False) -> None:
+        cause = ("the file is truncated (a copy or download cut short, or a full disk)"
+                 if truncated else "the file is damaged (a disk, copy or transfer error)")
+        if not self.changed:
+            state = "hr.load changed nothing"
+            fix = "Load an earlier checkpoint, or copy this one again from its source"
+        else:
+            state = ("hr.load had already loaded the tensors stored before it (model first, then "
+                     "optimizer state), not it nor those after: the model (and optimizer) now "
+                     "mix old and new values")
+            fix = ("Before training on, load an earlier checkpoint (it overwrites them all), or "
+                   "copy this one again from its source and load it")
+        raise CheckpointCorruptError(
+            f"checkpoint {self.path!r} is corrupt: {what}; {cause}. {state}. {fix}"
+        )
+
+    def _parse(self, raw: bytes) -> tuple[dict[str, Any], dict[str, tuple], int]:
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._corrupt(f"its header is not valid JSON ({e})")
+        if not isinstance(header, dict):
+            self._corrupt("its header is not a JSON object")
+        md = header.pop("__metadata__", None)
+        raw_meta = md.get("headroom") if isinstance(md, dict) else None
+        if raw_meta is None:
+            raise ValueError(f"{self.path!r} is a safetensors file but not a headroom checkpoint")
+        try:
+            meta = json.loads(raw_meta)
+        except (TypeError, json.JSONDecodeError) as e:
+            self._corrupt(f"its headroom metadata is not valid JSON ({e})")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{self.path!r}: unsupported checkpoint format "
+                             f"{meta.get('format') if isinstance(meta, dict) else None!r}")
+        version = meta.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise ValueError(f"{self.path!r}: checkpoint format version {version!r} is newer than "
+                             f"this headroom reads ({VERSION}); upgrade headroom")
+        entries: dict[str, tuple] = {}
+        spans = []
+        for name, info in header.items():
+            try:
+                dtype = _CODES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                start, stop = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                self._corrupt(f"its header's entry for tensor {name!r} is malformed")
+            if min(shape, default=0) < 0 or stop - start != math.prod(shape) * dtype.itemsize:
+                self._corrupt(f"tensor {name!r}'s shape and byte range disagree")
+            entries[name] = (dtype, shape, start, stop)
+            spans.append((start, stop))
+        spans.sort()
+        end = 0
+        for start, stop in spans:
+            if start != end:
+                self._corrupt("its tensors' byte ranges overlap or leave gaps")
+            end = stop
+        return meta, entries, end
+
+    def _checksums(self) -> dict[str, int]:
+        table = self.meta.get("crc32c")
+        if not isinstance(table, dict):
+            self._corrupt("its metadata lacks the tensor checksums")
+        crcs = {}
+        for name in self.entries:
+            value = table.get(name)
+            if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8}", value):
+                self._corrupt(f"its metadata lacks a checksum for tensor {name!r}")
+            crcs[name] = int(value, 16)
+        return crcs
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple:
+        try:
+            return self.entries[name]
+        except KeyError:
+            self._corrupt(f"its metadata refers to tensor {name!r}, which it does not hold")
+
+    def _crc(self, name: str) -> int:
+        _, _, start, stop = self._entry(name)
+        if stop == start:
+            return 0
+        return crc32c.crc32c(self._mv[self.offset + start:self.offset + stop])
+
+    def verify(self, name: str) -> None:
+        """Check ``name``'s bytes against their CRC32C (once), or raise naming the fix."""
+        if name in self._verified or name not in self.crcs:
+            return
+        got = self._crc(name)
+        if got != self.crcs[name]:
+            _, _, start, stop = self._entry(name)
+            self._corrupt(f"tensor {name!r} (file bytes {self.offset + start}-"
+                          f"{self.offset + stop}) has CRC32C {got:08x}, its header recorded "
+                          f"{self.crcs[name]:08x}")
+        self._verified.add(name)
+
+    def verify_all(self) -> None:
+        """Check every tensor, in file order (reading the whole file into the page cache)."""
+        for name in sorted(self.entries, key=lambda k: self.entries[k][2]):
+            self.verify(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """``name`` as a view of the mapped file (verified first); clone what must outlive it."""
+        # The checksum pass is what reads the tensor from the disk (one thread faulting the mapping
+        # in); using the view then reads the page cache. No helper thread checksums ahead: it would
+        # compete for the cores with the intra-op threads of the copy that uses the view.
+        dtype, shape, start, stop = self._entry(name)
+        self.verify(name)
+        if stop == start:
+            return torch.empty(shape, dtype=dtype)
+        n = (stop - start) // dtype.itemsize
+        flat = torch.frombuffer(self._mm, dtype=dtype, count=n, offset=self.offset + start)
+        return flat.view(shape)
+
+    def close(self) -> None:
+        if self._mv is not None:
+            self._mv.release()
+            self._mv = None
+        if self._mm is not None:
+            # A view still alive somewhere keeps the mapping; it goes when that does.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def available_memory() -> int:
+    """Bytes of memory this process can still fill without swapping (0 when unknown).
+
+    ``MemAvailable`` (Linux), else the free pages the OS reports, capped by a cgroup v2 memory
+    limit (containers).
+    """
+    avail = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                room = max(0, int(limit) - int(f.read()))
+            avail = min(avail, room) if avail else room
+    except (OSError, ValueError):
+        pass
+    return avail

@@ -1,3 +1,0 @@
-"""Active-task residency and distributed sync of used gradients (not built yet)."""
-
-__all__: list[str] = []

@@ -1,0 +1,141 @@
+"""The host optimizer's bookkeeping per parameter, and checks on the wrapped optimizer class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from headroom.transfer import Handle, ParamBinding, sync_grad
+
+__all__ = [
+    "ALIAS", "BOUND", "FUSED_CPU", "HOSTED", "LAZY", "MASTER_DTYPES", "Bucket", "Entry",
+    "check_class", "probe_cpu", "same", "want_fp32_grad",
+]
+
+# PyTorch ships fused CPU kernels for these four; they run at the memory-bandwidth limit
+# (as fast as hand-written CPU Adam kernels), so there is no reason to write our own.
+FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+LAZY = (torch.optim.Adam, torch.optim.AdamW)
+ALIAS, HOSTED, BOUND = "alias", "hosted", "bound"
+MASTER_DTYPES = (torch.float32, torch.float64)
+
+
+class Bucket:
+    """Parameters whose gradients complete close together; stepped together when all are in."""
+    # One hand-off to the worker per bucket (not per parameter) keeps the two threads from trading
+    # the GIL on every gradient, which costs more than it overlaps for small tensors.
+
+    __slots__ = ("entries", "remaining")
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self.remaining = len(entries)
+
+
+class Entry:
+    """Book-keeping for one parameter."""
+
+    __slots__ = (
+        "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
+        "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
+        "fired", "master_handle",
+    )
+
+    def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
+        self.param = param
+        self.index = index
+        self.group = group
+        self.kind = ALIAS
+        self.master: torch.Tensor | None = None  # in-memory fp32 master (None: in a store)
+        self.own: ParamBinding | None = None  # HOSTED: our host master + gradient
+        self.bound: ParamBinding | None = None  # BOUND: the store-resident parameter's binding
+        self.sparse = False
+        self.streamed = False  # state rests in handles (sliced step) rather than in memory
+        self.state_handles: dict[str, Handle] = {}
+        self.small: dict[str, Any] = {}
+        self.initialized = False
+        self.count = 0  # gradients received since the last step
+        self.launched = False  # its step started during a final backward
+        self.grad_scale: torch.Tensor | None = None
+        self.bucket: Bucket | None = None
+        self.fired = False  # its gradient of the current final backward is complete
+        # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
+        self.master_handle: Handle | None = None
+
+    @property
+    def lowp(self) -> bool:
+        """A store-resident parameter whose stored value is not its master (bf16, fp16)."""
+        return self.kind == BOUND and self.bound.handle.dtype not in MASTER_DTYPES
+
+
+    @property
+    def binding(self) -> ParamBinding | None:
+        return self.own if self.kind == HOSTED else self.bound
+
+    def has_grad(self) -> bool:
+        if self.kind == ALIAS:
+            return self.param.grad is not None
+        b = self.binding
+        return b is not None and b.grad_handle is not None and b.has_grad
+
+    def grad_tensor(self) -> torch.Tensor | None:
+        """The gradient as an in-memory host tensor, or ``None`` if it rests elsewhere."""
+        if self.kind == ALIAS:
+            return self.param.grad
+        b = self.binding
+        if b is None or b.grad_handle is None or not b.has_grad:
+            return None
+        return b.store.host_tensor(b.grad_handle)
+
+
+def check_class(cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW,"
+            f" got {cls!r}"
+        )
+    if cls is torch.optim.LBFGS:
+        raise ValueError(
+            "torch.optim.LBFGS cannot run as a HostOptimizer: it re-evaluates the model inside "
+            "step() with a closure over all parameters at once; use it directly"
+        )
+
+
+def probe_cpu(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Build and step ``cls`` on a CPU tensor; returns its defaults or explains why it can't."""
+    p = torch.zeros(4)
+    p.grad = torch.full((4,), 0.5)
+    try:
+        opt = cls([p], **kwargs)
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - any failure means it cannot run on the host
+        raise ValueError(
+            f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) cannot step "
+            f"on CPU tensors ({type(e).__name__}: {e}). HostOptimizer runs the step in host "
+            "memory: pick options that run on the CPU (e.g. fused=False, capturable=False) or an "
+            "optimizer with a CPU implementation"
+        ) from e
+    return dict(opt.defaults)
+
+
+def want_fp32_grad(b: ParamBinding) -> None:
+    """Ask the producer of a low-precision store-resident gradient to accumulate it in fp32."""
+    b.grad_dtype = torch.float32
+    gh = b.grad_handle
+    if gh is None or gh.dtype == torch.float32:
+        return
+    sync_grad(b)
+    old = b.store.read(gh).result() if b.has_grad else None
+    b.store.free(gh)
+    b.grad_handle = None
+    if old is not None:  # a gradient already accumulated: keep it, in fp32 from now on
+        b.grad_handle = b.store.alloc(gh.key, gh.shape, torch.float32, zero=False)
+        b.store.write(b.grad_handle, old.float()).result()
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu())))
+    return a == b

@@ -1,0 +1,790 @@
+"""`HostOptimizer`: optimizer state and the step off the device, overlapped with backward.
+
+Adam keeps two fp32 tensors per parameter; for a model that barely fits, the optimizer is what
+breaks the device. The host optimizer keeps fp32 master weights, gradients and optimizer state
+in host memory (or state on disk) and runs PyTorch's own optimizer there, block by block as
+gradients arrive, so the device holds neither state nor more than the gradients in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from headroom.memory import annotate
+from headroom.optim import _state
+from headroom.optim._entries import (
+    ALIAS,
+    BOUND,
+    FUSED_CPU,
+    HOSTED,
+    LAZY,
+    MASTER_DTYPES,
+    Entry,
+    check_class,
+    probe_cpu,
+    want_fp32_grad,
+)
+from headroom.optim._overlap import Overlap
+from headroom.optim._sliced import ELEMENTWISE, SlicedParam, SliceRunner, probe_layout
+from headroom.transfer import (
+    Handle,
+    Mover,
+    ParamBinding,
+    Store,
+    StoreFullError,
+    binding,
+    on_grad_ready,
+    resolve_store,
+    sync_grad,
+)
+
+__all__ = ["HostOptimizer", "HostOptimizerOptions"]
+
+@dataclass(frozen=True)
+class HostOptimizerOptions:
+    """How a `HostOptimizer` was configured (``opt.options``), as data."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+    state_store: str | Store
+    overlap: bool
+    slice_bytes: int
+    bucket_bytes: int
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim`` optimizer whose state and step live in host memory (or on disk).
+
+    Each parameter gets an fp32 master copy in host memory (for parameters on the CPU in fp32
+    the parameter itself is the master); its gradient moves to the host as soon as autograd
+    finishes accumulating it (a post-accumulate-grad hook; on an accelerator through the
+    transfer layer's mover on a side stream); PyTorch's own optimizer class updates the master
+    on the host and the result is copied back. Parameters offloaded by `hr.offload` are
+    read from and written back to their store. The result is bitwise that of
+    ``optimizer_class`` itself on the same CPU tensors.
+
+    It is a ``torch.optim.Optimizer``: ``zero_grad``, ``step``, ``state_dict``,
+    ``load_state_dict``, ``param_groups`` and LR schedulers work as usual. Gradients of
+    parameters on an accelerator do not stay in ``param.grad`` (they move to the host); use
+    `clip_grad_norm_` and `grad` to reach them.
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
+            one device (store-resident parameters count as on their compute device).
+        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. For Adam,
+            AdamW, SGD and Adagrad the fused CPU kernel is chosen unless ``fused``/``foreach``
+            is given (it is bitwise equal to ``optimizer_class(..., fused=True)``; pass
+            ``fused=False`` to match PyTorch's default single-tensor CPU path instead).
+        state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
+            ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
+            slices with reads, update and writes overlapped; needs an element-wise optimizer
+            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam). Costs disk bandwidth on
+            every step (read and write each state tensor once).
+        overlap: inside `final_backward` (the last backward pass before ``step()``), start a
+            parameter's step on a worker thread as soon as its gradient is complete, while
+            backward goes on; ``step()`` then waits for those and steps the rest. Bitwise the
+            same result as ``overlap=False``, for any number of backward passes per step: only
+            a backward the loop declares final steps early, every other one just accumulates.
+            Parameters offloaded by `hr.offload` take part too (the offload layer signals
+            each complete gradient, `headroom.transfer.on_grad_ready`, and the step waits for
+            its bytes to land in the store). Trade-off: a worker thread, and inside
+            `final_backward` the gradients are final: no `clip_grad_norm_` and no further
+            backward before ``step()``, hyperparameters set before backward.
+        row_sparse: parameters (2-D or more, e.g. embeddings and huge classifier weights) that
+            take *lazy Adam* steps: only rows with a non-zero gradient (or the rows named by
+            their binding's ``grad_rows``) are read, updated and written; the moments of other
+            rows are not decayed and get no weight decay that step. Adam and AdamW only. Not
+            the same result as dense Adam unless every row has a gradient.
+        slice_bytes: fp32 bytes of one slice in the sliced (disk) step. Larger slices amortize
+            per-call costs; smaller ones bound the host memory in flight (about 8 slices).
+        bucket_bytes: with ``overlap``, parameters are grouped in the order their gradients
+            arrived in the previous iteration into buckets of about this many fp32 bytes; a
+            bucket's step starts once all its gradients are in. Smaller buckets start earlier
+            and overlap more; each costs one hand-off to the worker thread.
+        **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ...).
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
+        ValueError: parameters on more than one device; an optimizer that cannot run on the
+            CPU; ``state_store``/``row_sparse`` with an optimizer they cannot support.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> with opt.final_backward():  # optional: step each parameter during backward
+        ...     model(torch.randn(3, 4)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        state_store: str | Store = "cpu",
+        overlap: bool = True,
+        row_sparse: Iterable[torch.Tensor] = (),
+        slice_bytes: int = 16 << 20,
+        bucket_bytes: int = 32 << 20,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        check_class(optimizer_class)
+        kwargs = dict(optimizer_kwargs)
+        if optimizer_class in FUSED_CPU and "fused" not in kwargs and "foreach" not in kwargs:
+            kwargs["fused"] = True
+        defaults = probe_cpu(optimizer_class, kwargs)
+        if slice_bytes <= 0 or bucket_bytes <= 0:
+            raise ValueError(
+                f"slice_bytes and bucket_bytes must be positive, got {slice_bytes}, {bucket_bytes}")
+        self.options = HostOptimizerOptions(
+            optimizer_class, dict(kwargs), state_store if isinstance(state_store, Store) else "cpu",
+            bool(overlap), slice_bytes, bucket_bytes)
+        self._bucket_bytes = bucket_bytes
+        self._cls = optimizer_class
+        self._kwargs = kwargs
+        self._overlap = Overlap(lambda batch, **kw: self._step_entries(batch, **kw),
+                                self._hparams, enabled=bool(overlap), bucket_bytes=bucket_bytes)
+        self._row_sparse_ids = {id(p) for p in row_sparse}
+        if self._row_sparse_ids and optimizer_class not in LAZY:
+            raise ValueError(
+                f"row_sparse needs Adam or AdamW (lazy Adam), got {optimizer_class.__name__};"
+                " drop row_sparse to step those parameters densely"
+            )
+        if isinstance(state_store, str):
+            if state_store not in ("cpu", "host"):
+                resolve_store(state_store)  # raises the standard message
+            self._state_store: Store | None = None
+        elif isinstance(state_store, Store):
+            self._state_store = state_store
+        else:
+            raise TypeError(
+                f"state_store must be 'cpu' or a store such as headroom.DiskStore(path), got"
+                f" {state_store!r}"
+            )
+        if self._state_store is not None and optimizer_class not in ELEMENTWISE:
+            raise ValueError(
+                f"state_store={self._state_store!r} steps the state in slices, which is exact "
+                f"only for element-wise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE)})"
+                f"; {optimizer_class.__name__} needs state_store='cpu'"
+            )
+        self._entries: dict[int, Entry] = {}
+        self._order: list[Entry] = []
+        self._device: torch.device | None = None
+        self._inner: torch.optim.Optimizer | None = None
+        self._inner_index: dict[int, int] = {}  # outer group -> inner group position
+        self._host: Store | None = None  # host masters/gradients of HOSTED parameters
+        self._aux: Store | None = None  # handle-based state when state_store is "cpu"
+        self._mover: Mover | None = None
+        self._mover_lock = threading.Lock()
+        self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes)
+        self._layouts: dict[int, Any] = {}
+        self._arrival: list[Entry] = []  # first-gradient order in this iteration
+        self._in_flight = 0  # device gradient bytes pushed to the host since the last reap
+        self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
+        self._tickets: list[Any] = []
+        self._hooks: list[Any] = []
+        self._key_prefix = f"hr-opt-{id(self):x}"
+        super().__init__(params, defaults)
+        self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
+
+    # ------------------------------------------------------------------ setup
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (same contract as ``torch.optim.Optimizer.add_param_group``)."""
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        entries = []
+        try:
+            for p in group["params"]:
+                e = self._make_entry(p, gi, len(self._order) + len(entries))
+                entries.append(e)
+        except BaseException:
+            self.param_groups.pop()
+            for e in entries:  # give back the host masters already made
+                if e.own is not None:
+                    self._host.free(e.own.handle)
+                    self._host.free(e.own.grad_handle)
+            raise
+        for e in entries:
+            self._entries[id(e.param)] = e
+            self._order.append(e)
+        masters = [e.master for e in entries if not e.streamed]
+        hp = {k: v for k, v in group.items() if k != "params"}
+        if masters:
+            if self._inner is None:
+                self._inner = self._cls([{**hp, "params": masters}], **self._kwargs)
+            else:
+                self._inner.add_param_group({**hp, "params": masters})
+            self._inner_index[gi] = len(self._inner.param_groups) - 1
+        for e in entries:
+            if e.kind == BOUND:
+                # A store-resident parameter's gradient reaches the store through the
+                # offload layer, not through autograd on this tensor: it tells us when done.
+                self._hooks.append(on_grad_ready(e.param, self._on_grad))
+            else:
+                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> Entry:
+        if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+            raise TypeError(f"HostOptimizer steps floating-point tensors, got {type(p)} "
+                            f"{getattr(p, 'dtype', '')}")
+        dev = p.device
+        b = binding(p)
+        if b is not None:
+            pass  # store-resident: its master's device (host or meta) is not a compute device
+        elif self._device is None:
+            self._device = dev
+        elif dev != self._device:
+            raise ValueError(
+                f"HostOptimizer got parameters on {self._device} and on {dev}: all parameters "
+                "must be on one device. Move the model to one device (model.to(device)) or use "
+                "one HostOptimizer per device"
+            )
+        e = Entry(p, index, gi)
+        e.sparse = id(p) in self._row_sparse_ids
+        if e.sparse and p.dim() < 2:
+            raise ValueError(
+                f"row_sparse parameter of shape {tuple(p.shape)} has no rows; pass only 2-D "
+                "(or larger) parameters such as embedding or classifier weights"
+            )
+        if b is not None:
+            e.kind = BOUND
+            e.bound = b
+            host = b.store.host_tensor(b.handle)
+            if host is not None and host.dtype in MASTER_DTYPES:
+                e.master = host
+            if e.lowp:
+                # Fp32 master and state for a bf16/fp16 parameter (kept beside the state,
+                # see `_allocate_state`), and its gradient accumulated in fp32 by the producer.
+                want_fp32_grad(b)
+        elif dev.type == "cpu" and p.dtype in MASTER_DTYPES:
+            e.kind = ALIAS
+            # On the CPU in fp32 the parameter is its own master: no copy, and the
+            # gradient stays in param.grad, where torch's own utilities find it.
+            e.master = p.detach()
+        else:
+            e.kind = HOSTED
+            if self._host is None:
+                self._host = resolve_store("cpu", dev)
+                self._mover = Mover(dev, self._host)
+            key = f"{self._key_prefix}/{e.index}"
+            # Masters and gradients in fp32 (fp64 stays fp64): low-precision parameters
+            # get full-precision updates and gradient accumulation.
+            mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            mh = self._host.alloc(key + "/master", tuple(p.shape), mdtype, zero=False)
+            gh = self._host.alloc(key + "/grad", tuple(p.shape), mdtype, zero=False)
+            e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh)
+            e.master = self._host.host_tensor(mh)
+            with torch.no_grad():
+                e.master.copy_(p.detach())
+        e.streamed = (self._state_store is not None or e.sparse or e.master is None)
+        if e.streamed and self._cls not in ELEMENTWISE:
+            raise ValueError(
+                f"{self._cls.__name__} cannot step parameters whose master rests on disk (it is "
+                "not element-wise); use an element-wise optimizer such as AdamW"
+            )
+        return e
+
+    # ------------------------------------------------------------------ gradients
+    def _on_grad(self, p: torch.Tensor) -> None:
+        e = self._entries.get(id(p))
+        if e is None:
+            return
+        if e.launched:
+            raise RuntimeError(
+                "a parameter received another gradient after its step had started inside "
+                "HostOptimizer.final_backward(); declare only the last backward pass before "
+                "step() final (that step already used the gradients it had)"
+            )
+        if e.kind == HOSTED and p.grad is not None:
+            g = p.grad
+            with self._mover_lock:
+                acc = e.own.has_grad
+                self._mover.push_grad(g, e.own, accumulate=acc)
+            # Free the device gradient now: at most the gradients in flight to the host
+            # stay on the device.
+            p.grad = None
+            if self._mover.accelerated:
+                self._in_flight += g.numel() * g.element_size()
+                if self._in_flight >= self._bucket_bytes:
+                    # The worker waits for the copies (the mover then drops the device
+                    # gradients) so that backward, on this thread, never blocks on them.
+                    self._in_flight = 0
+                    self._overlap.submit(self._reap)
+        e.count += 1
+        if e.count == 1:
+            self._arrival.append(e)
+        self._overlap.gradient_complete(e)
+
+    def _reap(self) -> None:
+        with self._mover_lock:
+            self._mover.synchronize()
+
+    def _wait(self) -> None:
+        """Wait for the steps and copies running on the worker; re-raise their first error."""
+        self._overlap.wait()
+
+    # ------------------------------------------------------------------ the step
+    def _hparams(self, gi: int) -> dict[str, Any]:
+        return {k: v for k, v in self.param_groups[gi].items() if k != "params"}
+
+    @torch.no_grad()
+    def _step_entries(self, batch: list[Entry], *, early: bool = False) -> None:
+        if not batch:
+            return
+        if any(e.kind == HOSTED for e in batch) and self._mover is not None:
+            with self._mover_lock:
+                self._mover.synchronize()
+        # A store-resident gradient may still be on its way into the store (a disk write,
+        # an accumulation) when its producer signals it; its producer waits for that here.
+        syncs = {id(e.bound.grad_sync): e.bound for e in batch
+                 if e.kind == BOUND and e.bound.grad_sync is not None}
+        for b in syncs.values():
+            sync_grad(b)
+        if early:
+            hparams = {e.group: self._overlap.launched_hparams[e.group] for e in batch}
+        else:
+            hparams = {e.group: self._hparams(e.group) for e in batch}
+        in_mem = [e for e in batch if not e.streamed and e.has_grad()]
+        streamed = [e for e in batch if e.streamed and e.has_grad()]
+        self._allocate_state(streamed)
+        if in_mem:
+            # The inner optimizer sees only this batch's masters (and their gradients):
+            # its per-call Python work then scales with the batch, not with the model.
+            saved = {}
+            # Look the inner groups up each time: load_state_dict replaces those dicts.
+            inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
+            for gi, inner in inner_groups.items():
+                for k, v in hparams.get(gi, {}).items():
+                    inner[k] = v
+                saved[gi] = inner["params"]
+                inner["params"] = [e.master for e in in_mem if e.group == gi]
+            for e in in_mem:
+                e.master.grad = e.grad_tensor()
+            try:
+                self._inner.step()
+            finally:
+                for e in in_mem:
+                    e.master.grad = None
+                for gi, inner in inner_groups.items():
+                    inner["params"] = saved[gi]
+        if streamed:
+            todo = [(e, self._source(e)) for e in streamed]
+            todo = [(e, src) for e, src in todo if src is not None]
+            results = self._slicer.step_many(
+                [(src, e.group, hparams[e.group]) for e, src in todo])
+            for (e, _), small in zip(todo, results, strict=True):
+                e.small = small
+                e.initialized = True
+                e.grad_scale = None
+        for e in in_mem + streamed:
+            self._copy_back(e)
+
+    def _source(self, e: Entry) -> SlicedParam | None:
+        """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
+        b = e.binding
+        grad = e.grad_tensor()
+        rows = None
+        if e.sparse:
+            rows = self._grad_rows(e, grad)
+            if rows is not None and rows.numel() == 0:
+                return None  # lazy Adam: a parameter without any gradient row takes no step
+        if e.lowp:
+            master_store, master_handle = self._state_store or self._aux, e.master_handle
+        elif e.master is None:
+            master_store, master_handle = e.bound.store, e.bound.handle
+        else:
+            master_store = master_handle = None
+        return SlicedParam(
+            master=e.master,
+            master_store=master_store,
+            master_handle=master_handle,
+            grad=grad,
+            grad_store=None if grad is not None else b.store,
+            grad_handle=None if grad is not None else b.grad_handle,
+            grad_scale=e.grad_scale,
+            state_store=self._state_store or self._aux,
+            state_handles=e.state_handles,
+            small=e.small,
+            initialized=e.initialized,
+            rows=rows,
+            shadow=(e.bound.store, e.bound.handle) if e.lowp else None,
+        )
+
+    def _grad_rows(self, e: Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
+        b = e.binding
+        if b is not None and b.grad_rows is not None:
+            return b.grad_rows.to("cpu", torch.int64)
+        if grad is None:
+            grad = b.store.read(b.grad_handle).result()
+        nz = grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)
+        return torch.nonzero(nz).flatten()
+
+    def _allocate_state(self, entries: list[Entry]) -> None:
+        """Allocate the state of every entry about to take its first sliced step, up front."""
+        # Allocating before anything is updated makes a full store fail the step whole: no parameter
+        # has moved and no state is half-written (DiskStore reserves the blocks at allocation, so
+        # later writes cannot run out of space).
+        todo = [e for e in entries
+                if not e.state_handles and not (e.lowp and e.master_handle is not None)]
+        if not todo:
+            return
+        store = self._state_store
+        if store is None:
+            if self._aux is None:
+                self._aux = resolve_store("cpu", "cpu")
+            store = self._aux
+        made: list[Handle] = []
+        try:
+            for e in todo:
+                layout = self._layout(e.group)
+                handles = {}
+                for k in layout.shaped:
+                    h = store.alloc(f"{self._key_prefix}/{e.index}/{k}",
+                                    tuple(e.param.shape), self._state_dtype(e), zero=True)
+                    made.append(h)
+                    handles[k] = h
+                    host = store.host_tensor(h)
+                    if host is not None:
+                        annotate(host, "optimizer_state")
+                if e.lowp:
+                    e.master_handle = store.alloc(f"{self._key_prefix}/{e.index}/master",
+                                                  tuple(e.param.shape), torch.float32,
+                                                  zero=False)
+                    made.append(e.master_handle)
+                e.state_handles = handles
+        except BaseException as ex:
+            for h in made:
+                store.free(h)
+            for e in todo:
+                e.state_handles = {}
+                e.master_handle = None
+            need = sum(
+                e.param.numel() * 4 * (len(self._layout(e.group).shaped) + e.lowp)
+                for e in todo)
+            if isinstance(ex, (StoreFullError, OSError)):
+                raise StoreFullError(
+                    f"optimizer state does not fit in {store!r}: this step needs {need} more "
+                    f"bytes ({ex}). Nothing was updated; free space, raise max_bytes, or point "
+                    "state_store at a larger disk"
+                ) from ex
+            raise
+
+    @staticmethod
+    def _state_dtype(e: Entry) -> torch.dtype:
+        if e.master is not None:
+            return e.master.dtype
+        return e.bound.handle.dtype if e.bound.handle.dtype in MASTER_DTYPES else torch.float32
+
+    def _layout(self, gi: int):
+        lay = self._layouts.get(gi)
+        if lay is None:
+            lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
+        return lay
+
+    def _copy_back(self, e: Entry) -> None:
+        if e.kind == ALIAS or e.kind == BOUND:
+            return  # updated in place / written back to the store
+        p = e.param
+        if self._mover is not None and self._mover.accelerated:
+            with self._mover_lock:
+                self._tickets.append(self._mover.fetch(e.own.handle, p.data))
+        else:
+            with torch.no_grad():
+                p.data.copy_(e.master)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish the step: wait for the parameters already stepping, step the rest.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional, as in torch.optim).
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            RuntimeError: a hyperparameter changed after some parameters already took this
+                step (overlap), or a background step failed.
+            StoreFullError: the state store cannot hold new state (nothing was updated).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._wait()
+        self._overlap.check_hparams()
+        rest = [e for e in self._order if not e.launched]
+        self._step_entries(rest)
+        self._finish_iteration()
+        return loss
+
+    def _finish_iteration(self) -> None:
+        if self._tickets:
+            with self._mover_lock:
+                for t in self._tickets:
+                    self._mover.wait(t)
+            self._tickets = []
+        self._overlap.finish(self._order, self._arrival)
+        for e in self._order:
+            e.count = 0
+        self._arrival = []
+        self._refresh_state_view()
+
+    # ------------------------------------------------------------------ overlap
+    @contextlib.contextmanager
+    def final_backward(self, enabled: bool = True) -> Iterator[None]:
+        """Declare the backward pass inside as the last one before ``step()``: each parameter's
+        step starts as soon as its gradient is complete, overlapped with the rest of backward.
+
+        Every other backward pass only accumulates, so the result is bitwise that of
+        ``overlap=False`` whatever the number of micro-batches per step. Inside, gradients are
+        final: `clip_grad_norm_` afterwards, a further backward pass before ``step()``, or a
+        hyperparameter changed between backward and ``step()`` raise (some parameters have
+        already stepped by then); a backward that fails inside leaves the parameters that
+        already stepped stepped (see the docs' "Failure and recovery"). A no-op with
+        ``overlap=False``.
+
+        Args:
+            enabled: ``False`` makes it a no-op, for loops that decide per micro-batch.
+
+        Raises:
+            RuntimeError: `clip_grad_norm_` was used by this optimizer (clipping needs every
+                gradient before any step), or a final backward already ran since ``step()``.
+
+        Example:
+            >>> for i, (x, y) in enumerate(loader):                  # doctest: +SKIP
+            ...     last = (i + 1) % accum == 0
+            ...     with opt.final_backward(last):
+            ...         (loss_fn(model(x), y) / accum).backward()
+            ...     if last:
+            ...         opt.step(); opt.zero_grad()
+        """
+        with self._overlap.final_backward(self._order, enabled):
+            yield
+
+    def _refresh_state_view(self) -> None:
+        view: defaultdict = defaultdict(dict)
+        inner_state = self._inner.state if self._inner is not None else {}
+        for e in self._order:
+            if not e.streamed:
+                st = inner_state.get(e.master)
+                if st:
+                    view[e.param] = st
+            elif e.initialized:
+                st = dict(e.small)
+                if self._state_store is None:
+                    for k, h in e.state_handles.items():
+                        st[k] = self._aux.host_tensor(h)
+                view[e.param] = st
+        self.state = view
+
+    # ------------------------------------------------------------------ gradients API
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients wherever they rest (device, host or store).
+
+        Raises:
+            RuntimeError: some parameters already took this iteration's step inside
+                `final_backward` and ``step()`` was not called.
+        """
+        self._wait()
+        if self._mover is not None:
+            # Gradient copies to the host may still be queued (an accelerator's side
+            # stream); they must land before the host gradients are cleared, or they would
+            # land afterwards, into the next iteration's sum.
+            with self._mover_lock:
+                self._mover.synchronize()
+        if any(e.launched for e in self._order):
+            raise RuntimeError(
+                "zero_grad() after some parameters already took this step inside "
+                "final_backward(): call step() first to finish it. If that backward failed, "
+                "step() finishes the step for the others with the gradients they have; to "
+                "continue exactly, restore the last checkpoint (hr.load) instead"
+            )
+        for e in self._order:
+            p = e.param
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+            b = e.binding if e.kind != ALIAS else None
+            if b is not None and b.grad_handle is not None and b.has_grad:
+                if set_to_none:
+                    b.has_grad = False
+                    b.grad_rows = None
+                else:
+                    host = b.store.host_tensor(b.grad_handle)
+                    if host is not None:
+                        host.zero_()
+                    else:
+                        b.store.write(b.grad_handle, torch.zeros(
+                            b.grad_handle.shape, dtype=b.grad_handle.dtype)).result()
+            e.count = 0
+            e.grad_scale = None
+        self._arrival = []
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The accumulated gradient of ``param`` as a host tensor (a copy if it rests on disk).
+
+        Args:
+            param: one of this optimizer's parameters.
+
+        Raises:
+            KeyError: ``param`` is not in this optimizer.
+        """
+        e = self._entries.get(id(param))
+        if e is None:
+            raise KeyError("parameter is not managed by this HostOptimizer")
+        self._wait()
+        if e.kind == HOSTED and self._mover is not None:
+            with self._mover_lock:
+                self._mover.synchronize()
+        if not e.has_grad():
+            return None
+        g = e.grad_tensor()
+        if g is None:
+            b = e.binding
+            g = b.store.read(b.grad_handle).result()
+        if e.grad_scale is not None:
+            g = g * e.grad_scale
+        return g
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of all parameters by their total norm, wherever they rest.
+
+        The same computation as ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, then the
+        norm of those), so the result is bitwise equal on the same gradients. Gradients on
+        disk are read once for the norm and scaled as they are read by the step.
+
+        Args:
+            max_norm: largest allowed total norm.
+            norm_type: the p of the p-norm (``float('inf')`` for the max norm).
+            error_if_nonfinite: raise if the total norm is nan or inf.
+
+        Returns:
+            The total norm before clipping (a host tensor).
+
+        Raises:
+            RuntimeError: called after parameters already took this iteration's step inside
+                `final_backward` (from then on `final_backward` refuses at once, before any
+                step), or the norm is non-finite and ``error_if_nonfinite``.
+        """
+        self._wait()
+        self._overlap.clips = True
+        if any(e.launched for e in self._order):
+            raise RuntimeError(
+                "clip_grad_norm_() after final_backward(): some parameters already took this "
+                "step with unclipped gradients. Clipping needs every gradient before any step: "
+                "drop the `with opt.final_backward():` when clipping"
+            )
+        if self._mover is not None:
+            with self._mover_lock:
+                self._mover.synchronize()
+        norm_type = float(norm_type)
+        in_mem: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
+        disk: list[Entry] = []
+        for e in self._order:
+            if not e.has_grad():
+                continue
+            g = e.grad_tensor()
+            if g is not None:
+                in_mem.append(g)
+                norms.append(None)  # filled below, in parameter order
+            else:
+                b = e.binding
+                norms.append(torch.linalg.vector_norm(
+                    b.store.read(b.grad_handle).result(), norm_type))
+                disk.append(e)
+        if not norms:
+            return torch.tensor(0.0)
+        if in_mem:
+            # torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
+            mem_norms = iter(torch._foreach_norm(in_mem, norm_type))
+            norms = [next(mem_norms) if n is None else n for n in norms]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                "cannot be clipped; pass error_if_nonfinite=False to scale by it anyway"
+            )
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if in_mem:
+            torch._foreach_mul_(in_mem, coef)
+        for e in disk:
+            e.grad_scale = coef if e.grad_scale is None else e.grad_scale * coef
+        return total
+
+    # ------------------------------------------------------------------ state dicts
+    def _index_state(self, e: Entry) -> dict[str, Any] | None:
+        return _state.index_state(self, e)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The same structure as ``optimizer_class(...).state_dict()`` for these parameters.
+
+        State resting on disk is read into memory; `headroom.save` streams it instead.
+        """
+        return _state.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from `state_dict` (or from the plain ``optimizer_class``).
+
+        Raises:
+            ValueError: the parameter groups do not match in number or size.
+        """
+        _state.load_state_dict(self, state_dict)
+
+    def reload_params(self) -> None:
+        """Re-read the master copies from the parameters after they changed outside ``step``.
+
+        Needed only for parameters on an accelerator or not in fp32 (elsewhere the parameter
+        is its own master); `headroom.load` calls it. Masters just loaded by
+        `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
+        precise than the parameter.
+        """
+        self._wait()
+        loaded, self._masters_loaded = self._masters_loaded, set()
+        with torch.no_grad():
+            for e in self._order:
+                if e.kind == HOSTED and id(e) not in loaded:
+                    e.master.copy_(e.param.detach())
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the worker thread (the state stays readable)."""
+        self._wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._overlap.close()
+
+    def __del__(self) -> None:
+        overlap = getattr(self, "_overlap", None)
+        if overlap is not None:
+            overlap.close(wait=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "HostOptimizer cannot be pickled or deep-copied (it holds hooks and a worker "
+            "thread); save it with headroom.save(path, model, optimizer) or state_dict()"
+        )
+
+    def __repr__(self) -> str:
+        return (f"HostOptimizer({self._cls.__name__}, params={len(self._order)}, "
+                f"state_store={self._state_store or 'cpu'!r}, overlap={self._overlap.enabled})")
+

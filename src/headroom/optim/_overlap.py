@@ -1,0 +1,188 @@
+"""Steps that start during the final backward pass (`HostOptimizer.final_backward`).
+
+Only a backward the loop declares final (the last before ``step()``) may start steps: there a
+parameter's gradient is complete as soon as autograd (or the offload layer, for store-resident
+parameters) signals it, whatever the number of micro-batches. Parameters are grouped in buckets
+in the order their gradients arrived last time (like DDP's rebuilt buckets, so each completes as
+early as possible); a complete bucket is stepped on one worker thread while backward goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from headroom.optim._entries import Bucket, Entry, same
+
+__all__ = ["Overlap"]
+
+
+class Overlap:
+    """The worker thread, the buckets and the hyperparameters steps started with.
+
+    Args:
+        step_entries: steps a batch of entries (called on the worker with ``early=True``).
+        hparams: the current hyperparameters of a parameter group.
+        enabled: ``False`` makes `final_backward` a no-op.
+        bucket_bytes: fp32 bytes per bucket.
+    """
+
+    def __init__(self, step_entries: Callable[..., None], hparams: Callable[[int], dict],
+                 *, enabled: bool, bucket_bytes: int) -> None:
+        self.enabled = enabled
+        self.bucket_bytes = bucket_bytes
+        self._step_entries = step_entries
+        self._hparams = hparams
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future] = []
+        self._ready: list[Entry] = []
+        self.final = False  # inside final_backward()
+        self.clips = False  # clip_grad_norm_ has been called: gradients are not final
+        self.launched_hparams: dict[int, dict[str, Any]] = {}
+        self.last_arrival: list[Entry] = []  # first-gradient order of the last iteration
+
+    # ------------------------------------------------------------------ the worker
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-host-step")
+        self._futures.append(self._pool.submit(fn))
+
+    def wait(self) -> None:
+        """Wait for everything submitted; re-raise the first error."""
+        futures, self._futures = self._futures, []
+        err = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as ex:  # noqa: BLE001 - re-raised below, first one wins
+                err = err or ex
+        if err is not None:
+            raise err
+
+    @property
+    def busy(self) -> bool:
+        """Whether work was submitted and not waited for."""
+        return bool(self._futures)
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._ready = self._ready, []
+        if batch:
+            self._step_entries(batch, early=True)
+
+    def close(self, *, wait: bool = True) -> None:
+        if wait:
+            self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait)
+            self._pool = None
+
+    # ------------------------------------------------------------------ final backward
+    @contextlib.contextmanager
+    def final_backward(self, entries: list[Entry], enabled: bool) -> Iterator[None]:
+        """The body of `HostOptimizer.final_backward` (see there)."""
+        if not enabled or not self.enabled:
+            yield
+            return
+        if self.clips:
+            raise RuntimeError(
+                "final_backward() steps parameters during backward, before every gradient is "
+                "known, but this optimizer clips gradients (clip_grad_norm_), which needs all of "
+                "them first. Drop the `with opt.final_backward():` (the step then runs in "
+                "step()), or stop clipping"
+            )
+        if self.final or any(e.launched for e in entries):
+            raise RuntimeError(
+                "final_backward() was already used since the last step(); only the last "
+                "backward pass before step() is final"
+            )
+        self._arm(entries)
+        self.final = True
+        try:
+            yield
+        except BaseException as exc:
+            if any(e.launched for e in entries):
+                with contextlib.suppress(BaseException):
+                    self.wait()
+                if hasattr(exc, "add_note"):
+                    exc.add_note(
+                        "headroom: this backward failed inside HostOptimizer.final_backward() "
+                        "after some parameters had already taken this step; step() finishes "
+                        "the step for the others (with the gradients they have), or restore "
+                        "the last checkpoint (hr.load) to continue exactly"
+                    )
+            raise
+        finally:
+            self.final = False
+
+    def _arm(self, entries: list[Entry]) -> None:
+        """Buckets for this final backward, in the order gradients arrived in last time."""
+        # Before any gradient was seen, reverse registration order approximates the
+        # order of backward.
+        order = self.last_arrival or list(reversed(entries))
+        for e in entries:
+            e.bucket = None
+            e.fired = False
+        cur: list[Entry] = []
+        size = 0
+        for e in order:
+            cur.append(e)
+            size += e.param.numel() * 4
+            if size >= self.bucket_bytes:
+                _bucket(cur)
+                cur, size = [], 0
+        if cur:
+            _bucket(cur)
+
+    def gradient_complete(self, e: Entry) -> None:
+        """``e``'s gradient of this backward is complete: start its bucket once all are in."""
+        if not self.final or e.bucket is None or e.fired:
+            return
+        e.fired = True
+        bucket = e.bucket
+        bucket.remaining -= 1
+        if bucket.remaining:
+            return
+        for x in bucket.entries:
+            x.launched = True
+        with self._lock:
+            # The hyperparameters are taken now, on this thread, and the worker steps
+            # with exactly these: a change made before the worker gets to run is then still
+            # detected at step() rather than silently picked up by some parameters only.
+            for x in bucket.entries:
+                self.launched_hparams.setdefault(x.group, self._hparams(x.group))
+            self._ready.extend(bucket.entries)
+        self.submit(self._drain)
+
+    def check_hparams(self) -> None:
+        """Raise if a hyperparameter changed since a step started with it."""
+        for gi, snap in self.launched_hparams.items():
+            now = self._hparams(gi)
+            for k, v in snap.items():
+                if not same(v, now.get(k)):
+                    raise RuntimeError(
+                        f"param_groups[{gi}][{k!r}] changed from {v!r} to {now.get(k)!r} after "
+                        "HostOptimizer had started stepping parameters with the old value "
+                        "during final_backward(). Set hyperparameters before backward (LR "
+                        "schedulers do: call scheduler.step() after opt.step())"
+                    )
+
+    def finish(self, entries: list[Entry], arrival: list[Entry]) -> None:
+        """The step is over: remember the arrival order, forget buckets and launches."""
+        if arrival:
+            self.last_arrival = arrival
+        for e in entries:
+            e.launched = False
+            e.fired = False
+            e.bucket = None
+        self.launched_hparams = {}
+
+
+def _bucket(entries: list[Entry]) -> None:
+    b = Bucket(entries)
+    for e in entries:
+        e.bucket = b

@@ -1,0 +1,339 @@
+"""Running a ``torch.optim`` optimizer on slices of a parameter whose state rests in a store.
+
+The host optimizer keeps optimizer state in host memory by default, where PyTorch's own
+optimizer steps whole tensors. When the state (or the master weights) rest in a store that is
+not plain host memory (a `DiskStore`), or when only some rows of a parameter take a step
+(row-sparse mode), the step runs slice by slice: read the master, gradient and state rows of a
+slice, let PyTorch's optimizer update that slice, write the results back. Reads of the next
+slice and writes of the previous one overlap the update of the current one.
+
+This is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each
+element's update depends only on that element and on per-tensor scalars (the step count), which
+every slice carries as its own copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from headroom.memory import annotate
+from headroom.transfer import Handle, Store
+
+__all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
+
+# Only optimizers whose update is element-wise may be sliced. Others (Adafactor's factored
+# row/column statistics, LBFGS) are refused for sliced state rather than silently changed.
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
+    if hasattr(torch.optim, name)
+)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which per-parameter state entries an optimizer keeps, learned from a one-step probe.
+
+    Attributes:
+        shaped: keys of state tensors shaped like the parameter (sliced with it).
+        small: keys of everything else (step counters and other scalars), kept in memory.
+    """
+
+    shaped: tuple[str, ...]
+    small: tuple[str, ...] = field(default=())
+
+
+def ctor_kwargs(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of ``group`` that ``cls``'s constructor accepts."""
+    names = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    return {k: v for k, v in group.items() if k in names}
+
+
+def probe_layout(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> StateLayout:
+    """Step ``cls`` once on a tiny parameter to learn the layout of its state."""
+    p = torch.zeros(2, 3)
+    p.grad = torch.full((2, 3), 0.5)
+    opt = cls([p], **ctor_kwargs(cls, group))
+    opt.step()
+    shaped, small = [], []
+    for k, v in opt.state[p].items():
+        if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3):
+            shaped.append(k)
+        else:
+            small.append(k)
+    return StateLayout(tuple(shaped), tuple(small))
+
+
+def _clone_small(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+@dataclass
+class SlicedParam:
+    """Where one parameter's master, gradient and state rest for a sliced step.
+
+    Exactly one of ``master`` (an in-memory fp32 tensor updated in place) or
+    ``master_handle`` (in ``master_store``) is set; the same holds for the gradient. A
+    low-precision parameter (bf16, fp16) has an fp32 master of its own: ``shadow`` names where
+    its low-precision value rests; the master is created from it on the first step
+    (``initialized`` false) and the value is rewritten from the master after every slice.
+    A gradient in another dtype than the master is cast to it.
+    """
+
+    master: torch.Tensor | None
+    master_store: Store | None
+    master_handle: Handle | None
+    grad: torch.Tensor | None
+    grad_store: Store | None
+    grad_handle: Handle | None
+    grad_scale: torch.Tensor | None
+    state_store: Store
+    state_handles: dict[str, Handle]
+    small: dict[str, Any]
+    initialized: bool
+    rows: torch.Tensor | None = None  # row-sparse mode: sorted rows to touch; None = all rows
+    shadow: tuple[Store, Handle] | None = None  # the low-precision value the master feeds
+
+
+def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return max(1, slice_bytes // max(1, row * 4))
+
+
+class SliceRunner:
+    """Steps parameters slice by slice with a private instance of the user's optimizer class.
+
+    Args:
+        cls: the ``torch.optim.Optimizer`` subclass.
+        slice_bytes: target fp32 bytes of one slice of the master weight.
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer], *, slice_bytes: int) -> None:
+        self.cls = cls
+        self.slice_bytes = slice_bytes
+        self._opts: dict[int, torch.optim.Optimizer] = {}
+        self._bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _buf(self, name: str, parity: int, handle: Handle, n_rows: int) -> torch.Tensor:
+        """A reusable landing buffer for ``n_rows`` rows of ``handle`` (double-buffered)."""
+        shape = (n_rows, *handle.shape[1:])
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * handle.dtype.itemsize
+        buf = self._bufs.get((name, parity))
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            self._bufs[(name, parity)] = buf
+        # The optimizer's own working memory, whatever the slice holds (a tracker would
+        # otherwise count it as parameters or gradients through the inner optimizer's hooks).
+        annotate(buf, "optimizer_state")
+        return buf[:nbytes].view(handle.dtype).view(shape)
+
+    def release_buffers(self) -> None:
+        """Drop the landing buffers (they are re-created on the next sliced step)."""
+        self._bufs.clear()
+
+    def _optimizer(self, gi: int, group: dict[str, Any]) -> torch.optim.Optimizer:
+        opt = self._opts.get(gi)
+        if opt is None:
+            placeholder = torch.zeros(1)
+            opt = self.cls([placeholder], **ctor_kwargs(self.cls, group))
+            opt.state.clear()
+            self._opts[gi] = opt
+        inner = opt.param_groups[0]
+        for k, v in group.items():
+            if k != "params":
+                inner[k] = v
+        return opt
+
+    def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        # Most optimizers create state lazily in step(); a few (Adagrad) create it in the
+        # constructor. A throwaway instance on the slice covers both.
+        tmp = self.cls([work], **ctor_kwargs(self.cls, group))
+        return dict(tmp.state.get(work, {}))
+
+    def step(self, src: SlicedParam, gi: int, group: dict[str, Any]) -> dict[str, Any]:
+        """Step one parameter; returns its new small state. State handles must exist."""
+        return self.step_many([(src, gi, group)])[0]
+
+    def step_many(
+        self, items: list[tuple[SlicedParam, int, dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        """Step several parameters as one pipeline of slices; returns their new small states."""
+        # One pipeline across parameters (not one per parameter) keeps the disk busy between
+        # parameters: the first slice of the next parameter is read while the last slice of this one
+        # is updated and written.
+        results: list[dict[str, Any]] = [src.small for src, _, _ in items]
+        slices: list[tuple[int, int, int]] = []  # (item, first row, end row)
+        for k, (src, gi, group) in enumerate(items):
+            shape = (src.master_handle.shape if src.master is None else tuple(src.master.shape))
+            if not shape:  # 0-dim: one element, outside the pipeline
+                results[k] = self._step_scalar(src, self._optimizer(gi, group), group)
+                continue
+            n_rows = shape[0] if src.rows is None else int(src.rows.numel())
+            per = _rows_per_slice(shape, self.slice_bytes)
+            slices += [(k, a, min(a + per, n_rows)) for a in range(0, n_rows, per)]
+        if not slices:
+            return results
+        pending_writes: list[list[Future]] = [[], []]
+
+        def fetch(i: int) -> dict[str, Any]:
+            k, a, b = slices[i]
+            src = items[k][0]
+            rows = slice(a, b) if src.rows is None else src.rows[a:b]
+            par = i % 2
+            got: dict[str, Any] = {"rows": rows}
+            if src.shadow is not None and not src.initialized:
+                got["p"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
+            else:
+                got["p"] = self._load(src.master, src.master_store, src.master_handle, rows,
+                                      ("p", par, b - a))
+            got["g"] = self._load(src.grad, src.grad_store, src.grad_handle, rows,
+                                  ("g", par, b - a))
+            if src.initialized:
+                got["s"] = {
+                    key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
+                    for key, h in src.state_handles.items()
+                }
+            return got
+
+        nxt = fetch(0)
+        for i, (k, _, _) in enumerate(slices):
+            src, gi, group = items[k]
+            opt = self._optimizer(gi, group)
+            cur = nxt
+            if i + 1 < len(slices):
+                # Wait for the writes that used the other half of the double buffer,
+                # then start the next slice's reads: they overlap this slice's update.
+                for f in pending_writes[(i + 1) % 2]:
+                    f.result()
+                pending_writes[(i + 1) % 2] = []
+                nxt = fetch(i + 1)
+            work = _result(cur["p"])
+            grad = _result(cur["g"])
+            if src.shadow is not None and not src.initialized:
+                work = work.float()  # the fp32 master starts from the low-precision value
+            owned = isinstance(cur["g"], Future)
+            if grad.dtype != work.dtype:
+                grad = grad.to(work.dtype)
+                owned = True
+            if src.grad_scale is not None:
+                # Scale a landed copy in place; never the resting gradient itself.
+                grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
+            rows = cur["rows"]
+            resting = cur.get("s", {})
+            state = self._run(opt, group, src, work, grad,
+                              lambda s=resting: {key: _result(v) for key, v in s.items()})
+            writes = pending_writes[i % 2]
+            for key, h in src.state_handles.items():
+                t = state[key]
+                if _is_view_of(t, cur.get("s", {}).get(key)):
+                    continue  # updated in place in the resting host tensor
+                writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
+            # A master made from the low-precision value is new: written out too.
+            fresh = src.shadow is not None and not src.initialized
+            if fresh or not _is_in_place(cur["p"]):
+                writes.append(src.master_store.write_rows(src.master_handle, rows, work))
+            elif src.rows is not None and src.master is not None:
+                src.master.index_copy_(0, rows, work)
+            if src.shadow is not None:
+                sh_store, sh_handle = src.shadow
+                writes.append(sh_store.write_rows(sh_handle, rows, work.to(sh_handle.dtype)))
+            results[k] = {key: state[key] for key in state if key not in src.state_handles}
+        for ws in pending_writes:
+            for f in ws:
+                f.result()
+        return results
+
+    def _run(self, opt, group, src: SlicedParam, work: torch.Tensor, grad: torch.Tensor,
+             shaped: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Step ``opt`` on one tensor (a slice or a whole parameter); returns its new state.
+
+        ``shaped`` gives the resting per-element state (called only once initialized).
+        """
+        if src.initialized:
+            state = shaped()
+            state.update({k: _clone_small(v) for k, v in src.small.items()})
+        else:
+            state = self._fresh_state(work, group)
+        opt.param_groups[0]["params"] = [work]
+        opt.state[work] = state
+        work.grad = grad
+        try:
+            opt.step()
+        finally:
+            work.grad = None
+            opt.param_groups[0]["params"] = []
+            state = opt.state.pop(work, state)
+        return state
+
+    def _step_scalar(self, src: SlicedParam, opt, group) -> dict[str, Any]:
+        if src.shadow is not None and not src.initialized:
+            work = src.shadow[0].read(src.shadow[1]).result().float()
+        else:
+            work = (src.master if src.master is not None
+                    else src.master_store.read(src.master_handle).result())
+        grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
+        if grad.dtype != work.dtype:
+            grad = grad.to(work.dtype)
+        if src.grad_scale is not None:
+            grad = grad.mul(src.grad_scale)
+        state = self._run(opt, group, src, work, grad, lambda: {
+            k: src.state_store.read(h).result() for k, h in src.state_handles.items()})
+        for k, h in src.state_handles.items():
+            src.state_store.write(h, state[k].contiguous()).result()
+        if src.master is None:
+            src.master_store.write(src.master_handle, work).result()
+        if src.shadow is not None:
+            src.shadow[0].write(src.shadow[1], work.to(src.shadow[1].dtype)).result()
+        return {k: state[k] for k in state if k not in src.state_handles}
+
+    def _load(
+        self, mem: torch.Tensor | None, store: Store | None, handle: Handle | None,
+        rows: slice | torch.Tensor, buf: tuple[str, int, int],
+    ) -> Any:
+        """A slice: a view of an in-memory tensor, of a resting host tensor, or a read future."""
+        if mem is not None:
+            if isinstance(rows, slice):
+                return _InPlace(mem[rows])
+            return mem.index_select(0, rows)
+        assert store is not None and handle is not None
+        host = store.host_tensor(handle)
+        if host is not None and isinstance(rows, slice):
+            return _InPlace(host[rows])
+        return store.read_rows(handle, rows, out=self._buf(buf[0], buf[1], handle, buf[2]))
+
+
+class _InPlace:
+    """A slice that is a view of the resting tensor: updating it updates the rest."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _result(x: Any) -> torch.Tensor:
+    if isinstance(x, _InPlace):
+        return x.t
+    if isinstance(x, Future):
+        return x.result()
+    return x
+
+
+def _is_in_place(x: Any) -> bool:
+    return not isinstance(x, Future)
+
+
+def _is_view_of(t: torch.Tensor, src: Any) -> bool:
+    return isinstance(src, _InPlace) and t is src.t
+

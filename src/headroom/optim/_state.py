@@ -1,0 +1,128 @@
+"""The host optimizer's state dicts: the wrapped class's layout, with fp32 masters kept."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from headroom.optim._entries import HOSTED, MASTER_DTYPES, Entry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from headroom.optim._host_optimizer import HostOptimizer
+
+__all__ = ["index_state", "load_state_dict", "state_dict"]
+
+
+def index_state(opt: HostOptimizer, e: Entry) -> dict[str, Any] | None:
+    """One parameter's state (with the fp32 master of a bf16/fp16 one), or ``None``."""
+    if not e.streamed:
+        st = opt._inner.state.get(e.master) if opt._inner is not None else None
+        if not st:
+            return None
+        st = dict(st)
+        if e.param.dtype not in MASTER_DTYPES:
+            st["master"] = e.master  # the fp32 master of a bf16/fp16 parameter
+        return st
+    if not e.initialized:
+        return None
+    store = opt._state_store or opt._aux
+    st = dict(e.small)
+    for k, h in e.state_handles.items():
+        st[k] = store.read(h).result()
+    if e.lowp:
+        st["master"] = store.read(e.master_handle).result()
+    return st
+
+
+def state_dict(opt: HostOptimizer) -> dict[str, Any]:
+    """See `HostOptimizer.state_dict`."""
+    opt._wait()
+    groups = []
+    for gi, g in enumerate(opt.param_groups):
+        packed = {k: v for k, v in g.items() if k != "params"}
+        packed["params"] = [e.index for e in opt._order if e.group == gi]
+        groups.append(packed)
+    state = {}
+    for e in opt._order:
+        st = index_state(opt, e)
+        if st:
+            state[e.index] = st
+    return {"state": state, "param_groups": groups}
+
+
+def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
+    """See `HostOptimizer.load_state_dict`."""
+    opt._wait()
+    saved = state_dict["param_groups"]
+    if len(saved) != len(opt.param_groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved)} parameter groups, this optimizer has "
+            f"{len(opt.param_groups)}"
+        )
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    if sizes != [len(g["params"]) for g in saved]:
+        raise ValueError(
+            "loaded state dict has parameter groups of sizes "
+            f"{[len(g['params']) for g in saved]}, this optimizer has {sizes}"
+        )
+    id_map = {}
+    for sg, g in zip(saved, opt.param_groups, strict=True):
+        for old, p in zip(sg["params"], g["params"], strict=True):
+            id_map[old] = opt._entries[id(p)]
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
+    states = state_dict["state"]
+    inner_sd_state = {}
+    streamed_state: dict[Entry, dict[str, Any]] = {}
+    opt._masters_loaded = set()
+    for old, st in states.items():
+        e = id_map[int(old)]
+        if e.streamed:
+            streamed_state[e] = st
+        else:
+            inner_sd_state[e] = dict(st)
+            master = inner_sd_state[e].pop("master", None)
+            if master is not None and e.kind == HOSTED:
+                with torch.no_grad():
+                    e.master.copy_(master)
+                opt._masters_loaded.add(id(e))
+    if opt._inner is not None:
+        inner_ids = {}
+        order = [e for e in opt._order if not e.streamed]
+        for i, e in enumerate(order):
+            inner_ids[e] = i
+        inner_groups = []
+        for gi in sorted(opt._inner_index):
+            packed = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+            packed["params"] = [inner_ids[e] for e in order if e.group == gi]
+            inner_groups.append(packed)
+        opt._inner.load_state_dict({
+            "state": {inner_ids[e]: st for e, st in inner_sd_state.items()},
+            "param_groups": inner_groups,
+        })
+    for e in opt._order:
+        if e.streamed:
+            e.initialized = False
+            e.small = {}
+    opt._allocate_state(list(streamed_state))
+    store = opt._state_store or opt._aux
+    for e, st in streamed_state.items():
+        for k, h in e.state_handles.items():
+            if k not in st:
+                raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
+            t = st[k].detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
+            store.write(h, t).result()
+        if e.lowp:
+            # A state dict without the fp32 master (e.g. from the plain optimizer
+            # class) starts it from the parameter's stored low-precision value.
+            master = st["master"] if "master" in st else \
+                e.bound.store.read(e.bound.handle).result()
+            t = master.detach().to("cpu", torch.float32).reshape(e.master_handle.shape)
+            store.write(e.master_handle, t.contiguous()).result()
+        e.small = {k: (v.detach().clone().cpu() if isinstance(v, torch.Tensor) else v)
+                   for k, v in st.items() if k not in e.state_handles and k != "master"}
+        e.initialized = True
+    opt._refresh_state_view()
+

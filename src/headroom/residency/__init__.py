@@ -1,0 +1,22 @@
+"""Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
+
+from headroom.residency._offload import describe, offload, state_of, unoffload
+from headroom.residency._plan import (
+    GroupPlan,
+    OffloadOptions,
+    OffloadPlan,
+    ParamPlan,
+    plan_offload,
+)
+
+__all__ = [
+    "GroupPlan",
+    "OffloadOptions",
+    "OffloadPlan",
+    "ParamPlan",
+    "describe",
+    "offload",
+    "plan_offload",
+    "state_of",
+    "unoffload",
+]

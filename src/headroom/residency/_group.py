@@ -1,0 +1,175 @@
+"""The residency primitive: groups of offloaded parameters, fetched to the device and released.
+
+See [Note: masters and device copies] in docs/architecture.md.
+
+Every offloaded parameter keeps two tensors. The *master* is the ``nn.Parameter`` the model
+registers and optimizers see: with ``store="cpu"`` its data *is* the store's host tensor
+(zero-copy); with a `DiskStore` it is a ``meta`` placeholder and the values live on disk. The
+*device copy* is a second leaf parameter on the compute device whose storage is resized to 0
+while its group is not resident. Autograd saves the device copies themselves, not their bytes,
+so a group released after its forward is fetched again, into the same tensors, before its
+backward (version counters preserved; FSDP2 frees unsharded parameters the same way).
+
+`Residency` moves groups: `fetch` (start the copies), `ensure` (wait for them), `release`
+(free the device storage). Which group moves when is the caller's business: the forward and
+backward hooks of `headroom.residency._schedule`, or anything that activates a group by hand.
+What the modules compute with is separate too: `show` puts a group's device copies into them,
+`hide` the masters again.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+
+from headroom.transfer import HeapTrimmer, Mover, ParamBinding, Store, Ticket, resize_storage
+
+__all__ = ["DeviceCopy", "Group", "Residency", "Slot"]
+
+
+class DeviceCopy(nn.Parameter):
+    """The device-side copy of an offloaded parameter (storage empty while not resident)."""
+
+    def __repr__(self) -> str:
+        # Printing a tensor whose storage was resized to 0 reads freed memory.
+        resident = self.untyped_storage().nbytes() > 0
+        return (f"DeviceCopy(shape={tuple(self.shape)}, dtype={self.dtype},"
+                f" device={self.device}, resident={resident})")
+
+
+class Slot:
+    """One unique offloaded parameter: master, device copy, where it is registered."""
+
+    __slots__ = ("name", "owners", "param", "dev", "binding", "ticket", "group", "nbytes")
+
+    def __init__(self, name: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
+                 dev: nn.Parameter, b: ParamBinding) -> None:
+        self.name = name
+        self.owners = owners
+        self.param = param
+        self.dev = dev
+        self.binding = b
+        self.ticket: Ticket | None = None
+        self.group: Group | None = None
+        self.nbytes = dev.numel() * dev.element_size()
+
+    def show(self, t: nn.Parameter) -> None:
+        # Write the module's parameter dict directly: `setattr` would re-register and
+        # refuse swapping a parameter while its module runs.
+        for module, attr in self.owners:
+            module._parameters[attr] = t
+
+
+class Group:
+    """Parameters fetched and released together: a block, or the parameters outside blocks."""
+
+    def __init__(self, name: str, module: nn.Module | None) -> None:
+        self.name = name
+        self.module = module
+        self.slots: list[Slot] = []
+        self.resident = False
+        self.grads_left = 0
+        self.inputs_pending = 0  # forward calls whose input gradients are not computed yet
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+class Residency:
+    """Moves groups of offloaded parameters between their store and the compute device.
+
+    Args:
+        device: the compute device.
+        store: where the masters (and gradients) rest.
+    """
+
+    def __init__(self, device: torch.device, store: Store) -> None:
+        self.device = device
+        self.store = store
+        self.mover = Mover(device, store)
+        # The mover is driven by the backward thread; `sync_grads` may also be called by
+        # an optimizer's worker thread (HostOptimizer stepping a group during backward), so
+        # every use of the mover holds this lock.
+        self.lock = threading.Lock()
+        # On the CPU the device copies are host memory, freed and allocated again group
+        # after group; see headroom.transfer._heap for why that memory must be given back.
+        self._trimmer = HeapTrimmer() if device.type == "cpu" else None
+
+    def fetch(self, group: Group) -> None:
+        """Start bringing a group to the device (no wait; the modules still hold the masters)."""
+        if group.resident:
+            return
+        group.resident = True  # first: a fetch that fails half-way is released whole
+        for s in group.slots:
+            _check_master(s)
+            resize_storage(s.dev, s.nbytes)
+            with self.lock:
+                s.ticket = self.mover.fetch(s.binding.handle, s.dev)
+
+    def ensure(self, group: Group) -> None:
+        """Make a group resident and ready for compute."""
+        self.fetch(group)
+        for s in group.slots:
+            if s.ticket is not None:
+                with self.lock:
+                    self.mover.wait(s.ticket)
+                s.ticket = None
+
+    def release(self, group: Group, *, quiet: bool = False) -> None:
+        """Free a group's device copies (the modules get the masters back); ``quiet``: on a
+        failure path, where a fetch that failed must not hide the error being raised."""
+        if not group.resident:
+            return
+        hide(group)
+        for s in group.slots:
+            if s.ticket is not None:  # a prefetch that was never used
+                # Wait even when quiet: a disk read may still be landing in the storage.
+                try:
+                    with self.lock:
+                        self.mover.wait(s.ticket)
+                except Exception:
+                    if not quiet:
+                        raise
+                s.ticket = None
+            resize_storage(s.dev, 0)
+        group.resident = False
+        if self._trimmer is not None:
+            self._trimmer.freed(group.nbytes)
+
+    def sync_grads(self) -> None:
+        """Wait until every gradient pushed so far rests in the store (any thread)."""
+        with self.lock:
+            self.mover.synchronize()
+
+    def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
+        """Hand a finished gradient to the store (see `headroom.transfer.Mover.push_grad`)."""
+        with self.lock:
+            self.mover.push_grad(grad, b, accumulate=accumulate)
+
+
+def show(group: Group) -> None:
+    """The modules compute with the group's device copies (inside a forward)."""
+    for s in group.slots:
+        s.show(s.dev)
+
+
+def hide(group: Group) -> None:
+    """The modules hold the masters again (residency unchanged)."""
+    for s in group.slots:
+        s.show(s.param)
+
+
+def _check_master(s: Slot) -> None:
+    h = s.binding.handle
+    p = s.param
+    if p.dtype != h.dtype or p.shape != h.shape or p.device.type not in ("cpu", "meta"):
+        raise RuntimeError(
+            f"offloaded parameter {s.name!r} was changed to {p.dtype} {tuple(p.shape)} on"
+            f" {p.device} after hr.offload (its stored master is {h.dtype} {h.shape}), e.g."
+            " by .half()/.to() on a submodule. Offloaded parameters keep their stored dtype:"
+            " use hr.offload(..., compute_dtype=...) to compute in another dtype, or"
+            " hr.unoffload(model), convert, and offload again"
+        )

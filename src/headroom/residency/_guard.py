@@ -1,0 +1,110 @@
+"""Guards around an offloaded model's root and blocks: failures, dtype/device moves, wrappers.
+
+Module hooks cannot see everything an offloaded model must react to: a forward that raises a
+``KeyboardInterrupt`` skips even ``always_call`` forward hooks (they catch ``Exception`` only),
+``model.half()`` or ``model.to(...)`` rewrite parameters through ``Module._apply``,
+``DistributedDataParallel`` reads the module's parameters at construction, and a backward that
+broke off in someone else's hook leaves no trace until the parameters are listed again. So the
+root and each block get a subclass of their own class (as ``torch.nn.utils.parametrize`` and
+FSDP2's ``fully_shard`` do) that routes those entry points to the offload state. The subclass
+keeps the class's name, module and qualname; `remove` restores the original class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch.nn as nn
+
+__all__ = ["Role", "install", "remove"]
+
+_ROLE = "_headroom_role"
+_CLASSES: dict[type, type] = {}
+
+
+class Role(Protocol):
+    """What a guarded module asks of its offload state."""
+
+    def call_failed(self, module: nn.Module) -> None:
+        """The module's call raised (anything, ``KeyboardInterrupt`` included); must not raise."""
+
+    def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
+        """Handle ``module._apply(fn, recurse)``; ``base`` is the original class's ``_apply``."""
+
+    def wrapped_by_ddp(self, module: nn.Module) -> None:
+        """``DistributedDataParallel`` is wrapping the module; raises the error to show."""
+
+    def settle(self) -> None:
+        """Parameters are about to be listed: finish any clean-up still pending."""
+
+
+def _guarded_class(cls: type) -> type:
+    sub = _CLASSES.get(cls)
+    if sub is not None:
+        return sub
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        except BaseException:
+            role = self.__dict__.get(_ROLE)
+            if role is not None:
+                role.call_failed(self)
+            raise
+
+    def _apply(self, fn, recurse=True):
+        role = self.__dict__.get(_ROLE)
+        if role is None:
+            return cls._apply(self, fn, recurse)
+        return role.apply(self, fn, recurse, cls._apply)
+
+    def named_parameters(self, *args, **kwargs):
+        role = self.__dict__.get(_ROLE)
+        if role is not None:
+            role.settle()
+        return cls.named_parameters(self, *args, **kwargs)
+
+    def _ddp_ignore(self):
+        # DistributedDataParallel asks for this attribute at construction (hasattr lets
+        # any error but AttributeError through), so wrapping an offloaded model fails there.
+        role = self.__dict__.get(_ROLE)
+        if role is not None:
+            role.wrapped_by_ddp(self)
+        try:
+            return self.__dict__["_ddp_params_and_buffers_to_ignore"]
+        except KeyError:
+            raise AttributeError("_ddp_params_and_buffers_to_ignore") from None
+
+    def _ddp_ignore_set(self, value):
+        role = self.__dict__.get(_ROLE)
+        if role is not None:
+            role.wrapped_by_ddp(self)
+        self.__dict__["_ddp_params_and_buffers_to_ignore"] = value
+
+    sub = type(cls.__name__, (cls,), {
+        "__call__": __call__,
+        "_apply": _apply,
+        "named_parameters": named_parameters,
+        "_ddp_params_and_buffers_to_ignore": property(_ddp_ignore, _ddp_ignore_set),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "_headroom_base": cls,
+    })
+    _CLASSES[cls] = sub
+    return sub
+
+
+def install(module: nn.Module, role: Role) -> None:
+    """Route ``module``'s call, ``_apply`` and DDP's construction-time check to ``role``."""
+    module.__dict__[_ROLE] = role
+    if "_headroom_base" not in type(module).__dict__:
+        module.__class__ = _guarded_class(type(module))
+
+
+def remove(module: nn.Module) -> None:
+    """Undo `install`: the original class again, no role."""
+    module.__dict__.pop(_ROLE, None)
+    base = type(module).__dict__.get("_headroom_base")
+    if base is not None:
+        module.__class__ = base

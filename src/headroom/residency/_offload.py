@@ -1,0 +1,400 @@
+"""Parameter offload, the public entry points: `offload`, `unoffload`, `describe`.
+
+See `headroom.residency._schedule` for how blocks move between the store and the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from headroom.residency import _guard
+from headroom.residency._group import DeviceCopy, Group, Slot
+from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
+from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
+from headroom.transfer import (
+    DiskStore,
+    Store,
+    bind,
+    binding,
+    check_device,
+    claimed_keys,
+    resize_storage,
+    resolve_store,
+    trim_heap,
+    unbind,
+)
+
+__all__ = ["describe", "offload", "unoffload"]
+
+_ATTR = "_headroom_offload"
+
+
+# ---------------------------------------------------------------------------------- public API
+def offload(
+    model: nn.Module,
+    *,
+    device: str | torch.device,
+    store: str | Store = "cpu",
+    blocks: Iterable[nn.Module] | None = None,
+    prefetch: int = 1,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Keep ``model``'s parameters and gradients in a store; stream each block to ``device``.
+
+    Changes the model in place and returns it. Afterwards ``model.parameters()`` yields the
+    *masters*: with ``store="cpu"`` they are host tensors whose ``.grad`` is filled by backward,
+    so ``torch.optim.AdamW(model.parameters())`` works unchanged and steps on the host (as in
+    ZeRO-offload); with a `DiskStore` they are ``meta`` placeholders and an optimizer must go
+    through the store (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved
+    there and stay.
+
+    Args:
+        model: the model; its parameters may be anywhere, including the ``meta`` device:
+            such modules are initialized one at a time (``reset_parameters()``) right before
+            their parameters go to the store, so a model bigger than RAM never exists whole.
+        device: where computation runs (``"cuda"``, any ``torch.accelerator``, or ``"cpu"``).
+        store: ``"cpu"`` (host memory; pinned from a pool with a byte budget when ``device``
+            is an accelerator) or a store such as ``hr.DiskStore(path)`` for models bigger than
+            host memory (slower: disk bandwidth bounds each step).
+        blocks: the submodules fetched and released together; by default the largest group of
+            similar siblings (a transformer's layers, a CNN's stages), plus any module outside
+            them holding at least half a block of parameters (an untied embedding or head).
+            The remaining parameters, and any shared by several blocks, form one more group that
+            is resident from the start of forward to the end of backward. Smaller blocks use
+            less device memory but give transfers less compute to hide behind.
+        prefetch: how many blocks ahead to start fetching (forward order, and reverse order in
+            backward). Each costs one block of device memory; 0 disables overlap.
+        compute_dtype: dtype of the device copies of floating-point parameters (e.g.
+            ``torch.bfloat16``); masters and gradients in the store stay in their own dtype
+            (fp32), gradients accumulate there. Opt-in and not bitwise equal to fp32 training.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        RuntimeError: ``device`` is not available, or the model (or a part of it) is already
+            offloaded.
+        ValueError: bad ``blocks``, ``prefetch`` or ``compute_dtype``.
+        StoreFullError / PermissionError: the store cannot hold the parameters.
+
+    Example:
+        >>> model = hr.offload(model, device="cuda", store="cpu", prefetch=1)   # doctest: +SKIP
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-4)                 # doctest: +SKIP
+        >>> model(x.cuda()).sum().backward(); opt.step(); opt.zero_grad()        # doctest: +SKIP
+    """
+    dev = check_device(device)
+    check_options(prefetch, compute_dtype)
+    for name, m in model.named_modules():
+        if hasattr(m, _ATTR):
+            where = "the model" if m is model else f"its submodule {name!r}"
+            raise RuntimeError(
+                f"{where} is already offloaded; call hr.unoffload() on it first"
+            )
+    for name, p in model.named_parameters():
+        if binding(p) is not None:
+            raise RuntimeError(
+                f"parameter {name!r} already rests in a store (offloaded elsewhere or bound by"
+                " another headroom feature); unoffload it first"
+            )
+    lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
+                 compute_dtype=compute_dtype)
+    st = resolve_store(store, dev)
+    if dev.type == "cpu" and not isinstance(st, DiskStore):
+        warnings.warn(
+            "hr.offload with device='cpu' and a host-memory store saves no memory (it keeps a"
+            " master and a device copy in the same RAM); it is meant for testing the mechanics."
+            " Use store=hr.DiskStore(path) to train beyond RAM on a CPU.",
+            UserWarning,
+            stacklevel=2,
+        )
+    state = Offload(model, dev, st, prefetch, compute_dtype)
+    state.plan = replace(lay.plan, store=repr(st))
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
+    state.blocks = [Group(g.name, m) for g, m in zip(lay.plan.blocks, lay.block_modules,
+                                                     strict=True)]
+    first_name = lay.names
+    claimed = claimed_keys(st)
+    for pid, p in lay.params.items():  # validate before changing anything
+        name = first_name[pid]
+        if name in st:
+            if name in claimed:
+                raise RuntimeError(
+                    f"{name!r} in {st!r} is in use by another offloaded model or classifier"
+                    " head; give each model its own store (or DiskStore directory)"
+                )
+            _check_stored(st.get(name), p, name)
+    placed: list[tuple[Slot, nn.Parameter, bool]] = []
+    try:
+        _place(state, st, dev, compute_dtype, lay, claimed, placed)
+    except BaseException:
+        _rollback(state, st, claimed, placed)
+        raise
+    for mname, m in model.named_modules():
+        for bname, buf in list(m._buffers.items()):
+            if buf is not None:
+                if buf.device.type == "meta":
+                    state.pending_modules[id(m)] = m  # filled like the parameters
+                elif buf.device != dev:
+                    m._buffers[bname] = buf.to(dev)
+                state.buffers.append(f"{mname}.{bname}" if mname else bname)
+
+    # Hooks: root, blocks, state dict.
+    h = state.handles
+    h.append(model.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True,
+                                             prepend=True))
+    h.append(model.register_forward_hook(state.root_post_forward, with_kwargs=True))
+    h.append(model.register_state_dict_pre_hook(lambda *a, **k: state.init_pending()))
+    for b in state.blocks:
+        h.append(b.module.register_forward_pre_hook(partial(state.pre_forward, b),
+                                                    with_kwargs=True, prepend=True))
+        h.append(b.module.register_forward_hook(partial(state.post_forward, b),
+                                                with_kwargs=True))
+    seen_mods: set[int] = set()
+    for s in state.slots:
+        for m, _ in s.owners:
+            if id(m) in seen_mods:
+                continue
+            seen_mods.add(id(m))
+            h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
+            h.append(m.register_load_state_dict_pre_hook(
+                partial(Offload.load_state_dict_pre_hook, state)))
+    _install_optimizer_hook()
+    if dev.type == "cpu":
+        trim_heap()  # the device copies were allocated once above, and freed
+    object.__setattr__(model, _ATTR, state)
+    # After every other step succeeded: a failed offload leaves the classes alone.
+    _guard.install(model, state)
+    for b in state.blocks:
+        _guard.install(b.module, _GroupRole(state, b))
+    if not state.blocks:
+        warnings.warn(
+            "hr.offload found no repeated blocks in the model, so all parameters form one group"
+            " that is resident for the whole step (no memory saved on the device); pass"
+            " blocks=[...] with the submodules to fetch one at a time",
+            UserWarning,
+            stacklevel=2,
+        )
+    return model
+
+
+_guard_handle = None
+
+
+def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Layout,
+           claimed: set[str], placed: list) -> None:
+    """Move every parameter's master into the store and give it a device copy and hooks."""
+    owners, params, first_name = lay.owners, lay.params, lay.names
+    for pid, p in params.items():
+        name = first_name[pid]
+        # A parameter already in the store (a DiskStore reopened by a later run) is
+        # resumed when the model has no values for it (meta) and overwritten when it has.
+        resume = name in st and p.device.type == "meta"
+        # One created on meta gets room in the store now and its values later, from a
+        # checkpoint or its module's initialization (see headroom.residency._meta).
+        pending = p.device.type == "meta" and not resume
+        if not p.is_leaf:
+            raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
+        g = lay.group_of[pid]
+        target = state.blocks[g] if g >= 0 else state.rest
+        cdtype = compute_dtype if (compute_dtype is not None and p.is_floating_point()) \
+            else p.dtype
+        created = name not in st
+        if resume:
+            handle = st.get(name)
+        elif pending:
+            handle = st.alloc(name, tuple(p.shape), p.dtype, zero=False)
+        elif name in st:
+            handle = st.get(name)
+            st.write(handle, p.detach().to("cpu").contiguous()).result()
+        else:
+            handle = st.put(name, p.detach())
+        dev_param = DeviceCopy(torch.empty(p.shape, dtype=cdtype, device=dev),
+                                requires_grad=p.requires_grad)
+        resize_storage(dev_param, 0)
+        host = st.host_tensor(handle)
+        if host is not None and p.device.type == "meta":
+            master = nn.Parameter(host, requires_grad=p.requires_grad)
+        elif host is not None:
+            master = p
+            with torch.no_grad():
+                master.data = host
+            if master.grad is not None:
+                master.grad = None
+        else:
+            master = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                  requires_grad=p.requires_grad)
+        b = bind(master, handle)
+        b.has_value = not pending
+        if pending:
+            for m, _ in owners[pid]:
+                state.pending_modules[id(m)] = m
+        b.grad_sync = state.sync_grads
+        slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
+        slot.group = target
+        slot.show(master)
+        placed.append((slot, params[pid], created))
+        claimed.add(name)
+        target.slots.append(slot)
+        state.slots.append(slot)
+        state.by_dev[id(dev_param)] = slot
+        state.by_param[id(master)] = slot
+        if p.is_floating_point() or p.is_complex():
+            # Hooks need requires_grad at registration and survive toggling it, so a
+            # parameter frozen now still routes its gradient if it is unfrozen later.
+            for t, fn in ((dev_param, state.grad_hook),
+                          (master, partial(state.bypass_hook, slot.name))):
+                rg = t.requires_grad
+                t.requires_grad_(True)
+                state.handles.append(t.register_post_accumulate_grad_hook(fn))
+                t.requires_grad_(rg)
+
+
+def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
+    """Undo a failed `offload`: parameters back in their modules, store entries freed."""
+    _LIVE.discard(state)
+    for h in state.handles:
+        h.remove()
+    for slot, original, created in reversed(placed):
+        host = st.host_tensor(slot.binding.handle)
+        if original is slot.param and host is not None:
+            with torch.no_grad():
+                original.data = host.clone()  # its buffer goes back to the store's pool
+        slot.show(original)
+        unbind(slot.param)
+        if created:
+            st.free(slot.binding.handle)
+        claimed.discard(slot.binding.handle.key)
+
+
+def _check_stored(handle, p: torch.Tensor, name: str) -> None:
+    if handle.shape != tuple(p.shape) or handle.dtype != p.dtype:
+        raise ValueError(
+            f"the store already holds {name!r} as {handle.dtype} {handle.shape}, but the model's"
+            f" parameter is {p.dtype} {tuple(p.shape)}; use an empty directory for a different"
+            " model, or build the model with the stored shapes and dtypes"
+        )
+
+
+def _install_optimizer_hook() -> None:
+    """Before any optimizer step: release device copies the step would make stale, and make
+    ``torch.optim`` optimizers fail clearly on parameters that live on disk."""
+    global _guard_handle
+    if _guard_handle is not None:
+        return
+
+    def before_step(opt, args, kwargs):
+        for state in list(_LIVE):
+            state.before_optimizer_step()
+        own = type(opt).__module__.startswith("headroom.")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if type(p) is DeviceCopy:
+                    raise RuntimeError(
+                        f"{type(opt).__name__} was given the device copies of offloaded"
+                        " parameters (model.parameters() was listed during the model's forward"
+                        " or backward), which training never updates. Build the optimizer from"
+                        " model.parameters() outside forward and backward"
+                    )
+                # Headroom's own optimizers read parameters through their bindings.
+                if not own and p.device.type == "meta" and binding(p) is not None:
+                    raise RuntimeError(
+                        f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
+                        " their values are on disk, not in memory. Use"
+                        f" hr.HostOptimizer(model.parameters(), torch.optim.{type(opt).__name__},"
+                        " ...) which streams them through the store, or offload with"
+                        " store='cpu'"
+                    )
+
+    _guard_handle = register_optimizer_step_pre_hook(before_step)
+
+
+def state_of(model: nn.Module) -> Offload:
+    """The live offload state of an offloaded model, for tests and debugging.
+
+    Its groups (``blocks``, ``rest``; each with ``resident`` and ``slots``), ``store`` and
+    residency (``res``) show what is on the device now. Not a stable API: use `describe` for
+    the plan and `headroom.track_memory` for bytes.
+
+    Raises:
+        RuntimeError: the model is not offloaded.
+    """
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise RuntimeError("the model is not offloaded (call hr.offload(model, device=...) first)")
+    return state
+
+
+def unoffload(model: nn.Module) -> nn.Module:
+    """Undo `offload`: parameters (and gradients) come back onto the device as plain tensors.
+
+    Masters that lived on disk are replaced by new ``nn.Parameter`` objects (re-create the
+    optimizer); with ``store="cpu"`` the same parameter objects are kept. The store's tensors
+    are freed.
+
+    Raises:
+        RuntimeError: the model is not offloaded, or a backward pass is in progress.
+
+    Example:
+        >>> model = hr.unoffload(model)   # doctest: +SKIP
+    """
+    state = state_of(model)
+    if state._bwd and in_backward():
+        raise RuntimeError("cannot unoffload during a backward pass")
+    state._settle()
+    state.init_pending()
+    state.sync_grads()
+    for b in [*state.blocks, state.rest]:
+        state.res.release(b)
+    for h in state.handles:
+        h.remove()
+    st = state.store
+    _guard.remove(model)
+    for b in state.blocks:
+        _guard.remove(b.module)
+    _LIVE.discard(state)
+    for s in state.slots:
+        b = s.binding
+        value = st.read(b.handle).result().to(state.device)
+        grad = None
+        if b.grad_handle is not None:
+            if s.param.grad is not None:
+                grad = st.read(b.grad_handle).result().to(state.device)
+            st.free(b.grad_handle)
+        st.free(b.handle)
+        claimed_keys(st).discard(b.handle.key)
+        unbind(s.param)
+        if s.param.device.type == "meta":
+            p = nn.Parameter(value, requires_grad=s.param.requires_grad)
+        else:
+            p = s.param
+            p.grad = None
+            with torch.no_grad():
+                p.data = value
+        p.grad = grad
+        s.show(p)
+    object.__delattr__(model, _ATTR)
+    return model
+
+
+def describe(model: nn.Module) -> OffloadPlan:
+    """The plan an offloaded model runs with: blocks, what stays resident and why, the budget.
+
+    ``print()`` it for a table; its fields are data (``plan.blocks``, ``plan.outside``,
+    ``plan.device_budget``). `headroom.residency.plan_offload` gives the same for a model that
+    is not offloaded (one on ``meta`` too).
+
+    Raises:
+        RuntimeError: the model is not offloaded.
+
+    Example:
+        >>> print(hr.describe(hr.offload(model, device="cuda")))   # doctest: +SKIP
+    """
+    return state_of(model).plan

@@ -1,0 +1,609 @@
+"""When offloaded parameters move: the forward and backward hooks of an offloaded model.
+
+A group's forward pre-hook makes it resident (waiting for a prefetch started earlier) and shows
+its device copies to the modules; the forward post-hook hides them and releases the group. A
+hook on the group's outputs fires before its backward and fetches it again; it is released as
+soon as all its gradients are in (and, with frozen parameters, its input gradients), each
+device copy's post-accumulate-grad hook having handed its gradient to the store. The moving
+itself is `headroom.residency._group.Residency`'s.
+
+Resting state (see [Note: resting state] in docs/architecture.md): outside forward and backward
+the modules hold the masters and nothing is resident on the device. A forward or backward that
+breaks off half-way (an exception, ``KeyboardInterrupt``) puts the model back there: at once
+when headroom sees it (a failure inside the guarded root or a block, see
+`headroom.residency._guard`, or in headroom's own backward hooks); otherwise (another hook
+raising in backward) at the next forward or ``named_parameters()``; see `Offload.abort_forward`,
+`Offload.abort_backward` and `Offload.settle_if_idle`.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from headroom.residency._group import Group, Residency, Slot, hide, show
+from headroom.residency._meta import init_pending
+from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
+
+__all__ = ["Offload", "in_backward"]
+
+
+def in_backward() -> bool:
+    """True inside an autograd backward pass (e.g. during a checkpoint's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _outputs(output: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(output)
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        # Objects pytree does not know (e.g. some model-output classes) are walked by hand.
+        leaves = []
+        stack = [output]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, torch.Tensor):
+                leaves.append(x)
+            elif isinstance(x, dict):
+                stack.extend(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack.extend(x)
+            elif hasattr(x, "__dict__") and not isinstance(x, nn.Module):
+                stack.extend(vars(x).values())
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a block's inputs whose backward reports that their gradients are done."""
+
+    @staticmethod
+    def forward(ctx, callback, *xs):
+        ctx.callback = callback
+        outs = tuple(x.view_as(x) for x in xs)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+# Live offloaded models, for the optimizer-step hook (see `before_optimizer_step`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+class _GroupRole:
+    """A block's side of the guard protocol (`headroom.residency._guard.Role`)."""
+
+    __slots__ = ("state", "block")
+
+    def __init__(self, state: Offload, block: Group) -> None:
+        self.state = state
+        self.block = block
+
+    def call_failed(self, module: nn.Module) -> None:
+        self.state.abort_forward(self.block)
+
+    def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
+        return self.state.apply(module, fn, recurse, base)
+
+    def settle(self) -> None:
+        self.state.settle_if_idle()
+
+    def wrapped_by_ddp(self, module: nn.Module) -> None:
+        self.state.wrapped_by_ddp(module)
+
+
+class Offload:
+    """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, store: Store, prefetch: int,
+                 compute_dtype: torch.dtype | None) -> None:
+        self.model = model
+        self.device = device
+        self.store = store
+        self.res = Residency(device, store)
+        self.prefetch = prefetch
+        self.compute_dtype = compute_dtype
+        self.plan = None  # the OffloadPlan applied (set by hr.offload)
+        self.blocks: list[Group] = []
+        self.rest = Group("(outside blocks)", None)
+        self.slots: list[Slot] = []
+        self.by_dev: dict[int, Slot] = {}
+        self.by_param: dict[int, Slot] = {}
+        self.handles: list[Any] = []
+        self.order: list[Group] = []  # forward order of the last forward
+        self._order_now: list[Group] = []
+        self._root_running = False
+        self._active: list[list] = []  # [block, watched] of block forwards in progress
+        self._bwd = False
+        self._bwd_task = -1
+        self._bwd_seen: set[int] = set()
+        self._bypass: list[str] = []
+        self.buffers: list[str] = []
+        # modules with parameters or buffers created on meta and not filled yet (see _meta)
+        self.pending_modules: dict[int, nn.Module] = {}
+        self.module_names: dict[int, str] = {}
+        _LIVE.add(self)
+
+    def _prefetch(self, order: list[Group], start: int, step: int) -> None:
+        i = start
+        for _ in range(self.prefetch):
+            i += step
+            if not 0 <= i < len(order):
+                return
+            if step < 0 and id(order[i]) in self._bwd_seen:
+                continue
+            self.res.fetch(order[i])
+
+    def init_pending(self) -> None:
+        """Values for whatever was created on meta and not loaded yet (see `_meta`)."""
+        if self.pending_modules:
+            init_pending(self)
+
+    # ------------------------------------------------------------------ failures
+    def abort_forward(self, block: Group | None) -> None:
+        """A forward (of the root when ``block`` is None) raised: back to the resting state.
+
+        A block that fails inside the root's forward releases itself (the caller may catch the
+        error and go on); the root, or a block called on its own, releases everything. Never
+        raises: the error being propagated is the one to report.
+        """
+        if in_backward():
+            # A recomputation inside backward (activation checkpointing), which may even
+            # stop itself with an exception on purpose; the backward goes on or breaks off,
+            # and a backward that breaks off is cleaned up then.
+            return
+        try:
+            if block is not None:
+                for i in range(len(self._active) - 1, -1, -1):
+                    if self._active[i][0] is block:
+                        _, watched = self._active.pop(i)
+                        if watched:
+                            block.inputs_pending = max(0, block.inputs_pending - 1)
+                        break
+                hide(block)
+                self.res.release(block, quiet=True)
+                if self._root_running or self._active:
+                    return
+            for b, watched in self._active:
+                if watched:
+                    b.inputs_pending = max(0, b.inputs_pending - 1)
+            self._active = []
+            self._root_running = False
+            self._order_now = []
+            for b in [*self.blocks, self.rest]:
+                hide(b)
+                self.res.release(b, quiet=True)
+        except BaseException as e:  # pragma: no cover - nothing above is expected to raise
+            _warn_recovery(e)
+
+    def abort_backward(self) -> None:
+        """A backward broke off (an exception in a hook, Ctrl-C): release everything it held.
+
+        Gradients already handed to the store stay there and are visible (``param.grad`` is
+        set), as in plain PyTorch; ``zero_grad()`` clears them. Never raises.
+        """
+        try:
+            self._bwd = False
+            self._bwd_task = -1
+            self._bwd_seen = set()
+            for b in [*self.blocks, self.rest]:
+                b.inputs_pending = 0
+                hide(b)
+                self.res.release(b, quiet=True)
+            for _ in range(len(self.slots) + 1):  # let every gradient write in flight land
+                try:
+                    self.sync_grads()
+                    break
+                except Exception:
+                    continue
+        except BaseException as e:  # pragma: no cover - nothing above is expected to raise
+            _warn_recovery(e)
+
+    def _settle(self) -> None:
+        """Before a new forward: nothing of a forward or backward that broke off stays."""
+        if self._bwd:  # not inside a backward here: one broke off without its final callback
+            self.abort_backward()
+        for b in [*self.blocks, self.rest]:
+            # Only leftovers are resident here (e.g. `rest`, kept for a backward that
+            # never ran); a pending backward re-fetches what it needs, with the same values.
+            self.res.release(b)
+
+    def settle_if_idle(self) -> None:
+        """Outside forward and backward: back to the resting state, finishing the clean-up of a
+        backward that broke off outside headroom's hooks (or never ran)."""
+        if in_backward() or self._root_running or self._active:
+            return
+        if self._bwd:
+            self.abort_backward()
+            return
+        for b in [*self.blocks, self.rest]:
+            # A backward still to come re-fetches what it needs, with the same values.
+            self.res.release(b)
+
+    def before_optimizer_step(self) -> None:
+        """An optimizer is about to change masters: drop device copies a step would outdate."""
+        if self._bwd or self._root_running or self._active:
+            return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+        for b in [*self.blocks, self.rest]:
+            self.res.release(b)
+
+    # ------------------------------------------------------------------ guard protocol
+    def call_failed(self, module: nn.Module) -> None:
+        self.abort_forward(None)
+
+    def settle(self) -> None:
+        self.settle_if_idle()
+
+    def wrapped_by_ddp(self, module: nn.Module) -> None:
+        raise RuntimeError(
+            f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
+            f" {type(module).__name__}): autograd runs on the device copies while DDP hooks"
+            " the stored parameters, so no gradient would be all-reduced and the replicas would"
+            " silently diverge. Data parallel training of offloaded models is not supported"
+            " yet: train offloaded models in a single process, or hr.unoffload(model) first"
+        )
+
+    def _check_not_under_ddp(self, module: nn.Module) -> None:
+        if _ddp_frames() and _called_from_ddp():
+            self.wrapped_by_ddp(module)
+
+    def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
+        """``module._apply(fn)`` (``.to()``, ``.half()``, ``.cuda()``, ...) on a guarded module.
+
+        Allowed, for buffers and everything not offloaded, when it leaves offloaded parameters'
+        dtype and device as they are (e.g. ``.to(device)`` with the compute device, ``.float()``
+        of an fp32 model); otherwise an error before anything changes.
+        """
+        if self._bwd or self._root_running or self._active:
+            raise RuntimeError(
+                "cannot move or convert an offloaded model during its forward or backward")
+        for dtype in sorted({s.binding.handle.dtype for s in self.slots}, key=str):
+            probe = torch.empty(0, dtype=dtype, device=self.device)
+            out = fn(probe)
+            if not isinstance(out, torch.Tensor):
+                continue
+            if out.dtype != dtype:
+                raise RuntimeError(
+                    f"{type(module).__name__} is offloaded with hr.offload, whose stored"
+                    f" parameters stay {dtype}; converting them to {out.dtype} (.half(),"
+                    " .to(dtype), ...) is not done behind the store's back. To compute in"
+                    f" {out.dtype}, offload with hr.offload(..., compute_dtype={out.dtype}); to"
+                    " change the stored dtype, hr.unoffload(model), convert, and offload again"
+                )
+            if _normalized(out.device) != self.device:
+                raise RuntimeError(
+                    f"{type(module).__name__} is offloaded with hr.offload(device="
+                    f"{str(self.device)!r}); moving it to {out.device} is not done behind the"
+                    " store's back. Call hr.unoffload(model) first, then move it (or offload it"
+                    " again with the new device)"
+                )
+        keep = set()
+        for s in self.slots:
+            for t in (s.param, s.dev, s.param.grad, s.dev.grad):
+                if t is not None:
+                    keep.add(id(t))
+        return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
+
+    # ------------------------------------------------------------------ forward hooks
+    def root_pre_forward(self, module, args, kwargs):
+        if in_backward():
+            self.res.ensure(self.rest)
+            show(self.rest)
+            return None
+        self._check_not_under_ddp(module)
+        self._settle()
+        self.init_pending()
+        self._root_running = True
+        self._order_now = []
+        self._active = []
+        self.res.ensure(self.rest)
+        show(self.rest)
+        order = self.order or self.blocks
+        self._prefetch(order, -1, 1)
+        return None
+
+    def root_post_forward(self, module, args, kwargs, output):
+        if in_backward():
+            return None
+        self._root_running = False
+        self.order = self._order_now or self.order
+        for b in self.blocks:  # prefetched past the end, or skipped by this forward
+            self.res.release(b)
+        outs = _outputs(output) if torch.is_grad_enabled() else []
+        if outs:
+            # `rest` stays resident for backward, but the modules hold the masters again.
+            hide(self.rest)
+            hook = partial(self.pre_backward, self.rest)
+            for t in outs:
+                t.register_hook(hook)
+        else:
+            self.res.release(self.rest)
+        return None
+
+    def pre_forward(self, block: Group, module, args, kwargs):
+        if in_backward():  # recomputation inside backward (activation checkpointing)
+            self.res.ensure(block)
+            show(block)
+            return None
+        if not self._root_running:  # called on its own, e.g. one head of a ModuleList
+            self._check_not_under_ddp(module)
+            if self._bwd:
+                self.abort_backward()
+            self.init_pending()
+        entry = [block, False]
+        self._active.append(entry)
+        self.res.ensure(block)
+        show(block)
+        for s in block.slots:
+            if s.dev.requires_grad != s.param.requires_grad:
+                s.dev.requires_grad_(s.param.requires_grad)
+        self._order_now.append(block)
+        order = self.order if block in self.order else self.blocks
+        self._prefetch(order, order.index(block), 1)
+        if torch.is_grad_enabled() and any(not s.dev.requires_grad for s in block.slots):
+            new = self._watch_inputs(block, args, kwargs)
+            entry[1] = new is not None
+            return new
+        return None
+
+    def _watch_inputs(self, block: Group, args, kwargs):
+        # With frozen parameters, "all parameter gradients are in" does not mean the
+        # block's backward is over (frozen weights are still needed for input gradients), so
+        # the block is also held until the gradients of its inputs are computed.
+        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        keys = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not idx and not keys:
+            return None
+        block.inputs_pending += 1
+        outs = _AfterBackward.apply(partial(self.inputs_done, block),
+                                    *[args[i] for i in idx], *[kwargs[k] for k in keys])
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        args = list(args)
+        for j, i in enumerate(idx):
+            args[i] = outs[j]
+        kwargs = dict(kwargs)
+        for j, k in enumerate(keys):
+            kwargs[k] = outs[len(idx) + j]
+        return tuple(args), kwargs
+
+    def inputs_done(self, block: Group) -> None:
+        block.inputs_pending = max(0, block.inputs_pending - 1)
+        self._maybe_release(block)
+
+    def _maybe_release(self, block: Group) -> None:
+        if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
+            self.res.release(block)
+
+    def post_forward(self, block: Group, module, args, kwargs, output):
+        if in_backward():
+            # Keep the block: its backward, which triggered this recomputation, runs next.
+            return None
+        for i in range(len(self._active) - 1, -1, -1):
+            if self._active[i][0] is block:
+                del self._active[i]
+                break
+        if torch.is_grad_enabled():
+            hook = partial(self.pre_backward, block)
+            for t in _outputs(output):
+                t.register_hook(hook)
+        self.res.release(block)
+        return None
+
+    # ------------------------------------------------------------------ backward hooks
+    def pre_backward(self, block: Group, grad: torch.Tensor) -> None:
+        try:
+            self._pre_backward(block)
+        except BaseException:
+            self.abort_backward()
+            raise
+
+    def _pre_backward(self, block: Group) -> None:
+        task = torch._C._current_graph_task_id()
+        # Keyed by the graph task, so a backward that died half-way (an exception in a
+        # hook skips the final callback) does not leave the next one without its cleanup.
+        if not self._bwd or task != self._bwd_task:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "backward with create_graph=True (double backward, e.g. a gradient penalty)"
+                    " through a model offloaded with hr.offload is not supported: the device"
+                    " copies of its parameters are released after each block's backward, so the"
+                    " graph it would create could not be differentiated again. Compute the"
+                    " penalty on an unoffloaded model (hr.unoffload), or use a penalty that needs"
+                    " no second-order gradient"
+                )
+            if self._bwd:
+                self.abort_backward()  # a backward that broke off without its final callback
+            self._alloc_grads()
+            self._bwd = True
+            self._bwd_task = task
+            self._bwd_seen = set()
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        if id(block) in self._bwd_seen:
+            return
+        self._bwd_seen.add(id(block))
+        block.grads_left = sum(1 for s in block.slots if s.dev.requires_grad)
+        self.res.ensure(block)
+        # Shown, not only resident: activation checkpointing inside a block recomputes
+        # its submodules without calling the block (no pre-forward hook to show them then).
+        show(block)
+        if block is not self.rest and block in self.order:
+            self._prefetch(self.order, self.order.index(block), -1)
+
+    def _alloc_grads(self) -> None:
+        """Room for every gradient this backward can produce, before any of them lands."""
+        # A store that is full fails here, at the start of backward with nothing written, rather
+        # than half-way with some gradients stored and others not.
+        todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
+        store = self.store
+        try:
+            for s in todo:
+                s.binding.grad_handle = _grad_handle(store, s.binding)
+        except StoreFullError as e:
+            need = sum(s.binding.handle.nbytes for s in todo if s.binding.grad_handle is None)
+            raise StoreFullError(
+                f"no room for the gradients of this backward in {store!r}: {need} more bytes"
+                f" needed ({e}). No gradient was written and the model is unchanged; free space"
+                " or raise the store's max_bytes, then run the step again"
+            ) from e
+
+    def grad_hook(self, dev: torch.Tensor) -> None:
+        try:
+            self._grad_hook(dev)
+        except BaseException:
+            self.abort_backward()
+            raise
+
+    def _grad_hook(self, dev: torch.Tensor) -> None:
+        slot = self.by_dev[id(dev)]
+        g = dev.grad
+        dev.grad = None
+        if g is None:
+            return
+        b = slot.binding
+        p = slot.param
+        store = self.store
+        if b.grad_handle is None:
+            b.grad_handle = _grad_handle(store, b)
+        # A gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
+        # an optimizer with fp32 masters) cannot be param.grad: it gets the marker instead.
+        host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
+        cur = p.grad
+        if host is not None:
+            if cur is not None and cur.data_ptr() != host.data_ptr():
+                host.copy_(cur)  # a gradient assigned by the user: accumulate onto it
+            self.res.push_grad(g, b, accumulate=cur is not None)
+            if cur is None or cur.data_ptr() != host.data_ptr():
+                p.grad = host
+        else:
+            self.res.push_grad(g, b, accumulate=cur is not None)
+            if cur is None:
+                # A marker (one element, expanded): `zero_grad()` sets it to None, which
+                # tells the next backward to overwrite the stored gradient, not accumulate.
+                p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        # Post-accumulate-grad fires once per backward, after every use of the
+        # parameter (tied weights included), so this gradient is complete: tell listeners
+        # (inside HostOptimizer.final_backward() its step starts on the worker thread).
+        grad_ready(p)
+        block = slot.group
+        if id(block) in self._bwd_seen:
+            block.grads_left -= 1
+            if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
+                self._maybe_release(block)
+
+    def end_backward(self) -> None:
+        self._bwd = False
+        self._bwd_seen = set()
+        for b in self.blocks:
+            b.inputs_pending = 0
+            self.res.release(b)
+        self.res.release(self.rest)
+        self.sync_grads()
+        if self._bypass:
+            names, self._bypass = self._bypass, []
+            raise RuntimeError(
+                f"parameter(s) {sorted(set(names))} were used outside the forward of their"
+                " offloaded block, so their gradient bypassed the store and is wrong; make the"
+                " block that uses them contain them (hr.offload(..., blocks=[...])) or call"
+                " the block module itself rather than reading its parameters from outside"
+            )
+
+    def sync_grads(self) -> None:
+        """Wait until every gradient pushed so far rests in the store (any thread)."""
+        self.res.sync_grads()
+
+    def bypass_hook(self, name: str, p: torch.Tensor) -> None:
+        self._bypass.append(name)
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        self.init_pending()
+        for attr, t in module._parameters.items():
+            slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
+            if slot is None or prefix + attr not in state_dict:
+                continue
+            host = self.store.host_tensor(slot.binding.handle)
+            state_dict[prefix + attr] = (
+                host if host is not None else self.store.read(slot.binding.handle).result()
+            )
+
+    def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
+        for attr, t in module._parameters.items():
+            slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
+            key = prefix + attr
+            if slot is None or key not in state_dict:
+                continue
+            value = state_dict[key]
+            h = slot.binding.handle
+            if tuple(value.shape) != h.shape:
+                continue  # the default loader reports the mismatch
+            self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
+            slot.binding.has_value = True
+            # The default loader then copies into whatever the module holds; give it a
+            # placeholder of the same kind so that copy is a no-op.
+            cur = module._parameters[attr]
+            if cur.device.type == "meta":
+                state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
+            else:
+                state_dict[key] = cur.detach()
+
+
+def _grad_handle(store: Store, b: ParamBinding):
+    """The store's gradient tensor for ``b`` (in ``b.grad_dtype``), existing or new."""
+    h = b.handle
+    key = f"{h.key}.grad"
+    dtype = b.grad_dtype or h.dtype
+    if key in store:
+        gh = store.get(key)
+        if gh.dtype == dtype:
+            return gh
+        store.free(gh)  # allocated for another dtype and not in use (b.grad_handle was None)
+    return store.alloc(key, h.shape, dtype)
+
+
+def _normalized(device: torch.device) -> torch.device:
+    if device.type not in ("cpu", "meta") and device.index is None:
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
+
+
+def _warn_recovery(e: BaseException) -> None:  # pragma: no cover - defensive
+    import warnings
+
+    warnings.warn(
+        f"headroom could not fully restore an offloaded model after a failed forward/backward"
+        f" ({type(e).__name__}: {e}); call hr.unoffload(model) and offload it again",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+_DDP_CODES: tuple | None = None
+
+
+def _ddp_frames() -> bool:
+    """Whether a DistributedDataParallel could be running (torch.distributed in use)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _called_from_ddp(depth: int = 64) -> bool:
+    """Whether this call runs inside ``DistributedDataParallel.forward`` (walks the frames)."""
+    global _DDP_CODES
+    if _DDP_CODES is None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        _DDP_CODES = (DDP.forward.__code__, DDP._run_ddp_forward.__code__)
+    f = sys._getframe(2)
+    while f is not None and depth > 0:
+        if f.f_code in _DDP_CODES:
+            return True
+        f = f.f_back
+        depth -= 1
+    return False

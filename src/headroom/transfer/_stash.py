@@ -1,0 +1,237 @@
+"""Anonymous tensors kept in a store for a while: stash the bytes away, bring them back later.
+
+`Stash` moves the bytes of a tensor's storage out of the compute device into host memory or a
+`DiskStore`, and back into a storage of the same size when asked, ahead of time if asked early
+(`prefetch`). It knows nothing of what the bytes mean: activation offload (which tensors, when to
+free the device memory, when to fetch) is built on it. Storage is pooled by size, so a training
+loop that stashes the same sizes every step allocates (and, on disk, creates files) only on its
+first step.
+
+On an accelerator the copies run on side streams ordered after the compute stream by events, and
+the compute stream waits (an event, not the host) before it uses restored bytes. On the CPU a
+host store copies at once; a `DiskStore` reads and writes on its own threads, straight from and
+into the tensor's memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from headroom.transfer._disk import DiskStore
+from headroom.transfer._handle import Handle
+from headroom.transfer._host import PinnedPool
+from headroom.transfer._store import SCRATCH, Store, is_accelerator
+
+__all__ = ["Stash", "StashTicket"]
+
+_KEY = SCRATCH + "stash"
+_ids = itertools.count()
+
+
+@dataclass
+class StashTicket:
+    """Bytes of one storage, resting in a stash (see `Stash`)."""
+
+    nbytes: int
+    host: torch.Tensor | None = None  # host copy (pooled): the bytes, or staging for the disk
+    handle: Handle | None = None  # where they rest on disk
+    source: torch.Tensor | None = field(default=None, repr=False)  # kept until copied out
+    out_event: object | None = None  # device -> host copy, on an accelerator
+    out: Future | None = None  # a disk write still reading its source (the storage, or host)
+    back: Future | None = None  # a disk read still landing
+    back_event: object | None = None  # host -> device copy
+    into: torch.Tensor | None = None  # the storage being refilled (uint8 view)
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over a whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class Stash:
+    """Stash storages in a store and restore them.
+
+    Args:
+        device: the compute device the storages live on.
+        store: a `DiskStore`, or ``None`` for host memory (page-locked, from a pool, when the
+            device is an accelerator).
+
+    Example:
+        >>> s = Stash("cpu", None)
+        >>> t = torch.arange(4.0)
+        >>> k = s.stash(t.untyped_storage())
+        >>> s.wait_out(k); t.untyped_storage().resize_(0)   # the device memory is free
+        >>> t.untyped_storage().resize_(16); s.restore(k, t.untyped_storage()); t
+        tensor([0., 1., 2., 3.])
+    """
+
+    def __init__(self, device: str | torch.device, store: Store | None) -> None:
+        self.device = torch.device(device)
+        self.disk = store if isinstance(store, DiskStore) else None
+        self.accelerated = is_accelerator(self.device)
+        self._pool = PinnedPool(pin=self.accelerated)
+        self._handles: dict[int, list[Handle]] = defaultdict(list)
+        self._prefix = f"{_KEY}/{next(_ids)}"
+        self._made = 0
+        if self.accelerated:
+            self._mod = torch.get_device_module(self.device.type)
+            self._d2h = self._mod.Stream(self.device)
+            self._h2d = self._mod.Stream(self.device)
+
+    # ------------------------------------------------------------------ out
+    def stash(self, storage: torch.UntypedStorage) -> StashTicket:
+        """Start copying ``storage``'s bytes into the stash. The storage must stay allocated
+        and unchanged until `out_done` says so or `wait_out` returns."""
+        n = storage.nbytes()
+        src = _bytes_of(storage)
+        k = StashTicket(n, source=src)
+        if self.disk is not None:
+            k.handle = self._handle(n)
+        if self.accelerated:
+            k.host = self._pool.take(n)
+            ev = self._mod.Event()
+            ev.record(self._mod.current_stream(self.device))
+            self._d2h.wait_event(ev)  # ordered after the compute that wrote the bytes
+            with self._mod.stream(self._d2h):
+                k.host.copy_(src, non_blocking=True)
+                k.out_event = self._mod.Event()
+                k.out_event.record(self._d2h)
+        elif self.disk is not None:
+            # The write reads straight from the storage, on the store's threads.
+            k.out = self.disk.write(k.handle, src) if n else None
+        else:
+            k.host = self._pool.take(n)
+            k.host.copy_(src)
+            k.source = None
+        return k
+
+    def out_done(self, k: StashTicket) -> bool:
+        """Whether the storage may be freed now (its bytes have left it), without waiting."""
+        if k.source is None:
+            return True
+        if k.out_event is not None:
+            if not k.out_event.query():
+                return False
+            self._left_device(k)
+            return True
+        if k.out is not None and not k.out.done():
+            return False
+        self._left_storage(k)
+        return True
+
+    def wait_out(self, k: StashTicket) -> None:
+        """Wait until the storage may be freed (its bytes have left it)."""
+        if k.source is None:
+            return
+        if k.out_event is not None:
+            k.out_event.synchronize()
+            self._left_device(k)
+            return
+        self._left_storage(k)
+
+    def _left_device(self, k: StashTicket) -> None:
+        k.out_event = None
+        k.source = None
+        if self.disk is not None and k.nbytes:
+            # Staging -> disk on the store's threads; the staging buffer stays with the ticket
+            # (a restore before the write is done copies from it, without reading the disk).
+            k.out = self.disk.write(k.handle, k.host)
+
+    def _left_storage(self, k: StashTicket) -> None:
+        if k.out is not None:
+            fut, k.out = k.out, None
+            fut.result()  # raises the write's error
+        k.source = None
+
+    # ------------------------------------------------------------------ back
+    def prefetch(self, k: StashTicket, storage: torch.UntypedStorage) -> None:
+        """Start copying the bytes back into ``storage`` (allocated, of the stashed size)."""
+        if k.into is not None:
+            return
+        if storage.nbytes() != k.nbytes:
+            raise ValueError(f"restoring {k.nbytes} stashed bytes into a storage of"
+                             f" {storage.nbytes()}")
+        self.wait_out(k)
+        k.into = _bytes_of(storage)
+        if not k.nbytes:
+            return
+        if self.accelerated:
+            if k.host is None:  # on disk only: read into staging first
+                k.host = self._pool.take(k.nbytes)
+                k.back = self.disk.read(k.handle, out=k.host)
+            else:
+                self._h2d_copy(k)
+        elif self.disk is not None:
+            k.back = self.disk.read(k.handle, out=k.into)
+        else:
+            k.into.copy_(k.host)
+
+    def _h2d_copy(self, k: StashTicket) -> None:
+        ev = self._mod.Event()
+        ev.record(self._mod.current_stream(self.device))
+        self._h2d.wait_event(ev)  # the storage was (re)allocated on the compute stream
+        with self._mod.stream(self._h2d):
+            k.into.copy_(k.host, non_blocking=True)
+            k.back_event = self._mod.Event()
+            k.back_event.record(self._h2d)
+
+    def restore(self, k: StashTicket, storage: torch.UntypedStorage) -> None:
+        """The bytes are back in ``storage``, ready for the compute stream (prefetching them
+        first if `prefetch` was not called)."""
+        self.prefetch(k, storage)
+        if k.back is not None:
+            fut, k.back = k.back, None
+            fut.result()
+            if self.accelerated:
+                self._h2d_copy(k)
+        if k.back_event is not None:
+            self._mod.current_stream(self.device).wait_event(k.back_event)
+            k.back_event = None
+
+    # ------------------------------------------------------------------ space
+    def drop(self, k: StashTicket) -> None:
+        """Give the stashed bytes' space back (pooled for the next stash of that size)."""
+        if k.out_event is not None:
+            k.out_event.synchronize()
+            k.out_event = None
+        for fut in (k.out, k.back):
+            if fut is not None:
+                fut.exception()  # an I/O still using the buffer must finish first
+        k.out = k.back = None
+        if k.back_event is not None:
+            k.back_event.synchronize()
+            k.back_event = None
+        if k.host is not None:
+            self._pool.give(k.host)
+            k.host = None
+        if k.handle is not None:
+            self._handles[k.nbytes].append(k.handle)
+            k.handle = None
+        k.source = k.into = None
+
+    def _handle(self, n: int) -> Handle:
+        free = self._handles[n]
+        if free:
+            return free.pop()
+        self._made += 1
+        return self.disk.alloc(f"{self._prefix}/{self._made}", (n,), torch.uint8, zero=False)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes the stash keeps for reuse: host buffers, and disk space when on disk."""
+        disk = sum(n * len(hs) for n, hs in self._handles.items())
+        return self._pool.total_bytes + disk
+
+    def close(self) -> None:
+        """Free what the stash pooled (its disk files too)."""
+        if self.disk is not None:
+            for hs in self._handles.values():
+                for h in hs:
+                    self.disk.free(h)
+        self._handles.clear()
+        self._pool.clear()

@@ -1,0 +1,170 @@
+"""Mistakes with an offloaded model fail where they are made, with the cause and the fix."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import headroom as hr
+from headroom.transfer import DiskStore
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+
+
+def _offload(model, store="cpu"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return hr.offload(model, device="cpu", store=store)
+
+
+@pytest.fixture(params=["cpu", "disk"])
+def store(request, tmp_path):
+    return "cpu" if request.param == "cpu" else DiskStore(tmp_path / "s", threads=2)
+
+
+def _train(model, opt, steps=3):
+    for i in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _assert_same(ref, model):
+    got = dict(model.state_dict())
+    for name, p in ref.state_dict().items():
+        assert torch.equal(got[name], p), name
+
+
+def test_gradient_penalty_is_refused_and_training_goes_on(store):
+    ref = _net()
+    model = _offload(copy.deepcopy(ref), store)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True.*not supported"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    assert all(p.grad is None for p in model.parameters())  # nothing landed
+    _train(model, opt)
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True))
+    _assert_same(ref, model)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.half(), lambda m: m.double(), lambda m: m.bfloat16(),
+    lambda m: m.to(torch.float16), lambda m: m.to("meta"), lambda m: m[1].half(),
+])
+def test_dtype_or_device_change_raises_at_the_call_and_changes_nothing(store, call):
+    model = _offload(_net(), store)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    with pytest.raises(RuntimeError, match="hr.unoffload"):
+        call(model)
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    model(torch.randn(2, 8)).sum().backward()  # still trains
+
+
+def test_moves_that_change_nothing_work(store):
+    ref = _net()
+    model = _offload(copy.deepcopy(ref), store)
+    assert model.to("cpu") is model
+    model.float()
+    model.to(torch.device("cpu"), torch.float32)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(model, opt)
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True))
+    _assert_same(ref, model)
+
+
+def test_buffers_still_follow_to(store):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)])
+    _offload(model, store)
+    model.to("cpu")
+    assert model[0][1].running_mean.device.type == "cpu"
+
+
+def test_conversion_of_an_unguarded_submodule_is_reported_at_the_next_forward(store):
+    model = _offload(_net(), store)
+    model[1][0].half()  # a layer inside a block: not intercepted at the call
+    with pytest.raises(RuntimeError, match=r"'1\.0\.weight' was changed to torch\.float16"):
+        model(torch.randn(2, 8))
+    hr.unoffload(model)  # the stored values are intact
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# ------------------------------------------------------------------ DistributedDataParallel
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _TwoHeads(nn.Module):
+    """A trunk and offloaded heads: DDP wraps the parent of the offloaded part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.heads = nn.ModuleList(nn.Linear(8, 2) for _ in range(2))
+
+    def forward(self, x, task: int = 0):
+        return self.heads[task](self.trunk(x))
+
+
+def _ddp_worker(rank: int, world: int, port: int, case: str, out) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        if case == "root":
+            model = _offload(_net())
+            try:
+                DDP(model)
+                out.put((rank, "no error"))
+            except RuntimeError as e:
+                out.put((rank, str(e)))
+        else:
+            model = _TwoHeads()
+            _offload(model.heads)
+            ddp = DDP(model)
+            try:
+                ddp(torch.randn(4, 8)).sum().backward()
+                out.put((rank, "no error"))
+            except RuntimeError as e:
+                out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["root", "parent"])
+def test_ddp_over_an_offloaded_model_is_refused(case):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, case, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert set(results) == {0, 1}
+    for msg in results.values():
+        assert "DistributedDataParallel cannot wrap a model offloaded" in msg, msg

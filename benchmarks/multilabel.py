@@ -44,7 +44,14 @@ METHODS = ("plain", "headroom", "headroom-fn")
 def _targets(batch: int, classes: int, positives: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.randint(0, 2 * positives + 1, (batch,))
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    rows = [torch.randperm(classes)[: int(k)] for k in counts]
+    rows = []
+    for k in counts.tolist():
+        # k distinct uniform classes, drawn again on a repeat. (A slice of torch.randperm(C)
+        # per row would keep each row's whole C-sized permutation alive: gigabytes of input.)
+        row = torch.randint(0, classes, (k,))
+        while row.unique().numel() < k:
+            row = torch.randint(0, classes, (k,))
+        rows.append(row)
     return offsets, torch.cat(rows)
 
 

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,6 +125,37 @@ def test_sampled_mode_trains_row_sparse_with_host_optimizer(tmp_path):
     assert bool(moved[rows].all())
     moved[rows] = False
     assert not moved.any()  # lazy Adam: only the sampled rows are read, updated and written
+
+
+def test_exact_squared_hinge_steps_only_rows_with_a_gradient(tmp_path):
+    """Classes scored below -1 in every row get exactly zero gradient from the squared hinge;
+    HostOptimizer(row_sparse=...) then reads, updates and writes only the other rows."""
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=DiskStore(tmp_path / "w"),
+                             slice_size=128)
+    w0 = torch.randn(C, D) * 0.05
+    b0 = torch.full((C,), -3.0)
+    b0[::7] = 0.0  # these classes score around 0: a gradient in every row
+    head.load_weight(w0, b0)
+    opt = hr.HostOptimizer(head.parameters(), torch.optim.AdamW, lr=1e-2,
+                           state_store=DiskStore(tmp_path / "st"), row_sparse=[head.weight])
+    x = torch.randn(B, D)
+    targets = random_targets(B, C)
+    head(x, targets, loss="squared_hinge").backward()
+    g = _grad(head, head.weight)
+    has = g.ne(0).any(1)
+    assert 0 < int(has.sum()) < C // 2  # the exact gradient is row-sparse here
+    ref = torch.nn.Parameter(w0.clone())
+    t = dense_target(targets, B, C, torch.float32)
+    dense_loss(x @ ref.T + b0, t, "squared_hinge", reduction="mean").backward()
+    assert not ref.grad[~has].any()  # the zero rows are zero in the dense gradient too
+    opt.step()
+    opt.zero_grad()
+    w = head.read_weight()
+    assert torch.equal(w[~has], w0[~has])  # lazy Adam: rows without a gradient stay put
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, fused=True)
+    ref.grad = g
+    ref_opt.step()
+    assert torch.equal(w[has], ref.detach()[has])  # a first step: what dense AdamW does there
 
 
 def test_class_id_labels_and_multilabel_options_do_not_mix():
@@ -242,3 +279,29 @@ def test_exception_in_forward_writes_nothing(tmp_path):
     with pytest.raises(_Injected):
         head(x, t, loss=fn)
     assert torch.equal(_grad(head, head.weight), before)
+
+
+def test_kill_mid_backward_on_disk_then_reopen_trains_exactly(tmp_path, one_thread):
+    """kill -9 between two gradient writes of a disk head's backward: the reopened store holds
+    the weight of the last finished step, and training from it is bitwise the uninterrupted run."""
+    from tests.heads import _kill_child as child
+
+    src = str(Path(hr.__file__).resolve().parents[1])
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(root)]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, child.__file__, str(tmp_path / "killed")],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.split() == ["stepped", "1"]
+
+    ref, ref_opt, _ = child.open_head(tmp_path / "ref")
+    child.train_step(ref, ref_opt, 1)
+    with pytest.warns(UserWarning, match="was not closed"):  # and says to resume from hr.load
+        head, opt, _ = child.open_head(tmp_path / "killed")  # keeps the stored values
+    assert torch.equal(head.read_weight(), ref.read_weight())
+    assert torch.equal(head.read_bias(), ref.read_bias())
+    for step in (2, 3):  # the half-written gradient is overwritten, not added to
+        child.train_step(ref, ref_opt, step)
+        child.train_step(head, opt, step)
+        assert torch.equal(head.read_weight(), ref.read_weight())
+        assert torch.equal(head.read_bias(), ref.read_bias())

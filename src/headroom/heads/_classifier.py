@@ -1,9 +1,10 @@
-"""`HugeClassifier`: a linear + softmax cross-entropy head whose weight rests in a store.
+"""`HugeClassifier`: a linear head with an exact loss whose weight rests in a store.
 
-The ``num_classes x in_features`` weight (and bias) rest in host memory or on disk and are read
-slice by slice in both passes of the exact sliced cross-entropy; gradients are written back to
-the store slice by slice, where `headroom.HostOptimizer` (or, with ``store="cpu"``, any
-``torch.optim`` optimizer) finds them.
+The loss is softmax cross-entropy (one class id per row) or a multi-label loss (the positives
+of each row, `headroom.linear_loss`'s losses). The ``num_classes x in_features`` weight (and
+bias) rest in host memory or on disk and are read slice by slice in both passes of the exact
+sliced loss; gradients are written back to the store slice by slice, where
+`headroom.HostOptimizer` (or, with ``store="cpu"``, any ``torch.optim`` optimizer) finds them.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ class HugeClassifier(nn.Module):
         self.generator = generator
         self.store = resolve_store(store, self.device)
         if self.device.type == "cpu" and isinstance(store, str):
-            # NOTE: "cpu" on a cpu device is legal (it is the exact path tests use); it just
+            # "cpu" on a cpu device is legal (it is the exact path tests use); it just
             # saves no device memory, which the design asks to say.
             warnings.warn(
                 "HugeClassifier(device='cpu', store='cpu') keeps the weight in ordinary memory: "
@@ -271,7 +272,7 @@ class HugeClassifier(nn.Module):
             self.weight = self._param(self._wh)
             self.bias = self._param(self._bh) if self._bh is not None else None
         except BaseException:
-            # NOTE: a failed head takes back what it allocated (a later head with this key
+            # A failed head takes back what it allocated (a later head with this key
             # would take the uninitialized tensors for trained ones) and frees its key at once,
             # not when it is collected: a traceback kept for the user (a notebook's last
             # error) would hold it, and the key, alive.
@@ -284,12 +285,14 @@ class HugeClassifier(nn.Module):
         self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
         self.last_sampled_classes: torch.Tensor | None = None
         if not reopened:
-            # NOTE: a key already in the store (a reopened DiskStore) keeps its trained values.
+            # A key already in the store (a reopened DiskStore) keeps its trained values.
             self.reset_parameters()
 
     # ------------------------------------------------------------------ storage
     def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
         """Reserve ``keys`` of the store for this head until it is garbage-collected.
+
+        See [Note: one writer per key] in docs/architecture.md.
 
         Returns:
             The finalizer that releases them (calling it releases them now, once).
@@ -297,7 +300,7 @@ class HugeClassifier(nn.Module):
         claimed = claimed_keys(self.store)
         taken = [k for k in keys if k in claimed]
         if taken:
-            # NOTE: a head that is unreachable but caught in a reference cycle still holds its
+            # A head that is unreachable but caught in a reference cycle still holds its
             # keys until the cycle collector runs; collect once before calling it a conflict.
             gc.collect()
             taken = [k for k in keys if k in claimed]
@@ -311,7 +314,7 @@ class HugeClassifier(nn.Module):
                 "resumes its values)"
             )
         claimed.update(keys)
-        # NOTE: weakref.finalize holds the set and the keys, not the head: the claim ends when
+        # Weakref.finalize holds the set and the keys, not the head: the claim ends when
         # the head is collected (re-running a notebook cell after `del head` works), while the
         # values stay in the store for the next head with this key.
         return weakref.finalize(self, claimed.difference_update, keys)
@@ -423,7 +426,7 @@ class HugeClassifier(nn.Module):
                 b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
             b.has_grad = True
             host = self.store.host_tensor(b.grad_handle)
-            # NOTE: as offloaded parameters do: the store's gradient tensor itself (host store)
+            # As offloaded parameters do: the store's gradient tensor itself (host store)
             # or a meta marker (disk); zero_grad() sets it to None, which makes the next
             # backward overwrite instead of accumulate.
             p.grad = host if host is not None else torch.empty(
@@ -454,7 +457,7 @@ class HugeClassifier(nn.Module):
         self._dirty = torch.empty(0, dtype=torch.int64)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        # NOTE: `model.to("cuda")` on a model that contains this head must not copy the
+        # `model.to("cuda")` on a model that contains this head must not copy the
         # store-resident weight to the device (that is what the head exists to avoid) nor
         # detach the parameters from their store binding; they stay where they rest.
         params = self._parameters
@@ -587,7 +590,7 @@ class HugeClassifier(nn.Module):
         n_neg = min(want - pos.numel(), self.num_classes - pos.numel())
         if n_neg <= 0:
             return pos
-        # NOTE: random keys with the positives forced to the front, then the n_pos + n_neg
+        # Random keys with the positives forced to the front, then the n_pos + n_neg
         # smallest: uniform negatives without replacement in O(C), no Python loops.
         keys = torch.rand(self.num_classes, generator=self.generator)
         keys[pos] = -1.0

@@ -34,7 +34,7 @@ from headroom.heads._slices import (
 
 __all__ = ["DEFAULT_LOGITS_BUDGET", "linear_cross_entropy", "pick_slice_size"]
 
-# NOTE: a few hundred MB is the issue's "default budget"; within that, slices of a few thousand
+# A few hundred MB is the default budget; within that, slices of a few thousand
 # classes keep the reused buffer in the last-level cache for the elementwise passes, which run
 # at cache speed instead of memory speed. Larger slices do not make the matrix products faster.
 DEFAULT_LOGITS_BUDGET = 256 * 2**20
@@ -82,7 +82,7 @@ def _check_target(
     if target.numel() == 0:
         return
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
-    # NOTE: one host sync on an accelerator; an out-of-range label would otherwise silently
+    # One host sync on an accelerator; an out-of-range label would otherwise silently
     # read another row (or nothing) and give a wrong loss.
     if bool(bad.any()):
         first = target[bad].flatten()[0].item()
@@ -273,7 +273,7 @@ def lse_pass(
             if z_sum is not None:
                 z_sum += z.sum(1)
             new_max = torch.maximum(run_max, z.amax(1))
-            # NOTE: rescale the running sum to the new max before adding this slice (online
+            # Rescale the running sum to the new max before adding this slice (online
             # softmax); the B-sized running sum is float64, so the many slices of a huge class
             # count add no rounding of their own.
             run_sum.mul_(torch.exp((run_max - new_max).double()))
@@ -332,10 +332,10 @@ def grad_pass(
     dt, dev = x.dtype, x.device
     num_classes = source.num_classes
     scale = scale.to(dt)
-    # NOTE: softmax * scale as exp(z - m) * (scale / sum), m the row's largest logit: where the
+    # Softmax * scale as exp(z - m) * (scale / sum), m the row's largest logit: where the
     # softmax is large, z - m is small, so rounding its argument costs what the dense softmax's
     # does. Folding the log-sum-exp into the exponent (one pass less) rounds the argument at
-    # the log-sum-exp's magnitude: gradients measured 2-3x further from float64 than PyTorch's.
+    # the log-sum-exp's magnitude, further from float64 than PyTorch's dense fp32.
     factor = (scale.double() / row_sum).to(dt).unsqueeze(1)
     neg_max = (-row_max).unsqueeze(1)
     if target_scale is None:
@@ -399,7 +399,7 @@ def reduce_loss(
     if reduction == "none":
         return rows, n_valid
     total = rows.sum()
-    # NOTE: "mean" divides by the number of non-ignored rows (nan when there are none), which is
+    # "mean" divides by the number of non-ignored rows (nan when there are none), which is
     # what F.cross_entropy does, label smoothing included.
     return (total / n_valid if reduction == "mean" else total), n_valid
 
@@ -422,13 +422,11 @@ def row_scale(
 
 
 def _refuse_double_backward(what: str, dense: str) -> None:
-    """Raise when a backward runs with grad mode on, that is under ``create_graph=True``.
-
-    NOTE: the passes write into reused buffers (``out=``, in-place exp), which autograd cannot
-    differentiate; without this check a double backward fails deep inside with "addmm():
-    functions with out=... arguments don't support automatic differentiation", which names
-    neither the cause nor the fix.
-    """
+    """Raise when a backward runs with grad mode on, that is under ``create_graph=True``."""
+    # The passes write into reused buffers (``out=``, in-place exp), which autograd cannot
+    # differentiate; without this check a double backward fails deep inside with "addmm():
+    # functions with out=... arguments don't support automatic differentiation", which names
+    # neither the cause nor the fix.
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{what} does not support double backward: a backward with create_graph=True (a "

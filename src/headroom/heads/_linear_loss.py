@@ -53,7 +53,7 @@ __all__ = ["LOSSES", "linear_loss"]
 LOSSES = ("bce", "squared_hinge", "softmax", "softmax_sum")
 _SOFTMAX = ("softmax", "softmax_sum")
 
-# NOTE: the separable passes hold the slice's logits and a scratch of the same size (the bulk
+# The separable passes hold the slice's logits and a scratch of the same size (the bulk
 # loss's, or a loss function's B x S targets): two buffers, so each gets half the logits budget.
 _BUFFERS = 2
 
@@ -118,7 +118,7 @@ def _separable_slice(
     """
     zp = z[r, c]
     rows = kind.bulk(z, tmp, want_grad)
-    # NOTE: the bulk counted neg(z) at the positives too; their loss is a*pos(z) + (1-t)*neg(z).
+    # The bulk counted neg(z) at the positives too; their loss is a*pos(z) + (1-t)*neg(z).
     rows.index_add_(0, r, a * kind.pos(zp) - v * kind.neg(zp))
     if want_grad:
         z[r, c] = (1.0 - v) * kind.dneg(zp) + a * kind.dpos(zp)
@@ -166,7 +166,7 @@ def _user_slice(
             "compute the loss from `scores` with differentiable torch operations"
         )
     if _foreign_leaves(loss, scores):
-        # NOTE: only d(loss)/d(scores) is taken, slice by slice; a learnable tensor inside fn
+        # Only d(loss)/d(scores) is taken, slice by slice; a learnable tensor inside fn
         # would silently get no gradient.
         raise RuntimeError(
             "the loss function uses tensors that require grad besides `scores` (a learnable "
@@ -199,13 +199,11 @@ class ParamSlices(Protocol):
 
 
 class TensorParams:
-    """A weight (and bias) tensor, sliced with `TensorSlices`, gradients in `TensorGradSink`.
+    """A weight (and bias) tensor, sliced with `TensorSlices`, gradients in `TensorGradSink`."""
 
-    # NOTE: gradients go to tensors of this call's own, so they can be formed in forward (one
-    # pass) and handed to autograd in backward; a store's gradient must not change before
-    # backward, so a store head runs two passes (``one_pass = False``).
-    """
-
+    # Gradients go to tensors of this call's own, so they can be formed in forward (one pass)
+    # and handed to autograd in backward; a store's gradient must not change before backward,
+    # so a store head runs two passes (``one_pass = False``).
     one_pass = True
 
     def __init__(
@@ -304,7 +302,7 @@ def separable_pass(
     bounds = slice_bounds(source.num_classes, plan.slice_size)
     ranges = pos.ranges(bounds)
     alpha = scale if want_grad and not isinstance(scale, torch.Tensor) else 1.0
-    # NOTE: a scalar factor rides on x for the weight gradient (B x D, once) and on the products'
+    # A scalar factor rides on x for the weight gradient (B x D, once) and on the products'
     # alpha for x's, instead of a multiply pass over each gradient slice.
     x_w = x * alpha if alpha != 1.0 and sink is not None else x
     with closing(source.slices(bounds)) as slices:
@@ -360,7 +358,7 @@ def _reduce(plan: Plan, loss: torch.Tensor) -> torch.Tensor:
     if plan.reduction == "none":
         return loss
     total = loss.sum()
-    # NOTE: 0/0 = nan for no rows, as F.binary_cross_entropy_with_logits and F.cross_entropy.
+    # 0/0 = nan for no rows, as F.binary_cross_entropy_with_logits and F.cross_entropy.
     return total / plan.denominator if plan.reduction == "mean" else total
 
 
@@ -414,7 +412,7 @@ class _LinearLoss(torch.autograd.Function):
         need_b = need_b and ctx.has_bias
         if ctx.grads is not None:
             gx, gw, gb = ctx.grads
-            # NOTE: handed out once; a second backward through a retained graph recomputes.
+            # Handed out once; a second backward through a retained graph recomputes.
             ctx.grads = None
             if not bool(grad_out == 1):
                 g = float(grad_out)
@@ -525,7 +523,7 @@ def make_plan(
     return Plan(
         loss=loss, pos=pos, num_classes=num_classes, pos_coef=coef, values=values,
         reduction=reduction,
-        # NOTE: what PyTorch's dense loss divides by: elements for BCE, rows for a softmax
+        # What PyTorch's dense loss divides by: elements for BCE, rows for a softmax
         denominator=rows * num_classes if isinstance(loss, str) and not softmax else rows,
         slice_size=max(1, min(slice_size, num_classes)), class_ids=class_ids,
         one_pass=one_pass and reduction != "none" and not softmax,

@@ -5,11 +5,11 @@ are ``indices[offsets[b]:offsets[b + 1]]``), a CSR triple ``(offsets, indices, v
 target value per positive, a list of per-row index tensors, or a ``torch.sparse_csr`` tensor.
 `parse_targets` validates any of them once and returns `Positives`: the same entries sorted by
 class, so that the positives of any class slice are one contiguous run.
-
-# NOTE: sorted by class (then row), a slice's positives are found with one ``searchsorted`` per
-# pass for all slices, and each slice touches only its own ``nnz`` entries: nothing of size
-# ``batch x classes`` (or ``classes``) is ever built, however many classes there are.
 """
+
+# Sorted by class (then row), a slice's positives are found with one ``searchsorted`` per pass
+# for all slices, and each slice touches only its own ``nnz`` entries: nothing of size
+# ``batch x classes`` (or ``classes``) is ever built, however many classes there are.
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def parse_targets(
         )
     offsets, indices = offsets.to(device), indices.to(device)
     lengths = offsets.diff()
-    # NOTE: one host sync for all checks together; a bad structure would otherwise read
+    # One host sync for all checks together; a bad structure would otherwise read
     # positives of the wrong rows (or past the end) and give a wrong loss without an error.
     bad_start = offsets[0] != 0
     bad_end = offsets[-1] != indices.numel()

@@ -67,20 +67,23 @@ def train(args: argparse.Namespace, root: Path) -> dict:
     steps = []
     for i in range(args.steps):
         r0, w0 = _io(wstore, sstore)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         loss = head(x, targets, loss=args.loss)
         loss.backward()
         t_fb = time.perf_counter() - t
         opt.step()
         opt.zero_grad()
         t_all = time.perf_counter() - t
+        cpu = time.process_time() - c
         r1, w1 = _io(wstore, sstore)
-        steps.append({"loss": loss.item(), "step_s": t_all, "forward_backward_s": t_fb,
+        steps.append({"loss": loss.item(), "step_s": t_all, "cpu_s": cpu,
+                      "forward_backward_s": t_fb,
                       "optimizer_s": t_all - t_fb, "bytes_read": r1 - r0,
                       "bytes_written": w1 - w0, "rss_peak_bytes": _rss_peak()})
-        print(f"step {i}: loss {loss.item():.6f}  {t_all:.1f} s (fwd+bwd {t_fb:.1f} s, "
-              f"optimizer {t_all - t_fb:.1f} s)  read {(r1 - r0) / 1e9:.1f} GB  written "
-              f"{(w1 - w0) / 1e9:.1f} GB  peak RSS {_rss_peak() / 2**30:.2f} GiB", flush=True)
+        print(f"step {i}: loss {loss.item():.6f}  {t_all:.1f} s, cpu {cpu:.1f} s (fwd+bwd "
+              f"{t_fb:.1f} s, optimizer {t_all - t_fb:.1f} s)  read {(r1 - r0) / 1e9:.1f} GB  "
+              f"written {(w1 - w0) / 1e9:.1f} GB  peak RSS {_rss_peak() / 2**30:.2f} GiB",
+              flush=True)
     wstore.flush()
     sstore.flush()
     return {
@@ -91,6 +94,7 @@ def train(args: argparse.Namespace, root: Path) -> dict:
         "setup_s": setup_s,
         "steps": steps,
         "median_step_s": statistics.median(s["step_s"] for s in steps),
+        "median_step_cpu_s": statistics.median(s["cpu_s"] for s in steps),
         "peak_rss_bytes_self": _rss_peak(),
     }
 

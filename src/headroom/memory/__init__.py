@@ -6,6 +6,7 @@ from headroom.memory._tracker import (
     MemoryTracker,
     annotate,
     is_tracking,
+    note_resting,
     track_memory,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "annotate",
     "format_bytes",
     "is_tracking",
+    "note_resting",
     "track_memory",
 ]

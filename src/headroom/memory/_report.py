@@ -61,6 +61,17 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
         if rest:
             lines.append(f"  {f'({len(rest)} more)':<40}{format_bytes(sum(rest)):>12}")
         lines.append("")
+    resting = mem.resting_at_peak
+    most = mem.resting_max
+    if most:
+        lines.append("resting in stores, off the device (not counted above)")
+        lines.append(f"  {'where/category':<25}{'at peak':>12}{'max':>12}")
+        for where, cats in most.items():
+            for cat, mx in cats.items():
+                at = resting.get(where, {}).get(cat, 0)
+                lines.append(f"  {where + '/' + cat:<25}{format_bytes(at):>12}"
+                             f"{format_bytes(mx):>12}")
+        lines.append("")
     peak_label = _peak_label(mem)
     if peak_label:
         lines.append(f"peak reached during: {peak_label}")
@@ -95,6 +106,8 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
         "current": mem.current,
         "by_module": mem.by_module,
         "rss": mem.rss,
+        "resting": {"at_peak": mem.resting_at_peak, "max": mem.resting_max,
+                    "current": mem.resting},
         "devices": {
             d: {
                 "peak": (s := mem.stats(d)).peak,
@@ -113,6 +126,10 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
         "rss_timeline": {
             "time_s": [round(t, 6) for t, _ in mem.rss_timeline],
             "bytes": [b for _, b in mem.rss_timeline],
+        },
+        "resting_timeline": {
+            "time_s": [round(t, 6) for t, _ in mem.resting_timeline],
+            "bytes": [b for _, b in mem.resting_timeline],
         },
     }
 
@@ -169,6 +186,12 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
             zorder=1,
         )
         totals = np.sum(ys, axis=0)
+        rest = [(t - t_start, b) for t, b in mem.resting_timeline if t >= t_start]
+        if rest:
+            # Bytes moved to a store: what the device would otherwise hold, on the same axis.
+            rx = np.array([t for t, _ in rest]) * (1e3 if t_unit == "ms" else 1.0)
+            ax.step(rx, np.array([b for _, b in rest]) / scale, where="post", color="#C44E52",
+                    ls="--", lw=1.2, zorder=2, label="resting in stores (off the device)")
         k = int(np.argmax(totals))
         ax.axvline(x[k], color="black", ls="--", lw=1, zorder=2)
         ax.annotate(
@@ -180,7 +203,8 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
             fontsize=8,
             zorder=3,
         )
-        ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
+        top = max(totals.max(), max((b for _, b in rest), default=0) / scale)
+        ax.set_ylim(0, top * 1.12 if top > 0 else 1)
         ax.set_ylabel(f"live tensor memory ({unit})")
         rss = [(t - t_start, b) for t, b in mem.rss_timeline if t >= t_start]
         if rss:

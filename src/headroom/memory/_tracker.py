@@ -165,6 +165,11 @@ class MemoryTracker:
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
         self._rss = RSSWatch()
+        # Bytes headroom moved off the compute device and keeps in a store ("host", "disk"),
+        # by (where, category): not live tensor memory of the device, shown beside it.
+        self._resting: dict[tuple[str, str], int] = {}
+        self._resting_max: dict[tuple[str, str], int] = {}
+        self._resting_samples: list[tuple[float, int]] = []
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -380,6 +385,7 @@ class MemoryTracker:
             device = next(d for d, p in self._dev_peak.items() if p is peak)
             cats = list(self._current[device])
         peak.cats = cats
+        peak.resting = {k: v for k, v in self._resting.items() if v}
         if self._sample_allocator:
             # "active" (blocks in use, including those waiting on other streams) costs a
             # full stats query, so it is read once per local peak, not at every new maximum.
@@ -785,6 +791,59 @@ class MemoryTracker:
 
         plot(self, path, title=title)
 
+    # ------------------------------------------------------------------ resting in stores
+    @staticmethod
+    def _nested(table: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (where, cat), v in sorted(table.items()):
+            out.setdefault(where, {})[cat] = v
+        return out
+
+    @property
+    def resting(self) -> dict[str, dict[str, int]]:
+        """Bytes headroom keeps off the compute device in a store now (or at exit), as
+        ``{where: {category: bytes}}`` with ``where`` ``"host"`` or ``"disk"``; e.g. the
+        activations `offload_activations` moved out. Not part of :attr:`peak`: this is what
+        the device did not have to hold. (Host copies are also tensors on ``"cpu"``, counted
+        there when the compute device is the CPU.)"""
+        self._check_used()
+        with self._lock:
+            return self._nested(self._resting)
+
+    @property
+    def resting_at_peak(self) -> dict[str, dict[str, int]]:
+        """:attr:`resting` at the moment of :attr:`peak`."""
+        self._check_used()
+        with self._lock:
+            if self._peak.pending and self._state == "active":
+                return self._nested({k: v for k, v in self._resting.items() if v})
+            return self._nested(self._peak.resting)
+
+    @property
+    def resting_max(self) -> dict[str, dict[str, int]]:
+        """Each entry of :attr:`resting` at its own maximum over the run."""
+        self._check_used()
+        with self._lock:
+            return self._nested(self._resting_max)
+
+    @property
+    def resting_timeline(self) -> list[tuple[float, int]]:
+        """``(seconds since entry, bytes resting in all stores)`` after each change."""
+        self._check_used()
+        with self._lock:
+            return list(self._resting_samples)
+
+    def _rest(self, where: str, category: str, delta: int) -> None:
+        with self._lock:
+            key = (where, category)
+            v = self._resting[key] = self._resting.get(key, 0) + delta
+            if v > self._resting_max.get(key, 0):
+                self._resting_max[key] = v
+            self._resting_samples.append(
+                (time.perf_counter() - self._t0, sum(self._resting.values())))
+            if len(self._resting_samples) > self._max_samples:
+                self._resting_samples = self._resting_samples[::2]
+
     # ------------------------------------------------------------------ for other layers
     def annotate(self, tensor: torch.Tensor, category: str) -> None:
         """Attribute ``tensor``'s storage to ``category`` from now on (see :func:`annotate`)."""
@@ -847,3 +906,19 @@ def annotate(tensor: torch.Tensor, category: str) -> None:
     tracker = _active
     if tracker is not None:
         tracker.annotate(tensor, category)
+
+
+def note_resting(where: str, category: str, nbytes: int) -> None:
+    """Tell the active tracker (if any) that ``nbytes`` of ``category`` now rest in a store
+    (``where``: ``"host"`` or ``"disk"``) instead of on the compute device; negative when they
+    come back or are dropped. A no-op when no tracker is active.
+
+    Raises:
+        ValueError: if ``category`` is not a known category or ``where`` is not a store kind.
+    """
+    category_index(category)
+    if where not in ("host", "disk"):
+        raise ValueError(f"where must be 'host' or 'disk', got {where!r}")
+    tracker = _active
+    if tracker is not None and tracker._state == "active":
+        tracker._rest(where, category, nbytes)

@@ -301,6 +301,7 @@ class DiskStore(Store):
         self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
                                          thread_name_prefix="hr-disk-w")
         self._closed = False
+        self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
         try:
             self._ledger = Ledger.open(self.path, overwrite=overwrite)
         except BaseException:

@@ -8,6 +8,7 @@ still alive (a dispatch mode).
 from __future__ import annotations
 
 import copy
+import io
 import os
 import signal
 import subprocess
@@ -247,7 +248,7 @@ def test_after_forward_only_the_window_stays_in_memory(prefetch, tmp_path):
     assert big - window - x.numel() * 4 <= resting <= big - x.numel() * 4, (resting, big)
     assert after == 0
     assert mem.resting_max["disk"]["activations"] >= resting
-    text = mem.report(file=open("/dev/null", "w"))
+    text = mem.report(file=io.StringIO())
     assert "resting in stores" in text and "disk/activations" in text
     assert mem.to_dict()["resting"]["max"]["disk"]["activations"] == \
         mem.resting_max["disk"]["activations"]

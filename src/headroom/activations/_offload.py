@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from headroom._saved_hooks import keeping
 from headroom.memory import annotate, note_resting
-from headroom.transfer import DiskStore, Stash, StashTicket, resize_storage
+from headroom.transfer import DiskStore, HeapTrimmer, Stash, StashTicket, resize_storage
 
 __all__ = ["empty_cache", "offload_activations"]
 
@@ -91,6 +91,9 @@ class _Offloader:
                  modules: list[nn.Module] | None) -> None:
         self.store = store
         self._where = "host" if store is None else "disk"
+        # Freed host memory goes back to the OS (see `headroom.transfer.HeapTrimmer`): the
+        # saving on a CPU is in the process's resident memory, or it is none.
+        self._trimmer = HeapTrimmer()
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self._stashes: dict[torch.device, Stash] = {}
@@ -197,6 +200,8 @@ class _Offloader:
         resize_storage(e.anchor, 0)
         e.freed = True
         note_resting(self._where, "activations", e.nbytes)
+        if e.anchor.device.type == "cpu":
+            self._trimmer.freed(e.nbytes)
 
     def _refill(self, e: _Entry) -> None:
         """Give a freed entry its device memory back (the bytes follow)."""
@@ -240,6 +245,8 @@ class _Offloader:
             self._order.remove(e)
         if e.restored:
             self._restored_bytes -= e.nbytes
+            if e.anchor.device.type == "cpu":
+                self._trimmer.freed(e.nbytes)  # autograd frees it as the node finishes
         elif e.freed:  # never needed by a backward
             note_resting(self._where, "activations", -e.nbytes)
         self._stash(e.anchor.device).drop(e.ticket)

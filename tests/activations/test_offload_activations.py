@@ -340,3 +340,28 @@ def test_kill_mid_forward_leaves_the_store_as_before(tmp_path):
     # the stash's files are gone with their keys
     assert len(list(folder.iterdir())) < files_while_running
     store.close()
+
+
+@pytest.mark.gpu
+def test_on_an_accelerator_only_the_window_stays_on_the_device():
+    """Device bytes after forward, by the allocator's own count: at most the prefetch window
+    plus what the caller holds; gradients equal to plain."""
+    from tests.conftest import accelerator_type
+
+    dev = torch.device(accelerator_type())
+    torch.manual_seed(0)
+    ref = Blocks(d=256, n=6).to(dev)
+    ours = copy.deepcopy(ref)
+    x = torch.randn(8, 256, 256, device=dev)
+    ref(x).square().mean().backward()
+    torch.accelerator.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    prefetch = 4 * MB
+    with _ctx("cpu", min_bytes=MB, prefetch=prefetch):
+        out = ours(x)
+        torch.accelerator.synchronize()
+        after_forward = torch.cuda.memory_allocated(dev) - before
+        out.square().mean().backward()
+    plain_saved = 6 * 8 * 256 * 256 * 4 * 8  # each block saves several [8, 256, 256] tensors
+    assert after_forward <= prefetch + 2 * out.numel() * 4 + MB, (after_forward, plain_saved)
+    torch.testing.assert_close(_grads(ours), _grads(ref))

@@ -365,3 +365,25 @@ def test_on_an_accelerator_only_the_window_stays_on_the_device():
     plain_saved = 6 * 8 * 256 * 256 * 4 * 8  # each block saves several [8, 256, 256] tensors
     assert after_forward <= prefetch + 2 * out.numel() * 4 + MB, (after_forward, plain_saved)
     torch.testing.assert_close(_grads(ours), _grads(ref))
+
+
+def test_a_full_store_fails_the_forward_clearly_and_nothing_is_left(tmp_path):
+    """StoreFullError while saving: the forward raises it (naming the store), the space the
+    failed step took comes back, and the next step with room trains exactly."""
+    from headroom.transfer import StoreFullError
+
+    torch.manual_seed(0)
+    ref = Blocks()
+    ours = copy.deepcopy(ref)
+    store = DiskStore(tmp_path / "a", threads=2, max_bytes=MB // 2)
+    x = torch.randn(4, 64, 64)
+    with pytest.raises(StoreFullError), _ctx(store, min_bytes=0):
+        ours(x).sum().backward()
+    assert store.used_bytes <= MB // 2
+    ref(x).square().mean().backward()
+    roomy = DiskStore(tmp_path / "b", threads=2)
+    with _ctx(roomy, min_bytes=0):
+        ours(x).square().mean().backward()
+    _assert_same(_grads(ours), _grads(ref))
+    hr.activations.empty_cache()
+    assert store.used_bytes == 0 and roomy.used_bytes == 0

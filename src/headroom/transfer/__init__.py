@@ -21,7 +21,13 @@ from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._rows import RowStreamer
-from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
+from headroom.transfer._safetensors import (
+    HeaderError,
+    SafetensorsFile,
+    TensorInfo,
+    parse_header,
+    safetensors_dtypes,
+)
 from headroom.transfer._stash import Stash, StashTicket
 from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (
@@ -35,6 +41,7 @@ from headroom.transfer._store import (
 __all__ = [
     "DiskStore",
     "Handle",
+    "HeaderError",
     "HeapTrimmer",
     "HostStore",
     "ListenerHandle",
@@ -57,6 +64,7 @@ __all__ = [
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "parse_header",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",

@@ -85,10 +85,13 @@ def test_shared_stashes_are_per_store_and_device_and_release_their_space(tmp_pat
     assert a.pooled_bytes == 0 and store.used_bytes == 0
 
 
-def test_a_stash_write_in_flight_at_a_kill_is_dropped_on_reopen(tmp_path, monkeypatch):
+@pytest.mark.parametrize("verify_reads", [False, True])
+def test_a_stash_write_in_flight_at_a_kill_is_dropped_on_reopen(tmp_path, monkeypatch,
+                                                                verify_reads):
     """Scratch bytes are worth nothing once their process is gone: even a write torn by a kill
-    neither blocks reopening (no recover=True needed) nor survives it; other keys stay."""
-    store = DiskStore(tmp_path / "d", threads=2)
+    neither blocks reopening (no recover=True needed) nor survives it; other keys stay. (With
+    verified reads, scratch writes are journaled and checksummed like any other.)"""
+    store = DiskStore(tmp_path / "d", threads=2, verify_reads=verify_reads)
     store.put("keep", torch.arange(8.0))
     real = disk_mod._pwrite_from
 
@@ -108,3 +111,21 @@ def test_a_stash_write_in_flight_at_a_kill_is_dropped_on_reopen(tmp_path, monkey
     assert again.keys() == ["keep"]
     assert torch.equal(again.read(again.get("keep")).result(), torch.arange(8.0))
     again.close()
+
+
+@pytest.mark.parametrize("verify_reads", [False, True])
+def test_scratch_writes_are_journaled_only_when_reads_verify_them(tmp_path, verify_reads):
+    store = DiskStore(tmp_path / "d", threads=2, verify_reads=verify_reads)
+    s = Stash("cpu", store)
+    t = torch.randn(1000)
+    want = t.clone()
+    k = s.stash(t.untyped_storage())
+    s.wait_out(k)
+    assert store.stats()["bytes_written"] == 4000
+    # checksummed and journaled only when a read would check them; never a stale checksum
+    segments = store._ledger.segments(k.handle.key)
+    assert bool(segments) == verify_reads
+    store.flush()  # reads back nothing, syncs nothing it does not need to
+    t.zero_()
+    s.restore(k, t.untyped_storage())
+    assert torch.equal(t, want)

@@ -83,6 +83,25 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:hr.offload_activations with a host-memory store")
 
 
+def _saved_bytes(fn) -> int:
+    """Bytes plain PyTorch saves for backward while ``fn`` runs: storages counted once,
+    parameters and their views left out."""
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        s = t.untyped_storage()
+        if s._cdata not in seen and not isinstance(t, nn.Parameter) \
+                and not isinstance(t._base, nn.Parameter):
+            seen.add(s._cdata)
+            total += s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
 def _grads(model):
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
@@ -149,14 +168,17 @@ def test_with_parameter_offload_and_convert(tmp_path):
     opt = hr.HostOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-2)
     g = torch.Generator().manual_seed(0)
     act = DiskStore(tmp_path / "act", threads=2)
-    used = []
+    used, saved = [], []
     for _ in range(3):
         b = lm_batch(g)
         torch.manual_seed(1)
-        lm_loss(ref, b).backward()
+        saved.append(_saved_bytes(lambda b=b: lm_loss(ref, b).backward()))
         with _ctx(act, min_bytes=0):
             torch.manual_seed(1)
-            lm_loss(ours, b).backward()
+            loss = lm_loss(ours, b)
+            # the activations and nothing else: no parameter, no device copy of one
+            assert act.used_bytes == saved[-1]
+            loss.backward()
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()

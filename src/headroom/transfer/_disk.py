@@ -479,6 +479,7 @@ class DiskStore(Store):
         if key.startswith(SCRATCH) and not self.verify_reads:
             # Scratch bytes are dropped unchecked when the store reopens, and nothing reads
             # them back verified: a checksum and two journal records would buy nothing.
+            # See [Note: scratch keys].
             try:
                 self._ledger.forget_segments(key)  # no stale checksum of the old bytes
                 self._write_plain(path, t, extents)

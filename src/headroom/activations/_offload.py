@@ -93,7 +93,7 @@ class _Offloader:
         self._where = "host" if store is None else "disk"
         # Freed host memory goes back to the OS (see `headroom.transfer.HeapTrimmer`): the
         # saving on a CPU is in the process's resident memory, or it is none.
-        self._trimmer = HeapTrimmer(threshold=32 << 20)
+        self._trimmer = HeapTrimmer()
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self._stashes: dict[torch.device, Stash] = {}

@@ -20,7 +20,9 @@ that is not ordered after them raises `StreamOrderError` at once (a read after a
 after a read or a write), which is what ``TORCH_CUDA_SANITIZER=1`` reports on a device. Freeing
 device memory (the last reference going away, or ``UntypedStorage.resize_(0)``) counts as a
 write on the stream that allocated it, issued by the host at that moment: a copy on a side stream
-still reading or writing it is a use after free. Page-locked host memory is exempt from that
+still reading or writing it is a use after free. Likewise allocating device memory counts as a
+write on the current stream (the caching allocator hands a block freed by that stream's pending
+work straight back to it), so another stream must be ordered after the allocation to use it. Page-locked host memory is exempt from that
 check, as torch's caching host allocator keeps a block until the copies using it are done.
 
 ``torch.get_device_module("cpu")`` returns the model, ``is_accelerator`` says yes for the CPU,
@@ -143,8 +145,8 @@ class Event:
     def query(self) -> bool:
         m = self.model
         with m.lock:
-            if not m.query_done:
-                return self.snap is None
+            if not m.query_done:  # done only once the host knows it is
+                return self.snap is None or all(m.host.knows(s, t) for s, t in self.snap.items())
             if self.snap is not None:
                 m.host.merge(self.snap)
         return True
@@ -174,7 +176,6 @@ class _Buf:
 # Operations that change a tensor's metadata only, although their schema marks ``self`` written.
 _METADATA = {"set_", "resize_", "detach_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
              "transpose_", "requires_grad_", "_coalesced_"}
-_FACTORIES = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 
 
 def _tensors(x):
@@ -205,8 +206,11 @@ class _Mode(TorchDispatchMode):
             out = args[0].clone()
             m.register(out, host=True, pinned=True)
             return out
+        if name in _METADATA or any(r.alias_info is not None and not r.alias_info.is_write
+                                    for r in func._schema.returns):
+            return func(*args, **kwargs)  # a view or a change of metadata: no data access
         reads, writes = [], []
-        if name not in _METADATA:
+        if True:
             for i, a in enumerate(func._schema.arguments):
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 is_write = a.alias_info is not None and a.alias_info.is_write
@@ -219,11 +223,7 @@ class _Mode(TorchDispatchMode):
         inputs = {m.key(t) for t in (*reads, *writes)}
         fresh = [t for t in _tensors(out if isinstance(out, (list, tuple)) else [out])
                  if m.key(t) not in inputs]
-        if name not in _FACTORIES:
-            m.access(name, reads, writes, fresh)
-        else:
-            for t in fresh:
-                m.register(t, host=m.current_stream() is m.compute and m.host_op(reads))
+        m.access(name, reads, writes, fresh)
         return out
 
 
@@ -232,7 +232,8 @@ class StreamModel:
 
     Args:
         query_done: what ``Event.query()`` answers for a recorded event: true (the work is
-            done; the host learns it) or false (still running).
+            done; the host learns it), or false: work is done only once the host waited for it
+            (a slow device).
     """
 
     def __init__(self, *, query_done: bool = True) -> None:

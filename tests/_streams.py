@@ -441,6 +441,13 @@ def stream_model(monkeypatch, *, query_done: bool = True):
                 getattr(mod, "is_accelerator", None) is real_is_acc:
             monkeypatch.setattr(mod, "is_accelerator", is_accelerator)
     monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    # What the transfer layer keeps per process (page-locked pools, shared stashes with their
+    # streams) starts afresh under each model, and is put back afterwards.
+    import headroom.transfer._rows as rows_mod
+    import headroom.transfer._stash as stash_mod
+
+    monkeypatch.setattr(rows_mod, "_shared_pool", None)
+    monkeypatch.setattr(stash_mod, "_host_shared", {})
     real_resize = torch.UntypedStorage.resize_
 
     def resize_(self, n):

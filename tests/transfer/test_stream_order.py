@@ -109,6 +109,8 @@ def _mover(m: StreamModel, store) -> None:
             mover.wait(mover.fetch(h, dst))
             got = inp.to(dtype) @ dst  # compute reads the fetched bytes
             assert torch.equal(got, inp.to(dtype) @ x.to(dtype))
+    mover.synchronize()  # also gives every staging buffer of a fetch back
+    assert not mover._inflight
     p = torch.nn.Parameter(torch.zeros(32, 8))
     b = bind(p, h, grad_handle=store.alloc("x.grad", (32, 8), torch.float32))
     expect = None
@@ -139,14 +141,19 @@ def _rows(m: StreamModel, tmp_path) -> None:
             x = torch.randn(3, 6)
             bounds = [(a, min(a + 8, 50)) for a in range(0, 50, 8)]
             for step in range(2):
+                ys = []
                 for start, stop, (ws,) in s.stream([w], bounds):
+                    # compute only inside the pass: a check against host memory here would be
+                    # a blocking copy, which orders everything and hides what is missing
                     y = x @ ws.T
-                    assert torch.equal(y, x @ ref_w[start:stop].T)
+                    ys.append(y)
                     gy = torch.ones_like(y)
                     out = s.out("w", (stop - start, 6), torch.float32)
                     torch.matmul(gy.T, x, out=out)
                     s.push("w", gw[start:stop], out, accumulate=step > 0)
                 s.finish()
+                for (start, stop), y in zip(bounds, ys, strict=True):
+                    assert torch.equal(y, x @ ref_w[start:stop].T)
                 assert torch.equal(gw, ((step + 1) * x.sum(0)).expand(50, 6))
                 with torch.no_grad():
                     w.add_(1.0)  # an optimizer step on the host source after the pass
@@ -154,9 +161,10 @@ def _rows(m: StreamModel, tmp_path) -> None:
             # closed early: the rest of the copies still in flight
             it = s.stream([w], bounds, dtype=torch.bfloat16)
             _, _, (first,) = next(it)
-            assert torch.equal(first, ref_w[0:8].bfloat16())
+            first = first * 1
             it.close()
-            del it, first
+            del it
+            assert torch.equal(first, ref_w[0:8].bfloat16())
             with torch.no_grad():
                 w.add_(1.0)
 
@@ -200,6 +208,22 @@ def _stash(m: StreamModel, tmp_path) -> None:
             s.restore(k, t.untyped_storage())
             assert torch.equal(t * 1, ref)
             s.drop(k)
+        # dropped while the copy out still runs: its source is freed right after
+        t = torch.arange(64.0) * 5
+        s.drop(s.stash(t.untyped_storage()))
+        del t
+        # prefetched and dropped unused: the next stash of that size reuses the buffer
+        t = torch.arange(64.0) * 6
+        k = s.stash(t.untyped_storage())
+        s.wait_out(k)
+        s.prefetch(k, torch.empty(64).untyped_storage())
+        s.drop(k)
+        u = torch.arange(64.0) * 7
+        k = s.stash(u.untyped_storage())
+        s.wait_out(k)
+        s.restore(k, t.untyped_storage())
+        assert torch.equal(t * 1, u)
+        s.drop(k)
         s.close()
         if store is not None:
             store.close()

@@ -210,11 +210,11 @@ class RowStreamer:
                     outs = [None if o is None else o.to(dtype) for o in outs]
                 yield start, stop, outs
         finally:
-            for ev, _ in ready.values():  # closed early: order freeing after the copies
-                compute.wait_event(ev)
             # A pinned source is read by the device with no host wait; wait once at the
             # end so that an optimizer step (or any host write) after the pass cannot race the
-            # last copies. Copies finish in issue order on the one side stream.
+            # last copies. Copies finish in issue order on the one side stream, so this also
+            # orders the freeing of the device buffers and the staging's return to the pool
+            # after every copy, those of slices never delivered (closed early) included.
             if last[0] is not None:
                 last[0].synchronize()
             for bufs in staging:

@@ -22,8 +22,9 @@ device memory (the last reference going away, or ``UntypedStorage.resize_(0)``) 
 write on the stream that allocated it, issued by the host at that moment: a copy on a side stream
 still reading or writing it is a use after free. Likewise allocating device memory counts as a
 write on the current stream (the caching allocator hands a block freed by that stream's pending
-work straight back to it), so another stream must be ordered after the allocation to use it. Page-locked host memory is exempt from that
-check, as torch's caching host allocator keeps a block until the copies using it are done.
+work straight back to it), so another stream must be ordered after the allocation to use it.
+Host memory is exempt from the free check: torch's caching host allocator keeps a page-locked
+block until the copies using it are done, and copies with pageable memory are synchronous.
 
 ``torch.get_device_module("cpu")`` returns the model, ``is_accelerator`` says yes for the CPU,
 ``pin_memory=True`` allocations and ``Tensor.pin_memory()`` work (the model remembers which
@@ -210,12 +211,11 @@ class _Mode(TorchDispatchMode):
                                     for r in func._schema.returns):
             return func(*args, **kwargs)  # a view or a change of metadata: no data access
         reads, writes = [], []
-        if True:
-            for i, a in enumerate(func._schema.arguments):
-                v = args[i] if i < len(args) else kwargs.get(a.name)
-                is_write = a.alias_info is not None and a.alias_info.is_write
-                for t in _tensors(v):
-                    (writes if is_write else reads).append(t)
+        for i, a in enumerate(func._schema.arguments):
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            is_write = a.alias_info is not None and a.alias_info.is_write
+            for t in _tensors(v):
+                (writes if is_write else reads).append(t)
         out = func(*args, **kwargs)
         if pin:
             m.register(out, host=True, pinned=True)

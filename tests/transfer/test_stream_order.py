@@ -10,9 +10,51 @@ queried, and with a slow device whose work is done only once the host waited for
 Proof that the model bites (`test_removing_any_wait_or_record_fails_a_scenario`): every
 ``wait_event``, ``record`` and ``synchronize`` call in ``src/headroom/transfer/`` is removed in
 turn (the model ignores the call made from that line, as if it were deleted) and some scenario
-must then fail. The mutations tried, and the first scenario that catches each:
+must then fail. The mutations tried (by function and call; ``current`` is the device module's
+``current_stream()``), each with the first scenario that catches it (``/slow``: only with the
+slow device):
 
-MUTATIONS
+* ``mover.fetch``: ``ev.record(current)``: mover_host
+* ``mover.fetch``: ``self._h2d.wait_event(ev)``: mover_host
+* ``mover.fetch``: ``done_ev.record(self._h2d)``: mover_host
+* ``mover.wait``: ``ev.record(current)``: mover_disk
+* ``mover.wait``: ``self._h2d.wait_event(ev)``: mover_disk
+* ``mover.wait``: ``ticket.event.record(self._h2d)``: mover_disk
+* ``mover.wait``: ``current.wait_event(ticket.event)``: mover_host
+* ``mover.push_grad``: ``ev.record(current)``: mover_host
+* ``mover.push_grad``: ``self._d2h.wait_event(ev)``: mover_host
+* ``mover.push_grad``: ``done_ev.record(self._d2h)``: mover_host
+* ``mover._finish_one``: ``ev.synchronize()``: mover_host
+* ``mover.synchronize``: ``self._h2d.synchronize()``: mover_disk/slow
+* ``rows._stream_async.issue``: ``self._h2d.wait_event(release[k])``: rows
+* ``rows._stream_async.issue``: ``copied[k].synchronize()``: rows
+* ``rows._stream_async.issue``: ``fresh.record(compute)``: rows
+* ``rows._stream_async.issue``: ``self._h2d.wait_event(fresh)``: rows
+* ``rows._stream_async.issue``: ``ev.record(self._h2d)``: rows
+* ``rows._stream_async``: ``ev.record(compute)``: rows
+* ``rows._stream_async``: ``compute.wait_event(ev)``: rows
+* ``rows._stream_async``: ``last[0].synchronize()``: rows
+* ``rows.push``: ``ev.record(current)``: rows
+* ``rows.push``: ``self._d2h.wait_event(ev)``: rows
+* ``rows.push``: ``done.record(self._d2h)``: rows
+* ``rows._land``: ``done.synchronize()``: rows
+* ``stash.stash``: ``ev.record(current)``: stash
+* ``stash.stash``: ``self._d2h.wait_event(ev)``: stash
+* ``stash.stash``: ``k.out_event.record(self._d2h)``: stash
+* ``stash.wait_out``: ``k.out_event.synchronize()``: stash
+* ``stash._h2d_copy``: ``ev.record(current)``: stash
+* ``stash._h2d_copy``: ``self._h2d.wait_event(ev)``: stash
+* ``stash._h2d_copy``: ``k.back_event.record(self._h2d)``: stash
+* ``stash.restore``: ``current.wait_event(k.back_event)``: stash
+* ``stash.drop``: ``k.out_event.synchronize()``: stash
+* ``stash.drop``: ``k.back_event.synchronize()``: stash
+
+Removing the early-close waits of ``RowStreamer`` (the compute stream waiting for the copies of
+slices never delivered) went unnoticed: the host's wait for the last copy at the end of the pass
+already orders every free after them, so they were dropped from the code. The defect the model
+found is fixed where the copy is issued: ``RowStreamer`` copied into freshly allocated device
+buffers on its side stream without ordering after the compute stream that allocated them (the
+caching allocator hands a block freed by queued compute work straight back to that stream).
 """
 
 from __future__ import annotations
@@ -27,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore, HostStore, Mover, RowStreamer, Stash, bind
+from headroom.transfer import DiskStore, Mover, RowStreamer, Stash, bind
 from tests._streams import StreamModel, StreamOrderError, stream_model
 
 TRANSFER = Path(__file__).resolve().parents[2] / "src" / "headroom" / "transfer"

@@ -28,7 +28,8 @@ block until the copies using it are done, and copies with pageable memory are sy
 
 ``torch.get_device_module("cpu")`` returns the model, ``is_accelerator`` says yes for the CPU,
 ``pin_memory=True`` allocations and ``Tensor.pin_memory()`` work (the model remembers which
-storages are page-locked, for ``is_pinned()``). Operations on other threads are not logged (the
+storages are page-locked, for ``is_pinned()``), and ``Tensor.record_stream(s)`` makes a free
+wait for ``s``'s work issued so far. Operations on other threads are not logged (the
 dispatch mode is per thread).
 
 For mutation testing, `StreamModel.skip` holds call sites ``(file name, line)`` whose
@@ -119,8 +120,11 @@ class Stream:
             m.host.merge(self.clock.vc)
 
     def query(self) -> bool:
-        with self.model.lock:
-            self.model.host.merge(self.clock.vc)
+        m = self.model
+        with m.lock:
+            if not m.query_done:
+                return all(m.host.knows(s, t) for s, t in self.clock.vc.items())
+            m.host.merge(self.clock.vc)
         return True
 
 
@@ -164,7 +168,7 @@ class Event:
 
 
 class _Buf:
-    __slots__ = ("alloc", "host", "write", "reads", "label")
+    __slots__ = ("alloc", "host", "write", "reads", "label", "recorded")
 
     def __init__(self, alloc: str, host: bool, label: str) -> None:
         self.alloc = alloc  # the stream whose memory it is (freeing it is a write there)
@@ -172,6 +176,7 @@ class _Buf:
         self.write: tuple[str, int] | None = None
         self.reads: dict[str, int] = {}
         self.label = label
+        self.recorded: dict[str, int] = {}  # record_stream: the allocator waits for these
 
 
 # Operations that change a tensor's metadata only, although their schema marks ``self`` written.
@@ -305,15 +310,28 @@ class StreamModel:
                  stream: str | None = None) -> _Buf:
         """Start tracking ``t``'s storage as new memory: host memory if ``host`` (page-locked
         if ``pinned``), else device memory of ``stream`` (default: the current one)."""
-        s = t.untyped_storage()
+        return self._register(t.untyped_storage(), f"{tuple(t.shape)} {t.dtype}",
+                              host=host, pinned=pinned, stream=stream)
+
+    def _register(self, s: torch.UntypedStorage, label: str, *, host: bool, pinned: bool,
+                  stream: str | None) -> _Buf:
         k = s._cdata
         with self.lock:
             if pinned:
                 self._pinned.add(k)
             alloc = HOST if host else (stream or self.current_stream().name)
-            b = self._bufs[k] = _Buf(alloc, host, f"{tuple(t.shape)} {t.dtype}")
+            b = self._bufs[k] = _Buf(alloc, host, label)
         weakref.finalize(s, self._freed, k, b)
         return b
+
+    def refilled(self, s: torch.UntypedStorage) -> None:
+        """``s`` got new device memory (``resize_(n)``): an allocation on the current stream."""
+        with self.lock:
+            cur = self.current_stream().clock
+            cur.merge(self.host.vc)
+            b = self._register(s, f"storage of {s.nbytes()} bytes", host=False, pinned=False,
+                               stream=cur.name)
+            b.write = (cur.name, cur.tick())
 
     def host_memory(self, *ts: torch.Tensor) -> None:
         """Declare tensors host memory (pageable): operations on them run on the host."""
@@ -353,7 +371,7 @@ class StreamModel:
                 known[s] = max(known.get(s, 0), v)
         uses = ([b.write] if b.write else []) + list(b.reads.items())
         for s, t in uses:
-            if s != b.alloc and known.get(s, 0) < t:
+            if s != b.alloc and known.get(s, 0) < t and b.recorded.get(s, 0) < t:
                 return (f"free of {b.label} (memory of {b.alloc}) while {s} may still use it"
                         f" (its access {t}, {b.alloc} ordered up to {known.get(s, 0)})")
         return None
@@ -366,6 +384,14 @@ class StreamModel:
                 msg = self._check_free(b)
                 if msg:
                     raise StreamOrderError(msg)
+
+    def record_stream(self, t: torch.Tensor, stream: Stream) -> None:
+        """``t.record_stream(stream)``: freeing ``t`` waits for ``stream``'s work issued so
+        far (the allocator does it on a device, with an event)."""
+        with self.lock:
+            b = self._buf(t)
+            if b is not None:
+                b.recorded[stream.name] = stream.clock.vc[stream.name]
 
     def raise_deferred(self) -> None:
         if self.deferred:
@@ -455,11 +481,12 @@ def stream_model(monkeypatch, *, query_done: bool = True):
             model.free_storage(self)
         out = real_resize(self, n)
         if n:
-            with model.lock:
-                model._bufs.pop(self._cdata, None)
+            model.refilled(self)
         return out
 
     monkeypatch.setattr(torch.UntypedStorage, "resize_", resize_)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, stream: model.record_stream(t, stream))
     with _Mode(model):
         yield model
     model.raise_deferred()

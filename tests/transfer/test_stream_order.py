@@ -119,6 +119,13 @@ def test_model_catches_write_after_read_free_and_host_access(monkeypatch):
             pinned.copy_(c, non_blocking=True)
         with pytest.raises(StreamOrderError, match="free of"):
             c.untyped_storage().resize_(0)  # freed while the side stream reads it
+        d = torch.ones(4) * 4
+        ev.record(m.current_stream())
+        side.wait_event(ev)
+        with m.stream(side):
+            pinned.copy_(d, non_blocking=True)
+        d.record_stream(side)
+        del d  # the allocator keeps it until the side stream's copy is done: no error
         fresh = torch.empty(4)  # allocated on the compute stream
         with m.stream(side), pytest.raises(StreamOrderError):
             fresh.copy_(pinned, non_blocking=True)

@@ -355,8 +355,35 @@ def _optimizer(m: StreamModel, tmp_path) -> None:
 
 
 # Cheap ones first: the mutation test runs them in this order until one fails.
-SCENARIOS = [_mover_host, _mover_disk, _rows, _heads, _stash, _optimizer, _activations,
-             _offload]
+def _optimizer_overlap(m: StreamModel, tmp_path) -> None:
+    """HostOptimizer with overlap (steps and copy-backs on its worker thread during the final
+    backward) while the training loop runs on a stream of its own, not the default one."""
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    master = [p.detach().float().clone() for p in lin.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2)
+    opt = hr.HostOptimizer(lin.parameters(), torch.optim.AdamW, lr=1e-2, overlap=True)
+    user = m.Stream()
+    for s in range(3):
+        with m.stream(user):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(s)).bfloat16()
+            with opt.final_backward():
+                lin(x).float().square().sum().backward()
+            grads = [opt.grad(p).clone() for p in lin.parameters()]
+            opt.step()
+            opt.zero_grad()
+            got = [p * 1 for p in lin.parameters()]
+        user.synchronize()  # the checks below run on the host's default stream
+        for mp, g in zip(master, grads, strict=True):
+            mp.grad = g
+        ref.step()
+        for p, mp in zip(got, master, strict=True):
+            assert torch.equal(p, mp.bfloat16())
+        m.synchronize()  # before `got`, the user stream's memory, is freed
+
+
+SCENARIOS = [_mover_host, _mover_disk, _rows, _heads, _stash, _optimizer, _optimizer_overlap,
+             _activations, _offload]
 
 
 def _run(scenario, tmp_path, *, query_done: bool, skip=()) -> StreamModel:

@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "offload": "headroom.residency",
     "unoffload": "headroom.residency",
     "describe": "headroom.residency",
+    "prefetch": "headroom.residency",
     # optim/
     "HostOptimizer": "headroom.optim",
     # checkpoint/

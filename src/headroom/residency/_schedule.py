@@ -586,6 +586,36 @@ class Offload:
         """Wait until every gradient pushed so far rests in the store (any thread)."""
         self.res.sync_grads()
 
+    def read_grad(self, slot: Slot) -> torch.Tensor | None:
+        """The slot's accumulated gradient as a host tensor (the store's own one on the host,
+        a copy from disk), or ``None`` when its master has none."""
+        b = slot.binding
+        if slot.param.grad is None or b.grad_handle is None:
+            return None
+        self.sync_grads()
+        host = self.store.host_tensor(b.grad_handle)
+        return host if host is not None else self.store.read(b.grad_handle).result()
+
+    def put_grad(self, slot: Slot, value: torch.Tensor) -> None:
+        """Make ``value`` (a host tensor) the slot's whole gradient, as a backward leaves it."""
+        b = slot.binding
+        p = slot.param
+        self.sync_grads()
+        if b.grad_handle is None:
+            b.grad_handle = _grad_handle(self.store, b)
+        gh = b.grad_handle
+        host = self.store.host_tensor(gh)
+        if host is not None:
+            if host.data_ptr() != value.data_ptr():
+                host.copy_(value)
+        else:
+            self.store.write(gh, value.to(gh.dtype).contiguous()).result()
+        b.has_grad = True
+        if host is not None and gh.dtype == p.dtype:
+            p.grad = host
+        elif p.grad is None:
+            p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+
     def bypass_hook(self, name: str, p: torch.Tensor) -> None:
         self._bypass.append(name)
 

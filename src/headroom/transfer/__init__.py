@@ -10,6 +10,7 @@ from headroom.transfer._binding import (
     binding,
     grad_ready,
     on_grad_ready,
+    relay_done,
     sync_grad,
     unbind,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "relay_done",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -167,10 +168,8 @@ def _entry(rank: int, world: int, port: int, jobs: list, out, path: list[str]) -
                 out.put((i, rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 raise
     finally:
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def run(world: int, jobs: list[tuple[str, dict]], timeout: float = 120) -> dict:

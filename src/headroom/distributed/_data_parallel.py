@@ -60,9 +60,8 @@ def data_parallel(
         bucket_bytes: gradient bytes per all-reduce of offloaded parameters. Smaller buckets
             start earlier; each is one collective.
         timeout: seconds (or a ``timedelta``) a collective of headroom's group may wait for the
-            other ranks before raising `CollectiveError`; default: the default group's timeout
-            (10 minutes unless set in ``init_process_group``). DDP's own collectives use
-            ``process_group``'s timeout.
+            other ranks before raising `CollectiveError`; default: ``process_group``'s own
+            (``init_process_group(timeout=...)``). DDP's collectives use ``process_group``'s.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
             ``broadcast_buffers``, ``gradient_as_bucket_view``, ``device_ids``, ...).
 
@@ -101,8 +100,9 @@ class DataParallel(nn.Module):
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             raise ValueError("the model is already wrapped for data parallel; pass the inner"
                              " model (wrapper.module)")
+        pg = process_group if process_group is not None else dist.group.WORLD
         if timeout is None:
-            timeout = _default_timeout()
+            timeout = _group_timeout(pg)
         elif not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
         self.module = model
@@ -120,11 +120,12 @@ class DataParallel(nn.Module):
                     " gradient. Keep such heads out of the data-parallel model"
                 )
             ignore.append(name)
-        pg = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
         # A group of its own, created on every rank in the same order (new_group is collective).
+        # Gloo whatever DDP uses: offloaded gradients rest in host memory or on disk, so they
+        # are all-reduced there rather than copied to an accelerator and back.
         self._group = dist.new_group(ranks=ranks, timeout=timeout,
-                                     backend=dist.get_backend(pg)) if states else None
+                                     backend="gloo") if states else None
         for st in states:
             st.ddp_allowed = True
             st.init_pending()
@@ -199,9 +200,9 @@ def _offload_states(model: nn.Module) -> list[Offload]:
     return out
 
 
-def _default_timeout() -> timedelta:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_timeout
-        return _get_default_timeout(dist.get_backend())
-    except Exception:  # pragma: no cover - older or newer torch
-        return _DEFAULT_TIMEOUT
+def _group_timeout(pg: Any) -> timedelta:
+    """The timeout ``pg`` was created with (``init_process_group(timeout=...)``)."""
+    for dev in ("cpu", "cuda"):  # a private attribute: fall back if it moves
+        with contextlib.suppress(Exception):
+            return pg._get_backend(torch.device(dev)).options._timeout
+    return _DEFAULT_TIMEOUT

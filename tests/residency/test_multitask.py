@@ -147,3 +147,29 @@ def test_prefetch_refuses_what_is_not_a_block():
         hr.prefetch(model.trunk)
     with pytest.raises(ValueError, match="at least one block"):
         hr.prefetch([])
+
+
+def test_device_holds_the_current_and_the_announced_head(tmp_path):
+    model = MultiTask()
+    head = sum(p.numel() * p.element_size() for p in model.heads[0].parameters())
+    _offload_heads(model, DiskStore(tmp_path / "s", threads=2))
+    st = state_of(model.heads)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    seen = []
+
+    def device_bytes(*_):  # an independent count: the storage behind every device copy
+        seen.append(sum(s.dev.untyped_storage().nbytes() for s in st.slots))
+
+    hooks = [h.register_forward_pre_hook(device_bytes) for h in model.heads]
+    for i, task in enumerate(TASKS[:-1]):
+        hr.prefetch(model.heads[TASKS[i + 1]])
+        x, y = _batch(i)
+        F.cross_entropy(model(x, task), y).backward()
+        opt.step()
+        opt.zero_grad()
+        # Inside the head's forward: that head and the announced one (one if they coincide).
+        assert seen[-1] == (1 if TASKS[i + 1] == task else 2) * head, (seen[-1], head)
+        between = sum(s.dev.untyped_storage().nbytes() for s in st.slots)
+        assert between == (0 if TASKS[i + 1] == task else head)
+    for h in hooks:
+        h.remove()

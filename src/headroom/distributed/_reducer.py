@@ -43,8 +43,7 @@ class _Entry:
         self.slot = slot
         self.index = index
         self.numel = slot.dev.numel()
-        b = slot.binding
-        self.dtype = b.grad_dtype or b.handle.dtype
+        self.dtype = slot.binding.handle.dtype  # the gradient's; see `StoreReducer._layout`
         self.pending = False  # its gradient is expected from this backward
         self.local = False  # this rank contributes a gradient
         self.bucket: _Bucket | None = None
@@ -103,7 +102,12 @@ class StoreReducer:
         self._in_backward = False
         self.bytes_reduced = 0  # bytes handed to all-reduce by this reducer, all steps
         self.last_step_bytes = 0
-        self._hooks: list[Any] = []
+        for e in self.entries:
+            if e.slot.binding.relay is not None:
+                raise RuntimeError(
+                    f"offloaded parameter {e.slot.name!r} is already all-reduced by another"
+                    " hr.data_parallel wrapper; call its close() first, or keep using it"
+                )
         for state in states:
             state.used_listeners.append(self._on_use)
         for e in self.entries:
@@ -198,6 +202,9 @@ class StoreReducer:
         used = [e for e in self.entries if self._bitmap[e.index] > 0]
         for e in self.entries:
             e.bucket = None
+            # An optimizer built after the wrapper may have asked for fp32 gradients.
+            b = e.slot.binding
+            e.dtype = b.grad_dtype or b.handle.dtype
         buckets: list[_Bucket] = []
         cur: list[_Entry] = []
         size = 0

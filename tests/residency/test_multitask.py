@@ -173,3 +173,24 @@ def test_device_holds_the_current_and_the_announced_head(tmp_path):
         assert between == (0 if TASKS[i + 1] == task else head)
     for h in hooks:
         h.remove()
+
+
+@pytest.mark.parametrize("how", ["load", "load_weights"])
+def test_loading_values_drops_announcements(tmp_path, how):
+    torch.manual_seed(0)
+    other = MultiTask()
+    model = _offload_heads(MultiTask(), "cpu")
+    if how == "load":
+        src = copy.deepcopy(other)
+        hr.save(tmp_path / "ckpt", _offload_heads(src, "cpu"))
+    else:
+        hr.save_weights(other, tmp_path / "w")
+    hr.prefetch(model.heads[2])
+    assert _resident(model) == [2]
+    if how == "load":
+        hr.load(tmp_path / "ckpt", model)
+    else:
+        hr.load_weights(model, tmp_path / "w")
+    assert _resident(model) == []  # a prefetched copy of the old values is gone
+    x = torch.randn(2, 8)
+    assert torch.equal(model(x, 2), other(x, 2))

@@ -337,8 +337,8 @@ def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
     An announced block stays on the device until a forward uses it, and across an optimizer
     step unless one of its parameters has a gradient (the step may change those: they are
     released before it and fetched again after it). A failed forward or backward,
-    ``load_state_dict`` and `unoffload` drop announcements. Costs one block of device memory
-    per announced block.
+    ``load_state_dict``, ``hr.load``, ``hr.load_weights`` and `unoffload` drop announcements.
+    Costs one block of device memory per announced block.
 
     Args:
         blocks: one block of an offloaded model (e.g. ``model.heads[t]``) or several; an empty

@@ -25,13 +25,22 @@ HEADS = 8
 STEPS = 3
 
 
+class Head(nn.Linear):
+    """A head with a parameter its forward never uses (no rank ever has a gradient for it)."""
+
+    def __init__(self, d: int, c: int) -> None:
+        super().__init__(d, c)
+        self.spare = nn.Parameter(torch.zeros(2))
+
+
 class MultiTask(nn.Module):
     """Shared parameters (the trunk) and one head per task."""
 
-    def __init__(self, d: int = 8, heads: int = HEADS) -> None:
+    def __init__(self, d: int = 8, heads: int = HEADS, spare: bool = False) -> None:
         super().__init__()
         self.trunk = nn.Sequential(nn.Linear(d, d), nn.Tanh())
-        self.heads = nn.ModuleList(nn.Linear(d, 3) for _ in range(heads))
+        make = Head if spare else nn.Linear
+        self.heads = nn.ModuleList(make(d, 3) for _ in range(heads))
 
     def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
         return self.heads[task](self.trunk(x))
@@ -56,10 +65,11 @@ def make_opt(params, host: bool):
 
 
 def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: bool = False,
-              micro: int = 1, tmp: str = "", final: bool = False) -> dict:
+              micro: int = 1, tmp: str = "", final: bool = False, spare: bool = False,
+              announce: bool = False) -> dict:
     """Train the multi-task model with offloaded heads under hr.data_parallel."""
     torch.manual_seed(0)
-    model = MultiTask()
+    model = MultiTask(spare=spare)
     st = "cpu" if store == "cpu" else DiskStore(os.path.join(tmp, f"rank{rank}"), threads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -68,6 +78,8 @@ def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: boo
     opt = make_opt(model.parameters(), host)
     sent = []
     for step in range(STEPS):
+        if announce:
+            hr.prefetch(model.heads[tasks(case, rank, step + 1)])
         for m in range(micro):
             x, y = batch(rank, step, m)
             task = tasks(case, rank, step)
@@ -79,6 +91,8 @@ def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: boo
         sent.append(dp.reducer.last_step_bytes)
         opt.step()
         opt.zero_grad()
+        if spare:
+            assert all(h.spare.grad is None for h in model.heads), "a gradient no rank made"
     out = {k: v.clone() for k, v in model.state_dict().items()}
     out["__sent__"] = torch.tensor(sent)
     return out

@@ -15,7 +15,8 @@ from tests.distributed import _workers as w
 
 CASES = {
     "different": dict(fn="multitask", kw=dict(case="different")),
-    "same": dict(fn="multitask", kw=dict(case="same")),
+    "same": dict(fn="multitask", kw=dict(case="same", announce=True)),
+    "spare": dict(fn="multitask", kw=dict(case="different", spare=True)),
     "accumulate": dict(fn="multitask", kw=dict(case="different", micro=2)),
     "host_opt": dict(fn="multitask", kw=dict(case="different", host=True)),
     "host_opt_final": dict(fn="multitask", kw=dict(case="different", host=True, final=True)),
@@ -54,11 +55,12 @@ def world3(tmp_path_factory):
     return _spawn(3, WORLD3, tmp_path_factory.mktemp("dp3"))
 
 
-def _reference(world: int, case: str, *, micro: int = 1, host: bool = False) -> dict:
+def _reference(world: int, case: str, *, micro: int = 1, host: bool = False,
+               spare: bool = False) -> dict:
     """One process: each rank's gradient computed alone, averaged as DDP does (scaled by
     1/world, summed in rank order), then the same optimizer."""
     torch.manual_seed(0)
-    model = w.MultiTask()
+    model = w.MultiTask(spare=spare)
     opt = w.make_opt(model.parameters(), host)
     if host:  # HostOptimizer(fused=False) is torch's single-tensor path
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
@@ -77,6 +79,8 @@ def _reference(world: int, case: str, *, micro: int = 1, host: bool = False) -> 
                 grads[n] = g if n not in grads else grads[n] + g
         for n, p in params.items():
             p.grad = grads.get(n)
+        if spare:
+            assert all(h.spare.grad is None for h in model.heads)
         opt.step()
         opt.zero_grad()
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -97,11 +101,12 @@ def _used_heads(case: str, world: int) -> set[int]:
     return {w.tasks(case, r, s) for r in range(world) for s in range(w.STEPS)}
 
 
-@pytest.mark.parametrize("case", ["different", "same", "accumulate", "host_opt",
+@pytest.mark.parametrize("case", ["different", "same", "spare", "accumulate", "host_opt",
                                   "host_opt_final", "disk"])
 def test_two_ranks_equal_the_averaged_reference_bitwise(world2, case):
     kw = CASES[case]["kw"]
-    ref = _reference(2, kw["case"], micro=kw.get("micro", 1), host=kw.get("host", False))
+    ref = _reference(2, kw["case"], micro=kw.get("micro", 1), host=kw.get("host", False),
+                     spare=kw.get("spare", False))
     _check(world2[case], ref, exact=True)
 
 

@@ -89,9 +89,6 @@ class StoreReducer:
                 if slot.param.requires_grad and slot.param.is_floating_point():
                     self.entries.append(_Entry(state, slot, len(self.entries)))
         self._by_param = {id(e.slot.param): e for e in self.entries}
-        self._by_group: dict[int, list[_Entry]] = {}
-        for e in self.entries:
-            self._by_group.setdefault(id(e.slot.group), []).append(e)
         self._used: set[int] = set()
         self._syncing = False  # this step's backward all-reduces
         self._bitmap: torch.Tensor | None = None

@@ -57,7 +57,9 @@ def tasks(case: str, rank: int, step: int) -> int:
     return (rank + 2 * step) % 5  # different tasks per rank; heads 5..7 are never used
 
 
-def make_opt(params, host: bool):
+def make_opt(params, host: bool, sgd: bool = False):
+    if sgd:  # unlike Adam, sensitive to the gradient's scale (a sum instead of a mean shows)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
     kw = dict(lr=1e-2, weight_decay=0.1)
     if host:
         return hr.HostOptimizer(params, torch.optim.AdamW, fused=False, **kw)
@@ -66,7 +68,7 @@ def make_opt(params, host: bool):
 
 def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: bool = False,
               micro: int = 1, tmp: str = "", final: bool = False, spare: bool = False,
-              announce: bool = False) -> dict:
+              announce: bool = False, sgd: bool = False) -> dict:
     """Train the multi-task model with offloaded heads under hr.data_parallel."""
     torch.manual_seed(0)
     model = MultiTask(spare=spare)
@@ -75,7 +77,8 @@ def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: boo
         warnings.simplefilter("ignore")
         hr.offload(model.heads, device="cpu", store=st, prefetch=0)
     dp = hr.data_parallel(model, timeout=20)
-    opt = make_opt(model.parameters(), host)
+    assert set(dp.state_dict()) == {f"module.{k}" for k in model.state_dict()}
+    opt = make_opt(model.parameters(), host, sgd)
     sent = []
     for step in range(STEPS):
         if announce:

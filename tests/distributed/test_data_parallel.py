@@ -23,8 +23,9 @@ CASES = {
     "disk": dict(fn="multitask", kw=dict(case="different", host=True, store="disk")),
     "transformer": dict(fn="transformer", kw=dict()),
     "transformer_disk": dict(fn="transformer", kw=dict(store="disk")),
+    "sgd": dict(fn="multitask", kw=dict(case="different", sgd=True)),
 }
-WORLD3 = ["different", "same", "accumulate"]
+WORLD3 = ["different", "same", "accumulate", "sgd"]
 
 
 def _spawn(world: int, names: list[str], tmp) -> dict:
@@ -56,12 +57,12 @@ def world3(tmp_path_factory):
 
 
 def _reference(world: int, case: str, *, micro: int = 1, host: bool = False,
-               spare: bool = False) -> dict:
+               spare: bool = False, sgd: bool = False) -> dict:
     """One process: each rank's gradient computed alone, averaged as DDP does (scaled by
     1/world, summed in rank order), then the same optimizer."""
     torch.manual_seed(0)
     model = w.MultiTask(spare=spare)
-    opt = w.make_opt(model.parameters(), host)
+    opt = w.make_opt(model.parameters(), host, sgd)
     if host:  # HostOptimizer(fused=False) is torch's single-tensor path
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     params = dict(model.named_parameters())
@@ -102,18 +103,18 @@ def _used_heads(case: str, world: int) -> set[int]:
 
 
 @pytest.mark.parametrize("case", ["different", "same", "spare", "accumulate", "host_opt",
-                                  "host_opt_final", "disk"])
+                                  "host_opt_final", "disk", "sgd"])
 def test_two_ranks_equal_the_averaged_reference_bitwise(world2, case):
     kw = CASES[case]["kw"]
     ref = _reference(2, kw["case"], micro=kw.get("micro", 1), host=kw.get("host", False),
-                     spare=kw.get("spare", False))
+                     spare=kw.get("spare", False), sgd=kw.get("sgd", False))
     _check(world2[case], ref, exact=True)
 
 
 @pytest.mark.parametrize("case", WORLD3)
 def test_three_ranks_equal_the_averaged_reference(world3, case):
     kw = CASES[case]["kw"]
-    ref = _reference(3, kw["case"], micro=kw.get("micro", 1))
+    ref = _reference(3, kw["case"], micro=kw.get("micro", 1), sgd=kw.get("sgd", False))
     _check(world3[case], ref, exact=False)
 
 

@@ -130,13 +130,15 @@ class DataParallel(nn.Module):
             st.ddp_allowed = True
             st.init_pending()
         device_params = [p for n, p in model.named_parameters() if binding(p) is None]
-        self.ddp: DistributedDataParallel | None = None
+        # Not a submodule: the state dict, parameters() and repr show `module` once.
+        ddp = None
         if any(p.requires_grad for p in device_params):
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-            self.ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
-        elif model_buffers := [b for b in model.buffers()]:
-            for b in model_buffers:  # DDP would broadcast them: start from rank 0's
+            ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
+        else:
+            for b in model.buffers():  # DDP would broadcast them: start from rank 0's
                 dist.broadcast(b, src=ranks[0], group=pg)
+        self.__dict__["ddp"] = ddp
         self.reducer: StoreReducer | None = None
         if states:
             self._broadcast_stored(states, ranks[0])
@@ -163,6 +165,12 @@ class DataParallel(nn.Module):
         if self.reducer is not None:
             self.reducer.end_forward(_outputs(out) if torch.is_grad_enabled() else [])
         return out
+
+    def train(self, mode: bool = True) -> DataParallel:
+        super().train(mode)
+        if self.ddp is not None:
+            self.ddp.training = mode  # its module is ours, already switched
+        return self
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

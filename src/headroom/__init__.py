@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "offload": "headroom.residency",
     "unoffload": "headroom.residency",
     "describe": "headroom.residency",
+    "prefetch": "headroom.residency",
     # optim/
     "HostOptimizer": "headroom.optim",
     # checkpoint/
@@ -39,6 +40,8 @@ _EXPORTS: dict[str, str] = {
     # heads/
     "linear_cross_entropy": "headroom.heads",
     "HugeClassifier": "headroom.heads",
+    # distributed/
+    "data_parallel": "headroom.distributed",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

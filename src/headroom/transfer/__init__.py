@@ -10,6 +10,7 @@ from headroom.transfer._binding import (
     binding,
     grad_ready,
     on_grad_ready,
+    relay_done,
     sync_grad,
     unbind,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "grad_ready",
     "on_grad_ready",
     "parse_header",
+    "relay_done",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",

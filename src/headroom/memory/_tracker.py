@@ -165,6 +165,7 @@ class MemoryTracker:
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
         self._rss = RSSWatch()
+        self._meta_as: str | None = None  # set by the estimator: what meta tensors stand for
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -266,10 +267,18 @@ class MemoryTracker:
         with self._lock:
             info = self._infos.get(key)
             if info is None:
-                if self._state != "active" or st.device.type == "meta":
+                if self._state != "active":
                     return None
+                if st.device.type == "meta":
+                    # Meta tensors take no memory, except in a dry run (the estimator), where
+                    # they stand for the tensors of the device estimated.
+                    if self._meta_as is None:
+                        return None
+                    dev = self._meta_as
+                else:
+                    dev = device_name(t.device)
                 self._seq += 1
-                info = StorageInfo(key, device_name(t.device), st.nbytes(), cat, self._seq)
+                info = StorageInfo(key, dev, st.nbytes(), cat, self._seq)
                 info.ref = weakref.ref(st, self._make_free_cb(info))
                 self._infos[key] = info
                 if cat == ACTIVATIONS:

@@ -1,0 +1,170 @@
+"""A training step run on ``meta`` tensors: what the estimator executes instead of the real step.
+
+The step runs the model's own code, so every op PyTorch would run is seen with its real shapes
+and dtypes, but no tensor holds data. Three things make a meta run behave like the target device:
+
+- the model is copied onto ``meta`` without copying any data (the copy shares nothing with the
+  original, so the dry run can never change the user's model);
+- ``scaled_dot_product_attention`` on ``meta`` would take PyTorch's math path (which keeps the
+  whole attention matrix); it is redirected to the fused kernel the target device would choose;
+- the optimizer runs one step untracked first, so the tracked step is in steady state (its state
+  already exists), like every step of a training run but the first.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils import checkpoint as _ckpt
+from torch.utils._pytree import tree_map
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are ``meta`` tensors of the same shapes.
+
+    Ties survive (a parameter shared by two modules is one parameter in the copy); no data is
+    copied, so a model of any size is copied in milliseconds.
+    """
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        m = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            m = nn.Parameter(m, requires_grad=t.requires_grad)
+        memo[id(t)] = m
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:
+        raise TypeError(
+            f"the estimator could not copy the model onto the meta device ({type(e).__name__}:"
+            f" {e}). Estimate the plain model (before hr.offload and other changes that attach"
+            " stores or threads) and pass the technique as an option instead."
+        ) from e
+
+
+def to_meta(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype."""
+
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            return out.requires_grad_(t.requires_grad)
+        return t
+
+    return tree_map(one, obj)
+
+
+class AttentionAsOnDevice:
+    """Runs ``scaled_dot_product_attention`` on ``meta`` through the fused kernel
+    ``device_type`` would use.
+
+    On ``cpu`` PyTorch picks its flash kernel for CPU; on CUDA-like devices the memory-efficient
+    kernel (it takes masks and fp32; the flash kernel keeps the same-sized log-sum-exp). Both
+    keep only the output and one float per query row for backward, not the attention matrix.
+    Dropout keeps PyTorch's own choice (the math path), as do nested tensors.
+
+    The function is replaced in ``torch.nn.functional`` for the duration of the dry run (a
+    ``TorchFunctionMode`` would not see calls made from inside other functional ops, such as
+    ``multi_head_attention_forward``); calls on tensors that are not ``meta`` go to PyTorch's.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def __enter__(self) -> AttentionAsOnDevice:
+        F.scaled_dot_product_attention = self._call
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        F.scaled_dot_product_attention = _SDPA
+
+    def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self._fused(*args, **kwargs)
+        return _SDPA(*args, **kwargs) if out is None else out
+
+    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        if dropout_p or q.device.type != "meta" or q.is_nested or q.dim() != 4:
+            return None
+        if self.device_type == "cpu":
+            if q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+                return None
+            mask = attn_mask
+            if mask is not None and mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+        if enable_gqa and k.size(-3) != q.size(-3):
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+            v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+        bias = attn_mask
+        if bias is not None:
+            if bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
+            bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
+
+
+def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> None:
+    """Wrap the forward of each named submodule in non-reentrant activation checkpointing."""
+    for name in names:
+        module = model.get_submodule(name)
+        forward = module.forward
+        module.forward = functools.partial(_checkpointed, forward)  # type: ignore[method-assign]
+
+
+def _checkpointed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    return _ckpt.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """What a step differentiates when no ``loss_fn`` is given: ``output.loss`` if the model
+    returns one (Hugging Face models given labels), else the sum of the first tensor output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict):
+        output = next(iter(output.values()), None)
+    if isinstance(output, (list, tuple)) and output:
+        output = output[0]
+    if isinstance(output, torch.Tensor):
+        return output.float().sum() if output.dtype != torch.float32 else output.sum()
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits.sum()
+    raise TypeError(
+        f"the model returned {type(output).__name__}, not a tensor: pass loss_fn=, a function"
+        " from the model's output to a scalar loss tensor"
+    )
+
+
+def make_optimizer(optimizer: Any, params: list[nn.Parameter],
+                   kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+    """An optimizer over ``params`` like ``optimizer`` (a class, a factory or an instance)."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        defaults = {k: v for k, v in optimizer.defaults.items()
+                    if k not in ("differentiable",) and v is not None}
+        return type(optimizer)(params, **{**defaults, **kwargs})
+    if callable(optimizer):
+        opt = optimizer(params, **kwargs)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer= must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), an"
+                f" instance, or a function of the parameters returning one; got {opt!r}"
+            )
+        return opt
+    raise TypeError(
+        f"optimizer= must be a torch.optim.Optimizer class, instance or factory, got {optimizer!r}"
+    )

@@ -25,6 +25,13 @@ from torch.utils import checkpoint as _ckpt
 from torch.utils._pytree import tree_map
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+_IS_AUTOCAST = torch.is_autocast_enabled
+
+
+def _autocast_enabled(*args: Any) -> bool:
+    if args and args[0] == "meta":
+        return False
+    return _IS_AUTOCAST(*args)
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -82,10 +89,14 @@ class AttentionAsOnDevice:
 
     def __enter__(self) -> AttentionAsOnDevice:
         F.scaled_dot_product_attention = self._call
+        # Layers that ask whether autocast is on for their input's device would get an error
+        # for "meta"; the dry run runs without autocast.
+        torch.is_autocast_enabled = _autocast_enabled
         return self
 
     def __exit__(self, *exc: Any) -> None:
         F.scaled_dot_product_attention = _SDPA
+        torch.is_autocast_enabled = _IS_AUTOCAST
 
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self._fused(*args, **kwargs)

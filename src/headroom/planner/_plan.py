@@ -5,7 +5,7 @@ The search runs a few dry runs (`headroom.memory.estimate`) for what changes the
 the rest from their timelines: where parameters, gradients or optimizer state leave the device,
 their bytes at every moment of the step are replaced by what stays (see `_Candidate.peak`).
 Those replacements are upper bounds (the most a technique keeps in flight), so an applied plan
-measures at most its estimate. Each candidate gets a step time from `headroom.plan._time`; the
+measures at most its estimate. Each candidate gets a step time from `headroom.planner._time`; the
 fastest one that fits wins, ties going to the one with the lower peak.
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 from headroom.memory import _dryrun
 from headroom.memory._categories import CATEGORIES, format_bytes
 from headroom.memory._estimate import Estimate, estimate
-from headroom.plan._time import Speeds, count_flops, default_speeds
+from headroom.planner._time import Speeds, count_flops, default_speeds
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -103,7 +103,7 @@ class Plan:
         choice: the techniques (a `Choice`).
         peak: estimated peak bytes on the device with them (an upper bound for offloaded
             parts).
-        time_s: estimated seconds per step (see `headroom.plan._time`).
+        time_s: estimated seconds per step (see `headroom.planner._time`).
         plain_peak, plain_time_s: the same for the plain step.
         budget: the budget asked for.
         device: the device planned for.
@@ -278,7 +278,7 @@ def plan(
         exact: only exact techniques. ``False`` would also allow lower precision, which this
             version does not search yet (it plans as if ``True``).
         example_kwargs, optimizer_kwargs: as for `hr.estimate`.
-        speeds: the time model's speeds (default: `headroom.plan._time.default_speeds`).
+        speeds: the time model's speeds (default: `headroom.planner._time.default_speeds`).
         slice_bytes: the host optimizer's slice size for state on disk; default: small enough
             that the slices in flight are a small part of the state.
 
@@ -338,7 +338,7 @@ def plan(
 
     sizes = _sizes(model, device, opt_cls, opt_kw)
     if slice_bytes is None:
-        slice_bytes = max(64 << 10, min(16 << 20, sizes.largest_param // 8 or (64 << 10)))
+        slice_bytes = max(4 << 10, min(16 << 20, sizes.largest_param // 8))
     places = ["device"] + ([] if on_cpu else ["host"]) + (["disk"] if disk is not None else [])
     candidates: list[tuple[Choice, int, float, dict[str, int]]] = []
     for (conv, k), r in runs.items():

@@ -59,10 +59,11 @@ def _run_profiled(args: argparse.Namespace, target: str, run) -> int:
     import headroom as hr
 
     prefix = Path(args.out)
-    status, failure = 0, None
+    status, failure, script_globals = 0, None, None
     with hr.track_memory(max_samples=args.max_samples) as mem:
         try:
-            run()
+            # the script's globals keep its model alive for the report's advice
+            script_globals = run()
         except SystemExit as e:  # the script's own exit code is kept
             status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException as e:  # the report up to the failure, then the error
@@ -72,6 +73,7 @@ def _run_profiled(args: argparse.Namespace, target: str, run) -> int:
     written = _write_reports(
         mem, prefix, plot=not args.no_plot, title=f"headroom profile: {target}"
     )
+    del script_globals
     print("headroom profile: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     if failure is not None:
         print(

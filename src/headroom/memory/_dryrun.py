@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -179,3 +180,51 @@ def make_optimizer(optimizer: Any, params: list[nn.Parameter],
     raise TypeError(
         f"optimizer= must be a torch.optim.Optimizer class, instance or factory, got {optimizer!r}"
     )
+
+
+class _Dropped:
+    __slots__ = ("key", "nbytes", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, t: torch.Tensor, key: int, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+
+class OffloadedActivations:
+    """A saved-tensor keeper for the dry run that keeps saved storages off the device.
+
+    What `hr.offload_activations` does, as the device sees it: a saved storage of at least
+    ``min_bytes`` (not a parameter's) is no longer held by autograd, so its device memory goes
+    once the forward drops it; backward gets a new storage of the same size, once per storage
+    (views of one storage share it), when it first needs one. Refilling ahead of need
+    (``prefetch``) is not modeled: the estimate is the least that must be on the device.
+    """
+
+    def __init__(self, model: nn.Module, min_bytes: int) -> None:
+        self.min_bytes = min_bytes
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self._back: dict[int, weakref.ref] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.device.type != "meta":
+            return t
+        st = t.untyped_storage()
+        if st.nbytes() < self.min_bytes or st._cdata in self._params:
+            return t
+        return _Dropped(t, st._cdata, st.nbytes())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Dropped):
+            return packed
+        ref = self._back.get(packed.key)
+        storage = ref() if ref is not None else None
+        if storage is None:
+            storage = torch.empty(packed.nbytes, dtype=torch.uint8,
+                                  device="meta").untyped_storage()
+            self._back[packed.key] = weakref.ref(storage)
+        out = torch.empty(0, dtype=packed.dtype, device="meta")
+        return out.set_(storage, packed.offset, packed.shape, packed.stride)

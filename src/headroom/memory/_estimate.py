@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from headroom._saved_hooks import keeping
 from headroom.memory import _dryrun
 from headroom.memory._allocator import CachingAllocatorModel
 from headroom.memory._categories import CATEGORIES, format_bytes
@@ -94,7 +96,18 @@ class Estimate:
                 "segments": alloc.segments_peak,
             }
         self.options = options
-        self.advice: list[str] = []
+        self._context: dict[str, Any] | None = None
+        self._advice: list[str] | None = None
+
+    @property
+    def advice(self) -> list[str]:
+        """What would cut the peak most, each technique's saving from a dry run with it (lines
+        of text; computed on first use, a few more dry runs)."""
+        if self._advice is None:
+            from headroom.memory._advice import estimate_advice
+
+            self._advice = estimate_advice(self)
+        return self._advice
 
     @property
     def timeline(self):
@@ -110,11 +123,12 @@ class Estimate:
     def __repr__(self) -> str:
         return f"Estimate(device={self.device!r}, peak={format_bytes(self.peak)})"
 
-    def report(self, *, file=None, top_modules: int = 10) -> str:
-        """Print (to ``file``, default stdout) and return the table, as for `track_memory`."""
+    def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
+        """Print (to ``file``, default stdout) and return the table, as for `track_memory`,
+        ending with :attr:`advice` unless ``advice=False``."""
         from headroom.memory._report import format_estimate
 
-        text = format_estimate(self, top_modules=top_modules)
+        text = format_estimate(self, top_modules=top_modules, advice=advice)
         print(text, file=file)
         return text
 
@@ -131,7 +145,7 @@ class Estimate:
             "allocator": self.allocator,
             "options": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
                         else v for k, v in self.options.items()},
-            "advice": self.advice,
+            "advice": self._advice or [],
         }
         return data
 
@@ -160,6 +174,7 @@ def estimate(
     example_kwargs: dict[str, Any] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     checkpoint: Iterable[str] = (),
+    offload_activations: int | None = None,
     prepare: Callable[[nn.Module], nn.Module | None] | None = None,
 ) -> Estimate:
     """Estimate the memory of one training step without running it on real tensors.
@@ -186,6 +201,10 @@ def estimate(
         optimizer_kwargs: keyword arguments for ``optimizer`` when it is a class or factory.
         checkpoint: qualified names of submodules to run under non-reentrant activation
             checkpointing (what-if: the model itself is not changed).
+        offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
+            offload_activations)``: saved storages of at least that many bytes leave the device
+            once the forward drops them and come back when backward needs them (refills ahead
+            of need are not counted). ``None``: off.
         prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
             in place or return a replacement), e.g. ``headroom.convert``.
 
@@ -209,7 +228,7 @@ def estimate(
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
-               "prepare": prepare}
+               "offload_activations": offload_activations, "prepare": prepare}
     meta_model = _dryrun.meta_copy(model)
     meta_model.train(model.training)
     if checkpoint:
@@ -243,8 +262,20 @@ def estimate(
             step()  # creates the optimizer state: the tracked step is a steady-state one
         tracker = _DryRunTracker(target, alloc, model=meta_model, optimizer=opt)
         with tracker:
-            step()
-    return Estimate(tracker, target, alloc, options)
+            if offload_activations is None:
+                step()
+            else:
+                # inside the tracker's own hooks, so that it still sees every saved tensor
+                keeper = _dryrun.OffloadedActivations(meta_model, offload_activations)
+                with keeping(keeper):
+                    step()
+    est = Estimate(tracker, target, alloc, options)
+    est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
+                    "loss_fn": options["loss_fn"], "optimizer": optimizer,
+                    "optimizer_kwargs": optimizer_kwargs}
+    if checkpoint or prepare is not None or offload_activations is not None:
+        est._context = None  # advice is for the plain step
+    return est
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> str:

@@ -26,10 +26,11 @@ _PHASE_SHADE = {"forward": None, "backward": "#f2f2f2", "optimizer": "#e6f0e6"}
 
 
 def format_report(mem: MemoryTracker, *, top_modules: int = 10,
-                  heading: str = "headroom memory report", rss: bool = True) -> str:
+                  heading: str = "headroom memory report", rss: bool = True,
+                  advice: bool = False, devices: list[str] | None = None) -> str:
     """A table: per device, each category at the peak, its own maximum, and at the end."""
     lines = []
-    devices = mem.devices or ["cpu"]
+    devices = devices or mem.devices or ["cpu"]
     for dev in devices:
         s = mem.stats(dev) if mem.devices else mem.stats()
         lines.append(f"{heading} - {dev}")
@@ -74,13 +75,21 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
             " tensors plus the interpreter, libraries, memory the C allocator keeps, and"
             " anything outside PyTorch)"
         )
+    if advice:
+        from headroom.memory._advice import tracker_advice
+
+        more = tracker_advice(mem)
+        if more:
+            lines.append("")
+            lines.extend(more)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def format_estimate(est: Estimate, *, top_modules: int = 10) -> str:
+def format_estimate(est: Estimate, *, top_modules: int = 10, advice: bool = True) -> str:
     """The tracker's table for a dry run, the allocator model's figures, then the advice."""
     text = format_report(est.tracker, top_modules=top_modules,
-                         heading="headroom memory estimate (dry run)", rss=False)
+                         heading="headroom memory estimate (dry run)", rss=False,
+                         devices=[est.device] if est.device in est.tracker.devices else None)
     lines = [text.rstrip("\n")]
     alloc = est.allocator
     if alloc:
@@ -90,7 +99,7 @@ def format_estimate(est: Estimate, *, top_modules: int = 10) -> str:
             f" {format_bytes(alloc['peak_reserved'])} in {alloc['segments']} segments (the CUDA"
             " context and library workspaces come on top)"
         )
-    if est.advice:
+    if advice and est.advice:
         lines.append("")
         lines.extend(est.advice)
     return "\n".join(lines) + "\n"

@@ -166,6 +166,8 @@ class MemoryTracker:
         self._saved_hooks: Any = None
         self._rss = RSSWatch()
         self._meta_as: str | None = None  # set by the estimator: what meta tensors stand for
+        # the first root forward's model and input shapes, and the optimizer: for advice
+        self._context: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -528,6 +530,9 @@ class MemoryTracker:
 
     def _pre_step(self, opt, args, kwargs) -> None:
         self._in_optimizer += 1
+        if self._context and "optimizer" not in self._context:
+            options = getattr(opt, "options", None)  # hr.HostOptimizer: the class it runs
+            self._context["optimizer"] = getattr(options, "optimizer_class", type(opt))
         self._see_optimizer(opt)
 
     def _post_step(self, opt, args, kwargs) -> None:
@@ -536,6 +541,9 @@ class MemoryTracker:
 
     def _add_root(self, module: nn.Module) -> None:
         self._roots.append(weakref.ref(module))
+        if self._meta_as is None and not self._context:
+            self._handles.append(
+                module.register_forward_pre_hook(self._remember_inputs, with_kwargs=True))
         multi = len(self._roots) > 1
         root_name = type(module).__name__
         for name, m in module.named_modules():
@@ -547,6 +555,14 @@ class MemoryTracker:
                 self._see_param(p, PARAMETERS)
             for b in m.buffers(recurse=False):
                 self._see(b, BUFFERS)
+
+    def _remember_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._context or self._stack[:-1]:
+            return
+        from headroom.memory._dryrun import to_meta
+
+        self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
+                         "kwargs": to_meta(dict(kwargs))}
 
     def _pre_fw(self, module: nn.Module, args: Any) -> None:
         if not self._stack and id(module) not in self._names:
@@ -768,11 +784,16 @@ class MemoryTracker:
         return DeviceStats(value, cats, mx, cur, alloc)
 
     # ------------------------------------------------------------------ reports
-    def report(self, *, file=None, top_modules: int = 10) -> str:
-        """Print (to ``file``, default stdout) and return a readable table of the numbers."""
+    def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
+        """Print (to ``file``, default stdout) and return a readable table of the numbers.
+
+        With ``advice`` (and the model that ran still alive) it ends with what would cut the
+        peak most: each technique's saving from a dry run of the step (`headroom.estimate`)
+        with the shapes of the first forward of the model and the optimizer seen stepping.
+        """
         from headroom.memory._report import format_report
 
-        text = format_report(self, top_modules=top_modules)
+        text = format_report(self, top_modules=top_modules, advice=advice)
         print(text, file=file)
         return text
 

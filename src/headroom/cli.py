@@ -1,4 +1,4 @@
-"""The ``headroom`` command: ``demo`` and ``profile``."""
+"""The ``headroom`` command: ``demo``, ``profile``, ``estimate`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="headroom", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="{demo,profile}", title="commands")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{demo,profile,estimate,plan}", title="commands"
+    )
 
     demo = sub.add_parser(
         "demo", help="headroom's features on small models, each measured against plain PyTorch"
@@ -129,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("target", help="the script (or module, with -m)")
     prof.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     prof.set_defaults(func=_profile)
+
+    from headroom.planner._cli import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

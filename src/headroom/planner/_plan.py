@@ -127,8 +127,8 @@ class Plan:
     def __str__(self) -> str:
         lines = [
             f"headroom plan for {self.device}: budget {format_bytes(self.budget)}, plain step"
-            f" {format_bytes(self.plain_peak)} / {self.plain_time_s * 1e3:.1f} ms (estimated)",
-            f"chosen: estimated peak {format_bytes(self.peak)}, step {self.time_s * 1e3:.1f} ms",
+            f" {format_bytes(self.plain_peak)} / {_seconds(self.plain_time_s)} (estimated)",
+            f"chosen: estimated peak {format_bytes(self.peak)}, step {_seconds(self.time_s)}",
         ]
         lines += [f"  - {d}" for d in self.choice.describe()]
         if self.peak_by_category:
@@ -154,15 +154,25 @@ class Plan:
             store = "\"cpu\"" if c.params == "host" else f"hr.DiskStore({self._disk('params')!r})"
             lines.append(f"hr.offload({model_name}, device={self.device!r}, store={store},"
                          " prefetch=1)")
-        kw = "".join(f", {k}={v!r}" for k, v in self.optimizer_kwargs.items())
+        elif self.device != "cpu":
+            lines.append(f"{model_name}.to({self.device!r})")
+        kw = "".join(f", {k}={v!r}" for k, v in self._host_kwargs().items())
         if c.optimizer_state != "device":
             store = ("\"cpu\"" if c.optimizer_state == "host"
                      else f"hr.DiskStore({self._disk('optimizer')!r})")
             lines.append(f"opt = hr.HostOptimizer({model_name}.parameters(), {opt},"
-                         f" state_store={store}, slice_bytes={self.slice_bytes}, fused=False{kw})")
+                         f" state_store={store}, slice_bytes={self.slice_bytes}{kw})")
         else:
+            kw = "".join(f", {k}={v!r}" for k, v in self.optimizer_kwargs.items())
             lines.append(f"opt = {opt}({model_name}.parameters(){kw})")
         return "\n".join(lines)
+
+    def _host_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.optimizer_kwargs)
+        if self.device == "cpu":
+            # PyTorch's default CPU step is the single-tensor one: bitwise the plain run
+            kwargs.setdefault("fused", False)
+        return kwargs
 
     def _disk(self, sub: str) -> str:
         if self.disk is None:  # pragma: no cover - disk choices need disk=
@@ -200,16 +210,24 @@ class Plan:
         if c.params != "device":
             store = "cpu" if c.params == "host" else DiskStore(self._disk("params"))
             offload(model, device=self.device, store=store, prefetch=1)
+        elif self.device != "cpu":
+            model.to(self.device)
         cls = _opt_class(self.optimizer)
-        kwargs = dict(self.optimizer_kwargs)
         if c.optimizer_state != "device":
             store = "cpu" if c.optimizer_state == "host" else DiskStore(self._disk("optimizer"))
-            kwargs.setdefault("fused", False)
             opt = HostOptimizer(model.parameters(), cls, state_store=store,
-                                slice_bytes=self.slice_bytes, **kwargs)
+                                slice_bytes=self.slice_bytes, **self._host_kwargs())
         else:
-            opt = cls(model.parameters(), **kwargs)
+            opt = cls(model.parameters(), **self.optimizer_kwargs)
         return model, opt
+
+
+def _seconds(t: float) -> str:
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t * 1e6:.0f} us"
 
 
 def _opt_class(optimizer: Any) -> type[torch.optim.Optimizer]:
@@ -354,7 +372,7 @@ def plan(
     if not fitting:
         best = min(candidates, key=lambda c: c[1])
         dominant = max(best[3].items(), key=lambda kv: kv[1])
-        hint = "" if disk is not None else " Pass disk= to allow stores on disk."
+        hint = "" if disk is not None else " Pass disk= (--disk) to allow stores on disk."
         raise PlanError(
             f"no combination of headroom's techniques fits {format_bytes(budget_b)} on"
             f" {device}: the smallest estimated peak is {format_bytes(best[1])} (with"

@@ -199,3 +199,38 @@ def test_allocator_rounding_and_reuse():
     a.malloc(6, 15 << 20)
     assert a.reserved == (2 << 20) + (20 << 20)
     assert a.peak_allocated == (1 << 20) + (15 << 20)
+
+
+def test_offload_activations_what_if_as_measured(tmp_path):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                            for _ in range(3)])
+    args = (torch.randn(128, 64),)
+    est = estimate(model, args, optimizer=None, offload_activations=1 << 14)
+
+    def step():
+        with hr.offload_activations(store=hr.DiskStore(tmp_path / "a"), min_bytes=1 << 14,
+                                    prefetch=0):
+            model(*args).sum().backward()
+        model.zero_grad()
+
+    step()
+    with hr.track_memory(model=model) as mem:
+        step()
+    plain = estimate(model, args, optimizer=None)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+    assert est.peak < plain.peak
+
+
+def test_loss_closing_over_real_tensors_and_rng_untouched():
+    model, args, _ = _case("cnn")
+    target = torch.randint(0, 10, (4,))
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(out, target)
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    est = estimate(model, args, loss_fn=loss_fn, optimizer=torch.optim.SGD)
+    assert torch.equal(torch.get_rng_state(), before)
+    mem = measure(model, args, loss_fn, optimizer=torch.optim.SGD)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)

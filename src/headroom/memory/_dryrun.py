@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils import checkpoint as _ckpt
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -125,6 +126,31 @@ class AttentionAsOnDevice:
             bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
+
+
+class RealTensorsAsMeta(TorchDispatchMode):
+    """Ops that mix ``meta`` tensors with real ones (a target tensor a loss function closes
+    over, a mask built outside the model) get ``meta`` stand-ins for the real ones.
+
+    Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
+    run would: it is used inside the step) before it is swapped.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [*args, *kwargs.values()]
+        if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat) and any(
+            isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0
+            for a in flat
+        ):
+            args, kwargs = tree_map(_meta_stand_in, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _meta_stand_in(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() > 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
 
 
 def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> None:

@@ -257,7 +257,10 @@ def estimate(
 
     alloc = CachingAllocatorModel() if _has_caching_allocator(target) else None
     attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
-    with attention, _values_needed():
+    # fork_rng: layers that save and restore generator states (dropout) leave the caller's
+    # random state as it was
+    with torch.random.fork_rng(devices=[]), attention, _values_needed(), \
+            _dryrun.RealTensorsAsMeta():
         if opt is not None:
             step()  # creates the optimizer state: the tracked step is a steady-state one
         tracker = _DryRunTracker(target, alloc, model=meta_model, optimizer=opt)

@@ -234,3 +234,33 @@ def test_loss_closing_over_real_tensors_and_rng_untouched():
     assert torch.equal(torch.get_rng_state(), before)
     mem = measure(model, args, loss_fn, optimizer=torch.optim.SGD)
     assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_host_optimizer_instance(on_disk, tmp_path):
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(6)])
+
+    args = (torch.randn(32, 128),)
+    store = hr.DiskStore(tmp_path / "o") if on_disk else "cpu"
+    model = make()
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=store,
+                           slice_bytes=16 << 10, fused=False)
+    est = estimate(model, args, optimizer=opt)
+    mem = measure(model, args, lambda o: o.sum(),
+                  optimizer=lambda ps: hr.HostOptimizer(
+                      ps, torch.optim.AdamW, state_store=store, slice_bytes=16 << 10,
+                      fused=False))
+    if on_disk:  # an upper bound for the state's slices in flight
+        assert mem.peak <= est.peak <= 1.25 * mem.peak, (est.peak, mem.peak)
+        assert est.bound
+    else:  # on cpu, host memory is where the state is: a dry run of the plain step
+        assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+
+
+def test_offloaded_model_is_refused_with_the_fix(tmp_path):
+    model = mlp()
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "p"))
+    with pytest.raises(TypeError, match="before hr.offload"):
+        estimate(model, (torch.randn(2, 64),), device="cpu")

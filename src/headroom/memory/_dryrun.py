@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,7 +42,17 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
     Ties survive (a parameter shared by two modules is one parameter in the copy); no data is
     copied, so a model of any size is copied in milliseconds.
+
+    Raises:
+        TypeError: for a model under `hr.offload` (its hooks belong to live stores and
+            threads), or one that cannot be deep-copied.
     """
+    if any(hasattr(m, "_headroom_offload") for m in model.modules()):
+        raise TypeError(
+            "hr.estimate takes the model before hr.offload: an offloaded model's hooks belong to"
+            " its store and threads. Estimate the plain model (built on meta if it is big), and"
+            " let hr.plan(..., disk=...) figure what parameter offload leaves on the device."
+        )
     memo: dict[int, Any] = {}
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:
@@ -192,9 +203,13 @@ def make_optimizer(optimizer: Any, params: list[nn.Parameter],
     if optimizer is None:
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
-        defaults = {k: v for k, v in optimizer.defaults.items()
-                    if k not in ("differentiable",) and v is not None}
-        return type(optimizer)(params, **{**defaults, **kwargs})
+        options = getattr(optimizer, "options", None)  # hr.HostOptimizer: the class it runs
+        cls = getattr(options, "optimizer_class", type(optimizer))
+        defaults = dict(getattr(options, "optimizer_kwargs", None) or optimizer.defaults)
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        defaults = {k: v for k, v in defaults.items()
+                    if k in accepted and k != "differentiable" and v is not None}
+        return cls(params, **{**defaults, **kwargs})
     if callable(optimizer):
         opt = optimizer(params, **kwargs)
         if not isinstance(opt, torch.optim.Optimizer):

@@ -77,6 +77,8 @@ class Estimate:
             (blocks rounded to 512 bytes), ``peak_reserved`` (segments mapped) and ``segments``;
             empty for ``cpu``.
         options: the what-if options the step ran with.
+        bound: empty, or which part of the estimate is an upper bound rather than a dry run
+            (optimizer state of an `hr.HostOptimizer`), and why.
     """
 
     def __init__(self, tracker: MemoryTracker, device: str,
@@ -97,6 +99,7 @@ class Estimate:
             }
         self.options = options
         self._context: dict[str, Any] | None = None
+        self.bound = ""  # set when part of the estimate is an upper bound, and why
         self._advice: list[str] | None = None
 
     @property
@@ -273,6 +276,11 @@ def estimate(
                 with keeping(keeper):
                     step()
     est = Estimate(tracker, target, alloc, options)
+    if getattr(getattr(optimizer, "options", None), "state_store", None) is not None:
+        # an hr.HostOptimizer: its state is not where the dry run stepped it
+        from headroom.planner._features import apply_host_optimizer
+
+        apply_host_optimizer(est, model, optimizer)
     est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}

@@ -557,16 +557,28 @@ class MemoryTracker:
                 self._see(b, BUFFERS)
 
     def _remember_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._context or self._stack[:-1]:
+        ctx = self._context
+        if ctx and not (ctx.get("partial") and ctx["model"]() is module):
+            return
+        if self._stack[:-1]:
             return
         from headroom.memory._dryrun import to_meta
 
         self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
                          "kwargs": to_meta(dict(kwargs))}
+        if ctx and "optimizer" in ctx:
+            self._context["optimizer"] = ctx["optimizer"]
 
     def _pre_fw(self, module: nn.Module, args: Any) -> None:
         if not self._stack and id(module) not in self._names:
             self._add_root(module)
+            if self._meta_as is None and not self._context:
+                # A model first seen now (built inside the region): its own hook, registered
+                # just now, runs from its next call on; keyword inputs are known from then.
+                from headroom.memory._dryrun import to_meta
+
+                self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
+                                 "kwargs": {}, "partial": True}
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import headroom as hr
+import headroom.memory
 from headroom.memory import estimate
 from headroom.memory._allocator import CachingAllocatorModel, round_size, segment_size
 
@@ -264,3 +265,23 @@ def test_offloaded_model_is_refused_with_the_fix(tmp_path):
     hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "p"))
     with pytest.raises(TypeError, match="before hr.offload"):
         estimate(model, (torch.randn(2, 64),), device="cpu")
+
+
+def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
+    from torch.nn import functional as F
+
+    sdpa, autocast = F.scaled_dot_product_attention, torch.is_autocast_enabled
+    model = transformer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def failing_loss(out):
+        raise KeyError("injected")
+
+    with pytest.raises(KeyError, match="injected"):
+        estimate(model, (torch.randn(2, 8, 32),), loss_fn=failing_loss, device="cuda")
+    assert F.scaled_dot_product_attention is sdpa and torch.is_autocast_enabled is autocast
+    assert not hr.memory.is_tracking()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    # and the next estimate works
+    assert estimate(model, (torch.randn(2, 8, 32),), device="cpu").peak > 0

@@ -101,3 +101,17 @@ def test_cuda_plan_on_a_cpu_only_build():
              optimizer=torch.optim.AdamW)
     assert p.device == "cuda:0" and p.peak <= budget
     assert p.choice.params != "device" or p.choice.optimizer_state != "device"
+
+
+def test_a_failing_dry_run_leaves_the_model_unchanged():
+    model = model_fn()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def failing_loss(out):
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        plan(model, (X,), loss_fn=failing_loss, budget="1GiB", device="cpu",
+             optimizer=torch.optim.AdamW)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not hasattr(model, "_headroom_offload")

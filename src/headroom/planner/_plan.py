@@ -188,7 +188,12 @@ class Plan:
             and the optimizer over its parameters.
 
         Raises:
-            ValueError: if ``model`` lacks a block the plan checkpoints (not the model planned).
+            ValueError: if ``model`` lacks a block the plan checkpoints (not the model planned);
+                checked before anything changes.
+
+        The steps run in order (``hr.convert``, checkpointing, ``hr.offload``, the optimizer);
+        if one raises (a full disk, a device that is missing), the ones before it stay applied:
+        rebuild the model rather than retry on it.
         """
         from headroom.nn import convert
         from headroom.optim import HostOptimizer
@@ -307,6 +312,9 @@ def plan(
         PlanError: (a ``ValueError``) no combination fits; the message gives the smallest peak
             found and what dominates it.
         ValueError: a budget that is not a byte count.
+
+    ``model`` is never changed: every dry run uses a copy on ``meta``, so an error from one
+    (a forward that needs values, a failing ``loss_fn``) leaves it as it was.
 
     Example:
         >>> plan = hr.plan(model, (x,), budget="8GiB", device="cuda",

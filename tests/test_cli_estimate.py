@@ -36,7 +36,8 @@ def test_estimate_prints_table_and_writes_json(config, tmp_path, capsys):
 
 def test_plan_prints_python_that_applies_it(config, tmp_path, capsys):
     assert main(["estimate", "--config", str(config), "--batch", "2", "--seq", "16",
-                 "--device", "cpu", "--json", str(tmp_path / "e.json")]) == 0
+                 "--device", "cpu", "--no-advice", "--json", str(tmp_path / "e.json")]) == 0
+    assert "what would cut" not in capsys.readouterr().out
     peak = json.loads((tmp_path / "e.json").read_text())["estimate"]["peak"]
     capsys.readouterr()
     rc = main(["plan", "--config", str(config), "--batch", "2", "--seq", "16", "--device",
@@ -58,5 +59,5 @@ def test_errors(config, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["estimate", "--config", str(tmp_path / "bad.json")]) == 2
     assert "model_type" in capsys.readouterr().err
-    assert main(["estimate", "--config", str(config), "--budget", "lots"]) == 2
+    assert main(["estimate", "--config", str(config), "--no-advice", "--budget", "lots"]) == 2
     assert "bytes" in capsys.readouterr().err

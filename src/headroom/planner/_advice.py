@@ -56,13 +56,13 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         sizes = _sizes(model, device, opt_cls, dict(optimizer_kwargs or {}))
         slice_bytes = max(4 << 10, min(16 << 20, sizes.largest_param // 8))
         where = "disk" if cpu else "host"
-        plain, _ = _peak(run, Choice(), sizes, slice_bytes, base)
+        plain, _ = _peak(run, Choice(), sizes, slice_bytes)
         for choice, label in (
             (Choice(optimizer_state=where), f"hr.HostOptimizer (state on {where})"),
             (Choice(params=where, optimizer_state=where),
              f"hr.offload with hr.HostOptimizer ({where})"),
         ):
-            bound, _ = _peak(run, choice, sizes, slice_bytes, base)
+            bound, _ = _peak(run, choice, sizes, slice_bytes)
             # the same time line, offloaded parts replaced by their upper bounds
             savings.append((int((plain - bound) * peak / max(plain, 1)), label))
     cats = base.peak_by_category

@@ -40,6 +40,9 @@ def add_parsers(sub: Any) -> None:
                             (" (with estimate: also print a plan)" if name == "estimate" else ""))
         p.add_argument("--disk", help="a folder the plan may put stores in")
         p.add_argument("--json", dest="json_out", help="also write the estimate as JSON here")
+        if name == "estimate":
+            p.add_argument("--no-advice", action="store_true",
+                           help="skip the advice (a few more dry runs) at the end of the table")
         p.set_defaults(func=_run, command_name=name)
 
 
@@ -73,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
           f" batch {args.batch} x {args.seq} tokens, optimizer {args.optimizer},"
           f" device {est.device}")
     if args.command_name == "estimate":
-        est.report()
+        est.report(advice=not args.no_advice)
     else:
         print(f"estimated peak of the plain step: {format_bytes(est.peak)}"
               + (f" (allocator model: reserved {format_bytes(est.peak_reserved)})"

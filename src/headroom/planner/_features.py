@@ -28,7 +28,7 @@ def apply_host_optimizer(est: Estimate, model: nn.Module, optimizer: Any) -> Non
     samples = [[s.by_category[c] for c in CATEGORIES] for s in est.timeline]
     run = _Run(est, samples, [s.phase == "optimizer" for s in est.timeline])
     choice = Choice(optimizer_state="disk" if on_disk else "host")
-    peak, cats = _peak(run, choice, sizes, options.slice_bytes, est)
+    peak, cats = _peak(run, choice, sizes, options.slice_bytes)
     if est.allocator and est.peak:
         peak = int(peak * est.peak / est.peak_reserved)  # back to tensor bytes
     est.peak = peak

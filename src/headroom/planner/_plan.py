@@ -351,7 +351,7 @@ def plan(
         return _Run(est, samples, phases)
 
     plain = run(False, 0)
-    flops, _ = _flops(model, example_args, example_kwargs, loss_fn, device)
+    flops = _flops(model, example_args, example_kwargs, loss_fn, device)
     runs = {(False, 0): plain}
     converted = run(True, 0)
     conv_options = [False] + ([True] if converted.est.peak < plain.est.peak else [])
@@ -372,7 +372,7 @@ def plan(
             if params != "device" and state == "device":
                 continue  # offloaded parameters are stepped through their store
             choice = Choice(conv, tuple(blocks[:k]), params, state)
-            peak, at_peak = _peak(r, choice, sizes, slice_bytes, plain.est)
+            peak, at_peak = _peak(r, choice, sizes, slice_bytes)
             t = _time(choice, flops, k, n, sizes, speeds, on_cpu)
             candidates.append((choice, peak, t, at_peak))
     plain_time = _time(Choice(), flops, 0, n, sizes, speeds, on_cpu)
@@ -402,7 +402,6 @@ class _Sizes:
     state_keys: int
     largest_block: int
     offload_budget: int
-    buffers: int
 
 
 def _sizes(model: nn.Module, device, opt_cls, opt_kw) -> _Sizes:
@@ -421,11 +420,10 @@ def _sizes(model: nn.Module, device, opt_cls, opt_kw) -> _Sizes:
     except Exception:
         keys = 2
     return _Sizes(sum(nbytes), max(nbytes, default=0), keys, lay.plan.largest_block_bytes,
-                  lay.plan.device_budget, 0)
+                  lay.plan.device_budget)
 
 
-def _peak(r: _Run, c: Choice, s: _Sizes, slice_bytes: int,
-          plain: Estimate) -> tuple[int, dict[str, int]]:
+def _peak(r: _Run, c: Choice, s: _Sizes, slice_bytes: int) -> tuple[int, dict[str, int]]:
     """The candidate's peak: the dry run's timeline with offloaded categories replaced by what
     stays on the device (an upper bound for each)."""
     p_, g_, o_, x_ = (CATEGORIES.index(c)
@@ -476,7 +474,7 @@ def _time(c: Choice, flops: int, k: int, n: int, s: _Sizes, sp: Speeds, on_cpu: 
     return t
 
 
-def _flops(model, example_args, example_kwargs, loss_fn, device) -> tuple[int, dict[str, int]]:
+def _flops(model, example_args, example_kwargs, loss_fn, device) -> int:
     meta = _dryrun.meta_copy(model)
     args = _dryrun.to_meta(example_args if isinstance(example_args, tuple) else (example_args,))
     kwargs = _dryrun.to_meta(dict(example_kwargs or {}))

@@ -60,12 +60,11 @@ def cpu_flops() -> float:
     return _measured_cpu
 
 
-def count_flops(run) -> tuple[int, dict[str, int]]:
-    """Total FLOPs of ``run()`` and FLOPs per module (qualified names, forward and backward)."""
+def count_flops(run) -> int:
+    """Total FLOPs of ``run()`` (forward and backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with counter:
         run()
-    per_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
-    return counter.get_total_flops(), per_module
+    return counter.get_total_flops()

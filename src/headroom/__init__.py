@@ -17,6 +17,8 @@ _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",
     "MemoryTracker": "headroom.memory",
+    "estimate": "headroom.memory",
+    "Estimate": "headroom.memory",
     # transfer/
     "DiskStore": "headroom.transfer",
     "StoreCorruptError": "headroom.transfer",
@@ -42,6 +44,10 @@ _EXPORTS: dict[str, str] = {
     "HugeClassifier": "headroom.heads",
     # distributed/
     "data_parallel": "headroom.distributed",
+    # plan/
+    "plan": "headroom.planner",
+    "Plan": "headroom.planner",
+    "PlanError": "headroom.planner",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from headroom.memory._categories import CATEGORIES, format_bytes
 
 if TYPE_CHECKING:
+    from headroom.memory._estimate import Estimate
     from headroom.memory._tracker import MemoryTracker
 
 # One color per category, the same in every plot headroom makes.
@@ -24,13 +25,15 @@ COLORS = {
 _PHASE_SHADE = {"forward": None, "backward": "#f2f2f2", "optimizer": "#e6f0e6"}
 
 
-def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
+def format_report(mem: MemoryTracker, *, top_modules: int = 10,
+                  heading: str = "headroom memory report", rss: bool = True,
+                  advice: bool = False, devices: list[str] | None = None) -> str:
     """A table: per device, each category at the peak, its own maximum, and at the end."""
     lines = []
-    devices = mem.devices or ["cpu"]
+    devices = devices or mem.devices or ["cpu"]
     for dev in devices:
         s = mem.stats(dev) if mem.devices else mem.stats()
-        lines.append(f"headroom memory report - {dev}")
+        lines.append(f"{heading} - {dev}")
         lines.append(f"{'category':<17}{'at peak':>12}{'max':>12}")
         for cat in CATEGORIES:
             lines.append(
@@ -75,7 +78,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
     peak_label = _peak_label(mem)
     if peak_label:
         lines.append(f"peak reached during: {peak_label}")
-    rss = mem.rss
+    rss = mem.rss if rss else {"peak": None}
     if rss["peak"] is not None:
         lines.append(
             f"process RSS: start {format_bytes(rss['start'] or 0)}, peak"
@@ -83,7 +86,36 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
             " tensors plus the interpreter, libraries, memory the C allocator keeps, and"
             " anything outside PyTorch)"
         )
+    if advice:
+        from headroom.memory._advice import tracker_advice
+
+        more = tracker_advice(mem)
+        if more:
+            lines.append("")
+            lines.extend(more)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def format_estimate(est: Estimate, *, top_modules: int = 10, advice: bool = True) -> str:
+    """The tracker's table for a dry run, the allocator model's figures, then the advice."""
+    text = format_report(est.tracker, top_modules=top_modules,
+                         heading="headroom memory estimate (dry run)", rss=False,
+                         devices=[est.device] if est.device in est.tracker.devices else None)
+    lines = [text.rstrip("\n")]
+    if est.bound:
+        lines.append(f"peak {format_bytes(est.peak)} with {est.bound}")
+    alloc = est.allocator
+    if alloc:
+        lines.append(
+            f"caching allocator model ({est.device}): allocated"
+            f" {format_bytes(alloc['peak_allocated'])} at most, reserved"
+            f" {format_bytes(alloc['peak_reserved'])} in {alloc['segments']} segments (the CUDA"
+            " context and library workspaces come on top)"
+        )
+    if advice and est.advice:
+        lines.append("")
+        lines.extend(est.advice)
+    return "\n".join(lines) + "\n"
 
 
 def _peak_label(mem: MemoryTracker) -> str:

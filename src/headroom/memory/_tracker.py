@@ -170,6 +170,9 @@ class MemoryTracker:
         self._resting: dict[tuple[str, str], int] = {}
         self._resting_max: dict[tuple[str, str], int] = {}
         self._resting_samples: list[tuple[float, int]] = []
+        self._meta_as: str | None = None  # set by the estimator: what meta tensors stand for
+        # the first root forward's model and input shapes, and the optimizer: for advice
+        self._context: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -271,10 +274,18 @@ class MemoryTracker:
         with self._lock:
             info = self._infos.get(key)
             if info is None:
-                if self._state != "active" or st.device.type == "meta":
+                if self._state != "active":
                     return None
+                if st.device.type == "meta":
+                    # Meta tensors take no memory, except in a dry run (the estimator), where
+                    # they stand for the tensors of the device estimated.
+                    if self._meta_as is None:
+                        return None
+                    dev = self._meta_as
+                else:
+                    dev = device_name(t.device)
                 self._seq += 1
-                info = StorageInfo(key, device_name(t.device), st.nbytes(), cat, self._seq)
+                info = StorageInfo(key, dev, st.nbytes(), cat, self._seq)
                 info.ref = weakref.ref(st, self._make_free_cb(info))
                 self._infos[key] = info
                 if cat == ACTIVATIONS:
@@ -525,6 +536,9 @@ class MemoryTracker:
 
     def _pre_step(self, opt, args, kwargs) -> None:
         self._in_optimizer += 1
+        if self._context and "optimizer" not in self._context:
+            options = getattr(opt, "options", None)  # hr.HostOptimizer: the class it runs
+            self._context["optimizer"] = getattr(options, "optimizer_class", type(opt))
         self._see_optimizer(opt)
 
     def _post_step(self, opt, args, kwargs) -> None:
@@ -533,6 +547,9 @@ class MemoryTracker:
 
     def _add_root(self, module: nn.Module) -> None:
         self._roots.append(weakref.ref(module))
+        if self._meta_as is None and not self._context:
+            self._handles.append(
+                module.register_forward_pre_hook(self._remember_inputs, with_kwargs=True))
         multi = len(self._roots) > 1
         root_name = type(module).__name__
         for name, m in module.named_modules():
@@ -545,9 +562,29 @@ class MemoryTracker:
             for b in m.buffers(recurse=False):
                 self._see(b, BUFFERS)
 
+    def _remember_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        ctx = self._context
+        if ctx and not (ctx.get("partial") and ctx["model"]() is module):
+            return
+        if self._stack[:-1]:
+            return
+        from headroom.memory._dryrun import to_meta
+
+        self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
+                         "kwargs": to_meta(dict(kwargs))}
+        if ctx and "optimizer" in ctx:
+            self._context["optimizer"] = ctx["optimizer"]
+
     def _pre_fw(self, module: nn.Module, args: Any) -> None:
         if not self._stack and id(module) not in self._names:
             self._add_root(module)
+            if self._meta_as is None and not self._context:
+                # A model first seen now (built inside the region): its own hook, registered
+                # just now, runs from its next call on; keyword inputs are known from then.
+                from headroom.memory._dryrun import to_meta
+
+                self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
+                                 "kwargs": {}, "partial": True}
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__
@@ -765,11 +802,16 @@ class MemoryTracker:
         return DeviceStats(value, cats, mx, cur, alloc)
 
     # ------------------------------------------------------------------ reports
-    def report(self, *, file=None, top_modules: int = 10) -> str:
-        """Print (to ``file``, default stdout) and return a readable table of the numbers."""
+    def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
+        """Print (to ``file``, default stdout) and return a readable table of the numbers.
+
+        With ``advice`` (and the model that ran still alive) it ends with what would cut the
+        peak most: each technique's saving from a dry run of the step (`headroom.estimate`)
+        with the shapes of the first forward of the model and the optimizer seen stepping.
+        """
         from headroom.memory._report import format_report
 
-        text = format_report(self, top_modules=top_modules)
+        text = format_report(self, top_modules=top_modules, advice=advice)
         print(text, file=file)
         return text
 

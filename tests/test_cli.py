@@ -51,6 +51,7 @@ def test_demo_trains_and_reports(tmp_path, capsys):
     assert "loss and gradients bitwise equal: True" in out
     assert "loss and gradients match" in out
     assert "from_pretrained reads the fine-tuned values: True" in out
+    assert "resting on disk" in out and "gradients bitwise equal: True" in out
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["peak"] > 0 and data["peak_by_category"]["optimizer_state"] > 0
     assert_real_png(tmp_path / "demo.png")

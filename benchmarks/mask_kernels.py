@@ -35,8 +35,8 @@ import torch
 import headroom as hr
 from headroom.nn import _activation, _bitmask
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _selective import resnet_like, set_case  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' models
+from tests.nn._zoo import resnet_like, set_case  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "mask_kernels.json"
 

@@ -1,7 +1,8 @@
 """Bytes kept for backward and time, plain PyTorch vs memsave_torch vs ``hr.convert``.
 
-Two models built from ``torch.nn`` (a VGG-like CNN with six convolutions and a ResNet-18-like
-network), four cases of what trains:
+Five models built from ``torch.nn`` (a VGG-like CNN with six convolutions, a ResNet-18-like
+network, a MobileNetV2-like network with depthwise convolutions and ReLU6, a UNet and a
+DenseNet-like network, from ``tests/nn/_zoo.py``), four cases of what trains:
 
 - ``all``: every parameter (ordinary training);
 - ``input``: only the input (adversarial examples, feature visualization);
@@ -51,8 +52,16 @@ from torch import nn
 
 import headroom as hr
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _selective import CreatedStorages, resnet_like, set_case, vgg_like  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' models and measurements
+from tests.nn._measure import CreatedStorages  # noqa: E402
+from tests.nn._zoo import (  # noqa: E402
+    UNet,
+    densenet_like,
+    mobilenet_v2_like,
+    resnet_like,
+    set_case,
+    vgg_like,
+)
 
 MiB = 1 << 20
 CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way
@@ -60,12 +69,10 @@ CASES = ("all", "input", "norm", "surgical")  # "none" keeps nothing either way
 
 # --------------------------------------------------------------------------------- measuring
 def measure_bytes(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """(kept, saved) bytes, as described in the module docstring, from two forwards.
-
-    # NOTE: "kept" is measured without saved-tensor hooks, so converted layers take the path a
+    """(kept, saved) bytes, as described in the module docstring, from two forwards."""
+    # "kept" is measured without saved-tensor hooks, so converted layers take the path a
     # plain training step takes (PyTorch's own nodes under headroom's hooks); under hooks of
     # the caller's ("saved") they take their autograd.Function path instead. Both keep the same.
-    """
     resident = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     gc.collect()
     mode = CreatedStorages()
@@ -105,7 +112,7 @@ def load_memsave():
     except ImportError as exc:
         print(f"memsave_torch not importable ({exc}); set MEMSAVE_TORCH_PATH to compare")
         return None
-    # NOTE: memsave_torch's MemSaveDropout passes the bound method ``self.train`` where a bool is
+    # memsave_torch's MemSaveDropout passes the bound method ``self.train`` where a bool is
     # expected and raises in training mode, so its dropout replacement is left off.
     return lambda model: convert_to_memory_saving(model, dropout=False)
 
@@ -228,11 +235,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=64, help="VGG-like input height and width")
     ap.add_argument("--resnet-size", type=int, default=128, help="ResNet-like input size")
+    ap.add_argument("--mobilenet-size", type=int, default=96, help="MobileNetV2-like input size")
+    ap.add_argument("--unet-size", type=int, default=64, help="UNet input size")
+    ap.add_argument("--densenet-size", type=int, default=64, help="DenseNet-like input size")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per variant and case")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="seeds the random order of the variants")
     ap.add_argument(
-        "--models", default="vgg_like,resnet_like", help="comma-separated: vgg_like,resnet_like"
+        "--models",
+        default="vgg_like,resnet_like,mobilenet_v2_like,unet,densenet_like",
+        help="comma-separated subset of the default",
     )
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer bytes table")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/selective_layers.json"))
@@ -257,7 +269,13 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "batch": args.batch,
-        "size": {"vgg_like": args.size, "resnet_like": args.resnet_size},
+        "size": {
+            "vgg_like": args.size,
+            "resnet_like": args.resnet_size,
+            "mobilenet_v2_like": args.mobilenet_size,
+            "unet": args.unet_size,
+            "densenet_like": args.densenet_size,
+        },
         "memsave_torch": memsave is not None,
         "layers_saved_bytes": layers,
         "models": {},
@@ -265,6 +283,9 @@ def main() -> None:
     builders = {
         "vgg_like": (lambda: vgg_like(size=args.size), args.size),
         "resnet_like": (resnet_like, args.resnet_size),
+        "mobilenet_v2_like": (lambda: mobilenet_v2_like(16), args.mobilenet_size),
+        "unet": (lambda: UNet(16, depth=3), args.unet_size),
+        "densenet_like": (lambda: densenet_like(12, blocks=(4, 4, 4)), args.densenet_size),
     }
     wanted = args.models.split(",")
     unknown = set(wanted) - set(builders)
@@ -275,10 +296,12 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         plain = build()
-        # NOTE: "torch_copy" is a second, identical plain model timed like the others: its
+        # "torch_copy" is a second, identical plain model timed like the others: its
         # ratio to "torch" (1.000x if the machine were quiet) is this run's noise floor.
+        # Every variant is a deep copy, made in the same way, so that none is favoured by
+        # where its parameters happen to lie.
         variants = {
-            "torch": plain,
+            "torch": copy.deepcopy(plain),
             "torch_copy": copy.deepcopy(plain),
             "headroom": hr.convert(copy.deepcopy(plain)),
         }
@@ -300,7 +323,7 @@ def main() -> None:
             faults: dict[str, list[int]] = {v: [] for v in variants}
             order = list(variants.items())
             for _ in range(args.repeats):
-                # NOTE: a fresh random order per repeat: no variant always runs first or after
+                # A fresh random order per repeat: no variant always runs first or after
                 # the same one (what ran before changes the allocator's and caches' state).
                 rng.shuffle(order)
                 for vname, model in order:
@@ -315,7 +338,7 @@ def main() -> None:
             for vname in variants:
                 row[vname]["cpu_vs_torch"] = row[vname]["cpu_s"] / row["torch"]["cpu_s"]
                 row[vname]["wall_vs_torch"] = row[vname]["wall_s"] / row["torch"]["wall_s"]
-                # NOTE: also the median of per-repeat ratios: within one repeat the variants
+                # Also the median of per-repeat ratios: within one repeat the variants
                 # run back to back, so load from other jobs on the machine, which drifts over
                 # the run, mostly cancels in each ratio.
                 row[vname]["cpu_vs_torch_paired"] = statistics.median(

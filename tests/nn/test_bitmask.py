@@ -144,6 +144,12 @@ def test_native_kernels_refuse_bad_arguments():
         native.unpack(out.data_ptr(), 8, x.data_ptr())  # no dtype
     with pytest.raises(ValueError, match="cannot hold"):
         _bitmask.unpack_as(out, (9,), torch.float32)
+    with pytest.raises(ValueError, match="op"):
+        native.pack_cmp(x.data_ptr(), 8, out.data_ptr(), 0, 3, 0.0, 0.0)
+    with pytest.raises(TypeError):
+        native.pack_cmp(x.data_ptr(), 8, out.data_ptr(), 0, 1)
+    with pytest.raises(TypeError):
+        native.unpack(out.data_ptr(), 8, x.data_ptr(), 0, 0)  # zero without one
 
 
 def test_native_kernels_are_built_here():
@@ -159,3 +165,42 @@ def test_native_kernels_are_built_here():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the NumPy code runs instead")
     assert native_kernels() in {"avx512f", "avx2", "scalar"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 9, 16, 17, 1000, 70001])
+def test_pack_test_kernels_numpy_and_torch_agree(monkeypatch, dtype, numel):
+    """``x > lo`` and ``lo < x < hi`` (ordered: NaN clear, with a NaN flag for the latter) give
+    the same bytes from the C kernels, the NumPy code and torch's comparisons."""
+    from headroom.nn import _bitmask
+    from headroom.nn._bitmask import GREATER, INSIDE, pack_test
+
+    x = _special_values(numel, torch.float64).to(dtype) * 2
+    cases = [(GREATER, 0.0, 0.0), (GREATER, -0.3, 0.0), (INSIDE, 0.0, 6.0), (INSIDE, -0.5, 0.5)]
+    for op, lo, hi in cases:
+        ref = x > lo if op == GREATER else (x > lo) & (x < hi)
+        nan = op == INSIDE and bool(x.isnan().any())
+        got = [pack_test(x, op, lo, hi)]
+        got.append(pack_test(x.unsqueeze(0).expand(2, -1)[1], op, lo, hi))  # a strided view
+        monkeypatch.setattr(_bitmask, "_native", None)
+        got.append(pack_test(x, op, lo, hi))
+        monkeypatch.undo()
+        for bits, seen in got:
+            assert torch.equal(bits, pack_bool(ref)), (op, lo, hi)
+            assert seen == nan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("numel", [1, 8, 13, 1000, 70001])
+def test_unpack_with_values(monkeypatch, dtype, numel):
+    from headroom.nn import _bitmask
+
+    mask = torch.rand(numel) > 0.5
+    want = torch.where(mask, 0.25, -0.5).to(dtype)
+    bits = pack_bool(mask)
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(_bitmask, "_native", None)
+        for reuse in (False, True):
+            got = _bitmask.unpack_as(bits, mask.shape, dtype, reuse=reuse, values=(-0.5, 0.25))
+            assert got.dtype == dtype and torch.equal(got, want)

@@ -12,7 +12,10 @@ from tests.nn._util import assert_same, set_trainable, step, twin
 
 # name -> (factory, input shape, modes where ours must save strictly less than PyTorch)
 # modes: "all" (params + input), "input" (input only), "params" (params only), "bias"
-# (bias only), "none"; each run in train and eval mode ("+eval" marks eval-only strictness).
+# (bias only), "none"; each run in train and eval mode ("+eval" marks eval-only strictness,
+# "@fn" strictness on the autograd.Function path only: on the fast path an activation called on
+# its own keeps its input whole, since the caller passed it in and may keep it; in a model it
+# keeps one bit, see test_models.py).
 CONV = {"input", "bias"}
 LAYERS = {
     "Conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=2), (2, 4, 9), CONV),
@@ -77,9 +80,9 @@ LAYERS = {
     ),
     "LayerNorm": (lambda: nn.LayerNorm(16), (3, 5, 16), {"bias"}),
     "GroupNorm": (lambda: nn.GroupNorm(2, 4), (3, 4, 5, 5), {"bias"}),
-    "LeakyReLU": (lambda: nn.LeakyReLU(0.1), (2, 4, 9, 9), {"all", "input"}),
-    "ReLU6": (lambda: nn.ReLU6(), (2, 4, 9, 9), {"all", "input"}),
-    "Hardtanh": (lambda: nn.Hardtanh(-0.5, 0.5), (2, 4, 9, 9), {"all", "input"}),
+    "LeakyReLU": (lambda: nn.LeakyReLU(0.1), (2, 4, 9, 9), {"all@fn", "input@fn"}),
+    "ReLU6": (lambda: nn.ReLU6(), (2, 4, 9, 9), {"all@fn", "input@fn"}),
+    "Hardtanh": (lambda: nn.Hardtanh(-0.5, 0.5), (2, 4, 9, 9), {"all@fn", "input@fn"}),
     "Dropout": (lambda: nn.Dropout(0.3), (2, 4, 9, 9), {"all+train", "input+train"}),
     "Dropout-p0.9": (lambda: nn.Dropout(0.9), (2, 4, 9, 9), {"all+train", "input+train"}),
     "MaxPool1d": (lambda: nn.MaxPool1d(3, 2, 1), (2, 4, 9), {"all", "input"}),
@@ -110,9 +113,9 @@ LAYERS = {
 MODES = ("all", "input", "params", "bias", "none")
 
 
-def _strict(spec: set[str], mode: str, train: bool) -> bool:
+def _strict(spec: set[str], mode: str, train: bool, hooks: bool) -> bool:
     suffix = "+train" if train else "+eval"
-    return mode in spec or (mode + suffix) in spec
+    return mode in spec or (mode + suffix) in spec or (hooks and f"{mode}@fn" in spec)
 
 
 @pytest.mark.parametrize("hooks", [True, False], ids=["function-path", "fast-path"])
@@ -147,7 +150,7 @@ def test_layer_matches_torch_and_saves_less(name, hooks):
             assert_same(a, b)
             where = f"{name} mode={mode} train={train} hooks={hooks}: ours {b[4]} B, torch {a[4]} B"
             assert b[4] <= a[4], where
-            if _strict(strict, mode, train):
+            if _strict(strict, mode, train, hooks):
                 assert b[4] < a[4], where
 
 
@@ -211,7 +214,7 @@ def test_double_backward_raises():
     ours = twin(nn.Conv2d(3, 5, 3))[1]
     ours.weight.requires_grad_(False)
     x = torch.randn(1, 3, 6, 6, requires_grad=True)
-    # NOTE: on both paths the create_graph backward itself refuses: on the saved-tensor-hooks
+    # On both paths the create_graph backward itself refuses: on the saved-tensor-hooks
     # path a kept shape has no values to differentiate; on the autograd.Function path (under
     # any hooks of the caller's) the Function's backward refuses.
     with pytest.raises(RuntimeError, match="double backward"):
@@ -235,7 +238,7 @@ def test_conv_transpose_output_size_argument():
 
 @pytest.mark.parametrize("act", [nn.ReLU, nn.LeakyReLU, nn.ReLU6])
 def test_channels_last_block_matches(act):
-    # NOTE: layouts must match too: a contiguous gradient would send batch norm's backward
+    # Layouts must match too: a contiguous gradient would send batch norm's backward
     # down another reduction order than the channels-last one PyTorch produces.
     torch.manual_seed(0)
     block = nn.Sequential(
@@ -266,7 +269,7 @@ def test_autocast_matches(cls):
 
 
 def test_kept_weight_modified_in_place_raises_like_torch():
-    # NOTE: on the fast path the weight is kept through headroom's saved-tensor hook, which
+    # On the fast path the weight is kept through headroom's saved-tensor hook, which
     # must keep PyTorch's version check: an in-place change before backward is an error.
     for m in twin(nn.Conv2d(3, 5, 3)):
         m.weight.requires_grad_(False)
@@ -329,7 +332,7 @@ def test_relu_double_backward_and_saved_result_match_torch():
 def test_double_backward_through_a_function_layer_raises(hooks):
     """Second-order terms through a headroom autograd.Function must never go missing silently.
 
-    # NOTE: with ``once_differentiable`` this returned zeros: ``autograd.grad(..., inputs=x)``
+    # With ``once_differentiable`` this returned zeros: ``autograd.grad(..., inputs=x)``
     # reached ``x`` through the ReLU's saved output and never ran the pool's error node.
     """
     import contextlib
@@ -339,14 +342,14 @@ def test_double_backward_through_a_function_layer_raises(hooks):
     ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     for m in (plain, ours):
         xi = x.clone().requires_grad_(True)
-        m(xi)  # warm-up: the ReLU learns that the pool does not keep its output
+        m(xi)  # warm-up, for the hooks case: the ReLU learns that the pool keeps no output
         with ctx if hooks else contextlib.nullcontext():
             y = m(xi)
         if m is plain:
             (g,) = torch.autograd.grad(y.square().sum(), xi, create_graph=True)
             assert torch.autograd.grad(g.square().sum(), xi)[0].abs().sum() > 0
         else:
-            # NOTE: the fast path's pool keeps a shape, which refuses in its unpack hook
+            # The fast path's pool keeps a shape, which refuses in its unpack hook
             with pytest.raises(RuntimeError, match="differentiated twice|double backward"):
                 torch.autograd.grad(y.square().sum(), xi, create_graph=True)
 
@@ -430,7 +433,7 @@ def test_relu_mask_treats_subnormals_like_torch(flush):
         grads = []
         for m in (plain, ours):
             x = torch.tensor([[values * 3]], requires_grad=True)
-            m(x)  # warm-up: the ReLU learns that the pool does not keep its output
+            m(x)  # a first step (which the fast path does not need)
             y = m(x)
             y.backward(torch.ones_like(y))
             grads.append(x.grad)
@@ -489,3 +492,50 @@ def test_jit_trace_and_fx_symbolic_trace():
 
     graph = torch.fx.GraphModule(ours, Tracer().trace(ours))
     assert torch.equal(graph(x), plain(x))
+
+
+@pytest.mark.parametrize("path", ["node", "function"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda: nn.ReLU(),
+        lambda: nn.LeakyReLU(0.1),
+        lambda: nn.LeakyReLU(0.2, inplace=True),
+        lambda: nn.ReLU6(inplace=True),
+        lambda: nn.Hardtanh(-0.5, 0.5),
+        lambda: nn.Hardtanh(-3.0, -1.0, inplace=True),
+    ],
+    ids=["relu", "leaky", "leaky-inplace", "relu6-inplace", "hardtanh", "hardtanh-negative"],
+)
+def test_activation_masks_in_a_model(act, nan, dtype, path, monkeypatch):
+    """Between a frozen convolution and a pool nothing else keeps what an activation's node
+    saves: on the fast path it is packed to a 1-bit mask once the pool ran, and the unpacked
+    stand-in (1/0, or the bound and a value inside for Hardtanh) gives PyTorch's gradient,
+    channels-last included; so does the Function that large tensors (and in-place Hardtanh)
+    take, whose backward reads the mask in one fused pass. A Hardtanh input with a NaN is kept
+    whole: PyTorch's kernel treats a NaN differently in its vector and scalar loops."""
+    from headroom.nn import _activation
+
+    if path == "function":
+        monkeypatch.setattr(_activation, "_FUSE_FROM", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), act(), nn.MaxPool2d(2)).to(dtype)
+    model[0].requires_grad_(False)
+    plain, ours = twin(model)
+    x = torch.randn(2, 3, 9, 9, dtype=dtype) * 3
+    if nan:
+        x[0, 0, 4, 4] = float("nan")
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        xf = x.contiguous(memory_format=fmt)
+        a = step(plain, xf, input_grad=True, hooks=False)
+        b = step(ours, xf, input_grad=True, hooks=False)
+        for u, v in zip(a[:3], b[:3], strict=True):
+            assert torch.equal(u.nan_to_num(), v.nan_to_num())
+            assert torch.equal(u.isnan(), v.isnan())
+        numel = 2 * 8 * 9 * 9
+        keeps_whole = nan and isinstance(model[1], nn.Hardtanh)
+        saved = numel * x.element_size() if keeps_whole else (numel + 7) // 8
+        # the pool keeps int64 indices; the activation a 1-bit mask (or the tensor whole)
+        assert b[4] == 2 * 8 * 4 * 4 * 8 + saved < a[4], (a[4], b[4])

@@ -21,7 +21,7 @@ MODELS = {"vgg": vgg_like, "resnet": resnet_like}
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("case", CASES)
 def test_model_matches_torch_and_saves_less(name, case, hooks, kernels, monkeypatch):
-    # NOTE: hooks=True measures under saved-tensor hooks, so converted layers run their
+    # hooks=True measures under saved-tensor hooks, so converted layers run their
     # autograd.Functions; hooks=False measures live storages instead, so they run PyTorch's own
     # nodes under headroom's hooks (the path a plain training step takes). Both must match,
     # with the C mask kernels and with the NumPy code that runs where they were not built.
@@ -115,17 +115,23 @@ class _Custom(nn.Module):
         return self.conv(self.relu(x))
 
 
-def test_relu_in_custom_forward_learns_its_consumer_in_the_first_step():
+def test_relu_in_custom_forward_keeps_a_mask_from_the_first_step():
+    """Without hooks of the caller's the first step decides late and keeps the mask; under
+    them (the autograd.Function path) a ReLU in a custom forward decides in forward and keeps
+    its output, as PyTorch does, until it has seen its consumer."""
     torch.manual_seed(0)
     plain = _Custom()
-    ours = hr.convert(copy.deepcopy(plain))
     x = torch.randn(2, 3, 9, 9)
+    mask = (x.numel() + 7) // 8
+    first = step(hr.convert(copy.deepcopy(plain)), x, input_grad=True, hooks=False)
+    assert first[4] == mask
+    ours = hr.convert(copy.deepcopy(plain))
     first = step(ours, x, input_grad=True)
     assert first[4] == x.numel() * 4  # as PyTorch's ReLU: the output
     a, b = step(plain, x, input_grad=True), step(ours, x, input_grad=True)
     assert_same(a, b)
     assert a[4] == x.numel() * 4
-    assert b[4] == (x.numel() + 7) // 8
+    assert b[4] == mask
 
 
 def test_requires_grad_changes_between_steps():
@@ -166,7 +172,7 @@ def test_training_steps_give_bitwise_equal_parameters():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["all", "input", "norm"])
 def test_vgg_on_each_device(device, case):
-    # NOTE: on an accelerator, bitwise comparison needs deterministic kernels (cuDNN picks
+    # On an accelerator, bitwise comparison needs deterministic kernels (cuDNN picks
     # algorithms per call otherwise); on CPU this repeats the main test on the device list.
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

@@ -14,7 +14,9 @@ from tests.nn._models import resnet_like, trainable, vgg_like
 def _peaks(model: torch.nn.Module, x: torch.Tensor, input_grad: bool) -> tuple[int, int]:
     """(max activation bytes, total peak bytes) of one tracked step after a warm-up step."""
     x = x.clone().requires_grad_(input_grad)
-    model(x).sum().backward()  # warm-up step: converted ReLUs learn their consumers
+    # A warm-up step: under the tracker's saved-tensor hooks ReLUs in custom forwards
+    # decide in forward, from what their holders decided in the step before (see Limits).
+    model(x).sum().backward()
     with hr.track_memory(model=model) as mem:
         model(x).sum().backward()
     return mem.max_by_category["activations"], mem.peak

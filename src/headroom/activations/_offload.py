@@ -127,10 +127,13 @@ class _Offloader:
     # ------------------------------------------------------------------ pack / unpack
     def pack(self, t: torch.Tensor) -> Any:
         self._sweep()
-        if (self._depth <= 0 or _parameter_like(t) or t.device.type == "meta"
-                or t.untyped_storage().nbytes() < self.min_bytes):
+        if self._depth <= 0 or _parameter_like(t) or t.device.type == "meta":
             return t
         storage = t.untyped_storage()
+        # A storage that cannot be resized (memory NumPy or DLPack lent, such as the bit masks
+        # of headroom.nn) could not be freed after its copy: it stays where it is.
+        if storage.nbytes() < self.min_bytes or not storage.resizable():
+            return t
         key = storage._cdata
         entry = self._entries.get(key)
         if entry is None:
@@ -287,7 +290,8 @@ def offload_activations(
     Wrap forward and backward (or forward only: tensors saved inside are restored whenever
     backward runs). Each saved tensor's storage is copied to the store as it is saved and its
     device memory freed once the forward no longer uses it; backward refills them just ahead
-    of use. Gradients are bitwise those of plain PyTorch.
+    of use. Gradients are bitwise those of plain PyTorch. Storages that cannot be resized
+    (memory lent by NumPy or DLPack, such as ``headroom.nn``'s bit masks) stay where they are.
 
     Args:
         store: ``"cpu"`` (host memory, page-locked on an accelerator) or a `DiskStore`. On a

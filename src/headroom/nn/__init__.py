@@ -2,7 +2,8 @@
 
 Each layer subclasses its ``torch.nn`` twin and saves for backward only what this backward needs,
 decided at forward time from which of its input and parameters require grad; results are
-bitwise equal to ``torch.nn``. See ``docs/selective_layers.md`` for what each layer saves.
+bitwise equal to ``torch.nn``. See ``docs/selective_layers.md`` for what each layer saves, and
+:func:`convert_report` for what ``convert`` did to a model.
 """
 
 from headroom.nn._activation import Hardtanh, LeakyReLU, ReLU, ReLU6
@@ -14,7 +15,7 @@ from headroom.nn._conv import (
     ConvTranspose2d,
     ConvTranspose3d,
 )
-from headroom.nn._convert import convert
+from headroom.nn._convert import ConvertReport, convert, convert_report
 from headroom.nn._dropout import Dropout
 from headroom.nn._linear import Linear
 from headroom.nn._norm import BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, LayerNorm
@@ -55,6 +56,7 @@ __all__ = [
     "BatchNorm2d",
     "BatchNorm3d",
     "Conv1d",
+    "ConvertReport",
     "Conv2d",
     "Conv3d",
     "ConvTranspose1d",
@@ -78,4 +80,5 @@ __all__ = [
     "ReplicationPad2d",
     "ReplicationPad3d",
     "convert",
+    "convert_report",
 ]

@@ -1,34 +1,53 @@
-"""Activations that keep a 1-bit mask instead of a full tensor.
+"""Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway.
 
 PyTorch's ReLU keeps its whole output (32 bits per element in fp32) to know, in backward, where
-the gradient passes; LeakyReLU, Hardtanh and ReLU6 keep their whole input for the same reason.
-These layers keep one bit per element (:mod:`headroom.nn._bitmask`).
+the gradient passes; LeakyReLU, Hardtanh and ReLU6 keep their whole input (their output when in
+place) for the same reason. One bit per element is enough (:mod:`headroom.nn._bitmask`).
 
-ReLU is special: its output is very often the input of the next layer, and when that layer keeps
-its input for its own backward (a convolution whose weight trains), keeping the output costs
-nothing: both saved references share one storage. A ReLU then runs PyTorch's own ReLU and adds
-no byte; it switches to the bit mask only when every headroom layer seen consuming its output at
-this call site will not keep it under the current ``requires_grad`` flags
-(see :mod:`headroom.nn._common`).
+But the tensor PyTorch keeps is often kept by another node anyway (a ReLU's output by the next
+convolution whose weight trains, an in-place LeakyReLU's result likewise, a ReLU output by the
+product of a squeeze-excitation block): keeping it then costs nothing, since both saved
+references share one storage, and a mask would be an extra 1/32. So these layers run PyTorch's
+own op, keep the tensor its node saves in a :class:`Late` holder, and decide after their
+consumers ran: a 1-bit mask when nothing else references the storage, else the tensor as is
+(see [Note: deciding late] in :mod:`headroom.nn._common`). Under saved-tensor hooks of the
+caller's they decide in forward instead (:class:`_ReLUMask` and friends).
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._bitmask import pack_bool, pack_gt, pack_nonzero, unpack_as
+from headroom.memory import is_tracking
+from headroom.nn import _bitmask
+from headroom.nn._bitmask import (
+    GREATER,
+    INSIDE,
+    NONZERO,
+    grad_through,
+    pack_gt,
+    pack_test,
+    unpack_as,
+)
 from headroom.nn._common import (
+    UNSHARED,
     KeepsNoInput,
+    _use_count,
     consumers_keep_output,
     first_order_only,
+    hold,
     hooks_free,
     note_consumer,
     records_graph,
     register_relu_output,
     relu_sites,
     run_saving_less,
+    settle_pending,
 )
 
 
@@ -40,12 +59,17 @@ def _dense(t: torch.Tensor) -> bool:
     return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
-def _pack_nonzero_layout(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``t != 0`` packed, and whether in memory order (``t`` channels-last, see :func:`_dense`)
-    rather than row-major order. Memory order packs and unpacks without a layout copy."""
+def _pack_layout(
+    t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0
+) -> tuple[torch.Tensor, bool, bool]:
+    """``pack_test(t, op, lo, hi)``, whether packed in memory order (``t`` channels-last, see
+    :func:`_dense`) rather than row-major order, and whether a NaN was seen (``INSIDE`` only).
+    Memory order packs and unpacks without a layout copy."""
     if not t.is_contiguous() and _dense(t):
-        return pack_nonzero(t.as_strided((t.numel(),), (1,))), True
-    return pack_nonzero(t), False
+        bits, nan = pack_test(t.as_strided((t.numel(),), (1,)), op, lo, hi)
+        return bits, True, nan
+    bits, nan = pack_test(t, op, lo, hi)
+    return bits, False, nan
 
 
 def _unpack_layout(
@@ -56,22 +80,27 @@ def _unpack_layout(
     dtype: torch.dtype,
     *,
     reuse: bool = False,
+    values: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """The mask of :func:`_pack_nonzero_layout` as ``dtype`` values, positive where set, laid
-    out with ``stride`` like the tensor PyTorch's backward would have read.
-
-    # NOTE: the strides matter for bitwise equality downstream: an element-wise backward kernel
+    """The mask of :func:`_pack_layout` as ``dtype`` values (1/0, or ``values``), laid out with
+    ``stride`` like the tensor PyTorch's backward would have read.
+    """
+    # The strides matter for bitwise equality downstream: an element-wise backward kernel
     # lays its output out like its inputs, and the next backward (a batch norm, say) takes a
     # different reduction order for a channels-last gradient than for a contiguous one.
-    """
     if memory_order:
-        flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse)
+        flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse, values=values)
         return flat.as_strided(shape, stride)
-    passes = unpack_as(bits, shape, dtype, reuse=reuse)
+    passes = unpack_as(bits, shape, dtype, reuse=reuse, values=values)
     if passes.stride() == stride:
         return passes
     out = torch.empty_strided(shape, stride, dtype=dtype, device=passes.device)
     return out.copy_(passes)
+
+
+def _restride(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -80,21 +109,339 @@ def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
     return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype)
 
 
-class _ReLUBits:
-    """A ReLU result saved as its non-zero mask (pack hook of ``ReluBackward0``).
+@functools.cache
+def _hardtanh_values(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, float] | None:
+    """Stand-in values for ``hardtanh_backward``, which passes the gradient where
+    ``lo < x < hi`` in ``dtype``: ``(lo, a value strictly inside)``, or None where 0.0 and 1.0
+    already are such a pair (``0 <= lo < 1 < hi``, ReLU6)."""
+    lo_d, hi_d = (torch.tensor(v, dtype=dtype).item() for v in (lo, hi))
+    if lo_d >= 0.0 and lo_d < 1.0 < hi_d:
+        return None
+    inside = torch.tensor((lo_d + hi_d) / 2, dtype=dtype).item()
+    if not lo_d < inside < hi_d:
+        # No value of the dtype lies strictly between the bounds, so no mask bit is set
+        # and the "inside" value is never written.
+        inside = lo_d
+    return (lo_d, inside)
 
-    # NOTE: PyTorch's ReluBackward0 runs ``threshold_backward(grad, result, 0)``; handing it a
-    # tensor positive exactly where the result was non-zero, laid out like the result, gives
-    # bitwise its own gradient (see _ReLUMask). Packing happens when the node saves the result,
-    # so the full result is never held by autograd. ReluBackward0 drops the unpacked tensor
-    # when it returns, so it may live in a reused buffer, except in a double backward (grad
-    # mode on), whose graph keeps it.
+
+class Late:
+    """The tensor an activation's PyTorch node saves, kept whole until it is known whether
+    anything else references its storage; then, if nothing does, packed to a 1-bit mask.
+
+    The pack hook of :func:`headroom.nn._common.run_saving_less` for ``ReluBackward0``
+    (``op=NONZERO``: the result's non-zeros), ``LeakyReluBackward0`` (``GREATER``: ``x > 0``)
+    and ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``). :meth:`settle` is called by
+    :func:`headroom.nn._common.settle_pending` and at the end of a converted root's forward.
     """
+    # On unpack, backward gets the tensor, or a tensor positive exactly where the mask is
+    # set (for Hardtanh, ``lo`` and a value strictly inside), laid out like the original: the
+    # very kernel PyTorch runs then gives bitwise its own gradient. A Hardtanh input holding a
+    # NaN stays whole: PyTorch's kernel passes the gradient at a NaN in its scalar loop and
+    # stops it in its vector loop, so no bit says which. The unpacked floats are needed only
+    # inside the node's backward, which drops them when it returns, so they may live in a
+    # reused buffer, except in a double backward (grad mode on), whose graph keeps them.
+
+    __slots__ = (
+        "tensor",
+        "version",
+        "key",
+        "op",
+        "lo",
+        "hi",
+        "seq",
+        "bits",
+        "shape",
+        "stride",
+        "dtype",
+        "memory_order",
+        "values",
+        "watch",
+        "verdict",
+        "__weakref__",
+    )
+
+    def __init__(self, t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
+        # A detached alias, not ``t``: a saved output is the very tensor whose grad_fn
+        # holds this object (a reference cycle), and the alias counts once in the storage's use
+        # count whoever else holds ``t``.
+        self.tensor = t.detach()
+        self.version = t._version
+        self.key = t.untyped_storage()._cdata
+        self.op, self.lo, self.hi = op, lo, hi
+        self.bits = self.verdict = None
+        self.seq = hold(self)
+        # The moment the caller drops its last reference to ``t`` (a variable rebound in
+        # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
+        # nothing else references the storage: try then. The callback holds this object weakly
+        # (no reference cycle keeps a whole tensor alive).
+        self.watch = weakref.ref(t, functools.partial(_released, weakref.ref(self)))
+
+    def settle(self, dying: int = 0) -> bool:
+        """Pack the tensor if nothing else references its storage (but ``dying`` tensors about
+        to be freed); whether it is decided."""
+        t = self.tensor
+        if t is None:
+            return True
+        if _use_count(self.key) != UNSHARED + dying:
+            if self.verdict is not None:
+                _note_verdict(self.verdict, True)
+            return False
+        if t._version != self.version:
+            self.bits = None
+            return True  # changed in place: kept, so that backward raises as PyTorch's does
+        if self.bits is None and not self.pack():
+            return True
+        if self.verdict is not None:
+            _note_verdict(self.verdict, False)
+        self.tensor = None
+        return True
+
+    def pack(self) -> bool:
+        """Compute the mask (the tensor stays until :meth:`settle` drops it); False where it
+        must stay whole (a NaN for Hardtanh)."""
+        t = self.tensor
+        native = _bitmask._native
+        if (
+            self.op == NONZERO
+            and native is not None
+            and t.dtype is torch.float32
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+        ):
+            # The common case without the generic dispatch (this runs per activation).
+            n = t.numel()
+            bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
+            native.pack_nonzero(t.data_ptr(), n, bits.data_ptr(), 0)
+            self.shape, self.stride, self.dtype, self.values = t.shape, t.stride(), t.dtype, None
+            self.memory_order, self.bits = False, bits
+            return True
+        bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
+        if nan:
+            return False
+        self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
+        self.values = None if self.op != INSIDE else _hardtanh_values(self.lo, self.hi, t.dtype)
+        self.memory_order, self.bits = memory_order, bits
+        return True
+
+    def drop_mask(self) -> None:
+        """Drop a mask computed ahead (:meth:`pack`) while the tensor is still kept whole."""
+        if self.tensor is not None:
+            self.bits = None
+
+    def _kept(self, t: torch.Tensor) -> torch.Tensor:
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {self.version} instead."
+            )
+        return t
+
+    def grad(self, grad: torch.Tensor, kernel, scale: bool = False, slope: float = 0.0):
+        """The activation's input gradient (for :class:`_LateFunction`): PyTorch's backward
+        ``kernel(grad, saved)`` on the kept tensor, or straight from the mask in one pass
+        (where grad is laid out like the mask and no double backward records a graph), or
+        ``kernel`` on the unpacked stand-in."""
+        t = self.tensor
+        if t is not None:
+            return kernel(grad, self._kept(t))
+        if (
+            not torch.is_grad_enabled()
+            and grad.dtype == self.dtype
+            and grad.shape == self.shape
+            and grad.stride() == self.stride
+            and (_dense(grad) if self.memory_order else grad.is_contiguous())
+        ):
+            out = grad_through(self.bits, grad, scale=scale, slope=slope)
+            if out is not None:
+                return out
+        return kernel(grad, self.unpack())
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t is not None:
+            return self._kept(t)
+        native = _bitmask._native
+        if (
+            native is not None
+            and not self.memory_order
+            and self.values is None
+            and self.dtype is torch.float32
+            and self.bits.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and not is_tracking()
+        ):
+            # The common case (a contiguous float32 mask unpacked inside the node's
+            # backward) without the generic dispatch, into the reused buffer.
+            n = self.shape.numel()
+            out = _bitmask._reusable_buffer(n, torch.float32)
+            native.unpack(self.bits.data_ptr(), n, out.data_ptr(), 0)
+            out = out.view(self.shape)
+            return out if out.stride() == self.stride else _restride(out, self.stride)
+        return _unpack_layout(
+            self.bits,
+            self.shape,
+            self.stride,
+            self.memory_order,
+            self.dtype,
+            reuse=not torch.is_grad_enabled(),
+            values=self.values,
+        )
+
+
+def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
+    """The caller's tensor a :class:`Late` holder watches is being freed: try to settle."""
+    # Python calls this while deallocating the tensor, whose own reference to the storage
+    # goes right after (PyTorch frees a tensor's Python object only when nothing in C++ holds
+    # the tensor too; else it keeps the object alive), so one more reference is expected.
+    # Not inside backward, where the graph drops saved tensors: settling there would pack a
+    # mask that the node reading it is about to unpack.
+    holder = holder_ref()
+    if holder is not None and holder.tensor is not None and _graph_task_id() == -1:
+        holder.settle(dying=1)
+
+
+def _note_verdict(verdict: tuple, keep: bool) -> None:
+    verdicts = verdict[0].verdicts
+    if len(verdicts) > 64:  # call sites of many input shapes: keep the recent ones
+        verdicts.clear()
+    verdicts[verdict[1]] = keep
+
+
+def _make_late(verdict: tuple, op: int, lo: float, hi: float, t: torch.Tensor) -> Late:
+    """The pack hook's holder of ``t``, which leaves its decision in ``verdict`` (the module's
+    record and call site; a ReLU's forward under a caller's saved-tensor hooks reads it there)
+    and packs its mask at once where the last decision at this call site was a mask (see
+    :func:`_packs_ahead`)."""
+    holder = Late(t, op, lo, hi)
+    holder.verdict = verdict
+    if _packs_ahead(verdict, t):
+        holder.pack()
+    return holder
+
+
+def _packs_ahead(verdict, t: torch.Tensor) -> bool:
+    """Whether a holder of ``t`` packs its mask right after the op instead of when it settles:
+    where the last forward packed one at this call site, for a tensor large enough that a later
+    pass would read it from memory again rather than from the CPU's cache."""
+    # The decision itself stays late: a mask packed ahead but not needed is dropped at the
+    # root's end at the latest. Until the holder settles, the mask and the tensor are both
+    # alive: 1/32 more bytes for a moment, which a small tensor could add to the forward's
+    # peak without any gain in time.
+    return (
+        verdict is not None
+        and verdict[0].verdicts.get(verdict[1]) is False
+        and t.numel() >= _PACK_AHEAD_FROM
+    )
+
+
+def _late_hook(verdict: tuple, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
+    """A pack hook making :class:`Late` holders of one test."""
+    return functools.partial(_make_late, verdict, op, lo, hi)
+
+
+_LATE = UNSHARED is not None and _use_count is not None
+_graph_task_id = torch._C._current_graph_task_id
+
+
+# --- one Function for large or cloning activations -----------------------------------------------
+#
+# On PyTorch's own node, backward unpacks a mask into a float stand-in (a full write) that
+# the kernel then reads: memory traffic that grows with the tensor, while a Python
+# autograd.Function costs a fixed few tens of microseconds per call. From _FUSE_FROM elements on,
+# one fused pass from the bits is the cheaper of the two; PyTorch's in-place hardtanh_
+# (ReLU6(inplace=True)) even saves a clone of its input, a full copy the Function does not make.
+# So those calls run this Function, whose backward is the same PyTorch kernel on the kept
+# tensor, or one fused pass over the mask (bitwise the same values).
+_FUSE_FROM = 1 << 18  # elements
+_PACK_AHEAD_FROM = 1 << 15  # elements (see _packs_ahead)
+
+
+class _Spec:
+    """How :class:`_LateFunction` runs one activation and its backward."""
+
+    __slots__ = ("fn", "inplace", "saves_result", "op", "lo", "hi", "kernel", "scale", "slope")
+
+    def __init__(self, fn, inplace, saves_result, op, lo, hi, kernel, scale=False, slope=0.0):
+        self.fn, self.inplace, self.saves_result = fn, inplace, saves_result
+        self.op, self.lo, self.hi = op, lo, hi
+        self.kernel, self.scale, self.slope = kernel, scale, slope
+
+
+class _LateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, spec: _Spec, verdict) -> torch.Tensor:
+        if spec.inplace:
+            ctx.mark_dirty(x)
+        out = spec.fn(x)
+        holder = Late(out if spec.saves_result else x, spec.op, spec.lo, spec.hi)
+        holder.verdict = verdict
+        if _packs_ahead(verdict, holder.tensor):
+            holder.pack()
+        ctx.holder, ctx.spec = holder, spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
+
+
+def _apply_late(x: torch.Tensor, spec: _Spec, verdict=None) -> torch.Tensor:
+    out = _LateFunction.apply(x, spec, verdict)
+    if spec.inplace:
+        # Autograd bumps a dirty input's version once more after forward returns.
+        out.grad_fn.holder.version = out._version
+    return out
+
+
+def _verdict_key(module: nn.Module, x: torch.Tensor) -> tuple:
+    """Where the holder of ``module``'s call on ``x`` leaves its decision: the module's record
+    and the call site (the producing node's type and the shape without the batch dimension)."""
+    return (relu_sites(module), (type(x.grad_fn), x.shape[1:]))
+
+
+def _fuses(x: torch.Tensor) -> bool:
+    """Whether an activation on ``x`` runs :class:`_LateFunction` for its fused backward."""
+    return (
+        x.numel() >= _FUSE_FROM
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and _bitmask._native is not None
+    )
+
+
+def _relu_kernel(grad, saved):
+    return torch.ops.aten.threshold_backward(grad, saved, 0)
+
+
+_RELU = _Spec(torch.relu, False, True, NONZERO, 0.0, 0.0, _relu_kernel)
+_RELU_ = _Spec(torch.relu_, True, True, NONZERO, 0.0, 0.0, _relu_kernel)
+
+
+def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
+    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``."""
+    # The kernel is element-wise, so when both inputs share one layout its output may
+    # alias ``passes`` exactly: that saves one full-size allocation per backward, and the
+    # output layout is the one PyTorch would pick anyway.
+    if passes.stride() == grad.stride() and passes.is_contiguous():
+        return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
+    return torch.ops.aten.threshold_backward(grad, passes, 0)
+
+
+def _needs_graph(x: torch.Tensor) -> bool:
+    return records_graph() and x.requires_grad
+
+
+class _ReLUBits:
+    """A ReLU result packed at save time (pack hook of ``ReluBackward0``), where this torch
+    lacks the storage use count that :class:`Late` needs."""
 
     __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
 
     def __init__(self, out: torch.Tensor) -> None:
-        self.bits, self.memory_order = _pack_nonzero_layout(out)
+        self.bits, self.memory_order, _ = _pack_layout(out)
         self.shape, self.stride, self.dtype = out.shape, out.stride(), out.dtype
 
     def unpack(self) -> torch.Tensor:
@@ -108,22 +455,6 @@ class _ReLUBits:
         )
 
 
-def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
-    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``.
-
-    # NOTE: the kernel is element-wise, so when both inputs share one layout its output may
-    # alias ``passes`` exactly: that saves one full-size allocation per backward, and the
-    # output layout is the one PyTorch would pick anyway.
-    """
-    if passes.stride() == grad.stride() and passes.is_contiguous():
-        return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
-    return torch.ops.aten.threshold_backward(grad, passes, 0)
-
-
-def _needs_graph(x: torch.Tensor) -> bool:
-    return records_graph() and x.requires_grad
-
-
 class _ReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
@@ -132,12 +463,12 @@ class _ReLUMask(torch.autograd.Function):
             out = torch.relu_(x)
         else:
             out = torch.relu(x)
-        # NOTE: PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
+        # PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
         # A ReLU output is never negative, so "passes" is ``out != 0`` (one cast). Backward
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
         # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
-        # masked_fill or where is exact too, but those mixed-dtype kernels are ~20x slower).
-        bits, ctx.memory_order = _pack_nonzero_layout(out)
+        # masked_fill or where is exact too, but those mixed-dtype kernels are much slower).
+        bits, ctx.memory_order, _ = _pack_layout(out)
         ctx.save_for_backward(bits)
         ctx.shape, ctx.stride = out.shape, out.stride()
         return out
@@ -149,7 +480,7 @@ class _ReLUMask(torch.autograd.Function):
 
 
 class ReLU(nn.ReLU):
-    """``nn.ReLU`` that keeps a 1-bit mask, or nothing its consumer does not keep already."""
+    """``nn.ReLU`` that keeps a 1-bit mask, or nothing its consumers do not keep already."""
 
     def _hr_saves_input(self) -> bool:
         return False
@@ -157,15 +488,24 @@ class ReLU(nn.ReLU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not _needs_graph(input):
             return super().forward(input)
+        settle_pending()
         note_consumer(self, input)
-        # NOTE: a call site is the producing node's type and the shape without the batch
+        relu = torch.relu_ if self.inplace else torch.relu
+        # A call site is the producing node's type and the shape without the batch
         # dimension: one ReLU module used twice in a block (torchvision's BasicBlock) has two.
         site = (type(input.grad_fn), input.shape[1:])
         sites = relu_sites(self)
+        if _LATE and hooks_free():
+            if _fuses(input):
+                return _apply_late(input, _RELU_ if self.inplace else _RELU, (sites, site))
+            return run_saving_less(_late_hook((sites, site)), relu, input)
+        # Under the caller's saved-tensor hooks (or without the use count) the choice is
+        # made now: from the consumers seen at this call site in earlier such forwards, else
+        # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
         if consumers_keep_output(sites, site):
             out = super().forward(input)
         elif hooks_free():
-            out = run_saving_less(_ReLUBits, torch.relu_ if self.inplace else torch.relu, input)
+            out = run_saving_less(_ReLUBits, relu, input)
         else:
             out = _ReLUMask.apply(input, self.inplace)
         register_relu_output(sites, site, out)
@@ -190,7 +530,7 @@ class _LeakyReLUMask(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        # NOTE: leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
+        # leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
         # positive exactly where the mask is set gives bitwise PyTorch's own result.
         sign = _unpack_like(ctx, grad)
         gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
@@ -198,7 +538,24 @@ class _LeakyReLUMask(torch.autograd.Function):
 
 
 class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
-    """``nn.LeakyReLU`` that keeps a 1-bit sign mask instead of its input."""
+    """``nn.LeakyReLU`` that keeps a 1-bit sign mask, or nothing its consumers do not keep."""
+
+    def _hr_pack(self, input: torch.Tensor):
+        if not _LATE or (self.inplace and self.negative_slope < 0):
+            return None
+        return _late_hook(_verdict_key(self, input), GREATER)
+
+    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        if not (_LATE and _fuses(input)) or (self.inplace and self.negative_slope < 0):
+            return None
+        slope, inplace = float(self.negative_slope), self.inplace
+
+        def kernel(grad, saved):
+            return torch.ops.aten.leaky_relu_backward(grad, saved, slope, inplace)
+
+        fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
+        spec = _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
+        return _apply_late(input, spec, _verdict_key(self, input))
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
@@ -206,7 +563,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
         return _LeakyReLUMask.apply(input, float(self.negative_slope), self.inplace)
 
 
-class _HardtanhMask(torch.autograd.Function):
+class _HardtanhFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
         if inplace:
@@ -214,30 +571,66 @@ class _HardtanhMask(torch.autograd.Function):
             out = F.hardtanh_(x, lo, hi)
         else:
             out = F.hardtanh(x, lo, hi)
-        # NOTE: hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
-        # meets the same conditions (clamped values equal the bounds) and NaN passes. Backward
-        # hands threshold_backward a 1.0/0.0 "passes" tensor (see _ReLUMask for why).
-        stops = torch.le(out, lo).logical_or_(torch.ge(out, hi))
-        ctx.save_for_backward(pack_bool(stops.logical_not_()))
+        # hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
+        # meets the same conditions (clamped values equal the bounds). Backward hands the same
+        # kernel ``lo`` and a value strictly inside; a NaN keeps the tensor (see Late).
+        bits, nan = pack_test(out, INSIDE, lo, hi)
+        ctx.keep = nan
+        # What PyTorch's node would save (the input, or the result when in place).
+        ctx.save_for_backward((out if inplace else x).detach() if nan else bits)
         ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
+        ctx.lo, ctx.hi = lo, hi
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        return _threshold_backward(grad, _unpack_like(ctx, grad)), None, None, None
+        if ctx.keep:
+            (x,) = ctx.saved_tensors
+        else:
+            (bits,) = ctx.saved_tensors
+            x = _unpack_layout(
+                bits,
+                ctx.shape,
+                ctx.stride,
+                False,
+                grad.dtype,
+                values=_hardtanh_values(ctx.lo, ctx.hi, grad.dtype),
+            )
+        return torch.ops.aten.hardtanh_backward(grad, x, ctx.lo, ctx.hi), None, None, None
 
 
 class _HardtanhMixin(KeepsNoInput):
+    def _hr_pack(self, input: torch.Tensor):
+        if not _LATE or self.min_val > self.max_val:
+            return None
+        lo, hi = float(self.min_val), float(self.max_val)
+        return _late_hook(_verdict_key(self, input), INSIDE, lo, hi)
+
+    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        # Always in place: PyTorch's hardtanh_ node saves a clone of its input.
+        if not _LATE or self.min_val > self.max_val or not (self.inplace or _fuses(input)):
+            return None
+        lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace
+
+        def kernel(grad, saved):
+            return torch.ops.aten.hardtanh_backward(grad, saved, lo, hi)
+
+        fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
+        spec = _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
+        return _apply_late(input, spec, _verdict_key(self, input))
+
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.min_val > self.max_val:
             return self._hr_torch_forward(input)  # PyTorch raises its own error for this
-        return _HardtanhMask.apply(input, float(self.min_val), float(self.max_val), self.inplace)
+        lo, hi = float(self.min_val), float(self.max_val)
+        return _HardtanhFunction.apply(input, lo, hi, self.inplace)
 
 
 class Hardtanh(_HardtanhMixin, nn.Hardtanh):
-    """``nn.Hardtanh`` that keeps a 1-bit pass mask instead of its input."""
+    """``nn.Hardtanh`` that keeps a 1-bit pass mask, or nothing its consumers do not keep."""
 
 
 class ReLU6(_HardtanhMixin, nn.ReLU6):
-    """``nn.ReLU6`` that keeps a 1-bit pass mask instead of its input."""
+    """``nn.ReLU6`` that keeps a 1-bit pass mask, or nothing its consumers do not keep."""
+

@@ -9,12 +9,12 @@ Three implementations give the same bytes:
 
 - Contiguous CPU tensors use the C kernels of ``headroom.nn._bitkernels`` where they were built
   at install: a fused compare-and-pack of float32 or float64 that reads the floats once, and an
-  unpack to any float dtype that writes them once; SIMD on x86-64, chosen at run time. They are
-  1.5-2x faster than the NumPy code below (AVX-512 CPU, ``benchmarks/mask_kernels.py``).
+  unpack to any float dtype that writes them once; SIMD on x86-64, chosen at run time
+  (``benchmarks/mask_kernels.py`` compares them with the NumPy code below).
   ``HEADROOM_NATIVE=0`` in the environment before import turns them off.
 - Other CPU tensors, and every CPU tensor where the kernels were not built, use NumPy's
-  ``packbits``/``unpackbits`` on zero-copy views (one SIMD pass each; about twice as fast as the
-  word trick below on CPU, measured). A mask needed as floats
+  ``packbits``/``unpackbits`` on zero-copy views (one SIMD pass each, cheaper than the word
+  trick below on CPU). A mask needed as floats
   (:func:`unpack_as`) is unpacked with one table lookup per byte straight into the float
   tensor: each byte selects a row of eight 0/1 values of that dtype.
 - Other devices use a multiply trick on 64-bit words: the eight 0/1 bytes of a word
@@ -48,7 +48,7 @@ _NATIVE_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.flo
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 _PACK = 0x0102040810204080
 _SPREAD = 0x0101010101010101
-# NOTE: 0x8040201008040201 does not fit in a signed int64; this is the same bit pattern.
+# 0x8040201008040201 does not fit in a signed int64; this is the same bit pattern.
 _SELECT = 0x8040201008040201 - (1 << 64)
 
 
@@ -65,10 +65,8 @@ def native_kernels() -> str | None:
 
 
 def _scratch_bool(numel: int, device: torch.device) -> torch.Tensor:
-    """A scratch ``bool`` buffer of ``numel`` entries; off CPU padded to whole int64 words.
-
-    # NOTE: the padding tail must be zero (it becomes the unused high bits of the last byte).
-    """
+    """A scratch ``bool`` buffer of ``numel`` entries; off CPU padded to whole int64 words."""
+    # The padding tail must be zero (it becomes the unused high bits of the last byte).
     if device.type != "cpu" and numel % 8:
         return torch.zeros((numel + 7) // 8 * 8, dtype=torch.bool, device=device)
     return torch.empty(numel, dtype=torch.bool, device=device)
@@ -84,7 +82,7 @@ def _pack_scratch(buf: torch.Tensor, numel: int, *, use_numpy: bool | None = Non
         padded = torch.zeros((numel + 7) // 8 * 8, dtype=torch.bool, device=buf.device)
         padded[:numel].copy_(buf[:numel])
         buf = padded
-    # NOTE: in place on the scratch buffer, so packing allocates nothing full-size beyond it.
+    # In place on the scratch buffer, so packing allocates nothing full-size beyond it.
     words = buf.view(torch.uint8).view(torch.int64)
     words.mul_(_PACK).bitwise_right_shift_(56)
     return words.to(torch.uint8)
@@ -107,13 +105,11 @@ def pack_bool(mask: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
-    """Pack ``x != 0`` (NaN counts as non-zero, ``-0.0`` as zero).
-
-    # NOTE: written as a cast to ``bool`` (which means exactly ``!= 0``): on CPU the cast kernel
-    # is vectorized and ~9x faster than the ``ne`` comparison kernel with a bool output.
-    """
+    """Pack ``x != 0`` (NaN counts as non-zero, ``-0.0`` as zero)."""
+    # Written as a cast to ``bool`` (which means exactly ``!= 0``): on CPU the cast kernel
+    # is vectorized, unlike the ``ne`` comparison kernel with a bool output.
     if x.device.type == "cpu":
-        # NOTE: float16/bfloat16 keep torch's cast, which compares in float32 like PyTorch's
+        # float16/bfloat16 keep torch's cast, which compares in float32 like PyTorch's
         # kernels do (and so treats subnormals as they do under torch.set_flush_denormal).
         code = _NATIVE_CODES.get(x.dtype, 9) if _native is not None else 9
         if code < 2 and x.is_contiguous():
@@ -121,10 +117,10 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
             bits = torch.empty((numel + 7) // 8, dtype=torch.uint8)
             _native.pack_nonzero(x.data_ptr(), numel, bits.data_ptr(), code)
             return bits
-        # NOTE: one comparison and NumPy's packbits, which reads any strides in row-major
-        # order: 2 calls instead of 4, which matters for the many small tensors of a late CNN
-        # stage (fixed cost ~3 us instead of ~7 us). NumPy's float ``!= 0`` (SIMD) is ~15%
-        # faster than torch's cast to bool; dtypes NumPy lacks (bfloat16) take torch's cast.
+        # One comparison and NumPy's packbits, which reads any strides in row-major
+        # order: 2 calls instead of 4, which matters for the fixed cost of the many small
+        # tensors of a late CNN stage. NumPy's float ``!= 0`` is SIMD, cheaper than torch's
+        # cast to bool; dtypes NumPy lacks (bfloat16) take torch's cast.
         if x.dtype in _NUMPY_FLOATS:
             return torch.from_numpy(np.packbits(x.detach().numpy() != 0, bitorder="little"))
         return torch.from_numpy(np.packbits(x.bool().numpy(), bitorder="little"))
@@ -132,6 +128,48 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
     buf = _scratch_bool(numel, x.device)
     buf[:numel].copy_(x.reshape(-1))
     return _pack_scratch(buf, numel)
+
+
+# Tests :func:`pack_test` can pack (the C kernels' op codes).
+NONZERO, GREATER, INSIDE = 0, 1, 2
+
+
+def pack_test(
+    x: torch.Tensor, op: int, lo: float = 0.0, hi: float = 0.0
+) -> tuple[torch.Tensor, bool]:
+    """Pack one test of each element of ``x``, in row-major order.
+
+    Args:
+        x: a floating-point tensor.
+        op: :data:`NONZERO` (``x != 0``: NaN set, ``-0.0`` clear, as :func:`pack_nonzero`),
+            :data:`GREATER` (``x > lo``) or :data:`INSIDE` (``lo < x < hi``); the last two are
+            ordered comparisons, false for NaN, made in ``x``'s dtype like PyTorch's kernels.
+        lo: the lower bound of ``GREATER`` and ``INSIDE``.
+        hi: the upper bound of ``INSIDE``.
+
+    Returns:
+        ``(bits, nan_seen)``: the packed mask, and for ``INSIDE`` whether ``x`` holds a NaN
+        (always False for the other tests).
+    """
+    if op == NONZERO:
+        return pack_nonzero(x), False
+    if x.device.type == "cpu":
+        code = _NATIVE_CODES.get(x.dtype, 9) if _native is not None else 9
+        if code < 2 and x.is_contiguous():
+            numel = x.numel()
+            bits = torch.empty((numel + 7) // 8, dtype=torch.uint8)
+            nan = _native.pack_cmp(x.data_ptr(), numel, bits.data_ptr(), code, op, lo, hi)
+            return bits, bool(nan)
+        if x.dtype in (torch.float32, torch.float64):
+            a = x.detach().numpy()
+            # Bounds rounded to the array's dtype first, as PyTorch's kernels do.
+            lo_, hi_ = a.dtype.type(lo), a.dtype.type(hi)
+            test = a > lo_ if op == GREATER else (a > lo_) & (a < hi_)
+            nan = op == INSIDE and bool(np.isnan(a).any())
+            return torch.from_numpy(np.packbits(test, bitorder="little")), nan
+    test = torch.gt(x, lo) if op == GREATER else torch.gt(x, lo).logical_and_(torch.lt(x, hi))
+    nan = op == INSIDE and bool(torch.isnan(x).any())
+    return pack_bool(test), nan
 
 
 def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
@@ -170,16 +208,35 @@ def unpack_nonzero(
     return words.view(torch.uint8)[:numel].view(shape)
 
 
-_LUTS: dict[torch.dtype, np.ndarray] = {}
+_LUTS: dict[tuple[torch.dtype, tuple[float, float] | None], np.ndarray] = {}
 
 
-def _lut(dtype: torch.dtype) -> np.ndarray:
-    """256 x 8 table: row ``b`` holds bit ``i`` of ``b`` in column ``i``, as ``dtype``."""
-    lut = _LUTS.get(dtype)
+def _lut(dtype: torch.dtype, values: tuple[float, float] | None = None) -> np.ndarray:
+    """256 x 8 table: row ``b`` holds bit ``i`` of ``b`` in column ``i``, as ``dtype`` (1 and 0,
+    or ``values[1]`` and ``values[0]``)."""
+    lut = _LUTS.get((dtype, values))
     if lut is None:
         rows = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
-        lut = _LUTS[dtype] = torch.from_numpy(rows).to(dtype).numpy()
+        table = torch.from_numpy(rows).to(dtype)
+        if values is not None:
+            table = torch.where(table != 0, values[1], values[0]).to(dtype)
+        lut = _LUTS[(dtype, values)] = table.numpy()
     return lut
+
+
+_UNSIGNED = {torch.float32: torch.int32, torch.float64: torch.int64}
+_PATTERNS: dict[tuple[torch.dtype, tuple[float, float]], tuple[int, int]] = {}
+
+
+def _patterns(dtype: torch.dtype, values: tuple[float, float]) -> tuple[int, int]:
+    """The bit patterns of ``values`` in ``dtype``, as unsigned integers (the C unpack's)."""
+    got = _PATTERNS.get((dtype, values))
+    if got is None:
+        width = torch.empty((), dtype=dtype).element_size() * 8
+        ints = torch.tensor(values, dtype=dtype).view(_UNSIGNED.get(dtype, torch.int16))
+        zero, one = (int(v) % (1 << width) for v in ints.tolist())
+        got = _PATTERNS[(dtype, values)] = (zero, one)
+    return got
 
 
 class _Reusable(threading.local):
@@ -189,23 +246,20 @@ class _Reusable(threading.local):
 
 
 _reusable = _Reusable()
-# NOTE: a private PyTorch function; where a version lacks it, nothing is reused.
+# A private PyTorch function; where a version lacks it, nothing is reused.
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _reusable_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat CPU ``dtype`` buffer of ``numel`` elements that nothing else uses right now.
-
-    # NOTE: a masked ReLU's backward needs its mask as floats only inside PyTorch's own
+    """A flat CPU ``dtype`` buffer of ``numel`` elements that nothing else uses right now."""
+    # A masked ReLU's backward needs its mask as floats only inside PyTorch's own
     # ReluBackward0 (see _activation._ReLUBits), which drops them when it returns. Unpacking
-    # into a fresh allocation each time costs page faults for every large buffer (a
-    # ResNet-18-like step on CPU measured faster reusing one, in A/B runs). The buffer is reused
-    # only while nothing else holds a view of it (its storage's use count is back to what it
-    # was when it was made), so a caller that keeps the tensor (double backward, looking at
-    # ``grad_fn._saved_result``, another thread: the buffer is per thread anyway) gets a fresh
-    # one and the old one lives on with it. One buffer per thread and dtype, as large as the
-    # largest mask unpacked on that thread so far, stays allocated.
-    """
+    # into a fresh allocation each time costs page faults for every large buffer. The buffer is
+    # reused only while nothing else holds a view of it (its storage's use count is back to
+    # what it was when it was made), so a caller that keeps the tensor (double backward,
+    # looking at ``grad_fn._saved_result``, another thread: the buffer is per thread anyway)
+    # gets a fresh one and the old one lives on with it. One buffer per thread and dtype, as
+    # large as the largest mask unpacked on that thread so far, stays allocated.
     if _use_count is None:
         return torch.empty(numel, dtype=dtype)
     entry = _reusable.buffers.get(dtype)
@@ -225,24 +279,24 @@ def unpack_as(
     dtype: torch.dtype,
     *,
     reuse: bool = False,
+    values: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Contiguous ``dtype`` tensor of ``shape``, positive where the packed mask is set, else 0.
 
     On CPU the values are 1 and 0; off CPU they are as :func:`unpack_nonzero`'s. With
+    ``values=(clear, set)`` they are exactly those two values (rounded to ``dtype``). With
     ``reuse=True`` a CPU result may be a view of a per-thread buffer that the next call with
     ``reuse=True`` overwrites once the caller has dropped every view of it: for callers that
     are done with the result before they return (see :func:`_reusable_buffer`). While
     headroom's memory tracker runs, every result is a fresh allocation it can see.
-
-    # NOTE: on CPU, one ``np.take`` of the 8-value row of :func:`_lut` per mask byte: a single
+    """
+    # On CPU, one ``np.take`` of the 8-value row of :func:`_lut` per mask byte: a single
     # vectorized pass instead of ``unpackbits`` plus PyTorch's uint8 -> float cast (whose CPU
     # copy loop is not vectorized). ``mode="wrap"`` (a no-op: a byte always indexes one of the
     # 256 rows) lets NumPy write straight into ``out`` instead of into a temporary it would copy
-    # from. ``out`` comes from NumPy's allocator: in a ResNet-18-like backward that was ~3% of
-    # the step faster than the same lookup into a ``torch.empty`` buffer (measured; NumPy asks
-    # the kernel for huge pages for large arrays). While headroom's memory tracker runs, the
-    # buffer comes from PyTorch so that the tracker sees it.
-    """
+    # from. ``out`` comes from NumPy's allocator, which asks the kernel for huge pages for large
+    # arrays (fewer page faults than a ``torch.empty`` buffer). While headroom's memory tracker
+    # runs, the buffer comes from PyTorch so that the tracker sees it.
     if bits.device.type == "cpu" and _native is not None and dtype in _NATIVE_CODES:
         numel = _numel(shape)
         if not bits.is_contiguous() or bits.dtype != torch.uint8 or bits.numel() * 8 < numel:
@@ -255,7 +309,11 @@ def unpack_as(
             out = torch.from_numpy(np.empty(numel, dtype=_NATIVE_NUMPY[dtype]))
         else:
             out = torch.empty(numel, dtype=dtype)
-        _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype])
+        if values is None:
+            _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype])
+        else:
+            zero, one = _patterns(dtype, values)
+            _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype], zero, one)
         return out.view(shape)
     if bits.device.type == "cpu" and dtype in _NUMPY_FLOATS:
         numel = _numel(shape)
@@ -269,9 +327,33 @@ def unpack_as(
         else:
             table = np.empty((rows, 8), dtype=_lut(dtype).dtype)
             out = torch.from_numpy(table).view(-1)
-        np.take(_lut(dtype), bits.numpy()[:rows], axis=0, out=table, mode="wrap")
+        np.take(_lut(dtype, values), bits.numpy()[:rows], axis=0, out=table, mode="wrap")
         return (out[:numel] if numel % 8 else out).view(shape)
+    if values is not None:
+        passes = unpack_nonzero(bits, shape).ne(0)
+        full = torch.full(shape, values[0], dtype=dtype, device=bits.device)
+        return full.masked_fill_(passes, values[1])
     return unpack_nonzero(bits, shape).to(dtype)
+
+
+def grad_through(
+    bits: torch.Tensor, grad: torch.Tensor, *, scale: bool = False, slope: float = 0.0
+) -> torch.Tensor | None:
+    """``where(mask, grad, grad * slope if scale else 0)`` in one pass over ``grad``'s memory
+    (mask bit ``i`` for element ``i`` of that memory), bitwise as PyTorch's ReLU, Hardtanh and
+    LeakyReLU backward kernels compute it; None where the C kernels cannot (not built, not a
+    dense float32/float64 CPU tensor), for the caller to unpack the mask instead."""
+    if (
+        _native is None
+        or grad.device.type != "cpu"
+        or grad.dtype not in (torch.float32, torch.float64)
+        or bits.numel() * 8 < grad.numel()
+    ):
+        return None
+    out = torch.empty_like(grad)
+    code = _NATIVE_CODES[grad.dtype]
+    _native.grad(bits.data_ptr(), grad.data_ptr(), grad.numel(), out.data_ptr(), code, scale, slope)
+    return out
 
 
 def unpack_bool(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:

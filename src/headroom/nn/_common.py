@@ -1,4 +1,5 @@
-"""Helpers shared by the memory-saving layers: shape stand-ins and the ReLU consumer registry."""
+"""Helpers shared by the memory-saving layers: shape stand-ins, PyTorch's nodes under our
+saved-tensor hooks, the pending activations that decide late, and the ReLU consumer registry."""
 
 from __future__ import annotations
 
@@ -26,15 +27,14 @@ def records_graph() -> bool:
     """Whether this forward records a plain eager autograd graph: grad mode on, not being
     traced by ``torch.compile`` or ``torch.jit.trace``, and not inside a ``torch.func``
     transform. Raises a clear error inside ``torch.fx.symbolic_trace``.
-
-    # NOTE: under torch.compile, AOTAutograd builds the backward graph itself and decides what
+    """
+    # Under torch.compile, AOTAutograd builds the backward graph itself and decides what
     # it saves, so headroom's layers trace PyTorch's own forward: their hooks, registry and
     # Functions are eager-mode machinery (Dynamo would trace them into the graph or break it).
     # Inside torch.func.grad/vjp/vmap the tensors are functorch wrappers without a storage of
     # their own (the ReLU registry and the C kernels need one), so PyTorch's forward runs there
     # too. torch.jit.trace records the ops of one call and checks a second one against them;
     # PyTorch's forward gives the same ops every call.
-    """
     if (
         not torch.is_grad_enabled()
         or _is_compiling()
@@ -43,7 +43,7 @@ def records_graph() -> bool:
     ):
         return False
     if getattr(_fx, "_is_fx_tracing_flag", False):
-        # NOTE: FX treats torch.nn modules as leaves and traces into headroom's, whose flag
+        # FX treats torch.nn modules as leaves and traces into headroom's, whose flag
         # checks (and batch norm's own input checks) cannot run on proxies.
         raise RuntimeError(
             "torch.fx.symbolic_trace traced into a headroom.nn layer, which cannot be traced "
@@ -56,15 +56,13 @@ def records_graph() -> bool:
 
 
 def first_order_only(backward):
-    """Decorates the ``backward`` of a headroom ``autograd.Function``: refuse a double backward.
-
-    # NOTE: PyTorch's ``once_differentiable`` is not enough here. It makes the gradient's graph
+    """Decorates the ``backward`` of a headroom ``autograd.Function``: refuse a double backward."""
+    # PyTorch's ``once_differentiable`` is not enough here. It makes the gradient's graph
     # end in an error node that only raises if a later backward runs through it, and
     # ``torch.autograd.grad(..., inputs=x)`` runs only the nodes on a path to ``x``: when another
     # path reaches ``x`` (a ReLU's own saved output does), the second-order terms through these
     # layers would be silently missing. Backward runs with grad mode on exactly when
     # ``create_graph=True``, so that is refused at once, with the fix in the message.
-    """
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -81,9 +79,8 @@ def first_order_only(backward):
 
 
 class TensorMeta:
-    """What a backward kernel needs of a tensor it only reads the shape of: size, stride, dtype.
-
-    # NOTE: several aten backward kernels (``convolution_backward`` for one of its two grads,
+    """What a backward kernel needs of a tensor it only reads the shape of: size, stride, dtype."""
+    # Several aten backward kernels (``convolution_backward`` for one of its two grads,
     # ``max_pool2d_with_indices_backward``, ``avg_pool2d_backward``, the padding backwards) take a
     # full tensor but read only its sizes, strides and dtype (a few also read values that only
     # feed gradients we do not request). We keep exactly those and hand the kernel an
@@ -91,7 +88,6 @@ class TensorMeta:
     # choice, same memory format) and gives bitwise the same result. On CPU that tensor is a view
     # of a shared buffer whose pages are never touched (no RAM); on an accelerator it is a
     # transient allocation that lives only inside this backward call.
-    """
 
     __slots__ = ("size", "stride", "dtype", "device")
 
@@ -104,7 +100,7 @@ class TensorMeta:
     def unpack(self) -> torch.Tensor:
         """The stand-in, as a saved-tensor unpack hook returns it (see :func:`run_saving_less`)."""
         if torch.is_grad_enabled():
-            # NOTE: only a double backward (create_graph=True) unpacks with grad mode on; a
+            # Only a double backward (create_graph=True) unpacks with grad mode on; a
             # stand-in holds no values, so refuse instead of differentiating garbage.
             raise RuntimeError(
                 "A headroom.nn layer kept only the shape of a tensor that this double backward "
@@ -113,37 +109,47 @@ class TensorMeta:
         return self.empty()
 
     def empty(self) -> torch.Tensor:
-        # NOTE: while headroom's memory tracker runs, a stand-in is a fresh allocation as on an
+        # While headroom's memory tracker runs, a stand-in is a fresh allocation as on an
         # accelerator, so the tracker charges it to the backward step that uses it instead of
         # counting a long-lived shared buffer (virtual memory on CPU) as live bytes.
         if self.device.type != "cpu" or is_tracking():
             return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
-        # NOTE: on CPU every stand-in is a view of one shared buffer per dtype that no kernel
+        # On CPU every stand-in is a view of one shared buffer per dtype that no kernel
         # ever reads for its values or writes, so its pages are never touched (virtual memory
         # only). A fresh large allocation per backward call would cost an mmap/munmap pair
-        # each time: ~5% of a ResNet step on CPU, measured.
+        # each time. The views are cached by layout (every step asks for the same ones), which
+        # spares a view per call.
         size, stride = self.size, self.stride
+        key = (size, stride, self.dtype)
+        view = _standin_views.get(key)
+        if view is not None:
+            return view
         need = 1
         for n, st in zip(size, stride, strict=True):
             if n == 0:
                 need = 0
                 break
             need += (n - 1) * st
-        # NOTE: no lock: dict reads and writes are atomic under the GIL, and two threads that
+        # No lock: dict reads and writes are atomic under the GIL, and two threads that
         # both grow the buffer only leave the smaller one to the views already taken from it.
         buf = _standins.get(self.dtype)
         if buf is None or buf.numel() < need:
             buf = _standins[self.dtype] = torch.empty(need, dtype=self.dtype)
-        return buf.as_strided(self.size, self.stride)
+            _standin_views.clear()  # views of the smaller buffer would keep it alive
+        if len(_standin_views) > 1024:
+            _standin_views.clear()
+        view = _standin_views[key] = buf.as_strided(size, stride)
+        return view
 
 
 _standins: dict[torch.dtype, torch.Tensor] = {}
+_standin_views: dict[tuple, torch.Tensor] = {}
 
 
 # --- PyTorch's own autograd node, keeping less --------------------------------------------------
 #
-# NOTE: a Python ``autograd.Function`` costs ~20-60 us per call on CPU (apply, ctx, a Python
-# backward), which is several per cent of a small CNN step. Where PyTorch's own op computes
+# A Python ``autograd.Function`` costs tens of microseconds per call on CPU (apply, ctx, a
+# Python backward), a noticeable share of a small CNN step. Where PyTorch's own op computes
 # exactly what we want and only saves too much, it is cheaper to run that op under
 # saved-tensor hooks that replace what is not needed by a stand-in (or a bit mask) at save time:
 # the backward stays PyTorch's C++ node, with the same kernel and arguments. Used only when this
@@ -197,38 +203,200 @@ def run_saving_less(pack, fn, *args):
         _pop_hooks()
 
 
-# --- which layer consumes a ReLU's output -------------------------------------------------------
+# --- deciding late -----------------------------------------------------------------------------
 #
-# NOTE: a ReLU's backward needs its output's sign only. When the next layer keeps that output
-# for its own backward anyway (a convolution whose weight trains), the cheapest thing is to keep
-# the output too: both saved references share one storage, so autograd holds no extra byte. When
-# the next layer does not keep it (a frozen convolution, a pool, dropout), a 1-bit mask is the
-# cheapest. The ReLU must choose in its forward, before its consumer runs, so consumers that are
-# headroom layers report themselves: each looks its input's storage up in the registry below and
-# records (ReLU module, call site) -> consumer. From the next forward on, the ReLU asks those
-# consumers whether they will save their input under the current ``requires_grad`` flags. Before
-# the first forward, ``convert`` seeds a ReLU inside an ``nn.Sequential`` with the next layer.
-# With no consumer known (a ReLU in a custom forward on its first call, or one feeding only
-# layers that are not headroom layers) it keeps its output, exactly what PyTorch keeps.
+# [Note: deciding late]
+# An activation's backward needs one bit per element of the tensor its PyTorch node saves (a
+# ReLU's output, a LeakyReLU's input, ...). Keeping that tensor whole costs nothing when another
+# saved tensor shares its storage (the next convolution keeps the same tensor for its weight's
+# gradient, a squeeze-excitation product keeps it for its other factor), and 32x the mask
+# otherwise. Which of the two holds is known only once the tensor's consumers have run, so the
+# layer's pack hook keeps the tensor in a holder (headroom.nn._activation.Late) and decides
+# later: when the storage's use count shows that nothing but the holder references it, the
+# holder packs it to a bit mask and drops it, which frees the storage. Holders are settled at the
+# start of each converted layer's forward (each holder at its next few layers, while its
+# consumers run) and when the forward of a model converted by convert() returns (its root's
+# forward hooks): from the very first forward, with no need to know the consumers. A holder that
+# is still shared then keeps the tensor whole, as PyTorch does, which adds no byte.
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unshared_count() -> int | None:
+    """The use count of a storage referenced by one tensor only, after ``untyped_storage()``
+    was called on it (as a holder does), or None where torch lacks the function."""
+    if _use_count is None:
+        return None
+    t = torch.empty(1)
+    held = t.detach()
+    key = t.untyped_storage()._cdata
+    del t
+    count = _use_count(key)
+    del held
+    return count
+
+
+UNSHARED = _unshared_count()
+_YOUNG_CHECKS = 8  # checks at layer starts before a holder waits for its root's end
+
+
+class _Pending(threading.local):
+    def __init__(self) -> None:
+        self.young: list[list] = []  # [weak holder, checks so far]
+        self.old: list[weakref.ref] = []  # weak holders settled only at a root's end
+        self.seq = 0  # holders made on this thread so far
+        self.roots: list[int] = []  # ``seq`` when each running converted root started
+
+
+_pending = _Pending()
+
+
+def hold(holder) -> int:
+    """Put ``holder`` (with ``settle() -> bool`` and a ``seq``) in this thread's pending list;
+    returns its sequence number."""
+    st = _pending
+    st.seq += 1
+    st.young.append([weakref.ref(holder), 0])
+    return st.seq
+
+
+def settle_pending() -> None:
+    """Settle this thread's young holders (called at the start of converted layers' forward)."""
+    st = _pending
+    young = st.young
+    if not young:
+        return
+    keep = []
+    for entry in young:
+        holder = entry[0]()
+        if holder is None or holder.settle():
+            continue
+        entry[1] += 1
+        if entry[1] < _YOUNG_CHECKS:
+            keep.append(entry)
+        else:
+            if not st.roots:
+                holder.drop_mask()  # no root's end will: a mask packed ahead goes now
+            st.old.append(entry[0])
+    st.young = keep
+    if len(st.old) > 512:  # no root ends here (layers called on their own): drop the dead
+        st.old = [ref for ref in st.old if ref() is not None]
+
+
+def _settle_root(start: int) -> list[weakref.ref]:
+    """A converted root's forward, started at sequence ``start``, returned: settle every
+    holder. Those made inside it that are still shared leave the pending lists and are
+    returned (to be tried once more when backward starts); older ones stay pending."""
+    st = _pending
+    young, old, leftover = [], [], []
+    for entry in st.young:
+        holder = entry[0]()
+        if holder is not None and not holder.settle():
+            if holder.seq <= start:
+                young.append(entry)
+            else:
+                holder.drop_mask()
+                leftover.append(entry[0])
+    for ref in st.old:
+        holder = ref()
+        if holder is not None and not holder.settle():
+            if holder.seq <= start:
+                old.append(ref)
+            else:
+                holder.drop_mask()
+                leftover.append(ref)
+    st.young, st.old = young, old
+    return leftover
+
+
+def _grad_tensors(output, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors requiring grad in a forward's output (tensors, sequences, mappings)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if depth > 2:
+        return []
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, list | tuple):
+        return [t for item in output for t in _grad_tensors(item, depth + 1)]
+    return []
+
+
+class _SettleAtBackward:
+    """Tensor hook on a root's outputs: settle the holders left over at its forward's end when
+    backward starts, once references held only until then (the forward's arguments and
+    outputs, the caller's variables) are gone."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self, holders: list[weakref.ref]) -> None:
+        self.holders = holders
+
+    def __call__(self, grad):
+        holders, self.holders = self.holders, []
+        for ref in holders:
+            holder = ref()
+            if holder is not None:
+                holder.settle()
+
+
+def _root_pre_hook(module, args) -> None:
+    if _is_compiling() or _jit_tracing():
+        return
+    _pending.roots.append(_pending.seq)
+
+
+def _root_hook(module, args, output) -> None:
+    # Registered with always_call=True: also runs when the forward raised an Exception.
+    # A KeyboardInterrupt skips it; the holders of that forward are then settled at the next
+    # root's end (they die with their graph anyway), and the stale start entry stays below.
+    if _is_compiling() or _jit_tracing():
+        return
+    roots = _pending.roots
+    leftover = _settle_root(roots.pop() if roots else 0)
+    if leftover and output is not None:
+        hook = _SettleAtBackward(leftover)
+        for t in _grad_tensors(output):
+            t.register_hook(hook)
+
+
+def install_root_hooks(root: nn.Module) -> None:
+    """Settle pending holders when ``root``'s forward returns (see [Note: deciding late])."""
+    if any(h is _root_pre_hook for h in root._forward_pre_hooks.values()):
+        return
+    root.register_forward_pre_hook(_root_pre_hook)
+    root.register_forward_hook(_root_hook, always_call=True)
+
+
+# --- which layer consumes a ReLU's output (under a caller's saved-tensor hooks) ------------------
+#
+# Under saved-tensor hooks of the caller's (hr.track_memory, checkpointing) what a ReLU
+# saves goes to those hooks at once, so it cannot decide late (see [Note: deciding late]) and
+# must choose in its forward, before its consumer runs. Consumers that are headroom layers report
+# themselves on that path: each looks its input's storage up in the registry below and records
+# (ReLU module, call site) -> consumer; from the next such forward on, the ReLU asks those
+# consumers whether they will save their input under the current ``requires_grad`` flags. Else
+# it follows what its holder decided at the last forward without hooks (``verdicts``), else the
+# layer ``convert`` found after it in an nn.Sequential, else it keeps its output as PyTorch does.
 
 
 class ReLUSites:
-    """What one converted ReLU module knows of the layers that consume its output.
-
-    # NOTE: kept outside the module (in ``_sites``, keyed by ``id(module)``, dropped when the
+    """What one converted ReLU module knows of the layers that consume its output."""
+    # Kept outside the module (in ``_sites``, keyed by ``id(module)``, dropped when the
     # module dies) so that converted models still pickle, and a deep copy of a model starts
     # with no consumers rather than the original model's. Plain dicts and lists: single reads
     # and writes are atomic under the GIL; this runs on every forward of every ReLU, where a
-    # WeakKeyDictionary and a lock measured slower in A/B runs of a ResNet-18-like step.
-    """
+    # WeakKeyDictionary and a lock would cost more.
 
-    __slots__ = ("module", "sites", "seeds", "__weakref__")
+    __slots__ = ("module", "sites", "seeds", "verdicts", "__weakref__")
 
     def __init__(self, module: nn.Module) -> None:
         key = id(module)
         self.module = weakref.ref(module, lambda _, key=key: _sites.pop(key, None))
         self.sites: dict[tuple, list[weakref.ref]] = {}  # call site -> weak consumers
         self.seeds: list[weakref.ref] = []  # weak consumers known from an nn.Sequential
+        # call site -> whether the output was last kept whole, as a holder decided it late
+        self.verdicts: dict[tuple, bool] = {}
 
 
 _sites: dict[int, ReLUSites] = {}
@@ -262,19 +430,27 @@ def shape_of_floats(t: torch.Tensor) -> Kept | TensorMeta:
 
 
 class KeepsNoInput:
-    """Mixin of layers whose backward never reads their input's values (pools, pads, masks).
+    """Mixin of layers whose backward never reads their input's values, or only one bit of them
+    (pools, pads, LeakyReLU and Hardtanh).
 
-    ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded; otherwise it
-    records the layer as the consumer of a ReLU's output (see below) and calls ``_hr_forward``,
-    or, for layers whose PyTorch node saves only their input and integer indices
-    (``_hr_shape_only``: pools and pads), runs the twin's forward under :func:`run_saving_less`
-    with :func:`shape_of_floats`: PyTorch's own node and kernels, keeping the input's shape.
+    ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded. Otherwise,
+    when this thread has no saved-tensor hooks of its own, it runs the twin's forward under
+    :func:`run_saving_less` with the pack hook :meth:`_hr_pack` returns (pools and pads:
+    :func:`shape_of_floats`, keeping the input's shape; activations: a holder that decides late
+    whether a 1-bit mask is cheaper); under the caller's hooks it calls ``_hr_forward``.
     """
-
-    _hr_shape_only = False
 
     def _hr_saves_input(self) -> bool:
         return False
+
+    def _hr_pack(self, input: torch.Tensor):
+        """The pack hook of the fast path, or None where this call must take ``_hr_forward``."""
+        return None
+
+    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
+        """The output through a fast-path Function of the layer's own, or None where the layer
+        has none for this call (see headroom.nn._activation._LateFunction)."""
+        return None
 
     def _hr_torch_forward(self, input: torch.Tensor):
         return super().forward(input)
@@ -282,10 +458,23 @@ class KeepsNoInput:
     def forward(self, input: torch.Tensor):
         if not (records_graph() and input.requires_grad):
             return self._hr_torch_forward(input)
+        settle_pending()
         note_consumer(self, input)
-        if self._hr_shape_only and hooks_free():
-            return run_saving_less(shape_of_floats, self._hr_torch_forward, input)
+        if hooks_free():
+            out = self._hr_fused(input)
+            if out is not None:
+                return out
+            pack = self._hr_pack(input)
+            if pack is not None:
+                return run_saving_less(pack, self._hr_torch_forward, input)
         return self._hr_forward(input)
+
+
+class PoolOrPad(KeepsNoInput):
+    """Pools and pads: PyTorch's node saves the input (replaced by its shape) and indices."""
+
+    def _hr_pack(self, input: torch.Tensor):
+        return shape_of_floats
 
 
 def register_relu_output(sites: ReLUSites, site: tuple, out: torch.Tensor) -> None:
@@ -295,7 +484,7 @@ def register_relu_output(sites: ReLUSites, site: tuple, out: torch.Tensor) -> No
         with _registry_lock:
             for k in [k for k, v in _relu_outputs.items() if v[0].expired()]:
                 del _relu_outputs[k]
-    # NOTE: single dict reads and writes need no lock (atomic under the GIL); only the pruning
+    # Single dict reads and writes need no lock (atomic under the GIL); only the pruning
     # pass above iterates, so only it takes the lock. These run once per layer call.
     _relu_outputs[storage._cdata] = (StorageWeakRef(storage), sites, site)
 
@@ -321,11 +510,16 @@ def seed_consumer(relu: nn.Module, consumer: nn.Module) -> None:
 
 
 def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
-    """Whether the ReLU of ``sites`` at ``site`` should keep its output rather than a bit mask."""
+    """Whether the ReLU of ``sites`` at ``site`` should keep its output rather than a bit mask,
+    deciding in forward (under saved-tensor hooks of the caller's)."""
     consumers = sites.sites.get(site)
     if not consumers:
-        # NOTE: nothing observed at this call site yet: trust the consumer convert() found in
-        # an nn.Sequential, if any, else keep the output exactly as PyTorch does.
+        # No consumer seen on this path at this call site yet: what a holder decided
+        # late at the last fast-path forward, else the consumer convert() found in an
+        # nn.Sequential, else keep the output exactly as PyTorch does.
+        verdict = sites.verdicts.get(site)
+        if verdict is not None:
+            return verdict
         consumers = sites.seeds
     if not consumers:
         return True

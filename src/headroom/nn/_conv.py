@@ -21,6 +21,7 @@ from headroom.nn._common import (
     note_consumer,
     records_graph,
     run_saving_less,
+    settle_pending,
     weight_trains,
 )
 from headroom.nn._pad import pad as _pad
@@ -33,7 +34,7 @@ class _ConvFunction(torch.autograd.Function):
             x, weight, bias, stride, padding, dilation, transposed, out_padding, groups
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
-        # NOTE: grad_input needs the weight and the input's shape; grad_weight needs the input
+        # grad_input needs the weight and the input's shape; grad_weight needs the input
         # and the weight's shape; grad_bias needs neither. Save exactly that.
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.x_meta = None if need_w else TensorMeta(x)
@@ -58,12 +59,10 @@ class _ConvFunction(torch.autograd.Function):
 
 
 class _ConvPack:
-    """Pack hook for ``ConvolutionBackward0``, which saves the (padded) input and the weight.
-
-    # NOTE: one small object rather than a closure (a function, its cells and their tuple):
+    """Pack hook for ``ConvolutionBackward0``, which saves the (padded) input and the weight."""
+    # One small object rather than a closure (a function, its cells and their tuple):
     # fewer objects per call for the garbage collector, whose passes show up in perf among the
     # per-step costs that remain over plain PyTorch (docs/selective_layers.md).
-    """
 
     __slots__ = ("weight", "keep_input", "keep_weight")
 
@@ -75,16 +74,21 @@ class _ConvPack:
         return Kept(t) if keep else TensorMeta(t)
 
 
+_any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a device type
+
+
 def _fast(module, input: torch.Tensor) -> bool:
-    # NOTE: PyTorch's own convolution under saved-tensor hooks (see headroom.nn._common):
+    # PyTorch's own convolution under saved-tensor hooks (see headroom.nn._common):
     # the same node and kernels as nn.ConvNd, keeping the input only if the weight trains and
     # the weight only if the input needs a gradient. Autocast casts inputs before the node
     # saves them (the casted copies would not be recognized), so it takes the Function path.
-    return hooks_free() and not torch.is_autocast_enabled(input.device.type)
+    return hooks_free() and not (
+        _any_autocast() and torch.is_autocast_enabled(input.device.type)
+    )
 
 
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    # NOTE: autocast's rule for its lower-precision ops (conv1d/2d/3d, conv_transpose*): cast
+    # autocast's rule for its lower-precision ops (conv1d/2d/3d, conv_transpose*): cast
     # floating-point arguments other than float64 to the autocast dtype. Autocast hooks those
     # ops, not aten.convolution that we call, so the cast is done here, before the Function.
     if t is None or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
@@ -101,7 +105,7 @@ def _needs_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _same_padding(
     x: torch.Tensor, weight: torch.Tensor, dilation: tuple[int, ...]
 ) -> tuple[torch.Tensor, list[int]]:
-    # NOTE: mirrors aten's handling of padding="same": symmetric padding where the total is even,
+    # Mirrors aten's handling of padding="same": symmetric padding where the total is even,
     # and a zero-padded copy for the odd remainder on the right (same ops, same order).
     dims = weight.dim() - 2
     left, extra = [], [0] * (2 * dims)
@@ -121,7 +125,7 @@ class _ConvMixin:
     _hr_dims: int
 
     def _hr_saves_input(self) -> bool:
-        # NOTE: only a zeros-padded convolution saves a tensor that shares its input's storage.
+        # Only a zeros-padded convolution saves a tensor that shares its input's storage.
         return (
             weight_trains(self)
             and self.padding_mode == "zeros"
@@ -159,9 +163,10 @@ class _Conv(_ConvMixin):
     def _conv_forward(self, input, weight, bias):
         if not _needs_graph(input, weight, bias):
             return super()._conv_forward(input, weight, bias)
+        settle_pending()
         note_consumer(self, input)
         if self.padding_mode == "zeros" and input.requires_grad and weight.requires_grad:
-            # NOTE: both gradients needed: PyTorch saves input and weight, as we would; its own
+            # Both gradients needed: PyTorch saves input and weight, as we would; its own
             # path skips a Python autograd.Function (speed) and keeps double backward.
             return super()._conv_forward(input, weight, bias)
         if self.padding_mode == "zeros" and _fast(self, input):
@@ -191,6 +196,7 @@ class _ConvTranspose(_ConvMixin):
                 f"Only `zeros` padding mode is supported for {type(self).__name__}; "
                 f"got {self.padding_mode!r}. Use padding_mode='zeros'."
             )
+        settle_pending()
         note_consumer(self, input)
         if input.requires_grad and self.weight.requires_grad:
             return super().forward(input, output_size)  # saves what we would (see _Conv)

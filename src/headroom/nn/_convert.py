@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.utils import parametrize
 
 from headroom.nn import _activation, _conv, _dropout, _linear, _norm, _pad, _pool
-from headroom.nn._common import seed_consumer
+from headroom.nn._common import install_root_hooks, seed_consumer
 
-# NOTE: exact classes only. A user subclass of nn.Conv2d (LoRA wrappers, parametrized modules,
-# quantized stubs) may override forward, and swapping its class would silently drop that code.
 _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.Conv1d: _conv.Conv1d,
     nn.Conv2d: _conv.Conv2d,
@@ -48,13 +49,186 @@ _SWAPS: dict[type[nn.Module], type[nn.Module]] = {
     nn.ReplicationPad3d: _pad.ReplicationPad3d,
     nn.Linear: _linear.Linear,
 }
+_TWINS = frozenset(_SWAPS.values())
+
+# --- classes for subclasses of the swapped layers ------------------------------------------------
+#
+# A subclass of nn.Conv2d (timm's Conv2dSame, transformers' ConvNextLayerNorm, a QAT or
+# weight-standardized convolution) may override forward or any other method. It is converted to
+# ``class Sub(Sub, headroom twin)``: the subclass's own methods come first, so its forward is
+# kept, and wherever it calls up into the torch.nn class (super().forward(), _conv_forward) it
+# reaches the twin, which computes bitwise what the torch.nn method computes, keeping less. Two
+# kinds of subclass are made by PyTorch or headroom on the fly and expect ``__bases__[0]`` (or
+# ``_headroom_base``) to be the class they wrapped, so they are rebuilt over the converted class
+# instead: a parametrized module's class (torch.nn.utils.parametrize) and hr.offload's guarded
+# class. An uninitialized lazy module (nn.LazyConv2d) turns itself into its torch.nn class at
+# its first forward, which would drop the conversion: it is left alone (convert after one
+# forward).
+
+_DERIVED: dict[type, type] = {}
+
+
+def _rebuild(original: type) -> nn.Module:
+    """Unpickling (and deep copy) of a converted subclass: a bare instance of its class."""
+    cls = _derived(original, _first_swappable(original))
+    return cls.__new__(cls)
+
+
+def _reduce_ex(self, protocol):
+    cls = type(self)
+    original = cls.__dict__.get("_hr_subclass_of")
+    if original is None:  # a class derived from ours (hr.offload's guard): the default
+        return object.__reduce_ex__(self, protocol)
+    return (_rebuild, (original,), self.__dict__)
+
+
+def _first_swappable(cls: type) -> type | None:
+    return next((c for c in cls.__mro__ if c in _SWAPS), None)
+
+
+def _derived(cls: type, base: type) -> type:
+    """``class cls(cls, twin of base)``, made once per class."""
+    new = _DERIVED.get(cls)
+    if new is None:
+        new = type(
+            cls.__name__,
+            (cls, _SWAPS[base]),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+                "_hr_subclass_of": cls,
+                "__reduce_ex__": _reduce_ex,
+            },
+        )
+        _DERIVED[cls] = new
+    return new
+
+
+def _rebased(cls: type, onto: type, **extra) -> type:
+    """``cls``'s own namespace over ``onto`` instead of its own base, made once per pair."""
+    new = _DERIVED.get((cls, onto))
+    if new is None:
+        names = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        new = _DERIVED[(cls, onto)] = type(cls.__name__, (onto,), {**names, **extra})
+    return new
+
+
+def _converted(cls: type) -> bool:
+    return any(c in _TWINS for c in cls.__mro__)
+
+
+def _target(module: nn.Module, cls: type | None = None) -> type | str | None:
+    """The class ``module`` (of class ``cls``) converts to; a reason why it is left alone; or
+    None where it is no layer headroom has a twin for (or is converted already)."""
+    cls = type(module) if cls is None else cls
+    if cls in _SWAPS:
+        return _SWAPS[cls]
+    if _converted(cls):
+        return None
+    guarded = cls.__dict__.get("_headroom_base")  # hr.offload's guarded class
+    if isinstance(guarded, type):
+        inner = _target(module, guarded)
+        if isinstance(inner, type):
+            return _rebased(cls, inner, _headroom_base=inner)
+        return inner
+    if parametrize.is_parametrized(module) and cls.__bases__:
+        inner = _target(module, cls.__bases__[0])
+        return _rebased(cls, inner) if isinstance(inner, type) else inner
+    base = _first_swappable(cls)
+    if base is None:
+        return None
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        return (
+            "an uninitialized lazy module: it becomes a plain torch.nn class at its first "
+            "forward; run one forward, then convert"
+        )
+    return _derived(cls, base)
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What :func:`convert` did to each layer of a model.
+
+    Attributes:
+        converted: ``(name, class name, what it became)`` per converted module.
+        left_alone: ``(name, class name, why)`` per leaf module left as it is.
+    """
+
+    converted: tuple[tuple[str, str, str], ...]
+    left_alone: tuple[tuple[str, str, str], ...]
+
+    def __str__(self) -> str:
+        lines = [
+            f"hr.convert: {len(self.converted)} modules converted, "
+            f"{len(self.left_alone)} left alone"
+        ]
+        for title, rows in (("converted", self.converted), ("left alone", self.left_alone)):
+            if rows:
+                lines.append(f"{title}:")
+                width = max(len(name or "(root)") for name, _, _ in rows)
+                for name, cls, what in rows:
+                    lines.append(f"  {name or '(root)':<{width}}  {cls}: {what}")
+        return "\n".join(lines)
+
+
+_NO_TWIN = (
+    "no headroom.nn layer (its backward needs what PyTorch keeps, or PyTorch keeps nothing)"
+)
+
+
+def _what(cls: type) -> str:
+    """What a converted class is, in words."""
+    twin = next(c for c in cls.__mro__ if c in _TWINS)
+    if cls is twin:
+        return f"headroom.nn.{twin.__name__}"
+    if "_headroom_base" in cls.__dict__:
+        return f"hr.offload's guard, now over headroom.nn.{twin.__name__}"
+    if "_hr_subclass_of" in cls.__dict__:
+        base = _first_swappable(cls.__dict__["_hr_subclass_of"])
+        return (
+            f"subclass of torch.nn.{base.__name__}: its own methods kept, over "
+            f"headroom.nn.{twin.__name__}"
+        )
+    return f"{cls.__name__} over headroom.nn.{twin.__name__}"
+
+
+def convert_report(model: nn.Module) -> ConvertReport:
+    """Which modules of ``model`` are headroom layers, and why the other layers are not.
+
+    Works on a converted model (what :func:`convert` did) and on an unconverted one (what it
+    would leave alone). Containers (modules with children) are not listed.
+    """
+    converted, left = [], []
+    for name, m in model.named_modules():
+        cls = type(m)
+        if _converted(cls):
+            converted.append((name, cls.__name__, _what(cls)))
+            continue
+        target = _target(m)
+        if isinstance(target, str):
+            left.append((name, cls.__name__, target))
+        elif target is None and not m._modules:
+            left.append((name, cls.__name__, _NO_TWIN))
+        elif isinstance(target, type):
+            left.append((name, cls.__name__, "not converted yet (call hr.convert)"))
+    return ConvertReport(tuple(converted), tuple(left))
+
+
+# --- convert -------------------------------------------------------------------------------------
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    new = copy.copy(module)
+    # Not copy.copy, which goes through __reduce_ex__: a parametrized module's class
+    # refuses that (torch.nn.utils.parametrize allows state_dict and deepcopy only).
+    new = object.__new__(type(module))
+    new.__dict__.update(module.__dict__)
     for key, value in list(new.__dict__.items()):
         if isinstance(value, dict | set | list):
-            # NOTE: containers (parameters, buffers, children, hooks) are copied one level deep:
+            # Containers (parameters, buffers, children, hooks) are copied one level deep:
             # the copy holds the very same Parameter, buffer and hook objects, but adding or
             # removing one on either model does not change the other.
             new.__dict__[key] = copy.copy(value)
@@ -71,16 +245,25 @@ def _copy_tree(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     return new
 
 
-def convert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
+def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -> nn.Module:
     """Swap ``torch.nn`` layers for ``headroom.nn`` layers that save only what backward needs.
 
-    Each converted layer decides in every forward, from which of its input and parameters
-    require grad, what its backward will need, and saves only that; outputs and gradients stay
-    bitwise equal to the unconverted model (same aten kernels). Only layers whose class is
-    exactly one of the ``torch.nn`` classes listed in ``headroom.nn.__all__`` are swapped;
-    subclasses are left alone because they may override ``forward``. The new classes subclass
-    the ``torch.nn`` ones, so ``isinstance`` checks, ``state_dict`` keys, parameters, buffers and
-    hooks are unchanged. Converting a converted model changes nothing.
+    Each converted layer decides, from which of its input and parameters require grad and
+    from what else keeps the tensors it would save, what its backward needs, and saves only
+    that; outputs and gradients stay bitwise equal to the unconverted model (same aten
+    kernels). From the first forward on, a converted model keeps no byte more than PyTorch
+    would. The new classes subclass the ``torch.nn`` ones, so ``isinstance`` checks,
+    ``state_dict`` keys, parameters, buffers and hooks are unchanged. Converting a converted
+    model changes nothing.
+
+    Layers whose class is exactly one of the ``torch.nn`` classes in ``headroom.nn.__all__``
+    become that headroom class. A subclass of one of them (timm's ``Conv2dSame``, transformers'
+    ``ConvNextLayerNorm``) becomes ``class Sub(Sub, headroom twin)``: its own ``forward`` and
+    other methods are kept, and where they call the ``torch.nn`` method the twin runs (same
+    result, less kept). An uninitialized lazy module (``nn.LazyConv2d``) is left alone: it
+    turns itself into a plain ``torch.nn`` class at its first forward; convert after that.
+    ``verbose=True`` prints what was converted and what was left alone and why
+    (:func:`convert_report` gives the same as data).
 
     Args:
         model: the model (or a single layer) to convert.
@@ -89,6 +272,7 @@ def convert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
             ``model.parameters()`` trains both, and no parameter memory is duplicated) and
             leaves ``model`` itself unchanged. ``True`` changes the classes of ``model``'s own
             modules and returns ``model``: no copy at all, but the original is converted.
+        verbose: print the :class:`ConvertReport` of the converted model.
 
     Returns:
         The converted model. ``model`` itself when ``inplace=True`` or when nothing needed
@@ -107,33 +291,40 @@ def convert(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     Note:
         Converted layers support one backward per forward graph, like most custom autograd
         functions: double backward (``create_graph=True`` through them) raises an error.
-        A ReLU learns which layers consume its output by watching forwards; inside an
-        ``nn.Sequential`` it knows from the start. Until it knows (the first forward of a ReLU
-        in a custom ``forward``) it keeps its output as PyTorch does: never more memory than
-        PyTorch, but the savings start from the second step.
+        The model's root gets a forward pre-hook and an always-called forward hook: when its
+        forward returns, the activations settle what they keep (see
+        ``docs/selective_layers.md``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"convert() expects a torch.nn.Module, got {type(model).__name__}; "
             "pass the model (or layer) itself."
         )
-    if not any(type(m) in _SWAPS for m in model.modules()):
+    targets = {id(m): _target(m) for m in model.modules()}
+    if not any(isinstance(t, type) for t in targets.values()):
+        if verbose:
+            print(convert_report(model))
         return model
     root = model if inplace else _copy_tree(model, {})
     for m in root.modules():
-        target = _SWAPS.get(type(m))
-        if target is not None:
+        target = _target(m)
+        if isinstance(target, type):
             m.__class__ = target
     _seed_sequential_consumers(root)
+    install_root_hooks(root)
+    if verbose:
+        print(convert_report(root))
     return root
 
 
 def _seed_sequential_consumers(root: nn.Module) -> None:
-    # NOTE: nn.Sequential's forward feeds each child's output to the next child, so the layer
-    # after a ReLU is its consumer; knowing it lets the ReLU keep a 1-bit mask from the very
-    # first forward instead of learning it during that forward.
+    # Under saved-tensor hooks of the caller's a ReLU decides in its forward (see
+    # headroom.nn._activation); nn.Sequential's forward feeds each child's output to the next
+    # child, so the layer after a ReLU is its consumer and the choice is right from the first
+    # forward there too.
     for m in root.modules():
-        if type(m) is not nn.Sequential:
+        cls = type(m)
+        if cls.__dict__.get("_headroom_base", cls) is not nn.Sequential:
             continue
         children = [c for c in m._modules.values() if c is not None]
         for relu, nxt in zip(children, children[1:], strict=False):

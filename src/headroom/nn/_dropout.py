@@ -1,27 +1,62 @@
-"""Dropout that keeps the random generator's state instead of its mask.
+"""Dropout that keeps where its mask was drawn from, instead of the mask.
 
 On CPU PyTorch's dropout draws ``noise = empty_like(x).bernoulli_(1 - p).div_(1 - p)`` and
 returns ``x * noise``; autograd keeps ``noise``, a full float tensor. On CUDA it runs the fused
 ``native_dropout`` kernel and keeps a ``bool`` mask. Here the forward runs exactly those ops and
-keeps only the generator state from just before them; backward puts the generator back in that
-state, draws the same noise again with the same ops (so the same random numbers in the same
-order), and restores the generator. The result is bitwise equal to ``nn.Dropout`` under the same
-seed, for any ``p`` and both CPU and CUDA generators, and the surrounding random stream is left
-exactly as PyTorch leaves it.
+keeps only the generator's position from just before them; backward puts the generator at that
+position, draws the same noise again with the same ops (the same random numbers in the same
+order) and restores it. The result is bitwise equal to ``nn.Dropout`` under the same seed, for
+any ``p`` on CPU and CUDA, and the surrounding random stream is left exactly as PyTorch leaves
+it.
 
-# NOTE: the trade-off is time: backward redraws the noise (one extra ``bernoulli_``), and the
-# generator state is kept per call (5 KiB of host memory for the CPU Mersenne Twister, 16 bytes
-# for a CUDA Philox generator), which is not device memory and not counted as activations.
+- CUDA: the Philox generator's position is its seed and offset (16 bytes).
+- CPU: the Mersenne Twister has no offset: its position is its 624 words and an index (2504
+  bytes, kept as a NumPy array; ``get_state()`` returns them padded to 5056). PyTorch 2.13's
+  CPU ``bernoulli_`` takes two words per element, so no shorter record of them exists. Where
+  PyTorch's own noise is no larger (up to 626 float32 elements), that noise is kept instead:
+  never more than PyTorch keeps.
 """
+# The trade-off is time: backward redraws the noise (one extra ``bernoulli_``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
-from headroom.nn._common import first_order_only, note_consumer, records_graph
+from headroom.nn._common import first_order_only, note_consumer, records_graph, settle_pending
 
 _ALIGN = 16  # bytes: the widest vectorized access of the CUDA dropout kernel
+
+# The CPU generator's state as get_state() returns it (CPUGeneratorImplState, little-endian
+# POD): seed u64 @0, left i32 @8, seeded i32 @12, next u64 @16, 624 words as u64 @24, then the
+# cached normal samples, which bernoulli_ neither reads nor writes.
+_STATE_BYTES = 5056
+_WORDS = slice(24, 24 + 8 * 624)
+_POSITION_BYTES = 4 * 626  # left, next and the 624 words, as uint32
+_PHILOX_BYTES = 16  # an accelerator generator's seed and offset
+
+
+def _position(state: torch.Tensor) -> np.ndarray | None:
+    """The CPU generator's position in ``state``: ``[left, next, *words]`` as uint32."""
+    if state.numel() != _STATE_BYTES:
+        return None
+    raw = state.numpy()
+    out = np.empty(626, dtype=np.uint32)
+    out[0] = raw[8:12].view(np.int32)[0]
+    out[1] = raw[16:24].view(np.uint64)[0]
+    out[2:] = raw[_WORDS].view(np.uint64)
+    return out
+
+
+def _state_at(now: torch.Tensor, position: np.ndarray) -> torch.Tensor:
+    """``now`` (the generator's current state) moved to ``position``."""
+    state = now.clone()
+    raw = state.numpy()
+    raw[8:12].view(np.int32)[0] = position[0]
+    raw[16:24].view(np.uint64)[0] = position[1]
+    raw[_WORDS].view(np.uint64)[:] = position[2:]
+    return state
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -32,7 +67,7 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 def _fused(x: torch.Tensor, p: float) -> bool:
-    # NOTE: the condition aten's dropout uses to pick the fused native_dropout kernel.
+    # The condition aten's dropout uses to pick the fused native_dropout kernel.
     return x.device.type in ("cuda", "xpu", "lazy", "privateuseone") and 0 < p < 1 and x.numel() > 0
 
 
@@ -50,19 +85,30 @@ class _DropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
         gen = _generator(x.device)
-        ctx.state = gen.get_state()
-        # NOTE: in-place dropout never takes the fused kernel in aten (dropout_ -> _dropout<true>).
+        # In-place dropout never takes the fused kernel in aten (dropout_ -> _dropout<true>).
         ctx.p, ctx.fused = p, not inplace and _fused(x, p)
+        ctx.state = ctx.position = None
         if ctx.fused:
+            ctx.state = gen.get_state()
             ctx.size, ctx.stride = x.size(), x.stride()
             ctx.offset = x.data_ptr() % _ALIGN
             ctx.dtype, ctx.device = x.dtype, x.device
             return torch.ops.aten.native_dropout(x, p, True)[0]
+        position_bytes = _POSITION_BYTES if x.device.type == "cpu" else _PHILOX_BYTES
+        small = x.numel() * x.element_size() <= position_bytes
+        if not small:
+            state = gen.get_state()
+            if x.device.type == "cpu":
+                ctx.position = _position(state)
+            if ctx.position is None:
+                ctx.state = state
         noise = torch.empty_like(x)
         noise.bernoulli_(1 - p)
         noise.div_(1 - p)
         ctx.size, ctx.stride = noise.size(), noise.stride()
         ctx.dtype, ctx.device = noise.dtype, noise.device
+        if small:
+            ctx.save_for_backward(noise)  # PyTorch's own noise, no larger than a position
         if inplace:
             ctx.mark_dirty(x)
             return x.mul_(noise)
@@ -71,9 +117,12 @@ class _DropoutFunction(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
+        if ctx.state is None and ctx.position is None:
+            (noise,) = ctx.saved_tensors
+            return grad * noise, None, None
         gen = _generator(ctx.device)
         now = gen.get_state()
-        gen.set_state(ctx.state)
+        gen.set_state(ctx.state if ctx.position is None else _state_at(now, ctx.position))
         try:
             if ctx.fused:
                 like = _like(ctx.size, ctx.stride, ctx.offset, ctx.dtype, ctx.device)
@@ -93,7 +142,7 @@ class _DropoutFunction(torch.autograd.Function):
 
 
 class Dropout(nn.Dropout):
-    """``nn.Dropout`` that keeps the generator state and redraws its mask in backward."""
+    """``nn.Dropout`` that keeps the generator's position and redraws its mask in backward."""
 
     def _hr_saves_input(self) -> bool:
         return False
@@ -104,5 +153,6 @@ class Dropout(nn.Dropout):
             return super().forward(input)
         if input.numel() == 0:
             return super().forward(input)
+        settle_pending()
         note_consumer(self, input)
         return _DropoutFunction.apply(input, float(p), self.inplace)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headroom.nn._common import note_consumer, records_graph, weight_trains
+from headroom.nn._common import note_consumer, records_graph, settle_pending, weight_trains
 
 
 class Linear(nn.Linear):
@@ -20,6 +20,8 @@ class Linear(nn.Linear):
         return weight_trains(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if records_graph() and input.requires_grad:
-            note_consumer(self, input)
+        if records_graph():
+            settle_pending()
+            if input.requires_grad:
+                note_consumer(self, input)
         return super().forward(input)

@@ -16,7 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import TensorMeta, first_order_only, note_consumer, records_graph
+from headroom.nn._common import (
+    TensorMeta,
+    first_order_only,
+    note_consumer,
+    records_graph,
+    settle_pending,
+    weight_trains,
+)
 
 aten = torch.ops.aten
 
@@ -45,7 +52,7 @@ class _BatchNormFunction(torch.autograd.Function):
             x if keep_x else None, weight if need_x else None, save_mean, save_invstd, reserve
         )
         ctx.meta = None if keep_x else TensorMeta(x)
-        # NOTE: running statistics are module buffers (resident anyway); eval backward reads them.
+        # Running statistics are module buffers (resident anyway); eval backward reads them.
         ctx.running = (running_mean, running_var)
         ctx.training, ctx.eps, ctx.impl = training, eps, impl
         return out
@@ -74,7 +81,7 @@ class _BatchNormFunction(torch.autograd.Function):
                 reserve,
             )
         else:
-            # NOTE: PyTorch's eval-mode backward is native_batch_norm_backward for every backend.
+            # PyTorch's eval-mode backward is native_batch_norm_backward for every backend.
             gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
                 grad, x, weight, rm, rv, save_mean, save_invstd, False, ctx.eps, mask
             )
@@ -86,15 +93,24 @@ class _BatchNorm:
         return self.training or (self.running_mean is None) or _rg(self.weight)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        grad = records_graph()
-        if grad and input.requires_grad:
+        if not records_graph():
+            return super().forward(input)
+        settle_pending()
+        need_x = input.requires_grad
+        if need_x:
             note_consumer(self, input)
+        # The input is skipped only where the weight is frozen and the input needs no
+        # gradient, or does in eval mode (running statistics); weight_trains reads _parameters
+        # first, which is faster than Module.__getattr__ on this per-layer path.
+        if weight_trains(self):
+            return super().forward(input)
+        bias = self._parameters.get("bias")
+        if bias is None:
+            bias = self.bias  # a parametrized bias, or None
+        if not (need_x or (bias is not None and bias.requires_grad)):
+            return super().forward(input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        need_x = grad and input.requires_grad
-        need_w = grad and _rg(self.weight)
-        need_b = grad and _rg(self.bias)
-        skips = not need_w and (need_x or need_b) and not (need_x and bn_training)
-        if not skips:
+        if need_x and bn_training:
             return super().forward(input)
         # Same bookkeeping as nn.BatchNorm's forward (momentum, num_batches_tracked).
         self._check_input_dim(input)
@@ -163,6 +179,7 @@ class _BiasOnlyMixin:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not records_graph():
             return super().forward(input)
+        settle_pending()
         if input.requires_grad:
             note_consumer(self, input)
             return super().forward(input)
@@ -172,7 +189,7 @@ class _BiasOnlyMixin:
             or torch.is_autocast_enabled(input.device.type)
             or not self._hr_applies(input)
         ):
-            # NOTE: autocast runs layer_norm/group_norm in float32 on some devices; PyTorch's
+            # autocast runs layer_norm/group_norm in float32 on some devices; PyTorch's
             # path does that.
             return super().forward(input)
         return self._hr_bias_only(input)
@@ -205,7 +222,7 @@ class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
         return input.dim() >= 2
 
     def _hr_bias_only(self, input: torch.Tensor) -> torch.Tensor:
-        # NOTE: aten.group_norm hands native_group_norm a copy contiguous in the input's
+        # aten.group_norm hands native_group_norm a copy contiguous in the input's
         # suggested memory format on CPU; do the same so the kernel sees the same layout.
         fmt = torch.contiguous_format
         if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):

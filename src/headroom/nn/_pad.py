@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only, records_graph
+from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only, records_graph
 
 _BACKWARD = {
     ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
@@ -54,8 +54,7 @@ def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
     return F.pad(x, padding, mode=mode)
 
 
-class _PadMixin(KeepsNoInput):
-    _hr_shape_only = True
+class _PadMixin(PoolOrPad):
     _hr_mode: str
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:

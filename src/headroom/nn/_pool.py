@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _list_with_default, _ntuple
 
-from headroom.nn._common import KeepsNoInput, TensorMeta, first_order_only
+from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only
 
 aten = torch.ops.aten
 
@@ -50,8 +50,7 @@ class _ShapeOnlyPool(torch.autograd.Function):
         return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
 
 
-class _MaxPool(KeepsNoInput):
-    _hr_shape_only = True
+class _MaxPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor):
@@ -61,7 +60,7 @@ class _MaxPool(KeepsNoInput):
         p = list(_ntuple(n)(self.padding))
         d = list(_ntuple(n)(self.dilation))
         if n == 1:
-            # NOTE: aten's max_pool1d_with_indices is max_pool2d_with_indices on unsqueeze(-2).
+            # aten's max_pool1d_with_indices is max_pool2d_with_indices on unsqueeze(-2).
             x = input.unsqueeze(-2)
             args = ([1, k[0]], [1, s[0]], [0, p[0]], [1, d[0]], self.ceil_mode)
             out, idx = _IndexedPool.apply(
@@ -98,14 +97,13 @@ class MaxPool3d(_MaxPool, nn.MaxPool3d):
     _hr_dims = 3
 
 
-class _AdaptiveMaxPool(KeepsNoInput):
-    _hr_shape_only = True
+class _AdaptiveMaxPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor):
         n = self._hr_dims
         if n == 1:
-            # NOTE: aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
+            # aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
             size = [1, _ntuple(1)(self.output_size)[0]]
             out, idx = _IndexedPool.apply(
                 input.unsqueeze(-2),
@@ -141,8 +139,7 @@ class AdaptiveMaxPool3d(_AdaptiveMaxPool, nn.AdaptiveMaxPool3d):
     _hr_dims = 3
 
 
-class _AvgPool(KeepsNoInput):
-    _hr_shape_only = True
+class _AvgPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -151,7 +148,7 @@ class _AvgPool(KeepsNoInput):
         s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
         p = list(_ntuple(n)(self.padding))
         if n == 1:
-            # NOTE: aten's avg_pool1d is avg_pool2d on unsqueeze(-2), no divisor_override.
+            # aten's avg_pool1d is avg_pool2d on unsqueeze(-2), no divisor_override.
             args = ([1, k[0]], [1, s[0]], [0, p[0]], self.ceil_mode, self.count_include_pad, None)
             out = _ShapeOnlyPool.apply(
                 input.unsqueeze(-2), aten.avg_pool2d, args, aten.avg_pool2d_backward, args
@@ -181,14 +178,13 @@ class AvgPool3d(_AvgPool, nn.AvgPool3d):
     _hr_dims = 3
 
 
-class _AdaptiveAvgPool(KeepsNoInput):
-    _hr_shape_only = True
+class _AdaptiveAvgPool(PoolOrPad):
     _hr_dims: int
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         n = self._hr_dims
         if n == 1:
-            # NOTE: aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
+            # aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
             size = [1, _ntuple(1)(self.output_size)[0]]
             if size[1] == 1:
                 return self._hr_torch_forward(input)  # a mean in aten, which saves nothing
@@ -201,7 +197,7 @@ class _AdaptiveAvgPool(KeepsNoInput):
             )
             return out.squeeze(-2)
         size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
-        # NOTE: an all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
+        # An all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
         if all(v == 1 for v in size) or input.is_quantized:
             return self._hr_torch_forward(input)
         fwd = aten._adaptive_avg_pool2d if n == 2 else aten._adaptive_avg_pool3d

@@ -500,13 +500,7 @@ class DiskStore(Store):
                 raise self._io_error(e, str(self.path)) from e
             written = [0]
             try:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    for pos, offset, length in extents:
-                        _pwrite_from(fd, mv[pos:pos + length], offset, written)
-                        self._drop_cache(fd, offset, length, True)
-                finally:
-                    os.close(fd)
+                self._pwrite_extents(path, mv, extents, written)
             except OSError as e:
                 # Part of a failed write may have reached the file; those ranges are then
                 # marked bad (reads raise) rather than silently mixing old and new bytes.
@@ -519,18 +513,20 @@ class DiskStore(Store):
         finally:
             self._busy("write", -1, n)
 
+    def _pwrite_extents(self, path: str, mv: memoryview, extents: list[tuple[int, int, int]],
+                        written: list[int]) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for pos, offset, length in extents:
+                _pwrite_from(fd, mv[pos:pos + length], offset, written)
+                self._drop_cache(fd, offset, length, True)
+        finally:
+            os.close(fd)
+
     def _write_plain(self, path: str, t: torch.Tensor,
                      extents: list[tuple[int, int, int]]) -> None:
-        mv = _view(t)
-        written = [0]
         try:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                for pos, offset, length in extents:
-                    _pwrite_from(fd, mv[pos:pos + length], offset, written)
-                    self._drop_cache(fd, offset, length, True)
-            finally:
-                os.close(fd)
+            self._pwrite_extents(path, _view(t), extents, [0])
         except OSError as e:
             raise self._io_error(e, path) from e
 

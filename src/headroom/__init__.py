@@ -17,6 +17,8 @@ _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",
     "MemoryTracker": "headroom.memory",
+    "estimate": "headroom.memory",
+    "Estimate": "headroom.memory",
     # transfer/
     "DiskStore": "headroom.transfer",
     "StoreCorruptError": "headroom.transfer",
@@ -24,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "offload": "headroom.residency",
     "unoffload": "headroom.residency",
     "describe": "headroom.residency",
+    "prefetch": "headroom.residency",
     # optim/
     "HostOptimizer": "headroom.optim",
     # checkpoint/
@@ -38,7 +41,14 @@ _EXPORTS: dict[str, str] = {
     "convert": "headroom.nn",
     # heads/
     "linear_cross_entropy": "headroom.heads",
+    "linear_loss": "headroom.heads",
     "HugeClassifier": "headroom.heads",
+    # distributed/
+    "data_parallel": "headroom.distributed",
+    # plan/
+    "plan": "headroom.planner",
+    "Plan": "headroom.planner",
+    "PlanError": "headroom.planner",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

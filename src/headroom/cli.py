@@ -1,4 +1,4 @@
-"""The ``headroom`` command: ``demo`` and ``profile``."""
+"""The ``headroom`` command: ``demo``, ``profile``, ``estimate`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -59,10 +59,11 @@ def _run_profiled(args: argparse.Namespace, target: str, run) -> int:
     import headroom as hr
 
     prefix = Path(args.out)
-    status, failure = 0, None
+    status, failure, script_globals = 0, None, None
     with hr.track_memory(max_samples=args.max_samples) as mem:
         try:
-            run()
+            # the script's globals keep its model alive for the report's advice
+            script_globals = run()
         except SystemExit as e:  # the script's own exit code is kept
             status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException as e:  # the report up to the failure, then the error
@@ -72,6 +73,7 @@ def _run_profiled(args: argparse.Namespace, target: str, run) -> int:
     written = _write_reports(
         mem, prefix, plot=not args.no_plot, title=f"headroom profile: {target}"
     )
+    del script_globals
     print("headroom profile: wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     if failure is not None:
         print(
@@ -93,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="headroom", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="{demo,profile}", title="commands")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{demo,profile,estimate,plan}", title="commands"
+    )
 
     demo = sub.add_parser(
         "demo", help="headroom's features on small models, each measured against plain PyTorch"
@@ -127,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("target", help="the script (or module, with -m)")
     prof.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     prof.set_defaults(func=_profile)
+
+    from headroom.planner._cli import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

@@ -100,6 +100,64 @@ def test_classifier_host_store_streamed_is_bitwise_the_plain_one(streamed, monke
         assert torch.equal(a, r)
 
 
+def _ll(x, w, targets, b, **kw):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    b = None if b is None else b.detach().clone().requires_grad_()
+    loss = hr.linear_loss(x, w, targets, bias=b, **kw)
+    g = torch.randn_like(loss) if loss.dim() else torch.tensor(0.7)
+    loss.backward(g.to(loss.dtype))
+    return [loss.detach(), x.grad, w.grad] + ([] if b is None else [b.grad])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("loss", ["bce", "softmax"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_loss_streamed_path_is_bitwise_the_plain_one(streamed, monkeypatch, prefetch,
+                                                            loss, reduction):
+    from tests.heads.test_linear_loss import random_targets
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(12, 16), torch.randn(777, 16), torch.randn(777)
+    targets = random_targets(12, 777, values=True)
+    kw = dict(slice_size=100, loss=loss, reduction=reduction, prefetch=prefetch)
+    torch.manual_seed(1)
+    got = _ll(x, w, targets, b, **kw)
+    one_pass = loss == "bce" and reduction == "mean"
+    # one pass: a source and a sink in forward; otherwise a source in each pass and a sink
+    assert len(streamed) == (2 if one_pass else 3)
+    lands = sum(e[0] == "land" for _, m in streamed for e in m.trace)
+    assert lands == 2 * 8  # the weight's and the bias's gradient slices, once each
+    monkeypatch.setattr(_slices, "host_streamer", lambda *a, **k: None)
+    torch.manual_seed(1)
+    ref = _ll(x, w, targets, b, **kw)
+    for a, r in zip(got, ref, strict=True):
+        assert a.dtype == r.dtype and torch.equal(a, r)
+
+
+def test_classifier_multilabel_host_store_streamed_is_bitwise_the_plain_one(streamed,
+                                                                           monkeypatch):
+    from tests.heads.test_linear_loss import random_targets
+
+    def run():
+        torch.manual_seed(0)
+        head = hr.HugeClassifier(500, 8, bias=True, device="cpu", slice_size=64)
+        x = torch.randn(10, 8, requires_grad=True)
+        targets = random_targets(10, 500)
+        out = []
+        for loss in ("bce", "softmax"):  # the second backward accumulates
+            value = head(x, targets, loss=loss)
+            value.backward()
+            out.append(value.detach())
+        return out + [x.grad, head.weight.grad.clone(), head.bias.grad.clone()]
+
+    got = run()
+    assert streamed and all(s.accelerated for s, _ in streamed)
+    monkeypatch.setattr(_slices, "host_streamer", lambda *a, **k: None)
+    for a, r in zip(got, run(), strict=True):
+        assert torch.equal(a, r)
+
+
 def test_prefetch_option_is_checked():
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         hr.linear_cross_entropy(torch.randn(2, 3), torch.randn(5, 3), torch.zeros(2).long(),
@@ -190,3 +248,28 @@ def test_accelerator_classifier_host_store_streamed_is_exact(monkeypatch, prefet
     ref = run()
     for a, r in zip(got, ref, strict=True):
         assert torch.equal(a, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["bce", "squared_hinge", "softmax"])
+def test_accelerator_linear_loss_host_weight_is_exact(monkeypatch, loss):
+    from tests.heads.test_linear_loss import dense_loss, dense_target, random_targets
+
+    dev = DEVICES[-1]
+    x = torch.randn(64, 32, device=dev)
+    w, b = torch.randn(5000, 32).pin_memory(), torch.randn(5000).pin_memory()
+    targets = random_targets(64, 5000, device=dev)
+    kw = dict(slice_size=700, loss=loss)
+    got = _ll(x, w, targets, b, **kw)
+    assert got[2].device.type == "cpu" and got[3].device.type == "cpu"
+    monkeypatch.setattr(_slices, "host_streamer", lambda *a, **k: None)
+    ref = _ll(x, w, targets, b, **kw)
+    for a, r in zip(got, ref, strict=True):
+        assert torch.equal(a.cpu(), r.cpu())
+    xd = x.detach().clone().requires_grad_()
+    wd, bd = w.to(dev).requires_grad_(), b.to(dev).requires_grad_()
+    t = dense_target(targets, 64, 5000, torch.float32).to(dev)
+    dense = dense_loss(xd @ wd.T + bd, t, loss)
+    dense.backward(torch.tensor(0.7, device=dev))
+    torch.testing.assert_close(got[0], dense.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], wd.grad.cpu(), rtol=1e-5, atol=1e-6)

@@ -344,12 +344,16 @@ def test_recovers_after_a_failed_backward():
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
 def test_accelerator_code_path_on_cpu_is_exact(kind, tmp_path, monkeypatch):
-    """The mover's accelerator path (staging buffers, side-stream bookkeeping, events) driven
-    by offload on the CPU with do-nothing streams; exact gradients over two accumulations."""
-    from headroom.residency import _group
-    from tests.transfer.test_mover import accelerated_on_cpu
+    """The mover's accelerator path (staging buffers, side streams, events) driven by offload
+    on the CPU under the stream model (tests/_streams.py), which checks every copy's ordering;
+    exact gradients over two accumulations."""
+    from tests._streams import stream_model
 
-    monkeypatch.setattr(_group, "Mover", accelerated_on_cpu)
+    with stream_model(monkeypatch):
+        _accelerator_code_path(kind, tmp_path)
+
+
+def _accelerator_code_path(kind, tmp_path):
     torch.manual_seed(0)
     ref = Transformer(n=4, ckpt=True)
     store = "cpu" if kind == "cpu" else DiskStore(tmp_path / "s")

@@ -168,3 +168,4 @@ def test_ddp_over_an_offloaded_model_is_refused(case):
     assert set(results) == {0, 1}
     for msg in results.values():
         assert "DistributedDataParallel cannot wrap a model offloaded" in msg, msg
+        assert "hr.data_parallel(model)" in msg, msg  # the supported way

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections import deque
-
 import pytest
 import torch
 
@@ -12,12 +9,12 @@ from headroom.transfer import (
     DiskStore,
     HostStore,
     Mover,
-    PinnedPool,
     bind,
     binding,
     resolve_store,
     unbind,
 )
+from tests._streams import stream_model
 from tests.conftest import DEVICES
 
 
@@ -85,62 +82,20 @@ def test_disk_fetch_overlaps_on_io_thread(tmp_path):
     store.close()
 
 
-class _FakeEvent:
-    def record(self, stream=None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeStream:
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeDeviceModule:
-    """Stands in for torch.cuda: streams, events and stream contexts that do nothing, so the
-    accelerator code path's bookkeeping (staging buffers, pool reuse, ordering of gradient
-    landings) runs on the CPU. Asynchrony itself is covered by the gpu-marked tests."""
-
-    Event = _FakeEvent
-
-    @staticmethod
-    def Stream(device=None):  # noqa: N802 - mirrors torch.cuda.Stream
-        return _FakeStream()
-
-    @staticmethod
-    def current_stream(device=None):
-        return _FakeStream()
-
-    @staticmethod
-    def stream(s):
-        return contextlib.nullcontext()
-
-
-def accelerated_on_cpu(device, store):
-    """A Mover that takes its accelerator path while computing on the CPU."""
-    m = Mover(device, store)
-    m.accelerated = True
-    m._mod = _FakeDeviceModule
-    m._h2d, m._d2h = _FakeStream(), _FakeStream()
-    m._pool = PinnedPool(pin=False)
-    m._inflight = deque()
-    return m
-
-
 @pytest.mark.parametrize("kind", ["host", "disk"])
-def test_accelerator_path_bookkeeping_on_cpu(kind, tmp_path):
-    store = HostStore() if kind == "host" else DiskStore(tmp_path / "a", threads=2)
+def test_accelerator_path_bookkeeping_on_cpu(kind, tmp_path, monkeypatch):
+    """The accelerator path on the CPU under the stream model (tests/_streams.py): staging
+    buffers, pool reuse, gradient landings, every copy checked for ordering."""
+    with stream_model(monkeypatch):
+        _bookkeeping(kind, tmp_path)
+
+
+def _bookkeeping(kind, tmp_path):
+    store = HostStore(pin=True) if kind == "host" else DiskStore(tmp_path / "a", threads=2)
     x = torch.randn(64, 8)
     h = store.put("x", x)
-    mover = accelerated_on_cpu("cpu", store)
+    mover = Mover("cpu", store)
+    assert mover.accelerated
     for dtype in (torch.float32, torch.bfloat16):
         dst = torch.nn.Parameter(torch.empty(64, 8, dtype=dtype))
         mover.wait(mover.fetch(h, dst))

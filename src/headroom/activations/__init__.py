@@ -1,5 +1,5 @@
 """Saved tensors kept off the device between forward and backward."""
 
-from headroom.activations._offload import offload_activations
+from headroom.activations._offload import empty_cache, offload_activations
 
-__all__ = ["offload_activations"]
+__all__ = ["empty_cache", "offload_activations"]

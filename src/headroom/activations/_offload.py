@@ -26,10 +26,10 @@ import torch
 import torch.nn as nn
 
 from headroom._saved_hooks import keeping
-from headroom.memory import annotate
-from headroom.transfer import DiskStore, Stash, StashTicket, resize_storage
+from headroom.memory import annotate, note_resting
+from headroom.transfer import DiskStore, HeapTrimmer, Stash, StashTicket, resize_storage
 
-__all__ = ["offload_activations"]
+__all__ = ["empty_cache", "offload_activations"]
 
 _use_count = torch._C._storage_Use_Count
 
@@ -90,6 +90,10 @@ class _Offloader:
     def __init__(self, store: Any, min_bytes: int, prefetch: int,
                  modules: list[nn.Module] | None) -> None:
         self.store = store
+        self._where = "host" if store is None else "disk"
+        # Freed host memory goes back to the OS (see `headroom.transfer.HeapTrimmer`): the
+        # saving on a CPU is in the process's resident memory, or it is none.
+        self._trimmer = HeapTrimmer()
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self._stashes: dict[torch.device, Stash] = {}
@@ -99,9 +103,12 @@ class _Offloader:
         self._count = 0
         self._restored_bytes = 0  # restored for backward and not released yet
         self._closed = False
-        self._warned = False
         self._depth = 0 if modules is not None else 1
-        self._handles = []
+        # A module's forward ending is when its saved tensors stop being used by anything but
+        # autograd: sweep then, not only when the next tensor is saved (the last module's
+        # tensors would otherwise stay until backward).
+        self._handles = [nn.modules.module.register_module_forward_hook(
+            self._after_module, always_call=True)]
         for m in modules or ():
             self._handles.append(m.register_forward_pre_hook(self._enter_module))
             self._handles.append(m.register_forward_hook(self._leave_module, always_call=True))
@@ -112,6 +119,10 @@ class _Offloader:
 
     def _leave_module(self, module, args, output) -> None:
         self._depth -= 1
+
+    def _after_module(self, module, args, output) -> None:
+        if self._pending and not self._closed:
+            self._sweep()
 
     # ------------------------------------------------------------------ pack / unpack
     def pack(self, t: torch.Tensor) -> Any:
@@ -128,13 +139,6 @@ class _Offloader:
         if entry is None:
             # A view keeps its base alive (and with it the storage): the base is the anchor.
             base = t._base if t._base is not None else t
-            if t.device.type == "cpu" and self.store is None and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    "hr.offload_activations with a host-memory store on the CPU saves no memory"
-                    " (the copy rests in the same RAM); it is meant for testing the mechanics."
-                    " Use store=hr.DiskStore(path) on a CPU-only machine",
-                    UserWarning, stacklevel=2)
             stash = self._stash(t.device)
             entry = _Entry(base, stash.stash(storage), self._count)
             self._count += 1
@@ -198,6 +202,16 @@ class _Offloader:
     def _free(self, e: _Entry) -> None:
         resize_storage(e.anchor, 0)
         e.freed = True
+        note_resting(self._where, "activations", e.nbytes)
+        if e.anchor.device.type == "cpu":
+            self._trimmer.freed(e.nbytes)
+
+    def _refill(self, e: _Entry) -> None:
+        """Give a freed entry its device memory back (the bytes follow)."""
+        resize_storage(e.anchor, e.nbytes)
+        e.restored = True
+        self._restored_bytes += e.nbytes
+        note_resting(self._where, "activations", -e.nbytes)
 
     def _restore(self, e: _Entry) -> None:
         if e in self._pending:  # never freed: its bytes are still where they were
@@ -207,9 +221,7 @@ class _Offloader:
             return
         stash = self._stash(e.anchor.device)
         if not e.restored:
-            resize_storage(e.anchor, e.nbytes)
-            e.restored = True
-            self._restored_bytes += e.nbytes
+            self._refill(e)
         stash.restore(e.ticket, e.anchor.untyped_storage())
         e.freed = False
 
@@ -222,9 +234,7 @@ class _Offloader:
                 return
             if not prev.freed or prev.restored:
                 continue
-            resize_storage(prev.anchor, prev.nbytes)
-            prev.restored = True
-            self._restored_bytes += prev.nbytes
+            self._refill(prev)
             self._stash(prev.anchor.device).prefetch(prev.ticket, prev.anchor.untyped_storage())
 
     def _release(self, e: _Entry) -> None:
@@ -238,36 +248,33 @@ class _Offloader:
             self._order.remove(e)
         if e.restored:
             self._restored_bytes -= e.nbytes
-        stash = self._stashes.get(e.anchor.device)
-        if stash is not None:
-            if e.freed:  # never restored: let a prefetch still landing finish first
-                stash.drop(e.ticket)
-                resize_storage(e.anchor, 0)
-            else:
-                stash.drop(e.ticket)
+            if e.anchor.device.type == "cpu":
+                self._trimmer.freed(e.nbytes)  # autograd frees it as the node finishes
+        elif e.freed:  # never needed by a backward
+            note_resting(self._where, "activations", -e.nbytes)
+        self._stash(e.anchor.device).drop(e.ticket)
         e.anchor = None
-        if self._closed and not self._entries:
-            self._close_stashes()
 
     # ------------------------------------------------------------------ lifetime
     def _stash(self, device: torch.device) -> Stash:
         s = self._stashes.get(device)
         if s is None:
-            s = self._stashes[device] = Stash(device, self.store)
+            s = self._stashes[device] = Stash.shared(device, self.store)
         return s
 
     def close(self) -> None:
-        """No new tensors; the stash lives on until the last saved tensor is released."""
+        """No new tensors (those saved already are restored whenever backward runs)."""
         for h in self._handles:
             h.remove()
         self._closed = True
-        if not self._entries:
-            self._close_stashes()
 
-    def _close_stashes(self) -> None:
-        for s in self._stashes.values():
-            s.close()
-        self._stashes.clear()
+
+def empty_cache() -> None:
+    """Give back the host memory (and disk space) activation offload keeps for the next step.
+
+    Saved tensors that backward has not used yet keep theirs.
+    """
+    Stash.release_shared()
 
 
 @contextlib.contextmanager
@@ -316,6 +323,12 @@ def offload_activations(
         store = None
     elif not isinstance(store, DiskStore):
         raise ValueError(f"store must be 'cpu' or a headroom.DiskStore, got {store!r}")
+    if store is None and not torch.accelerator.is_available():
+        warnings.warn(
+            "hr.offload_activations with a host-memory store on a machine without an"
+            " accelerator saves no memory (the copy rests in the same RAM); it is meant for"
+            " testing the mechanics. Use store=hr.DiskStore(path) on a CPU-only machine",
+            UserWarning, stacklevel=3)
     offloader = _Offloader(store, min_bytes, prefetch, list(modules) if modules else None)
     try:
         with keeping(offloader):

@@ -167,6 +167,8 @@ def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Te
         state = getattr(m, "_headroom_offload", None)
         if state is not None and fill:
             state.init_pending()  # values for what was created on meta and never loaded
+        elif state is not None:
+            state.drop_announced()  # values about to be written: prefetched copies would be stale
     out: dict[str, torch.Tensor] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
         prefix = f"{mname}." if mname else ""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import mmap
 import os
 import re
@@ -25,6 +24,8 @@ from typing import Any
 
 import crc32c
 import torch
+
+from headroom.transfer import HeaderError, parse_header, safetensors_dtypes
 
 __all__ = [
     "DTYPES",
@@ -45,12 +46,7 @@ __all__ = [
 FORMAT = "headroom-checkpoint"
 VERSION = 2
 _ALIGN = 8
-DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-_CODES = {code: dtype for dtype, code in DTYPES.items()}
+DTYPES = {dtype: code for code, dtype in safetensors_dtypes().items()}
 # The header's own checksum is the first field of the headroom JSON, which is the first
 # value of the header, so its eight hex digits sit at a fixed offset: `load` checks the raw
 # header bytes before parsing them, and `save` fills the digits in without moving anything.
@@ -309,13 +305,10 @@ class Reader:
 
     def _parse(self, raw: bytes) -> tuple[dict[str, Any], dict[str, tuple], int]:
         try:
-            header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self._corrupt(f"its header is not valid JSON ({e})")
-        if not isinstance(header, dict):
-            self._corrupt("its header is not a JSON object")
-        md = header.pop("__metadata__", None)
-        raw_meta = md.get("headroom") if isinstance(md, dict) else None
+            md, tensors, length = parse_header(raw, 0)
+        except HeaderError as e:
+            self._corrupt(str(e))
+        raw_meta = md.get("headroom")
         if raw_meta is None:
             raise ValueError(f"{self.path!r} is a safetensors file but not a headroom checkpoint")
         try:
@@ -329,26 +322,9 @@ class Reader:
         if not isinstance(version, int) or version > VERSION:
             raise ValueError(f"{self.path!r}: checkpoint format version {version!r} is newer than "
                              f"this headroom reads ({VERSION}); upgrade headroom")
-        entries: dict[str, tuple] = {}
-        spans = []
-        for name, info in header.items():
-            try:
-                dtype = _CODES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                start, stop = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                self._corrupt(f"its header's entry for tensor {name!r} is malformed")
-            if min(shape, default=0) < 0 or stop - start != math.prod(shape) * dtype.itemsize:
-                self._corrupt(f"tensor {name!r}'s shape and byte range disagree")
-            entries[name] = (dtype, shape, start, stop)
-            spans.append((start, stop))
-        spans.sort()
-        end = 0
-        for start, stop in spans:
-            if start != end:
-                self._corrupt("its tensors' byte ranges overlap or leave gaps")
-            end = stop
-        return meta, entries, end
+        entries = {name: (t.dtype, t.shape, t.offset, t.offset + t.nbytes)
+                   for name, t in tensors.items()}
+        return meta, entries, length
 
     def _checksums(self) -> dict[str, int]:
         table = self.meta.get("crc32c")

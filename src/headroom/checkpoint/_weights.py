@@ -129,6 +129,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         if state._bwd or state._root_running or state._active:
             raise RuntimeError("load_weights during the model's forward or backward; call it"
                                " between steps")
+        state.drop_announced()  # values about to be written: prefetched copies would be stale
     files = [SafetensorsFile(p) for p in _files(Path(path))]
     try:
         where: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}

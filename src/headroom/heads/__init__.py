@@ -1,6 +1,14 @@
-"""Exact cross-entropy over huge numbers of classes, streamed slice by slice over the classes."""
+"""Exact losses over huge numbers of classes, streamed slice by slice over the classes.
+
+Softmax cross-entropy with one label per row (`linear_cross_entropy`), multi-label and per-class
+losses (`linear_loss`), and `HugeClassifier`, whose weight rests in a store.
+"""
 
 from headroom.heads._classifier import HugeClassifier
 from headroom.heads._linear_ce import DEFAULT_LOGITS_BUDGET, linear_cross_entropy, pick_slice_size
+from headroom.heads._linear_loss import LOSSES, linear_loss
 
-__all__ = ["DEFAULT_LOGITS_BUDGET", "HugeClassifier", "linear_cross_entropy", "pick_slice_size"]
+__all__ = [
+    "DEFAULT_LOGITS_BUDGET", "HugeClassifier", "LOSSES", "linear_cross_entropy", "linear_loss",
+    "pick_slice_size",
+]

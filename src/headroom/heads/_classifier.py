@@ -1,9 +1,10 @@
-"""`HugeClassifier`: a linear + softmax cross-entropy head whose weight rests in a store.
+"""`HugeClassifier`: a linear head with an exact loss whose weight rests in a store.
 
-The ``num_classes x in_features`` weight (and bias) rest in host memory or on disk and are read
-slice by slice in both passes of the exact sliced cross-entropy; gradients are written back to
-the store slice by slice, where `headroom.HostOptimizer` (or, with ``store="cpu"``, any
-``torch.optim`` optimizer) finds them.
+The loss is softmax cross-entropy (one class id per row) or a multi-label loss (the positives
+of each row, `headroom.linear_loss`'s losses). The ``num_classes x in_features`` weight (and
+bias) rest in host memory or on disk and are read slice by slice in both passes of the exact
+sliced loss; gradients are written back to the store slice by slice, where
+`headroom.HostOptimizer` (or, with ``store="cpu"``, any ``torch.optim`` optimizer) finds them.
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ import torch
 import torch.nn as nn
 
 from headroom.heads._linear_ce import (
+    OneHot,
     _check_target,
     _refuse_double_backward,
+    check_label_shape,
     grad_pass,
     linear_cross_entropy,
+    log_sum_exp,
     lse_pass,
     pick_slice_size,
     reduce_loss,
     row_losses,
     row_scale,
 )
-from headroom.heads._slices import slice_bounds
+from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
+from headroom.heads._slices import landing, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
+from headroom.heads._targets import Positives
 from headroom.transfer import (
     Handle,
     Store,
@@ -56,12 +62,14 @@ class _StoreCrossEntropy(torch.autograd.Function):
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         t = target.reshape(-1).long()
         source = head._source(slice_size)
-        lse, z_t, z_sum = lse_pass(x, source, t, slice_size=slice_size, want_logit_sum=eps > 0)
+        targets = OneHot(t)
+        row_max, row_sum, z_sum = lse_pass(x, source, targets, slice_size=slice_size,
+                                           want_logit_sum=eps > 0)
         valid = t != ignore_index
-        rows = row_losses(lse, z_t, z_sum, valid, num_classes=head.num_classes,
-                          label_smoothing=eps)
+        rows = row_losses(log_sum_exp(row_max, row_sum), targets.logits, z_sum, valid,
+                          num_classes=head.num_classes, label_smoothing=eps)
         loss, n_valid = reduce_loss(rows, valid, reduction)
-        ctx.save_for_backward(features, t, lse, n_valid)
+        ctx.save_for_backward(features, t, row_max, row_sum, n_valid)
         ctx.head, ctx.opts = head, opts
         if reduction == "none":
             loss = loss.reshape(lead)
@@ -73,7 +81,7 @@ class _StoreCrossEntropy(torch.autograd.Function):
             "HugeClassifier's loss",
             "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits",
         )
-        features, t, lse, n_valid = ctx.saved_tensors
+        features, t, row_max, row_sum, n_valid = ctx.saved_tensors
         head: HugeClassifier = ctx.head
         slice_size, ignore_index, eps, reduction = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -82,23 +90,50 @@ class _StoreCrossEntropy(torch.autograd.Function):
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         need_b = need_b and head.bias is not None
         sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
-        grad_x = grad_pass(
-            x, head._source(slice_size), t, lse, scale, slice_size=slice_size,
-            label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w, need_bias=need_b,
-        )
+        with landing(sink):
+            grad_x = grad_pass(
+                x, head._source(slice_size), OneHot(t), row_max, row_sum, scale,
+                slice_size=slice_size,
+                label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w,
+                need_bias=need_b,
+            )
         if sink is not None:
-            sink.finish()
             head._grads_landed(weight=need_w, bias=need_b, rows=None)
         gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
         return gx, None, None, None, None, None
 
 
+class _StoreParams:
+    """A head's store-resident weight for the multi-label passes (see ``ParamSlices``)."""
+
+    one_pass = False
+
+    def __init__(self, head: HugeClassifier) -> None:
+        self.head = head
+
+    def source(self, slice_size: int) -> StoreSlices:
+        return self.head._source(slice_size)
+
+    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
+        return self.head._sink(slice_size, weight=weight, bias=bias)
+
+    def landed(self, sink, *, weight: bool, bias: bool) -> tuple[None, None]:
+        self.head._grads_landed(weight=weight, bias=bias, rows=None)
+        return None, None
+
+
 class HugeClassifier(nn.Module):
-    """Linear classifier + exact softmax cross-entropy over a huge number of classes.
+    """Linear classifier + exact loss over a huge number of classes.
+
+    Softmax cross-entropy with one class id per row, or multi-label targets (the positives of
+    each row) with one-vs-all BCE, squared hinge, a multi-positive softmax or a user's per-slice
+    loss, as `headroom.linear_loss` computes them.
 
     The weight never sits whole on the compute device: it rests in ``store`` and is read one
-    slice of classes at a time, in forward (an online log-sum-exp) and again in backward (the
-    exact gradient of that slice, written back to the store). Device memory is one
+    slice of classes at a time, in forward (the loss: for softmax an online log-sum-exp) and
+    again in backward (the exact gradient of that slice, written back to the store; a gradient
+    lands in the store only in backward, so multi-label losses run two passes here too, where
+    `headroom.linear_loss` forms their gradients in forward's one pass). Device memory is one
     ``batch x slice_size`` logits buffer plus ``prefetch + 1`` weight slices (and as many
     gradient slices on their way back), whatever ``num_classes`` is.
 
@@ -126,9 +161,10 @@ class HugeClassifier(nn.Module):
         slice_size: classes per slice; ``None`` picks one per batch from a logits budget (a few
             hundred MB). Bigger slices cost device memory and do not speed up the products.
         sample_rate: ``1.0`` (default) is the exact loss. ``< 1`` is an opt-in *approximation*
-            (as Partial FC does): each forward uses all classes that appear in the batch plus
-            uniformly sampled other classes, ``ceil(sample_rate * C)`` in all (at least the
-            positives), and the softmax runs over those only. Gradients are row-sparse:
+            (as Partial FC does; negative sampling for multi-label targets): each forward uses
+            all classes that appear in the batch (as labels or positives) plus uniformly sampled
+            other classes, ``ceil(sample_rate * C)`` in all (at least the positives), and the
+            loss runs over those only. Gradients are row-sparse:
             only the sampled rows get one (``binding(weight).grad_rows``). Faster and lighter
             for millions of classes; not the same loss. ``topk`` always uses all classes.
         dtype: dtype of the weight in the store. Logits and gradients accumulate in fp32.
@@ -159,6 +195,8 @@ class HugeClassifier(nn.Module):
         >>> feats = torch.randn(32, 64, requires_grad=True)
         >>> loss = head(feats, torch.randint(0, 100_000, (32,)))
         >>> loss.backward()
+        >>> offsets = torch.arange(0, 97, 3)               # three positives per row
+        >>> head(feats, (offsets, torch.arange(96) * 1000), loss="bce").backward()
         >>> values, classes = head.topk(feats.detach(), 5)
     """
 
@@ -208,7 +246,7 @@ class HugeClassifier(nn.Module):
         self.generator = generator
         self.store = resolve_store(store, self.device)
         if self.device.type == "cpu" and isinstance(store, str):
-            # NOTE: "cpu" on a cpu device is legal (it is the exact path tests use); it just
+            # "cpu" on a cpu device is legal (it is the exact path tests use); it just
             # saves no device memory, which the design asks to say.
             warnings.warn(
                 "HugeClassifier(device='cpu', store='cpu') keeps the weight in ordinary memory: "
@@ -234,7 +272,7 @@ class HugeClassifier(nn.Module):
             self.weight = self._param(self._wh)
             self.bias = self._param(self._bh) if self._bh is not None else None
         except BaseException:
-            # NOTE: a failed head takes back what it allocated (a later head with this key
+            # A failed head takes back what it allocated (a later head with this key
             # would take the uninitialized tensors for trained ones) and frees its key at once,
             # not when it is collected: a traceback kept for the user (a notebook's last
             # error) would hold it, and the key, alive.
@@ -247,12 +285,14 @@ class HugeClassifier(nn.Module):
         self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
         self.last_sampled_classes: torch.Tensor | None = None
         if not reopened:
-            # NOTE: a key already in the store (a reopened DiskStore) keeps its trained values.
+            # A key already in the store (a reopened DiskStore) keeps its trained values.
             self.reset_parameters()
 
     # ------------------------------------------------------------------ storage
     def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
         """Reserve ``keys`` of the store for this head until it is garbage-collected.
+
+        See [Note: one writer per key] in docs/architecture.md.
 
         Returns:
             The finalizer that releases them (calling it releases them now, once).
@@ -260,7 +300,7 @@ class HugeClassifier(nn.Module):
         claimed = claimed_keys(self.store)
         taken = [k for k in keys if k in claimed]
         if taken:
-            # NOTE: a head that is unreachable but caught in a reference cycle still holds its
+            # A head that is unreachable but caught in a reference cycle still holds its
             # keys until the cycle collector runs; collect once before calling it a conflict.
             gc.collect()
             taken = [k for k in keys if k in claimed]
@@ -274,7 +314,7 @@ class HugeClassifier(nn.Module):
                 "resumes its values)"
             )
         claimed.update(keys)
-        # NOTE: weakref.finalize holds the set and the keys, not the head: the claim ends when
+        # Weakref.finalize holds the set and the keys, not the head: the claim ends when
         # the head is collected (re-running a notebook cell after `del head` works), while the
         # values stay in the store for the next head with this key.
         return weakref.finalize(self, claimed.difference_update, keys)
@@ -386,7 +426,7 @@ class HugeClassifier(nn.Module):
                 b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
             b.has_grad = True
             host = self.store.host_tensor(b.grad_handle)
-            # NOTE: as offloaded parameters do: the store's gradient tensor itself (host store)
+            # As offloaded parameters do: the store's gradient tensor itself (host store)
             # or a meta marker (disk); zero_grad() sets it to None, which makes the next
             # backward overwrite instead of accumulate.
             p.grad = host if host is not None else torch.empty(
@@ -417,7 +457,7 @@ class HugeClassifier(nn.Module):
         self._dirty = torch.empty(0, dtype=torch.int64)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        # NOTE: `model.to("cuda")` on a model that contains this head must not copy the
+        # `model.to("cuda")` on a model that contains this head must not copy the
         # store-resident weight to the device (that is what the head exists to avoid) nor
         # detach the parameters from their store binding; they stay where they rest.
         params = self._parameters
@@ -443,13 +483,7 @@ class HugeClassifier(nn.Module):
                 "move them with .to(device)"
             )
         if labels is not None:
-            if tuple(labels.shape) != tuple(features.shape[:-1]):
-                raise ValueError(
-                    f"labels shape {tuple(labels.shape)} must equal features' shape without "
-                    f"its last dimension, {tuple(features.shape[:-1])}"
-                )
-            if labels.device != features.device:
-                raise ValueError(f"labels are on {labels.device}, features on {features.device}")
+            check_label_shape(labels, features, names=("labels", "features"))
 
     def _slice_for(self, batch: int) -> int:
         if self.slice_size is not None:
@@ -459,31 +493,62 @@ class HugeClassifier(nn.Module):
     def forward(
         self,
         features: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | tuple | list,
         *,
+        loss: str | SliceLoss | None = None,
+        pos_weight: float | torch.Tensor | None = None,
+        ignore_rows: torch.Tensor | None = None,
         ignore_index: int = -100,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
     ) -> torch.Tensor:
-        """Cross-entropy of ``features @ weight.T + bias`` against ``labels``.
+        """The loss of ``features @ weight.T + bias`` against ``labels``.
+
+        A tensor of class ids (one per row) trains softmax cross-entropy; multi-label targets
+        (the positives of each row, as for `headroom.linear_loss`) train ``loss``.
 
         Args:
             features: ``(..., in_features)`` on ``device``.
-            labels: ``features.shape[:-1]`` integer classes or ``ignore_index``.
-            ignore_index: as in ``F.cross_entropy``.
-            label_smoothing: as in ``F.cross_entropy``.
-            reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+            labels: ``features.shape[:-1]`` integer classes or ``ignore_index``; or the
+                positives of each row: ``(offsets, indices)``, ``(offsets, indices, values)``,
+                a list of per-row index tensors or a ``torch.sparse_csr_tensor``.
+            loss: with multi-label targets, ``"bce"`` (default), ``"squared_hinge"``,
+                ``"softmax"``, ``"softmax_sum"`` or a function ``fn(scores, targets, classes)``
+                (see `headroom.linear_loss`; in the sampled mode ``classes`` is the slice's
+                int64 tensor of class ids).
+            pos_weight: with ``"bce"``/``"squared_hinge"``, as in `headroom.linear_loss`.
+            ignore_rows: with multi-label targets, rows that count for nothing (bool,
+                ``features.shape[:-1]``).
+            ignore_index: with class ids, as in ``F.cross_entropy``.
+            label_smoothing: with class ids, as in ``F.cross_entropy``.
+            reduction: ``"mean"``, ``"sum"`` or ``"none"`` (see `headroom.linear_loss` for
+                what ``"mean"`` divides by with multi-label targets).
 
         Returns:
             The loss (exact unless ``sample_rate < 1``).
 
         Raises:
-            TypeError / ValueError: bad labels (dtype or range), shapes or devices, before any
-                compute.
+            TypeError / ValueError: bad labels (dtype, range, duplicates), shapes, devices or
+                options, before any compute.
         """
-        self._check(features, labels)
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        if not (isinstance(labels, torch.Tensor) and labels.layout == torch.strided):
+            if ignore_index != -100 or label_smoothing != 0.0:
+                raise ValueError(
+                    "ignore_index and label_smoothing apply to a tensor of class ids; with "
+                    "multi-label targets, drop rows with ignore_rows="
+                )
+            return self._multilabel(features, labels, loss="bce" if loss is None else loss,
+                                    pos_weight=pos_weight, ignore_rows=ignore_rows,
+                                    reduction=reduction)
+        if loss is not None or pos_weight is not None or ignore_rows is not None:
+            raise ValueError(
+                "a tensor of class ids trains softmax cross-entropy, one label per row; loss=, "
+                "pos_weight= and ignore_rows= take multi-label targets: pass the positives as "
+                "(offsets, indices), e.g. (torch.arange(len(labels) + 1), labels) for one each"
+            )
+        self._check(features, labels)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         _check_target(labels, self.num_classes, ignore_index)
@@ -494,33 +559,67 @@ class HugeClassifier(nn.Module):
         opts = (self._slice_for(batch), ignore_index, float(label_smoothing), reduction)
         return _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts)
 
-    def _sample(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        """Sorted class ids: every label in the batch plus uniform negatives."""
-        flat = labels.reshape(-1)
-        pos = torch.unique(flat[flat != ignore_index]).to("cpu", torch.int64)
+    def _multilabel(self, features, targets, *, loss, pos_weight, ignore_rows, reduction):
+        self._check(features, None)
+        kw = dict(num_classes=self.num_classes, loss=loss, pos_weight=pos_weight,
+                  reduction=reduction, slice_size=self.slice_size, ignore_rows=ignore_rows,
+                  accum_dtype=self.accum_dtype)
+        if self.sample_rate == 1.0:
+            return multilabel_loss(features, self.weight, self.bias, targets, _StoreParams(self),
+                                   **kw)
+        picked: list = []
+
+        def sample(pos: Positives):
+            rows, w, b = self._sampled_rows(torch.unique_consecutive(pos.cols))
+            picked.extend((w, b, rows))
+            params = TensorParams(w, b, device=self.device, dtype=self.accum_dtype,
+                                  prefetch=self.prefetch)
+            return rows, params, w, b
+
+        out = multilabel_loss(features, self.weight, self.bias, targets, None, sample=sample,
+                              **kw)
+        w, b, rows = picked
+        if w.requires_grad:
+            self._hook_sparse_grads(w, b, rows)
+        return out
+
+    def _sample(self, positives: torch.Tensor) -> torch.Tensor:
+        """Sorted class ids: the classes ``positives`` plus uniform negatives."""
+        pos = torch.unique(positives).to("cpu", torch.int64)
         want = max(pos.numel(), math.ceil(self.sample_rate * self.num_classes))
         n_neg = min(want - pos.numel(), self.num_classes - pos.numel())
         if n_neg <= 0:
             return pos
-        # NOTE: random keys with the positives forced to the front, then the n_pos + n_neg
+        # Random keys with the positives forced to the front, then the n_pos + n_neg
         # smallest: uniform negatives without replacement in O(C), no Python loops.
         keys = torch.rand(self.num_classes, generator=self.generator)
         keys[pos] = -1.0
         chosen = torch.topk(keys, pos.numel() + n_neg, largest=False, sorted=False).indices
         return torch.sort(chosen).values
 
-    def _sampled_forward(self, features, labels, ignore_index, eps, reduction):
-        rows = self._sample(labels, ignore_index)
+    def _sampled_rows(
+        self, positives: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sample the classes and read their rows: ``(classes, weight rows, bias rows)``.
+
+        The rows are leaves that require grad when training; `_hook_sparse_grads` lands their
+        gradients in the store.
+        """
+        rows = self._sample(positives)
         self.last_sampled_classes = rows
         w = self.store.read_rows(self._wh, rows).result().to(self.device)
         b = None
         if self._bh is not None:
             b = self.store.read_rows(self._bh, rows).result().to(self.device)
-        train = torch.is_grad_enabled() and self.weight.requires_grad
-        if train:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
             w.requires_grad_(True)
             if b is not None:
                 b.requires_grad_(True)
+        return rows, w, b
+
+    def _sampled_forward(self, features, labels, ignore_index, eps, reduction):
+        flat = labels.reshape(-1)
+        rows, w, b = self._sampled_rows(flat[flat != ignore_index])
         local = torch.searchsorted(rows.to(labels.device), labels.long())
         local = torch.where(labels == ignore_index, torch.full_like(local, ignore_index), local)
         loss = linear_cross_entropy(
@@ -528,7 +627,7 @@ class HugeClassifier(nn.Module):
             slice_size=self._slice_for(labels.numel()), ignore_index=ignore_index,
             label_smoothing=eps, reduction=reduction, accum_dtype=self.accum_dtype,
         )
-        if train:
+        if w.requires_grad:
             self._hook_sparse_grads(w, b, rows)
         return loss
 

@@ -18,7 +18,8 @@ on one reused ``batch x slice`` buffer (no extra passes, no allocation per slice
 from __future__ import annotations
 
 import math
-from typing import Any
+from contextlib import closing
+from typing import Any, Protocol
 
 import torch
 
@@ -27,12 +28,13 @@ from headroom.heads._slices import (
     SliceSource,
     TensorGradSink,
     TensorSlices,
+    landing,
     slice_bounds,
 )
 
 __all__ = ["DEFAULT_LOGITS_BUDGET", "linear_cross_entropy", "pick_slice_size"]
 
-# NOTE: a few hundred MB is the issue's "default budget"; within that, slices of a few thousand
+# A few hundred MB is the default budget; within that, slices of a few thousand
 # classes keep the reused buffer in the last-level cache for the elementwise passes, which run
 # at cache speed instead of memory speed. Larger slices do not make the matrix products faster.
 DEFAULT_LOGITS_BUDGET = 256 * 2**20
@@ -80,7 +82,7 @@ def _check_target(
     if target.numel() == 0:
         return
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
-    # NOTE: one host sync on an accelerator; an out-of-range label would otherwise silently
+    # One host sync on an accelerator; an out-of-range label would otherwise silently
     # read another row (or nothing) and give a wrong loss.
     if bool(bad.any()):
         first = target[bad].flatten()[0].item()
@@ -91,24 +93,23 @@ def _check_target(
         )
 
 
-def _check_inputs(
+def check_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    target: torch.Tensor,
     bias: torch.Tensor | None,
     *,
-    ignore_index: int,
-    label_smoothing: float,
     reduction: str,
     accum_dtype: torch.dtype,
     slice_size: int | None,
+    prefetch: int,
 ) -> None:
+    """Checks shared by the sliced losses: shapes, dtypes and devices of ``x @ weight.T + bias``."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if slice_size is not None and (not isinstance(slice_size, int) or slice_size < 1):
         raise ValueError(f"slice_size must be a positive int or None, got {slice_size!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if not accum_dtype.is_floating_point:
         raise TypeError(f"accum_dtype must be a floating dtype, got {accum_dtype}")
     if weight.dim() != 2:
@@ -130,11 +131,6 @@ def _check_inputs(
             f"x and weight must share one floating dtype, got {x.dtype} and {weight.dtype}; "
             "cast one of them"
         )
-    if tuple(target.shape) != tuple(x.shape[:-1]):
-        raise ValueError(
-            f"target shape {tuple(target.shape)} must equal x's shape without its last "
-            f"dimension, {tuple(x.shape[:-1])}"
-        )
     if bias is not None:
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(
@@ -142,13 +138,45 @@ def _check_inputs(
             )
         if bias.device != weight.device or bias.dtype != weight.dtype:
             raise ValueError("bias must have the same device and dtype as weight")
-    if target.device != x.device:
-        raise ValueError(f"target is on {target.device} but x is on {x.device}; move it")
     if weight.device != x.device and not (weight.device.type == "cpu"):
         raise ValueError(
             f"weight is on {weight.device} but x is on {x.device}; weight must be on x's device "
             "or in host memory (then it is streamed slice by slice)"
         )
+
+
+def check_label_shape(
+    labels: torch.Tensor, x: torch.Tensor, *, names: tuple[str, str]
+) -> None:
+    """One label per row of ``x`` (its shape without the last dimension), on ``x``'s device."""
+    if tuple(labels.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"{names[0]} shape {tuple(labels.shape)} must equal {names[1]}'s shape without its "
+            f"last dimension, {tuple(x.shape[:-1])}"
+        )
+    if labels.device != x.device:
+        raise ValueError(
+            f"{names[0]} is on {labels.device} but {names[1]} is on {x.device}; move it")
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    accum_dtype: torch.dtype,
+    slice_size: int | None,
+    prefetch: int,
+) -> None:
+    check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
+                 slice_size=slice_size, prefetch=prefetch)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    check_label_shape(target, x, names=("target", "x"))
     _check_target(target, weight.shape[0], ignore_index)
 
 
@@ -156,68 +184,116 @@ def _check_inputs(
 # the two passes (shared with HugeClassifier, which brings its own slice source and sink)
 
 
-def _local_targets(
-    target: torch.Tensor, start: int, stop: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column of each row's target within ``start:stop`` (clamped) and whether it lies there."""
-    inside = (target >= start) & (target < stop)
-    local = (target - start).clamp_(0, stop - start - 1)
-    return local.unsqueeze(1), inside
+class LabelTargets(Protocol):
+    """Where each row's target logits are, for the two passes of a softmax loss."""
+
+    def prepare(self, bounds: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        """Called once per pass with the slices it will visit and the logits' dtype."""
+        ...
+
+    def gather(self, i: int, z: torch.Tensor, start: int, stop: int) -> None:
+        """Record the target logits that lie in slice ``i`` (logits ``z`` of ``start:stop``)."""
+        ...
+
+    def subtract(
+        self, i: int, g: torch.Tensor, start: int, stop: int, coef: torch.Tensor
+    ) -> None:
+        """``g[b, c] -= coef[b] * target[b, c]`` for the targets in slice ``i``."""
+        ...
+
+
+class OneHot:
+    """One target class per row (rows whose scale is 0 may hold anything).
+
+    Args:
+        target: ``(B,)`` int64 on the compute device.
+    """
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+        self.logits = torch.zeros(0)
+
+    def _local(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Column of each row's target within ``start:stop`` (clamped) and whether it lies there."""
+        inside = (self.target >= start) & (self.target < stop)
+        local = (self.target - start).clamp_(0, stop - start - 1)
+        return local.unsqueeze(1), inside
+
+    def prepare(self, bounds: list[tuple[int, int]], dtype: torch.dtype) -> None:
+        self.logits = torch.zeros(self.target.shape[0], dtype=dtype, device=self.target.device)
+
+    def gather(self, i: int, z: torch.Tensor, start: int, stop: int) -> None:
+        local, inside = self._local(start, stop)
+        self.logits = torch.where(inside, z.gather(1, local).squeeze(1), self.logits)
+
+    def subtract(
+        self, i: int, g: torch.Tensor, start: int, stop: int, coef: torch.Tensor
+    ) -> None:
+        local, inside = self._local(start, stop)
+        g.scatter_add_(1, local, -(coef * inside).unsqueeze(1))
 
 
 def lse_pass(
     x: torch.Tensor,
     source: SliceSource,
-    target: torch.Tensor,
+    targets: LabelTargets,
     *,
     slice_size: int,
     want_logit_sum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Online log-sum-exp over class slices.
+    """Online log-sum-exp over class slices; ``targets`` records its logits on the way.
 
     Args:
         x: ``(B, D)`` in the accumulation dtype on the compute device.
         source: the weight slices.
-        target: ``(B,)`` int64 on the compute device (ignored rows may hold anything).
+        targets: where the target logits are (`OneHot`, or several positives per row).
         slice_size: classes per slice.
         want_logit_sum: also return the sum of each row's logits (label smoothing).
 
     Returns:
-        ``(lse, target_logit, logit_sum or None)``, each ``(B,)`` in the accumulation dtype.
+        ``(row_max, row_sum, logit_sum or None)``: each row's largest logit ``m`` (accumulation
+        dtype), ``sum(exp(z - m))`` (float64) and the sum of its logits; see `log_sum_exp`.
     """
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
     run_max = torch.full((batch,), -math.inf, dtype=dt, device=dev)
-    run_sum = torch.zeros(batch, dtype=dt, device=dev)
-    z_target = torch.zeros(batch, dtype=dt, device=dev)
+    run_sum = torch.zeros(batch, dtype=torch.float64, device=dev)
     z_sum = torch.zeros(batch, dtype=dt, device=dev) if want_logit_sum else None
     flat = torch.empty(batch * min(slice_size, source.num_classes), dtype=dt, device=dev)
     bounds = slice_bounds(source.num_classes, slice_size)
-    for start, stop, w, b in source.slices(bounds):
-        z = flat[: batch * (stop - start)].view(batch, stop - start)
-        if b is None:
-            torch.mm(x, w.t(), out=z)
-        else:
-            torch.addmm(b, x, w.t(), out=z)
-        local, inside = _local_targets(target, start, stop)
-        z_target = torch.where(inside, z.gather(1, local).squeeze(1), z_target)
-        if z_sum is not None:
-            z_sum += z.sum(1)
-        new_max = torch.maximum(run_max, z.amax(1))
-        # NOTE: rescale the running sum to the new max before adding this slice (online softmax).
-        run_sum.mul_(torch.exp(run_max - new_max))
-        z.sub_(new_max.unsqueeze(1)).exp_()
-        run_sum += z.sum(1)
-        run_max = new_max
-    lse = run_max + torch.log(run_sum)
-    return lse, z_target, z_sum
+    targets.prepare(bounds, dt)
+    with closing(source.slices(bounds)) as slices:
+        for i, (start, stop, w, b) in enumerate(slices):
+            z = flat[: batch * (stop - start)].view(batch, stop - start)
+            if b is None:
+                torch.mm(x, w.t(), out=z)
+            else:
+                torch.addmm(b, x, w.t(), out=z)
+            targets.gather(i, z, start, stop)
+            if z_sum is not None:
+                z_sum += z.sum(1)
+            new_max = torch.maximum(run_max, z.amax(1))
+            # Rescale the running sum to the new max before adding this slice (online
+            # softmax); the B-sized running sum is float64, so the many slices of a huge class
+            # count add no rounding of their own.
+            run_sum.mul_(torch.exp((run_max - new_max).double()))
+            z.sub_(new_max.unsqueeze(1)).exp_()
+            run_sum += z.sum(1)
+            run_max = new_max
+    return run_max, run_sum, z_sum
+
+
+def log_sum_exp(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` float64 log-sum-exp from `lse_pass`'s ``row_max`` and ``row_sum``."""
+    return row_max.double() + torch.log(row_sum)
 
 
 def grad_pass(
     x: torch.Tensor,
     source: SliceSource,
-    target: torch.Tensor,
-    lse: torch.Tensor,
+    targets: LabelTargets,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
     scale: torch.Tensor,
     *,
     slice_size: int,
@@ -226,17 +302,20 @@ def grad_pass(
     sink: GradSink | None,
     need_weight: bool,
     need_bias: bool,
+    target_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Recompute each slice's logits and form the gradients of x, weight and bias.
 
     The gradient of the loss with respect to logit ``z[b, c]`` is
-    ``scale[b] * (softmax[b, c] - (1 - eps) * [c == y_b] - eps / C)``.
+    ``scale[b] * (softmax[b, c] - eps / C) - target_scale[b] * target[b, c]``, where
+    ``target_scale`` defaults to ``(1 - eps) * scale``.
 
     Args:
         x: ``(B, D)`` in the accumulation dtype on the compute device.
         source: the weight slices.
-        target: ``(B,)`` int64 (rows with ``scale == 0`` may hold anything).
-        lse: ``(B,)`` from :func:`lse_pass`.
+        targets: where the targets are (rows with ``scale == 0`` may hold anything).
+        row_max: ``(B,)`` from :func:`lse_pass`.
+        row_sum: ``(B,)`` from :func:`lse_pass`.
         scale: ``(B,)`` per-row factor (incoming gradient, ``1/n`` for mean, 0 for ignored rows).
         slice_size: classes per slice.
         label_smoothing: ``eps``.
@@ -244,6 +323,7 @@ def grad_pass(
         sink: receives the weight and bias gradient slices (``None``: neither is wanted).
         need_weight: whether to form the weight gradient (one matrix product per slice).
         need_bias: whether to hand bias gradient slices to the sink.
+        target_scale: ``(B,)`` factor of the target term, if not ``(1 - eps) * scale``.
 
     Returns:
         The ``(B, D)`` gradient of ``x`` in the accumulation dtype, or ``None``.
@@ -251,54 +331,45 @@ def grad_pass(
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
     num_classes = source.num_classes
-    # NOTE: fold the per-row scale into the exponent, exp(z - lse + log|s|) = |s| * softmax, so no
-    # separate multiply pass over the batch x slice buffer. The sign goes into the matrix
-    # products' alpha. Rows with s == 0 (ignored) get exp(-inf) = 0. Mixed signs (only possible
-    # with reduction="none" and an arbitrary incoming gradient) fall back to a multiply pass.
-    if bool((scale >= 0).all()):
-        sign, row_scale, post = 1.0, scale, None
-    elif bool((scale <= 0).all()):
-        sign, row_scale, post = -1.0, -scale, None
-    else:
-        sign, row_scale, post = 1.0, scale, scale.unsqueeze(1)
-    shift = lse if post is not None else lse - torch.log(row_scale)
-    neg_shift = (-shift).unsqueeze(1)
-    onehot_coef = (1.0 - label_smoothing) * row_scale
-    uniform = (label_smoothing / num_classes) * row_scale if label_smoothing > 0 else None
-    if uniform is not None:
-        uniform = uniform.unsqueeze(1)
+    scale = scale.to(dt)
+    # Softmax * scale as exp(z - m) * (scale / sum), m the row's largest logit: where the
+    # softmax is large, z - m is small, so rounding its argument costs what the dense softmax's
+    # does. Folding the log-sum-exp into the exponent (one pass less) rounds the argument at
+    # the log-sum-exp's magnitude, further from float64 than PyTorch's dense fp32.
+    factor = (scale.double() / row_sum).to(dt).unsqueeze(1)
+    neg_max = (-row_max).unsqueeze(1)
+    if target_scale is None:
+        target_scale = (1.0 - label_smoothing) * scale
+    target_scale = target_scale.to(dt)
+    uniform = None
+    if label_smoothing > 0:
+        uniform = ((label_smoothing / num_classes) * scale).unsqueeze(1)
 
     grad_x = torch.zeros_like(x) if need_x else None
     flat = torch.empty(batch * min(slice_size, num_classes), dtype=dt, device=dev)
-    for start, stop, w, b in source.slices(slice_bounds(num_classes, slice_size)):
-        g = flat[: batch * (stop - start)].view(batch, stop - start)
-        if b is None:
-            torch.addmm(neg_shift, x, w.t(), out=g)
-        else:
-            torch.add(b.unsqueeze(0), neg_shift, out=g)
-            g.addmm_(x, w.t())
-        g.exp_()
-        if post is not None:
-            g.mul_(post)
-        if uniform is not None:
-            g.sub_(uniform)
-        local, inside = _local_targets(target, start, stop)
-        g.scatter_add_(1, local, -(onehot_coef * inside).unsqueeze(1))
-        if grad_x is not None:
-            grad_x.addmm_(g, w, alpha=sign)
-        if sink is not None:
-            gb = None
-            if need_bias:
-                gb = g.sum(0)
-                if sign != 1.0:
-                    gb.neg_()
-            gw = None
-            if need_weight:
-                gw = sink.out(start, stop)
-                torch.mm(g.t(), x, out=gw)
-                if sign != 1.0:
-                    gw.neg_()
-            sink.commit(start, stop, gw, gb)
+    bounds = slice_bounds(num_classes, slice_size)
+    targets.prepare(bounds, dt)
+    with closing(source.slices(bounds)) as slices:
+        for i, (start, stop, w, b) in enumerate(slices):
+            g = flat[: batch * (stop - start)].view(batch, stop - start)
+            if b is None:
+                torch.addmm(neg_max, x, w.t(), out=g)
+            else:
+                torch.add(b.unsqueeze(0), neg_max, out=g)
+                g.addmm_(x, w.t())
+            g.exp_().mul_(factor)
+            if uniform is not None:
+                g.sub_(uniform)
+            targets.subtract(i, g, start, stop, target_scale)
+            if grad_x is not None:
+                grad_x.addmm_(g, w)
+            if sink is not None:
+                gb = g.sum(0) if need_bias else None
+                gw = None
+                if need_weight:
+                    gw = sink.out(start, stop)
+                    torch.mm(g.t(), x, out=gw)
+                sink.commit(start, stop, gw, gb)
     return grad_x
 
 
@@ -328,7 +399,7 @@ def reduce_loss(
     if reduction == "none":
         return rows, n_valid
     total = rows.sum()
-    # NOTE: "mean" divides by the number of non-ignored rows (nan when there are none), which is
+    # "mean" divides by the number of non-ignored rows (nan when there are none), which is
     # what F.cross_entropy does, label smoothing included.
     return (total / n_valid if reduction == "mean" else total), n_valid
 
@@ -351,13 +422,11 @@ def row_scale(
 
 
 def _refuse_double_backward(what: str, dense: str) -> None:
-    """Raise when a backward runs with grad mode on, that is under ``create_graph=True``.
-
-    NOTE: the passes write into reused buffers (``out=``, in-place exp), which autograd cannot
-    differentiate; without this check a double backward fails deep inside with "addmm():
-    functions with out=... arguments don't support automatic differentiation", which names
-    neither the cause nor the fix.
-    """
+    """Raise when a backward runs with grad mode on, that is under ``create_graph=True``."""
+    # The passes write into reused buffers (``out=``, in-place exp), which autograd cannot
+    # differentiate; without this check a double backward fails deep inside with "addmm():
+    # functions with out=... arguments don't support automatic differentiation", which names
+    # neither the cause nor the fix.
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{what} does not support double backward: a backward with create_graph=True (a "
@@ -389,15 +458,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         xa = x2.to(accum_dtype)
         source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
                               prefetch=prefetch)
-        lse, z_t, z_sum = lse_pass(
-            xa, source, t, slice_size=slice_size, want_logit_sum=label_smoothing > 0
+        targets = OneHot(t)
+        row_max, row_sum, z_sum = lse_pass(
+            xa, source, targets, slice_size=slice_size, want_logit_sum=label_smoothing > 0
         )
         valid = t != ignore_index
-        rows = row_losses(
-            lse, z_t, z_sum, valid, num_classes=weight.shape[0], label_smoothing=label_smoothing
-        )
+        rows = row_losses(log_sum_exp(row_max, row_sum), targets.logits, z_sum, valid,
+                          num_classes=weight.shape[0], label_smoothing=label_smoothing)
         loss, n_valid = reduce_loss(rows, valid, reduction)
-        ctx.save_for_backward(x, weight, bias, t, lse, n_valid)
+        ctx.save_for_backward(x, weight, bias, t, row_max, row_sum, n_valid)
         ctx.opts = (slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch)
         if reduction == "none":
             loss = loss.reshape(lead_shape)
@@ -408,7 +477,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         _refuse_double_backward(
             "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
         )
-        x, weight, bias, t, lse, n_valid = ctx.saved_tensors
+        x, weight, bias, t, row_max, row_sum, n_valid = ctx.saved_tensors
         slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         valid = t != ignore_index
@@ -424,12 +493,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 weight, bias if need_b else None, device=x.device, dtype=accum_dtype,
                 need_weight=need_w, prefetch=prefetch,
             )
-        grad_x = grad_pass(
-            xa, source, t, lse, scale, slice_size=slice_size, label_smoothing=label_smoothing,
-            need_x=need_x, sink=sink, need_weight=need_w, need_bias=need_b,
-        )
-        if sink is not None:
-            sink.finish()
+        with landing(sink):
+            grad_x = grad_pass(
+                xa, source, OneHot(t), row_max, row_sum, scale, slice_size=slice_size,
+                label_smoothing=label_smoothing, need_x=need_x, sink=sink, need_weight=need_w,
+                need_bias=need_b,
+            )
         gx = None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)
         gw = None if sink is None else sink.grad_weight
         gb = None if sink is None else sink.grad_bias
@@ -501,10 +570,8 @@ def linear_cross_entropy(
     """
     _check_inputs(
         x, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-        reduction=reduction, accum_dtype=accum_dtype, slice_size=slice_size,
+        reduction=reduction, accum_dtype=accum_dtype, slice_size=slice_size, prefetch=prefetch,
     )
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     batch = math.prod(target.shape)
     num_classes = weight.shape[0]
     if slice_size is None:

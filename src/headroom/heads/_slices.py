@@ -6,15 +6,16 @@ The two passes of the sliced cross-entropy (``_linear_ce.py``) only ever ask for
 compute device (views, no copy), a host tensor while the compute device is an accelerator
 (streamed slice by slice by the transfer layer's `RowStreamer`, with prefetch), or a store
 (``HugeClassifier``, read slice by slice).
-
-# NOTE: keeping this a tiny internal interface means the transfer layer's streamer (streams,
-# events, pinned buffers) plugs in here without the numerics changing: streamed slices are
-# copies of the same rows, so results are bitwise those of the unstreamed path.
 """
+
+# Keeping this a tiny internal interface means the transfer layer's streamer (streams, events,
+# pinned buffers) plugs in here without the numerics changing: streamed slices are copies of the
+# same rows, so results are bitwise those of the unstreamed path.
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Protocol
 
 import torch
@@ -30,14 +31,32 @@ def slice_bounds(num_classes: int, slice_size: int) -> list[tuple[int, int]]:
 def host_streamer(
     src_device: torch.device, device: torch.device, *, prefetch: int
 ) -> RowStreamer | None:
-    """A streamer when rows resting on ``src_device`` (host) feed an accelerator, else ``None``.
-
-    # NOTE: the one switch between "views of a tensor on the compute device" and "streamed
-    # host rows"; tests replace it to drive the streamed path on the CPU.
-    """
+    """A streamer when rows resting on ``src_device`` (host) feed an accelerator, else ``None``."""
+    # The one switch between "views of a tensor on the compute device" and "streamed host
+    # rows"; tests replace it to drive the streamed path on the CPU.
     if src_device.type != "cpu" or not is_accelerator(device):
         return None
     return RowStreamer(device, prefetch=prefetch)
+
+
+@contextmanager
+def landing(sink: GradSink | None) -> Iterator[None]:
+    """Wait for every gradient ``sink`` was handed, when the block ends or raises.
+
+    On an exception (Ctrl-C included) the writes already issued land before it propagates; the
+    first error is the one reported.
+    """
+    # None may land later, after the caller has cleared the gradients (``zero_grad``) to start
+    # over.
+    try:
+        yield
+    except BaseException:
+        if sink is not None:
+            with suppress(Exception):
+                sink.finish()
+        raise
+    if sink is not None:
+        sink.finish()
 
 
 class SliceSource(Protocol):
@@ -104,7 +123,7 @@ class TensorSlices:
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
-        # NOTE: a no-op (no copy) when the tensor is already on the device in the dtype.
+        # A no-op (no copy) when the tensor is already on the device in the dtype.
         return t.to(device=self.device, dtype=self.dtype, non_blocking=True)
 
     def slices(

@@ -3,14 +3,14 @@
 The sliced passes of ``_linear_ce.py`` see these through the same two small interfaces as an
 in-memory weight (`SliceSource`, `GradSink`); this module is the only part of ``heads/`` that
 talks to a store.
+"""
 
-# NOTE: a host store hands out its resting tensor (``host_tensor``), so slices are views and cost
-# no copy on the CPU, and on an accelerator are streamed by the transfer layer's `RowStreamer`
+# A host store hands out its resting tensor (``host_tensor``), so slices are views and cost no
+# copy on the CPU, and on an accelerator are streamed by the transfer layer's `RowStreamer`
 # (side-stream copies with prefetch, straight from the pinned store, gradient slices back the
 # same way); a disk store is read into two rotating buffers, the next slice's read in flight
 # while the current one computes (double buffering), and gradients leave through two rotating
 # buffers whose writes complete in the background.
-"""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class StoreSlices:
                 host = [f.result() for f in cur]
                 for ring in rings:
                     ring.pending[i % 2] = None
-                # NOTE: start the next read before computing on this slice (prefetch depth 1);
+                # Start the next read before computing on this slice (prefetch depth 1);
                 # the buffer it fills is the one the previous slice used, which is done.
                 nxt = issue(i + 1) if i + 1 < len(bounds) else []
                 w = _to(host[0], self.device, self.dtype)
@@ -175,7 +175,7 @@ class StoreGradSink:
         self._count = 0
         self._tmp: torch.Tensor | None = None
         self._max_rows = max_rows
-        # NOTE: overwriting a host gradient in the compute dtype on the CPU can write the matrix
+        # Overwriting a host gradient in the compute dtype on the CPU can write the matrix
         # product straight into the store's tensor: no buffer, no copy.
         host = self.host_wg if self.host_wg is not None else self.host_bg
         self.streamer = None if host is None else _slices.host_streamer(

@@ -95,7 +95,7 @@ class Peak:
     # snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made in
     # between (an output turning out to be saved for backward) land in the right category.
 
-    __slots__ = ("value", "seq", "pending", "cats", "allocator")
+    __slots__ = ("value", "seq", "pending", "cats", "allocator", "resting")
 
     def __init__(self) -> None:
         self.value = 0
@@ -103,6 +103,7 @@ class Peak:
         self.pending = False
         self.cats = [0] * _NCAT
         self.allocator: dict[str, int] = {}
+        self.resting: dict[tuple[str, str], int] = {}
 
 
 class SavedToken:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from headroom.memory._categories import CATEGORIES, format_bytes
 
 if TYPE_CHECKING:
+    from headroom.memory._estimate import Estimate
     from headroom.memory._tracker import MemoryTracker
 
 # One color per category, the same in every plot headroom makes.
@@ -24,13 +25,15 @@ COLORS = {
 _PHASE_SHADE = {"forward": None, "backward": "#f2f2f2", "optimizer": "#e6f0e6"}
 
 
-def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
+def format_report(mem: MemoryTracker, *, top_modules: int = 10,
+                  heading: str = "headroom memory report", rss: bool = True,
+                  advice: bool = False, devices: list[str] | None = None) -> str:
     """A table: per device, each category at the peak, its own maximum, and at the end."""
     lines = []
-    devices = mem.devices or ["cpu"]
+    devices = devices or mem.devices or ["cpu"]
     for dev in devices:
         s = mem.stats(dev) if mem.devices else mem.stats()
-        lines.append(f"headroom memory report - {dev}")
+        lines.append(f"{heading} - {dev}")
         lines.append(f"{'category':<17}{'at peak':>12}{'max':>12}")
         for cat in CATEGORIES:
             lines.append(
@@ -61,10 +64,21 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
         if rest:
             lines.append(f"  {f'({len(rest)} more)':<40}{format_bytes(sum(rest)):>12}")
         lines.append("")
+    resting = mem.resting_at_peak
+    most = mem.resting_max
+    if most:
+        lines.append("resting in stores, off the device (not counted above)")
+        lines.append(f"  {'where/category':<25}{'at peak':>12}{'max':>12}")
+        for where, cats in most.items():
+            for cat, mx in cats.items():
+                at = resting.get(where, {}).get(cat, 0)
+                lines.append(f"  {where + '/' + cat:<25}{format_bytes(at):>12}"
+                             f"{format_bytes(mx):>12}")
+        lines.append("")
     peak_label = _peak_label(mem)
     if peak_label:
         lines.append(f"peak reached during: {peak_label}")
-    rss = mem.rss
+    rss = mem.rss if rss else {"peak": None}
     if rss["peak"] is not None:
         lines.append(
             f"process RSS: start {format_bytes(rss['start'] or 0)}, peak"
@@ -72,7 +86,36 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10) -> str:
             " tensors plus the interpreter, libraries, memory the C allocator keeps, and"
             " anything outside PyTorch)"
         )
+    if advice:
+        from headroom.memory._advice import tracker_advice
+
+        more = tracker_advice(mem)
+        if more:
+            lines.append("")
+            lines.extend(more)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def format_estimate(est: Estimate, *, top_modules: int = 10, advice: bool = True) -> str:
+    """The tracker's table for a dry run, the allocator model's figures, then the advice."""
+    text = format_report(est.tracker, top_modules=top_modules,
+                         heading="headroom memory estimate (dry run)", rss=False,
+                         devices=[est.device] if est.device in est.tracker.devices else None)
+    lines = [text.rstrip("\n")]
+    if est.bound:
+        lines.append(f"peak {format_bytes(est.peak)} with {est.bound}")
+    alloc = est.allocator
+    if alloc:
+        lines.append(
+            f"caching allocator model ({est.device}): allocated"
+            f" {format_bytes(alloc['peak_allocated'])} at most, reserved"
+            f" {format_bytes(alloc['peak_reserved'])} in {alloc['segments']} segments (the CUDA"
+            " context and library workspaces come on top)"
+        )
+    if advice and est.advice:
+        lines.append("")
+        lines.extend(est.advice)
+    return "\n".join(lines) + "\n"
 
 
 def _peak_label(mem: MemoryTracker) -> str:
@@ -95,6 +138,8 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
         "current": mem.current,
         "by_module": mem.by_module,
         "rss": mem.rss,
+        "resting": {"at_peak": mem.resting_at_peak, "max": mem.resting_max,
+                    "current": mem.resting},
         "devices": {
             d: {
                 "peak": (s := mem.stats(d)).peak,
@@ -113,6 +158,10 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
         "rss_timeline": {
             "time_s": [round(t, 6) for t, _ in mem.rss_timeline],
             "bytes": [b for _, b in mem.rss_timeline],
+        },
+        "resting_timeline": {
+            "time_s": [round(t, 6) for t, _ in mem.resting_timeline],
+            "bytes": [b for _, b in mem.resting_timeline],
         },
     }
 
@@ -169,6 +218,12 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
             zorder=1,
         )
         totals = np.sum(ys, axis=0)
+        rest = [(t - t_start, b) for t, b in mem.resting_timeline if t >= t_start]
+        if rest:
+            # Bytes moved to a store: what the device would otherwise hold, on the same axis.
+            rx = np.array([t for t, _ in rest]) * (1e3 if t_unit == "ms" else 1.0)
+            ax.step(rx, np.array([b for _, b in rest]) / scale, where="post", color="#C44E52",
+                    ls="--", lw=1.2, zorder=2, label="resting in stores (off the device)")
         k = int(np.argmax(totals))
         ax.axvline(x[k], color="black", ls="--", lw=1, zorder=2)
         ax.annotate(
@@ -180,7 +235,8 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
             fontsize=8,
             zorder=3,
         )
-        ax.set_ylim(0, totals.max() * 1.12 if totals.max() > 0 else 1)
+        top = max(totals.max(), max((b for _, b in rest), default=0) / scale)
+        ax.set_ylim(0, top * 1.12 if top > 0 else 1)
         ax.set_ylabel(f"live tensor memory ({unit})")
         rss = [(t - t_start, b) for t, b in mem.rss_timeline if t >= t_start]
         if rss:

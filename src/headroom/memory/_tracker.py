@@ -165,6 +165,14 @@ class MemoryTracker:
         self._mode: _Mode | None = None
         self._saved_hooks: Any = None
         self._rss = RSSWatch()
+        # Bytes headroom moved off the compute device and keeps in a store ("host", "disk"),
+        # by (where, category): not live tensor memory of the device, shown beside it.
+        self._resting: dict[tuple[str, str], int] = {}
+        self._resting_max: dict[tuple[str, str], int] = {}
+        self._resting_samples: list[tuple[float, int]] = []
+        self._meta_as: str | None = None  # set by the estimator: what meta tensors stand for
+        # the first root forward's model and input shapes, and the optimizer: for advice
+        self._context: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -266,10 +274,18 @@ class MemoryTracker:
         with self._lock:
             info = self._infos.get(key)
             if info is None:
-                if self._state != "active" or st.device.type == "meta":
+                if self._state != "active":
                     return None
+                if st.device.type == "meta":
+                    # Meta tensors take no memory, except in a dry run (the estimator), where
+                    # they stand for the tensors of the device estimated.
+                    if self._meta_as is None:
+                        return None
+                    dev = self._meta_as
+                else:
+                    dev = device_name(t.device)
                 self._seq += 1
-                info = StorageInfo(key, device_name(t.device), st.nbytes(), cat, self._seq)
+                info = StorageInfo(key, dev, st.nbytes(), cat, self._seq)
                 info.ref = weakref.ref(st, self._make_free_cb(info))
                 self._infos[key] = info
                 if cat == ACTIVATIONS:
@@ -380,6 +396,7 @@ class MemoryTracker:
             device = next(d for d, p in self._dev_peak.items() if p is peak)
             cats = list(self._current[device])
         peak.cats = cats
+        peak.resting = {k: v for k, v in self._resting.items() if v}
         if self._sample_allocator:
             # "active" (blocks in use, including those waiting on other streams) costs a
             # full stats query, so it is read once per local peak, not at every new maximum.
@@ -519,6 +536,9 @@ class MemoryTracker:
 
     def _pre_step(self, opt, args, kwargs) -> None:
         self._in_optimizer += 1
+        if self._context and "optimizer" not in self._context:
+            options = getattr(opt, "options", None)  # hr.HostOptimizer: the class it runs
+            self._context["optimizer"] = getattr(options, "optimizer_class", type(opt))
         self._see_optimizer(opt)
 
     def _post_step(self, opt, args, kwargs) -> None:
@@ -527,6 +547,9 @@ class MemoryTracker:
 
     def _add_root(self, module: nn.Module) -> None:
         self._roots.append(weakref.ref(module))
+        if self._meta_as is None and not self._context:
+            self._handles.append(
+                module.register_forward_pre_hook(self._remember_inputs, with_kwargs=True))
         multi = len(self._roots) > 1
         root_name = type(module).__name__
         for name, m in module.named_modules():
@@ -539,9 +562,29 @@ class MemoryTracker:
             for b in m.buffers(recurse=False):
                 self._see(b, BUFFERS)
 
+    def _remember_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        ctx = self._context
+        if ctx and not (ctx.get("partial") and ctx["model"]() is module):
+            return
+        if self._stack[:-1]:
+            return
+        from headroom.memory._dryrun import to_meta
+
+        self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
+                         "kwargs": to_meta(dict(kwargs))}
+        if ctx and "optimizer" in ctx:
+            self._context["optimizer"] = ctx["optimizer"]
+
     def _pre_fw(self, module: nn.Module, args: Any) -> None:
         if not self._stack and id(module) not in self._names:
             self._add_root(module)
+            if self._meta_as is None and not self._context:
+                # A model first seen now (built inside the region): its own hook, registered
+                # just now, runs from its next call on; keyword inputs are known from then.
+                from headroom.memory._dryrun import to_meta
+
+                self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
+                                 "kwargs": {}, "partial": True}
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__
@@ -759,11 +802,16 @@ class MemoryTracker:
         return DeviceStats(value, cats, mx, cur, alloc)
 
     # ------------------------------------------------------------------ reports
-    def report(self, *, file=None, top_modules: int = 10) -> str:
-        """Print (to ``file``, default stdout) and return a readable table of the numbers."""
+    def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
+        """Print (to ``file``, default stdout) and return a readable table of the numbers.
+
+        With ``advice`` (and the model that ran still alive) it ends with what would cut the
+        peak most: each technique's saving from a dry run of the step (`headroom.estimate`)
+        with the shapes of the first forward of the model and the optimizer seen stepping.
+        """
         from headroom.memory._report import format_report
 
-        text = format_report(self, top_modules=top_modules)
+        text = format_report(self, top_modules=top_modules, advice=advice)
         print(text, file=file)
         return text
 
@@ -784,6 +832,59 @@ class MemoryTracker:
         from headroom.memory._report import plot
 
         plot(self, path, title=title)
+
+    # ------------------------------------------------------------------ resting in stores
+    @staticmethod
+    def _nested(table: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (where, cat), v in sorted(table.items()):
+            out.setdefault(where, {})[cat] = v
+        return out
+
+    @property
+    def resting(self) -> dict[str, dict[str, int]]:
+        """Bytes headroom keeps off the compute device in a store now (or at exit), as
+        ``{where: {category: bytes}}`` with ``where`` ``"host"`` or ``"disk"``; e.g. the
+        activations `offload_activations` moved out. Not part of :attr:`peak`: this is what
+        the device did not have to hold. (Host copies are also tensors on ``"cpu"``, counted
+        there when the compute device is the CPU.)"""
+        self._check_used()
+        with self._lock:
+            return self._nested(self._resting)
+
+    @property
+    def resting_at_peak(self) -> dict[str, dict[str, int]]:
+        """:attr:`resting` at the moment of :attr:`peak`."""
+        self._check_used()
+        with self._lock:
+            if self._peak.pending and self._state == "active":
+                return self._nested({k: v for k, v in self._resting.items() if v})
+            return self._nested(self._peak.resting)
+
+    @property
+    def resting_max(self) -> dict[str, dict[str, int]]:
+        """Each entry of :attr:`resting` at its own maximum over the run."""
+        self._check_used()
+        with self._lock:
+            return self._nested(self._resting_max)
+
+    @property
+    def resting_timeline(self) -> list[tuple[float, int]]:
+        """``(seconds since entry, bytes resting in all stores)`` after each change."""
+        self._check_used()
+        with self._lock:
+            return list(self._resting_samples)
+
+    def _rest(self, where: str, category: str, delta: int) -> None:
+        with self._lock:
+            key = (where, category)
+            v = self._resting[key] = self._resting.get(key, 0) + delta
+            if v > self._resting_max.get(key, 0):
+                self._resting_max[key] = v
+            self._resting_samples.append(
+                (time.perf_counter() - self._t0, sum(self._resting.values())))
+            if len(self._resting_samples) > self._max_samples:
+                self._resting_samples = self._resting_samples[::2]
 
     # ------------------------------------------------------------------ for other layers
     def annotate(self, tensor: torch.Tensor, category: str) -> None:
@@ -847,3 +948,19 @@ def annotate(tensor: torch.Tensor, category: str) -> None:
     tracker = _active
     if tracker is not None:
         tracker.annotate(tensor, category)
+
+
+def note_resting(where: str, category: str, nbytes: int) -> None:
+    """Tell the active tracker (if any) that ``nbytes`` of ``category`` now rest in a store
+    (``where``: ``"host"`` or ``"disk"``) instead of on the compute device; negative when they
+    come back or are dropped. A no-op when no tracker is active.
+
+    Raises:
+        ValueError: if ``category`` is not a known category or ``where`` is not a store kind.
+    """
+    category_index(category)
+    if where not in ("host", "disk"):
+        raise ValueError(f"where must be 'host' or 'disk', got {where!r}")
+    tracker = _active
+    if tracker is not None and tracker._state == "active":
+        tracker._rest(where, category, nbytes)

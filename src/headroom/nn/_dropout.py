@@ -60,7 +60,7 @@ def _state_at(now: torch.Tensor, position: np.ndarray) -> torch.Tensor:
 
 
 def _generator(device: torch.device) -> torch.Generator:
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):  # meta: a dry run (hr.estimate), values never drawn
         return torch.default_generator
     index = device.index if device.index is not None else torch.accelerator.current_device_index()
     return torch.get_device_module(device.type).default_generators[index]

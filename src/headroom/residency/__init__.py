@@ -1,6 +1,6 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
-from headroom.residency._offload import describe, offload, state_of, unoffload
+from headroom.residency._offload import describe, offload, prefetch, state_of, unoffload
 from headroom.residency._plan import (
     GroupPlan,
     OffloadOptions,
@@ -17,6 +17,7 @@ __all__ = [
     "describe",
     "offload",
     "plan_offload",
+    "prefetch",
     "state_of",
     "unoffload",
 ]

@@ -12,7 +12,10 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from headroom.residency import _guard
 from headroom.residency._group import DeviceCopy, Group, Slot
@@ -31,7 +34,7 @@ from headroom.transfer import (
     unbind,
 )
 
-__all__ = ["describe", "offload", "unoffload"]
+__all__ = ["describe", "offload", "prefetch", "unoffload"]
 
 _ATTR = "_headroom_offload"
 
@@ -313,7 +316,61 @@ def _install_optimizer_hook() -> None:
                         " store='cpu'"
                     )
 
-    _guard_handle = register_optimizer_step_pre_hook(before_step)
+    def after_step(opt, args, kwargs):
+        for state in list(_LIVE):
+            state.after_optimizer_step()
+
+    _guard_handle = (register_optimizer_step_pre_hook(before_step),
+                     register_optimizer_step_post_hook(after_step))
+
+
+def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
+    """Announce the blocks the next forward will use, so they move to the device now.
+
+    For a schedule the caller knows and forward order does not tell: a multi-task model
+    whose heads are offloaded (``hr.offload(model.heads, ..., prefetch=0)``) uses one head per
+    batch, and the loader knows the next batch's task. Called before the current step's
+    forward, the next task's head is fetched while the current step runs (on an accelerator
+    on a side stream; with a `DiskStore` by the store's read threads) and is ready when its
+    forward comes. Each call replaces the previous announcement of the same offloaded model.
+
+    An announced block stays on the device until a forward uses it, and across an optimizer
+    step unless one of its parameters has a gradient (the step may change those: they are
+    released before it and fetched again after it). A failed forward or backward,
+    ``load_state_dict``, ``hr.load``, ``hr.load_weights`` and `unoffload` drop announcements.
+    Costs one block of device memory per announced block.
+
+    Args:
+        blocks: one block of an offloaded model (e.g. ``model.heads[t]``) or several; an empty
+            list is not accepted (announce other blocks to replace an announcement).
+
+    Raises:
+        ValueError: a module that is not a block of an offloaded model.
+        RuntimeError: called during that model's forward or backward.
+
+    Example:
+        >>> hr.offload(model.heads, device="cuda", store="cpu", prefetch=0)  # doctest: +SKIP
+        >>> for (x, task), nxt in zip(batches, next_tasks):                 # doctest: +SKIP
+        ...     hr.prefetch(model.heads[nxt])       # arrives while this step runs
+        ...     loss_fn(model(x, task)).backward(); opt.step(); opt.zero_grad()
+    """
+    mods = [blocks] if isinstance(blocks, nn.Module) else list(blocks)
+    if not mods:
+        raise ValueError("hr.prefetch needs at least one block (e.g. model.heads[task])")
+    per_state: dict[int, tuple[Offload, list[Group]]] = {}
+    for m in mods:
+        role = m.__dict__.get(_guard._ROLE) if isinstance(m, nn.Module) else None
+        if not isinstance(role, _GroupRole):
+            what = "an offloaded model's root" if isinstance(role, Offload) else (
+                f"a {type(m).__name__} that is not a block of an offloaded model")
+            raise ValueError(
+                f"hr.prefetch takes blocks of a model offloaded with hr.offload (such as"
+                f" model.heads[task] after hr.offload(model.heads, ...)), got {what}; see"
+                " hr.describe(model) for its blocks"
+            )
+        per_state.setdefault(id(role.state), (role.state, []))[1].append(role.block)
+    for state, groups in per_state.values():
+        state.announce(groups)
 
 
 def state_of(model: nn.Module) -> Offload:
@@ -349,6 +406,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     if state._bwd and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
     state._settle()
+    state.drop_announced()
     state.init_pending()
     state.sync_grads()
     for b in [*state.blocks, state.rest]:

@@ -129,6 +129,15 @@ class Offload:
         # modules with parameters or buffers created on meta and not filled yet (see _meta)
         self.pending_modules: dict[int, nn.Module] = {}
         self.module_names: dict[int, str] = {}
+        # Blocks announced by `hr.prefetch` for the next forward: fetched now, kept resident
+        # (outside forward and backward too) until a forward uses them or a new announcement,
+        # an optimizer step that may change them, or a failure drops them.
+        self.announced: list[Group] = []
+        # Listeners told which blocks a forward with gradients used (hr.data_parallel).
+        self.used_listeners: list[Any] = []
+        # Set by hr.data_parallel: DistributedDataParallel may wrap this model.
+        self.ddp_allowed = False
+        self._refetch = False
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -140,6 +149,37 @@ class Offload:
             if step < 0 and id(order[i]) in self._bwd_seen:
                 continue
             self.res.fetch(order[i])
+
+    def _idle_release(self, b: Group) -> None:
+        """Release ``b`` unless an announcement keeps it for the next forward."""
+        if b not in self.announced:
+            self.res.release(b)
+
+    def announce(self, blocks: list[Group]) -> None:
+        """The next forward uses ``blocks``: start fetching them, and drop older announcements."""
+        if self._bwd or self._root_running or self._active:
+            raise RuntimeError(
+                "hr.prefetch was called during a forward or backward of the offloaded model;"
+                " announce the next batch's blocks between steps (before forward, or after"
+                " backward)"
+            )
+        old, self.announced = self.announced, []
+        for b in old:
+            if b not in blocks:
+                self.res.release(b)
+        self.announced = list(dict.fromkeys(blocks))
+        try:
+            for b in self.announced:
+                self.res.fetch(b)
+        except BaseException:
+            self.drop_announced()
+            raise
+
+    def drop_announced(self) -> None:
+        """Forget every announcement and release what it kept (values may change now)."""
+        old, self.announced = self.announced, []
+        for b in old:
+            self.res.release(b, quiet=True)
 
     def init_pending(self) -> None:
         """Values for whatever was created on meta and not loaded yet (see `_meta`)."""
@@ -177,6 +217,7 @@ class Offload:
             self._active = []
             self._root_running = False
             self._order_now = []
+            self.announced = []
             for b in [*self.blocks, self.rest]:
                 hide(b)
                 self.res.release(b, quiet=True)
@@ -193,6 +234,7 @@ class Offload:
             self._bwd = False
             self._bwd_task = -1
             self._bwd_seen = set()
+            self.announced = []
             for b in [*self.blocks, self.rest]:
                 b.inputs_pending = 0
                 hide(b)
@@ -213,7 +255,7 @@ class Offload:
         for b in [*self.blocks, self.rest]:
             # Only leftovers are resident here (e.g. `rest`, kept for a backward that
             # never ran); a pending backward re-fetches what it needs, with the same values.
-            self.res.release(b)
+            self._idle_release(b)
 
     def settle_if_idle(self) -> None:
         """Outside forward and backward: back to the resting state, finishing the clean-up of a
@@ -225,14 +267,29 @@ class Offload:
             return
         for b in [*self.blocks, self.rest]:
             # A backward still to come re-fetches what it needs, with the same values.
-            self.res.release(b)
+            self._idle_release(b)
 
     def before_optimizer_step(self) -> None:
         """An optimizer is about to change masters: drop device copies a step would outdate."""
         if self._bwd or self._root_running or self._active:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
         for b in [*self.blocks, self.rest]:
+            # Optimizers step only parameters with a gradient (torch.optim skips
+            # ``grad is None``, HostOptimizer a binding without ``has_grad``), so an announced
+            # block without any keeps valid device copies across the step.
+            if b in self.announced and not any(
+                    s.param.grad is not None or s.binding.has_grad for s in b.slots):
+                continue
             self.res.release(b)
+        self._refetch = True
+
+    def after_optimizer_step(self) -> None:
+        """Fetch again what `before_optimizer_step` released of the announced blocks."""
+        if not self._refetch or self._bwd or self._root_running or self._active:
+            return
+        self._refetch = False
+        for b in self.announced:
+            self.res.fetch(b)
 
     # ------------------------------------------------------------------ guard protocol
     def call_failed(self, module: nn.Module) -> None:
@@ -242,12 +299,15 @@ class Offload:
         self.settle_if_idle()
 
     def wrapped_by_ddp(self, module: nn.Module) -> None:
+        if self.ddp_allowed:
+            return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
             f" {type(module).__name__}): autograd runs on the device copies while DDP hooks"
             " the stored parameters, so no gradient would be all-reduced and the replicas would"
-            " silently diverge. Data parallel training of offloaded models is not supported"
-            " yet: train offloaded models in a single process, or hr.unoffload(model) first"
+            " silently diverge. Use model = hr.data_parallel(model) instead of"
+            " DistributedDataParallel(model): it runs DDP for the parameters on the device and"
+            " all-reduces the offloaded ones itself"
         )
 
     def _check_not_under_ddp(self, module: nn.Module) -> None:
@@ -305,6 +365,9 @@ class Offload:
         self._active = []
         self.res.ensure(self.rest)
         show(self.rest)
+        if torch.is_grad_enabled():
+            for fn in self.used_listeners:
+                fn(self.rest)
         order = self.order or self.blocks
         self._prefetch(order, -1, 1)
         return None
@@ -315,7 +378,7 @@ class Offload:
         self._root_running = False
         self.order = self._order_now or self.order
         for b in self.blocks:  # prefetched past the end, or skipped by this forward
-            self.res.release(b)
+            self._idle_release(b)
         outs = _outputs(output) if torch.is_grad_enabled() else []
         if outs:
             # `rest` stays resident for backward, but the modules hold the masters again.
@@ -339,6 +402,11 @@ class Offload:
             self.init_pending()
         entry = [block, False]
         self._active.append(entry)
+        if block in self.announced:
+            self.announced.remove(block)  # the announcement is used up
+        if torch.is_grad_enabled():
+            for fn in self.used_listeners:
+                fn(block)
         self.res.ensure(block)
         show(block)
         for s in block.slots:
@@ -502,7 +570,7 @@ class Offload:
         self._bwd_seen = set()
         for b in self.blocks:
             b.inputs_pending = 0
-            self.res.release(b)
+            self._idle_release(b)
         self.res.release(self.rest)
         self.sync_grads()
         if self._bypass:
@@ -517,6 +585,36 @@ class Offload:
     def sync_grads(self) -> None:
         """Wait until every gradient pushed so far rests in the store (any thread)."""
         self.res.sync_grads()
+
+    def read_grad(self, slot: Slot) -> torch.Tensor | None:
+        """The slot's accumulated gradient as a host tensor (the store's own one on the host,
+        a copy from disk), or ``None`` when its master has none."""
+        b = slot.binding
+        if slot.param.grad is None or b.grad_handle is None:
+            return None
+        self.sync_grads()
+        host = self.store.host_tensor(b.grad_handle)
+        return host if host is not None else self.store.read(b.grad_handle).result()
+
+    def put_grad(self, slot: Slot, value: torch.Tensor) -> None:
+        """Make ``value`` (a host tensor) the slot's whole gradient, as a backward leaves it."""
+        b = slot.binding
+        p = slot.param
+        self.sync_grads()
+        if b.grad_handle is None:
+            b.grad_handle = _grad_handle(self.store, b)
+        gh = b.grad_handle
+        host = self.store.host_tensor(gh)
+        if host is not None:
+            if host.data_ptr() != value.data_ptr():
+                host.copy_(value)
+        else:
+            self.store.write(gh, value.to(gh.dtype).contiguous()).result()
+        b.has_grad = True
+        if host is not None and gh.dtype == p.dtype:
+            p.grad = host
+        elif p.grad is None:
+            p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
 
     def bypass_hook(self, name: str, p: torch.Tensor) -> None:
         self._bypass.append(name)
@@ -543,6 +641,8 @@ class Offload:
             h = slot.binding.handle
             if tuple(value.shape) != h.shape:
                 continue  # the default loader reports the mismatch
+            if self.announced:
+                self.drop_announced()  # their device copies would hold the old values
             self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
             slot.binding.has_value = True
             # The default loader then copies into whatever the module holds; give it a

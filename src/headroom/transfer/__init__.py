@@ -10,6 +10,7 @@ from headroom.transfer._binding import (
     binding,
     grad_ready,
     on_grad_ready,
+    relay_done,
     sync_grad,
     unbind,
 )
@@ -21,7 +22,13 @@ from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._rows import RowStreamer
-from headroom.transfer._safetensors import SafetensorsFile, TensorInfo, safetensors_dtypes
+from headroom.transfer._safetensors import (
+    HeaderError,
+    SafetensorsFile,
+    TensorInfo,
+    parse_header,
+    safetensors_dtypes,
+)
 from headroom.transfer._stash import Stash, StashTicket
 from headroom.transfer._storage import resize_storage
 from headroom.transfer._store import (
@@ -35,6 +42,7 @@ from headroom.transfer._store import (
 __all__ = [
     "DiskStore",
     "Handle",
+    "HeaderError",
     "HeapTrimmer",
     "HostStore",
     "ListenerHandle",
@@ -57,6 +65,8 @@ __all__ = [
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "parse_header",
+    "relay_done",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",

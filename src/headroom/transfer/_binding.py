@@ -5,7 +5,9 @@ a store-resident gradient (the offload layer) and the code that *consumes* it (a
 `on_grad_ready` registers a listener, the producer calls `grad_ready` once the parameter's
 gradient of one backward pass is complete, and a consumer calls `sync_grad` before reading it
 (the producer's writes may still be in flight then). Listeners are removed with the handle
-`on_grad_ready` returns, like a ``torch`` hook.
+`on_grad_ready` returns, like a ``torch`` hook. A *relay* (data parallel, which averages the
+gradient across processes first) may stand between the two: `grad_ready` then hands the
+parameter to it alone, and it calls `relay_done` once the gradient is final.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
 __all__ = [
-    "ParamBinding", "bind", "binding", "grad_ready", "on_grad_ready", "sync_grad", "unbind",
+    "ParamBinding", "bind", "binding", "grad_ready", "on_grad_ready", "relay_done", "sync_grad",
+    "unbind",
 ]
 
 _ATTR = "_headroom_binding"
@@ -49,6 +52,9 @@ class ParamBinding:
             ``meta``, still to be loaded or initialized): consumers must not read it then.
             Whoever writes the whole value sets it.
         listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
+        relay: ``fn(param)`` that `grad_ready` calls instead of the listeners, or ``None``: a
+            consumer that changes the gradient before anyone may read it (data parallel
+            averaging it across processes) calls `relay_done` when it is final.
     """
 
     store: Store
@@ -60,6 +66,7 @@ class ParamBinding:
     has_value: bool = True
     grad_sync: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
+    relay: Callable[[torch.Tensor], None] | None = field(default=None, repr=False)
 
 
 class ListenerHandle:
@@ -157,6 +164,17 @@ def grad_ready(param: torch.Tensor) -> None:
     Producers call it after handing the gradient to the store (`Mover.push_grad`); the
     binding's ``grad_sync`` is what makes the handed-over bytes readable.
     """
+    b = binding(param)
+    if b is not None:
+        if b.relay is not None:
+            b.relay(param)
+            return
+        for fn in tuple(b.listeners):
+            fn(param)
+
+
+def relay_done(param: torch.Tensor) -> None:
+    """A relay has finished ``param``'s gradient: tell the listeners (see `grad_ready`)."""
     b = binding(param)
     if b is not None:
         for fn in tuple(b.listeners):

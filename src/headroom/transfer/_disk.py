@@ -301,6 +301,7 @@ class DiskStore(Store):
         self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
                                          thread_name_prefix="hr-disk-w")
         self._closed = False
+        self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
         try:
             self._ledger = Ledger.open(self.path, overwrite=overwrite)
         except BaseException:
@@ -475,6 +476,17 @@ class DiskStore(Store):
         # finish is then still recognised as complete or torn when the store reopens.
         self._busy("write", 1)
         n = 0
+        if key.startswith(SCRATCH) and not self.verify_reads:
+            # Scratch bytes are dropped unchecked when the store reopens, and nothing reads
+            # them back verified: a checksum and two journal records would buy nothing.
+            # See [Note: scratch keys].
+            try:
+                self._ledger.forget_segments(key)  # no stale checksum of the old bytes
+                self._write_plain(path, t, extents)
+                n = sum(length for _, _, length in extents)
+            finally:
+                self._busy("write", -1, n)
+            return
         try:
             mv = _view(t)
             if len(extents) <= MAX_EXTENTS:
@@ -488,13 +500,7 @@ class DiskStore(Store):
                 raise self._io_error(e, str(self.path)) from e
             written = [0]
             try:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    for pos, offset, length in extents:
-                        _pwrite_from(fd, mv[pos:pos + length], offset, written)
-                        self._drop_cache(fd, offset, length, True)
-                finally:
-                    os.close(fd)
+                self._pwrite_extents(path, mv, extents, written)
             except OSError as e:
                 # Part of a failed write may have reached the file; those ranges are then
                 # marked bad (reads raise) rather than silently mixing old and new bytes.
@@ -506,6 +512,23 @@ class DiskStore(Store):
             n = sum(length for _, _, length in extents)
         finally:
             self._busy("write", -1, n)
+
+    def _pwrite_extents(self, path: str, mv: memoryview, extents: list[tuple[int, int, int]],
+                        written: list[int]) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for pos, offset, length in extents:
+                _pwrite_from(fd, mv[pos:pos + length], offset, written)
+                self._drop_cache(fd, offset, length, True)
+        finally:
+            os.close(fd)
+
+    def _write_plain(self, path: str, t: torch.Tensor,
+                     extents: list[tuple[int, int, int]]) -> None:
+        try:
+            self._pwrite_extents(path, _view(t), extents, [0])
+        except OSError as e:
+            raise self._io_error(e, path) from e
 
     # ------------------------------------------------------------------ protocol
     def alloc(

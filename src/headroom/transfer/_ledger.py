@@ -351,6 +351,14 @@ class Ledger:
             if e is not None and [start, end, None] in e["segments"]:
                 put(e["segments"], start, end, value, seg_cap(e["nbytes"]))
 
+    def forget_segments(self, key: str) -> None:
+        """No checksum is known for ``key``'s bytes any more, and none will be looked for (a
+        scratch key written without journal records; dropped unchecked on reopen)."""
+        with self.lock:
+            e = self.entries.get(key)
+            if e is not None:
+                e["segments"] = []
+
     def mark_bad(self, key: str, start: int, end: int) -> None:
         with self.lock:
             e = self.entries[key]

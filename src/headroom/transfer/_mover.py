@@ -151,7 +151,7 @@ class Mover:
         if tuple(grad.shape) != gh.shape:
             raise ValueError(f"gradient for {gh.key!r}: shape {tuple(grad.shape)} != {gh.shape}")
         b.has_grad = True
-        if not self.accelerated or grad.device.type == "cpu":
+        if not self.accelerated or not is_accelerator(grad.device):
             self._land(grad.detach(), gh, accumulate)
             return
         ev = self._mod.Event()

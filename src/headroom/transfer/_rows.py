@@ -146,6 +146,17 @@ class RowStreamer:
             if copied[k] is not None:
                 copied[k].synchronize()  # long done in steady state: a ring's worth ago
                 copied[k] = None
+            if any(t is not None and dev_bufs[c][k] is None for c, t in enumerate(tensors)):
+                for c, t in enumerate(tensors):
+                    if t is not None and dev_bufs[c][k] is None:
+                        dev_bufs[c][k] = torch.empty(max_rows * row_elems[c], dtype=t.dtype,
+                                                     device=self.device)
+                # Allocated on the compute stream, whose queued kernels may still use that
+                # memory (the caching allocator gives a freed block back to its stream at
+                # once): the side stream's first copies into it are ordered after them.
+                fresh = mod.Event()
+                fresh.record(compute)
+                self._h2d.wait_event(fresh)
             outs: list[torch.Tensor | None] = []
             staged = False
             for c, t in enumerate(tensors):
@@ -164,11 +175,10 @@ class RowStreamer:
                     src, staged = buf, True
                     if self._trace is not None:
                         self._trace.append(("stage", j, k, buf.data_ptr()))
-                if dev_bufs[c][k] is None:
-                    dev_bufs[c][k] = torch.empty(max_rows * row_elems[c], dtype=t.dtype,
-                                                 device=self.device)
                 dst = dev_bufs[c][k][:n].view(shape)
                 with mod.stream(self._h2d):
+                    # Ordered after the compute that last read this slot (release) or that
+                    # allocated it (fresh), and, for staging, after the host filled it.
                     dst.copy_(src, non_blocking=True)
                 outs.append(dst)
                 if self._trace is not None:
@@ -200,11 +210,11 @@ class RowStreamer:
                     outs = [None if o is None else o.to(dtype) for o in outs]
                 yield start, stop, outs
         finally:
-            for ev, _ in ready.values():  # closed early: order freeing after the copies
-                compute.wait_event(ev)
             # A pinned source is read by the device with no host wait; wait once at the
             # end so that an optimizer step (or any host write) after the pass cannot race the
-            # last copies. Copies finish in issue order on the one side stream.
+            # last copies. Copies finish in issue order on the one side stream, so this also
+            # orders the freeing of the device buffers and the staging's return to the pool
+            # after every copy, those of slices never delivered (closed early) included.
             if last[0] is not None:
                 last[0].synchronize()
             for bufs in staging:

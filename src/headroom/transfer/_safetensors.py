@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SafetensorsFile", "TensorInfo", "safetensors_dtypes"]
+__all__ = ["HeaderError", "SafetensorsFile", "TensorInfo", "parse_header", "safetensors_dtypes"]
 
 _CODES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -50,6 +50,52 @@ class TensorInfo:
     @property
     def row_nbytes(self) -> int:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+
+class HeaderError(ValueError):
+    """What is wrong with a safetensors header (each reader words its own error around it)."""
+
+
+def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, TensorInfo], int]:
+    """Parse the JSON header of a safetensors file whose data starts at byte ``base``.
+
+    Returns the ``__metadata__`` strings, each tensor's `TensorInfo` (offsets in the file) in
+    header order, and the data section's length. Checked: JSON object, known dtypes, each byte
+    range the size its shape says, and the ranges tiling the data section (no overlap, no gap).
+
+    Raises:
+        HeaderError: saying which of these fails.
+    """
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeaderError(f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise HeaderError("its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise HeaderError("its header's __metadata__ is not a JSON object")
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, e in header.items():
+        try:
+            dtype = _CODES[e["dtype"]]
+            shape = tuple(int(d) for d in e["shape"])
+            begin, end = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise HeaderError(f"its header's entry for tensor {name!r} is malformed or of an"
+                              " unknown dtype") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or end - begin != nbytes:
+            raise HeaderError(f"tensor {name!r}'s shape and byte range disagree")
+        tensors[name] = TensorInfo(name, dtype, shape, base + begin, nbytes)
+        spans.append((begin, end))
+    length = 0
+    for begin, end in sorted(spans):
+        if begin != length:
+            raise HeaderError("its tensors' byte ranges overlap or leave gaps")
+        length = end
+    return meta, tensors, length
 
 
 def _buffer_view(t: torch.Tensor) -> memoryview:
@@ -96,25 +142,11 @@ class SafetensorsFile:
             raise self._bad(f"header length {n} beyond the file's {size} bytes")
         raw = os.pread(self._fd, n, 8)
         try:
-            header = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise self._bad(f"header is not JSON: {e}") from None
-        if not isinstance(header, dict):
-            raise self._bad("header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        base = 8 + n
-        tensors = {}
-        for name, e in header.items():
-            try:
-                dtype = _CODES[e["dtype"]]
-                shape = tuple(int(s) for s in e["shape"])
-                begin, end = (int(x) for x in e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise self._bad(f"entry {name!r} is malformed or of an unknown dtype") from None
-            nbytes = math.prod(shape) * dtype.itemsize
-            if end - begin != nbytes or base + end > size:
-                raise self._bad(f"tensor {name!r} does not fit its byte range")
-            tensors[name] = TensorInfo(name, dtype, shape, base + begin, nbytes)
+            meta, tensors, length = parse_header(raw, 8 + n)
+        except HeaderError as e:
+            raise self._bad(str(e)) from None
+        if 8 + n + length > size:
+            raise self._bad(f"its header describes {8 + n + length} bytes, the file has {size}")
         return tensors, meta
 
     def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ into the tensor's memory.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,6 +32,11 @@ __all__ = ["Stash", "StashTicket"]
 
 _KEY = SCRATCH + "stash"
 _ids = itertools.count()
+
+# Shared stashes (`Stash.shared`): host ones by device here, disk ones on their store (the store
+# is alive as long as they are), which this set finds again for `Stash.release_shared`.
+_host_shared: dict[torch.device, Stash] = {}
+_disks_shared: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass
@@ -82,6 +88,31 @@ class Stash:
             self._mod = torch.get_device_module(self.device.type)
             self._d2h = self._mod.Stream(self.device)
             self._h2d = self._mod.Stream(self.device)
+
+    @classmethod
+    def shared(cls, device: str | torch.device, store: Store | None) -> Stash:
+        """The process's stash for ``device`` and ``store``, kept between users: a training
+        loop that stashes every step reuses its buffers (page-locked memory is slow to
+        allocate) and files. `release_shared` gives their pooled space back."""
+        device = torch.device(device)
+        if isinstance(store, DiskStore):
+            table = store._stashes
+            _disks_shared.add(store)
+        else:
+            table = _host_shared
+        s = table.get(device)
+        if s is None:
+            s = table[device] = cls(device, store)
+        return s
+
+    @staticmethod
+    def release_shared() -> None:
+        """Free what the shared stashes pooled. Bytes stashed and not dropped yet stay."""
+        for s in list(_host_shared.values()):
+            s.close()
+        for store in list(_disks_shared):
+            for s in store._stashes.values():
+                s.close()
 
     # ------------------------------------------------------------------ out
     def stash(self, storage: torch.UntypedStorage) -> StashTicket:

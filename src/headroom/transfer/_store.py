@@ -14,8 +14,9 @@ from headroom.transfer._handle import Handle, check_rows, row_count
 __all__ = ["Store", "StoreCorruptError", "StoreFullError", "done", "resolve_store"]
 
 
-# Keys under this prefix hold scratch bytes (activations between forward and backward): worth
-# nothing once their process is gone, so a reopened DiskStore drops them unchecked.
+# [Note: scratch keys] Keys under this prefix hold scratch bytes (activations between forward
+# and backward): worth nothing once their process is gone, so a reopened DiskStore drops them
+# unchecked, and writes them without checksums unless its reads verify them.
 SCRATCH = "headroom-scratch/"
 
 

@@ -1,0 +1,216 @@
+"""`hr.data_parallel`: data-parallel training of a model that may have offloaded parts.
+
+Parameters on the device go through PyTorch's own ``DistributedDataParallel`` (its bucketing and
+its overlap with backward). Parameters offloaded by `hr.offload` rest in a store and autograd
+never sees them (it sees their device copies): DDP is told to ignore them, and
+`headroom.distributed._reducer.StoreReducer` all-reduces their gradients as they reach the
+store, only those that some rank used, on a process group of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from headroom.distributed._reducer import StoreReducer
+from headroom.residency._offload import _ATTR
+from headroom.residency._schedule import Offload, _outputs
+from headroom.transfer import binding
+
+__all__ = ["DataParallel", "data_parallel"]
+
+_DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def data_parallel(
+    model: nn.Module,
+    process_group: Any = None,
+    *,
+    bucket_bytes: int = 25 << 20,
+    timeout: timedelta | float | None = None,
+    **ddp_kwargs: Any,
+) -> DataParallel:
+    """Wrap ``model`` for data-parallel training on ``torch.distributed``.
+
+    Like ``DistributedDataParallel(model)``, for a model whose parts may be offloaded with
+    `hr.offload` (task heads, blocks, or the whole model). Call it on every rank, after
+    ``hr.offload`` and before building the optimizer; use the returned module for forward.
+    After each backward the gradients are averaged over the ranks, wherever they rest. Rank 0's
+    parameters (and buffers) are copied to the others here.
+
+    Which gradients travel: device-resident parameters all go through DDP, as DDP always does.
+    Of the offloaded ones, only those some rank's forward used since the last synchronized
+    backward: a parameter no rank used keeps ``grad is None``, so the optimizer leaves it alone
+    (no weight decay or momentum on a head without data). A small asynchronous all-reduce of a
+    bitmap, launched right after forward, agrees on that set; buckets are then all-reduced
+    while backward goes on.
+
+    Args:
+        model: the model (``hr.offload`` already applied to it or to its parts).
+        process_group: the ranks taking part (default: the default group). headroom creates
+            a group with the same ranks for the offloaded gradients, so its collectives never
+            interleave with DDP's.
+        bucket_bytes: gradient bytes per all-reduce of offloaded parameters. Smaller buckets
+            start earlier; each is one collective.
+        timeout: seconds (or a ``timedelta``) a collective of headroom's group may wait for the
+            other ranks before raising `CollectiveError`; default: ``process_group``'s own
+            (``init_process_group(timeout=...)``). DDP's collectives use ``process_group``'s.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
+            ``broadcast_buffers``, ``gradient_as_bucket_view``, ``device_ids``, ...).
+
+    Returns:
+        A `DataParallel` module: ``.module`` is ``model``, ``no_sync()`` skips the all-reduce
+        for gradient accumulation, ``bytes_reduced`` counts headroom's own traffic.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized; a parameter rests in a store
+            without being offloaded by ``hr.offload`` (a huge classifier head).
+
+    Example:
+        >>> dist.init_process_group("nccl")                          # doctest: +SKIP
+        >>> hr.offload(model.heads, device="cuda", store="cpu", prefetch=0)
+        >>> model = hr.data_parallel(model, device_ids=[rank])
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> loss_fn(model(x, task), y).backward(); opt.step(); opt.zero_grad()
+    """
+    return DataParallel(model, process_group, bucket_bytes=bucket_bytes, timeout=timeout,
+                        **ddp_kwargs)
+
+
+class DataParallel(nn.Module):
+    """The module `data_parallel` returns; see there."""
+
+    def __init__(self, model: nn.Module, process_group: Any = None, *, bucket_bytes: int,
+                 timeout: timedelta | float | None, **ddp_kwargs: Any) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "hr.data_parallel needs torch.distributed: call"
+                " torch.distributed.init_process_group(...) on every rank first"
+            )
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            raise ValueError("the model is already wrapped for data parallel; pass the inner"
+                             " model (wrapper.module)")
+        pg = process_group if process_group is not None else dist.group.WORLD
+        if timeout is None:
+            timeout = _group_timeout(pg)
+        elif not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        self.module = model
+        self.timeout = timeout
+        states = _offload_states(model)
+        offloaded = {id(s.param) for st in states for s in st.slots}
+        ignore = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if binding(p) is None:
+                continue
+            if id(p) not in offloaded:
+                raise RuntimeError(
+                    f"parameter {name!r} rests in a store but was not offloaded by hr.offload"
+                    " (e.g. a HugeClassifier's weight): hr.data_parallel cannot all-reduce its"
+                    " gradient. Keep such heads out of the data-parallel model"
+                )
+            ignore.append(name)
+        ranks = dist.get_process_group_ranks(pg)
+        # A group of its own, created on every rank in the same order (new_group is collective).
+        # Gloo whatever DDP uses: offloaded gradients rest in host memory or on disk, so they
+        # are all-reduced there rather than copied to an accelerator and back.
+        self._group = dist.new_group(ranks=ranks, timeout=timeout,
+                                     backend="gloo") if states else None
+        for st in states:
+            st.ddp_allowed = True
+            st.init_pending()
+        device_params = [p for n, p in model.named_parameters() if binding(p) is None]
+        # Not a submodule: the state dict, parameters() and repr show `module` once.
+        ddp = None
+        if any(p.requires_grad for p in device_params):
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+            ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
+        else:
+            for b in model.buffers():  # DDP would broadcast them: start from rank 0's
+                dist.broadcast(b, src=ranks[0], group=pg)
+        self.__dict__["ddp"] = ddp
+        self.reducer: StoreReducer | None = None
+        if states:
+            self._broadcast_stored(states, ranks[0])
+            self.reducer = StoreReducer(states, self._group, bucket_bytes=bucket_bytes,
+                                        timeout=timeout)
+        self._sync = True
+
+    def _broadcast_stored(self, states: list[Offload], src: int) -> None:
+        """Every rank starts from ``src``'s offloaded values (DDP does so for its own)."""
+        for st in states:
+            for s in st.slots:
+                h = s.binding.handle
+                host = st.store.host_tensor(h)
+                value = host if host is not None else st.store.read(h).result()
+                dist.broadcast(value, src=src, group=self._group)
+                if host is None:
+                    st.store.write(h, value).result()
+
+    # ------------------------------------------------------------------ nn.Module
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reducer is not None:
+            self.reducer.begin_forward(self._sync)
+        out = (self.ddp or self.module)(*args, **kwargs)
+        if self.reducer is not None:
+            self.reducer.end_forward(_outputs(out) if torch.is_grad_enabled() else [])
+        return out
+
+    def train(self, mode: bool = True) -> DataParallel:
+        super().train(mode)
+        if self.ddp is not None:
+            self.ddp.training = mode  # its module is ours, already switched
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients locally (as DDP's ``no_sync``);
+        the first synchronized backward after them all-reduces the accumulated sums."""
+        old = self._sync
+        self._sync = False
+        try:
+            with self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self._sync = old
+
+    @property
+    def bytes_reduced(self) -> int:
+        """Bytes headroom handed to all-reduce for offloaded parameters so far (its own group;
+        DDP's traffic is not counted)."""
+        return self.reducer.bytes_reduced if self.reducer is not None else 0
+
+    def close(self) -> None:
+        """Stop reducing offloaded gradients (before `hr.unoffload` or a new wrapper)."""
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        for st in _offload_states(self.module):
+            st.ddp_allowed = False
+
+
+def _offload_states(model: nn.Module) -> list[Offload]:
+    out = []
+    for m in model.modules():
+        st = getattr(m, _ATTR, None)
+        if st is not None:
+            out.append(st)
+    return out
+
+
+def _group_timeout(pg: Any) -> timedelta:
+    """The timeout ``pg`` was created with (``init_process_group(timeout=...)``)."""
+    for dev in ("cpu", "cuda"):  # a private attribute: fall back if it moves
+        with contextlib.suppress(Exception):
+            return pg._get_backend(torch.device(dev)).options._timeout
+    return _DEFAULT_TIMEOUT

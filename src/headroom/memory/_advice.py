@@ -1,0 +1,50 @@
+"""Advice at the end of reports: what would cut the peak most, from dry runs of the step.
+
+The figures come from `headroom.planner` (the layer that knows the techniques), imported only
+when a report asks for them: the memory layer itself stays below every other layer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from headroom.memory._estimate import Estimate
+    from headroom.memory._tracker import MemoryTracker
+
+
+def estimate_advice(est: Estimate) -> list[str]:
+    ctx = est._context
+    model = ctx["model"]() if ctx else None
+    if model is None:
+        return []
+    return _advise(model, ctx, est.device, est)
+
+
+def tracker_advice(mem: MemoryTracker) -> list[str]:
+    ctx = mem._context
+    if not ctx:
+        return []
+    if "advice" in ctx:  # computed once: a report printed and written costs one set of dry runs
+        return ctx["advice"]
+    model = ctx["model"]()
+    if model is None:
+        return ["(no advice: the model that ran is no longer alive; report before it is freed)"]
+    p = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"
+    ctx["advice"] = _advise(model, ctx, device, None, mem.peak)
+    return ctx["advice"]
+
+
+def _advise(model: Any, ctx: dict[str, Any], device: str, base: Estimate | None,
+            measured: int | None = None) -> list[str]:
+    try:
+        from headroom.planner._advice import advise
+
+        return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
+                      optimizer=ctx.get("optimizer"),
+                      optimizer_kwargs=ctx.get("optimizer_kwargs"), device=device, base=base,
+                      measured=measured)
+    except Exception as e:  # advice never breaks a report
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]

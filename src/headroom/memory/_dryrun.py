@@ -1,0 +1,271 @@
+"""A training step run on ``meta`` tensors: what the estimator executes instead of the real step.
+
+The step runs the model's own code, so every op PyTorch would run is seen with its real shapes
+and dtypes, but no tensor holds data. Three things make a meta run behave like the target device:
+
+- the model is copied onto ``meta`` without copying any data (the copy shares nothing with the
+  original, so the dry run can never change the user's model);
+- ``scaled_dot_product_attention`` on ``meta`` would take PyTorch's math path (which keeps the
+  whole attention matrix); it is redirected to the fused kernel the target device would choose;
+- the optimizer runs one step untracked first, so the tracked step is in steady state (its state
+  already exists), like every step of a training run but the first.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils import checkpoint as _ckpt
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_IS_AUTOCAST = torch.is_autocast_enabled
+
+
+def _autocast_enabled(*args: Any) -> bool:
+    if args and args[0] == "meta":
+        return False
+    return _IS_AUTOCAST(*args)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are ``meta`` tensors of the same shapes.
+
+    Ties survive (a parameter shared by two modules is one parameter in the copy); no data is
+    copied, so a model of any size is copied in milliseconds.
+
+    Raises:
+        TypeError: for a model under `hr.offload` (its hooks belong to live stores and
+            threads), or one that cannot be deep-copied.
+    """
+    if any(hasattr(m, "_headroom_offload") for m in model.modules()):
+        raise TypeError(
+            "hr.estimate takes the model before hr.offload: an offloaded model's hooks belong to"
+            " its store and threads. Estimate the plain model (built on meta if it is big), and"
+            " let hr.plan(..., disk=...) figure what parameter offload leaves on the device."
+        )
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        m = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            m = nn.Parameter(m, requires_grad=t.requires_grad)
+        memo[id(t)] = m
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:
+        raise TypeError(
+            f"the estimator could not copy the model onto the meta device ({type(e).__name__}:"
+            f" {e}). Estimate the plain model (before hr.offload and other changes that attach"
+            " stores or threads) and pass the technique as an option instead."
+        ) from e
+
+
+def to_meta(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype."""
+
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            return out.requires_grad_(t.requires_grad)
+        return t
+
+    return tree_map(one, obj)
+
+
+class AttentionAsOnDevice:
+    """Runs ``scaled_dot_product_attention`` on ``meta`` through the fused kernel
+    ``device_type`` would use.
+
+    On ``cpu`` PyTorch picks its flash kernel for CPU; on CUDA-like devices the memory-efficient
+    kernel (it takes masks and fp32; the flash kernel keeps the same-sized log-sum-exp). Both
+    keep only the output and one float per query row for backward, not the attention matrix.
+    Dropout keeps PyTorch's own choice (the math path), as do nested tensors.
+
+    The function is replaced in ``torch.nn.functional`` for the duration of the dry run (a
+    ``TorchFunctionMode`` would not see calls made from inside other functional ops, such as
+    ``multi_head_attention_forward``); calls on tensors that are not ``meta`` go to PyTorch's.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def __enter__(self) -> AttentionAsOnDevice:
+        F.scaled_dot_product_attention = self._call
+        # Layers that ask whether autocast is on for their input's device would get an error
+        # for "meta"; the dry run runs without autocast.
+        torch.is_autocast_enabled = _autocast_enabled
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        F.scaled_dot_product_attention = _SDPA
+        torch.is_autocast_enabled = _IS_AUTOCAST
+
+    def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self._fused(*args, **kwargs)
+        return _SDPA(*args, **kwargs) if out is None else out
+
+    def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        if dropout_p or q.device.type != "meta" or q.is_nested or q.dim() != 4:
+            return None
+        if self.device_type == "cpu":
+            if q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+                return None
+            mask = attn_mask
+            if mask is not None and mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+        if enable_gqa and k.size(-3) != q.size(-3):
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+            v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+        bias = attn_mask
+        if bias is not None:
+            if bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
+            bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
+
+
+class RealTensorsAsMeta(TorchDispatchMode):
+    """Ops that mix ``meta`` tensors with real ones (a target tensor a loss function closes
+    over, a mask built outside the model) get ``meta`` stand-ins for the real ones.
+
+    Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
+    run would: it is used inside the step) before it is swapped.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = [*args, *kwargs.values()]
+        if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat) and any(
+            isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0
+            for a in flat
+        ):
+            args, kwargs = tree_map(_meta_stand_in, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _meta_stand_in(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() > 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return t
+
+
+def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> None:
+    """Wrap the forward of each named submodule in non-reentrant activation checkpointing."""
+    for name in names:
+        module = model.get_submodule(name)
+        forward = module.forward
+        module.forward = functools.partial(_checkpointed, forward)  # type: ignore[method-assign]
+
+
+def _checkpointed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    return _ckpt.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """What a step differentiates when no ``loss_fn`` is given: ``output.loss`` if the model
+    returns one (Hugging Face models given labels), else the sum of the first tensor output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict):
+        output = next(iter(output.values()), None)
+    if isinstance(output, (list, tuple)) and output:
+        output = output[0]
+    if isinstance(output, torch.Tensor):
+        return output.float().sum() if output.dtype != torch.float32 else output.sum()
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits.sum()
+    raise TypeError(
+        f"the model returned {type(output).__name__}, not a tensor: pass loss_fn=, a function"
+        " from the model's output to a scalar loss tensor"
+    )
+
+
+def make_optimizer(optimizer: Any, params: list[nn.Parameter],
+                   kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+    """An optimizer over ``params`` like ``optimizer`` (a class, a factory or an instance)."""
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        options = getattr(optimizer, "options", None)  # hr.HostOptimizer: the class it runs
+        cls = getattr(options, "optimizer_class", type(optimizer))
+        defaults = dict(getattr(options, "optimizer_kwargs", None) or optimizer.defaults)
+        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+        defaults = {k: v for k, v in defaults.items()
+                    if k in accepted and k != "differentiable" and v is not None}
+        return cls(params, **{**defaults, **kwargs})
+    if callable(optimizer):
+        opt = optimizer(params, **kwargs)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer= must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), an"
+                f" instance, or a function of the parameters returning one; got {opt!r}"
+            )
+        return opt
+    raise TypeError(
+        f"optimizer= must be a torch.optim.Optimizer class, instance or factory, got {optimizer!r}"
+    )
+
+
+class _Dropped:
+    __slots__ = ("key", "nbytes", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, t: torch.Tensor, key: int, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+
+class OffloadedActivations:
+    """A saved-tensor keeper for the dry run that keeps saved storages off the device.
+
+    What `hr.offload_activations` does, as the device sees it: a saved storage of at least
+    ``min_bytes`` (not a parameter's) is no longer held by autograd, so its device memory goes
+    once the forward drops it; backward gets a new storage of the same size, once per storage
+    (views of one storage share it), when it first needs one. Refilling ahead of need
+    (``prefetch``) is not modeled: the estimate is the least that must be on the device.
+    """
+
+    def __init__(self, model: nn.Module, min_bytes: int) -> None:
+        self.min_bytes = min_bytes
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self._back: dict[int, weakref.ref] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if t.device.type != "meta":
+            return t
+        st = t.untyped_storage()
+        if st.nbytes() < self.min_bytes or st._cdata in self._params:
+            return t
+        return _Dropped(t, st._cdata, st.nbytes())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Dropped):
+            return packed
+        ref = self._back.get(packed.key)
+        storage = ref() if ref is not None else None
+        if storage is None:
+            storage = torch.empty(packed.nbytes, dtype=torch.uint8,
+                                  device="meta").untyped_storage()
+            self._back[packed.key] = weakref.ref(storage)
+        out = torch.empty(0, dtype=packed.dtype, device="meta")
+        return out.set_(storage, packed.offset, packed.shape, packed.stride)

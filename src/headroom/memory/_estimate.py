@@ -1,0 +1,332 @@
+"""`estimate`: the memory of one training step, from a dry run on ``meta`` tensors.
+
+The step (forward, loss, backward, optimizer step) runs under the same tracker as
+`track_memory`, with one difference: ``meta`` storages count as storages of the target device.
+Every category, the per-module activation bytes and the timeline therefore mean exactly what they
+mean in a measured run, and the report, JSON and plot are the tracker's own. For CUDA-like
+targets the sequence of allocations and frees is also replayed through a model of the caching
+allocator (`headroom.memory._allocator`), which gives the rounded ``allocated`` and the
+``reserved`` bytes a real run would show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from headroom._saved_hooks import keeping
+from headroom.memory import _dryrun
+from headroom.memory._allocator import CachingAllocatorModel
+from headroom.memory._categories import CATEGORIES, format_bytes
+from headroom.memory._records import StorageInfo
+from headroom.memory._tracker import MemoryTracker
+
+
+class _DryRunTracker(MemoryTracker):
+    """The tracker, counting ``meta`` storages as ``device``'s and replaying them through an
+    allocator model when ``device`` has a caching allocator."""
+
+    def __init__(self, device: str, allocator: CachingAllocatorModel | None, **kwargs: Any):
+        super().__init__(sample_allocator=False, **kwargs)
+        self._meta_as = device
+        self._alloc_model = allocator
+
+    def _see(self, t, cat, *, check_size=False, force=False):
+        st = None
+        if self._alloc_model is not None and isinstance(t, torch.Tensor):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                st = None
+            known = st is not None and st._cdata in self._infos
+        info = super()._see(t, cat, check_size=check_size, force=force)
+        if (st is not None and not known and info is not None
+                and info.device == self._meta_as):
+            self._alloc_model.malloc(info.key, info.nbytes)
+        return info
+
+    def _freed(self, info: StorageInfo) -> None:
+        if self._alloc_model is not None and info.device == self._meta_as:
+            self._alloc_model.free(info.key)
+        super()._freed(info)
+
+    def _resize(self, info: StorageInfo, nbytes: int) -> None:
+        if self._alloc_model is not None and info.device == self._meta_as:
+            self._alloc_model.free(info.key)
+            self._alloc_model.malloc(info.key, nbytes)
+        super()._resize(info, nbytes)
+
+
+class Estimate:
+    """The estimated memory of one training step (see :func:`estimate`).
+
+    Attributes:
+        device: the device estimated, e.g. ``"cuda:0"``.
+        peak: most bytes of tensors live at once on ``device`` (before allocator rounding).
+        peak_by_category: bytes per category at that moment; they sum to ``peak``.
+        max_by_category: each category's own maximum over the step.
+        by_module: activation bytes saved for backward per module when activations peaked,
+            largest first.
+        allocator: for CUDA-like devices, the caching allocator model's ``peak_allocated``
+            (blocks rounded to 512 bytes), ``peak_reserved`` (segments mapped) and ``segments``;
+            empty for ``cpu``.
+        options: the what-if options the step ran with.
+        bound: empty, or which part of the estimate is an upper bound rather than a dry run
+            (optimizer state of an `hr.HostOptimizer`), and why.
+    """
+
+    def __init__(self, tracker: MemoryTracker, device: str,
+                 alloc: CachingAllocatorModel | None, options: dict[str, Any]) -> None:
+        self.tracker = tracker
+        self.device = device
+        stats = tracker.stats(device) if device in tracker.devices else None
+        self.peak = stats.peak if stats else 0
+        self.peak_by_category = stats.peak_by_category if stats else dict.fromkeys(CATEGORIES, 0)
+        self.max_by_category = stats.max_by_category if stats else dict.fromkeys(CATEGORIES, 0)
+        self.by_module = tracker.by_module
+        self.allocator: dict[str, int] = {}
+        if alloc is not None:
+            self.allocator = {
+                "peak_allocated": alloc.peak_allocated,
+                "peak_reserved": alloc.peak_reserved,
+                "segments": alloc.segments_peak,
+            }
+        self.options = options
+        self._context: dict[str, Any] | None = None
+        self.bound = ""  # set when part of the estimate is an upper bound, and why
+        self._advice: list[str] | None = None
+
+    @property
+    def advice(self) -> list[str]:
+        """What would cut the peak most, each technique's saving from a dry run with it (lines
+        of text; computed on first use, a few more dry runs)."""
+        if self._advice is None:
+            from headroom.memory._advice import estimate_advice
+
+            self._advice = estimate_advice(self)
+        return self._advice
+
+    @property
+    def timeline(self):
+        """The tracker's timeline of the dry run (times are those of the dry run itself)."""
+        return self.tracker.timeline
+
+    @property
+    def peak_reserved(self) -> int:
+        """What the device must have free: the allocator model's reserved bytes on CUDA-like
+        devices, the peak itself on ``cpu``."""
+        return self.allocator.get("peak_reserved", self.peak)
+
+    def __repr__(self) -> str:
+        return f"Estimate(device={self.device!r}, peak={format_bytes(self.peak)})"
+
+    def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
+        """Print (to ``file``, default stdout) and return the table, as for `track_memory`,
+        ending with :attr:`advice` unless ``advice=False``."""
+        from headroom.memory._report import format_estimate
+
+        text = format_estimate(self, top_modules=top_modules, advice=advice)
+        print(text, file=file)
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tracker's JSON-ready data of the dry run, plus the estimate's own fields."""
+        from headroom.memory._report import to_dict
+
+        data = to_dict(self.tracker)
+        data["format"] = "headroom.estimate/1"
+        data["estimate"] = {
+            "device": self.device,
+            "peak": self.peak,
+            "peak_by_category": self.peak_by_category,
+            "allocator": self.allocator,
+            "options": {k: repr(v) if not isinstance(v, (int, float, str, bool, type(None)))
+                        else v for k, v in self.options.items()},
+            "advice": self._advice or [],
+        }
+        return data
+
+    def to_json(self, path) -> None:
+        """Write :meth:`to_dict` as JSON to ``path``."""
+        import json
+
+        from headroom.memory._report import _atomic_write
+
+        _atomic_write(path, json.dumps(self.to_dict(), indent=1).encode())
+
+    def plot(self, path, *, title: str | None = None) -> None:
+        """Write the dry run's timeline as a PNG, as `track_memory` does."""
+        from headroom.memory._report import plot
+
+        plot(self.tracker, path, title=title or f"headroom estimate ({self.device})")
+
+
+def estimate(
+    model: nn.Module,
+    example_args: tuple | Any = (),
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: Any = None,
+    device: str | torch.device | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    checkpoint: Iterable[str] = (),
+    offload_activations: int | None = None,
+    prepare: Callable[[nn.Module], nn.Module | None] | None = None,
+) -> Estimate:
+    """Estimate the memory of one training step without running it on real tensors.
+
+    The step is ``loss_fn(model(*example_args, **example_kwargs)).backward()`` followed by
+    ``optimizer.step()`` and ``zero_grad()``, in steady state: the optimizer's state already
+    exists, gradients do not (``zero_grad(set_to_none=True)``, PyTorch's default). It runs on a
+    copy of the model on the ``meta`` device, so nothing is allocated and ``model`` is not
+    changed; a model built on ``meta`` (too big for this machine) is estimated the same way.
+
+    Args:
+        model: the model, its parameters anywhere (``meta`` included).
+        example_args: the inputs of one step, a tuple (or a single tensor); their shapes and
+            dtypes matter, their values do not (they may be ``meta`` tensors too).
+        loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
+            model returns one, else the sum of its (first) tensor output.
+        optimizer: a ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``), an instance
+            (its class and hyperparameters are used), or a function of the parameters returning
+            one. ``None``: forward and backward only.
+        device: the device to estimate for, e.g. ``"cuda"``; default: the model's device
+            (required when the model is on ``meta``). CUDA-like devices also get the caching
+            allocator's rounding (see `Estimate.allocator`).
+        example_kwargs: keyword inputs of the model.
+        optimizer_kwargs: keyword arguments for ``optimizer`` when it is a class or factory.
+        checkpoint: qualified names of submodules to run under non-reentrant activation
+            checkpointing (what-if: the model itself is not changed).
+        offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
+            offload_activations)``: saved storages of at least that many bytes leave the device
+            once the forward drops them and come back when backward needs them (refills ahead
+            of need are not counted). ``None``: off.
+        prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
+            in place or return a replacement), e.g. ``headroom.convert``.
+
+    Returns:
+        An :class:`Estimate`.
+
+    Raises:
+        ValueError: if ``device`` is missing for a model on ``meta``.
+        TypeError: if the output has no loss and ``loss_fn`` is not given, or ``optimizer`` is
+            not an optimizer class, instance or factory.
+        RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
+            ``.item()``, ``nonzero``), which a dry run cannot know; the message names the op.
+            Nothing is changed: the estimate runs on a copy.
+
+    Example:
+        >>> est = hr.estimate(model, (x,), optimizer=torch.optim.AdamW, device="cuda")
+        >>> est.peak, est.peak_by_category["activations"]
+        >>> est.report()
+    """
+    target = _target_device(model, device)
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
+               "offload_activations": offload_activations, "prepare": prepare}
+    meta_model = _dryrun.meta_copy(model)
+    meta_model.train(model.training)
+    if checkpoint:
+        _dryrun.checkpoint_modules(meta_model, checkpoint)
+    if prepare is not None:
+        replaced = prepare(meta_model)
+        if isinstance(replaced, nn.Module):
+            meta_model = replaced
+    args = _dryrun.to_meta(example_args)
+    kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
+    loss_fn = loss_fn or _dryrun.default_loss
+    params = [p for p in meta_model.parameters() if p.requires_grad]
+    opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
+
+    def step() -> None:
+        loss = loss_fn(meta_model(*args, **kwargs))
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
+        loss.backward()
+        del loss
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            meta_model.zero_grad(set_to_none=True)
+
+    alloc = CachingAllocatorModel() if _has_caching_allocator(target) else None
+    attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
+    # fork_rng: layers that save and restore generator states (dropout) leave the caller's
+    # random state as it was
+    with torch.random.fork_rng(devices=[]), attention, _values_needed(), \
+            _dryrun.RealTensorsAsMeta():
+        if opt is not None:
+            step()  # creates the optimizer state: the tracked step is a steady-state one
+        tracker = _DryRunTracker(target, alloc, model=meta_model, optimizer=opt)
+        with tracker:
+            if offload_activations is None:
+                step()
+            else:
+                # inside the tracker's own hooks, so that it still sees every saved tensor
+                keeper = _dryrun.OffloadedActivations(meta_model, offload_activations)
+                with keeping(keeper):
+                    step()
+    est = Estimate(tracker, target, alloc, options)
+    if getattr(getattr(optimizer, "options", None), "state_store", None) is not None:
+        # an hr.HostOptimizer: its state is not where the dry run stepped it
+        from headroom.planner._features import apply_host_optimizer
+
+        apply_host_optimizer(est, model, optimizer)
+    est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
+                    "loss_fn": options["loss_fn"], "optimizer": optimizer,
+                    "optimizer_kwargs": optimizer_kwargs}
+    if checkpoint or prepare is not None or offload_activations is not None:
+        est._context = None  # advice is for the plain step
+    return est
+
+
+def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
+    if device is None:
+        p = next(iter([*model.parameters(), *model.buffers()]), None)
+        if p is None or p.device.type == "meta":
+            raise ValueError(
+                "the model is on the meta device (or has no parameters): say which device to"
+                " estimate for, e.g. device=\"cuda\""
+            )
+        device = p.device
+    dev = torch.device(device)
+    if dev.type == "meta":
+        raise ValueError("device='meta' takes no memory; estimate for e.g. device='cuda'")
+    if dev.type == "cpu":
+        return "cpu"
+    return f"{dev.type}:{dev.index or 0}"
+
+
+def _has_caching_allocator(device: str) -> bool:
+    return device.split(":")[0] in ("cuda", "xpu", "hip", "mtia")
+
+
+@contextlib.contextmanager
+def _values_needed():
+    """Turns the error of an op that needs values on ``meta`` into one that says why."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    except (NotImplementedError, RuntimeError) as e:
+        text = str(e)
+        if "meta" in text or "item()" in text or "data-dependent" in text.lower():
+            raise RuntimeError(
+                "the dry run hit an op that needs tensor values, which meta tensors do not have"
+                f" ({text.splitlines()[0][:300]}). Models whose forward branches on values"
+                " (.item(), nonzero, masks computed from inputs) cannot be estimated this way;"
+                " move that logic out of the forward or measure with hr.track_memory()."
+            ) from e
+        raise
+
+
+__all__ = ["Estimate", "estimate"]

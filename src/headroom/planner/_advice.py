@@ -1,0 +1,113 @@
+"""What would cut the peak most: figures from dry runs of the step with each technique.
+
+Used at the end of `Estimate.report()` and of the tracker's report (and so of ``headroom
+profile``). Every figure is an estimate of the step with one technique turned on, against the
+same step without it; nothing is a rule of thumb.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from headroom.memory._categories import CATEGORIES, format_bytes
+from headroom.memory._estimate import Estimate, estimate
+
+_ACTIVATION_MIN_BYTES = 1 << 20  # hr.offload_activations' default
+
+
+def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = None,
+           loss_fn: Any = None, optimizer: Any = None, optimizer_kwargs: dict | None = None,
+           device: str, base: Estimate | None = None,
+           measured: int | None = None) -> list[str]:
+    """Lines of advice for one step of ``model`` on ``device``, largest saving first."""
+    from headroom.planner._plan import Choice, _peak, _Run, _sizes
+
+    common = dict(loss_fn=loss_fn, optimizer=optimizer, device=device, example_kwargs=kwargs,
+                  optimizer_kwargs=optimizer_kwargs)
+    if base is None:
+        base = estimate(model, args, **common)
+    peak = base.peak
+    if peak <= 0:
+        return []
+    blocks = _block_names(model)
+    savings: list[tuple[int, str]] = []
+
+    def saving(label: str, **what_if: Any) -> None:
+        est = estimate(model, args, **common, **what_if)
+        savings.append((peak - est.peak, label))
+
+    saving(f"activation offload (hr.offload_activations, min_bytes"
+           f"={format_bytes(_ACTIVATION_MIN_BYTES)})",
+           offload_activations=_ACTIVATION_MIN_BYTES)
+    if blocks:
+        saving(f"checkpointing the {len(blocks)} blocks ({_pattern(blocks)})", checkpoint=blocks)
+
+    from headroom.nn import convert
+
+    saving("hr.convert", prepare=lambda m: convert(m, inplace=True))
+    cpu = base.device == "cpu"
+    samples = [[s.by_category[c] for c in CATEGORIES] for s in base.timeline]
+    run = _Run(base, samples, [s.phase == "optimizer" for s in base.timeline])
+    opt_cls = _opt_cls(optimizer)
+    if opt_cls is not None:
+        sizes = _sizes(model, device, opt_cls, dict(optimizer_kwargs or {}))
+        slice_bytes = max(4 << 10, min(16 << 20, sizes.largest_param // 8))
+        where = "disk" if cpu else "host"
+        plain, _ = _peak(run, Choice(), sizes, slice_bytes)
+        for choice, label in (
+            (Choice(optimizer_state=where), f"hr.HostOptimizer (state on {where})"),
+            (Choice(params=where, optimizer_state=where),
+             f"hr.offload with hr.HostOptimizer ({where})"),
+        ):
+            bound, _ = _peak(run, choice, sizes, slice_bytes)
+            # the same time line, offloaded parts replaced by their upper bounds
+            savings.append((int((plain - bound) * peak / max(plain, 1)), label))
+    cats = base.peak_by_category
+    lines = ["what would cut the peak most (dry runs of the step with each technique):"]
+    if measured is not None:
+        lines.append(
+            f"  a steady-state step (optimizer state created, {base.device}) is estimated at"
+            f" {format_bytes(peak)}; this run measured {format_bytes(measured)}")
+    top = max(cats.items(), key=lambda kv: kv[1])
+    share = f"{top[0]} are {100 * top[1] / peak:.0f}% of the peak"
+    if top[0] == "activations" and blocks and base.by_module:
+        in_blocks = sum(v for k, v in base.by_module.items()
+                        if any(k == b or k.startswith(b + ".") for b in blocks))
+        share += f", {100 * in_blocks / peak:.0f}% in {_pattern(blocks)}"
+    lines.append(f"  {share} ({format_bytes(top[1])} of {format_bytes(peak)})")
+    for amount, label in sorted(savings, key=lambda s: -s[0]):
+        if amount > 0:
+            lines.append(f"  {label}: saves about {format_bytes(amount)}"
+                         f" ({100 * amount / peak:.0f}%)")
+        else:
+            lines.append(f"  {label}: saves nothing here")
+    if cpu:
+        lines.append("  (on cpu, only stores on disk free memory: host memory is the device's)")
+    return lines
+
+
+def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer)
+    return None
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    from headroom.residency._blocks import find_blocks
+
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(b)] for b in find_blocks(model) if id(b) in names]
+
+
+def _pattern(names: list[str]) -> str:
+    """``["layers.0", "layers.1"]`` -> ``"layers.*"``."""
+    parents = {n.rpartition(".")[0] for n in names}
+    if len(parents) == 1:
+        parent = parents.pop()
+        return f"{parent}.*" if parent else f"{names[0]} to {names[-1]}"
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")

@@ -1,0 +1,445 @@
+"""hr.offload_activations: saved tensors rest in a store between forward and backward.
+
+Gradients are bitwise those of plain PyTorch; what stays in memory after forward is measured
+with the tracker and, independently, by counting the storages the forward created that are
+still alive (a dispatch mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import signal
+import subprocess
+import sys
+import warnings
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import headroom as hr
+from headroom.transfer import DiskStore
+from tests.residency._models import CNN, Transformer, cnn_batch, cnn_loss, lm_batch, lm_loss
+
+MB = 1 << 20
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class LiveStorages(TorchDispatchMode):
+    """Counts storages created inside it that are still allocated (bytes > 0) later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                s = t.untyped_storage()
+                self.created.setdefault(s._cdata, weakref.ref(s))
+        return out
+
+    def live_bytes(self, skip=()) -> int:
+        total = 0
+        skip = {t.untyped_storage()._cdata for t in skip}
+        for key, ref in self.created.items():
+            s = ref()
+            if s is not None and key not in skip:
+                total += s.nbytes()
+        return total
+
+
+class Blocks(nn.Module):
+    """Pre-norm MLP blocks on [B, T, D]: activations are most of the memory of a step."""
+
+    def __init__(self, d: int = 64, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _store(kind, tmp_path):
+    return "cpu" if kind == "cpu" else DiskStore(tmp_path / "act", threads=2)
+
+
+def _ctx(store, **kw):
+    return hr.offload_activations(store=store, **kw)
+
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:hr.offload_activations with a host-memory store")
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes plain PyTorch saves for backward while ``fn`` runs: storages counted once,
+    parameters and their views left out."""
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        s = t.untyped_storage()
+        if s._cdata not in seen and not isinstance(t, nn.Parameter) \
+                and not isinstance(t._base, nn.Parameter):
+            seen.add(s._cdata)
+            total += s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def _grads(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize("model", ["transformer", "cnn", "ckpt-inside", "ckpt-around"])
+def test_gradients_bitwise_equal_plain(model, kind, tmp_path):
+    make, batch, loss_fn = {
+        "transformer": (lambda: Transformer(n=3), lm_batch, lm_loss),
+        "cnn": (CNN, cnn_batch, cnn_loss),
+        "ckpt-inside": (lambda: Transformer(n=3, ckpt=True), lm_batch, lm_loss),
+        "ckpt-around": (lambda: Transformer(n=3, ckpt_blocks=True), lm_batch, lm_loss),
+    }[model]
+    torch.manual_seed(0)
+    ref = make()
+    ours = copy.deepcopy(ref)
+    b = batch(torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    loss_ref = loss_fn(ref, b)
+    loss_ref.backward()
+    with _ctx(_store(kind, tmp_path), min_bytes=0, prefetch=4096):
+        torch.manual_seed(1)
+        loss = loss_fn(ours, b)
+        loss.backward()
+    assert torch.equal(loss, loss_ref)
+    _assert_same(_grads(ours), _grads(ref))
+    for (n, b1), b2 in zip(ref.named_buffers(), ours.buffers(), strict=True):
+        assert torch.equal(b1, b2), n  # BatchNorm running stats
+
+
+def test_retain_graph_twice_and_accumulation(tmp_path):
+    torch.manual_seed(0)
+    ref = Blocks()
+    ours = copy.deepcopy(ref)
+    xs = [torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for x in xs:
+        out = ref(x).square().mean()
+        out.backward(retain_graph=True)
+        out.backward()
+    with _ctx(DiskStore(tmp_path / "a", threads=2), min_bytes=0, prefetch=0):
+        for x in xs:
+            out = ours(x).square().mean()
+            out.backward(retain_graph=True)
+            out.backward()
+    _assert_same(_grads(ours), _grads(ref))
+
+
+def test_with_parameter_offload_and_convert(tmp_path):
+    """Parameters and activations both on disk, and hr.convert's layers inside."""
+    torch.manual_seed(0)
+    ref = Transformer(n=3)
+    ours = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(ours, device="cpu", store=DiskStore(tmp_path / "w", threads=2))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = hr.HostOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    act = DiskStore(tmp_path / "act", threads=2)
+    used, saved = [], []
+    for _ in range(3):
+        b = lm_batch(g)
+        torch.manual_seed(1)
+        saved.append(_saved_bytes(lambda b=b: lm_loss(ref, b).backward()))
+        with _ctx(act, min_bytes=0):
+            torch.manual_seed(1)
+            loss = lm_loss(ours, b)
+            # the activations and nothing else: no parameter, no device copy of one
+            assert act.used_bytes == saved[-1]
+            loss.backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        used.append(act.used_bytes)
+    got = ours.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k
+    # the activation store's space is pooled between steps: it does not grow after the first
+    assert used[0] > 0 and used == [used[0]] * 3
+
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                        nn.ReLU(), nn.Flatten(), nn.Linear(8 * 12 * 12, 10))
+    conv = hr.convert(copy.deepcopy(cnn))
+    x = torch.randn(4, 3, 16, 16)
+    cnn(x).square().mean().backward()
+    with _ctx(DiskStore(tmp_path / "c", threads=2), min_bytes=0):
+        conv(x).square().mean().backward()
+    _assert_same(_grads(conv), _grads(cnn))
+
+
+def test_in_place_change_of_a_saved_tensor_still_raises(tmp_path):
+    a = torch.randn(64, 64, requires_grad=True)
+    b = torch.randn(64, 64)
+    with _ctx(DiskStore(tmp_path / "a", threads=2), min_bytes=0):
+        c = a * b  # saves b
+        b.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            c.sum().backward()
+
+
+def test_no_grad_and_inference_do_nothing(tmp_path):
+    store = DiskStore(tmp_path / "a", threads=2)
+    model = Blocks()
+    with _ctx(store, min_bytes=0):
+        with torch.no_grad():
+            model(torch.randn(4, 16, 64))
+        with torch.inference_mode():
+            model(torch.randn(4, 16, 64))
+    assert store.used_bytes == 0
+
+
+@pytest.mark.parametrize("prefetch", [0, 2 * MB])
+def test_after_forward_only_the_window_stays_in_memory(prefetch, tmp_path):
+    """With a DiskStore on the CPU: the activations' device memory is freed during forward,
+    except for at most the prefetch window (copies in flight) and tensors below min_bytes;
+    the store holds exactly the activations, no weights."""
+    torch.manual_seed(0)
+    model = Blocks(d=128, n=6)
+    x = torch.randn(8, 64, 128)
+    min_bytes = 64 << 10
+    state = list(model.parameters())
+    # what plain PyTorch saves (deduplicated by storage), split at min_bytes
+    big = small = 0
+    seen = set()
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in seen and not isinstance(t, nn.Parameter) and \
+                not isinstance(t._base, nn.Parameter):
+            seen.add(s._cdata)
+            nonlocal big, small
+            if s.nbytes() >= min_bytes:
+                big += s.nbytes()
+            else:
+                small += s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    assert big > 8 * MB
+
+    store = DiskStore(tmp_path / "a", threads=2)
+    live = LiveStorages()
+    with hr.track_memory() as mem, _ctx(store, min_bytes=min_bytes, prefetch=prefetch):
+        with live:
+            out = model(x)
+        kept = live.live_bytes(skip=[out, x, *state])  # not the weights' own (weight.t())
+        tracked = mem.current_by_category["activations"]
+        resting = mem.resting["disk"]["activations"]
+        assert store.used_bytes == big  # the activations, and nothing else
+        out.sum().backward()
+        after = mem.resting["disk"]["activations"]
+    window = prefetch + min_bytes  # an entry is waited for once the window is exceeded
+    assert kept <= window + small, (kept, window, small)
+    assert tracked <= window + small + x.numel() * 4, (tracked, window, small)
+    # the tracker shows them resting on disk (all but x, which the caller holds, and the
+    # window), and back (or dropped) once backward is done
+    assert big - window - x.numel() * 4 <= resting <= big - x.numel() * 4, (resting, big)
+    assert after == 0
+    assert mem.resting_max["disk"]["activations"] >= resting
+    text = mem.report(file=io.StringIO())
+    assert "resting in stores" in text and "disk/activations" in text
+    assert mem.to_dict()["resting"]["max"]["disk"]["activations"] == \
+        mem.resting_max["disk"]["activations"]
+    mem.plot(tmp_path / "m.png")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_failure_mid_forward_leaves_nothing_and_training_stays_exact(exc, tmp_path):
+    torch.manual_seed(0)
+    ref = Blocks()
+    ours = copy.deepcopy(ref)
+    store = DiskStore(tmp_path / "a", threads=2)
+
+    def boom(module, args, out):
+        raise exc("injected")
+
+    h = ours.blocks[2].register_forward_hook(boom)
+    with _ctx(store, min_bytes=0), pytest.raises(exc):
+        ours(torch.randn(4, 16, 64)).sum().backward()
+    h.remove()
+    x = torch.randn(4, 16, 64)
+    ref(x).square().mean().backward()
+    with _ctx(store, min_bytes=0):
+        ours(x).square().mean().backward()
+    _assert_same(_grads(ours), _grads(ref))
+
+
+def test_selected_modules_only(tmp_path):
+    torch.manual_seed(0)
+    model = Blocks(n=4)
+    x = torch.randn(4, 32, 64)
+    store = DiskStore(tmp_path / "a", threads=2)
+    with _ctx(store, min_bytes=0, modules=list(model.blocks)[:-1]):
+        out = model(x)
+        in_store = store.used_bytes
+        out.sum().backward()
+    everything = DiskStore(tmp_path / "c", threads=2)
+    with _ctx(everything, min_bytes=0):
+        out = model(x)
+        all_bytes = everything.used_bytes
+        out.sum().backward()
+    assert 0 < in_store < all_bytes
+
+
+def test_checkpoint_plus_offload_keeps_only_the_boundaries(tmp_path):
+    torch.manual_seed(0)
+    model = Blocks(n=4)
+    x = torch.randn(4, 32, 64, requires_grad=True)
+
+    def run(m, x):
+        for b in m.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return x
+
+    store = DiskStore(tmp_path / "a", threads=2)
+    with _ctx(store, min_bytes=0):
+        out = run(model, x)
+        boundaries = store.used_bytes
+        out.sum().backward()
+    # each checkpointed block keeps its input only: 4 inputs of 4 x 32 x 64 fp32
+    assert boundaries <= 4 * x.numel() * 4
+
+
+def test_kill_mid_forward_leaves_the_store_as_before(tmp_path):
+    """SIGKILL during an offloaded forward: the activations were scratch (worth nothing once
+    their process is gone); reopening the store drops them and their files, keeps what the
+    store held before, and needs no recovery."""
+    folder = tmp_path / "s"
+    src = str(Path(hr.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(ROOT)]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_kill_child.py")),
+                             str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()  # blocks until the child is mid-forward (or dies)
+        assert line.strip() == "mid-forward", proc.stderr.read()[-2000:]
+        files_while_running = len(list(folder.iterdir()))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "was not closed": expected after a kill
+        store = DiskStore(folder)
+    assert store.keys() == ["keep"]
+    assert torch.equal(store.read(store.get("keep")).result(), torch.arange(1024.0))
+    assert store.used_bytes == 1024 * 4
+    # the stash's files are gone with their keys
+    assert len(list(folder.iterdir())) < files_while_running
+    store.close()
+
+
+@pytest.mark.gpu
+def test_on_an_accelerator_only_the_window_stays_on_the_device():
+    """Device bytes after forward, by the allocator's own count: at most the prefetch window
+    plus what the caller holds; gradients equal to plain."""
+    from tests.conftest import accelerator_type
+
+    dev = torch.device(accelerator_type())
+    torch.manual_seed(0)
+    ref = Blocks(d=256, n=6).to(dev)
+    ours = copy.deepcopy(ref)
+    x = torch.randn(8, 256, 256, device=dev)
+    ref(x).square().mean().backward()
+    torch.accelerator.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    prefetch = 4 * MB
+    with _ctx("cpu", min_bytes=MB, prefetch=prefetch):
+        out = ours(x)
+        torch.accelerator.synchronize()
+        after_forward = torch.cuda.memory_allocated(dev) - before
+        out.square().mean().backward()
+    plain_saved = 6 * 8 * 256 * 256 * 4 * 8  # each block saves several [8, 256, 256] tensors
+    assert after_forward <= prefetch + 2 * out.numel() * 4 + MB, (after_forward, plain_saved)
+    torch.testing.assert_close(_grads(ours), _grads(ref))
+
+
+def test_a_full_store_fails_the_forward_clearly_and_nothing_is_left(tmp_path):
+    """StoreFullError while saving: the forward raises it (naming the store), the space the
+    failed step took comes back, and the next step with room trains exactly."""
+    from headroom.transfer import StoreFullError
+
+    torch.manual_seed(0)
+    ref = Blocks()
+    ours = copy.deepcopy(ref)
+    store = DiskStore(tmp_path / "a", threads=2, max_bytes=MB // 2)
+    x = torch.randn(4, 64, 64)
+    with pytest.raises(StoreFullError), _ctx(store, min_bytes=0):
+        ours(x).sum().backward()
+    assert store.used_bytes <= MB // 2
+    ref(x).square().mean().backward()
+    roomy = DiskStore(tmp_path / "b", threads=2)
+    with _ctx(roomy, min_bytes=0):
+        ours(x).square().mean().backward()
+    _assert_same(_grads(ours), _grads(ref))
+    hr.activations.empty_cache()
+    assert store.used_bytes == 0 and roomy.used_bytes == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama-bf16"])
+def test_hugging_face_models_bitwise(arch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    dtype = torch.float32
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                      n_positions=64)
+        ref = transformers.GPT2LMHeadModel(cfg)
+    elif arch == "bert":
+        cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                      intermediate_size=128, vocab_size=128)
+        ref = transformers.BertForMaskedLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=128,
+                                       vocab_size=128)
+        dtype = torch.bfloat16
+        ref = transformers.LlamaForCausalLM(cfg).to(dtype)
+    ref.train()
+    ours = copy.deepcopy(ref)
+    ids = torch.randint(0, 128, (2, 48))
+    torch.manual_seed(1)  # dropout draws the same masks in both
+    ref(input_ids=ids, labels=ids).loss.backward()
+    store = DiskStore(tmp_path / "a", threads=2)
+    torch.manual_seed(1)
+    with _ctx(store, min_bytes=0):
+        loss = ours(input_ids=ids, labels=ids).loss
+        assert store.used_bytes > 0  # the saved tensors went to disk
+        loss.backward()
+    _assert_same(_grads(ours), _grads(ref))

@@ -1,0 +1,72 @@
+"""Advice at the end of reports: figures from dry runs, and reports that never fail for it."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+import headroom as hr
+from headroom.memory import format_bytes
+
+
+def blocks():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+                           for _ in range(4)])
+
+
+X = torch.randn(512, 64)
+
+
+def test_estimate_advice_figures_are_dry_run_differences():
+    model = blocks()
+    est = hr.estimate(model, (X,), optimizer=None)
+    names = [f"{i}" for i in range(4)]
+    ckpt = hr.estimate(model, (X,), optimizer=None, checkpoint=names)
+    assert ckpt.peak < est.peak
+    text = est.report(file=open("/dev/null", "w"))  # noqa: SIM115
+    assert "what would cut the peak most" in text
+    line = next(ln for ln in est.advice if ln.strip().startswith("checkpointing the 4 blocks"))
+    assert format_bytes(est.peak - ckpt.peak) in line
+    assert re.search(r"activations are \d+% of the peak", text)
+
+
+def test_tracker_report_ends_with_advice_while_the_model_lives(capsys):
+    model = blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        model(X).sum().backward()
+        opt.step()
+    text = mem.report()
+    assert "what would cut the peak most" in text
+    assert f"this run measured {format_bytes(mem.peak)}" in text
+    assert "advice" not in mem.report(advice=False)
+    del model, opt
+    import gc
+
+    gc.collect()
+    with hr.track_memory() as mem2:
+        m = blocks()
+        m(X).sum().backward()
+    del m
+    gc.collect()
+    assert "no longer alive" in mem2.report()
+
+
+def test_a_failing_dry_run_gives_a_line_not_an_error():
+    class ValueDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x[x > 0].reshape(-1, 4))
+
+    model = ValueDependent()
+    x = torch.ones(8, 4)
+    with hr.track_memory(model=model) as mem:
+        model(x).sum().backward()
+    text = mem.report()
+    assert "(no advice: a dry run of the step failed" in text

@@ -1,0 +1,63 @@
+"""`headroom estimate` and `headroom plan` from a tiny local config (nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from headroom.cli import main
+
+pytest.importorskip("transformers")
+
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 100}
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+def test_estimate_prints_table_and_writes_json(config, tmp_path, capsys):
+    out_json = tmp_path / "e.json"
+    rc = main(["estimate", "--config", str(config), "--batch", "2", "--seq", "16",
+               "--device", "cuda", "--optimizer", "adamw", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "LlamaForCausalLM" in out and "headroom memory estimate" in out
+    assert "caching allocator model" in out and "what would cut the peak most" in out
+    data = json.loads(out_json.read_text())
+    assert data["estimate"]["device"] == "cuda:0" and data["estimate"]["peak"] > 0
+
+
+def test_plan_prints_python_that_applies_it(config, tmp_path, capsys):
+    assert main(["estimate", "--config", str(config), "--batch", "2", "--seq", "16",
+                 "--device", "cpu", "--no-advice", "--json", str(tmp_path / "e.json")]) == 0
+    assert "what would cut" not in capsys.readouterr().out
+    peak = json.loads((tmp_path / "e.json").read_text())["estimate"]["peak"]
+    capsys.readouterr()
+    rc = main(["plan", "--config", str(config), "--batch", "2", "--seq", "16", "--device",
+               "cpu", "--budget", str(int(peak * 0.6)), "--disk", str(tmp_path / "stores")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "headroom plan for cpu" in out and "# apply it:" in out
+    code = out.split("# apply it:\n", 1)[1]
+    assert "hr.HostOptimizer(" in code or "opt = torch.optim.AdamW(" in code
+    compile(code, "<plan>", "exec")  # apply-ready Python
+
+
+def test_errors(config, tmp_path, capsys):
+    rc = main(["plan", "--config", str(config), "--device", "cpu", "--budget", "1KiB"])
+    assert rc == 1
+    assert "smallest estimated peak" in capsys.readouterr().err
+    assert main(["estimate", "--config", str(tmp_path / "missing.json")]) == 2
+    assert "no such config file" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["estimate", "--config", str(tmp_path / "bad.json")]) == 2
+    assert "model_type" in capsys.readouterr().err
+    assert main(["estimate", "--config", str(config), "--no-advice", "--budget", "lots"]) == 2
+    assert "bytes" in capsys.readouterr().err

@@ -1,0 +1,451 @@
+"""Stream ordering of the accelerator paths, checked on the CPU with the model of tests/_streams.py.
+
+Each scenario below drives one accelerator path (the mover under `hr.offload` and under the host
+optimizer, the row streamer under the streamed heads, the stash under activation offload) with
+the model standing in for the device: every copy on a side stream, every compute operation and
+every host access to the buffers involved is checked for ordering as it happens, and results
+are compared bitwise with plain PyTorch. Each runs twice: with events that report done when
+queried, and with a slow device whose work is done only once the host waited for it.
+
+Proof that the model bites (`test_removing_any_wait_or_record_fails_a_scenario`): every
+``wait_event``, ``record`` and ``synchronize`` call in ``src/headroom/transfer/`` is removed in
+turn (the model ignores the call made from that line, as if it were deleted) and some scenario
+must then fail. The mutations tried (by function and call; ``current`` is the device module's
+``current_stream()``), each with the first scenario that catches it (``/slow``: only with the
+slow device):
+
+* ``mover.fetch``: ``ev.record(current)``: mover_host
+* ``mover.fetch``: ``self._h2d.wait_event(ev)``: mover_host
+* ``mover.fetch``: ``done_ev.record(self._h2d)``: mover_host
+* ``mover.wait``: ``ev.record(current)``: mover_disk
+* ``mover.wait``: ``self._h2d.wait_event(ev)``: mover_disk
+* ``mover.wait``: ``ticket.event.record(self._h2d)``: mover_disk
+* ``mover.wait``: ``current.wait_event(ticket.event)``: mover_host
+* ``mover.push_grad``: ``ev.record(current)``: mover_host
+* ``mover.push_grad``: ``self._d2h.wait_event(ev)``: mover_host
+* ``mover.push_grad``: ``done_ev.record(self._d2h)``: mover_host
+* ``mover._finish_one``: ``ev.synchronize()``: mover_host
+* ``mover.synchronize``: ``self._h2d.synchronize()``: mover_disk/slow
+* ``rows._stream_async.issue``: ``self._h2d.wait_event(release[k])``: rows
+* ``rows._stream_async.issue``: ``copied[k].synchronize()``: rows
+* ``rows._stream_async.issue``: ``fresh.record(compute)``: rows
+* ``rows._stream_async.issue``: ``self._h2d.wait_event(fresh)``: rows
+* ``rows._stream_async.issue``: ``ev.record(self._h2d)``: rows
+* ``rows._stream_async``: ``ev.record(compute)``: rows
+* ``rows._stream_async``: ``compute.wait_event(ev)``: rows
+* ``rows._stream_async``: ``last[0].synchronize()``: rows
+* ``rows.push``: ``ev.record(current)``: rows
+* ``rows.push``: ``self._d2h.wait_event(ev)``: rows
+* ``rows.push``: ``done.record(self._d2h)``: rows
+* ``rows._land``: ``done.synchronize()``: rows
+* ``stash.stash``: ``ev.record(current)``: stash
+* ``stash.stash``: ``self._d2h.wait_event(ev)``: stash
+* ``stash.stash``: ``k.out_event.record(self._d2h)``: stash
+* ``stash.wait_out``: ``k.out_event.synchronize()``: stash
+* ``stash._h2d_copy``: ``ev.record(current)``: stash
+* ``stash._h2d_copy``: ``self._h2d.wait_event(ev)``: stash
+* ``stash._h2d_copy``: ``k.back_event.record(self._h2d)``: stash
+* ``stash.restore``: ``current.wait_event(k.back_event)``: stash
+* ``stash.drop``: ``k.out_event.synchronize()``: stash
+* ``stash.drop``: ``k.back_event.synchronize()``: stash
+
+The end-to-end scenarios alone (heads, optimizer, optimizer_overlap, activations, offload) catch
+all but four: ``Mover.synchronize``'s host wait (without it fetch staging is not given back),
+``Stash.wait_out``'s, and the two in ``Stash.drop`` (a ticket dropped while its copy out runs,
+and one dropped after an unused prefetch), which only the direct mover and stash scenarios reach.
+
+Removing the early-close waits of ``RowStreamer`` (the compute stream waiting for the copies of
+slices never delivered) went unnoticed: the host's wait for the last copy at the end of the pass
+already orders every free after them, so they were dropped from the code. The defect the model
+found is fixed where the copy is issued: ``RowStreamer`` copied into freshly allocated device
+buffers on its side stream without ordering after the compute stream that allocated them (the
+caching allocator hands a block freed by queued compute work straight back to that stream).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import headroom as hr
+from headroom.transfer import DiskStore, Mover, RowStreamer, Stash, bind
+from tests._streams import StreamModel, StreamOrderError, stream_model
+
+TRANSFER = Path(__file__).resolve().parents[2] / "src" / "headroom" / "transfer"
+
+
+# ------------------------------------------------------------------ the model itself
+def test_model_catches_an_unordered_read_and_passes_an_ordered_one(monkeypatch):
+    with stream_model(monkeypatch) as m:
+        side = m.Stream()
+        a = torch.ones(4) * 2  # written on the compute stream
+        with m.stream(side), pytest.raises(StreamOrderError, match="reads"):
+            a.add(1)
+        ev = m.Event()
+        ev.record(m.current_stream())
+        side.wait_event(ev)
+        with m.stream(side):
+            b = a.add(1)  # ordered now; b is side-stream memory
+        with pytest.raises(StreamOrderError, match="not ordered after its write on side"):
+            b.sum()
+        done = m.Event()
+        done.record(side)
+        m.current_stream().wait_event(done)
+        assert b.sum().item() == 12.0
+
+
+def test_model_catches_write_after_read_free_and_host_access(monkeypatch):
+    with stream_model(monkeypatch) as m:
+        side = m.Stream()
+        a = torch.ones(4) * 2
+        ev = m.Event()
+        ev.record(m.current_stream())
+        side.wait_event(ev)
+        pinned = torch.empty(4, pin_memory=True)
+        assert pinned.is_pinned() and not a.is_pinned()
+        with m.stream(side):
+            pinned.copy_(a, non_blocking=True)  # device -> host on the side stream
+        with pytest.raises(StreamOrderError, match="writes .* not ordered after its read"):
+            a.zero_()  # the compute stream overwrites what the side stream still reads
+        with pytest.raises(StreamOrderError, match="on host"):
+            pinned.sum()  # the host reads before waiting for the copy
+        side.synchronize()
+        assert pinned.sum().item() == 8.0
+        c = torch.ones(4) * 3
+        ev.record(m.current_stream())
+        side.wait_event(ev)
+        with m.stream(side):
+            pinned.copy_(c, non_blocking=True)
+        with pytest.raises(StreamOrderError, match="free of"):
+            c.untyped_storage().resize_(0)  # freed while the side stream reads it
+        d = torch.ones(4) * 4
+        ev.record(m.current_stream())
+        side.wait_event(ev)
+        with m.stream(side):
+            pinned.copy_(d, non_blocking=True)
+        d.record_stream(side)
+        del d  # the allocator keeps it until the side stream's copy is done: no error
+        fresh = torch.empty(4)  # allocated on the compute stream
+        with m.stream(side), pytest.raises(StreamOrderError):
+            fresh.copy_(pinned, non_blocking=True)
+        m.synchronize()
+
+
+# ------------------------------------------------------------------ scenarios
+def _mover_host(m: StreamModel, tmp_path) -> None:
+    """Mover with a pinned host store: fetch, compute, refetch over what compute read; gradients
+    overwritten and accumulated, the device gradient dropped at once."""
+    store = hr.transfer.resolve_store("cpu", "cpu")
+    assert store.pinned
+    _mover(m, store)
+
+
+def _mover_disk(m: StreamModel, tmp_path) -> None:
+    """Mover with a disk store (reads through page-locked staging), same steps."""
+    _mover(m, DiskStore(tmp_path / "mover", threads=2))
+
+
+def _mover(m: StreamModel, store) -> None:
+    x = torch.randn(32, 8)
+    h = store.put("x", x)
+    mover = Mover("cpu", store)
+    assert mover.accelerated
+    inp = torch.randn(5, 32)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        dst = torch.empty(32, 8, dtype=dtype)
+        for _ in range(2):
+            mover.wait(mover.fetch(h, dst))
+            got = inp.to(dtype) @ dst  # compute reads the fetched bytes
+            assert torch.equal(got, inp.to(dtype) @ x.to(dtype))
+    mover.synchronize()  # also gives every staging buffer of a fetch back
+    assert not mover._inflight
+    p = torch.nn.Parameter(torch.zeros(32, 8))
+    b = bind(p, h, grad_handle=store.alloc("x.grad", (32, 8), torch.float32))
+    expect = None
+    for i in range(4):
+        g = inp.T @ torch.randn(5, 8)  # a gradient the compute stream writes
+        expect = g.clone() if i == 0 else expect + g
+        mover.push_grad(g, b, accumulate=i > 0)
+        del g  # backward drops it at once
+    mover.synchronize()
+    assert torch.equal(store.read(b.grad_handle).result(), expect)
+    assert not mover._grads and not mover._inflight  # every staging buffer went back
+    store.close()
+
+
+def _rows(m: StreamModel, tmp_path) -> None:
+    """RowStreamer: pageable and pinned sources, prefetch 0 to 2, slices used by compute and
+    gradient rows pushed back (overwritten and added), the source written after each pass."""
+    for prefetch in (0, 1, 2):
+        for pinned in (False, True):
+            w = torch.randn(50, 6)
+            w = w.pin_memory() if pinned else w
+            m.host_memory(w)
+            gw = torch.zeros(50, 6).pin_memory() if pinned else torch.zeros(50, 6)
+            m.host_memory(gw)
+            ref_w = w.clone()
+            s = RowStreamer("cpu", prefetch=prefetch)
+            assert s.accelerated
+            x = torch.randn(3, 6)
+            bounds = [(a, min(a + 8, 50)) for a in range(0, 50, 8)]
+            for step in range(2):
+                ys = []
+                for start, stop, (ws,) in s.stream([w], bounds):
+                    # compute only inside the pass: a check against host memory here would be
+                    # a blocking copy, which orders everything and hides what is missing
+                    y = x @ ws.T
+                    ys.append(y)
+                    gy = torch.ones_like(y)
+                    out = s.out("w", (stop - start, 6), torch.float32)
+                    torch.matmul(gy.T, x, out=out)
+                    s.push("w", gw[start:stop], out, accumulate=step > 0)
+                s.finish()
+                for (start, stop), y in zip(bounds, ys, strict=True):
+                    assert torch.equal(y, x @ ref_w[start:stop].T)
+                assert torch.equal(gw, ((step + 1) * x.sum(0)).expand(50, 6))
+                with torch.no_grad():
+                    w.add_(1.0)  # an optimizer step on the host source after the pass
+                    ref_w.add_(1.0)
+            # closed early: the rest of the copies still in flight
+            it = s.stream([w], bounds, dtype=torch.bfloat16)
+            _, _, (first,) = next(it)
+            first = first * 1
+            it.close()
+            del it
+            assert torch.equal(first, ref_w[0:8].bfloat16())
+            with torch.no_grad():
+                w.add_(1.0)
+
+
+def _heads(m: StreamModel, tmp_path) -> None:
+    """The streamed linear + cross-entropy head over a host weight (gradient rows pushed back),
+    bitwise against the same head with the weight used in place, and close to the dense loss."""
+    from headroom.heads import _slices
+
+    x = torch.randn(16, 12)
+    w = torch.randn(300, 12)
+    m.host_memory(w)
+    y = torch.randint(0, 300, (16,))
+
+    def run():
+        xs, ws = x.clone().requires_grad_(), w.detach().requires_grad_()
+        m.host_memory(ws)
+        ws.grad = None
+        loss = hr.linear_cross_entropy(xs, ws, y, slice_size=64, prefetch=1)
+        loss.backward()
+        return loss.detach(), xs.grad, ws.grad
+
+    got = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_slices, "host_streamer", lambda *a, **k: None)
+        ref = run()
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+    xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dense = F.cross_entropy(xd @ wd.T, y)
+    dense.backward()
+    torch.testing.assert_close(got[0], dense.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], wd.grad, rtol=1e-5, atol=1e-6)
+
+
+def _stash(m: StreamModel, tmp_path) -> None:
+    """Stash: out, free the storage, refill, back; the stash's buffers reused across rounds."""
+    for store in (None, DiskStore(tmp_path / "stash", threads=2)):
+        s = Stash("cpu", store)
+        assert s.accelerated
+        for round_ in range(3):
+            t = torch.arange(64.0) * (round_ + 1)  # compute writes it
+            ref = t.clone()
+            k = s.stash(t.untyped_storage())
+            if round_ == 1:
+                while not s.out_done(k):
+                    s.wait_out(k)
+            s.wait_out(k)
+            t.untyped_storage().resize_(0)
+            t.untyped_storage().resize_(k.nbytes)
+            if round_ == 2:
+                s.prefetch(k, t.untyped_storage())
+            s.restore(k, t.untyped_storage())
+            assert torch.equal(t * 1, ref)
+            s.drop(k)
+        # dropped while the copy out still runs: its source is freed right after
+        t = torch.arange(64.0) * 5
+        s.drop(s.stash(t.untyped_storage()))
+        del t
+        # prefetched and dropped unused: the next stash of that size reuses the buffer
+        t = torch.arange(64.0) * 6
+        k = s.stash(t.untyped_storage())
+        s.wait_out(k)
+        s.prefetch(k, torch.empty(64).untyped_storage())
+        s.drop(k)
+        u = torch.arange(64.0) * 7
+        k = s.stash(u.untyped_storage())
+        s.wait_out(k)
+        s.restore(k, t.untyped_storage())
+        assert torch.equal(t * 1, u)
+        s.drop(k)
+        s.close()
+        if store is not None:
+            store.close()
+
+
+def _activations(m: StreamModel, tmp_path) -> None:
+    """hr.offload_activations over MLP blocks, host and disk stores: gradients as plain."""
+    from tests.activations.test_offload_activations import Blocks
+
+    for store in ("cpu", DiskStore(tmp_path / "act", threads=2)):
+        torch.manual_seed(0)
+        ref = Blocks(d=32, n=3)
+        ours = copy.deepcopy(ref)
+        x = torch.randn(2, 16, 32)
+        ref(x).square().mean().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):
+                ours.zero_grad()
+                with hr.offload_activations(store=store, min_bytes=0, prefetch=4096):
+                    out = ours(x)
+                out.square().mean().backward()
+        for p, q in zip(ours.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+        if store != "cpu":
+            store.close()
+
+
+def _offload(m: StreamModel, tmp_path) -> None:
+    """hr.offload of a checkpointed transformer on the mover's accelerator path, host and disk
+    stores: gradients over two accumulations exactly as plain."""
+    from headroom.residency import state_of
+    from headroom.transfer import binding
+    from tests.residency._models import Transformer, lm_batch, lm_loss
+
+    for kind in ("cpu", "disk"):
+        torch.manual_seed(0)
+        ref = Transformer(n=2, ckpt=True)
+        store = "cpu" if kind == "cpu" else DiskStore(tmp_path / f"o{kind}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = hr.offload(copy.deepcopy(ref), device="cpu", store=store)
+        assert state_of(model).res.mover.accelerated
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            b = lm_batch(g)
+            for mod in (ref, model):
+                torch.manual_seed(1)
+                lm_loss(mod, b).backward()
+        for n, p in model.named_parameters():
+            bd = binding(p)
+            assert torch.equal(bd.store.read(bd.grad_handle).result(),
+                               ref.get_parameter(n).grad), n
+        state_of(model).store.close()
+
+
+def _optimizer(m: StreamModel, tmp_path) -> None:
+    """HostOptimizer over bf16 parameters (fp32 host masters through the mover): each step
+    equal to AdamW on the fp32 masters, with a skipped step and zero_grad(set_to_none=False)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    master = [p.detach().float().clone() for p in lin.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2)
+    opt = hr.HostOptimizer(lin.parameters(), torch.optim.AdamW, lr=1e-2)
+    assert opt._mover.accelerated
+    for s in range(4):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(s)).bfloat16()
+        if s == 1:  # a skipped step: its gradients must not leak into the next
+            lin(x).float().square().sum().backward()
+            opt.zero_grad(set_to_none=False)
+        lin(x).float().square().sum().backward()
+        grads = [opt.grad(p) for p in lin.parameters()]
+        for mp, g in zip(master, grads, strict=True):
+            mp.grad = g.clone()
+        ref.step()
+        opt.step()
+        opt.zero_grad(set_to_none=s % 2 == 0)
+        for p, mp in zip(lin.parameters(), master, strict=True):
+            assert torch.equal(p * 1, mp.bfloat16())
+
+
+# Cheap ones first: the mutation test runs them in this order until one fails.
+def _optimizer_overlap(m: StreamModel, tmp_path) -> None:
+    """HostOptimizer with overlap (steps and copy-backs on its worker thread during the final
+    backward) while the training loop runs on a stream of its own, not the default one."""
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    master = [p.detach().float().clone() for p in lin.parameters()]
+    ref = torch.optim.AdamW(master, lr=1e-2)
+    opt = hr.HostOptimizer(lin.parameters(), torch.optim.AdamW, lr=1e-2, overlap=True)
+    user = m.Stream()
+    for s in range(3):
+        with m.stream(user):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(s)).bfloat16()
+            with opt.final_backward():
+                lin(x).float().square().sum().backward()
+            grads = [opt.grad(p).clone() for p in lin.parameters()]
+            opt.step()
+            opt.zero_grad()
+            got = [p * 1 for p in lin.parameters()]
+        user.synchronize()  # the checks below run on the host's default stream
+        for mp, g in zip(master, grads, strict=True):
+            mp.grad = g
+        ref.step()
+        for p, mp in zip(got, master, strict=True):
+            assert torch.equal(p, mp.bfloat16())
+        m.synchronize()  # before `got`, the user stream's memory, is freed
+
+
+SCENARIOS = [_mover_host, _mover_disk, _rows, _heads, _stash, _optimizer, _optimizer_overlap,
+             _activations, _offload]
+
+
+def _run(scenario, tmp_path, *, query_done: bool, skip=()) -> StreamModel:
+    with pytest.MonkeyPatch.context() as mp, \
+            stream_model(mp, query_done=query_done) as m:
+        m.skip.update(skip)
+        scenario(m, tmp_path)
+        m.synchronize()
+    return m
+
+
+@pytest.mark.parametrize("query_done", [True, False], ids=["done", "slow"])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__.strip("_"))
+def test_accelerator_path_is_ordered(scenario, query_done, tmp_path):
+    m = _run(scenario, tmp_path, query_done=query_done)
+    assert m.accesses > 0
+
+
+# ------------------------------------------------------------------ mutations
+def _sites() -> list[tuple[str, int]]:
+    """Every ``.wait_event(``, ``.record(`` and ``.synchronize(`` call in transfer/."""
+    out = []
+    for path in sorted(TRANSFER.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("wait_event", "record", "synchronize"):
+                out.append((path.name, node.lineno))
+    return sorted(set(out))
+
+
+def _catches(site, tmp_path) -> str | None:
+    """The first scenario (and mode) that fails with ``site`` removed, or None."""
+    for scenario in SCENARIOS:
+        for query_done in (True, False):
+            sub = tmp_path / f"{scenario.__name__}{query_done}"
+            sub.mkdir()
+            try:
+                m = _run(scenario, sub, query_done=query_done, skip={site})
+            except (StreamOrderError, AssertionError):
+                return f"{scenario.__name__.strip('_')}/{'done' if query_done else 'slow'}"
+            if not m.skipped:
+                break  # the scenario never reaches the site
+    return None
+
+
+@pytest.mark.parametrize("site", _sites(), ids=lambda s: f"{s[0]}:{s[1]}")
+def test_removing_any_wait_or_record_fails_a_scenario(site, tmp_path):
+    assert _catches(site, tmp_path) is not None, f"removing {site} goes unnoticed"

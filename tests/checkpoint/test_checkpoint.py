@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -205,9 +206,12 @@ def _corrupt_target(path, where):
     return 8 + n + (a + b) // 2
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk"])
-@pytest.mark.parametrize("where", ["metadata", "model/blocks.1.fc2.weight",
-                                   "optimizer/20/exp_avg_sq"])
+@pytest.mark.parametrize(("kind", "where"), [
+    ("memory", "metadata"), ("memory", "model/blocks.1.fc2.weight"),
+    ("memory", "optimizer/20/exp_avg_sq"),
+    # a model in a store is verified tensor by tensor (next test); its header still first
+    ("disk", "metadata"),
+])
 def test_flipped_byte_is_caught_before_anything_changes(tmp_path, kind, where):
     model = make_model() if kind == "memory" else _offloaded(tmp_path, 0, "a")
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -227,9 +231,12 @@ def test_flipped_byte_is_caught_before_anything_changes(tmp_path, kind, where):
     assert len(fresh_opt.state) == 0 and fresh_opt.param_groups[0]["lr"] == 0.5
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk"])
+@pytest.mark.parametrize(("kind", "big"), [("memory", True), ("disk", True), ("disk", False)])
 @pytest.mark.parametrize("where", ["model/blocks.1.fc2.weight", "optimizer/20/exp_avg_sq"])
-def test_bigger_than_memory_is_verified_tensor_by_tensor(tmp_path, kind, where, monkeypatch):
+def test_bigger_than_memory_is_verified_tensor_by_tensor(tmp_path, kind, big, where,
+                                                         monkeypatch):
+    """A file bigger than half the memory, or a model whose parameters rest in a store:
+    each tensor is verified (ahead, on a helper thread) before any of it is loaded."""
     model = make_model() if kind == "memory" else _offloaded(tmp_path, 0, "a")
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     train(model, opt, range(2))
@@ -241,8 +248,8 @@ def test_bigger_than_memory_is_verified_tensor_by_tensor(tmp_path, kind, where, 
     fresh_opt = hr.HostOptimizer(fresh.parameters(), torch.optim.AdamW, lr=0.5)
     before = _values(fresh)
     names = list(before)
-    # as if the file were bigger than half the available memory
-    monkeypatch.setattr(_checkpoint, "available_memory", lambda: 0, raising=False)
+    if big:  # as if the file were bigger than half the available memory
+        monkeypatch.setattr(_checkpoint, "available_memory", lambda: 0, raising=False)
     if where.startswith("model/"):  # the 10th tensor: the 9 before it are loaded
         loaded = names.index(where.removeprefix("model/"))
         assert loaded == 9
@@ -258,6 +265,66 @@ def test_bigger_than_memory_is_verified_tensor_by_tensor(tmp_path, kind, where, 
     # an intact checkpoint then loads over whatever was left
     hr.save(path, model, opt)
     hr.load(path, fresh, fresh_opt)
+    assert all(torch.equal(v, saved[n]) for n, v in _values(fresh).items())
+    assert_state_equal(opt, fresh_opt)
+
+
+def test_verify_ahead_stays_within_its_window(tmp_path):
+    from headroom.checkpoint._file import Reader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(12)])
+    path = tmp_path / "c.safetensors"
+    hr.save(path, model)
+    with Reader(str(path), verify=True) as r:
+        names = sorted(r.names(), key=lambda k: r.entries[k][2])
+        size = 64 * 64 * 4
+        r.verify_ahead(names, window=3 * size)
+        ahead = r._ahead
+        deadline = time.monotonic() + 10
+        while len(ahead._crcs) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # it could only go further by ignoring the window
+        assert len(ahead._crcs) == 3
+        for i, name in enumerate(names):  # each use lets it go one further
+            got = r.tensor(name)
+            assert torch.equal(got, model[i].weight)
+            deadline = time.monotonic() + 10
+            want = min(len(names), i + 4)
+            while len(ahead._crcs) < want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(ahead._crcs) == want
+        del got
+    assert ahead._thread is not None and not ahead._thread.is_alive()
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, OSError])
+def test_interrupted_load_stops_its_checksum_thread(tmp_path, exc, monkeypatch):
+    model = _offloaded(tmp_path, 0, "a")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    train(model, opt, range(2))
+    path = tmp_path / "c.safetensors"
+    hr.save(path, model, opt)
+    saved = _values(model)
+    fresh = _offloaded(tmp_path, 5, "b")
+    fresh_opt = hr.HostOptimizer(fresh.parameters(), torch.optim.AdamW, lr=0.5)
+    real, calls = _checkpoint.Reader.tensor, []
+
+    def failing(self, name):
+        calls.append(name)
+        if len(calls) == 3:
+            raise exc("interrupted")
+        return real(self, name)
+
+    monkeypatch.setattr(_checkpoint.Reader, "tensor", failing)
+    # one tensor ahead at most: the helper is waiting for the load when it fails
+    monkeypatch.setattr(_checkpoint, "_AHEAD_MIN", 1)
+    monkeypatch.setattr(_checkpoint, "_AHEAD_MAX", 1)
+    with pytest.raises(exc):
+        hr.load(path, fresh, fresh_opt)
+    assert not [t for t in threading.enumerate() if t.name == "headroom-verify"]
+    monkeypatch.setattr(_checkpoint.Reader, "tensor", real)
+    hr.load(path, fresh, fresh_opt)  # then loads whole
     assert all(torch.equal(v, saved[n]) for n, v in _values(fresh).items())
     assert_state_equal(opt, fresh_opt)
 

@@ -49,6 +49,9 @@ from headroom.transfer import Handle, Store, binding
 __all__ = ["CheckpointCorruptError", "load", "save"]
 
 _CHUNK = 32 << 20
+# How far `load`'s checksums may run ahead of the tensors it loads (an eighth of the available
+# memory, within these bounds): what they read must still be in the page cache when used.
+_AHEAD_MIN, _AHEAD_MAX = 64 << 20, 1 << 30
 
 class _Item:
     """One tensor to write: in memory, or resting in a store (streamed in row slices)."""
@@ -443,10 +446,19 @@ def _load(
             if "optimizer" not in meta:
                 raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
             _check_optimizer(optimizer, meta["optimizer"])
-        if r.crcs and r.data_bytes <= available_memory() // 2:
+        avail = available_memory()
+        in_store = any(binding(t) is not None for t in sd.values())
+        if r.crcs and not in_store and r.data_bytes <= avail // 2:
             # All first, so that a corrupt file changes nothing: the page cache keeps what
             # this pass read for the load itself, which then costs no second disk read.
             r.verify_all()
+        elif r.crcs:
+            # Each tensor in full before any of it is used, checksummed on a helper thread
+            # ahead of the load: the load's writes (to a store, or to a model bigger than half
+            # the memory) overlap the next tensors' reads, as without checksums.
+            r.verify_ahead(sorted((k for k in r.names() if not k.startswith("json/")),
+                                  key=lambda k: r.entries[k][2]),
+                           window=max(_AHEAD_MIN, min(_AHEAD_MAX, avail // 8)))
         get = lambda name: r.tensor(name).clone()  # noqa: E731 - owns its memory
         extra = _unjson(meta.get("extra", {}), get)
         _load_model(r, sd, meta["model"])

@@ -46,6 +46,7 @@ __all__ = [
 FORMAT = "headroom-checkpoint"
 VERSION = 2
 _ALIGN = 8
+_PIECE = 16 << 20  # a tensor is checksummed in pieces of this size (a stop is seen between)
 DTYPES = {dtype: code for code, dtype in safetensors_dtypes().items()}
 # The header's own checksum is the first field of the headroom JSON, which is the first
 # value of the header, so its eight hex digits sit at a fixed offset: `load` checks the raw
@@ -286,6 +287,7 @@ class Reader:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 self._mv = memoryview(self._mm)
         self._verified: set[str] = set()
+        self._ahead: _Ahead | None = None
 
     def _corrupt(self, what: str, *, truncated: bool = False) -> None:
         cause = ("the file is truncated (a copy or download cut short, or a full disk)"
@@ -350,17 +352,41 @@ class Reader:
         except KeyError:
             self._corrupt(f"its metadata refers to tensor {name!r}, which it does not hold")
 
-    def _crc(self, name: str) -> int:
+    def _crc(self, name: str, stop_event: threading.Event | None = None) -> int | None:
+        """CRC32C of ``name``'s bytes, read in pieces (``None``: ``stop_event`` was set)."""
         _, _, start, stop = self._entry(name)
-        if stop == start:
-            return 0
-        return crc32c.crc32c(self._mv[self.offset + start:self.offset + stop])
+        a, b = self.offset + start, self.offset + stop
+        if a < b and hasattr(self._mm, "madvise"):
+            # Ask for the whole range at once: the kernel reads it ahead of the checksum's
+            # page faults (~10% faster than faulting it in page by page here).
+            page = (a // mmap.PAGESIZE) * mmap.PAGESIZE
+            with contextlib.suppress(OSError):
+                self._mm.madvise(mmap.MADV_WILLNEED, page, b - page)
+        value = 0
+        for s in range(a, b, _PIECE):
+            if stop_event is not None and stop_event.is_set():
+                return None
+            value = crc32c.crc32c(self._mv[s:min(b, s + _PIECE)], value)
+        return value
+
+    def verify_ahead(self, names: list[str], window: int) -> None:
+        """Verify ``names`` on a helper thread, in this order, ahead of their use.
+
+        `verify` (and `tensor`) of one of them then waits for the helper instead of reading
+        it; the helper stays at most ``window`` bytes (but at least one tensor) ahead of the
+        last of them used, so what it read is still in the page cache when it is used.
+        """
+        if self._ahead is None and self.crcs:
+            planned = [n for n in names if n in self.crcs and n not in self._verified]
+            self._ahead = _Ahead(self, planned, window)
 
     def verify(self, name: str) -> None:
         """Check ``name``'s bytes against their CRC32C (once), or raise naming the fix."""
         if name in self._verified or name not in self.crcs:
             return
-        got = self._crc(name)
+        got = self._ahead.result(name) if self._ahead is not None else None
+        if got is None:
+            got = self._crc(name)
         if got != self.crcs[name]:
             _, _, start, stop = self._entry(name)
             self._corrupt(f"tensor {name!r} (file bytes {self.offset + start}-"
@@ -387,6 +413,9 @@ class Reader:
         return flat.view(shape)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()  # before the mapping it reads goes
+            self._ahead = None
         if self._mv is not None:
             self._mv.release()
             self._mv = None
@@ -401,6 +430,63 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ahead:
+    """`Reader.verify_ahead`'s helper thread: checksums computed in a planned order."""
+
+    def __init__(self, reader: Reader, names: list[str], window: int) -> None:
+        self._reader = reader
+        self._names = names
+        self._pos = {n: i for i, n in enumerate(names)}
+        self._sizes = [reader.entries[n][3] - reader.entries[n][2] for n in names]
+        self._window = window
+        self._crcs: dict[str, int] = {}
+        self._used = 0  # names[:_used] have been asked for (or passed by one that was)
+        self._done = False
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="headroom-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for i, name in enumerate(self._names):
+                with self._cond:
+                    while (not self._stop.is_set() and i > self._used
+                           and sum(self._sizes[self._used:i + 1]) > self._window):
+                        self._cond.wait()
+                if self._stop.is_set():
+                    return
+                value = self._reader._crc(name, self._stop)
+                if value is None:
+                    return
+                with self._cond:
+                    self._crcs[name] = value
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def result(self, name: str) -> int | None:
+        """The helper's CRC32C of ``name`` once it has it; ``None``: not planned, or it stopped
+        before (then the caller computes it)."""
+        i = self._pos.get(name)
+        if i is None:
+            return None
+        with self._cond:
+            self._used = max(self._used, i + 1)
+            self._cond.notify_all()
+            while name not in self._crcs and not self._done:
+                self._cond.wait()
+            return self._crcs.get(name)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join()
 
 
 def available_memory() -> int:

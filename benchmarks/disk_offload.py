@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.residency._offload import _state
+from headroom.residency import state_of
 from headroom.transfer import DiskStore
 
 
@@ -123,9 +123,9 @@ def main() -> None:
     opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3, overlap=False)
     x = torch.randn(args.batch, args.width)
 
-    files = [store.file_of(s.binding.handle) for s in _state(model).slots]
+    files = [store.file_of(s.binding.handle) for s in state_of(model).slots]
     raw_before = raw_read(files)
-    stream_bytes, stream_s = store_stream(store, [s.binding.handle for s in _state(model).slots])
+    stream_bytes, stream_s = store_stream(store, [s.binding.handle for s in state_of(model).slots])
 
     times, losses, step_ratios, raw_each = [], [], [], []
     before = store.stats()

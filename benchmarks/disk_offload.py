@@ -119,6 +119,12 @@ def main() -> None:
     store = DiskStore(args.dir, threads=args.threads, page_cache=False)
     t0 = time.perf_counter()
     hr.offload(model, device="cpu", store=store, prefetch=args.prefetch)
+    # Parameters created on meta get their values when first needed (the first forward):
+    # a forward without gradients here writes them, so that setup includes it, the files hold
+    # data before the raw reads, and the random draws come in the same order as for a model
+    # initialized on the CPU.
+    with torch.no_grad():
+        model(torch.zeros(1, args.width))
     setup_s = time.perf_counter() - t0
     opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3, overlap=False)
     x = torch.randn(args.batch, args.width)

@@ -24,7 +24,15 @@ import threading
 import torch
 import torch.nn as nn
 
-from headroom.transfer import HeapTrimmer, Mover, ParamBinding, Store, Ticket, resize_storage
+from headroom.transfer import (
+    HeapTrimmer,
+    HostStore,
+    Mover,
+    ParamBinding,
+    Store,
+    Ticket,
+    resize_storage,
+)
 
 __all__ = ["DeviceCopy", "Group", "Residency", "Slot"]
 
@@ -96,7 +104,11 @@ class Residency:
         self.lock = threading.Lock()
         # On the CPU the device copies are host memory, freed and allocated again group
         # after group; see headroom.transfer._heap for why that memory must be given back.
-        self._trimmer = HeapTrimmer() if device.type == "cpu" else None
+        # Not when the masters rest in host memory too: the model is in RAM then, whatever
+        # the heap keeps, and trimming would only cost time (10-20% of a step of
+        # benchmarks/offload_overhead.py, which faults the pages in again at every refill).
+        self._trimmer = (HeapTrimmer() if device.type == "cpu" and not isinstance(store, HostStore)
+                         else None)
 
     def fetch(self, group: Group) -> None:
         """Start bringing a group to the device (no wait; the modules still hold the masters)."""

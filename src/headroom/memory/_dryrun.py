@@ -37,23 +37,17 @@ def _autocast_enabled(*args: Any) -> bool:
     return _IS_AUTOCAST(*args)
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are ``meta`` tensors of the same shapes.
 
     Ties survive (a parameter shared by two modules is one parameter in the copy); no data is
-    copied, so a model of any size is copied in milliseconds.
+    copied, so a model of any size is copied in milliseconds. ``memo`` maps ``id()`` of further
+    objects to what stands for them in the copy (``copy.deepcopy``'s memo).
 
     Raises:
-        TypeError: for a model under `hr.offload` (its hooks belong to live stores and
-            threads), or one that cannot be deep-copied.
+        TypeError: for a model that cannot be deep-copied.
     """
-    if any(hasattr(m, "_headroom_offload") for m in model.modules()):
-        raise TypeError(
-            "hr.estimate takes the model before hr.offload: an offloaded model's hooks belong to"
-            " its store and threads. Estimate the plain model (built on meta if it is big), and"
-            " let hr.plan(..., disk=...) figure what parameter offload leaves on the device."
-        )
-    memo: dict[int, Any] = {}
+    memo = dict(memo or {})
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:
             continue
@@ -66,8 +60,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
     except Exception as e:
         raise TypeError(
             f"the estimator could not copy the model onto the meta device ({type(e).__name__}:"
-            f" {e}). Estimate the plain model (before hr.offload and other changes that attach"
-            " stores or threads) and pass the technique as an option instead."
+            f" {e}). Estimate the plain model (before changes that attach stores or threads)"
+            " and pass the technique as an option instead."
         ) from e
 
 
@@ -139,23 +133,62 @@ class AttentionAsOnDevice:
             q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
 
 
+class FusedOnMeta:
+    """Lets ``torch.optim``'s ``fused=True`` optimizers step ``meta`` parameters.
+
+    Their constructors refuse devices outside a fixed list; PyTorch's fused Adam and AdamW
+    kernels have ``meta`` implementations (in-place, nothing allocated), and `RealTensorsAsMeta`
+    skips the others. The list is extended for the duration of the dry run.
+    """
+
+    def __enter__(self) -> FusedOnMeta:
+        import torch.optim.optimizer as _optimizer
+
+        self._module = _optimizer
+        self._orig = _optimizer._get_fused_kernels_supported_devices
+        orig = self._orig
+        _optimizer._get_fused_kernels_supported_devices = lambda: [*orig(), "meta"]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module._get_fused_kernels_supported_devices = self._orig
+
+
 class RealTensorsAsMeta(TorchDispatchMode):
     """Ops that mix ``meta`` tensors with real ones (a target tensor a loss function closes
-    over, a mask built outside the model) get ``meta`` stand-ins for the real ones.
+    over, a mask built outside the model, an optimizer's state slice in a host buffer) get
+    ``meta`` stand-ins for the real ones.
 
     Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
-    run would: it is used inside the step) before it is swapped.
+    run would: it is used inside the step) before it is swapped. Fused optimizer kernels that
+    have no ``meta`` implementation update their arguments in place and allocate nothing: on
+    ``meta`` tensors they are skipped.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = [*args, *kwargs.values()]
-        if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat) and any(
-            isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0
-            for a in flat
-        ):
+        flat = _flat([*args, *kwargs.values()])
+        has_meta = any(a.device.type == "meta" for a in flat)
+        if has_meta and func.overloadpacket in _FUSED_WITHOUT_META:
+            return None
+        if has_meta and any(a.device.type != "meta" and a.dim() > 0 for a in flat):
             args, kwargs = tree_map(_meta_stand_in, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _flat(items: list[Any]) -> list[torch.Tensor]:
+    out = []
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+_FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
+                       for name in ("_fused_sgd_", "_fused_adagrad_")
+                       if hasattr(torch.ops.aten, name)}
 
 
 def _meta_stand_in(t: Any) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,34 +30,53 @@ from headroom.memory._tracker import MemoryTracker
 
 class _DryRunTracker(MemoryTracker):
     """The tracker, counting ``meta`` storages as ``device``'s and replaying them through an
-    allocator model when ``device`` has a caching allocator."""
+    allocator model when ``device`` has a caching allocator.
 
-    def __init__(self, device: str, allocator: CachingAllocatorModel | None, **kwargs: Any):
+    ``places`` (the dry run of headroom's features, `headroom.planner._places.Places`) names
+    ``meta`` storages that stand for host memory (counted as ``"cpu"``) or for nothing.
+    """
+
+    def __init__(self, device: str, allocator: CachingAllocatorModel | None,
+                 places: Any = None, **kwargs: Any):
         super().__init__(sample_allocator=False, **kwargs)
         self._meta_as = device
+        self._target = device
         self._alloc_model = allocator
+        self._places = places
 
     def _see(self, t, cat, *, check_size=False, force=False):
         st = None
-        if self._alloc_model is not None and isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and (self._alloc_model is not None
+                                            or self._places is not None):
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 st = None
-            known = st is not None and st._cdata in self._infos
-        info = super()._see(t, cat, check_size=check_size, force=force)
-        if (st is not None and not known and info is not None
-                and info.device == self._meta_as):
+        known = st is not None and st._cdata in self._infos
+        where = None
+        if st is not None and not known and self._places is not None \
+                and st.device.type == "meta":
+            where = self._places.where(st._cdata)
+            if where == "nowhere":
+                return None
+        if where == "host":
+            self._meta_as = "cpu"
+        try:
+            info = super()._see(t, cat, check_size=check_size, force=force)
+        finally:
+            self._meta_as = self._target
+        if (self._alloc_model is not None and st is not None and not known
+                and info is not None and info.device == self._target):
             self._alloc_model.malloc(info.key, info.nbytes)
         return info
 
     def _freed(self, info: StorageInfo) -> None:
-        if self._alloc_model is not None and info.device == self._meta_as:
+        if self._alloc_model is not None and info.device == self._target:
             self._alloc_model.free(info.key)
         super()._freed(info)
 
     def _resize(self, info: StorageInfo, nbytes: int) -> None:
-        if self._alloc_model is not None and info.device == self._meta_as:
+        if self._alloc_model is not None and info.device == self._target:
             self._alloc_model.free(info.key)
             self._alloc_model.malloc(info.key, nbytes)
         super()._resize(info, nbytes)
@@ -179,6 +198,7 @@ def estimate(
     checkpoint: Iterable[str] = (),
     offload_activations: int | None = None,
     prepare: Callable[[nn.Module], nn.Module | None] | None = None,
+    offload: Mapping[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the memory of one training step without running it on real tensors.
 
@@ -231,8 +251,17 @@ def estimate(
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
-               "offload_activations": offload_activations, "prepare": prepare}
-    meta_model = _dryrun.meta_copy(model)
+               "offload_activations": offload_activations, "prepare": prepare,
+               "offload": offload}
+    features = None
+    if _uses_features(model, optimizer, offload):
+        # hr.offload or hr.HostOptimizer: their dry runs live with the techniques (planner/)
+        from headroom.planner._features import DryRunFeatures
+
+        features = DryRunFeatures(model, optimizer, offload, target)
+        meta_model = features.meta_copy(model)
+    else:
+        meta_model = _dryrun.meta_copy(model)
     meta_model.train(model.training)
     if checkpoint:
         _dryrun.checkpoint_modules(meta_model, checkpoint)
@@ -240,20 +269,35 @@ def estimate(
         replaced = prepare(meta_model)
         if isinstance(replaced, nn.Module):
             meta_model = replaced
+    if features is not None:
+        features.install(meta_model)
     args = _dryrun.to_meta(example_args)
     kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
     loss_fn = loss_fn or _dryrun.default_loss
     params = [p for p in meta_model.parameters() if p.requires_grad]
-    opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
+    if features is not None:
+        opt = features.optimizer(params, optimizer, dict(optimizer_kwargs or {}))
+    else:
+        opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
+    final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
+    on_host = features.step_context if features is not None else contextlib.nullcontext
+
+    def kept() -> contextlib.AbstractContextManager:
+        # inside the tracker's own hooks, so that it still sees every saved tensor
+        if offload_activations is None:
+            return contextlib.nullcontext()
+        return keeping(_dryrun.OffloadedActivations(meta_model, offload_activations))
 
     def step() -> None:
-        loss = loss_fn(meta_model(*args, **kwargs))
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
-        loss.backward()
-        del loss
+        with final() if final is not None else contextlib.nullcontext():
+            loss = loss_fn(meta_model(*args, **kwargs))
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
+            loss.backward()
+            del loss
         if opt is not None:
-            opt.step()
+            with on_host():
+                opt.step()
             opt.zero_grad(set_to_none=True)
         else:
             meta_model.zero_grad(set_to_none=True)
@@ -262,36 +306,43 @@ def estimate(
     attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
     # fork_rng: layers that save and restore generator states (dropout) leave the caller's
     # random state as it was
-    with torch.random.fork_rng(devices=[]), attention, _values_needed(), \
-            _dryrun.RealTensorsAsMeta():
+    with torch.random.fork_rng(devices=[]), attention, _dryrun.FusedOnMeta(), \
+            _values_needed(), _dryrun.RealTensorsAsMeta():
         if opt is not None:
-            step()  # creates the optimizer state: the tracked step is a steady-state one
-        tracker = _DryRunTracker(target, alloc, model=meta_model, optimizer=opt)
-        with tracker:
-            if offload_activations is None:
+            # creates the optimizer state (and a host store's gradients): the tracked step is
+            # a steady-state one
+            with kept():
                 step()
-            else:
-                # inside the tracker's own hooks, so that it still sees every saved tensor
-                keeper = _dryrun.OffloadedActivations(meta_model, offload_activations)
-                with keeping(keeper):
-                    step()
+        tracker = _DryRunTracker(target, alloc, None if features is None else features.places,
+                                 model=meta_model, optimizer=opt)
+        with tracker, kept():
+            step()
     est = Estimate(tracker, target, alloc, options)
-    if getattr(getattr(optimizer, "options", None), "state_store", None) is not None:
-        # an hr.HostOptimizer: its state is not where the dry run stepped it
-        from headroom.planner._features import apply_host_optimizer
-
-        apply_host_optimizer(est, model, optimizer)
     est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}
-    if checkpoint or prepare is not None or offload_activations is not None:
+    if checkpoint or prepare is not None or offload_activations is not None or \
+            features is not None:
         est._context = None  # advice is for the plain step
     return est
 
 
+def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
+    """Whether the step uses hr.offload or hr.HostOptimizer (their dry runs are planner's)."""
+    if offload is not None or any("_headroom_offload" in m.__dict__ for m in model.modules()):
+        return True
+    options = getattr(optimizer, "options", optimizer)
+    return hasattr(options, "state_store") and hasattr(options, "optimizer_class")
+
+
 def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
     if device is None:
+        states = [m.__dict__["_headroom_offload"] for m in model.modules()
+                  if "_headroom_offload" in m.__dict__]
         p = next(iter([*model.parameters(), *model.buffers()]), None)
+        if states:  # its parameters are masters in a store: the device is the offload's
+            device = states[0].device
+    if device is None:
         if p is None or p.device.type == "meta":
             raise ValueError(
                 "the model is on the meta device (or has no parameters): say which device to"

@@ -1,0 +1,127 @@
+"""Where the tensors of a dry run stand: the compute device, host memory, or nowhere.
+
+Every tensor of a dry run is a ``meta`` tensor, which the estimator's tracker counts as the
+target device's. The dry runs of headroom's features (parameter offload, the host optimizer)
+also make tensors that stand for host memory (masters and gradients in a host store, optimizer
+state, the host optimizer's step) or for nothing at all (a parameter's placeholder while its
+value rests on disk). `Places` tells the tracker which; `MetaStore` is the store those features
+rest in during a dry run: it keeps ``meta`` tensors where a host store keeps host tensors, and
+nothing where a disk keeps files, and finishes every read and write at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from headroom.transfer import Handle
+from headroom.transfer._store import done
+
+
+class Places:
+    """Which ``meta`` storages of a dry run are host memory, and which are no memory at all.
+
+    On a ``cpu`` target host memory is the device's, so "host" storages count there too; on an
+    accelerator they count as ``"cpu"``, beside the device. Storages are named by their
+    ``_cdata`` key: the features hold every storage they name for the whole dry run.
+    """
+
+    def __init__(self) -> None:
+        self.host: set[int] = set()
+        self.nowhere: set[int] = set()
+        self.depth = 0  # > 0: code running on the host (an optimizer step there)
+        self._keep: list[Any] = []
+
+    def on_host(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        self.host.add(st._cdata)
+        self._keep.append(st)
+        return t
+
+    def no_memory(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        self.nowhere.add(st._cdata)
+        self._keep.append(st)
+        return t
+
+    @contextlib.contextmanager
+    def host_code(self) -> Iterator[None]:
+        """Tensors made inside are host memory (a step that runs on the host)."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def where(self, key: int) -> str | None:
+        """``"nowhere"``, ``"host"`` or ``None`` (the compute device) for a new storage."""
+        if key in self.nowhere:
+            return "nowhere"
+        if key in self.host or self.depth > 0:
+            return "host"
+        return None
+
+
+class MetaStore:
+    """A store for dry runs: ``host=True`` keeps ``meta`` tensors (standing for host memory),
+    ``host=False`` keeps nothing (standing for a disk). Reads and writes finish at once.
+
+    It answers the calls `headroom.optim._sliced.SliceRunner` and the dry-run features make
+    (``alloc``, ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``).
+    """
+
+    def __init__(self, places: Places, *, host: bool) -> None:
+        self.places = places
+        self.host = host
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._handles: dict[str, Handle] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._handles
+
+    def get(self, key: str) -> Handle:
+        return self._handles[key]
+
+    def alloc(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *,
+              zero: bool = True) -> Handle:
+        h = Handle.of(key, shape, dtype, self)
+        self._handles[key] = h
+        if self.host:
+            t = torch.zeros(shape, dtype=dtype, device="meta") if zero else \
+                torch.empty(shape, dtype=dtype, device="meta")
+            self._tensors[key] = self.places.on_host(t)
+        return h
+
+    def adopt(self, key: str, t: torch.Tensor) -> Handle:
+        """Make ``t`` (a ``meta`` tensor) the host tensor kept under ``key``."""
+        h = Handle.of(key, tuple(t.shape), t.dtype, self)
+        self._handles[key] = h
+        if self.host:
+            self._tensors[key] = self.places.on_host(t)
+        return h
+
+    def host_tensor(self, h: Handle) -> torch.Tensor | None:
+        return self._tensors.get(h.key)
+
+    def read(self, h: Handle, out: torch.Tensor | None = None) -> Future:
+        if out is None:
+            out = self._tensors.get(h.key)
+            if out is None:  # a copy read from disk into new host memory
+                out = self.places.on_host(torch.empty(h.shape, dtype=h.dtype, device="meta"))
+        return done(out)
+
+    def write(self, h: Handle, src: torch.Tensor) -> Future:
+        return done(None)
+
+    def read_rows(self, h: Handle, rows: Any, out: torch.Tensor | None = None) -> Future:
+        if out is None:
+            t = self._tensors.get(h.key)
+            out = t[rows] if t is not None else None
+        return done(out)
+
+    def write_rows(self, h: Handle, rows: Any, src: torch.Tensor) -> Future:
+        return done(None)

@@ -256,16 +256,34 @@ def make_optimizer(optimizer: Any, params: list[nn.Parameter],
     )
 
 
-class _Dropped:
-    __slots__ = ("key", "nbytes", "dtype", "shape", "stride", "offset")
+class _Entry:
+    """One saved storage whose bytes rest in the store (see `OffloadedActivations`)."""
 
-    def __init__(self, t: torch.Tensor, key: int, nbytes: int) -> None:
-        self.key = key
+    __slots__ = ("nbytes", "storage", "packs", "dead")
+
+    def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.storage: torch.UntypedStorage | None = None  # refilled for backward
+        self.packs = 0
+        self.dead = False
+
+
+class _Dropped:
+    """What autograd keeps instead of a saved tensor: its view of an entry's storage."""
+
+    __slots__ = ("owner", "entry", "dtype", "shape", "stride", "offset", "__weakref__")
+
+    def __init__(self, owner: OffloadedActivations, entry: _Entry, t: torch.Tensor) -> None:
+        self.owner = owner
+        self.entry = entry
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        entry.packs += 1
+
+    def __del__(self) -> None:
+        self.owner._release(self.entry)
 
 
 class OffloadedActivations:
@@ -273,32 +291,67 @@ class OffloadedActivations:
 
     What `hr.offload_activations` does, as the device sees it: a saved storage of at least
     ``min_bytes`` (not a parameter's) is no longer held by autograd, so its device memory goes
-    once the forward drops it; backward gets a new storage of the same size, once per storage
-    (views of one storage share it), when it first needs one. Refilling ahead of need
-    (``prefetch``) is not modeled: the estimate is the least that must be on the device.
+    once the forward drops it (the copy to the store is taken as done at once); backward gets a
+    new storage of the same size, once per storage (views of one storage share it), when it
+    first needs one, and refills storages saved before it, newest first, while the refilled
+    storages still alive stay within ``prefetch`` bytes. A storage goes when autograd lets go of
+    the last tensor saved on it.
+
+    ``moved`` counts the bytes sent to the store (each comes back once for backward).
     """
 
-    def __init__(self, model: nn.Module, min_bytes: int) -> None:
+    def __init__(self, model: nn.Module, min_bytes: int, prefetch: int = 0) -> None:
         self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self.moved = 0
         self._params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self._back: dict[int, weakref.ref] = {}
+        self._entries: dict[int, _Entry] = {}  # live device storage -> its entry
+        self._order: list[_Entry] = []  # live entries, in the order they were saved
+        self._restored = 0
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.device.type != "meta":
+        if t.device.type != "meta" or isinstance(t, nn.Parameter) \
+                or isinstance(t._base, nn.Parameter):
             return t
         st = t.untyped_storage()
         if st.nbytes() < self.min_bytes or st._cdata in self._params:
             return t
-        return _Dropped(t, st._cdata, st.nbytes())
+        entry = self._entries.get(st._cdata)
+        if entry is None or entry.dead:
+            entry = self._entries[st._cdata] = _Entry(st.nbytes())
+            self._order.append(entry)
+            self.moved += entry.nbytes
+            # the entry is keyed by a storage that autograd no longer holds: forget the key
+            # when that storage goes, as a new storage may then get the same one
+            weakref.finalize(st, self._entries.pop, st._cdata, None)
+        return _Dropped(self, entry, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Dropped):
             return packed
-        ref = self._back.get(packed.key)
-        storage = ref() if ref is not None else None
-        if storage is None:
-            storage = torch.empty(packed.nbytes, dtype=torch.uint8,
-                                  device="meta").untyped_storage()
-            self._back[packed.key] = weakref.ref(storage)
+        e = packed.entry
+        self._refill(e)
+        i = self._order.index(e) if e in self._order else 0
+        for prev in reversed(self._order[:i]):
+            if self._restored + prev.nbytes > self.prefetch:
+                break
+            self._refill(prev)
         out = torch.empty(0, dtype=packed.dtype, device="meta")
-        return out.set_(storage, packed.offset, packed.shape, packed.stride)
+        return out.set_(e.storage, packed.offset, packed.shape, packed.stride)
+
+    def _refill(self, e: _Entry) -> None:
+        if e.storage is None:
+            e.storage = torch.empty(e.nbytes, dtype=torch.uint8,
+                                    device="meta").untyped_storage()
+            self._restored += e.nbytes
+
+    def _release(self, e: _Entry) -> None:
+        e.packs -= 1
+        if e.packs or e.dead:
+            return
+        e.dead = True
+        if e in self._order:
+            self._order.remove(e)
+        if e.storage is not None:
+            self._restored -= e.nbytes
+            e.storage = None

@@ -282,11 +282,13 @@ def estimate(
     final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
     on_host = features.step_context if features is not None else contextlib.nullcontext
 
+    act = _activation_options(offload_activations)
+
     def kept() -> contextlib.AbstractContextManager:
         # inside the tracker's own hooks, so that it still sees every saved tensor
         if offload_activations is None:
             return contextlib.nullcontext()
-        return keeping(_dryrun.OffloadedActivations(meta_model, offload_activations))
+        return keeping(_dryrun.OffloadedActivations(meta_model, **act))
 
     def step() -> None:
         with final() if final is not None else contextlib.nullcontext():
@@ -325,6 +327,22 @@ def estimate(
             features is not None:
         est._context = None  # advice is for the plain step
     return est
+
+
+def _activation_options(what_if: Any) -> dict[str, int]:
+    if what_if is None:
+        return {}
+    if isinstance(what_if, Mapping):
+        extra = set(what_if) - {"min_bytes", "prefetch"}
+        if extra:
+            raise ValueError(f"offload_activations= takes min_bytes and prefetch, not {sorted(extra)}")
+        return {"min_bytes": int(what_if.get("min_bytes", 1 << 20)),
+                "prefetch": int(what_if.get("prefetch", 0))}
+    if isinstance(what_if, bool) or not isinstance(what_if, int) or what_if < 0:
+        raise ValueError(
+            f"offload_activations= is min_bytes (an int >= 0) or a dict(min_bytes=...,"
+            f" prefetch=...), got {what_if!r}")
+    return {"min_bytes": what_if, "prefetch": 0}
 
 
 def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:

@@ -12,11 +12,15 @@ nothing where a disk keeps files, and finishes every read and write at once.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from headroom.transfer import Handle
 from headroom.transfer._store import done
@@ -35,6 +39,7 @@ class Places:
         self.nowhere: set[int] = set()
         self.depth = 0  # > 0: code running on the host (an optimizer step there)
         self._keep: list[Any] = []
+        self._made: dict[int, weakref.ref] = {}  # made by host code, while they live
 
     def on_host(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -50,20 +55,48 @@ class Places:
 
     @contextlib.contextmanager
     def host_code(self) -> Iterator[None]:
-        """Tensors made inside are host memory (a step that runs on the host)."""
+        """Tensors made inside are host memory (a step that runs on the host), also those the
+        tracker sees only later (optimizer state made in the untracked first step)."""
         self.depth += 1
         try:
-            yield
+            with _MarkMade(self):
+                yield
         finally:
             self.depth -= 1
+
+    def _mark_made(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._made:
+            self._made[key] = weakref.ref(st, lambda _, k=key: self._made.pop(k, None))
 
     def where(self, key: int) -> str | None:
         """``"nowhere"``, ``"host"`` or ``None`` (the compute device) for a new storage."""
         if key in self.nowhere:
             return "nowhere"
-        if key in self.host or self.depth > 0:
+        if key in self.host or self.depth > 0 or key in self._made:
             return "host"
         return None
+
+
+class _MarkMade(TorchDispatchMode):
+    """Notes the storages of every ``meta`` tensor an op makes (see `Places.host_code`)."""
+
+    def __init__(self, places: Places) -> None:
+        super().__init__()
+        self.places = places
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            # views and in-place results are the inputs' storages, not new ones
+            if isinstance(t, torch.Tensor) and t.device.type == "meta" \
+                    and t.untyped_storage()._cdata not in given:
+                self.places._mark_made(t)
+        return out
 
 
 class MetaStore:

@@ -355,3 +355,50 @@ class OffloadedActivations:
         if e.storage is not None:
             self._restored -= e.nbytes
             e.storage = None
+
+
+# Ops that only read metadata, or make views: no kernel runs, no bytes move.
+_NO_WORK = {"detach", "view", "_unsafe_view", "alias", "as_strided", "expand", "t",
+            "transpose", "permute", "unsqueeze", "squeeze", "slice", "select", "split",
+            "split_with_sizes", "unbind", "chunk", "narrow", "reshape", "_reshape_alias",
+            "resize_storage_bytes_", "set_", "lift_fresh", "empty", "empty_strided",
+            "empty_like", "_to_copy_meta", "size", "stride", "numel", "dim", "is_contiguous"}
+
+
+class OpCounter(TorchDispatchMode):
+    """The work of every op of a dry run: FLOPs (PyTorch's own formulas,
+    ``torch.utils.flop_counter``), bytes read and written, and whether it ran inside
+    ``optimizer.step()``; what the planner's time model prices (`headroom.planner._time`).
+
+    Attributes:
+        ops: ``(flops, bytes, kind, in_step)`` per op; ``kind`` is ``"mm"`` (matmuls,
+            attention), ``"conv"`` or ``""`` (element-wise and the rest).
+    """
+
+    def __init__(self, in_step: Callable[[], bool]) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.ops: list[tuple[int, int, str, bool]] = []
+        self._registry = flop_registry
+        self._in_step = in_step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _NO_WORK or func.is_view:
+            return out
+        flops = 0
+        formula = self._registry.get(func.overloadpacket)
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not take these arguments: no FLOPs
+                flops = 0
+        nbytes = sum(t.numel() * t.element_size()
+                     for t in _flat([*args, *kwargs.values(), *(
+                         out if isinstance(out, (list, tuple)) else [out])]))
+        kind = "conv" if "conv" in name else ("mm" if flops else "")
+        self.ops.append((flops, nbytes, kind, self._in_step()))
+        return out

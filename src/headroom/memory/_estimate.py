@@ -96,8 +96,10 @@ class Estimate:
             (blocks rounded to 512 bytes), ``peak_reserved`` (segments mapped) and ``segments``;
             empty for ``cpu``.
         options: the what-if options the step ran with.
-        bound: empty, or which part of the estimate is an upper bound rather than a dry run
-            (optimizer state of an `hr.HostOptimizer`), and why.
+        ops: the work of every op of the step, ``(flops, bytes, kind, in_optimizer_step)``
+            (what `hr.plan`'s time model prices).
+        activation_bytes_moved: with ``offload_activations``, the bytes sent to the store
+            (each comes back once for backward).
     """
 
     def __init__(self, tracker: MemoryTracker, device: str,
@@ -118,7 +120,8 @@ class Estimate:
             }
         self.options = options
         self._context: dict[str, Any] | None = None
-        self.bound = ""  # set when part of the estimate is an upper bound, and why
+        self.ops: list[tuple[int, int, str, bool]] = []  # see headroom.memory._dryrun.OpCounter
+        self.activation_bytes_moved = 0
         self._advice: list[str] | None = None
 
     @property
@@ -284,11 +287,14 @@ def estimate(
 
     act = _activation_options(offload_activations)
 
+    keepers: list[_dryrun.OffloadedActivations] = []
+
     def kept() -> contextlib.AbstractContextManager:
         # inside the tracker's own hooks, so that it still sees every saved tensor
         if offload_activations is None:
             return contextlib.nullcontext()
-        return keeping(_dryrun.OffloadedActivations(meta_model, **act))
+        keepers.append(_dryrun.OffloadedActivations(meta_model, **act))
+        return keeping(keepers[-1])
 
     def step() -> None:
         with final() if final is not None else contextlib.nullcontext():
@@ -317,9 +323,12 @@ def estimate(
                 step()
         tracker = _DryRunTracker(target, alloc, None if features is None else features.places,
                                  model=meta_model, optimizer=opt)
-        with tracker, kept():
+        counter = _dryrun.OpCounter(lambda: tracker._in_optimizer > 0)
+        with tracker, counter, kept():
             step()
     est = Estimate(tracker, target, alloc, options)
+    est.ops = counter.ops
+    est.activation_bytes_moved = keepers[-1].moved if keepers else 0
     est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}
@@ -335,7 +344,8 @@ def _activation_options(what_if: Any) -> dict[str, int]:
     if isinstance(what_if, Mapping):
         extra = set(what_if) - {"min_bytes", "prefetch"}
         if extra:
-            raise ValueError(f"offload_activations= takes min_bytes and prefetch, not {sorted(extra)}")
+            raise ValueError(
+                f"offload_activations= takes min_bytes and prefetch, not {sorted(extra)}")
         return {"min_bytes": int(what_if.get("min_bytes", 1 << 20)),
                 "prefetch": int(what_if.get("prefetch", 0))}
     if isinstance(what_if, bool) or not isinstance(what_if, int) or what_if < 0:

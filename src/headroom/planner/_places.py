@@ -18,7 +18,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 

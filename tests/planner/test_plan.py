@@ -15,7 +15,7 @@ SPEEDS = Speeds(matmul=1e10, conv=1e10, memory=1e10, op=1e-5, disk_read=1e9, dis
 
 def model_fn():
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(8)],
+    return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(4)],
                          nn.Linear(128, 4))
 
 
@@ -100,13 +100,35 @@ def test_parse_bytes():
 
 
 def test_cuda_plan_on_a_cpu_only_build():
-    est = hr.estimate(model_fn(), (X,), loss_fn=loss_fn, optimizer=torch.optim.AdamW,
-                      device="cuda")
+    def big():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)])
+
+    x = torch.randn(32, 512)
+    est = hr.estimate(big(), (x,), loss_fn=loss_fn, optimizer=torch.optim.AdamW, device="cuda")
     budget = est.peak_reserved // 2
-    p = plan(model_fn(), (X,), loss_fn=loss_fn, budget=budget, device="cuda",
+    p = plan(big(), (x,), loss_fn=loss_fn, budget=budget, device="cuda",
              optimizer=torch.optim.AdamW)  # declared accelerator speeds
     assert p.device == "cuda:0" and p.peak <= budget
     assert p.choice.params != "device" or p.choice.optimizer_state != "device"
+    # the plan's peak is the dry run of the whole plan, allocator model included
+    assert p.peak == hr.estimate(big(), (x,), loss_fn=loss_fn, device="cuda",
+                                 **_what_ifs(p)).peak_reserved
+
+
+def _what_ifs(p) -> dict:
+    """hr.estimate's options for the plan ``p`` (parameter offload and the host optimizer)."""
+    import headroom.optim
+
+    c = p.choice
+    out: dict = {"optimizer": p.optimizer}
+    if c.optimizer_state != "device":
+        out["optimizer"] = headroom.optim.HostOptimizerOptions(
+            p.optimizer, dict(p.optimizer_kwargs), "cpu" if c.optimizer_state == "host"
+            else "disk", False, p.slice_bytes, 32 << 20)
+    if c.params != "device":
+        out["offload"] = {"store": "cpu" if c.params == "host" else "disk", "prefetch": 1}
+    return out
 
 
 def test_a_failing_dry_run_leaves_the_model_unchanged():

@@ -359,77 +359,10 @@ def plan(
         >>> model, opt = plan.apply(model)
     """
     budget_b = parse_bytes(budget)
-    opt_cls = _opt_class(optimizer)
-    opt_kw = dict(optimizer_kwargs or {})
-    kind = torch.device(device).type
-    on_cpu = kind == "cpu"
-    speeds = speeds or default_speeds(kind, disk)
-
-    from headroom.residency._blocks import find_blocks
-
-    names = {id(m): n for n, m in model.named_modules()}
-    blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
-    n = len(blocks)
-    ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
-    common = dict(loss_fn=loss_fn, device=device, example_kwargs=example_kwargs)
-
-    def convert_fn(on: bool):
-        if not on:
-            return None
-        from headroom.nn import convert as _convert
-
-        def prepare(m: nn.Module) -> nn.Module:
-            return _convert(m, inplace=True)
-
-        return prepare
-
-    plain = estimate(model, example_args, optimizer=opt_cls, optimizer_kwargs=opt_kw, **common)
-    min_bytes = _activation_min_bytes(plain)
-    places = ["device"] + ([] if on_cpu else ["host"]) + (["disk"] if disk is not None else [])
-    act_places = [p for p in places if p != "device"]
-    sizes = _sizes(model, opt_cls, opt_kw)
-    if slice_bytes is None:
-        slice_bytes = max(4 << 10, min(16 << 20, sizes.largest_param // 8))
-
-    # one dry run per setting that changes the ops (convert, checkpointing, activation offload;
-    # host and disk move the same bytes), made only when the search gets to it
-    runs: dict[tuple[bool, int, bool], Estimate] = {(False, 0, False): plain}
-
-    def run(conv: bool, k: int, act: bool) -> Estimate:
-        key = (conv, k, act)
-        if key not in runs:
-            runs[key] = estimate(
-                model, example_args, optimizer=opt_cls, optimizer_kwargs=opt_kw,
-                checkpoint=blocks[:k], prepare=convert_fn(conv),
-                offload_activations={"min_bytes": min_bytes, "prefetch": 0} if act else None,
-                **common)
-        return runs[key]
-
-    conv_options = [False] + ([True] if run(True, 0, False).peak < plain.peak else [])
-    candidates: list[_Candidate] = []
-    for conv, k, act in itertools.product(conv_options, ks, ["device", *act_places]):
-        for params, state in itertools.product(places, places):
-            if params != "device" and state == "device":
-                continue  # offloaded parameters are stepped through their store
-            choice = Choice(conv, tuple(blocks[:k]), params, state, act, min_bytes)
-            # checkpointing only adds recomputation and activation offload only transfers:
-            # the time on top of the run without them is a lower bound until theirs is made
-            base = run(conv, 0, False)
-            candidates.append(_Candidate(choice, _time(base, choice, sizes, speeds, on_cpu)))
-
-    def refine(c: _Candidate) -> None:
-        r = run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device")
-        c.time_s = _time(r, c.choice, sizes, speeds, on_cpu)
-        c.lower = _lower(r, c.choice)
-
-    def whole(c: _Candidate) -> int:
-        if c.peak is None:
-            est = _estimate_choice(model, example_args, c.choice, opt_cls, opt_kw, slice_bytes,
-                                   common, convert_fn(c.choice.convert))
-            c.peak = est.peak_reserved
-            c.at_peak = dict(est.peak_by_category)
-        return c.peak
-
+    search = Search(model, example_args, device=device, optimizer=optimizer, loss_fn=loss_fn,
+                    disk=disk, example_kwargs=example_kwargs, optimizer_kwargs=optimizer_kwargs,
+                    speeds=speeds, slice_bytes=slice_bytes)
+    candidates = search.candidates
     # best first on time: a candidate is refined (its own run) when it comes up, and estimated
     # whole when its lower bound fits; the first that fits whole is the fastest that fits
     heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
@@ -438,13 +371,12 @@ def plan(
     while heap:
         _, i, c = heapq.heappop(heap)
         if c.lower is None:
-            refine(c)
+            search.refine(c)
             heapq.heappush(heap, (c.time_s, i, c))
             continue
-        if c.lower <= budget_b and whole(c) <= budget_b:
+        if c.lower <= budget_b and search.whole(c) <= budget_b:
             chosen = c
             break
-    plain_time = _time(plain, Choice(activation_min_bytes=min_bytes), sizes, speeds, on_cpu)
     if chosen is None:
         # every candidate was refined; branch and bound on the lower bounds for the smallest
         # peak and what dominates it
@@ -452,7 +384,7 @@ def plan(
         for j, c in enumerate(sorted(candidates, key=lambda c: c.lower)):
             if (best is not None and c.lower >= best.peak) or j >= _MAX_WHOLE_RUNS:
                 break
-            whole(c)
+            search.whole(c)
             if best is None or c.peak < best.peak:
                 best = c
         dominant = max(best.at_peak.items(), key=lambda kv: kv[1])
@@ -465,11 +397,107 @@ def plan(
             " budget.",
             best.peak,
         )
-    return Plan(chosen.choice, chosen.peak, chosen.time_s, plain.peak_reserved, plain_time,
-                budget_b, plain.device, opt_cls, opt_kw, None if disk is None else str(disk),
-                slice_bytes, chosen.at_peak,
-                [(c.choice, c.peak if c.peak is not None else c.lower, c.time_s)
-                 for c in candidates], speeds)
+    return search.plan_of(chosen, budget_b)
+
+
+class Search:
+    """The combinations `plan` considers for one model and step, and their dry runs.
+
+    ``candidates`` start with a lower bound of their time; `refine` gives one its own dry run
+    (its time, a lower bound of its peak), `whole` the dry run of the whole plan (its peak).
+    Dry runs are shared between candidates and made once.
+    """
+
+    def __init__(self, model: nn.Module, example_args: tuple | Any, *,
+                 device: str | torch.device, optimizer: Any, loss_fn: Any = None,
+                 disk: Any = None, example_kwargs: dict[str, Any] | None = None,
+                 optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
+                 slice_bytes: int | None = None) -> None:
+        from headroom.residency._blocks import find_blocks
+
+        self.model = model
+        self.args = example_args
+        self.opt_cls = _opt_class(optimizer)
+        self.opt_kw = dict(optimizer_kwargs or {})
+        self.disk = disk
+        kind = torch.device(device).type
+        self.on_cpu = kind == "cpu"
+        self.speeds = speeds or default_speeds(kind, disk)
+        names = {id(m): n for n, m in model.named_modules()}
+        self.blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
+        n = len(self.blocks)
+        ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
+        self.common = dict(loss_fn=loss_fn, device=device, example_kwargs=example_kwargs)
+        self.plain = estimate(model, example_args, optimizer=self.opt_cls,
+                              optimizer_kwargs=self.opt_kw, **self.common)
+        self.min_bytes = _activation_min_bytes(self.plain)
+        places = ["device"] + ([] if self.on_cpu else ["host"]) + (
+            ["disk"] if disk is not None else [])
+        self.sizes = _sizes(model, self.opt_cls, self.opt_kw)
+        self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
+                                                           self.sizes.largest_param // 8))
+        # one dry run per setting that changes the ops (convert, checkpointing, activation
+        # offload; host and disk move the same bytes)
+        self.runs: dict[tuple[bool, int, bool], Estimate] = {(False, 0, False): self.plain}
+        conv_options = [False] + ([True] if self.run(True, 0, False).peak < self.plain.peak
+                                  else [])
+        self.candidates: list[_Candidate] = []
+        for conv, k, act in itertools.product(conv_options, ks, places):
+            for params, state in itertools.product(places, places):
+                if params != "device" and state == "device":
+                    continue  # offloaded parameters are stepped through their store
+                choice = Choice(conv, tuple(self.blocks[:k]), params, state, act,
+                                self.min_bytes)
+                # checkpointing only adds recomputation and activation offload only
+                # transfers: the time on top of the run without them is a lower bound
+                base = self.run(conv, 0, False)
+                self.candidates.append(_Candidate(choice, self._time(base, choice)))
+
+    def run(self, conv: bool, k: int, act: bool) -> Estimate:
+        key = (conv, k, act)
+        if key not in self.runs:
+            self.runs[key] = estimate(
+                self.model, self.args, optimizer=self.opt_cls, optimizer_kwargs=self.opt_kw,
+                checkpoint=self.blocks[:k], prepare=_convert_fn(conv),
+                offload_activations={"min_bytes": self.min_bytes, "prefetch": 0} if act
+                else None, **self.common)
+        return self.runs[key]
+
+    def _time(self, r: Estimate, c: Choice) -> float:
+        return _time(r, c, self.sizes, self.speeds, self.on_cpu)
+
+    def refine(self, c: _Candidate) -> None:
+        r = self.run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device")
+        c.time_s = self._time(r, c.choice)
+        c.lower = _lower(r, c.choice)
+
+    def whole(self, c: _Candidate) -> int:
+        if c.peak is None:
+            est = _estimate_choice(self.model, self.args, c.choice, self.opt_cls, self.opt_kw,
+                                   self.slice_bytes, self.common, _convert_fn(c.choice.convert))
+            c.peak = est.peak_reserved
+            c.at_peak = dict(est.peak_by_category)
+        return c.peak
+
+    def plan_of(self, c: _Candidate, budget: int) -> Plan:
+        """The `Plan` of a candidate (refined and estimated whole)."""
+        plain_time = self._time(self.plain, Choice(activation_min_bytes=self.min_bytes))
+        return Plan(c.choice, c.peak, c.time_s, self.plain.peak_reserved, plain_time, budget,
+                    self.plain.device, self.opt_cls, self.opt_kw,
+                    None if self.disk is None else str(self.disk), self.slice_bytes,
+                    c.at_peak, [(x.choice, x.peak if x.peak is not None else x.lower, x.time_s)
+                                for x in self.candidates], self.speeds)
+
+
+def _convert_fn(on: bool):
+    if not on:
+        return None
+    from headroom.nn import convert as _convert
+
+    def prepare(m: nn.Module) -> nn.Module:
+        return _convert(m, inplace=True)
+
+    return prepare
 
 
 def _activation_min_bytes(plain: Estimate) -> int:

@@ -52,9 +52,17 @@ def loss_fn(out) -> torch.Tensor:
 
 def build(name: str, folder: Path, *, offload: tuple[str, int] | None = None,
           host: tuple[str, bool] | None = None):
-    """The model ``name`` with ``hr.offload(store, prefetch)`` and an ``hr.HostOptimizer(state,
-    overlap)`` (``None``: not used; then ``torch.optim.AdamW``). Returns model, args, optimizer."""
+    """The model ``name`` with `with_features`. Returns model, args, optimizer."""
     model, args = MODELS[name]()
+    return model, args, with_features(model, folder, offload=offload, host=host)
+
+
+def with_features(model: nn.Module, folder: Path, *, offload: tuple[str, int] | None = None,
+                  host: tuple[str, bool] | None = None,
+                  slice_bytes: int = 16 << 10) -> torch.optim.Optimizer:
+    """``hr.offload(model, store, prefetch)`` (``"cpu"`` or ``"disk"``, in ``folder``) and the
+    optimizer: ``hr.HostOptimizer(state, overlap)``, or ``torch.optim.AdamW`` when ``host`` is
+    ``None``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # store="cpu" on a cpu device saves nothing: known
         if offload is not None:
@@ -63,22 +71,20 @@ def build(name: str, folder: Path, *, offload: tuple[str, int] | None = None,
                        store="cpu" if store == "cpu" else hr.DiskStore(folder / "params"))
     if host is not None:
         state, overlap = host
-        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, overlap=overlap,
-                               state_store="cpu" if state == "cpu"
-                               else hr.DiskStore(folder / "state"), slice_bytes=16 << 10)
-    else:
-        opt = torch.optim.AdamW(model.parameters())
-    return model, args, opt
+        return hr.HostOptimizer(model.parameters(), torch.optim.AdamW, overlap=overlap,
+                                state_store="cpu" if state == "cpu"
+                                else hr.DiskStore(folder / "state"), slice_bytes=slice_bytes)
+    return torch.optim.AdamW(model.parameters())
 
 
-def measure(model: nn.Module, args: tuple, opt) -> hr.memory.MemoryTracker:
+def measure(model: nn.Module, args: tuple, opt, loss=loss_fn) -> hr.memory.MemoryTracker:
     """``hr.track_memory`` over a steady-state step (the second), run as a loop would:
     backward inside ``final_backward()`` for a host optimizer with overlap."""
     final = getattr(opt, "final_backward", None)
 
     def step() -> None:
         with final() if final is not None else contextlib.nullcontext():
-            loss_fn(model(*args)).backward()
+            loss(model(*args)).backward()
         opt.step()
         opt.zero_grad()
 

@@ -100,6 +100,8 @@ class Estimate:
             (what `hr.plan`'s time model prices).
         activation_bytes_moved: with ``offload_activations``, the bytes sent to the store
             (each comes back once for backward).
+        transfers: with ``hr.offload`` or ``hr.HostOptimizer``, the bytes the step moves:
+            ``disk_read``, ``disk_write``, and ``link`` (host <-> accelerator).
     """
 
     def __init__(self, tracker: MemoryTracker, device: str,
@@ -122,6 +124,7 @@ class Estimate:
         self._context: dict[str, Any] | None = None
         self.ops: list[tuple[int, int, str, bool]] = []  # see headroom.memory._dryrun.OpCounter
         self.activation_bytes_moved = 0
+        self.transfers: dict[str, int] = {}
         self._advice: list[str] | None = None
 
     @property
@@ -324,11 +327,14 @@ def estimate(
         tracker = _DryRunTracker(target, alloc, None if features is None else features.places,
                                  model=meta_model, optimizer=opt)
         counter = _dryrun.OpCounter(lambda: tracker._in_optimizer > 0)
+        if features is not None:
+            features.mark()
         with tracker, counter, kept():
             step()
     est = Estimate(tracker, target, alloc, options)
     est.ops = counter.ops
     est.activation_bytes_moved = keepers[-1].moved if keepers else 0
+    est.transfers = features.transfers() if features is not None else {}
     est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}

@@ -139,7 +139,9 @@ class DryRunFeatures:
 
                 options = replace(options, optimizer_kwargs={**options.optimizer_kwargs,
                                                              **kwargs})
-            return HostOptimizerDryRun(params, options, self.places, self.sims, cpu=self.cpu)
+            self._opt = HostOptimizerDryRun(params, options, self.places, self.sims,
+                                            cpu=self.cpu)
+            return self._opt
         opt = _dryrun.make_optimizer(base, params, kwargs)
         masters = {id(s.master) for sim in self.sims for s in sim.slots}
         if opt is not None and self.sims and all(id(p) in masters for p in params):
@@ -148,6 +150,31 @@ class DryRunFeatures:
         return opt
 
     _host_step = False
+    _opt: Any = None
+    _mark: dict[str, int] | None = None
+
+    def _totals(self) -> dict[str, int]:
+        out = {"disk_read": 0, "disk_write": 0, "link": 0}
+        stores = [sim.store for sim in self.sims]
+        if isinstance(self._opt, HostOptimizerDryRun):
+            stores += self._opt.stores()
+            out["link"] += self._opt.link_bytes
+        for st in stores:
+            if not st.host:
+                out["disk_read"] += st.read_bytes
+                out["disk_write"] += st.written_bytes
+            elif not self.cpu:
+                out["link"] += st.read_bytes + st.written_bytes
+        return out
+
+    def mark(self) -> None:
+        """Start counting transfers (before the tracked step)."""
+        self._mark = self._totals()
+
+    def transfers(self) -> dict[str, int]:
+        """Bytes moved since `mark`: read from and written to disk, over the host link."""
+        now, before = self._totals(), self._mark or {}
+        return {k: v - before.get(k, 0) for k, v in now.items()}
 
     def step_context(self) -> contextlib.AbstractContextManager:
         """Around ``optimizer.step()``: host memory when the optimizer steps host masters."""

@@ -103,7 +103,9 @@ class MetaStore:
     ``host=False`` keeps nothing (standing for a disk). Reads and writes finish at once.
 
     It answers the calls `headroom.optim._sliced.SliceRunner` and the dry-run features make
-    (``alloc``, ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``).
+    (``alloc``, ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``), and counts
+    the bytes they move (``read_bytes``, ``written_bytes``), what the planner's time model
+    prices at the store's bandwidth.
     """
 
     def __init__(self, places: Places, *, host: bool) -> None:
@@ -111,6 +113,8 @@ class MetaStore:
         self.host = host
         self._tensors: dict[str, torch.Tensor] = {}
         self._handles: dict[str, Handle] = {}
+        self.read_bytes = 0
+        self.written_bytes = 0
 
     def __contains__(self, key: str) -> bool:
         return key in self._handles
@@ -140,6 +144,7 @@ class MetaStore:
         return self._tensors.get(h.key)
 
     def read(self, h: Handle, out: torch.Tensor | None = None) -> Future:
+        self.read_bytes += h.nbytes
         if out is None:
             out = self._tensors.get(h.key)
             if out is None:  # a copy read from disk into new host memory
@@ -147,13 +152,22 @@ class MetaStore:
         return done(out)
 
     def write(self, h: Handle, src: torch.Tensor) -> Future:
+        self.written_bytes += h.nbytes
         return done(None)
 
     def read_rows(self, h: Handle, rows: Any, out: torch.Tensor | None = None) -> Future:
+        self.read_bytes += _rows(h, rows) * h.row_nbytes
         if out is None:
             t = self._tensors.get(h.key)
             out = t[rows] if t is not None else None
         return done(out)
 
     def write_rows(self, h: Handle, rows: Any, src: torch.Tensor) -> Future:
+        self.written_bytes += _rows(h, rows) * h.row_nbytes
         return done(None)
+
+
+def _rows(h: Handle, rows: Any) -> int:
+    if isinstance(rows, slice):
+        return len(range(*rows.indices(h.shape[0])))
+    return int(rows.numel())

@@ -364,7 +364,8 @@ def plan(
                     speeds=speeds, slice_bytes=slice_bytes)
     candidates = search.candidates
     # best first on time: a candidate is refined (its own run) when it comes up, and estimated
-    # whole when its lower bound fits; the first that fits whole is the fastest that fits
+    # whole (peak and time) when its lower bound fits; each step only makes its time more
+    # exact (larger), so the first that comes up whole and fitting is the fastest that fits
     heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
     heapq.heapify(heap)
     chosen = None
@@ -372,11 +373,14 @@ def plan(
         _, i, c = heapq.heappop(heap)
         if c.lower is None:
             search.refine(c)
-            heapq.heappush(heap, (c.time_s, i, c))
-            continue
-        if c.lower <= budget_b and search.whole(c) <= budget_b:
+        elif c.peak is None and c.lower <= budget_b:
+            search.whole(c)  # its time too, from the whole plan's ops and transfers
+        elif c.peak is not None and c.peak <= budget_b:
             chosen = c
             break
+        else:
+            continue
+        heapq.heappush(heap, (c.time_s, i, c))
     if chosen is None:
         # every candidate was refined; branch and bound on the lower bounds for the smallest
         # peak and what dominates it
@@ -477,6 +481,7 @@ class Search:
                                    self.slice_bytes, self.common, _convert_fn(c.choice.convert))
             c.peak = est.peak_reserved
             c.at_peak = dict(est.peak_by_category)
+            c.time_s = _time_whole(est, c.choice, self.speeds, self.on_cpu)
         return c.peak
 
     def plan_of(self, c: _Candidate, budget: int) -> Plan:
@@ -573,8 +578,23 @@ def _lower(r: Estimate, c: Choice) -> int:
     return low
 
 
+def _time_whole(est: Estimate, c: Choice, sp: Speeds, on_cpu: bool) -> float:
+    """Seconds per step from the dry run of the whole plan: its ops (the host optimizer's
+    sliced step, the offload schedule's copies) and the bytes its stores moved."""
+    moved = {k: v for k, v in est.transfers.items() if not (on_cpu and k == "link")}
+    a = est.activation_bytes_moved
+    if c.activations == "disk":
+        moved["disk_write"] = moved.get("disk_write", 0) + a
+        moved["disk_read"] = moved.get("disk_read", 0) + a
+    elif c.activations == "host" and not on_cpu:
+        moved["link"] = moved.get("link", 0) + 2 * a
+    host_step = c.optimizer_state != "device" and not on_cpu
+    return step_time(est.ops, sp, host_step=host_step, moved=moved)
+
+
 def _time(r: Estimate, c: Choice, s: _Sizes, sp: Speeds, on_cpu: bool) -> float:
-    """Seconds per step of ``c`` on top of its run ``r``'s ops (see `step_time`)."""
+    """Seconds per step of ``c`` on top of its run ``r``'s ops (see `step_time`), transfers
+    counted from the sizes (before the dry run of the whole plan counts them)."""
     moved = {"disk_read": 0, "disk_write": 0, "link": 0}
     if c.params != "device":
         way = "disk_read" if c.params == "disk" else "link"

@@ -100,6 +100,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._final = False
         self._in_flight: list[torch.Tensor] = []
         self._in_flight_bytes = 0
+        self.link_bytes = 0  # host <-> accelerator: gradients out, parameters back
         self._inner: torch.optim.Optimizer | None = None
         self._inner_index: dict[int, int] = {}
         self._layouts: dict[int, Any] = {}
@@ -149,6 +150,10 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         e.streamed = not self._state_on_host or e.master is None
         return e
 
+    def stores(self) -> list[MetaStore]:
+        """The stores its step reads and writes (the state's, its host memory)."""
+        return [s for s in (self._state_store, self._aux, self._host_store) if s is not None]
+
     def _store_of(self, slot: Any) -> MetaStore:
         for sim, _ in self._slots.values():
             if sim.by_master.get(id(slot.master)) is slot:
@@ -170,6 +175,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             e.has_grad_host = True
             p.grad = None
             if not self._cpu:
+                self.link_bytes += g.numel() * g.element_size()
                 # on the device until the worker reaps the copies, a bucket's worth at a time
                 self._in_flight.append(g)
                 self._in_flight_bytes += g.numel() * g.element_size()
@@ -289,6 +295,8 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         for e in in_mem + streamed:
             if e.kind == _HOSTED:
                 e.param.detach().copy_(e.master)
+                if not self._cpu:
+                    self.link_bytes += e.param.numel() * e.param.element_size()
 
     def _refresh_state_view(self) -> None:
         view: dict = {}

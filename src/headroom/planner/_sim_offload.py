@@ -242,6 +242,10 @@ class OffloadDryRun:
             if host is not None:
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(s.dev):
                     s.dev.detach().copy_(host)
+                if self.accelerated:
+                    self.store.read_bytes += s.nbytes  # over the host link
+            else:
+                self.store.read(s.handle, out=s.dev)
 
     def _release(self, g: _Group) -> None:
         if not g.resident:
@@ -387,8 +391,14 @@ class OffloadDryRun:
                     host.copy_(g)
             if not accumulate:
                 p.grad = host
-        elif not accumulate:
-            p.grad = slot.marker
+            if self.accelerated:
+                self.store.written_bytes += slot.grad_handle.nbytes  # over the host link
+        else:
+            if accumulate:  # read, add, write back
+                self.store.read_bytes += slot.grad_handle.nbytes
+            self.store.write(slot.grad_handle, g)
+            if not accumulate:
+                p.grad = slot.marker
         slot.has_grad = True
         del g
         for fn in slot.listeners:

@@ -202,7 +202,7 @@ def estimate(
     example_kwargs: dict[str, Any] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     checkpoint: Iterable[str] = (),
-    offload_activations: int | None = None,
+    offload_activations: int | Mapping[str, int] | None = None,
     prepare: Callable[[nn.Module], nn.Module | None] | None = None,
     offload: Mapping[str, Any] | None = None,
 ) -> Estimate:
@@ -214,15 +214,23 @@ def estimate(
     copy of the model on the ``meta`` device, so nothing is allocated and ``model`` is not
     changed; a model built on ``meta`` (too big for this machine) is estimated the same way.
 
+    headroom's own features run in the dry run as they run for real: a model under
+    `hr.offload` (or the ``offload=`` what-if) keeps on the device what its schedule keeps
+    (the blocks fetched with ``prefetch``, gradients on their way to the store), and an
+    `hr.HostOptimizer` as ``optimizer=`` steps where it steps (its state in host memory or
+    sliced through a store); with ``overlap`` the backward runs inside its
+    ``final_backward()``. Reads and writes of stores are taken as done at once.
+
     Args:
-        model: the model, its parameters anywhere (``meta`` included).
+        model: the model, its parameters anywhere (``meta`` included), offloaded or not.
         example_args: the inputs of one step, a tuple (or a single tensor); their shapes and
             dtypes matter, their values do not (they may be ``meta`` tensors too).
         loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
             model returns one, else the sum of its (first) tensor output.
         optimizer: a ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``), an instance
-            (its class and hyperparameters are used), or a function of the parameters returning
-            one. ``None``: forward and backward only.
+            (its class and hyperparameters are used; an `hr.HostOptimizer` also its options),
+            `headroom.optim.HostOptimizerOptions` (what-if: the host optimizer), or a function
+            of the parameters returning one. ``None``: forward and backward only.
         device: the device to estimate for, e.g. ``"cuda"``; default: the model's device
             (required when the model is on ``meta``). CUDA-like devices also get the caching
             allocator's rounding (see `Estimate.allocator`).
@@ -231,17 +239,24 @@ def estimate(
         checkpoint: qualified names of submodules to run under non-reentrant activation
             checkpointing (what-if: the model itself is not changed).
         offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
-            offload_activations)``: saved storages of at least that many bytes leave the device
-            once the forward drops them and come back when backward needs them (refills ahead
-            of need are not counted). ``None``: off.
+            ..., prefetch=...)``, given as ``min_bytes`` (an int; ``prefetch=0``) or a dict
+            with both: saved storages of at least ``min_bytes`` leave the device once the
+            forward drops them and come back when backward needs them, with storages saved
+            before refilled ahead within ``prefetch`` bytes. ``None``: off.
         prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
             in place or return a replacement), e.g. ``headroom.convert``.
+        offload: what-if: the step as under ``hr.offload(model, **offload)``, a dict of its
+            options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`), ``prefetch``,
+            ``blocks`` (qualified names), ``compute_dtype``, and ``module`` (the qualified name
+            of the submodule offloaded; default the model). For a model not offloaded yet.
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
-        ValueError: if ``device`` is missing for a model on ``meta``.
+        ValueError: if ``device`` is missing for a model on ``meta``; an ``offload=`` or
+            ``offload_activations=`` option that is not one of those above (or ``offload=``
+            for a model already offloaded).
         TypeError: if the output has no loss and ``loss_fn`` is not given, or ``optimizer`` is
             not an optimizer class, instance or factory.
         RuntimeError: if the model's forward needs tensor values (data-dependent control flow,

@@ -26,12 +26,6 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks",
                "_load_state_dict_post_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
-    """Whether a dry run of this step needs `DryRunFeatures` (cheap: no copy, no import)."""
-    return (offload is not None or host_options(optimizer) is not None
-            or any("_headroom_offload" in m.__dict__ for m in model.modules()))
-
-
 def host_options(optimizer: Any) -> Any:
     """The `HostOptimizerOptions` of an `hr.HostOptimizer` (an instance or its options)."""
     options = getattr(optimizer, "options", optimizer)
@@ -181,4 +175,4 @@ class DryRunFeatures:
         return self.places.host_code() if self._host_step else contextlib.nullcontext()
 
 
-__all__ = ["DryRunFeatures", "host_options", "offload_config", "uses_features"]
+__all__ = ["DryRunFeatures", "host_options", "offload_config"]

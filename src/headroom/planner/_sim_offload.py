@@ -396,6 +396,8 @@ class OffloadDryRun:
         else:
             if accumulate:  # read, add, write back
                 self.store.read_bytes += slot.grad_handle.nbytes
+            if g.dtype != slot.grad_handle.dtype:
+                g = g.to(slot.grad_handle.dtype)  # the disk write gets a copy in its dtype
             self.store.write(slot.grad_handle, g)
             if not accumulate:
                 p.grad = slot.marker

@@ -271,7 +271,10 @@ def test_offloaded_model_is_estimated_not_refused(tmp_path):
 def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
     from torch.nn import functional as F
 
+    import torch.optim.optimizer as optimizer_module
+
     sdpa, autocast = F.scaled_dot_product_attention, torch.is_autocast_enabled
+    fused = optimizer_module._get_fused_kernels_supported_devices
     model = transformer()
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -281,6 +284,7 @@ def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
     with pytest.raises(KeyError, match="injected"):
         estimate(model, (torch.randn(2, 8, 32),), loss_fn=failing_loss, device="cuda")
     assert F.scaled_dot_product_attention is sdpa and torch.is_autocast_enabled is autocast
+    assert optimizer_module._get_fused_kernels_supported_devices is fused
     assert not hr.memory.is_tracking()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())

@@ -209,3 +209,20 @@ def test_activation_offload_in_forward_checks_and_removes(tmp_path):
     assert mem.resting_max.get("disk", {}).get("activations", 0) > 0
     h.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_forward_that_raises_leaves_activation_offload(tmp_path):
+    from headroom import _saved_hooks
+    from headroom.planner import offload_activations_in_forward
+
+    class Failing(nn.Module):
+        def forward(self, x):
+            raise KeyError("injected")
+
+    model = nn.Sequential(nn.Linear(64, 64), Failing())
+    offload_activations_in_forward(model, store=hr.DiskStore(tmp_path), min_bytes=1 << 12)
+    with pytest.raises(KeyError, match="injected"):
+        model(XD)
+    assert not _saved_hooks._keepers  # the context was left: nothing else is offloaded
+    model[1] = nn.Identity()
+    model(XD).sum().backward()  # and the next forward enters it again

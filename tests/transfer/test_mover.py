@@ -111,5 +111,11 @@ def _bookkeeping(kind, tmp_path):
     for g in grads[1:]:
         expect += g
     assert torch.equal(store.read(b.grad_handle).result(), expect)
-    assert not mover._grads and not mover._inflight  # every staging buffer went back
+    mover.wait_reads()
+    # every landing retired, every staging buffer back in the pool
+    assert not mover._landings and not mover._staged and not mover._inflight
+    assert mover._pool.total_bytes == sum(
+        n * len(bufs) for n, bufs in mover._pool._free.items())
+    mover.close()
+    assert mover._pool.total_bytes == 0
     store.close()

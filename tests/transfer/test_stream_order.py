@@ -163,7 +163,7 @@ def _mover(m: StreamModel, store) -> None:
             mover.wait(mover.fetch(h, dst))
             got = inp.to(dtype) @ dst  # compute reads the fetched bytes
             assert torch.equal(got, inp.to(dtype) @ x.to(dtype))
-    mover.synchronize()  # also gives every staging buffer of a fetch back
+    mover.wait_reads()  # also gives every staging buffer of a fetch back
     assert not mover._inflight
     p = torch.nn.Parameter(torch.zeros(32, 8))
     b = bind(p, h, grad_handle=store.alloc("x.grad", (32, 8), torch.float32))
@@ -175,7 +175,19 @@ def _mover(m: StreamModel, store) -> None:
         del g  # backward drops it at once
     mover.synchronize()
     assert torch.equal(store.read(b.grad_handle).result(), expect)
-    assert not mover._grads and not mover._inflight  # every staging buffer went back
+    assert not mover._landings and not mover._staged  # every staging buffer went back
+    # overwritten only (straight into a pinned host gradient: no staging, no landing thread)
+    q = torch.nn.Parameter(torch.zeros(32, 8))
+    c = bind(q, h, grad_handle=store.alloc("y.grad", (32, 8), torch.float32))
+    g = inp.T @ torch.randn(5, 8)
+    mover.push_grad(g, c, accumulate=False)
+    mover.synchronize()
+    assert torch.equal(store.read(c.grad_handle).result(), g)
+    # closed with a gradient still on its way: close lands it
+    g = g * 2
+    mover.push_grad(g, c, accumulate=False)
+    mover.close()
+    assert torch.equal(store.read(c.grad_handle).result(), g)
     store.close()
 
 
@@ -364,8 +376,14 @@ def _optimizer(m: StreamModel, tmp_path) -> None:
         grads = [opt.grad(p) for p in lin.parameters()]
         for mp, g in zip(master, grads, strict=True):
             mp.grad = g.clone()
+        with torch.no_grad():
+            probe = lin(x)  # compute reads the parameters after backward, before the step
+        expect = F.linear(x, *(mp.bfloat16() for mp in master))
+        # (the reference steps afterwards: its host-and-device operations make the host wait
+        # for the computing stream, which would order the copy-back by themselves)
+        opt.step()  # its copy-back overwrites the parameters: ordered after that read
         ref.step()
-        opt.step()
+        assert torch.equal(probe, expect)
         opt.zero_grad(set_to_none=s % 2 == 0)
         for p, mp in zip(lin.parameters(), master, strict=True):
             assert torch.equal(p * 1, mp.bfloat16())
@@ -421,12 +439,14 @@ def test_accelerator_path_is_ordered(scenario, query_done, tmp_path):
 
 # ------------------------------------------------------------------ mutations
 def _sites() -> list[tuple[str, int]]:
-    """Every ``.wait_event(``, ``.record(`` and ``.synchronize(`` call in transfer/."""
+    """Every ``.wait_event(``, ``.record(`` and ``.synchronize(`` call on a stream or event in
+    transfer/ (not ``self.synchronize()``, a class's own method that waits through them)."""
     out = []
     for path in sorted(TRANSFER.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in ("wait_event", "record", "synchronize"):
+                    node.func.attr in ("wait_event", "record", "synchronize") and not (
+                        isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
                 out.append((path.name, node.lineno))
     return sorted(set(out))
 

@@ -21,6 +21,7 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import (
     HeaderError,
@@ -48,6 +49,7 @@ __all__ = [
     "ListenerHandle",
     "Mover",
     "ParamBinding",
+    "PinnedArena",
     "PinnedPool",
     "RowStreamer",
     "SafetensorsFile",
@@ -66,10 +68,12 @@ __all__ = [
     "grad_ready",
     "on_grad_ready",
     "parse_header",
+    "pinned_bytes",
     "relay_done",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",
+    "set_pinned_limit",
     "sync_grad",
     "trim_heap",
     "unbind",

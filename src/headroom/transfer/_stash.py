@@ -260,6 +260,11 @@ class Stash:
 
     def close(self) -> None:
         """Free what the stash pooled (its disk files too)."""
+        if self.accelerated:
+            # A restored ticket's copy back may still read its pooled host buffer, which goes
+            # back to the system below: wait for this stash's own copies back (nothing else;
+            # a drop waits for the copy out of the ticket it drops).
+            self._h2d.synchronize()
         if self.disk is not None:
             for hs in self._handles.values():
                 for h in hs:

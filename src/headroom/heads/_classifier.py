@@ -44,7 +44,9 @@ from headroom.transfer import (
     binding,
     check_device,
     claimed_keys,
+    is_accelerator,
     resolve_store,
+    stream_module,
 )
 
 __all__ = ["HugeClassifier"]
@@ -238,6 +240,8 @@ class HugeClassifier(nn.Module):
         self.num_classes = int(num_classes)
         self.in_features = int(in_features)
         self.device = check_device(device)
+        if is_accelerator(self.device):
+            stream_module(self.device)  # an accelerator without streams is refused now
         self.slice_size = slice_size
         self.sample_rate = float(sample_rate)
         self.dtype = dtype

@@ -155,8 +155,11 @@ class Residency:
 
 
 def show(group: Group) -> None:
-    """The modules compute with the group's device copies (inside a forward)."""
+    """The modules compute with the group's device copies (inside a forward), which must be
+    ready: `Residency.ensure` first (a prefetch still copying is never shown)."""
     for s in group.slots:
+        if s.ticket is not None:
+            raise RuntimeError(f"internal: {s.name!r} shown before its copy was waited for")
         s.show(s.dev)
 
 

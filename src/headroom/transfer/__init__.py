@@ -15,7 +15,7 @@ from headroom.transfer._binding import (
     unbind,
 )
 from headroom.transfer._claims import claimed_keys
-from headroom.transfer._device import check_device
+from headroom.transfer._device import check_device, stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
@@ -74,6 +74,7 @@ __all__ = [
     "resolve_store",
     "safetensors_dtypes",
     "set_pinned_limit",
+    "stream_module",
     "sync_grad",
     "trim_heap",
     "unbind",

@@ -389,8 +389,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.small = small
                 e.initialized = True
                 e.grad_scale = None
+        # From step(): copy-backs are also ordered after what this thread queued until now
+        # (one event for all of them); on the worker, after each parameter's own event only.
+        now = None if early or self._mover is None else self._mover.mark()
         for e in in_mem + streamed:
-            self._copy_back(e, early)
+            self._copy_back(e, now)
 
     def _source(self, e: Entry) -> SlicedParam | None:
         """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
@@ -494,18 +497,16 @@ class HostOptimizer(torch.optim.Optimizer):
             lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
         return lay
 
-    def _copy_back(self, e: Entry, early: bool = False) -> None:
+    def _copy_back(self, e: Entry, now: object | None = None) -> None:
         if e.kind == ALIAS or e.kind == BOUND:
             return  # updated in place / written back to the store
         p = e.param
         if self._mover is not None and self._mover.accelerated:
             # Overwrites the parameter: ordered after backward's last use of it (the event at
             # its gradient-ready point, on the stream backward ran on) and, from step(),
-            # after what the calling thread queued since; a worker thread's own current stream
-            # has nothing to do with it.
-            after = [ev for ev in (e.ready,) if ev is not None]
-            if not early:
-                after.append(self._mover.mark())
+            # after what the calling thread queued since (``now``); a worker thread's own
+            # current stream has nothing to do with it.
+            after = [ev for ev in (e.ready, now) if ev is not None]
             t = self._mover.fetch(e.own.handle, p.data, after=after or None)
             with self._tickets_lock:
                 self._tickets.append(t)

@@ -18,10 +18,10 @@ from headroom.transfer import (
     PinnedArena,
     PinnedPool,
     StoreFullError,
+    _pinned,
     pinned_bytes,
     set_pinned_limit,
 )
-from headroom.transfer import _pinned
 
 MiB = 1 << 20
 

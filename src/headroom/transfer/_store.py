@@ -216,8 +216,8 @@ def resolve_store(store: str | Store, device: str | torch.device | None = None) 
 
     Args:
         store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
-            process's page-locked budget when ``device`` is an accelerator), or a `Store` instance (e.g. ``DiskStore(path)``),
-            returned as is.
+            process's page-locked budget when ``device`` is an accelerator), or a `Store`
+            instance (e.g. ``DiskStore(path)``), returned as is.
         device: the compute device the store feeds.
 
     Raises:

@@ -269,9 +269,8 @@ def test_offloaded_model_is_estimated_not_refused(tmp_path):
 
 
 def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
-    from torch.nn import functional as F
-
     import torch.optim.optimizer as optimizer_module
+    from torch.nn import functional as F
 
     sdpa, autocast = F.scaled_dot_product_attention, torch.is_autocast_enabled
     fused = optimizer_module._get_fused_kernels_supported_devices

@@ -30,17 +30,14 @@ def check(name, tmp_path, offload=None, host=None):
 CASES = [
     ("mlp", ("cpu", 0), None),
     ("mlp", ("cpu", 1), ("disk", False)),
-    ("mlp", ("cpu", 2), None),
     ("mlp", ("disk", 0), ("cpu", True)),
     ("mlp", ("disk", 1), ("disk", False)),
     ("mlp", ("disk", 2), ("disk", True)),
-    ("mlp", None, ("cpu", False)),
     ("mlp", None, ("disk", True)),
     ("transformer", ("cpu", 1), None),
     ("transformer", ("disk", 0), ("disk", False)),
     ("transformer", ("disk", 2), ("cpu", True)),
     ("transformer", None, ("cpu", True)),
-    ("transformer", None, ("disk", False)),
 ]
 
 

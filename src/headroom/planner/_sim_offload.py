@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from headroom.planner._places import MetaStore, Places
+from headroom.residency._schedule import _AfterBackward, _outputs
+from headroom.residency._schedule import in_backward as _in_backward
 
 # headroom.transfer's mover reaps device gradients in flight to the host past this many bytes
 _MAX_STAGED_BYTES = 256 << 20
@@ -119,40 +120,6 @@ class _Group:
         self.resident = False
         self.grads_left = 0
         self.inputs_pending = 0
-
-
-class _AfterBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, callback, *xs):
-        ctx.callback = callback
-        outs = tuple(x.view_as(x) for x in xs)
-        return outs if len(outs) > 1 else outs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _outputs(output: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(output)
-    if not any(isinstance(x, torch.Tensor) for x in leaves):
-        leaves, stack = [], [output]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, torch.Tensor):
-                leaves.append(x)
-            elif isinstance(x, dict):
-                stack.extend(x.values())
-            elif isinstance(x, (list, tuple)):
-                stack.extend(x)
-            elif hasattr(x, "__dict__") and not isinstance(x, nn.Module):
-                stack.extend(vars(x).values())
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class OffloadDryRun:

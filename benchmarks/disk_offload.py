@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.residency._offload import _state
+from headroom.residency import state_of
 from headroom.transfer import DiskStore
 
 
@@ -119,13 +119,19 @@ def main() -> None:
     store = DiskStore(args.dir, threads=args.threads, page_cache=False)
     t0 = time.perf_counter()
     hr.offload(model, device="cpu", store=store, prefetch=args.prefetch)
+    # Parameters created on meta get their values when first needed (the first forward):
+    # a forward without gradients here writes them, so that setup includes it, the files hold
+    # data before the raw reads, and the random draws come in the same order as for a model
+    # initialized on the CPU.
+    with torch.no_grad():
+        model(torch.zeros(1, args.width))
     setup_s = time.perf_counter() - t0
     opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3, overlap=False)
     x = torch.randn(args.batch, args.width)
 
-    files = [store.file_of(s.binding.handle) for s in _state(model).slots]
+    files = [store.file_of(s.binding.handle) for s in state_of(model).slots]
     raw_before = raw_read(files)
-    stream_bytes, stream_s = store_stream(store, [s.binding.handle for s in _state(model).slots])
+    stream_bytes, stream_s = store_stream(store, [s.binding.handle for s in state_of(model).slots])
 
     times, losses, step_ratios, raw_each = [], [], [], []
     before = store.stats()

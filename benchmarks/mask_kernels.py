@@ -87,30 +87,32 @@ def kernels_alone(sizes: list[int], repeats: int) -> dict:
 
 
 class _Timed:
-    """Wraps the pack and unpack functions the ReLU layer calls, summing the time inside."""
+    """Wraps what a converted activation calls to pack its mask (``Late.pack``) and to use it in
+    backward (``Late.unpack``, and ``grad_through``, which computes the gradient straight from
+    the mask where the C kernels run), summing the time inside each."""
 
     def __init__(self) -> None:
         self.seconds = {"pack": 0.0, "unpack": 0.0}
-        self._pack, self._unpack = _activation.pack_nonzero, _activation.unpack_as
+        self._saved = (_activation.Late.pack, _activation.Late.unpack, _activation.grad_through)
+
+    def _wrap(self, fn, key):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            self.seconds[key] += time.perf_counter() - t0
+            return r
+
+        return timed
 
     def __enter__(self):
-        def pack(*a, **k):
-            t0 = time.perf_counter()
-            r = self._pack(*a, **k)
-            self.seconds["pack"] += time.perf_counter() - t0
-            return r
-
-        def unpack(*a, **k):
-            t0 = time.perf_counter()
-            r = self._unpack(*a, **k)
-            self.seconds["unpack"] += time.perf_counter() - t0
-            return r
-
-        _activation.pack_nonzero, _activation.unpack_as = pack, unpack
+        pack, unpack, through = self._saved
+        _activation.Late.pack = self._wrap(pack, "pack")
+        _activation.Late.unpack = self._wrap(unpack, "unpack")
+        _activation.grad_through = self._wrap(through, "unpack")
         return self
 
     def __exit__(self, *exc) -> None:
-        _activation.pack_nonzero, _activation.unpack_as = self._pack, self._unpack
+        _activation.Late.pack, _activation.Late.unpack, _activation.grad_through = self._saved
 
 
 def in_a_step(repeats: int, seed: int) -> dict:

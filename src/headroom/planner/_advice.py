@@ -49,7 +49,8 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
 
     saving("hr.convert", prepare=lambda m: convert(m, inplace=True))
     cpu = base.device == "cpu"
-    opt_cls = _opt_cls(optimizer)
+    opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
+    offloaded = any("_headroom_offload" in m.__dict__ for m in model.modules())
     if opt_cls is not None:
         from headroom.optim import HostOptimizerOptions
 
@@ -59,8 +60,9 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         host = HostOptimizerOptions(opt_cls, kw, "disk" if cpu else "cpu", False,
                                     max(4 << 10, min(16 << 20, largest // 8)), 32 << 20)
         saving(f"hr.HostOptimizer (state on {where})", optimizer=host, optimizer_kwargs=None)
-        saving(f"hr.offload with hr.HostOptimizer ({where})", optimizer=host,
-               optimizer_kwargs=None, offload={"store": where, "prefetch": 1})
+        if not offloaded:
+            saving(f"hr.offload with hr.HostOptimizer ({where})", optimizer=host,
+                   optimizer_kwargs=None, offload={"store": where, "prefetch": 1})
     cats = base.peak_by_category
     lines = ["what would cut the peak most (dry runs of the step with each technique):"]
     if measured is not None:

@@ -3,7 +3,7 @@ tensor (torch's caching host allocator) against headroom's slabs.
 
 torch's caching host allocator rounds every pinned allocation up to the next power of two
 (``CachingHostAllocator.h``: ``PowerOf2Ceil``, the default configuration). headroom carves
-tensors out of slabs: on CUDA/ROCm one slab registered at its own size per reserved group
+tensors out of slabs: on CUDA one slab registered at its own size per reserved group
 (``hr.offload`` reserves the masters together and each backward the gradients together), on
 other accelerators one power-of-two slab per group. The figures are that arithmetic, done by
 ``headroom.transfer._pinned.spent`` (the rule the accounting uses) over the real shapes, and,

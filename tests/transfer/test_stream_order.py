@@ -15,6 +15,8 @@ if it were deleted) and some scenario must then fail. The mutations tried (by fu
 catches it (``/slow``: only with the slow device):
 
 * ``Mover.fetch_many``: ``batch.event.record(self._h2d)`` (one per block): mover_host
+* ``Mover.fetch_many``, failing half-way: ``current.wait_event(batch.event)`` (the storages of
+  copies already issued are freed on the computing stream): mover_host
 * ``Mover._order_h2d``: ``self._h2d_after.record(current)``: mover_host
 * ``Mover._order_h2d``: ``self._h2d.wait_event(ev)`` (the current stream's, or the ``after``
   events of a copy-back): mover_host
@@ -165,11 +167,26 @@ def _mover_disk(m: StreamModel, tmp_path) -> None:
     _mover(m, DiskStore(tmp_path / "mover", threads=2))
 
 
-def _mover(m: StreamModel, store) -> None:
+def _mover_pageable(m: StreamModel, tmp_path) -> None:
+    """Mover with a host store that is not page-locked (copies go through pinned staging)."""
+    store = hr.transfer.HostStore(pin=False)
+    _mover(m, store, pageable=True)
+
+
+def _mover(m: StreamModel, store, *, pageable: bool = False) -> None:
     x = torch.randn(32, 8)
     h = store.put("x", x)
+    if pageable:
+        m.host_memory(store.host_tensor(h))
     mover = Mover("cpu", store)
     assert mover.accelerated
+    # a fetch that fails half-way: the copies already issued land before their storage is freed
+    gone = store.put("gone", x)
+    store.free(gone)
+    dsts = [torch.empty(32, 8), torch.empty(32, 8)]
+    with pytest.raises(KeyError):
+        mover.fetch_many([(h, dsts[0]), (gone, dsts[1])])
+    del dsts
     inp = torch.randn(5, 32)
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         dst = torch.empty(32, 8, dtype=dtype)
@@ -181,6 +198,8 @@ def _mover(m: StreamModel, store) -> None:
     assert not mover._inflight
     p = torch.nn.Parameter(torch.zeros(32, 8))
     b = bind(p, h, grad_handle=store.alloc("x.grad", (32, 8), torch.float32))
+    if pageable:
+        m.host_memory(store.host_tensor(b.grad_handle))
     expect = None
     for i in range(4):
         g = inp.T @ torch.randn(5, 8)  # a gradient the compute stream writes
@@ -193,6 +212,8 @@ def _mover(m: StreamModel, store) -> None:
     # overwritten only (straight into a pinned host gradient: no staging, no landing thread)
     q = torch.nn.Parameter(torch.zeros(32, 8))
     c = bind(q, h, grad_handle=store.alloc("y.grad", (32, 8), torch.float32))
+    if pageable:
+        m.host_memory(store.host_tensor(c.grad_handle))
     g = inp.T @ torch.randn(5, 8)
     mover.push_grad(g, c, accumulate=False)
     mover.synchronize()
@@ -488,8 +509,8 @@ def _optimizer_overlap(m: StreamModel, tmp_path) -> None:
         m.synchronize()  # before `got`, the user stream's memory, is freed
 
 
-SCENARIOS = [_mover_host, _mover_disk, _rows, _heads, _heads_failure, _stash, _optimizer,
-             _optimizer_overlap, _offload_load, _activations, _offload]
+SCENARIOS = [_mover_host, _mover_disk, _mover_pageable, _rows, _heads, _heads_failure, _stash,
+             _optimizer, _optimizer_overlap, _offload_load, _activations, _offload]
 
 
 def _run(scenario, tmp_path, *, query_done: bool, skip=()) -> StreamModel:

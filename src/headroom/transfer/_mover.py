@@ -15,6 +15,7 @@ optimizer waiting for its gradients.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -145,29 +146,54 @@ class Mover:
         self._reclaim()
         tickets: list[Ticket] = []
         batch = batch if batch is not None else _Batch()
+        staged: list[torch.Tensor] = []  # page-locked copies of pageable host tensors
         with self._lock:
             self._order_h2d(after)
-            for handle, dst in items:
-                host = self.store.host_tensor(handle)
-                if host is not None:
+            try:
+                for handle, dst in items:
+                    host = self.store.host_tensor(handle)
+                    if host is None:  # on disk: read into staging, copied when it lands
+                        tickets.append(Ticket(dst, staging=self._pool.take(
+                            handle.nbytes).view(handle.dtype).view(handle.shape),
+                            issued=threading.Event()))
+                        continue
+                    if not self.store.pinned:
+                        # A copy from pageable memory would make the host wait for the device:
+                        # copy on the host into page-locked staging, which the device reads.
+                        src = self._pool.take(handle.nbytes).view(handle.dtype).view(
+                            handle.shape)
+                        src.copy_(host)
+                        staged.append(src)
+                        host = src
                     with torch.no_grad(), self._mod.stream(self._h2d), \
                             torch.autograd._unsafe_preserve_version_counter(dst):
                         # Ordered after the computing stream (the event just waited for): the
                         # storage was (re)allocated there, and what read it before is done.
-                        dst.copy_(host, non_blocking=self.store.pinned)
+                        dst.copy_(host, non_blocking=True)
                     tickets.append(Ticket(dst, batch=batch))
-                else:
-                    tickets.append(Ticket(dst, staging=self._pool.take(handle.nbytes).view(
-                        handle.dtype).view(handle.shape), issued=threading.Event()))
-            if any(t.batch is not None for t in tickets):
-                batch.event = self._event()
-                batch.event.record(self._h2d)
-        for (handle, _), t in zip(items, tickets, strict=True):
-            if t.staging is not None:
-                t.future = self.store.read(handle, out=t.staging)
-                # The copy to the device is issued as soon as the read lands, on whichever
-                # thread completes it: the device copy overlaps compute, not only the read.
-                t.future.add_done_callback(lambda _f, t=t: self._bg(self._issue_staged)(t))
+            finally:
+                if any(t.batch is not None for t in tickets):
+                    batch.event = self._event()
+                    batch.event.record(self._h2d)
+                    self._inflight.extend((batch.event, src) for src in staged)
+                    if len(tickets) < len(items):
+                        # Failed half-way: whoever frees these storages next is ordered after
+                        # the copies already issued into them.
+                        self._mod.current_stream(self.device).wait_event(batch.event)
+        try:
+            for (handle, _), t in zip(items, tickets, strict=True):
+                if t.staging is not None:
+                    t.future = self.store.read(handle, out=t.staging)
+                    # The copy to the device is issued as soon as the read lands, on whichever
+                    # thread completes it: the device copy overlaps compute, not only the read.
+                    t.future.add_done_callback(
+                        lambda _f, t=t: self._bg(self._issue_staged)(t))
+        except BaseException:
+            for t in tickets:  # nothing may land in a storage after its owner freed it
+                if t.future is not None:
+                    with contextlib.suppress(Exception):
+                        self.wait(t)
+            raise
         return tickets
 
     def _fetch_cpu(self, handle: Handle, dst: torch.Tensor) -> Ticket:

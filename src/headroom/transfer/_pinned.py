@@ -6,11 +6,11 @@ power of two and keeps freed blocks cached for reuse: pinning each master and gr
 own costs 1.3x (transformer shapes) to 2x (a 5.12 GB weight takes 8 GiB) the tensor bytes, and
 freeing them gives nothing back to the system. Here page-locked memory comes in slabs:
 
-* on CUDA (and ROCm), ordinary host memory of exactly the slab's size, page-locked with
+* on CUDA, ordinary host memory of exactly the slab's size, page-locked with
   ``cudaHostRegister`` and unregistered when the slab is released, so its bytes go back to the
   system at once;
-* on other accelerators, from the caching host allocator in power-of-two sizes (which it then
-  spends exactly), its cache emptied when a slab is released;
+* on other accelerators (ROCm and XPU included), from the caching host allocator in
+  power-of-two sizes (which it then spends exactly), its cache emptied when a slab is released;
 * without an accelerator runtime (a CPU-only build), plain memory standing in for it: the same
   slabs, carving and accounting (the budget included), so CI runs the logic that feeds a device.
 
@@ -22,6 +22,7 @@ from everything else on the machine.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import threading
 import weakref
@@ -91,12 +92,13 @@ def set_pinned_limit(nbytes: int | None) -> None:
 
 
 def _backend(pin: bool, device: torch.device | None) -> str:
-    """How a slab is made: ``register`` (CUDA/ROCm: exact size, registered), ``cache`` (other
-    accelerators: the caching host allocator), ``stand-in`` (no accelerator runtime: plain
-    memory, counted like page-locked memory), or ``plain`` (not pinning)."""
+    """How a slab is made: ``register`` (a CUDA build: exact size, registered), ``cache`` (other
+    accelerators, ROCm included: the caching host allocator), ``stand-in`` (no accelerator
+    runtime: plain memory, counted like page-locked memory), or ``plain`` (not pinning)."""
     if not pin:
         return "plain"
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+    if device is not None and device.type == "cuda" and torch.version.cuda is not None \
+            and torch.cuda.is_available():
         return "register"
     if torch.accelerator.is_available():
         return "cache"
@@ -154,8 +156,6 @@ def _device_guard(device: torch.device | None):
         mod = getattr(torch, device.type, None)
     guard = getattr(mod, "device", None) if mod is not None else None
     if guard is None or not getattr(mod, "is_available", lambda: False)():
-        import contextlib
-
         return contextlib.nullcontext()
     return guard(device)
 
@@ -341,6 +341,8 @@ def _floor(n: int) -> int:
 
 
 def _release_all(slabs: list[Slab]) -> None:
+    # An arena collected without close(), perhaps at interpreter exit: best effort.
     for s in list(slabs):
-        s.release()
+        with contextlib.suppress(Exception):
+            s.release()
     slabs.clear()

@@ -55,6 +55,19 @@ def bandwidth(
     return statistics.median(h2d), statistics.median(d2h)
 
 
+def check(plain: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    """Before timing: the offloaded model's gradients are plain PyTorch's on the same device."""
+    for m in (plain, model):
+        m(x).square().mean().backward()
+    _sync()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad.to(p.device).float(), p.grad.float(), rtol=1e-5,
+                                   atol=1e-6, msg=f"offloaded gradient of {name} differs")
+    for m in (plain, model):
+        for p in m.parameters():
+            p.grad = None
+
+
 def bench(device, block_mib, blocks, tokens, repeats, h2d_bps, d2h_bps) -> dict:
     torch.manual_seed(0)
     w = width_for(block_mib)
@@ -73,6 +86,7 @@ def bench(device, block_mib, blocks, tokens, repeats, h2d_bps, d2h_bps) -> dict:
             p.grad = None
         return dt
 
+    check(plain, model, x)
     for m in (plain, model):
         step(m)
     t_plain, t_off = [], []

@@ -1,11 +1,17 @@
-"""Claim: hr.plan's step-time model ranks plans as measured steps on this CPU do, within a factor.
+"""Claim: hr.plan's step-time model, calibrated on this CPU, predicts measured step times.
 
-Side by side in one run: for each combination hr.plan considers on ``cpu`` with ``disk=``, the
-step time the planner estimates (FLOPs over this CPU's measured matmul speed, transfers over
-the declared disk bandwidth) and the median measured time of steps with the plan applied, with
-the measured peak (hr.track_memory) against the estimated one.
+For every combination hr.plan considers on ``cpu`` with ``disk=`` (hr.convert, checkpointing of
+the first k blocks, activation offload, parameter offload, optimizer state on disk), side by
+side in one run: the step time the planner estimates (the dry run's ops priced at this machine's
+measured speeds, plus transfers at the measured disk bandwidths) and the measured time of
+``--steps`` steps with the plan applied, wall-clock and CPU time of the process (the machine
+is shared: other jobs slow the wall clock down, much less the CPU time of one thread); the
+estimated peak (the dry run of the whole plan) against hr.track_memory's measured one. The
+speeds are measured at the start (``measure_speeds(refresh=True)``) and recorded. Steps run in
+rounds over groups of ``--group`` combinations (one step of each, then the next round), so a
+change of the machine's load falls on all of them alike.
 
-    python benchmarks/plan_time.py [--steps 5]
+    python benchmarks/plan_time.py [--steps 5] [--threads 1] [--group 12]
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import headroom as hr
-from headroom.planner import plan
-from headroom.planner._plan import Plan
+from headroom.planner import measure_speeds
+from headroom.planner._plan import Search
 
 RESULTS = Path(__file__).parent / "results" / "plan_time.json"
 
@@ -42,54 +49,98 @@ def loss_fn(out):
     return out.square().mean()
 
 
-def run(model, opt, steps):
+def step_of(model, opt):
     def step():
         loss_fn(model(X)).backward()
         opt.step()
         opt.zero_grad()
 
-    step()
-    with hr.track_memory(model=model, optimizer=opt) as mem:
-        step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), mem.peak
+    return step
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group", type=int, default=12)
     a = parser.parse_args()
     warnings.simplefilter("ignore")
+    torch.set_num_threads(a.threads)
     tmp = tempfile.mkdtemp()
-    p = plan(make(), (X,), loss_fn=loss_fn, budget="64GiB", device="cpu",
-             optimizer=torch.optim.AdamW, disk=tmp)
+    t0 = time.perf_counter()
+    speeds = measure_speeds(tmp, refresh=True)
+    calibration_s = time.perf_counter() - t0
+    print(speeds.describe(), f"({calibration_s:.1f} s to measure)")
+    search = Search(make(), (X,), device="cpu", optimizer=torch.optim.AdamW, loss_fn=loss_fn,
+                    disk=tmp, speeds=speeds)
+    for c in search.candidates:
+        search.refine(c)
+        search.whole(c)
     rows = []
-    for i, (choice, peak, t_est) in enumerate(p.candidates):
-        one = Plan(choice, peak, t_est, p.plain_peak, p.plain_time_s, p.budget, p.device,
-                   p.optimizer, p.optimizer_kwargs, f"{tmp}/{i}", p.slice_bytes)
-        model, opt = one.apply(make())
-        t_meas, peak_meas = run(model, opt, a.steps)
-        row = {"plan": "; ".join(choice.describe()), "estimated_s": round(t_est, 4),
-               "measured_median_s": round(t_meas, 4), "ratio": round(t_meas / t_est, 2),
-               "estimated_peak": peak, "measured_peak": peak_meas}
-        rows.append(row)
-        print(json.dumps(row))
-    est_order = [r["plan"] for r in sorted(rows, key=lambda r: r["estimated_s"])]
-    meas_order = [r["plan"] for r in sorted(rows, key=lambda r: r["measured_median_s"])]
+    cands = list(enumerate(search.candidates))
+    for g in range(0, len(cands), a.group):
+        live = []
+        for i, c in cands[g:g + a.group]:
+            one = search.plan_of(c, 1 << 40)
+            one.disk = f"{tmp}/{i}"
+            model, opt = one.apply(make())
+            step = step_of(model, opt)
+            step()
+            with hr.track_memory(model=model, optimizer=opt) as mem:
+                step()
+            live.append((c, step, mem.peak, [], []))
+        for _ in range(a.steps):
+            for _, step, _, walls, cpus in live:
+                w, p = time.perf_counter(), time.process_time()
+                step()
+                cpus.append(time.process_time() - p)
+                walls.append(time.perf_counter() - w)
+        for c, _, peak, walls, cpus in live:
+            wall, cpu = statistics.median(walls), statistics.median(cpus)
+            row = {"plan": "; ".join(c.choice.describe()), "estimated_s": round(c.time_s, 4),
+                   "wall_median_s": round(wall, 4), "cpu_median_s": round(cpu, 4),
+                   "wall_min_s": round(min(walls), 4),
+                   "wall_ratio": round(wall / c.time_s, 2), "cpu_ratio": round(cpu / c.time_s, 2),
+                   "estimated_peak": c.peak, "measured_peak": peak}
+            rows.append(row)
+            print(json.dumps(row))
+        del live
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({
-        "claim": "the planner's step-time model against measured step times on this CPU",
-        "command": f"python benchmarks/plan_time.py --steps {a.steps}",
+        "claim": "the planner's step-time model, calibrated on this CPU, against measured steps",
+        "command": f"python benchmarks/plan_time.py --steps {a.steps} --threads {a.threads}"
+                   f" --group {a.group}",
         "torch": torch.__version__, "machine": platform.machine(),
-        "threads": torch.get_num_threads(), "rows": rows,
-        "fastest_estimated": est_order[0], "fastest_measured": meas_order[0],
-        "peaks_within_estimate": all(r["measured_peak"] <= r["estimated_peak"] for r in rows),
-    }, indent=1))
+        "threads": torch.get_num_threads(), "speeds": asdict(speeds),
+        "calibration_s": round(calibration_s, 2), "rows": rows,
+        **{f"{k}_ratio_{f.__name__}": f(r[f"{k}_ratio"] for r in rows)
+           for k in ("wall", "cpu") for f in (min, max)},
+        **{f"{k}_ratio_median": statistics.median(r[f"{k}_ratio"] for r in rows)
+           for k in ("wall", "cpu")},
+        "fastest_estimated": min(rows, key=lambda r: r["estimated_s"])["plan"],
+        "fastest_measured_cpu": min(rows, key=lambda r: r["cpu_median_s"])["plan"],
+        "rank_correlation_cpu": _spearman([r["estimated_s"] for r in rows],
+                                          [r["cpu_median_s"] for r in rows]),
+        "rank_correlation_wall": _spearman([r["estimated_s"] for r in rows],
+                                           [r["wall_median_s"] for r in rows]),
+        "peaks_within_5_percent": all(abs(r["estimated_peak"] - r["measured_peak"])
+                                      <= 0.05 * r["measured_peak"] for r in rows),
+    }, indent=1, default=str))
     print(f"wrote {RESULTS}")
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            r[i] = rank
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    d2 = sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True))
+    return round(1 - 6 * d2 / (n * (n * n - 1)), 3) if n > 1 else 1.0
 
 
 if __name__ == "__main__":

@@ -25,13 +25,18 @@ still reading or writing it is a use after free. Likewise allocating device memo
 write on the current stream (the caching allocator hands a block freed by that stream's pending
 work straight back to it), so another stream must be ordered after the allocation to use it.
 Host memory is exempt from the free check: torch's caching host allocator keeps a page-locked
-block until the copies using it are done, and copies with pageable memory are synchronous.
+block until the copies using it are done, and copies with pageable memory are synchronous;
+except headroom's own page-locked slabs (`headroom.transfer._pinned.Slab`), which go back to the
+system when released: every copy that used a slab must be known to the host to be done by then.
 
 ``torch.get_device_module("cpu")`` returns the model, ``is_accelerator`` says yes for the CPU,
 ``pin_memory=True`` allocations and ``Tensor.pin_memory()`` work (the model remembers which
 storages are page-locked, for ``is_pinned()``), and ``Tensor.record_stream(s)`` makes a free
 wait for ``s``'s work issued so far. Operations on other threads are not logged (the
-dispatch mode is per thread), except on the host optimizer's worker thread.
+dispatch mode is per thread), except on the host optimizer's worker thread and the threads the
+mover hands work to (its landing thread, disk I/O threads issuing copies out of staging); their
+host operations share the host's clock, which may hide a race between two host threads but
+reports none that is not there.
 
 For mutation testing, `StreamModel.skip` holds call sites ``(file name, line)`` whose
 ``wait_event``, ``record`` or ``synchronize`` is then ignored, as if the line were deleted: an
@@ -169,15 +174,40 @@ class Event:
 
 
 class _Buf:
-    __slots__ = ("alloc", "host", "write", "reads", "label", "recorded")
+    __slots__ = ("alloc", "host", "recs", "label", "recorded")
 
     def __init__(self, alloc: str, host: bool, label: str) -> None:
         self.alloc = alloc  # the stream whose memory it is (freeing it is a write there)
         self.host = host  # host memory: operations on it run on the host
-        self.write: tuple[str, int] | None = None
-        self.reads: dict[str, int] = {}
+        # Accesses per byte range, [lo, hi, stream, count, is_write]: tensors carved out of one
+        # storage (a slab of page-locked memory) are separate memory as far as ordering goes.
+        self.recs: list[list] = []
         self.label = label
         self.recorded: dict[str, int] = {}  # record_stream: the allocator waits for these
+
+    def wrote(self, stream: str, t: int, lo: int = 0, hi: int | None = None) -> None:
+        hi = hi if hi is not None else (1 << 62)
+        # Accesses inside the range are ordered before this write (checked first): a later
+        # access that is ordered after the write is ordered after them too.
+        self.recs = [r for r in self.recs if not (lo <= r[0] and r[1] <= hi)]
+        self.recs.append([lo, hi, stream, t, True])
+
+    def read(self, stream: str, t: int, lo: int, hi: int) -> None:
+        for r in self.recs:
+            if not r[4] and r[0] == lo and r[1] == hi and r[2] == stream:
+                r[3] = t
+                return
+        self.recs.append([lo, hi, stream, t, False])
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor (view) covers, as [lo, hi)."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+    return lo, lo + (last + 1) * size
 
 
 # Operations that change a tensor's metadata only, although their schema marks ``self`` written.
@@ -287,6 +317,15 @@ class StreamModel:
         finally:
             stack.pop()
 
+    @contextlib.contextmanager
+    def on_host(self):
+        """Host code: tensors it creates from nothing are host memory."""
+        self._tls.on_host = getattr(self._tls, "on_host", 0) + 1
+        try:
+            yield
+        finally:
+            self._tls.on_host -= 1
+
     def synchronize(self, device=None) -> None:
         with self.lock:
             for s in self._all:  # all work issued so far is done
@@ -334,7 +373,7 @@ class StreamModel:
             cur.merge(self.host.vc)
             b = self._register(s, f"storage of {s.nbytes()} bytes", host=False, pinned=False,
                                stream=cur.name)
-            b.write = (cur.name, cur.tick())
+            b.wrote(cur.name, cur.tick())
 
     def host_memory(self, *ts: torch.Tensor) -> None:
         """Declare tensors host memory (pageable): operations on them run on the host."""
@@ -372,8 +411,7 @@ class StreamModel:
         if clock is not None:
             for s, v in clock.vc.items():
                 known[s] = max(known.get(s, 0), v)
-        uses = ([b.write] if b.write else []) + list(b.reads.items())
-        for s, t in uses:
+        for _, _, s, t, _ in b.recs:
             if s != b.alloc and known.get(s, 0) < t and b.recorded.get(s, 0) < t:
                 return (f"free of {b.label} (memory of {b.alloc}) while {s} may still use it"
                         f" (its access {t}, {b.alloc} ordered up to {known.get(s, 0)})")
@@ -387,6 +425,19 @@ class StreamModel:
                 msg = self._check_free(b)
                 if msg:
                     raise StreamOrderError(msg)
+
+    def free_host(self, t: torch.Tensor) -> None:
+        """Host memory ``t`` is given back to the system now (a slab of page-locked memory
+        released): every copy that used it must be known to the host to be done."""
+        with self.lock:
+            b = self._bufs.get(self.key(t))
+            if b is None:
+                return
+            for _, _, s, n, _ in b.recs:
+                if not self.host.knows(s, n):
+                    raise StreamOrderError(
+                        f"release of host memory {b.label} while {s} may still use it (its"
+                        f" access {n}; the host knows up to {self.host.vc.get(s, 0)})")
 
     def record_stream(self, t: torch.Tensor, stream: Stream) -> None:
         """``t.record_stream(stream)``: freeing ``t`` waits for ``stream``'s work issued so
@@ -405,12 +456,14 @@ class StreamModel:
         with self.lock:
             self.raise_deferred()
             cur = self.current_stream()
-            bufs = [(b, False) for b in map(self._buf, reads) if b is not None]
-            bufs += [(b, True) for b in map(self._buf, writes) if b is not None]
+            bufs = [(b, False, _span(x)) for x in reads if (b := self._buf(x)) is not None]
+            bufs += [(b, True, _span(x)) for x in writes if (b := self._buf(x)) is not None]
             blocking = False
-            if bufs and all(b.host for b, _ in bufs):
-                clock = self.host  # an operation on host memory only runs on the host
-            elif any(b.host for b, _ in bufs) and not non_blocking:
+            if (bufs or getattr(self._tls, "on_host", 0)) and all(b.host for b, _, _ in bufs):
+                # An operation on host memory only runs on the host, and so does one without
+                # inputs in host code (the host optimizer's own scalars and buffers).
+                clock = self.host
+            elif any(b.host for b, _, _ in bufs) and not non_blocking:
                 # A blocking copy between host and device: it runs on the current stream and
                 # the host waits for it.
                 clock, blocking = cur.clock, True
@@ -422,30 +475,29 @@ class StreamModel:
             if blocking:
                 self.host.merge(clock.vc)
             self.accesses += 1
-            for b, w in bufs:
-                self._check(op, clock, b, w)
-            for b, w in bufs:
+            for b, w, span in bufs:
+                self._check(op, clock, b, w, span)
+            for b, w, (lo, hi) in bufs:
                 if w:
-                    b.write, b.reads = (clock.name, t), {}
+                    b.wrote(clock.name, t, lo, hi)
                 else:
-                    b.reads[clock.name] = t
+                    b.read(clock.name, t, lo, hi)
             for o in fresh:
                 if o.untyped_storage().nbytes():
                     nb = self.register(o, host=clock is self.host, stream=clock.name)
-                    nb.write = (clock.name, t)
+                    nb.wrote(clock.name, t)
 
-    def _check(self, op: str, clock: _Clock, b: _Buf, write: bool) -> None:
-        if b.write is not None and not clock.knows(*b.write):
+    def _check(self, op: str, clock: _Clock, b: _Buf, write: bool,
+               span: tuple[int, int]) -> None:
+        lo, hi = span
+        for rlo, rhi, s, t, w in b.recs:
+            if rlo >= hi or lo >= rhi or clock.knows(s, t) or not (w or write):
+                continue
+            what = f"{b.label} [{lo}, {hi})" if (lo, hi) != (0, 1 << 62) else b.label
             raise StreamOrderError(
-                f"{op} {'writes' if write else 'reads'} {b.label} on {clock.name}, not ordered"
-                f" after its write on {b.write[0]} (access {b.write[1]}; {clock.name} ordered up"
-                f" to {clock.vc.get(b.write[0], 0)})")
-        if write:
-            for s, t in b.reads.items():
-                if not clock.knows(s, t):
-                    raise StreamOrderError(
-                        f"{op} writes {b.label} on {clock.name}, not ordered after its read on"
-                        f" {s} (access {t}; {clock.name} ordered up to {clock.vc.get(s, 0)})")
+                f"{op} {'writes' if write else 'reads'} {what} on {clock.name}, not ordered"
+                f" after its {'write' if w else 'read'} on {s} (access {t}; {clock.name} ordered"
+                f" up to {clock.vc.get(s, 0)})")
 
 
 @contextlib.contextmanager
@@ -494,13 +546,46 @@ def stream_model(monkeypatch, *, query_done: bool = True):
 
     real_submit = overlap_mod.Overlap.submit
 
-    def submit(self, fn):
-        def run():
-            with _Mode(model):
-                fn()
-        return real_submit(self, run)
+    def logged(fn):
+        def run(*args, **kwargs):
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    monkeypatch.setattr(overlap_mod.Overlap, "submit", submit)
+            if any(isinstance(m, _Mode) for m in _get_current_dispatch_mode_stack()):
+                return fn(*args, **kwargs)  # already watched (run at once on this thread)
+            with _Mode(model):
+                return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(overlap_mod.Overlap, "submit",
+                        lambda self, fn: real_submit(self, logged(fn)))
+    # Page-locked slabs go back to the system when released (unlike blocks of torch's caching
+    # host allocator, which waits for their copies): a release is checked like a free.
+    import headroom.transfer._pinned as pinned_mod
+
+    real_release = pinned_mod.Slab.release
+
+    def release(self):
+        if self.tensor is not None:
+            model.free_host(self.tensor)
+        real_release(self)
+
+    monkeypatch.setattr(pinned_mod.Slab, "release", release)
+    # The host optimizer's step is host code (its state scalars are host memory: on a device
+    # they would not make the host wait for the computing stream).
+    import headroom.optim._host_optimizer as host_opt_mod
+
+    real_step_entries = host_opt_mod.HostOptimizer._step_entries
+
+    def step_entries(self, *args, **kwargs):
+        with model.on_host():
+            return real_step_entries(self, *args, **kwargs)
+
+    monkeypatch.setattr(host_opt_mod.HostOptimizer, "_step_entries", step_entries)
+    # So are the mover's landing thread and the I/O threads that issue its copies out of
+    # disk staging (what it hands to other threads goes through `Mover._bg`).
+    import headroom.transfer._mover as mover_mod
+
+    monkeypatch.setattr(mover_mod.Mover, "_bg", staticmethod(logged))
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda t, stream: model.record_stream(t, stream))
     with _Mode(model):

@@ -114,3 +114,27 @@ def test_no_grad_and_inference_fetch_only_forward(tmp_path):
         assert 0 < mem.max_by_category["parameters"] <= budget
         assert "backward" not in {s.phase for s in mem.timeline}
         assert _resident(model) == []
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_heap_is_trimmed_on_a_cpu_only_when_the_store_is_off_ram(tmp_path, store, monkeypatch):
+    """On a CPU, freed device copies go back to the OS when the masters rest on disk (RSS is
+    the point there); with the masters in RAM as well, trimming would only cost time."""
+    import functools
+
+    import headroom.residency._group as group
+    from headroom.transfer import _heap
+
+    calls = []
+    monkeypatch.setattr(_heap, "trim_heap", lambda: calls.append(1) or True)
+    # every free trims: the policy is tested, not the 8 MiB between trims
+    monkeypatch.setattr(group, "HeapTrimmer", functools.partial(_heap.HeapTrimmer, threshold=1))
+    torch.manual_seed(0)
+    model = Transformer(d=64, n=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu",
+                   store=DiskStore(tmp_path / "s") if store == "disk" else "cpu")
+    calls.clear()
+    lm_loss(model, lm_batch(torch.Generator().manual_seed(0))).backward()
+    assert (len(calls) > 0) == (store == "disk"), (store, len(calls))

@@ -28,11 +28,12 @@ class RecordingMover(Mover):
     log: list[tuple] = []
     serials = itertools.count()
 
-    def fetch(self, handle, dst):
-        ticket = super().fetch(handle, dst)
-        ticket.serial = next(self.serials)
-        self.log.append(("fetch", handle.key, ticket.serial))
-        return ticket
+    def fetch_many(self, items, **kw):
+        tickets = super().fetch_many(items, **kw)
+        for (handle, _), ticket in zip(items, tickets, strict=True):
+            ticket.serial = next(self.serials)
+            self.log.append(("fetch", handle.key, ticket.serial))
+        return tickets
 
     def wait(self, ticket):
         self.log.append(("wait", None, ticket.serial))

@@ -53,3 +53,26 @@ def test_real_accelerator_matches_tensor_device():
     dev = check_device(accelerator_type())
     assert dev.index is not None
     assert torch.zeros(1, device=accelerator_type()).device == dev
+
+
+def test_an_accelerator_without_streams_is_refused_where_copies_start(fake_cuda, monkeypatch):
+    """MPS has no side streams and events to order copies with: offload, the host optimizer's
+    device path and streamed heads refuse it at construction, naming what is supported."""
+    import types
+
+    import headroom as hr
+    from headroom.transfer import HostStore, Mover, RowStreamer, Stash, stream_module
+
+    monkeypatch.setattr(torch, "get_device_module",
+                        lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    dev = torch.device("cuda", 0)
+    for make in (lambda: stream_module(dev), lambda: Mover(dev, HostStore()),
+                 lambda: RowStreamer(dev), lambda: Stash(dev, None)):
+        with pytest.raises(RuntimeError, match=r"has no Stream, Event, stream, current_stream"
+                                               r".*CUDA.*device='cpu'"):
+            make()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    before = [p for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="has no Stream"):
+        hr.offload(model, device="cuda", store="cpu")
+    assert list(model.parameters()) == before  # refused before anything changed

@@ -111,5 +111,114 @@ def _bookkeeping(kind, tmp_path):
     for g in grads[1:]:
         expect += g
     assert torch.equal(store.read(b.grad_handle).result(), expect)
-    assert not mover._grads and not mover._inflight  # every staging buffer went back
+    mover.wait_reads()
+    # every landing retired, every staging buffer back in the pool
+    assert not mover._landings and not mover._staged and not mover._inflight
+    assert mover._pool.total_bytes == sum(
+        n * len(bufs) for n, bufs in mover._pool._free.items())
+    mover.close()
+    assert mover._pool.total_bytes == 0
     store.close()
+
+
+def _gate(monkeypatch):
+    """Make every event host wait block until the returned gate is set (a slow device)."""
+    import threading
+
+    from tests import _streams
+
+    gate, entered = threading.Event(), threading.Event()
+    real = _streams.Event.synchronize
+
+    def slow(self):
+        entered.set()
+        assert gate.wait(30), "the gate was never opened"
+        real(self)
+
+    monkeypatch.setattr(_streams.Event, "synchronize", slow)
+    return gate, entered
+
+
+def test_waiting_for_gradients_blocks_neither_fetches_nor_pushes(monkeypatch):
+    """While one thread waits for gradients to land (an optimizer's worker), the backward
+    thread still fetches and pushes: the mover holds no lock across a device wait."""
+    import threading
+
+    with stream_model(monkeypatch):
+        store = HostStore(pin=True)
+        h = store.put("x", torch.randn(64, 8))
+        b = bind(torch.nn.Parameter(torch.zeros(64, 8)), h,
+                 grad_handle=store.alloc("x.grad", (64, 8), torch.float32))
+        c = bind(torch.nn.Parameter(torch.zeros(64, 8)), h,
+                 grad_handle=store.alloc("y.grad", (64, 8), torch.float32))
+        mover = Mover("cpu", store)
+        g1, g2 = torch.randn(64, 8), torch.randn(64, 8)
+        mover.push_grad(g1, b, accumulate=False)
+        gate, entered = _gate(monkeypatch)
+        waiter = threading.Thread(target=mover.synchronize)
+        waiter.start()
+        assert entered.wait(30)  # the waiter is inside a device wait now
+        dst = torch.empty(64, 8)
+        mover.wait(mover.fetch(h, dst))
+        mover.push_grad(g2, c, accumulate=False)
+        assert waiter.is_alive()
+        gate.set()
+        waiter.join()
+        mover.synchronize()
+        assert torch.equal(store.read(b.grad_handle).result(), g1)
+        assert torch.equal(store.read(c.grad_handle).result(), g2)
+        assert torch.equal(dst * 1, store.read(h).result())
+        mover.close()
+        store.close()
+
+
+def test_a_large_gradient_alone_never_waits(monkeypatch):
+    """Staged gradients (accumulated here) land on the mover's own thread; the pushing thread
+    waits only when more than one is staged past the bound, never for a single one."""
+    import threading
+
+    import headroom.transfer._mover as mover_mod
+
+    with stream_model(monkeypatch):
+        monkeypatch.setattr(mover_mod, "_MAX_STAGED_BYTES", 1000)  # each gradient is 2048 B
+        store = HostStore(pin=True)
+        h = store.put("x", torch.zeros(64, 8))
+        b = bind(torch.nn.Parameter(torch.zeros(64, 8)), h,
+                 grad_handle=store.alloc("x.grad", (64, 8), torch.float32))
+        mover = Mover("cpu", store)
+        gate, entered = _gate(monkeypatch)
+        g1, g2 = torch.randn(64, 8), torch.randn(64, 8)
+        mover.push_grad(g1, b, accumulate=True)  # returns with its landing blocked
+        assert entered.wait(30)
+        pushed = threading.Event()
+
+        def second():
+            mover.push_grad(g2, b, accumulate=True)
+            pushed.set()
+
+        t = threading.Thread(target=second)
+        t.start()
+        assert not pushed.wait(0.5)  # two staged past the bound: it waits for the first
+        gate.set()
+        t.join()
+        mover.synchronize()
+        assert torch.equal(store.read(b.grad_handle).result(), g1 + g2)
+        mover.close()
+        store.close()
+
+
+def test_disk_reads_are_copied_to_the_device_as_soon_as_they_land(tmp_path, monkeypatch):
+    with stream_model(monkeypatch):
+        store = DiskStore(tmp_path / "d", threads=2)
+        x = torch.randn(64, 8)
+        h = store.put("x", x)
+        mover = Mover("cpu", store)
+        dst = torch.empty(64, 8)
+        t = mover.fetch(h, dst)
+        t.future.result()
+        assert t.issued.wait(30)
+        assert t.batch is not None and t.batch.event is not None  # issued before wait()
+        mover.wait(t)
+        assert torch.equal(dst * 1, x)
+        mover.close()
+        store.close()

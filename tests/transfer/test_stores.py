@@ -161,13 +161,19 @@ def test_host_tensor_is_zero_copy():
 
 @pytest.mark.gpu
 def test_pinned_host_store_on_accelerator():
+    from headroom.transfer import pinned_bytes
+
+    base = pinned_bytes()
     s = resolve_store("cpu", accelerator_type())
-    assert s.pinned and s.max_bytes is not None
+    assert s.pinned
     h = s.put("x", torch.randn(1000))
     assert s.host_tensor(h).is_pinned()
+    assert pinned_bytes() - base == s.spent_bytes > 0  # one slab, counted as spent
+    h2 = s.alloc("y", (1000,), torch.float32)  # carved from the same slab
+    assert s.host_tensor(h2).is_pinned() and pinned_bytes() - base == s.spent_bytes
     s.free(h)
-    h2 = s.alloc("y", (1000,), torch.float32)  # reuses the pooled buffer
-    assert s.host_tensor(h2).is_pinned()
+    s.free(h2)
+    assert pinned_bytes() == base  # the slab went back to the system
 
 
 def test_disk_stats_and_page_cache_off(tmp_path):

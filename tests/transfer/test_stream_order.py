@@ -8,51 +8,64 @@ are compared bitwise with plain PyTorch. Each runs twice: with events that repor
 queried, and with a slow device whose work is done only once the host waited for it.
 
 Proof that the model bites (`test_removing_any_wait_or_record_fails_a_scenario`): every
-``wait_event``, ``record`` and ``synchronize`` call in ``src/headroom/transfer/`` is removed in
-turn (the model ignores the call made from that line, as if it were deleted) and some scenario
-must then fail. The mutations tried (by function and call; ``current`` is the device module's
-``current_stream()``), each with the first scenario that catches it (``/slow``: only with the
-slow device):
+``wait_event``, ``record`` and ``synchronize`` call on a stream or event in
+``src/headroom/transfer/`` is removed in turn (the model ignores the call made from that line, as
+if it were deleted) and some scenario must then fail. The mutations tried (by function and call;
+``current`` is the device module's ``current_stream()``), each with the first scenario that
+catches it (``/slow``: only with the slow device):
 
-* ``mover.fetch``: ``ev.record(current)``: mover_host
-* ``mover.fetch``: ``self._h2d.wait_event(ev)``: mover_host
-* ``mover.fetch``: ``done_ev.record(self._h2d)``: mover_host
-* ``mover.wait``: ``ev.record(current)``: mover_disk
-* ``mover.wait``: ``self._h2d.wait_event(ev)``: mover_disk
-* ``mover.wait``: ``ticket.event.record(self._h2d)``: mover_disk
-* ``mover.wait``: ``current.wait_event(ticket.event)``: mover_host
-* ``mover.push_grad``: ``ev.record(current)``: mover_host
-* ``mover.push_grad``: ``self._d2h.wait_event(ev)``: mover_host
-* ``mover.push_grad``: ``done_ev.record(self._d2h)``: mover_host
-* ``mover._finish_one``: ``ev.synchronize()``: mover_host
-* ``mover.synchronize``: ``self._h2d.synchronize()``: mover_disk/slow
-* ``rows._stream_async.issue``: ``self._h2d.wait_event(release[k])``: rows
-* ``rows._stream_async.issue``: ``copied[k].synchronize()``: rows
-* ``rows._stream_async.issue``: ``fresh.record(compute)``: rows
-* ``rows._stream_async.issue``: ``self._h2d.wait_event(fresh)``: rows
-* ``rows._stream_async.issue``: ``ev.record(self._h2d)``: rows
-* ``rows._stream_async``: ``ev.record(compute)``: rows
-* ``rows._stream_async``: ``compute.wait_event(ev)``: rows
-* ``rows._stream_async``: ``last[0].synchronize()``: rows
-* ``rows.push``: ``ev.record(current)``: rows
-* ``rows.push``: ``self._d2h.wait_event(ev)``: rows
-* ``rows.push``: ``done.record(self._d2h)``: rows
-* ``rows._land``: ``done.synchronize()``: rows
-* ``stash.stash``: ``ev.record(current)``: stash
-* ``stash.stash``: ``self._d2h.wait_event(ev)``: stash
-* ``stash.stash``: ``k.out_event.record(self._d2h)``: stash
-* ``stash.wait_out``: ``k.out_event.synchronize()``: stash
-* ``stash._h2d_copy``: ``ev.record(current)``: stash
-* ``stash._h2d_copy``: ``self._h2d.wait_event(ev)``: stash
-* ``stash._h2d_copy``: ``k.back_event.record(self._h2d)``: stash
-* ``stash.restore``: ``current.wait_event(k.back_event)``: stash
-* ``stash.drop``: ``k.out_event.synchronize()``: stash
-* ``stash.drop``: ``k.back_event.synchronize()``: stash
+* ``Mover.fetch_many``: ``batch.event.record(self._h2d)`` (one per block): mover_host
+* ``Mover.fetch_many``, failing half-way: ``current.wait_event(batch.event)`` (the storages of
+  copies already issued are freed on the computing stream): mover_host
+* ``Mover._order_h2d``: ``self._h2d_after.record(current)``: mover_host
+* ``Mover._order_h2d``: ``self._h2d.wait_event(ev)`` (the current stream's, or the ``after``
+  events of a copy-back): mover_host
+* ``Mover._issue_staged`` (a disk read landed, on its I/O thread): ``t.batch.event.record(
+  self._h2d)``: mover_disk
+* ``Mover.wait``: ``cur.wait_event(b.event)``: mover_host
+* ``Mover.wait_reads``: ``self._h2d.synchronize()``: mover_disk/slow
+* ``Mover.mark`` (the host optimizer's gradient-ready and step events): ``ev.record(current)``:
+  optimizer
+* ``Mover.push_grad``: ``self._d2h_after.record(current)``: mover_host
+* ``Mover.push_grad``: ``self._d2h.wait_event(self._d2h_after)``: mover_host
+* ``Mover.push_grad``: ``ev.record(self._d2h)``: mover_host
+* ``Mover._land_staged`` (the landing thread): ``landing.event.synchronize()``: mover_host
+* ``Mover.synchronize``: ``landing.event.synchronize()`` (a gradient copied straight into the
+  store): mover_host
+* ``RowStreamer._stream_async.issue``: ``self._h2d.wait_event(release[k])``: rows
+* ``RowStreamer._stream_async.issue``: ``copied[k].synchronize()``: rows
+* ``RowStreamer._stream_async.issue``: ``fresh.record(compute)``: rows
+* ``RowStreamer._stream_async.issue``: ``self._h2d.wait_event(fresh)``: rows
+* ``RowStreamer._stream_async.issue``: ``ev.record(self._h2d)``: rows
+* ``RowStreamer._stream_async``: ``ev.record(compute)``: rows
+* ``RowStreamer._stream_async``: ``compute.wait_event(ev)``: rows
+* ``RowStreamer._stream_async``: ``last[0].synchronize()``: rows
+* ``RowStreamer.push``: ``ev.record(current)``: rows
+* ``RowStreamer.push``: ``self._d2h.wait_event(ev)``: rows
+* ``RowStreamer.push``: ``done.record(self._d2h)``: rows
+* ``RowStreamer._land``: ``done.synchronize()``: rows
+* ``Stash.stash``: ``ev.record(current)``: stash
+* ``Stash.stash``: ``self._d2h.wait_event(ev)``: stash
+* ``Stash.stash``: ``k.out_event.record(self._d2h)``: stash
+* ``Stash.wait_out``: ``k.out_event.synchronize()``: stash
+* ``Stash._h2d_copy``: ``ev.record(current)``: stash
+* ``Stash._h2d_copy``: ``self._h2d.wait_event(ev)``: stash
+* ``Stash._h2d_copy``: ``k.back_event.record(self._h2d)``: stash
+* ``Stash.restore``: ``current.wait_event(k.back_event)``: stash
+* ``Stash.drop``: ``k.out_event.synchronize()``: stash
+* ``Stash.drop``: ``k.back_event.synchronize()``: stash
+* ``Stash.close``: ``self._h2d.synchronize()`` (a pooled buffer a copy back still reads goes
+  back to the system): stash
 
-The end-to-end scenarios alone (heads, optimizer, optimizer_overlap, activations, offload) catch
-all but four: ``Mover.synchronize``'s host wait (without it fetch staging is not given back),
-``Stash.wait_out``'s, and the two in ``Stash.drop`` (a ticket dropped while its copy out runs,
-and one dropped after an unused prefetch), which only the direct mover and stash scenarios reach.
+A class's calls of its own waiting methods (``self.synchronize()`` in ``Mover.close``) are not
+mutated this way; the scenarios read what ``close`` must have landed, so dropping that call
+fails mover_host too (tried by hand).
+
+Page-locked memory is carved out of slabs (``headroom.transfer._pinned``), so the model tracks
+accesses per byte range of a storage, and checks that a slab given back to the system is no
+longer used by any copy. The host optimizer's step is host code to the model (the tensors it
+creates from nothing are host memory), otherwise its state's scalars would count as device
+memory and make the host wait for the computing stream at every step, hiding missing events.
 
 Removing the early-close waits of ``RowStreamer`` (the compute stream waiting for the copies of
 slices never delivered) went unnoticed: the host's wait for the last copy at the end of the pass
@@ -60,6 +73,9 @@ already orders every free after them, so they were dropped from the code. The de
 found is fixed where the copy is issued: ``RowStreamer`` copied into freshly allocated device
 buffers on its side stream without ordering after the compute stream that allocated them (the
 caching allocator hands a block freed by queued compute work straight back to that stream).
+Later: ``Stash.close`` gave pooled page-locked buffers back while a copy back could still read
+one (harmless with torch's caching host allocator, a use after free with slabs given back to
+the system; it now waits for its own copies back first).
 """
 
 from __future__ import annotations
@@ -151,11 +167,26 @@ def _mover_disk(m: StreamModel, tmp_path) -> None:
     _mover(m, DiskStore(tmp_path / "mover", threads=2))
 
 
-def _mover(m: StreamModel, store) -> None:
+def _mover_pageable(m: StreamModel, tmp_path) -> None:
+    """Mover with a host store that is not page-locked (copies go through pinned staging)."""
+    store = hr.transfer.HostStore(pin=False)
+    _mover(m, store, pageable=True)
+
+
+def _mover(m: StreamModel, store, *, pageable: bool = False) -> None:
     x = torch.randn(32, 8)
     h = store.put("x", x)
+    if pageable:
+        m.host_memory(store.host_tensor(h))
     mover = Mover("cpu", store)
     assert mover.accelerated
+    # a fetch that fails half-way: the copies already issued land before their storage is freed
+    gone = store.put("gone", x)
+    store.free(gone)
+    dsts = [torch.empty(32, 8), torch.empty(32, 8)]
+    with pytest.raises(KeyError):
+        mover.fetch_many([(h, dsts[0]), (gone, dsts[1])])
+    del dsts
     inp = torch.randn(5, 32)
     for dtype in (torch.float32, torch.bfloat16, torch.float32):
         dst = torch.empty(32, 8, dtype=dtype)
@@ -163,10 +194,12 @@ def _mover(m: StreamModel, store) -> None:
             mover.wait(mover.fetch(h, dst))
             got = inp.to(dtype) @ dst  # compute reads the fetched bytes
             assert torch.equal(got, inp.to(dtype) @ x.to(dtype))
-    mover.synchronize()  # also gives every staging buffer of a fetch back
+    mover.wait_reads()  # also gives every staging buffer of a fetch back
     assert not mover._inflight
     p = torch.nn.Parameter(torch.zeros(32, 8))
     b = bind(p, h, grad_handle=store.alloc("x.grad", (32, 8), torch.float32))
+    if pageable:
+        m.host_memory(store.host_tensor(b.grad_handle))
     expect = None
     for i in range(4):
         g = inp.T @ torch.randn(5, 8)  # a gradient the compute stream writes
@@ -175,7 +208,21 @@ def _mover(m: StreamModel, store) -> None:
         del g  # backward drops it at once
     mover.synchronize()
     assert torch.equal(store.read(b.grad_handle).result(), expect)
-    assert not mover._grads and not mover._inflight  # every staging buffer went back
+    assert not mover._landings and not mover._staged  # every staging buffer went back
+    # overwritten only (straight into a pinned host gradient: no staging, no landing thread)
+    q = torch.nn.Parameter(torch.zeros(32, 8))
+    c = bind(q, h, grad_handle=store.alloc("y.grad", (32, 8), torch.float32))
+    if pageable:
+        m.host_memory(store.host_tensor(c.grad_handle))
+    g = inp.T @ torch.randn(5, 8)
+    mover.push_grad(g, c, accumulate=False)
+    mover.synchronize()
+    assert torch.equal(store.read(c.grad_handle).result(), g)
+    # closed with a gradient still on its way: close lands it
+    g = g * 2
+    mover.push_grad(g, c, accumulate=False)
+    mover.close()
+    assert torch.equal(store.read(c.grad_handle).result(), g)
     store.close()
 
 
@@ -364,11 +411,74 @@ def _optimizer(m: StreamModel, tmp_path) -> None:
         grads = [opt.grad(p) for p in lin.parameters()]
         for mp, g in zip(master, grads, strict=True):
             mp.grad = g.clone()
+        with torch.no_grad():
+            probe = lin(x)  # compute reads the parameters after backward, before the step
+        expect = F.linear(x, *(mp.bfloat16() for mp in master))
+        # (the reference steps afterwards: its host-and-device operations make the host wait
+        # for the computing stream, which would order the copy-back by themselves)
+        opt.step()  # its copy-back overwrites the parameters: ordered after that read
         ref.step()
-        opt.step()
+        assert torch.equal(probe, expect)
         opt.zero_grad(set_to_none=s % 2 == 0)
         for p, mp in zip(lin.parameters(), master, strict=True):
             assert torch.equal(p * 1, mp.bfloat16())
+    # loading a state dict writes the fp32 masters while the last copy-back may still read them
+    opt.load_state_dict(opt.state_dict())
+    opt.reload_params()
+    for p, mp in zip(lin.parameters(), master, strict=True):
+        assert torch.equal(p * 1, mp.bfloat16())
+    opt.close()
+
+
+def _heads_failure(m: StreamModel, tmp_path) -> None:
+    """The streamed head's backward fails half-way: the gradient slices already pushed still
+    land (their device buffers stay alive until their copies are done) before the error
+    propagates, and the next backward is exact."""
+    from headroom.heads import _linear_ce
+
+    x = torch.randn(16, 12)
+    w = torch.randn(300, 12)
+    m.host_memory(w)
+    y = torch.randint(0, 300, (16,))
+    real = _linear_ce.OneHot.subtract
+
+    def failing(self, i, *args):
+        if i == 2:
+            raise RuntimeError("injected")
+        return real(self, i, *args)
+
+    ws = w.detach().requires_grad_()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_linear_ce.OneHot, "subtract", failing)
+        loss = hr.linear_cross_entropy(x, ws, y, slice_size=64, prefetch=1)
+        with pytest.raises(RuntimeError, match="injected"):
+            loss.backward()
+    ws.grad = None
+    hr.linear_cross_entropy(x, ws, y, slice_size=64, prefetch=1).backward()
+    wd = w.clone().requires_grad_()
+    F.cross_entropy(x @ wd.T, y).backward()
+    torch.testing.assert_close(ws.grad, wd.grad, rtol=1e-5, atol=1e-6)
+
+
+def _offload_load(m: StreamModel, tmp_path) -> None:
+    """An offloaded model with a block announced (its copy to the device under way) gets new
+    values from load_state_dict: the host writes the masters after that copy has read them, and
+    the next forward computes with the new values."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store="cpu", blocks=list(model))
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    hr.prefetch(model[1])
+    new = {k: v + 1 for k, v in ref.state_dict().items()}
+    model.load_state_dict(new)
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    hr.unoffload(model)
 
 
 # Cheap ones first: the mutation test runs them in this order until one fails.
@@ -399,8 +509,8 @@ def _optimizer_overlap(m: StreamModel, tmp_path) -> None:
         m.synchronize()  # before `got`, the user stream's memory, is freed
 
 
-SCENARIOS = [_mover_host, _mover_disk, _rows, _heads, _stash, _optimizer, _optimizer_overlap,
-             _activations, _offload]
+SCENARIOS = [_mover_host, _mover_disk, _mover_pageable, _rows, _heads, _heads_failure, _stash,
+             _optimizer, _optimizer_overlap, _offload_load, _activations, _offload]
 
 
 def _run(scenario, tmp_path, *, query_done: bool, skip=()) -> StreamModel:
@@ -421,12 +531,14 @@ def test_accelerator_path_is_ordered(scenario, query_done, tmp_path):
 
 # ------------------------------------------------------------------ mutations
 def _sites() -> list[tuple[str, int]]:
-    """Every ``.wait_event(``, ``.record(`` and ``.synchronize(`` call in transfer/."""
+    """Every ``.wait_event(``, ``.record(`` and ``.synchronize(`` call on a stream or event in
+    transfer/ (not ``self.synchronize()``, a class's own method that waits through them)."""
     out = []
     for path in sorted(TRANSFER.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in ("wait_event", "record", "synchronize"):
+                    node.func.attr in ("wait_event", "record", "synchronize") and not (
+                        isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
                 out.append((path.name, node.lineno))
     return sorted(set(out))
 

@@ -44,7 +44,9 @@ from headroom.transfer import (
     binding,
     check_device,
     claimed_keys,
+    is_accelerator,
     resolve_store,
+    stream_module,
 )
 
 __all__ = ["HugeClassifier"]
@@ -238,6 +240,8 @@ class HugeClassifier(nn.Module):
         self.num_classes = int(num_classes)
         self.in_features = int(in_features)
         self.device = check_device(device)
+        if is_accelerator(self.device):
+            stream_module(self.device)  # an accelerator without streams is refused now
         self.slice_size = slice_size
         self.sample_rate = float(sample_rate)
         self.dtype = dtype
@@ -267,6 +271,10 @@ class HugeClassifier(nn.Module):
         before = {k for k in keys if k in self.store}
         release = self._claim(prefix, keys)
         try:
+            # Weight, bias and their gradients from one slab of a pinned host store.
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            self.store.reserve([math.prod(shapes[n]) * itemsize for n in shapes
+                                for k in (n, f"{n}.grad") if k not in self.store])
             self._wh = self._alloc(f"{prefix}.weight", shape)
             self._bh = self._alloc(f"{prefix}.bias", (self.num_classes,)) if bias else None
             self.weight = self._param(self._wh)

@@ -37,23 +37,17 @@ def _autocast_enabled(*args: Any) -> bool:
     return _IS_AUTOCAST(*args)
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are ``meta`` tensors of the same shapes.
 
     Ties survive (a parameter shared by two modules is one parameter in the copy); no data is
-    copied, so a model of any size is copied in milliseconds.
+    copied, so a model of any size is copied in milliseconds. ``memo`` maps ``id()`` of further
+    objects to what stands for them in the copy (``copy.deepcopy``'s memo).
 
     Raises:
-        TypeError: for a model under `hr.offload` (its hooks belong to live stores and
-            threads), or one that cannot be deep-copied.
+        TypeError: for a model that cannot be deep-copied.
     """
-    if any(hasattr(m, "_headroom_offload") for m in model.modules()):
-        raise TypeError(
-            "hr.estimate takes the model before hr.offload: an offloaded model's hooks belong to"
-            " its store and threads. Estimate the plain model (built on meta if it is big), and"
-            " let hr.plan(..., disk=...) figure what parameter offload leaves on the device."
-        )
-    memo: dict[int, Any] = {}
+    memo = dict(memo or {})
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:
             continue
@@ -66,8 +60,8 @@ def meta_copy(model: nn.Module) -> nn.Module:
     except Exception as e:
         raise TypeError(
             f"the estimator could not copy the model onto the meta device ({type(e).__name__}:"
-            f" {e}). Estimate the plain model (before hr.offload and other changes that attach"
-            " stores or threads) and pass the technique as an option instead."
+            f" {e}). Estimate the plain model (before changes that attach stores or threads)"
+            " and pass the technique as an option instead."
         ) from e
 
 
@@ -139,23 +133,62 @@ class AttentionAsOnDevice:
             q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
 
 
+class FusedOnMeta:
+    """Lets ``torch.optim``'s ``fused=True`` optimizers step ``meta`` parameters.
+
+    Their constructors refuse devices outside a fixed list; PyTorch's fused Adam and AdamW
+    kernels have ``meta`` implementations (in-place, nothing allocated), and `RealTensorsAsMeta`
+    skips the others. The list is extended for the duration of the dry run.
+    """
+
+    def __enter__(self) -> FusedOnMeta:
+        import torch.optim.optimizer as _optimizer
+
+        self._module = _optimizer
+        self._orig = _optimizer._get_fused_kernels_supported_devices
+        orig = self._orig
+        _optimizer._get_fused_kernels_supported_devices = lambda: [*orig(), "meta"]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module._get_fused_kernels_supported_devices = self._orig
+
+
 class RealTensorsAsMeta(TorchDispatchMode):
     """Ops that mix ``meta`` tensors with real ones (a target tensor a loss function closes
-    over, a mask built outside the model) get ``meta`` stand-ins for the real ones.
+    over, a mask built outside the model, an optimizer's state slice in a host buffer) get
+    ``meta`` stand-ins for the real ones.
 
     Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
-    run would: it is used inside the step) before it is swapped.
+    run would: it is used inside the step) before it is swapped. Fused optimizer kernels that
+    have no ``meta`` implementation update their arguments in place and allocate nothing: on
+    ``meta`` tensors they are skipped.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat = [*args, *kwargs.values()]
-        if any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in flat) and any(
-            isinstance(a, torch.Tensor) and a.device.type != "meta" and a.dim() > 0
-            for a in flat
-        ):
+        flat = _flat([*args, *kwargs.values()])
+        has_meta = any(a.device.type == "meta" for a in flat)
+        if has_meta and func.overloadpacket in _FUSED_WITHOUT_META:
+            return None
+        if has_meta and any(a.device.type != "meta" and a.dim() > 0 for a in flat):
             args, kwargs = tree_map(_meta_stand_in, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _flat(items: list[Any]) -> list[torch.Tensor]:
+    out = []
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
+
+
+_FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
+                       for name in ("_fused_sgd_", "_fused_adagrad_")
+                       if hasattr(torch.ops.aten, name)}
 
 
 def _meta_stand_in(t: Any) -> Any:
@@ -223,16 +256,34 @@ def make_optimizer(optimizer: Any, params: list[nn.Parameter],
     )
 
 
-class _Dropped:
-    __slots__ = ("key", "nbytes", "dtype", "shape", "stride", "offset")
+class _Entry:
+    """One saved storage whose bytes rest in the store (see `OffloadedActivations`)."""
 
-    def __init__(self, t: torch.Tensor, key: int, nbytes: int) -> None:
-        self.key = key
+    __slots__ = ("nbytes", "storage", "packs", "dead")
+
+    def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.storage: torch.UntypedStorage | None = None  # refilled for backward
+        self.packs = 0
+        self.dead = False
+
+
+class _Dropped:
+    """What autograd keeps instead of a saved tensor: its view of an entry's storage."""
+
+    __slots__ = ("owner", "entry", "dtype", "shape", "stride", "offset", "__weakref__")
+
+    def __init__(self, owner: OffloadedActivations, entry: _Entry, t: torch.Tensor) -> None:
+        self.owner = owner
+        self.entry = entry
         self.dtype = t.dtype
         self.shape = t.shape
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        entry.packs += 1
+
+    def __del__(self) -> None:
+        self.owner._release(self.entry)
 
 
 class OffloadedActivations:
@@ -240,32 +291,114 @@ class OffloadedActivations:
 
     What `hr.offload_activations` does, as the device sees it: a saved storage of at least
     ``min_bytes`` (not a parameter's) is no longer held by autograd, so its device memory goes
-    once the forward drops it; backward gets a new storage of the same size, once per storage
-    (views of one storage share it), when it first needs one. Refilling ahead of need
-    (``prefetch``) is not modeled: the estimate is the least that must be on the device.
+    once the forward drops it (the copy to the store is taken as done at once); backward gets a
+    new storage of the same size, once per storage (views of one storage share it), when it
+    first needs one, and refills storages saved before it, newest first, while the refilled
+    storages still alive stay within ``prefetch`` bytes. A storage goes when autograd lets go of
+    the last tensor saved on it.
+
+    ``moved`` counts the bytes sent to the store (each comes back once for backward).
     """
 
-    def __init__(self, model: nn.Module, min_bytes: int) -> None:
+    def __init__(self, model: nn.Module, min_bytes: int, prefetch: int = 0) -> None:
         self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self.moved = 0
         self._params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self._back: dict[int, weakref.ref] = {}
+        self._entries: dict[int, _Entry] = {}  # live device storage -> its entry
+        self._order: list[_Entry] = []  # live entries, in the order they were saved
+        self._restored = 0
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.device.type != "meta":
+        if t.device.type != "meta" or isinstance(t, nn.Parameter) \
+                or isinstance(t._base, nn.Parameter):
             return t
         st = t.untyped_storage()
         if st.nbytes() < self.min_bytes or st._cdata in self._params:
             return t
-        return _Dropped(t, st._cdata, st.nbytes())
+        entry = self._entries.get(st._cdata)
+        if entry is None or entry.dead:
+            entry = self._entries[st._cdata] = _Entry(st.nbytes())
+            self._order.append(entry)
+            self.moved += entry.nbytes
+            # the entry is keyed by a storage that autograd no longer holds: forget the key
+            # when that storage goes, as a new storage may then get the same one
+            weakref.finalize(st, self._entries.pop, st._cdata, None)
+        return _Dropped(self, entry, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Dropped):
             return packed
-        ref = self._back.get(packed.key)
-        storage = ref() if ref is not None else None
-        if storage is None:
-            storage = torch.empty(packed.nbytes, dtype=torch.uint8,
-                                  device="meta").untyped_storage()
-            self._back[packed.key] = weakref.ref(storage)
+        e = packed.entry
+        self._refill(e)
+        i = self._order.index(e) if e in self._order else 0
+        for prev in reversed(self._order[:i]):
+            if self._restored + prev.nbytes > self.prefetch:
+                break
+            self._refill(prev)
         out = torch.empty(0, dtype=packed.dtype, device="meta")
-        return out.set_(storage, packed.offset, packed.shape, packed.stride)
+        return out.set_(e.storage, packed.offset, packed.shape, packed.stride)
+
+    def _refill(self, e: _Entry) -> None:
+        if e.storage is None:
+            e.storage = torch.empty(e.nbytes, dtype=torch.uint8,
+                                    device="meta").untyped_storage()
+            self._restored += e.nbytes
+
+    def _release(self, e: _Entry) -> None:
+        e.packs -= 1
+        if e.packs or e.dead:
+            return
+        e.dead = True
+        if e in self._order:
+            self._order.remove(e)
+        if e.storage is not None:
+            self._restored -= e.nbytes
+            e.storage = None
+
+
+# Ops that only read metadata, or make views: no kernel runs, no bytes move.
+_NO_WORK = {"detach", "view", "_unsafe_view", "alias", "as_strided", "expand", "t",
+            "transpose", "permute", "unsqueeze", "squeeze", "slice", "select", "split",
+            "split_with_sizes", "unbind", "chunk", "narrow", "reshape", "_reshape_alias",
+            "resize_storage_bytes_", "set_", "lift_fresh", "empty", "empty_strided",
+            "empty_like", "_to_copy_meta", "size", "stride", "numel", "dim", "is_contiguous"}
+
+
+class OpCounter(TorchDispatchMode):
+    """The work of every op of a dry run: FLOPs (PyTorch's own formulas,
+    ``torch.utils.flop_counter``), bytes read and written, and whether it ran inside
+    ``optimizer.step()``; what the planner's time model prices (`headroom.planner._time`).
+
+    Attributes:
+        ops: ``(flops, bytes, kind, in_step)`` per op; ``kind`` is ``"mm"`` (matmuls,
+            attention), ``"conv"`` or ``""`` (element-wise and the rest).
+    """
+
+    def __init__(self, in_step: Callable[[], bool]) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.ops: list[tuple[int, int, str, bool]] = []
+        self._registry = flop_registry
+        self._in_step = in_step
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _NO_WORK or func.is_view:
+            return out
+        flops = 0
+        formula = self._registry.get(func.overloadpacket)
+        if formula is not None:
+            try:
+                flops = int(formula(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not take these arguments: no FLOPs
+                flops = 0
+        nbytes = sum(t.numel() * t.element_size()
+                     for t in _flat([*args, *kwargs.values(), *(
+                         out if isinstance(out, (list, tuple)) else [out])]))
+        kind = "conv" if "conv" in name else ("mm" if flops else "")
+        self.ops.append((flops, nbytes, kind, self._in_step()))
+        return out

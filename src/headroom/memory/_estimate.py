@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,34 +30,53 @@ from headroom.memory._tracker import MemoryTracker
 
 class _DryRunTracker(MemoryTracker):
     """The tracker, counting ``meta`` storages as ``device``'s and replaying them through an
-    allocator model when ``device`` has a caching allocator."""
+    allocator model when ``device`` has a caching allocator.
 
-    def __init__(self, device: str, allocator: CachingAllocatorModel | None, **kwargs: Any):
+    ``places`` (the dry run of headroom's features, `headroom.planner._places.Places`) names
+    ``meta`` storages that stand for host memory (counted as ``"cpu"``) or for nothing.
+    """
+
+    def __init__(self, device: str, allocator: CachingAllocatorModel | None,
+                 places: Any = None, **kwargs: Any):
         super().__init__(sample_allocator=False, **kwargs)
         self._meta_as = device
+        self._target = device
         self._alloc_model = allocator
+        self._places = places
 
     def _see(self, t, cat, *, check_size=False, force=False):
         st = None
-        if self._alloc_model is not None and isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and (self._alloc_model is not None
+                                            or self._places is not None):
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 st = None
-            known = st is not None and st._cdata in self._infos
-        info = super()._see(t, cat, check_size=check_size, force=force)
-        if (st is not None and not known and info is not None
-                and info.device == self._meta_as):
+        known = st is not None and st._cdata in self._infos
+        where = None
+        if st is not None and not known and self._places is not None \
+                and st.device.type == "meta":
+            where = self._places.where(st._cdata)
+            if where == "nowhere":
+                return None
+        if where == "host":
+            self._meta_as = "cpu"
+        try:
+            info = super()._see(t, cat, check_size=check_size, force=force)
+        finally:
+            self._meta_as = self._target
+        if (self._alloc_model is not None and st is not None and not known
+                and info is not None and info.device == self._target):
             self._alloc_model.malloc(info.key, info.nbytes)
         return info
 
     def _freed(self, info: StorageInfo) -> None:
-        if self._alloc_model is not None and info.device == self._meta_as:
+        if self._alloc_model is not None and info.device == self._target:
             self._alloc_model.free(info.key)
         super()._freed(info)
 
     def _resize(self, info: StorageInfo, nbytes: int) -> None:
-        if self._alloc_model is not None and info.device == self._meta_as:
+        if self._alloc_model is not None and info.device == self._target:
             self._alloc_model.free(info.key)
             self._alloc_model.malloc(info.key, nbytes)
         super()._resize(info, nbytes)
@@ -77,8 +96,12 @@ class Estimate:
             (blocks rounded to 512 bytes), ``peak_reserved`` (segments mapped) and ``segments``;
             empty for ``cpu``.
         options: the what-if options the step ran with.
-        bound: empty, or which part of the estimate is an upper bound rather than a dry run
-            (optimizer state of an `hr.HostOptimizer`), and why.
+        ops: the work of every op of the step, ``(flops, bytes, kind, in_optimizer_step)``
+            (what `hr.plan`'s time model prices).
+        activation_bytes_moved: with ``offload_activations``, the bytes sent to the store
+            (each comes back once for backward).
+        transfers: with ``hr.offload`` or ``hr.HostOptimizer``, the bytes the step moves:
+            ``disk_read``, ``disk_write``, and ``link`` (host <-> accelerator).
     """
 
     def __init__(self, tracker: MemoryTracker, device: str,
@@ -99,7 +122,9 @@ class Estimate:
             }
         self.options = options
         self._context: dict[str, Any] | None = None
-        self.bound = ""  # set when part of the estimate is an upper bound, and why
+        self.ops: list[tuple[int, int, str, bool]] = []  # see headroom.memory._dryrun.OpCounter
+        self.activation_bytes_moved = 0
+        self.transfers: dict[str, int] = {}
         self._advice: list[str] | None = None
 
     @property
@@ -177,8 +202,9 @@ def estimate(
     example_kwargs: dict[str, Any] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     checkpoint: Iterable[str] = (),
-    offload_activations: int | None = None,
+    offload_activations: int | Mapping[str, int] | None = None,
     prepare: Callable[[nn.Module], nn.Module | None] | None = None,
+    offload: Mapping[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the memory of one training step without running it on real tensors.
 
@@ -188,15 +214,23 @@ def estimate(
     copy of the model on the ``meta`` device, so nothing is allocated and ``model`` is not
     changed; a model built on ``meta`` (too big for this machine) is estimated the same way.
 
+    headroom's own features run in the dry run as they run for real: a model under
+    `hr.offload` (or the ``offload=`` what-if) keeps on the device what its schedule keeps
+    (the blocks fetched with ``prefetch``, gradients on their way to the store), and an
+    `hr.HostOptimizer` as ``optimizer=`` steps where it steps (its state in host memory or
+    sliced through a store); with ``overlap`` the backward runs inside its
+    ``final_backward()``. Reads and writes of stores are taken as done at once.
+
     Args:
-        model: the model, its parameters anywhere (``meta`` included).
+        model: the model, its parameters anywhere (``meta`` included), offloaded or not.
         example_args: the inputs of one step, a tuple (or a single tensor); their shapes and
             dtypes matter, their values do not (they may be ``meta`` tensors too).
         loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
             model returns one, else the sum of its (first) tensor output.
         optimizer: a ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``), an instance
-            (its class and hyperparameters are used), or a function of the parameters returning
-            one. ``None``: forward and backward only.
+            (its class and hyperparameters are used; an `hr.HostOptimizer` also its options),
+            `headroom.optim.HostOptimizerOptions` (what-if: the host optimizer), or a function
+            of the parameters returning one. ``None``: forward and backward only.
         device: the device to estimate for, e.g. ``"cuda"``; default: the model's device
             (required when the model is on ``meta``). CUDA-like devices also get the caching
             allocator's rounding (see `Estimate.allocator`).
@@ -205,17 +239,24 @@ def estimate(
         checkpoint: qualified names of submodules to run under non-reentrant activation
             checkpointing (what-if: the model itself is not changed).
         offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
-            offload_activations)``: saved storages of at least that many bytes leave the device
-            once the forward drops them and come back when backward needs them (refills ahead
-            of need are not counted). ``None``: off.
+            ..., prefetch=...)``, given as ``min_bytes`` (an int; ``prefetch=0``) or a dict
+            with both: saved storages of at least ``min_bytes`` leave the device once the
+            forward drops them and come back when backward needs them, with storages saved
+            before refilled ahead within ``prefetch`` bytes. ``None``: off.
         prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
             in place or return a replacement), e.g. ``headroom.convert``.
+        offload: what-if: the step as under ``hr.offload(model, **offload)``, a dict of its
+            options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`), ``prefetch``,
+            ``blocks`` (qualified names), ``compute_dtype``, and ``module`` (the qualified name
+            of the submodule offloaded; default the model). For a model not offloaded yet.
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
-        ValueError: if ``device`` is missing for a model on ``meta``.
+        ValueError: if ``device`` is missing for a model on ``meta``; an ``offload=`` or
+            ``offload_activations=`` option that is not one of those above (or ``offload=``
+            for a model already offloaded).
         TypeError: if the output has no loss and ``loss_fn`` is not given, or ``optimizer`` is
             not an optimizer class, instance or factory.
         RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
@@ -231,8 +272,17 @@ def estimate(
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
-               "offload_activations": offload_activations, "prepare": prepare}
-    meta_model = _dryrun.meta_copy(model)
+               "offload_activations": offload_activations, "prepare": prepare,
+               "offload": offload}
+    features = None
+    if _uses_features(model, optimizer, offload):
+        # hr.offload or hr.HostOptimizer: their dry runs live with the techniques (planner/)
+        from headroom.planner._features import DryRunFeatures
+
+        features = DryRunFeatures(model, optimizer, offload, target)
+        meta_model = features.meta_copy(model)
+    else:
+        meta_model = _dryrun.meta_copy(model)
     meta_model.train(model.training)
     if checkpoint:
         _dryrun.checkpoint_modules(meta_model, checkpoint)
@@ -240,20 +290,40 @@ def estimate(
         replaced = prepare(meta_model)
         if isinstance(replaced, nn.Module):
             meta_model = replaced
+    if features is not None:
+        features.install(meta_model)
     args = _dryrun.to_meta(example_args)
     kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
     loss_fn = loss_fn or _dryrun.default_loss
     params = [p for p in meta_model.parameters() if p.requires_grad]
-    opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
+    if features is not None:
+        opt = features.optimizer(params, optimizer, dict(optimizer_kwargs or {}))
+    else:
+        opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
+    final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
+    on_host = features.step_context if features is not None else contextlib.nullcontext
+
+    act = _activation_options(offload_activations)
+
+    keepers: list[_dryrun.OffloadedActivations] = []
+
+    def kept() -> contextlib.AbstractContextManager:
+        # inside the tracker's own hooks, so that it still sees every saved tensor
+        if offload_activations is None:
+            return contextlib.nullcontext()
+        keepers.append(_dryrun.OffloadedActivations(meta_model, **act))
+        return keeping(keepers[-1])
 
     def step() -> None:
-        loss = loss_fn(meta_model(*args, **kwargs))
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
-        loss.backward()
-        del loss
+        with final() if final is not None else contextlib.nullcontext():
+            loss = loss_fn(meta_model(*args, **kwargs))
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
+            loss.backward()
+            del loss
         if opt is not None:
-            opt.step()
+            with on_host():
+                opt.step()
             opt.zero_grad(set_to_none=True)
         else:
             meta_model.zero_grad(set_to_none=True)
@@ -262,36 +332,66 @@ def estimate(
     attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
     # fork_rng: layers that save and restore generator states (dropout) leave the caller's
     # random state as it was
-    with torch.random.fork_rng(devices=[]), attention, _values_needed(), \
-            _dryrun.RealTensorsAsMeta():
+    with torch.random.fork_rng(devices=[]), attention, _dryrun.FusedOnMeta(), \
+            _values_needed(), _dryrun.RealTensorsAsMeta():
         if opt is not None:
-            step()  # creates the optimizer state: the tracked step is a steady-state one
-        tracker = _DryRunTracker(target, alloc, model=meta_model, optimizer=opt)
-        with tracker:
-            if offload_activations is None:
+            # creates the optimizer state (and a host store's gradients): the tracked step is
+            # a steady-state one
+            with kept():
                 step()
-            else:
-                # inside the tracker's own hooks, so that it still sees every saved tensor
-                keeper = _dryrun.OffloadedActivations(meta_model, offload_activations)
-                with keeping(keeper):
-                    step()
+        tracker = _DryRunTracker(target, alloc, None if features is None else features.places,
+                                 model=meta_model, optimizer=opt)
+        counter = _dryrun.OpCounter(lambda: tracker._in_optimizer > 0)
+        if features is not None:
+            features.mark()
+        with tracker, counter, kept():
+            step()
     est = Estimate(tracker, target, alloc, options)
-    if getattr(getattr(optimizer, "options", None), "state_store", None) is not None:
-        # an hr.HostOptimizer: its state is not where the dry run stepped it
-        from headroom.planner._features import apply_host_optimizer
-
-        apply_host_optimizer(est, model, optimizer)
+    est.ops = counter.ops
+    est.activation_bytes_moved = keepers[-1].moved if keepers else 0
+    est.transfers = features.transfers() if features is not None else {}
     est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}
-    if checkpoint or prepare is not None or offload_activations is not None:
+    if checkpoint or prepare is not None or offload_activations is not None or \
+            features is not None:
         est._context = None  # advice is for the plain step
     return est
 
 
+def _activation_options(what_if: Any) -> dict[str, int]:
+    if what_if is None:
+        return {}
+    if isinstance(what_if, Mapping):
+        extra = set(what_if) - {"min_bytes", "prefetch"}
+        if extra:
+            raise ValueError(
+                f"offload_activations= takes min_bytes and prefetch, not {sorted(extra)}")
+        return {"min_bytes": int(what_if.get("min_bytes", 1 << 20)),
+                "prefetch": int(what_if.get("prefetch", 0))}
+    if isinstance(what_if, bool) or not isinstance(what_if, int) or what_if < 0:
+        raise ValueError(
+            f"offload_activations= is min_bytes (an int >= 0) or a dict(min_bytes=...,"
+            f" prefetch=...), got {what_if!r}")
+    return {"min_bytes": what_if, "prefetch": 0}
+
+
+def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
+    """Whether the step uses hr.offload or hr.HostOptimizer (their dry runs are planner's)."""
+    if offload is not None or any("_headroom_offload" in m.__dict__ for m in model.modules()):
+        return True
+    options = getattr(optimizer, "options", optimizer)
+    return hasattr(options, "state_store") and hasattr(options, "optimizer_class")
+
+
 def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
     if device is None:
+        states = [m.__dict__["_headroom_offload"] for m in model.modules()
+                  if "_headroom_offload" in m.__dict__]
         p = next(iter([*model.parameters(), *model.buffers()]), None)
+        if states:  # its parameters are masters in a store: the device is the offload's
+            device = states[0].device
+    if device is None:
         if p is None or p.device.type == "meta":
             raise ValueError(
                 "the model is on the meta device (or has no parameters): say which device to"

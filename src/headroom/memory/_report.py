@@ -102,8 +102,6 @@ def format_estimate(est: Estimate, *, top_modules: int = 10, advice: bool = True
                          heading="headroom memory estimate (dry run)", rss=False,
                          devices=[est.device] if est.device in est.tracker.devices else None)
     lines = [text.rstrip("\n")]
-    if est.bound:
-        lines.append(f"peak {format_bytes(est.peak)} with {est.bound}")
     alloc = est.allocator
     if alloc:
         lines.append(

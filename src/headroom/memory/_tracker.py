@@ -537,8 +537,9 @@ class MemoryTracker:
     def _pre_step(self, opt, args, kwargs) -> None:
         self._in_optimizer += 1
         if self._context and "optimizer" not in self._context:
-            options = getattr(opt, "options", None)  # hr.HostOptimizer: the class it runs
-            self._context["optimizer"] = getattr(options, "optimizer_class", type(opt))
+            options = getattr(opt, "options", None)  # hr.HostOptimizer: its options
+            self._context["optimizer"] = (options if hasattr(options, "optimizer_class")
+                                          else type(opt))
         self._see_optimizer(opt)
 
     def _post_step(self, opt, args, kwargs) -> None:

@@ -36,11 +36,17 @@ from headroom.nn._bitmask import (
 )
 from headroom.nn._common import (
     UNSHARED,
+    Call,
     KeepsNoInput,
+    _hooks_enabled,
+    _pending,
+    _relu_outputs,
+    _sites,
+    _top_hooks,
     _use_count,
+    activation_call,
     consumers_keep_output,
     first_order_only,
-    hold,
     hooks_free,
     note_consumer,
     records_graph,
@@ -131,8 +137,11 @@ class Late:
 
     The pack hook of :func:`headroom.nn._common.run_saving_less` for ``ReluBackward0``
     (``op=NONZERO``: the result's non-zeros), ``LeakyReluBackward0`` (``GREATER``: ``x > 0``)
-    and ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``). :meth:`settle` is called by
-    :func:`headroom.nn._common.settle_pending` and at the end of a converted root's forward.
+    and ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``), called as
+    ``Late(call, op, lo, hi, t)`` (see :func:`_late_hook`): ``call`` is the
+    :class:`headroom.nn._common.Call` of the call site, where the holder leaves its decision.
+    :meth:`settle` is called by :func:`headroom.nn._common.settle_pending` and at the end of a
+    converted root's forward.
     """
     # On unpack, backward gets the tensor, or a tensor positive exactly where the mask is
     # set (for Hardtanh, ``lo`` and a value strictly inside), laid out like the original: the
@@ -150,6 +159,7 @@ class Late:
         "lo",
         "hi",
         "seq",
+        "checks",
         "bits",
         "shape",
         "stride",
@@ -157,11 +167,13 @@ class Late:
         "memory_order",
         "values",
         "watch",
-        "verdict",
+        "call",
         "__weakref__",
     )
 
-    def __init__(self, t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
+    def __init__(
+        self, call: Call | None, op: int, lo: float, hi: float, t: torch.Tensor
+    ) -> None:
         # A detached alias, not ``t``: a saved output is the very tensor whose grad_fn
         # holds this object (a reference cycle), and the alias counts once in the storage's use
         # count whoever else holds ``t``.
@@ -169,13 +181,21 @@ class Late:
         self.version = t._version
         self.key = t.untyped_storage()._cdata
         self.op, self.lo, self.hi = op, lo, hi
-        self.bits = self.verdict = None
-        self.seq = hold(self)
+        self.bits = None
+        self.call = call
+        self.checks = 0
+        # This thread's pending list (headroom.nn._common.hold, inlined: once per activation)
+        st = _pending
+        st.seq = self.seq = st.seq + 1
+        ref = weakref.ref(self)
+        st.young.append(ref)
         # The moment the caller drops its last reference to ``t`` (a variable rebound in
         # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
         # nothing else references the storage: try then. The callback holds this object weakly
         # (no reference cycle keeps a whole tensor alive).
-        self.watch = weakref.ref(t, functools.partial(_released, weakref.ref(self)))
+        self.watch = weakref.ref(t, functools.partial(_released, ref))
+        if call is not None and call.keep is False and t.numel() >= _PACK_AHEAD_FROM:
+            self.pack()  # see _PACK_AHEAD_FROM
 
     def settle(self, dying: int = 0) -> bool:
         """Pack the tensor if nothing else references its storage (but ``dying`` tensors about
@@ -184,18 +204,23 @@ class Late:
         if t is None:
             return True
         if _use_count(self.key) != UNSHARED + dying:
-            if self.verdict is not None:
-                _note_verdict(self.verdict, True)
+            if self.call is not None:
+                self.call.keep = True
             return False
         if t._version != self.version:
             self.bits = None
             return True  # changed in place: kept, so that backward raises as PyTorch's does
         if self.bits is None and not self.pack():
             return True
-        if self.verdict is not None:
-            _note_verdict(self.verdict, False)
+        if self.call is not None:
+            self.call.keep = False
         self.tensor = None
         return True
+
+    def note_kept(self) -> None:
+        """Record at the call site that the tensor is still shared (kept whole so far)."""
+        if self.call is not None and self.tensor is not None:
+            self.call.keep = True
 
     def pack(self) -> bool:
         """Compute the mask (the tensor stays until :meth:`settle` drops it); False where it
@@ -206,14 +231,14 @@ class Late:
             self.op == NONZERO
             and native is not None
             and t.dtype is torch.float32
-            and t.device.type == "cpu"
+            and t.is_cpu
             and t.is_contiguous()
         ):
             # The common case without the generic dispatch (this runs per activation).
             n = t.numel()
             bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
             native.pack_nonzero(t.data_ptr(), n, bits.data_ptr(), 0)
-            self.shape, self.stride, self.dtype, self.values = t.shape, t.stride(), t.dtype, None
+            self.shape, self.stride, self.dtype, self.values = t.shape, None, torch.float32, None
             self.memory_order, self.bits = False, bits
             return True
         bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
@@ -238,6 +263,13 @@ class Late:
             )
         return t
 
+    def _stride(self) -> tuple[int, ...]:
+        # None: the contiguous strides of ``shape`` (the common case leaves them unset)
+        stride = self.stride
+        if stride is None:
+            stride = self.stride = _contiguous_strides(self.shape)
+        return stride
+
     def grad(self, grad: torch.Tensor, kernel, scale: bool = False, slope: float = 0.0):
         """The activation's input gradient (for :class:`_LateFunction`): PyTorch's backward
         ``kernel(grad, saved)`` on the kept tensor, or straight from the mask in one pass
@@ -250,7 +282,7 @@ class Late:
             not torch.is_grad_enabled()
             and grad.dtype == self.dtype
             and grad.shape == self.shape
-            and grad.stride() == self.stride
+            and grad.stride() == self._stride()
             and (_dense(grad) if self.memory_order else grad.is_contiguous())
         ):
             out = grad_through(self.bits, grad, scale=scale, slope=slope)
@@ -264,30 +296,39 @@ class Late:
             return self._kept(t)
         native = _bitmask._native
         if (
-            native is not None
-            and not self.memory_order
-            and self.values is None
-            and self.dtype is torch.float32
-            and self.bits.device.type == "cpu"
+            self.stride is None
+            and native is not None
             and not torch.is_grad_enabled()
             and not is_tracking()
         ):
-            # The common case (a contiguous float32 mask unpacked inside the node's
-            # backward) without the generic dispatch, into the reused buffer.
-            n = self.shape.numel()
-            out = _bitmask._reusable_buffer(n, torch.float32)
-            native.unpack(self.bits.data_ptr(), n, out.data_ptr(), 0)
-            out = out.view(self.shape)
-            return out if out.stride() == self.stride else _restride(out, self.stride)
+            # The common case (a contiguous float32 ReLU mask unpacked inside the node's
+            # backward) without the generic dispatch, into a view of the reused buffer
+            # (_bitmask.reusable_float32, whose common case is inlined here).
+            buf = _bitmask._reusable.buffers.get(torch.float32)
+            got = None
+            if buf is not None and _use_count(buf.key) == buf.unshared:
+                got = buf.views.get(self.shape)
+            if got is None:
+                got = _bitmask.reusable_float32(self.shape)
+            native.unpack(self.bits.data_ptr(), got[2], got[1], 0)
+            return got[0]
         return _unpack_layout(
             self.bits,
             self.shape,
-            self.stride,
+            self._stride(),
             self.memory_order,
             self.dtype,
             reuse=not torch.is_grad_enabled(),
             values=self.values,
         )
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
@@ -298,47 +339,22 @@ def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
     # Not inside backward, where the graph drops saved tensors: settling there would pack a
     # mask that the node reading it is about to unpack.
     holder = holder_ref()
-    if holder is not None and holder.tensor is not None and _graph_task_id() == -1:
+    if (
+        holder is not None
+        and holder.tensor is not None
+        and _use_count(holder.key) == UNSHARED + 1
+        and _graph_task_id() == -1
+    ):
         holder.settle(dying=1)
 
 
-def _note_verdict(verdict: tuple, keep: bool) -> None:
-    verdicts = verdict[0].verdicts
-    if len(verdicts) > 64:  # call sites of many input shapes: keep the recent ones
-        verdicts.clear()
-    verdicts[verdict[1]] = keep
-
-
-def _make_late(verdict: tuple, op: int, lo: float, hi: float, t: torch.Tensor) -> Late:
-    """The pack hook's holder of ``t``, which leaves its decision in ``verdict`` (the module's
-    record and call site; a ReLU's forward under a caller's saved-tensor hooks reads it there)
-    and packs its mask at once where the last decision at this call site was a mask (see
-    :func:`_packs_ahead`)."""
-    holder = Late(t, op, lo, hi)
-    holder.verdict = verdict
-    if _packs_ahead(verdict, t):
-        holder.pack()
-    return holder
-
-
-def _packs_ahead(verdict, t: torch.Tensor) -> bool:
-    """Whether a holder of ``t`` packs its mask right after the op instead of when it settles:
-    where the last forward packed one at this call site, for a tensor large enough that a later
-    pass would read it from memory again rather than from the CPU's cache."""
-    # The decision itself stays late: a mask packed ahead but not needed is dropped at the
-    # root's end at the latest. Until the holder settles, the mask and the tensor are both
-    # alive: 1/32 more bytes for a moment, which a small tensor could add to the forward's
-    # peak without any gain in time.
-    return (
-        verdict is not None
-        and verdict[0].verdicts.get(verdict[1]) is False
-        and t.numel() >= _PACK_AHEAD_FROM
-    )
-
-
-def _late_hook(verdict: tuple, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
-    """A pack hook making :class:`Late` holders of one test."""
-    return functools.partial(_make_late, verdict, op, lo, hi)
+def _late_hook(call: Call, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
+    """A pack hook making :class:`Late` holders of one test at call site ``call`` (cached
+    there: one per call site, not per call)."""
+    args = (op, lo, hi)
+    if call.args != args:
+        call.hook, call.args = functools.partial(Late, call, op, lo, hi), args
+    return call.hook
 
 
 _LATE = UNSHARED is not None and _use_count is not None
@@ -355,7 +371,13 @@ _graph_task_id = torch._C._current_graph_task_id
 # So those calls run this Function, whose backward is the same PyTorch kernel on the kept
 # tensor, or one fused pass over the mask (bitwise the same values).
 _FUSE_FROM = 1 << 18  # elements
-_PACK_AHEAD_FROM = 1 << 15  # elements (see _packs_ahead)
+# Where the last holder at a call site packed a mask, a holder of at least this many elements
+# packs its mask right after the op, while the tensor is still in the CPU's cache (packing it
+# when it settles would read it from memory again). The decision itself stays late: a mask packed
+# ahead but not needed is dropped at the root's end at the latest. Until the holder settles, the
+# mask and the tensor are both alive: 1/32 more bytes for a moment, which for a small tensor
+# could add to the forward's peak without any gain in time.
+_PACK_AHEAD_FROM = 1 << 15  # elements
 
 
 class _Spec:
@@ -371,15 +393,12 @@ class _Spec:
 
 class _LateFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, spec: _Spec, verdict) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, spec: _Spec, call: Call | None) -> torch.Tensor:
         if spec.inplace:
             ctx.mark_dirty(x)
         out = spec.fn(x)
-        holder = Late(out if spec.saves_result else x, spec.op, spec.lo, spec.hi)
-        holder.verdict = verdict
-        if _packs_ahead(verdict, holder.tensor):
-            holder.pack()
-        ctx.holder, ctx.spec = holder, spec
+        ctx.holder = Late(call, spec.op, spec.lo, spec.hi, out if spec.saves_result else x)
+        ctx.spec = spec
         return out
 
     @staticmethod
@@ -388,25 +407,25 @@ class _LateFunction(torch.autograd.Function):
         return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
 
 
-def _apply_late(x: torch.Tensor, spec: _Spec, verdict=None) -> torch.Tensor:
-    out = _LateFunction.apply(x, spec, verdict)
+def _apply_late(x: torch.Tensor, spec: _Spec, call: Call | None = None) -> torch.Tensor:
+    out = _LateFunction.apply(x, spec, call)
     if spec.inplace:
         # Autograd bumps a dirty input's version once more after forward returns.
         out.grad_fn.holder.version = out._version
     return out
 
 
-def _verdict_key(module: nn.Module, x: torch.Tensor) -> tuple:
-    """Where the holder of ``module``'s call on ``x`` leaves its decision: the module's record
-    and the call site (the producing node's type and the shape without the batch dimension)."""
-    return (relu_sites(module), (type(x.grad_fn), x.shape[1:]))
+def _call_of(module: nn.Module, x: torch.Tensor) -> Call:
+    """Where the holder of ``module``'s call on ``x`` leaves its decision (see
+    :func:`headroom.nn._common.activation_call`)."""
+    return activation_call(module, x)[2]
 
 
 def _fuses(x: torch.Tensor) -> bool:
     """Whether an activation on ``x`` runs :class:`_LateFunction` for its fused backward."""
     return (
         x.numel() >= _FUSE_FROM
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.dtype in (torch.float32, torch.float64)
         and _bitmask._native is not None
     )
@@ -486,19 +505,28 @@ class ReLU(nn.ReLU):
         return False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _needs_graph(input):
+        if not (records_graph() and input.requires_grad):
             return super().forward(input)
-        settle_pending()
-        note_consumer(self, input)
+        if _pending.young:
+            settle_pending()
+        if _relu_outputs:
+            note_consumer(self, input)
         relu = torch.relu_ if self.inplace else torch.relu
-        # A call site is the producing node's type and the shape without the batch
-        # dimension: one ReLU module used twice in a block (torchvision's BasicBlock) has two.
+        # (activation_call, hooks_free and _late_hook inlined: this runs at every ReLU call)
+        sites = _sites.get(id(self))
+        if sites is None or sites.module() is not self:
+            sites = relu_sites(self)
         site = (type(input.grad_fn), input.shape[1:])
-        sites = relu_sites(self)
-        if _LATE and hooks_free():
-            if _fuses(input):
-                return _apply_late(input, _RELU_ if self.inplace else _RELU, (sites, site))
-            return run_saving_less(_late_hook((sites, site)), relu, input)
+        call = sites.calls.get(site)
+        if call is None:
+            call = sites.call(site)
+        if _LATE and _top_hooks(False) is None and _hooks_enabled():
+            if input.numel() >= _FUSE_FROM and _fuses(input):
+                return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
+            hook = call.hook
+            if hook is None:
+                hook = _late_hook(call)
+            return run_saving_less(hook, relu, input)
         # Under the caller's saved-tensor hooks (or without the use count) the choice is
         # made now: from the consumers seen at this call site in earlier such forwards, else
         # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
@@ -543,7 +571,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     def _hr_pack(self, input: torch.Tensor):
         if not _LATE or (self.inplace and self.negative_slope < 0):
             return None
-        return _late_hook(_verdict_key(self, input), GREATER)
+        return _late_hook(_call_of(self, input), GREATER)
 
     def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
         if not (_LATE and _fuses(input)) or (self.inplace and self.negative_slope < 0):
@@ -555,7 +583,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
 
         fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
         spec = _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
-        return _apply_late(input, spec, _verdict_key(self, input))
+        return _apply_late(input, spec, _call_of(self, input))
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
@@ -605,7 +633,7 @@ class _HardtanhMixin(KeepsNoInput):
         if not _LATE or self.min_val > self.max_val:
             return None
         lo, hi = float(self.min_val), float(self.max_val)
-        return _late_hook(_verdict_key(self, input), INSIDE, lo, hi)
+        return _late_hook(_call_of(self, input), INSIDE, lo, hi)
 
     def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
         # Always in place: PyTorch's hardtanh_ node saves a clone of its input.
@@ -618,7 +646,7 @@ class _HardtanhMixin(KeepsNoInput):
 
         fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
         spec = _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
-        return _apply_late(input, spec, _verdict_key(self, input))
+        return _apply_late(input, spec, _call_of(self, input))
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.min_val > self.max_val:

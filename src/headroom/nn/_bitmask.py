@@ -239,10 +239,23 @@ def _patterns(dtype: torch.dtype, values: tuple[float, float]) -> tuple[int, int
     return got
 
 
+class _Buffer:
+    """A per-thread reusable flat buffer of one dtype and views of it cached by shape."""
+
+    __slots__ = ("flat", "key", "base", "unshared", "views")
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.flat = torch.empty(numel, dtype=dtype)
+        self.key = self.flat.untyped_storage()._cdata
+        self.base = self.unshared = _use_count(self.key)
+        # shape -> (view, its data pointer, numel); ``unshared`` counts them: the use count
+        # while nothing else holds a view
+        self.views: dict[torch.Size, tuple[torch.Tensor, int, int]] = {}
+
+
 class _Reusable(threading.local):
     def __init__(self) -> None:
-        # dtype -> (flat buffer, its storage's key, the storage's use count when unshared)
-        self.buffers: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
+        self.buffers: dict[torch.dtype, _Buffer] = {}
 
 
 _reusable = _Reusable()
@@ -250,27 +263,59 @@ _reusable = _Reusable()
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _free_buffer(numel: int, dtype: torch.dtype) -> _Buffer | None:
+    """This thread's reusable ``dtype`` buffer, grown to at least ``numel`` elements, or None
+    where no torch function says whether it is free (then the caller allocates)."""
+    # A masked ReLU's backward needs its mask as floats only inside PyTorch's own
+    # ReluBackward0 (see _activation.Late), which drops them when it returns. Unpacking into a
+    # fresh allocation each time costs page faults for every large buffer. The buffer is
+    # reused only while nothing else holds a view of it (its storage's use count is back to
+    # what it was with only the cached views: the caller's views are gone), so a caller that
+    # keeps the tensor (double backward, looking at ``grad_fn._saved_result``, another thread:
+    # the buffer is per thread anyway) gets a fresh one and the old one lives on with it. One
+    # buffer per thread and dtype, as large as the largest mask unpacked on that thread so far,
+    # stays allocated.
+    if _use_count is None:
+        return None
+    buffers = _reusable.buffers
+    buf = buffers.get(dtype)
+    if buf is not None and buf.flat.numel() >= numel and _use_count(buf.key) == buf.unshared:
+        return buf
+    buf = buffers[dtype] = _Buffer(numel, dtype)
+    return buf
+
+
 def _reusable_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat CPU ``dtype`` buffer of ``numel`` elements that nothing else uses right now."""
-    # A masked ReLU's backward needs its mask as floats only inside PyTorch's own
-    # ReluBackward0 (see _activation._ReLUBits), which drops them when it returns. Unpacking
-    # into a fresh allocation each time costs page faults for every large buffer. The buffer is
-    # reused only while nothing else holds a view of it (its storage's use count is back to
-    # what it was when it was made), so a caller that keeps the tensor (double backward,
-    # looking at ``grad_fn._saved_result``, another thread: the buffer is per thread anyway)
-    # gets a fresh one and the old one lives on with it. One buffer per thread and dtype, as
-    # large as the largest mask unpacked on that thread so far, stays allocated.
-    if _use_count is None:
+    buf = _free_buffer(numel, dtype)
+    if buf is None:
         return torch.empty(numel, dtype=dtype)
-    entry = _reusable.buffers.get(dtype)
-    if entry is not None:
-        buf, key, unshared = entry
-        if buf.numel() >= numel and _use_count(key) == unshared:
-            return buf[:numel]
-    buf = torch.empty(numel, dtype=dtype)
-    key = buf.untyped_storage()._cdata
-    _reusable.buffers[dtype] = (buf, key, _use_count(key))
-    return buf[:numel]
+    return buf.flat[:numel]
+
+
+def reusable_float32(shape: torch.Size) -> tuple[torch.Tensor, int, int]:
+    """``(tensor, its data pointer, its numel)``: a contiguous float32 CPU tensor of ``shape``
+    that nothing else uses right now, for a caller done with it before it returns (see
+    :func:`_free_buffer`). A view of this thread's buffer, cached by shape (the same shapes
+    come back every step), so that a call costs no tensor operation."""
+    buffers = _reusable.buffers
+    buf = buffers.get(torch.float32)
+    if buf is not None and _use_count(buf.key) == buf.unshared:
+        got = buf.views.get(shape)
+        if got is not None:
+            return got
+    n = shape.numel()
+    buf = _free_buffer(n, torch.float32)
+    if buf is None:
+        out = torch.empty(shape)
+        return out, out.data_ptr(), n
+    if len(buf.views) > 256:  # many shapes: keep the recent ones (none is held: buf is free)
+        buf.views.clear()
+        buf.unshared = buf.base
+    view = buf.flat[:n].view(shape)
+    got = buf.views[shape] = (view, view.data_ptr(), n)
+    buf.unshared += 1  # the cached view holds the storage too
+    return got
 
 
 def unpack_as(

@@ -4,7 +4,9 @@ saved-tensor hooks, the pending activations that decide late, and the ReLU consu
 from __future__ import annotations
 
 import functools
+import operator
 import threading
+import types
 import weakref
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,19 @@ if TYPE_CHECKING:
 _is_compiling = torch.compiler.is_compiling
 _jit_tracing = torch._C._is_tracing
 _functorch_level = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+_grad_enabled = torch.is_grad_enabled
+# records_graph() runs at every converted layer's call, so it reads what
+# torch.compiler.is_compiling() combines (two Python calls) directly: torch.export's flag, and
+# is_dynamo_compiling(), which Dynamo evaluates to True while it traces (one call, False in
+# eager). Where a torch lacks either, is_compiling() itself.
+if hasattr(torch.compiler, "_is_compiling_flag") and hasattr(torch.compiler, "is_dynamo_compiling"):
+    _flags = torch.compiler
+    _dynamo_compiling = torch.compiler.is_dynamo_compiling
+else:  # pragma: no cover - older torch
+    _flags = types.SimpleNamespace(_is_compiling_flag=False)
+    _dynamo_compiling = torch.compiler.is_compiling
+if not hasattr(_fx, "_is_fx_tracing_flag"):  # pragma: no cover - older torch
+    _fx = types.SimpleNamespace(_is_fx_tracing_flag=False)
 
 
 def records_graph() -> bool:
@@ -36,13 +51,14 @@ def records_graph() -> bool:
     # too. torch.jit.trace records the ops of one call and checks a second one against them;
     # PyTorch's forward gives the same ops every call.
     if (
-        not torch.is_grad_enabled()
-        or _is_compiling()
+        not _grad_enabled()
+        or _flags._is_compiling_flag
+        or _dynamo_compiling()
         or _jit_tracing()
         or _functorch_level() is not None
     ):
         return False
-    if getattr(_fx, "_is_fx_tracing_flag", False):
+    if _fx._is_fx_tracing_flag:
         # FX treats torch.nn modules as leaves and traces into headroom's, whose flag
         # checks (and batch norm's own input checks) cannot run on proxies.
         raise RuntimeError(
@@ -95,7 +111,8 @@ class TensorMeta:
         self.size = t.size()
         self.stride = t.stride()
         self.dtype = t.dtype
-        self.device = t.device
+        # None on CPU: ``t.device`` builds a device object (and its type a string) per call
+        self.device = None if t.is_cpu else t.device
 
     def unpack(self) -> torch.Tensor:
         """The stand-in, as a saved-tensor unpack hook returns it (see :func:`run_saving_less`)."""
@@ -112,8 +129,9 @@ class TensorMeta:
         # While headroom's memory tracker runs, a stand-in is a fresh allocation as on an
         # accelerator, so the tracker charges it to the backward step that uses it instead of
         # counting a long-lived shared buffer (virtual memory on CPU) as live bytes.
-        if self.device.type != "cpu" or is_tracking():
-            return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        if self.device is not None or is_tracking():
+            device = "cpu" if self.device is None else self.device
+            return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=device)
         # On CPU every stand-in is a view of one shared buffer per dtype that no kernel
         # ever reads for its values or writes, so its pages are never touched (virtual memory
         # only). A fresh large allocation per backward call would cost an mmap/munmap pair
@@ -186,8 +204,9 @@ class Kept:
         return t
 
 
-def _unpack(packed):
-    return packed.unpack()
+# The unpack hook of every fast-path save: ``packed.unpack()``, called from C without a Python
+# frame of its own (it runs once per saved tensor in every backward).
+_unpack = operator.methodcaller("unpack")
 
 
 def run_saving_less(pack, fn, *args):
@@ -242,7 +261,7 @@ _YOUNG_CHECKS = 8  # checks at layer starts before a holder waits for its root's
 
 class _Pending(threading.local):
     def __init__(self) -> None:
-        self.young: list[list] = []  # [weak holder, checks so far]
+        self.young: list[weakref.ref] = []  # weak holders checked at layer starts
         self.old: list[weakref.ref] = []  # weak holders settled only at a root's end
         self.seq = 0  # holders made on this thread so far
         self.roots: list[int] = []  # ``seq`` when each running converted root started
@@ -252,32 +271,42 @@ _pending = _Pending()
 
 
 def hold(holder) -> int:
-    """Put ``holder`` (with ``settle() -> bool`` and a ``seq``) in this thread's pending list;
-    returns its sequence number."""
+    """Put ``holder`` in this thread's pending list; returns its sequence number.
+
+    A holder has ``tensor`` (None once decided), ``key`` (its storage's), ``checks`` (young
+    checks so far), ``seq``, ``settle() -> bool`` (decided?), ``note_kept()`` and
+    ``drop_mask()``.
+    """
     st = _pending
     st.seq += 1
-    st.young.append([weakref.ref(holder), 0])
+    st.young.append(weakref.ref(holder))
     return st.seq
 
 
 def settle_pending() -> None:
-    """Settle this thread's young holders (called at the start of converted layers' forward)."""
+    """Settle this thread's young holders (called at the start of converted layers' forward;
+    the callers check ``_pending.young`` first)."""
     st = _pending
     young = st.young
     if not young:
         return
     keep = []
-    for entry in young:
-        holder = entry[0]()
-        if holder is None or holder.settle():
+    for ref in young:
+        holder = ref()
+        # The use count is read here rather than in settle(): most checks find a holder
+        # decided already (by the release callback) or still shared, and need no call.
+        if holder is None or holder.tensor is None:
             continue
-        entry[1] += 1
-        if entry[1] < _YOUNG_CHECKS:
-            keep.append(entry)
+        if _use_count(holder.key) == UNSHARED and holder.settle():
+            continue
+        holder.checks += 1
+        if holder.checks < _YOUNG_CHECKS:
+            keep.append(ref)
         else:
+            holder.note_kept()
             if not st.roots:
                 holder.drop_mask()  # no root's end will: a mask packed ahead goes now
-            st.old.append(entry[0])
+            st.old.append(ref)
     st.young = keep
     if len(st.old) > 512:  # no root ends here (layers called on their own): drop the dead
         st.old = [ref for ref in st.old if ref() is not None]
@@ -289,14 +318,14 @@ def _settle_root(start: int) -> list[weakref.ref]:
     returned (to be tried once more when backward starts); older ones stay pending."""
     st = _pending
     young, old, leftover = [], [], []
-    for entry in st.young:
-        holder = entry[0]()
+    for ref in st.young:
+        holder = ref()
         if holder is not None and not holder.settle():
             if holder.seq <= start:
-                young.append(entry)
+                young.append(ref)
             else:
                 holder.drop_mask()
-                leftover.append(entry[0])
+                leftover.append(ref)
     for ref in st.old:
         holder = ref()
         if holder is not None and not holder.settle():
@@ -376,8 +405,22 @@ def install_root_hooks(root: nn.Module) -> None:
 # themselves on that path: each looks its input's storage up in the registry below and records
 # (ReLU module, call site) -> consumer; from the next such forward on, the ReLU asks those
 # consumers whether they will save their input under the current ``requires_grad`` flags. Else
-# it follows what its holder decided at the last forward without hooks (``verdicts``), else the
+# it follows what its holder decided at the last forward without hooks (``calls``), else the
 # layer ``convert`` found after it in an nn.Sequential, else it keeps its output as PyTorch does.
+
+
+class Call:
+    """One call site of an activation module, as its holders see it: ``keep`` is what the last
+    holder made there decided late (None before any, True where the tensor stayed whole, False
+    where a mask was packed), ``hook`` the pack hook that makes holders there (built by the
+    activation, cached with the arguments it was built for in ``args``)."""
+
+    __slots__ = ("keep", "hook", "args")
+
+    def __init__(self) -> None:
+        self.keep: bool | None = None
+        self.hook = None
+        self.args: tuple | None = None
 
 
 class ReLUSites:
@@ -388,15 +431,37 @@ class ReLUSites:
     # and writes are atomic under the GIL; this runs on every forward of every ReLU, where a
     # WeakKeyDictionary and a lock would cost more.
 
-    __slots__ = ("module", "sites", "seeds", "verdicts", "__weakref__")
+    __slots__ = ("module", "sites", "seeds", "calls", "__weakref__")
 
     def __init__(self, module: nn.Module) -> None:
         key = id(module)
         self.module = weakref.ref(module, lambda _, key=key: _sites.pop(key, None))
         self.sites: dict[tuple, list[weakref.ref]] = {}  # call site -> weak consumers
         self.seeds: list[weakref.ref] = []  # weak consumers known from an nn.Sequential
-        # call site -> whether the output was last kept whole, as a holder decided it late
-        self.verdicts: dict[tuple, bool] = {}
+        self.calls: dict[tuple, Call] = {}  # call site -> its late decisions
+
+    def call(self, site: tuple) -> Call:
+        """The :class:`Call` of call site ``site``."""
+        got = self.calls.get(site)
+        if got is None:
+            if len(self.calls) > 64:  # call sites of many input shapes: keep the recent ones
+                self.calls.clear()
+            got = self.calls[site] = Call()
+        return got
+
+
+def activation_call(module: nn.Module, x: torch.Tensor) -> tuple[ReLUSites, tuple, Call]:
+    """The record of activation ``module``, the call site of its call on ``x`` (the producing
+    node's type and the shape without the batch dimension: one module used twice in a block,
+    as torchvision's BasicBlock does, has two) and that site's :class:`Call`."""
+    sites = _sites.get(id(module))
+    if sites is None or sites.module() is not module:
+        sites = relu_sites(module)
+    site = (type(x.grad_fn), x.shape[1:])
+    got = sites.calls.get(site)
+    if got is None:
+        got = sites.call(site)
+    return sites, site, got
 
 
 _sites: dict[int, ReLUSites] = {}
@@ -458,8 +523,10 @@ class KeepsNoInput:
     def forward(self, input: torch.Tensor):
         if not (records_graph() and input.requires_grad):
             return self._hr_torch_forward(input)
-        settle_pending()
-        note_consumer(self, input)
+        if _pending.young:
+            settle_pending()
+        if _relu_outputs:
+            note_consumer(self, input)
         if hooks_free():
             out = self._hr_fused(input)
             if out is not None:
@@ -517,9 +584,9 @@ def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
         # No consumer seen on this path at this call site yet: what a holder decided
         # late at the last fast-path forward, else the consumer convert() found in an
         # nn.Sequential, else keep the output exactly as PyTorch does.
-        verdict = sites.verdicts.get(site)
-        if verdict is not None:
-            return verdict
+        call = sites.calls.get(site)
+        if call is not None and call.keep is not None:
+            return call.keep
         consumers = sites.seeds
     if not consumers:
         return True

@@ -16,8 +16,9 @@ from torch import nn
 from headroom.nn._common import (
     Kept,
     TensorMeta,
+    _pending,
+    _relu_outputs,
     first_order_only,
-    hooks_free,
     note_consumer,
     records_graph,
     run_saving_less,
@@ -58,32 +59,35 @@ class _ConvFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
-class _ConvPack:
-    """Pack hook for ``ConvolutionBackward0``, which saves the (padded) input and the weight."""
-    # One small object rather than a closure (a function, its cells and their tuple):
-    # fewer objects per call for the garbage collector, whose passes show up in perf among the
-    # per-step costs that remain over plain PyTorch (docs/selective_layers.md).
+def _keep_frozen(t: torch.Tensor) -> Kept | TensorMeta:
+    """Pack hook for ``ConvolutionBackward0`` (which saves the input and the weight) where
+    exactly one of them requires grad: keep the other one, the shape of this one."""
+    # grad_input needs the weight and grad_weight the input: the one that does not require
+    # grad is the one the other's gradient reads. Deciding by the flag rather than by identity
+    # needs no per-call object (this runs twice per convolution call).
+    return TensorMeta(t) if t.requires_grad else Kept(t)
 
-    __slots__ = ("weight", "keep_input", "keep_weight")
 
-    def __init__(self, weight: torch.Tensor, keep_input: bool, keep_weight: bool) -> None:
-        self.weight, self.keep_input, self.keep_weight = weight, keep_input, keep_weight
-
-    def __call__(self, t: torch.Tensor):
-        keep = self.keep_weight if t is self.weight else self.keep_input
-        return Kept(t) if keep else TensorMeta(t)
+def _keep_none(t: torch.Tensor) -> TensorMeta:
+    """Pack hook for ``ConvolutionBackward0`` where only the bias trains: shapes only."""
+    return TensorMeta(t)
 
 
 _any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a device type
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 
-def _fast(module, input: torch.Tensor) -> bool:
+def _fast(input: torch.Tensor) -> bool:
     # PyTorch's own convolution under saved-tensor hooks (see headroom.nn._common):
     # the same node and kernels as nn.ConvNd, keeping the input only if the weight trains and
     # the weight only if the input needs a gradient. Autocast casts inputs before the node
     # saves them (the casted copies would not be recognized), so it takes the Function path.
-    return hooks_free() and not (
-        _any_autocast() and torch.is_autocast_enabled(input.device.type)
+    # (hooks_free(), inlined: this runs at every convolution call.)
+    return (
+        _top_hooks(False) is None
+        and _hooks_enabled()
+        and not (_any_autocast() and torch.is_autocast_enabled(input.device.type))
     )
 
 
@@ -161,17 +165,25 @@ class _ConvMixin:
 
 class _Conv(_ConvMixin):
     def _conv_forward(self, input, weight, bias):
-        if not _needs_graph(input, weight, bias):
+        # records_graph() first: under torch.fx.symbolic_trace it raises its clear error
+        # before a flag of a proxy is tested.
+        if not records_graph():
             return super()._conv_forward(input, weight, bias)
-        settle_pending()
-        note_consumer(self, input)
-        if self.padding_mode == "zeros" and input.requires_grad and weight.requires_grad:
-            # Both gradients needed: PyTorch saves input and weight, as we would; its own
-            # path skips a Python autograd.Function (speed) and keeps double backward.
+        x_grad, w_grad = input.requires_grad, weight.requires_grad
+        if not (x_grad or w_grad or (bias is not None and bias.requires_grad)):
             return super()._conv_forward(input, weight, bias)
-        if self.padding_mode == "zeros" and _fast(self, input):
-            pack = _ConvPack(weight, weight.requires_grad, input.requires_grad)
-            return run_saving_less(pack, super()._conv_forward, input, weight, bias)
+        if _pending.young:
+            settle_pending()
+        if _relu_outputs:
+            note_consumer(self, input)
+        if self.padding_mode == "zeros":
+            if x_grad and w_grad:
+                # Both gradients needed: PyTorch saves input and weight, as we would; its own
+                # path skips a Python autograd.Function (speed) and keeps double backward.
+                return super()._conv_forward(input, weight, bias)
+            if _fast(input):
+                pack = _keep_frozen if x_grad or w_grad else _keep_none
+                return run_saving_less(pack, super()._conv_forward, input, weight, bias)
         zeros = [0] * self._hr_dims
         if self.padding_mode != "zeros":
             x = _pad(input, self._reversed_padding_repeated_twice, self.padding_mode)
@@ -196,12 +208,15 @@ class _ConvTranspose(_ConvMixin):
                 f"Only `zeros` padding mode is supported for {type(self).__name__}; "
                 f"got {self.padding_mode!r}. Use padding_mode='zeros'."
             )
-        settle_pending()
-        note_consumer(self, input)
-        if input.requires_grad and self.weight.requires_grad:
+        if _pending.young:
+            settle_pending()
+        if _relu_outputs:
+            note_consumer(self, input)
+        x_grad, w_grad = input.requires_grad, self.weight.requires_grad
+        if x_grad and w_grad:
             return super().forward(input, output_size)  # saves what we would (see _Conv)
-        if _fast(self, input):
-            pack = _ConvPack(self.weight, self.weight.requires_grad, input.requires_grad)
+        if _fast(input):
+            pack = _keep_frozen if x_grad or w_grad else _keep_none
             return run_saving_less(pack, super().forward, input, output_size)
         output_padding = self._output_padding(
             input,

@@ -18,6 +18,8 @@ from torch import nn
 
 from headroom.nn._common import (
     TensorMeta,
+    _pending,
+    _relu_outputs,
     first_order_only,
     note_consumer,
     records_graph,
@@ -95,9 +97,10 @@ class _BatchNorm:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not records_graph():
             return super().forward(input)
-        settle_pending()
+        if _pending.young:
+            settle_pending()
         need_x = input.requires_grad
-        if need_x:
+        if need_x and _relu_outputs:
             note_consumer(self, input)
         # The input is skipped only where the weight is frozen and the input needs no
         # gradient, or does in eval mode (running statistics); weight_trains reads _parameters

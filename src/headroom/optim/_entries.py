@@ -39,7 +39,7 @@ class Entry:
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired", "master_handle",
+        "fired", "master_handle", "ready",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -62,6 +62,8 @@ class Entry:
         self.fired = False  # its gradient of the current final backward is complete
         # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
         self.master_handle: Handle | None = None
+        # an event at its gradient-ready point (on the stream backward ran on), reused
+        self.ready: object | None = None
 
     @property
     def lowp(self) -> bool:

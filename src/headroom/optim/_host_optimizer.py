@@ -182,11 +182,10 @@ class HostOptimizer(torch.optim.Optimizer):
         self._host: Store | None = None  # host masters/gradients of HOSTED parameters
         self._aux: Store | None = None  # handle-based state when state_store is "cpu"
         self._mover: Mover | None = None
-        self._mover_lock = threading.Lock()
+        self._tickets_lock = threading.Lock()  # copy-backs come from the worker thread too
         self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes)
         self._layouts: dict[int, Any] = {}
         self._arrival: list[Entry] = []  # first-gradient order in this iteration
-        self._in_flight = 0  # device gradient bytes pushed to the host since the last reap
         self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
@@ -202,6 +201,7 @@ class HostOptimizer(torch.optim.Optimizer):
         group = self.param_groups[gi]
         entries = []
         try:
+            self._reserve_host(group["params"])
             for p in group["params"]:
                 e = self._make_entry(p, gi, len(self._order) + len(entries))
                 entries.append(e)
@@ -230,6 +230,21 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._hooks.append(on_grad_ready(e.param, self._on_grad))
             else:
                 self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _reserve_host(self, params: list[torch.Tensor]) -> None:
+        """Room for the host masters and gradients of a group's parameters on an accelerator
+        (or not in fp32), carved from one slab of page-locked memory."""
+        hosted = [p for p in params if isinstance(p, torch.Tensor) and p.is_floating_point()
+                  and binding(p) is None and not (p.device.type == "cpu"
+                                                  and p.dtype in MASTER_DTYPES)]
+        devices = {p.device for p in hosted}
+        if len(devices) != 1 or (self._device is not None and self._device not in devices):
+            return  # nothing, or a mistake `_make_entry` reports
+        if self._host is None:
+            self._host = resolve_store("cpu", hosted[0].device)
+            self._mover = Mover(hosted[0].device, self._host)
+        self._host.reserve([p.numel() * (8 if p.dtype == torch.float64 else 4)
+                            for p in hosted for _ in range(2)])
 
     def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> Entry:
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
@@ -305,27 +320,18 @@ class HostOptimizer(torch.optim.Optimizer):
             )
         if e.kind == HOSTED and p.grad is not None:
             g = p.grad
-            with self._mover_lock:
-                acc = e.own.has_grad
-                self._mover.push_grad(g, e.own, accumulate=acc)
-            # Free the device gradient now: at most the gradients in flight to the host
-            # stay on the device.
+            self._mover.push_grad(g, e.own, accumulate=e.own.has_grad)
+            # Free the device gradient now (the mover keeps it until its copy has run): at
+            # most the gradients in flight to the host stay on the device.
             p.grad = None
-            if self._mover.accelerated:
-                self._in_flight += g.numel() * g.element_size()
-                if self._in_flight >= self._bucket_bytes:
-                    # The worker waits for the copies (the mover then drops the device
-                    # gradients) so that backward, on this thread, never blocks on them.
-                    self._in_flight = 0
-                    self._overlap.submit(self._reap)
+            del g
+            # Everything backward does with this parameter is queued by now, on this stream:
+            # its new value is copied back after this point, whichever thread issues the copy.
+            e.ready = self._mover.mark(e.ready)
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
         self._overlap.gradient_complete(e)
-
-    def _reap(self) -> None:
-        with self._mover_lock:
-            self._mover.synchronize()
 
     def _wait(self) -> None:
         """Wait for the steps and copies running on the worker; re-raise their first error."""
@@ -340,8 +346,7 @@ class HostOptimizer(torch.optim.Optimizer):
         if not batch:
             return
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
-            with self._mover_lock:
-                self._mover.synchronize()
+            self._mover.synchronize()
         # A store-resident gradient may still be on its way into the store (a disk write,
         # an accumulation) when its producer signals it; its producer waits for that here.
         syncs = {id(e.bound.grad_sync): e.bound for e in batch
@@ -384,8 +389,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.small = small
                 e.initialized = True
                 e.grad_scale = None
+        # From step(): copy-backs are also ordered after what this thread queued until now
+        # (one event for all of them); on the worker, after each parameter's own event only.
+        now = None if early or self._mover is None else self._mover.mark()
         for e in in_mem + streamed:
-            self._copy_back(e)
+            self._copy_back(e, now)
 
     def _source(self, e: Entry) -> SlicedParam | None:
         """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
@@ -489,13 +497,19 @@ class HostOptimizer(torch.optim.Optimizer):
             lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
         return lay
 
-    def _copy_back(self, e: Entry) -> None:
+    def _copy_back(self, e: Entry, now: object | None = None) -> None:
         if e.kind == ALIAS or e.kind == BOUND:
             return  # updated in place / written back to the store
         p = e.param
         if self._mover is not None and self._mover.accelerated:
-            with self._mover_lock:
-                self._tickets.append(self._mover.fetch(e.own.handle, p.data))
+            # Overwrites the parameter: ordered after backward's last use of it (the event at
+            # its gradient-ready point, on the stream backward ran on) and, from step(),
+            # after what the calling thread queued since (``now``); a worker thread's own
+            # current stream has nothing to do with it.
+            after = [ev for ev in (e.ready, now) if ev is not None]
+            t = self._mover.fetch(e.own.handle, p.data, after=after or None)
+            with self._tickets_lock:
+                self._tickets.append(t)
         else:
             with torch.no_grad():
                 p.data.copy_(e.master)
@@ -527,11 +541,10 @@ class HostOptimizer(torch.optim.Optimizer):
         return loss
 
     def _finish_iteration(self) -> None:
-        if self._tickets:
-            with self._mover_lock:
-                for t in self._tickets:
-                    self._mover.wait(t)
-            self._tickets = []
+        with self._tickets_lock:
+            tickets, self._tickets = self._tickets, []
+        for t in tickets:
+            self._mover.wait(t)  # the next forward, on this stream, reads the new values
         self._overlap.finish(self._order, self._arrival)
         for e in self._order:
             e.count = 0
@@ -599,8 +612,7 @@ class HostOptimizer(torch.optim.Optimizer):
             # Gradient copies to the host may still be queued (an accelerator's side
             # stream); they must land before the host gradients are cleared, or they would
             # land afterwards, into the next iteration's sum.
-            with self._mover_lock:
-                self._mover.synchronize()
+            self._mover.synchronize()
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "zero_grad() after some parameters already took this step inside "
@@ -649,8 +661,7 @@ class HostOptimizer(torch.optim.Optimizer):
             raise KeyError("parameter is not managed by this HostOptimizer")
         self._wait()
         if e.kind == HOSTED and self._mover is not None:
-            with self._mover_lock:
-                self._mover.synchronize()
+            self._mover.synchronize()
         if not e.has_grad():
             return None
         g = e.grad_tensor()
@@ -693,8 +704,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "drop the `with opt.final_backward():` when clipping"
             )
         if self._mover is not None:
-            with self._mover_lock:
-                self._mover.synchronize()
+            self._mover.synchronize()
         norm_type = float(norm_type)
         in_mem: list[torch.Tensor] = []
         norms: list[torch.Tensor] = []
@@ -758,6 +768,8 @@ class HostOptimizer(torch.optim.Optimizer):
         precise than the parameter.
         """
         self._wait()
+        if self._mover is not None:
+            self._mover.wait_reads()  # copy-backs still reading the masters
         loaded, self._masters_loaded = self._masters_loaded, set()
         with torch.no_grad():
             for e in self._order:
@@ -772,6 +784,8 @@ class HostOptimizer(torch.optim.Optimizer):
             h.remove()
         self._hooks = []
         self._overlap.close()
+        if self._mover is not None:
+            self._mover.close()  # lands what is in flight, gives the staging back
 
     def __del__(self) -> None:
         overlap = getattr(self, "_overlap", None)

@@ -54,6 +54,8 @@ def state_dict(opt: HostOptimizer) -> dict[str, Any]:
 def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     """See `HostOptimizer.load_state_dict`."""
     opt._wait()
+    if opt._mover is not None:
+        opt._mover.wait_reads()  # copy-backs still reading the masters written below
     saved = state_dict["param_groups"]
     if len(saved) != len(opt.param_groups):
         raise ValueError(

@@ -4,7 +4,9 @@ The package is `planner` rather than `plan` so that `headroom.plan` stays the fu
 subpackage of that name would replace it as an attribute of `headroom` once imported.
 """
 
+from headroom.planner._apply import offload_activations_in_forward
 from headroom.planner._plan import Choice, Plan, PlanError, parse_bytes, plan
-from headroom.planner._time import Speeds
+from headroom.planner._time import Speeds, measure_speeds
 
-__all__ = ["Choice", "Plan", "PlanError", "Speeds", "parse_bytes", "plan"]
+__all__ = ["Choice", "Plan", "PlanError", "Speeds", "measure_speeds",
+           "offload_activations_in_forward", "parse_bytes", "plan"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headroom.memory._categories import CATEGORIES, format_bytes
+from headroom.memory._categories import format_bytes
 from headroom.memory._estimate import Estimate, estimate
 
 _ACTIVATION_MIN_BYTES = 1 << 20  # hr.offload_activations' default
@@ -23,12 +23,10 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
            device: str, base: Estimate | None = None,
            measured: int | None = None) -> list[str]:
     """Lines of advice for one step of ``model`` on ``device``, largest saving first."""
-    from headroom.planner._plan import Choice, _peak, _Run, _sizes
-
-    common = dict(loss_fn=loss_fn, optimizer=optimizer, device=device, example_kwargs=kwargs,
-                  optimizer_kwargs=optimizer_kwargs)
+    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs)
     if base is None:
-        base = estimate(model, args, **common)
+        base = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                        **common)
     peak = base.peak
     if peak <= 0:
         return []
@@ -36,6 +34,8 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     savings: list[tuple[int, str]] = []
 
     def saving(label: str, **what_if: Any) -> None:
+        what_if.setdefault("optimizer", optimizer)
+        what_if.setdefault("optimizer_kwargs", optimizer_kwargs)
         est = estimate(model, args, **common, **what_if)
         savings.append((peak - est.peak, label))
 
@@ -49,22 +49,20 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
 
     saving("hr.convert", prepare=lambda m: convert(m, inplace=True))
     cpu = base.device == "cpu"
-    samples = [[s.by_category[c] for c in CATEGORIES] for s in base.timeline]
-    run = _Run(base, samples, [s.phase == "optimizer" for s in base.timeline])
-    opt_cls = _opt_cls(optimizer)
+    opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
+    offloaded = any("_headroom_offload" in m.__dict__ for m in model.modules())
     if opt_cls is not None:
-        sizes = _sizes(model, device, opt_cls, dict(optimizer_kwargs or {}))
-        slice_bytes = max(4 << 10, min(16 << 20, sizes.largest_param // 8))
+        from headroom.optim import HostOptimizerOptions
+
         where = "disk" if cpu else "host"
-        plain, _ = _peak(run, Choice(), sizes, slice_bytes)
-        for choice, label in (
-            (Choice(optimizer_state=where), f"hr.HostOptimizer (state on {where})"),
-            (Choice(params=where, optimizer_state=where),
-             f"hr.offload with hr.HostOptimizer ({where})"),
-        ):
-            bound, _ = _peak(run, choice, sizes, slice_bytes)
-            # the same time line, offloaded parts replaced by their upper bounds
-            savings.append((int((plain - bound) * peak / max(plain, 1)), label))
+        kw = dict(optimizer_kwargs or {})
+        largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
+        host = HostOptimizerOptions(opt_cls, kw, "disk" if cpu else "cpu", False,
+                                    max(4 << 10, min(16 << 20, largest // 8)), 32 << 20)
+        saving(f"hr.HostOptimizer (state on {where})", optimizer=host, optimizer_kwargs=None)
+        if not offloaded:
+            saving(f"hr.offload with hr.HostOptimizer ({where})", optimizer=host,
+                   optimizer_kwargs=None, offload={"store": where, "prefetch": 1})
     cats = base.peak_by_category
     lines = ["what would cut the peak most (dry runs of the step with each technique):"]
     if measured is not None:

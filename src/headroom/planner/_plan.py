@@ -1,16 +1,17 @@
 """`plan`: the fastest combination of headroom's techniques whose estimated peak fits a budget.
 
-The search runs a few dry runs (`headroom.memory.estimate`) for what changes the activations
-(``hr.convert``, non-reentrant checkpointing of the first k of the model's blocks) and derives
-the rest from their timelines: where parameters, gradients or optimizer state leave the device,
-their bytes at every moment of the step are replaced by what stays (see `_Candidate.peak`).
-Those replacements are upper bounds (the most a technique keeps in flight), so an applied plan
-measures at most its estimate. Each candidate gets a step time from `headroom.planner._time`; the
-fastest one that fits wins, ties going to the one with the lower peak.
+Every combination of the techniques gets a step time (`headroom.planner._time`, from a dry run
+of what changes the ops: ``hr.convert``, checkpointing of the first k blocks, activation
+offload) and a lower bound of its peak (that dry run's timeline with the bytes of whatever
+leaves the device taken out). In order of time, combinations whose lower bound fits are then
+estimated whole, by a dry run with all their techniques (`hr.estimate` runs ``hr.offload``'s
+schedule and the host optimizer's step as they run), and the first that fits the budget wins:
+the plan's peak is that dry run's, the same figure `hr.estimate` gives for the applied plan.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import os
@@ -26,7 +27,7 @@ from torch import nn
 from headroom.memory import _dryrun
 from headroom.memory._categories import CATEGORIES, format_bytes
 from headroom.memory._estimate import Estimate, estimate
-from headroom.planner._time import Speeds, count_flops, default_speeds
+from headroom.planner._time import Speeds, default_speeds, step_time
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -70,12 +71,17 @@ class Choice:
             (`hr.offload` with ``prefetch=1``).
         optimizer_state: ``"device"`` (the optimizer itself), ``"host"`` or ``"disk"``
             (`hr.HostOptimizer`).
+        activations: where tensors saved for backward rest: ``"device"``, ``"host"`` or
+            ``"disk"`` (`hr.offload_activations` around every forward, ``prefetch=0``).
+        activation_min_bytes: the ``min_bytes`` of activation offload.
     """
 
     convert: bool = False
     checkpoint: tuple[str, ...] = ()
     params: str = "device"
     optimizer_state: str = "device"
+    activations: str = "device"
+    activation_min_bytes: int = 1 << 20
 
     def describe(self) -> list[str]:
         out = []
@@ -84,6 +90,9 @@ class Choice:
         if self.checkpoint:
             out.append(f"checkpointing of {len(self.checkpoint)} block(s):"
                        f" {_names(self.checkpoint)}")
+        if self.activations != "device":
+            out.append(f"activation offload to {self.activations} (hr.offload_activations,"
+                       f" min_bytes={format_bytes(self.activation_min_bytes)})")
         if self.params != "device":
             out.append(f"parameter offload to {self.params} (hr.offload, prefetch=1)")
         if self.optimizer_state != "device":
@@ -101,13 +110,16 @@ class Plan:
 
     Attributes:
         choice: the techniques (a `Choice`).
-        peak: estimated peak bytes on the device with them (an upper bound for offloaded
-            parts).
+        peak: estimated peak bytes on the device with them (the dry run of the whole plan;
+            for CUDA-like devices the allocator model's reserved bytes).
         time_s: estimated seconds per step (see `headroom.planner._time`).
         plain_peak, plain_time_s: the same for the plain step.
         budget: the budget asked for.
         device: the device planned for.
-        candidates: every combination considered: ``(choice, peak, time_s)``.
+        speeds: the speeds the times were estimated with.
+        candidates: every combination considered: ``(choice, peak, time_s)``; ``peak`` is the
+            whole dry run's for those estimated whole, a lower bound for those the search
+            refined, else ``None``; ``time_s`` a lower bound for those not refined (see `plan`).
     """
 
     choice: Choice
@@ -123,6 +135,7 @@ class Plan:
     slice_bytes: int
     peak_by_category: dict[str, int] = field(default_factory=dict)
     candidates: list[tuple[Choice, int, float]] = field(default_factory=list, repr=False)
+    speeds: Speeds | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
         lines = [
@@ -134,7 +147,8 @@ class Plan:
         if self.peak_by_category:
             lines.append("  at the estimated peak: " + ", ".join(
                 f"{c} {format_bytes(v)}" for c, v in self.peak_by_category.items() if v))
-        lines.append(f"({len(self.candidates)} combinations considered)")
+        lines.append(f"({len(self.candidates)} combinations considered"
+                     + (f"; speeds: {self.speeds.describe()}" if self.speeds else "") + ")")
         return "\n".join(lines)
 
     def code(self, model_name: str = "model") -> str:
@@ -156,12 +170,21 @@ class Plan:
                          " prefetch=1)")
         elif self.device != "cpu":
             lines.append(f"{model_name}.to({self.device!r})")
-        kw = "".join(f", {k}={v!r}" for k, v in self._host_kwargs().items())
+        if c.activations != "device":
+            store = ("\"cpu\"" if c.activations == "host"
+                     else f"hr.DiskStore({self._disk('activations')!r})")
+            lines.append("from headroom.planner import offload_activations_in_forward")
+            lines.append("# every forward (and the backward of what it saved) under"
+                         " hr.offload_activations")
+            lines.append(f"offload_activations_in_forward({model_name}, store={store},"
+                         f" min_bytes={c.activation_min_bytes}, prefetch=0)")
         if c.optimizer_state != "device":
             store = ("\"cpu\"" if c.optimizer_state == "host"
                      else f"hr.DiskStore({self._disk('optimizer')!r})")
+            kw = "".join(f", {k}={v!r}" for k, v in self._host_kwargs().items())
             lines.append(f"opt = hr.HostOptimizer({model_name}.parameters(), {opt},"
-                         f" state_store={store}, slice_bytes={self.slice_bytes}{kw})")
+                         f" state_store={store}, slice_bytes={self.slice_bytes},"
+                         f" overlap=False{kw})")
         else:
             kw = "".join(f", {k}={v!r}" for k, v in self.optimizer_kwargs.items())
             lines.append(f"opt = {opt}({model_name}.parameters(){kw})")
@@ -191,12 +214,13 @@ class Plan:
             ValueError: if ``model`` lacks a block the plan checkpoints (not the model planned);
                 checked before anything changes.
 
-        The steps run in order (``hr.convert``, checkpointing, ``hr.offload``, the optimizer);
-        if one raises (a full disk, a device that is missing), the ones before it stay applied:
-        rebuild the model rather than retry on it.
+        The steps run in order (``hr.convert``, checkpointing, ``hr.offload``, activation
+        offload, the optimizer); if one raises (a full disk, a device that is missing), the
+        ones before it stay applied: rebuild the model rather than retry on it.
         """
         from headroom.nn import convert
         from headroom.optim import HostOptimizer
+        from headroom.planner._apply import offload_activations_in_forward
         from headroom.residency import offload
         from headroom.transfer import DiskStore
 
@@ -217,11 +241,16 @@ class Plan:
             offload(model, device=self.device, store=store, prefetch=1)
         elif self.device != "cpu":
             model.to(self.device)
+        if c.activations != "device":
+            store = "cpu" if c.activations == "host" else DiskStore(self._disk("activations"))
+            offload_activations_in_forward(model, store=store,
+                                           min_bytes=c.activation_min_bytes, prefetch=0)
         cls = _opt_class(self.optimizer)
         if c.optimizer_state != "device":
             store = "cpu" if c.optimizer_state == "host" else DiskStore(self._disk("optimizer"))
             opt = HostOptimizer(model.parameters(), cls, state_store=store,
-                                slice_bytes=self.slice_bytes, **self._host_kwargs())
+                                slice_bytes=self.slice_bytes, overlap=False,
+                                **self._host_kwargs())
         else:
             opt = cls(model.parameters(), **self.optimizer_kwargs)
         return model, opt
@@ -255,12 +284,17 @@ def _opt_name(optimizer: Any) -> str:
 
 
 @dataclass
-class _Run:
-    """One dry run (a convert/checkpoint setting) and its per-sample category bytes."""
+class _Candidate:
+    choice: Choice
+    time_s: float  # a lower bound until refined
+    lower: int | None = None  # a lower bound of its peak (see _lower), once refined
+    peak: int | None = None  # the dry run of the whole plan, once run
+    at_peak: dict[str, int] = field(default_factory=dict)
 
-    est: Estimate
-    samples: list[list[int]]
-    in_step: list[bool]  # whether each sample is inside optimizer.step()
+
+# Whole dry runs the search may make beyond the first fitting one, looking for the smallest
+# peak when nothing fits.
+_MAX_WHOLE_RUNS = 4
 
 
 def plan(
@@ -281,12 +315,13 @@ def plan(
     """Choose what to turn on so that one training step fits ``budget`` bytes on ``device``.
 
     Considers `hr.convert`, non-reentrant checkpointing of the first k of the model's blocks
-    (k in quarters of the blocks), parameter offload (`hr.offload`, ``prefetch=1``) to host
-    memory or ``disk``, and the optimizer's state and step on the host or on ``disk``
-    (`hr.HostOptimizer`). Every combination gets an estimated peak (dry runs, see
-    `hr.estimate`) and step time; the fastest one within the budget is returned. All of these
-    techniques are exact: training with the plan gives bitwise the parameters of the plain
-    step on the same device.
+    (k in quarters of the blocks), activation offload (`hr.offload_activations`) to host memory
+    or ``disk``, parameter offload (`hr.offload`, ``prefetch=1``) to host memory or ``disk``,
+    and the optimizer's state and step on the host or on ``disk`` (`hr.HostOptimizer`). Every
+    combination gets an estimated step time; the fastest one whose estimated peak (a dry run
+    of the whole plan, see `hr.estimate`) fits the budget is returned. All of these techniques
+    are exact: training with the plan gives bitwise the parameters of the plain step on the
+    same device. On ``cpu`` host memory is the device's, so only stores on disk are considered.
 
     Args:
         model: the model (parameters anywhere, ``meta`` included); not changed.
@@ -301,7 +336,8 @@ def plan(
         exact: only exact techniques. ``False`` would also allow lower precision, which this
             version does not search yet (it plans as if ``True``).
         example_kwargs, optimizer_kwargs: as for `hr.estimate`.
-        speeds: the time model's speeds (default: `headroom.planner._time.default_speeds`).
+        speeds: the time model's speeds (default: `headroom.planner._time.default_speeds`:
+            measured once on ``cpu``, declared for accelerators).
         slice_bytes: the host optimizer's slice size for state on disk; default: small enough
             that the slices in flight are a small part of the state.
 
@@ -323,76 +359,182 @@ def plan(
         >>> model, opt = plan.apply(model)
     """
     budget_b = parse_bytes(budget)
-    opt_cls = _opt_class(optimizer)
-    opt_kw = dict(optimizer_kwargs or {})
-    kind = torch.device(device).type
-    speeds = speeds or default_speeds(kind)
-    on_cpu = kind == "cpu"
-
-    from headroom.residency._blocks import find_blocks
-
-    names = {id(m): n for n, m in model.named_modules()}
-    blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
-    n = len(blocks)
-    ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
-
-    def run(convert: bool, k: int) -> _Run:
-        prepare = None
-        if convert:
-            from headroom.nn import convert as _convert
-
-            def prepare(m: nn.Module) -> nn.Module:
-                return _convert(m, inplace=True)
-        est = estimate(model, example_args, loss_fn=loss_fn, optimizer=opt_cls,
-                       device=device, example_kwargs=example_kwargs,
-                       optimizer_kwargs=opt_kw, checkpoint=blocks[:k], prepare=prepare)
-        samples = [[s.by_category[c] for c in CATEGORIES] for s in est.timeline]
-        phases = [s.phase == "optimizer" for s in est.timeline]
-        return _Run(est, samples, phases)
-
-    plain = run(False, 0)
-    flops = _flops(model, example_args, example_kwargs, loss_fn, device)
-    runs = {(False, 0): plain}
-    converted = run(True, 0)
-    conv_options = [False] + ([True] if converted.est.peak < plain.est.peak else [])
-    if True in conv_options:
-        runs[(True, 0)] = converted
-    for conv in conv_options:
-        for k in ks:
-            if (conv, k) not in runs:
-                runs[(conv, k)] = run(conv, k)
-
-    sizes = _sizes(model, device, opt_cls, opt_kw)
-    if slice_bytes is None:
-        slice_bytes = max(4 << 10, min(16 << 20, sizes.largest_param // 8))
-    places = ["device"] + ([] if on_cpu else ["host"]) + (["disk"] if disk is not None else [])
-    candidates: list[tuple[Choice, int, float, dict[str, int]]] = []
-    for (conv, k), r in runs.items():
-        for params, state in itertools.product(places, places):
-            if params != "device" and state == "device":
-                continue  # offloaded parameters are stepped through their store
-            choice = Choice(conv, tuple(blocks[:k]), params, state)
-            peak, at_peak = _peak(r, choice, sizes, slice_bytes)
-            t = _time(choice, flops, k, n, sizes, speeds, on_cpu)
-            candidates.append((choice, peak, t, at_peak))
-    plain_time = _time(Choice(), flops, 0, n, sizes, speeds, on_cpu)
-    fitting = [c for c in candidates if c[1] <= budget_b]
-    if not fitting:
-        best = min(candidates, key=lambda c: c[1])
-        dominant = max(best[3].items(), key=lambda kv: kv[1])
+    search = Search(model, example_args, device=device, optimizer=optimizer, loss_fn=loss_fn,
+                    disk=disk, example_kwargs=example_kwargs, optimizer_kwargs=optimizer_kwargs,
+                    speeds=speeds, slice_bytes=slice_bytes)
+    candidates = search.candidates
+    # best first on time: a candidate is refined (its own run) when it comes up, and estimated
+    # whole (peak and time) when its lower bound fits; each step only makes its time more
+    # exact (larger), so the first that comes up whole and fitting is the fastest that fits
+    heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
+    heapq.heapify(heap)
+    chosen = None
+    while heap:
+        _, i, c = heapq.heappop(heap)
+        if c.lower is None:
+            search.refine(c)
+        elif c.peak is None and c.lower <= budget_b:
+            search.whole(c)  # its time too, from the whole plan's ops and transfers
+        elif c.peak is not None and c.peak <= budget_b:
+            chosen = c
+            break
+        else:
+            continue
+        heapq.heappush(heap, (c.time_s, i, c))
+    if chosen is None:
+        # every candidate was refined; branch and bound on the lower bounds for the smallest
+        # peak and what dominates it
+        best = None
+        for j, c in enumerate(sorted(candidates, key=lambda c: c.lower)):
+            if (best is not None and c.lower >= best.peak) or j >= _MAX_WHOLE_RUNS:
+                break
+            search.whole(c)
+            if best is None or c.peak < best.peak:
+                best = c
+        dominant = max(best.at_peak.items(), key=lambda kv: kv[1])
         hint = "" if disk is not None else " Pass disk= (--disk) to allow stores on disk."
         raise PlanError(
             f"no combination of headroom's techniques fits {format_bytes(budget_b)} on"
-            f" {device}: the smallest estimated peak is {format_bytes(best[1])} (with"
-            f" {'; '.join(best[0].describe())}), of which {dominant[0]} take"
+            f" {device}: the smallest estimated peak is {format_bytes(best.peak)} (with"
+            f" {'; '.join(best.choice.describe())}), of which {dominant[0]} take"
             f" {format_bytes(dominant[1])}.{hint} Use a smaller batch or sequence, or a larger"
             " budget.",
-            best[1],
+            best.peak,
         )
-    choice, peak, t, at_peak = min(fitting, key=lambda c: (round(c[2], 9), c[1]))
-    return Plan(choice, peak, t, plain.est.peak_reserved, plain_time, budget_b,
-                plain.est.device, opt_cls, opt_kw, None if disk is None else str(disk),
-                slice_bytes, at_peak, [(c[0], c[1], c[2]) for c in candidates])
+    return search.plan_of(chosen, budget_b)
+
+
+class Search:
+    """The combinations `plan` considers for one model and step, and their dry runs.
+
+    ``candidates`` start with a lower bound of their time; `refine` gives one its own dry run
+    (its time, a lower bound of its peak), `whole` the dry run of the whole plan (its peak).
+    Dry runs are shared between candidates and made once.
+    """
+
+    def __init__(self, model: nn.Module, example_args: tuple | Any, *,
+                 device: str | torch.device, optimizer: Any, loss_fn: Any = None,
+                 disk: Any = None, example_kwargs: dict[str, Any] | None = None,
+                 optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
+                 slice_bytes: int | None = None) -> None:
+        from headroom.residency._blocks import find_blocks
+
+        self.model = model
+        self.args = example_args
+        self.opt_cls = _opt_class(optimizer)
+        self.opt_kw = dict(optimizer_kwargs or {})
+        self.disk = disk
+        kind = torch.device(device).type
+        self.on_cpu = kind == "cpu"
+        self.speeds = speeds or default_speeds(kind, disk)
+        names = {id(m): n for n, m in model.named_modules()}
+        self.blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
+        n = len(self.blocks)
+        ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
+        self.common = dict(loss_fn=loss_fn, device=device, example_kwargs=example_kwargs)
+        self.plain = estimate(model, example_args, optimizer=self.opt_cls,
+                              optimizer_kwargs=self.opt_kw, **self.common)
+        self.min_bytes = _activation_min_bytes(self.plain)
+        places = ["device"] + ([] if self.on_cpu else ["host"]) + (
+            ["disk"] if disk is not None else [])
+        self.sizes = _sizes(model, self.opt_cls, self.opt_kw)
+        self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
+                                                           self.sizes.largest_param // 8))
+        # one dry run per setting that changes the ops (convert, checkpointing, activation
+        # offload; host and disk move the same bytes)
+        self.runs: dict[tuple[bool, int, bool], Estimate] = {(False, 0, False): self.plain}
+        conv_options = [False] + ([True] if self.run(True, 0, False).peak < self.plain.peak
+                                  else [])
+        self.candidates: list[_Candidate] = []
+        for conv, k, act in itertools.product(conv_options, ks, places):
+            for params, state in itertools.product(places, places):
+                if params != "device" and state == "device":
+                    continue  # offloaded parameters are stepped through their store
+                choice = Choice(conv, tuple(self.blocks[:k]), params, state, act,
+                                self.min_bytes)
+                # checkpointing only adds recomputation and activation offload only
+                # transfers: the time on top of the run without them is a lower bound
+                base = self.run(conv, 0, False)
+                self.candidates.append(_Candidate(choice, self._time(base, choice)))
+
+    def run(self, conv: bool, k: int, act: bool) -> Estimate:
+        key = (conv, k, act)
+        if key not in self.runs:
+            self.runs[key] = estimate(
+                self.model, self.args, optimizer=self.opt_cls, optimizer_kwargs=self.opt_kw,
+                checkpoint=self.blocks[:k], prepare=_convert_fn(conv),
+                offload_activations={"min_bytes": self.min_bytes, "prefetch": 0} if act
+                else None, **self.common)
+        return self.runs[key]
+
+    def _time(self, r: Estimate, c: Choice) -> float:
+        return _time(r, c, self.sizes, self.speeds, self.on_cpu)
+
+    def refine(self, c: _Candidate) -> None:
+        r = self.run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device")
+        c.time_s = self._time(r, c.choice)
+        c.lower = _lower(r, c.choice)
+
+    def whole(self, c: _Candidate) -> int:
+        if c.peak is None:
+            est = _estimate_choice(self.model, self.args, c.choice, self.opt_cls, self.opt_kw,
+                                   self.slice_bytes, self.common, _convert_fn(c.choice.convert))
+            c.peak = est.peak_reserved
+            c.at_peak = dict(est.peak_by_category)
+            c.time_s = _time_whole(est, c.choice, self.speeds, self.on_cpu)
+        return c.peak
+
+    def plan_of(self, c: _Candidate, budget: int) -> Plan:
+        """The `Plan` of a candidate (refined and estimated whole)."""
+        plain_time = self._time(self.plain, Choice(activation_min_bytes=self.min_bytes))
+        return Plan(c.choice, c.peak, c.time_s, self.plain.peak_reserved, plain_time, budget,
+                    self.plain.device, self.opt_cls, self.opt_kw,
+                    None if self.disk is None else str(self.disk), self.slice_bytes,
+                    c.at_peak, [(x.choice, x.peak if x.peak is not None else x.lower, x.time_s)
+                                for x in self.candidates], self.speeds)
+
+
+def _convert_fn(on: bool):
+    if not on:
+        return None
+    from headroom.nn import convert as _convert
+
+    def prepare(m: nn.Module) -> nn.Module:
+        return _convert(m, inplace=True)
+
+    return prepare
+
+
+def _activation_min_bytes(plain: Estimate) -> int:
+    """hr.offload_activations' default (1 MiB), or 1/256 of the activations when that is
+    smaller (at least 4 KiB), so that a small model's saved tensors are not all below it."""
+    acts = plain.max_by_category.get("activations", 0)
+    return int(min(1 << 20, max(4 << 10, acts // 256)))
+
+
+def _estimate_choice(model, example_args, c: Choice, opt_cls, opt_kw, slice_bytes, common,
+                     prepare) -> Estimate:
+    """The dry run of the whole plan: every technique of ``c`` as `Plan.apply` sets it up."""
+    optimizer: Any = opt_cls
+    kwargs = opt_kw
+    if c.optimizer_state != "device":
+        from headroom.optim import HostOptimizerOptions
+
+        host_kw = dict(opt_kw)
+        if common["device"] == "cpu" or str(common["device"]).startswith("cpu"):
+            host_kw.setdefault("fused", False)
+        optimizer = HostOptimizerOptions(opt_cls, host_kw,
+                                         "cpu" if c.optimizer_state == "host" else "disk",
+                                         False, slice_bytes, 32 << 20)
+        kwargs = {}
+    return estimate(
+        model, example_args, optimizer=optimizer, optimizer_kwargs=kwargs,
+        checkpoint=c.checkpoint, prepare=prepare,
+        offload_activations=None if c.activations == "device" else
+        {"min_bytes": c.activation_min_bytes, "prefetch": 0},
+        offload=None if c.params == "device" else
+        {"store": "cpu" if c.params == "host" else "disk", "prefetch": 1},
+        **common)
 
 
 @dataclass(frozen=True)
@@ -400,16 +542,11 @@ class _Sizes:
     params: int
     largest_param: int
     state_keys: int
-    largest_block: int
-    offload_budget: int
 
 
-def _sizes(model: nn.Module, device, opt_cls, opt_kw) -> _Sizes:
-    from headroom.residency._plan import layout
-
+def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
     params = {id(p): p for p in model.parameters()}
     nbytes = [p.numel() * p.element_size() for p in params.values()]
-    lay = layout(model, device=torch.device(device), blocks=None, prefetch=1, compute_dtype=None)
     probe = nn.Parameter(torch.zeros(2, 3))
     probe.grad = torch.zeros(2, 3)
     try:
@@ -419,69 +556,67 @@ def _sizes(model: nn.Module, device, opt_cls, opt_kw) -> _Sizes:
                    if isinstance(v, torch.Tensor) and v.shape == probe.shape)
     except Exception:
         keys = 2
-    return _Sizes(sum(nbytes), max(nbytes, default=0), keys, lay.plan.largest_block_bytes,
-                  lay.plan.device_budget)
+    return _Sizes(sum(nbytes), max(nbytes, default=0), keys)
 
 
-def _peak(r: _Run, c: Choice, s: _Sizes, slice_bytes: int) -> tuple[int, dict[str, int]]:
-    """The candidate's peak: the dry run's timeline with offloaded categories replaced by what
-    stays on the device (an upper bound for each)."""
-    p_, g_, o_, x_ = (CATEGORIES.index(c)
-                      for c in ("parameters", "gradients", "optimizer_state", "other"))
-    best, at = -1, [0] * len(CATEGORIES)
-    for sample, in_step in zip(r.samples, r.in_step, strict=True):
-        row = list(sample)
-        if c.params != "device":
-            # at most prefetch+1 blocks and the outside group; one block's gradients in flight
-            row[p_] = min(row[p_], s.offload_budget)
-            row[g_] = min(row[g_], s.largest_block)
-            row[x_] += s.largest_block  # a block being read from or written to its store
-        if c.optimizer_state != "device":
-            if c.optimizer_state == "disk" or not _same_memory(r.est.device):
-                # none outside the step; inside it, the slices in flight: the one updated, the
-                # next one being read and the last one being written, of each state entry
-                row[o_] = min(row[o_], 3 * slice_bytes * s.state_keys) if in_step else 0
-            if not _same_memory(r.est.device):
-                # gradients leave the device as they are accumulated
-                row[g_] = min(row[g_], 2 * s.largest_param)
-        total = sum(row)
-        if total > best:
-            best, at = total, row
-    scale = 1.0
-    if r.est.allocator and r.est.peak:
-        scale = r.est.peak_reserved / r.est.peak  # allocator rounding and caching
-    return int(best * scale), dict(zip(CATEGORIES, at, strict=True))
+def _lower(r: Estimate, c: Choice) -> int:
+    """A lower bound of the peak of ``c``: the run's timeline without the bytes that leave the
+    device (all parameters, gradients and optimizer state of what is offloaded; none of them
+    stays whole). On ``cpu`` only stores on disk leave."""
+    drop = set()
+    cpu = r.device == "cpu"
+    if c.params != "device" and not (cpu and c.params == "host"):
+        drop |= {"parameters", "gradients"}
+    if c.optimizer_state != "device" and not (cpu and c.optimizer_state == "host"):
+        drop |= {"optimizer_state"}
+        if not cpu:
+            drop |= {"gradients"}
+    idx = [i for i, cat in enumerate(CATEGORIES) if cat not in drop]
+    low = max((sum(s.by_category[CATEGORIES[i]] for i in idx) for s in r.timeline), default=0)
+    if r.allocator and r.peak:
+        low = int(low * r.peak_reserved / r.peak)  # the same step's rounding and caching
+    return low
 
 
-def _same_memory(device: str) -> bool:
-    return device == "cpu"
+def _time_whole(est: Estimate, c: Choice, sp: Speeds, on_cpu: bool) -> float:
+    """Seconds per step from the dry run of the whole plan: its ops (the host optimizer's
+    sliced step, the offload schedule's copies) and the bytes its stores moved."""
+    moved = {k: v for k, v in est.transfers.items() if not (on_cpu and k == "link")}
+    a = est.activation_bytes_moved
+    if c.activations == "disk":
+        moved["disk_write"] = moved.get("disk_write", 0) + a
+        moved["disk_read"] = moved.get("disk_read", 0) + a
+    elif c.activations == "host" and not on_cpu:
+        moved["link"] = moved.get("link", 0) + 2 * a
+    host_step = c.optimizer_state != "device" and not on_cpu
+    return step_time(est.ops, sp, host_step=host_step, moved=moved)
 
 
-def _time(c: Choice, flops: int, k: int, n: int, s: _Sizes, sp: Speeds, on_cpu: bool) -> float:
-    t = flops / sp.flops
-    if k and n:
-        t += (flops / 3) * (k / n) / sp.flops  # forward of the checkpointed blocks, again
+def _time(r: Estimate, c: Choice, s: _Sizes, sp: Speeds, on_cpu: bool) -> float:
+    """Seconds per step of ``c`` on top of its run ``r``'s ops (see `step_time`), transfers
+    counted from the sizes (before the dry run of the whole plan counts them)."""
+    moved = {"disk_read": 0, "disk_write": 0, "link": 0}
     if c.params != "device":
-        bw = sp.disk if c.params == "disk" else sp.host
-        t += 3 * s.params / bw  # read in forward and backward, gradients written back
+        way = "disk_read" if c.params == "disk" else "link"
+        moved[way] += 2 * s.params  # fetched for forward and again for backward
+        moved["disk_write" if c.params == "disk" else "link"] += s.params  # gradients out
     state = s.params * s.state_keys
     if c.optimizer_state == "disk":
-        t += 2 * state / sp.disk  # state read and written once
-    if c.optimizer_state != "device":
-        t += (state + 2 * s.params) / sp.host_step
-        if not on_cpu and c.params == "device":
-            t += 2 * s.params / sp.host  # gradients to the host, parameters back
-    return t
-
-
-def _flops(model, example_args, example_kwargs, loss_fn, device) -> int:
-    meta = _dryrun.meta_copy(model)
-    args = _dryrun.to_meta(example_args if isinstance(example_args, tuple) else (example_args,))
-    kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
-    fn = loss_fn or _dryrun.default_loss
-
-    def step() -> None:
-        fn(meta(*args, **kwargs)).backward()
-
-    with _dryrun.AttentionAsOnDevice(torch.device(device).type):
-        return count_flops(step)
+        moved["disk_read"] += state
+        moved["disk_write"] += state
+        if c.params == "disk":  # the sliced step reads masters and gradients, writes masters
+            moved["disk_read"] += 2 * s.params
+            moved["disk_write"] += s.params
+    if c.optimizer_state != "device" and not on_cpu and c.params == "device":
+        moved["link"] += 2 * s.params  # gradients to the host, parameters back
+    if c.activations != "device":
+        a = r.activation_bytes_moved
+        if c.activations == "disk":
+            moved["disk_write"] += a
+            moved["disk_read"] += a
+        elif not on_cpu:
+            moved["link"] += 2 * a
+    if on_cpu:
+        moved.pop("link")
+    host_step = c.optimizer_state != "device" and not on_cpu
+    return step_time(r.ops, sp, host_step=host_step, moved=moved)

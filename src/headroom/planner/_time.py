@@ -1,70 +1,234 @@
-"""How long a step takes under a plan: compute, recompute and transfers, from declared speeds.
+"""How long a step takes under a plan: the dry run's ops priced at measured speeds, plus transfers.
 
-The model is deliberately simple and additive: ``time = FLOPs / flops + bytes moved / bandwidth``
-for each transfer, with no overlap credited (headroom overlaps prefetch and optimizer I/O with
-compute, so real steps are at most this long when the speeds are right). FLOPs come from
-PyTorch's ``FlopCounterMode`` over the dry run (matmuls, convolutions and attention; element-wise
-ops count zero). The compute speed of ``cpu`` is measured once per process with a matmul; other
-devices and bandwidths are declared (`Speeds`) and can be given by the caller.
+Every op of a plan's dry run (forward, backward with its recomputation, optimizer step) is
+priced as a roofline with a fixed cost: ``max(FLOPs / rate, bytes / memory) + op``, where
+``rate`` is the matmul or convolution speed, ``memory`` the bandwidth element-wise ops stream
+at and ``op`` what one op costs beyond its work (dispatch, autograd, Python). Bytes moved to
+and from stores are added at their bandwidths, with no overlap credited (headroom overlaps
+prefetch and optimizer I/O with compute, so real steps are at most this long when the speeds
+are right).
+
+On ``cpu`` the speeds are measured on this machine (`measure_speeds`, once: the figures are
+kept in a file under the user's cache folder, per machine, thread count and store folder).
+Accelerators get declared figures: pass ``speeds=`` to `hr.plan` with your own.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 
-_measured_cpu: float | None = None
+_CACHE: dict[str, Speeds] = {}
 
 
 @dataclass(frozen=True)
 class Speeds:
-    """Speeds the time model uses (operations or bytes per second).
+    """Speeds the time model uses (per second, or seconds per op).
 
     Attributes:
-        flops: sustained FLOP/s of the device on the model's matmuls and convolutions.
-        host: host <-> device bytes/s (for ``cpu`` nothing moves: memory is shared).
-        disk: disk read/write bytes/s.
-        host_step: bytes/s at which the host optimizer streams state through an update.
+        matmul: FLOP/s of matmuls and attention on the device.
+        conv: FLOP/s of convolutions on the device.
+        memory: bytes/s element-wise ops read and write on the device.
+        op: seconds one op costs beyond its work (dispatch, autograd, Python).
+        disk_read: bytes/s a `DiskStore` reads.
+        disk_write: bytes/s a `DiskStore` writes.
+        link: host <-> device bytes/s (``inf`` on ``cpu``: host memory is the device's).
+        host_memory: bytes/s of element-wise ops on the host (an optimizer step there).
+        host_op: seconds per op on the host.
     """
 
-    flops: float
-    host: float
-    disk: float
-    host_step: float = 4e9
+    matmul: float
+    conv: float
+    memory: float
+    op: float
+    disk_read: float
+    disk_write: float
+    link: float = float("inf")
+    host_memory: float = 10e9
+    host_op: float = 5e-6
+
+    def describe(self) -> str:
+        def g(x: float) -> str:
+            return f"{x / 1e9:.1f}"
+
+        return (f"matmul {g(self.matmul)} GFLOP/s, conv {g(self.conv)} GFLOP/s, memory"
+                f" {g(self.memory)} GB/s, {self.op * 1e6:.1f} us per op, disk read"
+                f" {g(self.disk_read)} GB/s, write {g(self.disk_write)} GB/s")
 
 
-def default_speeds(device: str) -> Speeds:
-    """``cpu``: FLOP/s measured here; accelerators: conservative declared figures."""
-    kind = device.split(":")[0]
-    if kind == "cpu":
-        return Speeds(flops=cpu_flops(), host=float("inf"), disk=1e9)
-    return Speeds(flops=50e12, host=12e9, disk=2e9)
+def default_speeds(device: str, disk: str | os.PathLike | None = None) -> Speeds:
+    """``cpu``: `measure_speeds` (cached); accelerators: declared figures of a current
+    data-center GPU over PCIe (override with ``speeds=``)."""
+    if device.split(":")[0] == "cpu":
+        return measure_speeds(disk)
+    return Speeds(matmul=50e12, conv=30e12, memory=1.5e12, op=10e-6, disk_read=2e9,
+                  disk_write=1e9, link=12e9, host_memory=10e9, host_op=5e-6)
 
 
-def cpu_flops() -> float:
-    """FLOP/s of a 512 x 512 fp32 matmul on this CPU (median of a few runs, cached)."""
-    global _measured_cpu
-    if _measured_cpu is None:
-        a = torch.randn(512, 512)
-        b = torch.randn(512, 512)
-        a @ b
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t)
-        times.sort()
-        _measured_cpu = 2 * 512**3 / max(times[len(times) // 2], 1e-9)
-    return _measured_cpu
+def measure_speeds(disk: str | os.PathLike | None = None, *, refresh: bool = False) -> Speeds:
+    """This CPU's speeds, measured once and kept (in this process and in a file).
+
+    ``matmul``: a 512 x 512 fp32 matmul; ``conv``: a 3 x 3 convolution, 64 channels, 56 x 56;
+    ``memory``: an in-place add of two 64 MiB tensors (three streams); ``op``: a training step
+    of a tiny MLP (8 layers of width 8, batch 1) divided by its ops; ``disk_*``: a 64 MiB
+    tensor written to and read back from a `DiskStore` in ``disk`` (a temporary folder when
+    ``None``; a read soon after a write may come from the page cache, as it does in training).
+    Each the fastest of ``torch.utils.benchmark``'s blocks of runs (the disk: of three), at the
+    current intra-op thread count: what the machine achieves when nothing else runs.
+    The file is ``$XDG_CACHE_HOME/headroom/speeds.json`` (``~/.cache`` without it).
+    """
+    key = _key(disk)
+    if not refresh and key in _CACHE:
+        return _CACHE[key]
+    path = _cache_file()
+    stored: dict = {}
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    if not refresh and isinstance(stored.get(key), dict):
+        try:
+            _CACHE[key] = Speeds(**{f.name: float(stored[key][f.name]) for f in fields(Speeds)})
+            return _CACHE[key]
+        except (KeyError, TypeError, ValueError):
+            pass
+    memory, op = _memory(), _op()
+    read, write = _disk(disk)
+    sp = Speeds(matmul=_matmul(), conv=_conv(), memory=memory, op=op, disk_read=read,
+                disk_write=write, host_memory=memory, host_op=op)
+    _CACHE[key] = sp
+    stored[key] = {k: (v if v != float("inf") else 1e30) for k, v in asdict(sp).items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: measured again in the next process
+        pass
+    for k, v in asdict(sp).items():
+        if v == 1e30:
+            object.__setattr__(sp, k, float("inf"))
+    return sp
 
 
-def count_flops(run) -> int:
-    """Total FLOPs of ``run()`` (forward and backward)."""
-    from torch.utils.flop_counter import FlopCounterMode
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "headroom" / "speeds.json"
 
-    counter = FlopCounterMode(display=False)
+
+def _key(disk) -> str:
+    where = "tmp"
+    if disk is not None:
+        p = Path(disk)
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        try:
+            where = f"dev{os.stat(p).st_dev}"
+        except OSError:
+            where = str(disk)
+    return (f"{platform.node()}|{platform.machine()}|torch {torch.__version__}|"
+            f"threads {torch.get_num_threads()}|{where}")
+
+
+def _best(stmt: str, globals_: dict) -> float:
+    """Seconds per run of ``stmt``: the fastest block of runs, what the machine achieves when
+    nothing else competes for it (other load only ever slows a block down)."""
+    from torch.utils.benchmark import Timer
+
+    m = Timer(stmt, globals=globals_, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=0.2)
+    return min(m.times)
+
+
+def _matmul() -> float:
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _best("a @ b", {"a": a, "b": b})
+
+
+def _conv() -> float:
+    x = torch.randn(1, 64, 56, 56)
+    w = torch.randn(64, 64, 3, 3)
+    flops = 2 * 64 * 64 * 9 * 56 * 56
+    f = torch.nn.functional.conv2d
+    return flops / _best("f(x, w, padding=1)", {"f": f, "x": x, "w": w})
+
+
+def _memory() -> float:
+    n = 16 << 20
+    a, b = torch.zeros(n), torch.ones(n)
+    return 3 * 4 * n / _best("a.add_(b)", {"a": a, "b": b})
+
+
+def _op() -> float:
+    """Seconds per op of a training step whose ops do almost no work."""
+    from headroom.memory._dryrun import OpCounter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(1, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    counter = OpCounter(lambda: False)
     with counter:
-        run()
-    return counter.get_total_flops()
+        step()
+    return _best("step()", {"step": step}) / max(len(counter.ops), 1)
+
+
+def _disk(folder) -> tuple[float, float]:
+    from headroom.transfer import DiskStore
+
+    with tempfile.TemporaryDirectory(dir=_existing(folder)) as tmp:
+        store = DiskStore(Path(tmp) / "speeds")
+        try:
+            t = torch.ones(16 << 20)
+            h = store.put("probe", t)
+            writes, reads = [], []
+            for _ in range(3):
+                start = time.perf_counter()
+                store.write(h, t).result()
+                store.flush()
+                writes.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                store.read(h, out=t).result()
+                reads.append(time.perf_counter() - start)
+        finally:
+            store.close()
+    return t.numel() * 4 / min(reads), t.numel() * 4 / min(writes)
+
+
+def _existing(folder) -> str | None:
+    if folder is None:
+        return None
+    p = Path(folder)
+    p.mkdir(parents=True, exist_ok=True)
+    return str(p)
+
+
+def step_time(ops: list[tuple[int, int, str, bool]], sp: Speeds, *, host_step: bool,
+              moved: dict[str, int]) -> float:
+    """Seconds of one step: its ops (those of the optimizer step on the host when
+    ``host_step``) and ``moved`` bytes by way: ``"disk_read"``, ``"disk_write"``, ``"link"``."""
+    t = 0.0
+    for flops, nbytes, kind, in_step in ops:
+        if host_step and in_step:
+            t += nbytes / sp.host_memory + sp.host_op
+            continue
+        rate = sp.conv if kind == "conv" else sp.matmul
+        t += max(flops / rate, nbytes / sp.memory) + sp.op
+    for way, nbytes in moved.items():
+        t += nbytes / getattr(sp, way)
+    return t

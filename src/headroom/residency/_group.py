@@ -19,12 +19,18 @@ What the modules compute with is separate too: `show` puts a group's device copi
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn as nn
 
-from headroom.transfer import HeapTrimmer, Mover, ParamBinding, Store, Ticket, resize_storage
+from headroom.transfer import (
+    HeapTrimmer,
+    HostStore,
+    Mover,
+    ParamBinding,
+    Store,
+    Ticket,
+    resize_storage,
+)
 
 __all__ = ["DeviceCopy", "Group", "Residency", "Slot"]
 
@@ -89,33 +95,41 @@ class Residency:
     def __init__(self, device: torch.device, store: Store) -> None:
         self.device = device
         self.store = store
+        # Thread-safe: the backward thread fetches and pushes gradients while an optimizer's
+        # worker thread may wait for them (`sync_grads`); neither blocks the other.
         self.mover = Mover(device, store)
-        # The mover is driven by the backward thread; `sync_grads` may also be called by
-        # an optimizer's worker thread (HostOptimizer stepping a group during backward), so
-        # every use of the mover holds this lock.
-        self.lock = threading.Lock()
         # On the CPU the device copies are host memory, freed and allocated again group
         # after group; see headroom.transfer._heap for why that memory must be given back.
-        self._trimmer = HeapTrimmer() if device.type == "cpu" else None
+        # Not when the masters rest in host memory too: the model is in RAM then, whatever
+        # the heap keeps, and trimming would only cost time (10-20% of a step of
+        # benchmarks/offload_overhead.py, which faults the pages in again at every refill).
+        self._trimmer = (HeapTrimmer() if device.type == "cpu" and not isinstance(store, HostStore)
+                         else None)
 
     def fetch(self, group: Group) -> None:
-        """Start bringing a group to the device (no wait; the modules still hold the masters)."""
+        """Start bringing a group to the device (no wait; the modules still hold the masters).
+
+        On an accelerator the group's copies share one event ordering them after the
+        computing stream and one signalling that they are done."""
         if group.resident:
             return
         group.resident = True  # first: a fetch that fails half-way is released whole
         for s in group.slots:
             _check_master(s)
+        items = []
+        for s in group.slots:
             resize_storage(s.dev, s.nbytes)
-            with self.lock:
-                s.ticket = self.mover.fetch(s.binding.handle, s.dev)
+            items.append((s.binding.handle, s.dev))
+        for s, t in zip(group.slots, self.mover.fetch_many(items), strict=True):
+            s.ticket = t
 
     def ensure(self, group: Group) -> None:
-        """Make a group resident and ready for compute."""
+        """Make a group resident and ready for compute (the current stream is ordered after
+        its copies; modules may be shown its device copies from then on)."""
         self.fetch(group)
         for s in group.slots:
             if s.ticket is not None:
-                with self.lock:
-                    self.mover.wait(s.ticket)
+                self.mover.wait(s.ticket)
                 s.ticket = None
 
     def release(self, group: Group, *, quiet: bool = False) -> None:
@@ -126,10 +140,10 @@ class Residency:
         hide(group)
         for s in group.slots:
             if s.ticket is not None:  # a prefetch that was never used
-                # Wait even when quiet: a disk read may still be landing in the storage.
+                # Wait even when quiet: a disk read may still be landing in the storage, and
+                # the free below is ordered after the copy on the current stream.
                 try:
-                    with self.lock:
-                        self.mover.wait(s.ticket)
+                    self.mover.wait(s.ticket)
                 except Exception:
                     if not quiet:
                         raise
@@ -141,18 +155,23 @@ class Residency:
 
     def sync_grads(self) -> None:
         """Wait until every gradient pushed so far rests in the store (any thread)."""
-        with self.lock:
-            self.mover.synchronize()
+        self.mover.synchronize()
 
     def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
         """Hand a finished gradient to the store (see `headroom.transfer.Mover.push_grad`)."""
-        with self.lock:
-            self.mover.push_grad(grad, b, accumulate=accumulate)
+        self.mover.push_grad(grad, b, accumulate=accumulate)
+
+    def close(self) -> None:
+        """Land what is in flight and give the mover's page-locked staging back."""
+        self.mover.close()
 
 
 def show(group: Group) -> None:
-    """The modules compute with the group's device copies (inside a forward)."""
+    """The modules compute with the group's device copies (inside a forward), which must be
+    ready: `Residency.ensure` first (a prefetch still copying is never shown)."""
     for s in group.slots:
+        if s.ticket is not None:
+            raise RuntimeError(f"internal: {s.name!r} shown before its copy was waited for")
         s.show(s.dev)
 
 

@@ -195,6 +195,9 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
            claimed: set[str], placed: list) -> None:
     """Move every parameter's master into the store and give it a device copy and hooks."""
     owners, params, first_name = lay.owners, lay.params, lay.names
+    # The masters new to the store, carved from one slab when it is page-locked host memory.
+    st.reserve([p.numel() * p.element_size() for pid, p in params.items()
+                if first_name[pid] not in st])
     for pid, p in params.items():
         name = first_name[pid]
         # A parameter already in the store (a DiskStore reopened by a later run) is
@@ -293,8 +296,14 @@ def _install_optimizer_hook() -> None:
     if _guard_handle is not None:
         return
 
+    def stepped(opt) -> list[Offload]:
+        # Only models with a parameter in this optimizer: another optimizer's step (perhaps
+        # on a host optimizer's worker thread, while this model runs) changes none of theirs.
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        return [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]
+
     def before_step(opt, args, kwargs):
-        for state in list(_LIVE):
+        for state in stepped(opt):
             state.before_optimizer_step()
         own = type(opt).__module__.startswith("headroom.")
         for group in opt.param_groups:
@@ -317,7 +326,7 @@ def _install_optimizer_hook() -> None:
                     )
 
     def after_step(opt, args, kwargs):
-        for state in list(_LIVE):
+        for state in stepped(opt):
             state.after_optimizer_step()
 
     _guard_handle = (register_optimizer_step_pre_hook(before_step),
@@ -411,6 +420,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     state.sync_grads()
     for b in [*state.blocks, state.rest]:
         state.res.release(b)
+    state.res.close()  # copies landed, staging memory back to the system
     for h in state.handles:
         h.remove()
     st = state.store

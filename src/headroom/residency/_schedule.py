@@ -511,6 +511,8 @@ class Offload:
         todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
         store = self.store
         try:
+            store.reserve([s.binding.handle.numel * (s.binding.grad_dtype or s.binding.handle.dtype
+                                                      ).itemsize for s in todo])
             for s in todo:
                 s.binding.grad_handle = _grad_handle(store, s.binding)
         except StoreFullError as e:
@@ -643,6 +645,9 @@ class Offload:
                 continue  # the default loader reports the mismatch
             if self.announced:
                 self.drop_announced()  # their device copies would hold the old values
+            # A copy to the device may still be reading the master (a block fetched ahead):
+            # the host write waits for it.
+            self.res.mover.wait_reads()
             self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
             slot.binding.has_value = True
             # The default loader then copies into whatever the module holds; give it a

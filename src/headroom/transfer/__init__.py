@@ -15,12 +15,13 @@ from headroom.transfer._binding import (
     unbind,
 )
 from headroom.transfer._claims import claimed_keys
-from headroom.transfer._device import check_device
+from headroom.transfer._device import check_device, stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import (
     HeaderError,
@@ -48,6 +49,7 @@ __all__ = [
     "ListenerHandle",
     "Mover",
     "ParamBinding",
+    "PinnedArena",
     "PinnedPool",
     "RowStreamer",
     "SafetensorsFile",
@@ -66,10 +68,13 @@ __all__ = [
     "grad_ready",
     "on_grad_ready",
     "parse_header",
+    "pinned_bytes",
     "relay_done",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",
+    "set_pinned_limit",
+    "stream_module",
     "sync_grad",
     "trim_heap",
     "unbind",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_device"]
+__all__ = ["check_device", "stream_module"]
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -53,3 +53,27 @@ def check_device(device: str | torch.device) -> torch.device:
             " device(s); pick an index below that"
         )
     return torch.device(dev.type, index)
+
+
+_NEEDS = ("Stream", "Event", "stream", "current_stream")
+
+
+def stream_module(device: torch.device):
+    """The device module (``torch.cuda``, ``torch.xpu``, ...) whose side streams and events the
+    transfer layer orders its copies with.
+
+    Raises:
+        RuntimeError: the accelerator has no streams and events to order copies with (MPS
+            today): headroom cannot overlap copies with compute there, and does not pretend to.
+    """
+    mod = torch.get_device_module(device.type)
+    missing = [n for n in _NEEDS if not hasattr(mod, n)]
+    if missing:
+        raise RuntimeError(
+            f"device {str(device)!r}: torch.{device.type} has no {', '.join(missing)}, which"
+            " headroom needs to copy tensors on side streams ordered by events; offload, the"
+            " host optimizer's accelerator path and streamed heads support CUDA (and ROCm) and"
+            " accelerators with the same stream semantics (XPU). Use device='cpu' (with"
+            " store=headroom.DiskStore(path) to go beyond RAM) on this machine"
+        )
+    return mod

@@ -1,48 +1,48 @@
-"""Host memory: a store of host tensors, page-locked from a budgeted pool when feeding a device."""
+"""Host memory: a store of host tensors (page-locked, carved from a few slabs, when feeding a
+device), and a pool of reusable page-locked buffers."""
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import Future
 
 import torch
 
 from headroom.transfer._handle import Handle
+from headroom.transfer._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
 from headroom.transfer._store import Store, StoreFullError, done
 
-__all__ = ["HostStore", "PinnedPool", "default_pinned_budget"]
-
-
-def default_pinned_budget() -> int:
-    """Half of physical memory: page-locked memory cannot be swapped, so leave the OS room."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 << 30
+__all__ = ["HostStore", "PinnedPool"]
 
 
 class PinnedPool:
     """Reusable host byte buffers, page-locked when ``pin`` is true, under a byte budget.
 
     Buffers are cached by size when given back, so steady-state training allocates no new
-    page-locked memory (pinning is slow: it maps and locks every page).
+    page-locked memory (pinning is slow: it maps and locks every page). Each buffer is a slab
+    of its own (see `headroom.transfer._pinned`): it counts what the runtime spends for it, and
+    `forget`, `clear` and the trimming under the budget give its memory back to the system.
 
     Args:
-        pin: allocate page-locked memory (needs an accelerator runtime).
-        max_bytes: budget for all buffers handed out plus cached; ``None`` for no limit.
+        pin: allocate page-locked memory (plain memory where no accelerator runtime can pin).
+        max_bytes: budget for all buffers handed out plus cached, as spent; ``None`` for no
+            limit of its own (the process's page-locked budget still holds).
+        device: the accelerator the buffers feed.
     """
 
-    def __init__(self, *, pin: bool, max_bytes: int | None = None) -> None:
+    def __init__(self, *, pin: bool, max_bytes: int | None = None,
+                 device: torch.device | None = None) -> None:
         self.pin = pin
         self.max_bytes = max_bytes
+        self.device = device
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._slabs: dict[int, Slab] = {}  # data_ptr of a buffer handed out or cached -> slab
         self._total = 0
         self._lock = threading.Lock()
 
     @property
     def total_bytes(self) -> int:
-        """Bytes held by the pool (in use plus cached)."""
+        """Bytes held by the pool (in use plus cached), as the allocator spends them."""
         return self._total
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -51,43 +51,57 @@ class PinnedPool:
             cached = self._free.get(nbytes)
             if cached:
                 return cached.pop()
-            if self.max_bytes is not None and self._total + nbytes > self.max_bytes:
-                self._trim(self._total + nbytes - self.max_bytes)
-                if self._total + nbytes > self.max_bytes:
+            cost = spent(nbytes, _backend(self.pin, self.device))
+            if self.max_bytes is not None and self._total + cost > self.max_bytes:
+                self._trim(self._total + cost - self.max_bytes)
+                if self._total + cost > self.max_bytes:
                     raise StoreFullError(
-                        f"store full: budget {self.max_bytes} bytes, need {self._total + nbytes};"
+                        f"store full: budget {self.max_bytes} bytes, need {self._total + cost};"
                         " raise budget (max_bytes=) or use DiskStore"
                     )
-            self._total += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            slab = alloc_slab(nbytes, pin=self.pin, device=self.device)
+            buf = slab.tensor[:nbytes]
+            self._slabs[buf.data_ptr()] = slab
+            self._total += slab.spent
+            return buf
 
     def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from `take` for reuse."""
+        """Return a buffer from `take` for reuse (copies using it must be ordered before the
+        next `take` hands it out: the caller waits for them, or for their events)."""
         with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
+            self._free.setdefault(buf.numel() * buf.element_size(), []).append(
+                buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf)
 
     def forget(self, buf: torch.Tensor) -> None:
         """Drop a buffer from `take` entirely (its memory goes back to the system)."""
         with self._lock:
-            self._total -= buf.numel()
+            self._release(buf)
+
+    def _release(self, buf: torch.Tensor) -> None:
+        slab = self._slabs.pop(buf.data_ptr(), None)
+        if slab is not None:
+            self._total -= slab.spent
+            slab.release()
 
     def _trim(self, need: int) -> None:
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and need > 0:
-                bufs.pop()
-                self._total -= size
-                need -= size
+                buf = bufs.pop()
+                before = self._total
+                self._release(buf)
+                need -= before - self._total
             if not bufs:
                 del self._free[size]
             if need <= 0:
                 return
 
     def clear(self) -> None:
-        """Drop all cached buffers."""
+        """Drop all cached buffers (their memory goes back to the system)."""
         with self._lock:
-            for size, bufs in self._free.items():
-                self._total -= size * len(bufs)
+            for bufs in self._free.values():
+                for buf in bufs:
+                    self._release(buf)
             self._free.clear()
 
 
@@ -99,12 +113,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class HostStore(Store):
     """Tensors resting in host memory; reads and writes complete at once.
 
+    A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`):
+    pinned bytes are spent once per slab rather than rounded up per tensor, count against the
+    process's page-locked budget (`headroom.transfer.pinned_bytes`), and go back to the system
+    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`).
+
     Args:
         pin: page-lock the tensors so copies to an accelerator run asynchronously on a side
             stream. Costs pinning time once and memory the OS cannot swap; `resolve_store` turns
-            it on when the compute device is an accelerator.
-        max_bytes: byte budget; ``None`` means no limit when not pinned and half of physical
-            memory when pinned.
+            it on when the compute device is an accelerator. Where no accelerator runtime can
+            pin (a CPU-only build) the slabs are plain memory, counted the same way.
+        max_bytes: byte budget, on what the store's memory costs (whole slabs when pinned);
+            ``None``: no limit of its own (a pinned store still stays within the process's
+            page-locked budget, half of physical memory by default).
+        device: the accelerator a pinned store feeds (its context pins the memory; default:
+            the current accelerator).
 
     Raises:
         StoreFullError: from `put`/`alloc` when the budget is exhausted.
@@ -116,14 +139,18 @@ class HostStore(Store):
         6.0
     """
 
-    def __init__(self, *, pin: bool = False, max_bytes: int | None = None) -> None:
-        if pin and max_bytes is None:
-            max_bytes = default_pinned_budget()
+    def __init__(self, *, pin: bool = False, max_bytes: int | None = None,
+                 device: str | torch.device | None = None) -> None:
         super().__init__(max_bytes=max_bytes)
-        # The store enforces the budget itself (it knows keys for the message); the pool
-        # only recycles the page-locked buffers of freed tensors.
-        self._pool = PinnedPool(pin=pin)
         self._pin = pin
+        self._arena = None
+        if pin:
+            if device is None and torch.accelerator.is_available():
+                device = torch.accelerator.current_accelerator()
+            dev = torch.device(device) if device is not None else None
+            if dev is not None and dev.type not in ("cpu", "meta") and dev.index is None:
+                dev = torch.device(dev.type, torch.accelerator.current_device_index())
+            self._arena = PinnedArena(pin=True, device=dev, max_bytes=max_bytes)
         self._tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
@@ -133,17 +160,34 @@ class HostStore(Store):
     def pinned(self) -> bool:
         return self._pin
 
+    @property
+    def spent_bytes(self) -> int:
+        """What the store's memory costs: its slabs when pinned, else its tensors' bytes."""
+        return self._arena.spent_bytes if self._arena is not None else self._used
+
+    def reserve(self, sizes) -> None:
+        """Room for tensors of these byte sizes, allocated next, in one slab when pinned (no
+        tail wasted between slabs); a hint, nothing is allocated when not pinned."""
+        if self._arena is not None:
+            self._arena.reserve(list(sizes))
+
     def alloc(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *, zero: bool = True
     ) -> Handle:
         handle = Handle.of(key, shape, dtype, self)
         self._reserve(handle)
         try:
-            buf = self._pool.take(handle.nbytes)
+            if not handle.nbytes:
+                buf = None
+            elif self._arena is not None:
+                buf = self._arena.take(handle.nbytes)
+            else:
+                buf = torch.empty(handle.nbytes, dtype=torch.uint8)
         except BaseException:
             self._release(handle)
             raise
-        t = buf.view(dtype).view(handle.shape) if handle.nbytes else torch.empty(shape, dtype=dtype)
+        t = buf.view(dtype).view(handle.shape) if buf is not None else torch.empty(
+            shape, dtype=dtype)
         if zero:
             t.zero_()
         with self._lock:
@@ -193,18 +237,18 @@ class HostStore(Store):
         return done(None)
 
     def free(self, handle: Handle) -> None:
+        """Forget the tensor; a pinned store's slab goes back to the system once nothing in it
+        is left. Copies that use the tensor must have finished (e.g. `Mover.synchronize`)."""
         self._check(handle)
         with self._lock:
             _, buf = self._tensors.pop(handle.key)
             self._release(handle)
-        if handle.nbytes:
-            if self._pin:
-                self._pool.give(buf)
-            else:
-                self._pool.forget(buf)
+            if buf is not None and self._arena is not None:
+                self._arena.give(buf)
 
     def close(self) -> None:
         with self._lock:
             for key in list(self._tensors):
                 self.free(self._handles[key])
-        self._pool.clear()
+            if self._arena is not None:
+                self._arena.close()

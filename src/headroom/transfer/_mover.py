@@ -1,45 +1,74 @@
 """The mover: store -> device for parameters, device -> store for gradients.
 
-This is the one place that knows about streams, events and page-locked staging buffers. On an
-accelerator, copies run on side streams ordered with the compute stream by events, so a prefetch
-overlaps compute. On the CPU the same calls run synchronously, except disk reads, which run on
+This is the one place that knows about streams, events and page-locked staging buffers for
+parameters. On an accelerator, copies run on two side streams (``h2d``, ``d2h``) ordered with
+the stream that computes by events, so a prefetch overlaps compute and gradients leave while
+backward goes on. On the CPU the same calls run synchronously, except disk reads, which run on
 the store's I/O threads and so overlap compute there too.
+
+Threads: the forward/backward thread fetches and pushes gradients, an optimizer's worker thread
+may fetch (copy-backs) and wait for gradients, and the mover's own landing thread adds staged
+gradients into the store. A lock guards the mover's queues and the issuing of copies; it is
+never held while the host waits for the device or for I/O, so backward never stalls behind an
+optimizer waiting for its gradients.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from headroom.transfer._binding import ParamBinding
+from headroom.transfer._device import stream_module
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import PinnedPool, as_bytes
+from headroom.transfer._pinned import _device_guard
 from headroom.transfer._store import Store, is_accelerator
 
 __all__ = ["Mover", "Ticket"]
 
-# Bound the page-locked memory held by gradients in flight to the host; past it the
-# oldest copies are waited for (they are long done by then in steady state).
+# Bound the page-locked staging of gradients waiting to be added into the store; past it the
+# backward thread waits for the oldest landing, but never for a single gradient on its own.
 _MAX_STAGED_BYTES = 256 << 20
 
 
-@dataclass
+@dataclass(eq=False)
+class _Batch:
+    """Copies to the device issued together: one completion event for all of them."""
+
+    event: object | None = None
+    waited: set = field(default_factory=set)  # streams already ordered after ``event``
+
+
+@dataclass(eq=False)
 class Ticket:
     """A fetch in flight; pass it to `Mover.wait` before using the destination."""
 
     dst: torch.Tensor
     future: Future | None = None
-    event: object | None = None
-    staging: torch.Tensor | None = None  # disk read landing zone (cast or copied to dst on wait)
+    batch: _Batch | None = None  # the device copy (accelerator), once issued
+    staging: torch.Tensor | None = None  # disk read landing zone (copied or cast to dst)
+    issued: threading.Event | None = None  # the copy out of staging was issued (accelerator)
+    error: BaseException | None = None
     done: bool = False
 
 
-# Streams and events come from the device's own module (torch.cuda, torch.xpu, ...)
-# rather than the generic torch.Stream/torch.Event so that they mix with that module's
-# stream context and current_stream() everywhere.
+@dataclass(eq=False)
+class _Landing:
+    """A gradient on its way into the store."""
+
+    event: object  # the device -> host copy done (on the d2h stream)
+    key: str
+    staging: torch.Tensor | None = None  # None: copied straight into the store's tensor
+    nbytes: int = 0  # staging bytes
+    future: Future | None = None  # its landing on the landing thread
 
 
 class Mover:
@@ -48,6 +77,10 @@ class Mover:
     Args:
         device: the compute device.
         store: the store the tensors rest in.
+
+    Raises:
+        RuntimeError: an accelerator without streams and events (see
+            `headroom.transfer.check_device`'s companion ``stream_module``).
 
     Example:
         >>> store = HostStore(); h = store.put("w", torch.ones(3))
@@ -60,90 +93,207 @@ class Mover:
         self.device = torch.device(device)
         self.store = store
         self.accelerated = is_accelerator(self.device)
-        self._grads: deque = deque()
-        self._staged = 0
+        self._lock = threading.Lock()  # queues and issuing; never held across a wait
+        self._sync_lock = threading.Lock()  # one waiter at a time retires landings
         self._disk_writes: deque = deque()
         self._writing = 0
         self._acc_pool: ThreadPoolExecutor | None = None
+        self._landings: dict[int, _Landing] = {}
+        self._serial = itertools.count()
+        self._pending_keys: dict[str, int] = {}  # gradient key -> landings still to run
+        self._staged: deque[_Landing] = deque()
+        self._staged_bytes = 0
         if self.accelerated:
-            self._mod = torch.get_device_module(self.device.type)
+            self._mod = stream_module(self.device)
             self._h2d = self._mod.Stream(self.device)
             self._d2h = self._mod.Stream(self.device)
-            self._pool = PinnedPool(pin=True)
-            self._inflight: deque = deque()  # (event, staging) of H2D copies from staging
+            self._pool = PinnedPool(pin=True, device=self.device)
+            self._inflight: deque = deque()  # (event, staging) of H2D copies out of staging
+            # One event per side stream orders it after the computing stream: a wait captures
+            # the event's state when issued, so it is recorded again for the next copy.
+            self._h2d_after = self._mod.Event()
+            self._d2h_after = self._mod.Event()
+            self._events: list = []  # done events of retired copies, for reuse
 
     # ------------------------------------------------------------------ store -> device
-    def fetch(self, handle: Handle, dst: torch.Tensor) -> Ticket:
+    def fetch(self, handle: Handle, dst: torch.Tensor, *, after: Iterable | None = None,
+              batch: _Batch | None = None) -> Ticket:
         """Start filling ``dst`` (on the device, storage allocated) with ``handle``'s value.
 
         Casts to ``dst.dtype`` if it differs (e.g. fp32 master to a bf16 compute copy). Does
         not bump ``dst``'s version counter, so autograd's saved references stay valid.
+
+        Args:
+            handle: the stored value.
+            dst: where it goes.
+            after: events the copy must be ordered after instead of the calling thread's
+                current stream (a worker thread copying back parameters that backward read on
+                another stream records an event there and passes it).
+            batch: from `fetch_many`: copies that share one completion event.
         """
-        if tuple(dst.shape) != handle.shape:
-            raise ValueError(f"fetch of {handle.key!r}: shape {handle.shape} into {dst.shape}")
-        dst = dst.detach()
-        host = self.store.host_tensor(handle)
+        return self.fetch_many([(handle, dst)], after=after, batch=batch)[0]
+
+    def fetch_many(self, items: list[tuple[Handle, torch.Tensor]], *,
+                   after: Iterable | None = None, batch: _Batch | None = None) -> list[Ticket]:
+        """`fetch` for several tensors (a block): copies from host memory are ordered after
+        the computing stream by one event and signal completion with one event."""
+        for handle, dst in items:
+            if tuple(dst.shape) != handle.shape:
+                raise ValueError(f"fetch of {handle.key!r}: shape {handle.shape} into {dst.shape}")
+        items = [(h, d.detach()) for h, d in items]
         if not self.accelerated:
-            if host is not None:
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
-                    dst.copy_(host)
-                return Ticket(dst, done=True)
-            if dst.dtype == handle.dtype and dst.is_contiguous():
-                # Read straight into the parameter's memory on an I/O thread: the
-                # prefetch overlaps compute even on the CPU.
-                return Ticket(dst, future=self.store.read(handle, out=dst))
-            return Ticket(dst, future=self.store.read(handle), staging=None)
+            return [self._fetch_cpu(h, d) for h, d in items]
         self._reclaim()
+        tickets: list[Ticket] = []
+        batch = batch if batch is not None else _Batch()
+        staged: list[torch.Tensor] = []  # page-locked copies of pageable host tensors
+        with self._lock:
+            self._order_h2d(after)
+            try:
+                for handle, dst in items:
+                    host = self.store.host_tensor(handle)
+                    if host is None:  # on disk: read into staging, copied when it lands
+                        tickets.append(Ticket(dst, staging=self._pool.take(
+                            handle.nbytes).view(handle.dtype).view(handle.shape),
+                            issued=threading.Event()))
+                        continue
+                    if not self.store.pinned:
+                        # A copy from pageable memory would make the host wait for the device:
+                        # copy on the host into page-locked staging, which the device reads.
+                        src = self._pool.take(handle.nbytes).view(handle.dtype).view(
+                            handle.shape)
+                        src.copy_(host)
+                        staged.append(src)
+                        host = src
+                    with torch.no_grad(), self._mod.stream(self._h2d), \
+                            torch.autograd._unsafe_preserve_version_counter(dst):
+                        # Ordered after the computing stream (the event just waited for): the
+                        # storage was (re)allocated there, and what read it before is done.
+                        dst.copy_(host, non_blocking=True)
+                    tickets.append(Ticket(dst, batch=batch))
+            finally:
+                if any(t.batch is not None for t in tickets):
+                    batch.event = self._event()
+                    batch.event.record(self._h2d)
+                    self._inflight.extend((batch.event, src) for src in staged)
+                    if len(tickets) < len(items):
+                        # Failed half-way: whoever frees these storages next is ordered after
+                        # the copies already issued into them.
+                        self._mod.current_stream(self.device).wait_event(batch.event)
+        try:
+            for (handle, _), t in zip(items, tickets, strict=True):
+                if t.staging is not None:
+                    t.future = self.store.read(handle, out=t.staging)
+                    # The copy to the device is issued as soon as the read lands, on whichever
+                    # thread completes it: the device copy overlaps compute, not only the read.
+                    t.future.add_done_callback(
+                        lambda _f, t=t: self._bg(self._issue_staged)(t))
+        except BaseException:
+            for t in tickets:  # nothing may land in a storage after its owner freed it
+                if t.future is not None:
+                    with contextlib.suppress(Exception):
+                        self.wait(t)
+            raise
+        return tickets
+
+    def _fetch_cpu(self, handle: Handle, dst: torch.Tensor) -> Ticket:
+        host = self.store.host_tensor(handle)
         if host is not None:
-            ev = self._mod.Event()
-            ev.record(self._mod.current_stream(self.device))
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+                dst.copy_(host)
+            return Ticket(dst, done=True)
+        if dst.dtype == handle.dtype and dst.is_contiguous():
+            # Read straight into the parameter's memory on an I/O thread: the
+            # prefetch overlaps compute even on the CPU.
+            return Ticket(dst, future=self.store.read(handle, out=dst))
+        return Ticket(dst, future=self.store.read(handle))
+
+    def _order_h2d(self, after: Iterable | None) -> None:
+        """Order the h2d stream after ``after`` or after the current stream (lock held)."""
+        if after is None:
+            self._h2d_after.record(self._mod.current_stream(self.device))
+            after = (self._h2d_after,)
+        for ev in after:
             self._h2d.wait_event(ev)
-            with torch.no_grad(), self._mod.stream(self._h2d), \
-                    torch.autograd._unsafe_preserve_version_counter(dst):
-                dst.copy_(host, non_blocking=self.store.pinned)
-                done_ev = self._mod.Event()
-                done_ev.record(self._h2d)
-            return Ticket(dst, event=done_ev)
-        staging = self._pool.take(handle.nbytes).view(handle.dtype).view(handle.shape)
-        return Ticket(dst, future=self.store.read(handle, out=staging), staging=staging)
+
+    def _issue_staged(self, t: Ticket) -> None:
+        """Copy a landed disk read from staging to the device (any thread)."""
+        try:
+            if t.future.exception() is not None:
+                return
+            with self._lock, torch.no_grad(), _device_guard(self.device), \
+                    self._mod.stream(self._h2d), \
+                    torch.autograd._unsafe_preserve_version_counter(t.dst):
+                # The h2d stream was ordered after the computing stream when the fetch
+                # started (the storage was allocated there); copies keep issue order.
+                t.dst.copy_(t.staging, non_blocking=True)
+                t.batch = _Batch(self._event())
+                t.batch.event.record(self._h2d)
+                self._inflight.append((t.batch.event, t.staging))
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            t.error = e
+        finally:
+            t.issued.set()
 
     def wait(self, ticket: Ticket) -> None:
-        """Order the compute stream after the fetch (or block until it is done on the CPU)."""
+        """Order the current stream after the fetch (or block until it is done on the CPU)."""
         if ticket.done:
             return
         ticket.done = True
         if ticket.future is not None:
-            result = ticket.future.result()
-            if ticket.staging is None and result is ticket.dst:
-                return
-            src = result if ticket.staging is None else ticket.staging
+            result = ticket.future.result()  # raises the read's error
             if not self.accelerated:
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(ticket.dst):
-                    ticket.dst.copy_(src)
+                if result is not ticket.dst:
+                    with torch.no_grad(), \
+                            torch.autograd._unsafe_preserve_version_counter(ticket.dst):
+                        ticket.dst.copy_(result)
                 return
-            ev = self._mod.Event()
-            ev.record(self._mod.current_stream(self.device))
-            self._h2d.wait_event(ev)
-            with torch.no_grad(), self._mod.stream(self._h2d), \
-                    torch.autograd._unsafe_preserve_version_counter(ticket.dst):
-                ticket.dst.copy_(src, non_blocking=True)
-                ticket.event = self._mod.Event()
-                ticket.event.record(self._h2d)
-            self._inflight.append((ticket.event, src))
-        if ticket.event is not None:
-            self._mod.current_stream(self.device).wait_event(ticket.event)
+            ticket.issued.wait()
+            if ticket.error is not None:
+                raise ticket.error
+        b = ticket.batch
+        if b is not None and b.event is not None:
+            cur = self._mod.current_stream(self.device)
+            if cur not in b.waited:  # one wait per stream for a whole block
+                b.waited.add(cur)
+                cur.wait_event(b.event)
+
+    def wait_reads(self) -> None:
+        """Block until every copy to the device issued so far has read its host memory (before
+        the host writes what they read, e.g. `load_state_dict` into masters)."""
+        if self.accelerated:
+            self._h2d.synchronize()
+            self._reclaim()
+
+    def mark(self, event: object | None = None) -> object | None:
+        """An event recorded now on the calling thread's current stream (``event`` recorded
+        again when given), for `fetch`'s ``after``; ``None`` on the CPU."""
+        if not self.accelerated:
+            return None
+        ev = event if event is not None else self._mod.Event()
+        ev.record(self._mod.current_stream(self.device))
+        return ev
 
     def _reclaim(self) -> None:
-        while self._inflight and self._inflight[0][0].query():
-            _, staging = self._inflight.popleft()
+        while True:
+            with self._lock:
+                if not self._inflight or not self._inflight[0][0].query():
+                    return
+                _, staging = self._inflight.popleft()
             self._pool.give(as_bytes(staging))
+
+    def _event(self):
+        return self._events.pop() if self._events else self._mod.Event()
 
     # ------------------------------------------------------------------ device -> store
     def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
         """Move a finished gradient into ``b.grad_handle``: add to it or overwrite it.
 
-        The caller may drop ``grad`` at once; the mover keeps it alive until copied. Call
-        `synchronize` before reading the stored gradient.
+        The caller may drop ``grad`` at once. Call `synchronize` before reading the stored
+        gradient. On an accelerator the copy is ordered after the calling thread's current
+        stream (where backward produced ``grad``) and lands in the background: overwriting a
+        page-locked host gradient of the same dtype, straight into it; otherwise through
+        page-locked staging, added (or cast, or written to disk) on the mover's landing thread.
         """
         gh = b.grad_handle
         if gh is None:
@@ -154,28 +304,66 @@ class Mover:
         if not self.accelerated or not is_accelerator(grad.device):
             self._land(grad.detach(), gh, accumulate)
             return
-        ev = self._mod.Event()
-        ev.record(self._mod.current_stream(self.device))
-        self._d2h.wait_event(ev)
-        staging = self._pool.take(grad.numel() * grad.element_size())
-        staging = staging.view(grad.dtype).view(grad.shape)
-        with self._mod.stream(self._d2h):
-            staging.copy_(grad.detach(), non_blocking=True)
-            done_ev = self._mod.Event()
-            done_ev.record(self._d2h)
-        self._grads.append((done_ev, grad, staging, gh, accumulate))
-        self._staged += staging.numel() * staging.element_size()
-        while self._staged > _MAX_STAGED_BYTES:
-            self._finish_one()
+        grad = grad.detach()
+        host = self.store.host_tensor(gh)
+        with self._lock:
+            direct = (not accumulate and host is not None and self.store.pinned
+                      and host.dtype == grad.dtype and not self._pending_keys.get(gh.key))
+            nbytes = 0 if direct else grad.numel() * grad.element_size()
+            staging = None if direct else self._pool.take(nbytes).view(grad.dtype).view(
+                grad.shape)
+            self._d2h_after.record(self._mod.current_stream(self.device))
+            self._d2h.wait_event(self._d2h_after)
+            with self._mod.stream(self._d2h):
+                # Ordered after the stream that produced the gradient (the event above).
+                (host if direct else staging).copy_(grad, non_blocking=True)
+                ev = self._event()
+                ev.record(self._d2h)
+            # The caching allocator keeps the gradient's memory until the copy is done: no
+            # host wait, and the device memory is free as soon as the copy has run.
+            grad.record_stream(self._d2h)
+            landing = _Landing(ev, gh.key, staging, nbytes)
+            self._landings[next(self._serial)] = landing
+            if not direct:
+                self._pending_keys[gh.key] = self._pending_keys.get(gh.key, 0) + 1
+                self._staged.append(landing)
+                self._staged_bytes += nbytes
+                landing.future = self._accumulator().submit(
+                    self._bg(self._land_staged), landing, gh, accumulate)
+        del grad
+        # Bound the staging in flight, without waiting for a gradient that is alone in it.
+        while True:
+            with self._lock:
+                if self._staged_bytes <= _MAX_STAGED_BYTES or len(self._staged) < 2:
+                    return
+                oldest = self._staged[0]
+            oldest.future.exception()
 
-    def _finish_one(self) -> None:
-        ev, _grad, staging, gh, accumulate = self._grads.popleft()
-        ev.synchronize()
-        self._staged -= staging.numel() * staging.element_size()
-        self._land(staging, gh, accumulate)
-        self._pool.give(as_bytes(staging))
+    def _land_staged(self, landing: _Landing, gh: Handle, accumulate: bool) -> Future | None:
+        """On the landing thread: wait for the copy into staging, then land it."""
+        try:
+            landing.event.synchronize()
+            fut = self._land(landing.staging, gh, accumulate, staged=True)
+            if fut is None:
+                self._pool.give(as_bytes(landing.staging))
+            else:  # a disk write still reading the staging buffer
+                staging = landing.staging
+                fut.add_done_callback(lambda _f: self._pool.give(as_bytes(staging)))
+            return fut
+        finally:
+            with self._lock:
+                n = self._pending_keys[landing.key] - 1
+                if n:
+                    self._pending_keys[landing.key] = n
+                else:
+                    del self._pending_keys[landing.key]
+                self._staged.remove(landing)
+                self._staged_bytes -= landing.nbytes
 
-    def _land(self, grad: torch.Tensor, gh: Handle, accumulate: bool) -> None:
+    def _land(self, grad: torch.Tensor, gh: Handle, accumulate: bool, *,
+              staged: bool = False) -> Future | None:
+        """Land a host gradient in the store; a disk write still in flight when ``staged``
+        is returned (the caller keeps ``grad`` until it is done), else tracked here."""
         store = self.store
         host = store.host_tensor(gh)
         with torch.no_grad():
@@ -184,20 +372,23 @@ class Mover:
                     host.add_(grad)
                 else:
                     host.copy_(grad)
-                return
+                return None
             if accumulate:
-                if self.accelerated:
-                    grad = grad.clone()  # the staging buffer goes back to the pool now
+                if staged:
+                    self._accumulate(gh, grad)  # already on the landing thread
+                    return None
                 # Read-add-write on the mover's own thread, so backward does not wait
                 # for the disk; one thread keeps pushes to the same gradient in order.
                 self._grads_disk(self._accumulator().submit(self._accumulate, gh, grad),
                                  2 * gh.nbytes)
-                return
-            if grad.dtype != gh.dtype or not grad.is_contiguous() or self.accelerated:
-                # On an accelerator `grad` is a pooled staging buffer that is about to be
-                # reused, so the disk write gets its own copy.
+                return None
+            if grad.dtype != gh.dtype or not grad.is_contiguous():
                 grad = grad.to(gh.dtype, copy=True).contiguous()
-            self._grads_disk(store.write(gh, grad), gh.nbytes)
+            fut = store.write(gh, grad)
+            if staged:
+                return fut
+            self._grads_disk(fut, gh.nbytes)
+            return None
 
     def _accumulator(self) -> ThreadPoolExecutor:
         if self._acc_pool is None:
@@ -213,25 +404,69 @@ class Mover:
     def _grads_disk(self, fut: Future, nbytes: int) -> None:
         # A pending write keeps its gradient alive; bound those bytes so host memory
         # stays at a few tensors however many parameters the model has.
-        self._disk_writes.append((fut, nbytes))
-        self._writing += nbytes
-        while len(self._disk_writes) > 1 and self._writing > _MAX_STAGED_BYTES // 4:
-            done_fut, n = self._disk_writes.popleft()
-            self._writing -= n
+        with self._lock:
+            self._disk_writes.append((fut, nbytes))
+            self._writing += nbytes
+        while True:
+            with self._lock:
+                if len(self._disk_writes) <= 1 or self._writing <= _MAX_STAGED_BYTES // 4:
+                    return
+                done_fut, n = self._disk_writes.popleft()
+                self._writing -= n
             done_fut.result()
+
+    @staticmethod
+    def _bg(fn):
+        """``fn`` as it runs on another thread (tests wrap it to watch that thread too)."""
+        return fn
 
     def synchronize(self) -> None:
         """Wait until every gradient pushed so far rests in the store.
 
+        Holds no lock the pushing thread needs while waiting: backward goes on meanwhile.
+
         Raises:
             OSError / StoreFullError: an error of a background write.
         """
-        while self._grads:
-            self._finish_one()
-        while self._disk_writes:
-            fut, n = self._disk_writes.popleft()
-            self._writing -= n
-            fut.result()
-        if self.accelerated:
-            self._h2d.synchronize()
-            self._reclaim()
+        with self._sync_lock:
+            with self._lock:
+                landings = list(self._landings.items())
+                writes = list(self._disk_writes)
+            err = None
+            for _, landing in landings:
+                try:
+                    if landing.future is None:
+                        landing.event.synchronize()
+                    else:
+                        fut = landing.future.result()
+                        if fut is not None:
+                            fut.result()
+                except BaseException as e:  # noqa: BLE001 - the first is raised below
+                    err = err or e
+            for fut, _ in writes:
+                try:
+                    fut.result()
+                except BaseException as e:  # noqa: BLE001
+                    err = err or e
+            with self._lock:
+                for serial, landing in landings:
+                    self._landings.pop(serial, None)
+                    self._events.append(landing.event)
+                for w in writes:
+                    if w in self._disk_writes:
+                        self._disk_writes.remove(w)
+                        self._writing -= w[1]
+            if err is not None:
+                raise err
+
+    def close(self) -> None:
+        """Land what is in flight and give the staging memory back to the system."""
+        try:
+            self.synchronize()
+            self.wait_reads()
+        finally:
+            if self._acc_pool is not None:
+                self._acc_pool.shutdown(wait=True)
+                self._acc_pool = None
+            if self.accelerated:
+                self._pool.clear()

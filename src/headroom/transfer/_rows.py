@@ -10,12 +10,13 @@ import math
 
 import torch
 
+from headroom.transfer._device import stream_module
 from headroom.transfer._host import PinnedPool, as_bytes
 from headroom.transfer._store import is_accelerator
 
 __all__ = ["RowStreamer"]
 
-_shared_pool: PinnedPool | None = None
+_shared_pool: dict[torch.device, PinnedPool] | None = None
 
 # Staging buffers are cached across passes (pinning is slow); past this many bytes the
 # cache is dropped at the end of a pass, so that slice sizes changing with the batch do not pile
@@ -23,11 +24,15 @@ _shared_pool: PinnedPool | None = None
 _ROW_STAGING_CACHE = 1 << 30
 
 
-def _row_staging_pool() -> PinnedPool:
+def _row_staging_pool(device: torch.device) -> PinnedPool:
+    # One per device: the device's own context pins its staging (cuda:1 never touches GPU 0).
     global _shared_pool
     if _shared_pool is None:
-        _shared_pool = PinnedPool(pin=True)
-    return _shared_pool
+        _shared_pool = {}
+    pool = _shared_pool.get(device)
+    if pool is None:
+        pool = _shared_pool[device] = PinnedPool(pin=True, device=device)
+    return pool
 
 
 class RowStreamer:
@@ -50,7 +55,8 @@ class RowStreamer:
             slice of compute; more absorbs jitter in copy or compute times at the cost of one
             more slice of device memory (and, for pageable sources, of page-locked staging)
             per step of depth; ``0`` copies on the side stream without overlap.
-        pool: page-locked staging pool (default: one shared, budgeted pool per process).
+        pool: page-locked staging pool (default: one shared per process and device, within
+            the process's page-locked budget).
 
     Raises:
         ValueError: ``prefetch < 0``.
@@ -77,8 +83,8 @@ class RowStreamer:
         # Tests set a list here to check the ring's ordering (refills, copies, landings).
         self._trace: list | None = None
         if is_accelerator(self.device):
-            self._use_streams(torch.get_device_module(self.device.type),
-                              pool if pool is not None else _row_staging_pool())
+            self._use_streams(stream_module(self.device),
+                              pool if pool is not None else _row_staging_pool(self.device))
 
     def _use_streams(self, mod, pool: PinnedPool) -> None:
         # Separate from __init__ so tests can drive the accelerator bookkeeping on the

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headroom.transfer._device import stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import PinnedPool
@@ -80,12 +81,13 @@ class Stash:
         self.device = torch.device(device)
         self.disk = store if isinstance(store, DiskStore) else None
         self.accelerated = is_accelerator(self.device)
-        self._pool = PinnedPool(pin=self.accelerated)
+        self._pool = PinnedPool(pin=self.accelerated,
+                                device=self.device if self.accelerated else None)
         self._handles: dict[int, list[Handle]] = defaultdict(list)
         self._prefix = f"{_KEY}/{next(_ids)}"
         self._made = 0
         if self.accelerated:
-            self._mod = torch.get_device_module(self.device.type)
+            self._mod = stream_module(self.device)
             self._d2h = self._mod.Stream(self.device)
             self._h2d = self._mod.Stream(self.device)
 
@@ -260,6 +262,11 @@ class Stash:
 
     def close(self) -> None:
         """Free what the stash pooled (its disk files too)."""
+        if self.accelerated:
+            # A restored ticket's copy back may still read its pooled host buffer, which goes
+            # back to the system below: wait for this stash's own copies back (nothing else;
+            # a drop waits for the copy out of the ticket it drops).
+            self._h2d.synchronize()
         if self.disk is not None:
             for hs in self._handles.values():
                 for h in hs:

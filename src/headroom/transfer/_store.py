@@ -189,6 +189,10 @@ class Store(abc.ABC):
     def free(self, handle: Handle) -> None:
         """Forget the tensor and give its space back."""
 
+    def reserve(self, sizes) -> None:  # noqa: B027 - optional hook
+        """A hint: tensors of these byte sizes are about to be allocated (a pinned host store
+        then carves them from one slab sized to fit)."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Wait for all pending operations (and persist metadata, where there is any)."""
 
@@ -211,9 +215,9 @@ def resolve_store(store: str | Store, device: str | torch.device | None = None) 
     """Turn the ``store=`` argument of the public API into a `Store`.
 
     Args:
-        store: ``"cpu"`` for host memory (a `HostStore`, pinned from a pool with a byte budget
-            when ``device`` is an accelerator), or a `Store` instance (e.g. ``DiskStore(path)``),
-            returned as is.
+        store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
+            process's page-locked budget when ``device`` is an accelerator), or a `Store`
+            instance (e.g. ``DiskStore(path)``), returned as is.
         device: the compute device the store feeds.
 
     Raises:
@@ -228,7 +232,8 @@ def resolve_store(store: str | Store, device: str | torch.device | None = None) 
         from headroom.transfer._host import HostStore
 
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        return HostStore(pin=is_accelerator(dev))
+        acc = is_accelerator(dev)
+        return HostStore(pin=acc, device=dev if acc else None)
     raise ValueError(
         f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
         " headroom.DiskStore(path)"

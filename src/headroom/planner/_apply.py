@@ -1,0 +1,78 @@
+"""Activation offload for every forward of a model, as a plan applies it.
+
+`hr.offload_activations` is a context manager around a step's forward (and backward); a plan
+returns a model and an optimizer, not a training loop, so `Plan.apply` enters it in a forward
+pre-hook of the model and leaves it in a forward hook that runs even when the forward raises.
+Tensors saved inside are restored whenever their backward runs, so the backward needs no
+wrapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+
+
+class _ForwardScope:
+    """Enters ``hr.offload_activations(...)`` before the model's forward, leaves it after."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs = kwargs
+        self.stack: list[contextlib.AbstractContextManager] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        from headroom.activations import offload_activations
+
+        ctx = offload_activations(**self.kwargs)
+        ctx.__enter__()
+        self.stack.append(ctx)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+
+class ActivationOffloadHandle:
+    """Returned by `offload_activations_in_forward`; ``remove()`` takes the hooks off."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def offload_activations_in_forward(model: nn.Module, *, store: Any = "cpu",
+                                   min_bytes: int = 1 << 20,
+                                   prefetch: int = 256 << 20) -> ActivationOffloadHandle:
+    """Run every forward of ``model`` under ``hr.offload_activations(store, min_bytes=...,
+    prefetch=...)``: what a training loop would write as ``with hr.offload_activations(...):``
+    around its forward.
+
+    The options are `hr.offload_activations`' (see there; a `hr.DiskStore` is used by every
+    forward in turn). A forward that raises leaves the context all the same (the hook runs
+    always); saved tensors of a forward whose backward never runs are dropped with the graph.
+
+    Raises:
+        ValueError: the options `hr.offload_activations` refuses (checked here, before any
+            hook is added).
+
+    Example:
+        >>> h = offload_activations_in_forward(model, store=hr.DiskStore("/scratch/act"))
+        >>> loss_fn(model(x)).backward()        # saved tensors rested on disk in between
+        >>> h.remove()
+    """
+    from headroom.activations import offload_activations
+
+    kwargs = {"store": store, "min_bytes": min_bytes, "prefetch": prefetch}
+    with offload_activations(**kwargs):  # the options' own checks, before any hook
+        pass
+    scope = _ForwardScope(kwargs)
+    return ActivationOffloadHandle([
+        model.register_forward_pre_hook(scope.enter),
+        model.register_forward_hook(scope.leave, always_call=True),
+    ])

@@ -1,0 +1,173 @@
+"""Where the tensors of a dry run stand: the compute device, host memory, or nowhere.
+
+Every tensor of a dry run is a ``meta`` tensor, which the estimator's tracker counts as the
+target device's. The dry runs of headroom's features (parameter offload, the host optimizer)
+also make tensors that stand for host memory (masters and gradients in a host store, optimizer
+state, the host optimizer's step) or for nothing at all (a parameter's placeholder while its
+value rests on disk). `Places` tells the tracker which; `MetaStore` is the store those features
+rest in during a dry run: it keeps ``meta`` tensors where a host store keeps host tensors, and
+nothing where a disk keeps files, and finishes every read and write at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from headroom.transfer import Handle
+from headroom.transfer._store import done
+
+
+class Places:
+    """Which ``meta`` storages of a dry run are host memory, and which are no memory at all.
+
+    On a ``cpu`` target host memory is the device's, so "host" storages count there too; on an
+    accelerator they count as ``"cpu"``, beside the device. Storages are named by their
+    ``_cdata`` key: the features hold every storage they name for the whole dry run.
+    """
+
+    def __init__(self) -> None:
+        self.host: set[int] = set()
+        self.nowhere: set[int] = set()
+        self.depth = 0  # > 0: code running on the host (an optimizer step there)
+        self._keep: list[Any] = []
+        self._made: dict[int, weakref.ref] = {}  # made by host code, while they live
+
+    def on_host(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        self.host.add(st._cdata)
+        self._keep.append(st)
+        return t
+
+    def no_memory(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        self.nowhere.add(st._cdata)
+        self._keep.append(st)
+        return t
+
+    @contextlib.contextmanager
+    def host_code(self) -> Iterator[None]:
+        """Tensors made inside are host memory (a step that runs on the host), also those the
+        tracker sees only later (optimizer state made in the untracked first step)."""
+        self.depth += 1
+        try:
+            with _MarkMade(self):
+                yield
+        finally:
+            self.depth -= 1
+
+    def _mark_made(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._made:
+            self._made[key] = weakref.ref(st, lambda _, k=key: self._made.pop(k, None))
+
+    def where(self, key: int) -> str | None:
+        """``"nowhere"``, ``"host"`` or ``None`` (the compute device) for a new storage."""
+        if key in self.nowhere:
+            return "nowhere"
+        if key in self.host or self.depth > 0 or key in self._made:
+            return "host"
+        return None
+
+
+class _MarkMade(TorchDispatchMode):
+    """Notes the storages of every ``meta`` tensor an op makes (see `Places.host_code`)."""
+
+    def __init__(self, places: Places) -> None:
+        super().__init__()
+        self.places = places
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            # views and in-place results are the inputs' storages, not new ones
+            if isinstance(t, torch.Tensor) and t.device.type == "meta" \
+                    and t.untyped_storage()._cdata not in given:
+                self.places._mark_made(t)
+        return out
+
+
+class MetaStore:
+    """A store for dry runs: ``host=True`` keeps ``meta`` tensors (standing for host memory),
+    ``host=False`` keeps nothing (standing for a disk). Reads and writes finish at once.
+
+    It answers the calls `headroom.optim._sliced.SliceRunner` and the dry-run features make
+    (``alloc``, ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``), and counts
+    the bytes they move (``read_bytes``, ``written_bytes``), what the planner's time model
+    prices at the store's bandwidth.
+    """
+
+    def __init__(self, places: Places, *, host: bool) -> None:
+        self.places = places
+        self.host = host
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._handles: dict[str, Handle] = {}
+        self.read_bytes = 0
+        self.written_bytes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._handles
+
+    def get(self, key: str) -> Handle:
+        return self._handles[key]
+
+    def alloc(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *,
+              zero: bool = True) -> Handle:
+        h = Handle.of(key, shape, dtype, self)
+        self._handles[key] = h
+        if self.host:
+            t = torch.zeros(shape, dtype=dtype, device="meta") if zero else \
+                torch.empty(shape, dtype=dtype, device="meta")
+            self._tensors[key] = self.places.on_host(t)
+        return h
+
+    def adopt(self, key: str, t: torch.Tensor) -> Handle:
+        """Make ``t`` (a ``meta`` tensor) the host tensor kept under ``key``."""
+        h = Handle.of(key, tuple(t.shape), t.dtype, self)
+        self._handles[key] = h
+        if self.host:
+            self._tensors[key] = self.places.on_host(t)
+        return h
+
+    def host_tensor(self, h: Handle) -> torch.Tensor | None:
+        return self._tensors.get(h.key)
+
+    def read(self, h: Handle, out: torch.Tensor | None = None) -> Future:
+        self.read_bytes += h.nbytes
+        if out is None:
+            out = self._tensors.get(h.key)
+            if out is None:  # a copy read from disk into new host memory
+                out = self.places.on_host(torch.empty(h.shape, dtype=h.dtype, device="meta"))
+        return done(out)
+
+    def write(self, h: Handle, src: torch.Tensor) -> Future:
+        self.written_bytes += h.nbytes
+        return done(None)
+
+    def read_rows(self, h: Handle, rows: Any, out: torch.Tensor | None = None) -> Future:
+        self.read_bytes += _rows(h, rows) * h.row_nbytes
+        if out is None:
+            t = self._tensors.get(h.key)
+            out = t[rows] if t is not None else None
+        return done(out)
+
+    def write_rows(self, h: Handle, rows: Any, src: torch.Tensor) -> Future:
+        self.written_bytes += _rows(h, rows) * h.row_nbytes
+        return done(None)
+
+
+def _rows(h: Handle, rows: Any) -> int:
+    if isinstance(rows, slice):
+        return len(range(*rows.indices(h.shape[0])))
+    return int(rows.numel())

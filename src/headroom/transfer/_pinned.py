@@ -1,0 +1,348 @@
+"""Page-locked host memory: slabs counted as the runtime really spends them, one budget for the
+process, and arenas that carve many tensors out of a few slabs.
+
+torch's caching host allocator (behind ``pin_memory=True``) rounds every allocation up to a
+power of two and keeps freed blocks cached for reuse: pinning each master and gradient on its
+own costs 1.3x (transformer shapes) to 2x (a 5.12 GB weight takes 8 GiB) the tensor bytes, and
+freeing them gives nothing back to the system. Here page-locked memory comes in slabs:
+
+* on CUDA, ordinary host memory of exactly the slab's size, page-locked with
+  ``cudaHostRegister`` and unregistered when the slab is released, so its bytes go back to the
+  system at once;
+* on other accelerators (ROCm and XPU included), from the caching host allocator in
+  power-of-two sizes (which it then spends exactly), its cache emptied when a slab is released;
+* without an accelerator runtime (a CPU-only build), plain memory standing in for it: the same
+  slabs, carving and accounting (the budget included), so CI runs the logic that feeds a device.
+
+Every slab's bytes count against one process-wide budget for page-locked memory (half of
+physical memory unless `set_pinned_limit` says otherwise), since page-locked memory is taken
+from everything else on the machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import threading
+import weakref
+
+import torch
+
+__all__ = ["PinnedArena", "Slab", "alloc_slab", "pinned_bytes", "set_pinned_limit", "spent"]
+
+_MIN_SLAB = 1 << 20
+ALIGN = 64  # carved tensors start on a cache line, as torch's own host allocations do
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def default_pinned_budget() -> int:
+    """Half of physical memory: page-locked memory cannot be swapped, so leave the OS room."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 << 30
+
+
+class _Ledger:
+    """Page-locked bytes this process holds through headroom, against a limit."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spent = 0
+        self.limit: int | None = None  # None: default_pinned_budget(), read when first needed
+
+    def take(self, n: int) -> None:
+        from headroom.transfer._store import StoreFullError
+
+        with self.lock:
+            limit = self.limit if self.limit is not None else default_pinned_budget()
+            if self.spent + n > limit:
+                raise StoreFullError(
+                    f"page-locked memory full: {self.spent} bytes pinned, {n} more needed, limit"
+                    f" {limit} (half of physical memory unless set); raise it with"
+                    " headroom.transfer.set_pinned_limit(bytes), free pinned stores (close(),"
+                    " hr.unoffload), or keep tensors on disk (DiskStore)"
+                )
+            self.spent += n
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.spent -= n
+
+
+_LEDGER = _Ledger()
+
+
+def pinned_bytes() -> int:
+    """Bytes of page-locked host memory headroom holds now (all stores, pools and stashes),
+    counted as the runtime spends them."""
+    return _LEDGER.spent
+
+
+def set_pinned_limit(nbytes: int | None) -> None:
+    """Limit the page-locked memory headroom may hold (``None``: half of physical memory).
+
+    Raises:
+        ValueError: a negative limit.
+    """
+    if nbytes is not None and nbytes < 0:
+        raise ValueError(f"the pinned limit must be >= 0 or None, got {nbytes}")
+    _LEDGER.limit = nbytes
+
+
+def _backend(pin: bool, device: torch.device | None) -> str:
+    """How a slab is made: ``register`` (a CUDA build: exact size, registered), ``cache`` (other
+    accelerators, ROCm included: the caching host allocator), ``stand-in`` (no accelerator
+    runtime: plain memory, counted like page-locked memory), or ``plain`` (not pinning)."""
+    if not pin:
+        return "plain"
+    if device is not None and device.type == "cuda" and torch.version.cuda is not None \
+            and torch.cuda.is_available():
+        return "register"
+    if torch.accelerator.is_available():
+        return "cache"
+    return "stand-in"
+
+
+def spent(nbytes: int, backend: str) -> int:
+    """What a slab of ``nbytes`` costs with ``backend``: the caching allocator's power of two,
+    whole pages for registered memory, the bytes themselves otherwise."""
+    if nbytes <= 0:
+        return 0
+    if backend == "cache":
+        return 1 << (nbytes - 1).bit_length()
+    if backend == "register":
+        return -(-nbytes // _PAGE) * _PAGE
+    return nbytes
+
+
+class Slab:
+    """One allocation of host memory (a 1-D uint8 tensor), page-locked unless ``pinned`` is
+    false, and what it costs; `release` gives it back."""
+
+    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_device", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, spent_bytes: int, pinned: bool, backend: str,
+                 device: torch.device | None) -> None:
+        self.tensor = tensor
+        self.nbytes = tensor.numel()
+        self.spent = spent_bytes
+        self.pinned = pinned  # really page-locked (false: plain memory standing in for it)
+        self.backend = backend  # "plain" slabs are not counted in the page-locked budget
+        self._device = device
+
+    def release(self) -> None:
+        """Give the memory back (idempotent). Copies using it must have finished: the caller
+        orders this after them (a host wait on their events)."""
+        t, self.tensor = self.tensor, None
+        if t is None:
+            return
+        if self.backend != "plain":
+            _LEDGER.give(self.spent)
+        if self.backend == "register" and self.pinned:
+            with torch.cuda.device(self._device):
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        del t
+        if self.backend == "cache" and self.pinned and torch.accelerator.is_available():
+            # The caching allocator keeps a freed block for reuse; only emptying its cache
+            # returns the memory (blocks still in use, anyone's, stay).
+            torch.accelerator.empty_host_cache()
+
+
+def _device_guard(device: torch.device | None):
+    mod = None
+    if device is not None and device.type not in ("cpu", "meta"):
+        mod = getattr(torch, device.type, None)
+    guard = getattr(mod, "device", None) if mod is not None else None
+    if guard is None or not getattr(mod, "is_available", lambda: False)():
+        return contextlib.nullcontext()
+    return guard(device)
+
+
+def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) -> Slab:
+    """A slab of at least ``nbytes`` host bytes, page-locked for ``device`` when ``pin``.
+
+    Pinned bytes are taken from the process budget first. Where no accelerator runtime can pin
+    (a CPU-only build) the slab is plain memory, sized and counted (budget included) as
+    registered memory is, so that the logic around it runs in CI.
+
+    Raises:
+        StoreFullError: the page-locked budget cannot hold it.
+    """
+    backend = _backend(pin, device)
+    cost = spent(nbytes, backend)
+    if backend == "plain":
+        return Slab(torch.empty(nbytes, dtype=torch.uint8), cost, False, backend, device)
+    _LEDGER.take(cost)
+    try:
+        # Under the device's own guard: the runtime creates a context on the current device
+        # when none exists, which for cuda:1 must not be GPU 0.
+        with _device_guard(device):
+            if backend == "register":
+                t = torch.empty(nbytes, dtype=torch.uint8)
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1)  # portable
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+                return Slab(t, cost, True, backend, device)
+            size = cost if backend == "cache" else nbytes  # the allocator spends it anyway
+            try:
+                t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError:
+                if backend == "cache":
+                    raise
+                # No runtime to pin with: plain memory standing in for page-locked memory.
+                return Slab(torch.empty(size, dtype=torch.uint8), cost, False, backend, device)
+            return Slab(t, cost, True, backend, device)
+    except BaseException:
+        _LEDGER.give(cost)
+        raise
+
+
+class PinnedArena:
+    """Host tensors carved out of a few large slabs: pinned bytes spent once per slab, not per
+    tensor, and given back to the system when a slab has nothing carved out of it any more.
+
+    Each slab keeps its free spans sorted by offset; `take` carves the first span that fits (a
+    new slab when none does: as large as the arena so far, between 1 MiB and ``slab_bytes``, or
+    the request itself when larger), `give` merges a span back with its neighbours and
+    releases a slab that became wholly free.
+
+    Args:
+        pin: page-lock the slabs (see `alloc_slab`).
+        device: the accelerator the memory feeds (its context pins it).
+        max_bytes: limit on the slabs' cost; ``None`` for none (the process budget still holds).
+        slab_bytes: the largest ordinary slab; `reserve` makes one sized to a known total.
+
+    Raises:
+        StoreFullError: from `take`/`reserve` when a new slab would pass ``max_bytes`` or the
+            process's page-locked budget.
+    """
+
+    def __init__(self, *, pin: bool, device: torch.device | None = None,
+                 max_bytes: int | None = None, slab_bytes: int = 64 << 20) -> None:
+        self.pin = pin
+        self.device = device
+        self.max_bytes = max_bytes
+        self.slab_bytes = slab_bytes
+        self._slabs: list[Slab] = []
+        self._free: dict[int, list[list[int]]] = {}  # id(slab) -> sorted [start, end] spans
+        self._carved: dict[int, tuple[Slab, int, int]] = {}  # data_ptr -> (slab, start, end)
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _release_all, self._slabs)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def spent_bytes(self) -> int:
+        """Bytes the slabs cost (what the allocator really holds for this arena)."""
+        return sum(s.spent for s in self._slabs)
+
+    @property
+    def slab_count(self) -> int:
+        return len(self._slabs)
+
+    @property
+    def carved_bytes(self) -> int:
+        """Bytes carved out and not given back (each tensor rounded up to the alignment)."""
+        return sum(end - start for _, start, end in self._carved.values())
+
+    # ------------------------------------------------------------------ carving
+    def reserve(self, sizes) -> None:
+        """Make room for tensors of these byte sizes, carved next, in one slab sized to them (a
+        caller that knows its total, such as `hr.offload` for the masters, wastes no tail)."""
+        need = sum(max(_aligned(n), ALIGN) for n in sizes if n > 0)
+        with self._lock:
+            if need <= 0 or self._largest_free() >= need:
+                return
+            self._new_slab(need)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 tensor of exactly ``nbytes`` carved from a slab (contents undefined)."""
+        need = max(_aligned(nbytes), ALIGN)
+        with self._lock:
+            found = self._find(need)
+            if found is None:
+                # Slabs grow with the arena (each as big as all before it, from 1 MiB up to
+                # slab_bytes), so a small store does not pin a large slab for a few tensors.
+                grow = min(self.slab_bytes, max(self.spent_bytes, _MIN_SLAB))
+                self._new_slab(max(need, grow))
+                found = self._find(need)
+            slab, start = found
+            t = slab.tensor[start:start + nbytes]
+            self._carved[t.data_ptr()] = (slab, start, start + need)
+            return t
+
+    def give(self, t: torch.Tensor) -> None:
+        """Give a tensor from `take` back (its span is free for the next `take`; a slab left
+        with nothing carved is released). Copies using it must have finished."""
+        with self._lock:
+            slab, start, end = self._carved.pop(t.data_ptr())
+            spans = self._free[id(slab)]
+            i = bisect.bisect_left(spans, [start, end])
+            spans.insert(i, [start, end])
+            if i + 1 < len(spans) and spans[i][1] == spans[i + 1][0]:
+                spans[i][1] = spans.pop(i + 1)[1]
+            if i > 0 and spans[i - 1][1] == spans[i][0]:
+                spans[i - 1][1] = spans.pop(i)[1]
+            if len(spans) == 1 and spans[0] == [0, _floor(slab.nbytes)]:
+                self._drop(slab)
+
+    def close(self) -> None:
+        """Release every slab (tensors still carved keep their memory, no longer pinned
+        for registered slabs; do not use them for copies)."""
+        with self._lock:
+            for s in list(self._slabs):
+                self._drop(s)
+            self._carved.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _largest_free(self) -> int:
+        return max((e - s for spans in self._free.values() for s, e in spans), default=0)
+
+    def _find(self, need: int) -> tuple[Slab, int] | None:
+        for slab in self._slabs:
+            spans = self._free[id(slab)]
+            for j, (s, e) in enumerate(spans):
+                if e - s >= need:
+                    if e - s == need:
+                        spans.pop(j)
+                    else:
+                        spans[j][0] = s + need
+                    return slab, s
+        return None
+
+    def _new_slab(self, nbytes: int) -> None:
+        from headroom.transfer._store import StoreFullError
+
+        backend = _backend(self.pin, self.device)
+        cost = spent(nbytes, backend)
+        if self.max_bytes is not None and self.spent_bytes + cost > self.max_bytes:
+            raise StoreFullError(
+                f"store full: budget {self.max_bytes} bytes, {self.spent_bytes} in use and"
+                f" {cost} more needed for a slab of page-locked memory; raise budget"
+                " (max_bytes=) or use DiskStore"
+            )
+        slab = alloc_slab(nbytes, pin=self.pin, device=self.device)
+        self._slabs.append(slab)
+        self._free[id(slab)] = [[0, _floor(slab.nbytes)]]
+
+    def _drop(self, slab: Slab) -> None:
+        self._slabs.remove(slab)
+        del self._free[id(slab)]
+        slab.release()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _floor(n: int) -> int:
+    return n // ALIGN * ALIGN
+
+
+def _release_all(slabs: list[Slab]) -> None:
+    # An arena collected without close(), perhaps at interpreter exit: best effort.
+    for s in list(slabs):
+        with contextlib.suppress(Exception):
+            s.release()
+    slabs.clear()

@@ -1,0 +1,135 @@
+"""hr.estimate for steps with headroom's own features against hr.track_memory on CPU: models
+under hr.offload (host memory and DiskStore, prefetch 0/1/2), hr.HostOptimizer (state in host
+memory and on a DiskStore, overlap on and off) and activation offload with refill-ahead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headroom as hr
+from headroom.memory import estimate
+from tests.memory._models import build, loss_fn, measure
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def check(name, tmp_path, offload=None, host=None):
+    model, args, opt = build(name, tmp_path, offload=offload, host=host)
+    mem = measure(model, args, opt)
+    est = estimate(model, args, loss_fn=loss_fn, optimizer=opt)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+    # what the schedule keeps resident, to the byte
+    assert est.max_by_category["parameters"] == mem.max_by_category["parameters"]
+    return est
+
+
+CASES = [
+    ("mlp", ("cpu", 0), None),
+    ("mlp", ("cpu", 1), ("disk", False)),
+    ("mlp", ("disk", 0), ("cpu", True)),
+    ("mlp", ("disk", 1), ("disk", False)),
+    ("mlp", ("disk", 2), ("disk", True)),
+    ("mlp", None, ("disk", True)),
+    ("transformer", ("cpu", 1), None),
+    ("transformer", ("disk", 0), ("disk", False)),
+    ("transformer", ("disk", 2), ("cpu", True)),
+    ("transformer", None, ("cpu", True)),
+]
+
+
+@pytest.mark.parametrize(("name", "offload", "host"), CASES,
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_features_within_5_percent_of_measured(name, offload, host, tmp_path):
+    est = check(name, tmp_path, offload, host)
+    assert sum(est.peak_by_category.values()) == est.peak
+
+
+def test_resident_blocks_as_the_schedule_keeps_them():
+    """Device parameters at most: the outside group plus prefetch+1 blocks, to the byte."""
+    model, args = build("mlp", None)[:2]
+    sizes = []
+    for prefetch in (0, 1, 2):
+        est = estimate(model, args, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+                       offload={"store": "disk", "prefetch": prefetch})
+        sizes.append(est.max_by_category["parameters"])
+    block = (2 * 128 * 256 + 256 + 128) * 4
+    head = (128 * 4 + 4) * 4  # the outside group, resident for the whole step
+    assert sizes == [head + (p + 1) * block for p in (0, 1, 2)]
+
+
+def test_hf_model_offloaded_to_disk(tmp_path):
+    pytest.importorskip("transformers")
+    check("gpt2", tmp_path, ("disk", 1), ("disk", False))
+
+
+def test_offload_what_if_equals_the_offloaded_model(tmp_path):
+    """offload= on the plain model gives what the offloaded model is estimated at."""
+    model, args, opt = build("transformer", tmp_path, offload=("disk", 1), host=("disk", False))
+    offloaded = estimate(model, args, loss_fn=loss_fn, optimizer=opt)
+    plain, _, _ = build("transformer", tmp_path / "b")
+    what_if = estimate(plain, args, loss_fn=loss_fn, optimizer=opt,
+                       offload={"store": "disk", "prefetch": 1})
+    assert what_if.peak == offloaded.peak
+    assert estimate(plain, args, loss_fn=loss_fn, optimizer=opt).peak > what_if.peak
+
+
+def test_estimate_leaves_the_offloaded_model_as_it_was(tmp_path):
+    model, args, opt = build("mlp", tmp_path, offload=("disk", 1), host=("disk", False))
+    measure(model, args, opt)
+    state = hr.residency.state_of(model)
+    hooks = len(model._forward_pre_hooks)
+    estimate(model, args, loss_fn=loss_fn, optimizer=opt)
+    assert hr.residency.state_of(model) is state and len(model._forward_pre_hooks) == hooks
+    assert not any(b.resident for b in state.blocks)
+    measure(model, args, opt)  # and it still trains
+
+
+@pytest.mark.parametrize("prefetch", [0, 1 << 16, 1 << 30])
+def test_activation_offload_with_refill_ahead(prefetch, tmp_path):
+    from tests.memory._models import transformer
+
+    model, args = transformer()
+    opt = torch.optim.AdamW(model.parameters())
+    store = hr.DiskStore(tmp_path / "act")
+
+    def step():
+        with hr.offload_activations(store=store, min_bytes=1 << 14, prefetch=prefetch):
+            loss_fn(model(*args)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        step()
+    est = estimate(model, args, loss_fn=loss_fn, optimizer=torch.optim.AdamW,
+                   offload_activations={"min_bytes": 1 << 14, "prefetch": prefetch})
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+
+
+def test_cuda_target_keeps_host_parts_off_the_device():
+    """For an accelerator, masters, host gradients and optimizer state are host memory."""
+    model, args = build("mlp", None)[:2]
+    plain = estimate(model, args, loss_fn=loss_fn, optimizer=torch.optim.AdamW, device="cuda")
+    off = estimate(model, args, loss_fn=loss_fn, optimizer=torch.optim.AdamW, device="cuda",
+                   offload={"store": "cpu", "prefetch": 1})
+    assert off.peak_by_category["optimizer_state"] == 0
+    assert off.max_by_category["parameters"] < plain.max_by_category["parameters"] / 2
+    assert off.allocator["peak_reserved"] < plain.allocator["peak_reserved"]
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW)
+    host = estimate(model, args, loss_fn=loss_fn, optimizer=opt, device="cuda")
+    assert host.max_by_category["optimizer_state"] == 0
+    assert host.max_by_category["gradients"] == 0  # they go to the host as they complete
+
+
+def test_bad_what_if_options_say_what_is_accepted():
+    model, args = build("mlp", None)[:2]
+    with pytest.raises(ValueError, match="store"):
+        estimate(model, args, offload={"store": "s3"})
+    with pytest.raises(ValueError, match="not \\['prefetch_blocks'\\]"):
+        estimate(model, args, offload={"prefetch_blocks": 2})
+    with pytest.raises(ValueError, match="min_bytes"):
+        estimate(model, args, offload_activations=-1)

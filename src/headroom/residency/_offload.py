@@ -60,8 +60,10 @@ def offload(
 
     Args:
         model: the model; its parameters may be anywhere, including the ``meta`` device:
-            such modules are initialized one at a time (``reset_parameters()``) right before
-            their parameters go to the store, so a model bigger than RAM never exists whole.
+            such parameters get their values in the store from ``hr.load_weights`` or, if
+            still unfilled when a value is first needed (the first forward, ``hr.save``), from
+            their module's own initialization, one module at a time, so a model bigger than
+            RAM never exists whole.
         device: where computation runs (``"cuda"``, any ``torch.accelerator``, or ``"cpu"``).
         store: ``"cpu"`` (host memory; pinned from a pool with a byte budget when ``device``
             is an accelerator) or a store such as ``hr.DiskStore(path)`` for models bigger than

@@ -19,14 +19,14 @@ import headroom as hr
 def mlp() -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128))
-                            for _ in range(6)], nn.Linear(128, 4))
+                            for _ in range(4)], nn.Linear(128, 4))
     return model, (torch.randn(64, 128),)
 
 
 def transformer() -> tuple[nn.Module, tuple]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
-    return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False), \
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), \
         (torch.randn(4, 32, 64),)
 
 
@@ -59,7 +59,7 @@ def build(name: str, folder: Path, *, offload: tuple[str, int] | None = None,
 
 def with_features(model: nn.Module, folder: Path, *, offload: tuple[str, int] | None = None,
                   host: tuple[str, bool] | None = None,
-                  slice_bytes: int = 16 << 10) -> torch.optim.Optimizer:
+                  slice_bytes: int = 64 << 10) -> torch.optim.Optimizer:
     """``hr.offload(model, store, prefetch)`` (``"cpu"`` or ``"disk"``, in ``folder``) and the
     optimizer: ``hr.HostOptimizer(state, overlap)``, or ``torch.optim.AdamW`` when ``host`` is
     ``None``."""

@@ -110,8 +110,11 @@ class Plan:
 
     Attributes:
         choice: the techniques (a `Choice`).
-        peak: estimated peak bytes on the device with them (the dry run of the whole plan;
-            for CUDA-like devices the allocator model's reserved bytes).
+        peak: estimated peak bytes on the device with them: the dry run of the whole plan
+            (for CUDA-like devices the allocator model's reserved bytes), plus ``margin``.
+        margin: room kept for a gradient on its way to disk (on ``cpu`` with parameters on
+            disk: the largest gradient; a disk write keeps its gradient until it lands, which
+            the dry run takes as done when issued); 0 otherwise.
         time_s: estimated seconds per step (see `headroom.planner._time`).
         plain_peak, plain_time_s: the same for the plain step.
         budget: the budget asked for.
@@ -136,12 +139,15 @@ class Plan:
     peak_by_category: dict[str, int] = field(default_factory=dict)
     candidates: list[tuple[Choice, int, float]] = field(default_factory=list, repr=False)
     speeds: Speeds | None = field(default=None, repr=False)
+    margin: int = 0
 
     def __str__(self) -> str:
         lines = [
             f"headroom plan for {self.device}: budget {format_bytes(self.budget)}, plain step"
             f" {format_bytes(self.plain_peak)} / {_seconds(self.plain_time_s)} (estimated)",
-            f"chosen: estimated peak {format_bytes(self.peak)}, step {_seconds(self.time_s)}",
+            f"chosen: estimated peak {format_bytes(self.peak)}, step {_seconds(self.time_s)}"
+            + (f" (with {format_bytes(self.margin)} for a gradient being written to disk)"
+               if self.margin else ""),
         ]
         lines += [f"  - {d}" for d in self.choice.describe()]
         if self.peak_by_category:
@@ -288,8 +294,9 @@ class _Candidate:
     choice: Choice
     time_s: float  # a lower bound until refined
     lower: int | None = None  # a lower bound of its peak (see _lower), once refined
-    peak: int | None = None  # the dry run of the whole plan, once run
+    peak: int | None = None  # the dry run of the whole plan (and margin), once run
     at_peak: dict[str, int] = field(default_factory=dict)
+    margin: int = 0
 
 
 # Whole dry runs the search may make beyond the first fitting one, looking for the smallest
@@ -479,7 +486,9 @@ class Search:
         if c.peak is None:
             est = _estimate_choice(self.model, self.args, c.choice, self.opt_cls, self.opt_kw,
                                    self.slice_bytes, self.common, _convert_fn(c.choice.convert))
-            c.peak = est.peak_reserved
+            c.margin = self.sizes.largest_param if (
+                self.on_cpu and c.choice.params == "disk") else 0
+            c.peak = est.peak_reserved + c.margin
             c.at_peak = dict(est.peak_by_category)
             c.time_s = _time_whole(est, c.choice, self.speeds, self.on_cpu)
         return c.peak
@@ -491,7 +500,7 @@ class Search:
                     self.plain.device, self.opt_cls, self.opt_kw,
                     None if self.disk is None else str(self.disk), self.slice_bytes,
                     c.at_peak, [(x.choice, x.peak if x.peak is not None else x.lower, x.time_s)
-                                for x in self.candidates], self.speeds)
+                                for x in self.candidates], self.speeds, c.margin)
 
 
 def _convert_fn(on: bool):

@@ -26,7 +26,7 @@ _MASTER_DTYPES = (torch.float32, torch.float64)
 
 
 class _Entry:
-    __slots__ = ("param", "group", "kind", "master", "grad_host", "slot", "streamed",
+    __slots__ = ("param", "group", "kind", "master", "grad_host", "slot", "store", "streamed",
                  "state_handles", "small", "initialized", "count", "launched", "bucket",
                  "fired", "has_grad_host")
 
@@ -38,6 +38,7 @@ class _Entry:
         self.grad_host: torch.Tensor | None = None  # hosted: the host gradient
         self.has_grad_host = False
         self.slot: Any = None  # bound: the offload dry run's slot
+        self.store: MetaStore | None = None  # bound: the store of that slot
         self.streamed = False
         self.state_handles: dict[str, Any] = {}
         self.small: dict[str, Any] = {}
@@ -54,13 +55,13 @@ class _Entry:
             return self.slot.has_grad
         return self.has_grad_host
 
-    def grad_tensor(self, store_of_slot) -> torch.Tensor | None:
+    def grad_tensor(self) -> torch.Tensor | None:
         if self.kind == _ALIAS:
             return self.param.grad
         if not self.has_grad():
             return None
         if self.kind == _BOUND:
-            return store_of_slot(self.slot).host_tensor(self.slot.grad_handle)
+            return self.store.host_tensor(self.slot.grad_handle)
         return self.grad_host
 
 
@@ -137,6 +138,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             sim, slot = found
             e.kind = _BOUND
             e.slot = slot
+            e.store = sim.store
             host = sim.store.host_tensor(slot.handle)
             if host is not None and host.dtype in _MASTER_DTYPES:
                 e.master = host
@@ -153,12 +155,6 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
     def stores(self) -> list[MetaStore]:
         """The stores its step reads and writes (the state's, its host memory)."""
         return [s for s in (self._state_store, self._aux, self._host_store) if s is not None]
-
-    def _store_of(self, slot: Any) -> MetaStore:
-        for sim, _ in self._slots.values():
-            if sim.by_master.get(id(slot.master)) is slot:
-                return sim.store
-        raise KeyError("slot of no offload dry run")  # pragma: no cover
 
     # ------------------------------------------------------------------ gradients
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -260,7 +256,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 saved[gi] = inner["params"]
                 inner["params"] = [e.master for e in in_mem if e.group == gi]
             for e in in_mem:
-                e.master.grad = e.grad_tensor(self._store_of)
+                e.master.grad = e.grad_tensor()
             try:
                 self._inner.step()
             finally:
@@ -271,8 +267,8 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         if streamed:
             items = []
             for e in streamed:
-                grad = e.grad_tensor(self._store_of)
-                store = self._store_of(e.slot) if e.kind == _BOUND else None
+                grad = e.grad_tensor()
+                store = e.store
                 items.append((SlicedParam(
                     master=e.master,
                     master_store=store if e.master is None else None,

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# headroom's accelerator checks, in one go, on a machine with a GPU and a PyTorch that sees it:
+#   1. the `gpu`-marked tests, then every test parametrized over devices on the accelerator;
+#   2. the race tests again under PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1);
+#   3. the GPU benchmarks (each checks its results against plain PyTorch before timing).
+# Each stage has a time limit, so one stage that hangs does not hide the others' results. Logs
+# and JSON go to LOGDIR (default benchmarks/results/gpu_logs); the summary is printed last.
+#
+#     benchmarks/gpu_check.sh [tests|bench|all] [LOGDIR]   # PY=python3 by default (no .venv)
+set -u
+PY=${PY:-python3}
+WHAT=${1:-all}
+LOG=${2:-benchmarks/results/gpu_logs}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+summary=()
+
+stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND with a time limit, logs it, records rc
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-28s rc=%-4s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" \
+    "$(grep -E '(passed|failed|error)' "$LOG/$name.log" | tail -1)")")
+}
+
+# The package: an editable install without network, else the sources on PYTHONPATH.
+if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$LOG/install.log" 2>&1
+then
+  $PY setup.py build_ext --inplace >>"$LOG/install.log" 2>&1
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+fi
+{ nvidia-smi -L; $PY -c 'import torch, headroom; print("torch", torch.__version__,
+  torch.cuda.get_device_name(), "headroom", headroom.__file__)'; } >"$LOG/env.log" 2>&1
+cat "$LOG/env.log"
+
+T=${T:-1}  # scales every limit below
+PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= -ra --timeout 120)
+if [[ $WHAT != bench ]]; then
+stage tests_gpu $((200 * T)) "${PYTEST[@]}" -m gpu --junitxml="$LOG/tests_gpu.xml"
+stage tests_on_device $((120 * T)) "${PYTEST[@]}" -m "not gpu and not slow" -k "cuda" \
+  --junitxml="$LOG/tests_on_device.xml"
+stage tests_sanitizer $((120 * T)) env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m gpu \
+  tests/residency/test_offload_gpu_races.py tests/transfer tests/optim
+fi
+if [[ $WHAT != tests ]]; then
+stage bench_offload_overhead $((120 * T)) $PY benchmarks/offload_overhead_gpu.py --repeats 5 \
+  --out "$LOG/offload_overhead_gpu.json"
+stage bench_activation_offload $((150 * T)) $PY benchmarks/activation_offload_gpu.py --repeats 3
+cp benchmarks/results/activation_offload_gpu.json "$LOG/" 2>/dev/null
+stage bench_huge_classifier $((150 * T)) $PY benchmarks/huge_classifier.py --device cuda \
+  --repeats 3 --out "$LOG/huge_classifier_gpu.json"
+stage bench_pinned_memory $((60 * T)) $PY benchmarks/pinned_memory.py \
+  --out "$LOG/pinned_memory_gpu.json"
+fi
+
+grep -hE '^(FAILED|ERROR) ' "$LOG"/*.log | cut -c1-300 | head -60
+printf '%s\n' "${summary[@]}" | tee "$LOG/summary.txt"

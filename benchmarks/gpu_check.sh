@@ -7,6 +7,9 @@
 # and JSON go to LOGDIR (default benchmarks/results/gpu_logs); the summary is printed last.
 #
 #     benchmarks/gpu_check.sh [tests|bench|all] [LOGDIR]   # PY=python3 by default (no .venv)
+#
+# PEERS=DIR puts a folder of peers' packages (e.g. torchtune, installed with pip --target) on the
+# benchmarks' path only, never the tests'.
 set -u
 PY=${PY:-python3}
 WHAT=${1:-all}
@@ -44,6 +47,7 @@ stage tests_sanitizer $((120 * T)) env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m 
   tests/residency/test_offload_gpu_races.py tests/transfer tests/optim
 fi
 if [[ $WHAT != tests ]]; then
+[[ -n ${PEERS:-} ]] && export PYTHONPATH=$PEERS${PYTHONPATH:+:$PYTHONPATH}
 stage bench_offload_overhead $((120 * T)) $PY benchmarks/offload_overhead_gpu.py --repeats 5 \
   --out "$LOG/offload_overhead_gpu.json"
 stage bench_activation_offload $((150 * T)) $PY benchmarks/activation_offload_gpu.py --repeats 3

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from headroom.transfer import HostStore, pinned_bytes
-from headroom.transfer._pinned import ALIGN, spent
+from headroom.transfer._pinned import ALIGN, _backend, spent
 
 
 def llama_7b() -> list[tuple[int, ...]]:
@@ -66,13 +66,17 @@ def check_store(shapes: list[tuple[int, ...]], scale: int = 64) -> dict:
     small = [(max(1, s[0] // scale), *s[1:]) for s in shapes]
     base = pinned_bytes()
     store = HostStore(pin=True)
+    # One slab per reserved group (masters, then gradients), costing what its backend spends.
+    backend = _backend(True, store._arena.device)
+    group = sum(-(-math.prod(s) * 4 // ALIGN) * ALIGN for s in small)
     for tag in ("master", "grad"):
         store.reserve(math.prod(s) * 4 for s in small)
         for i, s in enumerate(small):
             store.alloc(f"{tag}{i}", s, torch.float32, zero=False)
     out = {"rows_divided_by": scale, "logical_bytes": store.used_bytes,
            "spent_bytes": store.spent_bytes, "pinned_bytes": pinned_bytes() - base,
-           "expected_bytes": 2 * sum(-(-math.prod(s) * 4 // ALIGN) * ALIGN for s in small)}
+           "backend": backend,
+           "expected_bytes": 2 * spent(group, backend)}
     store.close()
     out["pinned_after_close"] = pinned_bytes() - base
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,15 @@ pytestmark = pytest.mark.gpu
 
 
 def _bench_module():
-    path = Path(__file__).parents[2] / "benchmarks" / "offload_overhead_gpu.py"
-    spec = importlib.util.spec_from_file_location("offload_overhead_gpu", path)
+    bench = Path(__file__).parents[2] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("offload_overhead_gpu",
+                                                  bench / "offload_overhead_gpu.py")
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(bench))  # it imports its CPU sibling, as a script run from there does
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
     return mod
 
 

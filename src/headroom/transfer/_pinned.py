@@ -180,10 +180,16 @@ def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) ->
         # when none exists, which for cuda:1 must not be GPU 0.
         with _device_guard(device):
             if backend == "register":
-                t = torch.empty(nbytes, dtype=torch.uint8)
-                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1)  # portable
+                # Whole pages of its own: the driver locks pages, and registering a page that
+                # another registration (a small neighbour from the same heap) already holds
+                # fails. So the range starts on a page boundary inside a larger allocation.
+                base = torch.empty(cost + _PAGE, dtype=torch.uint8)
+                skip = -base.data_ptr() % _PAGE
+                t = base[skip:skip + nbytes]
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), cost, 1)  # portable
                 if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+                    raise RuntimeError(
+                        f"cudaHostRegister of {cost} bytes failed (cudaError {int(err)})")
                 return Slab(t, cost, True, backend, device)
             size = cost if backend == "cache" else nbytes  # the allocator spends it anyway
             try:

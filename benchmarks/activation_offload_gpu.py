@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 import headroom as hr
 
-RESULTS = Path(__file__).parent / "results" / "activation_offload_gpu.json"
+RESULTS = Path(__file__).parent / "results" / "activation_offload_gpu.json"  # or --out
 
 
 class Block(nn.Module):
@@ -189,6 +189,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--variants", default=None,
+                    help="comma list of variants to run (default: all; plain always runs)")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.repeats = 3, 1
@@ -201,6 +204,9 @@ def main() -> None:
     model = model.to(dev, torch.bfloat16)
     x = torch.randn(args.batch, args.seq, args.d, device=dev, dtype=torch.bfloat16)
     variants = _contexts()
+    if args.variants:
+        keep = {"plain", "checkpoint", *args.variants.split(",")}
+        variants = {n: v for n, v in variants.items() if n in keep}
     names = list(variants)
     grads = check_gradients(model, x, variants)
     h2d, d2h = bandwidth(dev)
@@ -243,15 +249,15 @@ def main() -> None:
             if "time_vs_transfer_bound" in s else "")
         print(f"{n:20s} peak x{s['peak_vs_plain']:.2f}  time x{s['time_vs_plain']:.3f} plain"
               + extra)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(exist_ok=True, parents=True)
+    args.out.write_text(json.dumps({
         "command": "benchmarks/activation_offload_gpu.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-        "python": platform.python_version(), "args": vars(args),
+        "python": platform.python_version(), "args": {k: str(v) for k, v in vars(args).items()},
         "h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h, "saved_bytes_moved": moved,
         "transfer_bound_s": bound, "gradients": grads, "summary": summary, "runs": runs,
     }, indent=1))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -220,3 +220,72 @@ def test_unoffload_returns_the_pinned_store(monkeypatch):
         hr.unoffload(model)
         m.synchronize()
     assert pinned_bytes() == base
+
+
+class _FakeDriver:
+    """cudaHostRegister/Unregister as the driver treats them: page-locking works on whole pages,
+    so a range that touches a page another registration holds fails (cudaError 712), and
+    unregistering needs the pointer that was registered."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}  # registered pointer -> bytes
+        self.calls = 0
+
+    def _pages(self, ptr, n):
+        return set(range(ptr // _pinned._PAGE, (ptr + n - 1) // _pinned._PAGE + 1))
+
+    def cudaHostRegister(self, ptr, n, flags):
+        self.calls += 1
+        held = set().union(*(self._pages(p, m) for p, m in self.ranges.items()))
+        if self._pages(ptr, n) & held:
+            return 712
+        self.ranges[ptr] = n
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        return 0 if self.ranges.pop(ptr, None) is not None else 713
+
+
+def test_registered_slabs_own_whole_pages_and_unregister_before_their_memory_goes(monkeypatch):
+    """The CUDA path of `alloc_slab`, against a driver model: small slabs side by side register
+    (whole pages of their own), a tensor's storage starts where its registration does (what
+    ``is_pinned`` asks about), and the registration ends at `release` or, for a slab dropped
+    without it, when its memory is freed (a later allocation at that address would otherwise
+    fail to register)."""
+    import gc
+
+    drv = _FakeDriver()
+    monkeypatch.setattr(_pinned, "_backend", lambda pin, device: "register" if pin else "plain")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: drv)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    base = pinned_bytes()
+    slabs = [_pinned.alloc_slab(n, pin=True) for n in (128, 4096, 4097, 100, 3 * MiB + 5)]
+    assert len(drv.ranges) == 5
+    for s in slabs:
+        ptr = s.tensor.untyped_storage().data_ptr()
+        assert s.tensor.data_ptr() == ptr and ptr % _pinned._PAGE == 0
+        assert drv.ranges[ptr] == s.spent == _pinned.spent(s.nbytes, "register")
+        s.tensor.fill_(7)  # the whole slab is usable memory
+    assert pinned_bytes() == base + sum(s.spent for s in slabs)
+    slabs[0].release()
+    slabs[0].release()  # idempotent
+    assert len(drv.ranges) == 4
+    del slabs[1]  # dropped without release: unregistered when its memory goes
+    gc.collect()
+    assert len(drv.ranges) == 3
+    view = slabs[1].tensor[10:20]  # a carved tensor outlives its slab object
+    ptr = slabs[1].tensor.data_ptr()
+    del slabs[1]
+    gc.collect()
+    assert ptr in drv.ranges
+    del view
+    gc.collect()
+    assert ptr not in drv.ranges
+    for s in slabs:
+        s.release()
+    assert drv.ranges == {} and pinned_bytes() == base
+    # a HostStore's arena on the same path: carved tensors, closed, nothing left registered
+    store = HostStore(pin=True)
+    store.put("w", torch.randn(300))
+    store.close()
+    assert drv.ranges == {} and pinned_bytes() == base

@@ -27,6 +27,7 @@ import os
 import threading
 import weakref
 
+import numpy as np
 import torch
 
 __all__ = ["PinnedArena", "Slab", "alloc_slab", "pinned_bytes", "set_pinned_limit", "spent"]
@@ -121,16 +122,20 @@ class Slab:
     """One allocation of host memory (a 1-D uint8 tensor), page-locked unless ``pinned`` is
     false, and what it costs; `release` gives it back."""
 
-    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_device", "__weakref__")
+    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_device", "_unregister",
+                 "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, spent_bytes: int, pinned: bool, backend: str,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, unregister: weakref.finalize | None = None) -> None:
         self.tensor = tensor
         self.nbytes = tensor.numel()
         self.spent = spent_bytes
         self.pinned = pinned  # really page-locked (false: plain memory standing in for it)
         self.backend = backend  # "plain" slabs are not counted in the page-locked budget
         self._device = device
+        # Registered memory: unregisters it and gives its bytes back to the budget, once, at
+        # `release` or when the memory itself is freed (a slab dropped without `release`).
+        self._unregister = unregister
 
     def release(self) -> None:
         """Give the memory back (idempotent). Copies using it must have finished: the caller
@@ -138,16 +143,43 @@ class Slab:
         t, self.tensor = self.tensor, None
         if t is None:
             return
-        if self.backend != "plain":
+        if self._unregister is not None:
+            self._unregister()
+        elif self.backend != "plain":
             _LEDGER.give(self.spent)
-        if self.backend == "register" and self.pinned:
-            with torch.cuda.device(self._device):
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         del t
         if self.backend == "cache" and self.pinned and torch.accelerator.is_available():
             # The caching allocator keeps a freed block for reuse; only emptying its cache
             # returns the memory (blocks still in use, anyone's, stay).
             torch.accelerator.empty_host_cache()
+
+
+def _unregister(ptr: int, cost: int, device: torch.device | None) -> None:
+    _LEDGER.give(cost)
+    with contextlib.suppress(Exception):  # the runtime may be gone at interpreter exit
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
+    """``cost`` bytes (whole pages) page-locked with ``cudaHostRegister``, as a slab of
+    ``nbytes``.
+
+    The range starts on a page boundary inside a larger allocation, so its pages are this slab's
+    alone (the driver locks pages: registering one that a neighbour's registration holds fails),
+    and the tensor's storage starts where the registration does (``is_pinned`` asks the runtime
+    about the storage's first byte). The registration is undone before the memory is freed:
+    at `Slab.release`, or by the finalizer of the array that owns it.
+    """
+    raw = np.empty(cost + _PAGE, dtype=np.uint8)
+    skip = -raw.ctypes.data % _PAGE
+    arr = raw[skip:skip + cost]
+    ptr = arr.ctypes.data
+    err = torch.cuda.cudart().cudaHostRegister(ptr, cost, 1)  # 1: portable
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {cost} bytes failed (cudaError {int(err)})")
+    fin = weakref.finalize(arr, _unregister, ptr, cost, device)
+    return Slab(torch.from_numpy(arr)[:nbytes], cost, True, "register", device, fin)
 
 
 def _device_guard(device: torch.device | None):
@@ -180,17 +212,7 @@ def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) ->
         # when none exists, which for cuda:1 must not be GPU 0.
         with _device_guard(device):
             if backend == "register":
-                # Whole pages of its own: the driver locks pages, and registering a page that
-                # another registration (a small neighbour from the same heap) already holds
-                # fails. So the range starts on a page boundary inside a larger allocation.
-                base = torch.empty(cost + _PAGE, dtype=torch.uint8)
-                skip = -base.data_ptr() % _PAGE
-                t = base[skip:skip + nbytes]
-                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), cost, 1)  # portable
-                if int(err) != 0:
-                    raise RuntimeError(
-                        f"cudaHostRegister of {cost} bytes failed (cudaError {int(err)})")
-                return Slab(t, cost, True, backend, device)
+                return _registered(nbytes, cost, device)
             size = cost if backend == "cache" else nbytes  # the allocator spends it anyway
             try:
                 t = torch.empty(size, dtype=torch.uint8, pin_memory=True)

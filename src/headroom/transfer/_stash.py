@@ -20,6 +20,7 @@ import weakref
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -86,6 +87,11 @@ class Stash:
         self._handles: dict[int, list[Handle]] = defaultdict(list)
         self._prefix = f"{_KEY}/{next(_ids)}"
         self._made = 0
+        # What a dropped ticket's copies on the side streams may still use (the host buffer,
+        # the device bytes a copy out reads or a copy back writes), with those copies' events:
+        # the buffer is pooled again, and the device bytes let go, once they have completed
+        # (a drop never waits).
+        self._held: list[tuple[list[Any], torch.Tensor, tuple]] = []
         if self.accelerated:
             self._mod = stream_module(self.device)
             self._d2h = self._mod.Stream(self.device)
@@ -126,6 +132,7 @@ class Stash:
         if self.disk is not None:
             k.handle = self._handle(n)
         if self.accelerated:
+            self._reap()
             k.host = self._pool.take(n)
             ev = self._mod.Event()
             ev.record(self._mod.current_stream(self.device))
@@ -190,6 +197,7 @@ class Stash:
             raise ValueError(f"restoring {k.nbytes} stashed bytes into a storage of"
                              f" {storage.nbytes()}")
         self.wait_out(k)
+        self._reap()
         k.into = _bytes_of(storage)
         if not k.nbytes:
             return
@@ -228,19 +236,24 @@ class Stash:
 
     # ------------------------------------------------------------------ space
     def drop(self, k: StashTicket) -> None:
-        """Give the stashed bytes' space back (pooled for the next stash of that size)."""
-        if k.out_event is not None:
-            k.out_event.synchronize()
-            k.out_event = None
+        """Give the stashed bytes' space back (pooled for the next stash of that size).
+
+        A copy on a side stream that may still use the host buffer (the copy out of a tensor
+        backward needed at once, a copy back never waited for) is not waited for: the buffer
+        is pooled again once that copy's event has completed.
+        """
         for fut in (k.out, k.back):
             if fut is not None:
                 fut.exception()  # an I/O still using the buffer must finish first
         k.out = k.back = None
-        if k.back_event is not None:
-            k.back_event.synchronize()
-            k.back_event = None
+        self._reap()
+        busy = [e for e in (k.out_event, k.back_event) if e is not None and not e.query()]
+        k.out_event = k.back_event = None
         if k.host is not None:
-            self._pool.give(k.host)
+            if busy:
+                self._held.append((busy, k.host, (k.source, k.into)))
+            else:
+                self._pool.give(k.host)
             k.host = None
         if k.handle is not None:
             self._handles[k.nbytes].append(k.handle)
@@ -260,13 +273,28 @@ class Stash:
         disk = sum(n * len(hs) for n, hs in self._handles.items())
         return self._pool.total_bytes + disk
 
+    def _reap(self) -> None:
+        """Pool again the held buffers whose copies have completed."""
+        if self._held:
+            held, self._held = self._held, []
+            for events, host, device_bytes in held:
+                if all(e.query() for e in events):
+                    self._pool.give(host)
+                else:
+                    self._held.append((events, host, device_bytes))
+
     def close(self) -> None:
         """Free what the stash pooled (its disk files too)."""
         if self.accelerated:
-            # A restored ticket's copy back may still read its pooled host buffer, which goes
-            # back to the system below: wait for this stash's own copies back (nothing else;
-            # a drop waits for the copy out of the ticket it drops).
+            # A restored ticket's copy back may still read its pooled host buffer, and a
+            # dropped ticket's copies may still use its held one, both going back to the
+            # system below: wait for this stash's own copies (nothing else).
             self._h2d.synchronize()
+            held, self._held = self._held, []
+            for events, host, _ in held:
+                for e in events:
+                    e.synchronize()
+                self._pool.give(host)
         if self.disk is not None:
             for hs in self._handles.values():
                 for h in hs:

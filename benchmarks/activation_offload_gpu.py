@@ -192,12 +192,29 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--variants", default=None,
                     help="comma list of variants to run (default: all; plain always runs)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic kernels (math attention, torch's deterministic mode):"
+                         " gradients are then compared bitwise")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.repeats = 3, 1
     if not torch.cuda.is_available():
         print("no CUDA device here: nothing measured (run on a machine with one)")
         return
+    if args.deterministic:
+        import os
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        with sdpa_kernel(SDPBackend.MATH):
+            _main(args)
+    else:
+        _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = Stack(*[Block(args.d, args.heads) for _ in range(args.layers)])

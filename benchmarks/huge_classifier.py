@@ -85,15 +85,16 @@ def worker(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     dev = args.device
     B, D, C = args.batch, args.dim, args.classes
-    x = torch.randn(B, D, device=dev, requires_grad=True)
+    # Drawn on the CPU and moved: every method gets the same numbers wherever they live.
+    x = torch.randn(B, D).to(dev).requires_grad_()
     host = args.method.startswith("headroom-host")
     wdev = "cpu" if host else dev
-    w = torch.randn(C, D, device=wdev) * D**-0.5
+    w = (torch.randn(C, D) * D**-0.5).to(wdev)
     if args.method == "headroom-host-pinned":
         w = w.pin_memory()
     w.requires_grad_()
     prefetch = 0 if args.method == "headroom-host-p0" else args.prefetch
-    y = torch.randint(0, C, (B,), device=dev)
+    y = torch.randint(0, C, (B,)).to(dev)
     rss_inputs = _peak_rss_bytes()
 
     if args.method == "plain":
@@ -162,6 +163,24 @@ def worker(args: argparse.Namespace) -> dict:
     return out
 
 
+def check_results(results: dict) -> None:
+    """Every method's loss and gradient norms against plain PyTorch's (same inputs); a
+    mismatch stops the run before anything is reported."""
+    ref = results.get("plain")
+    if not ref or "error" in ref:
+        return
+    for m, r in results.items():
+        if "error" in r or m == "plain":
+            continue
+        for key in ("loss", "grad_w_norm", "grad_x_norm"):
+            rel = abs(r[key] - ref[key]) / max(abs(ref[key]), 1e-30)
+            r.setdefault("relative_difference_to_plain", {})[key] = rel
+            if rel > 1e-4:
+                raise SystemExit(f"{m}: {key} {r[key]} differs from plain's {ref[key]}"
+                                 f" (relative {rel:.1e})")
+    print("losses and gradient norms match plain PyTorch's (relative 1e-4)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=4096)
@@ -221,6 +240,7 @@ def main() -> None:
         out, _ = proc.communicate("stop\n")
         results[m] = json.loads(out.strip().splitlines()[-1])
 
+    check_results(results)
     limit = None
     if args.device != "cpu":
         bw = copy_bandwidth(args.device)

@@ -168,6 +168,7 @@ class Late:
         "dtype",
         "memory_order",
         "values",
+        "ptr",
         "watch",
         "call",
         "__weakref__",
@@ -210,13 +211,13 @@ class Late:
             call.keep = True  # until this holder packs a mask
         return self
 
-    def settle(self, dying: int = 0) -> bool:
+    def settle(self, dying: int = 0, counted: bool = False) -> bool:
         """Pack the tensor if nothing else references its storage (but ``dying`` tensors about
-        to be freed); whether it is decided."""
+        to be freed; ``counted``: the caller has just checked that); whether it is decided."""
         t = self.tensor
         if t is None:
             return True
-        if _use_count(self.key) != UNSHARED + dying:
+        if not counted and _use_count(self.key) != UNSHARED + dying:
             return False
         if t._version != self.version:
             self.bits = None
@@ -241,13 +242,17 @@ class Late:
             if code >= 0:
                 n = t.numel()
                 bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
+                ptr = bits.data_ptr()
                 op = self.op
                 if op == NONZERO:
-                    native.pack_nonzero(t.data_ptr(), n, bits.data_ptr(), code)
-                elif native.pack_cmp(t.data_ptr(), n, bits.data_ptr(), code, op, self.lo, self.hi):
+                    native.pack_nonzero(t.data_ptr(), n, ptr, code)
+                elif native.pack_cmp(t.data_ptr(), n, ptr, code, op, self.lo, self.hi):
                     return False  # a NaN (INSIDE): kept whole
                 self.shape, self.stride, self.dtype = t.shape, None, dtype
-                self.values = None if op != INSIDE else _hardtanh_values(self.lo, self.hi, dtype)
+                if op == INSIDE:
+                    self.values, self.ptr = _hardtanh_values(self.lo, self.hi, dtype), 0
+                else:  # 1/0 floats unpack fast in float32 (see unpack)
+                    self.values, self.ptr = None, ptr if code == 0 else 0
                 self.memory_order, self.bits = False, bits
                 return True
         bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
@@ -255,7 +260,7 @@ class Late:
             return False
         self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
         self.values = None if self.op != INSIDE else _hardtanh_values(self.lo, self.hi, t.dtype)
-        self.memory_order, self.bits = memory_order, bits
+        self.memory_order, self.bits, self.ptr = memory_order, bits, 0
         return True
 
     def drop_mask(self) -> None:
@@ -304,24 +309,17 @@ class Late:
         if t is not None:
             return self._kept(t)
         native = _bitmask._native
-        if (
-            self.stride is None
-            and self.values is None
-            and self.dtype is torch.float32
-            and native is not None
-            and not torch.is_grad_enabled()
-            and not is_tracking()
-        ):
-            # The common case (a contiguous float32 1/0 mask unpacked inside the node's
-            # backward) without the generic dispatch, into a view of the reused buffer
-            # (_bitmask.reusable_float32, whose common case is inlined here).
+        if self.ptr and native is not None and not _grad_enabled() and not is_tracking():
+            # The common case (a contiguous float32 1/0 mask, packed at ``ptr``, unpacked
+            # inside the node's backward) without the generic dispatch, into a view of the
+            # reused buffer (_bitmask.reusable_float32, whose common case is inlined here).
             buf = _bitmask._reusable.buffers.get(torch.float32)
             got = None
             if buf is not None and _use_count(buf.key) == buf.unshared:
                 got = buf.views.get(self.shape)
             if got is None:
                 got = _bitmask.reusable_float32(self.shape)
-            native.unpack(self.bits.data_ptr(), got[2], got[1], 0)
+            native.unpack(self.ptr, got[2], got[1], 0)
             return got[0]
         return _unpack_layout(
             self.bits,
@@ -353,7 +351,7 @@ def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
     if holder is None or holder.tensor is None or _graph_task_id() != -1:
         return
     if _use_count(holder.key) == UNSHARED + 1:
-        holder.settle(dying=1)
+        holder.settle(1, True)
     else:
         # Something else still shares the storage (a view, another saved tensor): it may go
         # at any time, so try again at the next layer starts.
@@ -375,6 +373,7 @@ def _hold_late(
 
 _LATE = UNSHARED is not None and _use_count is not None
 _graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
 
 
 # --- one Function for large or cloning activations -----------------------------------------------

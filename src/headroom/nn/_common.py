@@ -309,7 +309,7 @@ def settle_pending() -> None:
         # decided already or still shared, and need no call.
         if holder is None or holder.tensor is None:
             continue
-        if _use_count(holder.key) == UNSHARED and holder.settle():
+        if _use_count(holder.key) == UNSHARED and holder.settle(0, True):
             continue
         holder.checks += 1
         if holder.checks < _YOUNG_CHECKS:

@@ -34,16 +34,24 @@ def _nested(*ctxs):
 
 @pytest.fixture
 def fast_path_calls(monkeypatch):
-    """How many times converted layers ran PyTorch's node under headroom's hooks (the fast path)."""
+    """How many times converted layers ran PyTorch's node with headroom's hooks on what it saves
+    (the fast path): under hooks pushed around the op, or registered on a saved tensor."""
     calls = []
-    run = _common.run_saving_less
+    run, save = _common.run_saving_less, _common.save_less
 
-    def counting(*args):
+    def counting_run(*args):
         calls.append(args[1])
         return run(*args)
 
+    def counting_save(saved, pack):
+        calls.append(pack)
+        return save(saved, pack)
+
     for mod in (_common, _conv, _activation):
-        monkeypatch.setattr(mod, "run_saving_less", counting)
+        if hasattr(mod, "run_saving_less"):
+            monkeypatch.setattr(mod, "run_saving_less", counting_run)
+        if hasattr(mod, "save_less"):
+            monkeypatch.setattr(mod, "save_less", counting_save)
     return calls
 
 

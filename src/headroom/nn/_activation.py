@@ -53,6 +53,7 @@ from headroom.nn._common import (
     register_relu_output,
     relu_sites,
     run_saving_less,
+    save_less,
     settle_pending,
 )
 
@@ -135,13 +136,14 @@ class Late:
     """The tensor an activation's PyTorch node saves, kept whole until it is known whether
     anything else references its storage; then, if nothing does, packed to a 1-bit mask.
 
-    The pack hook of :func:`headroom.nn._common.run_saving_less` for ``ReluBackward0``
-    (``op=NONZERO``: the result's non-zeros), ``LeakyReluBackward0`` (``GREATER``: ``x > 0``)
-    and ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``), called as
-    ``Late(call, op, lo, hi, t)`` (see :func:`_late_hook`): ``call`` is the
-    :class:`headroom.nn._common.Call` of the call site, where the holder leaves its decision.
-    :meth:`settle` is called by :func:`headroom.nn._common.settle_pending` and at the end of a
-    converted root's forward.
+    ``Late(call, op, lo, hi, watched)`` is made for the tensor ``watched`` that the caller holds
+    (the op's output, or its input where the node saves that); :meth:`hold` is then the pack
+    hook (:func:`headroom.nn._common.save_less`) of what ``ReluBackward0`` (``op=NONZERO``: the
+    result's non-zeros), ``LeakyReluBackward0``/``1`` (``GREATER``: ``x > 0``) or
+    ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``) saved: an alias of ``watched`` without
+    the autograd graph. ``call`` is the :class:`headroom.nn._common.Call` of the call site,
+    where the holder leaves its decision. :meth:`settle` is called when ``watched`` is freed, by
+    :func:`headroom.nn._common.settle_pending` and at the end of a converted root's forward.
     """
     # On unpack, backward gets the tensor, or a tensor positive exactly where the mask is
     # set (for Hardtanh, ``lo`` and a value strictly inside), laid out like the original: the
@@ -166,46 +168,56 @@ class Late:
         "dtype",
         "memory_order",
         "values",
+        "ptr",
         "watch",
         "call",
         "__weakref__",
     )
 
     def __init__(
-        self, call: Call | None, op: int, lo: float, hi: float, t: torch.Tensor
+        self, call: Call | None, op: int, lo: float, hi: float, watched: torch.Tensor
     ) -> None:
-        # A detached alias, not ``t``: a saved output is the very tensor whose grad_fn
-        # holds this object (a reference cycle), and the alias counts once in the storage's use
-        # count whoever else holds ``t``.
-        self.tensor = t.detach()
-        self.version = t._version
-        self.key = t.untyped_storage()._cdata
+        self.tensor = None  # until hold()
+        self.version = watched._version
+        self.key = watched.untyped_storage()._cdata
         self.op, self.lo, self.hi = op, lo, hi
         self.bits = None
         self.call = call
         self.checks = 0
-        # This thread's pending list (headroom.nn._common.hold, inlined: once per activation)
+        # This thread's pending lists (see headroom.nn._common._Pending)
         st = _pending
         st.seq = self.seq = st.seq + 1
         ref = weakref.ref(self)
-        st.young.append(ref)
-        # The moment the caller drops its last reference to ``t`` (a variable rebound in
+        made = st.made
+        made.append(ref)
+        if len(made) > 512 and not st.roots:
+            _prune_made(st)
+        # The moment the caller drops its last reference to ``watched`` (a variable rebound in
         # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
-        # nothing else references the storage: try then. The callback holds this object weakly
+        # nothing else references the storage: try then. Until then the storage cannot be
+        # unshared (``watched`` itself references it). The callback holds this object weakly
         # (no reference cycle keeps a whole tensor alive).
-        self.watch = weakref.ref(t, functools.partial(_released, ref))
-        if call is not None and call.keep is False and t.numel() >= _PACK_AHEAD_FROM:
-            self.pack()  # see _PACK_AHEAD_FROM
+        self.watch = weakref.ref(watched, functools.partial(_released, ref))
 
-    def settle(self, dying: int = 0) -> bool:
+    def hold(self, t: torch.Tensor) -> Late:
+        """Keep ``t`` (an alias of the watched tensor without the autograd graph: holding the
+        tensor itself would make a reference cycle through its node, which holds this object);
+        the pack hook. Returns this object."""
+        self.tensor = t
+        call = self.call
+        if call is not None:
+            if call.keep is False and _pending.roots and t.numel() >= _PACK_AHEAD_FROM:
+                self.pack()  # see _PACK_AHEAD_FROM
+            call.keep = True  # until this holder packs a mask
+        return self
+
+    def settle(self, dying: int = 0, counted: bool = False) -> bool:
         """Pack the tensor if nothing else references its storage (but ``dying`` tensors about
-        to be freed); whether it is decided."""
+        to be freed; ``counted``: the caller has just checked that); whether it is decided."""
         t = self.tensor
         if t is None:
             return True
-        if _use_count(self.key) != UNSHARED + dying:
-            if self.call is not None:
-                self.call.keep = True
+        if not counted and _use_count(self.key) != UNSHARED + dying:
             return False
         if t._version != self.version:
             self.bits = None
@@ -217,36 +229,38 @@ class Late:
         self.tensor = None
         return True
 
-    def note_kept(self) -> None:
-        """Record at the call site that the tensor is still shared (kept whole so far)."""
-        if self.call is not None and self.tensor is not None:
-            self.call.keep = True
-
     def pack(self) -> bool:
         """Compute the mask (the tensor stays until :meth:`settle` drops it); False where it
         must stay whole (a NaN for Hardtanh)."""
         t = self.tensor
         native = _bitmask._native
-        if (
-            self.op == NONZERO
-            and native is not None
-            and t.dtype is torch.float32
-            and t.is_cpu
-            and t.is_contiguous()
-        ):
-            # The common case without the generic dispatch (this runs per activation).
-            n = t.numel()
-            bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
-            native.pack_nonzero(t.data_ptr(), n, bits.data_ptr(), 0)
-            self.shape, self.stride, self.dtype, self.values = t.shape, None, torch.float32, None
-            self.memory_order, self.bits = False, bits
-            return True
+        if native is not None and t.is_cpu and t.is_contiguous():
+            # The common case (a contiguous float32/float64 CPU tensor) without the generic
+            # dispatch: this runs per activation. ``stride`` None means contiguous.
+            dtype = t.dtype
+            code = 0 if dtype is torch.float32 else 1 if dtype is torch.float64 else -1
+            if code >= 0:
+                n = t.numel()
+                bits = torch.empty((n + 7) >> 3, dtype=torch.uint8)
+                ptr = bits.data_ptr()
+                op = self.op
+                if op == NONZERO:
+                    native.pack_nonzero(t.data_ptr(), n, ptr, code)
+                elif native.pack_cmp(t.data_ptr(), n, ptr, code, op, self.lo, self.hi):
+                    return False  # a NaN (INSIDE): kept whole
+                self.shape, self.stride, self.dtype = t.shape, None, dtype
+                if op == INSIDE:
+                    self.values, self.ptr = _hardtanh_values(self.lo, self.hi, dtype), 0
+                else:  # 1/0 floats unpack fast in float32 (see unpack)
+                    self.values, self.ptr = None, ptr if code == 0 else 0
+                self.memory_order, self.bits = False, bits
+                return True
         bits, memory_order, nan = _pack_layout(t, self.op, self.lo, self.hi)
         if nan:
             return False
         self.shape, self.stride, self.dtype = t.shape, t.stride(), t.dtype
         self.values = None if self.op != INSIDE else _hardtanh_values(self.lo, self.hi, t.dtype)
-        self.memory_order, self.bits = memory_order, bits
+        self.memory_order, self.bits, self.ptr = memory_order, bits, 0
         return True
 
     def drop_mask(self) -> None:
@@ -295,22 +309,17 @@ class Late:
         if t is not None:
             return self._kept(t)
         native = _bitmask._native
-        if (
-            self.stride is None
-            and native is not None
-            and not torch.is_grad_enabled()
-            and not is_tracking()
-        ):
-            # The common case (a contiguous float32 ReLU mask unpacked inside the node's
-            # backward) without the generic dispatch, into a view of the reused buffer
-            # (_bitmask.reusable_float32, whose common case is inlined here).
+        if self.ptr and native is not None and not _grad_enabled() and not is_tracking():
+            # The common case (a contiguous float32 1/0 mask, packed at ``ptr``, unpacked
+            # inside the node's backward) without the generic dispatch, into a view of the
+            # reused buffer (_bitmask.reusable_float32, whose common case is inlined here).
             buf = _bitmask._reusable.buffers.get(torch.float32)
             got = None
             if buf is not None and _use_count(buf.key) == buf.unshared:
                 got = buf.views.get(self.shape)
             if got is None:
                 got = _bitmask.reusable_float32(self.shape)
-            native.unpack(self.bits.data_ptr(), got[2], got[1], 0)
+            native.unpack(self.ptr, got[2], got[1], 0)
             return got[0]
         return _unpack_layout(
             self.bits,
@@ -339,26 +348,32 @@ def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
     # Not inside backward, where the graph drops saved tensors: settling there would pack a
     # mask that the node reading it is about to unpack.
     holder = holder_ref()
-    if (
-        holder is not None
-        and holder.tensor is not None
-        and _use_count(holder.key) == UNSHARED + 1
-        and _graph_task_id() == -1
-    ):
-        holder.settle(dying=1)
+    if holder is None or holder.tensor is None or _graph_task_id() != -1:
+        return
+    if _use_count(holder.key) == UNSHARED + 1:
+        holder.settle(1, True)
+    else:
+        # Something else still shares the storage (a view, another saved tensor): it may go
+        # at any time, so try again at the next layer starts.
+        _pending.young.append(holder_ref)
 
 
-def _late_hook(call: Call, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0):
-    """A pack hook making :class:`Late` holders of one test at call site ``call`` (cached
-    there: one per call site, not per call)."""
-    args = (op, lo, hi)
-    if call.args != args:
-        call.hook, call.args = functools.partial(Late, call, op, lo, hi), args
-    return call.hook
+def _prune_made(st) -> None:
+    # Layers called on their own (no converted root's end settles): drop the dead and decided
+    st.made = [ref for ref in st.made if (h := ref()) is not None and h.tensor is not None]
+
+
+def _hold_late(
+    call: Call, op: int, lo: float, hi: float, watched: torch.Tensor, saved
+) -> None:
+    """Keep what a node saved (``saved``: its ``_raw_saved_<name>``, an alias of ``watched``)
+    in a :class:`Late` holder at call site ``call``."""
+    save_less(saved, Late(call, op, lo, hi, watched).hold)
 
 
 _LATE = UNSHARED is not None and _use_count is not None
 _graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
 
 
 # --- one Function for large or cloning activations -----------------------------------------------
@@ -397,7 +412,9 @@ class _LateFunction(torch.autograd.Function):
         if spec.inplace:
             ctx.mark_dirty(x)
         out = spec.fn(x)
-        ctx.holder = Late(call, spec.op, spec.lo, spec.hi, out if spec.saves_result else x)
+        watched = out if spec.saves_result else x
+        # A detached alias: ``out`` will hold ctx (its grad_fn), which holds the holder.
+        ctx.holder = Late(call, spec.op, spec.lo, spec.hi, watched).hold(watched.detach())
         ctx.spec = spec
         return out
 
@@ -407,8 +424,18 @@ class _LateFunction(torch.autograd.Function):
         return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
 
 
+# NOTE: the fast path calls autograd.Function's C ``apply`` directly: the Python classmethod in
+# front of it binds default arguments for a ``setup_context`` (this Function has none) and
+# unwraps dead functorch wrappers (the fast path never runs inside a torch.func transform, see
+# records_graph). Likewise its backward node calls ``backward`` directly instead of going
+# through BackwardCFunction.apply, which looks for an overridden ``vjp`` on every call (there is
+# none). Both run once per large or in-place activation call.
+_late_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LateFunction)
+_LateFunction._backward_cls.apply = _LateFunction.backward
+
+
 def _apply_late(x: torch.Tensor, spec: _Spec, call: Call | None = None) -> torch.Tensor:
-    out = _LateFunction.apply(x, spec, call)
+    out = _late_apply(x, spec, call)
     if spec.inplace:
         # Autograd bumps a dirty input's version once more after forward returns.
         out.grad_fn.holder.version = out._version
@@ -433,6 +460,29 @@ def _fuses(x: torch.Tensor) -> bool:
 
 def _relu_kernel(grad, saved):
     return torch.ops.aten.threshold_backward(grad, saved, 0)
+
+
+def _leaky_relu_kernel(grad, saved, slope: float, inplace: bool):
+    return torch.ops.aten.leaky_relu_backward(grad, saved, slope, inplace)
+
+
+def _hardtanh_kernel(grad, saved, lo: float, hi: float):
+    return torch.ops.aten.hardtanh_backward(grad, saved, lo, hi)
+
+
+# Specs are immutable and depend only on these arguments: built once, shared by every module.
+@functools.lru_cache(maxsize=64)
+def _leaky_relu_spec(slope: float, inplace: bool) -> _Spec:
+    kernel = functools.partial(_leaky_relu_kernel, slope=slope, inplace=inplace)
+    fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
+    return _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
+
+
+@functools.lru_cache(maxsize=64)
+def _hardtanh_spec(lo: float, hi: float, inplace: bool) -> _Spec:
+    kernel = functools.partial(_hardtanh_kernel, lo=lo, hi=hi)
+    fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
+    return _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
 
 
 _RELU = _Spec(torch.relu, False, True, NONZERO, 0.0, 0.0, _relu_kernel)
@@ -512,7 +562,7 @@ class ReLU(nn.ReLU):
         if _relu_outputs:
             note_consumer(self, input)
         relu = torch.relu_ if self.inplace else torch.relu
-        # (activation_call, hooks_free and _late_hook inlined: this runs at every ReLU call)
+        # (activation_call and hooks_free inlined: this runs at every ReLU call)
         sites = _sites.get(id(self))
         if sites is None or sites.module() is not self:
             sites = relu_sites(self)
@@ -523,10 +573,10 @@ class ReLU(nn.ReLU):
         if _LATE and _top_hooks(False) is None and _hooks_enabled():
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
-            hook = call.hook
-            if hook is None:
-                hook = _late_hook(call)
-            return run_saving_less(hook, relu, input)
+            out = relu(input)
+            # (_hold_late, inlined)
+            save_less(out.grad_fn._raw_saved_result, Late(call, NONZERO, 0.0, 0.0, out).hold)
+            return out
         # Under the caller's saved-tensor hooks (or without the use count) the choice is
         # made now: from the consumers seen at this call site in earlier such forwards, else
         # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
@@ -568,22 +618,20 @@ class _LeakyReLUMask(torch.autograd.Function):
 class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     """``nn.LeakyReLU`` that keeps a 1-bit sign mask, or nothing its consumers do not keep."""
 
-    def _hr_pack(self, input: torch.Tensor):
+    def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
         if not _LATE or (self.inplace and self.negative_slope < 0):
             return None
-        return _late_hook(_call_of(self, input), GREATER)
-
-    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
-        if not (_LATE and _fuses(input)) or (self.inplace and self.negative_slope < 0):
-            return None
         slope, inplace = float(self.negative_slope), self.inplace
-
-        def kernel(grad, saved):
-            return torch.ops.aten.leaky_relu_backward(grad, saved, slope, inplace)
-
-        fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
-        spec = _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
-        return _apply_late(input, spec, _call_of(self, input))
+        call = _call_of(self, input)
+        if _fuses(input):
+            return _apply_late(input, _leaky_relu_spec(slope, inplace), call)
+        if inplace:
+            out = F.leaky_relu_(input, slope)  # LeakyReluBackward1 saves the result
+            _hold_late(call, GREATER, 0.0, 0.0, out, out.grad_fn._raw_saved_result)
+        else:
+            out = F.leaky_relu(input, slope)  # LeakyReluBackward0 saves the input
+            _hold_late(call, GREATER, 0.0, 0.0, input, out.grad_fn._raw_saved_self)
+        return out
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
@@ -629,24 +677,17 @@ class _HardtanhFunction(torch.autograd.Function):
 
 
 class _HardtanhMixin(KeepsNoInput):
-    def _hr_pack(self, input: torch.Tensor):
+    def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
         if not _LATE or self.min_val > self.max_val:
             return None
-        lo, hi = float(self.min_val), float(self.max_val)
-        return _late_hook(_call_of(self, input), INSIDE, lo, hi)
-
-    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
-        # Always in place: PyTorch's hardtanh_ node saves a clone of its input.
-        if not _LATE or self.min_val > self.max_val or not (self.inplace or _fuses(input)):
-            return None
         lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace
-
-        def kernel(grad, saved):
-            return torch.ops.aten.hardtanh_backward(grad, saved, lo, hi)
-
-        fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
-        spec = _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
-        return _apply_late(input, spec, _call_of(self, input))
+        call = _call_of(self, input)
+        # In place always through the Function: PyTorch's hardtanh_ node saves a clone.
+        if inplace or _fuses(input):
+            return _apply_late(input, _hardtanh_spec(lo, hi, inplace), call)
+        out = F.hardtanh(input, lo, hi)  # HardtanhBackward0 saves the input
+        _hold_late(call, INSIDE, lo, hi, input, out.grad_fn._raw_saved_self)
+        return out
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.min_val > self.max_val:

@@ -222,6 +222,20 @@ def run_saving_less(pack, fn, *args):
         _pop_hooks()
 
 
+def save_less(saved, pack) -> None:
+    """Replace one tensor that PyTorch's node has saved already (``saved``: its
+    ``grad_fn._raw_saved_<name>``) by ``pack(tensor)``, whose ``unpack()`` gives backward its
+    tensor back. The caller checks :func:`hooks_free`."""
+    # Cheaper than run_saving_less where a node saves several tensors and one is to go
+    # (a frozen convolution's input, not its weight) or where the layer has the node's output
+    # at hand anyway (an activation's holder): PyTorch calls ``pack`` once, here, with the
+    # interpreter lock held, rather than from inside the op for every tensor the node saves.
+    # It gives ``pack`` a tensor without the autograd graph (a detached alias, or for a saved
+    # output the alias the node holds), so a holder keeping it makes no reference cycle, and the
+    # saves left alone keep PyTorch's own checks.
+    saved.register_hooks(pack, _unpack)
+
+
 # --- deciding late -----------------------------------------------------------------------------
 #
 # [Note: deciding late]
@@ -256,13 +270,24 @@ def _unshared_count() -> int | None:
 
 
 UNSHARED = _unshared_count()
-_YOUNG_CHECKS = 8  # checks at layer starts before a holder waits for its root's end
+_YOUNG_CHECKS = 8  # checks at layer starts of a holder whose tensor was freed while shared
 
 
 class _Pending(threading.local):
+    """This thread's undecided holders (:class:`headroom.nn._activation.Late`).
+
+    A holder has ``tensor`` (None once decided), ``key`` (its storage's), ``checks`` (layer
+    starts it was tried at), ``seq`` (this thread's count of holders when it was made),
+    ``settle() -> bool`` (decided?) and ``drop_mask()``. It adds itself to ``made``; it watches
+    the tensor it holds and, when that is freed while its storage is still shared, adds itself
+    to ``young``.
+    """
+
     def __init__(self) -> None:
-        self.young: list[weakref.ref] = []  # weak holders checked at layer starts
-        self.old: list[weakref.ref] = []  # weak holders settled only at a root's end
+        self.made: list[weakref.ref] = []  # weak undecided holders, settled at a root's end
+        # weak holders whose tensor was freed while another reference still shared its
+        # storage: that one may go at any time, so they are also tried at layer starts
+        self.young: list[weakref.ref] = []
         self.seq = 0  # holders made on this thread so far
         self.roots: list[int] = []  # ``seq`` when each running converted root started
 
@@ -270,22 +295,9 @@ class _Pending(threading.local):
 _pending = _Pending()
 
 
-def hold(holder) -> int:
-    """Put ``holder`` in this thread's pending list; returns its sequence number.
-
-    A holder has ``tensor`` (None once decided), ``key`` (its storage's), ``checks`` (young
-    checks so far), ``seq``, ``settle() -> bool`` (decided?), ``note_kept()`` and
-    ``drop_mask()``.
-    """
-    st = _pending
-    st.seq += 1
-    st.young.append(weakref.ref(holder))
-    return st.seq
-
-
 def settle_pending() -> None:
-    """Settle this thread's young holders (called at the start of converted layers' forward;
-    the callers check ``_pending.young`` first)."""
+    """Try the young holders (called at the start of converted layers' forward; the callers
+    check ``_pending.young`` first)."""
     st = _pending
     young = st.young
     if not young:
@@ -294,22 +306,15 @@ def settle_pending() -> None:
     for ref in young:
         holder = ref()
         # The use count is read here rather than in settle(): most checks find a holder
-        # decided already (by the release callback) or still shared, and need no call.
+        # decided already or still shared, and need no call.
         if holder is None or holder.tensor is None:
             continue
-        if _use_count(holder.key) == UNSHARED and holder.settle():
+        if _use_count(holder.key) == UNSHARED and holder.settle(0, True):
             continue
         holder.checks += 1
         if holder.checks < _YOUNG_CHECKS:
-            keep.append(ref)
-        else:
-            holder.note_kept()
-            if not st.roots:
-                holder.drop_mask()  # no root's end will: a mask packed ahead goes now
-            st.old.append(ref)
+            keep.append(ref)  # else it waits for its root's end
     st.young = keep
-    if len(st.old) > 512:  # no root ends here (layers called on their own): drop the dead
-        st.old = [ref for ref in st.old if ref() is not None]
 
 
 def _settle_root(start: int) -> list[weakref.ref]:
@@ -317,24 +322,22 @@ def _settle_root(start: int) -> list[weakref.ref]:
     holder. Those made inside it that are still shared leave the pending lists and are
     returned (to be tried once more when backward starts); older ones stay pending."""
     st = _pending
-    young, old, leftover = [], [], []
-    for ref in st.young:
+    made, leftover = [], []
+    for ref in st.made:
         holder = ref()
-        if holder is not None and not holder.settle():
-            if holder.seq <= start:
-                young.append(ref)
-            else:
-                holder.drop_mask()
-                leftover.append(ref)
-    for ref in st.old:
-        holder = ref()
-        if holder is not None and not holder.settle():
-            if holder.seq <= start:
-                old.append(ref)
-            else:
-                holder.drop_mask()
-                leftover.append(ref)
-    st.young, st.old = young, old
+        if holder is None or holder.tensor is None or holder.settle():
+            continue
+        if holder.seq <= start:
+            made.append(ref)
+        else:
+            holder.drop_mask()
+            leftover.append(ref)
+    st.made = made
+    st.young = [
+        ref
+        for ref in st.young
+        if (h := ref()) is not None and h.tensor is not None and h.seq <= start
+    ]
     return leftover
 
 
@@ -411,16 +414,13 @@ def install_root_hooks(root: nn.Module) -> None:
 
 class Call:
     """One call site of an activation module, as its holders see it: ``keep`` is what the last
-    holder made there decided late (None before any, True where the tensor stayed whole, False
-    where a mask was packed), ``hook`` the pack hook that makes holders there (built by the
-    activation, cached with the arguments it was built for in ``args``)."""
+    holder made there decided late (None before any, True where the tensor stayed whole or is
+    not decided yet, False where a mask was packed)."""
 
-    __slots__ = ("keep", "hook", "args")
+    __slots__ = ("keep",)
 
     def __init__(self) -> None:
         self.keep: bool | None = None
-        self.hook = None
-        self.args: tuple | None = None
 
 
 class ReLUSites:
@@ -499,10 +499,11 @@ class KeepsNoInput:
     (pools, pads, LeakyReLU and Hardtanh).
 
     ``forward`` runs the ``torch.nn`` twin's own forward when no graph is recorded. Otherwise,
-    when this thread has no saved-tensor hooks of its own, it runs the twin's forward under
-    :func:`run_saving_less` with the pack hook :meth:`_hr_pack` returns (pools and pads:
-    :func:`shape_of_floats`, keeping the input's shape; activations: a holder that decides late
-    whether a 1-bit mask is cheaper); under the caller's hooks it calls ``_hr_forward``.
+    when this thread has no saved-tensor hooks of its own, it takes the layer's fast path
+    (:meth:`_hr_fast`: activations keep their tensor in a holder that decides late whether a
+    1-bit mask is cheaper), or runs the twin's forward under :func:`run_saving_less` with the
+    pack hook :meth:`_hr_pack` returns (pools and pads: :func:`shape_of_floats`, keeping the
+    input's shape); under the caller's hooks it calls ``_hr_forward``.
     """
 
     def _hr_saves_input(self) -> bool:
@@ -512,9 +513,9 @@ class KeepsNoInput:
         """The pack hook of the fast path, or None where this call must take ``_hr_forward``."""
         return None
 
-    def _hr_fused(self, input: torch.Tensor) -> torch.Tensor | None:
-        """The output through a fast-path Function of the layer's own, or None where the layer
-        has none for this call (see headroom.nn._activation._LateFunction)."""
+    def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
+        """The output through a fast path of the layer's own, or None where the layer has none
+        for this call (see headroom.nn._activation)."""
         return None
 
     def _hr_torch_forward(self, input: torch.Tensor):
@@ -527,8 +528,8 @@ class KeepsNoInput:
             settle_pending()
         if _relu_outputs:
             note_consumer(self, input)
-        if hooks_free():
-            out = self._hr_fused(input)
+        if _top_hooks(False) is None and _hooks_enabled():  # hooks_free(), inlined
+            out = self._hr_fast(input)
             if out is not None:
                 return out
             pack = self._hr_pack(input)

@@ -14,14 +14,13 @@ import torch
 from torch import nn
 
 from headroom.nn._common import (
-    Kept,
     TensorMeta,
     _pending,
     _relu_outputs,
     first_order_only,
     note_consumer,
     records_graph,
-    run_saving_less,
+    save_less,
     settle_pending,
     weight_trains,
 )
@@ -59,18 +58,35 @@ class _ConvFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
-def _keep_frozen(t: torch.Tensor) -> Kept | TensorMeta:
-    """Pack hook for ``ConvolutionBackward0`` (which saves the input and the weight) where
-    exactly one of them requires grad: keep the other one, the shape of this one."""
-    # grad_input needs the weight and grad_weight the input: the one that does not require
-    # grad is the one the other's gradient reads. Deciding by the flag rather than by identity
-    # needs no per-call object (this runs twice per convolution call).
-    return TensorMeta(t) if t.requires_grad else Kept(t)
+def _conv_node_type() -> type:
+    # The class of PyTorch's convolution node, from one tiny convolution (whatever grad mode,
+    # inference mode or default device the importer runs under).
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros(1, 1, 1, device="cpu", requires_grad=True)
+        return type(torch.nn.functional.conv1d(x, torch.zeros(1, 1, 1, device="cpu")).grad_fn)
 
 
-def _keep_none(t: torch.Tensor) -> TensorMeta:
-    """Pack hook for ``ConvolutionBackward0`` where only the bias trains: shapes only."""
-    return TensorMeta(t)
+_CONV_NODE = _conv_node_type()
+
+
+def _save_shapes(out: torch.Tensor, input_shape: bool, weight_shape: bool) -> torch.Tensor:
+    """Replace what ``out``'s ``ConvolutionBackward0`` saved of the input and/or the weight by
+    its shape; returns ``out``."""
+    # grad_input needs the weight and the input's shape; grad_weight needs the input and the
+    # weight's shape; grad_bias needs neither. A tensor left alone keeps PyTorch's own
+    # in-place modification check.
+    node = out.grad_fn
+    if type(node) is not _CONV_NODE:
+        # An unbatched input: aten batches it, convolves and squeezes the batch dimension
+        node = node.next_functions[0][0] if node.next_functions else None
+        if type(node) is not _CONV_NODE:
+            return out  # not PyTorch's convolution (a tensor subclass's): its saves stay
+    saved_input, saved_weight = node._raw_saved_input, node._raw_saved_weight
+    if input_shape:
+        save_less(saved_input, TensorMeta)
+    if weight_shape:
+        save_less(saved_weight, TensorMeta)
+    return out
 
 
 _any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a device type
@@ -182,8 +198,8 @@ class _Conv(_ConvMixin):
                 # path skips a Python autograd.Function (speed) and keeps double backward.
                 return super()._conv_forward(input, weight, bias)
             if _fast(input):
-                pack = _keep_frozen if x_grad or w_grad else _keep_none
-                return run_saving_less(pack, super()._conv_forward, input, weight, bias)
+                out = super()._conv_forward(input, weight, bias)
+                return _save_shapes(out, not w_grad, not x_grad)
         zeros = [0] * self._hr_dims
         if self.padding_mode != "zeros":
             x = _pad(input, self._reversed_padding_repeated_twice, self.padding_mode)
@@ -216,8 +232,7 @@ class _ConvTranspose(_ConvMixin):
         if x_grad and w_grad:
             return super().forward(input, output_size)  # saves what we would (see _Conv)
         if _fast(input):
-            pack = _keep_frozen if x_grad or w_grad else _keep_none
-            return run_saving_less(pack, super().forward, input, output_size)
+            return _save_shapes(super().forward(input, output_size), not w_grad, not x_grad)
         output_padding = self._output_padding(
             input,
             output_size,

@@ -100,8 +100,11 @@ class _BatchNorm:
         if _pending.young:
             settle_pending()
         need_x = input.requires_grad
-        if need_x and _relu_outputs:
-            note_consumer(self, input)
+        if need_x:
+            if _relu_outputs:
+                note_consumer(self, input)
+            if self.training:
+                return super().forward(input)  # the input's gradient needs the input itself
         # The input is skipped only where the weight is frozen and the input needs no
         # gradient, or does in eval mode (running statistics); weight_trains reads _parameters
         # first, which is faster than Module.__getattr__ on this per-layer path.

@@ -69,6 +69,7 @@ def test_applied_plan_fits_and_trains_bitwise(plain, fraction, tmp_path):
              speeds=SPEEDS, slice_bytes=SLICE)
     assert p.peak <= budget
     assert "estimated peak" in str(p) and "hr." in p.code()
+    compile(p.code(), "<plan>", "exec")
     model, opt = p.apply(model_fn())
     mem = train(model, opt)
     assert mem.peak <= budget, (mem.peak, budget, str(p))

@@ -18,8 +18,8 @@ from tests.optim._models import (
 )
 
 STEPS = 50
-# NOTE: the embedding and the blocks' weights (2-2.4 KiB) take 2-3 slices each per step; tiny
-# slices only multiply the disk store's requests (512 bytes took twice as long).
+# NOTE: the embedding and the blocks' weights (2-2.4 KiB) take 2-3 slices each per step;
+# smaller slices would only multiply the disk store's requests, each a hand-off to its threads.
 SLICE = 1024
 
 

@@ -41,7 +41,9 @@ def test_help_lists_the_commands(capsys):
     assert listed == ["demo", "profile"], out  # each command listed once
 
 
-def test_demo_trains_and_reports(tmp_path, capsys):
+def test_demo_trains_and_reports(tmp_path, capsys, one_thread):
+    """On one intra-op thread (see `one_thread`): each part compares with plain PyTorch in this
+    process under the same setting; a busy machine no longer stalls its many small ops."""
     assert main(["demo", "--steps", "3", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
     assert "trained 3 steps" in out

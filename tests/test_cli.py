@@ -41,10 +41,12 @@ def test_help_lists_the_commands(capsys):
     assert listed == ["demo", "profile"], out  # each command listed once
 
 
-def test_demo_trains_and_reports(tmp_path, capsys):
-    assert main(["demo", "--steps", "10", "--out", str(tmp_path / "demo")]) == 0
+def test_demo_trains_and_reports(tmp_path, capsys, one_thread):
+    """On one intra-op thread (see `one_thread`): each part compares with plain PyTorch in this
+    process under the same setting; a busy machine no longer stalls its many small ops."""
+    assert main(["demo", "--steps", "3", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "trained 10 steps" in out
+    assert "trained 3 steps" in out
     assert "optimizer_state" in out
     # the other parts check their own exactness against plain PyTorch and print the verdict
     assert "parameters after training bitwise equal to plain AdamW(fused=True): True" in out

@@ -45,13 +45,16 @@ def test_estimate_prints_table_and_writes_json(config, tmp_path, capsys):
 
 
 def test_plan_prints_python_that_applies_it(config, tmp_path, capsys):
+    """0.9 of the peak: the first plan estimated whole fits (activation offload to disk), so
+    the command makes one whole dry run; the code of plans with hr.HostOptimizer and hr.offload
+    is compiled in tests/planner/test_plan.py."""
     assert main(["estimate", "--config", str(config), "--batch", "2", "--seq", "16",
                  "--device", "cpu", "--no-advice", "--json", str(tmp_path / "e.json")]) == 0
     assert "what would cut" not in capsys.readouterr().out
     peak = json.loads((tmp_path / "e.json").read_text())["estimate"]["peak"]
     capsys.readouterr()
     rc = main(["plan", "--config", str(config), "--batch", "2", "--seq", "16", "--device",
-               "cpu", "--budget", str(int(peak * 0.6)), "--disk", str(tmp_path / "stores")])
+               "cpu", "--budget", str(int(peak * 0.9)), "--disk", str(tmp_path / "stores")])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "headroom plan for cpu" in out and "# apply it:" in out

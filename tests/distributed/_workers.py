@@ -196,9 +196,11 @@ def run(world: int, jobs: list[tuple[str, dict]], timeout: float = 120) -> dict:
     Returns ``{(job, rank): (status, result)}``; ranks that died leave their entries out.
     """
     # A fork server that has imported torch once: each set of ranks after the first starts in
-    # a fraction of a second instead of importing torch again.
+    # a fraction of a second instead of importing torch again, nor torch._dynamo (which DDP's
+    # constructor imports: seconds in every rank).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.distributed._workers"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
+                                "tests.distributed._workers"])
     out = ctx.Queue()
     port = free_port()
     path = [os.path.abspath(p) for p in sys.path if p]

@@ -12,11 +12,6 @@ from headroom.memory import estimate
 from tests.memory._models import build, loss_fn, measure
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
-
-
 def check(name, tmp_path, offload=None, host=None):
     model, args, opt = build(name, tmp_path, offload=offload, host=host)
     mem = measure(model, args, opt)

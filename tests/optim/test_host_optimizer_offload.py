@@ -18,6 +18,9 @@ from tests.optim._models import (
 )
 
 STEPS = 50
+# NOTE: the embedding and the blocks' weights (2-2.4 KiB) take 2-3 slices each per step;
+# smaller slices would only multiply the disk store's requests, each a hand-off to its threads.
+SLICE = 1024
 
 
 def _offloaded(store, tmp_path, seed=0, tag="m"):
@@ -44,7 +47,7 @@ def test_offloaded_50_steps_bitwise(tmp_path, store, state):
     model = _offloaded(store, tmp_path)
     state_store = hr.DiskStore(tmp_path / "state") if state == "disk" else "cpu"
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                           state_store=state_store, slice_bytes=512)
+                           state_store=state_store, slice_bytes=SLICE)
     assert all(e.kind == "bound" for e in opt._order)
     train(model, opt, range(STEPS), accum=2, clip=0.05)
     _plain_params_equal(ref_model, model)
@@ -57,7 +60,7 @@ def test_offloaded_disk_save_kill_load_resumes_bitwise(tmp_path):
     train(ref_model, ref, range(STEPS), accum=2)
     model = _offloaded("disk", tmp_path, tag="a")
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                           state_store=hr.DiskStore(tmp_path / "state-a"), slice_bytes=512)
+                           state_store=hr.DiskStore(tmp_path / "state-a"), slice_bytes=SLICE)
     train(model, opt, range(STEPS // 2), accum=2)
     path = tmp_path / "ckpt.safetensors"
     hr.save(path, model, opt)
@@ -66,7 +69,7 @@ def test_offloaded_disk_save_kill_load_resumes_bitwise(tmp_path):
     gc.collect()
     model = _offloaded("disk", tmp_path, seed=7, tag="b")
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
-                           state_store=hr.DiskStore(tmp_path / "state-b"), slice_bytes=512)
+                           state_store=hr.DiskStore(tmp_path / "state-b"), slice_bytes=SLICE)
     hr.load(path, model, opt)
     early = _count_early(opt)
     train(model, opt, range(STEPS // 2, STEPS), accum=2, final=True)

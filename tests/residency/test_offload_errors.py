@@ -152,7 +152,10 @@ def _ddp_worker(rank: int, world: int, port: int, case: str, out) -> None:
 
 @pytest.mark.parametrize("case", ["root", "parent"])
 def test_ddp_over_an_offloaded_model_is_refused(case):
-    ctx = mp.get_context("spawn")
+    # A fork server that has imported torch and torch._dynamo (DDP's constructor imports it,
+    # seconds each time) once, shared with tests/distributed: the ranks start without either.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     out = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, case, out)) for r in range(2)]

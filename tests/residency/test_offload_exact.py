@@ -21,7 +21,7 @@ from tests.residency._models import (
     values,
 )
 
-STEPS = 20
+STEPS = 10
 
 
 def train_both(make, batch, loss_fn, store, *, micro: int = 1, steps: int = STEPS,

@@ -1,0 +1,9 @@
+"""Memory tracking and estimate tests: small models, run on one intra-op thread (see
+`one_thread`)."""
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield

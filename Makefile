@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml setup.py src/headroom/nn/_bitkernels.c
 demo: $(VENV)/.installed
 	$(VENV)/bin/headroom demo
 
+# Tests run in parallel processes, one per core up to 4 (pytest-xdist); `pytest` alone runs them
+# one after the other.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -16,6 +16,7 @@ into the tensor's memory.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections import defaultdict
 from concurrent.futures import Future
@@ -96,6 +97,13 @@ class Stash:
             self._mod = stream_module(self.device)
             self._d2h = self._mod.Stream(self.device)
             self._h2d = self._mod.Stream(self.device)
+            # The compute stream's progress at a copy's start, one event per side stream,
+            # recorded again for each copy: a stream's wait takes the event as recorded at the
+            # time of the wait, so reusing it orders each copy exactly as a fresh one would
+            # (record and wait under one lock: a shared stash may serve several threads).
+            self._out_ready = self._mod.Event()
+            self._back_ready = self._mod.Event()
+            self._ready_lock = threading.Lock()
 
     @classmethod
     def shared(cls, device: str | torch.device, store: Store | None) -> Stash:
@@ -134,9 +142,10 @@ class Stash:
         if self.accelerated:
             self._reap()
             k.host = self._pool.take(n)
-            ev = self._mod.Event()
-            ev.record(self._mod.current_stream(self.device))
-            self._d2h.wait_event(ev)  # ordered after the compute that wrote the bytes
+            with self._ready_lock:
+                ev = self._out_ready
+                ev.record(self._mod.current_stream(self.device))
+                self._d2h.wait_event(ev)  # ordered after the compute that wrote the bytes
             with self._mod.stream(self._d2h):
                 k.host.copy_(src, non_blocking=True)
                 k.out_event = self._mod.Event()
@@ -213,9 +222,10 @@ class Stash:
             k.into.copy_(k.host)
 
     def _h2d_copy(self, k: StashTicket) -> None:
-        ev = self._mod.Event()
-        ev.record(self._mod.current_stream(self.device))
-        self._h2d.wait_event(ev)  # the storage was (re)allocated on the compute stream
+        with self._ready_lock:
+            ev = self._back_ready
+            ev.record(self._mod.current_stream(self.device))
+            self._h2d.wait_event(ev)  # the storage was (re)allocated on the compute stream
         with self._mod.stream(self._h2d):
             k.into.copy_(k.host, non_blocking=True)
             k.back_event = self._mod.Event()

@@ -54,7 +54,7 @@ def rss(key):
 import torch, torch.nn as nn, torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 import headroom as hr
-torch.set_num_threads(2)
+torch.set_num_threads(int(__import__("os").environ["BENCH_THREADS"]))
 variant, layers, steps, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 prefetch = int(sys.argv[5])
 fixed = rss("VmRSS")
@@ -166,8 +166,11 @@ print(json.dumps({"write_Bps": t.nbytes / min(w), "read_Bps": t.nbytes / min(r)}
 """
 
 
+THREADS = 2  # intra-op threads of the compute (--threads)
+
+
 def _child(code: str, *args: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), BENCH_THREADS=str(THREADS))
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                          env=env, timeout=1800)
     if out.returncode:
@@ -178,6 +181,9 @@ def _child(code: str, *args: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="intra-op threads of the compute (the store's threads come on top)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=64 << 20,
@@ -186,6 +192,8 @@ def main() -> None:
                     help="rounds of the in-process interleaved timing (default 9)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    global THREADS
+    THREADS = args.threads
     if args.quick:
         args.repeats, args.steps, args.rounds = 1, 3, 2
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -266,19 +274,19 @@ def main() -> None:
         print(f"  {v:14s}{ps['step_s']:7.3f} / {ps['cpu_s']:.3f}")
     print(f"  offloaded step / overlap bound = {paired_summary['offload']['vs_overlap_bound']:.3f}"
           " (target <= 1.15)")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(exist_ok=True, parents=True)
+    args.out.write_text(json.dumps({
         "command": "benchmarks/activation_offload.py " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
-        "layers": args.layers, "prefetch": args.prefetch, "steps": args.steps,
-        "repeats": args.repeats,
+        "layers": args.layers, "threads": args.threads, "prefetch": args.prefetch,
+        "steps": args.steps, "repeats": args.repeats,
         "store_bandwidth": bw, "summary": summary, "bounds": bounds, "runs": runs,
         "paired": {"rounds": args.rounds, "store_bandwidth": paired_bw,
                    "summary": paired_summary, "bounds_s": paired_bounds, "steps": paired},
         "load_average_after": os.getloadavg(),
     }, indent=1))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

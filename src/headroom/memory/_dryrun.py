@@ -208,7 +208,7 @@ class _MetaResults:
 
     _kinds: dict[Any, str | None] = {}  # op -> "new", "self" or None (always the kernel)
     _seen: dict[tuple, Any] = {}
-    _MAX = 1 << 14  # a plan of a small model remembers under a hundred
+    _MAX = 1 << 14  # bounded for a process that estimates many models
 
     @classmethod
     def call(cls, func, args: tuple, kwargs: dict) -> Any:

@@ -173,6 +173,8 @@ class RealTensorsAsMeta(TorchDispatchMode):
             return None
         if has_meta and any(a.device.type != "meta" and a.dim() > 0 for a in flat):
             args, kwargs = tree_map(_meta_stand_in, (args, kwargs))
+        if has_meta:
+            return _MetaResults.call(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -189,6 +191,106 @@ def _flat(items: list[Any]) -> list[torch.Tensor]:
 _FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
                        for name in ("_fused_sgd_", "_fused_adagrad_")
                        if hasattr(torch.ops.aten, name)}
+
+
+class _MetaResults:
+    """What ops on ``meta`` tensors return, remembered by the metadata of their arguments.
+
+    Many of PyTorch's ``meta`` kernels are Python (``torch._refs``): an optimizer's step on one
+    slice of a parameter takes milliseconds of them, and the dry runs of a plan repeat the same
+    ops on the same shapes thousands of times. On ``meta`` an op's result depends on nothing
+    but the metadata of its arguments (there are no values), so an op seen before with the same
+    metadata gets its result without the kernel: a new tensor of the remembered shape, strides
+    and dtype (the same storage bytes), or for an in-place op its ``self``. Only such ops are
+    remembered: one tensor returned, not a view, nothing written but an in-place ``self``.
+    An op that fails is never remembered (its error repeats on the next call).
+    """
+
+    _kinds: dict[Any, str | None] = {}  # op -> "new", "self" or None (always the kernel)
+    _seen: dict[tuple, Any] = {}
+    _MAX = 1 << 14  # bounded for a process that estimates many models
+
+    @classmethod
+    def call(cls, func, args: tuple, kwargs: dict) -> Any:
+        kind = cls._kinds.get(func, "?")
+        if kind == "?":
+            kind = cls._kinds[func] = _result_kind(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        try:
+            storages: dict[int, int] = {}
+            key = (func, _key(args, storages), _key(tuple(kwargs.items()), storages))
+            seen = cls._seen.get(key)
+        except TypeError:  # an argument that cannot be a key
+            return func(*args, **kwargs)
+        if seen is not None:
+            if kind == "self":
+                return args[0]
+            shape, stride, dtype = seen
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if kind == "self":
+            before = _layout(args[0])
+            out = func(*args, **kwargs)
+            if out is args[0] and _layout(out) == before:
+                cls._remember(key, True)
+            elif out is args[0]:  # it changes its self's layout (set_, resize_): always run
+                cls._kinds[func] = None
+            return out
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.device.type == "meta" \
+                and out.storage_offset() == 0 and not out._is_view() \
+                and out.untyped_storage().nbytes() == _strided_nbytes(out):
+            cls._remember(key, (tuple(out.shape), out.stride(), out.dtype))
+        return out
+
+    @classmethod
+    def _remember(cls, key: tuple, value: Any) -> None:
+        if len(cls._seen) >= cls._MAX:
+            cls._seen.clear()
+        cls._seen[key] = value
+
+
+def _result_kind(func) -> str | None:
+    schema = func._schema
+    if func.is_view or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor":
+        return None
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    ret = schema.returns[0].alias_info
+    if not written and ret is None:
+        return "new"
+    if len(written) == 1 and written[0] is schema.arguments[0] and not written[0].kwarg_only \
+            and ret is not None and ret.is_write:
+        return "self"
+    return None
+
+
+def _key(items: Any, storages: dict[int, int]) -> tuple:
+    """The metadata of ``items`` that a ``meta`` kernel can see; ``storages`` numbers the
+    storages in order of appearance, so that arguments sharing one share the number."""
+    out = []
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            st = storages.setdefault(a.untyped_storage()._cdata, len(storages))
+            out.append((a.device.type, a.dtype, tuple(a.shape), a.stride(),
+                        a.storage_offset(), st, a.is_neg(), a.is_conj()))
+        elif isinstance(a, (list, tuple)):
+            out.append((type(a), _key(a, storages)))
+        else:
+            hash(a)  # TypeError for what cannot be a key
+            out.append((type(a), a))
+    return tuple(out)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage()._cdata,
+            t.untyped_storage().nbytes())
+
+
+def _strided_nbytes(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) \
+        * t.element_size()
 
 
 def _meta_stand_in(t: Any) -> Any:

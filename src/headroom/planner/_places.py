@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from headroom.memory._dryrun import _flat
 from headroom.transfer import Handle
 from headroom.transfer._store import done
 
@@ -88,13 +89,15 @@ class _MarkMade(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
-                 if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            # views and in-place results are the inputs' storages, not new ones
-            if isinstance(t, torch.Tensor) and t.device.type == "meta" \
-                    and t.untyped_storage()._cdata not in given:
-                self.places._mark_made(t)
+        outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        made = [t for t in outs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        if made:
+            # views and in-place results are the inputs' storages, not new ones (an op's
+            # arguments are tensors or lists of them: `_flat` finds them all)
+            given = {t.untyped_storage()._cdata for t in _flat([*args, *kwargs.values()])}
+            for t in made:
+                if t.untyped_storage()._cdata not in given:
+                    self.places._mark_made(t)
         return out
 
 

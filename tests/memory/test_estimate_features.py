@@ -128,3 +128,24 @@ def test_bad_what_if_options_say_what_is_accepted():
         estimate(model, args, offload={"prefetch_blocks": 2})
     with pytest.raises(ValueError, match="min_bytes"):
         estimate(model, args, offload_activations=-1)
+
+
+def test_host_optimizer_whose_constructor_makes_state(tmp_path):
+    """Adagrad makes its state (a step count read with ``item()``) in its constructor: the
+    dry run's step count is a host tensor with a value, and the estimate is the measured peak."""
+    from headroom.optim import HostOptimizerOptions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 32), torch.nn.Linear(32, 32),
+                                torch.nn.LayerNorm(32), torch.nn.Linear(32, 100))
+    args = (torch.randint(0, 100, (4, 16)),)
+    opts = HostOptimizerOptions(torch.optim.Adagrad, {"lr": 0.1}, "disk", False, 2048, 32 << 20)
+    est = estimate(model, args, loss_fn=loss_fn, optimizer=opts)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.Adagrad, lr=0.1, slice_bytes=2048,
+                           state_store=hr.DiskStore(tmp_path / "state"))
+    mem = measure(model, args, opt)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+    for target in ("cuda", "cpu"):  # a model in bf16, either target
+        low = torch.nn.Sequential(torch.nn.Linear(32, 32)).to(torch.bfloat16)
+        assert estimate(low, (torch.randn(4, 32, dtype=torch.bfloat16),), loss_fn=loss_fn,
+                        optimizer=opts, device=target).peak > 0

@@ -157,8 +157,11 @@ class SliceRunner:
 
     def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         # Most optimizers create state lazily in step(); a few (Adagrad) create it in the
-        # constructor. A throwaway instance on the slice covers both.
-        tmp = self.cls([work], **ctor_kwargs(self.cls, group))
+        # constructor. A throwaway instance on the slice covers both. Tensors it makes from
+        # nothing (Adagrad's step count) are host tensors, as the step runs on the host: made
+        # under a meta default device (a dry run) they would have no value to read.
+        with torch.device("cpu"):
+            tmp = self.cls([work], **ctor_kwargs(self.cls, group))
         return dict(tmp.state.get(work, {}))
 
     def step(self, src: SlicedParam, gi: int, group: dict[str, Any]) -> dict[str, Any]:

@@ -88,11 +88,11 @@ class Stash:
         self._handles: dict[int, list[Handle]] = defaultdict(list)
         self._prefix = f"{_KEY}/{next(_ids)}"
         self._made = 0
-        # What a dropped ticket's copies on the side streams may still use (the host buffer,
-        # the device bytes a copy out reads or a copy back writes), with those copies' events:
-        # the buffer is pooled again, and the device bytes let go, once they have completed
-        # (a drop never waits).
-        self._held: list[tuple[list[Any], torch.Tensor, tuple]] = []
+        # Host buffers a dropped ticket's copies on the side streams may still use, with those
+        # copies' events: pooled again once they have completed (a drop never waits). The
+        # device bytes those copies use go back to the allocator at once, marked as used by
+        # the side stream (``record_stream``), so they are not reused before the copy is done.
+        self._held: list[tuple[list[Any], torch.Tensor]] = []
         if self.accelerated:
             self._mod = stream_module(self.device)
             self._d2h = self._mod.Stream(self.device)
@@ -127,6 +127,11 @@ class Stash:
         for s in list(_host_shared.values()):
             s.close()
         for store in list(_disks_shared):
+            if store._closed:
+                # Its space went with it (scratch files are dropped when a folder is opened
+                # again); its file handles are closed, so there is nothing to free here.
+                _disks_shared.discard(store)
+                continue
             for s in store._stashes.values():
                 s.close()
 
@@ -257,11 +262,17 @@ class Stash:
                 fut.exception()  # an I/O still using the buffer must finish first
         k.out = k.back = None
         self._reap()
-        busy = [e for e in (k.out_event, k.back_event) if e is not None and not e.query()]
+        busy = []
+        if k.out_event is not None and not k.out_event.query():
+            k.source.record_stream(self._d2h)  # the copy out still reads these device bytes
+            busy.append(k.out_event)
+        if k.back_event is not None and not k.back_event.query():
+            k.into.record_stream(self._h2d)  # the copy back still writes these
+            busy.append(k.back_event)
         k.out_event = k.back_event = None
         if k.host is not None:
             if busy:
-                self._held.append((busy, k.host, (k.source, k.into)))
+                self._held.append((busy, k.host))
             else:
                 self._pool.give(k.host)
             k.host = None
@@ -287,11 +298,11 @@ class Stash:
         """Pool again the held buffers whose copies have completed."""
         if self._held:
             held, self._held = self._held, []
-            for events, host, device_bytes in held:
+            for events, host in held:
                 if all(e.query() for e in events):
                     self._pool.give(host)
                 else:
-                    self._held.append((events, host, device_bytes))
+                    self._held.append((events, host))
 
     def close(self) -> None:
         """Free what the stash pooled (its disk files too)."""
@@ -301,7 +312,7 @@ class Stash:
             # system below: wait for this stash's own copies (nothing else).
             self._h2d.synchronize()
             held, self._held = self._held, []
-            for events, host, _ in held:
+            for events, host in held:
                 for e in events:
                     e.synchronize()
                 self._pool.give(host)

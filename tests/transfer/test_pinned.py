@@ -289,3 +289,16 @@ def test_registered_slabs_own_whole_pages_and_unregister_before_their_memory_goe
     store.put("w", torch.randn(300))
     store.close()
     assert drv.ranges == {} and pinned_bytes() == base
+
+
+def test_a_refused_registration_names_the_fix_and_gives_its_budget_back(monkeypatch):
+    """The driver refusing to page-lock (a memlock limit): the error says what to do, and the
+    bytes taken from the budget for it are given back."""
+    drv = _FakeDriver()
+    drv.cudaHostRegister = lambda ptr, n, flags: 2  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(_pinned, "_backend", lambda pin, device: "register" if pin else "plain")
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: drv)
+    base = pinned_bytes()
+    with pytest.raises(RuntimeError, match=r"set_pinned_limit.*DiskStore"):
+        _pinned.alloc_slab(3 * MiB, pin=True)
+    assert pinned_bytes() == base and drv.ranges == {}

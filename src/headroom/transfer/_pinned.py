@@ -177,7 +177,11 @@ def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
     ptr = arr.ctypes.data
     err = torch.cuda.cudart().cudaHostRegister(ptr, cost, 1)  # 1: portable
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {cost} bytes failed (cudaError {int(err)})")
+        raise RuntimeError(
+            f"page-locking {cost} bytes of host memory failed (cudaHostRegister: cudaError"
+            f" {int(err)}); the system may limit locked memory (ulimit -l, a container's"
+            " memlock limit) or be short of RAM: lower headroom's share with"
+            " headroom.transfer.set_pinned_limit(bytes), or keep tensors on disk (DiskStore)")
     fin = weakref.finalize(arr, _unregister, ptr, cost, device)
     return Slab(torch.from_numpy(arr)[:nbytes], cost, True, "register", device, fin)
 

@@ -18,7 +18,7 @@ from headroom.transfer._claims import claimed_keys
 from headroom.transfer._device import check_device, stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
-from headroom.transfer._heap import HeapTrimmer, trim_heap
+from headroom.transfer._heap import HeapTrimmer, release_pages, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
 from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
@@ -70,6 +70,7 @@ __all__ = [
     "parse_header",
     "pinned_bytes",
     "relay_done",
+    "release_pages",
     "resize_storage",
     "resolve_store",
     "safetensors_dtypes",

@@ -8,6 +8,12 @@ for the next, so after the first step the process's resident memory grows well p
 live (``benchmarks/rss_disk_training.py`` measures it). `HeapTrimmer` returns it
 (``malloc_trim``) once enough bytes were freed since the last time, at the moments the caller
 knows a large buffer was freed. Elsewhere (not glibc) it does nothing.
+
+A trim returns *every* free page of the heap, the temporaries PyTorch freed a moment ago among
+them, and each is faulted in again (zeroed by the kernel) at its next use: on a training step
+that is most of the step's memory, every step. Where the caller is about to free one buffer,
+`release_pages` gives back exactly its pages instead (``madvise(MADV_DONTNEED)`` on the whole
+pages inside it, Linux only), and the heap keeps the rest as it would have.
 """
 
 from __future__ import annotations
@@ -18,15 +24,24 @@ import os
 import sys
 import threading
 
-__all__ = ["HeapTrimmer", "trim_heap"]
+import torch
+
+__all__ = ["HeapTrimmer", "release_pages", "trim_heap"]
 
 _libc = None
+_madvise = None
 if sys.platform.startswith("linux"):
     try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _libc.malloc_trim  # noqa: B018 - glibc only (musl has none)
+        _any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _madvise = _any.madvise
+        _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _madvise.restype = ctypes.c_int
+        _any.malloc_trim  # noqa: B018 - glibc only (musl has none)
+        _libc = _any
     except (OSError, AttributeError):  # pragma: no cover - not glibc
         _libc = None
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADV_DONTNEED = 4  # Linux: private anonymous pages read as zeros afterwards, RSS drops now
 
 
 def trim_heap() -> bool:
@@ -35,6 +50,29 @@ def trim_heap() -> bool:
         return False
     _libc.malloc_trim(0)
     return True
+
+
+def release_pages(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
+    """Give the whole pages of a host storage (or a tensor's) back to the OS now.
+
+    For a storage that is about to be freed (or refilled before any read): its bytes read as
+    zeros afterwards, and the allocator's own bookkeeping (before the storage, or in its first
+    bytes once freed) is never touched. Only the process's private memory from PyTorch's CPU
+    allocator is released: a storage that is shared, lent (NumPy, a file mapping) or not on the
+    CPU is left as it is. Returns False where nothing was released (unsupported system, such a
+    storage, or one smaller than a page).
+    """
+    if _madvise is None or os.environ.get("HEADROOM_TRIM_HEAP", "1") == "0":
+        return False
+    storage = tensor if isinstance(tensor, torch.UntypedStorage) else tensor.untyped_storage()
+    if storage.device.type != "cpu" or not storage.resizable() or storage.is_shared():
+        return False
+    ptr = storage.data_ptr()
+    start = -(-ptr // _PAGE) * _PAGE
+    end = (ptr + storage.nbytes()) // _PAGE * _PAGE
+    if end <= start:
+        return False
+    return _madvise(start, end - start, _MADV_DONTNEED) == 0
 
 
 class HeapTrimmer:

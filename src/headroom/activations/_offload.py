@@ -8,10 +8,8 @@ tensor, which stays (so do its version counter and identity). In backward, askin
 refills its storage and starts refilling the ones saved before it, in reverse order, within a
 byte budget, so they arrive while the current block computes.
 
-On the CPU, freeing is giving the pages back to the OS (resident memory is the only saving
-there), and each restore lands in a host storage kept from an earlier one (the tensor is put
-on it, same layout and version): in a training loop the restores then allocate nothing and
-fault no pages in, which on a 2-core machine cost more than the copies to and from disk.
+On the CPU, freeing is giving the storage's own pages back to the OS (resident memory is the
+only saving there), and what backward frees is trimmed from the heap as restored bytes go.
 
 Not moved: parameters and their views (``weight.t()``), device copies of offloaded parameters,
 tensors below ``min_bytes``, storages another tensor still uses (their bytes would not be freed).
@@ -44,22 +42,6 @@ from headroom.transfer import (
 __all__ = ["empty_cache", "offload_activations"]
 
 _use_count = torch._C._storage_Use_Count
-_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-
-
-def _point(anchor: torch.Tensor, storage: torch.UntypedStorage) -> None:
-    """Put ``anchor`` (which nothing but an entry holds) on ``storage``, same layout, same
-    version: ``set_`` counts as an in-place change, which this is not."""
-    version = anchor._version
-    with torch.no_grad():
-        anchor.set_(storage, anchor.storage_offset(), anchor.size(), anchor.stride())
-    if anchor._version != version:
-        if _set_version is None:  # pragma: no cover - torch without it
-            raise RuntimeError("this torch cannot restore a tensor's version counter")
-        try:
-            _set_version((anchor,), (version,))
-        except TypeError:  # pragma: no cover - older signature
-            _set_version(anchor, version)
 
 
 def _only_ours(e: _Entry) -> bool:
@@ -121,7 +103,6 @@ class _Offloader:
                  modules: list[nn.Module] | None) -> None:
         self.store = store
         self._where = "host" if store is None else "disk"
-        self._largest = 0  # bytes of the largest entry so far
         self._trimmer = HeapTrimmer()  # for what backward frees on the CPU, see `_release`
         self.min_bytes = min_bytes
         self.prefetch = prefetch
@@ -170,7 +151,6 @@ class _Offloader:
             base = t._base if t._base is not None else t
             stash = self._stash(t.device)
             entry = _Entry(base, stash.stash(storage), self._count)
-            self._largest = max(self._largest, entry.nbytes)
             self._count += 1
             self._entries[key] = entry
             self._order.append(entry)
@@ -240,17 +220,7 @@ class _Offloader:
 
     def _refill(self, e: _Entry) -> None:
         """Give a freed entry its device memory back (the bytes follow)."""
-        if e.anchor.device.type == "cpu":
-            # A host storage kept from an earlier restore (its pages resident: nothing to
-            # allocate or fault in), given back when backward is done with it (`_release`).
-            _point(e.anchor, self._stash(e.anchor.device).spare_storage(e.nbytes))
-            annotate(e.anchor, "activations")
-            # The old storage is gone, and its address may come again for another one.
-            self._entries.pop(e.key, None)
-            e.key = e.anchor.untyped_storage()._cdata
-            self._entries[e.key] = e
-        else:
-            resize_storage(e.anchor, e.nbytes)
+        resize_storage(e.anchor, e.nbytes)
         e.restored = True
         self._restored_bytes += e.nbytes
         note_resting(self._where, "activations", -e.nbytes)
@@ -289,15 +259,10 @@ class _Offloader:
             del self._entries[e.key]
         with contextlib.suppress(ValueError):
             self._order.remove(e)
-        stash = self._stash(e.anchor.device)
-        stash.drop(e.ticket)  # first: the ticket no longer holds the storage
+        self._stash(e.anchor.device).drop(e.ticket)
         if e.restored:
             self._restored_bytes -= e.nbytes
             if e.anchor.device.type == "cpu":
-                if _only_ours(e):
-                    # Kept for the next restores, within the window (a storage something
-                    # else still uses goes with it).
-                    stash.keep_spare(e.anchor.untyped_storage(), self.prefetch + self._largest)
                 # What backward frees (gradients of activations, a checkpoint's recompute)
                 # would otherwise stay in the heap, spread over the pages the forward gave
                 # back, and the resident memory would creep back towards plain PyTorch's: the

@@ -28,7 +28,6 @@ import torch
 from headroom.transfer._device import stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
-from headroom.transfer._heap import release_pages
 from headroom.transfer._host import PinnedPool
 from headroom.transfer._store import SCRATCH, Store, is_accelerator
 
@@ -89,11 +88,6 @@ class Stash:
         self._handles: dict[int, list[Handle]] = defaultdict(list)
         self._prefix = f"{_KEY}/{next(_ids)}"
         self._made = 0
-        # Host storages to restore into, on the CPU (`spare_storage`): given back after use,
-        # their pages stay resident, so a restore neither allocates nor faults them in again.
-        self._spare: dict[int, list[torch.UntypedStorage]] = defaultdict(list)
-        self._spare_bytes = 0
-        self._spare_lock = threading.Lock()
         # Host buffers a dropped ticket's copies on the side streams may still use, with those
         # copies' events: pooled again once they have completed (a drop never waits). The
         # device bytes those copies use go back to the allocator at once, marked as used by
@@ -255,37 +249,6 @@ class Stash:
             self._mod.current_stream(self.device).wait_event(k.back_event)
             k.back_event = None
 
-    # ------------------------------------------------------------------ host storages
-    def spare_storage(self, nbytes: int) -> torch.UntypedStorage:
-        """A host storage of ``nbytes`` to restore stashed bytes into (CPU only): one given
-        back by `keep_spare` if there is one (resident already), else a new one. Contents
-        undefined."""
-        with self._spare_lock:
-            free = self._spare.get(nbytes)
-            if free:
-                self._spare_bytes -= nbytes
-                return free.pop()
-        # An op, so that dispatch-mode trackers see the memory (as they see a resize).
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
-
-    def keep_spare(self, storage: torch.UntypedStorage, limit: int) -> bool:
-        """Keep a storage nobody else uses for a later `spare_storage`, while the kept ones stay
-        within ``limit`` bytes; past that its pages go back to the OS now (the caller drops
-        it). Returns whether it was kept."""
-        n = storage.nbytes()
-        with self._spare_lock:
-            if n and self._spare_bytes + n <= limit:
-                self._spare[n].append(storage)
-                self._spare_bytes += n
-                return True
-        release_pages(storage)
-        return False
-
-    @property
-    def spare_bytes(self) -> int:
-        """Bytes of host storages kept for restores (see `keep_spare`)."""
-        return self._spare_bytes
-
     # ------------------------------------------------------------------ space
     def drop(self, k: StashTicket) -> None:
         """Give the stashed bytes' space back (pooled for the next stash of that size).
@@ -329,7 +292,7 @@ class Stash:
     def pooled_bytes(self) -> int:
         """Bytes the stash keeps for reuse: host buffers, and disk space when on disk."""
         disk = sum(n * len(hs) for n, hs in self._handles.items())
-        return self._pool.total_bytes + disk + self._spare_bytes
+        return self._pool.total_bytes + disk
 
     def _reap(self) -> None:
         """Pool again the held buffers whose copies have completed."""
@@ -359,6 +322,3 @@ class Stash:
                     self.disk.free(h)
         self._handles.clear()
         self._pool.clear()
-        with self._spare_lock:
-            self._spare.clear()
-            self._spare_bytes = 0

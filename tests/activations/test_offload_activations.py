@@ -479,7 +479,7 @@ print(json.dumps({"above": rss("VmHWM") - base}))
 def test_peak_resident_memory_against_plain_in_a_fresh_process():
     """Peak RSS over three steps (the OS's count, not headroom's), in fresh processes: with a
     DiskStore it stays well under plain PyTorch's. Memory the heap keeps would not show in a
-    tracker; it shows here (without giving pages back the offloaded peak was about 0.85x)."""
+    tracker; it shows here (with HEADROOM_TRIM_HEAP=0, no pages given back, it was 1.06x)."""
     src = str(Path(hr.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(ROOT)]), OMP_NUM_THREADS="1")
     peaks = {}
@@ -490,4 +490,4 @@ def test_peak_resident_memory_against_plain_in_a_fresh_process():
         peaks[variant] = json.loads(out.stdout.strip().splitlines()[-1])["above"]
     saved = 8 * 128 * 256 * 4 * 11 * 8  # about what plain saves for backward
     assert peaks["plain"] > saved // 2, peaks
-    assert peaks["offload"] < 0.5 * peaks["plain"], peaks
+    assert peaks["offload"] < 0.6 * peaks["plain"], peaks  # 0.46x measured

@@ -66,7 +66,7 @@ class _Entry:
 
     def __init__(self, anchor: torch.Tensor, ticket: StashTicket, index: int) -> None:
         self.anchor = anchor  # the first saved tensor on the storage: holds storage and version
-        self.key = anchor.untyped_storage()._cdata  # of the storage the anchor is on now
+        self.key = anchor.untyped_storage()._cdata  # the anchor's storage, as `_entries` knows it
         self.ticket = ticket
         self.nbytes = ticket.nbytes
         self.index = index
@@ -266,9 +266,8 @@ class _Offloader:
                 # What backward frees (gradients of activations, a checkpoint's recompute)
                 # would otherwise stay in the heap, spread over the pages the forward gave
                 # back, and the resident memory would creep back towards plain PyTorch's: the
-                # heap is trimmed every few restored MiB (benchmarks/activation_offload.py:
-                # peak RSS 0.55x plain with it, 0.61x once per 64 MiB window, about 0.85x
-                # never).
+                # heap is trimmed every few restored MiB (see docs/activation_offload.md and
+                # the peak-RSS test of tests/activations).
                 self._trimmer.freed(e.nbytes)
         elif e.freed:  # never needed by a backward
             note_resting(self._where, "activations", -e.nbytes)

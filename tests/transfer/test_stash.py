@@ -134,17 +134,18 @@ def test_scratch_writes_are_journaled_only_when_reads_verify_them(tmp_path, veri
 def test_release_shared_skips_stores_closed_since(tmp_path):
     """A DiskStore closed after its shared stash was used (another model's, another test's)
     is left alone by `release_shared`: its file handles are gone, and so is its space."""
+    def used_shared(store):  # a shared stash that pooled a file
+        s = Stash.shared("cpu", store)
+        k = s.stash(torch.randn(64).untyped_storage())
+        s.wait_out(k)
+        s.drop(k)
+        return s
+
     old = DiskStore(tmp_path / "old", threads=1)
-    s = Stash.shared("cpu", old)
-    k = s.stash(torch.randn(64).untyped_storage())
-    s.wait_out(k)
-    s.drop(k)
+    used_shared(old)
     old.close()
     live = DiskStore(tmp_path / "live", threads=1)
-    a = Stash.shared("cpu", live)
-    k = a.stash(torch.randn(64).untyped_storage())
-    a.wait_out(k)
-    a.drop(k)
+    a = used_shared(live)
     Stash.release_shared()
     assert a.pooled_bytes == 0 and live.used_bytes == 0
     live.close()

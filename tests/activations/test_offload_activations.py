@@ -447,7 +447,7 @@ def test_hugging_face_models_bitwise(arch, tmp_path):
 
 
 _RSS_CHILD = r"""
-import json, sys, tempfile, torch, torch.nn as nn
+import json, sys, torch
 import headroom as hr
 from tests.activations.test_offload_activations import Blocks
 
@@ -459,7 +459,7 @@ def rss(key):
 torch.manual_seed(0)
 model = Blocks(d=256, n=8)
 x = torch.randn(8, 128, 256)
-store = hr.DiskStore(tempfile.mkdtemp()) if sys.argv[1] == "offload" else None
+store = hr.DiskStore(sys.argv[2]) if sys.argv[1] == "offload" else None
 def step():
     model(x).square().mean().backward()
     model.zero_grad(set_to_none=True)
@@ -472,11 +472,13 @@ for _ in range(3):
         with hr.offload_activations(store=store, min_bytes=64 << 10, prefetch=4 << 20):
             step()
 print(json.dumps({"above": rss("VmHWM") - base}))
+if store is not None:
+    store.close()
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_peak_resident_memory_against_plain_in_a_fresh_process():
+def test_peak_resident_memory_against_plain_in_a_fresh_process(tmp_path):
     """Peak RSS over three steps (the OS's count, not headroom's), in fresh processes: with a
     DiskStore it stays well under plain PyTorch's. Memory the heap keeps would not show in a
     tracker; it shows here (with HEADROOM_TRIM_HEAP=0, no pages given back, it was 1.06x)."""
@@ -484,7 +486,8 @@ def test_peak_resident_memory_against_plain_in_a_fresh_process():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(ROOT)]), OMP_NUM_THREADS="1")
     peaks = {}
     for variant in ("plain", "offload"):
-        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, variant], capture_output=True,
+        out = subprocess.run([sys.executable, "-c", _RSS_CHILD, variant, str(tmp_path / "act")],
+                             capture_output=True,
                              text=True, env=env, cwd=ROOT, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         peaks[variant] = json.loads(out.stdout.strip().splitlines()[-1])["above"]

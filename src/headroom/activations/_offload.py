@@ -61,12 +61,10 @@ def _parameter_like(t: torch.Tensor) -> bool:
 class _Entry:
     """One storage whose bytes rest in the stash."""
 
-    __slots__ = ("anchor", "key", "ticket", "nbytes", "index", "packs", "freed", "restored",
-                 "dead")
+    __slots__ = ("anchor", "ticket", "nbytes", "index", "packs", "freed", "restored", "dead")
 
     def __init__(self, anchor: torch.Tensor, ticket: StashTicket, index: int) -> None:
         self.anchor = anchor  # the first saved tensor on the storage: holds storage and version
-        self.key = anchor.untyped_storage()._cdata  # the anchor's storage, as `_entries` knows it
         self.ticket = ticket
         self.nbytes = ticket.nbytes
         self.index = index
@@ -255,11 +253,9 @@ class _Offloader:
         if e.packs or e.dead:
             return
         e.dead = True
-        if self._entries.get(e.key) is e:
-            del self._entries[e.key]
+        self._entries.pop(e.anchor.untyped_storage()._cdata, None)
         with contextlib.suppress(ValueError):
             self._order.remove(e)
-        self._stash(e.anchor.device).drop(e.ticket)
         if e.restored:
             self._restored_bytes -= e.nbytes
             if e.anchor.device.type == "cpu":
@@ -271,6 +267,7 @@ class _Offloader:
                 self._trimmer.freed(e.nbytes)
         elif e.freed:  # never needed by a backward
             note_resting(self._where, "activations", -e.nbytes)
+        self._stash(e.anchor.device).drop(e.ticket)
         e.anchor = None
 
     # ------------------------------------------------------------------ lifetime

@@ -32,11 +32,11 @@ _libc = None
 _madvise = None
 if sys.platform.startswith("linux"):
     try:
-        _any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _any = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         _madvise = _any.madvise
         _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         _madvise.restype = ctypes.c_int
-        _any.malloc_trim  # noqa: B018 - glibc only (musl has none)
+        _any.malloc_trim  # noqa: B018 - glibc only (musl has none; madvise stays usable)
         _libc = _any
     except (OSError, AttributeError):  # pragma: no cover - not glibc
         _libc = None

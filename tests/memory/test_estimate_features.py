@@ -14,7 +14,7 @@ from tests.memory._models import build, loss_fn, measure
 
 def check(name, tmp_path, offload=None, host=None):
     model, args, opt = build(name, tmp_path, offload=offload, host=host)
-    mem = measure(model, args, opt)
+    mem = measure(model, args, opt, steps=3)
     est = estimate(model, args, loss_fn=loss_fn, optimizer=opt)
     assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
     # what the schedule keeps resident, to the byte

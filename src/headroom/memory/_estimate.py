@@ -219,7 +219,10 @@ def estimate(
     (the blocks fetched with ``prefetch``, gradients on their way to the store), and an
     `hr.HostOptimizer` as ``optimizer=`` steps where it steps (its state in host memory or
     sliced through a store); with ``overlap`` the backward runs inside its
-    ``final_backward()``. Reads and writes of stores are taken as done at once.
+    ``final_backward()``. Reads and writes of stores are taken as done at once: a gradient
+    whose write to a `hr.DiskStore` has not run yet when the next block computes is still in
+    host memory, so a step whose disk lags behind backward can measure above the estimate by
+    those gradients (for a CPU target; at most 64 MiB of them, or one larger gradient).
 
     Args:
         model: the model, its parameters anywhere (``meta`` included), offloaded or not.

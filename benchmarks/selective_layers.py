@@ -43,7 +43,9 @@ import platform
 import random
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -230,6 +232,28 @@ def layer_table() -> dict[str, dict[str, dict[str, int]]]:
 
 
 # --------------------------------------------------------------------------------- main
+def _run_isolated(name: str) -> dict:
+    """One model's rows, measured by this script in a fresh process (same options)."""
+    keep, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a in ("--models", "--out"):
+            skip = True
+        elif not a.startswith(("--models=", "--out=")) and a != "--no-layers":
+            keep.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model.json"
+        cmd = [sys.executable, __file__, *keep, "--models", name, "--no-layers", "--in-process",
+               "--out", str(out)]
+        run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        sys.stdout.write("".join(line + "\n" for line in run.stdout.splitlines()
+                                 if line.startswith(name)))
+        if run.returncode:
+            raise SystemExit(f"{name}: the child process failed (exit {run.returncode})")
+        return json.loads(out.read_text())["models"][name]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -247,6 +271,8 @@ def main() -> None:
         help="comma-separated subset of the default",
     )
     ap.add_argument("--no-layers", action="store_true", help="skip the per-layer bytes table")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every model in this process instead of a fresh one each")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results/selective_layers.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -269,6 +295,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "batch": args.batch,
+        "process_per_model": not args.in_process,
         "size": {
             "vgg_like": args.size,
             "resnet_like": args.resnet_size,
@@ -293,6 +320,9 @@ def main() -> None:
         ap.error(f"unknown --models {sorted(unknown)}; choose from {sorted(builders)}")
     for name, (build, size) in builders.items():
         if name not in wanted:
+            continue
+        if not args.in_process and len(wanted) > 1:
+            results["models"][name] = _run_isolated(name)
             continue
         torch.manual_seed(0)
         plain = build()

@@ -412,6 +412,42 @@ def test_a_full_store_fails_the_forward_clearly_and_nothing_is_left(tmp_path):
     assert store.used_bytes == 0 and roomy.used_bytes == 0
 
 
+def test_closing_the_store_frees_its_scratch_and_keeps_the_tensors(tmp_path):
+    """DiskStore.close() frees the stash's files (its pooled ones and those a graph still
+    holds): the folder keeps only the user's tensors, and reopening finds exactly them. A
+    backward that needs activations of the closed store raises, naming the cause; the next
+    step on an open store trains exactly."""
+    torch.manual_seed(0)
+    ref = Blocks()
+    ours = copy.deepcopy(ref)
+    path = tmp_path / "a"
+    store = DiskStore(path, threads=2)
+    store.put("w", torch.arange(6.0))
+    x = torch.randn(4, 16, 64)
+    with _ctx(store, min_bytes=0):
+        ours(x).sum().backward()  # a whole step: the stash keeps its files for the next
+        loss = ours(x).sum()  # forward only: its activations rest in the store
+    ours.zero_grad()
+    assert store.keys() == ["w"]  # scratch is never listed
+    store.close()
+    files = sorted(p.name for p in path.iterdir() if p.suffix == ".bin")
+    assert len(files) == 1 and files[0].endswith("-w.bin")
+    with pytest.raises(RuntimeError, match="was closed"):
+        loss.backward()
+    del loss
+    again = DiskStore(path)
+    assert again.keys() == ["w"] and again.used_bytes == 6 * 4
+    assert torch.equal(again.read(again.get("w")).result(), torch.arange(6.0))
+    with pytest.raises(RuntimeError, match="is closed"), _ctx(store, min_bytes=0):
+        ours(x).sum()
+    ours.zero_grad()
+    ref(x).square().mean().backward()
+    with _ctx(again, min_bytes=0):
+        ours(x).square().mean().backward()
+    _assert_same(_grads(ours), _grads(ref))
+    again.close()
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "llama-bf16"])
 def test_hugging_face_models_bitwise(arch, tmp_path):
     transformers = pytest.importorskip("transformers")

@@ -685,6 +685,17 @@ class DiskStore(Store):
                 os.close(fd)
         self._ledger.compact(clean=clean, flushed=True)
 
+    def _free_scratch(self) -> None:
+        """Free every scratch key (see [Note: scratch keys]): the stashes' pooled files, and
+        those of activations a graph still holds, whose restore then raises."""
+        for stash in list(self._stashes.values()):
+            stash.close()
+        self._stashes.clear()
+        with self._lock:
+            scratch = [h for k, h in self._handles.items() if k.startswith(SCRATCH)]
+        for handle in scratch:
+            self.free(handle)
+
     def flush(self) -> None:
         """Wait for all pending reads and writes, make them durable and snapshot the index.
 
@@ -700,10 +711,13 @@ class DiskStore(Store):
 
     def close(self) -> None:
         """Flush, mark the folder closed cleanly, stop the I/O threads and unlock the folder.
-        The files stay; reopen with ``DiskStore(path)``."""
+        The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
+        offloaded here, see `headroom.offload_activations`) is freed: a backward that still
+        needs activations stashed here raises instead."""
         if self._closed:
             return
         try:
+            self._free_scratch()
             self._sync(clean=True)
         finally:
             self._closed = True

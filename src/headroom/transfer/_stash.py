@@ -139,6 +139,8 @@ class Stash:
     def stash(self, storage: torch.UntypedStorage) -> StashTicket:
         """Start copying ``storage``'s bytes into the stash. The storage must stay allocated
         and unchanged until `out_done` says so or `wait_out` returns."""
+        if self.disk is not None and self.disk._closed:
+            raise RuntimeError(f"{self.disk!r} is closed: open a DiskStore to offload to")
         n = storage.nbytes()
         src = _bytes_of(storage)
         k = StashTicket(n, source=src)
@@ -210,6 +212,11 @@ class Stash:
         if storage.nbytes() != k.nbytes:
             raise ValueError(f"restoring {k.nbytes} stashed bytes into a storage of"
                              f" {storage.nbytes()}")
+        if self.disk is not None and self.disk._closed and k.host is None:
+            raise RuntimeError(
+                f"the saved activations this backward needs rested in {self.disk!r}, which was"
+                " closed (closing frees its scratch space). Close the store after backward, or"
+                " run forward and backward again")
         self.wait_out(k)
         self._reap()
         k.into = _bytes_of(storage)

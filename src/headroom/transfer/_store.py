@@ -15,8 +15,9 @@ __all__ = ["Store", "StoreCorruptError", "StoreFullError", "done", "resolve_stor
 
 
 # [Note: scratch keys] Keys under this prefix hold scratch bytes (activations between forward
-# and backward): worth nothing once their process is gone, so a reopened DiskStore drops them
-# unchecked, and writes them without checksums unless its reads verify them.
+# and backward): worth nothing once their process is gone or their store closed, so a reopened
+# DiskStore drops them unchecked, `DiskStore.close` frees them, `Store.keys` leaves them out,
+# and a DiskStore writes them without checksums unless its reads verify them.
 SCRATCH = "headroom-scratch/"
 
 
@@ -71,9 +72,11 @@ class Store(abc.ABC):
         return self._used
 
     def keys(self) -> list[str]:
-        """The keys of all tensors in the store."""
+        """The keys of the tensors in the store. Scratch space that headroom takes from it
+        (activations between forward and backward, see [Note: scratch keys]) is not listed;
+        `used_bytes` counts it."""
         with self._lock:
-            return list(self._handles)
+            return [k for k in self._handles if not k.startswith(SCRATCH)]
 
     def get(self, key: str) -> Handle:
         """The handle stored under ``key``.

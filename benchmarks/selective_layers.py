@@ -25,6 +25,11 @@ regrowth after glibc returned freed memory to the OS costs process CPU time too,
 between runs). A second copy of the plain model is timed the same way ("torch_copy"): its ratio
 to plain, 1.000x on a quiet machine, is the run's own noise floor.
 
+Each model runs in a fresh process of its own (``--in-process``: all in this one, one after the
+other), as a user trains one model per process: the state that earlier models leave in the
+allocator and the caches otherwise moves later models' ratios by a few per cent (DenseNet-like
+``input``, the same code: 1.055x paired as the 18th of 20 cases in one process, 1.028x alone).
+
 Run (memsave_torch is optional; give the folder that contains the ``memsave_torch`` package):
 
     MEMSAVE_TORCH_PATH=/path/to/memsave_checkout .venv/bin/python benchmarks/selective_layers.py

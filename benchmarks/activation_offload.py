@@ -27,7 +27,7 @@ times are also measured in one process (``--rounds``): the four variants interle
 step, each round in a rotated order, reported as the median of per-round ratios to plain (wall
 and CPU time), and the offloaded step against the overlap bound of the same round's plain step.
 
-    .venv/bin/python benchmarks/activation_offload.py             # ~4 min on 2 cores
+    .venv/bin/python benchmarks/activation_offload.py             # ~7 min on 2 cores
     .venv/bin/python benchmarks/activation_offload.py --quick     # 1 repeat, 3 steps
 """
 

@@ -326,7 +326,7 @@ def main() -> None:
     for name, (build, size) in builders.items():
         if name not in wanted:
             continue
-        if not args.in_process and len(wanted) > 1:
+        if not args.in_process:
             results["models"][name] = _run_isolated(name)
             continue
         torch.manual_seed(0)

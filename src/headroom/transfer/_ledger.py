@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from headroom.transfer._segments import BAD, Segments, crc, put, zeros_crc
-from headroom.transfer._store import StoreCorruptError
+from headroom.transfer._store import SCRATCH, StoreCorruptError
 
 __all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "is_store_file"]
 
@@ -112,6 +112,11 @@ def _acquire(path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+def _scratch(rec: dict) -> bool:
+    """Whether a journal record changes a scratch key (``"d"`` records, which end a write,
+    count with the write they end)."""
+    return str(rec.get("k", "")).startswith(SCRATCH)
 
 
 class Ledger:
@@ -199,7 +204,8 @@ class Ledger:
         clean = bool(data.get("clean", True)) if data is not None else True
         self.was_clean = clean and not replayed and not self.inflight
         self.had_writes = bool(data.get("dirty", False)) if data is not None else False
-        self.had_writes |= any(r["op"] in ("alloc", "free", "w") for r in replayed)
+        self.had_writes |= any(r["op"] in ("alloc", "free", "w") and not _scratch(r)
+                               for r in replayed)
 
     def _load_index(self, data: dict) -> None:
         self.seq = int(data.get("seq", 0))
@@ -301,7 +307,9 @@ class Ledger:
             raise OSError(28, "No space left on device (journal)")
         self.seq += 1
         self._jbytes += n
-        self.dirty = True
+        # Scratch bytes are worth nothing once the process is gone (see [Note: scratch keys]):
+        # changing them is not a change a reopened store has to warn about.
+        self.dirty |= not _scratch(rec)
         return self.seq
 
     def alloc(self, key: str, name: str, shape: tuple[int, ...], dtype: str) -> str:

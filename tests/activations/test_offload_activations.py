@@ -413,17 +413,22 @@ def test_a_full_store_fails_the_forward_clearly_and_nothing_is_left(tmp_path):
     assert store.used_bytes == 0 and roomy.used_bytes == 0
 
 
+def _pair_and_store_with_w(tmp_path):
+    """Two equal models, and a DiskStore holding one tensor of the user's ("w")."""
+    torch.manual_seed(0)
+    ref = Blocks()
+    path = tmp_path / "a"
+    store = DiskStore(path, threads=2)
+    store.put("w", torch.arange(6.0))
+    return ref, copy.deepcopy(ref), path, store
+
+
 def test_closing_the_store_frees_its_scratch_and_keeps_the_tensors(tmp_path):
     """DiskStore.close() frees the stash's files (its pooled ones and those a graph still
     holds): the folder keeps only the user's tensors, and reopening finds exactly them. A
     backward that needs activations of the closed store raises, naming the cause; the next
     step on an open store trains exactly."""
-    torch.manual_seed(0)
-    ref = Blocks()
-    ours = copy.deepcopy(ref)
-    path = tmp_path / "a"
-    store = DiskStore(path, threads=2)
-    store.put("w", torch.arange(6.0))
+    ref, ours, path, store = _pair_and_store_with_w(tmp_path)
     x = torch.randn(4, 16, 64)
     with _ctx(store, min_bytes=0):
         ours(x).sum().backward()  # a whole step: the stash keeps its files for the next
@@ -454,12 +459,7 @@ def test_a_close_interrupted_while_freeing_scratch_loses_nothing(exc, tmp_path, 
     """An error or Ctrl-C while close() frees the stash's files: the store still ends closed
     and unlocked, reopening drops the scratch left over and keeps the tensors, and training on
     it is exact."""
-    torch.manual_seed(0)
-    ref = Blocks()
-    ours = copy.deepcopy(ref)
-    path = tmp_path / "a"
-    store = DiskStore(path, threads=2)
-    store.put("w", torch.arange(6.0))
+    ref, ours, path, store = _pair_and_store_with_w(tmp_path)
     store.flush()
     x = torch.randn(4, 16, 64)
     with _ctx(store, min_bytes=0):

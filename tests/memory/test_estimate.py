@@ -289,3 +289,27 @@ def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
     assert all(p.grad is None for p in model.parameters())
     # and the next estimate works
     assert estimate(model, (torch.randn(2, 8, 32),), device="cpu").peak > 0
+
+
+def _gpt2(attn_pdrop):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                  n_positions=256, attn_pdrop=attn_pdrop, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_attention_dropout_on_cuda_is_estimated_as_the_fused_kernel():
+    # CUDA's fused attention kernels take dropout (they keep the generator's seed and offset);
+    # only PyTorch's CPU kernel refuses it, so only a CPU estimate may keep the L x L matrix.
+    ids = torch.randint(0, 100, (2, 256))
+    loss_fn = lambda o: o.logits.sum()
+    torch.manual_seed(0)
+    plain = estimate(_gpt2(0.0), (ids,), loss_fn=loss_fn, optimizer=None, device="cuda")
+    torch.manual_seed(0)
+    drop = estimate(_gpt2(0.1), (ids,), loss_fn=loss_fn, optimizer=None, device="cuda")
+    matrix = 2 * 4 * 256 * 256 * 4  # one layer's attention probabilities, fp32
+    assert abs(drop.peak - plain.peak) < matrix // 4, (drop.peak, plain.peak)
+    on_cpu = estimate(_gpt2(0.1), (ids,), loss_fn=loss_fn, optimizer=None, device="cpu")
+    assert on_cpu.peak_by_category["activations"] >= (
+        plain.peak_by_category["activations"] + 2 * matrix)

@@ -84,7 +84,9 @@ class AttentionAsOnDevice:
     On ``cpu`` PyTorch picks its flash kernel for CPU; on CUDA-like devices the memory-efficient
     kernel (it takes masks and fp32; the flash kernel keeps the same-sized log-sum-exp). Both
     keep only the output and one float per query row for backward, not the attention matrix.
-    Dropout keeps PyTorch's own choice (the math path), as do nested tensors.
+    With dropout, CUDA-like devices still run a fused kernel (it keeps the random generator's
+    seed and offset, not a mask), while PyTorch's CPU kernel refuses dropout, so on ``cpu`` the
+    math path is kept, as it is for nested tensors.
 
     The function is replaced in ``torch.nn.functional`` for the duration of the dry run (a
     ``TorchFunctionMode`` would not see calls made from inside other functional ops, such as
@@ -111,10 +113,11 @@ class AttentionAsOnDevice:
 
     def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-        if dropout_p or q.device.type != "meta" or q.is_nested or q.dim() != 4:
+        if q.device.type != "meta" or q.is_nested or q.dim() != 4:
             return None
         if self.device_type == "cpu":
-            if q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            if dropout_p or q.dtype not in (torch.float32, torch.float64, torch.bfloat16,
+                                            torch.float16):
                 return None
             mask = attn_mask
             if mask is not None and mask.dtype == torch.bool:
@@ -130,7 +133,7 @@ class AttentionAsOnDevice:
                 bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
             bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
+            q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
 
 
 class FusedOnMeta:

@@ -70,3 +70,25 @@ def test_a_failing_dry_run_gives_a_line_not_an_error():
         model(x).sum().backward()
     text = mem.report()
     assert "(no advice: a dry run of the step failed" in text
+
+
+def test_advice_names_the_logits_when_they_dominate():
+    class Head(nn.Module):  # a language model's shape: small body, wide output
+        def __init__(self, classes):
+            super().__init__()
+            self.body = nn.Linear(32, 32)
+            self.lm_head = nn.Linear(32, classes, bias=False)
+
+        def forward(self, x):
+            return self.lm_head(torch.tanh(self.body(x)))
+
+    x = torch.randn(256, 32)
+    models = [Head(8192), Head(16), blocks()]  # advice needs the models alive
+    wide = hr.estimate(models[0], (x,), optimizer=None, loss_fn=lambda o: o.logsumexp(-1).sum())
+    line = next(ln for ln in wide.advice if "the logits of lm_head" in ln)
+    assert "256 x 8192" in line and format_bytes(256 * 8192 * 4) in line
+    assert "hr.linear_cross_entropy(hidden, lm_head.weight, labels)" in line
+    narrow = hr.estimate(models[1], (x,), optimizer=None, loss_fn=lambda o: o.sum())
+    assert narrow.advice and not any("logits" in ln for ln in narrow.advice)
+    other = hr.estimate(models[2], (X,), optimizer=None)
+    assert other.advice and not any("logits" in ln for ln in other.advice)

@@ -82,9 +82,55 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
                          f" ({100 * amount / peak:.0f}%)")
         else:
             lines.append(f"  {label}: saves nothing here")
+    logits = _logits_line(model, args, kwargs, device, peak)
+    if logits:
+        lines.append(logits)
     if cpu:
         lines.append("  (on cpu, only stores on disk free memory: host memory is the device's)")
     return lines
+
+
+# A classifier head is worth a line when its output has at least this many classes and it and
+# its gradient are at least this share of the peak.
+_HEAD_MIN_CLASSES = 1024
+_HEAD_MIN_SHARE = 0.2
+
+
+def _logits_line(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, device: str,
+                 peak: int) -> str | None:
+    """A line naming the largest output of a wide ``nn.Linear`` (a language model's logits, a
+    classifier over many classes) when it and its gradient are a large share of the peak: no
+    technique above removes them, `hr.linear_cross_entropy` never materializes them."""
+    from headroom.memory._dryrun import AttentionAsOnDevice, meta_copy, to_meta
+
+    meta = meta_copy(model)
+    names = {id(m): n for n, m in meta.named_modules()}
+    seen: list[tuple[int, str, tuple[int, ...]]] = []
+
+    def hook(mod: nn.Module, _inp: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and mod.out_features >= _HEAD_MIN_CLASSES:
+            seen.append((out.numel() * out.element_size(), names.get(id(mod), "?"),
+                         tuple(out.shape)))
+
+    handles = [m.register_forward_hook(hook) for m in meta.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad(), AttentionAsOnDevice(torch.device(device).type):
+            meta(*to_meta(args), **to_meta(dict(kwargs or {})))
+    except Exception:  # advice never breaks a report
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    if not seen:
+        return None
+    nbytes, name, shape = max(seen)
+    if 2 * nbytes < _HEAD_MIN_SHARE * peak:
+        return None
+    dims = " x ".join(str(d) for d in shape)
+    return (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
+            f" about {min(100, 200 * nbytes // peak)}% of the peak, and no technique above"
+            f" removes them: hr.linear_cross_entropy(hidden, {name}.weight, labels) computes the"
+            " same loss without ever holding them")
 
 
 def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:

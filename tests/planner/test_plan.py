@@ -88,6 +88,21 @@ def test_plain_fits_when_budget_is_large():
     assert type(opt) is torch.optim.AdamW
 
 
+def test_a_plan_names_the_fastest_plan_over_its_budget(plain, tmp_path):
+    peak, _ = plain
+    budget = int(peak * 0.75)
+    p = plan(model_fn(), (X,), loss_fn=loss_fn, budget=budget, device="cpu",
+             optimizer=torch.optim.AdamW, disk=tmp_path, speeds=SPEEDS, slice_bytes=SLICE)
+    choice, alt_peak, alt_time = p.faster_over_budget
+    assert alt_peak > budget and alt_time < p.time_s
+    assert choice == hr.planner.Choice(activation_min_bytes=p.choice.activation_min_bytes)
+    text = str(p)
+    assert "the fastest plan over the budget" in text and "nothing: the plain step\n" in text
+    # nothing is faster than the plain step, so a plan that keeps it names no alternative
+    assert plan(model_fn(), (X,), loss_fn=loss_fn, budget="1GiB", device="cpu",
+                optimizer=torch.optim.AdamW, speeds=SPEEDS).faster_over_budget is None
+
+
 def test_impossible_budget_says_smallest_and_what_dominates(tmp_path):
     with pytest.raises(PlanError, match=r"smallest estimated peak is .* of which \w+ take") as e:
         plan(model_fn(), (X,), loss_fn=loss_fn, budget=1000, device="cpu",

@@ -97,7 +97,7 @@ class Choice:
             out.append(f"parameter offload to {self.params} (hr.offload, prefetch=1)")
         if self.optimizer_state != "device":
             out.append(f"optimizer state and step on {self.optimizer_state} (hr.HostOptimizer)")
-        return out or ["nothing: the plain step fits"]
+        return out or [_NOTHING]
 
 
 def _names(names: tuple[str, ...]) -> str:
@@ -140,12 +140,18 @@ class Plan:
     candidates: list[tuple[Choice, int, float]] = field(default_factory=list, repr=False)
     speeds: Speeds | None = field(default=None, repr=False)
     margin: int = 0
+    faster_over_budget: tuple[Choice, int, float] | None = field(default=None, repr=False)
 
     def __str__(self) -> str:
+        # On CUDA-like devices peaks are the allocator model's reserved bytes, which is what
+        # the budget is compared with; an estimate's report shows allocated bytes.
+        kind = " reserved" if not self.device.startswith("cpu") else ""
         lines = [
             f"headroom plan for {self.device}: budget {format_bytes(self.budget)}, plain step"
-            f" {format_bytes(self.plain_peak)} / {_seconds(self.plain_time_s)} (estimated)",
-            f"chosen: estimated peak {format_bytes(self.peak)}, step {_seconds(self.time_s)}"
+            f" {format_bytes(self.plain_peak)}{kind} / {_seconds(self.plain_time_s)}"
+            " (estimated)",
+            f"chosen: estimated peak {format_bytes(self.peak)}{kind}, step"
+            f" {_seconds(self.time_s)}"
             + (f" (with {format_bytes(self.margin)} for a gradient being written to disk)"
                if self.margin else ""),
         ]
@@ -153,6 +159,12 @@ class Plan:
         if self.peak_by_category:
             lines.append("  at the estimated peak: " + ", ".join(
                 f"{c} {format_bytes(v)}" for c, v in self.peak_by_category.items() if v))
+        if self.faster_over_budget is not None:
+            choice, peak, time_s = self.faster_over_budget
+            lines.append(f"the fastest plan over the budget: estimated peak"
+                         f" {format_bytes(peak)}{kind}, step {_seconds(time_s)}")
+            lines += [f"  - {d}" for d in choice.describe()
+                      if d != _NOTHING] or ["  - nothing: the plain step"]
         lines.append(f"({len(self.candidates)} combinations considered"
                      + (f"; speeds: {self.speeds.describe()}" if self.speeds else "") + ")")
         return "\n".join(lines)
@@ -408,7 +420,22 @@ def plan(
             " budget.",
             best.peak,
         )
-    return search.plan_of(chosen, budget_b)
+    result = search.plan_of(chosen, budget_b)
+    # The nearest alternative a user may prefer (a little more memory for a much faster step):
+    # the fastest candidate faster than the chosen one, estimated whole.
+    # A whole run only makes a time more exact (larger), so a few tries suffice.
+    faster = sorted((c for c in candidates if c is not chosen and c.time_s < chosen.time_s),
+                    key=lambda c: c.time_s)
+    for alt in faster[:_MAX_ALTERNATIVE_RUNS]:
+        search.whole(alt)
+        if alt.peak > budget_b and alt.time_s < chosen.time_s:
+            result.faster_over_budget = (alt.choice, alt.peak, alt.time_s)
+            break
+    return result
+
+
+_MAX_ALTERNATIVE_RUNS = 3
+_NOTHING = "nothing: the plain step fits"
 
 
 class Search:

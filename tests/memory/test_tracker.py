@@ -275,6 +275,33 @@ def test_report_json_and_plot(tmp_path):
     assert colors is not None and len(colors) > 20  # a real plot, not a blank canvas
 
 
+def test_a_long_run_plots_its_peak_step_and_every_step_peak(tmp_path):
+    from PIL import Image
+
+    from headroom.memory._report import _steps
+
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        for _ in range(6):
+            F.cross_entropy(model(torch.randn(B, D_IN)), torch.randint(0, D_OUT, (B,))).backward()
+            opt.step()
+            opt.zero_grad()
+    steps = _steps(mem.timeline)
+    assert len(steps) == 6
+    for a, b in steps:
+        phases = [s.phase for s in mem.timeline[a:b] if s.phase != "other"]
+        assert phases[0] == "forward" and phases[-1] == "optimizer"
+        assert phases.count("forward") and "forward" not in phases[phases.index("backward"):]
+    mem.plot(tmp_path / "long.png")
+    with hr.track_memory(model=model) as one:
+        model(torch.randn(B, D_IN)).sum().backward()
+    one.plot(tmp_path / "one.png")
+    # two panels (the envelope above the peak step) against one
+    tall, short = (Image.open(tmp_path / f).size[1] for f in ("long.png", "one.png"))
+    assert tall > 1.4 * short
+
+
 def test_agrees_with_pytorch_memtracker():
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
 

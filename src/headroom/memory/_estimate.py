@@ -186,10 +186,13 @@ class Estimate:
         _atomic_write(path, json.dumps(self.to_dict(), indent=1).encode())
 
     def plot(self, path, *, title: str | None = None) -> None:
-        """Write the dry run's timeline as a PNG, as `track_memory` does."""
+        """Write the dry run's step as a PNG: the same categories and phases as
+        `track_memory`'s plots, along the step's ops (the dry run's own time and the
+        estimating process's RSS say nothing about the device)."""
         from headroom.memory._report import plot
 
-        plot(self.tracker, path, title=title or f"headroom estimate ({self.device})")
+        plot(self.tracker, path, title=title or f"headroom estimate ({self.device})",
+             x_axis="ops", rss=False)
 
 
 def estimate(

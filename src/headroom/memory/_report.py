@@ -175,86 +175,170 @@ def write_json(mem: MemoryTracker, path: str | os.PathLike) -> None:
     _atomic_write(path, json.dumps(to_dict(mem), indent=1).encode())
 
 
-def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None) -> None:
-    """A stacked area timeline by category, phases shaded, the peak marked."""
+# A run with more steps than this is drawn as its peak step plus a per-step envelope: hundreds
+# of steps on one time axis are a comb no one can read.
+_MANY_STEPS = 4
+
+
+def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None,
+         x_axis: str = "time", rss: bool = True) -> None:
+    """A stacked timeline by category, phases shaded (with a legend), the peak marked.
+
+    A run of several steps is drawn as two panels: the peak of every step (stacked by
+    category at that step's peak) and the timeline of the step that reached the overall peak.
+    ``x_axis="ops"`` numbers the samples instead of timing them (a dry run's wall time says
+    nothing about the device's); ``rss=False`` leaves out the process's RSS (a dry run's is the
+    estimating process's, not the step's).
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-    import numpy as np
 
     timeline = mem.timeline
     # The axis starts at the first tracked allocation: a profiled script may spend most
     # of its run importing libraries before any tensor exists.
     first = next((i for i, s in enumerate(timeline) if s.total > 0), 0)
-    t_start = timeline[first].time_s if timeline else 0.0
     timeline = timeline[first:]
-    fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
-    t_unit = "ms"
-    if timeline:
-        x = np.array([s.time_s - t_start for s in timeline])
-        t_unit = "s" if x[-1] > 10 else "ms"
-        if t_unit == "ms":
-            x = x * 1e3
-        scale, unit = _unit(max(s.total for s in timeline))
-        ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
-        # shade backward and optimizer phases
-        start = 0
-        for i in range(1, len(timeline) + 1):
-            if i == len(timeline) or timeline[i].phase != timeline[start].phase:
-                color = _PHASE_SHADE.get(timeline[start].phase)
-                if color and i - 1 > start:
-                    ax.axvspan(x[start], x[i - 1], color=color, zorder=0, lw=0)
-                start = i
-        ax.stackplot(
-            x,
-            *ys,
-            labels=list(CATEGORIES),
-            colors=[COLORS[c] for c in CATEGORIES],
-            step="post",
-            alpha=0.9,
-            zorder=1,
-        )
-        totals = np.sum(ys, axis=0)
-        rest = [(t - t_start, b) for t, b in mem.resting_timeline if t >= t_start]
-        if rest:
-            # Bytes moved to a store: what the device would otherwise hold, on the same axis.
-            rx = np.array([t for t, _ in rest]) * (1e3 if t_unit == "ms" else 1.0)
-            ax.step(rx, np.array([b for _, b in rest]) / scale, where="post", color="#C44E52",
-                    ls="--", lw=1.2, zorder=2, label="resting in stores (off the device)")
-        k = int(np.argmax(totals))
-        ax.axvline(x[k], color="black", ls="--", lw=1, zorder=2)
-        ax.annotate(
-            f"peak {format_bytes(mem.peak)}\n{timeline[k].label}",
-            xy=(x[k], totals[k]),
-            xytext=(8, -4),
-            textcoords="offset points",
-            va="top",
-            fontsize=8,
-            zorder=3,
-        )
-        top = max(totals.max(), max((b for _, b in rest), default=0) / scale)
-        ax.set_ylim(0, top * 1.12 if top > 0 else 1)
-        ax.set_ylabel(f"live tensor memory ({unit})")
-        rss = [(t - t_start, b) for t, b in mem.rss_timeline if t >= t_start]
-        if rss:
-            ax2 = ax.twinx()
-            rscale, runit = _unit(max(b for _, b in rss))
-            rx = np.array([t for t, _ in rss]) * (1e3 if t_unit == "ms" else 1.0)
-            ax2.plot(rx, np.array([b for _, b in rss]) / rscale, color="black", lw=1,
-                     label="process RSS (right axis)")
-            ax2.set_ylim(0, max(b for _, b in rss) / rscale * 1.12)
-            ax2.set_ylabel(f"process RSS ({runit})")
-            ax2.legend(loc="upper right", fontsize=8)
-    ax.set_xlabel(f"time since the first tracked allocation ({t_unit})")
-    ax.set_title(title or f"headroom: memory by category ({', '.join(mem.devices) or 'cpu'})")
-    ax.legend(loc="upper left", fontsize=8, ncol=3)
-    ax.grid(alpha=0.3, zorder=0)
+    steps = _steps(timeline)
+    many = len(steps) > _MANY_STEPS
+    if many:
+        fig, (top, ax) = plt.subplots(2, 1, figsize=(11, 8), dpi=110,
+                                      gridspec_kw={"height_ratios": [2, 3]})
+        _plot_envelope(top, timeline, steps)
+        k = max(range(len(timeline)), key=lambda i: timeline[i].total)
+        lo, hi = next((a, b) for a, b in steps if a <= k < b)
+        shown = timeline[lo:hi]
+        where = f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
+    else:
+        fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
+        shown, where = timeline, ""
+    _plot_timeline(ax, mem, shown, x_axis=x_axis, rss=rss, where=where)
+    heading = title or f"headroom: memory by category ({', '.join(mem.devices) or 'cpu'})"
+    (top if many else ax).set_title(heading)
     fig.tight_layout()
     tmp = Path(path).with_name(Path(path).name + ".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, path)
+
+
+def _steps(timeline: list) -> list[tuple[int, int]]:
+    """``[start, end)`` sample ranges of the training steps: a step ends where a forward starts
+    after a backward or an optimizer step (or, for a run without either, after a pause), less
+    what ran just before that forward outside the three phases."""
+    trains = any(s.phase in ("backward", "optimizer") for s in timeline)
+    bounds, seen = [0], set()
+    for i in range(1, len(timeline)):
+        phase, prev = timeline[i].phase, timeline[i - 1].phase
+        if phase == "forward" and prev != "forward" and (
+                seen & {"backward", "optimizer"} or not trains):
+            j = i  # what ran between the steps (making the next inputs) belongs to the next
+            while j - 1 > bounds[-1] and timeline[j - 1].phase == "other":
+                j -= 1
+            bounds.append(j)
+            seen = set()
+        seen.add(phase)
+    bounds.append(len(timeline))
+    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def _plot_envelope(ax: Any, timeline: list, steps: list[tuple[int, int]]) -> None:
+    import numpy as np
+
+    peaks = [max(range(a, b), key=lambda i: timeline[i].total) for a, b in steps]
+    scale, unit = _unit(max(timeline[i].total for i in peaks))
+    x = np.arange(1, len(steps) + 1)
+    bottom = np.zeros(len(steps))
+    for c in CATEGORIES:
+        h = np.array([timeline[i].by_category[c] for i in peaks]) / scale
+        if h.any():
+            ax.bar(x, h, bottom=bottom, width=0.8 if len(steps) <= 60 else 1.0,
+                   color=COLORS[c], label=c, lw=0)
+        bottom += h
+    ax.set_xlim(0.5, len(steps) + 0.5)
+    ax.set_ylim(0, bottom.max() * 1.15 if bottom.max() > 0 else 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"peak of the step ({unit})")
+    ax.legend(loc="upper left", fontsize=8, ncol=len(CATEGORIES))
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, rss: bool,
+                   where: str) -> None:
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    if not timeline:
+        return
+    t_start = timeline[0].time_s
+    t_end = timeline[-1].time_s
+    if x_axis == "ops":
+        x = np.arange(len(timeline), dtype=float)
+        xlabel = "samples of the step, in order (one after each op that changed memory)"
+
+        def to_x(ts: np.ndarray) -> np.ndarray:
+            return np.interp(ts, [s.time_s for s in timeline], x)
+    else:
+        t_unit = "s" if t_end - t_start > 10 else "ms"
+        f = 1.0 if t_unit == "s" else 1e3
+        x = np.array([(s.time_s - t_start) * f for s in timeline])
+        xlabel = (f"time since the {'step' if where else 'first tracked allocation'} began"
+                  f" ({t_unit})")
+
+        def to_x(ts: np.ndarray) -> np.ndarray:
+            return (ts - t_start) * f
+    scale, unit = _unit(max(s.total for s in timeline))
+    ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
+    shades = {}
+    start = 0
+    for i in range(1, len(timeline) + 1):
+        if i == len(timeline) or timeline[i].phase != timeline[start].phase:
+            phase = timeline[start].phase
+            color = _PHASE_SHADE.get(phase)
+            if color and i - 1 > start:
+                ax.axvspan(x[start], x[i - 1], color=color, zorder=0, lw=0)
+                shades[phase] = color
+            start = i
+    ax.stackplot(x, *ys, labels=list(CATEGORIES), colors=[COLORS[c] for c in CATEGORIES],
+                 step="post", alpha=0.9, zorder=1)
+    totals = np.sum(ys, axis=0)
+    rest = [(t, b) for t, b in mem.resting_timeline if t_start <= t <= t_end]
+    if rest:
+        # Bytes moved to a store: what the device would otherwise hold, on the same axis.
+        ax.step(to_x(np.array([t for t, _ in rest])), np.array([b for _, b in rest]) / scale,
+                where="post", color="#C44E52", ls="--", lw=1.2, zorder=2,
+                label="resting in stores (off the device)")
+    k = int(np.argmax(totals))
+    ax.axvline(x[k], color="black", ls="--", lw=1, zorder=2)
+    ax.text(0.99, 0.97, f"peak {format_bytes(mem.peak)} during {timeline[k].label}",
+            transform=ax.transAxes, ha="right", va="top", fontsize=8,
+            bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+    top = max(totals.max(), max((b for _, b in rest), default=0) / scale)
+    ax.set_ylim(0, top * 1.2 if top > 0 else 1)
+    ax.set_xlim(x[0], x[-1] if x[-1] > x[0] else x[0] + 1)
+    ax.set_ylabel(f"live tensor memory ({unit})")
+    ax.set_xlabel(xlabel + (f"; {where}" if where else ""))
+    handles, labels = ax.get_legend_handles_labels()
+    for phase, color in shades.items():
+        handles.append(Patch(facecolor=color, edgecolor="#999999", lw=0.5))
+        labels.append(f"{phase} (shaded)")
+    samples = [(t, b) for t, b in mem.rss_timeline if t_start <= t <= t_end] if rss else []
+    if samples:
+        ax2 = ax.twinx()
+        rscale, runit = _unit(max(b for _, b in samples))
+        (line,) = ax2.plot(to_x(np.array([t for t, _ in samples])),
+                           np.array([b for _, b in samples]) / rscale, color="black", lw=1,
+                           alpha=0.6)
+        ax2.set_ylim(0, max(b for _, b in samples) / rscale * 1.2)
+        ax2.set_ylabel(f"process RSS ({runit})")
+        handles.append(line)
+        labels.append("process RSS (right axis)")
+        # The stacked categories are drawn over the RSS line, not under it.
+        ax.set_zorder(ax2.get_zorder() + 1)
+        ax.patch.set_visible(False)
+    ax.legend(handles, labels, loc="upper left", fontsize=8, ncol=3)
+    ax.grid(alpha=0.3, zorder=0)
 
 
 def _unit(n: float) -> tuple[float, str]:

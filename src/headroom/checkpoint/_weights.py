@@ -390,17 +390,6 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
         )
 
 
-# Called at each step of a save that changes the folder: ("written", temp file) once a file's
-# data is synced, ("landed", file) once renamed into place, ("removed", file) for each stale
-# file deleted. Tests use it to interrupt a save at every such boundary.
-_boundary: Callable[[str, Path], None] | None = None
-
-
-def _step(event: str, path: Path) -> None:
-    if _boundary is not None:
-        _boundary(event, path)
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -511,6 +500,7 @@ def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
             names = [f"model-{tag}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     written: list[Path] = []
     landed: list[Path] = []  # this save's files in place, not yet part of a checkpoint
+    index = b""
     try:
         for name, shard in zip(names, shards, strict=True):
             _write_shard(out / name, shard)
@@ -520,28 +510,39 @@ def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
         if n > 1:
             _fsync_dir(out)  # the shards' names are on disk before an index names them
             total = sum(it[3] for shard in shards for it in shard)
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {it[0]: name for name, shard in zip(names, shards, strict=True)
-                                    for it in shard}}
-            _write_file(out / _INDEX, [json.dumps(index, indent=2).encode()])
+            index = json.dumps({
+                "metadata": {"total_size": total},
+                "weight_map": {it[0]: name for name, shard in zip(names, shards, strict=True)
+                               for it in shard}}, indent=2).encode()
+            _write_file(out / _INDEX, [index])
             written.append(out / _INDEX)
         landed = []
     except BaseException:
-        for f in landed:  # never named by an index: the folder holds the old checkpoint
-            with contextlib.suppress(OSError):
-                f.unlink()
+        # An interrupt just after the index's rename leaves the new checkpoint in place: its
+        # shards stay. Otherwise they were never named by an index and go.
+        if landed and not _holds(out / _INDEX, index):
+            for f in landed:
+                with contextlib.suppress(OSError):
+                    f.unlink()
         raise
     # The new checkpoint is complete and in place, and durably so before anything old goes. A
     # single file is read only when there is no index, so an earlier save's index goes first.
     _fsync_dir(out)
-    stale = sorted(before - set(names), key=lambda f: f != _INDEX)
+    keep = set(names) | ({_INDEX} if n > 1 else set())
+    stale = sorted(before - keep, key=lambda f: f != _INDEX)
     for name in stale:
         with contextlib.suppress(FileNotFoundError):
             (out / name).unlink()
-        _step("removed", out / name)
     _remove_dead_temps(out)
     _fsync_dir(out)
     return written
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    try:
+        return path.read_bytes() == data
+    except OSError:
+        return False
 
 
 def _remove_dead_temps(out: Path) -> None:
@@ -564,13 +565,11 @@ def _write_file(path: Path, parts) -> None:
                     f.write(part)
                 f.flush()
                 os.fsync(f.fileno())
-            _step("written", Path(tmp))
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-    _step("landed", path)
 
 
 @torch.no_grad()

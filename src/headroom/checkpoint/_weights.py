@@ -23,7 +23,7 @@ from torch import nn
 
 from headroom.checkpoint._file import remove_stale_temps, temp_path
 from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
-from headroom.transfer._safetensors import MAX_HEADER_BYTES
+from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
 
 __all__ = ["load_weights", "save_weights"]
 
@@ -83,10 +83,13 @@ def _read_index(index: Path) -> dict[str, str]:
         return ValueError(f"{str(index)!r} is not a valid safetensors index ({why}); write the"
                           " checkpoint again")
 
-    if index.stat().st_size > MAX_HEADER_BYTES:
-        raise bad(f"{index.stat().st_size} bytes, more than an index of any model needs")
+    with open(open_regular(index), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_HEADER_BYTES:
+            raise bad(f"{size} bytes, more than an index of any model needs")
+        raw = f.read()
     try:
-        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
     except RecursionError:
         raise bad("JSON nested too deeply") from None
     except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8, no weight_map, not an object
@@ -121,6 +124,9 @@ def _inside(folder: Path, name: str, index: Path | None) -> Path:
     if not any(os.path.commonpath([real, r]) == r for r in roots):
         raise ValueError(f"{where} file {name!r}, a link that leads out of the checkpoint's"
                          f" folder (to {real!r}); replace the link by the file itself")
+    if not os.path.exists(real):
+        raise FileNotFoundError(f"{where} file {name!r}, which is missing; copy it into"
+                                f" {str(folder)!r}, or write the checkpoint again")
     return folder / name
 
 

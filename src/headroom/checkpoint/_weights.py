@@ -212,10 +212,16 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             missing from the files keep their values (or, created on ``meta``, are initialized
             by their module when first needed).
 
+    Each tensor is read from the file the index names. The index may name files of its own
+    folder only (no absolute path, no ``..``, no link leading out of the folder, except the
+    Hugging Face cache's ``snapshots`` -> ``blobs`` links), and every header is checked as
+    the ``safetensors`` package checks it before any tensor is read.
+
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
-        ValueError: missing or unexpected keys, or shape mismatches (all named), or a damaged
-            file or index (named).
+        FileNotFoundError: no checkpoint at ``path``, or a file its index names is missing.
+        ValueError: missing or unexpected keys, or shape mismatches (all named); a damaged file
+            or index, a tensor in two files, an index and shards of different saves, shards
+            without their index, an index entry outside the folder (each named).
         RuntimeError: the model is in the middle of a forward or backward.
 
     Example:

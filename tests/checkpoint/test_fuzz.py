@@ -24,7 +24,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as s  # noqa: E402
 
-SETTINGS = settings(max_examples=200, deadline=3000, derandomize=True, database=None,
+SETTINGS = settings(max_examples=200, deadline=10_000, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 

@@ -199,7 +199,7 @@ def _files(draw):
     return struct.pack("<Q", max(0, length) % 2**64) + text + data
 
 
-@settings(max_examples=200, deadline=2000, derandomize=True, database=None,
+@settings(max_examples=200, deadline=10_000, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(blob=_files())
 def test_fuzz_reader_agrees_with_safetensors_and_stays_within_the_file(blob, tmp_path):

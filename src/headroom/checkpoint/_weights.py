@@ -57,14 +57,15 @@ def _sources(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         return [path], None
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r} (neither a file nor a folder)")
+    # model.safetensors before an index, as from_pretrained looks: both read the same files.
+    single = path / "model.safetensors"
+    if single.exists():
+        return [_inside(path, single.name, None)], None
     index = path / _INDEX
     if index.exists():
         weight_map = _read_index(index)
         files = [_inside(path, f, index) for f in dict.fromkeys(weight_map.values())]
         return list({os.path.normpath(f): f for f in files}.values()), weight_map
-    single = path / "model.safetensors"
-    if single.exists():
-        return [_inside(path, single.name, None)], None
     found = sorted(path.glob("*.safetensors"))
     if not found:
         raise FileNotFoundError(f"no *.safetensors file in {str(path)!r}")
@@ -537,11 +538,12 @@ def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
                 with contextlib.suppress(OSError):
                     f.unlink()
         raise
-    # The new checkpoint is complete and in place, and durably so before anything old goes. A
-    # single file is read only when there is no index, so an earlier save's index goes first.
+    # The new checkpoint is complete and in place, and durably so before anything old goes.
+    # Readers take model.safetensors before an index, so an earlier single file (which hides a
+    # new index) goes first: its removal is the moment a sharded save becomes the checkpoint.
     _fsync_dir(out)
     keep = set(names) | ({_INDEX} if n > 1 else set())
-    stale = sorted(before - keep, key=lambda f: f != _INDEX)
+    stale = sorted(before - keep, key=lambda f: f != "model.safetensors")
     for name in stale:
         with contextlib.suppress(FileNotFoundError):
             (out / name).unlink()

@@ -440,12 +440,13 @@ def _load(
     """`load`; ``verify=False`` skips the checksums (to measure what they cost)."""
     with Reader(os.fspath(path), verify=verify) as r:
         meta = r.meta
+        _check_meta(r, meta)
         sd = _named_tensors(model, fill=False)  # about to be written: no need to initialize
         _check_model(r, sd, meta["model"], strict)
         if optimizer is not None:
             if "optimizer" not in meta:
                 raise ValueError(f"{r.path!r} holds no optimizer state (saved without optimizer)")
-            _check_optimizer(optimizer, meta["optimizer"])
+            _check_optimizer(optimizer, meta["optimizer"], r.path)
         avail = available_memory()
         in_store = any(binding(t) is not None for t in sd.values())
         if r.crcs and not in_store and r.data_bytes <= avail // 2:
@@ -469,22 +470,110 @@ def _load(
         return extra
 
 
+def _check_meta(r: Reader, meta: dict[str, Any]) -> None:
+    """Check the layout of the headroom JSON before anything is loaded.
+
+    The header's checksum catches damage, not a file written or edited by hand (its checksum
+    recomputed) nor a version 1 file: every field `load` reads is checked here, so such a file is
+    refused with a `CheckpointCorruptError` naming the field before the model or optimizer
+    changes, never with a raw ``TypeError`` / ``KeyError`` or after the model was loaded.
+    """
+    def bad(what: str) -> None:
+        r._corrupt(f"its headroom metadata is malformed: {what}", edited=True)
+
+    names = meta.get("model")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        bad(f"'model' is {_short(names)}, not a list of tensor names")
+    if len(set(names)) != len(names):
+        bad("'model' names a tensor twice")
+    for n in names:
+        if f"model/{n}" not in r.entries:
+            bad(f"'model' lists {n!r}, but the file holds no tensor 'model/{n}'")
+    _check_json(r, meta.get("extra", {}), "'extra'", bad)
+    om = meta.get("optimizer")
+    if om is None:
+        return
+    if not isinstance(om, dict):
+        bad(f"'optimizer' is {_short(om)}, not an object")
+    for key in ("class", "inner_class"):
+        if key in om and not isinstance(om[key], str):
+            bad(f"'optimizer.{key}' is {_short(om[key])}, not a class name")
+    if "class" not in om:
+        bad("'optimizer' has no 'class'")
+    params, groups, small = om.get("params"), om.get("groups"), om.get("small")
+    if not isinstance(params, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("shape"), list)
+            and all(type(d) is int and d >= 0 for d in p["shape"])
+            and isinstance(p.get("name"), (str, type(None))) for p in params):
+        bad("'optimizer.params' is not a list of {name, shape} objects")
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("hparams"), dict)
+            and isinstance(g.get("params"), list) for g in groups):
+        bad("'optimizer.groups' is not a list of {hparams, params} objects")
+    listed = [i for g in groups for i in g["params"]]
+    if sorted(listed, key=lambda i: (type(i) is not int, i if type(i) is int else 0)) != list(
+            range(len(params))):
+        bad(f"'optimizer.groups' list parameters {_short(listed)}, not each of the "
+            f"{len(params)} parameter indices once")
+    for gi, g in enumerate(groups):
+        _check_json(r, g["hparams"], f"'optimizer.groups[{gi}].hparams'", bad)
+    if not isinstance(small, dict):
+        bad(f"'optimizer.small' is {_short(small)}, not an object")
+    for idx, sm in small.items():
+        if not (idx.isascii() and idx.isdigit() and int(idx) < len(params)):
+            bad(f"'optimizer.small' has key {idx!r}, not the index of one of the "
+                f"{len(params)} parameters")
+        if not isinstance(sm, dict):
+            bad(f"'optimizer.small[{idx!r}]' is {_short(sm)}, not an object")
+        _check_json(r, sm, f"'optimizer.small[{idx!r}]'", bad)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_json(r: Reader, value: Any, where: str, bad: Callable[[str], None]) -> None:
+    """Check that `_unjson` can decode ``value``: tensors it names exist, markers well formed."""
+    stack = [value]
+    while stack:  # iterative: the JSON may be deeply nested
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            if "__tensor__" in v:
+                name = v["__tensor__"]
+                if not isinstance(name, str) or name not in r.entries:
+                    bad(f"{where} refers to tensor {_short(name)}, which the file does not hold")
+            elif "__tuple__" in v:
+                if not isinstance(v["__tuple__"], list):
+                    bad(f"{where} holds a tuple that is not a list")
+                stack.extend(v["__tuple__"])
+            elif "__float__" in v:
+                try:
+                    float(v["__float__"])
+                except (TypeError, ValueError):
+                    bad(f"{where} holds float {_short(v['__float__'])}")
+            else:
+                stack.extend(v.values())
+
+
 def _check_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str], strict: bool) -> None:
     if strict:
         missing = [k for k in sd if k not in names]
         unexpected = [k for k in names if k not in sd]
         if missing or unexpected:
             raise ValueError(
-                f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
-                f"{unexpected[:5]}; build the same model, or pass strict=False"
+                f"checkpoint {r.path!r} does not match the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}; build the same model, or pass strict=False"
             )
     for name, t in sd.items():
         if name not in names:
             continue
         shape = r.shape(f"model/{name}")
         if shape != tuple(t.shape):
-            raise ValueError(f"shape mismatch for {name!r}: checkpoint {shape}, model "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"checkpoint {r.path!r}: shape mismatch for {name!r}: checkpoint "
+                             f"{shape}, model {tuple(t.shape)}")
 
 
 @torch.no_grad()
@@ -516,20 +605,55 @@ def _load_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str]) -> Non
         b.has_value = True
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], path: str) -> None:
     is_host = isinstance(optimizer, HostOptimizer)
     cls_name = optimizer._cls.__name__ if is_host else type(optimizer).__name__
     saved_cls = meta.get("inner_class", meta["class"])
     if cls_name != saved_cls:
-        raise ValueError(f"checkpoint holds {saved_cls} state, the optimizer is {cls_name}")
+        raise ValueError(f"checkpoint {path!r} holds {saved_cls} state, the optimizer is "
+                         f"{cls_name}")
     order = [p for g in optimizer.param_groups for p in g["params"]]
     if len(order) != len(meta["params"]):
-        raise ValueError(f"checkpoint optimizer has {len(meta['params'])} parameters, this one "
-                         f"{len(order)}")
+        raise ValueError(f"checkpoint {path!r}: its optimizer has {len(meta['params'])} "
+                         f"parameters, this one {len(order)}")
     for i, (p, info) in enumerate(zip(order, meta["params"], strict=True)):
         if list(p.shape) != info["shape"]:
-            raise ValueError(f"optimizer parameter {i} ({info.get('name')}): checkpoint shape "
-                             f"{info['shape']}, parameter {list(p.shape)}")
+            raise ValueError(f"checkpoint {path!r}: optimizer parameter {i} ({info.get('name')}):"
+                             f" checkpoint shape {info['shape']}, parameter {list(p.shape)}")
+    sizes = [len(g["params"]) for g in meta["groups"]]
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(f"checkpoint {path!r}: its optimizer's parameter groups hold {sizes} "
+                         "parameters, this one's "
+                         f"{[len(g['params']) for g in optimizer.param_groups]}; build the "
+                         "optimizer with the same groups")
+    for gi, (saved, g) in enumerate(zip(meta["groups"], optimizer.param_groups, strict=True)):
+        for k, v in saved["hparams"].items():
+            if k in g and not _same_kind(v, g[k]):
+                raise ValueError(
+                    f"checkpoint {path!r}: hyperparameter {k!r} of parameter group {gi} is "
+                    f"{_short(v)} where the optimizer has {_short(g[k])}; the file was edited or "
+                    "saved from another optimizer: fix the value in the file, or load without "
+                    "the optimizer"
+                )
+
+
+def _same_kind(saved: Any, current: Any) -> bool:
+    """Whether a saved hyperparameter (as JSON) can stand where ``current`` is: numbers for
+    numbers, flags for flags, tuples of the same length; anything where either is None."""
+    if saved is None or current is None:
+        return True
+    if isinstance(current, bool):
+        return isinstance(saved, bool)
+    if isinstance(current, (int, float, torch.Tensor)):
+        return (isinstance(saved, (int, float)) and not isinstance(saved, bool)) or (
+            isinstance(saved, dict) and ("__float__" in saved or "__tensor__" in saved))
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    if isinstance(current, (tuple, list)):
+        items = saved.get("__tuple__") if isinstance(saved, dict) else saved
+        return isinstance(items, list) and len(items) == len(current) and all(
+            _same_kind(a, b) for a, b in zip(items, current, strict=True))
+    return True
 
 
 def _load_optimizer(r: Reader, optimizer: torch.optim.Optimizer, meta: dict[str, Any],

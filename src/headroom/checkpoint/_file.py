@@ -26,6 +26,7 @@ import crc32c
 import torch
 
 from headroom.transfer import HeaderError, parse_header, safetensors_dtypes
+from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
 
 __all__ = [
     "DTYPES",
@@ -216,6 +217,10 @@ def build_header(meta: dict[str, Any], items: list[Any]) -> bytes:
                            "data_offsets": [offset, offset + it.nbytes]}
         offset += it.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
+    if len(blob) > MAX_HEADER_BYTES:  # no reader (this one, safetensors) would open the file
+        raise ValueError(f"the checkpoint's header would be {len(blob)} bytes, above the "
+                         f"{MAX_HEADER_BYTES} safetensors allows: save fewer tensors per file, or "
+                         "a smaller `extra`")
     return blob + b" " * (-len(blob) % _ALIGN)
 
 
@@ -235,6 +240,11 @@ def header_crc(blob: bytes) -> int:
     return crc32c.crc32c(blob[n + len(PLACEHOLDER):], value=value)
 
 
+def _no_constant(name: str) -> None:
+    # `save` writes non-finite floats as {"__float__": ...}, never as bare NaN / Infinity.
+    raise ValueError(f"{name} is not JSON")
+
+
 class Reader:
     """A checkpoint file, checked and memory-mapped: its metadata and its tensors by name.
 
@@ -249,7 +259,7 @@ class Reader:
         self.changed = False  # whether `load` has written anything yet (for error messages)
         self._mm: mmap.mmap | None = None
         self._mv: memoryview | None = None
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 self._corrupt(f"it is {size} bytes long, too short for a safetensors header",
@@ -258,7 +268,13 @@ class Reader:
             if n > size - 8:
                 self._corrupt(f"its header should be {n} bytes but only {size - 8} follow",
                               truncated=True)
+            if n > MAX_HEADER_BYTES:  # checked before the header is read into memory
+                self._corrupt(f"its header length field says {n} bytes, more than the "
+                              f"{MAX_HEADER_BYTES} a safetensors header may have")
             raw = f.read(n)
+            if len(raw) != n:
+                self._corrupt(f"it ended while its header was read ({len(raw)} of {n} bytes)",
+                              truncated=True)
             checked = raw.startswith(_HEAD)
             if checked:
                 digits = raw[len(_HEAD):len(_HEAD) + 8]
@@ -289,9 +305,11 @@ class Reader:
         self._verified: set[str] = set()
         self._ahead: _Ahead | None = None
 
-    def _corrupt(self, what: str, *, truncated: bool = False) -> None:
+    def _corrupt(self, what: str, *, truncated: bool = False, edited: bool = False) -> None:
         cause = ("the file is truncated (a copy or download cut short, or a full disk)"
-                 if truncated else "the file is damaged (a disk, copy or transfer error)")
+                 if truncated else
+                 "the file was edited or not written by hr.save" if edited else
+                 "the file is damaged (a disk, copy or transfer error)")
         if not self.changed:
             state = "hr.load changed nothing"
             fix = "Load an earlier checkpoint, or copy this one again from its source"
@@ -314,8 +332,10 @@ class Reader:
         if raw_meta is None:
             raise ValueError(f"{self.path!r} is a safetensors file but not a headroom checkpoint")
         try:
-            meta = json.loads(raw_meta)
-        except (TypeError, json.JSONDecodeError) as e:
+            meta = json.loads(raw_meta, parse_constant=_no_constant)
+        except RecursionError:
+            self._corrupt("its headroom metadata is JSON nested too deeply")
+        except ValueError as e:  # JSONDecodeError, NaN, an integer too long
             self._corrupt(f"its headroom metadata is not valid JSON ({e})")
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"{self.path!r}: unsupported checkpoint format "

@@ -9,8 +9,10 @@ ever existing whole in memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -19,12 +21,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headroom.checkpoint._file import remove_stale_temps, temp_path
 from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
+from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
 
 __all__ = ["load_weights", "save_weights"]
 
 _ATTR = "_headroom_offload"
 _INDEX = "model.safetensors.index.json"
+# The shard names `save_weights` writes: save_pretrained's, or with a tag when a file of that
+# name is already in the folder (the previous save's, kept whole until the new index lands).
+_SHARD = re.compile(r"model(-[0-9a-f]{8})?-\d{5}-of-\d{5}\.safetensors")
 # File bytes read per chunk. Two chunks in flight (one being written while the next is
 # read) plus a dtype conversion bound the memory a load adds, whatever the model's size.
 _CHUNK = 8 << 20
@@ -41,27 +48,121 @@ class _Target:
 
 
 def _files(path: Path) -> list[Path]:
+    return _sources(path)[0]
+
+
+def _sources(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The files of the checkpoint at ``path``, and its index's name -> file map (if any)."""
     if path.is_file():
-        return [path]
+        return [path], None
     if not path.is_dir():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r} (neither a file nor a folder)")
-    index = path / _INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"{str(index)!r} is not a valid safetensors index ({e}); write the checkpoint"
-                " again"
-            ) from None
-        return [path / f for f in dict.fromkeys(weight_map.values())]
+    # model.safetensors before an index, as from_pretrained looks: both read the same files.
     single = path / "model.safetensors"
     if single.exists():
-        return [single]
+        return [_inside(path, single.name, None)], None
+    index = path / _INDEX
+    if index.exists():
+        weight_map = _read_index(index)
+        files = [_inside(path, f, index) for f in dict.fromkeys(weight_map.values())]
+        return list({os.path.normpath(f): f for f in files}.values()), weight_map
     found = sorted(path.glob("*.safetensors"))
     if not found:
         raise FileNotFoundError(f"no *.safetensors file in {str(path)!r}")
-    return found
+    shards = [f.name for f in found if _SHARD.fullmatch(f.name)]
+    if shards:
+        raise ValueError(
+            f"{str(path)!r} holds shards ({', '.join(shards[:3])}) but no {_INDEX}: a save that"
+            " was interrupted before its index was written, or a copy that missed it; write"
+            " the checkpoint again, or copy the index too"
+        )
+    return [_inside(path, f.name, None) for f in found], None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{str(index)!r} is not a valid safetensors index ({why}); write the"
+                          " checkpoint again")
+
+    with open(open_regular(index), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_HEADER_BYTES:
+            raise bad(f"{size} bytes, more than an index of any model needs")
+        raw = f.read()
+    try:
+        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
+    except RecursionError:
+        raise bad("JSON nested too deeply") from None
+    except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8, no weight_map, not an object
+        raise bad(f"{type(e).__name__}: {e}") from None
+    if not isinstance(weight_map, dict):
+        raise bad(f"its weight_map is a {type(weight_map).__name__}, not an object")
+    for name, f in weight_map.items():
+        if not isinstance(f, str):
+            raise bad(f"its weight_map maps {name!r} to {f!r}, not to a file name")
+    return weight_map
+
+
+def _inside(folder: Path, name: str, index: Path | None) -> Path:
+    """``folder / name``, refused unless it resolves inside ``folder``.
+
+    An index names files of its own folder: no absolute path, no ``..``, no symbolic link that
+    leads out, so a hand-made index cannot make `load_weights` read another file. The one link
+    followed out is the Hugging Face cache's: a ``snapshots/<revision>`` file pointing into the
+    same repository's ``blobs`` folder.
+    """
+    where = f"the index {str(index)!r} names" if index is not None else f"{str(folder)!r} holds"
+    parts = Path(name).parts
+    if not name or "\0" in name or Path(name).is_absolute() or ".." in parts:
+        raise ValueError(f"{where} file {name!r}, which is not a file name inside the"
+                         " checkpoint's folder; an index names files of its own folder: fix it,"
+                         " or write the checkpoint again")
+    root = os.path.realpath(folder)
+    roots = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    real = os.path.realpath(folder / name)
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise ValueError(f"{where} file {name!r}, a link that leads out of the checkpoint's"
+                         f" folder (to {real!r}); replace the link by the file itself")
+    if not os.path.exists(real):
+        raise FileNotFoundError(f"{where} file {name!r}, which is missing; copy it into"
+                                f" {str(folder)!r}, or write the checkpoint again")
+    return folder / name
+
+
+def _where(files: list[SafetensorsFile], weight_map: dict[str, str] | None,
+           folder: Path) -> dict[str, tuple[SafetensorsFile, TensorInfo]]:
+    """Each tensor's file and place: the file the index names, every tensor in one file only."""
+    seen: dict[str, SafetensorsFile] = {}
+    for f in files:
+        for name in f.tensors:
+            if name in seen:
+                raise ValueError(
+                    f"tensor {name!r} is in both {str(seen[name].path)!r} and {str(f.path)!r}:"
+                    " a checkpoint holds each tensor once (these are files of two different"
+                    " saves?); write the checkpoint again, or remove the stale file"
+                )
+            seen[name] = f
+    if weight_map is not None:
+        by_name = {os.path.normpath(f.path): f for f in files}
+        for name, fname in weight_map.items():
+            f = by_name[os.path.normpath(folder / fname)]
+            if seen.get(name) is not f:
+                raise ValueError(
+                    f"{str(folder / _INDEX)!r} puts tensor {name!r} in {fname!r}, which does"
+                    f" not hold it{'' if name not in seen else f' ({str(seen[name].path)!r} does)'}"
+                    ": the index and its shards come from different saves; write the"
+                    " checkpoint again"
+                )
+        extra = [n for n in seen if n not in weight_map]
+        if extra:
+            raise ValueError(
+                f"{str(folder / _INDEX)!r} does not list tensors its shards hold ({extra[:5]},"
+                f" {len(extra)} in all, e.g. in {str(seen[extra[0]].path)!r}): the index and"
+                " its shards come from different saves; write the checkpoint again"
+            )
+    return {name: (f, f.tensors[name]) for name, f in seen.items()}
 
 
 def _targets(model: nn.Module) -> list[_Target]:
@@ -112,10 +213,16 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             missing from the files keep their values (or, created on ``meta``, are initialized
             by their module when first needed).
 
+    Each tensor is read from the file the index names. The index may name files of its own
+    folder only (no absolute path, no ``..``, no link leading out of the folder, except the
+    Hugging Face cache's ``snapshots`` -> ``blobs`` links), and every header is checked as
+    the ``safetensors`` package checks it before any tensor is read.
+
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
-        ValueError: missing or unexpected keys, or shape mismatches (all named), or a damaged
-            file or index (named).
+        FileNotFoundError: no checkpoint at ``path``, or a file its index names is missing.
+        ValueError: missing or unexpected keys, or shape mismatches (all named); a damaged file
+            or index, a tensor in two files, an index and shards of different saves, shards
+            without their index, an index entry outside the folder (each named).
         RuntimeError: the model is in the middle of a forward or backward.
 
     Example:
@@ -130,12 +237,12 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             raise RuntimeError("load_weights during the model's forward or backward; call it"
                                " between steps")
         state.drop_announced()  # values about to be written: prefetched copies would be stale
-    files = [SafetensorsFile(p) for p in _files(Path(path))]
+    paths, weight_map = _sources(Path(path))
+    files: list[SafetensorsFile] = []
     try:
-        where: dict[str, tuple[SafetensorsFile, TensorInfo]] = {}
-        for f in files:
-            for name, info in f.tensors.items():
-                where.setdefault(name, (f, info))
+        for p in paths:
+            files.append(SafetensorsFile(p))
+        where = _where(files, weight_map, Path(path))
         plan, problems = _match(_targets(model), where, strict)
         if problems:
             raise ValueError(
@@ -264,13 +371,49 @@ _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def _size(v: int | str) -> int:
-    if isinstance(v, int):
-        return v
-    s = v.strip().upper().replace(" ", "")
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * _UNITS[unit])
-    return int(s)
+    """``max_shard_size`` in bytes; refused unless a positive int or a size string."""
+    fix = "pass a positive number of bytes, or a string such as '5GB' or '500MiB'"
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise TypeError(f"max_shard_size={v!r} is a {type(v).__name__}; {fix}")
+    n = v
+    if isinstance(v, str):
+        s = v.strip().upper().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if s.endswith(u)), None)
+        try:
+            n = int(float(s[: -len(unit)]) * _UNITS[unit]) if unit else int(s)
+        except (ValueError, OverflowError):  # "abc", "nanGB", "infGB"
+            raise ValueError(f"max_shard_size={v!r} is not a size; {fix}") from None
+    if n <= 0:
+        raise ValueError(f"max_shard_size={v!r} is not positive; {fix}")
+    return n
+
+
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} is not a torch.dtype; pass one such as torch.bfloat16,"
+                        " or None to keep each tensor's own")
+    if not dtype.is_floating_point or dtype not in _CODES:
+        raise ValueError(
+            f"dtype={dtype} is not a floating-point dtype safetensors holds: dtype= casts the"
+            " floating-point tensors (integer and bool ones keep theirs), and float weights cast"
+            " to an integer type would be lost; pass torch.bfloat16, torch.float16 or"
+            " torch.float32, or None"
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - directories cannot be opened on some systems
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - nor fsynced on some
+        pass
+    finally:
+        os.close(fd)
 
 
 def save_weights(
@@ -288,27 +431,40 @@ def save_weights(
     never gathered in memory. Tied parameters are written once, under their first name (their
     module registration order: the embedding before an output head tied to it), as
     ``save_pretrained`` does. A Hugging Face model's ``config`` (and generation config) is
-    written beside them. Each file is written under a temporary name and renamed when complete.
+    written beside them.
+
+    A save replaces the checkpoint already in ``path`` as one unit: readers (this function's
+    `load_weights`, ``from_pretrained``) find the old checkpoint or the new one, whole, whenever
+    the save is interrupted (an exception, Ctrl-C, ``kill -9``, a power loss). Each file is
+    written under a temporary name, synced and renamed; shards get new names when the folder
+    already holds files of the usual names (``model-<tag>-00001-of-00003.safetensors``), the
+    index is written last, atomically, and only then are the previous save's files removed. An
+    interrupted save's temporary files and shards are removed by the next save into the folder.
 
     Args:
         model: the model (offloaded or not); not during its forward or backward.
         path: the folder to write into (created if missing).
-        max_shard_size: bytes per file (an int, or a string such as ``"5GB"``/``"500MiB"``).
-            A tensor larger than this gets a file of its own.
-        dtype: cast floating-point tensors to this dtype in the files (e.g. ``torch.bfloat16``);
-            by default each keeps its own.
+        max_shard_size: bytes per file (a positive int, or a string such as ``"5GB"`` or
+            ``"500MiB"``). A tensor larger than this gets a file of its own.
+        dtype: cast floating-point tensors to this floating-point dtype in the files (e.g.
+            ``torch.bfloat16``); integer and bool tensors keep theirs. By default each tensor
+            keeps its own.
 
     Returns:
         The files written (the index last, if any).
 
     Raises:
         RuntimeError: the model is in the middle of a forward or backward.
-        TypeError: a dtype safetensors cannot hold.
+        TypeError: a dtype safetensors cannot hold; ``max_shard_size`` or ``dtype`` of the
+            wrong type.
+        ValueError: ``max_shard_size`` not a positive size; ``dtype`` not floating-point.
 
     Example:
         >>> hr.save_weights(model, "finetuned")                               # doctest: +SKIP
         >>> AutoModelForCausalLM.from_pretrained("finetuned")                 # doctest: +SKIP
     """
+    _check_dtype(dtype)
+    limit = _size(max_shard_size)
     states = _offload_states(model)
     for state in {id(s): s for s in states.values()}.values():
         if state._bwd or state._root_running or state._active:
@@ -316,7 +472,6 @@ def save_weights(
                                " between steps")
         state.init_pending()  # values for what was created on meta and never loaded
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     items = []
     for tgt in _targets(model):
         t = tgt.tensor
@@ -327,7 +482,6 @@ def save_weights(
         if to not in _CODES:
             raise TypeError(f"cannot save {tgt.names[0]!r}: safetensors has no {to}")
         items.append((tgt.names[0], tgt, to, t.numel() * to.itemsize))
-    limit = _size(max_shard_size)
     shards: list[list] = [[]]
     size = 0
     for it in items:
@@ -336,26 +490,100 @@ def save_weights(
             size = 0
         shards[-1].append(it)
         size += it[3]
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else \
-        [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    written = []
-    for name, shard in zip(names, shards, strict=True):
-        _write_shard(out / name, shard)
-        written.append(out / name)
-    if n > 1:
-        index = {"metadata": {"total_size": sum(it[3] for it in items)},
-                 "weight_map": {it[0]: name for name, shard in zip(names, shards, strict=True)
-                                for it in shard}}
-        tmp = out / (_INDEX + ".tmp")
-        tmp.write_text(json.dumps(index, indent=2))
-        os.replace(tmp, out / _INDEX)
-        written.append(out / _INDEX)
+    out.mkdir(parents=True, exist_ok=True)
+    written = _write_checkpoint(out, shards)
     for attr in ("config", "generation_config"):
         cfg = getattr(model, attr, None)
         if cfg is not None and callable(getattr(cfg, "save_pretrained", None)):
             cfg.save_pretrained(out)
     return written
+
+
+def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
+    """Write ``shards`` into ``out`` over the checkpoint there, as one unit (see `save_weights`)."""
+    n = len(shards)
+    before = {e.name for e in os.scandir(out)
+              if e.name in ("model.safetensors", _INDEX) or _SHARD.fullmatch(e.name)}
+    if n == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        while any(name in before or (out / name).exists() for name in names):
+            tag = os.urandom(4).hex()
+            names = [f"model-{tag}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    written: list[Path] = []
+    landed: list[Path] = []  # this save's files in place, not yet part of a checkpoint
+    index = b""
+    try:
+        for name, shard in zip(names, shards, strict=True):
+            _write_shard(out / name, shard)
+            written.append(out / name)
+            if n > 1:
+                landed.append(out / name)
+        if n > 1:
+            _fsync_dir(out)  # the shards' names are on disk before an index names them
+            total = sum(it[3] for shard in shards for it in shard)
+            index = json.dumps({
+                "metadata": {"total_size": total},
+                "weight_map": {it[0]: name for name, shard in zip(names, shards, strict=True)
+                               for it in shard}}, indent=2).encode()
+            _write_file(out / _INDEX, [index])
+            written.append(out / _INDEX)
+        landed = []
+    except BaseException:
+        # An interrupt just after the index's rename leaves the new checkpoint in place: its
+        # shards stay. Otherwise they were never named by an index and go.
+        if landed and not _holds(out / _INDEX, index):
+            for f in landed:
+                with contextlib.suppress(OSError):
+                    f.unlink()
+        raise
+    # The new checkpoint is complete and in place, and durably so before anything old goes.
+    # Readers take model.safetensors before an index, so an earlier single file (which hides a
+    # new index) goes first: its removal is the moment a sharded save becomes the checkpoint.
+    _fsync_dir(out)
+    keep = set(names) | ({_INDEX} if n > 1 else set())
+    stale = sorted(before - keep, key=lambda f: f != "model.safetensors")
+    for name in stale:
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+    _remove_dead_temps(out)
+    _fsync_dir(out)
+    return written
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    try:
+        return path.read_bytes() == data
+    except OSError:
+        return False
+
+
+def _remove_dead_temps(out: Path) -> None:
+    """Remove the temporary files that killed saves into ``out`` left (their process gone)."""
+    targets = set()
+    for e in os.scandir(out):
+        m = re.fullmatch(r"\.(model[^/]*?\.safetensors(?:\.index\.json)?)\.tmp-.*", e.name)
+        if m:
+            targets.add(m.group(1))
+    for target in targets:
+        remove_stale_temps(str(out / target))
+
+
+def _write_file(path: Path, parts) -> None:
+    """Write ``parts`` (byte buffers) to a temporary file, sync it and rename it to ``path``."""
+    with temp_path(str(path)) as tmp:
+        try:
+            with open(tmp, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 @torch.no_grad()
@@ -368,16 +596,15 @@ def _write_shard(path: Path, shard: list) -> None:
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+
+    def parts():
+        yield len(blob).to_bytes(8, "little")
+        yield blob
         for _, tgt, to, _ in shard:
             for chunk in _chunks(tgt.tensor, to):
-                f.write(memoryview(chunk.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+                yield memoryview(chunk.reshape(-1).view(torch.uint8).numpy())
+
+    _write_file(path, parts())
 
 
 def _chunks(t: torch.Tensor, to: torch.dtype):

@@ -13,14 +13,22 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
-import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["HeaderError", "SafetensorsFile", "TensorInfo", "parse_header", "safetensors_dtypes"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "HeaderError",
+    "SafetensorsFile",
+    "TensorInfo",
+    "open_regular",
+    "parse_header",
+    "safetensors_dtypes",
+]
 
 _CODES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -56,46 +64,127 @@ class HeaderError(ValueError):
     """What is wrong with a safetensors header (each reader words its own error around it)."""
 
 
+# What the ``safetensors`` package accepts, no more: a longer header, a value above 2**64 - 1
+# (Rust's ``usize``) or a byte count that overflows it are refused there too.
+MAX_HEADER_BYTES = 100_000_000
+_USIZE = (1 << 64) - 1
+
+
+def _constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _pairs(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears twice in one object")
+    return out
+
+
+def _count(v: object, what: str, name: str) -> int:
+    # bool is an int in Python, and json gives floats for 2.0: both are refused, as in Rust.
+    if type(v) is not int or not 0 <= v <= _USIZE:
+        raise HeaderError(f"tensor {name!r}'s {what} holds {v!r}, not an integer in 0..2**64-1")
+    return v
+
+
+def _text(s: str, what: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HeaderError(f"{what} {s!r} is not valid Unicode (a lone surrogate)") from None
+    return s
+
+
 def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, TensorInfo], int]:
     """Parse the JSON header of a safetensors file whose data starts at byte ``base``.
 
     Returns the ``__metadata__`` strings, each tensor's `TensorInfo` (offsets in the file) in
-    header order, and the data section's length. Checked: JSON object, known dtypes, each byte
-    range the size its shape says, and the ranges tiling the data section (no overlap, no gap).
+    header order, and the data section's length. Checked as the ``safetensors`` package checks
+    them: UTF-8 JSON (no NaN, no duplicate keys, nesting bounded), an object of tensors whose
+    entries are objects with a known dtype, a shape and two data offsets that are integers in
+    ``0..2**64-1``, metadata of string values, each byte range the size its shape and dtype say,
+    and the ranges tiling the data section from its start in order (no overlap, no gap).
 
     Raises:
         HeaderError: saying which of these fails.
     """
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"its header is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        header = json.loads(text, parse_constant=_constant, object_pairs_hook=_pairs)
+    except RecursionError:
+        raise HeaderError("its header is JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN, a duplicate key, an integer too long
         raise HeaderError(f"its header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
         raise HeaderError("its header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise HeaderError("its header's __metadata__ is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise HeaderError("its header's __metadata__ is not an object of strings")
+    for k, v in meta.items():
+        _text(k, "metadata key")
+        _text(v, f"metadata value of {k!r}:")
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, e in header.items():
-        try:
-            dtype = _CODES[e["dtype"]]
-            shape = tuple(int(d) for d in e["shape"])
-            begin, end = (int(x) for x in e["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise HeaderError(f"its header's entry for tensor {name!r} is malformed or of an"
-                              " unknown dtype") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if min(shape, default=0) < 0 or end - begin != nbytes:
-            raise HeaderError(f"tensor {name!r}'s shape and byte range disagree")
+        _text(name, "tensor name")
+        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
+            raise HeaderError(f"its header's entry for tensor {name!r} is not an object with"
+                              " dtype, shape and data_offsets")
+        dtype = _CODES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+        if dtype is None:
+            raise HeaderError(f"tensor {name!r} has dtype {e['dtype']!r}, which this reader"
+                              f" does not know (it knows {', '.join(_CODES)})")
+        shape, offsets = e["shape"], e["data_offsets"]
+        if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            raise HeaderError(f"tensor {name!r}'s shape is not a list or its data_offsets not"
+                              " a pair")
+        shape = tuple(_count(d, "shape", name) for d in shape)
+        begin, end = (_count(x, "data_offsets", name) for x in offsets)
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+            if nbytes > _USIZE:  # bounded before the product grows: a shape can be long
+                raise HeaderError(f"tensor {name!r}'s shape {list(shape)} overflows")
+        if end < begin or end - begin != nbytes:
+            raise HeaderError(f"tensor {name!r}'s shape and byte range disagree ({nbytes} bytes"
+                              f" of {e['dtype']} for data_offsets [{begin}, {end}])")
         tensors[name] = TensorInfo(name, dtype, shape, base + begin, nbytes)
-        spans.append((begin, end))
+        spans.append((begin, end, name))
     length = 0
-    for begin, end in sorted(spans):
+    for begin, end, name in sorted(spans):
         if begin != length:
-            raise HeaderError("its tensors' byte ranges overlap or leave gaps")
+            raise HeaderError(f"its tensors' byte ranges overlap or leave gaps (tensor {name!r}"
+                              f" at [{begin}, {end}], the previous one ends at {length})")
         length = end
     return meta, tensors, length
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of the regular file at ``path``.
+
+    Opened without blocking, so a FIFO or a device put where a file was expected is refused at
+    once instead of hanging or reading forever.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: ``path`` is not a regular file (named).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{str(path)!r} is not a regular file (a device, FIFO or"
+                             " folder); point at the checkpoint file itself")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _buffer_view(t: torch.Tensor) -> memoryview:
@@ -113,13 +202,14 @@ class SafetensorsFile:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: not a safetensors file, or its header is truncated or broken (names the
-            file).
+        ValueError: not a regular file, not a safetensors file, or its header is truncated or
+            broken, or it is longer than its header describes (names the file).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = -1
+        self._fd = open_regular(self.path)
         try:
             self.tensors, self.metadata = self._read_header()
         except BaseException:
@@ -138,14 +228,17 @@ class SafetensorsFile:
         if len(head) < 8:
             raise self._bad("shorter than its 8-byte header length")
         n = int.from_bytes(head, "little")
-        if n > size - 8 or n > 100 << 20:
-            raise self._bad(f"header length {n} beyond the file's {size} bytes")
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise self._bad(f"header length {n} beyond the file's {size} bytes, or above the"
+                            f" {MAX_HEADER_BYTES} bytes safetensors allows")
         raw = os.pread(self._fd, n, 8)
+        if len(raw) != n:
+            raise self._bad(f"it ended while its header was read ({len(raw)} of {n} bytes)")
         try:
             meta, tensors, length = parse_header(raw, 8 + n)
         except HeaderError as e:
             raise self._bad(str(e)) from None
-        if 8 + n + length > size:
+        if 8 + n + length != size:
             raise self._bad(f"its header describes {8 + n + length} bytes, the file has {size}")
         return tensors, meta
 

@@ -191,6 +191,8 @@ def test_errors_are_clear_and_early(tmp_path):
         _offload(m, blocks=[nn.Linear(2, 2)])
     with pytest.raises(RuntimeError, match="not offloaded"):
         hr.describe(CNN())
+    with pytest.raises(TypeError, match="torch.nn.Module, got NoneType"):
+        hr.offload(None, device="cpu")
 
 
 def test_torch_optim_on_disk_parameters_points_to_host_optimizer(tmp_path):

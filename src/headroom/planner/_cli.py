@@ -143,6 +143,9 @@ def _model(args: argparse.Namespace):
                 f"no config for {args.model!r} in the local Hugging Face cache (nothing is"
                 " downloaded): download its config.json and pass --config"
             ) from e
+        except Exception as e:  # noqa: BLE001 - transformers/hub validation raise many kinds
+            raise ValueError(f"the cached config of {args.model!r} is not valid:"
+                             f" {_one_line(e)}") from None
         how = args.model
     # learned position tables (GPT-2, BERT) index out of range beyond this length, and RoPE
     # models are configured for it: an estimate beyond it describes no model that runs

@@ -4,6 +4,7 @@ thread's, so the results are plain PyTorch's under the same order, and nothing c
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -85,3 +86,36 @@ def test_a_backward_that_broke_off_lets_other_threads_in():
     t.join(30)
     assert not t.is_alive() and got == [(2, 8)]
     assert state_of(model).use._owner is None and not state_of(model)._bwd
+
+
+def test_ctrl_c_while_waiting_for_a_turn_leaves_the_other_thread_alone():
+    """SIGINT in the main thread while it waits for another thread's forward: it raises
+    KeyboardInterrupt, takes no turn and undoes nothing of the other forward."""
+    model = _model("cpu")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    inside, go_on = threading.Event(), threading.Event()
+
+    def pause(module, args):
+        inside.set()
+        assert go_on.wait(30)
+
+    h = model[1].register_forward_pre_hook(pause)
+    other, other_out = _in_thread(lambda: model(x).detach())
+    assert inside.wait(30)
+    h.remove()
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+    finally:
+        timer.cancel()
+        go_on.set()
+    other.join(30)
+    assert torch.equal(other_out[0], expected)
+    use = state_of(model).use
+    assert use._owner is None and not use._queue
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)

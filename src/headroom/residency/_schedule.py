@@ -563,6 +563,11 @@ class Offload:
         if self.use.held_by(task):
             self.abort_backward()
             self.use.exit_backward(task)
+        elif self.use.try_enter():  # failed before taking its turn, and nobody else runs
+            try:
+                self.abort_backward()
+            finally:
+                self.use.exit_forward()
 
     def _alloc_grads(self) -> None:
         """Room for every gradient this backward can produce, before any of them lands."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -74,3 +75,26 @@ def test_errors(config, tmp_path, capsys):
     assert "model_type" in capsys.readouterr().err
     assert main(["estimate", "--config", str(config), "--no-advice", "--budget", "lots"]) == 2
     assert "bytes" in capsys.readouterr().err
+
+
+def test_config_errors_are_one_line_naming_the_file(tmp_path, capsys):
+    """No traceback, exit code 2, the file and the problem on one line."""
+    cases = {
+        "notjson.json": ("not json", "is not JSON"),
+        "list.json": ("[1, 2]", "model_type"),
+        "two.json": (json.dumps({**CONFIG, "num_hidden_layers": "two"}),
+                     "not a valid 'llama' config.*num_hidden_layers"),
+    }
+    for name, (text, problem) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["estimate", "--config", str(tmp_path / name), "--no-advice"]) == 2, name
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert name in err and re.search(problem, err), err
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps({**CONFIG, "max_position_embeddings": 64}))
+    assert main(["estimate", "--config", str(path), "--seq", "65", "--no-advice"]) == 2
+    err = capsys.readouterr().err
+    assert "--seq 65 is longer than the 64 positions" in err and "short.json" in err, err
+    assert main(["plan", "--config", str(path), "--seq", "65", "--budget", "1GiB"]) == 2
+    assert "--seq 64 or less" in capsys.readouterr().err

@@ -573,3 +573,52 @@ def test_peak_resident_memory_against_plain_in_a_fresh_process(tmp_path):
     saved = 8 * 128 * 256 * 4 * 11 * 8  # about what plain saves for backward
     assert peaks["plain"] > saved // 2, peaks
     assert peaks["offload"] < 0.6 * peaks["plain"], peaks  # 0.46x measured
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_saved_tensors_stay_and_gradients_are_plain(layout, tmp_path):
+    """Sparse tensors have no single storage to move: autograd keeps them, as without offload
+    (torch.autograd.graph.save_on_cpu moves them); dense ones beside them still move."""
+    torch.manual_seed(0)
+    dense = torch.randn(256, 256) * (torch.rand(256, 256) < 0.1)
+    s = (dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()).requires_grad_()
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def loss():
+        y = torch.sparse.mm(s, x) if layout == "coo" else s @ x
+        return y.sin().sin().sum()
+
+    loss().backward()
+    ref = (x.grad.clone(), s.grad.to_dense().clone())
+    x.grad = s.grad = None
+    store = DiskStore(tmp_path / "a", threads=2)
+    with _ctx(store, min_bytes=0):
+        out = loss()
+        assert store.used_bytes > 0  # the dense activations moved
+    out.backward()
+    assert torch.equal(x.grad, ref[0]) and torch.equal(s.grad.to_dense(), ref[1])
+
+
+def test_what_is_saved_after_the_last_module_goes_by_the_exit(tmp_path):
+    """A forward with no module boundary after its last saves (functional ops, or no module
+    at all): those are freed when the context exits, as the ones before a boundary are."""
+    x = torch.randn(MB // 4, requires_grad=True)
+
+    def forward(x):
+        return (x * 2).sin().sin().sum()  # saves two 1 MiB tensors, none held by the caller
+
+    forward(x).backward()
+    ref, x.grad = x.grad.clone(), None
+    store = DiskStore(tmp_path / "a", threads=2)
+    live = LiveStorages()
+    with hr.track_memory() as mem:
+        with _ctx(store, min_bytes=0):
+            with live:
+                out = forward(x)
+        kept = live.live_bytes(skip=[out])
+        assert mem.current_by_category["activations"] == 0
+        assert mem.resting["disk"]["activations"] == 2 * MB
+    assert kept == 0, kept  # 2 MiB before: the last saves waited for backward
+    out.backward()
+    assert torch.equal(x.grad, ref)

@@ -225,6 +225,13 @@ def test_bad_input():
         hr.HugeClassifier(C, D, device="cpu", sample_rate=0.0)
 
 
+def test_sizes_that_are_not_ints_are_named():
+    with pytest.raises(TypeError, match="in_features must be an int, got '8'"):
+        hr.HugeClassifier(10, "8", device="cpu")
+    with pytest.raises(TypeError, match="num_classes must be an int"):
+        hr.HugeClassifier(10.0, 8, device="cpu")
+
+
 def test_cpu_store_on_cpu_warns():
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")

@@ -179,6 +179,13 @@ def test_errors_name_the_fix():
         estimate(nn.Sequential(NoLoss()), (torch.randn(2),), device="cpu")
 
 
+def test_a_model_or_device_that_is_not_one_is_named():
+    with pytest.raises(TypeError, match="torch.nn.Module, got NoneType"):
+        estimate(None, (torch.randn(2, 64),), device="cpu")
+    with pytest.raises(ValueError, match="device 'tpu' is not a torch device"):
+        estimate(mlp(), (torch.randn(2, 64),), device="tpu")
+
+
 def test_allocator_rounding_and_reuse():
     assert round_size(1) == 512 and round_size(513) == 1024
     assert segment_size(512) == 2 << 20

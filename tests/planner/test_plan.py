@@ -122,6 +122,16 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
+def test_bad_budget_device_and_model_name_the_argument():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="budget"):
+            plan(model_fn(), (X,), loss_fn=loss_fn, budget=bad, device="cpu")
+    with pytest.raises(ValueError, match="device 'tpu' is not a torch device.*device=.cuda"):
+        plan(model_fn(), (X,), loss_fn=loss_fn, budget="1GiB", device="tpu")
+    with pytest.raises(TypeError, match="torch.nn.Module, got NoneType"):
+        plan(None, (X,), loss_fn=loss_fn, budget="1GiB", device="cpu")
+
+
 def test_cuda_plan_on_a_cpu_only_build():
     def big():
         torch.manual_seed(0)

@@ -191,6 +191,8 @@ def test_errors_are_clear_and_early(tmp_path):
         _offload(m, blocks=[nn.Linear(2, 2)])
     with pytest.raises(RuntimeError, match="not offloaded"):
         hr.describe(CNN())
+    with pytest.raises(TypeError, match="torch.nn.Module, got NoneType"):
+        hr.offload(None, device="cpu")
 
 
 def test_torch_optim_on_disk_parameters_points_to_host_optimizer(tmp_path):
@@ -410,3 +412,45 @@ def test_failed_offload_leaves_the_model_as_it_was(tmp_path):
     _offload(model)  # and it can be offloaded afterwards
     x, y = cnn_batch(torch.Generator().manual_seed(0))
     cnn_loss(model, (x, y)).backward()
+
+
+def test_deepcopy_gives_a_plain_cpu_copy_sharing_nothing(store):
+    """An EMA copy: copy.deepcopy is a plain model with the current values, on the CPU."""
+    ref = Transformer(n=3, tie=True)
+    model = _offload(copy.deepcopy(ref), store)
+    opt = StoreStep(model.parameters(), lr=1e-2) if isinstance(store, DiskStore) else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+    b = _train_side_by_side((ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)), (model, opt))
+    keys = sorted(state_of(model).store.keys())
+    ema = copy.deepcopy(model)
+    assert type(ema) is Transformer and type(ema.layers[0]) is type(ref.layers[0])
+    assert not hasattr(ema, "_headroom_offload") and "_headroom_role" not in ema.__dict__
+    assert all(binding(p) is None and p.device.type == "cpu" for p in ema.parameters())
+    assert ema.head.weight is ema.emb.weight  # ties kept
+    for k, v in ref.state_dict().items():
+        assert torch.equal(ema.state_dict()[k], v), k
+    assert sorted(state_of(model).store.keys()) == keys  # no store key taken
+    for m in (ema, ref):
+        m.eval()
+    with torch.no_grad():
+        assert torch.equal(ema(b[0]), ref(b[0]))
+    # the two go on independently: an EMA update of the copy, a step of the model
+    before = values(model)
+    with torch.no_grad():
+        for pe in ema.parameters():
+            pe.mul_(0.5)
+    assert all(torch.equal(v, before[k]) for k, v in values(model).items())
+    ema_now = copy.deepcopy(ema.state_dict())
+    _train_side_by_side((model, opt), steps=1)
+    assert all(torch.equal(v, ema_now[k]) for k, v in ema.state_dict().items())
+    block = copy.deepcopy(model.layers[1])  # one block alone
+    assert type(block) is type(ref.layers[1]) and not block._forward_pre_hooks
+    assert torch.equal(block.qkv.weight, values(model)["layers.1.qkv.weight"])
+
+
+def test_deepcopy_during_forward_is_refused():
+    model = _offload(Transformer(n=2))
+    model.layers[1].register_forward_pre_hook(lambda m, a: copy.deepcopy(model))
+    with pytest.raises(RuntimeError, match="deepcopy.*between steps"):
+        model(lm_batch(torch.Generator().manual_seed(0))[0])
+    copy.deepcopy(model)  # after the failed forward it copies again

@@ -12,7 +12,8 @@ On the CPU, freeing is giving the storage's own pages back to the OS (resident m
 only saving there), and what backward frees is trimmed from the heap as restored bytes go.
 
 Not moved: parameters and their views (``weight.t()``), device copies of offloaded parameters,
-tensors below ``min_bytes``, storages another tensor still uses (their bytes would not be freed).
+tensors below ``min_bytes``, storages another tensor still uses (their bytes would not be freed),
+sparse and nested tensors (no single storage to move).
 Views of one storage move once. Inside a ``torch.utils.checkpoint`` region, checkpoint's own
 hooks decide, so only what checkpoint keeps (the region's inputs) is offloaded.
 """
@@ -56,6 +57,18 @@ def _only_ours(e: _Entry) -> bool:
 
 def _parameter_like(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def _no_storage(t: torch.Tensor) -> bool:
+    """Sparse (COO, CSR, ...) and nested tensors, and subclasses without one storage of their
+    own: kept where they are (autograd keeps the tensor itself, as without offload)."""
+    if t.layout != torch.strided or t.is_nested:
+        return True
+    try:
+        t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
 
 
 class _Entry:
@@ -135,7 +148,7 @@ class _Offloader:
     # ------------------------------------------------------------------ pack / unpack
     def pack(self, t: torch.Tensor) -> Any:
         self._sweep()
-        if self._depth <= 0 or _parameter_like(t) or t.device.type == "meta":
+        if self._depth <= 0 or _parameter_like(t) or t.device.type == "meta" or _no_storage(t):
             return t
         storage = t.untyped_storage()
         # A storage that cannot be resized (memory NumPy or DLPack lent, such as the bit masks
@@ -277,6 +290,20 @@ class _Offloader:
             s = self._stashes[device] = Stash.shared(device, self.store)
         return s
 
+    def finish(self) -> None:
+        """The context ends: what was saved after the last module's forward (functional ops
+        at the end of a forward, a forward without modules) is freed too, once its copy is
+        out, unless something besides autograd still holds it (the output)."""
+        self._sweep()
+        for e in list(self._pending):
+            # NOTE: e.anchor is not bound to a local name: the reference counts are exact
+            if e.dead or sys.getrefcount(e.anchor) > 2 or e.anchor._use_count() > 1:
+                continue
+            self._stash(e.anchor.device).wait_out(e.ticket)
+            if _only_ours(e):
+                self._free(e)
+        self._pending = [e for e in self._pending if not (e.freed or e.dead)]
+
     def close(self) -> None:
         """No new tensors (those saved already are restored whenever backward runs)."""
         for h in self._handles:
@@ -348,5 +375,6 @@ def offload_activations(
     try:
         with keeping(offloader):
             yield
+        offloader.finish()
     finally:
         offloader.close()

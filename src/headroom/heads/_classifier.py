@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import numbers
 import warnings
 import weakref
 from typing import Any
@@ -188,6 +189,7 @@ class HugeClassifier(nn.Module):
         ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a generator not on the CPU;
             a store that cannot hold the weight, or holds ``key``'s tensors with another shape
             or dtype; a ``device`` that is not a torch device, or ``"meta"``.
+        TypeError: ``num_classes`` or ``in_features`` is not an int.
         RuntimeError: ``device`` is not available on this machine; ``key`` is in use by
             another live head (or offloaded model) in ``store``. From backward: a double
             backward (``create_graph=True``), which is not supported.
@@ -218,6 +220,9 @@ class HugeClassifier(nn.Module):
         generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
+        for name, v in (("num_classes", num_classes), ("in_features", in_features)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {v!r}; pass e.g. {name}=1000")
         if num_classes < 1 or in_features < 1:
             raise ValueError(
                 f"num_classes and in_features must be >= 1, got {num_classes}, {in_features}"

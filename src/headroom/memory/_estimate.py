@@ -260,11 +260,11 @@ def estimate(
         An :class:`Estimate`.
 
     Raises:
-        ValueError: if ``device`` is missing for a model on ``meta``; an ``offload=`` or
-            ``offload_activations=`` option that is not one of those above (or ``offload=``
-            for a model already offloaded).
-        TypeError: if the output has no loss and ``loss_fn`` is not given, or ``optimizer`` is
-            not an optimizer class, instance or factory.
+        ValueError: if ``device`` is missing for a model on ``meta`` or is not a torch device;
+            an ``offload=`` or ``offload_activations=`` option that is not one of those above
+            (or ``offload=`` for a model already offloaded).
+        TypeError: if ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
+            is not given, or ``optimizer`` is not an optimizer class, instance or factory.
         RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
             ``.item()``, ``nonzero``), which a dry run cannot know; the message names the op.
             Nothing is changed: the estimate runs on a copy.
@@ -390,7 +390,21 @@ def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
     return hasattr(options, "state_store") and hasattr(options, "optimizer_class")
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or a ValueError naming it (it need not exist here:
+    estimates and plans are made for accelerators this machine may not have)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device {device!r} is not a torch device ({' '.join(str(e).split())}); pass e.g."
+            " device=\"cuda\", \"cuda:1\" or \"cpu\""
+        ) from None
+
+
 def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if device is None:
         states = [m.__dict__["_headroom_offload"] for m in model.modules()
                   if "_headroom_offload" in m.__dict__]
@@ -404,7 +418,7 @@ def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
                 " estimate for, e.g. device=\"cuda\""
             )
         device = p.device
-    dev = torch.device(device)
+    dev = parse_device(device)
     if dev.type == "meta":
         raise ValueError("device='meta' takes no memory; estimate for e.g. device='cuda'")
     if dev.type == "cpu":

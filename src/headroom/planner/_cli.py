@@ -122,11 +122,19 @@ def _model(args: argparse.Namespace):
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(f"no such config file: {path}")
-        data = json.loads(path.read_text())
-        if "model_type" not in data:
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not JSON ({_one_line(e)}): pass a Hugging Face"
+                             " config.json") from None
+        if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{path} has no \"model_type\": is it a Hugging Face config.json?")
-        config = transformers.AutoConfig.for_model(**data)
         how = str(path)
+        try:
+            config = transformers.AutoConfig.for_model(**data)
+        except Exception as e:  # noqa: BLE001 - transformers/hub validation raise many kinds
+            raise ValueError(f"{path} is not a valid {data['model_type']!r} config:"
+                             f" {_one_line(e)}") from None
     else:
         try:
             config = transformers.AutoConfig.from_pretrained(args.model, local_files_only=True)
@@ -135,7 +143,19 @@ def _model(args: argparse.Namespace):
                 f"no config for {args.model!r} in the local Hugging Face cache (nothing is"
                 " downloaded): download its config.json and pass --config"
             ) from e
+        except Exception as e:  # noqa: BLE001 - transformers/hub validation raise many kinds
+            raise ValueError(f"the cached config of {args.model!r} is not valid:"
+                             f" {_one_line(e)}") from None
         how = args.model
+    # learned position tables (GPT-2, BERT) index out of range beyond this length, and RoPE
+    # models are configured for it: an estimate beyond it describes no model that runs
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and args.seq > limit:
+        raise ValueError(
+            f"--seq {args.seq} is longer than the {limit} positions {how} allows"
+            f" (max_position_embeddings / n_positions): pass --seq {limit} or less, or raise"
+            " the limit in the config"
+        )
     dtype = getattr(torch, _DTYPES[args.dtype])
     cls = _model_class(transformers, config)
     previous = torch.get_default_dtype()
@@ -143,9 +163,16 @@ def _model(args: argparse.Namespace):
         torch.set_default_dtype(dtype)
         with torch.device("meta"):
             model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    except Exception as e:  # noqa: BLE001 - a model's own checks raise many kinds
+        raise ValueError(f"cannot build a model from {how}: {_one_line(e)}; fix the config") from e
     finally:
         torch.set_default_dtype(previous)
     return model, config, how
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line (hub validation errors span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _model_class(transformers: Any, config: Any) -> Any:

@@ -26,7 +26,7 @@ from torch import nn
 
 from headroom.memory import _dryrun
 from headroom.memory._categories import CATEGORIES, format_bytes
-from headroom.memory._estimate import Estimate, estimate
+from headroom.memory._estimate import Estimate, estimate, parse_device
 from headroom.planner._time import Speeds, default_speeds, step_time
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -37,6 +37,9 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
 def parse_bytes(value: int | float | str) -> int:
     """``"8GiB"`` -> ``8589934592``; ``"1.5 GB"`` -> ``1500000000``; ints pass through."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"a byte budget must be a finite number of bytes, got {value};"
+                             " pass e.g. budget=\"8GiB\"")
         if value <= 0:
             raise ValueError(f"a byte budget must be positive, got {value}")
         return int(value)
@@ -366,7 +369,9 @@ def plan(
     Raises:
         PlanError: (a ``ValueError``) no combination fits; the message gives the smallest peak
             found and what dominates it.
-        ValueError: a budget that is not a byte count.
+        ValueError: a budget that is not a positive, finite byte count; a ``device`` that is
+            not a torch device.
+        TypeError: ``model`` is not an ``nn.Module``.
 
     ``model`` is never changed: every dry run uses a copy on ``meta``, so an error from one
     (a forward that needs values, a failing ``loss_fn``) leaves it as it was.
@@ -378,6 +383,9 @@ def plan(
         >>> model, opt = plan.apply(model)
     """
     budget_b = parse_bytes(budget)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    parse_device(device)
     search = Search(model, example_args, device=device, optimizer=optimizer, loss_fn=loss_fn,
                     disk=disk, example_kwargs=example_kwargs, optimizer_kwargs=optimizer_kwargs,
                     speeds=speeds, slice_bytes=slice_bytes)

@@ -6,12 +6,14 @@ Module hooks cannot see everything an offloaded model must react to: a forward t
 ``DistributedDataParallel`` reads the module's parameters at construction, and a backward that
 broke off in someone else's hook leaves no trace until the parameters are listed again. So the
 root and each block get a subclass of their own class (as ``torch.nn.utils.parametrize`` and
-FSDP2's ``fully_shard`` do) that routes those entry points to the offload state. The subclass
-keeps the class's name, module and qualname; `remove` restores the original class.
+FSDP2's ``fully_shard`` do) that routes those entry points to the offload state, and makes
+``copy.deepcopy`` give a plain copy (`headroom.residency._copy`). The subclass keeps the
+class's name, module and qualname; `remove` restores the original class.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol
 
 import torch.nn as nn
@@ -81,8 +83,17 @@ def _guarded_class(cls: type) -> type:
             role.wrapped_by_ddp(self)
         self.__dict__["_ddp_params_and_buffers_to_ignore"] = value
 
+    def __deepcopy__(self, memo):
+        role = self.__dict__.get(_ROLE)
+        if role is None:  # not guarded any more: the copy module's own way
+            return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        from headroom.residency._copy import deepcopy_offloaded
+
+        return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo)
+
     sub = type(cls.__name__, (cls,), {
         "__call__": __call__,
+        "__deepcopy__": __deepcopy__,
         "_apply": _apply,
         "named_parameters": named_parameters,
         "_ddp_params_and_buffers_to_ignore": property(_ddp_ignore, _ddp_ignore_set),

@@ -84,6 +84,7 @@ def offload(
         ``model``.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``device`` is not available, or the model (or a part of it) is already
             offloaded.
         ValueError: bad ``blocks``, ``prefetch`` or ``compute_dtype``.
@@ -94,6 +95,8 @@ def offload(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-4)                 # doctest: +SKIP
         >>> model(x.cuda()).sum().backward(); opt.step(); opt.zero_grad()        # doctest: +SKIP
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
     for name, m in model.named_modules():

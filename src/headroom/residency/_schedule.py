@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
+from headroom.residency._use import Use
 from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
 
 __all__ = ["Offload", "in_backward"]
@@ -138,6 +139,8 @@ class Offload:
         # Set by hr.data_parallel: DistributedDataParallel may wrap this model.
         self.ddp_allowed = False
         self._refetch = False
+        # one forward or backward at a time across threads (see headroom.residency._use)
+        self.use = Use()
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -157,6 +160,15 @@ class Offload:
 
     def announce(self, blocks: list[Group]) -> None:
         """The next forward uses ``blocks``: start fetching them, and drop older announcements."""
+        # not taken inside this model's own backward, which `_announce` refuses
+        taken = self.use.enter_short(wait_for_backward=True)
+        try:
+            self._announce(blocks)
+        finally:
+            if taken:
+                self.use.exit_forward()
+
+    def _announce(self, blocks: list[Group]) -> None:
         if self._bwd or self._root_running or self._active:
             raise RuntimeError(
                 "hr.prefetch was called during a forward or backward of the offloaded model;"
@@ -199,17 +211,23 @@ class Offload:
             # stop itself with an exception on purpose; the backward goes on or breaks off,
             # and a backward that breaks off is cleaned up then.
             return
+        if not self.use.try_enter():
+            return  # another thread runs the model: this call failed before it started
         try:
             if block is not None:
+                found = False
                 for i in range(len(self._active) - 1, -1, -1):
                     if self._active[i][0] is block:
                         _, watched = self._active.pop(i)
                         if watched:
                             block.inputs_pending = max(0, block.inputs_pending - 1)
+                        found = True
                         break
                 hide(block)
                 self.res.release(block, quiet=True)
                 if self._root_running or self._active:
+                    if found:  # not exited by its post_forward yet
+                        self.use.exit_forward()
                     return
             for b, watched in self._active:
                 if watched:
@@ -223,6 +241,8 @@ class Offload:
                 self.res.release(b, quiet=True)
         except BaseException as e:  # pragma: no cover - nothing above is expected to raise
             _warn_recovery(e)
+        finally:
+            self.use.exit_forward(whole=not (self._root_running or self._active))
 
     def abort_backward(self) -> None:
         """A backward broke off (an exception in a hook, Ctrl-C): release everything it held.
@@ -260,17 +280,32 @@ class Offload:
     def settle_if_idle(self) -> None:
         """Outside forward and backward: back to the resting state, finishing the clean-up of a
         backward that broke off outside headroom's hooks (or never ran)."""
-        if in_backward() or self._root_running or self._active:
+        if in_backward() or not self.use.enter_short(wait_for_backward=True):
             return
-        if self._bwd:
-            self.abort_backward()
-            return
-        for b in [*self.blocks, self.rest]:
-            # A backward still to come re-fetches what it needs, with the same values.
-            self._idle_release(b)
+        try:
+            if self._root_running or self._active:
+                return
+            if self._bwd:
+                self.abort_backward()
+                return
+            for b in [*self.blocks, self.rest]:
+                # A backward still to come re-fetches what it needs, with the same values.
+                self._idle_release(b)
+        finally:
+            self.use.exit_forward()
 
     def before_optimizer_step(self) -> None:
         """An optimizer is about to change masters: drop device copies a step would outdate."""
+        # waits for another thread's forward; not for a backward, in which HostOptimizer steps
+        # early on its worker thread
+        if not self.use.enter_short(wait_for_backward=False):
+            return
+        try:
+            self._before_optimizer_step()
+        finally:
+            self.use.exit_forward()
+
+    def _before_optimizer_step(self) -> None:
         if self._bwd or self._root_running or self._active:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
         for b in [*self.blocks, self.rest]:
@@ -285,11 +320,16 @@ class Offload:
 
     def after_optimizer_step(self) -> None:
         """Fetch again what `before_optimizer_step` released of the announced blocks."""
-        if not self._refetch or self._bwd or self._root_running or self._active:
+        if not self.use.enter_short(wait_for_backward=False):
             return
-        self._refetch = False
-        for b in self.announced:
-            self.res.fetch(b)
+        try:
+            if not self._refetch or self._bwd or self._root_running or self._active:
+                return
+            self._refetch = False
+            for b in self.announced:
+                self.res.fetch(b)
+        finally:
+            self.use.exit_forward()
 
     # ------------------------------------------------------------------ guard protocol
     def call_failed(self, module: nn.Module) -> None:
@@ -357,6 +397,7 @@ class Offload:
             self.res.ensure(self.rest)
             show(self.rest)
             return None
+        self.use.enter_forward()  # waits while another thread runs the model
         self._check_not_under_ddp(module)
         self._settle()
         self.init_pending()
@@ -388,6 +429,7 @@ class Offload:
                 t.register_hook(hook)
         else:
             self.res.release(self.rest)
+        self.use.exit_forward()
         return None
 
     def pre_forward(self, block: Group, module, args, kwargs):
@@ -395,13 +437,15 @@ class Offload:
             self.res.ensure(block)
             show(block)
             return None
+        self.use.enter_forward()  # nested in this thread's root forward, or waits
+        # entered and listed together: the one exit is post_forward's or abort_forward's
+        entry = [block, False]
+        self._active.append(entry)
         if not self._root_running:  # called on its own, e.g. one head of a ModuleList
             self._check_not_under_ddp(module)
             if self._bwd:
                 self.abort_backward()
             self.init_pending()
-        entry = [block, False]
-        self._active.append(entry)
         if block in self.announced:
             self.announced.remove(block)  # the announcement is used up
         if torch.is_grad_enabled():
@@ -453,15 +497,21 @@ class Offload:
         if in_backward():
             # Keep the block: its backward, which triggered this recomputation, runs next.
             return None
+        found = False
         for i in range(len(self._active) - 1, -1, -1):
             if self._active[i][0] is block:
                 del self._active[i]
+                found = True
                 break
-        if torch.is_grad_enabled():
-            hook = partial(self.pre_backward, block)
-            for t in _outputs(output):
-                t.register_hook(hook)
-        self.res.release(block)
+        try:
+            if torch.is_grad_enabled():
+                hook = partial(self.pre_backward, block)
+                for t in _outputs(output):
+                    t.register_hook(hook)
+            self.res.release(block)
+        finally:
+            if found:
+                self.use.exit_forward()
         return None
 
     # ------------------------------------------------------------------ backward hooks
@@ -469,7 +519,7 @@ class Offload:
         try:
             self._pre_backward(block)
         except BaseException:
-            self.abort_backward()
+            self._abort_own_backward()
             raise
 
     def _pre_backward(self, block: Group) -> None:
@@ -486,13 +536,15 @@ class Offload:
                     " penalty on an unoffloaded model (hr.unoffload), or use a penalty that needs"
                     " no second-order gradient"
                 )
+            # waits while another thread runs the model; the callback ends the use
+            end = self.use.enter_backward(task, self.end_backward)
             if self._bwd:
                 self.abort_backward()  # a backward that broke off without its final callback
             self._alloc_grads()
             self._bwd = True
             self._bwd_task = task
             self._bwd_seen = set()
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(end)
         if id(block) in self._bwd_seen:
             return
         self._bwd_seen.add(id(block))
@@ -503,6 +555,19 @@ class Offload:
         show(block)
         if block is not self.rest and block in self.order:
             self._prefetch(self.order, self.order.index(block), -1)
+
+    def _abort_own_backward(self) -> None:
+        """A hook of the running backward failed: clean up, if this backward runs the model
+        (not one still waiting for another thread), and end its use."""
+        task = torch._C._current_graph_task_id()
+        if self.use.held_by(task):
+            self.abort_backward()
+            self.use.exit_backward(task)
+        elif self.use.try_enter():  # failed before taking its turn, and nobody else runs
+            try:
+                self.abort_backward()
+            finally:
+                self.use.exit_forward()
 
     def _alloc_grads(self) -> None:
         """Room for every gradient this backward can produce, before any of them lands."""
@@ -527,7 +592,7 @@ class Offload:
         try:
             self._grad_hook(dev)
         except BaseException:
-            self.abort_backward()
+            self._abort_own_backward()
             raise
 
     def _grad_hook(self, dev: torch.Tensor) -> None:

@@ -1,0 +1,158 @@
+"""One user at a time: an offloaded model's forward or backward, across threads.
+
+An offloaded model's device copies and its schedule are shared by everything that runs it: a
+forward in one thread releases (resizes to 0 bytes) the device copies another thread's forward
+or backward is computing with. So one forward (the thread running it, reentrant) or one
+backward (the autograd graph task running it) uses the model at a time, and a forward or
+backward from another thread waits until it is done, at the boundary of the whole call. The
+result is that of plain PyTorch running the calls in that order; a forward between another
+thread's forward and its backward is allowed (the backward fetches again what it needs), as
+in one thread.
+
+A backward's use ends with its final callback. A backward that breaks off (an exception in
+someone else's hook, ``KeyboardInterrupt``) never runs that callback; its use ends when autograd
+drops the graph task, which holds the callback object: a weak reference to that object releases
+the use then, and the next user cleans up what the backward left (`Offload.abort_backward`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Use"]
+
+
+class _EndBackward:
+    """The final callback of one backward: runs ``fn``, then ends the backward's use."""
+
+    __slots__ = ("use", "task", "fn", "__weakref__")
+
+    def __init__(self, use: Use, task: int, fn: Callable[[], None]) -> None:
+        self.use = use
+        self.task = task
+        self.fn = fn
+
+    def __call__(self) -> None:
+        try:
+            self.fn()
+        finally:
+            self.use.exit_backward(self.task)
+
+
+class Use:
+    """Who runs an offloaded model now: nobody, a forward (a thread) or a backward (a graph
+    task). Short operations (listing parameters, an optimizer step's releases, a copy) take it
+    like a forward for their duration. Waiters get it in the order they asked, so a thread
+    running forwards in a loop cannot starve another one's training."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.RLock())
+        self._owner: tuple | None = None  # ("f", thread ident) or ("b", graph task id)
+        self._depth = 0  # nested uses of the owning thread (blocks within the root)
+        self._queue: deque[object] = deque()  # tickets of the waiters, first come first
+        self._watch: weakref.ref | None = None  # the running backward's final callback
+
+    def _mine(self) -> bool:
+        return self._owner == ("f", threading.get_ident())
+
+    def _take(self, owner: tuple, give_up: Callable[[], bool] | None = None) -> bool:
+        """Wait for a turn (holding ``_cond``) and own the model as ``owner``; ``False`` when
+        ``give_up()`` says so first."""
+        if self._owner is None and not self._queue:
+            self._owner = owner
+            return True
+        ticket = object()
+        self._queue.append(ticket)
+        try:
+            while self._owner is not None or self._queue[0] is not ticket:
+                if give_up is not None and give_up():
+                    return False
+                self._cond.wait()
+            self._owner = owner
+            return True
+        finally:
+            self._queue.remove(ticket)
+            self._cond.notify_all()  # the next waiter checks whether it is first now
+
+    def _free(self) -> None:
+        self._owner = None
+        self._depth = 0
+        self._watch = None
+        self._cond.notify_all()
+
+    # ---------------------------------------------------------------- forward
+    def enter_forward(self) -> None:
+        """Start (or nest) a forward in this thread; waits while another thread's forward or a
+        backward uses the model."""
+        with self._cond:
+            if not self._mine():
+                self._take(("f", threading.get_ident()))
+            self._depth += 1
+
+    def try_enter(self) -> bool:
+        """Take (or nest) a use in this thread if nobody else has one; never waits."""
+        with self._cond:
+            if not self._mine():
+                if self._owner is not None or self._queue:
+                    return False
+                self._owner = ("f", threading.get_ident())
+            self._depth += 1
+            return True
+
+    def enter_short(self, *, wait_for_backward: bool) -> bool:
+        """Take the model for a short operation, nested in this thread's forward if one runs;
+        waits for another thread's forward. A running backward is waited for only with
+        ``wait_for_backward`` and when the caller is not inside it; otherwise returns ``False``
+        (not taken). Pair a ``True`` with `exit_forward`."""
+        def give_up() -> bool:
+            return self._owner is not None and self._owner[0] == "b" and (
+                not wait_for_backward
+                or self._owner[1] == torch._C._current_graph_task_id())
+
+        with self._cond:
+            if not self._mine() and not self._take(("f", threading.get_ident()), give_up):
+                return False
+            self._depth += 1
+            return True
+
+    def exit_forward(self, *, whole: bool = False) -> None:
+        """End one nested use of this thread (``whole``: all of them, after a failure)."""
+        with self._cond:
+            if not self._mine():
+                return
+            self._depth = 0 if whole else self._depth - 1
+            if self._depth <= 0:
+                self._free()
+
+    def in_forward_here(self) -> bool:
+        """Whether this thread's forward (or short operation) uses the model now."""
+        return self._mine()
+
+    # ---------------------------------------------------------------- backward
+    def enter_backward(self, task: int, end: Callable[[], None]) -> Callable[[], None]:
+        """Start graph task ``task``'s backward, waiting while another thread uses the model;
+        returns the callable to queue as its final callback (it runs ``end``, then ends the
+        use). A backward inside this thread's own forward of the model runs within that
+        forward's use."""
+        with self._cond:
+            cb = _EndBackward(self, task, end)
+            if not self._mine():
+                self._take(("b", task))
+                # dropped with the graph task: a backward that breaks off ends its use then
+                self._watch = weakref.ref(cb, lambda _, t=task: self.exit_backward(t))
+            return cb
+
+    def held_by(self, task: int) -> bool:
+        """Whether graph task ``task``'s backward (or this thread's forward) uses the model."""
+        return self._owner == ("b", task) or self._mine()
+
+    def exit_backward(self, task: int) -> None:
+        """End graph task ``task``'s use of the model (no-op if it holds none)."""
+        with self._cond:
+            if self._owner == ("b", task):
+                self._free()

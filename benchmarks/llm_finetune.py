@@ -70,7 +70,7 @@ GiB = 1 << 30
 
 # Llama shapes: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings.
 SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                  tie_word_embeddings=False),
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -311,7 +311,13 @@ def _build(cfg_kw: dict, dtype, device, *, use_cache: bool = False):
 
 
 def _ckpt(model) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Non-reentrant checkpointing of every decoder layer (transformers' own switch, under its
+    current name where it has one)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _autocast(spec: dict):
@@ -351,7 +357,7 @@ def setup_plain(spec: dict):
     info = {"params": "fp32 on the device", "compute": spec["precision"] + " autocast",
             "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
             "checkpointing": "every layer"}
-    return model, step, info, lambda: {n: p.detach() for n, p in model.named_parameters()}
+    return model, step, info, lambda: {n: p.detach() for n, p in model.named_parameters()}, []
 
 
 def setup_fsdp2(spec: dict):
@@ -402,7 +408,7 @@ def setup_fsdp2(spec: dict):
     def values():
         return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
 
-    return model, step, info, values
+    return model, step, info, values, []
 
 
 def setup_torchao(spec: dict):
@@ -437,7 +443,7 @@ def setup_torchao(spec: dict):
             "optimizer": "CPUOffloadOptimizer(AdamW(fused=True)) on the host,"
                          f" offload_gradients={offload_grads}",
             "checkpointing": "every layer"}
-    return model, step, info, lambda: {n: p.detach() for n, p in model.named_parameters()}
+    return model, step, info, lambda: {n: p.detach() for n, p in model.named_parameters()}, []
 
 
 def setup_deepspeed(spec: dict):
@@ -482,7 +488,7 @@ def setup_deepspeed(spec: dict):
     info = {"params": "ZeRO-3, parameters and optimizer state offloaded to the host",
             "compute": "bf16", "optimizer": "torch.optim.AdamW on the host",
             "checkpointing": "every layer"}
-    return engine, step, info, None
+    return engine, step, info, None, []
 
 
 @contextlib.contextmanager
@@ -567,7 +573,8 @@ def setup_headroom(spec: dict):
             "optimizer": "hr.HostOptimizer(AdamW, overlap=True), fp32 masters and state in "
                          + ("a DiskStore" if where == "disk+state" else "host memory"),
             "checkpointing": "every layer", "placement": where}
-    return model, step, info, lambda: dict(model.state_dict())
+    stores = [x for x in (store, state) if not isinstance(x, str)]
+    return model, step, info, lambda: dict(model.state_dict()), stores
 
 
 def _plan_host_bytes(choice, n: int, dtype_bytes: int) -> int:
@@ -645,7 +652,15 @@ def setup_headroom_plan(spec: dict):
         opt.zero_grad()
         return total
 
-    return model, step, info, lambda: dict(model.state_dict())
+    from headroom.residency import state_of
+    from headroom.transfer import DiskStore
+
+    stores = []
+    with contextlib.suppress(Exception):  # not offloaded: no store of its own
+        stores.append(state_of(model).store)
+    stores.append(getattr(getattr(opt, "options", None), "state_store", None))
+    stores = [x for x in stores if isinstance(x, DiskStore)]
+    return model, step, info, lambda: dict(model.state_dict()), stores
 
 
 SETUP = {"plain": setup_plain, "fsdp2": setup_fsdp2, "torchao": setup_torchao,
@@ -683,6 +698,8 @@ def run_one(spec: dict) -> dict:
         tmp.write_text(json.dumps(res, indent=1, default=str))
         tmp.replace(out)
 
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     cuda = dev == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
@@ -690,7 +707,7 @@ def run_one(spec: dict) -> dict:
     io0 = _proc_io()
     t0 = time.perf_counter()
     try:
-        model, step, info, values = SETUP[spec["tool"]](spec)
+        model, step, info, values, stores = SETUP[spec["tool"]](spec)
     except Skip as e:
         res.update(status="skipped", reason=str(e))
         save()
@@ -706,6 +723,15 @@ def run_one(spec: dict) -> dict:
                             generator=g)
         pos = torch.arange(spec["seq"]).expand(spec["micro_batch"], -1)
         batches.append((ids.to(dev), pos.to(dev)))
+
+    def store_bytes() -> dict[str, int]:
+        """Bytes headroom's disk stores read and wrote (logical: page-cache hits included)."""
+        out = {"read_bytes": 0, "write_bytes": 0}
+        for st in stores:
+            x = st.stats()
+            out["read_bytes"] += int(x.get("bytes_read", 0))
+            out["write_bytes"] += int(x.get("bytes_written", 0))
+        return out
 
     def timed() -> tuple[float, float]:
         sync()
@@ -725,9 +751,10 @@ def run_one(spec: dict) -> dict:
         if time.time() + guess * (1.5 if last and profile else 1.2) > deadline:
             res["steps_cut"] = f"{spec['steps'] - k} timed step(s) left out: time limit"
             break
-        io_a = _proc_io()
+        io_a, st_a = _proc_io(), store_bytes()
         if last and profile:
-            from torch.profiler import ProfilerActivity, profile as torch_profile
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
 
             trace = Path(spec["scratch"]) / "trace.json"
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -740,8 +767,9 @@ def run_one(spec: dict) -> dict:
         else:
             dt, loss = timed()
             times.append(dt)
-        io_b = _proc_io()
-        io_steps.append({k: io_b[k] - io_a[k] for k in io_a})
+        io_b, st_b = _proc_io(), store_bytes()
+        io_steps.append({k: io_b[k] - io_a[k] for k in io_a}
+                        | {"store_" + k: st_b[k] - st_a[k] for k in st_a})
         res["losses"].append(loss)
         res["step_times_s"] = times
     if not times:
@@ -763,6 +791,11 @@ def run_one(spec: dict) -> dict:
     if io_steps:
         res["disk_read_bytes_per_step"] = statistics.median(s["read_bytes"] for s in io_steps)
         res["disk_write_bytes_per_step"] = statistics.median(s["write_bytes"] for s in io_steps)
+        if stores:
+            res["store_read_bytes_per_step"] = statistics.median(
+                s["store_read_bytes"] for s in io_steps)
+            res["store_write_bytes_per_step"] = statistics.median(
+                s["store_write_bytes"] for s in io_steps)
     io1 = _proc_io()
     res["disk_read_bytes_total"] = io1["read_bytes"] - io0["read_bytes"]
     res["disk_write_bytes_total"] = io1["write_bytes"] - io0["write_bytes"]
@@ -809,7 +842,9 @@ class Runner:
         self.args = args
         self.start = time.time()
         self.deadline = self.start + args.budget_s
-        self.scratch_root = Path(args.disk_dir or tempfile.gettempdir()) / f"llm_finetune_{os.getpid()}"
+        self.scratch_root = (Path(args.disk_dir or tempfile.gettempdir())
+                             / f"llm_finetune_{os.getpid()}")
+        self.proc: subprocess.Popen | None = None
         self.scratch_root.mkdir(parents=True, exist_ok=True)
         self.doc: dict = {
             "benchmark": "llm_finetune",
@@ -855,9 +890,11 @@ class Runner:
             how = f"rc={rc}"
         else:
             log = open(d / "log.txt", "w")  # noqa: SIM115 - closed below
-            proc = subprocess.Popen([sys.executable, __file__, "--child", str(d / "spec.json")],
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            # NOTE: a session of its own, so that a time limit ends the run with everything it
+            # started (the parent's own group is left alone)
+            proc = self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--child", str(d / "spec.json")],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 rc = proc.wait(timeout=max(limit, 1))
                 how = f"rc={rc}" if rc >= 0 else f"killed by signal {-rc}"
@@ -870,9 +907,10 @@ class Runner:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                how = f"time limit ({limit:.0f} s)"
+                rc, how = None, f"time limit ({limit:.0f} s)"
             finally:
                 log.close()
+                self.proc = None
             tail = (d / "log.txt").read_text(errors="replace")[-2000:]
             if rc != 0 or how.startswith("time"):
                 spec["log_tail"] = tail
@@ -888,9 +926,14 @@ class Runner:
 
     def env(self) -> None:
         t = time.time()
-        res, how = self._child({"tool": "env", "size": "", "device": self.args.device},
-                               min(120.0, max(self.left() - 5, 1)))
-        self.doc["env"] = res or {"error": f"environment child ended: {how}"}
+        if self.args.device == "cpu":
+            res = measure_env("cpu")
+            res["disk_free_gib"] = shutil.disk_usage(self.scratch_root).free / GiB
+        else:  # NOTE: in a process of its own: this one keeps no CUDA context the runs lack
+            res, how = self._child({"tool": "env", "size": "", "device": self.args.device},
+                                   min(120.0, max(self.left() - 5, 1)))
+            res = res or {"error": f"environment child ended: {how}"}
+        self.doc["env"] = res
         self.doc["env"]["measure_s"] = time.time() - t
         print(f"env: {json.dumps(self.doc['env'])}", flush=True)
         self.write()
@@ -930,11 +973,12 @@ class Runner:
         cfg = config_for(size)
         n, n_mm = param_counts(cfg)
         tokens = a.seq * a.micro_batch * a.accum
-        self.doc["models"].setdefault(size, {"config": cfg, "params": n, "params_in_matmuls": n_mm,
-                                             "model_flops_per_step": model_flops(cfg, tokens, a.seq)})
+        self.doc["models"].setdefault(size, {
+            "config": cfg, "params": n, "params_in_matmuls": n_mm,
+            "model_flops_per_step": model_flops(cfg, tokens, a.seq)})
         row: dict = {"tool": tool, "size": size, "params": n}
         if tool in self.failed:
-            row.update(status="skipped", reason=f"did not fit a smaller size ({self.failed[tool]})")
+            row.update(status="skipped", reason=f"stopped at a smaller size: {self.failed[tool]}")
         elif a.predict and (why := self.predict(tool, n)):
             row.update(status="predicted", fits=False, reason=f"predicted not to fit: {why}")
         elif self.left() < a.min_child_s:
@@ -946,6 +990,7 @@ class Runner:
                     "precision": a.precision, "seq": a.seq, "micro_batch": a.micro_batch,
                     "accum": a.accum, "tokens": tokens, "steps": a.steps, "lr": a.lr,
                     "seed": 0, "profile": a.profile, "digest": a.digest, "env": env,
+                    "threads": a.threads,
                     "plan_budget": int(env.get("device_total_gib", 0) * GiB * 0.95)
                     if a.device == "cuda" else None,
                     "plan_budget_fraction": a.plan_budget_fraction}
@@ -955,7 +1000,8 @@ class Runner:
             row["wall_s"] = time.time() - t
             row["ended"] = how
             if res is None:
-                row.update(status="error", error=f"no result: the process ended ({how})")
+                row.update(status="timeout" if how.startswith("time") else "error",
+                           error=f"no result: the process ended ({how})")
             elif row.get("status") not in ("ok", "skipped", "oom", "error"):
                 # stopped mid-way: by the time limit, or killed (the host's OOM killer)
                 killed = "signal 9" in how
@@ -964,9 +1010,9 @@ class Runner:
                                  + (" (likely the host's out-of-memory killer)" if killed else ""))
                 if killed:
                     row["fits"] = False
-        if row.get("status") in ("oom", "predicted") or (
+        if row.get("status") in ("oom", "predicted", "timeout") or (
                 row.get("status") == "error" and not row.get("fits")):
-            self.failed.setdefault(tool, size)
+            self.failed.setdefault(tool, f"{size} ({row['status']})")
         self.doc["runs"].append(row)
         self._summarize()
         self.write()
@@ -979,29 +1025,36 @@ class Runner:
                 self.run(tool, size)
 
     def bisect(self) -> None:
-        """Depth bisection between each tool's largest fitting rung and its first failure."""
+        """Depth bisection, with the time left, between each tool's largest fitting size and
+        the smallest one it did not fit (out of memory, or predicted so): the failing shape
+        with fewer decoder layers."""
         for tool in self.args.tools:
-            fits = [r["size"] for r in self.doc["runs"] if r["tool"] == tool and r.get("fits")]
-            fail = self.failed.get(tool)
-            if not fits or not fail or "@" in fail:
+            rows = [r for r in self.doc["runs"] if r["tool"] == tool]
+            ok = [r for r in rows if r.get("status") == "ok"]
+            bad = [r for r in rows if r.get("status") in ("oom", "predicted")]
+            if not ok or not bad:
+                continue
+            fail = min(bad, key=lambda r: r["params"])["size"]
+            if "@" in fail:
                 continue
             shape = config_for(fail)
-            n_fit = param_counts(config_for(fits[-1]))[0]
+            n_fit = max(r["params"] for r in ok)
             lo = max([d for d in range(shape["num_hidden_layers"])
                       if param_counts({**shape, "num_hidden_layers": d})[0] <= n_fit], default=0)
             hi = shape["num_hidden_layers"]
-            self.failed.pop(tool)
+            stopped = self.failed.pop(tool, None)
             while hi - lo > 1 and self.left() > self.args.min_child_s:
                 mid = (lo + hi) // 2
                 row = self.run(tool, f"{fail}@d{mid}")
-                if row.get("fits") and row.get("status") == "ok":
+                self.failed.pop(tool, None)  # each probe stands alone
+                if row.get("status") == "ok":
                     lo = mid
-                elif row.get("status") in ("oom", "predicted") or row.get("fits") is False:
+                elif row.get("status") in ("oom", "predicted"):
                     hi = mid
-                    self.failed.pop(tool, None)
                 else:
                     break
-            self.failed.setdefault(tool, fail)
+            if stopped is not None:
+                self.failed[tool] = stopped
 
     def _summarize(self) -> None:
         summary = {}
@@ -1025,7 +1078,15 @@ class Runner:
             self.doc["exact_vs_plain"] = {t: d == digests["plain"] for t, d in digests.items()
                                           if t != "plain"}
 
+    def stop_child(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
     def finish(self, reason: str | None) -> None:
+        self.stop_child()
         self.doc["complete"] = reason is None
         self.doc["partial"] = reason
         self._summarize()
@@ -1077,6 +1138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-dir", default=None, help="where disk stores go (default: the temp dir)")
     ap.add_argument("--plan-budget-fraction", type=float, default=0.5,
                     help="cpu only: hr.plan's budget as a fraction of the plain run's peak RSS")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads in each run (default: torch's; --tiny: 1, as"
+                         " a tiny model on a busy machine is otherwise dominated by barriers)")
     ap.add_argument("--in-process", action="store_true",
                     help="run every tool in this process (no per-run isolation or time limit)")
     ap.add_argument("--out", default=None)
@@ -1088,11 +1152,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tiny:
         args.device = args.device or "cpu"
-        defaults = dict(sizes="tiny", precision="fp32", seq=32, micro_batch=2, accum=2, steps=3)
+        defaults = dict(sizes="tiny", precision="fp32", seq=32, micro_batch=2, accum=2, steps=3,
+                        threads=1)
     else:
         args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         defaults = dict(sizes="1b,3b,8b,13b", precision="bf16", seq=2048, micro_batch=4,
-                        accum=4, steps=2)
+                        accum=4, steps=2, threads=None)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -1128,7 +1193,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     left = [r for r in runner.doc["runs"] if r.get("status") in ("skipped", "timeout")
             and "time" in str(r.get("reason", r.get("error", "")))]
-    runner.finish(f"{len(left)} run(s) left out or cut by the time budget" if left else None)
+    runner.finish(f"{len(left)} run(s) left out for want of time or stopped at their time limit"
+                  if left else None)
     print(f"wrote {args.out}")
     return 0
 

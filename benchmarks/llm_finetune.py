@@ -287,11 +287,15 @@ def gpu_busy(trace_path: Path, wall_s: float) -> dict:
             busy += end - start
         return busy / 1e6, total / 1e6, len(spans)
 
+    cats: dict[str, int] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            cats[str(e.get("cat"))] = cats.get(str(e.get("cat")), 0) + 1
     k_busy, k_sum, k_n = union(("kernel",))
     c_busy, _, c_n = union(("gpu_memcpy", "gpu_memset"))
     return {"gpu_busy_fraction": k_busy / wall_s, "kernel_time_sum_s": k_sum,
             "kernel_count": k_n, "copy_busy_fraction": c_busy / wall_s, "copy_count": c_n,
-            "profiled_step_s": wall_s}
+            "profiled_step_s": wall_s, "trace_event_categories": cats}
 
 
 # ----------------------------------------------------------------------------- the tools
@@ -349,10 +353,10 @@ def setup_plain(spec: dict):
             with _autocast(spec):
                 loss = _forward(model, b, 1 / len(batches))
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         opt.step()
         opt.zero_grad()
-        return total
+        return float(total)
 
     info = {"params": "fp32 on the device", "compute": spec["precision"] + " autocast",
             "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
@@ -367,12 +371,14 @@ def setup_fsdp2(spec: dict):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     dev = spec["device"]
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # a world of one process; nothing leaves this machine
         dist.init_process_group("nccl" if dev == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
     mesh = init_device_mesh(dev, (1,))
     torch.manual_seed(spec["seed"])
-    model = _build(spec["cfg"], torch.float32, "cpu")  # initialized on the host, sharded there
+    # NOTE: initialized where it computes (the host's init is slow for billions of values);
+    # fully_shard then moves each shard to the host (CPUOffloadPolicy) and frees the original
+    model = _build(spec["cfg"], torch.float32, dev)
     _ckpt(model)
     kw: dict = {"mesh": mesh}
     if spec["precision"] == "bf16":
@@ -384,26 +390,44 @@ def setup_fsdp2(spec: dict):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=True if dev == "cuda"
-                            else None)
+    fused = dev == "cuda"  # the fused CPU kernel for the host shards; cpu: PyTorch's default
+    info = {"params": "fp32 shards " + ("on the host (CPUOffloadPolicy, pinned)" if dev == "cuda"
+                                        else "in memory (no offload policy on cpu)"),
+            "compute": spec["precision"] + (" (MixedPrecisionPolicy)"
+                                            if spec["precision"] == "bf16" else ""),
+            "optimizer": f"torch.optim.AdamW(fused={fused}) on the "
+                         + ("host" if dev == "cuda" else "cpu"),
+            "checkpointing": "every layer"}
+
+    def fallback(e: Exception) -> torch.optim.Optimizer:
+        info["fallback"] = f"fused AdamW refused ({type(e).__name__}: {str(e)[:300]})"
+        info["optimizer"] = "torch.optim.AdamW() on the host (default step)"
+        return torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+
+    try:
+        opts = [torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=fused or None)]
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        if not fused:
+            raise
+        opts = [fallback(e)]
 
     def step(batches):
         total = 0.0
         for b in batches:
             loss = _forward(model, b, 1 / len(batches))
             loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        return total
-
-    info = {"params": "fp32 shards " + ("on the host (CPUOffloadPolicy, pinned)" if dev == "cuda"
-                                        else "in memory (no offload policy on cpu)"),
-            "compute": spec["precision"] + (" (MixedPrecisionPolicy)"
-                                            if spec["precision"] == "bf16" else ""),
-            "optimizer": "torch.optim.AdamW" + ("(fused=True) on the host" if dev == "cuda"
-                                                else "() on cpu"),
-            "checkpointing": "every layer"}
+            total += loss.detach()
+        try:
+            opts[0].step()
+        except (RuntimeError, NotImplementedError) as e:
+            if not fused or "fallback" in info:
+                raise
+            # NOTE: the fused kernel refused the host DTensor shards before changing anything
+            # (its checks come first): PyTorch's default step instead, recorded as such
+            opts[0] = fallback(e)
+            opts[0].step()
+        opts[0].zero_grad()
+        return float(total)
 
     def values():
         return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
@@ -434,10 +458,10 @@ def setup_torchao(spec: dict):
             with _autocast(spec):
                 loss = _forward(model, b, 1 / len(batches))
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         opt.step()
         opt.zero_grad()
-        return total
+        return float(total)
 
     info = {"params": "fp32 on the device", "compute": "bf16 autocast",
             "optimizer": "CPUOffloadOptimizer(AdamW(fused=True)) on the host,"
@@ -482,8 +506,8 @@ def setup_deepspeed(spec: dict):
             loss = _forward(engine, b, 1.0)
             engine.backward(loss)
             engine.step()
-            total += loss.item() / len(batches)
-        return total
+            total += loss.detach() / len(batches)
+        return float(total)
 
     info = {"params": "ZeRO-3, parameters and optimizer state offloaded to the host",
             "compute": "bf16", "optimizer": "torch.optim.AdamW on the host",
@@ -561,10 +585,10 @@ def setup_headroom(spec: dict):
             with opt.final_backward(j == len(batches) - 1):
                 loss = _forward(model, b, 1 / len(batches))
                 loss.backward()
-            total += loss.item()
+            total += loss.detach()
         opt.step()
         opt.zero_grad()
-        return total
+        return float(total)
 
     info = {"params": f"{str(dtype).removeprefix('torch.')} in "
                       + ("host memory (pinned)" if where == "host" else "a DiskStore")
@@ -625,6 +649,7 @@ def setup_headroom_plan(spec: dict):
             "estimated_step_s_per_micro_batch": plan.time_s,
             "checkpointing": f"{len(plan.choice.checkpoint)} layer(s), as planned",
             "compute": str(dtype).removeprefix("torch.")}
+    spec["_info"] = info  # kept in the result if applying it fails
     need = _plan_host_bytes(plan.choice, spec["params"], 2 if dtype == torch.bfloat16 else 4)
     if dev != "cpu" and need > spec["host_available"] * 0.9:
         raise MemoryError(
@@ -647,10 +672,10 @@ def setup_headroom_plan(spec: dict):
         for b in batches:
             loss = _forward(model, b, 1 / len(batches))
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         opt.step()
         opt.zero_grad()
-        return total
+        return float(total)
 
     from headroom.residency import state_of
     from headroom.transfer import DiskStore
@@ -702,8 +727,6 @@ def run_one(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     cuda = dev == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     io0 = _proc_io()
     t0 = time.perf_counter()
     try:
@@ -714,6 +737,11 @@ def run_one(spec: dict) -> dict:
         return res
     res["setup"] = info
     res["setup_s"] = time.perf_counter() - t0
+    if cuda:  # the peaks reported are the steps' (warm-up included), not the setup's
+        sync()
+        res["device_peak_setup_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     res["status"] = "warm-up"
     save()
     g = torch.Generator().manual_seed(1234)
@@ -810,6 +838,11 @@ def run_one(spec: dict) -> dict:
 
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    if not spec.get("in_process"):
+        # NOTE: if host memory runs out, the kernel's OOM killer should take this run, not the
+        # parent that records it (or anything else on the machine)
+        with contextlib.suppress(OSError):
+            Path("/proc/self/oom_score_adj").write_text("1000")
     if spec["tool"] == "env":
         env = measure_env(spec["device"])
         env["disk_free_gib"] = shutil.disk_usage(spec["scratch"]).free / GiB
@@ -818,10 +851,14 @@ def child_main(spec_path: str) -> int:
     try:
         run_one(spec)
     except BaseException as e:  # record every failure: an OOM is a result here
+        if isinstance(e, KeyboardInterrupt) and spec.get("in_process"):
+            raise
         out = Path(spec["out"])
         res = json.loads(out.read_text()) if out.exists() else {"tool": spec["tool"],
                                                                 "size": spec["size"]}
         phase = res.get("status", "setup")
+        if "_info" in spec and "setup" not in res:
+            res["setup"] = spec["_info"]
         name = type(e).__name__
         oom = "OutOfMemory" in name or "out of memory" in str(e).lower() or \
             isinstance(e, MemoryError) or "StoreFull" in name
@@ -830,6 +867,13 @@ def child_main(spec_path: str) -> int:
                    traceback=traceback.format_exc()[-3000:])
         if oom:
             res["fits"] = False
+        with contextlib.suppress(Exception):
+            import torch
+
+            if spec["device"] == "cuda":
+                res["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+                res["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        res["rss_peak_bytes"] = _peak_rss()
         out.write_text(json.dumps(res, indent=1, default=str))
         return 1
     return 0
@@ -886,6 +930,8 @@ class Runner:
                 "deadline": time.time() + limit - 5}
         (d / "spec.json").write_text(json.dumps(spec))
         if self.args.in_process:
+            spec["in_process"] = True
+            (d / "spec.json").write_text(json.dumps(spec))
             rc = child_main(str(d / "spec.json"))
             how = f"rc={rc}"
         else:
@@ -949,9 +995,9 @@ class Runner:
         key = tool
         if tool == "headroom":
             key = "headroom:" + headroom_placement(self._spec_basics(tool, n))
-        elif tool == "headroom_plan":
-            # the planner's cheapest placement: parameters and state on disk
-            key = "headroom:disk+state" if self.args.device != "cpu" else None
+        elif tool == "headroom_plan":  # the placements the planner can choose from, at best
+            key = ("headroom:" + headroom_placement(self._spec_basics(tool, n))
+                   if self.args.device != "cpu" else None)
         need = NEED.get(key) if key else None
         if not need:
             return None

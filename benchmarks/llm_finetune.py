@@ -1196,6 +1196,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    if not args.tiny and args.device is None and not torch.cuda.is_available():
+        # NOTE: billions of parameters on a CPU would take hours (`make bench` runs every script)
+        print("no CUDA device here: running the --tiny check instead (--device cpu to insist)")
+        args.tiny = True
     if args.tiny:
         args.device = args.device or "cpu"
         defaults = dict(sizes="tiny", precision="fp32", seq=32, micro_batch=2, accum=2, steps=3,
@@ -1234,6 +1238,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         runner.finish("interrupted")
         return 130
+    except SystemExit:  # from on_signal, which has written the JSON
+        raise
     except BaseException as e:
         runner.finish(f"the benchmark itself failed: {type(e).__name__}: {e}")
         raise

@@ -908,7 +908,8 @@ class Runner:
             "runs": [],
         }
         self.doc["settings"]["tokens_per_step"] = args.seq * args.micro_batch * args.accum
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, str] = {}  # tool -> the size (and how) it stopped at
+        self.unavailable: dict[str, str] = {}  # tool -> why it cannot run here at all
 
     # -- bookkeeping
 
@@ -1003,9 +1004,9 @@ class Runner:
             return None
         for where, per in need.items():
             if per * n > cap[where]:
-                return (f"needs at least {per * n / GiB:.1f} GiB of {where} memory"
-                        f" ({per} bytes per parameter: fp32 masters, gradients and AdamW state),"
-                        f" {cap[where] / GiB:.1f} GiB available")
+                return (f"needs at least {per * n / GiB:.1f} GiB of {where} memory ({per} bytes"
+                        f" per parameter there, for what this tool keeps of the fp32 masters,"
+                        f" gradients and AdamW state), {cap[where] / GiB:.1f} GiB available")
         return None
 
     def _spec_basics(self, tool: str, n: int) -> dict:
@@ -1023,7 +1024,9 @@ class Runner:
             "config": cfg, "params": n, "params_in_matmuls": n_mm,
             "model_flops_per_step": model_flops(cfg, tokens, a.seq)})
         row: dict = {"tool": tool, "size": size, "params": n}
-        if tool in self.failed:
+        if tool in self.unavailable:
+            row.update(status="skipped", reason=self.unavailable[tool])
+        elif tool in self.failed:
             row.update(status="skipped", reason=f"stopped at a smaller size: {self.failed[tool]}")
         elif a.predict and (why := self.predict(tool, n)):
             row.update(status="predicted", fits=False, reason=f"predicted not to fit: {why}")
@@ -1056,6 +1059,8 @@ class Runner:
                                  + (" (likely the host's out-of-memory killer)" if killed else ""))
                 if killed:
                     row["fits"] = False
+        if row.get("status") == "skipped" and row.get("wall_s") is not None:
+            self.unavailable[tool] = row["reason"]  # the tool itself said so: for every size
         if row.get("status") in ("oom", "predicted", "timeout") or (
                 row.get("status") == "error" and not row.get("fits")):
             self.failed.setdefault(tool, f"{size} ({row['status']})")

@@ -192,6 +192,19 @@ def _host_available() -> int:
     return 0
 
 
+def _filesystem(path: Path) -> str:
+    """The type of the file system ``path`` is on (``/proc/mounts``), or ``"unknown"``."""
+    best, kind = "", "unknown"
+    with contextlib.suppress(OSError):
+        real = str(Path(path).resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")
+                                   ) and len(parts[1]) >= len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for dist in ("torch", "transformers", "accelerate", "peft", "torchao", "deepspeed",
@@ -846,6 +859,8 @@ def child_main(spec_path: str) -> int:
     if spec["tool"] == "env":
         env = measure_env(spec["device"])
         env["disk_free_gib"] = shutil.disk_usage(spec["scratch"]).free / GiB
+        env["disk_dir"] = str(Path(spec["scratch"]).parent)
+        env["disk_fs"] = _filesystem(Path(spec["scratch"]))
         Path(spec["out"]).write_text(json.dumps(env, indent=1))
         return 0
     try:
@@ -976,6 +991,8 @@ class Runner:
         if self.args.device == "cpu":
             res = measure_env("cpu")
             res["disk_free_gib"] = shutil.disk_usage(self.scratch_root).free / GiB
+            res["disk_dir"] = str(self.scratch_root)
+            res["disk_fs"] = _filesystem(self.scratch_root)
         else:  # NOTE: in a process of its own: this one keeps no CUDA context the runs lack
             res, how = self._child({"tool": "env", "size": "", "device": self.args.device},
                                    min(120.0, max(self.left() - 5, 1)))
@@ -993,6 +1010,8 @@ class Runner:
                "disk": env.get("disk_free_gib", math.inf) * GiB * 0.95}
         if self.args.device == "cpu":
             cap["device"] = cap["host"]  # the device's memory is the host's
+        if env.get("disk_fs") in ("tmpfs", "ramfs"):
+            cap["disk"] = 0.0  # files there are host memory: pass --disk-dir on a disk
         key = tool
         if tool == "headroom":
             key = "headroom:" + headroom_placement(self._spec_basics(tool, n))
@@ -1013,7 +1032,8 @@ class Runner:
         env = self.doc["env"]
         return {"tool": tool, "device": self.args.device, "params": n,
                 "host_available": env.get("host_available_gib", 0) * GiB,
-                "disk_free": env.get("disk_free_gib", 0) * GiB}
+                "disk_free": 0 if env.get("disk_fs") in ("tmpfs", "ramfs")
+                else env.get("disk_free_gib", 0) * GiB}
 
     def run(self, tool: str, size: str) -> dict:
         a = self.args

@@ -794,14 +794,7 @@ def run_one(spec: dict) -> dict:
             break
         io_a, st_a = _proc_io(), store_bytes()
         if last and profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
-
-            trace = Path(spec["scratch"]) / "trace.json"
-            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                dt, loss = timed()
-            prof.export_chrome_trace(str(trace))
-            res.update(gpu_busy(trace, dt))
+            dt, loss = _profiled(timed, Path(spec["scratch"]) / "trace.json", res)
             res["profiled_step_timed"] = len(times) == 0
             if not times:
                 times.append(dt)
@@ -847,6 +840,32 @@ def run_one(spec: dict) -> dict:
         res["digest"] = _digest(values())
     save()
     return res
+
+
+def _profiled(timed, trace: Path, res: dict) -> tuple[float, float]:
+    """One timed step under ``torch.profiler`` (CUDA activity only), its busy fractions into
+    ``res``; a profiler that cannot start or export is recorded, and the step still counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    try:
+        prof.__enter__()
+    except Exception as e:  # noqa: BLE001 - e.g. CUPTI not permitted: time it unprofiled
+        res["profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        return timed()
+    try:
+        dt, loss = timed()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            prof.__exit__(None, None, None)
+        raise
+    try:
+        prof.__exit__(None, None, None)
+        prof.export_chrome_trace(str(trace))
+        res.update(gpu_busy(trace, dt))
+    except Exception as e:  # noqa: BLE001 - the step is measured; only its profile is lost
+        res["profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+    return dt, loss
 
 
 def child_main(spec_path: str) -> int:

@@ -372,7 +372,7 @@ def setup_plain(spec: dict):
 
     info = {"params": "fp32 on the device", "compute": spec["precision"] + " autocast",
             "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
-            "checkpointing": "every layer"}
+            "checkpointing": "every layer", "fp32_masters": True}
     return model, step, info, lambda: {n: p.detach() for n, p in model.named_parameters()}, []
 
 
@@ -409,7 +409,7 @@ def setup_fsdp2(spec: dict):
                                             if spec["precision"] == "bf16" else ""),
             "optimizer": f"torch.optim.AdamW(fused={fused}) on the "
                          + ("host" if dev == "cuda" else "cpu"),
-            "checkpointing": "every layer"}
+            "checkpointing": "every layer", "fp32_masters": True}
 
     def fallback(e: Exception) -> torch.optim.Optimizer:
         info["fallback"] = f"fused AdamW refused ({type(e).__name__}: {str(e)[:300]})"
@@ -478,7 +478,7 @@ def setup_torchao(spec: dict):
     info = {"params": "fp32 on the device", "compute": "bf16 autocast",
             "optimizer": "CPUOffloadOptimizer(AdamW(fused=True)) on the host,"
                          f" offload_gradients={offload_grads}",
-            "checkpointing": "every layer"}
+            "checkpointing": "every layer", "fp32_masters": True}
     return model, step, info, lambda: {n: p.detach() for n, p in model.named_parameters()}, []
 
 
@@ -523,7 +523,7 @@ def setup_deepspeed(spec: dict):
 
     info = {"params": "ZeRO-3, parameters and optimizer state offloaded to the host",
             "compute": "bf16", "optimizer": "torch.optim.AdamW on the host",
-            "checkpointing": "every layer"}
+            "checkpointing": "every layer", "fp32_masters": True}
     return engine, step, info, None, []
 
 
@@ -612,7 +612,7 @@ def setup_headroom(spec: dict):
             "compute": str(dtype).removeprefix("torch."),
             "optimizer": "hr.HostOptimizer(AdamW, overlap=True), fp32 masters and state in "
                          + ("a DiskStore" if where == "disk+state" else "host memory"),
-            "checkpointing": "every layer", "placement": where}
+            "checkpointing": "every layer", "fp32_masters": True, "placement": where}
     stores = [x for x in (store, state) if not isinstance(x, str)]
     return model, step, info, lambda: dict(model.state_dict()), stores
 
@@ -682,6 +682,9 @@ def setup_headroom_plan(spec: dict):
     if plan.choice.params != "device":
         _initial_values(model, spec, dtype)
     info["optimizer"] = type(opt).__name__ + "(AdamW)"
+    # NOTE: a plan that keeps the optimizer on the device steps the bf16 parameters themselves
+    # (bf16 state): not the fp32-master training the other tools do
+    info["fp32_masters"] = dtype == torch.float32 or plan.choice.optimizer_state != "device"
 
     def step(batches):
         total = 0.0
@@ -1159,6 +1162,7 @@ class Runner:
             first_fail = min(failed, key=lambda r: r["params"], default=None)
             skipped = [r for r in rows if r.get("status") == "skipped"]
             summary[tool] = {
+                "fp32_masters": largest and largest.get("setup", {}).get("fp32_masters"),
                 "largest_fit": largest and largest["size"],
                 "largest_fit_params": largest and largest["params"],
                 "smallest_failure": first_fail and first_fail["size"],

@@ -50,6 +50,7 @@ def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
         for key in ("disk_read_bytes_per_step", "disk_write_bytes_per_step"):
             assert r[key] >= 0
         assert doc["summary"][tool]["largest_fit"] == "tiny"
+    assert all(runs[t]["setup"]["fp32_masters"] for t in ("plain", "fsdp2", "headroom"))
     # headroom's parameters rest in a DiskStore: its bytes per step are counted
     assert runs["headroom"]["setup"]["placement"] == "disk"
     assert runs["headroom"]["store_read_bytes_per_step"] > 0

@@ -383,6 +383,8 @@ def setup_fsdp2(spec: dict):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     dev = spec["device"]
+    if dev == "cuda":
+        torch.cuda.set_device(0)  # the one rank's device, known to NCCL from the start
     if not dist.is_initialized():  # a world of one process; nothing leaves this machine
         dist.init_process_group("nccl" if dev == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)

@@ -8,8 +8,9 @@
 #
 #     benchmarks/gpu_check.sh [tests|bench|all] [LOGDIR]   # PY=python3 by default (no .venv)
 #
-# PEERS=DIR puts a folder of peers' packages (e.g. torchtune, installed with pip --target) on the
-# benchmarks' path only, never the tests'.
+# PEERS=DIR puts a folder of peers' packages (e.g. torchtune or torchao, installed with
+# pip --target) on the benchmarks' path only, never the tests'. LLM_BUDGET sets the seconds
+# benchmarks/llm_finetune.py may take (480 by default).
 set -u
 PY=${PY:-python3}
 WHAT=${1:-all}
@@ -56,6 +57,11 @@ stage bench_huge_classifier $((150 * T)) $PY benchmarks/huge_classifier.py --dev
   --repeats 3 --out "$LOG/huge_classifier_gpu.json"
 stage bench_pinned_memory $((60 * T)) $PY benchmarks/pinned_memory.py \
   --out "$LOG/pinned_memory_gpu.json"
+# Its own budget (LLM_BUDGET seconds) ends before the stage's limit: it writes its JSON, marked
+# partial, whatever it got to.
+LLM_BUDGET=${LLM_BUDGET:-$((480 * T))}
+stage bench_llm_finetune $((LLM_BUDGET + 60)) $PY benchmarks/llm_finetune.py \
+  --budget-s "$LLM_BUDGET" --out "$LOG/llm_finetune_gpu.json"
 fi
 
 grep -hE '^(FAILED|ERROR) ' "$LOG"/*.log | cut -c1-300 | head -60

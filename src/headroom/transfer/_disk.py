@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from headroom.transfer._handle import Handle
-from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger
+from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
 from headroom.transfer._recover import file_crcs, open_checks
 from headroom.transfer._segments import BAD, combine, crc, scan
 from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
@@ -273,7 +273,21 @@ class DiskStore(Store):
         recover: bool = False,
         overwrite: bool = False,
     ) -> None:
+        if not isinstance(threads, int) or isinstance(threads, bool):
+            raise TypeError(f"DiskStore threads must be an int (I/O threads, e.g. threads=4),"
+                            f" got {type(threads).__name__} {threads!r}")
+        if threads < 1:
+            raise ValueError(f"DiskStore threads must be >= 1 (I/O threads, e.g. threads=4),"
+                             f" got {threads}")
+        for name, value in (("page_cache", page_cache), ("verify", verify),
+                            ("recover", recover), ("overwrite", overwrite),
+                            ("verify_reads", verify_reads)):
+            if not isinstance(value, bool) and not (name == "verify_reads" and value is None):
+                raise TypeError(f"DiskStore {name} must be True or False"
+                                f"{' (or None)' if name == 'verify_reads' else ''},"
+                                f" got {type(value).__name__} {value!r}")
         super().__init__(max_bytes=max_bytes)
+        self._pid = os.getpid()
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -296,7 +310,7 @@ class DiskStore(Store):
         # Reads and writes get their own threads: a read (usually a prefetch that compute
         # will wait for) never queues behind gradient or state writes, which nobody waits for
         # right away; fewer write threads also leave the disk to the reads more often.
-        self._threads = max(1, threads)
+        self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="hr-disk")
         self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
                                          thread_name_prefix="hr-disk-w")
@@ -340,6 +354,11 @@ class DiskStore(Store):
             f"DiskStore {str(self.path)!r}: tensor {key!r} ({file}, bytes {start}-{end}): {why}",
             str(self.path), (key,))
 
+    def _own(self) -> None:
+        """Raise at once in a forked child: the store's threads and folder are its parent's."""
+        if os.getpid() != self._pid:
+            raise forked_error(repr(self), self._pid)
+
     # ------------------------------------------------------------------ I/O plumbing
     def _file(self, handle: Handle) -> str:
         self._check(handle)
@@ -352,6 +371,7 @@ class DiskStore(Store):
         One part and no ``finish``: its own future. Otherwise a future that resolves to
         ``result`` when all are done and ``finish()`` has returned (or to the first error).
         """
+        self._own()
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         with self._lock:
@@ -452,7 +472,7 @@ class DiskStore(Store):
         n = 0
         try:
             mv = _view(t)
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_file(path, os.O_RDONLY, key=check.key)
             try:
                 if covered:
                     check.read(fd, mv, extents, covered)
@@ -482,7 +502,7 @@ class DiskStore(Store):
             # See [Note: scratch keys].
             try:
                 self._ledger.forget_segments(key)  # no stale checksum of the old bytes
-                self._write_plain(path, t, extents)
+                self._write_plain(key, path, t, extents)
                 n = sum(length for _, _, length in extents)
             finally:
                 self._busy("write", -1, n)
@@ -494,18 +514,24 @@ class DiskStore(Store):
             else:
                 lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
                 x = [[lo, hi - lo, None]]
+            # Opened before the write is journaled: a file that cannot be opened (or is a link,
+            # refused) leaves no record of a write that never started.
+            fd = self._open_for_write(key, path)
             try:
-                rid = self._ledger.begin_write(key, x)
-            except OSError as e:
-                raise self._io_error(e, str(self.path)) from e
-            written = [0]
-            try:
-                self._pwrite_extents(path, mv, extents, written)
-            except OSError as e:
-                # Part of a failed write may have reached the file; those ranges are then
-                # marked bad (reads raise) rather than silently mixing old and new bytes.
-                self._ledger.end_write(rid, "bad" if written[0] else "none")
-                raise self._io_error(e, path) from e
+                try:
+                    rid = self._ledger.begin_write(key, x)
+                except OSError as e:
+                    raise self._io_error(e, str(self.path)) from e
+                written = [0]
+                try:
+                    self._pwrite_extents(fd, mv, extents, written)
+                except OSError as e:
+                    # Part of a failed write may have reached the file; those ranges are then
+                    # marked bad (reads raise) rather than silently mixing old and new bytes.
+                    self._ledger.end_write(rid, "bad" if written[0] else "none")
+                    raise self._io_error(e, path) from e
+            finally:
+                os.close(fd)
             self._ledger.end_write(rid, "ok")
             with self._lock:
                 self._unsynced.add(path)
@@ -513,27 +539,33 @@ class DiskStore(Store):
         finally:
             self._busy("write", -1, n)
 
-    def _pwrite_extents(self, path: str, mv: memoryview, extents: list[tuple[int, int, int]],
-                        written: list[int]) -> None:
-        fd = os.open(path, os.O_WRONLY)
+    def _open_for_write(self, key: str, path: str) -> int:
         try:
-            for pos, offset, length in extents:
-                _pwrite_from(fd, mv[pos:pos + length], offset, written)
-                self._drop_cache(fd, offset, length, True)
-        finally:
-            os.close(fd)
-
-    def _write_plain(self, path: str, t: torch.Tensor,
-                     extents: list[tuple[int, int, int]]) -> None:
-        try:
-            self._pwrite_extents(path, _view(t), extents, [0])
+            return open_file(path, os.O_WRONLY, key=key)
         except OSError as e:
             raise self._io_error(e, path) from e
+
+    def _pwrite_extents(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
+                        written: list[int]) -> None:
+        for pos, offset, length in extents:
+            _pwrite_from(fd, mv[pos:pos + length], offset, written)
+            self._drop_cache(fd, offset, length, True)
+
+    def _write_plain(self, key: str, path: str, t: torch.Tensor,
+                     extents: list[tuple[int, int, int]]) -> None:
+        fd = self._open_for_write(key, path)
+        try:
+            self._pwrite_extents(fd, _view(t), extents, [0])
+        except OSError as e:
+            raise self._io_error(e, path) from e
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ protocol
     def alloc(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *, zero: bool = True
     ) -> Handle:
+        self._own()
         handle = Handle.of(key, shape, dtype, self)
         dname = str(dtype).removeprefix("torch.")
         if dname not in DTYPES:
@@ -555,7 +587,7 @@ class DiskStore(Store):
         created = False
         try:
             # O_EXCL: a file that is already there is never truncated; it is not ours.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, key=key)
             created = True
             try:
                 # Reserve the blocks now so a full disk fails here, early, rather than in
@@ -635,6 +667,7 @@ class DiskStore(Store):
         return {k: v for k, v in out.items() if v}
 
     def free(self, handle: Handle) -> None:
+        self._own()
         self._check(handle)
         with self._lock:
             prev = self._pending.get(handle.key)
@@ -654,6 +687,7 @@ class DiskStore(Store):
                 self._ledger.set_known(key, s, e, c)
 
     def _sync(self, *, clean: bool) -> None:
+        self._own()
         with self._lock:
             pending = list(self._pending.values())
         for fut in pending:
@@ -676,7 +710,7 @@ class DiskStore(Store):
             unsynced, self._unsynced = self._unsynced, set()
         for path in unsynced:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_file(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue  # freed since
             try:
@@ -714,8 +748,8 @@ class DiskStore(Store):
         The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
         offloaded here, see `headroom.offload_activations`) is freed: a backward that still
         needs activations stashed here raises instead."""
-        if self._closed:
-            return
+        if self._closed or os.getpid() != self._pid:
+            return  # in a forked child: the parent's store, which stays open there
         try:
             self._free_scratch()
             self._sync(clean=True)

@@ -216,13 +216,22 @@ class DiskStore(Store):
     checksums; a tensor a write was tearing at the kill raises `StoreCorruptError` (or opens
     marked damaged with ``recover=True``). After a power loss the store is safe as of the last
     `flush` (which fsyncs). A lock file keeps a second store (in any process) out of the folder.
+    Every file the store opens is one it named in ``path``, never reached through a symbolic
+    link; sizes read from the index and journal are checked against the tensors, the files and
+    the disk's free space before use. See [Note: DiskStore files stay inside the folder].
+
+    The store belongs to the process that opened it: in a child forked from it (a DataLoader
+    worker, ``multiprocessing``'s fork start method) every method raises `RuntimeError` at once,
+    `close` does nothing, and the folder's lock stays with the parent.
 
     Args:
         path: directory for the files; created if missing. If it holds a DiskStore's files the
             tensors there are reopened (see `keys`, `get`). A non-empty directory without them
             is refused rather than mixed with.
-        max_bytes: byte budget for the store; ``None`` means the free space of the disk.
-        threads: background read threads (writes get half as many, at least one). Reads of
+        max_bytes: byte budget for the store, an int (``64 << 30`` for 64 GiB); ``None`` means
+            the free space of the disk.
+        threads: background read threads, at least 1 (writes get half as many, at least one).
+            Reads of
             8 MiB or more are split across them. More threads help fast NVMe drives with many
             tensors in flight.
         page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
@@ -246,13 +255,18 @@ class DiskStore(Store):
             and start empty; other files there are kept.
 
     Raises:
+        TypeError: an argument of the wrong type (``max_bytes="1GB"``, ``threads=2.5``,
+            ``verify="no"``). ValueError: ``threads < 1`` or ``max_bytes < 0``.
         PermissionError: ``path`` cannot be created or written.
         FileExistsError: ``path`` is not empty and holds no DiskStore (pass ``overwrite=True``
             or an empty directory).
-        RuntimeError: another store (in this process or another) has ``path`` open.
+        RuntimeError: another store (in this process or another) has ``path`` open; from any
+            method, used in a forked child.
         StoreCorruptError: when opening, a tensor fails its checks or the metadata is broken;
-            from reads, a checksum mismatch or a damaged range.
-        StoreFullError: from `put`/`alloc` when the budget or the disk is full.
+            from reads, a checksum mismatch or a damaged range; from anything, a symbolic link
+            or a non-regular file where one of the store's files was.
+        StoreFullError: from `put`/`alloc` when the budget or the disk is full; when opening,
+            a missing tensor file that the disk has no room to create again.
 
     Example:
         >>> store = DiskStore(tmp_path / "weights")            # doctest: +SKIP

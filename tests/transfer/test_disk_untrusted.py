@@ -271,3 +271,22 @@ def test_valid_arguments_still_open(tmp_path):
         s = DiskStore(tmp_path / "s", threads=1, max_bytes=1 << 20, verify_reads=None)
     s.put("x", torch.ones(3))
     s.close()
+
+
+def test_tensor_file_truncated_while_open_is_named(tmp_path):
+    s = DiskStore(tmp_path / "s")
+    h = s.put("x", torch.ones(16))
+    os.truncate(s.file_of(h), 10)
+    with pytest.raises(StoreCorruptError, match=r"'x' \(000001-x\.bin, bytes 0-64\): the file"
+                       r" is shorter than the tensor"):
+        s.read(h).result()
+    s.close()
+
+
+def test_directory_named_like_a_tensor_file_is_left_alone(tmp_path):
+    folder = tmp_path / "s"
+    _store(folder)
+    (folder / "000777-mine.bin").mkdir()
+    s = DiskStore(folder)
+    assert s.keys() == ["x"] and (folder / "000777-mine.bin").is_dir()
+    s.close()

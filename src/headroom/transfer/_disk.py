@@ -26,11 +26,15 @@ from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFul
 __all__ = ["DiskStore"]
 
 
+class _ShortFile(OSError):
+    """A tensor file ended before the bytes a read needs (it was truncated since opening)."""
+
+
 def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
     while len(buf):
         n = os.preadv(fd, [buf], offset)
         if n == 0:
-            raise OSError(errno.EIO, "unexpected end of file")
+            raise _ShortFile(errno.EIO, "unexpected end of file")
         buf = buf[n:]
         offset += n
 
@@ -231,9 +235,8 @@ class DiskStore(Store):
         max_bytes: byte budget for the store, an int (``64 << 30`` for 64 GiB); ``None`` means
             the free space of the disk.
         threads: background read threads, at least 1 (writes get half as many, at least one).
-            Reads of
-            8 MiB or more are split across them. More threads help fast NVMe drives with many
-            tensors in flight.
+            Reads of 8 MiB or more are split across them. More threads help fast NVMe drives
+            with many tensors in flight.
         page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
             them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
             writes): a model bigger than RAM then does not evict everything else from the
@@ -495,6 +498,12 @@ class DiskStore(Store):
                         _pread_into(fd, mv[pos:pos + length], offset)
                 for _, offset, length in extents:
                     self._drop_cache(fd, offset, length, False)
+            except _ShortFile:
+                raise self._corrupt(check.key, extents[0][1], extents[-1][1] + extents[-1][2], (
+                    "the file is shorter than the tensor (truncated by something else since the"
+                    " store opened it); restore the folder, or reopen with DiskStore(path,"
+                    " recover=True) and write the tensor again (hr.load(checkpoint, model,"
+                    " optimizer))")) from None
             finally:
                 os.close(fd)
             n = sum(length for _, _, length in extents)

@@ -595,8 +595,10 @@ class Ledger:
     def orphans(self) -> list[str]:
         """Tensor files in the folder that no tensor owns (freed, or never journaled)."""
         owned = {e["file"] for e in self.entries.values()}
+        # A directory with such a name was not made by a store: left alone.
         return sorted(n for n in os.listdir(self.path)
-                      if (_BIN.fullmatch(n) and n not in owned) or n == INDEX + ".tmp")
+                      if ((_BIN.fullmatch(n) and n not in owned) or n == INDEX + ".tmp")
+                      and not stat.S_ISDIR(os.lstat(self.path / n).st_mode))
 
     def release(self) -> None:
         """Close the journal and give up the folder's lock."""

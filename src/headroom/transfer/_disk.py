@@ -348,7 +348,8 @@ class DiskStore(Store):
             for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
                 name = self._ledger.entries[key]["file"]
                 self._ledger.free(key)  # scratch of a process that stopped: worth nothing
-                with contextlib.suppress(FileNotFoundError):
+                # A directory standing there was not made by a store: left alone.
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     os.unlink(self.path / name)
         except BaseException:
             self._ledger.release()
@@ -700,7 +701,7 @@ class DiskStore(Store):
             name = self._ledger.entries[handle.key]["file"]
             self._ledger.free(handle.key)  # journaled before the file goes
             self._release(handle)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             os.unlink(os.path.join(self.path, name))
 
     def _fill_job(self, key: str, path: str, unknown: list[tuple[int, int]]) -> None:

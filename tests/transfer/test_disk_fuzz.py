@@ -246,7 +246,7 @@ def bases(tmp_path_factory):
     return _base(tmp_path_factory.mktemp("fuzz-bases"))
 
 
-@settings(max_examples=200, deadline=5000, derandomize=True, database=None,
+@settings(max_examples=200, deadline=10_000, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(base=st.sampled_from(["closed", "live"]), mutations=st.lists(mutation(), min_size=1,
                                                                    max_size=3),

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,12 +38,31 @@ def _child_writes(store: DiskStore, conn) -> None:
     conn.send("closed")
 
 
+def _hold(locks, held: threading.Event, go: threading.Event) -> None:
+    for lock in locks:
+        lock.acquire()
+    held.set()
+    go.wait(60)
+    for lock in locks:
+        lock.release()
+
+
 def test_forked_child_using_an_inherited_store_raises_at_once(tmp_path):
     store = DiskStore(tmp_path / "s", threads=2)
     store.put("x", torch.ones(4))
     parent, child = FORK.Pipe()
+    # Another thread holds the store's locks at the fork (as an I/O thread may): the child must
+    # not wait for a thread it does not have.
+    held, go = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold, args=([store._lock, store._ledger.lock], held, go))
+    holder.start()
+    assert held.wait(30)
     p = FORK.Process(target=_child_writes, args=(store, child))
-    p.start()
+    try:
+        p.start()
+    finally:
+        go.set()
+        holder.join(30)
     try:
         assert parent.poll(30), "the child hung using the inherited store"
         got = parent.recv()

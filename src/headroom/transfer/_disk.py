@@ -205,6 +205,19 @@ class _ReadCheck:
                     " reopen with DiskStore(path, recover=True) to find all damage"))
 
 
+_STORES: weakref.WeakSet[DiskStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Another thread of the parent may have held a store's lock at the fork: fresh locks let
+    # the child's calls reach the error that says the store is not theirs, instead of hanging.
+    for store in list(_STORES):
+        store._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class DiskStore(Store):
     """Tensors in files under ``path``, one file per tensor, moved by background threads.
 
@@ -305,6 +318,7 @@ class DiskStore(Store):
                                 f" got {type(value).__name__} {value!r}")
         super().__init__(max_bytes=max_bytes)
         self._pid = os.getpid()
+        _STORES.add(self)
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)

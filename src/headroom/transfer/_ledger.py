@@ -256,6 +256,7 @@ def _after_fork_in_child() -> None:
     # child runs anything else, so the lock lives and dies with the process that opened the
     # store (not with a child that outlives it) and the child cannot append to its journal.
     for ledger in list(_OPEN):
+        ledger.lock = threading.Lock()  # perhaps held by another thread of the parent
         ledger.release()
 
 

@@ -11,7 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, Handle, HostStore, StoreFullError, resolve_store
+from headroom.transfer import (
+    DiskStore,
+    Handle,
+    HostStore,
+    StoreCorruptError,
+    StoreFullError,
+    resolve_store,
+)
 from headroom.transfer import _disk as disk_mod
 from tests.conftest import accelerator_type
 
@@ -217,6 +224,6 @@ def test_disk_split_read_error_reaches_the_caller(tmp_path):
     os_file = s.file_of(h)
     with open(os_file, "r+b") as f:
         f.truncate(1 << 20)  # the later pieces hit the end of the file
-    with pytest.raises(OSError, match="end of file"):
+    with pytest.raises(StoreCorruptError, match="the file is shorter than the tensor"):
         s.read(h).result()
     s.close()

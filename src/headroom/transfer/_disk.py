@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from headroom.transfer._handle import Handle
-from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger
+from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
 from headroom.transfer._recover import file_crcs, open_checks
 from headroom.transfer._segments import BAD, combine, crc, scan
 from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
@@ -26,11 +26,15 @@ from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFul
 __all__ = ["DiskStore"]
 
 
+class _ShortFile(OSError):
+    """A tensor file ended before the bytes a read needs (it was truncated since opening)."""
+
+
 def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
     while len(buf):
         n = os.preadv(fd, [buf], offset)
         if n == 0:
-            raise OSError(errno.EIO, "unexpected end of file")
+            raise _ShortFile(errno.EIO, "unexpected end of file")
         buf = buf[n:]
         offset += n
 
@@ -201,6 +205,19 @@ class _ReadCheck:
                     " reopen with DiskStore(path, recover=True) to find all damage"))
 
 
+_STORES: weakref.WeakSet[DiskStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Another thread of the parent may have held a store's lock at the fork: fresh locks let
+    # the child's calls reach the error that says the store is not theirs, instead of hanging.
+    for store in list(_STORES):
+        store._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class DiskStore(Store):
     """Tensors in files under ``path``, one file per tensor, moved by background threads.
 
@@ -216,15 +233,23 @@ class DiskStore(Store):
     checksums; a tensor a write was tearing at the kill raises `StoreCorruptError` (or opens
     marked damaged with ``recover=True``). After a power loss the store is safe as of the last
     `flush` (which fsyncs). A lock file keeps a second store (in any process) out of the folder.
+    Every file the store opens is one it named in ``path``, never reached through a symbolic
+    link; sizes read from the index and journal are checked against the tensors, the files and
+    the disk's free space before use. See [Note: DiskStore files stay inside the folder].
+
+    The store belongs to the process that opened it: in a child forked from it (a DataLoader
+    worker, ``multiprocessing``'s fork start method) every method raises `RuntimeError` at once,
+    `close` does nothing, and the folder's lock stays with the parent.
 
     Args:
         path: directory for the files; created if missing. If it holds a DiskStore's files the
             tensors there are reopened (see `keys`, `get`). A non-empty directory without them
             is refused rather than mixed with.
-        max_bytes: byte budget for the store; ``None`` means the free space of the disk.
-        threads: background read threads (writes get half as many, at least one). Reads of
-            8 MiB or more are split across them. More threads help fast NVMe drives with many
-            tensors in flight.
+        max_bytes: byte budget for the store, an int (``64 << 30`` for 64 GiB); ``None`` means
+            the free space of the disk.
+        threads: background read threads, at least 1 (writes get half as many, at least one).
+            Reads of 8 MiB or more are split across them. More threads help fast NVMe drives
+            with many tensors in flight.
         page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
             them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
             writes): a model bigger than RAM then does not evict everything else from the
@@ -246,13 +271,18 @@ class DiskStore(Store):
             and start empty; other files there are kept.
 
     Raises:
+        TypeError: an argument of the wrong type (``max_bytes="1GB"``, ``threads=2.5``,
+            ``verify="no"``). ValueError: ``threads < 1`` or ``max_bytes < 0``.
         PermissionError: ``path`` cannot be created or written.
         FileExistsError: ``path`` is not empty and holds no DiskStore (pass ``overwrite=True``
             or an empty directory).
-        RuntimeError: another store (in this process or another) has ``path`` open.
+        RuntimeError: another store (in this process or another) has ``path`` open; from any
+            method, used in a forked child.
         StoreCorruptError: when opening, a tensor fails its checks or the metadata is broken;
-            from reads, a checksum mismatch or a damaged range.
-        StoreFullError: from `put`/`alloc` when the budget or the disk is full.
+            from reads, a checksum mismatch or a damaged range; from anything, a symbolic link
+            or a non-regular file where one of the store's files was.
+        StoreFullError: from `put`/`alloc` when the budget or the disk is full; when opening,
+            a missing tensor file that the disk has no room to create again.
 
     Example:
         >>> store = DiskStore(tmp_path / "weights")            # doctest: +SKIP
@@ -273,7 +303,22 @@ class DiskStore(Store):
         recover: bool = False,
         overwrite: bool = False,
     ) -> None:
+        if not isinstance(threads, int) or isinstance(threads, bool):
+            raise TypeError(f"DiskStore threads must be an int (I/O threads, e.g. threads=4),"
+                            f" got {type(threads).__name__} {threads!r}")
+        if threads < 1:
+            raise ValueError(f"DiskStore threads must be >= 1 (I/O threads, e.g. threads=4),"
+                             f" got {threads}")
+        for name, value in (("page_cache", page_cache), ("verify", verify),
+                            ("recover", recover), ("overwrite", overwrite),
+                            ("verify_reads", verify_reads)):
+            if not isinstance(value, bool) and not (name == "verify_reads" and value is None):
+                raise TypeError(f"DiskStore {name} must be True or False"
+                                f"{' (or None)' if name == 'verify_reads' else ''},"
+                                f" got {type(value).__name__} {value!r}")
         super().__init__(max_bytes=max_bytes)
+        self._pid = os.getpid()
+        _STORES.add(self)
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -296,7 +341,7 @@ class DiskStore(Store):
         # Reads and writes get their own threads: a read (usually a prefetch that compute
         # will wait for) never queues behind gradient or state writes, which nobody waits for
         # right away; fewer write threads also leave the disk to the reads more often.
-        self._threads = max(1, threads)
+        self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="hr-disk")
         self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
                                          thread_name_prefix="hr-disk-w")
@@ -317,7 +362,8 @@ class DiskStore(Store):
             for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
                 name = self._ledger.entries[key]["file"]
                 self._ledger.free(key)  # scratch of a process that stopped: worth nothing
-                with contextlib.suppress(FileNotFoundError):
+                # A directory standing there was not made by a store: left alone.
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     os.unlink(self.path / name)
         except BaseException:
             self._ledger.release()
@@ -340,6 +386,11 @@ class DiskStore(Store):
             f"DiskStore {str(self.path)!r}: tensor {key!r} ({file}, bytes {start}-{end}): {why}",
             str(self.path), (key,))
 
+    def _own(self) -> None:
+        """Raise at once in a forked child: the store's threads and folder are its parent's."""
+        if os.getpid() != self._pid:
+            raise forked_error(repr(self), self._pid)
+
     # ------------------------------------------------------------------ I/O plumbing
     def _file(self, handle: Handle) -> str:
         self._check(handle)
@@ -352,6 +403,7 @@ class DiskStore(Store):
         One part and no ``finish``: its own future. Otherwise a future that resolves to
         ``result`` when all are done and ``finish()`` has returned (or to the first error).
         """
+        self._own()
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         with self._lock:
@@ -452,7 +504,7 @@ class DiskStore(Store):
         n = 0
         try:
             mv = _view(t)
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_file(path, os.O_RDONLY, key=check.key)
             try:
                 if covered:
                     check.read(fd, mv, extents, covered)
@@ -461,6 +513,12 @@ class DiskStore(Store):
                         _pread_into(fd, mv[pos:pos + length], offset)
                 for _, offset, length in extents:
                     self._drop_cache(fd, offset, length, False)
+            except _ShortFile:
+                raise self._corrupt(check.key, extents[0][1], extents[-1][1] + extents[-1][2], (
+                    "the file is shorter than the tensor (truncated by something else since the"
+                    " store opened it); restore the folder, or reopen with DiskStore(path,"
+                    " recover=True) and write the tensor again (hr.load(checkpoint, model,"
+                    " optimizer))")) from None
             finally:
                 os.close(fd)
             n = sum(length for _, _, length in extents)
@@ -482,7 +540,7 @@ class DiskStore(Store):
             # See [Note: scratch keys].
             try:
                 self._ledger.forget_segments(key)  # no stale checksum of the old bytes
-                self._write_plain(path, t, extents)
+                self._write_plain(key, path, t, extents)
                 n = sum(length for _, _, length in extents)
             finally:
                 self._busy("write", -1, n)
@@ -494,18 +552,24 @@ class DiskStore(Store):
             else:
                 lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
                 x = [[lo, hi - lo, None]]
+            # Opened before the write is journaled: a file that cannot be opened (or is a link,
+            # refused) leaves no record of a write that never started.
+            fd = self._open_for_write(key, path)
             try:
-                rid = self._ledger.begin_write(key, x)
-            except OSError as e:
-                raise self._io_error(e, str(self.path)) from e
-            written = [0]
-            try:
-                self._pwrite_extents(path, mv, extents, written)
-            except OSError as e:
-                # Part of a failed write may have reached the file; those ranges are then
-                # marked bad (reads raise) rather than silently mixing old and new bytes.
-                self._ledger.end_write(rid, "bad" if written[0] else "none")
-                raise self._io_error(e, path) from e
+                try:
+                    rid = self._ledger.begin_write(key, x)
+                except OSError as e:
+                    raise self._io_error(e, str(self.path)) from e
+                written = [0]
+                try:
+                    self._pwrite_extents(fd, mv, extents, written)
+                except OSError as e:
+                    # Part of a failed write may have reached the file; those ranges are then
+                    # marked bad (reads raise) rather than silently mixing old and new bytes.
+                    self._ledger.end_write(rid, "bad" if written[0] else "none")
+                    raise self._io_error(e, path) from e
+            finally:
+                os.close(fd)
             self._ledger.end_write(rid, "ok")
             with self._lock:
                 self._unsynced.add(path)
@@ -513,27 +577,33 @@ class DiskStore(Store):
         finally:
             self._busy("write", -1, n)
 
-    def _pwrite_extents(self, path: str, mv: memoryview, extents: list[tuple[int, int, int]],
-                        written: list[int]) -> None:
-        fd = os.open(path, os.O_WRONLY)
+    def _open_for_write(self, key: str, path: str) -> int:
         try:
-            for pos, offset, length in extents:
-                _pwrite_from(fd, mv[pos:pos + length], offset, written)
-                self._drop_cache(fd, offset, length, True)
-        finally:
-            os.close(fd)
-
-    def _write_plain(self, path: str, t: torch.Tensor,
-                     extents: list[tuple[int, int, int]]) -> None:
-        try:
-            self._pwrite_extents(path, _view(t), extents, [0])
+            return open_file(path, os.O_WRONLY, key=key)
         except OSError as e:
             raise self._io_error(e, path) from e
+
+    def _pwrite_extents(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
+                        written: list[int]) -> None:
+        for pos, offset, length in extents:
+            _pwrite_from(fd, mv[pos:pos + length], offset, written)
+            self._drop_cache(fd, offset, length, True)
+
+    def _write_plain(self, key: str, path: str, t: torch.Tensor,
+                     extents: list[tuple[int, int, int]]) -> None:
+        fd = self._open_for_write(key, path)
+        try:
+            self._pwrite_extents(fd, _view(t), extents, [0])
+        except OSError as e:
+            raise self._io_error(e, path) from e
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ protocol
     def alloc(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *, zero: bool = True
     ) -> Handle:
+        self._own()
         handle = Handle.of(key, shape, dtype, self)
         dname = str(dtype).removeprefix("torch.")
         if dname not in DTYPES:
@@ -555,7 +625,7 @@ class DiskStore(Store):
         created = False
         try:
             # O_EXCL: a file that is already there is never truncated; it is not ours.
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, key=key)
             created = True
             try:
                 # Reserve the blocks now so a full disk fails here, early, rather than in
@@ -635,6 +705,7 @@ class DiskStore(Store):
         return {k: v for k, v in out.items() if v}
 
     def free(self, handle: Handle) -> None:
+        self._own()
         self._check(handle)
         with self._lock:
             prev = self._pending.get(handle.key)
@@ -644,7 +715,7 @@ class DiskStore(Store):
             name = self._ledger.entries[handle.key]["file"]
             self._ledger.free(handle.key)  # journaled before the file goes
             self._release(handle)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             os.unlink(os.path.join(self.path, name))
 
     def _fill_job(self, key: str, path: str, unknown: list[tuple[int, int]]) -> None:
@@ -654,6 +725,7 @@ class DiskStore(Store):
                 self._ledger.set_known(key, s, e, c)
 
     def _sync(self, *, clean: bool) -> None:
+        self._own()
         with self._lock:
             pending = list(self._pending.values())
         for fut in pending:
@@ -676,7 +748,7 @@ class DiskStore(Store):
             unsynced, self._unsynced = self._unsynced, set()
         for path in unsynced:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_file(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue  # freed since
             try:
@@ -714,8 +786,8 @@ class DiskStore(Store):
         The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
         offloaded here, see `headroom.offload_activations`) is freed: a backward that still
         needs activations stashed here raises instead."""
-        if self._closed:
-            return
+        if self._closed or os.getpid() != self._pid:
+            return  # in a forked child: the parent's store, which stays open there
         try:
             self._free_scratch()
             self._sync(clean=True)

@@ -13,18 +13,30 @@ Appends are not fsynced: a killed process's writes are in the page cache, which 
 disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss the store is safe
 as of the last flush. Compaction (index rewritten via tmp + fsync + rename, then the journal
 truncated) holds the ledger lock, so no record falls between the two.
+
+[Note: DiskStore files stay inside the folder]
+Every file a store opens is ``<folder>/<name>`` with a name it made itself (``NNNNNN-*.bin``
+names from the index are checked against that pattern: no ``/``, so no ``..`` or absolute
+path) and is opened with `open_file`: ``O_NOFOLLOW`` (a symbolic link put where a file was is
+refused, not followed, whether or not a checksum would have caught it) and only a regular file
+(a FIFO or device is refused without blocking). Every size and offset read from the index or
+the journal is checked against the tensor's size before use, and a tensor's size against its
+file or the disk's free space before anything is read or allocated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import gc
 import json
 import os
 import re
+import stat
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -32,7 +44,8 @@ import torch
 from headroom.transfer._segments import BAD, Segments, crc, put, zeros_crc
 from headroom.transfer._store import SCRATCH, StoreCorruptError
 
-__all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "is_store_file"]
+__all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "is_store_file", "forked_error",
+           "not_regular", "open_file"]
 
 INDEX = "index.json"
 JOURNAL = "journal.jsonl"
@@ -47,6 +60,12 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
 # fixed size and twice the index: amortized, journaling stays linear in the records written.
 COMPACT_BYTES = 4 << 20
 MAX_EXTENTS = 32  # a write of more row runs records one unknown span instead of a CRC each
+# Bounds on numbers read from the index or journal, far above anything real: a hand-edited or
+# damaged value beyond them is refused before it sizes a loop, a table or a file name.
+MAX_TENSOR_BYTES = 1 << 60
+MAX_COUNTER = 10**12
+_NAME_MAX = 200
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def seg_cap(nbytes: int) -> int:
@@ -57,6 +76,71 @@ def seg_cap(nbytes: int) -> int:
 def is_store_file(name: str) -> bool:
     """Whether ``name`` is one of the files a DiskStore creates in its folder."""
     return name in (INDEX, INDEX + ".tmp", JOURNAL, LOCK) or _BIN.fullmatch(name) is not None
+
+
+def open_file(path: str | os.PathLike, flags: int, mode: int = 0o644, *,
+              key: str | None = None) -> int:
+    """``os.open`` of a file in a store's folder that never follows a symbolic link and opens
+    only a regular file (see [Note: DiskStore files stay inside the folder]).
+
+    Raises:
+        StoreCorruptError: ``path`` is a symbolic link, or not a regular file; nothing was read
+            or written through it.
+        OSError: as ``os.open`` (``FileNotFoundError`` when absent).
+    """
+    try:
+        fd = os.open(path, flags | _OPEN_FLAGS, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise not_regular(path, "is a symbolic link", key) from None
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise not_regular(path, "is not a regular file", key)
+    return fd
+
+
+def not_regular(path: str | os.PathLike, what: str, key: str | None) -> StoreCorruptError:
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    whose = f" (the file of tensor {key!r})" if key is not None else ""
+    return StoreCorruptError(
+        f"DiskStore {folder!r}: {name}{whose} {what}. A DiskStore reads and writes only regular"
+        " files inside its folder, never through a link that could point anywhere; nothing was"
+        " read or written through it. Put the file itself there (e.g. cp --remove-destination"
+        f" \"$(readlink -f {path})\" {path}), or delete it and open the store with"
+        " recover=True (the tensor then reads as damaged until written again, e.g. by"
+        " hr.load(checkpoint, model, optimizer))", folder, (key,) if key is not None else ())
+
+
+def _read_meta(path: Path) -> bytes | None:
+    """The bytes of the index or journal (``None`` when absent), through `open_file`."""
+    try:
+        fd = open_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def forked_error(what: str, pid: int) -> RuntimeError:
+    return RuntimeError(
+        f"{what} was opened in process {pid} and is used here in process {os.getpid()}, a child"
+        " forked from it (os.fork, multiprocessing's fork start method, a DataLoader worker):"
+        " the child has none of the store's I/O threads and does not own its folder, so it"
+        " cannot read or write through it. Use the store only in the process that opened it;"
+        " keep offloaded models out of worker processes (e.g. build the DataLoader's dataset"
+        " without them), or open a DiskStore on a folder of the child's own")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -78,7 +162,7 @@ def _corrupt(path: Path, file: Path, what: str) -> StoreCorruptError:
 def _acquire(path: Path) -> int:
     """Open and lock the folder's lock file (released by the OS when the process dies)."""
     try:
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_file(path / LOCK, os.O_RDWR | os.O_CREAT)
     except OSError as e:
         raise PermissionError(
             f"DiskStore path {str(path)!r} is not writable ({e.strerror or e}); pass a"
@@ -113,10 +197,70 @@ def _acquire(path: Path) -> int:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
+def _int(v, what: str, *, lo: int = 0, hi: int | None = None) -> int:
+    """``v`` if it is an int (not a bool) in ``[lo, hi]``; else `ValueError` naming ``what``."""
+    if type(v) is not int or v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{what} {v!r}")
+    return v
+
+
+def _crc_field(c, what: str):
+    if c is None or c == BAD:
+        return c
+    return _int(c, what, hi=0xFFFFFFFF)
+
+
+def _segments(key: str, segs, nbytes: int) -> Segments:
+    """Checked checksum segments of ``key``: sorted, disjoint, inside ``[0, nbytes)``."""
+    if not isinstance(segs, list):
+        raise TypeError(f"segments of {key!r} are not a list")
+    out: Segments = []
+    end = 0
+    for seg in segs:
+        if not isinstance(seg, list) or len(seg) != 3:
+            raise ValueError(f"checksum segment {seg!r} of {key!r}")
+        s, t, c = seg
+        _int(s, f"segment start of {key!r}", lo=end)
+        _int(t, f"segment end of {key!r} ({nbytes} bytes)", lo=s + 1, hi=nbytes)
+        out.append([s, t, _crc_field(c, f"checksum segment of {key!r}")])
+        end = t
+    return out
+
+
+def _write_record(rec) -> dict:
+    """A checked ``w`` record: key, and extents ``[offset, length, crc or None]``."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("k"), str) \
+            or not isinstance(rec.get("x"), list):
+        raise ValueError(f"write record {rec!r}")
+    for x in rec["x"]:
+        if not isinstance(x, list) or len(x) != 3:
+            raise ValueError(f"extent {x!r} of a write to {rec['k']!r}")
+        _int(x[0], "write offset", hi=MAX_TENSOR_BYTES)
+        _int(x[1], "write length", hi=MAX_TENSOR_BYTES)
+        if x[2] is not None:
+            _int(x[2], "write checksum", hi=0xFFFFFFFF)
+    return rec
+
+
 def _scratch(rec: dict) -> bool:
     """Whether a journal record changes a scratch key (``"d"`` records, which end a write,
     count with the write they end)."""
     return str(rec.get("k", "")).startswith(SCRATCH)
+
+
+_OPEN: weakref.WeakSet[Ledger] = weakref.WeakSet()  # ledgers of this process's stores
+
+
+def _after_fork_in_child() -> None:
+    # A forked child gets copies of the lock and journal descriptors. Closed here, before the
+    # child runs anything else, so the lock lives and dies with the process that opened the
+    # store (not with a child that outlives it) and the child cannot append to its journal.
+    for ledger in list(_OPEN):
+        ledger.lock = threading.Lock()  # perhaps held by another thread of the parent
+        ledger.release()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Ledger:
@@ -129,6 +273,7 @@ class Ledger:
     def __init__(self, path: Path, lock_fd: int) -> None:
         self.path = path
         self.entries: dict[str, dict] = {}  # key -> file, shape, dtype, nbytes, segments
+        self._files: set[str] = set()  # the entries' file names
         self.inflight: dict[int, dict] = {}  # seq of a "w" record -> the record
         self.seq = 0
         self.counter = 0
@@ -142,6 +287,7 @@ class Ledger:
         self._jbytes = 0
         self._index_bytes = 0
         self._pid = os.getpid()
+        _OPEN.add(self)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -179,13 +325,14 @@ class Ledger:
     def _load(self) -> None:
         index = self.path / INDEX
         data = None
-        if index.exists():
+        raw = _read_meta(index)
+        if raw is not None:
             self.found_index = True
             try:
-                data = json.loads(index.read_bytes())
+                data = json.loads(raw)
                 if not isinstance(data, dict):
                     raise ValueError("not a JSON object")
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise _corrupt(self.path, index, f"is unreadable, truncated or garbled ({e})")\
                     from None
             if data.get("format") != _FORMAT and not (
@@ -195,12 +342,19 @@ class Ledger:
                     " DiskStore's; use another folder (or overwrite=True, which deletes it)")
             try:
                 self._load_index(data)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise _corrupt(self.path, index, f"has an invalid entry ({e!r})") from None
         replayed = self._replay()
         if data is None and not replayed and any(
                 _BIN.fullmatch(n) for n in os.listdir(self.path)):
             raise _corrupt(self.path, index, "is missing while tensor files are present")
+        for rid, w in list(self.inflight.items()):
+            e = self.entries.get(w["k"])
+            if e is None:  # its tensor was freed since: nothing to check
+                del self.inflight[rid]
+            elif any(off + length > e["nbytes"] for off, length, _ in w["x"]):
+                raise _corrupt(self.path, index, f"or {JOURNAL} has a write in flight to bytes"
+                               f" beyond the end of {w['k']!r} ({e['nbytes']} bytes)")
         clean = bool(data.get("clean", True)) if data is not None else True
         self.was_clean = clean and not replayed and not self.inflight
         self.had_writes = bool(data.get("dirty", False)) if data is not None else False
@@ -208,38 +362,54 @@ class Ledger:
                                for r in replayed)
 
     def _load_index(self, data: dict) -> None:
-        self.seq = int(data.get("seq", 0))
-        self.counter = int(data.get("counter", 0))
-        for key, e in data["tensors"].items():
-            entry = self._entry(str(key), e["file"], e["shape"], e["dtype"])
+        self.seq = _int(data.get("seq", 0), "sequence number")
+        self.counter = _int(data.get("counter", 0), "file counter", hi=MAX_COUNTER)
+        tensors = data["tensors"]
+        if not isinstance(tensors, dict):
+            raise TypeError(f"tensors is a {type(tensors).__name__}, not an object")
+        for key, e in tensors.items():
+            if not isinstance(e, dict):
+                raise TypeError(f"entry of {key!r} is not an object")
+            entry = self._entry(key, e["file"], e["shape"], e["dtype"])
             if "segments" in e:  # version 1 indexes had no checksums
-                segs = [[int(s), int(t), c] for s, t, c in e["segments"]]
-                if any(not (c is None or c == BAD or isinstance(c, int)) for *_, c in segs):
-                    raise ValueError(f"checksum segment of {key!r}")
-                entry["segments"] = segs
+                entry["segments"] = _segments(key, e["segments"], entry["nbytes"])
             else:
                 entry["segments"] = [[0, entry["nbytes"], None]] if entry["nbytes"] else []
-            self.entries[str(key)] = entry
-        self.inflight = {int(s): dict(r) for s, r in data.get("inflight", {}).items()}
+            self.entries[key] = entry
+        inflight = data.get("inflight", {})
+        if not isinstance(inflight, dict):
+            raise TypeError("inflight is not an object")
+        for rid, rec in inflight.items():
+            self.inflight[_int(int(rid), "write id")] = _write_record(rec)
 
     def _entry(self, key: str, file: str, shape: list, dtype: str) -> dict:
-        if not isinstance(file, str) or _BIN.fullmatch(file) is None:
+        if not isinstance(key, str):
+            raise TypeError(f"key {key!r} is not a string")
+        if key in self.entries:
+            raise ValueError(f"{key!r} is allocated twice")
+        if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
             raise ValueError(f"file name {file!r} of {key!r}")
-        shape = [int(s) for s in shape]
-        if any(s < 0 for s in shape) or dtype not in DTYPES:
-            raise ValueError(f"shape {shape} / dtype {dtype!r} of {key!r}")
+        if file in self._files:
+            raise ValueError(f"file {file!r} of {key!r} belongs to another tensor too")
+        if not isinstance(shape, list) or not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ValueError(f"shape {shape!r} / dtype {dtype!r} of {key!r}")
         n = DTYPES[dtype].itemsize
         for s in shape:
-            n *= s
-        self.counter = max(self.counter, int(file.split("-", 1)[0]))
-        return {"file": file, "shape": shape, "dtype": dtype, "nbytes": n}
+            n *= _int(s, f"dimension of {key!r}", hi=MAX_TENSOR_BYTES)
+            if n > MAX_TENSOR_BYTES:
+                raise ValueError(f"shape {shape} of {key!r}: more than {MAX_TENSOR_BYTES} bytes")
+        counter = _int(int(file.split("-", 1)[0]), f"file number of {key!r}", hi=MAX_COUNTER)
+        self.counter = max(self.counter, counter)
+        self._files.add(file)
+        return {"file": file, "shape": list(shape), "dtype": dtype, "nbytes": n}
 
     def _replay(self) -> list[dict]:
         """Apply the journal's records after the snapshot; returns them."""
         journal = self.path / JOURNAL
-        if not journal.exists():
+        raw = _read_meta(journal)
+        if raw is None:
             return []
-        lines = journal.read_bytes().split(b"\n")
+        lines = raw.split(b"\n")
         records, bad = [], None
         for no, line in enumerate(lines, 1):
             if not line:
@@ -252,10 +422,12 @@ class Ledger:
                 if line[8:9] != b" " or int(line[:8], 16) != crc(body):
                     raise ValueError("checksum")
                 rec = json.loads(body)
-                s = int(rec["s"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, RecursionError):
                 bad = no  # ignored when it is the last line: torn by a kill mid-append
                 continue
+            s = rec.get("s") if isinstance(rec, dict) else None
+            if type(s) is not int:
+                raise _corrupt(self.path, journal, f"record {no} has no sequence number")
             if s <= self.seq:
                 continue  # already in the index (stopped between the rename and truncation)
             if s != self.seq + 1:
@@ -263,7 +435,7 @@ class Ledger:
                                f"expected {self.seq + 1} (records are missing)")
             try:
                 self._apply(rec)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise _corrupt(self.path, journal, f"record {no} is invalid ({e!r})") from None
             self.seq = s
             records.append(rec)
@@ -277,11 +449,20 @@ class Ledger:
             e["segments"] = [[0, n, zeros_crc(n)]] if n else []
             self.entries[rec["k"]] = e
         elif op == "free":
-            self.entries.pop(rec["k"], None)
+            if not isinstance(rec["k"], str):
+                raise TypeError(f"key {rec['k']!r} is not a string")
+            e = self.entries.pop(rec["k"], None)
+            if e is not None:
+                self._files.discard(e["file"])
+            # A write whose end was never journaled (the record failed) dies with its file.
+            for rid in [r for r, w in self.inflight.items() if w["k"] == rec["k"]]:
+                del self.inflight[rid]
         elif op == "w":
-            self.inflight[rec["s"]] = rec
+            self.inflight[rec["s"]] = _write_record(rec)
         elif op == "d":
-            w = self.inflight.pop(int(rec["id"]), None)
+            if rec["r"] not in ("ok", "none", "bad"):
+                raise ValueError(f"result {rec['r']!r}")
+            w = self.inflight.pop(_int(rec["id"], "write id"), None)
             if w is not None:
                 self._settle(w, rec["r"])
         else:
@@ -367,6 +548,12 @@ class Ledger:
             if e is not None:
                 e["segments"] = []
 
+    def drop(self, key: str) -> None:
+        """Forget a tensor found unusable when opening (no record: the open snapshots)."""
+        with self.lock:
+            e = self.entries.pop(key)
+            self._files.discard(e["file"])
+
     def mark_bad(self, key: str, start: int, end: int) -> None:
         with self.lock:
             e = self.entries[key]
@@ -375,7 +562,7 @@ class Ledger:
     # ------------------------------------------------------------------ snapshots
     def start(self) -> None:
         """Begin a session: snapshot the (recovered) state as not clean, open the journal."""
-        self._jfd = os.open(self.path / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._jfd = open_file(self.path / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self.dirty = False
         self.compact(clean=False)
 
@@ -392,7 +579,7 @@ class Ledger:
                 "inflight": {str(k): v for k, v in self.inflight.items()}}
         blob = json.dumps(data, separators=(",", ":")).encode()
         tmp = self.path / (INDEX + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             view = memoryview(blob)
             while view:
@@ -409,8 +596,10 @@ class Ledger:
     def orphans(self) -> list[str]:
         """Tensor files in the folder that no tensor owns (freed, or never journaled)."""
         owned = {e["file"] for e in self.entries.values()}
+        # A directory with such a name was not made by a store: left alone.
         return sorted(n for n in os.listdir(self.path)
-                      if (_BIN.fullmatch(n) and n not in owned) or n == INDEX + ".tmp")
+                      if ((_BIN.fullmatch(n) and n not in owned) or n == INDEX + ".tmp")
+                      and not stat.S_ISDIR(os.lstat(self.path / n).st_mode))
 
     def release(self) -> None:
         """Close the journal and give up the folder's lock."""

@@ -11,16 +11,20 @@ read until rewritten.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
+import stat
 import warnings
 from concurrent.futures import Executor
 from pathlib import Path
 
 import torch
 
-from headroom.transfer._ledger import Ledger
+from headroom.transfer._ledger import Ledger, not_regular, open_file
 from headroom.transfer._segments import combine, crc, crc_of_range, zeros_crc
-from headroom.transfer._store import SCRATCH, StoreCorruptError
+from headroom.transfer._store import SCRATCH, StoreCorruptError, StoreFullError
 
 __all__ = ["file_crcs", "open_checks", "problem_text"]
 
@@ -33,7 +37,7 @@ def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | No
     buf = torch.empty(min(length, _BUF), dtype=torch.uint8)
     mv = memoryview(buf.numpy()).cast("B")
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
@@ -91,6 +95,7 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     path = ledger.path
     problems: list[tuple[str, int, int, str]] = []
     recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
+    sizes: dict[str, int] = {}
     # Scratch keys of a stopped process are dropped after opening (`scratch_keys`), unchecked.
     for rid in [rid for rid, w in ledger.inflight.items() if w["k"].startswith(SCRATCH)]:
         ledger.resolve(rid, "none")
@@ -99,7 +104,16 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
             continue
         f = path / e["file"]
         n = e["nbytes"]
-        size = f.stat().st_size if f.exists() else -1
+        try:
+            st = os.lstat(f)
+        except FileNotFoundError:
+            size = -1
+        else:
+            if not stat.S_ISREG(st.st_mode):  # never read, written or replaced through
+                raise not_regular(f, "is a symbolic link" if stat.S_ISLNK(st.st_mode) else
+                               "is not a regular file", key)
+            size = st.st_size
+        sizes[key] = size
         if size >= n:
             continue
         never_written = e["segments"] == ([[0, n, zeros_crc(n)]] if n else []) and not any(
@@ -149,6 +163,26 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
                 problems.append((k, s, t, "the bytes do not match their checksum" if now is not
                                  None else "the file is shorter than the tensor"))
 
+    # Sizes come from the index and journal: the disk must hold what is recreated before a
+    # byte is allocated (a hand-edited size fails here, not in posix_fallocate).
+    free = shutil.disk_usage(path).free
+    dropped: list[str] = []
+    for key in sorted(recreate, key=lambda k: ledger.entries[k]["nbytes"]):
+        need = ledger.entries[key]["nbytes"] - max(sizes[key], 0)
+        if need <= free:
+            free -= need
+        else:
+            dropped.append(key)
+    if dropped and not recover:
+        shown = "; ".join(f"{k!r} ({ledger.entries[k]['file']}, {ledger.entries[k]['nbytes']}"
+                          " bytes)" for k in dropped[:10])
+        raise StoreFullError(
+            f"DiskStore {str(path)!r}: the file of {len(dropped)} tensor(s) is missing or short"
+            f" and the disk has {shutil.disk_usage(path).free} bytes free, too few to create it"
+            f" again: {shown}. The folder was not changed. Free space there; or, if the index or"
+            " journal claims sizes the store never had (edited or damaged), open it with"
+            " DiskStore(path, recover=True), which drops these tensors (a warning lists them),"
+            " or start over with DiskStore(path, overwrite=True)")
     text = problem_text(path, ledger, problems)
     keys = tuple(dict.fromkeys(k for k, *_ in problems))
     if problems and not recover:
@@ -159,21 +193,26 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
             " bytes raises StoreCorruptError until they are written again), then"
             " hr.load(checkpoint, model, optimizer); or start over with DiskStore(path,"
             " overwrite=True)", str(path), keys)
+    for key in dropped:
+        for rid in [r for r, w in ledger.inflight.items() if w["k"] == key]:
+            ledger.resolve(rid, "none")
+        ledger.drop(key)
     for key in recreate:
-        n = ledger.entries[key]["nbytes"]
-        fd = os.open(path / ledger.entries[key]["file"], os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            os.ftruncate(fd, 0)
-            if n:
-                os.posix_fallocate(fd, 0, n)
-        finally:
-            os.close(fd)
+        if key not in dropped:
+            _recreate(path / ledger.entries[key]["file"], ledger.entries[key]["nbytes"],
+                      sizes[key] < 0)
     for k, s, t, _ in problems:
-        ledger.mark_bad(k, s, t)
-    if problems:
+        if k not in dropped:
+            ledger.mark_bad(k, s, t)
+    if problems or dropped:
+        gone = "; ".join(repr(k) for k in dropped[:10]) + (
+            f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
         warnings.warn(
-            f"DiskStore {str(path)!r} opened with recover=True; damaged and unreadable until"
-            f" rewritten: {text}. Restore them, e.g. hr.load(checkpoint, model, optimizer)",
+            f"DiskStore {str(path)!r} opened with recover=True;"
+            + (f" damaged and unreadable until rewritten: {text}." if problems else "")
+            + (f" dropped (file missing, and too large for the disk): {gone}." if dropped
+               else "")
+            + " Restore them, e.g. hr.load(checkpoint, model, optimizer)",
             UserWarning, stacklevel=3)
     elif not ledger.was_clean and ledger.had_writes:
         checked = "all checksums verified" if verify else \
@@ -184,3 +223,24 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
             f" ({checked}), but a training step may have been partly applied (some tensors"
             " updated, others not): for an exact continuation resume from a checkpoint"
             " (hr.load)", UserWarning, stacklevel=3)
+
+
+def _recreate(file: Path, n: int, new: bool) -> None:
+    """Make ``file`` ``n`` zero bytes with its blocks reserved; a file this creates is removed
+    again when that fails, so a failed open leaves the folder as it found it."""
+    fd = open_file(file, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 0)
+        if n:
+            os.posix_fallocate(fd, 0, n)
+    except OSError as e:
+        os.close(fd)
+        if new:
+            with contextlib.suppress(OSError):
+                os.unlink(file)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise StoreFullError(
+                f"DiskStore {str(file.parent)!r}: no room to create {file.name} ({n} bytes)"
+                " again; free space there, or open with recover=True") from e
+        raise
+    os.close(fd)

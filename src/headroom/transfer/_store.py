@@ -58,8 +58,14 @@ class Store(abc.ABC):
     """
 
     def __init__(self, *, max_bytes: int | None) -> None:
+        name = type(self).__name__
+        if max_bytes is not None and (not isinstance(max_bytes, int)
+                                      or isinstance(max_bytes, bool)):
+            raise TypeError(
+                f"{name} max_bytes must be an int number of bytes or None (no limit), got"
+                f" {type(max_bytes).__name__} {max_bytes!r}; e.g. max_bytes=64 << 30 for 64 GiB")
         if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+            raise ValueError(f"{name} max_bytes must be >= 0 or None (no limit), got {max_bytes}")
         self.max_bytes = max_bytes
         self._handles: dict[str, Handle] = {}
         self._used = 0

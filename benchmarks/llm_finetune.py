@@ -551,12 +551,14 @@ def _one_sequence_per_row():
 def _initial_values(model, spec: dict, dtype) -> None:
     """Values for a model offloaded from ``meta``. For the exactness check, the ones plain
     PyTorch starts from (built on the CPU with the same seed, loaded with ``hr.load_weights``);
-    otherwise the model's own initialization, into the store, when first needed."""
+    otherwise the model's own initialization, into the store, here in the setup (reading the
+    state dict initializes what is pending) rather than inside the first timed step."""
     import torch
 
     import headroom as hr
 
     if not spec["digest"]:
+        model.state_dict()
         return
     torch.manual_seed(spec["seed"])
     init = Path(spec["scratch"]) / "init"

@@ -529,25 +529,6 @@ def setup_deepspeed(spec: dict):
     return engine, step, info, None, []
 
 
-@contextlib.contextmanager
-def _one_sequence_per_row():
-    """For headroom's dry runs: transformers looks for packed sequences in ``position_ids`` by
-    their values (without a cache, i.e. with ``use_cache=False``), which meta tensors do not
-    have. Every row here is one sequence, which is what it would find."""
-    try:
-        from transformers import masking_utils
-
-        before = masking_utils.find_packed_sequence_indices
-    except (ImportError, AttributeError):  # a transformers without it: nothing to replace
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = before
-
-
 def _initial_values(model, spec: dict, dtype) -> None:
     """Values for a model offloaded from ``meta``. For the exactness check, the ones plain
     PyTorch starts from (built on the CPU with the same seed, loaded with ``hr.load_weights``);
@@ -654,15 +635,14 @@ def setup_headroom_plan(spec: dict):
     example = {"input_ids": ids, "labels": ids, "position_ids": pos}
     t = time.perf_counter()
     budget = spec["plan_budget"]
-    with _one_sequence_per_row():
-        if budget is None:  # cpu: a fraction of the plain step's estimated peak
-            est = hr.estimate(meta, (), example_kwargs=example, loss_fn=lambda o: o.loss,
-                              optimizer=torch.optim.AdamW, device=dev)
-            budget = int(est.peak * spec["plan_budget_fraction"])
-        plan = hr.plan(meta, (), example_kwargs=example, loss_fn=lambda o: o.loss,
-                       budget=budget, device=dev, optimizer=torch.optim.AdamW,
-                       optimizer_kwargs={"lr": spec["lr"]},
-                       disk=str(Path(spec["scratch"]) / "plan"), speeds=speeds)
+    if budget is None:  # cpu: a fraction of the plain step's estimated peak
+        est = hr.estimate(meta, (), example_kwargs=example, loss_fn=lambda o: o.loss,
+                          optimizer=torch.optim.AdamW, device=dev)
+        budget = int(est.peak * spec["plan_budget_fraction"])
+    plan = hr.plan(meta, (), example_kwargs=example, loss_fn=lambda o: o.loss,
+                   budget=budget, device=dev, optimizer=torch.optim.AdamW,
+                   optimizer_kwargs={"lr": spec["lr"]},
+                   disk=str(Path(spec["scratch"]) / "plan"), speeds=speeds)
     plan_s = time.perf_counter() - t
     info = {"plan": str(plan), "plan_s": plan_s, "budget_bytes": budget,
             "choice": plan.choice.describe(), "estimated_peak_bytes": plan.peak,

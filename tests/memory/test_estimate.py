@@ -320,3 +320,20 @@ def test_attention_dropout_on_cuda_is_estimated_as_the_fused_kernel():
     on_cpu = estimate(_gpt2(0.1), (ids,), loss_fn=loss_fn, optimizer=None, device="cpu")
     assert on_cpu.peak_by_category["activations"] >= (
         plain.peak_by_category["activations"] + 2 * matrix)
+
+
+def test_llama_without_a_kv_cache_is_estimated_as_measured():
+    # Without a cache, transformers looks for packed sequences by reading the position ids.
+    transformers = pytest.importorskip("transformers")
+    masking = pytest.importorskip("transformers.masking_utils")
+    search = masking.find_packed_sequence_indices
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 100, (2, 32))
+    loss_fn = lambda o: o.logits.sum()
+    est = estimate(model, (ids,), loss_fn=loss_fn, optimizer=torch.optim.AdamW)
+    assert masking.find_packed_sequence_indices is search
+    mem = measure(model, (ids,), loss_fn)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)

@@ -101,11 +101,15 @@ class AttentionAsOnDevice:
         # Layers that ask whether autocast is on for their input's device would get an error
         # for "meta"; the dry run runs without autocast.
         torch.is_autocast_enabled = _autocast_enabled
+        self._packed = _unpacked_on_meta()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         F.scaled_dot_product_attention = _SDPA
         torch.is_autocast_enabled = _IS_AUTOCAST
+        if self._packed is not None:
+            module, original = self._packed
+            module.find_packed_sequence_indices = original
 
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self._fused(*args, **kwargs)
@@ -134,6 +138,32 @@ class AttentionAsOnDevice:
             bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def _unpacked_on_meta() -> tuple[Any, Callable] | None:
+    """Make transformers' search for packed sequences answer "one sequence per row" for
+    ``meta`` position ids; returns what to put back.
+
+    NOTE: without a KV cache (``use_cache=False``, which gradient checkpointing forces)
+    transformers' attention masks look for several sequences packed in one row by reading the
+    position ids' values, which a dry run does not have. Generated position ids (``arange``)
+    are one sequence per row, which is what the search finds for them on a real device.
+    """
+    import sys
+
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "find_packed_sequence_indices", None)
+    if original is None:
+        return None
+
+    @functools.wraps(original)
+    def find(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        if isinstance(position_ids, torch.Tensor) and position_ids.device.type == "meta":
+            return None
+        return original(position_ids, *args, **kwargs)
+
+    module.find_packed_sequence_indices = find
+    return module, original
 
 
 class FusedOnMeta:

@@ -39,7 +39,7 @@ class Entry:
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired", "master_handle", "ready",
+        "fired", "master_handle", "ready", "hooked",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -64,6 +64,7 @@ class Entry:
         self.master_handle: Handle | None = None
         # an event at its gradient-ready point (on the stream backward ran on), reused
         self.ready: object | None = None
+        self.hooked = False  # its gradient-complete hook is registered
 
     @property
     def lowp(self) -> bool:

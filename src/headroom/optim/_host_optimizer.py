@@ -190,12 +190,24 @@ class HostOptimizer(torch.optim.Optimizer):
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
         self._key_prefix = f"hr-opt-{id(self):x}"
+        self._group_params: list[tuple[int, ...]] = []  # ids of each group's params, as added
         super().__init__(params, defaults)
         self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
 
     # ------------------------------------------------------------------ setup
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (same contract as ``torch.optim.Optimizer.add_param_group``)."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (torch.Tensor, set)):
+            params = list(params)
+            param_group = {**param_group, "params": params}
+            if len({id(p) for p in params}) != len(params):
+                raise ValueError(
+                    "a parameter is listed twice in one parameter group; HostOptimizer keeps "
+                    "one master and one gradient per parameter, so it would step it once where "
+                    "torch.optim steps it twice (and warns that this will become an error). "
+                    "List each parameter once"
+                )
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
@@ -223,13 +235,41 @@ class HostOptimizer(torch.optim.Optimizer):
             else:
                 self._inner.add_param_group({**hp, "params": masters})
             self._inner_index[gi] = len(self._inner.param_groups) - 1
+        self._group_params.append(tuple(id(p) for p in group["params"]))
         for e in entries:
-            if e.kind == BOUND:
-                # A store-resident parameter's gradient reaches the store through the
-                # offload layer, not through autograd on this tensor: it tells us when done.
-                self._hooks.append(on_grad_ready(e.param, self._on_grad))
-            else:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+            self._hook(e)
+
+    def _hook(self, e: Entry) -> None:
+        """Listen for ``e``'s completed gradients (once it can have any)."""
+        if e.hooked:
+            return
+        if e.kind == BOUND:
+            # A store-resident parameter's gradient reaches the store through the
+            # offload layer, not through autograd on this tensor: it tells us when done.
+            self._hooks.append(on_grad_ready(e.param, self._on_grad))
+        elif e.param.requires_grad:
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+        else:
+            return  # frozen: no gradient (like torch.optim, it is skipped); hooked if unfrozen
+        e.hooked = True
+
+    def _check_groups(self) -> None:
+        """Refuse parameter lists changed behind the optimizer's back, before anything steps;
+        hook parameters unfrozen since."""
+        now = [tuple(id(p) for p in g["params"]) for g in self.param_groups]
+        if now != self._group_params:
+            gi = next((i for i, (a, b) in enumerate(zip(now, self._group_params)) if a != b),
+                      min(len(now), len(self._group_params)))
+            raise RuntimeError(
+                f"param_groups[{gi}]['params'] was changed after the parameters were added "
+                "(or groups were removed): HostOptimizer keeps a master copy, state and a "
+                "gradient hook per parameter and cannot follow that. Nothing was stepped. Add "
+                "parameters with opt.add_param_group({'params': [...]}), or build a new "
+                "HostOptimizer for the new parameter list (moving state with state_dict())"
+            )
+        for e in self._order:
+            if not e.hooked:
+                self._hook(e)
 
     def _reserve_host(self, params: list[torch.Tensor]) -> None:
         """Room for the host masters and gradients of a group's parameters on an accelerator
@@ -332,6 +372,17 @@ class HostOptimizer(torch.optim.Optimizer):
         if e.count == 1:
             self._arrival.append(e)
         self._overlap.gradient_complete(e)
+
+    def _take_assigned_grads(self) -> None:
+        """Move gradients assigned to ``param.grad`` (``p.grad = g``, not left there by
+        backward) of parameters whose master is a host copy into their host gradient."""
+        # Backward hands each such gradient to the mover and clears param.grad, so one found
+        # there was assigned: like torch, it replaces what had been accumulated.
+        for e in self._order:
+            if e.kind == HOSTED and e.param.grad is not None and not e.launched:
+                g = e.param.grad
+                e.param.grad = None
+                self._mover.push_grad(g, e.own, accumulate=False)
 
     def _wait(self) -> None:
         """Wait for the steps and copies running on the worker; re-raise their first error."""
@@ -533,6 +584,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()
+        self._take_assigned_grads()
         self._wait()
         self._overlap.check_hparams()
         rest = [e for e in self._order if not e.launched]
@@ -580,6 +633,8 @@ class HostOptimizer(torch.optim.Optimizer):
             ...     if last:
             ...         opt.step(); opt.zero_grad()
         """
+        if enabled:
+            self._check_groups()
         with self._overlap.final_backward(self._order, enabled):
             yield
 
@@ -659,6 +714,7 @@ class HostOptimizer(torch.optim.Optimizer):
         e = self._entries.get(id(param))
         if e is None:
             raise KeyError("parameter is not managed by this HostOptimizer")
+        self._take_assigned_grads()
         self._wait()
         if e.kind == HOSTED and self._mover is not None:
             self._mover.synchronize()
@@ -695,6 +751,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 `final_backward` (from then on `final_backward` refuses at once, before any
                 step), or the norm is non-finite and ``error_if_nonfinite``.
         """
+        self._check_groups()
+        self._take_assigned_grads()
         self._wait()
         self._overlap.clips = True
         if any(e.launched for e in self._order):

@@ -258,7 +258,8 @@ class HostOptimizer(torch.optim.Optimizer):
         hook parameters unfrozen since."""
         now = [tuple(id(p) for p in g["params"]) for g in self.param_groups]
         if now != self._group_params:
-            gi = next((i for i, (a, b) in enumerate(zip(now, self._group_params)) if a != b),
+            pairs = zip(now, self._group_params, strict=False)
+            gi = next((i for i, (a, b) in enumerate(pairs) if a != b),
                       min(len(now), len(self._group_params)))
             raise RuntimeError(
                 f"param_groups[{gi}]['params'] was changed after the parameters were added "

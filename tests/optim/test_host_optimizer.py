@@ -182,14 +182,18 @@ def test_overlap_hparam_change_detected_when_the_worker_starts_late():
 
     opt._overlap._drain = late
     loss_fn(a, 8).backward()
+    before = copy.deepcopy(b)
     with opt.final_backward():
         loss_fn(b, 8).backward()
     opt.param_groups[0]["lr"] = 0.5
-    with pytest.raises(RuntimeError, match="changed"):
+    with pytest.raises(RuntimeError, match="changed") as info:
         opt.step()
-    # the early steps used the lr of their launch, as the error says
+    # the early steps (the first: no state yet, so their old values were kept) are undone
+    assert "step() was undone" in "".join(getattr(info.value, "__notes__", []))
+    assert_params_equal(before, b)
+    opt.step()  # again, now with the new lr for every parameter
+    ref.param_groups[0]["lr"] = 0.5
     ref.step()
-    opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
     assert_params_equal(a, b)
 
 
@@ -376,8 +380,10 @@ def test_disk_state_50_steps_bitwise(tmp_path, accum, clip):
     train(b, opt, range(STEPS), accum=accum, clip=clip)
     assert_params_equal(a, b)
     assert_state_equal(ref, opt)
-    files = list((tmp_path / "state").glob("*.bin"))
+    files = [f for f in (tmp_path / "state").glob("*.bin") if "headroom-scratch" not in f.name]
     assert len(files) == 2 * len(list(b.parameters()))  # exp_avg and exp_avg_sq on disk
+    undo = [f for f in (tmp_path / "state").glob("*.bin") if "headroom-scratch" in f.name]
+    assert len(undo) == len(files)  # and their undo copies (kept until a step ends)
     assert not any(isinstance(v, torch.Tensor) and v.numel() > 1
                    for st in opt.state.values() for v in st.values())  # none in memory
 

@@ -32,7 +32,14 @@ from headroom.optim._entries import (
     want_fp32_grad,
 )
 from headroom.optim._overlap import Overlap
-from headroom.optim._sliced import ELEMENTWISE, SlicedParam, SliceRunner, probe_layout
+from headroom.optim._sliced import (
+    ELEMENTWISE,
+    SlicedParam,
+    SliceRunner,
+    _rows_per_slice,
+    probe_layout,
+)
+from headroom.optim._undo import DeferInterrupt, Txn
 from headroom.transfer import (
     Handle,
     Mover,
@@ -44,6 +51,7 @@ from headroom.transfer import (
     resolve_store,
     sync_grad,
 )
+from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
 
@@ -191,6 +199,10 @@ class HostOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._key_prefix = f"hr-opt-{id(self):x}"
         self._group_params: list[tuple[int, ...]] = []  # ids of each group's params, as added
+        self._txn: Txn | None = None  # what the step in progress changed, see _undo.py
+        self._defer: DeferInterrupt | None = None  # Ctrl-C handling of the running step()
+        self._keep_early = False  # keep copies of in-memory state stepped in final_backward
+        self._torn: str | None = None  # a failed step could not be undone (the message)
         super().__init__(params, defaults)
         self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
 
@@ -387,7 +399,11 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _wait(self) -> None:
         """Wait for the steps and copies running on the worker; re-raise their first error."""
-        self._overlap.wait()
+        try:
+            self._overlap.wait()
+        except BaseException as exc:
+            self._abort(exc)  # a step started during final_backward failed: undo it all
+            raise
 
     # ------------------------------------------------------------------ the step
     def _hparams(self, gi: int) -> dict[str, Any]:
@@ -395,8 +411,15 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step_entries(self, batch: list[Entry], *, early: bool = False) -> None:
+        """Step ``batch``, keeping what it changes in this step's undo record.
+
+        See [Note: all-or-nothing step]: what can fail runs first (allocation, the first step
+        of state created now, the sliced steps through stores), each with the old values kept;
+        the whole-tensor update of host-memory state runs last, in one call into PyTorch.
+        """
         if not batch:
             return
+        txn = self._open_txn()
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             self._mover.synchronize()
         # A store-resident gradient may still be on its way into the store (a disk write,
@@ -412,40 +435,168 @@ class HostOptimizer(torch.optim.Optimizer):
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._allocate_state(streamed)
-        if in_mem:
-            # The inner optimizer sees only this batch's masters (and their gradients):
-            # its per-call Python work then scales with the batch, not with the model.
-            saved = {}
-            # Look the inner groups up each time: load_state_dict replaces those dicts.
-            inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
-            for gi, inner in inner_groups.items():
-                for k, v in hparams.get(gi, {}).items():
-                    inner[k] = v
-                saved[gi] = inner["params"]
-                inner["params"] = [e.master for e in in_mem if e.group == gi]
-            for e in in_mem:
-                e.master.grad = e.grad_tensor()
-            try:
-                self._inner.step()
-            finally:
-                for e in in_mem:
-                    e.master.grad = None
-                for gi, inner in inner_groups.items():
-                    inner["params"] = saved[gi]
-        if streamed:
-            todo = [(e, self._source(e)) for e in streamed]
-            todo = [(e, src) for e, src in todo if src is not None]
+        todo = [(e, self._source(e)) for e in streamed]
+        todo = [(e, src) for e, src in todo if src is not None]
+        self._prepare_undo(todo, txn)
+        inner_state = self._inner.state if self._inner is not None else {}
+        fresh = [e for e in in_mem if not inner_state.get(e.master)]
+        ready = [e for e in in_mem if inner_state.get(e.master)]
+        if fresh:
+            # Creating state allocates: keep the masters, drop the new state on an undo.
+            for e in fresh:
+                txn.ram(e.master, None, e.master.clone())
+                txn.after_undo(lambda m=e.master: self._inner.state.pop(m, None))
+            self._inner_step(fresh, hparams)
+        if todo:
+            for e, _ in todo:
+                txn.entry(e)
             results = self._slicer.step_many(
-                [(src, e.group, hparams[e.group]) for e, src in todo])
+                [(src, e.group, hparams[e.group]) for e, src in todo], txn)
             for (e, _), small in zip(todo, results, strict=True):
                 e.small = small
                 e.initialized = True
                 e.grad_scale = None
+        if ready:
+            if early and self._keep_early:
+                # Started during final_backward while step() may still fail: keep them too.
+                for e in ready:
+                    txn.ram(e.master, None, e.master.clone())
+                    for v in self._inner.state[e.master].values():
+                        if isinstance(v, torch.Tensor):
+                            txn.ram(v, None, v.clone())
+            else:
+                txn.unprotected += len(ready)
+                if self._defer is not None and not early:
+                    self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
+            self._inner_step(ready, hparams)
+        for e in fresh + streamed + ready:
+            if e.kind == HOSTED:
+                txn.after_undo(lambda e=e: self._copy_back(e))
+            e.stepped = True
         # From step(): copy-backs are also ordered after what this thread queued until now
         # (one event for all of them); on the worker, after each parameter's own event only.
         now = None if early or self._mover is None else self._mover.mark()
-        for e in in_mem + streamed:
+        for e in fresh + streamed + ready:
             self._copy_back(e, now)
+
+    def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
+        """Step in-memory masters with the wrapped optimizer (only these, in one call)."""
+        # The inner optimizer sees only these masters (and their gradients): its per-call
+        # Python work then scales with the batch, not with the model.
+        saved = {}
+        # Look the inner groups up each time: load_state_dict replaces those dicts.
+        inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
+        for gi, inner in inner_groups.items():
+            for k, v in hparams.get(gi, {}).items():
+                inner[k] = v
+            saved[gi] = inner["params"]
+            inner["params"] = [e.master for e in entries if e.group == gi]
+        for e in entries:
+            e.master.grad = e.grad_tensor()
+        try:
+            self._inner.step()
+        finally:
+            for e in entries:
+                e.master.grad = None
+            for gi, inner in inner_groups.items():
+                inner["params"] = saved[gi]
+
+    # ------------------------------------------------------------------ all or nothing
+    def _open_txn(self) -> Txn:
+        with self._tickets_lock:
+            if self._txn is None:
+                self._txn = Txn()
+            return self._txn
+
+    def _undo_handles(self, e: Entry, src: SlicedParam) -> dict[str, tuple[Store, Handle]]:
+        """Undo tensors for what ``e``'s sliced step overwrites in stores without host memory
+        (scratch keys in the same store; made once, reused every step)."""
+        want: dict[str, tuple[Store, Handle]] = {}
+        if src.master is None and not (src.shadow is not None and not src.initialized):
+            want["p"] = (src.master_store, src.master_handle)
+        for k, h in src.state_handles.items():
+            want[k] = (src.state_store, h)
+        if src.shadow is not None:
+            want["lp"] = src.shadow
+        out = {}
+        for name, (store, h) in want.items():
+            if store.host_tensor(h) is not None:
+                continue  # host memory: the step keeps a copy of the slice in memory
+            key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
+            u = e.undo.get(name)
+            if u is None or u[0] is not store or key not in store or store.get(key) is not u[1] \
+                    or u[1].shape != h.shape or u[1].dtype != h.dtype:
+                if key in store:
+                    store.free(store.get(key))
+                u = (store, store.alloc(key, h.shape, h.dtype, zero=False))
+                e.undo[name] = u
+            out[name] = u
+        return out
+
+    def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn) -> None:
+        """Undo tensors and journal space for the sliced steps of ``todo``, before any update
+        (a full store fails here, with nothing changed)."""
+        writes: dict[int, tuple[Store, int]] = {}
+        for e, src in todo:
+            try:
+                src.undo = self._undo_handles(e, src)
+            except (StoreFullError, OSError) as ex:
+                store = (src.master_store or src.state_store) if not isinstance(
+                    ex, StoreFullError) else None
+                raise StoreFullError(
+                    f"HostOptimizer.step() needs room for the old values of what it "
+                    f"overwrites until the step ends (as much again as the parameter and its "
+                    f"state on disk): {ex}. Nothing was updated; free space or raise max_bytes "
+                    "of the store, then call step() again") from (ex if store is None else ex)
+            n = 1 if src.master is None and src.master_handle is None else 0
+            shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
+            rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())
+            slices = -(-max(rows, 1) // _rows_per_slice(shape, self._slicer.slice_bytes)) \
+                if shape else 1
+            # Each slice writes every tensor, its undo copy, and (undone) once more.
+            per = 3 * (len(src.state_handles) + 2) * slices + n
+            for store in {src.state_store, src.master_store,
+                          src.shadow[0] if src.shadow else None} - {None}:
+                old = writes.get(id(store), (store, 0))
+                writes[id(store)] = (store, old[1] + per)
+        for store, count in writes.values():
+            store.reserve_writes(count)
+            txn.stores.add(store)
+
+    def _abort(self, exc: BaseException) -> None:
+        """A step failed: put the old values back and say on ``exc`` what it left."""
+        with self._tickets_lock:
+            txn, self._txn = self._txn, None
+        if self._mover is not None:
+            with contextlib.suppress(BaseException):
+                self._mover.synchronize()
+        errors: list[BaseException] = []
+        unprotected = 0
+        if txn is not None:
+            unprotected = txn.unprotected
+            errors = txn.undo()
+            txn.end()
+        self._overlap.abort(self._order)
+        for e in self._order:
+            e.stepped = False
+        if errors or unprotected:
+            why = (f"putting the old values back failed ({type(errors[0]).__name__}: "
+                   f"{errors[0]})" if errors else
+                   f"{unprotected} parameter(s) with state in host memory had already taken it")
+            self._torn = (
+                "an earlier HostOptimizer.step() failed part-way and could not be undone "
+                f"({why}): parameters and optimizer state now mix old and new values. Load the "
+                "last checkpoint (hr.load(path, model, optimizer) or load_state_dict) before "
+                "training on")
+            note = ("headroom: HostOptimizer.step() failed part-way and could not be undone "
+                    f"({why}): parameters and optimizer state now MIX old and new values; "
+                    "step() refuses until a checkpoint is loaded (hr.load or load_state_dict)")
+        else:
+            note = ("headroom: HostOptimizer.step() was undone: every parameter and all "
+                    "optimizer state hold their values from before this step, and the "
+                    "gradients are kept. Remove the cause and call step() again")
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
 
     def _source(self, e: Entry) -> SlicedParam | None:
         """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
@@ -585,13 +736,31 @@ class HostOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
         self._check_groups()
         self._take_assigned_grads()
-        self._wait()
-        self._overlap.check_hparams()
-        rest = [e for e in self._order if not e.launched]
-        self._step_entries(rest)
-        self._finish_iteration()
+        with DeferInterrupt() as defer:
+            self._defer = defer
+            try:
+                self._wait()
+                self._overlap.check_hparams()
+                # Entries stepped early are done; a bucket that never ran is stepped here.
+                self._step_entries([e for e in self._order if not e.stepped])
+            except BaseException as exc:
+                defer.arm()  # the undo itself is not interrupted
+                self._abort(exc)
+                raise
+            finally:
+                self._defer = None
+            defer.arm()
+            self._finish_iteration()
+        if defer.pending:
+            exc = KeyboardInterrupt()
+            exc.add_note("headroom: Ctrl-C came while HostOptimizer.step() was past the point "
+                         "where it could be undone: the step completed, every parameter and "
+                         "all optimizer state hold the new values")
+            raise exc
         return loss
 
     def _finish_iteration(self) -> None:
@@ -599,9 +768,14 @@ class HostOptimizer(torch.optim.Optimizer):
             tickets, self._tickets = self._tickets, []
         for t in tickets:
             self._mover.wait(t)  # the next forward, on this stream, reads the new values
+        with self._tickets_lock:
+            txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.end()  # committed: the old values are dropped
         self._overlap.finish(self._order, self._arrival)
         for e in self._order:
             e.count = 0
+            e.stepped = False
         self._arrival = []
         self._refresh_state_view()
 
@@ -636,6 +810,13 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         if enabled:
             self._check_groups()
+            # Steps started during backward can be undone only if they keep their old values;
+            # worth it only when step() may still fail after them (see [Note: all-or-nothing
+            # step]): some state rests in a store, or some parameter has no state yet.
+            inner = self._inner.state if self._inner is not None else {}
+            self._keep_early = any(
+                e.streamed or (e.param.requires_grad and not inner.get(e.master))
+                for e in self._order)
         with self._overlap.final_backward(self._order, enabled):
             yield
 
@@ -842,6 +1023,11 @@ class HostOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for e in self._order:  # the undo tensors (scratch space in the stores)
+            for store, h in e.undo.values():
+                with contextlib.suppress(KeyError, RuntimeError, OSError):
+                    store.free(h)
+            e.undo = {}
         self._overlap.close()
         if self._mover is not None:
             self._mover.close()  # lands what is in flight, gives the staging back

@@ -44,6 +44,7 @@ class Overlap:
         self.clips = False  # clip_grad_norm_ has been called: gradients are not final
         self.launched_hparams: dict[int, dict[str, Any]] = {}
         self.last_arrival: list[Entry] = []  # first-gradient order of the last iteration
+        self.failed: BaseException | None = None  # the worker could not be started this time
 
     # ------------------------------------------------------------------ the worker
     def submit(self, fn: Callable[[], None]) -> None:
@@ -147,6 +148,8 @@ class Overlap:
         bucket.remaining -= 1
         if bucket.remaining:
             return
+        if self.failed is not None:
+            return  # no worker: step() steps these
         for x in bucket.entries:
             x.launched = True
         with self._lock:
@@ -156,7 +159,16 @@ class Overlap:
             for x in bucket.entries:
                 self.launched_hparams.setdefault(x.group, self._hparams(x.group))
             self._ready.extend(bucket.entries)
-        self.submit(self._drain)
+        try:
+            self.submit(self._drain)
+        except BaseException as ex:  # noqa: BLE001 - e.g. no thread could be started
+            # Overlap is only an optimization: what was not handed over is stepped by step().
+            self.failed = ex
+            with self._lock:
+                left = [x for x in self._ready if x in bucket.entries]
+                self._ready = [x for x in self._ready if x not in bucket.entries]
+            for x in left:
+                x.launched = False
 
     def check_hparams(self) -> None:
         """Raise if a hyperparameter changed since a step started with it."""
@@ -175,11 +187,18 @@ class Overlap:
         """The step is over: remember the arrival order, forget buckets and launches."""
         if arrival:
             self.last_arrival = arrival
+        self.abort(entries)
+
+    def abort(self, entries: list[Entry]) -> None:
+        """Forget buckets and launches (the step ended, or was undone)."""
+        with self._lock:
+            self._ready = []
         for e in entries:
             e.launched = False
             e.fired = False
             e.bucket = None
         self.launched_hparams = {}
+        self.failed = None
 
 
 def _bucket(entries: list[Entry]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from headroom.memory import annotate
+from headroom.optim._undo import Txn, wait_all
 from headroom.transfer import Handle, Store
 
 __all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
@@ -99,6 +100,9 @@ class SlicedParam:
     initialized: bool
     rows: torch.Tensor | None = None  # row-sparse mode: sorted rows to touch; None = all rows
     shadow: tuple[Store, Handle] | None = None  # the low-precision value the master feeds
+    # Undo tensors (same store, shape and dtype) of what rests on disk: "p" (master), the
+    # state keys, "lp" (the low-precision value). See [Note: all-or-nothing step].
+    undo: dict[str, tuple[Store, Handle]] = field(default_factory=dict)
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
@@ -169,9 +173,14 @@ class SliceRunner:
         return self.step_many([(src, gi, group)])[0]
 
     def step_many(
-        self, items: list[tuple[SlicedParam, int, dict[str, Any]]]
+        self, items: list[tuple[SlicedParam, int, dict[str, Any]]], txn: Txn | None = None
     ) -> list[dict[str, Any]]:
-        """Step several parameters as one pipeline of slices; returns their new small states."""
+        """Step several parameters as one pipeline of slices; returns their new small states.
+
+        With ``txn``, the old values of every slice are kept in it before the slice is
+        overwritten (see [Note: all-or-nothing step]); on an exception every write issued has
+        finished (or failed) before it propagates.
+        """
         # One pipeline across parameters (not one per parameter) keeps the disk busy between
         # parameters: the first slice of the next parameter is read while the last slice of this one
         # is updated and written.
@@ -180,7 +189,7 @@ class SliceRunner:
         for k, (src, gi, group) in enumerate(items):
             shape = (src.master_handle.shape if src.master is None else tuple(src.master.shape))
             if not shape:  # 0-dim: one element, outside the pipeline
-                results[k] = self._step_scalar(src, self._optimizer(gi, group), group)
+                results[k] = self._step_scalar(src, self._optimizer(gi, group), group, txn)
                 continue
             n_rows = shape[0] if src.rows is None else int(src.rows.numel())
             per = _rows_per_slice(shape, self.slice_bytes)
@@ -207,9 +216,22 @@ class SliceRunner:
                     key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
                     for key, h in src.state_handles.items()
                 }
+                if txn is not None and src.shadow is not None:
+                    # the low-precision value about to be overwritten, kept for an undo
+                    got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
             return got
 
-        nxt = fetch(0)
+        nxt = None
+        try:
+            nxt = fetch(0)
+            self._pipeline(items, slices, results, fetch, nxt, pending_writes, txn)
+        except BaseException:
+            # Nothing may still be writing when the caller puts the old values back.
+            wait_all([f for ws in pending_writes for f in ws])
+            raise
+        return results
+
+    def _pipeline(self, items, slices, results, fetch, nxt, pending_writes, txn) -> None:
         for i, (k, _, _) in enumerate(slices):
             src, gi, group = items[k]
             opt = self._optimizer(gi, group)
@@ -223,6 +245,8 @@ class SliceRunner:
                 nxt = fetch(i + 1)
             work = _result(cur["p"])
             grad = _result(cur["g"])
+            rows = cur["rows"]
+            kept = [] if txn is None else self._keep(src, cur, rows, txn)
             if src.shadow is not None and not src.initialized:
                 work = work.float()  # the fp32 master starts from the low-precision value
             owned = isinstance(cur["g"], Future)
@@ -232,11 +256,16 @@ class SliceRunner:
             if src.grad_scale is not None:
                 # Scale a landed copy in place; never the resting gradient itself.
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
-            rows = cur["rows"]
             resting = cur.get("s", {})
             state = self._run(opt, group, src, work, grad,
                               lambda s=resting: {key: _result(v) for key, v in s.items()})
             writes = pending_writes[i % 2]
+            for fut, rec in kept:
+                # New values go out only once the old ones are kept (a failed undo write
+                # stops the step here, with this slice's old values still in place).
+                writes.append(fut)
+                fut.result()
+                txn.stored(*rec)
             for key, h in src.state_handles.items():
                 t = state[key]
                 if _is_view_of(t, cur.get("s", {}).get(key)):
@@ -255,7 +284,38 @@ class SliceRunner:
         for ws in pending_writes:
             for f in ws:
                 f.result()
-        return results
+
+    def _keep(self, src: SlicedParam, cur: dict[str, Any], rows: slice | torch.Tensor,
+              txn: Txn) -> list[tuple[Future, tuple]]:
+        """Keep the old values of what this slice overwrites (before its update runs): copies
+        in ``txn`` for host memory, writes to the undo tensors for stores (returned, with the
+        record to add once each has landed)."""
+        pending: list[tuple[Future, tuple]] = []
+
+        def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
+                 handle: Handle | None, name: str) -> None:
+            if isinstance(loaded, _InPlace):
+                txn.ram(loaded.t, None, loaded.t.clone())
+                return
+            old = _result(loaded).clone()  # the update changes the landed slice in place
+            if mem is not None:
+                txn.ram(mem, rows, old)
+                return
+            undo = src.undo.get(name)
+            if undo is None:
+                txn.stored_copy(store, handle, rows, old)
+                return
+            pending.append((undo[0].write_rows(undo[1], rows, old), (store, handle, rows, undo)))
+
+        fresh = src.shadow is not None and not src.initialized
+        if not fresh:  # (a master made from the low-precision value is new: nothing to keep)
+            keep(cur["p"], src.master, src.master_store, src.master_handle, "p")
+        if src.initialized:
+            for key, h in src.state_handles.items():
+                keep(cur["s"][key], None, src.state_store, h, key)
+        if src.shadow is not None:
+            keep(cur["p"] if fresh else cur["lp"], None, *src.shadow, "lp")
+        return pending
 
     def _run(self, opt, group, src: SlicedParam, work: torch.Tensor, grad: torch.Tensor,
              shaped: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -279,12 +339,23 @@ class SliceRunner:
             state = opt.state.pop(work, state)
         return state
 
-    def _step_scalar(self, src: SlicedParam, opt, group) -> dict[str, Any]:
-        if src.shadow is not None and not src.initialized:
+    def _step_scalar(self, src: SlicedParam, opt, group, txn: Txn | None) -> dict[str, Any]:
+        fresh = src.shadow is not None and not src.initialized
+        if fresh:
             work = src.shadow[0].read(src.shadow[1]).result().float()
         else:
             work = (src.master if src.master is not None
                     else src.master_store.read(src.master_handle).result())
+        if txn is not None:  # one element each: kept in memory
+            if src.shadow is not None:
+                txn.stored_copy(*src.shadow, None, src.shadow[0].read(src.shadow[1]).result())
+            if not fresh and src.master is not None:
+                txn.ram(src.master, None, src.master.clone())
+            elif not fresh:
+                txn.stored_copy(src.master_store, src.master_handle, None, work.clone())
+            if src.initialized:
+                for h in src.state_handles.values():
+                    txn.stored_copy(src.state_store, h, None, src.state_store.read(h).result())
         grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
         if grad.dtype != work.dtype:
             grad = grad.to(work.dtype)

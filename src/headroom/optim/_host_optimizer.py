@@ -158,7 +158,8 @@ class HostOptimizer(torch.optim.Optimizer):
         self._cls = optimizer_class
         self._kwargs = kwargs
         self._overlap = Overlap(lambda batch, **kw: self._step_entries(batch, **kw),
-                                self._hparams, enabled=bool(overlap), bucket_bytes=bucket_bytes)
+                                self._hparams, enabled=bool(overlap), bucket_bytes=bucket_bytes,
+                                failed_backward=self._failed_backward)
         self._row_sparse_ids = {id(p) for p in row_sparse}
         if self._row_sparse_ids and optimizer_class not in LAZY:
             raise ValueError(
@@ -563,8 +564,23 @@ class HostOptimizer(torch.optim.Optimizer):
             store.reserve_writes(count)
             txn.stores.add(store)
 
-    def _abort(self, exc: BaseException) -> None:
+    def _failed_backward(self, exc: BaseException) -> None:
+        """A final backward failed after some parameters took this step on the worker."""
+        txn = self._txn
+        if txn is not None and not txn.unprotected:
+            self._abort(exc, backward=True)
+        elif hasattr(exc, "add_note"):
+            exc.add_note(
+                "headroom: this backward failed inside HostOptimizer.final_backward() after "
+                "some parameters (with state in host memory, whose old values are not kept) "
+                "had already taken this step; step() finishes the step for the others (with "
+                "the gradients they have), or restore the last checkpoint (hr.load) to "
+                "continue exactly"
+            )
+
+    def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
         """A step failed: put the old values back and say on ``exc`` what it left."""
+        self._overlap.settle()  # nothing may still be stepping on the worker
         with self._tickets_lock:
             txn, self._txn = self._txn, None
         if self._mover is not None:
@@ -591,6 +607,12 @@ class HostOptimizer(torch.optim.Optimizer):
             note = ("headroom: HostOptimizer.step() failed part-way and could not be undone "
                     f"({why}): parameters and optimizer state now MIX old and new values; "
                     "step() refuses until a checkpoint is loaded (hr.load or load_state_dict)")
+        elif backward:
+            note = ("headroom: this backward failed inside HostOptimizer.final_backward() "
+                    "after some parameters had started this step; their step was undone: every "
+                    "parameter and all optimizer state hold their values from before it. The "
+                    "gradients are those of the failed backward: zero_grad() and run the "
+                    "iteration again")
         else:
             note = ("headroom: HostOptimizer.step() was undone: every parameter and all "
                     "optimizer state hold their values from before this step, and the "
@@ -743,7 +765,7 @@ class HostOptimizer(torch.optim.Optimizer):
         with DeferInterrupt() as defer:
             self._defer = defer
             try:
-                self._wait()
+                self._overlap.wait()
                 self._overlap.check_hparams()
                 # Entries stepped early are done; a bucket that never ran is stepped here.
                 self._step_entries([e for e in self._order if not e.stepped])

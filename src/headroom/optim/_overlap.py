@@ -26,13 +26,17 @@ class Overlap:
     Args:
         step_entries: steps a batch of entries (called on the worker with ``early=True``).
         hparams: the current hyperparameters of a parameter group.
+        failed_backward: called with the exception when a final backward fails after some
+            steps started (they have finished by then).
         enabled: ``False`` makes `final_backward` a no-op.
         bucket_bytes: fp32 bytes per bucket.
     """
 
     def __init__(self, step_entries: Callable[..., None], hparams: Callable[[int], dict],
-                 *, enabled: bool, bucket_bytes: int) -> None:
+                 *, enabled: bool, bucket_bytes: int,
+                 failed_backward: Callable[[BaseException], None]) -> None:
         self.enabled = enabled
+        self._failed_backward = failed_backward
         self.bucket_bytes = bucket_bytes
         self._step_entries = step_entries
         self._hparams = hparams
@@ -54,15 +58,25 @@ class Overlap:
 
     def wait(self) -> None:
         """Wait for everything submitted; re-raise the first error."""
-        futures, self._futures = self._futures, []
         err = None
-        for f in futures:
+        while self._futures:
+            f = self._futures[0]
             try:
                 f.result()
             except BaseException as ex:  # noqa: BLE001 - re-raised below, first one wins
+                if not f.done():
+                    raise  # interrupted while waiting (Ctrl-C): still there for `settle`
                 err = err or ex
+            self._futures.pop(0)
         if err is not None:
             raise err
+
+    def settle(self) -> None:
+        """Wait for everything submitted, dropping errors (their step is being undone)."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            with contextlib.suppress(BaseException):
+                f.exception()
 
     @property
     def busy(self) -> bool:
@@ -109,13 +123,7 @@ class Overlap:
             if any(e.launched for e in entries):
                 with contextlib.suppress(BaseException):
                     self.wait()
-                if hasattr(exc, "add_note"):
-                    exc.add_note(
-                        "headroom: this backward failed inside HostOptimizer.final_backward() "
-                        "after some parameters had already taken this step; step() finishes "
-                        "the step for the others (with the gradients they have), or restore "
-                        "the last checkpoint (hr.load) to continue exactly"
-                    )
+                self._failed_backward(exc)
             raise
         finally:
             self.final = False

@@ -449,8 +449,10 @@ class HostOptimizer(torch.optim.Optimizer):
                 txn.after_undo(lambda m=e.master: self._inner.state.pop(m, None))
             self._inner_step(fresh, hparams)
         if todo:
-            for e, _ in todo:
+            for e, src in todo:
                 txn.entry(e)
+                if src.spare:
+                    txn.on_commit(lambda e=e, keys=tuple(src.spare): self._swap_spare(e, keys))
             results = self._slicer.step_many(
                 [(src, e.group, hparams[e.group]) for e, src in todo], txn)
             for (e, _), small in zip(todo, results, strict=True):
@@ -520,9 +522,20 @@ class HostOptimizer(torch.optim.Optimizer):
         if src.shadow is not None:
             want["lp"] = src.shadow
         out = {}
+        spare = {}
         for name, (store, h) in want.items():
             if store.host_tensor(h) is not None:
                 continue  # host memory: the step keeps a copy of the slice in memory
+            if name in src.state_handles and src.rows is None:
+                # Ours, and every row is written: new values go to a spare, swapped in at
+                # the end of the step (lazy Adam writes some rows only: it keeps old ones).
+                sp = e.spare.get(name)
+                if sp is None or sp.key not in store or store.get(sp.key) is not sp:
+                    # the two alternate between the state's key and the same key with "~"
+                    other = h.key[:-1] if h.key.endswith("~") else h.key + "~"
+                    sp = e.spare[name] = store.alloc(other, h.shape, h.dtype, zero=False)
+                spare[name] = sp
+                continue
             key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
             u = e.undo.get(name)
             if u is None or u[0] is not store or key not in store or store.get(key) is not u[1] \
@@ -532,7 +545,16 @@ class HostOptimizer(torch.optim.Optimizer):
                 u = (store, store.alloc(key, h.shape, h.dtype, zero=False))
                 e.undo[name] = u
             out[name] = u
+        src.spare = spare
         return out
+
+    @staticmethod
+    def _swap_spare(e: Entry, keys: tuple[str, ...]) -> None:
+        """The step ended: the spares hold the new state, the old state becomes the spare."""
+        handles = dict(e.state_handles)
+        for k in keys:
+            handles[k], e.spare[k] = e.spare[k], handles[k]
+        e.state_handles = handles
 
     def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn) -> None:
         """Undo tensors and journal space for the sliced steps of ``todo``, before any update
@@ -793,7 +815,7 @@ class HostOptimizer(torch.optim.Optimizer):
         with self._tickets_lock:
             txn, self._txn = self._txn, None
         if txn is not None:
-            txn.end()  # committed: the old values are dropped
+            txn.commit()  # the spare state becomes current; the old values are dropped
         self._overlap.finish(self._order, self._arrival)
         for e in self._order:
             e.count = 0
@@ -1045,11 +1067,12 @@ class HostOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for e in self._order:  # the undo tensors (scratch space in the stores)
-            for store, h in e.undo.values():
+        for e in self._order:  # the undo tensors (scratch space in the stores), the spares
+            spares = [(self._state_store, h) for h in e.spare.values()]
+            for store, h in [*e.undo.values(), *spares]:
                 with contextlib.suppress(KeyError, RuntimeError, OSError):
                     store.free(h)
-            e.undo = {}
+            e.undo, e.spare = {}, {}
         self._overlap.close()
         if self._mover is not None:
             self._mover.close()  # lands what is in flight, gives the staging back

@@ -103,6 +103,9 @@ class SlicedParam:
     # Undo tensors (same store, shape and dtype) of what rests on disk: "p" (master), the
     # state keys, "lp" (the low-precision value). See [Note: all-or-nothing step].
     undo: dict[str, tuple[Store, Handle]] = field(default_factory=dict)
+    # State keys whose new values go to a second tensor of the state store instead of over
+    # the old ones (the two swap when the step ends): nothing to keep, no extra write.
+    spare: dict[str, Handle] = field(default_factory=dict)
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
@@ -270,7 +273,8 @@ class SliceRunner:
                 t = state[key]
                 if _is_view_of(t, cur.get("s", {}).get(key)):
                     continue  # updated in place in the resting host tensor
-                writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
+                writes.append(src.state_store.write_rows(src.spare.get(key, h), rows,
+                                                         t.contiguous()))
             # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
             if fresh or not _is_in_place(cur["p"]):
@@ -312,7 +316,8 @@ class SliceRunner:
             keep(cur["p"], src.master, src.master_store, src.master_handle, "p")
         if src.initialized:
             for key, h in src.state_handles.items():
-                keep(cur["s"][key], None, src.state_store, h, key)
+                if key not in src.spare:
+                    keep(cur["s"][key], None, src.state_store, h, key)
         if src.shadow is not None:
             keep(cur["p"] if fresh else cur["lp"], None, *src.shadow, "lp")
         return pending
@@ -354,8 +359,10 @@ class SliceRunner:
             elif not fresh:
                 txn.stored_copy(src.master_store, src.master_handle, None, work.clone())
             if src.initialized:
-                for h in src.state_handles.values():
-                    txn.stored_copy(src.state_store, h, None, src.state_store.read(h).result())
+                for key, h in src.state_handles.items():
+                    if key not in src.spare:
+                        txn.stored_copy(src.state_store, h, None,
+                                        src.state_store.read(h).result())
         grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
         if grad.dtype != work.dtype:
             grad = grad.to(work.dtype)
@@ -364,7 +371,7 @@ class SliceRunner:
         state = self._run(opt, group, src, work, grad, lambda: {
             k: src.state_store.read(h).result() for k, h in src.state_handles.items()})
         for k, h in src.state_handles.items():
-            src.state_store.write(h, state[k].contiguous()).result()
+            src.state_store.write(src.spare.get(k, h), state[k].contiguous()).result()
         if src.master is None:
             src.master_store.write(src.master_handle, work).result()
         if src.shadow is not None:

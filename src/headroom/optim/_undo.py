@@ -1,22 +1,26 @@
 """What one optimizer step changed, kept until the step ends so a failed step can be undone.
 
 [Note: all-or-nothing step]
-A `HostOptimizer` step updates many tensors in place: masters in memory, state and masters
-in stores, one slice at a time. Before a slice of a tensor is overwritten, its old values are
-kept: a copy in host memory for tensors that rest in host memory, or written to an undo tensor
-of their own (a scratch key, see [Note: scratch keys]) in the tensor's store for tensors that
-rest on disk, so a step over a `DiskStore` holds no second copy of the state in memory. The
-new values of a slice go out only once its old values are kept. When anything inside the step
-raises, every kept slice is written back (newest first) and the per-parameter scalars (step
-counts) are restored: parameters and state are then exactly as before the step, and the
-gradients are still there, so calling ``step()`` again redoes it. When the step ends, what was
-kept is dropped.
+A `HostOptimizer` step updates many tensors: masters in memory, state and masters in stores,
+one slice at a time. State that rests on disk is not overwritten: each state tensor has a spare
+of the same shape in the state store; the step reads the current one, writes the spare, and the
+two swap when the step ends (an undo then has nothing to put back, and the step does no more
+I/O than an in-place one). Before a slice of any other tensor is overwritten, its old values
+are kept: a copy in host memory for tensors that rest in host memory, or written to an undo
+tensor of their own (a scratch key, see [Note: scratch keys]) in the tensor's store for tensors
+that rest on disk (the parameters of a model offloaded to a `DiskStore`), so a step over a
+`DiskStore` holds no second copy of the state in memory. The new values of a slice go out only
+once its old values are kept. When anything inside the step raises, every kept slice is written
+back (newest first) and the per-parameter scalars (step counts) are restored: parameters and
+state are then exactly as before the step, and the gradients are still there, so calling
+``step()`` again redoes it. When the step ends, what was kept is dropped.
 
 Tensors stepped whole in host memory by the wrapped optimizer (state in host memory) are not
 copied: their update is one call into PyTorch that allocates nothing once the state exists,
 so it runs last, after everything that can fail, with Ctrl-C held back until the step ends
-(`DeferInterrupt`). A step whose state is first created keeps a copy of those masters (the
-creation allocates).
+(`DeferInterrupt`). A step that first creates state keeps a copy of those masters (creating
+state allocates), and so do steps started during ``final_backward`` while something that can
+fail (a store, state still to be created) may follow in ``step()``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Txn:
         self._records: list[tuple] = []
         self._entries: dict[int, tuple] = {}
         self._after: list[Callable[[], None]] = []
+        self._commit: list[Callable[[], None]] = []
         self.unprotected = 0  # parameters updated in place without a kept copy
         self.stores: set = set()  # stores holding a write reservation for this step
 
@@ -67,6 +72,17 @@ class Txn:
         """``handle``'s ``rows`` (None: all of it) held ``old`` (a host copy) before the step."""
         with self._lock:
             self._records.append(("store-copy", store, handle, rows, old))
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the step ends well (e.g. make the spare state tensors current)."""
+        with self._lock:
+            self._commit.append(fn)
+
+    def commit(self) -> None:
+        """The step succeeded: run the commit actions (plain assignments), then `end`."""
+        for fn in self._commit:
+            fn()
+        self.end()
 
     def after_undo(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once the old values are back (e.g. copy a master back to its parameter)."""
@@ -110,12 +126,12 @@ class Txn:
                 fn()
             except BaseException as ex:  # noqa: BLE001 - as above
                 errors.append(ex)
-        self._records, self._entries, self._after = [], {}, []
+        self._records, self._entries, self._after, self._commit = [], {}, [], []
         return errors
 
     def end(self) -> None:
         """The step is over (committed or undone): drop what was kept, end reservations."""
-        self._records, self._entries, self._after = [], {}, []
+        self._records, self._entries, self._after, self._commit = [], {}, [], []
         self.unprotected = 0
         stores, self.stores = self.stores, set()
         for s in stores:

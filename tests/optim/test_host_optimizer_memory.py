@@ -58,6 +58,14 @@ def test_disk_state_keeps_only_slices_in_memory(tmp_path):
     # and one copy in the step)
     bound = 2 * 2 * max(slice_bytes, widest_row) + 2 * 4 * len(list(model.parameters()))
     assert 0 < seen <= bound < full // 4
+    # The step is all-or-nothing without a second copy of the state in memory: besides the
+    # parameters and gradients, its peak holds at most the old values of the masters it
+    # updated in place (one copy of the parameters) and the slices in flight.
+    stats = mem.stats("cpu")
+    params = sum(p.numel() * 4 for p in model.parameters())
+    extra = stats.peak - stats.peak_by_category["parameters"] - stats.peak_by_category["gradients"]
+    assert extra <= params + 8 * max(slice_bytes, widest_row) + 64 * len(opt._order)
+    assert extra < 0.6 * full  # about half of the state: the fp32 parameters
 
 
 @pytest.mark.gpu

@@ -564,13 +564,14 @@ class HostOptimizer(torch.optim.Optimizer):
             try:
                 src.undo = self._undo_handles(e, src)
             except (StoreFullError, OSError) as ex:
-                store = (src.master_store or src.state_store) if not isinstance(
-                    ex, StoreFullError) else None
+                stores = ", ".join(repr(x) for x in {id(x): x for x in (
+                    src.state_store, src.master_store, src.shadow and src.shadow[0])
+                    if x is not None}.values())
                 raise StoreFullError(
-                    f"HostOptimizer.step() needs room for the old values of what it "
-                    f"overwrites until the step ends (as much again as the parameter and its "
-                    f"state on disk): {ex}. Nothing was updated; free space or raise max_bytes "
-                    "of the store, then call step() again") from (ex if store is None else ex)
+                    f"HostOptimizer.step() needs room in {stores} for a second copy of what "
+                    "it overwrites there (spare state tensors, and the old values of offloaded "
+                    f"parameters until the step ends): {ex}. Nothing was updated; free space or "
+                    "raise max_bytes of the store, then call step() again") from ex
             n = 1 if src.master is None and src.master_handle is None else 0
             shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
             rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())

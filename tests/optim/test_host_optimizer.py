@@ -146,13 +146,8 @@ def test_final_backward_misuse_is_an_error():
         opt.step()
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["first-step", "later-step"])
-def test_failed_final_backward_says_what_stepped(warm):
-    a, ref, b, opt = _pair(overlap=True, bucket_bytes=1024)
-    if warm:  # state exists: in-memory steps started during backward keep no old values
-        train(a, ref, range(1))
-        train(b, opt, range(1), final=True)
-    before = copy.deepcopy(b)
+def test_failed_final_backward_says_what_stepped():
+    _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
     fail = [True]
 
     def boom(grad):
@@ -169,17 +164,7 @@ def test_failed_final_backward_says_what_stepped(warm):
     loss = ((b.head(out) - y) ** 2).mean()
     with pytest.raises(RuntimeError, match="boom") as info, opt.final_backward():
         loss.backward()
-    notes = "".join(getattr(info.value, "__notes__", []))
-    if not warm:
-        # the first step creates state, so its old values were kept: undone
-        assert "their step was undone" in notes
-        assert_params_equal(before, b)
-        opt.zero_grad()
-        train(b, opt, range(1, 2), final=True)
-        train(a, ref, range(1, 2))
-        assert_params_equal(a, b)
-        return
-    assert "already taken this step" in notes
+    assert any("already taken this step" in n for n in getattr(info.value, "__notes__", []))
     with pytest.raises(RuntimeError, match="restore the last checkpoint"):
         opt.zero_grad()
     opt.step()  # finishes the step; the optimizer is usable again
@@ -197,18 +182,14 @@ def test_overlap_hparam_change_detected_when_the_worker_starts_late():
 
     opt._overlap._drain = late
     loss_fn(a, 8).backward()
-    before = copy.deepcopy(b)
     with opt.final_backward():
         loss_fn(b, 8).backward()
     opt.param_groups[0]["lr"] = 0.5
-    with pytest.raises(RuntimeError, match="changed") as info:
+    with pytest.raises(RuntimeError, match="changed"):
         opt.step()
-    # the early steps (the first: no state yet, so their old values were kept) are undone
-    assert "step() was undone" in "".join(getattr(info.value, "__notes__", []))
-    assert_params_equal(before, b)
-    opt.step()  # again, now with the new lr for every parameter
-    ref.param_groups[0]["lr"] = 0.5
+    # the early steps used the lr of their launch, as the error says
     ref.step()
+    opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"]
     assert_params_equal(a, b)
 
 

@@ -228,6 +228,35 @@ def test_a_failure_in_the_first_step_undoes_the_new_state(tmp_path, config):
     _check_against_reference(model, opt, 2)
 
 
+def test_a_failed_final_backward_undoes_the_steps_it_started(tmp_path):
+    model, opt, _ = _build("offloaded-disk-state-final", tmp_path)
+    opt._overlap.bucket_bytes = 64  # a bucket per parameter: most step before the failure
+    _iteration(model, opt, 0, True)
+    before = _values(model, opt)
+    started = []
+    orig = opt._step_entries
+
+    def counting(batch, **kw):
+        started.extend(batch)
+        return orig(batch, **kw)
+
+    opt._overlap._step_entries = counting
+    g = torch.Generator().manual_seed(1001)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+    x.requires_grad_(True)
+    x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))  # last of all
+    loss = ((model(x) - y) ** 2).mean()
+    with pytest.raises(RuntimeError, match="boom") as info, opt.final_backward():
+        loss.backward()
+    opt._wait()
+    assert started  # some parameters had started this step on the worker
+    assert "their step was undone" in "".join(info.value.__notes__)
+    assert not _same(before, _values(model, opt))
+    opt.zero_grad()
+    _iteration(model, opt, 1, True)
+    _check_against_reference(model, opt, 2)
+
+
 @pytest.mark.parametrize("final", [False, True])
 def test_host_memory_step_completes_through_ctrl_c(final):
     """State in host memory is updated whole by PyTorch's kernel, last: a Ctrl-C there waits

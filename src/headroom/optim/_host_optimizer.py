@@ -55,6 +55,12 @@ from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
 
+class _Kept(Exception):  # noqa: N818 - carries an error raised with the step left as it is
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
 @dataclass(frozen=True)
 class HostOptimizerOptions:
     """How a `HostOptimizer` was configured (``opt.options``), as data."""
@@ -439,15 +445,6 @@ class HostOptimizer(torch.optim.Optimizer):
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
         self._prepare_undo(todo, txn)
-        inner_state = self._inner.state if self._inner is not None else {}
-        fresh = [e for e in in_mem if not inner_state.get(e.master)]
-        ready = [e for e in in_mem if inner_state.get(e.master)]
-        if fresh:
-            # Creating state allocates: keep the masters, drop the new state on an undo.
-            for e in fresh:
-                txn.ram(e.master, None, e.master.clone())
-                txn.after_undo(lambda m=e.master: self._inner.state.pop(m, None))
-            self._inner_step(fresh, hparams)
         if todo:
             for e, src in todo:
                 txn.entry(e)
@@ -459,27 +456,34 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.small = small
                 e.initialized = True
                 e.grad_scale = None
-        if ready:
+        if in_mem:
             if early and self._keep_early:
-                # Started during final_backward while step() may still fail: keep them too.
-                for e in ready:
+                # Started during final_backward while step() may still fail (a store): keep
+                # their old values too (a master and state not made yet are dropped).
+                for e in in_mem:
                     txn.ram(e.master, None, e.master.clone())
-                    for v in self._inner.state[e.master].values():
+                    st = self._inner.state.get(e.master)
+                    if not st:
+                        txn.after_undo(lambda m=e.master: self._inner.state.pop(m, None))
+                        continue
+                    for v in st.values():
                         if isinstance(v, torch.Tensor):
                             txn.ram(v, None, v.clone())
             else:
-                txn.unprotected += len(ready)
+                # Last, after everything that can fail: one call into PyTorch's kernel (it
+                # allocates only state it creates on a first step). Not copied: see _undo.py.
+                txn.unprotected += len(in_mem)
                 if self._defer is not None and not early:
                     self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
-            self._inner_step(ready, hparams)
-        for e in fresh + streamed + ready:
+            self._inner_step(in_mem, hparams)
+        for e in streamed + in_mem:
             if e.kind == HOSTED:
                 txn.after_undo(lambda e=e: self._copy_back(e))
             e.stepped = True
         # From step(): copy-backs are also ordered after what this thread queued until now
         # (one event for all of them); on the worker, after each parameter's own event only.
         now = None if early or self._mover is None else self._mover.mark()
-        for e in fresh + streamed + ready:
+        for e in streamed + in_mem:
             self._copy_back(e, now)
 
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
@@ -586,6 +590,22 @@ class HostOptimizer(torch.optim.Optimizer):
         for store, count in writes.values():
             store.reserve_writes(count)
             txn.stores.add(store)
+
+    def _check_hparams(self) -> None:
+        """Raise if a hyperparameter changed after steps started with it (final_backward)."""
+        try:
+            self._overlap.check_hparams()
+        except RuntimeError as exc:
+            txn = self._txn
+            if txn is not None and txn.unprotected:
+                # Those steps cannot be undone: leave them, and let a step() with the value
+                # set back finish the others (nothing else changed yet).
+                exc.add_note(
+                    "headroom: the parameters stepped during final_backward() keep that step; "
+                    "set the value back and call step() again to finish the step for the "
+                    "others, or restore the last checkpoint (hr.load)")
+                raise _Kept(exc) from exc
+            raise
 
     def _failed_backward(self, exc: BaseException) -> None:
         """A final backward failed after some parameters took this step on the worker."""
@@ -789,9 +809,11 @@ class HostOptimizer(torch.optim.Optimizer):
             self._defer = defer
             try:
                 self._overlap.wait()
-                self._overlap.check_hparams()
+                self._check_hparams()
                 # Entries stepped early are done; a bucket that never ran is stepped here.
                 self._step_entries([e for e in self._order if not e.stepped])
+            except _Kept as kept:
+                raise kept.exc from None
             except BaseException as exc:
                 defer.arm()  # the undo itself is not interrupted
                 self._abort(exc)
@@ -857,11 +879,8 @@ class HostOptimizer(torch.optim.Optimizer):
             self._check_groups()
             # Steps started during backward can be undone only if they keep their old values;
             # worth it only when step() may still fail after them (see [Note: all-or-nothing
-            # step]): some state rests in a store, or some parameter has no state yet.
-            inner = self._inner.state if self._inner is not None else {}
-            self._keep_early = any(
-                e.streamed or (e.param.requires_grad and not inner.get(e.master))
-                for e in self._order)
+            # step]): when some of it goes through a store.
+            self._keep_early = any(e.streamed for e in self._order)
         with self._overlap.final_backward(self._order, enabled):
             yield
 

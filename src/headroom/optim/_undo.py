@@ -18,9 +18,10 @@ state are then exactly as before the step, and the gradients are still there, so
 Tensors stepped whole in host memory by the wrapped optimizer (state in host memory) are not
 copied: their update is one call into PyTorch that allocates nothing once the state exists,
 so it runs last, after everything that can fail, with Ctrl-C held back until the step ends
-(`DeferInterrupt`). A step that first creates state keeps a copy of those masters (creating
-state allocates), and so do steps started during ``final_backward`` while something that can
-fail (a store, state still to be created) may follow in ``step()``.
+(`DeferInterrupt`). Steps started during ``final_backward`` keep a copy of those when something
+that can fail (a store) may follow in ``step()``. What is left that cannot be undone (an error
+inside that kernel, e.g. out of memory while the first step creates the state) is reported as a
+mix, and ``step()`` refuses until a checkpoint is loaded.
 """
 
 from __future__ import annotations

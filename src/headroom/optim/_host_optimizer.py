@@ -527,10 +527,17 @@ class HostOptimizer(torch.optim.Optimizer):
             want["lp"] = src.shadow
         out = {}
         spare = {}
+        # A parameter offloaded to a disk keeps the old values of its state in host memory
+        # there too, rather than a second copy of that state in memory.
+        disk = e.bound.store if e.kind == BOUND and e.bound.store.host_tensor(
+            e.bound.handle) is None else None
         for name, (store, h) in want.items():
+            where = store
             if store.host_tensor(h) is not None:
-                continue  # host memory: the step keeps a copy of the slice in memory
-            if name in src.state_handles and src.rows is None:
+                if disk is None:
+                    continue  # the step keeps a copy of the slice in memory
+                where = disk
+            if where is store and name in src.state_handles and src.rows is None:
                 # Ours, and every row is written: new values go to a spare, swapped in at
                 # the end of the step (lazy Adam writes some rows only: it keeps old ones).
                 sp = e.spare.get(name)
@@ -542,11 +549,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 continue
             key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
             u = e.undo.get(name)
-            if u is None or u[0] is not store or key not in store or store.get(key) is not u[1] \
-                    or u[1].shape != h.shape or u[1].dtype != h.dtype:
-                if key in store:
-                    store.free(store.get(key))
-                u = (store, store.alloc(key, h.shape, h.dtype, zero=False))
+            if u is None or u[0] is not where or key not in where or \
+                    where.get(key) is not u[1] or u[1].shape != h.shape or u[1].dtype != h.dtype:
+                if key in where:
+                    where.free(where.get(key))
+                u = (where, where.alloc(key, h.shape, h.dtype, zero=False))
                 e.undo[name] = u
             out[name] = u
         src.spare = spare

@@ -298,14 +298,14 @@ class SliceRunner:
 
         def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
                  handle: Handle | None, name: str) -> None:
-            if isinstance(loaded, _InPlace):
+            undo = src.undo.get(name)
+            if isinstance(loaded, _InPlace) and (undo is None or handle is None):
                 txn.ram(loaded.t, None, loaded.t.clone())
                 return
             old = _result(loaded).clone()  # the update changes the landed slice in place
             if mem is not None:
                 txn.ram(mem, rows, old)
                 return
-            undo = src.undo.get(name)
             if undo is None:
                 txn.stored_copy(store, handle, rows, old)
                 return

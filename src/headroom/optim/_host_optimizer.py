@@ -527,13 +527,22 @@ class HostOptimizer(torch.optim.Optimizer):
             want["lp"] = src.shadow
         out = {}
         spare = {}
-        # A parameter offloaded to a disk keeps the old values of its state in host memory
-        # there too, rather than a second copy of that state in memory.
-        disk = e.bound.store if e.kind == BOUND and e.bound.store.host_tensor(
-            e.bound.handle) is None else None
+        # What rests in host memory keeps its old values on a disk the step writes anyway
+        # (the state store, or that of a parameter offloaded to a disk), rather than as a
+        # second copy in memory.
+        disk = None
+        first = next(iter(src.state_handles.values()), None)
+        if first is not None and src.state_store.host_tensor(first) is None:
+            disk = src.state_store
+        elif e.kind == BOUND and e.bound.store.host_tensor(e.bound.handle) is None:
+            disk = e.bound.store
+        if src.master is not None and disk is not None and first is not None:
+            want["p"] = (disk, first)  # (a handle of the master's shape and dtype)
         for name, (store, h) in want.items():
             where = store
-            if store.host_tensor(h) is not None:
+            if name == "p" and src.master is not None:
+                pass  # the master in memory: its undo tensor on ``disk``
+            elif store.host_tensor(h) is not None:
                 if disk is None:
                     continue  # the step keeps a copy of the slice in memory
                 where = disk

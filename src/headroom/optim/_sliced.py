@@ -222,6 +222,17 @@ class SliceRunner:
                 if txn is not None and src.shadow is not None:
                     # the low-precision value about to be overwritten, kept for an undo
                     got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
+            if txn is not None:
+                # Host-memory slices with an undo tensor on disk: written out from the resting
+                # tensor itself (no copy), now, while an earlier slice is updated; the update
+                # of this one waits for it (`_keep`).
+                views = [("p", got["p"])] if not (src.shadow is not None and
+                                                  not src.initialized) else []
+                views += [(k, v) for k, v in got.get("s", {}).items() if k not in src.spare]
+                got["undo"] = {name: src.undo[name][0].write_rows(src.undo[name][1], rows, v.t)
+                               for name, v in views
+                               if isinstance(v, _InPlace) and name in src.undo}
+                pending_writes[par].extend(got["undo"].values())  # waited for on an error
             return got
 
         nxt = None
@@ -263,12 +274,24 @@ class SliceRunner:
             state = self._run(opt, group, src, work, grad,
                               lambda s=resting: {key: _result(v) for key, v in s.items()})
             writes = pending_writes[i % 2]
-            for fut, rec in kept:
+            failed = None
+            for fut, rec, ram in kept:
                 # New values go out only once the old ones are kept (a failed undo write
-                # stops the step here, with this slice's old values still in place).
+                # stops the step here, with this slice's old values still in place, or, for
+                # a host tensor already updated in place, kept in memory after all).
                 writes.append(fut)
-                fut.result()
-                txn.stored(*rec)
+                try:
+                    fut.result()
+                    if rec[0] == "ram-from":
+                        txn.ram_from(*rec[1:])
+                    else:
+                        txn.stored(*rec)
+                except BaseException as ex:  # noqa: BLE001 - re-raised below
+                    failed = failed or ex
+                    if ram is not None:
+                        txn.ram(*ram)
+            if failed is not None:
+                raise failed
             for key, h in src.state_handles.items():
                 t = state[key]
                 if _is_view_of(t, cur.get("s", {}).get(key)):
@@ -290,26 +313,42 @@ class SliceRunner:
                 f.result()
 
     def _keep(self, src: SlicedParam, cur: dict[str, Any], rows: slice | torch.Tensor,
-              txn: Txn) -> list[tuple[Future, tuple]]:
+              txn: Txn) -> list[tuple[Future, tuple, tuple | None]]:
         """Keep the old values of what this slice overwrites (before its update runs): copies
         in ``txn`` for host memory, writes to the undo tensors for stores (returned, with the
         record to add once each has landed)."""
-        pending: list[tuple[Future, tuple]] = []
+        pending: list[tuple[Future, tuple, tuple | None]] = []
 
         def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
                  handle: Handle | None, name: str) -> None:
             undo = src.undo.get(name)
-            if isinstance(loaded, _InPlace) and (undo is None or handle is None):
-                txn.ram(loaded.t, None, loaded.t.clone())
+            early = cur.get("undo", {}).get(name)
+            if early is not None:  # a host-memory slice, its old values already on their way
+                early.result()  # raises before this slice changed
+                txn.ram_from(loaded.t, None, undo, rows)
                 return
             old = _result(loaded).clone()  # the update changes the landed slice in place
-            if mem is not None:
-                txn.ram(mem, rows, old)
+            in_place = isinstance(loaded, _InPlace)
+            if undo is None:
+                if in_place:
+                    txn.ram(loaded.t, None, old)
+                    return
+                if mem is not None:
+                    txn.ram(mem, rows, old)
+                    return
+            elif mem is not None:  # a master in memory, its old values kept on a disk
+                rec = (loaded.t, None) if in_place else (mem, rows)
+                pending.append((undo[0].write_rows(undo[1], rows, old),
+                                ("ram-from", *rec, undo, rows),
+                                (loaded.t, None, old) if in_place else None))
                 return
             if undo is None:
                 txn.stored_copy(store, handle, rows, old)
                 return
-            pending.append((undo[0].write_rows(undo[1], rows, old), (store, handle, rows, undo)))
+            # in place (a host tensor): updated before the undo write is known to have landed
+            ram = (loaded.t, None, old) if isinstance(loaded, _InPlace) else None
+            pending.append((undo[0].write_rows(undo[1], rows, old),
+                            (store, handle, rows, undo), ram))
 
         fresh = src.shadow is not None and not src.initialized
         if not fresh:  # (a master made from the low-precision value is new: nothing to keep)

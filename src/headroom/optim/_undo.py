@@ -69,6 +69,12 @@ class Txn:
         with self._lock:
             self._records.append(("store", store, handle, rows, undo))
 
+    def ram_from(self, t: Any, rows: Any, undo: tuple[Any, Any], urows: Any) -> None:
+        """``t[rows]`` (``rows`` None: all of ``t``, a view) held what rows ``urows`` of the
+        undo tensor ``undo`` = (store, handle) now hold."""
+        with self._lock:
+            self._records.append(("ram-from", t, rows, undo, urows))
+
     def stored_copy(self, store: Any, handle: Any, rows: Any, old: torch.Tensor) -> None:
         """``handle``'s ``rows`` (None: all of it) held ``old`` (a host copy) before the step."""
         with self._lock:
@@ -106,6 +112,13 @@ class Txn:
                         t.copy_(old)
                     elif isinstance(rows, slice):
                         t[rows].copy_(old)
+                    else:
+                        t.index_copy_(0, rows, old)
+                elif rec[0] == "ram-from":
+                    _, t, rows, (ustore, uhandle), urows = rec
+                    old = ustore.read_rows(uhandle, urows).result()
+                    if rows is None:
+                        t.copy_(old)
                     else:
                         t.index_copy_(0, rows, old)
                 elif rec[0] == "store":

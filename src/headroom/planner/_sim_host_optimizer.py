@@ -293,12 +293,16 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 if src.rows is None:
                     src.spare = {k: h for k, h in src.state_handles.items()
                                  if st.host_tensor(h) is None}
+                first = next(iter(src.state_handles.values()), None)
                 if src.master is None and src.master_store.host_tensor(src.master_handle) \
                         is None:  # an offloaded parameter on disk: undo tensors there
                     src.undo = {"p": (src.master_store, src.master_handle)}
                     src.undo.update({k: (src.master_store, h)
                                      for k, h in src.state_handles.items()
                                      if st.host_tensor(h) is not None})
+                elif src.master is not None and first is not None and \
+                        st.host_tensor(first) is None:  # a master in memory, state on disk
+                    src.undo = {"p": (st, first)}
             with torch.device("meta"):  # its landing buffers too
                 results = self._slicer.step_many(items, txn)
             txn.end()

@@ -58,14 +58,13 @@ def test_disk_state_keeps_only_slices_in_memory(tmp_path):
     # and one copy in the step)
     bound = 2 * 2 * max(slice_bytes, widest_row) + 2 * 4 * len(list(model.parameters()))
     assert 0 < seen <= bound < full // 4
-    # The step is all-or-nothing without a second copy of the state in memory: besides the
-    # parameters and gradients, its peak holds at most the old values of the masters it
-    # updated in place (one copy of the parameters) and the slices in flight.
+    # The step is all-or-nothing without a copy of the state or of the parameters in memory
+    # (the old values it keeps go to the disk): besides the parameters and gradients, its
+    # peak holds activations and the slices in flight, far less than one copy of either.
     stats = mem.stats("cpu")
-    params = sum(p.numel() * 4 for p in model.parameters())
     extra = stats.peak - stats.peak_by_category["parameters"] - stats.peak_by_category["gradients"]
-    assert extra <= params + 8 * max(slice_bytes, widest_row) + 64 * len(opt._order)
-    assert extra < 0.6 * full  # about half of the state: the fp32 parameters
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert extra < params // 3 < full
 
 
 @pytest.mark.gpu

@@ -589,16 +589,16 @@ class HostOptimizer(torch.optim.Optimizer):
                     if x is not None}.values())
                 raise StoreFullError(
                     f"HostOptimizer.step() needs room in {stores} for a second copy of what "
-                    "it overwrites there (spare state tensors, and the old values of offloaded "
-                    f"parameters until the step ends): {ex}. Nothing was updated; free space or "
-                    "raise max_bytes of the store, then call step() again") from ex
-            n = 1 if src.master is None and src.master_handle is None else 0
+                    "it updates (spare state tensors, and undo copies of the masters and of "
+                    f"offloaded parameters, kept until the step ends): {ex}. Nothing was "
+                    "updated; free space or raise max_bytes of the store, then call step() "
+                    "again") from ex
             shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
             rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())
             slices = -(-max(rows, 1) // _rows_per_slice(shape, self._slicer.slice_bytes)) \
                 if shape else 1
             # Each slice writes every tensor, its undo copy, and (undone) once more.
-            per = 3 * (len(src.state_handles) + 2) * slices + n
+            per = 3 * (len(src.state_handles) + 2) * slices
             for store in {src.state_store, src.master_store,
                           src.shadow[0] if src.shadow else None} - {None}:
                 old = writes.get(id(store), (store, 0))

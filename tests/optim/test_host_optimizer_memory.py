@@ -58,6 +58,13 @@ def test_disk_state_keeps_only_slices_in_memory(tmp_path):
     # and one copy in the step)
     bound = 2 * 2 * max(slice_bytes, widest_row) + 2 * 4 * len(list(model.parameters()))
     assert 0 < seen <= bound < full // 4
+    # The step is all-or-nothing without a copy of the state or of the parameters in memory
+    # (the old values it keeps go to the disk): besides the parameters and gradients, its
+    # peak holds activations and the slices in flight, far less than one copy of either.
+    stats = mem.stats("cpu")
+    extra = stats.peak - stats.peak_by_category["parameters"] - stats.peak_by_category["gradients"]
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert extra < params // 3 < full
 
 
 @pytest.mark.gpu

@@ -39,7 +39,7 @@ class Entry:
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired", "master_handle", "ready",
+        "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -64,6 +64,10 @@ class Entry:
         self.master_handle: Handle | None = None
         # an event at its gradient-ready point (on the stream backward ran on), reused
         self.ready: object | None = None
+        self.hooked = False  # its gradient-complete hook is registered
+        self.stepped = False  # it took the step in progress (during final_backward or step())
+        self.undo: dict[str, tuple[Any, Handle]] = {}  # its undo tensors, see _undo.py
+        self.spare: dict[str, Handle] = {}  # state tensors the next step writes, see _undo.py
 
     @property
     def lowp(self) -> bool:

@@ -32,7 +32,14 @@ from headroom.optim._entries import (
     want_fp32_grad,
 )
 from headroom.optim._overlap import Overlap
-from headroom.optim._sliced import ELEMENTWISE, SlicedParam, SliceRunner, probe_layout
+from headroom.optim._sliced import (
+    ELEMENTWISE,
+    SlicedParam,
+    SliceRunner,
+    _rows_per_slice,
+    probe_layout,
+)
+from headroom.optim._undo import DeferInterrupt, Txn
 from headroom.transfer import (
     Handle,
     Mover,
@@ -44,8 +51,15 @@ from headroom.transfer import (
     resolve_store,
     sync_grad,
 )
+from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
+
+class _Kept(Exception):  # noqa: N818 - carries an error raised with the step left as it is
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
 
 @dataclass(frozen=True)
 class HostOptimizerOptions:
@@ -150,7 +164,8 @@ class HostOptimizer(torch.optim.Optimizer):
         self._cls = optimizer_class
         self._kwargs = kwargs
         self._overlap = Overlap(lambda batch, **kw: self._step_entries(batch, **kw),
-                                self._hparams, enabled=bool(overlap), bucket_bytes=bucket_bytes)
+                                self._hparams, enabled=bool(overlap), bucket_bytes=bucket_bytes,
+                                failed_backward=self._failed_backward)
         self._row_sparse_ids = {id(p) for p in row_sparse}
         if self._row_sparse_ids and optimizer_class not in LAZY:
             raise ValueError(
@@ -190,12 +205,28 @@ class HostOptimizer(torch.optim.Optimizer):
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
         self._key_prefix = f"hr-opt-{id(self):x}"
+        self._group_params: list[tuple[int, ...]] = []  # ids of each group's params, as added
+        self._txn: Txn | None = None  # what the step in progress changed, see _undo.py
+        self._defer: DeferInterrupt | None = None  # Ctrl-C handling of the running step()
+        self._keep_early = False  # keep copies of in-memory state stepped in final_backward
+        self._torn: str | None = None  # a failed step could not be undone (the message)
         super().__init__(params, defaults)
         self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
 
     # ------------------------------------------------------------------ setup
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (same contract as ``torch.optim.Optimizer.add_param_group``)."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not isinstance(params, (torch.Tensor, set)):
+            params = list(params)
+            param_group = {**param_group, "params": params}
+            if len({id(p) for p in params}) != len(params):
+                raise ValueError(
+                    "a parameter is listed twice in one parameter group; HostOptimizer keeps "
+                    "one master and one gradient per parameter, so it would step it once where "
+                    "torch.optim steps it twice (and warns that this will become an error). "
+                    "List each parameter once"
+                )
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
@@ -223,13 +254,42 @@ class HostOptimizer(torch.optim.Optimizer):
             else:
                 self._inner.add_param_group({**hp, "params": masters})
             self._inner_index[gi] = len(self._inner.param_groups) - 1
+        self._group_params.append(tuple(id(p) for p in group["params"]))
         for e in entries:
-            if e.kind == BOUND:
-                # A store-resident parameter's gradient reaches the store through the
-                # offload layer, not through autograd on this tensor: it tells us when done.
-                self._hooks.append(on_grad_ready(e.param, self._on_grad))
-            else:
-                self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+            self._hook(e)
+
+    def _hook(self, e: Entry) -> None:
+        """Listen for ``e``'s completed gradients (once it can have any)."""
+        if e.hooked:
+            return
+        if e.kind == BOUND:
+            # A store-resident parameter's gradient reaches the store through the
+            # offload layer, not through autograd on this tensor: it tells us when done.
+            self._hooks.append(on_grad_ready(e.param, self._on_grad))
+        elif e.param.requires_grad:
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+        else:
+            return  # frozen: no gradient (like torch.optim, it is skipped); hooked if unfrozen
+        e.hooked = True
+
+    def _check_groups(self) -> None:
+        """Refuse parameter lists changed behind the optimizer's back, before anything steps;
+        hook parameters unfrozen since."""
+        now = [tuple(id(p) for p in g["params"]) for g in self.param_groups]
+        if now != self._group_params:
+            pairs = zip(now, self._group_params, strict=False)
+            gi = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                      min(len(now), len(self._group_params)))
+            raise RuntimeError(
+                f"param_groups[{gi}]['params'] was changed after the parameters were added "
+                "(or groups were removed): HostOptimizer keeps a master copy, state and a "
+                "gradient hook per parameter and cannot follow that. Nothing was stepped. Add "
+                "parameters with opt.add_param_group({'params': [...]}), or build a new "
+                "HostOptimizer for the new parameter list (moving state with state_dict())"
+            )
+        for e in self._order:
+            if not e.hooked:
+                self._hook(e)
 
     def _reserve_host(self, params: list[torch.Tensor]) -> None:
         """Room for the host masters and gradients of a group's parameters on an accelerator
@@ -333,9 +393,24 @@ class HostOptimizer(torch.optim.Optimizer):
             self._arrival.append(e)
         self._overlap.gradient_complete(e)
 
+    def _take_assigned_grads(self) -> None:
+        """Move gradients assigned to ``param.grad`` (``p.grad = g``, not left there by
+        backward) of parameters whose master is a host copy into their host gradient."""
+        # Backward hands each such gradient to the mover and clears param.grad, so one found
+        # there was assigned: like torch, it replaces what had been accumulated.
+        for e in self._order:
+            if e.kind == HOSTED and e.param.grad is not None and not e.launched:
+                g = e.param.grad
+                e.param.grad = None
+                self._mover.push_grad(g, e.own, accumulate=False)
+
     def _wait(self) -> None:
         """Wait for the steps and copies running on the worker; re-raise their first error."""
-        self._overlap.wait()
+        try:
+            self._overlap.wait()
+        except BaseException as exc:
+            self._abort(exc)  # a step started during final_backward failed: undo it all
+            raise
 
     # ------------------------------------------------------------------ the step
     def _hparams(self, gi: int) -> dict[str, Any]:
@@ -343,8 +418,15 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step_entries(self, batch: list[Entry], *, early: bool = False) -> None:
+        """Step ``batch``, keeping what it changes in this step's undo record.
+
+        See [Note: all-or-nothing step]: what can fail runs first (allocation, the first step
+        of state created now, the sliced steps through stores), each with the old values kept;
+        the whole-tensor update of host-memory state runs last, in one call into PyTorch.
+        """
         if not batch:
             return
+        txn = self._open_txn()
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             self._mover.synchronize()
         # A store-resident gradient may still be on its way into the store (a disk write,
@@ -360,40 +442,242 @@ class HostOptimizer(torch.optim.Optimizer):
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._allocate_state(streamed)
-        if in_mem:
-            # The inner optimizer sees only this batch's masters (and their gradients):
-            # its per-call Python work then scales with the batch, not with the model.
-            saved = {}
-            # Look the inner groups up each time: load_state_dict replaces those dicts.
-            inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
-            for gi, inner in inner_groups.items():
-                for k, v in hparams.get(gi, {}).items():
-                    inner[k] = v
-                saved[gi] = inner["params"]
-                inner["params"] = [e.master for e in in_mem if e.group == gi]
-            for e in in_mem:
-                e.master.grad = e.grad_tensor()
-            try:
-                self._inner.step()
-            finally:
-                for e in in_mem:
-                    e.master.grad = None
-                for gi, inner in inner_groups.items():
-                    inner["params"] = saved[gi]
-        if streamed:
-            todo = [(e, self._source(e)) for e in streamed]
-            todo = [(e, src) for e, src in todo if src is not None]
+        todo = [(e, self._source(e)) for e in streamed]
+        todo = [(e, src) for e, src in todo if src is not None]
+        self._prepare_undo(todo, txn)
+        if todo:
+            for e, src in todo:
+                txn.entry(e)
+                if src.spare:
+                    txn.on_commit(lambda e=e, keys=tuple(src.spare): self._swap_spare(e, keys))
             results = self._slicer.step_many(
-                [(src, e.group, hparams[e.group]) for e, src in todo])
+                [(src, e.group, hparams[e.group]) for e, src in todo], txn)
             for (e, _), small in zip(todo, results, strict=True):
                 e.small = small
                 e.initialized = True
                 e.grad_scale = None
+        if in_mem:
+            if early and self._keep_early:
+                # Started during final_backward while step() may still fail (a store): keep
+                # their old values too (a master and state not made yet are dropped).
+                for e in in_mem:
+                    txn.ram(e.master, None, e.master.clone())
+                    st = self._inner.state.get(e.master)
+                    if not st:
+                        txn.after_undo(lambda m=e.master: self._inner.state.pop(m, None))
+                        continue
+                    for v in st.values():
+                        if isinstance(v, torch.Tensor):
+                            txn.ram(v, None, v.clone())
+            else:
+                # Last, after everything that can fail: one call into PyTorch's kernel (it
+                # allocates only state it creates on a first step). Not copied: see _undo.py.
+                txn.unprotected += len(in_mem)
+                if self._defer is not None and not early:
+                    self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
+            self._inner_step(in_mem, hparams)
+        for e in streamed + in_mem:
+            if e.kind == HOSTED:
+                txn.after_undo(lambda e=e: self._copy_back(e))
+            e.stepped = True
         # From step(): copy-backs are also ordered after what this thread queued until now
         # (one event for all of them); on the worker, after each parameter's own event only.
         now = None if early or self._mover is None else self._mover.mark()
-        for e in in_mem + streamed:
+        for e in streamed + in_mem:
             self._copy_back(e, now)
+
+    def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
+        """Step in-memory masters with the wrapped optimizer (only these, in one call)."""
+        # The inner optimizer sees only these masters (and their gradients): its per-call
+        # Python work then scales with the batch, not with the model.
+        saved = {}
+        # Look the inner groups up each time: load_state_dict replaces those dicts.
+        inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
+        for gi, inner in inner_groups.items():
+            for k, v in hparams.get(gi, {}).items():
+                inner[k] = v
+            saved[gi] = inner["params"]
+            inner["params"] = [e.master for e in entries if e.group == gi]
+        for e in entries:
+            e.master.grad = e.grad_tensor()
+        try:
+            self._inner.step()
+        finally:
+            for e in entries:
+                e.master.grad = None
+            for gi, inner in inner_groups.items():
+                inner["params"] = saved[gi]
+
+    # ------------------------------------------------------------------ all or nothing
+    def _open_txn(self) -> Txn:
+        with self._tickets_lock:
+            if self._txn is None:
+                self._txn = Txn()
+            return self._txn
+
+    def _undo_handles(self, e: Entry, src: SlicedParam) -> dict[str, tuple[Store, Handle]]:
+        """Undo tensors for what ``e``'s sliced step overwrites in stores without host memory
+        (scratch keys in the same store; made once, reused every step)."""
+        want: dict[str, tuple[Store, Handle]] = {}
+        if src.master is None and not (src.shadow is not None and not src.initialized):
+            want["p"] = (src.master_store, src.master_handle)
+        for k, h in src.state_handles.items():
+            want[k] = (src.state_store, h)
+        if src.shadow is not None:
+            want["lp"] = src.shadow
+        out = {}
+        spare = {}
+        # What rests in host memory keeps its old values on a disk the step writes anyway
+        # (the state store, or that of a parameter offloaded to a disk), rather than as a
+        # second copy in memory.
+        disk = None
+        first = next(iter(src.state_handles.values()), None)
+        if first is not None and src.state_store.host_tensor(first) is None:
+            disk = src.state_store
+        elif e.kind == BOUND and e.bound.store.host_tensor(e.bound.handle) is None:
+            disk = e.bound.store
+        if src.master is not None and disk is not None and first is not None:
+            want["p"] = (disk, first)  # (a handle of the master's shape and dtype)
+        for name, (store, h) in want.items():
+            where = store
+            if name == "p" and src.master is not None:
+                pass  # the master in memory: its undo tensor on ``disk``
+            elif store.host_tensor(h) is not None:
+                if disk is None:
+                    continue  # the step keeps a copy of the slice in memory
+                where = disk
+            if where is store and name in src.state_handles and src.rows is None:
+                # Ours, and every row is written: new values go to a spare, swapped in at
+                # the end of the step (lazy Adam writes some rows only: it keeps old ones).
+                sp = e.spare.get(name)
+                if sp is None or sp.key not in store or store.get(sp.key) is not sp:
+                    # the two alternate between the state's key and the same key with "~"
+                    other = h.key[:-1] if h.key.endswith("~") else h.key + "~"
+                    sp = e.spare[name] = store.alloc(other, h.shape, h.dtype, zero=False)
+                spare[name] = sp
+                continue
+            key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
+            u = e.undo.get(name)
+            if u is None or u[0] is not where or key not in where or \
+                    where.get(key) is not u[1] or u[1].shape != h.shape or u[1].dtype != h.dtype:
+                if key in where:
+                    where.free(where.get(key))
+                u = (where, where.alloc(key, h.shape, h.dtype, zero=False))
+                e.undo[name] = u
+            out[name] = u
+        src.spare = spare
+        return out
+
+    @staticmethod
+    def _swap_spare(e: Entry, keys: tuple[str, ...]) -> None:
+        """The step ended: the spares hold the new state, the old state becomes the spare."""
+        handles = dict(e.state_handles)
+        for k in keys:
+            handles[k], e.spare[k] = e.spare[k], handles[k]
+        e.state_handles = handles
+
+    def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn) -> None:
+        """Undo tensors and journal space for the sliced steps of ``todo``, before any update
+        (a full store fails here, with nothing changed)."""
+        writes: dict[int, tuple[Store, int]] = {}
+        for e, src in todo:
+            try:
+                src.undo = self._undo_handles(e, src)
+            except (StoreFullError, OSError) as ex:
+                stores = ", ".join(repr(x) for x in {id(x): x for x in (
+                    src.state_store, src.master_store, src.shadow and src.shadow[0])
+                    if x is not None}.values())
+                raise StoreFullError(
+                    f"HostOptimizer.step() needs room in {stores} for a second copy of what "
+                    "it updates (spare state tensors, and undo copies of the masters and of "
+                    f"offloaded parameters, kept until the step ends): {ex}. Nothing was "
+                    "updated; free space or raise max_bytes of the store, then call step() "
+                    "again") from ex
+            shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
+            rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())
+            slices = -(-max(rows, 1) // _rows_per_slice(shape, self._slicer.slice_bytes)) \
+                if shape else 1
+            # Each slice writes every tensor, its undo copy, and (undone) once more.
+            per = 3 * (len(src.state_handles) + 2) * slices
+            for store in {src.state_store, src.master_store,
+                          src.shadow[0] if src.shadow else None} - {None}:
+                old = writes.get(id(store), (store, 0))
+                writes[id(store)] = (store, old[1] + per)
+        for store, count in writes.values():
+            store.reserve_writes(count)
+            txn.stores.add(store)
+
+    def _check_hparams(self) -> None:
+        """Raise if a hyperparameter changed after steps started with it (final_backward)."""
+        try:
+            self._overlap.check_hparams()
+        except RuntimeError as exc:
+            txn = self._txn
+            if txn is not None and txn.unprotected:
+                # Those steps cannot be undone: leave them, and let a step() with the value
+                # set back finish the others (nothing else changed yet).
+                exc.add_note(
+                    "headroom: the parameters stepped during final_backward() keep that step; "
+                    "set the value back and call step() again to finish the step for the "
+                    "others, or restore the last checkpoint (hr.load)")
+                raise _Kept(exc) from exc
+            raise
+
+    def _failed_backward(self, exc: BaseException) -> None:
+        """A final backward failed after some parameters took this step on the worker."""
+        txn = self._txn
+        if txn is not None and not txn.unprotected:
+            self._abort(exc, backward=True)
+        elif hasattr(exc, "add_note"):
+            exc.add_note(
+                "headroom: this backward failed inside HostOptimizer.final_backward() after "
+                "some parameters (with state in host memory, whose old values are not kept) "
+                "had already taken this step; step() finishes the step for the others (with "
+                "the gradients they have), or restore the last checkpoint (hr.load) to "
+                "continue exactly"
+            )
+
+    def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
+        """A step failed: put the old values back and say on ``exc`` what it left."""
+        self._overlap.settle()  # nothing may still be stepping on the worker
+        with self._tickets_lock:
+            txn, self._txn = self._txn, None
+        if self._mover is not None:
+            with contextlib.suppress(BaseException):
+                self._mover.synchronize()
+        errors: list[BaseException] = []
+        unprotected = 0
+        if txn is not None:
+            unprotected = txn.unprotected
+            errors = txn.undo()
+            txn.end()
+        self._overlap.abort(self._order)
+        for e in self._order:
+            e.stepped = False
+        if errors or unprotected:
+            why = (f"putting the old values back failed ({type(errors[0]).__name__}: "
+                   f"{errors[0]})" if errors else
+                   f"{unprotected} parameter(s) with state in host memory had already taken it")
+            self._torn = (
+                "an earlier HostOptimizer.step() failed part-way and could not be undone "
+                f"({why}): parameters and optimizer state now mix old and new values. Load the "
+                "last checkpoint (hr.load(path, model, optimizer) or load_state_dict) before "
+                "training on")
+            note = ("headroom: HostOptimizer.step() failed part-way and could not be undone "
+                    f"({why}): parameters and optimizer state now MIX old and new values; "
+                    "step() refuses until a checkpoint is loaded (hr.load or load_state_dict)")
+        elif backward:
+            note = ("headroom: this backward failed inside HostOptimizer.final_backward() "
+                    "after some parameters had started this step; their step was undone: every "
+                    "parameter and all optimizer state hold their values from before it. The "
+                    "gradients are those of the failed backward: zero_grad() and run the "
+                    "iteration again")
+        else:
+            note = ("headroom: HostOptimizer.step() was undone: every parameter and all "
+                    "optimizer state hold their values from before this step, and the "
+                    "gradients are kept. Remove the cause and call step() again")
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
 
     def _source(self, e: Entry) -> SlicedParam | None:
         """Where a sliced step finds ``e``'s master, gradient and state (None: no step)."""
@@ -533,11 +817,33 @@ class HostOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._wait()
-        self._overlap.check_hparams()
-        rest = [e for e in self._order if not e.launched]
-        self._step_entries(rest)
-        self._finish_iteration()
+        if self._torn is not None:
+            raise RuntimeError(self._torn)
+        self._check_groups()
+        self._take_assigned_grads()
+        with DeferInterrupt() as defer:
+            self._defer = defer
+            try:
+                self._overlap.wait()
+                self._check_hparams()
+                # Entries stepped early are done; a bucket that never ran is stepped here.
+                self._step_entries([e for e in self._order if not e.stepped])
+            except _Kept as kept:
+                raise kept.exc from None
+            except BaseException as exc:
+                defer.arm()  # the undo itself is not interrupted
+                self._abort(exc)
+                raise
+            finally:
+                self._defer = None
+            defer.arm()
+            self._finish_iteration()
+        if defer.pending:
+            exc = KeyboardInterrupt()
+            exc.add_note("headroom: Ctrl-C came while HostOptimizer.step() was past the point "
+                         "where it could be undone: the step completed, every parameter and "
+                         "all optimizer state hold the new values")
+            raise exc
         return loss
 
     def _finish_iteration(self) -> None:
@@ -545,9 +851,14 @@ class HostOptimizer(torch.optim.Optimizer):
             tickets, self._tickets = self._tickets, []
         for t in tickets:
             self._mover.wait(t)  # the next forward, on this stream, reads the new values
+        with self._tickets_lock:
+            txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.commit()  # the spare state becomes current; the old values are dropped
         self._overlap.finish(self._order, self._arrival)
         for e in self._order:
             e.count = 0
+            e.stepped = False
         self._arrival = []
         self._refresh_state_view()
 
@@ -580,6 +891,12 @@ class HostOptimizer(torch.optim.Optimizer):
             ...     if last:
             ...         opt.step(); opt.zero_grad()
         """
+        if enabled:
+            self._check_groups()
+            # Steps started during backward can be undone only if they keep their old values;
+            # worth it only when step() may still fail after them (see [Note: all-or-nothing
+            # step]): when some of it goes through a store.
+            self._keep_early = any(e.streamed for e in self._order)
         with self._overlap.final_backward(self._order, enabled):
             yield
 
@@ -659,6 +976,7 @@ class HostOptimizer(torch.optim.Optimizer):
         e = self._entries.get(id(param))
         if e is None:
             raise KeyError("parameter is not managed by this HostOptimizer")
+        self._take_assigned_grads()
         self._wait()
         if e.kind == HOSTED and self._mover is not None:
             self._mover.synchronize()
@@ -695,6 +1013,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 `final_backward` (from then on `final_backward` refuses at once, before any
                 step), or the norm is non-finite and ``error_if_nonfinite``.
         """
+        self._check_groups()
+        self._take_assigned_grads()
         self._wait()
         self._overlap.clips = True
         if any(e.launched for e in self._order):
@@ -783,6 +1103,12 @@ class HostOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for e in self._order:  # the undo tensors (scratch space in the stores), the spares
+            spares = [(self._state_store, h) for h in e.spare.values()]
+            for store, h in [*e.undo.values(), *spares]:
+                with contextlib.suppress(KeyError, RuntimeError, OSError):
+                    store.free(h)
+            e.undo, e.spare = {}, {}
         self._overlap.close()
         if self._mover is not None:
             self._mover.close()  # lands what is in flight, gives the staging back

@@ -26,13 +26,17 @@ class Overlap:
     Args:
         step_entries: steps a batch of entries (called on the worker with ``early=True``).
         hparams: the current hyperparameters of a parameter group.
+        failed_backward: called with the exception when a final backward fails after some
+            steps started (they have finished by then).
         enabled: ``False`` makes `final_backward` a no-op.
         bucket_bytes: fp32 bytes per bucket.
     """
 
     def __init__(self, step_entries: Callable[..., None], hparams: Callable[[int], dict],
-                 *, enabled: bool, bucket_bytes: int) -> None:
+                 *, enabled: bool, bucket_bytes: int,
+                 failed_backward: Callable[[BaseException], None]) -> None:
         self.enabled = enabled
+        self._failed_backward = failed_backward
         self.bucket_bytes = bucket_bytes
         self._step_entries = step_entries
         self._hparams = hparams
@@ -44,6 +48,7 @@ class Overlap:
         self.clips = False  # clip_grad_norm_ has been called: gradients are not final
         self.launched_hparams: dict[int, dict[str, Any]] = {}
         self.last_arrival: list[Entry] = []  # first-gradient order of the last iteration
+        self.failed: BaseException | None = None  # the worker could not be started this time
 
     # ------------------------------------------------------------------ the worker
     def submit(self, fn: Callable[[], None]) -> None:
@@ -53,15 +58,25 @@ class Overlap:
 
     def wait(self) -> None:
         """Wait for everything submitted; re-raise the first error."""
-        futures, self._futures = self._futures, []
         err = None
-        for f in futures:
+        while self._futures:
+            f = self._futures[0]
             try:
                 f.result()
             except BaseException as ex:  # noqa: BLE001 - re-raised below, first one wins
+                if not f.done():
+                    raise  # interrupted while waiting (Ctrl-C): still there for `settle`
                 err = err or ex
+            self._futures.pop(0)
         if err is not None:
             raise err
+
+    def settle(self) -> None:
+        """Wait for everything submitted, dropping errors (their step is being undone)."""
+        futures, self._futures = self._futures, []
+        for f in futures:
+            with contextlib.suppress(BaseException):
+                f.exception()
 
     @property
     def busy(self) -> bool:
@@ -108,13 +123,7 @@ class Overlap:
             if any(e.launched for e in entries):
                 with contextlib.suppress(BaseException):
                     self.wait()
-                if hasattr(exc, "add_note"):
-                    exc.add_note(
-                        "headroom: this backward failed inside HostOptimizer.final_backward() "
-                        "after some parameters had already taken this step; step() finishes "
-                        "the step for the others (with the gradients they have), or restore "
-                        "the last checkpoint (hr.load) to continue exactly"
-                    )
+                self._failed_backward(exc)
             raise
         finally:
             self.final = False
@@ -147,6 +156,8 @@ class Overlap:
         bucket.remaining -= 1
         if bucket.remaining:
             return
+        if self.failed is not None:
+            return  # no worker: step() steps these
         for x in bucket.entries:
             x.launched = True
         with self._lock:
@@ -156,7 +167,16 @@ class Overlap:
             for x in bucket.entries:
                 self.launched_hparams.setdefault(x.group, self._hparams(x.group))
             self._ready.extend(bucket.entries)
-        self.submit(self._drain)
+        try:
+            self.submit(self._drain)
+        except BaseException as ex:  # noqa: BLE001 - e.g. no thread could be started
+            # Overlap is only an optimization: what was not handed over is stepped by step().
+            self.failed = ex
+            with self._lock:
+                left = [x for x in self._ready if x in bucket.entries]
+                self._ready = [x for x in self._ready if x not in bucket.entries]
+            for x in left:
+                x.launched = False
 
     def check_hparams(self) -> None:
         """Raise if a hyperparameter changed since a step started with it."""
@@ -175,11 +195,18 @@ class Overlap:
         """The step is over: remember the arrival order, forget buckets and launches."""
         if arrival:
             self.last_arrival = arrival
+        self.abort(entries)
+
+    def abort(self, entries: list[Entry]) -> None:
+        """Forget buckets and launches (the step ended, or was undone)."""
+        with self._lock:
+            self._ready = []
         for e in entries:
             e.launched = False
             e.fired = False
             e.bucket = None
         self.launched_hparams = {}
+        self.failed = None
 
 
 def _bucket(entries: list[Entry]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from headroom.memory import annotate
+from headroom.optim._undo import Txn, wait_all
 from headroom.transfer import Handle, Store
 
 __all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
@@ -99,6 +100,12 @@ class SlicedParam:
     initialized: bool
     rows: torch.Tensor | None = None  # row-sparse mode: sorted rows to touch; None = all rows
     shadow: tuple[Store, Handle] | None = None  # the low-precision value the master feeds
+    # Undo tensors (same store, shape and dtype) of what rests on disk: "p" (master), the
+    # state keys, "lp" (the low-precision value). See [Note: all-or-nothing step].
+    undo: dict[str, tuple[Store, Handle]] = field(default_factory=dict)
+    # State keys whose new values go to a second tensor of the state store instead of over
+    # the old ones (the two swap when the step ends): nothing to keep, no extra write.
+    spare: dict[str, Handle] = field(default_factory=dict)
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
@@ -169,9 +176,14 @@ class SliceRunner:
         return self.step_many([(src, gi, group)])[0]
 
     def step_many(
-        self, items: list[tuple[SlicedParam, int, dict[str, Any]]]
+        self, items: list[tuple[SlicedParam, int, dict[str, Any]]], txn: Txn | None = None
     ) -> list[dict[str, Any]]:
-        """Step several parameters as one pipeline of slices; returns their new small states."""
+        """Step several parameters as one pipeline of slices; returns their new small states.
+
+        With ``txn``, the old values of every slice are kept in it before the slice is
+        overwritten (see [Note: all-or-nothing step]); on an exception every write issued has
+        finished (or failed) before it propagates.
+        """
         # One pipeline across parameters (not one per parameter) keeps the disk busy between
         # parameters: the first slice of the next parameter is read while the last slice of this one
         # is updated and written.
@@ -180,7 +192,7 @@ class SliceRunner:
         for k, (src, gi, group) in enumerate(items):
             shape = (src.master_handle.shape if src.master is None else tuple(src.master.shape))
             if not shape:  # 0-dim: one element, outside the pipeline
-                results[k] = self._step_scalar(src, self._optimizer(gi, group), group)
+                results[k] = self._step_scalar(src, self._optimizer(gi, group), group, txn)
                 continue
             n_rows = shape[0] if src.rows is None else int(src.rows.numel())
             per = _rows_per_slice(shape, self.slice_bytes)
@@ -207,9 +219,33 @@ class SliceRunner:
                     key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
                     for key, h in src.state_handles.items()
                 }
+                if txn is not None and src.shadow is not None:
+                    # the low-precision value about to be overwritten, kept for an undo
+                    got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
+            if txn is not None:
+                # Host-memory slices with an undo tensor on disk: written out from the resting
+                # tensor itself (no copy), now, while an earlier slice is updated; the update
+                # of this one waits for it (`_keep`).
+                views = [("p", got["p"])] if not (src.shadow is not None and
+                                                  not src.initialized) else []
+                views += [(k, v) for k, v in got.get("s", {}).items() if k not in src.spare]
+                got["undo"] = {name: src.undo[name][0].write_rows(src.undo[name][1], rows, v.t)
+                               for name, v in views
+                               if isinstance(v, _InPlace) and name in src.undo}
+                pending_writes[par].extend(got["undo"].values())  # waited for on an error
             return got
 
-        nxt = fetch(0)
+        nxt = None
+        try:
+            nxt = fetch(0)
+            self._pipeline(items, slices, results, fetch, nxt, pending_writes, txn)
+        except BaseException:
+            # Nothing may still be writing when the caller puts the old values back.
+            wait_all([f for ws in pending_writes for f in ws])
+            raise
+        return results
+
+    def _pipeline(self, items, slices, results, fetch, nxt, pending_writes, txn) -> None:
         for i, (k, _, _) in enumerate(slices):
             src, gi, group = items[k]
             opt = self._optimizer(gi, group)
@@ -223,6 +259,8 @@ class SliceRunner:
                 nxt = fetch(i + 1)
             work = _result(cur["p"])
             grad = _result(cur["g"])
+            rows = cur["rows"]
+            kept = [] if txn is None else self._keep(src, cur, rows, txn)
             if src.shadow is not None and not src.initialized:
                 work = work.float()  # the fp32 master starts from the low-precision value
             owned = isinstance(cur["g"], Future)
@@ -232,16 +270,34 @@ class SliceRunner:
             if src.grad_scale is not None:
                 # Scale a landed copy in place; never the resting gradient itself.
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
-            rows = cur["rows"]
             resting = cur.get("s", {})
             state = self._run(opt, group, src, work, grad,
                               lambda s=resting: {key: _result(v) for key, v in s.items()})
             writes = pending_writes[i % 2]
+            failed = None
+            for fut, rec, ram in kept:
+                # New values go out only once the old ones are kept (a failed undo write
+                # stops the step here, with this slice's old values still in place, or, for
+                # a host tensor already updated in place, kept in memory after all).
+                writes.append(fut)
+                try:
+                    fut.result()
+                    if rec[0] == "ram-from":
+                        txn.ram_from(*rec[1:])
+                    else:
+                        txn.stored(*rec)
+                except BaseException as ex:  # noqa: BLE001 - re-raised below
+                    failed = failed or ex
+                    if ram is not None:
+                        txn.ram(*ram)
+            if failed is not None:
+                raise failed
             for key, h in src.state_handles.items():
                 t = state[key]
                 if _is_view_of(t, cur.get("s", {}).get(key)):
                     continue  # updated in place in the resting host tensor
-                writes.append(src.state_store.write_rows(h, rows, t.contiguous()))
+                writes.append(src.state_store.write_rows(src.spare.get(key, h), rows,
+                                                         t.contiguous()))
             # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
             if fresh or not _is_in_place(cur["p"]):
@@ -255,7 +311,55 @@ class SliceRunner:
         for ws in pending_writes:
             for f in ws:
                 f.result()
-        return results
+
+    def _keep(self, src: SlicedParam, cur: dict[str, Any], rows: slice | torch.Tensor,
+              txn: Txn) -> list[tuple[Future, tuple, tuple | None]]:
+        """Keep the old values of what this slice overwrites (before its update runs): copies
+        in ``txn`` for host memory, writes to the undo tensors for stores (returned, with the
+        record to add once each has landed)."""
+        pending: list[tuple[Future, tuple, tuple | None]] = []
+
+        def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
+                 handle: Handle | None, name: str) -> None:
+            undo = src.undo.get(name)
+            early = cur.get("undo", {}).get(name)
+            if early is not None:  # a host-memory slice, its old values already on their way
+                early.result()  # raises before this slice changed
+                txn.ram_from(loaded.t, None, undo, rows)
+                return
+            old = _result(loaded).clone()  # the update changes the landed slice in place
+            in_place = isinstance(loaded, _InPlace)
+            if undo is None:
+                if in_place:
+                    txn.ram(loaded.t, None, old)
+                    return
+                if mem is not None:
+                    txn.ram(mem, rows, old)
+                    return
+            elif mem is not None:  # a master in memory, its old values kept on a disk
+                rec = (loaded.t, None) if in_place else (mem, rows)
+                pending.append((undo[0].write_rows(undo[1], rows, old),
+                                ("ram-from", *rec, undo, rows),
+                                (loaded.t, None, old) if in_place else None))
+                return
+            if undo is None:
+                txn.stored_copy(store, handle, rows, old)
+                return
+            # in place (a host tensor): updated before the undo write is known to have landed
+            ram = (loaded.t, None, old) if isinstance(loaded, _InPlace) else None
+            pending.append((undo[0].write_rows(undo[1], rows, old),
+                            (store, handle, rows, undo), ram))
+
+        fresh = src.shadow is not None and not src.initialized
+        if not fresh:  # (a master made from the low-precision value is new: nothing to keep)
+            keep(cur["p"], src.master, src.master_store, src.master_handle, "p")
+        if src.initialized:
+            for key, h in src.state_handles.items():
+                if key not in src.spare:
+                    keep(cur["s"][key], None, src.state_store, h, key)
+        if src.shadow is not None:
+            keep(cur["p"] if fresh else cur["lp"], None, *src.shadow, "lp")
+        return pending
 
     def _run(self, opt, group, src: SlicedParam, work: torch.Tensor, grad: torch.Tensor,
              shaped: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -279,12 +383,25 @@ class SliceRunner:
             state = opt.state.pop(work, state)
         return state
 
-    def _step_scalar(self, src: SlicedParam, opt, group) -> dict[str, Any]:
-        if src.shadow is not None and not src.initialized:
+    def _step_scalar(self, src: SlicedParam, opt, group, txn: Txn | None) -> dict[str, Any]:
+        fresh = src.shadow is not None and not src.initialized
+        if fresh:
             work = src.shadow[0].read(src.shadow[1]).result().float()
         else:
             work = (src.master if src.master is not None
                     else src.master_store.read(src.master_handle).result())
+        if txn is not None:  # one element each: kept in memory
+            if src.shadow is not None:
+                txn.stored_copy(*src.shadow, None, src.shadow[0].read(src.shadow[1]).result())
+            if not fresh and src.master is not None:
+                txn.ram(src.master, None, src.master.clone())
+            elif not fresh:
+                txn.stored_copy(src.master_store, src.master_handle, None, work.clone())
+            if src.initialized:
+                for key, h in src.state_handles.items():
+                    if key not in src.spare:
+                        txn.stored_copy(src.state_store, h, None,
+                                        src.state_store.read(h).result())
         grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
         if grad.dtype != work.dtype:
             grad = grad.to(work.dtype)
@@ -293,7 +410,7 @@ class SliceRunner:
         state = self._run(opt, group, src, work, grad, lambda: {
             k: src.state_store.read(h).result() for k, h in src.state_handles.items()})
         for k, h in src.state_handles.items():
-            src.state_store.write(h, state[k].contiguous()).result()
+            src.state_store.write(src.spare.get(k, h), state[k].contiguous()).result()
         if src.master is None:
             src.master_store.write(src.master_handle, work).result()
         if src.shadow is not None:

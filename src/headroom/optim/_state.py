@@ -56,6 +56,7 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     opt._wait()
     if opt._mover is not None:
         opt._mover.wait_reads()  # copy-backs still reading the masters written below
+    opt._torn = None  # every parameter's state is replaced: a mix left by a failed step ends
     saved = state_dict["param_groups"]
     if len(saved) != len(opt.param_groups):
         raise ValueError(

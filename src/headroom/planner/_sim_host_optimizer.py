@@ -232,6 +232,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
 
     def _step_on_host(self, batch: list[_Entry]) -> None:
         from headroom.optim._sliced import SlicedParam, probe_layout
+        from headroom.optim._undo import Txn
 
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
@@ -283,8 +284,28 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                     initialized=e.initialized,
                 ), e.group, {k: v for k, v in self.param_groups[e.group].items()
                              if k != "params"}))
+            # The step keeps the old values of what it overwrites until it ends (see
+            # [Note: all-or-nothing step]): copies in host memory count here; state on disk
+            # goes to spares and other disk tensors to undo tensors, both on disk.
+            txn = Txn()
+            for src, _, _ in items:
+                st = src.state_store
+                if src.rows is None:
+                    src.spare = {k: h for k, h in src.state_handles.items()
+                                 if st.host_tensor(h) is None}
+                first = next(iter(src.state_handles.values()), None)
+                if src.master is None and src.master_store.host_tensor(src.master_handle) \
+                        is None:  # an offloaded parameter on disk: undo tensors there
+                    src.undo = {"p": (src.master_store, src.master_handle)}
+                    src.undo.update({k: (src.master_store, h)
+                                     for k, h in src.state_handles.items()
+                                     if st.host_tensor(h) is not None})
+                elif src.master is not None and first is not None and \
+                        st.host_tensor(first) is None:  # a master in memory, state on disk
+                    src.undo = {"p": (st, first)}
             with torch.device("meta"):  # its landing buffers too
-                results = self._slicer.step_many(items)
+                results = self._slicer.step_many(items, txn)
+            txn.end()
             for e, small in zip(streamed, results, strict=True):
                 e.small = small
                 e.initialized = True

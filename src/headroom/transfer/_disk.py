@@ -72,6 +72,7 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
+_RECORD_BYTES = 384  # a journal record of a write of one range of rows, with room to spare
 _PIECE_BYTES = 4 << 20  # reads of at least two of these are split across the I/O threads
 _CHECK_CHUNK = 1 << 20  # a checked read lands and is checksummed in chunks of this size
 
@@ -444,12 +445,11 @@ class DiskStore(Store):
             if self._pending.get(key) is fut:
                 del self._pending[key]
 
-    @staticmethod
-    def _io_error(e: OSError, path: str) -> OSError:
+    def _io_error(self, e: OSError, path: str) -> OSError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return StoreFullError(
-                f"disk full while writing {path}; free space there or give DiskStore a"
-                " directory on a larger disk"
+                f"disk full while writing {path} (a file of {self!r}); free space there or"
+                " give DiskStore a directory on a larger disk"
             )
         return e
 
@@ -570,7 +570,10 @@ class DiskStore(Store):
                     raise self._io_error(e, path) from e
             finally:
                 os.close(fd)
-            self._ledger.end_write(rid, "ok")
+            try:
+                self._ledger.end_write(rid, "ok")
+            except OSError as e:  # the data is in place; its record could not be added
+                raise self._io_error(e, str(self.path)) from e
             with self._lock:
                 self._unsynced.add(path)
             n = sum(length for _, _, length in extents)
@@ -691,6 +694,20 @@ class DiskStore(Store):
         if not extents:
             return done(None)
         return self._submit_io(handle, "write", src, extents)
+
+    def reserve_writes(self, count: int) -> None:
+        # Two records per write (begin and done), each at most this long for a write of one
+        # range of rows (more ranges: about 40 bytes each).
+        try:
+            self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
+        except OSError as e:
+            raise StoreFullError(
+                f"{self!r} is full: the disk under {self.path} has no room for the journal"
+                f" records of {count} writes ({e.strerror or e}); free space there or give"
+                " DiskStore a directory on a larger disk") from e
+
+    def release_writes(self) -> None:
+        self._ledger.unreserve()
 
     def file_of(self, handle: Handle) -> Path:
         """The file that holds ``handle`` (for inspection and benchmarks)."""

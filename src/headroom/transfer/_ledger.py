@@ -27,6 +27,7 @@ file or the disk's free space before anything is read or allocated.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import gc
@@ -242,6 +243,29 @@ def _write_record(rec) -> dict:
     return rec
 
 
+_LIBC = None
+
+
+def _keep_size_fallocate(fd: int, offset: int, length: int) -> None:
+    """Allocate blocks of ``fd`` past its end without changing its size (Linux
+    ``FALLOC_FL_KEEP_SIZE``): appends then land in them. Elsewhere (or on a file system
+    without it) nothing is reserved."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                        ctypes.c_int64]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC or length <= 0:
+        return
+    if _LIBC.fallocate(fd, 1, offset, length) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(err, os.strerror(err) + " (journal)")
+
+
 def _scratch(rec: dict) -> bool:
     """Whether a journal record changes a scratch key (``"d"`` records, which end a write,
     count with the write they end)."""
@@ -286,6 +310,8 @@ class Ledger:
         self._jfd = -1
         self._jbytes = 0
         self._index_bytes = 0
+        self._held = 0  # journal bytes reserved for writes promised not to fail (see `reserve`)
+        self._reserved_to = 0  # the journal's blocks are allocated up to this offset
         self._pid = os.getpid()
         _OPEN.add(self)
 
@@ -483,9 +509,17 @@ class Ledger:
         rec["s"] = self.seq + 1
         body = json.dumps(rec, separators=(",", ":")).encode()
         line = b"%08x %s\n" % (crc(body), body)
-        n = os.write(self._jfd, line)
-        if n != len(line):  # pragma: no cover - a short write to a regular file: disk full
-            raise OSError(28, "No space left on device (journal)")
+        try:
+            n = os.write(self._jfd, line)
+            if n != len(line):  # a short write to a regular file: disk full
+                raise OSError(28, "No space left on device (journal)")
+        except OSError:
+            # A torn line followed by later records would make the journal unreadable: cut
+            # it off (the record never happened). Truncating frees reserved blocks too.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._jfd, self._jbytes)
+            self._reserved_to = min(self._reserved_to, self._jbytes)
+            raise
         self.seq += 1
         self._jbytes += n
         # Scratch bytes are worth nothing once the process is gone (see [Note: scratch keys]):
@@ -521,8 +555,28 @@ class Ledger:
         with self.lock:
             self._settle(self.inflight.pop(rid), result)
             self._append({"op": "d", "id": rid, "r": result})
-            if self._jbytes > max(COMPACT_BYTES, 2 * self._index_bytes):
+            if self._jbytes > max(COMPACT_BYTES, 2 * self._index_bytes) and not self._held:
+                # Not while space is reserved: compaction writes a new index (new blocks)
+                # and truncating the journal would give the reserved blocks back.
                 self._compact(clean=False)
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` more of journal space now, so that the records of writes
+        promised not to fail cannot run out of space; `unreserve` ends the promise.
+
+        Raises:
+            OSError: the disk cannot hold them (``ENOSPC``); nothing was reserved.
+        """
+        with self.lock:
+            want = self._jbytes + self._held + nbytes
+            if want > self._reserved_to:
+                _keep_size_fallocate(self._jfd, self._reserved_to, want - self._reserved_to)
+                self._reserved_to = want
+            self._held += nbytes
+
+    def unreserve(self) -> None:
+        with self.lock:
+            self._held = 0
 
     def resolve(self, rid: int, result: str) -> None:
         """Settle a write found unfinished when opening (no record: the open snapshots)."""
@@ -591,7 +645,12 @@ class Ledger:
         _fsync_dir(self.path)
         os.ftruncate(self._jfd, 0)
         self._jbytes = 0
+        self._reserved_to = 0
         self._index_bytes = len(blob)
+        if self._held:  # a flush during a reservation: take the freed blocks back
+            with contextlib.suppress(OSError):
+                _keep_size_fallocate(self._jfd, 0, self._held)
+                self._reserved_to = self._held
 
     def orphans(self) -> list[str]:
         """Tensor files in the folder that no tensor owns (freed, or never journaled)."""

@@ -202,6 +202,18 @@ class Store(abc.ABC):
         """A hint: tensors of these byte sizes are about to be allocated (a pinned host store
         then carves them from one slab sized to fit)."""
 
+    def reserve_writes(self, count: int) -> None:  # noqa: B027 - optional hook
+        """Promise that the next ``count`` writes into tensors already allocated cannot fail
+        for lack of space: reserve what they need besides their own bytes (a `DiskStore`'s
+        journal records) now, until `release_writes`.
+
+        Raises:
+            StoreFullError: the space is not there; nothing was reserved.
+        """
+
+    def release_writes(self) -> None:  # noqa: B027 - optional hook
+        """End the promise of `reserve_writes`."""
+
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Wait for all pending operations (and persist metadata, where there is any)."""
 

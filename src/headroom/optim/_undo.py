@@ -1,0 +1,195 @@
+"""What one optimizer step changed, kept until the step ends so a failed step can be undone.
+
+[Note: all-or-nothing step]
+A `HostOptimizer` step updates many tensors: masters in memory, state and masters in stores,
+one slice at a time. State that rests on disk is not overwritten: each state tensor has a spare
+of the same shape in the state store; the step reads the current one, writes the spare, and the
+two swap when the step ends (an undo then has nothing to put back, and the step does no more
+I/O than an in-place one). Before a slice of any other tensor is overwritten, its old values
+are kept: a copy in host memory for tensors that rest in host memory, or written to an undo
+tensor of their own (a scratch key, see [Note: scratch keys]) in the tensor's store for tensors
+that rest on disk (the parameters of a model offloaded to a `DiskStore`), so a step over a
+`DiskStore` holds no second copy of the state in memory. The new values of a slice go out only
+once its old values are kept. When anything inside the step raises, every kept slice is written
+back (newest first) and the per-parameter scalars (step counts) are restored: parameters and
+state are then exactly as before the step, and the gradients are still there, so calling
+``step()`` again redoes it. When the step ends, what was kept is dropped.
+
+Tensors stepped whole in host memory by the wrapped optimizer (state in host memory) are not
+copied: their update is one call into PyTorch that allocates nothing once the state exists,
+so it runs last, after everything that can fail, with Ctrl-C held back until the step ends
+(`DeferInterrupt`). Steps started during ``final_backward`` keep a copy of those when something
+that can fail (a store) may follow in ``step()``. What is left that cannot be undone (an error
+inside that kernel, e.g. out of memory while the first step creates the state) is reported as a
+mix, and ``step()`` refuses until a checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+__all__ = ["DeferInterrupt", "Txn"]
+
+
+class Txn:
+    """The undo record of one step (possibly started during ``final_backward``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: list[tuple] = []
+        self._entries: dict[int, tuple] = {}
+        self._after: list[Callable[[], None]] = []
+        self._commit: list[Callable[[], None]] = []
+        self.unprotected = 0  # parameters updated in place without a kept copy
+        self.stores: set = set()  # stores holding a write reservation for this step
+
+    # ------------------------------------------------------------------ recording
+    def entry(self, e: Any) -> None:
+        """Keep ``e``'s per-parameter scalars (step counts...) and flags as they are now."""
+        with self._lock:
+            if id(e) not in self._entries:
+                small = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                         for k, v in e.small.items()}
+                self._entries[id(e)] = (e, small, e.initialized, e.grad_scale)
+
+    def ram(self, t: torch.Tensor, rows: Any, old: torch.Tensor) -> None:
+        """``t[rows]`` (``rows`` None: all of ``t``) held ``old`` (a copy) before the step."""
+        with self._lock:
+            self._records.append(("ram", t, rows, old))
+
+    def stored(self, store: Any, handle: Any, rows: Any, undo: tuple[Any, Any]) -> None:
+        """Rows of ``handle`` were copied to the same rows of ``undo`` = (store, handle)."""
+        with self._lock:
+            self._records.append(("store", store, handle, rows, undo))
+
+    def ram_from(self, t: Any, rows: Any, undo: tuple[Any, Any], urows: Any) -> None:
+        """``t[rows]`` (``rows`` None: all of ``t``, a view) held what rows ``urows`` of the
+        undo tensor ``undo`` = (store, handle) now hold."""
+        with self._lock:
+            self._records.append(("ram-from", t, rows, undo, urows))
+
+    def stored_copy(self, store: Any, handle: Any, rows: Any, old: torch.Tensor) -> None:
+        """``handle``'s ``rows`` (None: all of it) held ``old`` (a host copy) before the step."""
+        with self._lock:
+            self._records.append(("store-copy", store, handle, rows, old))
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the step ends well (e.g. make the spare state tensors current)."""
+        with self._lock:
+            self._commit.append(fn)
+
+    def commit(self) -> None:
+        """The step succeeded: run the commit actions (plain assignments), then `end`."""
+        for fn in self._commit:
+            fn()
+        self.end()
+
+    def after_undo(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the old values are back (e.g. copy a master back to its parameter)."""
+        with self._lock:
+            self._after.append(fn)
+
+    @property
+    def empty(self) -> bool:
+        return not self._records and not self._entries and not self.unprotected
+
+    # ------------------------------------------------------------------ the end
+    def undo(self) -> list[BaseException]:
+        """Put the old values back, newest first; returns what failed (empty: all back)."""
+        errors: list[BaseException] = []
+        for rec in reversed(self._records):
+            try:
+                if rec[0] == "ram":
+                    _, t, rows, old = rec
+                    if rows is None:
+                        t.copy_(old)
+                    elif isinstance(rows, slice):
+                        t[rows].copy_(old)
+                    else:
+                        t.index_copy_(0, rows, old)
+                elif rec[0] == "ram-from":
+                    _, t, rows, (ustore, uhandle), urows = rec
+                    old = ustore.read_rows(uhandle, urows).result()
+                    if rows is None:
+                        t.copy_(old)
+                    else:
+                        t.index_copy_(0, rows, old)
+                elif rec[0] == "store":
+                    _, store, handle, rows, (ustore, uhandle) = rec
+                    old = ustore.read_rows(uhandle, rows).result()
+                    store.write_rows(handle, rows, old).result()
+                else:
+                    _, store, handle, rows, old = rec
+                    if rows is None:
+                        store.write(handle, old).result()
+                    else:
+                        store.write_rows(handle, rows, old).result()
+            except BaseException as ex:  # noqa: BLE001 - reported to the caller, all tried
+                errors.append(ex)
+        for e, small, initialized, grad_scale in self._entries.values():
+            e.small, e.initialized, e.grad_scale = small, initialized, grad_scale
+        for fn in self._after:
+            try:
+                fn()
+            except BaseException as ex:  # noqa: BLE001 - as above
+                errors.append(ex)
+        self._records, self._entries, self._after, self._commit = [], {}, [], []
+        return errors
+
+    def end(self) -> None:
+        """The step is over (committed or undone): drop what was kept, end reservations."""
+        self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self.unprotected = 0
+        stores, self.stores = self.stores, set()
+        for s in stores:
+            with contextlib.suppress(Exception):  # a closed store holds nothing
+                s.release_writes()
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for every future, ignoring their errors (reported elsewhere)."""
+    for f in futures:
+        with contextlib.suppress(BaseException):  # cancelled: nothing more to wait for
+            f.exception()
+
+
+class DeferInterrupt:
+    """Hold Ctrl-C (SIGINT) back while `armed`, and raise it when the block ends.
+
+    Before `arm`, Ctrl-C raises `KeyboardInterrupt` at once (the step can still be undone).
+    Only in the main thread with Python's default handler installed; elsewhere a no-op.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.pending = False
+        self._old: Any = None
+        self._active = False
+
+    def __enter__(self) -> DeferInterrupt:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._old = signal.signal(signal.SIGINT, self._handler)
+            self._active = True
+        return self
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.armed:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._active:
+            signal.signal(signal.SIGINT, self._old)
+            self._active = False

@@ -149,3 +149,21 @@ def test_host_optimizer_whose_constructor_makes_state(tmp_path):
         low = torch.nn.Sequential(torch.nn.Linear(32, 32)).to(torch.bfloat16)
         assert estimate(low, (torch.randn(4, 32, dtype=torch.bfloat16),), loss_fn=loss_fn,
                         optimizer=opts, device=target).peak > 0
+
+
+@pytest.mark.parametrize(("params", "state"), [
+    ("cpu", "disk"), ("disk", "cpu"),
+    pytest.param("disk", "disk", marks=pytest.mark.xfail(
+        strict=True, reason="measured forward holds about 110 KiB more 'other' than estimated"
+                            " (bf16 parameters read from disk)"))])
+def test_bf16_model_offloaded_with_fp32_masters(params, state, tmp_path):
+    # A bf16 parameter in a store gets an fp32 master of its own in the optimizer's store.
+    from tests.memory._models import with_features
+
+    model, args, _ = build("mlp", tmp_path)
+    model.to(torch.bfloat16)
+    args = tuple(a.to(torch.bfloat16) for a in args)
+    opt = with_features(model, tmp_path, offload=(params, 1), host=(state, False))
+    mem = measure(model, args, opt, steps=3)
+    est = estimate(model, args, loss_fn=loss_fn, optimizer=opt)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)

@@ -28,7 +28,7 @@ _MASTER_DTYPES = (torch.float32, torch.float64)
 class _Entry:
     __slots__ = ("param", "group", "kind", "master", "grad_host", "slot", "store", "streamed",
                  "state_handles", "small", "initialized", "count", "launched", "bucket",
-                 "fired", "has_grad_host")
+                 "fired", "has_grad_host", "lowp", "master_handle")
 
     def __init__(self, param: torch.Tensor, group: int) -> None:
         self.param = param
@@ -47,6 +47,8 @@ class _Entry:
         self.launched = False
         self.bucket: list[_Entry] | None = None
         self.fired = False
+        self.lowp = False  # bound and low precision: an fp32 master of its own in the state
+        self.master_handle: Any = None  # store, fed back into the parameter (the shadow)
 
     def has_grad(self) -> bool:
         if self.kind == _ALIAS:
@@ -142,6 +144,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             host = sim.store.host_tensor(slot.handle)
             if host is not None and host.dtype in _MASTER_DTYPES:
                 e.master = host
+            e.lowp = slot.handle.dtype not in _MASTER_DTYPES
         elif self._cpu and p.dtype in _MASTER_DTYPES:
             e.master = p.detach()
         else:
@@ -247,6 +250,9 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 e.slot.handle.dtype if e.slot.handle.dtype in _MASTER_DTYPES else torch.float32)
             e.state_handles = {k: store.alloc(f"{id(e)}/{k}", tuple(e.param.shape), dtype)
                                for k in lay.shaped}
+            if e.lowp:
+                e.master_handle = store.alloc(f"{id(e)}/master", tuple(e.param.shape),
+                                              torch.float32)
         if in_mem:
             groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
             saved = {}
@@ -270,10 +276,16 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             for e in streamed:
                 grad = e.grad_tensor()
                 store = e.store
+                if e.lowp:
+                    master_store, master_handle = self._state_store or self._aux, e.master_handle
+                elif e.master is None:
+                    master_store, master_handle = store, e.slot.handle
+                else:
+                    master_store = master_handle = None
                 items.append((SlicedParam(
                     master=e.master,
-                    master_store=store if e.master is None else None,
-                    master_handle=e.slot.handle if e.master is None else None,
+                    master_store=master_store,
+                    master_handle=master_handle,
                     grad=grad,
                     grad_store=None if grad is not None else store,
                     grad_handle=None if grad is not None else e.slot.grad_handle,
@@ -282,6 +294,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                     state_handles=e.state_handles,
                     small=e.small,
                     initialized=e.initialized,
+                    shadow=(e.store, e.slot.handle) if e.lowp else None,
                 ), e.group, {k: v for k, v in self.param_groups[e.group].items()
                              if k != "params"}))
             # The step keeps the old values of what it overwrites until it ends (see
@@ -303,6 +316,17 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 elif src.master is not None and first is not None and \
                         st.host_tensor(first) is None:  # a master in memory, state on disk
                     src.undo = {"p": (st, first)}
+                if src.shadow is not None and not src.undo:
+                    # A low-precision parameter's fp32 master and state in host memory: their
+                    # old values go to a disk the step writes anyway (the parameter's), as the
+                    # real step does.
+                    sh_store, sh_handle = src.shadow
+                    disk = st if first is not None and st.host_tensor(first) is None else (
+                        sh_store if sh_store.host_tensor(sh_handle) is None else None)
+                    if disk is not None:
+                        src.undo = {"p": (disk, src.master_handle), "lp": (disk, sh_handle)}
+                        src.undo.update({k: (disk, h) for k, h in src.state_handles.items()
+                                         if st.host_tensor(h) is not None})
             with torch.device("meta"):  # its landing buffers too
                 results = self._slicer.step_many(items, txn)
             txn.end()

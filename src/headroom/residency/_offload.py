@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from headroom.residency import _guard
+from headroom.residency import _adopt, _guard
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
@@ -179,6 +179,7 @@ def offload(
     _guard.install(model, state)
     for b in state.blocks:
         _guard.install(b.module, _GroupRole(state, b))
+    _adopt.install(state)  # parameters added later (adapters) are offloaded too
     if not state.blocks:
         warnings.warn(
             "hr.offload found no repeated blocks in the model, so all parameters form one group"

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from headroom.residency._adopt import forget_values, rescan
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
@@ -182,7 +183,9 @@ class Offload:
             self.res.release(b, quiet=True)
 
     def init_pending(self) -> None:
-        """Values for whatever was created on meta and not loaded yet (see `_meta`)."""
+        """Values for whatever was created on meta and not loaded yet (see `_meta`), after
+        adopting parameters added to the model since `hr.offload` (see `_adopt`)."""
+        rescan(self)
         if self.pending_modules:
             init_pending(self)
 
@@ -360,11 +363,17 @@ class Offload:
         self._check_not_under_ddp(module)
         self._settle()
         self.init_pending()
+        forget_values()
         self._root_running = True
         self._order_now = []
         self._active = []
         self.res.ensure(self.rest)
         show(self.rest)
+        # requires_grad_() on masters after hr.offload (freezing, PEFT) reaches the device
+        # copies autograd differentiates; blocks do the same in their pre-forward.
+        for s in self.rest.slots:
+            if s.dev.requires_grad != s.param.requires_grad:
+                s.dev.requires_grad_(s.param.requires_grad)
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(self.rest)

@@ -1,0 +1,370 @@
+"""Parameters that join an offloaded model after `hr.offload` (adapters such as LoRA's).
+
+A model may gain parameters once it is offloaded: ``peft.get_peft_model`` wraps layers and adds
+adapter weights, a user attaches a new head. They are offloaded like the others, into the group
+of the block that holds them (or the group outside the blocks), as if they had been there at
+``hr.offload``: a torch module registration hook (``register_module_module_registration_hook``)
+sees a module or parameter being attached to a module of the offloaded model and places its new
+parameters in the store right then, before any optimizer can list them. Parameters dropped
+from the model (``unload()`` of the adapters) leave the store, their values going back into the
+parameter objects as host tensors.
+
+Values lost on the way. A library that builds new parameters "next to" existing ones moves them
+to the device of the existing weight; for a `DiskStore` that is ``meta`` (the masters are
+placeholders), so the values computed on the CPU would be lost (PEFT initializes adapters on
+the CPU, drawing random numbers, then moves them to the base weight's device). While a model
+offloaded to such a store lives, parameters registered anywhere keep a second reference to
+their storage until the next forward of an offloaded model; a parameter found on ``meta`` when
+it is adopted takes the values its storage held. Parameters that were on ``meta`` from the
+start stay pending, as at ``hr.offload`` (see `headroom.residency._meta`).
+
+Masters changed behind the store's back. With ``store="cpu"`` a master's ``.data`` is the
+store's host tensor; code that rebinds it (``p.data = new``, as PEFT's ``safe_merge`` does)
+would leave the store with the old value: `sync_masters` writes such a value into the store and
+rebinds the master to it again.
+
+Merging adapters into a base resting on disk: a wrapper that reports merged adapters
+(``merged_adapters``, PEFT's tuner layers) while it is unwrapped ran its merge on placeholders;
+it is merged again on the stored values, and the result written to the store.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from headroom.residency._group import Group, Slot
+from headroom.residency._plan import Layout
+from headroom.transfer import HostStore, binding, claimed_keys, unbind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from headroom.residency._schedule import Offload
+
+__all__ = ["forget_values", "install", "rescan", "retire", "sync_masters"]
+
+# module -> {attr: a second reference to the storage its parameter was registered with}
+_ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HANDLES: list = []
+
+
+class _Members:
+    """Which modules belong to an offloaded model, their names and the group holding them."""
+
+    def __init__(self, state: Offload) -> None:
+        self.refs: dict[int, weakref.ref] = {}
+        self.home: dict[int, Group] = {}
+        self.hooked: set[int] = set()  # modules with the state-dict hooks of hr.offload
+        self.dirty = False
+        self.refresh(state)
+        for s in state.slots:
+            for m, _ in s.owners:
+                self.hooked.add(id(m))
+
+    def refresh(self, state: Offload) -> None:
+        names = {}
+        self.refs = {}
+        for n, m in state.model.named_modules(remove_duplicate=False):
+            names.setdefault(id(m), f"{n}." if n else "")
+            self.refs[id(m)] = weakref.ref(m)
+        state.module_names = names
+        self.home = {}
+        for b in state.blocks:
+            for m in b.module.modules():
+                self.home[id(m)] = b
+
+    def has(self, m: nn.Module) -> bool:
+        r = self.refs.get(id(m))
+        return r is not None and r() is m
+
+
+def install(state: Offload) -> None:
+    """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
+    _STATES[state] = _Members(state)
+    if not _HANDLES:
+        from torch.nn.modules.module import (
+            register_module_module_registration_hook,
+            register_module_parameter_registration_hook,
+        )
+
+        _HANDLES.append(register_module_module_registration_hook(_on_module))
+        _HANDLES.append(register_module_parameter_registration_hook(_on_param))
+
+
+def _live() -> list[tuple[Offload, _Members]]:
+    from headroom.residency._schedule import _LIVE
+
+    return [(s, _STATES[s]) for s in list(_LIVE) if s in _STATES]
+
+
+def _busy(state: Offload) -> bool:
+    return bool(state._bwd or state._root_running or state._active)
+
+
+def _owner(module: nn.Module) -> tuple[Offload, _Members] | None:
+    for state, info in _live():
+        if info.has(module):
+            return state, info
+    return None
+
+
+def _on_param(module: nn.Module, name: str, param: nn.Parameter):
+    live = _live()
+    if not live or param is None:
+        return None
+    if param.device.type != "meta" and binding(param) is None and any(
+            not isinstance(s.store, HostStore) for s, _ in live):
+        # See the module docstring: values a later move to meta would destroy.
+        _ALIASES.setdefault(module, {})[name] = param.detach()
+    found = _owner(module)
+    if found is None or binding(param) is not None:
+        return None
+    state, info = found
+    if _busy(state):
+        info.dirty = True
+        return None
+    prefix = state.module_names.get(id(module), "")
+    placed = _adopt(state, info, [(module, name, param, prefix + name)],
+                    info.home.get(id(module)))
+    return placed[0].param if placed else None
+
+
+def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
+    if sub is None:
+        return None
+    found = _owner(parent)
+    if found is None:
+        return None
+    state, info = found
+    if _busy(state):
+        info.dirty = True
+        return None
+    old = parent._modules.get(name)
+    if old is not None and old is not sub:
+        _drop(state, info, old, keep=sub)
+    prefix = f"{state.module_names.get(id(parent), '')}{name}."
+    items = []
+    seen: set[int] = set()
+    for mname, m in sub.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in state.by_param or id(p) in state.by_dev:
+                continue
+            full = f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}"
+            items.append((m, attr, p, full))
+            seen.add(id(p))
+    if items:
+        _adopt(state, info, items, info.home.get(id(parent)))
+    home = info.home.get(id(parent))
+    for mname, m in sub.named_modules(remove_duplicate=False):
+        info.refs[id(m)] = weakref.ref(m)
+        state.module_names[id(m)] = f"{prefix}{mname}." if mname else prefix
+        if home is not None:
+            info.home[id(m)] = home
+    return None
+
+
+def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> list[Slot]:
+    """Place parameters new to the model in its store, in ``home``'s group (None: outside)."""
+    from headroom.residency._offload import _place, _rollback
+
+    params: dict[int, nn.Parameter] = {}  # registered parameter's id -> what is placed
+    names: dict[int, str] = {}
+    owners: dict[int, list] = {}
+    for m, attr, p, full in items:
+        if binding(p) is not None:
+            raise RuntimeError(
+                f"parameter {full!r} added to an offloaded model already rests in a store of"
+                " another offloaded model; give each model its own parameters"
+            )
+        owners.setdefault(id(p), []).append((m, attr))
+        if id(p) in params:
+            continue
+        names[id(p)] = full
+        value = p
+        if p.device.type == "meta":
+            alias = _ALIASES.get(m, {}).get(attr)
+            if alias is not None and alias.shape == p.shape and alias.device.type == "cpu":
+                value = nn.Parameter(alias.to(p.dtype), requires_grad=p.requires_grad)
+        params[id(p)] = value
+    if not params:
+        return []
+    if _busy(state):
+        raise RuntimeError("parameters cannot join an offloaded model during its forward or"
+                           " backward")
+    state.drop_announced()
+    gi = state.blocks.index(home) if home is not None else -1
+    st = state.store
+    for pid in params:
+        if names[pid] in st:
+            raise RuntimeError(
+                f"cannot offload the new parameter {names[pid]!r}: {st!r} already holds a tensor"
+                " of that name; give the new module another name"
+            )
+    lay = Layout(None, [b.module for b in state.blocks], params, names, owners,
+                 {pid: gi for pid in params})
+    placed: list = []
+    claimed = claimed_keys(st)
+    try:
+        _place(state, st, state.device, state.compute_dtype, lay, claimed, placed)
+    except BaseException:
+        _rollback(state, st, claimed, placed)
+        raise
+    for m, _attr, _p, _ in items:
+        if id(m) not in info.hooked:
+            info.hooked.add(id(m))
+            _hook_state_dict(state, m)
+    return [slot for slot, _, _ in placed]
+
+
+def _hook_state_dict(state: Offload, m: nn.Module) -> None:
+    from functools import partial
+
+    from headroom.residency._schedule import Offload
+
+    state.handles.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
+    state.handles.append(m.register_load_state_dict_pre_hook(
+        partial(Offload.load_state_dict_pre_hook, state)))
+
+
+# ---------------------------------------------------------------------- dropped parameters
+def _inside(slot: Slot, ids: set[int]) -> bool:
+    return all(id(m) in ids for m, _ in slot.owners)
+
+
+def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) -> None:
+    """``old`` leaves the model; ``keep`` (perhaps a module inside it) takes its place."""
+    old_ids = {id(m) for m in old.modules()}
+    keep_ids = {id(m) for m in keep.modules()}
+    inside = [s for s in state.slots if _inside(s, old_ids)]
+    if not inside:
+        return
+    sync_masters(state, inside)
+    merged = getattr(old, "merged_adapters", None)
+    if merged and id(keep) in old_ids and any(
+            state.store.host_tensor(s.binding.handle) is None for s in inside):
+        _merge_again(state, old, list(merged), inside, keep_ids)
+    gone = [s for s in inside if not _inside(s, keep_ids)]
+    if gone:
+        retire(state, gone)
+
+
+@torch.no_grad()
+def _merge_again(state: Offload, layer: nn.Module, adapters: list[str], slots: list[Slot],
+                 base_ids: set[int]) -> None:
+    """Merge ``layer``'s adapters again, on host copies of the stored values (its own merge ran
+    on ``meta`` placeholders and changed nothing), and store the merged base."""
+    merge = getattr(layer, "merge", None)
+    if not callable(merge):
+        raise RuntimeError(
+            f"{type(layer).__name__} reports merged adapters {adapters} but has no merge(); its"
+            " base rests on disk, where a merge of placeholders changes nothing. Unload"
+            " without merging, or hr.unoffload(model) before merging"
+        )
+    state.init_pending()
+    st = state.store
+    temps = {}
+    for s in slots:
+        value = st.read(s.binding.handle).result()
+        temps[id(s)] = nn.Parameter(value, requires_grad=s.param.requires_grad)
+        s.show(temps[id(s)])
+    try:
+        del layer.merged_adapters[:]
+        merge(adapter_names=adapters)
+        state.res.mover.wait_reads()
+        for s in slots:
+            if _inside(s, base_ids):
+                h = s.binding.handle
+                st.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
+                s.binding.has_value = True
+    finally:
+        for s in slots:
+            s.show(s.param)
+
+
+def retire(state: Offload, slots: list[Slot]) -> None:
+    """Take parameters that left the model out of the store: their values go back into the
+    parameter objects (host tensors), their gradients are dropped."""
+    st = state.store
+    state.drop_announced()
+    for g in [*state.blocks, state.rest]:
+        state.res.release(g)
+    state.sync_grads()
+    gone = {id(s) for s in slots}
+    for s in slots:
+        b = s.binding
+        value = st.read(b.handle).result().clone() if b.has_value else None
+        if b.grad_handle is not None:
+            st.free(b.grad_handle)
+        st.free(b.handle)
+        claimed_keys(st).discard(b.handle.key)
+        unbind(s.param)
+        p = s.param
+        p.grad = None
+        if value is not None:
+            if p.device.type == "meta":
+                p = nn.Parameter(value, requires_grad=p.requires_grad)
+                s.show(p)
+            else:
+                p.data = value
+        state.by_param.pop(id(s.param), None)
+        state.by_dev.pop(id(s.dev), None)
+    state.slots = [s for s in state.slots if id(s) not in gone]
+    for g in [*state.blocks, state.rest]:
+        g.slots = [s for s in g.slots if id(s) not in gone]
+
+
+# ---------------------------------------------------------------------- between steps
+def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
+    """Masters in host memory whose ``.data`` was rebound since: their value into the store."""
+    st = state.store
+    for s in state.slots if slots is None else slots:
+        host = st.host_tensor(s.binding.handle)
+        p = s.param
+        if host is None or p.device.type != "cpu" or p.data_ptr() == host.data_ptr():
+            continue
+        if p.shape != host.shape or p.dtype != host.dtype:
+            continue  # reported where it is fetched (see _group._check_master)
+        state.res.mover.wait_reads()
+        with torch.no_grad():
+            host.copy_(p.detach())
+            p.data = host
+
+
+def rescan(state: Offload) -> None:
+    """Between steps: adopt what the registration hooks could not (added during a forward,
+    or written into a module's parameter table directly), drop what left the model, and check
+    masters rebound behind the store's back."""
+    info = _STATES.get(state)
+    if info is None:
+        return
+    sync_masters(state)
+    if not info.dirty:
+        return
+    info.dirty = False
+    info.refresh(state)
+    present: dict[int, list] = {}
+    for mname, m in state.model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for attr, p in m._parameters.items():
+            if p is not None:
+                present.setdefault(id(p), []).append((m, attr, p, prefix + attr))
+    gone = [s for s in state.slots
+            if id(s.param) not in present and id(s.dev) not in present]
+    if gone:
+        retire(state, gone)
+    for pid, regs in present.items():
+        if pid in state.by_param or pid in state.by_dev:
+            continue
+        homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
+                 for m, *_ in regs}
+        home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
+        _adopt(state, info, regs, home)
+
+
+def forget_values() -> None:
+    """Drop the second references of registered parameters (at a forward: adoption is over)."""
+    _ALIASES.clear()

@@ -1,0 +1,134 @@
+"""LoRA through ``peft`` on an offloaded base, in every order, against plain PEFT (fp32, CPU).
+
+Orders: wrap then offload; offload then wrap; build on meta, wrap, offload to disk and load the
+base checkpoint; load, offload, wrap. Each with ``store="cpu"`` and a `DiskStore`, with a
+``torch.optim`` optimizer (where the store allows one) and ``hr.HostOptimizer``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import headroom as hr
+from headroom.transfer import binding
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="hr.offload with device='cpu'")
+        yield
+
+
+def _config():
+    return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, max_position_embeddings=16)
+
+
+def _base():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(_config())
+
+
+def _lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           lora_dropout=0.0)
+
+
+def _wrap(model):
+    torch.manual_seed(5)  # the adapters' initialization draws random numbers
+    return peft.get_peft_model(model, _lora_config())
+
+
+def _store(kind: str, tmp_path):
+    return "cpu" if kind == "cpu" else hr.DiskStore(tmp_path / "w")
+
+
+def _optimizer(model, kind: str):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "host":
+        return hr.HostOptimizer(params, torch.optim.AdamW, lr=1e-2, fused=False)
+    return torch.optim.AdamW(params, lr=1e-2, foreach=False)
+
+
+def _train(model, opt, steps: int = STEPS) -> list[float]:
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 96, (2, 8), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _values(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def _reference():
+    ref = _wrap(_base())
+    init = _values(ref)
+    losses = _train(ref, _optimizer(ref, "torch"))
+    return ref, init, losses
+
+
+def _check_adapters_offloaded(model):
+    lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(binding(p) is not None for _, p in lora)
+    assert all(p.requires_grad for _, p in lora)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+@pytest.mark.parametrize("opt", ["torch", "host"])
+def test_offload_then_wrap_trains_like_plain_peft(store, opt, tmp_path):
+    if store == "disk" and opt == "torch":
+        pytest.skip("a torch.optim optimizer cannot step parameters on disk (tested below)")
+    ref, init, losses = _reference()
+    model = _base()
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    model = _wrap(model)
+    _check_adapters_offloaded(model)
+    _assert_same(_values(model), init)  # the same initial adapters as plain PEFT
+    assert _train(model, _optimizer(model, opt)) == losses
+    _assert_same(_values(model), _values(ref))
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+@pytest.mark.parametrize("opt", ["torch", "host"])
+def test_wrap_then_offload_trains_like_plain_peft(store, opt, tmp_path):
+    if store == "disk" and opt == "torch":
+        pytest.skip("a torch.optim optimizer cannot step parameters on disk (tested below)")
+    ref, init, losses = _reference()
+    model = _wrap(_base())
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    _check_adapters_offloaded(model)
+    assert _train(model, _optimizer(model, opt)) == losses
+    _assert_same(_values(model), _values(ref))
+
+
+def test_torch_optimizer_on_disk_adapters_names_the_fix(tmp_path):
+    model = _base()
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    model = _wrap(model)
+    opt = _optimizer(model, "torch")
+    with pytest.raises(RuntimeError, match="HostOptimizer"):
+        _train(model, opt, steps=1)

@@ -132,3 +132,70 @@ def test_torch_optimizer_on_disk_adapters_names_the_fix(tmp_path):
     opt = _optimizer(model, "torch")
     with pytest.raises(RuntimeError, match="HostOptimizer"):
         _train(model, opt, steps=1)
+
+
+def _on_meta():
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(_config())
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_load_offload_wrap_trains_like_plain_peft(store, tmp_path):
+    ref, init, losses = _reference()
+    _base().save_pretrained(tmp_path / "base")
+    model = _on_meta()
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    hr.load_weights(model, tmp_path / "base")
+    model = _wrap(model)
+    _check_adapters_offloaded(model)
+    _assert_same(_values(model), init)
+    assert _train(model, _optimizer(model, "host")) == losses
+    _assert_same(_values(model), _values(ref))
+
+
+def test_wrap_on_meta_then_load_base_checkpoint(tmp_path):
+    """meta -> get_peft_model -> offload to disk -> hr.load_weights(base): the base names map
+    onto the wrapped layers (strictly); adapters come from where their values are."""
+    ref = _wrap(_base())
+    _base().save_pretrained(tmp_path / "base")
+    ref.save_pretrained(tmp_path / "adapter")  # the adapters' initial values
+    losses = _train(ref, _optimizer(ref, "torch"))
+    model = _wrap(_on_meta())
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    hr.load_weights(model, tmp_path / "base")  # strict by default
+    # The adapters PEFT made on meta have no values: never made up, nor initialized otherwise.
+    assert all(v.is_meta for k, v in model.state_dict().items() if "lora_" in k)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="initial values are lost"):
+        model(input_ids=ids)
+    from safetensors.torch import load_file
+
+    peft.set_peft_model_state_dict(model, load_file(tmp_path / "adapter" /
+                                                    "adapter_model.safetensors"))
+    assert _train(model, _optimizer(model, "host")) == losses
+    _assert_same(_values(model), _values(ref))
+
+
+def test_load_weights_into_wrapped_model_is_strict(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base = _base()
+    base.save_pretrained(tmp_path / "base")
+    sd = load_file(tmp_path / "base" / "model.safetensors")
+    model = _wrap(_on_meta())
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    short = dict(sd)
+    del short["model.layers.1.self_attn.q_proj.weight"]
+    save_file(short, tmp_path / "short.safetensors")
+    with pytest.raises(ValueError, match=r"missing \['base_model.model.model.layers.1.self_attn"
+                                         r".q_proj.base_layer.weight'\]"):
+        hr.load_weights(model, tmp_path / "short.safetensors")
+    save_file({**sd, "extra.weight": torch.zeros(2)}, tmp_path / "extra.safetensors")
+    with pytest.raises(ValueError, match=r"unexpected \['extra.weight'\]"):
+        hr.load_weights(model, tmp_path / "extra.safetensors")
+    hr.load_weights(model, tmp_path / "base")
+    got = {k: v for k, v in model.state_dict().items() if "lora_" not in k}
+    assert len(got) == len(sd)
+    for k, v in got.items():
+        want = sd[k.removeprefix("base_model.model.").replace(".base_layer", "")]
+        assert torch.equal(v, want), k

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headroom.checkpoint._names import checkpoint_names
 from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
 
 __all__ = ["load_weights", "save_weights"]
@@ -136,7 +137,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         for f in files:
             for name, info in f.tensors.items():
                 where.setdefault(name, (f, info))
-        plan, problems = _match(_targets(model), where, strict)
+        # A wrapped model (PEFT) takes its base checkpoint; see headroom.checkpoint._names.
+        plan, problems = _match(checkpoint_names(model, _targets(model), where), where, strict)
         if problems:
             raise ValueError(
                 f"the checkpoint at {str(path)!r} does not match the model: "

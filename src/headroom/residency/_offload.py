@@ -156,7 +156,8 @@ def offload(
     h.append(model.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True,
                                              prepend=True))
     h.append(model.register_forward_hook(state.root_post_forward, with_kwargs=True))
-    h.append(model.register_state_dict_pre_hook(lambda *a, **k: state.init_pending()))
+    h.append(model.register_state_dict_pre_hook(
+        lambda *a, **k: state.init_pending(lost_ok=True)))
     for b in state.blocks:
         h.append(b.module.register_forward_pre_hook(partial(state.pre_forward, b),
                                                     with_kwargs=True, prepend=True))

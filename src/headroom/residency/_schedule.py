@@ -182,12 +182,14 @@ class Offload:
         for b in old:
             self.res.release(b, quiet=True)
 
-    def init_pending(self) -> None:
+    def init_pending(self, *, lost_ok: bool = False) -> None:
         """Values for whatever was created on meta and not loaded yet (see `_meta`), after
-        adopting parameters added to the model since `hr.offload` (see `_adopt`)."""
+        adopting parameters added to the model since `hr.offload` (see `_adopt`).
+        ``lost_ok``: leave adapters whose values were lost pending (for ``state_dict()``,
+        which shows them as ``meta``) instead of raising."""
         rescan(self)
         if self.pending_modules:
-            init_pending(self)
+            init_pending(self, lost_ok=lost_ok)
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Group | None) -> None:
@@ -632,10 +634,14 @@ class Offload:
 
     # ------------------------------------------------------------------ state dict
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
-        self.init_pending()
+        self.init_pending(lost_ok=True)
         for attr, t in module._parameters.items():
             slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
             if slot is None or prefix + attr not in state_dict:
+                continue
+            if not slot.binding.has_value:  # no value anywhere (see _meta): not made up
+                h = slot.binding.handle
+                state_dict[prefix + attr] = torch.empty(h.shape, dtype=h.dtype, device="meta")
                 continue
             host = self.store.host_tensor(slot.binding.handle)
             state_dict[prefix + attr] = (

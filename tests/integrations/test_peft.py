@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import headroom as hr
+from headroom.residency import state_of
 from headroom.transfer import binding
 
 transformers = pytest.importorskip("transformers")
@@ -199,3 +200,76 @@ def test_load_weights_into_wrapped_model_is_strict(tmp_path):
     for k, v in got.items():
         want = sd[k.removeprefix("base_model.model.").replace(".base_layer", "")]
         assert torch.equal(v, want), k
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+@pytest.mark.parametrize("safe", [False, True], ids=["merge", "safe-merge"])
+def test_merge_and_unload_lands_in_the_store(store, safe, tmp_path):
+    ref, _, _ = _reference()
+    model = _base()
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    model = _wrap(model)
+    _train(model, _optimizer(model, "host"))
+    if safe and store == "disk":
+        # PEFT's NaN check reads the base weight, a placeholder on disk: refused, untouched
+        before = _values(model)
+        with pytest.raises(RuntimeError, match="meta"):
+            model.merge_and_unload(safe_merge=True)
+        _assert_same(_values(model), before)
+        safe = False
+    merged = model.merge_and_unload(safe_merge=safe)
+    want = ref.merge_and_unload(safe_merge=safe)
+    _assert_same(_values(merged), _values(want))
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    assert len(state_of(merged).slots) == len(list(want.parameters()))
+    ids = torch.randint(0, 96, (2, 8))
+    assert torch.equal(merged(input_ids=ids).logits, want(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_adapter_save_pretrained_and_reload(store, tmp_path):
+    model = _base()
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    model = _wrap(model)
+    _train(model, _optimizer(model, "host"))
+    base_before = {k: v for k, v in _values(model).items() if "lora_" not in k}
+    model.save_pretrained(tmp_path / "adapter")
+    trained = _values(model)
+    plain = peft.PeftModel.from_pretrained(_base(), tmp_path / "adapter")
+    _assert_same(_values(plain), trained)
+    # ... and back into an offloaded base
+    other = _base()
+    hr.offload(other, device="cpu", store=_store(store, tmp_path / "2"))
+    other = peft.PeftModel.from_pretrained(other, tmp_path / "adapter")
+    _assert_same(_values(other), trained)
+    # the base stayed untouched by training
+    _assert_same({k: v for k, v in _values(model).items() if "lora_" not in k}, base_before)
+    _assert_same({k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+                  for k, v in base_before.items()}, _values(_base()))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_interrupted_lora_step_on_disk_retries_exactly(where, tmp_path):
+    """Ctrl-C in a LoRA step on a disk-resident base: the step is retried and training is
+    bitwise that of plain PEFT (nothing was half-applied: the optimizer had not stepped)."""
+    ref, _, losses = _reference()
+    model = _base()
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    model = _wrap(model)
+    opt = _optimizer(model, "host")
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B.default
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    h = (layer.register_forward_hook(interrupt) if where == "forward"
+         else layer.register_full_backward_hook(interrupt))
+    ids = torch.randint(0, 96, (2, 8))
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=ids, labels=ids).loss.backward()
+    h.remove()
+    opt.zero_grad()
+    if where == "forward":  # headroom's guards saw it; a backward cleans up at the next step
+        assert not any(b.resident for b in state_of(model.base_model.model).blocks)
+    assert _train(model, opt) == losses
+    _assert_same(_values(model), _values(ref))

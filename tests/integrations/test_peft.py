@@ -7,6 +7,7 @@ base checkpoint; load, offload, wrap. Each with ``store="cpu"`` and a `DiskStore
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -273,3 +274,38 @@ def test_interrupted_lora_step_on_disk_retries_exactly(where, tmp_path):
         assert not any(b.resident for b in state_of(model.base_model.model).blocks)
     assert _train(model, opt) == losses
     _assert_same(_values(model), _values(ref))
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_modules_to_save_after_offload(store, tmp_path):
+    """modules_to_save copies a layer of the offloaded model (copy.deepcopy): the copy holds
+    the stored values and is offloaded as a new trainable layer."""
+    cfg = dict(target_modules=["q_proj"], modules_to_save=["lm_head"], lora_dropout=0.0)
+
+    def wrap(m):
+        torch.manual_seed(5)
+        return peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, **cfg))
+
+    ref = wrap(_base())
+    losses = _train(ref, _optimizer(ref, "host"))
+    model = _base()
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    model = wrap(model)
+    copy_ = model.base_model.model.lm_head.modules_to_save.default.weight
+    assert binding(copy_) is not None and copy_.requires_grad
+    assert _train(model, _optimizer(model, "host")) == losses
+    _assert_same(_values(model), _values(ref))
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_deepcopy_of_offloaded_model_is_a_plain_copy(store, tmp_path):
+    model = _base()
+    want = _values(model)
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    dup = copy.deepcopy(model)
+    assert type(dup) is transformers.LlamaForCausalLM  # not the guarded class
+    assert all(binding(p) is None and p.device.type == "cpu" for p in dup.parameters())
+    _assert_same(_values(dup), want)
+    ids = torch.randint(0, 96, (2, 8))
+    assert torch.equal(dup(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert not dup._forward_pre_hooks and not dup.model.layers[0]._forward_hooks

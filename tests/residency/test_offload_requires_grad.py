@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import headroom as hr
+from headroom.residency import state_of
 
 from ._models import VOCAB, Transformer
 
@@ -53,3 +54,36 @@ def test_freezing_and_unfreezing_after_offload(store, tie, tmp_path):
         _step(m, ids)
     got = {n for n, p in model.named_parameters() if p.grad is not None}
     assert got == {n for n, p in ref.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_frozen_parameter_outside_blocks_stays_for_input_gradients(store, tmp_path):
+    """A trainable head outside the blocks finishes its gradient first; the frozen final norm
+    (also outside) is still needed for the gradient of its input afterwards."""
+    torch.manual_seed(0)
+    ref = Transformer(d=8, n=3)
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu",
+                   store="cpu" if store == "cpu" else hr.DiskStore(tmp_path / "w"))
+    rest = state_of(model).rest
+    assert {s.name for s in rest.slots} >= {"ln.weight", "head.weight"}
+    resident = []  # whether the norm's weight was on the device when its backward ran
+
+    def watch(module, args):
+        args[0].register_hook(lambda g: resident.append(rest.resident))
+
+    model.ln.register_forward_pre_hook(watch)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    for m in (ref, model):
+        m.requires_grad_(False)
+        m.head.weight.requires_grad_(True)
+        m.layers[0].fc1.weight.requires_grad_(True)
+        for _ in range(3):
+            _step(m, ids)
+    assert resident == [True] * 3
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1.0)
+    for n, p in ref.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(opt.grad(dict(model.named_parameters())[n]), p.grad), n

@@ -44,7 +44,7 @@ from headroom.transfer import HostStore, binding, claimed_keys, unbind
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
-__all__ = ["forget_values", "install", "rescan", "retire", "sync_masters"]
+__all__ = ["forget_values", "install", "rescan", "retire", "strip_hooks", "sync_masters"]
 
 # module -> {attr: a second reference to the storage its parameter was registered with}
 _ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -85,6 +85,7 @@ class _Members:
 def install(state: Offload) -> None:
     """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
     _STATES[state] = _Members(state)
+    _copyable(state, state.slots)
     if not _HANDLES:
         from torch.nn.modules.module import (
             register_module_module_registration_hook,
@@ -213,6 +214,7 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
     except BaseException:
         _rollback(state, st, claimed, placed)
         raise
+    _copyable(state, [slot for slot, _, _ in placed])
     for m, _attr, _p, _ in items:
         if id(m) not in info.hooked:
             info.hooked.add(id(m))
@@ -368,3 +370,48 @@ def rescan(state: Offload) -> None:
 def forget_values() -> None:
     """Drop the second references of registered parameters (at a forward: adoption is over)."""
     _ALIASES.clear()
+
+
+# ---------------------------------------------------------------------- copies
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def strip_hooks(state: Offload, module: nn.Module) -> None:
+    """Remove ``state``'s hooks from a deep copy of one of its modules (and its submodules)."""
+    ids = {h.id for h in state.handles if hasattr(h, "id")}
+    for m in module.modules():
+        for attr in _HOOK_DICTS:
+            d = m.__dict__.get(attr)
+            if d:
+                for k in [k for k in d if k in ids]:
+                    del d[k]
+
+
+def _copy_master(state_ref: weakref.ref, slot: Slot, memo: dict) -> nn.Parameter:
+    """``copy.deepcopy`` of a master resting on disk: a host parameter with its value."""
+    state = state_ref()
+    if state is None or slot not in state.slots:
+        raise RuntimeError(f"copy of {slot.name!r}: its model is no longer offloaded")
+    if not slot.binding.has_value:
+        state.init_pending()
+    state.sync_grads()
+    value = state.store.read(slot.binding.handle).result()
+    out = nn.Parameter(value, requires_grad=slot.param.requires_grad)
+    memo[id(slot.param)] = out
+    return out
+
+
+def _copyable(state: Offload, slots: list[Slot]) -> None:
+    # NOTE: a master on disk is a ``meta`` placeholder; a deep copy of it (PEFT's
+    # modules_to_save copies a layer) would have no values. The instance attribute makes
+    # copy.deepcopy read them from the store instead (nn.Parameter.__deepcopy__ is looked up
+    # on the instance first).
+    from functools import partial
+
+    ref = weakref.ref(state)
+    for s in slots:
+        if s.param.device.type == "meta":
+            s.param.__deepcopy__ = partial(_copy_master, ref, s)

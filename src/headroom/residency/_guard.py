@@ -12,6 +12,7 @@ keeps the class's name, module and qualname; `remove` restores the original clas
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol
 
 import torch.nn as nn
@@ -36,6 +37,9 @@ class Role(Protocol):
 
     def settle(self) -> None:
         """Parameters are about to be listed: finish any clean-up still pending."""
+
+    def strip_hooks(self, copy: nn.Module) -> None:
+        """Remove the hooks of the offload from ``copy`` (a deep copy of the module)."""
 
 
 def _guarded_class(cls: type) -> type:
@@ -81,8 +85,22 @@ def _guarded_class(cls: type) -> type:
             role.wrapped_by_ddp(self)
         self.__dict__["_ddp_params_and_buffers_to_ignore"] = value
 
+    def __deepcopy__(self, memo):
+        # A copy is an ordinary module: the original class, no role, no offload hooks; its
+        # parameters are copies of the masters' values (see residency._adopt).
+        role = self.__dict__.get(_ROLE)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != _ROLE:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        if role is not None:
+            role.strip_hooks(new)
+        return new
+
     sub = type(cls.__name__, (cls,), {
         "__call__": __call__,
+        "__deepcopy__": __deepcopy__,
         "_apply": _apply,
         "named_parameters": named_parameters,
         "_ddp_params_and_buffers_to_ignore": property(_ddp_ignore, _ddp_ignore_set),

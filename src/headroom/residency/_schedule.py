@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from headroom.residency._adopt import forget_values, rescan
+from headroom.residency._adopt import forget_values, rescan, strip_hooks
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
@@ -83,6 +83,9 @@ class _GroupRole:
 
     __slots__ = ("state", "block")
 
+    def __deepcopy__(self, memo):
+        return self  # see Offload.__deepcopy__
+
     def __init__(self, state: Offload, block: Group) -> None:
         self.state = state
         self.block = block
@@ -99,9 +102,18 @@ class _GroupRole:
     def wrapped_by_ddp(self, module: nn.Module) -> None:
         self.state.wrapped_by_ddp(module)
 
+    def strip_hooks(self, copy: nn.Module) -> None:
+        strip_hooks(self.state, copy)
+
 
 class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
+
+    def __deepcopy__(self, memo):
+        # A copy of a module (PEFT's modules_to_save copies a layer) copies its hooks, whose
+        # arguments lead here: they share this state rather than copying the store with it.
+        # Guarded modules drop those hooks from their copies (`_guard`).
+        return self
 
     def __init__(self, model: nn.Module, device: torch.device, store: Store, prefetch: int,
                  compute_dtype: torch.dtype | None) -> None:
@@ -303,6 +315,9 @@ class Offload:
     def settle(self) -> None:
         self.settle_if_idle()
 
+    def strip_hooks(self, copy: nn.Module) -> None:
+        strip_hooks(self, copy)
+
     def wrapped_by_ddp(self, module: nn.Module) -> None:
         if self.ddp_allowed:
             return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
@@ -457,6 +472,10 @@ class Offload:
         self._maybe_release(block)
 
     def _maybe_release(self, block: Group) -> None:
+        if block is self.rest and any(not s.dev.requires_grad for s in block.slots):
+            # Frozen parameters outside the blocks (a final norm under LoRA) may still be
+            # needed for input gradients, and nothing watches those here: end of backward.
+            return
         if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
             self.res.release(block)
 

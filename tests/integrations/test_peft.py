@@ -110,6 +110,10 @@ def test_offload_then_wrap_trains_like_plain_peft(store, opt, tmp_path):
     model = _wrap(model)
     _check_adapters_offloaded(model)
     _assert_same(_values(model), init)  # the same initial adapters as plain PEFT
+    plan, inner = hr.describe(model.base_model.model), model.base_model.model
+    assert sum(len(b.params) for b in (*plan.blocks, plan.outside)) == len(list(
+        inner.parameters()))  # the adapters are in their layers' blocks
+    assert len(plan.blocks[0].params) == 9 + 4
     assert _train(model, _optimizer(model, opt)) == losses
     _assert_same(_values(model), _values(ref))
 
@@ -309,3 +313,21 @@ def test_deepcopy_of_offloaded_model_is_a_plain_copy(store, tmp_path):
     ids = torch.randint(0, 96, (2, 8))
     assert torch.equal(dup(input_ids=ids).logits, model(input_ids=ids).logits)
     assert not dup._forward_pre_hooks and not dup.model.layers[0]._forward_hooks
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_merge_adapter_and_unmerge_on_an_offloaded_base(store, tmp_path):
+    ref, _, _ = _reference()
+    model = _base()
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    model = _wrap(model)
+    _train(model, _optimizer(model, "host"))
+    ids = torch.randint(0, 96, (2, 8))
+    for m in (ref, model):
+        m.merge_adapter()
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    _assert_same(_values(model), _values(ref))
+    for m in (ref, model):
+        m.unmerge_adapter()
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    _assert_same(_values(model), _values(ref))

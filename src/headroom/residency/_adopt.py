@@ -24,8 +24,9 @@ would leave the store with the old value: `sync_masters` writes such a value int
 rebinds the master to it again.
 
 Merging adapters into a base resting on disk: a wrapper that reports merged adapters
-(``merged_adapters``, PEFT's tuner layers) while it is unwrapped ran its merge on placeholders;
-it is merged again on the stored values, and the result written to the store.
+(``merged_adapters``, PEFT's tuner layers: ``merge_adapter()``, ``merge_and_unload()``) ran its
+merge on placeholders; it is merged again on the stored values, and the result written to the
+store, before the next forward or when it is unwrapped (`sync_merges`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ from headroom.transfer import HostStore, binding, claimed_keys, unbind
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
-__all__ = ["forget_values", "install", "rescan", "retire", "strip_hooks", "sync_masters"]
+__all__ = [
+    "current_plan", "forget_values", "install", "rescan", "retire", "strip_hooks", "sync_masters",
+    "sync_merges",
+]
 
 # module -> {attr: a second reference to the storage its parameter was registered with}
 _ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -60,7 +64,11 @@ class _Members:
         self.home: dict[int, Group] = {}
         self.hooked: set[int] = set()  # modules with the state-dict hooks of hr.offload
         self.dirty = False
+        self.plan_stale = False  # parameters joined or left since the plan was made
+        self.wrappers: list[weakref.ref] = []  # modules wrapping a base_layer (PEFT)
         self.refresh(state)
+        for r in self.wrappers:  # merged before hr.offload: into the values it stored
+            _applied_now(r())
         for s in state.slots:
             for m, _ in s.owners:
                 self.hooked.add(id(m))
@@ -72,6 +80,7 @@ class _Members:
             names.setdefault(id(m), f"{n}." if n else "")
             self.refs[id(m)] = weakref.ref(m)
         state.module_names = names
+        self.wrappers = [weakref.ref(m) for m in state.model.modules() if _is_wrapper(m)]
         self.home = {}
         for b in state.blocks:
             for m in b.module.modules():
@@ -100,6 +109,10 @@ def _live() -> list[tuple[Offload, _Members]]:
     from headroom.residency._schedule import _LIVE
 
     return [(s, _STATES[s]) for s in list(_LIVE) if s in _STATES]
+
+
+def _is_wrapper(m: nn.Module) -> bool:
+    return isinstance(m._modules.get("base_layer"), nn.Module)
 
 
 def _busy(state: Offload) -> bool:
@@ -161,6 +174,9 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
         _adopt(state, info, items, info.home.get(id(parent)))
     home = info.home.get(id(parent))
     for mname, m in sub.named_modules(remove_duplicate=False):
+        if _is_wrapper(m):
+            info.wrappers.append(weakref.ref(m))
+            _applied_now(m)
         info.refs[id(m)] = weakref.ref(m)
         state.module_names[id(m)] = f"{prefix}{mname}." if mname else prefix
         if home is not None:
@@ -215,6 +231,7 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
         _rollback(state, st, claimed, placed)
         raise
     _copyable(state, [slot for slot, _, _ in placed])
+    info.plan_stale = True
     for m, _attr, _p, _ in items:
         if id(m) not in info.hooked:
             info.hooked.add(id(m))
@@ -245,44 +262,75 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
     if not inside:
         return
     sync_masters(state, inside)
-    merged = getattr(old, "merged_adapters", None)
-    if merged and id(keep) in old_ids and any(
-            state.store.host_tensor(s.binding.handle) is None for s in inside):
-        _merge_again(state, old, list(merged), inside, keep_ids)
+    if id(keep) in old_ids:
+        sync_merges(state, old, inside)
     gone = [s for s in inside if not _inside(s, keep_ids)]
     if gone:
         retire(state, gone)
 
 
+# A wrapper module -> the adapters merged into the stored base (see `sync_merges`).
+_APPLIED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _applied_now(layer: nn.Module | None) -> None:
+    if layer is not None and layer not in _APPLIED:
+        _APPLIED[layer] = tuple(getattr(layer, "merged_adapters", None) or ())
+
+
+def _wrapper_slots(state: Offload, layer: nn.Module) -> list[Slot]:
+    ids = {id(m) for m in layer.modules()}
+    return [s for s in state.slots if _inside(s, ids)]
+
+
 @torch.no_grad()
-def _merge_again(state: Offload, layer: nn.Module, adapters: list[str], slots: list[Slot],
-                 base_ids: set[int]) -> None:
-    """Merge ``layer``'s adapters again, on host copies of the stored values (its own merge ran
-    on ``meta`` placeholders and changed nothing), and store the merged base."""
-    merge = getattr(layer, "merge", None)
-    if not callable(merge):
+def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = None) -> None:
+    """Bring the stored base of a wrapper (PEFT tuner layer) in line with the adapters it
+    reports merged (``merged_adapters``). Its own ``merge()``/``unmerge()`` ran on ``meta``
+    placeholders (a `DiskStore`) and changed nothing: they run again here on host copies of
+    the stored values, and the base is written back."""
+    cur = list(getattr(layer, "merged_adapters", None) or ())
+    done = list(_APPLIED.get(layer, ()))
+    if cur == done:
+        return
+    slots = _wrapper_slots(state, layer) if slots is None else slots
+    _APPLIED[layer] = tuple(cur)
+    if all(state.store.host_tensor(s.binding.handle) is not None for s in slots):
+        return  # masters in host memory: the wrapper's own merge changed the stored values
+    merge, unmerge = getattr(layer, "merge", None), getattr(layer, "unmerge", None)
+    if not callable(merge) or not callable(unmerge):
         raise RuntimeError(
-            f"{type(layer).__name__} reports merged adapters {adapters} but has no merge(); its"
-            " base rests on disk, where a merge of placeholders changes nothing. Unload"
+            f"{type(layer).__name__} reports merged adapters {cur} but has no merge()/unmerge();"
+            " its base rests on disk, where a merge of placeholders changes nothing. Unload"
             " without merging, or hr.unoffload(model) before merging"
         )
     state.init_pending()
+    base = layer._modules.get("base_layer")
+    base_ids = {id(m) for m in base.modules()} if base is not None else set()
     st = state.store
     temps = {}
     for s in slots:
-        value = st.read(s.binding.handle).result()
-        temps[id(s)] = nn.Parameter(value, requires_grad=s.param.requires_grad)
+        temps[id(s)] = nn.Parameter(st.read(s.binding.handle).result(),
+                                    requires_grad=s.param.requires_grad)
         s.show(temps[id(s)])
     try:
-        del layer.merged_adapters[:]
-        merge(adapter_names=adapters)
+        layer.merged_adapters[:] = done
+        if done:
+            unmerge()
+        layer.merged_adapters[:] = []
+        if cur:
+            merge(adapter_names=cur)
         state.res.mover.wait_reads()
         for s in slots:
             if _inside(s, base_ids):
                 h = s.binding.handle
                 st.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
                 s.binding.has_value = True
+    except BaseException:
+        _APPLIED[layer] = tuple(done)
+        raise
     finally:
+        layer.merged_adapters[:] = cur
         for s in slots:
             s.show(s.param)
 
@@ -315,6 +363,9 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         state.by_param.pop(id(s.param), None)
         state.by_dev.pop(id(s.dev), None)
     state.slots = [s for s in state.slots if id(s) not in gone]
+    info = _STATES.get(state)
+    if info is not None:
+        info.plan_stale = True
     for g in [*state.blocks, state.rest]:
         g.slots = [s for s in g.slots if id(s) not in gone]
 
@@ -344,6 +395,10 @@ def rescan(state: Offload) -> None:
     if info is None:
         return
     sync_masters(state)
+    live = [m for m in (r() for r in info.wrappers) if m is not None and info.has(m)]
+    info.wrappers = [weakref.ref(m) for m in live]
+    for m in live:
+        sync_merges(state, m)
     if not info.dirty:
         return
     info.dirty = False
@@ -415,3 +470,19 @@ def _copyable(state: Offload, slots: list[Slot]) -> None:
     for s in slots:
         if s.param.device.type == "meta":
             s.param.__deepcopy__ = partial(_copy_master, ref, s)
+
+
+def current_plan(state: Offload):
+    """The plan of `hr.describe`, brought up to date when parameters joined or left."""
+    from dataclasses import replace
+
+    from headroom.residency._plan import layout
+
+    info = _STATES.get(state)
+    if info is not None and info.plan_stale:
+        info.plan_stale = False
+        o = state.plan.options
+        lay = layout(state.model, device=o.device, blocks=[b.module for b in state.blocks],
+                     prefetch=o.prefetch, compute_dtype=o.compute_dtype)
+        state.plan = replace(lay.plan, options=o, store=state.plan.store)
+    return state.plan

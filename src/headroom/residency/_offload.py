@@ -469,4 +469,4 @@ def describe(model: nn.Module) -> OffloadPlan:
     Example:
         >>> print(hr.describe(hr.offload(model, device="cuda")))   # doctest: +SKIP
     """
-    return state_of(model).plan
+    return _adopt.current_plan(state_of(model))

@@ -229,6 +229,9 @@ def test_merge_and_unload_lands_in_the_store(store, safe, tmp_path):
     assert len(state_of(merged).slots) == len(list(want.parameters()))
     ids = torch.randint(0, 96, (2, 8))
     assert torch.equal(merged(input_ids=ids).logits, want(input_ids=ids).logits)
+    hr.save_weights(merged, tmp_path / "merged")  # streamed from the store
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    _assert_same(_values(back), _values(want))
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])

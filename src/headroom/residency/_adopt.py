@@ -135,11 +135,11 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
         # See the module docstring: values a later move to meta would destroy.
         _ALIASES.setdefault(module, {})[name] = param.detach()
     found = _owner(module)
-    if found is None or binding(param) is not None:
+    if found is None:
         return None
     state, info = found
-    if _busy(state):
-        info.dirty = True
+    info.dirty = True  # what this parameter replaces may have left the model (see rescan)
+    if _busy(state) or binding(param) is not None:
         return None
     prefix = state.module_names.get(id(module), "")
     placed = _adopt(state, info, [(module, name, param, prefix + name)],
@@ -154,8 +154,8 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
     if found is None:
         return None
     state, info = found
+    info.dirty = True
     if _busy(state):
-        info.dirty = True
         return None
     old = parent._modules.get(name)
     if old is not None and old is not sub:
@@ -414,12 +414,33 @@ def rescan(state: Offload) -> None:
     if gone:
         retire(state, gone)
     for pid, regs in present.items():
-        if pid in state.by_param or pid in state.by_dev:
-            continue
         homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
                  for m, *_ in regs}
         home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
-        _adopt(state, info, regs, home)
+        slot = state.by_param.get(pid) or state.by_dev.get(pid)
+        if slot is None:
+            _adopt(state, info, regs, home)
+        elif {(id(m), a) for m, a in slot.owners} != {(id(m), a) for m, a, *_ in regs}:
+            _rehome(state, info, slot, [(m, a) for m, a, *_ in regs], home)
+
+
+def _rehome(state: Offload, info: _Members, slot: Slot, owners: list, home: Group | None) -> None:
+    """A stored parameter registered in other places now (tied after hr.offload): it is shown
+    wherever it is registered, in the group that holds all of them (outside blocks if none)."""
+    target = home if home is not None else state.rest
+    if slot.group is not target:
+        for g in (slot.group, target):
+            state.res.release(g)
+        slot.group.slots.remove(slot)
+        target.slots.append(slot)
+        slot.group = target
+        info.plan_stale = True
+    slot.owners = owners
+    slot.show(slot.param)
+    for m, _ in owners:
+        if id(m) not in info.hooked:
+            info.hooked.add(id(m))
+            _hook_state_dict(state, m)
 
 
 def forget_values() -> None:

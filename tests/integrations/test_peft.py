@@ -334,3 +334,40 @@ def test_merge_adapter_and_unmerge_on_an_offloaded_base(store, tmp_path):
         m.unmerge_adapter()
     assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
     _assert_same(_values(model), _values(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+@pytest.mark.parametrize("order", ["wrap-first", "offload-first"])
+def test_lora_on_accelerator_matches_plain_peft(store, order, tmp_path):
+    from tests.conftest import accelerator_type
+
+    dev = accelerator_type()
+    ref = _wrap(_base().to(dev))
+    losses = []
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    model = _base()
+    if order == "wrap-first":
+        model = _wrap(model)
+    hr.offload(model if order == "wrap-first" else model, device=dev,
+               store=_store(store, tmp_path))
+    if order == "offload-first":
+        model = _wrap(model)
+    _check_adapters_offloaded(model)
+    opt = hr.HostOptimizer([p for p in model.parameters() if p.requires_grad],
+                           torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        ids = torch.randint(0, 96, (2, 8), generator=g).to(dev)
+        for m, o, out in ((ref, opt_ref, losses), (model, opt, None)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            if out is not None:
+                out.append(loss.item())
+            else:
+                torch.testing.assert_close(loss.item(), losses[-1], rtol=1e-4, atol=1e-5)
+    got, want = model.state_dict(), ref.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=1e-4, atol=1e-5)

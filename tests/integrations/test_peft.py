@@ -349,8 +349,7 @@ def test_lora_on_accelerator_matches_plain_peft(store, order, tmp_path):
     model = _base()
     if order == "wrap-first":
         model = _wrap(model)
-    hr.offload(model if order == "wrap-first" else model, device=dev,
-               store=_store(store, tmp_path))
+    hr.offload(model, device=dev, store=_store(store, tmp_path))
     if order == "offload-first":
         model = _wrap(model)
     _check_adapters_offloaded(model)

@@ -63,3 +63,16 @@ def test_layer_attached_and_weights_tied_after_offload(store, tmp_path):
     _same(model, ref)
     assert model.head.weight is model.emb.weight
     assert "head.weight" not in {s.name for s in state.slots}  # the untied one left the store
+
+
+def test_modules_built_elsewhere_while_a_model_is_offloaded(tmp_path):
+    """Registration hooks watch every module of the process: others are left as they are."""
+    torch.manual_seed(0)
+    model = Transformer(d=8, n=3)
+    _offload(model, "disk", tmp_path)
+    lazy = nn.LazyLinear(4)  # its parameter has no shape until the first call
+    assert lazy(torch.ones(2, 3)).shape == (2, 4)
+    other = nn.Sequential(nn.Linear(3, 3))
+    other[0].weight = nn.Parameter(torch.ones(3, 3))
+    assert binding(other[0].weight) is None and torch.equal(other[0].weight, torch.ones(3, 3))
+    assert len(state_of(model).slots) == len(list(model.parameters()))

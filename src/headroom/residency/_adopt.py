@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
@@ -128,8 +129,8 @@ def _owner(module: nn.Module) -> tuple[Offload, _Members] | None:
 
 def _on_param(module: nn.Module, name: str, param: nn.Parameter):
     live = _live()
-    if not live or param is None:
-        return None
+    if not live or param is None or is_lazy(param):
+        return None  # a lazy module's parameter has neither values nor a shape yet
     if param.device.type != "meta" and binding(param) is None and any(
             not isinstance(s.store, HostStore) for s, _ in live):
         # See the module docstring: values a later move to meta would destroy.

@@ -67,6 +67,8 @@ class _Members:
         self.dirty = False
         self.plan_stale = False  # parameters joined or left since the plan was made
         self.wrappers: list[weakref.ref] = []  # modules wrapping a base_layer (PEFT)
+        # slot id -> its master's host tensor in the store, and that tensor's address
+        self.hosts: dict[int, tuple[torch.Tensor | None, int]] = {}
         self.refresh(state)
         for r in self.wrappers:  # merged before hr.offload: into the values it stored
             _applied_now(r())
@@ -270,13 +272,17 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
         retire(state, gone)
 
 
-# A wrapper module -> the adapters merged into the stored base (see `sync_merges`).
-_APPLIED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# On a wrapper module: the adapters merged into the stored base (see `sync_merges`).
+_APPLIED = "_headroom_merged"
+
+
+def _merged(layer: nn.Module) -> tuple:
+    return tuple(getattr(layer, "merged_adapters", None) or ())
 
 
 def _applied_now(layer: nn.Module | None) -> None:
-    if layer is not None and layer not in _APPLIED:
-        _APPLIED[layer] = tuple(getattr(layer, "merged_adapters", None) or ())
+    if layer is not None and _APPLIED not in layer.__dict__:
+        layer.__dict__[_APPLIED] = _merged(layer)
 
 
 def _wrapper_slots(state: Offload, layer: nn.Module) -> list[Slot]:
@@ -284,18 +290,17 @@ def _wrapper_slots(state: Offload, layer: nn.Module) -> list[Slot]:
     return [s for s in state.slots if _inside(s, ids)]
 
 
-@torch.no_grad()
 def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = None) -> None:
     """Bring the stored base of a wrapper (PEFT tuner layer) in line with the adapters it
     reports merged (``merged_adapters``). Its own ``merge()``/``unmerge()`` ran on ``meta``
     placeholders (a `DiskStore`) and changed nothing: they run again here on host copies of
     the stored values, and the base is written back."""
-    cur = list(getattr(layer, "merged_adapters", None) or ())
-    done = list(_APPLIED.get(layer, ()))
+    cur = list(_merged(layer))
+    done = list(layer.__dict__.get(_APPLIED, ()))
     if cur == done:
         return
     slots = _wrapper_slots(state, layer) if slots is None else slots
-    _APPLIED[layer] = tuple(cur)
+    layer.__dict__[_APPLIED] = tuple(cur)
     if all(state.store.host_tensor(s.binding.handle) is not None for s in slots):
         return  # masters in host memory: the wrapper's own merge changed the stored values
     merge, unmerge = getattr(layer, "merge", None), getattr(layer, "unmerge", None)
@@ -315,12 +320,7 @@ def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = Non
                                     requires_grad=s.param.requires_grad)
         s.show(temps[id(s)])
     try:
-        layer.merged_adapters[:] = done
-        if done:
-            unmerge()
-        layer.merged_adapters[:] = []
-        if cur:
-            merge(adapter_names=cur)
+        _merge_on(layer, merge, unmerge, done, cur)
         state.res.mover.wait_reads()
         for s in slots:
             if _inside(s, base_ids):
@@ -328,12 +328,23 @@ def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = Non
                 st.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
                 s.binding.has_value = True
     except BaseException:
-        _APPLIED[layer] = tuple(done)
+        layer.__dict__[_APPLIED] = tuple(done)
         raise
     finally:
         layer.merged_adapters[:] = cur
         for s in slots:
             s.show(s.param)
+
+
+@torch.no_grad()
+def _merge_on(layer: nn.Module, merge, unmerge, done: list[str], cur: list[str]) -> None:
+    """Unmerge what the stored base holds, merge what the layer reports (on host copies)."""
+    layer.merged_adapters[:] = done
+    if done:
+        unmerge()
+    layer.merged_adapters[:] = []
+    if cur:
+        merge(adapter_names=cur)
 
 
 def retire(state: Offload, slots: list[Slot]) -> None:
@@ -367,6 +378,8 @@ def retire(state: Offload, slots: list[Slot]) -> None:
     info = _STATES.get(state)
     if info is not None:
         info.plan_stale = True
+        for i in gone:
+            info.hosts.pop(i, None)
     for g in [*state.blocks, state.rest]:
         g.slots = [s for s in g.slots if id(s) not in gone]
 
@@ -375,10 +388,18 @@ def retire(state: Offload, slots: list[Slot]) -> None:
 def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
     """Masters in host memory whose ``.data`` was rebound since: their value into the store."""
     st = state.store
+    if not isinstance(st, HostStore):
+        return  # masters elsewhere are placeholders: nothing to rebind
+    info = _STATES.get(state)
+    hosts = info.hosts if info is not None else {}
     for s in state.slots if slots is None else slots:
-        host = st.host_tensor(s.binding.handle)
+        known = hosts.get(id(s))
+        if known is None:
+            h = st.host_tensor(s.binding.handle)
+            known = hosts[id(s)] = (h, h.data_ptr() if h is not None else 0)
+        host, ptr = known
         p = s.param
-        if host is None or p.device.type != "cpu" or p.data_ptr() == host.data_ptr():
+        if host is None or p.data_ptr() == ptr or p.device.type != "cpu":
             continue
         if p.shape != host.shape or p.dtype != host.dtype:
             continue  # reported where it is fetched (see _group._check_master)
@@ -396,10 +417,10 @@ def rescan(state: Offload) -> None:
     if info is None:
         return
     sync_masters(state)
-    live = [m for m in (r() for r in info.wrappers) if m is not None and info.has(m)]
-    info.wrappers = [weakref.ref(m) for m in live]
-    for m in live:
-        sync_merges(state, m)
+    for r in info.wrappers:
+        m = r()
+        if m is not None and m.__dict__.get(_APPLIED) != _merged(m) and info.has(m):
+            sync_merges(state, m)
     if not info.dirty:
         return
     info.dirty = False

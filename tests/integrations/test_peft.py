@@ -370,3 +370,26 @@ def test_lora_on_accelerator_matches_plain_peft(store, order, tmp_path):
     got, want = model.state_dict(), ref.state_dict()
     for k in want:
         torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=1e-4, atol=1e-5)
+
+
+def test_clip_grad_norm_sees_only_the_adapters_after_offload_then_wrap():
+    """get_peft_model freezes the base after hr.offload: frozen parameters outside the blocks
+    (embedding, final norm, head) get no gradient, so clipping sees what plain PEFT sees."""
+
+    def norms(offload: bool) -> list[float]:
+        model = _base()
+        if offload:
+            hr.offload(model, device="cpu", store="cpu")
+        model = _wrap(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(STEPS):
+            ids = torch.randint(0, 96, (2, 8), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item())
+            opt.step()
+            opt.zero_grad()
+        return out
+
+    assert norms(True) == norms(False)

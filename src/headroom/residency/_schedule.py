@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from headroom.residency._adopt import forget_values, rescan, strip_hooks
+from headroom.residency._adopt import forget_values, rescan, strip_hooks, sync_masters
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
@@ -653,11 +653,13 @@ class Offload:
 
     # ------------------------------------------------------------------ state dict
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
-        self.init_pending(lost_ok=True)
+        if self.pending_modules:  # once per module: not the whole-model check of init_pending
+            init_pending(self, lost_ok=True)
         for attr, t in module._parameters.items():
             slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
             if slot is None or prefix + attr not in state_dict:
                 continue
+            sync_masters(self, [slot])
             if not slot.binding.has_value:  # no value anywhere (see _meta): not made up
                 h = slot.binding.handle
                 state_dict[prefix + attr] = torch.empty(h.shape, dtype=h.dtype, device="meta")

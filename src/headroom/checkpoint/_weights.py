@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from headroom.checkpoint._file import remove_stale_temps, temp_path
+from headroom.checkpoint._names import checkpoint_names
 from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
 from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
 
@@ -243,7 +244,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         for p in paths:
             files.append(SafetensorsFile(p))
         where = _where(files, weight_map, Path(path))
-        plan, problems = _match(_targets(model), where, strict)
+        # A wrapped model (PEFT) takes its base checkpoint; see headroom.checkpoint._names.
+        plan, problems = _match(checkpoint_names(model, _targets(model), where), where, strict)
         if problems:
             raise ValueError(
                 f"the checkpoint at {str(path)!r} does not match the model: "

@@ -44,11 +44,21 @@ class DeviceCopy(nn.Parameter):
         return (f"DeviceCopy(shape={tuple(self.shape)}, dtype={self.dtype},"
                 f" device={self.device}, resident={resident})")
 
+    def __deepcopy__(self, memo):
+        # Cloning a storage resized to 0 reads freed memory.
+        raise RuntimeError(
+            "copy.deepcopy() of an offloaded model or module during its forward or backward"
+            " (the device copies of its parameters are shown then); copy it between steps"
+        )
+
 
 class Slot:
     """One unique offloaded parameter: master, device copy, where it is registered."""
 
     __slots__ = ("name", "owners", "param", "dev", "binding", "ticket", "group", "nbytes")
+
+    def __deepcopy__(self, memo):
+        return self  # offload bookkeeping is shared by copies of hooks, never copied
 
     def __init__(self, name: str, owners: list[tuple[nn.Module, str]], param: nn.Parameter,
                  dev: nn.Parameter, b: ParamBinding) -> None:
@@ -70,6 +80,9 @@ class Slot:
 
 class Group:
     """Parameters fetched and released together: a block, or the parameters outside blocks."""
+
+    def __deepcopy__(self, memo):
+        return self  # offload bookkeeping is shared by copies of hooks, never copied
 
     def __init__(self, name: str, module: nn.Module | None) -> None:
         self.name = name

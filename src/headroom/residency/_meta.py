@@ -40,7 +40,7 @@ def initializer(root: nn.Module, module: nn.Module) -> Callable[[], None] | None
 
 
 @torch.no_grad()
-def init_pending(state: Offload) -> None:
+def init_pending(state: Offload, *, lost_ok: bool = False) -> None:
     """Give every pending parameter and buffer of ``state``'s model its initial value.
 
     Raises:
@@ -50,8 +50,11 @@ def init_pending(state: Offload) -> None:
     if not state.pending_modules:
         return
     order = {id(m): i for i, m in enumerate(state.model.modules())}
+    lost = _lost_adapters(state, lost_ok)
     missing: list[str] = []
     for module in sorted(state.pending_modules.values(), key=lambda m: order.get(id(m), -1)):
+        if id(module) in lost:
+            continue
         slots = [(a, s) for a, s in _own_slots(state, module) if not s.binding.has_value]
         buffers = [(n, b) for n, b in module._buffers.items()
                    if b is not None and b.device.type == "meta"]
@@ -74,6 +77,36 @@ def init_pending(state: Offload) -> None:
             " model no _init_weights(). Load them with hr.load_weights(model, path) (or"
             " load_state_dict), or build those modules on the CPU"
         )
+
+
+def _lost_adapters(state: Offload, lost_ok: bool) -> set[int]:
+    """Adapters created on ``meta`` (PEFT wrapped a model built on meta: it initialized them on
+    the CPU, then moved them to the base weight's device) have lost their initial values, and
+    the model's own initialization is not theirs (a LoRA ``B`` starts at zero). Refuse rather
+    than initialize them some other way; ``lost_ok``: return their modules, left pending."""
+    wrappers = [f"{n}." for n, m in state.model.named_modules()
+                if isinstance(m._modules.get("base_layer"), nn.Module)]
+    if not wrappers:
+        return set()
+    lost = []
+    modules = set()
+    for module in state.pending_modules.values():
+        name = state.module_names.get(id(module), "")
+        if any(name.startswith(w) and not name.startswith(f"{w}base_layer.") for w in wrappers):
+            new = [f"{name}{a}" for a, s in _own_slots(state, module) if not s.binding.has_value]
+            if new:
+                lost += new
+                modules.add(id(module))
+    if lost and not lost_ok:
+        raise RuntimeError(
+            f"adapter parameters {lost[:4]}{' ...' if len(lost) > 4 else ''} ({len(lost)} in"
+            " all) were created on the meta device (the model was wrapped while on meta), so"
+            " their initial values are lost. For new adapters, wrap after hr.offload:"
+            " hr.offload(model, ...), hr.load_weights(model, base), then"
+            " peft.get_peft_model(model, config); to continue from saved adapters, load them"
+            " first (peft.set_peft_model_state_dict or hr.load_weights(model, path))"
+        )
+    return modules
 
 
 def _own_slots(state: Offload, module: nn.Module):

@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from headroom.residency import _guard
+from headroom.residency import _adopt, _guard
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
@@ -159,7 +159,8 @@ def offload(
     h.append(model.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True,
                                              prepend=True))
     h.append(model.register_forward_hook(state.root_post_forward, with_kwargs=True))
-    h.append(model.register_state_dict_pre_hook(lambda *a, **k: state.init_pending()))
+    h.append(model.register_state_dict_pre_hook(
+        lambda *a, **k: state.init_pending(lost_ok=True)))
     for b in state.blocks:
         h.append(b.module.register_forward_pre_hook(partial(state.pre_forward, b),
                                                     with_kwargs=True, prepend=True))
@@ -182,6 +183,7 @@ def offload(
     _guard.install(model, state)
     for b in state.blocks:
         _guard.install(b.module, _GroupRole(state, b))
+    _adopt.install(state)  # parameters added later (adapters) are offloaded too
     if not state.blocks:
         warnings.warn(
             "hr.offload found no repeated blocks in the model, so all parameters form one group"
@@ -470,4 +472,4 @@ def describe(model: nn.Module) -> OffloadPlan:
     Example:
         >>> print(hr.describe(hr.offload(model, device="cuda")))   # doctest: +SKIP
     """
-    return state_of(model).plan
+    return _adopt.current_plan(state_of(model))

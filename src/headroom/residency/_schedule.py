@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from headroom.residency._adopt import forget_values, rescan, strip_hooks, sync_masters
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.residency._use import Use
@@ -83,6 +84,9 @@ class _GroupRole:
 
     __slots__ = ("state", "block")
 
+    def __deepcopy__(self, memo):
+        return self  # see Offload.__deepcopy__
+
     def __init__(self, state: Offload, block: Group) -> None:
         self.state = state
         self.block = block
@@ -99,9 +103,18 @@ class _GroupRole:
     def wrapped_by_ddp(self, module: nn.Module) -> None:
         self.state.wrapped_by_ddp(module)
 
+    def strip_hooks(self, copy: nn.Module) -> None:
+        strip_hooks(self.state, copy)
+
 
 class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
+
+    def __deepcopy__(self, memo):
+        # A copy of a module (PEFT's modules_to_save copies a layer) copies its hooks, whose
+        # arguments lead here: they share this state rather than copying the store with it.
+        # Guarded modules drop those hooks from their copies (`_guard`).
+        return self
 
     def __init__(self, model: nn.Module, device: torch.device, store: Store, prefetch: int,
                  compute_dtype: torch.dtype | None) -> None:
@@ -193,10 +206,14 @@ class Offload:
         for b in old:
             self.res.release(b, quiet=True)
 
-    def init_pending(self) -> None:
-        """Values for whatever was created on meta and not loaded yet (see `_meta`)."""
+    def init_pending(self, *, lost_ok: bool = False) -> None:
+        """Values for whatever was created on meta and not loaded yet (see `_meta`), after
+        adopting parameters added to the model since `hr.offload` (see `_adopt`).
+        ``lost_ok``: leave adapters whose values were lost pending (for ``state_dict()``,
+        which shows them as ``meta``) instead of raising."""
+        rescan(self)
         if self.pending_modules:
-            init_pending(self)
+            init_pending(self, lost_ok=lost_ok)
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Group | None) -> None:
@@ -338,6 +355,9 @@ class Offload:
     def settle(self) -> None:
         self.settle_if_idle()
 
+    def strip_hooks(self, copy: nn.Module) -> None:
+        strip_hooks(self, copy)
+
     def wrapped_by_ddp(self, module: nn.Module) -> None:
         if self.ddp_allowed:
             return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
@@ -401,11 +421,17 @@ class Offload:
         self._check_not_under_ddp(module)
         self._settle()
         self.init_pending()
+        forget_values()
         self._root_running = True
         self._order_now = []
         self._active = []
         self.res.ensure(self.rest)
         show(self.rest)
+        # requires_grad_() on masters after hr.offload (freezing, PEFT) reaches the device
+        # copies autograd differentiates; blocks do the same in their pre-forward.
+        for s in self.rest.slots:
+            if s.dev.requires_grad != s.param.requires_grad:
+                s.dev.requires_grad_(s.param.requires_grad)
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(self.rest)
@@ -490,6 +516,10 @@ class Offload:
         self._maybe_release(block)
 
     def _maybe_release(self, block: Group) -> None:
+        if block is self.rest and any(not s.dev.requires_grad for s in block.slots):
+            # Frozen parameters outside the blocks (a final norm under LoRA) may still be
+            # needed for input gradients, and nothing watches those here: end of backward.
+            return
         if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
             self.res.release(block)
 
@@ -688,10 +718,16 @@ class Offload:
 
     # ------------------------------------------------------------------ state dict
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
-        self.init_pending()
+        if self.pending_modules:  # once per module: not the whole-model check of init_pending
+            init_pending(self, lost_ok=True)
         for attr, t in module._parameters.items():
             slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
             if slot is None or prefix + attr not in state_dict:
+                continue
+            sync_masters(self, [slot])
+            if not slot.binding.has_value:  # no value anywhere (see _meta): not made up
+                h = slot.binding.handle
+                state_dict[prefix + attr] = torch.empty(h.shape, dtype=h.dtype, device="meta")
                 continue
             host = self.store.host_tensor(slot.binding.handle)
             state_dict[prefix + attr] = (

@@ -1,0 +1,74 @@
+"""The names a wrapped model's tensors have in a checkpoint of the model before it was wrapped.
+
+Adapter libraries wrap a model and some of its layers: PEFT's ``get_peft_model`` puts the model
+under ``base_model.model.`` and each adapted layer's original module under ``base_layer``, so
+``model.layers.0.self_attn.q_proj.weight`` of the base checkpoint is
+``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` in the wrapped model.
+`checkpoint_names` gives `load_weights` both names, so a base checkpoint loads into a wrapped
+model with every base tensor checked as strictly as in an unwrapped one. Tensors that belong to
+the wrappers themselves (the adapters: siblings of a ``base_layer``) are not expected in a base
+checkpoint; they are loaded when the files hold them and otherwise keep their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from headroom.checkpoint._weights import _Target
+
+__all__ = ["checkpoint_names"]
+
+_BASE = "base_layer"
+
+
+def checkpoint_names(model: nn.Module, targets: list[_Target],
+                     available: Collection[str]) -> list[_Target]:
+    """``targets`` with the checkpoint names of wrapped tensors added to their names, less the
+    wrappers' own tensors that the checkpoint does not hold."""
+    if all(any(n in available for n in t.names) for t in targets):
+        return targets  # an unwrapped model, or a checkpoint of the wrapped one
+    wrappers = [f"{name}." for name, m in model.named_modules()
+                if isinstance(m._modules.get(_BASE), nn.Module)]
+    if not wrappers:
+        return targets
+    prefix = _prefix([n for t in targets for n in t.names], available)
+    out = []
+    for t in targets:
+        if any(n in available for n in t.names):
+            out.append(t)
+            continue
+        mapped = [m for m in (_unwrapped(n, prefix) for n in t.names) if m in available]
+        if mapped:
+            t.names.extend(m for m in mapped if m not in t.names)
+            out.append(t)
+        elif not all(_own(n, wrappers) for n in t.names):
+            out.append(t)  # a base tensor the checkpoint lacks: reported as missing
+    return out
+
+
+def _unwrapped(name: str, prefix: str) -> str:
+    if prefix and name.startswith(prefix):
+        name = name[len(prefix):]
+    return ".".join(part for part in name.split(".") if part != _BASE)
+
+
+def _own(name: str, wrappers: list[str]) -> bool:
+    """A tensor of a wrapper itself (an adapter), not of the module it wraps."""
+    return any(name.startswith(w) and not name.startswith(f"{w}{_BASE}.") for w in wrappers)
+
+
+def _prefix(names: list[str], available: Collection[str]) -> str:
+    """The leading path the wrapped model's names have and the checkpoint's lack (e.g.
+    ``base_model.model.``): the one that makes the most names match, shortest first."""
+    best, hits = "", -1
+    heads = {".".join(n.split(".")[:k]) + "." for n in names[:64] for k in range(1, 4)
+             if n.count(".") >= k}
+    for cand in ["", *sorted(heads, key=len)]:
+        h = sum(1 for n in names if _unwrapped(n, cand) in available)
+        if h > hits:
+            best, hits = cand, h
+    return best

@@ -1,0 +1,531 @@
+"""Parameters that join an offloaded model after `hr.offload` (adapters such as LoRA's).
+
+A model may gain parameters once it is offloaded: ``peft.get_peft_model`` wraps layers and adds
+adapter weights, a user attaches a new head. They are offloaded like the others, into the group
+of the block that holds them (or the group outside the blocks), as if they had been there at
+``hr.offload``: a torch module registration hook (``register_module_module_registration_hook``)
+sees a module or parameter being attached to a module of the offloaded model and places its new
+parameters in the store right then, before any optimizer can list them. Parameters dropped
+from the model (``unload()`` of the adapters) leave the store, their values going back into the
+parameter objects as host tensors.
+
+Values lost on the way. A library that builds new parameters "next to" existing ones moves them
+to the device of the existing weight; for a `DiskStore` that is ``meta`` (the masters are
+placeholders), so the values computed on the CPU would be lost (PEFT initializes adapters on
+the CPU, drawing random numbers, then moves them to the base weight's device). While a model
+offloaded to such a store lives, parameters registered anywhere keep a second reference to
+their storage until the next forward of an offloaded model; a parameter found on ``meta`` when
+it is adopted takes the values its storage held. Parameters that were on ``meta`` from the
+start stay pending, as at ``hr.offload`` (see `headroom.residency._meta`).
+
+Masters changed behind the store's back. With ``store="cpu"`` a master's ``.data`` is the
+store's host tensor; code that rebinds it (``p.data = new``, as PEFT's ``safe_merge`` does)
+would leave the store with the old value: `sync_masters` writes such a value into the store and
+rebinds the master to it again.
+
+Merging adapters into a base resting on disk: a wrapper that reports merged adapters
+(``merged_adapters``, PEFT's tuner layers: ``merge_adapter()``, ``merge_and_unload()``) ran its
+merge on placeholders; it is merged again on the stored values, and the result written to the
+store, before the next forward or when it is unwrapped (`sync_merges`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.nn.parameter import is_lazy
+from torch.utils.weak import WeakIdKeyDictionary
+
+from headroom.residency._group import Group, Slot
+from headroom.residency._plan import Layout
+from headroom.transfer import HostStore, binding, claimed_keys, unbind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from headroom.residency._schedule import Offload
+
+__all__ = [
+    "current_plan", "forget_values", "install", "rescan", "retire", "strip_hooks", "sync_masters",
+    "sync_merges",
+]
+
+# module -> {attr: a second reference to the storage its parameter was registered with}
+_ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HANDLES: list = []
+
+
+class _Members:
+    """Which modules belong to an offloaded model, their names and the group holding them."""
+
+    def __init__(self, state: Offload) -> None:
+        self.refs: dict[int, weakref.ref] = {}
+        self.home: dict[int, Group] = {}
+        self.hooked: set[int] = set()  # modules with the state-dict hooks of hr.offload
+        self.dirty = False
+        self.plan_stale = False  # parameters joined or left since the plan was made
+        self.wrappers: list[weakref.ref] = []  # modules wrapping a base_layer (PEFT)
+        # slot id -> its master's host tensor in the store, and that tensor's address
+        self.hosts: dict[int, tuple[torch.Tensor | None, int]] = {}
+        self.refresh(state)
+        for r in self.wrappers:  # merged before hr.offload: into the values it stored
+            _applied_now(r())
+        for s in state.slots:
+            for m, _ in s.owners:
+                self.hooked.add(id(m))
+
+    def refresh(self, state: Offload) -> None:
+        names = {}
+        self.refs = {}
+        for n, m in state.model.named_modules(remove_duplicate=False):
+            names.setdefault(id(m), f"{n}." if n else "")
+            self.refs[id(m)] = weakref.ref(m)
+        state.module_names = names
+        self.wrappers = [weakref.ref(m) for m in state.model.modules() if _is_wrapper(m)]
+        self.home = {}
+        for b in state.blocks:
+            for m in b.module.modules():
+                self.home[id(m)] = b
+
+    def has(self, m: nn.Module) -> bool:
+        r = self.refs.get(id(m))
+        return r is not None and r() is m
+
+
+def install(state: Offload) -> None:
+    """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
+    _STATES[state] = _Members(state)
+    _copyable(state, state.slots)
+    if not _HANDLES:
+        from torch.nn.modules.module import (
+            register_module_module_registration_hook,
+            register_module_parameter_registration_hook,
+        )
+
+        _HANDLES.append(register_module_module_registration_hook(_on_module))
+        _HANDLES.append(register_module_parameter_registration_hook(_on_param))
+
+
+def _live() -> list[tuple[Offload, _Members]]:
+    from headroom.residency._schedule import _LIVE
+
+    return [(s, _STATES[s]) for s in list(_LIVE) if s in _STATES]
+
+
+def _is_wrapper(m: nn.Module) -> bool:
+    return isinstance(m._modules.get("base_layer"), nn.Module)
+
+
+def _busy(state: Offload) -> bool:
+    return bool(state._bwd or state._root_running or state._active)
+
+
+def _owner(module: nn.Module) -> tuple[Offload, _Members] | None:
+    for state, info in _live():
+        if info.has(module):
+            return state, info
+    return None
+
+
+def _on_param(module: nn.Module, name: str, param: nn.Parameter):
+    live = _live()
+    if not live or param is None or is_lazy(param):
+        return None  # a lazy module's parameter has neither values nor a shape yet
+    if param.device.type != "meta" and binding(param) is None and any(
+            not isinstance(s.store, HostStore) for s, _ in live):
+        # See the module docstring: values a later move to meta would destroy.
+        _ALIASES.setdefault(module, {})[name] = param.detach()
+    found = _owner(module)
+    if found is None:
+        return None
+    state, info = found
+    info.dirty = True  # what this parameter replaces may have left the model (see rescan)
+    if _busy(state) or binding(param) is not None:
+        return None
+    prefix = state.module_names.get(id(module), "")
+    placed = _adopt(state, info, [(module, name, param, prefix + name)],
+                    info.home.get(id(module)))
+    return placed[0].param if placed else None
+
+
+def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
+    if sub is None:
+        return None
+    found = _owner(parent)
+    if found is None:
+        return None
+    state, info = found
+    info.dirty = True
+    if _busy(state):
+        return None
+    old = parent._modules.get(name)
+    if old is not None and old is not sub:
+        _drop(state, info, old, keep=sub)
+    prefix = f"{state.module_names.get(id(parent), '')}{name}."
+    items = []
+    seen: set[int] = set()
+    for mname, m in sub.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is None or id(p) in state.by_param or id(p) in state.by_dev:
+                continue
+            full = f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}"
+            items.append((m, attr, p, full))
+            seen.add(id(p))
+    if items:
+        _adopt(state, info, items, info.home.get(id(parent)))
+    home = info.home.get(id(parent))
+    for mname, m in sub.named_modules(remove_duplicate=False):
+        if _is_wrapper(m):
+            info.wrappers.append(weakref.ref(m))
+            _applied_now(m)
+        info.refs[id(m)] = weakref.ref(m)
+        state.module_names[id(m)] = f"{prefix}{mname}." if mname else prefix
+        if home is not None:
+            info.home[id(m)] = home
+    return None
+
+
+def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> list[Slot]:
+    """Place parameters new to the model in its store, in ``home``'s group (None: outside)."""
+    from headroom.residency._offload import _place, _rollback
+
+    params: dict[int, nn.Parameter] = {}  # registered parameter's id -> what is placed
+    names: dict[int, str] = {}
+    owners: dict[int, list] = {}
+    for m, attr, p, full in items:
+        if binding(p) is not None:
+            raise RuntimeError(
+                f"parameter {full!r} added to an offloaded model already rests in a store of"
+                " another offloaded model; give each model its own parameters"
+            )
+        owners.setdefault(id(p), []).append((m, attr))
+        if id(p) in params:
+            continue
+        names[id(p)] = full
+        value = p
+        if p.device.type == "meta":
+            alias = _ALIASES.get(m, {}).get(attr)
+            if alias is not None and alias.shape == p.shape and alias.device.type == "cpu":
+                value = nn.Parameter(alias.to(p.dtype), requires_grad=p.requires_grad)
+        params[id(p)] = value
+    if not params:
+        return []
+    if _busy(state):
+        raise RuntimeError("parameters cannot join an offloaded model during its forward or"
+                           " backward")
+    state.drop_announced()
+    gi = state.blocks.index(home) if home is not None else -1
+    st = state.store
+    for pid in params:
+        if names[pid] in st:
+            raise RuntimeError(
+                f"cannot offload the new parameter {names[pid]!r}: {st!r} already holds a tensor"
+                " of that name; give the new module another name"
+            )
+    lay = Layout(None, [b.module for b in state.blocks], params, names, owners,
+                 {pid: gi for pid in params})
+    placed: list = []
+    claimed = claimed_keys(st)
+    try:
+        _place(state, st, state.device, state.compute_dtype, lay, claimed, placed)
+    except BaseException:
+        _rollback(state, st, claimed, placed)
+        raise
+    _copyable(state, [slot for slot, _, _ in placed])
+    info.plan_stale = True
+    for m, _attr, _p, _ in items:
+        if id(m) not in info.hooked:
+            info.hooked.add(id(m))
+            _hook_state_dict(state, m)
+    return [slot for slot, _, _ in placed]
+
+
+def _hook_state_dict(state: Offload, m: nn.Module) -> None:
+    from functools import partial
+
+    from headroom.residency._schedule import Offload
+
+    state.handles.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
+    state.handles.append(m.register_load_state_dict_pre_hook(
+        partial(Offload.load_state_dict_pre_hook, state)))
+
+
+# ---------------------------------------------------------------------- dropped parameters
+def _inside(slot: Slot, ids: set[int]) -> bool:
+    return all(id(m) in ids for m, _ in slot.owners)
+
+
+def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) -> None:
+    """``old`` leaves the model; ``keep`` (perhaps a module inside it) takes its place."""
+    old_ids = {id(m) for m in old.modules()}
+    keep_ids = {id(m) for m in keep.modules()}
+    inside = [s for s in state.slots if _inside(s, old_ids)]
+    if not inside:
+        return
+    sync_masters(state, inside)
+    if id(keep) in old_ids:
+        sync_merges(state, old, inside)
+    gone = [s for s in inside if not _inside(s, keep_ids)]
+    if gone:
+        retire(state, gone)
+
+
+# On a wrapper module: the adapters merged into the stored base (see `sync_merges`).
+_APPLIED = "_headroom_merged"
+
+
+def _merged(layer: nn.Module) -> tuple:
+    return tuple(getattr(layer, "merged_adapters", None) or ())
+
+
+def _applied_now(layer: nn.Module | None) -> None:
+    if layer is not None and _APPLIED not in layer.__dict__:
+        layer.__dict__[_APPLIED] = _merged(layer)
+
+
+def _wrapper_slots(state: Offload, layer: nn.Module) -> list[Slot]:
+    ids = {id(m) for m in layer.modules()}
+    return [s for s in state.slots if _inside(s, ids)]
+
+
+def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = None) -> None:
+    """Bring the stored base of a wrapper (PEFT tuner layer) in line with the adapters it
+    reports merged (``merged_adapters``). Its own ``merge()``/``unmerge()`` ran on ``meta``
+    placeholders (a `DiskStore`) and changed nothing: they run again here on host copies of
+    the stored values, and the base is written back."""
+    cur = list(_merged(layer))
+    done = list(layer.__dict__.get(_APPLIED, ()))
+    if cur == done:
+        return
+    slots = _wrapper_slots(state, layer) if slots is None else slots
+    layer.__dict__[_APPLIED] = tuple(cur)
+    if all(state.store.host_tensor(s.binding.handle) is not None for s in slots):
+        return  # masters in host memory: the wrapper's own merge changed the stored values
+    merge, unmerge = getattr(layer, "merge", None), getattr(layer, "unmerge", None)
+    if not callable(merge) or not callable(unmerge):
+        raise RuntimeError(
+            f"{type(layer).__name__} reports merged adapters {cur} but has no merge()/unmerge();"
+            " its base rests on disk, where a merge of placeholders changes nothing. Unload"
+            " without merging, or hr.unoffload(model) before merging"
+        )
+    state.init_pending()
+    base = layer._modules.get("base_layer")
+    base_ids = {id(m) for m in base.modules()} if base is not None else set()
+    st = state.store
+    temps = {}
+    for s in slots:
+        temps[id(s)] = nn.Parameter(st.read(s.binding.handle).result(),
+                                    requires_grad=s.param.requires_grad)
+        s.show(temps[id(s)])
+    try:
+        _merge_on(layer, merge, unmerge, done, cur)
+        state.res.mover.wait_reads()
+        for s in slots:
+            if _inside(s, base_ids):
+                h = s.binding.handle
+                st.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
+                s.binding.has_value = True
+    except BaseException:
+        layer.__dict__[_APPLIED] = tuple(done)
+        raise
+    finally:
+        layer.merged_adapters[:] = cur
+        for s in slots:
+            s.show(s.param)
+
+
+@torch.no_grad()
+def _merge_on(layer: nn.Module, merge, unmerge, done: list[str], cur: list[str]) -> None:
+    """Unmerge what the stored base holds, merge what the layer reports (on host copies)."""
+    layer.merged_adapters[:] = done
+    if done:
+        unmerge()
+    layer.merged_adapters[:] = []
+    if cur:
+        merge(adapter_names=cur)
+
+
+def retire(state: Offload, slots: list[Slot]) -> None:
+    """Take parameters that left the model out of the store: their values go back into the
+    parameter objects (host tensors), their gradients are dropped."""
+    st = state.store
+    state.drop_announced()
+    for g in [*state.blocks, state.rest]:
+        state.res.release(g)
+    state.sync_grads()
+    gone = {id(s) for s in slots}
+    for s in slots:
+        b = s.binding
+        value = st.read(b.handle).result().clone() if b.has_value else None
+        if b.grad_handle is not None:
+            st.free(b.grad_handle)
+        st.free(b.handle)
+        claimed_keys(st).discard(b.handle.key)
+        unbind(s.param)
+        p = s.param
+        p.grad = None
+        if value is not None:
+            if p.device.type == "meta":
+                p = nn.Parameter(value, requires_grad=p.requires_grad)
+                s.show(p)
+            else:
+                p.data = value
+        state.by_param.pop(id(s.param), None)
+        state.by_dev.pop(id(s.dev), None)
+    state.slots = [s for s in state.slots if id(s) not in gone]
+    info = _STATES.get(state)
+    if info is not None:
+        info.plan_stale = True
+        for i in gone:
+            info.hosts.pop(i, None)
+    for g in [*state.blocks, state.rest]:
+        g.slots = [s for s in g.slots if id(s) not in gone]
+
+
+# ---------------------------------------------------------------------- between steps
+def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
+    """Masters in host memory whose ``.data`` was rebound since: their value into the store."""
+    st = state.store
+    if not isinstance(st, HostStore):
+        return  # masters elsewhere are placeholders: nothing to rebind
+    info = _STATES.get(state)
+    hosts = info.hosts if info is not None else {}
+    for s in state.slots if slots is None else slots:
+        known = hosts.get(id(s))
+        if known is None:
+            h = st.host_tensor(s.binding.handle)
+            known = hosts[id(s)] = (h, h.data_ptr() if h is not None else 0)
+        host, ptr = known
+        p = s.param
+        if host is None or p.data_ptr() == ptr or p.device.type != "cpu":
+            continue
+        if p.shape != host.shape or p.dtype != host.dtype:
+            continue  # reported where it is fetched (see _group._check_master)
+        state.res.mover.wait_reads()
+        with torch.no_grad():
+            host.copy_(p.detach())
+            p.data = host
+
+
+def rescan(state: Offload) -> None:
+    """Between steps: adopt what the registration hooks could not (added during a forward,
+    or written into a module's parameter table directly), drop what left the model, and check
+    masters rebound behind the store's back."""
+    info = _STATES.get(state)
+    if info is None:
+        return
+    sync_masters(state)
+    for r in info.wrappers:
+        m = r()
+        if m is not None and m.__dict__.get(_APPLIED) != _merged(m) and info.has(m):
+            sync_merges(state, m)
+    if not info.dirty:
+        return
+    info.dirty = False
+    info.refresh(state)
+    present: dict[int, list] = {}
+    for mname, m in state.model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for attr, p in m._parameters.items():
+            if p is not None:
+                present.setdefault(id(p), []).append((m, attr, p, prefix + attr))
+    gone = [s for s in state.slots
+            if id(s.param) not in present and id(s.dev) not in present]
+    if gone:
+        retire(state, gone)
+    for pid, regs in present.items():
+        homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
+                 for m, *_ in regs}
+        home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
+        slot = state.by_param.get(pid) or state.by_dev.get(pid)
+        if slot is None:
+            _adopt(state, info, regs, home)
+        elif {(id(m), a) for m, a in slot.owners} != {(id(m), a) for m, a, *_ in regs}:
+            _rehome(state, info, slot, [(m, a) for m, a, *_ in regs], home)
+
+
+def _rehome(state: Offload, info: _Members, slot: Slot, owners: list, home: Group | None) -> None:
+    """A stored parameter registered in other places now (tied after hr.offload): it is shown
+    wherever it is registered, in the group that holds all of them (outside blocks if none)."""
+    target = home if home is not None else state.rest
+    if slot.group is not target:
+        for g in (slot.group, target):
+            state.res.release(g)
+        slot.group.slots.remove(slot)
+        target.slots.append(slot)
+        slot.group = target
+        info.plan_stale = True
+    slot.owners = owners
+    slot.show(slot.param)
+    for m, _ in owners:
+        if id(m) not in info.hooked:
+            info.hooked.add(id(m))
+            _hook_state_dict(state, m)
+
+
+def forget_values() -> None:
+    """Drop the second references of registered parameters (at a forward: adoption is over)."""
+    _ALIASES.clear()
+
+
+# ---------------------------------------------------------------------- copies
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def strip_hooks(state: Offload, module: nn.Module) -> None:
+    """Remove ``state``'s hooks from a deep copy of one of its modules (and its submodules)."""
+    ids = {h.id for h in state.handles if hasattr(h, "id")}
+    for m in module.modules():
+        for attr in _HOOK_DICTS:
+            d = m.__dict__.get(attr)
+            if d:
+                for k in [k for k in d if k in ids]:
+                    del d[k]
+
+
+def _copy_master(state_ref: weakref.ref, slot: Slot, memo: dict) -> nn.Parameter:
+    """``copy.deepcopy`` of a master resting on disk: a host parameter with its value."""
+    state = state_ref()
+    if state is None or slot not in state.slots:
+        raise RuntimeError(f"copy of {slot.name!r}: its model is no longer offloaded")
+    if not slot.binding.has_value:
+        state.init_pending()
+    state.sync_grads()
+    value = state.store.read(slot.binding.handle).result()
+    out = nn.Parameter(value, requires_grad=slot.param.requires_grad)
+    memo[id(slot.param)] = out
+    return out
+
+
+def _copyable(state: Offload, slots: list[Slot]) -> None:
+    # NOTE: a master on disk is a ``meta`` placeholder; a deep copy of it (PEFT's
+    # modules_to_save copies a layer) would have no values. The instance attribute makes
+    # copy.deepcopy read them from the store instead (nn.Parameter.__deepcopy__ is looked up
+    # on the instance first).
+    from functools import partial
+
+    ref = weakref.ref(state)
+    for s in slots:
+        if s.param.device.type == "meta":
+            s.param.__deepcopy__ = partial(_copy_master, ref, s)
+
+
+def current_plan(state: Offload):
+    """The plan of `hr.describe`, brought up to date when parameters joined or left."""
+    from dataclasses import replace
+
+    from headroom.residency._plan import layout
+
+    info = _STATES.get(state)
+    if info is not None and info.plan_stale:
+        info.plan_stale = False
+        o = state.plan.options
+        lay = layout(state.model, device=o.device, blocks=[b.module for b in state.blocks],
+                     prefetch=o.prefetch, compute_dtype=o.compute_dtype)
+        state.plan = replace(lay.plan, options=o, store=state.plan.store)
+    return state.plan

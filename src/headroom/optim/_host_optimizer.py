@@ -19,6 +19,7 @@ import torch
 
 from headroom.memory import annotate
 from headroom.optim import _state
+from headroom.optim._grads import host_grad
 from headroom.optim._entries import (
     ALIAS,
     BOUND,
@@ -39,6 +40,7 @@ from headroom.transfer import (
     ParamBinding,
     Store,
     StoreFullError,
+    StoreTensor,
     binding,
     on_grad_ready,
     resolve_store,
@@ -295,7 +297,8 @@ class HostOptimizer(torch.optim.Optimizer):
             mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             mh = self._host.alloc(key + "/master", tuple(p.shape), mdtype, zero=False)
             gh = self._host.alloc(key + "/grad", tuple(p.shape), mdtype, zero=False)
-            e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh)
+            e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh,
+                                 grad_sync=self._mover.synchronize)
             e.master = self._host.host_tensor(mh)
             with torch.no_grad():
                 e.master.copy_(p.detach())
@@ -319,12 +322,17 @@ class HostOptimizer(torch.optim.Optimizer):
                 "step() final (that step already used the gradients it had)"
             )
         if e.kind == HOSTED and p.grad is not None:
-            g = p.grad
-            self._mover.push_grad(g, e.own, accumulate=e.own.has_grad)
-            # Free the device gradient now (the mover keeps it until its copy has run): at
-            # most the gradients in flight to the host stay on the device.
-            p.grad = None
-            del g
+            if not isinstance(p.grad, StoreTensor):
+                g = p.grad
+                self._mover.push_grad(g, e.own, accumulate=e.own.has_grad)
+                # Free the device gradient now (the mover keeps it until its copy has run): at
+                # most the gradients in flight to the host stay on the device.
+                p.grad = None
+                del g
+                # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
+                # param.grad: it reads (and scales) the host gradient the step uses. A later
+                # backward accumulates into it (autograd's add_ runs on the host gradient).
+                p.grad = host_grad(p, e.own)
             # Everything backward does with this parameter is queued by now, on this stream:
             # its new value is copied back after this point, whichever thread issues the copy.
             e.ready = self._mover.mark(e.ready)

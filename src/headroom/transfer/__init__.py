@@ -32,6 +32,7 @@ from headroom.transfer._safetensors import (
 )
 from headroom.transfer._stash import Stash, StashTicket
 from headroom.transfer._storage import resize_storage
+from headroom.transfer._store_tensor import GradSource, HandleSource, Source, StoreTensor
 from headroom.transfer._store import (
     Store,
     StoreCorruptError,
@@ -55,8 +56,12 @@ __all__ = [
     "SafetensorsFile",
     "Stash",
     "StashTicket",
+    "GradSource",
+    "HandleSource",
+    "Source",
     "Store",
     "StoreCorruptError",
+    "StoreTensor",
     "StoreFullError",
     "TensorInfo",
     "Ticket",

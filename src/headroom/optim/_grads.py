@@ -1,0 +1,20 @@
+"""``param.grad`` of a parameter whose gradient the host optimizer keeps on the host.
+
+A parameter on an accelerator, or in bf16/fp16 with an fp32 master, hands its gradient to the
+host as soon as backward finishes it; ``param.grad`` then reads that host gradient (in fp32:
+the gradient the step uses) through a `headroom.transfer.StoreTensor`, so
+``torch.nn.utils.clip_grad_norm_``, ``GradScaler.unscale_`` and frameworks that clip see it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headroom.transfer import GradSource, ParamBinding, StoreTensor
+
+__all__ = ["host_grad"]
+
+
+def host_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:
+    """A tensor with ``p``'s shape, dtype and device whose ops run on ``b``'s gradient."""
+    return StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)

@@ -56,7 +56,7 @@ def offload(
     Changes the model in place and returns it. Afterwards ``model.parameters()`` yields the
     *masters*: with ``store="cpu"`` they are host tensors whose ``.grad`` is filled by backward,
     so ``torch.optim.AdamW(model.parameters())`` works unchanged and steps on the host (as in
-    ZeRO-offload); with a `DiskStore` they are `headroom.transfer.StoreTensor`\ s on the CPU
+    ZeRO-offload); with a `DiskStore` they are `headroom.transfer.StoreTensor` objects on the CPU
     whose ops (and their ``.grad``'s: ``clip_grad_norm_``, ``GradScaler``, ``p.grad.norm()``)
     run on the values on disk, and an optimizer must go through the store
     (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from headroom.transfer import GradSource, ParamBinding, StoreTensor
+from headroom.transfer import GradSource, Mover, ParamBinding, StoreTensor
 
 __all__ = ["host_grad"]
 
 
-def host_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:
-    """A tensor with ``p``'s shape, dtype and device whose ops run on ``b``'s gradient."""
-    return StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)
+def host_grad(p: torch.Tensor, b: ParamBinding, mover: Mover) -> StoreTensor:
+    """A tensor with ``p``'s shape, dtype and device whose ops run on ``b``'s gradient.
+
+    A later backward's gradient is added through ``mover`` (in the background on an
+    accelerator), as the first one was.
+    """
+    src = GradSource(b, push=lambda g: mover.push_grad(g, b, accumulate=True))
+    return StoreTensor(src, tuple(p.shape), dtype=p.dtype, device=p.device)

@@ -324,7 +324,9 @@ class HostOptimizer(torch.optim.Optimizer):
         if e.kind == HOSTED and p.grad is not None:
             if not isinstance(p.grad, StoreTensor):
                 g = p.grad
-                self._mover.push_grad(g, e.own, accumulate=e.own.has_grad)
+                # param.grad was None: this backward starts the gradient afresh, as in torch
+                # (zero_grad() of the model or of this optimizer, or the first backward).
+                self._mover.push_grad(g, e.own, accumulate=False)
                 # Free the device gradient now (the mover keeps it until its copy has run): at
                 # most the gradients in flight to the host stay on the device.
                 p.grad = None
@@ -332,7 +334,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
                 # param.grad: it reads (and scales) the host gradient the step uses. A later
                 # backward accumulates into it (autograd's add_ runs on the host gradient).
-                p.grad = host_grad(p, e.own)
+                p.grad = host_grad(p, e.own, self._mover)
             # Everything backward does with this parameter is queued by now, on this stream:
             # its new value is copied back after this point, whichever thread issues the copy.
             e.ready = self._mover.mark(e.ready)

@@ -69,6 +69,10 @@ class Source:
         """Identity of the values (two sources with the same key hold the same values)."""
         raise NotImplementedError
 
+    def accumulate(self, t: torch.Tensor) -> bool:
+        """Add ``t`` (autograd accumulating a new gradient) its own way; False: not handled."""
+        return False
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -122,10 +126,25 @@ class GradSource(Source):
 
     Reads wait for the gradient's producer (`sync_grad`); a gradient cleared since the tensor
     was handed out (``zero_grad``) raises rather than reading whatever the store holds.
+
+    Args:
+        b: the parameter's binding.
+        push: adds a new gradient to the stored one (``fn(grad)``), used when autograd
+            accumulates into ``param.grad`` (e.g. `headroom.transfer.Mover.push_grad`, which
+            copies from an accelerator in the background); ``None``: an ordinary ``add_``.
     """
 
-    def __init__(self, b: ParamBinding) -> None:
+    def __init__(self, b: ParamBinding, *,
+                 push: Callable[[torch.Tensor], None] | None = None) -> None:
         self.binding = b
+        self.push = push
+
+    def accumulate(self, t: torch.Tensor) -> bool:
+        if self.push is None:
+            return False
+        self._handle()
+        self.push(t)
+        return True
 
     def _handle(self) -> Handle:
         b = self.binding
@@ -218,6 +237,10 @@ class StoreTensor(torch.Tensor):
                 and isinstance(args[0], StoreTensor)
                 and args[0]._source.key() == args[1]._source.key()):
             return args[0]  # a copy onto itself (load_state_dict of what the store holds)
+        if (func is _aten.add_.Tensor and isinstance(args[0], StoreTensor)
+                and not isinstance(args[1], StoreTensor) and kwargs.get("alpha", 1) == 1
+                and args[0]._source.accumulate(args[1])):
+            return args[0]
         if func.__name__.startswith(("_foreach_", "_amp_foreach_")):
             return _foreach(func, args, kwargs)
         return _run(func, args, kwargs)

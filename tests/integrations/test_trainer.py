@@ -1,0 +1,61 @@
+"""transformers.Trainer with hr.offload + hr.HostOptimizer: bitwise the run without headroom.
+
+Trainer clips with its default ``max_grad_norm=1.0`` through ``torch.nn.utils.clip_grad_norm_``
+over ``model.parameters()`` and logs ``grad_norm.item()`` every step: the gradients of
+parameters on disk, and the fp32 gradients of bf16 parameters, must read as tensors there.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from tests.integrations._models import (
+    LMData,
+    assert_same_state,
+    gpt2,
+    offload,
+    optimizer,
+    state,
+)
+
+pytest.importorskip("transformers")
+
+# fp32 weights; fp32 weights under bf16 autocast; bf16 weights (the optimizer's fp32 masters)
+MODES = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True),
+         "bf16-weights": (torch.bfloat16, False)}
+
+
+def _train(mode: str, store: str | None, headroom: bool, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    dtype, bf16 = MODES[mode]
+    model = offload(gpt2(dtype), store, tmp_path)
+    opt = optimizer(model, headroom)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=bf16, seed=0,
+        disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=LMData(), optimizers=(opt, None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    return logs, state(model)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_trainer_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
+    # The reference without headroom: torch's AdamW; for bf16 weights (no fp32 masters in
+    # torch.optim) HostOptimizer alone, whose step and clipping equal a plain-torch fp32-master
+    # loop (tests/optim/test_grads.py).
+    ref_logs, ref_state = _train(mode, None, mode == "bf16-weights", tmp_path / "ref")
+    assert len(ref_logs) == 3 and all(math.isfinite(n) and n > 0 for _, n in ref_logs)
+    assert any(n > 1.0 for _, n in ref_logs)  # the default max_grad_norm=1.0 clips
+    for store in ("cpu", "disk"):
+        logs, st = _train(mode, store, True, tmp_path / store)
+        assert logs == ref_logs, store
+        assert_same_state(ref_state, st)

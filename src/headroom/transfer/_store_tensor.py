@@ -22,9 +22,8 @@ which may differ from the reported one: the fp32 gradient of a bf16 parameter (w
 optimizer with fp32 masters steps) reports ``bfloat16`` as torch requires, and ops on it
 compute in fp32 and return fp32.
 
-# NOTE: views of values read from disk (``p.grad.view(-1)``) are views of a copy; they are
-# made inference tensors so that writing into them raises instead of silently changing
-# nothing. Views of host-resident values alias the store's memory.
+Views (``p.grad.view(-1)``, slicing) of values in host memory alias the store's memory; views
+of values on disk are `StoreTensor` objects too, so writing into them writes the store.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from headroom.transfer._binding import ParamBinding, sync_grad
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
-__all__ = ["GradSource", "HandleSource", "StoreTensor", "Source"]
+__all__ = ["GradSource", "HandleSource", "Source", "StoreTensor", "ViewSource"]
 
 _aten = torch.ops.aten
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -54,11 +53,12 @@ _REFUSED = {
 class Source:
     """Where a `StoreTensor`'s values rest: read whole, written whole."""
 
-    def read(self, *, frozen: bool) -> tuple[torch.Tensor, bool]:
-        """The value as a host tensor, and whether it is the store's own memory (live).
+    def read(self) -> tuple[torch.Tensor, bool]:
+        """The value as a host tensor, and whether it is the store's own memory (live)."""
+        raise NotImplementedError
 
-        ``frozen``: a copy (from disk) is made an inference tensor, so views of it refuse
-        writes."""
+    def live(self) -> bool:
+        """Whether `read` gives the store's own memory (writes to it land in the store)."""
         raise NotImplementedError
 
     def write(self, value: torch.Tensor) -> None:
@@ -77,14 +77,10 @@ class Source:
         raise NotImplementedError
 
 
-def _read(store: Store, h: Handle, frozen: bool) -> tuple[torch.Tensor, bool]:
+def _read(store: Store, h: Handle) -> tuple[torch.Tensor, bool]:
     host = store.host_tensor(h)
     if host is not None:
         return host, True
-    if frozen:
-        with torch.inference_mode():
-            out = torch.empty(h.shape, dtype=h.dtype)
-        return store.read(h, out=out).result(), False
     return store.read(h).result(), False
 
 
@@ -103,10 +99,13 @@ class HandleSource(Source):
         self.handle = handle
         self.prepare = prepare
 
-    def read(self, *, frozen: bool) -> tuple[torch.Tensor, bool]:
+    def read(self) -> tuple[torch.Tensor, bool]:
         if self.prepare is not None:
             self.prepare()
-        return _read(self.store, self.handle, frozen)
+        return _read(self.store, self.handle)
+
+    def live(self) -> bool:
+        return self.store.host_tensor(self.handle) is not None
 
     def write(self, value: torch.Tensor) -> None:
         if self.prepare is not None:
@@ -157,9 +156,13 @@ class GradSource(Source):
         sync_grad(b)
         return b.grad_handle
 
-    def read(self, *, frozen: bool) -> tuple[torch.Tensor, bool]:
+    def read(self) -> tuple[torch.Tensor, bool]:
         h = self._handle()
-        return _read(self.binding.store, h, frozen)
+        return _read(self.binding.store, h)
+
+    def live(self) -> bool:
+        b = self.binding
+        return b.grad_handle is not None and b.store.host_tensor(b.grad_handle) is not None
 
     def write(self, value: torch.Tensor) -> None:
         h = self._handle()
@@ -170,6 +173,41 @@ class GradSource(Source):
 
     def describe(self) -> str:
         return f"the gradient of {self.binding.handle.key!r} in {self.binding.store!r}"
+
+
+class ViewSource(Source):
+    """A view (``view``, ``reshape``, ``t``, slicing, ...) of another source's values: read as
+    that view of the whole value, written through it."""
+
+    def __init__(self, base: Source, func: Any, args: tuple, kwargs: dict, index: int | None):
+        self.base = base
+        self.func = func
+        self.args = args  # args[0] is the base's place
+        self.kwargs = kwargs
+        self.index = index
+
+    def _view(self, value: torch.Tensor) -> torch.Tensor:
+        out = self.func(value, *self.args[1:], **self.kwargs)
+        return out if self.index is None else out[self.index]
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        value, live = self.base.read()
+        return self._view(value), live
+
+    def live(self) -> bool:
+        return self.base.live()
+
+    def write(self, value: torch.Tensor) -> None:
+        base, live = self.base.read()
+        self._view(base).copy_(value)
+        if not live:
+            self.base.write(base)
+
+    def key(self) -> tuple:
+        return ("view", id(self))
+
+    def describe(self) -> str:
+        return f"a view ({self.func}) of {self.base.describe()}"
 
 
 class StoreTensor(torch.Tensor):
@@ -202,23 +240,25 @@ class StoreTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> Any:
         # Pickling (torch.save) gets the values, as a plain tensor of the reported dtype.
-        return (_plain, (self.values().to(self.dtype, copy=True),))
+        return self.values().to(self.dtype, copy=True).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         # A copy in memory, as a plain tensor (a parameter stays a parameter).
         if id(self) in memo:
             return memo[id(self)]
         v = self.values().to(self.dtype, copy=True)
-        out = (torch.nn.Parameter(v, requires_grad=self.requires_grad)
-               if getattr(self, "_is_param", False) else v.requires_grad_(self.requires_grad))
+        if getattr(self, "_is_param", False):  # as nn.Parameter.__deepcopy__: no .grad
+            out = torch.nn.Parameter(v, requires_grad=self.requires_grad)
+        else:
+            out = v.requires_grad_(self.requires_grad)
+            if self.grad is not None:
+                out.grad = copy.deepcopy(self.grad, memo)
         memo[id(self)] = out
-        if self.grad is not None:
-            out.grad = copy.deepcopy(self.grad, memo)
         return out
 
     def values(self) -> torch.Tensor:  # type: ignore[override]
         """The stored values as an ordinary host tensor (a copy when they rest on disk)."""
-        return self._source.read(frozen=False)[0]
+        return self._source.read()[0]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -243,11 +283,28 @@ class StoreTensor(torch.Tensor):
             return args[0]
         if func.__name__.startswith(("_foreach_", "_amp_foreach_")):
             return _foreach(func, args, kwargs)
+        if (_is_view(func) and isinstance(args[0], StoreTensor)
+                and not (args[0].device.type == "cpu" and args[0]._source.live())):
+            return _view(func, args, kwargs)
         return _run(func, args, kwargs)
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _is_view(func) -> bool:
+    rets = func._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def _view(func, args, kwargs):
+    """A view of values that are not in memory (on disk, or reported on an accelerator): a
+    `StoreTensor` over the view, so that writing into it writes the store."""
+    base: StoreTensor = args[0]
+    shaped = torch.empty(base.shape, dtype=base.dtype, device="meta")
+    out = func(shaped, *args[1:], **kwargs)
+    if isinstance(out, torch.Tensor):
+        return StoreTensor(ViewSource(base._source, func, args, kwargs, None), tuple(out.shape),
+                           dtype=base.dtype, device=base.device)
+    return [StoreTensor(ViewSource(base._source, func, args, kwargs, i), tuple(o.shape),
+                        dtype=base.dtype, device=base.device) for i, o in enumerate(out)]
 
 
 def _first(args, kwargs) -> StoreTensor:
@@ -284,9 +341,7 @@ def _run(func, args, kwargs):
         if isinstance(x, StoreTensor):
             k = x._source.key()
             if k not in values:
-                # Values read from disk for a read-only op are frozen: writing into a view of
-                # them would change nothing in the store.
-                values[k] = x._source.read(frozen=not mutates)
+                values[k] = x._source.read()
             new_flat.append(values[k][0])
         elif isinstance(x, torch.Tensor) and dev.type != "cpu" and x.device.type != "cpu":
             h = x.detach().to("cpu")
@@ -297,8 +352,7 @@ def _run(func, args, kwargs):
             new_flat.append(x)
     a, k = tree_unflatten(new_flat, spec)
     if mutates:
-        with torch.inference_mode():  # the values read from disk may be inference tensors
-            out = func(*a, **k)
+        out = func(*a, **k)
         for x in wrappers:
             if id(x) in written_ids:
                 v, live = values[x._source.key()]

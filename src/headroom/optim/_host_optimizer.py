@@ -74,8 +74,10 @@ class HostOptimizer(torch.optim.Optimizer):
 
     It is a ``torch.optim.Optimizer``: ``zero_grad``, ``step``, ``state_dict``,
     ``load_state_dict``, ``param_groups`` and LR schedulers work as usual. Gradients of
-    parameters on an accelerator do not stay in ``param.grad`` (they move to the host); use
-    `clip_grad_norm_` and `grad` to reach them.
+    parameters on an accelerator or not in fp32 move to the host as soon as backward finishes
+    them; ``param.grad`` then reads that host gradient (in fp32, a
+    `headroom.transfer.StoreTensor`), so ``torch.nn.utils.clip_grad_norm_``, ``GradScaler`` and
+    frameworks that clip act on the gradients the step uses.
 
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on

@@ -8,7 +8,14 @@ import warnings
 import pytest
 import torch
 
-from tests.integrations._models import assert_same_state, llama, offload, optimizer, state, token_ids
+from tests.integrations._models import (
+    assert_same_state,
+    llama,
+    offload,
+    optimizer,
+    state,
+    token_ids,
+)
 
 pytest.importorskip("accelerate")
 

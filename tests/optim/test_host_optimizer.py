@@ -280,7 +280,8 @@ def test_bf16_params_fp32_master_through_the_mover():
         grads = [opt.grad(p) for p in lin.parameters()]
         assert all(g.dtype == torch.float32 for g in grads)
         # moved to the host at once; param.grad reads that fp32 host gradient
-        assert all(torch.equal(p.grad.clone(), g) for p, g in zip(lin.parameters(), grads))
+        assert all(torch.equal(p.grad.clone(), g)
+                   for p, g in zip(lin.parameters(), grads, strict=True))
         for m, g in zip(master, grads, strict=True):
             m.grad = g
         ref.step()

@@ -152,3 +152,25 @@ def test_grad_taken_before_zero_grad_refuses_to_read(tmp_path):
     assert ps[0].grad is None
     with pytest.raises(RuntimeError, match="was cleared"):
         g.norm()
+
+
+def test_clipping_that_does_not_clip_writes_nothing_to_disk(tmp_path):
+    """A coefficient clamped to 1 leaves every gradient as it is: no read-modify-write."""
+    rs, ps = _pair("disk", tmp_path)
+    store = ps[0].grad._source.binding.store
+    writes = []
+    real = store.write
+    store.write = lambda h, src: (writes.append(h.key), real(h, src))[1]
+    try:
+        n = torch.nn.utils.clip_grad_norm_(ps, 1e9)
+        assert writes == [] and float(n) < 1e9
+        torch.nn.utils.clip_grad_norm_(ps, 1e-3)  # this one clips: every gradient rewritten
+        assert sorted(writes) == sorted(f"{k}.grad" for k in _keys(ps))
+    finally:
+        del store.write
+    torch.nn.utils.clip_grad_norm_(rs, 1e-3)
+    _grads_equal(rs, ps)
+
+
+def _keys(ps):
+    return [p._source.handle.key for p in ps]

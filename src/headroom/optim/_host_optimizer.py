@@ -19,7 +19,6 @@ import torch
 
 from headroom.memory import annotate
 from headroom.optim import _state
-from headroom.optim._grads import host_grad
 from headroom.optim._entries import (
     ALIAS,
     BOUND,
@@ -32,6 +31,7 @@ from headroom.optim._entries import (
     probe_cpu,
     want_fp32_grad,
 )
+from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import ELEMENTWISE, SlicedParam, SliceRunner, probe_layout
 from headroom.transfer import (

@@ -32,7 +32,6 @@ from headroom.transfer._safetensors import (
 )
 from headroom.transfer._stash import Stash, StashTicket
 from headroom.transfer._storage import resize_storage
-from headroom.transfer._store_tensor import GradSource, HandleSource, Source, StoreTensor
 from headroom.transfer._store import (
     Store,
     StoreCorruptError,
@@ -40,6 +39,7 @@ from headroom.transfer._store import (
     is_accelerator,
     resolve_store,
 )
+from headroom.transfer._store_tensor import GradSource, HandleSource, Source, StoreTensor
 
 __all__ = [
     "DiskStore",

@@ -50,6 +50,17 @@ _REFUSED = {
 }
 
 
+_FOREACH_SCALE_OPS = {_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar}
+_SCALE_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, *_FOREACH_SCALE_OPS}
+
+
+def _is_one(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return (x.dim() == 0 and not isinstance(x, StoreTensor) and not x.is_complex()
+                and bool(x == 1))
+    return isinstance(x, (int, float)) and x == 1
+
+
 class Source:
     """Where a `StoreTensor`'s values rest: read whole, written whole."""
 
@@ -281,6 +292,10 @@ class StoreTensor(torch.Tensor):
                 and not isinstance(args[1], StoreTensor) and kwargs.get("alpha", 1) == 1
                 and args[0]._source.accumulate(args[1])):
             return args[0]
+        if func in _SCALE_OPS and _is_one(args[1]):
+            # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
+            # to 1) then costs no read and write of every gradient on disk.
+            return None if func in _FOREACH_SCALE_OPS else args[0]
         if func.__name__.startswith(("_foreach_", "_amp_foreach_")):
             return _foreach(func, args, kwargs)
         if (_is_view(func) and isinstance(args[0], StoreTensor)

@@ -251,13 +251,13 @@ class StoreTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int) -> Any:
         # Pickling (torch.save) gets the values, as a plain tensor of the reported dtype.
-        return self.values().to(self.dtype, copy=True).__reduce_ex__(protocol)
+        return self.stored().to(self.dtype, copy=True).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         # A copy in memory, as a plain tensor (a parameter stays a parameter).
         if id(self) in memo:
             return memo[id(self)]
-        v = self.values().to(self.dtype, copy=True)
+        v = self.stored().to(self.dtype, copy=True)
         if getattr(self, "_is_param", False):  # as nn.Parameter.__deepcopy__: no .grad
             out = torch.nn.Parameter(v, requires_grad=self.requires_grad)
         else:
@@ -267,7 +267,7 @@ class StoreTensor(torch.Tensor):
         memo[id(self)] = out
         return out
 
-    def values(self) -> torch.Tensor:  # type: ignore[override]
+    def stored(self) -> torch.Tensor:
         """The stored values as an ordinary host tensor (a copy when they rest on disk)."""
         return self._source.read()[0]
 

@@ -174,3 +174,44 @@ def test_clipping_that_does_not_clip_writes_nothing_to_disk(tmp_path):
 
 def _keys(ps):
     return [p._source.handle.key for p in ps]
+
+
+@pytest.mark.parametrize("error", [OSError, KeyboardInterrupt])
+def test_failure_while_clipping_on_disk_propagates_and_redoing_the_step_is_exact(error,
+                                                                                  tmp_path):
+    """An error (or Ctrl-C) writing a scaled gradient reaches the caller; parameters are
+    untouched, and zero_grad + the same batch again give plain PyTorch's step."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    ref, m = _model(), _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(m, device="cpu", store=DiskStore(tmp_path / "s"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = hr.HostOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    before = [p.detach().clone() for p in m.parameters()]
+    m(x).square().sum().backward()
+    store = next(iter(m.parameters()))._source.store
+    real, calls = store.write, []
+
+    def failing(h, src):
+        calls.append(h.key)
+        if len(calls) == 3:
+            raise error("injected")
+        return real(h, src)
+
+    store.write = failing
+    try:
+        with pytest.raises(error, match="injected"):
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+    finally:
+        del store.write
+    assert all(torch.equal(p.detach().clone(), b) for p, b in zip(m.parameters(), before,
+                                                                  strict=True))
+    opt.zero_grad()
+    for model, o in ((ref, ref_opt), (m, opt)):
+        model(x).square().sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        o.step()
+        o.zero_grad()
+    for r, p in zip(ref.parameters(), m.parameters(), strict=True):
+        assert torch.equal(p.detach().clone(), r.detach())

@@ -59,3 +59,29 @@ def test_trainer_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
         logs, st = _train(mode, store, True, tmp_path / store)
         assert logs == ref_logs, store
         assert_same_state(ref_state, st)
+
+
+def _resumed(store: str | None, headroom: bool, tmp_path):
+    """Two steps, a checkpoint, then a new model and optimizer resumed to four steps."""
+    from transformers import Trainer, TrainingArguments
+
+    def train(steps: int, **kw):
+        model = offload(gpt2(), store, tmp_path / f"store{steps}")
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="steps", save_steps=2,
+            seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=LMData(),
+                          optimizers=(optimizer(model, headroom), None))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(**kw)
+        return model
+
+    train(2)
+    return state(train(4, resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2")))
+
+
+def test_trainer_resume_from_checkpoint_on_disk_is_exact(tmp_path):
+    """save_model's weights and the HostOptimizer state come back into a new DiskStore."""
+    assert_same_state(_resumed(None, False, tmp_path / "ref"), _resumed("disk", True, tmp_path))

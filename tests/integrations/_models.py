@@ -81,6 +81,26 @@ def optimizer(model: torch.nn.Module, headroom: bool, **kw) -> torch.optim.Optim
     return torch.optim.AdamW(model.parameters(), **{"fused": True, **kw})
 
 
+def train_logged(trainer, model: torch.nn.Module):
+    """``trainer.train()`` quietly; the (loss, grad_norm) logged at each step, and the state."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    return logs, state(model)
+
+
+def assert_runs_equal(train, headroom_ref: bool, tmp_path) -> None:
+    """``train(store, headroom, tmp)`` without headroom, then offloaded to host memory and to a
+    DiskStore with HostOptimizer: the same logs (three steps, clipped) and the same state."""
+    ref_logs, ref_state = train(None, headroom_ref, tmp_path / "ref")
+    assert len(ref_logs) == 3 and any(n > 1.0 for _, n in ref_logs)  # max_grad_norm=1.0 clips
+    for store in ("cpu", "disk"):
+        logs, st = train(store, True, tmp_path / store)
+        assert logs == ref_logs, store
+        assert_same_state(ref_state, st)
+
+
 def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

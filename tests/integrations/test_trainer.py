@@ -7,19 +7,21 @@ parameters on disk, and the fp32 gradients of bf16 parameters, must read as tens
 
 from __future__ import annotations
 
-import math
 import warnings
+from functools import partial
 
 import pytest
 import torch
 
 from tests.integrations._models import (
     LMData,
+    assert_runs_equal,
     assert_same_state,
     gpt2,
     offload,
     optimizer,
     state,
+    train_logged,
 )
 
 pytest.importorskip("transformers")
@@ -40,11 +42,7 @@ def _train(mode: str, store: str | None, headroom: bool, tmp_path):
         logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=bf16, seed=0,
         disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=LMData(), optimizers=(opt, None))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.train()
-    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    return logs, state(model)
+    return train_logged(trainer, model)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -52,13 +50,7 @@ def test_trainer_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
     # The reference without headroom: torch's AdamW; for bf16 weights (no fp32 masters in
     # torch.optim) HostOptimizer alone, whose step and clipping equal a plain-torch fp32-master
     # loop (tests/optim/test_grads.py).
-    ref_logs, ref_state = _train(mode, None, mode == "bf16-weights", tmp_path / "ref")
-    assert len(ref_logs) == 3 and all(math.isfinite(n) and n > 0 for _, n in ref_logs)
-    assert any(n > 1.0 for _, n in ref_logs)  # the default max_grad_norm=1.0 clips
-    for store in ("cpu", "disk"):
-        logs, st = _train(mode, store, True, tmp_path / store)
-        assert logs == ref_logs, store
-        assert_same_state(ref_state, st)
+    assert_runs_equal(partial(_train, mode), mode == "bf16-weights", tmp_path)
 
 
 def _resumed(store: str | None, headroom: bool, tmp_path):

@@ -3,19 +3,19 @@ without headroom (its default clipping, logging every step)."""
 
 from __future__ import annotations
 
-import warnings
+from functools import partial
 
 import pytest
 import torch
 
 from tests.integrations._models import (
-    assert_same_state,
+    assert_runs_equal,
     llama,
     offload,
     optimizer,
-    state,
     token_ids,
     tokenizer,
+    train_logged,
 )
 
 pytest.importorskip("trl")
@@ -36,18 +36,9 @@ def _train(mode: str, store: str | None, headroom: bool, tmp_path):
                     seed=0, disable_tqdm=True, max_length=16)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=data, optimizers=(opt, None),
                          processing_class=tokenizer())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.train()
-    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    return logs, state(model)
+    return train_logged(trainer, model)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sft_trainer_full_fine_tune_with_offload_is_exact(mode, tmp_path):
-    ref_logs, ref_state = _train(mode, None, mode == "bf16-weights", tmp_path / "ref")
-    assert len(ref_logs) == 3 and any(n > 1.0 for _, n in ref_logs)
-    for store in ("cpu", "disk"):
-        logs, st = _train(mode, store, True, tmp_path / store)
-        assert logs == ref_logs, store
-        assert_same_state(ref_state, st)
+    assert_runs_equal(partial(_train, mode), mode == "bf16-weights", tmp_path)

@@ -1,4 +1,4 @@
-"""Tests with the training stacks people use: tiny models, one intra-op thread."""
+"""Framework integration tests: tiny models, run on one intra-op thread (see `one_thread`)."""
 
 import pytest
 

@@ -277,9 +277,11 @@ def test_bf16_params_fp32_master_through_the_mover():
     for s in range(5):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(s)).bfloat16()
         lin(x).float().square().sum().backward()
-        assert all(p.grad is None for p in lin.parameters())  # moved to the host at once
         grads = [opt.grad(p) for p in lin.parameters()]
         assert all(g.dtype == torch.float32 for g in grads)
+        # moved to the host at once; param.grad reads that fp32 host gradient
+        assert all(torch.equal(p.grad.clone(), g)
+                   for p, g in zip(lin.parameters(), grads, strict=True))
         for m, g in zip(master, grads, strict=True):
             m.grad = g
         ref.step()

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore, HostStore, StoreFullError, binding
+from headroom.transfer import DiskStore, HostStore, StoreFullError, StoreTensor, binding
 from tests.conftest import DEVICES, accelerator_type
 from tests.residency._models import (
     CNN,
@@ -215,7 +215,9 @@ def test_parameter_used_outside_its_block_is_reported():
 
 def test_disk_parameters_placeholders_and_reopen(tmp_path):
     model = _offload(CNN(), DiskStore(tmp_path / "s"))
-    assert {p.device.type for p in model.parameters()} == {"meta"}
+    # Masters are tensors whose values stay on disk: no bytes of their own in memory.
+    assert {type(p) for p in model.parameters()} == {StoreTensor}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
     st = state_of(model).store
     st.flush()
     with pytest.raises(RuntimeError, match="already open in this process"):

@@ -7,9 +7,15 @@ import torch
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
-        return t.untyped_storage()
+        st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without storage
         return None
+    if st.device.type != "meta" and st.nbytes():
+        try:
+            st.data_ptr()
+        except RuntimeError:  # a wrapper subclass's placeholder (values elsewhere): no memory
+            return None
+    return st
 
 
 def device_name(device: torch.device) -> str:

@@ -31,6 +31,7 @@ from headroom.optim._entries import (
     probe_cpu,
     want_fp32_grad,
 )
+from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import (
     ELEMENTWISE,
@@ -46,6 +47,7 @@ from headroom.transfer import (
     ParamBinding,
     Store,
     StoreFullError,
+    StoreTensor,
     binding,
     on_grad_ready,
     resolve_store,
@@ -86,8 +88,10 @@ class HostOptimizer(torch.optim.Optimizer):
 
     It is a ``torch.optim.Optimizer``: ``zero_grad``, ``step``, ``state_dict``,
     ``load_state_dict``, ``param_groups`` and LR schedulers work as usual. Gradients of
-    parameters on an accelerator do not stay in ``param.grad`` (they move to the host); use
-    `clip_grad_norm_` and `grad` to reach them.
+    parameters on an accelerator or not in fp32 move to the host as soon as backward finishes
+    them; ``param.grad`` then reads that host gradient (in fp32, a
+    `headroom.transfer.StoreTensor`), so ``torch.nn.utils.clip_grad_norm_``, ``GradScaler`` and
+    frameworks that clip act on the gradients the step uses.
 
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
@@ -355,7 +359,8 @@ class HostOptimizer(torch.optim.Optimizer):
             mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             mh = self._host.alloc(key + "/master", tuple(p.shape), mdtype, zero=False)
             gh = self._host.alloc(key + "/grad", tuple(p.shape), mdtype, zero=False)
-            e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh)
+            e.own = ParamBinding(store=self._host, handle=mh, grad_handle=gh,
+                                 grad_sync=self._mover.synchronize)
             e.master = self._host.host_tensor(mh)
             with torch.no_grad():
                 e.master.copy_(p.detach())
@@ -379,12 +384,19 @@ class HostOptimizer(torch.optim.Optimizer):
                 "step() final (that step already used the gradients it had)"
             )
         if e.kind == HOSTED and p.grad is not None:
-            g = p.grad
-            self._mover.push_grad(g, e.own, accumulate=e.own.has_grad)
-            # Free the device gradient now (the mover keeps it until its copy has run): at
-            # most the gradients in flight to the host stay on the device.
-            p.grad = None
-            del g
+            if not isinstance(p.grad, StoreTensor):
+                g = p.grad
+                # param.grad was None: this backward starts the gradient afresh, as in torch
+                # (zero_grad() of the model or of this optimizer, or the first backward).
+                self._mover.push_grad(g, e.own, accumulate=False)
+                # Free the device gradient now (the mover keeps it until its copy has run): at
+                # most the gradients in flight to the host stay on the device.
+                p.grad = None
+                del g
+                # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
+                # param.grad: it reads (and scales) the host gradient the step uses. A later
+                # backward accumulates into it (autograd's add_ runs on the host gradient).
+                p.grad = host_grad(p, e.own, self._mover)
             # Everything backward does with this parameter is queued by now, on this stream:
             # its new value is copied back after this point, whichever thread issues the copy.
             e.ready = self._mover.mark(e.ready)
@@ -396,13 +408,16 @@ class HostOptimizer(torch.optim.Optimizer):
     def _take_assigned_grads(self) -> None:
         """Move gradients assigned to ``param.grad`` (``p.grad = g``, not left there by
         backward) of parameters whose master is a host copy into their host gradient."""
-        # Backward hands each such gradient to the mover and clears param.grad, so one found
-        # there was assigned: like torch, it replaces what had been accumulated.
+        # Backward hands each such gradient to the mover and leaves param.grad reading the
+        # host gradient (a StoreTensor), so any other tensor found there was assigned: like
+        # torch, it replaces what had been accumulated.
         for e in self._order:
-            if e.kind == HOSTED and e.param.grad is not None and not e.launched:
-                g = e.param.grad
+            g = e.param.grad
+            if e.kind == HOSTED and g is not None and not isinstance(g, StoreTensor) \
+                    and not e.launched:
                 e.param.grad = None
                 self._mover.push_grad(g, e.own, accumulate=False)
+                e.param.grad = host_grad(e.param, e.own, self._mover)
 
     def _wait(self) -> None:
         """Wait for the steps and copies running on the worker; re-raise their first error."""

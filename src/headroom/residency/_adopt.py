@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
 from headroom.residency._plan import Layout
-from headroom.transfer import HostStore, binding, claimed_keys, unbind
+from headroom.transfer import HostStore, StoreTensor, binding, claimed_keys, unbind
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
@@ -301,8 +301,11 @@ def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = Non
         return
     slots = _wrapper_slots(state, layer) if slots is None else slots
     layer.__dict__[_APPLIED] = tuple(cur)
-    if all(state.store.host_tensor(s.binding.handle) is not None for s in slots):
-        return  # masters in host memory: the wrapper's own merge changed the stored values
+    if all(state.store.host_tensor(s.binding.handle) is not None
+           or isinstance(s.param, StoreTensor) for s in slots):
+        # Masters in host memory, or StoreTensors (their in-place ops write to the store):
+        # the wrapper's own merge changed the stored values.
+        return
     merge, unmerge = getattr(layer, "merge", None), getattr(layer, "unmerge", None)
     if not callable(merge) or not callable(unmerge):
         raise RuntimeError(
@@ -367,7 +370,7 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         p = s.param
         p.grad = None
         if value is not None:
-            if p.device.type == "meta":
+            if p.device.type == "meta" or isinstance(p, StoreTensor):  # no memory of its own
                 p = nn.Parameter(value, requires_grad=p.requires_grad)
                 s.show(p)
             else:

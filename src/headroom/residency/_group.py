@@ -4,7 +4,7 @@ See [Note: masters and device copies] in docs/architecture.md.
 
 Every offloaded parameter keeps two tensors. The *master* is the ``nn.Parameter`` the model
 registers and optimizers see: with ``store="cpu"`` its data *is* the store's host tensor
-(zero-copy); with a `DiskStore` it is a ``meta`` placeholder and the values live on disk. The
+(zero-copy); with a `DiskStore` it is a `StoreTensor` whose ops run on the values on disk. The
 *device copy* is a second leaf parameter on the compute device whose storage is resized to 0
 while its group is not resident. Autograd saves the device copies themselves, not their bytes,
 so a group released after its forward is fetched again, into the same tensors, before its

@@ -23,7 +23,9 @@ from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
 from headroom.transfer import (
     DiskStore,
+    HandleSource,
     Store,
+    StoreTensor,
     bind,
     binding,
     check_device,
@@ -54,9 +56,10 @@ def offload(
     Changes the model in place and returns it. Afterwards ``model.parameters()`` yields the
     *masters*: with ``store="cpu"`` they are host tensors whose ``.grad`` is filled by backward,
     so ``torch.optim.AdamW(model.parameters())`` works unchanged and steps on the host (as in
-    ZeRO-offload); with a `DiskStore` they are ``meta`` placeholders and an optimizer must go
-    through the store (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved
-    there and stay.
+    ZeRO-offload); with a `DiskStore` they are `headroom.transfer.StoreTensor` objects on the CPU
+    whose ops (and their ``.grad``'s: ``clip_grad_norm_``, ``GradScaler``, ``p.grad.norm()``)
+    run on the values on disk, and an optimizer must go through the store
+    (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.
 
     Args:
         model: the model; its parameters may be anywhere, including the ``meta`` device:
@@ -242,8 +245,12 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
             if master.grad is not None:
                 master.grad = None
         else:
-            master = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                  requires_grad=p.requires_grad)
+            # NOTE: values on disk: the master is a tensor whose ops run on the stored values
+            # (torch's utilities and frameworks read it, and its gradient, as tensors).
+            master = nn.Parameter(
+                StoreTensor(HandleSource(st, handle, prepare=state.init_pending),
+                            tuple(p.shape), dtype=p.dtype),
+                requires_grad=p.requires_grad)
         b = bind(master, handle)
         b.has_value = not pending
         if pending:
@@ -323,7 +330,7 @@ def _install_optimizer_hook() -> None:
                         " model.parameters() outside forward and backward"
                     )
                 # Headroom's own optimizers read parameters through their bindings.
-                if not own and p.device.type == "meta" and binding(p) is not None:
+                if not own and isinstance(p, StoreTensor) and binding(p) is not None:
                     raise RuntimeError(
                         f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
                         " their values are on disk, not in memory. Use"
@@ -446,7 +453,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         st.free(b.handle)
         claimed_keys(st).discard(b.handle.key)
         unbind(s.param)
-        if s.param.device.type == "meta":
+        if isinstance(s.param, StoreTensor):
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)
         else:
             p = s.param

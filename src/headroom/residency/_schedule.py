@@ -31,7 +31,14 @@ from headroom.residency._adopt import forget_values, rescan, strip_hooks, sync_m
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.residency._use import Use
-from headroom.transfer import ParamBinding, Store, StoreFullError, grad_ready
+from headroom.transfer import (
+    GradSource,
+    ParamBinding,
+    Store,
+    StoreFullError,
+    StoreTensor,
+    grad_ready,
+)
 
 __all__ = ["Offload", "in_backward"]
 
@@ -637,7 +644,8 @@ class Offload:
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(store, b)
         # A gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
-        # an optimizer with fp32 masters) cannot be param.grad: it gets the marker instead.
+        # an optimizer with fp32 masters) or on disk cannot be param.grad itself: it gets a
+        # StoreTensor over the stored gradient instead.
         host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
         if host is not None:
@@ -649,9 +657,9 @@ class Offload:
         else:
             self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None:
-                # A marker (one element, expanded): `zero_grad()` sets it to None, which
-                # tells the next backward to overwrite the stored gradient, not accumulate.
-                p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+                # `zero_grad()` sets it to None, which tells the next backward to overwrite
+                # the stored gradient, not accumulate.
+                p.grad = _stored_grad(p, b)
         # Post-accumulate-grad fires once per backward, after every use of the
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
@@ -710,8 +718,8 @@ class Offload:
         b.has_grad = True
         if host is not None and gh.dtype == p.dtype:
             p.grad = host
-        elif p.grad is None:
-            p.grad = torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+        elif not isinstance(p.grad, StoreTensor):
+            p.grad = _stored_grad(p, b)
 
     def bypass_hook(self, name: str, p: torch.Tensor) -> None:
         self._bypass.append(name)
@@ -758,6 +766,11 @@ class Offload:
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
             else:
                 state_dict[key] = cur.detach()
+
+
+def _stored_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:
+    """``p.grad`` for a gradient that rests on disk or in another dtype than ``p``."""
+    return StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)
 
 
 def _grad_handle(store: Store, b: ParamBinding):

@@ -39,6 +39,7 @@ from headroom.transfer._store import (
     is_accelerator,
     resolve_store,
 )
+from headroom.transfer._store_tensor import GradSource, HandleSource, Source, StoreTensor
 
 __all__ = [
     "DiskStore",
@@ -55,8 +56,12 @@ __all__ = [
     "SafetensorsFile",
     "Stash",
     "StashTicket",
+    "GradSource",
+    "HandleSource",
+    "Source",
     "Store",
     "StoreCorruptError",
+    "StoreTensor",
     "StoreFullError",
     "TensorInfo",
     "Ticket",

@@ -1,0 +1,437 @@
+"""`StoreTensor`: a tensor whose values rest in a store, for code that reads ``p`` and ``p.grad``.
+
+A parameter offloaded to a `DiskStore` has no values in memory, and a gradient kept in fp32
+for a bf16 parameter cannot be its ``.grad`` (torch wants the parameter's dtype there). Yet
+``torch.nn.utils.clip_grad_norm_``, ``GradScaler.unscale_``, ``p.grad.norm()`` and the training
+frameworks built on them read and scale ``p.grad`` as a tensor. A `StoreTensor` is that tensor:
+a wrapper subclass (no storage of its own) with the shape, dtype and device the parameter
+reports, whose every op runs on the values the store holds:
+
+- reductions and other functional ops (``linalg_vector_norm``, ``_foreach_norm``,
+  ``isfinite``, ``clone``, ``to``) read the whole value once (zero-copy from a host store) and
+  give an ordinary tensor;
+- in-place ops (``mul_``, ``_foreach_mul_``, ``clamp_``, ``_amp_foreach_non_finite_check_and_
+  unscale_``, ``zero_``, ``copy_``, the ``add_`` autograd accumulates with) change the stored
+  value: in place in host memory, read-modify-write on disk;
+- ``foreach`` ops run one tensor at a time, so at most one value is in memory at once;
+- ``detach`` (``p.data``, ``p.detach()``) gives another `StoreTensor` over the same values.
+
+Every op computes on the whole value with torch's own kernel, so results are bitwise those of
+the same op on a plain tensor holding the stored values. The values are in the store's dtype,
+which may differ from the reported one: the fp32 gradient of a bf16 parameter (what an
+optimizer with fp32 masters steps) reports ``bfloat16`` as torch requires, and ops on it
+compute in fp32 and return fp32.
+
+Views (``p.grad.view(-1)``, slicing) of values in host memory alias the store's memory; views
+of values on disk are `StoreTensor` objects too, so writing into them writes the store.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from headroom.transfer._binding import ParamBinding, sync_grad
+from headroom.transfer._handle import Handle
+from headroom.transfer._store import Store
+
+__all__ = ["GradSource", "HandleSource", "Source", "StoreTensor", "ViewSource"]
+
+_aten = torch.ops.aten
+_ALIASES = (_aten.detach.default, _aten.alias.default)
+# Ops that would give a `StoreTensor` storage, or make it another tensor than the store's.
+_REFUSED = {
+    _aten.set_.source_Storage, _aten.set_.source_Tensor, _aten.set_.default,
+    _aten.set_.source_Storage_storage_offset, _aten.resize_.default, _aten.as_strided_.default,
+}
+
+
+_FOREACH_SCALE_OPS = {_aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar}
+_SCALE_OPS = {_aten.mul_.Tensor, _aten.mul_.Scalar, *_FOREACH_SCALE_OPS}
+
+
+def _is_one(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return (x.dim() == 0 and not isinstance(x, StoreTensor) and not x.is_complex()
+                and bool(x == 1))
+    return isinstance(x, (int, float)) and x == 1
+
+
+class Source:
+    """Where a `StoreTensor`'s values rest: read whole, written whole."""
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        """The value as a host tensor, and whether it is the store's own memory (live)."""
+        raise NotImplementedError
+
+    def live(self) -> bool:
+        """Whether `read` gives the store's own memory (writes to it land in the store)."""
+        raise NotImplementedError
+
+    def write(self, value: torch.Tensor) -> None:
+        """Make ``value`` (a host tensor) the whole stored value."""
+        raise NotImplementedError
+
+    def key(self) -> tuple:
+        """Identity of the values (two sources with the same key hold the same values)."""
+        raise NotImplementedError
+
+    def accumulate(self, t: torch.Tensor) -> bool:
+        """Add ``t`` (autograd accumulating a new gradient) its own way; False: not handled."""
+        return False
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+def _read(store: Store, h: Handle) -> tuple[torch.Tensor, bool]:
+    host = store.host_tensor(h)
+    if host is not None:
+        return host, True
+    return store.read(h).result(), False
+
+
+class HandleSource(Source):
+    """The values of one store handle (an offloaded parameter's master).
+
+    Args:
+        store, handle: where the values rest.
+        prepare: called before every read or write (e.g. fill values still pending for a
+            model built on ``meta``).
+    """
+
+    def __init__(self, store: Store, handle: Handle, *,
+                 prepare: Callable[[], None] | None = None) -> None:
+        self.store = store
+        self.handle = handle
+        self.prepare = prepare
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        if self.prepare is not None:
+            self.prepare()
+        return _read(self.store, self.handle)
+
+    def live(self) -> bool:
+        return self.store.host_tensor(self.handle) is not None
+
+    def write(self, value: torch.Tensor) -> None:
+        if self.prepare is not None:
+            self.prepare()
+        h = self.handle
+        self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
+
+    def key(self) -> tuple:
+        return ("value", id(self.store), self.handle.key)
+
+    def describe(self) -> str:
+        return f"{self.handle.key!r} in {self.store!r}"
+
+
+class GradSource(Source):
+    """The accumulated gradient of a store-resident parameter (``binding.grad_handle``).
+
+    Reads wait for the gradient's producer (`sync_grad`); a gradient cleared since the tensor
+    was handed out (``zero_grad``) raises rather than reading whatever the store holds.
+
+    Args:
+        b: the parameter's binding.
+        push: adds a new gradient to the stored one (``fn(grad)``), used when autograd
+            accumulates into ``param.grad`` (e.g. `headroom.transfer.Mover.push_grad`, which
+            copies from an accelerator in the background); ``None``: an ordinary ``add_``.
+    """
+
+    def __init__(self, b: ParamBinding, *,
+                 push: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.binding = b
+        self.push = push
+
+    def accumulate(self, t: torch.Tensor) -> bool:
+        if self.push is None:
+            return False
+        self._handle()
+        self.push(t)
+        return True
+
+    def _handle(self) -> Handle:
+        b = self.binding
+        if b.grad_handle is None or not b.has_grad:
+            raise RuntimeError(
+                f"the gradient of {b.handle.key!r} was cleared (zero_grad) after this tensor was"
+                " taken from param.grad; read param.grad again (it is None until the next"
+                " backward)"
+            )
+        sync_grad(b)
+        return b.grad_handle
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        h = self._handle()
+        return _read(self.binding.store, h)
+
+    def live(self) -> bool:
+        b = self.binding
+        return b.grad_handle is not None and b.store.host_tensor(b.grad_handle) is not None
+
+    def write(self, value: torch.Tensor) -> None:
+        h = self._handle()
+        self.binding.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
+
+    def key(self) -> tuple:
+        return ("grad", id(self.binding))
+
+    def describe(self) -> str:
+        return f"the gradient of {self.binding.handle.key!r} in {self.binding.store!r}"
+
+
+class ViewSource(Source):
+    """A view (``view``, ``reshape``, ``t``, slicing, ...) of another source's values: read as
+    that view of the whole value, written through it."""
+
+    def __init__(self, base: Source, func: Any, args: tuple, kwargs: dict, index: int | None):
+        self.base = base
+        self.func = func
+        self.args = args  # args[0] is the base's place
+        self.kwargs = kwargs
+        self.index = index
+
+    def _view(self, value: torch.Tensor) -> torch.Tensor:
+        out = self.func(value, *self.args[1:], **self.kwargs)
+        return out if self.index is None else out[self.index]
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        value, live = self.base.read()
+        return self._view(value), live
+
+    def live(self) -> bool:
+        return self.base.live()
+
+    def write(self, value: torch.Tensor) -> None:
+        base, live = self.base.read()
+        self._view(base).copy_(value)
+        if not live:
+            self.base.write(base)
+
+    def key(self) -> tuple:
+        return ("view", id(self))
+
+    def describe(self) -> str:
+        return f"a view ({self.func}) of {self.base.describe()}"
+
+
+class StoreTensor(torch.Tensor):
+    """A tensor whose values rest in a store (see the module docstring).
+
+    Args:
+        source: where the values are (`HandleSource`, `GradSource`).
+        shape: the shape (the stored one).
+        dtype: the dtype it reports (the parameter's); ops compute in the stored dtype.
+        device: the device it reports (the parameter's).
+        requires_grad: as for any tensor (``nn.Parameter(StoreTensor(...))`` works).
+    """
+
+    _source: Source
+
+    @staticmethod
+    def __new__(cls, source: Source, shape: tuple[int, ...], *, dtype: torch.dtype,
+                device: torch.device | str = "cpu", requires_grad: bool = False) -> StoreTensor:
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
+                                                requires_grad=requires_grad)
+        t._source = source
+        return t
+
+    # Results are ordinary tensors, never this class (see __torch_dispatch__).
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # NOTE: ``param.data = x`` swaps the tensor's implementation below the dispatcher: on a
+        # wrapper its values would be ignored while the store kept the old ones. The new value
+        # is written into the store instead (PEFT's safe merge rebinds the weight this way).
+        if not isinstance(value, torch.Tensor) or value.shape != self.shape:
+            raise RuntimeError(
+                f"cannot rebind .data of a tensor whose values rest in a store"
+                f" ({self._source.describe()}) to"
+                f" {getattr(value, 'shape', type(value).__name__)}: its shape is fixed by the"
+                f" store ({tuple(self.shape)}). Assign a tensor of that shape, or"
+                " hr.unoffload(model) first"
+            )
+        if isinstance(value, StoreTensor) and value._source.key() == self._source.key():
+            return
+        with torch.no_grad():
+            self.copy_(value)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"StoreTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device},"
+                f" values={self._source.describe()})")
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Pickling (torch.save) gets the values, as a plain tensor of the reported dtype.
+        return self.stored().to(self.dtype, copy=True).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        # A copy in memory, as a plain tensor (a parameter stays a parameter).
+        if id(self) in memo:
+            return memo[id(self)]
+        v = self.stored().to(self.dtype, copy=True)
+        if getattr(self, "_is_param", False):  # as nn.Parameter.__deepcopy__: no .grad
+            out = torch.nn.Parameter(v, requires_grad=self.requires_grad)
+        else:
+            out = v.requires_grad_(self.requires_grad)
+            if self.grad is not None:
+                out.grad = copy.deepcopy(self.grad, memo)
+        memo[id(self)] = out
+        return out
+
+    def stored(self) -> torch.Tensor:
+        """The stored values as an ordinary host tensor (a copy when they rest on disk)."""
+        return self._source.read()[0]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIASES:
+            src = args[0]
+            return StoreTensor(src._source, tuple(src.shape), dtype=src.dtype, device=src.device)
+        if func in _REFUSED:
+            raise RuntimeError(
+                f"{func} on a tensor whose values rest in a store"
+                f" ({_first(args, kwargs)._source.describe()}) is not supported: it would"
+                " replace the store's tensor. Write its values instead (param.data.copy_(x)),"
+                " or hr.unoffload(model) first"
+            )
+        if (func is _aten.copy_.default and isinstance(args[1], StoreTensor)
+                and isinstance(args[0], StoreTensor)
+                and args[0]._source.key() == args[1]._source.key()):
+            return args[0]  # a copy onto itself (load_state_dict of what the store holds)
+        if (func is _aten.add_.Tensor and isinstance(args[0], StoreTensor)
+                and not isinstance(args[1], StoreTensor) and kwargs.get("alpha", 1) == 1
+                and args[0]._source.accumulate(args[1])):
+            return args[0]
+        if func in _SCALE_OPS and _is_one(args[1]):
+            # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
+            # to 1) then costs no read and write of every gradient on disk.
+            return None if func in _FOREACH_SCALE_OPS else args[0]
+        if func.__name__.startswith(("_foreach_", "_amp_foreach_")):
+            return _foreach(func, args, kwargs)
+        if (_is_view(func) and isinstance(args[0], StoreTensor)
+                and not (args[0].device.type == "cpu" and args[0]._source.live())):
+            return _view(func, args, kwargs)
+        return _run(func, args, kwargs)
+
+
+def _is_view(func) -> bool:
+    rets = func._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def _view(func, args, kwargs):
+    """A view of values that are not in memory (on disk, or reported on an accelerator): a
+    `StoreTensor` over the view, so that writing into it writes the store."""
+    base: StoreTensor = args[0]
+    shaped = torch.empty(base.shape, dtype=base.dtype, device="meta")
+    out = func(shaped, *args[1:], **kwargs)
+    if isinstance(out, torch.Tensor):
+        return StoreTensor(ViewSource(base._source, func, args, kwargs, None), tuple(out.shape),
+                           dtype=base.dtype, device=base.device)
+    return [StoreTensor(ViewSource(base._source, func, args, kwargs, i), tuple(o.shape),
+                        dtype=base.dtype, device=base.device) for i, o in enumerate(out)]
+
+
+def _first(args, kwargs) -> StoreTensor:
+    flat, _ = tree_flatten((args, kwargs))
+    return next(x for x in flat if isinstance(x, StoreTensor))
+
+
+def _written(func, args, kwargs) -> list[Any]:
+    """The arguments (tensors or lists of tensors) that ``func`` writes, per its schema."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        if a.kwarg_only or i >= len(args):
+            if a.name in kwargs:
+                out.append(kwargs[a.name])
+        else:
+            out.append(args[i])
+    return out
+
+
+def _run(func, args, kwargs):
+    """Run ``func`` on the stored values of its `StoreTensor` arguments."""
+    flat, spec = tree_flatten((args, kwargs))
+    wrappers = [x for x in flat if isinstance(x, StoreTensor)]
+    dev = wrappers[0].device
+    written = _written(func, args, kwargs)
+    written_ids = {id(t) for w in written for t in (w if isinstance(w, (list, tuple)) else [w])}
+    mutates = bool(written)
+    values: dict[tuple, tuple[torch.Tensor, bool]] = {}
+    moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, host copy) written by func
+    new_flat = []
+    for x in flat:
+        if isinstance(x, StoreTensor):
+            k = x._source.key()
+            if k not in values:
+                values[k] = x._source.read()
+            new_flat.append(values[k][0])
+        elif isinstance(x, torch.Tensor) and dev.type != "cpu" and x.device.type != "cpu":
+            h = x.detach().to("cpu")
+            if id(x) in written_ids:
+                moved.append((x, h))
+            new_flat.append(h)
+        else:
+            new_flat.append(x)
+    a, k = tree_unflatten(new_flat, spec)
+    if mutates:
+        out = func(*a, **k)
+        for x in wrappers:
+            if id(x) in written_ids:
+                v, live = values[x._source.key()]
+                if not live:
+                    x._source.write(v)
+        for orig, h in moved:
+            orig.copy_(h)
+        if func._schema.returns and func._schema.returns[0].alias_info is not None:
+            return written[0]
+        return out
+    out = func(*a, **k)
+    if dev.type != "cpu":
+        flat_out, spec_out = tree_flatten(out)
+        out = tree_unflatten([o.to(dev) if isinstance(o, torch.Tensor) else o
+                              for o in flat_out], spec_out)
+    return out
+
+
+def _foreach(func, args, kwargs):
+    """A foreach op one index at a time where a `StoreTensor` is involved (one value in memory
+    at once), the other indices in one call as torch would run them."""
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    n = len(args[lists[0]])
+
+    def has_wrapper(i: int) -> bool:
+        return any(isinstance(args[j][i], StoreTensor) for j in lists)
+
+    def sub(idx: list[int]) -> tuple:
+        return tuple([a[i] for i in idx] if j in lists else a for j, a in enumerate(args))
+
+    plain = [i for i in range(n) if not has_wrapper(i)]
+    results: dict[int, Any] = {}
+    if plain:
+        out = func(*sub(plain), **kwargs)
+        if isinstance(out, (list, tuple)):
+            results.update(zip(plain, out, strict=True))
+    for i in range(n):
+        if i in results or i in plain:
+            continue
+        out = _run(func, sub([i]), kwargs)
+        if isinstance(out, (list, tuple)):
+            results[i] = out[0]
+    if not results:
+        return None
+    return [results[i] for i in range(n)]

@@ -1,0 +1,83 @@
+"""accelerate (prepare, accumulate, backward, clip_grad_norm_, save_state/load_state) with
+hr.offload + hr.HostOptimizer: bitwise the run without headroom."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.integrations._models import (
+    assert_same_state,
+    llama,
+    offload,
+    optimizer,
+    state,
+    token_ids,
+)
+
+pytest.importorskip("accelerate")
+
+MODES = {"fp32": (torch.float32, "no"), "bf16-autocast": (torch.float32, "bf16"),
+         "bf16-weights": (torch.bfloat16, "no")}
+ACCUM = 2
+MICRO = 8  # micro-batches: 4 optimizer steps
+
+
+def _accelerator(mp: str):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    # accelerate keeps one process-wide state; each run here starts from a fresh one.
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, mixed_precision=mp)
+
+
+def _run(mode: str, store: str | None, headroom: bool, tmp_path, *, resume_at: int | None):
+    """Train MICRO micro-batches; with ``resume_at``, save_state there and go on from a new
+    model, optimizer and accelerator that load_state it."""
+    dtype, mp = MODES[mode]
+    data = token_ids(2 * MICRO)
+    norms: list[float] = []
+
+    def part(lo: int, hi: int, load: str | None, save: str | None, sub: str):
+        acc = _accelerator(mp)
+        model = offload(llama(dtype), store, tmp_path / sub)
+        opt = optimizer(model, headroom)
+        dl = torch.utils.data.DataLoader(data[2 * lo:2 * hi], batch_size=2)
+        model, opt, dl = acc.prepare(model, opt, dl)
+        if load is not None:
+            acc.load_state(load)
+        for x in dl:
+            with acc.accumulate(model):
+                acc.backward(model(input_ids=x, labels=x).loss)
+                if acc.sync_gradients:
+                    norms.append(acc.clip_grad_norm_(model.parameters(), 1.0).item())
+                opt.step()
+                opt.zero_grad()
+        if save is not None:
+            acc.save_state(save)
+        return acc.unwrap_model(model)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if resume_at is None:
+            model = part(0, MICRO, None, None, "a")
+        else:
+            ck = str(tmp_path / "ck")
+            part(0, resume_at, None, ck, "a")
+            model = part(resume_at, MICRO, ck, None, "b")
+    return norms, state(model)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_accelerate_loop_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
+    ref_norms, ref_state = _run(mode, None, mode == "bf16-weights", tmp_path / "ref",
+                                resume_at=None)
+    assert len(ref_norms) == MICRO // ACCUM and any(n > 1.0 for n in ref_norms)
+    for store in ("cpu", "disk"):
+        norms, st = _run(mode, store, True, tmp_path / store, resume_at=MICRO // 2)
+        assert norms == ref_norms, store
+        assert_same_state(ref_state, st)

@@ -1,0 +1,77 @@
+"""Lightning (configure_optimizers, gradient_clip_val, ModelCheckpoint + fit(ckpt_path=...))
+with hr.offload + hr.HostOptimizer: bitwise the run without headroom."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from tests.integrations._models import assert_same_state, gpt2, offload, state, token_ids
+
+L = pytest.importorskip("lightning")
+
+MODES = {"fp32": (torch.float32, "32-true"), "bf16-autocast": (torch.float32, "bf16-mixed"),
+         "bf16-weights": (torch.bfloat16, "bf16-true")}
+STEPS, SPLIT = 4, 2
+
+
+class _LM(L.LightningModule):
+    def __init__(self, dtype, store, headroom, tmp):
+        super().__init__()
+        self.lm = offload(gpt2(dtype), store, tmp)
+        self.headroom = headroom
+        self.norms: list[float] = []
+
+    def training_step(self, x, i):
+        return self.lm(input_ids=x, labels=x).loss
+
+    def configure_optimizers(self):
+        # fused=False: Lightning refuses to clip for a fused optimizer under bf16-mixed.
+        if self.headroom:
+            import headroom as hr
+
+            return hr.HostOptimizer(self.parameters(), torch.optim.AdamW, lr=1e-3, fused=False)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=False)
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+
+def _run(mode: str, store: str | None, headroom: bool, tmp_path):
+    """STEPS steps with gradient_clip_val=1.0: SPLIT of them, a checkpoint, and the rest in a
+    new Trainer and module resumed with fit(ckpt_path=...)."""
+    dtype, precision = MODES[mode]
+    kw = dict(accelerator="cpu", devices=1, gradient_clip_val=1.0, logger=False,
+              enable_progress_bar=False, enable_model_summary=False, precision=precision,
+              default_root_dir=str(tmp_path))
+
+    def loader():
+        return torch.utils.data.DataLoader(token_ids(2 * STEPS), batch_size=2)
+
+    ck = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                             every_n_train_steps=SPLIT, save_top_k=-1)
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = _LM(dtype, store, headroom, tmp_path / "a")
+        L.Trainer(max_steps=SPLIT, callbacks=[ck], **kw).fit(first, loader())
+        path = ck.best_model_path or ck.last_model_path
+        assert path.endswith(f"step={SPLIT}.ckpt"), path
+        second = _LM(dtype, store, headroom, tmp_path / "b")
+        L.Trainer(max_steps=STEPS, enable_checkpointing=False, **kw).fit(
+            second, loader(), ckpt_path=path)
+    return first.norms + second.norms, state(second)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lightning_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
+    ref_norms, ref_state = _run(mode, None, mode == "bf16-weights", tmp_path / "ref")
+    assert len(ref_norms) == STEPS and any(n > 1.0 for n in ref_norms)  # clipping acts
+    for store in ("cpu", "disk"):
+        norms, st = _run(mode, store, True, tmp_path / store)
+        assert norms == ref_norms, store
+        assert_same_state(ref_state, st)

@@ -1,0 +1,79 @@
+"""transformers.Trainer with hr.offload + hr.HostOptimizer: bitwise the run without headroom.
+
+Trainer clips with its default ``max_grad_norm=1.0`` through ``torch.nn.utils.clip_grad_norm_``
+over ``model.parameters()`` and logs ``grad_norm.item()`` every step: the gradients of
+parameters on disk, and the fp32 gradients of bf16 parameters, must read as tensors there.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+import pytest
+import torch
+
+from tests.integrations._models import (
+    LMData,
+    assert_runs_equal,
+    assert_same_state,
+    gpt2,
+    offload,
+    optimizer,
+    state,
+    train_logged,
+)
+
+pytest.importorskip("transformers")
+
+# fp32 weights; fp32 weights under bf16 autocast; bf16 weights (the optimizer's fp32 masters)
+MODES = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True),
+         "bf16-weights": (torch.bfloat16, False)}
+
+
+def _train(mode: str, store: str | None, headroom: bool, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    dtype, bf16 = MODES[mode]
+    model = offload(gpt2(dtype), store, tmp_path)
+    opt = optimizer(model, headroom)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+        logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=bf16, seed=0,
+        disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=LMData(), optimizers=(opt, None))
+    return train_logged(trainer, model)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_trainer_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
+    # The reference without headroom: torch's AdamW; for bf16 weights (no fp32 masters in
+    # torch.optim) HostOptimizer alone, whose step and clipping equal a plain-torch fp32-master
+    # loop (tests/optim/test_grads.py).
+    assert_runs_equal(partial(_train, mode), mode == "bf16-weights", tmp_path)
+
+
+def _resumed(store: str | None, headroom: bool, tmp_path):
+    """Two steps, a checkpoint, then a new model and optimizer resumed to four steps."""
+    from transformers import Trainer, TrainingArguments
+
+    def train(steps: int, **kw):
+        model = offload(gpt2(), store, tmp_path / f"store{steps}")
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="steps", save_steps=2,
+            seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=LMData(),
+                          optimizers=(optimizer(model, headroom), None))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(**kw)
+        return model
+
+    train(2)
+    return state(train(4, resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2")))
+
+
+def test_trainer_resume_from_checkpoint_on_disk_is_exact(tmp_path):
+    """save_model's weights and the HostOptimizer state come back into a new DiskStore."""
+    assert_same_state(_resumed(None, False, tmp_path / "ref"), _resumed("disk", True, tmp_path))

@@ -5,10 +5,15 @@ losses (`linear_loss`), and `HugeClassifier`, whose weight rests in a store.
 """
 
 from headroom.heads._classifier import HugeClassifier
-from headroom.heads._linear_ce import DEFAULT_LOGITS_BUDGET, linear_cross_entropy, pick_slice_size
+from headroom.heads._linear_ce import (
+    DEFAULT_LOGITS_BUDGET,
+    LinearCrossEntropyOutput,
+    linear_cross_entropy,
+    pick_slice_size,
+)
 from headroom.heads._linear_loss import LOSSES, linear_loss
 
 __all__ = [
-    "DEFAULT_LOGITS_BUDGET", "HugeClassifier", "LOSSES", "linear_cross_entropy", "linear_loss",
-    "pick_slice_size",
+    "DEFAULT_LOGITS_BUDGET", "HugeClassifier", "LOSSES", "LinearCrossEntropyOutput",
+    "linear_cross_entropy", "linear_loss", "pick_slice_size",
 ]

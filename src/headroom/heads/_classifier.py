@@ -32,6 +32,7 @@ from headroom.heads._linear_ce import (
     default_loss_dtype,
     grad_rows,
     linear_cross_entropy,
+    no_autocast,
     outputs,
     pick_slice_size,
     shift_target,
@@ -67,7 +68,8 @@ class _StoreCrossEntropy(torch.autograd.Function):
         shape = target.shape
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         t = target.reshape(-1).long()
-        fwd = ce_forward(x, head._source(slice_size), t, opts, slice_size=slice_size)
+        with no_autocast(head.device):
+            fwd = ce_forward(x, head._source(slice_size), t, opts, slice_size=slice_size)
         ctx.save_for_backward(features, t, fwd.row_max, fwd.row_sum, fwd.denominator,
                               fwd.n_valid)
         ctx.head, ctx.opts = head, (opts, shape, shift, slice_size)
@@ -94,7 +96,7 @@ class _StoreCrossEntropy(torch.autograd.Function):
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         need_b = need_b and head.bias is not None
         sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
-        with landing(sink):
+        with landing(sink), no_autocast(head.device):
             grad_x = ce_backward(
                 x, head._source(slice_size), t, (row_max, row_sum, denominator, n_valid),
                 grad_loss, grad_lse, opts, slice_size=slice_size, need_x=need_x, sink=sink,

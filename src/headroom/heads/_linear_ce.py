@@ -735,6 +735,13 @@ def wrap_outputs(
 # autograd
 
 
+def no_autocast(device: torch.device) -> torch.autocast:
+    """Autocast off for the passes: they pick their own dtypes (``accum_dtype``), and the
+    buffers they write with ``out=`` must keep them (an autocast region, e.g. a Trainer's
+    ``bf16=True``, would otherwise run the products in half precision)."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def _refuse_double_backward(what: str, dense: str) -> None:
     """Raise when a backward runs with grad mode on, that is under ``create_graph=True``."""
     # The passes write into reused buffers (``out=``, in-place exp), which autograd cannot
@@ -770,7 +777,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         t = target.reshape(-1).long()
         source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
                               prefetch=prefetch)
-        fwd = ce_forward(x2.to(accum_dtype), source, t, opts, slice_size=slice_size)
+        with no_autocast(x.device):
+            fwd = ce_forward(x2.to(accum_dtype), source, t, opts, slice_size=slice_size)
         ctx.save_for_backward(x, weight, bias, t, fwd.row_max, fwd.row_sum, fwd.denominator,
                               fwd.n_valid)
         ctx.opts = (opts, shape, shift, slice_size, accum_dtype, prefetch)
@@ -802,7 +810,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 weight, bias if need_b else None, device=x.device, dtype=accum_dtype,
                 need_weight=need_w, prefetch=prefetch,
             )
-        with landing(sink):
+        with landing(sink), no_autocast(x.device):
             grad_x = ce_backward(
                 xa, source, t, (row_max, row_sum, denominator, n_valid), grad_loss, grad_lse,
                 opts, slice_size=slice_size, need_x=need_x, sink=sink, need_weight=need_w,

@@ -76,13 +76,20 @@ def _resolve(opts):
     return opts
 
 
+@pytest.mark.parametrize("path", ["sliced", "rows"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("name", list(OPTIONS))
-def test_option_fp32_as_exact_as_torch(name, reduction):
+def test_option_fp32_as_exact_as_torch(name, reduction, path, monkeypatch):
+    # "sliced": two passes over class slices; "rows": the one-pass path over chunks of rows
+    # (automatic slices, a scalar loss, a weight on x's device; "none" falls back to slices)
+    calls = _count_paths(monkeypatch)
     opts = _resolve(OPTIONS[name])
     ii = opts.get("ignore_index", -100)
     x, w, b, y = _inputs(scale=2.0, ignore=ii)
-    out = hr.linear_cross_entropy(x, w, y, b, slice_size=128, reduction=reduction, **opts)
+    out = hr.linear_cross_entropy(x, w, y, b, slice_size=128 if path == "sliced" else None,
+                                  reduction=reduction, **opts)
+    expect = "rows" if path == "rows" and reduction != "none" else "sliced"
+    assert calls == [expect]
     ref32, _, _ = dense_loss(x, w, y, b, reduction=reduction, **opts)
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     ref64, _, _ = dense_loss(x64, w64, y, b64, reduction=reduction, **opts)
@@ -94,6 +101,44 @@ def test_option_fp32_as_exact_as_torch(name, reduction):
     want64 = torch.autograd.grad(ref64, (x64, w64, b64), g)
     for what, a, t32, t64 in zip("xwb", got, want32, want64, strict=True):
         assert_as_exact_as_torch(a, t32, t64, f"{name} grad {what}")
+
+
+def _count_paths(monkeypatch):
+    """Record which path each call takes."""
+    from headroom.heads import _linear_ce
+
+    calls = []
+    for name, cls in (("sliced", _linear_ce._LinearCrossEntropy),
+                      ("rows", _linear_ce._LinearCrossEntropyRows)):
+        orig = cls.forward
+
+        def forward(*a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(cls, "forward", staticmethod(forward))
+    return calls
+
+
+def test_rows_path_chunks_and_scales():
+    # several chunks (never all rows at once), an incoming gradient other than 1, and a
+    # gradient only for some inputs
+    x, w, b, y = _inputs(shape=(4, 150), scale=2.0)
+    rows = hr.heads._linear_ce.rows_per_chunk(600, C, softcap=False)
+    assert rows == 300
+    for need in ("xwb", "w", "x"):
+        xs, ws, bs = (t.detach().clone().requires_grad_(k in need)
+                      for k, t in zip("xwb", (x, w, b), strict=True))
+        out = hr.linear_cross_entropy(xs, ws, y, bs, softcap=5.0, z_loss=0.01)
+        ref, _, _ = dense_loss(xs, ws, y, bs, softcap=5.0, z_loss=0.01)
+        torch.testing.assert_close(out, ref)
+        leaves = [t for t in (xs, ws, bs) if t.requires_grad]
+        for a, r in zip(torch.autograd.grad(out * 3.5, leaves),
+                        torch.autograd.grad(ref * 3.5, leaves), strict=True):
+            torch.testing.assert_close(a, r)
+    # no gradient wanted: the sliced forward alone
+    with torch.no_grad():
+        torch.testing.assert_close(hr.linear_cross_entropy(x, w, y, b), dense_loss(x, w, y, b)[0])
 
 
 def test_lse_is_returned_and_differentiable():

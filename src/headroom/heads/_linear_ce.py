@@ -505,27 +505,42 @@ def ce_forward(
         opts: the options.
         slice_size: classes per slice.
     """
-    num_classes = source.num_classes
-    eps = opts.label_smoothing
     targets = OneHot(t)
-    p = lse_pass(x, source, targets, slice_size=slice_size, want_logit_sum=eps > 0,
-                 softcap=opts.softcap, class_weight=opts.class_weight,
-                 want_argmax=opts.want_argmax)
+    p = lse_pass(x, source, targets, slice_size=slice_size,
+                 want_logit_sum=opts.label_smoothing > 0, softcap=opts.softcap,
+                 class_weight=opts.class_weight, want_argmax=opts.want_argmax)
+    return _finish(t, opts, source.num_classes, log_sum_exp(p.row_max, p.row_sum),
+                   targets.logits, p.logit_sum, p.argmax, p.row_max, p.row_sum)
+
+
+def _counts(t: torch.Tensor, opts: CrossEntropyOptions
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(valid, w_y, denominator, n_valid)``: what "mean" divides the two parts by."""
     valid = t != opts.ignore_index
-    lse = log_sum_exp(p.row_max, p.row_sum)
     wy = _target_weights(t, valid, opts)
-    rows = wy * (lse - targets.logits.double())
-    if eps > 0:
-        assert p.logit_sum is not None
-        if opts.class_weight is None:
-            smooth = lse - p.logit_sum.double() / num_classes
-        else:
-            total_w = opts.class_weight.double().sum()
-            smooth = (total_w * lse - p.logit_sum.double()) / num_classes
-        rows = (1.0 - eps) * rows + eps * smooth
-    rows = torch.where(valid, rows, torch.zeros_like(rows))
     n_valid = valid.sum().double()
     denominator = wy.sum() if opts.class_weight is not None else n_valid
+    return valid, wy, denominator, n_valid
+
+
+def _finish(
+    t: torch.Tensor, opts: CrossEntropyOptions, num_classes: int, lse: torch.Tensor,
+    z_target: torch.Tensor, logit_sum: torch.Tensor | None, argmax: torch.Tensor | None,
+    row_max: torch.Tensor, row_sum: torch.Tensor,
+) -> CrossEntropyForward:
+    """The loss and extra outputs from each row's log-sum-exp and target logit (float64)."""
+    eps = opts.label_smoothing
+    valid, wy, denominator, n_valid = _counts(t, opts)
+    rows = wy * (lse - z_target.double())
+    if eps > 0:
+        assert logit_sum is not None
+        if opts.class_weight is None:
+            smooth = lse - logit_sum.double() / num_classes
+        else:
+            total_w = opts.class_weight.double().sum()
+            smooth = (total_w * lse - logit_sum.double()) / num_classes
+        rows = (1.0 - eps) * rows + eps * smooth
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
     zrows = None
     if opts.z_loss:
         zrows = torch.where(valid, opts.z_loss * lse * lse, torch.zeros_like(lse))
@@ -538,51 +553,26 @@ def ce_forward(
         if zrows is not None:
             loss = loss + (zrows.sum() / n_valid if opts.reduction == "mean" else zrows.sum())
     predictions = accuracy = None
-    if p.argmax is not None:
-        predictions = torch.where(valid, p.argmax, torch.full_like(p.argmax, -1))
+    if argmax is not None:
+        predictions = torch.where(valid, argmax, torch.full_like(argmax, -1))
         accuracy = ((predictions == t) & valid).sum().double() / n_valid
-    return CrossEntropyForward(loss, lse, predictions, accuracy, p.row_max, p.row_sum,
+    return CrossEntropyForward(loss, lse, predictions, accuracy, row_max, row_sum,
                                denominator, n_valid)
 
 
-def ce_backward(
-    x: torch.Tensor,
-    source: SliceSource,
-    t: torch.Tensor,
-    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    grad_loss: torch.Tensor | None,
-    grad_lse: torch.Tensor | None,
-    opts: CrossEntropyOptions,
-    *,
-    slice_size: int,
-    need_x: bool,
-    sink: GradSink | None,
-    need_weight: bool,
-    need_bias: bool,
-) -> torch.Tensor | None:
-    """Gradients of `ce_forward`'s loss (and returned log-sum-exp) by `grad_pass`.
+def grad_coefficients(
+    t: torch.Tensor, lse: torch.Tensor, denominator: torch.Tensor, n_valid: torch.Tensor,
+    grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None, opts: CrossEntropyOptions,
+    num_classes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row factors of the softmax, the target and the uniform term of the gradient.
 
     With ``r`` the factor of a row's cross-entropy in the reduced loss and ``r_z`` that of its
     z-loss, the gradient with respect to the logit ``s_c`` is
     ``p_c * (r * ((1 - eps) * w_y + eps * W / C) + 2 * z_loss * L * r_z + dlse)
-    - r * (1 - eps) * w_y * [c == y] - r * eps / C * w_c``.
-
-    Args:
-        x: ``(N, D)`` in the accumulation dtype.
-        source: the weight slices.
-        t: ``(N,)`` int64 targets.
-        saved: ``(row_max, row_sum, denominator, n_valid)`` from `ce_forward`.
-        grad_loss: incoming gradient of the loss (``None``: the loss was not used).
-        grad_lse: incoming gradient of the returned ``(N,)`` log-sum-exp, or ``None``.
-        opts: the options of the forward.
-        slice_size: classes per slice.
-        need_x: whether to return the gradient of ``x``.
-        sink: receives the weight and bias gradients.
-        need_weight: whether to form the weight gradient.
-        need_bias: whether to form the bias gradient.
+    - r * (1 - eps) * w_y * [c == y] - r * eps / C * w_c``; this returns the three row factors
+    (float64), for the rows of ``t`` (all rows, or one chunk of them).
     """
-    row_max, row_sum, denominator, n_valid = saved
-    num_classes = source.num_classes
     eps = opts.label_smoothing
     valid = t != opts.ignore_index
     zeros = torch.zeros(t.shape[0], dtype=torch.float64, device=t.device)
@@ -605,16 +595,158 @@ def ce_backward(
         total_w = opts.class_weight.double().sum()
         coef = r * ((1.0 - eps) * wy + eps * total_w / num_classes)
     if opts.z_loss and grad_loss is not None:
-        coef = coef + 2.0 * opts.z_loss * log_sum_exp(row_max, row_sum) * r_z
+        coef = coef + 2.0 * opts.z_loss * lse * r_z
     if grad_lse is not None:
         coef = coef + grad_lse.reshape(-1).double()
     uniform = r * (eps / num_classes) if eps > 0 else None
+    return coef, r * (1.0 - eps) * wy, uniform
+
+
+def ce_backward(
+    x: torch.Tensor,
+    source: SliceSource,
+    t: torch.Tensor,
+    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    grad_loss: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    opts: CrossEntropyOptions,
+    *,
+    slice_size: int,
+    need_x: bool,
+    sink: GradSink | None,
+    need_weight: bool,
+    need_bias: bool,
+) -> torch.Tensor | None:
+    """Gradients of `ce_forward`'s loss (and returned log-sum-exp) by `grad_pass`, with the
+    factors of `grad_coefficients`.
+
+    Args:
+        x: ``(N, D)`` in the accumulation dtype.
+        source: the weight slices.
+        t: ``(N,)`` int64 targets.
+        saved: ``(row_max, row_sum, denominator, n_valid)`` from `ce_forward`.
+        grad_loss: incoming gradient of the loss (``None``: the loss was not used).
+        grad_lse: incoming gradient of the returned ``(N,)`` log-sum-exp, or ``None``.
+        opts: the options of the forward.
+        slice_size: classes per slice.
+        need_x: whether to return the gradient of ``x``.
+        sink: receives the weight and bias gradients.
+        need_weight: whether to form the weight gradient.
+        need_bias: whether to form the bias gradient.
+    """
+    row_max, row_sum, denominator, n_valid = saved
+    coef, target_scale, uniform = grad_coefficients(
+        t, log_sum_exp(row_max, row_sum), denominator, n_valid, grad_loss, grad_lse, opts,
+        source.num_classes)
     return grad_pass(
         x, source, OneHot(t), row_max, row_sum, coef, slice_size=slice_size,
         label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_weight,
-        need_bias=need_bias, target_scale=r * (1.0 - eps) * wy, softcap=opts.softcap,
+        need_bias=need_bias, target_scale=target_scale, softcap=opts.softcap,
         class_weight=opts.class_weight, uniform_scale=uniform,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-pass path: chunks of rows over the whole vocabulary
+
+
+# Below this many rows per chunk the weight gradient, accumulated once per chunk, costs more
+# memory traffic than the recomputed product it saves.
+_MIN_CHUNK_ROWS = 256
+
+
+def rows_per_chunk(n_rows: int, num_classes: int, *, softcap: bool,
+                   budget_bytes: int = DEFAULT_LOGITS_BUDGET) -> int | None:
+    """Rows whose full logits fit the budget, or ``None`` when the one-pass path does not pay.
+
+    Never all rows of a batch at once (at most half of them): whole logits are what this
+    function exists to avoid.
+    """
+    fit = budget_bytes // (num_classes * 4 * (2 if softcap else 1))
+    rows = min(fit, -(-n_rows // 2))
+    return rows if rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1 else None
+
+
+def row_pass(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor,
+    opts: CrossEntropyOptions, *, rows: int, need_x: bool, need_weight: bool, need_bias: bool,
+) -> tuple[CrossEntropyForward, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss and gradients (for an incoming gradient of 1) in one pass over chunks of rows.
+
+    Each chunk's logits over the whole vocabulary are formed once: the softmax, the loss terms
+    and the gradient come from that one product, and ``grad_x`` and ``grad_W`` take the other
+    two, three products in all (the class-sliced passes need four). For a scalar loss only: the
+    gradient waits in memory for backward, which scales it.
+    """
+    n = x.shape[0]
+    num_classes = weight.shape[0]
+    dt, dev = x.dtype, x.device
+    eps, cap, cw = opts.label_smoothing, opts.softcap, opts.class_weight
+    _, _, denominator, n_valid = _counts(t, opts)
+    lse = torch.empty(n, dtype=torch.float64, device=dev)
+    row_sum = torch.empty(n, dtype=torch.float64, device=dev)
+    row_max = torch.empty(n, dtype=dt, device=dev)
+    z_target = torch.empty(n, dtype=dt, device=dev)
+    logit_sum = torch.empty(n, dtype=dt, device=dev) if eps > 0 else None
+    argmax = torch.empty(n, dtype=torch.int64, device=dev) if opts.want_argmax else None
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_w = torch.zeros_like(weight) if need_weight else None
+    grad_b = torch.zeros_like(bias) if (need_bias and bias is not None) else None
+    want_grad = need_x or need_weight or grad_b is not None
+    one = torch.ones((), dtype=torch.float64, device=dev)
+    flat = torch.empty(min(rows, n) * num_classes, dtype=dt, device=dev)
+    dflat = torch.empty_like(flat) if cap is not None else None
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        xs, ts = x[a:b], t[a:b]
+        z = flat[: (b - a) * num_classes].view(b - a, num_classes)
+        if bias is None:
+            torch.mm(xs, weight.t(), out=z)
+        else:
+            torch.addmm(bias, xs, weight.t(), out=z)
+        d = None
+        if cap is not None:
+            assert dflat is not None
+            d = dflat[: (b - a) * num_classes].view(b - a, num_classes)
+            z.div_(cap).tanh_()
+            torch.mul(z, z, out=d).neg_().add_(1.0)
+            z.mul_(cap)
+        valid = ts != opts.ignore_index
+        local = torch.where(valid, ts, torch.zeros_like(ts)).unsqueeze(1)
+        z_target[a:b] = z.gather(1, local).squeeze(1)
+        if logit_sum is not None:
+            logit_sum[a:b] = z.sum(1) if cw is None else z @ cw
+        if argmax is not None:
+            m, argmax[a:b] = z.max(1)
+        else:
+            m = z.amax(1)
+        row_max[a:b] = m
+        z.sub_(m.unsqueeze(1)).exp_()
+        sums = z.sum(1).double()
+        row_sum[a:b] = sums
+        chunk_lse = m.double() + torch.log(sums)
+        lse[a:b] = chunk_lse
+        if not want_grad:
+            continue
+        coef, target_scale, uniform = grad_coefficients(
+            ts, chunk_lse, denominator, n_valid, one, None, opts, num_classes)
+        z.mul_((coef / sums).to(dt).unsqueeze(1))
+        if uniform is not None:
+            if cw is None:
+                z.sub_(uniform.to(dt).unsqueeze(1))
+            else:
+                z.addr_(uniform.to(dt), cw, alpha=-1)
+        z.scatter_add_(1, local, -target_scale.to(dt).unsqueeze(1))
+        if d is not None:
+            z.mul_(d)
+        if grad_x is not None:
+            torch.mm(z, weight, out=grad_x[a:b])
+        if grad_w is not None:
+            grad_w.addmm_(z.t(), xs)
+        if grad_b is not None:
+            grad_b += z.sum(0)
+    fwd = _finish(t, opts, num_classes, lse, z_target, logit_sum, argmax, row_max, row_sum)
+    return fwd, grad_x, grad_w, grad_b
 
 
 class LinearCrossEntropyOutput(NamedTuple):
@@ -822,6 +954,59 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+class _LinearCrossEntropyRows(torch.autograd.Function):
+    """The one-pass path: gradients formed in forward (for a scalar loss), scaled in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        opts: CrossEntropyOptions,
+        shift: int,
+        rows: int,
+    ):
+        shape = target.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        with no_autocast(x.device):
+            fwd, gx, gw, gb = row_pass(
+                x2, weight, bias, target.reshape(-1).long(), opts, rows=rows,
+                need_x=x.requires_grad, need_weight=weight.requires_grad,
+                need_bias=bias is not None and bias.requires_grad)
+        ctx.save_for_backward(gx, gw, gb)
+        ctx.x_shape = x.shape
+        ctx.set_materialize_grads(False)
+        out = outputs(fwd, opts, shape, shift)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
+        _refuse_double_backward(
+            "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
+        )
+        assert grad_lse is None  # the lse is not returned on this path
+        if grad_loss is None:
+            return None, None, None, None, None, None, None
+        gx, gw, gb = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # NOTE: the saved gradients are scaled in place: this graph's backward runs once (a
+        # second one fails as any freed graph does, the gradients being its saved tensors).
+        scale = grad_loss.to(torch.float64)
+        unit = bool(scale == 1)
+
+        def scaled(g: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+            if g is None or not needed:
+                return None
+            return g if unit else g.mul_(scale.to(g.dtype))
+
+        gx = scaled(gx, need_x)
+        return (None if gx is None else gx.reshape(ctx.x_shape), scaled(gw, need_w),
+                scaled(gb, need_b), None, None, None, None)
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -944,6 +1129,7 @@ def linear_cross_entropy(
         slice_size=slice_size, prefetch=prefetch,
     )
     batch = math.prod(target_used.shape)
+    auto_slices = slice_size is None
     if slice_size is None:
         # with softcap backward keeps a second buffer (ds/dz) beside the logits
         budget = DEFAULT_LOGITS_BUDGET // (2 if softcap is not None else 1)
@@ -957,7 +1143,16 @@ def linear_cross_entropy(
         class_weight=cw, want_argmax=return_accuracy or return_predictions,
         loss_dtype=default_loss_dtype(x.dtype, loss_dtype),
     )
-    out = _LinearCrossEntropy.apply(x, weight, bias, target_used, opts, shift, slice_size,
-                                    accum_dtype, prefetch)
+    rows = None
+    if (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad
+                 or (bias is not None and bias.requires_grad))
+            and weight.device == x.device and x.dtype == accum_dtype):
+        rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None)
+    if rows is not None:
+        out = _LinearCrossEntropyRows.apply(x, weight, bias, target_used, opts, shift, rows)
+    else:
+        out = _LinearCrossEntropy.apply(x, weight, bias, target_used, opts, shift, slice_size,
+                                        accum_dtype, prefetch)
     return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
                         return_predictions=return_predictions)

@@ -1033,7 +1033,10 @@ def linear_cross_entropy(
     The classes are processed in slices: a forward pass keeps an online log-sum-exp, and backward
     recomputes each slice's logits to form the exact gradients of ``x``, ``weight`` and ``bias``.
     Peak extra memory is one ``B x slice_size`` buffer (two with ``softcap``) plus a few ``B``-
-    and ``B x D``-sized tensors, whatever the number of classes.
+    and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
+    loss, a weight on ``x``'s device in ``accum_dtype`` and gradients wanted, chunks of rows
+    over all classes (within the same logits budget, at most half the rows) give the loss and
+    the gradients in one pass of three products instead of four; backward scales them.
 
     For language models: ``shift=True`` predicts token ``t + 1`` from position ``t``
     (``x`` is ``(..., seq, D)``, ``target`` the unshifted ``(..., seq)`` labels, as a Hugging

@@ -279,3 +279,17 @@ def test_failure_mid_forward_leaves_nothing_armed(exc):
     hidden = torch.randn(B, S, 32)
     assert model.lm_head(hidden).shape == (B, S, VOCAB)
     _assert_same(_step(model, ids, labels), ref)
+
+
+def test_output_layer_offloaded_is_refused():
+    model = tiny_causal_lm("llama")
+    with pytest.warns(UserWarning):
+        hr.offload(model, device="cpu", store="cpu")
+    hr.patch_causal_lm(model)
+    ids, labels = _batch()
+    model.train()
+    with pytest.raises(RuntimeError, match="rests in a store.*remove the patch"):
+        model(ids, labels=labels)
+    model.eval()
+    with torch.no_grad():
+        assert model(ids).logits.shape == (B, S, VOCAB)  # eval still runs, unpatched

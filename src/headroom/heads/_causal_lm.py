@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from headroom.heads._linear_ce import linear_cross_entropy
+from headroom.transfer import binding
 
 __all__ = ["CausalLMPatch", "patch_causal_lm"]
 
@@ -113,6 +114,14 @@ class CausalLMPatch:
                 "the nn.Linear that was patched (was it wrapped, e.g. by LoRA on lm_head?); "
                 "the patch would miss what the new layer adds. Remove the patch "
                 "(handle.remove()), or keep lm_head out of the adapter's target_modules")
+        if binding(self.lm_head.weight) is not None:
+            # Its device copy exists only while lm_head runs, and the loss here reads the
+            # weight after that (and in backward, where the schedule does not fetch it).
+            raise RuntimeError(
+                "patch_causal_lm: the output layer's weight rests in a store (hr.offload); the "
+                "patched loss reads it outside lm_head's own forward, which offloading does not "
+                "provide: remove the patch (handle.remove()) to train this model with its own "
+                "loss")
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels")
         self._call = _Call(

@@ -12,7 +12,14 @@ loss. Methods, each in a fresh subprocess of its own (peak memory is per process
   one. Warmed up once (compile time reported apart).
 * ``headroom``: ``hr.patch_causal_lm(model)``, then ``model(ids, labels=labels).loss``.
 * ``body``: the decoder alone (``(hidden * 0).sum()`` backward): what the step costs without a
-  loss, subtracted to give each method's loss memory.
+  loss.
+
+``--part loss`` measures the loss alone, the same three ways, on leaf tensors: the hidden
+states (``1 x 2048 x 2048``) and the output layer's weight (``128256 x 2048``), both requiring
+grad: ``plain-loss`` (``lm_head`` then transformers' ``ForCausalLMLoss``), ``cce-loss`` and
+``headroom-loss`` (``hr.linear_cross_entropy(..., shift=True)``). Its peak above the resting
+inputs is the loss's memory, of which the gradients it returns (of the weight: 1 GiB in fp32)
+are the part no method can avoid; the rest is its workspace.
 
 Memory: on the CPU the peak resident set of the step above the resident set before it, from
 the kernel (``VmHWM`` reset through ``/proc/self/clear_refs`` before each step; glibc is told to
@@ -24,6 +31,7 @@ match ``plain``'s before anything is reported.
 
 Usage:
     .venv/bin/python benchmarks/lm_loss.py                     # CPU, fp32, 5 rounds
+    .venv/bin/python benchmarks/lm_loss.py --part loss         # the loss alone
     python benchmarks/lm_loss.py --device cuda --repeats 10    # GPU, bf16 model
 """
 
@@ -90,9 +98,25 @@ def build(args: argparse.Namespace):
     return model, ids, labels
 
 
+def loss_inputs(args: argparse.Namespace):
+    """Leaf hidden states and output weight (what the loss sees), and the labels."""
+    g = torch.Generator().manual_seed(1)
+    dtype = getattr(torch, args.dtype)
+    h = torch.randn(args.batch, args.seq, args.hidden, generator=g)
+    w = torch.randn(args.vocab, args.hidden, generator=g) * 0.02
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    labels = ids.clone()
+    labels[:, : args.seq // 8] = -100
+    return (h.to(args.device, dtype).requires_grad_(), w.to(args.device, dtype).requires_grad_(),
+            labels.to(args.device))
+
+
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dev = args.device
+    if args.method.endswith("-loss"):
+        loss_worker(args)
+        return
     model, ids, labels = build(args)
     head = model.get_output_embeddings()
 
@@ -121,8 +145,47 @@ def worker(args: argparse.Namespace) -> None:
     else:
         raise SystemExit(f"unknown method {args.method}")
 
+    serve(args, step, lambda: model.zero_grad(set_to_none=True),
+          lambda: {n: float(p.grad.float().norm()) for n, p in model.named_parameters()
+                   if p.grad is not None and ("embed" in n or "layers.0.mlp.down" in n)})
+
+
+def loss_worker(args: argparse.Namespace) -> None:
+    h, w, labels = loss_inputs(args)
+    if args.method == "plain-loss":
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        def step():
+            return ForCausalLMLoss(torch.nn.functional.linear(h, w), labels, args.vocab)
+    elif args.method == "cce-loss":
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        impl = "torch_compile" if args.device == "cpu" else "cce"
+
+        def step():
+            return cce(h, w, labels, shift=True, impl=impl)
+    elif args.method == "headroom-loss":
+        sys.path.insert(0, str(ROOT / "src"))
+        import headroom as hr
+
+        def step():
+            return hr.linear_cross_entropy(h, w, labels, shift=True)
+    else:
+        raise SystemExit(f"unknown method {args.method}")
+
+    def zero():
+        h.grad = w.grad = None
+
+    serve(args, step, zero, lambda: {"hidden": float(h.grad.float().norm()),
+                                     "weight": float(w.grad.float().norm())})
+
+
+def serve(args, step, zero, norms) -> None:
+    """Answer the driver's requests for repeats of ``step`` (forward and backward)."""
+    dev = args.device
+
     def run():
-        model.zero_grad(set_to_none=True)
+        zero()
         before = _reset_peak(dev)
         t = time.perf_counter()
         loss = step()
@@ -147,8 +210,7 @@ def worker(args: argparse.Namespace) -> None:
         peaks.append(peak)
         print(json.dumps({"time_s": t, "step_peak_bytes": peak}), flush=True)
     assert loss is not None
-    grads = {n: float(p.grad.float().norm()) for n, p in model.named_parameters()
-             if p.grad is not None and ("embed" in n or "layers.0.mlp.down" in n)}
+    grads = norms()
     print(json.dumps({
         "method": args.method, "times_s": times, "median_s": statistics.median(times),
         "min_s": min(times), "step_peaks_bytes": peaks,
@@ -158,11 +220,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def check(results: dict, rel: float) -> None:
-    ref = results.get("plain")
+    ref = results.get("plain") or results.get("plain-loss")
     if not ref or "error" in ref:
         return
     for m, r in results.items():
-        if m in ("plain", "body") or "error" in r:
+        if r is ref or m == "body" or "error" in r:
             continue
         pairs = [("loss", r["loss"], ref["loss"])] + [
             (n, r["grad_norms"][n], ref["grad_norms"][n]) for n in ref["grad_norms"]]
@@ -194,6 +256,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--methods", default=None, help="comma list (default: all available)")
+    p.add_argument("--part", choices=["model", "loss"], default="model",
+                   help="the model's training step, or the loss alone on leaf tensors")
     p.add_argument("--out", default=None)
     p.add_argument("--method", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -206,6 +270,8 @@ def main() -> None:
     methods = ["plain", "cce", "headroom", "body"]
     if args.device != "cpu":
         methods.insert(2, "cce-compile")
+    if args.part == "loss":
+        methods = ["plain-loss", "cce-loss", "headroom-loss"]
     if args.methods:
         methods = args.methods.split(",")
     try:
@@ -221,7 +287,7 @@ def main() -> None:
     for m in methods:
         cmd = [sys.executable, __file__, "--method", m] + [
             f"--{k}={v}" for k, v in vars(args).items()
-            if k not in ("method", "methods", "out") and v is not None]
+            if k not in ("method", "methods", "out", "part") and v is not None]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env=env)
         line = proc.stdout.readline()
@@ -246,8 +312,16 @@ def main() -> None:
 
     check(results, 1e-4 if args.dtype == "float32" else 2e-2)
     body = results.get("body", {}).get("median_step_peak_bytes")
-    base_t = results.get("plain", {}).get("median_s")
-    cce_ref = results.get("cce", {})
+    base_t = (results.get("plain") or results.get("plain-loss") or {}).get("median_s")
+    cce_ref = results.get("cce") or results.get("cce-loss") or {}
+    if args.part == "loss":
+        # the gradients every method returns: of the weight and of the hidden states
+        item = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+        outputs = (args.vocab + args.batch * args.seq) * args.hidden * item
+        for r in results.values():
+            if "error" not in r:
+                r["loss_peak_bytes"] = r["median_step_peak_bytes"]
+                r["workspace_bytes"] = r["median_step_peak_bytes"] - outputs
     print(f"\n{args.batch} x {args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
           f"{args.layers} layer(s), {args.dtype}, device {args.device}, {args.threads} threads, "
           f"median of {args.repeats}; load averages {loads[0]} .. {loads[-1]}")
@@ -258,21 +332,29 @@ def main() -> None:
             print(f"{m:>12} | failed")
             continue
         if body is not None and m != "body":
-            r["loss_peak_bytes"] = r["median_step_peak_bytes"] - body
+            r["above_body_bytes"] = r["median_step_peak_bytes"] - body
         if base_t:
             r["time_x_plain"] = r["median_s"] / base_t
         if "median_s" in cce_ref:
             r["time_x_cce"] = r["median_s"] / cce_ref["median_s"]
-            if "loss_peak_bytes" in r and "loss_peak_bytes" in cce_ref:
-                r["loss_peak_x_cce"] = r["loss_peak_bytes"] / cce_ref["loss_peak_bytes"]
-        lp = r.get("loss_peak_bytes")
+            for key in ("loss_peak_bytes", "workspace_bytes", "above_body_bytes"):
+                if key in r and key in cce_ref:
+                    r[key.replace("_bytes", "_x_cce")] = r[key] / cce_ref[key]
+        lp = r.get("loss_peak_bytes", r.get("above_body_bytes"))
         print(f"{m:>12} | {r['median_s']:8.2f} | {r.get('time_x_plain', float('nan')):7.2f} | "
               f"{r.get('time_x_cce', float('nan')):6.2f} | "
               f"{r['median_step_peak_bytes'] / 2**30:13.2f} | "
               f"{(lp / 2**30 if lp is not None else float('nan')):8.2f} | "
-              f"{r.get('loss_peak_x_cce', float('nan')):6.2f}")
-    record = {
-        "benchmark": "lm_loss",
+              f"{r.get('loss_peak_x_cce', r.get('above_body_x_cce', float('nan'))):6.2f}"
+              + (f" | workspace {r['workspace_bytes'] / 2**30:5.2f} GiB, "
+                 f"{r.get('workspace_x_cce', float('nan')):.2f} x cce"
+                 if "workspace_bytes" in r else ""))
+    out = Path(args.out) if args.out else RESULTS / (
+        "lm_loss.json" if args.device == "cpu" else "lm_loss_gpu.json")
+    # one file for both parts: each run replaces its own part
+    record = json.loads(out.read_text()) if out.exists() else {}
+    record.setdefault("benchmark", "lm_loss")
+    record[args.part] = {
         "config": {k: v for k, v in vars(args).items() if k != "method"},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__,
@@ -281,8 +363,6 @@ def main() -> None:
         "load_averages": loads,
         "results": results,
     }
-    out = Path(args.out) if args.out else RESULTS / (
-        "lm_loss.json" if args.device == "cpu" else "lm_loss_gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
     print(f"wrote {out}")

@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
     "linear_cross_entropy": "headroom.heads",
     "linear_loss": "headroom.heads",
     "HugeClassifier": "headroom.heads",
+    "patch_causal_lm": "headroom.heads",
     # distributed/
     "data_parallel": "headroom.distributed",
     # plan/

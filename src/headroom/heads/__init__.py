@@ -1,14 +1,22 @@
 """Exact losses over huge numbers of classes, streamed slice by slice over the classes.
 
 Softmax cross-entropy with one label per row (`linear_cross_entropy`), multi-label and per-class
-losses (`linear_loss`), and `HugeClassifier`, whose weight rests in a store.
+losses (`linear_loss`), `HugeClassifier`, whose weight rests in a store, and `patch_causal_lm`,
+which gives a causal language model's training loss without its logits.
 """
 
+from headroom.heads._causal_lm import CausalLMPatch, patch_causal_lm
 from headroom.heads._classifier import HugeClassifier
-from headroom.heads._linear_ce import DEFAULT_LOGITS_BUDGET, linear_cross_entropy, pick_slice_size
+from headroom.heads._linear_ce import (
+    DEFAULT_LOGITS_BUDGET,
+    LinearCrossEntropyOutput,
+    linear_cross_entropy,
+    pick_slice_size,
+)
 from headroom.heads._linear_loss import LOSSES, linear_loss
 
 __all__ = [
-    "DEFAULT_LOGITS_BUDGET", "HugeClassifier", "LOSSES", "linear_cross_entropy", "linear_loss",
+    "DEFAULT_LOGITS_BUDGET", "CausalLMPatch", "HugeClassifier", "LOSSES",
+    "LinearCrossEntropyOutput", "linear_cross_entropy", "linear_loss", "patch_causal_lm",
     "pick_slice_size",
 ]

@@ -21,18 +21,23 @@ import torch
 import torch.nn as nn
 
 from headroom.heads._linear_ce import (
-    OneHot,
+    DEFAULT_LOGITS_BUDGET,
+    CrossEntropyOptions,
+    LinearCrossEntropyOutput,
     _check_target,
     _refuse_double_backward,
+    ce_backward,
+    ce_forward,
     check_label_shape,
-    grad_pass,
+    check_options,
+    default_loss_dtype,
+    grad_rows,
     linear_cross_entropy,
-    log_sum_exp,
-    lse_pass,
+    no_autocast,
+    outputs,
     pick_slice_size,
-    reduce_loss,
-    row_losses,
-    row_scale,
+    shift_target,
+    wrap_outputs,
 )
 from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
 from headroom.heads._slices import landing, slice_bounds
@@ -59,51 +64,49 @@ class _StoreCrossEntropy(torch.autograd.Function):
     """Exact sliced cross-entropy whose weight gradient goes to the store, not to autograd."""
 
     @staticmethod
-    def forward(ctx: Any, features, weight, bias, target, head, opts):  # type: ignore[override]
-        slice_size, ignore_index, eps, reduction = opts
-        lead = target.shape
+    def forward(ctx: Any, features, weight, bias, target, head, opts, shift,  # type: ignore[override]
+                slice_size):
+        shape = target.shape
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         t = target.reshape(-1).long()
-        source = head._source(slice_size)
-        targets = OneHot(t)
-        row_max, row_sum, z_sum = lse_pass(x, source, targets, slice_size=slice_size,
-                                           want_logit_sum=eps > 0)
-        valid = t != ignore_index
-        rows = row_losses(log_sum_exp(row_max, row_sum), targets.logits, z_sum, valid,
-                          num_classes=head.num_classes, label_smoothing=eps)
-        loss, n_valid = reduce_loss(rows, valid, reduction)
-        ctx.save_for_backward(features, t, row_max, row_sum, n_valid)
-        ctx.head, ctx.opts = head, opts
-        if reduction == "none":
-            loss = loss.reshape(lead)
-        return loss.to(features.dtype)
+        with no_autocast(head.device):
+            fwd = ce_forward(x, head._source(slice_size), t, opts, slice_size=slice_size)
+        ctx.save_for_backward(features, t, fwd.row_max, fwd.row_sum, fwd.denominator,
+                              fwd.n_valid)
+        ctx.head, ctx.opts = head, (opts, shape, shift, slice_size)
+        ctx.set_materialize_grads(False)
+        out = outputs(fwd, opts, shape, shift)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out):  # type: ignore[override]
+    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
         _refuse_double_backward(
             "HugeClassifier's loss",
             "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits",
         )
-        features, t, row_max, row_sum, n_valid = ctx.saved_tensors
+        features, t, row_max, row_sum, denominator, n_valid = ctx.saved_tensors
         head: HugeClassifier = ctx.head
-        slice_size, ignore_index, eps, reduction = ctx.opts
+        opts, shape, shift, slice_size = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        valid = t != ignore_index
-        scale = row_scale(grad_out, valid, n_valid, reduction)
+        if opts.reduction == "none":
+            grad_loss = grad_rows(grad_loss, shape, shift)
+        grad_lse = grad_rows(grad_lse, shape, shift)
+        if grad_loss is None and grad_lse is None:
+            return None, None, None, None, None, None, None, None
         x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
         need_b = need_b and head.bias is not None
         sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
-        with landing(sink):
-            grad_x = grad_pass(
-                x, head._source(slice_size), OneHot(t), row_max, row_sum, scale,
-                slice_size=slice_size,
-                label_smoothing=eps, need_x=need_x, sink=sink, need_weight=need_w,
-                need_bias=need_b,
+        with landing(sink), no_autocast(head.device):
+            grad_x = ce_backward(
+                x, head._source(slice_size), t, (row_max, row_sum, denominator, n_valid),
+                grad_loss, grad_lse, opts, slice_size=slice_size, need_x=need_x, sink=sink,
+                need_weight=need_w, need_bias=need_b,
             )
         if sink is not None:
             head._grads_landed(weight=need_w, bias=need_b, rows=None)
         gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
-        return gx, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None
 
 
 class _StoreParams:
@@ -498,10 +501,13 @@ class HugeClassifier(nn.Module):
         if labels is not None:
             check_label_shape(labels, features, names=("labels", "features"))
 
-    def _slice_for(self, batch: int) -> int:
+    def _slice_for(self, batch: int, *, halve: bool = False) -> int:
         if self.slice_size is not None:
             return max(1, min(self.slice_size, self.num_classes))
-        return pick_slice_size(batch, self.num_classes, accum_dtype=self.accum_dtype)
+        # a soft cap keeps a second buffer beside the logits in backward
+        budget = DEFAULT_LOGITS_BUDGET // (2 if halve else 1)
+        return pick_slice_size(batch, self.num_classes, accum_dtype=self.accum_dtype,
+                               budget_bytes=budget)
 
     def forward(
         self,
@@ -514,7 +520,15 @@ class HugeClassifier(nn.Module):
         ignore_index: int = -100,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-    ) -> torch.Tensor:
+        softcap: float | None = None,
+        shift: bool | int = False,
+        z_loss: float = 0.0,
+        class_weight: torch.Tensor | None = None,
+        return_lse: bool = False,
+        return_accuracy: bool = False,
+        return_predictions: bool = False,
+        loss_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor | LinearCrossEntropyOutput:
         """The loss of ``features @ weight.T + bias`` against ``labels``.
 
         A tensor of class ids (one per row) trains softmax cross-entropy; multi-label targets
@@ -536,9 +550,13 @@ class HugeClassifier(nn.Module):
             label_smoothing: with class ids, as in ``F.cross_entropy``.
             reduction: ``"mean"``, ``"sum"`` or ``"none"`` (see `headroom.linear_loss` for
                 what ``"mean"`` divides by with multi-label targets).
+            softcap, shift, z_loss, class_weight, return_lse, return_accuracy,
+                return_predictions, loss_dtype: with class ids (and ``sample_rate == 1``), as
+                in `headroom.linear_cross_entropy`.
 
         Returns:
-            The loss (exact unless ``sample_rate < 1``).
+            The loss (exact unless ``sample_rate < 1``), or with a ``return_*`` flag a
+            `headroom.heads.LinearCrossEntropyOutput`.
 
         Raises:
             TypeError / ValueError: bad labels (dtype, range, duplicates), shapes, devices or
@@ -546,11 +564,20 @@ class HugeClassifier(nn.Module):
         """
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        lm_options = {
+            "softcap": softcap is not None, "shift": bool(shift), "z_loss": z_loss != 0.0,
+            "class_weight": class_weight is not None, "return_lse": return_lse,
+            "return_accuracy": return_accuracy, "return_predictions": return_predictions,
+            "loss_dtype": loss_dtype is not None,
+        }
+        given = [k for k, v in lm_options.items() if v]
         if not (isinstance(labels, torch.Tensor) and labels.layout == torch.strided):
-            if ignore_index != -100 or label_smoothing != 0.0:
+            if ignore_index != -100 or label_smoothing != 0.0 or given:
                 raise ValueError(
-                    "ignore_index and label_smoothing apply to a tensor of class ids; with "
-                    "multi-label targets, drop rows with ignore_rows="
+                    "ignore_index and label_smoothing apply to a tensor of class ids (as do "
+                    "softcap, shift, z_loss, class_weight, return_* and loss_dtype"
+                    + (f"; given: {', '.join(given)}" if given else "")
+                    + "); with multi-label targets, drop rows with ignore_rows="
                 )
             return self._multilabel(features, labels, loss="bce" if loss is None else loss,
                                     pos_weight=pos_weight, ignore_rows=ignore_rows,
@@ -561,16 +588,40 @@ class HugeClassifier(nn.Module):
                 "pos_weight= and ignore_rows= take multi-label targets: pass the positives as "
                 "(offsets, indices), e.g. (torch.arange(len(labels) + 1), labels) for one each"
             )
+        shift = check_options(num_classes=self.num_classes, softcap=softcap, z_loss=z_loss,
+                              shift=shift, class_weight=class_weight, loss_dtype=loss_dtype)
         self._check(features, labels)
+        if shift and features.dim() < 2:
+            raise ValueError(f"shift={shift} needs features of shape (..., seq, in_features), "
+                             f"got {tuple(features.shape)}")
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        if not (labels.dtype.is_floating_point or labels.dtype == torch.bool):
+            labels = shift_target(labels, shift, ignore_index)
         _check_target(labels, self.num_classes, ignore_index)
         if self.sample_rate < 1.0:
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} need the exact loss over all classes; with "
+                    f"sample_rate={self.sample_rate} only ignore_index, label_smoothing and "
+                    "reduction apply")
             return self._sampled_forward(features, labels, ignore_index, label_smoothing,
                                          reduction)
         batch = math.prod(labels.shape)
-        opts = (self._slice_for(batch), ignore_index, float(label_smoothing), reduction)
-        return _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts)
+        slice_size = self._slice_for(batch, halve=softcap is not None)
+        cw = None if class_weight is None else class_weight.detach().to(
+            self.device, self.accum_dtype)
+        opts = CrossEntropyOptions(
+            ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+            reduction=reduction, softcap=None if softcap is None else float(softcap),
+            z_loss=float(z_loss), class_weight=cw,
+            want_argmax=return_accuracy or return_predictions,
+            loss_dtype=default_loss_dtype(features.dtype, loss_dtype),
+        )
+        out = _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts,
+                                       shift, slice_size)
+        return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
+                            return_predictions=return_predictions)
 
     def _multilabel(self, features, targets, *, loss, pos_weight, ignore_rows, reduction):
         self._check(features, None)

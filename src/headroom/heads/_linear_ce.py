@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from contextlib import closing
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -32,7 +33,9 @@ from headroom.heads._slices import (
     slice_bounds,
 )
 
-__all__ = ["DEFAULT_LOGITS_BUDGET", "linear_cross_entropy", "pick_slice_size"]
+__all__ = [
+    "DEFAULT_LOGITS_BUDGET", "LinearCrossEntropyOutput", "linear_cross_entropy", "pick_slice_size",
+]
 
 # A few hundred MB is the default budget; within that, slices of a few thousand
 # classes keep the reused buffer in the last-level cache for the elementwise passes, which run
@@ -233,6 +236,22 @@ class OneHot:
         g.scatter_add_(1, local, -(coef * inside).unsqueeze(1))
 
 
+class LsePass(NamedTuple):
+    """What `lse_pass` found per row (see there)."""
+
+    row_max: torch.Tensor
+    row_sum: torch.Tensor
+    logit_sum: torch.Tensor | None
+    argmax: torch.Tensor | None
+
+
+def _cap_(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(z / softcap)`` in place, in the order dense models compute it."""
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
 def lse_pass(
     x: torch.Tensor,
     source: SliceSource,
@@ -240,7 +259,10 @@ def lse_pass(
     *,
     slice_size: int,
     want_logit_sum: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    softcap: float | None = None,
+    class_weight: torch.Tensor | None = None,
+    want_argmax: bool = False,
+) -> LsePass:
     """Online log-sum-exp over class slices; ``targets`` records its logits on the way.
 
     Args:
@@ -248,17 +270,22 @@ def lse_pass(
         source: the weight slices.
         targets: where the target logits are (`OneHot`, or several positives per row).
         slice_size: classes per slice.
-        want_logit_sum: also return the sum of each row's logits (label smoothing).
+        want_logit_sum: also return the sum of each row's logits (label smoothing), weighted
+            by ``class_weight`` when given.
+        softcap: logits are ``softcap * tanh(z / softcap)`` (``None``: ``z``).
+        class_weight: ``(C,)`` per-class weights in the accumulation dtype, or ``None``.
+        want_argmax: also return each row's first largest logit's class (int64).
 
     Returns:
-        ``(row_max, row_sum, logit_sum or None)``: each row's largest logit ``m`` (accumulation
-        dtype), ``sum(exp(z - m))`` (float64) and the sum of its logits; see `log_sum_exp`.
+        An `LsePass`: each row's largest logit ``m`` (accumulation dtype), ``sum(exp(z - m))``
+        (float64), the (weighted) sum of its logits, and its argmax; see `log_sum_exp`.
     """
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
     run_max = torch.full((batch,), -math.inf, dtype=dt, device=dev)
     run_sum = torch.zeros(batch, dtype=torch.float64, device=dev)
     z_sum = torch.zeros(batch, dtype=dt, device=dev) if want_logit_sum else None
+    arg = torch.zeros(batch, dtype=torch.int64, device=dev) if want_argmax else None
     flat = torch.empty(batch * min(slice_size, source.num_classes), dtype=dt, device=dev)
     bounds = slice_bounds(source.num_classes, slice_size)
     targets.prepare(bounds, dt)
@@ -269,10 +296,20 @@ def lse_pass(
                 torch.mm(x, w.t(), out=z)
             else:
                 torch.addmm(b, x, w.t(), out=z)
+            _cap_(z, softcap)
             targets.gather(i, z, start, stop)
             if z_sum is not None:
-                z_sum += z.sum(1)
-            new_max = torch.maximum(run_max, z.amax(1))
+                if class_weight is None:
+                    z_sum += z.sum(1)
+                else:
+                    z_sum.addmv_(z, class_weight[start:stop])
+            if arg is not None:
+                slice_max, slice_arg = z.max(1)
+                # strictly greater: on ties the earlier class wins, as torch.argmax picks
+                arg = torch.where(slice_max > run_max, slice_arg + start, arg)
+            else:
+                slice_max = z.amax(1)
+            new_max = torch.maximum(run_max, slice_max)
             # Rescale the running sum to the new max before adding this slice (online
             # softmax); the B-sized running sum is float64, so the many slices of a huge class
             # count add no rounding of their own.
@@ -280,7 +317,7 @@ def lse_pass(
             z.sub_(new_max.unsqueeze(1)).exp_()
             run_sum += z.sum(1)
             run_max = new_max
-    return run_max, run_sum, z_sum
+    return LsePass(run_max, run_sum, z_sum, arg)
 
 
 def log_sum_exp(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
@@ -303,12 +340,17 @@ def grad_pass(
     need_weight: bool,
     need_bias: bool,
     target_scale: torch.Tensor | None = None,
+    softcap: float | None = None,
+    class_weight: torch.Tensor | None = None,
+    uniform_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Recompute each slice's logits and form the gradients of x, weight and bias.
 
-    The gradient of the loss with respect to logit ``z[b, c]`` is
-    ``scale[b] * (softmax[b, c] - eps / C) - target_scale[b] * target[b, c]``, where
-    ``target_scale`` defaults to ``(1 - eps) * scale``.
+    The gradient of the loss with respect to the (capped) logit ``s[b, c]`` is
+    ``scale[b] * softmax[b, c] - uniform_scale[b] * u[c] - target_scale[b] * target[b, c]``,
+    where ``u`` is ``class_weight`` (or 1), ``target_scale`` defaults to
+    ``(1 - eps) * scale`` and ``uniform_scale`` to ``eps / C * scale``; with ``softcap`` it is
+    multiplied by ``ds/dz = 1 - tanh(z / softcap)**2``.
 
     Args:
         x: ``(B, D)`` in the accumulation dtype on the compute device.
@@ -316,7 +358,8 @@ def grad_pass(
         targets: where the targets are (rows with ``scale == 0`` may hold anything).
         row_max: ``(B,)`` from :func:`lse_pass`.
         row_sum: ``(B,)`` from :func:`lse_pass`.
-        scale: ``(B,)`` per-row factor (incoming gradient, ``1/n`` for mean, 0 for ignored rows).
+        scale: ``(B,)`` per-row factor of the softmax (incoming gradient, ``1/n`` for mean, 0
+            for ignored rows).
         slice_size: classes per slice.
         label_smoothing: ``eps``.
         need_x: whether to return the gradient of ``x``.
@@ -324,6 +367,9 @@ def grad_pass(
         need_weight: whether to form the weight gradient (one matrix product per slice).
         need_bias: whether to hand bias gradient slices to the sink.
         target_scale: ``(B,)`` factor of the target term, if not ``(1 - eps) * scale``.
+        softcap: the logits' soft cap, as in `lse_pass`.
+        class_weight: ``(C,)`` weights ``u`` of the uniform term.
+        uniform_scale: ``(B,)`` factor of the uniform term, if not ``eps / C * scale``.
 
     Returns:
         The ``(B, D)`` gradient of ``x`` in the accumulation dtype, or ``None``.
@@ -331,7 +377,6 @@ def grad_pass(
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
     num_classes = source.num_classes
-    scale = scale.to(dt)
     # Softmax * scale as exp(z - m) * (scale / sum), m the row's largest logit: where the
     # softmax is large, z - m is small, so rounding its argument costs what the dense softmax's
     # does. Folding the log-sum-exp into the exponent (one pass less) rounds the argument at
@@ -341,26 +386,46 @@ def grad_pass(
     if target_scale is None:
         target_scale = (1.0 - label_smoothing) * scale
     target_scale = target_scale.to(dt)
-    uniform = None
-    if label_smoothing > 0:
-        uniform = ((label_smoothing / num_classes) * scale).unsqueeze(1)
+    if uniform_scale is None and label_smoothing > 0:
+        uniform_scale = (label_smoothing / num_classes) * scale
+    uniform = None if uniform_scale is None else uniform_scale.to(dt)
 
     grad_x = torch.zeros_like(x) if need_x else None
-    flat = torch.empty(batch * min(slice_size, num_classes), dtype=dt, device=dev)
+    width = min(slice_size, num_classes)
+    flat = torch.empty(batch * width, dtype=dt, device=dev)
+    # ds/dz of the soft cap, kept beside the logits while they turn into the gradient
+    dcap = torch.empty(batch * width, dtype=dt, device=dev) if softcap is not None else None
     bounds = slice_bounds(num_classes, slice_size)
     targets.prepare(bounds, dt)
     with closing(source.slices(bounds)) as slices:
         for i, (start, stop, w, b) in enumerate(slices):
             g = flat[: batch * (stop - start)].view(batch, stop - start)
-            if b is None:
-                torch.addmm(neg_max, x, w.t(), out=g)
+            if softcap is None:
+                # the row max folded into the product: addmm writes z - m directly
+                if b is None:
+                    torch.addmm(neg_max, x, w.t(), out=g)
+                else:
+                    torch.add(b.unsqueeze(0), neg_max, out=g)
+                    g.addmm_(x, w.t())
             else:
-                torch.add(b.unsqueeze(0), neg_max, out=g)
-                g.addmm_(x, w.t())
+                if b is None:
+                    torch.mm(x, w.t(), out=g)
+                else:
+                    torch.addmm(b, x, w.t(), out=g)
+                assert dcap is not None
+                d = dcap[: batch * (stop - start)].view(batch, stop - start)
+                g.div_(softcap).tanh_()
+                torch.mul(g, g, out=d).neg_().add_(1.0)
+                g.mul_(softcap).add_(neg_max)
             g.exp_().mul_(factor)
             if uniform is not None:
-                g.sub_(uniform)
+                if class_weight is None:
+                    g.sub_(uniform.unsqueeze(1))
+                else:
+                    g.addr_(uniform, class_weight[start:stop], alpha=-1)
             targets.subtract(i, g, start, stop, target_scale)
+            if softcap is not None:
+                g.mul_(d)
             if grad_x is not None:
                 grad_x.addmm_(g, w)
             if sink is not None:
@@ -373,52 +438,440 @@ def grad_pass(
     return grad_x
 
 
-def row_losses(
-    lse: torch.Tensor,
-    z_target: torch.Tensor,
-    z_sum: torch.Tensor | None,
-    valid: torch.Tensor,
-    *,
-    num_classes: int,
-    label_smoothing: float,
-) -> torch.Tensor:
-    """Per-row loss ``(1-eps) * (lse - z_y) + eps * (lse - mean(z))``, 0 on ignored rows."""
-    loss = lse - z_target
-    if label_smoothing > 0:
-        assert z_sum is not None
-        smooth = lse - z_sum / num_classes
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
-    return torch.where(valid, loss, torch.zeros_like(loss))
+@dataclass(frozen=True, eq=False)
+class CrossEntropyOptions:
+    """The options of one softmax cross-entropy call, shared by its two passes.
+
+    Attributes:
+        ignore_index: target value whose rows count for nothing.
+        label_smoothing: ``eps``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        softcap: logits are ``softcap * tanh(z / softcap)``, or ``None``.
+        z_loss: factor of the mean (or sum) of ``lse**2`` over the rows not ignored.
+        class_weight: ``(C,)`` per-class weights on the compute device in the accumulation
+            dtype, as ``weight=`` of ``F.cross_entropy``, or ``None``.
+        want_argmax: whether forward finds each row's predicted class.
+        loss_dtype: dtype of the returned loss and log-sum-exp.
+    """
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    softcap: float | None = None
+    z_loss: float = 0.0
+    class_weight: torch.Tensor | None = None
+    want_argmax: bool = False
+    loss_dtype: torch.dtype = torch.float32
 
 
-def reduce_loss(
-    rows: torch.Tensor, valid: torch.Tensor, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reduce per-row losses like ``F.cross_entropy``; also return the valid-row count."""
-    n_valid = valid.sum().to(rows.dtype)
-    if reduction == "none":
-        return rows, n_valid
-    total = rows.sum()
-    # "mean" divides by the number of non-ignored rows (nan when there are none), which is
-    # what F.cross_entropy does, label smoothing included.
-    return (total / n_valid if reduction == "mean" else total), n_valid
+class CrossEntropyForward(NamedTuple):
+    """Outputs of `ce_forward` and what its backward needs."""
+
+    loss: torch.Tensor          # 0-d, or (N,) for reduction="none"; float64
+    lse: torch.Tensor           # (N,) float64
+    predictions: torch.Tensor | None   # (N,) int64, -1 on ignored rows
+    accuracy: torch.Tensor | None      # 0-d float64
+    row_max: torch.Tensor
+    row_sum: torch.Tensor
+    denominator: torch.Tensor   # what "mean" divides the cross-entropy by (weighted count)
+    n_valid: torch.Tensor       # rows not ignored (what "mean" divides the z-loss by)
 
 
-def row_scale(
-    grad_out: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor, reduction: str
-) -> torch.Tensor:
-    """Per-row factor of d(loss)/d(row loss) times the incoming gradient; 0 on ignored rows."""
-    if reduction == "none":
-        g = grad_out.reshape(-1).to(n_valid.dtype)
-    elif reduction == "mean":
-        g = (grad_out.to(n_valid.dtype) / n_valid).expand(valid.shape)
+def _target_weights(t: torch.Tensor, valid: torch.Tensor, opts: CrossEntropyOptions
+                    ) -> torch.Tensor:
+    """``(N,)`` float64 weight of each row's target class (1, or class_weight), 0 if ignored."""
+    if opts.class_weight is None:
+        return valid.double()
+    w = opts.class_weight.double()[torch.where(valid, t, 0)]
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+def ce_forward(
+    x: torch.Tensor, source: SliceSource, t: torch.Tensor, opts: CrossEntropyOptions, *,
+    slice_size: int,
+) -> CrossEntropyForward:
+    """The loss of ``x @ W.T + b`` against ``t`` with every option, one pass over the slices.
+
+    Per row not ignored, with ``s`` the (capped) logits, ``L`` their log-sum-exp, ``w`` the
+    class weights (1 without), ``W = sum(w)`` and ``y`` the target:
+    ``(1 - eps) * w_y * (L - s_y) + eps / C * (W * L - sum_c w_c s_c) + z_loss * L**2``.
+    ``"mean"`` divides the cross-entropy part by ``sum(w_y)`` (as ``F.cross_entropy`` does)
+    and the z-loss part by the number of rows not ignored.
+
+    Args:
+        x: ``(N, D)`` in the accumulation dtype on the compute device.
+        source: the weight slices.
+        t: ``(N,)`` int64 targets (valid or ``ignore_index``).
+        opts: the options.
+        slice_size: classes per slice.
+    """
+    targets = OneHot(t)
+    p = lse_pass(x, source, targets, slice_size=slice_size,
+                 want_logit_sum=opts.label_smoothing > 0, softcap=opts.softcap,
+                 class_weight=opts.class_weight, want_argmax=opts.want_argmax)
+    return _finish(t, opts, source.num_classes, log_sum_exp(p.row_max, p.row_sum),
+                   targets.logits, p.logit_sum, p.argmax, p.row_max, p.row_sum)
+
+
+def _counts(t: torch.Tensor, opts: CrossEntropyOptions
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(valid, w_y, denominator, n_valid)``: what "mean" divides the two parts by."""
+    valid = t != opts.ignore_index
+    wy = _target_weights(t, valid, opts)
+    n_valid = valid.sum().double()
+    denominator = wy.sum() if opts.class_weight is not None else n_valid
+    return valid, wy, denominator, n_valid
+
+
+def _finish(
+    t: torch.Tensor, opts: CrossEntropyOptions, num_classes: int, lse: torch.Tensor,
+    z_target: torch.Tensor, logit_sum: torch.Tensor | None, argmax: torch.Tensor | None,
+    row_max: torch.Tensor, row_sum: torch.Tensor,
+) -> CrossEntropyForward:
+    """The loss and extra outputs from each row's log-sum-exp and target logit (float64)."""
+    eps = opts.label_smoothing
+    valid, wy, denominator, n_valid = _counts(t, opts)
+    rows = wy * (lse - z_target.double())
+    if eps > 0:
+        assert logit_sum is not None
+        if opts.class_weight is None:
+            smooth = lse - logit_sum.double() / num_classes
+        else:
+            total_w = opts.class_weight.double().sum()
+            smooth = (total_w * lse - logit_sum.double()) / num_classes
+        rows = (1.0 - eps) * rows + eps * smooth
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    zrows = None
+    if opts.z_loss:
+        zrows = torch.where(valid, opts.z_loss * lse * lse, torch.zeros_like(lse))
+    if opts.reduction == "none":
+        loss = rows if zrows is None else rows + zrows
     else:
-        g = grad_out.to(n_valid.dtype).expand(valid.shape)
-    return torch.where(valid, g, torch.zeros_like(g))
+        # "mean" divides by the (weighted) count of rows not ignored, nan when there are
+        # none, as F.cross_entropy does; the z-loss by the plain count.
+        loss = rows.sum() / denominator if opts.reduction == "mean" else rows.sum()
+        if zrows is not None:
+            loss = loss + (zrows.sum() / n_valid if opts.reduction == "mean" else zrows.sum())
+    predictions = accuracy = None
+    if argmax is not None:
+        predictions = torch.where(valid, argmax, torch.full_like(argmax, -1))
+        accuracy = ((predictions == t) & valid).sum().double() / n_valid
+    return CrossEntropyForward(loss, lse, predictions, accuracy, row_max, row_sum,
+                               denominator, n_valid)
+
+
+def grad_coefficients(
+    t: torch.Tensor, lse: torch.Tensor, denominator: torch.Tensor, n_valid: torch.Tensor,
+    grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None, opts: CrossEntropyOptions,
+    num_classes: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row factors of the softmax, the target and the uniform term of the gradient.
+
+    With ``r`` the factor of a row's cross-entropy in the reduced loss and ``r_z`` that of its
+    z-loss, the gradient with respect to the logit ``s_c`` is
+    ``p_c * (r * ((1 - eps) * w_y + eps * W / C) + 2 * z_loss * L * r_z + dlse)
+    - r * (1 - eps) * w_y * [c == y] - r * eps / C * w_c``; this returns the three row factors
+    (float64), for the rows of ``t`` (all rows, or one chunk of them).
+    """
+    eps = opts.label_smoothing
+    valid = t != opts.ignore_index
+    zeros = torch.zeros(t.shape[0], dtype=torch.float64, device=t.device)
+    if grad_loss is None:
+        r = r_z = zeros
+    else:
+        g = grad_loss.double()
+        if opts.reduction == "none":
+            r = r_z = g.reshape(-1)
+        elif opts.reduction == "mean":
+            r, r_z = (g / denominator).expand_as(zeros), (g / n_valid).expand_as(zeros)
+        else:
+            r = r_z = g.expand_as(zeros)
+        r = torch.where(valid, r, zeros)
+        r_z = torch.where(valid, r_z, zeros)
+    wy = _target_weights(t, valid, opts)
+    if opts.class_weight is None:
+        coef = r.clone()  # (1 - eps) + eps * C / C
+    else:
+        total_w = opts.class_weight.double().sum()
+        coef = r * ((1.0 - eps) * wy + eps * total_w / num_classes)
+    if opts.z_loss and grad_loss is not None:
+        coef = coef + 2.0 * opts.z_loss * lse * r_z
+    if grad_lse is not None:
+        coef = coef + grad_lse.reshape(-1).double()
+    uniform = r * (eps / num_classes) if eps > 0 else None
+    return coef, r * (1.0 - eps) * wy, uniform
+
+
+def ce_backward(
+    x: torch.Tensor,
+    source: SliceSource,
+    t: torch.Tensor,
+    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    grad_loss: torch.Tensor | None,
+    grad_lse: torch.Tensor | None,
+    opts: CrossEntropyOptions,
+    *,
+    slice_size: int,
+    need_x: bool,
+    sink: GradSink | None,
+    need_weight: bool,
+    need_bias: bool,
+) -> torch.Tensor | None:
+    """Gradients of `ce_forward`'s loss (and returned log-sum-exp) by `grad_pass`, with the
+    factors of `grad_coefficients`.
+
+    Args:
+        x: ``(N, D)`` in the accumulation dtype.
+        source: the weight slices.
+        t: ``(N,)`` int64 targets.
+        saved: ``(row_max, row_sum, denominator, n_valid)`` from `ce_forward`.
+        grad_loss: incoming gradient of the loss (``None``: the loss was not used).
+        grad_lse: incoming gradient of the returned ``(N,)`` log-sum-exp, or ``None``.
+        opts: the options of the forward.
+        slice_size: classes per slice.
+        need_x: whether to return the gradient of ``x``.
+        sink: receives the weight and bias gradients.
+        need_weight: whether to form the weight gradient.
+        need_bias: whether to form the bias gradient.
+    """
+    row_max, row_sum, denominator, n_valid = saved
+    coef, target_scale, uniform = grad_coefficients(
+        t, log_sum_exp(row_max, row_sum), denominator, n_valid, grad_loss, grad_lse, opts,
+        source.num_classes)
+    return grad_pass(
+        x, source, OneHot(t), row_max, row_sum, coef, slice_size=slice_size,
+        label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_weight,
+        need_bias=need_bias, target_scale=target_scale, softcap=opts.softcap,
+        class_weight=opts.class_weight, uniform_scale=uniform,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-pass path: chunks of rows over the whole vocabulary
+
+
+# Below this many rows per chunk the weight gradient, accumulated once per chunk, costs more
+# memory traffic than the recomputed product it saves.
+_MIN_CHUNK_ROWS = 256
+
+
+def rows_per_chunk(n_rows: int, num_classes: int, *, softcap: bool,
+                   budget_bytes: int = DEFAULT_LOGITS_BUDGET) -> int | None:
+    """Rows whose full logits fit the budget, or ``None`` when the one-pass path does not pay.
+
+    Never all rows of a batch at once (at most half of them): whole logits are what this
+    function exists to avoid.
+    """
+    fit = budget_bytes // (num_classes * 4 * (2 if softcap else 1))
+    rows = min(fit, -(-n_rows // 2))
+    return rows if rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1 else None
+
+
+def row_pass(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor,
+    opts: CrossEntropyOptions, *, rows: int, need_x: bool, need_weight: bool, need_bias: bool,
+) -> tuple[CrossEntropyForward, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Loss and gradients (for an incoming gradient of 1) in one pass over chunks of rows.
+
+    Each chunk's logits over the whole vocabulary are formed once: the softmax, the loss terms
+    and the gradient come from that one product, and ``grad_x`` and ``grad_W`` take the other
+    two, three products in all (the class-sliced passes need four). For a scalar loss only: the
+    gradient waits in memory for backward, which scales it.
+    """
+    n = x.shape[0]
+    num_classes = weight.shape[0]
+    dt, dev = x.dtype, x.device
+    eps, cap, cw = opts.label_smoothing, opts.softcap, opts.class_weight
+    _, _, denominator, n_valid = _counts(t, opts)
+    lse = torch.empty(n, dtype=torch.float64, device=dev)
+    row_sum = torch.empty(n, dtype=torch.float64, device=dev)
+    row_max = torch.empty(n, dtype=dt, device=dev)
+    z_target = torch.empty(n, dtype=dt, device=dev)
+    logit_sum = torch.empty(n, dtype=dt, device=dev) if eps > 0 else None
+    argmax = torch.empty(n, dtype=torch.int64, device=dev) if opts.want_argmax else None
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_w = torch.zeros_like(weight) if need_weight else None
+    grad_b = torch.zeros_like(bias) if (need_bias and bias is not None) else None
+    want_grad = need_x or need_weight or grad_b is not None
+    one = torch.ones((), dtype=torch.float64, device=dev)
+    flat = torch.empty(min(rows, n) * num_classes, dtype=dt, device=dev)
+    dflat = torch.empty_like(flat) if cap is not None else None
+    for a in range(0, n, rows):
+        b = min(a + rows, n)
+        xs, ts = x[a:b], t[a:b]
+        z = flat[: (b - a) * num_classes].view(b - a, num_classes)
+        if bias is None:
+            torch.mm(xs, weight.t(), out=z)
+        else:
+            torch.addmm(bias, xs, weight.t(), out=z)
+        d = None
+        if cap is not None:
+            assert dflat is not None
+            d = dflat[: (b - a) * num_classes].view(b - a, num_classes)
+            z.div_(cap).tanh_()
+            torch.mul(z, z, out=d).neg_().add_(1.0)
+            z.mul_(cap)
+        valid = ts != opts.ignore_index
+        local = torch.where(valid, ts, torch.zeros_like(ts)).unsqueeze(1)
+        z_target[a:b] = z.gather(1, local).squeeze(1)
+        if logit_sum is not None:
+            logit_sum[a:b] = z.sum(1) if cw is None else z @ cw
+        if argmax is not None:
+            m, argmax[a:b] = z.max(1)
+        else:
+            m = z.amax(1)
+        row_max[a:b] = m
+        z.sub_(m.unsqueeze(1)).exp_()
+        sums = z.sum(1).double()
+        row_sum[a:b] = sums
+        chunk_lse = m.double() + torch.log(sums)
+        lse[a:b] = chunk_lse
+        if not want_grad:
+            continue
+        coef, target_scale, uniform = grad_coefficients(
+            ts, chunk_lse, denominator, n_valid, one, None, opts, num_classes)
+        z.mul_((coef / sums).to(dt).unsqueeze(1))
+        if uniform is not None:
+            if cw is None:
+                z.sub_(uniform.to(dt).unsqueeze(1))
+            else:
+                z.addr_(uniform.to(dt), cw, alpha=-1)
+        z.scatter_add_(1, local, -target_scale.to(dt).unsqueeze(1))
+        if d is not None:
+            z.mul_(d)
+        if grad_x is not None:
+            torch.mm(z, weight, out=grad_x[a:b])
+        if grad_w is not None:
+            grad_w.addmm_(z.t(), xs)
+        if grad_b is not None:
+            grad_b += z.sum(0)
+    fwd = _finish(t, opts, num_classes, lse, z_target, logit_sum, argmax, row_max, row_sum)
+    return fwd, grad_x, grad_w, grad_b
+
+
+class LinearCrossEntropyOutput(NamedTuple):
+    """What `linear_cross_entropy` returns when asked for more than the loss.
+
+    Attributes:
+        loss: the loss, as without the extra outputs.
+        lse: each row's log-sum-exp of the (capped) logits, shaped like the per-row loss
+            (differentiable; ``None`` unless ``return_lse``).
+        accuracy: the fraction of rows not ignored whose largest logit is the target (0-d
+            float; nan when every row is ignored; ``None`` unless ``return_accuracy``).
+        predictions: each row's class with the largest logit (int64, the first on ties), -1
+            on ignored rows (``None`` unless ``return_predictions``).
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor | None = None
+    accuracy: torch.Tensor | None = None
+    predictions: torch.Tensor | None = None
+
+
+def check_options(
+    *, num_classes: int, softcap: float | None, z_loss: float, shift: bool | int,
+    class_weight: torch.Tensor | None, loss_dtype: torch.dtype | None,
+) -> int:
+    """Checks of the language-model options; returns ``shift`` as an int."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0
+                                    and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+    if not (isinstance(z_loss, (int, float)) and math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a float >= 0, got {z_loss!r}")
+    if isinstance(shift, bool):
+        shift = int(shift)
+    if not isinstance(shift, int) or shift < 0:
+        raise ValueError(f"shift must be a bool or an int >= 0, got {shift!r}")
+    if loss_dtype is not None and not loss_dtype.is_floating_point:
+        raise TypeError(f"loss_dtype must be a floating dtype or None, got {loss_dtype}")
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor) or not class_weight.is_floating_point():
+            raise TypeError("class_weight must be a floating tensor of one weight per class")
+        if tuple(class_weight.shape) != (num_classes,):
+            raise ValueError(
+                f"class_weight must have shape ({num_classes},), one weight per class, got "
+                f"{tuple(class_weight.shape)}")
+        if class_weight.requires_grad:
+            raise ValueError(
+                "class_weight requires grad, but gets no gradient here (as in "
+                "F.cross_entropy); pass class_weight.detach()")
+    return shift
+
+
+def shift_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
+    """``target[..., shift:]`` padded back to its length with ``ignore_index``.
+
+    Row ``t`` then holds the label of position ``t + shift``, so the features need no copy: the
+    last ``shift`` positions of each sequence are ignored instead of dropped.
+    """
+    if shift == 0:
+        return target
+    if target.dim() < 1 or target.shape[-1] <= shift:
+        raise ValueError(
+            f"shift={shift} needs a sequence dimension longer than {shift}: target shape "
+            f"{tuple(target.shape)} (x is (..., seq, features), target (..., seq))")
+    pad = target.new_full((*target.shape[:-1], shift), ignore_index)
+    return torch.cat([target[..., shift:], pad], dim=-1)
+
+
+def unshift_rows(rows: torch.Tensor, shape: torch.Size, shift: int) -> torch.Tensor:
+    """Per-row values of the shifted rows, shaped ``shape[:-1] + (seq - shift,)``."""
+    rows = rows.reshape(shape)
+    return rows[..., : shape[-1] - shift] if shift else rows
+
+
+def default_loss_dtype(dtype: torch.dtype, loss_dtype: torch.dtype | None) -> torch.dtype:
+    """float32 for half-precision inputs (as peers return), the inputs' dtype otherwise."""
+    if loss_dtype is not None:
+        return loss_dtype
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def outputs(
+    fwd: CrossEntropyForward, opts: CrossEntropyOptions, shape: torch.Size, shift: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The autograd outputs ``(loss, lse, accuracy, predictions)`` of a forward, reshaped."""
+    loss = fwd.loss
+    if opts.reduction == "none":
+        loss = unshift_rows(loss, shape, shift)
+    lse = unshift_rows(fwd.lse, shape, shift).to(opts.loss_dtype)
+    empty = torch.zeros(0, device=loss.device)
+    acc = empty if fwd.accuracy is None else fwd.accuracy.to(opts.loss_dtype)
+    pred = empty if fwd.predictions is None else unshift_rows(fwd.predictions, shape, shift)
+    return loss.to(opts.loss_dtype), lse, acc, pred
+
+
+def grad_rows(grad: torch.Tensor | None, shape: torch.Size, shift: int) -> torch.Tensor | None:
+    """A per-row incoming gradient of the unshifted rows back on all ``N`` rows (0 where
+    shifted out)."""
+    if grad is None or shift == 0:
+        return None if grad is None else grad.reshape(-1)
+    full = grad.new_zeros(shape)
+    full[..., : shape[-1] - shift] = grad
+    return full.reshape(-1)
+
+
+def wrap_outputs(
+    out: tuple[torch.Tensor, ...], *, return_lse: bool, return_accuracy: bool,
+    return_predictions: bool,
+) -> torch.Tensor | LinearCrossEntropyOutput:
+    loss, lse, acc, pred = out
+    if not (return_lse or return_accuracy or return_predictions):
+        return loss
+    return LinearCrossEntropyOutput(
+        loss, lse if return_lse else None, acc if return_accuracy else None,
+        pred if return_predictions else None)
 
 
 # ---------------------------------------------------------------------------------------------
 # autograd
+
+
+def no_autocast(device: torch.device) -> torch.autocast:
+    """Autocast off for the passes: they pick their own dtypes (``accum_dtype``), and the
+    buffers they write with ``out=`` must keep them (an autocast region, e.g. a Trainer's
+    ``bf16=True``, would otherwise run the products in half precision)."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def _refuse_double_backward(what: str, dense: str) -> None:
@@ -439,51 +892,47 @@ def _refuse_double_backward(what: str, dense: str) -> None:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
+    def forward(  # type: ignore[override]
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         target: torch.Tensor,
+        opts: CrossEntropyOptions,
+        shift: int,
         slice_size: int,
-        ignore_index: int,
-        label_smoothing: float,
-        reduction: str,
         accum_dtype: torch.dtype,
         prefetch: int,
-    ) -> torch.Tensor:
-        lead_shape = target.shape
+    ):
+        shape = target.shape
         x2 = x.reshape(-1, x.shape[-1])
         t = target.reshape(-1).long()
-        xa = x2.to(accum_dtype)
         source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
                               prefetch=prefetch)
-        targets = OneHot(t)
-        row_max, row_sum, z_sum = lse_pass(
-            xa, source, targets, slice_size=slice_size, want_logit_sum=label_smoothing > 0
-        )
-        valid = t != ignore_index
-        rows = row_losses(log_sum_exp(row_max, row_sum), targets.logits, z_sum, valid,
-                          num_classes=weight.shape[0], label_smoothing=label_smoothing)
-        loss, n_valid = reduce_loss(rows, valid, reduction)
-        ctx.save_for_backward(x, weight, bias, t, row_max, row_sum, n_valid)
-        ctx.opts = (slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch)
-        if reduction == "none":
-            loss = loss.reshape(lead_shape)
-        return loss.to(x.dtype)
+        with no_autocast(x.device):
+            fwd = ce_forward(x2.to(accum_dtype), source, t, opts, slice_size=slice_size)
+        ctx.save_for_backward(x, weight, bias, t, fwd.row_max, fwd.row_sum, fwd.denominator,
+                              fwd.n_valid)
+        ctx.opts = (opts, shape, shift, slice_size, accum_dtype, prefetch)
+        ctx.set_materialize_grads(False)
+        out = outputs(fwd, opts, shape, shift)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
         _refuse_double_backward(
             "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
         )
-        x, weight, bias, t, row_max, row_sum, n_valid = ctx.saved_tensors
-        slice_size, ignore_index, label_smoothing, reduction, accum_dtype, prefetch = ctx.opts
+        x, weight, bias, t, row_max, row_sum, denominator, n_valid = ctx.saved_tensors
+        opts, shape, shift, slice_size, accum_dtype, prefetch = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        valid = t != ignore_index
-        scale = row_scale(grad_out, valid, n_valid, reduction)
-        x2 = x.reshape(-1, x.shape[-1])
-        xa = x2.to(accum_dtype)
+        if opts.reduction == "none":
+            grad_loss = grad_rows(grad_loss, shape, shift)
+        grad_lse = grad_rows(grad_lse, shape, shift)
+        if grad_loss is None and grad_lse is None:
+            return None, None, None, None, None, None, None, None, None
+        xa = x.reshape(-1, x.shape[-1]).to(accum_dtype)
         source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
                               prefetch=prefetch)
         need_b = need_b and bias is not None
@@ -493,16 +942,69 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 weight, bias if need_b else None, device=x.device, dtype=accum_dtype,
                 need_weight=need_w, prefetch=prefetch,
             )
-        with landing(sink):
-            grad_x = grad_pass(
-                xa, source, OneHot(t), row_max, row_sum, scale, slice_size=slice_size,
-                label_smoothing=label_smoothing, need_x=need_x, sink=sink, need_weight=need_w,
+        with landing(sink), no_autocast(x.device):
+            grad_x = ce_backward(
+                xa, source, t, (row_max, row_sum, denominator, n_valid), grad_loss, grad_lse,
+                opts, slice_size=slice_size, need_x=need_x, sink=sink, need_weight=need_w,
                 need_bias=need_b,
             )
         gx = None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)
         gw = None if sink is None else sink.grad_weight
         gb = None if sink is None else sink.grad_bias
-        return gx, gw, gb, None, None, None, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+class _LinearCrossEntropyRows(torch.autograd.Function):
+    """The one-pass path: gradients formed in forward (for a scalar loss), scaled in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        opts: CrossEntropyOptions,
+        shift: int,
+        rows: int,
+    ):
+        shape = target.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        with no_autocast(x.device):
+            fwd, gx, gw, gb = row_pass(
+                x2, weight, bias, target.reshape(-1).long(), opts, rows=rows,
+                need_x=x.requires_grad, need_weight=weight.requires_grad,
+                need_bias=bias is not None and bias.requires_grad)
+        ctx.save_for_backward(gx, gw, gb)
+        ctx.x_shape = x.shape
+        ctx.set_materialize_grads(False)
+        out = outputs(fwd, opts, shape, shift)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
+        _refuse_double_backward(
+            "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
+        )
+        assert grad_lse is None  # the lse is not returned on this path
+        if grad_loss is None:
+            return None, None, None, None, None, None, None
+        gx, gw, gb = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # NOTE: the saved gradients are scaled in place: this graph's backward runs once (a
+        # second one fails as any freed graph does, the gradients being its saved tensors).
+        scale = grad_loss.to(torch.float64)
+        unit = bool(scale == 1)
+
+        def scaled(g: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+            if g is None or not needed:
+                return None
+            return g if unit else g.mul_(scale.to(g.dtype))
+
+        gx = scaled(gx, need_x)
+        return (None if gx is None else gx.reshape(ctx.x_shape), scaled(gw, need_w),
+                scaled(gb, need_b), None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -515,15 +1017,32 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
+    softcap: float | None = None,
+    shift: bool | int = False,
+    z_loss: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    return_lse: bool = False,
+    return_accuracy: bool = False,
+    return_predictions: bool = False,
+    loss_dtype: torch.dtype | None = None,
     accum_dtype: torch.dtype = torch.float32,
     prefetch: int = 1,
-) -> torch.Tensor:
+) -> torch.Tensor | LinearCrossEntropyOutput:
     """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
 
     The classes are processed in slices: a forward pass keeps an online log-sum-exp, and backward
     recomputes each slice's logits to form the exact gradients of ``x``, ``weight`` and ``bias``.
-    Peak extra memory is one ``B x slice_size`` buffer plus a few ``B``- and ``B x D``-sized
-    tensors, whatever the number of classes.
+    Peak extra memory is one ``B x slice_size`` buffer (two with ``softcap``) plus a few ``B``-
+    and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
+    loss, a weight on ``x``'s device in ``accum_dtype`` and gradients wanted, chunks of rows
+    over all classes (within the same logits budget, at most half the rows) give the loss and
+    the gradients in one pass of three products instead of four; backward scales them.
+
+    For language models: ``shift=True`` predicts token ``t + 1`` from position ``t``
+    (``x`` is ``(..., seq, D)``, ``target`` the unshifted ``(..., seq)`` labels, as a Hugging
+    Face model's ``labels``), ``softcap`` caps the logits as Gemma 2/3 do, ``z_loss`` adds
+    PaLM's ``z_loss * lse**2``, and the extra outputs give the log-sum-exp, the accuracy and the
+    predicted tokens without the logits.
 
     Args:
         x: ``(..., D)`` features, on the compute device.
@@ -540,10 +1059,29 @@ def linear_cross_entropy(
         ignore_index: target value whose rows contribute neither loss nor gradient.
         label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``: the target becomes
             ``(1 - eps) * onehot + eps / C``.
-        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target).
-        accum_dtype: dtype of logits, softmax and gradient accumulation. With bf16/fp16 inputs the
-            default fp32 keeps the loss and gradients accurate at the cost of upcasting each
-            weight slice; the returned loss and gradients have the input dtype.
+        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target;
+            with ``shift``, without its last ``shift`` positions).
+        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3's final logit
+            soft-capping); ``None`` (default) leaves the logits as they are.
+        shift: ``True`` (or an int ``k``): row ``t`` of each sequence predicts ``target`` at
+            ``t + k``; the last ``k`` positions predict nothing. Computed by shifting the labels
+            (no copy of ``x``).
+        z_loss: adds ``z_loss * lse**2`` per row not ignored (PaLM's z-loss; ``lse`` the
+            log-sum-exp of the logits), averaged over those rows for ``"mean"`` (divided by
+            their count, also with ``class_weight``).
+        class_weight: ``(C,)`` weight of each class, as ``weight=`` of ``F.cross_entropy``:
+            a row's loss is scaled by its target's weight and ``"mean"`` divides by the sum of
+            those weights; with label smoothing the uniform part is weighted per class too.
+        return_lse: also return each row's log-sum-exp (differentiable).
+        return_accuracy: also return the fraction of rows not ignored whose largest logit is
+            the target.
+        return_predictions: also return each row's predicted class (-1 on ignored rows).
+        loss_dtype: dtype of the returned loss (and log-sum-exp). ``None`` (default): float32
+            for float16/bfloat16 inputs, whose dtype cannot hold the loss's precision (the
+            loss is accumulated in float64 either way), and ``x``'s dtype otherwise.
+        accum_dtype: dtype of logits, softmax and gradient accumulation. With bf16/fp16 inputs
+            the default fp32 keeps the loss and gradients accurate at the cost of upcasting
+            each weight slice; gradients have the input dtype.
         prefetch: with a host weight on an accelerator, how many slices are copied ahead of
             the one computing. ``1`` hides each copy behind one slice of compute; deeper
             absorbs uneven copy or compute times at one more slice of device memory (and of
@@ -551,10 +1089,14 @@ def linear_cross_entropy(
             overlap. Ignored when the weight is on ``x``'s device.
 
     Returns:
-        The loss, a scalar or (``reduction="none"``) shaped like ``target``, in ``x``'s dtype.
+        The loss, a scalar or (``reduction="none"``) shaped like ``target`` (with ``shift``,
+        without its last ``shift`` positions), in ``loss_dtype``. With any ``return_*`` flag, a
+        `LinearCrossEntropyOutput` ``(loss, lse, accuracy, predictions)`` holding what was
+        asked for (``None`` elsewhere).
 
     Raises:
-        TypeError: ``target`` not an integer tensor; ``x``/``weight`` dtypes differ.
+        TypeError: ``target`` not an integer tensor; ``x``/``weight`` dtypes differ; a
+            ``class_weight`` that is not a floating tensor.
         ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
             disagree, wrong shapes, bad options. All checked before any compute.
         RuntimeError: from backward, when it runs with ``create_graph=True`` (double backward,
@@ -567,17 +1109,53 @@ def linear_cross_entropy(
         >>> y = torch.randint(0, 1000, (8,))
         >>> loss = linear_cross_entropy(x, w, y, slice_size=256)
         >>> loss.backward()
+        >>> h = torch.randn(2, 5, 16)                       # (batch, seq, features)
+        >>> labels = torch.randint(0, 1000, (2, 5))
+        >>> out = linear_cross_entropy(h, w, labels, shift=True, softcap=30.0, z_loss=1e-4,
+        ...                            return_accuracy=True)
+        >>> out.loss, out.accuracy
     """
+    num_classes = weight.shape[0] if weight.dim() == 2 else 0
+    shift = check_options(num_classes=num_classes, softcap=softcap, z_loss=z_loss, shift=shift,
+                          class_weight=class_weight, loss_dtype=loss_dtype)
+    if shift and x.dim() < 2:
+        raise ValueError(
+            f"shift={shift} needs x of shape (..., seq, features), got {tuple(x.shape)}")
+    if isinstance(target, torch.Tensor) and not (
+            target.dtype.is_floating_point or target.dtype == torch.bool):
+        target_used = shift_target(target, shift, ignore_index)
+    else:
+        target_used = target
     _check_inputs(
-        x, weight, target, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-        reduction=reduction, accum_dtype=accum_dtype, slice_size=slice_size, prefetch=prefetch,
+        x, weight, target_used, bias, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction, accum_dtype=accum_dtype,
+        slice_size=slice_size, prefetch=prefetch,
     )
-    batch = math.prod(target.shape)
-    num_classes = weight.shape[0]
+    batch = math.prod(target_used.shape)
+    auto_slices = slice_size is None
     if slice_size is None:
-        slice_size = pick_slice_size(batch, num_classes, accum_dtype=accum_dtype)
+        # with softcap backward keeps a second buffer (ds/dz) beside the logits
+        budget = DEFAULT_LOGITS_BUDGET // (2 if softcap is not None else 1)
+        slice_size = pick_slice_size(batch, num_classes, accum_dtype=accum_dtype,
+                                     budget_bytes=budget)
     slice_size = max(1, min(slice_size, num_classes))
-    return _LinearCrossEntropy.apply(
-        x, weight, bias, target, slice_size, ignore_index, float(label_smoothing), reduction,
-        accum_dtype, prefetch,
+    cw = None if class_weight is None else class_weight.detach().to(x.device, accum_dtype)
+    opts = CrossEntropyOptions(
+        ignore_index=ignore_index, label_smoothing=float(label_smoothing), reduction=reduction,
+        softcap=None if softcap is None else float(softcap), z_loss=float(z_loss),
+        class_weight=cw, want_argmax=return_accuracy or return_predictions,
+        loss_dtype=default_loss_dtype(x.dtype, loss_dtype),
     )
+    rows = None
+    if (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad
+                 or (bias is not None and bias.requires_grad))
+            and weight.device == x.device and x.dtype == accum_dtype):
+        rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None)
+    if rows is not None:
+        out = _LinearCrossEntropyRows.apply(x, weight, bias, target_used, opts, shift, rows)
+    else:
+        out = _LinearCrossEntropy.apply(x, weight, bias, target_used, opts, shift, slice_size,
+                                        accum_dtype, prefetch)
+    return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
+                        return_predictions=return_predictions)

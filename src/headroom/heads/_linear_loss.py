@@ -346,7 +346,7 @@ def separable_pass(
 def _softmax_rows(plan: Plan, x: torch.Tensor, source: SliceSource) -> tuple[torch.Tensor, ...]:
     """Per-row multi-label softmax loss ``sum_p w_p * (lse - z_p)``, and the lse's parts."""
     targets = PositiveLogits(plan.pos, plan.pos_coef)
-    row_max, row_sum, _ = lse_pass(x, source, targets, slice_size=plan.slice_size,
+    row_max, row_sum, _, _ = lse_pass(x, source, targets, slice_size=plan.slice_size,
                                    want_logit_sum=False)
     lse = log_sum_exp(row_max, row_sum)
     rows = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)

@@ -1,0 +1,321 @@
+"""`patch_causal_lm`: a causal language model's training loss without its logits.
+
+A Hugging Face causal LM computes ``logits = lm_head(hidden)`` (``batch x seq x vocab``), maybe
+soft-caps them, and then the loss. Patched, a training forward with ``labels`` hands ``lm_head``
+an empty slice of the hidden states instead (so the model's own code runs unchanged and builds
+no logits), and computes the loss from the full hidden states with `linear_cross_entropy`:
+shifted labels, ``ignore_index``, the model's soft cap and ``num_items_in_batch`` as the model's
+loss function uses them.
+"""
+
+# Hooks only (no forward replaced, no class special-cased by name): a forward pre-hook on the
+# model takes ``labels`` out of its arguments, a forward pre-hook on the output layer keeps the
+# hidden states it is given and passes on an empty slice, and a forward hook on the model puts
+# the loss into the output. Anything the model does between ``lm_head`` and the loss that the
+# patch does not know of (a logit scale, say) is caught on the first patched call, which keeps
+# one position per sequence and compares the model's logits there with the patch's.
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from headroom.heads._linear_ce import linear_cross_entropy
+from headroom.transfer import binding
+
+__all__ = ["CausalLMPatch", "patch_causal_lm"]
+
+_MARK = "_headroom_causal_lm_patch"
+
+
+@dataclass
+class _Call:
+    """One patched training forward: its labels and loss options, then the hidden states."""
+
+    labels: torch.Tensor | None
+    shift_labels: torch.Tensor | None
+    num_items_in_batch: Any
+    ignore_index: int
+    check: bool
+    hidden: torch.Tensor | None = None
+
+
+class CausalLMPatch:
+    """What `patch_causal_lm` returns: ``remove()`` (or leaving a ``with`` block) undoes it.
+
+    Attributes:
+        model: the patched model.
+        lm_head: its output layer.
+        softcap: the final-logit soft cap the loss applies (``None``: none).
+    """
+
+    def __init__(self, model: nn.Module, lm_head: nn.Linear, softcap: float | None,
+                 slice_size: int | None) -> None:
+        self.model = model
+        self.lm_head = lm_head
+        self.softcap = softcap
+        self.slice_size = slice_size
+        self._call: _Call | None = None
+        self._checked = False
+        self._names = _leading_arg_names(model)
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            lm_head.register_forward_pre_hook(self._head),
+            model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+        setattr(lm_head, _MARK, self)
+
+    @property
+    def active(self) -> bool:
+        """Whether the patch is still in place."""
+        return bool(self._handles)
+
+    def remove(self) -> None:
+        """Undo the patch: the model computes logits and its own loss again. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._call = None
+        if getattr(self.lm_head, _MARK, None) is self:
+            delattr(self.lm_head, _MARK)
+
+    def __enter__(self) -> CausalLMPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (f"CausalLMPatch({type(self.model).__name__}, softcap={self.softcap}, "
+                f"active={self.active})")
+
+    # ------------------------------------------------------------------ hooks
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        # A forward that raised (even KeyboardInterrupt) left nothing behind that counts:
+        # every call starts afresh.
+        self._call = None
+        if not module.training:
+            return None
+        if "labels" not in kwargs and "labels" in self._names[: len(args)]:
+            # labels given by position: name every leading positional argument
+            named = dict(zip(self._names, args, strict=False))
+            args, kwargs = args[len(named):], {**named, **kwargs}
+        if kwargs.get("labels") is None:
+            return None
+        head = _output_layer(self.model)
+        if head is not self.lm_head:
+            raise RuntimeError(
+                f"patch_causal_lm: the model's output layer is now {type(head).__name__}, not "
+                "the nn.Linear that was patched (was it wrapped, e.g. by LoRA on lm_head?); "
+                "the patch would miss what the new layer adds. Remove the patch "
+                "(handle.remove()), or keep lm_head out of the adapter's target_modules")
+        if binding(self.lm_head.weight) is not None:
+            # Its device copy exists only while lm_head runs, and the loss here reads the
+            # weight after that (and in backward, where the schedule does not fetch it).
+            raise RuntimeError(
+                "patch_causal_lm: the output layer's weight rests in a store (hr.offload); the "
+                "patched loss reads it outside lm_head's own forward, which offloading does not "
+                "provide: remove the patch (handle.remove()) to train this model with its own "
+                "loss")
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels")
+        self._call = _Call(
+            labels=labels, shift_labels=kwargs.get("shift_labels"),
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            ignore_index=int(kwargs.get("ignore_index", -100)), check=not self._checked)
+        return args, kwargs
+
+    def _head(self, module: nn.Module, args: tuple) -> tuple | None:
+        call = self._call
+        if call is None or call.hidden is not None or not args:
+            return None
+        if not _in_forward_of(self.model):
+            # A forward stopped by KeyboardInterrupt runs no forward hook: its call is still
+            # armed here, and this is someone calling lm_head directly.
+            self._call = None
+            return None
+        hidden = args[0]
+        call.hidden = hidden
+        # The model slices and post-processes what lm_head returns as usual; on the first call
+        # one position per sequence (checked in _after), afterwards none.
+        keep = hidden[..., -1:, :] if call.check else hidden[..., :0, :]
+        return (keep, *args[1:])
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        call, self._call = self._call, None
+        if call is None or output is None:
+            return None
+        if call.hidden is None:
+            raise RuntimeError(
+                f"patch_causal_lm: {type(module).__name__}'s forward never called its output "
+                "layer, so there are no hidden states to compute the loss from; this model "
+                "does not compute its logits with get_output_embeddings(): remove the patch")
+        logits = output[0] if isinstance(output, tuple) else output["logits"]
+        if call.check:
+            self._check(call.hidden, logits)
+            self._checked = True
+        loss = self._loss(call)
+        if isinstance(output, tuple):
+            return (loss, *output[1:])
+        fields = dict(output.items())
+        fields["loss"], fields["logits"] = loss, None
+        return type(output)(**fields)
+
+    # ------------------------------------------------------------------ the loss
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head.weight
+        if hidden.dtype != w.dtype:
+            # Under autocast the hidden states can be half precision while the weight is not;
+            # upcasting them is exact (and the loss computes in fp32 either way).
+            hidden = hidden.to(w.dtype)
+        return hidden
+
+    def _loss(self, call: _Call) -> torch.Tensor:
+        assert call.hidden is not None
+        hidden = self._features(call.hidden)
+        shift = call.shift_labels is None
+        target = call.labels if shift else call.shift_labels
+        assert target is not None
+        target = target.to(hidden.device)
+        if tuple(target.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(
+                f"patch_causal_lm: labels of shape {tuple(target.shape)} for hidden states of "
+                f"shape {tuple(hidden.shape)}; they must be (batch, seq) for the whole sequence "
+                "(logits_to_keep must stay 0 in training)")
+        n = call.num_items_in_batch
+        loss = linear_cross_entropy(
+            hidden, self.lm_head.weight, target, self.lm_head.bias, shift=shift,
+            softcap=self.softcap, ignore_index=call.ignore_index,
+            reduction="mean" if n is None else "sum", slice_size=self.slice_size)
+        assert isinstance(loss, torch.Tensor)
+        if n is not None:
+            # as transformers' loss does: the sum over this batch's tokens divided by the
+            # number of tokens in the whole (accumulated) batch
+            loss = loss / (n.to(loss.device) if torch.is_tensor(n) else n)
+        return loss
+
+    def _check(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        with torch.no_grad():
+            h = self._features(hidden[..., -1:, :]).float()
+            z = h @ self.lm_head.weight.float().T
+            if self.lm_head.bias is not None:
+                z = z + self.lm_head.bias.float()
+            if self.softcap is not None:
+                z = torch.tanh(z / self.softcap) * self.softcap
+            got = logits.detach().float()
+            if got.shape != z.shape:
+                raise RuntimeError(
+                    f"patch_causal_lm: the model's logits have shape {tuple(got.shape)} where "
+                    f"lm_head gives {tuple(z.shape)}: it post-processes them in a way the patch "
+                    "does not know; remove the patch (handle.remove())")
+            low = hidden.dtype != torch.float32 or logits.dtype != torch.float32
+            tol = 3e-2 if low else 1e-4
+            err = float((got - z).abs().max())
+            scale = 1.0 + float(z.abs().max())
+            if not err <= tol * scale:
+                raise RuntimeError(
+                    "patch_causal_lm: the model's logits are not lm_head(hidden)"
+                    + (f" soft-capped at {self.softcap}" if self.softcap else "")
+                    + f" (largest difference {err:.3g} at logits up to {scale - 1:.3g}): the "
+                    "model transforms them in a way the patch does not know (a logit scale or "
+                    "a soft cap its config does not name as final_logit_softcapping). Its loss "
+                    "would differ: remove the patch (handle.remove())")
+
+
+def _in_forward_of(model: nn.Module, depth: int = 64) -> bool:
+    """Whether ``model``'s ``__call__`` is on this thread's stack (within ``depth`` frames)."""
+    frame = sys._getframe(1)
+    while frame is not None and depth > 0:
+        if frame.f_code is _CALL_CODE and frame.f_locals.get("self") is model:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
+_CALL_CODE = nn.Module._call_impl.__code__
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def _leading_arg_names(model: nn.Module) -> list[str]:
+    """Names of the forward's leading positional-or-keyword parameters."""
+    names = []
+    for p in inspect.signature(model.forward).parameters.values():
+        if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            break
+        names.append(p.name)
+    return names
+
+
+def _softcap(model: nn.Module) -> float | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(text, "final_logit_softcapping", None)
+    return None if cap is None or cap == 0 else float(cap)
+
+
+def patch_causal_lm(model: nn.Module, *, slice_size: int | None = None) -> CausalLMPatch:
+    """Make ``model(input_ids, labels=labels).loss`` never build the ``tokens x vocab`` logits.
+
+    For Hugging Face ``transformers`` causal LMs (Llama, Mistral, Qwen2, Gemma 2/3, GPT-2 and
+    others whose logits are ``get_output_embeddings()(hidden)``, maybe soft-capped by
+    ``config.final_logit_softcapping``), also wrapped by ``peft``. In training mode with
+    ``labels``, the loss is `linear_cross_entropy` of the last hidden states and the output
+    layer's weight: the model's own loss (labels shifted by one, ``ignore_index=-100``, the
+    soft cap, ``num_items_in_batch`` or ``shift_labels`` when given), computed slice by slice
+    over the vocabulary in fp32 whatever the model's dtype; the output's ``logits`` is
+    ``None``. In eval mode, or without ``labels``, the model runs as before and returns its
+    logits. Nothing is stored in the model's state: checkpoints, ``state_dict`` and optimizers
+    are unaffected.
+
+    The first patched training call keeps the logits of one position per sequence and checks
+    them against the patch's own computation, so a model that post-processes its logits in a
+    way the patch does not know (a logit scale) is refused instead of trained on another loss.
+
+    Args:
+        model: a causal LM (a ``transformers`` ``PreTrainedModel`` or a ``peft`` model around
+            one) whose ``get_output_embeddings()`` is an ``nn.Linear``.
+        slice_size: vocabulary entries per slice (``None``: from the logits budget, see
+            `linear_cross_entropy`).
+
+    Returns:
+        A `CausalLMPatch`; ``handle.remove()`` (or ``with hr.patch_causal_lm(model):``) undoes
+        the patch.
+
+    Raises:
+        TypeError: the model has no ``get_output_embeddings()`` returning an ``nn.Linear``
+            (e.g. LoRA on ``lm_head``).
+        RuntimeError: the model is already patched. From a forward: the output layer was
+            replaced after patching, or the first call's logits show a transformation the
+            patch does not know.
+
+    Example:
+        >>> handle = hr.patch_causal_lm(model)
+        >>> model.train()
+        >>> loss = model(input_ids, labels=input_ids).loss    # no batch x seq x vocab logits
+        >>> loss.backward()
+        >>> handle.remove()
+    """
+    head = _output_layer(model)
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise TypeError(
+            "patch_causal_lm needs a causal LM whose get_output_embeddings() is a plain "
+            f"nn.Linear (lm_head), got {type(head).__name__}"
+            + (" (LoRA or another adapter on lm_head changes its output; keep lm_head out of "
+               "target_modules)" if head is not None else "")
+        )
+    if getattr(head, _MARK, None) is not None:
+        raise RuntimeError(
+            f"{type(model).__name__}'s output layer is already patched by patch_causal_lm "
+            "(maybe through a wrapper); remove the first patch (handle.remove()) first")
+    return CausalLMPatch(model, head, _softcap(model), slice_size)

@@ -262,6 +262,14 @@ class StoreTensor(torch.Tensor):
                 f" store ({tuple(self.shape)}). Assign a tensor of that shape, or"
                 " hr.unoffload(model) first"
             )
+        if value.dtype != self.dtype:  # .half(), .to(dtype) of a module: nothing converted
+            raise RuntimeError(
+                f"cannot convert a tensor whose values rest in a store"
+                f" ({self._source.describe()}) from {self.dtype} to {value.dtype}: the store"
+                " keeps its dtype. Convert the model before hr.offload, use"
+                " hr.offload(..., compute_dtype=...) for lower-precision compute, or"
+                " hr.unoffload(model) first"
+            )
         if isinstance(value, StoreTensor) and value._source.key() == self._source.key():
             return
         with torch.no_grad():

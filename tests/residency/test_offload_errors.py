@@ -96,7 +96,7 @@ def test_buffers_still_follow_to(store):
 
 def test_conversion_of_an_unguarded_submodule_is_refused_or_reported(store):
     model = _offload(_net(), store)
-    if isinstance(store, DiskStore):  # masters on disk are StoreTensors: refused at the call, nothing changed
+    if isinstance(store, DiskStore):  # StoreTensor masters: refused at the call, unchanged
         with pytest.raises(RuntimeError, match=r"from torch\.float32 to torch\.float16"):
             model[1][0].half()
         model(torch.randn(2, 8))

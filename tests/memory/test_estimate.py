@@ -279,6 +279,8 @@ def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
     import torch.optim.optimizer as optimizer_module
     from torch.nn import functional as F
 
+    masking = pytest.importorskip("transformers.masking_utils")
+    packed = masking.find_packed_sequence_indices
     sdpa, autocast = F.scaled_dot_product_attention, torch.is_autocast_enabled
     fused = optimizer_module._get_fused_kernels_supported_devices
     model = transformer()
@@ -291,6 +293,7 @@ def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
         estimate(model, (torch.randn(2, 8, 32),), loss_fn=failing_loss, device="cuda")
     assert F.scaled_dot_product_attention is sdpa and torch.is_autocast_enabled is autocast
     assert optimizer_module._get_fused_kernels_supported_devices is fused
+    assert masking.find_packed_sequence_indices is packed
     assert not hr.memory.is_tracking()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())

@@ -248,16 +248,22 @@ def test_timeline_is_bounded_and_keeps_the_peak():
     assert max(s.total for s in mem.timeline) == mem.peak
 
 
-def test_report_json_and_plot(tmp_path):
-    from PIL import Image
-
+def _tracked_steps(n):
+    """An MLP trained ``n`` AdamW steps under one tracker; returns the model and tracker."""
     model = mlp()
     opt = torch.optim.AdamW(model.parameters())
     with hr.track_memory(model=model, optimizer=opt) as mem:
-        for _ in range(2):
+        for _ in range(n):
             F.cross_entropy(model(torch.randn(B, D_IN)), torch.randint(0, D_OUT, (B,))).backward()
             opt.step()
             opt.zero_grad()
+    return model, mem
+
+
+def test_report_json_and_plot(tmp_path):
+    from PIL import Image
+
+    model, mem = _tracked_steps(2)
     text = mem.report(file=open(tmp_path / "r.txt", "w"))  # noqa: SIM115
     for cat in CATEGORIES:
         assert cat in text
@@ -280,13 +286,7 @@ def test_a_long_run_plots_its_peak_step_and_every_step_peak(tmp_path):
 
     from headroom.memory._report import _steps
 
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters())
-    with hr.track_memory(model=model, optimizer=opt) as mem:
-        for _ in range(6):
-            F.cross_entropy(model(torch.randn(B, D_IN)), torch.randint(0, D_OUT, (B,))).backward()
-            opt.step()
-            opt.zero_grad()
+    model, mem = _tracked_steps(6)
     steps = _steps(mem.timeline)
     assert len(steps) == 6
     for a, b in steps:

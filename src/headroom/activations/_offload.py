@@ -36,6 +36,7 @@ from headroom.transfer import (
     HeapTrimmer,
     Stash,
     StashTicket,
+    Store,
     release_pages,
     resize_storage,
 )
@@ -363,7 +364,7 @@ def offload_activations(
             raise ValueError(f"unknown store {store!r}: use 'cpu' (host memory) or a"
                              " headroom.DiskStore(path)")
         store = None
-    elif not isinstance(store, DiskStore):
+    elif not isinstance(store, Store) or store.holds_host_memory:
         raise ValueError(f"store must be 'cpu' or a headroom.DiskStore, got {store!r}")
     if store is None and not torch.accelerator.is_available():
         warnings.warn(

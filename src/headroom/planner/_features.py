@@ -50,9 +50,9 @@ def offload_config(what_if: Mapping[str, Any] | OffloadConfig) -> OffloadConfig:
             f"offload= takes hr.offload's options {sorted(known - {'module'})} (and module=, the"
             f" submodule offloaded), not {sorted(extra)}")
     store = what_if.get("store", "cpu")
-    from headroom.transfer import DiskStore
+    from headroom.transfer import Store
 
-    if isinstance(store, DiskStore) or store == "disk":
+    if (isinstance(store, Store) and not store.holds_host_memory) or store == "disk":
         kind = "disk"
     elif store in ("cpu", "host"):
         kind = "host"

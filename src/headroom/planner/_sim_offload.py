@@ -55,8 +55,6 @@ class OffloadConfig:
 
 def configs_of(model: nn.Module) -> list[OffloadConfig]:
     """The `OffloadConfig` of every `hr.offload` applied to ``model`` or its submodules."""
-    from headroom.transfer import DiskStore
-
     out = []
     for name, m in model.named_modules():
         state = m.__dict__.get("_headroom_offload")
@@ -65,7 +63,7 @@ def configs_of(model: nn.Module) -> list[OffloadConfig]:
         inner = {id(sub): n for n, sub in m.named_modules()}
         out.append(OffloadConfig(
             module=name,
-            store="disk" if isinstance(state.store, DiskStore) else "host",
+            store="host" if state.store.holds_host_memory else "disk",
             prefetch=state.prefetch,
             blocks=tuple(inner[id(b.module)] for b in state.blocks),
             compute_dtype=state.compute_dtype,

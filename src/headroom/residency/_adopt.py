@@ -134,7 +134,7 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
     if not live or param is None or is_lazy(param):
         return None  # a lazy module's parameter has neither values nor a shape yet
     if param.device.type != "meta" and binding(param) is None and any(
-            not isinstance(s.store, HostStore) for s, _ in live):
+            not s.store.holds_host_memory for s, _ in live):
         # See the module docstring: values a later move to meta would destroy.
         _ALIASES.setdefault(module, {})[name] = param.detach()
     found = _owner(module)

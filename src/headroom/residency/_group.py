@@ -24,7 +24,6 @@ import torch.nn as nn
 
 from headroom.transfer import (
     HeapTrimmer,
-    HostStore,
     Mover,
     ParamBinding,
     Store,
@@ -116,7 +115,7 @@ class Residency:
         # Not when the masters rest in host memory too: the model is in RAM then, whatever
         # the heap keeps, and trimming would only cost time (10-20% of a step of
         # benchmarks/offload_overhead.py, which faults the pages in again at every refill).
-        self._trimmer = (HeapTrimmer() if device.type == "cpu" and not isinstance(store, HostStore)
+        self._trimmer = (HeapTrimmer() if device.type == "cpu" and not store.holds_host_memory
                          else None)
 
     def fetch(self, group: Group) -> None:

@@ -22,7 +22,6 @@ from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
 from headroom.transfer import (
-    DiskStore,
     HandleSource,
     Store,
     StoreTensor,
@@ -117,7 +116,7 @@ def offload(
     lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
                  compute_dtype=compute_dtype)
     st = resolve_store(store, dev)
-    if dev.type == "cpu" and not isinstance(st, DiskStore):
+    if dev.type == "cpu" and st.holds_host_memory:
         warnings.warn(
             "hr.offload with device='cpu' and a host-memory store saves no memory (it keeps a"
             " master and a device copy in the same RAM); it is meant for testing the mechanics."

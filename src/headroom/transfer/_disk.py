@@ -292,6 +292,9 @@ class DiskStore(Store):
         16.0
     """
 
+    holds_host_memory = False
+    durable = True
+
     def __init__(
         self,
         path: str | os.PathLike,

@@ -71,6 +71,14 @@ class Store(abc.ABC):
         self._used = 0
         self._lock = threading.RLock()
 
+    # ------------------------------------------------------------------ what it is
+    #: Whether the resting tensors occupy host memory (RAM): an estimate counts them there, and
+    #: a host-memory store on a CPU-only machine saves nothing.
+    holds_host_memory: bool = True
+    #: Whether the resting tensors outlive the process (a file system): activation offload on a
+    #: CPU-only machine and a restart after ``kill -9`` need one.
+    durable: bool = False
+
     # ------------------------------------------------------------------ bookkeeping
     @property
     def used_bytes(self) -> int:

@@ -44,6 +44,7 @@ from headroom.checkpoint._file import (
     temp_path,
 )
 from headroom.optim._host_optimizer import HostOptimizer
+from headroom.residency import offload_states
 from headroom.transfer import Handle, Store, binding
 
 __all__ = ["CheckpointCorruptError", "load", "save"]
@@ -166,11 +167,10 @@ def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Te
     # slice.
     if not any(binding(p) is not None for p in model.parameters()):
         return dict(model.state_dict(keep_vars=True))
-    for m in model.modules():
-        state = getattr(m, "_headroom_offload", None)
-        if state is not None and fill:
+    for _, _, state in offload_states(model):
+        if fill:
             state.init_pending()  # values for what was created on meta and never loaded
-        elif state is not None:
+        else:
             state.drop_announced()  # values about to be written: prefetched copies would be stale
     out: dict[str, torch.Tensor] = {}
     for mname, m in model.named_modules(remove_duplicate=False):

@@ -23,12 +23,12 @@ from torch import nn
 
 from headroom.checkpoint._file import remove_stale_temps, temp_path
 from headroom.checkpoint._names import checkpoint_names
+from headroom.residency import offload_states
 from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
 from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
 
 __all__ = ["load_weights", "save_weights"]
 
-_ATTR = "_headroom_offload"
 _INDEX = "model.safetensors.index.json"
 # The shard names `save_weights` writes: save_pretrained's, or with a tag when a file of that
 # name is already in the folder (the previous save's, kept whole until the new index lands).
@@ -187,11 +187,9 @@ def _targets(model: nn.Module) -> list[_Target]:
 def _offload_states(model: nn.Module) -> dict[int, object]:
     """Module id -> the offload state of the offloaded (sub)model it belongs to."""
     out: dict[int, object] = {}
-    for m in model.modules():
-        state = getattr(m, _ATTR, None)
-        if state is not None:
-            for sub in m.modules():
-                out[id(sub)] = state
+    for _, m, state in offload_states(model):
+        for sub in m.modules():
+            out[id(sub)] = state
     return out
 
 

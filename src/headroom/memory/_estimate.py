@@ -384,7 +384,9 @@ def _activation_options(what_if: Any) -> dict[str, int]:
 
 def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
     """Whether the step uses hr.offload or hr.HostOptimizer (their dry runs are planner's)."""
-    if offload is not None or any("_headroom_offload" in m.__dict__ for m in model.modules()):
+    from headroom.residency import offload_states
+
+    if offload is not None or offload_states(model):
         return True
     options = getattr(optimizer, "options", optimizer)
     return hasattr(options, "state_store") and hasattr(options, "optimizer_class")
@@ -406,8 +408,9 @@ def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if device is None:
-        states = [m.__dict__["_headroom_offload"] for m in model.modules()
-                  if "_headroom_offload" in m.__dict__]
+        from headroom.residency import offload_states
+
+        states = [state for _, _, state in offload_states(model)]
         p = next(iter([*model.parameters(), *model.buffers()]), None)
         if states:  # its parameters are masters in a store: the device is the offload's
             device = states[0].device

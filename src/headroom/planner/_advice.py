@@ -50,7 +50,9 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     saving("hr.convert", prepare=lambda m: convert(m, inplace=True))
     cpu = base.device == "cpu"
     opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
-    offloaded = any("_headroom_offload" in m.__dict__ for m in model.modules())
+    from headroom.residency import offload_states
+
+    offloaded = bool(offload_states(model))
     if opt_cls is not None:
         from headroom.optim import HostOptimizerOptions
 

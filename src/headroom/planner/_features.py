@@ -92,11 +92,12 @@ class DryRunFeatures:
         """A ``meta`` copy of ``model`` as it was before `hr.offload` (hooks and guards left
         out), or a plain meta copy of a model that is not offloaded."""
         from headroom.planner._sim_offload import is_offload_hook
+        from headroom.residency import MODULE_ATTRS
 
         memo: dict[int, Any] = {}
         offloaded = False
         for m in model.modules():
-            for attr in ("_headroom_offload", "_headroom_role"):
+            for attr in MODULE_ATTRS:
                 obj = m.__dict__.get(attr)
                 if obj is not None:
                     memo[id(obj)] = None
@@ -111,8 +112,8 @@ class DryRunFeatures:
                         if not is_offload_hook(getattr(v, "hook", v)))
         copy = _dryrun.meta_copy(model, memo=memo)
         for m in copy.modules():
-            m.__dict__.pop("_headroom_offload", None)
-            m.__dict__.pop("_headroom_role", None)
+            for attr in MODULE_ATTRS:
+                m.__dict__.pop(attr, None)
             base = type(m).__dict__.get("_headroom_base")
             if base is not None:
                 m.__class__ = base

@@ -55,11 +55,10 @@ class OffloadConfig:
 
 def configs_of(model: nn.Module) -> list[OffloadConfig]:
     """The `OffloadConfig` of every `hr.offload` applied to ``model`` or its submodules."""
+    from headroom.residency import offload_states
+
     out = []
-    for name, m in model.named_modules():
-        state = m.__dict__.get("_headroom_offload")
-        if state is None:
-            continue
+    for name, m, state in offload_states(model):
         inner = {id(sub): n for n, sub in m.named_modules()}
         out.append(OffloadConfig(
             module=name,

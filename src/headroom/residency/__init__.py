@@ -1,6 +1,14 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
-from headroom.residency._offload import describe, offload, prefetch, state_of, unoffload
+from headroom.residency._offload import (
+    MODULE_ATTRS,
+    describe,
+    offload,
+    offload_states,
+    prefetch,
+    state_of,
+    unoffload,
+)
 from headroom.residency._plan import (
     GroupPlan,
     OffloadOptions,
@@ -10,12 +18,14 @@ from headroom.residency._plan import (
 )
 
 __all__ = [
+    "MODULE_ATTRS",
     "GroupPlan",
     "OffloadOptions",
     "OffloadPlan",
     "ParamPlan",
     "describe",
     "offload",
+    "offload_states",
     "plan_offload",
     "prefetch",
     "state_of",

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from headroom.residency._offload import MODULE_ATTRS
+
 __all__ = ["deepcopy_offloaded"]
 
 def deepcopy_offloaded(module: nn.Module, state: Any, base: type, memo: dict) -> nn.Module:
@@ -43,7 +45,7 @@ def deepcopy_offloaded(module: nn.Module, state: Any, base: type, memo: dict) ->
         # the guard's role and the offload state stay behind; hooks of the offload were
         # mapped to dicts without them by `_map_subtree`
         d = {k: v for k, v in module.__getstate__().items()
-             if k not in ("_headroom_role", "_headroom_offload")}
+             if k not in MODULE_ATTRS}
         new.__setstate__(copy.deepcopy(d, memo))
         return new
     finally:

@@ -395,6 +395,18 @@ def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
         state.announce(groups)
 
 
+def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
+    """Every live offload within ``model``: ``(name, module, state)`` of each module that
+    `offload` was applied to (``model`` itself has the name ``""``), in module order. Other
+    packages ask this instead of reading the attribute the state rests in."""
+    return [(n, m, m.__dict__[_ATTR]) for n, m in model.named_modules() if _ATTR in m.__dict__]
+
+
+#: The attributes `offload` sets on modules (the state on the offloaded module, the role of
+#: each block): what a copy of the model that drops the offload leaves out.
+MODULE_ATTRS = (_ATTR, _guard._ROLE)
+
+
 def state_of(model: nn.Module) -> Offload:
     """The live offload state of an offloaded model, for tests and debugging.
 

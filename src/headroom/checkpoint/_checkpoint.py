@@ -43,7 +43,7 @@ from headroom.checkpoint._file import (
     seal_header,
     temp_path,
 )
-from headroom.optim._host_optimizer import HostOptimizer
+from headroom.optim import HostOptimizer, saved_view
 from headroom.residency import offload_states
 from headroom.transfer import Handle, Store, binding
 
@@ -205,27 +205,22 @@ def _optimizer_items(
     groups = []
     params: list[dict[str, Any]] = []
     small: dict[str, dict[str, Any]] = {}
+    inner_class = None
     if isinstance(optimizer, HostOptimizer):
-        optimizer._wait()
-        for gi, g in enumerate(optimizer.param_groups):
-            hp = {k: v for k, v in g.items() if k != "params"}
+        view = saved_view(optimizer)
+        inner_class = view.inner_class
+        for gi, (hp, indices) in enumerate(view.groups):
             groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
-                           "params": [optimizer._entries[id(p)].index for p in g["params"]]})
-        store = optimizer._state_store or optimizer._aux
-        for e in optimizer._order:
-            params.append({"name": pname.get(id(e.param)), "shape": list(e.param.shape)})
-            if not e.streamed:
-                st = optimizer._index_state(e)  # with the fp32 master of a bf16/fp16 param
-                if not st:
-                    continue
-                small[str(e.index)] = _state_items(e.index, st, items, tensors)
-            elif e.initialized:
-                for k, h in e.state_handles.items():
-                    items.append(_Item(f"optimizer/{e.index}/{k}", store=store, handle=h))
-                if e.master_handle is not None:
-                    items.append(_Item(f"optimizer/{e.index}/master", store=store,
-                                       handle=e.master_handle))
-                small[str(e.index)] = _state_items(e.index, e.small, items, tensors)
+                           "params": indices})
+        for ps in view.params:
+            params.append({"name": pname.get(id(ps.param)), "shape": list(ps.param.shape)})
+            if ps.state is None:
+                continue
+            # resting state (and a store-resident bf16/fp16 parameter's master) streams from
+            # its store; the rest (with an in-memory fp32 master) is saved from memory
+            for k, h in ps.resting.items():
+                items.append(_Item(f"optimizer/{ps.index}/{k}", store=ps.store, handle=h))
+            small[str(ps.index)] = _state_items(ps.index, ps.state, items, tensors)
     else:
         sd = optimizer.state_dict()
         order = [p for g in optimizer.param_groups for p in g["params"]]
@@ -239,8 +234,8 @@ def _optimizer_items(
             small[str(idx)] = _state_items(idx, st, items, tensors)
     meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
             "small": small}
-    if isinstance(optimizer, HostOptimizer):
-        meta["inner_class"] = optimizer._cls.__name__
+    if inner_class is not None:
+        meta["inner_class"] = inner_class
     return items, meta
 
 
@@ -607,7 +602,8 @@ def _load_model(r: Reader, sd: dict[str, torch.Tensor], names: list[str]) -> Non
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], path: str) -> None:
     is_host = isinstance(optimizer, HostOptimizer)
-    cls_name = optimizer._cls.__name__ if is_host else type(optimizer).__name__
+    cls_name = (optimizer.options.optimizer_class.__name__ if is_host
+                else type(optimizer).__name__)
     saved_cls = meta.get("inner_class", meta["class"])
     if cls_name != saved_cls:
         raise ValueError(f"checkpoint {path!r} holds {saved_cls} state, the optimizer is "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,8 +11,10 @@ from headroom.optim._entries import HOSTED, MASTER_DTYPES, Entry
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.optim._host_optimizer import HostOptimizer
+    from headroom.transfer import Handle, Store
 
-__all__ = ["index_state", "load_state_dict", "state_dict"]
+__all__ = ["ParamState", "SavedView", "index_state", "load_state_dict", "saved_view",
+           "state_dict"]
 
 
 def index_state(opt: HostOptimizer, e: Entry) -> dict[str, Any] | None:
@@ -129,3 +132,59 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
         e.initialized = True
     opt._refresh_state_view()
 
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """One parameter's optimizer state, as a checkpoint writes it.
+
+    Attributes:
+        index: its index in the wrapped class's state dict.
+        param: the parameter.
+        state: the state held in memory (tensors and scalars; with ``"master"``, the fp32
+            master of a bf16/fp16 parameter, where that rests in memory); ``None``: no state yet.
+        resting: the state tensors that rest in ``store`` (``"master"`` among them for a
+            store-resident bf16/fp16 parameter): read slice by slice rather than into memory.
+        store: where ``resting`` is (``None`` when nothing rests).
+    """
+
+    index: int
+    param: torch.Tensor
+    state: dict[str, Any] | None
+    resting: dict[str, Handle]
+    store: Store | None
+
+
+@dataclass(frozen=True)
+class SavedView:
+    """What a checkpoint of a `HostOptimizer` saves, read without copying resting state.
+
+    Attributes:
+        groups: per parameter group, its hyperparameters and its parameters' indices.
+        params: every parameter's `ParamState`, in index order.
+        inner_class: the name of the wrapped optimizer class.
+    """
+
+    groups: list[tuple[dict[str, Any], list[int]]]
+    params: list[ParamState]
+    inner_class: str
+
+
+def saved_view(opt: HostOptimizer) -> SavedView:
+    """The state of ``opt`` for a checkpoint, after its step in flight (if any) ended."""
+    opt._wait()
+    groups = [({k: v for k, v in g.items() if k != "params"},
+               [opt._entries[id(p)].index for p in g["params"]]) for g in opt.param_groups]
+    store = opt._state_store or opt._aux
+    params = []
+    for e in opt._order:
+        if not e.streamed:
+            params.append(ParamState(e.index, e.param, index_state(opt, e) or None, {}, None))
+        elif not e.initialized:
+            params.append(ParamState(e.index, e.param, None, {}, None))
+        else:
+            resting = dict(e.state_handles)
+            if e.master_handle is not None:
+                resting["master"] = e.master_handle
+            params.append(ParamState(e.index, e.param, dict(e.small), resting, store))
+    return SavedView(groups, params, opt._cls.__name__)

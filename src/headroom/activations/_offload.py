@@ -46,7 +46,7 @@ __all__ = ["empty_cache", "offload_activations"]
 _use_count = torch._C._storage_Use_Count
 
 
-def _only_ours(e: _Entry) -> bool:
+def _only_ours(e: _StashedStorage) -> bool:
     """Whether nothing but this entry uses the anchor tensor and its storage any more (asked
     once the stash's copy is out, so the stash holds no reference either)."""
     # The anchor: referenced by the entry and by getrefcount's argument only, held by no C++
@@ -72,7 +72,7 @@ def _no_storage(t: torch.Tensor) -> bool:
     return False
 
 
-class _Entry:
+class _StashedStorage:
     """One storage whose bytes rest in the stash."""
 
     __slots__ = ("anchor", "ticket", "nbytes", "index", "packs", "freed", "restored", "dead")
@@ -93,7 +93,7 @@ class _Ticket:
 
     __slots__ = ("owner", "entry", "size", "stride", "offset", "dtype", "version", "whole")
 
-    def __init__(self, owner: _Offloader, entry: _Entry, t: torch.Tensor) -> None:
+    def __init__(self, owner: _Offloader, entry: _StashedStorage, t: torch.Tensor) -> None:
         self.owner = owner
         self.entry = entry
         self.size = t.size()
@@ -119,9 +119,9 @@ class _Offloader:
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self._stashes: dict[torch.device, Stash] = {}
-        self._entries: dict[int, _Entry] = {}  # storage key -> live entry
-        self._order: list[_Entry] = []  # live entries in the order they were saved
-        self._pending: list[_Entry] = []  # stashed, device memory not freed yet
+        self._entries: dict[int, _StashedStorage] = {}  # storage key -> live entry
+        self._order: list[_StashedStorage] = []  # live entries in the order they were saved
+        self._pending: list[_StashedStorage] = []  # stashed, device memory not freed yet
         self._count = 0
         self._restored_bytes = 0  # restored for backward and not released yet
         self._closed = False
@@ -162,7 +162,7 @@ class _Offloader:
             # A view keeps its base alive (and with it the storage): the base is the anchor.
             base = t._base if t._base is not None else t
             stash = self._stash(t.device)
-            entry = _Entry(base, stash.stash(storage), self._count)
+            entry = _StashedStorage(base, stash.stash(storage), self._count)
             self._count += 1
             self._entries[key] = entry
             self._order.append(entry)
@@ -221,7 +221,7 @@ class _Offloader:
                 self._free(e)
         self._pending = [e for e in keep if not e.freed]
 
-    def _free(self, e: _Entry) -> None:
+    def _free(self, e: _StashedStorage) -> None:
         # On the CPU the saving is in the process's resident memory or it is none, and the
         # heap would keep freed pages: they go back to the OS before the heap gets the
         # storage (see `headroom.transfer._heap`), and nothing else of the heap's is touched.
@@ -230,14 +230,14 @@ class _Offloader:
         e.freed = True
         note_resting(self._where, "activations", e.nbytes)
 
-    def _refill(self, e: _Entry) -> None:
+    def _refill(self, e: _StashedStorage) -> None:
         """Give a freed entry its device memory back (the bytes follow)."""
         resize_storage(e.anchor, e.nbytes)
         e.restored = True
         self._restored_bytes += e.nbytes
         note_resting(self._where, "activations", -e.nbytes)
 
-    def _restore(self, e: _Entry) -> None:
+    def _restore(self, e: _StashedStorage) -> None:
         if e in self._pending:  # never freed: its bytes are still where they were
             self._pending.remove(e)
             return
@@ -249,7 +249,7 @@ class _Offloader:
         stash.restore(e.ticket, e.anchor.untyped_storage())
         e.freed = False
 
-    def _prefetch_before(self, e: _Entry) -> None:
+    def _prefetch_before(self, e: _StashedStorage) -> None:
         """Start refilling entries saved before ``e`` (backward goes there next), newest
         first, while the restored bytes stay within the budget."""
         i = self._order.index(e) if e in self._order else -1
@@ -261,7 +261,7 @@ class _Offloader:
             self._refill(prev)
             self._stash(prev.anchor.device).prefetch(prev.ticket, prev.anchor.untyped_storage())
 
-    def _release(self, e: _Entry) -> None:
+    def _release(self, e: _StashedStorage) -> None:
         """A ticket autograd kept is gone; the last one takes the entry with it."""
         e.packs -= 1
         if e.packs or e.dead:

@@ -35,7 +35,7 @@ class CollectiveError(RuntimeError):
     """A collective of ``hr.data_parallel`` failed or timed out: another rank failed or stopped."""
 
 
-class _Entry:
+class _ReducedGrad:
     __slots__ = ("state", "slot", "index", "numel", "dtype", "pending", "local", "bucket")
 
     def __init__(self, state: Offload, slot: Slot, index: int) -> None:
@@ -52,7 +52,7 @@ class _Entry:
 class _Bucket:
     __slots__ = ("entries", "waiting", "buffer", "work", "launched")
 
-    def __init__(self, entries: list[_Entry]) -> None:
+    def __init__(self, entries: list[_ReducedGrad]) -> None:
         self.entries = entries
         self.waiting = sum(1 for e in entries if e.pending)
         self.buffer: torch.Tensor | None = None
@@ -82,12 +82,12 @@ class StoreReducer:
         self.rank = dist.get_rank(group)
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
-        self.entries: list[_Entry] = []
+        self.entries: list[_ReducedGrad] = []
         # Backward runs roughly in reverse parameter order: so do the buckets.
         for state in reversed(states):
             for slot in reversed(state.slots):
                 if slot.param.requires_grad and slot.param.is_floating_point():
-                    self.entries.append(_Entry(state, slot, len(self.entries)))
+                    self.entries.append(_ReducedGrad(state, slot, len(self.entries)))
         self._by_param = {id(e.slot.param): e for e in self.entries}
         self._used: set[int] = set()
         self._syncing = False  # this step's backward all-reduces
@@ -203,7 +203,7 @@ class StoreReducer:
             b = e.slot.binding
             e.dtype = b.grad_dtype or b.handle.dtype
         buckets: list[_Bucket] = []
-        cur: list[_Entry] = []
+        cur: list[_ReducedGrad] = []
         size = 0
         for e in used:
             nbytes = e.numel * torch.empty((), dtype=e.dtype).element_size()

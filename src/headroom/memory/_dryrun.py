@@ -391,7 +391,7 @@ def make_optimizer(optimizer: Any, params: list[nn.Parameter],
     )
 
 
-class _Entry:
+class _RestingStorage:
     """One saved storage whose bytes rest in the store (see `OffloadedActivations`)."""
 
     __slots__ = ("nbytes", "storage", "packs", "dead")
@@ -408,7 +408,8 @@ class _Dropped:
 
     __slots__ = ("owner", "entry", "dtype", "shape", "stride", "offset", "__weakref__")
 
-    def __init__(self, owner: OffloadedActivations, entry: _Entry, t: torch.Tensor) -> None:
+    def __init__(self, owner: OffloadedActivations, entry: _RestingStorage,
+                 t: torch.Tensor) -> None:
         self.owner = owner
         self.entry = entry
         self.dtype = t.dtype
@@ -440,8 +441,8 @@ class OffloadedActivations:
         self.prefetch = prefetch
         self.moved = 0
         self._params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self._entries: dict[int, _Entry] = {}  # live device storage -> its entry
-        self._order: list[_Entry] = []  # live entries, in the order they were saved
+        self._entries: dict[int, _RestingStorage] = {}  # live device storage -> its entry
+        self._order: list[_RestingStorage] = []  # live entries, in the order they were saved
         self._restored = 0
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -453,7 +454,7 @@ class OffloadedActivations:
             return t
         entry = self._entries.get(st._cdata)
         if entry is None or entry.dead:
-            entry = self._entries[st._cdata] = _Entry(st.nbytes())
+            entry = self._entries[st._cdata] = _RestingStorage(st.nbytes())
             self._order.append(entry)
             self.moved += entry.nbytes
             # the entry is keyed by a storage that autograd no longer holds: forget the key
@@ -474,13 +475,13 @@ class OffloadedActivations:
         out = torch.empty(0, dtype=packed.dtype, device="meta")
         return out.set_(e.storage, packed.offset, packed.shape, packed.stride)
 
-    def _refill(self, e: _Entry) -> None:
+    def _refill(self, e: _RestingStorage) -> None:
         if e.storage is None:
             e.storage = torch.empty(e.nbytes, dtype=torch.uint8,
                                     device="meta").untyped_storage()
             self._restored += e.nbytes
 
-    def _release(self, e: _Entry) -> None:
+    def _release(self, e: _RestingStorage) -> None:
         e.packs -= 1
         if e.packs or e.dead:
             return

@@ -25,7 +25,7 @@ _ALIAS, _BOUND, _HOSTED = "alias", "bound", "hosted"
 _MASTER_DTYPES = (torch.float32, torch.float64)
 
 
-class _Entry:
+class _SimParam:
     __slots__ = ("param", "group", "kind", "master", "grad_host", "slot", "store", "streamed",
                  "state_handles", "small", "initialized", "count", "launched", "bucket",
                  "fired", "has_grad_host", "lowp", "master_handle")
@@ -45,7 +45,7 @@ class _Entry:
         self.initialized = False
         self.count = 0
         self.launched = False
-        self.bucket: list[_Entry] | None = None
+        self.bucket: list[_SimParam] | None = None
         self.fired = False
         self.lowp = False  # bound and low precision: an fp32 master of its own in the state
         self.master_handle: Any = None  # store, fed back into the parameter (the shadow)
@@ -96,10 +96,10 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._aux = MetaStore(places, host=True)
         self._host_store = MetaStore(places, host=True)
         self._slicer = SliceRunner(self._cls, slice_bytes=options.slice_bytes)
-        self._entries: dict[int, _Entry] = {}
-        self._order: list[_Entry] = []
-        self._arrival: list[_Entry] = []
-        self._last_arrival: list[_Entry] = []
+        self._entries: dict[int, _SimParam] = {}
+        self._order: list[_SimParam] = []
+        self._arrival: list[_SimParam] = []
+        self._last_arrival: list[_SimParam] = []
         self._final = False
         self._in_flight: list[torch.Tensor] = []
         self._in_flight_bytes = 0
@@ -133,8 +133,8 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             elif e.param.requires_grad:
                 e.param.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _entry(self, p: torch.Tensor, gi: int) -> _Entry:
-        e = _Entry(p, gi)
+    def _entry(self, p: torch.Tensor, gi: int) -> _SimParam:
+        e = _SimParam(p, gi)
         found = self._slots.get(id(p))
         if found is not None:
             sim, slot = found
@@ -200,7 +200,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         order = self._last_arrival or list(reversed(self._order))
         for e in self._order:
             e.bucket, e.fired = None, False
-        cur: list[_Entry] = []
+        cur: list[_SimParam] = []
         size = 0
         for e in order:
             cur.append(e)
@@ -229,11 +229,11 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._refresh_state_view()
 
     @torch.no_grad()
-    def _step_entries(self, batch: list[_Entry]) -> None:
+    def _step_entries(self, batch: list[_SimParam]) -> None:
         with self._places.host_code():
             self._step_on_host(batch)
 
-    def _step_on_host(self, batch: list[_Entry]) -> None:
+    def _step_on_host(self, batch: list[_SimParam]) -> None:
         from headroom.optim._sliced import SlicedParam, probe_layout
         from headroom.optim._undo import Txn
 

@@ -9,7 +9,11 @@ one pair that does all of it: every observer sees the tensor, then the keeper (i
 Entering and leaving is last in, first out, like PyTorch's own stack; a hook pushed by someone
 else in between (a checkpoint region) stays innermost, as it would without headroom.
 
-See [Note: saved-tensor hooks] in docs/architecture.md.
+[Note: saved-tensor hooks] headroom's users of saved-tensor hooks (the memory tracker observes
+every saved tensor; activation offload keeps a ticket instead of the tensor) enter through this
+module, which pushes one pair that serves all of them, so neither hides saved tensors from the
+other. ``headroom.nn``'s own per-op hooks run only where no other hooks are active
+(``nn._common.hooks_free``).
 """
 
 from __future__ import annotations

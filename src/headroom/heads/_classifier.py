@@ -308,7 +308,7 @@ class HugeClassifier(nn.Module):
     def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
         """Reserve ``keys`` of the store for this head until it is garbage-collected.
 
-        See [Note: one writer per key] in docs/architecture.md.
+        See [Note: one writer per key] in headroom.transfer._claims.
 
         Returns:
             The finalizer that releases them (calling it releases them now, once).

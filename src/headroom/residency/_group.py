@@ -1,6 +1,9 @@
 """The residency primitive: groups of offloaded parameters, fetched to the device and released.
 
-See [Note: masters and device copies] in docs/architecture.md.
+[Note: masters and device copies] Optimizers and checkpoints see masters (``binding(p)`` for
+those resting in a store); autograd sees device copies. A master's value is written only through
+its store (`HostOptimizer`, ``hr.load``, ``load_state_dict``, ``hr.load_weights``), and whoever
+writes a whole value marks ``binding.has_value``.
 
 Every offloaded parameter keeps two tensors. The *master* is the ``nn.Parameter`` the model
 registers and optimizers see: with ``store="cpu"`` its data *is* the store's host tensor

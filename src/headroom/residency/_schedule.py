@@ -7,8 +7,12 @@ soon as all its gradients are in (and, with frozen parameters, its input gradien
 device copy's post-accumulate-grad hook having handed its gradient to the store. The moving
 itself is `headroom.residency._group.Residency`'s.
 
-Resting state (see [Note: resting state] in docs/architecture.md): outside forward and backward
-the modules hold the masters and nothing is resident on the device. A forward or backward that
+[Note: resting state] Outside forward and backward an offloaded model's modules hold the
+masters and no device copy holds memory, except blocks announced with `hr.prefetch` (resident,
+not shown to the modules; dropped by failures, released before an optimizer step when they have
+a gradient). Every path that leaves a forward or backward, including failures, returns there;
+an optimizer step (`Offload.before_optimizer_step`) never runs with stale device copies. A
+forward or backward that
 breaks off half-way (an exception, ``KeyboardInterrupt``) puts the model back there: at once
 when headroom sees it (a failure inside the guarded root or a block, see
 `headroom.residency._guard`, or in headroom's own backward hooks); otherwise (another hook

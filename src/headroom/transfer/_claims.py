@@ -12,7 +12,8 @@ _ATTR = "_headroom_claimed"
 def claimed_keys(store: Store) -> set[str]:
     """The mutable set of ``store``'s keys that a live owner uses.
 
-    See [Note: one writer per key] in docs/architecture.md.
+    [Note: one writer per key] A store key has one live owner (an offloaded model or a huge
+    classifier head); a second one is refused.
 
     A store key holds one tensor; two owners that both bind it would silently share (and both
     train) one set of values. Owners add their keys here when they bind them and discard them

@@ -11,6 +11,19 @@ may fetch (copy-backs) and wait for gradients, and the mover's own landing threa
 gradients into the store. A lock guards the mover's queues and the issuing of copies; it is
 never held while the host waits for the device or for I/O, so backward never stalls behind an
 optimizer waiting for its gradients.
+
+[Note: copies in flight] On an accelerator every copy is issued on a side stream of
+``transfer/`` and ordered, where it is issued, after the stream that produced what it reads or
+last used what it overwrites (an event recorded there, waited for by the side stream); the
+consumer orders its own stream after the copy's completion event, or the host waits for it
+before reading or writing host memory the copy uses. Memory a copy may still use is not freed
+before that: device memory is handed to the caching allocator with ``record_stream`` or freed on
+a stream ordered after the copy; host memory from a page-locked slab goes back to a pool when
+its next user is ordered after the copy, and to the system only after a host wait
+(`Mover.synchronize`/``wait_reads``/``close``, ``Stash.close``, the end of a ``RowStreamer``
+pass); a store tensor is freed only once the copies using it are done (``hr.unoffload``
+synchronizes the mover first). Nothing adds a device-wide synchronization to get ordering.
+``tests/_streams.py`` checks all of this on the CPU.
 """
 
 from __future__ import annotations

@@ -166,6 +166,39 @@ def test_host_memory_step_of_offloaded_bf16_keeps_no_copies(final):
     assert acc.peak - base <= slice_bytes < copies // 50
 
 
+def test_tracker_counts_what_the_overlap_worker_allocates():
+    """Steps started during final_backward run on a worker thread; hr.track_memory counts the
+    tensors they allocate (it missed them: its dispatch mode belonged to the thread that
+    entered it). A worker step that holds 1 MiB of temporaries shows among them."""
+    model = make_model(d=32)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, overlap=True,
+                           bucket_bytes=1 << 30)  # one bucket: one step on the worker
+    held, threads = [], []
+    worker_step = opt._overlap._step_entries
+
+    def step_holding_scratch(batch, **kw):
+        threads.append(threading.current_thread())
+        held.append(torch.ones(1 << 18))  # 1 MiB a step could allocate, alive to the end
+        return worker_step(batch, **kw)
+
+    opt._overlap._step_entries = step_holding_scratch
+    loss_fn(model, 0).backward()
+    opt.step()  # state made before tracking: the tracked steps allocate no more of it
+    opt.zero_grad()
+    other = {}
+    for final in (False, True):
+        with hr.track_memory(model=model, optimizer=opt) as mem:
+            with opt.final_backward(final):
+                loss_fn(model, 1).backward()
+            opt.step()
+            opt.zero_grad()
+        other[final] = mem.stats("cpu").max_by_category["other"]
+        assert len(held) == final
+        held.clear()
+    assert threads and all(t is not threading.main_thread() for t in threads)
+    assert other[False] < (1 << 20) <= other[True]
+
+
 @pytest.mark.gpu
 def test_device_holds_no_optimizer_state_and_only_gradients_in_flight():
     dev = accelerator_type()

@@ -126,9 +126,9 @@ class _Count(TorchDispatchMode):
 @pytest.mark.parametrize("final", [False, True])
 def test_host_memory_step_of_offloaded_bf16_keeps_no_copies(final):
     """A bf16 model offloaded to host memory (fp32 masters and state in host memory, no disk)
-    is stepped slice by slice. The step allocates at most one slice (the rounded bf16 values
-    written back) beside the step counters: it keeps no copy of the old masters, state or
-    values (it kept one of every slice until the step ended, 14 bytes per parameter)."""
+    is stepped slice by slice. The step allocates at most one slice of temporaries (in fact
+    only its step counters): it keeps no copy of the old masters, state or values (it kept
+    one of every slice until the step ended, 14 bytes per parameter)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())])
     model = model.to(torch.bfloat16)

@@ -20,7 +20,7 @@ memory by the wrapped optimizer (state in host memory), and sliced steps whose m
 and low-precision value all rest in host memory (a bf16 model offloaded with ``store="cpu"``;
 copies of every slice kept until the step ends would cost 14 bytes per parameter). Their
 update is PyTorch's kernel on the resting tensors, which allocates nothing once the state
-exists (a sliced step: one slice of rounded values at a time), so it runs last, after
+exists (a sliced step: at most a slice of temporaries at a time), so it runs last, after
 everything that can fail, with Ctrl-C held back until the step ends (`DeferInterrupt`). Steps
 started during ``final_backward`` keep a copy of those when something that can fail (a disk)
 may follow in ``step()``. What is left that cannot be undone (an error inside that kernel, e.g.

@@ -421,3 +421,73 @@ def test_kill_9_during_a_step_is_reported_when_the_store_is_reopened(tmp_path):
             new += 1
     assert old and new
     store.close()
+
+
+# ---------------------------------------------------------------------- host memory only
+def _host_bf16(final: bool = False):
+    """Small in bf16 offloaded to host memory: fp32 masters and state in host memory, stepped
+    slice by slice with no disk anywhere."""
+    model = make_model().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # device=cpu: mechanics only
+        hr.offload(model, device="cpu", store="cpu")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, slice_bytes=SLICE,
+                           bucket_bytes=64, overlap=final, **LR)
+    return model, opt
+
+
+def _bf16_iteration(model, opt, s: int, final: bool) -> None:
+    g = torch.Generator().manual_seed(1000 + s)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+    with opt.final_backward() if final else contextlib.nullcontext():
+        ((model(x.bfloat16()).float() - y) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_host_memory_sliced_step_completes_through_ctrl_c_at_every_slice():
+    """Without a disk, the sliced step keeps no old values: it runs last, like PyTorch's
+    kernel on state in host memory, and a Ctrl-C at any slice waits for the end of the step,
+    then says that it completed. The result is that of uninterrupted training."""
+    model, opt = _host_bf16()
+    twin, twin_opt = _host_bf16()
+    inject = _Inject("sigint")
+    inject.install(opt, [])
+    _bf16_iteration(model, opt, 0, False)
+    _bf16_iteration(twin, twin_opt, 0, False)
+    positions = inject.count
+    assert positions >= 10
+    for at in range(positions):
+        s = 1 + at
+        inject.arm(at)
+        with pytest.raises(KeyboardInterrupt) as info:
+            _bf16_iteration(model, opt, s, False)
+        assert inject.fired
+        assert "the step completed" in "".join(info.value.__notes__), at
+        opt.zero_grad()  # (step() raised after it ended: zero_grad() did not run)
+        _bf16_iteration(twin, twin_opt, s, False)
+        assert not _same(_values(twin, twin_opt), _values(model, opt)), at
+
+
+def test_host_memory_failed_final_backward_keeps_the_steps_it_started():
+    """Without a disk, steps started during final_backward keep no old values either: a
+    backward failing after them leaves them stepped, says so, and step() finishes the others
+    (the documented in-memory behaviour)."""
+    model, opt = _host_bf16(final=True)
+    _bf16_iteration(model, opt, 0, True)
+    before = _values(model, opt)
+    g = torch.Generator().manual_seed(1001)
+    x, y = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
+    x = x.bfloat16().requires_grad_(True)
+    x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))  # last of all
+    loss = ((model(x).float() - y) ** 2).mean()
+    with pytest.raises(RuntimeError, match="boom") as info, opt.final_backward():
+        loss.backward()
+    opt._wait()
+    assert "had already taken this step" in "".join(info.value.__notes__)
+    assert _same(before, _values(model, opt))  # some parameters took the step
+    with pytest.raises(RuntimeError, match="call step"):
+        opt.zero_grad()
+    opt.step()  # finishes the step for the others
+    opt.zero_grad()
+    _bf16_iteration(model, opt, 2, True)

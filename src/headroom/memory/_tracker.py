@@ -9,6 +9,7 @@ which module is running).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
@@ -61,6 +62,20 @@ def _active_tracker() -> MemoryTracker | None:
 def is_tracking() -> bool:
     """Whether a :func:`track_memory` region is active (in any thread)."""
     return _active is not None
+
+
+def track_this_thread() -> contextlib.AbstractContextManager:
+    """Count this thread's tensor ops in the active tracker too (a no-op when none is active,
+    or in the thread that entered it).
+
+    A tracker sees ops through a dispatch mode of the thread that entered it; a worker thread
+    computing on its behalf (``HostOptimizer``'s steps overlapped with backward) enters it
+    here, or its temporaries would go unseen.
+    """
+    tracker = _active
+    if tracker is None or tracker._mode is None or tracker._owner == threading.get_ident():
+        return contextlib.nullcontext()
+    return _Mode(tracker)
 
 
 class _Mode(TorchDispatchMode):
@@ -163,6 +178,7 @@ class MemoryTracker:
         self._in_optimizer = 0
         self._op_start = 0
         self._mode: _Mode | None = None
+        self._owner = 0  # the thread that entered the region (its dispatch mode)
         self._saved_hooks: Any = None
         self._rss = RSSWatch()
         # Bytes headroom moved off the compute device and keeps in a store ("host", "disk"),
@@ -193,6 +209,7 @@ class MemoryTracker:
             frame = traceback.extract_stack(limit=3)[0]
             _active_where = f"{frame.filename}:{frame.lineno}"
         self._state = "active"
+        self._owner = threading.get_ident()
         self._t0 = time.perf_counter()
         self._rss.begin(self._t0)
         try:

@@ -459,21 +459,28 @@ class HostOptimizer(torch.optim.Optimizer):
         self._allocate_state(streamed)
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
-        self._prepare_undo(todo, txn)
-        if todo:
-            for e, src in todo:
+        # Sliced steps that write no disk (master, state and value all in host memory) keep no
+        # copies: like the in-memory kernel below they run last, unprotected, one slice at a
+        # time. Started during final_backward while step() may still fail (a disk takes part),
+        # they keep copies of their slices instead.
+        keep_all = early and self._keep_early
+        ram = [(e, src) for e, src in todo if not keep_all and not self._writes_disk(src)]
+        kept = [(e, src) for e, src in todo if keep_all or self._writes_disk(src)]
+        self._prepare_undo(kept, txn)
+        if kept:
+            for e, src in kept:
                 txn.entry(e)
                 if src.spare:
                     txn.on_commit(lambda e=e, keys=tuple(src.spare): self._swap_spare(e, keys))
-            results = self._slicer.step_many(
-                [(src, e.group, hparams[e.group]) for e, src in todo], txn)
-            for (e, _), small in zip(todo, results, strict=True):
-                e.small = small
-                e.initialized = True
-                e.grad_scale = None
+            self._sliced_step(kept, hparams, txn)
+        if (ram or in_mem) and self._defer is not None and not early:
+            self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
+        if ram:
+            txn.unprotected += len(ram)
+            self._sliced_step(ram, hparams, None)
         if in_mem:
-            if early and self._keep_early:
-                # Started during final_backward while step() may still fail (a store): keep
+            if keep_all:
+                # Started during final_backward while step() may still fail (a disk): keep
                 # their old values too (a master and state not made yet are dropped).
                 for e in in_mem:
                     txn.ram(e.master, None, e.master.clone())
@@ -488,8 +495,6 @@ class HostOptimizer(torch.optim.Optimizer):
                 # Last, after everything that can fail: one call into PyTorch's kernel (it
                 # allocates only state it creates on a first step). Not copied: see _undo.py.
                 txn.unprotected += len(in_mem)
-                if self._defer is not None and not early:
-                    self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
             self._inner_step(in_mem, hparams)
         for e in streamed + in_mem:
             if e.kind == HOSTED:
@@ -500,6 +505,35 @@ class HostOptimizer(torch.optim.Optimizer):
         now = None if early or self._mover is None else self._mover.mark()
         for e in streamed + in_mem:
             self._copy_back(e, now)
+
+    def _sliced_step(self, todo: list[tuple[Entry, SlicedParam]],
+                     hparams: dict[int, dict[str, Any]], txn: Txn | None) -> None:
+        """Step ``todo`` slice by slice (their old values kept in ``txn``, if given)."""
+        results = self._slicer.step_many(
+            [(src, e.group, hparams[e.group]) for e, src in todo], txn)
+        for (e, _), small in zip(todo, results, strict=True):
+            e.small = small
+            e.initialized = True
+            e.grad_scale = None
+
+    @staticmethod
+    def _writes_disk(src: SlicedParam) -> bool:
+        """Whether a sliced step writes a tensor that does not rest in host memory."""
+        if src.master is None and src.master_store.host_tensor(src.master_handle) is None:
+            return True
+        if any(src.state_store.host_tensor(h) is None for h in src.state_handles.values()):
+            return True
+        return src.shadow is not None and src.shadow[0].host_tensor(src.shadow[1]) is None
+
+    def _entry_writes_disk(self, e: Entry) -> bool:
+        """`_writes_disk` before the step is prepared (a state store yet without ``e``'s
+        tensors counts as a disk)."""
+        if e.kind == BOUND and e.bound.store.host_tensor(e.bound.handle) is None:
+            return True
+        if not e.streamed or self._state_store is None:
+            return False
+        h = next(iter(e.state_handles.values()), e.master_handle)
+        return h is None or self._state_store.host_tensor(h) is None
 
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
         """Step in-memory masters with the wrapped optimizer (only these, in one call)."""
@@ -910,8 +944,8 @@ class HostOptimizer(torch.optim.Optimizer):
             self._check_groups()
             # Steps started during backward can be undone only if they keep their old values;
             # worth it only when step() may still fail after them (see [Note: all-or-nothing
-            # step]): when some of it goes through a store.
-            self._keep_early = any(e.streamed for e in self._order)
+            # step]): when some of it writes a disk.
+            self._keep_early = any(self._entry_writes_disk(e) for e in self._order)
         with self._overlap.final_backward(self._order, enabled):
             yield
 

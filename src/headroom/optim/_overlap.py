@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from headroom.memory._tracker import track_this_thread
 from headroom.optim._entries import Bucket, Entry, same
 
 __all__ = ["Overlap"]
@@ -87,7 +88,8 @@ class Overlap:
         with self._lock:
             batch, self._ready = self._ready, []
         if batch:
-            self._step_entries(batch, early=True)
+            with track_this_thread():  # an active hr.track_memory sees the step's tensors
+                self._step_entries(batch, early=True)
 
     def close(self, *, wait: bool = True) -> None:
         if wait:

@@ -306,7 +306,11 @@ class SliceRunner:
                 src.master.index_copy_(0, rows, work)
             if src.shadow is not None:
                 sh_store, sh_handle = src.shadow
-                writes.append(sh_store.write_rows(sh_handle, rows, work.to(sh_handle.dtype)))
+                host = sh_store.host_tensor(sh_handle) if isinstance(rows, slice) else None
+                if host is not None:
+                    host[rows].copy_(work)  # rounded as .to() rounds, with no temporary
+                else:
+                    writes.append(sh_store.write_rows(sh_handle, rows, work.to(sh_handle.dtype)))
             results[k] = {key: state[key] for key in state if key not in src.state_handles}
         for ws in pending_writes:
             for f in ws:

@@ -15,13 +15,17 @@ back (newest first) and the per-parameter scalars (step counts) are restored: pa
 state are then exactly as before the step, and the gradients are still there, so calling
 ``step()`` again redoes it. When the step ends, what was kept is dropped.
 
-Tensors stepped whole in host memory by the wrapped optimizer (state in host memory) are not
-copied: their update is one call into PyTorch that allocates nothing once the state exists,
-so it runs last, after everything that can fail, with Ctrl-C held back until the step ends
-(`DeferInterrupt`). Steps started during ``final_backward`` keep a copy of those when something
-that can fail (a store) may follow in ``step()``. What is left that cannot be undone (an error
-inside that kernel, e.g. out of memory while the first step creates the state) is reported as a
-mix, and ``step()`` refuses until a checkpoint is loaded.
+What a step updates without touching a disk is not copied: tensors stepped whole in host
+memory by the wrapped optimizer (state in host memory), and sliced steps whose master, state
+and low-precision value all rest in host memory (a bf16 model offloaded with ``store="cpu"``;
+copies of every slice kept until the step ends would cost 14 bytes per parameter). Their
+update is PyTorch's kernel on the resting tensors, which allocates nothing once the state
+exists (a sliced step: at most a slice of temporaries at a time), so it runs last, after
+everything that can fail, with Ctrl-C held back until the step ends (`DeferInterrupt`). Steps
+started during ``final_backward`` keep a copy of those when something that can fail (a disk)
+may follow in ``step()``. What is left that cannot be undone (an error inside that kernel, e.g.
+out of memory while the first step creates the state) is reported as a mix, and ``step()``
+refuses until a checkpoint is loaded.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from headroom.residency import _adopt, _guard
+from headroom.residency import _adopt, _dtensor, _guard
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
@@ -102,6 +102,10 @@ def offload(
         raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
+    if _dtensor.check_sharded(model, "hr.offload"):
+        # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
+        return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
+                                        compute_dtype=compute_dtype)
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"
@@ -425,6 +429,8 @@ def unoffload(model: nn.Module) -> nn.Module:
     Example:
         >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
+    if _dtensor.sharded_state_of(model) is not None:
+        return _dtensor.unoffload_sharded(model)
     state = state_of(model)
     if state._bwd and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")

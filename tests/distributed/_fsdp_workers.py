@@ -3,6 +3,7 @@ headroom, against the same FSDP2 model without headroom."""
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -270,3 +271,26 @@ def convert(rank: int, world: int) -> dict:
             "converted": int(type(conv.layers[0].fc1).__module__.startswith("headroom.")),
             "unchanged": int(before == [type(m) for m in model.modules()])}
 
+
+
+def unoffload(rank: int, world: int) -> dict:
+    """A step offloaded, hr.unoffload, a step more: as two steps of FSDP2 alone."""
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    shard(model)
+    shard(ref)
+    hr.offload(model, device="cpu", store="cpu")
+    store = sharded_state_of(model).store
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=0)
+    hr.unoffload(model)
+    freed = store.used_bytes
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # new parameter objects
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # not ref's own buffers
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=1)
+    return {"got": _local(model), "ref": _local(ref), "store_after": freed,
+            "offloaded": int(sharded_state_of(model) is not None)}

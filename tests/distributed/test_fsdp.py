@@ -21,6 +21,7 @@ CASES = {
     "bf16": ("train", dict(bf16=True, clip=None)),
     "partial": ("train", dict(partial=True)),
     "checkpoint": ("checkpoint", dict(tmp=True)),
+    "unoffload": ("unoffload", dict()),
     "tracking": ("tracking", dict()),
     "tracking_offloaded": ("tracking", dict(offloaded=True)),
     "convert": ("convert", dict()),
@@ -134,6 +135,12 @@ def test_dcp_round_trip_lands_in_the_store(world2):
     for r in world2["checkpoint"]:
         assert torch.equal(r["out"], r["out_ref"])
         assert r["in_store"].all()
+
+
+def test_unoffload_puts_the_shards_back(world2):
+    _equal(world2["unoffload"])
+    for r in world2["unoffload"]:
+        assert r["store_after"] == 0 and r["offloaded"] == 0
 
 
 # ------------------------------------------------------------------ tracking, convert

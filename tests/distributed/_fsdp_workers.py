@@ -123,6 +123,11 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
     out["disk_write_dtensor"] = _error(lambda: disk.write(h, p).result())
     out["host_put_dtensor"] = _error(lambda: HostStore().put("w", p))
 
+    # HostOptimizer keeping the state of shards on disk: refused when built (a step failed).
+    m = hr.offload(shard(Net()), device="cpu", store="cpu")
+    out["host_opt_state_disk"] = _error(lambda: hr.HostOptimizer(
+        m.parameters(), torch.optim.AdamW, state_store=DiskStore(os.path.join(tmp, f"d{rank}"))))
+
     # DTensor parameters that FSDP2 does not manage (tensor parallel, distribute_tensor).
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 

@@ -104,6 +104,12 @@ def test_dtensor_parameters_outside_fsdp_are_refused(world2):
                                           " DTensor that FSDP2")
 
 
+def test_host_optimizer_state_on_disk_for_shards_is_refused_when_built(world2):
+    for r in world2["refusals"]:
+        assert r["host_opt_state_disk"].startswith("NotImplementedError: state_store=")
+        assert "state_store='cpu'" in r["host_opt_state_disk"]
+
+
 # ------------------------------------------------------------------ the contract
 def _equal(results, key_got="got", key_ref="ref"):
     for rank, r in enumerate(results):

@@ -15,7 +15,8 @@ Per rank: bytes in headroom's stores (parameters and gradients of an offloaded m
 a sharded one), the training state it holds (parameters, gradients, optimizer state: bytes of
 the local tensors), the growth of the process's resident memory over a few training steps
 (peak RSS after the steps minus RSS before the model was built, ``VmHWM`` reset with
-``/proc/self/clear_refs``), and the median step time. On a CPU the "device" is the host, so the
+``/proc/self/clear_refs``; and the RSS left after the C allocator gave its free memory back,
+which is what stays live), and the median step time. On a CPU the "device" is the host, so the
 setups keep the same bytes in different places; what this measures is how much each rank holds,
 not speed (the step times are from a shared 2-core machine).
 
@@ -152,6 +153,10 @@ def _run(rank: int, world: int, port: int, setup: str, cfg: dict, out) -> None:
     store_bytes = store.used_bytes if store is not None else 0
     params = list(model.parameters())
     rss1, peak = _rss()
+    from headroom.transfer import trim_heap
+
+    trim_heap()  # freed memory the C allocator kept: what remains is live
+    rss2, _ = _rss()
     res = {
         "rank": rank,
         "store_bytes": store_bytes,
@@ -160,6 +165,7 @@ def _run(rank: int, world: int, port: int, setup: str, cfg: dict, out) -> None:
         "optimizer_state": _tensor_bytes(v for s in opt.state.values() for v in s.values()),
         "rss_growth": rss1 - rss0,
         "peak_rss_growth": peak - rss0,
+        "rss_growth_after_trim": rss2 - rss0,
         "step_s_median": statistics.median(times[1:]) if len(times) > 1 else times[0],
     }
     res["training_state"] = res["parameters"] + res["gradients"] + res["optimizer_state"]
@@ -211,10 +217,11 @@ def main() -> None:
             runs.append({"world": world, "setup": setup, "ranks": ranks})
             mean = {k: statistics.mean(r[k] for r in ranks)
                     for k in ("store_bytes", "training_state", "peak_rss_growth",
-                              "step_s_median")}
+                              "rss_growth_after_trim", "step_s_median")}
             print(f"world {world} {setup:<18} store {mean['store_bytes'] / 2**20:8.1f} MiB"
                   f"  state {mean['training_state'] / 2**20:8.1f} MiB"
                   f"  peak RSS growth {mean['peak_rss_growth'] / 2**20:8.1f} MiB"
+                  f"  after trim {mean['rss_growth_after_trim'] / 2**20:8.1f} MiB"
                   f"  step {mean['step_s_median'] * 1e3:7.1f} ms", flush=True)
     full_state = model_params * 4 * 4  # fp32 parameters, gradients, two AdamW moments
     summary = []
@@ -228,6 +235,8 @@ def main() -> None:
                 statistics.mean(x["training_state"] for x in ranks) / full_state, 4),
             "peak_rss_growth_MiB_per_rank": round(
                 statistics.mean(x["peak_rss_growth"] for x in ranks) / 2**20, 1),
+            "rss_growth_after_trim_MiB_per_rank": round(
+                statistics.mean(x["rss_growth_after_trim"] for x in ranks) / 2**20, 1),
             "step_ms_median": round(statistics.median(x["step_s_median"] for x in ranks)
                                     * 1e3, 1),
         })

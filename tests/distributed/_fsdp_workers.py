@@ -92,6 +92,12 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
         hr.offload(m, device="cpu", store=store)
         out[f"shard_offloaded_{name}_block"] = _error(lambda m=m: fully_shard(m.layers[0]))
         out[f"shard_offloaded_{name}_root"] = _error(lambda m=m: fully_shard(m))
+    # A layer inside an offloaded block: fully_shard lists nothing of headroom's; refused at
+    # the next forward.
+    m = Net()
+    hr.offload(m, device="cpu", store="cpu")
+    fully_shard(m.layers[0].fc1)
+    out["shard_offloaded_inner"] = _error(lambda: m(x))
     # ... and the order it names works: unoffload, shard, offload.
     m = Net()
     hr.offload(m, device="cpu", store="cpu")

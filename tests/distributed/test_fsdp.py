@@ -74,6 +74,11 @@ def test_fully_shard_over_offloaded_model_is_refused(world2, store, where):
         assert "fully_shard each block, then the root" in msg and "hr.unoffload" in msg
 
 
+def test_fully_shard_inside_an_offloaded_block_is_refused_at_forward(world2):
+    for r in world2["refusals"]:
+        assert r["shard_offloaded_inner"].startswith("RuntimeError: fully_shard cannot wrap")
+
+
 def test_right_order_after_a_refusal_trains(world2):
     for r in world2["refusals"]:
         assert r["refused_then"].startswith("RuntimeError: fully_shard cannot wrap")

@@ -116,17 +116,19 @@ def _called_from_fully_shard(depth: int = 64) -> bool:
     return False
 
 
-def check_not_sharding(module: nn.Module, *, listing: bool) -> None:
+def check_not_sharding(module: nn.Module, *, listing: bool, whole: bool = False) -> None:
     """Raise if ``fully_shard`` is being applied to (or has wrapped) an offloaded module.
 
     Called where an offloaded root or block lists its parameters (``listing``: walks the
-    stack, which sees ``fully_shard`` at its call) and where it is called (a module wrapped
-    some other way is seen before its forward).
+    stack, which sees ``fully_shard`` at its call) and where it is called (``whole``, for the
+    root: a submodule inside a block, which lists nothing of ours when it is sharded, is seen
+    before the next forward).
     """
     cls = _fsdp_module_class()
     if cls is None:
         return
-    if isinstance(module, cls) or (listing and _called_from_fully_shard()):
+    if (isinstance(module, cls) or (listing and _called_from_fully_shard())
+            or (whole and any(isinstance(m, cls) for m in module.modules()))):
         raise RuntimeError(
             f"fully_shard cannot wrap a model offloaded with hr.offload (here"
             f" {type(module).__name__}): FSDP2 would shard the stored masters while the"

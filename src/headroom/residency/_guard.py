@@ -51,8 +51,10 @@ def _guarded_class(cls: type) -> type:
         return sub
 
     def __call__(self, *args, **kwargs):
-        if self.__dict__.get(_ROLE) is not None:
-            _dtensor.check_not_sharding(self, listing=False)
+        role = self.__dict__.get(_ROLE)
+        if role is not None:  # the root's role is the offload state itself
+            _dtensor.check_not_sharding(self, listing=False,
+                                        whole=getattr(role, "state", role) is role)
         try:
             return cls.__call__(self, *args, **kwargs)
         except BaseException:

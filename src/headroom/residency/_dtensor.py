@@ -268,7 +268,9 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
     grad = old.grad
     fp._sharded_param_data = flat
     fp.offload_to_cpu = True
-    fp.pin_memory = pin
+    # NOTE: only if the store's memory is page-locked: FSDP2 re-pins a shard that is not
+    # (a copy, at its lazy init), which would part the parameter from the store.
+    fp.pin_memory = pin and flat.is_pinned()
     # NOTE: a new DTensor whose device is the host (a DTensor's device is its local tensor's):
     # FSDP2 copies it to the mesh's device before the all-gather and puts the reduce-scattered
     # gradient shard beside it. The optimizer must be built after this (as after fully_shard).

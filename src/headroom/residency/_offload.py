@@ -61,6 +61,11 @@ def offload(
     run on the values on disk, and an optimizer must go through the store
     (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.
 
+    A model whose blocks and root were sharded with FSDP2's ``fully_shard`` keeps each rank's
+    local shards in the store instead (``store="cpu"`` only; FSDP2 keeps its collectives and
+    copies each unit's shard to ``device`` before its all-gather; ``blocks`` are then
+    ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+
     Args:
         model: the model; its parameters may be anywhere, including the ``meta`` device:
             such parameters get their values in the store from ``hr.load_weights`` or, if
@@ -89,7 +94,8 @@ def offload(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``device`` is not available, or the model (or a part of it) is already
-            offloaded.
+            offloaded; DTensor parameters that FSDP2 does not manage.
+        NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
         ValueError: bad ``blocks``, ``prefetch`` or ``compute_dtype``.
         StoreFullError / PermissionError: the store cannot hold the parameters.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import socket
@@ -178,7 +179,11 @@ def _entry(rank: int, world: int, port: int, jobs: list, out, path: list[str]) -
     try:
         for i, (fn, kwargs) in enumerate(jobs):
             try:
-                res = globals()[fn](rank, world, **kwargs)
+                if ":" in fn:  # "module:function" of another worker module
+                    mod, name = fn.split(":")
+                    res = getattr(importlib.import_module(mod), name)(rank, world, **kwargs)
+                else:
+                    res = globals()[fn](rank, world, **kwargs)
                 buf = io.BytesIO()
                 torch.save(res, buf)  # bytes: the parent may read them after this rank exits
                 out.put((i, rank, "ok", buf.getvalue()))

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from headroom.distributed._reducer import StoreReducer
+from headroom.residency._dtensor import check_sharded
 from headroom.residency._offload import _ATTR
 from headroom.residency._schedule import Offload, _outputs
 from headroom.transfer import binding
@@ -97,6 +98,14 @@ class DataParallel(nn.Module):
             )
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if check_sharded(model, "hr.data_parallel"):
+            raise RuntimeError(
+                "hr.data_parallel cannot wrap a fully_shard'ed (FSDP2) model: FSDP2 already"
+                " reduce-scatters its gradients, and its parameters are shards, not replicas."
+                " Train the fully_shard'ed model directly (hr.offload(model, device=...,"
+                " store='cpu') after fully_shard keeps each rank's shards in host memory);"
+                " use hr.data_parallel for unsharded models only"
+            )
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             raise ValueError("the model is already wrapped for data parallel; pass the inner"
                              " model (wrapper.module)")

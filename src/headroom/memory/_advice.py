@@ -6,6 +6,7 @@ when a report asks for them: the memory layer itself stays below every other lay
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,10 +31,23 @@ def tracker_advice(mem: MemoryTracker) -> list[str]:
     model = ctx["model"]()
     if model is None:
         return ["(no advice: the model that ran is no longer alive; report before it is freed)"]
+    if _fsdp_sharded(model):
+        ctx["advice"] = [
+            "(no advice: the model is sharded with FSDP2 (fully_shard), and the dry runs behind"
+            " the advice do not model its all-gathers and reduce-scatters; the figures above"
+            " are this rank's)"
+        ]
+        return ctx["advice"]
     p = next(iter([*model.parameters(), *model.buffers()]), None)
     device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"
     ctx["advice"] = _advise(model, ctx, device, None, mem.peak)
     return ctx["advice"]
+
+
+def _fsdp_sharded(model: Any) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
 def _advise(model: Any, ctx: dict[str, Any], device: str, base: Estimate | None,

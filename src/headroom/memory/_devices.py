@@ -6,6 +6,9 @@ import torch
 
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):  # a DTensor: this rank's bytes are its local shard's
+        t = local
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without storage

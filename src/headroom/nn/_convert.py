@@ -232,6 +232,11 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
             # the copy holds the very same Parameter, buffer and hook objects, but adding or
             # removing one on either model does not change the other.
             new.__dict__[key] = copy.copy(value)
+    if module.__dict__.get("_is_fsdp_managed_module"):
+        # FSDP2 swaps sharded and unsharded parameters in the original module's dict around
+        # each forward (its hooks know the original modules only); sharing that dict lets the
+        # copy compute with what FSDP2 put there.
+        new.__dict__["_parameters"] = module._parameters
     return new
 
 

@@ -9,6 +9,7 @@ gradients arrive, so the device holds neither state nor more than the gradients 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -56,6 +57,11 @@ from headroom.transfer import (
 from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
+
+def _is_dtensor(p: object) -> bool:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(p, mod.DTensor)
+
 
 class _Kept(Exception):  # noqa: N818 - carries an error raised with the step left as it is
     def __init__(self, exc: BaseException) -> None:
@@ -231,6 +237,13 @@ class HostOptimizer(torch.optim.Optimizer):
                     "torch.optim steps it twice (and warns that this will become an error). "
                     "List each parameter once"
                 )
+        if self._state_store is not None and params is not None and any(
+                _is_dtensor(p) for p in params):
+            raise NotImplementedError(
+                f"state_store={self._state_store!r} with sharded (FSDP2) parameters is not"
+                " supported; use state_store='cpu' (each rank keeps the state of its own shards"
+                " in host memory)"
+            )
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import torch.nn as nn
 
+from headroom.residency import _dtensor
+
 __all__ = ["Role", "install", "remove"]
 
 _ROLE = "_headroom_role"
@@ -49,6 +51,10 @@ def _guarded_class(cls: type) -> type:
         return sub
 
     def __call__(self, *args, **kwargs):
+        role = self.__dict__.get(_ROLE)
+        if role is not None:  # the root's role is the offload state itself
+            _dtensor.check_not_sharding(self, listing=False,
+                                        whole=getattr(role, "state", role) is role)
         try:
             return cls.__call__(self, *args, **kwargs)
         except BaseException:
@@ -66,6 +72,7 @@ def _guarded_class(cls: type) -> type:
     def named_parameters(self, *args, **kwargs):
         role = self.__dict__.get(_ROLE)
         if role is not None:
+            _dtensor.check_not_sharding(self, listing=True)
             role.settle()
         return cls.named_parameters(self, *args, **kwargs)
 

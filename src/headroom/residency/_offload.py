@@ -17,7 +17,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from headroom.residency import _adopt, _guard
+from headroom.residency import _adopt, _dtensor, _guard
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
@@ -60,6 +60,11 @@ def offload(
     run on the values on disk, and an optimizer must go through the store
     (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.
 
+    A model whose blocks and root were sharded with FSDP2's ``fully_shard`` keeps each rank's
+    local shards in the store instead (``store="cpu"`` only; FSDP2 keeps its collectives and
+    copies each unit's shard to ``device`` before its all-gather; ``blocks`` are then
+    ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+
     Args:
         model: the model; its parameters may be anywhere, including the ``meta`` device:
             such parameters get their values in the store from ``hr.load_weights`` or, if
@@ -88,7 +93,8 @@ def offload(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``device`` is not available, or the model (or a part of it) is already
-            offloaded.
+            offloaded; DTensor parameters that FSDP2 does not manage.
+        NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
         ValueError: bad ``blocks``, ``prefetch`` or ``compute_dtype``.
         StoreFullError / PermissionError: the store cannot hold the parameters.
 
@@ -101,6 +107,10 @@ def offload(
         raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
+    if _dtensor.check_sharded(model, "hr.offload"):
+        # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
+        return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
+                                        compute_dtype=compute_dtype)
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"
@@ -436,6 +446,8 @@ def unoffload(model: nn.Module) -> nn.Module:
     Example:
         >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
+    if _dtensor.sharded_state_of(model) is not None:
+        return _dtensor.unoffload_sharded(model)
     state = state_of(model)
     if state._bwd and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import sys
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -137,6 +138,7 @@ class Store(abc.ABC):
     def _check_src(handle: Handle, src: torch.Tensor, shape: tuple[int, ...]) -> None:
         if not isinstance(src, torch.Tensor):
             raise TypeError(f"expected a tensor for {handle.key!r}, got {type(src).__name__}")
+        _check_plain(handle.key, src)
         if src.dtype != handle.dtype:
             raise TypeError(
                 f"dtype mismatch for {handle.key!r}: stored as {handle.dtype}, got {src.dtype};"
@@ -167,6 +169,7 @@ class Store(abc.ABC):
         Raises:
             KeyError: ``key`` is taken. StoreFullError: over the byte budget.
         """
+        _check_plain(key, tensor)
         handle = self.alloc(key, tuple(tensor.shape), tensor.dtype, zero=False)
         src = tensor.detach()
         if src.device.type != "cpu":
@@ -238,6 +241,18 @@ class Store(abc.ABC):
 
 def is_accelerator(device: torch.device) -> bool:
     return device.type not in ("cpu", "meta")
+
+
+def _check_plain(key: str, t: torch.Tensor) -> None:
+    # A DTensor's bytes are not its own (its storage is its shard's, or none): copying or
+    # checksumming it as a whole tensor fails, or reads memory it does not own.
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is not None and isinstance(t, dt.DTensor):
+        raise TypeError(
+            f"{key!r} is a DTensor (a sharded tensor); a store holds plain tensors: store its"
+            " local shard (t.to_local()), or use hr.offload on the fully_shard'ed model, which"
+            " stores each rank's shards"
+        )
 
 
 def resolve_store(store: str | Store, device: str | torch.device | None = None) -> Store:

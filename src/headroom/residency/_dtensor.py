@@ -1,0 +1,303 @@
+"""Sharded models (FSDP2's ``fully_shard``): each rank's local shards in a headroom store.
+
+FSDP2 stays in charge of sharding and of every collective. What headroom changes is where a
+unit's *local shard* rests between uses: `offload_sharded` moves the padded local shard of each
+parameter of the chosen FSDP2 units into a host-memory store (page-locked when the mesh's device
+is an accelerator) and marks the parameter for FSDP2's own host path (``FSDPParam``'s
+``offload_to_cpu``): FSDP2 then copies the shard to the device right before that unit's
+all-gather, and copies the reduce-scattered gradient shard back to host memory, where the
+optimizer (``torch.optim`` or `headroom.HostOptimizer`) steps the local shards. Unlike
+``CPUOffloadPolicy``, which is all-or-nothing, any subset of units can rest there (the others
+stay on the device).
+
+The wrong orders are refused where they can be seen (`check_not_sharding`, `check_sharded`):
+``fully_shard`` over a model already offloaded by `hr.offload` (its masters are not what the
+modules compute with, so FSDP2 would shard the wrong tensors), and DTensor parameters that FSDP2
+does not manage. See docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from headroom.transfer import DiskStore, Handle, Store, is_accelerator
+
+__all__ = [
+    "ShardedOffload",
+    "check_not_sharding",
+    "check_sharded",
+    "fsdp_modules",
+    "is_dtensor",
+    "offload_sharded",
+    "sharded_state_of",
+    "unoffload_sharded",
+]
+
+_ATTR = "_headroom_sharded_offload"
+
+ORDER = (
+    "the supported order is: fully_shard each block, then the root (fully_shard(model)), then"
+    " hr.offload(model, device=..., store='cpu'), then the optimizer"
+    " (hr.HostOptimizer(model.parameters(), torch.optim.AdamW, ...) or torch.optim)"
+)
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _fsdp_module_class() -> type | None:
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing can be sharded yet
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module of ``model`` that ``fully_shard`` was applied to."""
+    cls = _fsdp_module_class()
+    if cls is None:
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def check_sharded(model: nn.Module, what: str) -> bool:
+    """Whether ``model`` is sharded by FSDP2; raises for DTensor parameters FSDP2 does not own.
+
+    Args:
+        model: the model.
+        what: the entry point asking (for the message).
+
+    Raises:
+        RuntimeError: a DTensor parameter outside any ``fully_shard``ed module (tensor
+            parallel, ``distribute_tensor``): headroom cannot store it.
+    """
+    sharded = bool(fsdp_modules(model))
+    if sharded:
+        return True
+    for name, p in model.named_parameters():
+        if is_dtensor(p):
+            raise RuntimeError(
+                f"{what}: parameter {name!r} is a DTensor that FSDP2 (fully_shard) does not"
+                " manage (tensor parallel or distribute_tensor); headroom stores only plain"
+                " tensors and FSDP2's local shards. Apply headroom before distributing the"
+                f" parameters, or shard with fully_shard: {ORDER}"
+            )
+    return False
+
+
+# ------------------------------------------------------------------ fully_shard after hr.offload
+_FSDP_CODES: tuple | None = None
+
+
+def _called_from_fully_shard(depth: int = 64) -> bool:
+    global _FSDP_CODES
+    if "torch.distributed.fsdp._fully_shard._fsdp_init" not in sys.modules:
+        return False
+    if _FSDP_CODES is None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+        _FSDP_CODES = (_fsdp_init._get_managed_states.__code__,
+                       _fsdp_init._get_managed_modules.__code__)
+    f = sys._getframe(2)
+    while f is not None and depth > 0:
+        if f.f_code in _FSDP_CODES:
+            return True
+        f = f.f_back
+        depth -= 1
+    return False
+
+
+def check_not_sharding(module: nn.Module, *, listing: bool, whole: bool = False) -> None:
+    """Raise if ``fully_shard`` is being applied to (or has wrapped) an offloaded module.
+
+    Called where an offloaded root or block lists its parameters (``listing``: walks the
+    stack, which sees ``fully_shard`` at its call) and where it is called (``whole``, for the
+    root: a submodule inside a block, which lists nothing of ours when it is sharded, is seen
+    before the next forward).
+    """
+    cls = _fsdp_module_class()
+    if cls is None:
+        return
+    if (isinstance(module, cls) or (listing and _called_from_fully_shard())
+            or (whole and any(isinstance(m, cls) for m in module.modules()))):
+        raise RuntimeError(
+            f"fully_shard cannot wrap a model offloaded with hr.offload (here"
+            f" {type(module).__name__}): FSDP2 would shard the stored masters while the"
+            " modules compute with headroom's device copies, so training would be silently"
+            f" wrong. Call hr.unoffload(model), then shard; {ORDER}"
+        )
+
+
+# ------------------------------------------------------------------ hr.offload of a sharded model
+@dataclass
+class ShardedOffload:
+    """What `offload_sharded` did to a model: the store, the units and their handles."""
+
+    device: torch.device
+    store: Store
+    units: list[str]
+    handles: dict[str, Handle] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)  # name -> FSDPParam
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of local shards resting in the store (padding included)."""
+        return sum(h.nbytes for h in self.handles.values())
+
+
+def sharded_state_of(model: nn.Module) -> ShardedOffload | None:
+    """The `ShardedOffload` of a sharded model `offload_sharded` was applied to, else None."""
+    return model.__dict__.get(_ATTR)
+
+
+def _fsdp_params(module: nn.Module) -> list:
+    group = module._get_fsdp_state()._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
+
+
+def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Store,
+                    blocks: Iterable[nn.Module] | None,
+                    compute_dtype: torch.dtype | None) -> nn.Module:
+    """`hr.offload` of a model whose blocks and root were ``fully_shard``ed; see the module doc.
+
+    Raises:
+        NotImplementedError: a `DiskStore` (not supported for sharded models yet).
+        ValueError: ``compute_dtype`` (use FSDP2's ``MixedPrecisionPolicy``); ``blocks`` that
+            are not ``fully_shard``ed modules of ``model``.
+        RuntimeError: the model is offloaded already, is inside a forward or backward, or its
+            mesh's device is not ``device``.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    from headroom.transfer import resolve_store
+
+    if sharded_state_of(model) is not None:
+        raise RuntimeError("the model is already offloaded; call hr.unoffload() on it first")
+    if isinstance(store, DiskStore):
+        raise NotImplementedError(
+            "hr.offload of a fully_shard'ed model takes store='cpu' (each rank's local shards"
+            " in its host memory); a DiskStore is not supported for sharded models yet."
+            " For shards on disk, shard over more ranks or use hr.offload(...,"
+            " store=hr.DiskStore(path)) without fully_shard (with hr.data_parallel for several"
+            " ranks)"
+        )
+    if compute_dtype is not None:
+        raise ValueError(
+            "compute_dtype is not used with a fully_shard'ed model: give fully_shard a"
+            " MixedPrecisionPolicy(param_dtype=...) instead (FSDP2 casts before its all-gather)"
+        )
+    units = fsdp_modules(model)
+    names = {id(m): n for n, m in units}
+    if blocks is not None:
+        chosen = list(blocks)
+        for m in chosen:
+            if id(m) not in names:
+                raise ValueError(
+                    f"blocks= of a sharded model are its fully_shard'ed modules; a"
+                    f" {type(m).__name__} is not one of them"
+                )
+        units = [(names[id(m)], m) for m in chosen]
+    st = resolve_store(store, device)
+    state = ShardedOffload(device, st, [n or "(root)" for n, _ in units])
+    pending = []
+    for uname, m in units:
+        fstate = m._get_fsdp_state()
+        mesh_dev = fstate._device
+        if torch.device(mesh_dev).type != device.type or (
+                device.index is not None and torch.device(mesh_dev) != device):
+            raise RuntimeError(
+                f"hr.offload(device={device}) but {uname or 'the root'} was fully_shard'ed on"
+                f" {mesh_dev}; pass the device of the FSDP2 mesh"
+            )
+        group = fstate._fsdp_param_group
+        if group is not None and group._training_state != TrainingState.IDLE:
+            raise RuntimeError("hr.offload cannot run inside a forward or backward")
+        for fp in _fsdp_params(m):
+            if fp.sharded_state != ShardedState.SHARDED:
+                raise RuntimeError(
+                    f"{uname or 'the root'} is unsharded (after a forward with"
+                    " reshard_after_forward=False?); call model.reshard() first"
+                )
+            if fp._sharded_param_data.is_meta:
+                raise NotImplementedError(
+                    "hr.offload of a fully_shard'ed model built on meta: materialize it first"
+                    " (model.to_empty(device=...) and initialize, or load a checkpoint with"
+                    " torch.distributed.checkpoint)"
+                )
+            info = fp._module_info
+            prefix = f"{uname}." if uname else ""
+            pending.append((f"{prefix}{_local_name(m, info.module, info.param_name)}", fp))
+    pin = is_accelerator(device)
+    try:
+        for key, fp in pending:
+            state.handles[key] = st.put(key, fp._sharded_param_data.detach())
+    except BaseException:
+        for h in state.handles.values():
+            st.free(h)
+        raise
+    for key, fp in pending:
+        _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
+        state.params[key] = fp
+    model.__dict__[_ATTR] = state
+    return model
+
+
+def _local_name(unit: nn.Module, module: nn.Module, attr: str) -> str:
+    for n, m in unit.named_modules():
+        if m is module:
+            return f"{n}.{attr}" if n else attr
+    return attr  # pragma: no cover - FSDP2 registers parameters of the unit's modules
+
+
+def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
+    """Make ``flat`` (host memory) the FSDPParam's padded local shard, for FSDP2's host path."""
+    old = fp.sharded_param
+    shard_dim = fp.fsdp_placement.dim
+    length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
+    local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
+    grad = old.grad
+    fp._sharded_param_data = flat
+    fp.offload_to_cpu = True
+    # NOTE: only if the store's memory is page-locked: FSDP2 re-pins a shard that is not
+    # (a copy, at its lazy init), which would part the parameter from the store.
+    fp.pin_memory = pin and flat.is_pinned()
+    # NOTE: a new DTensor whose device is the host (a DTensor's device is its local tensor's):
+    # FSDP2 copies it to the mesh's device before the all-gather and puts the reduce-scattered
+    # gradient shard beside it. The optimizer must be built after this (as after fully_shard).
+    new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
+    if grad is not None:
+        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to("cpu"))
+    fp.sharded_param = new
+    fp._setattr_on_modules(new)
+
+
+def unoffload_sharded(model: nn.Module) -> nn.Module:
+    """Undo `offload_sharded`: local shards back on the mesh's device, the store freed."""
+    state = model.__dict__.pop(_ATTR)
+    for key, fp in state.params.items():
+        flat = fp._sharded_param_data.to(state.device).clone()
+        fp.offload_to_cpu = False
+        fp.pin_memory = False
+        old = fp.sharded_param
+        shard_dim = fp.fsdp_placement.dim
+        length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
+        local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
+        grad = old.grad
+        fp._sharded_param_data = flat
+        new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
+        if grad is not None:
+            new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(state.device))
+        fp.sharded_param = new
+        fp._setattr_on_modules(new)
+        state.store.free(state.handles[key])
+    return model

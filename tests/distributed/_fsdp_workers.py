@@ -1,0 +1,307 @@
+"""Code the spawned ranks of tests/distributed/test_fsdp.py run: FSDP2 (fully_shard) with
+headroom, against the same FSDP2 model without headroom."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import headroom as hr
+from headroom.transfer import DiskStore, HostStore
+
+D = 16
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """Blocks and a head; every dimension divides by 4 (no padding of the shards)."""
+
+    def __init__(self, d: int = D, n: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+
+def batch(rank: int, step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(8, D, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def shard(model: nn.Module, **kw) -> nn.Module:
+    for b in model.layers:
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _error(fn) -> str:
+    """The error ``fn()`` raises, as ``Type: message`` ("no error" if none)."""
+    try:
+        fn()
+    except Exception as e:  # the test checks type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def sharded_state_of(model: nn.Module):
+    from headroom.residency._dtensor import sharded_state_of
+
+    return sharded_state_of(model)
+
+
+def _local(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ wrong orders, refused
+def refusals(rank: int, world: int, tmp: str) -> dict:
+    warnings.simplefilter("ignore")
+    out = {}
+    x, _ = batch(rank, 0)
+
+    # hr.offload of a sharded model onto a DiskStore: refused at the call (was a segfault).
+    m = shard(Net())
+    out["offload_disk"] = _error(lambda: hr.offload(
+        m, device="cpu", store=DiskStore(os.path.join(tmp, f"a{rank}"))))
+    m(x).sum().backward()  # the refusal changed nothing
+
+    # fully_shard over an offloaded model (host memory and disk): refused at the call.
+    for name, store in (("cpu", "cpu"), ("disk", DiskStore(os.path.join(tmp, f"b{rank}")))):
+        m = Net()
+        hr.offload(m, device="cpu", store=store)
+        out[f"shard_offloaded_{name}_block"] = _error(lambda m=m: fully_shard(m.layers[0]))
+        out[f"shard_offloaded_{name}_root"] = _error(lambda m=m: fully_shard(m))
+    # A layer inside an offloaded block: fully_shard lists nothing of headroom's; refused at
+    # the next forward.
+    m = Net()
+    hr.offload(m, device="cpu", store="cpu")
+    fully_shard(m.layers[0].fc1)
+    out["shard_offloaded_inner"] = _error(lambda: m(x))
+    # ... and the order it names works: unoffload, shard, offload.
+    m = Net()
+    hr.offload(m, device="cpu", store="cpu")
+    out["refused_then"] = _error(lambda: shard(m))
+    hr.unoffload(m)
+    m2 = Net()  # fully_shard marks a module it saw; the right order starts from a fresh one
+    m2.load_state_dict(m.state_dict())
+    hr.offload(shard(m2), device="cpu", store="cpu")
+    F.cross_entropy(m2(x), batch(rank, 0)[1]).backward()
+    out["right_order_grads"] = sum(p.grad is not None for p in m2.parameters())
+
+    # hr.data_parallel of a sharded model (offloaded or not).
+    m = shard(Net())
+    out["data_parallel"] = _error(lambda: hr.data_parallel(m))
+    hr.offload(m, device="cpu", store="cpu")
+    out["data_parallel_offloaded"] = _error(lambda: hr.data_parallel(m))
+
+    # DDP over an offloaded model stays refused.
+    m = Net()
+    hr.offload(m, device="cpu", store="cpu")
+    out["ddp_offloaded"] = _error(lambda: torch.nn.parallel.DistributedDataParallel(m))
+
+    # A DTensor handed to a store whole: an error naming the local shard (was a segfault).
+    p = shard(Net()).head.weight
+    disk = DiskStore(os.path.join(tmp, f"c{rank}"))
+    out["disk_put_dtensor"] = _error(lambda: disk.put("w", p))
+    out["disk_keys_after"] = len(disk.keys())
+    h = disk.put("w", p.to_local())
+    out["disk_write_dtensor"] = _error(lambda: disk.write(h, p).result())
+    out["host_put_dtensor"] = _error(lambda: HostStore().put("w", p))
+
+    # HostOptimizer keeping the state of shards on disk: refused when built (a step failed).
+    m = hr.offload(shard(Net()), device="cpu", store="cpu")
+    out["host_opt_state_disk"] = _error(lambda: hr.HostOptimizer(
+        m.parameters(), torch.optim.AdamW, state_store=DiskStore(os.path.join(tmp, f"d{rank}"))))
+
+    # DTensor parameters that FSDP2 does not manage (tensor parallel, distribute_tensor).
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    lin = nn.Linear(D, D)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    out["offload_tp"] = _error(lambda: hr.offload(lin, device="cpu", store="cpu"))
+    return out
+
+
+# ------------------------------------------------------------------ the contract
+def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None, step: int,
+               ) -> None:
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for k in range(micro):
+            last = k == micro - 1
+            if micro > 1:
+                m.set_requires_gradient_sync(last)
+            x, y = batch(rank, step, k)
+            (F.cross_entropy(m(x).float(), y) / micro).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        o.step()
+        o.zero_grad()
+
+
+def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
+          partial: bool = False, clip: float | None = 0.05) -> dict:
+    """FSDP2 + hr.offload(store="cpu") + (Host)AdamW vs the same FSDP2 model alone."""
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    kw = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32)
+    shard(model, **kw)
+    shard(ref, **kw)
+    blocks = [model.layers[0], model.layers[2]] if partial else None
+    hr.offload(model, device="cpu", store="cpu", blocks=blocks)
+    state = sharded_state_of(model)
+    okw = dict(lr=1e-2, weight_decay=0.1)
+    if host:
+        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), foreach=False, **okw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    for step in range(STEPS):
+        _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step)
+    # Where the shards rest: inside the store's own tensors, and nowhere else.
+    in_store = {}
+    for key, h in state.handles.items():
+        flat = state.store.host_tensor(h)
+        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+        in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
+    local_bytes = sum(p.to_local().nbytes for n, p in model.named_parameters()
+                      if not partial or n.startswith(("layers.0.", "layers.2.")))
+    return {"got": _local(model), "ref": _local(ref), "in_store": in_store,
+            "stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
+            "local_bytes": local_bytes, "units": len(state.units)}
+
+
+def checkpoint(rank: int, world: int, tmp: str) -> dict:
+    """DCP save of a trained offloaded sharded model, load into a fresh one (also offloaded)."""
+    import torch.distributed.checkpoint as dcp
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = hr.offload(shard(Net()), device="cpu", store="cpu")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, lr=1e-2)
+    for step in range(2):
+        x, y = batch(rank, step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save(model.state_dict(), checkpoint_id=tmp)
+    torch.manual_seed(1)
+    fresh = hr.offload(shard(Net()), device="cpu", store="cpu")
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=tmp)
+    fresh.load_state_dict(sd)
+    state = sharded_state_of(fresh)
+    in_store = []
+    for key, h in state.handles.items():
+        flat = state.store.host_tensor(h)
+        ptr = state.params[key].sharded_param.to_local().data_ptr()
+        in_store.append(int(flat.data_ptr() <= ptr < flat.data_ptr() + flat.nbytes))
+    x, _ = batch(rank, 9)
+    return {"got": _local(fresh), "ref": _local(model), "in_store": torch.tensor(in_store),
+            "out": fresh(x).detach(), "out_ref": model(x).detach()}
+
+
+# ------------------------------------------------------------------ tracking and convert
+def tracking(rank: int, world: int, *, offloaded: bool = False) -> dict:
+    import io
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = shard(Net())
+    if offloaded:
+        hr.offload(model, device="cpu", store="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    buf = io.StringIO()
+    mem.report(file=buf)
+    return {
+        "tracked": {k: mem.current_by_category[k]
+                    for k in ("parameters", "gradients", "optimizer_state")},
+        "local": {
+            "parameters": sum(p.to_local().nbytes for p in model.parameters()),
+            "gradients": sum(p.grad.to_local().nbytes for p in model.parameters()),
+            "optimizer_state": sum(
+                (v.to_local() if hasattr(v, "to_local") else v).nbytes
+                for s in opt.state.values() for v in s.values()),
+        },
+        "report": buf.getvalue(),
+    }
+
+
+def convert(rank: int, world: int) -> dict:
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    shard(model)
+    shard(ref)
+    before = [type(m) for m in model.modules()]
+    conv = hr.convert(model)  # inplace=False: a new tree, the same parameters
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(2):
+        for m, o in ((conv, opt), (ref, ref_opt)):
+            x, y = batch(rank, step)
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    return {"got": _local(conv), "ref": _local(ref),
+            "converted": int(type(conv.layers[0].fc1).__module__.startswith("headroom.")),
+            "unchanged": int(before == [type(m) for m in model.modules()])}
+
+
+
+def unoffload(rank: int, world: int) -> dict:
+    """A step offloaded, hr.unoffload, a step more: as two steps of FSDP2 alone."""
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    shard(model)
+    shard(ref)
+    hr.offload(model, device="cpu", store="cpu")
+    store = sharded_state_of(model).store
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=0)
+    hr.unoffload(model)
+    freed = store.used_bytes
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # new parameter objects
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # not ref's own buffers
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=1)
+    return {"got": _local(model), "ref": _local(ref), "store_after": freed,
+            "offloaded": int(sharded_state_of(model) is not None)}

@@ -1,0 +1,148 @@
+"""Every ```python block of README.md and docs/*.md runs, as written, on this machine.
+
+Each block runs in a fresh namespace, in a temporary working directory (paths in the docs are
+relative), one test per block, named ``file:line`` of its opening fence.
+
+A block may leave names to the reader (``model``, ``x``, ``loader``, ...). It declares them in an
+HTML comment on the line before its fence, which renders as nothing::
+
+    <!-- docs-test: prelude mlp, batch -->
+    ```python
+    ...
+
+Each prelude name is a short snippet in ``PRELUDES`` below, run before the block in the order
+given (tiny shapes, so that every block takes seconds). A block that is deliberately not runnable
+(a signature listing) says so, with its reason, and is checked only for syntax::
+
+    <!-- docs-test: syntax only (a signature listing) -->
+
+Without an accelerator, the device strings of a block are swapped for the CPU's (``"cuda"``,
+``"cuda:0"``, ``f"cuda:{rank}"``, ``.cuda()`` -> ``"cpu"``) and ``"nccl"`` for ``"gloo"``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import accelerator_type
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MARK = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
+
+PRELUDES: dict[str, str] = {
+    # a small MLP of 4 blocks, its data and loss
+    "mlp": """
+        import torch
+        model = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)],
+            torch.nn.Linear(64, 10))
+        x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+        loss_fn = torch.nn.functional.cross_entropy
+        loader = [(x, y), (x, y)]
+    """,
+    "opt": """
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    """,
+    # a tiny GPT-2 saved as a local checkpoint folder, its tokenizer-free data
+    "checkpoint": """
+        import torch, transformers
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(config).save_pretrained("path/to/checkpoint")
+        transformers.GPT2LMHeadModel(config).save_pretrained("path/to/base")
+    """,
+    "lm": """
+        import torch, transformers
+        transformers.logging.set_verbosity_error()
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+        ids = torch.randint(0, 128, (2, 16))
+        batch = {"input_ids": ids, "labels": ids}
+        loader = [batch, batch]
+        ds = [{"input_ids": ids[0], "labels": ids[0]}] * 4
+    """,
+}
+
+
+def _blocks() -> list:
+    params = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].strip() == "```python":
+                start = i
+                j = i + 1
+                while lines[j].strip() != "```":
+                    j += 1
+                code = "\n".join(lines[start + 1:j])
+                k = start - 1
+                while k >= 0 and not lines[k].strip():
+                    k -= 1
+                m = MARK.search(lines[k]) if k >= 0 else None
+                mark = m.group(1) if m else ""
+                rel = f"{page.relative_to(ROOT)}:{start + 1}"
+                params.append(pytest.param(rel, code, mark, id=rel))
+                i = j
+            i += 1
+    return params
+
+
+BLOCKS = _blocks()
+
+
+def _on_this_machine(code: str) -> str:
+    if accelerator_type() == "cuda":
+        return code
+    code = re.sub(r"f\"cuda:\{[^}]*\}\"", '"cpu"', code)
+    code = re.sub(r"\"cuda(:\d+)?\"", '"cpu"', code)
+    code = re.sub(r"\.cuda\([^)]*\)", ".cpu()", code)
+    return code.replace('"nccl"', '"gloo"')
+
+
+def test_every_page_has_runnable_blocks_only_where_marked():
+    marks = [mark for _, code, mark in (p.values for p in BLOCKS)]
+    unknown = [m for m in marks if m and not m.startswith(("prelude ", "syntax only"))]
+    assert not unknown, f"unknown docs-test marks: {unknown}"
+    # syntax-only blocks are the exception
+    assert sum(m.startswith("syntax only") for m in marks) <= 3
+
+
+@pytest.mark.parametrize(("where", "code", "mark"), BLOCKS)
+def test_block_runs(where, code, mark, tmp_path, monkeypatch):
+    tree = ast.parse(code, filename=where)  # every block parses
+    absolute = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                and isinstance(n.value, str) and re.match(r"/(scratch|data|tmp|home)\b", n.value)]
+    assert not absolute, f"{where}: absolute paths {absolute}; use relative ones"
+    if mark.startswith("syntax only"):
+        return
+    names = [n.strip() for n in mark.removeprefix("prelude").split(",") if n.strip()]
+    missing = [n for n in names if n not in PRELUDES]
+    assert not missing, f"{where}: no prelude named {missing} in tests/test_docs.py"
+    monkeypatch.chdir(tmp_path)
+    # declared speeds: a plan in the docs does not measure this machine (seconds) first
+    from headroom.planner import Speeds, _plan
+
+    monkeypatch.setattr(_plan, "default_speeds", lambda *a: Speeds(
+        matmul=1e10, conv=1e10, memory=1e10, op=1e-5, disk_read=1e9, disk_write=5e8))
+    namespace: dict = {"__name__": "__docs__"}
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in names:
+            exec(compile(textwrap.dedent(PRELUDES[name]), f"<prelude {name}>", "exec"),
+                 namespace)
+        exec(compile(_on_this_machine(code), where, "exec"), namespace)
+    finally:
+        torch.set_num_threads(threads)

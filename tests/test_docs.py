@@ -50,6 +50,12 @@ PRELUDES: dict[str, str] = {
     "opt": """
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     """,
+    # a checkpoint of `model` and an SGD host optimizer, as a run before a crash saved it
+    "saved": """
+        import headroom as hr
+        hr.save("checkpoint.safetensors", model,
+                hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3))
+    """,
     # a tiny GPT-2 saved as a local checkpoint folder, its tokenizer-free data
     "checkpoint": """
         import torch, transformers

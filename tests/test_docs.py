@@ -91,7 +91,7 @@ def _blocks() -> list:
                 j = i + 1
                 while lines[j].strip() != "```":
                     j += 1
-                code = "\n".join(lines[start + 1:j])
+                code = textwrap.dedent("\n".join(lines[start + 1:j]))
                 k = start - 1
                 while k >= 0 and not lines[k].strip():
                     k -= 1

@@ -56,6 +56,47 @@ PRELUDES: dict[str, str] = {
         hr.save("checkpoint.safetensors", model,
                 hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=1e-3))
     """,
+    # a trunk builder, sizes and (x, y, task) batches of a multi-task model
+    "tasks": """
+        import torch
+        d, classes, tasks = 16, 4, 3
+        build_trunk = lambda d: torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU())
+        loss_fn = torch.nn.functional.cross_entropy
+        batches = [(torch.randn(8, d), torch.randint(0, classes, (8,)), t) for t in (0, 2, 2, 1)]
+        loader = batches
+
+        class MultiTask(torch.nn.Module):  # as docs/multitask.md defines it
+            def __init__(self, d, classes, tasks):
+                super().__init__()
+                self.trunk = build_trunk(d)
+                self.heads = torch.nn.ModuleList(
+                    torch.nn.Linear(d, classes) for _ in range(tasks))
+
+            def forward(self, x, task):
+                return self.heads[task](self.trunk(x))
+    """,
+    # one rank of a process group on loopback, and a model with `.blocks`
+    "dist": """
+        import os, socket, torch
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
+                              RANK="0", WORLD_SIZE="1")
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+                self.head = torch.nn.Linear(32, 4)
+
+            def forward(self, x):
+                return self.head(self.blocks(x))
+
+        build_model = Net
+        x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
+        loader = [(x, y), (x, y)]
+        loss_fn = torch.nn.functional.cross_entropy
+    """,
     # a tiny GPT-2 saved as a local checkpoint folder, its tokenizer-free data
     "checkpoint": """
         import torch, transformers
@@ -152,3 +193,5 @@ def test_block_runs(where, code, mark, tmp_path, monkeypatch):
         exec(compile(_on_this_machine(code), where, "exec"), namespace)
     finally:
         torch.set_num_threads(threads)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

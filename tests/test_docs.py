@@ -17,7 +17,8 @@ given (tiny shapes, so that every block takes seconds). A block that is delibera
     <!-- docs-test: syntax only (a signature listing) -->
 
 Without an accelerator, the device strings of a block are swapped for the CPU's (``"cuda"``,
-``"cuda:0"``, ``f"cuda:{rank}"``, ``.cuda()`` -> ``"cpu"``) and ``"nccl"`` for ``"gloo"``.
+``"cuda:0"``, ``f"cuda:{rank}"``, ``.cuda()`` -> ``"cpu"``), ``"nccl"`` for ``"gloo"``, and transformers' ``bf16=True`` gets
+``use_cpu=True``.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ PRELUDES: dict[str, str] = {
                                          n_positions=64, bos_token_id=0, eos_token_id=0)
         torch.manual_seed(0)
         transformers.GPT2LMHeadModel(config).save_pretrained("path/to/checkpoint")
-        transformers.GPT2LMHeadModel(config).save_pretrained("path/to/base")
+        llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         vocab_size=128, bos_token_id=0, eos_token_id=0)
+        transformers.LlamaForCausalLM(llama).save_pretrained("path/to/base")
     """,
     "lm": """
         import torch, transformers
@@ -115,8 +119,18 @@ PRELUDES: dict[str, str] = {
         model = transformers.GPT2LMHeadModel(config)
         ids = torch.randint(0, 128, (2, 16))
         batch = {"input_ids": ids, "labels": ids}
-        loader = [batch, batch]
         ds = [{"input_ids": ids[0], "labels": ids[0]}] * 4
+        loader = torch.utils.data.DataLoader(ds, batch_size=2)
+    """,
+    # a word-level tokenizer of the tiny GPT-2's 128 ids, and a text data set for TRL
+    "tokenizer": """
+        import datasets, tokenizers, transformers
+        vocab = {f"w{i}": i for i in range(127)} | {"[UNK]": 127}
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]", pad_token="w0", eos_token="w1")
+        ds = datasets.Dataset.from_dict({"text": ["w5 w6 w7 w8", "w9 w10 w11"] * 2})
     """,
 }
 
@@ -154,6 +168,7 @@ def _on_this_machine(code: str) -> str:
     code = re.sub(r"f\"cuda:\{[^}]*\}\"", '"cpu"', code)
     code = re.sub(r"\"cuda(:\d+)?\"", '"cpu"', code)
     code = re.sub(r"\.cuda\([^)]*\)", ".cpu()", code)
+    code = code.replace("bf16=True", "bf16=True, use_cpu=True")  # transformers' CPU switch
     return code.replace('"nccl"', '"gloo"')
 
 

@@ -32,19 +32,20 @@ def tracker_advice(mem: MemoryTracker) -> list[str]:
         return ["(no advice: the model that ran is no longer alive; report before it is freed)"]
     p = next(iter([*model.parameters(), *model.buffers()]), None)
     device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"
-    ctx["advice"] = _advise(model, ctx, device, None, mem.peak)
+    resting = max((by.get("activations", 0) for by in mem.resting_max.values()), default=0)
+    ctx["advice"] = _advise(model, ctx, device, None, mem.peak, resting)
     return ctx["advice"]
 
 
 def _advise(model: Any, ctx: dict[str, Any], device: str, base: Estimate | None,
-            measured: int | None = None) -> list[str]:
+            measured: int | None = None, resting_activations: int = 0) -> list[str]:
     try:
         from headroom.planner._advice import advise
 
         return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
                       optimizer=ctx.get("optimizer"),
                       optimizer_kwargs=ctx.get("optimizer_kwargs"), device=device, base=base,
-                      measured=measured)
+                      measured=measured, resting_activations=resting_activations)
     except Exception as e:  # advice never breaks a report
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]

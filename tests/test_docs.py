@@ -17,8 +17,8 @@ given (tiny shapes, so that every block takes seconds). A block that is delibera
     <!-- docs-test: syntax only (a signature listing) -->
 
 Without an accelerator, the device strings of a block are swapped for the CPU's (``"cuda"``,
-``"cuda:0"``, ``f"cuda:{rank}"``, ``.cuda()`` -> ``"cpu"``), ``"nccl"`` for ``"gloo"``, and transformers' ``bf16=True`` gets
-``use_cpu=True``.
+``"cuda:0"``, ``f"cuda:{rank}"``, ``.cuda()`` -> ``"cpu"``), ``"nccl"`` for ``"gloo"``, and
+transformers' ``bf16=True`` gets ``use_cpu=True``.
 """
 
 from __future__ import annotations

@@ -209,7 +209,12 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
         k = max(range(len(timeline)), key=lambda i: timeline[i].total)
         lo, hi = next((a, b) for a, b in steps if a <= k < b)
         shown = timeline[lo:hi]
-        where = f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
+        peak_steps = sum(1 for a, b in steps
+                         if max(s.total for s in timeline[a:b]) == timeline[k].total)
+        where = (f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
+                 if peak_steps == 1 else
+                 f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the first of the"
+                 f" {peak_steps} that reach the peak")
     else:
         fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
         shown, where = timeline, ""

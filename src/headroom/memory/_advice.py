@@ -40,7 +40,8 @@ def tracker_advice(mem: MemoryTracker) -> list[str]:
         return ctx["advice"]
     p = next(iter([*model.parameters(), *model.buffers()]), None)
     device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"
-    ctx["advice"] = _advise(model, ctx, device, None, mem.peak)
+    resting = max((by.get("activations", 0) for by in mem.resting_max.values()), default=0)
+    ctx["advice"] = _advise(model, ctx, device, None, mem.peak, resting)
     return ctx["advice"]
 
 
@@ -51,14 +52,14 @@ def _fsdp_sharded(model: Any) -> bool:
 
 
 def _advise(model: Any, ctx: dict[str, Any], device: str, base: Estimate | None,
-            measured: int | None = None) -> list[str]:
+            measured: int | None = None, resting_activations: int = 0) -> list[str]:
     try:
         from headroom.planner._advice import advise
 
         return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
                       optimizer=ctx.get("optimizer"),
                       optimizer_kwargs=ctx.get("optimizer_kwargs"), device=device, base=base,
-                      measured=measured)
+                      measured=measured, resting_activations=resting_activations)
     except Exception as e:  # advice never breaks a report
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]

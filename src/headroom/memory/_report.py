@@ -209,7 +209,12 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
         k = max(range(len(timeline)), key=lambda i: timeline[i].total)
         lo, hi = next((a, b) for a, b in steps if a <= k < b)
         shown = timeline[lo:hi]
-        where = f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
+        peak_steps = sum(1 for a, b in steps
+                         if max(s.total for s in timeline[a:b]) == timeline[k].total)
+        where = (f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
+                 if peak_steps == 1 else
+                 f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the first of the"
+                 f" {peak_steps} that reach the peak")
     else:
         fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
         shown, where = timeline, ""
@@ -291,13 +296,14 @@ def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, 
     scale, unit = _unit(max(s.total for s in timeline))
     ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
     shades = {}
+    spans = []
     start = 0
     for i in range(1, len(timeline) + 1):
         if i == len(timeline) or timeline[i].phase != timeline[start].phase:
             phase = timeline[start].phase
             color = _PHASE_SHADE.get(phase)
             if color and i - 1 > start:
-                ax.axvspan(x[start], x[i - 1], color=color, zorder=0, lw=0)
+                spans.append((x[start], x[i - 1], color))
                 shades[phase] = color
             start = i
     ax.stackplot(x, *ys, labels=list(CATEGORIES), colors=[COLORS[c] for c in CATEGORIES],
@@ -320,6 +326,11 @@ def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, 
     ax.set_ylabel(f"live tensor memory ({unit})")
     ax.set_xlabel(xlabel + (f"; {where}" if where else ""))
     handles, labels = ax.get_legend_handles_labels()
+    unshaded = [p for p in ("forward", "other") if any(s.phase == p for s in timeline)]
+    if shades and unshaded:
+        handles.append(Patch(facecolor="white", edgecolor="#999999", lw=0.5))
+        labels.append(" or ".join("outside the phases" if p == "other" else p for p in unshaded)
+                      + " (not shaded)")
     for phase, color in shades.items():
         handles.append(Patch(facecolor=color, edgecolor="#999999", lw=0.5))
         labels.append(f"{phase} (shaded)")
@@ -334,9 +345,16 @@ def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, 
         ax2.set_ylabel(f"process RSS ({runit})")
         handles.append(line)
         labels.append("process RSS (right axis)")
-        # The stacked categories are drawn over the RSS line, not under it.
+        # The stacked categories are drawn over the RSS line, not under it; the phase shading
+        # goes under both (on the lower axes), so that it hides neither.
         ax.set_zorder(ax2.get_zorder() + 1)
         ax.patch.set_visible(False)
+        line.set_zorder(1)
+        for x0, x1, color in spans:
+            ax2.axvspan(x0, x1, color=color, zorder=0, lw=0)
+    else:
+        for x0, x1, color in spans:
+            ax.axvspan(x0, x1, color=color, zorder=0, lw=0)
     ax.legend(handles, labels, loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3, zorder=0)
 

@@ -21,8 +21,13 @@ _ACTIVATION_MIN_BYTES = 1 << 20  # hr.offload_activations' default
 def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = None,
            loss_fn: Any = None, optimizer: Any = None, optimizer_kwargs: dict | None = None,
            device: str, base: Estimate | None = None,
-           measured: int | None = None) -> list[str]:
-    """Lines of advice for one step of ``model`` on ``device``, largest saving first."""
+           measured: int | None = None, resting_activations: int = 0) -> list[str]:
+    """Lines of advice for one step of ``model`` on ``device``, largest saving first.
+
+    ``resting_activations``: bytes of activations the measured run kept in stores at most
+    (activation offload was on there); the figures are then for the step without it, and
+    activation offload is reported as on rather than offered.
+    """
     common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs)
     if base is None:
         base = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
@@ -39,9 +44,10 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         est = estimate(model, args, **common, **what_if)
         savings.append((peak - est.peak, label))
 
-    saving(f"activation offload (hr.offload_activations, min_bytes"
-           f"={format_bytes(_ACTIVATION_MIN_BYTES)})",
-           offload_activations=_ACTIVATION_MIN_BYTES)
+    if not resting_activations:
+        saving(f"activation offload (hr.offload_activations, min_bytes"
+               f"={format_bytes(_ACTIVATION_MIN_BYTES)})",
+               offload_activations=_ACTIVATION_MIN_BYTES)
     if blocks:
         saving(f"checkpointing the {len(blocks)} blocks ({_pattern(blocks)})", checkpoint=blocks)
 
@@ -71,22 +77,31 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         lines.append(
             f"  a steady-state step (optimizer state created, {base.device}) is estimated at"
             f" {format_bytes(peak)}; this run measured {format_bytes(measured)}")
+    if resting_activations:
+        lines.append(
+            f"  activation offload is on in this run ({format_bytes(resting_activations)} of"
+            " activations rested in stores at most): the figures here are for the step"
+            " without it")
+    logits = _largest_logits(model, args, kwargs, device)
     top = max(cats.items(), key=lambda kv: kv[1])
     share = f"{top[0]} are {100 * top[1] / peak:.0f}% of the peak"
     if top[0] == "activations" and blocks and base.by_module:
         in_blocks = sum(v for k, v in base.by_module.items()
                         if any(k == b or k.startswith(b + ".") for b in blocks))
         share += f", {100 * in_blocks / peak:.0f}% in {_pattern(blocks)}"
-    lines.append(f"  {share} ({format_bytes(top[1])} of {format_bytes(peak)})")
+    share += f" ({format_bytes(top[1])} of {format_bytes(peak)})"
+    if top[0] == "other":
+        share += ": " + _other_parts(top[1], logits)
+    lines.append(f"  {share}")
     for amount, label in sorted(savings, key=lambda s: -s[0]):
         if amount > 0:
             lines.append(f"  {label}: saves about {format_bytes(amount)}"
                          f" ({100 * amount / peak:.0f}%)")
         else:
             lines.append(f"  {label}: saves nothing here")
-    logits = _logits_line(model, args, kwargs, device, peak)
-    if logits:
-        lines.append(logits)
+    line = _logits_line(logits, peak)
+    if line:
+        lines.append(line)
     if cpu:
         lines.append("  (on cpu, only stores on disk free memory: host memory is the device's)")
     return lines
@@ -98,11 +113,40 @@ _HEAD_MIN_CLASSES = 1024
 _HEAD_MIN_SHARE = 0.2
 
 
-def _logits_line(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, device: str,
-                 peak: int) -> str | None:
+def _other_parts(other: int, logits: tuple[int, str, tuple[int, ...]] | None) -> str:
+    """What "other" holds: the logits and their gradient when a wide head made them, the rest
+    inputs, outputs and temporaries of single ops (a softmax's result, a cast)."""
+    rest = "inputs, outputs and temporaries of single ops (a softmax's result, a cast)"
+    if logits is None:
+        return rest
+    nbytes, name, _ = logits
+    both = min(other, 2 * nbytes)
+    if other - both < other // 20:
+        return f"the logits of {name} and their gradient"
+    return (f"the logits of {name} and their gradient, about {format_bytes(both)}; the rest"
+            f" ({format_bytes(other - both)}) {rest}")
+
+
+def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int) -> str | None:
     """A line naming the largest output of a wide ``nn.Linear`` (a language model's logits, a
     classifier over many classes) when it and its gradient are a large share of the peak: no
     technique above removes them, `hr.linear_cross_entropy` never materializes them."""
+    if logits is None:
+        return None
+    nbytes, name, shape = logits
+    if 2 * nbytes < _HEAD_MIN_SHARE * peak:
+        return None
+    dims = " x ".join(str(d) for d in shape)
+    return (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
+            f" about {min(100, 200 * nbytes // peak)}% of the peak, and no technique above"
+            f" removes them: hr.linear_cross_entropy(hidden, {name}.weight, labels) computes the"
+            " same loss without ever holding them")
+
+
+def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
+                    device: str) -> tuple[int, str, tuple[int, ...]] | None:
+    """Bytes, module name and shape of the largest output of an ``nn.Linear`` with at least
+    `_HEAD_MIN_CLASSES` outputs in a forward on ``meta``, or ``None``."""
     from headroom.memory._dryrun import AttentionAsOnDevice, meta_copy, to_meta
 
     meta = meta_copy(model)
@@ -123,16 +167,7 @@ def _logits_line(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, d
     finally:
         for h in handles:
             h.remove()
-    if not seen:
-        return None
-    nbytes, name, shape = max(seen)
-    if 2 * nbytes < _HEAD_MIN_SHARE * peak:
-        return None
-    dims = " x ".join(str(d) for d in shape)
-    return (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
-            f" about {min(100, 200 * nbytes // peak)}% of the peak, and no technique above"
-            f" removes them: hr.linear_cross_entropy(hidden, {name}.weight, labels) computes the"
-            " same loss without ever holding them")
+    return max(seen) if seen else None
 
 
 def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:

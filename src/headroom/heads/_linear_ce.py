@@ -664,7 +664,11 @@ def rows_per_chunk(n_rows: int, num_classes: int, *, softcap: bool,
     """
     fit = budget_bytes // (num_classes * 4 * (2 if softcap else 1))
     rows = min(fit, -(-n_rows // 2))
-    return rows if rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1 else None
+    if not (rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1):
+        return None
+    # chunks of equal size: a short last chunk runs its products less efficiently
+    chunks = -(-n_rows // rows)
+    return -(-n_rows // chunks)
 
 
 def row_pass(
@@ -690,7 +694,8 @@ def row_pass(
     logit_sum = torch.empty(n, dtype=dt, device=dev) if eps > 0 else None
     argmax = torch.empty(n, dtype=torch.int64, device=dev) if opts.want_argmax else None
     grad_x = torch.empty_like(x) if need_x else None
-    grad_w = torch.zeros_like(weight) if need_weight else None
+    # the first chunk writes the weight gradient (no pass to zero a C x D tensor first)
+    grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.zeros_like(bias) if (need_bias and bias is not None) else None
     want_grad = need_x or need_weight or grad_b is not None
     one = torch.ones((), dtype=torch.float64, device=dev)
@@ -742,7 +747,10 @@ def row_pass(
         if grad_x is not None:
             torch.mm(z, weight, out=grad_x[a:b])
         if grad_w is not None:
-            grad_w.addmm_(z.t(), xs)
+            if a == 0:
+                torch.mm(z.t(), xs, out=grad_w)
+            else:
+                grad_w.addmm_(z.t(), xs)
         if grad_b is not None:
             grad_b += z.sum(0)
     fwd = _finish(t, opts, num_classes, lse, z_target, logit_sum, argmax, row_max, row_sum)
@@ -1007,6 +1015,15 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
                 scaled(gb, need_b), None, None, None, None)
 
 
+def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """Indices of the rows not ignored, or ``None`` when none or all of them are."""
+    if torch.compiler.is_compiling():
+        return None  # a data-dependent shape: a compiled graph computes every row
+    flat = target.reshape(-1)
+    keep = (flat != ignore_index).nonzero().squeeze(1)
+    return keep if 0 < keep.numel() < flat.numel() else None
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1132,6 +1149,15 @@ def linear_cross_entropy(
         slice_size=slice_size, prefetch=prefetch,
     )
     batch = math.prod(target_used.shape)
+    x_used, shape_used, shift_used = x, target_used.shape, shift
+    keep = _kept_rows(target_used, ignore_index) if (
+        reduction != "none" and not return_lse) else None
+    if keep is not None:
+        # NOTE: ignored rows add nothing to a reduced loss and get a zero gradient, so only
+        # the rest go through the products (the index_select's backward puts the zeros back).
+        x_used = x.reshape(-1, x.shape[-1]).index_select(0, keep)
+        target_used = target_used.reshape(-1)[keep]
+        batch, shift = keep.numel(), 0
     auto_slices = slice_size is None
     if slice_size is None:
         # with softcap backward keeps a second buffer (ds/dz) beside the logits
@@ -1153,9 +1179,13 @@ def linear_cross_entropy(
             and weight.device == x.device and x.dtype == accum_dtype):
         rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None)
     if rows is not None:
-        out = _LinearCrossEntropyRows.apply(x, weight, bias, target_used, opts, shift, rows)
+        out = _LinearCrossEntropyRows.apply(x_used, weight, bias, target_used, opts, shift, rows)
     else:
-        out = _LinearCrossEntropy.apply(x, weight, bias, target_used, opts, shift, slice_size,
-                                        accum_dtype, prefetch)
+        out = _LinearCrossEntropy.apply(x_used, weight, bias, target_used, opts, shift,
+                                        slice_size, accum_dtype, prefetch)
+    if keep is not None and return_predictions:
+        pred = torch.full((math.prod(shape_used),), -1, dtype=torch.int64, device=x.device)
+        pred[keep] = out[3]
+        out = (*out[:3], unshift_rows(pred, shape_used, shift_used))
     return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
                         return_predictions=return_predictions)

@@ -979,10 +979,10 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         shape = target.shape
         x2 = x.reshape(-1, x.shape[-1])
         with no_autocast(x.device):
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
             fwd, gx, gw, gb = row_pass(
                 x2, weight, bias, target.reshape(-1).long(), opts, rows=rows,
-                need_x=x.requires_grad, need_weight=weight.requires_grad,
-                need_bias=bias is not None and bias.requires_grad)
+                need_x=need_x, need_weight=need_w, need_bias=bias is not None and need_b)
         ctx.save_for_backward(gx, gw, gb)
         ctx.x_shape = x.shape
         ctx.set_materialize_grads(False)
@@ -1013,6 +1013,19 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         gx = scaled(gx, need_x)
         return (None if gx is None else gx.reshape(ctx.x_shape), scaled(gw, need_w),
                 scaled(gb, need_b), None, None, None, None)
+
+
+def one_pass(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, batch: int,
+    auto_slices: bool, reduction: str, return_lse: bool, softcap: float | None,
+    accum_dtype: torch.dtype,
+) -> bool:
+    """Whether `linear_cross_entropy` takes the one-pass path (gradients formed in forward)."""
+    return (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad
+                 or (bias is not None and bias.requires_grad))
+            and weight.device == x.device and x.dtype == accum_dtype
+            and rows_per_chunk(batch, weight.shape[0], softcap=softcap is not None) is not None)
 
 
 def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
@@ -1132,6 +1145,82 @@ def linear_cross_entropy(
         ...                            return_accuracy=True)
         >>> out.loss, out.accuracy
     """
+    if torch.compiler.is_compiling():
+        # one opaque operator in the graph (the passes are data-dependent Python)
+        from headroom.heads._compiled import compiled_linear_cross_entropy
+
+        return compiled_linear_cross_entropy(
+            x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
+            z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
+            return_accuracy=return_accuracy, return_predictions=return_predictions,
+            loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch)
+    return _linear_cross_entropy(
+        x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
+        z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
+        return_accuracy=return_accuracy, return_predictions=return_predictions,
+        loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch, direct=Autograd())
+
+
+class Autograd:
+    """How `_linear_cross_entropy` runs its autograd Function: through autograd (``apply``)."""
+
+    keep: torch.Tensor | None = None
+    rows: int = 0
+    one_pass: bool | None = None  # None: decided from grad mode and requires_grad
+
+    def run(self, fn: type[torch.autograd.Function], *args: Any) -> Any:
+        return fn.apply(*args)
+
+
+class Direct(Autograd):
+    """Calls the Function's forward and backward itself (inside a custom operator, where
+    autograd does not record): the same code, so the same numbers.
+
+    Args:
+        needs: ``needs_input_grad`` of ``(x, weight, bias)``.
+        one_pass: whether to take the one-pass path (gradients formed in forward).
+    """
+
+    def __init__(self, needs: tuple[bool, bool, bool], *, one_pass: bool) -> None:
+        self.one_pass = one_pass
+        self.saved_tensors: tuple = ()
+        self.needs_input_grad = (*needs, *(False,) * 6)
+        self.fn: Any = None
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        pass
+
+    def run(self, fn: type[torch.autograd.Function], *args: Any) -> Any:
+        self.fn = fn
+        return fn.forward(self, *args)
+
+    def backward(self, grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None,
+                 x_shape: torch.Size) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of ``(x, weight, bias)``, ``x``'s with its ignored rows put back."""
+        assert self.fn is not None
+        with torch.no_grad():
+            gx, gw, gb = self.fn.backward(self, grad_loss, grad_lse, None, None)[:3]
+            if gx is not None and self.keep is not None:
+                full = gx.new_zeros((self.rows, gx.shape[-1]))
+                gx = full.index_add_(0, self.keep, gx)
+        return (None if gx is None else gx.reshape(x_shape)), gw, gb
+
+
+def _linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, *,
+    slice_size: int | None, ignore_index: int, label_smoothing: float, reduction: str,
+    softcap: float | None, shift: bool | int, z_loss: float, class_weight: torch.Tensor | None,
+    return_lse: bool, return_accuracy: bool, return_predictions: bool,
+    loss_dtype: torch.dtype | None, accum_dtype: torch.dtype, prefetch: int, direct: Autograd,
+) -> torch.Tensor | LinearCrossEntropyOutput:
     num_classes = weight.shape[0] if weight.dim() == 2 else 0
     shift = check_options(num_classes=num_classes, softcap=softcap, z_loss=z_loss, shift=shift,
                           class_weight=class_weight, loss_dtype=loss_dtype)
@@ -1173,16 +1262,23 @@ def linear_cross_entropy(
         loss_dtype=default_loss_dtype(x.dtype, loss_dtype),
     )
     rows = None
-    if (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad
-                 or (bias is not None and bias.requires_grad))
-            and weight.device == x.device and x.dtype == accum_dtype):
+    use_rows = direct.one_pass
+    if use_rows is None:
+        use_rows = one_pass(x, weight, bias, batch=math.prod(shape_used),
+                            auto_slices=auto_slices, reduction=reduction,
+                            return_lse=return_lse, softcap=softcap, accum_dtype=accum_dtype)
+    if use_rows:
+        # decided on all rows (a fact of shapes, as a compiled graph needs it), chunked on
+        # the rows kept; fewer rows fit the same budget
         rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None)
+        assert rows is not None
     if rows is not None:
-        out = _LinearCrossEntropyRows.apply(x_used, weight, bias, target_used, opts, shift, rows)
+        out = direct.run(_LinearCrossEntropyRows, x_used, weight, bias, target_used, opts,
+                         shift, rows)
     else:
-        out = _LinearCrossEntropy.apply(x_used, weight, bias, target_used, opts, shift,
-                                        slice_size, accum_dtype, prefetch)
+        out = direct.run(_LinearCrossEntropy, x_used, weight, bias, target_used, opts, shift,
+                         slice_size, accum_dtype, prefetch)
+    direct.keep, direct.rows = keep, math.prod(shape_used)
     if keep is not None and return_predictions:
         pred = torch.full((math.prod(shape_used),), -1, dtype=torch.int64, device=x.device)
         pred[keep] = out[3]

@@ -1202,12 +1202,13 @@ class Direct(Autograd):
         self.fn = fn
         return fn.forward(self, *args)
 
-    def backward(self, grad_loss: torch.Tensor | None, grad_lse: torch.Tensor | None,
-                 x_shape: torch.Size) -> tuple[torch.Tensor | None, ...]:
-        """The gradients of ``(x, weight, bias)``, ``x``'s with its ignored rows put back."""
+    def backward(self, grads: tuple[torch.Tensor | None, ...], x_shape: torch.Size
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of ``(x, weight, bias)`` for the Function's incoming ``grads``,
+        ``x``'s with its dropped rows put back."""
         assert self.fn is not None
         with torch.no_grad():
-            gx, gw, gb = self.fn.backward(self, grad_loss, grad_lse, None, None)[:3]
+            gx, gw, gb = self.fn.backward(self, *grads)[:3]
             if gx is not None and self.keep is not None:
                 full = gx.new_zeros((self.rows, gx.shape[-1]))
                 gx = full.index_add_(0, self.keep, gx)

@@ -1066,7 +1066,10 @@ def linear_cross_entropy(
     and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
     loss, a weight on ``x``'s device in ``accum_dtype`` and gradients wanted, chunks of rows
     over all classes (within the same logits budget, at most half the rows) give the loss and
-    the gradients in one pass of three products instead of four; backward scales them.
+    the gradients in one pass of three products instead of four; backward scales them. Rows
+    whose target is ``ignore_index`` do not reach the products when the loss is reduced and
+    the log-sum-exp is not returned. Under ``torch.compile`` (``fullgraph=True`` included) the
+    call is one custom operator that runs this eager code: the same loss and gradients.
 
     For language models: ``shift=True`` predicts token ``t + 1`` from position ``t``
     (``x`` is ``(..., seq, D)``, ``target`` the unshifted ``(..., seq)`` labels, as a Hugging

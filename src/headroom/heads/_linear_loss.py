@@ -645,7 +645,9 @@ def linear_loss(
     when gradients are wanted and ``reduction`` is not ``"none"``; backward then only scales
     them. A softmax needs the log-sum-exp first: a pass in forward, and one in backward. Peak
     extra memory is two ``B x slice_size`` buffers plus the gradients of ``weight`` and ``x``
-    (formed in forward), and a few ``B``- and ``nnz``-sized tensors.
+    (formed in forward), and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile``
+    the call is one custom operator running this eager code (built-in losses and CSR targets
+    of tensors only).
 
     Args:
         x: ``(..., D)`` features on the compute device.

@@ -26,8 +26,9 @@ the kernel (``VmHWM`` reset through ``/proc/self/clear_refs`` before each step; 
 return freed blocks at once, ``MALLOC_MMAP_THRESHOLD_``, so that the resident set follows the live
 memory); on CUDA ``torch.cuda.max_memory_allocated`` above the allocated bytes before the
 step. Time: wall clock of the step, the processes' repeats interleaved round by round so that
-load from other work falls on all alike; medians. Every method's loss and gradient norms must
-match ``plain``'s before anything is reported.
+load from other work falls on all alike; medians, and the processes' CPU time of the step
+(``time.process_time``, all threads), which a loaded machine inflates less. Every method's
+loss and gradient norms must match ``plain``'s before anything is reported.
 
 Usage:
     .venv/bin/python benchmarks/lm_loss.py                     # CPU, fp32, 5 rounds
@@ -187,33 +188,35 @@ def serve(args, step, zero, norms) -> None:
     def run():
         zero()
         before = _reset_peak(dev)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         loss = step()
         loss.backward()
         if dev != "cpu":
             torch.cuda.synchronize()
-        return time.perf_counter() - t, _peak(dev) - before, loss
+        return time.perf_counter() - t, time.process_time() - c, _peak(dev) - before, loss
 
     warm_s = None
     if args.method.startswith("cce"):
-        warm_s, _, _ = run()
+        warm_s, _, _, _ = run()
     # NOTE: the driver asks for each repeat, so that it can interleave the methods round by
     # round: on a shared machine the load changes over minutes.
     print(json.dumps({"ready": True, "warmup_s": warm_s}), flush=True)
-    times, peaks = [], []
+    times, cpus, peaks = [], [], []
     loss = None
     for line in sys.stdin:
         if line.strip() != "run":
             break
-        t, peak, loss = run()
+        t, cpu, peak, loss = run()
         times.append(t)
+        cpus.append(cpu)
         peaks.append(peak)
-        print(json.dumps({"time_s": t, "step_peak_bytes": peak}), flush=True)
+        print(json.dumps({"time_s": t, "cpu_s": cpu, "step_peak_bytes": peak}), flush=True)
     assert loss is not None
     grads = norms()
     print(json.dumps({
         "method": args.method, "times_s": times, "median_s": statistics.median(times),
-        "min_s": min(times), "step_peaks_bytes": peaks,
+        "min_s": min(times), "cpu_s": cpus, "median_cpu_s": statistics.median(cpus),
+        "step_peaks_bytes": peaks,
         "median_step_peak_bytes": statistics.median(peaks), "loss": float(loss),
         "grad_norms": grads, "warmup_s": warm_s,
     }), flush=True)
@@ -303,8 +306,8 @@ def main() -> None:
             proc.stdin.write("run\n")
             proc.stdin.flush()
             rep = json.loads(proc.stdout.readline())
-            print(f"round {r}: {m:>12} {rep['time_s']:8.2f} s  step peak "
-                  f"{rep['step_peak_bytes'] / 2**30:6.2f} GiB", flush=True)
+            print(f"round {r}: {m:>12} {rep['time_s']:8.2f} s ({rep['cpu_s']:7.2f} s CPU)  "
+                  f"step peak {rep['step_peak_bytes'] / 2**30:6.2f} GiB", flush=True)
         loads.append(_load())
     for m, proc in procs.items():
         out, _ = proc.communicate("stop\n")
@@ -337,6 +340,10 @@ def main() -> None:
             r["time_x_plain"] = r["median_s"] / base_t
         if "median_s" in cce_ref:
             r["time_x_cce"] = r["median_s"] / cce_ref["median_s"]
+            r["cpu_time_x_cce"] = r["median_cpu_s"] / cce_ref["median_cpu_s"]
+            # the same round, both under the same load: the ratio per round
+            r["time_x_cce_per_round"] = [a / b for a, b in zip(r["times_s"], cce_ref["times_s"],
+                                                                strict=True)]
             for key in ("loss_peak_bytes", "workspace_bytes", "above_body_bytes"):
                 if key in r and key in cce_ref:
                     r[key.replace("_bytes", "_x_cce")] = r[key] / cce_ref[key]
@@ -346,6 +353,8 @@ def main() -> None:
               f"{r['median_step_peak_bytes'] / 2**30:13.2f} | "
               f"{(lp / 2**30 if lp is not None else float('nan')):8.2f} | "
               f"{r.get('loss_peak_x_cce', r.get('above_body_x_cce', float('nan'))):6.2f}"
+              + f" | CPU {r['median_cpu_s']:.2f} s"
+              + (f" ({r['cpu_time_x_cce']:.2f} x cce)" if "cpu_time_x_cce" in r else "")
               + (f" | workspace {r['workspace_bytes'] / 2**30:5.2f} GiB, "
                  f"{r.get('workspace_x_cce', float('nan')):.2f} x cce"
                  if "workspace_bytes" in r else ""))

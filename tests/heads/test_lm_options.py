@@ -192,6 +192,38 @@ def test_accuracy_and_predictions_equal_dense(softcap, shift):
     assert torch.equal(out.loss, plain)
 
 
+@pytest.mark.parametrize("slice_size", [None, 128])
+def test_ignored_rows_skip_the_products(monkeypatch, slice_size):
+    # a masked prompt costs nothing: only the rows not ignored reach the passes
+    from headroom.heads import _linear_ce
+
+    seen = []
+    def recording(orig):
+        def record(x, *a, **k):
+            seen.append(x.shape[0])
+            return orig(x, *a, **k)
+        return record
+
+    for name in ("row_pass", "ce_forward"):
+        monkeypatch.setattr(_linear_ce, name, recording(getattr(_linear_ce, name)))
+    x, w, b, y = _inputs(shape=(4, 150), scale=2.0)
+    y[:, :40] = -100
+    opts = {"shift": True, "softcap": 5.0, "z_loss": 0.01}
+    out = hr.linear_cross_entropy(x, w, y, b, slice_size=slice_size, return_accuracy=True,
+                                  return_predictions=True, **opts)
+    valid = y[:, 1:] != -100
+    assert seen == [int(valid.sum())]
+    ref, _, z = dense_loss(x, w, y, b, **opts)
+    torch.testing.assert_close(out.loss, ref)
+    expect = torch.where(valid, z.argmax(-1).reshape(valid.shape), -1)
+    assert torch.equal(out.predictions, expect)
+    torch.testing.assert_close(out.accuracy, (expect == y[:, 1:]).sum() / valid.sum())
+    got = torch.autograd.grad(out.loss, (x, w, b))
+    for a, r in zip(got, torch.autograd.grad(ref, (x, w, b)), strict=True):
+        torch.testing.assert_close(a, r)
+    assert not got[0][:, :39].any()  # rows predicting an ignored label: exactly zero
+
+
 def test_predictions_take_the_first_of_tied_classes():
     x = torch.ones(4, 2)
     w = torch.zeros(300, 2)

@@ -9,17 +9,22 @@ loss function uses them.
 """
 
 # Hooks only (no forward replaced, no class special-cased by name): a forward pre-hook on the
-# model takes ``labels`` out of its arguments, a forward pre-hook on the output layer keeps the
-# hidden states it is given and passes on an empty slice, and a forward hook on the model puts
-# the loss into the output. Anything the model does between ``lm_head`` and the loss that the
+# model takes ``labels`` out of its arguments, a forward pre-hook on the output layer computes
+# the loss from the hidden states it is given (while its weight is there: an offloaded one is
+# resident exactly then) and passes on an empty slice, and a forward hook on the model puts the
+# loss into the output. Anything the model does between ``lm_head`` and the loss that the
 # patch does not know of (a logit scale, say) is caught on the first patched call, which keeps
 # one position per sequence and compares the model's logits there with the patch's.
+#
+# NOTE: an offloaded output layer's weight is fetched again for backward by a hook on the
+# layer's output, so the loss's backward must run after that hook: the loss reaches the caller
+# through the layer's (empty) output, `_Carry` and `_Take` linking the two in autograd.
 
 from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,14 +40,50 @@ _MARK = "_headroom_causal_lm_patch"
 
 @dataclass
 class _Call:
-    """One patched training forward: its labels and loss options, then the hidden states."""
+    """One patched training forward: its labels and loss options, then the loss."""
 
     labels: torch.Tensor | None
     shift_labels: torch.Tensor | None
     num_items_in_batch: Any
     ignore_index: int
     check: bool
-    hidden: torch.Tensor | None = None
+    offloaded: bool
+    loss: torch.Tensor | None = None
+    expected: torch.Tensor | None = None  # the check's logits (one position per sequence)
+    low_precision: bool = False  # the check's hidden states are not fp32
+    grad: list = field(default_factory=list)  # the loss's incoming gradient, _Take to _Carry
+
+
+class _Carry(torch.autograd.Function):
+    """The output layer's output, made to depend on the loss (see the NOTE at the top)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, loss: torch.Tensor, call: _Call):  # type: ignore[override]
+        ctx.call = call
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        got = ctx.call.grad
+        return grad_out, (got.pop() if got else None), None
+
+
+class _Take(torch.autograd.Function):
+    """The loss, taken from the model's logits (which carry it, `_Carry`)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, loss: torch.Tensor, call: _Call):  # type: ignore[override]
+        ctx.call = call
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        ctx.logits_device = logits.device
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        ctx.call.grad[:] = [grad]
+        # zeros (not None) so that backward goes on through the logits to `_Carry`
+        return torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype,
+                           device=ctx.logits_device), None, None
 
 
 class CausalLMPatch:
@@ -66,6 +107,8 @@ class CausalLMPatch:
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             lm_head.register_forward_pre_hook(self._head),
+            # before hr.offload's own hook on the layer's output (it fetches for backward)
+            lm_head.register_forward_hook(self._head_out, prepend=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
         ]
         setattr(lm_head, _MARK, self)
@@ -114,25 +157,20 @@ class CausalLMPatch:
                 "the nn.Linear that was patched (was it wrapped, e.g. by LoRA on lm_head?); "
                 "the patch would miss what the new layer adds. Remove the patch "
                 "(handle.remove()), or keep lm_head out of the adapter's target_modules")
-        if binding(self.lm_head.weight) is not None:
-            # Its device copy exists only while lm_head runs, and the loss here reads the
-            # weight after that (and in backward, where the schedule does not fetch it).
-            raise RuntimeError(
-                "patch_causal_lm: the output layer's weight rests in a store (hr.offload); the "
-                "patched loss reads it outside lm_head's own forward, which offloading does not "
-                "provide: remove the patch (handle.remove()) to train this model with its own "
-                "loss")
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels")
         self._call = _Call(
             labels=labels, shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"),
-            ignore_index=int(kwargs.get("ignore_index", -100)), check=not self._checked)
+            ignore_index=int(kwargs.get("ignore_index", -100)), check=not self._checked,
+            # hr.offload shows the modules their parameters' device copies only inside their
+            # forward: here the output layer still holds the stored master
+            offloaded=binding(self.lm_head.weight) is not None)
         return args, kwargs
 
     def _head(self, module: nn.Module, args: tuple) -> tuple | None:
         call = self._call
-        if call is None or call.hidden is not None or not args:
+        if call is None or call.loss is not None or not args:
             return None
         if not _in_forward_of(self.model):
             # A forward stopped by KeyboardInterrupt runs no forward hook: its call is still
@@ -140,26 +178,46 @@ class CausalLMPatch:
             self._call = None
             return None
         hidden = args[0]
-        call.hidden = hidden
+        # the weight as the layer computes with it now (an offloaded one's device copy)
+        weight, bias = module.weight, module.bias
+        call.loss = self._loss(call, hidden, weight, bias)
+        if call.check:
+            call.expected = self._logits(hidden[..., -1:, :], weight, bias)
+            call.low_precision = hidden.dtype != torch.float32
         # The model slices and post-processes what lm_head returns as usual; on the first call
         # one position per sequence (checked in _after), afterwards none.
         keep = hidden[..., -1:, :] if call.check else hidden[..., :0, :]
         return (keep, *args[1:])
 
+    def _head_out(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        call = self._call
+        if (call is None or not call.offloaded or call.loss is None or not call.loss.requires_grad
+                or not isinstance(output, torch.Tensor)):
+            return None
+        return _Carry.apply(output, call.loss, call)
+
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         call, self._call = self._call, None
         if call is None or output is None:
             return None
-        if call.hidden is None:
+        if call.loss is None:
             raise RuntimeError(
                 f"patch_causal_lm: {type(module).__name__}'s forward never called its output "
                 "layer, so there are no hidden states to compute the loss from; this model "
                 "does not compute its logits with get_output_embeddings(): remove the patch")
         logits = output[0] if isinstance(output, tuple) else output["logits"]
         if call.check:
-            self._check(call.hidden, logits)
+            self._check(call, logits)
             self._checked = True
-        loss = self._loss(call)
+        loss = call.loss
+        if call.offloaded and loss.requires_grad:
+            if not (isinstance(logits, torch.Tensor) and logits.requires_grad):
+                raise RuntimeError(
+                    "patch_causal_lm: the model's logits do not depend on its output layer's "
+                    "output in autograd, which the patched loss of an offloaded output layer "
+                    "needs (its weight is fetched for backward through that output); remove "
+                    "the patch (handle.remove()), or keep the output layer out of hr.offload")
+            loss = _Take.apply(logits, loss, call)
         if isinstance(output, tuple):
             return (loss, *output[1:])
         fields = dict(output.items())
@@ -167,17 +225,17 @@ class CausalLMPatch:
         return type(output)(**fields)
 
     # ------------------------------------------------------------------ the loss
-    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.lm_head.weight
-        if hidden.dtype != w.dtype:
+    @staticmethod
+    def _features(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype != weight.dtype:
             # Under autocast the hidden states can be half precision while the weight is not;
             # upcasting them is exact (and the loss computes in fp32 either way).
-            hidden = hidden.to(w.dtype)
+            hidden = hidden.to(weight.dtype)
         return hidden
 
-    def _loss(self, call: _Call) -> torch.Tensor:
-        assert call.hidden is not None
-        hidden = self._features(call.hidden)
+    def _loss(self, call: _Call, hidden: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        hidden = self._features(hidden, weight)
         shift = call.shift_labels is None
         target = call.labels if shift else call.shift_labels
         assert target is not None
@@ -189,7 +247,7 @@ class CausalLMPatch:
                 "(logits_to_keep must stay 0 in training)")
         n = call.num_items_in_batch
         loss = linear_cross_entropy(
-            hidden, self.lm_head.weight, target, self.lm_head.bias, shift=shift,
+            hidden, weight, target, bias, shift=shift,
             softcap=self.softcap, ignore_index=call.ignore_index,
             reduction="mean" if n is None else "sum", slice_size=self.slice_size)
         assert isinstance(loss, torch.Tensor)
@@ -199,21 +257,28 @@ class CausalLMPatch:
             loss = loss / (n.to(loss.device) if torch.is_tensor(n) else n)
         return loss
 
-    def _check(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+        """What the patch takes the logits of ``hidden`` to be (fp32, for `_check`)."""
         with torch.no_grad():
-            h = self._features(hidden[..., -1:, :]).float()
-            z = h @ self.lm_head.weight.float().T
-            if self.lm_head.bias is not None:
-                z = z + self.lm_head.bias.float()
+            z = self._features(hidden, weight).float() @ weight.float().T
+            if bias is not None:
+                z = z + bias.float()
             if self.softcap is not None:
                 z = torch.tanh(z / self.softcap) * self.softcap
+            return z
+
+    def _check(self, call: _Call, logits: torch.Tensor) -> None:
+        z = call.expected
+        assert z is not None
+        with torch.no_grad():
             got = logits.detach().float()
             if got.shape != z.shape:
                 raise RuntimeError(
                     f"patch_causal_lm: the model's logits have shape {tuple(got.shape)} where "
                     f"lm_head gives {tuple(z.shape)}: it post-processes them in a way the patch "
                     "does not know; remove the patch (handle.remove())")
-            low = hidden.dtype != torch.float32 or logits.dtype != torch.float32
+            low = call.low_precision or logits.dtype != torch.float32
             tol = 3e-2 if low else 1e-4
             err = float((got - z).abs().max())
             scale = 1.0 + float(z.abs().max())

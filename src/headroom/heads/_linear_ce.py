@@ -664,7 +664,11 @@ def rows_per_chunk(n_rows: int, num_classes: int, *, softcap: bool,
     """
     fit = budget_bytes // (num_classes * 4 * (2 if softcap else 1))
     rows = min(fit, -(-n_rows // 2))
-    return rows if rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1 else None
+    if not (rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1):
+        return None
+    # chunks of equal size: a short last chunk runs its products less efficiently
+    chunks = -(-n_rows // rows)
+    return -(-n_rows // chunks)
 
 
 def row_pass(
@@ -690,7 +694,8 @@ def row_pass(
     logit_sum = torch.empty(n, dtype=dt, device=dev) if eps > 0 else None
     argmax = torch.empty(n, dtype=torch.int64, device=dev) if opts.want_argmax else None
     grad_x = torch.empty_like(x) if need_x else None
-    grad_w = torch.zeros_like(weight) if need_weight else None
+    # the first chunk writes the weight gradient (no pass to zero a C x D tensor first)
+    grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.zeros_like(bias) if (need_bias and bias is not None) else None
     want_grad = need_x or need_weight or grad_b is not None
     one = torch.ones((), dtype=torch.float64, device=dev)
@@ -742,7 +747,10 @@ def row_pass(
         if grad_x is not None:
             torch.mm(z, weight, out=grad_x[a:b])
         if grad_w is not None:
-            grad_w.addmm_(z.t(), xs)
+            if a == 0:
+                torch.mm(z.t(), xs, out=grad_w)
+            else:
+                grad_w.addmm_(z.t(), xs)
         if grad_b is not None:
             grad_b += z.sum(0)
     fwd = _finish(t, opts, num_classes, lse, z_target, logit_sum, argmax, row_max, row_sum)
@@ -971,10 +979,10 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         shape = target.shape
         x2 = x.reshape(-1, x.shape[-1])
         with no_autocast(x.device):
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
             fwd, gx, gw, gb = row_pass(
                 x2, weight, bias, target.reshape(-1).long(), opts, rows=rows,
-                need_x=x.requires_grad, need_weight=weight.requires_grad,
-                need_bias=bias is not None and bias.requires_grad)
+                need_x=need_x, need_weight=need_w, need_bias=bias is not None and need_b)
         ctx.save_for_backward(gx, gw, gb)
         ctx.x_shape = x.shape
         ctx.set_materialize_grads(False)
@@ -1007,6 +1015,28 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
                 scaled(gb, need_b), None, None, None, None)
 
 
+def one_pass(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, batch: int,
+    auto_slices: bool, reduction: str, return_lse: bool, softcap: float | None,
+    accum_dtype: torch.dtype,
+) -> bool:
+    """Whether `linear_cross_entropy` takes the one-pass path (gradients formed in forward)."""
+    return (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad
+                 or (bias is not None and bias.requires_grad))
+            and weight.device == x.device and x.dtype == accum_dtype
+            and rows_per_chunk(batch, weight.shape[0], softcap=softcap is not None) is not None)
+
+
+def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """Indices of the rows not ignored, or ``None`` when none or all of them are."""
+    if torch.compiler.is_compiling():
+        return None  # a data-dependent shape: a compiled graph computes every row
+    flat = target.reshape(-1)
+    keep = (flat != ignore_index).nonzero().squeeze(1)
+    return keep if 0 < keep.numel() < flat.numel() else None
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1036,7 +1066,10 @@ def linear_cross_entropy(
     and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
     loss, a weight on ``x``'s device in ``accum_dtype`` and gradients wanted, chunks of rows
     over all classes (within the same logits budget, at most half the rows) give the loss and
-    the gradients in one pass of three products instead of four; backward scales them.
+    the gradients in one pass of three products instead of four; backward scales them. Rows
+    whose target is ``ignore_index`` do not reach the products when the loss is reduced and
+    the log-sum-exp is not returned. Under ``torch.compile`` (``fullgraph=True`` included) the
+    call is one custom operator that runs this eager code: the same loss and gradients.
 
     For language models: ``shift=True`` predicts token ``t + 1`` from position ``t``
     (``x`` is ``(..., seq, D)``, ``target`` the unshifted ``(..., seq)`` labels, as a Hugging
@@ -1115,6 +1148,83 @@ def linear_cross_entropy(
         ...                            return_accuracy=True)
         >>> out.loss, out.accuracy
     """
+    if torch.compiler.is_compiling():
+        # one opaque operator in the graph (the passes are data-dependent Python)
+        from headroom.heads._compiled import compiled_linear_cross_entropy
+
+        return compiled_linear_cross_entropy(
+            x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
+            z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
+            return_accuracy=return_accuracy, return_predictions=return_predictions,
+            loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch)
+    return _linear_cross_entropy(
+        x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
+        z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
+        return_accuracy=return_accuracy, return_predictions=return_predictions,
+        loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch, direct=Autograd())
+
+
+class Autograd:
+    """How `_linear_cross_entropy` runs its autograd Function: through autograd (``apply``)."""
+
+    keep: torch.Tensor | None = None
+    rows: int = 0
+    one_pass: bool | None = None  # None: decided from grad mode and requires_grad
+
+    def run(self, fn: type[torch.autograd.Function], *args: Any) -> Any:
+        return fn.apply(*args)
+
+
+class Direct(Autograd):
+    """Calls the Function's forward and backward itself (inside a custom operator, where
+    autograd does not record): the same code, so the same numbers.
+
+    Args:
+        needs: ``needs_input_grad`` of ``(x, weight, bias)``.
+        one_pass: whether to take the one-pass path (gradients formed in forward).
+    """
+
+    def __init__(self, needs: tuple[bool, bool, bool], *, one_pass: bool) -> None:
+        self.one_pass = one_pass
+        self.saved_tensors: tuple = ()
+        self.needs_input_grad = (*needs, *(False,) * 6)
+        self.fn: Any = None
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        pass
+
+    def run(self, fn: type[torch.autograd.Function], *args: Any) -> Any:
+        self.fn = fn
+        return fn.forward(self, *args)
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...], x_shape: torch.Size
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of ``(x, weight, bias)`` for the Function's incoming ``grads``,
+        ``x``'s with its dropped rows put back."""
+        assert self.fn is not None
+        with torch.no_grad():
+            gx, gw, gb = self.fn.backward(self, *grads)[:3]
+            if gx is not None and self.keep is not None:
+                full = gx.new_zeros((self.rows, gx.shape[-1]))
+                gx = full.index_add_(0, self.keep, gx)
+        return (None if gx is None else gx.reshape(x_shape)), gw, gb
+
+
+def _linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, *,
+    slice_size: int | None, ignore_index: int, label_smoothing: float, reduction: str,
+    softcap: float | None, shift: bool | int, z_loss: float, class_weight: torch.Tensor | None,
+    return_lse: bool, return_accuracy: bool, return_predictions: bool,
+    loss_dtype: torch.dtype | None, accum_dtype: torch.dtype, prefetch: int, direct: Autograd,
+) -> torch.Tensor | LinearCrossEntropyOutput:
     num_classes = weight.shape[0] if weight.dim() == 2 else 0
     shift = check_options(num_classes=num_classes, softcap=softcap, z_loss=z_loss, shift=shift,
                           class_weight=class_weight, loss_dtype=loss_dtype)
@@ -1132,6 +1242,15 @@ def linear_cross_entropy(
         slice_size=slice_size, prefetch=prefetch,
     )
     batch = math.prod(target_used.shape)
+    x_used, shape_used, shift_used = x, target_used.shape, shift
+    keep = _kept_rows(target_used, ignore_index) if (
+        reduction != "none" and not return_lse) else None
+    if keep is not None:
+        # NOTE: ignored rows add nothing to a reduced loss and get a zero gradient, so only
+        # the rest go through the products (the index_select's backward puts the zeros back).
+        x_used = x.reshape(-1, x.shape[-1]).index_select(0, keep)
+        target_used = target_used.reshape(-1)[keep]
+        batch, shift = keep.numel(), 0
     auto_slices = slice_size is None
     if slice_size is None:
         # with softcap backward keeps a second buffer (ds/dz) beside the logits
@@ -1147,15 +1266,26 @@ def linear_cross_entropy(
         loss_dtype=default_loss_dtype(x.dtype, loss_dtype),
     )
     rows = None
-    if (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad
-                 or (bias is not None and bias.requires_grad))
-            and weight.device == x.device and x.dtype == accum_dtype):
+    use_rows = direct.one_pass
+    if use_rows is None:
+        use_rows = one_pass(x, weight, bias, batch=math.prod(shape_used),
+                            auto_slices=auto_slices, reduction=reduction,
+                            return_lse=return_lse, softcap=softcap, accum_dtype=accum_dtype)
+    if use_rows:
+        # decided on all rows (a fact of shapes, as a compiled graph needs it), chunked on
+        # the rows kept; fewer rows fit the same budget
         rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None)
+        assert rows is not None
     if rows is not None:
-        out = _LinearCrossEntropyRows.apply(x, weight, bias, target_used, opts, shift, rows)
+        out = direct.run(_LinearCrossEntropyRows, x_used, weight, bias, target_used, opts,
+                         shift, rows)
     else:
-        out = _LinearCrossEntropy.apply(x, weight, bias, target_used, opts, shift, slice_size,
-                                        accum_dtype, prefetch)
+        out = direct.run(_LinearCrossEntropy, x_used, weight, bias, target_used, opts, shift,
+                         slice_size, accum_dtype, prefetch)
+    direct.keep, direct.rows = keep, math.prod(shape_used)
+    if keep is not None and return_predictions:
+        pred = torch.full((math.prod(shape_used),), -1, dtype=torch.int64, device=x.device)
+        pred[keep] = out[3]
+        out = (*out[:3], unshift_rows(pred, shape_used, shift_used))
     return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
                         return_predictions=return_predictions)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from headroom.heads._linear_ce import (
     DEFAULT_LOGITS_BUDGET,
+    Autograd,
     _refuse_double_backward,
     check_linear,
     grad_pass,
@@ -547,6 +548,7 @@ def multilabel_loss(
     accum_dtype: torch.dtype,
     sample: Callable[[Positives], tuple[torch.Tensor, ParamSlices, torch.Tensor,
                                         torch.Tensor | None]] | None = None,
+    direct: Autograd | None = None,
 ) -> torch.Tensor:
     """Validate, drop ignored rows, plan and run the sliced loss (shared by the entry points).
 
@@ -556,6 +558,7 @@ def multilabel_loss(
         sample: for a sampled (approximate) loss: given the positives, picks the classes and
             returns ``(class ids, params, weight, bias)`` for exactly those rows; ``params``
             is then ``None``.
+        direct: how the autograd Function runs (default: through autograd; see `Direct`).
     """
     if not (isinstance(loss, str) and loss in LOSSES) and not callable(loss):
         raise ValueError(
@@ -588,12 +591,15 @@ def multilabel_loss(
     if sample is not None:
         class_ids, params, weight, bias = sample(pos)
     assert params is not None
-    grads = torch.is_grad_enabled() and any(
+    needs = getattr(direct, "needs_input_grad", None)  # a `Direct` says what is wanted
+    grads = any(needs[:3]) if needs is not None else torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias))
     plan = make_plan(pos, loss=loss, pos_weight=pos_weight, reduction=reduction,
                      slice_size=slice_size, class_ids=class_ids,
                      one_pass=params.one_pass and grads, accum_dtype=accum_dtype)
-    out = _LinearLoss.apply(x2, weight, bias, params, plan)
+    direct = direct or Autograd()
+    out = direct.run(_LinearLoss, x2, weight, bias, params, plan)
+    direct.keep, direct.rows = keep, batch
     if reduction != "none":
         return out
     if keep is not None:
@@ -639,7 +645,9 @@ def linear_loss(
     when gradients are wanted and ``reduction`` is not ``"none"``; backward then only scales
     them. A softmax needs the log-sum-exp first: a pass in forward, and one in backward. Peak
     extra memory is two ``B x slice_size`` buffers plus the gradients of ``weight`` and ``x``
-    (formed in forward), and a few ``B``- and ``nnz``-sized tensors.
+    (formed in forward), and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile``
+    the call is one custom operator running this eager code (built-in losses and CSR targets
+    of tensors only).
 
     Args:
         x: ``(..., D)`` features on the compute device.
@@ -689,6 +697,14 @@ def linear_loss(
         >>> loss = linear_loss(x, w, (offsets, indices), loss="bce", slice_size=256)
         >>> loss.backward()
     """
+    if torch.compiler.is_compiling():
+        # one opaque operator in the graph (the passes are data-dependent Python)
+        from headroom.heads._compiled import compiled_linear_loss
+
+        return compiled_linear_loss(
+            x, weight, targets, loss=loss, bias=bias, pos_weight=pos_weight,
+            reduction=reduction, slice_size=slice_size, ignore_rows=ignore_rows,
+            accum_dtype=accum_dtype, prefetch=prefetch)
     check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
                  slice_size=slice_size, prefetch=prefetch)
     params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)

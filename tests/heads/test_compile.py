@@ -1,0 +1,111 @@
+"""hr.linear_cross_entropy under torch.compile(fullgraph=True): one graph, eager's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headroom as hr
+
+C, D = 300, 16
+
+CASES = {
+    "one_pass": {},                                   # gradients formed in forward
+    "slices": {"slice_size": 64},
+    "none": {"reduction": "none", "label_smoothing": 0.1},
+    "lm": {"shift": True, "softcap": 3.0, "z_loss": 1e-3, "return_lse": True,
+           "return_accuracy": True, "return_predictions": True},
+}
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 40, D, generator=g).requires_grad_()
+    w = torch.randn(C, D, generator=g).requires_grad_()
+    b = torch.randn(C, generator=g).requires_grad_()
+    y = torch.randint(0, C, (2, 40), generator=g)
+    y[0, :5] = -100
+    return x, w, b, y
+
+
+def _run(fn, kw):
+    x, w, b, y = _inputs()
+    out = fn(x, w, y, b, **kw)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    total = loss.sum() + (out.lse.sum() if kw.get("return_lse") else 0)
+    grads = torch.autograd.grad(total, (x, w, b))
+    extra = [] if isinstance(out, torch.Tensor) else [t for t in out[2:] if t is not None]
+    return [loss, *extra, *grads]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fullgraph_equals_eager(case, backend):
+    kw = CASES[case]
+    torch._dynamo.reset()
+    compiled = torch.compile(hr.linear_cross_entropy, fullgraph=True, backend=backend)
+    got, want = _run(compiled, kw), _run(hr.linear_cross_entropy, kw)
+    for a, e in zip(got, want, strict=True):
+        if backend == "aot_eager":
+            assert torch.equal(a, e)
+        else:
+            torch.testing.assert_close(a, e)
+
+
+def test_one_graph_and_label_check_inside():
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(hr.linear_cross_entropy, fullgraph=True, backend=counts)
+    x, w, b, y = _inputs()
+    fn(x, w, y, b).backward()
+    assert counts.frame_count == 1
+    y[1, 3] = C  # out of range: the eager check runs inside the operator
+    with pytest.raises(ValueError, match="outside \\[0, 300\\)"):
+        fn(x, w, y, b)
+
+
+ML_CASES = {
+    "bce": {"loss": "bce", "pos_weight": 2.0},                      # gradients formed in forward
+    "hinge_none": {"loss": "squared_hinge", "reduction": "none"},
+    "softmax": {"loss": "softmax", "slice_size": 64},
+    "ignored": {"loss": "bce", "ignore_rows": True},
+}
+
+
+def _ml_run(fn, kw):
+    x, w, b, _ = _inputs()
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(0, 4, (80,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    indices = torch.cat([torch.randperm(C, generator=g)[:int(k)] for k in counts])
+    kw = dict(kw)
+    if kw.pop("ignore_rows", False):
+        kw["ignore_rows"] = torch.arange(80).reshape(2, 40) % 7 == 0
+    out = fn(x, w, (offsets, indices), bias=b, **kw)
+    return [out, *torch.autograd.grad(out.sum(), (x, w, b))]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", list(ML_CASES))
+def test_linear_loss_fullgraph_equals_eager(case, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(hr.linear_loss, fullgraph=True, backend=backend)
+    got, want = _ml_run(compiled, ML_CASES[case]), _ml_run(hr.linear_loss, ML_CASES[case])
+    for a, e in zip(got, want, strict=True):
+        if backend == "aot_eager":
+            assert torch.equal(a, e)
+        else:
+            torch.testing.assert_close(a, e)
+
+
+def test_linear_loss_function_or_list_targets_are_refused_under_compile():
+    torch._dynamo.reset()
+    x, w, _, _ = _inputs()
+    rows = [torch.tensor([1, 2])] * 80
+    with pytest.raises(Exception, match="CSR tuple of tensors"):
+        torch.compile(hr.linear_loss, fullgraph=True, backend="eager")(x, w, rows)
+    torch._dynamo.reset()
+    offsets = torch.arange(81)
+    with pytest.raises(Exception, match="loss function does not compile"):
+        torch.compile(hr.linear_loss, fullgraph=True, backend="eager")(
+            x, w, (offsets, offsets[:80] % C), loss=lambda s, t, c: s.sum())

@@ -39,7 +39,7 @@ from headroom.transfer._binding import ParamBinding, sync_grad
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
-__all__ = ["GradSource", "HandleSource", "Source", "StoreTensor", "ViewSource"]
+__all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource"]
 
 _aten = torch.ops.aten
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -184,6 +184,30 @@ class GradSource(Source):
 
     def describe(self) -> str:
         return f"the gradient of {self.binding.handle.key!r} in {self.binding.store!r}"
+
+
+class HeldSource(Source):
+    """Values held in memory: those of a parameter that left its store (its `StoreTensor` keeps
+    the values it had rather than reading whatever later takes its place in the store)."""
+
+    def __init__(self, value: torch.Tensor, describe: str) -> None:
+        self.value = value
+        self._describe = describe
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        return self.value, True
+
+    def live(self) -> bool:
+        return True
+
+    def write(self, value: torch.Tensor) -> None:
+        self.value.copy_(value)
+
+    def key(self) -> tuple:
+        return ("held", id(self))
+
+    def describe(self) -> str:
+        return self._describe
 
 
 class ViewSource(Source):

@@ -1,5 +1,6 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
+from headroom.residency._adapters import init_adapters
 from headroom.residency._offload import describe, offload, prefetch, state_of, unoffload
 from headroom.residency._plan import (
     GroupPlan,
@@ -15,6 +16,7 @@ __all__ = [
     "OffloadPlan",
     "ParamPlan",
     "describe",
+    "init_adapters",
     "offload",
     "plan_offload",
     "prefetch",

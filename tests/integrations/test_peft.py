@@ -172,7 +172,7 @@ def test_wrap_on_meta_then_load_base_checkpoint(tmp_path):
     # The adapters PEFT made on meta have no values: never made up, nor initialized otherwise.
     assert all(v.is_meta for k, v in model.state_dict().items() if "lora_" in k)
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="initial values are lost"):
+    with pytest.raises(RuntimeError, match="initial values are lost.*hr.init_adapters"):
         model(input_ids=ids)
     from safetensors.torch import load_file
 

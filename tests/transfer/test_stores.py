@@ -227,3 +227,38 @@ def test_disk_split_read_error_reaches_the_caller(tmp_path):
     with pytest.raises(StoreCorruptError, match="the file is shorter than the tensor"):
         s.read(h).result()
     s.close()
+
+
+def test_disk_deferred_scale_reads_as_if_written(tmp_path):
+    """scale_ records an in-place scaling: later reads (whole, rows) apply it bitwise as the op
+    on the whole value would; a whole write replaces it; a row write, flush and file_of write
+    it out first; free forgets it; reads issued before it are not scaled."""
+    mul, fmul = torch.ops.aten.mul_.Tensor, torch.ops.aten._foreach_mul_.Tensor
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    a, b = torch.tensor(0.3), torch.tensor(1.7)
+    want = x.clone()
+    torch._foreach_mul_([want], a)
+    want.mul_(b)
+    s = DiskStore(tmp_path / "s", threads=2)
+    h = s.put("g", x)
+    early = s.read(h)
+    s.scale_(h, fmul, a)
+    s.scale_(h, mul, b)
+    assert torch.equal(early.result(), x)
+    assert torch.equal(s.read(h).result(), want)
+    assert torch.equal(s.read_rows(h, slice(1, 4)).result(), want[1:4])
+    assert torch.equal(s.read_rows(h, torch.tensor([0, 5])).result(), want[[0, 5]])
+    s.write_rows(h, slice(0, 1), torch.zeros(1, 5)).result()  # the other rows keep the scaling
+    assert "g" not in s._scales
+    assert torch.equal(s.read(h).result(), torch.cat([torch.zeros(1, 5), want[1:]]))
+    s.scale_(h, mul, a)
+    s.write(h, x).result()  # replaced whole: the scaling is gone
+    assert torch.equal(s.read(h).result(), x)
+    s.scale_(h, mul, a)
+    s.close()  # flushes: the file holds the scaled value
+    s = DiskStore(tmp_path / "s", verify=True)
+    assert torch.equal(s.read(s.get("g")).result(), x * a)
+    s.scale_(s.get("g"), mul, a)
+    s.free(s.get("g"))
+    assert not s._scales
+    s.close()

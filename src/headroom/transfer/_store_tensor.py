@@ -84,6 +84,11 @@ class Source:
         """Add ``t`` (autograd accumulating a new gradient) its own way; False: not handled."""
         return False
 
+    def scale(self, op: Any, factor: Any) -> bool:
+        """Scale the values in place by a scalar without reading them now (``op``: an in-place
+        element-wise op, see `DiskStore.scale_`); False: not handled."""
+        return False
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -170,6 +175,17 @@ class GradSource(Source):
     def read(self) -> tuple[torch.Tensor, bool]:
         h = self._handle()
         return _read(self.binding.store, h)
+
+    def scale(self, op: Any, factor: Any) -> bool:
+        # NOTE: clipping scales every gradient after reading it for the norm; on disk the
+        # scaling is recorded instead, and applied as the gradient is next read (by the
+        # optimizer step, slice by slice): one read and one write of every gradient fewer.
+        store = self.binding.store
+        defer = getattr(store, "scale_", None)
+        if defer is None or self.live():
+            return False
+        defer(self._handle(), op, factor)
+        return True
 
     def live(self) -> bool:
         b = self.binding
@@ -350,12 +366,37 @@ class StoreTensor(torch.Tensor):
             # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
             # to 1) then costs no read and write of every gradient on disk.
             return None if func in _FOREACH_SCALE_OPS else args[0]
+        if func in _SCALE_OPS and _is_scalar(args[1]):
+            if func in _FOREACH_SCALE_OPS:
+                factor = _own_scalar(args[1])
+                rest = [t for t in args[0]
+                        if not (isinstance(t, StoreTensor) and t._source.scale(func, factor))]
+                if rest:
+                    _foreach(func, (rest, args[1]), kwargs)
+                return None
+            if isinstance(args[0], StoreTensor) and args[0]._source.scale(
+                    func, _own_scalar(args[1])):
+                return args[0]
         if func.__name__.startswith(("_foreach_", "_amp_foreach_")):
             return _foreach(func, args, kwargs)
         if (_is_view(func) and isinstance(args[0], StoreTensor)
                 and not (args[0].device.type == "cpu" and args[0]._source.live())):
             return _view(func, args, kwargs)
         return _run(func, args, kwargs)
+
+
+def _is_scalar(x: Any) -> bool:
+    """A number, or a 0-dim host tensor holding one (what clipping scales by)."""
+    if isinstance(x, torch.Tensor):
+        return (x.dim() == 0 and not isinstance(x, StoreTensor) and x.device.type == "cpu"
+                and not x.requires_grad)
+    return isinstance(x, (int, float))
+
+
+def _own_scalar(x: Any) -> Any:
+    """The factor as recorded: a copy, so a later change of the caller's tensor does not
+    change a scaling already made."""
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
 
 
 def _is_view(func) -> bool:

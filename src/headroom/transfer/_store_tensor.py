@@ -12,7 +12,9 @@ reports, whose every op runs on the values the store holds:
   give an ordinary tensor;
 - in-place ops (``mul_``, ``_foreach_mul_``, ``clamp_``, ``_amp_foreach_non_finite_check_and_
   unscale_``, ``zero_``, ``copy_``, the ``add_`` autograd accumulates with) change the stored
-  value: in place in host memory, read-modify-write on disk;
+  value: in place in host memory, read-modify-write on disk, except that a gradient on disk
+  scaled by a number (``mul_``, as clipping does) is not read or written: the store records the
+  scaling and applies it whenever the gradient is next read (`DiskStore.scale_`);
 - ``foreach`` ops run one tensor at a time, so at most one value is in memory at once;
 - ``detach`` (``p.data``, ``p.detach()``) gives another `StoreTensor` over the same values.
 

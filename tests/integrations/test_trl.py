@@ -22,7 +22,9 @@ from tests.integrations._models import (
 
 pytest.importorskip("trl")
 
-MODES = {"fp32": (torch.float32, False), "bf16-weights": (torch.bfloat16, False)}
+# fp32 weights; fp32 weights under bf16 autocast; bf16 weights (the optimizer's fp32 masters)
+MODES = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True),
+         "bf16-weights": (torch.bfloat16, False)}
 
 
 def _train(mode: str, store: str | None, headroom: bool, tmp_path):

@@ -262,3 +262,28 @@ def test_disk_deferred_scale_reads_as_if_written(tmp_path):
     s.free(s.get("g"))
     assert not s._scales
     s.close()
+
+
+def test_disk_deferred_scale_killed_before_written_reopens_unscaled(tmp_path):
+    """kill -9 after scale_ and before anything wrote it out: the tensor reopens as it was
+    (its last completed write), intact; a tensor whose scaling a flush wrote out keeps it."""
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from headroom.transfer import DiskStore
+        s = DiskStore({str(tmp_path / "k")!r})
+        x = torch.arange(12.0).reshape(3, 4)
+        a, b = s.put("a", x), s.put("b", x)
+        s.scale_(b, torch.ops.aten.mul_.Tensor, torch.tensor(2.0))
+        s.flush()
+        s.scale_(a, torch.ops.aten.mul_.Tensor, torch.tensor(3.0))
+        assert torch.equal(s.read(a).result(), x * 3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == -9, r.stderr
+    x = torch.arange(12.0).reshape(3, 4)
+    s = DiskStore(tmp_path / "k", verify=True)  # nothing written since the flush
+    assert torch.equal(s.read(s.get("a")).result(), x)
+    assert torch.equal(s.read(s.get("b")).result(), x * 2)
+    s.close()

@@ -58,7 +58,14 @@ def _train_lora(mode: str, store: str | None, headroom: bool, tmp_path):
     import headroom as hr
 
     dtype, bf16 = MODES[mode]
-    model = offload(llama(dtype), store, tmp_path)
+    if store == "disk":  # the base never whole in memory: built on meta, loaded into the store
+        llama(dtype).save_pretrained(tmp_path / "base")
+        with torch.device("meta"):
+            model = llama(dtype)
+        model = offload(model, store, tmp_path)
+        hr.load_weights(model, tmp_path / "base")
+    else:
+        model = offload(llama(dtype), store, tmp_path)
     opt = ((hr.HostOptimizer, {"lr": 1e-3}) if headroom
            else (torch.optim.AdamW, {"lr": 1e-3, "fused": True}))
     data = Dataset.from_dict({"input_ids": token_ids().tolist()})

@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "unoffload": "headroom.residency",
     "describe": "headroom.residency",
     "prefetch": "headroom.residency",
+    "init_adapters": "headroom.residency",
     # optim/
     "HostOptimizer": "headroom.optim",
     # checkpoint/

@@ -172,7 +172,7 @@ def test_wrap_on_meta_then_load_base_checkpoint(tmp_path):
     # The adapters PEFT made on meta have no values: never made up, nor initialized otherwise.
     assert all(v.is_meta for k, v in model.state_dict().items() if "lora_" in k)
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="initial values are lost"):
+    with pytest.raises(RuntimeError, match="initial values are lost.*hr.init_adapters"):
         model(input_ids=ids)
     from safetensors.torch import load_file
 
@@ -180,6 +180,61 @@ def test_wrap_on_meta_then_load_base_checkpoint(tmp_path):
                                                     "adapter_model.safetensors"))
     assert _train(model, _optimizer(model, "host")) == losses
     _assert_same(_values(model), _values(ref))
+
+
+def _reset_lora(model, seed: int) -> None:
+    """What PEFT's initializer draws for every LoRA layer, in the model's order."""
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            m.reset_lora_parameters("default", True)
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_wrap_on_meta_then_init_adapters_trains_like_plain_peft(store, tmp_path):
+    """meta -> get_peft_model -> offload -> hr.load_weights(base) -> hr.init_adapters: fresh
+    adapters drawn by PEFT's own initializer (lora_B zero), training bitwise as plain PEFT
+    from the same initial adapters; the base stays what the checkpoint holds."""
+    _base().save_pretrained(tmp_path / "base")
+    ref = _wrap(_base())
+    _reset_lora(ref, 7)
+    init = _values(ref)
+    losses = _train(ref, _optimizer(ref, "torch"))
+    model = _wrap(_on_meta())
+    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    hr.load_weights(model, tmp_path / "base")
+    torch.manual_seed(7)
+    names = hr.init_adapters(model)
+    assert len(names) == 2 * 2 * 2 and all("lora_" in n for n in names)  # layers, q/v, A/B
+    _assert_same(_values(model), init)
+    assert all(not v.any() for k, v in init.items() if "lora_B" in k)
+    assert all(v.abs().max() <= 1 / 32 ** 0.5 and v.std() > 0
+               for k, v in init.items() if "lora_A" in k)  # kaiming_uniform_(a=sqrt 5) bound
+    assert hr.init_adapters(model) == []  # nothing left without values: nothing redrawn
+    _check_adapters_offloaded(model)
+    assert _train(model, _optimizer(model, "host")) == losses
+    _assert_same(_values(model), _values(ref))
+    base = _values(_base())
+    got = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+           for k, v in _values(model).items() if "lora_" not in k}
+    _assert_same(got, base)
+
+
+def test_init_adapters_refuses_what_it_cannot_draw(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="not offloaded"):
+        hr.init_adapters(model)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(_config()), peft.LoraConfig(
+            r=4, target_modules=["q_proj"], init_lora_weights="olora"))
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    with pytest.raises(RuntimeError, match="init_lora_weights='olora'.*reads the base weights"):
+        hr.init_adapters(model)
+    with pytest.raises(RuntimeError, match="initial values are lost"):  # still refused
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_load_weights_into_wrapped_model_is_strict(tmp_path):

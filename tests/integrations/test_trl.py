@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer (full fine-tune) with hr.offload + hr.HostOptimizer: bitwise the run
-without headroom (its default clipping, logging every step)."""
+"""TRL's SFTTrainer (full fine-tune, and LoRA through ``peft_config``) with hr.offload +
+hr.HostOptimizer: bitwise the run without headroom (its default clipping, logging every step)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from functools import partial
 import pytest
 import torch
 
+from headroom.transfer import binding
 from tests.integrations._models import (
     assert_runs_equal,
+    assert_same_state,
     llama,
     offload,
     optimizer,
@@ -20,7 +22,9 @@ from tests.integrations._models import (
 
 pytest.importorskip("trl")
 
-MODES = {"fp32": (torch.float32, False), "bf16-weights": (torch.bfloat16, False)}
+# fp32 weights; fp32 weights under bf16 autocast; bf16 weights (the optimizer's fp32 masters)
+MODES = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True),
+         "bf16-weights": (torch.bfloat16, False)}
 
 
 def _train(mode: str, store: str | None, headroom: bool, tmp_path):
@@ -42,3 +46,56 @@ def _train(mode: str, store: str | None, headroom: bool, tmp_path):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sft_trainer_full_fine_tune_with_offload_is_exact(mode, tmp_path):
     assert_runs_equal(partial(_train, mode), mode == "bf16-weights", tmp_path)
+
+
+def _train_lora(mode: str, store: str | None, headroom: bool, tmp_path):
+    """SFTTrainer wraps the model in LoRA itself (``peft_config``), after ``hr.offload``: the
+    optimizer is built by Trainer over the adapters, through ``optimizer_cls_and_kwargs``."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    import headroom as hr
+
+    dtype, bf16 = MODES[mode]
+    if store == "disk":  # the base never whole in memory: built on meta, loaded into the store
+        llama(dtype).save_pretrained(tmp_path / "base")
+        with torch.device("meta"):
+            model = llama(dtype)
+        model = offload(model, store, tmp_path)
+        hr.load_weights(model, tmp_path / "base")
+    else:
+        model = offload(llama(dtype), store, tmp_path)
+    opt = ((hr.HostOptimizer, {"lr": 1e-3}) if headroom
+           else (torch.optim.AdamW, {"lr": 1e-3, "fused": True}))
+    data = Dataset.from_dict({"input_ids": token_ids().tolist()})
+    cfg = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                    logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=bf16,
+                    seed=0, disable_tqdm=True, max_length=16)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    torch.manual_seed(5)  # the adapters' initialization draws random numbers
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=data, peft_config=lora,
+                         optimizer_cls_and_kwargs=opt, processing_class=tokenizer())
+    if store is not None:  # the adapters TRL made joined the store, trainable, in fp32
+        lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
+        assert lora and all(binding(p) is not None and p.requires_grad for p in lora)
+        assert {p.dtype for p in lora} == {torch.float32}
+    return train_logged(trainer, trainer.model)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sft_trainer_peft_config_with_offload_is_exact(mode, tmp_path):
+    pytest.importorskip("peft")
+    ref_logs, ref_state = _train_lora(mode, None, False, tmp_path / "ref")
+    for store in ("cpu", "disk"):
+        logs, st = _train_lora(mode, store, True, tmp_path / store)
+        assert logs == ref_logs, store
+        assert_same_state(ref_state, st)
+    # the adapters trained, the frozen base did not change
+    base = llama(MODES[mode][0]).state_dict()
+    lora = {k for k in ref_state if "lora_" in k}
+    assert lora and {k.removeprefix("base_model.model.").replace(".base_layer", "")
+                     for k in ref_state.keys() - lora} == base.keys()
+    for k in ref_state.keys() - lora:
+        assert torch.equal(ref_state[k], base[k.removeprefix("base_model.model.")
+                                                .replace(".base_layer", "")]), k

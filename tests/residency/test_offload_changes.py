@@ -76,3 +76,28 @@ def test_modules_built_elsewhere_while_a_model_is_offloaded(tmp_path):
     other[0].weight = nn.Parameter(torch.ones(3, 3))
     assert binding(other[0].weight) is None and torch.equal(other[0].weight, torch.ones(3, 3))
     assert len(state_of(model).slots) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_parameter_replaced_after_offload_takes_its_place(store, tmp_path):
+    """A parameter assigned over a stored one under the same name (PEFT casts bf16 adapters to
+    fp32 this way): the new one is stored with its values, the old one leaves the store."""
+    torch.manual_seed(0)
+    ref = Transformer(d=8, n=3)
+    model = copy.deepcopy(ref)
+    _offload(model, store, tmp_path)
+    for m in (ref, model):
+        for lin in (m.layers[1].fc1, m.head):
+            old = lin.weight
+            lin.weight = nn.Parameter(old.detach() * 2)
+    state = state_of(model)
+    for lin in (model.layers[1].fc1, model.head):
+        assert binding(lin.weight) is not None
+        assert torch.equal(lin.weight.detach().clone(), ref.state_dict()[
+            "head.weight" if lin is model.head else "layers.1.fc1.weight"])
+    assert len(state.slots) == len(list(model.parameters()))
+    assert binding(old) is None and torch.equal(old.detach(), ref.head.weight.detach() / 2)
+    opts = [hr.HostOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, fused=False)
+            for m in (ref, model)]
+    _train((ref, model), opts)
+    _same(model, ref)

@@ -168,32 +168,50 @@ def test_grad_taken_before_zero_grad_refuses_to_read(tmp_path):
         g.norm()
 
 
-def test_clipping_that_does_not_clip_writes_nothing_to_disk(tmp_path):
-    """A coefficient clamped to 1 leaves every gradient as it is: no read-modify-write."""
+def test_clipping_on_disk_reads_each_gradient_once_and_writes_none(tmp_path):
+    """Clipping reads every gradient for the norm; the scaling is recorded, not written, and
+    applied as each gradient is next read: the same bits as plain torch, one read and one write
+    of every gradient fewer. flush() writes the scaled values out."""
     rs, ps = _pair("disk", tmp_path)
     store = ps[0].grad._source.binding.store
-    writes = []
-    real = store.write
-    store.write = lambda h, src: (writes.append(h.key), real(h, src))[1]
+    writes, reads = [], []
+    real_w, real_r = store.write, store.read
+    store.write = lambda h, src: (writes.append(h.key), real_w(h, src))[1]
+    store.read = lambda h, out=None: (reads.append(h.key), real_r(h, out))[1]
     try:
-        n = torch.nn.utils.clip_grad_norm_(ps, 1e9)
+        n = torch.nn.utils.clip_grad_norm_(ps, 1e9)  # clamped to 1: nothing to scale
         assert writes == [] and float(n) < 1e9
-        torch.nn.utils.clip_grad_norm_(ps, 1e-3)  # this one clips: every gradient rewritten
-        assert sorted(writes) == sorted(f"{k}.grad" for k in _keys(ps))
+        assert sorted(reads) == sorted(f"{k}.grad" for k in _keys(ps))
+        reads.clear()
+        torch.nn.utils.clip_grad_norm_(ps, 1e-3)  # clips: read once each, written never
+        torch.nn.utils.clip_grad_value_(ps, 1e-5)  # a second in-place op, read and written
+        assert sorted(reads) == sorted(2 * [f"{k}.grad" for k in _keys(ps)])
+        assert len(writes) == len(ps)
     finally:
-        del store.write
+        del store.write, store.read
+    for p in ps:  # scaled once more, deferred: read back in order
+        p.grad.mul_(torch.tensor(0.5))
     torch.nn.utils.clip_grad_norm_(rs, 1e-3)
+    torch.nn.utils.clip_grad_value_(rs, 1e-5)
+    for r in rs:
+        r.grad.mul_(torch.tensor(0.5))
     _grads_equal(rs, ps)
+    h = ps[0].grad._source.binding.grad_handle
+    store.flush()  # the file now holds the scaled gradient
+    assert h.key not in store._scales
+    assert torch.equal(store.read(h).result(), rs[0].grad)
 
 
 def _keys(ps):
     return [p._source.handle.key for p in ps]
 
 
+@pytest.mark.parametrize("where", ["clip", "step"])
 @pytest.mark.parametrize("error", [OSError, KeyboardInterrupt])
-def test_failure_while_clipping_on_disk_propagates_and_redoing_the_step_is_exact(error,
+def test_failure_while_clipping_on_disk_propagates_and_redoing_the_step_is_exact(error, where,
                                                                                   tmp_path):
-    """An error (or Ctrl-C) writing a scaled gradient reaches the caller; parameters are
+    """An error (or Ctrl-C) reading a gradient for the norm, or reading a clipped gradient in
+    the step (where its recorded scaling is applied), reaches the caller; parameters are
     untouched, and zero_grad + the same batch again give plain PyTorch's step."""
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     ref, m = _model(), _model()
@@ -205,20 +223,26 @@ def test_failure_while_clipping_on_disk_propagates_and_redoing_the_step_is_exact
     before = [p.detach().clone() for p in m.parameters()]
     m(x).square().sum().backward()
     store = next(iter(m.parameters()))._source.store
-    real, calls = store.write, []
+    name = "read" if where == "clip" else "read_rows"
+    real, calls = getattr(store, name), []
 
-    def failing(h, src):
+    def failing(h, *args, **kw):
         calls.append(h.key)
         if len(calls) == 3:
             raise error("injected")
-        return real(h, src)
+        return real(h, *args, **kw)
 
-    store.write = failing
+    if where == "step":
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+    setattr(store, name, failing)
     try:
         with pytest.raises(error, match="injected"):
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+            if where == "clip":
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+            else:
+                opt.step()
     finally:
-        del store.write
+        delattr(store, name)
     assert all(torch.equal(p.detach().clone(), b) for p, b in zip(m.parameters(), before,
                                                                   strict=True))
     opt.zero_grad()

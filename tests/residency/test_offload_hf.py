@@ -80,3 +80,22 @@ def test_hf_model_trains_from_disk_with_host_optimizer(make, tmp_path):
     got = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_model_built_on_meta_moves_to_its_device_before_its_first_forward(store, tmp_path):
+    """Trainer and Lightning call model.to(device) before any forward: buffers built on meta
+    and not in the checkpoint (Llama's rotary inv_freq) stay pending, then fill as usual."""
+    torch.manual_seed(0)
+    ref, _ = _llama()
+    ref.save_pretrained(tmp_path / "ck")
+    with torch.device("meta"):
+        model, _ = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu",
+                   store="cpu" if store == "cpu" else hr.DiskStore(tmp_path / "w"))
+    hr.load_weights(model, tmp_path / "ck")
+    assert model.to("cpu") is model
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)

@@ -227,3 +227,63 @@ def test_disk_split_read_error_reaches_the_caller(tmp_path):
     with pytest.raises(StoreCorruptError, match="the file is shorter than the tensor"):
         s.read(h).result()
     s.close()
+
+
+def test_disk_deferred_scale_reads_as_if_written(tmp_path):
+    """scale_ records an in-place scaling: later reads (whole, rows) apply it bitwise as the op
+    on the whole value would; a whole write replaces it; a row write, flush and file_of write
+    it out first; free forgets it; reads issued before it are not scaled."""
+    mul, fmul = torch.ops.aten.mul_.Tensor, torch.ops.aten._foreach_mul_.Tensor
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    a, b = torch.tensor(0.3), torch.tensor(1.7)
+    want = x.clone()
+    torch._foreach_mul_([want], a)
+    want.mul_(b)
+    s = DiskStore(tmp_path / "s", threads=2)
+    h = s.put("g", x)
+    early = s.read(h)
+    s.scale_(h, fmul, a)
+    s.scale_(h, mul, b)
+    assert torch.equal(early.result(), x)
+    assert torch.equal(s.read(h).result(), want)
+    assert torch.equal(s.read_rows(h, slice(1, 4)).result(), want[1:4])
+    assert torch.equal(s.read_rows(h, torch.tensor([0, 5])).result(), want[[0, 5]])
+    s.write_rows(h, slice(0, 1), torch.zeros(1, 5)).result()  # the other rows keep the scaling
+    assert "g" not in s._scales
+    assert torch.equal(s.read(h).result(), torch.cat([torch.zeros(1, 5), want[1:]]))
+    s.scale_(h, mul, a)
+    s.write(h, x).result()  # replaced whole: the scaling is gone
+    assert torch.equal(s.read(h).result(), x)
+    s.scale_(h, mul, a)
+    s.close()  # flushes: the file holds the scaled value
+    s = DiskStore(tmp_path / "s", verify=True)
+    assert torch.equal(s.read(s.get("g")).result(), x * a)
+    s.scale_(s.get("g"), mul, a)
+    s.free(s.get("g"))
+    assert not s._scales
+    s.close()
+
+
+def test_disk_deferred_scale_killed_before_written_reopens_unscaled(tmp_path):
+    """kill -9 after scale_ and before anything wrote it out: the tensor reopens as it was
+    (its last completed write), intact; a tensor whose scaling a flush wrote out keeps it."""
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from headroom.transfer import DiskStore
+        s = DiskStore({str(tmp_path / "k")!r})
+        x = torch.arange(12.0).reshape(3, 4)
+        a, b = s.put("a", x), s.put("b", x)
+        s.scale_(b, torch.ops.aten.mul_.Tensor, torch.tensor(2.0))
+        s.flush()
+        s.scale_(a, torch.ops.aten.mul_.Tensor, torch.tensor(3.0))
+        assert torch.equal(s.read(a).result(), x * 3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == -9, r.stderr
+    x = torch.arange(12.0).reshape(3, 4)
+    s = DiskStore(tmp_path / "k", verify=True)  # nothing written since the flush
+    assert torch.equal(s.read(s.get("a")).result(), x)
+    assert torch.equal(s.read(s.get("b")).result(), x * 2)
+    s.close()

@@ -1,5 +1,6 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
+from headroom.residency._adapters import init_adapters
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
@@ -24,6 +25,7 @@ __all__ = [
     "OffloadPlan",
     "ParamPlan",
     "describe",
+    "init_adapters",
     "offload",
     "offload_states",
     "plan_offload",

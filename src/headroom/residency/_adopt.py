@@ -42,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from headroom.residency._group import Group, Slot
 from headroom.residency._plan import Layout
 from headroom.transfer import HostStore, StoreTensor, binding, claimed_keys, unbind
+from headroom.transfer._store_tensor import HeldSource
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
@@ -144,6 +145,13 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
     info.dirty = True  # what this parameter replaces may have left the model (see rescan)
     if _busy(state) or binding(param) is not None:
         return None
+    old = module._parameters.get(name)  # still registered: torch calls the hook first
+    if old is not None and old is not param:
+        # A parameter replaced in place (PEFT's fp32 cast of bf16 adapters): the old one
+        # leaves the store, freeing its name for the new one.
+        slot = state.by_param.get(id(old)) or state.by_dev.get(id(old))
+        if slot is not None and [(id(m), a) for m, a in slot.owners] == [(id(module), name)]:
+            retire(state, [slot])
     prefix = state.module_names.get(id(module), "")
     placed = _adopt(state, info, [(module, name, param, prefix + name)],
                     info.home.get(id(module)))
@@ -370,6 +378,8 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         p = s.param
         p.grad = None
         if value is not None:
+            if isinstance(p, StoreTensor):  # it keeps the values it had, not the store's key
+                p._source = HeldSource(value, f"{b.handle.key!r}, taken out of {st!r}")
             if p.device.type == "meta" or isinstance(p, StoreTensor):  # no memory of its own
                 p = nn.Parameter(value, requires_grad=p.requires_grad)
                 s.show(p)

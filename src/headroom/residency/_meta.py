@@ -101,9 +101,10 @@ def _lost_adapters(state: Offload, lost_ok: bool) -> set[int]:
         raise RuntimeError(
             f"adapter parameters {lost[:4]}{' ...' if len(lost) > 4 else ''} ({len(lost)} in"
             " all) were created on the meta device (the model was wrapped while on meta), so"
-            " their initial values are lost. For new adapters, wrap after hr.offload:"
-            " hr.offload(model, ...), hr.load_weights(model, base), then"
-            " peft.get_peft_model(model, config); to continue from saved adapters, load them"
+            " their initial values are lost. For new adapters, call hr.init_adapters(model)"
+            " (PEFT's own initialization), or wrap after hr.offload: hr.offload(model, ...),"
+            " hr.load_weights(model, base), then peft.get_peft_model(model, config); to"
+            " continue from saved adapters, load them"
             " first (peft.set_peft_model_state_dict or hr.load_weights(model, path))"
         )
     return modules

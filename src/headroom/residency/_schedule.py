@@ -420,7 +420,9 @@ class Offload:
             for t in (s.param, s.dev, s.param.grad, s.dev.grad):
                 if t is not None:
                     keep.add(id(t))
-        return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
+        # Buffers still on meta (built there, filled on the device when first needed) stay
+        # pending: the move is to the offload's own device, checked above.
+        return base(module, lambda t: t if id(t) in keep or t.is_meta else fn(t), recurse)
 
     # ------------------------------------------------------------------ forward hooks
     def root_pre_forward(self, module, args, kwargs):

@@ -128,6 +128,35 @@ def _all_of(futs: list[Future], result, finish: Callable[[], None] | None = None
     return out
 
 
+def _apply_scales(t: torch.Tensor, scales: list[tuple[Callable, object]]) -> torch.Tensor:
+    """The recorded in-place scalings of a tensor, applied to values just read, in order: the
+    same op (elementwise) on the same values as when it was recorded."""
+    with torch.no_grad():
+        for op, factor in scales:
+            if op.__name__.startswith("_foreach"):
+                op([t], factor)
+            else:
+                op(t, factor)
+    return t
+
+
+def _scaled(fut: Future, scales: list[tuple[Callable, object]]) -> Future:
+    out: Future = Future()
+
+    def finish(f: Future) -> None:
+        e = f.exception()
+        if e is not None:
+            out.set_exception(e)
+            return
+        try:
+            out.set_result(_apply_scales(f.result(), scales))
+        except BaseException as ex:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(ex)
+
+    fut.add_done_callback(finish)
+    return out
+
+
 class _ReadCheck:
     """Checksums of one read: segments it covers whole are verified before its future resolves.
 
@@ -332,6 +361,8 @@ class DiskStore(Store):
                 " directory you can write to, e.g. on a local disk with free space"
             ) from e
         self._pending: dict[str, Future] = {}
+        # key -> in-place scalings not yet written (see `scale_`), applied in order
+        self._scales: dict[str, list[tuple[Callable, object]]] = {}
         self._unsynced: set[str] = set()
         self.page_cache = page_cache
         self.verify_reads = (not page_cache) if verify_reads is None else verify_reads
@@ -659,7 +690,10 @@ class DiskStore(Store):
         out = self._out(handle, out, handle.shape)
         if handle.nbytes == 0:
             return done(out)
-        return self._submit_io(handle, "read", out, [(0, 0, handle.nbytes)])
+        with self._lock:
+            scales = list(self._scales.get(handle.key, ()))
+        fut = self._submit_io(handle, "read", out, [(0, 0, handle.nbytes)])
+        return _scaled(fut, scales) if scales else fut
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
         self._check_src(handle, src, handle.shape)
@@ -667,7 +701,40 @@ class DiskStore(Store):
             raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
         if handle.nbytes == 0:
             return done(None)
+        with self._lock:
+            self._scales.pop(handle.key, None)  # the whole value replaced
         return self._submit_io(handle, "write", src, [(0, 0, handle.nbytes)])
+
+    def scale_(self, handle: Handle, op: Callable, factor: object) -> None:
+        """Scale a stored tensor in place by a scalar, deferred: ``op(t, factor)`` (or
+        ``op([t], factor)`` for a ``_foreach`` op), an element-wise in-place op such as
+        ``torch.ops.aten.mul_.Tensor`` with a 0-dim ``factor``.
+
+        Nothing is read or written now. Every later read (whole or rows) applies the recorded
+        ops, in order, to the values it reads, so it gets bitwise what it would read had the
+        tensor been scaled and written back; a later whole `write` replaces them. Before a row
+        write, `flush`, `close` or `file_of` the scaled value is written out (read, scaled,
+        written), so the file holds it from then on. Until then the file holds the values
+        before scaling: after ``kill -9`` the tensor reopens unscaled (for gradient clipping,
+        which is what this is for, the gradients of an interrupted step are not kept anyway).
+
+        Raises:
+            KeyError: ``handle`` is not in this store.
+        """
+        self._own()
+        self._check(handle)
+        with self._lock:
+            self._scales.setdefault(handle.key, []).append((op, factor))
+
+    def _write_out_scales(self, keys: list[str] | None = None) -> None:
+        """Write out the deferred scalings of ``keys`` (all by default), see `scale_`."""
+        with self._lock:
+            todo = [k for k in (self._scales if keys is None else keys) if k in self._scales]
+        for k in todo:
+            h = self._handles.get(k)
+            if h is None:
+                continue
+            self.write(h, self.read(h).result()).result()
 
     @staticmethod
     def _extents(handle: Handle, rows: slice | torch.Tensor) -> list[tuple[int, int, int]]:
@@ -686,7 +753,10 @@ class DiskStore(Store):
         extents = self._extents(handle, rows)
         if not extents:
             return done(out)
-        return self._submit_io(handle, "read", out, extents)
+        with self._lock:
+            scales = list(self._scales.get(handle.key, ()))
+        fut = self._submit_io(handle, "read", out, extents)
+        return _scaled(fut, scales) if scales else fut
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
         rows = self._check_rows(handle, rows)
@@ -696,6 +766,8 @@ class DiskStore(Store):
         extents = self._extents(handle, rows)
         if not extents:
             return done(None)
+        if handle.key in self._scales:  # the other rows keep their scaled values
+            self._write_out_scales([handle.key])
         return self._submit_io(handle, "write", src, extents)
 
     def reserve_writes(self, count: int) -> None:
@@ -714,6 +786,7 @@ class DiskStore(Store):
 
     def file_of(self, handle: Handle) -> Path:
         """The file that holds ``handle`` (for inspection and benchmarks)."""
+        self._write_out_scales([handle.key])
         return Path(self._file(handle))
 
     def damaged(self) -> dict[str, list[tuple[int, int]]]:
@@ -732,6 +805,7 @@ class DiskStore(Store):
         if prev is not None:
             prev.exception()
         with self._lock:
+            self._scales.pop(handle.key, None)
             name = self._ledger.entries[handle.key]["file"]
             self._ledger.free(handle.key)  # journaled before the file goes
             self._release(handle)
@@ -746,6 +820,7 @@ class DiskStore(Store):
 
     def _sync(self, *, clean: bool) -> None:
         self._own()
+        self._write_out_scales()
         with self._lock:
             pending = list(self._pending.values())
         for fut in pending:

@@ -12,7 +12,9 @@ reports, whose every op runs on the values the store holds:
   give an ordinary tensor;
 - in-place ops (``mul_``, ``_foreach_mul_``, ``clamp_``, ``_amp_foreach_non_finite_check_and_
   unscale_``, ``zero_``, ``copy_``, the ``add_`` autograd accumulates with) change the stored
-  value: in place in host memory, read-modify-write on disk;
+  value: in place in host memory, read-modify-write on disk, except that a gradient on disk
+  scaled by a number (``mul_``, as clipping does) is not read or written: the store records the
+  scaling and applies it whenever the gradient is next read (`DiskStore.scale_`);
 - ``foreach`` ops run one tensor at a time, so at most one value is in memory at once;
 - ``detach`` (``p.data``, ``p.detach()``) gives another `StoreTensor` over the same values.
 
@@ -39,7 +41,7 @@ from headroom.transfer._binding import ParamBinding, sync_grad
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
-__all__ = ["GradSource", "HandleSource", "Source", "StoreTensor", "ViewSource"]
+__all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource"]
 
 _aten = torch.ops.aten
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -82,6 +84,11 @@ class Source:
 
     def accumulate(self, t: torch.Tensor) -> bool:
         """Add ``t`` (autograd accumulating a new gradient) its own way; False: not handled."""
+        return False
+
+    def scale(self, op: Any, factor: Any) -> bool:
+        """Scale the values in place by a scalar without reading them now (``op``: an in-place
+        element-wise op, see `DiskStore.scale_`); False: not handled."""
         return False
 
     def describe(self) -> str:
@@ -171,6 +178,17 @@ class GradSource(Source):
         h = self._handle()
         return _read(self.binding.store, h)
 
+    def scale(self, op: Any, factor: Any) -> bool:
+        # NOTE: clipping scales every gradient after reading it for the norm; on disk the
+        # scaling is recorded instead, and applied as the gradient is next read (by the
+        # optimizer step, slice by slice): one read and one write of every gradient fewer.
+        store = self.binding.store
+        defer = getattr(store, "scale_", None)
+        if defer is None or self.live():
+            return False
+        defer(self._handle(), op, factor)
+        return True
+
     def live(self) -> bool:
         b = self.binding
         return b.grad_handle is not None and b.store.host_tensor(b.grad_handle) is not None
@@ -184,6 +202,30 @@ class GradSource(Source):
 
     def describe(self) -> str:
         return f"the gradient of {self.binding.handle.key!r} in {self.binding.store!r}"
+
+
+class HeldSource(Source):
+    """Values held in memory: those of a parameter that left its store (its `StoreTensor` keeps
+    the values it had rather than reading whatever later takes its place in the store)."""
+
+    def __init__(self, value: torch.Tensor, describe: str) -> None:
+        self.value = value
+        self._describe = describe
+
+    def read(self) -> tuple[torch.Tensor, bool]:
+        return self.value, True
+
+    def live(self) -> bool:
+        return True
+
+    def write(self, value: torch.Tensor) -> None:
+        self.value.copy_(value)
+
+    def key(self) -> tuple:
+        return ("held", id(self))
+
+    def describe(self) -> str:
+        return self._describe
 
 
 class ViewSource(Source):
@@ -326,12 +368,37 @@ class StoreTensor(torch.Tensor):
             # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
             # to 1) then costs no read and write of every gradient on disk.
             return None if func in _FOREACH_SCALE_OPS else args[0]
+        if func in _SCALE_OPS and _is_scalar(args[1]):
+            if func in _FOREACH_SCALE_OPS:
+                factor = _own_scalar(args[1])
+                rest = [t for t in args[0]
+                        if not (isinstance(t, StoreTensor) and t._source.scale(func, factor))]
+                if rest:
+                    _foreach(func, (rest, args[1]), kwargs)
+                return None
+            if isinstance(args[0], StoreTensor) and args[0]._source.scale(
+                    func, _own_scalar(args[1])):
+                return args[0]
         if func.__name__.startswith(("_foreach_", "_amp_foreach_")):
             return _foreach(func, args, kwargs)
         if (_is_view(func) and isinstance(args[0], StoreTensor)
                 and not (args[0].device.type == "cpu" and args[0]._source.live())):
             return _view(func, args, kwargs)
         return _run(func, args, kwargs)
+
+
+def _is_scalar(x: Any) -> bool:
+    """A number, or a 0-dim host tensor holding one (what clipping scales by)."""
+    if isinstance(x, torch.Tensor):
+        return (x.dim() == 0 and not isinstance(x, StoreTensor) and x.device.type == "cpu"
+                and not x.requires_grad)
+    return isinstance(x, (int, float))
+
+
+def _own_scalar(x: Any) -> Any:
+    """The factor as recorded: a copy, so a later change of the caller's tensor does not
+    change a scaling already made."""
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
 
 
 def _is_view(func) -> bool:

@@ -1,5 +1,7 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
+from headroom.residency._blocks import find_blocks
+from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
@@ -20,10 +22,15 @@ from headroom.residency._plan import (
 __all__ = [
     "MODULE_ATTRS",
     "GroupPlan",
+    "OffloadConfig",
+    "OffloadDryRun",
     "OffloadOptions",
     "OffloadPlan",
     "ParamPlan",
+    "configs_of",
     "describe",
+    "find_blocks",
+    "is_offload_hook",
     "offload",
     "offload_states",
     "plan_offload",

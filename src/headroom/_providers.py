@@ -10,23 +10,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-_advice: Callable[..., list[str]] | None = None
+_registered: Callable[..., list[str]] | None = None  # headroom.fit's
+_override: Callable[..., list[str]] | None = None
 
 
-def set_advice_provider(fn: Callable[..., list[str]] | None) -> None:
-    """Make ``fn`` give the advice of reports (``None``: the default, `headroom.fit`'s).
+def register_advice(fn: Callable[..., list[str]]) -> None:
+    """Called by `headroom.fit` when imported: ``fn`` gives the advice of reports.
 
     ``fn(model, args, *, kwargs, loss_fn, optimizer, optimizer_kwargs, device, base, measured)``
     returns the lines of advice (see `headroom.fit._advice.advise`).
     """
-    global _advice
-    _advice = fn
+    global _registered
+    _registered = fn
+
+
+def set_advice_provider(fn: Callable[..., list[str]] | None) -> None:
+    """Make ``fn`` give the advice of reports instead (``None``: `headroom.fit`'s again)."""
+    global _override
+    _override = fn
 
 
 def advice_provider() -> Callable[..., list[str]]:
-    """The registered advice function, loading `headroom.fit` (which registers it) first."""
-    if _advice is None:
+    """The function that gives advice, loading `headroom.fit` (which registers it) first."""
+    if _override is not None:
+        return _override
+    if _registered is None:
         import headroom.fit  # noqa: F401  (registers its advice)
-    if _advice is None:
+    if _registered is None:
         raise RuntimeError("headroom.fit registered no advice provider")
-    return _advice
+    return _registered

@@ -244,10 +244,11 @@ def estimate(
         checkpoint: qualified names of submodules to run under non-reentrant activation
             checkpointing (what-if: the model itself is not changed).
         offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
-            ..., prefetch=...)``, given as ``min_bytes`` (an int; ``prefetch=0``) or a dict
-            with both: saved storages of at least ``min_bytes`` leave the device once the
-            forward drops them and come back when backward needs them, with storages saved
-            before refilled ahead within ``prefetch`` bytes. ``None``: off.
+            ..., prefetch=..., modules=...)``, given as ``min_bytes`` (an int; ``prefetch=0``)
+            or a dict of those options, with the feature's defaults (``modules``: qualified
+            names or submodules of ``model``): saved storages of at least ``min_bytes`` leave
+            the device once the forward drops them and come back when backward needs them,
+            with storages saved before refilled ahead within ``prefetch`` bytes. ``None``: off.
         prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
             in place or return a replacement), e.g. ``headroom.convert``.
         offload: what-if: the step as under ``hr.offload(model, **offload)``, a dict of its

@@ -194,7 +194,7 @@ class Plan:
         if c.activations != "device":
             store = ("\"cpu\"" if c.activations == "host"
                      else f"hr.DiskStore({self._disk('activations')!r})")
-            lines.append("from headroom.planner import offload_activations_in_forward")
+            lines.append("from headroom.fit import offload_activations_in_forward")
             lines.append("# every forward (and the backward of what it saved) under"
                          " hr.offload_activations")
             lines.append(f"offload_activations_in_forward({model_name}, store={store},"

@@ -26,9 +26,11 @@ from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import (
+    MAX_HEADER_BYTES,
     HeaderError,
     SafetensorsFile,
     TensorInfo,
+    open_regular,
     parse_header,
     safetensors_dtypes,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "HostStore",
     "MetaStore",
     "ListenerHandle",
+    "MAX_HEADER_BYTES",
     "MAX_STAGED_BYTES",
     "Mover",
     "ParamBinding",
@@ -78,6 +81,7 @@ __all__ = [
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "open_regular",
     "parse_header",
     "pinned_bytes",
     "relay_done",

@@ -8,7 +8,11 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import headroom
+import headroom as hr
+import headroom.planner
 
 ROOT = Path(headroom.__file__).parent
 PACKAGES = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
@@ -101,6 +105,15 @@ def test_private_imports_across_packages_are_few():
     _, private = _graph()
     assert private <= ALLOWED_PRIVATE, sorted(private - ALLOWED_PRIVATE)
     assert len(private) <= 6
+
+
+def test_the_estimator_left_memory_with_a_pointer():
+    from headroom import memory
+
+    with pytest.raises(AttributeError, match="use headroom.estimate"):
+        memory.estimate  # noqa: B018
+    assert hr.estimate is hr.fit.estimate and hr.Estimate is hr.fit.Estimate
+    assert hr.plan is hr.planner.plan  # the former path still works
 
 
 def test_the_checker_sees_a_circle_and_imports_inside_functions():

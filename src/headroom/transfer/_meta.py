@@ -6,7 +6,8 @@ also make tensors that stand for host memory (masters and gradients in a host st
 state, the host optimizer's step) or for nothing at all (a parameter's placeholder while its
 value rests on disk). `Places` tells the tracker which; `MetaStore` is the store those features
 rest in during a dry run: it keeps ``meta`` tensors where a host store keeps host tensors, and
-nothing where a disk keeps files, and finishes every read and write at once.
+nothing where a disk keeps files, and finishes every read and write at once. `to_meta` and
+`flat_tensors` are the small helpers every dry run shares.
 """
 
 from __future__ import annotations

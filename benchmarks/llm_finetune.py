@@ -616,7 +616,7 @@ def setup_headroom_plan(spec: dict):
     import torch
 
     import headroom as hr
-    from headroom.planner._time import Speeds
+    from headroom.fit import Speeds
 
     dev = spec["device"]
     dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.planner import measure_speeds
-from headroom.planner._plan import Search
+from headroom.fit import measure_speeds
+from headroom.fit._plan import Search
 
 RESULTS = Path(__file__).parent / "results" / "plan_time.json"
 

@@ -19,7 +19,7 @@ CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_
 @pytest.fixture(autouse=True)
 def _declared_speeds(monkeypatch):
     """The plan's choice never depends on this machine's measured speeds (nor measures them)."""
-    from headroom.planner import Speeds, _plan
+    from headroom.fit import Speeds, _plan
 
     monkeypatch.setattr(_plan, "default_speeds", lambda *a: Speeds(
         matmul=1e10, conv=1e10, memory=1e10, op=1e-5, disk_read=1e9, disk_write=5e8))

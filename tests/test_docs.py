@@ -193,7 +193,7 @@ def test_block_runs(where, code, mark, tmp_path, monkeypatch):
     assert not missing, f"{where}: no prelude named {missing} in tests/test_docs.py"
     monkeypatch.chdir(tmp_path)
     # declared speeds: a plan in the docs does not measure this machine (seconds) first
-    from headroom.planner import Speeds, _plan
+    from headroom.fit import Speeds, _plan
 
     monkeypatch.setattr(_plan, "default_speeds", lambda *a: Speeds(
         matmul=1e10, conv=1e10, memory=1e10, op=1e-5, disk_read=1e9, disk_write=5e8))

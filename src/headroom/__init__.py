@@ -17,8 +17,6 @@ _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",
     "MemoryTracker": "headroom.memory",
-    "estimate": "headroom.memory",
-    "Estimate": "headroom.memory",
     # transfer/
     "DiskStore": "headroom.transfer",
     "StoreCorruptError": "headroom.transfer",
@@ -47,10 +45,12 @@ _EXPORTS: dict[str, str] = {
     "patch_causal_lm": "headroom.heads",
     # distributed/
     "data_parallel": "headroom.distributed",
-    # plan/
-    "plan": "headroom.planner",
-    "Plan": "headroom.planner",
-    "PlanError": "headroom.planner",
+    # fit/
+    "estimate": "headroom.fit",
+    "Estimate": "headroom.fit",
+    "plan": "headroom.fit",
+    "Plan": "headroom.fit",
+    "PlanError": "headroom.fit",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     prof.set_defaults(func=_profile)
 
-    from headroom.planner._cli import add_parsers
+    from headroom.fit._cli import add_parsers
 
     add_parsers(sub)
     return parser

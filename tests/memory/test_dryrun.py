@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.memory import _dryrun
+from headroom.fit import _dryrun
 from headroom.optim import HostOptimizerOptions
 
 

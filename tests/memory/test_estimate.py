@@ -11,7 +11,7 @@ from torch import nn
 
 import headroom as hr
 import headroom.memory
-from headroom.memory import estimate
+from headroom.fit import estimate
 from headroom.memory._allocator import CachingAllocatorModel, round_size, segment_size
 
 

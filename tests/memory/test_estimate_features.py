@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.memory import estimate
+from headroom.fit import estimate
 from tests.memory._models import build, loss_fn, measure
 
 

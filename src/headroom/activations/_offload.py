@@ -41,7 +41,11 @@ from headroom.transfer import (
     resize_storage,
 )
 
-__all__ = ["empty_cache", "offload_activations"]
+__all__ = ["DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH", "empty_cache", "offload_activations"]
+
+# the defaults of `offload_activations` (and of its dry run, `headroom.activations._dry`)
+DEFAULT_MIN_BYTES = 1 << 20
+DEFAULT_PREFETCH = 256 << 20
 
 _use_count = torch._C._storage_Use_Count
 
@@ -324,8 +328,8 @@ def empty_cache() -> None:
 def offload_activations(
     store: str | DiskStore = "cpu",
     *,
-    min_bytes: int = 1 << 20,
-    prefetch: int = 256 << 20,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    prefetch: int = DEFAULT_PREFETCH,
     modules: Iterable[nn.Module] | None = None,
 ) -> Iterator[None]:
     """Keep the tensors autograd saves for backward in a store, not on the compute device.

@@ -25,8 +25,13 @@ from typing import Any
 import crc32c
 import torch
 
-from headroom.transfer import HeaderError, parse_header, safetensors_dtypes
-from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
+from headroom.transfer import (
+    MAX_HEADER_BYTES,
+    HeaderError,
+    open_regular,
+    parse_header,
+    safetensors_dtypes,
+)
 
 __all__ = [
     "DTYPES",

@@ -24,8 +24,15 @@ from torch import nn
 from headroom.checkpoint._file import remove_stale_temps, temp_path
 from headroom.checkpoint._names import checkpoint_names
 from headroom.residency import offload_states
-from headroom.transfer import SafetensorsFile, Store, TensorInfo, binding, safetensors_dtypes
-from headroom.transfer._safetensors import MAX_HEADER_BYTES, open_regular
+from headroom.transfer import (
+    MAX_HEADER_BYTES,
+    SafetensorsFile,
+    Store,
+    TensorInfo,
+    binding,
+    open_regular,
+    safetensors_dtypes,
+)
 
 __all__ = ["load_weights", "save_weights"]
 

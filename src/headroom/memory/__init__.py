@@ -1,8 +1,8 @@
 """See where memory goes: live tracking by category, reports, plots."""
 
+from headroom.memory._allocator import CachingAllocatorModel
 from headroom.memory._categories import CATEGORIES, Category, format_bytes
-from headroom.memory._estimate import Estimate, estimate
-from headroom.memory._records import DeviceStats, TimelineSample
+from headroom.memory._records import DeviceStats, StorageInfo, TimelineSample
 from headroom.memory._tracker import (
     MemoryTracker,
     annotate,
@@ -13,15 +13,22 @@ from headroom.memory._tracker import (
 
 __all__ = [
     "CATEGORIES",
+    "CachingAllocatorModel",
     "Category",
     "DeviceStats",
-    "Estimate",
     "MemoryTracker",
+    "StorageInfo",
     "TimelineSample",
     "annotate",
-    "estimate",
     "format_bytes",
     "is_tracking",
     "note_resting",
     "track_memory",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("estimate", "Estimate"):  # the estimator is a layer above: headroom.fit
+        raise AttributeError(
+            f"headroom.memory.{name} moved: use headroom.{name} (from headroom.fit)")
+    raise AttributeError(f"module 'headroom.memory' has no attribute {name!r}")

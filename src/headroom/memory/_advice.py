@@ -1,7 +1,8 @@
 """Advice at the end of reports: what would cut the peak most, from dry runs of the step.
 
-The figures come from `headroom.planner` (the layer that knows the techniques), imported only
-when a report asks for them: the memory layer itself stays below every other layer.
+The figures come from the advice provider (`headroom.fit`, the layer that knows the techniques,
+registers it), asked for only when a report wants them: the memory layer never imports it and
+stays below every other layer.
 """
 
 from __future__ import annotations
@@ -10,16 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from headroom.memory._estimate import Estimate
     from headroom.memory._tracker import MemoryTracker
-
-
-def estimate_advice(est: Estimate) -> list[str]:
-    ctx = est._context
-    model = ctx["model"]() if ctx else None
-    if model is None:
-        return []
-    return _advise(model, ctx, est.device, est)
 
 
 def tracker_advice(mem: MemoryTracker) -> list[str]:
@@ -51,11 +43,12 @@ def _fsdp_sharded(model: Any) -> bool:
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
-def _advise(model: Any, ctx: dict[str, Any], device: str, base: Estimate | None,
+def _advise(model: Any, ctx: dict[str, Any], device: str, base: Any,
             measured: int | None = None, resting_activations: int = 0) -> list[str]:
     try:
-        from headroom.planner._advice import advise
+        from headroom._providers import advice_provider
 
+        advise = advice_provider()
         return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
                       optimizer=ctx.get("optimizer"),
                       optimizer_kwargs=ctx.get("optimizer_kwargs"), device=device, base=base,

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from headroom.memory._categories import CATEGORIES, format_bytes
 
 if TYPE_CHECKING:
-    from headroom.memory._estimate import Estimate
     from headroom.memory._tracker import MemoryTracker
 
 # One color per category, the same in every plot headroom makes.
@@ -96,8 +95,9 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
     return "\n".join(lines).rstrip() + "\n"
 
 
-def format_estimate(est: Estimate, *, top_modules: int = 10, advice: bool = True) -> str:
-    """The tracker's table for a dry run, the allocator model's figures, then the advice."""
+def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> str:
+    """The tracker's table for a dry run (``est``, a `headroom.fit.Estimate`), the allocator
+    model's figures, then the advice."""
     text = format_report(est.tracker, top_modules=top_modules,
                          heading="headroom memory estimate (dry run)", rss=False,
                          devices=[est.device] if est.device in est.tracker.devices else None)

@@ -1,12 +1,15 @@
-"""Given a budget, pick what to turn on, from the estimator's figures (`hr.plan`).
+"""`hr.plan` and its helpers under their former path: the planner lives in `headroom.fit`."""
 
-The package is `planner` rather than `plan` so that `headroom.plan` stays the function: a
-subpackage of that name would replace it as an attribute of `headroom` once imported.
-"""
-
-from headroom.planner._apply import offload_activations_in_forward
-from headroom.planner._plan import Choice, Plan, PlanError, parse_bytes, plan
-from headroom.planner._time import Speeds, measure_speeds
+from headroom.fit import (
+    Choice,
+    Plan,
+    PlanError,
+    Speeds,
+    measure_speeds,
+    offload_activations_in_forward,
+    parse_bytes,
+    plan,
+)
 
 __all__ = ["Choice", "Plan", "PlanError", "Speeds", "measure_speeds",
            "offload_activations_in_forward", "parse_bytes", "plan"]

@@ -1,6 +1,8 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
 from headroom.residency._adapters import init_adapters
+from headroom.residency._blocks import find_blocks
+from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
@@ -21,11 +23,16 @@ from headroom.residency._plan import (
 __all__ = [
     "MODULE_ATTRS",
     "GroupPlan",
+    "OffloadConfig",
+    "OffloadDryRun",
     "OffloadOptions",
     "OffloadPlan",
     "ParamPlan",
+    "configs_of",
     "describe",
     "init_adapters",
+    "find_blocks",
+    "is_offload_hook",
     "offload",
     "offload_states",
     "plan_offload",

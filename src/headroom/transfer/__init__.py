@@ -20,13 +20,17 @@ from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, release_pages, trim_heap
 from headroom.transfer._host import HostStore, PinnedPool
+from headroom.transfer._meta import MetaStore, Places, flat_tensors, to_meta
+from headroom.transfer._mover import _MAX_STAGED_BYTES as MAX_STAGED_BYTES
 from headroom.transfer._mover import Mover, Ticket
 from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import (
+    MAX_HEADER_BYTES,
     HeaderError,
     SafetensorsFile,
     TensorInfo,
+    open_regular,
     parse_header,
     safetensors_dtypes,
 )
@@ -47,11 +51,15 @@ __all__ = [
     "HeaderError",
     "HeapTrimmer",
     "HostStore",
+    "MetaStore",
     "ListenerHandle",
+    "MAX_HEADER_BYTES",
+    "MAX_STAGED_BYTES",
     "Mover",
     "ParamBinding",
     "PinnedArena",
     "PinnedPool",
+    "Places",
     "RowStreamer",
     "SafetensorsFile",
     "Stash",
@@ -69,9 +77,11 @@ __all__ = [
     "binding",
     "check_device",
     "claimed_keys",
+    "flat_tensors",
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",
+    "open_regular",
     "parse_header",
     "pinned_bytes",
     "relay_done",
@@ -82,6 +92,7 @@ __all__ = [
     "set_pinned_limit",
     "stream_module",
     "sync_grad",
+    "to_meta",
     "trim_heap",
     "unbind",
 ]

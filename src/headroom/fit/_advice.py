@@ -12,10 +12,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from headroom.memory._categories import format_bytes
-from headroom.memory._estimate import Estimate, estimate
+from headroom.activations import DEFAULT_MIN_BYTES as _ACTIVATION_MIN_BYTES
+from headroom.fit._estimate import Estimate, estimate
+from headroom.memory import format_bytes
 
-_ACTIVATION_MIN_BYTES = 1 << 20  # hr.offload_activations' default
+
+def estimate_advice(est: Estimate) -> list[str]:
+    """`Estimate.advice`: advice for the plain step the estimate ran (none for a what-if)."""
+    ctx = est._context
+    model = ctx["model"]() if ctx else None
+    if model is None:
+        return []
+    try:
+        return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
+                      optimizer=ctx.get("optimizer"),
+                      optimizer_kwargs=ctx.get("optimizer_kwargs"), device=est.device, base=est)
+    except Exception as e:  # advice never breaks a report
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
 
 
 def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = None,
@@ -147,7 +161,7 @@ def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None
                     device: str) -> tuple[int, str, tuple[int, ...]] | None:
     """Bytes, module name and shape of the largest output of an ``nn.Linear`` with at least
     `_HEAD_MIN_CLASSES` outputs in a forward on ``meta``, or ``None``."""
-    from headroom.memory._dryrun import AttentionAsOnDevice, meta_copy, to_meta
+    from headroom.fit._dryrun import AttentionAsOnDevice, meta_copy, to_meta
 
     meta = meta_copy(model)
     names = {id(m): n for n, m in meta.named_modules()}
@@ -179,7 +193,7 @@ def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:
 
 
 def _block_names(model: nn.Module) -> list[str]:
-    from headroom.residency._blocks import find_blocks
+    from headroom.residency import find_blocks
 
     names = {id(m): n for n, m in model.named_modules()}
     return [names[id(b)] for b in find_blocks(model) if id(b) in names]

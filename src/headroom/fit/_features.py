@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from headroom.memory import _dryrun
-from headroom.planner._places import Places
-from headroom.planner._sim_host_optimizer import HostOptimizerDryRun
-from headroom.planner._sim_offload import OffloadConfig, OffloadDryRun, configs_of
+from headroom.fit import _dryrun
+from headroom.optim import HostOptimizerDryRun
+from headroom.residency import OffloadConfig, OffloadDryRun, configs_of
+from headroom.transfer import Places
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -91,8 +91,7 @@ class DryRunFeatures:
     def meta_copy(self, model: nn.Module) -> nn.Module:
         """A ``meta`` copy of ``model`` as it was before `hr.offload` (hooks and guards left
         out), or a plain meta copy of a model that is not offloaded."""
-        from headroom.planner._sim_offload import is_offload_hook
-        from headroom.residency import MODULE_ATTRS
+        from headroom.residency import MODULE_ATTRS, is_offload_hook
 
         memo: dict[int, Any] = {}
         offloaded = False

@@ -1,6 +1,6 @@
 """`plan`: the fastest combination of headroom's techniques whose estimated peak fits a budget.
 
-Every combination of the techniques gets a step time (`headroom.planner._time`, from a dry run
+Every combination of the techniques gets a step time (`headroom.fit._time`, from a dry run
 of what changes the ops: ``hr.convert``, checkpointing of the first k blocks, activation
 offload) and a lower bound of its peak (that dry run's timeline with the bytes of whatever
 leaves the device taken out). In order of time, combinations whose lower bound fits are then
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from headroom.memory import _dryrun
-from headroom.memory._categories import CATEGORIES, format_bytes
-from headroom.memory._estimate import Estimate, estimate, parse_device
-from headroom.planner._time import Speeds, default_speeds, step_time
+from headroom.fit import _dryrun
+from headroom.fit._estimate import Estimate, estimate, parse_device
+from headroom.fit._time import Speeds, default_speeds, step_time
+from headroom.memory import CATEGORIES, format_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -118,7 +118,7 @@ class Plan:
         margin: room kept for a gradient on its way to disk (on ``cpu`` with parameters on
             disk: the largest gradient; a disk write keeps its gradient until it lands, which
             the dry run takes as done when issued); 0 otherwise.
-        time_s: estimated seconds per step (see `headroom.planner._time`).
+        time_s: estimated seconds per step (see `headroom.fit._time`).
         plain_peak, plain_time_s: the same for the plain step.
         budget: the budget asked for.
         device: the device planned for.
@@ -194,7 +194,7 @@ class Plan:
         if c.activations != "device":
             store = ("\"cpu\"" if c.activations == "host"
                      else f"hr.DiskStore({self._disk('activations')!r})")
-            lines.append("from headroom.planner import offload_activations_in_forward")
+            lines.append("from headroom.fit import offload_activations_in_forward")
             lines.append("# every forward (and the backward of what it saved) under"
                          " hr.offload_activations")
             lines.append(f"offload_activations_in_forward({model_name}, store={store},"
@@ -239,9 +239,9 @@ class Plan:
         offload, the optimizer); if one raises (a full disk, a device that is missing), the
         ones before it stay applied: rebuild the model rather than retry on it.
         """
+        from headroom.fit._apply import offload_activations_in_forward
         from headroom.nn import convert
         from headroom.optim import HostOptimizer
-        from headroom.planner._apply import offload_activations_in_forward
         from headroom.residency import offload
         from headroom.transfer import DiskStore
 
@@ -358,7 +358,7 @@ def plan(
         exact: only exact techniques. ``False`` would also allow lower precision, which this
             version does not search yet (it plans as if ``True``).
         example_kwargs, optimizer_kwargs: as for `hr.estimate`.
-        speeds: the time model's speeds (default: `headroom.planner._time.default_speeds`:
+        speeds: the time model's speeds (default: `headroom.fit._time.default_speeds`:
             measured once on ``cpu``, declared for accelerators).
         slice_bytes: the host optimizer's slice size for state on disk; default: small enough
             that the slices in flight are a small part of the state.
@@ -459,7 +459,7 @@ class Search:
                  disk: Any = None, example_kwargs: dict[str, Any] | None = None,
                  optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
                  slice_bytes: int | None = None) -> None:
-        from headroom.residency._blocks import find_blocks
+        from headroom.residency import find_blocks
 
         self.model = model
         self.args = example_args

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from headroom.planner._places import MetaStore, Places
 from headroom.residency._schedule import _AfterBackward, _outputs
 from headroom.residency._schedule import in_backward as _in_backward
+from headroom.transfer import MAX_STAGED_BYTES as _MAX_STAGED_BYTES
+from headroom.transfer import MetaStore, Places
 
 # headroom.transfer's mover reaps device gradients in flight to the host past this many bytes
-_MAX_STAGED_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ also make tensors that stand for host memory (masters and gradients in a host st
 state, the host optimizer's step) or for nothing at all (a parameter's placeholder while its
 value rests on disk). `Places` tells the tracker which; `MetaStore` is the store those features
 rest in during a dry run: it keeps ``meta`` tensors where a host store keeps host tensors, and
-nothing where a disk keeps files, and finishes every read and write at once.
+nothing where a disk keeps files, and finishes every read and write at once. `to_meta` and
+`flat_tensors` are the small helpers every dry run shares.
 """
 
 from __future__ import annotations
@@ -19,11 +20,34 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
-from headroom.memory._dryrun import _flat
-from headroom.transfer import Handle
+from headroom.transfer._handle import Handle
 from headroom.transfer._store import done
+
+
+def to_meta(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype."""
+
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            return out.requires_grad_(t.requires_grad)
+        return t
+
+    return tree_map(one, obj)
+
+
+def flat_tensors(items: list[Any]) -> list[torch.Tensor]:
+    """The tensors among ``items`` and inside the lists and tuples among them (an op's
+    arguments are tensors or lists of them)."""
+    out = []
+    for a in items:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
 
 
 class Places:
@@ -93,8 +117,8 @@ class _MarkMade(TorchDispatchMode):
         made = [t for t in outs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         if made:
             # views and in-place results are the inputs' storages, not new ones (an op's
-            # arguments are tensors or lists of them: `_flat` finds them all)
-            given = {t.untyped_storage()._cdata for t in _flat([*args, *kwargs.values()])}
+            # arguments are tensors or lists of them: `flat_tensors` finds them all)
+            given = {t.untyped_storage()._cdata for t in flat_tensors([*args, *kwargs.values()])}
             for t in made:
                 if t.untyped_storage()._cdata not in given:
                     self.places._mark_made(t)

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
+
 
 class _ForwardScope:
     """Enters ``hr.offload_activations(...)`` before the model's forward, leaves it after."""
@@ -47,8 +49,8 @@ class ActivationOffloadHandle:
 
 
 def offload_activations_in_forward(model: nn.Module, *, store: Any = "cpu",
-                                   min_bytes: int = 1 << 20,
-                                   prefetch: int = 256 << 20) -> ActivationOffloadHandle:
+                                   min_bytes: int = DEFAULT_MIN_BYTES,
+                                   prefetch: int = DEFAULT_PREFETCH) -> ActivationOffloadHandle:
     """Run every forward of ``model`` under ``hr.offload_activations(store, min_bytes=...,
     prefetch=...)``: what a training loop would write as ``with hr.offload_activations(...):``
     around its forward.

@@ -5,7 +5,7 @@ The step (forward, loss, backward, optimizer step) runs under the same tracker a
 Every category, the per-module activation bytes and the timeline therefore mean exactly what they
 mean in a measured run, and the report, JSON and plot are the tracker's own. For CUDA-like
 targets the sequence of allocations and frees is also replayed through a model of the caching
-allocator (`headroom.memory._allocator`), which gives the rounded ``allocated`` and the
+allocator (`headroom.memory.CachingAllocatorModel`), which gives the rounded ``allocated`` and the
 ``reserved`` bytes a real run would show.
 """
 
@@ -14,25 +14,32 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from headroom._saved_hooks import keeping
-from headroom.memory import _dryrun
-from headroom.memory._allocator import CachingAllocatorModel
-from headroom.memory._categories import CATEGORIES, format_bytes
-from headroom.memory._records import StorageInfo
-from headroom.memory._tracker import MemoryTracker
+from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadedActivations
+from headroom.fit import _dryrun
+from headroom.memory import (
+    CATEGORIES,
+    CachingAllocatorModel,
+    MemoryTracker,
+    StorageInfo,
+    format_bytes,
+)
+
+# the tracker's reports, which an estimate's are (`headroom.memory`'s own module)
+from headroom.memory._report import _atomic_write, format_estimate, plot, to_dict
 
 
 class _DryRunTracker(MemoryTracker):
     """The tracker, counting ``meta`` storages as ``device``'s and replaying them through an
     allocator model when ``device`` has a caching allocator.
 
-    ``places`` (the dry run of headroom's features, `headroom.planner._places.Places`) names
+    ``places`` (the dry run of headroom's features, `headroom.transfer.Places`) names
     ``meta`` storages that stand for host memory (counted as ``"cpu"``) or for nothing.
     """
 
@@ -122,7 +129,7 @@ class Estimate:
             }
         self.options = options
         self._context: dict[str, Any] | None = None
-        self.ops: list[tuple[int, int, str, bool]] = []  # see headroom.memory._dryrun.OpCounter
+        self.ops: list[tuple[int, int, str, bool]] = []  # see headroom.fit._dryrun.OpCounter
         self.activation_bytes_moved = 0
         self.transfers: dict[str, int] = {}
         self._advice: list[str] | None = None
@@ -132,7 +139,7 @@ class Estimate:
         """What would cut the peak most, each technique's saving from a dry run with it (lines
         of text; computed on first use, a few more dry runs)."""
         if self._advice is None:
-            from headroom.memory._advice import estimate_advice
+            from headroom.fit._advice import estimate_advice
 
             self._advice = estimate_advice(self)
         return self._advice
@@ -154,16 +161,12 @@ class Estimate:
     def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
         """Print (to ``file``, default stdout) and return the table, as for `track_memory`,
         ending with :attr:`advice` unless ``advice=False``."""
-        from headroom.memory._report import format_estimate
-
         text = format_estimate(self, top_modules=top_modules, advice=advice)
         print(text, file=file)
         return text
 
     def to_dict(self) -> dict[str, Any]:
         """The tracker's JSON-ready data of the dry run, plus the estimate's own fields."""
-        from headroom.memory._report import to_dict
-
         data = to_dict(self.tracker)
         data["format"] = "headroom.estimate/1"
         data["estimate"] = {
@@ -181,16 +184,12 @@ class Estimate:
         """Write :meth:`to_dict` as JSON to ``path``."""
         import json
 
-        from headroom.memory._report import _atomic_write
-
         _atomic_write(path, json.dumps(self.to_dict(), indent=1).encode())
 
     def plot(self, path, *, title: str | None = None) -> None:
         """Write the dry run's step as a PNG: the same categories and phases as
         `track_memory`'s plots, along the step's ops (the dry run's own time and the
         estimating process's RSS say nothing about the device)."""
-        from headroom.memory._report import plot
-
         plot(self.tracker, path, title=title or f"headroom estimate ({self.device})",
              x_axis="ops", rss=False)
 
@@ -245,10 +244,11 @@ def estimate(
         checkpoint: qualified names of submodules to run under non-reentrant activation
             checkpointing (what-if: the model itself is not changed).
         offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
-            ..., prefetch=...)``, given as ``min_bytes`` (an int; ``prefetch=0``) or a dict
-            with both: saved storages of at least ``min_bytes`` leave the device once the
-            forward drops them and come back when backward needs them, with storages saved
-            before refilled ahead within ``prefetch`` bytes. ``None``: off.
+            ..., prefetch=..., modules=...)``, given as ``min_bytes`` (an int; ``prefetch=0``)
+            or a dict of those options, with the feature's defaults (``modules``: qualified
+            names or submodules of ``model``): saved storages of at least ``min_bytes`` leave
+            the device once the forward drops them and come back when backward needs them,
+            with storages saved before refilled ahead within ``prefetch`` bytes. ``None``: off.
         prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
             in place or return a replacement), e.g. ``headroom.convert``.
         offload: what-if: the step as under ``hr.offload(model, **offload)``, a dict of its
@@ -282,8 +282,8 @@ def estimate(
                "offload": offload}
     features = None
     if _uses_features(model, optimizer, offload):
-        # hr.offload or hr.HostOptimizer: their dry runs live with the techniques (planner/)
-        from headroom.planner._features import DryRunFeatures
+        # hr.offload or hr.HostOptimizer: their dry runs live with the features
+        from headroom.fit._features import DryRunFeatures
 
         features = DryRunFeatures(model, optimizer, offload, target)
         meta_model = features.meta_copy(model)
@@ -309,16 +309,22 @@ def estimate(
     final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
     on_host = features.step_context if features is not None else contextlib.nullcontext
 
-    act = _activation_options(offload_activations)
+    act = _activation_options(offload_activations, model, meta_model)
 
-    keepers: list[_dryrun.OffloadedActivations] = []
+    keepers: list[OffloadedActivations] = []
 
-    def kept() -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def kept() -> Iterator[None]:
         # inside the tracker's own hooks, so that it still sees every saved tensor
         if offload_activations is None:
-            return contextlib.nullcontext()
-        keepers.append(_dryrun.OffloadedActivations(meta_model, **act))
-        return keeping(keepers[-1])
+            yield
+            return
+        keepers.append(OffloadedActivations(meta_model, **act))
+        try:
+            with keeping(keepers[-1]):
+                yield
+        finally:
+            keepers[-1].close()
 
     def step() -> None:
         with final() if final is not None else contextlib.nullcontext():
@@ -365,25 +371,55 @@ def estimate(
     return est
 
 
-def _activation_options(what_if: Any) -> dict[str, int]:
+def _activation_options(what_if: Any, model: nn.Module, meta_model: nn.Module) -> dict[str, Any]:
+    """The options of the activation offload dry run: ``hr.offload_activations``' own, with
+    its defaults; ``modules`` (names or submodules of ``model``) as the ``meta`` copy's."""
     if what_if is None:
         return {}
     if isinstance(what_if, Mapping):
-        extra = set(what_if) - {"min_bytes", "prefetch"}
+        extra = set(what_if) - {"min_bytes", "prefetch", "modules"}
         if extra:
-            raise ValueError(
-                f"offload_activations= takes min_bytes and prefetch, not {sorted(extra)}")
-        return {"min_bytes": int(what_if.get("min_bytes", 1 << 20)),
-                "prefetch": int(what_if.get("prefetch", 0))}
+            raise ValueError(f"offload_activations= takes min_bytes, prefetch and modules,"
+                             f" not {sorted(extra)}")
+        out = {"min_bytes": what_if.get("min_bytes", DEFAULT_MIN_BYTES),
+               "prefetch": what_if.get("prefetch", DEFAULT_PREFETCH)}
+        for k, v in out.items():
+            if isinstance(v, bool) or not hasattr(v, "__index__") or v < 0:
+                raise ValueError(f"offload_activations= {k} must be an int >= 0, got {v!r}")
+            out[k] = int(v)
+        if what_if.get("modules") is not None:
+            out["modules"] = _meta_modules(what_if["modules"], model, meta_model)
+        return out
     if isinstance(what_if, bool) or not isinstance(what_if, int) or what_if < 0:
         raise ValueError(
             f"offload_activations= is min_bytes (an int >= 0) or a dict(min_bytes=...,"
-            f" prefetch=...), got {what_if!r}")
+            f" prefetch=..., modules=...), got {what_if!r}")
     return {"min_bytes": what_if, "prefetch": 0}
 
 
+def _meta_modules(given: Any, model: nn.Module, meta_model: nn.Module) -> list[nn.Module]:
+    """The submodules of the ``meta`` copy that stand for ``given`` (qualified names, or
+    submodules of ``model``)."""
+    if isinstance(given, (str, nn.Module)):
+        given = [given]
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for g in given:
+        name = names.get(id(g)) if isinstance(g, nn.Module) else g
+        if not isinstance(name, str):
+            raise ValueError(
+                f"offload_activations= modules must be qualified names or submodules of the"
+                f" model, got {g!r}")
+        try:
+            out.append(meta_model.get_submodule(name))
+        except AttributeError:
+            raise ValueError(
+                f"offload_activations= modules: the model has no submodule {name!r}") from None
+    return out
+
+
 def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
-    """Whether the step uses hr.offload or hr.HostOptimizer (their dry runs are planner's)."""
+    """Whether the step uses hr.offload or hr.HostOptimizer (their dry runs are theirs)."""
     from headroom.residency import offload_states
 
     if offload is not None or offload_states(model):

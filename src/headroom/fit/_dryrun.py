@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +25,9 @@ from torch.nn import functional as F
 from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from headroom.transfer import flat_tensors as _flat
+from headroom.transfer import to_meta as to_meta  # the estimator's: `_dryrun.to_meta`
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _IS_AUTOCAST = torch.is_autocast_enabled
@@ -63,18 +65,6 @@ def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Mod
             f" {e}). Estimate the plain model (before changes that attach stores or threads)"
             " and pass the technique as an option instead."
         ) from e
-
-
-def to_meta(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype."""
-
-    def one(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            return out.requires_grad_(t.requires_grad)
-        return t
-
-    return tree_map(one, obj)
 
 
 class AttentionAsOnDevice:
@@ -209,16 +199,6 @@ class RealTensorsAsMeta(TorchDispatchMode):
         if has_meta:
             return _MetaResults.call(func, args, kwargs)
         return func(*args, **kwargs)
-
-
-def _flat(items: list[Any]) -> list[torch.Tensor]:
-    out = []
-    for a in items:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(t for t in a if isinstance(t, torch.Tensor))
-    return out
 
 
 _FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
@@ -391,108 +371,6 @@ def make_optimizer(optimizer: Any, params: list[nn.Parameter],
     )
 
 
-class _RestingStorage:
-    """One saved storage whose bytes rest in the store (see `OffloadedActivations`)."""
-
-    __slots__ = ("nbytes", "storage", "packs", "dead")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.storage: torch.UntypedStorage | None = None  # refilled for backward
-        self.packs = 0
-        self.dead = False
-
-
-class _Dropped:
-    """What autograd keeps instead of a saved tensor: its view of an entry's storage."""
-
-    __slots__ = ("owner", "entry", "dtype", "shape", "stride", "offset", "__weakref__")
-
-    def __init__(self, owner: OffloadedActivations, entry: _RestingStorage,
-                 t: torch.Tensor) -> None:
-        self.owner = owner
-        self.entry = entry
-        self.dtype = t.dtype
-        self.shape = t.shape
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        entry.packs += 1
-
-    def __del__(self) -> None:
-        self.owner._release(self.entry)
-
-
-class OffloadedActivations:
-    """A saved-tensor keeper for the dry run that keeps saved storages off the device.
-
-    What `hr.offload_activations` does, as the device sees it: a saved storage of at least
-    ``min_bytes`` (not a parameter's) is no longer held by autograd, so its device memory goes
-    once the forward drops it (the copy to the store is taken as done at once); backward gets a
-    new storage of the same size, once per storage (views of one storage share it), when it
-    first needs one, and refills storages saved before it, newest first, while the refilled
-    storages still alive stay within ``prefetch`` bytes. A storage goes when autograd lets go of
-    the last tensor saved on it.
-
-    ``moved`` counts the bytes sent to the store (each comes back once for backward).
-    """
-
-    def __init__(self, model: nn.Module, min_bytes: int, prefetch: int = 0) -> None:
-        self.min_bytes = min_bytes
-        self.prefetch = prefetch
-        self.moved = 0
-        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self._entries: dict[int, _RestingStorage] = {}  # live device storage -> its entry
-        self._order: list[_RestingStorage] = []  # live entries, in the order they were saved
-        self._restored = 0
-
-    def pack(self, t: torch.Tensor) -> Any:
-        if t.device.type != "meta" or isinstance(t, nn.Parameter) \
-                or isinstance(t._base, nn.Parameter):
-            return t
-        st = t.untyped_storage()
-        if st.nbytes() < self.min_bytes or st._cdata in self._params:
-            return t
-        entry = self._entries.get(st._cdata)
-        if entry is None or entry.dead:
-            entry = self._entries[st._cdata] = _RestingStorage(st.nbytes())
-            self._order.append(entry)
-            self.moved += entry.nbytes
-            # the entry is keyed by a storage that autograd no longer holds: forget the key
-            # when that storage goes, as a new storage may then get the same one
-            weakref.finalize(st, self._entries.pop, st._cdata, None)
-        return _Dropped(self, entry, t)
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Dropped):
-            return packed
-        e = packed.entry
-        self._refill(e)
-        i = self._order.index(e) if e in self._order else 0
-        for prev in reversed(self._order[:i]):
-            if self._restored + prev.nbytes > self.prefetch:
-                break
-            self._refill(prev)
-        out = torch.empty(0, dtype=packed.dtype, device="meta")
-        return out.set_(e.storage, packed.offset, packed.shape, packed.stride)
-
-    def _refill(self, e: _RestingStorage) -> None:
-        if e.storage is None:
-            e.storage = torch.empty(e.nbytes, dtype=torch.uint8,
-                                    device="meta").untyped_storage()
-            self._restored += e.nbytes
-
-    def _release(self, e: _RestingStorage) -> None:
-        e.packs -= 1
-        if e.packs or e.dead:
-            return
-        e.dead = True
-        if e in self._order:
-            self._order.remove(e)
-        if e.storage is not None:
-            self._restored -= e.nbytes
-            e.storage = None
-
-
 # Ops that only read metadata, or make views: no kernel runs, no bytes move.
 _NO_WORK = {"detach", "view", "_unsafe_view", "alias", "as_strided", "expand", "t",
             "transpose", "permute", "unsqueeze", "squeeze", "slice", "select", "split",
@@ -504,7 +382,7 @@ _NO_WORK = {"detach", "view", "_unsafe_view", "alias", "as_strided", "expand", "
 class OpCounter(TorchDispatchMode):
     """The work of every op of a dry run: FLOPs (PyTorch's own formulas,
     ``torch.utils.flop_counter``), bytes read and written, and whether it ran inside
-    ``optimizer.step()``; what the planner's time model prices (`headroom.planner._time`).
+    ``optimizer.step()``; what the planner's time model prices (`headroom.fit._time`).
 
     Attributes:
         ops: ``(flops, bytes, kind, in_step)`` per op; ``kind`` is ``"mm"`` (matmuls,

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from headroom.planner._places import MetaStore, Places
-
-_ALIAS, _BOUND, _HOSTED = "alias", "bound", "hosted"
-_MASTER_DTYPES = (torch.float32, torch.float64)
+from headroom.optim._entries import ALIAS as _ALIAS
+from headroom.optim._entries import BOUND as _BOUND
+from headroom.optim._entries import HOSTED as _HOSTED
+from headroom.optim._entries import MASTER_DTYPES as _MASTER_DTYPES
+from headroom.transfer import MetaStore, Places
 
 
 class _SimParam:

@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
     if optimizer is None:
         print(f"{prog}: a plan needs an optimizer (--optimizer adamw, sgd, ...)", file=sys.stderr)
         return 2
-    from headroom.planner import PlanError, plan
+    from headroom.fit import PlanError, plan
 
     try:
         p = plan(model, (), example_kwargs=kwargs, budget=args.budget, device=args.device,

@@ -169,7 +169,7 @@ def _memory() -> float:
 
 def _op() -> float:
     """Seconds per op of a training step whose ops do almost no work."""
-    from headroom.memory._dryrun import OpCounter
+    from headroom.fit._dryrun import OpCounter
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(8)])

@@ -1,0 +1,41 @@
+"""What a lower layer asks of a higher one without importing it.
+
+A memory report ends with advice: what each technique would save, from dry runs of the step
+with it (`headroom.fit`, the layer on top of every technique). The tracker asks
+`advice_provider()` for the function that gives it; `headroom.fit` registers its own when
+imported, and the first request loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+_registered: Callable[..., list[str]] | None = None  # headroom.fit's
+_override: Callable[..., list[str]] | None = None
+
+
+def register_advice(fn: Callable[..., list[str]]) -> None:
+    """Called by `headroom.fit` when imported: ``fn`` gives the advice of reports.
+
+    ``fn(model, args, *, kwargs, loss_fn, optimizer, optimizer_kwargs, device, base, measured)``
+    returns the lines of advice (see `headroom.fit._advice.advise`).
+    """
+    global _registered
+    _registered = fn
+
+
+def set_advice_provider(fn: Callable[..., list[str]] | None) -> None:
+    """Make ``fn`` give the advice of reports instead (``None``: `headroom.fit`'s again)."""
+    global _override
+    _override = fn
+
+
+def advice_provider() -> Callable[..., list[str]]:
+    """The function that gives advice, loading `headroom.fit` (which registers it) first."""
+    if _override is not None:
+        return _override
+    if _registered is None:
+        import headroom.fit  # noqa: F401  (registers its advice)
+    if _registered is None:
+        raise RuntimeError("headroom.fit registered no advice provider")
+    return _registered

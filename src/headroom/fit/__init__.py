@@ -1,0 +1,19 @@
+"""What fits: `hr.estimate` (the memory of a step, from a dry run), `hr.plan` (what to turn on
+for a budget), and the advice at the end of reports.
+
+The top layer: it imports every feature (each runs its own dry run, beside the feature) and no
+feature imports it. The memory tracker's reports get their advice through the provider this
+package registers when imported (`headroom._providers`).
+"""
+
+from headroom._providers import register_advice as _register_advice
+from headroom.fit._advice import advise as _advise
+from headroom.fit._apply import offload_activations_in_forward
+from headroom.fit._estimate import Estimate, estimate
+from headroom.fit._plan import Choice, Plan, PlanError, parse_bytes, plan
+from headroom.fit._time import Speeds, measure_speeds
+
+_register_advice(_advise)
+
+__all__ = ["Choice", "Estimate", "Plan", "PlanError", "Speeds", "estimate", "measure_speeds",
+           "offload_activations_in_forward", "parse_bytes", "plan"]

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from headroom.distributed._reducer import StoreReducer
-from headroom.residency._dtensor import check_sharded
+from headroom.residency import check_sharded
 from headroom.residency._offload import _ATTR
 from headroom.residency._schedule import Offload, _outputs
 from headroom.transfer import binding

@@ -9,6 +9,7 @@ from headroom.memory._tracker import (
     is_tracking,
     note_resting,
     track_memory,
+    track_this_thread,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "is_tracking",
     "note_resting",
     "track_memory",
+    "track_this_thread",
 ]
 
 

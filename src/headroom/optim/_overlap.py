@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from headroom.memory._tracker import track_this_thread
+from headroom.memory import track_this_thread
 from headroom.optim._entries import Bucket, Entry, same
 
 __all__ = ["Overlap"]

@@ -3,6 +3,7 @@
 from headroom.residency._adapters import init_adapters
 from headroom.residency._blocks import find_blocks
 from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
+from headroom.residency._dtensor import check_sharded
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
@@ -28,6 +29,7 @@ __all__ = [
     "OffloadOptions",
     "OffloadPlan",
     "ParamPlan",
+    "check_sharded",
     "configs_of",
     "describe",
     "init_adapters",

@@ -41,8 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
 from headroom.residency._plan import Layout
-from headroom.transfer import HostStore, StoreTensor, binding, claimed_keys, unbind
-from headroom.transfer._store_tensor import HeldSource
+from headroom.transfer import HeldSource, HostStore, StoreTensor, binding, claimed_keys, unbind
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload

@@ -43,7 +43,13 @@ from headroom.transfer._store import (
     is_accelerator,
     resolve_store,
 )
-from headroom.transfer._store_tensor import GradSource, HandleSource, Source, StoreTensor
+from headroom.transfer._store_tensor import (
+    GradSource,
+    HandleSource,
+    HeldSource,
+    Source,
+    StoreTensor,
+)
 
 __all__ = [
     "DiskStore",
@@ -70,6 +76,7 @@ __all__ = [
     "Store",
     "StoreCorruptError",
     "StoreTensor",
+    "HeldSource",
     "StoreFullError",
     "TensorInfo",
     "Ticket",

@@ -239,7 +239,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     """
     states = _offload_states(model)
     for state in {id(s): s for s in states.values()}.values():
-        if state._bwd or state._root_running or state._active:
+        if state.busy:
             raise RuntimeError("load_weights during the model's forward or backward; call it"
                                " between steps")
         state.drop_announced()  # values about to be written: prefetched copies would be stale
@@ -474,7 +474,7 @@ def save_weights(
     limit = _size(max_shard_size)
     states = _offload_states(model)
     for state in {id(s): s for s in states.values()}.values():
-        if state._bwd or state._root_running or state._active:
+        if state.busy:
             raise RuntimeError("save_weights during the model's forward or backward; call it"
                                " between steps")
         state.init_pending()  # values for what was created on meta and never loaded

@@ -20,6 +20,7 @@ from headroom.residency._plan import (
     ParamPlan,
     plan_offload,
 )
+from headroom.residency._schedule import Phase
 
 __all__ = [
     "MODULE_ATTRS",
@@ -29,6 +30,7 @@ __all__ = [
     "OffloadOptions",
     "OffloadPlan",
     "ParamPlan",
+    "Phase",
     "check_sharded",
     "configs_of",
     "describe",

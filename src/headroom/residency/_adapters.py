@@ -66,7 +66,7 @@ def init_adapters(model: nn.Module) -> list[str]:
     configs = _configs(model)
     done: list[str] = []
     for state in states:
-        if state._bwd or state._root_running or state._active:
+        if state.busy:
             raise RuntimeError("hr.init_adapters during the model's forward or backward; call it"
                                " between steps")
         rescan(state)

@@ -119,7 +119,7 @@ def _is_wrapper(m: nn.Module) -> bool:
 
 
 def _busy(state: Offload) -> bool:
-    return bool(state._bwd or state._root_running or state._active)
+    return state.busy
 
 
 def _owner(module: nn.Module) -> tuple[Offload, _Members] | None:

@@ -63,7 +63,7 @@ def _map_subtree(state: Any, module: nn.Module, memo: dict) -> None:
     """Seed ``memo`` so that a deep copy of ``module`` (a part of ``state``'s model) is plain
     and on the CPU: its masters' values read from the store, its buffers copied to the CPU,
     its hook dicts without the offload's hooks."""
-    if state._root_running or state._active:  # this thread's forward (the use is ours)
+    if state.in_forward:  # this thread's forward (the use is ours)
         raise _during_forward_or_backward()
     state.init_pending()  # values for parameters created on meta, as state_dict() does
     modules = {id(m): m for m in module.modules()}

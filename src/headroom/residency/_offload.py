@@ -20,7 +20,7 @@ from torch.optim.optimizer import (
 from headroom.residency import _adopt, _dtensor, _guard
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
-from headroom.residency._schedule import _LIVE, Offload, _GroupRole, in_backward
+from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
 from headroom.transfer import (
     HandleSource,
     Store,
@@ -449,7 +449,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     if _dtensor.sharded_state_of(model) is not None:
         return _dtensor.unoffload_sharded(model)
     state = state_of(model)
-    if state._bwd and in_backward():
+    if Phase.BACKWARD in state.phase and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
     state._settle()
     state.drop_announced()

@@ -22,6 +22,7 @@ raising in backward) at the next forward or ``named_parameters()``; see `Offload
 
 from __future__ import annotations
 
+import enum
 import sys
 import weakref
 from functools import partial
@@ -118,6 +119,18 @@ class _GroupRole:
         strip_hooks(self.state, copy)
 
 
+class Phase(enum.Flag):
+    """Where an offloaded model is in its step (see [Note: resting state]).
+
+    ``FORWARD`` and ``BACKWARD`` can hold together: a forward inside a backward (activation
+    checkpointing recomputes) or a backward of an earlier graph during a forward.
+    """
+
+    RESTING = 0  # outside forward and backward: modules hold the masters
+    FORWARD = enum.auto()  # the root's or some block's forward is running
+    BACKWARD = enum.auto()  # a backward through the model has not ended
+
+
 class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
 
@@ -126,6 +139,26 @@ class Offload:
         # arguments lead here: they share this state rather than copying the store with it.
         # Guarded modules drop those hooks from their copies (`_guard`).
         return self
+
+    @property
+    def phase(self) -> Phase:
+        """The model's `Phase` now."""
+        p = Phase.RESTING
+        if self.in_forward:
+            p |= Phase.FORWARD
+        if self._bwd:
+            p |= Phase.BACKWARD
+        return p
+
+    @property
+    def in_forward(self) -> bool:
+        """A forward of the root or of some block is running."""
+        return bool(self._root_running or self._active)
+
+    @property
+    def busy(self) -> bool:
+        """Inside a forward or a backward: not resting."""
+        return bool(self._bwd or self._root_running or self._active)
 
     def __init__(self, model: nn.Module, device: torch.device, store: Store, prefetch: int,
                  compute_dtype: torch.dtype | None) -> None:
@@ -193,7 +226,7 @@ class Offload:
                 self.use.exit_forward()
 
     def _announce(self, blocks: list[Group]) -> None:
-        if self._bwd or self._root_running or self._active:
+        if self.busy:
             raise RuntimeError(
                 "hr.prefetch was called during a forward or backward of the offloaded model;"
                 " announce the next batch's blocks between steps (before forward, or after"
@@ -253,7 +286,7 @@ class Offload:
                         break
                 hide(block)
                 self.res.release(block, quiet=True)
-                if self._root_running or self._active:
+                if self.in_forward:
                     if found:  # not exited by its post_forward yet
                         self.use.exit_forward()
                     return
@@ -270,7 +303,7 @@ class Offload:
         except BaseException as e:  # pragma: no cover - nothing above is expected to raise
             _warn_recovery(e)
         finally:
-            self.use.exit_forward(whole=not (self._root_running or self._active))
+            self.use.exit_forward(whole=not self.in_forward)
 
     def abort_backward(self) -> None:
         """A backward broke off (an exception in a hook, Ctrl-C): release everything it held.
@@ -311,7 +344,7 @@ class Offload:
         if in_backward() or not self.use.enter_short(wait_for_backward=True):
             return
         try:
-            if self._root_running or self._active:
+            if self.in_forward:
                 return
             if self._bwd:
                 self.abort_backward()
@@ -334,7 +367,7 @@ class Offload:
             self.use.exit_forward()
 
     def _before_optimizer_step(self) -> None:
-        if self._bwd or self._root_running or self._active:
+        if self.busy:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
         for b in [*self.blocks, self.rest]:
             # Optimizers step only parameters with a gradient (torch.optim skips
@@ -351,7 +384,7 @@ class Offload:
         if not self.use.enter_short(wait_for_backward=False):
             return
         try:
-            if not self._refetch or self._bwd or self._root_running or self._active:
+            if not self._refetch or self.busy:
                 return
             self._refetch = False
             for b in self.announced:
@@ -392,7 +425,7 @@ class Offload:
         dtype and device as they are (e.g. ``.to(device)`` with the compute device, ``.float()``
         of an fp32 model); otherwise an error before anything changes.
         """
-        if self._bwd or self._root_running or self._active:
+        if self.busy:
             raise RuntimeError(
                 "cannot move or convert an offloaded model during its forward or backward")
         for dtype in sorted({s.binding.handle.dtype for s in self.slots}, key=str):

@@ -232,7 +232,7 @@ class TensorParams:
 
 
 @dataclass(frozen=True)
-class Plan:
+class LossSpec:
     """One call's loss: what to compute over which positives.
 
     Attributes:
@@ -265,7 +265,7 @@ class Plan:
 
 
 def separable_pass(
-    plan: Plan,
+    plan: LossSpec,
     x: torch.Tensor,
     source: SliceSource,
     *,
@@ -344,7 +344,7 @@ def separable_pass(
     return total, grad_x
 
 
-def _softmax_rows(plan: Plan, x: torch.Tensor, source: SliceSource) -> tuple[torch.Tensor, ...]:
+def _softmax_rows(plan: LossSpec, x: torch.Tensor, source: SliceSource) -> tuple[torch.Tensor, ...]:
     """Per-row multi-label softmax loss ``sum_p w_p * (lse - z_p)``, and the lse's parts."""
     targets = PositiveLogits(plan.pos, plan.pos_coef)
     row_max, row_sum, _, _ = lse_pass(x, source, targets, slice_size=plan.slice_size,
@@ -355,7 +355,7 @@ def _softmax_rows(plan: Plan, x: torch.Tensor, source: SliceSource) -> tuple[tor
     return rows.index_add_(0, plan.pos.rows, terms), row_max, row_sum
 
 
-def _reduce(plan: Plan, loss: torch.Tensor) -> torch.Tensor:
+def _reduce(plan: LossSpec, loss: torch.Tensor) -> torch.Tensor:
     if plan.reduction == "none":
         return loss
     total = loss.sum()
@@ -363,7 +363,7 @@ def _reduce(plan: Plan, loss: torch.Tensor) -> torch.Tensor:
     return total / plan.denominator if plan.reduction == "mean" else total
 
 
-def _gradient_scale(plan: Plan, grad_out: torch.Tensor) -> float | torch.Tensor:
+def _gradient_scale(plan: LossSpec, grad_out: torch.Tensor) -> float | torch.Tensor:
     if plan.reduction == "none":
         return grad_out.reshape(-1).to(plan.accum_dtype)
     g = float(grad_out)
@@ -376,7 +376,7 @@ class _LinearLoss(torch.autograd.Function):
     """The sliced multi-label loss; gradients formed in forward (one pass) or in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x, weight, bias, params: ParamSlices, plan: Plan):  # type: ignore[override]
+    def forward(ctx: Any, x, weight, bias, params: ParamSlices, plan: LossSpec):  # type: ignore[override]
         xa = x.to(plan.accum_dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
@@ -408,7 +408,7 @@ class _LinearLoss(torch.autograd.Function):
         )
         x, row_max, row_sum = ctx.saved_tensors
         params: ParamSlices = ctx.params
-        plan: Plan = ctx.plan
+        plan: LossSpec = ctx.plan
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         if ctx.grads is not None:
@@ -487,7 +487,7 @@ def make_plan(
     class_ids: torch.Tensor | None,
     one_pass: bool,
     accum_dtype: torch.dtype,
-) -> Plan:
+) -> LossSpec:
     """The plan of one call, for positives over all classes (``pos.num_classes``).
 
     With ``class_ids`` (sorted, holding every positive class) the weight rows are those classes
@@ -521,7 +521,7 @@ def make_plan(
     if slice_size is None:
         budget = DEFAULT_LOGITS_BUDGET // (1 if softmax else _BUFFERS)
         slice_size = pick_slice_size(rows, num_classes, accum_dtype=dt, budget_bytes=budget)
-    return Plan(
+    return LossSpec(
         loss=loss, pos=pos, num_classes=num_classes, pos_coef=coef, values=values,
         reduction=reduction,
         # What PyTorch's dense loss divides by: elements for BCE, rows for a softmax

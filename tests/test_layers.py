@@ -22,11 +22,6 @@ PACKAGES = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
 ALLOWED_PRIVATE = {
     # an estimate's report is the tracker's report of the dry run
     ("fit/_estimate.py", "headroom.memory._report"),
-    # the data-parallel wrapper works inside hr.offload's schedule and its groups
-    ("distributed/_data_parallel.py", "headroom.residency._offload"),
-    ("distributed/_data_parallel.py", "headroom.residency._schedule"),
-    ("distributed/_reducer.py", "headroom.residency._group"),
-    ("distributed/_reducer.py", "headroom.residency._schedule"),
     ("optim/_host_optimizer.py", "headroom.transfer._store"),
 }
 
@@ -104,7 +99,7 @@ def test_fit_is_on_top():
 def test_private_imports_across_packages_are_few():
     _, private = _graph()
     assert private <= ALLOWED_PRIVATE, sorted(private - ALLOWED_PRIVATE)
-    assert len(private) <= 6
+    assert len(private) <= 3
 
 
 def test_the_estimator_left_memory_with_a_pointer():

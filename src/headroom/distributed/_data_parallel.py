@@ -20,9 +20,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from headroom.distributed._reducer import StoreReducer
-from headroom.residency import check_sharded
-from headroom.residency._offload import _ATTR
-from headroom.residency._schedule import Offload, _outputs
+from headroom.residency import Offload, check_sharded, offload_states, tensor_outputs
 from headroom.transfer import binding
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -172,7 +170,7 @@ class DataParallel(nn.Module):
             self.reducer.begin_forward(self._sync)
         out = (self.ddp or self.module)(*args, **kwargs)
         if self.reducer is not None:
-            self.reducer.end_forward(_outputs(out) if torch.is_grad_enabled() else [])
+            self.reducer.end_forward(tensor_outputs(out) if torch.is_grad_enabled() else [])
         return out
 
     def train(self, mode: bool = True) -> DataParallel:
@@ -209,12 +207,7 @@ class DataParallel(nn.Module):
 
 
 def _offload_states(model: nn.Module) -> list[Offload]:
-    out = []
-    for m in model.modules():
-        st = getattr(m, _ATTR, None)
-        if st is not None:
-            out.append(st)
-    return out
+    return [st for _, _, st in offload_states(model)]
 
 
 def _group_timeout(pg: Any) -> timedelta:

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from headroom.residency._group import Group, Slot
-from headroom.residency._schedule import Offload
+from headroom.residency import Group, Offload, Slot
 from headroom.transfer import relay_done
 
 __all__ = ["CollectiveError", "StoreReducer"]

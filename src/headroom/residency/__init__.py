@@ -4,6 +4,7 @@ from headroom.residency._adapters import init_adapters
 from headroom.residency._blocks import find_blocks
 from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._dtensor import check_sharded
+from headroom.residency._group import Group, Slot
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
@@ -20,7 +21,8 @@ from headroom.residency._plan import (
     ParamPlan,
     plan_offload,
 )
-from headroom.residency._schedule import Phase
+from headroom.residency._schedule import Offload, Phase
+from headroom.residency._schedule import _outputs as tensor_outputs
 
 __all__ = [
     "MODULE_ATTRS",
@@ -29,7 +31,11 @@ __all__ = [
     "OffloadDryRun",
     "OffloadOptions",
     "OffloadPlan",
+    "Group",
+    "Offload",
     "ParamPlan",
+    "Slot",
+    "tensor_outputs",
     "Phase",
     "check_sharded",
     "configs_of",

@@ -131,24 +131,25 @@ class _Offloader:
         _install_global_hook()
         _ACTIVE.append(self)
         self._handles = []
+        # NOTE: under torch.compile the scope hooks run outside the graphs (a graph break at
+        # each scoped module's edges), so the depth is right when the compiled region's saved
+        # tensors are packed. (Disabled here, not at import: that would import torch._dynamo.)
+        # The global hook, `_after_any_module`, is skipped while tracing instead: the sweep is
+        # no graph op, and the next pack or module outside the graph sweeps anyway.
         for m in modules or ():
-            self._handles.append(m.register_forward_pre_hook(self._enter_module))
-            self._handles.append(m.register_forward_hook(self._leave_module, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(
+                torch.compiler.disable(self._enter_module)))
+            self._handles.append(m.register_forward_hook(
+                torch.compiler.disable(self._leave_module), always_call=True))
 
     # ------------------------------------------------------------------ scope
-    # NOTE: under torch.compile, the scope hooks run outside the graphs (a graph break at each
-    # scoped module's edges), so the depth is right when the compiled region's saved tensors
-    # are packed. The global hook (`_after_any_module`) is skipped while tracing: the sweep is
-    # no graph op, and the next pack or module outside the graph sweeps anyway.
-    @torch.compiler.disable
     def _enter_module(self, module, args) -> None:
         self._depth += 1
 
-    @torch.compiler.disable
     def _leave_module(self, module, args, output) -> None:
         self._depth -= 1
 
-    def _after_module(self, module, args, output) -> None:
+    def _after_module(self) -> None:
         if self._pending and not self._closed:
             self._sweep()
 
@@ -328,10 +329,12 @@ _GLOBAL_HOOK: Any = None
 
 
 def _after_any_module(module, args, output) -> None:
+    # NOTE: no reference to the output kept here while sweeping: `_only_ours` counts them
+    del module, args, output
     if not _ACTIVE or torch.compiler.is_compiling():
         return
     for o in list(_ACTIVE):
-        o._after_module(module, args, output)
+        o._after_module()
 
 
 def _install_global_hook() -> None:

@@ -200,3 +200,32 @@ def test_hf_model_compiled_offloaded_is_bitwise_eager(make):
     sd = model.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(sd[k], v), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_compiled_offloaded_on_the_accelerator_trains_like_compiled_plain(tmp_path, store):
+    from tests.conftest import accelerator_type
+
+    dev = accelerator_type()
+    ref = _model().to(dev)
+    model = _model()
+    st = hr.DiskStore(tmp_path / "params") if store == "disk" else "cpu"
+    hr.offload(model, device=dev, store=st)
+    opts = (torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+            hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9))
+    g = torch.Generator().manual_seed(1)
+    runs = (torch.compile(ref), torch.compile(model))
+    for b in (2, 3, 4):
+        x = torch.randint(0, 50, (b, 6), generator=g).to(dev)
+        losses = []
+        for run, opt in zip(runs, opts, strict=True):
+            loss = run(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0])
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k].to(dev), v, msg=k)

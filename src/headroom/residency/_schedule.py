@@ -82,13 +82,6 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-# NOTE: the forward hooks fetch, release and swap parameters: they must run as written, never
-# be traced into a graph by torch.compile. Disabled for dynamo, each is a graph break, so a
-# compiled offloaded model is cut at its blocks' edges and each block's forward is a graph of
-# its own (whose backward runs between headroom's backward hooks, as in eager mode).
-_eager = torch.compiler.disable
-
-
 # Live offloaded models, for the optimizer-step hook (see `before_optimizer_step`).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -426,7 +419,6 @@ class Offload:
         return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
 
     # ------------------------------------------------------------------ forward hooks
-    @_eager
     def root_pre_forward(self, module, args, kwargs):
         if in_backward():
             self.res.ensure(self.rest)
@@ -454,7 +446,6 @@ class Offload:
         self._prefetch(order, -1, 1)
         return None
 
-    @_eager
     def root_post_forward(self, module, args, kwargs, output):
         if in_backward():
             return None
@@ -474,7 +465,6 @@ class Offload:
         self.use.exit_forward()
         return None
 
-    @_eager
     def pre_forward(self, block: Group, module, args, kwargs):
         if in_backward():  # recomputation inside backward (activation checkpointing)
             self.res.ensure(block)
@@ -540,7 +530,6 @@ class Offload:
         if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
             self.res.release(block)
 
-    @_eager
     def post_forward(self, block: Group, module, args, kwargs, output):
         if in_backward():
             # Keep the block: its backward, which triggered this recomputation, runs next.

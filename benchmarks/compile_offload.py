@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -138,6 +139,7 @@ def main() -> None:
         "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "loadavg_1min_at_end": round(os.getloadavg()[0], 2),  # other processes' share
         "config": vars(args) | {"params": sum(p.numel() for p in base.parameters())},
         "warmup_s": compile_s,
         "median_step_s": {n: round(v, 5) for n, v in med.items()},

@@ -130,6 +130,42 @@ def transformer(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dic
     return {"got": got, "ref": {k: v.clone() for k, v in plain.state_dict().items()}}
 
 
+def compiled_transformer(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
+    """`transformer` under torch.compile: compiled data_parallel vs DDP of the plain model
+    (aot_eager runs the kernels eager mode runs, so bitwise), batch size changing per step."""
+    from tests.residency._models import Transformer, lm_batch, lm_loss
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain = Transformer(d=16, n=3)
+    model = Transformer(d=16, n=3)
+    for m in (plain, model):
+        for layer in m.layers:
+            layer.drop.p = 0.0  # compiled dropout draws its own random numbers
+    model.load_state_dict(plain.state_dict())
+    st = "cpu" if store == "cpu" else DiskStore(os.path.join(tmp, f"rank{rank}"), threads=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store=st, prefetch=1)
+    dp = torch.compile(hr.data_parallel(model, timeout=20), backend="aot_eager")
+    ddp = torch.nn.parallel.DistributedDataParallel(plain)  # eager: compiling it costs seconds
+    opt = make_opt(model.parameters(), store != "cpu")
+    opt_ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1,
+                                fused=False if store != "cpu" else None)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(rank * 100 + step)
+        b = lm_batch(g, b=2 + step)
+        for m, o in ((dp, opt), (ddp, opt_ref)):
+            lm_loss(m, b).backward()
+            o.step()
+            o.zero_grad()
+    from torch._dynamo.utils import counters
+
+    got = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"got": got, "ref": {k: v.clone() for k, v in plain.state_dict().items()},
+            "graphs": torch.tensor(counters["stats"]["unique_graphs"])}
+
+
 def failing(rank: int, world: int, how: str) -> dict:
     """Rank 1 fails after a good step (stalls then raises, or is killed); rank 0 must fail
     clearly, within its timeout.

@@ -24,6 +24,7 @@ CASES = {
     "transformer": dict(fn="transformer", kw=dict()),
     "transformer_disk": dict(fn="transformer", kw=dict(store="disk")),
     "sgd": dict(fn="multitask", kw=dict(case="different", sgd=True)),
+    "transformer_compiled": dict(fn="compiled_transformer", kw={}),
 }
 WORLD3 = ["different", "same", "accumulate", "sgd"]
 
@@ -146,6 +147,15 @@ def test_offloaded_transformer_equals_ddp_on_the_plain_model(world2, case):
         for k, v in res["ref"].items():
             assert torch.equal(res["got"][k], v), f"rank {r}: {k}"
             assert torch.equal(res["got"][k], world2[case][0]["got"][k]), f"rank {r}: {k}"
+
+
+def test_compiled_offloaded_transformer_equals_ddp_on_the_plain_model(world2):
+    # torch.compile(hr.data_parallel(model)): the reducer runs outside the graphs, the blocks
+    # compile, and training stays bitwise that of DDP
+    for r, res in enumerate(world2["transformer_compiled"]):
+        assert res["graphs"] >= 1, f"rank {r}: nothing was compiled"
+        for k, v in res["ref"].items():
+            assert torch.equal(res["got"][k], v), f"rank {r}: {k}"
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])

@@ -377,3 +377,35 @@ def test_rss_is_reported_beside_tracked_bytes():
     assert mem.peak == t.numel() * 4
     assert mem.rss_timeline and all(b > 0 for _, b in mem.rss_timeline)
     assert "process RSS" in mem.report()
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_compiled_model_is_said_once_to_run_eagerly(how):
+    # PyTorch runs compiled frames eagerly under a dispatch mode: the tracker says so, once
+    # per region, and what it measured is the eager model's
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    if how == "torch.compile":
+        run = torch.compile(model, backend="eager")
+    else:
+        run = model
+        model.compile(backend="eager")
+    x = torch.randn(4, 8)
+    run(x).sum().backward()  # compiled before tracking
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="runs compiled code eagerly") as rec:
+        with hr.track_memory() as compiled:
+            for _ in range(2):
+                run(x).sum().backward()
+                model.zero_grad(set_to_none=True)
+    assert sum("track_memory" in str(w.message) for w in rec) == 1
+    torch._dynamo.reset()
+    eager = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    eager.load_state_dict(model.state_dict())
+    with hr.track_memory() as plain:
+        for _ in range(2):
+            eager(x).sum().backward()
+            eager.zero_grad(set_to_none=True)
+    assert compiled.peak == plain.peak
+    assert compiled.peak_by_category == plain.peak_by_category

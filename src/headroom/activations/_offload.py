@@ -133,11 +133,19 @@ class _Offloader:
         # A module's forward ending is when its saved tensors stop being used by anything but
         # autograd: sweep then, not only when the next tensor is saved (the last module's
         # tensors would otherwise stay until backward).
-        self._handles = [nn.modules.module.register_module_forward_hook(
-            self._after_module, always_call=True)]
+        _install_global_hook()
+        _ACTIVE.append(self)
+        self._handles = []
+        # NOTE: under torch.compile the scope hooks run outside the graphs (a graph break at
+        # each scoped module's edges), so the depth is right when the compiled region's saved
+        # tensors are packed. (Disabled here, not at import: that would import torch._dynamo.)
+        # The global hook, `_after_any_module`, is skipped while tracing instead: the sweep is
+        # no graph op, and the next pack or module outside the graph sweeps anyway.
         for m in modules or ():
-            self._handles.append(m.register_forward_pre_hook(self._enter_module))
-            self._handles.append(m.register_forward_hook(self._leave_module, always_call=True))
+            self._handles.append(m.register_forward_pre_hook(
+                torch.compiler.disable(self._enter_module)))
+            self._handles.append(m.register_forward_hook(
+                torch.compiler.disable(self._leave_module), always_call=True))
 
     # ------------------------------------------------------------------ scope
     def _enter_module(self, module, args) -> None:
@@ -146,7 +154,7 @@ class _Offloader:
     def _leave_module(self, module, args, output) -> None:
         self._depth -= 1
 
-    def _after_module(self, module, args, output) -> None:
+    def _after_module(self) -> None:
         if self._pending and not self._closed:
             self._sweep()
 
@@ -313,7 +321,32 @@ class _Offloader:
         """No new tensors (those saved already are restored whenever backward runs)."""
         for h in self._handles:
             h.remove()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         self._closed = True
+
+
+# Offloaders in use (nested contexts, other threads). One global module hook serves them all,
+# and stays once installed: a hook registered again gets a new key, which torch.compile guards
+# on, so a new context each step would recompile every compiled module each step.
+_ACTIVE: list[_Offloader] = []
+_GLOBAL_HOOK: Any = None
+
+
+def _after_any_module(module, args, output) -> None:
+    # NOTE: no reference to the output kept here while sweeping: `_only_ours` counts them
+    del module, args, output
+    if not _ACTIVE or torch.compiler.is_compiling():
+        return
+    for o in list(_ACTIVE):
+        o._after_module()
+
+
+def _install_global_hook() -> None:
+    global _GLOBAL_HOOK
+    if _GLOBAL_HOOK is None:
+        _GLOBAL_HOOK = nn.modules.module.register_module_forward_hook(
+            _after_any_module, always_call=True)
 
 
 def empty_cache() -> None:

@@ -166,12 +166,21 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ nn.Module
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_forward()
+        out = (self.ddp or self.module)(*args, **kwargs)
+        self._end_forward(out)
+        return out
+
+    # NOTE: bookkeeping and collectives of the reducer: never traced by torch.compile.
+    @torch.compiler.disable
+    def _begin_forward(self) -> None:
         if self.reducer is not None:
             self.reducer.begin_forward(self._sync)
-        out = (self.ddp or self.module)(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _end_forward(self, out: Any) -> None:
         if self.reducer is not None:
             self.reducer.end_forward(tensor_outputs(out) if torch.is_grad_enabled() else [])
-        return out
 
     def train(self, mode: bool = True) -> DataParallel:
         super().train(mode)

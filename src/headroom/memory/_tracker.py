@@ -10,9 +10,11 @@ which module is running).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -57,6 +59,15 @@ _active_where = ""
 
 def _active_tracker() -> MemoryTracker | None:
     return _active
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled code (``torch.compile(module)`` or ``module.compile()``)."""
+    dynamo = sys.modules.get("torch._dynamo")  # torch.compile imports it
+    if dynamo is None:
+        return False
+    return (isinstance(module, dynamo.eval_frame.OptimizedModule)
+            or getattr(module, "_compiled_call_impl", None) is not None)
 
 
 def is_tracking() -> bool:
@@ -189,6 +200,7 @@ class MemoryTracker:
         self._meta_as: str | None = None  # set by the estimator: what meta tensors stand for
         # the first root forward's model and input shapes, and the optimizer: for advice
         self._context: dict[str, Any] = {}
+        self._warned_compiled = False  # said once per region that compiled code runs eagerly
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> MemoryTracker:
@@ -594,6 +606,16 @@ class MemoryTracker:
             self._context["optimizer"] = ctx["optimizer"]
 
     def _pre_fw(self, module: nn.Module, args: Any) -> None:
+        if not self._warned_compiled and _compiled(module):
+            self._warned_compiled = True
+            warnings.warn(
+                f"hr.track_memory: {type(module).__name__} was compiled with torch.compile, but"
+                " PyTorch runs compiled code eagerly while a dispatch mode (the tracker's) is"
+                " active, so this region ran, and was measured, as the eager model: the"
+                " compiled kernels may keep more or less. To measure the compiled run, read the"
+                " allocator around it without the tracker (torch.cuda.max_memory_allocated(),"
+                " torch.cuda.memory._record_memory_history(); the process RSS on the CPU)",
+                UserWarning, stacklevel=2)
         if not self._stack and id(module) not in self._names:
             self._add_root(module)
             if self._meta_as is None and not self._context:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Protocol
 
+import torch
 import torch.nn as nn
 
 from headroom.residency import _dtensor
@@ -102,7 +103,8 @@ def _guarded_class(cls: type) -> type:
         return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo)
 
     sub = type(cls.__name__, (cls,), {
-        "__call__": __call__,
+        # not traced by torch.compile (only this frame: the module's forward still is)
+        "__call__": torch.compiler.disable(__call__, recursive=False),
         "__deepcopy__": __deepcopy__,
         "_apply": _apply,
         "named_parameters": named_parameters,

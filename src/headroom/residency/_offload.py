@@ -167,16 +167,22 @@ def offload(
                 state.buffers.append(f"{mname}.{bname}" if mname else bname)
 
     # Hooks: root, blocks, state dict.
+    # NOTE: the forward hooks fetch, release and swap parameters: never traced into a graph by
+    # torch.compile. Disabled for dynamo, each is a graph break, so a compiled offloaded model
+    # is cut at its blocks' edges and each block's forward is a graph of its own, whose backward
+    # runs between headroom's backward hooks as in eager mode. (Disabled here rather than where
+    # they are defined: that would import torch._dynamo with headroom.residency.)
+    eager = torch.compiler.disable
     h = state.handles
-    h.append(model.register_forward_pre_hook(state.root_pre_forward, with_kwargs=True,
+    h.append(model.register_forward_pre_hook(eager(state.root_pre_forward), with_kwargs=True,
                                              prepend=True))
-    h.append(model.register_forward_hook(state.root_post_forward, with_kwargs=True))
+    h.append(model.register_forward_hook(eager(state.root_post_forward), with_kwargs=True))
     h.append(model.register_state_dict_pre_hook(
         lambda *a, **k: state.init_pending(lost_ok=True)))
     for b in state.blocks:
-        h.append(b.module.register_forward_pre_hook(partial(state.pre_forward, b),
+        h.append(b.module.register_forward_pre_hook(eager(partial(state.pre_forward, b)),
                                                     with_kwargs=True, prepend=True))
-        h.append(b.module.register_forward_hook(partial(state.post_forward, b),
+        h.append(b.module.register_forward_hook(eager(partial(state.post_forward, b)),
                                                 with_kwargs=True))
     seen_mods: set[int] = set()
     for s in state.slots:

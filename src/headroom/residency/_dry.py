@@ -74,6 +74,8 @@ def is_offload_hook(fn: Any) -> bool:
     """Whether a module hook belongs to an `hr.offload` state (not copied into dry runs)."""
     from headroom.residency._schedule import Offload
 
+    # hr.offload registers its hooks wrapped by torch.compiler.disable
+    fn = getattr(fn, "_torchdynamo_orig_callable", fn)
     while isinstance(fn, partial):
         if any(isinstance(a, Offload) for a in fn.args):
             return True

@@ -3,8 +3,8 @@ hr.HostOptimizer, peak RSS and step time measured in one run.
 
 A GPT-2-like model built from a config (``--layers`` x ``--width``, 16384-token vocabulary,
 fp32; every variant starts from one checkpoint), trained by ``transformers.Trainer`` (default
-``max_grad_norm=1.0`` clipping, logging every step) for ``--steps`` steps of one 128-token
-sequence. Variants, each in a fresh child process, alternating run by run:
+``max_grad_norm=1.0`` clipping, logging every step) for ``--steps`` steps of ``--batch``
+sequences of ``--seq`` tokens (default one of 128). Variants, each in a fresh child process, alternating run by run:
 
 - ``plain``: ``from_pretrained`` (in memory), ``torch.optim.AdamW(fused=True)``;
 - ``disk``: built on ``meta``, ``hr.offload(model, device="cpu", store=hr.DiskStore(...))``,
@@ -30,8 +30,11 @@ split into forward + backward + clipping, optimizer step and the rest, and the b
 DiskStores read and wrote per step. Medians over ``--repeats`` runs; the ratios are medians
 of the per-repeat ratios against ``plain`` (``lora_disk`` against ``lora_plain``). The goal,
 reported for each full fine-tune variant as met or not: peak RSS <= 0.6x ``plain`` at <= 1.3x
-its step time. The load average at the start and end is recorded; above half the CPU count
-the step times are flagged as unreliable. ``--profile`` adds each child's top functions
+its step time. ``--batch`` and ``--seq`` set the tokens per step (default one 128-token
+sequence): the store traffic per step is fixed by the model, the compute grows with the
+tokens, so the time ratio falls as a step holds more tokens. The load average at the start
+and end is recorded; above half the CPU count at the start the step times are flagged as
+unreliable. ``--profile`` adds each child's top functions
 (cProfile, by own time).
 
     .venv/bin/python benchmarks/trainer_finetune.py              # ~5 min on 2 idle cores
@@ -72,7 +75,8 @@ torch.set_num_threads(2)
 transformers.logging.set_verbosity_error()
 fixed = rss("VmRSS")
 variant, steps, root, ckpt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-profile = len(sys.argv) > 5 and sys.argv[5] == "profile"
+batch, seq = int(sys.argv[5]), int(sys.argv[6])
+profile = len(sys.argv) > 7 and sys.argv[7] == "profile"
 cfg = transformers.GPT2Config.from_pretrained(ckpt)
 if variant.startswith("lora"):
     import peft
@@ -114,7 +118,7 @@ n_params = sum(p.numel() for p in model.parameters())
 
 class Data(torch.utils.data.Dataset):
     def __init__(self):
-        self.ids = torch.randint(0, cfg.vocab_size, (steps, 128),
+        self.ids = torch.randint(0, cfg.vocab_size, (steps * batch, seq),
                                  generator=torch.Generator().manual_seed(0))
     def __len__(self):
         return len(self.ids)
@@ -155,7 +159,8 @@ def io():  # bytes the DiskStores read and wrote so far
 
 timer = Timer()
 args = transformers.TrainingArguments(
-    output_dir=root + "/out", max_steps=steps, per_device_train_batch_size=1, logging_steps=1,
+    output_dir=root + "/out", max_steps=steps, per_device_train_batch_size=batch,
+    logging_steps=1,
     report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
 trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(),
                                optimizers=(opt, None), callbacks=[timer])
@@ -191,20 +196,20 @@ print(json.dumps({"fixed": fixed, "peak_rss": max(peak_all, rss("VmHWM")),
 """
 
 
-def _checkpoint(path: str, layers: int, width: int) -> None:
+def _checkpoint(path: str, layers: int, width: int, seq: int) -> None:
     """The model every variant fine-tunes, saved once (same weights everywhere)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64,
-                                  vocab_size=16384, n_positions=256)
+                                  vocab_size=16384, n_positions=max(256, seq))
     transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
 
 
-def _run(variant: str, steps: int, ckpt: str, profile: bool) -> dict:
+def _run(variant: str, steps: int, ckpt: str, profile: bool, batch: int, seq: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="hr-trainer-") as root:
-        cmd = [sys.executable, "-c", CHILD, variant, str(steps), root, ckpt]
+        cmd = [sys.executable, "-c", CHILD, variant, str(steps), root, ckpt, str(batch), str(seq)]
         out = subprocess.run(cmd + (["profile"] if profile else []), capture_output=True,
                              text=True, timeout=3600, check=False)
     if out.returncode != 0:
@@ -228,6 +233,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 layers, 3 steps, 1 repeat")
     ap.add_argument("--profile", action="store_true",
@@ -243,11 +250,11 @@ def main() -> None:
     load_start = os.getloadavg()
     t_start = time.perf_counter()
     ckpt_dir = tempfile.TemporaryDirectory(prefix="hr-trainer-ckpt-")
-    _checkpoint(ckpt_dir.name, args.layers, args.width)
+    _checkpoint(ckpt_dir.name, args.layers, args.width, args.seq)
     for r in range(args.repeats):
         order = variants if r % 2 == 0 else variants[::-1]
         for v in order:
-            res = _run(v, args.steps, ckpt_dir.name, args.profile)
+            res = _run(v, args.steps, ckpt_dir.name, args.profile, args.batch, args.seq)
             runs[v].append(res)
             ph = "  ".join(f"{k} {w:.2f}" for k, (w, _) in res["phases_s"].items())
             print(f"  run {r} {v:16s} peak RSS {res['peak_rss'] / 2**20:6.0f} MiB  step"
@@ -262,7 +269,8 @@ def main() -> None:
                                       for j in (0, 1)] for k in rs[0]["phases_s"]}
     summary["n_params"] = next(iter(runs.values()))[0]["n_params"]
     load_end = os.getloadavg()
-    busy = max(load_start[0], load_end[0]) > 0.5 * (os.cpu_count() or 1)
+    # other work before the runs (at the end the load average counts the runs' own threads)
+    busy = load_start[0] > 0.5 * (os.cpu_count() or 1)
     print(f"== medians ({summary['n_params'] / 1e6:.1f}M parameters; load average"
           f" {load_start[0]:.1f} at start, {load_end[0]:.1f} at end on {os.cpu_count()} CPUs"
           f"{': busy, step times unreliable' if busy else ''})")

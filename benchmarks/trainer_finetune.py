@@ -4,7 +4,8 @@ hr.HostOptimizer, peak RSS and step time measured in one run.
 A GPT-2-like model built from a config (``--layers`` x ``--width``, 16384-token vocabulary,
 fp32; every variant starts from one checkpoint), trained by ``transformers.Trainer`` (default
 ``max_grad_norm=1.0`` clipping, logging every step) for ``--steps`` steps of ``--batch``
-sequences of ``--seq`` tokens (default one of 128). Variants, each in a fresh child process, alternating run by run:
+sequences of ``--seq`` tokens (default one of 128). Variants, each in a fresh child process,
+alternating run by run:
 
 - ``plain``: ``from_pretrained`` (in memory), ``torch.optim.AdamW(fused=True)``;
 - ``disk``: built on ``meta``, ``hr.offload(model, device="cpu", store=hr.DiskStore(...))``,

@@ -271,3 +271,19 @@ def run(world: int, jobs: list[tuple[str, dict]], timeout: float = 120) -> dict:
                 p.kill()
                 p.join(timeout=10)
     return results
+
+
+def run_named(world: int, named_jobs: dict[str, tuple[str, dict]],
+              timeout: float = 240) -> dict[str, list]:
+    """`run` for jobs named by their case: ``{name: [result of rank 0, rank 1, ...]}``; a rank
+    that failed, died or timed out fails the calling test, naming the case and the rank."""
+    names = list(named_jobs)
+    res = run(world, [named_jobs[n] for n in names], timeout=timeout)
+    out = {}
+    for i, n in enumerate(names):
+        out[n] = []
+        for r in range(world):
+            status, value = res.get((i, r), ("missing", "no result (rank died or timed out)"))
+            assert status == "ok", f"{n} rank {r}: {value}"
+            out[n].append(value)
+    return out

@@ -36,15 +36,7 @@ def _spawn(world: int, names: list[str], tmp) -> dict:
         if kw.get("store") == "disk":
             kw["tmp"] = str(tmp / f"{n}-{world}")
         jobs.append((CASES[n]["fn"], kw))
-    res = w.run(world, jobs, timeout=240)
-    out = {}
-    for i, n in enumerate(names):
-        out[n] = []
-        for r in range(world):
-            status, value = res.get((i, r), ("missing", "no result (rank died or timed out)"))
-            assert status == "ok", f"{n} rank {r}: {value}"
-            out[n].append(value)
-    return out
+    return w.run_named(world, dict(zip(names, jobs, strict=True)))
 
 
 @pytest.fixture(scope="module")

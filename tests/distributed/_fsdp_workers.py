@@ -297,3 +297,38 @@ def unoffload(rank: int, world: int) -> dict:
     return {"got": _local(model), "ref": _local(ref), "store_after": freed,
             "offloaded": int(sharded_state_of(model) is not None)}
 
+
+def offload_interrupted(rank: int, world: int) -> dict:
+    """hr.offload interrupted half-way through moving the shards: nothing stays moved, then
+    the model trains as FSDP2 alone, and hr.offload works on it again."""
+    from headroom.residency import _dtensor
+
+    model, ref = _pair()
+    rest_in = _dtensor._rest_in
+    calls = []
+
+    def interrupted(fp, flat, *, pin):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        rest_in(fp, flat, pin=pin)
+
+    _dtensor._rest_in = interrupted
+    try:
+        err = "no error"
+        try:
+            hr.offload(model, device="cpu", store="cpu")
+        except KeyboardInterrupt:
+            err = "KeyboardInterrupt"
+    finally:
+        _dtensor._rest_in = rest_in
+    moved = sum(int(fp.offload_to_cpu) for _, m in _dtensor.fsdp_modules(model)
+                for fp in _dtensor._fsdp_params(m))
+    recorded = int(sharded_state_of(model) is not None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=0)
+    hr.offload(model, device="cpu", store="cpu")
+    again = sharded_state_of(model).stored_bytes
+    return {"got": _local(model), "ref": _local(ref), "error": err, "moved": moved,
+            "recorded": recorded, "again": again}

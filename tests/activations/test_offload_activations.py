@@ -7,6 +7,7 @@ still alive (a dispatch mode).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -297,6 +298,42 @@ def test_failure_mid_forward_leaves_nothing_and_training_stays_exact(exc, tmp_pa
     with _ctx(store, min_bytes=0):
         ours(x).square().mean().backward()
     _assert_same(_grads(ours), _grads(ref))
+
+
+def _global_hooks() -> dict:
+    return dict(nn.modules.module._global_forward_hooks)
+
+
+@pytest.mark.parametrize("exc", [None, RuntimeError, KeyboardInterrupt])
+def test_the_global_module_hook_is_there_only_inside_a_context(exc, tmp_path):
+    # A global module hook takes every module call of every model off nn.Module's fast path:
+    # once the context is left (normally or by an exception) no module call pays for it, and
+    # the next context puts it back under the same key (torch.compile guards on the keys).
+    from headroom.activations import _offload
+
+    model = Blocks(n=2)
+    before = _global_hooks()
+    keys = []
+    for _ in range(2):
+        with contextlib.suppress(exc or ()), _ctx(DiskStore(tmp_path / "a"), min_bytes=0):
+            keys.append(set(_global_hooks()) - set(before))
+            model(torch.randn(2, 4, 64)).sum().backward()
+            if exc is not None:
+                raise exc("injected")
+        assert _global_hooks() == before
+        assert not _offload._ACTIVE
+    assert len(keys[0]) == 1 and keys[0] == keys[1]
+
+
+def test_modules_that_are_not_modules_are_refused_and_nothing_stays(tmp_path):
+    from headroom.activations import _offload
+
+    before = _global_hooks()
+    with pytest.raises(TypeError, match="nn.Module"), _ctx(DiskStore(tmp_path / "a"),
+                                                           modules=[nn.Linear(2, 2), "b"]):
+        pass
+    assert _global_hooks() == before
+    assert not _offload._ACTIVE
 
 
 def test_selected_modules_only(tmp_path):

@@ -55,6 +55,16 @@ def shard(model: nn.Module, **kw) -> nn.Module:
     return model
 
 
+def _pair(**kw) -> tuple[nn.Module, nn.Module]:
+    """The model and a reference with the same weights, both sharded the same way."""
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = Net()
+    ref = Net()
+    ref.load_state_dict(model.state_dict())
+    return shard(model, **kw), shard(ref, **kw)
+
+
 def _error(fn) -> str:
     """The error ``fn()`` raises, as ``Type: message`` ("no error" if none)."""
     try:
@@ -163,17 +173,11 @@ def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None
 def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
           partial: bool = False, clip: float | None = 0.05) -> dict:
     """FSDP2 + hr.offload(store="cpu") + (Host)AdamW vs the same FSDP2 model alone."""
-    warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    model = Net()
-    ref = Net()
-    ref.load_state_dict(model.state_dict())
     kw = {}
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
-    shard(model, **kw)
-    shard(ref, **kw)
+    model, ref = _pair(**kw)
     blocks = [model.layers[0], model.layers[2]] if partial else None
     hr.offload(model, device="cpu", store="cpu", blocks=blocks)
     state = sharded_state_of(model)
@@ -261,13 +265,7 @@ def tracking(rank: int, world: int, *, offloaded: bool = False) -> dict:
 
 
 def convert(rank: int, world: int) -> dict:
-    warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    model = Net()
-    ref = Net()
-    ref.load_state_dict(model.state_dict())
-    shard(model)
-    shard(ref)
+    model, ref = _pair()
     before = [type(m) for m in model.modules()]
     conv = hr.convert(model)  # inplace=False: a new tree, the same parameters
     opt = torch.optim.AdamW(conv.parameters(), lr=1e-2, foreach=False)
@@ -283,16 +281,9 @@ def convert(rank: int, world: int) -> dict:
             "unchanged": int(before == [type(m) for m in model.modules()])}
 
 
-
 def unoffload(rank: int, world: int) -> dict:
     """A step offloaded, hr.unoffload, a step more: as two steps of FSDP2 alone."""
-    warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    model = Net()
-    ref = Net()
-    ref.load_state_dict(model.state_dict())
-    shard(model)
-    shard(ref)
+    model, ref = _pair()
     hr.offload(model, device="cpu", store="cpu")
     store = sharded_state_of(model).store
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -305,3 +296,39 @@ def unoffload(rank: int, world: int) -> dict:
     _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=1)
     return {"got": _local(model), "ref": _local(ref), "store_after": freed,
             "offloaded": int(sharded_state_of(model) is not None)}
+
+
+def offload_interrupted(rank: int, world: int) -> dict:
+    """hr.offload interrupted half-way through moving the shards: nothing stays moved, then
+    the model trains as FSDP2 alone, and hr.offload works on it again."""
+    from headroom.residency import _dtensor
+
+    model, ref = _pair()
+    rest_in = _dtensor._rest_in
+    calls = []
+
+    def interrupted(fp, flat, *, pin):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        rest_in(fp, flat, pin=pin)
+
+    _dtensor._rest_in = interrupted
+    try:
+        err = "no error"
+        try:
+            hr.offload(model, device="cpu", store="cpu")
+        except KeyboardInterrupt:
+            err = "KeyboardInterrupt"
+    finally:
+        _dtensor._rest_in = rest_in
+    moved = sum(int(fp.offload_to_cpu) for _, m in _dtensor.fsdp_modules(model)
+                for fp in _dtensor._fsdp_params(m))
+    recorded = int(sharded_state_of(model) is not None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=0)
+    hr.offload(model, device="cpu", store="cpu")
+    again = sharded_state_of(model).stored_bytes
+    return {"got": _local(model), "ref": _local(ref), "error": err, "moved": moved,
+            "recorded": recorded, "again": again}

@@ -22,6 +22,7 @@ CASES = {
     "partial": ("train", dict(partial=True)),
     "checkpoint": ("checkpoint", dict(tmp=True)),
     "unoffload": ("unoffload", dict()),
+    "offload_interrupted": ("offload_interrupted", dict()),
     "tracking": ("tracking", dict()),
     "tracking_offloaded": ("tracking", dict(offloaded=True)),
     "convert": ("convert", dict()),
@@ -144,6 +145,14 @@ def test_unoffload_puts_the_shards_back(world2):
     _equal(world2["unoffload"])
     for r in world2["unoffload"]:
         assert r["store_after"] == 0 and r["offloaded"] == 0
+
+
+def test_an_interrupted_offload_leaves_the_model_as_fsdp2_had_it(world2):
+    _equal(world2["offload_interrupted"])
+    for r in world2["offload_interrupted"]:
+        assert r["error"] == "KeyboardInterrupt"
+        assert r["moved"] == 0 and r["recorded"] == 0
+        assert r["again"] > 0
 
 
 # ------------------------------------------------------------------ tracking, convert

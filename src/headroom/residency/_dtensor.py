@@ -245,10 +245,20 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
         for h in state.handles.values():
             st.free(h)
         raise
-    for key, fp in pending:
-        _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
-        state.params[key] = fp
+    # Interrupted half-way (an error, Ctrl-C), the parameters moved so far go back to the
+    # device and the store is freed: the model is left as FSDP2 alone had it, not half-offloaded
+    # with no record hr.unoffload could undo.
     model.__dict__[_ATTR] = state
+    try:
+        for key, fp in pending:
+            _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
+            state.params[key] = fp
+    except BaseException:
+        unoffload_sharded(model)  # the moved ones back, their handles freed
+        for key, h in state.handles.items():
+            if key not in state.params:
+                st.free(h)
+        raise
     return model
 
 
@@ -266,17 +276,18 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
     length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
     local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
     grad = old.grad
+    # NOTE: a new DTensor whose device is the host (a DTensor's device is its local tensor's):
+    # FSDP2 copies it to the mesh's device before the all-gather and puts the reduce-scattered
+    # gradient shard beside it. The optimizer must be built after this (as after fully_shard).
+    # Built before the FSDPParam is changed, so a failure here leaves it as it was.
+    new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
+    if grad is not None:
+        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to("cpu"))
     fp._sharded_param_data = flat
     fp.offload_to_cpu = True
     # NOTE: only if the store's memory is page-locked: FSDP2 re-pins a shard that is not
     # (a copy, at its lazy init), which would part the parameter from the store.
     fp.pin_memory = pin and flat.is_pinned()
-    # NOTE: a new DTensor whose device is the host (a DTensor's device is its local tensor's):
-    # FSDP2 copies it to the mesh's device before the all-gather and puts the reduce-scattered
-    # gradient shard beside it. The optimizer must be built after this (as after fully_shard).
-    new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
-    if grad is not None:
-        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to("cpu"))
     fp.sharded_param = new
     fp._setattr_on_modules(new)
 

@@ -474,6 +474,7 @@ def test_host_memory_failed_final_backward_keeps_the_steps_it_started():
     backward failing after them leaves them stepped, says so, and step() finishes the others
     (the documented in-memory behaviour)."""
     model, opt = _host_bf16(final=True)
+    twin, twin_opt = _host_bf16(final=True)
     _bf16_iteration(model, opt, 0, True)
     before = _values(model, opt)
     g = torch.Generator().manual_seed(1001)
@@ -491,3 +492,11 @@ def test_host_memory_failed_final_backward_keeps_the_steps_it_started():
     opt.step()  # finishes the step for the others
     opt.zero_grad()
     _bf16_iteration(model, opt, 2, True)
+    # The same as the same failed backward then step() with nothing stepped during it
+    _bf16_iteration(twin, twin_opt, 0, True)
+    with pytest.raises(RuntimeError, match="boom"):
+        ((twin(x).float() - y) ** 2).mean().backward()
+    twin_opt.step()
+    twin_opt.zero_grad()
+    _bf16_iteration(twin, twin_opt, 2, True)
+    assert not _same(_values(twin, twin_opt), _values(model, opt))

@@ -737,7 +737,15 @@ class DiskStore(Store):
             h = self._handles.get(k)
             if h is None:
                 continue
-            self.write(h, self.read(h).result()).result()
+            with self._lock:
+                scales = list(self._scales.get(k, ()))
+            fut = self.write(h, self.read(h).result())
+            if fut.exception() is not None:
+                # The write failed: the file still holds the value before the scalings (or,
+                # partly written, bytes marked damaged, which raise), so they stay recorded.
+                with self._lock:
+                    self._scales[k] = scales + self._scales.get(k, [])
+                fut.result()
 
     @staticmethod
     def _extents(handle: Handle, rows: slice | torch.Tensor) -> list[tuple[int, int, int]]:

@@ -474,6 +474,7 @@ def test_host_memory_failed_final_backward_keeps_the_steps_it_started():
     backward failing after them leaves them stepped, says so, and step() finishes the others
     (the documented in-memory behaviour)."""
     model, opt = _host_bf16(final=True)
+    twin, twin_opt = _host_bf16(final=True)
     _bf16_iteration(model, opt, 0, True)
     before = _values(model, opt)
     g = torch.Generator().manual_seed(1001)
@@ -491,3 +492,45 @@ def test_host_memory_failed_final_backward_keeps_the_steps_it_started():
     opt.step()  # finishes the step for the others
     opt.zero_grad()
     _bf16_iteration(model, opt, 2, True)
+    # The same as the same failed backward then step() with nothing stepped during it
+    _bf16_iteration(twin, twin_opt, 0, True)
+    with pytest.raises(RuntimeError, match="boom"):
+        ((twin(x).float() - y) ** 2).mean().backward()
+    twin_opt.step()
+    twin_opt.zero_grad()
+    _bf16_iteration(twin, twin_opt, 2, True)
+    assert not _same(_values(twin, twin_opt), _values(model, opt))
+
+
+@pytest.mark.parametrize("at", [0, 5, 11])
+def test_host_memory_sliced_step_failing_part_way_says_so_and_a_checkpoint_restores_it(at):
+    """Without a disk, an error at a slice (no copies kept) leaves the step part-way: the
+    error says so and how to go on, step() refuses until a checkpoint is loaded, and training
+    from that checkpoint is exactly uninterrupted training."""
+    import copy
+
+    model, opt = _host_bf16()
+    twin, twin_opt = _host_bf16()
+    inject = _Inject("raise")
+    inject.install(opt, [])
+    _bf16_iteration(model, opt, 0, False)
+    _bf16_iteration(twin, twin_opt, 0, False)
+    assert inject.count == 12
+    saved = ({k: v.clone() for k, v in model.state_dict().items()},
+             copy.deepcopy(opt.state_dict()))
+    inject.arm(at)
+    with pytest.raises(RuntimeError, match="injected") as info:
+        _bf16_iteration(model, opt, 1, False)
+    note = "".join(info.value.__notes__)
+    assert "could not be undone" in note and "hr.load" in note, note
+    # (at the first slice no parameter has taken the step yet: the note does not claim so)
+    assert "7 parameter(s) with state in host memory, updated in place" in note, note
+    with pytest.raises(RuntimeError, match="Load the last checkpoint"):
+        opt.step()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    opt.zero_grad()
+    for s in (1, 2):
+        _bf16_iteration(model, opt, s, False)
+        _bf16_iteration(twin, twin_opt, s, False)
+    assert not _same(_values(twin, twin_opt), _values(model, opt))

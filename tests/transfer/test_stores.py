@@ -264,6 +264,65 @@ def test_disk_deferred_scale_reads_as_if_written(tmp_path):
     s.close()
 
 
+@pytest.mark.parametrize("exc", [OSError(5, "injected"), KeyboardInterrupt()])
+def test_disk_deferred_scale_kept_when_writing_it_out_fails_to_start(tmp_path, monkeypatch,
+                                                                    exc):
+    """An error or Ctrl-C as the write that carries the scaling out is queued (flush, row
+    write): the scaling stays recorded, reads still apply it once, and a later flush writes
+    it out."""
+    mul = torch.ops.aten.mul_.Tensor
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    a = torch.tensor(0.3)
+    s = DiskStore(tmp_path / "s", threads=2)
+    h = s.put("g", x)
+    s.scale_(h, mul, a)
+    real = DiskStore._submit_parts
+
+    def failing(self, key, parts, result, *, write=False, finish=None):
+        if write:
+            raise exc
+        return real(self, key, parts, result, write=write, finish=finish)
+
+    monkeypatch.setattr(DiskStore, "_submit_parts", failing)
+    for fail in (s.flush, lambda: s.write_rows(h, slice(0, 1), torch.zeros(1, 3))):
+        with pytest.raises(type(exc)):
+            fail()
+        assert torch.equal(s.read(h).result(), x * a)
+        assert torch.equal(s.read_rows(h, slice(1, 3)).result(), (x * a)[1:3])
+    monkeypatch.setattr(DiskStore, "_submit_parts", real)
+    s.close()
+    s = DiskStore(tmp_path / "s", verify=True)
+    assert torch.equal(s.read(s.get("g")).result(), x * a)
+    s.close()
+
+
+def test_disk_deferred_scale_kept_when_its_write_out_fails(tmp_path, monkeypatch):
+    """The write that carries a scaling out fails before a byte reaches the file (a full
+    disk): the flush raises, the file holds the value before the scaling, and reads still
+    apply it; the next flush writes it out."""
+    from headroom.transfer import StoreFullError
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    a = torch.tensor(0.3)
+    s = DiskStore(tmp_path / "s", threads=2)
+    h = s.put("g", x)
+    s.scale_(h, torch.ops.aten.mul_.Tensor, a)
+
+    def full(*args, **kw):
+        raise OSError(28, "No space left on device (injected)")
+
+    with monkeypatch.context() as m:
+        m.setattr(s, "_pwrite_extents", full)
+        with pytest.raises(StoreFullError):
+            s.flush()
+    assert torch.equal(s.read(h).result(), x * a)
+    assert torch.equal(s.read_rows(h, slice(2, 4)).result(), (x * a)[2:4])
+    s.close()
+    s = DiskStore(tmp_path / "s", verify=True)
+    assert torch.equal(s.read(s.get("g")).result(), x * a)
+    s.close()
+
+
 def test_disk_deferred_scale_killed_before_written_reopens_unscaled(tmp_path):
     """kill -9 after scale_ and before anything wrote it out: the tensor reopens as it was
     (its last completed write), intact; a tensor whose scaling a flush wrote out keeps it."""

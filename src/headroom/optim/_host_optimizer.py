@@ -719,7 +719,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if errors or unprotected:
             why = (f"putting the old values back failed ({type(errors[0]).__name__}: "
                    f"{errors[0]})" if errors else
-                   f"{unprotected} parameter(s) with state in host memory had already taken it")
+                   f"the step of {unprotected} parameter(s) with state in host memory, updated in"
+                   " place without a copy of their old values, had started")
             self._torn = (
                 "an earlier HostOptimizer.step() failed part-way and could not be undone "
                 f"({why}): parameters and optimizer state now mix old and new values. Load the "

@@ -690,9 +690,9 @@ class DiskStore(Store):
         out = self._out(handle, out, handle.shape)
         if handle.nbytes == 0:
             return done(out)
-        with self._lock:
+        with self._lock:  # the scalings of exactly the operations queued before this read
             scales = list(self._scales.get(handle.key, ()))
-        fut = self._submit_io(handle, "read", out, [(0, 0, handle.nbytes)])
+            fut = self._submit_io(handle, "read", out, [(0, 0, handle.nbytes)])
         return _scaled(fut, scales) if scales else fut
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
@@ -702,8 +702,11 @@ class DiskStore(Store):
         if handle.nbytes == 0:
             return done(None)
         with self._lock:
-            self._scales.pop(handle.key, None)  # the whole value replaced
-        return self._submit_io(handle, "write", src, [(0, 0, handle.nbytes)])
+            fut = self._submit_io(handle, "write", src, [(0, 0, handle.nbytes)])
+            # The whole value replaced; dropped only once the write is queued, so a write that
+            # fails to start (or is interrupted before) leaves the scaling to later reads.
+            self._scales.pop(handle.key, None)
+        return fut
 
     def scale_(self, handle: Handle, op: Callable, factor: object) -> None:
         """Scale a stored tensor in place by a scalar, deferred: ``op(t, factor)`` (or
@@ -734,7 +737,15 @@ class DiskStore(Store):
             h = self._handles.get(k)
             if h is None:
                 continue
-            self.write(h, self.read(h).result()).result()
+            with self._lock:
+                scales = list(self._scales.get(k, ()))
+            fut = self.write(h, self.read(h).result())
+            if fut.exception() is not None:
+                # The write failed: the file still holds the value before the scalings (or,
+                # partly written, bytes marked damaged, which raise), so they stay recorded.
+                with self._lock:
+                    self._scales[k] = scales + self._scales.get(k, [])
+                fut.result()
 
     @staticmethod
     def _extents(handle: Handle, rows: slice | torch.Tensor) -> list[tuple[int, int, int]]:
@@ -755,7 +766,7 @@ class DiskStore(Store):
             return done(out)
         with self._lock:
             scales = list(self._scales.get(handle.key, ()))
-        fut = self._submit_io(handle, "read", out, extents)
+            fut = self._submit_io(handle, "read", out, extents)
         return _scaled(fut, scales) if scales else fut
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:

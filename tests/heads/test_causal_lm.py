@@ -361,3 +361,36 @@ def test_offloaded_output_layer_whose_output_is_detached_is_refused():
     ids, labels = _batch()
     with pytest.raises(RuntimeError, match="logits do not depend on its output layer"):
         model(ids, labels=labels)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_offloaded_failure_mid_step_leaves_the_next_steps_exact(where):
+    # a forward stopped after the output layer's hooks ran, or a loss whose backward raised
+    # (double backward is refused) after the carry handed it its gradient: the next steps
+    # are the plain model's
+    torch.manual_seed(0)
+    plain = tiny_causal_lm("llama", layers=2).train()
+    model = copy.deepcopy(plain)
+    ids, labels = _batch()
+    ref = _step(plain, ids, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store="cpu")
+    hr.patch_causal_lm(model, slice_size=4096)
+    model(ids, labels=labels).loss.backward()  # past the first call's check
+    if where == "forward":
+        def boom(*a):
+            raise KeyboardInterrupt("injected")
+
+        h = model.lm_head.register_forward_hook(boom)
+        with pytest.raises(KeyboardInterrupt, match="injected"):
+            model(ids, labels=labels)
+        h.remove()
+    else:
+        with pytest.raises(RuntimeError, match="double backward"):
+            model(ids, labels=labels).loss.backward(create_graph=True)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        _assert_same((out, _offloaded_grads(model)), ref)

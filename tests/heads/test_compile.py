@@ -109,3 +109,66 @@ def test_linear_loss_function_or_list_targets_are_refused_under_compile():
     with pytest.raises(Exception, match="loss function does not compile"):
         torch.compile(hr.linear_loss, fullgraph=True, backend="eager")(
             x, w, (offsets, offsets[:80] % C), loss=lambda s, t, c: s.sum())
+
+
+def _transposed(t):
+    """``t``'s values in a non-contiguous leaf (its last two dimensions' strides swapped)."""
+    return t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+
+
+@pytest.mark.parametrize("fn", ["linear_cross_entropy", "linear_loss"])
+@pytest.mark.parametrize("case", ["one_pass", "slices"])
+def test_non_contiguous_inputs_under_inductor(case, fn):
+    # the real gradients are contiguous whatever the inputs' strides; a fake one that copied
+    # x's strides failed inductor's stride assertion
+    torch._dynamo.reset()
+    x, w, b, y = _inputs()
+    kw = {} if case == "one_pass" else {"slice_size": 64}
+    if fn == "linear_loss":
+        offsets = torch.arange(81)
+        y = (offsets, offsets[:80] * 7 % C)
+        kw["loss"] = "bce" if case == "one_pass" else "softmax"
+    f = getattr(hr, fn)
+    compiled = torch.compile(f, fullgraph=True, backend="inductor")
+    results = []
+    for call in (compiled, f):
+        xt, wt = _transposed(x), _transposed(w)
+        assert not (xt.is_contiguous() or wt.is_contiguous())
+        loss = call(xt, wt, y, bias=b, **kw)
+        results.append([loss, *torch.autograd.grad(loss * 3, (xt, wt))])
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e)
+
+
+class _Head(torch.nn.Module):
+    """A model's loss whose float options are attributes (symbolic under dynamic=True)."""
+
+    def __init__(self, w, b):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(w.detach()), torch.nn.Parameter(b.detach())
+        self.softcap, self.z_loss, self.eps, self.pos_weight = 3.0, 1e-3, 0.1, 2.0
+
+    def forward(self, h, y, offsets=None):
+        if offsets is not None:
+            return hr.linear_loss(h, self.w, (offsets, y), bias=self.b, loss="bce",
+                                  pos_weight=self.pos_weight)
+        return hr.linear_cross_entropy(h, self.w, y, self.b, shift=True, softcap=self.softcap,
+                                       z_loss=self.z_loss, label_smoothing=self.eps)
+
+
+@pytest.mark.parametrize("fn", ["linear_cross_entropy", "linear_loss"])
+def test_float_options_under_dynamic_true(fn):
+    # dynamic=True makes the float attributes symbolic: the option checks compare them (a
+    # math.isfinite of one broke the graph, so fullgraph=True failed)
+    torch._dynamo.reset()
+    x, w, b, y = _inputs()
+    head = _Head(w, b)
+    compiled = torch.compile(head, fullgraph=True, dynamic=True, backend="aot_eager")
+    for seq in (40, 33):
+        h = x[:, :seq].detach()
+        args = (h.reshape(-1, D), torch.arange(2 * seq) * 7 % C, torch.arange(2 * seq + 1)) \
+            if fn == "linear_loss" else (h, y[:, :seq])
+        got, want = compiled(*args), head(*args)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.autograd.grad(got, head.w)[0],
+                           torch.autograd.grad(want, head.w)[0])

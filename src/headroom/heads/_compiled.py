@@ -26,6 +26,12 @@ __all__ = ["compiled_linear_cross_entropy", "compiled_linear_loss"]
 _LSE, _ACC, _PRED, _NEED_X, _NEED_W, _NEED_B, _ONE_PASS = range(7)
 
 
+def _dense(t: Tensor) -> Tensor:
+    """A fake gradient of ``t``: contiguous whatever ``t``'s strides, as the real ones are (a
+    fake output's strides must match the real output's, which inductor asserts)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _eager(x, weight, target, bias, class_weight, slice_size, ignore_index, label_smoothing,
            reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype, prefetch):
     """The eager call, its autograd Function run by a `Direct` (autograd does not record in
@@ -80,9 +86,9 @@ def _(x, weight, target, bias, class_weight, slice_size, ignore_index, label_smo
     acc = x.new_empty([], dtype=loss_dtype) if flags[_ACC] else empty
     pred = x.new_empty(rows, dtype=torch.int64) if flags[_PRED] else empty
     one = flags[_ONE_PASS]
-    gx = torch.empty_like(x) if one and flags[_NEED_X] else empty
-    gw = torch.empty_like(weight) if one and flags[_NEED_W] else empty
-    gb = torch.empty_like(bias) if one and flags[_NEED_B] and bias is not None else empty
+    gx = _dense(x) if one and flags[_NEED_X] else empty
+    gw = _dense(weight) if one and flags[_NEED_W] else empty
+    gb = _dense(bias) if one and flags[_NEED_B] and bias is not None else empty
     return loss, lse, acc, pred, gx, gw, gb
 
 
@@ -97,7 +103,8 @@ def _backward(
             reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype, prefetch)
     _, direct = _eager(*args)
     got = direct.backward((grad_loss, grad_lse, None, None), x.shape)
-    return tuple(x.new_empty(0) if g is None else g for g in got)  # type: ignore[return-value]
+    return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
+                 for g in got)  # type: ignore[return-value]
 
 
 @_backward.register_fake
@@ -105,9 +112,9 @@ def _(grad_loss, grad_lse, x, weight, target, bias, class_weight, slice_size, ig
       label_smoothing, reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype,
       prefetch):
     empty = x.new_empty(0)
-    return (torch.empty_like(x) if flags[_NEED_X] else empty,
-            torch.empty_like(weight) if flags[_NEED_W] else empty,
-            torch.empty_like(bias) if flags[_NEED_B] and bias is not None else empty)
+    return (_dense(x) if flags[_NEED_X] else empty,
+            _dense(weight) if flags[_NEED_W] else empty,
+            _dense(bias) if flags[_NEED_B] and bias is not None else empty)
 
 
 _OPTIONS = ("slice_size", "ignore_index", "label_smoothing", "reduction", "softcap", "shift",
@@ -225,9 +232,9 @@ def _(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f, ign
       reduction, slice_size, accum_dtype, prefetch, needs):
     out = x.new_empty(list(x.shape[:-1]) if reduction == "none" else [])
     one = needs[3]
-    return (out, torch.empty_like(x) if one and needs[0] else x.new_empty(0),
-            torch.empty_like(weight) if one and needs[1] else x.new_empty(0),
-            torch.empty_like(bias) if one and needs[2] and bias is not None else x.new_empty(0))
+    return (out, _dense(x) if one and needs[0] else x.new_empty(0),
+            _dense(weight) if one and needs[1] else x.new_empty(0),
+            _dense(bias) if one and needs[2] and bias is not None else x.new_empty(0))
 
 
 @torch.library.custom_op("headroom::linear_loss_backward", mutates_args=())
@@ -241,15 +248,16 @@ def _ml_backward(
                           pos_weight_f, ignore_rows, loss, reduction, slice_size, accum_dtype,
                           prefetch, needs)
     got = _ml_grads(direct, grad, x)
-    return tuple(x.new_empty(0) if g is None else g for g in got)  # type: ignore[return-value]
+    return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
+                 for g in got)  # type: ignore[return-value]
 
 
 @_ml_backward.register_fake
 def _(grad, x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f, ignore_rows,
       loss, reduction, slice_size, accum_dtype, prefetch, needs):
-    return (torch.empty_like(x) if needs[0] else x.new_empty(0),
-            torch.empty_like(weight) if needs[1] else x.new_empty(0),
-            torch.empty_like(bias) if needs[2] and bias is not None else x.new_empty(0))
+    return (_dense(x) if needs[0] else x.new_empty(0),
+            _dense(weight) if needs[1] else x.new_empty(0),
+            _dense(bias) if needs[2] and bias is not None else x.new_empty(0))
 
 
 def _ml_setup(ctx, inputs, output) -> None:

@@ -781,10 +781,12 @@ def check_options(
     class_weight: torch.Tensor | None, loss_dtype: torch.dtype | None,
 ) -> int:
     """Checks of the language-model options; returns ``shift`` as an int."""
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0
-                                    and math.isfinite(softcap)):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float can be
+    # symbolic, and a comparison guards on it where math.isfinite breaks the graph
+    if softcap is not None and not (isinstance(softcap, (int, float))
+                                    and 0 < softcap < math.inf):
         raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
-    if not (isinstance(z_loss, (int, float)) and math.isfinite(z_loss) and z_loss >= 0):
+    if not (isinstance(z_loss, (int, float)) and 0 <= z_loss < math.inf):
         raise ValueError(f"z_loss must be a float >= 0, got {z_loss!r}")
     if isinstance(shift, bool):
         shift = int(shift)

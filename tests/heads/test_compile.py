@@ -172,3 +172,50 @@ def test_float_options_under_dynamic_true(fn):
         assert torch.equal(got, want)
         assert torch.equal(torch.autograd.grad(got, head.w)[0],
                            torch.autograd.grad(want, head.w)[0])
+
+
+_CACHED_RUN = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import headroom as hr
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 40, 16, generator=g).transpose(-1, -2).contiguous().transpose(-1, -2)
+w = torch.randn(300, 16, generator=g)
+y = torch.randint(0, 300, (2, 40), generator=g)
+x.requires_grad_()
+loss = torch.compile(hr.linear_cross_entropy, fullgraph=True, backend="inductor")(x, w, y)
+loss.backward()
+print("ran", hr.linear_cross_entropy(x.detach(), w, y).item() == loss.item())
+"""
+
+
+def test_inductor_disk_cache_from_another_version_is_not_reused(tmp_path):
+    # inductor caches a compiled graph on disk under its operators' names, not their fake
+    # kernels: an older headroom whose fake gradient copied x's strides left a graph that the
+    # fixed code loaded and failed on (a stride assertion) until the operators were renamed per
+    # source. Here the older code is this source with that fake kernel; both share one cache.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import headroom
+    src = Path(headroom.__file__).parent
+    old = tmp_path / "old"
+    shutil.copytree(src, old / "headroom", ignore=shutil.ignore_patterns("__pycache__"))
+    compiled = old / "headroom" / "heads" / "_compiled.py"
+    text = compiled.read_text()
+    dense = "return torch.empty_like(t, memory_format=torch.contiguous_format)"
+    assert dense in text
+    compiled.write_text(text.replace(dense, "return torch.empty_like(t)"))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "0", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    run = [sys.executable, "-c", _CACHED_RUN]
+    first = subprocess.run([*run, str(old)], env=env, capture_output=True, text=True, timeout=300)
+    assert "stride" in first.stderr  # the older code's own failure: its fake kernel is wrong
+    assert any((tmp_path / "cache").rglob("*.py"))  # and it left a compiled graph on disk
+    second = subprocess.run([*run, str(src.parent)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "ran True" in second.stdout

@@ -9,11 +9,18 @@ backward either scales the gradients the forward formed (the one-pass path, as e
 runs the eager backward on a recomputed forward (the sliced path: one product per slice more
 than eager). The autograd Functions are called directly (`Direct`): autograd does not record
 inside an operator's implementation.
+
+Each operator's name ends with a fingerprint of this file (``headroom::linear_loss_<hex>``).
+Inductor's and AOTAutograd's on-disk caches key a compiled graph by the names of its operators,
+not by their fake kernels: under a fixed name, a graph compiled against an older fake kernel
+(other output strides, say) would be loaded after an upgrade and fail inductor's stride check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -21,6 +28,17 @@ from torch import Tensor
 from headroom.heads import _linear_ce as lce
 
 __all__ = ["compiled_linear_cross_entropy", "compiled_linear_loss"]
+
+def _fingerprint() -> str:
+    try:
+        text = Path(__file__).read_bytes()
+    except OSError:  # no source beside the module (a zipped install): the version stands in
+        from headroom import __version__ as text  # type: ignore[assignment]
+        text = str(text).encode()
+    return hashlib.sha256(text).hexdigest()[:12]
+
+
+_TAG = _fingerprint()
 
 # option slots of the operator's ``flags`` argument
 _LSE, _ACC, _PRED, _NEED_X, _NEED_W, _NEED_B, _ONE_PASS = range(7)
@@ -49,7 +67,7 @@ def _eager(x, weight, target, bias, class_weight, slice_size, ignore_index, labe
     return out, direct
 
 
-@torch.library.custom_op("headroom::linear_cross_entropy", mutates_args=())
+@torch.library.custom_op(f"headroom::linear_cross_entropy_{_TAG}", mutates_args=())
 def _forward(
     x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, class_weight: Tensor | None,
     slice_size: int, ignore_index: int, label_smoothing: float, reduction: str,
@@ -92,7 +110,7 @@ def _(x, weight, target, bias, class_weight, slice_size, ignore_index, label_smo
     return loss, lse, acc, pred, gx, gw, gb
 
 
-@torch.library.custom_op("headroom::linear_cross_entropy_backward", mutates_args=())
+@torch.library.custom_op(f"headroom::linear_cross_entropy_backward_{_TAG}", mutates_args=())
 def _backward(
     grad_loss: Tensor | None, grad_lse: Tensor | None, x: Tensor, weight: Tensor, target: Tensor,
     bias: Tensor | None, class_weight: Tensor | None, slice_size: int, ignore_index: int,
@@ -209,7 +227,7 @@ def _ml_grads(direct, grad: Tensor, x: Tensor) -> tuple:
     return direct.backward((grad,), x.shape)
 
 
-@torch.library.custom_op("headroom::linear_loss", mutates_args=())
+@torch.library.custom_op(f"headroom::linear_loss_{_TAG}", mutates_args=())
 def _ml_forward(
     x: Tensor, weight: Tensor, offsets: Tensor, indices: Tensor, values: Tensor | None,
     bias: Tensor | None, pos_weight_t: Tensor | None, pos_weight_f: float | None,
@@ -237,7 +255,7 @@ def _(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f, ign
             _dense(bias) if one and needs[2] and bias is not None else x.new_empty(0))
 
 
-@torch.library.custom_op("headroom::linear_loss_backward", mutates_args=())
+@torch.library.custom_op(f"headroom::linear_loss_backward_{_TAG}", mutates_args=())
 def _ml_backward(
     grad: Tensor, x: Tensor, weight: Tensor, offsets: Tensor, indices: Tensor,
     values: Tensor | None, bias: Tensor | None, pos_weight_t: Tensor | None,

@@ -4,7 +4,8 @@ hr.HostOptimizer, peak RSS and step time measured in one run.
 A GPT-2-like model built from a config (``--layers`` x ``--width``, 16384-token vocabulary,
 fp32; every variant starts from one checkpoint), trained by ``transformers.Trainer`` (default
 ``max_grad_norm=1.0`` clipping, logging every step) for ``--steps`` steps of ``--batch``
-sequences of ``--seq`` tokens (default one of 128). Variants, each in a fresh child process,
+sequences of ``--seq`` tokens (default one of 128), with Trainer's activation checkpointing
+under ``--gradient-checkpointing`` (every variant alike). Variants, each in a fresh child process,
 alternating run by run:
 
 - ``plain``: ``from_pretrained`` (in memory), ``torch.optim.AdamW(fused=True)``;
@@ -76,8 +77,8 @@ torch.set_num_threads(2)
 transformers.logging.set_verbosity_error()
 fixed = rss("VmRSS")
 variant, steps, root, ckpt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-batch, seq = int(sys.argv[5]), int(sys.argv[6])
-profile = len(sys.argv) > 7 and sys.argv[7] == "profile"
+batch, seq, ckpt_act = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7] == "1"
+profile = len(sys.argv) > 8 and sys.argv[8] == "profile"
 cfg = transformers.GPT2Config.from_pretrained(ckpt)
 if variant.startswith("lora"):
     import peft
@@ -161,7 +162,7 @@ def io():  # bytes the DiskStores read and wrote so far
 timer = Timer()
 args = transformers.TrainingArguments(
     output_dir=root + "/out", max_steps=steps, per_device_train_batch_size=batch,
-    logging_steps=1,
+    logging_steps=1, gradient_checkpointing=ckpt_act,
     report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
 trainer = transformers.Trainer(model=model, args=args, train_dataset=Data(),
                                optimizers=(opt, None), callbacks=[timer])
@@ -208,9 +209,11 @@ def _checkpoint(path: str, layers: int, width: int, seq: int) -> None:
     transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
 
 
-def _run(variant: str, steps: int, ckpt: str, profile: bool, batch: int, seq: int) -> dict:
+def _run(variant: str, steps: int, ckpt: str, profile: bool, batch: int, seq: int,
+         ckpt_act: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="hr-trainer-") as root:
-        cmd = [sys.executable, "-c", CHILD, variant, str(steps), root, ckpt, str(batch), str(seq)]
+        cmd = [sys.executable, "-c", CHILD, variant, str(steps), root, ckpt, str(batch), str(seq),
+               str(int(ckpt_act))]
         out = subprocess.run(cmd + (["profile"] if profile else []), capture_output=True,
                              text=True, timeout=3600, check=False)
     if out.returncode != 0:
@@ -237,6 +240,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="TrainingArguments(gradient_checkpointing=True) in every variant")
     ap.add_argument("--quick", action="store_true", help="2 layers, 3 steps, 1 repeat")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile each child's training (slower; top functions in the JSON)")
@@ -255,7 +260,8 @@ def main() -> None:
     for r in range(args.repeats):
         order = variants if r % 2 == 0 else variants[::-1]
         for v in order:
-            res = _run(v, args.steps, ckpt_dir.name, args.profile, args.batch, args.seq)
+            res = _run(v, args.steps, ckpt_dir.name, args.profile, args.batch, args.seq,
+                       args.gradient_checkpointing)
             runs[v].append(res)
             ph = "  ".join(f"{k} {w:.2f}" for k, (w, _) in res["phases_s"].items())
             print(f"  run {r} {v:16s} peak RSS {res['peak_rss'] / 2**20:6.0f} MiB  step"

@@ -394,3 +394,21 @@ def test_offloaded_failure_mid_step_leaves_the_next_steps_exact(where):
         out = model(ids, labels=labels)
         out.loss.backward()
         _assert_same((out, _offloaded_grads(model)), ref)
+
+
+def test_compiled_patched_model_equals_the_models_own():
+    # torch.compile of the patched model: the loss is one custom operator inside the graph, the
+    # rest inductor's; loss and gradients as the eager model's own (inductor's kernels differ in
+    # rounding: assert_close), and still no tokens x vocab logits
+    torch._dynamo.reset()
+    model = tiny_causal_lm("llama").train()
+    ids, labels = _batch()
+    ref = _step(model, ids, labels)
+    hr.patch_causal_lm(model)
+    compiled = torch.compile(model, backend="inductor")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        out = compiled(ids, labels=labels)
+        out.loss.backward()
+        assert out.logits is None
+        _assert_same((out, _grads(model)), ref, rtol=1e-4, atol=1e-5)

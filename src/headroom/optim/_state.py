@@ -54,6 +54,12 @@ def state_dict(opt: HostOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _key(k: Any) -> Any:
+    """A parameter's key in a state dict: its index (also written as a string, as JSON does)
+    or its name (torch.distributed.checkpoint's get_state_dict names parameters)."""
+    return int(k) if isinstance(k, str) and k.isdigit() else k
+
+
 def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     """See `HostOptimizer.load_state_dict`."""
     opt._wait()
@@ -75,7 +81,7 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     id_map = {}
     for sg, g in zip(saved, opt.param_groups, strict=True):
         for old, p in zip(sg["params"], g["params"], strict=True):
-            id_map[old] = opt._entries[id(p)]
+            id_map[_key(old)] = opt._entries[id(p)]
         for k, v in sg.items():
             if k != "params":
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
@@ -84,7 +90,14 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     streamed_state: dict[Entry, dict[str, Any]] = {}
     opt._masters_loaded = set()
     for old, st in states.items():
-        e = id_map[int(old)]
+        e = id_map.get(_key(old))
+        if e is None:
+            raise ValueError(
+                f"loaded state dict has state for {old!r}, which its param_groups do not list;"
+                " pass a state dict made by state_dict() of this optimizer (or of"
+                " optimizer_class), or through torch.distributed.checkpoint.state_dict's"
+                " get_state_dict/set_state_dict"
+            )
         if e.streamed:
             streamed_state[e] = st
         else:

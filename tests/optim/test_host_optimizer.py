@@ -279,8 +279,11 @@ def test_state_dict_keyed_by_parameter_name_loads():
     assert_state_equal(ref, opt2)
     bad = copy.deepcopy(named)
     bad["state"]["no.such.weight"] = bad["state"].pop("emb.weight")
+    bad["param_groups"][0]["lr"] = 0.5
     with pytest.raises(ValueError, match="state for 'no.such.weight', which its param_groups"):
         opt2.load_state_dict(bad)
+    assert opt2.param_groups[0]["lr"] == 1e-2  # refused before anything changed
+    assert_state_equal(ref, opt2)
 
 
 def test_zero_grad_set_to_none_false_matches_torch():

@@ -7,6 +7,13 @@ Each world size runs all its cases in one set of spawned processes (a module-sco
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -204,3 +211,41 @@ def test_convert_of_sharded_model_copy(world2):
     _equal(world2["convert"])
     for r in world2["convert"]:
         assert r["converted"] == 1 and r["unchanged"] == 1
+
+
+# ------------------------------------------------------------------ multi-node launch
+def test_two_nodes_launched_by_torchrun(tmp_path):
+    """Two "nodes" of one rank each on loopback, each its own ``torchrun --nnodes=2
+    --node-rank=R`` (static rendezvous): FSDP2 + headroom bitwise like FSDP2 alone."""
+    script = Path(__file__).with_name("_torchrun_train.py")
+    port = w.free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc-per-node=1", f"--node-rank={node}",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
+                   "--max-restarts=0", str(script), str(tmp_path)]
+            with open(tmp_path / f"node{node}.log", "w") as log:  # no pipe to fill and block
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        end = time.monotonic() + 90
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.1)
+    finally:
+        for p in procs:  # torchrun and its worker share their own session: kill both
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for node, p in enumerate(procs):
+        log = (tmp_path / f"node{node}.log").read_text()
+        assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{log[-3000:]}"
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for node, r in enumerate(res):
+        assert r["env"] == {"RANK": node, "WORLD_SIZE": 2, "GROUP_RANK": node, "LOCAL_RANK": 0}
+        assert torch.equal(r["loss"], r["loss_ref"])
+    _equal(res)
+    # Each node holds its own half of every weight.
+    assert not torch.equal(res[0]["got"]["head.weight"], res[1]["got"]["head.weight"])

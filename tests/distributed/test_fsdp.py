@@ -235,8 +235,13 @@ def test_two_nodes_launched_by_torchrun(tmp_path):
         while any(p.poll() is None for p in procs) and time.monotonic() < end:
             time.sleep(0.1)
     finally:
-        for p in procs:  # torchrun and its worker share their own session: kill both
-            if p.poll() is None:
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:  # torchrun stops its worker (in a session of its own) on SIGTERM
+            p.terminate()
+        for p in alive:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     for node, p in enumerate(procs):

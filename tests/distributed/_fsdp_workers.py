@@ -30,12 +30,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Blocks and a head; every dimension divides by 4 (no padding of the shards)."""
+    """Blocks and a head; every dimension divides by 4 (no padding of the shards) unless
+    ``out`` does not (5: padded shards of 3 + 2 rows on 2 ranks, 2 + 2 + 1 + 0 on 4)."""
 
-    def __init__(self, d: int = D, n: int = 3) -> None:
+    def __init__(self, d: int = D, n: int = 3, out: int = 4) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(d) for _ in range(n))
-        self.head = nn.Linear(d, 4)
+        self.head = nn.Linear(d, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.layers:
@@ -55,12 +56,12 @@ def shard(model: nn.Module, **kw) -> nn.Module:
     return model
 
 
-def _pair(**kw) -> tuple[nn.Module, nn.Module]:
+def _pair(*, seed: int = 0, out: int = 4, **kw) -> tuple[nn.Module, nn.Module]:
     """The model and a reference with the same weights, both sharded the same way."""
     warnings.simplefilter("ignore")
-    torch.manual_seed(0)
-    model = Net()
-    ref = Net()
+    torch.manual_seed(seed)
+    model = Net(out=out)
+    ref = Net(out=out)
     ref.load_state_dict(model.state_dict())
     return shard(model, **kw), shard(ref, **kw)
 
@@ -230,6 +231,62 @@ def checkpoint(rank: int, world: int, tmp: str) -> dict:
     x, _ = batch(rank, 9)
     return {"got": _local(fresh), "ref": _local(model), "in_store": torch.tensor(in_store),
             "out": fresh(x).detach(), "out_ref": model(x).detach()}
+
+
+def _full(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor whole (a collective: all ranks call it)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    out = {f"model.{k}": v.full_tensor().clone() for k, v in msd.items()}
+    for name, st in osd["state"].items():
+        for k, v in st.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[f"optim.{name}.{k}"] = v.detach().clone()
+    return out
+
+
+def resharded(rank: int, world: int, *, tmp: str, load_from: str | None = None,
+              save_to: str | None = None, first: int = 0) -> dict:
+    """FSDP2 + hr.offload + HostOptimizer and FSDP2 + AdamW alone, each through the same DCP
+    round trip (get_state_dict / set_state_dict): load what a job of another world size saved
+    (``load_from``), train two steps (batches ``first``, ``first + 1``), save (``save_to``).
+    Padded, uneven shards (a head of 5 rows)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # A fresh job starts from other weights than the saved ones: only the load makes them equal.
+    model, ref = _pair(seed=1 if load_from else 0, out=5)
+    hr.offload(model, device="cpu", store="cpu")
+    okw = dict(lr=1e-2, weight_decay=0.1)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    pairs = (("hr", model, opt), ("ref", ref, ref_opt))
+    out = {}
+    if load_from:
+        for tag, m, o in pairs:
+            msd, osd = get_state_dict(m, o)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=os.path.join(tmp, f"{load_from}-{tag}"))
+            set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            out[f"loaded_{tag}"] = _full(m, o)
+    for step in range(first, first + 2):
+        _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=0.05, step=step)
+    if save_to:
+        for tag, m, o in pairs:
+            msd, osd = get_state_dict(m, o)
+            dcp.save({"model": msd, "optim": osd},
+                     checkpoint_id=os.path.join(tmp, f"{save_to}-{tag}"))
+            out[f"saved_{tag}"] = _full(m, o)
+    state = sharded_state_of(model)
+    in_store = []
+    for key, h in state.handles.items():
+        flat = state.store.host_tensor(h)
+        ptr = state.params[key].sharded_param.to_local().data_ptr()
+        in_store.append(int(flat.data_ptr() <= ptr < flat.data_ptr() + flat.nbytes
+                            or state.params[key].sharded_param.to_local().numel() == 0))
+    return {"got": _local(model), "ref": _local(ref), "in_store": torch.tensor(in_store),
+            "rows": torch.tensor(model.head.weight.to_local().shape[0]), **out}
 
 
 # ------------------------------------------------------------------ tracking and convert

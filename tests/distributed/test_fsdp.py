@@ -7,6 +7,13 @@ Each world size runs all its cases in one set of spawned processes (a module-sco
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -141,6 +148,42 @@ def test_dcp_round_trip_lands_in_the_store(world2):
         assert r["in_store"].all()
 
 
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Three jobs: 2 ranks train and save; 4 ranks load, train and save; 2 ranks load, train."""
+    tmp = str(tmp_path_factory.mktemp("reshard"))
+    fn = f"{W}:resharded"
+    return [
+        w.run_named(2, {"job": (fn, dict(tmp=tmp, save_to="a", first=0))})["job"],
+        w.run_named(4, {"job": (fn, dict(tmp=tmp, load_from="a", save_to="b", first=2))})["job"],
+        w.run_named(2, {"job": (fn, dict(tmp=tmp, load_from="b", first=4))})["job"],
+    ]
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys() and len(a) > 28, what  # 14 parameters, their Adam state
+    for k in a:
+        assert torch.equal(a[k], b[k]), (what, k)
+
+
+def test_dcp_round_trip_to_another_world_size_is_exact(resharded):
+    """Model and HostOptimizer state saved by 2 ranks, loaded by 4 (and 4 -> 2) through
+    get_state_dict / set_state_dict, training on: bitwise FSDP2 alone doing the same."""
+    (a, b, c) = resharded
+    for job in (a, b, c):
+        _equal(job)
+        for r in job:
+            assert r["in_store"].all() and len(r["in_store"]) == 14
+    # Uneven, padded shards of the head's 5 rows: 3 + 2 on 2 ranks, 2 + 2 + 1 + 0 on 4.
+    assert [int(r["rows"]) for r in b] == [2, 2, 1, 0]
+    for job, tag in ((a, "a"), (b, "b")):
+        _same(job[0]["saved_hr"], job[0]["saved_ref"], f"saved {tag}")
+    for saved, loaded, tag in ((a, b, "2 -> 4"), (b, c, "4 -> 2")):
+        for r in loaded:
+            for side in ("hr", "ref"):
+                _same(r[f"loaded_{side}"], saved[0][f"saved_{side}"], f"{tag} {side}")
+
+
 def test_unoffload_puts_the_shards_back(world2):
     _equal(world2["unoffload"])
     for r in world2["unoffload"]:
@@ -168,3 +211,46 @@ def test_convert_of_sharded_model_copy(world2):
     _equal(world2["convert"])
     for r in world2["convert"]:
         assert r["converted"] == 1 and r["unchanged"] == 1
+
+
+# ------------------------------------------------------------------ multi-node launch
+def test_two_nodes_launched_by_torchrun(tmp_path):
+    """Two "nodes" of one rank each on loopback, each its own ``torchrun --nnodes=2
+    --node-rank=R`` (static rendezvous): FSDP2 + headroom bitwise like FSDP2 alone."""
+    script = Path(__file__).with_name("_torchrun_train.py")
+    port = w.free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
+    procs = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc-per-node=1", f"--node-rank={node}",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
+                   "--max-restarts=0", str(script), str(tmp_path)]
+            with open(tmp_path / f"node{node}.log", "w") as log:  # no pipe to fill and block
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        end = time.monotonic() + 90
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.1)
+    finally:
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:  # torchrun stops its worker (in a session of its own) on SIGTERM
+            p.terminate()
+        for p in alive:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for node, p in enumerate(procs):
+        log = (tmp_path / f"node{node}.log").read_text()
+        assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{log[-3000:]}"
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for node, r in enumerate(res):
+        assert r["env"] == {"RANK": node, "WORLD_SIZE": 2, "GROUP_RANK": node, "LOCAL_RANK": 0}
+        assert torch.equal(r["loss"], r["loss_ref"])
+    _equal(res)
+    # Each node holds its own half of every weight.
+    assert not torch.equal(res[0]["got"]["head.weight"], res[1]["got"]["head.weight"])

@@ -254,6 +254,38 @@ def test_state_dict_round_trip_with_plain_torch():
     assert_params_equal(a, d)
 
 
+def test_state_dict_keyed_by_parameter_name_loads():
+    """torch.distributed.checkpoint's set_state_dict hands load_state_dict a state dict keyed
+    by parameter names (torch.optim zips them with the groups' order); so does HostOptimizer.
+    A key the groups do not list is an error naming it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    a, ref, b, opt = _pair()
+    train(a, ref, range(5))
+    named = get_optimizer_state_dict(a, ref)
+    assert "emb.weight" in named["state"]  # names, not indices
+    c = make_model()
+    c.load_state_dict(a.state_dict())
+    opt2 = hr.HostOptimizer(c.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    opt2.load_state_dict(copy.deepcopy(named))
+    train(a, ref, range(5, 10))
+    train(c, opt2, range(5, 10))
+    assert_params_equal(a, c)
+    assert_state_equal(ref, opt2)
+    # Indices written as strings (a JSON round trip) load as well.
+    sd = ref.state_dict()
+    opt2.load_state_dict({"state": {str(k): v for k, v in sd["state"].items()},
+                          "param_groups": sd["param_groups"]})
+    assert_state_equal(ref, opt2)
+    bad = copy.deepcopy(named)
+    bad["state"]["no.such.weight"] = bad["state"].pop("emb.weight")
+    bad["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match="state for 'no.such.weight', which its param_groups"):
+        opt2.load_state_dict(bad)
+    assert opt2.param_groups[0]["lr"] == 1e-2  # refused before anything changed
+    assert_state_equal(ref, opt2)
+
+
 def test_zero_grad_set_to_none_false_matches_torch():
     a, ref, b, opt = _pair()
     for s in range(6):

@@ -54,12 +54,17 @@ def state_dict(opt: HostOptimizer) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _key(k: Any) -> Any:
+    """A parameter's key in a state dict: its index (also written as a string, as JSON does)
+    or its name (torch.distributed.checkpoint's get_state_dict names parameters)."""
+    return int(k) if isinstance(k, str) and k.isdigit() else k
+
+
 def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     """See `HostOptimizer.load_state_dict`."""
     opt._wait()
     if opt._mover is not None:
         opt._mover.wait_reads()  # copy-backs still reading the masters written below
-    opt._torn = None  # every parameter's state is replaced: a mix left by a failed step ends
     saved = state_dict["param_groups"]
     if len(saved) != len(opt.param_groups):
         raise ValueError(
@@ -75,16 +80,26 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     id_map = {}
     for sg, g in zip(saved, opt.param_groups, strict=True):
         for old, p in zip(sg["params"], g["params"], strict=True):
-            id_map[old] = opt._entries[id(p)]
+            id_map[_key(old)] = opt._entries[id(p)]
+    states = state_dict["state"]
+    unknown = [k for k in states if _key(k) not in id_map]
+    if unknown:  # before anything changes
+        raise ValueError(
+            f"loaded state dict has state for {unknown[0]!r}, which its param_groups do not"
+            " list; pass a state dict made by state_dict() of this optimizer (or of"
+            " optimizer_class), or through torch.distributed.checkpoint.state_dict's"
+            " get_state_dict/set_state_dict"
+        )
+    opt._torn = None  # every parameter's state is replaced: a mix left by a failed step ends
+    for sg, g in zip(saved, opt.param_groups, strict=True):
         for k, v in sg.items():
             if k != "params":
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) and isinstance(v, list) else v
-    states = state_dict["state"]
     inner_sd_state = {}
     streamed_state: dict[Entry, dict[str, Any]] = {}
     opt._masters_loaded = set()
     for old, st in states.items():
-        e = id_map[int(old)]
+        e = id_map[_key(old)]
         if e.streamed:
             streamed_state[e] = st
         else:

@@ -152,6 +152,12 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
     lin = nn.Linear(D, D)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
     out["offload_tp"] = _error(lambda: hr.offload(lin, device="cpu", store="cpu"))
+
+    # HostOptimizer over bf16 shards that hr.offload did not offload (a unit left on the
+    # device): it would have copied the DTensor into a host master (torch's mixed-types error)
+    m = shard(Net()).to(torch.bfloat16)
+    out["host_opt_unoffloaded_bf16"] = _error(
+        lambda: hr.HostOptimizer(m.parameters(), torch.optim.AdamW))
     return out
 
 

@@ -115,6 +115,13 @@ def test_host_optimizer_state_on_disk_for_shards_is_refused_when_built(world2):
         assert "state_store='cpu'" in r["host_opt_state_disk"]
 
 
+def test_host_optimizer_over_shards_it_cannot_step_is_refused_when_built(world2):
+    for r in world2["refusals"]:
+        got = r["host_opt_unoffloaded_bf16"]
+        assert got.startswith("NotImplementedError: HostOptimizer cannot step a sharded"), got
+        assert "hr.offload(model" in got
+
+
 # ------------------------------------------------------------------ the contract
 def _equal(results, key_got="got", key_ref="ref"):
     for rank, r in enumerate(results):

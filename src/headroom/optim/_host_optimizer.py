@@ -362,6 +362,15 @@ class HostOptimizer(torch.optim.Optimizer):
             # gradient stays in param.grad, where torch's own utilities find it.
             e.master = p.detach()
         else:
+            if _is_dtensor(p):
+                # its master would need the local shard's host copy, and its gradient and
+                # every copy back the DTensor's local tensors: not done
+                raise NotImplementedError(
+                    f"HostOptimizer cannot step a sharded (FSDP2) parameter of shape "
+                    f"{tuple(p.shape)} ({p.dtype} on {dev}) that hr.offload did not offload: only "
+                    "the shards hr.offload moved to a store, and fp32 shards on the CPU, are "
+                    "stepped. Offload every FSDP2 unit (hr.offload(model, ...)), or step the "
+                    "units left on the device with a torch.optim optimizer of their own")
             e.kind = HOSTED
             if self._host is None:
                 self._host = resolve_store("cpu", dev)

@@ -81,7 +81,12 @@ def sharded_state_of(model: nn.Module):
 
 
 def _local(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    """Each parameter's local shard, as ``state_dict()`` gives it (read from a DiskStore)."""
+    return {n: p.to_local().detach().clone() for n, p in model.state_dict().items()}
+
+
+def _store(store: str, tmp: str, rank: int, name: str = "shards"):
+    return "cpu" if store == "cpu" else DiskStore(os.path.join(tmp, f"{name}{rank}"), threads=2)
 
 
 # ------------------------------------------------------------------ wrong orders, refused
@@ -171,35 +176,54 @@ def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None
 
 
 def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
-          partial: bool = False, clip: float | None = 0.05) -> dict:
-    """FSDP2 + hr.offload(store="cpu") + (Host)AdamW vs the same FSDP2 model alone."""
+          partial: bool = False, clip: float | None = 0.05, store: str = "cpu",
+          state_disk: bool = False, tmp: str = "") -> dict:
+    """FSDP2 + hr.offload(store="cpu" or a DiskStore) + (Host)AdamW vs the same FSDP2 model
+    alone."""
     kw = {}
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
     model, ref = _pair(**kw)
     blocks = [model.layers[0], model.layers[2]] if partial else None
-    hr.offload(model, device="cpu", store="cpu", blocks=blocks)
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks)
     state = sharded_state_of(model)
     okw = dict(lr=1e-2, weight_decay=0.1)
     if host:
+        if state_disk:
+            okw["state_store"] = _store("disk", tmp, rank, "state")
         opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
     else:
         opt = torch.optim.AdamW(model.parameters(), foreach=False, **okw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    peak = 0
     for step in range(STEPS):
         _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step)
-    # Where the shards rest: inside the store's own tensors, and nowhere else.
-    in_store = {}
-    for key, h in state.handles.items():
-        flat = state.store.host_tensor(h)
-        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
-        in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
+    out = {"stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
+           "units": len(state.units)}
+    if store == "cpu":
+        # Where the shards rest: inside the store's own tensors, and nowhere else.
+        in_store = {}
+        for key, h in state.handles.items():
+            flat = state.store.host_tensor(h)
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+            in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
+    else:
+        # On disk: between uses no shard holds host memory; during training at most the
+        # units whose all-gather is in flight did (the largest unit's shards, with these
+        # shapes: FSDP2's backward prefetch reads the next unit while one is in use).
+        in_store = {key: int(state.params[key].sharded_param.to_local()
+                             .untyped_storage().nbytes() == 0) for key in state.handles}
+        peak = state.disk.peak_resident_bytes
+        out.update(resident=state.resident_bytes, peak_resident=peak,
+                   reads=state.disk.reads, on_disk=sum(
+                       os.path.getsize(state.store.file_of(h)) for h in state.handles.values()),
+                   opt_state_bytes=sum(v.nbytes for s in opt.state.values() for v in s.values()
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0))
     local_bytes = sum(p.to_local().nbytes for n, p in model.named_parameters()
                       if not partial or n.startswith(("layers.0.", "layers.2.")))
-    return {"got": _local(model), "ref": _local(ref), "in_store": in_store,
-            "stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
-            "local_bytes": local_bytes, "units": len(state.units)}
+    out.update(got=_local(model), ref=_local(ref), in_store=in_store, local_bytes=local_bytes)
+    return out
 
 
 def checkpoint(rank: int, world: int, tmp: str) -> dict:

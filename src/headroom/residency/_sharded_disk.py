@@ -1,0 +1,267 @@
+"""Local shards of FSDP2 units on a `DiskStore`: read into host memory for each all-gather.
+
+With ``store=DiskStore(...)``, `offload_sharded` keeps each rank's *unpadded* local shard of
+every parameter of the chosen units in the store (one tensor per parameter, named by its
+fully qualified name), and the unit on FSDP2's host path (``offload_to_cpu``). Between uses,
+the FSDPParam's padded shard and the DTensor parameter's local tensor are placeholders without
+memory. FSDP2 reads the shard in exactly two places, both inside its parameter group: the
+all-gather inputs (``unshard``) and, with a world of one, the copy in ``wait_for_unshard``.
+So the group's two methods are wrapped (on the instance; whoever calls them, its own
+pre-forward, pre-backward, prefetches or ``model.unshard()``): ``unshard`` first reads the
+group's shards from the disk into fresh host buffers, and once ``wait_for_unshard`` has
+returned (the shard has been copied into the all-gather buffers) the buffers are dropped.
+
+The optimizer steps the shards where they rest (`HostOptimizer` finds them bound to the store:
+`headroom.transfer.binding`), and the next ``unshard`` reads the new values: a shard is read
+afresh for every all-gather, never reused from an earlier read. Gradient shards stay where
+FSDP2 puts them (host DTensors in ``param.grad``), so ``clip_grad_norm_`` acts on them.
+
+``model.state_dict()`` reads the shards from the store (new DTensors); ``load_state_dict``
+writes them back (each shard is read, loaded into and written back to the store).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from headroom.transfer import Handle, Store, bind, is_accelerator, unbind
+
+__all__ = ["DiskShards", "placeholder", "release"]
+
+
+@dataclass
+class _Shard:
+    """One parameter's local shard on disk."""
+
+    key: str  # also the parameter's name in the model's state dict
+    fp: object  # the FSDPParam
+    handle: Handle
+    length: int  # rows of the unpadded local shard along the shard dimension
+    resident: bool = False
+
+
+def placeholder(fp) -> torch.Tensor:
+    """A 1-D tensor of the padded shard's numel and dtype, for `release` once its views are
+    made (a tensor without memory cannot be viewed)."""
+    return torch.empty(fp.padded_sharded_param_size.numel(), dtype=fp._sharded_param_data.dtype)
+
+
+def release(t: torch.Tensor) -> None:
+    """Give ``t``'s memory back; its views keep their shapes, without memory."""
+    t.untyped_storage().resize_(0)
+
+
+def _set_data(fp, flat: torch.Tensor, length: int) -> None:
+    """Make ``flat`` (1-D, padded numel) the FSDPParam's padded shard and its DTensor's data."""
+    dim = fp.fsdp_placement.dim
+    fp._sharded_param_data = flat
+    # NOTE: the DTensor object stays (optimizers and modules hold it); only its local tensor
+    # changes, as FSDP2 itself does when it re-pads a shard.
+    fp.sharded_param._local_tensor = flat.view(fp.padded_sharded_param_size).narrow(
+        dim, 0, length)
+
+
+class DiskShards:
+    """The shards of a sharded model's units on a `DiskStore` and the hooks that read them.
+
+    Args:
+        store: the rank's store.
+        device: the FSDP2 mesh's device.
+    """
+
+    def __init__(self, store: Store, device: torch.device) -> None:
+        self.store = store
+        self.device = device
+        self.shards: dict[str, _Shard] = {}
+        self.by_group: dict[int, list[_Shard]] = {}
+        self.groups: list[object] = []
+        self.hooks: list = []
+        self.resident_bytes = 0  # host bytes of shards read and not yet dropped
+        self.peak_resident_bytes = 0
+        self.reads = 0  # shard reads from the store (one per parameter per all-gather)
+        self._pending: list[tuple[object, list[_Shard]]] = []  # (event, shards): accelerator
+
+    # ------------------------------------------------------------------ setup
+    def put(self, key: str, fp, group) -> None:
+        """Write ``fp``'s unpadded local shard under ``key`` (the shard stays as it is)."""
+        if key in self.store:
+            raise RuntimeError(
+                f"{self.store!r} already holds {key!r} (a store of an earlier run, reopened):"
+                " hr.offload of a sharded model writes the model's current shards. Give it an"
+                " empty folder or DiskStore(path, overwrite=True); to resume training, load a"
+                " torch.distributed.checkpoint after hr.offload"
+            )
+        local = fp.sharded_param._local_tensor
+        dim = fp.fsdp_placement.dim
+        length = local.size(dim) if local.numel() > 0 else 0
+        h = self.store.put(key, local.detach())
+        sh = _Shard(key, fp, h, length)
+        self.shards[key] = sh
+        self.by_group.setdefault(id(group), []).append(sh)
+        if group not in self.groups:
+            self.groups.append(group)
+
+    def bind(self, sh: _Shard) -> None:
+        """Bind the (new) DTensor parameter of ``sh`` to its tensor in the store."""
+        bind(sh.fp.sharded_param, sh.handle, store=self.store)
+
+    def wrap_all(self) -> None:
+        """Wrap the parameter groups' ``unshard`` and ``wait_for_unshard`` (see the module doc)."""
+        for g in self.groups:
+            # FSDP2's lazy init re-pads each shard from the DTensor's local tensor; ours are
+            # padded already, and a placeholder has nothing to re-pad.
+            g._reset_sharded_params = True
+            self._wrap(g)
+
+    def _wrap(self, group) -> None:
+        shards = self.by_group[id(group)]
+        unshard, wait = group.unshard, group.wait_for_unshard
+
+        def read_then_unshard(async_op: bool = False):
+            self._reap()
+            if group._all_gather_result is None and not group.is_unsharded:
+                self.load(shards)
+            return unshard(async_op)
+
+        def wait_then_drop():
+            out = wait()
+            if group._all_gather_result is None:  # the shards were copied (or never read)
+                self._drop_after_copy(shards)
+            return out
+
+        group.unshard = read_then_unshard
+        group.wait_for_unshard = wait_then_drop
+
+    def unwrap(self) -> None:
+        for g in self.groups:
+            for name in ("unshard", "wait_for_unshard"):
+                g.__dict__.pop(name, None)
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    # ------------------------------------------------------------------ reads and drops
+    def load(self, shards: list[_Shard]) -> None:
+        """Read ``shards`` from the store into fresh host buffers (their current values)."""
+        self._settle(shards)
+        pin = is_accelerator(self.device)
+        futures = []
+        try:
+            for sh in shards:
+                fp = sh.fp
+                flat = torch.empty(fp.padded_sharded_param_size.numel(),
+                                   dtype=sh.handle.dtype, pin_memory=pin)
+                view = flat.view(fp.padded_sharded_param_size)
+                view.narrow(fp.fsdp_placement.dim, sh.length,
+                            view.size(fp.fsdp_placement.dim) - sh.length).zero_()
+                futures.append((sh, flat, self.store.read(
+                    sh.handle, out=view.narrow(fp.fsdp_placement.dim, 0, sh.length))))
+            for sh, flat, fut in futures:
+                fut.result()
+                if not sh.resident:
+                    self._count(flat.nbytes)
+                _set_data(sh.fp, flat, sh.length)
+                sh.resident = True
+                self.reads += 1
+        except BaseException:
+            for _, _, fut in futures:  # no read may land in a buffer after this
+                with contextlib.suppress(BaseException):
+                    fut.result()
+            raise
+
+    def _count(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def drop(self, shards: list[_Shard]) -> None:
+        """Give the host buffers of ``shards`` back (placeholders in their place)."""
+        for sh in shards:
+            if sh.resident:
+                self.resident_bytes -= sh.fp._sharded_param_data.nbytes
+                ph = placeholder(sh.fp)
+                _set_data(sh.fp, ph, sh.length)
+                release(ph)
+                sh.resident = False
+
+    def _drop_after_copy(self, shards: list[_Shard]) -> None:
+        if not is_accelerator(self.device):
+            self.drop(shards)
+            return
+        # The copy to the device may still be reading the page-locked buffers: they are
+        # dropped once the work queued so far on this stream is done.
+        ev = torch.Event(device=self.device)
+        ev.record()
+        self._pending.append((ev, shards))
+        self._reap()
+
+    def _reap(self) -> None:
+        keep = []
+        for ev, shards in self._pending:
+            if ev.query():
+                self.drop(shards)
+            else:
+                keep.append((ev, shards))
+        self._pending = keep
+
+    def _settle(self, shards: list[_Shard]) -> None:
+        ids = {id(s) for s in shards}
+        for ev, pend in self._pending:
+            if any(id(s) in ids for s in pend):
+                ev.synchronize()
+        self._reap()
+
+    def load_all(self) -> None:
+        self.load(list(self.shards.values()))
+
+    def drop_all(self) -> None:
+        for ev, _ in self._pending:
+            ev.synchronize()
+        self._reap()
+        self.drop(list(self.shards.values()))
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        """``model.state_dict()``: each offloaded shard read from the store (a new DTensor)."""
+        for sh in self.shards.values():
+            name = prefix + sh.key
+            if name in state_dict:
+                local = self.store.read(sh.handle).result()
+                state_dict[name] = sh.fp.to_sharded_dtensor(local)
+
+    def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
+        """Before ``load_state_dict`` copies into the parameters: their shards in memory."""
+        self.load_all()
+
+    def load_state_dict_post_hook(self, module, incompatible_keys) -> None:
+        """After it: the loaded shards written to the store, their memory given back."""
+        try:
+            for sh in self.shards.values():
+                if sh.resident:
+                    local = sh.fp.sharded_param._local_tensor
+                    self.store.write(sh.handle, local.contiguous()).result()
+        finally:
+            self.drop_all()
+
+    def hook(self, model: nn.Module) -> None:
+        # (partial, not bound methods: torch marks the hook objects it is given)
+        self.hooks.append(model.register_state_dict_post_hook(
+            partial(DiskShards.state_dict_hook, self)))
+        self.hooks.append(model.register_load_state_dict_pre_hook(self.load_state_dict_pre_hook))
+        self.hooks.append(model.register_load_state_dict_post_hook(
+            self.load_state_dict_post_hook))
+
+    # ------------------------------------------------------------------ undo
+    def take_back(self, sh: _Shard) -> torch.Tensor:
+        """The padded 1-D shard read from the store (for `unoffload_sharded`); frees it."""
+        self.load([sh])
+        flat = sh.fp._sharded_param_data
+        self.resident_bytes -= flat.nbytes
+        sh.resident = False
+        unbind(sh.fp.sharded_param)
+        self.store.free(sh.handle)
+        return flat

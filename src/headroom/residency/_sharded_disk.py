@@ -23,8 +23,8 @@ writes them back (each shard is read, loaded into and written back to the store)
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -134,12 +134,22 @@ class DiskShards:
                 self._drop_after_copy(shards)
             return out
 
+        reset = group._reset_iter_state
+
+        def reset_then_drop():
+            # After an exception in forward or backward (FSDP2's reset_iter_state): the
+            # shards read for an all-gather that never completed are given back.
+            reset()
+            self._settle(shards)
+            self.drop(shards)
+
         group.unshard = read_then_unshard
         group.wait_for_unshard = wait_then_drop
+        group._reset_iter_state = reset_then_drop
 
     def unwrap(self) -> None:
         for g in self.groups:
-            for name in ("unshard", "wait_for_unshard"):
+            for name in ("unshard", "wait_for_unshard", "_reset_iter_state"):
                 g.__dict__.pop(name, None)
         for h in self.hooks:
             h.remove()

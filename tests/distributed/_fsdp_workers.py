@@ -196,7 +196,8 @@ def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None
 
 def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
           partial: bool = False, clip: float | None = 0.05, store: str = "cpu",
-          state_disk: bool = False, tmp: str = "", classes: int = 4) -> dict:
+          state_disk: bool = False, tmp: str = "", classes: int = 4, prefetch: int = 1
+          ) -> dict:
     """FSDP2 + hr.offload(store="cpu" or a DiskStore) + (Host)AdamW vs the same FSDP2 model
     alone."""
     kw = {}
@@ -205,7 +206,8 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
                                                reduce_dtype=torch.float32)
     model, ref = _pair(classes, **kw)
     blocks = [model.layers[0], model.layers[2]] if partial else None
-    hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks)
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks,
+               prefetch=prefetch)
     state = sharded_state_of(model)
     okw = dict(lr=1e-2, weight_decay=0.1)
     if host:
@@ -228,14 +230,13 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
             lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
             in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
     else:
-        # On disk: between uses no shard holds host memory; during training at most the
-        # units whose all-gather is in flight did (the largest unit's shards, with these
-        # shapes: FSDP2's backward prefetch reads the next unit while one is in use).
+        # On disk: between uses no shard holds host memory.
         in_store = {key: int(state.params[key].sharded_param.to_local()
                              .untyped_storage().nbytes() == 0) for key in state.handles}
         peak = state.disk.peak_resident_bytes
         out.update(resident=state.resident_bytes, peak_resident=peak,
-                   reads=state.disk.reads, on_disk=sum(
+                   reads=state.disk.reads, ahead_used=state.disk.ahead_used,
+                   iterations=STEPS * micro, on_disk=sum(
                        os.path.getsize(state.store.file_of(h)) for h in state.handles.values()),
                    opt_state_bytes=sum(
                        (v.to_local() if hasattr(v, "to_local") else v).nbytes

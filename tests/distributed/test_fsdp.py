@@ -35,6 +35,8 @@ CASES = {
     "partial_disk": ("train", dict(store="disk", partial=True, tmp=True)),
     "padded_disk": ("train", dict(store="disk", classes=5, tmp=True)),
     "state_disk": ("train", dict(store="disk", state_disk=True, micro=2, tmp=True)),
+    "prefetch0_disk": ("train", dict(store="disk", prefetch=0, tmp=True)),
+    "prefetch2_disk": ("train", dict(store="disk", prefetch=2, tmp=True)),
     "checkpoint_disk": ("checkpoint", dict(store="disk", tmp=True)),
     "unoffload_disk": ("unoffload", dict(store="disk", tmp=True)),
     "offload_interrupted_disk": ("offload_interrupted", dict(store="disk", tmp=True)),
@@ -42,7 +44,8 @@ CASES = {
 }
 WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
 TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded"]
-TRAIN_DISK = ["host_opt", "accumulate", "bf16", "bf16_accumulate", "partial", "padded", "state"]
+TRAIN_DISK = ["host_opt", "accumulate", "bf16", "bf16_accumulate", "partial", "padded", "state",
+              "prefetch0", "prefetch2"]
 
 
 def _spawn(world: int, names: list[str], tmp) -> dict:
@@ -151,11 +154,13 @@ def test_offloaded_shards_train_bitwise_like_fsdp2(world2, case):
 
 @pytest.mark.parametrize("case", TRAIN_DISK)
 def test_shards_on_disk_train_bitwise_like_fsdp2(world2, case):
+    prefetch = int(case[-1]) if case.startswith("prefetch") else 1
     _check_disk(world2[f"{case}_disk"], partial=case == "partial",
-                state_on_disk=case == "state")
+                state_on_disk=case == "state", prefetch=prefetch)
 
 
-def _check_disk(results, *, partial: bool = False, state_on_disk: bool = False) -> None:
+def _check_disk(results, *, partial: bool = False, state_on_disk: bool = False,
+                prefetch: int = 1) -> None:
     _equal(results)
     for r in results:
         assert r["units"] == (2 if partial else 4)
@@ -164,10 +169,18 @@ def _check_disk(results, *, partial: bool = False, state_on_disk: bool = False) 
         assert r["stored_bytes"] == r["on_disk"] == r["local_bytes"]
         assert all(r["in_store"].values()) and r["in_store"]
         assert r["resident"] == 0
-        # During training, host memory held at most one unit's shards at a time (each read
-        # for its all-gather and dropped once copied): here a third of the shards or less.
-        assert 0 < r["peak_resident"] <= r["unit_bytes"]
-        assert (r["units"] - 1) * r["peak_resident"] <= r["stored_bytes"]
+        # During training, host memory held at most the shards of the unit being all-gathered
+        # (each dropped once copied) and of the `prefetch` units read ahead, not all of them.
+        assert 0 < r["peak_resident"] <= (1 + prefetch) * r["unit_bytes"]
+        if r["units"] > 1 + prefetch:
+            assert r["peak_resident"] < r["stored_bytes"]
+        if prefetch == 0:  # one unit at a time: here a third of the shards or less
+            assert (r["units"] - 1) * r["peak_resident"] <= r["stored_bytes"]
+        # From the second forward-backward on (the order is learned), the units after the
+        # first of each pass found their shards read ahead: in forward the three blocks, in
+        # backward the two after the first (FSDP2 keeps the root unsharded through backward).
+        per = (2 if partial else 5) if prefetch else 0
+        assert r["ahead_used"] == (r["iterations"] - 1) * per
         # Every offloaded parameter was read for each all-gather (forward and backward).
         # (FSDP2 keeps the root, the head, unsharded from forward through backward.)
         assert r["reads"] >= 3 * (2 * len(r["in_store"]) - 2)

@@ -174,8 +174,12 @@ def _fsdp_params(module: nn.Module) -> list:
 
 def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Store,
                     blocks: Iterable[nn.Module] | None,
-                    compute_dtype: torch.dtype | None) -> nn.Module:
+                    compute_dtype: torch.dtype | None, prefetch: int = 1) -> nn.Module:
     """`hr.offload` of a model whose blocks and root were ``fully_shard``ed; see the module doc.
+
+    With a store that holds no host memory (a `DiskStore`), each unit's shards are read into
+    host memory for its all-gather and the next ``prefetch`` units' are read ahead (see
+    `headroom.residency._sharded_disk`); with host memory, FSDP2 copies from the store.
 
     Raises:
         ValueError: ``compute_dtype`` (use FSDP2's ``MixedPrecisionPolicy``); ``blocks`` that
@@ -237,7 +241,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
             prefix = f"{uname}." if uname else ""
             pending.append((f"{prefix}{_local_name(m, info.module, info.param_name)}", fp, group))
     if not st.holds_host_memory:
-        return _offload_to_disk(model, state, pending)
+        return _offload_to_disk(model, state, pending, prefetch)
     pin = is_accelerator(device)
     try:
         for key, fp, _ in pending:
@@ -263,9 +267,10 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
     return model
 
 
-def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list) -> nn.Module:
+def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
+                     prefetch: int) -> nn.Module:
     """The shards of ``pending`` into a store without host memory (see `_sharded_disk`)."""
-    disk = DiskShards(state.store, state.device)
+    disk = DiskShards(state.store, state.device, prefetch=prefetch)
     try:
         for key, fp, group in pending:
             disk.put(key, fp, group)

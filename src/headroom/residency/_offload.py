@@ -110,7 +110,7 @@ def offload(
     if _dtensor.check_sharded(model, "hr.offload"):
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
-                                        compute_dtype=compute_dtype)
+                                        compute_dtype=compute_dtype, prefetch=prefetch)
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"

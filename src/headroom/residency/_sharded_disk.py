@@ -74,9 +74,10 @@ class DiskShards:
         device: the FSDP2 mesh's device.
     """
 
-    def __init__(self, store: Store, device: torch.device) -> None:
+    def __init__(self, store: Store, device: torch.device, *, prefetch: int = 1) -> None:
         self.store = store
         self.device = device
+        self.prefetch = prefetch
         self.shards: dict[str, _Shard] = {}
         self.by_group: dict[int, list[_Shard]] = {}
         self.groups: list[object] = []
@@ -85,6 +86,13 @@ class DiskShards:
         self.peak_resident_bytes = 0
         self.reads = 0  # shard reads from the store (one per parameter per all-gather)
         self._pending: list[tuple[object, list[_Shard]]] = []  # (event, shards): accelerator
+        # Reads ahead: see [Note: sharded reads ahead].
+        self.epoch = 0
+        self._kind: str | None = None  # the pass the last unshard belonged to
+        self._seq: list[object] = []  # groups unsharded so far in this pass, in order
+        self._orders: dict[str, list[object]] = {}  # the same, of the last pass of each kind
+        self._ahead: dict[int, tuple[int, list]] = {}  # group -> (epoch, reads in flight)
+        self.ahead_used = 0  # groups whose all-gather found their shards read ahead
 
     # ------------------------------------------------------------------ setup
     def put(self, key: str, fp, group) -> None:
@@ -125,7 +133,7 @@ class DiskShards:
         def read_then_unshard(async_op: bool = False):
             self._reap()
             if group._all_gather_result is None and not group.is_unsharded:
-                self.load(shards)
+                self._load_group(group)
             return unshard(async_op)
 
         def wait_then_drop():
@@ -140,6 +148,7 @@ class DiskShards:
             # After an exception in forward or backward (FSDP2's reset_iter_state): the
             # shards read for an all-gather that never completed are given back.
             reset()
+            self.new_epoch()
             self._settle(shards)
             self.drop(shards)
 
@@ -155,34 +164,115 @@ class DiskShards:
             h.remove()
         self.hooks = []
 
+    # ------------------------------------------------------------------ reads ahead
+    # [Note: sharded reads ahead]
+    # A unit's shards are read when FSDP2 unshards it, and the next ``prefetch`` units of the
+    # same pass (in the order the previous pass of that kind unsharded them: forward, or
+    # backward) are read ahead then, in the background. A read ahead is used only within the
+    # pass it was issued in (an *epoch*): the shards change only between passes (the
+    # optimizer's step, load_state_dict), so a read from an earlier epoch may be stale and is
+    # discarded. A new epoch starts at each forward of the model, when unshards switch
+    # between forward and backward, and at FSDP2's reset_iter_state.
+    def new_epoch(self) -> None:
+        """Close the pass in progress: discard what was read ahead for it."""
+        if self._kind is not None and self._seq:
+            self._orders[self._kind] = self._seq
+        self._kind, self._seq = None, []
+        self.epoch += 1
+        for gid in list(self._ahead):
+            self._discard(gid)
+
+    def _discard(self, gid: int) -> None:
+        _, reads = self._ahead.pop(gid)
+        for _, flat, fut in reads:  # no read may land in a buffer after it is given back
+            with contextlib.suppress(BaseException):
+                fut.result()
+            self.resident_bytes -= flat.nbytes
+
+    def _load_group(self, group) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        state = group._training_state
+        kind = ("f" if state == TrainingState.FORWARD else
+                "b" if state == TrainingState.PRE_BACKWARD else None)
+        if kind is None or kind != self._kind:
+            self.new_epoch()
+            self._kind = kind
+        if kind is not None:
+            self._seq.append(group)
+        shards = self.by_group[id(group)]
+        ahead = self._ahead.get(id(group))
+        if ahead is not None and ahead[0] == self.epoch:
+            del self._ahead[id(group)]
+            self._settle(shards)
+            self._land(ahead[1], counted=True)
+            self.ahead_used += 1
+        else:
+            if ahead is not None:
+                self._discard(id(group))
+            self.load(shards)
+        if kind is None or self.prefetch <= 0:
+            return
+        order = self._orders.get(kind, [])
+        at = next((i for i, g in enumerate(order) if g is group), None)
+        if at is None:
+            return
+        for g in order[at + 1:at + 1 + self.prefetch]:
+            gid = id(g)
+            if gid in self._ahead or g.is_unsharded or g._all_gather_result is not None:
+                continue
+            reads = self._issue(self.by_group[gid])
+            self._ahead[gid] = (self.epoch, reads)
+            for _, flat, _ in reads:
+                self._count(flat.nbytes)
+
     # ------------------------------------------------------------------ reads and drops
-    def load(self, shards: list[_Shard]) -> None:
-        """Read ``shards`` from the store into fresh host buffers (their current values)."""
-        self._settle(shards)
+    def _issue(self, shards: list[_Shard]) -> list:
+        """Start reading ``shards`` into fresh host buffers; ``[(shard, buffer, future)]``."""
         pin = is_accelerator(self.device)
-        futures = []
+        reads = []
         try:
             for sh in shards:
                 fp = sh.fp
                 flat = torch.empty(fp.padded_sharded_param_size.numel(),
                                    dtype=sh.handle.dtype, pin_memory=pin)
                 view = flat.view(fp.padded_sharded_param_size)
-                view.narrow(fp.fsdp_placement.dim, sh.length,
-                            view.size(fp.fsdp_placement.dim) - sh.length).zero_()
-                futures.append((sh, flat, self.store.read(
-                    sh.handle, out=view.narrow(fp.fsdp_placement.dim, 0, sh.length))))
-            for sh, flat, fut in futures:
-                fut.result()
-                if not sh.resident:
-                    self._count(flat.nbytes)
-                _set_data(sh.fp, flat, sh.length)
-                sh.resident = True
-                self.reads += 1
+                dim = fp.fsdp_placement.dim
+                view.narrow(dim, sh.length, view.size(dim) - sh.length).zero_()
+                reads.append((sh, flat, self.store.read(
+                    sh.handle, out=view.narrow(dim, 0, sh.length))))
         except BaseException:
-            for _, _, fut in futures:  # no read may land in a buffer after this
+            for _, _, fut in reads:  # no read may land in a buffer after this
                 with contextlib.suppress(BaseException):
                     fut.result()
             raise
+        return reads
+
+    def _land(self, reads: list, *, counted: bool = False) -> None:
+        """Wait for ``reads`` and make their buffers the shards' data."""
+        try:
+            for _, _, fut in reads:
+                fut.result()
+        except BaseException:
+            for _, flat, fut in reads:
+                with contextlib.suppress(BaseException):
+                    fut.result()
+                if counted:
+                    self.resident_bytes -= flat.nbytes
+            raise
+        for sh, flat, _ in reads:
+            if sh.resident:  # read again (an all-gather that never completed): replaced
+                self.resident_bytes -= sh.fp._sharded_param_data.nbytes
+            if not counted:
+                self._count(flat.nbytes)
+            _set_data(sh.fp, flat, sh.length)
+            sh.resident = True
+            self.reads += 1
+
+    def load(self, shards: list[_Shard]) -> None:
+        """Read ``shards`` from the store into fresh host buffers (their current values)."""
+        self._settle(shards)
+        self._land(self._issue(shards))
 
     def _count(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
@@ -226,13 +316,18 @@ class DiskShards:
         self._reap()
 
     def load_all(self) -> None:
+        self.new_epoch()
         self.load(list(self.shards.values()))
 
     def drop_all(self) -> None:
+        self.new_epoch()
         for ev, _ in self._pending:
             ev.synchronize()
         self._reap()
         self.drop(list(self.shards.values()))
+
+    def forward_pre_hook(self, module, args) -> None:
+        self.new_epoch()
 
     # ------------------------------------------------------------------ state dict
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
@@ -258,6 +353,9 @@ class DiskShards:
             self.drop_all()
 
     def hook(self, model: nn.Module) -> None:
+        # Each forward of the model is a new pass (before FSDP2's own pre-forward hook).
+        self.hooks.append(model.register_forward_pre_hook(
+            partial(DiskShards.forward_pre_hook, self), prepend=True))
         # (partial, not bound methods: torch marks the hook objects it is given)
         self.hooks.append(model.register_state_dict_post_hook(
             partial(DiskShards.state_dict_hook, self)))

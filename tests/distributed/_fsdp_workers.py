@@ -3,6 +3,7 @@ headroom, against the same FSDP2 model without headroom."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -180,14 +181,17 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
 
 # ------------------------------------------------------------------ the contract
 def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None, step: int,
-               ) -> None:
+               final: bool = False) -> None:
     for m, o in ((model, opt), (ref, ref_opt)):
         for k in range(micro):
             last = k == micro - 1
             if micro > 1:
                 m.set_requires_gradient_sync(last)
             x, y = batch(rank, step, k)
-            (F.cross_entropy(m(x).float(), y) / micro).backward()
+            # final: the host optimizer steps each shard as its gradient arrives in backward
+            within = o.final_backward(last) if final and o is opt else contextlib.nullcontext()
+            with within:
+                (F.cross_entropy(m(x).float(), y) / micro).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         o.step()
@@ -196,8 +200,8 @@ def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None
 
 def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
           partial: bool = False, clip: float | None = 0.05, store: str = "cpu",
-          state_disk: bool = False, tmp: str = "", classes: int = 4, prefetch: int = 1
-          ) -> dict:
+          state_disk: bool = False, tmp: str = "", classes: int = 4, prefetch: int = 1,
+          final: bool = False) -> dict:
     """FSDP2 + hr.offload(store="cpu" or a DiskStore) + (Host)AdamW vs the same FSDP2 model
     alone."""
     kw = {}
@@ -217,11 +221,22 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
     else:
         opt = torch.optim.AdamW(model.parameters(), foreach=False, **okw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    early = []  # parameters the host optimizer stepped inside a final backward
+    if final:
+        step_entries = opt._step_entries
+
+        def recorded(batch, **kw):
+            if kw.get("early"):
+                early.append(len(batch))
+            return step_entries(batch, **kw)
+
+        opt._step_entries = recorded
     peak = 0
     for step in range(STEPS):
-        _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step)
+        _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step,
+                   final=final)
     out = {"stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
-           "units": len(state.units)}
+           "units": len(state.units), "early": sum(early)}
     if store == "cpu":
         # Where the shards rest: inside the store's own tensors, and nowhere else.
         in_store = {}

@@ -36,6 +36,7 @@ CASES = {
     "padded_disk": ("train", dict(store="disk", classes=5, tmp=True)),
     "state_disk": ("train", dict(store="disk", state_disk=True, micro=2, tmp=True)),
     "prefetch0_disk": ("train", dict(store="disk", prefetch=0, tmp=True)),
+    "final_disk": ("train", dict(store="disk", final=True, clip=None, micro=2, tmp=True)),
     "prefetch2_disk": ("train", dict(store="disk", prefetch=2, tmp=True)),
     "checkpoint_disk": ("checkpoint", dict(store="disk", tmp=True)),
     "unoffload_disk": ("unoffload", dict(store="disk", tmp=True)),
@@ -45,7 +46,7 @@ CASES = {
 WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
 TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded"]
 TRAIN_DISK = ["host_opt", "accumulate", "bf16", "bf16_accumulate", "partial", "padded", "state",
-              "prefetch0", "prefetch2"]
+              "prefetch0", "prefetch2", "final"]
 
 
 def _spawn(world: int, names: list[str], tmp) -> dict:
@@ -157,6 +158,10 @@ def test_shards_on_disk_train_bitwise_like_fsdp2(world2, case):
     prefetch = int(case[-1]) if case.startswith("prefetch") else 1
     _check_disk(world2[f"{case}_disk"], partial=case == "partial",
                 state_on_disk=case == "state", prefetch=prefetch)
+    for r in world2[f"{case}_disk"]:
+        # final_backward: every shard (14 parameters) stepped during backward in each of
+        # the 3 steps, as its reduce-scatter finished, bitwise the same; without it, none.
+        assert r["early"] == (14 * 3 if case == "final" else 0)
 
 
 def _check_disk(results, *, partial: bool = False, state_on_disk: bool = False,

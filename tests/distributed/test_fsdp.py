@@ -21,6 +21,7 @@ CASES = {
     "bf16": ("train", dict(bf16=True, clip=None)),
     "partial": ("train", dict(partial=True)),
     "padded": ("train", dict(classes=5)),
+    "final": ("train", dict(final=True, clip=None, micro=2)),
     "checkpoint": ("checkpoint", dict(tmp=True)),
     "unoffload": ("unoffload", dict()),
     "offload_interrupted": ("offload_interrupted", dict()),
@@ -44,7 +45,7 @@ CASES = {
     "failures_disk": ("failures", dict(tmp=True)),
 }
 WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
-TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded"]
+TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded", "final"]
 TRAIN_DISK = ["host_opt", "accumulate", "bf16", "bf16_accumulate", "partial", "padded", "state",
               "prefetch0", "prefetch2", "final"]
 
@@ -144,6 +145,7 @@ def test_offloaded_shards_train_bitwise_like_fsdp2(world2, case):
         # a row of 16 and one element of the bias
         assert [r["stored_bytes"] - r["local_bytes"] for r in world2[case]] == [0, 4 * 17]
     for r in world2[case]:
+        assert r["early"] == (14 * 3 if case == "final" else 0)  # stepped during backward
         assert all(r["in_store"].values()) and r["in_store"]  # shards live in the store
         if case == "padded":
             assert r["stored_bytes"] == r["store_used"]

@@ -164,7 +164,15 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
     out["disk_write_dtensor"] = _error(lambda: disk.write(h, p).result())
     out["host_put_dtensor"] = _error(lambda: HostStore().put("w", p))
 
-    # HostOptimizer keeping the state of shards on disk: refused when built (a step failed).
+    # Shards on a DiskStore: torch.optim cannot step them (their values are on disk), and
+    # HostOptimizer.clip_grad_norm_ would see only this rank's shards.
+    m = hr.offload(shard(Net()), device="cpu", store=DiskStore(os.path.join(tmp, f"e{rank}")))
+    F.cross_entropy(m(x), batch(rank, 0)[1]).backward()
+    out["torch_opt_disk"] = _error(torch.optim.AdamW(m.parameters()).step)
+    out["host_clip_disk"] = _error(lambda: hr.HostOptimizer(
+        m.parameters(), torch.optim.AdamW).clip_grad_norm_(1.0))
+
+    # HostOptimizer keeping the state of shards in host memory on disk: refused when built.
     m = hr.offload(shard(Net()), device="cpu", store="cpu")
     out["host_opt_state_disk"] = _error(lambda: hr.HostOptimizer(
         m.parameters(), torch.optim.AdamW, state_store=DiskStore(os.path.join(tmp, f"d{rank}"))))

@@ -118,6 +118,16 @@ def test_dtensor_into_a_store_is_an_error(world2):
         assert r["disk_keys_after"] == 0  # the refused put left nothing behind
 
 
+def test_plain_optimizer_and_host_clip_on_shards_on_disk_are_refused(world2):
+    for r in world2["refusals"]:
+        assert r["torch_opt_disk"].startswith("RuntimeError: AdamW cannot step parameters"
+                                              " offloaded to a DiskStore"), r["torch_opt_disk"]
+        assert "hr.HostOptimizer(model.parameters(), torch.optim.AdamW" in r["torch_opt_disk"]
+        assert r["host_clip_disk"].startswith("RuntimeError: HostOptimizer.clip_grad_norm_ sees"
+                                              " only this rank's shards")
+        assert "torch.nn.utils.clip_grad_norm_(model.parameters()" in r["host_clip_disk"]
+
+
 def test_dtensor_parameters_outside_fsdp_are_refused(world2):
     for r in world2["refusals"]:
         assert r["offload_tp"].startswith("RuntimeError: hr.offload: parameter 'weight' is a"

@@ -109,6 +109,7 @@ def offload(
     check_options(prefetch, compute_dtype)
     if _dtensor.check_sharded(model, "hr.offload"):
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
+        _install_optimizer_hook()  # torch.optim refused on shards on disk
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
                                         compute_dtype=compute_dtype, prefetch=prefetch)
     for name, m in model.named_modules():
@@ -345,7 +346,8 @@ def _install_optimizer_hook() -> None:
                         " model.parameters() outside forward and backward"
                     )
                 # Headroom's own optimizers read parameters through their bindings.
-                if not own and isinstance(p, StoreTensor) and binding(p) is not None:
+                if not own and binding(p) is not None and (
+                        isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
                     raise RuntimeError(
                         f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
                         " their values are on disk, not in memory. Use"

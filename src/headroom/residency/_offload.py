@@ -61,8 +61,9 @@ def offload(
     (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.
 
     A model whose blocks and root were sharded with FSDP2's ``fully_shard`` keeps each rank's
-    local shards in the store instead (``store="cpu"`` only; FSDP2 keeps its collectives and
-    copies each unit's shard to ``device`` before its all-gather; ``blocks`` are then
+    local shards in the store instead (FSDP2 keeps its collectives and copies each unit's shard
+    to ``device`` before its all-gather; with a `DiskStore` each unit's shards are read into
+    host memory for its all-gather, ``prefetch`` units ahead; ``blocks`` are then
     ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
 
     Args:

@@ -8,12 +8,14 @@ memory. FSDP2 reads the shard in exactly two places, both inside its parameter g
 all-gather inputs (``unshard``) and, with a world of one, the copy in ``wait_for_unshard``.
 So the group's two methods are wrapped (on the instance; whoever calls them, its own
 pre-forward, pre-backward, prefetches or ``model.unshard()``): ``unshard`` first reads the
-group's shards from the disk into fresh host buffers, and once ``wait_for_unshard`` has
-returned (the shard has been copied into the all-gather buffers) the buffers are dropped.
+group's shards from the disk into fresh host buffers (or takes those read ahead, see [Note:
+sharded reads ahead]), and once ``wait_for_unshard`` has returned (the shard has been copied
+into the all-gather buffers) the buffers are dropped; so does FSDP2's ``reset_iter_state``
+(after an exception) for an all-gather that never completed.
 
 The optimizer steps the shards where they rest (`HostOptimizer` finds them bound to the store:
 `headroom.transfer.binding`), and the next ``unshard`` reads the new values: a shard is read
-afresh for every all-gather, never reused from an earlier read. Gradient shards stay where
+afresh for every all-gather, never reused from an earlier pass. Gradient shards stay where
 FSDP2 puts them (host DTensors in ``param.grad``), so ``clip_grad_norm_`` acts on them.
 
 ``model.state_dict()`` reads the shards from the store (new DTensors); ``load_state_dict``
@@ -72,6 +74,7 @@ class DiskShards:
     Args:
         store: the rank's store.
         device: the FSDP2 mesh's device.
+        prefetch: how many units to read ahead of the one being unsharded (same pass).
     """
 
     def __init__(self, store: Store, device: torch.device, *, prefetch: int = 1) -> None:

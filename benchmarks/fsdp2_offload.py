@@ -10,6 +10,12 @@ fresh set of processes (so that RSS is the setup's own):
    ``torch.optim.AdamW``: each rank holds its shards in host memory.
 3. ``fsdp2_headroom``: ``fully_shard`` then ``hr.offload(model, store="cpu")`` +
    ``hr.HostOptimizer``: each rank's shards rest in its headroom store.
+4. ``fsdp2_headroom_disk``: the same with ``store=hr.DiskStore(...)`` and
+   ``HostOptimizer(state_store=hr.DiskStore(...))`` (a folder of each per rank, in a temporary
+   directory): each rank's shards and optimizer state rest in files; "store" is then the bytes
+   in its files (with the optimizer's spare state and undo copies), and the training state in
+   host memory counts the shards read at the time (none between steps) and the gradients. The
+   files' pages in the OS page cache are not the process's memory (not in its RSS).
 
 Per rank: bytes in headroom's stores (parameters and gradients of an offloaded model; shards of
 a sharded one), the training state it holds (parameters, gradients, optimizer state: bytes of
@@ -22,6 +28,8 @@ not speed (the step times are from a shared 2-core machine).
 
     .venv/bin/python benchmarks/fsdp2_offload.py                 # 2 and 4 ranks (~2 min)
     .venv/bin/python benchmarks/fsdp2_offload.py --quick         # a smoke test
+    .venv/bin/python benchmarks/fsdp2_offload.py --setups fsdp2_headroom_disk --merge
+                                           # one setup, its rows replaced in the results JSON
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 RESULTS = Path(__file__).parent / "results" / "fsdp2_offload.json"
-SETUPS = ("data_parallel", "fsdp2_cpu_offload", "fsdp2_headroom")
+SETUPS = ("data_parallel", "fsdp2_cpu_offload", "fsdp2_headroom", "fsdp2_headroom_disk")
 
 
 class Block(nn.Module):
@@ -97,7 +105,7 @@ def _tensor_bytes(ts) -> int:
     return n
 
 
-def _build(setup: str, cfg: dict, rank: int, *, steps: int):
+def _build(setup: str, cfg: dict, rank: int, *, steps: int, tmp: str = ""):
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     import headroom as hr
@@ -123,6 +131,11 @@ def _build(setup: str, cfg: dict, rank: int, *, steps: int):
             hr.offload(model, device="cpu", store="cpu")
             store = sharded_state_of(model).store
             opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+        elif setup == "fsdp2_headroom_disk":
+            hr.offload(model, device="cpu", store=hr.DiskStore(os.path.join(tmp, "shards")))
+            store = sharded_state_of(model).store
+            opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW,
+                                   state_store=hr.DiskStore(os.path.join(tmp, "state")), **kw)
         else:
             opt = torch.optim.AdamW(model.parameters(), **kw)
         fwd = model
@@ -146,12 +159,22 @@ def _run(rank: int, world: int, port: int, setup: str, cfg: dict, out) -> None:
                             world_size=world, timeout=timedelta(seconds=120))
     # A tiny model through the same setup first: what the first step imports and allocates
     # once (DTensor dispatch, gloo buffers) is not counted as training state.
-    _build(setup, dict(cfg, d=16, n=1), rank, steps=2)
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix=f"fsdp2-offload-r{rank}-")
+    _build(setup, dict(cfg, d=16, n=1), rank, steps=2, tmp=os.path.join(tmp, "warm"))
     _reset_peak()
     rss0, _ = _rss()
-    model, fwd, opt, store, times = _build(setup, cfg, rank, steps=cfg["steps"])
+    model, fwd, opt, store, times = _build(setup, cfg, rank, steps=cfg["steps"],
+                                           tmp=os.path.join(tmp, "run"))
     store_bytes = store.used_bytes if store is not None else 0
     params = list(model.parameters())
+    disk = None
+    if setup == "fsdp2_headroom_disk":
+        from headroom.residency._dtensor import sharded_state_of
+
+        disk = sharded_state_of(model).disk
+        store_bytes += opt.options.state_store.used_bytes
     rss1, peak = _rss()
     from headroom.transfer import trim_heap
 
@@ -160,7 +183,10 @@ def _run(rank: int, world: int, port: int, setup: str, cfg: dict, out) -> None:
     res = {
         "rank": rank,
         "store_bytes": store_bytes,
-        "parameters": _tensor_bytes(params),
+        # on disk: the shards held in host memory now (none between steps), and the most
+        # held at once during the steps
+        "parameters": disk.resident_bytes if disk is not None else _tensor_bytes(params),
+        "peak_resident_shards": disk.peak_resident_bytes if disk is not None else None,
         "gradients": _tensor_bytes(p.grad for p in params),
         "optimizer_state": _tensor_bytes(v for s in opt.state.values() for v in s.values()),
         "rss_growth": rss1 - rss0,
@@ -172,6 +198,9 @@ def _run(rank: int, world: int, port: int, setup: str, cfg: dict, out) -> None:
     out.put(res)
     dist.barrier()
     dist.destroy_process_group()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -204,6 +233,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other setups' rows of the results JSON (same config)")
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args()
     cfg = dict(d=a.d, n=a.n, batch=a.batch, steps=a.steps)
@@ -212,7 +244,7 @@ def main() -> None:
     model_params = sum(p.numel() for p in Net(cfg["d"], cfg["n"]).parameters())
     runs = []
     for world in [int(w) for w in a.worlds.split(",")]:
-        for setup in SETUPS:
+        for setup in a.setups.split(","):
             ranks = run(world, setup, cfg)
             runs.append({"world": world, "setup": setup, "ranks": ranks})
             mean = {k: statistics.mean(r[k] for r in ranks)
@@ -240,15 +272,34 @@ def main() -> None:
             "step_ms_median": round(statistics.median(x["step_s_median"] for x in ranks)
                                     * 1e3, 1),
         })
+        if ranks[0].get("peak_resident_shards") is not None:
+            summary[-1]["peak_resident_shards_MiB_per_rank"] = round(
+                statistics.mean(x["peak_resident_shards"] for x in ranks) / 2**20, 2)
     doc = {
         "command": "benchmarks/fsdp2_offload.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(a).items() if k not in ("out", "quick")),
+            f"--{k}" if v is True else f"--{k} {v}" for k, v in vars(a).items()
+            if k not in ("out", "quick") and v is not False
+            and not (k == "setups" and v == ",".join(SETUPS))),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__},
         "config": cfg, "model_parameters": model_params,
         "full_replica_training_state_bytes": full_state,
         "runs": runs, "summary": summary,
     }
+    if a.merge and Path(a.out).exists():
+        old = json.loads(Path(a.out).read_text())
+        if old["config"] != cfg:
+            raise SystemExit(f"--merge: {a.out} has config {old['config']}, not {cfg}")
+        new = {(r["world"], r["setup"]) for r in runs}
+        order = {s: i for i, s in enumerate(SETUPS)}
+
+        def merged(key: str, mine: list) -> list:
+            rows = [r for r in old[key] if (r["world"], r["setup"]) not in new] + mine
+            return sorted(rows, key=lambda r: (r["world"], order.get(r["setup"], 99)))
+
+        old["runs"], old["summary"] = merged("runs", runs), merged("summary", summary)
+        old.setdefault("merged_commands", []).append(doc["command"])
+        doc = old
     if not a.quick:
         Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {a.out}")

@@ -3,6 +3,7 @@ headroom, against the same FSDP2 model without headroom."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -75,6 +76,18 @@ def _error(fn) -> str:
     return "no error"
 
 
+def fsdp_modules(model: nn.Module):
+    from headroom.residency._dtensor import fsdp_modules
+
+    return fsdp_modules(model)
+
+
+def _fsdp_params(m: nn.Module):
+    from headroom.residency._dtensor import _fsdp_params
+
+    return _fsdp_params(m)
+
+
 def sharded_state_of(model: nn.Module):
     from headroom.residency._dtensor import sharded_state_of
 
@@ -82,7 +95,12 @@ def sharded_state_of(model: nn.Module):
 
 
 def _local(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    """Each parameter's local shard, as ``state_dict()`` gives it (read from a DiskStore)."""
+    return {n: p.to_local().detach().clone() for n, p in model.state_dict().items()}
+
+
+def _store(store: str, tmp: str, rank: int, name: str = "shards"):
+    return "cpu" if store == "cpu" else DiskStore(os.path.join(tmp, f"{name}{rank}"), threads=2)
 
 
 # ------------------------------------------------------------------ wrong orders, refused
@@ -91,11 +109,17 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
     out = {}
     x, _ = batch(rank, 0)
 
-    # hr.offload of a sharded model onto a DiskStore: refused at the call (was a segfault).
+    # hr.offload of a sharded model onto a DiskStore that holds an earlier run's shards
+    # (reopened after that process stopped): refused, naming an empty folder or a checkpoint.
+    st = DiskStore(os.path.join(tmp, f"a{rank}"))
+    hr.offload(shard(Net()), device="cpu", store=st)
+    st.close()
     m = shard(Net())
-    out["offload_disk"] = _error(lambda: hr.offload(
+    out["offload_disk_reopened"] = _error(lambda: hr.offload(
         m, device="cpu", store=DiskStore(os.path.join(tmp, f"a{rank}"))))
     m(x).sum().backward()  # the refusal changed nothing
+    out["reopened_untouched"] = int(sharded_state_of(m) is None and not any(
+        fp.offload_to_cpu for _, u in fsdp_modules(m) for fp in _fsdp_params(u)))
 
     # fully_shard over an offloaded model (host memory and disk): refused at the call.
     for name, store in (("cpu", "cpu"), ("disk", DiskStore(os.path.join(tmp, f"b{rank}")))):
@@ -140,7 +164,15 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
     out["disk_write_dtensor"] = _error(lambda: disk.write(h, p).result())
     out["host_put_dtensor"] = _error(lambda: HostStore().put("w", p))
 
-    # HostOptimizer keeping the state of shards on disk: refused when built (a step failed).
+    # Shards on a DiskStore: torch.optim cannot step them (their values are on disk), and
+    # HostOptimizer.clip_grad_norm_ would see only this rank's shards.
+    m = hr.offload(shard(Net()), device="cpu", store=DiskStore(os.path.join(tmp, f"e{rank}")))
+    F.cross_entropy(m(x), batch(rank, 0)[1]).backward()
+    out["torch_opt_disk"] = _error(torch.optim.AdamW(m.parameters()).step)
+    out["host_clip_disk"] = _error(lambda: hr.HostOptimizer(
+        m.parameters(), torch.optim.AdamW).clip_grad_norm_(1.0))
+
+    # HostOptimizer keeping the state of shards in host memory on disk: refused when built.
     m = hr.offload(shard(Net()), device="cpu", store="cpu")
     out["host_opt_state_disk"] = _error(lambda: hr.HostOptimizer(
         m.parameters(), torch.optim.AdamW, state_store=DiskStore(os.path.join(tmp, f"d{rank}"))))
@@ -163,14 +195,17 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
 
 # ------------------------------------------------------------------ the contract
 def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None, step: int,
-               ) -> None:
+               final: bool = False) -> None:
     for m, o in ((model, opt), (ref, ref_opt)):
         for k in range(micro):
             last = k == micro - 1
             if micro > 1:
                 m.set_requires_gradient_sync(last)
             x, y = batch(rank, step, k)
-            (F.cross_entropy(m(x).float(), y) / micro).backward()
+            # final: the host optimizer steps each shard as its gradient arrives in backward
+            within = o.final_backward(last) if final and o is opt else contextlib.nullcontext()
+            with within:
+                (F.cross_entropy(m(x).float(), y) / micro).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         o.step()
@@ -178,62 +213,102 @@ def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None
 
 
 def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
-          partial: bool = False, clip: float | None = 0.05) -> dict:
-    """FSDP2 + hr.offload(store="cpu") + (Host)AdamW vs the same FSDP2 model alone."""
+          partial: bool = False, clip: float | None = 0.05, store: str = "cpu",
+          state_disk: bool = False, tmp: str = "", classes: int = 4, prefetch: int = 1,
+          final: bool = False) -> dict:
+    """FSDP2 + hr.offload(store="cpu" or a DiskStore) + (Host)AdamW vs the same FSDP2 model
+    alone."""
     kw = {}
     if bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
-    model, ref = _pair(**kw)
+    model, ref = _pair(out=classes, **kw)
     blocks = [model.layers[0], model.layers[2]] if partial else None
-    hr.offload(model, device="cpu", store="cpu", blocks=blocks)
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks,
+               prefetch=prefetch)
     state = sharded_state_of(model)
     okw = dict(lr=1e-2, weight_decay=0.1)
     if host:
-        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
+        st = _store("disk", tmp, rank, "state") if state_disk else "cpu"
+        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False,
+                               state_store=st, **okw)
     else:
         opt = torch.optim.AdamW(model.parameters(), foreach=False, **okw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    early = []  # parameters the host optimizer stepped inside a final backward
+    if final:
+        step_entries = opt._step_entries
+
+        def recorded(batch, **kw):
+            if kw.get("early"):
+                early.append(len(batch))
+            return step_entries(batch, **kw)
+
+        opt._step_entries = recorded
+    peak = 0
     for step in range(STEPS):
-        _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step)
-    # Where the shards rest: inside the store's own tensors, and nowhere else.
-    in_store = {}
-    for key, h in state.handles.items():
-        flat = state.store.host_tensor(h)
-        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
-        in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
+        _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step,
+                   final=final)
+    out = {"stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
+           "units": len(state.units), "early": sum(early)}
+    if store == "cpu":
+        # Where the shards rest: inside the store's own tensors, and nowhere else.
+        in_store = {}
+        for key, h in state.handles.items():
+            flat = state.store.host_tensor(h)
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+            in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
+    else:
+        # On disk: between uses no shard holds host memory.
+        in_store = {key: int(state.params[key].sharded_param.to_local()
+                             .untyped_storage().nbytes() == 0) for key in state.handles}
+        peak = state.disk.peak_resident_bytes
+        out.update(resident=state.resident_bytes, peak_resident=peak,
+                   reads=state.disk.reads, ahead_used=state.disk.ahead_used,
+                   iterations=STEPS * micro, on_disk=sum(
+                       os.path.getsize(state.store.file_of(h)) for h in state.handles.values()),
+                   opt_state_bytes=sum(
+                       (v.to_local() if hasattr(v, "to_local") else v).nbytes
+                       for s in opt.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0))
     local_bytes = sum(p.to_local().nbytes for n, p in model.named_parameters()
                       if not partial or n.startswith(("layers.0.", "layers.2.")))
-    return {"got": _local(model), "ref": _local(ref), "in_store": in_store,
-            "stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
-            "local_bytes": local_bytes, "units": len(state.units)}
+    out["all_local_bytes"] = sum(p.to_local().nbytes for p in model.parameters())
+    out["unit_bytes"] = max(  # the largest unit's local shards (the root: head only)
+        sum(p.to_local().nbytes for p in m.parameters()) for m in model.layers)
+    out.update(got=_local(model), ref=_local(ref), in_store=in_store, local_bytes=local_bytes)
+    return out
 
 
-def checkpoint(rank: int, world: int, tmp: str) -> dict:
+def checkpoint(rank: int, world: int, tmp: str, store: str = "cpu") -> dict:
     """DCP save of a trained offloaded sharded model, load into a fresh one (also offloaded)."""
     import torch.distributed.checkpoint as dcp
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    model = hr.offload(shard(Net()), device="cpu", store="cpu")
+    model = hr.offload(shard(Net()), device="cpu", store=_store(store, tmp, rank, "a"))
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, lr=1e-2)
     for step in range(2):
         x, y = batch(rank, step)
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    dcp.save(model.state_dict(), checkpoint_id=tmp)
+    dcp.save(model.state_dict(), checkpoint_id=os.path.join(tmp, "dcp"))
     torch.manual_seed(1)
-    fresh = hr.offload(shard(Net()), device="cpu", store="cpu")
+    fresh = hr.offload(shard(Net()), device="cpu", store=_store(store, tmp, rank, "b"))
     sd = fresh.state_dict()
-    dcp.load(sd, checkpoint_id=tmp)
+    dcp.load(sd, checkpoint_id=os.path.join(tmp, "dcp"))
     fresh.load_state_dict(sd)
     state = sharded_state_of(fresh)
     in_store = []
     for key, h in state.handles.items():
-        flat = state.store.host_tensor(h)
-        ptr = state.params[key].sharded_param.to_local().data_ptr()
-        in_store.append(int(flat.data_ptr() <= ptr < flat.data_ptr() + flat.nbytes))
+        local = state.params[key].sharded_param.to_local()
+        if store == "cpu":
+            flat = state.store.host_tensor(h)
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
+            in_store.append(int(lo <= local.data_ptr() < hi))
+        else:  # on disk: nothing left in host memory after the load
+            in_store.append(int(local.untyped_storage().nbytes() == 0))
     x, _ = batch(rank, 9)
     return {"got": _local(fresh), "ref": _local(model), "in_store": torch.tensor(in_store),
             "out": fresh(x).detach(), "out_ref": model(x).detach()}
@@ -344,16 +419,22 @@ def convert(rank: int, world: int) -> dict:
             "unchanged": int(before == [type(m) for m in model.modules()])}
 
 
-def unoffload(rank: int, world: int) -> dict:
+def unoffload(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
     """A step offloaded, hr.unoffload, a step more: as two steps of FSDP2 alone."""
     model, ref = _pair()
-    hr.offload(model, device="cpu", store="cpu")
-    store = sharded_state_of(model).store
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank))
+    store_ = sharded_state_of(model).store
+    if store == "cpu":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:  # shards on disk: the host optimizer steps them there
+        opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
+                               fused=False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=0)
+    if store != "cpu":
+        opt.close()  # its undo copies in the store
     hr.unoffload(model)
-    freed = store.used_bytes
+    freed = store_.used_bytes
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # new parameter objects
     opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # not ref's own buffers
     _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=1)
@@ -361,7 +442,7 @@ def unoffload(rank: int, world: int) -> dict:
             "offloaded": int(sharded_state_of(model) is not None)}
 
 
-def offload_interrupted(rank: int, world: int) -> dict:
+def offload_interrupted(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
     """hr.offload interrupted half-way through moving the shards: nothing stays moved, then
     the model trains as FSDP2 alone, and hr.offload works on it again."""
     from headroom.residency import _dtensor
@@ -376,11 +457,12 @@ def offload_interrupted(rank: int, world: int) -> dict:
             raise KeyboardInterrupt
         rest_in(fp, flat, pin=pin)
 
+    st = _store(store, tmp, rank)
     _dtensor._rest_in = interrupted
     try:
         err = "no error"
         try:
-            hr.offload(model, device="cpu", store="cpu")
+            hr.offload(model, device="cpu", store=st)
         except KeyboardInterrupt:
             err = "KeyboardInterrupt"
     finally:
@@ -388,10 +470,77 @@ def offload_interrupted(rank: int, world: int) -> dict:
     moved = sum(int(fp.offload_to_cpu) for _, m in _dtensor.fsdp_modules(model)
                 for fp in _dtensor._fsdp_params(m))
     recorded = int(sharded_state_of(model) is not None)
+    left = st.used_bytes if store != "cpu" else 0
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=0)
-    hr.offload(model, device="cpu", store="cpu")
+    hr.offload(model, device="cpu", store=st)
     again = sharded_state_of(model).stored_bytes
     return {"got": _local(model), "ref": _local(ref), "error": err, "moved": moved,
-            "recorded": recorded, "again": again}
+            "recorded": recorded, "again": again, "left": left}
+
+
+class Injected(Exception):
+    pass
+
+
+def failures(rank: int, world: int, tmp: str) -> dict:
+    """Shards on a DiskStore: an exception in forward (after some units were read) and one in
+    backward, in both models (FSDP2's own state after a failed backward is its own), then one
+    in the middle of the host optimizer's writes to the disk; each iteration is run again,
+    and training ends bitwise as FSDP2 alone."""
+    model, ref = _pair()
+    okw = dict(lr=1e-2, weight_decay=0.1)
+    hr.offload(model, device="cpu", store=_store("disk", tmp, rank))
+    state = sharded_state_of(model)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    out = {}
+
+    def boom(*_):
+        raise Injected
+
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=0.05, step=0)
+    x, y = batch(rank, 1)
+    for m, o, tag in ((model, opt, ""), (ref, ref_opt, "_ref")):
+        # 1. In forward, inside layers[1] (layers 0 and 1 were read and all-gathered).
+        h = m.layers[1].fc2.register_forward_pre_hook(boom)
+        out["forward" + tag] = _error(lambda m=m: m(x))
+        h.remove()
+        m.reset_iter_state()  # FSDP2's rule after an exception in forward or backward
+        out["resident_after_forward" + tag] = state.resident_bytes
+        # 2. In backward, in layers[1] (the gradients of the head and layers[2] were
+        # reduced, layers[0] was read for its all-gather ahead).
+        h = m.layers[1].fc2.register_full_backward_hook(boom)
+        out["backward" + tag] = _error(lambda m=m: F.cross_entropy(m(x), y).backward())
+        h.remove()
+        out["resident_before_reset" + tag] = state.resident_bytes
+        m.reset_iter_state()
+        out["resident_after_backward" + tag] = state.resident_bytes
+        o.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        if m is model:
+            # 3. In the step, at the 3rd write of a shard to the disk (two shards already
+            # hold their new values): the step is undone; then step() again.
+            write_rows, calls = state.store.write_rows, []
+
+            def failing_write_rows(handle, rows, src, write_rows=write_rows, calls=calls):
+                calls.append(handle.key in state.handles)
+                if sum(calls) == 3:
+                    raise OSError(5, "injected I/O error")
+                return write_rows(handle, rows, src)
+
+            state.store.write_rows = failing_write_rows
+            try:
+                out["step"] = _error(opt.step)
+            finally:
+                del state.store.write_rows
+            out["undone"] = int(all(torch.equal(a, b) for a, b in zip(
+                _local(model).values(), _local(ref).values(), strict=True)))  # ref: step 0
+        o.step()
+        o.zero_grad()
+    _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=0.05, step=2)
+    out.update(got=_local(model), ref=_local(ref), resident=state.resident_bytes,
+               unit_bytes=sum(p.to_local().nbytes for p in model.layers[0].parameters()))
+    return out

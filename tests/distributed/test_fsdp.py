@@ -27,14 +27,34 @@ CASES = {
     "accumulate": ("train", dict(micro=2)),
     "bf16": ("train", dict(bf16=True, clip=None)),
     "partial": ("train", dict(partial=True)),
+    "padded": ("train", dict(classes=5)),
+    "final": ("train", dict(final=True, clip=None, micro=2)),
     "checkpoint": ("checkpoint", dict(tmp=True)),
     "unoffload": ("unoffload", dict()),
     "offload_interrupted": ("offload_interrupted", dict()),
     "tracking": ("tracking", dict()),
     "tracking_offloaded": ("tracking", dict(offloaded=True)),
     "convert": ("convert", dict()),
+    # Each rank's shards on its own DiskStore.
+    "host_opt_disk": ("train", dict(store="disk", tmp=True)),
+    "accumulate_disk": ("train", dict(store="disk", micro=2, tmp=True)),
+    "bf16_disk": ("train", dict(store="disk", bf16=True, clip=None, tmp=True)),
+    "bf16_accumulate_disk": ("train", dict(store="disk", bf16=True, micro=2, tmp=True)),
+    "partial_disk": ("train", dict(store="disk", partial=True, tmp=True)),
+    "padded_disk": ("train", dict(store="disk", classes=5, tmp=True)),
+    "state_disk": ("train", dict(store="disk", state_disk=True, micro=2, tmp=True)),
+    "prefetch0_disk": ("train", dict(store="disk", prefetch=0, tmp=True)),
+    "final_disk": ("train", dict(store="disk", final=True, clip=None, micro=2, tmp=True)),
+    "prefetch2_disk": ("train", dict(store="disk", prefetch=2, tmp=True)),
+    "checkpoint_disk": ("checkpoint", dict(store="disk", tmp=True)),
+    "unoffload_disk": ("unoffload", dict(store="disk", tmp=True)),
+    "offload_interrupted_disk": ("offload_interrupted", dict(store="disk", tmp=True)),
+    "failures_disk": ("failures", dict(tmp=True)),
 }
-WORLD4 = ["host_opt", "accumulate"]
+WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
+TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded", "final"]
+TRAIN_DISK = ["host_opt", "accumulate", "bf16", "bf16_accumulate", "partial", "padded", "state",
+              "prefetch0", "prefetch2", "final"]
 
 
 def _spawn(world: int, names: list[str], tmp) -> dict:
@@ -59,10 +79,12 @@ def world4(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ wrong orders
-def test_offload_of_sharded_model_on_disk_is_refused(world2):
+def test_offload_onto_a_disk_store_of_an_earlier_run_is_refused(world2):
     for r in world2["refusals"]:
-        assert r["offload_disk"].startswith("NotImplementedError")
-        assert "store='cpu'" in r["offload_disk"]
+        msg = r["offload_disk_reopened"]
+        assert msg.startswith("RuntimeError: DiskStore(") and "already holds" in msg, msg
+        assert "overwrite=True" in msg and "torch.distributed.checkpoint" in msg
+        assert r["reopened_untouched"] == 1
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])
@@ -103,6 +125,16 @@ def test_dtensor_into_a_store_is_an_error(world2):
         assert r["disk_keys_after"] == 0  # the refused put left nothing behind
 
 
+def test_plain_optimizer_and_host_clip_on_shards_on_disk_are_refused(world2):
+    for r in world2["refusals"]:
+        assert r["torch_opt_disk"].startswith("RuntimeError: AdamW cannot step parameters"
+                                              " offloaded to a DiskStore"), r["torch_opt_disk"]
+        assert "hr.HostOptimizer(model.parameters(), torch.optim.AdamW" in r["torch_opt_disk"]
+        assert r["host_clip_disk"].startswith("RuntimeError: HostOptimizer.clip_grad_norm_ sees"
+                                              " only this rank's shards")
+        assert "torch.nn.utils.clip_grad_norm_(model.parameters()" in r["host_clip_disk"]
+
+
 def test_dtensor_parameters_outside_fsdp_are_refused(world2):
     for r in world2["refusals"]:
         assert r["offload_tp"].startswith("RuntimeError: hr.offload: parameter 'weight' is a"
@@ -130,27 +162,78 @@ def _equal(results, key_got="got", key_ref="ref"):
             assert torch.equal(r[key_got][n], r[key_ref][n]), (rank, n)
 
 
-@pytest.mark.parametrize("case", ["host_opt", "torch_opt", "accumulate", "bf16", "partial"])
+@pytest.mark.parametrize("case", TRAIN)
 def test_offloaded_shards_train_bitwise_like_fsdp2(world2, case):
     _equal(world2[case])
+    if case == "padded":  # host memory holds the padded shards FSDP2 all-gathers: on rank 1
+        # a row of 16 and one element of the bias
+        assert [r["stored_bytes"] - r["local_bytes"] for r in world2[case]] == [0, 4 * 17]
     for r in world2[case]:
+        assert r["early"] == (14 * 3 if case == "final" else 0)  # stepped during backward
         assert all(r["in_store"].values()) and r["in_store"]  # shards live in the store
+        if case == "padded":
+            assert r["stored_bytes"] == r["store_used"]
+            continue
         # Only this rank's shards: 1/world of the model (no padding with these shapes).
         assert r["stored_bytes"] == r["store_used"] == r["local_bytes"]
         assert r["units"] == (2 if case == "partial" else 4)
 
 
+@pytest.mark.parametrize("case", TRAIN_DISK)
+def test_shards_on_disk_train_bitwise_like_fsdp2(world2, case):
+    prefetch = int(case[-1]) if case.startswith("prefetch") else 1
+    _check_disk(world2[f"{case}_disk"], partial=case == "partial",
+                state_on_disk=case == "state", prefetch=prefetch)
+    for r in world2[f"{case}_disk"]:
+        # final_backward: every shard (14 parameters) stepped during backward in each of
+        # the 3 steps, as its reduce-scatter finished, bitwise the same; without it, none.
+        assert r["early"] == (14 * 3 if case == "final" else 0)
+
+
+def _check_disk(results, *, partial: bool = False, state_on_disk: bool = False,
+                prefetch: int = 1) -> None:
+    _equal(results)
+    for r in results:
+        assert r["units"] == (2 if partial else 4)
+        # The unpadded local shards, in the files and nowhere else: no parameter of an
+        # offloaded unit holds host memory between steps.
+        assert r["stored_bytes"] == r["on_disk"] == r["local_bytes"]
+        assert all(r["in_store"].values()) and r["in_store"]
+        assert r["resident"] == 0
+        # During training, host memory held at most the shards of the unit being all-gathered
+        # (each dropped once copied) and of the `prefetch` units read ahead, not all of them.
+        assert 0 < r["peak_resident"] <= (1 + prefetch) * r["unit_bytes"]
+        if r["units"] > 1 + prefetch:
+            assert r["peak_resident"] < r["stored_bytes"]
+        if prefetch == 0:  # one unit at a time: here a third of the shards or less
+            assert (r["units"] - 1) * r["peak_resident"] <= r["stored_bytes"]
+        # From the second forward-backward on (the order is learned), the units after the
+        # first of each pass found their shards read ahead: in forward the three blocks, in
+        # backward the two after the first (FSDP2 keeps the root unsharded through backward).
+        per = (2 if partial else 5) if prefetch else 0
+        assert r["ahead_used"] == (r["iterations"] - 1) * per
+        # Every offloaded parameter was read for each all-gather (forward and backward).
+        # (FSDP2 keeps the root, the head, unsharded from forward through backward.)
+        assert r["reads"] >= 3 * (2 * len(r["in_store"]) - 2)
+        # HostOptimizer's state: in host memory (two AdamW moments per shard), or on disk.
+        assert r["opt_state_bytes"] == (0 if state_on_disk else 2 * r["all_local_bytes"])
+
+
 @pytest.mark.parametrize("case", WORLD4)
 def test_offloaded_shards_train_bitwise_like_fsdp2_4_ranks(world4, case):
+    if case.endswith("_disk"):
+        _check_disk(world4[case])
+        return
     _equal(world4[case])
     full = sum(t.nbytes for t in world4[case][0]["ref"].values()) * 4
     for r in world4[case]:
         assert r["stored_bytes"] * 4 == full
 
 
-def test_dcp_round_trip_lands_in_the_store(world2):
-    _equal(world2["checkpoint"])
-    for r in world2["checkpoint"]:
+@pytest.mark.parametrize("store", ["", "_disk"])
+def test_dcp_round_trip_lands_in_the_store(world2, store):
+    _equal(world2[f"checkpoint{store}"])
+    for r in world2[f"checkpoint{store}"]:
         assert torch.equal(r["out"], r["out_ref"])
         assert r["in_store"].all()
 
@@ -191,18 +274,34 @@ def test_dcp_round_trip_to_another_world_size_is_exact(resharded):
                 _same(r[f"loaded_{side}"], saved[0][f"saved_{side}"], f"{tag} {side}")
 
 
-def test_unoffload_puts_the_shards_back(world2):
-    _equal(world2["unoffload"])
-    for r in world2["unoffload"]:
+@pytest.mark.parametrize("store", ["", "_disk"])
+def test_unoffload_puts_the_shards_back(world2, store):
+    _equal(world2[f"unoffload{store}"])
+    for r in world2[f"unoffload{store}"]:
         assert r["store_after"] == 0 and r["offloaded"] == 0
 
 
-def test_an_interrupted_offload_leaves_the_model_as_fsdp2_had_it(world2):
-    _equal(world2["offload_interrupted"])
-    for r in world2["offload_interrupted"]:
+@pytest.mark.parametrize("store", ["", "_disk"])
+def test_an_interrupted_offload_leaves_the_model_as_fsdp2_had_it(world2, store):
+    _equal(world2[f"offload_interrupted{store}"])
+    for r in world2[f"offload_interrupted{store}"]:
         assert r["error"] == "KeyboardInterrupt"
-        assert r["moved"] == 0 and r["recorded"] == 0
+        assert r["moved"] == 0 and r["recorded"] == 0 and r["left"] == 0
         assert r["again"] > 0
+
+
+def test_shards_on_disk_survive_failed_forward_backward_and_step(world2):
+    _equal(world2["failures_disk"])  # each failed iteration run again: as FSDP2 alone
+    for r in world2["failures_disk"]:
+        for k in ("forward", "backward"):
+            assert r[k] == r[k + "_ref"] == "Injected: "
+        assert r["step"].startswith("OSError: [Errno 5] injected I/O error"), r["step"]
+        assert r["undone"] == 1  # the failed step left every shard on disk as it was
+        # A failed backward leaves read what FSDP2 had prefetched (layers[0]); FSDP2's
+        # reset_iter_state gives it back.
+        assert r["resident_before_reset"] == r["unit_bytes"] > 0
+        assert r["resident_after_forward"] == r["resident_after_backward"] == 0
+        assert r["resident"] == 0
 
 
 # ------------------------------------------------------------------ tracking, convert

@@ -39,7 +39,7 @@ class Entry:
     __slots__ = (
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare",
+        "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -68,6 +68,21 @@ class Entry:
         self.stepped = False  # it took the step in progress (during final_backward or step())
         self.undo: dict[str, tuple[Any, Handle]] = {}  # its undo tensors, see _undo.py
         self.spare: dict[str, Handle] = {}  # state tensors the next step writes, see _undo.py
+        # A DTensor (FSDP2 shard) bound to a store: its master is the local shard there, its
+        # gradient the local tensor of the DTensor FSDP2 leaves in param.grad.
+        self.sharded = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of what is stepped (a sharded parameter's local shard)."""
+        return self.bound.handle.shape if self.sharded else tuple(self.param.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
 
     @property
     def lowp(self) -> bool:
@@ -80,7 +95,7 @@ class Entry:
         return self.own if self.kind == HOSTED else self.bound
 
     def has_grad(self) -> bool:
-        if self.kind == ALIAS:
+        if self.kind == ALIAS or self.sharded:
             return self.param.grad is not None
         b = self.binding
         return b is not None and b.grad_handle is not None and b.has_grad
@@ -89,6 +104,9 @@ class Entry:
         """The gradient as an in-memory host tensor, or ``None`` if it rests elsewhere."""
         if self.kind == ALIAS:
             return self.param.grad
+        if self.sharded:
+            g = self.param.grad
+            return None if g is None else g.to_local()
         b = self.binding
         if b is None or b.grad_handle is None or not b.has_grad:
             return None

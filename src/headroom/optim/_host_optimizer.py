@@ -238,11 +238,12 @@ class HostOptimizer(torch.optim.Optimizer):
                     "List each parameter once"
                 )
         if self._state_store is not None and params is not None and any(
-                _is_dtensor(p) for p in params):
+                _is_dtensor(p) and binding(p) is None for p in params):
             raise NotImplementedError(
-                f"state_store={self._state_store!r} with sharded (FSDP2) parameters is not"
-                " supported; use state_store='cpu' (each rank keeps the state of its own shards"
-                " in host memory)"
+                f"state_store={self._state_store!r} with sharded (FSDP2) parameters in host"
+                " memory is not supported; use state_store='cpu' (each rank keeps the state of"
+                " its own shards in host memory), or offload the shards to a disk too"
+                " (hr.offload(model, store=hr.DiskStore(path)))"
             )
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
@@ -279,7 +280,7 @@ class HostOptimizer(torch.optim.Optimizer):
         """Listen for ``e``'s completed gradients (once it can have any)."""
         if e.hooked:
             return
-        if e.kind == BOUND:
+        if e.kind == BOUND and not e.sharded:
             # A store-resident parameter's gradient reaches the store through the
             # offload layer, not through autograd on this tensor: it tells us when done.
             self._hooks.append(on_grad_ready(e.param, self._on_grad))
@@ -341,6 +342,9 @@ class HostOptimizer(torch.optim.Optimizer):
             )
         e = Entry(p, index, gi)
         e.sparse = id(p) in self._row_sparse_ids
+        if e.sparse and _is_dtensor(p):
+            raise ValueError(
+                "row_sparse is not supported for sharded (FSDP2) parameters; drop row_sparse")
         if e.sparse and p.dim() < 2:
             raise ValueError(
                 f"row_sparse parameter of shape {tuple(p.shape)} has no rows; pass only 2-D "
@@ -349,6 +353,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if b is not None:
             e.kind = BOUND
             e.bound = b
+            # FSDP2 calls a shard's post-accumulate-grad hooks after its reduce-scatter.
+            e.sharded = _is_dtensor(p)
             host = b.store.host_tensor(b.handle)
             if host is not None and host.dtype in MASTER_DTYPES:
                 e.master = host
@@ -812,7 +818,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 handles = {}
                 for k in layout.shaped:
                     h = store.alloc(f"{self._key_prefix}/{e.index}/{k}",
-                                    tuple(e.param.shape), self._state_dtype(e), zero=True)
+                                    e.shape, self._state_dtype(e), zero=True)
                     made.append(h)
                     handles[k] = h
                     host = store.host_tensor(h)
@@ -820,7 +826,7 @@ class HostOptimizer(torch.optim.Optimizer):
                         annotate(host, "optimizer_state")
                 if e.lowp:
                     e.master_handle = store.alloc(f"{self._key_prefix}/{e.index}/master",
-                                                  tuple(e.param.shape), torch.float32,
+                                                  e.shape, torch.float32,
                                                   zero=False)
                     made.append(e.master_handle)
                 e.state_handles = handles
@@ -831,7 +837,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.state_handles = {}
                 e.master_handle = None
             need = sum(
-                e.param.numel() * 4 * (len(self._layout(e.group).shaped) + e.lowp)
+                e.numel * 4 * (len(self._layout(e.group).shaped) + e.lowp)
                 for e in todo)
             if isinstance(ex, (StoreFullError, OSError)):
                 raise StoreFullError(
@@ -1088,6 +1094,12 @@ class HostOptimizer(torch.optim.Optimizer):
         self._check_groups()
         self._take_assigned_grads()
         self._wait()
+        if any(e.sharded for e in self._order):
+            raise RuntimeError(
+                "HostOptimizer.clip_grad_norm_ sees only this rank's shards of sharded (FSDP2)"
+                " parameters; use torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which"
+                " reduces the norm over the ranks (the gradients are DTensors in param.grad)"
+            )
         self._overlap.clips = True
         if any(e.launched for e in self._order):
             raise RuntimeError(

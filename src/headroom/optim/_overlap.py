@@ -142,7 +142,7 @@ class Overlap:
         size = 0
         for e in order:
             cur.append(e)
-            size += e.param.numel() * 4
+            size += e.numel * 4
             if size >= self.bucket_bytes:
                 _bucket(cur)
                 cur, size = [], 0

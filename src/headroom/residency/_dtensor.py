@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from headroom.transfer import DiskStore, Handle, Store, is_accelerator
+from headroom.residency._sharded_disk import DiskShards, placeholder, release
+from headroom.transfer import Handle, Store, is_accelerator, unbind
 
 __all__ = [
     "ShardedOffload",
@@ -42,7 +43,7 @@ _ATTR = "_headroom_sharded_offload"
 
 ORDER = (
     "the supported order is: fully_shard each block, then the root (fully_shard(model)), then"
-    " hr.offload(model, device=..., store='cpu'), then the optimizer"
+    " hr.offload(model, device=..., store='cpu' or hr.DiskStore(path)), then the optimizer"
     " (hr.HostOptimizer(model.parameters(), torch.optim.AdamW, ...) or torch.optim)"
 )
 
@@ -147,11 +148,18 @@ class ShardedOffload:
     units: list[str]
     handles: dict[str, Handle] = field(default_factory=dict)
     params: dict[str, object] = field(default_factory=dict)  # name -> FSDPParam
+    disk: DiskShards | None = None  # a DiskStore: the shards read for each all-gather
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of local shards resting in the store (padding included)."""
+        """Bytes of local shards resting in the store (padding included in host memory)."""
         return sum(h.nbytes for h in self.handles.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        """Host bytes of local shards held now (all of them in host memory; on a DiskStore,
+        only those read for an all-gather in flight)."""
+        return self.disk.resident_bytes if self.disk is not None else self.stored_bytes
 
 
 def sharded_state_of(model: nn.Module) -> ShardedOffload | None:
@@ -166,11 +174,14 @@ def _fsdp_params(module: nn.Module) -> list:
 
 def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Store,
                     blocks: Iterable[nn.Module] | None,
-                    compute_dtype: torch.dtype | None) -> nn.Module:
+                    compute_dtype: torch.dtype | None, prefetch: int = 1) -> nn.Module:
     """`hr.offload` of a model whose blocks and root were ``fully_shard``ed; see the module doc.
 
+    With a store that holds no host memory (a `DiskStore`), each unit's shards are read into
+    host memory for its all-gather and the next ``prefetch`` units' are read ahead (see
+    `headroom.residency._sharded_disk`); with host memory, FSDP2 copies from the store.
+
     Raises:
-        NotImplementedError: a `DiskStore` (not supported for sharded models yet).
         ValueError: ``compute_dtype`` (use FSDP2's ``MixedPrecisionPolicy``); ``blocks`` that
             are not ``fully_shard``ed modules of ``model``.
         RuntimeError: the model is offloaded already, is inside a forward or backward, or its
@@ -183,14 +194,6 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
 
     if sharded_state_of(model) is not None:
         raise RuntimeError("the model is already offloaded; call hr.unoffload() on it first")
-    if isinstance(store, DiskStore):
-        raise NotImplementedError(
-            "hr.offload of a fully_shard'ed model takes store='cpu' (each rank's local shards"
-            " in its host memory); a DiskStore is not supported for sharded models yet."
-            " For shards on disk, shard over more ranks or use hr.offload(...,"
-            " store=hr.DiskStore(path)) without fully_shard (with hr.data_parallel for several"
-            " ranks)"
-        )
     if compute_dtype is not None:
         raise ValueError(
             "compute_dtype is not used with a fully_shard'ed model: give fully_shard a"
@@ -236,10 +239,12 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
                 )
             info = fp._module_info
             prefix = f"{uname}." if uname else ""
-            pending.append((f"{prefix}{_local_name(m, info.module, info.param_name)}", fp))
+            pending.append((f"{prefix}{_local_name(m, info.module, info.param_name)}", fp, group))
+    if not st.holds_host_memory:
+        return _offload_to_disk(model, state, pending, prefetch)
     pin = is_accelerator(device)
     try:
-        for key, fp in pending:
+        for key, fp, _ in pending:
             state.handles[key] = st.put(key, fp._sharded_param_data.detach())
     except BaseException:
         for h in state.handles.values():
@@ -250,7 +255,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
     # with no record hr.unoffload could undo.
     model.__dict__[_ATTR] = state
     try:
-        for key, fp in pending:
+        for key, fp, _ in pending:
             _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
             state.params[key] = fp
     except BaseException:
@@ -258,6 +263,44 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
         for key, h in state.handles.items():
             if key not in state.params:
                 st.free(h)
+        raise
+    return model
+
+
+def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
+                     prefetch: int) -> nn.Module:
+    """The shards of ``pending`` into a store without host memory (see `_sharded_disk`)."""
+    disk = DiskShards(state.store, state.device, prefetch=prefetch)
+    try:
+        for key, fp, group in pending:
+            disk.put(key, fp, group)
+    except BaseException:
+        for sh in disk.shards.values():
+            state.store.free(sh.handle)
+        raise
+    # From here on nothing reads the disk: an interruption puts back what was moved (from
+    # the shards still in memory) and frees the store, as for host memory.
+    state.disk = disk
+    state.handles = {k: sh.handle for k, sh in disk.shards.items()}
+    model.__dict__[_ATTR] = state
+    try:
+        originals = {k: sh.fp._sharded_param_data for k, sh in disk.shards.items()}
+        for key, sh in disk.shards.items():
+            ph = placeholder(sh.fp)
+            _rest_in(sh.fp, ph, pin=False)
+            release(ph)
+            state.params[key] = sh.fp
+            disk.bind(sh)
+        disk.wrap_all()
+        disk.hook(model)
+    except BaseException:
+        disk.unwrap()
+        for key, fp in state.params.items():
+            unbind(fp.sharded_param)
+            _rest_back(fp, originals[key].to(state.device), state.device)
+        model.__dict__.pop(_ATTR, None)
+        for h in state.handles.values():
+            state.store.free(h)
         raise
     return model
 
@@ -295,20 +338,32 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
 def unoffload_sharded(model: nn.Module) -> nn.Module:
     """Undo `offload_sharded`: local shards back on the mesh's device, the store freed."""
     state = model.__dict__.pop(_ATTR)
+    if state.disk is not None:
+        state.disk.unwrap()
+        state.disk.drop_all()
+        for key, fp in state.params.items():
+            _rest_back(fp, state.disk.take_back(state.disk.shards[key]).to(state.device),
+                       state.device)
+        return model
     for key, fp in state.params.items():
-        flat = fp._sharded_param_data.to(state.device).clone()
-        fp.offload_to_cpu = False
-        fp.pin_memory = False
-        old = fp.sharded_param
-        shard_dim = fp.fsdp_placement.dim
-        length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
-        local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
-        grad = old.grad
-        fp._sharded_param_data = flat
-        new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
-        if grad is not None:
-            new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(state.device))
-        fp.sharded_param = new
-        fp._setattr_on_modules(new)
+        _rest_back(fp, fp._sharded_param_data.to(state.device).clone(), state.device)
         state.store.free(state.handles[key])
     return model
+
+
+def _rest_back(fp, flat: torch.Tensor, device: torch.device) -> None:
+    """Make ``flat`` (1-D, padded, on the mesh's device) the FSDPParam's shard, off the host
+    path."""
+    fp.offload_to_cpu = False
+    fp.pin_memory = False
+    old = fp.sharded_param
+    shard_dim = fp.fsdp_placement.dim
+    length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
+    local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
+    grad = old.grad
+    fp._sharded_param_data = flat
+    new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
+    if grad is not None:
+        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(device))
+    fp.sharded_param = new
+    fp._setattr_on_modules(new)

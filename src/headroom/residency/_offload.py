@@ -61,8 +61,9 @@ def offload(
     (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.
 
     A model whose blocks and root were sharded with FSDP2's ``fully_shard`` keeps each rank's
-    local shards in the store instead (``store="cpu"`` only; FSDP2 keeps its collectives and
-    copies each unit's shard to ``device`` before its all-gather; ``blocks`` are then
+    local shards in the store instead (FSDP2 keeps its collectives and copies each unit's shard
+    to ``device`` before its all-gather; with a `DiskStore` each unit's shards are read into
+    host memory for its all-gather, ``prefetch`` units ahead; ``blocks`` are then
     ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
 
     Args:
@@ -109,8 +110,9 @@ def offload(
     check_options(prefetch, compute_dtype)
     if _dtensor.check_sharded(model, "hr.offload"):
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
+        _install_optimizer_hook()  # torch.optim refused on shards on disk
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
-                                        compute_dtype=compute_dtype)
+                                        compute_dtype=compute_dtype, prefetch=prefetch)
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"
@@ -345,7 +347,8 @@ def _install_optimizer_hook() -> None:
                         " model.parameters() outside forward and backward"
                     )
                 # Headroom's own optimizers read parameters through their bindings.
-                if not own and isinstance(p, StoreTensor) and binding(p) is not None:
+                if not own and binding(p) is not None and (
+                        isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
                     raise RuntimeError(
                         f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
                         " their values are on disk, not in memory. Use"

@@ -100,7 +100,7 @@ def bind(
 
     Args:
         param: the parameter (usually an ``nn.Parameter``) as the user and optimizers see it.
-        handle: its master copy; shape must match ``param``.
+        handle: its master copy; shape must match ``param`` (a DTensor's local shard).
         grad_handle: where its gradient accumulates; same shape.
         store: the store; defaults to the store that issued ``handle``.
 
@@ -113,10 +113,12 @@ def bind(
     store = store if store is not None else handle.store
     if store is None:
         raise ValueError(f"handle {handle.key!r} has no store; pass store=")
+    # A DTensor (an FSDP2 shard) rests as its local shard.
+    local = param.to_local() if hasattr(param, "to_local") else param
     for h in (handle, grad_handle):
-        if h is not None and tuple(param.shape) != h.shape:
+        if h is not None and tuple(local.shape) != h.shape:
             raise ValueError(
-                f"shape mismatch binding {h.key!r}: parameter {tuple(param.shape)}, store {h.shape}"
+                f"shape mismatch binding {h.key!r}: parameter {tuple(local.shape)}, store {h.shape}"
             )
     b = ParamBinding(store=store, handle=handle, grad_handle=grad_handle)
     setattr(param, _ATTR, b)

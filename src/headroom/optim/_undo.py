@@ -51,6 +51,7 @@ class Txn:
         self._entries: dict[int, tuple] = {}
         self._after: list[Callable[[], None]] = []
         self._commit: list[Callable[[], None]] = []
+        self._exchanges: list[tuple[Any, Any, Any]] = []  # (store, handle, spare), pending
         self.unprotected = 0  # parameters updated in place without a kept copy
         self.stores: set = set()  # stores holding a write reservation for this step
 
@@ -89,6 +90,26 @@ class Txn:
         with self._lock:
             self._commit.append(fn)
 
+    def exchange(self, store: Any, handle: Any, spare: Any) -> None:
+        """When the step ends well, ``handle`` (a tensor the optimizer does not own) takes
+        the contents of ``spare``, which the step wrote instead, by `run_exchanges`."""
+        with self._lock:
+            self._exchanges.append((store, handle, spare))
+
+    def run_exchanges(self) -> None:
+        """Exchange every pending spare into place: one `Store.exchange` per store (a journal
+        record each), each recorded so that an undo exchanges it back. Runs once the step can
+        no longer be interrupted, before anything that cannot be undone."""
+        with self._lock:
+            todo, self._exchanges = self._exchanges, []
+        by_store: dict[int, tuple[Any, list]] = {}
+        for store, h, sp in todo:
+            by_store.setdefault(id(store), (store, []))[1].append((h, sp))
+        for store, pairs in by_store.values():
+            store.exchange(pairs)
+            with self._lock:
+                self._records.append(("call", lambda s=store, p=pairs: s.exchange(p)))
+
     def commit(self) -> None:
         """The step succeeded: run the commit actions (plain assignments), then `end`."""
         for fn in self._commit:
@@ -101,8 +122,14 @@ class Txn:
             self._after.append(fn)
 
     @property
+    def exchanging(self) -> bool:
+        """Whether spares wait to be exchanged into place (`run_exchanges`)."""
+        return bool(self._exchanges)
+
+    @property
     def empty(self) -> bool:
-        return not self._records and not self._entries and not self.unprotected
+        return (not self._records and not self._entries and not self.unprotected
+                and not self._exchanges)
 
     # ------------------------------------------------------------------ the end
     def undo(self) -> list[BaseException]:
@@ -110,7 +137,9 @@ class Txn:
         errors: list[BaseException] = []
         for rec in reversed(self._records):
             try:
-                if rec[0] == "ram":
+                if rec[0] == "call":
+                    rec[1]()
+                elif rec[0] == "ram":
                     _, t, rows, old = rec
                     if rows is None:
                         t.copy_(old)
@@ -145,11 +174,13 @@ class Txn:
             except BaseException as ex:  # noqa: BLE001 - as above
                 errors.append(ex)
         self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self._exchanges = []
         return errors
 
     def end(self) -> None:
         """The step is over (committed or undone): drop what was kept, end reservations."""
         self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self._exchanges = []
         self.unprotected = 0
         stores, self.stores = self.stores, set()
         for s in stores:

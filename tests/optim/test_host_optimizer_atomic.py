@@ -26,6 +26,7 @@ CONFIGS = {
     "disk-state": (False, True, False),
     "offloaded-disk-state": (True, True, False),
     "offloaded-disk-state-final": (True, True, True),
+    "offloaded-host-state": (True, False, False),
     "offloaded-host-state-final": (True, False, True),
 }
 

@@ -850,7 +850,8 @@ class DiskStore(Store):
             return done(None)
         if handle.key in self._scales:  # the other rows keep their scaled values
             self._write_out_scales([handle.key])
-        return self._submit_io(handle, "write", src, extents)
+        with self._lock:  # the file looked up and the write queued with no `exchange` between
+            return self._submit_io(handle, "write", src, extents)
 
     def reserve_writes(self, count: int) -> None:
         # Two records per write (begin and done), each at most this long for a write of one

@@ -17,10 +17,13 @@ import headroom as hr
 from tests.optim.test_host_optimizer_atomic import (
     _build,
     _check_against_reference,
+    _Inject,
     _iteration,
     _same,
+    _stores,
     _values,
     loss_fn,
+    make_model,
 )
 
 
@@ -177,3 +180,49 @@ def test_an_exchange_failing_in_the_second_store_exchanges_the_first_back(tmp_pa
     stores[1].exchange = orig
     opt2.step()  # the gradients were kept
     opt2.zero_grad()
+
+
+def _bf16_build(root: Path, disk_state: bool):
+    model = make_model().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store=hr.DiskStore(root / "p"))
+    state = hr.DiskStore(root / "s") if disk_state else "cpu"
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
+                           slice_bytes=32, lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def _bf16_iteration(model, opt, s: int) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model, s)
+    loss.float().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["raise", "write", "sigint"])
+@pytest.mark.parametrize("disk_state", [True, False])
+def test_bf16_parameters_on_disk_a_failure_at_every_slice_is_undone(tmp_path, disk_state, how):
+    """The bf16 value goes to a spare exchanged in, the fp32 master (state on disk) to a spare
+    swapped in: interrupted anywhere, both are as before, and the retry is exact."""
+    model, opt = _bf16_build(tmp_path / "a", disk_state)
+    ref, ref_opt = _bf16_build(tmp_path / "b", disk_state)
+    inject = _Inject(how)
+    inject.install(opt, _stores(model, opt))
+    _bf16_iteration(model, opt, 0)
+    _bf16_iteration(ref, ref_opt, 0)
+    positions = inject.count
+    assert positions >= 10
+    for at in range(0, positions, 3):  # every third position: the test stays fast
+        s = 1 + at
+        before = _values(model, opt)
+        inject.arm(at)
+        with pytest.raises((RuntimeError, OSError, KeyboardInterrupt)) as info:
+            _bf16_iteration(model, opt, s)
+        assert "undone" in "".join(getattr(info.value, "__notes__", [])), at
+        assert not _same(before, _values(model, opt)), at
+        opt.zero_grad()
+        _bf16_iteration(model, opt, s)
+        _bf16_iteration(ref, ref_opt, s)
+    assert not _same(_values(ref, ref_opt), _values(model, opt))

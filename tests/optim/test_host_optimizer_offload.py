@@ -134,8 +134,19 @@ def test_offloaded_overlap_updates_before_step(tmp_path, store):
     opt._wait()
     after = model.state_dict()
     moved = [not torch.equal(before[k], after[k]) for k in before]
-    assert all(moved), "offloaded parameters were not updated before step()"
+    if store == "cpu":
+        assert all(moved), "offloaded parameters were not updated before step()"
+    else:
+        # On disk the new values wait in spares, exchanged into place when step() ends:
+        # until then the model reads its parameters whole as before the step.
+        assert not any(moved)
+    runs = [0]
+    orig = opt._slicer._run
+    opt._slicer._run = lambda *a, **k: (runs.__setitem__(0, runs[0] + 1), orig(*a, **k))[1]
     opt.step()
+    assert runs[0] == 0, "step() stepped what backward had stepped already"
+    after = model.state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in before)
     opt.zero_grad()
     with opt.final_backward():
         loss_fn(model, 20).backward()

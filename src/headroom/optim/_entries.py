@@ -40,6 +40,7 @@ class Entry:
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
         "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
+        "xspare",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -68,6 +69,9 @@ class Entry:
         self.stepped = False  # it took the step in progress (during final_backward or step())
         self.undo: dict[str, tuple[Any, Handle]] = {}  # its undo tensors, see _undo.py
         self.spare: dict[str, Handle] = {}  # state tensors the next step writes, see _undo.py
+        # spares of the offloaded parameter's own tensors in its store ("p", "lp"), exchanged
+        # into place when a step ends
+        self.xspare: dict[str, tuple[Any, Handle]] = {}
         # A DTensor (FSDP2 shard) bound to a store: its master is the local shard there, its
         # gradient the local tensor of the DTensor FSDP2 leaves in param.grad.
         self.sharded = False

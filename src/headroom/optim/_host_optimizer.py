@@ -498,11 +498,19 @@ class HostOptimizer(torch.optim.Optimizer):
         if kept:
             for e, src in kept:
                 txn.entry(e)
-                if src.spare:
-                    txn.on_commit(lambda e=e, keys=tuple(src.spare): self._swap_spare(e, keys))
+                own = tuple(k for k in src.spare if k not in e.xspare)
+                if own:
+                    txn.on_commit(lambda e=e, keys=own: self._swap_spare(e, keys))
+                for name, (store, _) in e.xspare.items():
+                    if name in src.spare:
+                        h = src.master_handle if name == "p" else src.shadow[1]
+                        txn.exchange(store, h, src.spare[name])
             self._sliced_step(kept, hparams, txn)
-        if (ram or in_mem) and self._defer is not None and not early:
-            self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
+        if not early:
+            if (ram or in_mem or txn.exchanging) and self._defer is not None:
+                self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
+            # The offloaded parameters take their new values (before what cannot be undone).
+            txn.run_exchanges()
         if ram:
             txn.unprotected += len(ram)
             self._sliced_step(ram, hparams, None)
@@ -623,15 +631,32 @@ class HostOptimizer(torch.optim.Optimizer):
                 if disk is None:
                     continue  # the step keeps a copy of the slice in memory
                 where = disk
-            if where is store and name in src.state_handles and src.rows is None:
-                # Ours, and every row is written: new values go to a spare, swapped in at
-                # the end of the step (lazy Adam writes some rows only: it keeps old ones).
+            if where is store and src.rows is None and (
+                    name in src.state_handles or (name == "p" and e.lowp)):
+                # Ours (state, the fp32 master of a bf16 parameter), and every row is
+                # written: new values go to a spare, swapped in at the end of the step (lazy
+                # Adam writes some rows only: it keeps old ones).
                 sp = e.spare.get(name)
                 if sp is None or sp.key not in store or store.get(sp.key) is not sp:
                     # the two alternate between the state's key and the same key with "~"
                     other = h.key[:-1] if h.key.endswith("~") else h.key + "~"
                     sp = e.spare[name] = store.alloc(other, h.shape, h.dtype, zero=False)
                 spare[name] = sp
+                continue
+            if where is store and src.rows is None and store.can_exchange and \
+                    src.master is None:
+                # The offloaded parameter's own tensor ("p", "lp"), which its model reads
+                # through the same handle: new values go to a spare in its store, exchanged
+                # into place (contents, not handles) when the step ends.
+                key = f"{SCRATCH}{self._key_prefix}/spare/{e.index}/{name}"
+                x = e.xspare.get(name)
+                if x is None or x[0] is not store or key not in store or \
+                        store.get(key) is not x[1] or x[1].shape != h.shape or \
+                        x[1].dtype != h.dtype:
+                    if key in store:
+                        store.free(store.get(key))
+                    x = e.xspare[name] = (store, store.alloc_spare(h, key))
+                spare[name] = x[1]
                 continue
             key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
             u = e.undo.get(name)
@@ -647,10 +672,14 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _swap_spare(e: Entry, keys: tuple[str, ...]) -> None:
-        """The step ended: the spares hold the new state, the old state becomes the spare."""
+        """The step ended: the spares hold the new state (and master), the old ones become
+        the spares."""
         handles = dict(e.state_handles)
         for k in keys:
-            handles[k], e.spare[k] = e.spare[k], handles[k]
+            if k == "p":  # the fp32 master of a bf16/fp16 parameter
+                e.master_handle, e.spare[k] = e.spare[k], e.master_handle
+            else:
+                handles[k], e.spare[k] = e.spare[k], handles[k]
         e.state_handles = handles
 
     def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn) -> None:
@@ -666,16 +695,17 @@ class HostOptimizer(torch.optim.Optimizer):
                     if x is not None}.values())
                 raise StoreFullError(
                     f"HostOptimizer.step() needs room in {stores} for a second copy of what "
-                    "it updates (spare state tensors, and undo copies of the masters and of "
-                    f"offloaded parameters, kept until the step ends): {ex}. Nothing was "
-                    "updated; free space or raise max_bytes of the store, then call step() "
-                    "again") from ex
+                    "it updates (spares of the state and of offloaded parameters, and undo "
+                    f"copies of what rests in host memory, kept until the step ends): {ex}. "
+                    "Nothing was updated; free space or raise max_bytes of the store, then "
+                    "call step() again") from ex
             shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
             rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())
             slices = -(-max(rows, 1) // _rows_per_slice(shape, self._slicer.slice_bytes)) \
                 if shape else 1
-            # Each slice writes every tensor, its undo copy, and (undone) once more.
-            per = 3 * (len(src.state_handles) + 2) * slices
+            # Each slice writes every tensor, its undo copy, and (undone) once more; spares
+            # exchanged into place: a record, and one more to exchange them back.
+            per = 3 * (len(src.state_handles) + 2) * slices + 2
             for store in {src.state_store, src.master_store,
                           src.shadow[0] if src.shadow else None} - {None}:
                 old = writes.get(id(store), (store, 0))
@@ -906,6 +936,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._check_hparams()
                 # Entries stepped early are done; a bucket that never ran is stepped here.
                 self._step_entries([e for e in self._order if not e.stepped])
+                with self._tickets_lock:
+                    txn = self._txn
+                if txn is not None and txn.exchanging:  # all stepped early
+                    defer.arm()
+                    txn.run_exchanges()
             except _Kept as kept:
                 raise kept.exc from None
             except BaseException as exc:
@@ -1189,10 +1224,10 @@ class HostOptimizer(torch.optim.Optimizer):
         self._hooks = []
         for e in self._order:  # the undo tensors (scratch space in the stores), the spares
             spares = [(self._state_store, h) for h in e.spare.values()]
-            for store, h in [*e.undo.values(), *spares]:
+            for store, h in [*e.undo.values(), *spares, *e.xspare.values()]:
                 with contextlib.suppress(KeyError, RuntimeError, OSError):
                     store.free(h)
-            e.undo, e.spare = {}, {}
+            e.undo, e.spare, e.xspare = {}, {}, {}
         self._overlap.close()
         if self._mover is not None:
             self._mover.close()  # lands what is in flight, gives the staging back

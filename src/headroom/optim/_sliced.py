@@ -103,8 +103,9 @@ class SlicedParam:
     # Undo tensors (same store, shape and dtype) of what rests on disk: "p" (master), the
     # state keys, "lp" (the low-precision value). See [Note: all-or-nothing step].
     undo: dict[str, tuple[Store, Handle]] = field(default_factory=dict)
-    # State keys whose new values go to a second tensor of the state store instead of over
-    # the old ones (the two swap when the step ends): nothing to keep, no extra write.
+    # Tensors whose new values go to a second tensor of the same store instead of over the
+    # old ones (the two swap when the step ends): nothing to keep, no extra write. State keys,
+    # and "p" / "lp" (the master / the low-precision value) where the store can exchange.
     spare: dict[str, Handle] = field(default_factory=dict)
 
 
@@ -219,7 +220,7 @@ class SliceRunner:
                     key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
                     for key, h in src.state_handles.items()
                 }
-                if txn is not None and src.shadow is not None:
+                if txn is not None and src.shadow is not None and "lp" not in src.spare:
                     # the low-precision value about to be overwritten, kept for an undo
                     got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
             if txn is not None:
@@ -301,7 +302,9 @@ class SliceRunner:
             # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
             if fresh or not _is_in_place(cur["p"]):
-                writes.append(src.master_store.write_rows(src.master_handle, rows, work))
+                writes.append(src.master_store.write_rows(
+                    src.master_handle if fresh else src.spare.get("p", src.master_handle),
+                    rows, work))
             elif src.rows is not None and src.master is not None:
                 src.master.index_copy_(0, rows, work)
             if src.shadow is not None:
@@ -310,7 +313,8 @@ class SliceRunner:
                 if host is not None:
                     host[rows].copy_(work)  # rounded as .to() rounds, with no temporary
                 else:
-                    writes.append(sh_store.write_rows(sh_handle, rows, work.to(sh_handle.dtype)))
+                    writes.append(sh_store.write_rows(src.spare.get("lp", sh_handle), rows,
+                                                      work.to(sh_handle.dtype)))
             results[k] = {key: state[key] for key in state if key not in src.state_handles}
         for ws in pending_writes:
             for f in ws:
@@ -355,13 +359,14 @@ class SliceRunner:
                             (store, handle, rows, undo), ram))
 
         fresh = src.shadow is not None and not src.initialized
-        if not fresh:  # (a master made from the low-precision value is new: nothing to keep)
+        # (a master made from the low-precision value is new: nothing to keep)
+        if not fresh and "p" not in src.spare:
             keep(cur["p"], src.master, src.master_store, src.master_handle, "p")
         if src.initialized:
             for key, h in src.state_handles.items():
                 if key not in src.spare:
                     keep(cur["s"][key], None, src.state_store, h, key)
-        if src.shadow is not None:
+        if src.shadow is not None and "lp" not in src.spare:
             keep(cur["p"] if fresh else cur["lp"], None, *src.shadow, "lp")
         return pending
 
@@ -395,11 +400,11 @@ class SliceRunner:
             work = (src.master if src.master is not None
                     else src.master_store.read(src.master_handle).result())
         if txn is not None:  # one element each: kept in memory
-            if src.shadow is not None:
+            if src.shadow is not None and "lp" not in src.spare:
                 txn.stored_copy(*src.shadow, None, src.shadow[0].read(src.shadow[1]).result())
             if not fresh and src.master is not None:
                 txn.ram(src.master, None, src.master.clone())
-            elif not fresh:
+            elif not fresh and "p" not in src.spare:
                 txn.stored_copy(src.master_store, src.master_handle, None, work.clone())
             if src.initialized:
                 for key, h in src.state_handles.items():
@@ -416,9 +421,12 @@ class SliceRunner:
         for k, h in src.state_handles.items():
             src.state_store.write(src.spare.get(k, h), state[k].contiguous()).result()
         if src.master is None:
-            src.master_store.write(src.master_handle, work).result()
+            src.master_store.write(
+                src.master_handle if fresh else src.spare.get("p", src.master_handle),
+                work).result()
         if src.shadow is not None:
-            src.shadow[0].write(src.shadow[1], work.to(src.shadow[1].dtype)).result()
+            src.shadow[0].write(src.spare.get("lp", src.shadow[1]),
+                                work.to(src.shadow[1].dtype)).result()
         return {k: state[k] for k in state if k not in src.state_handles}
 
     def _load(

@@ -2,18 +2,26 @@
 
 [Note: all-or-nothing step]
 A `HostOptimizer` step updates many tensors: masters in memory, state and masters in stores,
-one slice at a time. State that rests on disk is not overwritten: each state tensor has a spare
-of the same shape in the state store; the step reads the current one, writes the spare, and the
-two swap when the step ends (an undo then has nothing to put back, and the step does no more
-I/O than an in-place one). Before a slice of any other tensor is overwritten, its old values
-are kept: a copy in host memory for tensors that rest in host memory, or written to an undo
-tensor of their own (a scratch key, see [Note: scratch keys]) in the tensor's store for tensors
-that rest on disk (the parameters of a model offloaded to a `DiskStore`), so a step over a
-`DiskStore` holds no second copy of the state in memory. The new values of a slice go out only
-once its old values are kept. When anything inside the step raises, every kept slice is written
-back (newest first) and the per-parameter scalars (step counts) are restored: parameters and
-state are then exactly as before the step, and the gradients are still there, so calling
-``step()`` again redoes it. When the step ends, what was kept is dropped.
+one slice at a time. What rests on disk is not overwritten: each such tensor has a spare of the
+same shape in its store; the step reads the current one, writes the spare, and the two trade
+places when the step ends, so an undo has nothing to put back and the step does no more I/O
+than an in-place one. The optimizer's own tensors (state, the fp32 master of a bf16 parameter)
+swap handles; a parameter offloaded to a `DiskStore` (its fp32 value or its bf16 value), whose
+handle the model reads, swaps contents with its spare (`Store.exchange`: an index change, one
+journal record per store, so a store reopened after ``kill -9`` has every parameter of the step
+old or every one new). The exchanges run once the step cannot be interrupted any more (Ctrl-C
+held back) and before anything that cannot be undone; one that fails is exchanged back. Until
+then the model reads the old values whole, also while steps run during ``final_backward``.
+Before a slice of any other tensor is overwritten (host memory, or rows of a row-sparse step),
+its old values are kept: a copy in host memory, or, when a disk takes part, written to an undo
+tensor of their own (a scratch key, see [Note: scratch keys]) on that disk, so a step over a
+`DiskStore` holds no second copy of the state in memory. (Updating state in host memory after
+the parameters instead, by running the kernel again, would read as many bytes as the undo
+copies write, and a failed read then could not be undone.) The new values of a slice go out
+only once its old values are kept. When anything inside the step raises, every kept slice is
+written back (newest first) and the per-parameter scalars (step counts) are restored:
+parameters and state are then exactly as before the step, and the gradients are still there,
+so calling ``step()`` again redoes it. When the step ends, what was kept is dropped.
 
 What a step updates without touching a disk is not copied: tensors stepped whole in host
 memory by the wrapped optimizer (state in host memory), and sliced steps whose master, state
@@ -51,6 +59,7 @@ class Txn:
         self._entries: dict[int, tuple] = {}
         self._after: list[Callable[[], None]] = []
         self._commit: list[Callable[[], None]] = []
+        self._exchanges: list[tuple[Any, Any, Any]] = []  # (store, handle, spare), pending
         self.unprotected = 0  # parameters updated in place without a kept copy
         self.stores: set = set()  # stores holding a write reservation for this step
 
@@ -89,6 +98,26 @@ class Txn:
         with self._lock:
             self._commit.append(fn)
 
+    def exchange(self, store: Any, handle: Any, spare: Any) -> None:
+        """When the step ends well, ``handle`` (a tensor the optimizer does not own) takes
+        the contents of ``spare``, which the step wrote instead, by `run_exchanges`."""
+        with self._lock:
+            self._exchanges.append((store, handle, spare))
+
+    def run_exchanges(self) -> None:
+        """Exchange every pending spare into place: one `Store.exchange` per store (a journal
+        record each), each recorded so that an undo exchanges it back. Runs once the step can
+        no longer be interrupted, before anything that cannot be undone."""
+        with self._lock:
+            todo, self._exchanges = self._exchanges, []
+        by_store: dict[int, tuple[Any, list]] = {}
+        for store, h, sp in todo:
+            by_store.setdefault(id(store), (store, []))[1].append((h, sp))
+        for store, pairs in by_store.values():
+            store.exchange(pairs)
+            with self._lock:
+                self._records.append(("call", lambda s=store, p=pairs: s.exchange(p)))
+
     def commit(self) -> None:
         """The step succeeded: run the commit actions (plain assignments), then `end`."""
         for fn in self._commit:
@@ -101,8 +130,14 @@ class Txn:
             self._after.append(fn)
 
     @property
+    def exchanging(self) -> bool:
+        """Whether spares wait to be exchanged into place (`run_exchanges`)."""
+        return bool(self._exchanges)
+
+    @property
     def empty(self) -> bool:
-        return not self._records and not self._entries and not self.unprotected
+        return (not self._records and not self._entries and not self.unprotected
+                and not self._exchanges)
 
     # ------------------------------------------------------------------ the end
     def undo(self) -> list[BaseException]:
@@ -110,7 +145,9 @@ class Txn:
         errors: list[BaseException] = []
         for rec in reversed(self._records):
             try:
-                if rec[0] == "ram":
+                if rec[0] == "call":
+                    rec[1]()
+                elif rec[0] == "ram":
                     _, t, rows, old = rec
                     if rows is None:
                         t.copy_(old)
@@ -145,11 +182,13 @@ class Txn:
             except BaseException as ex:  # noqa: BLE001 - as above
                 errors.append(ex)
         self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self._exchanges = []
         return errors
 
     def end(self) -> None:
         """The step is over (committed or undone): drop what was kept, end reservations."""
         self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self._exchanges = []
         self.unprotected = 0
         stores, self.stores = self.stores, set()
         for s in stores:

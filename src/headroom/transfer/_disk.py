@@ -364,6 +364,9 @@ class DiskStore(Store):
         # key -> in-place scalings not yet written (see `scale_`), applied in order
         self._scales: dict[str, list[tuple[Callable, object]]] = {}
         self._unsynced: set[str] = set()
+        # Scratch keys written with checksums and journal records all the same: spares that
+        # become a tensor's bytes by `exchange` (see `alloc_spare`).
+        self._checked: set[str] = set()
         self.page_cache = page_cache
         self.verify_reads = (not page_cache) if verify_reads is None else verify_reads
         self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0,
@@ -568,7 +571,7 @@ class DiskStore(Store):
         # finish is then still recognised as complete or torn when the store reopens.
         self._busy("write", 1)
         n = 0
-        if key.startswith(SCRATCH) and not self.verify_reads:
+        if key.startswith(SCRATCH) and not self.verify_reads and key not in self._checked:
             # Scratch bytes are dropped unchecked when the store reopens, and nothing reads
             # them back verified: a checksum and two journal records would buy nothing.
             # See [Note: scratch keys].
@@ -640,6 +643,11 @@ class DiskStore(Store):
     def alloc(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *, zero: bool = True
     ) -> Handle:
+        return self._alloc(key, shape, dtype, key)
+
+    def _alloc(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, named: str
+               ) -> Handle:
+        """Allocate ``key`` in a file named after ``named``."""
         self._own()
         handle = Handle.of(key, shape, dtype, self)
         dname = str(dtype).removeprefix("torch.")
@@ -653,7 +661,7 @@ class DiskStore(Store):
             )
         self._reserve(handle)
         try:
-            name = self._ledger.alloc(key, re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:80],
+            name = self._ledger.alloc(key, re.sub(r"[^A-Za-z0-9_.-]", "_", named)[:80],
                                       handle.shape, dname)
         except OSError as e:
             self._release(handle)
@@ -683,8 +691,71 @@ class DiskStore(Store):
                     f"{path} appeared in the folder of {self!r} while it was open; something"
                     " else writes there. Give the store a folder of its own") from e
             raise self._io_error(e, path) from e
-        del zero  # fallocated blocks are already zero-filled
-        return handle
+        return handle  # fallocated blocks are already zero-filled
+
+    can_exchange = True
+
+    def alloc_spare(self, handle: Handle, key: str) -> Handle:
+        """A tensor under ``key`` of ``handle``'s shape and dtype, to be exchanged with it
+        (`exchange`). A scratch ``key`` (see [Note: scratch keys]) is dropped on reopen, as
+        any scratch key, but written with checksums and journal records like ``handle``: the
+        bytes it holds may become ``handle``'s.
+
+        Raises:
+            StoreFullError: the budget or the disk cannot hold it.
+        """
+        self._check(handle)
+        # its file named after ``handle``: exchanged, it holds that tensor's bytes
+        h = self._alloc(key, handle.shape, handle.dtype, handle.key)
+        with self._lock:
+            self._checked.add(key)
+        return h
+
+    def exchange(self, pairs: list[tuple[Handle, Handle]]) -> None:
+        """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype), all
+        pairs at once: afterwards ``a`` reads what ``b`` held and ``b`` what ``a`` held, for
+        every holder of either handle. Only the index changes (files and checksums trade
+        places), no byte is copied.
+
+        Operations on those tensors issued before finish first (reads see the old bytes);
+        issue none from another thread while it runs. One journal record: a store reopened
+        after ``kill -9`` sees every pair exchanged or none; after a power loss, as of the
+        last `flush`.
+
+        Raises:
+            KeyError: a handle is not in this store.
+            ValueError: a pair of different shapes or dtypes, or a tensor in two pairs.
+            StoreFullError: the journal record could not be written (nothing was exchanged).
+        """
+        self._own()
+        pairs = list(pairs)
+        for a, b in pairs:
+            self._check(a)
+            self._check(b)
+            if (a.shape, a.dtype) != (b.shape, b.dtype) or a.key == b.key:
+                raise ValueError(
+                    f"DiskStore.exchange needs two tensors of one shape and dtype, got {a} and"
+                    f" {b}")
+        keys = [k for a, b in pairs for k in (a.key, b.key)]
+        if len(set(keys)) != len(keys):
+            raise ValueError("DiskStore.exchange: a tensor is in more than one pair")
+        while True:
+            with self._lock:
+                prev = [f for k in keys if (f := self._pending.get(k)) is not None]
+                if not prev:
+                    try:
+                        self._ledger.exchange([(a.key, b.key) for a, b in pairs])
+                    except OSError as e:
+                        raise self._io_error(e, str(self.path)) from e
+                    for a, b in pairs:  # deferred scalings go with the bytes they scale
+                        sa, sb = self._scales.pop(a.key, None), self._scales.pop(b.key, None)
+                        if sb is not None:
+                            self._scales[a.key] = sb
+                        if sa is not None:
+                            self._scales[b.key] = sa
+                    return
+            for f in prev:
+                f.exception()  # wait; its error went to its own caller
 
     def read(self, handle: Handle, out: torch.Tensor | None = None) -> Future:
         out = self._out(handle, out, handle.shape)
@@ -779,7 +850,8 @@ class DiskStore(Store):
             return done(None)
         if handle.key in self._scales:  # the other rows keep their scaled values
             self._write_out_scales([handle.key])
-        return self._submit_io(handle, "write", src, extents)
+        with self._lock:  # the file looked up and the write queued with no `exchange` between
+            return self._submit_io(handle, "write", src, extents)
 
     def reserve_writes(self, count: int) -> None:
         # Two records per write (begin and done), each at most this long for a write of one
@@ -819,6 +891,7 @@ class DiskStore(Store):
             self._scales.pop(handle.key, None)
             name = self._ledger.entries[handle.key]["file"]
             self._ledger.free(handle.key)  # journaled before the file goes
+            self._checked.discard(handle.key)
             self._release(handle)
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             os.unlink(os.path.join(self.path, name))

@@ -5,7 +5,8 @@ The folder's metadata is ``index.json`` (a snapshot: tensors, files, checksum se
 writes in flight, the sequence number it includes, whether the session that wrote it closed)
 plus ``journal.jsonl`` (records after that snapshot, one per line: ``<crc32c hex> <json>``,
 each with the next sequence number). The store journals an ``alloc`` before creating the file,
-a ``free`` before unlinking it, and each write twice: ``w`` with the CRC of every extent before
+a ``free`` before unlinking it, an ``x`` when tensors exchange files (`DiskStore.exchange`, one
+record for all pairs), and each write twice: ``w`` with the CRC of every extent before
 the first byte goes out, ``d`` (done: ``ok``, ``none`` written, or ``bad`` = failed part-way)
 after the last. Reopening replays the journal over the snapshot; a ``w`` without its ``d`` is a
 write the process did not finish, checked against the file (new bytes, old bytes, or torn).
@@ -269,6 +270,10 @@ def _keep_size_fallocate(fd: int, offset: int, length: int) -> None:
 def _scratch(rec: dict) -> bool:
     """Whether a journal record changes a scratch key (``"d"`` records, which end a write,
     count with the write they end)."""
+    if rec.get("op") == "x":
+        pairs = rec.get("pairs")
+        return isinstance(pairs, list) and all(
+            str(k).startswith(SCRATCH) for p in pairs if isinstance(p, list) for k in p)
     return str(rec.get("k", "")).startswith(SCRATCH)
 
 
@@ -384,7 +389,7 @@ class Ledger:
         clean = bool(data.get("clean", True)) if data is not None else True
         self.was_clean = clean and not replayed and not self.inflight
         self.had_writes = bool(data.get("dirty", False)) if data is not None else False
-        self.had_writes |= any(r["op"] in ("alloc", "free", "w") and not _scratch(r)
+        self.had_writes |= any(r["op"] in ("alloc", "free", "w", "x") and not _scratch(r)
                                for r in replayed)
 
     def _load_index(self, data: dict) -> None:
@@ -483,6 +488,8 @@ class Ledger:
             # A write whose end was never journaled (the record failed) dies with its file.
             for rid in [r for r, w in self.inflight.items() if w["k"] == rec["k"]]:
                 del self.inflight[rid]
+        elif op == "x":
+            self._exchange(rec["pairs"])
         elif op == "w":
             self.inflight[rec["s"]] = _write_record(rec)
         elif op == "d":
@@ -493,6 +500,31 @@ class Ledger:
                 self._settle(w, rec["r"])
         else:
             raise ValueError(f"unknown operation {op!r}")
+
+    def _exchange(self, pairs, *, apply: bool = True) -> None:
+        """Swap the files (and their checksums) of each pair of keys: each key then names the
+        bytes the other one named. Checked whole before anything changes."""
+        if not isinstance(pairs, list):
+            raise TypeError(f"exchanged pairs {pairs!r} are not a list")
+        seen: set[str] = set()
+        for p in pairs:
+            if not isinstance(p, list) or len(p) != 2 or not all(isinstance(k, str) for k in p):
+                raise ValueError(f"exchanged pair {p!r}")
+            a, b = (self.entries[k] for k in p)
+            if (a["shape"], a["dtype"]) != (b["shape"], b["dtype"]) or p[0] == p[1] \
+                    or seen & set(p):
+                raise ValueError(f"exchanged pair {p!r}: not two tensors of one shape and dtype")
+            seen.update(p)
+        if not apply:
+            return
+        for ka, kb in pairs:
+            a, b = self.entries[ka], self.entries[kb]
+            for f in ("file", "segments"):
+                a[f], b[f] = b[f], a[f]
+            # A write whose end is not journaled went to a file, not to a name.
+            for w in self.inflight.values():
+                if w["k"] in (ka, kb):
+                    w["k"] = kb if w["k"] == ka else ka
 
     def _settle(self, w: dict, result: str) -> None:
         e = self.entries.get(w["k"])
@@ -541,6 +573,15 @@ class Ledger:
             rec = {"op": "free", "k": key}
             self._append(rec)
             self._apply(rec)
+
+    def exchange(self, pairs: list[tuple[str, str]]) -> None:
+        """Journal and apply an exchange of the files of each pair of keys (one record: a
+        reopen sees all of them or none)."""
+        with self.lock:
+            rec = {"op": "x", "pairs": [[a, b] for a, b in pairs]}
+            self._exchange(rec["pairs"], apply=False)  # checked before it is journaled
+            self._append(rec)
+            self._exchange(rec["pairs"])
 
     def begin_write(self, key: str, extents: list[list]) -> int:
         """Journal a write about to start: ``[file offset, length, crc or None]`` each."""

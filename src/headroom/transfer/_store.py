@@ -209,6 +209,29 @@ class Store(abc.ABC):
     def free(self, handle: Handle) -> None:
         """Forget the tensor and give its space back."""
 
+    #: Whether `exchange` is supported: a store whose tensors are not host memory handed out
+    #: zero-copy, where two tensors can swap contents by a change of metadata.
+    can_exchange: bool = False
+
+    def alloc_spare(self, handle: Handle, key: str) -> Handle:
+        """A tensor under ``key`` of ``handle``'s shape and dtype, meant to be exchanged with
+        it (`exchange`); contents undefined. Only where `can_exchange`.
+
+        Raises:
+            NotImplementedError: this store cannot exchange tensors.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot exchange tensors")
+
+    def exchange(self, pairs: list[tuple[Handle, Handle]]) -> None:
+        """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype), all
+        pairs at once and in O(1) per pair: afterwards ``a`` reads what ``b`` held and ``b``
+        what ``a`` held, for every holder of either handle. Only where `can_exchange`.
+
+        Raises:
+            NotImplementedError: this store cannot exchange tensors.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot exchange tensors")
+
     def reserve(self, sizes) -> None:  # noqa: B027 - optional hook
         """A hint: tensors of these byte sizes are about to be allocated (a pinned host store
         then carves them from one slab sized to fit)."""

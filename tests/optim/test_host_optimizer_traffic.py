@@ -1,0 +1,228 @@
+"""What a HostOptimizer step moves through a DiskStore: each tensor read once and written once,
+no undo copy of the offloaded parameters (their new values go to spares exchanged into place
+when the step ends), and a failure or Ctrl-C at the exchange is undone or completes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import headroom as hr
+from tests.optim.test_host_optimizer_atomic import (
+    _build,
+    _check_against_reference,
+    _Inject,
+    _iteration,
+    _same,
+    _stores,
+    _values,
+    loss_fn,
+    make_model,
+)
+
+
+def _traffic(root: Path, *, disk_state: bool, dtype: torch.dtype, final: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 16)).to(dtype)
+    P = sum(p.numel() * 4 for p in model.parameters())  # fp32 bytes of the parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # device=cpu: mechanics only
+        pstore = hr.DiskStore(root / "p")
+        hr.offload(model, device="cpu", store=pstore)
+    state = hr.DiskStore(root / "s") if disk_state else "cpu"
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
+                           slice_bytes=1024, bucket_bytes=4096, lr=1e-2)
+    stores = [pstore] + ([state] if disk_state else [])
+    got = []
+    for i in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i)).to(dtype)
+        if final:
+            # Forward and backward read the parameters once each and backward writes the
+            # fp32 gradients: counted apart.
+            stats = [s.stats() for s in stores]
+            with opt.final_backward():
+                model(x).float().pow(2).mean().backward()
+            grads = P
+            reads = 2 * P * dtype.itemsize // 4
+        else:
+            model(x).float().pow(2).mean().backward()
+            stats = [s.stats() for s in stores]
+            grads = reads = 0
+        opt.step()
+        opt.zero_grad()
+        now = [s.stats() for s in stores]
+        r = sum(b["bytes_read"] - a["bytes_read"] for a, b in zip(stats, now, strict=True))
+        w = sum(b["bytes_written"] - a["bytes_written"] for a, b in zip(stats, now, strict=True))
+        got.append(((r - reads) / P, (w - grads) / P))
+    opt.close()
+    return got
+
+
+# (state on disk, dtype): (reads, writes) per step in units of the parameters' fp32 bytes P.
+# fp32 with state on disk: master, gradient, exp_avg, exp_avg_sq read once; master and state
+# written once each (the master to its spare). State in host memory: the master read and
+# written, the gradient read, the two state tensors kept for an undo on the parameters' disk
+# (2P). bf16: the fp32 master rests with the state, the bf16 value (P/2) is written only.
+WANT = {
+    (True, torch.float32): (4.0, 3.0),
+    (False, torch.float32): (2.0, 3.0),
+    (True, torch.bfloat16): (4.0, 3.5),
+    (False, torch.bfloat16): (1.0, 3.5),
+}
+
+
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize(("disk_state", "dtype"), list(WANT))
+def test_each_step_reads_and_writes_each_tensor_once(tmp_path, disk_state, dtype, final):
+    got = _traffic(tmp_path, disk_state=disk_state, dtype=dtype, final=final)
+    # From the second step on (the first creates the state: nothing to read, nothing kept)
+    # and without an undo copy of the parameter: 1P (fp32) or 1.5P (bf16) less written
+    # than an undo copy before each overwrite.
+    assert got[1] == got[2] == pytest.approx(WANT[disk_state, dtype], abs=1e-9), got
+
+
+def test_model_reads_the_old_parameters_until_the_step_ends(tmp_path):
+    model, opt, _ = _build("offloaded-disk-state", tmp_path)
+    _iteration(model, opt, 0, False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with opt.final_backward():
+        loss_fn(model, 1).backward()
+    opt._wait()  # every parameter stepped on the worker
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    opt.step()
+    assert all(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("config", ["offloaded-disk-state", "offloaded-host-state",
+                                    "offloaded-disk-state-final"])
+def test_a_failed_exchange_is_undone_and_the_retry_is_exact(tmp_path, config):
+    model, opt, final = _build(config, tmp_path)
+    _iteration(model, opt, 0, final)
+    store = next(e.bound.store for e in opt._order)
+    orig = store.exchange
+    calls = []
+
+    def failing(pairs):
+        calls.append(len(pairs))
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error (injected)")
+        return orig(pairs)
+
+    store.exchange = failing
+    before = _values(model, opt)
+    with pytest.raises(OSError, match="injected") as info:
+        _iteration(model, opt, 1, final)
+    assert "undone" in "".join(info.value.__notes__)
+    assert not _same(before, _values(model, opt))
+    assert calls == [7]  # every parameter in one exchange
+    opt.zero_grad()
+    _iteration(model, opt, 1, final)
+    _iteration(model, opt, 2, final)
+    _check_against_reference(model, opt, 3)
+
+
+def test_ctrl_c_at_the_exchange_completes_the_step(tmp_path):
+    model, opt, final = _build("offloaded-disk-state", tmp_path)
+    _iteration(model, opt, 0, final)
+    store = next(e.bound.store for e in opt._order)
+    orig = store.exchange
+
+    def interrupted(pairs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the exchange runs
+        return orig(pairs)
+
+    store.exchange = interrupted
+    loss_fn(model, 1).backward()
+    with pytest.raises(KeyboardInterrupt) as info:
+        opt.step()
+    assert "the step completed" in "".join(info.value.__notes__)
+    store.exchange = orig
+    opt.zero_grad()
+    _iteration(model, opt, 2, final)
+    _check_against_reference(model, opt, 3)
+
+
+def test_an_exchange_failing_in_the_second_store_exchanges_the_first_back(tmp_path):
+    """Parameters offloaded to two DiskStores: the first store's exchange is put back."""
+    model, opt, _ = _build("offloaded-disk-state", tmp_path)
+    head = hr.DiskStore(Path(tempfile.mkdtemp(dir=tmp_path)) / "head")
+    model2 = type(model)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model2, device="cpu", store=head)
+    opt2 = hr.HostOptimizer([*model.parameters(), *model2.parameters()], torch.optim.AdamW,
+                            state_store="cpu", slice_bytes=64, lr=1e-2)
+    opt.close()
+
+    def it(s):
+        (loss_fn(model, s) + loss_fn(model2, s)).backward()
+        opt2.step()
+        opt2.zero_grad()
+
+    it(0)
+    stores = list({id(e.bound.store): e.bound.store for e in opt2._order}.values())
+    assert len(stores) == 2
+    orig = stores[1].exchange
+    stores[1].exchange = lambda pairs: (_ for _ in ()).throw(OSError(5, "injected"))
+    before = _values(model, opt2) | {f"2/{k}": v for k, v in _values(model2, opt2).items()}
+    with pytest.raises(OSError, match="injected") as info:
+        it(1)
+    assert "undone" in "".join(info.value.__notes__)
+    after = _values(model, opt2) | {f"2/{k}": v for k, v in _values(model2, opt2).items()}
+    assert not _same(before, after)
+    stores[1].exchange = orig
+    opt2.step()  # the gradients were kept
+    opt2.zero_grad()
+
+
+def _bf16_build(root: Path, disk_state: bool):
+    model = make_model().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store=hr.DiskStore(root / "p"))
+    state = hr.DiskStore(root / "s") if disk_state else "cpu"
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
+                           slice_bytes=32, lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def _bf16_iteration(model, opt, s: int) -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model, s)
+    loss.float().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["raise", "write", "sigint"])
+@pytest.mark.parametrize("disk_state", [True, False])
+def test_bf16_parameters_on_disk_a_failure_at_every_slice_is_undone(tmp_path, disk_state, how):
+    """The bf16 value goes to a spare exchanged in, the fp32 master (state on disk) to a spare
+    swapped in: interrupted anywhere, both are as before, and the retry is exact."""
+    model, opt = _bf16_build(tmp_path / "a", disk_state)
+    ref, ref_opt = _bf16_build(tmp_path / "b", disk_state)
+    inject = _Inject(how)
+    inject.install(opt, _stores(model, opt))
+    _bf16_iteration(model, opt, 0)
+    _bf16_iteration(ref, ref_opt, 0)
+    positions = inject.count
+    assert positions >= 10
+    for at in range(0, positions, 3):  # every third position: the test stays fast
+        s = 1 + at
+        before = _values(model, opt)
+        inject.arm(at)
+        with pytest.raises((RuntimeError, OSError, KeyboardInterrupt)) as info:
+            _bf16_iteration(model, opt, s)
+        assert "undone" in "".join(getattr(info.value, "__notes__", [])), at
+        assert not _same(before, _values(model, opt)), at
+        opt.zero_grad()
+        _bf16_iteration(model, opt, s)
+        _bf16_iteration(ref, ref_opt, s)
+    assert not _same(_values(ref, ref_opt), _values(model, opt))

@@ -521,12 +521,13 @@ def failures(rank: int, world: int, tmp: str) -> dict:
         F.cross_entropy(m(x), y).backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
         if m is model:
-            # 3. In the step, at the 3rd write of a shard to the disk (two shards already
-            # hold their new values): the step is undone; then step() again.
+            # 3. In the step, at the 3rd write of a shard's new values to the disk (to the
+            # spare exchanged into place when the step ends; two shards already written): the
+            # step is undone; then step() again.
             write_rows, calls = state.store.write_rows, []
 
             def failing_write_rows(handle, rows, src, write_rows=write_rows, calls=calls):
-                calls.append(handle.key in state.handles)
+                calls.append(handle.key in state.handles or "/spare/" in handle.key)
                 if sum(calls) == 3:
                     raise OSError(5, "injected I/O error")
                 return write_rows(handle, rows, src)

@@ -459,9 +459,9 @@ class ShardedDryRun:
             piece = out.narrow(0, off, n).view(s.master.shape)
             off += n
             if unit.host and self.accelerated:
-                host = self.places.on_host(torch.empty(s.master.shape, dtype=orig,
-                                                       device="meta"))
-                with torch.no_grad():
+                # made as host memory before the tracker sees it
+                with self.places.host_code(), torch.no_grad():
+                    host = torch.empty(s.master.shape, dtype=orig, device="meta")
                     host.copy_(piece)
                 self.link_bytes += host.numel() * host.element_size()
                 piece = host

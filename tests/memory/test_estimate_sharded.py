@@ -101,3 +101,25 @@ def test_bad_mesh_and_options():
         hr.offload(model, device="cpu", store="cpu")
     with pytest.raises(ValueError, match="fully_shard cannot wrap a model under hr.offload"):
         hr.estimate(model, (torch.randn(4, 64),), world_size=2)
+
+
+def test_plan_per_rank_offloads_the_shards_when_the_budget_needs_it():
+    x = (torch.randn(4, 256),)
+    host_opt = HostOptimizerOptions(torch.optim.AdamW, {}, "cpu", False, 1 << 20, 32 << 20)
+    dev = hr.estimate(Net(256), x, device="cuda", world_size=2, optimizer=torch.optim.AdamW)
+    host = hr.estimate(Net(256), x, device="cuda", world_size=2, optimizer=host_opt,
+                       offload={"store": "cpu"})
+    assert host.peak_reserved < dev.peak_reserved
+    p = hr.plan(Net(256), x, budget=(dev.peak_reserved + host.peak_reserved) // 2,
+                device="cuda", world_size=2)
+    assert p.world_size == 2 and p.choice.params == p.choice.optimizer_state == "host"
+    assert p.peak == host.peak_reserved  # the dry run of the chosen plan, the estimate's
+    assert "each of 2 ranks" in str(p) and "each rank's shards in host memory" in str(p)
+    assert "fully_shard(model, mesh=mesh)" in p.code()
+    # no stores on disk for shards, and none on the device for the state of host shards
+    assert all(c.params in ("device", "host") and c.params == c.optimizer_state
+               for c, _, _ in p.candidates)
+    with pytest.raises(RuntimeError, match="over 2 ranks .* not initialized"):
+        p.apply(Net(256))
+    with pytest.raises(ValueError, match="world_size must be"):
+        hr.plan(Net(), x, budget="1GiB", device="cuda", world_size=0)

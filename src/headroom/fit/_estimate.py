@@ -257,6 +257,15 @@ def estimate(
             options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`), ``prefetch``,
             ``blocks`` (qualified names), ``compute_dtype``, and ``module`` (the qualified name
             of the submodule offloaded; default the model). For a model not offloaded yet.
+            With ``world_size``: ``{"store": "cpu"}`` (optionally ``blocks``), each rank's
+            shards in its host memory, as `hr.offload` of a ``fully_shard``ed model.
+        world_size: what-if: one rank's step of FSDP2 over this many ranks, ``fully_shard``
+            applied to each block (found as `hr.offload` finds them) and then to the root,
+            with FSDP2's defaults (see `headroom.fit._sharded` for what is modeled): padded
+            shards, gradients and optimizer state for the rank holding the most, the
+            all-gathered units alive at once, the reduce-scatter buffers. A model already
+            ``fully_shard``ed is estimated over its own mesh without this argument.
+        mesh: the 1-D ``DeviceMesh`` FSDP2 would shard over, instead of ``world_size``.
 
     Returns:
         An :class:`Estimate`.
@@ -264,9 +273,12 @@ def estimate(
     Raises:
         ValueError: if ``device`` is missing for a model on ``meta`` or is not a torch device;
             an ``offload=`` or ``offload_activations=`` option that is not one of those above
-            (or ``offload=`` for a model already offloaded).
+            (or ``offload=`` for a model already offloaded); ``world_size`` not an int >= 1, a
+            mesh that is not 1-D, either disagreeing with a sharded model's mesh, a store on
+            disk for shards, or ``world_size`` for a model under `hr.offload`.
         TypeError: if ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
-            is not given, or ``optimizer`` is not an optimizer class, instance or factory.
+            is not given, or ``optimizer`` is not an optimizer class, instance or factory;
+            ``mesh`` is not a ``DeviceMesh``.
         RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
             ``.item()``, ``nonzero``), which a dry run cannot know; the message names the op.
             Nothing is changed: the estimate runs on a copy.

@@ -39,19 +39,20 @@ def _batch(rank: int) -> torch.Tensor:
 
 
 def _loss(x: torch.Tensor):
-    return lambda out: F.cross_entropy(out.flatten(0, 1), x.flatten())
+    return lambda out: F.cross_entropy(out.float().flatten(0, 1), x.flatten())
 
 
 def _cats(d: dict) -> dict:
     return {k: d[k] for k in ("parameters", "gradients", "optimizer_state")}
 
 
-def step(rank: int, world: int, *, offloaded: bool = False) -> dict:
+def step(rank: int, world: int, *, offloaded: bool = False, bf16: bool = False) -> dict:
     """One tracked steady-state step of FSDP2 (blocks and root fully_shard'ed, AdamW),
     with hr.offload(store="cpu") of the shards and HostOptimizer when ``offloaded``, and the
     estimates of it: of the model before fully_shard with world_size= (and with the mesh),
-    and of the sharded model itself."""
+    and of the sharded model itself (the only one with ``bf16``: MixedPrecisionPolicy)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -72,9 +73,11 @@ def step(rank: int, world: int, *, offloaded: bool = False) -> dict:
     by_mesh = hr.estimate(model, (x,), loss_fn=_loss(x), optimizer=torch.optim.AdamW,
                           optimizer_kwargs=opt_kw, mesh=mesh,
                           offload={"store": "cpu"} if offloaded else None)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.float32)} if bf16 else {}
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     if offloaded:
         hr.offload(model, device="cpu", store="cpu")
         opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **opt_kw)
@@ -99,16 +102,13 @@ def step(rank: int, world: int, *, offloaded: bool = False) -> dict:
 
 
 def refusals(rank: int, world: int) -> dict:
-    """A mesh that is not 1-D, and a world size that disagrees with the model's mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    """A world size that disagrees with the model's mesh; offload= of a sharded model."""
     from tests.distributed._fsdp_workers import _error
 
     warnings.simplefilter("ignore")
     x = _batch(rank)
     model = GPT()
-    out = {"mesh_2d": _error(lambda: hr.estimate(
-        model, (x,), device="cpu", mesh=init_device_mesh("cpu", (1, world))))}
+    out = {}
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)

@@ -21,6 +21,7 @@ def world2():
     return w.run_named(2, {
         "plain": (f"{W}:step", {}),
         "offloaded": (f"{W}:step", {"offloaded": True}),
+        "bf16": (f"{W}:step", {"bf16": True}),
         "refusals": (f"{W}:refusals", {}),
     }, timeout=120)
 
@@ -40,8 +41,16 @@ def test_estimate_of_one_rank_matches_the_tracker(world2, case):
     assert r0["local"] > r0["full"] // 2  # padding counted (odd rows)
 
 
-def test_bad_meshes_are_refused(world2):
+def test_estimate_of_a_mixed_precision_model(world2):
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), read from the sharded model:
+    # units gathered in bf16, gradients reduced in fp32
+    r0 = world2["bf16"][0]
+    assert abs(r0["own"] - r0["peak"]) <= TOL * r0["peak"], (r0["own"], r0["peak"])
+    assert r0["own_max"] == r0["max"]
+    assert r0["own"] < r0["what_if"]  # the fp32 step's estimate
+
+
+def test_a_sharded_model_is_estimated_over_its_own_mesh(world2):
     for r in world2["refusals"]:
-        assert r["mesh_2d"].startswith("ValueError: mesh has 2 dimensions"), r["mesh_2d"]
         assert r["world_disagrees"].startswith("ValueError: the model is fully_shard'ed over 2")
         assert r["offload_of_sharded"].startswith("ValueError: offload= is a what-if")

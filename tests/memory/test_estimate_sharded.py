@@ -86,9 +86,25 @@ def test_bad_world_size(bad):
         _est(bad)
 
 
+def _mesh(*shape):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # a mesh description only (no process groups): what the estimate reads of it
+    return DeviceMesh("cpu", torch.arange(math.prod(shape)).view(shape), _init_backend=False,
+                      _rank=0)
+
+
+def test_mesh_gives_the_world_size():
+    assert _est(None, mesh=_mesh(2)).peak == _est(2).peak
+    with pytest.raises(ValueError, match="world_size=3 but mesh has 2 ranks"):
+        _est(3, mesh=_mesh(2))
+
+
 def test_bad_mesh_and_options():
     with pytest.raises(TypeError, match="mesh must be a torch.distributed"):
         hr.estimate(Net(), (torch.randn(4, 64),), device="cpu", mesh=(2,))
+    with pytest.raises(ValueError, match="mesh has 2 dimensions"):
+        _est(None, mesh=_mesh(2, 2))
     with pytest.raises(ValueError, match="store='cpu'"):
         _est(2, offload={"store": "disk"})
     with pytest.raises(ValueError, match="MixedPrecisionPolicy"):

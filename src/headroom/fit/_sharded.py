@@ -20,7 +20,7 @@ parameter is split in ``ceil(d0 / N)`` rows, padded to a multiple of ``N``):
   freed, its gradients are copied into a flat reduce-scatter input (padded, in the reduce
   dtype) and freed, and the reduce-scatter output (1/N of it) holds the unit's sharded
   gradients; the input stays alive until the next unit's reduce-scatter (FSDP2 keeps one), the
-  last until the end of backward.
+  last until the end of backward. On the CPU (gloo) the reduce-scatter also copies its input.
 
 Units whose shards rest in host memory (`hr.offload` of the sharded model with
 ``store="cpu"``, or FSDP2's ``CPUOffloadPolicy``) keep shards, sharded gradients and the
@@ -450,6 +450,10 @@ class ShardedDryRun:
                 off += s.padded
         del grads, g
         out = torch.empty(total // self.world, dtype=reduce_dtype, device="meta")
+        if self.world > 1 and not self.accelerated:
+            # gloo (the CPU's backend) reduce-scatters through a copy of the input
+            scratch = rs_in.clone()
+            del scratch
         orig = with_grad[0].master.dtype
         if out.dtype != orig:
             out = out.to(orig)

@@ -94,7 +94,10 @@ def step(rank: int, world: int, *, offloaded: bool = False, bf16: bool = False) 
     with hr.track_memory(model=model, optimizer=opt) as mem:
         run()
     local = sum(p.to_local().nbytes for p in model.parameters())
-    return {"peak": mem.peak, "what_if": what_if.peak, "by_mesh": by_mesh.peak,
+    # one unit's reduce-scatter input: fp32 gradients of a block, dim 0 padded
+    block = max(sum(-(-p.shape[0] // world) * world * p[0].numel() * 4
+                    for p in b.parameters()) for b in GPT().layers)
+    return {"peak": mem.peak, "block": block, "what_if": what_if.peak, "by_mesh": by_mesh.peak,
             "own": own.peak, "max": _cats(mem.max_by_category),
             "est_max": _cats(what_if.max_by_category),
             "own_max": _cats(own.max_by_category), "local": local,

@@ -16,6 +16,13 @@ W = "tests.distributed._fsdp_estimate_workers"
 TOL = 0.02
 
 
+def _within(est: int, measured: int, block: int) -> bool:
+    """gloo reduce-scatters through a copy of its input, made and freed on its own thread: when
+    that thread lags, the copy is still alive while the next unit computes, so a measured peak
+    may exceed the estimate by up to one unit's reduce-scatter input (``block``), never more."""
+    return est * (1 - TOL) <= measured <= est * (1 + TOL) + block
+
+
 @pytest.fixture(scope="module")
 def world2():
     return w.run_named(2, {
@@ -29,10 +36,10 @@ def world2():
 @pytest.mark.parametrize("case", ["plain", "offloaded"])
 def test_estimate_of_one_rank_matches_the_tracker(world2, case):
     r0 = world2[case][0]
-    assert abs(r0["what_if"] - r0["peak"]) <= TOL * r0["peak"], (r0["what_if"], r0["peak"])
+    assert _within(r0["what_if"], r0["peak"], r0["block"]), (r0["what_if"], r0["peak"])
     for r in world2[case]:
         # rank 0 holds the most (the padded rows); the estimate is its step
-        assert r["peak"] <= r["what_if"] * (1 + TOL), (r["peak"], r["what_if"])
+        assert r["peak"] <= r["what_if"] * (1 + TOL) + r["block"], (r["peak"], r["what_if"])
         # the same step, however it is described
         assert r["own"] == r["by_mesh"] == r["what_if"]
     # the local shards, their gradients and AdamW's state, with FSDP2's padding: exactly
@@ -45,7 +52,7 @@ def test_estimate_of_a_mixed_precision_model(world2):
     # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), read from the sharded model:
     # units gathered in bf16, gradients reduced in fp32
     r0 = world2["bf16"][0]
-    assert abs(r0["own"] - r0["peak"]) <= TOL * r0["peak"], (r0["own"], r0["peak"])
+    assert _within(r0["own"], r0["peak"], r0["block"]), (r0["own"], r0["peak"])
     assert r0["own_max"] == r0["max"]
     assert r0["own"] < r0["what_if"]  # the fp32 step's estimate
 

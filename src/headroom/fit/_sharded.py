@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -112,9 +113,11 @@ def check_world(world_size: Any, mesh: Any) -> int | None:
 # ------------------------------------------------------------------ a model already sharded
 def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of the ``fully_shard``ed modules of ``model``."""
-    from headroom.residency._dtensor import fsdp_modules
+    if "torch.distributed.fsdp" not in sys.modules:  # nothing can be sharded yet
+        return []
+    from torch.distributed.fsdp import FSDPModule
 
-    return fsdp_modules(model)
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
 def spec_of(model: nn.Module) -> ShardSpec:

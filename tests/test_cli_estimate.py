@@ -98,3 +98,18 @@ def test_config_errors_are_one_line_naming_the_file(tmp_path, capsys):
     assert "--seq 65 is longer than the 64 positions" in err and "short.json" in err, err
     assert main(["plan", "--config", str(path), "--seq", "65", "--budget", "1GiB"]) == 2
     assert "--seq 64 or less" in capsys.readouterr().err
+
+
+def test_estimate_of_one_fsdp2_rank(config, tmp_path, capsys):
+    peaks = {}
+    for world in ("1", "2"):
+        out_json = tmp_path / f"w{world}.json"
+        assert main(["estimate", "--config", str(config), "--batch", "2", "--seq", "16",
+                     "--device", "cuda", "--world-size", world, "--json", str(out_json)]) == 0
+        assert f"one of {world} FSDP2 ranks" in capsys.readouterr().out
+        data = json.loads(out_json.read_text())["estimate"]
+        assert data["options"]["world_size"] == int(world)
+        peaks[world] = data["peak_by_category"]["parameters"]
+    assert peaks["2"] < peaks["1"]
+    assert main(["estimate", "--config", str(config), "--world-size", "0"]) == 2
+    assert "--world-size must be at least 1" in capsys.readouterr().err

@@ -39,6 +39,9 @@ def add_parsers(sub: Any) -> None:
                        help="device memory for the step, e.g. 8GiB" +
                             (" (with estimate: also print a plan)" if name == "estimate" else ""))
         p.add_argument("--disk", help="a folder the plan may put stores in")
+        p.add_argument("--world-size", type=int, default=None,
+                       help="one rank of FSDP2 over this many ranks (fully_shard of each block"
+                            " and the root); the budget is each rank's")
         p.add_argument("--json", dest="json_out", help="also write the estimate as JSON here")
         if name == "estimate":
             p.add_argument("--no-advice", action="store_true",
@@ -50,6 +53,9 @@ def _run(args: argparse.Namespace) -> int:
     prog = f"headroom {args.command_name}"
     if args.batch < 1 or args.seq < 1:
         print(f"{prog}: --batch and --seq must be at least 1", file=sys.stderr)
+        return 2
+    if args.world_size is not None and args.world_size < 1:
+        print(f"{prog}: --world-size must be at least 1", file=sys.stderr)
         return 2
     try:
         model, config, how = _model(args)
@@ -68,13 +74,14 @@ def _run(args: argparse.Namespace) -> int:
     kwargs = {"input_ids": ids, "labels": ids} if vocab else {"input_ids": ids}
     try:
         est = hr.estimate(model, (), example_kwargs=kwargs, optimizer=optimizer,
-                          device=args.device)
+                          device=args.device, world_size=args.world_size)
     except (RuntimeError, TypeError, ValueError) as e:
         print(f"{prog}: the dry run failed: {e}", file=sys.stderr)
         return 1
     print(f"{type(model).__name__} from {how}: {_count(model)} parameters ({args.dtype}),"
           f" batch {args.batch} x {args.seq} tokens, optimizer {args.optimizer},"
-          f" device {est.device}")
+          f" device {est.device}"
+          + (f", one of {args.world_size} FSDP2 ranks" if args.world_size else ""))
     if args.command_name == "estimate":
         est.report(advice=not args.no_advice)
     else:
@@ -92,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         p = plan(model, (), example_kwargs=kwargs, budget=args.budget, device=args.device,
-                 optimizer=optimizer, disk=args.disk)
+                 optimizer=optimizer, disk=args.disk, world_size=args.world_size)
     except PlanError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

@@ -207,6 +207,8 @@ def estimate(
     offload_activations: int | Mapping[str, int] | None = None,
     prepare: Callable[[nn.Module], nn.Module | None] | None = None,
     offload: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
+    mesh: Any = None,
 ) -> Estimate:
     """Estimate the memory of one training step without running it on real tensors.
 
@@ -255,6 +257,15 @@ def estimate(
             options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`), ``prefetch``,
             ``blocks`` (qualified names), ``compute_dtype``, and ``module`` (the qualified name
             of the submodule offloaded; default the model). For a model not offloaded yet.
+            With ``world_size``: ``{"store": "cpu"}`` (optionally ``blocks``), each rank's
+            shards in its host memory, as `hr.offload` of a ``fully_shard``ed model.
+        world_size: what-if: one rank's step of FSDP2 over this many ranks, ``fully_shard``
+            applied to each block (found as `hr.offload` finds them) and then to the root,
+            with FSDP2's defaults (see `headroom.fit._sharded` for what is modeled): padded
+            shards, gradients and optimizer state for the rank holding the most, the
+            all-gathered units alive at once, the reduce-scatter buffers. A model already
+            ``fully_shard``ed is estimated over its own mesh without this argument.
+        mesh: the 1-D ``DeviceMesh`` FSDP2 would shard over, instead of ``world_size``.
 
     Returns:
         An :class:`Estimate`.
@@ -262,9 +273,12 @@ def estimate(
     Raises:
         ValueError: if ``device`` is missing for a model on ``meta`` or is not a torch device;
             an ``offload=`` or ``offload_activations=`` option that is not one of those above
-            (or ``offload=`` for a model already offloaded).
+            (or ``offload=`` for a model already offloaded); ``world_size`` not an int >= 1, a
+            mesh that is not 1-D, either disagreeing with a sharded model's mesh, a store on
+            disk for shards, or ``world_size`` for a model under `hr.offload`.
         TypeError: if ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
-            is not given, or ``optimizer`` is not an optimizer class, instance or factory.
+            is not given, or ``optimizer`` is not an optimizer class, instance or factory;
+            ``mesh`` is not a ``DeviceMesh``.
         RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
             ``.item()``, ``nonzero``), which a dry run cannot know; the message names the op.
             Nothing is changed: the estimate runs on a copy.
@@ -274,14 +288,31 @@ def estimate(
         >>> est.peak, est.peak_by_category["activations"]
         >>> est.report()
     """
-    target = _target_device(model, device)
+    spec = _shard_spec(model, world_size, mesh, offload)
+    target = _target_device(model, device if device is not None or spec is None
+                            else spec.device)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
                "offload_activations": offload_activations, "prepare": prepare,
-               "offload": offload}
+               "offload": offload, "world_size": None if spec is None else spec.world}
     features = None
-    if _uses_features(model, optimizer, offload):
+    sharded = None
+    if spec is not None:
+        # FSDP2: its dry run shards the copy (and keeps offloaded shards on the host)
+        from headroom.fit import _sharded
+        from headroom.fit._features import DryRunFeatures
+
+        features = DryRunFeatures(model, optimizer, None, target)
+        if features.host is not None and not (isinstance(features.host.state_store, str)
+                                              and features.host.state_store == "cpu"):
+            raise ValueError(
+                f"hr.HostOptimizer with state_store={features.host.state_store!r} does not"
+                " take sharded (FSDP2) parameters; use state_store='cpu' (each rank keeps the"
+                " state of its own shards in host memory)")
+        meta_model = (_sharded.meta_copy(model) if _sharded.fsdp_units(model)
+                      else _dryrun.meta_copy(model))
+    elif _uses_features(model, optimizer, offload):
         # hr.offload or hr.HostOptimizer: their dry runs live with the features
         from headroom.fit._features import DryRunFeatures
 
@@ -296,18 +327,26 @@ def estimate(
         replaced = prepare(meta_model)
         if isinstance(replaced, nn.Module):
             meta_model = replaced
-    if features is not None:
+    if spec is not None:
+        from headroom.fit._sharded import ShardedDryRun
+
+        sharded = ShardedDryRun(meta_model, spec, features.places,
+                                accelerated=target != "cpu")
+    elif features is not None:
         features.install(meta_model)
     args = _dryrun.to_meta(example_args)
     kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
     loss_fn = loss_fn or _dryrun.default_loss
-    params = [p for p in meta_model.parameters() if p.requires_grad]
+    params = [p for p in (meta_model.parameters() if sharded is None else sharded.masters())
+              if p.requires_grad]
     if features is not None:
         opt = features.optimizer(params, optimizer, dict(optimizer_kwargs or {}))
     else:
         opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
     final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
     on_host = features.step_context if features is not None else contextlib.nullcontext
+    if sharded is not None and sharded.all_on_host() and features.host is None:
+        on_host = features.places.host_code  # torch's optimizer steps the host shards
 
     act = _activation_options(offload_activations, model, meta_model)
 
@@ -356,17 +395,20 @@ def estimate(
         counter = _dryrun.OpCounter(lambda: tracker._in_optimizer > 0)
         if features is not None:
             features.mark()
+        link = sharded.link_bytes if sharded is not None else 0
         with tracker, counter, kept():
             step()
     est = Estimate(tracker, target, alloc, options)
     est.ops = counter.ops
     est.activation_bytes_moved = keepers[-1].moved if keepers else 0
     est.transfers = features.transfers() if features is not None else {}
+    if sharded is not None and target != "cpu":
+        est.transfers["link"] = est.transfers.get("link", 0) + sharded.link_bytes - link
     est._context = {"model": weakref.ref(model), "args": args, "kwargs": kwargs,
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}
     if checkpoint or prepare is not None or offload_activations is not None or \
-            features is not None:
+            features is not None or spec is not None:
         est._context = None  # advice is for the plain step
     return est
 
@@ -416,6 +458,39 @@ def _meta_modules(given: Any, model: nn.Module, meta_model: nn.Module) -> list[n
             raise ValueError(
                 f"offload_activations= modules: the model has no submodule {name!r}") from None
     return out
+
+
+def _shard_spec(model: nn.Module, world_size: Any, mesh: Any, offload: Any) -> Any:
+    """The FSDP2 sharding the step runs with (a `headroom.fit._sharded.ShardSpec`): the
+    model's own when it is ``fully_shard``ed, else ``world_size=``/``mesh=``'s; or None."""
+    from headroom.fit import _sharded
+    from headroom.residency import offload_states
+
+    world = _sharded.check_world(world_size, mesh)
+    if isinstance(model, nn.Module) and _sharded.fsdp_units(model):
+        spec = _sharded.spec_of(model)
+        if world is not None and world != spec.world:
+            raise ValueError(
+                f"the model is fully_shard'ed over {spec.world} ranks, but world_size/mesh say"
+                f" {world}: a sharded model is estimated over its own mesh; drop world_size="
+                " and mesh=, or estimate the model before fully_shard with world_size=N")
+        if offload is not None:
+            raise ValueError(
+                "offload= is a what-if for a model not offloaded yet; a fully_shard'ed model is"
+                " estimated as it is (hr.offload of its shards included): drop offload=, or"
+                " estimate the model before fully_shard with world_size=N and"
+                " offload={'store': 'cpu'}")
+        return spec
+    if world is None:
+        return None
+    if isinstance(model, nn.Module) and offload_states(model):
+        raise ValueError(
+            "world_size= estimates FSDP2 (fully_shard of each block and the root) of a model"
+            " not offloaded yet, and fully_shard cannot wrap a model under hr.offload: estimate"
+            " the model before hr.offload with world_size=N and offload={'store': 'cpu'} (each"
+            " rank's shards in its host memory)")
+    host = frozenset() if offload is None else _sharded.host_units(offload, None)
+    return _sharded.ShardSpec(world, host=host)
 
 
 def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:

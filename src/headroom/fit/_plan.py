@@ -86,7 +86,7 @@ class Choice:
     activations: str = "device"
     activation_min_bytes: int = 1 << 20
 
-    def describe(self) -> list[str]:
+    def describe(self, *, sharded: bool = False) -> list[str]:
         out = []
         if self.convert:
             out.append("hr.convert (layers that save only what backward needs)")
@@ -96,7 +96,9 @@ class Choice:
         if self.activations != "device":
             out.append(f"activation offload to {self.activations} (hr.offload_activations,"
                        f" min_bytes={format_bytes(self.activation_min_bytes)})")
-        if self.params != "device":
+        if self.params != "device" and sharded:
+            out.append("each rank's shards in host memory (hr.offload of the sharded model)")
+        elif self.params != "device":
             out.append(f"parameter offload to {self.params} (hr.offload, prefetch=1)")
         if self.optimizer_state != "device":
             out.append(f"optimizer state and step on {self.optimizer_state} (hr.HostOptimizer)")
@@ -144,21 +146,27 @@ class Plan:
     speeds: Speeds | None = field(default=None, repr=False)
     margin: int = 0
     faster_over_budget: tuple[Choice, int, float] | None = field(default=None, repr=False)
+    world_size: int | None = None
+    blocks: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         # On CUDA-like devices peaks are the allocator model's reserved bytes, which is what
         # the budget is compared with; an estimate's report shows allocated bytes.
         kind = " reserved" if not self.device.startswith("cpu") else ""
+        ranks = ("" if self.world_size is None else
+                 f" (each of {self.world_size} ranks, FSDP2 fully_shard of each block and the"
+                 " root)")
         lines = [
-            f"headroom plan for {self.device}: budget {format_bytes(self.budget)}, plain step"
-            f" {format_bytes(self.plain_peak)}{kind} / {_seconds(self.plain_time_s)}"
+            f"headroom plan for {self.device}{ranks}: budget {format_bytes(self.budget)},"
+            f" plain step {format_bytes(self.plain_peak)}{kind} / {_seconds(self.plain_time_s)}"
             " (estimated)",
             f"chosen: estimated peak {format_bytes(self.peak)}{kind}, step"
             f" {_seconds(self.time_s)}"
             + (f" (with {format_bytes(self.margin)} for a gradient being written to disk)"
                if self.margin else ""),
         ]
-        lines += [f"  - {d}" for d in self.choice.describe()]
+        sharded = self.world_size is not None
+        lines += [f"  - {d}" for d in self.choice.describe(sharded=sharded)]
         if self.peak_by_category:
             lines.append("  at the estimated peak: " + ", ".join(
                 f"{c} {format_bytes(v)}" for c, v in self.peak_by_category.items() if v))
@@ -166,7 +174,7 @@ class Plan:
             choice, peak, time_s = self.faster_over_budget
             lines.append(f"the fastest plan over the budget: estimated peak"
                          f" {format_bytes(peak)}{kind}, step {_seconds(time_s)}")
-            lines += [f"  - {d}" for d in choice.describe()
+            lines += [f"  - {d}" for d in choice.describe(sharded=sharded)
                       if d != _NOTHING] or ["  - nothing: the plain step"]
         lines.append(f"({len(self.candidates)} combinations considered"
                      + (f"; speeds: {self.speeds.describe()}" if self.speeds else "") + ")")
@@ -185,7 +193,18 @@ class Plan:
             lines.append(f"    block = {model_name}.get_submodule(name)")
             lines.append("    block.forward = partial(checkpoint, block.forward,"
                          " use_reentrant=False)")
-        if c.params != "device":
+        if self.world_size is not None:
+            # FSDP2 first, then headroom's store for each rank's shards
+            lines.append("from torch.distributed.device_mesh import init_device_mesh")
+            lines.append("from torch.distributed.fsdp import fully_shard")
+            lines.append(f"mesh = init_device_mesh({torch.device(self.device).type!r},"
+                         f" ({self.world_size},))")
+            lines.append(f"for name in {list(self.blocks)!r}:")
+            lines.append(f"    fully_shard({model_name}.get_submodule(name), mesh=mesh)")
+            lines.append(f"fully_shard({model_name}, mesh=mesh)")
+            if c.params != "device":
+                lines.append(f"hr.offload({model_name}, device=mesh.device_type, store=\"cpu\")")
+        elif c.params != "device":
             store = "\"cpu\"" if c.params == "host" else f"hr.DiskStore({self._disk('params')!r})"
             lines.append(f"hr.offload({model_name}, device={self.device!r}, store={store},"
                          " prefetch=1)")
@@ -211,6 +230,28 @@ class Plan:
             lines.append(f"opt = {opt}({model_name}.parameters(){kw})")
         return "\n".join(lines)
 
+    def _shard(self, model: nn.Module) -> None:
+        """``fully_shard`` of each block, then the root, over this job's ranks."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_available() or not dist.is_initialized() or \
+                dist.get_world_size() != self.world_size:
+            have = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+                else None
+            raise RuntimeError(
+                f"this plan shards the model over {self.world_size} ranks (FSDP2), but"
+                + (" torch.distributed is not initialized" if have is None else
+                   f" this job has {have}")
+                + ": apply it on every rank of a job of that size (torchrun"
+                f" --nproc-per-node={self.world_size}), after"
+                " torch.distributed.init_process_group()")
+        mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,))
+        for name in self.blocks:
+            fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
     def _host_kwargs(self) -> dict[str, Any]:
         kwargs = dict(self.optimizer_kwargs)
         if self.device == "cpu":
@@ -234,6 +275,8 @@ class Plan:
         Raises:
             ValueError: if ``model`` lacks a block the plan checkpoints (not the model planned);
                 checked before anything changes.
+            RuntimeError: a plan made with ``world_size=N`` applied outside a job of ``N``
+                ranks (``torch.distributed`` initialized); checked before anything changes.
 
         The steps run in order (``hr.convert``, checkpointing, ``hr.offload``, activation
         offload, the optimizer); if one raises (a full disk, a device that is missing), the
@@ -246,6 +289,12 @@ class Plan:
         from headroom.transfer import DiskStore
 
         c = self.choice
+        if self.world_size is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()
+                    and dist.get_world_size() == self.world_size):
+                self._shard(model)  # raises, naming the job it needs
         for name in c.checkpoint:
             try:
                 model.get_submodule(name)
@@ -257,7 +306,11 @@ class Plan:
         if c.convert:
             model = convert(model)
         _dryrun.checkpoint_modules(model, c.checkpoint)
-        if c.params != "device":
+        if self.world_size is not None:
+            self._shard(model)
+            if c.params != "device":
+                offload(model, device=torch.device(self.device).type, store="cpu")
+        elif c.params != "device":
             store = "cpu" if c.params == "host" else DiskStore(self._disk("params"))
             offload(model, device=self.device, store=store, prefetch=1)
         elif self.device != "cpu":
@@ -333,6 +386,8 @@ def plan(
     optimizer_kwargs: dict[str, Any] | None = None,
     speeds: Speeds | None = None,
     slice_bytes: int | None = None,
+    world_size: int | None = None,
+    mesh: Any = None,
 ) -> Plan:
     """Choose what to turn on so that one training step fits ``budget`` bytes on ``device``.
 
@@ -362,6 +417,12 @@ def plan(
             measured once on ``cpu``, declared for accelerators).
         slice_bytes: the host optimizer's slice size for state on disk; default: small enough
             that the slices in flight are a small part of the state.
+        world_size, mesh: plan one rank of FSDP2 over this many ranks (or this 1-D
+            ``DeviceMesh``), as for `hr.estimate`: ``budget`` is each rank's, and parameter
+            offload means each rank's shards (and their optimizer state) in its host memory
+            (`hr.offload` of the sharded model, with `hr.HostOptimizer`); stores on disk are
+            not considered for shards. `Plan.apply` then ``fully_shard``s each block and the
+            root. Step times do not price the collectives.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` returns ``(model, optimizer)``.
@@ -386,9 +447,12 @@ def plan(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     parse_device(device)
+    from headroom.fit._sharded import check_world
+
+    world = check_world(world_size, mesh)
     search = Search(model, example_args, device=device, optimizer=optimizer, loss_fn=loss_fn,
                     disk=disk, example_kwargs=example_kwargs, optimizer_kwargs=optimizer_kwargs,
-                    speeds=speeds, slice_bytes=slice_bytes)
+                    speeds=speeds, slice_bytes=slice_bytes, world_size=world)
     candidates = search.candidates
     # best first on time: a candidate is refined (its own run) when it comes up, and estimated
     # whole (peak and time) when its lower bound fits; each step only makes its time more
@@ -458,7 +522,7 @@ class Search:
                  device: str | torch.device, optimizer: Any, loss_fn: Any = None,
                  disk: Any = None, example_kwargs: dict[str, Any] | None = None,
                  optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
-                 slice_bytes: int | None = None) -> None:
+                 slice_bytes: int | None = None, world_size: int | None = None) -> None:
         from headroom.residency import find_blocks
 
         self.model = model
@@ -473,13 +537,19 @@ class Search:
         self.blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
         n = len(self.blocks)
         ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
-        self.common = dict(loss_fn=loss_fn, device=device, example_kwargs=example_kwargs)
+        self.world = world_size
+        self.common = dict(loss_fn=loss_fn, device=device, example_kwargs=example_kwargs,
+                           world_size=world_size)
         self.plain = estimate(model, example_args, optimizer=self.opt_cls,
                               optimizer_kwargs=self.opt_kw, **self.common)
         self.min_bytes = _activation_min_bytes(self.plain)
         places = ["device"] + ([] if self.on_cpu else ["host"]) + (
             ["disk"] if disk is not None else [])
         self.sizes = _sizes(model, self.opt_cls, self.opt_kw)
+        if world_size is not None:  # one rank's shards move
+            self.sizes = _Sizes(-(-self.sizes.params // world_size),
+                                -(-self.sizes.largest_param // world_size),
+                                self.sizes.state_keys)
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
         # one dry run per setting that changes the ops (convert, checkpointing, activation
@@ -492,6 +562,8 @@ class Search:
             for params, state in itertools.product(places, places):
                 if params != "device" and state == "device":
                     continue  # offloaded parameters are stepped through their store
+                if world_size is not None and (params != state or params == "disk"):
+                    continue  # shards: on the device, or with their state in host memory
                 choice = Choice(conv, tuple(self.blocks[:k]), params, state, act,
                                 self.min_bytes)
                 # checkpointing only adds recomputation and activation offload only
@@ -535,7 +607,8 @@ class Search:
                     self.plain.device, self.opt_cls, self.opt_kw,
                     None if self.disk is None else str(self.disk), self.slice_bytes,
                     c.at_peak, [(x.choice, x.peak if x.peak is not None else x.lower, x.time_s)
-                                for x in self.candidates], self.speeds, c.margin)
+                                for x in self.candidates], self.speeds, c.margin,
+                    world_size=self.world, blocks=tuple(self.blocks))
 
 
 def _convert_fn(on: bool):
@@ -577,7 +650,8 @@ def _estimate_choice(model, example_args, c: Choice, opt_cls, opt_kw, slice_byte
         offload_activations=None if c.activations == "device" else
         {"min_bytes": c.activation_min_bytes, "prefetch": 0},
         offload=None if c.params == "device" else
-        {"store": "cpu" if c.params == "host" else "disk", "prefetch": 1},
+        {"store": "cpu" if c.params == "host" else "disk", "prefetch": 1}
+        if common.get("world_size") is None else {"store": "cpu"},
         **common)
 
 

@@ -146,7 +146,9 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             if host is not None and host.dtype in _MASTER_DTYPES:
                 e.master = host
             e.lowp = slot.handle.dtype not in _MASTER_DTYPES
-        elif self._cpu and p.dtype in _MASTER_DTYPES:
+        elif (self._cpu or self._places.where(p.untyped_storage()._cdata) == "host") \
+                and p.dtype in _MASTER_DTYPES:
+            # on the CPU in fp32 (an FSDP2 shard resting in host memory too): its own master
             e.master = p.detach()
         else:
             e.kind = _HOSTED

@@ -552,8 +552,9 @@ def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
     if not (store in ("cpu", "host") or (isinstance(store, Store) and store.holds_host_memory)):
         raise ValueError(
             "offload= of a sharded step takes store='cpu' (each rank's shards in its host"
-            " memory), as hr.offload does for a fully_shard'ed model; a store on disk is not"
-            " supported for sharded models")
+            " memory); the estimate does not model shards on disk yet, though hr.offload takes"
+            " a DiskStore for a fully_shard'ed model. On an accelerator its device memory is"
+            " that of store='cpu': estimate with store='cpu'")
     if offload.get("compute_dtype") is not None:
         raise ValueError(
             "offload= compute_dtype does not apply to a sharded step: FSDP2's"

@@ -328,7 +328,7 @@ def _full(model: nn.Module, opt) -> dict[str, torch.Tensor]:
 
 
 def resharded(rank: int, world: int, *, tmp: str, load_from: str | None = None,
-              save_to: str | None = None, first: int = 0) -> dict:
+              save_to: str | None = None, first: int = 0, store: str = "cpu") -> dict:
     """FSDP2 + hr.offload + HostOptimizer and FSDP2 + AdamW alone, each through the same DCP
     round trip (get_state_dict / set_state_dict): load what a job of another world size saved
     (``load_from``), train two steps (batches ``first``, ``first + 1``), save (``save_to``).
@@ -338,7 +338,8 @@ def resharded(rank: int, world: int, *, tmp: str, load_from: str | None = None,
 
     # A fresh job starts from other weights than the saved ones: only the load makes them equal.
     model, ref = _pair(seed=1 if load_from else 0, out=5)
-    hr.offload(model, device="cpu", store="cpu")
+    hr.offload(model, device="cpu",
+               store=_store(store, tmp, rank, f"shards-{load_from}-{save_to}-"))
     okw = dict(lr=1e-2, weight_decay=0.1)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
@@ -363,6 +364,9 @@ def resharded(rank: int, world: int, *, tmp: str, load_from: str | None = None,
     in_store = []
     for key, h in state.handles.items():
         flat = state.store.host_tensor(h)
+        if flat is None:  # on disk
+            in_store.append(int(h.key in state.store))
+            continue
         ptr = state.params[key].sharded_param.to_local().data_ptr()
         in_store.append(int(flat.data_ptr() <= ptr < flat.data_ptr() + flat.nbytes
                             or state.params[key].sharded_param.to_local().numel() == 0))

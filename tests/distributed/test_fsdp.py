@@ -238,15 +238,15 @@ def test_dcp_round_trip_lands_in_the_store(world2, store):
         assert r["in_store"].all()
 
 
-@pytest.fixture(scope="module")
-def resharded(tmp_path_factory):
+@pytest.fixture(scope="module", params=["cpu", "disk"])
+def resharded(request, tmp_path_factory):
     """Three jobs: 2 ranks train and save; 4 ranks load, train and save; 2 ranks load, train."""
     tmp = str(tmp_path_factory.mktemp("reshard"))
-    fn = f"{W}:resharded"
+    fn, kw = f"{W}:resharded", dict(tmp=tmp, store=request.param)
     return [
-        w.run_named(2, {"job": (fn, dict(tmp=tmp, save_to="a", first=0))})["job"],
-        w.run_named(4, {"job": (fn, dict(tmp=tmp, load_from="a", save_to="b", first=2))})["job"],
-        w.run_named(2, {"job": (fn, dict(tmp=tmp, load_from="b", first=4))})["job"],
+        w.run_named(2, {"job": (fn, dict(kw, save_to="a", first=0))})["job"],
+        w.run_named(4, {"job": (fn, dict(kw, load_from="a", save_to="b", first=2))})["job"],
+        w.run_named(2, {"job": (fn, dict(kw, load_from="b", first=4))})["job"],
     ]
 
 

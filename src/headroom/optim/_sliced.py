@@ -196,6 +196,11 @@ class SliceRunner:
                 results[k] = self._step_scalar(src, self._optimizer(gi, group), group, txn)
                 continue
             n_rows = shape[0] if src.rows is None else int(src.rows.numel())
+            if n_rows == 0 and src.rows is None:
+                # nothing to update (an FSDP2 rank's empty shard), but the scalars (step
+                # counts) advance, as torch's optimizer advances them on an empty tensor
+                results[k] = self._step_empty(src, self._optimizer(gi, group), group, shape)
+                continue
             per = _rows_per_slice(shape, self.slice_bytes)
             slices += [(k, a, min(a + per, n_rows)) for a in range(0, n_rows, per)]
         if not slices:
@@ -391,6 +396,15 @@ class SliceRunner:
             opt.param_groups[0]["params"] = []
             state = opt.state.pop(work, state)
         return state
+
+    def _step_empty(self, src: SlicedParam, opt, group, shape: tuple[int, ...]
+                    ) -> dict[str, Any]:
+        """The new small state of a parameter with no elements (nothing is read or written)."""
+        dtype = src.master_handle.dtype if src.master is None else src.master.dtype
+        work = torch.empty(shape, dtype=dtype)
+        state = self._run(opt, group, src, work, torch.zeros_like(work), lambda: {
+            k: torch.empty(h.shape, dtype=h.dtype) for k, h in src.state_handles.items()})
+        return {k: state[k] for k in state if k not in src.state_handles}
 
     def _step_scalar(self, src: SlicedParam, opt, group, txn: Txn | None) -> dict[str, Any]:
         fresh = src.shadow is not None and not src.initialized

@@ -32,10 +32,28 @@ def index_state(opt: HostOptimizer, e: Entry) -> dict[str, Any] | None:
     store = opt._state_store or opt._aux
     st = dict(e.small)
     for k, h in e.state_handles.items():
-        st[k] = store.read(h).result()
+        st[k] = _as_param(e, store.read(h).result())
     if e.lowp:
-        st["master"] = store.read(e.master_handle).result()
+        st["master"] = _as_param(e, store.read(e.master_handle).result())
     return st
+
+
+def _as_param(e: Entry, local: torch.Tensor) -> torch.Tensor:
+    """A state tensor of a sharded (FSDP2) parameter as a DTensor sharded like it, as torch's
+    optimizers keep it: torch.distributed.checkpoint saves each rank's shard of it (a plain
+    tensor would count as replicated: one rank's saved for all) and reshards it on load."""
+    if not e.sharded:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    p = e.param
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def _local(t: Any) -> Any:
+    """The local shard of a DTensor (state of a sharded parameter, see `_as_param`)."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
 def state_dict(opt: HostOptimizer) -> dict[str, Any]:
@@ -133,12 +151,12 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
         for k, h in e.state_handles.items():
             if k not in st:
                 raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
-            t = st[k].detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
+            t = _local(st[k]).detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
             store.write(h, t).result()
         if e.lowp:
             # A state dict without the fp32 master (e.g. from the plain optimizer
             # class) starts it from the parameter's stored low-precision value.
-            master = st["master"] if "master" in st else \
+            master = _local(st["master"]) if "master" in st else \
                 e.bound.store.read(e.bound.handle).result()
             t = master.detach().to("cpu", torch.float32).reshape(e.master_handle.shape)
             store.write(e.master_handle, t.contiguous()).result()

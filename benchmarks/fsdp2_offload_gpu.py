@@ -1,6 +1,6 @@
 """FSDP2 on a GPU: step time and peak device memory of FSDP2, FSDP2 + ``CPUOffloadPolicy`` and
-FSDP2 + headroom (each rank's shards in a page-locked headroom store), on a Llama-style model
-built from a config (random weights).
+FSDP2 + headroom (each rank's shards in a page-locked headroom store, or on a ``DiskStore``
+under ``--disk``), on a Llama-style model built from a config (random weights).
 
 One process per GPU, NCCL. World 1 is legal FSDP2 and enough to compare the setups:
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 RESULTS = Path(__file__).parent / "results" / "fsdp2_offload_gpu.json"
-SETUPS = ("fsdp2", "fsdp2_cpu_offload", "fsdp2_headroom")
+SETUPS = ("fsdp2", "fsdp2_cpu_offload", "fsdp2_headroom", "fsdp2_headroom_disk")
 
 
 def _model(args):
@@ -62,8 +62,10 @@ def one(args) -> dict:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     okw = dict(lr=1e-5, weight_decay=0.1)
-    if setup == "fsdp2_headroom":
-        hr.offload(model, device=dev, store="cpu")
+    if setup.startswith("fsdp2_headroom"):
+        store = "cpu" if setup == "fsdp2_headroom" else hr.DiskStore(
+            os.path.join(args.disk, f"rank{rank}"), overwrite=True)
+        hr.offload(model, device=dev, store=store)
         opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, **okw)
         stored = sharded_state_of(model).stored_bytes
     else:
@@ -102,6 +104,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--disk", default="/tmp/hr-fsdp2-disk",
+                    help="folder of the disk setup's stores (one per rank)")
     args = ap.parse_args()
     if args.setup is None:  # one fresh run per setup (torchrun-launched runs pass --setup)
         rows = []

@@ -59,6 +59,8 @@ stage bench_pinned_memory $((60 * T)) $PY benchmarks/pinned_memory.py \
   --out "$LOG/pinned_memory_gpu.json"
 stage bench_compile_offload $((240 * T)) $PY benchmarks/compile_offload.py --device cuda \
   --d 1024 --layers 8 --batch 8 --seq 512 --vocab 8192 --out "$LOG/compile_offload_gpu.json"
+stage bench_fsdp2_offload $((240 * T)) $PY benchmarks/fsdp2_offload_gpu.py --layers 8 \
+  --out "$LOG/fsdp2_offload_gpu.json"
 # Its own budget (LLM_BUDGET seconds) ends before the stage's limit: it writes its JSON, marked
 # partial, whatever it got to.
 LLM_BUDGET=${LLM_BUDGET:-$((480 * T))}

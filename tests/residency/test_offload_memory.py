@@ -120,15 +120,13 @@ def test_no_grad_and_inference_fetch_only_forward(tmp_path):
 def test_heap_is_trimmed_on_a_cpu_only_when_the_store_is_off_ram(tmp_path, store, monkeypatch):
     """On a CPU, freed device copies go back to the OS when the masters rest on disk (RSS is
     the point there); with the masters in RAM as well, trimming would only cost time."""
-    import functools
-
     import headroom.residency._group as group
     from headroom.transfer import _heap
 
     calls = []
     monkeypatch.setattr(_heap, "trim_heap", lambda: calls.append(1) or True)
-    # every free trims: the policy is tested, not the 8 MiB between trims
-    monkeypatch.setattr(group, "HeapTrimmer", functools.partial(_heap.HeapTrimmer, threshold=1))
+    # every free trims: the policy is tested, not the 32 MiB between trims
+    monkeypatch.setattr(group, "HeapTrimmer", lambda *a, **k: _heap.HeapTrimmer(threshold=1))
     torch.manual_seed(0)
     model = Transformer(d=64, n=6)
     with warnings.catch_warnings():

@@ -15,12 +15,14 @@ from tests.nn._models import ZOO, trainable
 
 
 def _contexts(tmp_path):
+    # a folder per store: the store of the previous call may not be collected (closed) yet
+    n = iter(range(1 << 30))
     return {
         "track_memory": lambda: hr.track_memory(),
         "offload_activations": lambda: hr.offload_activations(
-            hr.DiskStore(tmp_path / "act"), min_bytes=0),
+            hr.DiskStore(tmp_path / f"act{next(n)}"), min_bytes=0),
         "both": lambda: _nested(hr.track_memory(), hr.offload_activations(
-            hr.DiskStore(tmp_path / "both"), min_bytes=0)),
+            hr.DiskStore(tmp_path / f"both{next(n)}"), min_bytes=0)),
     }
 
 

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from headroom.residency import AfterBackward
+
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
                "_backward_pre_hooks")
 _STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks",
@@ -387,7 +389,7 @@ class ShardedDryRun:
         idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not idx:
             return None  # its backward ends at the end of backward (FSDP2 likewise)
-        outs = _AfterBackward.apply(partial(self._post_backward, unit), *[flat[i] for i in idx])
+        outs = AfterBackward.apply(partial(self._post_backward, unit), *[flat[i] for i in idx])
         outs = outs if isinstance(outs, tuple) else (outs,)
         for j, i in enumerate(idx):
             flat[i] = outs[j]
@@ -498,21 +500,6 @@ class ShardedDryRun:
         self.post_forward_order = []
         self.rs_states = []
         self._bwd_task = -1
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward says the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx, callback, *xs):
-        ctx.callback = callback
-        outs = tuple(x.view_as(x) for x in xs)
-        return outs if len(outs) > 1 else outs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 def _outputs(output: Any) -> list[torch.Tensor]:

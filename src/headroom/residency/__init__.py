@@ -22,10 +22,12 @@ from headroom.residency._plan import (
     plan_offload,
 )
 from headroom.residency._schedule import Offload, Phase
+from headroom.residency._schedule import _AfterBackward as AfterBackward
 from headroom.residency._schedule import _outputs as tensor_outputs
 
 __all__ = [
     "MODULE_ATTRS",
+    "AfterBackward",
     "GroupPlan",
     "OffloadConfig",
     "OffloadDryRun",

@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds one setup may take")
     ap.add_argument("--disk", default="/tmp/hr-fsdp2-disk",
                     help="folder of the disk setup's stores (one per rank)")
     args = ap.parse_args()
@@ -112,14 +113,27 @@ def main() -> None:
         for s in SETUPS:
             tmp = Path(args.out).with_suffix(f".{s}.part")
             cmd = [sys.executable, __file__, "--setup", s, "--out", str(tmp),
-                   *[f"--{k}={v}" for k, v in vars(args).items() if k not in ("setup", "out")]]
-            subprocess.run(cmd, check=True)
-            rows.append(json.loads(tmp.read_text()))
-            tmp.unlink()
+                   *[f"--{k}={v}" for k, v in vars(args).items()
+                     if k not in ("setup", "out", "timeout")]]
+            # a setup that fails or hangs is recorded with its error; the others still run
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                how = f"rc={p.returncode}"
+                tail = (p.stdout + p.stderr)[-3000:]
+            except subprocess.TimeoutExpired as e:
+                how, tail = f"time limit ({args.timeout} s)", str(e.stderr or "")[-3000:]
+            if tmp.exists():
+                rows.append(json.loads(tmp.read_text()))
+                tmp.unlink()
+            else:
+                rows.append({"setup": s, "error": how, "output_tail": tail})
+                print(f"{s}: failed ({how})\n{tail}", file=sys.stderr)
         doc = {"command": "python3 benchmarks/fsdp2_offload_gpu.py " + " ".join(sys.argv[1:]),
                "torch": torch.__version__, "config": vars(args), "runs": rows}
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
         for r in rows:
+            if "error" in r:
+                continue
             print(f"{r['setup']:<18} {r['device']}: step {r['step_s_median'] * 1e3:8.1f} ms,"
                   f" peak allocated {r['peak_allocated_bytes'] / 2**30:6.2f} GiB")
         return

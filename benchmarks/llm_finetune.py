@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import hashlib
 import importlib
 import importlib.metadata
@@ -784,7 +785,8 @@ def run_one(spec: dict) -> dict:
             break
         io_a, st_a = _proc_io(), store_bytes()
         if last and profile:
-            dt, loss = _profiled(timed, Path(spec["scratch"]) / "trace.json", res)
+            dt, loss = _profiled(timed, Path(spec["scratch"]) / "trace.json", res,
+                                 keep=_trace_path(spec, "trace.json.gz"))
             res["profiled_step_timed"] = len(times) == 0
             if not times:
                 times.append(dt)
@@ -799,6 +801,14 @@ def run_one(spec: dict) -> dict:
     if not times:
         times = [res["first_step_s"]]
         res["step_time_from_warm_up"] = True
+    stacks = _trace_path(spec, "stacks.txt")
+    if stacks is not None and time.time() + max(times) * 3 < deadline:
+        # one more step, untimed, with every Python thread's stack sampled (autograd runs a
+        # CUDA backward, and its hooks, on a thread of its own): where host time goes
+        with _StackSampler() as sampler:
+            step(batches)
+        stacks.write_text(sampler.report())
+        res["stack_samples_top"] = sampler.report(25)[-12000:]
     step_s = statistics.median(times)
     flops = model_flops(spec["cfg"], spec["tokens"], spec["seq"])
     res.update(
@@ -832,12 +842,80 @@ def run_one(spec: dict) -> dict:
     return res
 
 
-def _profiled(timed, trace: Path, res: dict) -> tuple[float, float]:
-    """One timed step under ``torch.profiler`` (CUDA activity only), its busy fractions into
-    ``res``; a profiler that cannot start or export is recorded, and the step still counts."""
+class _StackSampler:
+    """Samples every Python thread's stack every ``interval`` seconds from a thread of its own
+    (a small py-spy): per thread, the share of samples in which each function was on the stack
+    (inclusive) and on top of it (self)."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import threading
+
+        self.interval, self.n = interval, {}
+        self.incl: dict = {}
+        self.top: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                name = names.get(tid, f"thread-{tid}")
+                seen, f, leaf = set(), frame, True
+                while f is not None:
+                    key = f"{f.f_code.co_filename.split('site-packages/')[-1]}:" \
+                          f"{f.f_code.co_firstlineno}({f.f_code.co_name})"
+                    if leaf:
+                        self.top.setdefault(name, {}).setdefault(key, 0)
+                        self.top[name][key] += 1
+                        leaf = False
+                    if key not in seen:
+                        seen.add(key)
+                        self.incl.setdefault(name, {}).setdefault(key, 0)
+                        self.incl[name][key] += 1
+                    f = f.f_back
+                self.n[name] = self.n.get(name, 0) + 1
+
+    def __enter__(self) -> _StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, rows: int = 60) -> str:
+        out = []
+        for name, n in sorted(self.n.items(), key=lambda kv: -kv[1]):
+            out.append(f"== thread {name}: {n} samples every {self.interval * 1e3:.0f} ms")
+            for title, d in (("self", self.top.get(name, {})), ("inclusive", self.incl[name])):
+                out.append(f"  -- {title}")
+                for key, c in sorted(d.items(), key=lambda kv: -kv[1])[:rows]:
+                    out.append(f"  {c / n:6.1%} {key}")
+        return "\n".join(out) + "\n"
+
+
+def _trace_path(spec: dict, suffix: str) -> Path | None:
+    """Where ``--trace-dir`` keeps this run's profile (None: not asked for)."""
+    if not spec.get("trace_dir"):
+        return None
+    return Path(spec["trace_dir"]) / f"{spec['tool']}_{spec['size']}.{suffix}"
+
+
+def _profiled(timed, trace: Path, res: dict, keep: Path | None = None) -> tuple[float, float]:
+    """One timed step under ``torch.profiler`` (CUDA activity only; also the CPU's, every
+    thread's operators, when ``keep`` names a gzipped copy of the trace to keep), its busy
+    fractions into ``res``; a profiler that cannot start or export is recorded, and the step
+    still counts."""
     from torch.profiler import ProfilerActivity, profile
 
-    prof = profile(activities=[ProfilerActivity.CUDA])
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if keep is not None else [])
+    prof = profile(activities=acts)
     try:
         prof.__enter__()
     except Exception as e:  # noqa: BLE001 - e.g. CUPTI not permitted: time it unprofiled
@@ -853,6 +931,10 @@ def _profiled(timed, trace: Path, res: dict) -> tuple[float, float]:
         prof.__exit__(None, None, None)
         prof.export_chrome_trace(str(trace))
         res.update(gpu_busy(trace, dt))
+        if keep is not None:
+            with trace.open("rb") as f, gzip.open(keep, "wb", compresslevel=6) as g:
+                shutil.copyfileobj(f, g)
+            res["trace_file"] = str(keep)
     except Exception as e:  # noqa: BLE001 - the step is measured; only its profile is lost
         res["profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
     return dt, loss
@@ -1068,7 +1150,7 @@ class Runner:
                     "precision": a.precision, "seq": a.seq, "micro_batch": a.micro_batch,
                     "accum": a.accum, "tokens": tokens, "steps": a.steps, "lr": a.lr,
                     "seed": 0, "profile": a.profile, "digest": a.digest, "env": env,
-                    "threads": a.threads,
+                    "threads": a.threads, "trace_dir": a.trace_dir,
                     "plan_budget": int(env.get("device_total_gib", 0) * GiB * 0.95)
                     if a.device == "cuda" else None,
                     "plan_budget_fraction": a.plan_budget_fraction}
@@ -1224,6 +1306,10 @@ def main(argv: list[str] | None = None) -> int:
                          " a tiny model on a busy machine is otherwise dominated by barriers)")
     ap.add_argument("--in-process", action="store_true",
                     help="run every tool in this process (no per-run isolation or time limit)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="keep each run's profiled step as a gzipped chrome trace (CUDA and"
+                         " every CPU thread's operators), and one more step's sampled Python"
+                         " stacks, here")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.child:

@@ -215,7 +215,7 @@ def _step_pair(rank, model, ref, opt, ref_opt, *, micro: int, clip: float | None
 def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: bool = False,
           partial: bool = False, clip: float | None = 0.05, store: str = "cpu",
           state_disk: bool = False, tmp: str = "", classes: int = 4, prefetch: int = 1,
-          final: bool = False) -> dict:
+          final: bool = False, no_reset: bool = False) -> dict:
     """FSDP2 + hr.offload(store="cpu" or a DiskStore) + (Host)AdamW vs the same FSDP2 model
     alone."""
     kw = {}
@@ -224,9 +224,19 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
                                                reduce_dtype=torch.float32)
     model, ref = _pair(out=classes, **kw)
     blocks = [model.layers[0], model.layers[2]] if partial else None
-    hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks,
-               prefetch=prefetch)
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    saved = FSDPParamGroup.__dict__["_reset_iter_state"]
+    if no_reset:  # as torch 2.11's FSDP2, which has no reset after an error
+        del FSDPParamGroup._reset_iter_state
+    try:
+        hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks,
+                   prefetch=prefetch)
+    finally:
+        FSDPParamGroup._reset_iter_state = saved
     state = sharded_state_of(model)
+    wrapped = [sorted(k for k in ("unshard", "wait_for_unshard", "_reset_iter_state")
+                      if k in g.__dict__) for g in getattr(state.disk, "groups", [])]
     okw = dict(lr=1e-2, weight_decay=0.1)
     if host:
         st = _store("disk", tmp, rank, "state") if state_disk else "cpu"
@@ -250,7 +260,7 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
         _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step,
                    final=final)
     out = {"stored_bytes": state.stored_bytes, "store_used": state.store.used_bytes,
-           "units": len(state.units), "early": sum(early)}
+           "units": len(state.units), "early": sum(early), "wrapped": wrapped}
     if store == "cpu":
         # Where the shards rest: inside the store's own tensors, and nowhere else.
         in_store = {}

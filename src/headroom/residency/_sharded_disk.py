@@ -145,7 +145,13 @@ class DiskShards:
                 self._drop_after_copy(shards)
             return out
 
-        reset = group._reset_iter_state
+        group.unshard = read_then_unshard
+        group.wait_for_unshard = wait_then_drop
+        reset = getattr(group, "_reset_iter_state", None)
+        if reset is None:
+            # an older torch (2.11) has no reset after an exception in forward or backward:
+            # shards read for an all-gather that never ran stay read until the unit's next one
+            return
 
         def reset_then_drop():
             # After an exception in forward or backward (FSDP2's reset_iter_state): the
@@ -155,8 +161,6 @@ class DiskShards:
             self._settle(shards)
             self.drop(shards)
 
-        group.unshard = read_then_unshard
-        group.wait_for_unshard = wait_then_drop
         group._reset_iter_state = reset_then_drop
 
     def unwrap(self) -> None:

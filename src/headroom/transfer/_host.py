@@ -12,7 +12,40 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
 from headroom.transfer._store import Store, StoreFullError, done
 
-__all__ = ["HostStore", "PinnedPool"]
+__all__ = ["HostStore", "PinnedPool", "add_into"]
+
+# Elements converted at a time by `add_into`: 8 MiB of fp32, cache-sized, and enough for
+# every core's share of one add to be worth a thread.
+_ADD_CHUNK = 1 << 21
+_scratch = threading.local()
+
+
+def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.add_(src)``, bitwise, faster on the host when ``src`` is a narrower float.
+
+    A CPU ``add_`` across dtypes (an fp32 gradient plus a bf16 one) takes a path about 5-7
+    times slower than a cast and a same-dtype add. When ``dst.dtype`` is the promoted dtype
+    (the cast of ``src`` is exact, so the sum is the same), the cast goes through a small
+    scratch buffer of this thread's, chunk by chunk: no temporary the size of the tensor, which
+    would fault in fresh pages on every call.
+    """
+    if (dst.dtype == src.dtype or torch.promote_types(dst.dtype, src.dtype) != dst.dtype
+            or dst.device.type != "cpu" or src.device.type != "cpu"
+            or not (dst.is_contiguous() and src.is_contiguous()) or dst.shape != src.shape
+            or dst.numel() <= _ADD_CHUNK // 8):
+        dst.add_(src)
+        return
+    buf = getattr(_scratch, str(dst.dtype), None)
+    if buf is None:
+        buf = torch.empty(_ADD_CHUNK, dtype=dst.dtype)
+        setattr(_scratch, str(dst.dtype), buf)
+    d, s = dst.view(-1), src.view(-1)
+    n = d.numel()
+    for a in range(0, n, _ADD_CHUNK):
+        b = min(n, a + _ADD_CHUNK)
+        tmp = buf[:b - a]
+        tmp.copy_(s[a:b])
+        d[a:b].add_(tmp)
 
 
 class PinnedPool:

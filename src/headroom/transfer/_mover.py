@@ -41,7 +41,7 @@ import torch
 from headroom.transfer._binding import ParamBinding
 from headroom.transfer._device import stream_module
 from headroom.transfer._handle import Handle
-from headroom.transfer._host import PinnedPool, as_bytes
+from headroom.transfer._host import PinnedPool, add_into, as_bytes
 from headroom.transfer._pinned import _device_guard
 from headroom.transfer._store import Store, is_accelerator
 
@@ -382,7 +382,7 @@ class Mover:
         with torch.no_grad():
             if host is not None:
                 if accumulate:
-                    host.add_(grad)
+                    add_into(host, grad)
                 else:
                     host.copy_(grad)
                 return None
@@ -411,7 +411,7 @@ class Mover:
     def _accumulate(self, gh: Handle, grad: torch.Tensor) -> None:
         acc = self.store.read(gh).result()
         with torch.no_grad():
-            acc.add_(grad)
+            add_into(acc, grad)
         self.store.write(gh, acc).result()
 
     def _grads_disk(self, fut: Future, nbytes: int) -> None:

@@ -11,7 +11,7 @@ import math
 import torch
 
 from headroom.transfer._device import stream_module
-from headroom.transfer._host import PinnedPool, as_bytes
+from headroom.transfer._host import PinnedPool, add_into, as_bytes
 from headroom.transfer._store import is_accelerator
 
 __all__ = ["RowStreamer"]
@@ -303,8 +303,9 @@ class RowStreamer:
         if staging is None:
             return
         with torch.no_grad():
-            if accumulate:
-                dst.add_(staging.to(dst.dtype))
+            if accumulate:  # cast, then added (exact either way when dst's dtype is wider)
+                wider = torch.promote_types(dst.dtype, staging.dtype) == dst.dtype
+                add_into(dst, staging if wider else staging.to(dst.dtype))
             else:
                 dst.copy_(staging)
         self._pool.give(as_bytes(staging))

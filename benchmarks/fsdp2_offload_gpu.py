@@ -110,6 +110,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.setup is None:  # one fresh run per setup (torchrun-launched runs pass --setup)
         rows = []
+        doc = {"command": "python3 benchmarks/fsdp2_offload_gpu.py " + " ".join(sys.argv[1:]),
+               "torch": torch.__version__, "config": vars(args), "runs": rows,
+               "complete": False}
         for s in SETUPS:
             tmp = Path(args.out).with_suffix(f".{s}.part")
             cmd = [sys.executable, __file__, "--setup", s, "--out", str(tmp),
@@ -128,14 +131,14 @@ def main() -> None:
             else:
                 rows.append({"setup": s, "error": how, "output_tail": tail})
                 print(f"{s}: failed ({how})\n{tail}", file=sys.stderr)
-        doc = {"command": "python3 benchmarks/fsdp2_offload_gpu.py " + " ".join(sys.argv[1:]),
-               "torch": torch.__version__, "config": vars(args), "runs": rows}
+            r = rows[-1]
+            if "error" not in r:
+                print(f"{r['setup']:<19} {r['device']}: step {r['step_s_median'] * 1e3:8.1f} ms,"
+                      f" peak allocated {r['peak_allocated_bytes'] / 2**30:6.2f} GiB", flush=True)
+            # written after each setup: a run stopped part way keeps what it measured
+            Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        doc["complete"] = True
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-        for r in rows:
-            if "error" in r:
-                continue
-            print(f"{r['setup']:<18} {r['device']}: step {r['step_s_median'] * 1e3:8.1f} ms,"
-                  f" peak allocated {r['peak_allocated_bytes'] / 2**30:6.2f} GiB")
         return
     if "RANK" not in os.environ:  # a single process: world 1
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",

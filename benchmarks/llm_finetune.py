@@ -801,14 +801,6 @@ def run_one(spec: dict) -> dict:
     if not times:
         times = [res["first_step_s"]]
         res["step_time_from_warm_up"] = True
-    stacks = _trace_path(spec, "stacks.txt")
-    if stacks is not None and time.time() + max(times) * 3 < deadline:
-        # one more step, untimed, with every Python thread's stack sampled (autograd runs a
-        # CUDA backward, and its hooks, on a thread of its own): where host time goes
-        with _StackSampler() as sampler:
-            step(batches)
-        stacks.write_text(sampler.report())
-        res["stack_samples_top"] = sampler.report(25)[-12000:]
     step_s = statistics.median(times)
     flops = model_flops(spec["cfg"], spec["tokens"], spec["seq"])
     res.update(
@@ -838,6 +830,15 @@ def run_one(spec: dict) -> dict:
         res["device_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     if spec["digest"] and values is not None:
         res["digest"] = _digest(values())
+    stacks = _trace_path(spec, "stacks.txt")
+    if stacks is not None and time.time() + max(times) * 3 < deadline:
+        # one more step (after the digest), untimed, with every Python thread's stack
+        # sampled (autograd runs a CUDA backward, and its hooks, on a thread of its own):
+        # where host time goes
+        with _StackSampler() as sampler:
+            step(batches)
+        stacks.write_text(sampler.report())
+        res["stack_samples_top"] = sampler.report(25)[-12000:]
     save()
     return res
 

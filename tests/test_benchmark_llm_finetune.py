@@ -29,7 +29,7 @@ def _run(tmp_path: Path, *args: str, timeout: float = 240) -> dict:
 
 
 def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
-    doc = _run(tmp_path, "--in-process", "--steps", "2")
+    doc = _run(tmp_path, "--in-process", "--steps", "2", "--trace-dir", str(tmp_path))
     assert doc["complete"] is True and doc["partial"] is None
     assert doc["env"]["device_name"] == "cpu" and doc["env"]["matmul_tflops"] > 0
     assert doc["versions"]["torch"] and doc["versions"]["headroom"]
@@ -55,6 +55,10 @@ def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
     assert runs["headroom"]["setup"]["placement"] == "disk"
     assert runs["headroom"]["store_read_bytes_per_step"] > 0
     assert runs["headroom"]["store_write_bytes_per_step"] > 0
+    # --trace-dir: one more step's sampled stacks, every thread (the host optimizer's too)
+    stacks = (tmp_path / "headroom_tiny.stacks.txt").read_text()
+    assert "== thread MainThread" in stacks and "== thread hr-host-step" in stacks
+    assert "(step)" in runs["headroom"]["stack_samples_top"]
     # the plan had to offload something to fit half of the plain step's estimated peak
     assert "nothing: the plain step fits" not in runs["headroom_plan"]["setup"]["choice"]
     # same initial values, same data, AdamW: bitwise the same parameters after training

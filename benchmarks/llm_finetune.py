@@ -733,8 +733,14 @@ def run_one(spec: dict) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     io0 = _proc_io()
     t0 = time.perf_counter()
+    setup_stacks = _trace_path(spec, "setup_stacks.txt")
     try:
-        model, step, info, values, stores = SETUP[spec["tool"]](spec)
+        if setup_stacks is None:
+            model, step, info, values, stores = SETUP[spec["tool"]](spec)
+        else:  # where the setup's time goes (building, initializing, offloading), sampled
+            with _StackSampler(0.01) as sampler:
+                model, step, info, values, stores = SETUP[spec["tool"]](spec)
+            setup_stacks.write_text(sampler.report())
     except Skip as e:
         res.update(status="skipped", reason=str(e))
         save()

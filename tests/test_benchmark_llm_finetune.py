@@ -59,6 +59,7 @@ def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
     stacks = (tmp_path / "headroom_tiny.stacks.txt").read_text()
     assert "== thread MainThread" in stacks and "== thread hr-host-step" in stacks
     assert "(step)" in runs["headroom"]["stack_samples_top"]
+    assert "(setup_headroom)" in (tmp_path / "headroom_tiny.setup_stacks.txt").read_text()
     # the plan had to offload something to fit half of the plain step's estimated peak
     assert "nothing: the plain step fits" not in runs["headroom_plan"]["setup"]["choice"]
     # same initial values, same data, AdamW: bitwise the same parameters after training

@@ -65,7 +65,7 @@ stage bench_fsdp2_offload $((240 * T)) $PY benchmarks/fsdp2_offload_gpu.py --lay
 # partial, whatever it got to.
 LLM_BUDGET=${LLM_BUDGET:-$((480 * T))}
 stage bench_llm_finetune $((LLM_BUDGET + 60)) $PY benchmarks/llm_finetune.py \
-  --budget-s "$LLM_BUDGET" --out "$LOG/llm_finetune_gpu.json"
+  --budget-s "$LLM_BUDGET" --trace-dir "$LOG" --out "$LOG/llm_finetune_gpu.json"
 fi
 
 grep -hE '^(FAILED|ERROR) ' "$LOG"/*.log | cut -c1-300 | head -60

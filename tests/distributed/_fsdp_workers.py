@@ -94,6 +94,15 @@ def sharded_state_of(model: nn.Module):
     return sharded_state_of(model)
 
 
+def _at_rest(fp) -> bool:
+    """A shard on disk between uses: no memory of its own (a StoreTensor over the store, its
+    padded shard a placeholder)."""
+    from headroom.transfer import StoreTensor
+
+    return (isinstance(fp.sharded_param.to_local(), StoreTensor)
+            and fp._sharded_param_data.untyped_storage().nbytes() == 0)
+
+
 def _local(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's local shard, as ``state_dict()`` gives it (read from a DiskStore)."""
     return {n: p.to_local().detach().clone() for n, p in model.state_dict().items()}
@@ -270,8 +279,7 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
             in_store[key] = int(lo <= state.params[key].sharded_param.to_local().data_ptr() < hi)
     else:
         # On disk: between uses no shard holds host memory.
-        in_store = {key: int(state.params[key].sharded_param.to_local()
-                             .untyped_storage().nbytes() == 0) for key in state.handles}
+        in_store = {key: int(_at_rest(state.params[key])) for key in state.handles}
         peak = state.disk.peak_resident_bytes
         out.update(resident=state.resident_bytes, peak_resident=peak,
                    reads=state.disk.reads, ahead_used=state.disk.ahead_used,
@@ -318,7 +326,7 @@ def checkpoint(rank: int, world: int, tmp: str, store: str = "cpu") -> dict:
             lo, hi = flat.data_ptr(), flat.data_ptr() + flat.nbytes
             in_store.append(int(lo <= local.data_ptr() < hi))
         else:  # on disk: nothing left in host memory after the load
-            in_store.append(int(local.untyped_storage().nbytes() == 0))
+            in_store.append(int(_at_rest(state.params[key])))
     x, _ = batch(rank, 9)
     return {"got": _local(fresh), "ref": _local(model), "in_store": torch.tensor(in_store),
             "out": fresh(x).detach(), "out_ref": model(x).detach()}
@@ -431,6 +439,48 @@ def convert(rank: int, world: int) -> dict:
     return {"got": _local(conv), "ref": _local(ref),
             "converted": int(type(conv.layers[0].fc1).__module__.startswith("headroom.")),
             "unchanged": int(before == [type(m) for m in model.modules()])}
+
+
+def direct_access(rank: int, world: int, tmp: str) -> dict:
+    """Shards on disk reached between steps as users do (``p.to_local()``, ``p.norm()``,
+    ``p.full_tensor()``, an EMA's ``lerp_``, in-place ``mul_`` under ``no_grad``): the stored
+    values, exactly, and writes land in the store; training then goes on like FSDP2 alone."""
+    model, ref = _pair()
+    hr.offload(model, device="cpu", store=_store("disk", tmp, rank))
+    state = sharded_state_of(model)
+    out: dict = {}
+
+    def reads(tag: str) -> None:
+        pairs = list(zip(model.parameters(), ref.parameters(), strict=True))
+        out[f"{tag}_local"] = all(torch.equal(p.to_local(), q.to_local()) for p, q in pairs)
+        out[f"{tag}_norm"] = all(torch.equal(p.norm().full_tensor(), q.norm().full_tensor())
+                                 for p, q in pairs)
+        out[f"{tag}_full"] = all(torch.equal(p.full_tensor(), q.full_tensor()) for p, q in pairs)
+        out[f"{tag}_data"] = all(torch.equal(p.data.to_local().sum(), q.data.to_local().sum())
+                                 for p, q in pairs)
+        out[f"{tag}_at_rest"] = all(_at_rest(fp) for fp in state.params.values())
+
+    reads("fresh")
+    ema = [p.detach().clone() for p in model.parameters()]
+    ema_ref = [q.detach().clone() for q in ref.parameters()]
+    with torch.no_grad():
+        for m in (model, ref):
+            for p in m.parameters():
+                p.mul_(0.5)  # written into the store
+    reads("written")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, lr=1e-2)
+    for step in range(2):
+        _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=0.05, step=step)
+        for e, p in zip(ema, model.parameters(), strict=True):
+            e.lerp_(p, 0.1)
+        for e, q in zip(ema_ref, ref.parameters(), strict=True):
+            e.lerp_(q, 0.1)
+    reads("trained")
+    out["ema"] = all(torch.equal(e.to_local(), f.to_local())
+                     for e, f in zip(ema, ema_ref, strict=True))
+    out.update(got=_local(model), ref=_local(ref))
+    return out
 
 
 def unoffload(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:

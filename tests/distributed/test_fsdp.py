@@ -51,6 +51,7 @@ CASES = {
     "unoffload_disk": ("unoffload", dict(store="disk", tmp=True)),
     "offload_interrupted_disk": ("offload_interrupted", dict(store="disk", tmp=True)),
     "failures_disk": ("failures", dict(tmp=True)),
+    "direct_access_disk": ("direct_access", dict(tmp=True)),
 }
 WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
 TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded", "final"]
@@ -309,6 +310,17 @@ def test_shards_on_disk_survive_failed_forward_backward_and_step(world2):
 
 
 # ------------------------------------------------------------------ tracking, convert
+def test_shards_on_disk_read_and_written_directly_between_steps(world2):
+    # p.to_local(), p.norm(), an EMA of the parameters: the stored values, bitwise (before,
+    # these read a tensor without memory: a segfault); in-place writes land in the store
+    for r in world2["direct_access_disk"]:
+        for tag in ("fresh", "written", "trained"):
+            for what in ("local", "norm", "full", "data", "at_rest"):
+                assert r[f"{tag}_{what}"] is True, (tag, what)
+        assert r["ema"] is True
+    _equal(world2["direct_access_disk"])
+
+
 @pytest.mark.parametrize("case", ["tracking", "tracking_offloaded"])
 def test_track_memory_counts_the_local_shards(world2, case):
     for r in world2[case]:

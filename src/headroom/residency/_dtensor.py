@@ -291,6 +291,7 @@ def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
             release(ph)
             state.params[key] = sh.fp
             disk.bind(sh)
+            disk.rest(sh)
         disk.wrap_all()
         disk.hook(model)
     except BaseException:

@@ -3,9 +3,10 @@
 With ``store=DiskStore(...)``, `offload_sharded` keeps each rank's *unpadded* local shard of
 every parameter of the chosen units in the store (one tensor per parameter, named by its
 fully qualified name), and the unit on FSDP2's host path (``offload_to_cpu``). Between uses,
-the FSDPParam's padded shard and the DTensor parameter's local tensor are placeholders without
-memory. FSDP2 reads the shard in exactly two places, both inside its parameter group: the
-all-gather inputs (``unshard``) and, with a world of one, the copy in ``wait_for_unshard``.
+the FSDPParam's padded shard is a placeholder without memory and the DTensor parameter's local
+tensor a `StoreTensor` over the stored shard (`DiskShards.rest`). FSDP2 reads the shard in
+exactly two places, both inside its parameter group: the all-gather inputs (``unshard``) and,
+with a world of one, the copy in ``wait_for_unshard``.
 So the group's two methods are wrapped (on the instance; whoever calls them, its own
 pre-forward, pre-backward, prefetches or ``model.unshard()``): ``unshard`` first reads the
 group's shards from the disk into fresh host buffers (or takes those read ahead, see [Note:
@@ -31,7 +32,15 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from headroom.transfer import Handle, Store, bind, is_accelerator, unbind
+from headroom.transfer import (
+    Handle,
+    HandleSource,
+    Store,
+    StoreTensor,
+    bind,
+    is_accelerator,
+    unbind,
+)
 
 __all__ = ["DiskShards", "placeholder", "release"]
 
@@ -120,6 +129,19 @@ class DiskShards:
     def bind(self, sh: _Shard) -> None:
         """Bind the (new) DTensor parameter of ``sh`` to its tensor in the store."""
         bind(sh.fp.sharded_param, sh.handle, store=self.store)
+
+    def rest(self, sh: _Shard) -> None:
+        """Between all-gathers: the DTensor's local tensor reads and writes the store.
+
+        Its padded shard is a placeholder without memory, which FSDP2 reads only inside the
+        wrapped ``unshard``. Code of the user's that reaches the parameter meanwhile (``p.norm()``,
+        ``p.to_local()``, an EMA, ``p.data.mul_()``) gets a `StoreTensor`: reads come from the
+        disk, in-place writes go to it (the next all-gather reads them), exactly, rather than
+        touching a tensor without memory.
+        """
+        sh.fp.sharded_param._local_tensor = StoreTensor(
+            HandleSource(self.store, sh.handle), tuple(sh.handle.shape),
+            dtype=sh.handle.dtype, device=torch.device("cpu"))
 
     def wrap_all(self) -> None:
         """Wrap the parameter groups' ``unshard`` and ``wait_for_unshard`` (see the module doc)."""
@@ -293,6 +315,7 @@ class DiskShards:
                 ph = placeholder(sh.fp)
                 _set_data(sh.fp, ph, sh.length)
                 release(ph)
+                self.rest(sh)
                 sh.resident = False
 
     def _drop_after_copy(self, shards: list[_Shard]) -> None:

@@ -397,3 +397,42 @@ def test_accelerator_device_without_index():
     x = torch.randn(B, D, device=acc())
     assert head.device.index is not None and x.device == head.device
     head(x, torch.randint(0, C, (B,), device=acc()))  # accepted: same device
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_ignored_rows_skip_the_products(kind, tmp_path):
+    # a batch with its prompt masked (3 rows in 4 ignored, shifted): the loss, the gradients
+    # and the predictions as the dense reference's, with a quarter of the matrix products
+    # (counted by torch's FlopCounterMode, independently of headroom)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=_store(kind, tmp_path),
+                             slice_size=300)
+    w, b = _dense(head)
+    x = torch.randn(2, 48, D, requires_grad=True)
+    y = torch.randint(0, C, (2, 48))
+    y[:, :36] = -100
+    xr = x.detach().clone().requires_grad_()
+
+    def flops(labels):
+        head.zero_grad(set_to_none=True)
+        with FlopCounterMode(display=False) as fc:
+            out = head(x, labels, shift=True, return_accuracy=True, return_predictions=True)
+            out.loss.backward()
+        return fc.get_total_flops(), out
+
+    n_masked, out = flops(y)
+    logits = (xr[:, :-1] @ w.T + b).reshape(-1, C)
+    ref = F.cross_entropy(logits, y[:, 1:].reshape(-1))
+    ref.backward()
+    _close(out.loss, ref)
+    _close(x.grad, xr.grad)
+    _close(_grad(head, head.weight), w.grad)
+    _close(_grad(head, head.bias), b.grad)
+    kept = y[:, 1:] != -100
+    want = torch.where(kept, logits.argmax(1).view(2, 47), -1)
+    assert torch.equal(out.predictions, want)  # (batch, seq - 1), -1 where ignored
+    _close(out.accuracy.double(), (want == y[:, 1:])[kept].double().mean())
+    n_all, _ = flops(torch.randint(0, C, (2, 48)))
+    rows_masked, rows_all = int(kept.sum()), 2 * 47
+    assert n_masked * rows_all == pytest.approx(n_all * rows_masked, rel=0.01)

@@ -25,6 +25,7 @@ from headroom.heads._linear_ce import (
     CrossEntropyOptions,
     LinearCrossEntropyOutput,
     _check_target,
+    _kept_rows,
     _refuse_double_backward,
     ce_backward,
     ce_forward,
@@ -37,6 +38,7 @@ from headroom.heads._linear_ce import (
     outputs,
     pick_slice_size,
     shift_target,
+    unshift_rows,
     wrap_outputs,
 )
 from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
@@ -607,6 +609,16 @@ class HugeClassifier(nn.Module):
                     "reduction apply")
             return self._sampled_forward(features, labels, ignore_index, label_smoothing,
                                          reduction)
+        shape_all, shift_all = labels.shape, shift
+        keep = _kept_rows(labels, ignore_index) if (
+            reduction != "none" and not return_lse) else None
+        if keep is not None:
+            # ignored rows add nothing to a reduced loss and get a zero gradient: only the
+            # rest are read against the weight slices (index_select's backward puts the
+            # zeros back), as in linear_cross_entropy. A batch with its prompts masked does
+            # half the products or less.
+            features = features.reshape(-1, features.shape[-1]).index_select(0, keep)
+            labels, shift = labels.reshape(-1)[keep], 0
         batch = math.prod(labels.shape)
         slice_size = self._slice_for(batch, halve=softcap is not None)
         cw = None if class_weight is None else class_weight.detach().to(
@@ -620,6 +632,11 @@ class HugeClassifier(nn.Module):
         )
         out = _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts,
                                        shift, slice_size)
+        if keep is not None and return_predictions:
+            pred = torch.full((math.prod(shape_all),), -1, dtype=torch.int64,
+                              device=out[3].device)
+            pred[keep] = out[3]
+            out = (*out[:3], unshift_rows(pred, shape_all, shift_all))
         return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
                             return_predictions=return_predictions)
 

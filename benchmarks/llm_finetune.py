@@ -488,8 +488,9 @@ def setup_torchao(spec: dict):
 def setup_deepspeed(spec: dict):
     import torch
 
-    if spec["device"] != "cuda":
-        raise Skip("ZeRO-3 offload needs an accelerator")
+    cpu = spec["device"] == "cpu"
+    if cpu:  # DeepSpeed's CPU accelerator (the structure check of --tiny, where it installs)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
     except ImportError as e:
@@ -499,15 +500,21 @@ def setup_deepspeed(spec: dict):
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    if cpu:
+        deepspeed.init_distributed(dist_backend="gloo")  # (its CPU default, oneCCL, may lack)
     ds_cfg = {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "gradient_accumulation_steps": spec["accum"],
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": spec["precision"] == "bf16"},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "zero_force_ds_cpu_optimizer": False,
         "wall_clock_breakdown": False,
     }
+    # NOTE: zero.Init replaces torch.Tensor.__new__; dynamo, imported first inside it (by the
+    # model's code), then rejects that signature for its polyfills: import it before
+    import torch._dynamo.polyfills.loader  # noqa: F401
+
     torch.manual_seed(spec["seed"])
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
         model = _build(spec["cfg"], torch.float32, "cpu")
@@ -525,7 +532,7 @@ def setup_deepspeed(spec: dict):
         return float(total)
 
     info = {"params": "ZeRO-3, parameters and optimizer state offloaded to the host",
-            "compute": "bf16", "optimizer": "torch.optim.AdamW on the host",
+            "compute": spec["precision"], "optimizer": "torch.optim.AdamW on the host",
             "checkpointing": "every layer", "fp32_masters": True}
     return engine, step, info, None, []
 

@@ -37,8 +37,11 @@ def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
     assert doc["models"]["tiny"]["params"] > 0
     runs = {r["tool"]: r for r in doc["runs"]}
     assert sorted(runs) == sorted(TOOLS) and all(r["size"] == "tiny" for r in runs.values())
-    for tool in ("torchao", "deepspeed"):  # need an accelerator: recorded, not failed
-        assert runs[tool]["status"] == "skipped" and "accelerator" in runs[tool]["reason"]
+    # torchao needs an accelerator; DeepSpeed is not a test dependency: recorded, not failed
+    assert runs["torchao"]["status"] == "skipped" and "accelerator" in runs["torchao"]["reason"]
+    ds = runs["deepspeed"]
+    assert ds["status"] == "ok" if ds.get("setup") else (
+        ds["status"] == "skipped" and "not installed" in ds["reason"])
     for tool in ("plain", "fsdp2", "headroom", "headroom_plan"):
         r = runs[tool]
         assert r["status"] == "ok", r.get("traceback") or r

@@ -441,6 +441,31 @@ def convert(rank: int, world: int) -> dict:
             "unchanged": int(before == [type(m) for m in model.modules()])}
 
 
+def compiled(rank: int, world: int, store: str = "cpu", tmp: str = "",
+             backend: str = "aot_eager") -> dict:
+    """``torch.compile`` of the whole FSDP2 + headroom model, as FSDP2 users compile theirs,
+    against the same compiled FSDP2 model alone (AdamW, clipping)."""
+    model, ref = _pair()
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank))
+    okw = dict(lr=1e-2, weight_decay=0.1)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    runs = ((torch.compile(model, backend=backend), opt),
+            (torch.compile(ref, backend=backend), ref_opt))
+    losses: dict = {"got": [], "ref": []}
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        for (m, o), key in zip(runs, ("got", "ref"), strict=True):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+            o.zero_grad()
+            losses[key].append(loss.detach())
+    return {"got": _local(model), "ref": _local(ref),
+            "losses_equal": torch.equal(torch.stack(losses["got"]), torch.stack(losses["ref"]))}
+
+
 def direct_access(rank: int, world: int, tmp: str) -> dict:
     """Shards on disk reached between steps as users do (``p.to_local()``, ``p.norm()``,
     ``p.full_tensor()``, an EMA's ``lerp_``, in-place ``mul_`` under ``no_grad``): the stored

@@ -52,6 +52,8 @@ CASES = {
     "offload_interrupted_disk": ("offload_interrupted", dict(store="disk", tmp=True)),
     "failures_disk": ("failures", dict(tmp=True)),
     "direct_access_disk": ("direct_access", dict(tmp=True)),
+    "compiled": ("compiled", dict()),
+    "compiled_inductor_disk": ("compiled", dict(store="disk", backend="inductor", tmp=True)),
 }
 WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
 TRAIN = ["host_opt", "torch_opt", "accumulate", "bf16", "partial", "padded", "final"]
@@ -319,6 +321,13 @@ def test_shards_on_disk_read_and_written_directly_between_steps(world2):
                 assert r[f"{tag}_{what}"] is True, (tag, what)
         assert r["ema"] is True
     _equal(world2["direct_access_disk"])
+
+
+@pytest.mark.parametrize("case", ["compiled", "compiled_inductor_disk"])
+def test_compiled_sharded_model_trains_bitwise_like_fsdp2(world2, case):
+    # torch.compile over FSDP2 + headroom (aot_eager, host memory; inductor, shards on disk)
+    _equal(world2[case])
+    assert all(r["losses_equal"] for r in world2[case])
 
 
 @pytest.mark.parametrize("case", ["tracking", "tracking_offloaded"])

@@ -105,7 +105,8 @@ def _at_rest(fp) -> bool:
 
 def _local(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's local shard, as ``state_dict()`` gives it (read from a DiskStore)."""
-    return {n: p.to_local().detach().clone() for n, p in model.state_dict().items()}
+    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for n, p in model.state_dict().items()}
 
 
 def _store(store: str, tmp: str, rank: int, name: str = "shards"):
@@ -464,6 +465,51 @@ def compiled(rank: int, world: int, store: str = "cpu", tmp: str = "",
             losses[key].append(loss.detach())
     return {"got": _local(model), "ref": _local(ref),
             "losses_equal": torch.equal(torch.stack(losses["got"]), torch.stack(losses["ref"]))}
+
+
+def llama(rank: int, world: int, mode: str, store: str = "cpu", tmp: str = "") -> dict:
+    """A transformers Llama (from a config) sharded per decoder layer, with gradient
+    checkpointing (``mode="ckpt"``) or PEFT LoRA on a frozen base (``mode="lora"``), then
+    offloaded: AdamW over the trainable parameters with clipping, against FSDP2 alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    warnings.simplefilter("ignore")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg)
+        layers = m.model.layers
+        if mode == "ckpt":
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            from peft import LoraConfig, get_peft_model
+
+            m = get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                             init_lora_weights="gaussian"))
+        m.train()
+        for layer in layers:
+            fully_shard(layer)
+        return fully_shard(m)
+
+    model, ref = build(), build()
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank))
+    trained = [[p for p in m.parameters() if p.requires_grad] for m in (model, ref)]
+    opts = (hr.HostOptimizer(trained[0], torch.optim.AdamW, fused=False, lr=1e-2),
+            torch.optim.AdamW(trained[1], foreach=False, lr=1e-2))
+    for step in range(STEPS):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(
+            100 * rank + step))
+        for m, o, ps in zip((model, ref), opts, trained, strict=True):
+            m(input_ids=ids, labels=ids).loss.backward()
+            torch.nn.utils.clip_grad_norm_(ps, 0.5)
+            o.step()
+            o.zero_grad()
+    return {"got": _local(model), "ref": _local(ref),
+            "trained": sum(p.numel() for p in trained[0]),
+            "all": sum(p.numel() for p in model.parameters())}
 
 
 def direct_access(rank: int, world: int, tmp: str) -> dict:

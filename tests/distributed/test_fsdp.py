@@ -53,6 +53,9 @@ CASES = {
     "failures_disk": ("failures", dict(tmp=True)),
     "direct_access_disk": ("direct_access", dict(tmp=True)),
     "compiled": ("compiled", dict()),
+    "llama_ckpt_disk": ("llama", dict(mode="ckpt", store="disk", tmp=True)),
+    "llama_lora": ("llama", dict(mode="lora")),
+    "llama_lora_disk": ("llama", dict(mode="lora", store="disk", tmp=True)),
     "compiled_inductor_disk": ("compiled", dict(store="disk", backend="inductor", tmp=True)),
 }
 WORLD4 = ["host_opt", "accumulate", "host_opt_disk", "accumulate_disk", "padded_disk"]
@@ -328,6 +331,15 @@ def test_compiled_sharded_model_trains_bitwise_like_fsdp2(world2, case):
     # torch.compile over FSDP2 + headroom (aot_eager, host memory; inductor, shards on disk)
     _equal(world2[case])
     assert all(r["losses_equal"] for r in world2[case])
+
+
+@pytest.mark.parametrize("case", ["llama_ckpt_disk", "llama_lora", "llama_lora_disk"])
+def test_transformers_llama_checkpointed_or_lora_trains_bitwise_like_fsdp2(world2, case):
+    # a real model: gradient checkpointing, or LoRA on a frozen base (only the adapters
+    # step), shards in host memory or on disk
+    _equal(world2[case])
+    for r in world2[case]:
+        assert (r["trained"] < r["all"] / 10) if "lora" in case else r["trained"] == r["all"]
 
 
 @pytest.mark.parametrize("case", ["tracking", "tracking_offloaded"])

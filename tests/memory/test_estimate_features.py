@@ -151,11 +151,7 @@ def test_host_optimizer_whose_constructor_makes_state(tmp_path):
                         optimizer=opts, device=target).peak > 0
 
 
-@pytest.mark.parametrize(("params", "state"), [
-    ("cpu", "disk"), ("disk", "cpu"),
-    pytest.param("disk", "disk", marks=pytest.mark.xfail(
-        strict=True, reason="measured forward holds about 110 KiB more 'other' than estimated"
-                            " (bf16 parameters read from disk)"))])
+@pytest.mark.parametrize(("params", "state"), [("cpu", "disk"), ("disk", "cpu"), ("disk", "disk")])
 def test_bf16_model_offloaded_with_fp32_masters(params, state, tmp_path):
     # A bf16 parameter in a store gets an fp32 master of its own in the optimizer's store.
     from tests.memory._models import with_features
@@ -166,4 +162,8 @@ def test_bf16_model_offloaded_with_fp32_masters(params, state, tmp_path):
     opt = with_features(model, tmp_path, offload=(params, 1), host=(state, False))
     mem = measure(model, args, opt, steps=3)
     est = estimate(model, args, loss_fn=loss_fn, optimizer=opt)
+    # the dry run keeps the gradient in fp32 and the step's spares and undo copies where the
+    # real step does (it priced an undo copy of an offloaded parameter: 1.48x with both on
+    # disk). Alone the two agree to 72 bytes; a machine under load has measured more (a disk
+    # write still holding its gradient)
     assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)

@@ -226,3 +226,46 @@ def test_bf16_parameters_on_disk_a_failure_at_every_slice_is_undone(tmp_path, di
         _bf16_iteration(model, opt, s)
         _bf16_iteration(ref, ref_opt, s)
     assert not _same(_values(ref, ref_opt), _values(model, opt))
+
+
+@pytest.mark.parametrize(("disk_state", "dtype"), list(WANT))
+def test_the_dry_run_moves_what_the_step_moves(tmp_path, disk_state, dtype):
+    # hr.estimate's dry run (what hr.plan prices a step's disk time from) against the stores'
+    # own counts of a steady-state iteration: forward and backward reading the parameters,
+    # backward writing fp32 gradients (for a bf16 parameter too), the step's reads and writes
+    # (spares, the exchange, undo copies of what rests in host memory)
+    from headroom.optim import HostOptimizerOptions
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
+                                   torch.nn.Linear(64, 16)).to(dtype)
+
+    def loss(out):
+        return out.float().pow(2).mean()
+
+    x = torch.randn(4, 32).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # device=cpu: mechanics only
+        est = hr.estimate(make(), (x,), loss_fn=loss, device="cpu",
+                          optimizer=HostOptimizerOptions(
+                              torch.optim.AdamW, {"lr": 1e-2, "fused": False},
+                              "disk" if disk_state else "cpu", False, 1024, 4096),
+                          offload={"store": "disk", "prefetch": 1})
+        model = make()
+        pstore = hr.DiskStore(tmp_path / "p")
+        hr.offload(model, device="cpu", store=pstore, prefetch=1)
+    state = hr.DiskStore(tmp_path / "s") if disk_state else "cpu"
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
+                           slice_bytes=1024, bucket_bytes=4096, lr=1e-2, fused=False)
+    stores = [pstore] + ([state] if disk_state else [])
+    for _ in range(3):  # the first creates the state; the last is measured
+        before = [s.stats() for s in stores]
+        loss(model(x)).backward()
+        opt.step()
+        opt.zero_grad()
+    after = [s.stats() for s in stores]
+    moved = {k: sum(b[f"bytes_{n}"] - a[f"bytes_{n}"] for a, b in zip(before, after, strict=True))
+             for k, n in (("disk_read", "read"), ("disk_write", "written"))}
+    opt.close()
+    assert {k: est.transfers[k] for k in moved} == moved

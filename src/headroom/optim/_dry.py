@@ -146,6 +146,9 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             if host is not None and host.dtype in _MASTER_DTYPES:
                 e.master = host
             e.lowp = slot.handle.dtype not in _MASTER_DTYPES
+            if e.lowp and slot.grad_handle is None:
+                # as HostOptimizer asks the store (want_fp32_grad): an fp32 gradient
+                slot.grad_dtype = torch.float32
         elif (self._cpu or self._places.where(p.untyped_storage()._cdata) == "host") \
                 and p.dtype in _MASTER_DTYPES:
             # on the CPU in fp32 (an FSDP2 shard resting in host memory too): its own master
@@ -301,35 +304,15 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 ), e.group, {k: v for k, v in self.param_groups[e.group].items()
                              if k != "params"}))
             # The step keeps the old values of what it overwrites until it ends (see
-            # [Note: all-or-nothing step]): copies in host memory count here; state on disk
-            # goes to spares and other disk tensors to undo tensors, both on disk.
+            # [Note: all-or-nothing step]), as HostOptimizer._undo_handles decides: copies in
+            # host memory count here; what rests in host memory keeps its old values on a disk
+            # the step writes anyway; state (and a bf16 parameter's fp32 master) on disk goes
+            # to spares, and an offloaded parameter on disk to a spare exchanged into place
+            # (one write of the new values, no undo copy); other disk tensors (rows of a lazy
+            # step) to undo tensors.
             txn = Txn()
-            for src, _, _ in items:
-                st = src.state_store
-                if src.rows is None:
-                    src.spare = {k: h for k, h in src.state_handles.items()
-                                 if st.host_tensor(h) is None}
-                first = next(iter(src.state_handles.values()), None)
-                if src.master is None and src.master_store.host_tensor(src.master_handle) \
-                        is None:  # an offloaded parameter on disk: undo tensors there
-                    src.undo = {"p": (src.master_store, src.master_handle)}
-                    src.undo.update({k: (src.master_store, h)
-                                     for k, h in src.state_handles.items()
-                                     if st.host_tensor(h) is not None})
-                elif src.master is not None and first is not None and \
-                        st.host_tensor(first) is None:  # a master in memory, state on disk
-                    src.undo = {"p": (st, first)}
-                if src.shadow is not None and not src.undo:
-                    # A low-precision parameter's fp32 master and state in host memory: their
-                    # old values go to a disk the step writes anyway (the parameter's), as the
-                    # real step does.
-                    sh_store, sh_handle = src.shadow
-                    disk = st if first is not None and st.host_tensor(first) is None else (
-                        sh_store if sh_store.host_tensor(sh_handle) is None else None)
-                    if disk is not None:
-                        src.undo = {"p": (disk, src.master_handle), "lp": (disk, sh_handle)}
-                        src.undo.update({k: (disk, h) for k, h in src.state_handles.items()
-                                         if st.host_tensor(h) is not None})
+            for (src, _, _), e in zip(items, streamed, strict=True):
+                src.spare, src.undo = _undo_plan(src, e)
             with torch.device("meta"):  # its landing buffers too
                 results = self._slicer.step_many(items, txn)
             txn.end()
@@ -367,3 +350,48 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             e.has_grad_host = False
             e.count = 0
         self._arrival = []
+
+
+def _undo_plan(src: Any, e: _SimParam) -> tuple[dict, dict]:
+    """``(spare, undo)`` of a dry sliced step: `HostOptimizer._undo_handles`'s choices over
+    meta stores (a meta store without host tensors stands for a `DiskStore`, which can
+    exchange). Spares and undo tensors are stood in for by the handles they mirror (same
+    shape and dtype, so the same bytes move)."""
+    st = src.state_store
+
+    def on_disk(store: Any, h: Any) -> bool:
+        return store.host_tensor(h) is None
+
+    first = next(iter(src.state_handles.values()), None)
+    disk = None
+    if first is not None and on_disk(st, first):
+        disk = st
+    elif e.store is not None and on_disk(e.store, e.slot.handle):
+        disk = e.store  # the parameter's own store
+    want: dict[str, tuple[Any, Any]] = {}
+    if src.master is None and not (src.shadow is not None and not src.initialized):
+        want["p"] = (src.master_store, src.master_handle)
+    for k, h in src.state_handles.items():
+        want[k] = (st, h)
+    if src.shadow is not None:
+        want["lp"] = src.shadow
+    if src.master is not None and disk is not None and first is not None:
+        want["p"] = (disk, first)
+    spare: dict[str, Any] = {}
+    undo: dict[str, tuple[Any, Any]] = {}
+    for name, (store, h) in want.items():
+        where = store
+        if name == "p" and src.master is not None:
+            pass  # a master in memory: its old values on ``disk``
+        elif not on_disk(store, h):
+            if disk is None:
+                continue  # kept in memory (the in-place step's copy)
+            where = disk
+        whole = where is store and src.rows is None
+        if whole and (name in src.state_handles or (name == "p" and e.lowp)):
+            spare[name] = h  # ours: new values to a spare, swapped in when the step ends
+        elif whole and on_disk(store, h) and src.master is None:
+            spare[name] = h  # the offloaded parameter's own tensor: exchanged into place
+        else:
+            undo[name] = (where, h)
+    return spare, undo

@@ -93,7 +93,7 @@ def is_offload_hook(fn: Any) -> bool:
 
 class _Slot:
     __slots__ = ("owners", "master", "dev", "nbytes", "handle", "grad_handle", "has_grad",
-                 "group", "listeners", "marker")
+                 "group", "listeners", "marker", "grad_dtype")
 
     def __init__(self, owners, master, dev, handle, group) -> None:
         self.owners = owners
@@ -102,10 +102,11 @@ class _Slot:
         self.nbytes = dev.numel() * dev.element_size()
         self.handle = handle
         self.grad_handle = None
+        self.grad_dtype: torch.dtype | None = None  # fp32 for a host optimizer's master
         self.has_grad = False
         self.group = group
         self.listeners: list[Callable[[torch.Tensor], None]] = []
-        self.marker: torch.Tensor | None = None  # param.grad of a gradient on disk
+        self.marker: torch.Tensor | None = None  # param.grad of a gradient not in its dtype
 
     def show(self, t: nn.Parameter) -> None:
         for module, attr in self.owners:
@@ -176,10 +177,10 @@ class OffloadDryRun:
                     requires_grad=p.requires_grad)
                 handle = self.store.alloc(lay.names[pid], tuple(p.shape), p.dtype)
             slot = _Slot(lay.owners[pid], master, dev, handle, group)
-            if not self.store.host:
-                # made here, before any tracker: a real one is a meta tensor, no memory
-                slot.marker = places.no_memory(
-                    torch.empty((), dtype=p.dtype, device="meta")).expand(p.shape)
+            # param.grad of a gradient that cannot be it (on disk, or fp32 for a host
+            # optimizer's master): made here, before any tracker; a meta tensor, no memory
+            slot.marker = places.no_memory(
+                torch.empty((), dtype=p.dtype, device="meta")).expand(p.shape)
             slot.show(master)
             group.slots.append(slot)
             self.slots.append(slot)
@@ -319,7 +320,7 @@ class OffloadDryRun:
             for s in self.slots:
                 if s.dev.requires_grad and s.grad_handle is None:
                     s.grad_handle = self.store.alloc(f"{s.handle.key}.grad", s.handle.shape,
-                                                     s.handle.dtype)
+                                                     s.grad_dtype or s.handle.dtype)
             self._bwd = True
             self._bwd_task = task
             self._bwd_seen = set()
@@ -356,7 +357,7 @@ class OffloadDryRun:
                 else:
                     host.copy_(g)
             if not accumulate:
-                p.grad = host
+                p.grad = host if host.dtype == p.dtype else slot.marker
             if self.accelerated:
                 self.store.written_bytes += slot.grad_handle.nbytes  # over the host link
         else:

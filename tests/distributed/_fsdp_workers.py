@@ -512,6 +512,34 @@ def llama(rank: int, world: int, mode: str, store: str = "cpu", tmp: str = "") -
             "all": sum(p.numel() for p in model.parameters())}
 
 
+def moves(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
+    """``.half()``/``.double()`` of an offloaded sharded model or of one of its blocks: refused
+    before anything changes; ``.to("cpu")`` and ``.float()`` (no change to the shards) allowed,
+    training on bitwise like FSDP2 alone after the same calls; after ``hr.unoffload`` the model
+    converts as FSDP2 lets it."""
+    model, ref = _pair()
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank))
+    before = _local(model)
+    out = {"half": _error(model.half), "block_double": _error(model.layers[1].double),
+           "to_bf16": _error(lambda: model.to(torch.bfloat16))}
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in _local(model).items()) and all(
+        p.dtype == torch.float32 for p in model.parameters())
+    for m in (model, ref):
+        m.to("cpu")
+        m.float()
+    okw = dict(lr=1e-2, weight_decay=0.1)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
+    for step in range(STEPS):
+        _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=0.05, step=step)
+    out.update(got=_local(model), ref=_local(ref))
+    opt.close()
+    hr.unoffload(model)
+    model.double()
+    out["after_unoffload"] = all(p.dtype == torch.float64 for p in model.parameters())
+    return out
+
+
 def direct_access(rank: int, world: int, tmp: str) -> dict:
     """Shards on disk reached between steps as users do (``p.to_local()``, ``p.norm()``,
     ``p.full_tensor()``, an EMA's ``lerp_``, in-place ``mul_`` under ``no_grad``): the stored

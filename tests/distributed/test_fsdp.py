@@ -53,6 +53,8 @@ CASES = {
     "failures_disk": ("failures", dict(tmp=True)),
     "direct_access_disk": ("direct_access", dict(tmp=True)),
     "compiled": ("compiled", dict()),
+    "moves": ("moves", dict()),
+    "moves_disk": ("moves", dict(store="disk", tmp=True)),
     "llama_ckpt_disk": ("llama", dict(mode="ckpt", store="disk", tmp=True)),
     "llama_lora": ("llama", dict(mode="lora")),
     "llama_lora_disk": ("llama", dict(mode="lora", store="disk", tmp=True)),
@@ -324,6 +326,16 @@ def test_shards_on_disk_read_and_written_directly_between_steps(world2):
                 assert r[f"{tag}_{what}"] is True, (tag, what)
         assert r["ema"] is True
     _equal(world2["direct_access_disk"])
+
+
+@pytest.mark.parametrize("case", ["moves", "moves_disk"])
+def test_dtype_conversions_of_offloaded_shards_are_refused_at_the_call(world2, case):
+    # .half() on the disk store ran on silently in fp32, on a host store it failed in forward
+    for r in world2[case]:
+        for key in ("half", "block_double", "to_bf16"):
+            assert "offloaded with hr.offload" in r[key] and "MixedPrecisionPolicy" in r[key]
+        assert r["unchanged"] is True and r["after_unoffload"] is True
+    _equal(world2[case])  # .to("cpu") and .float() change nothing: training as FSDP2 alone
 
 
 @pytest.mark.parametrize("case", ["compiled", "compiled_inductor_disk"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -149,6 +150,7 @@ class ShardedOffload:
     handles: dict[str, Handle] = field(default_factory=dict)
     params: dict[str, object] = field(default_factory=dict)  # name -> FSDPParam
     disk: DiskShards | None = None  # a DiskStore: the shards read for each all-gather
+    guarded: list[nn.Module] = field(default_factory=list)  # modules whose _apply is checked
 
     @property
     def stored_bytes(self) -> int:
@@ -258,8 +260,9 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
         for key, fp, _ in pending:
             _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
             state.params[key] = fp
+        _guard_moves(model, state)
     except BaseException:
-        unoffload_sharded(model)  # the moved ones back, their handles freed
+        unoffload_sharded(model)  # the moved ones back, their handles freed, unguarded
         for key, h in state.handles.items():
             if key not in state.params:
                 st.free(h)
@@ -294,8 +297,11 @@ def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
             disk.rest(sh)
         disk.wrap_all()
         disk.hook(model)
+        _guard_moves(model, state)
     except BaseException:
         disk.unwrap()
+        for m in state.guarded:
+            m.__dict__.pop("_apply", None)
         for key, fp in state.params.items():
             unbind(fp.sharded_param)
             _rest_back(fp, originals[key].to(state.device), state.device)
@@ -336,9 +342,55 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
     fp._setattr_on_modules(new)
 
 
+def _guard_moves(model: nn.Module, state: ShardedOffload) -> None:
+    """``.half()``, ``.to(...)``, ``.cuda()`` on the model or any module over an offloaded
+    shard (``Module._apply``, FSDP2's included) go through `_guarded_apply` first."""
+    ids = {id(fp.sharded_param) for fp in state.params.values()}
+    for m in model.modules():
+        if any(id(p) in ids for p in m.parameters()):
+            m.__dict__["_apply"] = partial(_guarded_apply, model, m)
+            state.guarded.append(m)
+
+
+def _guarded_apply(model: nn.Module, module: nn.Module, fn, recurse: bool = True):
+    """``module._apply(fn)`` over offloaded shards, which rest on the host and in the store:
+    a conversion of their dtype, or a move to another device than the mesh's, is refused
+    before anything changes (FSDP2 would copy them out of the store, or fail in forward); a
+    move to the mesh's device leaves them where they are and applies to the rest."""
+    state = sharded_state_of(model)
+    base = type(module)._apply
+    if state is None:  # unoffloaded since
+        return base(module, fn, recurse)
+    for dtype in sorted({fp.sharded_param.dtype for fp in state.params.values()}, key=str):
+        out = fn(torch.empty(0, dtype=dtype))
+        if not isinstance(out, torch.Tensor):
+            continue
+        if out.dtype != dtype:
+            raise RuntimeError(
+                f"{type(module).__name__} holds shards offloaded with hr.offload, which stay"
+                f" {dtype} in the store; converting them to {out.dtype} (.half(), .to(dtype))"
+                " is not done behind the store's back (FSDP2 itself does not support it after"
+                " fully_shard). To compute in another dtype give fully_shard a"
+                " MixedPrecisionPolicy(param_dtype=...); to change the stored dtype,"
+                " hr.unoffload(model), convert, and offload again")
+        if out.device.type != "cpu" and torch.device(out.device).type != state.device.type:
+            raise RuntimeError(
+                f"{type(module).__name__} holds shards offloaded with hr.offload(device="
+                f"{str(state.device)!r}); moving them to {out.device} is not done behind the"
+                " store's back. Call hr.unoffload(model) first, then move it")
+    keep = set()
+    for fp in state.params.values():
+        for t in (fp.sharded_param, fp.sharded_param.grad):
+            if t is not None:
+                keep.add(id(t))
+    return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
+
+
 def unoffload_sharded(model: nn.Module) -> nn.Module:
     """Undo `offload_sharded`: local shards back on the mesh's device, the store freed."""
     state = model.__dict__.pop(_ATTR)
+    for m in state.guarded:
+        m.__dict__.pop("_apply", None)
     if state.disk is not None:
         state.disk.unwrap()
         state.disk.drop_all()

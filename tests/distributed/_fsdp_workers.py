@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import headroom as hr
-from headroom.transfer import DiskStore, HostStore
+from headroom.transfer import DiskStore, HostStore, binding
 
 D = 16
 STEPS = 3
@@ -524,19 +524,62 @@ def moves(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
            "to_bf16": _error(lambda: model.to(torch.bfloat16))}
     out["unchanged"] = all(torch.equal(v, before[k]) for k, v in _local(model).items()) and all(
         p.dtype == torch.float32 for p in model.parameters())
-    for m in (model, ref):
-        m.to("cpu")
-        m.float()
     okw = dict(lr=1e-2, weight_decay=0.1)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, **okw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
-    for step in range(STEPS):
-        _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=0.05, step=step)
+    # after the optimizer: its gradient hooks and the shards' bindings must survive the calls
+    bound = [binding(p) for p in model.parameters()]
+    for m in (model, ref):
+        m.to("cpu")
+        m.float()
+    out["bindings_kept"] = all(binding(p) is b for p, b in zip(model.parameters(), bound,
+                                                                  strict=True))
+    early = []
+    step_entries = opt._step_entries
+
+    def recorded(batch, **kw):
+        if kw.get("early"):
+            early.append(len(batch))
+        return step_entries(batch, **kw)
+
+    opt._step_entries = recorded
+    for step in range(STEPS):  # each shard steps inside backward, from its gradient hook
+        _step_pair(rank, model, ref, opt, ref_opt, micro=2, clip=None, step=step, final=True)
+    out["early"] = sum(early)
+    out["params"] = len(list(model.parameters()))
     out.update(got=_local(model), ref=_local(ref))
     opt.close()
     hr.unoffload(model)
     model.double()
     out["after_unoffload"] = all(p.dtype == torch.float64 for p in model.parameters())
+    return out
+
+
+def optimizer_before(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
+    """Optimizers built before ``hr.offload`` of the sharded model: the parameter objects stay
+    (their contents move to the store), so torch.optim steps the stored shards exactly (host
+    memory) or refuses (disk); a HostOptimizer, which planned for where they rested, refuses.
+    Both trained silently wrong before (the optimizers held replaced parameters)."""
+    model, ref = _pair()
+    ids = [id(p) for p in model.parameters()]
+    torch_early = torch.optim.AdamW(model.parameters(), foreach=False, lr=1e-2)
+    host_early = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, fused=False, lr=1e-2)
+    hr.offload(model, device="cpu", store=_store(store, tmp, rank))
+    out = {"same_objects": [id(p) for p in model.parameters()] == ids}
+    x, y = batch(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    before = _local(model)
+    out["host"] = _error(host_early.step)
+    if store != "cpu":
+        out["torch"] = _error(torch_early.step)
+    out["unchanged"] = all(torch.equal(v, before[k]) for k, v in _local(model).items())
+    model.zero_grad(set_to_none=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, lr=1e-2)
+    opt = torch_early if store == "cpu" else hr.HostOptimizer(
+        model.parameters(), torch.optim.AdamW, fused=False, lr=1e-2)
+    for step in range(STEPS):
+        _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=step)
+    out.update(got=_local(model), ref=_local(ref))
     return out
 
 

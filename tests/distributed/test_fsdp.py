@@ -54,6 +54,8 @@ CASES = {
     "direct_access_disk": ("direct_access", dict(tmp=True)),
     "compiled": ("compiled", dict()),
     "moves": ("moves", dict()),
+    "optimizer_before": ("optimizer_before", dict()),
+    "optimizer_before_disk": ("optimizer_before", dict(store="disk", tmp=True)),
     "moves_disk": ("moves", dict(store="disk", tmp=True)),
     "llama_ckpt_disk": ("llama", dict(mode="ckpt", store="disk", tmp=True)),
     "llama_lora": ("llama", dict(mode="lora")),
@@ -328,6 +330,18 @@ def test_shards_on_disk_read_and_written_directly_between_steps(world2):
     _equal(world2["direct_access_disk"])
 
 
+@pytest.mark.parametrize("case", ["optimizer_before", "optimizer_before_disk"])
+def test_optimizers_built_before_offload_step_exactly_or_are_refused(world2, case):
+    for r in world2[case]:
+        assert r["same_objects"] is True and r["unchanged"] is True
+        assert "after this HostOptimizer was built" in r["host"]
+        if case.endswith("disk"):
+            assert "cannot step parameters offloaded to a DiskStore" in r["torch"]
+    # host memory: the torch.optim optimizer built before trains on exactly; disk: a
+    # HostOptimizer built after does
+    _equal(world2[case])
+
+
 @pytest.mark.parametrize("case", ["moves", "moves_disk"])
 def test_dtype_conversions_of_offloaded_shards_are_refused_at_the_call(world2, case):
     # .half() on the disk store ran on silently in fp32, on a host store it failed in forward
@@ -335,7 +349,10 @@ def test_dtype_conversions_of_offloaded_shards_are_refused_at_the_call(world2, c
         for key in ("half", "block_double", "to_bf16"):
             assert "offloaded with hr.offload" in r[key] and "MixedPrecisionPolicy" in r[key]
         assert r["unchanged"] is True and r["after_unoffload"] is True
-    _equal(world2[case])  # .to("cpu") and .float() change nothing: training as FSDP2 alone
+        # .to("cpu") and .float() after the optimizer keep the shards as they were: their
+        # bindings, and the gradient hooks that step each inside the final backward
+        assert r["bindings_kept"] is True and r["early"] == r["params"] * 3
+    _equal(world2[case])  # training as FSDP2 alone after the same calls
 
 
 @pytest.mark.parametrize("case", ["compiled", "compiled_inductor_disk"])

@@ -177,3 +177,38 @@ def test_ddp_over_an_offloaded_model_is_refused(case):
     for msg in results.values():
         assert "DistributedDataParallel cannot wrap a model offloaded" in msg, msg
         assert "hr.data_parallel(model)" in msg, msg  # the supported way
+
+
+@pytest.mark.parametrize("kind", ["torch", "host"])
+def test_an_optimizer_built_before_offload_steps_exactly_or_is_refused(store, kind):
+    # A torch.optim optimizer over parameters whose objects hr.offload keeps (host memory)
+    # steps them exactly; one over parameters it replaced (a master on disk), or a
+    # HostOptimizer (which planned its step for where they rested), is refused at step()
+    # before anything changes. Both trained silently wrong before.
+    def make_opt(m):
+        if kind == "torch":
+            return torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+        return hr.HostOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, fused=False)
+
+    model, ref = _net(), _net()
+    early = make_opt(model)
+    _offload(model, store)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    if kind == "torch" and store == "cpu":
+        _train(model, early)
+        _train(ref, ref_opt)
+        got, want = model.state_dict(), ref.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        return
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="(built before hr.offload|after this HostOptimizer"
+                                           " was built).*Nothing was stepped"):
+        _train(model, early, steps=1)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # the fix the message names: an optimizer built now trains exactly
+    model.zero_grad(set_to_none=True)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, fused=False)
+    _train(model, opt)
+    _train(ref, ref_opt)
+    got, want = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

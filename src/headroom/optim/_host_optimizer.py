@@ -58,6 +58,12 @@ from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
 
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s values are (a DTensor's: its local shard's)."""
+    local = t._local_tensor if _is_dtensor(t) else t
+    return local.untyped_storage().data_ptr()
+
+
 def _is_dtensor(p: object) -> bool:
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(p, mod.DTensor)
@@ -306,6 +312,22 @@ class HostOptimizer(torch.optim.Optimizer):
                 "HostOptimizer for the new parameter list (moving state with state_dict())"
             )
         for e in self._order:
+            b = binding(e.param)
+            if e.kind == ALIAS and b is None and _storage(e.master) != _storage(e.param):
+                raise RuntimeError(
+                    f"the data of a parameter of shape {tuple(e.param.shape)} was replaced"
+                    " after this HostOptimizer was built (hr.offload of an FSDP2 model, or"
+                    " p.data = ...): it steps the parameter's data in place and would step"
+                    " the old one. Nothing was stepped; build the HostOptimizer after the"
+                    " change, from model.parameters()")
+            if (b is not None) != (e.kind == BOUND) or (b is not None and b is not e.bound):
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(e.param.shape)} was "
+                    + ("offloaded with hr.offload" if b is not None else "unoffloaded")
+                    + " after this HostOptimizer was built, which planned its step for where"
+                    " the parameter rested then (its values and gradient are elsewhere now)."
+                    " Nothing was stepped; build the HostOptimizer after hr.offload (and again"
+                    " after hr.unoffload), from model.parameters()")
             if not e.hooked:
                 self._hook(e)
 

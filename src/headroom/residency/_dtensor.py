@@ -333,13 +333,17 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
     new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
     if grad is not None:
         new.grad = fp.to_sharded_dtensor(grad._local_tensor.to("cpu"))
+    # The parameter object stays the one the model had: an optimizer built before hr.offload
+    # holds it, and now steps (or, where it cannot, refuses) the shard in the store rather
+    # than a tensor the model no longer uses.
+    torch.utils.swap_tensors(old, new)
     fp._sharded_param_data = flat
     fp.offload_to_cpu = True
     # NOTE: only if the store's memory is page-locked: FSDP2 re-pins a shard that is not
     # (a copy, at its lazy init), which would part the parameter from the store.
     fp.pin_memory = pin and flat.is_pinned()
-    fp.sharded_param = new
-    fp._setattr_on_modules(new)
+    fp.sharded_param = old
+    fp._setattr_on_modules(old)
 
 
 def _guard_moves(model: nn.Module, state: ShardedOffload) -> None:
@@ -383,7 +387,22 @@ def _guarded_apply(model: nn.Module, module: nn.Module, fn, recurse: bool = True
         for t in (fp.sharded_param, fp.sharded_param.grad):
             if t is not None:
                 keep.add(id(t))
-    return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
+    # NOTE: Module._apply swaps a DTensor parameter with a new one built from fn's result
+    # (torch.utils.swap_tensors), even when fn returns it unchanged: that would drop what the
+    # shard carries (its store binding, the host optimizer's gradient hooks). A shard kept
+    # here is not swapped.
+    swap = torch.utils.swap_tensors
+
+    def swap_unless_kept(t1, t2):
+        if id(t1) in keep:
+            return None
+        return swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_unless_kept
+    try:
+        return base(module, lambda t: t if id(t) in keep else fn(t), recurse)
+    finally:
+        torch.utils.swap_tensors = swap
 
 
 def unoffload_sharded(model: nn.Module) -> nn.Module:
@@ -418,5 +437,6 @@ def _rest_back(fp, flat: torch.Tensor, device: torch.device) -> None:
     new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
     if grad is not None:
         new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(device))
-    fp.sharded_param = new
-    fp._setattr_on_modules(new)
+    torch.utils.swap_tensors(old, new)  # the same parameter object, as for hr.offload
+    fp.sharded_param = old
+    fp._setattr_on_modules(old)

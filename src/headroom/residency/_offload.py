@@ -6,6 +6,7 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
@@ -216,6 +217,10 @@ def offload(
 
 
 _guard_handle = None
+# The parameter objects hr.offload replaced (a master on disk is a new StoreTensor parameter):
+# an optimizer built before hr.offload still holds them, and would step tensors the model no
+# longer uses. id -> the object (a weak reference: the model no longer holds it).
+_REPLACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Layout,
@@ -278,6 +283,8 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         slot.group = target
         slot.show(master)
         placed.append((slot, params[pid], created))
+        if master is not params[pid]:
+            _REPLACED[id(params[pid])] = params[pid]
         claimed.add(name)
         target.slots.append(slot)
         state.slots.append(slot)
@@ -300,6 +307,7 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
+        _REPLACED.pop(id(original), None)  # back in its module
         host = st.host_tensor(slot.binding.handle)
         if original is slot.param and host is not None:
             with torch.no_grad():
@@ -339,6 +347,13 @@ def _install_optimizer_hook() -> None:
         own = type(opt).__module__.startswith("headroom.")
         for group in opt.param_groups:
             for p in group["params"]:
+                if _REPLACED.get(id(p)) is p:
+                    raise RuntimeError(
+                        f"{type(opt).__name__} was built before hr.offload, which replaced"
+                        f" a parameter of shape {tuple(p.shape)} by one whose values rest in"
+                        " the store: this optimizer would step a tensor the model no longer"
+                        " uses. Nothing was stepped; build the optimizer after hr.offload,"
+                        " from model.parameters()")
                 if type(p) is DeviceCopy:
                     raise RuntimeError(
                         f"{type(opt).__name__} was given the device copies of offloaded"

@@ -59,9 +59,13 @@ from headroom.transfer._store import SCRATCH
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
 
 def _storage(t: torch.Tensor) -> int:
-    """Where ``t``'s values are (a DTensor's: its local shard's)."""
+    """Where ``t``'s values are (a DTensor's: its local shard's); -1 for values that are not
+    in memory (a tensor over a store)."""
     local = t._local_tensor if _is_dtensor(t) else t
-    return local.untyped_storage().data_ptr()
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1
 
 
 def _is_dtensor(p: object) -> bool:

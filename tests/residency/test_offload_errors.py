@@ -212,3 +212,25 @@ def test_an_optimizer_built_before_offload_steps_exactly_or_is_refused(store, ki
     _train(ref, ref_opt)
     got, want = model.state_dict(), ref.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_host_optimizer_across_unoffload_is_refused_and_its_state_moves(store):
+    # Kept across hr.unoffload it would step for where the parameters rested before; the fix
+    # its message names (a new HostOptimizer, the state moved over) trains on exactly.
+    model, ref = _net(), _net()
+    _offload(model, store)
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, fused=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    _train(model, opt)
+    _train(ref, ref_opt)
+    model = hr.unoffload(model)
+    with pytest.raises(RuntimeError, match="unoffloaded after this HostOptimizer was built.*"
+                                           "load_state_dict"):
+        _train(model, opt, steps=1)
+    model.zero_grad(set_to_none=True)
+    new = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, fused=False)
+    new.load_state_dict(opt.state_dict())
+    _train(model, new)
+    _train(ref, ref_opt)
+    got, want = model.state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)

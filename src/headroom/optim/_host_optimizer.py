@@ -331,7 +331,8 @@ class HostOptimizer(torch.optim.Optimizer):
                     + " after this HostOptimizer was built, which planned its step for where"
                     " the parameter rested then (its values and gradient are elsewhere now)."
                     " Nothing was stepped; build the HostOptimizer after hr.offload (and again"
-                    " after hr.unoffload), from model.parameters()")
+                    " after hr.unoffload), from model.parameters(), and move the state over"
+                    " with new.load_state_dict(old.state_dict())")
             if not e.hooked:
                 self._hook(e)
 

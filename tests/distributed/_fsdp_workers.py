@@ -94,6 +94,20 @@ def sharded_state_of(model: nn.Module):
     return sharded_state_of(model)
 
 
+def _record_early(opt) -> list[int]:
+    """The sizes of the batches ``opt`` (a HostOptimizer) steps inside a final backward."""
+    early: list[int] = []
+    step_entries = opt._step_entries
+
+    def recorded(batch, **kw):
+        if kw.get("early"):
+            early.append(len(batch))
+        return step_entries(batch, **kw)
+
+    opt._step_entries = recorded
+    return early
+
+
 def _at_rest(fp) -> bool:
     """A shard on disk between uses: no memory of its own (a StoreTensor over the store, its
     padded shard a placeholder)."""
@@ -255,16 +269,7 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
     else:
         opt = torch.optim.AdamW(model.parameters(), foreach=False, **okw)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **okw)
-    early = []  # parameters the host optimizer stepped inside a final backward
-    if final:
-        step_entries = opt._step_entries
-
-        def recorded(batch, **kw):
-            if kw.get("early"):
-                early.append(len(batch))
-            return step_entries(batch, **kw)
-
-        opt._step_entries = recorded
+    early = _record_early(opt) if final else []
     peak = 0
     for step in range(STEPS):
         _step_pair(rank, model, ref, opt, ref_opt, micro=micro, clip=clip, step=step,
@@ -534,15 +539,7 @@ def moves(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
         m.float()
     out["bindings_kept"] = all(binding(p) is b for p, b in zip(model.parameters(), bound,
                                                                   strict=True))
-    early = []
-    step_entries = opt._step_entries
-
-    def recorded(batch, **kw):
-        if kw.get("early"):
-            early.append(len(batch))
-        return step_entries(batch, **kw)
-
-    opt._step_entries = recorded
+    early = _record_early(opt)
     for step in range(STEPS):  # each shard steps inside backward, from its gradient hook
         _step_pair(rank, model, ref, opt, ref_opt, micro=2, clip=None, step=step, final=True)
     out["early"] = sum(early)
@@ -577,6 +574,24 @@ def optimizer_before(rank: int, world: int, store: str = "cpu", tmp: str = "") -
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, lr=1e-2)
     opt = torch_early if store == "cpu" else hr.HostOptimizer(
         model.parameters(), torch.optim.AdamW, fused=False, lr=1e-2)
+    for step in range(STEPS):
+        _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=step)
+    out.update(got=_local(model), ref=_local(ref))
+    return out
+
+
+def offload_refused_swap(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
+    """A parameter torch cannot swap (a weakref holds it): hr.offload fails with the cause and
+    the fix, and leaves the model as FSDP2 had it (training on like FSDP2 alone)."""
+    import weakref
+
+    model, ref = _pair()
+    held = weakref.ref(next(model.layers[1].parameters()))
+    out = {"error": _error(lambda: hr.offload(model, device="cpu",
+                                              store=_store(store, tmp, rank)))}
+    out["not_offloaded"] = sharded_state_of(model) is None and held() is not None
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, lr=1e-2)
     for step in range(STEPS):
         _step_pair(rank, model, ref, opt, ref_opt, micro=1, clip=None, step=step)
     out.update(got=_local(model), ref=_local(ref))

@@ -54,6 +54,8 @@ CASES = {
     "direct_access_disk": ("direct_access", dict(tmp=True)),
     "compiled": ("compiled", dict()),
     "moves": ("moves", dict()),
+    "refused_swap": ("offload_refused_swap", dict()),
+    "refused_swap_disk": ("offload_refused_swap", dict(store="disk", tmp=True)),
     "optimizer_before": ("optimizer_before", dict()),
     "optimizer_before_disk": ("optimizer_before", dict(store="disk", tmp=True)),
     "moves_disk": ("moves", dict(store="disk", tmp=True)),
@@ -339,6 +341,14 @@ def test_optimizers_built_before_offload_step_exactly_or_are_refused(world2, cas
             assert "cannot step parameters offloaded to a DiskStore" in r["torch"]
     # host memory: the torch.optim optimizer built before trains on exactly; disk: a
     # HostOptimizer built after does
+    _equal(world2[case])
+
+
+@pytest.mark.parametrize("case", ["refused_swap", "refused_swap_disk"])
+def test_an_offload_torch_cannot_swap_fails_clearly_and_changes_nothing(world2, case):
+    for r in world2[case]:
+        assert "weakref" in r["error"] and "nothing was offloaded" in r["error"], r["error"]
+        assert r["not_offloaded"] is True
     _equal(world2[case])
 
 

@@ -336,7 +336,7 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
     # The parameter object stays the one the model had: an optimizer built before hr.offload
     # holds it, and now steps (or, where it cannot, refuses) the shard in the store rather
     # than a tensor the model no longer uses.
-    torch.utils.swap_tensors(old, new)
+    _swap(old, new)
     fp._sharded_param_data = flat
     fp.offload_to_cpu = True
     # NOTE: only if the store's memory is page-locked: FSDP2 re-pins a shard that is not
@@ -344,6 +344,31 @@ def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
     fp.pin_memory = pin and flat.is_pinned()
     fp.sharded_param = old
     fp._setattr_on_modules(old)
+
+
+def conversions(fn, dtypes, device: torch.device) -> list[tuple[torch.dtype, torch.Tensor]]:
+    """What ``fn`` (the function of a ``Module._apply``: ``.half()``, ``.to()``, ...) makes of an
+    empty tensor of each of ``dtypes`` on ``device``: ``(dtype, result)`` pairs, for the
+    results that are tensors. Checked before anything of a model changes."""
+    out = []
+    for dtype in sorted(dtypes, key=str):
+        got = fn(torch.empty(0, dtype=dtype, device=device))
+        if isinstance(got, torch.Tensor):
+            out.append((dtype, got))
+    return out
+
+
+def _swap(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors``, with the cause and the fix when it cannot swap."""
+    try:
+        torch.utils.swap_tensors(old, new)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"hr.offload keeps each FSDP2 parameter object (an optimizer may hold it) and"
+            f" swaps in its new contents, which torch refused for one of shape"
+            f" {tuple(old.shape)} ({e}): something holds a reference to it, e.g. a"
+            " torch.compile'd graph or a weakref. Offload before compiling or referencing the"
+            " parameters; nothing was offloaded") from e
 
 
 def _guard_moves(model: nn.Module, state: ShardedOffload) -> None:
@@ -365,10 +390,8 @@ def _guarded_apply(model: nn.Module, module: nn.Module, fn, recurse: bool = True
     base = type(module)._apply
     if state is None:  # unoffloaded since
         return base(module, fn, recurse)
-    for dtype in sorted({fp.sharded_param.dtype for fp in state.params.values()}, key=str):
-        out = fn(torch.empty(0, dtype=dtype))
-        if not isinstance(out, torch.Tensor):
-            continue
+    dtypes = {fp.sharded_param.dtype for fp in state.params.values()}
+    for dtype, out in conversions(fn, dtypes, torch.device("cpu")):
         if out.dtype != dtype:
             raise RuntimeError(
                 f"{type(module).__name__} holds shards offloaded with hr.offload, which stay"
@@ -437,6 +460,6 @@ def _rest_back(fp, flat: torch.Tensor, device: torch.device) -> None:
     new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
     if grad is not None:
         new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(device))
-    torch.utils.swap_tensors(old, new)  # the same parameter object, as for hr.offload
+    _swap(old, new)  # the same parameter object, as for hr.offload
     fp.sharded_param = old
     fp._setattr_on_modules(old)

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from headroom.residency._adopt import forget_values, rescan, strip_hooks, sync_masters
+from headroom.residency._dtensor import conversions
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.residency._use import Use
@@ -428,11 +429,8 @@ class Offload:
         if self.busy:
             raise RuntimeError(
                 "cannot move or convert an offloaded model during its forward or backward")
-        for dtype in sorted({s.binding.handle.dtype for s in self.slots}, key=str):
-            probe = torch.empty(0, dtype=dtype, device=self.device)
-            out = fn(probe)
-            if not isinstance(out, torch.Tensor):
-                continue
+        for dtype, out in conversions(fn, {s.binding.handle.dtype for s in self.slots},
+                                      self.device):
             if out.dtype != dtype:
                 raise RuntimeError(
                     f"{type(module).__name__} is offloaded with hr.offload, whose stored"

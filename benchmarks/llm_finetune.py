@@ -16,8 +16,8 @@ Tools (each skipped, with the reason recorded, where it does not import or canno
   fp32 masters and AdamW state: ``--disk-dir``), ``hr.offload`` (prefetch 1),
   ``hr.HostOptimizer`` (fp32 masters, AdamW, overlapped with the last backward), the model built
   on ``meta`` and initialized into the store.
-- ``headroom_plan``: what ``hr.plan(model, ..., budget=<device memory>, disk=...)`` chooses for a
-  bf16 model, applied with ``plan.apply``.
+- ``headroom_plan``: what ``hr.plan(model, ..., budget=<device memory>, disk=...,
+  fp32_masters=True)`` chooses for a bf16 model, applied with ``plan.apply``.
 
 Every model uses gradient checkpointing (non-reentrant) except ``headroom_plan``, which gets
 what the plan chooses. A step is ``--accum`` micro-batches of ``--micro-batch`` x ``--seq``
@@ -650,7 +650,8 @@ def setup_headroom_plan(spec: dict):
     plan = hr.plan(meta, (), example_kwargs=example, loss_fn=lambda o: o.loss,
                    budget=budget, device=dev, optimizer=torch.optim.AdamW,
                    optimizer_kwargs={"lr": spec["lr"]},
-                   disk=str(Path(spec["scratch"]) / "plan"), speeds=speeds)
+                   disk=str(Path(spec["scratch"]) / "plan"), speeds=speeds,
+                   fp32_masters=True)  # as every other tool trains: like for like
     plan_s = time.perf_counter() - t
     info = {"plan": str(plan), "plan_s": plan_s, "budget_bytes": budget,
             "choice": plan.choice.describe(), "estimated_peak_bytes": plan.peak,
@@ -674,9 +675,7 @@ def setup_headroom_plan(spec: dict):
     if plan.choice.params != "device":
         _initial_values(model, spec, dtype)
     info["optimizer"] = type(opt).__name__ + "(AdamW)"
-    # NOTE: a plan that keeps the optimizer on the device steps the bf16 parameters themselves
-    # (bf16 state): not the fp32-master training the other tools do
-    info["fp32_masters"] = dtype == torch.float32 or plan.choice.optimizer_state != "device"
+    info["fp32_masters"] = dtype == torch.float32 or plan.fp32_masters
 
     def step(batches):
         total = 0.0

@@ -64,6 +64,22 @@ def test_plan_prints_python_that_applies_it(config, tmp_path, capsys):
     compile(code, "<plan>", "exec")  # apply-ready Python
 
 
+def test_plan_with_fp32_masters(config, capsys):
+    """A bf16 model with a budget its plain step fits: plain, unless masters are asked for."""
+    args = ["plan", "--config", str(config), "--batch", "2", "--seq", "16", "--device", "cpu",
+            "--dtype", "bf16", "--budget", "1GiB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing: the plain step fits" in out and "fp32 masters" not in out
+    assert main([*args, "--fp32-masters"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state and step on host (hr.HostOptimizer)" in out
+    assert "fp32 masters, gradients and state" in out
+    assert "hr.HostOptimizer(" in out.split("# apply it:\n", 1)[1]
+    assert main([*args, "--no-fp32-masters"]) == 0
+    assert "fp32 masters" not in capsys.readouterr().out
+
+
 def test_errors(config, tmp_path, capsys):
     rc = main(["plan", "--config", str(config), "--device", "cpu", "--budget", "1KiB"])
     assert rc == 1

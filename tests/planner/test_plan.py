@@ -259,3 +259,121 @@ def test_a_forward_that_raises_leaves_activation_offload(tmp_path):
     assert not _saved_hooks._keepers  # the context was left: nothing else is offloaded
     model[1] = nn.Identity()
     model(XD).sum().backward()  # and the next forward enters it again
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32_masters: bf16/fp16 parameters trained from fp32 masters (hr.HostOptimizer) or not
+
+
+def bf16_model():
+    return model_fn().to(torch.bfloat16)
+
+
+XB = X.to(torch.bfloat16)
+
+
+def bf16_loss(out):
+    return out.float().square().mean()
+
+
+def _train_bf16(model, opt, steps=3):
+    for _ in range(steps):
+        bf16_loss(model(XB)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _masters_reference(steps=3):
+    """Mixed precision by hand: fp32 masters of the bf16 parameters, AdamW on the masters, the
+    bf16 gradients cast to fp32, the updated masters rounded back into the model."""
+    model = bf16_model()
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-2, foreach=False)
+    for _ in range(steps):
+        bf16_loss(model(XB)).backward()
+        for m, p in zip(masters, model.parameters(), strict=True):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters(), strict=True):
+                p.copy_(m)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _bf16_plan(budget, **kw):
+    return plan(bf16_model(), (XB,), loss_fn=bf16_loss, budget=budget, device="cpu",
+                optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2}, speeds=SPEEDS,
+                slice_bytes=SLICE, **kw)
+
+
+def test_fp32_masters_true_trains_a_bf16_model_from_masters():
+    p = _bf16_plan("1GiB", fp32_masters=True)
+    # the budget holds the plain step, but only the host optimizer gives masters
+    assert p.choice.optimizer_state == "host" and p.choice.params == "device"
+    assert p.fp32_masters and "fp32 masters" in str(p)
+    compile(p.code(), "<plan>", "exec")
+    assert "hr.HostOptimizer" in p.code()
+    model, opt = p.apply(bf16_model())
+    assert isinstance(opt, hr.HostOptimizer)
+    got = _train_bf16(model, opt)
+    want = _masters_reference()
+    assert all(a.dtype == torch.bfloat16 for a in got)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_fp32_masters_false_updates_in_bf16_bitwise_the_plain_step(tmp_path):
+    model = bf16_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bf16_loss(model(XB)).backward()
+    opt.step()
+    opt.zero_grad()
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        bf16_loss(model(XB)).backward()
+        opt.step()
+        opt.zero_grad()
+    plain_peak = mem.peak
+    model = bf16_model()
+    want = _train_bf16(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    # a budget that the host optimizer reaches (adding masters) when nothing forbids it
+    budget = int(plain_peak * 0.75)
+    free = _bf16_plan(budget, disk=tmp_path)
+    assert free.choice.optimizer_state != "device" and free.fp32_masters
+    assert "fp32_masters=False forbids" in str(free)
+    for p in (_bf16_plan("1GiB", fp32_masters=False), _bf16_plan("1GiB")):
+        assert p.choice.optimizer_state == "device" and not p.fp32_masters
+        assert "fp32 masters" not in str(p)
+        model, opt = p.apply(bf16_model())
+        got = _train_bf16(model, opt)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # refused masters: every candidate keeps the optimizer (and so the parameters) on the
+    # device, and this budget is out of their reach; the error says why
+    with pytest.raises(PlanError, match=r"\(with the plain step\).*fp32_masters=False keeps"):
+        _bf16_plan(budget, disk=tmp_path, fp32_masters=False)
+
+
+def test_fp32_masters_has_no_effect_on_fp32_parameters(plain, tmp_path):
+    peak, _ = plain
+    budget = int(peak * 0.75)
+    kw = dict(loss_fn=loss_fn, budget=budget, device="cpu", optimizer=torch.optim.AdamW,
+              disk=tmp_path, speeds=SPEEDS, slice_bytes=SLICE)
+    chosen = {plan(model_fn(), (X,), fp32_masters=m, **kw).choice for m in (None, True, False)}
+    assert len(chosen) == 1
+    assert not plan(model_fn(), (X,), fp32_masters=True, **kw).fp32_masters
+
+
+def test_fp32_masters_on_an_accelerator_plan_keeps_the_optimizer_on_the_host():
+    p = plan(bf16_model(), (XB,), loss_fn=bf16_loss, budget="1GiB", device="cuda",
+             optimizer=torch.optim.AdamW, fp32_masters=True)
+    assert p.choice.optimizer_state == "host" and p.choice.params == "device"
+    assert plan(bf16_model(), (XB,), loss_fn=bf16_loss, budget="1GiB", device="cuda",
+                optimizer=torch.optim.AdamW).choice.optimizer_state == "device"
+
+
+def test_fp32_masters_bad_value_and_no_candidate():
+    with pytest.raises(TypeError, match="fp32_masters must be True, False or None"):
+        _bf16_plan("1GiB", fp32_masters="yes")
+    with pytest.raises(PlanError, match="fp32 masters.*fp32_masters=None"):
+        plan(bf16_model(), (XB,), loss_fn=bf16_loss, budget="1GiB", device="cpu",
+             optimizer=torch.optim.AdamW, world_size=2, fp32_masters=True)

@@ -42,6 +42,11 @@ def add_parsers(sub: Any) -> None:
         p.add_argument("--world-size", type=int, default=None,
                        help="one rank of FSDP2 over this many ranks (fully_shard of each block"
                             " and the root); the budget is each rank's")
+        p.add_argument("--fp32-masters", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --dtype bfloat16/float16: only plans that train from fp32"
+                            " masters (hr.HostOptimizer), or with --no-fp32-masters only plans"
+                            " that update in that dtype, bitwise the plain step (default:"
+                            " either)")
         p.add_argument("--json", dest="json_out", help="also write the estimate as JSON here")
         if name == "estimate":
             p.add_argument("--no-advice", action="store_true",
@@ -99,7 +104,8 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         p = plan(model, (), example_kwargs=kwargs, budget=args.budget, device=args.device,
-                 optimizer=optimizer, disk=args.disk, world_size=args.world_size)
+                 optimizer=optimizer, disk=args.disk, world_size=args.world_size,
+                 fp32_masters=args.fp32_masters)
     except PlanError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

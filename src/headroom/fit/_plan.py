@@ -28,6 +28,7 @@ from headroom.fit import _dryrun
 from headroom.fit._estimate import Estimate, estimate, parse_device
 from headroom.fit._time import Speeds, default_speeds, step_time
 from headroom.memory import CATEGORIES, format_bytes
+from headroom.optim._entries import MASTER_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -148,6 +149,7 @@ class Plan:
     faster_over_budget: tuple[Choice, int, float] | None = field(default=None, repr=False)
     world_size: int | None = None
     blocks: tuple[str, ...] = ()
+    fp32_masters: bool = False
 
     def __str__(self) -> str:
         # On CUDA-like devices peaks are the allocator model's reserved bytes, which is what
@@ -167,6 +169,10 @@ class Plan:
         ]
         sharded = self.world_size is not None
         lines += [f"  - {d}" for d in self.choice.describe(sharded=sharded)]
+        if self.fp32_masters:
+            lines.append("  - fp32 masters, gradients and state for the bf16/fp16 parameters"
+                         " (more precise than the plain step, not bitwise it;"
+                         " fp32_masters=False forbids)")
         if self.peak_by_category:
             lines.append("  at the estimated peak: " + ", ".join(
                 f"{c} {format_bytes(v)}" for c, v in self.peak_by_category.items() if v))
@@ -388,6 +394,7 @@ def plan(
     slice_bytes: int | None = None,
     world_size: int | None = None,
     mesh: Any = None,
+    fp32_masters: bool | None = None,
 ) -> Plan:
     """Choose what to turn on so that one training step fits ``budget`` bytes on ``device``.
 
@@ -398,7 +405,10 @@ def plan(
     combination gets an estimated step time; the fastest one whose estimated peak (a dry run
     of the whole plan, see `hr.estimate`) fits the budget is returned. All of these techniques
     are exact: training with the plan gives bitwise the parameters of the plain step on the
-    same device. On ``cpu`` host memory is the device's, so only stores on disk are considered.
+    same device, with one exception that ``fp32_masters`` controls: `hr.HostOptimizer` trains
+    bf16/fp16 parameters from fp32 masters (fp32 gradients and state), more precise than the
+    plain step, which updates them in their own dtype, and so not bitwise equal to it. On
+    ``cpu`` host memory is the device's, so only stores on disk are considered.
 
     Args:
         model: the model (parameters anywhere, ``meta`` included); not changed.
@@ -423,6 +433,14 @@ def plan(
             (`hr.offload` of the sharded model, with `hr.HostOptimizer`); stores on disk are
             not considered for shards. `Plan.apply` then ``fully_shard``s each block and the
             root. Step times do not price the collectives.
+        fp32_masters: for a model with trainable bf16/fp16 parameters: ``True`` keeps only
+            plans that train them from fp32 masters (the optimizer on the host or disk,
+            `hr.HostOptimizer`; on ``cpu`` also with its state in host memory), as mixed
+            precision training with master weights does; ``False`` only plans that update
+            them in their own dtype, bitwise the plain step (the optimizer on the device, so
+            parameters stay there too); ``None`` (default) either, whichever is fastest
+            within the budget (``print(plan)`` says when masters are added). No effect on
+            fp32/fp64 parameters, which are their own masters.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` returns ``(model, optimizer)``.
@@ -450,10 +468,19 @@ def plan(
     from headroom.fit._sharded import check_world
 
     world = check_world(world_size, mesh)
+    if fp32_masters is not None and not isinstance(fp32_masters, bool):
+        raise TypeError(f"fp32_masters must be True, False or None, got {fp32_masters!r}")
     search = Search(model, example_args, device=device, optimizer=optimizer, loss_fn=loss_fn,
                     disk=disk, example_kwargs=example_kwargs, optimizer_kwargs=optimizer_kwargs,
-                    speeds=speeds, slice_bytes=slice_bytes, world_size=world)
+                    speeds=speeds, slice_bytes=slice_bytes, world_size=world,
+                    fp32_masters=fp32_masters)
     candidates = search.candidates
+    if not candidates:
+        # only fp32_masters=True can leave none: shards on a CPU mesh have no host optimizer
+        raise PlanError(
+            f"no plan on {device} trains the model's bf16/fp16 parameters from fp32 masters:"
+            " one rank's shards on a CPU device can only be stepped by the optimizer itself."
+            " Pass fp32_masters=None (or False), or convert the model to float32.", 0)
     # best first on time: a candidate is refined (its own run) when it comes up, and estimated
     # whole (peak and time) when its lower bound fits; each step only makes its time more
     # exact (larger), so the first that comes up whole and fitting is the fastest that fits
@@ -484,12 +511,16 @@ def plan(
                 best = c
         dominant = max(best.at_peak.items(), key=lambda kv: kv[1])
         hint = "" if disk is not None else " Pass disk= (--disk) to allow stores on disk."
+        if search.fp32_masters is False:
+            hint += (" fp32_masters=False keeps the optimizer, and so the parameters, on the"
+                     " device; fp32_masters=None allows hr.HostOptimizer (fp32 masters).")
+        used = best.choice.describe()
         raise PlanError(
             f"no combination of headroom's techniques fits {format_bytes(budget_b)} on"
             f" {device}: the smallest estimated peak is {format_bytes(best.peak)} (with"
-            f" {'; '.join(best.choice.describe())}), of which {dominant[0]} take"
-            f" {format_bytes(dominant[1])}.{hint} Use a smaller batch or sequence, or a larger"
-            " budget.",
+            f" {'the plain step' if used == [_NOTHING] else '; '.join(used)}), of which"
+            f" {dominant[0]} take {format_bytes(dominant[1])}.{hint} Use a smaller batch or"
+            " sequence, or a larger budget.",
             best.peak,
         )
     result = search.plan_of(chosen, budget_b)
@@ -522,7 +553,8 @@ class Search:
                  device: str | torch.device, optimizer: Any, loss_fn: Any = None,
                  disk: Any = None, example_kwargs: dict[str, Any] | None = None,
                  optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
-                 slice_bytes: int | None = None, world_size: int | None = None) -> None:
+                 slice_bytes: int | None = None, world_size: int | None = None,
+                 fp32_masters: bool | None = None) -> None:
         from headroom.residency import find_blocks
 
         self.model = model
@@ -545,6 +577,13 @@ class Search:
         self.min_bytes = _activation_min_bytes(self.plain)
         places = ["device"] + ([] if self.on_cpu else ["host"]) + (
             ["disk"] if disk is not None else [])
+        # bf16/fp16 parameters get fp32 masters from hr.HostOptimizer and from nothing else
+        self.low_precision = _low_precision(model)
+        self.fp32_masters = fp32_masters if self.low_precision else None
+        state_places = places
+        if self.fp32_masters and self.on_cpu:
+            # the host optimizer in the device's own memory: masters, not savings
+            state_places = ["device", "host", *places[1:]]
         self.sizes = _sizes(model, self.opt_cls, self.opt_kw)
         if world_size is not None:  # one rank's shards move
             self.sizes = _Sizes(-(-self.sizes.params // world_size),
@@ -559,9 +598,11 @@ class Search:
                                   else [])
         self.candidates: list[_Candidate] = []
         for conv, k, act in itertools.product(conv_options, ks, places):
-            for params, state in itertools.product(places, places):
+            for params, state in itertools.product(places, state_places):
                 if params != "device" and state == "device":
                     continue  # offloaded parameters are stepped through their store
+                if self.fp32_masters is not None and self.fp32_masters == (state == "device"):
+                    continue  # masters asked for and not given, or refused and given
                 if world_size is not None and (params != state or params == "disk"):
                     continue  # shards: on the device, or with their state in host memory
                 choice = Choice(conv, tuple(self.blocks[:k]), params, state, act,
@@ -608,7 +649,15 @@ class Search:
                     None if self.disk is None else str(self.disk), self.slice_bytes,
                     c.at_peak, [(x.choice, x.peak if x.peak is not None else x.lower, x.time_s)
                                 for x in self.candidates], self.speeds, c.margin,
-                    world_size=self.world, blocks=tuple(self.blocks))
+                    world_size=self.world, blocks=tuple(self.blocks),
+                    fp32_masters=self.low_precision and c.choice.optimizer_state != "device")
+
+
+def _low_precision(model: nn.Module) -> bool:
+    """Whether any trainable parameter is bf16/fp16 (`hr.HostOptimizer` gives those fp32
+    masters; the optimizer on the device updates them in their own dtype)."""
+    return any(p.requires_grad and p.is_floating_point() and p.dtype not in MASTER_DTYPES
+               for p in model.parameters())
 
 
 def _convert_fn(on: bool):

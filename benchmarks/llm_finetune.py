@@ -13,9 +13,10 @@ Tools (each skipped, with the reason recorded, where it does not import or canno
 - ``deepspeed``: ZeRO-3 with parameters and optimizer state offloaded to the host (bf16,
   ``torch.optim.AdamW`` on the host, so no C++ op has to be built).
 - ``headroom``: bf16 parameters in host memory (or on disk when host memory cannot hold the
-  fp32 masters and AdamW state: ``--disk-dir``), ``hr.offload`` (prefetch 1),
-  ``hr.HostOptimizer`` (fp32 masters, AdamW, overlapped with the last backward), the model built
-  on ``meta`` and initialized into the store.
+  fp32 masters and AdamW state: ``--disk-dir``), ``hr.offload`` (prefetch 1; the micro-batches'
+  fp32 gradients summed on the device, ``--grad-accumulation``), ``hr.HostOptimizer`` (fp32
+  masters, AdamW, overlapped with the last backward), the model built on ``meta`` and
+  initialized into the store.
 - ``headroom_plan``: what ``hr.plan(model, ..., budget=<device memory>, disk=...,
   fp32_masters=True)`` chooses for a bf16 model, applied with ``plan.apply``.
 
@@ -581,7 +582,11 @@ def setup_headroom(spec: dict):
     model.train()
     scratch = Path(spec["scratch"])
     store = "cpu" if where == "host" else hr.DiskStore(scratch / "params")
-    hr.offload(model, device=dev, store=store, prefetch=1)
+    acc = spec.get("grad_accumulation", "store")
+    if acc == "device" and dev != "cpu" and spec["params"] * 4 > 0.4 * (
+            torch.cuda.get_device_properties(dev).total_memory):
+        acc = "store"  # the fp32 sums would take most of the device: the size is what counts
+    hr.offload(model, device=dev, store=store, prefetch=1, grad_accumulation=acc)
     _initial_values(model, spec, dtype)
     state = hr.DiskStore(scratch / "state") if where == "disk+state" else "cpu"
     kw = {"fused": False} if dev == "cpu" else {}  # cpu: the step plain's default AdamW takes
@@ -605,7 +610,8 @@ def setup_headroom(spec: dict):
             "compute": str(dtype).removeprefix("torch."),
             "optimizer": "hr.HostOptimizer(AdamW, overlap=True), fp32 masters and state in "
                          + ("a DiskStore" if where == "disk+state" else "host memory"),
-            "checkpointing": "every layer", "fp32_masters": True, "placement": where}
+            "checkpointing": "every layer", "fp32_masters": True, "placement": where,
+            "grad_accumulation": acc}
     stores = [x for x in (store, state) if not isinstance(x, str)]
     return model, step, info, lambda: dict(model.state_dict()), stores
 
@@ -1162,6 +1168,7 @@ class Runner:
             spec = {**self._spec_basics(tool, n), "size": size, "cfg": cfg,
                     "precision": a.precision, "seq": a.seq, "micro_batch": a.micro_batch,
                     "accum": a.accum, "tokens": tokens, "steps": a.steps, "lr": a.lr,
+                    "grad_accumulation": a.grad_accumulation,
                     "seed": 0, "profile": a.profile, "digest": a.digest, "env": env,
                     "threads": a.threads, "trace_dir": a.trace_dir,
                     "plan_budget": int(env.get("device_total_gib", 0) * GiB * 0.95)
@@ -1302,6 +1309,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accum", type=int, default=None, help="micro-batches per optimizer step")
     ap.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--grad-accumulation", choices=("store", "device"), default="device",
+                    help="headroom's hr.offload(grad_accumulation=): micro-batch gradients"
+                         " summed on the device (default) or in the store")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="the whole run's wall time; the JSON is written before it ends")
     ap.add_argument("--max-child-s", type=float, default=180.0, help="time limit of one run")

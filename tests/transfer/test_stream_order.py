@@ -397,6 +397,49 @@ def _offload(m: StreamModel, tmp_path) -> None:
         state_of(model).store.close()
 
 
+MODES = ("store", "device")
+
+
+def _offload_held(m: StreamModel, tmp_path) -> None:
+    """grad_accumulation="device": micro-batch gradients summed on the computing stream (a
+    user stream of the loop's own), handed to the store when the step reads them or, with
+    overlap, as the final backward completes them: bitwise the store's own accumulation.
+    bf16 parameters in host memory (fp32 gradients through the store) and fp32 on disk."""
+    from headroom.residency import state_of
+    from tests.residency._models import Transformer, lm_batch, lm_loss
+
+    for kind, dtype, overlap in (("cpu", torch.bfloat16, False), ("disk", torch.float32, True)):
+        values = {}
+        for mode in MODES:
+            torch.manual_seed(0)
+            model = Transformer(n=2, ckpt=True).to(dtype)
+            store = "cpu" if kind == "cpu" else DiskStore(tmp_path / f"h{kind}{mode}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hr.offload(model, device="cpu", store=store, grad_accumulation=mode)
+            opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                   overlap=overlap)
+            user = m.Stream()
+            user.wait_stream(m.current_stream())  # the model was made on the default stream
+            g = torch.Generator().manual_seed(0)
+            with m.stream(user):
+                for _ in range(2):
+                    for i in range(3):
+                        with opt.final_backward(overlap and i == 2):
+                            lm_loss(model, lm_batch(g)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                assert state_of(model)._held == {}
+                values[mode] = {k: v.clone() for k, v in model.state_dict().items()}
+            user.synchronize()
+            opt.close()
+            state_of(model).store.close()
+        for k, v in values.get("store", {}).items():
+            assert torch.equal(values["device"][k], v), (kind, k)
+        m.synchronize()  # before the values, the user streams' memory, are freed
+        del values
+
+
 def _optimizer(m: StreamModel, tmp_path) -> None:
     """HostOptimizer over bf16 parameters (fp32 host masters through the mover): each step
     equal to AdamW on the fp32 masters, with a skipped step and zero_grad(set_to_none=False)."""
@@ -514,7 +557,8 @@ def _optimizer_overlap(m: StreamModel, tmp_path) -> None:
 
 
 SCENARIOS = [_mover_host, _mover_disk, _mover_pageable, _rows, _heads, _heads_failure, _stash,
-             _optimizer, _optimizer_overlap, _offload_load, _activations, _offload]
+             _optimizer, _optimizer_overlap, _offload_load, _activations, _offload,
+             _offload_held]
 
 
 def _run(scenario, tmp_path, *, query_done: bool, skip=()) -> StreamModel:

@@ -255,7 +255,8 @@ def estimate(
             in place or return a replacement), e.g. ``headroom.convert``.
         offload: what-if: the step as under ``hr.offload(model, **offload)``, a dict of its
             options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`), ``prefetch``,
-            ``blocks`` (qualified names), ``compute_dtype``, and ``module`` (the qualified name
+            ``blocks`` (qualified names), ``compute_dtype``, ``grad_accumulation``, and
+            ``module`` (the qualified name
             of the submodule offloaded; default the model). For a model not offloaded yet.
             With ``world_size``: ``{"store": "cpu"}`` (optionally ``blocks``), each rank's
             shards in its host memory, as `hr.offload` of a ``fully_shard``ed model.

@@ -43,7 +43,7 @@ def offload_config(what_if: Mapping[str, Any] | OffloadConfig) -> OffloadConfig:
     """
     if isinstance(what_if, OffloadConfig):
         return what_if
-    known = {"store", "prefetch", "blocks", "compute_dtype", "module"}
+    known = {"store", "prefetch", "blocks", "compute_dtype", "grad_accumulation", "module"}
     extra = set(what_if) - known
     if extra:
         raise ValueError(
@@ -62,7 +62,8 @@ def offload_config(what_if: Mapping[str, Any] | OffloadConfig) -> OffloadConfig:
     return OffloadConfig(module=what_if.get("module", ""), store=kind,
                          prefetch=int(what_if.get("prefetch", 1)),
                          blocks=None if blocks is None else tuple(blocks),
-                         compute_dtype=what_if.get("compute_dtype"))
+                         compute_dtype=what_if.get("compute_dtype"),
+                         grad_accumulation=what_if.get("grad_accumulation", "store"))
 
 
 class DryRunFeatures:

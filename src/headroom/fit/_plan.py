@@ -28,7 +28,6 @@ from headroom.fit import _dryrun
 from headroom.fit._estimate import Estimate, estimate, parse_device
 from headroom.fit._time import Speeds, default_speeds, step_time
 from headroom.memory import CATEGORIES, format_bytes
-from headroom.optim._entries import MASTER_DTYPES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
@@ -656,8 +655,8 @@ class Search:
 def _low_precision(model: nn.Module) -> bool:
     """Whether any trainable parameter is bf16/fp16 (`hr.HostOptimizer` gives those fp32
     masters; the optimizer on the device updates them in their own dtype)."""
-    return any(p.requires_grad and p.is_floating_point() and p.dtype not in MASTER_DTYPES
-               for p in model.parameters())
+    return any(p.requires_grad and p.is_floating_point()
+               and p.dtype not in (torch.float32, torch.float64) for p in model.parameters())
 
 
 def _convert_fn(on: bool):

@@ -29,7 +29,7 @@ from headroom.transfer import MetaStore, Places
 class _SimParam:
     __slots__ = ("param", "group", "kind", "master", "grad_host", "slot", "store", "streamed",
                  "state_handles", "small", "initialized", "count", "launched", "bucket",
-                 "fired", "has_grad_host", "lowp", "master_handle")
+                 "fired", "has_grad_host", "lowp", "master_handle", "sim")
 
     def __init__(self, param: torch.Tensor, group: int) -> None:
         self.param = param
@@ -50,6 +50,7 @@ class _SimParam:
         self.fired = False
         self.lowp = False  # bound and low precision: an fp32 master of its own in the state
         self.master_handle: Any = None  # store, fed back into the parameter (the shadow)
+        self.sim: Any = None  # bound: the offload dry run holding its slot
 
     def has_grad(self) -> bool:
         if self.kind == _ALIAS:
@@ -140,6 +141,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         if found is not None:
             sim, slot = found
             e.kind = _BOUND
+            e.sim = sim
             e.slot = slot
             e.store = sim.store
             host = sim.store.host_tensor(slot.handle)
@@ -187,6 +189,8 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 if self._in_flight_bytes >= self._bucket_bytes:
                     self._in_flight, self._in_flight_bytes = [], 0
             del g
+        elif e.kind == _BOUND and self._final:
+            e.sim.flush(e.slot)  # its step starts now (grad_accumulation="device")
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
@@ -242,6 +246,10 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
     def _step_on_host(self, batch: list[_SimParam]) -> None:
         from headroom.optim._sliced import SlicedParam, probe_layout
         from headroom.optim._undo import Txn
+
+        for e in batch:  # sums held on the device go to the store before the step reads them
+            if e.kind == _BOUND:
+                e.sim.flush(e.slot)
 
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]

@@ -50,6 +50,7 @@ from headroom.transfer import (
     StoreFullError,
     StoreTensor,
     binding,
+    flush_grad,
     on_grad_ready,
     resolve_store,
     sync_grad,
@@ -455,10 +456,27 @@ class HostOptimizer(torch.optim.Optimizer):
             # Everything backward does with this parameter is queued by now, on this stream:
             # its new value is copied back after this point, whichever thread issues the copy.
             e.ready = self._mover.mark(e.ready)
+        elif e.kind == BOUND and self._overlap.final:
+            # its step starts now: a gradient summed on the device (grad_accumulation=
+            # "device") goes to the store at once, ordered on this backward's stream
+            flush_grad(e.bound)
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
         self._overlap.gradient_complete(e)
+
+    @staticmethod
+    def _sync_bound(entries: list[Entry]) -> None:
+        """Before reading store-resident gradients: a gradient may still be on its way into
+        the store (a disk write, an accumulation) when its producer signals it, or held back
+        on the device (``grad_accumulation="device"``); its producer hands it over and waits
+        for it here."""
+        syncs = {id(e.bound.grad_sync): e.bound for e in entries
+                 if e.kind == BOUND and e.bound.grad_sync is not None}
+        for b in syncs.values():
+            flush_grad(b)  # every held-back sum on its way before waiting for any
+        for b in syncs.values():
+            sync_grad(b)
 
     def _take_assigned_grads(self) -> None:
         """Move gradients assigned to ``param.grad`` (``p.grad = g``, not left there by
@@ -499,12 +517,7 @@ class HostOptimizer(torch.optim.Optimizer):
         txn = self._open_txn()
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             self._mover.synchronize()
-        # A store-resident gradient may still be on its way into the store (a disk write,
-        # an accumulation) when its producer signals it; its producer waits for that here.
-        syncs = {id(e.bound.grad_sync): e.bound for e in batch
-                 if e.kind == BOUND and e.bound.grad_sync is not None}
-        for b in syncs.values():
-            sync_grad(b)
+        self._sync_bound(batch)
         if early:
             hparams = {e.group: self._overlap.launched_hparams[e.group] for e in batch}
         else:
@@ -1093,6 +1106,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 if set_to_none:
                     b.has_grad = False
                     b.grad_rows = None
+                    flush_grad(b)  # a sum held on the device is dropped, its memory freed
                 else:
                     host = b.store.host_tensor(b.grad_handle)
                     if host is not None:
@@ -1120,6 +1134,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._wait()
         if e.kind == HOSTED and self._mover is not None:
             self._mover.synchronize()
+        self._sync_bound([e])
         if not e.has_grad():
             return None
         g = e.grad_tensor()
@@ -1171,6 +1186,7 @@ class HostOptimizer(torch.optim.Optimizer):
             )
         if self._mover is not None:
             self._mover.synchronize()
+        self._sync_bound(self._order)
         norm_type = float(norm_type)
         in_mem: list[torch.Tensor] = []
         norms: list[torch.Tensor] = []

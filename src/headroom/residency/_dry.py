@@ -11,7 +11,9 @@ schedule, so autograd's saved references stay valid and the tracker sees every b
 Bytes move at once: a fetch is complete when it starts, and a gradient written to disk is gone
 from memory when it is handed over (a real disk write keeps it until written). On an accelerator
 the gradients handed to the host stay on the device until the copies are reaped: past 256 MiB
-in flight, and at the end of backward (`headroom.transfer.Mover`).
+in flight, and at the end of backward (`headroom.transfer.Mover`). With
+``grad_accumulation="device"`` the gradients that rest as StoreTensors are held on the device
+(in the stored gradient's dtype) until the host optimizer's step reads them (`flush`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class OffloadConfig:
         blocks: qualified names (inside ``module``) of the blocks, or ``None``: found as
             `hr.offload` finds them.
         compute_dtype: the device copies' dtype for floating-point parameters, or ``None``.
+        grad_accumulation: ``"store"`` or ``"device"`` (see `hr.offload`).
     """
 
     module: str = ""
@@ -51,6 +54,7 @@ class OffloadConfig:
     prefetch: int = 1
     blocks: tuple[str, ...] | None = None
     compute_dtype: torch.dtype | None = None
+    grad_accumulation: str = "store"
 
 
 def configs_of(model: nn.Module) -> list[OffloadConfig]:
@@ -66,6 +70,7 @@ def configs_of(model: nn.Module) -> list[OffloadConfig]:
             prefetch=state.prefetch,
             blocks=tuple(inner[id(b.module)] for b in state.blocks),
             compute_dtype=state.compute_dtype,
+            grad_accumulation=state.grad_accumulation,
         ))
     return out
 
@@ -160,6 +165,7 @@ class OffloadDryRun:
         self._bwd_seen: set[int] = set()
         self._in_flight: deque = deque()
         self._staged = 0
+        self._held: dict[int, tuple[_Slot, torch.Tensor]] = {}
         for pid, p in lay.params.items():
             g = lay.group_of[pid]
             group = self.blocks[g] if g >= 0 else self.rest
@@ -343,6 +349,34 @@ class OffloadDryRun:
         p = slot.master
         host = self.store.host_tensor(slot.grad_handle)
         accumulate = p.grad is not None
+        if (self.config.grad_accumulation == "device"
+                and (host is None or host.dtype != p.dtype)):
+            # held on the device, in the stored gradient's dtype, until the step reads it
+            held = self._held.get(id(slot))
+            if held is None or not accumulate:
+                acc = g if g.dtype == slot.grad_handle.dtype else g.to(slot.grad_handle.dtype)
+                self._held[id(slot)] = (slot, acc, not accumulate)
+            else:
+                with torch.no_grad():
+                    held[1].add_(g)
+            if not accumulate:
+                p.grad = slot.marker
+        else:
+            self._push(slot, g, accumulate)
+        slot.has_grad = True
+        del g
+        for fn in slot.listeners:
+            fn(p)
+        block = slot.group
+        if id(block) in self._bwd_seen:
+            block.grads_left -= 1
+            if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
+                self._maybe_release(block)
+
+    def _push(self, slot: _Slot, g: torch.Tensor, accumulate: bool) -> None:
+        """Hand a gradient to the store, as `headroom.transfer.Mover.push_grad` does."""
+        p = slot.master
+        host = self.store.host_tensor(slot.grad_handle)
         if self.accelerated:
             # the device gradient stays until its copy to the host is reaped
             self._in_flight.append(g)
@@ -368,15 +402,20 @@ class OffloadDryRun:
             self.store.write(slot.grad_handle, g)
             if not accumulate:
                 p.grad = slot.marker
-        slot.has_grad = True
-        del g
-        for fn in slot.listeners:
-            fn(p)
-        block = slot.group
-        if id(block) in self._bwd_seen:
-            block.grads_left -= 1
-            if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
-                self._maybe_release(block)
+
+    def flush(self, slot: _Slot | None = None) -> None:
+        """Hand the gradients held on the device (``slot``'s, or all) to the store, as a read
+        of the stored gradient makes `hr.offload`'s schedule do; cleared ones are dropped."""
+        if slot is None:
+            todo, self._held = list(self._held.values()), {}
+        else:
+            one = self._held.pop(id(slot), None)
+            todo = [] if one is None else [one]
+        for s, acc, fresh in todo:
+            if s.master.grad is None or not s.has_grad:
+                continue
+            self._push(s, acc, not fresh)
+        del todo
 
     def _end_backward(self) -> None:
         self._bwd = False

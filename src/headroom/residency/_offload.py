@@ -50,6 +50,7 @@ def offload(
     blocks: Iterable[nn.Module] | None = None,
     prefetch: int = 1,
     compute_dtype: torch.dtype | None = None,
+    grad_accumulation: str = "store",
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in a store; stream each block to ``device``.
 
@@ -88,6 +89,18 @@ def offload(
         compute_dtype: dtype of the device copies of floating-point parameters (e.g.
             ``torch.bfloat16``); masters and gradients in the store stay in their own dtype
             (fp32), gradients accumulate there. Opt-in and not bitwise equal to fp32 training.
+        grad_accumulation: where the gradients of several backward passes before a step
+            (gradient accumulation) are summed. ``"store"``: each backward's gradient goes to
+            the store and is added there (on the host, or read, added and written back on
+            disk). ``"device"``: a gradient that ``param.grad`` reads through the store (on a
+            `DiskStore`; and in host memory the fp32 gradients `hr.HostOptimizer` keeps for
+            bf16/fp16 parameters) is summed on ``device`` instead, in the stored gradient's
+            dtype (bitwise the same sum), and handed to the store once, when it is read (the
+            optimizer's step, ``param.grad``, ``clip_grad_norm_``) or, inside
+            ``HostOptimizer.final_backward``, as the last backward completes it. Costs one
+            gradient per parameter on ``device`` (4 bytes per parameter in fp32) from the
+            first backward to the step; saves the host's or the disk's traffic of every
+            backward but one.
 
     Returns:
         ``model``.
@@ -97,7 +110,8 @@ def offload(
         RuntimeError: ``device`` is not available, or the model (or a part of it) is already
             offloaded; DTensor parameters that FSDP2 does not manage.
         NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
-        ValueError: bad ``blocks``, ``prefetch`` or ``compute_dtype``.
+        ValueError: bad ``blocks``, ``prefetch``, ``compute_dtype`` or
+            ``grad_accumulation``.
         StoreFullError / PermissionError: the store cannot hold the parameters.
 
     Example:
@@ -109,7 +123,15 @@ def offload(
         raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
+    if grad_accumulation not in ("store", "device"):
+        raise ValueError(
+            f"grad_accumulation must be 'store' or 'device', got {grad_accumulation!r}")
     if _dtensor.check_sharded(model, "hr.offload"):
+        if grad_accumulation != "store":
+            raise NotImplementedError(
+                "grad_accumulation='device' is not supported for a fully_shard()ed model: FSDP2"
+                " reduce-scatters every backward's gradients into the shards; leave the default"
+                " ('store')")
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
         _install_optimizer_hook()  # torch.optim refused on shards on disk
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
@@ -137,7 +159,7 @@ def offload(
             UserWarning,
             stacklevel=2,
         )
-    state = Offload(model, dev, st, prefetch, compute_dtype)
+    state = Offload(model, dev, st, prefetch, compute_dtype, grad_accumulation)
     state.plan = replace(lay.plan, store=repr(st))
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
@@ -278,8 +300,9 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         if pending:
             for m, _ in owners[pid]:
                 state.pending_modules[id(m)] = m
-        b.grad_sync = state.sync_grads
         slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
+        b.grad_sync = partial(state.sync_grad_of, slot)
+        b.grad_flush = partial(state.flush_grads, slot)
         slot.group = target
         slot.show(master)
         placed.append((slot, params[pid], created))

@@ -22,9 +22,12 @@ raising in backward) at the next forward or ``named_parameters()``; see `Offload
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
+import threading
 import weakref
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -43,7 +46,10 @@ from headroom.transfer import (
     Store,
     StoreFullError,
     StoreTensor,
+    add_into,
     grad_ready,
+    is_accelerator,
+    stream_module,
 )
 
 __all__ = ["Offload", "in_backward"]
@@ -132,6 +138,26 @@ class Phase(enum.Flag):
     BACKWARD = enum.auto()  # a backward through the model has not ended
 
 
+@dataclass
+class _Held:
+    """A gradient summed on the device across backward passes, not yet in the store
+    (``hr.offload(..., grad_accumulation="device")``).
+
+    Attributes:
+        slot: whose gradient.
+        acc: the sum so far, on the device, in the stored gradient's dtype.
+        fresh: the sum began after the stored gradient was cleared (``zero_grad``): it
+            replaces the stored one; otherwise it is added to it.
+        stream: the stream the sum was formed on (``None`` on the CPU): its hand-over is
+            ordered after that stream's work.
+    """
+
+    slot: Slot
+    acc: torch.Tensor
+    fresh: bool
+    stream: Any = None
+
+
 class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
 
@@ -162,7 +188,7 @@ class Offload:
         return bool(self._bwd or self._root_running or self._active)
 
     def __init__(self, model: nn.Module, device: torch.device, store: Store, prefetch: int,
-                 compute_dtype: torch.dtype | None) -> None:
+                 compute_dtype: torch.dtype | None, grad_accumulation: str = "store") -> None:
         self.model = model
         self.device = device
         self.store = store
@@ -199,6 +225,12 @@ class Offload:
         self._refetch = False
         # one forward or backward at a time across threads (see headroom.residency._use)
         self.use = Use()
+        # grad_accumulation="device": gradients of several backward passes summed on the
+        # device, handed to the store when read (see _Held)
+        self.grad_accumulation = grad_accumulation
+        self._held: dict[int, _Held] = {}
+        self._held_lock = threading.Lock()
+        self._streams = stream_module(device) if is_accelerator(device) else None
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -685,7 +717,14 @@ class Offload:
         # StoreTensor over the stored gradient instead.
         host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
-        if host is not None:
+        if host is None and self.grad_accumulation == "device" and b.relay is None:
+            # Held on the device: every read of the stored gradient (param.grad is a
+            # StoreTensor, the optimizer's step) hands the sum over first (`sync_grad`).
+            self._hold(slot, g, fresh=cur is None)
+            b.has_grad = True
+            if cur is None:
+                p.grad = _stored_grad(p, b)
+        elif host is not None:
             if cur is not None and cur.data_ptr() != host.data_ptr():
                 host.copy_(cur)  # a gradient assigned by the user: accumulate onto it
             self.res.push_grad(g, b, accumulate=cur is not None)
@@ -707,6 +746,63 @@ class Offload:
             if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
                 self._maybe_release(block)
 
+    def _hold(self, slot: Slot, g: torch.Tensor, *, fresh: bool) -> None:
+        """Add ``g`` to ``slot``'s gradient held on the device (or start it: ``fresh``, or
+        nothing held), in the stored gradient's dtype: the sum the store would form."""
+        dtype = slot.binding.grad_handle.dtype
+        mod = self._streams
+        stream = mod.current_stream(self.device) if mod is not None else None
+        with self._held_lock:
+            held = self._held.get(id(slot))
+            if held is None or fresh:
+                if g.dtype == dtype and g.is_contiguous():
+                    acc = g  # autograd's gradient, no longer referenced elsewhere
+                else:
+                    acc = torch.empty(g.shape, dtype=dtype, device=g.device).copy_(g)
+                self._held[id(slot)] = _Held(slot, acc, fresh, stream)
+                return
+            if stream is not None and held.stream is not stream:
+                # summed on another stream before: order this add after it
+                stream.wait_stream(held.stream)
+                held.acc.record_stream(stream)
+                held.stream = stream
+            with torch.no_grad():
+                if held.acc.device.type == "cpu":
+                    add_into(held.acc, g)  # bitwise add_, faster across dtypes
+                else:
+                    held.acc.add_(g)
+
+    def flush_grads(self, slot: Slot | None = None) -> None:
+        """Hand the gradients held on the device (``slot``'s, or all) to the store; does not
+        wait for them to land (`sync_grads`). A sum whose gradient was cleared since
+        (``zero_grad``) is dropped."""
+        with self._held_lock:
+            if slot is None:
+                todo, self._held = list(self._held.values()), {}
+            else:
+                one = self._held.pop(id(slot), None)
+                todo = [] if one is None else [one]
+        for i, held in enumerate(todo):
+            b = held.slot.binding
+            if held.slot.param.grad is None or not b.has_grad or b.grad_handle is None:
+                continue
+            ctx = (self._streams.stream(held.stream) if held.stream is not None
+                   else contextlib.nullcontext())
+            try:
+                with ctx:
+                    self.res.push_grad(held.acc, b, accumulate=not held.fresh)
+            except BaseException:
+                with self._held_lock:  # not handed over: held again, as they were
+                    for h in todo[i:]:
+                        self._held.setdefault(id(h.slot), h)
+                raise
+
+    def sync_grad_of(self, slot: Slot) -> None:
+        """Wait until ``slot``'s gradient rests in the store (its sum held on the device
+        handed over first)."""
+        self.flush_grads(slot)
+        self.res.sync_grads()
+
     def end_backward(self) -> None:
         self._bwd = False
         self._bwd_seen = set()
@@ -714,7 +810,7 @@ class Offload:
             b.inputs_pending = 0
             self._idle_release(b)
         self.res.release(self.rest)
-        self.sync_grads()
+        self.res.sync_grads()  # what was handed over lands; what is held stays held
         if self._bypass:
             names, self._bypass = self._bypass, []
             raise RuntimeError(
@@ -725,7 +821,9 @@ class Offload:
             )
 
     def sync_grads(self) -> None:
-        """Wait until every gradient pushed so far rests in the store (any thread)."""
+        """Wait until every gradient pushed so far rests in the store (any thread), those
+        held on the device handed over first."""
+        self.flush_grads()
         self.res.sync_grads()
 
     def read_grad(self, slot: Slot) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from headroom.transfer._binding import (
     ParamBinding,
     bind,
     binding,
+    flush_grad,
     grad_ready,
     on_grad_ready,
     relay_done,
@@ -19,7 +20,7 @@ from headroom.transfer._device import check_device, stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, release_pages, trim_heap
-from headroom.transfer._host import HostStore, PinnedPool
+from headroom.transfer._host import HostStore, PinnedPool, add_into
 from headroom.transfer._meta import MetaStore, Places, flat_tensors, to_meta
 from headroom.transfer._mover import _MAX_STAGED_BYTES as MAX_STAGED_BYTES
 from headroom.transfer._mover import Mover, Ticket
@@ -80,11 +81,13 @@ __all__ = [
     "StoreFullError",
     "TensorInfo",
     "Ticket",
+    "add_into",
     "bind",
     "binding",
     "check_device",
     "claimed_keys",
     "flat_tensors",
+    "flush_grad",
     "is_accelerator",
     "grad_ready",
     "on_grad_ready",

@@ -4,7 +4,10 @@ Besides where things rest, a binding carries one small signal between the code t
 a store-resident gradient (the offload layer) and the code that *consumes* it (an optimizer):
 `on_grad_ready` registers a listener, the producer calls `grad_ready` once the parameter's
 gradient of one backward pass is complete, and a consumer calls `sync_grad` before reading it
-(the producer's writes may still be in flight then). Listeners are removed with the handle
+(the producer's writes may still be in flight then; a producer that sums several backward
+passes' gradients before the store, ``hr.offload(..., grad_accumulation="device")``, hands
+that sum over then, or at once on `flush_grad` from a consumer that reads the gradient as soon
+as it is ready). Listeners are removed with the handle
 `on_grad_ready` returns, like a ``torch`` hook. A *relay* (data parallel, which averages the
 gradient across processes first) may stand between the two: `grad_ready` then hands the
 parameter to it alone, and it calls `relay_done` once the gradient is final.
@@ -21,7 +24,8 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
 __all__ = [
-    "ParamBinding", "bind", "binding", "grad_ready", "on_grad_ready", "relay_done", "sync_grad",
+    "ParamBinding", "bind", "binding", "flush_grad", "grad_ready", "on_grad_ready", "relay_done",
+    "sync_grad",
     "unbind",
 ]
 
@@ -43,8 +47,12 @@ class ParamBinding:
             it when they write a gradient; consumers (an optimizer's ``zero_grad``) clear it,
             and the next producer then overwrites instead of accumulating.
         grad_sync: set by the producer: blocks until every gradient it has handed over so far
-            rests in ``grad_handle`` (its writes may run in the background). ``None``: the
-            gradient is in place as soon as `grad_ready` fires.
+            rests in ``grad_handle`` (its writes may run in the background; a sum held back
+            on the device is handed over first). ``None``: the gradient is in place as soon
+            as `grad_ready` fires.
+        grad_flush: set by a producer that may hold gradients back (summed on the device
+            across backward passes): hands what it holds for this parameter to the store now,
+            without waiting for it to land. ``None``: nothing is ever held back.
         grad_dtype: the dtype a producer allocates ``grad_handle`` in (``None``: the
             parameter's). A consumer that wants full-precision accumulation of a low-precision
             parameter's gradient (an optimizer with fp32 masters) sets ``torch.float32``.
@@ -65,6 +73,7 @@ class ParamBinding:
     grad_dtype: torch.dtype | None = None
     has_value: bool = True
     grad_sync: Callable[[], None] | None = field(default=None, repr=False)
+    grad_flush: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
     relay: Callable[[torch.Tensor], None] | None = field(default=None, repr=False)
 
@@ -181,6 +190,14 @@ def relay_done(param: torch.Tensor) -> None:
     if b is not None:
         for fn in tuple(b.listeners):
             fn(param)
+
+
+def flush_grad(b: ParamBinding) -> None:
+    """Have ``b``'s producer hand over any gradient it holds back, now (does not wait: see
+    `sync_grad`). For a consumer about to read the gradient of the backward that just made it
+    complete (a step during ``final_backward``), from that backward's thread."""
+    if b.grad_flush is not None:
+        b.grad_flush()
 
 
 def sync_grad(b: ParamBinding) -> None:

@@ -1,0 +1,171 @@
+"""Gradient accumulation on a model trained from disk: summed in the store or on the device.
+
+``device="cpu"``, parameters on a `hr.DiskStore` (page cache off, so that every byte goes to
+the disk), ``hr.HostOptimizer(AdamW)`` with its state on disk, ``--accum`` micro-batches per
+step. Two ways, side by side in one process, their steps interleaved round by round:
+
+* ``store``: ``hr.offload(..., grad_accumulation="store")`` (the default): each backward's
+  gradient goes to the store, read back, added and written again by the next one.
+* ``device``: ``grad_accumulation="device"``: the micro-batches' gradients are summed where
+  the model computes (here the CPU's RAM: 4 bytes per parameter more) and written once, when
+  the step reads them.
+* ``plain``: the same model resident in RAM with ``torch.optim.AdamW``: the time of the
+  computation alone, and the reference every headroom run must equal bitwise.
+
+Reports per step: wall time (median of ``--steps`` after a warm-up), the store's bytes read and
+written (parameters, gradients; the optimizer state's store apart), the process's peak RSS
+growth during the step, and checks that both headroom runs end bitwise equal to ``plain``.
+Writes ``benchmarks/results/grad_accumulation.json``.
+
+    .venv/bin/python benchmarks/grad_accumulation.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import shutil
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+import headroom as hr
+from headroom.residency import state_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def build(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[MLP(width) for _ in range(blocks)])
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dir", default="/tmp/headroom-grad-accumulation")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/grad_accumulation.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+
+    runs = {}
+    for mode in ("plain", "store", "device"):
+        model = build(args.width, args.blocks)
+        if mode == "plain":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            store = None
+        else:
+            store = hr.DiskStore(root / f"params-{mode}", page_cache=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hr.offload(model, device="cpu", store=store, grad_accumulation=mode)
+            opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                                   state_store=hr.DiskStore(root / f"state-{mode}",
+                                                            page_cache=False))
+        runs[mode] = {"model": model, "opt": opt, "store": store, "times": [], "read": [],
+                      "written": [], "rss": []}
+    n_params = sum(p.numel() for p in runs["plain"]["model"].parameters())
+    g = torch.Generator().manual_seed(1)
+    batches = [[torch.randn(args.batch, args.width, generator=g) for _ in range(args.accum)]
+               for _ in range(args.steps + 1)]
+
+    def step(r, xs) -> None:
+        for x in xs:
+            (r["model"](x).square().mean() / len(xs)).backward()
+        r["opt"].step()
+        r["opt"].zero_grad()
+
+    for s, xs in enumerate(batches):  # round by round: load falls on all alike
+        for mode, r in runs.items():
+            st = r["store"]
+            before = st.stats() if st is not None else None
+            _reset_peak()
+            rss0 = _status("VmRSS")
+            t = time.perf_counter()
+            step(r, xs)
+            dt = time.perf_counter() - t
+            if s == 0:
+                continue  # warm-up
+            r["times"].append(dt)
+            r["rss"].append(_status("VmHWM") - rss0)
+            if st is not None:
+                after = st.stats()
+                r["read"].append(after["bytes_read"] - before["bytes_read"])
+                r["written"].append(after["bytes_written"] - before["bytes_written"])
+            print(f"step {s}: {mode:>6} {dt:7.2f} s", flush=True)
+
+    ref = runs["plain"]["model"].state_dict()
+    out = {"benchmark": "grad_accumulation", "config": vars(args), "params": n_params,
+           "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                       "threads": args.threads},
+           "results": {}}
+    for mode, r in runs.items():
+        sd = r["model"].state_dict()
+        exact = all(torch.equal(sd[k], v) for k, v in ref.items())
+        res = {"median_step_s": statistics.median(r["times"]), "step_s": r["times"],
+               "median_rss_growth_bytes": statistics.median(r["rss"]), "exact_vs_plain": exact}
+        if r["store"] is not None:
+            res["disk_read_bytes_per_step"] = statistics.median(r["read"])
+            res["disk_written_bytes_per_step"] = statistics.median(r["written"])
+            assert state_of(r["model"])._held == {}
+        out["results"][mode] = res
+        if not exact:
+            raise SystemExit(f"{mode} is not bitwise equal to plain")
+    st, dv = out["results"]["store"], out["results"]["device"]
+    out["device_vs_store"] = {
+        "time": dv["median_step_s"] / st["median_step_s"],
+        "disk_read": dv["disk_read_bytes_per_step"] / st["disk_read_bytes_per_step"],
+        "disk_written": dv["disk_written_bytes_per_step"] / st["disk_written_bytes_per_step"],
+    }
+    gib = 2 ** 30
+    print(f"{n_params / 1e6:.0f}M parameters, {args.accum} micro-batches of {args.batch}")
+    for mode, res in out["results"].items():
+        io = (f", disk read {res['disk_read_bytes_per_step'] / gib:.2f} GiB, written"
+              f" {res['disk_written_bytes_per_step'] / gib:.2f} GiB"
+              if "disk_read_bytes_per_step" in res else "")
+        print(f"  {mode:>6}: {res['median_step_s']:.2f} s/step, RSS growth"
+              f" {res['median_rss_growth_bytes'] / gib:.2f} GiB{io}, exact {res['exact_vs_plain']}")
+    print("  device / store:", {k: round(v, 3) for k, v in out["device_vs_store"].items()})
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print("wrote", args.out)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

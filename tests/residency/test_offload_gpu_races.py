@@ -111,7 +111,7 @@ def _offload(model, device, store, **kw):
 
 
 def _pair(device, store, *, prefetch=1, compute_dtype=None, overlap=False, accum=1,
-          hold_backward=True):
+          hold_backward=True, grad_accumulation="store"):
     base = _model()
     ref = copy.deepcopy(base)
     if compute_dtype is not None:
@@ -120,7 +120,7 @@ def _pair(device, store, *, prefetch=1, compute_dtype=None, overlap=False, accum
     ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.AdamW, lr=1e-3, overlap=overlap)
     _train(ref, ref_opt, device, accum=accum, final=overlap, dtype=compute_dtype)
     ours = _offload(copy.deepcopy(base), device, store, prefetch=prefetch,
-                    compute_dtype=compute_dtype)
+                    compute_dtype=compute_dtype, grad_accumulation=grad_accumulation)
     opt = hr.HostOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-3, overlap=overlap)
     _train(ours, opt, device, accum=accum, final=overlap, hold_backward=hold_backward,
            dtype=compute_dtype)
@@ -137,6 +137,32 @@ def test_offloaded_training_matches_resident_with_compute_held_back(
     st = "cpu" if store == "cpu" else hr.DiskStore(tmp_path / "s")
     ours, ref, _ = _pair(DEV, st, prefetch=prefetch, overlap=overlap, accum=accum)
     _compare(ours, ref)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_summed_on_the_device(held, tmp_path, overlap):
+    """grad_accumulation="device" on disk: the sums are handed over on a side stream when the
+    step reads them, or (overlap) as the final backward completes them, after the adds still
+    queued on the held-back computing stream."""
+    ours, ref, _ = _pair(DEV, hr.DiskStore(tmp_path / "s"), overlap=overlap, accum=3,
+                         grad_accumulation="device")
+    _compare(ours, ref)
+
+
+def test_bf16_gradients_summed_on_the_device_in_fp32(held):
+    """bf16 parameters in host memory with HostOptimizer: fp32 sums on the device, bitwise
+    what the resident model's host gradients sum to."""
+    base = _model().to(torch.bfloat16)
+    ref = copy.deepcopy(base).to(DEV)
+    ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.AdamW, lr=1e-3, overlap=True)
+    _train(ref, ref_opt, DEV, accum=3, final=True, dtype=torch.bfloat16)
+    ours = _offload(copy.deepcopy(base), DEV, "cpu", grad_accumulation="device")
+    opt = hr.HostOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-3, overlap=True)
+    _train(ours, opt, DEV, accum=3, final=True, hold_backward=True, dtype=torch.bfloat16)
+    torch.accelerator.synchronize()
+    a, b = _values(ours), _values(ref)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def test_compute_dtype(held):

@@ -63,14 +63,14 @@ def tokenizer():
                                    bos_token="t2", unk_token="t3")
 
 
-def offload(model: torch.nn.Module, store: str | None, tmp: Path) -> torch.nn.Module:
+def offload(model: torch.nn.Module, store: str | None, tmp: Path, **kw) -> torch.nn.Module:
     """``hr.offload`` to host memory (``"cpu"``) or a DiskStore under ``tmp`` (``"disk"``)."""
     if store is None:
         return model
     st = hr.DiskStore(tmp / "store") if store == "disk" else "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # device="cpu" with a host store saves nothing
-        return hr.offload(model, device="cpu", store=st)
+        return hr.offload(model, device="cpu", store=st, **kw)
 
 
 def optimizer(model: torch.nn.Module, headroom: bool, **kw) -> torch.optim.Optimizer:

@@ -53,6 +53,27 @@ def test_trainer_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
     assert_runs_equal(partial(_train, mode), mode == "bf16-weights", tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
+def test_gradient_accumulation_summed_on_the_device_is_exact(mode, tmp_path):
+    """gradient_accumulation_steps=2 with hr.offload(grad_accumulation="device"): Trainer's
+    clipping and logged norm read the sums through param.grad; the same logs and state."""
+    from transformers import Trainer, TrainingArguments
+
+    dtype = MODES[mode][0]
+
+    def run(store, headroom, tmp):
+        model = offload(gpt2(dtype), store, tmp, grad_accumulation="device")
+        args = TrainingArguments(
+            output_dir=str(tmp / "out"), max_steps=3, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+            save_strategy="no", seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=LMData(),
+                          optimizers=(optimizer(model, headroom), None))
+        return train_logged(trainer, model)
+
+    assert_runs_equal(run, mode == "bf16-weights", tmp_path)
+
+
 def _resumed(store: str | None, headroom: bool, tmp_path):
     """Two steps, a checkpoint, then a new model and optimizer resumed to four steps."""
     from transformers import Trainer, TrainingArguments

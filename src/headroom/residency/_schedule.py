@@ -755,8 +755,9 @@ class Offload:
         with self._held_lock:
             held = self._held.get(id(slot))
             if held is None or fresh:
-                if g.dtype == dtype and g.is_contiguous():
-                    acc = g  # autograd's gradient, no longer referenced elsewhere
+                if g.dtype == dtype and g.is_contiguous() and g._base is None:
+                    acc = g  # autograd's gradient, no longer referenced elsewhere (a view
+                    # would keep its whole base alive)
                 else:
                     acc = torch.empty(g.shape, dtype=dtype, device=g.device).copy_(g)
                 self._held[id(slot)] = _Held(slot, acc, fresh, stream)

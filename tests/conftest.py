@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
+
+# Tests of Ctrl-C send SIGINT to their own process. A suite started in the background by a
+# non-interactive shell inherits SIGINT ignored, and Python then raises no KeyboardInterrupt:
+# give those tests the handler an interactive run has.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def accelerator_type() -> str | None:

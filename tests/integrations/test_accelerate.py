@@ -35,7 +35,8 @@ def _accelerator(mp: str):
     return Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, mixed_precision=mp)
 
 
-def _run(mode: str, store: str | None, headroom: bool, tmp_path, *, resume_at: int | None):
+def _run(mode: str, store: str | None, headroom: bool, tmp_path, *, resume_at: int | None,
+         **offload_kw):
     """Train MICRO micro-batches; with ``resume_at``, save_state there and go on from a new
     model, optimizer and accelerator that load_state it."""
     dtype, mp = MODES[mode]
@@ -44,7 +45,7 @@ def _run(mode: str, store: str | None, headroom: bool, tmp_path, *, resume_at: i
 
     def part(lo: int, hi: int, load: str | None, save: str | None, sub: str):
         acc = _accelerator(mp)
-        model = offload(llama(dtype), store, tmp_path / sub)
+        model = offload(llama(dtype), store, tmp_path / sub, **offload_kw)
         opt = optimizer(model, headroom)
         dl = torch.utils.data.DataLoader(data[2 * lo:2 * hi], batch_size=2)
         model, opt, dl = acc.prepare(model, opt, dl)
@@ -79,5 +80,18 @@ def test_accelerate_loop_with_offload_and_host_optimizer_is_exact(mode, tmp_path
     assert len(ref_norms) == MICRO // ACCUM and any(n > 1.0 for n in ref_norms)
     for store in ("cpu", "disk"):
         norms, st = _run(mode, store, True, tmp_path / store, resume_at=MICRO // 2)
+        assert norms == ref_norms, store
+        assert_same_state(ref_state, st)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
+def test_gradients_summed_on_the_device_are_exact(mode, tmp_path):
+    """hr.offload(grad_accumulation="device") under accelerate's accumulate(): its clipping
+    reads the sums, the skipped steps and zero_grads of the first micro-batch leave them."""
+    ref_norms, ref_state = _run(mode, None, mode == "bf16-weights", tmp_path / "ref",
+                                resume_at=None)
+    for store in ("cpu", "disk"):
+        norms, st = _run(mode, store, True, tmp_path / store, resume_at=MICRO // 2,
+                         grad_accumulation="device")
         assert norms == ref_norms, store
         assert_same_state(ref_state, st)

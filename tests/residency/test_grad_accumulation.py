@@ -216,3 +216,15 @@ def test_kill_9_while_sums_are_held_leaves_the_stored_parameters_whole(tmp_path)
     assert sd.keys()
     for name, v in sd.items():
         assert torch.equal(v, torch.load(tmp_path / f"old-{name}.pt")), name
+
+
+def test_unoffload_while_sums_are_held_keeps_them(tmp_path):
+    ref = make_model()
+    model = _offloaded(tmp_path, "m", accumulation="device")
+    for m in (ref, model):
+        loss_fn(m, 0).backward()
+        loss_fn(m, 1).backward()
+    assert state_of(model)._held
+    hr.unoffload(model)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, r.grad)

@@ -19,9 +19,9 @@ STEPS, SPLIT = 4, 2
 
 
 class _LM(L.LightningModule):
-    def __init__(self, dtype, store, headroom, tmp):
+    def __init__(self, dtype, store, headroom, tmp, **offload_kw):
         super().__init__()
-        self.lm = offload(gpt2(dtype), store, tmp)
+        self.lm = offload(gpt2(dtype), store, tmp, **offload_kw)
         self.headroom = headroom
         self.norms: list[float] = []
 
@@ -41,27 +41,29 @@ class _LM(L.LightningModule):
         self.norms.append(torch.nn.utils.get_total_norm(grads).item())
 
 
-def _run(mode: str, store: str | None, headroom: bool, tmp_path):
-    """STEPS steps with gradient_clip_val=1.0: SPLIT of them, a checkpoint, and the rest in a
-    new Trainer and module resumed with fit(ckpt_path=...)."""
+def _run(mode: str, store: str | None, headroom: bool, tmp_path, accum: int = 1,
+         **offload_kw):
+    """STEPS steps with gradient_clip_val=1.0 (of ``accum`` micro-batches each): SPLIT of
+    them, a checkpoint, and the rest in a new Trainer and module resumed with
+    fit(ckpt_path=...)."""
     dtype, precision = MODES[mode]
     kw = dict(accelerator="cpu", devices=1, gradient_clip_val=1.0, logger=False,
               enable_progress_bar=False, enable_model_summary=False, precision=precision,
-              default_root_dir=str(tmp_path))
+              default_root_dir=str(tmp_path), accumulate_grad_batches=accum)
 
     def loader():
-        return torch.utils.data.DataLoader(token_ids(2 * STEPS), batch_size=2)
+        return torch.utils.data.DataLoader(token_ids(2 * STEPS * accum), batch_size=2)
 
     ck = L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
                                              every_n_train_steps=SPLIT, save_top_k=-1)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = _LM(dtype, store, headroom, tmp_path / "a")
+        first = _LM(dtype, store, headroom, tmp_path / "a", **offload_kw)
         L.Trainer(max_steps=SPLIT, callbacks=[ck], **kw).fit(first, loader())
         path = ck.best_model_path or ck.last_model_path
         assert path.endswith(f"step={SPLIT}.ckpt"), path
-        second = _LM(dtype, store, headroom, tmp_path / "b")
+        second = _LM(dtype, store, headroom, tmp_path / "b", **offload_kw)
         L.Trainer(max_steps=STEPS, enable_checkpointing=False, **kw).fit(
             second, loader(), ckpt_path=path)
     return first.norms + second.norms, state(second)
@@ -73,5 +75,18 @@ def test_lightning_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
     assert len(ref_norms) == STEPS and any(n > 1.0 for n in ref_norms)  # clipping acts
     for store in ("cpu", "disk"):
         norms, st = _run(mode, store, True, tmp_path / store)
+        assert norms == ref_norms, store
+        assert_same_state(ref_state, st)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
+def test_accumulate_grad_batches_summed_on_the_device_is_exact(mode, tmp_path):
+    """accumulate_grad_batches=2 with hr.offload(grad_accumulation="device"): Lightning's
+    clipping and the norms read in on_before_optimizer_step see the sums."""
+    ref_norms, ref_state = _run(mode, None, mode == "bf16-weights", tmp_path / "ref", accum=2)
+    assert len(ref_norms) == STEPS
+    for store in ("cpu", "disk"):
+        norms, st = _run(mode, store, True, tmp_path / store, accum=2,
+                         grad_accumulation="device")
         assert norms == ref_norms, store
         assert_same_state(ref_state, st)

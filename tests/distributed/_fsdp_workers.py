@@ -144,6 +144,10 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
     m(x).sum().backward()  # the refusal changed nothing
     out["reopened_untouched"] = int(sharded_state_of(m) is None and not any(
         fp.offload_to_cpu for _, u in fsdp_modules(m) for fp in _fsdp_params(u)))
+    # gradients summed on the device: FSDP2 reduce-scatters every backward's, refused
+    out["held_sums"] = _error(lambda: hr.offload(
+        m, device="cpu", store="cpu", grad_accumulation="device"))
+    out["held_untouched"] = int(sharded_state_of(m) is None)
 
     # fully_shard over an offloaded model (host memory and disk): refused at the call.
     for name, store in (("cpu", "cpu"), ("disk", DiskStore(os.path.join(tmp, f"b{rank}")))):

@@ -98,6 +98,9 @@ def test_offload_onto_a_disk_store_of_an_earlier_run_is_refused(world2):
         assert msg.startswith("RuntimeError: DiskStore(") and "already holds" in msg, msg
         assert "overwrite=True" in msg and "torch.distributed.checkpoint" in msg
         assert r["reopened_untouched"] == 1
+        msg = r["held_sums"]
+        assert msg.startswith("NotImplementedError: grad_accumulation='device' is not"), msg
+        assert "leave the default" in msg and r["held_untouched"] == 1
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])

@@ -68,6 +68,9 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "llm_finetune_gpu.json"
 TOOLS = ("plain", "fsdp2", "torchao", "deepspeed", "headroom", "headroom_plan")
+# Also runnable by name (--tools): headroom with its gradients summed in host memory, the
+# A/B of grad_accumulation="device" in one run.
+EXTRA_TOOLS = ("headroom_store",)
 GiB = 1 << 30
 
 # Llama shapes: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings.
@@ -706,6 +709,7 @@ def setup_headroom_plan(spec: dict):
 
 SETUP = {"plain": setup_plain, "fsdp2": setup_fsdp2, "torchao": setup_torchao,
          "deepspeed": setup_deepspeed, "headroom": setup_headroom,
+         "headroom_store": lambda spec: setup_headroom({**spec, "grad_accumulation": "store"}),
          "headroom_plan": setup_headroom_plan}
 
 
@@ -1123,7 +1127,7 @@ class Runner:
         if env.get("disk_fs") in ("tmpfs", "ramfs"):
             cap["disk"] = 0.0  # files there are host memory: pass --disk-dir on a disk
         key = tool
-        if tool == "headroom":
+        if tool in ("headroom", "headroom_store"):
             key = "headroom:" + headroom_placement(self._spec_basics(tool, n))
         elif tool == "headroom_plan":  # the placements the planner can choose from, at best
             key = ("headroom:" + headroom_placement(self._spec_basics(tool, n))
@@ -1358,8 +1362,8 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = args.sizes.split(",")
     args.tools = args.tools.split(",")
     for t in args.tools:
-        if t not in TOOLS:
-            ap.error(f"unknown tool {t!r}: choose from {', '.join(TOOLS)}")
+        if t not in TOOLS + EXTRA_TOOLS:
+            ap.error(f"unknown tool {t!r}: choose from {', '.join(TOOLS + EXTRA_TOOLS)}")
     for s in args.sizes:
         config_for(s)
     if args.device == "cuda" and not torch.cuda.is_available():

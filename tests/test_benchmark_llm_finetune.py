@@ -56,6 +56,7 @@ def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
     assert all(runs[t]["setup"]["fp32_masters"] for t in ("plain", "fsdp2", "headroom"))
     # headroom's parameters rest in a DiskStore: its bytes per step are counted
     assert runs["headroom"]["setup"]["placement"] == "disk"
+    assert runs["headroom"]["setup"]["grad_accumulation"] == "device"  # and still exact
     assert runs["headroom"]["store_read_bytes_per_step"] > 0
     assert runs["headroom"]["store_write_bytes_per_step"] > 0
     # --trace-dir: one more step's sampled stacks, every thread (the host optimizer's too)

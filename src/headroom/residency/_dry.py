@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headroom.memory import annotate
 from headroom.residency._schedule import _AfterBackward, _outputs
 from headroom.residency._schedule import in_backward as _in_backward
 from headroom.transfer import MAX_STAGED_BYTES as _MAX_STAGED_BYTES
@@ -355,6 +356,7 @@ class OffloadDryRun:
             held = self._held.get(id(slot))
             if held is None or not accumulate:
                 acc = g if g.dtype == slot.grad_handle.dtype else g.to(slot.grad_handle.dtype)
+                annotate(acc, "gradients")
                 self._held[id(slot)] = (slot, acc, not accumulate)
             else:
                 with torch.no_grad():

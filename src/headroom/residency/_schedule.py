@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from headroom.memory import annotate
 from headroom.residency._adopt import forget_values, rescan, strip_hooks, sync_masters
 from headroom.residency._dtensor import conversions
 from headroom.residency._group import Group, Residency, Slot, hide, show
@@ -760,6 +761,7 @@ class Offload:
                     # would keep its whole base alive)
                 else:
                     acc = torch.empty(g.shape, dtype=dtype, device=g.device).copy_(g)
+                annotate(acc, "gradients")  # a gradient, though no parameter's .grad
                 self._held[id(slot)] = _Held(slot, acc, fresh, stream)
                 return
             if stream is not None and held.stream is not stream:

@@ -109,3 +109,20 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def count_holds(monkeypatch) -> list[int]:
+    """Count the gradients hr.offload(grad_accumulation="device") sums on the device (so that a
+    test through a framework also shows the sums were formed, not only that training is
+    exact)."""
+    from headroom.residency._schedule import Offload
+
+    n = [0]
+    real = Offload._hold
+
+    def hold(self, *a, **k):
+        n[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Offload, "_hold", hold)
+    return n

@@ -9,7 +9,14 @@ import warnings
 import pytest
 import torch
 
-from tests.integrations._models import assert_same_state, gpt2, offload, state, token_ids
+from tests.integrations._models import (
+    assert_same_state,
+    count_holds,
+    gpt2,
+    offload,
+    state,
+    token_ids,
+)
 
 L = pytest.importorskip("lightning")
 
@@ -80,9 +87,10 @@ def test_lightning_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
-def test_accumulate_grad_batches_summed_on_the_device_is_exact(mode, tmp_path):
+def test_accumulate_grad_batches_summed_on_the_device_is_exact(mode, tmp_path, monkeypatch):
     """accumulate_grad_batches=2 with hr.offload(grad_accumulation="device"): Lightning's
     clipping and the norms read in on_before_optimizer_step see the sums."""
+    holds = count_holds(monkeypatch)
     ref_norms, ref_state = _run(mode, None, mode == "bf16-weights", tmp_path / "ref", accum=2)
     assert len(ref_norms) == STEPS
     for store in ("cpu", "disk"):
@@ -90,3 +98,4 @@ def test_accumulate_grad_batches_summed_on_the_device_is_exact(mode, tmp_path):
                          grad_accumulation="device")
         assert norms == ref_norms, store
         assert_same_state(ref_state, st)
+    assert holds[0] > 0

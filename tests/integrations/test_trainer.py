@@ -17,6 +17,7 @@ from tests.integrations._models import (
     LMData,
     assert_runs_equal,
     assert_same_state,
+    count_holds,
     gpt2,
     offload,
     optimizer,
@@ -54,7 +55,7 @@ def test_trainer_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
-def test_gradient_accumulation_summed_on_the_device_is_exact(mode, tmp_path):
+def test_gradient_accumulation_summed_on_the_device_is_exact(mode, tmp_path, monkeypatch):
     """gradient_accumulation_steps=2 with hr.offload(grad_accumulation="device"): Trainer's
     clipping and logged norm read the sums through param.grad; the same logs and state."""
     from transformers import Trainer, TrainingArguments
@@ -71,7 +72,9 @@ def test_gradient_accumulation_summed_on_the_device_is_exact(mode, tmp_path):
                           optimizers=(optimizer(model, headroom), None))
         return train_logged(trainer, model)
 
+    holds = count_holds(monkeypatch)
     assert_runs_equal(run, mode == "bf16-weights", tmp_path)
+    assert holds[0] > 0
 
 
 def _resumed(store: str | None, headroom: bool, tmp_path):

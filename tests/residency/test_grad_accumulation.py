@@ -228,3 +228,46 @@ def test_unoffload_while_sums_are_held_keeps_them(tmp_path):
     hr.unoffload(model)
     for r, p in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, r.grad)
+
+
+def test_a_failed_write_of_a_sum_is_a_clear_error_then_the_iteration_redone_is_exact(
+        tmp_path):
+    """The step hands the sums to the disk; one write fails. The step raises it (undone,
+    saying what was lost), a second step() refuses to train on the stale gradient, and
+    zero_grad() with the iteration run again trains on exactly."""
+    from concurrent.futures import Future
+
+    steps, accum = 3, 2
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    train(ref_model, ref, range(steps), accum=accum)
+    model = _offloaded(tmp_path, "m", accumulation="device")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
+    before = _values(model)
+    store = state_of(model).store
+    real_write, failed = store.write, []
+
+    def write(handle, value):
+        if handle.key.endswith(".grad") and not failed:
+            failed.append(handle.key)
+            f = Future()
+            f.set_exception(OSError(5, "injected I/O error"))
+            return f
+        return real_write(handle, value)
+
+    store.write = write
+    for mb in range(accum):
+        loss_fn(model, 100 + mb).backward()
+    with pytest.raises(OSError, match="injected") as e:
+        opt.step()
+    assert "zero_grad() and run the iteration again" in "\n".join(e.value.__notes__)
+    assert failed and all(torch.equal(v, before[k]) for k, v in _values(model).items())
+    with pytest.raises(RuntimeError, match=r"was lost.*zero_grad\(\) and run the iteration"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in _values(model).items())
+    store.write = real_write
+    opt.zero_grad()
+    train(model, opt, range(steps), accum=accum)
+    sd = model.state_dict()
+    for name, p in ref_model.named_parameters():
+        assert torch.equal(p, sd[name]), f"parameter {name} differs"

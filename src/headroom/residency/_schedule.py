@@ -231,6 +231,10 @@ class Offload:
         self.grad_accumulation = grad_accumulation
         self._held: dict[int, _Held] = {}
         self._held_lock = threading.Lock()
+        # slots whose held sums were handed over since the last wait that succeeded, and those
+        # whose sum went down with a failed write (their stored gradient is stale)
+        self._unconfirmed: set[int] = set()
+        self._lost: dict[int, str] = {}
         self._streams = stream_module(device) if is_accelerator(device) else None
         _LIVE.add(self)
 
@@ -755,6 +759,8 @@ class Offload:
         stream = mod.current_stream(self.device) if mod is not None else None
         with self._held_lock:
             held = self._held.get(id(slot))
+            if fresh:
+                self._lost.pop(id(slot), None)  # the gradient starts afresh
             if held is None or fresh:
                 if g.dtype == dtype and g.is_contiguous() and g._base is None:
                     acc = g  # autograd's gradient, no longer referenced elsewhere (a view
@@ -794,6 +800,8 @@ class Offload:
             try:
                 with ctx:
                     self.res.push_grad(held.acc, b, accumulate=not held.fresh)
+                with self._held_lock:
+                    self._unconfirmed.add(id(held.slot))
             except BaseException:
                 with self._held_lock:  # not handed over: held again, as they were
                     for h in todo[i:]:
@@ -802,9 +810,43 @@ class Offload:
 
     def sync_grad_of(self, slot: Slot) -> None:
         """Wait until ``slot``'s gradient rests in the store (its sum held on the device
-        handed over first)."""
+        handed over first).
+
+        Raises:
+            RuntimeError: its sum was lost with a failed write (see `_wait_landed`).
+        """
         self.flush_grads(slot)
-        self.res.sync_grads()
+        self._wait_landed()
+        if id(slot) in self._lost:
+            b = slot.binding
+            if slot.param.grad is None or not b.has_grad:
+                self._lost.pop(id(slot), None)  # cleared since: nothing to read
+            else:
+                raise RuntimeError(
+                    f"the gradient of {slot.name!r} was lost: its sum of this iteration's"
+                    f" backward passes (grad_accumulation='device') failed to reach the store"
+                    f" ({self._lost[id(slot)]}). Call zero_grad() and run the iteration again")
+
+    def _wait_landed(self) -> None:
+        """`Residency.sync_grads`, noting which held sums a failed write took with it: they
+        left the device, so their stored gradients stay stale until cleared."""
+        try:
+            self.res.sync_grads()
+        except BaseException as e:
+            with self._held_lock:
+                gone, self._unconfirmed = self._unconfirmed, set()
+            if gone:
+                why = f"{type(e).__name__}: {e}"
+                self._lost.update(dict.fromkeys(gone, why))
+                if hasattr(e, "add_note"):
+                    e.add_note(
+                        f"headroom: the gradients of {len(gone)} parameter(s), summed on the"
+                        " device (grad_accumulation='device'), went to the store with the"
+                        " write that failed and cannot be read back: call zero_grad() and run"
+                        " the iteration again")
+            raise
+        with self._held_lock:
+            self._unconfirmed.clear()
 
     def end_backward(self) -> None:
         self._bwd = False
@@ -813,7 +855,7 @@ class Offload:
             b.inputs_pending = 0
             self._idle_release(b)
         self.res.release(self.rest)
-        self.res.sync_grads()  # what was handed over lands; what is held stays held
+        self._wait_landed()  # what was handed over lands; what is held stays held
         if self._bypass:
             names, self._bypass = self._bypass, []
             raise RuntimeError(
@@ -827,7 +869,7 @@ class Offload:
         """Wait until every gradient pushed so far rests in the store (any thread), those
         held on the device handed over first."""
         self.flush_grads()
-        self.res.sync_grads()
+        self._wait_landed()
 
     def read_grad(self, slot: Slot) -> torch.Tensor | None:
         """The slot's accumulated gradient as a host tensor (the store's own one on the host,

@@ -33,6 +33,7 @@ loss and gradient norms must match ``plain``'s before anything is reported.
 Usage:
     .venv/bin/python benchmarks/lm_loss.py                     # CPU, fp32, 5 rounds
     .venv/bin/python benchmarks/lm_loss.py --part loss         # the loss alone
+    .venv/bin/python benchmarks/lm_loss.py --part loss --profile   # and where its time goes
     python benchmarks/lm_loss.py --device cuda --repeats 10    # GPU, bf16 model
 """
 
@@ -213,13 +214,34 @@ def serve(args, step, zero, norms) -> None:
         print(json.dumps({"time_s": t, "cpu_s": cpu, "step_peak_bytes": peak}), flush=True)
     assert loss is not None
     grads = norms()
-    print(json.dumps({
+    prof = _profile(run) if args.profile else {}
+    print(json.dumps({**prof,
         "method": args.method, "times_s": times, "median_s": statistics.median(times),
         "min_s": min(times), "cpu_s": cpus, "median_cpu_s": statistics.median(cpus),
         "step_peaks_bytes": peaks,
         "median_step_peak_bytes": statistics.median(peaks), "loss": float(loss),
         "grad_norms": grads, "warmup_s": warm_s,
     }), flush=True)
+
+
+# matrix products as the CPU profiler names them
+_PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
+
+
+def _profile(run) -> dict:
+    """One more step under ``torch.profiler``: its wall time, and the self time of its matrix
+    products (where the methods' FLOPs are) against everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        t, _, _, _ = run()
+    ev = p.key_averages()
+    products = [e for e in ev if e.key in _PRODUCTS]
+    return {"profiled_step_s": t,
+            "profiled_products_s": sum(e.self_cpu_time_total for e in products) / 1e6,
+            "profiled_products": sum(e.count for e in products),
+            "profiled_other_s": sum(e.self_cpu_time_total for e in ev
+                                    if e.key not in _PRODUCTS) / 1e6}
 
 
 def check(results: dict, rel: float) -> None:
@@ -262,6 +284,9 @@ def main() -> None:
     p.add_argument("--part", choices=["model", "loss"], default="model",
                    help="the model's training step, or the loss alone on leaf tensors")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="after the repeats, one more step of each method under torch.profiler:"
+                        " the self time of its matrix products and of the rest")
     p.add_argument("--method", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.dtype is None:
@@ -290,7 +315,8 @@ def main() -> None:
     for m in methods:
         cmd = [sys.executable, __file__, "--method", m] + [
             f"--{k}={v}" for k, v in vars(args).items()
-            if k not in ("method", "methods", "out", "part") and v is not None]
+            if k not in ("method", "methods", "out", "part", "profile") and v is not None] + (
+            ["--profile"] if args.profile else [])
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env=env)
         line = proc.stdout.readline()
@@ -357,7 +383,10 @@ def main() -> None:
               + (f" ({r['cpu_time_x_cce']:.2f} x cce)" if "cpu_time_x_cce" in r else "")
               + (f" | workspace {r['workspace_bytes'] / 2**30:5.2f} GiB, "
                  f"{r.get('workspace_x_cce', float('nan')):.2f} x cce"
-                 if "workspace_bytes" in r else ""))
+                 if "workspace_bytes" in r else "")
+              + (f" | profiled: products {r['profiled_products_s']:.2f} s"
+                 f" ({r['profiled_products']}), the rest {r['profiled_other_s']:.2f} s"
+                 if "profiled_products_s" in r else ""))
     out = Path(args.out) if args.out else RESULTS / (
         "lm_loss.json" if args.device == "cpu" else "lm_loss_gpu.json")
     # one file for both parts: each run replaces its own part

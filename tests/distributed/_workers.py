@@ -69,14 +69,25 @@ def make_opt(params, host: bool, sgd: bool = False):
 
 def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: bool = False,
               micro: int = 1, tmp: str = "", final: bool = False, spare: bool = False,
-              announce: bool = False, sgd: bool = False) -> dict:
+              announce: bool = False, sgd: bool = False, accumulation: str = "store") -> dict:
     """Train the multi-task model with offloaded heads under hr.data_parallel."""
+    from headroom.residency._schedule import Offload
+
+    held = [0]  # gradients summed where they were computed (grad_accumulation="device")
+    real_hold = Offload._hold
+
+    def hold(self, *a, **k):
+        held[0] += 1
+        return real_hold(self, *a, **k)
+
+    Offload._hold = hold
     torch.manual_seed(0)
     model = MultiTask(spare=spare)
     st = "cpu" if store == "cpu" else DiskStore(os.path.join(tmp, f"rank{rank}"), threads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hr.offload(model.heads, device="cpu", store=st, prefetch=0)
+        hr.offload(model.heads, device="cpu", store=st, prefetch=0,
+                   grad_accumulation=accumulation)
     dp = hr.data_parallel(model, timeout=20)
     assert set(dp.state_dict()) == {f"module.{k}" for k in model.state_dict()}
     opt = make_opt(model.parameters(), host, sgd)
@@ -99,13 +110,26 @@ def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: boo
             assert all(h.spare.grad is None for h in model.heads), "a gradient no rank made"
     out = {k: v.clone() for k, v in model.state_dict().items()}
     out["__sent__"] = torch.tensor(sent)
+    out["__held__"] = torch.tensor(held[0])
+    Offload._hold = real_hold
     return out
 
 
-def transformer(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:
-    """A small transformer whose parameters all rest in a store, vs DDP on the plain model."""
+def transformer(rank: int, world: int, store: str = "cpu", tmp: str = "", micro: int = 1,
+                accumulation: str = "store") -> dict:
+    """A small transformer whose parameters all rest in a store, vs DDP on the plain model
+    (``micro`` micro-batches per step, all but the last under ``no_sync``)."""
+    from headroom.residency._group import Residency
     from tests.residency._models import Transformer, lm_batch, lm_loss
 
+    pushed = [0]  # gradients handed to the store by the last micro-batch's backward
+    real_push = Residency.push_grad
+
+    def push(self, *a, **k):
+        pushed[0] += 1
+        return real_push(self, *a, **k)
+
+    Residency.push_grad = push
     torch.manual_seed(0)
     plain = Transformer(d=16, n=3)
     model = Transformer(d=16, n=3)
@@ -113,21 +137,30 @@ def transformer(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dic
     st = "cpu" if store == "cpu" else DiskStore(os.path.join(tmp, f"rank{rank}"), threads=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hr.offload(model, device="cpu", store=st, prefetch=1)
-    dp = hr.data_parallel(model, timeout=20)
+        hr.offload(model, device="cpu", store=st, prefetch=1, grad_accumulation=accumulation)
+    # small buckets: several all-reduces in one backward
+    dp = hr.data_parallel(model, timeout=20, bucket_bytes=4096)
     ddp = torch.nn.parallel.DistributedDataParallel(plain)
     opt = make_opt(model.parameters(), store != "cpu")
     opt_ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1,
                                 fused=False if store != "cpu" else None)
+    last_pushed = []
     for step in range(STEPS):
-        b = lm_batch(torch.Generator().manual_seed(rank * 100 + step))
         for m, o in ((dp, opt), (ddp, opt_ref)):
-            torch.manual_seed(step)
-            lm_loss(m, b).backward()
+            for k in range(micro):
+                b = lm_batch(torch.Generator().manual_seed(rank * 100 + step * 10 + k))
+                torch.manual_seed(step)
+                pushed[0] = 0
+                with m.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    (lm_loss(m, b) / micro).backward()
+            if m is dp:
+                last_pushed.append(pushed[0])
             o.step()
             o.zero_grad()
+    Residency.push_grad = real_push
     got = {k: v.clone() for k, v in model.state_dict().items()}
-    return {"got": got, "ref": {k: v.clone() for k, v in plain.state_dict().items()}}
+    return {"got": got, "ref": {k: v.clone() for k, v in plain.state_dict().items()},
+            "pushed": last_pushed, "n_params": len(list(model.parameters()))}
 
 
 def compiled_transformer(rank: int, world: int, store: str = "cpu", tmp: str = "") -> dict:

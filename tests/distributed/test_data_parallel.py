@@ -21,8 +21,12 @@ CASES = {
     "host_opt": dict(fn="multitask", kw=dict(case="different", host=True)),
     "host_opt_final": dict(fn="multitask", kw=dict(case="different", host=True, final=True)),
     "disk": dict(fn="multitask", kw=dict(case="different", host=True, store="disk")),
+    "disk_summed_on_device": dict(fn="multitask", kw=dict(
+        case="different", host=True, store="disk", micro=3, accumulation="device")),
     "transformer": dict(fn="transformer", kw=dict()),
     "transformer_disk": dict(fn="transformer", kw=dict(store="disk")),
+    "transformer_disk_summed": dict(fn="transformer", kw=dict(store="disk", micro=2,
+                                                               accumulation="device")),
     "sgd": dict(fn="multitask", kw=dict(case="different", sgd=True)),
     "transformer_compiled": dict(fn="compiled_transformer", kw={}),
 }
@@ -96,7 +100,7 @@ def _used_heads(case: str, world: int) -> set[int]:
 
 
 @pytest.mark.parametrize("case", ["different", "same", "spare", "accumulate", "host_opt",
-                                  "host_opt_final", "disk", "sgd"])
+                                  "host_opt_final", "disk", "disk_summed_on_device", "sgd"])
 def test_two_ranks_equal_the_averaged_reference_bitwise(world2, case):
     kw = CASES[case]["kw"]
     ref = _reference(2, kw["case"], micro=kw.get("micro", 1), host=kw.get("host", False),
@@ -133,7 +137,21 @@ def test_only_the_used_heads_gradients_travel(world2):
         assert sent == n_params * 4 + head_bytes + 2 * 4, step
 
 
-@pytest.mark.parametrize("case", ["transformer", "transformer_disk"])
+def test_sums_of_no_sync_micro_batches_are_formed_on_the_device(world2):
+    # Exactness is the averaged-reference test above; here: the option took effect. Each
+    # rank's one head (weight and bias) gets a gradient in each of 3 micro-batches per step.
+    for res in world2["disk_summed_on_device"]:
+        assert int(res["__held__"]) == w.STEPS * 3 * 2
+    assert all(int(res["__held__"]) == 0 for res in world2["disk"])
+
+
+    # Several all-reduces in the last backward: each reads only its own gradients, so each
+    # sum goes to the store once (the others' still summing), then the averaged one.
+    for res in world2["transformer_disk_summed"]:
+        assert res["pushed"] == [res["n_params"]] * w.STEPS
+
+
+@pytest.mark.parametrize("case", ["transformer", "transformer_disk", "transformer_disk_summed"])
 def test_offloaded_transformer_equals_ddp_on_the_plain_model(world2, case):
     for r, res in enumerate(world2[case]):
         for k, v in res["ref"].items():

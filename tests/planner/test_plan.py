@@ -364,11 +364,11 @@ def test_fp32_masters_has_no_effect_on_fp32_parameters(plain, tmp_path):
 
 
 def test_fp32_masters_on_an_accelerator_plan_keeps_the_optimizer_on_the_host():
-    p = plan(bf16_model(), (XB,), loss_fn=bf16_loss, budget="1GiB", device="cuda",
-             optimizer=torch.optim.AdamW, fp32_masters=True)
+    kw = dict(loss_fn=bf16_loss, budget="1GiB", device="cuda", optimizer=torch.optim.AdamW,
+              speeds=SPEEDS, slice_bytes=SLICE)
+    p = plan(bf16_model(), (XB,), fp32_masters=True, **kw)
     assert p.choice.optimizer_state == "host" and p.choice.params == "device"
-    assert plan(bf16_model(), (XB,), loss_fn=bf16_loss, budget="1GiB", device="cuda",
-                optimizer=torch.optim.AdamW).choice.optimizer_state == "device"
+    assert plan(bf16_model(), (XB,), **kw).choice.optimizer_state == "device"
 
 
 def test_fp32_masters_bad_value_and_no_candidate():

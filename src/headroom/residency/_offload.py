@@ -96,7 +96,8 @@ def offload(
             `DiskStore`; and in host memory the fp32 gradients `hr.HostOptimizer` keeps for
             bf16/fp16 parameters) is summed on ``device`` instead, in the stored gradient's
             dtype (bitwise the same sum), and handed to the store once, when it is read (the
-            optimizer's step, ``param.grad``, ``clip_grad_norm_``) or, inside
+            optimizer's step, ``param.grad``, ``clip_grad_norm_``, `hr.data_parallel`'s
+            all-reduce after ``no_sync`` micro-batches) or, inside
             ``HostOptimizer.final_backward``, as the last backward completes it. Costs one
             gradient per parameter on ``device`` (4 bytes per parameter in fp32) from the
             first backward to the step; saves the host's or the disk's traffic of every

@@ -722,9 +722,10 @@ class Offload:
         # StoreTensor over the stored gradient instead.
         host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
-        if host is None and self.grad_accumulation == "device" and b.relay is None:
+        if host is None and self.grad_accumulation == "device":
             # Held on the device: every read of the stored gradient (param.grad is a
-            # StoreTensor, the optimizer's step) hands the sum over first (`sync_grad`).
+            # StoreTensor, the optimizer's step, hr.data_parallel's all-reduce) hands the sum
+            # over first (`sync_grad`, `read_grad`).
             self._hold(slot, g, fresh=cur is None)
             b.has_grad = True
             if cur is None:
@@ -877,7 +878,9 @@ class Offload:
         b = slot.binding
         if slot.param.grad is None or b.grad_handle is None:
             return None
-        self.sync_grads()
+        # Only this slot's held sum goes over: the others may still be summing (a later
+        # hand-over of theirs would cost one more write each).
+        self.sync_grad_of(slot)
         host = self.store.host_tensor(b.grad_handle)
         return host if host is not None else self.store.read(b.grad_handle).result()
 
@@ -885,7 +888,8 @@ class Offload:
         """Make ``value`` (a host tensor) the slot's whole gradient, as a backward leaves it."""
         b = slot.binding
         p = slot.param
-        self.sync_grads()
+        self.flush_grads(slot)  # replaced whole: its held sum (if any) is read already
+        self._wait_landed()
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(self.store, b)
         gh = b.grad_handle

@@ -133,6 +133,36 @@ def test_host_optimizer_zero_grad_frees_what_is_held(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("who", ["module", "optimizer"])
+def test_zeroing_held_sums_reads_nothing_and_writes_zeros_once(tmp_path, who):
+    """zero_grad(set_to_none=False) with sums held: they are dropped, not handed over to be
+    overwritten; the store's gradients are written once, with zeros, and read not at all."""
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    model = _offloaded(tmp_path, who, accumulation="device")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
+    state = state_of(model)
+    for m, o in ((ref_model, ref), (model, opt)):
+        loss_fn(m, 0).backward()
+        o.step()  # every stored gradient exists
+        loss_fn(m, 1).backward()
+        loss_fn(m, 2).backward()
+        assert m is ref_model or len(state._held) == len(list(model.parameters()))
+        before = state.store.stats()
+        (m if who == "module" else o).zero_grad(set_to_none=False)
+        if m is model:
+            after = state.store.stats()
+            assert state._held == {}
+            assert after["bytes_read"] == before["bytes_read"]
+            assert after["bytes_written"] - before["bytes_written"] == _grad_bytes(model)
+        loss_fn(m, 3).backward()  # onto the zeros
+        o.step()
+    sd = model.state_dict()
+    for name, p in ref_model.named_parameters():
+        assert torch.equal(p, sd[name]), f"parameter {name} differs"
+        assert torch.equal(p.grad, dict(model.named_parameters())[name].grad.clone()), name
+
+
 def test_an_exception_in_backward_then_zero_grad_goes_on_exactly(tmp_path):
     """A backward that breaks off keeps what it summed (as torch keeps a partial gradient);
     zero_grad() clears it, and training goes on bitwise."""

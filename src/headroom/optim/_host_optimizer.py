@@ -1092,7 +1092,9 @@ class HostOptimizer(torch.optim.Optimizer):
             )
         for e in self._order:
             p = e.param
+            zeroed = False  # the stored gradient zeroed through param.grad (read nothing)
             if p.grad is not None:
+                zeroed = isinstance(p.grad, StoreTensor) and not set_to_none
                 if set_to_none:
                     p.grad = None
                 else:
@@ -1107,7 +1109,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     b.has_grad = False
                     b.grad_rows = None
                     flush_grad(b)  # a sum held on the device is dropped, its memory freed
-                else:
+                elif not zeroed:
                     host = b.store.host_tensor(b.grad_handle)
                     if host is not None:
                         host.zero_()

@@ -91,6 +91,10 @@ class Source:
         element-wise op, see `DiskStore.scale_`); False: not handled."""
         return False
 
+    def clear(self) -> bool:
+        """Set the values to zero without reading them (``zero_``); False: not handled."""
+        return False
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -187,6 +191,25 @@ class GradSource(Source):
         if defer is None or self.live():
             return False
         defer(self._handle(), op, factor)
+        return True
+
+    def clear(self) -> bool:
+        # zero_grad(set_to_none=False): a sum its producer holds back is dropped, not handed
+        # over to be overwritten, and nothing is read.
+        b = self.binding
+        if b.grad_handle is None or not b.has_grad:
+            return False  # cleared since: the read raises, naming it
+        h = b.grad_handle
+        b.has_grad = False  # a held sum of a cleared gradient is dropped at hand-over
+        try:
+            sync_grad(b)  # what was handed over before lands first
+        finally:
+            b.has_grad = True
+        host = b.store.host_tensor(h)
+        if host is not None:
+            host.zero_()
+        else:
+            b.store.write(h, torch.zeros(h.shape, dtype=h.dtype)).result()
         return True
 
     def live(self) -> bool:
@@ -363,6 +386,9 @@ class StoreTensor(torch.Tensor):
         if (func is _aten.add_.Tensor and isinstance(args[0], StoreTensor)
                 and not isinstance(args[1], StoreTensor) and kwargs.get("alpha", 1) == 1
                 and args[0]._source.accumulate(args[1])):
+            return args[0]
+        if (func is _aten.zero_.default and isinstance(args[0], StoreTensor)
+                and args[0]._source.clear()):
             return args[0]
         if func in _SCALE_OPS and _is_one(args[1]):
             # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped

@@ -6,7 +6,11 @@
 # Each stage has a time limit, so one stage that hangs does not hide the others' results. Logs
 # and JSON go to LOGDIR (default benchmarks/results/gpu_logs); the summary is printed last.
 #
-#     benchmarks/gpu_check.sh [tests|bench|all] [LOGDIR]   # PY=python3 by default (no .venv)
+#     benchmarks/gpu_check.sh [tests|bench|all|quick] [LOGDIR]   # PY=python3 by default
+#
+# quick (about 8 minutes on one H100/H200): the `gpu`-marked tests, then llm_finetune's 1B
+# row for torchao and headroom with its gradients summed on the device and in host memory
+# (headroom_store), the A/B of the last change, with the sampled stacks of every thread.
 #
 # PEERS=DIR puts a folder of peers' packages (e.g. torchtune or torchao, installed with
 # pip --target) on the benchmarks' path only, never the tests'. LLM_BUDGET sets the seconds
@@ -40,14 +44,21 @@ cat "$LOG/env.log"
 
 T=${T:-1}  # scales every limit below
 PYTEST=($PY -m pytest -q -p no:cacheprovider -o addopts= -ra --timeout 120)
-if [[ $WHAT != bench ]]; then
+if [[ $WHAT == quick ]]; then
+stage tests_gpu $((150 * T)) "${PYTEST[@]}" -m gpu --junitxml="$LOG/tests_gpu.xml"
+[[ -n ${PEERS:-} ]] && export PYTHONPATH=$PEERS${PYTHONPATH:+:$PYTHONPATH}
+LLM_BUDGET=${LLM_BUDGET:-$((270 * T))}
+stage bench_llm_finetune $((LLM_BUDGET + 60)) $PY benchmarks/llm_finetune.py \
+  --tools torchao,headroom,headroom_store --sizes 1b --steps 3 --budget-s "$LLM_BUDGET" \
+  --trace-dir "$LOG" --out "$LOG/llm_finetune_gpu.json"
+elif [[ $WHAT != bench ]]; then
 stage tests_gpu $((200 * T)) "${PYTEST[@]}" -m gpu --junitxml="$LOG/tests_gpu.xml"
 stage tests_on_device $((120 * T)) "${PYTEST[@]}" -m "not gpu and not slow" -k "cuda" \
   --junitxml="$LOG/tests_on_device.xml"
 stage tests_sanitizer $((120 * T)) env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m gpu \
   tests/residency/test_offload_gpu_races.py tests/transfer tests/optim
 fi
-if [[ $WHAT != tests ]]; then
+if [[ $WHAT != tests && $WHAT != quick ]]; then
 [[ -n ${PEERS:-} ]] && export PYTHONPATH=$PEERS${PYTHONPATH:+:$PYTHONPATH}
 stage bench_offload_overhead $((120 * T)) $PY benchmarks/offload_overhead_gpu.py --repeats 5 \
   --out "$LOG/offload_overhead_gpu.json"

@@ -22,7 +22,7 @@ CASES = {
     "host_opt_final": dict(fn="multitask", kw=dict(case="different", host=True, final=True)),
     "disk": dict(fn="multitask", kw=dict(case="different", host=True, store="disk")),
     "disk_summed_on_device": dict(fn="multitask", kw=dict(
-        case="different", host=True, store="disk", micro=3, accumulation="device")),
+        case="different", host=True, store="disk", micro=3, accumulation="device", final=True)),
     "transformer": dict(fn="transformer", kw=dict()),
     "transformer_disk": dict(fn="transformer", kw=dict(store="disk")),
     "transformer_disk_summed": dict(fn="transformer", kw=dict(store="disk", micro=2,

@@ -27,7 +27,8 @@ from tests.optim.test_host_optimizer_atomic import (
 )
 
 
-def _traffic(root: Path, *, disk_state: bool, dtype: torch.dtype, final: bool):
+def _traffic(root: Path, *, disk_state: bool, dtype: torch.dtype, final: bool,
+             atomic: bool = True):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 16)).to(dtype)
@@ -38,7 +39,7 @@ def _traffic(root: Path, *, disk_state: bool, dtype: torch.dtype, final: bool):
         hr.offload(model, device="cpu", store=pstore)
     state = hr.DiskStore(root / "s") if disk_state else "cpu"
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
-                           slice_bytes=1024, bucket_bytes=4096, lr=1e-2)
+                           slice_bytes=1024, bucket_bytes=4096, lr=1e-2, atomic=atomic)
     stores = [pstore] + ([state] if disk_state else [])
     got = []
     for i in range(3):
@@ -78,14 +79,27 @@ WANT = {
 }
 
 
+# atomic=False: nothing kept for an undo. State in host memory: only the master (fp32, on
+# the parameters' disk) or the bf16 value is written; state on disk: as above (spares).
+WANT_NOT_ATOMIC = {
+    (True, torch.float32): (4.0, 3.0),
+    (False, torch.float32): (2.0, 1.0),
+    (True, torch.bfloat16): (4.0, 3.5),
+    (False, torch.bfloat16): (1.0, 0.5),
+}
+
+
+@pytest.mark.parametrize("atomic", [True, False])
 @pytest.mark.parametrize("final", [False, True])
 @pytest.mark.parametrize(("disk_state", "dtype"), list(WANT))
-def test_each_step_reads_and_writes_each_tensor_once(tmp_path, disk_state, dtype, final):
-    got = _traffic(tmp_path, disk_state=disk_state, dtype=dtype, final=final)
+def test_each_step_reads_and_writes_each_tensor_once(tmp_path, disk_state, dtype, final,
+                                                     atomic):
+    got = _traffic(tmp_path, disk_state=disk_state, dtype=dtype, final=final, atomic=atomic)
     # From the second step on (the first creates the state: nothing to read, nothing kept)
     # and without an undo copy of the parameter: 1P (fp32) or 1.5P (bf16) less written
     # than an undo copy before each overwrite.
-    assert got[1] == got[2] == pytest.approx(WANT[disk_state, dtype], abs=1e-9), got
+    want = (WANT if atomic else WANT_NOT_ATOMIC)[disk_state, dtype]
+    assert got[1] == got[2] == pytest.approx(want, abs=1e-9), got
 
 
 def test_model_reads_the_old_parameters_until_the_step_ends(tmp_path):
@@ -182,14 +196,14 @@ def test_an_exchange_failing_in_the_second_store_exchanges_the_first_back(tmp_pa
     opt2.zero_grad()
 
 
-def _bf16_build(root: Path, disk_state: bool):
+def _bf16_build(root: Path, disk_state: bool, *, atomic: bool = True):
     model = make_model().to(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hr.offload(model, device="cpu", store=hr.DiskStore(root / "p"))
     state = hr.DiskStore(root / "s") if disk_state else "cpu"
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
-                           slice_bytes=32, lr=1e-2, weight_decay=0.1)
+                           slice_bytes=32, lr=1e-2, weight_decay=0.1, atomic=atomic)
     return model, opt
 
 
@@ -228,8 +242,53 @@ def test_bf16_parameters_on_disk_a_failure_at_every_slice_is_undone(tmp_path, di
     assert not _same(_values(ref, ref_opt), _values(model, opt))
 
 
+@pytest.mark.parametrize("how", ["raise", "write"])
+def test_not_atomic_a_failure_part_way_is_a_mix_refused_until_a_checkpoint_loads(tmp_path, how):
+    """atomic=False: the same values as the default when nothing fails; a failure inside the
+    step says the state is mixed, step() refuses until a checkpoint is loaded, and training
+    from that checkpoint is exact."""
+    model, opt = _bf16_build(tmp_path / "a", False, atomic=False)
+    ref, ref_opt = _bf16_build(tmp_path / "b", False)
+    for s in range(2):
+        _bf16_iteration(model, opt, s)
+        _bf16_iteration(ref, ref_opt, s)
+    assert not _same(_values(ref, ref_opt), _values(model, opt))  # (the differing keys)
+    hr.save(tmp_path / "ckpt", model, opt)
+    inject = _Inject(how)
+    inject.install(opt, _stores(model, opt))
+    inject.arm(3)
+    with pytest.raises((RuntimeError, OSError)) as info:
+        _bf16_iteration(model, opt, 2)
+    assert "MIX" in "".join(info.value.__notes__)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="could not be undone.*Load the last checkpoint"):
+        _bf16_iteration(model, opt, 2)
+    opt.zero_grad()
+    hr.load(tmp_path / "ckpt", model, opt)
+    for s in (2, 3):
+        _bf16_iteration(model, opt, s)
+        _bf16_iteration(ref, ref_opt, s)
+    assert not _same(_values(ref, ref_opt), _values(model, opt))  # (the differing keys)
+
+
+def test_not_atomic_ctrl_c_waits_for_the_step(tmp_path):
+    model, opt = _bf16_build(tmp_path / "a", False, atomic=False)
+    ref, ref_opt = _bf16_build(tmp_path / "b", False)
+    inject = _Inject("sigint")
+    inject.install(opt, _stores(model, opt))
+    _bf16_iteration(model, opt, 0)
+    _bf16_iteration(ref, ref_opt, 0)
+    inject.arm(2)
+    with pytest.raises(KeyboardInterrupt):
+        _bf16_iteration(model, opt, 1)  # raised once the step has completed
+    opt.zero_grad()
+    _bf16_iteration(ref, ref_opt, 1)
+    assert not _same(_values(ref, ref_opt), _values(model, opt))  # (the differing keys)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
 @pytest.mark.parametrize(("disk_state", "dtype"), list(WANT))
-def test_the_dry_run_moves_what_the_step_moves(tmp_path, disk_state, dtype):
+def test_the_dry_run_moves_what_the_step_moves(tmp_path, disk_state, dtype, atomic):
     # hr.estimate's dry run (what hr.plan prices a step's disk time from) against the stores'
     # own counts of a steady-state iteration: forward and backward reading the parameters,
     # backward writing fp32 gradients (for a bf16 parameter too), the step's reads and writes
@@ -250,14 +309,15 @@ def test_the_dry_run_moves_what_the_step_moves(tmp_path, disk_state, dtype):
         est = hr.estimate(make(), (x,), loss_fn=loss, device="cpu",
                           optimizer=HostOptimizerOptions(
                               torch.optim.AdamW, {"lr": 1e-2, "fused": False},
-                              "disk" if disk_state else "cpu", False, 1024, 4096),
+                              "disk" if disk_state else "cpu", False, 1024, 4096, atomic),
                           offload={"store": "disk", "prefetch": 1})
         model = make()
         pstore = hr.DiskStore(tmp_path / "p")
         hr.offload(model, device="cpu", store=pstore, prefetch=1)
     state = hr.DiskStore(tmp_path / "s") if disk_state else "cpu"
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
-                           slice_bytes=1024, bucket_bytes=4096, lr=1e-2, fused=False)
+                           slice_bytes=1024, bucket_bytes=4096, lr=1e-2, fused=False,
+                           atomic=atomic)
     stores = [pstore] + ([state] if disk_state else [])
     for _ in range(3):  # the first creates the state; the last is measured
         before = [s.stats() for s in stores]

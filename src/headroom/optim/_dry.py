@@ -91,6 +91,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._state_on_host = options.state_store == "cpu"
         self._overlap = bool(options.overlap)
         self._bucket_bytes = options.bucket_bytes
+        self._atomic = getattr(options, "atomic", True)
         self._places = places
         self._cpu = cpu
         self._slots = {k: (sim, slot) for sim in offloaded for k, slot in sim.by_master.items()}
@@ -318,12 +319,16 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             # to spares, and an offloaded parameter on disk to a spare exchanged into place
             # (one write of the new values, no undo copy); other disk tensors (rows of a lazy
             # step) to undo tensors.
-            txn = Txn()
+            # atomic=False keeps nothing (spares only).
+            txn = Txn() if self._atomic else None
             for (src, _, _), e in zip(items, streamed, strict=True):
                 src.spare, src.undo = _undo_plan(src, e)
+                if txn is None:
+                    src.undo = {}
             with torch.device("meta"):  # its landing buffers too
                 results = self._slicer.step_many(items, txn)
-            txn.end()
+            if txn is not None:
+                txn.end()
             for e, small in zip(streamed, results, strict=True):
                 e.small = small
                 e.initialized = True

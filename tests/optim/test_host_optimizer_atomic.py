@@ -378,14 +378,20 @@ import os, signal, sys, warnings
 import torch
 import headroom as hr
 from tests.optim.test_host_optimizer_atomic import loss_fn, make_model
-root, kill_at = sys.argv[1], int(sys.argv[2])
-model = make_model()
+root, kill_at, atomic = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "atomic"
+# atomic: fp32, state on disk; not: bf16 with masters and state in host memory, no undo copies
+model = make_model() if atomic else make_model().to(torch.bfloat16)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     hr.offload(model, device="cpu", store=hr.DiskStore(root + "/params"))
-opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
-                       state_store=hr.DiskStore(root + "/state"), slice_bytes=64)
-loss_fn(model, 0).backward(); opt.step(); opt.zero_grad()
+opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, atomic=atomic,
+                       state_store=hr.DiskStore(root + "/state") if atomic else "cpu",
+                       slice_bytes=64)
+def backward(s):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not atomic):
+        loss = loss_fn(model, s)
+    loss.float().backward()
+backward(0); opt.step(); opt.zero_grad()
 for name, p in model.state_dict().items():
     torch.save(p, f"{root}/old-{name}.pt")
 run, calls = opt._slicer._run, [0]
@@ -395,14 +401,15 @@ def killing(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
     return run(*a, **k)
 opt._slicer._run = killing
-loss_fn(model, 1).backward(); opt.step()
+backward(1); opt.step()
 """
 
 
-def test_kill_9_during_a_step_is_reported_when_the_store_is_reopened(tmp_path):
+@pytest.mark.parametrize("atomic", ["atomic", "not-atomic"])
+def test_kill_9_during_a_step_is_reported_when_the_store_is_reopened(tmp_path, atomic):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(Path(hr.__file__).parents[1]), str(Path(__file__).parents[2])]))
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), "6"], env=env,
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), "6", atomic], env=env,
                        capture_output=True, timeout=120, check=False)
     assert r.returncode == -signal.SIGKILL, r.stderr.decode()[-2000:]
     with pytest.warns(UserWarning, match="partly applied"):

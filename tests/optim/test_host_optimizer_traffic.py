@@ -203,7 +203,8 @@ def _bf16_build(root: Path, disk_state: bool, *, atomic: bool = True):
         hr.offload(model, device="cpu", store=hr.DiskStore(root / "p"))
     state = hr.DiskStore(root / "s") if disk_state else "cpu"
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, state_store=state,
-                           slice_bytes=32, lr=1e-2, weight_decay=0.1, atomic=atomic)
+                           slice_bytes=32, bucket_bytes=64, lr=1e-2, weight_decay=0.1,
+                           atomic=atomic)
     return model, opt
 
 
@@ -284,6 +285,42 @@ def test_not_atomic_ctrl_c_waits_for_the_step(tmp_path):
     opt.zero_grad()
     _bf16_iteration(ref, ref_opt, 1)
     assert not _same(_values(ref, ref_opt), _values(model, opt))  # (the differing keys)
+
+
+def test_not_atomic_a_final_backward_failing_after_steps_began_lets_step_finish(tmp_path):
+    """atomic=False, steps started inside final_backward: a backward failing after some took
+    their step says so; step() finishes the others and puts every new bf16 value in place
+    (the spares the early steps wrote included)."""
+    model, opt = _bf16_build(tmp_path, False, atomic=False)
+    _bf16_iteration(model, opt, 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def boom(grad):
+        raise RuntimeError("injected in backward")
+
+    with pytest.raises(RuntimeError, match="injected in backward") as info:
+        with opt.final_backward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = model.blocks[0].register_forward_hook(
+                    lambda m, a, out: out.register_hook(boom) and None)
+                loss = loss_fn(model, 1)
+                h.remove()
+            loss.float().backward()
+    assert "had already taken this step" in "".join(info.value.__notes__)
+    opt.step()
+    masters = opt.state_dict()["state"]
+    params = list(model.parameters())
+    changed = 0
+    for i, p in enumerate(params):
+        name = next(k for k, v in model.named_parameters() if v is p)
+        if i in masters and "master" in masters[i]:
+            assert torch.equal(model.state_dict()[name],
+                               masters[i]["master"].to(torch.bfloat16).reshape(p.shape)), name
+        changed += not torch.equal(model.state_dict()[name], before[name])
+    assert 0 < changed < len(params)  # the layers backward reached, not the first one
+    assert sum("master" in st for st in masters.values()) == len(params)
+    opt.zero_grad()
+    _bf16_iteration(model, opt, 2)
 
 
 @pytest.mark.parametrize("atomic", [True, False])

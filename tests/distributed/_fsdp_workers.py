@@ -403,15 +403,17 @@ def resharded(rank: int, world: int, *, tmp: str, load_from: str | None = None,
 
 
 # ------------------------------------------------------------------ tracking and convert
-def tracking(rank: int, world: int, *, offloaded: bool = False) -> dict:
+def tracking(rank: int, world: int, *, offloaded: bool = False, store: str = "cpu",
+             tmp: str = "") -> dict:
     import io
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = shard(Net())
     if offloaded:
-        hr.offload(model, device="cpu", store="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        hr.offload(model, device="cpu", store=_store(store, tmp, rank))
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if store == "cpu" else
+           hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2))
     x, y = batch(rank, 0)
     F.cross_entropy(model(x), y).backward()
     opt.step()
@@ -423,6 +425,7 @@ def tracking(rank: int, world: int, *, offloaded: bool = False) -> dict:
     return {
         "tracked": {k: mem.current_by_category[k]
                     for k in ("parameters", "gradients", "optimizer_state")},
+        "max_parameters": mem.max_by_category["parameters"],
         "local": {
             "parameters": sum(p.to_local().nbytes for p in model.parameters()),
             "gradients": sum(p.grad.to_local().nbytes for p in model.parameters()),

@@ -34,6 +34,7 @@ CASES = {
     "offload_interrupted": ("offload_interrupted", dict()),
     "tracking": ("tracking", dict()),
     "tracking_offloaded": ("tracking", dict(offloaded=True)),
+    "tracking_disk": ("tracking", dict(offloaded=True, store="disk", tmp=True)),
     "convert": ("convert", dict()),
     # Each rank's shards on its own DiskStore.
     "host_opt_disk": ("train", dict(store="disk", tmp=True)),
@@ -390,6 +391,16 @@ def test_track_memory_counts_the_local_shards(world2, case):
         for cat, local in r["local"].items():
             assert abs(r["tracked"][cat] - local) <= 0.01 * local, (cat, r["tracked"], local)
         assert "no advice: the model is sharded with FSDP2" in r["report"]
+
+
+def test_track_memory_counts_shards_on_disk_while_they_are_read(world2):
+    # At rest a DiskStore's shards hold no memory; while a unit is all-gathered its shards
+    # are read into host memory, and those count as parameters (not as "other").
+    for r in world2["tracking_disk"]:
+        local = r["local"]["parameters"]
+        assert r["tracked"]["parameters"] == 0
+        assert 0 < r["max_parameters"] <= local
+        assert r["tracked"]["gradients"] == r["local"]["gradients"]
 
 
 def test_convert_of_sharded_model_copy(world2):

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 
+from headroom.memory import annotate
 from headroom.transfer import (
     Handle,
     HandleSource,
@@ -265,6 +266,7 @@ class DiskShards:
                 fp = sh.fp
                 flat = torch.empty(fp.padded_sharded_param_size.numel(),
                                    dtype=sh.handle.dtype, pin_memory=pin)
+                annotate(flat, "parameters")  # the shard itself, for as long as it is read
                 view = flat.view(fp.padded_sharded_param_size)
                 dim = fp.fsdp_placement.dim
                 view.narrow(dim, sh.length, view.size(dim) - sh.length).zero_()

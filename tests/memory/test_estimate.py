@@ -325,6 +325,31 @@ def test_attention_dropout_on_cuda_is_estimated_as_the_fused_kernel():
         plain.peak_by_category["activations"] + 2 * matrix)
 
 
+def _llama(dtype, kv_heads):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=8, num_key_value_heads=kv_heads,
+                                   vocab_size=100, use_cache=False, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_attention_on_cuda_is_estimated_as_the_kernel_pytorch_runs(dtype):
+    # transformers passes enable_gqa=True on CUDA (no mask). Of CUDA's fused kernels only
+    # flash/cuDNN take it, in half precision: in fp32 PyTorch runs the math path, which keeps
+    # each layer's attention probabilities (the H100 run: estimated 25% under without this).
+    # Against the same model with as many key heads as query heads (a fused kernel either way).
+    ids = torch.randint(0, 100, (2, 256))
+    loss_fn = lambda o: o.logits.float().sum()
+    acts = {kv: estimate(_llama(dtype, kv), (ids,), loss_fn=loss_fn, optimizer=None,
+                         device="cuda").peak_by_category["activations"] for kv in (2, 8)}
+    matrix = 2 * 8 * 256 * 256 * dtype.itemsize  # one layer's attention probabilities
+    if dtype == torch.float32:
+        assert acts[2] - acts[8] >= matrix, acts  # (at the peak, in backward, one at least)
+    else:
+        assert abs(acts[2] - acts[8]) < matrix // 4, acts  # flash: a float per query row
+
+
 def test_llama_without_a_kv_cache_is_estimated_as_measured():
     # Without a cache, transformers looks for packed sequences by reading the position ids.
     transformers = pytest.importorskip("transformers")

@@ -74,6 +74,8 @@ class AttentionAsOnDevice:
     On ``cpu`` PyTorch picks its flash kernel for CPU; on CUDA-like devices the memory-efficient
     kernel (it takes masks and fp32; the flash kernel keeps the same-sized log-sum-exp). Both
     keep only the output and one float per query row for backward, not the attention matrix.
+    Grouped-query attention (``enable_gqa`` with fewer key heads) in fp32 or with a mask has no
+    fused kernel on CUDA: the math path, as PyTorch runs it.
     With dropout, CUDA-like devices still run a fused kernel (it keeps the random generator's
     seed and offset, not a mask), while PyTorch's CPU kernel refuses dropout, so on ``cpu`` the
     math path is kept, as it is for nested tensors.
@@ -119,6 +121,12 @@ class AttentionAsOnDevice:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
         if enable_gqa and k.size(-3) != q.size(-3):
+            # Grouped-query attention: of CUDA's fused kernels only flash (and cuDNN) take it,
+            # in half precision, without a mask, heads up to 256 wide; otherwise PyTorch runs
+            # the math path, which keeps the attention matrix for backward.
+            if (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None
+                    or q.size(-1) > 256):
+                return None
             k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
             v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
         bias = attn_mask

@@ -301,6 +301,25 @@ def test_an_exception_in_the_dry_run_leaves_everything_as_it_was():
     assert estimate(model, (torch.randn(2, 8, 32),), device="cpu").peak > 0
 
 
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_torch_optimizer_on_cuda_is_estimated_as_its_foreach_step(opt_cls):
+    # On an accelerator torch.optim's default step is foreach: list-sized temporaries (AdamW's
+    # sqrt of the second moments: 4 bytes per parameter at the step, its peak here). The same
+    # step measured on the CPU with foreach=True, against the estimate for "cuda"; and the
+    # CPU's default (single-tensor) against the estimate for "cpu".
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+    x = torch.randn(2, 256)
+    kw = {"momentum": 0.9, "lr": 0.1} if opt_cls is torch.optim.SGD else {}
+    for device, foreach in (("cuda", True), ("cpu", False)):
+        est = estimate(model(), (x,), optimizer=opt_cls, optimizer_kwargs=kw, device=device)
+        mem = measure(model(), (x,), lambda o: o.sum(),
+                      optimizer=lambda p, f=foreach: opt_cls(p, foreach=f, **kw))
+        assert abs(est.peak - mem.peak) <= 0.01 * mem.peak, (device, est.peak, mem.peak)
+
+
 def _gpt2(attn_pdrop):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,

@@ -185,6 +185,29 @@ class FusedOnMeta:
         self._module._get_fused_kernels_supported_devices = self._orig
 
 
+class ForeachOnMeta:
+    """``torch.optim``'s default choice for a step on an accelerator: ``foreach`` (one list op
+    for every tensor of a group, with list-sized temporaries: AdamW's ``sqrt`` of its second
+    moments is a copy of the whole state's size). Its test of the parameters' device sees
+    ``meta``; it is told ``meta`` stands for the target (``enabled``) for the dry run."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __enter__(self) -> ForeachOnMeta:
+        import torch.optim.optimizer as _optimizer
+
+        self._module = _optimizer
+        self._orig = _optimizer._get_foreach_kernels_supported_devices
+        if self.enabled:
+            orig = self._orig
+            _optimizer._get_foreach_kernels_supported_devices = lambda: [*orig(), "meta"]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module._get_foreach_kernels_supported_devices = self._orig
+
+
 class RealTensorsAsMeta(TorchDispatchMode):
     """Ops that mix ``meta`` tensors with real ones (a target tensor a loss function closes
     over, a mask built outside the model, an optimizer's state slice in a host buffer) get

@@ -384,8 +384,12 @@ def estimate(
     attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
     # fork_rng: layers that save and restore generator states (dropout) leave the caller's
     # random state as it was
+    # torch.optim stepping the target accelerator's tensors (not the host's) takes its
+    # foreach path there, as it does on the device
+    on_device = target.split(":")[0] != "cpu" and (features is None or (
+        sharded is not None and features.host is None and not sharded.all_on_host()))
     with torch.random.fork_rng(devices=[]), attention, _dryrun.FusedOnMeta(), \
-            _values_needed(), _dryrun.RealTensorsAsMeta():
+            _dryrun.ForeachOnMeta(on_device), _values_needed(), _dryrun.RealTensorsAsMeta():
         if opt is not None:
             # creates the optimizer state (and a host store's gradients): the tracked step is
             # a steady-state one

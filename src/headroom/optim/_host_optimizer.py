@@ -801,9 +801,21 @@ class HostOptimizer(torch.optim.Optimizer):
                 "headroom: this backward failed inside HostOptimizer.final_backward() after "
                 "some parameters (with state in host memory, whose old values are not kept) "
                 "had already taken this step; step() finishes the step for the others (with "
-                "the gradients they have), or restore the last checkpoint (hr.load) to "
-                "continue exactly"
+                "the gradients they have), or restore the last checkpoint (hr.load, then "
+                "zero_grad()) to continue exactly"
             )
+
+    def _drop_step(self) -> None:
+        """Forget a step in progress without undoing or committing it (its values are about
+        to be replaced: `load_state_dict`)."""
+        self._overlap.settle()
+        with self._tickets_lock:
+            txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.end()
+        self._overlap.abort(self._order)
+        for e in self._order:
+            e.stepped = False
 
     def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
         """A step failed: put the old values back and say on ``exc`` what it left."""
@@ -1110,7 +1122,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 "zero_grad() after some parameters already took this step inside "
                 "final_backward(): call step() first to finish it. If that backward failed, "
                 "step() finishes the step for the others with the gradients they have; to "
-                "continue exactly, restore the last checkpoint (hr.load) instead"
+                "continue exactly, restore the last checkpoint (hr.load, then zero_grad()) "
+                "instead"
             )
         for e in self._order:
             p = e.param

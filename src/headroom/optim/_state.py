@@ -108,7 +108,11 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
             " optimizer_class), or through torch.distributed.checkpoint.state_dict's"
             " get_state_dict/set_state_dict"
         )
-    opt._torn = None  # every parameter's state is replaced: a mix left by a failed step ends
+    # every parameter's state is replaced: a mix left by a failed step ends, and so does a
+    # step left part-way by a final backward that failed (its early updates are overwritten,
+    # nothing of it is committed: the spares it wrote are not exchanged in)
+    opt._drop_step()
+    opt._torn = None
     for sg, g in zip(saved, opt.param_groups, strict=True):
         for k, v in sg.items():
             if k != "params":

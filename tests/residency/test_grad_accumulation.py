@@ -133,7 +133,7 @@ def test_host_optimizer_zero_grad_frees_what_is_held(tmp_path):
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("who", ["module", "optimizer"])
+@pytest.mark.parametrize("who", ["module", "optimizer", "foreach"])
 def test_zeroing_held_sums_reads_nothing_and_writes_zeros_once(tmp_path, who):
     """zero_grad(set_to_none=False) with sums held: they are dropped, not handed over to be
     overwritten; the store's gradients are written once, with zeros, and read not at all."""
@@ -149,7 +149,11 @@ def test_zeroing_held_sums_reads_nothing_and_writes_zeros_once(tmp_path, who):
         loss_fn(m, 2).backward()
         assert m is ref_model or len(state._held) == len(list(model.parameters()))
         before = state.store.stats()
-        (m if who == "module" else o).zero_grad(set_to_none=False)
+        if who == "foreach":  # torch.optim's zero_grad(foreach=True): one _foreach_zero_
+            grads = [p.grad for p in m.parameters()]
+            torch._foreach_zero_(grads)
+        else:
+            (m if who == "module" else o).zero_grad(set_to_none=False)
         if m is model:
             after = state.store.stats()
             assert state._held == {}

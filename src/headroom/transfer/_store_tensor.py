@@ -390,6 +390,12 @@ class StoreTensor(torch.Tensor):
         if (func is _aten.zero_.default and isinstance(args[0], StoreTensor)
                 and args[0]._source.clear()):
             return args[0]
+        if func is _aten._foreach_zero_.default:  # zero_grad(set_to_none=False, foreach=True)
+            rest = [t for t in args[0]
+                    if not (isinstance(t, StoreTensor) and t._source.clear())]
+            if rest:
+                _foreach(func, (rest,), kwargs)
+            return None
         if func in _SCALE_OPS and _is_one(args[1]):
             # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
             # to 1) then costs no read and write of every gradient on disk.

@@ -109,6 +109,39 @@ def test_compiled_offloaded_trains_bitwise_as_eager(tmp_path, store, opt):
         assert torch.equal(got[1][k], v), k
 
 
+def test_compiled_offloaded_summing_on_the_device_trains_bitwise_as_eager(tmp_path):
+    # grad_accumulation="device": the sums are formed in the offload's gradient hooks, outside
+    # the compiled graphs; two micro-batches per step, a DiskStore, HostOptimizer
+    def train(model, fn, opt):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(2):
+                (fn(torch.randint(0, 50, (4, 6), generator=g)).square().mean() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    ref = _model()
+    want = train(ref, ref, _opt(ref, "adamw"))
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "p"),
+                   grad_accumulation="device")
+    from headroom.residency import state_of
+
+    held = []
+    real = type(state_of(model))._hold
+    rec = Recorder("aot_eager")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(state_of(model)), "_hold",
+                   lambda self, *a, **k: (held.append(1), real(self, *a, **k))[1])
+        got = train(model, torch.compile(model, backend=rec), _opt(model, "host"))
+    assert rec.graphs and held
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 def test_each_block_is_one_graph_and_breaks_only_at_block_edges(tmp_path):
     # the graph of one block compiled on its own: the offloaded model must contain it whole
     block = _model().layers[0]

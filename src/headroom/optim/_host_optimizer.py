@@ -80,6 +80,16 @@ class _Kept(Exception):  # noqa: N818 - carries an error raised with the step le
         self.exc = exc
 
 
+def _in_place_host(src: SlicedParam) -> bool:
+    """Whether a sliced step updates host memory in place (a master or state resting there,
+    or the rows of a lazy step): what only an undo copy could put back."""
+    if src.rows is not None or src.master is not None:
+        return True
+    if src.master_store is not None and src.master_store.host_tensor(src.master_handle) is not None:
+        return True
+    return any(src.state_store.host_tensor(h) is not None for h in src.state_handles.values())
+
+
 @dataclass(frozen=True)
 class HostOptimizerOptions:
     """How a `HostOptimizer` was configured (``opt.options``), as data."""
@@ -148,8 +158,9 @@ class HostOptimizer(torch.optim.Optimizer):
             host memory keeps its old values, on a disk the step writes anyway, until the step
             ends. ``False``: no such copies (for bf16 parameters on a `DiskStore` with fp32
             masters and state in host memory: 12 bytes written per parameter and step fewer,
-            of 18); a step that fails part-way then leaves old and new values mixed, says so,
-            and ``step()`` refuses until a checkpoint is loaded. Ctrl-C waits for the step.
+            of 18); a step that fails part-way while updating host memory then leaves old and
+            new values mixed, says so, and ``step()`` refuses until a checkpoint is loaded
+            (what rests on disk still goes to spares: undone). Ctrl-C waits for the step.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -556,15 +567,18 @@ class HostOptimizer(torch.optim.Optimizer):
                     if name in src.spare:
                         h = src.master_handle if name == "p" else src.shadow[1]
                         txn.exchange(store, h, src.spare[name])
-            if self._atomic:
-                self._sliced_step(kept, hparams, txn)
-            else:
-                # atomic=False: nothing kept; spares are still written and exchanged at the
-                # end, but what rests in host memory is updated in place from here on.
+            # atomic=False: no undo copies. Steps that write only spares (everything they
+            # update rests on disk) stay undoable; those updating host memory in place are
+            # not, from the moment they start.
+            bare = [] if self._atomic else [(e, s) for e, s in kept if _in_place_host(s)]
+            spared = [(e, s) for e, s in kept if not any(e is b for b, _ in bare)]
+            if spared:
+                self._sliced_step(spared, hparams, txn)
+            if bare:
                 if not early and self._defer is not None:
                     self._defer.arm()
-                txn.unprotected += len(kept)
-                self._sliced_step(kept, hparams, None)
+                txn.unprotected += len(bare)
+                self._sliced_step(bare, hparams, None)
         if not early:
             if (ram or in_mem or txn.exchanging) and self._defer is not None:
                 self._defer.arm()  # from here on the step completes; Ctrl-C waits for it

@@ -198,6 +198,21 @@ def test_an_exception_in_backward_then_zero_grad_goes_on_exactly(tmp_path):
         assert torch.equal(p, sd[name]), f"parameter {name} differs"
 
 
+def test_where_no_sum_can_be_held_it_says_so_once_and_stays_exact():
+    # fp32 parameters in host memory with torch.optim: param.grad is the stored host tensor
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    model = _offloaded(None, "m", accumulation="device", store="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with pytest.warns(UserWarning, match="summed in host memory all the same") as rec:
+        train(model, opt, range(2), accum=2)
+    assert len([w for w in rec if "all the same" in str(w.message)]) == 1
+    train(ref, ref_opt, range(2), accum=2)
+    sd = model.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.equal(p, sd[name]), name
+
+
 def test_a_bad_value_is_refused():
     with pytest.raises(ValueError, match="grad_accumulation must be 'store' or 'device'"):
         hr.offload(make_model(), device="cpu", store="cpu", grad_accumulation="host")

@@ -229,6 +229,7 @@ class Offload:
         # grad_accumulation="device": gradients of several backward passes summed on the
         # device, handed to the store when read (see _Held)
         self.grad_accumulation = grad_accumulation
+        self._inert_warned = False  # said once that a gradient cannot be held (_warn_inert)
         self._held: dict[int, _Held] = {}
         self._held_lock = threading.Lock()
         # slots whose held sums were handed over since the last wait that succeeded, and those
@@ -731,6 +732,9 @@ class Offload:
             if cur is None:
                 p.grad = _stored_grad(p, b)
         elif host is not None:
+            if self.grad_accumulation == "device" and not self._inert_warned:
+                self._inert_warned = True
+                _warn_inert(slot.name)
             if cur is not None and cur.data_ptr() != host.data_ptr():
                 host.copy_(cur)  # a gradient assigned by the user: accumulate onto it
             self.res.push_grad(g, b, accumulate=cur is not None)
@@ -1010,3 +1014,15 @@ def _called_from_ddp(depth: int = 64) -> bool:
         f = f.f_back
         depth -= 1
     return False
+
+
+def _warn_inert(name: str) -> None:
+    import warnings
+
+    warnings.warn(
+        f"hr.offload(grad_accumulation='device'): the gradient of {name!r} (and any like it) is"
+        " summed in host memory all the same: it rests there in the parameter's own dtype and"
+        " param.grad is that host tensor, whose reads cannot wait for a sum held elsewhere."
+        " Sums are held on the device for gradients read through the store: on a DiskStore,"
+        " and the fp32 gradients hr.HostOptimizer keeps for bf16/fp16 parameters",
+        UserWarning, stacklevel=4)

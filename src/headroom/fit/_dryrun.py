@@ -74,7 +74,8 @@ class AttentionAsOnDevice:
     On ``cpu`` PyTorch picks its flash kernel for CPU; on CUDA-like devices the memory-efficient
     kernel (it takes masks and fp32; the flash kernel keeps the same-sized log-sum-exp). Both
     keep only the output and one float per query row for backward, not the attention matrix.
-    Grouped-query attention (``enable_gqa`` with fewer key heads) in fp32 or with a mask has no
+    Grouped-query attention (``enable_gqa`` with fewer key heads) runs the flash kernel in half
+    precision without a mask (the key and value heads kept as given); otherwise it has no
     fused kernel on CUDA: the math path, as PyTorch runs it.
     With dropout, CUDA-like devices still run a fused kernel (it keeps the random generator's
     seed and offset, not a mask), while PyTorch's CPU kernel refuses dropout, so on ``cpu`` the
@@ -127,8 +128,9 @@ class AttentionAsOnDevice:
             if (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None
                     or q.size(-1) > 256):
                 return None
-            k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
-            v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+            # flash keeps the key and value heads as given (not repeated), and the log-sum-exp
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale)[0]
         bias = attn_mask
         if bias is not None:
             if bias.dtype == torch.bool:

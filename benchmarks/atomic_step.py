@@ -23,7 +23,6 @@ written, and checks that both headroom runs end bitwise equal to ``reference``. 
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import shutil
@@ -33,7 +32,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from grad_accumulation import build
+from grad_accumulation import build, setup
 
 import headroom as hr
 
@@ -69,20 +68,7 @@ class Reference:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--blocks", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--accum", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dir", default="/tmp/headroom-atomic-step")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/atomic_step.json"))
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    args, root = setup(__doc__, "atomic_step", accum=2, steps=5)
 
     runs = {}
     for mode in ("reference", "atomic", "not_atomic"):

@@ -68,21 +68,28 @@ def _reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup(doc: str, name: str, *, accum: int, steps: int) -> tuple[argparse.Namespace, Path]:
+    """The options of a disk-trained MLP benchmark (``name``: its results file and scratch
+    folder), parsed; threads set; an empty scratch folder."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--accum", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    ap.add_argument("--accum", type=int, default=accum)
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps (after one warm-up)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dir", default="/tmp/headroom-grad-accumulation")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/grad_accumulation.json"))
+    ap.add_argument("--dir", default=f"/tmp/headroom-{name.replace('_', '-')}")
+    ap.add_argument("--out", default=str(ROOT / f"benchmarks/results/{name}.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    return args, root
+
+
+def main() -> None:
+    args, root = setup(__doc__, "grad_accumulation", accum=4, steps=3)
 
     runs = {}
     for mode in ("plain", "store", "device"):

@@ -156,6 +156,9 @@ class SliceRunner:
             placeholder = torch.zeros(1)
             opt = self.cls([placeholder], **ctor_kwargs(self.cls, group))
             opt.state.clear()
+            # It steps slices of headroom's own tensors, never a model's parameters: the
+            # global step hooks hr.offload installs have nothing to do for it.
+            opt._headroom_private = True
             self._opts[gi] = opt
         inner = opt.param_groups[0]
         for k, v in group.items():

@@ -366,6 +366,8 @@ def _install_optimizer_hook() -> None:
         return [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]
 
     def before_step(opt, args, kwargs):
+        if getattr(opt, "_headroom_private", False):
+            return  # a slice of a HostOptimizer's step (once per slice: kept cheap)
         for state in stepped(opt):
             state.before_optimizer_step()
         own = type(opt).__module__.startswith("headroom.")
@@ -397,6 +399,8 @@ def _install_optimizer_hook() -> None:
                     )
 
     def after_step(opt, args, kwargs):
+        if getattr(opt, "_headroom_private", False):
+            return
         for state in stepped(opt):
             state.after_optimizer_step()
 

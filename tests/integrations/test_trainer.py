@@ -77,6 +77,28 @@ def test_gradient_accumulation_summed_on_the_device_is_exact(mode, tmp_path, mon
     assert holds[0] > 0
 
 
+def test_bf16_on_disk_summed_on_the_device_without_undo_copies_is_exact(tmp_path, monkeypatch):
+    """The placement llm_finetune uses for models whose masters and state fit in RAM but not
+    their parameters too: bf16 weights on a DiskStore, sums on the device,
+    HostOptimizer(atomic=False); Trainer with accumulation and clipping logs and ends the same
+    as HostOptimizer alone."""
+    from transformers import Trainer, TrainingArguments
+
+    def run(store, headroom, tmp):
+        model = offload(gpt2(torch.bfloat16), store, tmp, grad_accumulation="device")
+        args = TrainingArguments(
+            output_dir=str(tmp / "out"), max_steps=3, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+            save_strategy="no", seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=LMData(),
+                          optimizers=(optimizer(model, headroom, atomic=False), None))
+        return train_logged(trainer, model)
+
+    holds = count_holds(monkeypatch)
+    assert_runs_equal(run, True, tmp_path)
+    assert holds[0] > 0
+
+
 def _resumed(store: str | None, headroom: bool, tmp_path):
     """Two steps, a checkpoint, then a new model and optimizer resumed to four steps."""
     from transformers import Trainer, TrainingArguments

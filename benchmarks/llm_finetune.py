@@ -354,6 +354,42 @@ def _forward(model, batch, scale: float):
     return model(input_ids=ids, labels=ids, position_ids=pos).loss * scale
 
 
+class _StepCalls:
+    """Times each ``opt.step()`` call of a tool's step (what is left of the optimizer's work once
+    the last backward has returned: for a host optimizer, the tail the GPU may idle through).
+    On CUDA as the device's timeline sees it (events around the call, no synchronization, so
+    the timed step is unchanged); on the CPU by the wall clock."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks: list = []
+
+    def __call__(self, fn) -> None:
+        import torch
+
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            self.marks.append((a, b))
+        else:
+            t = time.perf_counter()
+            fn()
+            self.marks.append(time.perf_counter() - t)
+
+    def seconds(self, which: list[int]) -> list[float]:
+        """The calls numbered ``which`` (0: the first step's), in seconds (waits for the
+        device)."""
+        import torch
+
+        marks = [self.marks[i] for i in which]
+        if self.cuda and marks:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in marks]
+        return marks
+
+
 def setup_plain(spec: dict):
     import torch
 
@@ -363,6 +399,7 @@ def setup_plain(spec: dict):
     model.train()
     fused = spec["device"] == "cuda"  # on CPU: PyTorch's default step, what the others match
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], fused=fused or None)
+    calls = _StepCalls(spec["device"] == "cuda")
 
     def step(batches):
         total = 0.0
@@ -371,9 +408,11 @@ def setup_plain(spec: dict):
                 loss = _forward(model, b, 1 / len(batches))
             loss.backward()
             total += loss.detach()
-        opt.step()
+        calls(opt.step)
         opt.zero_grad()
         return float(total)
+
+    step.calls = calls
 
     info = {"params": "fp32 on the device", "compute": spec["precision"] + " autocast",
             "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
@@ -471,6 +510,8 @@ def setup_torchao(spec: dict):
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW,
                               offload_gradients=offload_grads, lr=spec["lr"], fused=True)
 
+    calls = _StepCalls(True)
+
     def step(batches):
         total = 0.0
         for b in batches:
@@ -478,10 +519,11 @@ def setup_torchao(spec: dict):
                 loss = _forward(model, b, 1 / len(batches))
             loss.backward()
             total += loss.detach()
-        opt.step()
+        calls(opt.step)
         opt.zero_grad()
         return float(total)
 
+    step.calls = calls
     info = {"params": "fp32 on the device", "compute": "bf16 autocast",
             "optimizer": "CPUOffloadOptimizer(AdamW(fused=True)) on the host,"
                          f" offload_gradients={offload_grads}",
@@ -599,6 +641,8 @@ def setup_headroom(spec: dict):
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=spec["lr"],
                            state_store=state, overlap=True, atomic=atomic, **kw)
 
+    calls = _StepCalls(dev == "cuda")
+
     def step(batches):
         total = 0.0
         for j, b in enumerate(batches):
@@ -606,10 +650,11 @@ def setup_headroom(spec: dict):
                 loss = _forward(model, b, 1 / len(batches))
                 loss.backward()
             total += loss.detach()
-        opt.step()
+        calls(opt.step)
         opt.zero_grad()
         return float(total)
 
+    step.calls = calls
     info = {"params": f"{str(dtype).removeprefix('torch.')} in "
                       + ("host memory (pinned)" if where == "host" else "a DiskStore")
                       + ", hr.offload(prefetch=1), built on meta",
@@ -801,6 +846,8 @@ def run_one(spec: dict) -> dict:
     res.update(first_step_s=dt, losses=[loss], fits=True, status="timing")
     save()
     times, io_steps = [], []
+    calls = getattr(step, "calls", None)
+    timed_calls = []  # which optimizer calls belong to the timed steps
     profile = cuda and spec["profile"]
     for k in range(spec["steps"]):
         last = k == spec["steps"] - 1
@@ -815,9 +862,11 @@ def run_one(spec: dict) -> dict:
             res["profiled_step_timed"] = len(times) == 0
             if not times:
                 times.append(dt)
+                timed_calls.append(len(calls.marks) - 1 if calls is not None else None)
         else:
             dt, loss = timed()
             times.append(dt)
+            timed_calls.append(len(calls.marks) - 1 if calls is not None else None)
         io_b, st_b = _proc_io(), store_bytes()
         io_steps.append({k: io_b[k] - io_a[k] for k in io_a}
                         | {"store_" + k: st_b[k] - st_a[k] for k in st_a})
@@ -827,6 +876,8 @@ def run_one(spec: dict) -> dict:
         times = [res["first_step_s"]]
         res["step_time_from_warm_up"] = True
     step_s = statistics.median(times)
+    if calls is not None and timed_calls:
+        res["optimizer_step_call_s"] = statistics.median(calls.seconds(timed_calls))
     flops = model_flops(spec["cfg"], spec["tokens"], spec["seq"])
     res.update(
         status="ok",

@@ -57,6 +57,9 @@ def test_tiny_run_is_complete_and_headroom_is_bitwise_plain(tmp_path):
     # headroom's parameters rest in a DiskStore: its bytes per step are counted
     assert runs["headroom"]["setup"]["placement"] == "disk"
     assert runs["headroom"]["setup"]["grad_accumulation"] == "device"  # and still exact
+    assert runs["headroom"]["setup"]["atomic"] is False  # parameters on disk, state in RAM
+    for tool in ("plain", "headroom"):  # the optimizer's call, a part of the step
+        assert 0 < runs[tool]["optimizer_step_call_s"] < runs[tool]["step_s"]
     assert runs["headroom"]["store_read_bytes_per_step"] > 0
     assert runs["headroom"]["store_write_bytes_per_step"] > 0
     # --trace-dir: one more step's sampled stacks, every thread (the host optimizer's too)

@@ -27,12 +27,11 @@ import json
 import platform
 import shutil
 import statistics
-import time
 import warnings
 from pathlib import Path
 
 import torch
-from grad_accumulation import build, setup
+from grad_accumulation import build, disk_medians, setup, timed_rounds
 
 import headroom as hr
 
@@ -99,21 +98,7 @@ def main() -> None:
         if mode != "reference":
             r["opt"].zero_grad()
 
-    for s, xs in enumerate(batches):  # round by round: load falls on all alike
-        for mode, r in runs.items():
-            st = r["store"]
-            before = st.stats() if st is not None else None
-            t = time.perf_counter()
-            step(mode, r, xs)
-            dt = time.perf_counter() - t
-            if s == 0:
-                continue  # warm-up (the first step creates the state)
-            r["times"].append(dt)
-            if st is not None:
-                after = st.stats()
-                r["read"].append(after["bytes_read"] - before["bytes_read"])
-                r["written"].append(after["bytes_written"] - before["bytes_written"])
-            print(f"step {s}: {mode:>10} {dt:7.2f} s", flush=True)
+    timed_rounds(runs, batches, step)
 
     ref = runs["reference"]["model"].state_dict()
     out = {"benchmark": "atomic_step", "config": vars(args), "params": n_params,
@@ -124,10 +109,7 @@ def main() -> None:
         sd = r["model"].state_dict()
         exact = all(torch.equal(sd[k], v) for k, v in ref.items())
         res = {"median_step_s": statistics.median(r["times"]), "step_s": r["times"],
-               "exact_vs_reference": exact}
-        if r["store"] is not None:
-            res["disk_read_bytes_per_step"] = statistics.median(r["read"])
-            res["disk_written_bytes_per_step"] = statistics.median(r["written"])
+               "exact_vs_reference": exact, **disk_medians(r)}
         out["results"][mode] = res
         if not exact:
             raise SystemExit(f"{mode} is not bitwise equal to the reference")

@@ -88,6 +88,41 @@ def setup(doc: str, name: str, *, accum: int, steps: int) -> tuple[argparse.Name
     return args, root
 
 
+def timed_rounds(runs: dict, batches: list, step, *, rss: bool = False) -> None:
+    """Each run steps every group of micro-batches, round by round (load falls on all alike),
+    the first round a warm-up; appends each run's step time, its store's bytes read and
+    written and (``rss``) its peak RSS growth to the run's lists."""
+    width = max(len(m) for m in runs)
+    for s, xs in enumerate(batches):
+        for mode, r in runs.items():
+            st = r["store"]
+            before = st.stats() if st is not None else None
+            if rss:
+                _reset_peak()
+                rss0 = _status("VmRSS")
+            t = time.perf_counter()
+            step(mode, r, xs)
+            dt = time.perf_counter() - t
+            if s == 0:
+                continue  # warm-up (the first step creates the state)
+            r["times"].append(dt)
+            if rss:
+                r["rss"].append(_status("VmHWM") - rss0)
+            if st is not None:
+                after = st.stats()
+                r["read"].append(after["bytes_read"] - before["bytes_read"])
+                r["written"].append(after["bytes_written"] - before["bytes_written"])
+            print(f"step {s}: {mode:>{width}} {dt:7.2f} s", flush=True)
+
+
+def disk_medians(r: dict) -> dict:
+    """A run's median store bytes read and written per step (none without a store)."""
+    if r["store"] is None:
+        return {}
+    return {"disk_read_bytes_per_step": statistics.median(r["read"]),
+            "disk_written_bytes_per_step": statistics.median(r["written"])}
+
+
 def main() -> None:
     args, root = setup(__doc__, "grad_accumulation", accum=4, steps=3)
 
@@ -112,30 +147,13 @@ def main() -> None:
     batches = [[torch.randn(args.batch, args.width, generator=g) for _ in range(args.accum)]
                for _ in range(args.steps + 1)]
 
-    def step(r, xs) -> None:
+    def step(mode, r, xs) -> None:
         for x in xs:
             (r["model"](x).square().mean() / len(xs)).backward()
         r["opt"].step()
         r["opt"].zero_grad()
 
-    for s, xs in enumerate(batches):  # round by round: load falls on all alike
-        for mode, r in runs.items():
-            st = r["store"]
-            before = st.stats() if st is not None else None
-            _reset_peak()
-            rss0 = _status("VmRSS")
-            t = time.perf_counter()
-            step(r, xs)
-            dt = time.perf_counter() - t
-            if s == 0:
-                continue  # warm-up
-            r["times"].append(dt)
-            r["rss"].append(_status("VmHWM") - rss0)
-            if st is not None:
-                after = st.stats()
-                r["read"].append(after["bytes_read"] - before["bytes_read"])
-                r["written"].append(after["bytes_written"] - before["bytes_written"])
-            print(f"step {s}: {mode:>6} {dt:7.2f} s", flush=True)
+    timed_rounds(runs, batches, step, rss=True)
 
     ref = runs["plain"]["model"].state_dict()
     out = {"benchmark": "grad_accumulation", "config": vars(args), "params": n_params,
@@ -146,10 +164,9 @@ def main() -> None:
         sd = r["model"].state_dict()
         exact = all(torch.equal(sd[k], v) for k, v in ref.items())
         res = {"median_step_s": statistics.median(r["times"]), "step_s": r["times"],
-               "median_rss_growth_bytes": statistics.median(r["rss"]), "exact_vs_plain": exact}
+               "median_rss_growth_bytes": statistics.median(r["rss"]), "exact_vs_plain": exact,
+               **disk_medians(r)}
         if r["store"] is not None:
-            res["disk_read_bytes_per_step"] = statistics.median(r["read"])
-            res["disk_written_bytes_per_step"] = statistics.median(r["written"])
             assert state_of(r["model"])._held == {}
         out["results"][mode] = res
         if not exact:

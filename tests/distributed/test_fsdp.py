@@ -102,6 +102,7 @@ def test_offload_onto_a_disk_store_of_an_earlier_run_is_refused(world2):
         msg = r["held_sums"]
         assert msg.startswith("NotImplementedError: grad_accumulation='device' is not"), msg
         assert "leave the default" in msg and r["held_untouched"] == 1
+        assert "set_requires_gradient_sync(False)" in msg
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])

@@ -132,7 +132,9 @@ def offload(
             raise NotImplementedError(
                 "grad_accumulation='device' is not supported for a fully_shard()ed model: FSDP2"
                 " reduce-scatters every backward's gradients into the shards; leave the default"
-                " ('store')")
+                " ('store'). To sum micro-batches on the device, use FSDP2's own:"
+                " model.set_requires_gradient_sync(False) for all but the last backward keeps"
+                " the unsharded gradients there until it")
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
         _install_optimizer_hook()  # torch.optim refused on shards on disk
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,

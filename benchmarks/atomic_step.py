@@ -122,7 +122,8 @@ def main() -> None:
     print(f"{n_params / 1e6:.0f}M parameters (bf16), {args.accum} micro-batches of {args.batch}")
     for mode, res in out["results"].items():
         io = (f", disk read {res['disk_read_bytes_per_step'] / n_params:.1f} B/param, written"
-              f" {res['disk_written_bytes_per_step'] / n_params:.1f} B/param"
+              f" {res['disk_written_bytes_per_step'] / n_params:.1f} B/param (the kernel's"
+              f" count: {res['os_written_bytes_per_step'] / n_params:.1f})"
               if "disk_read_bytes_per_step" in res else "")
         print(f"  {mode:>10}: {res['median_step_s']:.2f} s/step{io},"
               f" exact {res['exact_vs_reference']}")

@@ -88,15 +88,27 @@ def setup(doc: str, name: str, *, accum: int, steps: int) -> tuple[argparse.Name
     return args, root
 
 
+def _proc_written() -> int:
+    """Bytes this process has sent to the storage layer (``/proc/self/io``), 0 if unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("write_bytes:"):
+                return int(line.split()[1])
+    return 0
+
+
 def timed_rounds(runs: dict, batches: list, step, *, rss: bool = False) -> None:
     """Each run steps every group of micro-batches, round by round (load falls on all alike),
     the first round a warm-up; appends each run's step time, its store's bytes read and
-    written and (``rss``) its peak RSS growth to the run's lists."""
+    written, the bytes the process wrote as the kernel counts them (``os_written``, an
+    independent check of the store's count with the page cache off) and (``rss``) its peak
+    RSS growth to the run's lists."""
     width = max(len(m) for m in runs)
     for s, xs in enumerate(batches):
         for mode, r in runs.items():
             st = r["store"]
             before = st.stats() if st is not None else None
+            os0 = _proc_written()
             if rss:
                 _reset_peak()
                 rss0 = _status("VmRSS")
@@ -112,6 +124,7 @@ def timed_rounds(runs: dict, batches: list, step, *, rss: bool = False) -> None:
                 after = st.stats()
                 r["read"].append(after["bytes_read"] - before["bytes_read"])
                 r["written"].append(after["bytes_written"] - before["bytes_written"])
+                r.setdefault("os_written", []).append(_proc_written() - os0)
             print(f"step {s}: {mode:>{width}} {dt:7.2f} s", flush=True)
 
 
@@ -120,7 +133,8 @@ def disk_medians(r: dict) -> dict:
     if r["store"] is None:
         return {}
     return {"disk_read_bytes_per_step": statistics.median(r["read"]),
-            "disk_written_bytes_per_step": statistics.median(r["written"])}
+            "disk_written_bytes_per_step": statistics.median(r["written"]),
+            "os_written_bytes_per_step": statistics.median(r["os_written"])}
 
 
 def main() -> None:

@@ -167,6 +167,53 @@ def test_zeroing_held_sums_reads_nothing_and_writes_zeros_once(tmp_path, who):
         assert torch.equal(p.grad, dict(model.named_parameters())[name].grad.clone()), name
 
 
+@pytest.mark.parametrize("how", ["error", "ctrl-c"])
+def test_zeroing_cut_short_reads_as_cleared_and_training_goes_on_exactly(tmp_path, how):
+    """A write of the zeros that fails (or a Ctrl-C there), with sums held: no mix of the
+    stored gradient without the sum held back. The gradient reads as cleared (a read raises)
+    and the next backward starts it afresh, as from the zeros: bitwise plain PyTorch."""
+    from concurrent.futures import Future
+
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    model = _offloaded(tmp_path, how, accumulation="device")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
+    store = state_of(model).store
+    head = model.head.weight
+    for m, o in ((ref_model, ref), (model, opt)):
+        loss_fn(m, 0).backward()
+        o.step()
+        loss_fn(m, 1).backward()
+        loss_fn(m, 2).backward()  # held on the device
+        if m is model:
+            real, grad_key = store.write, head.grad._source.binding.grad_handle.key
+
+            def failing(handle, value, _real=real, _key=grad_key):
+                if handle.key != _key:
+                    return _real(handle, value)
+                if how == "ctrl-c":
+                    raise KeyboardInterrupt
+                fut = Future()
+                fut.set_exception(OSError(5, "Input/output error (injected)"))
+                return fut
+
+            store.write = failing
+            with pytest.raises((OSError, KeyboardInterrupt)):
+                m.zero_grad(set_to_none=False)
+            store.write = real
+            with pytest.raises(RuntimeError, match="was cleared"):
+                head.grad.clone()
+            m.zero_grad(set_to_none=False)  # the others; this one is cleared already
+        else:
+            m.zero_grad(set_to_none=False)
+        loss_fn(m, 3).backward()
+        o.step()
+    sd = model.state_dict()
+    for name, p in ref_model.named_parameters():
+        assert torch.equal(p, sd[name]), f"parameter {name} differs"
+        assert torch.equal(p.grad, dict(model.named_parameters())[name].grad.clone()), name
+
+
 def test_an_exception_in_backward_then_zero_grad_goes_on_exactly(tmp_path):
     """A backward that breaks off keeps what it summed (as torch keeps a partial gradient);
     zero_grad() clears it, and training goes on bitwise."""

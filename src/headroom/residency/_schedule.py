@@ -723,6 +723,8 @@ class Offload:
         # StoreTensor over the stored gradient instead.
         host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
+        if isinstance(cur, StoreTensor) and not b.has_grad:
+            cur = None  # our view of a stored gradient cleared since (a zero_ cut short)
         if host is None and self.grad_accumulation == "device":
             # Held on the device: every read of the stored gradient (param.grad is a
             # StoreTensor, the optimizer's step, hr.data_parallel's all-reduce) hands the sum

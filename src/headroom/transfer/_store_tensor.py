@@ -197,19 +197,22 @@ class GradSource(Source):
         # zero_grad(set_to_none=False): a sum its producer holds back is dropped, not handed
         # over to be overwritten, and nothing is read.
         b = self.binding
-        if b.grad_handle is None or not b.has_grad:
-            return False  # cleared since: the read raises, naming it
+        if b.grad_handle is None:
+            return False  # never stored: the read raises, naming it
+        if not b.has_grad:
+            return True  # cleared already: the next backward starts it afresh, as from zeros
         h = b.grad_handle
-        b.has_grad = False  # a held sum of a cleared gradient is dropped at hand-over
-        try:
-            sync_grad(b)  # what was handed over before lands first
-        finally:
-            b.has_grad = True
+        # Until the zeros are in, the gradient reads as cleared: a read raises, and the next
+        # backward starts it afresh (as from zeros). An error or Ctrl-C half-way leaves no mix
+        # of the stored gradient without the sum its producer held back.
+        b.has_grad = False
+        sync_grad(b)  # a sum held back is dropped; what was handed over before lands first
         host = b.store.host_tensor(h)
         if host is not None:
             host.zero_()
         else:
             b.store.write(h, torch.zeros(h.shape, dtype=h.dtype)).result()
+        b.has_grad = True
         return True
 
     def live(self) -> bool:

@@ -24,14 +24,12 @@ written, and checks that both headroom runs end bitwise equal to ``reference``. 
 from __future__ import annotations
 
 import json
-import platform
 import shutil
-import statistics
 import warnings
 from pathlib import Path
 
 import torch
-from grad_accumulation import build, disk_medians, setup, timed_rounds
+from grad_accumulation import build, collect, ratios, setup, timed_rounds
 
 import headroom as hr
 
@@ -100,25 +98,8 @@ def main() -> None:
 
     timed_rounds(runs, batches, step)
 
-    ref = runs["reference"]["model"].state_dict()
-    out = {"benchmark": "atomic_step", "config": vars(args), "params": n_params,
-           "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads": args.threads},
-           "results": {}}
-    for mode, r in runs.items():
-        sd = r["model"].state_dict()
-        exact = all(torch.equal(sd[k], v) for k, v in ref.items())
-        res = {"median_step_s": statistics.median(r["times"]), "step_s": r["times"],
-               "exact_vs_reference": exact, **disk_medians(r)}
-        out["results"][mode] = res
-        if not exact:
-            raise SystemExit(f"{mode} is not bitwise equal to the reference")
-    a, n = out["results"]["atomic"], out["results"]["not_atomic"]
-    out["not_atomic_vs_atomic"] = {
-        "time": n["median_step_s"] / a["median_step_s"],
-        "disk_written": n["disk_written_bytes_per_step"] / a["disk_written_bytes_per_step"],
-        "disk_read": n["disk_read_bytes_per_step"] / a["disk_read_bytes_per_step"],
-    }
+    out = collect("atomic_step", args, runs, "reference", "exact_vs_reference", n_params)
+    out["not_atomic_vs_atomic"] = ratios(out["results"]["not_atomic"], out["results"]["atomic"])
     print(f"{n_params / 1e6:.0f}M parameters (bf16), {args.accum} micro-batches of {args.batch}")
     for mode, res in out["results"].items():
         io = (f", disk read {res['disk_read_bytes_per_step'] / n_params:.1f} B/param, written"
@@ -127,8 +108,8 @@ def main() -> None:
               if "disk_read_bytes_per_step" in res else "")
         print(f"  {mode:>10}: {res['median_step_s']:.2f} s/step{io},"
               f" exact {res['exact_vs_reference']}")
-    ratios = {k: round(v, 3) for k, v in out["not_atomic_vs_atomic"].items()}
-    print("  not_atomic / atomic:", ratios)
+    rounded = {k: round(v, 3) for k, v in out["not_atomic_vs_atomic"].items()}
+    print("  not_atomic / atomic:", rounded)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print("wrote", args.out)
     shutil.rmtree(root, ignore_errors=True)

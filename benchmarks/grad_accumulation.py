@@ -137,6 +137,34 @@ def disk_medians(r: dict) -> dict:
             "os_written_bytes_per_step": statistics.median(r["os_written"])}
 
 
+def collect(name: str, args, runs: dict, ref: str, exact_key: str, n_params: int,
+            extra=lambda r: {}) -> dict:
+    """The results JSON of a benchmark's runs (times, store bytes, ``extra(run)``), each run
+    checked bitwise against run ``ref`` (exits naming the first that differs)."""
+    want = runs[ref]["model"].state_dict()
+    out = {"benchmark": name, "config": vars(args), "params": n_params,
+           "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                       "threads": args.threads},
+           "results": {}}
+    for mode, r in runs.items():
+        sd = r["model"].state_dict()
+        exact = all(torch.equal(sd[k], v) for k, v in want.items())
+        out["results"][mode] = {"median_step_s": statistics.median(r["times"]),
+                                "step_s": r["times"], exact_key: exact, **extra(r),
+                                **disk_medians(r)}
+        if not exact:
+            raise SystemExit(f"{mode} is not bitwise equal to {ref}")
+    return out
+
+
+def ratios(new: dict, old: dict) -> dict:
+    """Step time and store bytes of one run's results over another's."""
+    return {"time": new["median_step_s"] / old["median_step_s"],
+            "disk_read": new["disk_read_bytes_per_step"] / old["disk_read_bytes_per_step"],
+            "disk_written": (new["disk_written_bytes_per_step"]
+                             / old["disk_written_bytes_per_step"])}
+
+
 def main() -> None:
     args, root = setup(__doc__, "grad_accumulation", accum=4, steps=3)
 
@@ -169,28 +197,12 @@ def main() -> None:
 
     timed_rounds(runs, batches, step, rss=True)
 
-    ref = runs["plain"]["model"].state_dict()
-    out = {"benchmark": "grad_accumulation", "config": vars(args), "params": n_params,
-           "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                       "threads": args.threads},
-           "results": {}}
-    for mode, r in runs.items():
-        sd = r["model"].state_dict()
-        exact = all(torch.equal(sd[k], v) for k, v in ref.items())
-        res = {"median_step_s": statistics.median(r["times"]), "step_s": r["times"],
-               "median_rss_growth_bytes": statistics.median(r["rss"]), "exact_vs_plain": exact,
-               **disk_medians(r)}
+    for r in runs.values():
         if r["store"] is not None:
             assert state_of(r["model"])._held == {}
-        out["results"][mode] = res
-        if not exact:
-            raise SystemExit(f"{mode} is not bitwise equal to plain")
-    st, dv = out["results"]["store"], out["results"]["device"]
-    out["device_vs_store"] = {
-        "time": dv["median_step_s"] / st["median_step_s"],
-        "disk_read": dv["disk_read_bytes_per_step"] / st["disk_read_bytes_per_step"],
-        "disk_written": dv["disk_written_bytes_per_step"] / st["disk_written_bytes_per_step"],
-    }
+    out = collect("grad_accumulation", args, runs, "plain", "exact_vs_plain", n_params,
+                  lambda r: {"median_rss_growth_bytes": statistics.median(r["rss"])})
+    out["device_vs_store"] = ratios(out["results"]["device"], out["results"]["store"])
     gib = 2 ** 30
     print(f"{n_params / 1e6:.0f}M parameters, {args.accum} micro-batches of {args.batch}")
     for mode, res in out["results"].items():

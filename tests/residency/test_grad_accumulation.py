@@ -31,6 +31,16 @@ def _offloaded(tmp_path, tag, *, accumulation, store="disk", dtype=torch.float32
     return model
 
 
+def _plain_and_offloaded(tmp_path, tag="m"):
+    """The model in plain PyTorch (fused AdamW) and offloaded to a DiskStore with its sums
+    held on the device (HostOptimizer's AdamW, the same kernel)."""
+    ref_model = make_model()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    model = _offloaded(tmp_path, tag, accumulation="device")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
+    return ref_model, ref, model, opt
+
+
 def _values(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -137,10 +147,7 @@ def test_host_optimizer_zero_grad_frees_what_is_held(tmp_path):
 def test_zeroing_held_sums_reads_nothing_and_writes_zeros_once(tmp_path, who):
     """zero_grad(set_to_none=False) with sums held: they are dropped, not handed over to be
     overwritten; the store's gradients are written once, with zeros, and read not at all."""
-    ref_model = make_model()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
-    model = _offloaded(tmp_path, who, accumulation="device")
-    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
+    ref_model, ref, model, opt = _plain_and_offloaded(tmp_path, who)
     state = state_of(model)
     for m, o in ((ref_model, ref), (model, opt)):
         loss_fn(m, 0).backward()
@@ -174,10 +181,7 @@ def test_zeroing_cut_short_reads_as_cleared_and_training_goes_on_exactly(tmp_pat
     and the next backward starts it afresh, as from the zeros: bitwise plain PyTorch."""
     from concurrent.futures import Future
 
-    ref_model = make_model()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
-    model = _offloaded(tmp_path, how, accumulation="device")
-    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
+    ref_model, ref, model, opt = _plain_and_offloaded(tmp_path, how)
     store = state_of(model).store
     head = model.head.weight
     for m, o in ((ref_model, ref), (model, opt)):
@@ -218,11 +222,8 @@ def test_an_exception_in_backward_then_zero_grad_goes_on_exactly(tmp_path):
     """A backward that breaks off keeps what it summed (as torch keeps a partial gradient);
     zero_grad() clears it, and training goes on bitwise."""
     steps, accum = 3, 2
-    ref_model = make_model()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref_model, ref, model, opt = _plain_and_offloaded(tmp_path, "m")
     train(ref_model, ref, range(steps), accum=accum)
-    model = _offloaded(tmp_path, "m", accumulation="device")
-    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
     loss_fn(model, 100).backward()  # a first micro-batch, held
 
     def boom(grad):
@@ -334,11 +335,8 @@ def test_a_failed_write_of_a_sum_is_a_clear_error_then_the_iteration_redone_is_e
     from concurrent.futures import Future
 
     steps, accum = 3, 2
-    ref_model = make_model()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref_model, ref, model, opt = _plain_and_offloaded(tmp_path, "m")
     train(ref_model, ref, range(steps), accum=accum)
-    model = _offloaded(tmp_path, "m", accumulation="device")
-    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, slice_bytes=SLICE)
     before = _values(model)
     store = state_of(model).store
     real_write, failed = store.write, []

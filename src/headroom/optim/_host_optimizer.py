@@ -570,8 +570,9 @@ class HostOptimizer(torch.optim.Optimizer):
             # atomic=False: no undo copies. Steps that write only spares (everything they
             # update rests on disk) stay undoable; those updating host memory in place are
             # not, from the moment they start.
-            bare = [] if self._atomic else [(e, s) for e, s in kept if _in_place_host(s)]
-            spared = [(e, s) for e, s in kept if not any(e is b for b, _ in bare)]
+            bare, spared = [], []
+            for e, src in kept:
+                (spared if self._atomic or not _in_place_host(src) else bare).append((e, src))
             if spared:
                 self._sliced_step(spared, hparams, txn)
             if bare:

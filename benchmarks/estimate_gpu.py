@@ -48,14 +48,19 @@ def loss_fn(out) -> torch.Tensor:
     return out.logits.float().square().mean()
 
 
-def one(name: str, batch: int, seq: int) -> dict:
+def estimate(name: str, batch: int, seq: int):
+    """The dry run's estimate of the case's step on "cuda" (needs no device), and its batch."""
     torch.manual_seed(0)
     with torch.device("meta"):
         meta_model = CASES[name]()
     ids = torch.randint(0, meta_model.config.vocab_size, (batch, seq))
     est = hr.estimate(meta_model, (ids.to("meta"),), loss_fn=loss_fn,
                       optimizer=torch.optim.AdamW, device="cuda")
-    del meta_model
+    return est, ids
+
+
+def one(name: str, batch: int, seq: int) -> dict:
+    est, ids = estimate(name, batch, seq)
 
     model = CASES[name]().cuda().train()
     opt = torch.optim.AdamW(model.parameters())
@@ -90,9 +95,34 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="only the dry runs (no device needed), to compare a new estimator"
+                             " with the last measured run; writes --out (default"
+                             " estimate_gpu_dryrun.json)")
     args = parser.parse_args()
+    if args.estimate_only:
+        if args.out == RESULTS:
+            args.out = RESULTS.with_name("estimate_gpu_dryrun.json")
+        measured = {r["case"]: r for r in json.loads(RESULTS.read_text())["rows"]} \
+            if RESULTS.exists() else {}
+        rows = []
+        for name in CASES:
+            est, _ = estimate(name, args.batch, args.seq)
+            row = {"case": name, "estimate_peak": est.peak,
+                   "estimate_by_category": est.peak_by_category}
+            if name in measured:
+                m = measured[name]
+                row["measured_torch_max_allocated"] = m["torch_max_allocated"]
+                row["measured_on"] = json.loads(RESULTS.read_text())["device"]
+                row["estimate_over_measured"] = est.peak / m["torch_max_allocated"]
+            rows.append(row)
+            print(f"{name:24s} estimate {est.peak / 2**30:6.2f} GiB"
+                  + (f"  over the last measured: {row['estimate_over_measured']:.3f}"
+                     if "estimate_over_measured" in row else ""), flush=True)
+        args.out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("estimate_gpu.py needs a CUDA device")
+        raise SystemExit("estimate_gpu.py needs a CUDA device (or --estimate-only)")
     rows = []
     for name in CASES:
         row = one(name, args.batch, args.seq)

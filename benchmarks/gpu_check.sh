@@ -8,7 +8,8 @@
 #
 #     benchmarks/gpu_check.sh [tests|bench|all|quick] [LOGDIR]   # PY=python3 by default
 #
-# quick (about 8 minutes on one H100/H200): the `gpu`-marked tests, then llm_finetune's 1B
+# quick (limits: 150 s for the tests, which took 54 s on the H100; LLM_BUDGET=270 s + 60 s for
+# the benchmark; not yet run on a GPU): the `gpu`-marked tests, then llm_finetune's 1B
 # row for torchao and headroom with its gradients summed on the device and in host memory
 # (headroom_store), the A/B of the last change, with the sampled stacks of every thread.
 #

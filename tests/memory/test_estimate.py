@@ -318,6 +318,9 @@ def test_torch_optimizer_on_cuda_is_estimated_as_its_foreach_step(opt_cls):
         mem = measure(model(), (x,), lambda o: o.sum(),
                       optimizer=lambda p, f=foreach: opt_cls(p, foreach=f, **kw))
         assert abs(est.peak - mem.peak) <= 0.01 * mem.peak, (device, est.peak, mem.peak)
+        if opt_cls is torch.optim.AdamW and device == "cuda":
+            n = sum(p.numel() for p in model().parameters())
+            assert est.peak_by_category["other"] >= 4 * n  # the whole list's temporaries
 
 
 def _gpt2(attn_pdrop):

@@ -123,3 +123,58 @@ def _resumed(store: str | None, headroom: bool, tmp_path):
 def test_trainer_resume_from_checkpoint_on_disk_is_exact(tmp_path):
     """save_model's weights and the HostOptimizer state come back into a new DiskStore."""
     assert_same_state(_resumed(None, False, tmp_path / "ref"), _resumed("disk", True, tmp_path))
+
+
+class _TwoTasks(torch.nn.Module):
+    """GPT-2's trunk and one LM head per task; a batch trains the head its first example names,
+    so each step leaves the other head without a gradient."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        base = gpt2(dtype)
+        self.trunk = base.transformer
+        self.heads = torch.nn.ModuleList(
+            torch.nn.Linear(32, base.config.vocab_size, bias=False, dtype=dtype)
+            for _ in range(2))
+        self.seen: list[int] = []  # the task of each step
+
+    def forward(self, input_ids, labels, task):
+        self.seen.append(int(task[0]))
+        logits = self.heads[int(task[0])](self.trunk(input_ids).last_hidden_state).float()
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return {"loss": loss}
+
+
+class _TaskData(LMData):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(i), "task": torch.tensor(i % 2)}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
+def test_a_head_without_gradient_in_a_step_is_not_stepped(mode, tmp_path):
+    """Trainer clears gradients with model.zero_grad() (param.grad = None): a head that gets
+    no gradient in a step is skipped by the step, as torch's AdamW skips it, not stepped
+    again with the gradient of the step before (which a store still held)."""
+    from transformers import Trainer, TrainingArguments
+
+    dtype = MODES[mode][0]
+
+    seen = {}
+
+    def run(store, headroom, tmp):
+        model = offload(_TwoTasks(dtype), store, tmp)
+        args = TrainingArguments(
+            output_dir=str(tmp / "out"), max_steps=3, per_device_train_batch_size=4,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+            disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=_TaskData(),
+                          optimizers=(optimizer(model, headroom), None))
+        seen[store] = model.seen
+        return train_logged(trainer, model)
+
+    assert_runs_equal(run, mode == "bf16-weights", tmp_path)
+    # the same tasks in every run, and a step whose head had a gradient the step before
+    assert seen["cpu"] == seen["disk"] == seen[None]
+    assert any(a != b for a, b in zip(seen[None], seen[None][1:], strict=False)), seen

@@ -450,6 +450,36 @@ def test_deepcopy_gives_a_plain_cpu_copy_sharing_nothing(store):
     assert torch.equal(block.qkv.weight, values(model)["layers.1.qkv.weight"])
 
 
+def test_pickling_saves_the_plain_copy_and_loads_without_headroom(store, tmp_path):
+    """torch.save(model) of an offloaded model: what copy.deepcopy gives (the original classes,
+    the current values), loadable where headroom is not installed; copy.copy stays shallow."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = _offload(copy.deepcopy(ref), store)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # a value only the store holds
+        ref[0].weight.mul_(2)
+    torch.save(model, tmp_path / "m.pt")
+    assert type(model) is not nn.Sequential  # the offloaded model itself is unchanged
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert type(loaded) is nn.Sequential and type(loaded[0]) is nn.Linear
+    assert all(binding(p) is None for p in loaded.parameters())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    shallow = copy.copy(model)
+    assert type(shallow) is type(model) and shallow is not model
+    assert shallow[0] is model[0]
+    code = ("import sys; sys.modules['headroom'] = None; import torch; "
+            f"m = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False); "
+            "print(type(m).__name__, float(m[0].weight.detach().sum()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["Sequential", repr(float(ref[0].weight.detach().sum()))]
+
+
 def test_deepcopy_during_forward_is_refused():
     model = _offload(Transformer(n=2))
     model.layers[1].register_forward_pre_hook(lambda m, a: copy.deepcopy(model))

@@ -108,6 +108,27 @@ def test_conversion_of_an_unguarded_submodule_is_refused_or_reported(store):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_resize_token_embeddings_after_offload_is_refused_naming_the_fix(store):
+    pytest.importorskip("transformers")
+    from tests.integrations._models import llama, token_ids
+
+    model = _offload(llama(), store)
+    ids = token_ids(2)
+    with torch.no_grad():
+        before = model(ids).logits
+    if isinstance(store, DiskStore):  # StoreTensor masters: refused at the rebinding
+        with pytest.raises(RuntimeError, match="its shape is fixed by the store"):
+            model.resize_token_embeddings(80)
+    else:  # a host master's .data rebound: reported at the next use, naming the resize
+        model.resize_token_embeddings(80)
+        with pytest.raises(RuntimeError, match="was resized to .*Resize before hr.offload"):
+            model(ids)
+    hr.unoffload(model)  # the stored values are intact
+    model.resize_token_embeddings(64)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
 # ------------------------------------------------------------------ DistributedDataParallel
 def _free_port() -> int:
     with socket.socket() as s:

@@ -18,7 +18,9 @@ from headroom.transfer import _disk as disk_mod
 
 
 def say(*parts) -> None:
-    print(*parts, flush=True)
+    # One write(2) per line (a pipe takes up to 4 KiB atomically): print() may flush a
+    # full buffer mid-line, and a kill then leaves the parent half a line ("done" alone).
+    os.write(1, (" ".join(map(str, parts)) + "\n").encode())
 
 
 def stream_ops(n_ops: int):

@@ -40,7 +40,7 @@ class Entry:
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
         "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
-        "xspare",
+        "xspare", "seen",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -75,6 +75,8 @@ class Entry:
         # A DTensor (FSDP2 shard) bound to a store: its master is the local shard there, its
         # gradient the local tensor of the DTensor FSDP2 leaves in param.grad.
         self.sharded = False
+        # its gradient as its step started inside a final backward (`grad_mark`)
+        self.seen: tuple | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,6 +99,22 @@ class Entry:
     @property
     def binding(self) -> ParamBinding | None:
         return self.own if self.kind == HOSTED else self.bound
+
+    def grad_mark(self) -> tuple:
+        """What tells a later change of ``param.grad``: the tensor there, its version counter
+        (in-place ops on it) and its binding's edit count (in-place ops through a
+        `StoreTensor`, foreach ops included, which leave a wrapper's version as it was)."""
+        g = self.param.grad
+        b = None if self.kind == ALIAS else self.binding
+        return (g, None if g is None else g._version, 0 if b is None else b.grad_edits)
+
+    def grad_changed(self) -> bool:
+        """Whether ``param.grad`` changed since `seen` was taken (assigned, set to ``None``,
+        or changed in place)."""
+        if self.seen is None:
+            return False
+        g, version, edits = self.grad_mark()
+        return g is not self.seen[0] or version != self.seen[1] or edits != self.seen[2]
 
     def has_grad(self) -> bool:
         if self.kind == ALIAS or self.sharded:

@@ -49,8 +49,10 @@ from headroom.transfer import (
     Store,
     StoreFullError,
     StoreTensor,
+    adopt_grad,
     binding,
     flush_grad,
+    is_stored_grad,
     on_grad_ready,
     resolve_store,
     sync_grad,
@@ -456,6 +458,9 @@ class HostOptimizer(torch.optim.Optimizer):
         if e is None:
             return
         if e.launched:
+            # reported here (step() then finishes with the gradients it had): not again as a
+            # change of param.grad by someone else (`_check_launched`)
+            e.seen = e.grad_mark()
             raise RuntimeError(
                 "a parameter received another gradient after its step had started inside "
                 "HostOptimizer.final_backward(); declare only the last backward pass before "
@@ -501,18 +506,43 @@ class HostOptimizer(torch.optim.Optimizer):
             sync_grad(b)
 
     def _take_assigned_grads(self) -> None:
-        """Move gradients assigned to ``param.grad`` (``p.grad = g``, not left there by
-        backward) of parameters whose master is a host copy into their host gradient."""
-        # Backward hands each such gradient to the mover and leaves param.grad reading the
-        # host gradient (a StoreTensor), so any other tensor found there was assigned: like
-        # torch, it replaces what had been accumulated.
+        """Take what was done to ``param.grad`` since backward left it there, as torch's
+        optimizers see it: a tensor assigned to it (``p.grad = g``) replaces the accumulated
+        gradient; ``None`` (``model.zero_grad()``, ``p.grad = None``) clears it, and the step
+        skips the parameter. Not for parameters whose step has started (`_check_launched`)."""
         for e in self._order:
+            if e.launched:
+                continue
+            if e.kind == BOUND and not e.sharded:
+                adopt_grad(e.bound)  # the offload layer's gradient (see adopt_grad)
+                continue
+            if e.kind != HOSTED:
+                continue  # an ALIAS steps param.grad itself; a shard, FSDP2's local tensor
+            # Backward hands the gradient to the mover and leaves param.grad reading the
+            # host gradient (a StoreTensor); anything else there was put there since.
             g = e.param.grad
-            if e.kind == HOSTED and g is not None and not isinstance(g, StoreTensor) \
-                    and not e.launched:
+            if g is None:
+                e.own.has_grad = False  # a copy still on its way lands unread; the next
+                # backward starts the gradient afresh (param.grad is None)
+            elif not is_stored_grad(g, e.own):
                 e.param.grad = None
                 self._mover.push_grad(g, e.own, accumulate=False)
                 e.param.grad = host_grad(e.param, e.own, self._mover)
+
+    def _check_launched(self) -> None:
+        """Refuse a step whose early part used gradients changed since (``param.grad``
+        assigned, set to ``None`` or changed in place, by clipping for instance, after its
+        step started inside `final_backward`)."""
+        changed = [e for e in self._order if e.launched and e.grad_changed()]
+        if changed:
+            raise RuntimeError(
+                f"param.grad of {len(changed)} parameter(s) was changed (assigned, set to None"
+                " or changed in place, e.g. by torch.nn.utils.clip_grad_norm_) after their"
+                " step had started inside HostOptimizer.final_backward(): their gradients were"
+                " complete then, and that step used them. Change gradients only without"
+                " final_backward() (run the last backward outside it), or clip with"
+                " opt.clip_grad_norm_(), which keeps the step until every gradient is known"
+            )
 
     def _wait(self) -> None:
         """Wait for the steps and copies running on the worker; re-raise their first error."""
@@ -1022,6 +1052,7 @@ class HostOptimizer(torch.optim.Optimizer):
             try:
                 self._overlap.wait()
                 self._check_hparams()
+                self._check_launched()
                 # Entries stepped early are done; a bucket that never ran is stepped here.
                 self._step_entries([e for e in self._order if not e.stepped])
                 with self._tickets_lock:

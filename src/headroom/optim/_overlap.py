@@ -162,6 +162,7 @@ class Overlap:
             return  # no worker: step() steps these
         for x in bucket.entries:
             x.launched = True
+            x.seen = None if x.sharded else x.grad_mark()  # step() checks it is unchanged
         with self._lock:
             # The hyperparameters are taken now, on this thread, and the worker steps
             # with exactly these: a change made before the worker gets to run is then still
@@ -179,6 +180,7 @@ class Overlap:
                 self._ready = [x for x in self._ready if x not in bucket.entries]
             for x in left:
                 x.launched = False
+                x.seen = None
 
     def check_hparams(self) -> None:
         """Raise if a hyperparameter changed since a step started with it."""
@@ -207,6 +209,7 @@ class Overlap:
             e.launched = False
             e.fired = False
             e.bucket = None
+            e.seen = None
         self.launched_hparams = {}
         self.failed = None
 

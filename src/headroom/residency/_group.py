@@ -204,7 +204,14 @@ def hide(group: Group) -> None:
 def _check_master(s: Slot) -> None:
     h = s.binding.handle
     p = s.param
-    if p.dtype != h.dtype or p.shape != h.shape or p.device.type not in ("cpu", "meta"):
+    if tuple(p.shape) != h.shape:
+        raise RuntimeError(
+            f"offloaded parameter {s.name!r} was resized to {tuple(p.shape)} after hr.offload"
+            f" (its stored master is {h.shape}), e.g. by resize_token_embeddings or by"
+            " rebinding its .data: the store keeps the shape it was offloaded with. Resize"
+            " before hr.offload, or hr.unoffload(model), resize, and offload again"
+        )
+    if p.dtype != h.dtype or p.device.type not in ("cpu", "meta"):
         raise RuntimeError(
             f"offloaded parameter {s.name!r} was changed to {p.dtype} {tuple(p.shape)} on"
             f" {p.device} after hr.offload (its stored master is {h.dtype} {h.shape}), e.g."

@@ -7,13 +7,15 @@ Module hooks cannot see everything an offloaded model must react to: a forward t
 broke off in someone else's hook leaves no trace until the parameters are listed again. So the
 root and each block get a subclass of their own class (as ``torch.nn.utils.parametrize`` and
 FSDP2's ``fully_shard`` do) that routes those entry points to the offload state, and makes
-``copy.deepcopy`` give a plain copy (`headroom.residency._copy`). The subclass keeps the
+``copy.deepcopy`` give a plain copy (`headroom.residency._copy`), which is also what pickling
+(``torch.save(model)``) saves. The subclass keeps the
 class's name, module and qualname; `remove` restores the original class.
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any, Protocol
 
 import torch
@@ -102,10 +104,26 @@ def _guarded_class(cls: type) -> type:
 
         return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo)
 
+    def __reduce_ex__(self, protocol):
+        # pickle (torch.save(model), a spawned process's argument): the plain copy that
+        # copy.deepcopy gives, under the original class. The guarded class itself cannot be
+        # pickled: it is not importable under the name it carries.
+        if self.__dict__.get(_ROLE) is None:
+            return cls.__reduce_ex__(self, protocol)
+        # Unpickled as operator.getitem([copy], 0): loading needs neither headroom nor the
+        # guarded class, only the model's own classes.
+        return operator.getitem, ([copy.deepcopy(self)], 0)
+
+    def __copy__(self):
+        # copy.copy would otherwise go through __reduce_ex__ above: a shallow copy stays one
+        return copy._reconstruct(self, None, *cls.__reduce_ex__(self, 4))
+
     sub = type(cls.__name__, (cls,), {
         # not traced by torch.compile (only this frame: the module's forward still is)
         "__call__": torch.compiler.disable(__call__, recursive=False),
         "__deepcopy__": __deepcopy__,
+        "__reduce_ex__": __reduce_ex__,
+        "__copy__": __copy__,
         "_apply": _apply,
         "named_parameters": named_parameters,
         "_ddp_params_and_buffers_to_ignore": property(_ddp_ignore, _ddp_ignore_set),

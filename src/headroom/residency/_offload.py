@@ -306,6 +306,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         slot = Slot(first_name[pid], owners[pid], master, dev_param, b)
         b.grad_sync = partial(state.sync_grad_of, slot)
         b.grad_flush = partial(state.flush_grads, slot)
+        b.grad_adopt = partial(state.adopt_grad, slot)
         slot.group = target
         slot.show(master)
         placed.append((slot, params[pid], created))

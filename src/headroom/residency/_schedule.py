@@ -50,6 +50,7 @@ from headroom.transfer import (
     add_into,
     grad_ready,
     is_accelerator,
+    is_stored_grad,
     stream_module,
 )
 
@@ -716,6 +717,7 @@ class Offload:
         b = slot.binding
         p = slot.param
         store = self.store
+        self.adopt_grad(slot)  # a gradient assigned since: accumulate onto it, as torch does
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(store, b)
         # A gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
@@ -737,10 +739,8 @@ class Offload:
             if self.grad_accumulation == "device" and not self._inert_warned:
                 self._inert_warned = True
                 _warn_inert(slot.name)
-            if cur is not None and cur.data_ptr() != host.data_ptr():
-                host.copy_(cur)  # a gradient assigned by the user: accumulate onto it
             self.res.push_grad(g, b, accumulate=cur is not None)
-            if cur is None or cur.data_ptr() != host.data_ptr():
+            if cur is None:
                 p.grad = host
         else:
             self.res.push_grad(g, b, accumulate=cur is not None)
@@ -881,6 +881,7 @@ class Offload:
     def read_grad(self, slot: Slot) -> torch.Tensor | None:
         """The slot's accumulated gradient as a host tensor (the store's own one on the host,
         a copy from disk), or ``None`` when its master has none."""
+        self.adopt_grad(slot)
         b = slot.binding
         if slot.param.grad is None or b.grad_handle is None:
             return None
@@ -889,6 +890,26 @@ class Offload:
         self.sync_grad_of(slot)
         host = self.store.host_tensor(b.grad_handle)
         return host if host is not None else self.store.read(b.grad_handle).result()
+
+    def adopt_grad(self, slot: Slot) -> None:
+        """Make the stored gradient what ``param.grad`` says where it changed since backward
+        left it there (`headroom.transfer.adopt_grad`): a tensor assigned to it becomes the
+        stored gradient; ``None`` (``model.zero_grad()``, ``p.grad = None``) clears it, with
+        any sum held on the device."""
+        b = slot.binding
+        cur = slot.param.grad
+        if cur is None:
+            if b.has_grad:
+                with self._held_lock:
+                    self._held.pop(id(slot), None)
+                b.has_grad = False
+                b.grad_rows = None
+            return
+        if is_stored_grad(cur, b):
+            return
+        with self._held_lock:  # replaced whole: a sum held on the device is dropped
+            self._held.pop(id(slot), None)
+        self.put_grad(slot, cur.detach())
 
     def put_grad(self, slot: Slot, value: torch.Tensor) -> None:
         """Make ``value`` (a host tensor) the slot's whole gradient, as a backward leaves it."""
@@ -904,11 +925,12 @@ class Offload:
             if host.data_ptr() != value.data_ptr():
                 host.copy_(value)
         else:
-            self.store.write(gh, value.to(gh.dtype).contiguous()).result()
+            self.store.write(gh, value.to("cpu", gh.dtype).contiguous()).result()
         b.has_grad = True
+        b.grad_rows = None
         if host is not None and gh.dtype == p.dtype:
             p.grad = host
-        elif not isinstance(p.grad, StoreTensor):
+        elif p.grad is None or not is_stored_grad(p.grad, b):
             p.grad = _stored_grad(p, b)
 
     def bypass_hook(self, name: str, p: torch.Tensor) -> None:

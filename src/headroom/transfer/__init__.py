@@ -6,6 +6,7 @@ This layer is the only one that knows about streams, events, page-locked memory 
 from headroom.transfer._binding import (
     ListenerHandle,
     ParamBinding,
+    adopt_grad,
     bind,
     binding,
     flush_grad,
@@ -50,6 +51,7 @@ from headroom.transfer._store_tensor import (
     HeldSource,
     Source,
     StoreTensor,
+    is_stored_grad,
 )
 
 __all__ = [
@@ -82,6 +84,7 @@ __all__ = [
     "TensorInfo",
     "Ticket",
     "add_into",
+    "adopt_grad",
     "bind",
     "binding",
     "check_device",
@@ -89,6 +92,7 @@ __all__ = [
     "flat_tensors",
     "flush_grad",
     "is_accelerator",
+    "is_stored_grad",
     "grad_ready",
     "on_grad_ready",
     "open_regular",

@@ -24,8 +24,8 @@ from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
 __all__ = [
-    "ParamBinding", "bind", "binding", "flush_grad", "grad_ready", "on_grad_ready", "relay_done",
-    "sync_grad",
+    "ParamBinding", "adopt_grad", "bind", "binding", "flush_grad", "grad_ready",
+    "on_grad_ready", "relay_done", "sync_grad",
     "unbind",
 ]
 
@@ -53,9 +53,15 @@ class ParamBinding:
         grad_flush: set by a producer that may hold gradients back (summed on the device
             across backward passes): hands what it holds for this parameter to the store now,
             without waiting for it to land. ``None``: nothing is ever held back.
+        grad_adopt: set by the producer: makes the stored gradient what ``param.grad`` says
+            where it was changed since the producer left it there (see `adopt_grad`).
+            ``None``: ``param.grad`` is not the producer's to watch.
         grad_dtype: the dtype a producer allocates ``grad_handle`` in (``None``: the
             parameter's). A consumer that wants full-precision accumulation of a low-precision
             parameter's gradient (an optimizer with fp32 masters) sets ``torch.float32``.
+        grad_edits: how many in-place changes were made to the stored gradient through a
+            tensor over it (``param.grad`` a `StoreTensor`: clipping, unscaling, ``mul_``):
+            a consumer that started using the gradient can tell that it changed since.
         has_value: ``False`` while ``handle`` holds no value yet (a parameter created on
             ``meta``, still to be loaded or initialized): consumers must not read it then.
             Whoever writes the whole value sets it.
@@ -72,8 +78,10 @@ class ParamBinding:
     has_grad: bool = False
     grad_dtype: torch.dtype | None = None
     has_value: bool = True
+    grad_edits: int = 0
     grad_sync: Callable[[], None] | None = field(default=None, repr=False)
     grad_flush: Callable[[], None] | None = field(default=None, repr=False)
+    grad_adopt: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
     relay: Callable[[torch.Tensor], None] | None = field(default=None, repr=False)
 
@@ -198,6 +206,16 @@ def flush_grad(b: ParamBinding) -> None:
     complete (a step during ``final_backward``), from that backward's thread."""
     if b.grad_flush is not None:
         b.grad_flush()
+
+
+def adopt_grad(b: ParamBinding) -> None:
+    """Have ``b``'s producer take what was done to ``param.grad`` since it left it there: a
+    tensor assigned to it becomes the stored gradient (``has_grad``), ``None`` clears the
+    stored gradient (``has_grad`` false: an optimizer skips the parameter, as torch's skip a
+    parameter whose ``.grad`` is ``None``). For a consumer about to read the gradient or ask
+    `ParamBinding.has_grad`, between backward passes."""
+    if b.grad_adopt is not None:
+        b.grad_adopt()
 
 
 def sync_grad(b: ParamBinding) -> None:

@@ -41,7 +41,8 @@ from headroom.transfer._binding import ParamBinding, sync_grad
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
-__all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource"]
+__all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource",
+           "is_stored_grad"]
 
 _aten = torch.ops.aten
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -97,6 +98,9 @@ class Source:
 
     def describe(self) -> str:
         raise NotImplementedError
+
+    def edited(self) -> None:
+        """An op is about to change the values in place through a `StoreTensor` over them."""
 
 
 def _read(store: Store, h: Handle) -> tuple[torch.Tensor, bool]:
@@ -226,6 +230,9 @@ class GradSource(Source):
     def key(self) -> tuple:
         return ("grad", id(self.binding))
 
+    def edited(self) -> None:
+        self.binding.grad_edits += 1
+
     def describe(self) -> str:
         return f"the gradient of {self.binding.handle.key!r} in {self.binding.store!r}"
 
@@ -284,6 +291,9 @@ class ViewSource(Source):
 
     def key(self) -> tuple:
         return ("view", id(self))
+
+    def edited(self) -> None:
+        self.base.edited()
 
     def describe(self) -> str:
         return f"a view ({self.func}) of {self.base.describe()}"
@@ -372,6 +382,7 @@ class StoreTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        _note_edits(func, args, kwargs)
         if func in _ALIASES:
             src = args[0]
             return StoreTensor(src._source, tuple(src.shape), dtype=src.dtype, device=src.device)
@@ -420,6 +431,24 @@ class StoreTensor(torch.Tensor):
                 and not (args[0].device.type == "cpu" and args[0]._source.live())):
             return _view(func, args, kwargs)
         return _run(func, args, kwargs)
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _note_edits(func, args: tuple, kwargs: dict) -> None:
+    """Tell the sources of the `StoreTensor` arguments ``func`` writes (in-place and ``out=``
+    ones, lists included) that their values change (`Source.edited`)."""
+    where = _WRITES.get(func)
+    if where is None:
+        where = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    for i, name in where:
+        x = args[i] if i < len(args) else kwargs.get(name)
+        for t in (x if isinstance(x, (list, tuple)) else (x,)):
+            if isinstance(t, StoreTensor):
+                t._source.edited()
 
 
 def _is_scalar(x: Any) -> bool:
@@ -545,3 +574,18 @@ def _foreach(func, args, kwargs):
     if not results:
         return None
     return [results[i] for i in range(n)]
+
+
+def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
+    """Whether ``t`` (a ``param.grad``) is ``b``'s stored gradient as its producer leaves it
+    there: a `StoreTensor` over it, or, resting in host memory in the parameter's dtype, that
+    tensor itself (or a view of all of it). Anything else was put there by someone else."""
+    if isinstance(t, StoreTensor):
+        src = t._source
+        return isinstance(src, GradSource) and src.binding is b
+    h = b.grad_handle
+    if h is None:
+        return False
+    host = b.store.host_tensor(h)
+    return (host is not None and t.device.type == "cpu" and t.data_ptr() == host.data_ptr()
+            and t.dtype == host.dtype and t.numel() == host.numel())

@@ -443,3 +443,47 @@ def test_clip_grad_norm_sees_only_the_adapters_after_offload_then_wrap():
         return out
 
     assert norms(True) == norms(False)
+
+
+def _two_adapters(store, tmp_path):
+    """Adapters "one" and "two" on the base (offloaded first unless ``store`` is None), both
+    trainable; each step uses one of them (set_adapter), so the other gets no gradient."""
+    model = _base()
+    if store is not None:
+        hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    torch.manual_seed(5)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          lora_dropout=0.0, init_lora_weights=False)
+    model = peft.get_peft_model(model, cfg, adapter_name="one")
+    model.add_adapter("two", cfg)
+    return model
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_switching_adapters_with_model_zero_grad_steps_only_the_active_one(store, tmp_path):
+    # model.zero_grad() (as transformers.Trainer clears) between steps: the adapter not used
+    # in a step keeps its values, as plain PEFT with torch's AdamW does; before, HostOptimizer
+    # stepped it again with the gradient of the step it was last used in.
+    def train(model, opt):
+        g = torch.Generator().manual_seed(1)
+        for s in range(4):
+            model.set_adapter("one" if s % 2 == 0 else "two")
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.requires_grad_(True)  # both adapters trainable, one used per step
+            ids = torch.randint(0, 96, (2, 8), generator=g)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            model.zero_grad()
+        return _values(model)
+
+    ref = _two_adapters(None, tmp_path)
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))
+    model = _two_adapters(store, tmp_path)
+    got = train(model, hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                        fused=False))
+    _assert_same(got, want)
+    fresh = _values(_two_adapters(None, tmp_path))
+    for name in ("one", "two"):  # each adapter was trained in its steps
+        k = next(k for k in want if f".lora_A.{name}." in k)
+        assert not torch.equal(want[k], fresh[k]), k

@@ -228,7 +228,7 @@ def test_disk_parameters_placeholders_and_reopen(tmp_path):
     again.close()
 
 
-def test_meta_model_is_initialized_module_by_module(tmp_path):
+def test_meta_model_is_initialized_module_by_module(store, monkeypatch):
     def make():
         return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)], nn.BatchNorm1d(8))
 
@@ -237,12 +237,66 @@ def test_meta_model_is_initialized_module_by_module(tmp_path):
     torch.manual_seed(0)
     with torch.device("meta"):
         lazy = make()
-    _offload(lazy, DiskStore(tmp_path / "s"))
+    _offload(lazy, store)
+    st = state_of(lazy).store
+    writes = []
+    real = type(st).write
+    monkeypatch.setattr(type(st), "write", lambda self, h, v: (writes.append(h.key),
+                                                              real(self, h, v))[1])
     sd = lazy.state_dict()
+    # in host memory the initializer fills the store's own tensors: nothing is copied in
+    assert len(writes) == (0 if store == "cpu" else 8)
     for k, v in eager.state_dict().items():
         assert torch.equal(sd[k], v), k
     x = torch.randn(4, 8)
     assert torch.equal(lazy(x), eager(x))
+
+
+class _HalfInit(nn.Module):
+    """Its reset_parameters() sets ``a`` only: ``b`` keeps no value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(4, 8))
+        self.b = nn.Parameter(torch.empty(4, 8))
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.a)
+
+    def forward(self, x):
+        return x @ self.a.T + x @ self.b.T
+
+
+def test_meta_parameter_its_initializer_leaves_unset_is_refused(store, tmp_path):
+    with torch.device("meta"):
+        lazy = nn.Sequential(nn.Linear(8, 8), _HalfInit())
+    _offload(lazy, store)
+    with pytest.raises(RuntimeError, match=r"1\.b were created on the meta device and"
+                                           " _HalfInit's initialization did not set them"):
+        lazy(torch.randn(2, 8))
+    assert not binding(lazy[1].b).has_value  # nothing made up, in the store's memory or not
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(8, 8), _HalfInit())
+    nn.init.normal_(src[1].a)
+    nn.init.normal_(src[1].b)
+    from safetensors.torch import save_file
+
+    save_file(src.state_dict(), tmp_path / "w.safetensors")
+    hr.load_weights(lazy, tmp_path / "w.safetensors")
+    x = torch.randn(2, 8)
+    assert torch.equal(lazy(x), src(x))
+
+
+def test_unset_check_sees_a_nan_and_only_a_nan():
+    from headroom.residency._meta import _still_unset
+
+    t = torch.zeros(1000)
+    assert not _still_unset(t)
+    t[[3, 7]] = torch.tensor([float("inf"), float("-inf")])  # sums to NaN, holds none
+    assert not _still_unset(t)
+    t[500] = float("nan")
+    assert _still_unset(t) and _still_unset(t.to(torch.bfloat16))
+    assert not _still_unset(torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -7,8 +7,11 @@ mark), or, for whatever is still pending when a value is first needed (the first
 ``state_dict()``, `headroom.save`, `headroom.unoffload`), from the model's own initialization,
 module by module in registration order: the module's ``reset_parameters()``, or a Hugging Face
 model's ``_init_weights(module)``. So a model built on ``meta`` and loaded from a checkpoint is
-never initialized at random first, and one that is not loaded is initialized as it would have
-been when built on the CPU (the same values when nothing else drew random numbers in between).
+never initialized at random first, and one that is not loaded is initialized as the model
+initializes itself: for modules whose constructor calls ``reset_parameters()`` the values a CPU
+build gets (when nothing else drew random numbers in between); a Hugging Face model built on the
+CPU draws twice (each layer's constructor, then ``_init_weights``), so its values differ from
+the meta-built one's, from the same distributions.
 
 Buffers created on ``meta`` (e.g. a rotary embedding's ``inv_freq``) are filled the same way, on
 the compute device.
@@ -121,10 +124,20 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
     """Run ``init`` on temporary host tensors in place of ``module``'s own parameters; store
     the pending ones; keep the buffers it filled, on the compute device."""
     own = list(_own_slots(state, module))
+    pending = {id(s) for _, s in slots}
     temps = {}
+    in_place = set()  # pending values initialized in the store's own host memory
     for attr, s in own:
-        temps[attr] = nn.Parameter(_unset(s.binding.handle.shape, s.binding.handle.dtype),
-                                   requires_grad=s.param.requires_grad)
+        h = s.binding.handle
+        host = state.store.host_tensor(h) if id(s) in pending else None
+        if host is not None:
+            # No temporary and no copy into the store: the store's memory is the tensor the
+            # initializer fills (nothing reads it before has_value is set).
+            t = _unset_into(host)
+            in_place.add(attr)
+        else:
+            t = _unset(h.shape, h.dtype)
+        temps[attr] = nn.Parameter(t, requires_grad=s.param.requires_grad)
     for name, b in buffers:
         module._buffers[name] = _unset(b.shape, b.dtype)
     try:
@@ -149,7 +162,8 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
         )
     for attr, s in slots:
         h = s.binding.handle
-        state.store.write(h, temps[attr].detach().to(h.dtype).contiguous()).result()
+        if attr not in in_place:
+            state.store.write(h, temps[attr].detach().to(h.dtype).contiguous()).result()
         s.binding.has_value = True
     for name, _ in buffers:
         module._buffers[name] = module._buffers[name].to(state.device)
@@ -161,5 +175,14 @@ def _unset(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype)
 
 
+def _unset_into(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else 0)
+
+
 def _still_unset(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t.detach()).any())
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    t = t.detach()
+    # A NaN anywhere makes the sum NaN: one read, no mask. A NaN sum without one (inf - inf)
+    # falls back to the element-wise check.
+    return bool(torch.isnan(t.sum())) and bool(torch.isnan(t).any())

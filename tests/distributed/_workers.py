@@ -69,8 +69,10 @@ def make_opt(params, host: bool, sgd: bool = False):
 
 def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: bool = False,
               micro: int = 1, tmp: str = "", final: bool = False, spare: bool = False,
-              announce: bool = False, sgd: bool = False, accumulation: str = "store") -> dict:
-    """Train the multi-task model with offloaded heads under hr.data_parallel."""
+              announce: bool = False, sgd: bool = False, accumulation: str = "store",
+              zero: str = "opt") -> dict:
+    """Train the multi-task model with offloaded heads under hr.data_parallel; ``zero``:
+    clear gradients with the optimizer's zero_grad() or the model's (as Trainer does)."""
     from headroom.residency._schedule import Offload
 
     held = [0]  # gradients summed where they were computed (grad_accumulation="device")
@@ -105,7 +107,7 @@ def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: boo
                     (F.cross_entropy(dp(x, task), y) / micro).backward()
         sent.append(dp.reducer.last_step_bytes)
         opt.step()
-        opt.zero_grad()
+        (model if zero == "model" else opt).zero_grad()
         if spare:
             assert all(h.spare.grad is None for h in model.heads), "a gradient no rank made"
     out = {k: v.clone() for k, v in model.state_dict().items()}

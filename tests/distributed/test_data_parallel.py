@@ -23,6 +23,11 @@ CASES = {
     "disk": dict(fn="multitask", kw=dict(case="different", host=True, store="disk")),
     "disk_summed_on_device": dict(fn="multitask", kw=dict(
         case="different", host=True, store="disk", micro=3, accumulation="device", final=True)),
+    # Trainer's model.zero_grad(): a head this step did not use has no gradient, not the
+    # stale one of the step it was last used in
+    "disk_model_zero_grad": dict(fn="multitask", kw=dict(
+        case="different", host=True, store="disk", micro=2, accumulation="device",
+        zero="model")),
     "transformer": dict(fn="transformer", kw=dict()),
     "transformer_disk": dict(fn="transformer", kw=dict(store="disk")),
     "transformer_disk_summed": dict(fn="transformer", kw=dict(store="disk", micro=2,
@@ -100,7 +105,8 @@ def _used_heads(case: str, world: int) -> set[int]:
 
 
 @pytest.mark.parametrize("case", ["different", "same", "spare", "accumulate", "host_opt",
-                                  "host_opt_final", "disk", "disk_summed_on_device", "sgd"])
+                                  "host_opt_final", "disk", "disk_summed_on_device",
+                                  "disk_model_zero_grad", "sgd"])
 def test_two_ranks_equal_the_averaged_reference_bitwise(world2, case):
     kw = CASES[case]["kw"]
     ref = _reference(2, kw["case"], micro=kw.get("micro", 1), host=kw.get("host", False),

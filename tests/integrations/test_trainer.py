@@ -208,3 +208,30 @@ def test_trainer_torch_compile_matches_compiled_plain_to_rounding(tmp_path):
     torch.testing.assert_close(torch.tensor(logs), torch.tensor(ref_logs), rtol=1e-5, atol=1e-6)
     for k, v in ref_state.items():
         torch.testing.assert_close(st[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_trainer_enabling_checkpointing_after_offload_is_exact(reentrant, tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): Trainer switches checkpointing on in the
+    already offloaded model (each block recomputed in backward, its parameters fetched again);
+    the same logs and state as the run without headroom."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.integrations._models import llama
+
+    # transformers 5 renamed the switch (the old name still works, with a warning)
+    name = ("activation_checkpointing" if "activation_checkpointing" in
+            TrainingArguments.__dataclass_fields__ else "gradient_checkpointing")
+    ckpt = {name: True, f"{name}_kwargs": {"use_reentrant": reentrant}}
+
+    def run(store, headroom, tmp):
+        model = offload(llama(), store, tmp)
+        args = TrainingArguments(
+            output_dir=str(tmp / "out"), max_steps=3, per_device_train_batch_size=4,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+            disable_tqdm=True, **ckpt)
+        trainer = Trainer(model=model, args=args, train_dataset=LMData(),
+                          optimizers=(optimizer(model, headroom), None))
+        return train_logged(trainer, model)
+
+    assert_runs_equal(run, False, tmp_path)

@@ -99,3 +99,65 @@ def test_grad_scaler_reads_the_fp32_gradients_of_bf16_parameters():
     assert scaler.get_scale() == 2.0
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.equal(p.detach(), b)
+
+
+def _scaled_run(model, opt, *, clip: bool = False):
+    """fp16 autocast with a GradScaler; step 3 has an inf (skipped, the scale halved)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    g = torch.Generator().manual_seed(0)
+    scales = []
+    for i in range(6):
+        x = torch.randn(4, 8, generator=g)
+        if i == 3:
+            x[0, 0] = float("inf")
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("store", [None, "cpu", "disk"])
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_with_fp16_autocast_is_bitwise_torchs_fused_adamw(store, clip, tmp_path):
+    """The AMP recipe (fp32 weights, fp16 autocast, torch.amp.GradScaler, its unscale_ before
+    clipping or not): bitwise torch's fused AdamW with the same scaler, the inf step skipped."""
+    ref = _model(torch.float32)
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    want_scale = _scaled_run(ref, plain, clip=clip)
+    model = _model(torch.float32)
+    if store is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hr.offload(model, device="cpu",
+                       store=DiskStore(tmp_path / "s") if store == "disk" else "cpu")
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    assert _scaled_run(model, opt, clip=clip) == want_scale
+    assert want_scale[3] == want_scale[2] / 2  # the inf step was skipped
+    for (n, p), w in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.detach(), w.detach()), n
+
+
+def test_grad_scaler_after_final_backward_is_refused(tmp_path):
+    """The steps final_backward started used the scaled gradients; unscaling them afterwards
+    makes step() raise, the step undone (a DiskStore takes part)."""
+    model = _model(torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hr.offload(model, device="cpu", store=DiskStore(tmp_path / "s"))
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=64)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with opt.final_backward():
+        scaler.scale(model(_batches(torch.float32, 1)[0]).square().sum()).backward()
+    assert any(e.launched for e in opt._order)
+    with pytest.raises(RuntimeError, match="after their step had started inside"):
+        scaler.step(opt)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)

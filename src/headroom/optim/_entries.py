@@ -102,19 +102,20 @@ class Entry:
 
     def grad_mark(self) -> tuple:
         """What tells a later change of ``param.grad``: the tensor there, its version counter
-        (in-place ops on it) and its binding's edit count (in-place ops through a
-        `StoreTensor`, foreach ops included, which leave a wrapper's version as it was)."""
+        (in-place ops on a plain tensor) and its binding's edit count (in-place ops through a
+        `StoreTensor`, foreach ops included). In-place ops on a DTensor (an FSDP2 shard's
+        gradient) bump neither: only its replacement shows."""
         g = self.param.grad
         b = None if self.kind == ALIAS else self.binding
         return (g, None if g is None else g._version, 0 if b is None else b.grad_edits)
 
     def grad_changed(self) -> bool:
         """Whether ``param.grad`` changed since `seen` was taken (assigned, set to ``None``,
-        or changed in place)."""
+        or changed in place where `grad_mark` can tell)."""
         if self.seen is None:
             return False
-        g, version, edits = self.grad_mark()
-        return g is not self.seen[0] or version != self.seen[1] or edits != self.seen[2]
+        now = self.grad_mark()
+        return now[0] is not self.seen[0] or now[1:] != self.seen[1:]
 
     def has_grad(self) -> bool:
         if self.kind == ALIAS or self.sharded:

@@ -162,7 +162,7 @@ class Overlap:
             return  # no worker: step() steps these
         for x in bucket.entries:
             x.launched = True
-            x.seen = None if x.sharded else x.grad_mark()  # step() checks it is unchanged
+            x.seen = x.grad_mark()  # step() checks it is unchanged
         with self._lock:
             # The hyperparameters are taken now, on this thread, and the worker steps
             # with exactly these: a change made before the worker gets to run is then still

@@ -287,6 +287,30 @@ def test_meta_parameter_its_initializer_leaves_unset_is_refused(store, tmp_path)
     assert torch.equal(lazy(x), src(x))
 
 
+class _Rebinds(nn.Linear):
+    """Its initializer rebinds .data to a tensor made elsewhere, as some Hugging Face
+    _init_weights do (an fp32 truncated normal, cast back)."""
+
+    def reset_parameters(self) -> None:
+        self.weight.data = nn.init.trunc_normal_(
+            self.weight.data.to(torch.float64), std=0.02).to(self.weight.dtype)
+        self.bias.data = torch.full_like(self.bias.data, 0.5)
+
+
+def test_meta_initializer_that_rebinds_data_is_stored(store):
+    torch.manual_seed(0)
+    eager = nn.Sequential(_Rebinds(8, 8), nn.Linear(8, 2))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = nn.Sequential(_Rebinds(8, 8), nn.Linear(8, 2))
+    _offload(lazy, store)
+    sd = lazy.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    x = torch.randn(3, 8)
+    assert torch.equal(lazy(x), eager(x))
+
+
 def test_unset_check_sees_a_nan_and_only_a_nan():
     from headroom.residency._meta import _still_unset
 

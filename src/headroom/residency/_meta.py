@@ -121,12 +121,13 @@ def _own_slots(state: Offload, module: nn.Module):
 
 
 def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots, buffers) -> None:
-    """Run ``init`` on temporary host tensors in place of ``module``'s own parameters; store
-    the pending ones; keep the buffers it filled, on the compute device."""
+    """Run ``init`` on host tensors in place of ``module``'s own parameters (a pending one's in
+    the store's own memory where the store has it, else a temporary); store the pending ones;
+    keep the buffers it filled, on the compute device."""
     own = list(_own_slots(state, module))
     pending = {id(s) for _, s in slots}
     temps = {}
-    in_place = set()  # pending values initialized in the store's own host memory
+    in_place = {}  # pending values initialized in the store's own host memory: attr -> it
     for attr, s in own:
         h = s.binding.handle
         host = state.store.host_tensor(h) if id(s) in pending else None
@@ -134,7 +135,7 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
             # No temporary and no copy into the store: the store's memory is the tensor the
             # initializer fills (nothing reads it before has_value is set).
             t = _unset_into(host)
-            in_place.add(attr)
+            in_place[attr] = host
         else:
             t = _unset(h.shape, h.dtype)
         temps[attr] = nn.Parameter(t, requires_grad=s.param.requires_grad)
@@ -162,8 +163,10 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
         )
     for attr, s in slots:
         h = s.binding.handle
-        if attr not in in_place:
-            state.store.write(h, temps[attr].detach().to(h.dtype).contiguous()).result()
+        t = temps[attr].detach()
+        # An initializer may rebind .data (e.g. to a tensor made in fp32): then written in.
+        if attr not in in_place or t.data_ptr() != in_place[attr].data_ptr():
+            state.store.write(h, t.to(h.dtype).contiguous()).result()
         s.binding.has_value = True
     for name, _ in buffers:
         module._buffers[name] = module._buffers[name].to(state.device)

@@ -26,6 +26,16 @@ def _model(dtype: torch.dtype) -> nn.Module:
                          nn.Linear(8, 2)).to(dtype)
 
 
+def _placed(model: nn.Module, store: str | None, tmp_path) -> nn.Module:
+    """``model`` as is (None), offloaded to host memory ("cpu") or to a DiskStore ("disk")."""
+    if store is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # device="cpu" with a host store saves nothing
+            hr.offload(model, device="cpu",
+                       store=DiskStore(tmp_path / "s") if store == "disk" else "cpu")
+    return model
+
+
 def _batches(dtype, n):
     g = torch.Generator().manual_seed(0)
     return [torch.randn(4, 8, generator=g).to(dtype) for _ in range(n)]
@@ -60,12 +70,7 @@ def _reference(dtype, batches, accum, norm_type):
 def test_clip_over_fp32_master_gradients_is_exact(dtype, store, accum, norm_type, tmp_path):
     batches = _batches(dtype, 3 * accum)
     want_norms, want = _reference(dtype, batches, accum, norm_type)
-    model = _model(dtype)
-    if store is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hr.offload(model, device="cpu",
-                       store=DiskStore(tmp_path / "s") if store == "disk" else "cpu")
+    model = _placed(_model(dtype), store, tmp_path)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     norms = []
     for i, x in enumerate(batches):
@@ -131,12 +136,7 @@ def test_grad_scaler_with_fp16_autocast_is_bitwise_torchs_fused_adamw(store, cli
     ref = _model(torch.float32)
     plain = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     want_scale = _scaled_run(ref, plain, clip=clip)
-    model = _model(torch.float32)
-    if store is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hr.offload(model, device="cpu",
-                       store=DiskStore(tmp_path / "s") if store == "disk" else "cpu")
+    model = _placed(_model(torch.float32), store, tmp_path)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     assert _scaled_run(model, opt, clip=clip) == want_scale
     assert want_scale[3] == want_scale[2] / 2  # the inf step was skipped
@@ -147,10 +147,7 @@ def test_grad_scaler_with_fp16_autocast_is_bitwise_torchs_fused_adamw(store, cli
 def test_grad_scaler_after_final_backward_is_refused(tmp_path):
     """The steps final_backward started used the scaled gradients; unscaling them afterwards
     makes step() raise, the step undone (a DiskStore takes part)."""
-    model = _model(torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hr.offload(model, device="cpu", store=DiskStore(tmp_path / "s"))
+    model = _placed(_model(torch.float32), "disk", tmp_path)
     opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=64)
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -539,9 +539,9 @@ class HostOptimizer(torch.optim.Optimizer):
                 f"param.grad of {len(changed)} parameter(s) was changed (assigned, set to None"
                 " or changed in place, e.g. by torch.nn.utils.clip_grad_norm_) after their"
                 " step had started inside HostOptimizer.final_backward(): their gradients were"
-                " complete then, and that step used them. Change gradients only without"
-                " final_backward() (run the last backward outside it), or clip with"
-                " opt.clip_grad_norm_(), which keeps the step until every gradient is known"
+                " complete then, and that step used them. To clip, unscale or change gradients,"
+                " run the last backward outside final_backward(): the step then waits in"
+                " step() until every gradient is final"
             )
 
     def _wait(self) -> None:

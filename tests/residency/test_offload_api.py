@@ -311,6 +311,40 @@ def test_meta_initializer_that_rebinds_data_is_stored(store):
     assert torch.equal(lazy(x), eager(x))
 
 
+class _FailsOnce(nn.Linear):
+    """Its initializer draws the weight, then fails (once): half of the module initialized."""
+
+    failing: type[BaseException] | None = None
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if _FailsOnce.failing is not None:
+            exc, _FailsOnce.failing = _FailsOnce.failing, None
+            raise exc("initializer interrupted (injected)")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_meta_initializer_interrupted_halfway_is_retried_exactly(store, exc):
+    # In a host store the initializer writes the store's own memory: an exception or Ctrl-C
+    # halfway leaves values there that count as none (has_value stays False); the next use
+    # initializes again, with the values a CPU build draws.
+    with torch.device("meta"):
+        lazy = nn.Sequential(_FailsOnce(8, 8))
+    _offload(lazy, store)
+    _FailsOnce.failing = exc
+    with pytest.raises(exc, match="injected"):
+        lazy.state_dict()
+    assert not binding(lazy[0].weight).has_value and not binding(lazy[0].bias).has_value
+    torch.manual_seed(3)
+    sd = lazy.state_dict()
+    torch.manual_seed(3)
+    eager = _FailsOnce(8, 8)
+    for k, v in eager.state_dict().items():
+        assert torch.equal(sd[f"0.{k}"], v), k
+    x = torch.randn(2, 8)
+    assert torch.equal(lazy(x), eager(x))
+
+
 def test_unset_check_sees_a_nan_and_only_a_nan():
     from headroom.residency._meta import _still_unset
 

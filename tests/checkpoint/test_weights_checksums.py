@@ -11,7 +11,6 @@ import random
 import shutil
 import signal
 import struct
-import types
 import warnings
 from pathlib import Path
 
@@ -70,16 +69,24 @@ def _offload(m: nn.Module, store) -> nn.Module:
 
 
 # ----------------------------------------------------------------- what the files hold
-def test_record_is_the_crc32c_of_the_bytes_in_the_file_and_other_readers_ignore_it(tmp_path):
-    """Streamed from a DiskStore and cast to bf16 on the way: each shard records, for its own
-    tensors, the dtype and shape of its header and the CRC32C of the bytes in the file;
-    `safetensors.torch.load_file` reads the shards unchanged."""
+@pytest.mark.parametrize("store, dtype", [("none", torch.float32), ("cpu", torch.float32),
+                                          ("disk", torch.float32), ("disk", torch.bfloat16)],
+                         ids=["module", "host", "disk", "disk-bf16"])
+def test_record_is_the_crc32c_of_the_bytes_in_the_file_and_other_readers_ignore_it(
+        tmp_path, store, dtype):
+    """The model's own memory, a host store's, or streamed from a DiskStore (and cast to bf16
+    on the way): each shard records, for its own tensors, the dtype and shape of its header and
+    the CRC32C of the bytes in the file; `safetensors.torch.load_file` reads the shards
+    unchanged."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    m = _offload(child.model(0), DiskStore(tmp_path / "s"))
-    files = hr.save_weights(m, tmp_path / "w", max_shard_size=300, dtype=torch.bfloat16)
-    assert len(files) == 4 and files[-1].name == INDEX  # three shards, two tensors each
+    m = child.model(0)
+    if store != "none":
+        _offload(m, "cpu" if store == "cpu" else DiskStore(tmp_path / "s"))
+    size = 3 * 64 * dtype.itemsize  # two tensors per shard
+    files = hr.save_weights(m, tmp_path / "w", max_shard_size=size - 1, dtype=dtype)
+    assert len(files) == 4 and files[-1].name == INDEX
     seen = set()
     for f in files[:-1]:
         n, header = _header(f)
@@ -95,7 +102,7 @@ def test_record_is_the_crc32c_of_the_bytes_in_the_file_and_other_readers_ignore_
         with safe_open(str(f), "pt") as sf:
             assert sf.metadata() == meta
         for name, v in load_file(str(f)).items():
-            assert torch.equal(v, child.model(0).state_dict()[name].to(torch.bfloat16)), name
+            assert torch.equal(v, child.model(0).state_dict()[name].to(dtype)), name
         seen |= header.keys()
     assert seen == set(child.model(0).state_dict())
 
@@ -291,28 +298,28 @@ def test_random_single_bit_flips_are_refused_or_load_the_saved_values(tmp_path):
 @pytest.mark.parametrize("where", ["data", "seal"])
 def test_an_exception_while_saving_leaves_the_previous_checkpoint(tmp_path, where,
                                                                   monkeypatch):
-    """An exception while the data is checksummed, or while the header is rewritten with the
-    checksums: the previous checkpoint stays, verified, and no temporary file is left."""
+    """An exception while the data is written (a store read failing at the 4th tensor), or
+    while the header is rewritten with the checksums: the previous checkpoint stays, verified,
+    and no temporary file is left."""
     folder = tmp_path / "w"
     hr.save_weights(child.model(0), folder)
     calls = 0
+    chunks = _weights._chunks
 
-    def failing_crc(data, value=0):
+    def failing_chunks(t, to):
         nonlocal calls
         calls += 1
         if calls == 4:
             raise OSError("injected")
-        return crc32c.crc32c(data, value)
+        return chunks(t, to)
 
-    def failing_seal():
+    def failing_header(self):
         raise OSError("injected")
 
-    write = _weights._write_file
     if where == "data":
-        monkeypatch.setattr(_weights, "crc32c", types.SimpleNamespace(crc32c=failing_crc))
+        monkeypatch.setattr(_weights, "_chunks", failing_chunks)
     else:
-        monkeypatch.setattr(_weights, "_write_file",
-                            lambda path, parts, seal=None: write(path, parts, failing_seal))
+        monkeypatch.setattr(_weights._Seal, "header", failing_header)
     with pytest.raises(OSError, match="injected"):
         hr.save_weights(child.model(1), folder)
     monkeypatch.undo()

@@ -18,13 +18,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import crc32c
 import torch
 from torch import nn
 
 from headroom.checkpoint._file import (
     CheckpointCorruptError,
+    Checksums,
     available_memory,
+    byte_view,
     remove_stale_temps,
     temp_path,
 )
@@ -685,24 +686,45 @@ def _remove_dead_temps(out: Path) -> None:
         remove_stale_temps(str(out / target))
 
 
-def _write_file(path: Path, parts, seal: Callable[[], bytes] | None = None) -> None:
+@dataclass
+class _Seal:
+    """A file's header, rewritten once the checksums of the bytes written are known."""
+
+    sums: Checksums
+    build: Callable[[dict[str, int]], bytes]
+    length: int
+
+    def header(self) -> bytes:
+        final = self.build(self.sums.finish())
+        if len(final) != self.length:  # pragma: no cover - fixed-width digits
+            raise AssertionError("safetensors header changed length when sealed")
+        return final
+
+
+def _write_file(path: Path, parts, seal: _Seal | None = None) -> None:
     """Write ``parts`` (byte buffers) to a temporary file, sync it and rename it to ``path``.
 
-    ``seal``: called once all parts are written; what it returns replaces as many bytes from
-    byte 8 on (a safetensors header whose checksums are known only now).
+    ``seal``: once the parts are written, its header replaces as many bytes from byte 8 on.
     """
     with temp_path(str(path)) as tmp:
         try:
             with open(tmp, "wb") as f:
                 for part in parts:
                     f.write(part)
-                if seal is not None:
-                    f.seek(8)
-                    f.write(seal())
                 f.flush()
+                if seal is not None:
+                    # The data goes to the disk while the last checksums are computed; the
+                    # header rewritten then costs one more sync of a page.
+                    seal.sums.start()
+                    os.fsync(f.fileno())
+                    f.seek(8)
+                    f.write(seal.header())
+                    f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
+            if seal is not None:
+                seal.sums.close()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
@@ -710,11 +732,9 @@ def _write_file(path: Path, parts, seal: Callable[[], bytes] | None = None) -> N
 
 @torch.no_grad()
 def _write_shard(path: Path, shard: list) -> None:
-    sums = [0] * len(shard)
-
-    def header() -> bytes:
-        record = {name: [_CODES[to], list(tgt.tensor.shape), f"{c:08x}"]
-                  for (name, tgt, to, _), c in zip(shard, sums, strict=True)}
+    def header(sums: dict[str, int]) -> bytes:
+        record = {name: [_CODES[to], list(tgt.tensor.shape), f"{sums.get(name, 0):08x}"]
+                  for name, tgt, to, _ in shard}
         # "format": "pt" is what from_pretrained looks for; the record is one string value,
         # as safetensors metadata must be.
         head: dict = {"__metadata__": {"format": "pt", _RECORD: json.dumps(
@@ -729,30 +749,25 @@ def _write_shard(path: Path, shard: list) -> None:
 
     # NOTE: the checksums are of the bytes written, known once they are: the header goes out
     # with zeros in their place and is rewritten, the same length (8 hex digits each), before
-    # the file is synced and renamed. One pass over the store, as without them.
-    blob = header()
+    # the file is synced and renamed. One pass over the store, as without them; the CRCs run
+    # on a helper thread while the main one writes (see `Checksums`).
+    blob = header({})
+    seal = _Seal(Checksums(True), header, len(blob))
 
     def parts():
         yield len(blob).to_bytes(8, "little")
         yield blob
-        for i, (_, tgt, to, _) in enumerate(shard):
-            for chunk in _chunks(tgt.tensor, to):
-                data = memoryview(chunk.reshape(-1).view(torch.uint8).numpy())
-                sums[i] = crc32c.crc32c(data, sums[i])
-                yield data
-
-    def seal() -> bytes:
-        final = header()
-        if len(final) != len(blob):  # pragma: no cover - fixed-width digits
-            raise AssertionError("safetensors header changed length when sealed")
-        return final
+        for name, tgt, to, _ in shard:
+            for chunk, temporary in _chunks(tgt.tensor, to):
+                seal.sums.add(name, chunk, temporary=temporary)
+                yield byte_view(chunk)
 
     _write_file(path, parts(), seal)
 
 
 def _chunks(t: torch.Tensor, to: torch.dtype):
     """``t``'s values in ``to``, a few megabytes of rows at a time, read from its store if it
-    rests in one."""
+    rests in one; each with whether it is a copy made for this (not memory of the model)."""
     b = binding(t)
     if b is not None:
         host = b.store.host_tensor(b.handle)
@@ -765,13 +780,16 @@ def _chunks(t: torch.Tensor, to: torch.dtype):
                 stop = min(a + per, h.shape[0])
                 if stop < h.shape[0]:  # the next slice is read while this one is written
                     nxt = b.store.read_rows(h, slice(stop, min(stop + per, h.shape[0])))
-                yield cur.result().to(to).contiguous()
+                yield cur.result().to(to).contiguous(), True
             return
         t = host if host is not None else b.store.read(h).result()
     t = t.detach()
+    base = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
     if not t.dim():
-        yield t.to("cpu", to).reshape(1)
+        out = t.to("cpu", to).reshape(1)
+        yield out, out.untyped_storage().data_ptr() != base
         return
     per = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
     for a in range(0, t.shape[0], per):
-        yield t[a:a + per].to("cpu", to).contiguous()
+        out = t[a:a + per].to("cpu", to).contiguous()
+        yield out, out.untyped_storage().data_ptr() != base

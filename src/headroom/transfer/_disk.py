@@ -972,7 +972,8 @@ class DiskStore(Store):
         """Flush, mark the folder closed cleanly, stop the I/O threads and unlock the folder.
         The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
         offloaded here, see `headroom.offload_activations`) is freed: a backward that still
-        needs activations stashed here raises instead."""
+        needs activations stashed here raises instead. Afterwards every method raises
+        `RuntimeError` (closed); a second ``close()`` does nothing."""
         if self._closed or os.getpid() != self._pid:
             return  # in a forked child: the parent's store, which stays open there
         try:

@@ -9,6 +9,7 @@ gradients arrive, so the device holds neither state nor more than the gradients 
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 import threading
 from collections import defaultdict
@@ -796,6 +797,9 @@ class HostOptimizer(torch.optim.Optimizer):
             try:
                 src.undo = self._undo_handles(e, src)
             except (StoreFullError, OSError) as ex:
+                if not isinstance(ex, StoreFullError) and ex.errno not in (
+                        errno.ENOSPC, errno.EDQUOT):
+                    raise  # not a full store: its own error names the cause
                 stores = ", ".join(repr(x) for x in {id(x): x for x in (
                     src.state_store, src.master_store, src.shadow and src.shadow[0])
                     if x is not None}.values())

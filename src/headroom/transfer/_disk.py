@@ -425,9 +425,16 @@ class DiskStore(Store):
             str(self.path), (key,))
 
     def _own(self) -> None:
-        """Raise at once in a forked child: the store's threads and folder are its parent's."""
+        """Raise at once in a forked child (the store's threads and folder are its parent's)
+        or once the store is closed."""
         if os.getpid() != self._pid:
             raise forked_error(repr(self), self._pid)
+        if self._closed:
+            raise RuntimeError(
+                f"{self!r} is closed (close() was called): nothing can be read or written"
+                " through it any more. Close a store after its last use (once the model and"
+                " optimizer that keep tensors in it are done); to go on, open the folder"
+                " again with DiskStore(path) and offload into it, or hr.load a checkpoint")
 
     # ------------------------------------------------------------------ I/O plumbing
     def _file(self, handle: Handle) -> str:
@@ -442,8 +449,6 @@ class DiskStore(Store):
         ``result`` when all are done and ``finish()`` has returned (or to the first error).
         """
         self._own()
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
         with self._lock:
             prev = self._pending.get(key)
 
@@ -856,9 +861,12 @@ class DiskStore(Store):
     def reserve_writes(self, count: int) -> None:
         # Two records per write (begin and done), each at most this long for a write of one
         # range of rows (more ranges: about 40 bytes each).
+        self._own()
         try:
             self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
         except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
             raise StoreFullError(
                 f"{self!r} is full: the disk under {self.path} has no room for the journal"
                 f" records of {count} writes ({e.strerror or e}); free space there or give"
@@ -964,7 +972,8 @@ class DiskStore(Store):
         """Flush, mark the folder closed cleanly, stop the I/O threads and unlock the folder.
         The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
         offloaded here, see `headroom.offload_activations`) is freed: a backward that still
-        needs activations stashed here raises instead."""
+        needs activations stashed here raises instead. Afterwards every method raises
+        `RuntimeError` (closed); a second ``close()`` does nothing."""
         if self._closed or os.getpid() != self._pid:
             return  # in a forked child: the parent's store, which stays open there
         try:

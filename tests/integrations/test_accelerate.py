@@ -119,7 +119,8 @@ def test_two_processes_with_data_parallel_recipe_is_exact(store, tmp_path):
     # --multi_gpu picks accelerate's torchrun launcher (its --cpu launcher of several processes
     # needs MPI); the script's Accelerator(cpu=True) then runs on gloo.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no",
            "--main_process_port", str(_free_port()), str(script), str(tmp_path), store]
     with open(tmp_path / "launch.log", "w") as log:  # no pipe to fill and block
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -5,6 +5,7 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -39,6 +40,50 @@ from headroom.transfer import (
 __all__ = ["describe", "offload", "prefetch", "unoffload"]
 
 _ATTR = "_headroom_offload"
+
+
+def _replica_wrapper(m: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper ``m`` is, or ``None``: ``DistributedDataParallel``,
+    ``DataParallel``, FSDP1's ``FullyShardedDataParallel`` or headroom's own."""
+    if getattr(type(m), "_headroom_data_parallel", False):
+        return "hr.data_parallel"
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(m, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(m, DataParallel):
+        return "torch.nn.DataParallel"
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp is not None and isinstance(m, fsdp.FullyShardedDataParallel):
+        return "FullyShardedDataParallel (FSDP1)"
+    return None
+
+
+def _check_not_replicated(model: nn.Module) -> None:
+    """Refuse a model that a data-parallel wrapper already holds (the wrapper itself, or one
+    inside it): the wrapper hooked the parameters before headroom moved them, so it would never
+    see a gradient and the replicas would silently drift apart."""
+    for name, m in model.named_modules():
+        kind = _replica_wrapper(m)
+        if kind is None:
+            continue
+        where = "the model" if m is model else f"its submodule {name!r}"
+        if kind == "hr.data_parallel":
+            raise RuntimeError(
+                f"hr.offload got {where}, which hr.data_parallel already wraps: offload first,"
+                " then wrap (hr.offload(model, ...); model = hr.data_parallel(model))")
+        fix = ("use FSDP2 instead (fully_shard each block and the root, then hr.offload:"
+               " docs/data_parallel.md)" if "FSDP1" in kind else
+               "unwrap it (model = wrapped.module), hr.offload(model, ...), then"
+               " model = hr.data_parallel(model), which runs DDP for the parameters on the device"
+               " and all-reduces the offloaded gradients itself. With accelerate: call hr.offload"
+               " and hr.data_parallel before accelerator.prepare, and pass prepare the optimizer"
+               " and data loaders only, not the model")
+        raise RuntimeError(
+            f"hr.offload got {where}, wrapped by {kind} (e.g. by accelerate's prepare): the"
+            " wrapper hooked the parameters before headroom moved them to a store, so no"
+            " offloaded gradient would reach it and the replicas would silently diverge. Offload"
+            f" before wrapping: {fix}")
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -122,6 +167,7 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
+    _check_not_replicated(model)
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
     if grad_accumulation not in ("store", "device"):

@@ -447,11 +447,13 @@ class Offload:
             return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
-            f" {type(module).__name__}): autograd runs on the device copies while DDP hooks"
-            " the stored parameters, so no gradient would be all-reduced and the replicas would"
-            " silently diverge. Use model = hr.data_parallel(model) instead of"
-            " DistributedDataParallel(model): it runs DDP for the parameters on the device and"
-            " all-reduces the offloaded ones itself"
+            f" {type(module).__name__}), whichever came first: autograd runs on the device"
+            " copies while DDP hooks the stored parameters, so no gradient would be all-reduced"
+            " and the replicas would silently diverge. Use model = hr.data_parallel(model)"
+            " instead of DistributedDataParallel(model), after hr.offload: it runs DDP for the"
+            " parameters on the device and all-reduces the offloaded ones itself (with"
+            " accelerate: before accelerator.prepare, which then gets the optimizer and data"
+            " loaders only)"
         )
 
     def _check_not_under_ddp(self, module: nn.Module) -> None:

@@ -686,7 +686,8 @@ class Offload:
         """Room for every gradient this backward can produce, before any of them lands."""
         # A store that is full fails here, at the start of backward with nothing written, rather
         # than half-way with some gradients stored and others not.
-        todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
+        todo = [s for s in self.slots if s.dev.requires_grad and s.param.requires_grad
+                and s.binding.grad_handle is None]
         store = self.store
         try:
             store.reserve([s.binding.handle.numel * (s.binding.grad_dtype or s.binding.handle.dtype
@@ -716,6 +717,14 @@ class Offload:
             return
         b = slot.binding
         p = slot.param
+        if not p.requires_grad:
+            # NOTE: autograd gives a leaf no gradient when its requires_grad is off at the
+            # moment the gradient arrives, even though it was on in forward (AccumulateGrad
+            # checks the flag then). The device copy is the leaf here and the master is what
+            # the user froze: drop the gradient as plain PyTorch does, and go on with the
+            # block's bookkeeping (its copies are released as usual).
+            self._grad_done(slot)
+            return
         store = self.store
         self.adopt_grad(slot)  # a gradient assigned since: accumulate onto it, as torch does
         if b.grad_handle is None:
@@ -752,6 +761,11 @@ class Offload:
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
+        self._grad_done(slot)
+
+    def _grad_done(self, slot: Slot) -> None:
+        """``slot``'s device copy has had its gradient of this backward: release its group
+        once all of them are in."""
         block = slot.group
         if id(block) in self._bwd_seen:
             block.grads_left -= 1

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
@@ -238,6 +239,10 @@ class Offload:
         self._unconfirmed: set[int] = set()
         self._lost: dict[int, str] = {}
         self._streams = stream_module(device) if is_accelerator(device) else None
+        # torch.autograd.grad over masters running (see headroom.residency._autograd), and
+        # the slots whose device copies have a hook that sees their gradients captured
+        self.captures_in_flight = 0
+        self._capture_hooked: set[int] = set()
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -512,9 +517,7 @@ class Offload:
         show(self.rest)
         # requires_grad_() on masters after hr.offload (freezing, PEFT) reaches the device
         # copies autograd differentiates; blocks do the same in their pre-forward.
-        for s in self.rest.slots:
-            if s.dev.requires_grad != s.param.requires_grad:
-                s.dev.requires_grad_(s.param.requires_grad)
+        _sync_requires_grad(self.rest)
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(self.rest)
@@ -562,9 +565,7 @@ class Offload:
                 fn(block)
         self.res.ensure(block)
         show(block)
-        for s in block.slots:
-            if s.dev.requires_grad != s.param.requires_grad:
-                s.dev.requires_grad_(s.param.requires_grad)
+        _sync_requires_grad(block)
         self._order_now.append(block)
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
@@ -762,6 +763,30 @@ class Offload:
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
         self._grad_done(slot)
+
+    def watch_captures(self, slot: Slot) -> None:
+        """Count ``slot``'s gradient as done when ``torch.autograd.grad`` captures it (its
+        device copy's AccumulateGrad, whose hook `_grad_hook` is, does not run then)."""
+        if id(slot) in self._capture_hooked:
+            return
+        dev = slot.dev
+        rg = dev.requires_grad
+        dev.requires_grad_(True)
+        self.handles.append(dev.register_hook(partial(self._captured, slot)))
+        dev.requires_grad_(rg)
+        self._capture_hooked.add(id(slot))
+
+    def _captured(self, slot: Slot, grad: torch.Tensor | None) -> None:
+        if not self.captures_in_flight or grad is None:
+            return
+        try:
+            runs = torch._C._will_engine_execute_node(get_gradient_edge(slot.dev).node)
+        except RuntimeError:
+            # NOTE: torch raises here for a leaf that torch.autograd.grad captures: its
+            # gradient is complete now, and no AccumulateGrad (no `_grad_hook`) follows.
+            runs = False
+        if not runs:
+            self._grad_done(slot)
 
     def _grad_done(self, slot: Slot) -> None:
         """``slot``'s device copy has had its gradient of this backward: release its group
@@ -992,6 +1017,16 @@ class Offload:
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
             else:
                 state_dict[key] = cur.detach()
+
+
+def _sync_requires_grad(group: Group) -> None:
+    """Give the group's device copies their masters' ``requires_grad``."""
+    # NOTE: masters catch torch.autograd.grad in __torch_function__ (_autograd), which every
+    # attribute read of theirs would otherwise go through, at each forward.
+    with torch._C.DisableTorchFunctionSubclass():
+        for s in group.slots:
+            if s.dev.requires_grad != s.param.requires_grad:
+                s.dev.requires_grad_(s.param.requires_grad)
 
 
 def _stored_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:

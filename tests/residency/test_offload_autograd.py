@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import state_of
+from tests.conftest import accelerator_type
 
 from ._models import CNN, VOCAB, Transformer, cnn_batch, lm_batch, lm_loss
 
@@ -181,3 +182,30 @@ def test_masters_get_their_class_back(store, tmp_path):
     hr.unoffload(model)
     for p in model.parameters():
         assert type(p) is nn.Parameter
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_grad_and_backward_inputs_on_an_accelerator(store, tmp_path):
+    """Device copies on the accelerator, masters on the host: torch.autograd.grad returns the
+    plain device model's gradients on the host; backward(inputs=...) stores only those."""
+    dev = accelerator_type()
+    torch.manual_seed(0)
+    ref = Transformer()
+    model = copy.deepcopy(ref)
+    hr.offload(model, device=dev, store="cpu" if store == "cpu" else hr.DiskStore(tmp_path / "w"))
+    ref.to(dev)
+    batch = [t.to(dev) for t in lm_batch(torch.Generator().manual_seed(1))]
+    want = torch.autograd.grad(_loss(ref, batch), list(ref.parameters()))
+    got = torch.autograd.grad(_loss(model, batch), list(model.parameters()))
+    for (n, p), g, w in zip(model.named_parameters(), got, want, strict=True):
+        assert g.device == p.device, n
+        torch.testing.assert_close(g, w.cpu(), msg=n)
+    names = ("layers.1.qkv.weight", "head.weight")
+    for m in (ref, model):
+        _loss(m, batch).backward(inputs=[m.get_parameter(n) for n in names])
+    got = _stored_grads(model)
+    assert set(got) == set(names)
+    for n in names:
+        torch.testing.assert_close(got[n], ref.get_parameter(n).grad.cpu(), msg=n)
+    assert not any(b.resident for b in state_of(model).blocks)

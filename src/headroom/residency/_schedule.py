@@ -687,8 +687,9 @@ class Offload:
         """Room for every gradient this backward can produce, before any of them lands."""
         # A store that is full fails here, at the start of backward with nothing written, rather
         # than half-way with some gradients stored and others not.
-        todo = [s for s in self.slots if s.dev.requires_grad and s.param.requires_grad
-                and s.binding.grad_handle is None]
+        with _masters_as_tensors():
+            todo = [s for s in self.slots if s.dev.requires_grad and s.param.requires_grad
+                    and s.binding.grad_handle is None]
         store = self.store
         try:
             store.reserve([s.binding.handle.numel * (s.binding.grad_dtype or s.binding.handle.dtype
@@ -705,7 +706,8 @@ class Offload:
 
     def grad_hook(self, dev: torch.Tensor) -> None:
         try:
-            self._grad_hook(dev)
+            with _masters_as_tensors():
+                self._grad_hook(dev)
         except BaseException:
             self._abort_own_backward()
             raise
@@ -1019,11 +1021,15 @@ class Offload:
                 state_dict[key] = cur.detach()
 
 
+# NOTE: masters catch torch.autograd.grad in __torch_function__ (see _autograd), which every
+# attribute read and op of theirs goes through; headroom's own reads at every forward, fetch
+# and gradient skip it.
+_masters_as_tensors = torch._C.DisableTorchFunctionSubclass
+
+
 def _sync_requires_grad(group: Group) -> None:
     """Give the group's device copies their masters' ``requires_grad``."""
-    # NOTE: masters catch torch.autograd.grad in __torch_function__ (_autograd), which every
-    # attribute read of theirs would otherwise go through, at each forward.
-    with torch._C.DisableTorchFunctionSubclass():
+    with _masters_as_tensors():
         for s in group.slots:
             if s.dev.requires_grad != s.param.requires_grad:
                 s.dev.requires_grad_(s.param.requires_grad)

@@ -243,6 +243,7 @@ class Offload:
         # the slots whose device copies have a hook that sees their gradients captured
         self.captures_in_flight = 0
         self._capture_hooked: set[int] = set()
+        self._capture_lock = threading.Lock()
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -769,14 +770,15 @@ class Offload:
     def watch_captures(self, slot: Slot) -> None:
         """Count ``slot``'s gradient as done when ``torch.autograd.grad`` captures it (its
         device copy's AccumulateGrad, whose hook `_grad_hook` is, does not run then)."""
-        if id(slot) in self._capture_hooked:
-            return
-        dev = slot.dev
-        rg = dev.requires_grad
-        dev.requires_grad_(True)
-        self.handles.append(dev.register_hook(partial(self._captured, slot)))
-        dev.requires_grad_(rg)
-        self._capture_hooked.add(id(slot))
+        with self._capture_lock:  # one hook per device copy, whichever thread asks first
+            if id(slot) in self._capture_hooked:
+                return
+            dev = slot.dev
+            rg = dev.requires_grad
+            dev.requires_grad_(True)
+            self.handles.append(dev.register_hook(partial(self._captured, slot)))
+            dev.requires_grad_(rg)
+            self._capture_hooked.add(id(slot))
 
     def _captured(self, slot: Slot, grad: torch.Tensor | None) -> None:
         if not self.captures_in_flight or grad is None:

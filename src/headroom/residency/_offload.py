@@ -20,6 +20,7 @@ from torch.optim.optimizer import (
 )
 
 from headroom.residency import _adopt, _dtensor, _guard
+from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
@@ -344,6 +345,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 StoreTensor(HandleSource(st, handle, prepare=state.init_pending),
                             tuple(p.shape), dtype=p.dtype),
                 requires_grad=p.requires_grad)
+        mark(master)  # torch.autograd.grad(loss, params) reaches the device copy
         b = bind(master, handle)
         b.has_value = not pending
         if pending:
@@ -387,6 +389,7 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
                 original.data = host.clone()  # its buffer goes back to the store's pool
         slot.show(original)
         unbind(slot.param)
+        unmark(slot.param)
         if created:
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
@@ -577,6 +580,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         st.free(b.handle)
         claimed_keys(st).discard(b.handle.key)
         unbind(s.param)
+        unmark(s.param)
         if isinstance(s.param, StoreTensor):
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)
         else:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
@@ -238,6 +239,11 @@ class Offload:
         self._unconfirmed: set[int] = set()
         self._lost: dict[int, str] = {}
         self._streams = stream_module(device) if is_accelerator(device) else None
+        # torch.autograd.grad over masters running (see headroom.residency._autograd), and
+        # the slots whose device copies have a hook that sees their gradients captured
+        self.captures_in_flight = 0
+        self._capture_hooked: set[int] = set()
+        self._capture_lock = threading.Lock()
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -514,9 +520,7 @@ class Offload:
         show(self.rest)
         # requires_grad_() on masters after hr.offload (freezing, PEFT) reaches the device
         # copies autograd differentiates; blocks do the same in their pre-forward.
-        for s in self.rest.slots:
-            if s.dev.requires_grad != s.param.requires_grad:
-                s.dev.requires_grad_(s.param.requires_grad)
+        _sync_requires_grad(self.rest)
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(self.rest)
@@ -564,9 +568,7 @@ class Offload:
                 fn(block)
         self.res.ensure(block)
         show(block)
-        for s in block.slots:
-            if s.dev.requires_grad != s.param.requires_grad:
-                s.dev.requires_grad_(s.param.requires_grad)
+        _sync_requires_grad(block)
         self._order_now.append(block)
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
@@ -688,7 +690,9 @@ class Offload:
         """Room for every gradient this backward can produce, before any of them lands."""
         # A store that is full fails here, at the start of backward with nothing written, rather
         # than half-way with some gradients stored and others not.
-        todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
+        with _masters_as_tensors():
+            todo = [s for s in self.slots if s.dev.requires_grad and s.param.requires_grad
+                    and s.binding.grad_handle is None]
         store = self.store
         try:
             store.reserve([s.binding.handle.numel * (s.binding.grad_dtype or s.binding.handle.dtype
@@ -705,7 +709,8 @@ class Offload:
 
     def grad_hook(self, dev: torch.Tensor) -> None:
         try:
-            self._grad_hook(dev)
+            with _masters_as_tensors():
+                self._grad_hook(dev)
         except BaseException:
             self._abort_own_backward()
             raise
@@ -718,6 +723,14 @@ class Offload:
             return
         b = slot.binding
         p = slot.param
+        if not p.requires_grad:
+            # NOTE: autograd gives a leaf no gradient when its requires_grad is off at the
+            # moment the gradient arrives, even though it was on in forward (AccumulateGrad
+            # checks the flag then). The device copy is the leaf here and the master is what
+            # the user froze: drop the gradient as plain PyTorch does, and go on with the
+            # block's bookkeeping (its copies are released as usual).
+            self._grad_done(slot)
+            return
         store = self.store
         self.adopt_grad(slot)  # a gradient assigned since: accumulate onto it, as torch does
         if b.grad_handle is None:
@@ -754,6 +767,36 @@ class Offload:
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
+        self._grad_done(slot)
+
+    def watch_captures(self, slot: Slot) -> None:
+        """Count ``slot``'s gradient as done when ``torch.autograd.grad`` captures it (its
+        device copy's AccumulateGrad, whose hook `_grad_hook` is, does not run then)."""
+        with self._capture_lock:  # one hook per device copy, whichever thread asks first
+            if id(slot) in self._capture_hooked:
+                return
+            dev = slot.dev
+            rg = dev.requires_grad
+            dev.requires_grad_(True)
+            self.handles.append(dev.register_hook(partial(self._captured, slot)))
+            dev.requires_grad_(rg)
+            self._capture_hooked.add(id(slot))
+
+    def _captured(self, slot: Slot, grad: torch.Tensor | None) -> None:
+        if not self.captures_in_flight or grad is None:
+            return
+        try:
+            runs = torch._C._will_engine_execute_node(get_gradient_edge(slot.dev).node)
+        except RuntimeError:
+            # NOTE: torch raises here for a leaf that torch.autograd.grad captures: its
+            # gradient is complete now, and no AccumulateGrad (no `_grad_hook`) follows.
+            runs = False
+        if not runs:
+            self._grad_done(slot)
+
+    def _grad_done(self, slot: Slot) -> None:
+        """``slot``'s device copy has had its gradient of this backward: release its group
+        once all of them are in."""
         block = slot.group
         if id(block) in self._bwd_seen:
             block.grads_left -= 1
@@ -980,6 +1023,20 @@ class Offload:
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
             else:
                 state_dict[key] = cur.detach()
+
+
+# NOTE: masters catch torch.autograd.grad in __torch_function__ (see _autograd), which every
+# attribute read and op of theirs goes through; headroom's own reads at every forward, fetch
+# and gradient skip it.
+_masters_as_tensors = torch._C.DisableTorchFunctionSubclass
+
+
+def _sync_requires_grad(group: Group) -> None:
+    """Give the group's device copies their masters' ``requires_grad``."""
+    with _masters_as_tensors():
+        for s in group.slots:
+            if s.dev.requires_grad != s.param.requires_grad:
+                s.dev.requires_grad_(s.param.requires_grad)
 
 
 def _stored_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:

@@ -219,6 +219,12 @@ class HostOptimizer(torch.optim.Optimizer):
     ) -> None:
         check_class(optimizer_class)
         kwargs = dict(optimizer_kwargs)
+        if kwargs.get("differentiable"):
+            raise ValueError(
+                f"{optimizer_class.__name__}(differentiable=True) records its step in autograd's"
+                " graph, to differentiate through it; HostOptimizer steps fp32 masters in host"
+                " memory outside autograd, so there would be no graph. Drop differentiable=True,"
+                " or use the torch optimizer itself for steps to differentiate through")
         # NOTE: the fused CPU kernel refuses sparse gradients, which torch's default
         # (for-loop) implementation steps: when it was chosen here, not asked for, sparse
         # gradients step in that implementation instead (`_inner_step`, `SliceRunner`).

@@ -15,6 +15,7 @@ every slice carries as its own copy.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -175,11 +176,20 @@ class SlicedParam:
     spare: dict[str, Handle] = field(default_factory=dict)
 
 
+# NOTE: the fused CPU kernels step a vector's worth of elements at a time and the last few
+# of a tensor one by one, which rounds differently (fused multiply-adds): every slice starts at
+# a multiple of this many elements (any vector width up to 64 lanes), so each element is
+# stepped as it is in the whole tensor.
+_ALIGN = 64
+
+
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
     row = 1
     for s in shape[1:]:
         row *= s
-    return max(1, slice_bytes // max(1, row * 4))
+    rows = max(1, slice_bytes // max(1, row * 4))
+    step = _ALIGN // math.gcd(row, _ALIGN) if row else 1
+    return max(step, rows // step * step)
 
 
 class SliceRunner:

@@ -786,7 +786,10 @@ class Offload:
         # contiguous values): that one is kept for the sum (`_keep_raw`).
         b = slot.binding
         p = slot.param
-        dtype = b.grad_dtype or p.dtype
+        # in the parameter's dtype, as autograd sums them (a consumer wanting fp32 sums of a
+        # bf16 parameter, `grad_dtype`, gets fp32 dense sums only: param.grad must keep p's
+        # dtype, and a sparse gradient is only that)
+        dtype = p.dtype
         raw = self._sparse_raw.pop(id(slot), None)
         if id(slot) not in self._sparse_hooked and g.is_sparse:
             slot.dev.register_hook(partial(self._keep_raw, id(slot)))
@@ -991,7 +994,7 @@ class Offload:
         self.flush_grads(slot)  # replaced whole: its held sum (if any) is read already
         self._wait_landed()
         if value.is_sparse:  # kept sparse, as torch keeps it (see `_sparse_grad`)
-            b.grad_sparse = value.to("cpu", b.grad_dtype or p.dtype)
+            b.grad_sparse = value.to("cpu", p.dtype)
             b.has_grad = True
             b.grad_rows = None
             p.grad = b.grad_sparse

@@ -177,11 +177,17 @@ class SlicedParam:
     spare: dict[str, Handle] = field(default_factory=dict)
 
 
+def _vector_lanes() -> int:
+    """fp32 lanes of the widest vector this CPU's kernels use (16 up to AVX-512; an SVE
+    capability names its width in bits)."""
+    bits = "".join(c for c in torch.backends.cpu.get_cpu_capability() if c.isdigit())
+    return max(16, int(bits) // 32) if len(bits) >= 3 else 16
+
+
 # NOTE: the fused CPU kernels step a vector's worth of elements at a time and the last few
 # of a tensor one by one, which rounds differently (fused multiply-adds): every slice starts at
-# a multiple of this many elements (any vector width up to 64 lanes), so each element is
-# stepped as it is in the whole tensor.
-_ALIGN = 64
+# a multiple of the vector width, so each element is stepped as it is in the whole tensor.
+_ALIGN = _vector_lanes()
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:

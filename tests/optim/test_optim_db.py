@@ -28,7 +28,7 @@ INFOS = {info.optim_cls.__name__: info for info in optim_db}
 
 def _cases(info) -> list[tuple[str, dict, str]]:
     """(description, kwargs, model kind) of each CPU case of ``info``."""
-    kinds = (["sparse"] if info.only_supports_sparse_grads else
+    kinds = (["sparse only"] if info.only_supports_sparse_grads else
              ["matrix"] if info.optim_cls is torch.optim.Muon else
              ["dense", "sparse"] if info.supports_sparse else ["dense"])
     out = []
@@ -41,17 +41,18 @@ def _cases(info) -> list[tuple[str, dict, str]]:
 
 
 class _Sparse(torch.nn.Module):
-    """An embedding with sparse gradients (rows repeated within and across backward passes)
-    and a dense layer after it."""
+    """An embedding with sparse gradients (rows repeated within and across backward passes),
+    and a dense layer after it unless ``sparse_only``."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse_only: bool) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(8, 3, sparse=True)
-        self.lin = torch.nn.Linear(3, 2)
+        self.lin = None if sparse_only else torch.nn.Linear(3, 2)
 
     def forward(self, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         e = self.emb(ids)
-        return (e * w).pow(2).sum() + self.lin(e).pow(2).sum()
+        out = (e * w).pow(2).sum()
+        return out if self.lin is None else out + self.lin(e).pow(2).sum()
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -59,14 +60,14 @@ def _model(kind: str) -> torch.nn.Module:
     if kind == "matrix":  # Muon steps 2-D parameters only
         return torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.Tanh(),
                                    torch.nn.Linear(4, 2, bias=False))
-    if kind == "sparse":
-        return _Sparse()
+    if kind.startswith("sparse"):
+        return _Sparse(sparse_only=kind == "sparse only")
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
 
 
 def _loss(model: torch.nn.Module, kind: str, step: int, micro: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + micro)
-    if kind == "sparse":
+    if kind.startswith("sparse"):
         return model(torch.randint(0, 8, (6,), generator=g), torch.randn(6, 3, generator=g))
     return model(torch.randn(5, 3, generator=g)).pow(2).sum()
 
@@ -81,7 +82,7 @@ def _train(model, opt, kind: str, closure: bool) -> None:
                 return loss
             opt.step(run)
         else:
-            for micro in range(ACCUM if kind == "sparse" else 1):
+            for micro in range(ACCUM if kind.startswith("sparse") else 1):
                 _loss(model, kind, step, micro).backward()
             opt.step()
         opt.zero_grad()
@@ -93,9 +94,9 @@ class _Split:
 
     def __init__(self, cls, model, kw):
         sparse = [model.emb.weight]
-        dense = list(model.lin.parameters())
-        self.opts = [cls(sparse, **copy.deepcopy(kw)),
-                     cls(dense, **copy.deepcopy({**kw, "fused": True}))]
+        dense = [] if model.lin is None else list(model.lin.parameters())
+        self.opts = [cls(sparse, **copy.deepcopy(kw))]
+        self.opts += [cls(dense, **copy.deepcopy({**kw, "fused": True}))] if dense else []
 
     def step(self):
         for o in self.opts:
@@ -110,7 +111,7 @@ def _reference(cls, kw: dict, kind: str, closure: bool) -> torch.nn.Module | Bas
     model = _model(kind)
     try:
         if cls in FUSED_DEFAULT and "fused" not in kw and "foreach" not in kw:
-            opt = (_Split(cls, model, kw) if kind == "sparse"
+            opt = (_Split(cls, model, kw) if kind.startswith("sparse")
                    else cls(model.parameters(), **copy.deepcopy({**kw, "fused": True})))
         else:
             opt = cls(model.parameters(), **copy.deepcopy(kw))
@@ -150,7 +151,8 @@ def _headroom_reason(cls, kw: dict, kind: str, placement: str, *, torch_steps: b
         return "differentiable=True) records its step in autograd's graph"
     if placement == "disk" and cls in NOT_ELEMENTWISE:
         return "element-wise"
-    if placement == "disk" and kind == "sparse" and kw.get("momentum", 0) and torch_steps:
+    if placement == "disk" and kind.startswith("sparse") and kw.get("momentum", 0) and \
+            torch_steps:
         return "keeps state for a sparse gradient as sparse tensors (momentum_buffer)"
     return None
 

@@ -155,11 +155,13 @@ class HostOptimizer(torch.optim.Optimizer):
         optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. For Adam,
             AdamW, SGD and Adagrad the fused CPU kernel is chosen unless ``fused``/``foreach``
             is given (it is bitwise equal to ``optimizer_class(..., fused=True)``; pass
-            ``fused=False`` to match PyTorch's default single-tensor CPU path instead).
+            ``fused=False`` to match PyTorch's default single-tensor CPU path instead); sparse
+            gradients, which it refuses, step in the default path, as torch steps them.
         state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
             ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
             slices with reads, update and writes overlapped; needs an element-wise optimizer
-            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam). Costs disk bandwidth on
+            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop,
+            SparseAdam). Costs disk bandwidth on
             every step (read and write each state tensor once).
         overlap: inside `final_backward` (the last backward pass before ``step()``), start a
             parameter's step on a worker thread as soon as its gradient is complete, while
@@ -194,7 +196,8 @@ class HostOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
         ValueError: parameters on more than one device; an optimizer that cannot run on the
-            CPU; ``state_store``/``row_sparse`` with an optimizer they cannot support.
+            CPU (or refuses the options: torch's reason); ``differentiable=True``;
+            ``state_store``/``row_sparse`` with an optimizer they cannot support.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)

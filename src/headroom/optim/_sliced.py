@@ -9,7 +9,8 @@ slice and writes of the previous one overlap the update of the current one.
 
 This is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each
 element's update depends only on that element and on per-tensor scalars (the step count), which
-every slice carries as its own copy.
+every slice carries as its own copy. A sparse gradient is sliced by rows (`sparse_rows`); after
+the first step only the rows it names are read and written.
 """
 
 from __future__ import annotations

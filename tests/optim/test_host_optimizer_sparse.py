@@ -182,3 +182,42 @@ def test_clip_grad_norm_refuses_sparse_gradients_as_torch_does(tmp_path):
     with pytest.raises(RuntimeError, match="sparse gradients.*nothing was clipped"):
         opt.clip_grad_norm_(1e-3)
     assert torch.equal(model.lin.weight.grad, dense)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.SparseAdam], ids=lambda c: c.__name__)
+def test_a_failing_disk_write_in_a_sparse_step_is_undone_and_the_retry_is_exact(cls, tmp_path):
+    """A step over the rows a sparse gradient names fails half-way (a disk write raises):
+    every parameter and all state are as before it; with the disk back, the same step gives
+    torch's result."""
+    ref = _Model(dense=False)
+    ref_opt = cls(ref.parameters(), lr=0.1)
+    _train(ref, ref_opt, steps=2, accum=1)
+    model = _offloaded("disk", tmp_path, dense=False)
+    state = hr.DiskStore(tmp_path / "state")
+    opt = hr.HostOptimizer(model.parameters(), cls, lr=0.1, state_store=state, slice_bytes=96)
+    _train(model, opt, steps=1, accum=1)  # the first step makes the state of every row
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = opt.state_dict()
+    model(*_batch(1, 0)).backward()
+    store = model.emb.weight._headroom_binding.store
+    real, calls = store.write_rows, []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("injected disk failure")
+        return real(*args, **kw)
+
+    store.write_rows = failing
+    with pytest.raises(OSError, match="injected") as info:
+        opt.step()
+    store.write_rows = real
+    assert "undone" in "".join(info.value.__notes__)
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+    now = opt.state_dict()["state"]
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(now[i][k])), (i, k)
+    opt.step()  # the gradient is kept: the same step again
+    _assert_equal(ref, model)

@@ -244,6 +244,9 @@ class Offload:
         self.captures_in_flight = 0
         self._capture_hooked: set[int] = set()
         self._capture_lock = threading.Lock()
+        # sparse gradients as autograd hands them to the device copies (see `_sparse_grad`)
+        self._sparse_raw: dict[int, torch.Tensor] = {}
+        self._sparse_hooked: set[int] = set()
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -742,7 +745,13 @@ class Offload:
         cur = p.grad
         if isinstance(cur, StoreTensor) and not b.has_grad:
             cur = None  # our view of a stored gradient cleared since (a zero_ cut short)
-        if host is None and self.grad_accumulation == "device":
+        if g.is_sparse or (cur is not None and b.grad_sparse is not None):
+            g = self._sparse_grad(slot, g, cur)  # a dense sum left to store, or None
+            if g is not None:
+                cur = None  # sparse + dense: the dense sum replaces the sparse gradient
+        if g is None:
+            pass  # kept in memory as a sparse gradient (`_sparse_grad`)
+        elif host is None and self.grad_accumulation == "device":
             # Held on the device: every read of the stored gradient (param.grad is a
             # StoreTensor, the optimizer's step, hr.data_parallel's all-reduce) hands the sum
             # over first (`sync_grad`, `read_grad`).
@@ -802,6 +811,67 @@ class Offload:
             block.grads_left -= 1
             if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
                 self._maybe_release(block)
+
+    def _sparse_grad(self, slot: Slot, g: torch.Tensor,
+                     cur: torch.Tensor | None) -> torch.Tensor | None:
+        """Accumulate a sparse gradient (``nn.Embedding(sparse=True)``) as autograd does for a
+        parameter of its own; returns a dense sum still to be stored whole, else ``None``.
+
+        A sparse gradient stays sparse, in host memory (``binding.grad_sparse``, also
+        ``param.grad``): a later sparse one is added to it in place (autograd's
+        ``variable_grad += new_grad``), a dense one makes the sum dense; a sparse one added to a
+        dense stored gradient is added into it in place.
+        """
+        # NOTE: not written densely into the store: torch's sparse steps (SGD adds the entries
+        # one by one, Adagrad and SparseAdam coalesce them, all touch only the rows named)
+        # differ bitwise from their dense steps, so the optimizer must get the sparse tensor
+        # as torch would: the same entries in the same order. How `+=` lays out the sum
+        # (appended, or merged when both operands' values are contiguous) depends on the
+        # tensor autograd hands over before storing it (a stored first gradient is a copy with
+        # contiguous values): that one is kept for the sum (`_keep_raw`).
+        b = slot.binding
+        p = slot.param
+        # in the parameter's dtype, as autograd sums them (a consumer wanting fp32 sums of a
+        # bf16 parameter, `grad_dtype`, gets fp32 dense sums only: param.grad must keep p's
+        # dtype, and a sparse gradient is only that)
+        dtype = p.dtype
+        raw = self._sparse_raw.pop(id(slot), None)
+        if id(slot) not in self._sparse_hooked and g.is_sparse:
+            slot.dev.register_hook(partial(self._keep_raw, id(slot)))
+            self._sparse_hooked.add(id(slot))
+        if b.grad_sparse is not None and cur is b.grad_sparse:
+            if not g.is_sparse:  # sparse + dense: dense, as autograd sums them
+                b.grad_sparse = None
+                return g.to("cpu", dtype) + cur
+            cur += (raw if raw is not None else g).to("cpu", dtype)
+            return None
+        g = g.to("cpu", dtype)
+        if cur is None:
+            b.grad_sparse = g
+            b.has_grad = True
+            b.grad_rows = None
+            p.grad = g
+            return None
+        # a dense stored gradient: the sparse one is added into it, entry by entry
+        self.flush_grads(slot)
+        self._wait_landed()
+        gh = b.grad_handle
+        host = self.store.host_tensor(gh)
+        with torch.no_grad():
+            if host is not None:
+                host.add_(g.to(gh.dtype))
+            else:
+                acc = self.store.read(gh).result()
+                acc.add_(g.to(gh.dtype))
+                self.store.write(gh, acc).result()
+        return None
+
+    def _keep_raw(self, key: int, g: torch.Tensor) -> None:
+        """A device copy's tensor hook: keep a sparse gradient as autograd hands it over."""
+        if g.is_sparse:
+            self._sparse_raw[key] = g
+        else:
+            self._sparse_raw.pop(key, None)
 
     def _hold(self, slot: Slot, g: torch.Tensor, *, fresh: bool) -> None:
         """Add ``g`` to ``slot``'s gradient held on the device (or start it: ``fresh``, or
@@ -930,6 +1000,11 @@ class Offload:
         b = slot.binding
         if slot.param.grad is None or b.grad_handle is None:
             return None
+        if b.grad_sparse is not None:
+            raise NotImplementedError(
+                f"the gradient of {slot.name!r} is sparse (nn.Embedding(sparse=True)), which"
+                " hr.data_parallel does not average; use sparse=False for the offloaded"
+                " modules of a data-parallel model")
         # Only this slot's held sum goes over: the others may still be summing (a later
         # hand-over of theirs would cost one more write each).
         self.sync_grad_of(slot)
@@ -949,6 +1024,7 @@ class Offload:
                     self._held.pop(id(slot), None)
                 b.has_grad = False
                 b.grad_rows = None
+                b.grad_sparse = None
             return
         if is_stored_grad(cur, b):
             return
@@ -962,6 +1038,13 @@ class Offload:
         p = slot.param
         self.flush_grads(slot)  # replaced whole: its held sum (if any) is read already
         self._wait_landed()
+        if value.is_sparse:  # kept sparse, as torch keeps it (see `_sparse_grad`)
+            b.grad_sparse = value.to("cpu", p.dtype)
+            b.has_grad = True
+            b.grad_rows = None
+            p.grad = b.grad_sparse
+            return
+        b.grad_sparse = None
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(self.store, b)
         gh = b.grad_handle

@@ -43,9 +43,14 @@ class ParamBinding:
         grad_rows: rows of ``grad_handle`` that hold a non-zero gradient (sorted LongTensor), or
             ``None`` for a dense gradient. Producers of sparse row gradients set it; consumers
             may touch only those rows.
-        has_grad: ``grad_handle`` holds a gradient that has not been consumed yet. Producers set
-            it when they write a gradient; consumers (an optimizer's ``zero_grad``) clear it,
-            and the next producer then overwrites instead of accumulating.
+        has_grad: ``grad_handle`` (or ``grad_sparse``) holds a gradient that has not been
+            consumed yet. Producers set it when they write a gradient; consumers (an
+            optimizer's ``zero_grad``) clear it, and the next producer then overwrites instead
+            of accumulating.
+        grad_sparse: the gradient when it is a sparse COO tensor (``nn.Embedding(sparse=True)``),
+            in host memory as autograd accumulates it (entries in order, not coalesced: a
+            sparse optimizer step depends on both), or ``None``. While set, it is the gradient
+            and ``grad_handle`` holds nothing of it.
         grad_sync: set by the producer: blocks until every gradient it has handed over so far
             rests in ``grad_handle`` (its writes may run in the background; a sum held back
             on the device is handed over first). ``None``: the gradient is in place as soon
@@ -76,6 +81,7 @@ class ParamBinding:
     grad_handle: Handle | None = None
     grad_rows: torch.Tensor | None = None
     has_grad: bool = False
+    grad_sparse: torch.Tensor | None = None
     grad_dtype: torch.dtype | None = None
     has_value: bool = True
     grad_edits: int = 0

@@ -579,10 +579,13 @@ def _foreach(func, args, kwargs):
 def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
     """Whether ``t`` (a ``param.grad``) is ``b``'s stored gradient as its producer leaves it
     there: a `StoreTensor` over it, or, resting in host memory in the parameter's dtype, that
-    tensor itself (or a view of all of it). Anything else was put there by someone else."""
+    tensor itself (or a view of all of it); a sparse gradient: ``b.grad_sparse`` itself.
+    Anything else was put there by someone else."""
     if isinstance(t, StoreTensor):
         src = t._source
         return isinstance(src, GradSource) and src.binding is b
+    if b.grad_sparse is not None or t.is_sparse:
+        return t is b.grad_sparse
     h = b.grad_handle
     if h is None:
         return False

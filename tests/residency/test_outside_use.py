@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import headroom as hr
 from headroom.residency import state_of
 from headroom.transfer import DiskStore
-from tests.residency._models import Transformer, lm_batch, values
+from tests.residency._models import FusedHead, Transformer, lm_batch, values
 
 
 def _offload(model, store, **kw):
@@ -28,18 +28,6 @@ def _offload(model, store, **kw):
 @pytest.fixture(params=["cpu", "disk"])
 def store(request, tmp_path):
     return "cpu" if request.param == "cpu" else DiskStore(tmp_path / "s", threads=2)
-
-
-class FusedHead(Transformer):
-    """The LM head applied by reading its weight inside the root's forward (TRL's fused LM head
-    does this), plus a bias of a middle block read there too."""
-
-    def forward(self, x):
-        h = self.emb(x)
-        for layer in self.layers:
-            h = layer(h)
-        h = self.ln(h)
-        return F.linear(h, self.head.weight) + self.layers[1].fc2.bias.sum()
 
 
 def _optimizer(model, kind):

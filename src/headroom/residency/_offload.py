@@ -19,7 +19,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from headroom.residency import _adopt, _dtensor, _guard
+from headroom.residency import _adopt, _dtensor, _guard, _outside
 from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
@@ -265,6 +265,7 @@ def offload(
             if id(m) in seen_mods:
                 continue
             seen_mods.add(id(m))
+            _outside.install(state, m)
             h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
             h.append(m.register_load_state_dict_pre_hook(
                 partial(Offload.load_state_dict_pre_hook, state)))
@@ -569,6 +570,9 @@ def unoffload(model: nn.Module) -> nn.Module:
     for b in state.blocks:
         _guard.remove(b.module)
     _LIVE.discard(state)
+    for s in state.slots:
+        for m, _ in s.owners:
+            _outside.remove(m)
     for s in state.slots:
         b = s.binding
         value = st.read(b.handle).result().to(state.device)

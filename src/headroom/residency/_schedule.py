@@ -213,6 +213,14 @@ class Offload:
         self._bwd_task = -1
         self._bwd_seen: set[int] = set()
         self._bypass: list[str] = []
+        # See [Note: uses outside a block] (_outside.py): groups whose device copies were read
+        # outside their forward, kept resident until the backward ends; whether a forward with
+        # gradients waits for its backward; internal code that must see the masters.
+        self._outside: dict[int, Group] = {}
+        self._awaiting = False
+        self._masters_only = 0
+        # device copies handed out by `use_outside`: id -> (slot, requires_grad then)
+        self._handed: dict[int, tuple[Slot, bool]] = {}
         self.buffers: list[str] = []
         # modules with parameters or buffers created on meta and not filled yet (see _meta)
         self.pending_modules: dict[int, nn.Module] = {}
@@ -304,9 +312,58 @@ class Offload:
         adopting parameters added to the model since `hr.offload` (see `_adopt`).
         ``lost_ok``: leave adapters whose values were lost pending (for ``state_dict()``,
         which shows them as ``meta``) instead of raising."""
-        rescan(self)
-        if self.pending_modules:
-            init_pending(self, lost_ok=lost_ok)
+        self._masters_only += 1  # initializers write the masters, never device copies
+        try:
+            rescan(self)
+            if self.pending_modules:
+                init_pending(self, lost_ok=lost_ok)
+        finally:
+            self._masters_only -= 1
+
+    # ------------------------------------------------------------------ uses outside a block
+    @property
+    def reads_outside(self) -> bool:
+        """Whether a module's read of a master now gets its device copy (`use_outside`)."""
+        if self._masters_only:
+            return False
+        if self._root_running or self._active:
+            return True
+        if self._bwd:  # not once a backward broke off outside headroom's hooks
+            return in_backward()
+        return self._awaiting and torch.is_grad_enabled()
+
+    def use_outside(self, value: Any) -> Any:
+        """``value`` read from a module's parameters while the model is in use: a master's
+        device copy, its group fetched and kept resident until the backward ends (see
+        [Note: uses outside a block]); anything else as it is."""
+        slot = self.by_param.get(id(value))
+        if slot is None:
+            return value
+        block = slot.group
+        self.res.ensure(block)
+        dev = slot.dev
+        if dev.requires_grad != slot.param.requires_grad:
+            dev.requires_grad_(slot.param.requires_grad)
+        self._handed[id(dev)] = (slot, dev.requires_grad)
+        if id(block) not in self._outside:
+            self._outside[id(block)] = block
+            if torch.is_grad_enabled():
+                for fn in self.used_listeners:  # hr.data_parallel syncs what was used
+                    fn(block)
+            if self._root_running and block is not self.rest and block not in self._order_now:
+                self._order_now.append(block)  # prefetched there next time
+        return dev
+
+    def _close_window(self) -> None:
+        """The forward's reads outside their blocks are over (its backward ended, broke off,
+        or another forward starts): what was kept for them may go, and ``requires_grad_`` set
+        on a device copy read then reaches its master, as if it had been set on the master."""
+        self._outside = {}
+        self._awaiting = False
+        handed, self._handed = self._handed, {}
+        for slot, rg in handed.values():
+            if slot.dev.requires_grad != rg and slot.param.requires_grad == rg:
+                slot.param.requires_grad_(slot.dev.requires_grad)
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Group | None) -> None:
@@ -346,6 +403,7 @@ class Offload:
             self._root_running = False
             self._order_now = []
             self.announced = []
+            self._close_window()
             for b in [*self.blocks, self.rest]:
                 hide(b)
                 self.res.release(b, quiet=True)
@@ -365,6 +423,7 @@ class Offload:
             self._bwd_task = -1
             self._bwd_seen = set()
             self.announced = []
+            self._close_window()
             for b in [*self.blocks, self.rest]:
                 b.inputs_pending = 0
                 hide(b)
@@ -382,6 +441,7 @@ class Offload:
         """Before a new forward: nothing of a forward or backward that broke off stays."""
         if self._bwd:  # not inside a backward here: one broke off without its final callback
             self.abort_backward()
+        self._close_window()
         for b in [*self.blocks, self.rest]:
             # Only leftovers are resident here (e.g. `rest`, kept for a backward that
             # never ran); a pending backward re-fetches what it needs, with the same values.
@@ -398,9 +458,16 @@ class Offload:
             if self._bwd:
                 self.abort_backward()
                 return
+            # Reads from here on get the masters (the model is at rest for whoever lists its
+            # parameters). A backward still to come re-fetches what it needs, with the same
+            # values; not what was read outside its block (see [Note: uses outside a block]),
+            # whose backward may come before any hook could fetch it again: kept until then.
+            keep = self._outside
+            self._close_window()
+            self._outside = keep
             for b in [*self.blocks, self.rest]:
-                # A backward still to come re-fetches what it needs, with the same values.
-                self._idle_release(b)
+                if id(b) not in keep:
+                    self._idle_release(b)
         finally:
             self.use.exit_forward()
 
@@ -536,12 +603,16 @@ class Offload:
             return None
         self._root_running = False
         self.order = self._order_now or self.order
-        for b in self.blocks:  # prefetched past the end, or skipped by this forward
-            self._idle_release(b)
         outs = _outputs(output) if torch.is_grad_enabled() else []
+        if not outs:
+            self._close_window()
+        for b in self.blocks:  # prefetched past the end, or skipped by this forward
+            if id(b) not in self._outside:  # read outside: kept for the backward
+                self._idle_release(b)
         if outs:
             # `rest` stays resident for backward, but the modules hold the masters again.
             hide(self.rest)
+            self._awaiting = True
             hook = partial(self.pre_backward, self.rest)
             for t in outs:
                 t.register_hook(hook)
@@ -610,7 +681,8 @@ class Offload:
             # Frozen parameters outside the blocks (a final norm under LoRA) may still be
             # needed for input gradients, and nothing watches those here: end of backward.
             return
-        if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
+        if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0 \
+                and id(block) not in self._outside:
             self.res.release(block)
 
     def post_forward(self, block: Group, module, args, kwargs, output):
@@ -628,7 +700,8 @@ class Offload:
                 hook = partial(self.pre_backward, block)
                 for t in _outputs(output):
                     t.register_hook(hook)
-            self.res.release(block)
+            if id(block) not in self._outside:  # else kept for a use outside its forward
+                self.res.release(block)
         finally:
             if found:
                 self.use.exit_forward()
@@ -973,6 +1046,7 @@ class Offload:
     def end_backward(self) -> None:
         self._bwd = False
         self._bwd_seen = set()
+        self._close_window()
         for b in self.blocks:
             b.inputs_pending = 0
             self._idle_release(b)
@@ -981,10 +1055,12 @@ class Offload:
         if self._bypass:
             names, self._bypass = self._bypass, []
             raise RuntimeError(
-                f"parameter(s) {sorted(set(names))} were used outside the forward of their"
-                " offloaded block, so their gradient bypassed the store and is wrong; make the"
-                " block that uses them contain them (hr.offload(..., blocks=[...])) or call"
-                " the block module itself rather than reading its parameters from outside"
+                f"parameter(s) {sorted(set(names))} were used while the model was at rest"
+                " (outside any forward of it, and not between a forward and its backward), so"
+                " their gradient bypassed the store and is wrong. Read them from their module"
+                " during the model's forward, or after a forward and before its backward, where"
+                " reads give the device copy and gradients reach the store; or keep a reference"
+                " to the module and call it rather than holding the parameter object itself"
             )
 
     def sync_grads(self) -> None:

@@ -386,7 +386,7 @@ class DiskStore(Store):
         self._closed = False
         self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
         try:
-            self._ledger = Ledger.open(self.path, overwrite=overwrite)
+            self._ledger = Ledger.open(self.path, overwrite=overwrite, recover=recover)
         except BaseException:
             self._pool.shutdown()
             self._wpool.shutdown()
@@ -395,14 +395,12 @@ class DiskStore(Store):
             open_checks(self._ledger, self._pool, verify=verify, recover=recover,
                         page_cache=page_cache)
             for name in self._ledger.orphans():
-                os.unlink(self.path / name)
+                self._ledger.remove(name)
             self._ledger.start()
             for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
                 name = self._ledger.entries[key]["file"]
                 self._ledger.free(key)  # scratch of a process that stopped: worth nothing
-                # A directory standing there was not made by a store: left alone.
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                    os.unlink(self.path / name)
+                self._ledger.remove(name)
         except BaseException:
             self._ledger.release()
             self._pool.shutdown()
@@ -685,7 +683,9 @@ class DiskStore(Store):
             self._release(handle)
             if created:
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
+                    self._ledger.remove(name)
+            else:  # absent, or a file that is not ours (FileExistsError): never removed
+                self._ledger.forget_freed(name)
             if isinstance(e, FileExistsError):
                 raise FileExistsError(
                     f"{path} appeared in the folder of {self!r} while it was open; something"
@@ -893,8 +893,7 @@ class DiskStore(Store):
             self._ledger.free(handle.key)  # journaled before the file goes
             self._checked.discard(handle.key)
             self._release(handle)
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-            os.unlink(os.path.join(self.path, name))
+        self._ledger.remove(name)
 
     def _fill_job(self, key: str, path: str, unknown: list[tuple[int, int]]) -> None:
         for (s, e), c in zip(unknown, file_crcs([(path, s, e) for s, e in unknown],

@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/journal_soak.json"))
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="journal-soak-"))
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
     folders = {n: root / n for n in STORES}
 
     compactions: collections.Counter[str] = collections.Counter()
@@ -131,8 +133,6 @@ def main() -> None:
     _ledger.Ledger._compact = real_compact
     state.close()
     act.close()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
     out = {
         "command": f"benchmarks/journal_soak.py --steps {args.steps} --every {args.every}",
         "commit": commit, "torch": torch.__version__, "machine": platform.machine(),

@@ -2,18 +2,28 @@
 
 [Note: DiskStore journal]
 The folder's metadata is ``index.json`` (a snapshot: tensors, files, checksum segments, the
-writes in flight, the sequence number it includes, whether the session that wrote it closed)
-plus ``journal.jsonl`` (records after that snapshot, one per line: ``<crc32c hex> <json>``,
-each with the next sequence number). The store journals an ``alloc`` before creating the file,
-a ``free`` before unlinking it, an ``x`` when tensors exchange files (`DiskStore.exchange`, one
-record for all pairs), and each write twice: ``w`` with the CRC of every extent before
-the first byte goes out, ``d`` (done: ``ok``, ``none`` written, or ``bad`` = failed part-way)
-after the last. Reopening replays the journal over the snapshot; a ``w`` without its ``d`` is a
-write the process did not finish, checked against the file (new bytes, old bytes, or torn).
-Appends are not fsynced: a killed process's writes are in the page cache, which reaches the
-disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss the store is safe
-as of the last flush. Compaction (index rewritten via tmp + fsync + rename, then the journal
-truncated) holds the ledger lock, so no record falls between the two.
+writes in flight, the files freed and perhaps not unlinked yet, the sequence number it
+includes, whether the session that wrote it closed) plus ``journal.jsonl`` (records after that
+snapshot, one per line: ``<crc32c hex> <json>``, each with the next sequence number). The index
+ends with ``"crc":"xxxxxxxx"``, the CRC32C of its bytes without that field, checked before it is
+parsed (versions 1 and 2 had none and still open). No object in either may name a key twice.
+The store journals an ``alloc`` before creating the file, a ``free`` before unlinking it, an
+``x`` when tensors exchange files (`DiskStore.exchange`, one record for all pairs), and each
+write twice: ``w`` with the CRC of every extent before the first byte goes out, ``d`` (done:
+``ok``, ``none`` written, or ``bad`` = failed part-way) after the last. Reopening replays the
+journal over the snapshot; a ``w`` without its ``d`` is a write the process did not finish,
+checked against the file (new bytes, old bytes, or torn). A last record without its newline
+was cut short by a kill mid-append and is ignored; one with it that fails its CRC was damaged
+later and is refused. Every tensor file in the folder is accounted for: an entry owns it, or a
+recorded ``free`` (the journal's, or the snapshot's list, from which the file leaves once
+unlinked) lets opening remove it; any other is refused, never deleted (it may be a tensor whose
+entry was lost). Appends are not fsynced: a killed process's writes are in the page cache,
+which reaches the disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss
+the store is safe as of the last flush (a tensor file allocated after it whose record the power
+loss took is refused as unaccounted). Compaction (index rewritten via tmp + fsync + rename,
+then the journal truncated) holds the ledger lock, so no record falls between the two; it runs
+after any change once the journal is past `COMPACT_BYTES` and twice the index, except while
+journal space is reserved (`Ledger.reserve`), and then when the reservation ends.
 
 [Note: DiskStore files stay inside the folder]
 Every file a store opens is ``<folder>/<name>`` with a name it made itself (``NNNNNN-*.bin``
@@ -80,11 +90,11 @@ class _DuplicateKey(ValueError):
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _DuplicateKey(f"the key {twice!r} appears twice in one object")
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"the key {k!r} appears twice in one object")
+        out[k] = v
     return out
 
 

@@ -46,8 +46,12 @@ from headroom.heads._slices import landing, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
 from headroom.heads._targets import Positives
 from headroom.transfer import (
+    GradSource,
     Handle,
+    HandleSource,
+    ParamBinding,
     Store,
+    StoreTensor,
     bind,
     binding,
     check_device,
@@ -128,6 +132,54 @@ class _StoreParams:
     def landed(self, sink, *, weight: bool, bias: bool) -> tuple[None, None]:
         self.head._grads_landed(weight=weight, bias=bias, rows=None)
         return None, None
+
+
+def _refuse_other(p: torch.Tensor, value: Any, what: str) -> None:
+    """Refuse a value whose shape or dtype the store cannot take for ``p``'s values."""
+    if not isinstance(value, torch.Tensor) or value.shape != p.shape or value.dtype != p.dtype:
+        got = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise RuntimeError(
+            f"cannot {what} a HugeClassifier parameter ({p.dtype} {tuple(p.shape)}, resting in"
+            f" its store) to {got}: the store keeps its shape and dtype. Pass a"
+            f" {p.dtype} tensor of shape {tuple(p.shape)} (head.load_weight(weight, bias)"
+            " converts the dtype), or build the head with another dtype="
+        )
+
+
+class _HostParameter(nn.Parameter):
+    """A parameter whose data is a host store's tensor, and stays it.
+
+    ``param.data = t`` (``torch.nn.utils.vector_to_parameters``, initializers that build a
+    tensor elsewhere) would swap the tensor's memory for ``t``'s: the parameter would then
+    train values the store, and so the head's loss, never sees. Here it copies ``t`` into the
+    store's tensor instead.
+    """
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        b = binding(self)
+        host = None if b is None else b.store.host_tensor(b.handle)
+        if host is None:  # not (or no longer) a store's: an ordinary parameter
+            torch._C.TensorBase.data.__set__(self, value)
+            return
+        _refuse_other(self, value, "rebind .data of")
+        if isinstance(value, torch.Tensor) and value.data_ptr() == host.data_ptr() \
+                and value.stride() == host.stride():
+            return  # the store's own tensor (or its .data) given back
+        with torch.no_grad():
+            host.copy_(value.detach().clone() if _overlaps(value, host) else value)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() == sb.data_ptr()
 
 
 class HugeClassifier(nn.Module):
@@ -352,11 +404,16 @@ class HugeClassifier(nn.Module):
         return self.store.alloc(key, shape, self.dtype, zero=False)
 
     def _param(self, h: Handle) -> nn.Parameter:
+        # NOTE: every write to the parameter reaches the store: in host memory its data *is*
+        # the store's tensor (and ``.data = t`` copies ``t`` in, see `_HostParameter`); on
+        # disk it is a `StoreTensor`, whose in-place ops (``copy_``, ``nn.init.*``,
+        # ``load_state_dict``) and ``.data = t`` write the stored values.
         host = self.store.host_tensor(h)
         if host is not None:
-            p = nn.Parameter(host, requires_grad=True)
+            p = _HostParameter(host, requires_grad=True)
         else:
-            p = nn.Parameter(torch.empty(h.shape, dtype=h.dtype, device="meta"))
+            p = nn.Parameter(StoreTensor(HandleSource(self.store, h), h.shape, dtype=h.dtype),
+                             requires_grad=True)
         gkey = f"{h.key}.grad"
         gh = self.store.get(gkey) if gkey in self.store else self.store.alloc(
             gkey, h.shape, h.dtype, zero=True
@@ -423,11 +480,28 @@ class HugeClassifier(nn.Module):
         bb = binding(self.bias) if self.bias is not None else None
         return StoreGradSink(
             self.store,
-            wb.grad_handle if (weight and wb is not None) else None,
-            bb.grad_handle if (bias and bb is not None) else None,
+            self._grad_handle(wb) if (weight and wb is not None) else None,
+            self._grad_handle(bb) if (bias and bb is not None) else None,
             accumulate=acc, device=self.device, dtype=self.accum_dtype,
             max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
         )
+
+    def _grad_handle(self, b: ParamBinding) -> Handle:
+        """``b``'s gradient tensor in the store, made (zeroed, in ``b.grad_dtype``) where a
+        consumer dropped it: `headroom.HostOptimizer` asks for an fp32 gradient of a bf16/fp16
+        weight by freeing the one in the weight's dtype."""
+        if b.grad_handle is None:
+            key = f"{b.handle.key}.grad"
+            dtype = b.grad_dtype or b.handle.dtype
+            if key in self.store:
+                old = self.store.get(key)
+                if old.dtype == dtype:
+                    b.grad_handle = old
+                    return old
+                self.store.free(old)
+            b.grad_handle = self.store.alloc(key, b.handle.shape, dtype, zero=True)
+            b.has_grad = False
+        return b.grad_handle
 
     def _grads_landed(self, *, weight: bool, bias: bool, rows: torch.Tensor | None) -> None:
         for p, flag in ((self.weight, weight), (self.bias, bias)):
@@ -444,11 +518,14 @@ class HugeClassifier(nn.Module):
                 b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
             b.has_grad = True
             host = self.store.host_tensor(b.grad_handle)
-            # As offloaded parameters do: the store's gradient tensor itself (host store)
-            # or a meta marker (disk); zero_grad() sets it to None, which makes the next
-            # backward overwrite instead of accumulate.
-            p.grad = host if host is not None else torch.empty(
-                p.shape, dtype=p.dtype, device="meta")
+            # As offloaded parameters do: the store's gradient tensor itself (in host memory,
+            # in the parameter's dtype) or a tensor whose ops read and write the stored one
+            # (on disk, or fp32 for a low-precision weight); zero_grad() sets it to None,
+            # which makes the next backward overwrite instead of accumulate.
+            if host is not None and host.dtype == p.dtype:
+                p.grad = host
+            elif not isinstance(p.grad, StoreTensor):
+                p.grad = StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype)
         if weight:
             if rows is None:
                 self._dirty = None
@@ -461,8 +538,8 @@ class HugeClassifier(nn.Module):
             if p is None:
                 continue
             b = binding(p)
-            assert b is not None and b.grad_handle is not None
-            h = b.grad_handle
+            assert b is not None
+            h = self._grad_handle(b)
             host = self.store.host_tensor(h)
             if self._dirty is None:
                 if host is not None:
@@ -473,6 +550,21 @@ class HugeClassifier(nn.Module):
                 zeros = torch.zeros((self._dirty.numel(), *h.shape[1:]), dtype=h.dtype)
                 self.store.write_rows(h, self._dirty, zeros).result()
         self._dirty = torch.empty(0, dtype=torch.int64)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The loss reads the store, not the module's attribute: a tensor put in place of a
+        # store-resident parameter (``head.weight = nn.Parameter(w)``, ``load_state_dict(...,
+        # assign=True)``) would be listed and stepped while the loss kept the stored values.
+        params = self.__dict__.get("_parameters")
+        cur = None if params is None else params.get(name)
+        if cur is not None and value is not cur and binding(cur) is not None:
+            raise RuntimeError(
+                f"HugeClassifier.{name} rests in the head's store ({self.store!r}), which the"
+                f" loss reads: a tensor assigned in its place would never be used. Write its"
+                f" values instead: head.{name}.copy_(t) under torch.no_grad(),"
+                " head.load_weight(weight, bias), or load_state_dict(sd) without assign=True"
+            )
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # `model.to("cuda")` on a model that contains this head must not copy the
@@ -728,8 +820,8 @@ class HugeClassifier(nn.Module):
             for key, p in (("w", self.weight), ("b", self.bias)):
                 if key not in arrived or p is None:
                     continue
-                gh = binding(p).grad_handle
-                g = arrived[key]
+                gh = self._grad_handle(binding(p))
+                g = arrived[key].to(gh.dtype)  # fp32 where an optimizer with masters asks
                 if acc:
                     g = g + self.store.read_rows(gh, rows).result()
                 self.store.write_rows(gh, rows, g.contiguous()).result()

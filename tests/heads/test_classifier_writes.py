@@ -169,3 +169,60 @@ def test_load_state_dict_round_trip_on_disk(tmp_path):
     other.load_state_dict(sd)
     assert torch.equal(other.read_weight(), head.read_weight())
     assert torch.equal(other.read_bias(), head.read_bias())
+
+
+class _Injected(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [_Injected, KeyboardInterrupt])
+def test_a_failed_write_on_disk_leaves_the_old_values(error, tmp_path):
+    """A write whose store write fails (an error, Ctrl-C) raises and changes nothing; the
+    next write lands."""
+    head = _head("disk", tmp_path, bias=False)
+    before = head.read_weight()
+    real = head.store.write
+
+    def fail(*args, **kwargs):
+        raise error("injected")
+
+    head.store.write = fail
+    with pytest.raises(error), torch.no_grad():
+        head.weight.copy_(torch.zeros(C, D))
+    head.store.write = real
+    assert torch.equal(head.read_weight(), before)
+    plain = _Plain(head)
+    with torch.no_grad():
+        head.weight.mul_(2.0)
+        plain.weight.mul_(2.0)
+    _check_head_is(head, plain)
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+def test_kill_during_a_write_on_disk(mode, tmp_path, one_thread):
+    """kill -9 as a write into a disk head's weight is issued leaves the old values; once it
+    has completed (not flushed), the reopened head holds the written values."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.heads import _kill_write_child as child
+
+    src = str(Path(hr.__file__).resolve().parents[1])
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(root)]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, child.__file__, str(tmp_path / "s"), mode],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.split() == ["flushed"]
+    torch.manual_seed(0)
+    ref = child.open_head(tmp_path / "ref")  # the values the child's head was made with
+    if mode == "before":  # nothing written since the flush: the store reopens clean
+        head = child.open_head(tmp_path / "s")
+    else:
+        with pytest.warns(UserWarning, match="was not closed"):
+            head = child.open_head(tmp_path / "s")
+    want = ref.read_weight() if mode == "before" else child.new_weight()
+    assert torch.equal(head.read_weight(), want)

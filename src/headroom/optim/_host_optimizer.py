@@ -32,6 +32,7 @@ from headroom.optim._entries import (
     probe_cpu,
     want_fp32_grad,
 )
+from headroom.optim._follow import follow_, follow_stored, init_stored
 from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import (
@@ -56,6 +57,7 @@ from headroom.transfer import (
     on_grad_ready,
     resolve_store,
     sync_grad,
+    value_edits,
 )
 from headroom.transfer._store import SCRATCH
 
@@ -577,6 +579,7 @@ class HostOptimizer(torch.optim.Optimizer):
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._allocate_state(streamed)
+        self._follow_writes(in_mem + streamed)
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
         # Sliced steps that write no disk (master, state and value all in host memory) keep no
@@ -655,6 +658,38 @@ class HostOptimizer(torch.optim.Optimizer):
             e.small = small
             e.initialized = True
             e.grad_scale = None
+            if e.value_mark is not None:
+                old, e.value_seen = e.value_seen, e.value_mark
+                if txn is not None:  # undone: its master is compared again next time
+                    txn.after_undo(lambda e=e, old=old: setattr(e, "value_seen", old))
+
+    def _follow_writes(self, entries: list[Entry]) -> None:
+        """Masters take what was written into their parameters since the last step (see
+        headroom.optim._follow): here for masters in memory, during the sliced step for those
+        of store-resident bf16/fp16 parameters."""
+        for e in entries:
+            if e.kind == HOSTED:
+                value = e.param.detach()
+                follow_(e.master, value if value.device.type == "cpu" else value.to("cpu"))
+            elif e.lowp and e.master_handle is not None and not e.sharded:
+                self._follow_bound(e)
+
+    def _follow_bound(self, e: Entry) -> None:
+        b = e.bound
+        store = self._state_store or self._aux
+        e.value_mark = value_edits(b.store, b.handle.key)
+        in_memory = b.store.host_tensor(b.handle) is not None
+        if not e.initialized:
+            e.follow = False  # its first step makes the master from the value
+            if e.sparse:  # ... of the rows it steps: the others get theirs now
+                init_stored(store, e.master_handle, b.store, b.handle)
+            return
+        # values in memory may have changed unseen (p.data writes); on disk only if counted
+        e.follow = in_memory or e.value_mark != e.value_seen
+        if e.follow and e.sparse and not in_memory:
+            # rows this step does not touch must follow the write on disk too
+            follow_stored(store, e.master_handle, b.store, b.handle)
+            e.follow = False
 
     @staticmethod
     def _writes_disk(src: SlicedParam) -> bool:
@@ -934,6 +969,7 @@ class HostOptimizer(torch.optim.Optimizer):
             initialized=e.initialized,
             rows=rows,
             shadow=(e.bound.store, e.bound.handle) if e.lowp else None,
+            follow=e.lowp and e.follow,
         )
 
     def _grad_rows(self, e: Entry, grad: torch.Tensor | None) -> torch.Tensor | None:

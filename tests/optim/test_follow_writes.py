@@ -1,0 +1,184 @@
+"""Values written into a parameter between steps are what HostOptimizer steps next.
+
+A bf16 parameter stepped by `hr.HostOptimizer` has an fp32 master; the step writes the
+parameter from it. A write into the parameter (``copy_``, ``nn.init.*``, ``p.data`` ops and
+rebinding, ``load_state_dict``, ``vector_to_parameters``, ``hr.load_weights``) must become
+the master's: the reference is a fresh HostOptimizer built on a plain bf16 model holding the
+written values (its master is made from them). SGD without momentum has no state, so the two
+must then train bitwise alike. Parameters in memory (HostOptimizer's own host master), offloaded
+to host memory and to a `DiskStore` (state in memory and on disk), and a `HugeClassifier`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import headroom as hr
+from headroom.transfer import DiskStore, StoreTensor
+
+D = 8
+BF16 = torch.bfloat16
+
+
+def _values(p: torch.Tensor, k: int) -> torch.Tensor:
+    return (torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) / k - 1).to(p.dtype)
+
+
+def _seeded(fn):
+    def run(m):
+        torch.manual_seed(5)
+        for p in m.parameters():
+            fn(p)
+    return run
+
+
+def _each(fn):
+    def run(m):
+        for p in m.parameters():
+            fn(p)
+    return run
+
+
+WRITES = {
+    "copy_": _each(lambda p: p.copy_(_values(p, 7))),
+    "mul_": _each(lambda p: p.mul_(3.0)),
+    "data.mul_": _each(lambda p: p.data.mul_(0.5)),
+    "data.copy_": _each(lambda p: p.data.copy_(_values(p, 3))),
+    "data =": _each(lambda p: setattr(p, "data", _values(p, 5))),
+    "init.normal_": _seeded(nn.init.normal_),
+    "init.zeros_": _seeded(nn.init.zeros_),
+    "vector_to_parameters": lambda m: torch.nn.utils.vector_to_parameters(
+        torch.linspace(-1, 1, sum(p.numel() for p in m.parameters())).to(BF16), m.parameters()),
+    "load_state_dict": lambda m: m.load_state_dict(
+        {k: _values(v, 9) for k, v in m.state_dict().items()}),
+}
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(D, D), nn.Linear(D, D)).to(BF16)
+
+
+def _read(p: torch.Tensor) -> torch.Tensor:
+    return p.stored().clone() if isinstance(p, StoreTensor) else p.detach().clone()
+
+
+def _train(model, opt, steps):
+    for i in range(steps):
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(i)).to(BF16)
+        model(x).float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+SETUPS = ["in memory", "offload cpu", "offload disk", "offload disk, state on disk"]
+
+
+def _setup(kind, tmp_path):
+    model = _model()
+    state_store = None
+    if kind != "in memory":
+        store = "cpu" if kind == "offload cpu" else DiskStore(tmp_path / "w")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # device="cpu": saves nothing, says so
+            hr.offload(model, device="cpu", store=store, blocks=list(model))
+        if kind.endswith("state on disk"):
+            state_store = DiskStore(tmp_path / "state")
+    kw = {} if state_store is None else {"state_store": state_store}
+    return model, hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, **kw)
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+@pytest.mark.parametrize("kind", SETUPS)
+def test_bf16_master_follows_a_write(kind, write, tmp_path):
+    model, opt = _setup(kind, tmp_path)
+    _train(model, opt, 2)  # masters hold more than the bf16 values now
+    with torch.no_grad():
+        WRITES[write](model)
+    ref = _model()
+    with torch.no_grad():
+        for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+            r.copy_(_read(p))
+    ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.SGD, lr=0.1)
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(_read(p), r.detach())
+
+
+@pytest.mark.parametrize("kind", ["offload disk", "offload disk, state on disk"])
+def test_load_weights_after_training_is_stepped(kind, tmp_path):
+    """hr.load_weights into a model HostOptimizer has stepped: the next step starts there."""
+    from safetensors.torch import save_file
+
+    model, opt = _setup(kind, tmp_path)
+    _train(model, opt, 2)
+    new = {k: _values(v, 11).contiguous() for k, v in _model().state_dict().items()}
+    save_file(new, str(tmp_path / "w.safetensors"))
+    hr.load_weights(model, tmp_path / "w.safetensors")
+    ref = _model()
+    ref.load_state_dict(new)
+    ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.SGD, lr=0.1)
+    _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(_read(p), r.detach())
+
+
+@pytest.mark.filterwarnings("ignore:HugeClassifier\\(device='cpu', store='cpu'\\)")
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_bf16_huge_classifier_write_is_stepped(kind, tmp_path):
+    C = 50
+
+    def head_and_opt(store, values=None):
+        head = hr.HugeClassifier(C, D, device="cpu", store=store, dtype=BF16, slice_size=16)
+        if values is not None:
+            head.load_weight(values)
+        return head, hr.HostOptimizer(head.parameters(), torch.optim.SGD, lr=0.5)
+
+    def train(head, opt, steps):
+        for i in range(steps):
+            g = torch.Generator().manual_seed(i)
+            head(torch.randn(6, D, generator=g).to(BF16),
+                 torch.randint(0, C, (6,), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    head, opt = head_and_opt("cpu" if kind == "cpu" else DiskStore(tmp_path / "h"))
+    train(head, opt, 2)
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+    ref, ref_opt = head_and_opt("cpu", head.read_weight())
+    train(head, opt, 2)
+    train(ref, ref_opt, 2)
+    assert torch.equal(head.read_weight(), ref.read_weight())
+
+
+@pytest.mark.filterwarnings("ignore:HugeClassifier\\(device='cpu', store='cpu'\\)")
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_bf16_row_sparse_master_of_rows_not_yet_stepped(kind, tmp_path):
+    """Lazy Adam (row_sparse) on a bf16 head: rows stepped first at a later step start from
+    their own values (their master was not made at the first step). With betas=(0, 0) Adam
+    keeps no history, so lazy and dense steps are the same update."""
+    C = 60
+
+    def run(row_sparse):
+        store = "cpu" if kind == "cpu" else DiskStore(tmp_path / f"h{row_sparse}")
+        torch.manual_seed(0)
+        head = hr.HugeClassifier(C, D, device="cpu", store=store, dtype=BF16, sample_rate=0.3,
+                                 generator=torch.Generator().manual_seed(1))
+        opt = hr.HostOptimizer(head.parameters(), torch.optim.Adam, lr=0.5, betas=(0.0, 0.0),
+                               row_sparse=[head.weight] if row_sparse else ())
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            head(torch.randn(6, D, generator=g).to(BF16),
+                 torch.randint(0, C, (6,), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+        return head.read_weight()
+
+    assert torch.equal(run(True), run(False))

@@ -67,10 +67,11 @@ def _read(p: torch.Tensor) -> torch.Tensor:
     return p.stored().clone() if isinstance(p, StoreTensor) else p.detach().clone()
 
 
-def _train(model, opt, steps):
+def _train(model, opt, steps, *, final=False):
     for i in range(steps):
         x = torch.randn(4, D, generator=torch.Generator().manual_seed(i)).to(BF16)
-        model(x).float().pow(2).sum().backward()
+        with opt.final_backward(final):  # steps start during backward
+            model(x).float().pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
 
@@ -105,6 +106,25 @@ def test_bf16_master_follows_a_write(kind, write, tmp_path):
             r.copy_(_read(p))
     ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.SGD, lr=0.1)
     _train(model, opt, 2)
+    _train(ref, ref_opt, 2)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(_read(p), r.detach())
+
+
+@pytest.mark.parametrize("write", ["copy_", "data.mul_"])
+@pytest.mark.parametrize("kind", SETUPS)
+def test_write_before_a_final_backward(kind, write, tmp_path):
+    """Steps started during backward (``final_backward``) start from the written values."""
+    model, opt = _setup(kind, tmp_path)
+    _train(model, opt, 2, final=True)
+    with torch.no_grad():
+        WRITES[write](model)
+    ref = _model()
+    with torch.no_grad():
+        for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+            r.copy_(_read(p))
+    ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.SGD, lr=0.1)
+    _train(model, opt, 2, final=True)
     _train(ref, ref_opt, 2)
     for r, p in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(_read(p), r.detach())
@@ -182,3 +202,33 @@ def test_bf16_row_sparse_master_of_rows_not_yet_stepped(kind, tmp_path):
         return head.read_weight()
 
     assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [5, 3_000_001])  # one piece; several, with a short last one
+def test_follow_is_exact(dtype, n):
+    """`follow_` against torch's own rounding: unchanged where the value holds the master
+    rounded (the fast check's bit arithmetic included: ties, signed zeros, subnormals,
+    infinities, a NaN), the value's where it does not."""
+    from headroom.optim._follow import follow_
+
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(n, generator=g) * 3
+    m[::97] = -0.0
+    m[1::89] = float("inf")
+    m[2::83] = 1e-40
+    m[3::79] = 3.4e38
+    m[4::73] = 1.0 + 2.0 ** -8  # a tie of bf16's rounding
+    m[n // 2] = float("nan")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    v = m.to(dtype)
+    kept = m.clone()
+    assert not follow_(kept, v)
+    assert torch.equal(kept.view(torch.int32), m.view(torch.int32))
+    w = v.clone()
+    idx = torch.randint(0, n, (max(1, n // 100),), generator=g)
+    w[idx] = torch.randn(idx.numel(), generator=g).to(dtype)
+    got = m.clone()
+    assert follow_(got, w)
+    want = torch.where(v.view(bits) == w.view(bits), m, w.to(torch.float32))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

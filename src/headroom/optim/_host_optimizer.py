@@ -256,6 +256,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._txn: Txn | None = None  # what the step in progress changed, see _undo.py
         self._defer: DeferInterrupt | None = None  # Ctrl-C handling of the running step()
         self._keep_early = False  # keep copies of in-memory state stepped in final_backward
+        self._hosted_followed = False  # host masters followed their parameters this iteration
         self._torn: str | None = None  # a failed step could not be undone (the message)
         super().__init__(params, defaults)
         self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
@@ -579,7 +580,8 @@ class HostOptimizer(torch.optim.Optimizer):
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._allocate_state(streamed)
-        self._follow_writes(in_mem + streamed)
+        self._follow_writes([e for e in in_mem + streamed
+                             if not (e.kind == HOSTED and self._hosted_followed)])
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
         # Sliced steps that write no disk (master, state and value all in host memory) keep no
@@ -1128,6 +1130,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.stepped = False
         self._arrival = []
+        self._hosted_followed = False
         self._refresh_state_view()
 
     # ------------------------------------------------------------------ overlap
@@ -1166,6 +1169,11 @@ class HostOptimizer(torch.optim.Optimizer):
             # step]): when some of it writes a disk.
             self._keep_early = self._atomic and any(
                 self._entry_writes_disk(e) for e in self._order)
+            if self._overlap.enabled:
+                # Before backward, not in the steps it starts: reading a parameter on an
+                # accelerator from the worker would wait for the backward queued before it.
+                self._follow_writes([e for e in self._order if e.kind == HOSTED])
+                self._hosted_followed = True
         with self._overlap.final_backward(self._order, enabled):
             yield
 
@@ -1236,6 +1244,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.grad_scale = None
         self._arrival = []
+        self._hosted_followed = False
 
     def grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient of ``param`` as a host tensor (a copy if it rests on disk).
@@ -1363,8 +1372,9 @@ class HostOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Re-read the master copies from the parameters after they changed outside ``step``.
 
-        Needed only for parameters on an accelerator or not in fp32 (elsewhere the parameter
-        is its own master); `headroom.load` calls it. Masters just loaded by
+        Only for parameters on an accelerator or not in fp32 (elsewhere the parameter is its
+        own master), and not needed for writes between steps: each step makes the masters
+        follow them (see headroom.optim._follow). `headroom.load` calls it. Masters just loaded by
         `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
         precise than the parameter.
         """

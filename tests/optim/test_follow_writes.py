@@ -232,3 +232,27 @@ def test_follow_is_exact(dtype, n):
     assert follow_(got, w)
     want = torch.where(v.view(bits) == w.view(bits), m, w.to(torch.float32))
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("write", ["copy_", "data.copy_", "data ="])
+@pytest.mark.parametrize("kind", SETUPS)
+def test_write_between_backward_and_step(kind, write, tmp_path):
+    """Written after backward, before step: the step starts from the written value (SGD:
+    ``written - lr * grad``, rounded to bf16), as plain PyTorch's optimizers do."""
+    model, opt = _setup(kind, tmp_path)
+    _train(model, opt, 1)
+    ref = _model()
+    with torch.no_grad():
+        for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+            r.copy_(_read(p))
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(9)).to(BF16)
+    for m in (model, ref):
+        m(x).float().pow(2).sum().backward()
+    grads = [r.grad.float() for r in ref.parameters()]
+    with torch.no_grad():
+        WRITES[write](model)
+        WRITES[write](ref)
+    opt.step()
+    for r, p, g in zip(ref.parameters(), model.parameters(), grads, strict=True):
+        want = (r.detach().float() - 0.1 * g).to(BF16)
+        assert torch.equal(_read(p), want)

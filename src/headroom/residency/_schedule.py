@@ -409,6 +409,10 @@ class Offload:
     def _before_optimizer_step(self) -> None:
         if self.busy:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+        # A master rebound since the last forward (``p.data = t``) goes into the store now: an
+        # optimizer stepping the store (HostOptimizer) would otherwise step the old value, and
+        # the next forward write the unstepped new one over the result.
+        sync_masters(self)
         for b in [*self.blocks, self.rest]:
             # Optimizers step only parameters with a gradient (torch.optim skips
             # ``grad is None``, HostOptimizer a binding without ``has_grad``), so an announced

@@ -256,3 +256,42 @@ def test_write_between_backward_and_step(kind, write, tmp_path):
     for r, p, g in zip(ref.parameters(), model.parameters(), grads, strict=True):
         want = (r.detach().float() - 0.1 * g).to(BF16)
         assert torch.equal(_read(p), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_write_on_an_accelerator_is_stepped(dtype, final):
+    """Parameters on an accelerator have host masters: a write into the device parameter
+    (through it or its .data) is where the next step starts, with and without final_backward."""
+    from tests.conftest import accelerator_type
+
+    dev = accelerator_type()
+
+    def build():
+        torch.manual_seed(2)
+        return nn.Sequential(nn.Linear(D, D), nn.Linear(D, D)).to(dev, dtype)
+
+    def train(m, opt, steps):
+        for i in range(steps):
+            x = torch.randn(4, D, generator=torch.Generator().manual_seed(i)).to(dev, dtype)
+            with opt.final_backward(final):
+                m(x).float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = build()
+    opt = hr.HostOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    train(model, opt, 2)
+    with torch.no_grad():
+        model[0].weight.copy_(_values(model[0].weight, 7))
+        model[1].weight.data.mul_(0.5)
+    ref = build()
+    with torch.no_grad():
+        for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+            r.copy_(p)
+    ref_opt = hr.HostOptimizer(ref.parameters(), torch.optim.SGD, lr=0.1)
+    train(model, opt, 2)
+    train(ref, ref_opt, 2)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.detach().cpu(), r.detach().cpu())

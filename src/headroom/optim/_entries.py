@@ -41,7 +41,7 @@ class Entry:
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
         "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
-        "xspare", "seen",
+        "xspare", "seen", "follow", "value_seen", "value_mark",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -78,6 +78,12 @@ class Entry:
         self.sharded = False
         # its gradient as its step started inside a final backward (`grad_mark`)
         self.seen: tuple | None = None
+        # a store-resident bf16/fp16 parameter: whether its step compares the value with its
+        # master (see _follow.py), and the store's count of writes to the value
+        # (`headroom.transfer.value_edits`) at its last step / at the one starting now
+        self.follow = False
+        self.value_seen: int | None = None
+        self.value_mark: int | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

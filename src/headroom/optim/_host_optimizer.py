@@ -33,6 +33,7 @@ from headroom.optim._entries import (
     probe_cpu,
     want_fp32_grad,
 )
+from headroom.optim._follow import follow_, follow_stored, init_stored
 from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import (
@@ -59,6 +60,7 @@ from headroom.transfer import (
     on_grad_ready,
     resolve_store,
     sync_grad,
+    value_edits,
 )
 from headroom.transfer._store import SCRATCH
 
@@ -296,6 +298,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._txn: Txn | None = None  # what the step in progress changed, see _undo.py
         self._defer: DeferInterrupt | None = None  # Ctrl-C handling of the running step()
         self._keep_early = False  # keep copies of in-memory state stepped in final_backward
+        self._hosted_followed = False  # host masters followed their parameters this iteration
         self._torn: str | None = None  # a failed step could not be undone (the message)
         super().__init__(params, defaults)
         self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
@@ -626,6 +629,8 @@ class HostOptimizer(torch.optim.Optimizer):
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._check_sparse_sliced(streamed, hparams)
         self._allocate_state(streamed)
+        self._follow_writes([e for e in in_mem + streamed
+                             if not (e.kind == HOSTED and self._hosted_followed)])
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
         # Sliced steps that write no disk (master, state and value all in host memory) keep no
@@ -720,6 +725,38 @@ class HostOptimizer(torch.optim.Optimizer):
             e.small = small
             e.initialized = True
             e.grad_scale = None
+            if e.value_mark is not None:
+                old, e.value_seen = e.value_seen, e.value_mark
+                if txn is not None:  # undone: its master is compared again next time
+                    txn.after_undo(lambda e=e, old=old: setattr(e, "value_seen", old))
+
+    def _follow_writes(self, entries: list[Entry]) -> None:
+        """Masters take what was written into their parameters since the last step (see
+        headroom.optim._follow): here for masters in memory, during the sliced step for those
+        of store-resident bf16/fp16 parameters."""
+        for e in entries:
+            if e.kind == HOSTED:
+                value = e.param.detach()
+                follow_(e.master, value if value.device.type == "cpu" else value.to("cpu"))
+            elif e.lowp and e.master_handle is not None and not e.sharded:
+                self._follow_bound(e)
+
+    def _follow_bound(self, e: Entry) -> None:
+        b = e.bound
+        store = self._state_store or self._aux
+        e.value_mark = value_edits(b.store, b.handle.key)
+        in_memory = b.store.host_tensor(b.handle) is not None
+        if not e.initialized:
+            e.follow = False  # its first step makes the master from the value
+            if e.sparse:  # ... of the rows it steps: the others get theirs now
+                init_stored(store, e.master_handle, b.store, b.handle)
+            return
+        # values in memory may have changed unseen (p.data writes); on disk only if counted
+        e.follow = in_memory or e.value_mark != e.value_seen
+        if e.follow and e.sparse and not in_memory:
+            # rows this step does not touch must follow the write on disk too
+            follow_stored(store, e.master_handle, b.store, b.handle)
+            e.follow = False
 
     @staticmethod
     def _writes_disk(src: SlicedParam) -> bool:
@@ -1027,6 +1064,7 @@ class HostOptimizer(torch.optim.Optimizer):
             initialized=e.initialized,
             rows=rows,
             shadow=(e.bound.store, e.bound.handle) if e.lowp else None,
+            follow=e.lowp and e.follow,
         )
 
     def _grad_rows(self, e: Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -1185,6 +1223,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.stepped = False
         self._arrival = []
+        self._hosted_followed = False
         self._refresh_state_view()
 
     # ------------------------------------------------------------------ overlap
@@ -1223,6 +1262,11 @@ class HostOptimizer(torch.optim.Optimizer):
             # step]): when some of it writes a disk.
             self._keep_early = self._atomic and any(
                 self._entry_writes_disk(e) for e in self._order)
+            if self._overlap.enabled:
+                # Before backward, not in the steps it starts: reading a parameter on an
+                # accelerator from the worker would wait for the backward queued before it.
+                self._follow_writes([e for e in self._order if e.kind == HOSTED])
+                self._hosted_followed = True
         with self._overlap.final_backward(self._order, enabled):
             yield
 
@@ -1294,6 +1338,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.grad_scale = None
         self._arrival = []
+        self._hosted_followed = False
 
     def grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient of ``param`` as a host tensor (a copy if it rests on disk).
@@ -1428,8 +1473,9 @@ class HostOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Re-read the master copies from the parameters after they changed outside ``step``.
 
-        Needed only for parameters on an accelerator or not in fp32 (elsewhere the parameter
-        is its own master); `headroom.load` calls it. Masters just loaded by
+        Only for parameters on an accelerator or not in fp32 (elsewhere the parameter is its
+        own master), and not needed for writes between steps: each step makes the masters
+        follow them (see headroom.optim._follow). `headroom.load` calls it. Masters just loaded by
         `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
         precise than the parameter.
         """

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from headroom.memory import annotate
+from headroom.optim._follow import follow_
 from headroom.optim._undo import Txn, wait_all
 from headroom.transfer import Handle, Store
 
@@ -176,6 +177,9 @@ class SlicedParam:
     # old ones (the two swap when the step ends): nothing to keep, no extra write. State keys,
     # and "p" / "lp" (the master / the low-precision value) where the store can exchange.
     spare: dict[str, Handle] = field(default_factory=dict)
+    # Compare the master with the low-precision value before updating (the value may have been
+    # written since the last step; see headroom.optim._follow)
+    follow: bool = False
 
 
 def _vector_lanes() -> int:
@@ -321,8 +325,10 @@ class SliceRunner:
                     key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
                     for key, h in src.state_handles.items()
                 }
-                if txn is not None and src.shadow is not None and "lp" not in src.spare:
-                    # the low-precision value about to be overwritten, kept for an undo
+                if src.shadow is not None and (src.follow or (
+                        txn is not None and "lp" not in src.spare)):
+                    # the low-precision value about to be overwritten: compared with the
+                    # master, and kept for an undo
                     got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
             if txn is not None:
                 # Host-memory slices with an undo tensor on disk: written out from the resting
@@ -363,6 +369,9 @@ class SliceRunner:
             grad = _result(cur["g"])
             rows = cur["rows"]
             kept = [] if txn is None else self._keep(src, cur, rows, txn)
+            if src.follow and src.initialized:
+                # after its old values are kept: the master takes what was written since
+                follow_(work, _result(cur["lp"]))
             if src.shadow is not None and not src.initialized:
                 work = work.float()  # the fp32 master starts from the low-precision value
             owned = isinstance(cur["g"], Future)
@@ -529,6 +538,8 @@ class SliceRunner:
                     if key not in src.spare:
                         txn.stored_copy(src.state_store, h, None,
                                         src.state_store.read(h).result())
+        if src.follow and not fresh:
+            follow_(work, src.shadow[0].read(src.shadow[1]).result())
         grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
         if grad.dtype != work.dtype:
             grad = grad.to(work.dtype)

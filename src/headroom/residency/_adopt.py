@@ -421,6 +421,7 @@ def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
         with torch.no_grad():
             host.copy_(p.detach())
             p.data = host
+        s.binding.has_value = True  # a whole value written (counted in value_edits)
 
 
 def rescan(state: Offload) -> None:

@@ -53,6 +53,7 @@ from headroom.transfer import (
     is_accelerator,
     is_stored_grad,
     stream_module,
+    value_edits,
 )
 
 __all__ = ["Offload", "in_backward"]
@@ -229,6 +230,8 @@ class Offload:
         # (outside forward and backward too) until a forward uses them or a new announcement,
         # an optimizer step that may change them, or a failure drops them.
         self.announced: list[Group] = []
+        # what each announced slot's master was when its device copy was fetched (`_mark`)
+        self._marks: dict[int, tuple] = {}
         # Listeners told which blocks a forward with gradients used (hr.data_parallel).
         self.used_listeners: list[Any] = []
         # Set by hr.data_parallel: DistributedDataParallel may wrap this model.
@@ -300,6 +303,34 @@ class Offload:
         except BaseException:
             self.drop_announced()
             raise
+        self._note_marks()
+
+    def _mark(self, s: Slot) -> tuple:
+        """What tells that ``s``'s master was written since its device copy was fetched: the
+        store's count of writes to it (`value_edits`: all a value on disk can take) and, for a
+        master in host memory, its version counter and memory (in-place ops through it,
+        ``.data =``)."""
+        p = s.param
+        edits = value_edits(self.store, s.binding.handle.key)
+        if isinstance(p, StoreTensor) or p.device.type != "cpu":
+            return (edits,)
+        return (edits, p._version, p.data_ptr())
+
+    def _note_marks(self) -> None:
+        self._marks = {id(s): self._mark(s) for b in self.announced for s in b.slots}
+
+    def _written_since_fetch(self, block: Group) -> bool:
+        """Whether an announced block's masters changed after its device copies were fetched
+        (writes between `hr.prefetch` and the forward). On a CPU device the values are
+        compared too: ``p.data`` in-place writes leave no other trace."""
+        if any(self._marks.get(id(s)) != self._mark(s) for s in block.slots):
+            return True
+        if self.device.type != "cpu":
+            return False
+        self.res.ensure(block)
+        return any(not isinstance(s.param, StoreTensor)
+                   and not torch.equal(s.param.detach().to(s.dev.dtype), s.dev.detach())
+                   for s in block.slots)
 
     def drop_announced(self) -> None:
         """Forget every announcement and release what it kept (values may change now)."""
@@ -485,6 +516,10 @@ class Offload:
     def _before_optimizer_step(self) -> None:
         if self.busy:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+        # A master rebound since the last forward (``p.data = t``) goes into the store now: an
+        # optimizer stepping the store (HostOptimizer) would otherwise step the old value, and
+        # the next forward write the unstepped new one over the result.
+        sync_masters(self)
         for b in [*self.blocks, self.rest]:
             # Optimizers step only parameters with a gradient (torch.optim skips
             # ``grad is None``, HostOptimizer a binding without ``has_grad``), so an announced
@@ -505,6 +540,7 @@ class Offload:
             self._refetch = False
             for b in self.announced:
                 self.res.fetch(b)
+            self._note_marks()
         finally:
             self.use.exit_forward()
 
@@ -637,6 +673,8 @@ class Offload:
             self.init_pending()
         if block in self.announced:
             self.announced.remove(block)  # the announcement is used up
+            if self._written_since_fetch(block):
+                self.res.release(block)  # fetched again below, with the written values
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(block)

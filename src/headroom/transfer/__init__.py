@@ -11,10 +11,12 @@ from headroom.transfer._binding import (
     binding,
     flush_grad,
     grad_ready,
+    note_value_edit,
     on_grad_ready,
     relay_done,
     sync_grad,
     unbind,
+    value_edits,
 )
 from headroom.transfer._claims import claimed_keys
 from headroom.transfer._device import check_device, stream_module
@@ -94,6 +96,7 @@ __all__ = [
     "is_accelerator",
     "is_stored_grad",
     "grad_ready",
+    "note_value_edit",
     "on_grad_ready",
     "open_regular",
     "parse_header",
@@ -109,4 +112,5 @@ __all__ = [
     "to_meta",
     "trim_heap",
     "unbind",
+    "value_edits",
 ]

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from headroom.transfer._binding import ParamBinding, sync_grad
+from headroom.transfer._binding import ParamBinding, note_value_edit, sync_grad
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import Store
 
@@ -141,6 +141,10 @@ class HandleSource(Source):
 
     def key(self) -> tuple:
         return ("value", id(self.store), self.handle.key)
+
+    def edited(self) -> None:
+        # a consumer holding a copy of the values (an fp32 master) learns of it, unread
+        note_value_edit(self.store, self.handle.key)
 
     def describe(self) -> str:
         return f"{self.handle.key!r} in {self.store!r}"

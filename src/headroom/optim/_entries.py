@@ -41,7 +41,7 @@ class Entry:
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
         "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
-        "xspare", "seen", "follow", "value_seen", "value_mark",
+        "xspare", "seen", "follow", "value_seen", "value_mark", "written",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -84,6 +84,10 @@ class Entry:
         self.follow = False
         self.value_seen: int | None = None
         self.value_mark: int | None = None
+        # the parameter's (version counter, data pointer) after its last step: a write
+        # PyTorch records (an in-place op on it, nn.init, load_state_dict, `.data = t`) since
+        # changes it (see _follow.py); None before the first step
+        self.written: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

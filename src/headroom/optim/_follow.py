@@ -9,10 +9,16 @@ element: where the parameter no longer holds the master rounded to its dtype (bi
 master takes the parameter's value; elsewhere it keeps its extra precision. A parameter nobody
 wrote is left as it is, so this changes nothing for plain training.
 
-Where the values rest decides how a write is seen: in memory (a host copy of the parameter, a
-host store) the values are compared at every step, since ``p.data`` writes leave no trace; on
-disk they can change only through the store, which counts such writes
-(`headroom.transfer.value_edits`), and are compared only after one.
+A step compares only where a write may have happened, so plain training costs nothing: a
+parameter in memory (on the device, or in a host store) after PyTorch recorded a write to it
+since its last step (its version counter moved: an in-place op on it, ``nn.init.*``,
+``copy_`` under ``no_grad``, ``load_state_dict``; or its data pointer did: ``p.data = t``); a
+value resting in a store after the store counted a write to it
+(`headroom.transfer.value_edits`). An in-place write through ``p.data`` (``p.data.mul_(m)``)
+moves neither on a plain parameter: PyTorch keeps no trace of it, so it is not followed (the
+next step starts from the master); write through the parameter under ``torch.no_grad()``
+instead. An offloaded master's ``p.data`` shares its version counter
+(`headroom.residency.OffloadedParameter`), so there it is followed too.
 """
 
 from __future__ import annotations
@@ -22,7 +28,18 @@ import torch
 
 from headroom.transfer import Handle, Store
 
-__all__ = ["follow_", "follow_stored", "init_stored"]
+__all__ = ["follow_", "follow_stored", "init_stored", "written_mark"]
+
+
+def written_mark(p: torch.Tensor) -> tuple[int, int]:
+    """What a write PyTorch records changes: ``p``'s version counter (in-place ops on it) and
+    its data pointer (``p.data = t``); a tensor without storage of its own (values on disk)
+    has only the first."""
+    try:
+        ptr = p.data_ptr()
+    except RuntimeError:
+        ptr = 0
+    return p._version, ptr
 
 _CHUNK = 1 << 22  # elements compared at once: a bounded temporary
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

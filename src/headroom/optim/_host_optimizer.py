@@ -33,7 +33,7 @@ from headroom.optim._entries import (
     probe_cpu,
     want_fp32_grad,
 )
-from headroom.optim._follow import follow_, follow_stored, init_stored
+from headroom.optim._follow import follow_, follow_stored, init_stored, written_mark
 from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import (
@@ -727,8 +727,10 @@ class HostOptimizer(torch.optim.Optimizer):
             e.grad_scale = None
             if e.value_mark is not None:
                 old, e.value_seen = e.value_seen, e.value_mark
+                old_written, e.written = e.written, written_mark(e.param)
                 if txn is not None:  # undone: its master is compared again next time
-                    txn.after_undo(lambda e=e, old=old: setattr(e, "value_seen", old))
+                    txn.after_undo(lambda e=e, old=old, w=old_written: (
+                        setattr(e, "value_seen", old), setattr(e, "written", w)))
 
     def _follow_writes(self, entries: list[Entry]) -> None:
         """Masters take what was written into their parameters since the last step (see
@@ -736,6 +738,8 @@ class HostOptimizer(torch.optim.Optimizer):
         of store-resident bf16/fp16 parameters."""
         for e in entries:
             if e.kind == HOSTED:
+                if e.written == written_mark(e.param):
+                    continue  # nothing written since its step wrote it
                 value = e.param.detach()
                 follow_(e.master, value if value.device.type == "cpu" else value.to("cpu"))
             elif e.lowp and e.master_handle is not None and not e.sharded:
@@ -751,8 +755,10 @@ class HostOptimizer(torch.optim.Optimizer):
             if e.sparse:  # ... of the rows it steps: the others get theirs now
                 init_stored(store, e.master_handle, b.store, b.handle)
             return
-        # values in memory may have changed unseen (p.data writes); on disk only if counted
-        e.follow = in_memory or e.value_mark != e.value_seen
+        # values in memory change through the parameter (its version counter, its data
+        # pointer); on disk, and through the store, as the store counts
+        e.follow = e.value_mark != e.value_seen or (
+            in_memory and e.written != written_mark(e.param))
         if e.follow and e.sparse and not in_memory:
             # rows this step does not touch must follow the write on disk too
             follow_stored(store, e.master_handle, b.store, b.handle)
@@ -1154,6 +1160,7 @@ class HostOptimizer(torch.optim.Optimizer):
         else:
             with torch.no_grad():
                 p.data.copy_(e.master)
+        e.written = written_mark(p)  # `.data` writes leave the version counter as it is
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

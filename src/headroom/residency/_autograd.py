@@ -47,6 +47,18 @@ class OffloadedParameter(nn.Parameter):
 
     __torch_function__ = classmethod(_torch_function)
 
+    # NOTE: a master is never in an autograd graph (the device copies are), so ``p.data`` can
+    # share its version counter, which plain ``.data`` does not: an in-place write through it
+    # (``p.data.mul_(m)``, older initializers) is then seen as a write to the parameter, and an
+    # optimizer's fp32 master follows it (see headroom.optim._follow).
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        torch.Tensor.data.__set__(self, value)
+
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         # as nn.Parameter.__deepcopy__, but the copy is a plain parameter (no offload)
         if id(self) not in memo:

@@ -53,6 +53,7 @@ from headroom.transfer._store_tensor import (
     StoreTensor,
     is_stored_grad,
 )
+from headroom.transfer._values import known_values
 
 __all__ = [
     "DiskStore",
@@ -107,6 +108,7 @@ __all__ = [
     "stream_module",
     "sync_grad",
     "to_meta",
+    "known_values",
     "trim_heap",
     "unbind",
 ]

@@ -104,11 +104,13 @@ def test_plan_error_names_the_patch():
 
 def test_lm_loss_option(plain_peak):
     budget = int(0.7 * plain_peak)
-    with pytest.raises(PlanError) as e:  # without the patch nothing fits
+    with pytest.raises(PlanError, match="lm_loss=None allows hr.patch_causal_lm"):
         plan(llama(), (IDS,), example_kwargs=STEP, budget=budget, device="cpu", speeds=SPEEDS,
-             lm_loss=False)
-    assert "patch_causal_lm" not in str(e.value)
-    # with it asked for, a budget the plain step fits still gets it
+             lm_loss=False)  # without the patch nothing fits
+    # by default only where nothing bitwise fits; asked for, wherever it applies
+    p = plan(llama(), (IDS,), example_kwargs=STEP, budget=2 * plain_peak, device="cpu",
+             speeds=SPEEDS)
+    assert not p.choice.lm_loss and any(c.lm_loss for c, _, _ in p.candidates)
     p = plan(llama(), (IDS,), example_kwargs=STEP, budget=2 * plain_peak, device="cpu",
              speeds=SPEEDS, lm_loss=True)
     assert p.choice.lm_loss

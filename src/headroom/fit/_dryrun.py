@@ -175,8 +175,8 @@ def _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> 
     def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        row = torch.zeros(t.shape[-1], dtype=t.dtype, requires_grad=t.requires_grad)
-        return row.as_strided(t.shape, (0,) * (t.dim() - 1) + (1,))
+        row = torch.zeros(t.shape[-1:], dtype=t.dtype, requires_grad=t.requires_grad)
+        return row.as_strided(t.shape, (0,) * (t.dim() - 1) + (1,)[:t.dim()])
 
     with torch._C._DisableTorchDispatch():
         return int(torch._fused_sdp_choice(

@@ -79,7 +79,8 @@ class Choice:
             ``"disk"`` (`hr.offload_activations` around every forward, ``prefetch=0``).
         activation_min_bytes: the ``min_bytes`` of activation offload.
         lm_loss: a causal LM's loss from its hidden states, without its logits
-            (`hr.patch_causal_lm`).
+            (`hr.patch_causal_lm`; never with ``convert``, which converts the output layer the
+            patch needs as a plain ``nn.Linear``).
     """
 
     convert: bool = False
@@ -460,8 +461,9 @@ def plan(
         lm_loss: for a causal LM whose step computes its loss from ``labels`` (a
             ``transformers`` model whose output layer `hr.patch_causal_lm` takes; ``loss_fn``
             reading ``output.loss``): ``True`` keeps only plans with `hr.patch_causal_lm`,
-            ``False`` only plans without (bitwise the plain step), ``None`` (default) either,
-            whichever is fastest within the budget. Not considered for ``world_size``.
+            ``False`` only plans without (bitwise the plain step), ``None`` (default) plans
+            with it only where no plan without it fits the budget. Not considered for
+            ``world_size``.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` returns ``(model, optimizer)``.
@@ -504,24 +506,14 @@ def plan(
             f"no plan on {device} trains the model's bf16/fp16 parameters from fp32 masters:"
             " one rank's shards on a CPU device can only be stepped by the optimizer itself."
             " Pass fp32_masters=None (or False), or convert the model to float32.", 0)
-    # best first on time: a candidate is refined (its own run) when it comes up, and estimated
-    # whole (peak and time) when its lower bound fits; each step only makes its time more
-    # exact (larger), so the first that comes up whole and fitting is the fastest that fits
-    heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
-    heapq.heapify(heap)
+    # NOTE: with lm_loss=None the LM-loss patch (the model's loss to rounding, not bitwise) is
+    # used only where no plan without it fits: exact by default wherever that fits
+    bitwise = [c for c in candidates if not c.choice.lm_loss]
     chosen = None
-    while heap:
-        _, i, c = heapq.heappop(heap)
-        if c.lower is None:
-            search.refine(c)
-        elif c.peak is None and c.lower <= budget_b:
-            search.whole(c)  # its time too, from the whole plan's ops and transfers
-        elif c.peak is not None and c.peak <= budget_b:
-            chosen = c
+    for pool in [bitwise, candidates] if lm_loss is None and bitwise else [candidates]:
+        chosen = _fastest_fitting(search, pool, budget_b)
+        if chosen is not None:
             break
-        else:
-            continue
-        heapq.heappush(heap, (c.time_s, i, c))
     if chosen is None:
         # every candidate was refined; branch and bound on the lower bounds for the smallest
         # peak and what dominates it
@@ -537,6 +529,9 @@ def plan(
         if search.fp32_masters is False:
             hint += (" fp32_masters=False keeps the optimizer, and so the parameters, on the"
                      " device; fp32_masters=None allows hr.HostOptimizer (fp32 masters).")
+        if lm_loss is False:
+            hint += (" lm_loss=False keeps the model's logits; lm_loss=None allows"
+                     " hr.patch_causal_lm (the loss without them).")
         used = best.choice.describe()
         raise PlanError(
             f"no combination of headroom's techniques fits {format_bytes(budget_b)} on"
@@ -561,6 +556,30 @@ def plan(
 
 
 _MAX_ALTERNATIVE_RUNS = 3
+
+
+def _fastest_fitting(search: Search, candidates: list[_Candidate], budget: int
+                     ) -> _Candidate | None:
+    """The fastest of ``candidates`` whose whole dry run fits ``budget``, or ``None``.
+
+    Best first on time: a candidate is refined (its own run) when it comes up, and estimated
+    whole (peak and time) when its lower bound fits; each step only makes its time more exact
+    (larger), so the first that comes up whole and fitting is the fastest that fits.
+    """
+    heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
+    heapq.heapify(heap)
+    while heap:
+        _, i, c = heapq.heappop(heap)
+        if c.lower is None:
+            search.refine(c)
+        elif c.peak is None and c.lower <= budget:
+            search.whole(c)  # its time too, from the whole plan's ops and transfers
+        elif c.peak is not None and c.peak <= budget:
+            return c
+        else:
+            continue
+        heapq.heappush(heap, (c.time_s, i, c))
+    return None
 _NOTHING = "nothing: the plain step fits"
 
 
@@ -623,6 +642,8 @@ class Search:
         lm_options = self._lm_options(lm_loss)
         self.candidates: list[_Candidate] = []
         for conv, k, act, lm in itertools.product(conv_options, ks, places, lm_options):
+            if conv and lm:
+                continue  # hr.convert converts the output layer, which the patch needs plain
             for params, state in itertools.product(places, state_places):
                 if params != "device" and state == "device":
                     continue  # offloaded parameters are stepped through their store

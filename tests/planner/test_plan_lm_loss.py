@@ -56,6 +56,26 @@ def plain_peak():
     return train(model, torch.optim.AdamW(model.parameters()), steps=2).peak
 
 
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)  # lm_head tied to the embedding
+
+
+@pytest.mark.parametrize("make", [llama, gpt2])
+def test_the_patch_dry_run_is_the_patched_step(make):
+    from headroom.heads import patch_causal_lm_dry_run
+
+    est = hr.estimate(make(), (IDS,), example_kwargs=STEP, optimizer=torch.optim.AdamW,
+                      device="cpu", prepare=patch_causal_lm_dry_run)
+    model = make()
+    hr.patch_causal_lm(model)
+    mem = train(model, torch.optim.AdamW(model.parameters()), steps=2)
+    assert est.peak == mem.peak, (est.peak, mem.peak)
+    assert est.peak_by_category == mem.peak_by_category
+
+
 def test_the_plan_patches_the_lm_loss_when_only_it_fits(plain_peak):
     # The logits (2 x 64 x 32000 fp32) and their gradient are about half the peak: on the
     # CPU without a disk, neither checkpointing nor hr.convert comes near 70% of it.

@@ -264,7 +264,8 @@ class RealTensorsAsMeta(TorchDispatchMode):
     Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
     run would: it is used inside the step) before it is swapped. Fused optimizer kernels that
     have no ``meta`` implementation update their arguments in place and allocate nothing: on
-    ``meta`` tensors they are skipped.
+    ``meta`` tensors they are skipped. Ops whose inputs have known values also run on those
+    values (see [Note: known values in a dry run]).
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -5,7 +5,8 @@ labels, position ids) and what is computed from them alone (a padding mask, a bu
 are known and small; models read them (``.item()``, ``.all()``, boolean indexing) to choose
 their path. `to_meta` keeps a CPU copy of each such input beside its ``meta`` stand-in, and the
 estimator's dispatch mode computes the values of what follows from known values alone. The
-``meta`` tensor stays what the memory is counted from; its values are only read.
+``meta`` tensor stays what the memory is counted from; its values are only read. See
+[Note: known values in a dry run] (`headroom.fit._dryrun`).
 """
 
 from __future__ import annotations

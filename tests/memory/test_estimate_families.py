@@ -146,6 +146,20 @@ def test_advice_on_a_padded_batch():
     assert any("hr.convert" in line for line in advice), advice
 
 
+def test_a_measured_report_advises_on_its_padded_batch(capsys):
+    # the tracker keeps the step's inputs for the advice (ids and labels=ids, one tensor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, kwargs = _family("llama (padded)")
+    opt = torch.optim.AdamW(model.parameters())
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        model(kwargs["input_ids"], attention_mask=kwargs["attention_mask"],
+              labels=kwargs["labels"]).loss.backward()
+        opt.step()
+    text = mem.report()
+    assert "what would cut the peak most" in text and "no advice" not in text, text
+
+
 class _Branching(nn.Module):
     """Keeps a large extra activation when the batch is padded: its path depends on the
     values of its integer input, as transformers' masks do."""

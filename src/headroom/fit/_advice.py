@@ -68,6 +68,9 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     from headroom.nn import convert
 
     saving("hr.convert", prepare=lambda m: convert(m, inplace=True))
+    lm_patch = _lm_patch_saving(model, args, common, optimizer, optimizer_kwargs, peak)
+    if lm_patch is not None:
+        savings.append(lm_patch)
     cpu = base.device == "cpu"
     opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
     from headroom.residency import offload_states
@@ -113,7 +116,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
                          f" ({100 * amount / peak:.0f}%)")
         else:
             lines.append(f"  {label}: saves nothing here")
-    line = _logits_line(logits, peak)
+    line = _logits_line(logits, peak, patch=lm_patch is not None)
     if line:
         lines.append(line)
     if cpu:
@@ -141,27 +144,53 @@ def _other_parts(other: int, logits: tuple[int, str, tuple[int, ...]] | None) ->
             f" ({format_bytes(other - both)}) {rest}")
 
 
-def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int) -> str | None:
+def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int, *,
+                 patch: bool = False) -> str | None:
     """A line naming the largest output of a wide ``nn.Linear`` (a language model's logits, a
-    classifier over many classes) when it and its gradient are a large share of the peak: no
-    technique above removes them, `hr.linear_cross_entropy` never materializes them."""
+    classifier over many classes) when it and its gradient are a large share of the peak:
+    `hr.patch_causal_lm` (when its line is above) or `hr.linear_cross_entropy` never
+    materializes them."""
     if logits is None:
         return None
     nbytes, name, shape = logits
     if 2 * nbytes < _HEAD_MIN_SHARE * peak:
         return None
     dims = " x ".join(str(d) for d in shape)
-    return (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
-            f" about {min(100, 200 * nbytes // peak)}% of the peak, and no technique above"
-            f" removes them: hr.linear_cross_entropy(hidden, {name}.weight, labels) computes the"
-            " same loss without ever holding them")
+    head = (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
+            f" about {min(100, 200 * nbytes // peak)}% of the peak")
+    if patch:
+        return (f"{head}: hr.patch_causal_lm(model) (above) computes the model's loss without"
+                " ever holding them")
+    return (f"{head}, and no technique above removes them: hr.linear_cross_entropy(hidden,"
+            f" {name}.weight, labels) computes the same loss without ever holding them")
+
+
+def _lm_patch_saving(model: nn.Module, args: tuple, common: dict[str, Any], optimizer: Any,
+                     optimizer_kwargs: dict | None, peak: int) -> tuple[int, str] | None:
+    """The saving of `hr.patch_causal_lm` (a dry run with it) for a causal LM whose step
+    computes its loss from labels; ``None`` where the patch does not apply."""
+    from headroom.fit._lm import lm_patch_refusal, lm_patching
+
+    if lm_patch_refusal(model) is not None:
+        return None
+    patched: list[bool] = []
+    try:
+        est = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                       prepare=lm_patching(patched), **common)
+    except Exception:  # the step reads the logits (a loss_fn of its own): not for it
+        return None
+    if not any(patched):
+        return None
+    return (peak - est.peak,
+            "hr.patch_causal_lm(model) (the model's loss from its hidden states, without its"
+            " logits)")
 
 
 def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                     device: str) -> tuple[int, str, tuple[int, ...]] | None:
     """Bytes, module name and shape of the largest output of an ``nn.Linear`` with at least
     `_HEAD_MIN_CLASSES` outputs in a forward on ``meta``, or ``None``."""
-    from headroom.fit._dryrun import AttentionAsOnDevice, meta_copy, to_meta
+    from headroom.fit._dryrun import AttentionAsOnDevice, RealTensorsAsMeta, meta_copy, to_meta
 
     meta = meta_copy(model)
     names = {id(m): n for n, m in meta.named_modules()}
@@ -174,8 +203,10 @@ def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None
 
     handles = [m.register_forward_hook(hook) for m in meta.modules() if isinstance(m, nn.Linear)]
     try:
-        with torch.no_grad(), AttentionAsOnDevice(torch.device(device).type):
-            meta(*to_meta(args), **to_meta(dict(kwargs or {})))
+        args, kwargs = to_meta((args, dict(kwargs or {})))
+        with torch.no_grad(), AttentionAsOnDevice(torch.device(device).type), \
+                RealTensorsAsMeta():
+            meta(*args, **kwargs)
     except Exception:  # advice never breaks a report
         return None
     finally:

@@ -230,8 +230,10 @@ def estimate(
 
     Args:
         model: the model, its parameters anywhere (``meta`` included), offloaded or not.
-        example_args: the inputs of one step, a tuple (or a single tensor); their shapes and
-            dtypes matter, their values do not (they may be ``meta`` tensors too).
+        example_args: the inputs of one step, a tuple (or a single tensor), as the step gets
+            them: their shapes and dtypes matter, and the values of integer and boolean ones
+            (ids, attention masks with their padding, labels), which models read to choose
+            their path (they may be ``meta`` tensors too, without values).
         loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
             model returns one, else the sum of its (first) tensor output.
         optimizer: a ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``), an instance
@@ -280,9 +282,9 @@ def estimate(
         TypeError: if ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
             is not given, or ``optimizer`` is not an optimizer class, instance or factory;
             ``mesh`` is not a ``DeviceMesh``.
-        RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
-            ``.item()``, ``nonzero``), which a dry run cannot know; the message names the op.
-            Nothing is changed: the estimate runs on a copy.
+        RuntimeError: if the model's forward needs values a dry run does not know (``.item()``
+            or ``nonzero`` of what is computed from floating-point inputs or parameters); the
+            message names the op. Nothing is changed: the estimate runs on a copy.
 
     Example:
         >>> est = hr.estimate(model, (x,), optimizer=torch.optim.AdamW, device="cuda")
@@ -335,8 +337,7 @@ def estimate(
                                 accelerated=target != "cpu")
     elif features is not None:
         features.install(meta_model)
-    args = _dryrun.to_meta(example_args)
-    kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
+    args, kwargs = _dryrun.to_meta((example_args, dict(example_kwargs or {})))
     loss_fn = loss_fn or _dryrun.default_loss
     params = [p for p in (meta_model.parameters() if sharded is None else sharded.masters())
               if p.requires_grad]
@@ -560,10 +561,13 @@ def _values_needed():
         text = str(e)
         if "meta" in text or "item()" in text or "data-dependent" in text.lower():
             raise RuntimeError(
-                "the dry run hit an op that needs tensor values, which meta tensors do not have"
-                f" ({text.splitlines()[0][:300]}). Models whose forward branches on values"
-                " (.item(), nonzero, masks computed from inputs) cannot be estimated this way;"
-                " move that logic out of the forward or measure with hr.track_memory()."
+                "the dry run hit an op that needs tensor values it does not know"
+                f" ({text.splitlines()[0][:300]}). A dry run knows the values of integer and"
+                " boolean inputs (ids, attention masks, labels) and of what is computed from"
+                " them alone, not those of floating-point inputs, parameters, inputs given as"
+                " meta tensors, or what is computed from them; a forward that branches on"
+                " those (.item(), nonzero, boolean indexing) cannot be estimated: move that"
+                " logic out of the forward, or measure with hr.track_memory()."
             ) from e
         raise
 

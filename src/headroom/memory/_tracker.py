@@ -600,8 +600,8 @@ class MemoryTracker:
             return
         from headroom.transfer import to_meta
 
-        self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
-                         "kwargs": to_meta(dict(kwargs))}
+        args, kwargs = to_meta((tuple(args), dict(kwargs)))  # labels=ids: one tensor
+        self._context = {"model": weakref.ref(module), "args": args, "kwargs": kwargs}
         if ctx and "optimizer" in ctx:
             self._context["optimizer"] = ctx["optimizer"]
 

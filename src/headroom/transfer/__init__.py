@@ -55,6 +55,7 @@ from headroom.transfer._store_tensor import (
     StoreTensor,
     is_stored_grad,
 )
+from headroom.transfer._values import known_values
 
 __all__ = [
     "DiskStore",
@@ -110,6 +111,7 @@ __all__ = [
     "stream_module",
     "sync_grad",
     "to_meta",
+    "known_values",
     "trim_heap",
     "unbind",
     "value_edits",

@@ -56,6 +56,7 @@ from headroom.transfer import (
     on_grad_ready,
     resolve_store,
     sync_grad,
+    weak_post_accumulate_grad_hook,
 )
 from headroom.transfer._store import SCRATCH
 
@@ -320,7 +321,8 @@ class HostOptimizer(torch.optim.Optimizer):
             # offload layer, not through autograd on this tensor: it tells us when done.
             self._hooks.append(on_grad_ready(e.param, self._on_grad))
         elif e.param.requires_grad:
-            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+            # held weakly: the parameter must not keep its optimizer alive
+            self._hooks.append(weak_post_accumulate_grad_hook(e.param, self._on_grad))
         else:
             return  # frozen: no gradient (like torch.optim, it is skipped); hooked if unfrozen
         e.hooked = True

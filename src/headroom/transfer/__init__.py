@@ -15,6 +15,7 @@ from headroom.transfer._binding import (
     relay_done,
     sync_grad,
     unbind,
+    weak_post_accumulate_grad_hook,
 )
 from headroom.transfer._claims import claimed_keys
 from headroom.transfer._device import check_device, stream_module
@@ -25,7 +26,9 @@ from headroom.transfer._host import HostStore, PinnedPool, add_into
 from headroom.transfer._meta import MetaStore, Places, flat_tensors, to_meta
 from headroom.transfer._mover import _MAX_STAGED_BYTES as MAX_STAGED_BYTES
 from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._pickle import keep_for_child
 from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
+from headroom.transfer._pools import owned_pool, stop_pool
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import (
     MAX_HEADER_BYTES,
@@ -93,9 +96,11 @@ __all__ = [
     "flush_grad",
     "is_accelerator",
     "is_stored_grad",
+    "keep_for_child",
     "grad_ready",
     "on_grad_ready",
     "open_regular",
+    "owned_pool",
     "parse_header",
     "pinned_bytes",
     "relay_done",
@@ -105,8 +110,10 @@ __all__ = [
     "safetensors_dtypes",
     "set_pinned_limit",
     "stream_module",
+    "stop_pool",
     "sync_grad",
     "to_meta",
     "trim_heap",
     "unbind",
+    "weak_post_accumulate_grad_hook",
 ]

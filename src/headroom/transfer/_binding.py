@@ -15,6 +15,7 @@ parameter to it alone, and it calls `relay_done` once the gradient is final.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from headroom.transfer._store import Store
 __all__ = [
     "ParamBinding", "adopt_grad", "bind", "binding", "flush_grad", "grad_ready",
     "on_grad_ready", "relay_done", "sync_grad",
-    "unbind",
+    "unbind", "weak_post_accumulate_grad_hook",
 ]
 
 _ATTR = "_headroom_binding"
@@ -228,3 +229,24 @@ def unbind(param: torch.Tensor) -> None:
     """Forget ``param``'s binding (the store keeps its tensors; free them separately)."""
     if hasattr(param, _ATTR):
         delattr(param, _ATTR)
+
+
+def weak_post_accumulate_grad_hook(tensor: torch.Tensor, method: Callable[..., None],
+                                   *args: object) -> torch.utils.hooks.RemovableHandle:
+    """``tensor.register_post_accumulate_grad_hook(partial(method, *args))``, holding the
+    object of the bound ``method`` weakly: once it is collected the hook does nothing.
+
+    NOTE: Python's garbage collector does not see a tensor's post-accumulate-grad hooks (torch
+    leaves them out of the tensor's traversal), so a hook leading back to the tensor (an offload
+    state or an optimizer holding the parameter it is registered on) makes a cycle that is never
+    collected: the model, its store, threads and folder lock would live until the process ends.
+    ``args`` must not lead to the method's object either.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(t: torch.Tensor) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(*args, t)
+
+    return tensor.register_post_accumulate_grad_hook(hook)

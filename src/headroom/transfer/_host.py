@@ -3,7 +3,9 @@ device), and a pool of reusable page-locked buffers."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -72,6 +74,9 @@ class PinnedPool:
         self._slabs: dict[int, Slab] = {}  # data_ptr of a buffer handed out or cached -> slab
         self._total = 0
         self._lock = threading.Lock()
+        # A pool dropped without `clear` (a mover or stash never closed) gives its page-locked
+        # bytes back to the process budget all the same.
+        weakref.finalize(self, _release_slabs, self._slabs)
 
     @property
     def total_bytes(self) -> int:
@@ -141,6 +146,14 @@ class PinnedPool:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a 1-D uint8 view (any dtype)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def _release_slabs(slabs: dict[int, Slab]) -> None:
+    # A pool collected without clear(), perhaps at interpreter exit: best effort.
+    for slab in list(slabs.values()):
+        with contextlib.suppress(Exception):
+            slab.release()
+    slabs.clear()
 
 
 class HostStore(Store):

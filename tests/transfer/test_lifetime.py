@@ -61,9 +61,11 @@ def test_pool_job_holds_nothing_once_its_future_completes():
     try:
         owner = _Owner()
         ref = weakref.ref(owner)
-        fut = pool.submit(lambda o: None, owner)
+        go = threading.Event()
+        fut = pool.submit(lambda o: go.wait(30), owner)
         del owner
         fut.add_done_callback(lambda f: seen.append(ref() is None))
+        go.set()  # the job ends after the callback is in place
         fut.result()
         pool.submit(int).result()  # the callback has run
     finally:

@@ -70,6 +70,11 @@ def offload(
     host memory for its all-gather, ``prefetch`` units ahead; ``blocks`` are then
     ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
 
+    Nothing outside the model and its optimizer keeps what this makes alive: dropped (with or
+    without `unoffload`), the model, its store and the store's threads, files and folder lock go
+    at the next garbage collection. Pickled (``torch.save``, a spawned process's argument) or
+    ``copy.deepcopy``-ed, it gives a plain model holding the current values.
+
     Args:
         model: the model; its parameters may be anywhere, including the ``meta`` device:
             such parameters get their values in the store from ``hr.load_weights`` or, if
@@ -511,7 +516,8 @@ def unoffload(model: nn.Module) -> nn.Module:
 
     Masters that lived on disk are replaced by new ``nn.Parameter`` objects (re-create the
     optimizer); with ``store="cpu"`` the same parameter objects are kept. The store's tensors
-    are freed.
+    are freed. (A model dropped without it frees all the same once garbage-collected: its store,
+    the store's threads and folder lock, its claims on the store's keys.)
 
     Raises:
         RuntimeError: the model is not offloaded, or a backward pass is in progress.

@@ -290,7 +290,10 @@ class DiskStore(Store):
 
     The store belongs to the process that opened it: in a child forked from it (a DataLoader
     worker, ``multiprocessing``'s fork start method) every method raises `RuntimeError` at once,
-    `close` does nothing, and the folder's lock stays with the parent.
+    `close` does nothing, and the folder's lock stays with the parent. It cannot be pickled or
+    copied (`TypeError`): another process opens ``DiskStore(path)`` once this one is closed. A
+    store garbage-collected without `close` ends its threads, closes its files and unlocks the
+    folder (its index left clean, without the final sync of `close`).
 
     Args:
         path: directory for the files; created if missing. If it holds a DiskStore's files the

@@ -162,7 +162,9 @@ class HostStore(Store):
     A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`):
     pinned bytes are spent once per slab rather than rounded up per tensor, count against the
     process's page-locked budget (`headroom.transfer.pinned_bytes`), and go back to the system
-    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`).
+    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`) or the store is
+    garbage-collected. A store cannot be pickled or copied (`TypeError`): its tensors are this
+    process's, used in place by what is bound to them.
 
     Args:
         pin: page-lock the tensors so copies to an accelerator run asynchronously on a side

@@ -121,6 +121,29 @@ def test_hundred_offload_train_del_cycles_hold_memory_threads_and_files_flat(tmp
     assert grown < 12 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 100 cycles"
 
 
+@pytest.mark.parametrize("store", ["none", "cpu", "disk"])
+def test_optimizer_dropped_while_its_model_lives_is_collected(tmp_path, store):
+    """A HostOptimizer made again for the same model (a learning-rate sweep) lets the dropped
+    one go, with its threads; the model trains on with the new one."""
+    model = _model()
+    if store != "none":
+        _offload(model, "cpu" if store == "cpu" else DiskStore(tmp_path / "s", threads=2))
+    x = torch.randn(4, D)
+    model(x).sum().backward()  # the store's own threads start
+    model.zero_grad()
+    threads = threading.active_count()
+    for _ in range(3):
+        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref = weakref.ref(opt)
+        del opt
+        gc.collect()
+        assert ref() is None
+        assert threading.active_count() == threads
+
+
 def test_store_keys_of_a_dropped_model_are_free_for_the_next(tmp_path):
     """A store the user keeps: the keys of a model dropped without hr.unoffload are released
     when it is collected, and the next model offloaded there takes them over."""

@@ -82,9 +82,8 @@ def test_owned_pool_threads_end_with_their_owner():
     del owner
     gc.collect()
     assert threading.active_count() == threads
-    # The owner's last reference dropped by a job, on the pool's own thread (its first job:
-    # the pool has not noted that thread yet when the job starts): the pool is shut down
-    # without that thread waiting for itself, which then ends.
+    # The owner's last reference dropped by a job, on the pool's own thread: the pool is shut
+    # down without that thread waiting for itself (an error, or a hang), and it then ends.
     owner = _Owner()
     pool = owned_pool(owner, 1, "t")
     box = [owner]

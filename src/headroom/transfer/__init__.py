@@ -15,6 +15,7 @@ from headroom.transfer._binding import (
     relay_done,
     sync_grad,
     unbind,
+    weak_method,
     weak_post_accumulate_grad_hook,
 )
 from headroom.transfer._claims import claimed_keys
@@ -115,5 +116,6 @@ __all__ = [
     "to_meta",
     "trim_heap",
     "unbind",
+    "weak_method",
     "weak_post_accumulate_grad_hook",
 ]

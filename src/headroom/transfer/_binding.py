@@ -27,7 +27,7 @@ from headroom.transfer._store import Store
 __all__ = [
     "ParamBinding", "adopt_grad", "bind", "binding", "flush_grad", "grad_ready",
     "on_grad_ready", "relay_done", "sync_grad",
-    "unbind", "weak_post_accumulate_grad_hook",
+    "unbind", "weak_method", "weak_post_accumulate_grad_hook",
 ]
 
 _ATTR = "_headroom_binding"
@@ -231,22 +231,28 @@ def unbind(param: torch.Tensor) -> None:
         delattr(param, _ATTR)
 
 
+def weak_method(method: Callable[..., None], *args: object) -> Callable[..., None]:
+    """``partial(method, *args)`` holding the object of the bound ``method`` weakly: once it is
+    collected, calls do nothing. For a listener (`on_grad_ready`) or hook that must not keep its
+    owner alive; ``args`` must not lead to the owner either."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*more: object) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(*args, *more)
+
+    return call
+
+
 def weak_post_accumulate_grad_hook(tensor: torch.Tensor, method: Callable[..., None],
                                    *args: object) -> torch.utils.hooks.RemovableHandle:
     """``tensor.register_post_accumulate_grad_hook(partial(method, *args))``, holding the
-    object of the bound ``method`` weakly: once it is collected the hook does nothing.
+    object of the bound ``method`` weakly (see `weak_method`).
 
     NOTE: Python's garbage collector does not see a tensor's post-accumulate-grad hooks (torch
     leaves them out of the tensor's traversal), so a hook leading back to the tensor (an offload
     state or an optimizer holding the parameter it is registered on) makes a cycle that is never
     collected: the model, its store, threads and folder lock would live until the process ends.
-    ``args`` must not lead to the method's object either.
     """
-    ref = weakref.WeakMethod(method)
-
-    def hook(t: torch.Tensor) -> None:
-        fn = ref()
-        if fn is not None:
-            fn(*args, t)
-
-    return tensor.register_post_accumulate_grad_hook(hook)
+    return tensor.register_post_accumulate_grad_hook(weak_method(method, *args))

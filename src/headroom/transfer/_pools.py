@@ -14,10 +14,10 @@ its owner, whose finalizer shuts the pool down and waits for them.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Any
 
 __all__ = ["Pool", "owned_pool", "stop_pool"]
@@ -40,33 +40,29 @@ class _Once:
 
 class Pool(ThreadPoolExecutor):
     """A ``ThreadPoolExecutor`` whose jobs hold nothing once they have run (see the module
-    docstring): waiting for a job's future, then dropping what the job used, frees it.
-
-    Args:
-        max_workers: its threads, at most.
-        thread_name_prefix: their names' start.
-    """
-
-    def __init__(self, max_workers: int, *, thread_name_prefix: str = "") -> None:
-        # The thread idents of its workers, noted by each as it starts (see `stop_pool`); the
-        # initializer holds the set, not the pool, which its threads must not keep alive.
-        self.workers: set[int] = set()
-        super().__init__(max_workers, thread_name_prefix=thread_name_prefix,
-                         initializer=partial(_note_worker, self.workers))
+    docstring): waiting for a job's future, then dropping what the job used, frees it."""
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         return super().submit(_Once(fn, args, kwargs))
 
 
-def _note_worker(workers: set[int]) -> None:
-    workers.add(threading.get_ident())
+def stop_pool(pool: ThreadPoolExecutor, *, timeout: float = 1.0) -> None:
+    """Shut ``pool`` down and wait for its threads to end, ``timeout`` seconds at most; from
+    one of them (an owner's last reference dropped by a job on its own pool), for the others.
+    Idempotent.
 
-
-def stop_pool(pool: Pool) -> None:
-    """Shut ``pool`` down and wait for its threads, except from one of them (an owner's last
-    reference may be dropped by a job on its own pool: that thread ends once the job returns,
-    and a thread cannot wait for itself). Idempotent."""
-    pool.shutdown(wait=threading.get_ident() not in pool.workers)
+    NOTE: called by finalizers, which run wherever a garbage collection starts, perhaps in a
+    thread holding a lock that an ending thread takes on its way out (``threading`` takes one
+    as a thread ends): waiting without a bound there would never return. An owner that is
+    unreachable runs no job, so its threads only have to wake up and return.
+    """
+    pool.shutdown(wait=False)
+    me = threading.current_thread()
+    deadline = time.monotonic() + timeout
+    # ``_threads``: the executor's worker threads (a set, in every version since 3.2)
+    for t in list(getattr(pool, "_threads", ())):
+        if t is not me:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def owned_pool(owner: object, max_workers: int, prefix: str) -> Pool:

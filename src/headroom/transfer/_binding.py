@@ -93,18 +93,21 @@ class ListenerHandle:
     __slots__ = ("_binding", "_fn")
 
     def __init__(self, b: ParamBinding, fn: Callable[[torch.Tensor], None]) -> None:
-        self._binding = b
+        # Weakly, as torch's hook handles: a handle kept (by a finalizer, say) must not keep
+        # the parameter's binding, and through it the model's offload state, alive.
+        self._binding: weakref.ref[ParamBinding] | None = weakref.ref(b)
         self._fn = fn
 
     def remove(self) -> None:
-        if self._binding is not None:
+        b = self._binding() if self._binding is not None else None
+        self._binding = None
+        if b is not None:
             # By identity, so two registrations of the same function stay independent.
-            ls = self._binding.listeners
+            ls = b.listeners
             for i, f in enumerate(ls):
                 if f is self._fn:
                     del ls[i]
                     break
-            self._binding = None
 
 
 def bind(

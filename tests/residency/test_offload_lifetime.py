@@ -84,6 +84,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_dropped_model_is_collected_with_its_store(tmp_path, variant):
+    gc.collect()  # what earlier tests left goes now, not during the measurement
     threads, fds, pinned = threading.active_count(), _open_fds(), pinned_bytes()
     refs = _cycle(tmp_path, *variant)
     gc.collect()
@@ -131,6 +132,7 @@ def test_optimizer_dropped_while_its_model_lives_is_collected(tmp_path, store):
     x = torch.randn(4, D)
     model(x).sum().backward()  # the store's own threads start
     model.zero_grad()
+    gc.collect()
     threads = threading.active_count()
     for _ in range(3):
         opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)

@@ -105,9 +105,30 @@ def test_profile_missing_script_is_a_clear_error(tmp_path, capsys):
     assert "no such script" in capsys.readouterr().err
 
 
-def test_profile_missing_module_is_a_clear_error(capsys):
-    assert main(["profile", "-m", "headroom_no_such_module"]) == 2
-    assert "no module named 'headroom_no_such_module'" in capsys.readouterr().err
+@pytest.mark.parametrize("name", ["headroom_no_such_module", "no.such.module",
+                                  "headroom.no_such_module", ".relative"])
+def test_profile_missing_module_is_a_clear_error(capsys, name):
+    """One line and exit code 2, also for a dotted name whose parent package is missing."""
+    path = sys.path[:]
+    assert main(["profile", "-m", name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"headroom profile: no module named {name!r}")
+    assert err.count("\n") == 1
+    assert sys.path == path
+
+
+def test_profile_module_whose_package_fails_to_import(tmp_path, monkeypatch, capsys):
+    """A parent package that raises on import: one line naming its error, exit code 2."""
+    pkg = tmp_path / "hr_broken_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import hr_missing_dependency\n")
+    (pkg / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", "-m", "hr_broken_pkg.train"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("headroom profile: error while finding module 'hr_broken_pkg.train'"
+                   " (ModuleNotFoundError: No module named 'hr_missing_dependency')\n")
+    sys.modules.pop("hr_broken_pkg", None)
 
 
 def test_profile_in_process_restores_argv_and_path(tmp_path, capsys):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -110,6 +111,18 @@ PRELUDES: dict[str, str] = {
                                          num_attention_heads=2, num_key_value_heads=1,
                                          vocab_size=128, bos_token_id=0, eos_token_id=0)
         transformers.LlamaForCausalLM(llama).save_pretrained("path/to/base")
+    """,
+    # a one-rank gloo group and an accelerate Accelerator in it (multi-process recipes)
+    "accelerate_ranks": """
+        import os, socket, torch
+        import torch.distributed as dist
+        from accelerate import Accelerator
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        acc = Accelerator(cpu=True)
+        loader = torch.utils.data.DataLoader(ds, batch_size=2)
     """,
     "lm": """
         import torch, transformers
@@ -210,3 +223,7 @@ def test_block_runs(where, code, mark, tmp_path, monkeypatch):
         torch.set_num_threads(threads)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        state = sys.modules.get("accelerate.state")
+        if state is not None:  # accelerate keeps one process-wide state: not for the next block
+            state.AcceleratorState._reset_state(True)
+            state.GradientState._reset_state()

@@ -27,15 +27,32 @@ def _write_reports(mem, prefix: Path, *, plot: bool, title: str) -> list[Path]:
     return written
 
 
+def _find_module(name: str) -> str | None:
+    """Why ``python -m name`` would not start (one line), or ``None`` when it would."""
+    if name.startswith("."):
+        return f"no module named {name!r} (relative module names are not supported)"
+    try:
+        # A dotted name imports its parent packages: a missing one raises here.
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            return f"no module named {name!r}"
+        return f"error while finding module {name!r} ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - a parent package's own import failed
+        return f"error while finding module {name!r} ({type(e).__name__}: {e})"
+    return None if spec is not None else f"no module named {name!r}"
+
+
 def _profile(args: argparse.Namespace) -> int:
 
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if args.module:
         # Like `python -m`, the current folder comes first on sys.path.
         sys.path.insert(0, os.getcwd())
-        if importlib.util.find_spec(args.target) is None:
+        problem = _find_module(args.target)
+        if problem is not None:
             sys.path[:] = saved_path
-            print(f"headroom profile: no module named {args.target!r}", file=sys.stderr)
+            print(f"headroom profile: {problem}", file=sys.stderr)
             return 2
         target, run = args.target, lambda: runpy.run_module(args.target, run_name="__main__")
         sys.argv = [args.target, *args.args]

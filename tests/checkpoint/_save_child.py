@@ -60,3 +60,17 @@ def save_and_signal(folder: str, seed: int, shard: int, stop_at: int, sig: int) 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     save_weights(model(seed), folder, max_shard_size=shard)
     os._exit(count if stop_at == 0 else 0)  # stop_at 0: report how many boundaries there are
+
+
+def save_and_kill_at_seal(folder: str, seed: int) -> None:
+    """Save model(seed) into folder, killed (SIGKILL) once the data is written, before the
+    header is rewritten with its checksums."""
+    from headroom.checkpoint import _weights
+
+    def kill(self) -> bytes:
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)
+        raise AssertionError("not killed")  # pragma: no cover
+
+    _weights._Seal.header = kill
+    save_weights(model(seed), folder)

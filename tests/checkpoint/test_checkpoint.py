@@ -464,3 +464,46 @@ def test_kill_9_during_save_leaves_the_old_checkpoint_and_the_next_save_cleans_u
     assert_params_equal(model, fresh)
     hr.save(path, fresh)  # the next save removes the dead process's temp file
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+@pytest.mark.parametrize("saved_through", ["wrapper", "bare"])
+def test_an_optimizer_wrapper_saves_and_loads_as_its_optimizer(tmp_path, saved_through):
+    """accelerate's AcceleratedOptimizer (what ``prepare`` returns) around a HostOptimizer with
+    state on disk: a checkpoint saved through it loads into the bare optimizer and the other
+    way round, exactly (before: refused as 'AcceleratedOptimizer state')."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+
+    def make(tag):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 2))
+        opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                               state_store=hr.DiskStore(tmp_path / tag))
+        return model, opt
+
+    model, opt = make("a")
+    for _ in range(2):
+        model(torch.randn(3, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    wrapped = acc.prepare_optimizer(opt)
+    hr.save(tmp_path / "ck.safetensors", model, wrapped if saved_through == "wrapper" else opt)
+    fresh, fresh_opt = make("b")
+    target = fresh_opt if saved_through == "wrapper" else acc.prepare_optimizer(fresh_opt)
+    assert type(target).__name__ == "AcceleratedOptimizer" or type(wrapped).__name__ == \
+        "AcceleratedOptimizer"
+    hr.load(tmp_path / "ck.safetensors", fresh, target)
+    x = torch.randn(3, 6)
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

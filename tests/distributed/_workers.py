@@ -118,11 +118,16 @@ def multitask(rank: int, world: int, case: str, *, store: str = "cpu", host: boo
 
 
 def transformer(rank: int, world: int, store: str = "cpu", tmp: str = "", micro: int = 1,
-                accumulation: str = "store") -> dict:
+                accumulation: str = "store", fused: bool = False) -> dict:
     """A small transformer whose parameters all rest in a store, vs DDP on the plain model
-    (``micro`` micro-batches per step, all but the last under ``no_sync``)."""
+    (``micro`` micro-batches per step, all but the last under ``no_sync``). ``fused``: its head
+    weight is read inside the root's forward, not through the head's call (TRL's fused LM
+    head), so the head's block is used outside its forward."""
     from headroom.residency._group import Residency
-    from tests.residency._models import Transformer, lm_batch, lm_loss
+    from tests.residency._models import FusedHead, Transformer, lm_batch, lm_loss
+
+    if fused:
+        Transformer = FusedHead  # noqa: N806 - the model class of this run
 
     pushed = [0]  # gradients handed to the store by the last micro-batch's backward
     real_push = Residency.push_grad

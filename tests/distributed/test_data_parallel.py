@@ -32,6 +32,7 @@ CASES = {
     "transformer_disk": dict(fn="transformer", kw=dict(store="disk")),
     "transformer_disk_summed": dict(fn="transformer", kw=dict(store="disk", micro=2,
                                                                accumulation="device")),
+    "transformer_disk_fused": dict(fn="transformer", kw=dict(store="disk", fused=True)),
     "sgd": dict(fn="multitask", kw=dict(case="different", sgd=True)),
     "transformer_compiled": dict(fn="compiled_transformer", kw={}),
 }
@@ -157,7 +158,8 @@ def test_sums_of_no_sync_micro_batches_are_formed_on_the_device(world2):
         assert res["pushed"] == [res["n_params"]] * w.STEPS
 
 
-@pytest.mark.parametrize("case", ["transformer", "transformer_disk", "transformer_disk_summed"])
+@pytest.mark.parametrize("case", ["transformer", "transformer_disk", "transformer_disk_summed",
+                                  "transformer_disk_fused"])
 def test_offloaded_transformer_equals_ddp_on_the_plain_model(world2, case):
     for r, res in enumerate(world2[case]):
         for k, v in res["ref"].items():

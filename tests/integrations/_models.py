@@ -24,11 +24,13 @@ def gpt2(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return GPT2LMHeadModel(cfg).to(dtype)
 
 
-def llama(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def llama(dtype: torch.dtype = torch.float32, vocab: int = VOCAB) -> torch.nn.Module:
+    """A tiny Llama; ``vocab=32000`` gives a realistic vocabulary: its untied head and
+    embedding then hold far more than a decoder layer, and hr.offload makes each a block."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                       max_position_embeddings=32, pad_token_id=0, eos_token_id=1,
                       bos_token_id=2)

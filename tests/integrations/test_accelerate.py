@@ -3,7 +3,13 @@ hr.offload + hr.HostOptimizer: bitwise the run without headroom."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +104,44 @@ def test_gradients_summed_on_the_device_are_exact(mode, tmp_path, monkeypatch):
         assert norms == ref_norms, store
         assert_same_state(ref_state, st)
     assert holds[0] > 0
+
+
+# ------------------------------------------------------------------ several processes
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_two_processes_with_data_parallel_recipe_is_exact(store, tmp_path):
+    """``accelerate launch`` with 2 CPU processes (gloo): hr.offload, hr.data_parallel, then
+    prepare(optimizer, loader), with accumulate and clip_grad_norm_: on each rank the same
+    norms and the same parameters, bitwise, as plain accelerate (prepare wraps DDP)."""
+    script = Path(__file__).with_name("_accelerate_train.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path if p)}
+    # --multi_gpu picks accelerate's torchrun launcher (its --cpu launcher of several processes
+    # needs MPI); the script's Accelerator(cpu=True) then runs on gloo.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), str(script), str(tmp_path), store]
+    with open(tmp_path / "launch.log", "w") as log:  # no pipe to fill and block
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = (tmp_path / "launch.log").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for r, out in enumerate(res):
+        assert (out["rank"], out["world"]) == (r, 2)
+        assert len(out["ref_norms"]) == 2 and all(n > 0.5 for n in out["ref_norms"])  # clipped
+        assert out["norms"] == out["ref_norms"]
+        assert_same_state(out["ref_state"], out["state"])
+    assert_same_state(res[0]["state"], res[1]["state"])  # the replicas agree
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -10,6 +10,7 @@ import torch
 
 from headroom.transfer import binding
 from tests.integrations._models import (
+    VOCAB,
     assert_runs_equal,
     assert_same_state,
     llama,
@@ -22,17 +23,19 @@ from tests.integrations._models import (
 
 pytest.importorskip("trl")
 
+BIG_VOCAB = 32000
+
 # fp32 weights; fp32 weights under bf16 autocast; bf16 weights (the optimizer's fp32 masters)
 MODES = {"fp32": (torch.float32, False), "bf16-autocast": (torch.float32, True),
          "bf16-weights": (torch.bfloat16, False)}
 
 
-def _train(mode: str, store: str | None, headroom: bool, tmp_path):
+def _train(mode: str, store: str | None, headroom: bool, tmp_path, vocab: int = VOCAB):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     dtype, bf16 = MODES[mode]
-    model = offload(llama(dtype), store, tmp_path)
+    model = offload(llama(dtype, vocab), store, tmp_path)
     opt = optimizer(model, headroom)
     data = Dataset.from_dict({"input_ids": token_ids().tolist()})
     cfg = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
@@ -46,6 +49,52 @@ def _train(mode: str, store: str | None, headroom: bool, tmp_path):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sft_trainer_full_fine_tune_with_offload_is_exact(mode, tmp_path):
     assert_runs_equal(partial(_train, mode), mode == "bf16-weights", tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])
+def test_sft_trainer_fused_lm_head_with_a_real_vocabulary(mode, tmp_path):
+    """SFTTrainer's fused LM head (TRL's add_fused_lm_head) reads lm_head.weight inside the
+    model's forward; with a 32k vocabulary the head is a block of its own, fetched on that
+    read (before: "used outside the forward of their offloaded block" after the first step)."""
+    import headroom as hr
+
+    probe = offload(llama(vocab=BIG_VOCAB), "cpu", tmp_path / "probe")
+    assert "lm_head" in {b.name for b in hr.describe(probe).blocks}
+    assert_runs_equal(partial(_train, mode, vocab=BIG_VOCAB), mode == "bf16-weights", tmp_path)
+
+
+def _train_dpo(store: str | None, headroom: bool, tmp_path):
+    """DPOTrainer: the policy and the reference model each offloaded (on DiskStores of their
+    own with ``store="disk"``), both with the fused LM head of a 32k vocabulary."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+
+    def words(n):
+        return " ".join(f"t{int(i)}" for i in torch.randint(4, VOCAB, (n,), generator=g))
+
+    data = Dataset.from_dict({"prompt": [words(5) for _ in range(8)],
+                              "chosen": [words(4) for _ in range(8)],
+                              "rejected": [words(4) for _ in range(8)]})
+    model = offload(llama(vocab=BIG_VOCAB), store, tmp_path / "policy")
+    ref = offload(llama(vocab=BIG_VOCAB), store, tmp_path / "reference")
+    opt = optimizer(model, headroom)
+    cfg = DPOConfig(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                    logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                    disable_tqdm=True, max_length=16, max_grad_norm=0.1)
+    trainer = DPOTrainer(model=model, ref_model=ref, args=cfg, train_dataset=data,
+                         optimizers=(opt, None), processing_class=tokenizer())
+    return train_logged(trainer, model)
+
+
+def test_dpo_trainer_policy_and_reference_offloaded(tmp_path):
+    ref_logs, ref_state = _train_dpo(None, False, tmp_path / "ref")
+    assert len(ref_logs) == 3 and all(n > 0.1 for _, n in ref_logs)  # max_grad_norm clips
+    for store in ("cpu", "disk"):
+        logs, st = _train_dpo(store, True, tmp_path / store)
+        assert logs == ref_logs, store
+        assert_same_state(ref_state, st)
 
 
 def _train_lora(mode: str, store: str | None, headroom: bool, tmp_path):

@@ -60,6 +60,18 @@ class Transformer(nn.Module):
         return self.head(self.ln(h))
 
 
+class FusedHead(Transformer):
+    """The LM head applied by reading its weight inside the root's forward (TRL's fused LM head
+    does this), plus a bias of a middle block read there too."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = layer(h)
+        h = self.ln(h)
+        return F.linear(h, self.head.weight) + self.layers[1].fc2.bias.sum()
+
+
 class Stage(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()

@@ -194,3 +194,35 @@ def test_loading_values_drops_announcements(tmp_path, how):
     assert _resident(model) == []  # a prefetched copy of the old values is gone
     x = torch.randn(2, 8)
     assert torch.equal(model(x, 2), other(x, 2))
+
+
+def _fill(p: torch.Tensor, k: float) -> torch.Tensor:
+    return torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) / k
+
+
+_WRITES = {
+    "copy_": lambda p: p.copy_(_fill(p, 7)),
+    "mul_": lambda p: p.mul_(3.0),
+    "data.copy_": lambda p: p.data.copy_(_fill(p, 3)),
+    "data.mul_": lambda p: p.data.mul_(0.5),
+    "data =": lambda p: setattr(p, "data", _fill(p, 5)),
+    "init.normal_": lambda p: (torch.manual_seed(4), nn.init.normal_(p)),
+}
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
+def test_write_after_prefetch_is_what_the_forward_uses(store, write):
+    """A head announced with hr.prefetch (its device copy fetched ahead) and written before
+    its forward: the forward computes with the written values, as plain PyTorch would."""
+    torch.manual_seed(0)
+    ref = MultiTask()
+    model = _offload_heads(copy.deepcopy(ref), store)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x, 1)
+    hr.prefetch(model.heads[2])
+    assert _resident(model) == [2]
+    with torch.no_grad():
+        for m in (model, ref):
+            _WRITES[write](m.heads[2].weight)
+        assert torch.equal(model(x, 2), ref(x, 2))

@@ -163,6 +163,24 @@ def _ddp_worker(rank: int, world: int, port: int, case: str, out) -> None:
                 out.put((rank, "no error"))
             except RuntimeError as e:
                 out.put((rank, str(e)))
+        elif case in ("ddp_first", "ddp_first_part", "hr_data_parallel_first", "fsdp1_first"):
+            # The wrapper first (accelerate's prepare), then hr.offload: refused before
+            # anything changes (before: DDP first trained silently wrong, replicas drifting).
+            model = _TwoHeads()
+            if case == "fsdp1_first":
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+                wrapped = FSDP(model, device_id=torch.device("cpu"))
+            elif case == "hr_data_parallel_first":
+                wrapped = hr.data_parallel(model)
+            else:
+                wrapped = DDP(model)
+            target = wrapped if case != "ddp_first_part" else nn.Sequential(wrapped)
+            try:
+                _offload(target)
+                out.put((rank, "no error"))
+            except RuntimeError as e:
+                out.put((rank, str(e)))
         else:
             model = _TwoHeads()
             _offload(model.heads)
@@ -176,7 +194,8 @@ def _ddp_worker(rank: int, world: int, port: int, case: str, out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["root", "parent"])
+@pytest.mark.parametrize("case", ["root", "parent", "ddp_first", "ddp_first_part",
+                                  "hr_data_parallel_first", "fsdp1_first"])
 def test_ddp_over_an_offloaded_model_is_refused(case):
     # A fork server that has imported torch and torch._dynamo (DDP's constructor imports it,
     # seconds each time) once, shared with tests/distributed: the ranks start without either.
@@ -196,8 +215,29 @@ def test_ddp_over_an_offloaded_model_is_refused(case):
                 p.kill()
     assert set(results) == {0, 1}
     for msg in results.values():
-        assert "DistributedDataParallel cannot wrap a model offloaded" in msg, msg
-        assert "hr.data_parallel(model)" in msg, msg  # the supported way
+        if case in ("root", "parent"):
+            assert "DistributedDataParallel cannot wrap a model offloaded" in msg, msg
+            assert "hr.data_parallel(model)" in msg, msg  # the supported way
+        elif case == "hr_data_parallel_first":
+            assert "which hr.data_parallel already wraps: offload first" in msg, msg
+        elif case == "fsdp1_first":
+            assert "wrapped by FullyShardedDataParallel (FSDP1)" in msg, msg
+            assert "fully_shard" in msg, msg
+        else:
+            where = "the model" if case == "ddp_first" else "its submodule '0'"
+            assert f"hr.offload got {where}, wrapped by DistributedDataParallel" in msg, msg
+            assert "model = hr.data_parallel(model)" in msg, msg
+            assert "before accelerator.prepare" in msg, msg
+
+
+def test_data_parallel_wrapper_then_offload_is_refused():
+    """``torch.nn.DataParallel`` (single process; on the CPU it runs the module as is) around
+    the model, or inside it: refused by hr.offload, nothing changed."""
+    model = _net()
+    for target in (nn.DataParallel(model), nn.Sequential(nn.DataParallel(model))):
+        with pytest.raises(RuntimeError, match="wrapped by torch.nn.DataParallel"):
+            hr.offload(target, device="cpu", store="cpu")
+    assert not any(hasattr(m, "_headroom_offload") for m in model.modules())
 
 
 @pytest.mark.parametrize("kind", ["torch", "host"])

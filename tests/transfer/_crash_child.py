@@ -79,6 +79,17 @@ def main() -> None:
         disk_mod._pwrite_from = half_then_die
         say("ready")
         store.write(h, torch.ones(1 << 20)).result()
+    elif mode == "free":
+        store.put("keep", torch.arange(10.0))
+        h = store.put("gone", torch.ones(10))
+        store.flush()
+
+        def die(path, *a, **kw):  # killed between the journaled free and the unlink
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        os.unlink = die
+        say("freeing")
+        store.free(h)
     elif mode == "train":
         import headroom as hr
         from tests.optim._models import loss_fn, make_model

@@ -587,13 +587,18 @@ def test_foreign_folder_is_refused_and_overwrite_keeps_other_files(tmp_path):
         DiskStore(other)
 
 
-def test_orphans_are_removed_and_existing_files_never_overwritten(tmp_path):
+def test_unaccounted_files_are_refused_and_existing_files_never_overwritten(tmp_path):
     s = DiskStore(tmp_path / "s")
     s.put("x", torch.ones(2))
     s.close()
     (tmp_path / "s" / "000007-stray.bin").write_bytes(b"x")
     (tmp_path / "s" / "keep.txt").write_text("keep")
-    s = DiskStore(tmp_path / "s")
+    with pytest.raises(StoreCorruptError, match=r"000007-stray\.bin\..*recover=True"):
+        DiskStore(tmp_path / "s")
+    with pytest.warns(UserWarning, match=r"moved aside \(not deleted\): 000007-stray\.bin"
+                      r"\.unaccounted"):
+        s = DiskStore(tmp_path / "s", recover=True)
+    assert (tmp_path / "s" / "000007-stray.bin.unaccounted").read_bytes() == b"x"
     assert not (tmp_path / "s" / "000007-stray.bin").exists()
     assert (tmp_path / "s" / "keep.txt").exists()
     nxt = tmp_path / "s" / "000002-y.bin"  # the name the next alloc will take
@@ -635,4 +640,4 @@ def test_reads_a_version_1_index(tmp_path):
     assert torch.equal(_read(s, "x"), x)
     s.close()
     index = json.loads((folder / "index.json").read_text())
-    assert index["version"] == 2 and isinstance(index["tensors"]["x"]["segments"][0][2], int)
+    assert index["version"] == 3 and isinstance(index["tensors"]["x"]["segments"][0][2], int)

@@ -16,6 +16,7 @@ import torch
 from headroom.transfer import DiskStore, HostStore, StoreCorruptError, StoreFullError
 from headroom.transfer import _recover as recover_mod
 from headroom.transfer import _segments as seg
+from tests.transfer._disk_files import edit_index, read_index
 
 SECRET = bytes(range(64))
 
@@ -29,15 +30,12 @@ def _store(folder: Path) -> Path:
 
 
 def _edit_index(folder: Path, edit) -> None:
-    index = folder / "index.json"
-    data = json.loads(index.read_text())
-    edit(data)
-    index.write_text(json.dumps(data))
+    edit_index(folder, edit)  # re-sealed: what is tested is the edited field
 
 
 def _journal(folder: Path, *records: dict) -> None:
     """Append ``records`` to the folder's journal with the next sequence numbers, signed."""
-    seq = json.loads((folder / "index.json").read_text())["seq"]
+    seq = read_index(folder)["seq"]
     with open(folder / "journal.jsonl", "ab") as f:
         for rec in records:
             seq += 1

@@ -279,6 +279,20 @@ def save(
     _save(path, model, optimizer, extra=extra, checksums=True)
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside a framework's wrapper (accelerate's ``AcceleratedOptimizer`` keeps
+    it as ``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``): a checkpoint
+    saved through the wrapper loads into the bare optimizer, and the other way round."""
+    for _ in range(4):  # wrappers of wrappers, bounded
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
 def _save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -289,6 +303,7 @@ def _save(
 ) -> None:
     """`save`; ``checksums=False`` writes a version 1 file (no checksums), as before them."""
     path = os.fspath(path)
+    optimizer = unwrap_optimizer(optimizer)
     json_tensors: list[_Item] = []
     items, names = _model_items(model)
     meta: dict[str, Any] = {}
@@ -433,6 +448,7 @@ def _load(
     verify: bool,
 ) -> dict[str, Any]:
     """`load`; ``verify=False`` skips the checksums (to measure what they cost)."""
+    optimizer = unwrap_optimizer(optimizer)
     with Reader(os.fspath(path), verify=verify) as r:
         meta = r.meta
         _check_meta(r, meta)

@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headroom.checkpoint._file import remove_stale_temps, temp_path
+from headroom.checkpoint._file import (
+    CheckpointCorruptError,
+    Checksums,
+    available_memory,
+    byte_view,
+    remove_stale_temps,
+    temp_path,
+)
 from headroom.checkpoint._names import checkpoint_names
 from headroom.residency import offload_states
 from headroom.transfer import (
@@ -40,6 +47,10 @@ _INDEX = "model.safetensors.index.json"
 # The shard names `save_weights` writes: save_pretrained's, or with a tag when a file of that
 # name is already in the folder (the previous save's, kept whole until the new index lands).
 _SHARD = re.compile(r"model(-[0-9a-f]{8})?-\d{5}-of-\d{5}\.safetensors")
+# The `__metadata__` key under which `save_weights` records each tensor's dtype, shape and
+# CRC32C (a JSON object: name -> [dtype code, shape, 8 hex digits]); see `_check_record`.
+_RECORD = "headroom_crc32c"
+_FIX = ("download or save the checkpoint again, or pass verify=False to load it as it is")
 # File bytes read per chunk. Two chunks in flight (one being written while the next is
 # read) plus a dtype conversion bound the memory a load adds, whatever the model's size.
 _CHUNK = 8 << 20
@@ -200,7 +211,9 @@ def _offload_states(model: nn.Module) -> dict[int, object]:
     return out
 
 
-def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> None:
+def load_weights(
+    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, verify: bool = True
+) -> None:
     """Fill ``model``'s parameters and persistent buffers from safetensors files.
 
     Works on an offloaded model (the values go straight into its store, host memory or disk,
@@ -208,7 +221,20 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
     values here instead of being initialized at random (see `hr.offload`). Names are the
     model's ``state_dict()`` keys; tied parameters need only one of their names in the files
     (``save_pretrained`` writes one). Values are converted to the parameter's dtype when the
-    file's differs. Everything is checked before anything is written.
+    file's differs. Keys, shapes and headers are all checked before anything is written.
+
+    Files `save_weights` wrote record each tensor's dtype, shape and CRC32C, and with
+    ``verify=True`` every tensor loaded is checked against them: a flipped byte, or a header
+    edited in place (a dtype ``F32`` -> ``I32``, a shape ``[4, 6]`` -> ``[6, 4]``), raises
+    `CheckpointCorruptError` instead of loading other values. Headers are checked against the
+    record before any data is read. When the tensors to load fit in half the available memory
+    (the usual case), all are verified before the first is written, so a damaged file leaves
+    the model unchanged; the page cache keeps what that pass read for the load itself. Larger
+    checkpoints are verified tensor by tensor, each in full just before it is written: a
+    damaged tensor stops the load with the tensors before it loaded, it and the rest unchanged
+    (the error says which). Either way a tensor is read a few megabytes at a time, and nothing
+    unverified is written. Files without a record (written by ``save_pretrained``, the
+    ``safetensors`` package, or other tools) have nothing to verify and load as they are.
 
     Args:
         model: the model (offloaded or not). Not during its forward or backward.
@@ -218,6 +244,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
             nothing else. With ``strict=False`` extra tensors are ignored, and parameters
             missing from the files keep their values (or, created on ``meta``, are initialized
             by their module when first needed).
+        verify: check the tensors against the checksums `save_weights` recorded (above).
+            ``verify=False`` loads a file whose checksums fail as it is, and skips the
+            checksum pass (one more read of each tensor, from the page cache).
 
     Each tensor is read from the file the index names. The index may name files of its own
     folder only (no absolute path, no ``..``, no link leading out of the folder, except the
@@ -226,6 +255,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or a file its index names is missing.
+        CheckpointCorruptError: (a ``ValueError``) a tensor's bytes do not match their
+            CRC32C, or a header does not match its recorded names, dtypes and shapes; names
+            the file, the tensor, the values and what was loaded.
         ValueError: missing or unexpected keys, or shape mismatches (all named); a damaged file
             or index, a tensor in two files, an index and shards of different saves, shards
             without their index, an index entry outside the folder (each named).
@@ -249,6 +281,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
         for p in paths:
             files.append(SafetensorsFile(p))
         where = _where(files, weight_map, Path(path))
+        # Each file's record checked against its header (names, dtypes, shapes) before any data.
+        records = {id(f): _check_record(f) for f in files} if verify else {}
         # A wrapped model (PEFT) takes its base checkpoint; see headroom.checkpoint._names.
         plan, problems = _match(checkpoint_names(model, _targets(model), where), where, strict)
         if problems:
@@ -257,12 +291,82 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tr
                 + "; ".join(problems)
                 + ("" if not strict else ". Pass strict=False to load the tensors that match")
             )
-        for tgt, name in plan:
+        sums = [(records.get(id(where[name][0])) or {}).get(name) for _, name in plan]
+        checked = sum(where[name][1].nbytes for (_, name), c in zip(plan, sums, strict=True)
+                      if c is not None)
+        # NOTE: as `hr.load`: all first when the page cache can keep what that pass reads for
+        # the load itself (a damaged file then changes nothing); otherwise each tensor in full
+        # just before it is written, so nothing unverified is ever written.
+        first = checked > 0 and checked <= available_memory() // 2
+        if first:
+            for (_, name), c in zip(plan, sums, strict=True):
+                if c is not None:
+                    _verify(*where[name], c, "nothing was loaded: the model is unchanged")
+        for i, ((tgt, name), c) in enumerate(zip(plan, sums, strict=True)):
             f, info = where[name]
+            if c is not None and not first:
+                _verify(f, info, c, f"the {i} tensors before it in this load were loaded; it"
+                        f" and the {len(plan) - i - 1} after it are unchanged")
             _load_one(tgt, f, info, states)
     finally:
         for f in files:
             f.close()
+
+
+def _corrupt(f: SafetensorsFile, why: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{str(f.path)!r} does not match what save_weights wrote"
+                                  f" ({why}): the file was damaged or edited since; {_FIX}")
+
+
+def _check_record(f: SafetensorsFile) -> dict[str, int] | None:
+    """The CRC32C `save_weights` recorded for each tensor of ``f`` (``None``: no record, as in
+    files other writers made), once the record's names, dtypes and shapes are the header's.
+
+    The data's checksum alone would miss a header edited in place (a dtype F32 -> I32, or a
+    shape [4, 6] -> [6, 4], reinterprets the same bytes): the record repeats both.
+    """
+    raw = f.metadata.get(_RECORD)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+        if not isinstance(record, dict):
+            raise TypeError(f"a {type(record).__name__}, not an object")
+        sums: dict[str, int] = {}
+        for name, entry in record.items():
+            code, shape, digits = entry
+            if (not isinstance(code, str) or not isinstance(shape, list)
+                    or not all(type(d) is int for d in shape) or not isinstance(digits, str)
+                    or not re.fullmatch(r"[0-9a-f]{8}", digits)):
+                raise ValueError(f"entry {name!r} is {entry!r}, not [dtype, shape, 8 hex digits]")
+            sums[name] = int(digits, 16)
+    except RecursionError:
+        raise _corrupt(f, f"its {_RECORD} metadata is JSON nested too deeply") from None
+    except (ValueError, TypeError) as e:  # JSON, an entry not a triple, a bad field
+        raise _corrupt(f, f"its {_RECORD} metadata is unreadable: {e}") from None
+    if record.keys() != f.tensors.keys():
+        extra = [n for n in f.tensors if n not in record]
+        gone = [n for n in record if n not in f.tensors]
+        raise _corrupt(f, f"its header holds tensors {extra[:5]} it was not saved with, and"
+                          f" lacks {gone[:5]} it was saved with")
+    for name, info in f.tensors.items():
+        code, shape, _ = record[name]
+        now = _CODES[info.dtype]
+        if code != now or tuple(shape) != info.shape:
+            raise _corrupt(f, f"tensor {name!r} is {now} {list(info.shape)} in its header,"
+                              f" saved as {code} {shape}")
+    return sums
+
+
+def _verify(f: SafetensorsFile, info: TensorInfo, expected: int, state: str) -> None:
+    """Check tensor ``info``'s bytes against their recorded CRC32C, or raise saying ``state``."""
+    got = f.crc32c(info.name)
+    if got != expected:
+        raise CheckpointCorruptError(
+            f"{str(f.path)!r} is damaged: tensor {info.name!r} (file bytes {info.offset}-"
+            f"{info.offset + info.nbytes}) has CRC32C {got:08x}, save_weights recorded"
+            f" {expected:08x}; {state}. {_FIX[0].upper()}{_FIX[1:]}"
+        )
 
 
 def _match(targets: list[_Target], where: dict, strict: bool):
@@ -440,6 +544,11 @@ def save_weights(
     ``save_pretrained`` does. A Hugging Face model's ``config`` (and generation config) is
     written beside them.
 
+    Each file's ``__metadata__`` records, besides ``"format": "pt"``, every tensor's dtype,
+    shape and the CRC32C of the bytes written (one JSON string under ``headroom_crc32c``),
+    which `load_weights` verifies; ``from_pretrained`` and the ``safetensors`` package read the
+    files as any others.
+
     A save replaces the checkpoint already in ``path`` as one unit: readers (this function's
     `load_weights`, ``from_pretrained``) find the old checkpoint or the new one, whole, whenever
     the save is interrupted (an exception, Ctrl-C, ``kill -9``, a power loss). Each file is
@@ -577,17 +686,45 @@ def _remove_dead_temps(out: Path) -> None:
         remove_stale_temps(str(out / target))
 
 
-def _write_file(path: Path, parts) -> None:
-    """Write ``parts`` (byte buffers) to a temporary file, sync it and rename it to ``path``."""
+@dataclass
+class _Seal:
+    """A file's header, rewritten once the checksums of the bytes written are known."""
+
+    sums: Checksums
+    build: Callable[[dict[str, int]], bytes]
+    length: int
+
+    def header(self) -> bytes:
+        final = self.build(self.sums.finish())
+        if len(final) != self.length:  # pragma: no cover - fixed-width digits
+            raise AssertionError("safetensors header changed length when sealed")
+        return final
+
+
+def _write_file(path: Path, parts, seal: _Seal | None = None) -> None:
+    """Write ``parts`` (byte buffers) to a temporary file, sync it and rename it to ``path``.
+
+    ``seal``: once the parts are written, its header replaces as many bytes from byte 8 on.
+    """
     with temp_path(str(path)) as tmp:
         try:
             with open(tmp, "wb") as f:
                 for part in parts:
                     f.write(part)
                 f.flush()
+                if seal is not None:
+                    # The data goes to the disk while the last checksums are computed; the
+                    # header rewritten then costs one more sync of a page.
+                    seal.sums.start()
+                    os.fsync(f.fileno())
+                    f.seek(8)
+                    f.write(seal.header())
+                    f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
+            if seal is not None:
+                seal.sums.close()
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
@@ -595,28 +732,42 @@ def _write_file(path: Path, parts) -> None:
 
 @torch.no_grad()
 def _write_shard(path: Path, shard: list) -> None:
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, tgt, to, nbytes in shard:
-        header[name] = {"dtype": _CODES[to], "shape": list(tgt.tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    def header(sums: dict[str, int]) -> bytes:
+        record = {name: [_CODES[to], list(tgt.tensor.shape), f"{sums.get(name, 0):08x}"]
+                  for name, tgt, to, _ in shard}
+        # "format": "pt" is what from_pretrained looks for; the record is one string value,
+        # as safetensors metadata must be.
+        head: dict = {"__metadata__": {"format": "pt", _RECORD: json.dumps(
+            record, separators=(",", ":"))}}
+        offset = 0
+        for name, tgt, to, nbytes in shard:
+            head[name] = {"dtype": _CODES[to], "shape": list(tgt.tensor.shape),
+                          "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(head, separators=(",", ":")).encode()
+        return blob + b" " * (-len(blob) % 8)
+
+    # NOTE: the checksums are of the bytes written, known once they are: the header goes out
+    # with zeros in their place and is rewritten, the same length (8 hex digits each), before
+    # the file is synced and renamed. One pass over the store, as without them; the CRCs run
+    # on a helper thread while the main one writes (see `Checksums`).
+    blob = header({})
+    seal = _Seal(Checksums(True), header, len(blob))
 
     def parts():
         yield len(blob).to_bytes(8, "little")
         yield blob
-        for _, tgt, to, _ in shard:
-            for chunk in _chunks(tgt.tensor, to):
-                yield memoryview(chunk.reshape(-1).view(torch.uint8).numpy())
+        for name, tgt, to, _ in shard:
+            for chunk, temporary in _chunks(tgt.tensor, to):
+                seal.sums.add(name, chunk, temporary=temporary)
+                yield byte_view(chunk)
 
-    _write_file(path, parts())
+    _write_file(path, parts(), seal)
 
 
 def _chunks(t: torch.Tensor, to: torch.dtype):
     """``t``'s values in ``to``, a few megabytes of rows at a time, read from its store if it
-    rests in one."""
+    rests in one; each with whether it is a copy made for this (not memory of the model)."""
     b = binding(t)
     if b is not None:
         host = b.store.host_tensor(b.handle)
@@ -629,13 +780,16 @@ def _chunks(t: torch.Tensor, to: torch.dtype):
                 stop = min(a + per, h.shape[0])
                 if stop < h.shape[0]:  # the next slice is read while this one is written
                     nxt = b.store.read_rows(h, slice(stop, min(stop + per, h.shape[0])))
-                yield cur.result().to(to).contiguous()
+                yield cur.result().to(to).contiguous(), True
             return
         t = host if host is not None else b.store.read(h).result()
     t = t.detach()
+    base = t.untyped_storage().data_ptr() if t.device.type == "cpu" else None
     if not t.dim():
-        yield t.to("cpu", to).reshape(1)
+        out = t.to("cpu", to).reshape(1)
+        yield out, out.untyped_storage().data_ptr() != base
         return
     per = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
     for a in range(0, t.shape[0], per):
-        yield t[a:a + per].to("cpu", to).contiguous()
+        out = t[a:a + per].to("cpu", to).contiguous()
+        yield out, out.untyped_storage().data_ptr() != base

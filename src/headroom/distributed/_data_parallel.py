@@ -86,6 +86,8 @@ def data_parallel(
 class DataParallel(nn.Module):
     """The module `data_parallel` returns; see there."""
 
+    _headroom_data_parallel = True  # hr.offload refuses a model inside one (offload first)
+
     def __init__(self, model: nn.Module, process_group: Any = None, *, bucket_bytes: int,
                  timeout: timedelta | float | None, **ddp_kwargs: Any) -> None:
         super().__init__()

@@ -31,6 +31,7 @@ from headroom.heads._linear_ce import (
     ce_forward,
     check_label_shape,
     check_options,
+    compute_dtype,
     default_loss_dtype,
     grad_rows,
     linear_cross_entropy,
@@ -46,8 +47,12 @@ from headroom.heads._slices import landing, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
 from headroom.heads._targets import Positives
 from headroom.transfer import (
+    GradSource,
     Handle,
+    HandleSource,
+    ParamBinding,
     Store,
+    StoreTensor,
     bind,
     binding,
     check_device,
@@ -67,15 +72,15 @@ class _StoreCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, features, weight, bias, target, head, opts, shift,  # type: ignore[override]
-                slice_size):
+                slice_size, dtype):
         shape = target.shape
-        x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
+        x = features.reshape(-1, features.shape[-1]).to(dtype)
         t = target.reshape(-1).long()
         with no_autocast(head.device):
-            fwd = ce_forward(x, head._source(slice_size), t, opts, slice_size=slice_size)
+            fwd = ce_forward(x, head._source(slice_size, dtype), t, opts, slice_size=slice_size)
         ctx.save_for_backward(features, t, fwd.row_max, fwd.row_sum, fwd.denominator,
                               fwd.n_valid)
-        ctx.head, ctx.opts = head, (opts, shape, shift, slice_size)
+        ctx.head, ctx.opts = head, (opts, shape, shift, slice_size, dtype)
         ctx.set_materialize_grads(False)
         out = outputs(fwd, opts, shape, shift)
         ctx.mark_non_differentiable(out[2], out[3])
@@ -89,26 +94,27 @@ class _StoreCrossEntropy(torch.autograd.Function):
         )
         features, t, row_max, row_sum, denominator, n_valid = ctx.saved_tensors
         head: HugeClassifier = ctx.head
-        opts, shape, shift, slice_size = ctx.opts
+        opts, shape, shift, slice_size, dtype = ctx.opts
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if opts.reduction == "none":
             grad_loss = grad_rows(grad_loss, shape, shift)
         grad_lse = grad_rows(grad_lse, shape, shift)
         if grad_loss is None and grad_lse is None:
-            return None, None, None, None, None, None, None, None
-        x = features.reshape(-1, features.shape[-1]).to(head.accum_dtype)
+            return None, None, None, None, None, None, None, None, None
+        x = features.reshape(-1, features.shape[-1]).to(dtype)
         need_b = need_b and head.bias is not None
-        sink = head._sink(slice_size, weight=need_w, bias=need_b) if need_w or need_b else None
+        sink = head._sink(slice_size, dtype, weight=need_w, bias=need_b) if (
+            need_w or need_b) else None
         with landing(sink), no_autocast(head.device):
             grad_x = ce_backward(
-                x, head._source(slice_size), t, (row_max, row_sum, denominator, n_valid),
+                x, head._source(slice_size, dtype), t, (row_max, row_sum, denominator, n_valid),
                 grad_loss, grad_lse, opts, slice_size=slice_size, need_x=need_x, sink=sink,
                 need_weight=need_w, need_bias=need_b,
             )
         if sink is not None:
             head._grads_landed(weight=need_w, bias=need_b, rows=None)
         gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
-        return gx, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None
 
 
 class _StoreParams:
@@ -116,18 +122,67 @@ class _StoreParams:
 
     one_pass = False
 
-    def __init__(self, head: HugeClassifier) -> None:
+    def __init__(self, head: HugeClassifier, dtype: torch.dtype) -> None:
         self.head = head
+        self.dtype = dtype
 
     def source(self, slice_size: int) -> StoreSlices:
-        return self.head._source(slice_size)
+        return self.head._source(slice_size, self.dtype)
 
     def sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
-        return self.head._sink(slice_size, weight=weight, bias=bias)
+        return self.head._sink(slice_size, self.dtype, weight=weight, bias=bias)
 
     def landed(self, sink, *, weight: bool, bias: bool) -> tuple[None, None]:
         self.head._grads_landed(weight=weight, bias=bias, rows=None)
         return None, None
+
+
+def _refuse_other(p: torch.Tensor, value: Any, what: str) -> None:
+    """Refuse a value whose shape or dtype the store cannot take for ``p``'s values."""
+    if not isinstance(value, torch.Tensor) or value.shape != p.shape or value.dtype != p.dtype:
+        got = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else type(value).__name__)
+        raise RuntimeError(
+            f"cannot {what} a HugeClassifier parameter ({p.dtype} {tuple(p.shape)}, resting in"
+            f" its store) to {got}: the store keeps its shape and dtype. Pass a"
+            f" {p.dtype} tensor of shape {tuple(p.shape)} (head.load_weight(weight, bias)"
+            " converts the dtype), or build the head with another dtype="
+        )
+
+
+class _HostParameter(nn.Parameter):
+    """A parameter whose data is a host store's tensor, and stays it.
+
+    ``param.data = t`` (``torch.nn.utils.vector_to_parameters``, initializers that build a
+    tensor elsewhere) would swap the tensor's memory for ``t``'s: the parameter would then
+    train values the store, and so the head's loss, never sees. Here it copies ``t`` into the
+    store's tensor instead.
+    """
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        b = binding(self)
+        host = None if b is None else b.store.host_tensor(b.handle)
+        if host is None:  # not (or no longer) a store's: an ordinary parameter
+            torch._C.TensorBase.data.__set__(self, value)
+            return
+        _refuse_other(self, value, "rebind .data of")
+        if isinstance(value, torch.Tensor) and value.data_ptr() == host.data_ptr() \
+                and value.stride() == host.stride():
+            return  # the store's own tensor (or its .data) given back
+        with torch.no_grad():
+            host.copy_(value.detach().clone() if _overlaps(value, host) else value)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() == sb.data_ptr()
 
 
 class HugeClassifier(nn.Module):
@@ -175,7 +230,9 @@ class HugeClassifier(nn.Module):
             loss runs over those only. Gradients are row-sparse:
             only the sampled rows get one (``binding(weight).grad_rows``). Faster and lighter
             for millions of classes; not the same loss. ``topk`` always uses all classes.
-        dtype: dtype of the weight in the store. Logits and gradients accumulate in fp32.
+        dtype: dtype of the weight in the store. Logits and gradients accumulate in the
+            widest of fp32, ``dtype`` and the features' dtype: fp32 for fp32/bf16/fp16,
+            fp64 for an fp64 weight or fp64 features (exact to fp64 rounding).
         key: name prefix of the tensors in the store (defaults to a fresh unique name). Give
             one to find the tensors again in a reopened `DiskStore`: when the store already
             holds ``key``'s weight, its values are kept (not re-initialized). A key is held
@@ -255,7 +312,8 @@ class HugeClassifier(nn.Module):
         self.slice_size = slice_size
         self.sample_rate = float(sample_rate)
         self.dtype = dtype
-        self.accum_dtype = torch.float32
+        # the head's compute dtype; float64 features compute in float64 on any head
+        self.accum_dtype = compute_dtype(dtype)
         self.prefetch = prefetch
         self.generator = generator
         self.store = resolve_store(store, self.device)
@@ -352,11 +410,16 @@ class HugeClassifier(nn.Module):
         return self.store.alloc(key, shape, self.dtype, zero=False)
 
     def _param(self, h: Handle) -> nn.Parameter:
+        # NOTE: every write to the parameter reaches the store: in host memory its data *is*
+        # the store's tensor (and ``.data = t`` copies ``t`` in, see `_HostParameter`); on
+        # disk it is a `StoreTensor`, whose in-place ops (``copy_``, ``nn.init.*``,
+        # ``load_state_dict``) and ``.data = t`` write the stored values.
         host = self.store.host_tensor(h)
         if host is not None:
-            p = nn.Parameter(host, requires_grad=True)
+            p = _HostParameter(host, requires_grad=True)
         else:
-            p = nn.Parameter(torch.empty(h.shape, dtype=h.dtype, device="meta"))
+            p = nn.Parameter(StoreTensor(HandleSource(self.store, h), h.shape, dtype=h.dtype),
+                             requires_grad=True)
         gkey = f"{h.key}.grad"
         gh = self.store.get(gkey) if gkey in self.store else self.store.alloc(
             gkey, h.shape, h.dtype, zero=True
@@ -407,9 +470,14 @@ class HugeClassifier(nn.Module):
                 raise ValueError("this HugeClassifier has no bias (bias=False)")
             self.store.write(self._bh, bias.detach().to("cpu", self.dtype).contiguous()).result()
 
-    def _source(self, slice_size: int) -> StoreSlices:
+    def _dtype_for(self, features: torch.Tensor) -> torch.dtype:
+        """The dtype a call on ``features`` computes in: the widest of float32, the stored
+        weight's and the features' (float64 stays float64; bf16/fp16 accumulate in float32)."""
+        return compute_dtype(self.dtype, features.dtype)
+
+    def _source(self, slice_size: int, dtype: torch.dtype) -> StoreSlices:
         return StoreSlices(
-            self.store, self._wh, self._bh, device=self.device, dtype=self.accum_dtype,
+            self.store, self._wh, self._bh, device=self.device, dtype=dtype,
             max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
         )
 
@@ -417,17 +485,35 @@ class HugeClassifier(nn.Module):
         b = binding(self.weight)
         return b is not None and b.has_grad and self.weight.grad is not None
 
-    def _sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
+    def _sink(self, slice_size: int, dtype: torch.dtype, *, weight: bool,
+              bias: bool) -> StoreGradSink:
         acc = self._accumulating()
         wb = binding(self.weight)
         bb = binding(self.bias) if self.bias is not None else None
         return StoreGradSink(
             self.store,
-            wb.grad_handle if (weight and wb is not None) else None,
-            bb.grad_handle if (bias and bb is not None) else None,
-            accumulate=acc, device=self.device, dtype=self.accum_dtype,
+            self._grad_handle(wb) if (weight and wb is not None) else None,
+            self._grad_handle(bb) if (bias and bb is not None) else None,
+            accumulate=acc, device=self.device, dtype=dtype,
             max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
         )
+
+    def _grad_handle(self, b: ParamBinding) -> Handle:
+        """``b``'s gradient tensor in the store, made (zeroed, in ``b.grad_dtype``) where a
+        consumer dropped it: `headroom.HostOptimizer` asks for an fp32 gradient of a bf16/fp16
+        weight by freeing the one in the weight's dtype."""
+        if b.grad_handle is None:
+            key = f"{b.handle.key}.grad"
+            dtype = b.grad_dtype or b.handle.dtype
+            if key in self.store:
+                old = self.store.get(key)
+                if old.dtype == dtype:
+                    b.grad_handle = old
+                    return old
+                self.store.free(old)
+            b.grad_handle = self.store.alloc(key, b.handle.shape, dtype, zero=True)
+            b.has_grad = False
+        return b.grad_handle
 
     def _grads_landed(self, *, weight: bool, bias: bool, rows: torch.Tensor | None) -> None:
         for p, flag in ((self.weight, weight), (self.bias, bias)):
@@ -444,11 +530,14 @@ class HugeClassifier(nn.Module):
                 b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
             b.has_grad = True
             host = self.store.host_tensor(b.grad_handle)
-            # As offloaded parameters do: the store's gradient tensor itself (host store)
-            # or a meta marker (disk); zero_grad() sets it to None, which makes the next
-            # backward overwrite instead of accumulate.
-            p.grad = host if host is not None else torch.empty(
-                p.shape, dtype=p.dtype, device="meta")
+            # As offloaded parameters do: the store's gradient tensor itself (in host memory,
+            # in the parameter's dtype) or a tensor whose ops read and write the stored one
+            # (on disk, or fp32 for a low-precision weight); zero_grad() sets it to None,
+            # which makes the next backward overwrite instead of accumulate.
+            if host is not None and host.dtype == p.dtype:
+                p.grad = host
+            elif not isinstance(p.grad, StoreTensor):
+                p.grad = StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype)
         if weight:
             if rows is None:
                 self._dirty = None
@@ -461,8 +550,8 @@ class HugeClassifier(nn.Module):
             if p is None:
                 continue
             b = binding(p)
-            assert b is not None and b.grad_handle is not None
-            h = b.grad_handle
+            assert b is not None
+            h = self._grad_handle(b)
             host = self.store.host_tensor(h)
             if self._dirty is None:
                 if host is not None:
@@ -473,6 +562,21 @@ class HugeClassifier(nn.Module):
                 zeros = torch.zeros((self._dirty.numel(), *h.shape[1:]), dtype=h.dtype)
                 self.store.write_rows(h, self._dirty, zeros).result()
         self._dirty = torch.empty(0, dtype=torch.int64)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The loss reads the store, not the module's attribute: a tensor put in place of a
+        # store-resident parameter (``head.weight = nn.Parameter(w)``, ``load_state_dict(...,
+        # assign=True)``) would be listed and stepped while the loss kept the stored values.
+        params = self.__dict__.get("_parameters")
+        cur = None if params is None else params.get(name)
+        if cur is not None and value is not cur and binding(cur) is not None:
+            raise RuntimeError(
+                f"HugeClassifier.{name} rests in the head's store ({self.store!r}), which the"
+                f" loss reads: a tensor assigned in its place would never be used. Write its"
+                f" values instead: head.{name}.copy_(t) under torch.no_grad(),"
+                " head.load_weight(weight, bias), or load_state_dict(sd) without assign=True"
+            )
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # `model.to("cuda")` on a model that contains this head must not copy the
@@ -503,12 +607,12 @@ class HugeClassifier(nn.Module):
         if labels is not None:
             check_label_shape(labels, features, names=("labels", "features"))
 
-    def _slice_for(self, batch: int, *, halve: bool = False) -> int:
+    def _slice_for(self, batch: int, dtype: torch.dtype, *, halve: bool = False) -> int:
         if self.slice_size is not None:
             return max(1, min(self.slice_size, self.num_classes))
         # a soft cap keeps a second buffer beside the logits in backward
         budget = DEFAULT_LOGITS_BUDGET // (2 if halve else 1)
-        return pick_slice_size(batch, self.num_classes, accum_dtype=self.accum_dtype,
+        return pick_slice_size(batch, self.num_classes, accum_dtype=dtype,
                                budget_bytes=budget)
 
     def forward(
@@ -620,9 +724,9 @@ class HugeClassifier(nn.Module):
             features = features.reshape(-1, features.shape[-1]).index_select(0, keep)
             labels, shift = labels.reshape(-1)[keep], 0
         batch = math.prod(labels.shape)
-        slice_size = self._slice_for(batch, halve=softcap is not None)
-        cw = None if class_weight is None else class_weight.detach().to(
-            self.device, self.accum_dtype)
+        dtype = self._dtype_for(features)
+        slice_size = self._slice_for(batch, dtype, halve=softcap is not None)
+        cw = None if class_weight is None else class_weight.detach().to(self.device, dtype)
         opts = CrossEntropyOptions(
             ignore_index=ignore_index, label_smoothing=float(label_smoothing),
             reduction=reduction, softcap=None if softcap is None else float(softcap),
@@ -631,7 +735,7 @@ class HugeClassifier(nn.Module):
             loss_dtype=default_loss_dtype(features.dtype, loss_dtype),
         )
         out = _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts,
-                                       shift, slice_size)
+                                       shift, slice_size, dtype)
         if keep is not None and return_predictions:
             pred = torch.full((math.prod(shape_all),), -1, dtype=torch.int64,
                               device=out[3].device)
@@ -642,18 +746,19 @@ class HugeClassifier(nn.Module):
 
     def _multilabel(self, features, targets, *, loss, pos_weight, ignore_rows, reduction):
         self._check(features, None)
+        dtype = self._dtype_for(features)
         kw = dict(num_classes=self.num_classes, loss=loss, pos_weight=pos_weight,
                   reduction=reduction, slice_size=self.slice_size, ignore_rows=ignore_rows,
-                  accum_dtype=self.accum_dtype)
+                  accum_dtype=dtype)
         if self.sample_rate == 1.0:
-            return multilabel_loss(features, self.weight, self.bias, targets, _StoreParams(self),
-                                   **kw)
+            return multilabel_loss(features, self.weight, self.bias, targets,
+                                   _StoreParams(self, dtype), **kw)
         picked: list = []
 
         def sample(pos: Positives):
             rows, w, b = self._sampled_rows(torch.unique_consecutive(pos.cols))
             picked.extend((w, b, rows))
-            params = TensorParams(w, b, device=self.device, dtype=self.accum_dtype,
+            params = TensorParams(w, b, device=self.device, dtype=dtype,
                                   prefetch=self.prefetch)
             return rows, params, w, b
 
@@ -703,10 +808,17 @@ class HugeClassifier(nn.Module):
         rows, w, b = self._sampled_rows(flat[flat != ignore_index])
         local = torch.searchsorted(rows.to(labels.device), labels.long())
         local = torch.where(labels == ignore_index, torch.full_like(local, ignore_index), local)
+        dtype = self._dtype_for(features)
+        # float64 features meet the rows in float64 (the rows' gradient is rounded to the
+        # stored dtype as it leaves them); other features take the stored dtype
+        wx, bx = w, b
+        if features.dtype == torch.float64 and w.dtype != torch.float64:
+            wx = w.to(torch.float64)
+            bx = None if b is None else b.to(torch.float64)
         loss = linear_cross_entropy(
-            features.to(w.dtype) if features.dtype != w.dtype else features, w, local, b,
-            slice_size=self._slice_for(labels.numel()), ignore_index=ignore_index,
-            label_smoothing=eps, reduction=reduction, accum_dtype=self.accum_dtype,
+            features.to(wx.dtype) if features.dtype != wx.dtype else features, wx, local, bx,
+            slice_size=self._slice_for(labels.numel(), dtype), ignore_index=ignore_index,
+            label_smoothing=eps, reduction=reduction, accum_dtype=dtype,
         )
         if w.requires_grad:
             self._hook_sparse_grads(w, b, rows)
@@ -728,8 +840,8 @@ class HugeClassifier(nn.Module):
             for key, p in (("w", self.weight), ("b", self.bias)):
                 if key not in arrived or p is None:
                     continue
-                gh = binding(p).grad_handle
-                g = arrived[key]
+                gh = self._grad_handle(binding(p))
+                g = arrived[key].to(gh.dtype)  # fp32 where an optimizer with masters asks
                 if acc:
                     g = g + self.store.read_rows(gh, rows).result()
                 self.store.write_rows(gh, rows, g.contiguous()).result()
@@ -761,12 +873,14 @@ class HugeClassifier(nn.Module):
         if not 1 <= k <= self.num_classes:
             raise ValueError(f"k must be in [1, {self.num_classes}], got {k}")
         lead = features.shape[:-1]
-        x = features.reshape(-1, self.in_features).to(self.accum_dtype)
+        dtype = self._dtype_for(features)
+        x = features.reshape(-1, self.in_features).to(dtype)
         batch = x.shape[0]
-        s = max(self._slice_for(batch), min(k, self.num_classes))
-        best_v = torch.full((batch, 0), -math.inf, dtype=self.accum_dtype, device=self.device)
+        s = max(self._slice_for(batch, dtype), min(k, self.num_classes))
+        best_v = torch.full((batch, 0), -math.inf, dtype=dtype, device=self.device)
         best_i = torch.empty((batch, 0), dtype=torch.int64, device=self.device)
-        for start, stop, w, b in self._source(s).slices(slice_bounds(self.num_classes, s)):
+        for start, stop, w, b in self._source(s, dtype).slices(
+                slice_bounds(self.num_classes, s)):
             z = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
             v, i = torch.topk(z, min(k, stop - start), dim=1)
             cand_v = torch.cat([best_v, v], dim=1)

@@ -34,7 +34,8 @@ from headroom.heads._slices import (
 )
 
 __all__ = [
-    "DEFAULT_LOGITS_BUDGET", "LinearCrossEntropyOutput", "linear_cross_entropy", "pick_slice_size",
+    "DEFAULT_LOGITS_BUDGET", "LinearCrossEntropyOutput", "compute_dtype", "linear_cross_entropy",
+    "pick_slice_size",
 ]
 
 # A few hundred MB is the default budget; within that, slices of a few thousand
@@ -44,6 +45,24 @@ DEFAULT_LOGITS_BUDGET = 256 * 2**20
 _CACHE_FRIENDLY_SLICE = 8192
 
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+def compute_dtype(*dtypes: torch.dtype, accum_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype the passes compute in: ``accum_dtype`` when given, else the widest of float32
+    and ``dtypes`` (the inputs'): float16/bfloat16 inputs accumulate in float32, float64 ones
+    stay float64.
+
+    Example:
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    if accum_dtype is not None:
+        return accum_dtype
+    out = torch.float32
+    for dt in dtypes:
+        if dt.is_floating_point:
+            out = torch.promote_types(out, dt)
+    return out
 
 
 def pick_slice_size(
@@ -656,13 +675,13 @@ _MIN_CHUNK_ROWS = 256
 
 
 def rows_per_chunk(n_rows: int, num_classes: int, *, softcap: bool,
-                   budget_bytes: int = DEFAULT_LOGITS_BUDGET) -> int | None:
+                   budget_bytes: int = DEFAULT_LOGITS_BUDGET, itemsize: int = 4) -> int | None:
     """Rows whose full logits fit the budget, or ``None`` when the one-pass path does not pay.
 
     Never all rows of a batch at once (at most half of them): whole logits are what this
-    function exists to avoid.
+    function exists to avoid. ``itemsize``: bytes per logit (the compute dtype's).
     """
-    fit = budget_bytes // (num_classes * 4 * (2 if softcap else 1))
+    fit = budget_bytes // (num_classes * itemsize * (2 if softcap else 1))
     rows = min(fit, -(-n_rows // 2))
     if not (rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1):
         return None
@@ -1027,7 +1046,8 @@ def one_pass(
             and (x.requires_grad or weight.requires_grad
                  or (bias is not None and bias.requires_grad))
             and weight.device == x.device and x.dtype == accum_dtype
-            and rows_per_chunk(batch, weight.shape[0], softcap=softcap is not None) is not None)
+            and rows_per_chunk(batch, weight.shape[0], softcap=softcap is not None,
+                               itemsize=x.element_size()) is not None)
 
 
 def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
@@ -1057,7 +1077,7 @@ def linear_cross_entropy(
     return_accuracy: bool = False,
     return_predictions: bool = False,
     loss_dtype: torch.dtype | None = None,
-    accum_dtype: torch.dtype = torch.float32,
+    accum_dtype: torch.dtype | None = None,
     prefetch: int = 1,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
@@ -1114,9 +1134,11 @@ def linear_cross_entropy(
         loss_dtype: dtype of the returned loss (and log-sum-exp). ``None`` (default): float32
             for float16/bfloat16 inputs, whose dtype cannot hold the loss's precision (the
             loss is accumulated in float64 either way), and ``x``'s dtype otherwise.
-        accum_dtype: dtype of logits, softmax and gradient accumulation. With bf16/fp16 inputs
-            the default fp32 keeps the loss and gradients accurate at the cost of upcasting
-            each weight slice; gradients have the input dtype.
+        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None`` (default):
+            float32 for float32/bf16/fp16 inputs (with bf16/fp16 it keeps the loss and
+            gradients accurate at the cost of upcasting each weight slice), float64 for
+            float64 inputs (loss and gradients at float64 rounding). Gradients have the input
+            dtype.
         prefetch: with a host weight on an accelerator, how many slices are copied ahead of
             the one computing. ``1`` hides each copy behind one slice of compute; deeper
             absorbs uneven copy or compute times at one more slice of device memory (and of
@@ -1150,6 +1172,7 @@ def linear_cross_entropy(
         ...                            return_accuracy=True)
         >>> out.loss, out.accuracy
     """
+    accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
     if torch.compiler.is_compiling():
         # one opaque operator in the graph (the passes are data-dependent Python)
         from headroom.heads._compiled import compiled_linear_cross_entropy
@@ -1276,7 +1299,8 @@ def _linear_cross_entropy(
     if use_rows:
         # decided on all rows (a fact of shapes, as a compiled graph needs it), chunked on
         # the rows kept; fewer rows fit the same budget
-        rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None)
+        rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None,
+                              itemsize=x.element_size())
         assert rows is not None
     if rows is not None:
         out = direct.run(_LinearCrossEntropyRows, x_used, weight, bias, target_used, opts,

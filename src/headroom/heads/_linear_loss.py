@@ -34,6 +34,7 @@ from headroom.heads._linear_ce import (
     Autograd,
     _refuse_double_backward,
     check_linear,
+    compute_dtype,
     grad_pass,
     log_sum_exp,
     lse_pass,
@@ -77,8 +78,19 @@ class _Separable:
     bulk: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
+def _softplus_threshold(dtype: torch.dtype) -> float:
+    """Above this, ``softplus(z)`` is ``z`` to the dtype's rounding (``log1p(exp(-z))`` is
+    below half an ulp of ``z``): torch's 20 for float32 and narrower, 40 for float64, whose
+    ``softplus(25)`` is ``25 + 1.4e-11``."""
+    return 40.0 if dtype == torch.float64 else 20.0
+
+
+def _softplus(z: torch.Tensor) -> torch.Tensor:
+    return F.softplus(z, threshold=_softplus_threshold(z.dtype))
+
+
 def _bce_bulk(z: torch.Tensor, tmp: torch.Tensor, want_grad: bool) -> torch.Tensor:
-    torch.ops.aten.softplus.out(z, 1, 20, out=tmp)
+    torch.ops.aten.softplus.out(z, 1, _softplus_threshold(z.dtype), out=tmp)
     rows = tmp.sum(1)
     if want_grad:
         z.sigmoid_()
@@ -95,7 +107,7 @@ def _hinge_bulk(z: torch.Tensor, tmp: torch.Tensor, want_grad: bool) -> torch.Te
 
 _LOSS_FNS = {
     "bce": _Separable(
-        pos=lambda z: F.softplus(-z), neg=F.softplus,
+        pos=lambda z: _softplus(-z), neg=_softplus,
         dpos=lambda z: -torch.sigmoid(-z), dneg=torch.sigmoid, bulk=_bce_bulk,
     ),
     "squared_hinge": _Separable(
@@ -618,7 +630,7 @@ def linear_loss(
     reduction: str = "mean",
     slice_size: int | None = None,
     ignore_rows: torch.Tensor | None = None,
-    accum_dtype: torch.dtype = torch.float32,
+    accum_dtype: torch.dtype | None = None,
     prefetch: int = 1,
 ) -> torch.Tensor:
     """Exact multi-label loss of ``x @ weight.T + bias`` without the ``B x C`` logits or targets.
@@ -634,11 +646,12 @@ def linear_loss(
       ``-log p`` over a row's positives (weighted by their values); 0 for a row without any.
     * ``"softmax_sum"``: ``F.cross_entropy(logits, T)``: their sum.
     * a function ``fn(scores, targets, classes)``: called once per slice with the slice's
-      ``B x S`` logits ``scores`` (fp32, requiring grad), its ``B x S`` target ``targets`` (0,
-      and 1 or the values at the positives, in the scores' dtype) and ``classes``, the
-      slice's ``range`` of class ids. It returns the slice's loss summed over its elements (a
-      0-d tensor), and autograd differentiates it slice by slice; the loss of a slice may depend
-      only on that slice. ``scores`` and ``targets`` are reused buffers: valid during the call.
+      ``B x S`` logits ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` target
+      ``targets`` (0, and 1 or the values at the positives, in the scores' dtype) and
+      ``classes``, the slice's ``range`` of class ids. It returns the slice's loss summed over
+      its elements (a 0-d tensor), and autograd differentiates it slice by slice; the loss of
+      a slice may depend only on that slice. ``scores`` and ``targets`` are reused buffers:
+      valid during the call.
 
     The separable losses and a function run one pass over the classes in forward, which also
     forms the gradients (three matrix products per slice, as many as the dense computation),
@@ -672,8 +685,9 @@ def linear_loss(
             (`DEFAULT_LOGITS_BUDGET` for the buffers, at most a cache-friendly few thousand).
         ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``; rows that are ``True``
             contribute neither loss nor gradient (and are not counted by ``"mean"``).
-        accum_dtype: dtype of logits, loss and gradient accumulation (bf16/fp16 inputs are
-            computed in fp32 by default); results are returned in ``x``'s dtype.
+        accum_dtype: dtype of logits, loss and gradient accumulation. ``None`` (default):
+            float32 for float32/bf16/fp16 inputs, float64 for float64 inputs (loss and
+            gradients at float64 rounding); results are returned in ``x``'s dtype.
         prefetch: slices copied ahead when a host weight streams to an accelerator.
 
     Returns:
@@ -697,6 +711,7 @@ def linear_loss(
         >>> loss = linear_loss(x, w, (offsets, indices), loss="bce", slice_size=256)
         >>> loss.backward()
     """
+    accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
     if torch.compiler.is_compiling():
         # one opaque operator in the graph (the passes are data-dependent Python)
         from headroom.heads._compiled import compiled_linear_loss

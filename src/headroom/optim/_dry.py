@@ -110,7 +110,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._inner: torch.optim.Optimizer | None = None
         self._inner_index: dict[int, int] = {}
         self._layouts: dict[int, Any] = {}
-        probe = torch.zeros(1)
+        probe = torch.zeros(2, 3)  # a matrix: Muon takes nothing else
         defaults = dict(self._cls([probe], **self._kwargs).defaults)
         super().__init__(params, defaults)
 

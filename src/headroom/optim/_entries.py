@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from headroom.optim._sliced import ProbeError, probe_step
 from headroom.transfer import Handle, ParamBinding, sync_grad
 
 __all__ = [
@@ -40,7 +41,7 @@ class Entry:
         "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
         "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
-        "xspare", "seen",
+        "xspare", "seen", "follow", "value_seen", "value_mark", "written",
     )
 
     def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
@@ -77,6 +78,16 @@ class Entry:
         self.sharded = False
         # its gradient as its step started inside a final backward (`grad_mark`)
         self.seen: tuple | None = None
+        # a store-resident bf16/fp16 parameter: whether its step compares the value with its
+        # master (see _follow.py), and the store's count of writes to the value
+        # (`headroom.transfer.value_edits`) at its last step / at the one starting now
+        self.follow = False
+        self.value_seen: int | None = None
+        self.value_mark: int | None = None
+        # the parameter's (version counter, data pointer) after its last step: a write
+        # PyTorch records (an in-place op on it, nn.init, load_state_dict, `.data = t`) since
+        # changes it (see _follow.py); None before the first step
+        self.written: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -131,7 +142,14 @@ class Entry:
             g = self.param.grad
             return None if g is None else g.to_local()
         b = self.binding
-        if b is None or b.grad_handle is None or not b.has_grad:
+        if b is None or not b.has_grad:
+            return None
+        if b.grad_sparse is not None:
+            return b.grad_sparse  # a sparse gradient, in host memory
+        if self.kind == HOSTED and self.param.grad is not None and self.param.grad.is_sparse:
+            # left where autograd summed it (see HostOptimizer._on_grad), stepped in fp32
+            return self.param.grad.to("cpu", self.master.dtype)
+        if b.grad_handle is None:
             return None
         return b.store.host_tensor(b.grad_handle)
 
@@ -150,18 +168,24 @@ def check_class(cls: Any) -> None:
 
 
 def probe_cpu(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build and step ``cls`` on a CPU tensor; returns its defaults or explains why it can't."""
-    p = torch.zeros(4)
-    p.grad = torch.full((4,), 0.5)
+    """Build and step ``cls`` on a CPU tensor; returns its defaults or explains why it can't.
+
+    The probe is a matrix (Muon steps matrices only) with a dense gradient, or a sparse one
+    where the step takes sparse gradients only (SparseAdam): see `probe_step`.
+    """
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     try:
-        opt = cls([p], **kwargs)
-        opt.step()
-    except Exception as e:  # noqa: BLE001 - any failure means it cannot run on the host
+        opt, _ = probe_step(cls, kwargs)
+    except ProbeError as e:
         raise ValueError(
-            f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) cannot step "
-            f"on CPU tensors ({type(e).__name__}: {e}). HostOptimizer runs the step in host "
-            "memory: pick options that run on the CPU (e.g. fused=False, capturable=False) or an "
-            "optimizer with a CPU implementation"
+            f"{cls.__name__}({args}) cannot step on CPU tensors ({e}). HostOptimizer runs the "
+            "step in host memory: pick options that run on the CPU (e.g. fused=False, "
+            "capturable=False) or an optimizer with a CPU implementation"
+        ) from e.dense
+    except Exception as e:  # noqa: BLE001 - the constructor's own reason, passed on
+        raise ValueError(
+            f"{cls.__name__}({args}) refuses these options ({type(e).__name__}: {e}); "
+            "HostOptimizer passes them to it unchanged"
         ) from e
     return dict(opt.defaults)
 

@@ -9,6 +9,7 @@ gradients arrive, so the device holds neither state nor more than the gradients 
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 import threading
 import weakref
@@ -33,13 +34,16 @@ from headroom.optim._entries import (
     probe_cpu,
     want_fp32_grad,
 )
+from headroom.optim._follow import follow_, follow_stored, init_stored, written_mark
 from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._sliced import (
     ELEMENTWISE,
+    SPARSE_COALESCED,
     SlicedParam,
     SliceRunner,
     _rows_per_slice,
+    ctor_kwargs,
     probe_layout,
 )
 from headroom.optim._undo import DeferInterrupt, Txn
@@ -57,6 +61,7 @@ from headroom.transfer import (
     on_grad_ready,
     resolve_store,
     sync_grad,
+    value_edits,
     weak_method,
     weak_post_accumulate_grad_hook,
 )
@@ -78,6 +83,30 @@ def _storage(t: torch.Tensor) -> int:
         return local.untyped_storage().data_ptr()
     except RuntimeError:
         return -1
+
+
+def _hp_text(hp: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in hp.items() if k not in ("params", "foreach",
+                                                                    "fused", "differentiable"))
+
+
+def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
+                       unfused: bool) -> tuple[str, ...]:
+    """The state ``cls`` keeps as sparse tensors when stepping a sparse gradient with
+    hyperparameters ``hp`` (learned from a tiny step); ``()`` also when it refuses sparse
+    gradients (the step itself then raises the class's own reason)."""
+    kw = ctor_kwargs(cls, hp)
+    if unfused and kw.get("fused"):
+        kw["fused"] = False
+    p = torch.zeros(2, 3)
+    p.grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 3), (2, 3),
+                                     check_invariants=False)
+    try:
+        opt = cls([p], **kw)
+        opt.step()
+    except Exception:  # noqa: BLE001 - the real step reports it
+        return ()
+    return tuple(k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.is_sparse)
 
 
 def _is_dtensor(p: object) -> bool:
@@ -138,11 +167,13 @@ class HostOptimizer(torch.optim.Optimizer):
         optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. For Adam,
             AdamW, SGD and Adagrad the fused CPU kernel is chosen unless ``fused``/``foreach``
             is given (it is bitwise equal to ``optimizer_class(..., fused=True)``; pass
-            ``fused=False`` to match PyTorch's default single-tensor CPU path instead).
+            ``fused=False`` to match PyTorch's default single-tensor CPU path instead); sparse
+            gradients, which it refuses, step in the default path, as torch steps them.
         state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
             ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
             slices with reads, update and writes overlapped; needs an element-wise optimizer
-            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam). Costs disk bandwidth on
+            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop,
+            SparseAdam). Costs disk bandwidth on
             every step (read and write each state tensor once).
         overlap: inside `final_backward` (the last backward pass before ``step()``), start a
             parameter's step on a worker thread as soon as its gradient is complete, while
@@ -177,7 +208,8 @@ class HostOptimizer(torch.optim.Optimizer):
     Raises:
         TypeError: ``optimizer_class`` is not a ``torch.optim.Optimizer`` subclass.
         ValueError: parameters on more than one device; an optimizer that cannot run on the
-            CPU; ``state_store``/``row_sparse`` with an optimizer they cannot support.
+            CPU (or refuses the options: torch's reason); ``differentiable=True``;
+            ``state_store``/``row_sparse`` with an optimizer they cannot support.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -202,7 +234,18 @@ class HostOptimizer(torch.optim.Optimizer):
     ) -> None:
         check_class(optimizer_class)
         kwargs = dict(optimizer_kwargs)
-        if optimizer_class in FUSED_CPU and "fused" not in kwargs and "foreach" not in kwargs:
+        if kwargs.get("differentiable"):
+            raise ValueError(
+                f"{optimizer_class.__name__}(differentiable=True) records its step in autograd's"
+                " graph, to differentiate through it; HostOptimizer steps fp32 masters in host"
+                " memory outside autograd, so there would be no graph. Drop differentiable=True,"
+                " or use the torch optimizer itself for steps to differentiate through")
+        # NOTE: the fused CPU kernel refuses sparse gradients, which torch's default
+        # (for-loop) implementation steps: when it was chosen here, not asked for, sparse
+        # gradients step in that implementation instead (`_inner_step`, `SliceRunner`).
+        self._unfuse_sparse = (optimizer_class in FUSED_CPU and "fused" not in kwargs
+                               and "foreach" not in kwargs)
+        if self._unfuse_sparse:
             kwargs["fused"] = True
         defaults = probe_cpu(optimizer_class, kwargs)
         if slice_bytes <= 0 or bucket_bytes <= 0:
@@ -252,7 +295,8 @@ class HostOptimizer(torch.optim.Optimizer):
         self._aux: Store | None = None  # handle-based state when state_store is "cpu"
         self._mover: Mover | None = None
         self._tickets_lock = threading.Lock()  # copy-backs come from the worker thread too
-        self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes)
+        self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes,
+                                   unfuse_sparse=self._unfuse_sparse)
         self._layouts: dict[int, Any] = {}
         self._arrival: list[Entry] = []  # first-gradient order in this iteration
         self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
@@ -265,6 +309,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._txn: Txn | None = None  # what the step in progress changed, see _undo.py
         self._defer: DeferInterrupt | None = None  # Ctrl-C handling of the running step()
         self._keep_early = False  # keep copies of in-memory state stepped in final_backward
+        self._hosted_followed = False  # host masters followed their parameters this iteration
         self._torn: str | None = None  # a failed step could not be undone (the message)
         super().__init__(params, defaults)
         self.state = defaultdict(dict)  # a live view, filled by _refresh_state_view
@@ -480,7 +525,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 "step() final (that step already used the gradients it had)"
             )
         if e.kind == HOSTED and p.grad is not None:
-            if not isinstance(p.grad, StoreTensor):
+            if p.grad.is_sparse:
+                # A sparse gradient stays where autograd sums it (small: the rows used), and
+                # is read in fp32 by the step (`Entry.grad_tensor`).
+                e.own.has_grad = True
+            elif not isinstance(p.grad, StoreTensor):
                 g = p.grad
                 # param.grad was None: this backward starts the gradient afresh, as in torch
                 # (zero_grad() of the model or of this optimizer, or the first backward).
@@ -537,6 +586,8 @@ class HostOptimizer(torch.optim.Optimizer):
             if g is None:
                 e.own.has_grad = False  # a copy still on its way lands unread; the next
                 # backward starts the gradient afresh (param.grad is None)
+            elif g.is_sparse:
+                e.own.has_grad = True  # stays where it is (see `_on_grad`)
             elif not is_stored_grad(g, e.own):
                 e.param.grad = None
                 self._mover.push_grad(g, e.own, accumulate=False)
@@ -589,7 +640,10 @@ class HostOptimizer(torch.optim.Optimizer):
             hparams = {e.group: self._hparams(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
+        self._check_sparse_sliced(streamed, hparams)
         self._allocate_state(streamed)
+        self._follow_writes([e for e in in_mem + streamed
+                             if not (e.kind == HOSTED and self._hosted_followed)])
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
         # Sliced steps that write no disk (master, state and value all in host memory) keep no
@@ -659,6 +713,22 @@ class HostOptimizer(torch.optim.Optimizer):
         for e in streamed + in_mem:
             self._copy_back(e, now)
 
+    def _check_sparse_sliced(self, entries: list[Entry],
+                             hparams: dict[int, dict[str, Any]]) -> None:
+        """Refuse sparse gradients whose step would make sparse state (SGD's momentum) for
+        parameters stepped slice by slice (their state rests in a store, dense)."""
+        for gi in sorted({e.group for e in entries
+                          if e.grad_tensor() is not None and e.grad_tensor().is_sparse}):
+            keys = _sparse_state_keys(self._cls, hparams[gi], unfused=self._unfuse_sparse)
+            if keys:
+                raise ValueError(
+                    f"{self._cls.__name__} with {_hp_text(hparams[gi])} keeps state for a sparse"
+                    f" gradient as sparse tensors ({', '.join(keys)}), and parameters whose"
+                    " master or optimizer state rests in a store (a DiskStore, or state_store)"
+                    " step slice by slice over dense state. Keep both in host memory"
+                    " (hr.offload(..., store='cpu') and state_store='cpu'), or use options"
+                    " without that state (SGD: momentum=0)")
+
     def _sliced_step(self, todo: list[tuple[Entry, SlicedParam]],
                      hparams: dict[int, dict[str, Any]], txn: Txn | None) -> None:
         """Step ``todo`` slice by slice (their old values kept in ``txn``, if given)."""
@@ -668,6 +738,44 @@ class HostOptimizer(torch.optim.Optimizer):
             e.small = small
             e.initialized = True
             e.grad_scale = None
+            if e.value_mark is not None:
+                old, e.value_seen = e.value_seen, e.value_mark
+                old_written, e.written = e.written, written_mark(e.param)
+                if txn is not None:  # undone: its master is compared again next time
+                    txn.after_undo(lambda e=e, old=old, w=old_written: (
+                        setattr(e, "value_seen", old), setattr(e, "written", w)))
+
+    def _follow_writes(self, entries: list[Entry]) -> None:
+        """Masters take what was written into their parameters since the last step (see
+        headroom.optim._follow): here for masters in memory, during the sliced step for those
+        of store-resident bf16/fp16 parameters."""
+        for e in entries:
+            if e.kind == HOSTED:
+                if e.written == written_mark(e.param):
+                    continue  # nothing written since its step wrote it
+                value = e.param.detach()
+                follow_(e.master, value if value.device.type == "cpu" else value.to("cpu"))
+            elif e.lowp and e.master_handle is not None and not e.sharded:
+                self._follow_bound(e)
+
+    def _follow_bound(self, e: Entry) -> None:
+        b = e.bound
+        store = self._state_store or self._aux
+        e.value_mark = value_edits(b.store, b.handle.key)
+        in_memory = b.store.host_tensor(b.handle) is not None
+        if not e.initialized:
+            e.follow = False  # its first step makes the master from the value
+            if e.sparse:  # ... of the rows it steps: the others get theirs now
+                init_stored(store, e.master_handle, b.store, b.handle)
+            return
+        # values in memory change through the parameter (its version counter, its data
+        # pointer); on disk, and through the store, as the store counts
+        e.follow = e.value_mark != e.value_seen or (
+            in_memory and e.written != written_mark(e.param))
+        if e.follow and e.sparse and not in_memory:
+            # rows this step does not touch must follow the write on disk too
+            follow_stored(store, e.master_handle, b.store, b.handle)
+            e.follow = False
 
     @staticmethod
     def _writes_disk(src: SlicedParam) -> bool:
@@ -689,7 +797,20 @@ class HostOptimizer(torch.optim.Optimizer):
         return h is None or self._state_store.host_tensor(h) is None
 
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
-        """Step in-memory masters with the wrapped optimizer (only these, in one call)."""
+        """Step in-memory masters with the wrapped optimizer (only these, in one call; sparse
+        gradients in a second call without the fused kernel that was chosen for them)."""
+        grads = {id(e): e.grad_tensor() for e in entries}
+        sparse = [e for e in entries if grads[id(e)].is_sparse] if self._unfuse_sparse else []
+        if sparse:
+            dense = [e for e in entries if not grads[id(e)].is_sparse]
+            if dense:
+                self._inner_call(dense, grads, hparams)
+            self._inner_call(sparse, grads, hparams, unfused=True)
+        else:
+            self._inner_call(entries, grads, hparams)
+
+    def _inner_call(self, entries: list[Entry], grads: dict[int, torch.Tensor],
+                    hparams: dict[int, dict[str, Any]], *, unfused: bool = False) -> None:
         # The inner optimizer sees only these masters (and their gradients): its per-call
         # Python work then scales with the batch, not with the model.
         saved = {}
@@ -700,8 +821,10 @@ class HostOptimizer(torch.optim.Optimizer):
                 inner[k] = v
             saved[gi] = inner["params"]
             inner["params"] = [e.master for e in entries if e.group == gi]
+            if unfused:
+                inner["fused"] = False
         for e in entries:
-            e.master.grad = e.grad_tensor()
+            e.master.grad = grads[id(e)]
         try:
             self._inner.step()
         finally:
@@ -709,6 +832,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.master.grad = None
             for gi, inner in inner_groups.items():
                 inner["params"] = saved[gi]
+                if unfused:
+                    inner["fused"] = True
 
     # ------------------------------------------------------------------ all or nothing
     def _open_txn(self) -> Txn:
@@ -809,6 +934,9 @@ class HostOptimizer(torch.optim.Optimizer):
             try:
                 src.undo = self._undo_handles(e, src)
             except (StoreFullError, OSError) as ex:
+                if not isinstance(ex, StoreFullError) and ex.errno not in (
+                        errno.ENOSPC, errno.EDQUOT):
+                    raise  # not a full store: its own error names the cause
                 stores = ", ".join(repr(x) for x in {id(x): x for x in (
                     src.state_store, src.master_store, src.shadow and src.shadow[0])
                     if x is not None}.values())
@@ -927,6 +1055,14 @@ class HostOptimizer(torch.optim.Optimizer):
             rows = self._grad_rows(e, grad)
             if rows is not None and rows.numel() == 0:
                 return None  # lazy Adam: a parameter without any gradient row takes no step
+        elif grad is not None and grad.is_sparse:
+            grad = grad.to(self._state_dtype(e))
+            if self._cls in SPARSE_COALESCED:
+                grad = grad.coalesce()  # what their step does first (see SPARSE_COALESCED)
+            if e.initialized:
+                # torch's sparse steps touch only the rows named: only those are read and
+                # written (the first step goes over every row, making the state everywhere)
+                rows = grad._indices()[0].unique(sorted=True)
         if e.lowp:
             master_store, master_handle = self._state_store or self._aux, e.master_handle
         elif e.master is None:
@@ -947,6 +1083,7 @@ class HostOptimizer(torch.optim.Optimizer):
             initialized=e.initialized,
             rows=rows,
             shadow=(e.bound.store, e.bound.handle) if e.lowp else None,
+            follow=e.lowp and e.follow,
         )
 
     def _grad_rows(self, e: Entry, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -1036,6 +1173,7 @@ class HostOptimizer(torch.optim.Optimizer):
         else:
             with torch.no_grad():
                 p.data.copy_(e.master)
+        e.written = written_mark(p)  # `.data` writes leave the version counter as it is
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -1105,6 +1243,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.stepped = False
         self._arrival = []
+        self._hosted_followed = False
         self._refresh_state_view()
 
     # ------------------------------------------------------------------ overlap
@@ -1143,6 +1282,11 @@ class HostOptimizer(torch.optim.Optimizer):
             # step]): when some of it writes a disk.
             self._keep_early = self._atomic and any(
                 self._entry_writes_disk(e) for e in self._order)
+            if self._overlap.enabled:
+                # Before backward, not in the steps it starts: reading a parameter on an
+                # accelerator from the worker would wait for the backward queued before it.
+                self._follow_writes([e for e in self._order if e.kind == HOSTED])
+                self._hosted_followed = True
         with self._overlap.final_backward(self._order, enabled):
             yield
 
@@ -1202,8 +1346,9 @@ class HostOptimizer(torch.optim.Optimizer):
                 if set_to_none:
                     b.has_grad = False
                     b.grad_rows = None
+                    b.grad_sparse = None
                     flush_grad(b)  # a sum held on the device is dropped, its memory freed
-                elif not zeroed:
+                elif not zeroed and b.grad_sparse is None:
                     host = b.store.host_tensor(b.grad_handle)
                     if host is not None:
                         host.zero_()
@@ -1213,6 +1358,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.count = 0
             e.grad_scale = None
         self._arrival = []
+        self._hosted_followed = False
 
     def grad(self, param: torch.Tensor) -> torch.Tensor | None:
         """The accumulated gradient of ``param`` as a host tensor (a copy if it rests on disk).
@@ -1283,6 +1429,13 @@ class HostOptimizer(torch.optim.Optimizer):
         if self._mover is not None:
             self._mover.synchronize()
         self._sync_bound(self._order)
+        if any(e.has_grad() and e.grad_tensor() is not None and e.grad_tensor().is_sparse
+               for e in self._order):
+            raise RuntimeError(
+                "clip_grad_norm_ over sparse gradients (nn.Embedding(sparse=True)) is not "
+                "supported, as torch.nn.utils.clip_grad_norm_ cannot take the norm of a sparse "
+                "tensor either; nothing was clipped. Clip only the dense parameters' gradients,"
+                " or use sparse=False")
         norm_type = float(norm_type)
         in_mem: list[torch.Tensor] = []
         norms: list[torch.Tensor] = []
@@ -1340,8 +1493,9 @@ class HostOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Re-read the master copies from the parameters after they changed outside ``step``.
 
-        Needed only for parameters on an accelerator or not in fp32 (elsewhere the parameter
-        is its own master); `headroom.load` calls it. Masters just loaded by
+        Only for parameters on an accelerator or not in fp32 (elsewhere the parameter is its
+        own master), and not needed for writes between steps: each step makes the masters
+        follow them (see headroom.optim._follow). `headroom.load` calls it. Masters just loaded by
         `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
         precise than the parameter.
         """

@@ -9,12 +9,14 @@ slice and writes of the previous one overlap the update of the current one.
 
 This is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each
 element's update depends only on that element and on per-tensor scalars (the step count), which
-every slice carries as its own copy.
+every slice carries as its own copy. A sparse gradient is sliced by rows (`sparse_rows`); after
+the first step only the rows it names are read and written.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,18 +25,29 @@ from typing import Any
 import torch
 
 from headroom.memory import annotate
+from headroom.optim._follow import follow_
 from headroom.optim._undo import Txn, wait_all
 from headroom.transfer import Handle, Store
 
-__all__ = ["ELEMENTWISE", "SliceRunner", "StateLayout", "probe_layout"]
+__all__ = ["ELEMENTWISE", "SPARSE_COALESCED", "ProbeError", "SliceRunner", "StateLayout",
+           "probe_layout", "probe_step", "sparse_rows"]
 
 # Only optimizers whose update is element-wise may be sliced. Others (Adafactor's factored
-# row/column statistics, LBFGS) are refused for sliced state rather than silently changed.
+# row/column statistics, Muon's orthogonalized matrices, LBFGS) are refused for sliced state
+# rather than silently changed.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
-    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam")
+    for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
+                 "Adadelta", "ASGD", "Rprop", "SparseAdam")
     if hasattr(torch.optim, name)
 )
+# NOTE: torch's steps on sparse gradients (SGD, Adagrad, SparseAdam; the others refuse them)
+# touch only the rows the gradient names. Adagrad and SparseAdam coalesce the gradient first,
+# summing duplicate rows in an order of torch's own that slices of it would not repeat: they
+# get slices of the coalesced whole. SGD adds the entries one by one, in their order: it gets
+# them as they are.
+SPARSE_COALESCED: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adagrad, torch.optim.SparseAdam)
 
 
 @dataclass(frozen=True)
@@ -56,12 +69,45 @@ def ctor_kwargs(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict
     return {k: v for k, v in group.items() if k in names}
 
 
+class ProbeError(Exception):
+    """``probe_step`` could not step the optimizer with a dense gradient nor a sparse one."""
+
+    def __init__(self, dense: BaseException, sparse: BaseException) -> None:
+        super().__init__(f"with a dense gradient {type(dense).__name__}: {dense}; with a sparse "
+                         f"gradient {type(sparse).__name__}: {sparse}")
+        self.dense = dense
+        self.sparse = sparse
+
+
+def probe_step(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+               ) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    """Build ``cls`` over a small CPU matrix and step it once: returns it and the parameter.
+
+    The parameter is 2-D (Muon steps matrices only); its gradient is dense, or sparse when the
+    step refuses a dense one (SparseAdam takes only sparse gradients).
+
+    Raises:
+        ProbeError: neither gradient steps (the errors of both).
+        Exception: whatever the constructor raises for these options.
+    """
+    errors = []
+    for sparse in (False, True):
+        p = torch.zeros(2, 3)
+        p.grad = (torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.full((2, 3), 0.5),
+                                          (2, 3), check_invariants=False)
+                  if sparse else torch.full((2, 3), 0.5))
+        opt = cls([p], **kwargs)
+        try:
+            opt.step()
+            return opt, p
+        except Exception as e:  # noqa: BLE001 - reported with the other try's error
+            errors.append(e)
+    raise ProbeError(*errors)
+
+
 def probe_layout(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> StateLayout:
     """Step ``cls`` once on a tiny parameter to learn the layout of its state."""
-    p = torch.zeros(2, 3)
-    p.grad = torch.full((2, 3), 0.5)
-    opt = cls([p], **ctor_kwargs(cls, group))
-    opt.step()
+    opt, p = probe_step(cls, ctor_kwargs(cls, group))
     shaped, small = [], []
     for k, v in opt.state[p].items():
         if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3):
@@ -69,6 +115,30 @@ def probe_layout(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> Sta
         else:
             small.append(k)
     return StateLayout(tuple(shaped), tuple(small))
+
+
+def sparse_rows(g: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (a slice, or sorted row indices) of a sparse COO gradient, as a sparse
+    tensor of that many rows: its entries there in their order, coalesced if ``g`` is."""
+    idx, vals = g._indices(), g._values()
+    first = idx[0]
+    if isinstance(rows, slice):
+        n = rows.stop - rows.start
+        keep = (first >= rows.start) & (first < rows.stop)
+        at = first[keep] - rows.start
+    else:
+        n = int(rows.numel())
+        pos = torch.searchsorted(rows, first)
+        keep = (pos < n) & (rows[pos.clamp(max=max(n - 1, 0))] == first) if n else \
+            torch.zeros_like(first, dtype=torch.bool)
+        at = pos[keep]
+    return torch.sparse_coo_tensor(torch.cat([at[None], idx[1:, keep]]), vals[keep],
+                                   (n, *g.shape[1:]), is_coalesced=g.is_coalesced(),
+                                   check_invariants=False)
+
+
+def _is_sparse(t: torch.Tensor | None) -> bool:
+    return t is not None and t.is_sparse
 
 
 def _clone_small(v: Any) -> Any:
@@ -107,13 +177,31 @@ class SlicedParam:
     # old ones (the two swap when the step ends): nothing to keep, no extra write. State keys,
     # and "p" / "lp" (the master / the low-precision value) where the store can exchange.
     spare: dict[str, Handle] = field(default_factory=dict)
+    # Compare the master with the low-precision value before updating (the value may have been
+    # written since the last step; see headroom.optim._follow)
+    follow: bool = False
+
+
+def _vector_lanes() -> int:
+    """fp32 lanes of the widest vector this CPU's kernels use (16 up to AVX-512; an SVE
+    capability names its width in bits)."""
+    bits = "".join(c for c in torch.backends.cpu.get_cpu_capability() if c.isdigit())
+    return max(16, int(bits) // 32) if len(bits) >= 3 else 16
+
+
+# NOTE: the fused CPU kernels step a vector's worth of elements at a time and the last few
+# of a tensor one by one, which rounds differently (fused multiply-adds): every slice starts at
+# a multiple of the vector width, so each element is stepped as it is in the whole tensor.
+_ALIGN = _vector_lanes()
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
     row = 1
     for s in shape[1:]:
         row *= s
-    return max(1, slice_bytes // max(1, row * 4))
+    rows = max(1, slice_bytes // max(1, row * 4))
+    step = _ALIGN // math.gcd(row, _ALIGN) if row else 1
+    return max(step, rows // step * step)
 
 
 class SliceRunner:
@@ -124,9 +212,13 @@ class SliceRunner:
         slice_bytes: target fp32 bytes of one slice of the master weight.
     """
 
-    def __init__(self, cls: type[torch.optim.Optimizer], *, slice_bytes: int) -> None:
+    def __init__(self, cls: type[torch.optim.Optimizer], *, slice_bytes: int,
+                 unfuse_sparse: bool = False) -> None:
         self.cls = cls
         self.slice_bytes = slice_bytes
+        # the fused kernel was chosen for the user (not asked for): sparse gradients, which it
+        # refuses, step in the class's own implementation, as torch's default steps them
+        self.unfuse_sparse = unfuse_sparse
         self._opts: dict[int, torch.optim.Optimizer] = {}
         self._bufs: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -199,10 +291,12 @@ class SliceRunner:
                 results[k] = self._step_scalar(src, self._optimizer(gi, group), group, txn)
                 continue
             n_rows = shape[0] if src.rows is None else int(src.rows.numel())
-            if n_rows == 0 and src.rows is None:
-                # nothing to update (an FSDP2 rank's empty shard), but the scalars (step
-                # counts) advance, as torch's optimizer advances them on an empty tensor
-                results[k] = self._step_empty(src, self._optimizer(gi, group), group, shape)
+            if n_rows == 0 and (src.rows is None or _is_sparse(src.grad)):
+                # nothing to update (an FSDP2 rank's empty shard, a sparse gradient without
+                # entries), but the scalars (step counts) advance, as torch's optimizer
+                # advances them on an empty tensor or gradient
+                results[k] = self._step_empty(src, self._optimizer(gi, group), group,
+                                              (0, *shape[1:]))
                 continue
             per = _rows_per_slice(shape, self.slice_bytes)
             slices += [(k, a, min(a + per, n_rows)) for a in range(0, n_rows, per)]
@@ -221,15 +315,20 @@ class SliceRunner:
             else:
                 got["p"] = self._load(src.master, src.master_store, src.master_handle, rows,
                                       ("p", par, b - a))
-            got["g"] = self._load(src.grad, src.grad_store, src.grad_handle, rows,
-                                  ("g", par, b - a))
+            if _is_sparse(src.grad):
+                got["g"] = sparse_rows(src.grad, rows)
+            else:
+                got["g"] = self._load(src.grad, src.grad_store, src.grad_handle, rows,
+                                      ("g", par, b - a))
             if src.initialized:
                 got["s"] = {
                     key: self._load(None, src.state_store, h, rows, ("s" + key, par, b - a))
                     for key, h in src.state_handles.items()
                 }
-                if txn is not None and src.shadow is not None and "lp" not in src.spare:
-                    # the low-precision value about to be overwritten, kept for an undo
+                if src.shadow is not None and (src.follow or (
+                        txn is not None and "lp" not in src.spare)):
+                    # the low-precision value about to be overwritten: compared with the
+                    # master, and kept for an undo
                     got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
             if txn is not None:
                 # Host-memory slices with an undo tensor on disk: written out from the resting
@@ -270,6 +369,9 @@ class SliceRunner:
             grad = _result(cur["g"])
             rows = cur["rows"]
             kept = [] if txn is None else self._keep(src, cur, rows, txn)
+            if src.follow and src.initialized:
+                # after its old values are kept: the master takes what was written since
+                follow_(work, _result(cur["lp"]))
             if src.shadow is not None and not src.initialized:
                 work = work.float()  # the fp32 master starts from the low-precision value
             owned = isinstance(cur["g"], Future)
@@ -389,14 +491,20 @@ class SliceRunner:
             state.update({k: _clone_small(v) for k, v in src.small.items()})
         else:
             state = self._fresh_state(work, group)
-        opt.param_groups[0]["params"] = [work]
+        group = opt.param_groups[0]
+        fused = group.get("fused")
+        if fused and self.unfuse_sparse and grad.is_sparse:
+            group["fused"] = False
+        group["params"] = [work]
         opt.state[work] = state
         work.grad = grad
         try:
             opt.step()
         finally:
             work.grad = None
-            opt.param_groups[0]["params"] = []
+            group["params"] = []
+            if "fused" in group:
+                group["fused"] = fused
             state = opt.state.pop(work, state)
         return state
 
@@ -405,8 +513,10 @@ class SliceRunner:
         """The new small state of a parameter with no elements (nothing is read or written)."""
         dtype = src.master_handle.dtype if src.master is None else src.master.dtype
         work = torch.empty(shape, dtype=dtype)
-        state = self._run(opt, group, src, work, torch.zeros_like(work), lambda: {
-            k: torch.empty(h.shape, dtype=h.dtype) for k, h in src.state_handles.items()})
+        grad = sparse_rows(src.grad, slice(0, 0)) if _is_sparse(src.grad) else \
+            torch.zeros_like(work)
+        state = self._run(opt, group, src, work, grad.to(dtype), lambda: {
+            k: torch.empty(shape, dtype=h.dtype) for k, h in src.state_handles.items()})
         return {k: state[k] for k in state if k not in src.state_handles}
 
     def _step_scalar(self, src: SlicedParam, opt, group, txn: Txn | None) -> dict[str, Any]:
@@ -428,6 +538,8 @@ class SliceRunner:
                     if key not in src.spare:
                         txn.stored_copy(src.state_store, h, None,
                                         src.state_store.read(h).result())
+        if src.follow and not fresh:
+            follow_(work, src.shadow[0].read(src.shadow[1]).result())
         grad = src.grad if src.grad is not None else src.grad_store.read(src.grad_handle).result()
         if grad.dtype != work.dtype:
             grad = grad.to(work.dtype)

@@ -1,6 +1,7 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
 from headroom.residency._adapters import init_adapters
+from headroom.residency._autograd import OffloadedParameter, StoredParameter
 from headroom.residency._blocks import find_blocks
 from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._dtensor import check_sharded
@@ -35,8 +36,10 @@ __all__ = [
     "OffloadPlan",
     "Group",
     "Offload",
+    "OffloadedParameter",
     "ParamPlan",
     "Slot",
+    "StoredParameter",
     "tensor_outputs",
     "Phase",
     "check_sharded",

@@ -259,8 +259,10 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
 def _hook_state_dict(state: Offload, m: nn.Module) -> None:
     from functools import partial
 
+    from headroom.residency import _outside
     from headroom.residency._schedule import Offload
 
+    _outside.install(state, m)
     state.handles.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
     state.handles.append(m.register_load_state_dict_pre_hook(
         partial(Offload.load_state_dict_pre_hook, state)))
@@ -427,6 +429,7 @@ def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
         with torch.no_grad():
             host.copy_(p.detach())
             p.data = host
+        s.binding.has_value = True  # a whole value written (counted in value_edits)
 
 
 def rescan(state: Offload) -> None:

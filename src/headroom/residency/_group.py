@@ -134,8 +134,9 @@ class Residency:
         if group.resident:
             return
         group.resident = True  # first: a fetch that fails half-way is released whole
-        for s in group.slots:
-            _check_master(s)
+        with torch._C.DisableTorchFunctionSubclass():  # masters' reads as plain tensors'
+            for s in group.slots:
+                _check_master(s)
         items = []
         for s in group.slots:
             resize_storage(s.dev, s.nbytes)

@@ -6,6 +6,7 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -19,7 +20,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from headroom.residency import _adopt, _dtensor, _guard
+from headroom.residency import _adopt, _dtensor, _guard, _outside
+from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
@@ -41,6 +43,50 @@ from headroom.transfer import (
 __all__ = ["describe", "offload", "prefetch", "unoffload"]
 
 _ATTR = "_headroom_offload"
+
+
+def _replica_wrapper(m: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper ``m`` is, or ``None``: ``DistributedDataParallel``,
+    ``DataParallel``, FSDP1's ``FullyShardedDataParallel`` or headroom's own."""
+    if getattr(type(m), "_headroom_data_parallel", False):
+        return "hr.data_parallel"
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(m, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(m, DataParallel):
+        return "torch.nn.DataParallel"
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp is not None and isinstance(m, fsdp.FullyShardedDataParallel):
+        return "FullyShardedDataParallel (FSDP1)"
+    return None
+
+
+def _check_not_replicated(model: nn.Module) -> None:
+    """Refuse a model that a data-parallel wrapper already holds (the wrapper itself, or one
+    inside it): the wrapper hooked the parameters before headroom moved them, so it would never
+    see a gradient and the replicas would silently drift apart."""
+    for name, m in model.named_modules():
+        kind = _replica_wrapper(m)
+        if kind is None:
+            continue
+        where = "the model" if m is model else f"its submodule {name!r}"
+        if kind == "hr.data_parallel":
+            raise RuntimeError(
+                f"hr.offload got {where}, which hr.data_parallel already wraps: offload first,"
+                " then wrap (hr.offload(model, ...); model = hr.data_parallel(model))")
+        fix = ("use FSDP2 instead (fully_shard each block and the root, then hr.offload:"
+               " docs/data_parallel.md)" if "FSDP1" in kind else
+               "unwrap it (model = wrapped.module), hr.offload(model, ...), then"
+               " model = hr.data_parallel(model), which runs DDP for the parameters on the device"
+               " and all-reduces the offloaded gradients itself. With accelerate: call hr.offload"
+               " and hr.data_parallel before accelerator.prepare, and pass prepare the optimizer"
+               " and data loaders only, not the model")
+        raise RuntimeError(
+            f"hr.offload got {where}, wrapped by {kind} (e.g. by accelerate's prepare): the"
+            " wrapper hooked the parameters before headroom moved them to a store, so no"
+            " offloaded gradient would reach it and the replicas would silently diverge. Offload"
+            f" before wrapping: {fix}")
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -129,6 +175,7 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
+    _check_not_replicated(model)
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
     if grad_accumulation not in ("store", "device"):
@@ -232,6 +279,7 @@ def offload(
             if id(m) in seen_mods:
                 continue
             seen_mods.add(id(m))
+            _outside.install(state, m)
             h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
             h.append(m.register_load_state_dict_pre_hook(
                 partial(Offload.load_state_dict_pre_hook, state)))
@@ -312,6 +360,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 StoreTensor(HandleSource(st, handle, prepare=state.init_pending),
                             tuple(p.shape), dtype=p.dtype),
                 requires_grad=p.requires_grad)
+        mark(master)  # torch.autograd.grad(loss, params) reaches the device copy
         b = bind(master, handle)
         b.has_value = not pending
         if pending:
@@ -357,6 +406,7 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
                 original.data = host.clone()  # its buffer goes back to the store's pool
         slot.show(original)
         unbind(slot.param)
+        unmark(slot.param)
         if created:
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
@@ -545,6 +595,9 @@ def unoffload(model: nn.Module) -> nn.Module:
         _guard.remove(b.module)
     _LIVE.discard(state)
     for s in state.slots:
+        for m, _ in s.owners:
+            _outside.remove(m)
+    for s in state.slots:
         b = s.binding
         value = st.read(b.handle).result().to(state.device)
         grad = None
@@ -555,6 +608,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         st.free(b.handle)
         release_claim(state, b.handle.key)
         unbind(s.param)
+        unmark(s.param)
         if isinstance(s.param, StoreTensor):
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)
         else:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
@@ -52,6 +53,7 @@ from headroom.transfer import (
     is_accelerator,
     is_stored_grad,
     stream_module,
+    value_edits,
 )
 
 __all__ = ["Offload", "in_backward"]
@@ -213,6 +215,14 @@ class Offload:
         self._bwd_task = -1
         self._bwd_seen: set[int] = set()
         self._bypass: list[str] = []
+        # See [Note: uses outside a block] (_outside.py): groups whose device copies were read
+        # outside their forward, kept resident until the backward ends; whether a forward with
+        # gradients waits for its backward; internal code that must see the masters.
+        self._outside: dict[int, Group] = {}
+        self._awaiting = False
+        self._masters_only = 0
+        # device copies handed out by `use_outside`: id -> (slot, requires_grad then)
+        self._handed: dict[int, tuple[Slot, bool]] = {}
         self.buffers: list[str] = []
         # modules with parameters or buffers created on meta and not filled yet (see _meta)
         self.pending_modules: dict[int, nn.Module] = {}
@@ -221,6 +231,8 @@ class Offload:
         # (outside forward and backward too) until a forward uses them or a new announcement,
         # an optimizer step that may change them, or a failure drops them.
         self.announced: list[Group] = []
+        # what each announced slot's master was when its device copy was fetched (`_mark`)
+        self._marks: dict[int, tuple] = {}
         # Listeners told which blocks a forward with gradients used (hr.data_parallel).
         self.used_listeners: list[Any] = []
         # Set by hr.data_parallel: DistributedDataParallel may wrap this model.
@@ -239,6 +251,14 @@ class Offload:
         self._unconfirmed: set[int] = set()
         self._lost: dict[int, str] = {}
         self._streams = stream_module(device) if is_accelerator(device) else None
+        # torch.autograd.grad over masters running (see headroom.residency._autograd), and
+        # the slots whose device copies have a hook that sees their gradients captured
+        self.captures_in_flight = 0
+        self._capture_hooked: set[int] = set()
+        self._capture_lock = threading.Lock()
+        # sparse gradients as autograd hands them to the device copies (see `_sparse_grad`)
+        self._sparse_raw: dict[int, torch.Tensor] = {}
+        self._sparse_hooked: set[int] = set()
         _LIVE.add(self)
 
     def _prefetch(self, order: list[Group], start: int, step: int) -> None:
@@ -284,6 +304,34 @@ class Offload:
         except BaseException:
             self.drop_announced()
             raise
+        self._note_marks()
+
+    def _mark(self, s: Slot) -> tuple:
+        """What tells that ``s``'s master was written since its device copy was fetched: the
+        store's count of writes to it (`value_edits`: all a value on disk can take) and, for a
+        master in host memory, its version counter and memory (in-place ops through it,
+        ``.data =``)."""
+        p = s.param
+        edits = value_edits(self.store, s.binding.handle.key)
+        if isinstance(p, StoreTensor) or p.device.type != "cpu":
+            return (edits,)
+        return (edits, p._version, p.data_ptr())
+
+    def _note_marks(self) -> None:
+        self._marks = {id(s): self._mark(s) for b in self.announced for s in b.slots}
+
+    def _written_since_fetch(self, block: Group) -> bool:
+        """Whether an announced block's masters changed after its device copies were fetched
+        (writes between `hr.prefetch` and the forward). On a CPU device the values are
+        compared too: ``p.data`` in-place writes leave no other trace."""
+        if any(self._marks.get(id(s)) != self._mark(s) for s in block.slots):
+            return True
+        if self.device.type != "cpu":
+            return False
+        self.res.ensure(block)
+        return any(not isinstance(s.param, StoreTensor)
+                   and not torch.equal(s.param.detach().to(s.dev.dtype), s.dev.detach())
+                   for s in block.slots)
 
     def drop_announced(self) -> None:
         """Forget every announcement and release what it kept (values may change now)."""
@@ -296,9 +344,58 @@ class Offload:
         adopting parameters added to the model since `hr.offload` (see `_adopt`).
         ``lost_ok``: leave adapters whose values were lost pending (for ``state_dict()``,
         which shows them as ``meta``) instead of raising."""
-        rescan(self)
-        if self.pending_modules:
-            init_pending(self, lost_ok=lost_ok)
+        self._masters_only += 1  # initializers write the masters, never device copies
+        try:
+            rescan(self)
+            if self.pending_modules:
+                init_pending(self, lost_ok=lost_ok)
+        finally:
+            self._masters_only -= 1
+
+    # ------------------------------------------------------------------ uses outside a block
+    @property
+    def reads_outside(self) -> bool:
+        """Whether a module's read of a master now gets its device copy (`use_outside`)."""
+        if self._masters_only:
+            return False
+        if self._root_running or self._active:
+            return True
+        if self._bwd:  # not once a backward broke off outside headroom's hooks
+            return in_backward()
+        return self._awaiting and torch.is_grad_enabled()
+
+    def use_outside(self, value: Any) -> Any:
+        """``value`` read from a module's parameters while the model is in use: a master's
+        device copy, its group fetched and kept resident until the backward ends (see
+        [Note: uses outside a block]); anything else as it is."""
+        slot = self.by_param.get(id(value))
+        if slot is None:
+            return value
+        block = slot.group
+        self.res.ensure(block)
+        dev = slot.dev
+        if dev.requires_grad != slot.param.requires_grad:
+            dev.requires_grad_(slot.param.requires_grad)
+        self._handed[id(dev)] = (slot, dev.requires_grad)
+        if id(block) not in self._outside:
+            self._outside[id(block)] = block
+            if torch.is_grad_enabled():
+                for fn in self.used_listeners:  # hr.data_parallel syncs what was used
+                    fn(block)
+            if self._root_running and block is not self.rest and block not in self._order_now:
+                self._order_now.append(block)  # prefetched there next time
+        return dev
+
+    def _close_window(self) -> None:
+        """The forward's reads outside their blocks are over (its backward ended, broke off,
+        or another forward starts): what was kept for them may go, and ``requires_grad_`` set
+        on a device copy read then reaches its master, as if it had been set on the master."""
+        self._outside = {}
+        self._awaiting = False
+        handed, self._handed = self._handed, {}
+        for slot, rg in handed.values():
+            if slot.dev.requires_grad != rg and slot.param.requires_grad == rg:
+                slot.param.requires_grad_(slot.dev.requires_grad)
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Group | None) -> None:
@@ -338,6 +435,7 @@ class Offload:
             self._root_running = False
             self._order_now = []
             self.announced = []
+            self._close_window()
             for b in [*self.blocks, self.rest]:
                 hide(b)
                 self.res.release(b, quiet=True)
@@ -357,6 +455,7 @@ class Offload:
             self._bwd_task = -1
             self._bwd_seen = set()
             self.announced = []
+            self._close_window()
             for b in [*self.blocks, self.rest]:
                 b.inputs_pending = 0
                 hide(b)
@@ -374,6 +473,7 @@ class Offload:
         """Before a new forward: nothing of a forward or backward that broke off stays."""
         if self._bwd:  # not inside a backward here: one broke off without its final callback
             self.abort_backward()
+        self._close_window()
         for b in [*self.blocks, self.rest]:
             # Only leftovers are resident here (e.g. `rest`, kept for a backward that
             # never ran); a pending backward re-fetches what it needs, with the same values.
@@ -390,9 +490,16 @@ class Offload:
             if self._bwd:
                 self.abort_backward()
                 return
+            # Reads from here on get the masters (the model is at rest for whoever lists its
+            # parameters). A backward still to come re-fetches what it needs, with the same
+            # values; not what was read outside its block (see [Note: uses outside a block]),
+            # whose backward may come before any hook could fetch it again: kept until then.
+            keep = self._outside
+            self._close_window()
+            self._outside = keep
             for b in [*self.blocks, self.rest]:
-                # A backward still to come re-fetches what it needs, with the same values.
-                self._idle_release(b)
+                if id(b) not in keep:
+                    self._idle_release(b)
         finally:
             self.use.exit_forward()
 
@@ -410,6 +517,10 @@ class Offload:
     def _before_optimizer_step(self) -> None:
         if self.busy:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+        # A master rebound since the last forward (``p.data = t``) goes into the store now: an
+        # optimizer stepping the store (HostOptimizer) would otherwise step the old value, and
+        # the next forward write the unstepped new one over the result.
+        sync_masters(self)
         for b in [*self.blocks, self.rest]:
             # Optimizers step only parameters with a gradient (torch.optim skips
             # ``grad is None``, HostOptimizer a binding without ``has_grad``), so an announced
@@ -430,6 +541,7 @@ class Offload:
             self._refetch = False
             for b in self.announced:
                 self.res.fetch(b)
+            self._note_marks()
         finally:
             self.use.exit_forward()
 
@@ -448,11 +560,13 @@ class Offload:
             return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
         raise RuntimeError(
             f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
-            f" {type(module).__name__}): autograd runs on the device copies while DDP hooks"
-            " the stored parameters, so no gradient would be all-reduced and the replicas would"
-            " silently diverge. Use model = hr.data_parallel(model) instead of"
-            " DistributedDataParallel(model): it runs DDP for the parameters on the device and"
-            " all-reduces the offloaded ones itself"
+            f" {type(module).__name__}), whichever came first: autograd runs on the device"
+            " copies while DDP hooks the stored parameters, so no gradient would be all-reduced"
+            " and the replicas would silently diverge. Use model = hr.data_parallel(model)"
+            " instead of DistributedDataParallel(model), after hr.offload: it runs DDP for the"
+            " parameters on the device and all-reduces the offloaded ones itself (with"
+            " accelerate: before accelerator.prepare, which then gets the optimizer and data"
+            " loaders only)"
         )
 
     def _check_not_under_ddp(self, module: nn.Module) -> None:
@@ -513,9 +627,7 @@ class Offload:
         show(self.rest)
         # requires_grad_() on masters after hr.offload (freezing, PEFT) reaches the device
         # copies autograd differentiates; blocks do the same in their pre-forward.
-        for s in self.rest.slots:
-            if s.dev.requires_grad != s.param.requires_grad:
-                s.dev.requires_grad_(s.param.requires_grad)
+        _sync_requires_grad(self.rest)
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(self.rest)
@@ -528,12 +640,16 @@ class Offload:
             return None
         self._root_running = False
         self.order = self._order_now or self.order
-        for b in self.blocks:  # prefetched past the end, or skipped by this forward
-            self._idle_release(b)
         outs = _outputs(output) if torch.is_grad_enabled() else []
+        if not outs:
+            self._close_window()
+        for b in self.blocks:  # prefetched past the end, or skipped by this forward
+            if id(b) not in self._outside:  # read outside: kept for the backward
+                self._idle_release(b)
         if outs:
             # `rest` stays resident for backward, but the modules hold the masters again.
             hide(self.rest)
+            self._awaiting = True
             hook = partial(self.pre_backward, self.rest)
             for t in outs:
                 t.register_hook(hook)
@@ -558,14 +674,14 @@ class Offload:
             self.init_pending()
         if block in self.announced:
             self.announced.remove(block)  # the announcement is used up
+            if self._written_since_fetch(block):
+                self.res.release(block)  # fetched again below, with the written values
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(block)
         self.res.ensure(block)
         show(block)
-        for s in block.slots:
-            if s.dev.requires_grad != s.param.requires_grad:
-                s.dev.requires_grad_(s.param.requires_grad)
+        _sync_requires_grad(block)
         self._order_now.append(block)
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
@@ -604,7 +720,8 @@ class Offload:
             # Frozen parameters outside the blocks (a final norm under LoRA) may still be
             # needed for input gradients, and nothing watches those here: end of backward.
             return
-        if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0:
+        if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0 \
+                and id(block) not in self._outside:
             self.res.release(block)
 
     def post_forward(self, block: Group, module, args, kwargs, output):
@@ -622,7 +739,8 @@ class Offload:
                 hook = partial(self.pre_backward, block)
                 for t in _outputs(output):
                     t.register_hook(hook)
-            self.res.release(block)
+            if id(block) not in self._outside:  # else kept for a use outside its forward
+                self.res.release(block)
         finally:
             if found:
                 self.use.exit_forward()
@@ -687,7 +805,9 @@ class Offload:
         """Room for every gradient this backward can produce, before any of them lands."""
         # A store that is full fails here, at the start of backward with nothing written, rather
         # than half-way with some gradients stored and others not.
-        todo = [s for s in self.slots if s.dev.requires_grad and s.binding.grad_handle is None]
+        with _masters_as_tensors():
+            todo = [s for s in self.slots if s.dev.requires_grad and s.param.requires_grad
+                    and s.binding.grad_handle is None]
         store = self.store
         try:
             store.reserve([s.binding.handle.numel * (s.binding.grad_dtype or s.binding.handle.dtype
@@ -704,7 +824,8 @@ class Offload:
 
     def grad_hook(self, dev: torch.Tensor) -> None:
         try:
-            self._grad_hook(dev)
+            with _masters_as_tensors():
+                self._grad_hook(dev)
         except BaseException:
             self._abort_own_backward()
             raise
@@ -717,6 +838,14 @@ class Offload:
             return
         b = slot.binding
         p = slot.param
+        if not p.requires_grad:
+            # NOTE: autograd gives a leaf no gradient when its requires_grad is off at the
+            # moment the gradient arrives, even though it was on in forward (AccumulateGrad
+            # checks the flag then). The device copy is the leaf here and the master is what
+            # the user froze: drop the gradient as plain PyTorch does, and go on with the
+            # block's bookkeeping (its copies are released as usual).
+            self._grad_done(slot)
+            return
         store = self.store
         self.adopt_grad(slot)  # a gradient assigned since: accumulate onto it, as torch does
         if b.grad_handle is None:
@@ -728,7 +857,13 @@ class Offload:
         cur = p.grad
         if isinstance(cur, StoreTensor) and not b.has_grad:
             cur = None  # our view of a stored gradient cleared since (a zero_ cut short)
-        if host is None and self.grad_accumulation == "device":
+        if g.is_sparse or (cur is not None and b.grad_sparse is not None):
+            g = self._sparse_grad(slot, g, cur)  # a dense sum left to store, or None
+            if g is not None:
+                cur = None  # sparse + dense: the dense sum replaces the sparse gradient
+        if g is None:
+            pass  # kept in memory as a sparse gradient (`_sparse_grad`)
+        elif host is None and self.grad_accumulation == "device":
             # Held on the device: every read of the stored gradient (param.grad is a
             # StoreTensor, the optimizer's step, hr.data_parallel's all-reduce) hands the sum
             # over first (`sync_grad`, `read_grad`).
@@ -753,11 +888,102 @@ class Offload:
         # parameter (tied weights included), so this gradient is complete: tell listeners
         # (inside HostOptimizer.final_backward() its step starts on the worker thread).
         grad_ready(p)
+        self._grad_done(slot)
+
+    def watch_captures(self, slot: Slot) -> None:
+        """Count ``slot``'s gradient as done when ``torch.autograd.grad`` captures it (its
+        device copy's AccumulateGrad, whose hook `_grad_hook` is, does not run then)."""
+        with self._capture_lock:  # one hook per device copy, whichever thread asks first
+            if id(slot) in self._capture_hooked:
+                return
+            dev = slot.dev
+            rg = dev.requires_grad
+            dev.requires_grad_(True)
+            self.handles.append(dev.register_hook(partial(self._captured, slot)))
+            dev.requires_grad_(rg)
+            self._capture_hooked.add(id(slot))
+
+    def _captured(self, slot: Slot, grad: torch.Tensor | None) -> None:
+        if not self.captures_in_flight or grad is None:
+            return
+        try:
+            runs = torch._C._will_engine_execute_node(get_gradient_edge(slot.dev).node)
+        except RuntimeError:
+            # NOTE: torch raises here for a leaf that torch.autograd.grad captures: its
+            # gradient is complete now, and no AccumulateGrad (no `_grad_hook`) follows.
+            runs = False
+        if not runs:
+            self._grad_done(slot)
+
+    def _grad_done(self, slot: Slot) -> None:
+        """``slot``'s device copy has had its gradient of this backward: release its group
+        once all of them are in."""
         block = slot.group
         if id(block) in self._bwd_seen:
             block.grads_left -= 1
             if block.grads_left == 0 and any(s.dev.requires_grad for s in block.slots):
                 self._maybe_release(block)
+
+    def _sparse_grad(self, slot: Slot, g: torch.Tensor,
+                     cur: torch.Tensor | None) -> torch.Tensor | None:
+        """Accumulate a sparse gradient (``nn.Embedding(sparse=True)``) as autograd does for a
+        parameter of its own; returns a dense sum still to be stored whole, else ``None``.
+
+        A sparse gradient stays sparse, in host memory (``binding.grad_sparse``, also
+        ``param.grad``): a later sparse one is added to it in place (autograd's
+        ``variable_grad += new_grad``), a dense one makes the sum dense; a sparse one added to a
+        dense stored gradient is added into it in place.
+        """
+        # NOTE: not written densely into the store: torch's sparse steps (SGD adds the entries
+        # one by one, Adagrad and SparseAdam coalesce them, all touch only the rows named)
+        # differ bitwise from their dense steps, so the optimizer must get the sparse tensor
+        # as torch would: the same entries in the same order. How `+=` lays out the sum
+        # (appended, or merged when both operands' values are contiguous) depends on the
+        # tensor autograd hands over before storing it (a stored first gradient is a copy with
+        # contiguous values): that one is kept for the sum (`_keep_raw`).
+        b = slot.binding
+        p = slot.param
+        # in the parameter's dtype, as autograd sums them (a consumer wanting fp32 sums of a
+        # bf16 parameter, `grad_dtype`, gets fp32 dense sums only: param.grad must keep p's
+        # dtype, and a sparse gradient is only that)
+        dtype = p.dtype
+        raw = self._sparse_raw.pop(id(slot), None)
+        if id(slot) not in self._sparse_hooked and g.is_sparse:
+            slot.dev.register_hook(partial(self._keep_raw, id(slot)))
+            self._sparse_hooked.add(id(slot))
+        if b.grad_sparse is not None and cur is b.grad_sparse:
+            if not g.is_sparse:  # sparse + dense: dense, as autograd sums them
+                b.grad_sparse = None
+                return g.to("cpu", dtype) + cur
+            cur += (raw if raw is not None else g).to("cpu", dtype)
+            return None
+        g = g.to("cpu", dtype)
+        if cur is None:
+            b.grad_sparse = g
+            b.has_grad = True
+            b.grad_rows = None
+            p.grad = g
+            return None
+        # a dense stored gradient: the sparse one is added into it, entry by entry
+        self.flush_grads(slot)
+        self._wait_landed()
+        gh = b.grad_handle
+        host = self.store.host_tensor(gh)
+        with torch.no_grad():
+            if host is not None:
+                host.add_(g.to(gh.dtype))
+            else:
+                acc = self.store.read(gh).result()
+                acc.add_(g.to(gh.dtype))
+                self.store.write(gh, acc).result()
+        return None
+
+    def _keep_raw(self, key: int, g: torch.Tensor) -> None:
+        """A device copy's tensor hook: keep a sparse gradient as autograd hands it over."""
+        if g.is_sparse:
+            self._sparse_raw[key] = g
+        else:
+            self._sparse_raw.pop(key, None)
 
     def _hold(self, slot: Slot, g: torch.Tensor, *, fresh: bool) -> None:
         """Add ``g`` to ``slot``'s gradient held on the device (or start it: ``fresh``, or
@@ -859,6 +1085,7 @@ class Offload:
     def end_backward(self) -> None:
         self._bwd = False
         self._bwd_seen = set()
+        self._close_window()
         for b in self.blocks:
             b.inputs_pending = 0
             self._idle_release(b)
@@ -867,10 +1094,12 @@ class Offload:
         if self._bypass:
             names, self._bypass = self._bypass, []
             raise RuntimeError(
-                f"parameter(s) {sorted(set(names))} were used outside the forward of their"
-                " offloaded block, so their gradient bypassed the store and is wrong; make the"
-                " block that uses them contain them (hr.offload(..., blocks=[...])) or call"
-                " the block module itself rather than reading its parameters from outside"
+                f"parameter(s) {sorted(set(names))} were used while the model was at rest"
+                " (outside any forward of it, and not between a forward and its backward), so"
+                " their gradient bypassed the store and is wrong. Read them from their module"
+                " during the model's forward, or after a forward and before its backward, where"
+                " reads give the device copy and gradients reach the store; or keep a reference"
+                " to the module and call it rather than holding the parameter object itself"
             )
 
     def sync_grads(self) -> None:
@@ -886,6 +1115,11 @@ class Offload:
         b = slot.binding
         if slot.param.grad is None or b.grad_handle is None:
             return None
+        if b.grad_sparse is not None:
+            raise NotImplementedError(
+                f"the gradient of {slot.name!r} is sparse (nn.Embedding(sparse=True)), which"
+                " hr.data_parallel does not average; use sparse=False for the offloaded"
+                " modules of a data-parallel model")
         # Only this slot's held sum goes over: the others may still be summing (a later
         # hand-over of theirs would cost one more write each).
         self.sync_grad_of(slot)
@@ -905,6 +1139,7 @@ class Offload:
                     self._held.pop(id(slot), None)
                 b.has_grad = False
                 b.grad_rows = None
+                b.grad_sparse = None
             return
         if is_stored_grad(cur, b):
             return
@@ -918,6 +1153,13 @@ class Offload:
         p = slot.param
         self.flush_grads(slot)  # replaced whole: its held sum (if any) is read already
         self._wait_landed()
+        if value.is_sparse:  # kept sparse, as torch keeps it (see `_sparse_grad`)
+            b.grad_sparse = value.to("cpu", p.dtype)
+            b.has_grad = True
+            b.grad_rows = None
+            p.grad = b.grad_sparse
+            return
+        b.grad_sparse = None
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(self.store, b)
         gh = b.grad_handle
@@ -979,6 +1221,20 @@ class Offload:
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
             else:
                 state_dict[key] = cur.detach()
+
+
+# NOTE: masters catch torch.autograd.grad in __torch_function__ (see _autograd), which every
+# attribute read and op of theirs goes through; headroom's own reads at every forward, fetch
+# and gradient skip it.
+_masters_as_tensors = torch._C.DisableTorchFunctionSubclass
+
+
+def _sync_requires_grad(group: Group) -> None:
+    """Give the group's device copies their masters' ``requires_grad``."""
+    with _masters_as_tensors():
+        for s in group.slots:
+            if s.dev.requires_grad != s.param.requires_grad:
+                s.dev.requires_grad_(s.param.requires_grad)
 
 
 def _stored_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:

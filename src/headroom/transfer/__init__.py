@@ -11,10 +11,12 @@ from headroom.transfer._binding import (
     binding,
     flush_grad,
     grad_ready,
+    note_value_edit,
     on_grad_ready,
     relay_done,
     sync_grad,
     unbind,
+    value_edits,
     weak_method,
     weak_post_accumulate_grad_hook,
 )
@@ -99,6 +101,7 @@ __all__ = [
     "is_stored_grad",
     "keep_for_child",
     "grad_ready",
+    "note_value_edit",
     "on_grad_ready",
     "open_regular",
     "owned_pool",
@@ -116,6 +119,7 @@ __all__ = [
     "to_meta",
     "trim_heap",
     "unbind",
+    "value_edits",
     "weak_method",
     "weak_post_accumulate_grad_hook",
 ]

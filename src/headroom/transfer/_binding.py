@@ -18,6 +18,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,9 +27,34 @@ from headroom.transfer._store import Store
 
 __all__ = [
     "ParamBinding", "adopt_grad", "bind", "binding", "flush_grad", "grad_ready",
-    "on_grad_ready", "relay_done", "sync_grad",
-    "unbind", "weak_method", "weak_post_accumulate_grad_hook",
+    "note_value_edit", "on_grad_ready", "relay_done", "sync_grad",
+    "unbind", "value_edits", "weak_method", "weak_post_accumulate_grad_hook",
 ]
+
+# store -> {key: count}; see `value_edits`
+_VALUE_EDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_value_edit(store: Store, key: str) -> None:
+    """Record that the values stored under ``key`` were written by someone other than their
+    consumer (see `value_edits`)."""
+    counts = _VALUE_EDITS.get(store)
+    if counts is None:
+        counts = _VALUE_EDITS[store] = {}
+    counts[key] = counts.get(key, 0) + 1
+
+
+def value_edits(store: Store, key: str) -> int:
+    """How many times the values of a store-resident parameter under ``key`` were written
+    other than by its optimizer's step: whole values (whoever writes one sets
+    ``binding.has_value``: ``hr.load``, ``hr.load_weights``, ``load_state_dict``,
+    initialization) and in-place ops through a `StoreTensor` over them (``p.copy_``,
+    ``nn.init.*``, ``p.data = t``). A consumer that keeps a copy of the values (an optimizer's
+    fp32 master of a bf16 parameter on disk) compares it with the count it last saw to know
+    that the stored values changed, without reading them. Values in host memory can also be
+    changed through the tensor itself, unseen here: compare the values there."""
+    counts = _VALUE_EDITS.get(store)
+    return 0 if counts is None else counts.get(key, 0)
 
 _ATTR = "_headroom_binding"
 
@@ -44,9 +70,14 @@ class ParamBinding:
         grad_rows: rows of ``grad_handle`` that hold a non-zero gradient (sorted LongTensor), or
             ``None`` for a dense gradient. Producers of sparse row gradients set it; consumers
             may touch only those rows.
-        has_grad: ``grad_handle`` holds a gradient that has not been consumed yet. Producers set
-            it when they write a gradient; consumers (an optimizer's ``zero_grad``) clear it,
-            and the next producer then overwrites instead of accumulating.
+        has_grad: ``grad_handle`` (or ``grad_sparse``) holds a gradient that has not been
+            consumed yet. Producers set it when they write a gradient; consumers (an
+            optimizer's ``zero_grad``) clear it, and the next producer then overwrites instead
+            of accumulating.
+        grad_sparse: the gradient when it is a sparse COO tensor (``nn.Embedding(sparse=True)``),
+            in host memory as autograd accumulates it (entries in order, not coalesced: a
+            sparse optimizer step depends on both), or ``None``. While set, it is the gradient
+            and ``grad_handle`` holds nothing of it.
         grad_sync: set by the producer: blocks until every gradient it has handed over so far
             rests in ``grad_handle`` (its writes may run in the background; a sum held back
             on the device is handed over first). ``None``: the gradient is in place as soon
@@ -65,7 +96,7 @@ class ParamBinding:
             a consumer that started using the gradient can tell that it changed since.
         has_value: ``False`` while ``handle`` holds no value yet (a parameter created on
             ``meta``, still to be loaded or initialized): consumers must not read it then.
-            Whoever writes the whole value sets it.
+            Whoever writes the whole value sets it (which counts in `value_edits`).
         listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
         relay: ``fn(param)`` that `grad_ready` calls instead of the listeners, or ``None``: a
             consumer that changes the gradient before anyone may read it (data parallel
@@ -77,6 +108,7 @@ class ParamBinding:
     grad_handle: Handle | None = None
     grad_rows: torch.Tensor | None = None
     has_grad: bool = False
+    grad_sparse: torch.Tensor | None = None
     grad_dtype: torch.dtype | None = None
     has_value: bool = True
     grad_edits: int = 0
@@ -85,6 +117,14 @@ class ParamBinding:
     grad_adopt: Callable[[], None] | None = field(default=None, repr=False)
     listeners: list[Callable[[torch.Tensor], None]] = field(default_factory=list, repr=False)
     relay: Callable[[torch.Tensor], None] | None = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # NOTE: a whole value written by anyone but the optimizer is announced by setting
+        # has_value (see [Note: masters and device copies]); counting it here keeps every
+        # such writer in step with `value_edits` without each having to call it.
+        object.__setattr__(self, name, value)
+        if name == "has_value" and value:
+            note_value_edit(self.store, self.handle.key)
 
 
 class ListenerHandle:

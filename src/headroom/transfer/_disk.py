@@ -278,12 +278,17 @@ class DiskStore(Store):
     ``DiskStore(path)``.
 
     Crash safety: a journal in the folder records every allocation, free and write as it
-    happens, with the CRC32C of what each write puts in the file; an index snapshot is written
-    by `flush`, `close`, and whenever the journal grows. A store whose process was killed
-    reopens with every tensor, each holding its last completed write, checked against its
-    checksums; a tensor a write was tearing at the kill raises `StoreCorruptError` (or opens
-    marked damaged with ``recover=True``). After a power loss the store is safe as of the last
-    `flush` (which fsyncs). A lock file keeps a second store (in any process) out of the folder.
+    happens, with the CRC32C of what each write puts in the file, each record with a CRC32C of
+    its own; an index snapshot, checksummed as a whole, is written by `flush`, `close`, and
+    whenever the journal grows past its threshold (at the latest when a `reserve_writes`
+    promise ends). A store whose process was killed reopens with every tensor, each holding its
+    last completed write, checked against its checksums; a tensor a write was tearing at the
+    kill raises `StoreCorruptError` (or opens marked damaged with ``recover=True``). After a
+    power loss the store is safe as of the last `flush` (which fsyncs). Metadata that does not
+    vouch for itself is refused when opening, naming the file and the fix: an index or journal
+    record that fails its checksum, a key named twice, a tensor file that no tensor owns and no
+    recorded free accounts for (it is never deleted: it may hold a tensor whose index entry was
+    lost). A lock file keeps a second store (in any process) out of the folder.
     Every file the store opens is one it named in ``path``, never reached through a symbolic
     link; sizes read from the index and journal are checked against the tensors, the files and
     the disk's free space before use. See [Note: DiskStore files stay inside the folder].
@@ -320,7 +325,13 @@ class DiskStore(Store):
             would cost about half again the read time. ``True`` checks every read anyway.
         recover: open a store whose tensors fail their checks anyway: the damaged byte ranges
             raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load`` of a
-            checkpoint); the other tensors are usable as they are.
+            checkpoint); the other tensors are usable as they are. Tensor files nothing
+            accounts for are renamed ``NAME.unaccounted`` (kept, not deleted, and no longer the
+            store's) and the store opens without them; a damaged last journal record is
+            skipped (the change it recorded is lost). A warning lists each. A damaged index,
+            or a damaged record with others after it, is refused all the same: nothing in it
+            can be trusted (restore the folder, or start over with ``overwrite=True`` and
+            ``hr.load`` a checkpoint).
         overwrite: delete the DiskStore files in ``path`` (index, journal, ``NNNNNN-*.bin``)
             and start empty; other files there are kept.
 
@@ -332,9 +343,10 @@ class DiskStore(Store):
             or an empty directory).
         RuntimeError: another store (in this process or another) has ``path`` open; from any
             method, used in a forked child.
-        StoreCorruptError: when opening, a tensor fails its checks or the metadata is broken;
-            from reads, a checksum mismatch or a damaged range; from anything, a symbolic link
-            or a non-regular file where one of the store's files was.
+        StoreCorruptError: when opening, a tensor fails its checks, the metadata is broken
+            (fails its checksum, names a key twice) or a tensor file is accounted for by
+            nothing; from reads, a checksum mismatch or a damaged range; from anything, a
+            symbolic link or a non-regular file where one of the store's files was.
         StoreFullError: from `put`/`alloc` when the budget or the disk is full; when opening,
             a missing tensor file that the disk has no room to create again.
 
@@ -410,7 +422,7 @@ class DiskStore(Store):
         self._closed = False
         self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
         try:
-            self._ledger = Ledger.open(self.path, overwrite=overwrite)
+            self._ledger = Ledger.open(self.path, overwrite=overwrite, recover=recover)
         except BaseException:
             self._pool.shutdown()
             self._wpool.shutdown()
@@ -419,14 +431,12 @@ class DiskStore(Store):
             open_checks(self._ledger, self._pool, verify=verify, recover=recover,
                         page_cache=page_cache)
             for name in self._ledger.orphans():
-                os.unlink(self.path / name)
+                self._ledger.remove(name)
             self._ledger.start()
             for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
                 name = self._ledger.entries[key]["file"]
                 self._ledger.free(key)  # scratch of a process that stopped: worth nothing
-                # A directory standing there was not made by a store: left alone.
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                    os.unlink(self.path / name)
+                self._ledger.remove(name)
         except BaseException:
             self._ledger.release()
             self._pool.shutdown()
@@ -459,9 +469,16 @@ class DiskStore(Store):
             str(self.path), (key,))
 
     def _own(self) -> None:
-        """Raise at once in a forked child: the store's threads and folder are its parent's."""
+        """Raise at once in a forked child (the store's threads and folder are its parent's)
+        or once the store is closed."""
         if os.getpid() != self._pid:
             raise forked_error(repr(self), self._pid)
+        if self._closed:
+            raise RuntimeError(
+                f"{self!r} is closed (close() was called): nothing can be read or written"
+                " through it any more. Close a store after its last use (once the model and"
+                " optimizer that keep tensors in it are done); to go on, open the folder"
+                " again with DiskStore(path) and offload into it, or hr.load a checkpoint")
 
     # ------------------------------------------------------------------ I/O plumbing
     def _file(self, handle: Handle) -> str:
@@ -476,8 +493,6 @@ class DiskStore(Store):
         ``result`` when all are done and ``finish()`` has returned (or to the first error).
         """
         self._own()
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
         with self._lock:
             prev = self._pending.get(key)
 
@@ -716,7 +731,9 @@ class DiskStore(Store):
             self._release(handle)
             if created:
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
+                    self._ledger.remove(name)
+            else:  # absent, or a file that is not ours (FileExistsError): never removed
+                self._ledger.forget_freed(name)
             if isinstance(e, FileExistsError):
                 raise FileExistsError(
                     f"{path} appeared in the folder of {self!r} while it was open; something"
@@ -887,9 +904,12 @@ class DiskStore(Store):
     def reserve_writes(self, count: int) -> None:
         # Two records per write (begin and done), each at most this long for a write of one
         # range of rows (more ranges: about 40 bytes each).
+        self._own()
         try:
             self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
         except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
             raise StoreFullError(
                 f"{self!r} is full: the disk under {self.path} has no room for the journal"
                 f" records of {count} writes ({e.strerror or e}); free space there or give"
@@ -924,8 +944,7 @@ class DiskStore(Store):
             self._ledger.free(handle.key)  # journaled before the file goes
             self._checked.discard(handle.key)
             self._release(handle)
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-            os.unlink(os.path.join(self.path, name))
+        self._ledger.remove(name)
 
     def _fill_job(self, key: str, path: str, unknown: list[tuple[int, int]]) -> None:
         for (s, e), c in zip(unknown, file_crcs([(path, s, e) for s, e in unknown],
@@ -995,7 +1014,8 @@ class DiskStore(Store):
         """Flush, mark the folder closed cleanly, stop the I/O threads and unlock the folder.
         The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
         offloaded here, see `headroom.offload_activations`) is freed: a backward that still
-        needs activations stashed here raises instead."""
+        needs activations stashed here raises instead. Afterwards every method raises
+        `RuntimeError` (closed); a second ``close()`` does nothing."""
         if self._closed or os.getpid() != self._pid:
             return  # in a forked child: the parent's store, which stays open there
         try:

@@ -2,18 +2,28 @@
 
 [Note: DiskStore journal]
 The folder's metadata is ``index.json`` (a snapshot: tensors, files, checksum segments, the
-writes in flight, the sequence number it includes, whether the session that wrote it closed)
-plus ``journal.jsonl`` (records after that snapshot, one per line: ``<crc32c hex> <json>``,
-each with the next sequence number). The store journals an ``alloc`` before creating the file,
-a ``free`` before unlinking it, an ``x`` when tensors exchange files (`DiskStore.exchange`, one
-record for all pairs), and each write twice: ``w`` with the CRC of every extent before
-the first byte goes out, ``d`` (done: ``ok``, ``none`` written, or ``bad`` = failed part-way)
-after the last. Reopening replays the journal over the snapshot; a ``w`` without its ``d`` is a
-write the process did not finish, checked against the file (new bytes, old bytes, or torn).
-Appends are not fsynced: a killed process's writes are in the page cache, which reaches the
-disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss the store is safe
-as of the last flush. Compaction (index rewritten via tmp + fsync + rename, then the journal
-truncated) holds the ledger lock, so no record falls between the two.
+writes in flight, the files freed and perhaps not unlinked yet, the sequence number it
+includes, whether the session that wrote it closed) plus ``journal.jsonl`` (records after that
+snapshot, one per line: ``<crc32c hex> <json>``, each with the next sequence number). The index
+ends with ``"crc":"xxxxxxxx"``, the CRC32C of its bytes without that field, checked before it is
+parsed (versions 1 and 2 had none and still open). No object in either may name a key twice.
+The store journals an ``alloc`` before creating the file, a ``free`` before unlinking it, an
+``x`` when tensors exchange files (`DiskStore.exchange`, one record for all pairs), and each
+write twice: ``w`` with the CRC of every extent before the first byte goes out, ``d`` (done:
+``ok``, ``none`` written, or ``bad`` = failed part-way) after the last. Reopening replays the
+journal over the snapshot; a ``w`` without its ``d`` is a write the process did not finish,
+checked against the file (new bytes, old bytes, or torn). A last record without its newline
+was cut short by a kill mid-append and is ignored; one with it that fails its CRC was damaged
+later and is refused. Every tensor file in the folder is accounted for: an entry owns it, or a
+recorded ``free`` (the journal's, or the snapshot's list, from which the file leaves once
+unlinked) lets opening remove it; any other is refused, never deleted (it may be a tensor whose
+entry was lost). Appends are not fsynced: a killed process's writes are in the page cache,
+which reaches the disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss
+the store is safe as of the last flush (a tensor file allocated after it whose record the power
+loss took is refused as unaccounted). Compaction (index rewritten via tmp + fsync + rename,
+then the journal truncated) holds the ledger lock, so no record falls between the two; it runs
+after any change once the journal is past `COMPACT_BYTES` and twice the index, except while
+journal space is reserved (`Ledger.reserve`), and then when the reservation ends.
 
 [Note: DiskStore files stay inside the folder]
 Every file a store opens is ``<folder>/<name>`` with a name it made itself (``NNNNNN-*.bin``
@@ -68,6 +78,46 @@ MAX_TENSOR_BYTES = 1 << 60
 MAX_COUNTER = 10**12
 _NAME_MAX = 200
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_VERSION = 3  # the index version written; 1 and 2 (no checksum of their own) are still read
+# An index of version 3 ends with this field: the CRC32C of the file's bytes with the field
+# left out (``,"crc":"xxxxxxxx"`` removed), checked over the raw bytes before they are parsed.
+_SEAL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\Z')
+_SEAL_BYTES = 18  # len(b',"crc":"xxxxxxxx"}')
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object of the index or journal names one key twice."""
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(f"the key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _loads(raw: bytes):
+    """JSON of the index or a journal record; an object naming a key twice is refused (a
+    damaged or edited name may have become another tensor's, whose entry the parser would then
+    silently replace)."""
+    return json.loads(raw, object_pairs_hook=_no_duplicates)
+
+
+def _seal(body: bytes) -> bytes:
+    """``body`` (a JSON object) with its CRC32C added as its last field."""
+    return body[:-1] + b',"crc":"%08x"}' % crc(body)
+
+
+def _unseal(raw: bytes) -> tuple[bytes, bool | None]:
+    """``(body, ok)``: the index without its checksum field and whether the checksum matches
+    (``None`` when there is no such field: an index of version 1 or 2, or a damaged one)."""
+    m = _SEAL.search(raw, max(0, len(raw) - _SEAL_BYTES))
+    if m is None:
+        return raw, None
+    body = raw[:-_SEAL_BYTES] + b"}"
+    return body, m.group(1) == b"%08x" % crc(body)
 
 
 def seg_cap(nbytes: int) -> int:
@@ -153,12 +203,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _corrupt(path: Path, file: Path, what: str) -> StoreCorruptError:
+def _corrupt(path: Path, file: Path, what: str, *, recover: bool = False
+             ) -> StoreCorruptError:
+    """The metadata ``file`` is broken; the fixes (``recover``: recover=True is one)."""
+    skip = (" Open it with DiskStore(path, recover=True) to skip that record (the change it"
+            " recorded is lost, and a warning says so), then hr.load(checkpoint, model,"
+            " optimizer);" if recover else "")
     return StoreCorruptError(
-        f"DiskStore {str(path)!r}: {file.name} {what}. The folder was not changed. Restore the"
-        " folder from a backup, or start over from a checkpoint: DiskStore(path, overwrite=True)"
-        " (deletes only the store's files), hr.offload the model into it and"
-        " hr.load(checkpoint, model, optimizer)", str(path))
+        f"DiskStore {str(path)!r}: {file.name} {what}. The folder was not changed.{skip}"
+        " Restore the folder from a backup, or start over from a checkpoint:"
+        " DiskStore(path, overwrite=True) (deletes only the store's files), hr.offload the"
+        " model into it and hr.load(checkpoint, model, optimizer)", str(path))
 
 
 def _acquire(path: Path) -> int:
@@ -299,10 +354,15 @@ class Ledger:
     under one lock. No reference to the store, so the store's finalizer can close it.
     """
 
-    def __init__(self, path: Path, lock_fd: int) -> None:
+    def __init__(self, path: Path, lock_fd: int, *, recover: bool = False) -> None:
         self.path = path
         self.entries: dict[str, dict] = {}  # key -> file, shape, dtype, nbytes, segments
         self._files: set[str] = set()  # the entries' file names
+        # Files of tensors freed (journaled) and perhaps not unlinked yet: the only tensor
+        # files in the folder that no entry owns and that opening removes. See `unaccounted`.
+        self.freed: set[str] = set()
+        self.recover = recover
+        self.skipped: int | None = None  # a damaged last journal record skipped (recover)
         self.inflight: dict[int, dict] = {}  # seq of a "w" record -> the record
         self.seq = 0
         self.counter = 0
@@ -322,8 +382,9 @@ class Ledger:
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: Path, *, overwrite: bool) -> Ledger:
-        """Lock the folder and read its metadata (nothing in it is changed yet).
+    def open(cls, path: Path, *, overwrite: bool, recover: bool = False) -> Ledger:
+        """Lock the folder and read its metadata (nothing in it is changed yet). With
+        ``recover`` a damaged last journal record is skipped (`skipped`) instead of refused.
 
         Raises:
             FileExistsError: a non-empty folder that is not a DiskStore's (without ``overwrite``).
@@ -341,7 +402,7 @@ class Ledger:
                 " or new directory, or overwrite=True to delete the DiskStore files there"
                 " (index, journal, lock, NNNNNN-*.bin; other files are kept)")
         fd = _acquire(path)
-        ledger = cls(path, fd)
+        ledger = cls(path, fd, recover=recover)
         try:
             if overwrite:
                 for n in os.listdir(path):
@@ -359,10 +420,16 @@ class Ledger:
         raw = _read_meta(index)
         if raw is not None:
             self.found_index = True
+            body, sealed = _unseal(raw)
+            if sealed is False:
+                raise _corrupt(self.path, index, "does not match its checksum (damaged on disk"
+                               " or edited)")
             try:
-                data = json.loads(raw)
+                data = _loads(body)
                 if not isinstance(data, dict):
                     raise ValueError("not a JSON object")
+            except _DuplicateKey as e:
+                raise _corrupt(self.path, index, f"is damaged or edited: {e}") from None
             except (ValueError, RecursionError) as e:
                 raise _corrupt(self.path, index, f"is unreadable, truncated or garbled ({e})")\
                     from None
@@ -371,6 +438,10 @@ class Ledger:
                 raise FileExistsError(
                     f"DiskStore folder {str(self.path)!r} holds an index.json that is not a"
                     " DiskStore's; use another folder (or overwrite=True, which deletes it)")
+            if sealed is None and data.get("version") not in (1, 2):
+                # Versions 1 and 2 had no checksum; a later one without it lost it to damage.
+                raise _corrupt(self.path, index, f"has no valid checksum field (version"
+                               f" {data.get('version')!r} ends with one; damaged or edited)")
             try:
                 self._load_index(data)
             except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -412,6 +483,23 @@ class Ledger:
             raise TypeError("inflight is not an object")
         for rid, rec in inflight.items():
             self.inflight[_int(int(rid), "write id")] = _write_record(rec)
+        freed = data.get("freed", [])
+        if not isinstance(freed, list):
+            raise TypeError("freed is not a list")
+        for file in freed:
+            self._file_name(file, "freed file")
+            if file in self._files:
+                raise ValueError(f"file {file!r} is both freed and a tensor's")
+            self.freed.add(file)
+
+    def _file_name(self, file, what: str) -> None:
+        """Check a tensor file name from the index or journal (see [Note: DiskStore files
+        stay inside the folder]); later allocations are numbered after it."""
+        if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
+            raise ValueError(f"{what} {file!r}")
+        counter = _int(int(file.split("-", 1)[0]), f"number of {what} {file!r}",
+                       hi=MAX_COUNTER)
+        self.counter = max(self.counter, counter)
 
     def _entry(self, key: str, file: str, shape: list, dtype: str) -> dict:
         if not isinstance(key, str):
@@ -422,6 +510,8 @@ class Ledger:
             raise ValueError(f"file name {file!r} of {key!r}")
         if file in self._files:
             raise ValueError(f"file {file!r} of {key!r} belongs to another tensor too")
+        if file in self.freed:
+            raise ValueError(f"file {file!r} of {key!r} was freed before")
         if not isinstance(shape, list) or not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"shape {shape!r} / dtype {dtype!r} of {key!r}")
         n = DTYPES[dtype].itemsize
@@ -452,9 +542,20 @@ class Ledger:
             try:
                 if line[8:9] != b" " or int(line[:8], 16) != crc(body):
                     raise ValueError("checksum")
-                rec = json.loads(body)
+                rec = _loads(body)
+            except _DuplicateKey as e:
+                raise _corrupt(self.path, journal, f"record {no} is invalid ({e})") from None
             except (ValueError, RecursionError):
-                bad = no  # ignored when it is the last line: torn by a kill mid-append
+                bad = no
+                # The last record cut short by a kill mid-append lacks its newline (the last
+                # byte written): ignored. One that has it is whole and was damaged since.
+                if no < len(lines) and not any(lines[no:]):
+                    if not self.recover:
+                        raise _corrupt(self.path, journal, (
+                            f"record {no} (the last) is damaged: its checksum or JSON does not"
+                            " match, and it is whole (it ends with its newline), so no kill"
+                            " tore it while it was written"), recover=True) from None
+                    self.skipped = no
                 continue
             s = rec.get("s") if isinstance(rec, dict) else None
             if type(s) is not int:
@@ -485,6 +586,7 @@ class Ledger:
             e = self.entries.pop(rec["k"], None)
             if e is not None:
                 self._files.discard(e["file"])
+                self.freed.add(e["file"])  # unlinked after this record: perhaps not yet
             # A write whose end was never journaled (the record failed) dies with its file.
             for rid in [r for r, w in self.inflight.items() if w["k"] == rec["k"]]:
                 del self.inflight[rid]
@@ -566,6 +668,7 @@ class Ledger:
             rec = {"op": "alloc", "k": key, "f": file, "shape": list(shape), "dtype": dtype}
             self._append(rec)
             self._apply(rec)
+            self._maybe_compact()
             return file
 
     def free(self, key: str) -> None:
@@ -573,6 +676,7 @@ class Ledger:
             rec = {"op": "free", "k": key}
             self._append(rec)
             self._apply(rec)
+            self._maybe_compact()
 
     def exchange(self, pairs: list[tuple[str, str]]) -> None:
         """Journal and apply an exchange of the files of each pair of keys (one record: a
@@ -582,6 +686,7 @@ class Ledger:
             self._exchange(rec["pairs"], apply=False)  # checked before it is journaled
             self._append(rec)
             self._exchange(rec["pairs"])
+            self._maybe_compact()
 
     def begin_write(self, key: str, extents: list[list]) -> int:
         """Journal a write about to start: ``[file offset, length, crc or None]`` each."""
@@ -596,10 +701,7 @@ class Ledger:
         with self.lock:
             self._settle(self.inflight.pop(rid), result)
             self._append({"op": "d", "id": rid, "r": result})
-            if self._jbytes > max(COMPACT_BYTES, 2 * self._index_bytes) and not self._held:
-                # Not while space is reserved: compaction writes a new index (new blocks)
-                # and truncating the journal would give the reserved blocks back.
-                self._compact(clean=False)
+            self._maybe_compact()
 
     def reserve(self, nbytes: int) -> None:
         """Allocate ``nbytes`` more of journal space now, so that the records of writes
@@ -616,8 +718,24 @@ class Ledger:
             self._held += nbytes
 
     def unreserve(self) -> None:
+        """End every reservation; compact the journal if it grew past its threshold while
+        they held compaction off (a step that reserves for its whole length, every step)."""
         with self.lock:
             self._held = 0
+            self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Compact once the journal is past its threshold, after any change (caller holds
+        ``lock``). Not while journal space is reserved: compaction writes a new index (new
+        blocks) and truncating the journal would give the reserved blocks back; `unreserve`
+        compacts then, so a reservation that spans every write still gets compactions."""
+        if self._jfd < 0 or self._held \
+                or self._jbytes <= max(COMPACT_BYTES, 2 * self._index_bytes):
+            return
+        # NOTE: the change is journaled and applied already; a compaction that fails (a full
+        # disk) leaves the journal whole and valid, and the next change tries again.
+        with contextlib.suppress(OSError):
+            self._compact(clean=False)
 
     def resolve(self, rid: int, result: str) -> None:
         """Settle a write found unfinished when opening (no record: the open snapshots)."""
@@ -644,10 +762,12 @@ class Ledger:
                 e["segments"] = []
 
     def drop(self, key: str) -> None:
-        """Forget a tensor found unusable when opening (no record: the open snapshots)."""
+        """Forget a tensor found unusable when opening (no record: the open snapshots); what
+        is left of its file is removed with the other freed files (`orphans`)."""
         with self.lock:
             e = self.entries.pop(key)
             self._files.discard(e["file"])
+            self.freed.add(e["file"])
 
     def mark_bad(self, key: str, start: int, end: int) -> None:
         with self.lock:
@@ -669,10 +789,12 @@ class Ledger:
             self._compact(clean=clean)
 
     def _compact(self, *, clean: bool) -> None:
-        data = {"format": _FORMAT, "version": 2, "seq": self.seq, "counter": self.counter,
-                "clean": clean, "dirty": self.dirty, "tensors": self.entries,
-                "inflight": {str(k): v for k, v in self.inflight.items()}}
-        blob = json.dumps(data, separators=(",", ":")).encode()
+        data = {"format": _FORMAT, "version": _VERSION, "seq": self.seq,
+                "counter": self.counter, "clean": clean, "dirty": self.dirty,
+                "tensors": self.entries,
+                "inflight": {str(k): v for k, v in self.inflight.items()},
+                "freed": sorted(self.freed)}
+        blob = _seal(json.dumps(data, separators=(",", ":")).encode())
         tmp = self.path / (INDEX + ".tmp")
         fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
@@ -693,13 +815,40 @@ class Ledger:
                 _keep_size_fallocate(self._jfd, 0, self._held)
                 self._reserved_to = self._held
 
-    def orphans(self) -> list[str]:
-        """Tensor files in the folder that no tensor owns (freed, or never journaled)."""
-        owned = {e["file"] for e in self.entries.values()}
-        # A directory with such a name was not made by a store: left alone.
+    def _loose(self) -> list[str]:
+        """Names in the folder of tensor files (or links, or anything but a directory, which
+        a store never makes and leaves alone) that no tensor owns."""
         return sorted(n for n in os.listdir(self.path)
-                      if ((_BIN.fullmatch(n) and n not in owned) or n == INDEX + ".tmp")
+                      if _BIN.fullmatch(n) and n not in self._files
                       and not stat.S_ISDIR(os.lstat(self.path / n).st_mode))
+
+    def orphans(self) -> list[str]:
+        """Files that opening removes: those of freed tensors still there (the process
+        stopped between the journaled free and the unlink), and an index a compaction did not
+        finish (``index.json.tmp``)."""
+        tmp = INDEX + ".tmp"
+        left = [tmp] if os.path.lexists(self.path / tmp) \
+            and not stat.S_ISDIR(os.lstat(self.path / tmp).st_mode) else []
+        return left + [n for n in self._loose() if n in self.freed]
+
+    def unaccounted(self) -> list[str]:
+        """Tensor files in the folder that neither a tensor nor a recorded free accounts for:
+        an index entry removed or damaged, a file put there by hand, or an allocation whose
+        journal record a power loss took. Opening refuses them (see `open_checks`)."""
+        return [n for n in self._loose() if n not in self.freed]
+
+    def remove(self, name: str) -> None:
+        """Unlink ``name``, the file of a freed tensor (its free is journaled), and forget it
+        once gone. A directory standing there was not made by a store: left alone."""
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.unlink(self.path / name)
+        with self.lock:
+            self.freed.discard(name)
+
+    def forget_freed(self, name: str) -> None:
+        """``name`` was never this store's file (an allocation found it there): not removed."""
+        with self.lock:
+            self.freed.discard(name)
 
     def release(self) -> None:
         """Close the journal and give up the folder's lock."""

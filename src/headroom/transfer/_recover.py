@@ -4,9 +4,11 @@ See [Note: DiskStore journal]. A write the previous process did not finish is ch
 the file: all of its new bytes there (it completed; the process stopped before journaling it),
 all of the old (it never started), or a mix: torn. A file an allocation left missing or short
 is recreated when nothing was written to it (it held zeros). With ``verify`` every segment with
-a known checksum is read back too. Problems raise `StoreCorruptError` before anything in the
-folder changes, unless ``recover``: then the damaged byte ranges are marked bad and raise on
-read until rewritten.
+a known checksum is read back too. A tensor file that neither a tensor nor a recorded free
+accounts for (`Ledger.unaccounted`) is refused: it may hold a tensor whose index entry was
+lost. Problems raise `StoreCorruptError` before anything in the folder changes, unless
+``recover``: then the damaged byte ranges are marked bad and raise on read until rewritten, and
+unaccounted files are moved aside (renamed ``NAME.unaccounted``), never deleted.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from headroom.transfer._ledger import Ledger, not_regular, open_file
 from headroom.transfer._segments import combine, crc, crc_of_range, zeros_crc
 from headroom.transfer._store import SCRATCH, StoreCorruptError, StoreFullError
 
-__all__ = ["file_crcs", "open_checks", "problem_text"]
+__all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text"]
 
 _PIECE = 16 << 20  # a range is checksummed in pieces of this size, spread over the threads
 _BUF = 4 << 20
+ASIDE = ".unaccounted"  # what recover=True appends to the name of a file it cannot account for
 
 
 def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
@@ -84,15 +87,47 @@ def problem_text(path: Path, ledger: Ledger, problems: list[tuple[str, int, int,
     return "; ".join(items) + more
 
 
+def _unaccounted_error(path: Path, names: list[str]) -> StoreCorruptError:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return StoreCorruptError(
+        f"DiskStore {str(path)!r}: {len(names)} tensor file(s) in the folder are accounted for"
+        f" by neither index.json nor journal.jsonl (no tensor owns them and no free of them was"
+        f" recorded): {shown}. A tensor's index entry may have been removed or damaged (opened"
+        " without it, its values would be lost and the tensor initialized afresh), the file"
+        " put there by hand, or created after the last flush() by an allocation whose journal"
+        " record a power loss took. The folder was not changed. Restore index.json and"
+        " journal.jsonl from the backup these files belong to; or open with"
+        f" DiskStore(path, recover=True), which renames each to NAME{ASIDE} (nothing is"
+        " deleted: remove them once you no longer need them) and opens the store without"
+        " them, then hr.load(checkpoint, model, optimizer) restores what they held; or start"
+        " over with DiskStore(path, overwrite=True)", str(path))
+
+
+def _move_aside(path: Path, names: list[str]) -> list[str]:
+    """Rename each file to ``NAME.unaccounted`` (``.1``, ``.2``... if taken); the new names."""
+    out = []
+    for name in names:
+        new, k = name + ASIDE, 0
+        while os.path.lexists(path / new):
+            k += 1
+            new = f"{name}{ASIDE}.{k}"
+        os.rename(path / name, path / new)
+        out.append(new)
+    return out
+
+
 def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
                 page_cache: bool) -> None:
     """Check a store being opened; raise, or mark damage (``recover``), and warn as needed.
 
     Raises:
-        StoreCorruptError: torn writes, checksum mismatches or missing files, without
-            ``recover``. Nothing in the folder has changed then.
+        StoreCorruptError: torn writes, checksum mismatches, missing files or tensor files
+            nothing accounts for, without ``recover``. Nothing in the folder has changed then.
     """
     path = ledger.path
+    unaccounted = ledger.unaccounted()
+    if unaccounted and not recover:
+        raise _unaccounted_error(path, unaccounted)
     problems: list[tuple[str, int, int, str]] = []
     recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
     sizes: dict[str, int] = {}
@@ -204,14 +239,21 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     for k, s, t, _ in problems:
         if k not in dropped:
             ledger.mark_bad(k, s, t)
-    if problems or dropped:
+    aside = _move_aside(path, unaccounted)
+    if problems or dropped or aside or ledger.skipped is not None:
         gone = "; ".join(repr(k) for k in dropped[:10]) + (
             f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
+        moved = ", ".join(aside[:10]) + (f" and {len(aside) - 10} more" if len(aside) > 10
+                                          else "")
         warnings.warn(
             f"DiskStore {str(path)!r} opened with recover=True;"
             + (f" damaged and unreadable until rewritten: {text}." if problems else "")
             + (f" dropped (file missing, and too large for the disk): {gone}." if dropped
                else "")
+            + (f" tensor files nothing accounted for, moved aside (not deleted): {moved}."
+               if aside else "")
+            + (f" journal.jsonl record {ledger.skipped}, the last, was damaged and skipped"
+               " (the change it recorded is lost)." if ledger.skipped is not None else "")
             + " Restore them, e.g. hr.load(checkpoint, model, optimizer)",
             UserWarning, stacklevel=3)
     elif not ledger.was_clean and ledger.had_writes:

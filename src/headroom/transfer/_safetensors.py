@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from headroom.transfer._segments import crc
+
 __all__ = [
     "MAX_HEADER_BYTES",
     "HeaderError",
@@ -262,6 +264,21 @@ class SafetensorsFile:
             view = view[got:]
             first += got
         return out
+
+    def crc32c(self, name: str, *, piece: int = 1 << 20) -> int:
+        """CRC32C of tensor ``name``'s bytes in the file, read ``piece`` bytes at a time into one
+        reused buffer: the tensor is never whole in memory, and its pages stay in the page cache
+        for a read that follows."""
+        info = self.tensors[name]
+        view = memoryview(bytearray(min(piece, info.nbytes)))
+        first, stop, value = info.offset, info.offset + info.nbytes, 0
+        while first < stop:
+            got = os.preadv(self._fd, [view[:min(piece, stop - first)]], first)
+            if got == 0:
+                raise OSError(errno.EIO, f"unexpected end of {self.path}")
+            value = crc(view[:got], value)
+            first += got
+        return value
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from headroom.transfer._binding import ParamBinding, sync_grad
+from headroom.transfer._binding import ParamBinding, note_value_edit, sync_grad
 from headroom.transfer._handle import Handle
 from headroom.transfer._pickle import keep_for_child
 from headroom.transfer._store import Store
@@ -142,6 +142,10 @@ class HandleSource(Source):
 
     def key(self) -> tuple:
         return ("value", id(self.store), self.handle.key)
+
+    def edited(self) -> None:
+        # a consumer holding a copy of the values (an fp32 master) learns of it, unread
+        note_value_edit(self.store, self.handle.key)
 
     def describe(self) -> str:
         return f"{self.handle.key!r} in {self.store!r}"
@@ -585,10 +589,13 @@ def _foreach(func, args, kwargs):
 def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
     """Whether ``t`` (a ``param.grad``) is ``b``'s stored gradient as its producer leaves it
     there: a `StoreTensor` over it, or, resting in host memory in the parameter's dtype, that
-    tensor itself (or a view of all of it). Anything else was put there by someone else."""
+    tensor itself (or a view of all of it); a sparse gradient: ``b.grad_sparse`` itself.
+    Anything else was put there by someone else."""
     if isinstance(t, StoreTensor):
         src = t._source
         return isinstance(src, GradSource) and src.binding is b
+    if b.grad_sparse is not None or t.is_sparse:
+        return t is b.grad_sparse
     h = b.grad_handle
     if h is None:
         return False

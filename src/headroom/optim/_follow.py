@@ -1,0 +1,137 @@
+"""Masters that follow values written into their parameters between steps.
+
+A parameter whose master is a copy (bf16/fp16 parameters with an fp32 master, parameters on an
+accelerator with a host master) gets its new value from the master at every step. A value
+written into the parameter in between (``p.copy_(w)``, ``nn.init.*``, ``p.data.mul_(mask)``,
+``load_state_dict``, ``hr.load_weights``) must become the master's, or the step would write
+the old value back over it. So before a step, the master follows the parameter element by
+element: where the parameter no longer holds the master rounded to its dtype (bit for bit), the
+master takes the parameter's value; elsewhere it keeps its extra precision. A parameter nobody
+wrote is left as it is, so this changes nothing for plain training.
+
+A step compares only where a write may have happened, so plain training costs nothing: a
+parameter in memory (on the device, or in a host store) after PyTorch recorded a write to it
+since its last step (its version counter moved: an in-place op on it, ``nn.init.*``,
+``copy_`` under ``no_grad``, ``load_state_dict``; or its data pointer did: ``p.data = t``); a
+value resting in a store after the store counted a write to it
+(`headroom.transfer.value_edits`). An in-place write through ``p.data`` (``p.data.mul_(m)``)
+moves neither on a plain parameter: PyTorch keeps no trace of it, so it is not followed (the
+next step starts from the master); write through the parameter under ``torch.no_grad()``
+instead. An offloaded master's ``p.data`` shares its version counter
+(`headroom.residency.OffloadedParameter`), so there it is followed too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from headroom.transfer import Handle, Store
+
+__all__ = ["follow_", "follow_stored", "init_stored", "written_mark"]
+
+
+def written_mark(p: torch.Tensor) -> tuple[int, int]:
+    """What a write PyTorch records changes: ``p``'s version counter (in-place ops on it) and
+    its data pointer (``p.data = t``); a tensor without storage of its own (values on disk)
+    has only the first."""
+    try:
+        ptr = p.data_ptr()
+    except RuntimeError:
+        ptr = 0
+    return p._version, ptr
+
+_CHUNK = 1 << 22  # elements compared at once: a bounded temporary
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_CHUNK = 1 << 18  # elements per numpy pass: temporaries that stay in cache
+
+
+def _unchanged(master: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``value`` holds ``master`` rounded to its dtype, bit for bit: the answer of
+    every step where nothing was written, so it takes the fast ways (numpy's vectorized
+    comparison; float32 to bfloat16 rounding as bit arithmetic). ``False`` may also mean
+    "not known this way" (a NaN in the master): the caller then compares exactly."""
+    bits = _BITS[value.element_size()]
+    if not (master.is_contiguous() and value.is_contiguous()):
+        return False
+    if master.dtype == value.dtype:
+        return bool(np.array_equal(master.view(bits).numpy(), value.view(bits).numpy()))
+    if not (master.dtype == torch.float32 and value.dtype == torch.bfloat16):
+        return torch.equal(master.to(value.dtype).view(bits), value.view(bits))
+    m = master.view(torch.int32).numpy().reshape(-1).view(np.uint32)
+    v = value.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+    lsb = np.empty(min(_NP_CHUNK, m.size), dtype=np.uint32)
+    out = np.empty_like(lsb)
+    for a in range(0, m.size, _NP_CHUNK):
+        x = m[a:a + _NP_CHUNK]
+        t, r = lsb[:x.size], out[:x.size]
+        # round to nearest even, as torch rounds float32 to bfloat16 (NaN aside)
+        np.right_shift(x, 16, out=t)
+        np.bitwise_and(t, 1, out=t)
+        np.add(t, 0x7FFF, out=t)
+        np.add(x, t, out=r)
+        np.right_shift(r, 16, out=r)
+        if not np.array_equal(r.astype(np.uint16), v[a:a + _NP_CHUNK]):
+            return False
+    return True
+
+
+def _follow_part(master: torch.Tensor, value: torch.Tensor) -> bool:
+    if _unchanged(master, value):
+        return False
+    bits = _BITS[value.element_size()]
+    rounded = master if master.dtype == value.dtype else master.to(value.dtype)
+    diff = rounded.view(bits) != value.view(bits)
+    if not bool(diff.any()):
+        return False
+    master[diff] = value[diff].to(master.dtype)
+    return True
+
+
+def follow_(master: torch.Tensor, value: torch.Tensor) -> bool:
+    """Make ``master`` take ``value`` where ``master`` rounded to ``value``'s dtype differs
+    from it bit for bit (NaN payloads and signed zeros included). Both host tensors of one
+    shape; ``master`` is changed in place. Returns whether any element changed."""
+    if not master.is_contiguous() or master.numel() <= _CHUNK:
+        return _follow_part(master, value)
+    m, v = master.view(-1), value.reshape(-1)
+    changed = False
+    for a in range(0, m.numel(), _CHUNK):
+        changed |= _follow_part(m[a:a + _CHUNK], v[a:a + _CHUNK])
+    return changed
+
+
+def _row_slices(handle: Handle) -> list[slice]:
+    rows = handle.shape[0]
+    per = max(1, _CHUNK // max(1, handle.numel // max(1, rows)))
+    return [slice(a, min(a + per, rows)) for a in range(0, rows, per)]
+
+
+def follow_stored(master_store: Store, master: Handle, value_store: Store,
+                  value: Handle) -> None:
+    """`follow_` for a master and a value resting in stores, a slice of rows at a time (rows
+    of the master written back only where they changed)."""
+    if not master.shape:
+        m = master_store.read(master).result()
+        if follow_(m, value_store.read(value).result()):
+            master_store.write(master, m).result()
+        return
+    host_m = master_store.host_tensor(master)
+    host_v = value_store.host_tensor(value)
+    for rows in _row_slices(master):
+        m = host_m[rows] if host_m is not None else master_store.read_rows(master, rows).result()
+        v = host_v[rows] if host_v is not None else value_store.read_rows(value, rows).result()
+        if follow_(m, v) and host_m is None:
+            master_store.write_rows(master, rows, m).result()
+
+
+def init_stored(master_store: Store, master: Handle, value_store: Store, value: Handle) -> None:
+    """The whole master made from the value (a row-sparse first step touches only some rows,
+    and the others must hold the value too)."""
+    if not master.shape:
+        master_store.write(master, value_store.read(value).result().to(master.dtype)).result()
+        return
+    host_v = value_store.host_tensor(value)
+    for rows in _row_slices(master):
+        v = host_v[rows] if host_v is not None else value_store.read_rows(value, rows).result()
+        master_store.write_rows(master, rows, v.to(master.dtype).contiguous()).result()

@@ -1,0 +1,68 @@
+"""Offloaded parameters read from outside their block's forward: fetched on use.
+
+[Note: uses outside a block] Code may read an offloaded parameter without calling the module
+that holds it: TRL's fused LM head reads ``lm_head.weight`` inside the model's forward, a value
+head or a penalty reads a weight between forward and backward. Outside its block's forward a
+module holds the parameter's master (in host memory or on disk), so such a read would compute
+with the master and its gradient would bypass the store. Instead, the module's parameter dict
+is a `ParamDict`: while the model is in use (a forward or backward of the root or a block, or
+between a forward with gradients and its backward, with grad mode on), reading a master there
+returns its device copy, fetched first, and the group stays resident until the backward ends.
+The gradient lands in the store as any device copy's does. Reads at rest (building an
+optimizer, ``state_dict``, freezing with ``requires_grad_``) get the master, as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch.nn as nn
+from torch.compiler import is_compiling
+
+__all__ = ["ParamDict", "install", "remove"]
+
+
+class ParamDict(dict):
+    """A module's ``_parameters`` whose item reads (``module.weight`` goes through
+    ``Module.__getattr__`` to ``_parameters[name]``) ask the offload state for the tensor to
+    use. Iteration, ``items()`` and ``values()`` (``named_parameters``, ``state_dict``,
+    ``_apply``) see the stored objects, the masters."""
+
+    __slots__ = ("_state",)
+
+    def __getitem__(self, name: str) -> Any:
+        value = dict.__getitem__(self, name)
+        if is_compiling():  # NOTE: traced code sees the dict as it is (blocks share graphs)
+            return value
+        state = self._state()
+        if state is not None and state.reads_outside:
+            return state.use_outside(value)
+        return value
+
+    # Copies and pickles are plain dicts: they hold no reference to the offload.
+    def __reduce_ex__(self, protocol: int):
+        return dict, (list(dict.items(self)),)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return copy.deepcopy(dict(dict.items(self)), memo)
+
+    def copy(self) -> dict:
+        return dict(dict.items(self))
+
+
+def install(state: Any, module: nn.Module) -> None:
+    """Route reads of ``module``'s parameters through ``state`` (see the note above)."""
+    params = module.__dict__.get("_parameters")
+    if type(params) is dict:
+        new = ParamDict(params)
+        new._state = weakref.ref(state)
+        module.__dict__["_parameters"] = new
+
+
+def remove(module: nn.Module) -> None:
+    """Undo `install`: a plain dict again."""
+    params = module.__dict__.get("_parameters")
+    if type(params) is ParamDict:
+        module.__dict__["_parameters"] = dict(dict.items(params))

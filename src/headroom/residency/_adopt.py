@@ -53,8 +53,11 @@ __all__ = [
 
 # module -> {attr: a second reference to the storage its parameter was registered with}
 _ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HANDLES: list = []
+# NOTE: an offload state's `_Members` rests on the state itself, not in a module-level map
+# keyed by the state: its groups lead back to the state (group -> module -> guard role ->
+# state), so a weak-keyed map would keep every offloaded model alive for good.
+_MEMBERS = "_adopt_members"
 
 
 class _Members:
@@ -96,7 +99,7 @@ class _Members:
 
 def install(state: Offload) -> None:
     """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
-    _STATES[state] = _Members(state)
+    setattr(state, _MEMBERS, _Members(state))
     _copyable(state, state.slots)
     if not _HANDLES:
         from torch.nn.modules.module import (
@@ -111,7 +114,11 @@ def install(state: Offload) -> None:
 def _live() -> list[tuple[Offload, _Members]]:
     from headroom.residency._schedule import _LIVE
 
-    return [(s, _STATES[s]) for s in list(_LIVE) if s in _STATES]
+    return [(s, info) for s in list(_LIVE) if (info := _members(s)) is not None]
+
+
+def _members(state: Offload) -> _Members | None:
+    return getattr(state, _MEMBERS, None)
 
 
 def _is_wrapper(m: nn.Module) -> bool:
@@ -375,6 +382,7 @@ def retire(state: Offload, slots: list[Slot]) -> None:
             st.free(b.grad_handle)
         st.free(b.handle)
         claimed_keys(st).discard(b.handle.key)
+        state.claims.discard(b.handle.key)
         unbind(s.param)
         p = s.param
         p.grad = None
@@ -389,7 +397,7 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         state.by_param.pop(id(s.param), None)
         state.by_dev.pop(id(s.dev), None)
     state.slots = [s for s in state.slots if id(s) not in gone]
-    info = _STATES.get(state)
+    info = _members(state)
     if info is not None:
         info.plan_stale = True
         for i in gone:
@@ -404,7 +412,7 @@ def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
     st = state.store
     if not isinstance(st, HostStore):
         return  # masters elsewhere are placeholders: nothing to rebind
-    info = _STATES.get(state)
+    info = _members(state)
     hosts = info.hosts if info is not None else {}
     for s in state.slots if slots is None else slots:
         known = hosts.get(id(s))
@@ -428,7 +436,7 @@ def rescan(state: Offload) -> None:
     """Between steps: adopt what the registration hooks could not (added during a forward,
     or written into a module's parameter table directly), drop what left the model, and check
     masters rebound behind the store's back."""
-    info = _STATES.get(state)
+    info = _members(state)
     if info is None:
         return
     sync_masters(state)
@@ -536,7 +544,7 @@ def current_plan(state: Offload):
 
     from headroom.residency._plan import layout
 
-    info = _STATES.get(state)
+    info = _members(state)
     if info is not None and info.plan_stale:
         info.plan_stale = False
         o = state.plan.options

@@ -31,7 +31,7 @@ from headroom.memory import annotate
 from headroom.residency._schedule import _AfterBackward, _outputs
 from headroom.residency._schedule import in_backward as _in_backward
 from headroom.transfer import MAX_STAGED_BYTES as _MAX_STAGED_BYTES
-from headroom.transfer import MetaStore, Places
+from headroom.transfer import MetaStore, Places, weak_post_accumulate_grad_hook
 
 # headroom.transfer's mover reaps device gradients in flight to the host past this many bytes
 
@@ -196,7 +196,7 @@ class OffloadDryRun:
             if p.is_floating_point() or p.is_complex():
                 rg = dev.requires_grad
                 dev.requires_grad_(True)
-                dev.register_post_accumulate_grad_hook(self._grad_hook)
+                weak_post_accumulate_grad_hook(dev, self._grad_hook)  # see its NOTE
                 dev.requires_grad_(rg)
         module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         module.register_forward_hook(self._root_post_forward)

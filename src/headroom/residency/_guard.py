@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from headroom.residency import _dtensor
+from headroom.transfer import keep_for_child
 
 __all__ = ["Role", "install", "remove"]
 
@@ -112,7 +113,9 @@ def _guarded_class(cls: type) -> type:
             return cls.__reduce_ex__(self, protocol)
         # Unpickled as operator.getitem([copy], 0): loading needs neither headroom nor the
         # guarded class, only the model's own classes.
-        return operator.getitem, ([copy.deepcopy(self)], 0)
+        plain = copy.deepcopy(self)
+        keep_for_child(plain)  # see its NOTE
+        return operator.getitem, ([plain], 0)
 
     def __copy__(self):
         # copy.copy would otherwise go through __reduce_ex__ above: a shallow copy stays one

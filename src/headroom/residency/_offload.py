@@ -5,6 +5,7 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from headroom.transfer import (
     resolve_store,
     trim_heap,
     unbind,
+    weak_post_accumulate_grad_hook,
 )
 
 __all__ = ["describe", "offload", "prefetch", "unoffload"]
@@ -113,6 +115,11 @@ def offload(
     to ``device`` before its all-gather; with a `DiskStore` each unit's shards are read into
     host memory for its all-gather, ``prefetch`` units ahead; ``blocks`` are then
     ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+
+    Nothing outside the model and its optimizer keeps what this makes alive: dropped (with or
+    without `unoffload`), the model, its store and the store's threads, files and folder lock go
+    at the next garbage collection. Pickled (``torch.save``, a spawned process's argument) or
+    ``copy.deepcopy``-ed, it gives a plain model holding the current values.
 
     Args:
         model: the model; its parameters may be anywhere, including the ``meta`` device:
@@ -217,6 +224,10 @@ def offload(
                                                      strict=True)]
     first_name = lay.names
     claimed = claimed_keys(st)
+    if any(first_name[pid] in claimed for pid in lay.params):
+        # A model that is unreachable but caught in a reference cycle still holds its keys
+        # until the cycle collector runs: collect once before calling it a conflict.
+        gc.collect()
     for pid, p in lay.params.items():  # validate before changing anything
         name = first_name[pid]
         if name in st:
@@ -226,6 +237,9 @@ def offload(
                     " head; give each model its own store (or DiskStore directory)"
                 )
             _check_stored(st.get(name), p, name)
+    # The model's claims end with it: a model dropped without hr.unoffload leaves its keys to
+    # the next owner (the finalizer holds the sets, not the state).
+    weakref.finalize(state, claimed.difference_update, state.claims)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
     try:
         _place(state, st, dev, compute_dtype, lay, claimed, placed)
@@ -362,6 +376,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         if master is not params[pid]:
             _REPLACED[id(params[pid])] = params[pid]
         claimed.add(name)
+        state.claims.add(name)
         target.slots.append(slot)
         state.slots.append(slot)
         state.by_dev[id(dev_param)] = slot
@@ -369,11 +384,12 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         if p.is_floating_point() or p.is_complex():
             # Hooks need requires_grad at registration and survive toggling it, so a
             # parameter frozen now still routes its gradient if it is unfrozen later.
-            for t, fn in ((dev_param, state.grad_hook),
-                          (master, partial(state.bypass_hook, slot.name))):
+            # The hooks hold the state weakly (see weak_post_accumulate_grad_hook).
+            for t, fn, args in ((dev_param, state.grad_hook, ()),
+                                (master, state.bypass_hook, (slot.name,))):
                 rg = t.requires_grad
                 t.requires_grad_(True)
-                state.handles.append(t.register_post_accumulate_grad_hook(fn))
+                state.handles.append(weak_post_accumulate_grad_hook(t, fn, *args))
                 t.requires_grad_(rg)
 
 
@@ -394,6 +410,13 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
         if created:
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
+        state.claims.discard(slot.binding.handle.key)
+
+
+def release_claim(state: Offload, key: str) -> None:
+    """``state``'s model no longer uses ``key`` of its store (see [Note: one writer per key])."""
+    claimed_keys(state.store).discard(key)
+    state.claims.discard(key)
 
 
 def _check_stored(handle, p: torch.Tensor, name: str) -> None:
@@ -543,7 +566,8 @@ def unoffload(model: nn.Module) -> nn.Module:
 
     Masters that lived on disk are replaced by new ``nn.Parameter`` objects (re-create the
     optimizer); with ``store="cpu"`` the same parameter objects are kept. The store's tensors
-    are freed.
+    are freed. (A model dropped without it frees all the same once garbage-collected: its store,
+    the store's threads and folder lock, its claims on the store's keys.)
 
     Raises:
         RuntimeError: the model is not offloaded, or a backward pass is in progress.
@@ -582,7 +606,7 @@ def unoffload(model: nn.Module) -> nn.Module:
                 grad = st.read(b.grad_handle).result().to(state.device)
             st.free(b.grad_handle)
         st.free(b.handle)
-        claimed_keys(st).discard(b.handle.key)
+        release_claim(state, b.handle.key)
         unbind(s.param)
         unmark(s.param)
         if isinstance(s.param, StoreTensor):

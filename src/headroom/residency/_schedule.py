@@ -203,6 +203,7 @@ class Offload:
         self.blocks: list[Group] = []
         self.rest = Group("(outside blocks)", None)
         self.slots: list[Slot] = []
+        self.claims: set[str] = set()  # the store keys this model holds (claimed_keys)
         self.by_dev: dict[int, Slot] = {}
         self.by_param: dict[int, Slot] = {}
         self.handles: list[Any] = []

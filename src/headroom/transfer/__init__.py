@@ -17,6 +17,8 @@ from headroom.transfer._binding import (
     sync_grad,
     unbind,
     value_edits,
+    weak_method,
+    weak_post_accumulate_grad_hook,
 )
 from headroom.transfer._claims import claimed_keys
 from headroom.transfer._device import check_device, stream_module
@@ -27,7 +29,9 @@ from headroom.transfer._host import HostStore, PinnedPool, add_into
 from headroom.transfer._meta import MetaStore, Places, flat_tensors, to_meta
 from headroom.transfer._mover import _MAX_STAGED_BYTES as MAX_STAGED_BYTES
 from headroom.transfer._mover import Mover, Ticket
+from headroom.transfer._pickle import keep_for_child
 from headroom.transfer._pinned import PinnedArena, pinned_bytes, set_pinned_limit
+from headroom.transfer._pools import owned_pool, stop_pool
 from headroom.transfer._rows import RowStreamer
 from headroom.transfer._safetensors import (
     MAX_HEADER_BYTES,
@@ -96,10 +100,12 @@ __all__ = [
     "flush_grad",
     "is_accelerator",
     "is_stored_grad",
+    "keep_for_child",
     "grad_ready",
     "note_value_edit",
     "on_grad_ready",
     "open_regular",
+    "owned_pool",
     "parse_header",
     "pinned_bytes",
     "relay_done",
@@ -109,10 +115,13 @@ __all__ = [
     "safetensors_dtypes",
     "set_pinned_limit",
     "stream_module",
+    "stop_pool",
     "sync_grad",
     "to_meta",
     "known_values",
     "trim_heap",
     "unbind",
     "value_edits",
+    "weak_method",
+    "weak_post_accumulate_grad_hook",
 ]

@@ -3,7 +3,9 @@ device), and a pool of reusable page-locked buffers."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -72,6 +74,9 @@ class PinnedPool:
         self._slabs: dict[int, Slab] = {}  # data_ptr of a buffer handed out or cached -> slab
         self._total = 0
         self._lock = threading.Lock()
+        # A pool dropped without `clear` (a mover or stash never closed) gives its page-locked
+        # bytes back to the process budget all the same.
+        weakref.finalize(self, _release_slabs, self._slabs)
 
     @property
     def total_bytes(self) -> int:
@@ -143,13 +148,23 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _release_slabs(slabs: dict[int, Slab]) -> None:
+    # A pool collected without clear(), perhaps at interpreter exit: best effort.
+    for slab in list(slabs.values()):
+        with contextlib.suppress(Exception):
+            slab.release()
+    slabs.clear()
+
+
 class HostStore(Store):
     """Tensors resting in host memory; reads and writes complete at once.
 
     A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`):
     pinned bytes are spent once per slab rather than rounded up per tensor, count against the
     process's page-locked budget (`headroom.transfer.pinned_bytes`), and go back to the system
-    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`).
+    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`) or the store is
+    garbage-collected. A store cannot be pickled or copied (`TypeError`): its tensors are this
+    process's, used in place by what is bound to them.
 
     Args:
         pin: page-lock the tensors so copies to an accelerator run asynchronously on a side

@@ -49,7 +49,9 @@ class _Ledger:
     """Page-locked bytes this process holds through headroom, against a limit."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: slabs are also released by finalizers, which a garbage collection may run
+        # in a thread that is inside `take`.
+        self.lock = threading.RLock()
         self.spent = 0
         self.limit: int | None = None  # None: default_pinned_budget(), read when first needed
 

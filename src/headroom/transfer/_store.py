@@ -80,6 +80,21 @@ class Store(abc.ABC):
     #: CPU-only machine and a restart after ``kill -9`` need one.
     durable: bool = False
 
+    # ------------------------------------------------------------------ pickling
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # NOTE: a store is this process's memory, files and threads, shared by whatever is
+        # bound to it: no copy of it would be the same store, so pickle (a spawned process's
+        # argument) and copy.deepcopy refuse it with the way that works.
+        raise TypeError(self._not_portable())
+
+    def _not_portable(self) -> str:
+        """Why the store cannot be pickled or copied, and what to do instead."""
+        return (
+            f"{self!r} cannot be pickled or copied: its tensors are this process's, shared by"
+            " the models and heads bound to them. Pass the model instead (an offloaded model"
+            " pickles, as copy.deepcopy copies it, into a plain model holding its values), or"
+            " the tensors themselves (store.read(store.get(key)).result())")
+
     # ------------------------------------------------------------------ bookkeeping
     @property
     def used_bytes(self) -> int:

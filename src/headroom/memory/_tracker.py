@@ -182,6 +182,7 @@ class MemoryTracker:
         self._handles: list[Any] = []
         self._grad_hooked: set[int] = set()
         self._names: dict[int, str] = {}
+        self._classes: dict[str, str] = {}  # a module's name -> its class's, for reports
         self._roots: list[weakref.ref] = []
         self._stack: list[str] = []
         self._bwd_module = ""
@@ -587,6 +588,7 @@ class MemoryTracker:
                 self._names[id(m)] = (
                     f"{root_name}.{name}" if (multi and name) else name or root_name
                 )
+                self._classes.setdefault(self._names[id(m)], type(m).__name__)
             for p in m.parameters(recurse=False):
                 self._see_param(p, PARAMETERS)
             for b in m.buffers(recurse=False):
@@ -628,6 +630,7 @@ class MemoryTracker:
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__
+            self._classes.setdefault(name, name)
             for p in module.parameters(recurse=False):
                 self._see_param(p, PARAMETERS)
             for b in module.buffers(recurse=False):
@@ -798,6 +801,10 @@ class MemoryTracker:
             else:
                 by_module = dict(self._act_at_peak)
         return dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
+
+    def module_class(self, name: str) -> str | None:
+        """The class of the module `by_module` calls ``name`` (``None`` if none was seen)."""
+        return self._classes.get(name)
 
     @property
     def timeline(self) -> list[TimelineSample]:

@@ -329,3 +329,53 @@ def test_autocast_dry_run_follows_the_target_devices_autocast():
         hr.estimate(model, (x,), micro_batches=512)
     with pytest.raises(ValueError, match="an int >= 1"):
         hr.estimate(model, (x,), micro_batches=0)
+
+
+def test_block_names_read_as_what_they_are():
+    from headroom.fit._advice import _names
+
+    assert _names(["layers.0", "layers.1", "layers.2"]) == "layers.0 to layers.2"
+    assert _names(["0", "3", "6", "9"]) == "0, 3, 6, 9"  # not "0 to 9": 1, 2, 4... are not
+    assert _names([f"h.{i}" for i in range(0, 12, 2)]) == "h.0, h.2, h.4, h.6 and 2 more"
+
+
+def test_a_split_the_loss_cannot_take_says_why():
+    """A loss_fn closing over labels of the whole batch: the split's line says it was not
+    estimated and why, the other techniques are still there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    x, y = torch.randn(64, 32), torch.randint(0, 8, (64,))
+    est = hr.estimate(model, (x,), loss_fn=lambda o: nn.functional.cross_entropy(o, y))
+    line = next(ln for ln in est.advice if "gradient accumulation over 2" in ln)
+    assert "not estimated" in line and "labels it closes over" in line
+    assert any(re.match(r"\s*\d+\. mixed precision", ln) for ln in est.advice), est.advice
+
+
+def test_autocast_dry_run_casts_inside_python_functions():
+    """nn.MultiheadAttention runs F.multi_head_attention_forward, a Python function: autocast
+    casts the ops it calls (its projections, its attention), not its arguments as one op; the
+    estimate equals the measured autocast step (cast as one op, it was 256 KiB above)."""
+    torch.manual_seed(0)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.att = nn.MultiheadAttention(128, 4, batch_first=True)
+            self.norm = nn.LayerNorm(128)
+            self.lin = nn.Linear(128, 128)
+
+        def forward(self, x):
+            h = self.norm(x)
+            a, _ = self.att(h, h, h, need_weights=False)
+            return self.lin(nn.functional.gelu(a + x)).softmax(-1)
+
+    model = Attention()
+    x = torch.randn(8, 64, 128)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(o, _xb=None):
+        return o.float().pow(2).mean()
+
+    est = hr.estimate(model, (x,), loss_fn=loss, optimizer=torch.optim.SGD,
+                      optimizer_kwargs={"lr": 0.1}, autocast=torch.bfloat16)
+    assert est.peak == _measured_peak(model, opt, [x], loss, autocast=torch.bfloat16)

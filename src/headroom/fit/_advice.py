@@ -65,14 +65,14 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     failed: list[str] = []
 
     def saving(label: str, exact: str, *, untimed: str | None = None,
-               host_step: bool = False, **what_if: Any) -> None:
+               host_step: bool = False, hint: str = "", **what_if: Any) -> None:
         what_if.setdefault("optimizer", optimizer)
         what_if.setdefault("optimizer_kwargs", optimizer_kwargs)
         try:
             est = estimate(model, args, **common, **what_if)
         except Exception as e:  # one technique the step cannot take is one line, not all
             first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-            failed.append(f"  {label}: not estimated ({first})")
+            failed.append(f"  {label}: not estimated ({type(e).__name__}: {first}){hint}")
             return
         time = None if untimed else timing.relative(est, host_step=host_step)
         options.append(_Option(label, peak - est.peak, exact, time, untimed))
@@ -231,7 +231,9 @@ def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base:
     for k in (2, 4):
         if batch is not None and batch >= k:
             saving(f"gradient accumulation over {k} micro-batches (batch {batch} ->"
-                   f" {-(-batch // k)})", exact, micro_batches=k)
+                   f" {-(-batch // k)})", exact, micro_batches=k,
+                   hint="; a loss_fn that reads tensors of the whole batch (labels it closes"
+                        " over) cannot take a micro-batch: pass them to the model as inputs")
 
 
 def _merge_half(options: list[_Option]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -34,6 +35,10 @@ _AMP_AUTOCAST = torch.amp.autocast
 _IS_ENABLED = torch.is_autocast_enabled
 _GET_DTYPE = torch.get_autocast_dtype
 _IS_AVAILABLE = torch.amp.is_autocast_available
+
+# Calls a Python function under a mode with the mode still on for what it calls (torch >= 2.13;
+# before, such a function's arguments are cast as one op's).
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
 
 _LOWER = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -204,6 +209,11 @@ class _CastMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not self.amp.enabled or name in _PASS or name.endswith(("__get__", "__set__")):
             return func(*args, **kwargs)
+        if _REDISPATCH is not None and isinstance(func, FunctionType):
+            # a Python function (F.layer_norm, F.multi_head_attention_forward): autocast
+            # acts on the ops it calls, so they are seen one by one
+            with self:
+                return _REDISPATCH(func, types, args, kwargs)
         args, kwargs, out_dtypes = self.amp.cast_args(func, args, kwargs)
         out = func(*args, **kwargs)
         if out_dtypes is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
@@ -379,3 +380,27 @@ def test_autocast_dry_run_casts_inside_python_functions():
     est = hr.estimate(model, (x,), loss_fn=loss, optimizer=torch.optim.SGD,
                       optimizer_kwargs={"lr": 0.1}, autocast=torch.bfloat16)
     assert est.peak == _measured_peak(model, opt, [x], loss, autocast=torch.bfloat16)
+
+
+def test_a_run_under_autocast_is_advised_under_it(mlp):
+    """The measured forward ran inside torch.autocast: the advice's dry runs run in it (the
+    step it estimates, the model's output summed, under autocast), and mixed precision is said
+    to be on, not offered."""
+    model, x, step, est, advice = mlp
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _measured_peak(model, opt, [x], _loss)
+    with hr.track_memory(model=model, optimizer=opt) as mem:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        del loss
+    text = mem.report(file=io.StringIO())
+    assert hr.estimate(model, (x,), **step, autocast=torch.bfloat16).peak == mem.peak
+    sgd = {k: v for k, v in step.items() if k != "loss_fn"}  # the advice knows no loss_fn
+    amp = hr.estimate(model, (x,), **sgd, autocast=torch.bfloat16)
+    assert amp.peak != hr.estimate(model, (x,), **sgd).peak
+    assert f"is estimated at {format_bytes(amp.peak)}; this run measured" in text
+    assert "autocast in bf16 is on in this run" in text
+    assert "mixed precision: autocast" not in text

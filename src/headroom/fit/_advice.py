@@ -36,7 +36,8 @@ def estimate_advice(est: Estimate) -> list[str]:
 def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = None,
            loss_fn: Any = None, optimizer: Any = None, optimizer_kwargs: dict | None = None,
            device: str, base: Estimate | None = None,
-           measured: int | None = None, resting_activations: int = 0) -> list[str]:
+           measured: int | None = None, resting_activations: int = 0,
+           autocast: torch.dtype | None = None) -> list[str]:
     """Lines of advice for one step of ``model`` on ``device``, largest saving first.
 
     Every technique is a dry run of the step with it: headroom's own (activation offload,
@@ -49,9 +50,11 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
 
     ``resting_activations``: bytes of activations the measured run kept in stores at most
     (activation offload was on there); the figures are then for the step without it, and
-    activation offload is reported as on rather than offered.
+    activation offload is reported as on rather than offered. ``autocast``: the dtype of the
+    autocast region the measured forward ran in; every dry run runs in it, and mixed
+    precision is reported as on rather than offered.
     """
-    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs)
+    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs, autocast=autocast)
     if base is None:
         base = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                         **common)
@@ -69,7 +72,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         what_if.setdefault("optimizer", optimizer)
         what_if.setdefault("optimizer_kwargs", optimizer_kwargs)
         try:
-            est = estimate(model, args, **common, **what_if)
+            est = estimate(model, args, **{**common, **what_if})
         except Exception as e:  # one technique the step cannot take is one line, not all
             first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             failed.append(f"  {label}: not estimated ({type(e).__name__}: {first}){hint}")
@@ -94,7 +97,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
             "hr.patch_causal_lm(model) (the model's loss from its hidden states, without its"
             " logits)", peak - lm_patch.peak, "equal to rounding (the loss in fp32 slices)",
             timing.relative(lm_patch, host_step=False), None))
-    _classic(model, args, kwargs, base, saving)
+    _classic(model, args, kwargs, base, saving, autocast=autocast)
     _merge_half(options)
     opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
     from headroom.residency import offload_states
@@ -125,6 +128,9 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         lines.append(
             f"  a steady-state step (optimizer state created, {base.device}) is estimated at"
             f" {format_bytes(peak)}; this run measured {format_bytes(measured)}")
+    if autocast is not None:
+        name = _HALF_NAMES.get(autocast, autocast)
+        lines.append(f"  autocast in {name} is on in this run: every dry run here runs in it")
     if resting_activations:
         lines.append(
             f"  activation offload is on in this run ({format_bytes(resting_activations)} of"
@@ -152,6 +158,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
 
 
 _BITWISE = "bitwise the same results"
+_HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _HALF_TIME = ("step time not modeled (half-precision matmuls are faster on GPUs with tensor"
               " cores, often slower on CPUs)")
 
@@ -209,11 +216,11 @@ class _Timing:
 
 
 def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate,
-             saving: Any) -> None:
-    """The classic knobs: mixed precision (autocast in bf16 and fp16) and gradient
-    accumulation over 2 and 4 micro-batches, each a dry run."""
+             saving: Any, *, autocast: torch.dtype | None) -> None:
+    """The classic knobs: mixed precision (autocast in bf16 and fp16, unless the step runs in
+    it already) and gradient accumulation over 2 and 4 micro-batches, each a dry run."""
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if torch.float32 in floats:
+    if torch.float32 in floats and autocast is None:
         dev = base.device.split(":")[0]
         for dtype, name, extra in (
                 (torch.bfloat16, "bf16", ""),

@@ -70,6 +70,22 @@ def _compiled(module: nn.Module) -> bool:
             or getattr(module, "_compiled_call_impl", None) is not None)
 
 
+def _autocast_in_use(args: Any, kwargs: Any) -> torch.dtype | None:
+    """The dtype of the autocast region a forward runs in, for its inputs' device (the
+    advice's dry runs run in it too), or ``None``."""
+    from torch.utils._pytree import tree_flatten
+
+    t = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
+    device_type = t.device.type if t is not None else "cpu"
+    try:
+        if torch.amp.is_autocast_available(device_type) \
+                and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:
+        pass
+    return None
+
+
 def is_tracking() -> bool:
     """Whether a :func:`track_memory` region is active (in any thread)."""
     return _active is not None
@@ -602,8 +618,10 @@ class MemoryTracker:
             return
         from headroom.transfer import to_meta
 
+        amp = _autocast_in_use(args, kwargs)
         args, kwargs = to_meta((tuple(args), dict(kwargs)))  # labels=ids: one tensor
-        self._context = {"model": weakref.ref(module), "args": args, "kwargs": kwargs}
+        self._context = {"model": weakref.ref(module), "args": args, "kwargs": kwargs,
+                         "autocast": amp}
         if ctx and "optimizer" in ctx:
             self._context["optimizer"] = ctx["optimizer"]
 
@@ -626,7 +644,8 @@ class MemoryTracker:
                 from headroom.transfer import to_meta
 
                 self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
-                                 "kwargs": {}, "partial": True}
+                                 "kwargs": {}, "partial": True,
+                                 "autocast": _autocast_in_use(args, {})}
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__

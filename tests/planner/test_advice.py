@@ -404,3 +404,29 @@ def test_a_run_under_autocast_is_advised_under_it(mlp):
     assert f"is estimated at {format_bytes(amp.peak)}; this run measured" in text
     assert "autocast in bf16 is on in this run" in text
     assert "mixed precision: autocast" not in text
+
+
+def test_a_region_naming_the_target_device_is_the_dry_runs_autocast():
+    """Model code that turns autocast off for "cuda" by name (not its input's device) keeps
+    that part in fp32 in a dry run for cuda, as it does on the GPU."""
+
+    class Tail(nn.Module):
+        def __init__(self, device_type):
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+            self.device_type = device_type
+
+        def forward(self, x):
+            h = self.up(x)
+            with torch.autocast(self.device_type or x.device.type, enabled=False):
+                return self.down(h.float())
+
+    x = torch.randn(256, 64)
+    peaks = {}
+    for name in ("cuda", None):
+        torch.manual_seed(0)
+        peaks[name] = hr.estimate(Tail(name), (x,), device="cuda", autocast=torch.bfloat16).peak
+    torch.manual_seed(0)
+    whole = hr.estimate(nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64)), (x,),
+                        device="cuda", autocast=torch.bfloat16).peak
+    assert peaks["cuda"] == peaks[None] != whole

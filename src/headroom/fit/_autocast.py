@@ -12,10 +12,13 @@ that requires a gradient, cast to the lower precision, is cast once per region a
 the outermost region exits) is modeled from its documented rule.
 
 A region for ``"meta"`` (``torch.autocast(x.device.type, ...)`` in model code,
-`torch.utils.checkpoint`'s recomputation) is the target's autocast for the dry run: it turns
-the casting on or off, and ``torch.is_autocast_enabled("meta")`` / ``get_autocast_dtype``
-answer for it. Casts made inside an op that PyTorch composes of others in C++ on an
-intermediate result (not an argument) are not repeated, but the result gets autocast's dtype.
+`torch.utils.checkpoint`'s recomputation), or for an accelerator target's own device type, is
+the target's autocast for the dry run: it turns the casting on or off, and
+``torch.is_autocast_enabled`` / ``get_autocast_dtype`` of those types answer for it. A Python
+function (``F.layer_norm``, ``F.multi_head_attention_forward``) is not one call: the calls it
+makes are cast one by one, as autocast casts the ops they reach. Casts made inside an op that
+PyTorch composes of others in C++ on an intermediate result (not an argument) are not
+repeated, but the result gets autocast's dtype.
 """
 
 from __future__ import annotations
@@ -286,7 +289,7 @@ class _Region(_AUTOCAST):
 
     def __init__(self, device_type: str, dtype: torch.dtype | None = None,
                  enabled: bool = True, cache_enabled: bool | None = None) -> None:
-        self._meta = device_type == "meta"
+        self._meta = _emulated(device_type)
         if self._meta:
             self.device = device_type
             self.fast_dtype = dtype
@@ -312,15 +315,27 @@ class _Region(_AUTOCAST):
         return None
 
 
+def _emulated(device_type: Any) -> bool:
+    """Whether autocast of ``device_type`` is the dry run's: ``"meta"``, and an accelerator
+    target's own type (code naming ``"cuda"`` speaks of the device the dry run stands for,
+    whose tensors are all ``meta`` in it). A CPU target's regions for ``"cpu"`` stay torch's:
+    the dry run computes known values on the CPU, and checkpointing restores the CPU's state
+    beside the device's."""
+    if device_type == "meta":
+        return True
+    amp = current()
+    return amp is not None and device_type == amp.device_type and device_type != "cpu"
+
+
 def _is_enabled(*args: Any) -> bool:
-    if args and args[0] == "meta":
+    if args and _emulated(args[0]):
         amp = current()
         return amp is not None and amp.enabled
     return _IS_ENABLED(*args)
 
 
 def _get_dtype(device_type: str) -> torch.dtype:
-    if device_type == "meta":
+    if _emulated(device_type):
         amp = current()
         return amp.dtype if amp is not None else torch.float16
     return _GET_DTYPE(device_type)

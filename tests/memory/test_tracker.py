@@ -472,3 +472,22 @@ def test_a_compiled_model_is_said_once_to_run_eagerly(how):
             eager.zero_grad(set_to_none=True)
     assert compiled.peak == plain.peak
     assert compiled.peak_by_category == plain.peak_by_category
+
+
+def test_a_plot_that_fails_mid_write_leaves_the_previous_file(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    _, mem = _tracked_steps(1)
+    path = tmp_path / "m.png"
+    path.write_bytes(b"the previous plot")
+
+    def broken(self, fname, *args, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(OSError, match="disk full"):
+        mem.plot(path)
+    assert path.read_bytes() == b"the previous plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.png"]

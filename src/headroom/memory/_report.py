@@ -202,7 +202,8 @@ _MANY_STEPS = 4
 
 def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None,
          x_axis: str = "time", rss: bool = True) -> None:
-    """Write `figure` as a PNG to ``path`` (atomically: a finished file or none)."""
+    """Write `figure` as a PNG to ``path``: a finished file, or (a write that fails) the file
+    that was there before and no partial one beside it."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -212,9 +213,10 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
     tmp = Path(path).with_name(Path(path).name + ".tmp.png")
     try:
         fig.savefig(tmp)
+        os.replace(tmp, path)
     finally:
         plt.close(fig)
-    os.replace(tmp, path)
+        tmp.unlink(missing_ok=True)  # a write that failed leaves no partial file
 
 
 def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time",

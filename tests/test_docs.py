@@ -163,7 +163,7 @@ def test_page_runs(page, tmp_path, speeds_cache):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", MULTI, ids=lambda b: b.where)
-def test_multi_process_block_runs(block, tmp_path, speeds_cache):
+def test_multi_process_block_runs(block, tmp_path):
     """A multi-process block, saved as a script, under torchrun with its processes (gloo)."""
     ranks = int(block.mark.split()[1])
     first = block.code.lstrip().splitlines()[0]
@@ -174,5 +174,5 @@ def test_multi_process_block_runs(block, tmp_path, speeds_cache):
         f"exec(compile({chr(10) * (block.line) + block.code!r}, {block.page!r}, 'exec'))\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", "train.py"]
-    rc, out = _run(cmd, tmp_path, _env(speeds_cache), RANKS_TIMEOUT_S)
+    rc, out = _run(cmd, tmp_path, _env(tmp_path / "cache"), RANKS_TIMEOUT_S)
     assert rc == 0, f"{block.where}:\n{out[-6000:]}"

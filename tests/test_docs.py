@@ -129,7 +129,7 @@ def speeds_cache(tmp_path_factory) -> Path:
     with open(shared / "docs-cache.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (cache / "headroom" / "speeds.json").exists():
-            code = "from headroom.planner import measure_speeds; measure_speeds(%r)" % str(probe)
+            code = f"from headroom.planner import measure_speeds; measure_speeds({str(probe)!r})"
             rc, out = _run([sys.executable, "-c", code], probe, _env(cache), PAGE_TIMEOUT_S)
             assert rc == 0, out[-3000:]
     return cache

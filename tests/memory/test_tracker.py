@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -434,6 +435,12 @@ def test_rss_is_reported_beside_tracked_bytes():
     with hr.track_memory() as mem:
         a = np.ones(64 << 17)  # 64 MiB
         t = torch.ones(1 << 20)
+        # the array lives until the sampling thread has seen it (a loaded machine may not run
+        # that thread for a while; the process's high-water mark may predate the region)
+        seen = len(mem.rss_timeline)
+        deadline = time.monotonic() + 30
+        while len(mem.rss_timeline) < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         del a
     rss = mem.rss
     assert rss["peak"] - rss["start"] >= 48 << 20  # measured independently of the tracker

@@ -11,6 +11,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.fx import _symbolic_trace as _fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -173,9 +174,16 @@ _standin_views: dict[tuple, torch.Tensor] = {}
 # the backward stays PyTorch's C++ node, with the same kernel and arguments. Used only when this
 # thread has no saved-tensor hooks of its own (checkpointing, activation offloading, the memory
 # tracker): ours would hide the tensors from them, so those runs take the autograd.Function path.
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+#
+# NOTE: PyTorch has no public way to ask whether saved-tensor hooks are active: torch 2.7 added
+# the private query used here, and torch 2.6 lacks it. Where it is missing, hooks are taken to be
+# active always, so every run takes the autograd.Function path: the same bytes kept and the same
+# results, only slower. (``_saved_tensors_hooks_is_enabled`` is what the public
+# ``torch.autograd.graph.disable_saved_tensors_hooks`` sets.)
+_MAYBE_ACTIVE = ("hooks", "unknown")
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) or (
+    lambda ignore_is_tracing: _MAYBE_ACTIVE
+)
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 
@@ -215,11 +223,8 @@ def run_saving_less(pack, fn, *args):
     ``pack`` returns an object whose ``unpack()`` gives backward its tensor back
     (:class:`Kept`, :class:`TensorMeta`, or a bit mask). The caller checks :func:`hooks_free`.
     """
-    _push_hooks(pack, _unpack)
-    try:
+    with saved_tensors_hooks(pack, _unpack):
         return fn(*args)
-    finally:
-        _pop_hooks()
 
 
 def save_less(saved, pack) -> None:

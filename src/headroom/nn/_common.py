@@ -35,8 +35,10 @@ if hasattr(torch.compiler, "_is_compiling_flag") and hasattr(torch.compiler, "is
 else:  # pragma: no cover - older torch
     _flags = types.SimpleNamespace(_is_compiling_flag=False)
     _dynamo_compiling = torch.compiler.is_compiling
-if not hasattr(_fx, "_is_fx_tracing_flag"):  # pragma: no cover - older torch
-    _fx = types.SimpleNamespace(_is_fx_tracing_flag=False)
+# Whether torch.fx.symbolic_trace runs: torch 2.14 keeps it per thread (read by
+# _get_is_fx_tracing), older ones in a module flag; is_fx_symbolic_tracing() reads either, and
+# also asks whether torch.compile runs (ruled out before it is called).
+_fx_tracing = getattr(_fx, "_get_is_fx_tracing", None) or _fx.is_fx_symbolic_tracing
 
 
 def records_graph() -> bool:
@@ -59,7 +61,7 @@ def records_graph() -> bool:
         or _functorch_level() is not None
     ):
         return False
-    if _fx._is_fx_tracing_flag:
+    if _fx_tracing():
         # FX treats torch.nn modules as leaves and traces into headroom's, whose flag
         # checks (and batch norm's own input checks) cannot run on proxies.
         raise RuntimeError(

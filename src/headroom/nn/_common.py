@@ -36,9 +36,8 @@ else:  # pragma: no cover - older torch
     _flags = types.SimpleNamespace(_is_compiling_flag=False)
     _dynamo_compiling = torch.compiler.is_compiling
 # Whether torch.fx.symbolic_trace runs: torch 2.14 keeps it per thread (read by
-# _get_is_fx_tracing), older ones in a module flag; is_fx_symbolic_tracing() reads either, and
-# also asks whether torch.compile runs (ruled out before it is called).
-_fx_tracing = getattr(_fx, "_get_is_fx_tracing", None) or _fx.is_fx_symbolic_tracing
+# _get_is_fx_tracing), older ones in a module flag.
+_fx_tracing = getattr(_fx, "_get_is_fx_tracing", None) or (lambda: _fx._is_fx_tracing_flag)
 
 
 def records_graph() -> bool:

@@ -176,15 +176,11 @@ _standin_views: dict[tuple, torch.Tensor] = {}
 # thread has no saved-tensor hooks of its own (checkpointing, activation offloading, the memory
 # tracker): ours would hide the tensors from them, so those runs take the autograd.Function path.
 #
-# NOTE: PyTorch has no public way to ask whether saved-tensor hooks are active: torch 2.7 added
-# the private query used here, and torch 2.6 lacks it. Where it is missing, hooks are taken to be
-# active always, so every run takes the autograd.Function path: the same bytes kept and the same
-# results, only slower. (``_saved_tensors_hooks_is_enabled`` is what the public
-# ``torch.autograd.graph.disable_saved_tensors_hooks`` sets.)
-_MAYBE_ACTIVE = ("hooks", "unknown")
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None) or (
-    lambda ignore_is_tracing: _MAYBE_ACTIVE
-)
+# NOTE: PyTorch has no public way to ask whether saved-tensor hooks are active; its private query
+# exists from torch 2.8 on (headroom/__init__.py refuses an older torch). Pushing and popping go
+# through the public torch.autograd.graph.saved_tensors_hooks; ``_saved_tensors_hooks_is_enabled``
+# reads what the public ``torch.autograd.graph.disable_saved_tensors_hooks`` sets.
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 

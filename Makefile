@@ -7,14 +7,25 @@ TORCH_PIN := torch==2.13.0
 .PHONY: demo test test-torch-range bench lint clean
 
 # setup.py builds the C kernels of headroom.nn; a change to them needs a reinstall.
-$(VENV)/.installed: pyproject.toml setup.py src/headroom/nn/_bitkernels.c
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+INSTALL_DEPS := pyproject.toml setup.py src/headroom/nn/_bitkernels.c
+# The venv, with torch pinned before anything else can pull in another version.
+VENV_TORCH := test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install --quiet --upgrade pip && \
 	$(PY) -m pip install --quiet $(TORCH_PIN)
+
+# make test, lint and bench: the package with its test extra.
+$(VENV)/.installed: $(INSTALL_DEPS)
+	$(VENV_TORCH)
 	$(PY) -m pip install --quiet -e ".[test]" "$(TORCH_PIN)"
 	@touch $@
 
-demo: $(VENV)/.installed
+# make demo: only what the demo imports (the demo extra), not the test extra.
+$(VENV)/.installed-demo: $(INSTALL_DEPS)
+	$(VENV_TORCH)
+	$(PY) -m pip install --quiet -e ".[demo]" "$(TORCH_PIN)"
+	@touch $@
+
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/headroom demo
 
 # Tests run in parallel processes, one per core up to 4 (pytest-xdist); `pytest` alone runs them

@@ -20,6 +20,7 @@ import headroom as hr
 from headroom.memory._rss import current_rss
 from headroom.residency import state_of
 from headroom.transfer import DiskStore, HostStore, claimed_keys, pinned_bytes
+from tests._threads import settled_thread_count
 from tests.residency import _spawn_child
 
 D = 128  # 4 layers of 128 x 128: 260 KiB of fp32 parameters per model
@@ -89,7 +90,7 @@ def test_dropped_model_is_collected_with_its_store(tmp_path, variant):
     refs = _cycle(tmp_path, *variant)
     gc.collect()
     assert [r() is None for r in refs] == [True] * 3  # model, store, optimizer
-    assert threading.active_count() == threads  # the store's and the optimizer's threads
+    assert settled_thread_count(threads) == threads  # the store's and the optimizer's threads
     assert _open_fds() == fds  # the folder's lock and journal
     assert pinned_bytes() == pinned
     if variant[0] == "disk":
@@ -113,7 +114,7 @@ def test_hundred_offload_train_del_cycles_hold_memory_threads_and_files_flat(tmp
             gc.collect()
             alive = [r() is not None for r in refs]
             assert not any(alive), (i, VARIANTS[i % len(VARIANTS)], alive)
-            assert (threading.active_count(), _open_fds(), pinned_bytes()) == \
+            assert (settled_thread_count(threads), _open_fds(), pinned_bytes()) == \
                 (threads, fds, pinned), i
         grown = current_rss() - rss
     finally:
@@ -143,7 +144,7 @@ def test_optimizer_dropped_while_its_model_lives_is_collected(tmp_path, store):
         del opt
         gc.collect()
         assert ref() is None
-        assert threading.active_count() == threads
+        assert settled_thread_count(threads) == threads
 
 
 def test_store_keys_of_a_dropped_model_are_free_for_the_next(tmp_path):

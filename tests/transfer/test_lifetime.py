@@ -9,6 +9,7 @@ import copy
 import gc
 import os
 import pickle
+import subprocess
 import sys
 import threading
 import weakref
@@ -25,6 +26,7 @@ from headroom.transfer import (
     weak_post_accumulate_grad_hook,
 )
 from headroom.transfer._pools import Pool
+from tests._threads import settled_thread_count
 
 
 def _open_fds() -> int:
@@ -47,7 +49,7 @@ def test_disk_store_dropped_without_close_ends_threads_and_unlocks(tmp_path):
         gc.collect()
         assert ref() is None
         # its I/O threads have ended and its lock and journal are closed, now
-        assert (threading.active_count(), _open_fds()) == (threads, fds), i
+        assert (settled_thread_count(threads), _open_fds()) == (threads, fds), i
 
 
 class _Owner:
@@ -83,7 +85,7 @@ def test_owned_pool_threads_end_with_their_owner():
     assert threading.active_count() > threads
     del owner
     gc.collect()
-    assert threading.active_count() == threads
+    assert settled_thread_count(threads) == threads
     # The owner's last reference dropped by a job, on the pool's own thread: the pool is shut
     # down without that thread waiting for itself (an error, or a hang), and it then ends.
     owner = _Owner()
@@ -99,7 +101,7 @@ def test_owned_pool_threads_end_with_their_owner():
     finally:
         sys.unraisablehook = hook
     assert pool._shutdown and not errors
-    assert threading.active_count() == threads
+    assert settled_thread_count(threads) == threads
 
 
 def test_pinned_pool_dropped_without_clear_gives_back_its_budget():
@@ -147,3 +149,33 @@ def test_stores_refuse_pickle_and_copy_naming_the_fix(tmp_path, kind):
         assert fix in str(e.value)
     assert torch.equal(st.read(st.get("w")).result(), torch.ones(3))  # still usable
     st.close()
+
+
+_COLLECTED_WHILE_A_THREAD_STARTS = """
+import gc, sys, threading, torch
+from headroom.transfer import DiskStore
+st = DiskStore(sys.argv[1], threads=2)
+st.write(st.alloc("x", (100,), torch.float32), torch.ones(100)).result()
+cycle = [st]
+cycle.append(cycle)  # collected only by a garbage collection, wherever it starts
+del st, cycle
+# A thread that starts holds threading's lock of ending threads while a collection may run
+# (Thread._bootstrap_inner -> _maintain_shutdown_locks): the store's finalizer runs there.
+with threading._shutdown_locks_lock:
+    gc.collect()
+t = threading.Thread(target=int)
+t.start()
+t.join()
+print("done")
+"""
+
+
+@pytest.mark.skipif(not hasattr(threading, "_shutdown_locks_lock"),
+                    reason="this Python's threading keeps no lock of ending threads")
+def test_store_collected_while_a_thread_starts_does_not_hang_the_process(tmp_path):
+    # Before: the finalizer joined the store's threads, and Thread.join takes that lock once
+    # the joined thread ended: the process hung at its next thread start, for good.
+    out = subprocess.run([sys.executable, "-c", _COLLECTED_WHILE_A_THREAD_STARTS,
+                          str(tmp_path / "s")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-3000:]

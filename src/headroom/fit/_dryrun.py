@@ -1,18 +1,21 @@
 """A training step run on ``meta`` tensors: what the estimator executes instead of the real step.
 
 The step runs the model's own code, so every op PyTorch would run is seen with its real shapes
-and dtypes, but no tensor holds data. Three things make a meta run behave like the target device:
+and dtypes, but no tensor holds data. Four things make a meta run behave like the target device:
 
 - the model is copied onto ``meta`` without copying any data (the copy shares nothing with the
   original, so the dry run can never change the user's model);
 - ``scaled_dot_product_attention`` on ``meta`` would take PyTorch's math path (which keeps the
   whole attention matrix); it is redirected to the fused kernel the target device would choose;
+- autocast regions for ``"meta"`` (and the estimator's ``autocast=`` what-if) cast as the target
+  device's autocast does (`headroom.fit._autocast`);
 - the optimizer runs one step untracked first, so the tracked step is in steady state (its state
   already exists), like every step of a training run but the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -26,38 +29,12 @@ from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from headroom.fit._autocast import MetaAutocast
 from headroom.transfer import flat_tensors as _flat
 from headroom.transfer import known_values
 from headroom.transfer import to_meta as to_meta  # the estimator's: `_dryrun.to_meta`
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-_IS_AUTOCAST = torch.is_autocast_enabled
-
-
-def _autocast_enabled(*args: Any) -> bool:
-    if args and args[0] == "meta":
-        return False
-    return _IS_AUTOCAST(*args)
-
-
-_AUTOCAST = torch.autocast
-
-
-class _AutocastOffOnMeta(_AUTOCAST):
-    """``torch.autocast`` for the dry run: a region for ``"meta"`` (code that switches
-    autocast off for its input's device, as `hr.linear_cross_entropy` does) changes nothing,
-    since the dry run runs without autocast; other devices are torch's own."""
-
-    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
-        self._on_meta = device_type == "meta"
-        if not self._on_meta:
-            super().__init__(device_type, *args, **kwargs)
-
-    def __enter__(self):
-        return self if self._on_meta else super().__enter__()
-
-    def __exit__(self, *exc: Any):
-        return None if self._on_meta else super().__exit__(*exc)
 
 
 def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Module:
@@ -105,6 +82,8 @@ class AttentionAsOnDevice:
     The function is replaced in ``torch.nn.functional`` for the duration of the dry run (a
     ``TorchFunctionMode`` would not see calls made from inside other functional ops, such as
     ``multi_head_attention_forward``); calls on tensors that are not ``meta`` go to PyTorch's.
+    Entering it also enters the target's autocast for ``meta`` tensors (`MetaAutocast`), which
+    casts the attention's arguments as autocast would before the kernel is chosen.
     """
 
     def __init__(self, device_type: str) -> None:
@@ -112,22 +91,29 @@ class AttentionAsOnDevice:
 
     def __enter__(self) -> AttentionAsOnDevice:
         F.scaled_dot_product_attention = self._call
-        # Layers that ask whether autocast is on for their input's device, or switch it off
-        # there, would get an error for "meta"; the dry run runs without autocast.
-        torch.is_autocast_enabled = _autocast_enabled
-        torch.autocast = _AutocastOffOnMeta
+        # autocast of the target device for meta tensors (regions for "meta", as layers open
+        # them for their input's device, are the target's)
+        self._amp = MetaAutocast(self.device_type)
+        self._amp.__enter__()
         self._packed = _unpacked_on_meta()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         F.scaled_dot_product_attention = _SDPA
-        torch.is_autocast_enabled = _IS_AUTOCAST
-        torch.autocast = _AUTOCAST
+        self._amp.__exit__(*exc)
         if self._packed is not None:
             module, original = self._packed
             module.find_packed_sequence_indices = original
 
+    def autocast(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+        """A region of the target's autocast in ``dtype`` (none for ``None``)."""
+        if dtype is None:
+            return contextlib.nullcontext()
+        return self._amp.region(dtype=dtype)
+
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # autocast casts the arguments of scaled_dot_product_attention before any kernel
+        args, kwargs, _ = self._amp.cast_args(_SDPA, args, kwargs)
         out = self._fused(*args, **kwargs)
         return _SDPA(*args, **kwargs) if out is None else out
 

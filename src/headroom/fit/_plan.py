@@ -12,6 +12,7 @@ the plan's peak is that dry run's, the same figure `hr.estimate` gives for the a
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import math
 import os
@@ -265,11 +266,7 @@ class Plan:
         fully_shard(model, mesh=mesh)
 
     def _host_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(self.optimizer_kwargs)
-        if self.device == "cpu":
-            # PyTorch's default CPU step is the single-tensor one: bitwise the plain run
-            kwargs.setdefault("fused", False)
-        return kwargs
+        return _host_kwargs(_opt_class(self.optimizer), self.optimizer_kwargs, self.device)
 
     def _disk(self, sub: str) -> str:
         if self.disk is None:  # pragma: no cover - disk choices need disk=
@@ -359,11 +356,38 @@ def _opt_class(optimizer: Any) -> type[torch.optim.Optimizer]:
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer)
+        # NOTE: the plan builds its optimizer over the parameters it applies to; an instance's
+        # hyperparameters (lr, per-group settings) would silently be left behind.
+        name = _opt_name(type(optimizer))
+        raise TypeError(
+            f"hr.plan needs optimizer= as a class with its keyword arguments in"
+            f" optimizer_kwargs (optimizer={name}, optimizer_kwargs={{'lr': ...}}), got an"
+            f" instance of {type(optimizer).__name__}: Plan.apply builds the optimizer over the"
+            f" model it applies to, and would lose the instance's hyperparameters"
+        )
     raise TypeError(
         f"hr.plan needs optimizer= as a torch.optim.Optimizer class (e.g. torch.optim.AdamW),"
         f" got {optimizer!r}"
     )
+
+
+def _host_kwargs(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
+                 device: str | torch.device) -> dict[str, Any]:
+    """The keyword arguments with which `HostOptimizer` steps as ``cls(params, **kwargs)``
+    steps them on a CPU ``device``: torch's own implementation there, not the fused kernel
+    HostOptimizer picks for Adam, AdamW and Adagrad when neither ``fused`` nor ``foreach`` is
+    given (on an accelerator the plain step runs other kernels anyway: HostOptimizer's own)."""
+    kwargs = dict(kwargs)
+    if torch.device(device).type != "cpu" or "fused" in kwargs or "foreach" in kwargs:
+        return kwargs
+    try:
+        accepts = "fused" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: pass the user's arguments as given
+        accepts = False
+    if accepts:
+        # NOTE: only classes whose constructor takes ``fused``: ``RMSprop(fused=False)`` raises.
+        kwargs["fused"] = False
+    return kwargs
 
 
 def _opt_name(optimizer: Any) -> str:
@@ -434,7 +458,12 @@ def plan(
             For CUDA-like devices the budget is compared with the caching allocator model's
             reserved bytes.
         device: the device to plan for.
-        optimizer: the ``torch.optim.Optimizer`` class to train with.
+        optimizer: the ``torch.optim.Optimizer`` class to train with (its keyword arguments in
+            ``optimizer_kwargs``). `Plan.apply` builds it as ``optimizer(params,
+            **optimizer_kwargs)``, or `hr.HostOptimizer` over the same class and arguments; on
+            a ``cpu`` device with the implementation ``optimizer(params)`` picks there (torch's
+            single-tensor one where ``fused``/``foreach`` is not given), so that training is
+            bitwise that of the call without headroom.
         loss_fn: as for `hr.estimate`.
         disk: a folder for stores on disk; without it only host memory is used.
         exact: only exact techniques. ``False`` would also allow lower precision, which this
@@ -767,9 +796,7 @@ def _estimate_choice(model, example_args, c: Choice, opt_cls, opt_kw, slice_byte
     if c.optimizer_state != "device":
         from headroom.optim import HostOptimizerOptions
 
-        host_kw = dict(opt_kw)
-        if common["device"] == "cpu" or str(common["device"]).startswith("cpu"):
-            host_kw.setdefault("fused", False)
+        host_kw = _host_kwargs(opt_cls, opt_kw, common["device"])
         optimizer = HostOptimizerOptions(opt_cls, host_kw,
                                          "cpu" if c.optimizer_state == "host" else "disk",
                                          False, slice_bytes, 32 << 20)

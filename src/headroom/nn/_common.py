@@ -598,3 +598,16 @@ def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
         if c is None or c._hr_saves_input():
             return True
     return False
+
+
+def per_dimension(module: str, base: type, torch_classes: tuple[type, ...], doc: str,
+                  **attrs: object) -> tuple[type, ...]:
+    """One class per torch class: ``base`` first, the torch class second, its name, and
+    ``_hr_dims`` (1, 2, 3 in order) among ``attrs``. ``doc`` is each class's docstring, with
+    ``{name}`` standing for the torch class's name. The classes belong to ``module`` (their
+    ``__module__``), so they pickle and print as if written out one by one there."""
+    return tuple(
+        type(tc.__name__, (base, tc), {
+            "__module__": module, "__qualname__": tc.__name__,
+            "__doc__": doc.format(name=tc.__name__), "_hr_dims": n, **attrs})
+        for n, tc in enumerate(torch_classes, 1))

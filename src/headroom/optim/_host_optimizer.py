@@ -25,7 +25,7 @@ from headroom.optim import _state
 from headroom.optim._entries import (
     ALIAS,
     BOUND,
-    FUSED_CPU,
+    FUSED_DEFAULT,
     HOSTED,
     LAZY,
     MASTER_DTYPES,
@@ -164,11 +164,13 @@ class HostOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
             one device (store-resident parameters count as on their compute device).
-        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. For Adam,
-            AdamW, SGD and Adagrad the fused CPU kernel is chosen unless ``fused``/``foreach``
-            is given (it is bitwise equal to ``optimizer_class(..., fused=True)``; pass
-            ``fused=False`` to match PyTorch's default single-tensor CPU path instead); sparse
-            gradients, which it refuses, step in the default path, as torch steps them.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. It
+            steps as ``optimizer_class(masters, **optimizer_kwargs)`` steps CPU tensors, bitwise,
+            with one exception: for Adam, AdamW and Adagrad, unless ``fused`` or ``foreach`` is
+            given, the fused CPU kernel (bitwise ``optimizer_class(..., fused=True)``, equal to
+            torch's default only to rounding, and several times faster); pass ``fused=False``
+            for bitwise ``optimizer_class(...)``. Sparse gradients, which the fused kernel refuses,
+            step in torch's default implementation, as torch steps them.
         state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
             ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
             slices with reads, update and writes overlapped; needs an element-wise optimizer
@@ -243,7 +245,7 @@ class HostOptimizer(torch.optim.Optimizer):
         # NOTE: the fused CPU kernel refuses sparse gradients, which torch's default
         # (for-loop) implementation steps: when it was chosen here, not asked for, sparse
         # gradients step in that implementation instead (`_inner_step`, `SliceRunner`).
-        self._unfuse_sparse = (optimizer_class in FUSED_CPU and "fused" not in kwargs
+        self._unfuse_sparse = (optimizer_class in FUSED_DEFAULT and "fused" not in kwargs
                                and "foreach" not in kwargs)
         if self._unfuse_sparse:
             kwargs["fused"] = True

@@ -261,8 +261,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _finish(ledger: Ledger, *pools: Pool) -> None:
-    """A store garbage-collected without `DiskStore.close`: its threads end (no job is left:
-    each would hold the store), then the ledger finishes (see `Ledger.finish`)."""
+    """A store garbage-collected without `DiskStore.close`: its threads are told to end (no
+    job is left: each would hold the store; see `stop_pool`), then the ledger finishes (see
+    `Ledger.finish`)."""
     if os.getpid() == ledger._pid:  # a forked child has no threads of the parent's pools
         for pool in pools:
             stop_pool(pool)

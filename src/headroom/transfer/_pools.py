@@ -8,13 +8,11 @@ owner may leave the last reference on the worker thread, and its finalizer (a `D
 folder lock) runs some time later. And the pool's threads outlive an owner garbage-collected
 without ``close()``: they exit only once the executor itself is collected, from their own loop.
 `Pool` drops each job's references as the job starts; `owned_pool` ties a pool's threads to
-its owner, whose finalizer shuts the pool down and waits for them.
+its owner, whose finalizer tells the pool's threads to end (see `stop_pool`).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,23 +44,19 @@ class Pool(ThreadPoolExecutor):
         return super().submit(_Once(fn, args, kwargs))
 
 
-def stop_pool(pool: ThreadPoolExecutor, *, timeout: float = 1.0) -> None:
-    """Shut ``pool`` down and wait for its threads to end, ``timeout`` seconds at most; from
-    one of them (an owner's last reference dropped by a job on its own pool), for the others.
-    Idempotent.
+def stop_pool(pool: ThreadPoolExecutor) -> None:
+    """Tell ``pool``'s threads to end once they are idle, without waiting for them (they end
+    within moments: an owner that is unreachable runs no job). Idempotent; safe from one of
+    the pool's own threads (an owner's last reference dropped by a job on its own pool).
 
     NOTE: called by finalizers, which run wherever a garbage collection starts, perhaps in a
-    thread holding a lock that an ending thread takes on its way out (``threading`` takes one
-    as a thread ends): waiting without a bound there would never return. An owner that is
-    unreachable runs no job, so its threads only have to wake up and return.
+    thread holding a lock that a joining thread takes: a thread that starts runs a collection
+    while it holds ``threading``'s lock of ending threads, and ``Thread.join`` takes that lock
+    once the joined thread has ended, whatever its timeout; joining there hangs every thread
+    start of the process for good. So nothing here waits; ``close()`` methods, called by the
+    user, wait for their threads.
     """
     pool.shutdown(wait=False)
-    me = threading.current_thread()
-    deadline = time.monotonic() + timeout
-    # ``_threads``: the executor's worker threads (a set, in every version since 3.2)
-    for t in list(getattr(pool, "_threads", ())):
-        if t is not me:
-            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def owned_pool(owner: object, max_workers: int, prefix: str) -> Pool:

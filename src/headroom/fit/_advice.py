@@ -21,21 +21,6 @@ from headroom.fit._estimate import Estimate, estimate
 from headroom.memory import format_bytes
 
 
-def estimate_advice(est: Estimate) -> list[str]:
-    """`Estimate.advice`: advice for the plain step the estimate ran (none for a what-if)."""
-    ctx = est._context
-    model = ctx["model"]() if ctx else None
-    if model is None:
-        return []
-    try:
-        return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
-                      optimizer=ctx.get("optimizer"),
-                      optimizer_kwargs=ctx.get("optimizer_kwargs"), device=est.device, base=est)
-    except Exception as e:  # advice never breaks a report
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
-
-
 def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = None,
            loss_fn: Any = None, optimizer: Any = None, optimizer_kwargs: dict | None = None,
            device: str, base: Estimate | None = None,

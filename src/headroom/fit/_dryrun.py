@@ -119,7 +119,7 @@ class AttentionAsOnDevice:
 
     def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-        if q.device.type != "meta" or q.is_nested or q.dim() != 4:
+        if q.device.type != "meta" or q.is_nested or q.dim() not in (3, 4):
             return None
         if self.device_type == "cpu":
             if _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) != 1:
@@ -127,8 +127,20 @@ class AttentionAsOnDevice:
             mask = attn_mask
             if mask is not None and mask.dtype == torch.bool:
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            if q.dim() == 3:
+                # Inputs without a head dimension (which torch 2.14's CPU attention runs fused,
+                # and 2.13's through the math path: the choice above is torch's own): the
+                # kernel takes them as one batch of heads, and keeps them so for backward.
+                if mask is not None and mask.dim() > 3:
+                    return None
+                one = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+                mask = mask.unsqueeze(0) if mask is not None and mask.dim() == 3 else mask
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    *one, 0.0, is_causal, attn_mask=mask, scale=scale)[0].squeeze(0)
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+        if q.dim() != 4:
+            return None
         if enable_gqa and k.size(-3) != q.size(-3):
             # Grouped-query attention: of CUDA's fused kernels only flash (and cuDNN) take it,
             # in half precision, without a mask, heads up to 256 wide; otherwise PyTorch runs

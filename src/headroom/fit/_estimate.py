@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from headroom._providers import advice_provider
 from headroom._saved_hooks import keeping
 from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadedActivations
 from headroom.fit import _dryrun
@@ -140,10 +141,25 @@ class Estimate:
         """What would cut the peak most, each technique's saving from a dry run with it (lines
         of text; computed on first use, a few more dry runs)."""
         if self._advice is None:
-            from headroom.fit._advice import estimate_advice
-
-            self._advice = estimate_advice(self)
+            self._advice = self._advise()
         return self._advice
+
+    def _advise(self) -> list[str]:
+        # Advice for the plain step the estimate ran (none for a what-if). It runs estimates
+        # of its own (headroom.fit._advice imports this module), so it is reached through the
+        # provider headroom.fit registers rather than imported here.
+        ctx = self._context
+        model = ctx["model"]() if ctx else None
+        if model is None:
+            return []
+        try:
+            return advice_provider()(
+                model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
+                optimizer=ctx.get("optimizer"), optimizer_kwargs=ctx.get("optimizer_kwargs"),
+                device=self.device, base=self)
+        except Exception as e:  # advice never breaks a report
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
 
     @property
     def timeline(self):

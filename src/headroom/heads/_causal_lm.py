@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from headroom.heads._linear_ce import linear_cross_entropy
+from headroom.heads._entry import linear_cross_entropy
 from headroom.transfer import binding
 
 __all__ = ["CausalLMPatch", "patch_causal_lm"]

@@ -15,8 +15,10 @@ from torch import nn
 
 from headroom.nn._common import (
     TensorMeta,
+    _hooks_enabled,
     _pending,
     _relu_outputs,
+    _top_hooks,
     first_order_only,
     note_consumer,
     per_dimension,
@@ -91,8 +93,6 @@ def _save_shapes(out: torch.Tensor, input_shape: bool, weight_shape: bool) -> to
 
 
 _any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a device type
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 
 def _fast(input: torch.Tensor) -> bool:

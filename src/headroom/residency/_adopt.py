@@ -32,6 +32,7 @@ store, before the next forward or when it is unwrapped (`sync_merges`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +55,21 @@ __all__ = [
 # module -> {attr: a second reference to the storage its parameter was registered with}
 _ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _HANDLES: list = []
+
+# Live offloaded models (an Offload adds itself; unoffload and a failed offload take it out),
+# for the optimizer-step hook (see `_schedule.before_optimizer_step`) and for adoption.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+# How hr.offload places parameters and undoes a failed placement (`_offload._place` and
+# `_rollback`, handed down by that module, which builds on this one, when imported): parameters
+# added later are placed the same way.
+_placement: tuple[Callable, Callable] | None = None
+
+
+def use_placement(place: Callable, rollback: Callable) -> None:
+    """Called by `headroom.residency._offload` when imported."""
+    global _placement
+    _placement = (place, rollback)
 # NOTE: an offload state's `_Members` rests on the state itself, not in a module-level map
 # keyed by the state: its groups lead back to the state (group -> module -> guard role ->
 # state), so a weak-keyed map would keep every offloaded model alive for good.
@@ -112,8 +128,6 @@ def install(state: Offload) -> None:
 
 
 def _live() -> list[tuple[Offload, _Members]]:
-    from headroom.residency._schedule import _LIVE
-
     return [(s, info) for s in list(_LIVE) if (info := _members(s)) is not None]
 
 
@@ -203,8 +217,8 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
 
 def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> list[Slot]:
     """Place parameters new to the model in its store, in ``home``'s group (None: outside)."""
-    from headroom.residency._offload import _place, _rollback
-
+    assert _placement is not None  # install() is called by hr.offload only
+    _place, _rollback = _placement
     params: dict[int, nn.Parameter] = {}  # registered parameter's id -> what is placed
     names: dict[int, str] = {}
     owners: dict[int, list] = {}
@@ -260,12 +274,12 @@ def _hook_state_dict(state: Offload, m: nn.Module) -> None:
     from functools import partial
 
     from headroom.residency import _outside
-    from headroom.residency._schedule import Offload
 
     _outside.install(state, m)
-    state.handles.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
+    cls = type(state)  # Offload
+    state.handles.append(m.register_state_dict_post_hook(partial(cls.state_dict_hook, state)))
     state.handles.append(m.register_load_state_dict_pre_hook(
-        partial(Offload.load_state_dict_pre_hook, state)))
+        partial(cls.load_state_dict_pre_hook, state)))
 
 
 # ---------------------------------------------------------------------- dropped parameters

@@ -60,7 +60,7 @@ class OffloadConfig:
 
 def configs_of(model: nn.Module) -> list[OffloadConfig]:
     """The `OffloadConfig` of every `hr.offload` applied to ``model`` or its submodules."""
-    from headroom.residency import offload_states
+    from headroom.residency._offload import offload_states
 
     out = []
     for name, m, state in offload_states(model):

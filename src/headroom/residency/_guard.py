@@ -27,6 +27,10 @@ from headroom.transfer import keep_for_child
 __all__ = ["Role", "install", "remove"]
 
 _ROLE = "_headroom_role"
+_OFFLOAD = "_headroom_offload"  # the offload state, on the offloaded module
+#: The attributes `offload` sets on modules (the state on the offloaded module, the role of
+#: each block): what a copy of the model that drops the offload leaves out.
+MODULE_ATTRS = (_OFFLOAD, _ROLE)
 _CLASSES: dict[type, type] = {}
 
 
@@ -103,7 +107,8 @@ def _guarded_class(cls: type) -> type:
             return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
         from headroom.residency._copy import deepcopy_offloaded
 
-        return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo)
+        return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo,
+                                  leave_out=MODULE_ATTRS)
 
     def __reduce_ex__(self, protocol):
         # pickle (torch.save(model), a spawned process's argument): the plain copy that

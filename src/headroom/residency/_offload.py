@@ -42,7 +42,7 @@ from headroom.transfer import (
 
 __all__ = ["describe", "offload", "prefetch", "unoffload"]
 
-_ATTR = "_headroom_offload"
+_ATTR = _guard._OFFLOAD
 
 
 def _replica_wrapper(m: nn.Module) -> str | None:
@@ -413,6 +413,9 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
         state.claims.discard(slot.binding.handle.key)
 
 
+_adopt.use_placement(_place, _rollback)  # parameters added later are placed alike
+
+
 def release_claim(state: Offload, key: str) -> None:
     """``state``'s model no longer uses ``key`` of its store (see [Note: one writer per key])."""
     claimed_keys(state.store).discard(key)
@@ -540,9 +543,7 @@ def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
     return [(n, m, m.__dict__[_ATTR]) for n, m in model.named_modules() if _ATTR in m.__dict__]
 
 
-#: The attributes `offload` sets on modules (the state on the offloaded module, the role of
-#: each block): what a copy of the model that drops the offload leaves out.
-MODULE_ATTRS = (_ATTR, _guard._ROLE)
+MODULE_ATTRS = _guard.MODULE_ATTRS
 
 
 def state_of(model: nn.Module) -> Offload:

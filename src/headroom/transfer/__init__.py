@@ -25,7 +25,7 @@ from headroom.transfer._device import check_device, stream_module
 from headroom.transfer._disk import DiskStore
 from headroom.transfer._handle import Handle
 from headroom.transfer._heap import HeapTrimmer, release_pages, trim_heap
-from headroom.transfer._host import HostStore, PinnedPool, add_into
+from headroom.transfer._host import HostStore, PinnedPool, add_into, resolve_store
 from headroom.transfer._meta import MetaStore, Places, flat_tensors, to_meta
 from headroom.transfer._mover import _MAX_STAGED_BYTES as MAX_STAGED_BYTES
 from headroom.transfer._mover import Mover, Ticket
@@ -49,7 +49,6 @@ from headroom.transfer._store import (
     StoreCorruptError,
     StoreFullError,
     is_accelerator,
-    resolve_store,
 )
 from headroom.transfer._store_tensor import (
     GradSource,

@@ -12,9 +12,9 @@ import torch
 
 from headroom.transfer._handle import Handle
 from headroom.transfer._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
-from headroom.transfer._store import Store, StoreFullError, done
+from headroom.transfer._store import Store, StoreFullError, done, is_accelerator
 
-__all__ = ["HostStore", "PinnedPool", "add_into"]
+__all__ = ["HostStore", "PinnedPool", "add_into", "resolve_store"]
 
 # Elements converted at a time by `add_into`: 8 MiB of fp32, cache-sized, and enough for
 # every core's share of one add to be worth a thread.
@@ -300,3 +300,30 @@ class HostStore(Store):
                 self.free(self._handles[key])
             if self._arena is not None:
                 self._arena.close()
+
+
+def resolve_store(store: str | Store, device: str | torch.device | None = None) -> Store:
+    """Turn the ``store=`` argument of the public API into a `Store`.
+
+    Args:
+        store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
+            process's page-locked budget when ``device`` is an accelerator), or a `Store`
+            instance (e.g. ``DiskStore(path)``), returned as is.
+        device: the compute device the store feeds.
+
+    Raises:
+        ValueError: an unknown store name.
+
+    Example:
+        >>> store = resolve_store("cpu", "cpu")
+    """
+    if isinstance(store, Store):
+        return store
+    if isinstance(store, str) and store in ("cpu", "host"):
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        acc = is_accelerator(dev)
+        return HostStore(pin=acc, device=dev if acc else None)
+    raise ValueError(
+        f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
+        " headroom.DiskStore(path)"
+    )

@@ -1,4 +1,4 @@
-"""The store protocol shared by host memory and disk, and `resolve_store`."""
+"""The store protocol shared by host memory and disk."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from headroom.transfer._handle import Handle, check_rows, row_count
 
-__all__ = ["Store", "StoreCorruptError", "StoreFullError", "done", "resolve_store"]
+__all__ = ["Store", "StoreCorruptError", "StoreFullError", "done"]
 
 
 # [Note: scratch keys] Keys under this prefix hold scratch bytes (activations between forward
@@ -291,32 +291,3 @@ def _check_plain(key: str, t: torch.Tensor) -> None:
             " local shard (t.to_local()), or use hr.offload on the fully_shard'ed model, which"
             " stores each rank's shards"
         )
-
-
-def resolve_store(store: str | Store, device: str | torch.device | None = None) -> Store:
-    """Turn the ``store=`` argument of the public API into a `Store`.
-
-    Args:
-        store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
-            process's page-locked budget when ``device`` is an accelerator), or a `Store`
-            instance (e.g. ``DiskStore(path)``), returned as is.
-        device: the compute device the store feeds.
-
-    Raises:
-        ValueError: an unknown store name.
-
-    Example:
-        >>> store = resolve_store("cpu", "cpu")
-    """
-    if isinstance(store, Store):
-        return store
-    if isinstance(store, str) and store in ("cpu", "host"):
-        from headroom.transfer._host import HostStore
-
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        acc = is_accelerator(dev)
-        return HostStore(pin=acc, device=dev if acc else None)
-    raise ValueError(
-        f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
-        " headroom.DiskStore(path)"
-    )

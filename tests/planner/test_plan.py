@@ -390,9 +390,9 @@ def test_fp32_masters_has_no_effect_on_fp32_parameters(plain, tmp_path):
     budget = int(peak * 0.75)
     kw = dict(loss_fn=loss_fn, budget=budget, device="cpu", optimizer=torch.optim.AdamW,
               disk=tmp_path, speeds=SPEEDS, slice_bytes=SLICE)
-    chosen = {plan(model_fn(), (X,), fp32_masters=m, **kw).choice for m in (None, True, False)}
-    assert len(chosen) == 1
-    assert not plan(model_fn(), (X,), fp32_masters=True, **kw).fp32_masters
+    plans = {m: plan(model_fn(), (X,), fp32_masters=m, **kw) for m in (None, True, False)}
+    assert len({p.choice for p in plans.values()}) == 1
+    assert not plans[True].fp32_masters
 
 
 def test_fp32_masters_on_an_accelerator_plan_keeps_the_optimizer_on_the_host():

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 import headroom
-from headroom.transfer import DiskStore, _disk, _recover
-from headroom.transfer._segments import crc
+from headroom.store import DiskStore, _disk, _recover
+from headroom.store._segments import crc
 
 
 def _no_crc(buf, value: int = 0) -> int:

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 
 def _fixed_mmap_threshold() -> None:

@@ -176,7 +176,7 @@ def _run(rank: int, world: int, port: int, setup: str, cfg: dict, out) -> None:
         disk = sharded_state_of(model).disk
         store_bytes += opt.options.state_store.used_bytes
     rss1, peak = _rss()
-    from headroom.transfer import trim_heap
+    from headroom.store import trim_heap
 
     trim_heap()  # freed memory the C allocator kept: what remains is live
     rss2, _ = _rss()

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 RESULTS = Path(__file__).parent / "results" / "host_optimizer.json"
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.transfer import _ledger
+from headroom.store import _ledger
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' model
 from tests.optim._models import make_model  # noqa: E402

@@ -745,7 +745,7 @@ def setup_headroom_plan(spec: dict):
         return float(total)
 
     from headroom.residency import state_of
-    from headroom.transfer import DiskStore
+    from headroom.store import DiskStore
 
     stores = []
     with contextlib.suppress(Exception):  # not offloaded: no store of its own

@@ -37,7 +37,7 @@ import torch
 from huge_classifier_scale import _io, _rss_now, _rss_peak
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

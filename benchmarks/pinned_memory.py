@@ -6,7 +6,7 @@ torch's caching host allocator rounds every pinned allocation up to the next pow
 tensors out of slabs: on CUDA one slab registered at its own size per reserved group
 (``hr.offload`` reserves the masters together and each backward the gradients together), on
 other accelerators one power-of-two slab per group. The figures are that arithmetic, done by
-``headroom.transfer._pinned.spent`` (the rule the accounting uses) over the real shapes, and,
+``headroom.store._pinned.spent`` (the rule the accounting uses) over the real shapes, and,
 as a check that the code spends what the arithmetic says, a pinned ``HostStore`` filled with
 the same shapes at 1/64 of their rows (plain memory standing in where no runtime can pin).
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from headroom.transfer import HostStore, pinned_bytes
-from headroom.transfer._pinned import ALIGN, _backend, spent
+from headroom.store import HostStore, pinned_bytes
+from headroom.store._pinned import ALIGN, _backend, spent
 
 
 def llama_7b() -> list[tuple[int, ...]]:

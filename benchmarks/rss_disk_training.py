@@ -17,7 +17,7 @@ reports
 and the claim is ``peak_rss - fixed <= 1.3 x tracked`` (ratios against the two other fixed
 costs are reported beside it). Variants, alternating run by run: the
 default, and ``HEADROOM_TRIM_HEAP=0`` (freed host memory not returned to the OS, as before the
-fix in ``headroom.transfer._heap``). Medians over ``--repeats`` runs; step times are the median
+fix in ``headroom.store._heap``). Medians over ``--repeats`` runs; step times are the median
 step of each run.
 
     .venv/bin/python benchmarks/rss_disk_training.py              # ~10 min on 2 cores

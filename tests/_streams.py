@@ -26,7 +26,7 @@ write on the current stream (the caching allocator hands a block freed by that s
 work straight back to it), so another stream must be ordered after the allocation to use it.
 Host memory is exempt from the free check: torch's caching host allocator keeps a page-locked
 block until the copies using it are done, and copies with pageable memory are synchronous;
-except headroom's own page-locked slabs (`headroom.transfer._pinned.Slab`), which go back to the
+except headroom's own page-locked slabs (`headroom.store._pinned.Slab`), which go back to the
 system when released: every copy that used a slab must be known to the host to be done by then.
 
 ``torch.get_device_module("cpu")`` returns the model, ``is_accelerator`` says yes for the CPU,
@@ -503,7 +503,7 @@ class StreamModel:
 @contextlib.contextmanager
 def stream_model(monkeypatch, *, query_done: bool = True):
     """Run the accelerator code paths on the CPU under a `StreamModel` (yielded)."""
-    import headroom.transfer._store as store_mod
+    import headroom.store._store as store_mod
 
     model = StreamModel(query_done=query_done)
     real_is_acc = store_mod.is_accelerator
@@ -560,7 +560,7 @@ def stream_model(monkeypatch, *, query_done: bool = True):
                         lambda self, fn: real_submit(self, logged(fn)))
     # Page-locked slabs go back to the system when released (unlike blocks of torch's caching
     # host allocator, which waits for their copies): a release is checked like a free.
-    import headroom.transfer._pinned as pinned_mod
+    import headroom.store._pinned as pinned_mod
 
     real_release = pinned_mod.Slab.release
 

@@ -1,5 +1,5 @@
 """Threads that a finalizer told to end: they end within moments, not at once (a finalizer
-never waits for threads; see `headroom.transfer._pools.stop_pool`)."""
+never waits for threads; see `headroom.store._pools.stop_pool`)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,6 @@ ARCHITECTURE = ROOT.parents[1] / "docs" / "architecture.md"
 ALLOWED_PRIVATE = {
     # an estimate's report is the tracker's report of the dry run
     ("fit/_estimate.py", "headroom.memory._report"),
-    ("optim/_host_optimizer.py", "headroom.transfer._store"),
     # the command's estimate and plan subcommands, loaded only when one runs
     ("cli.py", "headroom.fit._cli"),
 }
@@ -171,22 +170,46 @@ def test_each_unit_imports_only_those_listed_before_it_in_the_architecture():
     assert not later, later
 
 
-def test_streams_events_and_page_locked_memory_stay_in_transfer():
-    # What docs/architecture.md says of transfer/, and the places outside it that order
-    # compute after copies other code issued (FSDP2's), each for a reason given there.
-    allowed = {"residency/_schedule.py", "residency/_sharded_disk.py", "residency/_dtensor.py"}
-    words = re.compile(r"\b(current_stream|wait_stream|wait_event|record_event|Stream|Event|"
-                       r"pin_memory|is_pinned|cudaHostRegister)\b")
+def _files_naming(words: re.Pattern[str], *, outside: tuple[str, ...]) -> set[str]:
+    """The files, but those under the folders ``outside``, whose code (comments left out) names
+    one of ``words`` (``threading.Event`` is not an accelerator's event)."""
     found = set()
     for f in ROOT.rglob("*.py"):
         rel = f.relative_to(ROOT).as_posix()
-        if rel.startswith("transfer/"):
+        if rel.startswith(outside):
             continue
         code = "\n".join(line.split("#")[0] for line in f.read_text().splitlines())
         if any(not m.string[max(0, m.start() - 10):m.start()].endswith("threading.")
                for m in words.finditer(code)):
             found.add(rel)
+    return found
+
+
+_STREAM_WORDS = re.compile(
+    r"\b(current_stream|wait_stream|wait_event|record_event|Stream|Event)\b")
+_PAGE_LOCKED_WORDS = re.compile(r"\b(pin_memory|is_pinned|cudaHostRegister)\b")
+
+
+def test_streams_and_events_stay_in_transfer():
+    # What docs/architecture.md says of transfer/ (store/, below it, knows none), and the places
+    # outside it that order compute after copies other code issued (FSDP2's), each for a reason
+    # given there.
+    allowed = {"residency/_schedule.py", "residency/_sharded_disk.py"}
+    found = _files_naming(_STREAM_WORDS, outside=("transfer/",))
     assert found <= allowed, sorted(found - allowed)
+
+
+def test_page_locked_memory_stays_in_store_and_transfer():
+    # store/ makes page-locked memory and transfer/ copies through it; residency/ composes with
+    # FSDP2's copies (a page-locked buffer for a shard read from disk, FSDP2's page-locked flag).
+    allowed = {"residency/_sharded_disk.py", "residency/_dtensor.py"}
+    found = _files_naming(_PAGE_LOCKED_WORDS, outside=("store/", "transfer/"))
+    assert found <= allowed, sorted(found - allowed)
+
+
+def test_the_checker_sees_streams_and_page_locked_memory():
+    assert "transfer/_mover.py" in _files_naming(_STREAM_WORDS, outside=("store/",))
+    assert "store/_pinned.py" in _files_naming(_PAGE_LOCKED_WORDS, outside=("transfer/",))
 
 
 def test_lower_layers_use_nothing_of_the_package_root_but_its_version():

@@ -66,9 +66,9 @@ _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",
     "MemoryTracker": "headroom.memory",
-    # transfer/
-    "DiskStore": "headroom.transfer",
-    "StoreCorruptError": "headroom.transfer",
+    # store/
+    "DiskStore": "headroom.store",
+    "StoreCorruptError": "headroom.store",
     # residency/
     "offload": "headroom.residency",
     "unoffload": "headroom.residency",

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 
 def main() -> None:

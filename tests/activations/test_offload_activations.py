@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 from tests.residency._models import CNN, Transformer, cnn_batch, cnn_loss, lm_batch, lm_loss
 
 MB = 1 << 20
@@ -431,7 +431,7 @@ def test_on_an_accelerator_only_the_window_stays_on_the_device():
 def test_a_full_store_fails_the_forward_clearly_and_nothing_is_left(tmp_path):
     """StoreFullError while saving: the forward raises it (naming the store), the space the
     failed step took comes back, and the next step with room trains exactly."""
-    from headroom.transfer import StoreFullError
+    from headroom.store import StoreFullError
 
     torch.manual_seed(0)
     ref = Blocks()

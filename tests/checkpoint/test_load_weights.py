@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.transfer import DiskStore, binding
+from headroom.store import DiskStore
+from headroom.transfer import binding
 
 transformers = pytest.importorskip("transformers")
 SRC = Path(hr.__file__).resolve().parents[1]

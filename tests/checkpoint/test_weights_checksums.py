@@ -21,7 +21,7 @@ from torch import nn
 
 import headroom as hr
 from headroom.checkpoint import _weights
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 from . import _save_child as child
 

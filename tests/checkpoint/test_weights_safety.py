@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.transfer import SafetensorsFile
+from headroom.store import SafetensorsFile
 
 from . import _save_child as child
 

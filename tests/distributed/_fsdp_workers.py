@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import headroom as hr
-from headroom.transfer import DiskStore, HostStore, binding
+from headroom.store import DiskStore, HostStore
+from headroom.transfer import binding
 
 D = 16
 STEPS = 3

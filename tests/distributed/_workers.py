@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 HEADS = 8
 STEPS = 3

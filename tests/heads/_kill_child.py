@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 C, D, B, SLICE = 1000, 16, 24, 128
 

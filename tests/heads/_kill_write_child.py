@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 C, D = 300, 16
 

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore, StoreTensor, binding
+from headroom.store import DiskStore
+from headroom.transfer import StoreTensor, binding
 from tests.conftest import accelerator_type
 
 C, D, B = 1000, 16, 24
@@ -308,7 +309,7 @@ def test_on_accelerator_with_host_store():
 
 @pytest.mark.parametrize("kind", ["host", "disk"])
 def test_one_key_one_live_head_per_store(kind, tmp_path):
-    from headroom.transfer import HostStore
+    from headroom.store import HostStore
 
     store = HostStore() if kind == "host" else DiskStore(tmp_path / "s")
     head = hr.HugeClassifier(C, D, bias=True, device="cpu", store=store, key="faces")
@@ -330,7 +331,7 @@ def test_one_key_one_live_head_per_store(kind, tmp_path):
 
 
 def test_failed_construction_frees_its_key_and_allocations(tmp_path):
-    from headroom.transfer import StoreFullError
+    from headroom.store import StoreFullError
 
     store = DiskStore(tmp_path / "s", max_bytes=C * D * 4 + 100)  # the weight, not its grad
     with pytest.raises(StoreFullError) as info:

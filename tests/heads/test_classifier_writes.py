@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 C, D, B = 40, 8, 12
 

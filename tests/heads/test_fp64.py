@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 from tests.heads.test_linear_loss import dense_loss, dense_target, random_targets
 
 F64 = torch.float64

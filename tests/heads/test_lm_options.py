@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore, binding
+from headroom.store import DiskStore
+from headroom.transfer import binding
 from tests.heads.test_linear_loss import assert_as_exact_as_torch
 
 C, D = 1000, 24

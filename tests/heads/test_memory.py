@@ -52,7 +52,7 @@ def test_dense_reference_exceeds_budget():
 
 
 def _classifier_peak(classes: int, tmp_path) -> int:
-    from headroom.transfer import DiskStore
+    from headroom.store import DiskStore
 
     head = hr.HugeClassifier(classes, D, bias=True, device="cpu",
                              store=DiskStore(tmp_path / str(classes)), slice_size=SLICE)
@@ -126,7 +126,7 @@ def test_dense_bce_reference_exceeds_budget():
 
 
 def _multilabel_classifier_peak(classes: int, tmp_path) -> int:
-    from headroom.transfer import DiskStore
+    from headroom.store import DiskStore
     from tests.heads.test_linear_loss import random_targets
 
     head = hr.HugeClassifier(classes, D, bias=True, device="cpu",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.transfer import StoreFullError
+from headroom.store import StoreFullError
 
 
 def _model() -> torch.nn.Module:

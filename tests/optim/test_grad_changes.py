@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import StoreFullError
+from headroom.store import StoreFullError
 
 PLACEMENTS = ["none", "cpu", "disk", "disk-device"]
 

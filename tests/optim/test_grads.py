@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 DTYPES = [torch.bfloat16, torch.float16]
 

@@ -420,7 +420,7 @@ def test_disk_state_50_steps_bitwise(tmp_path, accum, clip):
 
 
 def test_store_full_fails_the_step_whole(tmp_path):
-    from headroom.transfer import StoreFullError
+    from headroom.store import StoreFullError
 
     model = make_model()
     n = sum(p.numel() for p in model.parameters())

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.transfer import StoreFullError
+from headroom.store import StoreFullError
 
 SLICE = 64  # bytes: the weights take 2-4 slices each
 LR = dict(lr=1e-2, weight_decay=0.1)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.transfer import DiskStore, HostStore, StoreFullError
+from headroom.store import DiskStore, HostStore, StoreFullError
 
 STEPS = 4
 ACCUM = 2

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 TASKS = [3, 5, 3, 0, 5, 5, 1]
 NUM_HEADS = 8

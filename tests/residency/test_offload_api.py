@@ -11,7 +11,8 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore, HostStore, StoreFullError, StoreTensor, binding
+from headroom.store import DiskStore, HostStore, StoreFullError
+from headroom.transfer import StoreTensor, binding
 from tests.conftest import DEVICES, accelerator_type
 from tests.residency._models import (
     CNN,

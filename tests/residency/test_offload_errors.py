@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 
 def _net() -> nn.Sequential:

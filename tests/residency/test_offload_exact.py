@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 from tests.residency._models import (
     CNN,
     StoreStep,

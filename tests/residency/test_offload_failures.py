@@ -18,7 +18,7 @@ import torch.nn as nn
 import headroom as hr
 from headroom.residency import state_of
 from headroom.residency._group import DeviceCopy
-from headroom.transfer import DiskStore, HostStore, StoreFullError
+from headroom.store import DiskStore, HostStore, StoreFullError
 
 D = 16
 N_BLOCKS = 4

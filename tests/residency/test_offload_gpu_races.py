@@ -225,7 +225,7 @@ def test_a_backward_that_fails_half_way(held):
 
 
 def test_pinned_memory_is_counted_exactly_and_given_back():
-    from headroom.transfer import _pinned, pinned_bytes
+    from headroom.store import _pinned, pinned_bytes
 
     base = pinned_bytes()
     model = _offload(_model(), DEV, "cpu")

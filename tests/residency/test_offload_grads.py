@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 import headroom as hr
-from headroom.transfer import DiskStore, StoreTensor
+from headroom.store import DiskStore
+from headroom.transfer import StoreTensor
 
 STORES = ["cpu", "disk"]
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 import headroom as hr
 from headroom.memory._rss import current_rss
 from headroom.residency import state_of
-from headroom.transfer import DiskStore, HostStore, claimed_keys, pinned_bytes
+from headroom.store import DiskStore, HostStore, claimed_keys, pinned_bytes
 from tests._threads import settled_thread_count
 from tests.residency import _spawn_child
 

@@ -9,7 +9,7 @@ import torch
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 from tests.residency._models import (
     CNN,
     StoreStep,
@@ -121,7 +121,7 @@ def test_heap_is_trimmed_on_a_cpu_only_when_the_store_is_off_ram(tmp_path, store
     """On a CPU, freed device copies go back to the OS when the masters rest on disk (RSS is
     the point there); with the masters in RAM as well, trimming would only cost time."""
     import headroom.residency._group as group
-    from headroom.transfer import _heap
+    from headroom.store import _heap
 
     calls = []
     monkeypatch.setattr(_heap, "trim_heap", lambda: calls.append(1) or True)

@@ -19,7 +19,8 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import _group
-from headroom.transfer import DiskStore, Mover
+from headroom.store import DiskStore
+from headroom.transfer import Mover
 
 N = 4
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 
 def test_inference_while_training_is_plain_pytorch(tmp_path):

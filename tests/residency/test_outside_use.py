@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import headroom as hr
 from headroom.residency import state_of
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 from tests.residency._models import FusedHead, Transformer, lm_batch, values
 
 

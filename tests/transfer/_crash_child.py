@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from headroom.transfer import DiskStore
-from headroom.transfer import _disk as disk_mod
+from headroom.store import DiskStore
+from headroom.store import _disk as disk_mod
 
 
 def say(*parts) -> None:

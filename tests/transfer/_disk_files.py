@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from headroom.transfer import _segments as seg
+from headroom.store import _segments as seg
 
 
 def read_index(folder: Path) -> dict:

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from headroom.transfer._host import _ADD_CHUNK, add_into
+from headroom.store._host import _ADD_CHUNK, add_into
 
 PAIRS = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
          (torch.float64, torch.float32), (torch.float32, torch.float32),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headroom.transfer import HostStore, bind, grad_ready, on_grad_ready, sync_grad, unbind
+from headroom.store import HostStore
+from headroom.transfer import bind, grad_ready, on_grad_ready, sync_grad, unbind
 
 
 def _bound():

@@ -61,7 +61,8 @@ def test_an_accelerator_without_streams_is_refused_where_copies_start(fake_cuda,
     import types
 
     import headroom as hr
-    from headroom.transfer import HostStore, Mover, RowStreamer, Stash, stream_module
+    from headroom.store import HostStore
+    from headroom.transfer import Mover, RowStreamer, Stash, stream_module
 
     monkeypatch.setattr(torch, "get_device_module",
                         lambda device=None: types.SimpleNamespace(synchronize=lambda: None))

@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, HostStore, StoreCorruptError
-from headroom.transfer import _ledger as ledger_mod
-from headroom.transfer._store import SCRATCH
+from headroom.store import DiskStore, HostStore, StoreCorruptError
+from headroom.store import _ledger as ledger_mod
+from headroom.store._store import SCRATCH
 
 
 def _killed_copy(store: DiskStore, dest):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import headroom
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 FORK = multiprocessing.get_context("fork")
@@ -111,7 +111,7 @@ def test_dataloader_worker_reading_an_inherited_store_raises(tmp_path):
 
 _PARENT = """
 import os, sys, time, torch
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 s = DiskStore(sys.argv[1])
 s.put("x", torch.ones(4))
 s.flush()

@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from headroom.transfer import DiskStore, StoreCorruptError, StoreFullError
-from headroom.transfer import _segments as seg
+from headroom.store import DiskStore, StoreCorruptError, StoreFullError
+from headroom.store import _segments as seg
 from tests.transfer._disk_files import read_index, sealed
 
 SECRET = bytes(range(256)) * 4

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, StoreCorruptError
-from headroom.transfer import _ledger as ledger_mod
+from headroom.store import DiskStore, StoreCorruptError
+from headroom.store import _ledger as ledger_mod
 from tests.transfer._disk_files import edit_index, read_index, sealed, signed, write_index
 
 # Keys a bit apart: a flip in one can make it another ('0' ^ 1 == '1').

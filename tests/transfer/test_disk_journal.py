@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.transfer import DiskStore
-from headroom.transfer import _ledger as ledger_mod
+from headroom.store import DiskStore
+from headroom.store import _ledger as ledger_mod
 from tests.optim._models import batch, make_model
 
 

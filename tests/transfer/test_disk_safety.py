@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import headroom
-from headroom.transfer import DiskStore, StoreCorruptError, StoreFullError
-from headroom.transfer import _disk as disk_mod
-from headroom.transfer import _ledger as ledger_mod
-from headroom.transfer import _segments as seg
+from headroom.store import DiskStore, StoreCorruptError, StoreFullError
+from headroom.store import _disk as disk_mod
+from headroom.store import _ledger as ledger_mod
+from headroom.store import _segments as seg
 from tests.transfer._crash_child import SHAPES, stream_ops
 
 CHILD = Path(__file__).with_name("_crash_child.py")

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, HostStore, StoreCorruptError, StoreFullError
-from headroom.transfer import _recover as recover_mod
-from headroom.transfer import _segments as seg
+from headroom.store import DiskStore, HostStore, StoreCorruptError, StoreFullError
+from headroom.store import _recover as recover_mod
+from headroom.store import _segments as seg
 from tests.transfer._disk_files import edit_index, read_index
 
 SECRET = bytes(range(64))

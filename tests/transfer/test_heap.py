@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from headroom.transfer import release_pages
+from headroom.store import release_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
 

@@ -17,15 +17,9 @@ import weakref
 import pytest
 import torch
 
-from headroom.transfer import (
-    DiskStore,
-    HostStore,
-    PinnedPool,
-    owned_pool,
-    pinned_bytes,
-    weak_post_accumulate_grad_hook,
-)
-from headroom.transfer._pools import Pool
+from headroom.store import DiskStore, HostStore, PinnedPool, owned_pool, pinned_bytes
+from headroom.store._pools import Pool
+from headroom.transfer import weak_post_accumulate_grad_hook
 from tests._threads import settled_thread_count
 
 
@@ -153,7 +147,7 @@ def test_stores_refuse_pickle_and_copy_naming_the_fix(tmp_path, kind):
 
 _COLLECTED_WHILE_A_THREAD_STARTS = """
 import gc, sys, threading, torch
-from headroom.transfer import DiskStore
+from headroom.store import DiskStore
 st = DiskStore(sys.argv[1], threads=2)
 st.write(st.alloc("x", (100,), torch.float32), torch.ones(100)).result()
 cycle = [st]

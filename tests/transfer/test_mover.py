@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headroom.transfer import (
-    DiskStore,
-    HostStore,
-    Mover,
-    bind,
-    binding,
-    resolve_store,
-    unbind,
-)
+from headroom.store import DiskStore, HostStore, resolve_store
+from headroom.transfer import Mover, bind, binding, unbind
 from tests._streams import stream_model
 from tests.conftest import DEVICES
 

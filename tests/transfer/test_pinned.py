@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.transfer import (
+from headroom.store import (
     HostStore,
     PinnedArena,
     PinnedPool,
@@ -95,7 +95,7 @@ def test_arena_slabs_grow_with_it_and_reserve_sizes_one_slab():
 
 
 def test_caching_allocator_backend_spends_powers_of_two(monkeypatch):
-    from headroom.transfer import _host
+    from headroom.store import _host
 
     for mod in (_pinned, _host):
         monkeypatch.setattr(mod, "_backend", lambda pin, device: "cache" if pin else "plain")

@@ -13,7 +13,8 @@ import itertools
 import pytest
 import torch
 
-from headroom.transfer import PinnedPool, RowStreamer
+from headroom.store import PinnedPool
+from headroom.transfer import RowStreamer
 from tests.conftest import DEVICES
 
 

@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 import torch
 
-from headroom.transfer import SafetensorsFile, safetensors_dtypes
+from headroom.store import SafetensorsFile, safetensors_dtypes
 
 st = pytest.importorskip("safetensors.torch")
 hypothesis = pytest.importorskip("hypothesis")

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, Stash, resize_storage
-from headroom.transfer import _disk as disk_mod
-from headroom.transfer import _ledger as ledger_mod
+from headroom.store import DiskStore
+from headroom.store import _disk as disk_mod
+from headroom.store import _ledger as ledger_mod
+from headroom.transfer import Stash, resize_storage
 
 
 def _stores(tmp_path):

@@ -1,7 +1,7 @@
 """What a store says it is: code above ``transfer/`` asks these, never the class."""
 
 import headroom as hr
-from headroom.transfer import HostStore
+from headroom.store import HostStore
 
 
 def test_host_store_is_host_memory_and_not_durable():

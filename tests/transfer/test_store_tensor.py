@@ -8,7 +8,8 @@ import weakref
 import pytest
 import torch
 
-from headroom.transfer import DiskStore, HandleSource, HostStore, StoreTensor
+from headroom.store import DiskStore, HostStore
+from headroom.transfer import HandleSource, StoreTensor
 
 
 def _tensors(store, n=4, shape=(5, 3)):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from headroom.transfer import (
+from headroom.store import (
     DiskStore,
     Handle,
     HostStore,
@@ -19,7 +19,7 @@ from headroom.transfer import (
     StoreFullError,
     resolve_store,
 )
-from headroom.transfer import _disk as disk_mod
+from headroom.store import _disk as disk_mod
 from tests.conftest import accelerator_type
 
 
@@ -135,7 +135,7 @@ def test_disk_store_reopens_in_another_process(tmp_path):
     s.close()
     script = textwrap.dedent(f"""
         import torch
-        from headroom.transfer import DiskStore
+        from headroom.store import DiskStore
         s = DiskStore({str(tmp_path / "r")!r})
         assert sorted(s.keys()) == ["half", "layer.0.weight"], s.keys()
         w = s.read(s.get("layer.0.weight")).result()
@@ -168,7 +168,7 @@ def test_host_tensor_is_zero_copy():
 
 @pytest.mark.gpu
 def test_pinned_host_store_on_accelerator():
-    from headroom.transfer import pinned_bytes
+    from headroom.store import pinned_bytes
 
     base = pinned_bytes()
     s = resolve_store("cpu", accelerator_type())
@@ -300,7 +300,7 @@ def test_disk_deferred_scale_kept_when_its_write_out_fails(tmp_path, monkeypatch
     """The write that carries a scaling out fails before a byte reaches the file (a full
     disk): the flush raises, the file holds the value before the scaling, and reads still
     apply it; the next flush writes it out."""
-    from headroom.transfer import StoreFullError
+    from headroom.store import StoreFullError
 
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
     a = torch.tensor(0.3)
@@ -328,7 +328,7 @@ def test_disk_deferred_scale_killed_before_written_reopens_unscaled(tmp_path):
     (its last completed write), intact; a tensor whose scaling a flush wrote out keeps it."""
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from headroom.transfer import DiskStore
+        from headroom.store import DiskStore
         s = DiskStore({str(tmp_path / "k")!r})
         x = torch.arange(12.0).reshape(3, 4)
         a, b = s.put("a", x), s.put("b", x)

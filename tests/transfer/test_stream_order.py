@@ -61,7 +61,7 @@ A class's calls of its own waiting methods (``self.synchronize()`` in ``Mover.cl
 mutated this way; the scenarios read what ``close`` must have landed, so dropping that call
 fails mover_host too (tried by hand).
 
-Page-locked memory is carved out of slabs (``headroom.transfer._pinned``), so the model tracks
+Page-locked memory is carved out of slabs (``headroom.store._pinned``), so the model tracks
 accesses per byte range of a storage, and checks that a slab given back to the system is no
 longer used by any copy. The host optimizer's step is host code to the model (the tensors it
 creates from nothing are host memory), otherwise its state's scalars would count as device
@@ -90,7 +90,8 @@ import torch
 import torch.nn.functional as F
 
 import headroom as hr
-from headroom.transfer import DiskStore, Mover, RowStreamer, Stash, bind
+from headroom.store import DiskStore
+from headroom.transfer import Mover, RowStreamer, Stash, bind
 from tests._streams import StreamModel, StreamOrderError, stream_model
 
 TRANSFER = Path(__file__).resolve().parents[2] / "src" / "headroom" / "transfer"
@@ -157,7 +158,7 @@ def test_model_catches_write_after_read_free_and_host_access(monkeypatch):
 def _mover_host(m: StreamModel, tmp_path) -> None:
     """Mover with a pinned host store: fetch, compute, refetch over what compute read; gradients
     overwritten and accumulated, the device gradient dropped at once."""
-    store = hr.transfer.resolve_store("cpu", "cpu")
+    store = hr.store.resolve_store("cpu", "cpu")
     assert store.pinned
     _mover(m, store)
 
@@ -169,7 +170,7 @@ def _mover_disk(m: StreamModel, tmp_path) -> None:
 
 def _mover_pageable(m: StreamModel, tmp_path) -> None:
     """Mover with a host store that is not page-locked (copies go through pinned staging)."""
-    store = hr.transfer.HostStore(pin=False)
+    store = hr.store.HostStore(pin=False)
     _mover(m, store, pageable=True)
 
 

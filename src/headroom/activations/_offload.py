@@ -32,15 +32,8 @@ import torch.nn as nn
 
 from headroom._saved_hooks import keeping
 from headroom.memory import annotate, note_resting
-from headroom.transfer import (
-    DiskStore,
-    HeapTrimmer,
-    Stash,
-    StashTicket,
-    Store,
-    release_pages,
-    resize_storage,
-)
+from headroom.store import DiskStore, HeapTrimmer, Store, release_pages
+from headroom.transfer import Stash, StashTicket, resize_storage
 
 __all__ = ["DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH", "empty_cache", "offload_activations"]
 
@@ -238,7 +231,7 @@ class _Offloader:
     def _free(self, e: _StashedStorage) -> None:
         # On the CPU the saving is in the process's resident memory or it is none, and the
         # heap would keep freed pages: they go back to the OS before the heap gets the
-        # storage (see `headroom.transfer._heap`), and nothing else of the heap's is touched.
+        # storage (see `headroom.store._heap`), and nothing else of the heap's is touched.
         release_pages(e.anchor)
         resize_storage(e.anchor, 0)
         e.freed = True

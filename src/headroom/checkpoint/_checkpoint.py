@@ -45,7 +45,8 @@ from headroom.checkpoint._file import (
 )
 from headroom.optim import HostOptimizer, saved_view
 from headroom.residency import offload_states
-from headroom.transfer import Handle, Store, binding
+from headroom.store import Handle, Store
+from headroom.transfer import binding
 
 __all__ = ["CheckpointCorruptError", "load", "save"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import crc32c
 import torch
 
-from headroom.transfer import (
+from headroom.store import (
     MAX_HEADER_BYTES,
     HeaderError,
     open_regular,

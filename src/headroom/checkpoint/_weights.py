@@ -31,15 +31,15 @@ from headroom.checkpoint._file import (
 )
 from headroom.checkpoint._names import checkpoint_names
 from headroom.residency import offload_states
-from headroom.transfer import (
+from headroom.store import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
     Store,
     TensorInfo,
-    binding,
     open_regular,
     safetensors_dtypes,
 )
+from headroom.transfer import binding
 
 __all__ = ["load_weights", "save_weights"]
 

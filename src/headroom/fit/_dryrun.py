@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from headroom.fit._autocast import MetaAutocast
-from headroom.transfer import flat_tensors as _flat
-from headroom.transfer import known_values
-from headroom.transfer import to_meta as to_meta  # the estimator's: `_dryrun.to_meta`
+from headroom.store import flat_tensors as _flat
+from headroom.store import known_values
+from headroom.store import to_meta as to_meta  # the estimator's: `_dryrun.to_meta`
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -299,7 +299,7 @@ class RealTensorsAsMeta(TorchDispatchMode):
 
 # [Note: known values in a dry run]
 # The integer inputs of a step (ids, attention masks, labels) keep their values beside their
-# meta stand-ins (`headroom.transfer.to_meta`), and every op whose tensor inputs all have known
+# meta stand-ins (`headroom.store.to_meta`), and every op whose tensor inputs all have known
 # values (or are real) also runs on those values, on the CPU, below the tracker: the ``meta``
 # result is still what the memory is counted from, the CPU one is its values. So do small
 # results that read no values (``arange``, ``ones_like``: a backward's seed). Models read such
@@ -309,7 +309,7 @@ class RealTensorsAsMeta(TorchDispatchMode):
 # into a storage drops the values of every tensor on it.
 
 # Values of results that read no values (factories, ``*_like``) are kept up to this size (the
-# others up to `headroom.transfer.known_values`' ``max_bytes``): small ones (positions, a seed)
+# others up to `headroom.store.known_values`' ``max_bytes``): small ones (positions, a seed)
 # are read; zeros the size of a parameter are only written over.
 _MAX_FRESH_BYTES = 1 << 20
 

@@ -41,7 +41,7 @@ class _DryRunTracker(MemoryTracker):
     """The tracker, counting ``meta`` storages as ``device``'s and replaying them through an
     allocator model when ``device`` has a caching allocator.
 
-    ``places`` (the dry run of headroom's features, `headroom.transfer.Places`) names
+    ``places`` (the dry run of headroom's features, `headroom.store.Places`) names
     ``meta`` storages that stand for host memory (counted as ``"cpu"``) or for nothing.
     """
 

@@ -19,7 +19,7 @@ from torch import nn
 from headroom.fit import _dryrun
 from headroom.optim import HostOptimizerDryRun
 from headroom.residency import OffloadConfig, OffloadDryRun, configs_of
-from headroom.transfer import Places
+from headroom.store import Places
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -50,7 +50,7 @@ def offload_config(what_if: Mapping[str, Any] | OffloadConfig) -> OffloadConfig:
             f"offload= takes hr.offload's options {sorted(known - {'module'})} (and module=, the"
             f" submodule offloaded), not {sorted(extra)}")
     store = what_if.get("store", "cpu")
-    from headroom.transfer import Store
+    from headroom.store import Store
 
     if (isinstance(store, Store) and not store.holds_host_memory) or store == "disk":
         kind = "disk"

@@ -298,7 +298,7 @@ class Plan:
         from headroom.nn import convert
         from headroom.optim import HostOptimizer
         from headroom.residency import offload
-        from headroom.transfer import DiskStore
+        from headroom.store import DiskStore
 
         c = self.choice
         if self.world_size is not None:

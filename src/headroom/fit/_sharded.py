@@ -534,7 +534,7 @@ def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
     if extra:
         raise ValueError(f"offload= of a sharded step takes {sorted(known)}, not {sorted(extra)}")
     store = offload.get("store", "cpu")
-    from headroom.transfer import Store
+    from headroom.store import Store
 
     if not (store in ("cpu", "host") or (isinstance(store, Store) and store.holds_host_memory)):
         raise ValueError(

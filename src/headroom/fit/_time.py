@@ -189,7 +189,7 @@ def _op() -> float:
 
 
 def _disk(folder) -> tuple[float, float]:
-    from headroom.transfer import DiskStore
+    from headroom.store import DiskStore
 
     with tempfile.TemporaryDirectory(dir=_existing(folder)) as tmp:
         store = DiskStore(Path(tmp) / "speeds")

@@ -46,19 +46,15 @@ from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
 from headroom.heads._slices import landing, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
 from headroom.heads._targets import Positives
+from headroom.store import Handle, Store, claimed_keys, is_accelerator, resolve_store
 from headroom.transfer import (
     GradSource,
-    Handle,
     HandleSource,
     ParamBinding,
-    Store,
     StoreTensor,
     bind,
     binding,
     check_device,
-    claimed_keys,
-    is_accelerator,
-    resolve_store,
     stream_module,
 )
 
@@ -368,7 +364,7 @@ class HugeClassifier(nn.Module):
     def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
         """Reserve ``keys`` of the store for this head until it is garbage-collected.
 
-        See [Note: one writer per key] in headroom.transfer._claims.
+        See [Note: one writer per key] in headroom.store._claims.
 
         Returns:
             The finalizer that releases them (calling it releases them now, once).

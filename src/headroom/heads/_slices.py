@@ -20,7 +20,8 @@ from typing import Protocol
 
 import torch
 
-from headroom.transfer import RowStreamer, is_accelerator
+from headroom.store import is_accelerator
+from headroom.transfer import RowStreamer
 
 
 def slice_bounds(num_classes: int, slice_size: int) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import torch
 
 from headroom.heads import _slices
-from headroom.transfer import Handle, Store
+from headroom.store import Handle, Store
 
 
 def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -616,7 +616,7 @@ class MemoryTracker:
             return
         if self._stack[:-1]:
             return
-        from headroom.transfer import to_meta
+        from headroom.store import to_meta
 
         amp = _autocast_in_use(args, kwargs)
         args, kwargs = to_meta((tuple(args), dict(kwargs)))  # labels=ids: one tensor
@@ -641,7 +641,7 @@ class MemoryTracker:
             if self._meta_as is None and not self._context:
                 # A model first seen now (built inside the region): its own hook, registered
                 # just now, runs from its next call on; keyword inputs are known from then.
-                from headroom.transfer import to_meta
+                from headroom.store import to_meta
 
                 self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
                                  "kwargs": {}, "partial": True,

@@ -23,7 +23,8 @@ from headroom.optim._entries import ALIAS as _ALIAS
 from headroom.optim._entries import BOUND as _BOUND
 from headroom.optim._entries import HOSTED as _HOSTED
 from headroom.optim._entries import MASTER_DTYPES as _MASTER_DTYPES
-from headroom.transfer import MetaStore, Places, weak_post_accumulate_grad_hook
+from headroom.store import MetaStore, Places
+from headroom.transfer import weak_post_accumulate_grad_hook
 
 
 class _SimParam:

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from headroom.optim._sliced import ProbeError, probe_step
-from headroom.transfer import Handle, ParamBinding, sync_grad
+from headroom.store import Handle
+from headroom.transfer import ParamBinding, sync_grad
 
 __all__ = [
     "ALIAS", "BOUND", "FUSED_DEFAULT", "HOSTED", "LAZY", "MASTER_DTYPES", "Bucket",

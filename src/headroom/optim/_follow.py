@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from headroom.transfer import Handle, Store
+from headroom.store import Handle, Store
 
 __all__ = ["follow_", "follow_stored", "init_stored", "written_mark"]
 

@@ -47,25 +47,21 @@ from headroom.optim._sliced import (
     probe_layout,
 )
 from headroom.optim._undo import DeferInterrupt, Txn
+from headroom.store import SCRATCH, Handle, Store, StoreFullError, resolve_store
 from headroom.transfer import (
-    Handle,
     Mover,
     ParamBinding,
-    Store,
-    StoreFullError,
     StoreTensor,
     adopt_grad,
     binding,
     flush_grad,
     is_stored_grad,
     on_grad_ready,
-    resolve_store,
     sync_grad,
     value_edits,
     weak_method,
     weak_post_accumulate_grad_hook,
 )
-from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
 

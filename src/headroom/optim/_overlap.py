@@ -17,7 +17,7 @@ from typing import Any
 
 from headroom.memory import track_this_thread
 from headroom.optim._entries import Bucket, Entry, same
-from headroom.transfer import owned_pool
+from headroom.store import owned_pool
 
 __all__ = ["Overlap"]
 

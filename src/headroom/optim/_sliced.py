@@ -27,7 +27,7 @@ import torch
 from headroom.memory import annotate
 from headroom.optim._follow import follow_
 from headroom.optim._undo import Txn, wait_all
-from headroom.transfer import Handle, Store
+from headroom.store import Handle, Store
 
 __all__ = ["ELEMENTWISE", "SPARSE_COALESCED", "ProbeError", "SliceRunner", "StateLayout",
            "probe_layout", "probe_step", "sparse_rows"]

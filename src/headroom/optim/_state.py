@@ -11,7 +11,7 @@ from headroom.optim._entries import HOSTED, MASTER_DTYPES, Entry
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.optim._host_optimizer import HostOptimizer
-    from headroom.transfer import Handle, Store
+    from headroom.store import Handle, Store
 
 __all__ = ["ParamState", "SavedView", "index_state", "load_state_dict", "saved_view",
            "state_dict"]

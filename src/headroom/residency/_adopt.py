@@ -42,7 +42,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
 from headroom.residency._plan import Layout
-from headroom.transfer import HeldSource, HostStore, StoreTensor, binding, claimed_keys, unbind
+from headroom.store import HostStore, claimed_keys
+from headroom.transfer import HeldSource, StoreTensor, binding, unbind
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload

@@ -30,8 +30,9 @@ from torch import nn
 from headroom.memory import annotate
 from headroom.residency._schedule import _AfterBackward, _outputs
 from headroom.residency._schedule import in_backward as _in_backward
+from headroom.store import MetaStore, Places
 from headroom.transfer import MAX_STAGED_BYTES as _MAX_STAGED_BYTES
-from headroom.transfer import MetaStore, Places, weak_post_accumulate_grad_hook
+from headroom.transfer import weak_post_accumulate_grad_hook
 
 # headroom.transfer's mover reaps device gradients in flight to the host past this many bytes
 

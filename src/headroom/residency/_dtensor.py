@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from headroom.residency._sharded_disk import DiskShards, placeholder, release
-from headroom.transfer import Handle, Store, is_accelerator, unbind
+from headroom.store import Handle, Store, is_accelerator
+from headroom.transfer import unbind
 
 __all__ = [
     "ShardedOffload",
@@ -192,7 +193,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-    from headroom.transfer import resolve_store
+    from headroom.store import resolve_store
 
     if sharded_state_of(model) is not None:
         raise RuntimeError("the model is already offloaded; call hr.unoffload() on it first")

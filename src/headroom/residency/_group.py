@@ -25,14 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from headroom.transfer import (
-    HeapTrimmer,
-    Mover,
-    ParamBinding,
-    Store,
-    Ticket,
-    resize_storage,
-)
+from headroom.store import HeapTrimmer, Store
+from headroom.transfer import Mover, ParamBinding, Ticket, resize_storage
 
 __all__ = ["DeviceCopy", "Group", "Residency", "Slot"]
 
@@ -114,7 +108,7 @@ class Residency:
         # worker thread may wait for them (`sync_grads`); neither blocks the other.
         self.mover = Mover(device, store)
         # On the CPU the device copies are host memory, freed and allocated again group
-        # after group; see headroom.transfer._heap for why that memory must be given back.
+        # after group; see headroom.store._heap for why that memory must be given back.
         # Not when the masters rest in host memory too: the model is in RAM then, whatever
         # the heap keeps, and trimming would only cost time (10-20% of a step of
         # benchmarks/offload_overhead.py, which faults the pages in again at every refill).

@@ -25,17 +25,14 @@ from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
+from headroom.store import Store, claimed_keys, resolve_store, trim_heap
 from headroom.transfer import (
     HandleSource,
-    Store,
     StoreTensor,
     bind,
     binding,
     check_device,
-    claimed_keys,
     resize_storage,
-    resolve_store,
-    trim_heap,
     unbind,
     weak_post_accumulate_grad_hook,
 )

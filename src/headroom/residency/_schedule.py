@@ -41,15 +41,12 @@ from headroom.residency._dtensor import conversions
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.residency._use import Use
+from headroom.store import Store, StoreFullError, add_into, is_accelerator
 from headroom.transfer import (
     GradSource,
     ParamBinding,
-    Store,
-    StoreFullError,
     StoreTensor,
-    add_into,
     grad_ready,
-    is_accelerator,
     is_stored_grad,
     stream_module,
     value_edits,

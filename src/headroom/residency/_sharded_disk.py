@@ -33,15 +33,8 @@ import torch
 import torch.nn as nn
 
 from headroom.memory import annotate
-from headroom.transfer import (
-    Handle,
-    HandleSource,
-    Store,
-    StoreTensor,
-    bind,
-    is_accelerator,
-    unbind,
-)
+from headroom.store import Handle, Store, is_accelerator
+from headroom.transfer import HandleSource, StoreTensor, bind, unbind
 
 __all__ = ["DiskShards", "placeholder", "release"]
 

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from headroom.transfer._handle import Handle
-from headroom.transfer._store import Store
+from headroom.store import Handle, Store
 
 __all__ = [
     "ParamBinding", "adopt_grad", "bind", "binding", "flush_grad", "grad_ready",

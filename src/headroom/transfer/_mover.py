@@ -38,13 +38,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headroom.store import (
+    Handle,
+    PinnedPool,
+    Store,
+    add_into,
+    as_bytes,
+    device_guard,
+    is_accelerator,
+    owned_pool,
+)
 from headroom.transfer._binding import ParamBinding
 from headroom.transfer._device import stream_module
-from headroom.transfer._handle import Handle
-from headroom.transfer._host import PinnedPool, add_into, as_bytes
-from headroom.transfer._pinned import _device_guard
-from headroom.transfer._pools import owned_pool
-from headroom.transfer._store import Store, is_accelerator
 
 __all__ = ["Mover", "Ticket"]
 
@@ -235,7 +240,7 @@ class Mover:
         try:
             if t.future.exception() is not None:
                 return
-            with self._lock, torch.no_grad(), _device_guard(self.device), \
+            with self._lock, torch.no_grad(), device_guard(self.device), \
                     self._mod.stream(self._h2d), \
                     torch.autograd._unsafe_preserve_version_counter(t.dst):
                 # The h2d stream was ordered after the computing stream when the fetch

@@ -10,9 +10,8 @@ import math
 
 import torch
 
+from headroom.store import PinnedPool, add_into, as_bytes, is_accelerator
 from headroom.transfer._device import stream_module
-from headroom.transfer._host import PinnedPool, add_into, as_bytes
-from headroom.transfer._store import is_accelerator
 
 __all__ = ["RowStreamer"]
 

@@ -25,11 +25,8 @@ from typing import Any
 
 import torch
 
+from headroom.store import SCRATCH, DiskStore, Handle, PinnedPool, Store, is_accelerator
 from headroom.transfer._device import stream_module
-from headroom.transfer._disk import DiskStore
-from headroom.transfer._handle import Handle
-from headroom.transfer._host import PinnedPool
-from headroom.transfer._store import SCRATCH, Store, is_accelerator
 
 __all__ = ["Stash", "StashTicket"]
 

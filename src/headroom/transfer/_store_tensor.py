@@ -37,10 +37,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from headroom.store import Handle, Store
 from headroom.transfer._binding import ParamBinding, note_value_edit, sync_grad
-from headroom.transfer._handle import Handle
 from headroom.transfer._pickle import keep_for_child
-from headroom.transfer._store import Store
 
 __all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource",
            "is_stored_grad"]

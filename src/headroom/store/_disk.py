@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from headroom.transfer._handle import Handle
-from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
-from headroom.transfer._pools import Pool, stop_pool
-from headroom.transfer._recover import file_crcs, open_checks
-from headroom.transfer._segments import BAD, combine, crc, scan
-from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
+from headroom.store._handle import Handle
+from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
+from headroom.store._pools import Pool, stop_pool
+from headroom.store._recover import file_crcs, open_checks
+from headroom.store._segments import BAD, combine, crc, scan
+from headroom.store._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
 __all__ = ["DiskStore"]
 
@@ -106,7 +106,7 @@ def _all_of(futs: list[Future], result, finish: Callable[[], None] | None = None
     lock = threading.Lock()
     left = [len(futs)]
     errors: list[BaseException] = []
-    finishing = [finish]  # emptied before ``out`` completes (see headroom.transfer._pools)
+    finishing = [finish]  # emptied before ``out`` completes (see headroom.store._pools)
 
     def done_one(f: Future) -> None:
         with lock:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from headroom.transfer._segments import crc
+from headroom.store._segments import crc
 
 __all__ = [
     "MAX_HEADER_BYTES",

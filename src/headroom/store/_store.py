@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from headroom.transfer._handle import Handle, check_rows, row_count
+from headroom.store._handle import Handle, check_rows, row_count
 
 __all__ = ["Store", "StoreCorruptError", "StoreFullError", "done"]
 

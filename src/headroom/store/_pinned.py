@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from headroom.transfer._store import StoreFullError
+from headroom.store._store import StoreFullError
 
 __all__ = ["PinnedArena", "Slab", "alloc_slab", "pinned_bytes", "set_pinned_limit", "spent"]
 
@@ -64,7 +64,7 @@ class _Ledger:
                 raise StoreFullError(
                     f"page-locked memory full: {self.spent} bytes pinned, {n} more needed, limit"
                     f" {limit} (half of physical memory unless set); raise it with"
-                    " headroom.transfer.set_pinned_limit(bytes), free pinned stores (close(),"
+                    " headroom.store.set_pinned_limit(bytes), free pinned stores (close(),"
                     " hr.unoffload), or keep tensors on disk (DiskStore)"
                 )
             self.spent += n
@@ -183,12 +183,14 @@ def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
             f"page-locking {cost} bytes of host memory failed (cudaHostRegister: cudaError"
             f" {int(err)}); the system may limit locked memory (ulimit -l, a container's"
             " memlock limit) or be short of RAM: lower headroom's share with"
-            " headroom.transfer.set_pinned_limit(bytes), or keep tensors on disk (DiskStore)")
+            " headroom.store.set_pinned_limit(bytes), or keep tensors on disk (DiskStore)")
     fin = weakref.finalize(arr, _unregister, ptr, cost, device)
     return Slab(torch.from_numpy(arr)[:nbytes], cost, True, "register", device, fin)
 
 
-def _device_guard(device: torch.device | None):
+def device_guard(device: torch.device | None):
+    """``device`` made current (its runtime's ``device`` context), or a null context on the CPU,
+    on ``meta``, or where its runtime is not available."""
     mod = None
     if device is not None and device.type not in ("cpu", "meta"):
         mod = getattr(torch, device.type, None)
@@ -216,7 +218,7 @@ def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) ->
     try:
         # Under the device's own guard: the runtime creates a context on the current device
         # when none exists, which for cuda:1 must not be GPU 0.
-        with _device_guard(device):
+        with device_guard(device):
             if backend == "register":
                 return _registered(nbytes, cost, device)
             size = cost if backend == "cache" else nbytes  # the allocator spends it anyway

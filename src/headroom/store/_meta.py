@@ -22,9 +22,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from headroom.transfer._handle import Handle
-from headroom.transfer._store import done
-from headroom.transfer._values import keeps_values, known_values
+from headroom.store._handle import Handle
+from headroom.store._store import done
+from headroom.store._values import keeps_values, known_values
 
 
 def to_meta(obj: Any) -> Any:
@@ -32,7 +32,7 @@ def to_meta(obj: Any) -> Any:
 
     A tensor given twice (``labels=input_ids``) gets one stand-in, as it is one tensor in the
     step. The values of integer and boolean tensors (ids, masks, labels) are kept beside their
-    stand-ins (`headroom.transfer._values`), for the dry run to read.
+    stand-ins (`headroom.store._values`), for the dry run to read.
     """
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from headroom.transfer._ledger import Ledger, not_regular, open_file
-from headroom.transfer._segments import combine, crc, crc_of_range, zeros_crc
-from headroom.transfer._store import SCRATCH, StoreCorruptError, StoreFullError
+from headroom.store._ledger import Ledger, not_regular, open_file
+from headroom.store._segments import combine, crc, crc_of_range, zeros_crc
+from headroom.store._store import SCRATCH, StoreCorruptError, StoreFullError
 
 __all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text"]
 

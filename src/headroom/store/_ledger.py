@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-from headroom.transfer._segments import BAD, Segments, crc, put, zeros_crc
-from headroom.transfer._store import SCRATCH, StoreCorruptError
+from headroom.store._segments import BAD, Segments, crc, put, zeros_crc
+from headroom.store._store import SCRATCH, StoreCorruptError
 
 __all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "is_store_file", "forked_error",
            "not_regular", "open_file"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from headroom.transfer._store import Store
+from headroom.store._store import Store
 
 __all__ = ["claimed_keys"]
 
@@ -28,7 +28,7 @@ def claimed_keys(store: Store) -> set[str]:
         The set itself (not a copy), kept on the store object.
 
     Example:
-        >>> from headroom.transfer import HostStore
+        >>> from headroom.store import HostStore
         >>> claimed_keys(HostStore())
         set()
     """

@@ -10,9 +10,9 @@ from concurrent.futures import Future
 
 import torch
 
-from headroom.transfer._handle import Handle
-from headroom.transfer._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
-from headroom.transfer._store import Store, StoreFullError, done, is_accelerator
+from headroom.store._handle import Handle
+from headroom.store._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
+from headroom.store._store import Store, StoreFullError, done, is_accelerator
 
 __all__ = ["HostStore", "PinnedPool", "add_into", "resolve_store"]
 
@@ -55,7 +55,7 @@ class PinnedPool:
 
     Buffers are cached by size when given back, so steady-state training allocates no new
     page-locked memory (pinning is slow: it maps and locks every page). Each buffer is a slab
-    of its own (see `headroom.transfer._pinned`): it counts what the runtime spends for it, and
+    of its own (see `headroom.store._pinned`): it counts what the runtime spends for it, and
     `forget`, `clear` and the trimming under the budget give its memory back to the system.
 
     Args:
@@ -161,7 +161,7 @@ class HostStore(Store):
 
     A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`):
     pinned bytes are spent once per slab rather than rounded up per tensor, count against the
-    process's page-locked budget (`headroom.transfer.pinned_bytes`), and go back to the system
+    process's page-locked budget (`headroom.store.pinned_bytes`), and go back to the system
     when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`) or the store is
     garbage-collected. A store cannot be pickled or copied (`TypeError`): its tensors are this
     process's, used in place by what is bound to them.

@@ -7,9 +7,19 @@ import threading
 import time
 
 
-def settled_thread_count(expected: int, timeout: float = 10.0) -> int:
-    """``threading.active_count()`` once it is ``expected`` or ``timeout`` seconds passed."""
+def settled_thread_count(expected: int | None = None, timeout: float = 10.0) -> int:
+    """``threading.active_count()`` once it is ``expected`` (or, with ``None``, once it has
+    not changed for 0.2 s: a baseline after earlier work's threads have ended), or after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while threading.active_count() != expected and time.monotonic() < deadline:
+    last, since = threading.active_count(), time.monotonic()
+    while time.monotonic() < deadline:
+        n = threading.active_count()
+        if expected is not None and n == expected:
+            return n
+        if n != last:
+            last, since = n, time.monotonic()
+        elif expected is None and time.monotonic() - since >= 0.2:
+            return n
         time.sleep(0.01)
     return threading.active_count()

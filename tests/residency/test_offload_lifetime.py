@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import threading
 import warnings
 import weakref
 
@@ -86,7 +85,7 @@ VARIANTS = [
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_dropped_model_is_collected_with_its_store(tmp_path, variant):
     gc.collect()  # what earlier tests left goes now, not during the measurement
-    threads, fds, pinned = threading.active_count(), _open_fds(), pinned_bytes()
+    threads, fds, pinned = settled_thread_count(), _open_fds(), pinned_bytes()
     refs = _cycle(tmp_path, *variant)
     gc.collect()
     assert [r() is None for r in refs] == [True] * 3  # model, store, optimizer
@@ -107,7 +106,7 @@ def test_hundred_offload_train_del_cycles_hold_memory_threads_and_files_flat(tmp
     # Everything alive now lives on: the cycle collector needs to look at new objects only.
     gc.freeze()
     try:
-        threads, fds, pinned = threading.active_count(), _open_fds(), pinned_bytes()
+        threads, fds, pinned = settled_thread_count(), _open_fds(), pinned_bytes()
         rss = current_rss()
         for i in range(100):
             refs = _cycle(tmp_path, *VARIANTS[i % len(VARIANTS)])
@@ -134,7 +133,7 @@ def test_optimizer_dropped_while_its_model_lives_is_collected(tmp_path, store):
     model(x).sum().backward()  # the store's own threads start
     model.zero_grad()
     gc.collect()
-    threads = threading.active_count()
+    threads = settled_thread_count()
     for _ in range(3):
         opt = hr.HostOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
         model(x).square().mean().backward()

@@ -29,7 +29,7 @@ def _open_fds() -> int:
 
 def test_disk_store_dropped_without_close_ends_threads_and_unlocks(tmp_path):
     gc.collect()  # what earlier tests left goes now, not during the measurement
-    threads, fds = threading.active_count(), _open_fds()
+    threads, fds = settled_thread_count(), _open_fds()
     for i in range(8):  # the same folder, opened again each time
         st = DiskStore(tmp_path / "s", threads=3)
         if i == 0:
@@ -72,7 +72,7 @@ def test_pool_job_holds_nothing_once_its_future_completes():
 
 def test_owned_pool_threads_end_with_their_owner():
     gc.collect()
-    threads = threading.active_count()
+    threads = settled_thread_count()
     owner = _Owner()
     pool = owned_pool(owner, 2, "t")
     assert pool.submit(lambda: 7).result() == 7

@@ -7,10 +7,11 @@ function therefore becomes a custom operator (``headroom::linear_cross_entropy``
 one graph and the numbers are the eager ones: its forward runs the eager forward, and its
 backward either scales the gradients the forward formed (the one-pass path, as eager does) or
 runs the eager backward on a recomputed forward (the sliced path: one product per slice more
-than eager). The autograd Functions are called directly (`Direct`): autograd does not record
-inside an operator's implementation.
+than eager). The operators and the eager autograd Functions run the same plain forward and
+backward functions (autograd does not record inside an operator's implementation).
 
-Each operator's name ends with a fingerprint of this file (``headroom::linear_loss_<hex>``).
+Each operator's name ends with a fingerprint of this file and of the schema of its options
+(``headroom::linear_loss_<hex>``).
 Inductor's and AOTAutograd's on-disk caches key a compiled graph by the names of its operators,
 not by their fake kernels: under a fixed name, a graph compiled against an older fake kernel
 (other output strides, say) would be loaded after an upgrade and fail inductor's stride check.
@@ -91,7 +92,7 @@ def _forward_impl(x, weight, target, bias, *args):
         # as eager: the gradients (for an incoming gradient of 1) formed with the loss
         fwd, gx, gw, gb = lce.rows_forward(p.x, weight, bias, p.target, p.opts, rows=p.chunk,
                                            needs=tuple(needs[:3]))
-        grads = (p.all_rows_grad(gx, x.shape), gw, gb)
+        grads = (lce.rows_grad(gx, p.keep, x.shape), gw, gb)
     else:
         fwd = lce.sliced_forward(p.x, p.target, _params(weight, bias, x, p.opts), p.opts)
         grads = (None, None, None)
@@ -135,13 +136,14 @@ def _(x, weight, target, bias, *args):
 def _backward_impl(grad_loss, grad_lse, x, weight, target, bias, *args):
     """The eager backward on a recomputed forward."""
     opts, needs = _options(args)
+    grad_lse = grad_lse if opts.return_lse else None  # else the gradient of a placeholder
     p = _plan(x, weight, target, bias, opts, needs)
     params = _params(weight, bias, x, p.opts)
     fwd = lce.sliced_forward(p.x, p.target, params, p.opts)
     gx, gw, gb = lce.sliced_backward(p.x, p.target, params, fwd[4:], (grad_loss, grad_lse),
-                                     p.opts, (needs[0], needs[1], needs[2] and bias is not None))
+                                     p.opts, tuple(needs[:3]))
     return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
-                 for g in (p.all_rows_grad(gx, x.shape), gw, gb))
+                 for g in (lce.rows_grad(gx, p.keep, x.shape), gw, gb))
 
 
 _backward = torch.library.custom_op(
@@ -154,27 +156,34 @@ def _(grad_loss, grad_lse, x, weight, target, bias, *args):
     return _fake_grads(x, weight, bias, _options(args)[1])
 
 
-def _setup(ctx, inputs, output) -> None:
+def _save_inputs(ctx, inputs: tuple, formed: tuple) -> None:
+    """Keep an operator's inputs and the gradients its forward ``formed`` for its backward."""
     # NOTE: tensors go through save_for_backward (a compiled graph's backward gets them only
     # so); ctx keeps the other inputs
-    ctx.tensors = [isinstance(a, Tensor) for a in inputs]
-    ctx.inputs = [None if t else a for a, t in zip(inputs, ctx.tensors, strict=True)]
-    ctx.save_for_backward(*(a for a in inputs if isinstance(a, Tensor)), *output[4:])
+    ctx.is_tensor = [isinstance(a, Tensor) for a in inputs]
+    ctx.inputs = [None if t else a for a, t in zip(inputs, ctx.is_tensor, strict=True)]
+    ctx.save_for_backward(*(a for a in inputs if isinstance(a, Tensor)), *formed)
+
+
+def _grads(ctx, grad: Tensor, backward) -> tuple:
+    """The gradients of ``(x, weight, bias)`` for the incoming ``grad``: those the forward
+    formed, scaled (eager's backward of the one-pass path), or ``backward(*inputs)``'s."""
+    saved = iter(ctx.saved_tensors)
+    inputs = [next(saved) if t else a for a, t in zip(ctx.inputs, ctx.is_tensor, strict=True)]
+    needs = inputs[-1]
+    if needs[3]:
+        return lce.scale_grads(tuple(saved), grad, tuple(needs[:3]), in_place=False)
+    return tuple(g if want else None
+                 for g, want in zip(backward(*inputs), needs[:3], strict=True))
+
+
+def _setup(ctx, inputs, output) -> None:
+    _save_inputs(ctx, inputs, output[4:])
 
 
 def _grad(ctx, grad_loss, grad_lse, _acc, _pred, _gx, _gw, _gb):
-    saved = iter(ctx.saved_tensors)
-    inputs = [next(saved) if t else a for a, t in zip(ctx.inputs, ctx.tensors, strict=True)]
-    x, weight, target, bias = inputs[:4]
-    opts, needs = _options(inputs[4:])
-    wanted = (needs[0], needs[1], needs[2] and bias is not None)
-    if needs[3]:
-        # eager's backward of this path: the saved gradients times the incoming one
-        gx, gw, gb = lce.scale_grads(tuple(saved), grad_loss, wanted, in_place=False)
-    else:
-        got = _backward(grad_loss, grad_lse if opts.return_lse else None, *inputs)
-        gx, gw, gb = (g if want else None for g, want in zip(got, wanted, strict=True))
-    return (gx, gw, None, gb) + (None,) * (len(inputs) - 4)
+    gx, gw, gb = _grads(ctx, grad_loss, lambda *inputs: _backward(grad_loss, grad_lse, *inputs))
+    return (gx, gw, None, gb) + (None,) * (len(ctx.inputs) - 4)
 
 
 _forward.register_autograd(_grad, setup_context=_setup)
@@ -215,10 +224,6 @@ def _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight
         ignore_rows=ignore_rows, accum_dtype=accum_dtype, grads=any(needs[:3]))
 
 
-def _ml_needs(needs: list[bool], bias: Tensor | None) -> tuple[bool, bool, bool]:
-    return needs[0], needs[1], needs[2] and bias is not None
-
-
 @torch.library.custom_op(f"headroom::linear_loss_{_TAG}", mutates_args=())
 def _ml_forward(
     x: Tensor, weight: Tensor, offsets: Tensor, indices: Tensor, values: Tensor | None,
@@ -228,13 +233,13 @@ def _ml_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     c = _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
                  ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs)
-    out, grads, _, _ = ll.loss_forward(c.x, c.params, c.plan, _ml_needs(needs, bias))
+    out, grads, _, _ = ll.loss_forward(c.x, c.params, c.plan, tuple(needs[:3]))
     if grads is None:
         grads = (None, None, None)
     else:
         # as eager: the gradients formed in forward, for an incoming gradient of 1
         gx = None if grads[0] is None else grads[0].to(x.dtype)
-        grads = (c.all_rows_grad(gx), *grads[1:])
+        grads = (lce.rows_grad(gx, c.keep, x.shape), *grads[1:])
     return tuple(x.new_empty(0) if t is None else t.contiguous()
                  for t in (c.all_rows(out), *grads))  # type: ignore[return-value]
 
@@ -256,12 +261,12 @@ def _ml_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     c = _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
                  ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs)
-    wanted = _ml_needs(needs, bias)
+    wanted = tuple(needs[:3])
     _, _, row_max, row_sum = ll.loss_forward(c.x, c.params, c.plan, wanted)
     if c.keep is not None and grad.dim() > 0:
         grad = grad.reshape(-1)[c.keep]  # reduction="none": the rows kept
     gx, gw, gb = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
-    gx = c.all_rows_grad(None if gx is None else gx.to(x.dtype))
+    gx = lce.rows_grad(None if gx is None else gx.to(x.dtype), c.keep, x.shape)
     return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
                  for g in (gx, gw, gb))  # type: ignore[return-value]
 
@@ -273,22 +278,11 @@ def _(grad, x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_
 
 
 def _ml_setup(ctx, inputs, output) -> None:
-    ctx.pos_weight_f, ctx.inputs = inputs[7], inputs[9:]
-    ctx.save_for_backward(*inputs[:7], inputs[8], *output[1:])
+    _save_inputs(ctx, inputs, output[1:])
 
 
 def _ml_grad(ctx, grad, _gx, _gw, _gb):
-    *saved, ignore_rows, gx, gw, gb = ctx.saved_tensors
-    saved += [ctx.pos_weight_f, ignore_rows]
-    bias = saved[5]
-    needs = ctx.inputs[-1]
-    wanted = _ml_needs(needs, bias)
-    if needs[3]:
-        # eager's backward of this path: the saved gradients times the incoming one
-        gx, gw, gb = lce.scale_grads((gx, gw, gb), grad, wanted, in_place=False)
-    else:
-        got = _ml_backward(grad, *saved, *ctx.inputs)
-        gx, gw, gb = (g if want else None for g, want in zip(got, wanted, strict=True))
+    gx, gw, gb = _grads(ctx, grad, lambda *inputs: _ml_backward(grad, *inputs))
     return (gx, gw, None, None, None, gb) + (None,) * 9
 
 

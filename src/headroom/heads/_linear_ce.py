@@ -977,12 +977,15 @@ class Planned(NamedTuple):
         pred[self.keep] = out[3]
         return (*out[:3], unshift_rows(pred, self.shape, self.shift))
 
-    def all_rows_grad(self, gx: torch.Tensor | None, x_shape: torch.Size) -> torch.Tensor | None:
-        """The gradient of ``x`` from that of `x` (zero on the rows not kept)."""
-        if gx is not None and self.keep is not None:
-            full = gx.new_zeros((math.prod(self.shape), gx.shape[-1]))
-            gx = full.index_add_(0, self.keep, gx.reshape(-1, gx.shape[-1]))
-        return None if gx is None else gx.reshape(x_shape)
+
+def rows_grad(gx: torch.Tensor | None, keep: torch.Tensor | None, x_shape: torch.Size
+              ) -> torch.Tensor | None:
+    """The gradient of an ``x_shape`` input from ``gx``, that of its rows ``keep`` (``None``:
+    all), zero on the other rows."""
+    if gx is not None and keep is not None:
+        full = gx.new_zeros((math.prod(x_shape[:-1]), x_shape[-1]))
+        gx = full.index_add_(0, keep, gx.reshape(-1, x_shape[-1]))
+    return None if gx is None else gx.reshape(x_shape)
 
 
 def plan(

@@ -549,12 +549,6 @@ class MultilabelCall(NamedTuple):
             out = out.new_zeros(batch).index_copy(0, self.keep, out)
         return out.reshape(self.lead)
 
-    def all_rows_grad(self, gx: torch.Tensor | None) -> torch.Tensor | None:
-        """The gradient of all rows' features (0 for the rows not counted)."""
-        if gx is not None and self.keep is not None:
-            gx = gx.new_zeros((math.prod(self.lead), gx.shape[-1])).index_add_(0, self.keep, gx)
-        return None if gx is None else gx.reshape(*self.lead, -1)
-
 
 def multilabel_call(
     x: torch.Tensor,

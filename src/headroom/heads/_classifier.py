@@ -15,6 +15,7 @@ import math
 import numbers
 import warnings
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,24 +27,15 @@ from headroom.heads._linear_ce import (
     CrossEntropyOptions,
     LinearCrossEntropyOutput,
     _check_target,
-    _kept_rows,
-    _refuse_double_backward,
-    ce_backward,
-    ce_forward,
+    _LinearCrossEntropy,
     check_label_shape,
-    check_options,
     compute_dtype,
-    default_loss_dtype,
-    grad_rows,
-    no_autocast,
-    outputs,
     pick_slice_size,
+    plan,
     shift_target,
-    unshift_rows,
-    wrap_outputs,
 )
-from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
-from headroom.heads._slices import landing, slice_bounds
+from headroom.heads._linear_loss import SliceLoss, multilabel_loss
+from headroom.heads._slices import TensorParams, slice_bounds
 from headroom.heads._store_io import StoreGradSink, StoreSlices
 from headroom.heads._targets import Positives
 from headroom.store import Handle, Store, claimed_keys, is_accelerator, resolve_store
@@ -63,60 +55,16 @@ __all__ = ["HugeClassifier"]
 _ids = itertools.count()
 
 
-class _StoreCrossEntropy(torch.autograd.Function):
-    """Exact sliced cross-entropy whose weight gradient goes to the store, not to autograd."""
-
-    @staticmethod
-    def forward(ctx: Any, features, weight, bias, target, head, opts, shift,  # type: ignore[override]
-                slice_size, dtype):
-        shape = target.shape
-        x = features.reshape(-1, features.shape[-1]).to(dtype)
-        t = target.reshape(-1).long()
-        with no_autocast(head.device):
-            fwd = ce_forward(x, head._source(slice_size, dtype), t, opts, slice_size=slice_size)
-        ctx.save_for_backward(features, t, fwd.row_max, fwd.row_sum, fwd.denominator,
-                              fwd.n_valid)
-        ctx.head, ctx.opts = head, (opts, shape, shift, slice_size, dtype)
-        ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, shape, shift)
-        ctx.mark_non_differentiable(out[2], out[3])
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
-        _refuse_double_backward(
-            "HugeClassifier's loss",
-            "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits",
-        )
-        features, t, row_max, row_sum, denominator, n_valid = ctx.saved_tensors
-        head: HugeClassifier = ctx.head
-        opts, shape, shift, slice_size, dtype = ctx.opts
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if opts.reduction == "none":
-            grad_loss = grad_rows(grad_loss, shape, shift)
-        grad_lse = grad_rows(grad_lse, shape, shift)
-        if grad_loss is None and grad_lse is None:
-            return None, None, None, None, None, None, None, None, None
-        x = features.reshape(-1, features.shape[-1]).to(dtype)
-        need_b = need_b and head.bias is not None
-        sink = head._sink(slice_size, dtype, weight=need_w, bias=need_b) if (
-            need_w or need_b) else None
-        with landing(sink), no_autocast(head.device):
-            grad_x = ce_backward(
-                x, head._source(slice_size, dtype), t, (row_max, row_sum, denominator, n_valid),
-                grad_loss, grad_lse, opts, slice_size=slice_size, need_x=need_x, sink=sink,
-                need_weight=need_w, need_bias=need_b,
-            )
-        if sink is not None:
-            head._grads_landed(weight=need_w, bias=need_b, rows=None)
-        gx = None if grad_x is None else grad_x.to(features.dtype).reshape(features.shape)
-        return gx, None, None, None, None, None, None, None, None
+# the double-backward error's names for the call and its dense equivalent
+_DENSE = ("HugeClassifier's loss",
+          "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits")
 
 
 class _StoreParams:
-    """A head's store-resident weight for the multi-label passes (see ``ParamSlices``)."""
+    """A head's store-resident weight for the sliced passes (see ``ParamSlices``)."""
 
     one_pass = False
+    versioned = ()
 
     def __init__(self, head: HugeClassifier, dtype: torch.dtype) -> None:
         self.head = head
@@ -603,13 +551,11 @@ class HugeClassifier(nn.Module):
         if labels is not None:
             check_label_shape(labels, features, names=("labels", "features"))
 
-    def _slice_for(self, batch: int, dtype: torch.dtype, *, halve: bool = False) -> int:
+    def _slice_for(self, batch: int, dtype: torch.dtype) -> int:
         if self.slice_size is not None:
             return max(1, min(self.slice_size, self.num_classes))
-        # a soft cap keeps a second buffer beside the logits in backward
-        budget = DEFAULT_LOGITS_BUDGET // (2 if halve else 1)
         return pick_slice_size(batch, self.num_classes, accum_dtype=dtype,
-                               budget_bytes=budget)
+                               budget_bytes=DEFAULT_LOGITS_BUDGET)
 
     def forward(
         self,
@@ -666,13 +612,13 @@ class HugeClassifier(nn.Module):
         """
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        lm_options = {
-            "softcap": softcap is not None, "shift": bool(shift), "z_loss": z_loss != 0.0,
-            "class_weight": class_weight is not None, "return_lse": return_lse,
-            "return_accuracy": return_accuracy, "return_predictions": return_predictions,
-            "loss_dtype": loss_dtype is not None,
-        }
-        given = [k for k, v in lm_options.items() if v]
+        opts = CrossEntropyOptions(
+            ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
+            softcap=softcap, shift=shift, z_loss=z_loss, class_weight=class_weight,
+            return_lse=return_lse, return_accuracy=return_accuracy,
+            return_predictions=return_predictions, loss_dtype=loss_dtype,
+            accum_dtype=self._dtype_for(features), prefetch=self.prefetch)
+        given = opts.given()
         if not (isinstance(labels, torch.Tensor) and labels.layout == torch.strided):
             if ignore_index != -100 or label_smoothing != 0.0 or given:
                 raise ValueError(
@@ -690,16 +636,15 @@ class HugeClassifier(nn.Module):
                 "pos_weight= and ignore_rows= take multi-label targets: pass the positives as "
                 "(offsets, indices), e.g. (torch.arange(len(labels) + 1), labels) for one each"
             )
-        shift = check_options(num_classes=self.num_classes, softcap=softcap, z_loss=z_loss,
-                              shift=shift, class_weight=class_weight, loss_dtype=loss_dtype)
+        # the head's slice_size was checked when it was built
+        opts = replace(opts.checked(num_classes=self.num_classes, dtype=features.dtype),
+                       slice_size=self.slice_size)
         self._check(features, labels)
-        if shift and features.dim() < 2:
-            raise ValueError(f"shift={shift} needs features of shape (..., seq, in_features), "
-                             f"got {tuple(features.shape)}")
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        if opts.shift and features.dim() < 2:
+            raise ValueError(f"shift={opts.shift} needs features of shape (..., seq, "
+                             f"in_features), got {tuple(features.shape)}")
         if not (labels.dtype.is_floating_point or labels.dtype == torch.bool):
-            labels = shift_target(labels, shift, ignore_index)
+            labels = shift_target(labels, opts.shift, ignore_index)
         _check_target(labels, self.num_classes, ignore_index)
         if self.sample_rate < 1.0:
             if given:
@@ -709,36 +654,13 @@ class HugeClassifier(nn.Module):
                     "reduction apply")
             return self._sampled_forward(features, labels, ignore_index, label_smoothing,
                                          reduction)
-        shape_all, shift_all = labels.shape, shift
-        keep = _kept_rows(labels, ignore_index) if (
-            reduction != "none" and not return_lse) else None
-        if keep is not None:
-            # ignored rows add nothing to a reduced loss and get a zero gradient: only the
-            # rest are read against the weight slices (index_select's backward puts the
-            # zeros back), as in linear_cross_entropy. A batch with its prompts masked does
-            # half the products or less.
-            features = features.reshape(-1, features.shape[-1]).index_select(0, keep)
-            labels, shift = labels.reshape(-1)[keep], 0
-        batch = math.prod(labels.shape)
-        dtype = self._dtype_for(features)
-        slice_size = self._slice_for(batch, dtype, halve=softcap is not None)
-        cw = None if class_weight is None else class_weight.detach().to(self.device, dtype)
-        opts = CrossEntropyOptions(
-            ignore_index=ignore_index, label_smoothing=float(label_smoothing),
-            reduction=reduction, softcap=None if softcap is None else float(softcap),
-            z_loss=float(z_loss), class_weight=cw,
-            want_argmax=return_accuracy or return_predictions,
-            loss_dtype=default_loss_dtype(features.dtype, loss_dtype),
-        )
-        out = _StoreCrossEntropy.apply(features, self.weight, self.bias, labels, self, opts,
-                                       shift, slice_size, dtype)
-        if keep is not None and return_predictions:
-            pred = torch.full((math.prod(shape_all),), -1, dtype=torch.int64,
-                              device=out[3].device)
-            pred[keep] = out[3]
-            out = (*out[:3], unshift_rows(pred, shape_all, shift_all))
-        return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
-                            return_predictions=return_predictions)
+        # rows ignored are not read against the weight slices, as in linear_cross_entropy: a
+        # batch with its prompts masked does half the products or less
+        p = plan(features, labels, opts, num_classes=self.num_classes, one_pass=False)
+        params = _StoreParams(self, p.opts.accum_dtype)
+        out = _LinearCrossEntropy.apply(p.x, self.weight, self.bias, p.target, params, p.opts,
+                                       _DENSE)
+        return opts.returned(p.all_rows(out))
 
     def _multilabel(self, features, targets, *, loss, pos_weight, ignore_rows, reduction):
         self._check(features, None)

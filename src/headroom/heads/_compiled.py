@@ -7,10 +7,11 @@ function therefore becomes a custom operator (``headroom::linear_cross_entropy``
 one graph and the numbers are the eager ones: its forward runs the eager forward, and its
 backward either scales the gradients the forward formed (the one-pass path, as eager does) or
 runs the eager backward on a recomputed forward (the sliced path: one product per slice more
-than eager). The autograd Functions are called directly (`Direct`): autograd does not record
-inside an operator's implementation.
+than eager). The operators and the eager autograd Functions run the same plain forward and
+backward functions (autograd does not record inside an operator's implementation).
 
-Each operator's name ends with a fingerprint of this file (``headroom::linear_loss_<hex>``).
+Each operator's name ends with a fingerprint of this file and of the schema of its options
+(``headroom::linear_loss_<hex>``).
 Inductor's and AOTAutograd's on-disk caches key a compiled graph by the names of its operators,
 not by their fake kernels: under a fixed name, a graph compiled against an older fake kernel
 (other output strides, say) would be loaded after an upgrade and fail inductor's stride check.
@@ -18,6 +19,7 @@ not by their fake kernels: under a fixed name, a graph compiled against an older
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from pathlib import Path
@@ -27,22 +29,41 @@ from torch import Tensor
 
 from headroom.heads import _linear_ce as lce
 from headroom.heads import _linear_loss as ll
+from headroom.heads._slices import TensorParams
 
 __all__ = ["compiled_linear_cross_entropy", "compiled_linear_loss"]
 
-def _fingerprint() -> str:
+def _fingerprint(schema: str) -> str:
+    """Of this file and the operators' options (they come from another file's dataclass)."""
     try:
         text = Path(__file__).read_bytes()
     except OSError:  # no source beside the module (a zipped install): the version stands in
         from headroom import __version__ as text  # type: ignore[assignment]
         text = str(text).encode()
-    return hashlib.sha256(text).hexdigest()[:12]
+    return hashlib.sha256(text + schema.encode()).hexdigest()[:12]
 
 
-_TAG = _fingerprint()
+# `CrossEntropyOptions` as the operators' plain arguments, one per field in its order: the
+# schema (from the fields' types) and the to/from pair, `_to_args` and `_options`.
+_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "float": "float", "float | None": "float?",
+                 "str": "str", "bool": "bool", "torch.Tensor | None": "Tensor?",
+                 "torch.dtype | None": "ScalarType?"}
+_FIELDS = [f.name for f in dataclasses.fields(lce.CrossEntropyOptions)]
+_OPTIONS = ", ".join(f"{_SCHEMA_TYPES[str(f.type)]} {f.name}"
+                     for f in dataclasses.fields(lce.CrossEntropyOptions))
+# ``needs``: whether x, weight and bias want a gradient, and whether to take the one-pass path
+_ARGS = f"Tensor x, Tensor weight, Tensor target, Tensor? bias, {_OPTIONS}, bool[] needs"
 
-# option slots of the operator's ``flags`` argument
-_LSE, _ACC, _PRED, _NEED_X, _NEED_W, _NEED_B, _ONE_PASS = range(7)
+_TAG = _fingerprint(_OPTIONS)
+
+
+def _to_args(opts: lce.CrossEntropyOptions) -> tuple:
+    return tuple(getattr(opts, name) for name in _FIELDS)
+
+
+def _options(args: tuple) -> tuple[lce.CrossEntropyOptions, list[bool]]:
+    """The options and ``needs`` from the operator's arguments after ``bias``."""
+    return lce.CrossEntropyOptions(*args[:len(_FIELDS)]), args[len(_FIELDS)]
 
 
 def _dense(t: Tensor) -> Tensor:
@@ -51,41 +72,44 @@ def _dense(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _eager(x, weight, target, bias, class_weight, slice_size, ignore_index, label_smoothing,
-           reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype, prefetch):
-    """The eager call, its autograd Function run by a `Direct` (autograd does not record in
-    an operator's implementation)."""
-    direct = lce.Direct((flags[_NEED_X], flags[_NEED_W], flags[_NEED_B] and bias is not None),
-                        one_pass=flags[_ONE_PASS])
-    out = lce._linear_cross_entropy(
-        x, weight, target, bias, slice_size=slice_size or None, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
-        z_loss=z_loss, class_weight=class_weight, return_lse=flags[_LSE],
-        return_accuracy=flags[_ACC], return_predictions=flags[_PRED], loss_dtype=loss_dtype,
-        accum_dtype=accum_dtype, prefetch=prefetch, direct=direct)
-    if not isinstance(out, lce.LinearCrossEntropyOutput):
-        out = lce.LinearCrossEntropyOutput(out)
-    return out, direct
+def _fake_grads(x: Tensor, weight: Tensor, bias: Tensor | None, needs: list[bool]
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    empty = x.new_empty(0)
+    return (_dense(x) if needs[0] else empty, _dense(weight) if needs[1] else empty,
+            _dense(bias) if needs[2] and bias is not None else empty)
 
 
-@torch.library.custom_op(f"headroom::linear_cross_entropy_{_TAG}", mutates_args=())
-def _forward(
-    x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-    slice_size: int, ignore_index: int, label_smoothing: float, reduction: str,
-    softcap: float | None, shift: int, z_loss: float, flags: list[bool], loss_dtype: torch.dtype,
-    accum_dtype: torch.dtype, prefetch: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    args = (x, weight, target, bias, class_weight, slice_size, ignore_index, label_smoothing,
-            reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype, prefetch)
-    out, direct = _eager(*args)
-    grads: tuple = (None, None, None)
-    if flags[_ONE_PASS]:
+def _plan(x, weight, target, bias, opts, needs) -> lce.Planned:
+    """The eager checks and plan of the call, with the path chosen outside (``needs[3]``)."""
+    target = lce.check_call(x, weight, target, bias, opts)
+    return lce.plan(x, target, opts, num_classes=weight.shape[0], one_pass=needs[3])
+
+
+def _forward_impl(x, weight, target, bias, *args):
+    opts, needs = _options(args)
+    p = _plan(x, weight, target, bias, opts, needs)
+    if p.chunk is not None:
         # as eager: the gradients (for an incoming gradient of 1) formed with the loss
-        grads = direct.backward((torch.ones_like(out.loss), None, None, None), x.shape)
-    # placeholders for what is not asked for (an operator's outputs may not alias)
-    return tuple(x.new_empty(0) if t is None or (i in (1, 2, 3) and not flags[i - 1])
-                 else t.contiguous()  # as the fake outputs (a shifted one is a view)
-                 for i, t in enumerate((*out, *grads)))  # type: ignore[return-value]
+        fwd, gx, gw, gb = lce.rows_forward(p.x, weight, bias, p.target, p.opts, rows=p.chunk,
+                                           needs=tuple(needs[:3]))
+        grads = (lce.rows_grad(gx, p.keep, x.shape), gw, gb)
+    else:
+        fwd = lce.sliced_forward(p.x, p.target, _params(weight, bias, x, p.opts), p.opts)
+        grads = (None, None, None)
+    out = p.all_rows(lce.outputs(fwd, p.opts, p.target.shape))
+    asked = (True, opts.return_lse, opts.return_accuracy, opts.return_predictions)
+    return tuple(x.new_empty(0) if t is None or not want else t.contiguous()
+                 for t, want in zip((*out, *grads), (*asked, True, True, True), strict=True))
+
+
+def _params(weight, bias, x, opts) -> TensorParams:
+    return TensorParams(weight, bias, device=x.device, dtype=opts.accum_dtype,
+                        prefetch=opts.prefetch)
+
+
+_forward = torch.library.custom_op(
+    f"headroom::linear_cross_entropy_{_TAG}", _forward_impl, mutates_args=(),
+    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def _shifted(target: Tensor, shift: int) -> list:
@@ -96,134 +120,108 @@ def _shifted(target: Tensor, shift: int) -> list:
 
 
 @_forward.register_fake
-def _(x, weight, target, bias, class_weight, slice_size, ignore_index, label_smoothing,
-      reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype, prefetch):
-    rows = _shifted(target, shift)
+def _(x, weight, target, bias, *args):
+    opts, needs = _options(args)
+    rows = _shifted(target, opts.shift)
     empty = x.new_empty(0)
-    loss = x.new_empty(rows if reduction == "none" else [], dtype=loss_dtype)
-    lse = x.new_empty(rows, dtype=loss_dtype) if flags[_LSE] else empty
-    acc = x.new_empty([], dtype=loss_dtype) if flags[_ACC] else empty
-    pred = x.new_empty(rows, dtype=torch.int64) if flags[_PRED] else empty
-    one = flags[_ONE_PASS]
-    gx = _dense(x) if one and flags[_NEED_X] else empty
-    gw = _dense(weight) if one and flags[_NEED_W] else empty
-    gb = _dense(bias) if one and flags[_NEED_B] and bias is not None else empty
-    return loss, lse, acc, pred, gx, gw, gb
+    dt = opts.loss_dtype
+    loss = x.new_empty(rows if opts.reduction == "none" else [], dtype=dt)
+    lse = x.new_empty(rows, dtype=dt) if opts.return_lse else empty
+    acc = x.new_empty([], dtype=dt) if opts.return_accuracy else empty
+    pred = x.new_empty(rows, dtype=torch.int64) if opts.return_predictions else empty
+    grads = _fake_grads(x, weight, bias, needs) if needs[3] else (empty,) * 3
+    return loss, lse, acc, pred, *grads
 
 
-@torch.library.custom_op(f"headroom::linear_cross_entropy_backward_{_TAG}", mutates_args=())
-def _backward(
-    grad_loss: Tensor | None, grad_lse: Tensor | None, x: Tensor, weight: Tensor, target: Tensor,
-    bias: Tensor | None, class_weight: Tensor | None, slice_size: int, ignore_index: int,
-    label_smoothing: float, reduction: str, softcap: float | None, shift: int, z_loss: float,
-    flags: list[bool], loss_dtype: torch.dtype, accum_dtype: torch.dtype, prefetch: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    args = (x, weight, target, bias, class_weight, slice_size, ignore_index, label_smoothing,
-            reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype, prefetch)
-    _, direct = _eager(*args)
-    got = direct.backward((grad_loss, grad_lse, None, None), x.shape)
+def _backward_impl(grad_loss, grad_lse, x, weight, target, bias, *args):
+    """The eager backward on a recomputed forward."""
+    opts, needs = _options(args)
+    grad_lse = grad_lse if opts.return_lse else None  # else the gradient of a placeholder
+    p = _plan(x, weight, target, bias, opts, needs)
+    params = _params(weight, bias, x, p.opts)
+    fwd = lce.sliced_forward(p.x, p.target, params, p.opts)
+    gx, gw, gb = lce.sliced_backward(p.x, p.target, params, fwd[4:], (grad_loss, grad_lse),
+                                     p.opts, tuple(needs[:3]))
     return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
-                 for g in got)  # type: ignore[return-value]
+                 for g in (lce.rows_grad(gx, p.keep, x.shape), gw, gb))
+
+
+_backward = torch.library.custom_op(
+    f"headroom::linear_cross_entropy_backward_{_TAG}", _backward_impl, mutates_args=(),
+    schema=f"(Tensor? grad_loss, Tensor? grad_lse, {_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
 @_backward.register_fake
-def _(grad_loss, grad_lse, x, weight, target, bias, class_weight, slice_size, ignore_index,
-      label_smoothing, reduction, softcap, shift, z_loss, flags, loss_dtype, accum_dtype,
-      prefetch):
-    empty = x.new_empty(0)
-    return (_dense(x) if flags[_NEED_X] else empty,
-            _dense(weight) if flags[_NEED_W] else empty,
-            _dense(bias) if flags[_NEED_B] and bias is not None else empty)
+def _(grad_loss, grad_lse, x, weight, target, bias, *args):
+    return _fake_grads(x, weight, bias, _options(args)[1])
 
 
-_OPTIONS = ("slice_size", "ignore_index", "label_smoothing", "reduction", "softcap", "shift",
-            "z_loss", "flags", "loss_dtype", "accum_dtype", "prefetch")
+def _save_inputs(ctx, inputs: tuple, formed: tuple) -> None:
+    """Keep an operator's inputs and the gradients its forward ``formed`` for its backward."""
+    # NOTE: tensors go through save_for_backward (a compiled graph's backward gets them only
+    # so); ctx keeps the other inputs
+    ctx.is_tensor = [isinstance(a, Tensor) for a in inputs]
+    ctx.inputs = [None if t else a for a, t in zip(inputs, ctx.is_tensor, strict=True)]
+    ctx.save_for_backward(*(a for a in inputs if isinstance(a, Tensor)), *formed)
+
+
+def _grads(ctx, grad: Tensor, backward) -> tuple:
+    """The gradients of ``(x, weight, bias)`` for the incoming ``grad``: those the forward
+    formed, scaled (eager's backward of the one-pass path), or ``backward(*inputs)``'s."""
+    saved = iter(ctx.saved_tensors)
+    inputs = [next(saved) if t else a for a, t in zip(ctx.inputs, ctx.is_tensor, strict=True)]
+    needs = inputs[-1]
+    if needs[3]:
+        return lce.scale_grads(tuple(saved), grad, tuple(needs[:3]), in_place=False)
+    return tuple(g if want else None
+                 for g, want in zip(backward(*inputs), needs[:3], strict=True))
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, weight, target, bias, class_weight = inputs[:5]
-    ctx.options = inputs[5:]
-    ctx.save_for_backward(x, weight, target, bias, class_weight, *output[4:])
-    ctx.x_shape = x.shape
+    _save_inputs(ctx, inputs, output[4:])
 
 
 def _grad(ctx, grad_loss, grad_lse, _acc, _pred, _gx, _gw, _gb):
-    x, weight, target, bias, class_weight, gx, gw, gb = ctx.saved_tensors
-    flags = ctx.options[_OPTIONS.index("flags")]
-    if flags[_ONE_PASS]:
-        # eager's backward of this path: the saved gradients times the incoming one
-        scale = grad_loss.to(torch.float64)
-        gx, gw, gb = (g * scale.to(g.dtype) if need else None
-                      for g, need in ((gx, flags[_NEED_X]), (gw, flags[_NEED_W]),
-                                      (gb, flags[_NEED_B] and bias is not None)))
-    else:
-        gx, gw, gb = _backward(grad_loss, grad_lse if flags[_LSE] else None, x, weight, target,
-                               bias, class_weight, *ctx.options)
-        gx = gx if flags[_NEED_X] else None
-        gw = gw if flags[_NEED_W] else None
-        gb = gb if flags[_NEED_B] and bias is not None else None
-    return (gx, gw, None, gb) + (None,) * (1 + len(_OPTIONS))
+    gx, gw, gb = _grads(ctx, grad_loss, lambda *inputs: _backward(grad_loss, grad_lse, *inputs))
+    return (gx, gw, None, gb) + (None,) * (len(ctx.inputs) - 4)
 
 
 _forward.register_autograd(_grad, setup_context=_setup)
 
 
 def compiled_linear_cross_entropy(
-    x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, *, slice_size: int | None,
-    ignore_index: int, label_smoothing: float, reduction: str, softcap: float | None,
-    shift: bool | int, z_loss: float, class_weight: Tensor | None, return_lse: bool,
-    return_accuracy: bool, return_predictions: bool, loss_dtype: torch.dtype | None,
-    accum_dtype: torch.dtype, prefetch: int,
+    x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+    opts: lce.CrossEntropyOptions,
 ) -> Tensor | lce.LinearCrossEntropyOutput:
-    """`linear_cross_entropy` as the operator; the checks of shapes and options run here, those
-    of the labels' values inside the operator (they raise from it as in eager)."""
-    num_classes = weight.shape[0] if weight.dim() == 2 else 0
-    shift = lce.check_options(num_classes=num_classes, softcap=softcap, z_loss=z_loss,
-                              shift=shift, class_weight=class_weight, loss_dtype=loss_dtype)
-    lce.check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
-                     slice_size=slice_size, prefetch=prefetch)
+    """`linear_cross_entropy` as the operator, its options `checked`; the checks of shapes run
+    here, those of the labels' values inside the operator (they raise from it as in eager)."""
+    lce.check_linear(x, weight, bias)
     lce.check_label_shape(target, x, names=("target", "x"))
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
-    one = lce.one_pass(x, weight, bias, batch=math.prod(target.shape),
-                       auto_slices=slice_size is None, reduction=reduction,
-                       return_lse=return_lse, softcap=softcap, accum_dtype=accum_dtype)
-    flags = [return_lse, return_accuracy, return_predictions, *needs, one]
-    cw = None if class_weight is None else class_weight.detach()
-    out = _forward(x, weight, target, bias, cw, slice_size or 0, ignore_index,
-                   float(label_smoothing), reduction, None if softcap is None else float(softcap),
-                   shift, float(z_loss), flags, lce.default_loss_dtype(x.dtype, loss_dtype),
-                   accum_dtype, prefetch)
-    loss, lse, acc, pred = out[:4]
-    return lce.wrap_outputs((loss, lse, acc, pred), return_lse=return_lse,
-                            return_accuracy=return_accuracy,
-                            return_predictions=return_predictions)
+    one = lce.one_pass(x, weight, bias, opts, batch=math.prod(target.shape))
+    out = _forward(x, weight, target, bias, *_to_args(opts), [*needs, one])
+    return opts.returned(out[:4])
 
 
 # ---------------------------------------------------------------------------------------------
 # linear_loss
 
 
-def _eager_ml(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
-              ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs):
-    direct = lce.Direct((needs[0], needs[1], needs[2] and bias is not None), one_pass=False)
+def _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
+             ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs
+             ) -> ll.MultilabelCall:
+    """The eager checks and plan of the call."""
     targets = (offsets, indices) if values is None else (offsets, indices, values)
     pos_weight = pos_weight_t if pos_weight_t is not None else pos_weight_f
-    params = ll.TensorParams(weight, bias, device=x.device, dtype=accum_dtype,
-                             prefetch=prefetch)
-    lce.check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
-                     slice_size=slice_size or None, prefetch=prefetch)
-    out = ll.multilabel_loss(
+    params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)
+    lce.check_slicing(reduction=reduction, slice_size=slice_size or None, prefetch=prefetch,
+                      accum_dtype=accum_dtype)
+    lce.check_linear(x, weight, bias)
+    return ll.multilabel_call(
         x, weight, bias, targets, params, num_classes=weight.shape[0], loss=loss,
         pos_weight=pos_weight, reduction=reduction, slice_size=slice_size or None,
-        ignore_rows=ignore_rows, accum_dtype=accum_dtype, direct=direct)
-    return out, direct
-
-
-def _ml_grads(direct, grad: Tensor, x: Tensor) -> tuple:
-    if direct.keep is not None and grad.dim() > 0:
-        grad = grad.reshape(-1)[direct.keep]  # reduction="none": the rows kept
-    return direct.backward((grad,), x.shape)
+        ignore_rows=ignore_rows, accum_dtype=accum_dtype, grads=any(needs[:3]))
 
 
 @torch.library.custom_op(f"headroom::linear_loss_{_TAG}", mutates_args=())
@@ -233,25 +231,25 @@ def _ml_forward(
     ignore_rows: Tensor | None, loss: str, reduction: str, slice_size: int,
     accum_dtype: torch.dtype, prefetch: int, needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    out, direct = _eager_ml(x, weight, offsets, indices, values, bias, pos_weight_t,
-                            pos_weight_f, ignore_rows, loss, reduction, slice_size,
-                            accum_dtype, prefetch, needs)
-    grads: tuple = (None, None, None)
-    if needs[3]:
+    c = _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
+                 ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs)
+    out, grads, _, _ = ll.loss_forward(c.x, c.params, c.plan, tuple(needs[:3]))
+    if grads is None:
+        grads = (None, None, None)
+    else:
         # as eager: the gradients formed in forward, for an incoming gradient of 1
-        grads = _ml_grads(direct, torch.ones_like(out), x)
+        gx = None if grads[0] is None else grads[0].to(x.dtype)
+        grads = (lce.rows_grad(gx, c.keep, x.shape), *grads[1:])
     return tuple(x.new_empty(0) if t is None else t.contiguous()
-                 for t in (out, *grads))  # type: ignore[return-value]
+                 for t in (c.all_rows(out), *grads))  # type: ignore[return-value]
 
 
 @_ml_forward.register_fake
 def _(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f, ignore_rows, loss,
       reduction, slice_size, accum_dtype, prefetch, needs):
     out = x.new_empty(list(x.shape[:-1]) if reduction == "none" else [])
-    one = needs[3]
-    return (out, _dense(x) if one and needs[0] else x.new_empty(0),
-            _dense(weight) if one and needs[1] else x.new_empty(0),
-            _dense(bias) if one and needs[2] and bias is not None else x.new_empty(0))
+    empty = x.new_empty(0)
+    return out, *(_fake_grads(x, weight, bias, needs) if needs[3] else (empty,) * 3)
 
 
 @torch.library.custom_op(f"headroom::linear_loss_backward_{_TAG}", mutates_args=())
@@ -261,42 +259,30 @@ def _ml_backward(
     pos_weight_f: float | None, ignore_rows: Tensor | None, loss: str, reduction: str,
     slice_size: int, accum_dtype: torch.dtype, prefetch: int, needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    _, direct = _eager_ml(x, weight, offsets, indices, values, bias, pos_weight_t,
-                          pos_weight_f, ignore_rows, loss, reduction, slice_size, accum_dtype,
-                          prefetch, needs)
-    got = _ml_grads(direct, grad, x)
+    c = _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
+                 ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs)
+    wanted = tuple(needs[:3])
+    _, _, row_max, row_sum = ll.loss_forward(c.x, c.params, c.plan, wanted)
+    if c.keep is not None and grad.dim() > 0:
+        grad = grad.reshape(-1)[c.keep]  # reduction="none": the rows kept
+    gx, gw, gb = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
+    gx = lce.rows_grad(None if gx is None else gx.to(x.dtype), c.keep, x.shape)
     return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
-                 for g in got)  # type: ignore[return-value]
+                 for g in (gx, gw, gb))  # type: ignore[return-value]
 
 
 @_ml_backward.register_fake
 def _(grad, x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f, ignore_rows,
       loss, reduction, slice_size, accum_dtype, prefetch, needs):
-    return (_dense(x) if needs[0] else x.new_empty(0),
-            _dense(weight) if needs[1] else x.new_empty(0),
-            _dense(bias) if needs[2] and bias is not None else x.new_empty(0))
+    return _fake_grads(x, weight, bias, needs)
 
 
 def _ml_setup(ctx, inputs, output) -> None:
-    ctx.pos_weight_f, ctx.inputs = inputs[7], inputs[9:]
-    ctx.save_for_backward(*inputs[:7], inputs[8], *output[1:])
+    _save_inputs(ctx, inputs, output[1:])
 
 
 def _ml_grad(ctx, grad, _gx, _gw, _gb):
-    *saved, ignore_rows, gx, gw, gb = ctx.saved_tensors
-    saved += [ctx.pos_weight_f, ignore_rows]
-    bias = saved[5]
-    needs = ctx.inputs[-1]
-    if needs[3]:
-        # eager's backward of this path: the saved gradients times the incoming one
-        gx, gw, gb = (g * grad.to(g.dtype) if want else None
-                      for g, want in ((gx, needs[0]), (gw, needs[1]),
-                                      (gb, needs[2] and bias is not None)))
-    else:
-        gx, gw, gb = _ml_backward(grad, *saved, *ctx.inputs)
-        gx = gx if needs[0] else None
-        gw = gw if needs[1] else None
-        gb = gb if needs[2] and bias is not None else None
+    gx, gw, gb = _grads(ctx, grad, lambda *inputs: _ml_backward(grad, *inputs))
     return (gx, gw, None, None, None, gb) + (None,) * 9
 
 
@@ -320,8 +306,9 @@ def compiled_linear_loss(
             "under torch.compile, linear_loss takes targets as a CSR tuple of tensors "
             "(offsets, indices) or (offsets, indices, values); convert other forms before "
             "the compiled region")
-    lce.check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
-                     slice_size=slice_size, prefetch=prefetch)
+    lce.check_slicing(reduction=reduction, slice_size=slice_size, prefetch=prefetch,
+                      accum_dtype=accum_dtype)
+    lce.check_linear(x, weight, bias)
     offsets, indices = targets[0], targets[1]
     values = targets[2] if len(targets) == 3 else None
     grad = torch.is_grad_enabled()

@@ -8,13 +8,15 @@ from __future__ import annotations
 import torch
 
 from headroom.heads._linear_ce import (
-    Autograd,
+    CrossEntropyOptions,
     LinearCrossEntropyOutput,
-    _linear_cross_entropy,
     check_linear,
+    check_slicing,
     compute_dtype,
+    linear_cross_entropy_eager,
 )
-from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
+from headroom.heads._linear_loss import SliceLoss, multilabel_loss
+from headroom.heads._slices import TensorParams
 
 __all__ = ["linear_cross_entropy", "linear_loss"]
 
@@ -132,23 +134,20 @@ def linear_cross_entropy(
         ...                            return_accuracy=True)
         >>> out.loss, out.accuracy
     """
-    accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
+    opts = CrossEntropyOptions(
+        ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
+        softcap=softcap, shift=shift, z_loss=z_loss, class_weight=class_weight,
+        return_lse=return_lse, return_accuracy=return_accuracy,
+        return_predictions=return_predictions, loss_dtype=loss_dtype, slice_size=slice_size,
+        accum_dtype=accum_dtype, prefetch=prefetch,
+    ).checked(num_classes=weight.shape[0] if weight.dim() == 2 else 0,
+              dtype=getattr(x, "dtype", torch.float32))
     if torch.compiler.is_compiling():
         # one opaque operator in the graph (the passes are data-dependent Python)
         from headroom.heads._compiled import compiled_linear_cross_entropy
 
-        return compiled_linear_cross_entropy(
-            x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
-            z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
-            return_accuracy=return_accuracy, return_predictions=return_predictions,
-            loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch)
-    return _linear_cross_entropy(
-        x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
-        z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
-        return_accuracy=return_accuracy, return_predictions=return_predictions,
-        loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch, direct=Autograd())
+        return compiled_linear_cross_entropy(x, weight, target, bias, opts)
+    return linear_cross_entropy_eager(x, weight, target, bias, opts)
 
 
 def linear_loss(
@@ -252,8 +251,9 @@ def linear_loss(
             x, weight, targets, loss=loss, bias=bias, pos_weight=pos_weight,
             reduction=reduction, slice_size=slice_size, ignore_rows=ignore_rows,
             accum_dtype=accum_dtype, prefetch=prefetch)
-    check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
-                 slice_size=slice_size, prefetch=prefetch)
+    check_slicing(reduction=reduction, slice_size=slice_size, prefetch=prefetch,
+                  accum_dtype=accum_dtype)
+    check_linear(x, weight, bias)
     params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)
     return multilabel_loss(
         x, weight, bias, targets, params, num_classes=weight.shape[0], loss=loss,

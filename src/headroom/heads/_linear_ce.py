@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import math
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from headroom.heads._slices import (
     GradSink,
+    ParamSlices,
     SliceSource,
-    TensorGradSink,
-    TensorSlices,
+    TensorParams,
     landing,
     slice_bounds,
 )
@@ -112,17 +112,10 @@ def _check_target(
         )
 
 
-def check_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    reduction: str,
-    accum_dtype: torch.dtype,
-    slice_size: int | None,
-    prefetch: int,
+def check_slicing(
+    *, reduction: str, slice_size: int | None, prefetch: int, accum_dtype: torch.dtype
 ) -> None:
-    """Checks shared by the sliced losses: shapes, dtypes and devices of ``x @ weight.T + bias``."""
+    """Checks of the options shared by the sliced losses."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if slice_size is not None and (not isinstance(slice_size, int) or slice_size < 1):
@@ -131,6 +124,10 @@ def check_linear(
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if not accum_dtype.is_floating_point:
         raise TypeError(f"accum_dtype must be a floating dtype, got {accum_dtype}")
+
+
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Checks shared by the sliced losses: shapes, dtypes and devices of ``x @ weight.T + bias``."""
     if weight.dim() != 2:
         raise ValueError(
             f"weight must be 2-D (num_classes, in_features), got shape {tuple(weight.shape)}"
@@ -176,27 +173,6 @@ def check_label_shape(
     if labels.device != x.device:
         raise ValueError(
             f"{names[0]} is on {labels.device} but {names[1]} is on {x.device}; move it")
-
-
-def _check_inputs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    ignore_index: int,
-    label_smoothing: float,
-    reduction: str,
-    accum_dtype: torch.dtype,
-    slice_size: int | None,
-    prefetch: int,
-) -> None:
-    check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
-                 slice_size=slice_size, prefetch=prefetch)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    check_label_shape(target, x, names=("target", "x"))
-    _check_target(target, weight.shape[0], ignore_index)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,28 +432,108 @@ def grad_pass(
 
 @dataclass(frozen=True, eq=False)
 class CrossEntropyOptions:
-    """The options of one softmax cross-entropy call, shared by its two passes.
+    """The keywords of one softmax cross-entropy call, as `linear_cross_entropy` takes them.
+
+    Built once where a call enters and checked there (`checked`); the passes, the autograd
+    Functions and the compiled operator all take this one object.
 
     Attributes:
         ignore_index: target value whose rows count for nothing.
         label_smoothing: ``eps``.
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
         softcap: logits are ``softcap * tanh(z / softcap)``, or ``None``.
+        shift: row ``t`` predicts the label at ``t + shift`` (an int once checked).
         z_loss: factor of the mean (or sum) of ``lse**2`` over the rows not ignored.
-        class_weight: ``(C,)`` per-class weights on the compute device in the accumulation
-            dtype, as ``weight=`` of ``F.cross_entropy``, or ``None``.
-        want_argmax: whether forward finds each row's predicted class.
-        loss_dtype: dtype of the returned loss and log-sum-exp.
+        class_weight: ``(C,)`` per-class weights, as ``weight=`` of ``F.cross_entropy``, or
+            ``None``; on the compute device in the accumulation dtype once planned (`plan`).
+        return_lse, return_accuracy, return_predictions: the extra outputs asked for.
+        loss_dtype: dtype of the returned loss and log-sum-exp (resolved by `checked`).
+        slice_size: classes per slice (``None``: picked per call by `plan`).
+        accum_dtype: dtype of logits and accumulation (resolved by `checked`).
+        prefetch: slices copied ahead when a host weight streams to an accelerator.
     """
 
     ignore_index: int = -100
     label_smoothing: float = 0.0
     reduction: str = "mean"
     softcap: float | None = None
+    shift: int = 0
     z_loss: float = 0.0
     class_weight: torch.Tensor | None = None
-    want_argmax: bool = False
-    loss_dtype: torch.dtype = torch.float32
+    return_lse: bool = False
+    return_accuracy: bool = False
+    return_predictions: bool = False
+    loss_dtype: torch.dtype | None = None
+    slice_size: int | None = None
+    accum_dtype: torch.dtype | None = None
+    prefetch: int = 1
+
+    @property
+    def want_argmax(self) -> bool:
+        """Whether forward finds each row's predicted class."""
+        return self.return_accuracy or self.return_predictions
+
+    def given(self) -> list[str]:
+        """The language-model options set away from their defaults (all but ``ignore_index``,
+        ``label_smoothing``, ``reduction`` and the slicing)."""
+        set_ = {
+            "softcap": self.softcap is not None, "shift": bool(self.shift),
+            "z_loss": self.z_loss != 0.0, "class_weight": self.class_weight is not None,
+            "return_lse": self.return_lse, "return_accuracy": self.return_accuracy,
+            "return_predictions": self.return_predictions,
+            "loss_dtype": self.loss_dtype is not None,
+        }
+        return [k for k, v in set_.items() if v]
+
+    def checked(self, *, num_classes: int, dtype: torch.dtype) -> CrossEntropyOptions:
+        """These options checked (before any compute) and normalized for inputs of ``dtype``:
+        ``shift`` an int, numbers floats, ``loss_dtype`` and ``accum_dtype`` resolved."""
+        softcap, z_loss, shift, cw = self.softcap, self.z_loss, self.shift, self.class_weight
+        # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float can be
+        # symbolic, and a comparison guards on it where math.isfinite breaks the graph
+        if softcap is not None and not (isinstance(softcap, (int, float))
+                                        and 0 < softcap < math.inf):
+            raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+        if not (isinstance(z_loss, (int, float)) and 0 <= z_loss < math.inf):
+            raise ValueError(f"z_loss must be a float >= 0, got {z_loss!r}")
+        if isinstance(shift, bool):
+            shift = int(shift)
+        if not isinstance(shift, int) or shift < 0:
+            raise ValueError(f"shift must be a bool or an int >= 0, got {shift!r}")
+        if self.loss_dtype is not None and not self.loss_dtype.is_floating_point:
+            raise TypeError(f"loss_dtype must be a floating dtype or None, got {self.loss_dtype}")
+        if cw is not None:
+            if not isinstance(cw, torch.Tensor) or not cw.is_floating_point():
+                raise TypeError("class_weight must be a floating tensor of one weight per class")
+            if tuple(cw.shape) != (num_classes,):
+                raise ValueError(
+                    f"class_weight must have shape ({num_classes},), one weight per class, got "
+                    f"{tuple(cw.shape)}")
+            if cw.requires_grad:
+                raise ValueError(
+                    "class_weight requires grad, but gets no gradient here (as in "
+                    "F.cross_entropy); pass class_weight.detach()")
+        accum_dtype = compute_dtype(dtype, accum_dtype=self.accum_dtype)
+        check_slicing(reduction=self.reduction, slice_size=self.slice_size,
+                      prefetch=self.prefetch, accum_dtype=accum_dtype)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        return replace(
+            self, label_smoothing=float(self.label_smoothing), shift=shift,
+            softcap=None if softcap is None else float(softcap), z_loss=float(z_loss),
+            loss_dtype=default_loss_dtype(dtype, self.loss_dtype), accum_dtype=accum_dtype)
+
+    def returned(
+        self, out: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor | LinearCrossEntropyOutput:
+        """What the call returns from ``(loss, lse, accuracy, predictions)``: the loss, or
+        with a ``return_*`` flag a `LinearCrossEntropyOutput` of what was asked for."""
+        loss, lse, acc, pred = out
+        if not (self.return_lse or self.want_argmax):
+            return loss
+        return LinearCrossEntropyOutput(
+            loss, lse if self.return_lse else None, acc if self.return_accuracy else None,
+            pred if self.return_predictions else None)
 
 
 class CrossEntropyForward(NamedTuple):
@@ -792,38 +848,6 @@ class LinearCrossEntropyOutput(NamedTuple):
     predictions: torch.Tensor | None = None
 
 
-def check_options(
-    *, num_classes: int, softcap: float | None, z_loss: float, shift: bool | int,
-    class_weight: torch.Tensor | None, loss_dtype: torch.dtype | None,
-) -> int:
-    """Checks of the language-model options; returns ``shift`` as an int."""
-    # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float can be
-    # symbolic, and a comparison guards on it where math.isfinite breaks the graph
-    if softcap is not None and not (isinstance(softcap, (int, float))
-                                    and 0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
-    if not (isinstance(z_loss, (int, float)) and 0 <= z_loss < math.inf):
-        raise ValueError(f"z_loss must be a float >= 0, got {z_loss!r}")
-    if isinstance(shift, bool):
-        shift = int(shift)
-    if not isinstance(shift, int) or shift < 0:
-        raise ValueError(f"shift must be a bool or an int >= 0, got {shift!r}")
-    if loss_dtype is not None and not loss_dtype.is_floating_point:
-        raise TypeError(f"loss_dtype must be a floating dtype or None, got {loss_dtype}")
-    if class_weight is not None:
-        if not isinstance(class_weight, torch.Tensor) or not class_weight.is_floating_point():
-            raise TypeError("class_weight must be a floating tensor of one weight per class")
-        if tuple(class_weight.shape) != (num_classes,):
-            raise ValueError(
-                f"class_weight must have shape ({num_classes},), one weight per class, got "
-                f"{tuple(class_weight.shape)}")
-        if class_weight.requires_grad:
-            raise ValueError(
-                "class_weight requires grad, but gets no gradient here (as in "
-                "F.cross_entropy); pass class_weight.detach()")
-    return shift
-
-
 def shift_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
     """``target[..., shift:]`` padded back to its length with ``ignore_index``.
 
@@ -854,10 +878,10 @@ def default_loss_dtype(dtype: torch.dtype, loss_dtype: torch.dtype | None) -> to
 
 
 def outputs(
-    fwd: CrossEntropyForward, opts: CrossEntropyOptions, shape: torch.Size, shift: int
+    fwd: CrossEntropyForward, opts: CrossEntropyOptions, shape: torch.Size
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The autograd outputs ``(loss, lse, accuracy, predictions)`` of a forward, reshaped."""
-    loss = fwd.loss
+    loss, shift = fwd.loss, opts.shift
     if opts.reduction == "none":
         loss = unshift_rows(loss, shape, shift)
     lse = unshift_rows(fwd.lse, shape, shift).to(opts.loss_dtype)
@@ -877,16 +901,194 @@ def grad_rows(grad: torch.Tensor | None, shape: torch.Size, shift: int) -> torch
     return full.reshape(-1)
 
 
-def wrap_outputs(
-    out: tuple[torch.Tensor, ...], *, return_lse: bool, return_accuracy: bool,
-    return_predictions: bool,
-) -> torch.Tensor | LinearCrossEntropyOutput:
-    loss, lse, acc, pred = out
-    if not (return_lse or return_accuracy or return_predictions):
-        return loss
-    return LinearCrossEntropyOutput(
-        loss, lse if return_lse else None, acc if return_accuracy else None,
-        pred if return_predictions else None)
+# ---------------------------------------------------------------------------------------------
+# one call: its checks, the rows it computes, and its two passes as plain functions (run by
+# the autograd Functions below and by the compiled operator)
+
+
+def check_call(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    opts: CrossEntropyOptions,
+) -> torch.Tensor:
+    """The checks of a call's tensors (its options are `checked`); returns the labels shifted."""
+    if opts.shift and x.dim() < 2:
+        raise ValueError(
+            f"shift={opts.shift} needs x of shape (..., seq, features), got {tuple(x.shape)}")
+    if isinstance(target, torch.Tensor) and not (
+            target.dtype.is_floating_point or target.dtype == torch.bool):
+        target = shift_target(target, opts.shift, opts.ignore_index)
+    check_linear(x, weight, bias)
+    check_label_shape(target, x, names=("target", "x"))
+    _check_target(target, weight.shape[0], opts.ignore_index)
+    return target
+
+
+def one_pass(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: CrossEntropyOptions,
+    *, batch: int,
+) -> bool:
+    """Whether `linear_cross_entropy` takes the one-pass path (gradients formed in forward)."""
+    return (opts.slice_size is None and opts.reduction != "none" and not opts.return_lse
+            and torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad
+                 or (bias is not None and bias.requires_grad))
+            and weight.device == x.device and x.dtype == opts.accum_dtype
+            and rows_per_chunk(batch, weight.shape[0], softcap=opts.softcap is not None,
+                               itemsize=x.element_size()) is not None)
+
+
+def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """Indices of the rows not ignored, or ``None`` when none or all of them are."""
+    if torch.compiler.is_compiling():
+        return None  # a data-dependent shape: a compiled graph computes every row
+    flat = target.reshape(-1)
+    keep = (flat != ignore_index).nonzero().squeeze(1)
+    return keep if 0 < keep.numel() < flat.numel() else None
+
+
+class Planned(NamedTuple):
+    """The rows one call computes, and its options for them (see `plan`).
+
+    Attributes:
+        x: the features computed: ``x``, or ``(K, D)`` of the rows kept.
+        target: their labels (shifted).
+        opts: the call's options with ``slice_size`` picked, ``class_weight`` on the compute
+            device in the accumulation dtype, and ``shift`` 0 for the rows kept.
+        keep: indices of the rows kept, or ``None`` (all rows).
+        shape: the shape of all rows' labels.
+        shift: the call's shift.
+        chunk: rows per chunk of the one-pass path, or ``None`` (the class-sliced path).
+    """
+
+    x: torch.Tensor
+    target: torch.Tensor
+    opts: CrossEntropyOptions
+    keep: torch.Tensor | None
+    shape: torch.Size
+    shift: int
+    chunk: int | None
+
+    def all_rows(self, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The outputs with the predictions of the rows not kept put back (-1)."""
+        if self.keep is None or not self.opts.return_predictions:
+            return out
+        pred = torch.full((math.prod(self.shape),), -1, dtype=torch.int64,
+                          device=out[3].device)
+        pred[self.keep] = out[3]
+        return (*out[:3], unshift_rows(pred, self.shape, self.shift))
+
+
+def rows_grad(gx: torch.Tensor | None, keep: torch.Tensor | None, x_shape: torch.Size
+              ) -> torch.Tensor | None:
+    """The gradient of an ``x_shape`` input from ``gx``, that of its rows ``keep`` (``None``:
+    all), zero on the other rows."""
+    if gx is not None and keep is not None:
+        full = gx.new_zeros((math.prod(x_shape[:-1]), x_shape[-1]))
+        gx = full.index_add_(0, keep, gx.reshape(-1, x_shape[-1]))
+    return None if gx is None else gx.reshape(x_shape)
+
+
+def plan(
+    x: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions, *, num_classes: int,
+    one_pass: bool,
+) -> Planned:
+    """The rows a checked call computes (with the labels ``target``, shifted) and how."""
+    shape, shift = target.shape, opts.shift
+    keep = _kept_rows(target, opts.ignore_index) if (
+        opts.reduction != "none" and not opts.return_lse) else None
+    if keep is not None:
+        # NOTE: ignored rows add nothing to a reduced loss and get a zero gradient, so only
+        # the rest go through the products (the index_select's backward puts the zeros back).
+        x = x.reshape(-1, x.shape[-1]).index_select(0, keep)
+        target, shift = target.reshape(-1)[keep], 0
+    batch = math.prod(target.shape)
+    chunk = None
+    if one_pass:
+        # decided on all rows (a fact of shapes, as a compiled graph needs it), chunked on
+        # the rows kept; fewer rows fit the same budget
+        chunk = rows_per_chunk(batch, num_classes, softcap=opts.softcap is not None,
+                               itemsize=x.element_size())
+        assert chunk is not None
+    slice_size = opts.slice_size
+    if slice_size is None:
+        # with softcap backward keeps a second buffer (ds/dz) beside the logits
+        budget = DEFAULT_LOGITS_BUDGET // (2 if opts.softcap is not None else 1)
+        slice_size = pick_slice_size(batch, num_classes, accum_dtype=opts.accum_dtype,
+                                     budget_bytes=budget)
+    cw = opts.class_weight
+    planned = replace(
+        opts, slice_size=max(1, min(slice_size, num_classes)), shift=shift,
+        class_weight=None if cw is None else cw.detach().to(x.device, opts.accum_dtype))
+    return Planned(x, target, planned, keep, shape, opts.shift, chunk)
+
+
+def sliced_forward(
+    x: torch.Tensor, target: torch.Tensor, params: ParamSlices, opts: CrossEntropyOptions
+) -> CrossEntropyForward:
+    """`ce_forward` of ``x`` ``(..., D)`` against ``target`` (its shape without ``D``)."""
+    with no_autocast(x.device):
+        return ce_forward(x.reshape(-1, x.shape[-1]).to(opts.accum_dtype),
+                          params.source(opts.slice_size), target.reshape(-1).long(), opts,
+                          slice_size=opts.slice_size)
+
+
+def sliced_backward(
+    x: torch.Tensor, target: torch.Tensor, params: ParamSlices, saved: tuple[torch.Tensor, ...],
+    grads: tuple[torch.Tensor | None, torch.Tensor | None], opts: CrossEntropyOptions,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``(x, weight, bias)`` of `sliced_forward`'s outputs.
+
+    Args:
+        saved: ``(row_max, row_sum, denominator, n_valid)`` of the forward.
+        grads: the incoming gradients of the loss and of the log-sum-exp (``None``: unused).
+        needs: which of ``x``, the weight and the bias (one that exists) want a gradient.
+    """
+    need_x, need_w, need_b = needs
+    grad_loss, grad_lse = grads
+    if opts.reduction == "none":
+        grad_loss = grad_rows(grad_loss, target.shape, opts.shift)
+    grad_lse = grad_rows(grad_lse, target.shape, opts.shift)
+    if grad_loss is None and grad_lse is None:
+        return None, None, None
+    source = params.source(opts.slice_size)
+    sink = params.sink(opts.slice_size, weight=need_w, bias=need_b) if (
+        need_w or need_b) else None
+    with landing(sink), no_autocast(x.device):
+        grad_x = ce_backward(
+            x.reshape(-1, x.shape[-1]).to(opts.accum_dtype), source,
+            target.reshape(-1).long(), saved, grad_loss, grad_lse, opts,
+            slice_size=opts.slice_size, need_x=need_x, sink=sink, need_weight=need_w,
+            need_bias=need_b,
+        )
+    gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
+    return (None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)), gw, gb
+
+
+def rows_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+    opts: CrossEntropyOptions, *, rows: int, needs: tuple[bool, bool, bool],
+) -> tuple[CrossEntropyForward, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`row_pass` of ``x`` ``(..., D)``: the forward and the gradients of ``(x, weight,
+    bias)`` for an incoming gradient of 1."""
+    with no_autocast(x.device):
+        fwd, gx, gw, gb = row_pass(
+            x.reshape(-1, x.shape[-1]), weight, bias, target.reshape(-1).long(), opts, rows=rows,
+            need_x=needs[0], need_weight=needs[1], need_bias=needs[2])
+    return fwd, (None if gx is None else gx.reshape(x.shape)), gw, gb
+
+
+def scale_grads(
+    grads: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor, needs: tuple[bool, ...],
+    *, in_place: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """The one-pass path's backward: its gradients (for 1) times the incoming one."""
+    scale = grad_loss.to(torch.float64)
+    if in_place and bool(scale == 1):
+        return tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+    return tuple(None if g is None or not need else
+                 (g.mul_ if in_place else g.mul)(scale.to(g.dtype))
+                 for g, need in zip(grads, needs, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -916,68 +1118,38 @@ def _refuse_double_backward(what: str, dense: str) -> None:
         )
 
 
+_DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)")
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
+    """`sliced_forward` and `sliced_backward` under autograd, for the weight slices of
+    ``params`` (a tensor's, or a store's: `HugeClassifier`); ``dense`` names the call and its
+    dense equivalent for the double-backward error."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        target: torch.Tensor,
-        opts: CrossEntropyOptions,
-        shift: int,
-        slice_size: int,
-        accum_dtype: torch.dtype,
-        prefetch: int,
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        target: torch.Tensor, params: ParamSlices, opts: CrossEntropyOptions,
+        dense: tuple[str, str],
     ):
-        shape = target.shape
-        x2 = x.reshape(-1, x.shape[-1])
-        t = target.reshape(-1).long()
-        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
-                              prefetch=prefetch)
-        with no_autocast(x.device):
-            fwd = ce_forward(x2.to(accum_dtype), source, t, opts, slice_size=slice_size)
-        ctx.save_for_backward(x, weight, bias, t, fwd.row_max, fwd.row_sum, fwd.denominator,
-                              fwd.n_valid)
-        ctx.opts = (opts, shape, shift, slice_size, accum_dtype, prefetch)
+        fwd = sliced_forward(x, target, params, opts)
+        # NOTE: the params' own tensors are saved too, so that autograd refuses a backward
+        # after an in-place change of them (it would use the changed values).
+        ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
+        ctx.params, ctx.opts, ctx.dense, ctx.has_bias = params, opts, dense, bias is not None
         ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, shape, shift)
+        out = outputs(fwd, opts, target.shape)
         ctx.mark_non_differentiable(out[2], out[3])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
-        _refuse_double_backward(
-            "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
-        )
-        x, weight, bias, t, row_max, row_sum, denominator, n_valid = ctx.saved_tensors
-        opts, shape, shift, slice_size, accum_dtype, prefetch = ctx.opts
+        _refuse_double_backward(*ctx.dense)
+        x, target, *saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if opts.reduction == "none":
-            grad_loss = grad_rows(grad_loss, shape, shift)
-        grad_lse = grad_rows(grad_lse, shape, shift)
-        if grad_loss is None and grad_lse is None:
-            return None, None, None, None, None, None, None, None, None
-        xa = x.reshape(-1, x.shape[-1]).to(accum_dtype)
-        source = TensorSlices(weight, bias, device=x.device, dtype=accum_dtype,
-                              prefetch=prefetch)
-        need_b = need_b and bias is not None
-        sink = None
-        if need_w or need_b:
-            sink = TensorGradSink(
-                weight, bias if need_b else None, device=x.device, dtype=accum_dtype,
-                need_weight=need_w, prefetch=prefetch,
-            )
-        with landing(sink), no_autocast(x.device):
-            grad_x = ce_backward(
-                xa, source, t, (row_max, row_sum, denominator, n_valid), grad_loss, grad_lse,
-                opts, slice_size=slice_size, need_x=need_x, sink=sink, need_weight=need_w,
-                need_bias=need_b,
-            )
-        gx = None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)
-        gw = None if sink is None else sink.grad_weight
-        gb = None if sink is None else sink.grad_bias
-        return gx, gw, gb, None, None, None, None, None, None
+        grads = sliced_backward(x, target, ctx.params, tuple(saved[:4]), (grad_loss, grad_lse),
+                                ctx.opts, (need_x, need_w, need_b and ctx.has_bias))
+        return (*grads, None, None, None, None)
 
 
 class _LinearCrossEntropyRows(torch.autograd.Function):
@@ -985,198 +1157,42 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        target: torch.Tensor,
-        opts: CrossEntropyOptions,
-        shift: int,
-        rows: int,
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        target: torch.Tensor, opts: CrossEntropyOptions, rows: int,
     ):
-        shape = target.shape
-        x2 = x.reshape(-1, x.shape[-1])
-        with no_autocast(x.device):
-            need_x, need_w, need_b = ctx.needs_input_grad[:3]
-            fwd, gx, gw, gb = row_pass(
-                x2, weight, bias, target.reshape(-1).long(), opts, rows=rows,
-                need_x=need_x, need_weight=need_w, need_bias=bias is not None and need_b)
-        ctx.save_for_backward(gx, gw, gb)
-        ctx.x_shape = x.shape
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows,
+                                   needs=(need_x, need_w, bias is not None and need_b))
+        ctx.save_for_backward(*grads)
         ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, shape, shift)
+        out = outputs(fwd, opts, target.shape)
         ctx.mark_non_differentiable(out[2], out[3])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
-        _refuse_double_backward(
-            "linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
-        )
+        _refuse_double_backward(*_DENSE)
         assert grad_lse is None  # the lse is not returned on this path
         if grad_loss is None:
-            return None, None, None, None, None, None, None
-        gx, gw, gb = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+            return None, None, None, None, None, None
         # NOTE: the saved gradients are scaled in place: this graph's backward runs once (a
         # second one fails as any freed graph does, the gradients being its saved tensors).
-        scale = grad_loss.to(torch.float64)
-        unit = bool(scale == 1)
-
-        def scaled(g: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
-            if g is None or not needed:
-                return None
-            return g if unit else g.mul_(scale.to(g.dtype))
-
-        gx = scaled(gx, need_x)
-        return (None if gx is None else gx.reshape(ctx.x_shape), scaled(gw, need_w),
-                scaled(gb, need_b), None, None, None, None)
+        return (*scale_grads(ctx.saved_tensors, grad_loss, ctx.needs_input_grad[:3],
+                             in_place=True), None, None, None)
 
 
-def one_pass(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, batch: int,
-    auto_slices: bool, reduction: str, return_lse: bool, softcap: float | None,
-    accum_dtype: torch.dtype,
-) -> bool:
-    """Whether `linear_cross_entropy` takes the one-pass path (gradients formed in forward)."""
-    return (auto_slices and reduction != "none" and not return_lse and torch.is_grad_enabled()
-            and (x.requires_grad or weight.requires_grad
-                 or (bias is not None and bias.requires_grad))
-            and weight.device == x.device and x.dtype == accum_dtype
-            and rows_per_chunk(batch, weight.shape[0], softcap=softcap is not None,
-                               itemsize=x.element_size()) is not None)
-
-
-def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """Indices of the rows not ignored, or ``None`` when none or all of them are."""
-    if torch.compiler.is_compiling():
-        return None  # a data-dependent shape: a compiled graph computes every row
-    flat = target.reshape(-1)
-    keep = (flat != ignore_index).nonzero().squeeze(1)
-    return keep if 0 < keep.numel() < flat.numel() else None
-
-
-class Autograd:
-    """How `_linear_cross_entropy` runs its autograd Function: through autograd (``apply``)."""
-
-    keep: torch.Tensor | None = None
-    rows: int = 0
-    one_pass: bool | None = None  # None: decided from grad mode and requires_grad
-
-    def run(self, fn: type[torch.autograd.Function], *args: Any) -> Any:
-        return fn.apply(*args)
-
-
-class Direct(Autograd):
-    """Calls the Function's forward and backward itself (inside a custom operator, where
-    autograd does not record): the same code, so the same numbers.
-
-    Args:
-        needs: ``needs_input_grad`` of ``(x, weight, bias)``.
-        one_pass: whether to take the one-pass path (gradients formed in forward).
-    """
-
-    def __init__(self, needs: tuple[bool, bool, bool], *, one_pass: bool) -> None:
-        self.one_pass = one_pass
-        self.saved_tensors: tuple = ()
-        self.needs_input_grad = (*needs, *(False,) * 6)
-        self.fn: Any = None
-
-    def save_for_backward(self, *tensors: Any) -> None:
-        self.saved_tensors = tensors
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass
-
-    def mark_non_differentiable(self, *tensors: Any) -> None:
-        pass
-
-    def run(self, fn: type[torch.autograd.Function], *args: Any) -> Any:
-        self.fn = fn
-        return fn.forward(self, *args)
-
-    def backward(self, grads: tuple[torch.Tensor | None, ...], x_shape: torch.Size
-                 ) -> tuple[torch.Tensor | None, ...]:
-        """The gradients of ``(x, weight, bias)`` for the Function's incoming ``grads``,
-        ``x``'s with its dropped rows put back."""
-        assert self.fn is not None
-        with torch.no_grad():
-            gx, gw, gb = self.fn.backward(self, *grads)[:3]
-            if gx is not None and self.keep is not None:
-                full = gx.new_zeros((self.rows, gx.shape[-1]))
-                gx = full.index_add_(0, self.keep, gx)
-        return (None if gx is None else gx.reshape(x_shape)), gw, gb
-
-
-def _linear_cross_entropy(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None, *,
-    slice_size: int | None, ignore_index: int, label_smoothing: float, reduction: str,
-    softcap: float | None, shift: bool | int, z_loss: float, class_weight: torch.Tensor | None,
-    return_lse: bool, return_accuracy: bool, return_predictions: bool,
-    loss_dtype: torch.dtype | None, accum_dtype: torch.dtype, prefetch: int, direct: Autograd,
+def linear_cross_entropy_eager(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    opts: CrossEntropyOptions,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
-    num_classes = weight.shape[0] if weight.dim() == 2 else 0
-    shift = check_options(num_classes=num_classes, softcap=softcap, z_loss=z_loss, shift=shift,
-                          class_weight=class_weight, loss_dtype=loss_dtype)
-    if shift and x.dim() < 2:
-        raise ValueError(
-            f"shift={shift} needs x of shape (..., seq, features), got {tuple(x.shape)}")
-    if isinstance(target, torch.Tensor) and not (
-            target.dtype.is_floating_point or target.dtype == torch.bool):
-        target_used = shift_target(target, shift, ignore_index)
+    """`linear_cross_entropy` with its options `checked`, outside ``torch.compile``."""
+    target = check_call(x, weight, target, bias, opts)
+    p = plan(x, target, opts, num_classes=weight.shape[0],
+             one_pass=one_pass(x, weight, bias, opts, batch=math.prod(target.shape)))
+    if p.chunk is not None:
+        out = _LinearCrossEntropyRows.apply(p.x, weight, bias, p.target, p.opts, p.chunk)
     else:
-        target_used = target
-    _check_inputs(
-        x, weight, target_used, bias, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, reduction=reduction, accum_dtype=accum_dtype,
-        slice_size=slice_size, prefetch=prefetch,
-    )
-    batch = math.prod(target_used.shape)
-    x_used, shape_used, shift_used = x, target_used.shape, shift
-    keep = _kept_rows(target_used, ignore_index) if (
-        reduction != "none" and not return_lse) else None
-    if keep is not None:
-        # NOTE: ignored rows add nothing to a reduced loss and get a zero gradient, so only
-        # the rest go through the products (the index_select's backward puts the zeros back).
-        x_used = x.reshape(-1, x.shape[-1]).index_select(0, keep)
-        target_used = target_used.reshape(-1)[keep]
-        batch, shift = keep.numel(), 0
-    auto_slices = slice_size is None
-    if slice_size is None:
-        # with softcap backward keeps a second buffer (ds/dz) beside the logits
-        budget = DEFAULT_LOGITS_BUDGET // (2 if softcap is not None else 1)
-        slice_size = pick_slice_size(batch, num_classes, accum_dtype=accum_dtype,
-                                     budget_bytes=budget)
-    slice_size = max(1, min(slice_size, num_classes))
-    cw = None if class_weight is None else class_weight.detach().to(x.device, accum_dtype)
-    opts = CrossEntropyOptions(
-        ignore_index=ignore_index, label_smoothing=float(label_smoothing), reduction=reduction,
-        softcap=None if softcap is None else float(softcap), z_loss=float(z_loss),
-        class_weight=cw, want_argmax=return_accuracy or return_predictions,
-        loss_dtype=default_loss_dtype(x.dtype, loss_dtype),
-    )
-    rows = None
-    use_rows = direct.one_pass
-    if use_rows is None:
-        use_rows = one_pass(x, weight, bias, batch=math.prod(shape_used),
-                            auto_slices=auto_slices, reduction=reduction,
-                            return_lse=return_lse, softcap=softcap, accum_dtype=accum_dtype)
-    if use_rows:
-        # decided on all rows (a fact of shapes, as a compiled graph needs it), chunked on
-        # the rows kept; fewer rows fit the same budget
-        rows = rows_per_chunk(batch, num_classes, softcap=softcap is not None,
-                              itemsize=x.element_size())
-        assert rows is not None
-    if rows is not None:
-        out = direct.run(_LinearCrossEntropyRows, x_used, weight, bias, target_used, opts,
-                         shift, rows)
-    else:
-        out = direct.run(_LinearCrossEntropy, x_used, weight, bias, target_used, opts, shift,
-                         slice_size, accum_dtype, prefetch)
-    direct.keep, direct.rows = keep, math.prod(shape_used)
-    if keep is not None and return_predictions:
-        pred = torch.full((math.prod(shape_used),), -1, dtype=torch.int64, device=x.device)
-        pred[keep] = out[3]
-        out = (*out[:3], unshift_rows(pred, shape_used, shift_used))
-    return wrap_outputs(out, return_lse=return_lse, return_accuracy=return_accuracy,
-                        return_predictions=return_predictions)
+        params = TensorParams(weight, bias, device=x.device, dtype=p.opts.accum_dtype,
+                              prefetch=p.opts.prefetch)
+        out = _LinearCrossEntropy.apply(p.x, weight, bias, p.target, params, p.opts, _DENSE)
+    return opts.returned(p.all_rows(out))

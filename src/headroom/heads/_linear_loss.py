@@ -24,14 +24,13 @@ import math
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from headroom.heads._linear_ce import (
     DEFAULT_LOGITS_BUDGET,
-    Autograd,
     _refuse_double_backward,
     grad_pass,
     log_sum_exp,
@@ -40,9 +39,8 @@ from headroom.heads._linear_ce import (
 )
 from headroom.heads._slices import (
     GradSink,
+    ParamSlices,
     SliceSource,
-    TensorGradSink,
-    TensorSlices,
     landing,
     slice_bounds,
 )
@@ -193,54 +191,6 @@ def _user_slice(
 # what to compute, and where the weight rests
 
 
-class ParamSlices(Protocol):
-    """Where the weight (and bias) slices come from and where their gradients go."""
-
-    one_pass: bool
-
-    def source(self, slice_size: int) -> SliceSource: ...
-
-    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> GradSink: ...
-
-    def landed(
-        self, sink: GradSink, *, weight: bool, bias: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The gradients autograd gets for weight and bias (``None`` where they went elsewhere)."""
-        ...
-
-
-class TensorParams:
-    """A weight (and bias) tensor, sliced with `TensorSlices`, gradients in `TensorGradSink`."""
-
-    # Gradients go to tensors of this call's own, so they can be formed in forward (one pass)
-    # and handed to autograd in backward; a store's gradient must not change before backward,
-    # so a store head runs two passes (``one_pass = False``).
-    one_pass = True
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, device: torch.device,
-        dtype: torch.dtype, prefetch: int,
-    ) -> None:
-        self.weight, self.bias = weight, bias
-        self.device, self.dtype, self.prefetch = device, dtype, prefetch
-
-    def source(self, slice_size: int) -> SliceSource:
-        return TensorSlices(self.weight, self.bias, device=self.device, dtype=self.dtype,
-                            prefetch=self.prefetch)
-
-    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> GradSink:
-        return TensorGradSink(
-            self.weight, self.bias if bias else None, device=self.device, dtype=self.dtype,
-            need_weight=weight, prefetch=self.prefetch,
-        )
-
-    def landed(
-        self, sink: GradSink, *, weight: bool, bias: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        assert isinstance(sink, TensorGradSink)
-        return sink.grad_weight, sink.grad_bias
-
-
 @dataclass(frozen=True)
 class LossSpec:
     """One call's loss: what to compute over which positives.
@@ -382,34 +332,86 @@ def _gradient_scale(plan: LossSpec, grad_out: torch.Tensor) -> float | torch.Ten
     return g
 
 
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def loss_forward(
+    x: torch.Tensor, params: ParamSlices, plan: LossSpec, needs: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor, Grads | None, torch.Tensor | None, torch.Tensor | None]:
+    """The sliced multi-label loss of ``x`` ``(B, D)``.
+
+    Returns:
+        ``(loss, grads, row_max, row_sum)``: the reduced loss in ``x``'s dtype; with
+        ``plan.one_pass`` the gradients of ``(x, weight, bias)`` for an incoming gradient of 1
+        (``x``'s in the accumulation dtype), else ``None``; a softmax's log-sum-exp parts.
+    """
+    xa = x.to(plan.accum_dtype)
+    need_x, need_w, need_b = needs
+    grads = row_max = row_sum = None
+    if plan.loss in _SOFTMAX:
+        loss, row_max, row_sum = _softmax_rows(plan, xa, params.source(plan.slice_size))
+    elif plan.one_pass:
+        sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
+            need_w or need_b) else None
+        with landing(sink):
+            loss, gx = separable_pass(
+                plan, xa, params.source(plan.slice_size),
+                scale=_gradient_scale(plan, torch.ones(())), need_x=need_x, sink=sink,
+                need_weight=need_w, need_bias=need_b,
+            )
+        gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
+        grads = (gx, gw, gb)
+    else:
+        loss, _ = separable_pass(plan, xa, params.source(plan.slice_size), scale=None)
+    return _reduce(plan, loss).to(x.dtype), grads, row_max, row_sum
+
+
+def loss_backward(
+    x: torch.Tensor, params: ParamSlices, plan: LossSpec,
+    saved: tuple[torch.Tensor | None, torch.Tensor | None], grad_out: torch.Tensor,
+    needs: tuple[bool, bool, bool],
+) -> Grads:
+    """The gradients of `loss_forward`'s loss (``x``'s in the accumulation dtype), by a pass
+    over the slices; ``saved`` is its ``(row_max, row_sum)``."""
+    need_x, need_w, need_b = needs
+    row_max, row_sum = saved
+    xa = x.to(plan.accum_dtype)
+    scale = _gradient_scale(plan, grad_out)
+    sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
+        need_w or need_b) else None
+    with landing(sink):
+        if plan.loss in _SOFTMAX:
+            row_scale = scale if isinstance(scale, torch.Tensor) else torch.full(
+                (x.shape[0],), scale, dtype=plan.accum_dtype, device=x.device)
+            assert plan.softmax_scale is not None and row_max is not None and row_sum is not None
+            gx = grad_pass(
+                xa, params.source(plan.slice_size),
+                PositiveLogits(plan.pos, plan.pos_coef), row_max, row_sum,
+                row_scale * plan.softmax_scale, slice_size=plan.slice_size,
+                label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_w,
+                need_bias=need_b, target_scale=row_scale,
+            )
+        else:
+            _, gx = separable_pass(
+                plan, xa, params.source(plan.slice_size), scale=scale, need_x=need_x,
+                sink=sink, need_weight=need_w, need_bias=need_b,
+            )
+    gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
+    return gx, gw, gb
+
+
 class _LinearLoss(torch.autograd.Function):
-    """The sliced multi-label loss; gradients formed in forward (one pass) or in backward."""
+    """`loss_forward` and `loss_backward` under autograd; gradients formed in forward (one
+    pass) are scaled in backward."""
 
     @staticmethod
     def forward(ctx: Any, x, weight, bias, params: ParamSlices, plan: LossSpec):  # type: ignore[override]
-        xa = x.to(plan.accum_dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and bias is not None
-        ctx.grads = None
-        row_max = row_sum = None
-        if plan.loss in _SOFTMAX:
-            loss, row_max, row_sum = _softmax_rows(plan, xa, params.source(plan.slice_size))
-        elif plan.one_pass:
-            sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
-                need_w or need_b) else None
-            with landing(sink):
-                loss, gx = separable_pass(
-                    plan, xa, params.source(plan.slice_size),
-                    scale=_gradient_scale(plan, torch.ones(())), need_x=need_x, sink=sink,
-                    need_weight=need_w, need_bias=need_b,
-                )
-            gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
-            ctx.grads = (gx, gw, gb)
-        else:
-            loss, _ = separable_pass(plan, xa, params.source(plan.slice_size), scale=None)
+        ctx.needs = (need_x, need_w, need_b and bias is not None)
+        loss, ctx.grads, row_max, row_sum = loss_forward(x, params, plan, ctx.needs)
         ctx.save_for_backward(x, row_max, row_sum)
-        ctx.params, ctx.plan, ctx.has_bias = params, plan, bias is not None
-        return _reduce(plan, loss).to(x.dtype)
+        ctx.params, ctx.plan = params, plan
+        return loss
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
@@ -417,10 +419,6 @@ class _LinearLoss(torch.autograd.Function):
             "linear_loss", "the same loss on dense logits x @ weight.T + bias"
         )
         x, row_max, row_sum = ctx.saved_tensors
-        params: ParamSlices = ctx.params
-        plan: LossSpec = ctx.plan
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and ctx.has_bias
         if ctx.grads is not None:
             gx, gw, gb = ctx.grads
             # Handed out once; a second backward through a retained graph recomputes.
@@ -431,28 +429,8 @@ class _LinearLoss(torch.autograd.Function):
                     if t is not None:
                         t.mul_(g)
         else:
-            xa = x.to(plan.accum_dtype)
-            scale = _gradient_scale(plan, grad_out)
-            sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
-                need_w or need_b) else None
-            with landing(sink):
-                if plan.loss in _SOFTMAX:
-                    row_scale = scale if isinstance(scale, torch.Tensor) else torch.full(
-                        (x.shape[0],), scale, dtype=plan.accum_dtype, device=x.device)
-                    assert plan.softmax_scale is not None
-                    gx = grad_pass(
-                        xa, params.source(plan.slice_size),
-                        PositiveLogits(plan.pos, plan.pos_coef), row_max, row_sum,
-                        row_scale * plan.softmax_scale, slice_size=plan.slice_size,
-                        label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_w,
-                        need_bias=need_b, target_scale=row_scale,
-                    )
-                else:
-                    _, gx = separable_pass(
-                        plan, xa, params.source(plan.slice_size), scale=scale, need_x=need_x,
-                        sink=sink, need_weight=need_w, need_bias=need_b,
-                    )
-            gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
+            gx, gw, gb = loss_backward(x, ctx.params, ctx.plan, (row_max, row_sum), grad_out,
+                                       ctx.needs)
         gx = None if gx is None else gx.to(x.dtype)
         return gx, gw, gb, None, None
 
@@ -542,7 +520,37 @@ def make_plan(
     )
 
 
-def multilabel_loss(
+class MultilabelCall(NamedTuple):
+    """One checked multi-label call (see `multilabel_call`).
+
+    Attributes:
+        x: ``(K, D)`` features of the rows that count.
+        weight, bias: what autograd differentiates (a sample's rows in the sampled loss).
+        params: where their slices are.
+        plan: the loss.
+        keep: indices of the rows that count, or ``None`` (all).
+        lead: ``x``'s shape without its features.
+    """
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    params: ParamSlices
+    plan: LossSpec
+    keep: torch.Tensor | None
+    lead: torch.Size
+
+    def all_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The loss of all rows (0 for the rows not counted) from that of the rows kept."""
+        if self.plan.reduction != "none":
+            return out
+        batch = math.prod(self.lead)
+        if self.keep is not None:
+            out = out.new_zeros(batch).index_copy(0, self.keep, out)
+        return out.reshape(self.lead)
+
+
+def multilabel_call(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -558,9 +566,9 @@ def multilabel_loss(
     accum_dtype: torch.dtype,
     sample: Callable[[Positives], tuple[torch.Tensor, ParamSlices, torch.Tensor,
                                         torch.Tensor | None]] | None = None,
-    direct: Autograd | None = None,
-) -> torch.Tensor:
-    """Validate, drop ignored rows, plan and run the sliced loss (shared by the entry points).
+    grads: bool | None = None,
+) -> MultilabelCall:
+    """Validate, drop ignored rows and plan the sliced loss (shared by the entry points).
 
     Args:
         x: ``(..., D)`` features; ``weight``/``bias`` only tell autograd what needs a gradient
@@ -568,7 +576,7 @@ def multilabel_loss(
         sample: for a sampled (approximate) loss: given the positives, picks the classes and
             returns ``(class ids, params, weight, bias)`` for exactly those rows; ``params``
             is then ``None``.
-        direct: how the autograd Function runs (default: through autograd; see `Direct`).
+        grads: whether gradients are wanted (``None``: from grad mode and ``requires_grad``).
     """
     if not (isinstance(loss, str) and loss in LOSSES) and not callable(loss):
         raise ValueError(
@@ -601,17 +609,17 @@ def multilabel_loss(
     if sample is not None:
         class_ids, params, weight, bias = sample(pos)
     assert params is not None
-    needs = getattr(direct, "needs_input_grad", None)  # a `Direct` says what is wanted
-    grads = any(needs[:3]) if needs is not None else torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
+    if grads is None:
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weight, bias))
     plan = make_plan(pos, loss=loss, pos_weight=pos_weight, reduction=reduction,
                      slice_size=slice_size, class_ids=class_ids,
                      one_pass=params.one_pass and grads, accum_dtype=accum_dtype)
-    direct = direct or Autograd()
-    out = direct.run(_LinearLoss, x2, weight, bias, params, plan)
-    direct.keep, direct.rows = keep, batch
-    if reduction != "none":
-        return out
-    if keep is not None:
-        out = out.new_zeros(batch).index_copy(0, keep, out)
-    return out.reshape(lead)
+    return MultilabelCall(x2, weight, bias, params, plan, keep, lead)
+
+
+def multilabel_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: object, params: ParamSlices | None, **options: Any) -> torch.Tensor:
+    """The sliced loss under autograd, for the keywords of `multilabel_call`."""
+    c = multilabel_call(x, weight, bias, targets, params, **options)
+    return c.all_rows(_LinearLoss.apply(c.x, c.weight, c.bias, c.params, c.plan))

@@ -211,3 +211,55 @@ class TensorGradSink:
     def finish(self) -> None:
         if self.streamer is not None:
             self.streamer.finish()
+
+
+class ParamSlices(Protocol):
+    """Where the weight (and bias) slices come from and where their gradients go."""
+
+    one_pass: bool
+    # tensors an autograd Function saves, so that an in-place change of them before backward
+    # is refused (backward would read the changed values)
+    versioned: tuple[torch.Tensor | None, ...]
+
+    def source(self, slice_size: int) -> SliceSource: ...
+
+    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> GradSink: ...
+
+    def landed(
+        self, sink: GradSink, *, weight: bool, bias: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gradients autograd gets for weight and bias (``None`` where they went elsewhere)."""
+        ...
+
+
+class TensorParams:
+    """A weight (and bias) tensor, sliced with `TensorSlices`, gradients in `TensorGradSink`."""
+
+    # Gradients go to tensors of this call's own, so they can be formed in forward (one pass)
+    # and handed to autograd in backward; a store's gradient must not change before backward,
+    # so a store head runs two passes (``one_pass = False``).
+    one_pass = True
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, device: torch.device,
+        dtype: torch.dtype, prefetch: int,
+    ) -> None:
+        self.weight, self.bias = weight, bias
+        self.device, self.dtype, self.prefetch = device, dtype, prefetch
+        self.versioned = (weight, bias)
+
+    def source(self, slice_size: int) -> SliceSource:
+        return TensorSlices(self.weight, self.bias, device=self.device, dtype=self.dtype,
+                            prefetch=self.prefetch)
+
+    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> GradSink:
+        return TensorGradSink(
+            self.weight, self.bias if bias else None, device=self.device, dtype=self.dtype,
+            need_weight=weight, prefetch=self.prefetch,
+        )
+
+    def landed(
+        self, sink: GradSink, *, weight: bool, bias: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        assert isinstance(sink, TensorGradSink)
+        return sink.grad_weight, sink.grad_bias

@@ -40,6 +40,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
+from headroom.residency._packed import Packed, read_parts
 from headroom.residency._plan import Layout
 from headroom.transfer import HeldSource, HostStore, StoreTensor, binding, claimed_keys, unbind
 
@@ -47,8 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
 __all__ = [
-    "current_plan", "forget_values", "install", "rescan", "retire", "strip_hooks", "sync_masters",
-    "sync_merges",
+    "current_plan", "forget_values", "install", "rescan", "retire", "retire_packed", "strip_hooks",
+    "sync_masters", "sync_merges",
 ]
 
 # module -> {attr: a second reference to the storage its parameter was registered with}
@@ -142,7 +143,7 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
         return None
     state, info = found
     info.dirty = True  # what this parameter replaces may have left the model (see rescan)
-    if _busy(state) or binding(param) is not None:
+    if _busy(state) or binding(param) is not None or id(param) in state.by_packed:
         return None
     old = module._parameters.get(name)  # still registered: torch calls the hook first
     if old is not None and old is not param:
@@ -151,6 +152,9 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
         slot = state.by_param.get(id(old)) or state.by_dev.get(id(old))
         if slot is not None and [(id(m), a) for m, a in slot.owners] == [(id(module), name)]:
             retire(state, [slot])
+        q = state.by_packed.get(id(old))
+        if q is not None and [(id(m), a) for m, a in q.owners] == [(id(module), name)]:
+            retire_packed(state, [q])
     prefix = state.module_names.get(id(module), "")
     placed = _adopt(state, info, [(module, name, param, prefix + name)],
                     info.home.get(id(module)))
@@ -175,7 +179,8 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
     seen: set[int] = set()
     for mname, m in sub.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
-            if p is None or id(p) in state.by_param or id(p) in state.by_dev:
+            if p is None or id(p) in state.by_param or id(p) in state.by_dev \
+                    or id(p) in state.by_packed:
                 continue
             full = f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}"
             items.append((m, attr, p, full))
@@ -270,6 +275,10 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
     """``old`` leaves the model; ``keep`` (perhaps a module inside it) takes its place."""
     old_ids = {id(m) for m in old.modules()}
     keep_ids = {id(m) for m in keep.modules()}
+    gone_packed = [q for q in state.packed
+                   if _inside(q, old_ids) and not _inside(q, {id(m) for m in keep.modules()})]
+    if gone_packed:
+        retire_packed(state, gone_packed)
     inside = [s for s in state.slots if _inside(s, old_ids)]
     if not inside:
         return
@@ -398,6 +407,30 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         g.slots = [s for s in g.slots if id(s) not in gone]
 
 
+def retire_packed(state: Offload, packed: list[Packed]) -> None:
+    """Take quantized parameters that left the model out of the store: each master holds host
+    copies of its parts again (see [Note: packed parameters])."""
+    st = state.store
+    state.drop_announced()
+    for g in [*state.blocks, state.rest]:
+        state.res.release(g)
+    gone = {id(q) for q in packed}
+    for q in packed:
+        q.keep_values(read_parts(q, st))
+        q.unbind_owners()
+        for h in q.handles.values():
+            st.free(h)
+            claimed_keys(st).discard(h.key)
+        state.by_packed.pop(id(q.param), None)
+        state.by_packed.pop(id(q.dev), None)
+    state.packed = [q for q in state.packed if id(q) not in gone]
+    for g in [*state.blocks, state.rest]:
+        g.packed = [q for q in g.packed if id(q) not in gone]
+    info = _STATES.get(state)
+    if info is not None:
+        info.plan_stale = True
+
+
 # ---------------------------------------------------------------------- between steps
 def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
     """Masters in host memory whose ``.data`` was rebound since: their value into the store."""
@@ -450,26 +483,32 @@ def rescan(state: Offload) -> None:
             if id(s.param) not in present and id(s.dev) not in present]
     if gone:
         retire(state, gone)
+    gone_packed = [q for q in state.packed
+                   if id(q.param) not in present and id(q.dev) not in present]
+    if gone_packed:
+        retire_packed(state, gone_packed)
     for pid, regs in present.items():
         homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
                  for m, *_ in regs}
         home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
-        slot = state.by_param.get(pid) or state.by_dev.get(pid)
+        slot = state.by_param.get(pid) or state.by_dev.get(pid) or state.by_packed.get(pid)
         if slot is None:
             _adopt(state, info, regs, home)
         elif {(id(m), a) for m, a in slot.owners} != {(id(m), a) for m, a, *_ in regs}:
             _rehome(state, info, slot, [(m, a) for m, a, *_ in regs], home)
 
 
-def _rehome(state: Offload, info: _Members, slot: Slot, owners: list, home: Group | None) -> None:
+def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
+            home: Group | None) -> None:
     """A stored parameter registered in other places now (tied after hr.offload): it is shown
     wherever it is registered, in the group that holds all of them (outside blocks if none)."""
     target = home if home is not None else state.rest
     if slot.group is not target:
         for g in (slot.group, target):
             state.res.release(g)
-        slot.group.slots.remove(slot)
-        target.slots.append(slot)
+        coll = "packed" if isinstance(slot, Packed) else "slots"
+        getattr(slot.group, coll).remove(slot)
+        getattr(target, coll).append(slot)
         slot.group = target
         info.plan_stale = True
     slot.owners = owners

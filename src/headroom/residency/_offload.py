@@ -22,6 +22,17 @@ from torch.optim.optimizer import (
 from headroom.residency import _adopt, _dtensor, _guard, _outside
 from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
+from headroom.residency._packed import (
+    Packed,
+    as_stored,
+    is_packed,
+    packing_of,
+    part_key,
+    read_parts,
+    refusal,
+    rest_master,
+    stored_spec,
+)
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
 from headroom.transfer import (
@@ -115,7 +126,10 @@ def offload(
     ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
 
     Args:
-        model: the model; its parameters may be anywhere, including the ``meta`` device:
+        model: the model; quantized parameters (bitsandbytes' ``Params4bit`` and
+            ``Int8Params``, torchao's quantized tensors) rest in the store packed, as they are
+            (see headroom.residency._packed), and do not train; its parameters may be
+            anywhere, including the ``meta`` device:
             such parameters get their values in the store from ``hr.load_weights`` or, if
             still unfilled when a value is first needed (the first forward, ``hr.save``), from
             their module's own initialization, one module at a time, so a model bigger than
@@ -158,7 +172,9 @@ def offload(
             offloaded; DTensor parameters that FSDP2 does not manage.
         NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
         ValueError: bad ``blocks``, ``prefetch``, ``compute_dtype`` or
-            ``grad_accumulation``.
+            ``grad_accumulation``; a quantized parameter that cannot rest packed (it requires
+            grad, is not quantized yet, or its class cannot be split into plain tensors; the
+            message says which).
         StoreFullError / PermissionError: the store cannot hold the parameters.
 
     Example:
@@ -219,6 +235,9 @@ def offload(
     claimed = claimed_keys(st)
     for pid, p in lay.params.items():  # validate before changing anything
         name = first_name[pid]
+        if is_packed(p):
+            _check_packed_param(st, claimed, p, name, lay.owners[pid])
+            continue
         if name in st:
             if name in claimed:
                 raise RuntimeError(
@@ -260,7 +279,7 @@ def offload(
         h.append(b.module.register_forward_hook(eager(partial(state.post_forward, b)),
                                                 with_kwargs=True))
     seen_mods: set[int] = set()
-    for s in state.slots:
+    for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             if id(m) in seen_mods:
                 continue
@@ -300,11 +319,17 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
            claimed: set[str], placed: list) -> None:
     """Move every parameter's master into the store and give it a device copy and hooks."""
     owners, params, first_name = lay.owners, lay.params, lay.names
+    packed = {pid for pid, p in params.items() if is_packed(p)}
     # The masters new to the store, carved from one slab when it is page-locked host memory.
     st.reserve([p.numel() * p.element_size() for pid, p in params.items()
-                if first_name[pid] not in st])
+                if first_name[pid] not in st and pid not in packed])
     for pid, p in params.items():
         name = first_name[pid]
+        if pid in packed:
+            g = lay.group_of[pid]
+            _place_packed(state, st, dev, p, name, owners[pid],
+                          state.blocks[g] if g >= 0 else state.rest, claimed, placed)
+            continue
         # A parameter already in the store (a DiskStore reopened by a later run) is
         # resumed when the model has no values for it (meta) and overwritten when it has.
         resume = name in st and p.device.type == "meta"
@@ -377,12 +402,75 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 t.requires_grad_(rg)
 
 
+def _check_packed_param(st: Store, claimed: set[str], p: torch.Tensor, name: str,
+                        owners: list) -> None:
+    """Refuse, before anything changes, a quantized parameter that cannot rest packed."""
+    why = refusal(p, name, owners)
+    if why is not None:
+        raise ValueError(f"hr.offload cannot keep {why}")
+    packing, _ = packing_of(p, name, owners)
+    for k, (shape, dtype) in packing.specs.items():
+        key = part_key(name, k)
+        if key not in st:
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"the quantized parameter {name!r} is on the meta device and {st!r} holds"
+                    f" no value for it ({key!r}): quantize real weights (or load them) before"
+                    " hr.offload")
+            continue
+        if key in claimed:
+            raise RuntimeError(
+                f"{key!r} in {st!r} is in use by another offloaded model or classifier head;"
+                " give each model its own store (or DiskStore directory)")
+        h = st.get(key)
+        want = stored_spec(shape, dtype)
+        if (h.shape, h.dtype) != want:
+            raise ValueError(
+                f"the store already holds {key!r} as {h.dtype} {h.shape}, but the quantized"
+                f" parameter's part is {want[1]} {want[0]}; use an empty directory for a"
+                " different model, or quantize the model as it was stored")
+
+
+def _place_packed(state: Offload, st: Store, dev: torch.device, p: torch.Tensor, name: str,
+                  owners: list, target: Group, claimed: set[str], placed: list) -> None:
+    """Put a quantized parameter's parts in the store (see [Note: packed parameters])."""
+    why = refusal(p, name, owners)
+    if why is not None:
+        raise ValueError(f"hr.offload cannot keep {why}")
+    packing, parts = packing_of(p, name, owners)
+    handles = {}
+    created = []
+    entry = [None, p, created]
+    placed.append(entry)
+    for k, t in parts.items():
+        key = part_key(name, k)
+        if key in st:
+            handles[k] = st.get(key)
+            if t.device.type != "meta":
+                st.write(handles[k], as_stored(t)).result()
+        else:
+            handles[k] = st.put(key, as_stored(t))
+            created.append(key)
+        claimed.add(key)
+    q = Packed(name, owners, packing, handles, rest_master(packing, st, handles), dev)
+    entry[0] = q
+    q.group = target
+    q.show(q.param)
+    target.packed.append(q)
+    state.packed.append(q)
+    state.by_packed[id(q.param)] = q
+    state.by_packed[id(q.dev)] = q
+
+
 def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
     """Undo a failed `offload`: parameters back in their modules, store entries freed."""
     _LIVE.discard(state)
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
+        if slot is None or isinstance(slot, Packed):
+            _unplace_packed(state, st, claimed, slot, original, created)
+            continue
         _REPLACED.pop(id(original), None)  # back in its module
         host = st.host_tensor(slot.binding.handle)
         if original is slot.param and host is not None:
@@ -394,6 +482,25 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
         if created:
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
+
+
+def _unplace_packed(state: Offload, st: Store, claimed: set[str], q: Packed | None,
+                    original: torch.Tensor, created: list[str]) -> None:
+    """Undo `_place_packed`: the original parameter back in its modules, new entries freed."""
+    if q is not None:
+        q.unbind_owners()
+        q.show(original)
+        for coll in (q.group.packed, state.packed):
+            if q in coll:
+                coll.remove(q)
+        state.by_packed.pop(id(q.param), None)
+        state.by_packed.pop(id(q.dev), None)
+        for h in q.handles.values():
+            claimed.discard(h.key)
+    for key in created:
+        if key in st:
+            st.free(st.get(key))
+        claimed.discard(key)
 
 
 def _check_stored(handle, p: torch.Tensor, name: str) -> None:
@@ -570,9 +677,16 @@ def unoffload(model: nn.Module) -> nn.Module:
     for b in state.blocks:
         _guard.remove(b.module)
     _LIVE.discard(state)
-    for s in state.slots:
+    for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             _outside.remove(m)
+    for q in state.packed:
+        value = q.packing.rebuild({k: v.to(state.device) for k, v in read_parts(q, st).items()})
+        q.unbind_owners()
+        for h in q.handles.values():
+            st.free(h)
+            claimed_keys(st).discard(h.key)
+        q.show(value)
     for s in state.slots:
         b = s.binding
         value = st.read(b.handle).result().to(state.device)

@@ -22,6 +22,7 @@ from headroom.residency._plan import (
     ParamPlan,
     plan_offload,
 )
+from headroom.residency._quantize import quantize_block
 from headroom.residency._schedule import Offload, Phase
 from headroom.residency._schedule import _AfterBackward as AfterBackward
 from headroom.residency._schedule import _outputs as tensor_outputs
@@ -52,6 +53,7 @@ __all__ = [
     "offload_states",
     "plan_offload",
     "prefetch",
+    "quantize_block",
     "state_of",
     "unoffload",
 ]

@@ -49,7 +49,7 @@ from headroom.transfer import (
     unbind,
 )
 
-__all__ = ["describe", "offload", "prefetch", "unoffload"]
+__all__ = ["describe", "keep_on_device", "offload", "prefetch", "unoffload"]
 
 _ATTR = "_headroom_offload"
 
@@ -108,6 +108,7 @@ def offload(
     prefetch: int = 1,
     compute_dtype: torch.dtype | None = None,
     grad_accumulation: str = "store",
+    adapters: str = "device",
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in a store; stream each block to ``device``.
 
@@ -162,6 +163,14 @@ def offload(
             gradient per parameter on ``device`` (4 bytes per parameter in fp32) from the
             first backward to the step; saves the host's or the disk's traffic of every
             backward but one.
+        adapters: where adapters live: the parameters of PEFT's tuner layers (LoRA's
+            ``lora_A``/``lora_B``, ...; a module with a ``base_layer`` holds them beside it),
+            whether wrapped before ``hr.offload`` or after. ``"device"``: they stay on
+            ``device`` as ordinary parameters (hundreds of tiny tensors, which a store would
+            cost a fixed amount of work each per step; any optimizer steps them there).
+            ``"store"``: offloaded with their layers' blocks like every other parameter.
+            Adapters created on ``meta`` rest in the store either way, until loaded or
+            initialized (`hr.init_adapters`).
 
     Returns:
         ``model``.
@@ -190,6 +199,8 @@ def offload(
     if grad_accumulation not in ("store", "device"):
         raise ValueError(
             f"grad_accumulation must be 'store' or 'device', got {grad_accumulation!r}")
+    if adapters not in ("store", "device"):
+        raise ValueError(f"adapters must be 'device' or 'store', got {adapters!r}")
     if _dtensor.check_sharded(model, "hr.offload"):
         if grad_accumulation != "store":
             raise NotImplementedError(
@@ -215,7 +226,7 @@ def offload(
                 " another headroom feature); unoffload it first"
             )
     lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
-                 compute_dtype=compute_dtype)
+                 compute_dtype=compute_dtype, adapters=adapters)
     st = resolve_store(store, dev)
     if dev.type == "cpu" and st.holds_host_memory:
         warnings.warn(
@@ -226,6 +237,7 @@ def offload(
             stacklevel=2,
         )
     state = Offload(model, dev, st, prefetch, compute_dtype, grad_accumulation)
+    state.adapters = adapters
     state.plan = replace(lay.plan, store=repr(st))
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
@@ -251,6 +263,8 @@ def offload(
     except BaseException:
         _rollback(state, st, claimed, placed)
         raise
+    for pid, p in (lay.kept or {}).items():
+        keep_on_device(state, p, lay.owners[pid])
     for mname, m in model.named_modules():
         for bname, buf in list(m._buffers.items()):
             if buf is not None:
@@ -400,6 +414,20 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 t.requires_grad_(True)
                 state.handles.append(t.register_post_accumulate_grad_hook(fn))
                 t.requires_grad_(rg)
+
+
+def keep_on_device(state: Offload, p: nn.Parameter, owners: list) -> nn.Parameter:
+    """An adapter stays on the compute device, an ordinary parameter (``adapters="device"``):
+    moved there if it is elsewhere, and watched so that a move to ``meta`` (PEFT moves new
+    adapters to the base weight's device) leaves it in place. Returns the parameter kept."""
+    dev = state.device
+    if p.device != dev:
+        with torch.no_grad():
+            p.data = p.data.to(dev)
+    state.kept[id(p)] = p
+    for m, _ in owners:
+        _outside.install(state, m)
+    return p
 
 
 def _check_packed_param(st: Store, claimed: set[str], p: torch.Tensor, name: str,

@@ -34,7 +34,8 @@ import torch.nn as nn
 from headroom.transfer import Handle, HandleSource, Store, StoreTensor, resize_storage
 
 __all__ = [
-    "Packed", "Packing", "as_stored", "is_packed", "packing_of", "part_key", "read_parts",
+    "Packed", "Packing", "as_stored", "is_packed", "packed_nbytes", "packing_of", "part_key",
+    "read_parts",
     "refusal", "rest_master", "state_entries", "stored_spec",
 ]
 
@@ -85,6 +86,15 @@ def refusal(p: torch.Tensor, name: str, owners: list | tuple = ()) -> str | None
 
 class _Unsupported(Exception):
     pass
+
+
+def packed_nbytes(p: torch.Tensor) -> int | None:
+    """Bytes of a quantized parameter's parts (its real size), or ``None`` where it cannot
+    be split (it is then refused at ``hr.offload``). Reads no values (works on ``meta``)."""
+    try:
+        return packing_of(p, "")[0].nbytes
+    except _Unsupported:
+        return None
 
 
 # ---------------------------------------------------------------------------------- packings

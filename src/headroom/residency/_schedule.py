@@ -209,6 +209,10 @@ class Offload:
         # quantized parameters resting packed, and each by its master's and device copy's id
         self.packed: list[Packed] = []
         self.by_packed: dict[int, Packed] = {}
+        # hr.offload(adapters=...): "device" keeps adapters there, ordinary parameters
+        # (`kept`: id -> parameter), not offloaded
+        self.adapters = "store"
+        self.kept: dict[int, nn.Parameter] = {}
         self.handles: list[Any] = []
         self.order: list[Group] = []  # forward order of the last forward
         self._order_now: list[Group] = []
@@ -392,7 +396,9 @@ class Offload:
         """Whether a module's parameter ``old``, a master of this model, stays in place of
         ``new`` (a ``meta`` tensor ``Module._apply`` writes in; see `_outside.ParamDict`)."""
         s = self.by_param.get(id(old)) or self.by_packed.get(id(old))
-        if s is None or s.param is not old:
+        if self.kept.get(id(old)) is old:
+            pass  # an adapter kept on the device
+        elif s is None or s.param is not old:
             return False  # not a master (a device copy being hidden: its master comes back)
         ours = (self.by_param, self.by_dev, self.by_packed)
         return not any(id(new) in d for d in ours) and tuple(old.shape) == tuple(new.shape) \

@@ -15,6 +15,7 @@ from headroom.residency._offload import (
     state_of,
     unoffload,
 )
+from headroom.residency._packed import is_packed, meta_like, packed_nbytes
 from headroom.residency._plan import (
     GroupPlan,
     OffloadOptions,
@@ -47,9 +48,12 @@ __all__ = [
     "configs_of",
     "describe",
     "init_adapters",
+    "is_packed",
     "find_blocks",
     "is_offload_hook",
+    "meta_like",
     "offload",
+    "packed_nbytes",
     "offload_states",
     "plan_offload",
     "prefetch",

@@ -36,7 +36,7 @@ from headroom.transfer import Handle, HandleSource, Store, StoreTensor, resize_s
 __all__ = [
     "Packed", "Packing", "as_stored", "is_packed", "packed_nbytes", "packing_of", "part_key",
     "read_parts",
-    "refusal", "rest_master", "state_entries", "stored_spec",
+    "meta_like", "refusal", "rest_master", "state_entries", "stored_spec",
 ]
 
 # dtypes every store keeps as they are; other parts (float8 codes) rest as their bytes (uint8)
@@ -86,6 +86,33 @@ def refusal(p: torch.Tensor, name: str, owners: list | tuple = ()) -> str | None
 
 class _Unsupported(Exception):
     pass
+
+
+def meta_like(p: torch.Tensor, owners: list | tuple = (),
+              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    """A quantized parameter's twin on ``meta`` (the same class over ``meta`` parts, for a dry
+    run) and the stand-ins, by ``id``, for tensors ``owners`` keep of it (an 8-bit layer's
+    ``state.CB`` and ``state.SCB``), or ``None`` where it cannot be split."""
+    try:
+        packing, _ = packing_of(p, "", owners)
+    except _Unsupported:
+        return None
+    parts = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in packing.specs.items()}
+    twin = packing.rebuild(parts)
+    stand_ins: dict[int, torch.Tensor] = {}
+    if packing.kind == "bnb8":
+        # NOTE: the twin holds its scales where the weight does now (on the weight until the
+        # layer's first forward moves them to its state): a twin without them would make the
+        # dry run's forward quantize again, which the real step does not do.
+        twin.CB = parts["data"] if p.CB is not None else None
+        twin.SCB = parts["SCB"] if p.SCB is not None else None
+        for m, _ in owners:
+            state = getattr(m, "state", None)
+            for attr, stand_in in (("CB", parts["data"]), ("SCB", parts["SCB"])):
+                t = getattr(state, attr, None)
+                if isinstance(t, torch.Tensor):
+                    stand_ins[id(t)] = stand_in
+    return twin, stand_ins
 
 
 def packed_nbytes(p: torch.Tensor) -> int | None:

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -37,36 +38,12 @@ from torch import nn
 import headroom as hr
 from headroom.transfer import _ledger
 
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests' model
+from tests.optim._models import make_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 STORES = ("params", "state", "act")
 
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2, self.norm = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 16, vocab: int = 37, out: int = 5) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(4))
-        self.head = nn.Linear(d, out)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-def make_model() -> Net:
-    torch.manual_seed(0)
-    return Net()
 
 
 def loss_fn(model: nn.Module, i: int) -> torch.Tensor:

@@ -45,7 +45,8 @@ def test_demo_trains_and_reports(tmp_path, capsys, one_thread):
     """On one intra-op thread (see `one_thread`): each part compares with plain PyTorch in this
     process under the same setting; a busy machine no longer stalls its many small ops."""
     assert main(["demo", "--steps", "3", "--out", str(tmp_path / "demo")]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "\r" not in err  # no progress bar into a file or a pipe
     assert "trained 3 steps" in out
     assert "optimizer_state" in out
     # the other parts check their own exactness against plain PyTorch and print the verdict
@@ -57,6 +58,24 @@ def test_demo_trains_and_reports(tmp_path, capsys, one_thread):
     data = json.loads((tmp_path / "demo.json").read_text())
     assert data["peak"] > 0 and data["peak_by_category"]["optimizer_state"] > 0
     assert_real_png(tmp_path / "demo.png")
+
+
+def test_demo_draws_its_progress_bar_only_on_a_terminal(monkeypatch):
+    import io
+
+    from headroom._demo import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        with progress(5, "training") as bar:
+            for _ in range(5):
+                bar.update(1)
+        assert ("\r" in stream.getvalue()) is drawn, stream.getvalue()
+        assert bool(stream.getvalue()) is drawn
 
 
 SCRIPT = """

@@ -80,6 +80,26 @@ def test_plan_with_fp32_masters(config, capsys):
     assert "fp32 masters" not in capsys.readouterr().out
 
 
+def test_plan_with_the_lm_loss_patch(tmp_path, capsys):
+    """A vocabulary of 32000: the logits and their gradient are most of the step; a budget
+    only the LM-loss patch meets (on cpu, without a disk)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "vocab_size": 32000}))
+    base = ["--config", str(path), "--batch", "2", "--seq", "64", "--device", "cpu"]
+    assert main(["estimate", *base, "--no-advice", "--json", str(tmp_path / "e.json")]) == 0
+    peak = json.loads((tmp_path / "e.json").read_text())["estimate"]["peak"]
+    capsys.readouterr()
+    args = ["plan", *base, "--budget", str(int(peak * 0.7))]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the LM loss without logits (hr.patch_causal_lm" in out
+    code = out.split("# apply it:\n", 1)[1]
+    assert "hr.patch_causal_lm(model)" in code
+    compile(code, "<plan>", "exec")
+    assert main([*args, "--no-lm-loss"]) == 1
+    assert "lm_loss=None allows hr.patch_causal_lm" in capsys.readouterr().err
+
+
 def test_errors(config, tmp_path, capsys):
     rc = main(["plan", "--config", str(config), "--device", "cpu", "--budget", "1KiB"])
     assert rc == 1

@@ -7,9 +7,58 @@ stream to the device just in time, with exact results. See ``docs/`` and ``READM
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
+import sys
 from typing import TYPE_CHECKING, Any
 
+from headroom import _providers
+
 __version__ = "0.1.0"
+
+# The oldest PyTorch headroom runs on, as pyproject.toml's dependency says: the oldest release on
+# which the whole suite passes (`make test-torch-range` runs it there and on the newest). headroom
+# uses a few of torch's private functions where no public one exists: whether saved-tensor hooks
+# are active (from torch 2.8), storage use counts (which count a storage's Python object from
+# 2.10; on 2.8 and 2.9 a step of a model hr.convert'ed is measured peaking above PyTorch's own,
+# tests/nn/test_tracker.py), FSDP2's state. An older torch is refused here, not by an error deep
+# inside a layer.
+_TORCH_MIN = (2, 10)
+
+
+def _check_torch(version: str | None) -> None:
+    """Raise ImportError when ``version`` (torch's) is older than `_TORCH_MIN`."""
+    if version is None:
+        return  # no torch installed: importing a layer says so
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is not None and (int(found[1]), int(found[2])) < _TORCH_MIN:
+        need = ".".join(map(str, _TORCH_MIN))
+        raise ImportError(
+            f"headroom needs torch>={need}; torch {version} is installed. Upgrade it: "
+            f"pip install 'torch>={need}'"
+        )
+
+
+def _torch_version() -> str | None:
+    torch = sys.modules.get("torch")  # imported already: the version that runs
+    if torch is not None:
+        return getattr(torch, "__version__", None)
+    try:  # without importing torch, so that `import headroom` stays cheap
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+_check_torch(_torch_version())
+
+
+def _load_fit() -> None:
+    import headroom.fit  # noqa: F401  (registers the advice of memory reports)
+
+
+# The package root is above every layer (its table names them all): it tells the memory layer
+# how to load the one that gives reports their advice, so that memory/ never imports fit/.
+_providers.set_advice_loader(_load_fit)
 
 # Public names resolve lazily, so `import headroom` stays cheap (no matplotlib) and each layer
 # loads only when used. The table is the public API contract.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,9 +76,15 @@ def _train(model, opt, x_all, y_all, steps: int, *, bar=None, mem=None) -> None:
                 bar.set_postfix(loss=f"{loss.item():.3f}", peak=format_bytes(mem.peak))
 
 
-def _part_track(steps: int, out: Path, plot: bool) -> list[Path]:
+def progress(total: int, desc: str) -> Any:
+    """A progress bar on stderr when stderr is a terminal; none (not a line written) when it
+    is a file or a pipe, where each redraw would be one more line of the log."""
     from tqdm.auto import tqdm
 
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=None)
+
+
+def _part_track(steps: int, out: Path, plot: bool) -> list[Path]:
     import headroom as hr
 
     print("== 1. where memory goes: hr.track_memory on a training run")
@@ -93,7 +100,7 @@ def _part_track(steps: int, out: Path, plot: bool) -> list[Path]:
 
     before = accuracy()
     with hr.track_memory(model=model, optimizer=opt) as mem:
-        with tqdm(total=steps, desc="training", unit="step", file=sys.stderr) as bar:
+        with progress(steps, "training") as bar:
             _train(model, opt, x_all, y_all, steps, bar=bar, mem=mem)
     print(f"trained {steps} steps: accuracy {before:.1%} -> {accuracy():.1%}\n")
     mem.report()

@@ -3,7 +3,8 @@
 A memory report ends with advice: what each technique would save, from dry runs of the step
 with it (`headroom.fit`, the layer on top of every technique). The tracker asks
 `advice_provider()` for the function that gives it; `headroom.fit` registers its own when
-imported, and the first request loads it.
+imported, and the first request loads it through the loader that the package root (above every
+layer) sets. This module imports nothing of headroom.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 _registered: Callable[..., list[str]] | None = None  # headroom.fit's
 _override: Callable[..., list[str]] | None = None
+_loader: Callable[[], None] | None = None  # imports headroom.fit (set by the package root)
 
 
 def register_advice(fn: Callable[..., list[str]]) -> None:
@@ -24,6 +26,12 @@ def register_advice(fn: Callable[..., list[str]]) -> None:
     _registered = fn
 
 
+def set_advice_loader(fn: Callable[[], None]) -> None:
+    """Called by the package root: ``fn()`` imports `headroom.fit`, which registers its advice."""
+    global _loader
+    _loader = fn
+
+
 def set_advice_provider(fn: Callable[..., list[str]] | None) -> None:
     """Make ``fn`` give the advice of reports instead (``None``: `headroom.fit`'s again)."""
     global _override
@@ -34,8 +42,8 @@ def advice_provider() -> Callable[..., list[str]]:
     """The function that gives advice, loading `headroom.fit` (which registers it) first."""
     if _override is not None:
         return _override
-    if _registered is None:
-        import headroom.fit  # noqa: F401  (registers its advice)
+    if _registered is None and _loader is not None:
+        _loader()
     if _registered is None:
         raise RuntimeError("headroom.fit registered no advice provider")
     return _registered

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
 __all__ = ["Keeper", "Observer", "keeping", "observing"]
 
@@ -53,6 +54,7 @@ class _Saved:
 
 _observers: list[Observer] = []
 _keepers: list[Keeper] = []
+_pushed: list[saved_tensors_hooks] = []  # the pairs this module entered, innermost last
 
 
 def _push() -> None:
@@ -68,11 +70,13 @@ def _push() -> None:
         kept = saved.kept if isinstance(saved, _Saved) else saved
         return keeper.unpack(kept) if keeper is not None else kept
 
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    pair = saved_tensors_hooks(pack, unpack)
+    pair.__enter__()
+    _pushed.append(pair)
 
 
 def _pop() -> None:
-    torch._C._autograd._pop_saved_tensors_default_hooks()
+    _pushed.pop().__exit__(None, None, None)
 
 
 @contextlib.contextmanager

@@ -254,14 +254,15 @@ def train(rank: int, world: int, *, host: bool = True, micro: int = 1, bf16: boo
     blocks = [model.layers[0], model.layers[2]] if partial else None
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    saved = FSDPParamGroup.__dict__["_reset_iter_state"]
-    if no_reset:  # as torch 2.11's FSDP2, which has no reset after an error
+    saved = FSDPParamGroup.__dict__.get("_reset_iter_state")  # torch 2.11 and older have none
+    if no_reset and saved is not None:  # as those, which have no reset after an error
         del FSDPParamGroup._reset_iter_state
     try:
         hr.offload(model, device="cpu", store=_store(store, tmp, rank), blocks=blocks,
                    prefetch=prefetch)
     finally:
-        FSDPParamGroup._reset_iter_state = saved
+        if saved is not None:
+            FSDPParamGroup._reset_iter_state = saved
     state = sharded_state_of(model)
     wrapped = [sorted(k for k in ("unshard", "wait_for_unshard", "_reset_iter_state")
                       if k in g.__dict__) for g in getattr(state.disk, "groups", [])]

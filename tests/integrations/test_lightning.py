@@ -26,22 +26,24 @@ STEPS, SPLIT = 4, 2
 
 
 class _LM(L.LightningModule):
-    def __init__(self, dtype, store, headroom, tmp, **offload_kw):
+    def __init__(self, dtype, store, headroom, tmp, impl, **offload_kw):
         super().__init__()
         self.lm = offload(gpt2(dtype), store, tmp, **offload_kw)
         self.headroom = headroom
+        self.impl = impl
         self.norms: list[float] = []
 
     def training_step(self, x, i):
         return self.lm(input_ids=x, labels=x).loss
 
     def configure_optimizers(self):
-        # fused=False: Lightning refuses to clip for a fused optimizer under bf16-mixed.
+        # fused=False by default: Lightning refuses to clip for a fused torch optimizer under
+        # bf16-mixed, so the run without headroom cannot use the kernel HostOptimizer picks.
         if self.headroom:
             import headroom as hr
 
-            return hr.HostOptimizer(self.parameters(), torch.optim.AdamW, lr=1e-3, fused=False)
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=False)
+            return hr.HostOptimizer(self.parameters(), torch.optim.AdamW, lr=1e-3, **self.impl)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, **self.impl)
 
     def on_before_optimizer_step(self, optimizer):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -49,7 +51,7 @@ class _LM(L.LightningModule):
 
 
 def _run(mode: str, store: str | None, headroom: bool, tmp_path, accum: int = 1,
-         **offload_kw):
+         impl: dict | None = None, **offload_kw):
     """STEPS steps with gradient_clip_val=1.0 (of ``accum`` micro-batches each): SPLIT of
     them, a checkpoint, and the rest in a new Trainer and module resumed with
     fit(ckpt_path=...)."""
@@ -66,11 +68,12 @@ def _run(mode: str, store: str | None, headroom: bool, tmp_path, accum: int = 1,
     logging.getLogger("lightning").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = _LM(dtype, store, headroom, tmp_path / "a", **offload_kw)
+        impl = {"fused": False} if impl is None else impl
+        first = _LM(dtype, store, headroom, tmp_path / "a", impl, **offload_kw)
         L.Trainer(max_steps=SPLIT, callbacks=[ck], **kw).fit(first, loader())
         path = ck.best_model_path or ck.last_model_path
         assert path.endswith(f"step={SPLIT}.ckpt"), path
-        second = _LM(dtype, store, headroom, tmp_path / "b", **offload_kw)
+        second = _LM(dtype, store, headroom, tmp_path / "b", impl, **offload_kw)
         L.Trainer(max_steps=STEPS, enable_checkpointing=False, **kw).fit(
             second, loader(), ckpt_path=path)
     return first.norms + second.norms, state(second)
@@ -84,6 +87,20 @@ def test_lightning_with_offload_and_host_optimizer_is_exact(mode, tmp_path):
         norms, st = _run(mode, store, True, tmp_path / store)
         assert norms == ref_norms, store
         assert_same_state(ref_state, st)
+
+
+def test_host_optimizers_default_clips_under_bf16_mixed_equal_to_rounding(tmp_path):
+    """Lightning refuses to clip torch's fused AdamW under bf16-mixed; HostOptimizer's default
+    (the same fused kernel, stepping on the host) clips, equal to the run without headroom
+    (``AdamW(fused=False)``) to rounding; ``fused=False`` makes it bitwise (above)."""
+    with pytest.raises(RuntimeError, match="fused"):
+        _run("bf16-autocast", None, False, tmp_path / "fused", impl={"fused": True})
+    ref_norms, ref_state = _run("bf16-autocast", None, False, tmp_path / "ref")
+    norms, st = _run("bf16-autocast", "cpu", True, tmp_path / "cpu", impl={})
+    torch.testing.assert_close(norms, ref_norms)
+    assert st.keys() == ref_state.keys()
+    for k, v in ref_state.items():
+        torch.testing.assert_close(st[k], v, msg=k)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16-weights"])

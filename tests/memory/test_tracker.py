@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -302,6 +303,69 @@ def test_a_long_run_plots_its_peak_step_and_every_step_peak(tmp_path):
     assert tall > 1.4 * short
 
 
+def _legend_and_peak(fig):
+    """The figure's legend, the axes holding the peak's label, and the label."""
+    (legend,) = fig.legends
+    marked = [(ax, t) for ax in fig.axes for t in ax.texts if t.get_gid() == "peak"]
+    assert len(marked) == 1
+    return legend, *marked[0]
+
+
+@pytest.mark.parametrize("steps", [2, 6])
+def test_plot_legend_outside_the_axes_and_the_peak_labelled(steps):
+    """The legend sits right of every axes (it covers no data), the peak has a label at or
+    above its bytes, inside the axes and clear of the legend; each phase has its entry (no
+    "not shaded" one) and the stack is drawn up to the peak even where it lasts one op."""
+    import matplotlib.pyplot as plt
+
+    from headroom.memory._report import _unit, figure
+
+    _, mem = _tracked_steps(steps)
+    fig = figure(mem)
+    try:
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        legend, ax, label = _legend_and_peak(fig)
+        box = legend.get_window_extent(r)
+        for a in fig.axes:
+            assert box.x0 >= a.get_window_extent(r).x1, "the legend overlaps the axes"
+        scale, _ = _unit(mem.peak)
+        assert label.xy[1] * scale >= mem.peak
+        assert f"peak {hr.memory.format_bytes(mem.peak)}" in label.get_text()
+        assert "\nduring the optimizer step" in label.get_text()  # AdamW's temporaries
+        where = label.get_window_extent(r)
+        inside = ax.get_window_extent(r)
+        assert inside.y0 <= where.y0 and where.y1 <= inside.y1
+        assert not where.overlaps(box)
+        texts = [t.get_text() for t in legend.get_texts()]
+        assert not any("not shaded" in t for t in texts)
+        assert {"phase: forward", "phase: backward", "phase: optimizer step"} <= set(texts)
+        assert len(texts) <= 10
+        # the stack (bands or the peak's own bars) is drawn up to just below the mark
+        from matplotlib.collections import PolyCollection
+
+        shapes = [p.get_path().transformed(p.get_patch_transform()) for p in ax.patches]
+        shapes += [path for c in ax.collections if isinstance(c, PolyCollection)
+                   for path in c.get_paths()]
+        lo, hi = ax.get_xlim()
+        # 0.5% of the axis wide at least: visible where the peak lasts a single op
+        for dx in (-0.0025, 0.0025):
+            point = (label.xy[0] + dx * (hi - lo), 0.999 * mem.peak / scale)
+            assert any(path.contains_point(point) for path in shapes)
+    finally:
+        plt.close(fig)
+
+
+def test_report_names_modules_with_their_class_and_the_moment_of_the_peak():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    with hr.track_memory(model=model) as mem:
+        model(torch.randn(4, 3, 16, 16)).sum().backward()
+    text = mem.report(advice=False)
+    assert "  1 (BatchNorm2d) " in text and "  2 (ReLU) " in text, text
+    assert "peak reached during the backward of " in text or \
+        "peak reached during the forward of " in text, text
+
+
 def test_agrees_with_pytorch_memtracker():
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
 
@@ -371,6 +435,12 @@ def test_rss_is_reported_beside_tracked_bytes():
     with hr.track_memory() as mem:
         a = np.ones(64 << 17)  # 64 MiB
         t = torch.ones(1 << 20)
+        # the array lives until the sampling thread has seen it (a loaded machine may not run
+        # that thread for a while; the process's high-water mark may predate the region)
+        seen = len(mem.rss_timeline)
+        deadline = time.monotonic() + 30
+        while len(mem.rss_timeline) < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         del a
     rss = mem.rss
     assert rss["peak"] - rss["start"] >= 48 << 20  # measured independently of the tracker
@@ -409,3 +479,22 @@ def test_a_compiled_model_is_said_once_to_run_eagerly(how):
             eager.zero_grad(set_to_none=True)
     assert compiled.peak == plain.peak
     assert compiled.peak_by_category == plain.peak_by_category
+
+
+def test_a_plot_that_fails_mid_write_leaves_the_previous_file(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    _, mem = _tracked_steps(1)
+    path = tmp_path / "m.png"
+    path.write_bytes(b"the previous plot")
+
+    def broken(self, fname, *args, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(OSError, match="disk full"):
+        mem.plot(path)
+    assert path.read_bytes() == b"the previous plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.png"]

@@ -21,7 +21,7 @@ import headroom as hr
 
 STEPS = 5
 ACCUM = 2  # backward passes per step of the models with sparse gradients (appended sums)
-FUSED_DEFAULT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+FUSED_DEFAULT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 NOT_ELEMENTWISE = (torch.optim.Muon, torch.optim.Adafactor)
 INFOS = {info.optim_cls.__name__: info for info in optim_db}
 

@@ -80,6 +80,38 @@ def test_applied_plan_fits_and_trains_bitwise(plain, fraction, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+@pytest.mark.parametrize("cls,kw", [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}),
+    (torch.optim.Adagrad, {"lr": 1e-2, "lr_decay": 0.01}),
+    (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.5}),  # a class without fused=
+], ids=lambda c: getattr(c, "__name__", ""))
+def test_applied_plan_trains_bitwise_as_the_optimizer_named(cls, kw, tmp_path):
+    """The host optimizer of an applied plan on the CPU is the class and arguments the user
+    named, in the implementation ``cls(params, **kw)`` runs there: bitwise that call."""
+    peak = hr.estimate(model_fn(), (X,), loss_fn=loss_fn, optimizer=cls, optimizer_kwargs=kw,
+                       device="cpu").peak
+    p = plan(model_fn(), (X,), loss_fn=loss_fn, budget=int(peak * 0.75), device="cpu",
+             optimizer=cls, optimizer_kwargs=kw, disk=tmp_path, speeds=SPEEDS,
+             slice_bytes=SLICE)
+    assert p.choice.optimizer_state != "device", str(p)
+    model, opt = p.apply(model_fn())
+    assert isinstance(opt, hr.HostOptimizer) and opt.options.optimizer_class is cls
+    ref = model_fn()
+    train(ref, cls(ref.parameters(), **kw))
+    train(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(final_params(model), final_params(ref),
+                                                  strict=True))
+
+
+def test_an_optimizer_instance_is_refused_naming_the_class_and_its_arguments():
+    """A plan builds its optimizer over the model it applies to: an instance's learning rate
+    would be lost, so it is refused rather than replaced by the class's defaults."""
+    model = model_fn()
+    with pytest.raises(TypeError, match=r"optimizer=torch.optim.AdamW, optimizer_kwargs="):
+        plan(model, (X,), loss_fn=loss_fn, budget="1GiB", device="cpu", speeds=SPEEDS,
+             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+
 def test_plain_fits_when_budget_is_large():
     p = plan(model_fn(), (X,), loss_fn=loss_fn, budget="1GiB", device="cpu",
              optimizer=torch.optim.AdamW, speeds=SPEEDS)

@@ -2,7 +2,10 @@
 
 Used at the end of `Estimate.report()` and of the tracker's report (and so of ``headroom
 profile``). Every figure is an estimate of the step with one technique turned on, against the
-same step without it; nothing is a rule of thumb.
+same step without it, headroom's techniques and the classic knobs (mixed precision, gradient
+accumulation, an optimizer with less state) ranked together; each line also gives the step
+time of the time model and whether results stay bitwise, equal to rounding or change.
+Nothing is a rule of thumb.
 """
 
 from __future__ import annotations
@@ -11,38 +14,35 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from headroom.activations import DEFAULT_MIN_BYTES as _ACTIVATION_MIN_BYTES
 from headroom.fit._estimate import Estimate, estimate
 from headroom.memory import format_bytes
 
 
-def estimate_advice(est: Estimate) -> list[str]:
-    """`Estimate.advice`: advice for the plain step the estimate ran (none for a what-if)."""
-    ctx = est._context
-    model = ctx["model"]() if ctx else None
-    if model is None:
-        return []
-    try:
-        return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
-                      optimizer=ctx.get("optimizer"),
-                      optimizer_kwargs=ctx.get("optimizer_kwargs"), device=est.device, base=est)
-    except Exception as e:  # advice never breaks a report
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
-
-
 def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = None,
            loss_fn: Any = None, optimizer: Any = None, optimizer_kwargs: dict | None = None,
            device: str, base: Estimate | None = None,
-           measured: int | None = None, resting_activations: int = 0) -> list[str]:
+           measured: int | None = None, resting_activations: int = 0,
+           autocast: torch.dtype | None = None) -> list[str]:
     """Lines of advice for one step of ``model`` on ``device``, largest saving first.
+
+    Every technique is a dry run of the step with it: headroom's own (activation offload,
+    checkpointing the blocks, `hr.convert`, `hr.patch_causal_lm`, `hr.HostOptimizer`,
+    `hr.offload`) and the classic ones (mixed precision under ``torch.autocast``, gradient
+    accumulation over smaller micro-batches, an optimizer with less state). Each line gives
+    the saving, the step time the time model gives the step with it against the step without
+    it (`headroom.fit._time`), and what happens to the results: bitwise the same, equal to
+    rounding, or different numerics.
 
     ``resting_activations``: bytes of activations the measured run kept in stores at most
     (activation offload was on there); the figures are then for the step without it, and
-    activation offload is reported as on rather than offered.
+    activation offload is reported as on rather than offered. ``autocast``: the dtype of the
+    autocast region the measured forward ran in; every dry run runs in it, and mixed
+    precision is reported as on rather than offered.
     """
-    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs)
+    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs, autocast=autocast)
     if base is None:
         base = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
                         **common)
@@ -50,25 +50,43 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     if peak <= 0:
         return []
     blocks = _block_names(model)
-    savings: list[tuple[int, str]] = []
+    cpu = base.device == "cpu"
+    timing = _Timing(base, cpu)
+    options: list[_Option] = []
+    failed: list[str] = []
 
-    def saving(label: str, **what_if: Any) -> None:
+    def saving(label: str, exact: str, *, untimed: str | None = None,
+               host_step: bool = False, hint: str = "", **what_if: Any) -> None:
         what_if.setdefault("optimizer", optimizer)
         what_if.setdefault("optimizer_kwargs", optimizer_kwargs)
-        est = estimate(model, args, **common, **what_if)
-        savings.append((peak - est.peak, label))
+        try:
+            est = estimate(model, args, **{**common, **what_if})
+        except Exception as e:  # one technique the step cannot take is one line, not all
+            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            failed.append(f"  {label}: not estimated ({type(e).__name__}: {first}){hint}")
+            return
+        time = None if untimed else timing.relative(est, host_step=host_step)
+        options.append(_Option(label, peak - est.peak, exact, time, untimed))
 
     if not resting_activations:
         saving(f"activation offload (hr.offload_activations, min_bytes"
-               f"={format_bytes(_ACTIVATION_MIN_BYTES)})",
+               f"={format_bytes(_ACTIVATION_MIN_BYTES)})", _BITWISE,
                offload_activations=_ACTIVATION_MIN_BYTES)
     if blocks:
-        saving(f"checkpointing the {len(blocks)} blocks ({_pattern(blocks)})", checkpoint=blocks)
+        saving(f"checkpointing the {len(blocks)} blocks ({_names(blocks)})",
+               _BITWISE + " (the blocks' forward runs again in backward)", checkpoint=blocks)
 
     from headroom.nn import convert
 
-    saving("hr.convert", prepare=lambda m: convert(m, inplace=True))
-    cpu = base.device == "cpu"
+    saving("hr.convert", _BITWISE, prepare=lambda m: convert(m, inplace=True))
+    lm_patch = _lm_patch_estimate(model, args, common, optimizer, optimizer_kwargs)
+    if lm_patch is not None:
+        options.append(_Option(
+            "hr.patch_causal_lm(model) (the model's loss from its hidden states, without its"
+            " logits)", peak - lm_patch.peak, "equal to rounding (the loss in fp32 slices)",
+            timing.relative(lm_patch, host_step=False), None))
+    _classic(model, args, kwargs, base, saving, autocast=autocast)
+    _merge_half(options)
     opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
     from headroom.residency import offload_states
 
@@ -81,44 +99,204 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
         largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
         host = HostOptimizerOptions(opt_cls, kw, "disk" if cpu else "cpu", False,
                                     max(4 << 10, min(16 << 20, largest // 8)), 32 << 20)
-        saving(f"hr.HostOptimizer (state on {where})", optimizer=host, optimizer_kwargs=None)
+        saving(f"hr.HostOptimizer (state on {where})", _BITWISE + " (the same optimizer)",
+               optimizer=host, optimizer_kwargs=None, host_step=not cpu)
         if not offloaded:
-            saving(f"hr.offload with hr.HostOptimizer ({where})", optimizer=host,
-                   optimizer_kwargs=None, offload={"store": where, "prefetch": 1})
-    cats = base.peak_by_category
-    lines = ["what would cut the peak most (dry runs of the step with each technique):"]
+            saving(f"hr.offload with hr.HostOptimizer ({where})", _BITWISE, optimizer=host,
+                   optimizer_kwargs=None, offload={"store": where, "prefetch": 1},
+                   host_step=not cpu)
+        smaller = _smaller_optimizer(opt_cls)
+        if smaller is not None:
+            saving(f"{smaller[0]} instead of {opt_cls.__name__}",
+                   "different training (another optimizer: tune it again)",
+                   optimizer=smaller[1], optimizer_kwargs=smaller[2])
+    lines = ["what would cut the peak most (a dry run of the step with each technique;"
+             " largest saving first):"]
     if measured is not None:
         lines.append(
             f"  a steady-state step (optimizer state created, {base.device}) is estimated at"
             f" {format_bytes(peak)}; this run measured {format_bytes(measured)}")
+    if autocast is not None:
+        name = _HALF_NAMES.get(autocast, autocast)
+        lines.append(f"  autocast in {name} is on in this run: every dry run here runs in it")
     if resting_activations:
         lines.append(
             f"  activation offload is on in this run ({format_bytes(resting_activations)} of"
             " activations rested in stores at most): the figures here are for the step"
             " without it")
     logits = _largest_logits(model, args, kwargs, device)
-    top = max(cats.items(), key=lambda kv: kv[1])
-    share = f"{top[0]} are {100 * top[1] / peak:.0f}% of the peak"
-    if top[0] == "activations" and blocks and base.by_module:
-        in_blocks = sum(v for k, v in base.by_module.items()
-                        if any(k == b or k.startswith(b + ".") for b in blocks))
-        share += f", {100 * in_blocks / peak:.0f}% in {_pattern(blocks)}"
-    share += f" ({format_bytes(top[1])} of {format_bytes(peak)})"
-    if top[0] == "other":
-        share += ": " + _other_parts(top[1], logits)
-    lines.append(f"  {share}")
-    for amount, label in sorted(savings, key=lambda s: -s[0]):
-        if amount > 0:
-            lines.append(f"  {label}: saves about {format_bytes(amount)}"
-                         f" ({100 * amount / peak:.0f}%)")
-        else:
-            lines.append(f"  {label}: saves nothing here")
-    line = _logits_line(logits, peak)
+    lines.append("  " + _largest_share(base, blocks, logits))
+    ranked = sorted(options, key=lambda o: -o.saving)
+    n = 0
+    for o in ranked:
+        if o.saving > 0:
+            n += 1
+            lines.append(f"  {n}. {o.label}: saves about {format_bytes(o.saving)}"
+                         f" ({100 * o.saving / peak:.0f}%); {o.cost()}")
+    nothing = [o.label for o in ranked if o.saving <= 0]
+    if nothing:
+        lines.append("  saves nothing here: " + "; ".join(nothing))
+    lines.extend(failed)
+    line = _logits_line(logits, peak, patch=lm_patch is not None)
     if line:
         lines.append(line)
     if cpu:
         lines.append("  (on cpu, only stores on disk free memory: host memory is the device's)")
     return lines
+
+
+_BITWISE = "bitwise the same results"
+_HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_HALF_TIME = ("step time not modeled (half-precision matmuls are faster on GPUs with tensor"
+              " cores, often slower on CPUs)")
+
+
+class _Option:
+    """One technique's line: what it saves and what it costs."""
+
+    def __init__(self, label: str, saving: int, exact: str, time: float | None,
+                 untimed: str | None) -> None:
+        self.label = label
+        self.saving = saving
+        self.exact = exact
+        self.time = time  # the step time with it over the plain step's
+        self.untimed = untimed  # what to say when the time model says nothing
+
+    def cost(self) -> str:
+        if self.time is None:
+            return f"{self.untimed or 'step time not modeled'}; {self.exact}"
+        change = self.time - 1
+        if abs(change) < 0.005:
+            when = "about the same step time"
+        else:
+            when = f"step time {'+' if change > 0 else '-'}{100 * abs(change):.0f}%"
+        return f"{when} (time model); {self.exact}"
+
+
+class _Timing:
+    """The step time of a technique's dry run against the plain step's (`step_time` at the
+    device's speeds: measured on ``cpu``, declared for accelerators)."""
+
+    def __init__(self, base: Estimate, cpu: bool) -> None:
+        self.cpu = cpu
+        try:
+            from headroom.fit._time import default_speeds
+
+            self.speeds = default_speeds(base.device)
+            self.base = self.seconds(base, host_step=False)
+        except Exception:  # no speeds, no times: the savings still stand
+            self.speeds = None
+
+    def seconds(self, est: Estimate, *, host_step: bool) -> float:
+        from headroom.fit._time import step_time
+
+        moved = {k: v for k, v in est.transfers.items() if not (self.cpu and k == "link")}
+        a = est.activation_bytes_moved
+        if a:  # on a CPU only a disk frees memory; an accelerator's go to host memory
+            for way in (("disk_read", "disk_write") if self.cpu else ("link", "link")):
+                moved[way] = moved.get(way, 0) + a
+        return step_time(est.ops, self.speeds, host_step=host_step, moved=moved)
+
+    def relative(self, est: Estimate, *, host_step: bool) -> float | None:
+        if self.speeds is None or not self.base:
+            return None
+        return self.seconds(est, host_step=host_step) / self.base
+
+
+def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate,
+             saving: Any, *, autocast: torch.dtype | None) -> None:
+    """The classic knobs: mixed precision (autocast in bf16 and fp16, unless the step runs in
+    it already) and gradient accumulation over 2 and 4 micro-batches, each a dry run."""
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if torch.float32 in floats and autocast is None:
+        dev = base.device.split(":")[0]
+        for dtype, name, extra in (
+                (torch.bfloat16, "bf16", ""),
+                (torch.float16, "fp16", "; fp16 also needs torch.amp.GradScaler")):
+            saving(f"mixed precision: autocast in {name} (torch.autocast({dev!r},"
+                   f" dtype={dtype}))", f"different numerics (matmuls in {name}){extra}",
+                   untimed=_HALF_TIME, autocast=dtype)
+    from headroom.fit._estimate import _batch_size
+
+    batch = _batch_size(args, kwargs)
+    norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+               for m in model.modules())
+    exact = ("different numerics (batch norm statistics over each micro-batch)" if norm else
+             "equal to rounding (the gradients summed over micro-batches)")
+    for k in (2, 4):
+        if batch is not None and batch >= k:
+            saving(f"gradient accumulation over {k} micro-batches (batch {batch} ->"
+                   f" {-(-batch // k)})", exact, micro_batches=k,
+                   hint="; a loss_fn that reads tensors of the whole batch (labels it closes"
+                        " over) cannot take a micro-batch: pass them to the model as inputs")
+
+
+def _merge_half(options: list[_Option]) -> None:
+    """One line for autocast in bf16 and in fp16 when they save the same (both are 2-byte
+    types under the same op lists: they do, unless some op's kernel differs)."""
+    half = [o for o in options if o.label.startswith("mixed precision")]
+    if len(half) != 2 or half[0].saving != half[1].saving:
+        return
+    bf16, fp16 = half
+    dev = bf16.label.split("torch.autocast(")[1].split(",")[0]
+    options.remove(fp16)
+    bf16.label = (f"mixed precision: autocast in bf16 or fp16 (torch.autocast({dev},"
+                  " dtype=torch.bfloat16 or torch.float16))")
+    bf16.exact = fp16.exact.replace("matmuls in fp16", "matmuls in bf16 or fp16")
+
+
+def _smaller_optimizer(opt_cls: type) -> tuple[str, Any, dict[str, Any]] | None:
+    """An optimizer with less state than ``opt_cls`` (Adam's two moments per parameter):
+    ``torch.optim.Adafactor`` (factored second moments, no first), or ``None``."""
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is None or not issubclass(opt_cls, (torch.optim.Adam, torch.optim.AdamW)):
+        return None
+
+    class Adafactor(adafactor):
+        """Adafactor whose step runs on ``meta`` tensors: it reads norms of the parameters and
+        the update (``.item()``) for its step size only, which shapes no allocation; on
+        ``meta`` they are taken as 1."""
+
+        def step(self, closure: Any = None) -> Any:
+            with _ScalarsOfMeta():
+                return super().step(closure)
+
+    return "torch.optim.Adafactor", Adafactor, {}
+
+
+class _ScalarsOfMeta(TorchFunctionMode):
+    """``Tensor.item()`` of a ``meta`` tensor is 1.0 (see `_smaller_optimizer`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item and args[0].device.type == "meta":
+            return 1.0
+        return func(*args, **(kwargs or {}))
+
+
+def _largest_share(base: Estimate, blocks: list[str],
+                   logits: tuple[int, str, tuple[int, ...]] | None) -> str:
+    """The category largest at the peak, in a sentence: its bytes and share, and for
+    activations, the blocks' part of them."""
+    peak = base.peak
+    cat, nbytes = max(base.peak_by_category.items(), key=lambda kv: kv[1])
+    what = _CATEGORY_WORDS.get(cat, cat)
+    text = (f"the largest part of the peak is {what}, {format_bytes(nbytes)} of"
+            f" {format_bytes(peak)} ({100 * nbytes / peak:.0f}%)")
+    if cat == "activations" and blocks and base.by_module:
+        in_blocks = sum(v for k, v in base.by_module.items()
+                        if any(k == b or k.startswith(b + ".") for b in blocks))
+        text += (f"; the {len(blocks)} blocks ({_names(blocks)}) hold"
+                 f" {format_bytes(in_blocks)} of them")
+    if cat == "other":
+        text += ": " + _other_parts(nbytes, logits)
+    return text
+
+
+_CATEGORY_WORDS = {
+    "activations": "activations (saved for backward)",
+    "optimizer_state": "optimizer state",
+    "other": "other tensors",
+}
 
 
 # A classifier head is worth a line when its output has at least this many classes and it and
@@ -141,27 +319,51 @@ def _other_parts(other: int, logits: tuple[int, str, tuple[int, ...]] | None) ->
             f" ({format_bytes(other - both)}) {rest}")
 
 
-def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int) -> str | None:
+def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int, *,
+                 patch: bool = False) -> str | None:
     """A line naming the largest output of a wide ``nn.Linear`` (a language model's logits, a
-    classifier over many classes) when it and its gradient are a large share of the peak: no
-    technique above removes them, `hr.linear_cross_entropy` never materializes them."""
+    classifier over many classes) when it and its gradient are a large share of the peak:
+    `hr.patch_causal_lm` (when its line is above) or `hr.linear_cross_entropy` never
+    materializes them."""
     if logits is None:
         return None
     nbytes, name, shape = logits
     if 2 * nbytes < _HEAD_MIN_SHARE * peak:
         return None
     dims = " x ".join(str(d) for d in shape)
-    return (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
-            f" about {min(100, 200 * nbytes // peak)}% of the peak, and no technique above"
-            f" removes them: hr.linear_cross_entropy(hidden, {name}.weight, labels) computes the"
-            " same loss without ever holding them")
+    head = (f"  the logits of {name} ({dims}, {format_bytes(nbytes)}) and their gradient are"
+            f" about {min(100, 200 * nbytes // peak)}% of the peak")
+    if patch:
+        return (f"{head}: hr.patch_causal_lm(model) (above) computes the model's loss without"
+                " ever holding them")
+    return (f"{head}, and no technique above removes them: hr.linear_cross_entropy(hidden,"
+            f" {name}.weight, labels) computes the same loss without ever holding them")
+
+
+def _lm_patch_estimate(model: nn.Module, args: tuple, common: dict[str, Any], optimizer: Any,
+                       optimizer_kwargs: dict | None) -> Estimate | None:
+    """The dry run with `hr.patch_causal_lm` for a causal LM whose step computes its loss
+    from labels; ``None`` where the patch does not apply."""
+    from headroom.fit._lm import lm_patch_refusal, lm_patching
+
+    if lm_patch_refusal(model) is not None:
+        return None
+    patched: list[bool] = []
+    try:
+        est = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
+                       prepare=lm_patching(patched), **common)
+    except Exception:  # the step reads the logits (a loss_fn of its own): not for it
+        return None
+    if not any(patched):
+        return None
+    return est
 
 
 def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                     device: str) -> tuple[int, str, tuple[int, ...]] | None:
     """Bytes, module name and shape of the largest output of an ``nn.Linear`` with at least
     `_HEAD_MIN_CLASSES` outputs in a forward on ``meta``, or ``None``."""
-    from headroom.fit._dryrun import AttentionAsOnDevice, meta_copy, to_meta
+    from headroom.fit._dryrun import AttentionAsOnDevice, RealTensorsAsMeta, meta_copy, to_meta
 
     meta = meta_copy(model)
     names = {id(m): n for n, m in meta.named_modules()}
@@ -174,8 +376,10 @@ def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None
 
     handles = [m.register_forward_hook(hook) for m in meta.modules() if isinstance(m, nn.Linear)]
     try:
-        with torch.no_grad(), AttentionAsOnDevice(torch.device(device).type):
-            meta(*to_meta(args), **to_meta(dict(kwargs or {})))
+        args, kwargs = to_meta((args, dict(kwargs or {})))
+        with torch.no_grad(), AttentionAsOnDevice(torch.device(device).type), \
+                RealTensorsAsMeta():
+            meta(*args, **kwargs)
     except Exception:  # advice never breaks a report
         return None
     finally:
@@ -199,10 +403,12 @@ def _block_names(model: nn.Module) -> list[str]:
     return [names[id(b)] for b in find_blocks(model) if id(b) in names]
 
 
-def _pattern(names: list[str]) -> str:
-    """``["layers.0", "layers.1"]`` -> ``"layers.*"``."""
+def _names(names: list[str]) -> str:
+    """``["layers.0", "layers.1"]`` -> ``"layers.0 to layers.1"`` when they are all the
+    children of one module numbered in a row, else the names (the first four)."""
     parents = {n.rpartition(".")[0] for n in names}
-    if len(parents) == 1:
-        parent = parents.pop()
-        return f"{parent}.*" if parent else f"{names[0]} to {names[-1]}"
-    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+    last = [n.rpartition(".")[2] for n in names]
+    if len(parents) == 1 and len(names) > 2 and all(x.isdigit() for x in last) and \
+            [int(x) for x in last] == list(range(int(last[0]), int(last[0]) + len(names))):
+        return f"{names[0]} to {names[-1]}"
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -47,6 +47,11 @@ def add_parsers(sub: Any) -> None:
                             " masters (hr.HostOptimizer), or with --no-fp32-masters only plans"
                             " that update in that dtype, bitwise the plain step (default:"
                             " either)")
+        p.add_argument("--lm-loss", action=argparse.BooleanOptionalAction, default=None,
+                       help="a causal LM's loss without its logits (hr.patch_causal_lm, equal"
+                            " to its own loss to rounding): only plans with it, or with"
+                            " --no-lm-loss only plans without (default: with it only where"
+                            " nothing without it fits)")
         p.add_argument("--json", dest="json_out", help="also write the estimate as JSON here")
         if name == "estimate":
             p.add_argument("--no-advice", action="store_true",
@@ -75,7 +80,9 @@ def _run(args: argparse.Namespace) -> int:
     opt_name = _OPTIMIZERS[args.optimizer]
     optimizer = getattr(torch.optim, opt_name) if opt_name else None
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
+    # NOTE: real (if all-zero) token ids: the dry run reads the values of integer inputs, as
+    # the loss does (which labels are ignored)
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     kwargs = {"input_ids": ids, "labels": ids} if vocab else {"input_ids": ids}
     try:
         est = hr.estimate(model, (), example_kwargs=kwargs, optimizer=optimizer,
@@ -105,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         p = plan(model, (), example_kwargs=kwargs, budget=args.budget, device=args.device,
                  optimizer=optimizer, disk=args.disk, world_size=args.world_size,
-                 fp32_masters=args.fp32_masters)
+                 fp32_masters=args.fp32_masters, lm_loss=args.lm_loss)
     except PlanError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

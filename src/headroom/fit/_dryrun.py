@@ -1,18 +1,21 @@
 """A training step run on ``meta`` tensors: what the estimator executes instead of the real step.
 
 The step runs the model's own code, so every op PyTorch would run is seen with its real shapes
-and dtypes, but no tensor holds data. Three things make a meta run behave like the target device:
+and dtypes, but no tensor holds data. Four things make a meta run behave like the target device:
 
 - the model is copied onto ``meta`` without copying any data (the copy shares nothing with the
   original, so the dry run can never change the user's model);
 - ``scaled_dot_product_attention`` on ``meta`` would take PyTorch's math path (which keeps the
   whole attention matrix); it is redirected to the fused kernel the target device would choose;
+- autocast regions for ``"meta"`` (and the estimator's ``autocast=`` what-if) cast as the target
+  device's autocast does (`headroom.fit._autocast`);
 - the optimizer runs one step untracked first, so the tracked step is in steady state (its state
   already exists), like every step of a training run but the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -24,20 +27,15 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
+from headroom.fit._autocast import MetaAutocast
 from headroom.residency import is_packed, meta_like
 from headroom.transfer import flat_tensors as _flat
+from headroom.transfer import known_values
 from headroom.transfer import to_meta as to_meta  # the estimator's: `_dryrun.to_meta`
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-_IS_AUTOCAST = torch.is_autocast_enabled
-
-
-def _autocast_enabled(*args: Any) -> bool:
-    if args and args[0] == "meta":
-        return False
-    return _IS_AUTOCAST(*args)
 
 
 def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Module:
@@ -96,6 +94,8 @@ class AttentionAsOnDevice:
     The function is replaced in ``torch.nn.functional`` for the duration of the dry run (a
     ``TorchFunctionMode`` would not see calls made from inside other functional ops, such as
     ``multi_head_attention_forward``); calls on tensors that are not ``meta`` go to PyTorch's.
+    Entering it also enters the target's autocast for ``meta`` tensors (`MetaAutocast`), which
+    casts the attention's arguments as autocast would before the kernel is chosen.
     """
 
     def __init__(self, device_type: str) -> None:
@@ -103,36 +103,56 @@ class AttentionAsOnDevice:
 
     def __enter__(self) -> AttentionAsOnDevice:
         F.scaled_dot_product_attention = self._call
-        # Layers that ask whether autocast is on for their input's device would get an error
-        # for "meta"; the dry run runs without autocast.
-        torch.is_autocast_enabled = _autocast_enabled
+        # autocast of the target device for meta tensors (regions for "meta", as layers open
+        # them for their input's device, are the target's)
+        self._amp = MetaAutocast(self.device_type)
+        self._amp.__enter__()
         self._packed = _unpacked_on_meta()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         F.scaled_dot_product_attention = _SDPA
-        torch.is_autocast_enabled = _IS_AUTOCAST
+        self._amp.__exit__(*exc)
         if self._packed is not None:
             module, original = self._packed
             module.find_packed_sequence_indices = original
 
+    def autocast(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+        """A region of the target's autocast in ``dtype`` (none for ``None``)."""
+        if dtype is None:
+            return contextlib.nullcontext()
+        return self._amp.region(dtype=dtype)
+
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # autocast casts the arguments of scaled_dot_product_attention before any kernel
+        args, kwargs, _ = self._amp.cast_args(_SDPA, args, kwargs)
         out = self._fused(*args, **kwargs)
         return _SDPA(*args, **kwargs) if out is None else out
 
     def _fused(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-        if q.device.type != "meta" or q.is_nested or q.dim() != 4:
+        if q.device.type != "meta" or q.is_nested or q.dim() not in (3, 4):
             return None
         if self.device_type == "cpu":
-            if dropout_p or q.dtype not in (torch.float32, torch.float64, torch.bfloat16,
-                                            torch.float16):
-                return None
+            if _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) != 1:
+                return None  # PyTorch's math path, as on the CPU
             mask = attn_mask
             if mask is not None and mask.dtype == torch.bool:
                 mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            if q.dim() == 3:
+                # Inputs without a head dimension (which torch 2.14's CPU attention runs fused,
+                # and 2.13's through the math path: the choice above is torch's own): the
+                # kernel takes them as one batch of heads, and keeps them so for backward.
+                if mask is not None and mask.dim() > 3:
+                    return None
+                one = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+                mask = mask.unsqueeze(0) if mask is not None and mask.dim() == 3 else mask
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    *one, 0.0, is_causal, attn_mask=mask, scale=scale)[0].squeeze(0)
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+        if q.dim() != 4:
+            return None
         if enable_gqa and k.size(-3) != q.size(-3):
             # Grouped-query attention: of CUDA's fused kernels only flash (and cuDNN) take it,
             # in half precision, without a mask, heads up to 256 wide; otherwise PyTorch runs
@@ -152,14 +172,37 @@ class AttentionAsOnDevice:
             q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
 
 
+def _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The kernel PyTorch's CPU attention picks for these inputs (``SDPBackend``'s number:
+    0 the math path, 1 flash), asked of PyTorch itself.
+
+    NOTE: the choice reads shapes, dtypes, strides of the last dimension, dropout and which
+    inputs require gradients (a mask that requires one, as T5's learned position bias, takes
+    the math path: the CPU flash kernel has no gradient for it), never values; so it is asked
+    with CPU stand-ins of one row each, broadcast to the inputs' shapes.
+    """
+
+    def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        row = torch.zeros(t.shape[-1:], dtype=t.dtype, requires_grad=t.requires_grad)
+        return row.as_strided(t.shape, (0,) * (t.dim() - 1) + (1,)[:t.dim()])
+
+    with torch._C._DisableTorchDispatch():
+        return int(torch._fused_sdp_choice(
+            stand_in(q), stand_in(k), stand_in(v), stand_in(attn_mask), dropout_p, is_causal,
+            scale=scale, enable_gqa=enable_gqa))
+
+
 def _unpacked_on_meta() -> tuple[Any, Callable] | None:
     """Make transformers' search for packed sequences answer "one sequence per row" for
-    ``meta`` position ids; returns what to put back.
+    ``meta`` position ids of unknown values; returns what to put back.
 
     NOTE: without a KV cache (``use_cache=False``, which gradient checkpointing forces)
     transformers' attention masks look for several sequences packed in one row by reading the
-    position ids' values, which a dry run does not have. Generated position ids (``arange``)
-    are one sequence per row, which is what the search finds for them on a real device.
+    position ids' values. Given ones and generated ones (``arange``) have known values (see
+    [Note: known values in a dry run]) and are searched as on a real device; others (from
+    inputs given as ``meta`` tensors) are taken as one sequence per row.
     """
     import sys
 
@@ -170,7 +213,8 @@ def _unpacked_on_meta() -> tuple[Any, Callable] | None:
 
     @functools.wraps(original)
     def find(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        if isinstance(position_ids, torch.Tensor) and position_ids.device.type == "meta":
+        if isinstance(position_ids, torch.Tensor) and position_ids.device.type == "meta" \
+                and known_values.get(position_ids) is None:
             return None
         return original(position_ids, *args, **kwargs)
 
@@ -230,7 +274,8 @@ class RealTensorsAsMeta(TorchDispatchMode):
     Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
     run would: it is used inside the step) before it is swapped. Fused optimizer kernels that
     have no ``meta`` implementation update their arguments in place and allocate nothing: on
-    ``meta`` tensors they are skipped.
+    ``meta`` tensors they are skipped. Ops whose inputs have known values also run on those
+    values (see [Note: known values in a dry run]).
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -239,11 +284,152 @@ class RealTensorsAsMeta(TorchDispatchMode):
         has_meta = any(a.device.type == "meta" for a in flat)
         if has_meta and func.overloadpacket in _FUSED_WITHOUT_META:
             return None
+        try:
+            out = self._meta(func, args, kwargs, flat, has_meta)
+        except (NotImplementedError, RuntimeError):
+            # an op that needs values (.item(), nonzero, a copy out of meta): known ones?
+            values = _real_inputs(func, args, kwargs, flat) if has_meta else None
+            if values is None or any(r.alias_info is not None for r in func._schema.returns):
+                raise
+            return _from_values(kwargs, func(*values[0], **values[1]))
+        if _has_meta_output(out):
+            values = _real_inputs(func, args, kwargs, flat)
+            if values is not None and _keep_values(func, out, values):
+                return out
+        if has_meta and known_values:
+            _forget_written(func, args, kwargs)
+        return out
+
+    @staticmethod
+    def _meta(func, args, kwargs, flat, has_meta):
         if has_meta and any(a.device.type != "meta" and a.dim() > 0 for a in flat):
             args, kwargs = tree_map(_meta_stand_in, (args, kwargs))
         if has_meta:
             return _MetaResults.call(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# [Note: known values in a dry run]
+# The integer inputs of a step (ids, attention masks, labels) keep their values beside their
+# meta stand-ins (`headroom.transfer.to_meta`), and every op whose tensor inputs all have known
+# values (or are real) also runs on those values, on the CPU, below the tracker: the ``meta``
+# result is still what the memory is counted from, the CPU one is its values. So do small
+# results that read no values (``arange``, ``ones_like``: a backward's seed). Models read such
+# values to choose their path (transformers skips an all-ones padding mask, builds a 4-D mask
+# otherwise); a dry run then takes the path the real step takes, and an op that needs values
+# (``.item()``, ``nonzero``) gets them. Values are never guessed: an op writing unknown values
+# into a storage drops the values of every tensor on it.
+
+# Values of results that read no values (factories, ``*_like``) are kept up to this size (the
+# others up to `headroom.transfer.known_values`' ``max_bytes``): small ones (positions, a seed)
+# are read; zeros the size of a parameter are only written over.
+_MAX_FRESH_BYTES = 1 << 20
+
+# Ops whose results read only the shape and dtype of their tensor argument.
+_VALUE_FREE = {getattr(torch.ops.aten, name) for name in (
+    "ones_like", "zeros_like", "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
+    "new_empty", "new_empty_strided") if hasattr(torch.ops.aten, name)}
+
+
+def _real_inputs(func, args: tuple, kwargs: dict, flat: list[torch.Tensor]
+                 ) -> tuple[tuple, dict, int] | None:
+    """``args`` and ``kwargs`` with every ``meta`` tensor replaced by its known values and a
+    ``meta`` device by the CPU, and the largest result whose values are kept; or ``None``
+    when some ``meta`` input has no known values (or the op draws random numbers)."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    free = func.overloadpacket in _VALUE_FREE
+    fresh = free or not flat
+    for a in flat:
+        if a.device.type == "meta" and known_values.get(a) is None and not (
+                free and a.untyped_storage().nbytes() <= _MAX_FRESH_BYTES):
+            return None
+
+    def real(x: Any) -> Any:
+        if isinstance(x, (torch.UntypedStorage, torch.TypedStorage)):
+            raise _NoValues
+        if isinstance(x, torch.Tensor) and x.device.type == "meta":
+            v = known_values.get(x)
+            return v if v is not None else torch.empty_strided(x.shape, x.stride(),
+                                                               dtype=x.dtype)
+        if isinstance(x, torch.device) and x.type == "meta":
+            return torch.device("cpu")
+        return x
+
+    try:
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
+    except _NoValues:  # a storage argument (set_): its values are not known
+        return None
+    return real_args, real_kwargs, _MAX_FRESH_BYTES if fresh else known_values.max_bytes
+
+
+class _NoValues(Exception):
+    pass
+
+
+def _has_meta_output(out: Any) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.device.type == "meta"
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta"
+               for t in tree_flatten(out)[0])
+
+
+def _keep_values(func, out: Any, values: tuple[tuple, dict, int]) -> bool:
+    """Run ``func`` on the known values of its inputs and keep the results as the values of
+    its ``meta`` results (up to the size ``values`` gives); whether it did."""
+    metas = tree_flatten(out)[0]
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta"
+           and t.untyped_storage().nbytes() > values[2] for t in metas):
+        return False
+    try:
+        real = tree_flatten(func(*values[0], **values[1]))[0]
+    except Exception:  # the values are not known, but the meta op ran: the step goes on
+        return False
+    if len(real) != len(metas):
+        return False
+    for m, r in zip(metas, real, strict=True):
+        if isinstance(m, torch.Tensor) and m.device.type == "meta":
+            if isinstance(r, torch.Tensor):
+                known_values.put(m, r)
+            else:
+                known_values.forget(m)
+    return True
+
+
+def _from_values(kwargs: dict, real: Any) -> Any:
+    """The result of an op whose ``meta`` kernel needs values, from its result on the known
+    values: ``meta`` tensors of the same layout (their values kept), or the result itself
+    where the op asked for a real device (``.cpu()``) or returns no tensor (``.item()``)."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "meta":
+        return real
+
+    def one(r: Any) -> Any:
+        if not isinstance(r, torch.Tensor):
+            return r
+        m = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta")
+        known_values.put(m, r)
+        return m
+
+    return tree_map(one, real)
+
+
+def _forget_written(func, args: tuple, kwargs: dict) -> None:
+    """Drop the known values of the ``meta`` storages ``func`` writes (its new values there
+    are not known)."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = tuple(
+            (i, a.name, a.kwarg_only) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    for i, name, kwarg_only in written:
+        x = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+        for t in _flat([x]):
+            if t.device.type == "meta":
+                known_values.forget(t)
+
+
+_WRITTEN: dict[Any, tuple[tuple[int, str, bool], ...]] = {}  # op -> the arguments it writes
 
 
 _FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
@@ -358,14 +544,39 @@ def _meta_stand_in(t: Any) -> Any:
 
 
 def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> None:
-    """Wrap the forward of each named submodule in non-reentrant activation checkpointing."""
+    """Wrap the forward of each named submodule in non-reentrant activation checkpointing, as
+    `hr.plan` applies it.
+
+    A checkpointed submodule called in training with a key/value cache (transformers'
+    ``cache``, ``past_key_values``, ``past_key_value`` or ``layer_past``, and ``use_cache``)
+    runs without it, as under transformers' own gradient checkpointing: backward's
+    recomputation would append its keys and values to the cache again and attend over both
+    (layers that declare ``_can_checkpoint_with_cache``, which only read it, keep it).
+
+    Raises:
+        AttributeError: ``model`` has no submodule of one of the names.
+    """
     for name in names:
         module = model.get_submodule(name)
         forward = module.forward
-        module.forward = functools.partial(_checkpointed, forward)  # type: ignore[method-assign]
+        module.forward = functools.partial(  # type: ignore[method-assign]
+            _checkpointed, module, forward)
 
 
-def _checkpointed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed(module: nn.Module, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    if module.training and torch.is_grad_enabled() \
+            and not getattr(module, "_can_checkpoint_with_cache", False):
+        for key in _CACHE_KWARGS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = None
+        cache = kwargs.get("cache")
+        if cache is not None and hasattr(cache, "get_seq_length"):  # a key/value cache
+            kwargs["cache"] = None
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
     return _ckpt.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

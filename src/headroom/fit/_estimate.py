@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from headroom._providers import advice_provider
 from headroom._saved_hooks import keeping
 from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadedActivations
 from headroom.fit import _dryrun
@@ -139,10 +141,25 @@ class Estimate:
         """What would cut the peak most, each technique's saving from a dry run with it (lines
         of text; computed on first use, a few more dry runs)."""
         if self._advice is None:
-            from headroom.fit._advice import estimate_advice
-
-            self._advice = estimate_advice(self)
+            self._advice = self._advise()
         return self._advice
+
+    def _advise(self) -> list[str]:
+        # Advice for the plain step the estimate ran (none for a what-if). It runs estimates
+        # of its own (headroom.fit._advice imports this module), so it is reached through the
+        # provider headroom.fit registers rather than imported here.
+        ctx = self._context
+        model = ctx["model"]() if ctx else None
+        if model is None:
+            return []
+        try:
+            return advice_provider()(
+                model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
+                optimizer=ctx.get("optimizer"), optimizer_kwargs=ctx.get("optimizer_kwargs"),
+                device=self.device, base=self)
+        except Exception as e:  # advice never breaks a report
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
 
     @property
     def timeline(self):
@@ -209,6 +226,8 @@ def estimate(
     offload: Mapping[str, Any] | None = None,
     world_size: int | None = None,
     mesh: Any = None,
+    autocast: torch.dtype | None = None,
+    micro_batches: int = 1,
 ) -> Estimate:
     """Estimate the memory of one training step without running it on real tensors.
 
@@ -230,8 +249,10 @@ def estimate(
 
     Args:
         model: the model, its parameters anywhere (``meta`` included), offloaded or not.
-        example_args: the inputs of one step, a tuple (or a single tensor); their shapes and
-            dtypes matter, their values do not (they may be ``meta`` tensors too).
+        example_args: the inputs of one step, a tuple (or a single tensor), as the step gets
+            them: their shapes and dtypes matter, and the values of integer and boolean ones
+            (ids, attention masks with their padding, labels), which models read to choose
+            their path (they may be ``meta`` tensors too, without values).
         loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
             model returns one, else the sum of its (first) tensor output.
         optimizer: a ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``), an instance
@@ -267,12 +288,27 @@ def estimate(
             all-gathered units alive at once, the reduce-scatter buffers. A model already
             ``fully_shard``ed is estimated over its own mesh without this argument.
         mesh: the 1-D ``DeviceMesh`` FSDP2 would shard over, instead of ``world_size``.
+        autocast: what-if: the forward and the loss inside ``torch.autocast(device_type,
+            dtype=autocast)`` of the target device (``torch.bfloat16`` or ``torch.float16``),
+            backward and the optimizer step outside it, as mixed-precision training runs them.
+            Autocast's casts are PyTorch's own (see `headroom.fit._autocast`). ``None``: as the
+            model runs (a region for ``"meta"``, ``torch.autocast(x.device.type)`` in the
+            model's code, is the target's autocast in the dry run).
+        micro_batches: what-if: gradient accumulation over this many micro-batches, the
+            inputs' first dimension split as ``tensor_split`` splits it (every tensor input
+            whose first dimension is the first input's): one forward and backward per
+            micro-batch of ``loss / micro_batches``, gradients accumulating, then one
+            optimizer step. Each micro-batch's inputs exist only for its own forward and
+            backward, as a data loader of that batch size gives them. ``loss_fn`` sees each
+            micro-batch's output (one that closes over tensors of the whole batch fails).
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
         ValueError: if ``device`` is missing for a model on ``meta`` or is not a torch device;
+            ``autocast`` not ``None``, ``torch.float16`` or ``torch.bfloat16``;
+            ``micro_batches`` not an int from 1 to the batch size;
             an ``offload=`` or ``offload_activations=`` option that is not one of those above
             (or ``offload=`` for a model already offloaded); ``world_size`` not an int >= 1, a
             mesh that is not 1-D, either disagreeing with a sharded model's mesh, a store on
@@ -280,9 +316,9 @@ def estimate(
         TypeError: if ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
             is not given, or ``optimizer`` is not an optimizer class, instance or factory;
             ``mesh`` is not a ``DeviceMesh``.
-        RuntimeError: if the model's forward needs tensor values (data-dependent control flow,
-            ``.item()``, ``nonzero``), which a dry run cannot know; the message names the op.
-            Nothing is changed: the estimate runs on a copy.
+        RuntimeError: if the model's forward needs values a dry run does not know (``.item()``
+            or ``nonzero`` of what is computed from floating-point inputs or parameters); the
+            message names the op. Nothing is changed: the estimate runs on a copy.
 
     Example:
         >>> est = hr.estimate(model, (x,), optimizer=torch.optim.AdamW, device="cuda")
@@ -294,9 +330,14 @@ def estimate(
                             else spec.device)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
+    from headroom.fit._autocast import check_autocast
+
+    amp_dtype = check_autocast(autocast, target)
+    micro = _check_micro_batches(micro_batches, example_args, example_kwargs)
     options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
                "offload_activations": offload_activations, "prepare": prepare,
-               "offload": offload, "world_size": None if spec is None else spec.world}
+               "offload": offload, "world_size": None if spec is None else spec.world,
+               "autocast": amp_dtype, "micro_batches": micro}
     features = None
     sharded = None
     if spec is not None:
@@ -335,8 +376,7 @@ def estimate(
                                 accelerated=target != "cpu")
     elif features is not None:
         features.install(meta_model)
-    args = _dryrun.to_meta(example_args)
-    kwargs = _dryrun.to_meta(dict(example_kwargs or {}))
+    args, kwargs = _dryrun.to_meta((example_args, dict(example_kwargs or {})))
     loss_fn = loss_fn or _dryrun.default_loss
     params = [p for p in (meta_model.parameters() if sharded is None else sharded.masters())
               if p.requires_grad]
@@ -366,13 +406,26 @@ def estimate(
         finally:
             keepers[-1].close()
 
-    def step() -> None:
-        with final() if final is not None else contextlib.nullcontext():
-            loss = loss_fn(meta_model(*args, **kwargs))
-            if not isinstance(loss, torch.Tensor):
-                raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
-            loss.backward()
-            del loss
+    def inputs() -> list[Any]:
+        # each micro-batch's inputs are made before the tracked step (as a data loader makes
+        # them), and each is dropped after its backward
+        return [(args, kwargs)] if micro == 1 else _split_inputs(args, kwargs, micro)
+
+    def step(parts: list[Any]) -> None:
+        for i in range(micro):
+            part_args, part_kwargs = parts[i]
+            parts[i] = None
+            last = i == micro - 1
+            with final() if final is not None and last else contextlib.nullcontext():
+                with attention.autocast(amp_dtype):
+                    loss = loss_fn(meta_model(*part_args, **part_kwargs))
+                if not isinstance(loss, torch.Tensor):
+                    raise TypeError(f"loss_fn returned {type(loss).__name__}, not a tensor")
+                if micro > 1:
+                    loss = loss / micro
+                del part_args, part_kwargs
+                loss.backward()
+                del loss
         if opt is not None:
             with on_host():
                 opt.step()
@@ -394,7 +447,8 @@ def estimate(
             # creates the optimizer state (and a host store's gradients): the tracked step is
             # a steady-state one
             with kept():
-                step()
+                step(inputs())
+        parts = inputs()
         tracker = _DryRunTracker(target, alloc, None if features is None else features.places,
                                  model=meta_model, optimizer=opt)
         counter = _dryrun.OpCounter(lambda: tracker._in_optimizer > 0)
@@ -402,7 +456,7 @@ def estimate(
             features.mark()
         link = sharded.link_bytes if sharded is not None else 0
         with tracker, counter, kept():
-            step()
+            step(parts)
     est = Estimate(tracker, target, alloc, options)
     est.ops = counter.ops
     est.activation_bytes_moved = keepers[-1].moved if keepers else 0
@@ -413,9 +467,46 @@ def estimate(
                     "loss_fn": options["loss_fn"], "optimizer": optimizer,
                     "optimizer_kwargs": optimizer_kwargs}
     if checkpoint or prepare is not None or offload_activations is not None or \
-            features is not None or spec is not None:
+            features is not None or spec is not None or amp_dtype is not None or micro > 1:
         est._context = None  # advice is for the plain step
     return est
+
+
+def _check_micro_batches(micro_batches: Any, args: tuple, kwargs: dict[str, Any] | None
+                         ) -> int:
+    """``micro_batches`` checked against the batch of the inputs."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
+            or micro_batches < 1:
+        raise ValueError(f"micro_batches= must be an int >= 1, got {micro_batches!r}")
+    if micro_batches == 1:
+        return 1
+    batch = _batch_size(args, kwargs)
+    if batch is None or batch < micro_batches:
+        raise ValueError(
+            f"micro_batches={micro_batches} splits the inputs' first dimension, but the batch"
+            f" is {'not a tensor' if batch is None else batch}: pass at most the batch size")
+    return micro_batches
+
+
+def _batch_size(args: tuple, kwargs: dict[str, Any] | None) -> int | None:
+    for t in tree_flatten((args, dict(kwargs or {})))[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return t.shape[0]
+    return None
+
+
+def _split_inputs(args: tuple, kwargs: dict[str, Any], parts: int) -> list[tuple[tuple, dict]]:
+    """The inputs of each micro-batch: every tensor whose first dimension is the batch split
+    as ``tensor_split`` does, each piece a tensor of its own (as a data loader gives it)."""
+    batch = _batch_size(args, kwargs)
+    flat, spec = tree_flatten((args, kwargs))
+    pieces = [t.tensor_split(parts) if isinstance(t, torch.Tensor) and t.dim() > 0
+              and t.shape[0] == batch else None for t in flat]
+    out = []
+    for i in range(parts):
+        mine = [p[i].clone() if p is not None else t for t, p in zip(flat, pieces, strict=True)]
+        out.append(tree_unflatten(mine, spec))
+    return out
 
 
 def _activation_options(what_if: Any, model: nn.Module, meta_model: nn.Module) -> dict[str, Any]:
@@ -560,10 +651,13 @@ def _values_needed():
         text = str(e)
         if "meta" in text or "item()" in text or "data-dependent" in text.lower():
             raise RuntimeError(
-                "the dry run hit an op that needs tensor values, which meta tensors do not have"
-                f" ({text.splitlines()[0][:300]}). Models whose forward branches on values"
-                " (.item(), nonzero, masks computed from inputs) cannot be estimated this way;"
-                " move that logic out of the forward or measure with hr.track_memory()."
+                "the dry run hit an op that needs tensor values it does not know"
+                f" ({text.splitlines()[0][:300]}). A dry run knows the values of integer and"
+                " boolean inputs (ids, attention masks, labels) and of what is computed from"
+                " them alone, not those of floating-point inputs, parameters, inputs given as"
+                " meta tensors, or what is computed from them; a forward that branches on"
+                " those (.item(), nonzero, boolean indexing) cannot be estimated: move that"
+                " logic out of the forward, or measure with hr.track_memory()."
             ) from e
         raise
 

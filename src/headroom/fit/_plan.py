@@ -12,6 +12,7 @@ the plan's peak is that dry run's, the same figure `hr.estimate` gives for the a
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import math
 import os
@@ -26,6 +27,7 @@ from torch import nn
 
 from headroom.fit import _dryrun
 from headroom.fit._estimate import Estimate, estimate, parse_device
+from headroom.fit._lm import lm_patch_refusal, lm_patching
 from headroom.fit._time import Speeds, default_speeds, step_time
 from headroom.memory import CATEGORIES, format_bytes
 
@@ -77,6 +79,9 @@ class Choice:
         activations: where tensors saved for backward rest: ``"device"``, ``"host"`` or
             ``"disk"`` (`hr.offload_activations` around every forward, ``prefetch=0``).
         activation_min_bytes: the ``min_bytes`` of activation offload.
+        lm_loss: a causal LM's loss from its hidden states, without its logits
+            (`hr.patch_causal_lm`; never with ``convert``, which converts the output layer the
+            patch needs as a plain ``nn.Linear``).
     """
 
     convert: bool = False
@@ -85,9 +90,13 @@ class Choice:
     optimizer_state: str = "device"
     activations: str = "device"
     activation_min_bytes: int = 1 << 20
+    lm_loss: bool = False
 
     def describe(self, *, sharded: bool = False) -> list[str]:
         out = []
+        if self.lm_loss:
+            out.append("the LM loss without logits (hr.patch_causal_lm: the model's loss from"
+                       " its hidden states in fp32 slices, equal to its own to rounding)")
         if self.convert:
             out.append("hr.convert (layers that save only what backward needs)")
         if self.checkpoint:
@@ -196,13 +205,12 @@ class Plan:
                   else f"{model_name}.parameters()")
         if c.convert:
             lines.append(f"{model_name} = hr.convert({model_name})")
+        if c.lm_loss:
+            lines.append(f"hr.patch_causal_lm({model_name})")
         if c.checkpoint:
-            lines.append("from functools import partial")
-            lines.append("from torch.utils.checkpoint import checkpoint")
-            lines.append(f"for name in {list(c.checkpoint)!r}:")
-            lines.append(f"    block = {model_name}.get_submodule(name)")
-            lines.append("    block.forward = partial(checkpoint, block.forward,"
-                         " use_reentrant=False)")
+            lines.append("from headroom.fit import checkpoint_modules")
+            lines.append("# non-reentrant checkpointing (no key/value cache in training)")
+            lines.append(f"checkpoint_modules({model_name}, {list(c.checkpoint)!r})")
         if self.world_size is not None:
             # FSDP2 first, then headroom's store for each rank's shards
             lines.append("from torch.distributed.device_mesh import init_device_mesh")
@@ -263,11 +271,7 @@ class Plan:
         fully_shard(model, mesh=mesh)
 
     def _host_kwargs(self) -> dict[str, Any]:
-        kwargs = dict(self.optimizer_kwargs)
-        if self.device == "cpu":
-            # PyTorch's default CPU step is the single-tensor one: bitwise the plain run
-            kwargs.setdefault("fused", False)
-        return kwargs
+        return _host_kwargs(_opt_class(self.optimizer), self.optimizer_kwargs, self.device)
 
     def _disk(self, sub: str) -> str:
         if self.disk is None:  # pragma: no cover - disk choices need disk=
@@ -279,7 +283,8 @@ class Plan:
 
         Returns:
             ``(model, optimizer)``: the model to train (a new module tree sharing the
-            parameters when ``hr.convert`` is chosen, else ``model`` itself, changed in place)
+            parameters when ``hr.convert`` is chosen, else ``model`` itself, changed in place;
+            patched by `hr.patch_causal_lm` when the plan has the LM loss without logits)
             and the optimizer over its parameters.
 
         Raises:
@@ -288,11 +293,13 @@ class Plan:
             RuntimeError: a plan made with ``world_size=N`` applied outside a job of ``N``
                 ranks (``torch.distributed`` initialized); checked before anything changes.
 
-        The steps run in order (``hr.convert``, checkpointing, ``hr.offload``, activation
-        offload, the optimizer); if one raises (a full disk, a device that is missing), the
-        ones before it stay applied: rebuild the model rather than retry on it.
+        The steps run in order (``hr.convert``, `hr.patch_causal_lm`, checkpointing,
+        ``hr.offload``, activation offload, the optimizer); if one raises (a full disk, a
+        device that is missing), the ones before it stay applied: rebuild the model rather
+        than retry on it.
         """
         from headroom.fit._apply import offload_activations_in_forward
+        from headroom.heads import patch_causal_lm
         from headroom.nn import convert
         from headroom.optim import HostOptimizer
         from headroom.residency import offload
@@ -315,6 +322,8 @@ class Plan:
                 ) from None
         if c.convert:
             model = convert(model)
+        if c.lm_loss:
+            patch_causal_lm(model)
         _dryrun.checkpoint_modules(model, c.checkpoint)
         if self.world_size is not None:
             self._shard(model)
@@ -361,11 +370,38 @@ def _opt_class(optimizer: Any) -> type[torch.optim.Optimizer]:
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
-        return type(optimizer)
+        # NOTE: the plan builds its optimizer over the parameters it applies to; an instance's
+        # hyperparameters (lr, per-group settings) would silently be left behind.
+        name = _opt_name(type(optimizer))
+        raise TypeError(
+            f"hr.plan needs optimizer= as a class with its keyword arguments in"
+            f" optimizer_kwargs (optimizer={name}, optimizer_kwargs={{'lr': ...}}), got an"
+            f" instance of {type(optimizer).__name__}: Plan.apply builds the optimizer over the"
+            f" model it applies to, and would lose the instance's hyperparameters"
+        )
     raise TypeError(
         f"hr.plan needs optimizer= as a torch.optim.Optimizer class (e.g. torch.optim.AdamW),"
         f" got {optimizer!r}"
     )
+
+
+def _host_kwargs(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
+                 device: str | torch.device) -> dict[str, Any]:
+    """The keyword arguments with which `HostOptimizer` steps as ``cls(params, **kwargs)``
+    steps them on a CPU ``device``: torch's own implementation there, not the fused kernel
+    HostOptimizer picks for Adam, AdamW and Adagrad when neither ``fused`` nor ``foreach`` is
+    given (on an accelerator the plain step runs other kernels anyway: HostOptimizer's own)."""
+    kwargs = dict(kwargs)
+    if torch.device(device).type != "cpu" or "fused" in kwargs or "foreach" in kwargs:
+        return kwargs
+    try:
+        accepts = "fused" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # no signature to read: pass the user's arguments as given
+        accepts = False
+    if accepts:
+        # NOTE: only classes whose constructor takes ``fused``: ``RMSprop(fused=False)`` raises.
+        kwargs["fused"] = False
+    return kwargs
 
 
 def _opt_name(optimizer: Any) -> str:
@@ -408,29 +444,40 @@ def plan(
     world_size: int | None = None,
     mesh: Any = None,
     fp32_masters: bool | None = None,
+    lm_loss: bool | None = None,
 ) -> Plan:
     """Choose what to turn on so that one training step fits ``budget`` bytes on ``device``.
 
     Considers `hr.convert`, non-reentrant checkpointing of the first k of the model's blocks
     (k in quarters of the blocks), activation offload (`hr.offload_activations`) to host memory
     or ``disk``, parameter offload (`hr.offload`, ``prefetch=1``) to host memory or ``disk``,
-    and the optimizer's state and step on the host or on ``disk`` (`hr.HostOptimizer`). Every
-    combination gets an estimated step time; the fastest one whose estimated peak (a dry run
-    of the whole plan, see `hr.estimate`) fits the budget is returned. All of these techniques
-    are exact: training with the plan gives bitwise the parameters of the plain step on the
-    same device, with one exception that ``fp32_masters`` controls: `hr.HostOptimizer` trains
-    bf16/fp16 parameters from fp32 masters (fp32 gradients and state), more precise than the
-    plain step, which updates them in their own dtype, and so not bitwise equal to it. On
-    ``cpu`` host memory is the device's, so only stores on disk are considered.
+    the optimizer's state and step on the host or on ``disk`` (`hr.HostOptimizer`), and, for a
+    causal LM that computes its loss from ``labels``, that loss without its logits
+    (`hr.patch_causal_lm`). Every combination gets an estimated step time; the fastest one
+    whose estimated peak (a dry run of the whole plan, see `hr.estimate`) fits the budget is
+    returned. All of these techniques are exact: training with the plan gives bitwise the
+    parameters of the plain step on the same device, with two exceptions, each with its
+    option: `hr.HostOptimizer` trains bf16/fp16 parameters from fp32 masters (fp32 gradients
+    and state), more precise than the plain step, which updates them in their own dtype, and
+    so not bitwise equal to it (``fp32_masters``); `hr.patch_causal_lm` computes the model's
+    own loss in fp32 slices over the vocabulary, equal to it to rounding, not bitwise
+    (``lm_loss``). On ``cpu`` host memory is the device's, so only stores on disk are
+    considered.
 
     Args:
         model: the model (parameters anywhere, ``meta`` included); not changed.
-        example_args: one step's inputs (shapes and dtypes matter, values do not).
+        example_args: one step's inputs, as for `hr.estimate` (shapes and dtypes matter, and
+            the values of integer and boolean ones: ids, attention masks, labels).
         budget: bytes the step may use on ``device``: an int or a string such as ``"8GiB"``.
             For CUDA-like devices the budget is compared with the caching allocator model's
             reserved bytes.
         device: the device to plan for.
-        optimizer: the ``torch.optim.Optimizer`` class to train with.
+        optimizer: the ``torch.optim.Optimizer`` class to train with (its keyword arguments in
+            ``optimizer_kwargs``). `Plan.apply` builds it as ``optimizer(params,
+            **optimizer_kwargs)``, or `hr.HostOptimizer` over the same class and arguments; on
+            a ``cpu`` device with the implementation ``optimizer(params)`` picks there (torch's
+            single-tensor one where ``fused``/``foreach`` is not given), so that training is
+            bitwise that of the call without headroom.
         loss_fn: as for `hr.estimate`.
         disk: a folder for stores on disk; without it only host memory is used.
         exact: only exact techniques. ``False`` would also allow lower precision, which this
@@ -454,6 +501,12 @@ def plan(
             parameters stay there too); ``None`` (default) either, whichever is fastest
             within the budget (``print(plan)`` says when masters are added). No effect on
             fp32/fp64 parameters, which are their own masters.
+        lm_loss: for a causal LM whose step computes its loss from ``labels`` (a
+            ``transformers`` model whose output layer `hr.patch_causal_lm` takes; ``loss_fn``
+            reading ``output.loss``): ``True`` keeps only plans with `hr.patch_causal_lm`,
+            ``False`` only plans without (bitwise the plain step), ``None`` (default) plans
+            with it only where no plan without it fits the budget. Not considered for
+            ``world_size``.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` returns ``(model, optimizer)``.
@@ -462,7 +515,7 @@ def plan(
         PlanError: (a ``ValueError``) no combination fits; the message gives the smallest peak
             found and what dominates it.
         ValueError: a budget that is not a positive, finite byte count; a ``device`` that is
-            not a torch device.
+            not a torch device; ``lm_loss=True`` for a step the patch does not apply to.
         TypeError: ``model`` is not an ``nn.Module``.
 
     ``model`` is never changed: every dry run uses a copy on ``meta``, so an error from one
@@ -483,10 +536,12 @@ def plan(
     world = check_world(world_size, mesh)
     if fp32_masters is not None and not isinstance(fp32_masters, bool):
         raise TypeError(f"fp32_masters must be True, False or None, got {fp32_masters!r}")
+    if lm_loss is not None and not isinstance(lm_loss, bool):
+        raise TypeError(f"lm_loss must be True, False or None, got {lm_loss!r}")
     search = Search(model, example_args, device=device, optimizer=optimizer, loss_fn=loss_fn,
                     disk=disk, example_kwargs=example_kwargs, optimizer_kwargs=optimizer_kwargs,
                     speeds=speeds, slice_bytes=slice_bytes, world_size=world,
-                    fp32_masters=fp32_masters)
+                    fp32_masters=fp32_masters, lm_loss=lm_loss)
     candidates = search.candidates
     if not candidates:
         # only fp32_masters=True can leave none: shards on a CPU mesh have no host optimizer
@@ -494,24 +549,14 @@ def plan(
             f"no plan on {device} trains the model's bf16/fp16 parameters from fp32 masters:"
             " one rank's shards on a CPU device can only be stepped by the optimizer itself."
             " Pass fp32_masters=None (or False), or convert the model to float32.", 0)
-    # best first on time: a candidate is refined (its own run) when it comes up, and estimated
-    # whole (peak and time) when its lower bound fits; each step only makes its time more
-    # exact (larger), so the first that comes up whole and fitting is the fastest that fits
-    heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
-    heapq.heapify(heap)
+    # NOTE: with lm_loss=None the LM-loss patch (the model's loss to rounding, not bitwise) is
+    # used only where no plan without it fits: exact by default wherever that fits
+    bitwise = [c for c in candidates if not c.choice.lm_loss]
     chosen = None
-    while heap:
-        _, i, c = heapq.heappop(heap)
-        if c.lower is None:
-            search.refine(c)
-        elif c.peak is None and c.lower <= budget_b:
-            search.whole(c)  # its time too, from the whole plan's ops and transfers
-        elif c.peak is not None and c.peak <= budget_b:
-            chosen = c
+    for pool in [bitwise, candidates] if lm_loss is None and bitwise else [candidates]:
+        chosen = _fastest_fitting(search, pool, budget_b)
+        if chosen is not None:
             break
-        else:
-            continue
-        heapq.heappush(heap, (c.time_s, i, c))
     if chosen is None:
         # every candidate was refined; branch and bound on the lower bounds for the smallest
         # peak and what dominates it
@@ -527,6 +572,9 @@ def plan(
         if search.fp32_masters is False:
             hint += (" fp32_masters=False keeps the optimizer, and so the parameters, on the"
                      " device; fp32_masters=None allows hr.HostOptimizer (fp32 masters).")
+        if lm_loss is False:
+            hint += (" lm_loss=False keeps the model's logits; lm_loss=None allows"
+                     " hr.patch_causal_lm (the loss without them).")
         used = best.choice.describe()
         raise PlanError(
             f"no combination of headroom's techniques fits {format_bytes(budget_b)} on"
@@ -551,6 +599,30 @@ def plan(
 
 
 _MAX_ALTERNATIVE_RUNS = 3
+
+
+def _fastest_fitting(search: Search, candidates: list[_Candidate], budget: int
+                     ) -> _Candidate | None:
+    """The fastest of ``candidates`` whose whole dry run fits ``budget``, or ``None``.
+
+    Best first on time: a candidate is refined (its own run) when it comes up, and estimated
+    whole (peak and time) when its lower bound fits; each step only makes its time more exact
+    (larger), so the first that comes up whole and fitting is the fastest that fits.
+    """
+    heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
+    heapq.heapify(heap)
+    while heap:
+        _, i, c = heapq.heappop(heap)
+        if c.lower is None:
+            search.refine(c)
+        elif c.peak is None and c.lower <= budget:
+            search.whole(c)  # its time too, from the whole plan's ops and transfers
+        elif c.peak is not None and c.peak <= budget:
+            return c
+        else:
+            continue
+        heapq.heappush(heap, (c.time_s, i, c))
+    return None
 _NOTHING = "nothing: the plain step fits"
 
 
@@ -567,7 +639,7 @@ class Search:
                  disk: Any = None, example_kwargs: dict[str, Any] | None = None,
                  optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
                  slice_bytes: int | None = None, world_size: int | None = None,
-                 fp32_masters: bool | None = None) -> None:
+                 fp32_masters: bool | None = None, lm_loss: bool | None = None) -> None:
         from headroom.residency import find_blocks
 
         self.model = model
@@ -605,12 +677,16 @@ class Search:
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
         # one dry run per setting that changes the ops (convert, checkpointing, activation
-        # offload; host and disk move the same bytes)
-        self.runs: dict[tuple[bool, int, bool], Estimate] = {(False, 0, False): self.plain}
+        # offload, the LM-loss patch; host and disk move the same bytes)
+        self.runs: dict[tuple[bool, int, bool, bool], Estimate] = {
+            (False, 0, False, False): self.plain}
         conv_options = [False] + ([True] if self.run(True, 0, False).peak < self.plain.peak
                                   else [])
+        lm_options = self._lm_options(lm_loss)
         self.candidates: list[_Candidate] = []
-        for conv, k, act in itertools.product(conv_options, ks, places):
+        for conv, k, act, lm in itertools.product(conv_options, ks, places, lm_options):
+            if conv and lm:
+                continue  # hr.convert converts the output layer, which the patch needs plain
             for params, state in itertools.product(places, state_places):
                 if params != "device" and state == "device":
                     continue  # offloaded parameters are stepped through their store
@@ -619,34 +695,61 @@ class Search:
                 if world_size is not None and (params != state or params == "disk"):
                     continue  # shards: on the device, or with their state in host memory
                 choice = Choice(conv, tuple(self.blocks[:k]), params, state, act,
-                                self.min_bytes)
+                                self.min_bytes, lm)
                 # checkpointing only adds recomputation and activation offload only
                 # transfers: the time on top of the run without them is a lower bound
-                base = self.run(conv, 0, False)
+                base = self.run(conv, 0, False, lm)
                 self.candidates.append(_Candidate(choice, self._time(base, choice)))
 
-    def run(self, conv: bool, k: int, act: bool) -> Estimate:
-        key = (conv, k, act)
+    def run(self, conv: bool, k: int, act: bool, lm: bool = False,
+            patched: list[bool] | None = None) -> Estimate:
+        key = (conv, k, act, lm)
         if key not in self.runs:
             self.runs[key] = estimate(
                 self.model, self.args, optimizer=self.opt_cls, optimizer_kwargs=self.opt_kw,
-                checkpoint=self.blocks[:k], prepare=_convert_fn(conv),
+                checkpoint=self.blocks[:k], prepare=_prepare_fn(conv, lm, patched),
                 offload_activations={"min_bytes": self.min_bytes, "prefetch": 0} if act
                 else None, **self.common)
         return self.runs[key]
+
+    def _lm_options(self, wanted: bool | None) -> list[bool]:
+        """Whether plans have the LM-loss patch: with it when asked, or when its dry run cuts
+        the plain step's peak; without it when asked, or when it does not apply."""
+        if wanted is False or self.world is not None:
+            return [False]
+        why = lm_patch_refusal(self.model)
+        est = None
+        if why is None:
+            patched: list[bool] = []
+            try:
+                est = self.run(False, 0, False, True, patched)
+            except Exception as e:  # e.g. a loss_fn reading the logits, None when patched
+                why = f"its dry run fails ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            else:
+                if not any(patched):
+                    why = ("the step computes no loss from labels inside the model (pass"
+                           " labels= in example_kwargs; loss_fn, if any, reading output.loss)")
+        if wanted:
+            if why is not None:
+                raise ValueError("lm_loss=True, but hr.patch_causal_lm does not apply to this"
+                                 f" step: {why}")
+            return [True]
+        return [False] + ([True] if why is None and est.peak < self.plain.peak else [])
 
     def _time(self, r: Estimate, c: Choice) -> float:
         return _time(r, c, self.sizes, self.speeds, self.on_cpu)
 
     def refine(self, c: _Candidate) -> None:
-        r = self.run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device")
+        r = self.run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device",
+                     c.choice.lm_loss)
         c.time_s = self._time(r, c.choice)
         c.lower = _lower(r, c.choice)
 
     def whole(self, c: _Candidate) -> int:
         if c.peak is None:
             est = _estimate_choice(self.model, self.args, c.choice, self.opt_cls, self.opt_kw,
-                                   self.slice_bytes, self.common, _convert_fn(c.choice.convert))
+                                   self.slice_bytes, self.common,
+                                   _prepare_fn(c.choice.convert, c.choice.lm_loss))
             c.margin = self.sizes.largest_param if (
                 self.on_cpu and c.choice.params == "disk") else 0
             c.peak = est.peak_reserved + c.margin
@@ -674,13 +777,21 @@ def _low_precision(model: nn.Module) -> bool:
                and p.dtype not in (torch.float32, torch.float64) for p in model.parameters())
 
 
-def _convert_fn(on: bool):
-    if not on:
+def _prepare_fn(conv: bool, lm: bool, patched: list[bool] | None = None):
+    """What `Plan.apply` does to the model before checkpointing, for a dry run's copy:
+    ``hr.convert``, then `hr.patch_causal_lm` (see `headroom.fit._lm.lm_patching`)."""
+    if not conv and not lm:
         return None
     from headroom.nn import convert as _convert
 
+    patch = lm_patching(patched) if lm else None
+
     def prepare(m: nn.Module) -> nn.Module:
-        return _convert(m, inplace=True)
+        if conv:
+            m = _convert(m, inplace=True)
+        if patch is not None:
+            patch(m)
+        return m
 
     return prepare
 
@@ -700,9 +811,7 @@ def _estimate_choice(model, example_args, c: Choice, opt_cls, opt_kw, slice_byte
     if c.optimizer_state != "device":
         from headroom.optim import HostOptimizerOptions
 
-        host_kw = dict(opt_kw)
-        if common["device"] == "cpu" or str(common["device"]).startswith("cpu"):
-            host_kw.setdefault("fused", False)
+        host_kw = _host_kwargs(opt_cls, opt_kw, common["device"])
         optimizer = HostOptimizerOptions(opt_cls, host_kw,
                                          "cpu" if c.optimizer_state == "host" else "disk",
                                          False, slice_bytes, 32 << 20)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from headroom.heads._linear_ce import linear_cross_entropy
+from headroom.heads._entry import linear_cross_entropy
 from headroom.transfer import binding
 
 __all__ = ["CausalLMPatch", "patch_causal_lm"]
@@ -164,8 +164,10 @@ class CausalLMPatch:
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             ignore_index=int(kwargs.get("ignore_index", -100)), check=not self._checked,
             # hr.offload shows the modules their parameters' device copies only inside their
-            # forward: here the output layer still holds the stored master
-            offloaded=binding(self.lm_head.weight) is not None)
+            # forward: here the output layer still holds the stored master (read as held:
+            # reading the attribute now would fetch the layer, see [Note: uses outside a
+            # block])
+            offloaded=binding(dict.get(self.lm_head._parameters, "weight")) is not None)
         return args, kwargs
 
     def _head(self, module: nn.Module, args: tuple) -> tuple | None:

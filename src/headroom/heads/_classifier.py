@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from headroom.heads._entry import linear_cross_entropy
 from headroom.heads._linear_ce import (
     DEFAULT_LOGITS_BUDGET,
     CrossEntropyOptions,
@@ -34,7 +35,6 @@ from headroom.heads._linear_ce import (
     compute_dtype,
     default_loss_dtype,
     grad_rows,
-    linear_cross_entropy,
     no_autocast,
     outputs,
     pick_slice_size,

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from headroom.heads import _linear_ce as lce
+from headroom.heads import _linear_loss as ll
 
 __all__ = ["compiled_linear_cross_entropy", "compiled_linear_loss"]
 
@@ -205,8 +206,6 @@ def compiled_linear_cross_entropy(
 
 def _eager_ml(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
               ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs):
-    from headroom.heads import _linear_loss as ll
-
     direct = lce.Direct((needs[0], needs[1], needs[2] and bias is not None), one_pass=False)
     targets = (offsets, indices) if values is None else (offsets, indices, values)
     pos_weight = pos_weight_t if pos_weight_t is not None else pos_weight_f

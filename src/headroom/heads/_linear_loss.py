@@ -33,8 +33,6 @@ from headroom.heads._linear_ce import (
     DEFAULT_LOGITS_BUDGET,
     Autograd,
     _refuse_double_backward,
-    check_linear,
-    compute_dtype,
     grad_pass,
     log_sum_exp,
     lse_pass,
@@ -50,7 +48,7 @@ from headroom.heads._slices import (
 )
 from headroom.heads._targets import PositiveLogits, Positives, parse_targets
 
-__all__ = ["LOSSES", "linear_loss"]
+__all__ = ["LOSSES", "multilabel_loss"]
 
 LOSSES = ("bce", "squared_hinge", "softmax", "softmax_sum")
 _SOFTMAX = ("softmax", "softmax_sum")
@@ -617,114 +615,3 @@ def multilabel_loss(
     if keep is not None:
         out = out.new_zeros(batch).index_copy(0, keep, out)
     return out.reshape(lead)
-
-
-def linear_loss(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    targets: object,
-    *,
-    loss: str | SliceLoss = "bce",
-    bias: torch.Tensor | None = None,
-    pos_weight: float | torch.Tensor | None = None,
-    reduction: str = "mean",
-    slice_size: int | None = None,
-    ignore_rows: torch.Tensor | None = None,
-    accum_dtype: torch.dtype | None = None,
-    prefetch: int = 1,
-) -> torch.Tensor:
-    """Exact multi-label loss of ``x @ weight.T + bias`` without the ``B x C`` logits or targets.
-
-    Equal to the loss computed on the full logits against the dense target ``T`` (``T[b, c]``
-    is the target value of class ``c`` in row ``b``: 1 at the positives, or the given values,
-    and 0 elsewhere), computed one slice of classes at a time:
-
-    * ``"bce"``: ``F.binary_cross_entropy_with_logits(logits, T, pos_weight=pos_weight)``.
-    * ``"squared_hinge"``: ``pw * T * max(0, 1 - z)**2 + (1 - T) * max(0, 1 + z)**2`` per
-      element (DiSMEC's loss with labels ``2T - 1``).
-    * ``"softmax"``: ``F.cross_entropy(logits, T / T.sum(1, keepdim=True))``: the mean of
-      ``-log p`` over a row's positives (weighted by their values); 0 for a row without any.
-    * ``"softmax_sum"``: ``F.cross_entropy(logits, T)``: their sum.
-    * a function ``fn(scores, targets, classes)``: called once per slice with the slice's
-      ``B x S`` logits ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` target
-      ``targets`` (0, and 1 or the values at the positives, in the scores' dtype) and
-      ``classes``, the slice's ``range`` of class ids. It returns the slice's loss summed over
-      its elements (a 0-d tensor), and autograd differentiates it slice by slice; the loss of
-      a slice may depend only on that slice. ``scores`` and ``targets`` are reused buffers:
-      valid during the call.
-
-    The separable losses and a function run one pass over the classes in forward, which also
-    forms the gradients (three matrix products per slice, as many as the dense computation),
-    when gradients are wanted and ``reduction`` is not ``"none"``; backward then only scales
-    them. A softmax needs the log-sum-exp first: a pass in forward, and one in backward. Peak
-    extra memory is two ``B x slice_size`` buffers plus the gradients of ``weight`` and ``x``
-    (formed in forward), and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile``
-    the call is one custom operator running this eager code (built-in losses and CSR targets
-    of tensors only).
-
-    Args:
-        x: ``(..., D)`` features on the compute device.
-        weight: ``(C, D)`` class weights, on ``x``'s device or in host memory while ``x`` is on
-            an accelerator (slices then stream to the device, as for `linear_cross_entropy`).
-        targets: the positives of each row (of ``x.shape[:-1]`` flattened): a CSR tuple
-            ``(offsets, indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``,
-            ``len(offsets) == rows + 1``), ``(offsets, indices, values)`` with a target value
-            per positive (soft labels), a list with one tensor of class ids per row, or a
-            ``torch.sparse_csr_tensor`` of shape ``(rows, C)``. Any order within a row; a class
-            may appear once per row.
-        loss: ``"bce"``, ``"squared_hinge"``, ``"softmax"``, ``"softmax_sum"`` or a function.
-        bias: optional ``(C,)``, same device and dtype as ``weight``.
-        pos_weight: weight of the positive term of ``"bce"``/``"squared_hinge"``: a float or a
-            ``(C,)`` tensor, as in ``F.binary_cross_entropy_with_logits`` (not differentiated).
-        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row sums over the classes, shape
-            ``x.shape[:-1]``; not the ``B x C`` of ``F.binary_cross_entropy_with_logits``).
-            ``"mean"`` divides the sum by what PyTorch's dense loss divides by: the number of
-            elements (counted rows x ``C``) for ``"bce"``/``"squared_hinge"``, the number of
-            counted rows for a softmax and a function.
-        slice_size: classes per slice; ``None`` picks one from a logits budget
-            (`DEFAULT_LOGITS_BUDGET` for the buffers, at most a cache-friendly few thousand).
-        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``; rows that are ``True``
-            contribute neither loss nor gradient (and are not counted by ``"mean"``).
-        accum_dtype: dtype of logits, loss and gradient accumulation. ``None`` (default):
-            float32 for float32/bf16/fp16 inputs, float64 for float64 inputs (loss and
-            gradients at float64 rounding); results are returned in ``x``'s dtype.
-        prefetch: slices copied ahead when a host weight streams to an accelerator.
-
-    Returns:
-        The loss: a scalar, or (``reduction="none"``) one per row, in ``x``'s dtype.
-
-    Raises:
-        TypeError: targets of an unknown form or with non-integer indices; ``x``/``weight``
-            dtypes differ; a function that does not return a 0-d floating tensor.
-        ValueError: a class outside ``[0, C)``, a class listed twice in a row, malformed
-            offsets, shapes that disagree, a bad option (``pos_weight`` that requires grad, or
-            with a softmax); all before any compute.
-        RuntimeError: a function whose loss uses other tensors requiring grad (they would
-            get no gradient) or does not depend on ``scores``; a double backward
-            (``create_graph=True``).
-
-    Example:
-        >>> x = torch.randn(4, 16, requires_grad=True)
-        >>> w = torch.randn(1000, 16, requires_grad=True)
-        >>> offsets = torch.tensor([0, 2, 3, 3, 5])       # row 2 has no positive
-        >>> indices = torch.tensor([7, 912, 5, 0, 999])
-        >>> loss = linear_loss(x, w, (offsets, indices), loss="bce", slice_size=256)
-        >>> loss.backward()
-    """
-    accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
-    if torch.compiler.is_compiling():
-        # one opaque operator in the graph (the passes are data-dependent Python)
-        from headroom.heads._compiled import compiled_linear_loss
-
-        return compiled_linear_loss(
-            x, weight, targets, loss=loss, bias=bias, pos_weight=pos_weight,
-            reduction=reduction, slice_size=slice_size, ignore_rows=ignore_rows,
-            accum_dtype=accum_dtype, prefetch=prefetch)
-    check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
-                 slice_size=slice_size, prefetch=prefetch)
-    params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)
-    return multilabel_loss(
-        x, weight, bias, targets, params, num_classes=weight.shape[0], loss=loss,
-        pos_weight=pos_weight, reduction=reduction, slice_size=slice_size,
-        ignore_rows=ignore_rows, accum_dtype=accum_dtype,
-    )

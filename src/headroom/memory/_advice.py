@@ -52,7 +52,8 @@ def _advise(model: Any, ctx: dict[str, Any], device: str, base: Any,
         return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
                       optimizer=ctx.get("optimizer"),
                       optimizer_kwargs=ctx.get("optimizer_kwargs"), device=device, base=base,
-                      measured=measured, resting_activations=resting_activations)
+                      measured=measured, resting_activations=resting_activations,
+                      autocast=ctx.get("autocast"))
     except Exception as e:  # advice never breaks a report
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]

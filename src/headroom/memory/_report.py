@@ -21,7 +21,6 @@ COLORS = {
     "buffers": "#8172B3",
     "other": "#937860",
 }
-_PHASE_SHADE = {"forward": None, "backward": "#f2f2f2", "optimizer": "#e6f0e6"}
 
 
 def format_report(mem: MemoryTracker, *, top_modules: int = 10,
@@ -58,7 +57,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
     if by_module:
         lines.append("activations saved for backward at their peak, by module")
         for name, nbytes in list(by_module.items())[:top_modules]:
-            lines.append(f"  {name or '(outside any module)':<40}{format_bytes(nbytes):>12}")
+            lines.append(f"  {_module_row(mem, name):<40}{format_bytes(nbytes):>12}")
         rest = list(by_module.values())[top_modules:]
         if rest:
             lines.append(f"  {f'({len(rest)} more)':<40}{format_bytes(sum(rest)):>12}")
@@ -74,9 +73,9 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
                 lines.append(f"  {where + '/' + cat:<25}{format_bytes(at):>12}"
                              f"{format_bytes(mx):>12}")
         lines.append("")
-    peak_label = _peak_label(mem)
-    if peak_label:
-        lines.append(f"peak reached during: {peak_label}")
+    peak_sample = _peak_sample(mem)
+    if peak_sample is not None:
+        lines.append(f"peak reached during {_moment(mem, peak_sample)}")
     rss = mem.rss if rss else {"peak": None}
     if rss["peak"] is not None:
         lines.append(
@@ -93,6 +92,15 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
             lines.append("")
             lines.extend(more)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _module_row(mem: MemoryTracker, name: str) -> str:
+    """``"layers.1 (BatchNorm2d)"``: a module's name and its class (a root's name is its
+    class already)."""
+    if not name:
+        return "(outside any module)"
+    cls = mem.module_class(name)
+    return f"{name} ({cls})" if cls and cls != name else name
 
 
 def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> str:
@@ -116,12 +124,24 @@ def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> 
     return "\n".join(lines) + "\n"
 
 
-def _peak_label(mem: MemoryTracker) -> str:
-    best, label = -1, ""
+def _peak_sample(mem: MemoryTracker) -> Any:
+    best, sample = -1, None
     for s in mem.timeline:
         if s.total > best:
-            best, label = s.total, s.label
-    return label
+            best, sample = s.total, s
+    return sample
+
+
+def _moment(mem: MemoryTracker, sample: Any) -> str:
+    """When a timeline sample was taken, in words: ``"the backward of layers.1
+    (BatchNorm2d)"``, ``"the optimizer step"``."""
+    if sample.phase == "optimizer":
+        return "the optimizer step"
+    if sample.phase == "other":
+        return "no forward, backward or optimizer step (between them)"
+    if sample.module:
+        return f"the {sample.phase} of {_module_row(mem, sample.module)}"
+    return f"the {sample.phase}"
 
 
 def to_dict(mem: MemoryTracker) -> dict[str, Any]:
@@ -182,13 +202,33 @@ _MANY_STEPS = 4
 
 def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None,
          x_axis: str = "time", rss: bool = True) -> None:
-    """A stacked timeline by category, phases shaded (with a legend), the peak marked.
+    """Write `figure` as a PNG to ``path``: a finished file, or (a write that fails) the file
+    that was there before and no partial one beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig = figure(mem, title=title, x_axis=x_axis, rss=rss)
+    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)  # a write that failed leaves no partial file
+
+
+def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time",
+           rss: bool = True) -> Any:
+    """A stacked timeline by category, the peak marked and labelled, the phases (forward,
+    backward, optimizer step) in a strip above it; the legend outside the axes, right of them.
 
     A run of several steps is drawn as two panels: the peak of every step (stacked by
     category at that step's peak) and the timeline of the step that reached the overall peak.
     ``x_axis="ops"`` numbers the samples instead of timing them (a dry run's wall time says
     nothing about the device's); ``rss=False`` leaves out the process's RSS (a dry run's is the
-    estimating process's, not the step's).
+    estimating process's, not the step's). Returns the matplotlib figure (the caller closes it).
     """
     import matplotlib
 
@@ -203,8 +243,8 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
     steps = _steps(timeline)
     many = len(steps) > _MANY_STEPS
     if many:
-        fig, (top, ax) = plt.subplots(2, 1, figsize=(11, 8), dpi=110,
-                                      gridspec_kw={"height_ratios": [2, 3]})
+        fig = plt.figure(figsize=(12, 8), dpi=110, layout="constrained")
+        top, strip, ax = fig.subplots(3, 1, gridspec_kw={"height_ratios": [2, 0.12, 3]})
         _plot_envelope(top, timeline, steps)
         k = max(range(len(timeline)), key=lambda i: timeline[i].total)
         lo, hi = next((a, b) for a, b in steps if a <= k < b)
@@ -216,16 +256,16 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
                  f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the first of the"
                  f" {peak_steps} that reach the peak")
     else:
-        fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
+        fig = plt.figure(figsize=(12, 5.5), dpi=110, layout="constrained")
+        strip, ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [0.12, 3]})
         shown, where = timeline, ""
-    _plot_timeline(ax, mem, shown, x_axis=x_axis, rss=rss, where=where)
+    handles, labels = _plot_timeline(ax, strip, mem, shown, x_axis=x_axis, rss=rss,
+                                     where=where)
     heading = title or f"headroom: memory by category ({', '.join(mem.devices) or 'cpu'})"
-    (top if many else ax).set_title(heading)
-    fig.tight_layout()
-    tmp = Path(path).with_name(Path(path).name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    (top if many else strip).set_title(heading)
+    if handles:
+        fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+    return fig
 
 
 def _steps(timeline: list) -> list[tuple[int, int]]:
@@ -259,23 +299,30 @@ def _plot_envelope(ax: Any, timeline: list, steps: list[tuple[int, int]]) -> Non
         h = np.array([timeline[i].by_category[c] for i in peaks]) / scale
         if h.any():
             ax.bar(x, h, bottom=bottom, width=0.8 if len(steps) <= 60 else 1.0,
-                   color=COLORS[c], label=c, lw=0)
+                   color=COLORS[c], lw=0)
         bottom += h
     ax.set_xlim(0.5, len(steps) + 0.5)
     ax.set_ylim(0, bottom.max() * 1.15 if bottom.max() > 0 else 1)
     ax.set_xlabel("step")
     ax.set_ylabel(f"peak of the step ({unit})")
-    ax.legend(loc="upper left", fontsize=8, ncol=len(CATEGORIES))
     ax.grid(alpha=0.3, axis="y")
 
 
-def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, rss: bool,
-                   where: str) -> None:
+# The phases, in a strip above the timeline: shades of grey, apart from the categories' colors.
+PHASES = {"forward": ("#d0d0d0", "forward"), "backward": ("#8c8c8c", "backward"),
+          "optimizer": ("#3a3a3a", "optimizer step")}
+
+
+def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x_axis: str,
+                   rss: bool, where: str) -> tuple[list, list[str]]:
+    """Draw the step on ``ax`` and its phases on ``strip``; the legend's handles and labels."""
     import numpy as np
     from matplotlib.patches import Patch
 
+    strip.set_yticks([])
+    strip.tick_params(axis="x", labelbottom=False, length=0)
     if not timeline:
-        return
+        return [], []
     t_start = timeline[0].time_s
     t_end = timeline[-1].time_s
     if x_axis == "ops":
@@ -293,47 +340,53 @@ def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, 
 
         def to_x(ts: np.ndarray) -> np.ndarray:
             return (ts - t_start) * f
-    scale, unit = _unit(max(s.total for s in timeline))
+    x_end = x[-1] if x[-1] > x[0] else x[0] + 1
+    scale, unit = _unit(max(max(s.total for s in timeline), mem.peak))
     ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
-    shades = {}
-    spans = []
-    start = 0
-    for i in range(1, len(timeline) + 1):
-        if i == len(timeline) or timeline[i].phase != timeline[start].phase:
-            phase = timeline[start].phase
-            color = _PHASE_SHADE.get(phase)
-            if color and i - 1 > start:
-                spans.append((x[start], x[i - 1], color))
-                shades[phase] = color
-            start = i
-    ax.stackplot(x, *ys, labels=list(CATEGORIES), colors=[COLORS[c] for c in CATEGORIES],
-                 step="post", alpha=0.9, zorder=1)
+    shown = [c for c, y in zip(CATEGORIES, ys, strict=True) if y.any()]
+    ax.stackplot(x, *ys, colors=[COLORS[c] for c in CATEGORIES], step="post", alpha=0.9,
+                 zorder=1)
+    handles: list = [Patch(facecolor=COLORS[c], alpha=0.9) for c in shown]
+    labels = list(shown)
+    phases = _phase_spans(timeline, x, x_end)
+    for x0, x1, phase in phases:
+        strip.axvspan(x0, x1, color=PHASES[phase][0], lw=0)
+    strip.set_xlim(x[0], x_end)
+    strip.set_ylabel("phase", rotation=0, ha="right", va="center", fontsize=8)
+    for phase, (color, name) in PHASES.items():
+        if any(p == phase for _, _, p in phases):
+            handles.append(Patch(facecolor=color))
+            labels.append(f"phase: {name}")
     totals = np.sum(ys, axis=0)
     rest = [(t, b) for t, b in mem.resting_timeline if t_start <= t <= t_end]
     if rest:
         # Bytes moved to a store: what the device would otherwise hold, on the same axis.
-        ax.step(to_x(np.array([t for t, _ in rest])), np.array([b for _, b in rest]) / scale,
-                where="post", color="#C44E52", ls="--", lw=1.2, zorder=2,
-                label="resting in stores (off the device)")
+        (line,) = ax.step(to_x(np.array([t for t, _ in rest])),
+                          np.array([b for _, b in rest]) / scale, where="post",
+                          color="#C44E52", ls="--", lw=1.2, zorder=2)
+        handles.append(line)
+        labels.append("resting in stores (off the device)")
     k = int(np.argmax(totals))
-    ax.axvline(x[k], color="black", ls="--", lw=1, zorder=2)
-    ax.text(0.99, 0.97, f"peak {format_bytes(mem.peak)} during {timeline[k].label}",
-            transform=ax.transAxes, ha="right", va="top", fontsize=8,
-            bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
-    top = max(totals.max(), max((b for _, b in rest), default=0) / scale)
-    ax.set_ylim(0, top * 1.2 if top > 0 else 1)
-    ax.set_xlim(x[0], x[-1] if x[-1] > x[0] else x[0] + 1)
+    peak_y = max(totals[k], mem.peak / scale)
+    # a peak held for a single op can be narrower than a pixel: its stack drawn at least
+    # 0.6% of the axis wide, so that the stack reaches the mark
+    width = (x[k + 1] if k + 1 < len(x) else x_end) - x[k]
+    least = 0.006 * (x_end - x[0])
+    if width < least:
+        bottom = 0.0
+        for y, c in zip(ys, CATEGORIES, strict=True):
+            if y[k]:
+                ax.bar(x[k], y[k], width=least, bottom=bottom, align="edge", color=COLORS[c],
+                       alpha=0.9, lw=0, zorder=1)
+            bottom += y[k]
+        width = least
+    at = x[k] + min(width, least) / 2  # the mark on the middle of the peak's stack
+    top = max(peak_y, max((b for _, b in rest), default=0) / scale)
+    ax.set_ylim(0, top * 1.3 if top > 0 else 1)
+    ax.set_xlim(x[0], x_end)
+    _mark_peak(ax, mem, timeline[k], at, peak_y, (at - x[0]) / (x_end - x[0]))
     ax.set_ylabel(f"live tensor memory ({unit})")
     ax.set_xlabel(xlabel + (f"; {where}" if where else ""))
-    handles, labels = ax.get_legend_handles_labels()
-    unshaded = [p for p in ("forward", "other") if any(s.phase == p for s in timeline)]
-    if shades and unshaded:
-        handles.append(Patch(facecolor="white", edgecolor="#999999", lw=0.5))
-        labels.append(" or ".join("outside the phases" if p == "other" else p for p in unshaded)
-                      + " (not shaded)")
-    for phase, color in shades.items():
-        handles.append(Patch(facecolor=color, edgecolor="#999999", lw=0.5))
-        labels.append(f"{phase} (shaded)")
     samples = [(t, b) for t, b in mem.rss_timeline if t_start <= t <= t_end] if rss else []
     if samples:
         ax2 = ax.twinx()
@@ -341,22 +394,41 @@ def _plot_timeline(ax: Any, mem: MemoryTracker, timeline: list, *, x_axis: str, 
         (line,) = ax2.plot(to_x(np.array([t for t, _ in samples])),
                            np.array([b for _, b in samples]) / rscale, color="black", lw=1,
                            alpha=0.6)
-        ax2.set_ylim(0, max(b for _, b in samples) / rscale * 1.2)
+        ax2.set_ylim(0, max(b for _, b in samples) / rscale * 1.3)
         ax2.set_ylabel(f"process RSS ({runit})")
         handles.append(line)
         labels.append("process RSS (right axis)")
-        # The stacked categories are drawn over the RSS line, not under it; the phase shading
-        # goes under both (on the lower axes), so that it hides neither.
+        # The stacked categories and the peak's mark are drawn over the RSS line.
         ax.set_zorder(ax2.get_zorder() + 1)
         ax.patch.set_visible(False)
-        line.set_zorder(1)
-        for x0, x1, color in spans:
-            ax2.axvspan(x0, x1, color=color, zorder=0, lw=0)
-    else:
-        for x0, x1, color in spans:
-            ax.axvspan(x0, x1, color=color, zorder=0, lw=0)
-    ax.legend(handles, labels, loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3, zorder=0)
+    return handles, labels
+
+
+def _phase_spans(timeline: list, x: Any, x_end: float) -> list[tuple[float, float, str]]:
+    """``(x0, x1, phase)`` of each run of samples in one phase (``"other"`` left out)."""
+    spans = []
+    start = 0
+    for i in range(1, len(timeline) + 1):
+        if i == len(timeline) or timeline[i].phase != timeline[start].phase:
+            phase = timeline[start].phase
+            if phase in PHASES:
+                spans.append((x[start], x[i] if i < len(timeline) else x_end, phase))
+            start = i
+    return spans
+
+
+def _mark_peak(ax: Any, mem: MemoryTracker, sample: Any, x: float, y: float,
+               frac: float) -> None:
+    """A line up to the peak, a marker on it and its label above (``gid="peak"``): visible
+    even where the peak lasts a single op, and never under the legend (outside the axes)."""
+    ax.vlines(x, 0, y, color="black", ls="--", lw=1, zorder=3)
+    ax.plot([x], [y], marker="v", color="black", ms=7, zorder=4, clip_on=False)
+    ha = "left" if frac < 0.2 else ("right" if frac > 0.8 else "center")
+    ax.annotate(f"peak {format_bytes(mem.peak)}\nduring {_moment(mem, sample)}", xy=(x, y),
+                xytext=(0, 10), textcoords="offset points", ha=ha, va="bottom", fontsize=8,
+                zorder=5, gid="peak",
+                bbox={"facecolor": "white", "alpha": 0.85, "lw": 0, "pad": 1.5})
 
 
 def _unit(n: float) -> tuple[float, str]:

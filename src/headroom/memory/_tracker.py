@@ -71,6 +71,22 @@ def _compiled(module: nn.Module) -> bool:
             or getattr(module, "_compiled_call_impl", None) is not None)
 
 
+def _autocast_in_use(args: Any, kwargs: Any) -> torch.dtype | None:
+    """The dtype of the autocast region a forward runs in, for its inputs' device (the
+    advice's dry runs run in it too), or ``None``."""
+    from torch.utils._pytree import tree_flatten
+
+    t = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
+    device_type = t.device.type if t is not None else "cpu"
+    try:
+        if torch.amp.is_autocast_available(device_type) \
+                and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:
+        pass
+    return None
+
+
 def is_tracking() -> bool:
     """Whether a :func:`track_memory` region is active (in any thread)."""
     return _active is not None
@@ -183,6 +199,7 @@ class MemoryTracker:
         self._handles: list[Any] = []
         self._grad_hooked: set[int] = set()
         self._names: dict[int, str] = {}
+        self._classes: dict[str, str] = {}  # a module's name -> its class's, for reports
         self._roots: list[weakref.ref] = []
         self._stack: list[str] = []
         self._bwd_module = ""
@@ -589,6 +606,7 @@ class MemoryTracker:
                 self._names[id(m)] = (
                     f"{root_name}.{name}" if (multi and name) else name or root_name
                 )
+                self._classes.setdefault(self._names[id(m)], type(m).__name__)
             for p in m.parameters(recurse=False):
                 self._see_param(p, PARAMETERS, m)
             for b in m.buffers(recurse=False):
@@ -602,8 +620,10 @@ class MemoryTracker:
             return
         from headroom.transfer import to_meta
 
-        self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
-                         "kwargs": to_meta(dict(kwargs))}
+        amp = _autocast_in_use(args, kwargs)
+        args, kwargs = to_meta((tuple(args), dict(kwargs)))  # labels=ids: one tensor
+        self._context = {"model": weakref.ref(module), "args": args, "kwargs": kwargs,
+                         "autocast": amp}
         if ctx and "optimizer" in ctx:
             self._context["optimizer"] = ctx["optimizer"]
 
@@ -626,10 +646,12 @@ class MemoryTracker:
                 from headroom.transfer import to_meta
 
                 self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
-                                 "kwargs": {}, "partial": True}
+                                 "kwargs": {}, "partial": True,
+                                 "autocast": _autocast_in_use(args, {})}
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__
+            self._classes.setdefault(name, name)
             for p in module.parameters(recurse=False):
                 self._see_param(p, PARAMETERS, module)
             for b in module.buffers(recurse=False):
@@ -800,6 +822,10 @@ class MemoryTracker:
             else:
                 by_module = dict(self._act_at_peak)
         return dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
+
+    def module_class(self, name: str) -> str | None:
+        """The class of the module `by_module` calls ``name`` (``None`` if none was seen)."""
+        return self._classes.get(name)
 
     @property
     def timeline(self) -> list[TimelineSample]:

@@ -11,6 +11,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.fx import _symbolic_trace as _fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -34,8 +35,9 @@ if hasattr(torch.compiler, "_is_compiling_flag") and hasattr(torch.compiler, "is
 else:  # pragma: no cover - older torch
     _flags = types.SimpleNamespace(_is_compiling_flag=False)
     _dynamo_compiling = torch.compiler.is_compiling
-if not hasattr(_fx, "_is_fx_tracing_flag"):  # pragma: no cover - older torch
-    _fx = types.SimpleNamespace(_is_fx_tracing_flag=False)
+# Whether torch.fx.symbolic_trace runs: torch 2.14 keeps it per thread (read by
+# _get_is_fx_tracing), older ones in a module flag.
+_fx_tracing = getattr(_fx, "_get_is_fx_tracing", None) or (lambda: _fx._is_fx_tracing_flag)
 
 
 def records_graph() -> bool:
@@ -58,7 +60,7 @@ def records_graph() -> bool:
         or _functorch_level() is not None
     ):
         return False
-    if _fx._is_fx_tracing_flag:
+    if _fx_tracing():
         # FX treats torch.nn modules as leaves and traces into headroom's, whose flag
         # checks (and batch norm's own input checks) cannot run on proxies.
         raise RuntimeError(
@@ -173,8 +175,11 @@ _standin_views: dict[tuple, torch.Tensor] = {}
 # the backward stays PyTorch's C++ node, with the same kernel and arguments. Used only when this
 # thread has no saved-tensor hooks of its own (checkpointing, activation offloading, the memory
 # tracker): ours would hide the tensors from them, so those runs take the autograd.Function path.
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+#
+# NOTE: PyTorch has no public way to ask whether saved-tensor hooks are active; its private query
+# exists from torch 2.8 on (headroom/__init__.py refuses an older torch). Pushing and popping go
+# through the public torch.autograd.graph.saved_tensors_hooks; ``_saved_tensors_hooks_is_enabled``
+# reads what the public ``torch.autograd.graph.disable_saved_tensors_hooks`` sets.
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
@@ -215,11 +220,8 @@ def run_saving_less(pack, fn, *args):
     ``pack`` returns an object whose ``unpack()`` gives backward its tensor back
     (:class:`Kept`, :class:`TensorMeta`, or a bit mask). The caller checks :func:`hooks_free`.
     """
-    _push_hooks(pack, _unpack)
-    try:
+    with saved_tensors_hooks(pack, _unpack):
         return fn(*args)
-    finally:
-        _pop_hooks()
 
 
 def save_less(saved, pack) -> None:
@@ -596,3 +598,16 @@ def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
         if c is None or c._hr_saves_input():
             return True
     return False
+
+
+def per_dimension(module: str, base: type, torch_classes: tuple[type, ...], doc: str,
+                  **attrs: object) -> tuple[type, ...]:
+    """One class per torch class: ``base`` first, the torch class second, its name, and
+    ``_hr_dims`` (1, 2, 3 in order) among ``attrs``. ``doc`` is each class's docstring, with
+    ``{name}`` standing for the torch class's name. The classes belong to ``module`` (their
+    ``__module__``), so they pickle and print as if written out one by one there."""
+    return tuple(
+        type(tc.__name__, (base, tc), {
+            "__module__": module, "__qualname__": tc.__name__,
+            "__doc__": doc.format(name=tc.__name__), "_hr_dims": n, **attrs})
+        for n, tc in enumerate(torch_classes, 1))

@@ -15,10 +15,13 @@ from torch import nn
 
 from headroom.nn._common import (
     TensorMeta,
+    _hooks_enabled,
     _pending,
     _relu_outputs,
+    _top_hooks,
     first_order_only,
     note_consumer,
+    per_dimension,
     records_graph,
     save_less,
     settle_pending,
@@ -90,8 +93,6 @@ def _save_shapes(out: torch.Tensor, input_shape: bool, weight_shape: bool) -> to
 
 
 _any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a device type
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
 
 def _fast(input: torch.Tensor) -> bool:
@@ -245,37 +246,9 @@ class _ConvTranspose(_ConvMixin):
         return self._hr_conv(input, self.weight, self.bias, self.padding, output_padding)
 
 
-class Conv1d(_Conv, nn.Conv1d):
-    """``nn.Conv1d`` that keeps its input only if its weight trains (see module docstring)."""
-
-    _hr_dims = 1
-
-
-class Conv2d(_Conv, nn.Conv2d):
-    """``nn.Conv2d`` that keeps its input only if its weight trains (see module docstring)."""
-
-    _hr_dims = 2
-
-
-class Conv3d(_Conv, nn.Conv3d):
-    """``nn.Conv3d`` that keeps its input only if its weight trains (see module docstring)."""
-
-    _hr_dims = 3
-
-
-class ConvTranspose1d(_ConvTranspose, nn.ConvTranspose1d):
-    """``nn.ConvTranspose1d`` that keeps its input only if its weight trains."""
-
-    _hr_dims = 1
-
-
-class ConvTranspose2d(_ConvTranspose, nn.ConvTranspose2d):
-    """``nn.ConvTranspose2d`` that keeps its input only if its weight trains."""
-
-    _hr_dims = 2
-
-
-class ConvTranspose3d(_ConvTranspose, nn.ConvTranspose3d):
-    """``nn.ConvTranspose3d`` that keeps its input only if its weight trains."""
-
-    _hr_dims = 3
+Conv1d, Conv2d, Conv3d = per_dimension(
+    __name__, _Conv, (nn.Conv1d, nn.Conv2d, nn.Conv3d),
+    "``nn.{name}`` that keeps its input only if its weight trains (see module docstring).")
+ConvTranspose1d, ConvTranspose2d, ConvTranspose3d = per_dimension(
+    __name__, _ConvTranspose, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
+    "``nn.{name}`` that keeps its input only if its weight trains.")

@@ -22,6 +22,7 @@ from headroom.nn._common import (
     _relu_outputs,
     first_order_only,
     note_consumer,
+    per_dimension,
     records_graph,
     settle_pending,
     weight_trains,
@@ -144,16 +145,9 @@ class _BatchNorm:
         )
 
 
-class BatchNorm1d(_BatchNorm, nn.BatchNorm1d):
-    """``nn.BatchNorm1d`` that skips its input where backward does not need it."""
-
-
-class BatchNorm2d(_BatchNorm, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` that skips its input where backward does not need it."""
-
-
-class BatchNorm3d(_BatchNorm, nn.BatchNorm3d):
-    """``nn.BatchNorm3d`` that skips its input where backward does not need it."""
+BatchNorm1d, BatchNorm2d, BatchNorm3d = per_dimension(
+    __name__, _BatchNorm, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
+    "``nn.{name}`` that skips its input where backward does not need it.")
 
 
 class _BiasOnlyNorm(torch.autograd.Function):

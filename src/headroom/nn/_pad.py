@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only, records_graph
+from headroom.nn._common import (
+    PoolOrPad,
+    TensorMeta,
+    first_order_only,
+    per_dimension,
+    records_graph,
+)
 
 _BACKWARD = {
     ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
@@ -61,37 +67,10 @@ class _PadMixin(PoolOrPad):
         return pad(input, self.padding, self._hr_mode)
 
 
-class ReflectionPad1d(_PadMixin, nn.ReflectionPad1d):
-    """``nn.ReflectionPad1d`` that keeps only its input's shape for backward."""
-
-    _hr_mode = "reflect"
-
-
-class ReflectionPad2d(_PadMixin, nn.ReflectionPad2d):
-    """``nn.ReflectionPad2d`` that keeps only its input's shape for backward."""
-
-    _hr_mode = "reflect"
-
-
-class ReflectionPad3d(_PadMixin, nn.ReflectionPad3d):
-    """``nn.ReflectionPad3d`` that keeps only its input's shape for backward."""
-
-    _hr_mode = "reflect"
-
-
-class ReplicationPad1d(_PadMixin, nn.ReplicationPad1d):
-    """``nn.ReplicationPad1d`` that keeps only its input's shape for backward."""
-
-    _hr_mode = "replicate"
-
-
-class ReplicationPad2d(_PadMixin, nn.ReplicationPad2d):
-    """``nn.ReplicationPad2d`` that keeps only its input's shape for backward."""
-
-    _hr_mode = "replicate"
-
-
-class ReplicationPad3d(_PadMixin, nn.ReplicationPad3d):
-    """``nn.ReplicationPad3d`` that keeps only its input's shape for backward."""
-
-    _hr_mode = "replicate"
+_DOC = "``nn.{name}`` that keeps only its input's shape for backward."
+ReflectionPad1d, ReflectionPad2d, ReflectionPad3d = per_dimension(
+    __name__, _PadMixin, (nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d), _DOC,
+    _hr_mode="reflect")
+ReplicationPad1d, ReplicationPad2d, ReplicationPad3d = per_dimension(
+    __name__, _PadMixin, (nn.ReplicationPad1d, nn.ReplicationPad2d, nn.ReplicationPad3d), _DOC,
+    _hr_mode="replicate")

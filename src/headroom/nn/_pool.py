@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _list_with_default, _ntuple
 
-from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only
+from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only, per_dimension
 
 aten = torch.ops.aten
 
@@ -79,22 +79,9 @@ class _MaxPool(PoolOrPad):
         return (out, idx) if self.return_indices else out
 
 
-class MaxPool1d(_MaxPool, nn.MaxPool1d):
-    """``nn.MaxPool1d`` that keeps indices and the input's shape, not the input."""
-
-    _hr_dims = 1
-
-
-class MaxPool2d(_MaxPool, nn.MaxPool2d):
-    """``nn.MaxPool2d`` that keeps indices and the input's shape, not the input."""
-
-    _hr_dims = 2
-
-
-class MaxPool3d(_MaxPool, nn.MaxPool3d):
-    """``nn.MaxPool3d`` that keeps indices and the input's shape, not the input."""
-
-    _hr_dims = 3
+MaxPool1d, MaxPool2d, MaxPool3d = per_dimension(
+    __name__, _MaxPool, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
+    "``nn.{name}`` that keeps indices and the input's shape, not the input.")
 
 
 class _AdaptiveMaxPool(PoolOrPad):
@@ -121,22 +108,9 @@ class _AdaptiveMaxPool(PoolOrPad):
         return (out, idx) if self.return_indices else out
 
 
-class AdaptiveMaxPool1d(_AdaptiveMaxPool, nn.AdaptiveMaxPool1d):
-    """``nn.AdaptiveMaxPool1d`` that keeps indices and the input's shape, not the input."""
-
-    _hr_dims = 1
-
-
-class AdaptiveMaxPool2d(_AdaptiveMaxPool, nn.AdaptiveMaxPool2d):
-    """``nn.AdaptiveMaxPool2d`` that keeps indices and the input's shape, not the input."""
-
-    _hr_dims = 2
-
-
-class AdaptiveMaxPool3d(_AdaptiveMaxPool, nn.AdaptiveMaxPool3d):
-    """``nn.AdaptiveMaxPool3d`` that keeps indices and the input's shape, not the input."""
-
-    _hr_dims = 3
+AdaptiveMaxPool1d, AdaptiveMaxPool2d, AdaptiveMaxPool3d = per_dimension(
+    __name__, _AdaptiveMaxPool, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
+    "``nn.{name}`` that keeps indices and the input's shape, not the input.")
 
 
 class _AvgPool(PoolOrPad):
@@ -160,22 +134,9 @@ class _AvgPool(PoolOrPad):
         return _ShapeOnlyPool.apply(input, fwd, args, bwd, args)
 
 
-class AvgPool1d(_AvgPool, nn.AvgPool1d):
-    """``nn.AvgPool1d`` that keeps only its input's shape."""
-
-    _hr_dims = 1
-
-
-class AvgPool2d(_AvgPool, nn.AvgPool2d):
-    """``nn.AvgPool2d`` that keeps only its input's shape."""
-
-    _hr_dims = 2
-
-
-class AvgPool3d(_AvgPool, nn.AvgPool3d):
-    """``nn.AvgPool3d`` that keeps only its input's shape."""
-
-    _hr_dims = 3
+AvgPool1d, AvgPool2d, AvgPool3d = per_dimension(
+    __name__, _AvgPool, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
+    "``nn.{name}`` that keeps only its input's shape.")
 
 
 class _AdaptiveAvgPool(PoolOrPad):
@@ -205,19 +166,6 @@ class _AdaptiveAvgPool(PoolOrPad):
         return _ShapeOnlyPool.apply(input, fwd, (size,), bwd, ())
 
 
-class AdaptiveAvgPool1d(_AdaptiveAvgPool, nn.AdaptiveAvgPool1d):
-    """``nn.AdaptiveAvgPool1d`` that keeps only its input's shape."""
-
-    _hr_dims = 1
-
-
-class AdaptiveAvgPool2d(_AdaptiveAvgPool, nn.AdaptiveAvgPool2d):
-    """``nn.AdaptiveAvgPool2d`` that keeps only its input's shape."""
-
-    _hr_dims = 2
-
-
-class AdaptiveAvgPool3d(_AdaptiveAvgPool, nn.AdaptiveAvgPool3d):
-    """``nn.AdaptiveAvgPool3d`` that keeps only its input's shape."""
-
-    _hr_dims = 3
+AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d = per_dimension(
+    __name__, _AdaptiveAvgPool, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
+    "``nn.{name}`` that keeps only its input's shape.")

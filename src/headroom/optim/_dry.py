@@ -23,7 +23,7 @@ from headroom.optim._entries import ALIAS as _ALIAS
 from headroom.optim._entries import BOUND as _BOUND
 from headroom.optim._entries import HOSTED as _HOSTED
 from headroom.optim._entries import MASTER_DTYPES as _MASTER_DTYPES
-from headroom.transfer import MetaStore, Places
+from headroom.transfer import MetaStore, Places, weak_post_accumulate_grad_hook
 
 
 class _SimParam:
@@ -134,7 +134,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             if e.kind == _BOUND:
                 e.slot.listeners.append(self._on_grad)
             elif e.param.requires_grad:
-                e.param.register_post_accumulate_grad_hook(self._on_grad)
+                weak_post_accumulate_grad_hook(e.param, self._on_grad)  # see its NOTE
 
     def _entry(self, p: torch.Tensor, gi: int) -> _SimParam:
         e = _SimParam(p, gi)

@@ -10,13 +10,19 @@ from headroom.optim._sliced import ProbeError, probe_step
 from headroom.transfer import Handle, ParamBinding, sync_grad
 
 __all__ = [
-    "ALIAS", "BOUND", "FUSED_CPU", "HOSTED", "LAZY", "MASTER_DTYPES", "Bucket", "Entry",
-    "check_class", "probe_cpu", "same", "want_fp32_grad",
+    "ALIAS", "BOUND", "FUSED_DEFAULT", "HOSTED", "LAZY", "MASTER_DTYPES", "Bucket",
+    "Entry", "check_class", "probe_cpu", "same", "want_fp32_grad",
 ]
 
-# PyTorch ships fused CPU kernels for these four; they run at the memory-bandwidth limit
-# (as fast as hand-written CPU Adam kernels), so there is no reason to write our own.
-FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+# NOTE: PyTorch's fused CPU kernels run at the memory-bandwidth limit (as fast as hand-written
+# CPU Adam kernels), so there is no reason to write our own. ``cls(params)`` with neither
+# ``fused`` nor ``foreach`` steps CPU tensors one tensor at a time (torch never picks fused by
+# itself; foreach, its pick on accelerators, is bitwise the same on the CPU for these four).
+# HostOptimizer takes that default unless it costs more than 5% of a training step: Adam,
+# AdamW and Adagrad step several times slower that way, so they get the fused kernel (bitwise
+# ``cls(..., fused=True)``); SGD's default costs about 1% of a CPU step
+# (benchmarks/optimizer_impl.py).
+FUSED_DEFAULT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 LAZY = (torch.optim.Adam, torch.optim.AdamW)
 ALIAS, HOSTED, BOUND = "alias", "hosted", "bound"
 MASTER_DTYPES = (torch.float32, torch.float64)

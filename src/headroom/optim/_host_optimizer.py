@@ -12,6 +12,7 @@ import contextlib
 import errno
 import sys
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from headroom.optim import _state
 from headroom.optim._entries import (
     ALIAS,
     BOUND,
-    FUSED_CPU,
+    FUSED_DEFAULT,
     HOSTED,
     LAZY,
     MASTER_DTYPES,
@@ -61,10 +62,18 @@ from headroom.transfer import (
     resolve_store,
     sync_grad,
     value_edits,
+    weak_method,
+    weak_post_accumulate_grad_hook,
 )
 from headroom.transfer._store import SCRATCH
 
 __all__ = ["HostOptimizer", "HostOptimizerOptions"]
+
+
+def _remove_all(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
+    hooks.clear()
 
 def _storage(t: torch.Tensor) -> int:
     """Where ``t``'s values are (a DTensor's: its local shard's); -1 for values that are not
@@ -155,11 +164,13 @@ class HostOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
             one device (store-resident parameters count as on their compute device).
-        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. For Adam,
-            AdamW, SGD and Adagrad the fused CPU kernel is chosen unless ``fused``/``foreach``
-            is given (it is bitwise equal to ``optimizer_class(..., fused=True)``; pass
-            ``fused=False`` to match PyTorch's default single-tensor CPU path instead); sparse
-            gradients, which it refuses, step in the default path, as torch steps them.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. It
+            steps as ``optimizer_class(masters, **optimizer_kwargs)`` steps CPU tensors, bitwise,
+            with one exception: for Adam, AdamW and Adagrad, unless ``fused`` or ``foreach`` is
+            given, the fused CPU kernel (bitwise ``optimizer_class(..., fused=True)``, equal to
+            torch's default only to rounding, and several times faster); pass ``fused=False``
+            for bitwise ``optimizer_class(...)``. Sparse gradients, which the fused kernel refuses,
+            step in torch's default implementation, as torch steps them.
         state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
             ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
             slices with reads, update and writes overlapped; needs an element-wise optimizer
@@ -234,7 +245,7 @@ class HostOptimizer(torch.optim.Optimizer):
         # NOTE: the fused CPU kernel refuses sparse gradients, which torch's default
         # (for-loop) implementation steps: when it was chosen here, not asked for, sparse
         # gradients step in that implementation instead (`_inner_step`, `SliceRunner`).
-        self._unfuse_sparse = (optimizer_class in FUSED_CPU and "fused" not in kwargs
+        self._unfuse_sparse = (optimizer_class in FUSED_DEFAULT and "fused" not in kwargs
                                and "foreach" not in kwargs)
         if self._unfuse_sparse:
             kwargs["fused"] = True
@@ -293,6 +304,8 @@ class HostOptimizer(torch.optim.Optimizer):
         self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
         self._tickets: list[Any] = []
         self._hooks: list[Any] = []
+        # an optimizer dropped without close() leaves no (dead) hooks on the parameters
+        weakref.finalize(self, _remove_all, self._hooks)
         self._key_prefix = f"hr-opt-{id(self):x}"
         self._group_params: list[tuple[int, ...]] = []  # ids of each group's params, as added
         self._txn: Txn | None = None  # what the step in progress changed, see _undo.py
@@ -363,9 +376,11 @@ class HostOptimizer(torch.optim.Optimizer):
         if e.kind == BOUND and not e.sharded:
             # A store-resident parameter's gradient reaches the store through the
             # offload layer, not through autograd on this tensor: it tells us when done.
-            self._hooks.append(on_grad_ready(e.param, self._on_grad))
+            # Held weakly, as the hook below: the parameters (which outlive an optimizer
+            # dropped and made again) must not keep it alive, with its stores and threads.
+            self._hooks.append(on_grad_ready(e.param, weak_method(self._on_grad)))
         elif e.param.requires_grad:
-            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(weak_post_accumulate_grad_hook(e.param, self._on_grad))
         else:
             return  # frozen: no gradient (like torch.optim, it is skipped); hooked if unfrozen
         e.hooked = True
@@ -1499,9 +1514,7 @@ class HostOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the gradient hooks and stop the worker thread (the state stays readable)."""
         self._wait()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _remove_all(self._hooks)
         for e in self._order:  # the undo tensors (scratch space in the stores), the spares
             spares = [(self._state_store, h) for h in e.spare.values()]
             for store, h in [*e.undo.values(), *spares, *e.xspare.values()]:

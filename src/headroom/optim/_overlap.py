@@ -17,6 +17,7 @@ from typing import Any
 
 from headroom.memory import track_this_thread
 from headroom.optim._entries import Bucket, Entry, same
+from headroom.transfer import owned_pool
 
 __all__ = ["Overlap"]
 
@@ -54,7 +55,7 @@ class Overlap:
     # ------------------------------------------------------------------ the worker
     def submit(self, fn: Callable[[], None]) -> None:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hr-host-step")
+            self._pool = owned_pool(self, 1, "hr-host-step")  # ends with its optimizer
         self._futures.append(self._pool.submit(fn))
 
     def wait(self) -> None:

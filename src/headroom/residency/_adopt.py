@@ -32,6 +32,7 @@ store, before the next forward or when it is unwrapped (`sync_merges`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +41,8 @@ from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
-from headroom.residency._packed import Packed, is_packed, read_parts
+from headroom.residency._outside import keep_on_device
+from headroom.residency._packed import Packed, check_packable, is_packed, read_parts
 from headroom.residency._plan import Layout, adapter_modules
 from headroom.transfer import HeldSource, HostStore, StoreTensor, binding, claimed_keys, unbind
 
@@ -54,8 +56,26 @@ __all__ = [
 
 # module -> {attr: a second reference to the storage its parameter was registered with}
 _ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HANDLES: list = []
+
+# Live offloaded models (an Offload adds itself; unoffload and a failed offload take it out),
+# for the optimizer-step hook (see `_schedule.before_optimizer_step`) and for adoption.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+# How hr.offload places parameters and undoes a failed placement (`_offload._place` and
+# `_rollback`, handed down by that module, which builds on this one, when imported): parameters
+# added later are placed the same way.
+_placement: tuple[Callable, Callable] | None = None
+
+
+def use_placement(place: Callable, rollback: Callable) -> None:
+    """Called by `headroom.residency._offload` when imported."""
+    global _placement
+    _placement = (place, rollback)
+# NOTE: an offload state's `_Members` rests on the state itself, not in a module-level map
+# keyed by the state: its groups lead back to the state (group -> module -> guard role ->
+# state), so a weak-keyed map would keep every offloaded model alive for good.
+_MEMBERS = "_adopt_members"
 
 
 class _Members:
@@ -100,7 +120,7 @@ class _Members:
 
 def install(state: Offload) -> None:
     """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
-    _STATES[state] = _Members(state)
+    setattr(state, _MEMBERS, _Members(state))
     _copyable(state, [*state.slots, *state.packed])
     if not _HANDLES:
         from torch.nn.modules.module import (
@@ -113,9 +133,11 @@ def install(state: Offload) -> None:
 
 
 def _live() -> list[tuple[Offload, _Members]]:
-    from headroom.residency._schedule import _LIVE
+    return [(s, info) for s in list(_LIVE) if (info := _members(s)) is not None]
 
-    return [(s, _STATES[s]) for s in list(_LIVE) if s in _STATES]
+
+def _members(state: Offload) -> _Members | None:
+    return getattr(state, _MEMBERS, None)
 
 
 def _is_wrapper(m: nn.Module) -> bool:
@@ -225,8 +247,6 @@ def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parame
     remembered, see the module docstring). Returns the parameters kept, each registered in
     its module in place of the one given (unless not ``assign``: the registration hook
     returns it instead)."""
-    from headroom.residency._offload import keep_on_device
-
     out = []
     for m, attr, p, _full in items:
         value = p
@@ -238,7 +258,7 @@ def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parame
         out.append(keep_on_device(state, value, [(m, attr)]))
         if assign and value is not p:
             m._parameters[attr] = value
-    info = _STATES.get(state)
+    info = _members(state)
     if out and info is not None:
         info.plan_stale = True
     return out
@@ -246,8 +266,8 @@ def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parame
 
 def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> list[Slot]:
     """Place parameters new to the model in its store, in ``home``'s group (None: outside)."""
-    from headroom.residency._offload import _check_packed_param, _place, _rollback
-
+    assert _placement is not None  # install() is called by hr.offload only
+    _place, _rollback = _placement
     params: dict[int, nn.Parameter] = {}  # registered parameter's id -> what is placed
     names: dict[int, str] = {}
     owners: dict[int, list] = {}
@@ -278,7 +298,7 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
     claimed = claimed_keys(st)
     for pid, p in params.items():
         if is_packed(p):  # its parts' keys (name#part), checked as at hr.offload
-            _check_packed_param(st, claimed, p, names[pid], owners[pid])
+            check_packable(st, claimed, p, names[pid], owners[pid])
         elif names[pid] in st:
             raise RuntimeError(
                 f"cannot offload the new parameter {names[pid]!r}: {st!r} already holds a tensor"
@@ -305,12 +325,12 @@ def _hook_state_dict(state: Offload, m: nn.Module) -> None:
     from functools import partial
 
     from headroom.residency import _outside
-    from headroom.residency._schedule import Offload
 
     _outside.install(state, m)
-    state.handles.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
+    cls = type(state)  # Offload
+    state.handles.append(m.register_state_dict_post_hook(partial(cls.state_dict_hook, state)))
     state.handles.append(m.register_load_state_dict_pre_hook(
-        partial(Offload.load_state_dict_pre_hook, state)))
+        partial(cls.load_state_dict_pre_hook, state)))
 
 
 # ---------------------------------------------------------------------- dropped parameters
@@ -431,6 +451,7 @@ def retire(state: Offload, slots: list[Slot]) -> None:
             st.free(b.grad_handle)
         st.free(b.handle)
         claimed_keys(st).discard(b.handle.key)
+        state.claims.discard(b.handle.key)
         unbind(s.param)
         p = s.param
         p.grad = None
@@ -445,7 +466,7 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         state.by_param.pop(id(s.param), None)
         state.by_dev.pop(id(s.dev), None)
     state.slots = [s for s in state.slots if id(s) not in gone]
-    info = _STATES.get(state)
+    info = _members(state)
     if info is not None:
         info.plan_stale = True
         for i in gone:
@@ -473,7 +494,7 @@ def retire_packed(state: Offload, packed: list[Packed]) -> None:
     state.packed = [q for q in state.packed if id(q) not in gone]
     for g in [*state.blocks, state.rest]:
         g.packed = [q for q in g.packed if id(q) not in gone]
-    info = _STATES.get(state)
+    info = _members(state)
     if info is not None:
         info.plan_stale = True
 
@@ -484,7 +505,7 @@ def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
     st = state.store
     if not isinstance(st, HostStore):
         return  # masters elsewhere are placeholders: nothing to rebind
-    info = _STATES.get(state)
+    info = _members(state)
     hosts = info.hosts if info is not None else {}
     for s in state.slots if slots is None else slots:
         known = hosts.get(id(s))
@@ -508,7 +529,7 @@ def rescan(state: Offload) -> None:
     """Between steps: adopt what the registration hooks could not (added during a forward,
     or written into a module's parameter table directly), drop what left the model, and check
     masters rebound behind the store's back."""
-    info = _STATES.get(state)
+    info = _members(state)
     if info is None:
         return
     sync_masters(state)
@@ -651,7 +672,7 @@ def current_plan(state: Offload):
 
     from headroom.residency._plan import layout
 
-    info = _STATES.get(state)
+    info = _members(state)
     if info is not None and info.plan_stale:
         info.plan_stale = False
         o = state.plan.options

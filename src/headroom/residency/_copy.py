@@ -18,12 +18,13 @@ from typing import Any
 
 import torch.nn as nn
 
-from headroom.residency._offload import MODULE_ATTRS
 from headroom.residency._packed import read_parts
 
 __all__ = ["deepcopy_offloaded"]
 
-def deepcopy_offloaded(module: nn.Module, state: Any, base: type, memo: dict) -> nn.Module:
+
+def deepcopy_offloaded(module: nn.Module, state: Any, base: type, memo: dict, *,
+                       leave_out: tuple[str, ...]) -> nn.Module:
     """``copy.deepcopy(module)`` for a guarded ``module`` (the root or a block) of ``state``.
 
     Args:
@@ -31,6 +32,7 @@ def deepcopy_offloaded(module: nn.Module, state: Any, base: type, memo: dict) ->
         state: its model's offload state (`headroom.residency._schedule.Offload`).
         base: the module's original class (the copy gets it back).
         memo: ``copy.deepcopy``'s memo.
+        leave_out: the attributes of the offload on the module (the copy has none).
 
     Raises:
         RuntimeError: called during the model's forward or backward (its device copies are
@@ -46,7 +48,7 @@ def deepcopy_offloaded(module: nn.Module, state: Any, base: type, memo: dict) ->
         # the guard's role and the offload state stay behind; hooks of the offload were
         # mapped to dicts without them by `_map_subtree`
         d = {k: v for k, v in module.__getstate__().items()
-             if k not in MODULE_ATTRS}
+             if k not in leave_out}
         new.__setstate__(copy.deepcopy(d, memo))
         return new
     finally:

@@ -35,7 +35,7 @@ from headroom.residency._packed import Packed, is_packed, packing_of, part_key
 from headroom.residency._schedule import _AfterBackward, _outputs
 from headroom.residency._schedule import in_backward as _in_backward
 from headroom.transfer import MAX_STAGED_BYTES as _MAX_STAGED_BYTES
-from headroom.transfer import MetaStore, Places
+from headroom.transfer import MetaStore, Places, weak_post_accumulate_grad_hook
 
 # headroom.transfer's mover reaps device gradients in flight to the host past this many bytes
 
@@ -69,7 +69,7 @@ class OffloadConfig:
 
 def configs_of(model: nn.Module) -> list[OffloadConfig]:
     """The `OffloadConfig` of every `hr.offload` applied to ``model`` or its submodules."""
-    from headroom.residency import offload_states
+    from headroom.residency._offload import offload_states
 
     out = []
     for name, m, state in offload_states(model):
@@ -225,7 +225,7 @@ class OffloadDryRun:
             if p.is_floating_point() or p.is_complex():
                 rg = dev.requires_grad
                 dev.requires_grad_(True)
-                dev.register_post_accumulate_grad_hook(self._grad_hook)
+                weak_post_accumulate_grad_hook(dev, self._grad_hook)  # see its NOTE
                 dev.requires_grad_(rg)
         module.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         module.register_forward_hook(self._root_post_forward)

@@ -22,10 +22,15 @@ import torch
 import torch.nn as nn
 
 from headroom.residency import _dtensor
+from headroom.transfer import keep_for_child
 
 __all__ = ["Role", "install", "remove"]
 
 _ROLE = "_headroom_role"
+_OFFLOAD = "_headroom_offload"  # the offload state, on the offloaded module
+#: The attributes `offload` sets on modules (the state on the offloaded module, the role of
+#: each block): what a copy of the model that drops the offload leaves out.
+MODULE_ATTRS = (_OFFLOAD, _ROLE)
 _CLASSES: dict[type, type] = {}
 
 
@@ -102,7 +107,8 @@ def _guarded_class(cls: type) -> type:
             return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
         from headroom.residency._copy import deepcopy_offloaded
 
-        return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo)
+        return deepcopy_offloaded(self, getattr(role, "state", role), cls, memo,
+                                  leave_out=MODULE_ATTRS)
 
     def __reduce_ex__(self, protocol):
         # pickle (torch.save(model), a spawned process's argument): the plain copy that
@@ -112,7 +118,9 @@ def _guarded_class(cls: type) -> type:
             return cls.__reduce_ex__(self, protocol)
         # Unpickled as operator.getitem([copy], 0): loading needs neither headroom nor the
         # guarded class, only the model's own classes.
-        return operator.getitem, ([copy.deepcopy(self)], 0)
+        plain = copy.deepcopy(self)
+        keep_for_child(plain)  # see its NOTE
+        return operator.getitem, ([plain], 0)
 
     def __copy__(self):
         # copy.copy would otherwise go through __reduce_ex__ above: a shallow copy stays one

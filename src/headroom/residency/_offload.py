@@ -5,6 +5,7 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 import weakref
@@ -22,16 +23,17 @@ from torch.optim.optimizer import (
 from headroom.residency import _adopt, _dtensor, _guard, _outside
 from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
+from headroom.residency._outside import keep_on_device
 from headroom.residency._packed import (
     Packed,
     as_stored,
+    check_packable,
     is_packed,
     packing_of,
     part_key,
     read_parts,
     refusal,
     rest_master,
-    stored_spec,
 )
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
@@ -47,11 +49,12 @@ from headroom.transfer import (
     resolve_store,
     trim_heap,
     unbind,
+    weak_post_accumulate_grad_hook,
 )
 
 __all__ = ["describe", "keep_on_device", "offload", "prefetch", "unoffload"]
 
-_ATTR = "_headroom_offload"
+_ATTR = _guard._OFFLOAD
 
 
 def _replica_wrapper(m: nn.Module) -> str | None:
@@ -125,6 +128,11 @@ def offload(
     to ``device`` before its all-gather; with a `DiskStore` each unit's shards are read into
     host memory for its all-gather, ``prefetch`` units ahead; ``blocks`` are then
     ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+
+    Nothing outside the model and its optimizer keeps what this makes alive: dropped (with or
+    without `unoffload`), the model, its store and the store's threads, files and folder lock go
+    at the next garbage collection. Pickled (``torch.save``, a spawned process's argument) or
+    ``copy.deepcopy``-ed, it gives a plain model holding the current values.
 
     Args:
         model: the model; quantized parameters (bitsandbytes' ``Params4bit`` and
@@ -245,10 +253,14 @@ def offload(
                                                      strict=True)]
     first_name = lay.names
     claimed = claimed_keys(st)
+    if any(first_name[pid] in claimed for pid in lay.params):
+        # A model that is unreachable but caught in a reference cycle still holds its keys
+        # until the cycle collector runs: collect once before calling it a conflict.
+        gc.collect()
     for pid, p in lay.params.items():  # validate before changing anything
         name = first_name[pid]
         if is_packed(p):
-            _check_packed_param(st, claimed, p, name, lay.owners[pid])
+            check_packable(st, claimed, p, name, lay.owners[pid])
             continue
         if name in st:
             if name in claimed:
@@ -257,6 +269,9 @@ def offload(
                     " head; give each model its own store (or DiskStore directory)"
                 )
             _check_stored(st.get(name), p, name)
+    # The model's claims end with it: a model dropped without hr.unoffload leaves its keys to
+    # the next owner (the finalizer holds the sets, not the state).
+    weakref.finalize(state, claimed.difference_update, state.claims)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
     try:
         _place(state, st, dev, compute_dtype, lay, claimed, placed)
@@ -401,6 +416,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         if master is not params[pid]:
             _REPLACED[id(params[pid])] = params[pid]
         claimed.add(name)
+        state.claims.add(name)
         target.slots.append(slot)
         state.slots.append(slot)
         state.by_dev[id(dev_param)] = slot
@@ -408,55 +424,13 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         if p.is_floating_point() or p.is_complex():
             # Hooks need requires_grad at registration and survive toggling it, so a
             # parameter frozen now still routes its gradient if it is unfrozen later.
-            for t, fn in ((dev_param, state.grad_hook),
-                          (master, partial(state.bypass_hook, slot.name))):
+            # The hooks hold the state weakly (see weak_post_accumulate_grad_hook).
+            for t, fn, args in ((dev_param, state.grad_hook, ()),
+                                (master, state.bypass_hook, (slot.name,))):
                 rg = t.requires_grad
                 t.requires_grad_(True)
-                state.handles.append(t.register_post_accumulate_grad_hook(fn))
+                state.handles.append(weak_post_accumulate_grad_hook(t, fn, *args))
                 t.requires_grad_(rg)
-
-
-def keep_on_device(state: Offload, p: nn.Parameter, owners: list) -> nn.Parameter:
-    """An adapter stays on the compute device, an ordinary parameter (``adapters="device"``):
-    moved there if it is elsewhere, and watched so that a move to ``meta`` (PEFT moves new
-    adapters to the base weight's device) leaves it in place. Returns the parameter kept."""
-    dev = state.device
-    if p.device != dev:
-        with torch.no_grad():
-            p.data = p.data.to(dev)
-    state.kept[id(p)] = p
-    for m, _ in owners:
-        _outside.install(state, m)
-    return p
-
-
-def _check_packed_param(st: Store, claimed: set[str], p: torch.Tensor, name: str,
-                        owners: list) -> None:
-    """Refuse, before anything changes, a quantized parameter that cannot rest packed."""
-    why = refusal(p, name, owners)
-    if why is not None:
-        raise ValueError(f"hr.offload cannot keep {why}")
-    packing, _ = packing_of(p, name, owners)
-    for k, (shape, dtype) in packing.specs.items():
-        key = part_key(name, k)
-        if key not in st:
-            if p.device.type == "meta":
-                raise ValueError(
-                    f"the quantized parameter {name!r} is on the meta device and {st!r} holds"
-                    f" no value for it ({key!r}): quantize real weights (or load them) before"
-                    " hr.offload")
-            continue
-        if key in claimed:
-            raise RuntimeError(
-                f"{key!r} in {st!r} is in use by another offloaded model or classifier head;"
-                " give each model its own store (or DiskStore directory)")
-        h = st.get(key)
-        want = stored_spec(shape, dtype)
-        if (h.shape, h.dtype) != want:
-            raise ValueError(
-                f"the store already holds {key!r} as {h.dtype} {h.shape}, but the quantized"
-                f" parameter's part is {want[1]} {want[0]}; use an empty directory for a"
-                " different model, or quantize the model as it was stored")
 
 
 def _place_packed(state: Offload, st: Store, dev: torch.device, p: torch.Tensor, name: str,
@@ -510,6 +484,16 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
         if created:
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
+        state.claims.discard(slot.binding.handle.key)
+
+
+_adopt.use_placement(_place, _rollback)  # parameters added later are placed alike
+
+
+def release_claim(state: Offload, key: str) -> None:
+    """``state``'s model no longer uses ``key`` of its store (see [Note: one writer per key])."""
+    claimed_keys(state.store).discard(key)
+    state.claims.discard(key)
 
 
 def _unplace_packed(state: Offload, st: Store, claimed: set[str], q: Packed | None,
@@ -652,9 +636,7 @@ def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
     return [(n, m, m.__dict__[_ATTR]) for n, m in model.named_modules() if _ATTR in m.__dict__]
 
 
-#: The attributes `offload` sets on modules (the state on the offloaded module, the role of
-#: each block): what a copy of the model that drops the offload leaves out.
-MODULE_ATTRS = (_ATTR, _guard._ROLE)
+MODULE_ATTRS = _guard.MODULE_ATTRS
 
 
 def state_of(model: nn.Module) -> Offload:
@@ -678,7 +660,8 @@ def unoffload(model: nn.Module) -> nn.Module:
 
     Masters that lived on disk are replaced by new ``nn.Parameter`` objects (re-create the
     optimizer); with ``store="cpu"`` the same parameter objects are kept. The store's tensors
-    are freed.
+    are freed. (A model dropped without it frees all the same once garbage-collected: its store,
+    the store's threads and folder lock, its claims on the store's keys.)
 
     Raises:
         RuntimeError: the model is not offloaded, or a backward pass is in progress.
@@ -724,7 +707,7 @@ def unoffload(model: nn.Module) -> nn.Module:
                 grad = st.read(b.grad_handle).result().to(state.device)
             st.free(b.grad_handle)
         st.free(b.handle)
-        claimed_keys(st).discard(b.handle.key)
+        release_claim(state, b.handle.key)
         unbind(s.param)
         unmark(s.param)
         if isinstance(s.param, StoreTensor):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.compiler import is_compiling
 
-__all__ = ["ParamDict", "install", "remove"]
+__all__ = ["ParamDict", "install", "keep_on_device", "remove"]
 
 
 class ParamDict(dict):
@@ -82,3 +82,17 @@ def remove(module: nn.Module) -> None:
     params = module.__dict__.get("_parameters")
     if type(params) is ParamDict:
         module.__dict__["_parameters"] = dict(dict.items(params))
+
+
+def keep_on_device(state: Any, p: nn.Parameter, owners: list) -> nn.Parameter:
+    """An adapter stays on the compute device, an ordinary parameter (``adapters="device"``):
+    moved there if it is elsewhere, and watched so that a move to ``meta`` (PEFT moves new
+    adapters to the base weight's device) leaves it in place. Returns the parameter kept."""
+    dev = state.device
+    if p.device != dev:
+        with torch.no_grad():
+            p.data = p.data.to(dev)
+    state.kept[id(p)] = p
+    for m, _ in owners:
+        install(state, m)
+    return p

@@ -34,9 +34,9 @@ import torch.nn as nn
 from headroom.transfer import Handle, HandleSource, Store, StoreTensor, resize_storage
 
 __all__ = [
-    "Packed", "Packing", "as_stored", "is_packed", "packed_nbytes", "packing_of", "part_key",
-    "read_parts",
-    "meta_like", "refusal", "rest_master", "state_entries", "stored_spec",
+    "Packed", "Packing", "as_stored", "check_packable", "is_packed", "meta_like",
+    "packed_nbytes", "packing_of", "part_key", "read_parts", "refusal", "rest_master",
+    "state_entries", "stored_spec",
 ]
 
 # dtypes every store keeps as they are; other parts (float8 codes) rest as their bytes (uint8)
@@ -86,6 +86,35 @@ def refusal(p: torch.Tensor, name: str, owners: list | tuple = ()) -> str | None
 
 class _Unsupported(Exception):
     pass
+
+
+def check_packable(st: Store, claimed: set[str], p: torch.Tensor, name: str,
+                   owners: list) -> None:
+    """Refuse, before anything changes, a quantized parameter that cannot rest packed."""
+    why = refusal(p, name, owners)
+    if why is not None:
+        raise ValueError(f"hr.offload cannot keep {why}")
+    packing, _ = packing_of(p, name, owners)
+    for k, (shape, dtype) in packing.specs.items():
+        key = part_key(name, k)
+        if key not in st:
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"the quantized parameter {name!r} is on the meta device and {st!r} holds"
+                    f" no value for it ({key!r}): quantize real weights (or load them) before"
+                    " hr.offload")
+            continue
+        if key in claimed:
+            raise RuntimeError(
+                f"{key!r} in {st!r} is in use by another offloaded model or classifier head;"
+                " give each model its own store (or DiskStore directory)")
+        h = st.get(key)
+        want = stored_spec(shape, dtype)
+        if (h.shape, h.dtype) != want:
+            raise ValueError(
+                f"the store already holds {key!r} as {h.dtype} {h.shape}, but the quantized"
+                f" parameter's part is {want[1]} {want[0]}; use an empty directory for a"
+                " different model, or quantize the model as it was stored")
 
 
 def meta_like(p: torch.Tensor, owners: list | tuple = (),

@@ -26,7 +26,6 @@ import contextlib
 import enum
 import sys
 import threading
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,7 +36,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
-from headroom.residency._adopt import forget_values, rescan, strip_hooks, sync_masters
+from headroom.residency._adopt import _LIVE, forget_values, rescan, strip_hooks, sync_masters
 from headroom.residency._dtensor import conversions
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
@@ -99,8 +98,6 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-# Live offloaded models, for the optimizer-step hook (see `before_optimizer_step`).
-_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class _GroupRole:
@@ -204,6 +201,7 @@ class Offload:
         self.blocks: list[Group] = []
         self.rest = Group("(outside blocks)", None)
         self.slots: list[Slot] = []
+        self.claims: set[str] = set()  # the store keys this model holds (claimed_keys)
         self.by_dev: dict[int, Slot] = {}
         self.by_param: dict[int, Slot] = {}
         # quantized parameters resting packed, and each by its master's and device copy's id

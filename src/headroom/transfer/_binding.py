@@ -28,7 +28,7 @@ from headroom.transfer._store import Store
 __all__ = [
     "ParamBinding", "adopt_grad", "bind", "binding", "flush_grad", "grad_ready",
     "note_value_edit", "on_grad_ready", "relay_done", "sync_grad",
-    "unbind", "value_edits",
+    "unbind", "value_edits", "weak_method", "weak_post_accumulate_grad_hook",
 ]
 
 # store -> {key: count}; see `value_edits`
@@ -133,18 +133,21 @@ class ListenerHandle:
     __slots__ = ("_binding", "_fn")
 
     def __init__(self, b: ParamBinding, fn: Callable[[torch.Tensor], None]) -> None:
-        self._binding = b
+        # Weakly, as torch's hook handles: a handle kept (by a finalizer, say) must not keep
+        # the parameter's binding, and through it the model's offload state, alive.
+        self._binding: weakref.ref[ParamBinding] | None = weakref.ref(b)
         self._fn = fn
 
     def remove(self) -> None:
-        if self._binding is not None:
+        b = self._binding() if self._binding is not None else None
+        self._binding = None
+        if b is not None:
             # By identity, so two registrations of the same function stay independent.
-            ls = self._binding.listeners
+            ls = b.listeners
             for i, f in enumerate(ls):
                 if f is self._fn:
                     del ls[i]
                     break
-            self._binding = None
 
 
 def bind(
@@ -269,3 +272,30 @@ def unbind(param: torch.Tensor) -> None:
     """Forget ``param``'s binding (the store keeps its tensors; free them separately)."""
     if hasattr(param, _ATTR):
         delattr(param, _ATTR)
+
+
+def weak_method(method: Callable[..., None], *args: object) -> Callable[..., None]:
+    """``partial(method, *args)`` holding the object of the bound ``method`` weakly: once it is
+    collected, calls do nothing. For a listener (`on_grad_ready`) or hook that must not keep its
+    owner alive; ``args`` must not lead to the owner either."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*more: object) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(*args, *more)
+
+    return call
+
+
+def weak_post_accumulate_grad_hook(tensor: torch.Tensor, method: Callable[..., None],
+                                   *args: object) -> torch.utils.hooks.RemovableHandle:
+    """``tensor.register_post_accumulate_grad_hook(partial(method, *args))``, holding the
+    object of the bound ``method`` weakly (see `weak_method`).
+
+    NOTE: Python's garbage collector does not see a tensor's post-accumulate-grad hooks (torch
+    leaves them out of the tensor's traversal), so a hook leading back to the tensor (an offload
+    state or an optimizer holding the parameter it is registered on) makes a cycle that is never
+    collected: the model, its store, threads and folder lock would live until the process ends.
+    """
+    return tensor.register_post_accumulate_grad_hook(weak_method(method, *args))

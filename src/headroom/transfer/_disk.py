@@ -12,13 +12,15 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from headroom.transfer._handle import Handle
 from headroom.transfer._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
+from headroom.transfer._pools import Pool, stop_pool
 from headroom.transfer._recover import file_crcs, open_checks
 from headroom.transfer._segments import BAD, combine, crc, scan
 from headroom.transfer._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
@@ -104,6 +106,7 @@ def _all_of(futs: list[Future], result, finish: Callable[[], None] | None = None
     lock = threading.Lock()
     left = [len(futs)]
     errors: list[BaseException] = []
+    finishing = [finish]  # emptied before ``out`` completes (see headroom.transfer._pools)
 
     def done_one(f: Future) -> None:
         with lock:
@@ -113,11 +116,13 @@ def _all_of(futs: list[Future], result, finish: Callable[[], None] | None = None
             last = left[0] == 0
         if not last:
             return
-        if not errors and finish is not None:
+        fin = finishing.pop()
+        if not errors and fin is not None:
             try:
-                finish()
+                fin()
             except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
                 errors.append(e)
+        del fin
         if errors:
             out.set_exception(errors[0])
         else:
@@ -126,6 +131,13 @@ def _all_of(futs: list[Future], result, finish: Callable[[], None] | None = None
     for f in futs:
         f.add_done_callback(done_one)
     return out
+
+
+def _settle(pending: dict[str, Future], lock: threading.RLock, key: str, fut: Future) -> None:
+    """``key``'s operation is done: forget it unless a later one took its place."""
+    with lock:
+        if pending.get(key) is fut:
+            del pending[key]
 
 
 def _apply_scales(t: torch.Tensor, scales: list[tuple[Callable, object]]) -> torch.Tensor:
@@ -248,6 +260,16 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _finish(ledger: Ledger, *pools: Pool) -> None:
+    """A store garbage-collected without `DiskStore.close`: its threads are told to end (no
+    job is left: each would hold the store; see `stop_pool`), then the ledger finishes (see
+    `Ledger.finish`)."""
+    if os.getpid() == ledger._pid:  # a forked child has no threads of the parent's pools
+        for pool in pools:
+            stop_pool(pool)
+    ledger.finish()
+
+
 class DiskStore(Store):
     """Tensors in files under ``path``, one file per tensor, moved by background threads.
 
@@ -274,7 +296,10 @@ class DiskStore(Store):
 
     The store belongs to the process that opened it: in a child forked from it (a DataLoader
     worker, ``multiprocessing``'s fork start method) every method raises `RuntimeError` at once,
-    `close` does nothing, and the folder's lock stays with the parent.
+    `close` does nothing, and the folder's lock stays with the parent. It cannot be pickled or
+    copied (`TypeError`): another process opens ``DiskStore(path)`` once this one is closed. A
+    store garbage-collected without `close` ends its threads, closes its files and unlocks the
+    folder (its index left clean, without the final sync of `close`).
 
     Args:
         path: directory for the files; created if missing. If it holds a DiskStore's files the
@@ -392,9 +417,9 @@ class DiskStore(Store):
         # will wait for) never queues behind gradient or state writes, which nobody waits for
         # right away; fewer write threads also leave the disk to the reads more often.
         self._threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="hr-disk")
-        self._wpool = ThreadPoolExecutor(max_workers=max(1, self._threads // 2),
-                                         thread_name_prefix="hr-disk-w")
+        self._pool = Pool(max_workers=self._threads, thread_name_prefix="hr-disk")
+        self._wpool = Pool(max_workers=max(1, self._threads // 2),
+                           thread_name_prefix="hr-disk-w")
         self._closed = False
         self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
         try:
@@ -421,12 +446,22 @@ class DiskStore(Store):
         for key, e in self._ledger.entries.items():
             self._handles[key] = Handle.of(key, tuple(e["shape"]), DTYPES[e["dtype"]], self)
             self._used += e["nbytes"]
-        # The finalizer holds the ledger (plain data, no reference back to the store), so
-        # a store garbage-collected without close() still leaves a clean index and unlocks.
-        self._finalizer = weakref.finalize(self, Ledger.finish, self._ledger)
+        # The finalizer holds the ledger (plain data, no reference back to the store) and the
+        # pools, so a store garbage-collected without close() still leaves a clean index,
+        # unlocks, and ends its I/O threads.
+        self._finalizer = weakref.finalize(self, _finish, self._ledger, self._pool, self._wpool)
 
     def __repr__(self) -> str:
         return f"DiskStore({str(self.path)!r}, used={self._used}, max_bytes={self.max_bytes})"
+
+    def _not_portable(self) -> str:
+        return (
+            f"{self!r} cannot be pickled or copied: it owns its folder in this process (the"
+            " folder's lock and journal) and its I/O threads. To use the folder in another"
+            " process, pass the path and open DiskStore(path) there once this process has"
+            " closed the store (store.close()); to hand over a model offloaded to it, pass the"
+            " model (it pickles, as copy.deepcopy copies it, into a plain model holding its"
+            " values)")
 
     def _corrupt(self, key: str, start: int, end: int, why: str) -> StoreCorruptError:
         file = self._ledger.entries.get(key, {}).get("file", "?")
@@ -474,7 +509,9 @@ class DiskStore(Store):
             fut = futs[0] if len(futs) == 1 and finish is None else \
                 _all_of(futs, result, finish)
             self._pending[key] = fut
-        fut.add_done_callback(lambda f, k=key: self._settle(k, f))
+        # NOTE: callbacks run after the caller's wait returns: this one holds the table, not
+        # the store, so a caller that drops the store then is not racing an I/O thread.
+        fut.add_done_callback(partial(_settle, self._pending, self._lock, key))
         return fut
 
     def _submit_io(self, handle: Handle, kind: str, t: torch.Tensor,
@@ -491,11 +528,6 @@ class DiskStore(Store):
         return self._submit_parts(
             handle.key, [(self._read_job, (path, t, p, check))
                          for p in _split(extents, self._threads)], t, finish=check.finish)
-
-    def _settle(self, key: str, fut: Future) -> None:
-        with self._lock:
-            if self._pending.get(key) is fut:
-                del self._pending[key]
 
     def _io_error(self, e: OSError, path: str) -> OSError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):

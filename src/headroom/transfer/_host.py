@@ -3,16 +3,18 @@ device), and a pool of reusable page-locked buffers."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from concurrent.futures import Future
 
 import torch
 
 from headroom.transfer._handle import Handle
 from headroom.transfer._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
-from headroom.transfer._store import Store, StoreFullError, done
+from headroom.transfer._store import Store, StoreFullError, done, is_accelerator
 
-__all__ = ["HostStore", "PinnedPool", "add_into"]
+__all__ = ["HostStore", "PinnedPool", "add_into", "resolve_store"]
 
 # Elements converted at a time by `add_into`: 8 MiB of fp32, cache-sized, and enough for
 # every core's share of one add to be worth a thread.
@@ -72,6 +74,9 @@ class PinnedPool:
         self._slabs: dict[int, Slab] = {}  # data_ptr of a buffer handed out or cached -> slab
         self._total = 0
         self._lock = threading.Lock()
+        # A pool dropped without `clear` (a mover or stash never closed) gives its page-locked
+        # bytes back to the process budget all the same.
+        weakref.finalize(self, _release_slabs, self._slabs)
 
     @property
     def total_bytes(self) -> int:
@@ -143,13 +148,23 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _release_slabs(slabs: dict[int, Slab]) -> None:
+    # A pool collected without clear(), perhaps at interpreter exit: best effort.
+    for slab in list(slabs.values()):
+        with contextlib.suppress(Exception):
+            slab.release()
+    slabs.clear()
+
+
 class HostStore(Store):
     """Tensors resting in host memory; reads and writes complete at once.
 
     A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`):
     pinned bytes are spent once per slab rather than rounded up per tensor, count against the
     process's page-locked budget (`headroom.transfer.pinned_bytes`), and go back to the system
-    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`).
+    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`) or the store is
+    garbage-collected. A store cannot be pickled or copied (`TypeError`): its tensors are this
+    process's, used in place by what is bound to them.
 
     Args:
         pin: page-lock the tensors so copies to an accelerator run asynchronously on a side
@@ -285,3 +300,30 @@ class HostStore(Store):
                 self.free(self._handles[key])
             if self._arena is not None:
                 self._arena.close()
+
+
+def resolve_store(store: str | Store, device: str | torch.device | None = None) -> Store:
+    """Turn the ``store=`` argument of the public API into a `Store`.
+
+    Args:
+        store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
+            process's page-locked budget when ``device`` is an accelerator), or a `Store`
+            instance (e.g. ``DiskStore(path)``), returned as is.
+        device: the compute device the store feeds.
+
+    Raises:
+        ValueError: an unknown store name.
+
+    Example:
+        >>> store = resolve_store("cpu", "cpu")
+    """
+    if isinstance(store, Store):
+        return store
+    if isinstance(store, str) and store in ("cpu", "host"):
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        acc = is_accelerator(dev)
+        return HostStore(pin=acc, device=dev if acc else None)
+    raise ValueError(
+        f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
+        " headroom.DiskStore(path)"
+    )

@@ -24,18 +24,38 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from headroom.transfer._handle import Handle
 from headroom.transfer._store import done
+from headroom.transfer._values import keeps_values, known_values
 
 
 def to_meta(obj: Any) -> Any:
-    """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype."""
+    """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype.
+
+    A tensor given twice (``labels=input_ids``) gets one stand-in, as it is one tensor in the
+    step. The values of integer and boolean tensors (ids, masks, labels) are kept beside their
+    stand-ins (`headroom.transfer._values`), for the dry run to read.
+    """
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def one(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            return out.requires_grad_(t.requires_grad)
+            if id(t) in seen:
+                return seen[id(t)][1]
+            out = _stand_in(t)
+            seen[id(t)] = (t, out)  # t kept: its id stays its own while the map is made
+            return out
         return t
 
     return tree_map(one, obj)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if keeps_values(t):
+        # NOTE: unseen by dispatch modes: a tracker recording a step's inputs must not count
+        # the copy as the step's memory
+        with torch._C._DisableTorchDispatch():
+            known_values.put(out, t.detach().to("cpu", copy=True))
+    return out.requires_grad_(t.requires_grad)
 
 
 def flat_tensors(items: list[Any]) -> list[torch.Tensor]:

@@ -43,6 +43,7 @@ from headroom.transfer._device import stream_module
 from headroom.transfer._handle import Handle
 from headroom.transfer._host import PinnedPool, add_into, as_bytes
 from headroom.transfer._pinned import _device_guard
+from headroom.transfer._pools import owned_pool
 from headroom.transfer._store import Store, is_accelerator
 
 __all__ = ["Mover", "Ticket"]
@@ -405,7 +406,7 @@ class Mover:
 
     def _accumulator(self) -> ThreadPoolExecutor:
         if self._acc_pool is None:
-            self._acc_pool = ThreadPoolExecutor(1, thread_name_prefix="hr-grad-acc")
+            self._acc_pool = owned_pool(self, 1, "hr-grad-acc")  # ends with the mover
         return self._acc_pool
 
     def _accumulate(self, gh: Handle, grad: torch.Tensor) -> None:

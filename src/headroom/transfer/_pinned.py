@@ -30,6 +30,8 @@ import weakref
 import numpy as np
 import torch
 
+from headroom.transfer._store import StoreFullError
+
 __all__ = ["PinnedArena", "Slab", "alloc_slab", "pinned_bytes", "set_pinned_limit", "spent"]
 
 _MIN_SLAB = 1 << 20
@@ -49,13 +51,13 @@ class _Ledger:
     """Page-locked bytes this process holds through headroom, against a limit."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: slabs are also released by finalizers, which a garbage collection may run
+        # in a thread that is inside `take`.
+        self.lock = threading.RLock()
         self.spent = 0
         self.limit: int | None = None  # None: default_pinned_budget(), read when first needed
 
     def take(self, n: int) -> None:
-        from headroom.transfer._store import StoreFullError
-
         with self.lock:
             limit = self.limit if self.limit is not None else default_pinned_budget()
             if self.spent + n > limit:
@@ -344,8 +346,6 @@ class PinnedArena:
         return None
 
     def _new_slab(self, nbytes: int) -> None:
-        from headroom.transfer._store import StoreFullError
-
         backend = _backend(self.pin, self.device)
         cost = spent(nbytes, backend)
         if self.max_bytes is not None and self.spent_bytes + cost > self.max_bytes:

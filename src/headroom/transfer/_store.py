@@ -1,4 +1,4 @@
-"""The store protocol shared by host memory and disk, and `resolve_store`."""
+"""The store protocol shared by host memory and disk."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from headroom.transfer._handle import Handle, check_rows, row_count
 
-__all__ = ["Store", "StoreCorruptError", "StoreFullError", "done", "resolve_store"]
+__all__ = ["Store", "StoreCorruptError", "StoreFullError", "done"]
 
 
 # [Note: scratch keys] Keys under this prefix hold scratch bytes (activations between forward
@@ -79,6 +79,21 @@ class Store(abc.ABC):
     #: Whether the resting tensors outlive the process (a file system): activation offload on a
     #: CPU-only machine and a restart after ``kill -9`` need one.
     durable: bool = False
+
+    # ------------------------------------------------------------------ pickling
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # NOTE: a store is this process's memory, files and threads, shared by whatever is
+        # bound to it: no copy of it would be the same store, so pickle (a spawned process's
+        # argument) and copy.deepcopy refuse it with the way that works.
+        raise TypeError(self._not_portable())
+
+    def _not_portable(self) -> str:
+        """Why the store cannot be pickled or copied, and what to do instead."""
+        return (
+            f"{self!r} cannot be pickled or copied: its tensors are this process's, shared by"
+            " the models and heads bound to them. Pass the model instead (an offloaded model"
+            " pickles, as copy.deepcopy copies it, into a plain model holding its values), or"
+            " the tensors themselves (store.read(store.get(key)).result())")
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -284,32 +299,3 @@ def _check_plain(key: str, t: torch.Tensor) -> None:
             " tensors; a store holds plain tensors: store each inner tensor (hr.offload keeps"
             " quantized parameters this way)"
         )
-
-
-def resolve_store(store: str | Store, device: str | torch.device | None = None) -> Store:
-    """Turn the ``store=`` argument of the public API into a `Store`.
-
-    Args:
-        store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
-            process's page-locked budget when ``device`` is an accelerator), or a `Store`
-            instance (e.g. ``DiskStore(path)``), returned as is.
-        device: the compute device the store feeds.
-
-    Raises:
-        ValueError: an unknown store name.
-
-    Example:
-        >>> store = resolve_store("cpu", "cpu")
-    """
-    if isinstance(store, Store):
-        return store
-    if isinstance(store, str) and store in ("cpu", "host"):
-        from headroom.transfer._host import HostStore
-
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        acc = is_accelerator(dev)
-        return HostStore(pin=acc, device=dev if acc else None)
-    raise ValueError(
-        f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
-        " headroom.DiskStore(path)"
-    )

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from headroom.transfer._binding import ParamBinding, note_value_edit, sync_grad
 from headroom.transfer._handle import Handle
+from headroom.transfer._pickle import keep_for_child
 from headroom.transfer._store import Store
 
 __all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource",
@@ -362,8 +363,13 @@ class StoreTensor(torch.Tensor):
                 f" values={self._source.describe()})")
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        # Pickling (torch.save) gets the values, as a plain tensor of the reported dtype.
-        return self.stored().to(self.dtype, copy=True).__reduce_ex__(protocol)
+        # Pickling (torch.save, a spawned process's argument) gets what copy.deepcopy gives:
+        # the values, as a plain tensor of the reported dtype (a parameter stays one).
+        value = self.stored().to(self.dtype, copy=True)
+        if getattr(self, "_is_param", False):
+            value = torch.nn.Parameter(value, requires_grad=self.requires_grad)
+        keep_for_child(value)  # see its NOTE
+        return value.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         # A copy in memory, as a plain tensor (a parameter stays a parameter).

@@ -1,0 +1,35 @@
+"""The LM-loss patch (`hr.patch_causal_lm`) as a technique of plans and advice: whether it
+applies to a model, and the dry run's copy patched as `Plan.apply` patches the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+
+def lm_patch_refusal(model: nn.Module) -> str | None:
+    """Why `hr.patch_causal_lm` cannot patch ``model`` for training (``None``: it can)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return ("it takes a causal LM whose get_output_embeddings() is a plain nn.Linear, got"
+                f" {type(head).__name__}")
+    if not model.training:
+        return "the model is in eval mode, where the patch leaves the forward as it is"
+    return None
+
+
+def lm_patching(patched: list[bool] | None = None) -> Callable[[nn.Module], None]:
+    """A ``prepare`` for a dry run's copy: `hr.patch_causal_lm` as every step after the first
+    runs it. ``patched`` gets, for each forward, whether the patch computed the loss (the
+    output's ``logits`` left out), which it does only for a training forward with labels."""
+    from headroom.heads import patch_causal_lm_dry_run
+
+    def prepare(model: nn.Module) -> None:
+        patch_causal_lm_dry_run(model)
+        if patched is not None:  # after the patch's own hook, which sets the output
+            model.register_forward_hook(
+                lambda _m, _a, out: patched.append(getattr(out, "logits", 0) is None))
+
+    return prepare

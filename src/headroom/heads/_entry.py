@@ -1,0 +1,262 @@
+"""The public losses, `linear_cross_entropy` and `linear_loss`: the eager passes
+(`_linear_ce`, `_linear_loss`) or, inside ``torch.compile``, one opaque operator each
+(`_compiled`, which builds on the eager passes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headroom.heads._linear_ce import (
+    Autograd,
+    LinearCrossEntropyOutput,
+    _linear_cross_entropy,
+    check_linear,
+    compute_dtype,
+)
+from headroom.heads._linear_loss import SliceLoss, TensorParams, multilabel_loss
+
+__all__ = ["linear_cross_entropy", "linear_loss"]
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    slice_size: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: float | None = None,
+    shift: bool | int = False,
+    z_loss: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    return_lse: bool = False,
+    return_accuracy: bool = False,
+    return_predictions: bool = False,
+    loss_dtype: torch.dtype | None = None,
+    accum_dtype: torch.dtype | None = None,
+    prefetch: int = 1,
+) -> torch.Tensor | LinearCrossEntropyOutput:
+    """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
+
+    The classes are processed in slices: a forward pass keeps an online log-sum-exp, and backward
+    recomputes each slice's logits to form the exact gradients of ``x``, ``weight`` and ``bias``.
+    Peak extra memory is one ``B x slice_size`` buffer (two with ``softcap``) plus a few ``B``-
+    and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
+    loss, a weight on ``x``'s device in ``accum_dtype`` and gradients wanted, chunks of rows
+    over all classes (within the same logits budget, at most half the rows) give the loss and
+    the gradients in one pass of three products instead of four; backward scales them. Rows
+    whose target is ``ignore_index`` do not reach the products when the loss is reduced and
+    the log-sum-exp is not returned. Under ``torch.compile`` (``fullgraph=True`` included) the
+    call is one custom operator that runs this eager code: the same loss and gradients.
+
+    For language models: ``shift=True`` predicts token ``t + 1`` from position ``t``
+    (``x`` is ``(..., seq, D)``, ``target`` the unshifted ``(..., seq)`` labels, as a Hugging
+    Face model's ``labels``), ``softcap`` caps the logits as Gemma 2/3 do, ``z_loss`` adds
+    PaLM's ``z_loss * lse**2``, and the extra outputs give the log-sum-exp, the accuracy and the
+    predicted tokens without the logits.
+
+    Args:
+        x: ``(..., D)`` features, on the compute device.
+        weight: ``(C, D)`` class weights, on ``x``'s device, or in host memory while ``x`` is on
+            an accelerator (then slices are streamed to the device in both passes, the next
+            ``prefetch`` copied on a side stream while the current one computes, and the weight
+            gradient streams back to host memory the same way).
+        target: ``x.shape[:-1]`` integer class indices in ``[0, C)`` or ``ignore_index``.
+        bias: optional ``(C,)``, same device and dtype as ``weight``.
+        slice_size: classes per slice. ``None`` picks one from a logits budget
+            (:data:`DEFAULT_LOGITS_BUDGET`, capped at a cache-friendly few thousand classes).
+            Larger slices cost more memory and do not speed up the matrix products; very small
+            slices (below a few hundred) make the products inefficient.
+        ignore_index: target value whose rows contribute neither loss nor gradient.
+        label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``: the target becomes
+            ``(1 - eps) * onehot + eps / C``.
+        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target;
+            with ``shift``, without its last ``shift`` positions).
+        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3's final logit
+            soft-capping); ``None`` (default) leaves the logits as they are.
+        shift: ``True`` (or an int ``k``): row ``t`` of each sequence predicts ``target`` at
+            ``t + k``; the last ``k`` positions predict nothing. Computed by shifting the labels
+            (no copy of ``x``).
+        z_loss: adds ``z_loss * lse**2`` per row not ignored (PaLM's z-loss; ``lse`` the
+            log-sum-exp of the logits), averaged over those rows for ``"mean"`` (divided by
+            their count, also with ``class_weight``).
+        class_weight: ``(C,)`` weight of each class, as ``weight=`` of ``F.cross_entropy``:
+            a row's loss is scaled by its target's weight and ``"mean"`` divides by the sum of
+            those weights; with label smoothing the uniform part is weighted per class too.
+        return_lse: also return each row's log-sum-exp (differentiable).
+        return_accuracy: also return the fraction of rows not ignored whose largest logit is
+            the target.
+        return_predictions: also return each row's predicted class (-1 on ignored rows).
+        loss_dtype: dtype of the returned loss (and log-sum-exp). ``None`` (default): float32
+            for float16/bfloat16 inputs, whose dtype cannot hold the loss's precision (the
+            loss is accumulated in float64 either way), and ``x``'s dtype otherwise.
+        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None`` (default):
+            float32 for float32/bf16/fp16 inputs (with bf16/fp16 it keeps the loss and
+            gradients accurate at the cost of upcasting each weight slice), float64 for
+            float64 inputs (loss and gradients at float64 rounding). Gradients have the input
+            dtype.
+        prefetch: with a host weight on an accelerator, how many slices are copied ahead of
+            the one computing. ``1`` hides each copy behind one slice of compute; deeper
+            absorbs uneven copy or compute times at one more slice of device memory (and of
+            page-locked staging, for a weight that is not pinned) per step; ``0`` does not
+            overlap. Ignored when the weight is on ``x``'s device.
+
+    Returns:
+        The loss, a scalar or (``reduction="none"``) shaped like ``target`` (with ``shift``,
+        without its last ``shift`` positions), in ``loss_dtype``. With any ``return_*`` flag, a
+        `LinearCrossEntropyOutput` ``(loss, lse, accuracy, predictions)`` holding what was
+        asked for (``None`` elsewhere).
+
+    Raises:
+        TypeError: ``target`` not an integer tensor; ``x``/``weight`` dtypes differ; a
+            ``class_weight`` that is not a floating tensor.
+        ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
+            disagree, wrong shapes, bad options. All checked before any compute.
+        RuntimeError: from backward, when it runs with ``create_graph=True`` (double backward,
+            e.g. a gradient penalty through the loss), which is not supported: use
+            ``F.cross_entropy`` on dense logits for that term.
+
+    Example:
+        >>> x = torch.randn(8, 16, requires_grad=True)
+        >>> w = torch.randn(1000, 16, requires_grad=True)
+        >>> y = torch.randint(0, 1000, (8,))
+        >>> loss = linear_cross_entropy(x, w, y, slice_size=256)
+        >>> loss.backward()
+        >>> h = torch.randn(2, 5, 16)                       # (batch, seq, features)
+        >>> labels = torch.randint(0, 1000, (2, 5))
+        >>> out = linear_cross_entropy(h, w, labels, shift=True, softcap=30.0, z_loss=1e-4,
+        ...                            return_accuracy=True)
+        >>> out.loss, out.accuracy
+    """
+    accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
+    if torch.compiler.is_compiling():
+        # one opaque operator in the graph (the passes are data-dependent Python)
+        from headroom.heads._compiled import compiled_linear_cross_entropy
+
+        return compiled_linear_cross_entropy(
+            x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
+            z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
+            return_accuracy=return_accuracy, return_predictions=return_predictions,
+            loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch)
+    return _linear_cross_entropy(
+        x, weight, target, bias, slice_size=slice_size, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, shift=shift,
+        z_loss=z_loss, class_weight=class_weight, return_lse=return_lse,
+        return_accuracy=return_accuracy, return_predictions=return_predictions,
+        loss_dtype=loss_dtype, accum_dtype=accum_dtype, prefetch=prefetch, direct=Autograd())
+
+
+def linear_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: object,
+    *,
+    loss: str | SliceLoss = "bce",
+    bias: torch.Tensor | None = None,
+    pos_weight: float | torch.Tensor | None = None,
+    reduction: str = "mean",
+    slice_size: int | None = None,
+    ignore_rows: torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
+    prefetch: int = 1,
+) -> torch.Tensor:
+    """Exact multi-label loss of ``x @ weight.T + bias`` without the ``B x C`` logits or targets.
+
+    Equal to the loss computed on the full logits against the dense target ``T`` (``T[b, c]``
+    is the target value of class ``c`` in row ``b``: 1 at the positives, or the given values,
+    and 0 elsewhere), computed one slice of classes at a time:
+
+    * ``"bce"``: ``F.binary_cross_entropy_with_logits(logits, T, pos_weight=pos_weight)``.
+    * ``"squared_hinge"``: ``pw * T * max(0, 1 - z)**2 + (1 - T) * max(0, 1 + z)**2`` per
+      element (DiSMEC's loss with labels ``2T - 1``).
+    * ``"softmax"``: ``F.cross_entropy(logits, T / T.sum(1, keepdim=True))``: the mean of
+      ``-log p`` over a row's positives (weighted by their values); 0 for a row without any.
+    * ``"softmax_sum"``: ``F.cross_entropy(logits, T)``: their sum.
+    * a function ``fn(scores, targets, classes)``: called once per slice with the slice's
+      ``B x S`` logits ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` target
+      ``targets`` (0, and 1 or the values at the positives, in the scores' dtype) and
+      ``classes``, the slice's ``range`` of class ids. It returns the slice's loss summed over
+      its elements (a 0-d tensor), and autograd differentiates it slice by slice; the loss of
+      a slice may depend only on that slice. ``scores`` and ``targets`` are reused buffers:
+      valid during the call.
+
+    The separable losses and a function run one pass over the classes in forward, which also
+    forms the gradients (three matrix products per slice, as many as the dense computation),
+    when gradients are wanted and ``reduction`` is not ``"none"``; backward then only scales
+    them. A softmax needs the log-sum-exp first: a pass in forward, and one in backward. Peak
+    extra memory is two ``B x slice_size`` buffers plus the gradients of ``weight`` and ``x``
+    (formed in forward), and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile``
+    the call is one custom operator running this eager code (built-in losses and CSR targets
+    of tensors only).
+
+    Args:
+        x: ``(..., D)`` features on the compute device.
+        weight: ``(C, D)`` class weights, on ``x``'s device or in host memory while ``x`` is on
+            an accelerator (slices then stream to the device, as for `linear_cross_entropy`).
+        targets: the positives of each row (of ``x.shape[:-1]`` flattened): a CSR tuple
+            ``(offsets, indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``,
+            ``len(offsets) == rows + 1``), ``(offsets, indices, values)`` with a target value
+            per positive (soft labels), a list with one tensor of class ids per row, or a
+            ``torch.sparse_csr_tensor`` of shape ``(rows, C)``. Any order within a row; a class
+            may appear once per row.
+        loss: ``"bce"``, ``"squared_hinge"``, ``"softmax"``, ``"softmax_sum"`` or a function.
+        bias: optional ``(C,)``, same device and dtype as ``weight``.
+        pos_weight: weight of the positive term of ``"bce"``/``"squared_hinge"``: a float or a
+            ``(C,)`` tensor, as in ``F.binary_cross_entropy_with_logits`` (not differentiated).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row sums over the classes, shape
+            ``x.shape[:-1]``; not the ``B x C`` of ``F.binary_cross_entropy_with_logits``).
+            ``"mean"`` divides the sum by what PyTorch's dense loss divides by: the number of
+            elements (counted rows x ``C``) for ``"bce"``/``"squared_hinge"``, the number of
+            counted rows for a softmax and a function.
+        slice_size: classes per slice; ``None`` picks one from a logits budget
+            (`DEFAULT_LOGITS_BUDGET` for the buffers, at most a cache-friendly few thousand).
+        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``; rows that are ``True``
+            contribute neither loss nor gradient (and are not counted by ``"mean"``).
+        accum_dtype: dtype of logits, loss and gradient accumulation. ``None`` (default):
+            float32 for float32/bf16/fp16 inputs, float64 for float64 inputs (loss and
+            gradients at float64 rounding); results are returned in ``x``'s dtype.
+        prefetch: slices copied ahead when a host weight streams to an accelerator.
+
+    Returns:
+        The loss: a scalar, or (``reduction="none"``) one per row, in ``x``'s dtype.
+
+    Raises:
+        TypeError: targets of an unknown form or with non-integer indices; ``x``/``weight``
+            dtypes differ; a function that does not return a 0-d floating tensor.
+        ValueError: a class outside ``[0, C)``, a class listed twice in a row, malformed
+            offsets, shapes that disagree, a bad option (``pos_weight`` that requires grad, or
+            with a softmax); all before any compute.
+        RuntimeError: a function whose loss uses other tensors requiring grad (they would
+            get no gradient) or does not depend on ``scores``; a double backward
+            (``create_graph=True``).
+
+    Example:
+        >>> x = torch.randn(4, 16, requires_grad=True)
+        >>> w = torch.randn(1000, 16, requires_grad=True)
+        >>> offsets = torch.tensor([0, 2, 3, 3, 5])       # row 2 has no positive
+        >>> indices = torch.tensor([7, 912, 5, 0, 999])
+        >>> loss = linear_loss(x, w, (offsets, indices), loss="bce", slice_size=256)
+        >>> loss.backward()
+    """
+    accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
+    if torch.compiler.is_compiling():
+        # one opaque operator in the graph (the passes are data-dependent Python)
+        from headroom.heads._compiled import compiled_linear_loss
+
+        return compiled_linear_loss(
+            x, weight, targets, loss=loss, bias=bias, pos_weight=pos_weight,
+            reduction=reduction, slice_size=slice_size, ignore_rows=ignore_rows,
+            accum_dtype=accum_dtype, prefetch=prefetch)
+    check_linear(x, weight, bias, reduction=reduction, accum_dtype=accum_dtype,
+                 slice_size=slice_size, prefetch=prefetch)
+    params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)
+    return multilabel_loss(
+        x, weight, bias, targets, params, num_classes=weight.shape[0], loss=loss,
+        pos_weight=pos_weight, reduction=reduction, slice_size=slice_size,
+        ignore_rows=ignore_rows, accum_dtype=accum_dtype,
+    )

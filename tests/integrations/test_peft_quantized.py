@@ -160,3 +160,32 @@ def test_adapter_save_pretrained_and_reload(kind, tmp_path):
     for k, v in want.items():
         assert torch.equal(got[k.replace(".default", "")] if k not in got else got[k], v), k
     assert torch.equal(_generate(fresh), _generate(model))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("kind", kind_param(["ao_int8", "bnb_nf4_dq"]))
+def test_interrupted_step_over_a_quantized_base_retries_exactly(kind, where, tmp_path):
+    """Ctrl-C in a LoRA step over a quantized base on a DiskStore: nothing was half-applied (the
+    optimizer had not stepped, the base is unchanged); the retried training is bitwise the
+    resident model's."""
+    ref = _wrap(_base(kind))
+    want = _train(ref, _optimizer(ref, "torch"))
+    model = _base(kind)
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    model = _wrap(model)
+    opt = _optimizer(model, "host")
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B.default
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    h = (layer.register_forward_hook(interrupt) if where == "forward"
+         else layer.register_full_backward_hook(interrupt))
+    ids = torch.randint(0, 96, (2, 8))
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=ids, labels=ids).loss.backward()
+    h.remove()
+    opt.zero_grad()
+    assert _train(model, opt) == want
+    got, exp = _adapters(model), _adapters(ref)
+    assert got.keys() == exp.keys() and all(torch.equal(got[k], exp[k]) for k in got)

@@ -38,11 +38,27 @@ a size whose parameters, gradients and AdamW state cannot fit the device, host m
 running it (``--no-predict`` runs it anyway). With ``--bisect``, time left after the ladder
 goes to a bisection over depth between a tool's largest fitting size and its first failure.
 
+``--mode lora`` compares, for a frozen base whose decoder linears are quantized as ``--quant``
+says (``bf16``: unquantized; ``int8``: torchao's int8 weight-only; ``nf4``: bitsandbytes'
+Linear4bit) with PEFT LoRA (r=16, every linear layer) trained by AdamW on the device:
+
+- ``lora_peft``: the base resident on the device (the reference);
+- ``lora_headroom``: the base in host memory, streamed a block at a time by ``hr.offload``
+  (quantized weights as they are packed), the adapters on the device;
+- ``lora_accelerate``: accelerate's ``dispatch_model(infer_auto_device_map(max_memory=...))``.
+
+The JSON's ``lora`` section has each run's step time and peak memory as ratios to the resident
+run's, and ``exact``: whether headroom's losses and adapter gradients and values are bitwise the
+resident run's. ``--device-memory-gib N`` gives every run N GiB of the GPU
+(``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated).
+
 The whole run respects ``--budget-s``: what does not fit in the time left is skipped, and the
 JSON (``--out``) is written after every run, marked partial until the end.
 
     python benchmarks/llm_finetune.py --budget-s 480                 # on a GPU
     python benchmarks/llm_finetune.py --tiny --out /tmp/llm.json     # CPU, a few MB, exactness
+    python benchmarks/llm_finetune.py --mode lora --quant nf4 --sizes 8b --device-memory-gib 8
+    python benchmarks/llm_finetune.py --tiny --mode lora --quant int8 --out /tmp/lora.json
 """
 
 from __future__ import annotations
@@ -71,6 +87,8 @@ TOOLS = ("plain", "fsdp2", "torchao", "deepspeed", "headroom", "headroom_plan")
 # Also runnable by name (--tools): headroom with its gradients summed in host memory, the
 # A/B of grad_accumulation="device" in one run.
 EXTRA_TOOLS = ("headroom_store",)
+# --mode lora: LoRA over a frozen (quantized) base; the resident one is the reference
+LORA_TOOLS = ("lora_peft", "lora_headroom", "lora_accelerate")
 GiB = 1 << 30
 
 # Llama shapes: hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings.
@@ -144,11 +162,13 @@ def param_counts(cfg: dict) -> tuple[int, int]:
     return total, total - emb + (emb if cfg["tie_word_embeddings"] else 0)
 
 
-def model_flops(cfg: dict, tokens: int, seq: int) -> float:
+def model_flops(cfg: dict, tokens: int, seq: int, *, frozen: bool = False) -> float:
     """Model FLOPs of one training step (PaLM's count: 6 N per token for the matmuls, 12 L H T
-    per token for attention scores and values; recomputation not counted)."""
+    per token for attention scores and values; recomputation not counted). ``frozen``: a
+    frozen base (LoRA) computes no weight gradients, 4 N per token (adapters not counted)."""
     _, n_mm = param_counts(cfg)
-    return 6.0 * n_mm * tokens + 12.0 * cfg["num_hidden_layers"] * cfg["hidden_size"] * seq * tokens
+    attention = 12.0 * cfg["num_hidden_layers"] * cfg["hidden_size"] * seq * tokens
+    return (4.0 if frozen else 6.0) * n_mm * tokens + attention
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -755,10 +775,176 @@ def setup_headroom_plan(spec: dict):
     return model, step, info, lambda: dict(model.state_dict()), stores
 
 
+# ----------------------------------------------------------------------------- LoRA (--mode lora)
+
+def _quantize_base(root, quant: str, dtype) -> str:
+    """Quantize every linear layer under ``root`` in place as ``--quant`` says; returns how."""
+    from torch import nn
+
+    if quant == "bf16":
+        return f"unquantized {str(dtype).removeprefix('torch.')}"
+    if quant == "int8":
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError as e:
+            raise Skip(f"--quant int8 needs torchao: not installed ({e})") from e
+        quantize_(root, Int8WeightOnlyConfig(),
+                  filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+        return "torchao Int8WeightOnlyConfig (int8 weights, a scale per row)"
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise Skip(f"--quant nf4 needs bitsandbytes: not installed ({e})") from e
+    for m in list(root.modules()):
+        for name, c in list(m.named_children()):
+            if type(c) is not nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(c.in_features, c.out_features, bias=c.bias is not None,
+                                  compute_dtype=dtype, quant_type="nf4")
+            q.load_state_dict(c.state_dict())
+            setattr(m, name, q.to("cpu"))  # bitsandbytes quantizes when the layer moves
+    return "bitsandbytes Linear4bit NF4 (64-value blocks, fp32 absmax)"
+
+
+def _lora_base(spec: dict):
+    """The frozen base: built on the host with the run's seed, its decoder layers' linears
+    quantized (``--quant``), checkpointed like every other model here."""
+    import torch
+
+    dtype = torch.bfloat16 if spec["precision"] == "bf16" else torch.float32
+    torch.manual_seed(spec["seed"])
+    model = _build(spec["cfg"], dtype, "cpu")
+    how = _quantize_base(model.model.layers, spec["quant"], dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    _ckpt(model)
+    model.train()
+    return model, how
+
+
+def _lora_wrap(model, spec: dict):
+    """PEFT LoRA (r=16) on every linear layer of the decoder, drawn from the same seed."""
+    import peft
+    import torch
+
+    torch.manual_seed(spec["seed"] + 1)
+    cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+    return peft.get_peft_model(model, cfg)
+
+
+def _lora_train(model, spec: dict, info: dict):
+    """AdamW over the adapters; the step as every tool's (micro-batches, then one step). With
+    ``digest``, the adapters' gradients of each step are kept for the exactness check."""
+    import torch
+
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(adapters.values(), lr=spec["lr"])
+    calls = _StepCalls(spec["device"] == "cuda")
+    grads: dict = {}
+
+    def step(batches):
+        total = 0.0
+        for b in batches:
+            loss = _forward(model, b, 1 / len(batches))
+            loss.backward()
+            total += loss.detach()
+        if spec["digest"]:
+            grads.update({"grad:" + n: p.grad.detach().clone() for n, p in adapters.items()
+                          if p.grad is not None})
+        calls(opt.step)
+        opt.zero_grad()
+        return float(total)
+
+    step.calls = calls
+    info.update(adapters=sum(p.numel() for p in adapters.values()), lora="r=16, all linear",
+                optimizer="torch.optim.AdamW over the adapters, on the device",
+                checkpointing="every layer", fp32_masters=False)
+
+    def values():
+        return {**{n: p.detach() for n, p in adapters.items()}, **grads}
+
+    return model, step, info, values, []
+
+
+def _packed_bytes(model) -> int:
+    """Bytes of the base's parameters as they rest (quantized ones packed)."""
+    from headroom.residency import is_packed, packed_nbytes
+
+    return sum((packed_nbytes(p) or 0) if is_packed(p) else p.numel() * p.element_size()
+               for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def setup_lora_peft(spec: dict):
+    """The quantized base resident on the device, PEFT's adapters beside it."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"peft not installed ({e})") from e
+    model, how = _lora_base(spec)
+    model = _lora_wrap(model.to(spec["device"]), spec)
+    info = {"base": how + ", resident on the device", "base_bytes": _packed_bytes(model)}
+    return _lora_train(model, spec, info)
+
+
+def setup_lora_headroom(spec: dict):
+    """The base in host memory, streamed a block at a time (``hr.offload``, packed as it is);
+    the adapters on the device (its default)."""
+    import warnings
+
+    import headroom as hr
+
+    try:
+        import peft  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"peft not installed ({e})") from e
+    model, how = _lora_base(spec)
+    with warnings.catch_warnings():  # cpu: host memory is the device's (a check of mechanics)
+        warnings.filterwarnings("ignore", message="hr.offload with device='cpu'")
+        hr.offload(model, device=spec["device"], store="cpu", prefetch=1)
+    model = _lora_wrap(model, spec)
+    info = {"base": how + ", hr.offload(store='cpu', prefetch=1), adapters on the device",
+            "base_bytes": _packed_bytes(model)}
+    return _lora_train(model, spec, info)
+
+
+def setup_lora_accelerate(spec: dict):
+    """accelerate's big-model dispatch: ``infer_auto_device_map`` under ``max_memory`` (the
+    device's share for weights) and ``dispatch_model``, which moves offloaded layers' weights to
+    the device at each forward; PEFT's adapters over it."""
+    import torch
+
+    try:
+        import peft  # noqa: F401
+        from accelerate import dispatch_model, infer_auto_device_map
+    except ImportError as e:
+        raise Skip(f"accelerate or peft not installed ({e})") from e
+    model, how = _lora_base(spec)
+    dev = spec["device"]
+    host = int(spec["host_available"] * 0.8) or (64 * GiB)
+    if dev == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        cap = spec.get("device_memory_gib")
+        weights = int(0.5 * (cap * GiB if cap else total))  # the rest: activations, adapters
+        max_memory = {0: weights, "cpu": host}
+    else:
+        max_memory = {"cpu": host}
+    device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                       no_split_module_classes=["LlamaDecoderLayer"])
+    model = dispatch_model(model, device_map=device_map,
+                           main_device=0 if dev == "cuda" else "cpu")
+    model = _lora_wrap(model, spec)
+    info = {"base": how + ", accelerate dispatch_model(infer_auto_device_map(max_memory=...))",
+            "max_memory": {str(k): v for k, v in max_memory.items()},
+            "placed": sorted({str(v) for v in device_map.values()}),
+            "base_bytes": _packed_bytes(model)}
+    return _lora_train(model, spec, info)
+
+
 SETUP = {"plain": setup_plain, "fsdp2": setup_fsdp2, "torchao": setup_torchao,
          "deepspeed": setup_deepspeed, "headroom": setup_headroom,
          "headroom_store": lambda spec: setup_headroom({**spec, "grad_accumulation": "store"}),
-         "headroom_plan": setup_headroom_plan}
+         "headroom_plan": setup_headroom_plan, "lora_peft": setup_lora_peft,
+         "lora_headroom": setup_lora_headroom, "lora_accelerate": setup_lora_accelerate}
 
 
 # ----------------------------------------------------------------------------- one run (child)
@@ -794,6 +980,10 @@ def run_one(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     cuda = dev == "cuda"
+    if cuda and spec.get("device_memory_gib"):  # before anything is allocated on the device
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["device_memory_gib"] * GiB
+                                                       / total))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     io0 = _proc_io()
     t0 = time.perf_counter()
@@ -878,7 +1068,8 @@ def run_one(spec: dict) -> dict:
     step_s = statistics.median(times)
     if calls is not None and timed_calls:
         res["optimizer_step_call_s"] = statistics.median(calls.seconds(timed_calls))
-    flops = model_flops(spec["cfg"], spec["tokens"], spec["seq"])
+    flops = model_flops(spec["cfg"], spec["tokens"], spec["seq"],
+                        frozen=spec.get("mode") == "lora")
     res.update(
         status="ok",
         step_s=step_s,
@@ -1081,7 +1272,8 @@ class Runner:
             "budget_s": args.budget_s,
             "settings": {k: getattr(args, k) for k in (
                 "device", "precision", "seq", "micro_batch", "accum", "steps", "lr", "sizes",
-                "tools", "max_child_s", "predict", "bisect", "profile")},
+                "tools", "max_child_s", "predict", "bisect", "profile", "mode", "quant",
+                "device_memory_gib")},
             "flops_formula": "6 * N * tokens + 12 * layers * hidden * seq * tokens per step (PaLM);"
                              " N = parameters in matmuls (all but the input embedding, tied"
                              " embeddings counted once); recomputation not counted",
@@ -1229,9 +1421,10 @@ class Runner:
                     "grad_accumulation": a.grad_accumulation,
                     "seed": 0, "profile": a.profile, "digest": a.digest, "env": env,
                     "threads": a.threads, "trace_dir": a.trace_dir,
-                    "plan_budget": int(env.get("device_total_gib", 0) * GiB * 0.95)
-                    if a.device == "cuda" else None,
-                    "plan_budget_fraction": a.plan_budget_fraction}
+                    "plan_budget": int((a.device_memory_gib or env.get("device_total_gib", 0))
+                                       * GiB * 0.95) if a.device == "cuda" else None,
+                    "plan_budget_fraction": a.plan_budget_fraction, "mode": a.mode,
+                    "quant": a.quant, "device_memory_gib": a.device_memory_gib}
             t = time.time()
             res, how = self._child(spec, limit)
             row.update(res or {})
@@ -1318,6 +1511,37 @@ class Runner:
         if "plain" in digests:
             self.doc["exact_vs_plain"] = {t: d == digests["plain"] for t, d in digests.items()
                                           if t != "plain"}
+        if self.args.mode == "lora":
+            self._summarize_lora(digests)
+
+    def _summarize_lora(self, digests: dict) -> None:
+        """Each LoRA run against the resident base's: step time, peak memory and base bytes as
+        ratios, and whether its losses and adapter gradients and values are bitwise the
+        resident's (``exact``: headroom's)."""
+        rows = {r["tool"]: r for r in self.doc["runs"]
+                if r["size"] == self.args.sizes[0] and r.get("status") == "ok"}
+        ref = rows.get("lora_peft")
+        ratios, exact = {}, {}
+        for tool, r in rows.items():
+            if ref is None or tool == "lora_peft":
+                continue
+            one = {"step_time": r["step_s"] / ref["step_s"],
+                   "rss_peak": r["rss_peak_bytes"] / ref["rss_peak_bytes"]}
+            if "device_peak_allocated_bytes" in r and ref.get("device_peak_allocated_bytes"):
+                one["device_peak_allocated"] = (r["device_peak_allocated_bytes"]
+                                                / ref["device_peak_allocated_bytes"])
+            ratios[tool] = one
+            exact[tool] = (r.get("losses") == ref.get("losses")
+                           and digests.get(tool) is not None
+                           and digests.get(tool) == digests.get("lora_peft"))
+        self.doc["lora"] = {"quant": self.args.quant, "reference": "lora_peft",
+                            "ratios_vs_resident": ratios, "exact_vs_resident": exact,
+                            "peak_memory": {t: {k: r.get(k) for k in (
+                                "device_peak_allocated_bytes", "device_peak_reserved_bytes",
+                                "rss_peak_bytes")} for t, r in rows.items()},
+                            "base_bytes": {t: r["setup"].get("base_bytes")
+                                           for t, r in rows.items()}}
+        self.doc["exact"] = exact.get("lora_headroom")
 
     def stop_child(self) -> None:
         proc = self.proc
@@ -1360,7 +1584,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--sizes", default=None, help=f"comma list of {', '.join(SHAPES)}"
                     " (default 1b,3b,8b,13b on a GPU)")
-    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--tools", default=None,
+                    help=f"comma list (default: {','.join(TOOLS)}; --mode lora:"
+                         f" {','.join(LORA_TOOLS)})")
+    ap.add_argument("--mode", choices=("full", "lora"), default="full",
+                    help="full: every parameter trains (the tools above); lora: PEFT LoRA (r=16,"
+                         " all linear layers) over a frozen base, resident on the device"
+                         " (lora_peft, the reference), streamed from host memory by headroom"
+                         " (lora_headroom), or offloaded by accelerate (lora_accelerate)")
+    ap.add_argument("--quant", choices=("bf16", "int8", "nf4"), default="bf16",
+                    help="--mode lora: the base's decoder linears unquantized (in the run's"
+                         " precision), torchao int8 weight-only, or bitsandbytes NF4")
+    ap.add_argument("--device-memory-gib", type=float, default=None,
+                    help="cuda: torch.cuda.set_per_process_memory_fraction to this many GiB"
+                         " in each run, before anything is allocated (the budget of a smaller"
+                         " GPU); cpu: recorded, no effect")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
@@ -1414,15 +1652,18 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.sizes = args.sizes.split(",")
-    args.tools = args.tools.split(",")
+    known = LORA_TOOLS if args.mode == "lora" else TOOLS + EXTRA_TOOLS
+    args.tools = (args.tools or ",".join(LORA_TOOLS if args.mode == "lora" else TOOLS)
+                  ).split(",")
     for t in args.tools:
-        if t not in TOOLS + EXTRA_TOOLS:
-            ap.error(f"unknown tool {t!r}: choose from {', '.join(TOOLS + EXTRA_TOOLS)}")
+        if t not in known:
+            ap.error(f"unknown tool {t!r} for --mode {args.mode}: choose from {', '.join(known)}")
     for s in args.sizes:
         config_for(s)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no CUDA device is available (use --device cpu or --tiny)")
-    args.digest = args.device == "cpu" and args.precision == "fp32"
+    # LoRA: the adapters are small, their values and gradients are hashed on any device
+    args.digest = args.mode == "lora" or (args.device == "cpu" and args.precision == "fp32")
     args.out = args.out or (RESULTS if args.device == "cuda" else
                             Path(tempfile.gettempdir()) / "llm_finetune_cpu.json")
     runner = Runner(args)

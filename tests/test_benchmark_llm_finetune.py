@@ -90,3 +90,28 @@ def test_a_run_past_its_time_limit_is_stopped_and_recorded(tmp_path):
     assert row["status"] == "timeout" and "time limit" in row["error"], row
     assert doc["complete"] is False
     assert list(tmp_path.glob("llm_finetune_*")) == []  # scratch folders removed
+
+
+def test_tiny_lora_over_an_int8_base_is_exact(tmp_path):
+    """--mode lora --quant int8: PEFT LoRA over a torchao int8 base, resident, streamed by
+    headroom and dispatched by accelerate; headroom's losses and adapter gradients and values
+    bitwise the resident model's."""
+    pytest.importorskip("peft")
+    pytest.importorskip("torchao")
+    doc = _run(tmp_path, "--in-process", "--steps", "2", "--mode", "lora", "--quant", "int8")
+    assert doc["complete"] is True
+    assert doc["settings"]["mode"] == "lora" and doc["settings"]["quant"] == "int8"
+    runs = {r["tool"]: r for r in doc["runs"]}
+    assert sorted(runs) == ["lora_accelerate", "lora_headroom", "lora_peft"]
+    for tool in ("lora_peft", "lora_headroom"):
+        r = runs[tool]
+        assert r["status"] == "ok", r.get("traceback") or r
+        assert len(r["losses"]) == 3 and r["losses"][-1] < r["losses"][0]
+        assert "Int8WeightOnly" in r["setup"]["base"] and r["setup"]["adapters"] > 0
+    # the int8 base: about a byte per weight (its fp32 embeddings and norms beside)
+    assert runs["lora_headroom"]["setup"]["base_bytes"] == runs["lora_peft"]["setup"]["base_bytes"]
+    lora = doc["lora"]
+    assert doc["exact"] is True and lora["exact_vs_resident"]["lora_headroom"] is True
+    ratios = lora["ratios_vs_resident"]["lora_headroom"]
+    assert ratios["step_time"] > 0 and ratios["rss_peak"] > 0
+    assert lora["peak_memory"]["lora_headroom"]["rss_peak_bytes"] > 0

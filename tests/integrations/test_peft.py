@@ -92,48 +92,61 @@ def _reference():
     return ref, init, losses
 
 
-def _check_adapters_offloaded(model):
+def _check_adapters(model, where: str = "device", device: str = "cpu"):
+    """The adapters rest in the store (``where="store"``) or stay on the device, ordinary
+    parameters (the default); they train, the base does not."""
     lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
-    assert lora and all(binding(p) is not None for _, p in lora)
+    if where == "store":
+        assert lora and all(binding(p) is not None for _, p in lora)
+    else:
+        assert lora and all(binding(p) is None and type(p) is torch.nn.Parameter
+                            and p.device.type == device for _, p in lora)
     assert all(p.requires_grad for _, p in lora)
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
 
 
+@pytest.mark.parametrize("adapters", ["device", "store"])
 @pytest.mark.parametrize("store", ["cpu", "disk"])
 @pytest.mark.parametrize("opt", ["torch", "host"])
-def test_offload_then_wrap_trains_like_plain_peft(store, opt, tmp_path):
-    if store == "disk" and opt == "torch":
+def test_offload_then_wrap_trains_like_plain_peft(store, opt, adapters, tmp_path):
+    if store == "disk" and opt == "torch" and adapters == "store":
         pytest.skip("a torch.optim optimizer cannot step parameters on disk (tested below)")
     ref, init, losses = _reference()
     model = _base()
-    hr.offload(model, device="cpu", store=_store(store, tmp_path))
+    hr.offload(model, device="cpu", store=_store(store, tmp_path), adapters=adapters)
     model = _wrap(model)
-    _check_adapters_offloaded(model)
+    _check_adapters(model, adapters)
     _assert_same(_values(model), init)  # the same initial adapters as plain PEFT
     plan, inner = hr.describe(model.base_model.model), model.base_model.model
-    assert sum(len(b.params) for b in (*plan.blocks, plan.outside)) == len(list(
-        inner.parameters()))  # the adapters are in their layers' blocks
-    assert len(plan.blocks[0].params) == 9 + 4
+    assert sum(len(b.params) for b in (*plan.blocks, plan.outside, plan.on_device)) == len(
+        list(inner.parameters()))  # the adapters are in their layers' blocks, or kept
+    if adapters == "store":
+        assert len(plan.blocks[0].params) == 9 + 4 and not plan.on_device.params
+    else:
+        assert len(plan.blocks[0].params) == 9 and len(plan.on_device.params) == 8
+        assert plan.device_budget == 2 * plan.largest_block_bytes + plan.outside.nbytes + sum(
+            p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
     assert _train(model, _optimizer(model, opt)) == losses
     _assert_same(_values(model), _values(ref))
 
 
+@pytest.mark.parametrize("adapters", ["device", "store"])
 @pytest.mark.parametrize("store", ["cpu", "disk"])
 @pytest.mark.parametrize("opt", ["torch", "host"])
-def test_wrap_then_offload_trains_like_plain_peft(store, opt, tmp_path):
-    if store == "disk" and opt == "torch":
+def test_wrap_then_offload_trains_like_plain_peft(store, opt, adapters, tmp_path):
+    if store == "disk" and opt == "torch" and adapters == "store":
         pytest.skip("a torch.optim optimizer cannot step parameters on disk (tested below)")
     ref, init, losses = _reference()
     model = _wrap(_base())
-    hr.offload(model, device="cpu", store=_store(store, tmp_path))
-    _check_adapters_offloaded(model)
+    hr.offload(model, device="cpu", store=_store(store, tmp_path), adapters=adapters)
+    _check_adapters(model, adapters)
     assert _train(model, _optimizer(model, opt)) == losses
     _assert_same(_values(model), _values(ref))
 
 
 def test_torch_optimizer_on_disk_adapters_names_the_fix(tmp_path):
     model = _base()
-    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"), adapters="store")
     model = _wrap(model)
     opt = _optimizer(model, "torch")
     with pytest.raises(RuntimeError, match="HostOptimizer"):
@@ -153,7 +166,7 @@ def test_load_offload_wrap_trains_like_plain_peft(store, tmp_path):
     hr.offload(model, device="cpu", store=_store(store, tmp_path))
     hr.load_weights(model, tmp_path / "base")
     model = _wrap(model)
-    _check_adapters_offloaded(model)
+    _check_adapters(model)
     _assert_same(_values(model), init)
     assert _train(model, _optimizer(model, "host")) == losses
     _assert_same(_values(model), _values(ref))
@@ -213,7 +226,7 @@ def test_wrap_on_meta_then_init_adapters_trains_like_plain_peft(store, tmp_path)
     assert all(v.abs().max() <= 1 / 32 ** 0.5 and v.std() > 0
                for k, v in init.items() if "lora_A" in k)  # kaiming_uniform_(a=sqrt 5) bound
     assert hr.init_adapters(model) == []  # nothing left without values: nothing redrawn
-    _check_adapters_offloaded(model)
+    _check_adapters(model, "store")  # created on meta: pending in the store
     assert _train(model, _optimizer(model, "host")) == losses
     _assert_same(_values(model), _values(ref))
     base = _values(_base())
@@ -402,7 +415,7 @@ def test_lora_on_accelerator_matches_plain_peft(store, order, tmp_path):
     hr.offload(model, device=dev, store=_store(store, tmp_path))
     if order == "offload-first":
         model = _wrap(model)
-    _check_adapters_offloaded(model)
+    _check_adapters(model, device=dev)
     opt = hr.HostOptimizer([p for p in model.parameters() if p.requires_grad],
                            torch.optim.AdamW, lr=1e-2)
     g = torch.Generator().manual_seed(1)

@@ -30,7 +30,7 @@ from headroom.checkpoint._file import (
     temp_path,
 )
 from headroom.checkpoint._names import checkpoint_names
-from headroom.residency import offload_states
+from headroom.residency import offload_states, quantize_block
 from headroom.store import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
@@ -212,7 +212,8 @@ def _offload_states(model: nn.Module) -> dict[int, object]:
 
 
 def load_weights(
-    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, verify: bool = True
+    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
+    quantize: Callable[[nn.Module], object] | None = None,
 ) -> None:
     """Fill ``model``'s parameters and persistent buffers from safetensors files.
 
@@ -247,6 +248,13 @@ def load_weights(
         verify: check the tensors against the checksums `save_weights` recorded (above).
             ``verify=False`` loads a file whose checksums fail as it is, and skips the
             checksum pass (one more read of each tensor, from the page cache).
+        quantize: for a model offloaded with ``hr.offload`` (typically built on ``meta``):
+            called on each block once its values are read (``fn(block)`` changes it in place:
+            torchao's ``quantize_(block, config)``, or nn.Linear swapped for a bitsandbytes
+            layer already moved to a device, which quantizes it); what it replaces rests
+            packed in the store, as any quantized parameter of an offloaded model, and only
+            one block's values are in memory at a time. Parameters outside the blocks load as
+            they are.
 
     Each tensor is read from the file the index names. The index may name files of its own
     folder only (no absolute path, no ``..``, no link leading out of the folder, except the
@@ -270,6 +278,11 @@ def load_weights(
         >>> hr.load_weights(model, "checkpoint_dir")                  # doctest: +SKIP
     """
     states = _offload_states(model)
+    if quantize is not None and not states:
+        raise ValueError(
+            "load_weights(quantize=...) quantizes the blocks of a model offloaded with"
+            " hr.offload as their values arrive; offload the model first (built on meta, it is"
+            " never whole in memory), or load it and quantize it yourself")
     for state in {id(s): s for s in states.values()}.values():
         if state.busy:
             raise RuntimeError("load_weights during the model's forward or backward; call it"
@@ -302,15 +315,50 @@ def load_weights(
             for (_, name), c in zip(plan, sums, strict=True):
                 if c is not None:
                     _verify(*where[name], c, "nothing was loaded: the model is unchanged")
+        blocks = _by_block(plan, states) if quantize is not None else {}
+        in_blocks = {id(tgt) for items in blocks.values() for tgt, _ in items}
         for i, ((tgt, name), c) in enumerate(zip(plan, sums, strict=True)):
             f, info = where[name]
             if c is not None and not first:
                 _verify(f, info, c, f"the {i} tensors before it in this load were loaded; it"
                         f" and the {len(plan) - i - 1} after it are unchanged")
-            _load_one(tgt, f, info, states)
+            if id(tgt) not in in_blocks:
+                _load_one(tgt, f, info, states)
+        sums_of = {id(tgt): c for (tgt, _), c in zip(plan, sums, strict=True)}
+        for (state, group), items in blocks.items():
+            values = {}
+            for tgt, name in items:
+                f, info = where[name]
+                c = sums_of[id(tgt)]
+                if c is not None and not first:
+                    _verify(f, info, c, "the blocks before it in this load were loaded and"
+                            " quantized; it and the blocks after it are unchanged")
+                slot = state.by_param[id(tgt.tensor)]
+                v = torch.empty(tuple(info.shape), dtype=slot.binding.handle.dtype)
+                _stream(f, info, _into_tensor(v))
+                values[id(slot)] = v
+            quantize_block(state, group, values, quantize)
+            del values
+            for tgt, _ in items:  # quantize may have replaced them: let go of what they were
+                tgt.owners.clear()
+                tgt.tensor = None
     finally:
         for f in files:
             f.close()
+
+
+def _by_block(plan: list, states: dict) -> dict:
+    """(state, block) -> the plan's items whose parameter rests in that block, in order."""
+    out: dict = {}
+    for tgt, name in plan:
+        if tgt.buffer:
+            continue
+        state = states.get(id(tgt.owners[0][0]))
+        slot = state.by_param.get(id(tgt.tensor)) if state is not None else None
+        if slot is None or slot.group is state.rest:
+            continue
+        out.setdefault((state, slot.group), []).append((tgt, name))
+    return out
 
 
 def _corrupt(f: SafetensorsFile, why: str) -> CheckpointCorruptError:

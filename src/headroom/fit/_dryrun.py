@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from headroom.fit._autocast import MetaAutocast
+from headroom.residency import is_packed, meta_like
 from headroom.store import flat_tensors as _flat
 from headroom.store import known_values
 from headroom.store import to_meta as to_meta  # the estimator's: `_dryrun.to_meta`
@@ -48,12 +49,23 @@ def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Mod
         TypeError: for a model that cannot be deep-copied.
     """
     memo = dict(memo or {})
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, name))
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in memo:
             continue
-        m = torch.empty_like(t, device="meta")
-        if isinstance(t, nn.Parameter):
-            m = nn.Parameter(m, requires_grad=t.requires_grad)
+        # a quantized weight: its class kept, over meta parts
+        twin = meta_like(t, owners.get(id(t), ())) if is_packed(t) else None
+        if twin is not None:
+            m, stand_ins = twin
+            memo.update(stand_ins)
+        else:
+            m = torch.empty_like(t, device="meta")
+            if isinstance(t, nn.Parameter):
+                m = nn.Parameter(m, requires_grad=t.requires_grad)
         memo[id(t)] = m
     try:
         return copy.deepcopy(model, memo)

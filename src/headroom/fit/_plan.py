@@ -158,6 +158,9 @@ class Plan:
     world_size: int | None = None
     blocks: tuple[str, ...] = ()
     fp32_masters: bool = False
+    # the model has frozen parameters (a quantized base under adapters): the optimizer gets
+    # the trainable ones
+    frozen: bool = False
 
     def __str__(self) -> str:
         # On CUDA-like devices peaks are the allocator model's reserved bytes, which is what
@@ -198,6 +201,8 @@ class Plan:
         """Python that applies the plan by hand, the same as :meth:`apply`."""
         c, lines = self.choice, ["import torch", "import headroom as hr"]
         opt = _opt_name(self.optimizer)
+        params = (f"[p for p in {model_name}.parameters() if p.requires_grad]" if self.frozen
+                  else f"{model_name}.parameters()")
         if c.convert:
             lines.append(f"{model_name} = hr.convert({model_name})")
         if c.lm_loss:
@@ -235,12 +240,12 @@ class Plan:
             store = ("\"cpu\"" if c.optimizer_state == "host"
                      else f"hr.DiskStore({self._disk('optimizer')!r})")
             kw = "".join(f", {k}={v!r}" for k, v in self._host_kwargs().items())
-            lines.append(f"opt = hr.HostOptimizer({model_name}.parameters(), {opt},"
+            lines.append(f"opt = hr.HostOptimizer({params}, {opt},"
                          f" state_store={store}, slice_bytes={self.slice_bytes},"
                          f" overlap=False{kw})")
         else:
             kw = "".join(f", {k}={v!r}" for k, v in self.optimizer_kwargs.items())
-            lines.append(f"opt = {opt}({model_name}.parameters(){kw})")
+            lines.append(f"opt = {opt}({params}{kw})")
         return "\n".join(lines)
 
     def _shard(self, model: nn.Module) -> None:
@@ -336,12 +341,21 @@ class Plan:
         cls = _opt_class(self.optimizer)
         if c.optimizer_state != "device":
             store = "cpu" if c.optimizer_state == "host" else DiskStore(self._disk("optimizer"))
-            opt = HostOptimizer(model.parameters(), cls, state_store=store,
+            opt = HostOptimizer(_trained(model), cls, state_store=store,
                                 slice_bytes=self.slice_bytes, overlap=False,
                                 **self._host_kwargs())
         else:
-            opt = cls(model.parameters(), **self.optimizer_kwargs)
+            opt = cls(_trained(model), **self.optimizer_kwargs)
         return model, opt
+
+
+def _trained(model: nn.Module) -> Any:
+    """The parameters the optimizer steps: all, or the trainable ones where some are frozen
+    (a frozen quantized weight is no tensor an optimizer takes)."""
+    params = list(model.parameters())
+    if all(p.requires_grad for p in params):
+        return params
+    return [p for p in params if p.requires_grad]
 
 
 def _seconds(t: float) -> str:
@@ -659,7 +673,7 @@ class Search:
         if world_size is not None:  # one rank's shards move
             self.sizes = _Sizes(-(-self.sizes.params // world_size),
                                 -(-self.sizes.largest_param // world_size),
-                                self.sizes.state_keys)
+                                self.sizes.state_keys, -(-self.sizes.trainable // world_size))
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
         # one dry run per setting that changes the ops (convert, checkpointing, activation
@@ -752,7 +766,8 @@ class Search:
                     c.at_peak, [(x.choice, x.peak if x.peak is not None else x.lower, x.time_s)
                                 for x in self.candidates], self.speeds, c.margin,
                     world_size=self.world, blocks=tuple(self.blocks),
-                    fp32_masters=self.low_precision and c.choice.optimizer_state != "device")
+                    fp32_masters=self.low_precision and c.choice.optimizer_state != "device",
+                    frozen=not all(p.requires_grad for p in self.model.parameters()))
 
 
 def _low_precision(model: nn.Module) -> bool:
@@ -814,14 +829,23 @@ def _estimate_choice(model, example_args, c: Choice, opt_cls, opt_kw, slice_byte
 
 @dataclass(frozen=True)
 class _Sizes:
-    params: int
-    largest_param: int
+    params: int  # bytes of all parameters as they rest (quantized ones packed)
+    largest_param: int  # bytes of the largest trainable parameter (its gradient)
     state_keys: int
+    trainable: int = -1  # bytes of the trainable parameters (gradients, optimizer state)
+
+    def __post_init__(self) -> None:
+        if self.trainable < 0:
+            object.__setattr__(self, "trainable", self.params)
 
 
 def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
+    from headroom.residency import is_packed, packed_nbytes
+
     params = {id(p): p for p in model.parameters()}
-    nbytes = [p.numel() * p.element_size() for p in params.values()]
+    resting = [(packed_nbytes(p) or 0) if is_packed(p) else p.numel() * p.element_size()
+               for p in params.values()]
+    nbytes = [p.numel() * p.element_size() for p in params.values() if p.requires_grad]
     probe = nn.Parameter(torch.zeros(2, 3))
     probe.grad = torch.zeros(2, 3)
     try:
@@ -831,7 +855,7 @@ def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
                    if isinstance(v, torch.Tensor) and v.shape == probe.shape)
     except Exception:
         keys = 2
-    return _Sizes(sum(nbytes), max(nbytes, default=0), keys)
+    return _Sizes(sum(resting), max(nbytes, default=0), keys, sum(nbytes))
 
 
 def _lower(r: Estimate, c: Choice) -> int:
@@ -874,16 +898,16 @@ def _time(r: Estimate, c: Choice, s: _Sizes, sp: Speeds, on_cpu: bool) -> float:
     if c.params != "device":
         way = "disk_read" if c.params == "disk" else "link"
         moved[way] += 2 * s.params  # fetched for forward and again for backward
-        moved["disk_write" if c.params == "disk" else "link"] += s.params  # gradients out
-    state = s.params * s.state_keys
+        moved["disk_write" if c.params == "disk" else "link"] += s.trainable  # gradients out
+    state = s.trainable * s.state_keys
     if c.optimizer_state == "disk":
         moved["disk_read"] += state
         moved["disk_write"] += state
         if c.params == "disk":  # the sliced step reads masters and gradients, writes masters
-            moved["disk_read"] += 2 * s.params
-            moved["disk_write"] += s.params
+            moved["disk_read"] += 2 * s.trainable
+            moved["disk_write"] += s.trainable
     if c.optimizer_state != "device" and not on_cpu and c.params == "device":
-        moved["link"] += 2 * s.params  # gradients to the host, parameters back
+        moved["link"] += 2 * s.trainable  # gradients to the host, parameters back
     if c.activations != "device":
         a = r.activation_bytes_moved
         if c.activations == "disk":

@@ -9,6 +9,9 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     local = getattr(t, "_local_tensor", None)
     if isinstance(local, torch.Tensor):  # a DTensor: this rank's bytes are its local shard's
         t = local
+    elif hasattr(type(t), "__tensor_flatten__"):
+        return None  # a wrapper subclass (torchao's quantized tensors): its bytes are its inner
+        # tensors' (see `inner_tensors`); its own storage is a placeholder, also on meta
     try:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without storage
@@ -19,6 +22,47 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         except RuntimeError:  # a wrapper subclass's placeholder (values elsewhere): no memory
             return None
     return st
+
+
+def inner_tensors(t: torch.Tensor, owner: object = None) -> list[torch.Tensor]:
+    """The plain tensors holding a quantized weight's values, or ``[t]`` for any other tensor.
+
+    A wrapper subclass (``__tensor_flatten__``, torchao's quantized tensors): its inner tensors,
+    nested ones walked. bitsandbytes' weights (recognized by their attributes, not imported):
+    a 4-bit weight's packed codes and its ``quant_state`` (absmax, code book, and for double
+    quantization the nested state and offset); an 8-bit weight's int8 rows and scales
+    (``SCB``, kept by ``owner``'s ``state`` once the layer has run a forward).
+    """
+    if isinstance(getattr(t, "_local_tensor", None), torch.Tensor):
+        return [t]
+    if not hasattr(type(t), "__tensor_flatten__"):
+        return [t, *_bnb_state(t, owner)]
+    try:
+        names, _ = t.__tensor_flatten__()
+    except Exception:  # noqa: BLE001 - not splittable: counted as nothing
+        return []
+    out = []
+    for n in names:
+        inner = getattr(t, n, None)
+        if isinstance(inner, torch.Tensor):
+            out += inner_tensors(inner)
+    return out
+
+
+def _bnb_state(t: torch.Tensor, owner: object) -> list[torch.Tensor]:
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return []
+    qs = getattr(t, "quant_state", None)
+    if qs is not None:  # Params4bit
+        s2 = getattr(qs, "state2", None) if getattr(qs, "nested", False) else None
+        found = [getattr(qs, "absmax", None), getattr(qs, "code", None),
+                 getattr(qs, "offset", None), getattr(s2, "absmax", None),
+                 getattr(s2, "code", None)]
+        return [x for x in found if isinstance(x, torch.Tensor)]
+    scb = getattr(t, "SCB", None)  # Int8Params
+    if scb is None and hasattr(t, "has_fp16_weights"):
+        scb = getattr(getattr(owner, "state", None), "SCB", None)
+    return [scb] if isinstance(scb, torch.Tensor) else []
 
 
 def device_name(device: torch.device) -> str:

@@ -43,6 +43,7 @@ from headroom.memory._devices import (
     allocator_active,
     allocator_bytes,
     device_name,
+    inner_tensors,
     storage_of,
 )
 from headroom.memory._records import DeviceStats, Peak, SavedToken, StorageInfo, TimelineSample
@@ -265,7 +266,7 @@ class MemoryTracker:
         # A parameter created inside the region (a model built there, as in `headroom
         # profile`) is first seen as a new tensor; registering it in a module says what it is.
         self._handles.append(nn.modules.module.register_module_parameter_registration_hook(
-            lambda module, name, p: None if p is None else self._see_param(p, PARAMETERS)))
+            lambda module, name, p: None if p is None else self._see_param(p, PARAMETERS, module)))
         self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
         tracker = self
@@ -555,8 +556,9 @@ class MemoryTracker:
         info.retro = False
         self._reclass(info, cat)
 
-    def _see_param(self, p: torch.Tensor, cat: int) -> None:
-        self._see(p, cat, check_size=True)
+    def _see_param(self, p: torch.Tensor, cat: int, owner: nn.Module | None = None) -> None:
+        for t in inner_tensors(p, owner):  # a quantized weight's bytes: its parts'
+            self._see(t, cat, check_size=True)
         if cat == PARAMETERS and p.grad is not None:
             self._see(p.grad, GRADIENTS)
         if cat == PARAMETERS and p.requires_grad and id(p) not in self._grad_hooked:
@@ -606,7 +608,7 @@ class MemoryTracker:
                 )
                 self._classes.setdefault(self._names[id(m)], type(m).__name__)
             for p in m.parameters(recurse=False):
-                self._see_param(p, PARAMETERS)
+                self._see_param(p, PARAMETERS, m)
             for b in m.buffers(recurse=False):
                 self._see(b, BUFFERS)
 
@@ -651,7 +653,7 @@ class MemoryTracker:
             name = self._names[id(module)] = type(module).__name__
             self._classes.setdefault(name, name)
             for p in module.parameters(recurse=False):
-                self._see_param(p, PARAMETERS)
+                self._see_param(p, PARAMETERS, module)
             for b in module.buffers(recurse=False):
                 self._see(b, BUFFERS)
         self._stack.append(name)

@@ -15,6 +15,7 @@ from headroom.residency._offload import (
     state_of,
     unoffload,
 )
+from headroom.residency._packed import is_packed, meta_like, packed_nbytes
 from headroom.residency._plan import (
     GroupPlan,
     OffloadOptions,
@@ -22,6 +23,7 @@ from headroom.residency._plan import (
     ParamPlan,
     plan_offload,
 )
+from headroom.residency._quantize import quantize_block
 from headroom.residency._schedule import Offload, Phase
 from headroom.residency._schedule import _AfterBackward as AfterBackward
 from headroom.residency._schedule import _outputs as tensor_outputs
@@ -46,12 +48,16 @@ __all__ = [
     "configs_of",
     "describe",
     "init_adapters",
+    "is_packed",
     "find_blocks",
     "is_offload_hook",
+    "meta_like",
     "offload",
+    "packed_nbytes",
     "offload_states",
     "plan_offload",
     "prefetch",
+    "quantize_block",
     "state_of",
     "unoffload",
 ]

@@ -41,7 +41,9 @@ from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from headroom.residency._group import Group, Slot
-from headroom.residency._plan import Layout
+from headroom.residency._outside import keep_on_device
+from headroom.residency._packed import Packed, check_packable, is_packed, read_parts
+from headroom.residency._plan import Layout, adapter_modules
 from headroom.store import HostStore, claimed_keys
 from headroom.transfer import HeldSource, StoreTensor, binding, unbind
 
@@ -49,8 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
 __all__ = [
-    "current_plan", "forget_values", "install", "rescan", "retire", "strip_hooks", "sync_masters",
-    "sync_merges",
+    "current_plan", "forget_values", "install", "rescan", "retire", "retire_packed", "strip_hooks",
+    "sync_masters", "sync_merges",
 ]
 
 # module -> {attr: a second reference to the storage its parameter was registered with}
@@ -108,6 +110,9 @@ class _Members:
         for b in state.blocks:
             for m in b.module.modules():
                 self.home[id(m)] = b
+        # modules holding adapters, which stay on the device (hr.offload(adapters="device"))
+        self.adapter_mods = adapter_modules(state.model) if state.adapters == "device" \
+            else set()
 
     def has(self, m: nn.Module) -> bool:
         r = self.refs.get(id(m))
@@ -117,7 +122,7 @@ class _Members:
 def install(state: Offload) -> None:
     """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
     setattr(state, _MEMBERS, _Members(state))
-    _copyable(state, state.slots)
+    _copyable(state, [*state.slots, *state.packed])
     if not _HANDLES:
         from torch.nn.modules.module import (
             register_module_module_registration_hook,
@@ -155,16 +160,21 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
     live = _live()
     if not live or param is None or is_lazy(param):
         return None  # a lazy module's parameter has neither values nor a shape yet
-    if param.device.type != "meta" and binding(param) is None and any(
-            not s.store.holds_host_memory for s, _ in live):
+    if param.device.type != "meta" and binding(param) is None and not is_packed(param) \
+            and any(not s.store.holds_host_memory for s, _ in live):
         # See the module docstring: values a later move to meta would destroy.
         _ALIASES.setdefault(module, {})[name] = param.detach()
+    elif module in _ALIASES:
+        # a quantized weight replacing one (it rests packed, never moved to meta): the values
+        # of what it replaces are not kept (a quantized load would hold every layer's)
+        _ALIASES[module].pop(name, None)
     found = _owner(module)
     if found is None:
         return None
     state, info = found
     info.dirty = True  # what this parameter replaces may have left the model (see rescan)
-    if _busy(state) or binding(param) is not None:
+    if _busy(state) or binding(param) is not None or id(param) in state.by_packed \
+            or state.kept.get(id(param)) is param:
         return None
     old = module._parameters.get(name)  # still registered: torch calls the hook first
     if old is not None and old is not param:
@@ -173,9 +183,16 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
         slot = state.by_param.get(id(old)) or state.by_dev.get(id(old))
         if slot is not None and [(id(m), a) for m, a in slot.owners] == [(id(module), name)]:
             retire(state, [slot])
+        q = state.by_packed.get(id(old))
+        if q is not None and [(id(m), a) for m, a in q.owners] == [(id(module), name)]:
+            retire_packed(state, [q])
     prefix = state.module_names.get(id(module), "")
-    placed = _adopt(state, info, [(module, name, param, prefix + name)],
-                    info.home.get(id(module)))
+    item = (module, name, param, prefix + name)
+    if id(module) in info.adapter_mods:
+        kept = _keep(state, [item], assign=False)
+        if kept:
+            return kept[0]
+    placed = _adopt(state, info, [item], info.home.get(id(module)))
     return placed[0].param if placed else None
 
 
@@ -193,15 +210,24 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
     if old is not None and old is not sub:
         _drop(state, info, old, keep=sub)
     prefix = f"{state.module_names.get(id(parent), '')}{name}."
+    adapters = set()
+    if state.adapters == "device":
+        inside = id(parent) in info.adapter_mods or (_is_wrapper(parent) and name != "base_layer")
+        adapters = {id(m) for m in sub.modules()} if inside else adapter_modules(sub)
+        info.adapter_mods |= adapters
     items = []
     seen: set[int] = set()
     for mname, m in sub.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
-            if p is None or id(p) in state.by_param or id(p) in state.by_dev:
+            if p is None or id(p) in state.by_param or id(p) in state.by_dev \
+                    or id(p) in state.by_packed or state.kept.get(id(p)) is p:
                 continue
             full = f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}"
             items.append((m, attr, p, full))
             seen.add(id(p))
+    if adapters:
+        kept = {id(p) for p in _keep(state, [it for it in items if id(it[0]) in adapters])}
+        items = [it for it in items if id(it[0]._parameters[it[1]]) not in kept]
     if items:
         _adopt(state, info, items, info.home.get(id(parent)))
     home = info.home.get(id(parent))
@@ -214,6 +240,29 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
         if home is not None:
             info.home[id(m)] = home
     return None
+
+
+def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parameter]:
+    """Keep adapters new to the model on the device (``hr.offload(adapters="device")``):
+    those with values, or created on the CPU and moved to ``meta`` since (their values
+    remembered, see the module docstring). Returns the parameters kept, each registered in
+    its module in place of the one given (unless not ``assign``: the registration hook
+    returns it instead)."""
+    out = []
+    for m, attr, p, _full in items:
+        value = p
+        if p.is_meta:
+            alias = _ALIASES.get(m, {}).get(attr)
+            if alias is None or alias.shape != p.shape or alias.device.type == "meta":
+                continue  # no values: rests in the store, pending (hr.init_adapters, a load)
+            value = nn.Parameter(alias.to(state.device, p.dtype), requires_grad=p.requires_grad)
+        out.append(keep_on_device(state, value, [(m, attr)]))
+        if assign and value is not p:
+            m._parameters[attr] = value
+    info = _members(state)
+    if out and info is not None:
+        info.plan_stale = True
+    return out
 
 
 def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> list[Slot]:
@@ -247,8 +296,11 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
     state.drop_announced()
     gi = state.blocks.index(home) if home is not None else -1
     st = state.store
-    for pid in params:
-        if names[pid] in st:
+    claimed = claimed_keys(st)
+    for pid, p in params.items():
+        if is_packed(p):  # its parts' keys (name#part), checked as at hr.offload
+            check_packable(st, claimed, p, names[pid], owners[pid])
+        elif names[pid] in st:
             raise RuntimeError(
                 f"cannot offload the new parameter {names[pid]!r}: {st!r} already holds a tensor"
                 " of that name; give the new module another name"
@@ -256,7 +308,6 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
     lay = Layout(None, [b.module for b in state.blocks], params, names, owners,
                  {pid: gi for pid in params})
     placed: list = []
-    claimed = claimed_keys(st)
     try:
         _place(state, st, state.device, state.compute_dtype, lay, claimed, placed)
     except BaseException:
@@ -292,6 +343,10 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
     """``old`` leaves the model; ``keep`` (perhaps a module inside it) takes its place."""
     old_ids = {id(m) for m in old.modules()}
     keep_ids = {id(m) for m in keep.modules()}
+    gone_packed = [q for q in state.packed
+                   if _inside(q, old_ids) and not _inside(q, {id(m) for m in keep.modules()})]
+    if gone_packed:
+        retire_packed(state, gone_packed)
     inside = [s for s in state.slots if _inside(s, old_ids)]
     if not inside:
         return
@@ -421,6 +476,30 @@ def retire(state: Offload, slots: list[Slot]) -> None:
         g.slots = [s for s in g.slots if id(s) not in gone]
 
 
+def retire_packed(state: Offload, packed: list[Packed]) -> None:
+    """Take quantized parameters that left the model out of the store: each master holds host
+    copies of its parts again (see [Note: packed parameters])."""
+    st = state.store
+    state.drop_announced()
+    for g in [*state.blocks, state.rest]:
+        state.res.release(g)
+    gone = {id(q) for q in packed}
+    for q in packed:
+        q.keep_values(read_parts(q, st))
+        q.unbind_owners()
+        for h in q.handles.values():
+            st.free(h)
+            claimed_keys(st).discard(h.key)
+        state.by_packed.pop(id(q.param), None)
+        state.by_packed.pop(id(q.dev), None)
+    state.packed = [q for q in state.packed if id(q) not in gone]
+    for g in [*state.blocks, state.rest]:
+        g.packed = [q for q in g.packed if id(q) not in gone]
+    info = _members(state)
+    if info is not None:
+        info.plan_stale = True
+
+
 # ---------------------------------------------------------------------- between steps
 def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
     """Masters in host memory whose ``.data`` was rebound since: their value into the store."""
@@ -455,6 +534,12 @@ def rescan(state: Offload) -> None:
     if info is None:
         return
     sync_masters(state)
+    for p in state.kept.values():
+        if p.device != state.device and not p.is_meta:
+            # moved by the library that made it (PEFT puts new adapters on the base weight's
+            # device, where the master rests): back to the device, the same object
+            with torch.no_grad():
+                p.data = p.data.to(state.device)
     for r in info.wrappers:
         m = r()
         if m is not None and m.__dict__.get(_APPLIED) != _merged(m) and info.has(m):
@@ -473,26 +558,43 @@ def rescan(state: Offload) -> None:
             if id(s.param) not in present and id(s.dev) not in present]
     if gone:
         retire(state, gone)
+    gone_packed = [q for q in state.packed
+                   if id(q.param) not in present and id(q.dev) not in present]
+    if gone_packed:
+        retire_packed(state, gone_packed)
+    state.kept = {i: p for i, p in state.kept.items() if i in present}
+    for pid, regs in list(present.items()):
+        if pid in state.kept or pid in state.by_param or pid in state.by_dev \
+                or pid in state.by_packed:
+            continue
+        if all(id(m) in info.adapter_mods for m, *_ in regs):
+            kept = _keep(state, regs)
+            if kept:
+                present.pop(pid)
     for pid, regs in present.items():
+        if pid in state.kept:
+            continue
         homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
                  for m, *_ in regs}
         home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
-        slot = state.by_param.get(pid) or state.by_dev.get(pid)
+        slot = state.by_param.get(pid) or state.by_dev.get(pid) or state.by_packed.get(pid)
         if slot is None:
             _adopt(state, info, regs, home)
         elif {(id(m), a) for m, a in slot.owners} != {(id(m), a) for m, a, *_ in regs}:
             _rehome(state, info, slot, [(m, a) for m, a, *_ in regs], home)
 
 
-def _rehome(state: Offload, info: _Members, slot: Slot, owners: list, home: Group | None) -> None:
+def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
+            home: Group | None) -> None:
     """A stored parameter registered in other places now (tied after hr.offload): it is shown
     wherever it is registered, in the group that holds all of them (outside blocks if none)."""
     target = home if home is not None else state.rest
     if slot.group is not target:
         for g in (slot.group, target):
             state.res.release(g)
-        slot.group.slots.remove(slot)
-        target.slots.append(slot)
+        coll = "packed" if isinstance(slot, Packed) else "slots"
+        getattr(slot.group, coll).remove(slot)
+        getattr(target, coll).append(slot)
         slot.group = target
         info.plan_stale = True
     slot.owners = owners
@@ -540,7 +642,18 @@ def _copy_master(state_ref: weakref.ref, slot: Slot, memo: dict) -> nn.Parameter
     return out
 
 
-def _copyable(state: Offload, slots: list[Slot]) -> None:
+def _copy_packed(state_ref: weakref.ref, q: Packed, memo: dict) -> torch.Tensor:
+    """``copy.deepcopy`` of a quantized master resting on disk: the same class over host
+    copies of its parts."""
+    state = state_ref()
+    if state is None or q not in state.packed:
+        raise RuntimeError(f"copy of {q.name!r}: its model is no longer offloaded")
+    out = q.packing.rebuild(read_parts(q, state.store))
+    memo[id(q.param)] = out
+    return out
+
+
+def _copyable(state: Offload, slots: list) -> None:
     # NOTE: a master on disk is a ``meta`` placeholder; a deep copy of it (PEFT's
     # modules_to_save copies a layer) would have no values. The instance attribute makes
     # copy.deepcopy read them from the store instead (nn.Parameter.__deepcopy__ is looked up
@@ -550,7 +663,8 @@ def _copyable(state: Offload, slots: list[Slot]) -> None:
     ref = weakref.ref(state)
     for s in slots:
         if s.param.device.type == "meta":
-            s.param.__deepcopy__ = partial(_copy_master, ref, s)
+            copy = _copy_packed if isinstance(s, Packed) else _copy_master
+            s.param.__deepcopy__ = partial(copy, ref, s)
 
 
 def current_plan(state: Offload):
@@ -564,6 +678,7 @@ def current_plan(state: Offload):
         info.plan_stale = False
         o = state.plan.options
         lay = layout(state.model, device=o.device, blocks=[b.module for b in state.blocks],
-                     prefetch=o.prefetch, compute_dtype=o.compute_dtype)
+                     prefetch=o.prefetch, compute_dtype=o.compute_dtype,
+                     adapters=set(state.kept))
         state.plan = replace(lay.plan, options=o, store=state.plan.store)
     return state.plan

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from headroom.residency._packed import read_parts
+
 __all__ = ["deepcopy_offloaded"]
 
 
@@ -78,6 +80,9 @@ def _map_subtree(state: Any, module: nn.Module, memo: dict) -> None:
         p = nn.Parameter(value, requires_grad=slot.param.requires_grad)
         memo[id(slot.param)] = p
         memo[id(slot.dev)] = p  # a module showing its device copy gets the same value
+    for q in state.packed:  # quantized: the same class over host copies of its parts
+        if id(q.param) not in memo and any(id(m) in modules for m, _ in q.owners):
+            memo[id(q.param)] = memo[id(q.dev)] = q.packing.rebuild(read_parts(q, state.store))
     ours = {h.id for h in state.handles}
     for m in modules.values():
         for buf in m._buffers.values():

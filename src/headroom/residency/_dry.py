@@ -13,7 +13,10 @@ from memory when it is handed over (a real disk write keeps it until written). O
 the gradients handed to the host stay on the device until the copies are reaped: past 256 MiB
 in flight, and at the end of backward (`headroom.transfer.Mover`). With
 ``grad_accumulation="device"`` the gradients that rest as StoreTensors are held on the device
-(in the stored gradient's dtype) until the host optimizer's step reads them (`flush`).
+(in the stored gradient's dtype) until the host optimizer's step reads them (`flush`). A
+quantized parameter rests as its parts, and its device copy is its class over parts resized like
+any other (`headroom.residency._packed`), so it weighs its packed bytes; adapters kept on the
+device (``adapters="device"``) are ordinary parameters of the copy, there for the whole step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from headroom.memory import annotate
+from headroom.residency._packed import Packed, is_packed, packing_of, part_key
 from headroom.residency._schedule import _AfterBackward, _outputs
 from headroom.residency._schedule import in_backward as _in_backward
 from headroom.store import MetaStore, Places
@@ -49,6 +53,9 @@ class OffloadConfig:
             `hr.offload` finds them.
         compute_dtype: the device copies' dtype for floating-point parameters, or ``None``.
         grad_accumulation: ``"store"`` or ``"device"`` (see `hr.offload`).
+        adapters: ``"device"`` or ``"store"`` (see `hr.offload`).
+        kept: qualified names (inside ``module``) of the parameters kept on the device, as
+            an offloaded model keeps them, or ``None``: as ``adapters`` says.
     """
 
     module: str = ""
@@ -57,6 +64,8 @@ class OffloadConfig:
     blocks: tuple[str, ...] | None = None
     compute_dtype: torch.dtype | None = None
     grad_accumulation: str = "store"
+    adapters: str = "device"
+    kept: tuple[str, ...] | None = None
 
 
 def configs_of(model: nn.Module) -> list[OffloadConfig]:
@@ -66,6 +75,8 @@ def configs_of(model: nn.Module) -> list[OffloadConfig]:
     out = []
     for name, m, state in offload_states(model):
         inner = {id(sub): n for n, sub in m.named_modules()}
+        kept = tuple(n for n, p in m.named_parameters(remove_duplicate=False)
+                     if state.kept.get(id(p)) is p)
         out.append(OffloadConfig(
             module=name,
             store="host" if state.store.holds_host_memory else "disk",
@@ -73,6 +84,8 @@ def configs_of(model: nn.Module) -> list[OffloadConfig]:
             blocks=tuple(inner[id(b.module)] for b in state.blocks),
             compute_dtype=state.compute_dtype,
             grad_accumulation=state.grad_accumulation,
+            adapters=getattr(state, "adapters", "device"),
+            kept=kept,
         ))
     return out
 
@@ -120,6 +133,18 @@ class _Slot:
             module._parameters[attr] = t
 
 
+class _PackedSlot(_Slot):
+    """A quantized parameter: its parts in the store, its device copy a `Packed`'s (the same
+    class over ``meta`` parts resized as the real schedule resizes them)."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, owners, master, packed: Packed, group) -> None:
+        super().__init__(owners, master, packed.dev, None, group)
+        self.packed = packed
+        self.nbytes = packed.nbytes
+
+
 class _Group:
     def __init__(self, module: nn.Module | None) -> None:
         self.module = module
@@ -148,7 +173,8 @@ class OffloadDryRun:
         given = None if config.blocks is None else [module.get_submodule(n)
                                                      for n in config.blocks]
         lay = layout(module, device=torch.device("meta"), blocks=given,
-                     prefetch=config.prefetch, compute_dtype=config.compute_dtype)
+                     prefetch=config.prefetch, compute_dtype=config.compute_dtype,
+                     adapters=_kept(module, config))
         self.config = config
         self.places = places
         self.accelerated = accelerated
@@ -171,6 +197,9 @@ class OffloadDryRun:
         for pid, p in lay.params.items():
             g = lay.group_of[pid]
             group = self.blocks[g] if g >= 0 else self.rest
+            if is_packed(p):
+                self._add_packed(p, lay.names[pid], lay.owners[pid], group)
+                continue
             cdtype = (config.compute_dtype if config.compute_dtype is not None
                       and p.is_floating_point() else p.dtype)
             dev = nn.Parameter(torch.empty(p.shape, dtype=cdtype, device="meta"),
@@ -206,12 +235,34 @@ class OffloadDryRun:
                                                prepend=True)
             b.module.register_forward_hook(partial(self._post_forward, b))
 
+    def _add_packed(self, p: torch.Tensor, name: str, owners: list, group: _Group) -> None:
+        """A quantized parameter's parts rest in the store; it does not train."""
+        packing, parts = packing_of(p, name, owners)
+        handles = {}
+        for k, t in parts.items():
+            key = part_key(name, k)
+            if self.store.host:  # the store's host tensors are the master's parts
+                handles[k] = self.store.adopt(key, t)
+            else:
+                self.places.no_memory(t)  # at rest on disk
+                handles[k] = self.store.alloc(key, tuple(t.shape), t.dtype)
+        packed = Packed(name, owners, packing, handles, p, torch.device("meta"))
+        slot = _PackedSlot(owners, p, packed, group)
+        slot.show(p)
+        group.slots.append(slot)
+        self.slots.append(slot)
+        self.by_dev[id(slot.dev)] = slot
+        self.by_master[id(p)] = slot
+
     # ------------------------------------------------------------------ residency
     def _fetch(self, g: _Group) -> None:
         if g.resident:
             return
         g.resident = True
         for s in g.slots:
+            if isinstance(s, _PackedSlot):
+                self._fetch_packed(s)
+                continue
             torch.ops.inductor.resize_storage_bytes_(s.dev, s.nbytes)
             host = self.store.host_tensor(s.handle)
             if host is not None:
@@ -222,12 +273,26 @@ class OffloadDryRun:
             else:
                 self.store.read(s.handle, out=s.dev)
 
+    def _fetch_packed(self, s: _PackedSlot) -> None:
+        for handle, target in s.packed.items():
+            host = self.store.host_tensor(handle)
+            if host is not None:
+                with torch.no_grad():
+                    target.copy_(host)
+                if self.accelerated:
+                    self.store.read_bytes += handle.nbytes  # over the host link
+            else:
+                self.store.read(handle, out=target)
+
     def _release(self, g: _Group) -> None:
         if not g.resident:
             return
         _hide(g)
         for s in g.slots:
-            torch.ops.inductor.resize_storage_bytes_(s.dev, 0)
+            if isinstance(s, _PackedSlot):
+                s.packed.free()
+            else:
+                torch.ops.inductor.resize_storage_bytes_(s.dev, 0)
         g.resident = False
 
     def _prefetch(self, order: list[_Group], start: int, step: int) -> None:
@@ -429,6 +494,29 @@ class OffloadDryRun:
         self._release(self.rest)
         self._in_flight.clear()
         self._staged = 0
+
+
+def _kept(module: nn.Module, config: OffloadConfig) -> str | set[int]:
+    """What `layout` keeps on the device in the ``meta`` copy: the parameters an offloaded
+    model keeps, or the adapters `hr.offload` would keep.
+
+    NOTE: every parameter of the copy is ``meta``, which `layout` takes for an adapter still
+    without values (one that rests in the store): the adapters are named here instead.
+    """
+    if config.kept is not None:
+        named = dict(module.named_parameters(remove_duplicate=False))
+        return {id(named[n]) for n in config.kept if n in named}
+    if config.adapters != "device":
+        return "store"
+    from headroom.residency._plan import adapter_modules
+
+    mods = adapter_modules(module)
+    owned: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owned.setdefault(id(p), []).append(m)
+    return {pid for pid, ms in owned.items() if all(id(m) in mods for m in ms)}
 
 
 def _show(g: _Group) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from headroom.residency._packed import Packed
 from headroom.store import HeapTrimmer, Store
 from headroom.transfer import Mover, ParamBinding, Ticket, resize_storage
 
@@ -84,13 +85,15 @@ class Group:
         self.name = name
         self.module = module
         self.slots: list[Slot] = []
+        # quantized parameters resting packed (see [Note: packed parameters]); frozen
+        self.packed: list[Packed] = []
         self.resident = False
         self.grads_left = 0
         self.inputs_pending = 0  # forward calls whose input gradients are not computed yet
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.slots)
+        return sum(s.nbytes for s in self.slots) + sum(q.nbytes for q in self.packed)
 
 
 class Residency:
@@ -135,8 +138,16 @@ class Residency:
         for s in group.slots:
             resize_storage(s.dev, s.nbytes)
             items.append((s.binding.handle, s.dev))
-        for s, t in zip(group.slots, self.mover.fetch_many(items), strict=True):
+        for q in group.packed:
+            _check_packed(q)
+            items += q.items()
+        tickets = self.mover.fetch_many(items)
+        for s, t in zip(group.slots, tickets, strict=False):
             s.ticket = t
+        i = len(group.slots)
+        for q in group.packed:
+            q.tickets = tickets[i:i + len(q.parts)]
+            i += len(q.parts)
 
     def ensure(self, group: Group) -> None:
         """Make a group resident and ready for compute (the current stream is ordered after
@@ -146,6 +157,10 @@ class Residency:
             if s.ticket is not None:
                 self.mover.wait(s.ticket)
                 s.ticket = None
+        for q in group.packed:
+            while q.tickets:
+                self.mover.wait(q.tickets[0])
+                q.tickets.pop(0)
 
     def release(self, group: Group, *, quiet: bool = False) -> None:
         """Free a group's device copies (the modules get the masters back); ``quiet``: on a
@@ -164,6 +179,15 @@ class Residency:
                         raise
                 s.ticket = None
             resize_storage(s.dev, 0)
+        for q in group.packed:
+            for t in q.tickets:  # a prefetch that was never used
+                try:
+                    self.mover.wait(t)
+                except Exception:
+                    if not quiet:
+                        raise
+            q.tickets = []
+            q.free()
         group.resident = False
         if self._trimmer is not None:
             self._trimmer.freed(group.nbytes)
@@ -188,12 +212,26 @@ def show(group: Group) -> None:
         if s.ticket is not None:
             raise RuntimeError(f"internal: {s.name!r} shown before its copy was waited for")
         s.show(s.dev)
+    for q in group.packed:
+        if q.tickets:
+            raise RuntimeError(f"internal: {q.name!r} shown before its copy was waited for")
+        q.show(q.dev)
 
 
 def hide(group: Group) -> None:
     """The modules hold the masters again (residency unchanged)."""
     for s in group.slots:
         s.show(s.param)
+    for q in group.packed:
+        q.show(q.param)
+
+
+def _check_packed(q: Packed) -> None:
+    if q.param.requires_grad:
+        raise RuntimeError(
+            f"the quantized parameter {q.name!r} ({type(q.param).__name__}) was set to require"
+            " grad after hr.offload: quantized weights rest packed and do not train. Freeze it"
+            " again (requires_grad_(False)) and train adapters over it (peft.get_peft_model)")
 
 
 def _check_master(s: Slot) -> None:

@@ -28,7 +28,7 @@ import torch.nn as nn
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
-__all__ = ["init_pending", "initializer"]
+__all__ = ["init_pending", "initializer", "prune_pending"]
 
 
 def initializer(root: nn.Module, module: nn.Module) -> Callable[[], None] | None:
@@ -69,10 +69,7 @@ def init_pending(state: Offload, *, lost_ok: bool = False) -> None:
             missing += [f"{prefix}{a}" for a, _ in slots] + [f"{prefix}{n}" for n, _ in buffers]
             continue
         _run_init(state, module, init, slots, buffers)
-    state.pending_modules = {k: m for k, m in state.pending_modules.items()
-                             if any(not s.binding.has_value for _, s in _own_slots(state, m))
-                             or any(b is not None and b.device.type == "meta"
-                                    for b in m._buffers.values())}
+    prune_pending(state)
     if missing:
         raise RuntimeError(
             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} were created on the"
@@ -80,6 +77,15 @@ def init_pending(state: Offload, *, lost_ok: bool = False) -> None:
             " model no _init_weights(). Load them with hr.load_weights(model, path) (or"
             " load_state_dict), or build those modules on the CPU"
         )
+
+
+def prune_pending(state: Offload) -> None:
+    """Forget the modules with nothing pending any more (loaded, or taken out of the model):
+    the list holds them strongly."""
+    state.pending_modules = {k: m for k, m in state.pending_modules.items()
+                             if any(not s.binding.has_value for _, s in _own_slots(state, m))
+                             or any(b is not None and b.device.type == "meta"
+                                    for b in m._buffers.values())}
 
 
 def _lost_adapters(state: Offload, lost_ok: bool) -> set[int]:

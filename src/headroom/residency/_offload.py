@@ -23,6 +23,18 @@ from torch.optim.optimizer import (
 from headroom.residency import _adopt, _dtensor, _guard, _outside
 from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
+from headroom.residency._outside import keep_on_device
+from headroom.residency._packed import (
+    Packed,
+    as_stored,
+    check_packable,
+    is_packed,
+    packing_of,
+    part_key,
+    read_parts,
+    refusal,
+    rest_master,
+)
 from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
 from headroom.store import Store, claimed_keys, resolve_store, trim_heap
@@ -37,7 +49,7 @@ from headroom.transfer import (
     weak_post_accumulate_grad_hook,
 )
 
-__all__ = ["describe", "offload", "prefetch", "unoffload"]
+__all__ = ["describe", "keep_on_device", "offload", "prefetch", "unoffload"]
 
 _ATTR = _guard._OFFLOAD
 
@@ -96,6 +108,7 @@ def offload(
     prefetch: int = 1,
     compute_dtype: torch.dtype | None = None,
     grad_accumulation: str = "store",
+    adapters: str = "device",
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in a store; stream each block to ``device``.
 
@@ -119,7 +132,10 @@ def offload(
     ``copy.deepcopy``-ed, it gives a plain model holding the current values.
 
     Args:
-        model: the model; its parameters may be anywhere, including the ``meta`` device:
+        model: the model; quantized parameters (bitsandbytes' ``Params4bit`` and
+            ``Int8Params``, torchao's quantized tensors) rest in the store packed, as they are
+            (see headroom.residency._packed), and do not train; its parameters may be
+            anywhere, including the ``meta`` device:
             such parameters get their values in the store from ``hr.load_weights`` or, if
             still unfilled when a value is first needed (the first forward, ``hr.save``), from
             their module's own initialization, one module at a time, so a model bigger than
@@ -152,6 +168,14 @@ def offload(
             gradient per parameter on ``device`` (4 bytes per parameter in fp32) from the
             first backward to the step; saves the host's or the disk's traffic of every
             backward but one.
+        adapters: where adapters live: the parameters of PEFT's tuner layers (LoRA's
+            ``lora_A``/``lora_B``, ...; a module with a ``base_layer`` holds them beside it),
+            whether wrapped before ``hr.offload`` or after. ``"device"``: they stay on
+            ``device`` as ordinary parameters (hundreds of tiny tensors, which a store would
+            cost a fixed amount of work each per step; any optimizer steps them there).
+            ``"store"``: offloaded with their layers' blocks like every other parameter.
+            Adapters created on ``meta`` rest in the store either way, until loaded or
+            initialized (`hr.init_adapters`).
 
     Returns:
         ``model``.
@@ -162,7 +186,9 @@ def offload(
             offloaded; DTensor parameters that FSDP2 does not manage.
         NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
         ValueError: bad ``blocks``, ``prefetch``, ``compute_dtype`` or
-            ``grad_accumulation``.
+            ``grad_accumulation``; a quantized parameter that cannot rest packed (it requires
+            grad, is not quantized yet, or its class cannot be split into plain tensors; the
+            message says which).
         StoreFullError / PermissionError: the store cannot hold the parameters.
 
     Example:
@@ -178,6 +204,8 @@ def offload(
     if grad_accumulation not in ("store", "device"):
         raise ValueError(
             f"grad_accumulation must be 'store' or 'device', got {grad_accumulation!r}")
+    if adapters not in ("store", "device"):
+        raise ValueError(f"adapters must be 'device' or 'store', got {adapters!r}")
     if _dtensor.check_sharded(model, "hr.offload"):
         if grad_accumulation != "store":
             raise NotImplementedError(
@@ -203,7 +231,7 @@ def offload(
                 " another headroom feature); unoffload it first"
             )
     lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
-                 compute_dtype=compute_dtype)
+                 compute_dtype=compute_dtype, adapters=adapters)
     st = resolve_store(store, dev)
     if dev.type == "cpu" and st.holds_host_memory:
         warnings.warn(
@@ -214,6 +242,7 @@ def offload(
             stacklevel=2,
         )
     state = Offload(model, dev, st, prefetch, compute_dtype, grad_accumulation)
+    state.adapters = adapters
     state.plan = replace(lay.plan, store=repr(st))
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
@@ -227,6 +256,9 @@ def offload(
         gc.collect()
     for pid, p in lay.params.items():  # validate before changing anything
         name = first_name[pid]
+        if is_packed(p):
+            check_packable(st, claimed, p, name, lay.owners[pid])
+            continue
         if name in st:
             if name in claimed:
                 raise RuntimeError(
@@ -243,6 +275,8 @@ def offload(
     except BaseException:
         _rollback(state, st, claimed, placed)
         raise
+    for pid, p in (lay.kept or {}).items():
+        keep_on_device(state, p, lay.owners[pid])
     for mname, m in model.named_modules():
         for bname, buf in list(m._buffers.items()):
             if buf is not None:
@@ -271,7 +305,7 @@ def offload(
         h.append(b.module.register_forward_hook(eager(partial(state.post_forward, b)),
                                                 with_kwargs=True))
     seen_mods: set[int] = set()
-    for s in state.slots:
+    for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             if id(m) in seen_mods:
                 continue
@@ -311,11 +345,17 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
            claimed: set[str], placed: list) -> None:
     """Move every parameter's master into the store and give it a device copy and hooks."""
     owners, params, first_name = lay.owners, lay.params, lay.names
+    packed = {pid for pid, p in params.items() if is_packed(p)}
     # The masters new to the store, carved from one slab when it is page-locked host memory.
     st.reserve([p.numel() * p.element_size() for pid, p in params.items()
-                if first_name[pid] not in st])
+                if first_name[pid] not in st and pid not in packed])
     for pid, p in params.items():
         name = first_name[pid]
+        if pid in packed:
+            g = lay.group_of[pid]
+            _place_packed(state, st, dev, p, name, owners[pid],
+                          state.blocks[g] if g >= 0 else state.rest, claimed, placed)
+            continue
         # A parameter already in the store (a DiskStore reopened by a later run) is
         # resumed when the model has no values for it (meta) and overwritten when it has.
         resume = name in st and p.device.type == "meta"
@@ -390,12 +430,46 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 t.requires_grad_(rg)
 
 
+def _place_packed(state: Offload, st: Store, dev: torch.device, p: torch.Tensor, name: str,
+                  owners: list, target: Group, claimed: set[str], placed: list) -> None:
+    """Put a quantized parameter's parts in the store (see [Note: packed parameters])."""
+    why = refusal(p, name, owners)
+    if why is not None:
+        raise ValueError(f"hr.offload cannot keep {why}")
+    packing, parts = packing_of(p, name, owners)
+    handles = {}
+    created = []
+    entry = [None, p, created]
+    placed.append(entry)
+    for k, t in parts.items():
+        key = part_key(name, k)
+        if key in st:
+            handles[k] = st.get(key)
+            if t.device.type != "meta":
+                st.write(handles[k], as_stored(t)).result()
+        else:
+            handles[k] = st.put(key, as_stored(t))
+            created.append(key)
+        claimed.add(key)
+    q = Packed(name, owners, packing, handles, rest_master(packing, st, handles), dev)
+    entry[0] = q
+    q.group = target
+    q.show(q.param)
+    target.packed.append(q)
+    state.packed.append(q)
+    state.by_packed[id(q.param)] = q
+    state.by_packed[id(q.dev)] = q
+
+
 def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
     """Undo a failed `offload`: parameters back in their modules, store entries freed."""
     _LIVE.discard(state)
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
+        if slot is None or isinstance(slot, Packed):
+            _unplace_packed(state, st, claimed, slot, original, created)
+            continue
         _REPLACED.pop(id(original), None)  # back in its module
         host = st.host_tensor(slot.binding.handle)
         if original is slot.param and host is not None:
@@ -417,6 +491,25 @@ def release_claim(state: Offload, key: str) -> None:
     """``state``'s model no longer uses ``key`` of its store (see [Note: one writer per key])."""
     claimed_keys(state.store).discard(key)
     state.claims.discard(key)
+
+
+def _unplace_packed(state: Offload, st: Store, claimed: set[str], q: Packed | None,
+                    original: torch.Tensor, created: list[str]) -> None:
+    """Undo `_place_packed`: the original parameter back in its modules, new entries freed."""
+    if q is not None:
+        q.unbind_owners()
+        q.show(original)
+        for coll in (q.group.packed, state.packed):
+            if q in coll:
+                coll.remove(q)
+        state.by_packed.pop(id(q.param), None)
+        state.by_packed.pop(id(q.dev), None)
+        for h in q.handles.values():
+            claimed.discard(h.key)
+    for key in created:
+        if key in st:
+            st.free(st.get(key))
+        claimed.discard(key)
 
 
 def _check_stored(handle, p: torch.Tensor, name: str) -> None:
@@ -592,9 +685,16 @@ def unoffload(model: nn.Module) -> nn.Module:
     for b in state.blocks:
         _guard.remove(b.module)
     _LIVE.discard(state)
-    for s in state.slots:
+    for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             _outside.remove(m)
+    for q in state.packed:
+        value = q.packing.rebuild({k: v.to(state.device) for k, v in read_parts(q, st).items()})
+        q.unbind_owners()
+        for h in q.handles.values():
+            st.free(h)
+            claimed_keys(st).discard(h.key)
+        q.show(value)
     for s in state.slots:
         b = s.binding
         value = st.read(b.handle).result().to(state.device)

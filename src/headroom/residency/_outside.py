@@ -18,10 +18,11 @@ import copy
 import weakref
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.compiler import is_compiling
 
-__all__ = ["ParamDict", "install", "remove"]
+__all__ = ["ParamDict", "install", "keep_on_device", "remove"]
 
 
 class ParamDict(dict):
@@ -40,6 +41,21 @@ class ParamDict(dict):
         if state is not None and state.reads_outside:
             return state.use_outside(value)
         return value
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        # NOTE: ``Module._apply`` (``.to()``) writes a moved parameter straight into this dict,
+        # past the registration hooks. A move to ``meta`` of an offloaded master would leave the
+        # module without its values: PEFT moves new adapters to the device of the base weight,
+        # a ``meta`` placeholder for a bitsandbytes weight resting on disk. Masters stay where
+        # their store keeps them (as `.to()` of an offloaded model leaves them, Offload.apply).
+        # A meta parameter registered in its place goes through the hooks, which adopt it.
+        state = self._state()
+        if state is not None and isinstance(value, torch.Tensor) and value.is_meta:
+            old = dict.get(self, name)
+            if old is not None and old is not value and not old.is_meta \
+                    and state.keeps_place(old, value):
+                return
+        dict.__setitem__(self, name, value)
 
     # Copies and pickles are plain dicts: they hold no reference to the offload.
     def __reduce_ex__(self, protocol: int):
@@ -66,3 +82,17 @@ def remove(module: nn.Module) -> None:
     params = module.__dict__.get("_parameters")
     if type(params) is ParamDict:
         module.__dict__["_parameters"] = dict(dict.items(params))
+
+
+def keep_on_device(state: Any, p: nn.Parameter, owners: list) -> nn.Parameter:
+    """An adapter stays on the compute device, an ordinary parameter (``adapters="device"``):
+    moved there if it is elsewhere, and watched so that a move to ``meta`` (PEFT moves new
+    adapters to the base weight's device) leaves it in place. Returns the parameter kept."""
+    dev = state.device
+    if p.device != dev:
+        with torch.no_grad():
+            p.data = p.data.to(dev)
+    state.kept[id(p)] = p
+    for m, _ in owners:
+        install(state, m)
+    return p

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from headroom.residency._blocks import check_blocks, find_blocks, with_outside_blocks
+from headroom.residency._packed import is_packed, packed_nbytes
 from headroom.transfer import check_device
 
 __all__ = ["GroupPlan", "OffloadOptions", "OffloadPlan", "ParamPlan", "plan_offload"]
@@ -45,10 +46,14 @@ class ParamPlan:
     dtype: torch.dtype
     compute_dtype: torch.dtype
     owners: tuple[str, ...]  # "Module.attr" of every registration (more than one: tied)
+    # a quantized parameter resting packed: the bytes of its parts (its real size)
+    packed: int | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of its device copy."""
+        if self.packed is not None:
+            return self.packed
         n = 1
         for s in self.shape:
             n *= s
@@ -68,6 +73,9 @@ class GroupPlan:
         return sum(p.nbytes for p in self.params)
 
 
+ON_DEVICE = "(kept on the device)"
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
     """What `hr.offload` does to a model, as data; ``str()`` is a readable table."""
@@ -77,6 +85,8 @@ class OffloadPlan:
     outside: GroupPlan
     buffers: tuple[str, ...]
     store: str = "(not chosen)"
+    # adapters (PEFT's LoRA weights) that stay on the device, not offloaded
+    on_device: GroupPlan = GroupPlan(ON_DEVICE, "", ())
 
     @property
     def largest_block_bytes(self) -> int:
@@ -84,8 +94,10 @@ class OffloadPlan:
 
     @property
     def device_budget(self) -> int:
-        """Device bytes of parameters at most: ``(prefetch+1) x largest block + outside``."""
-        return (self.options.prefetch + 1) * self.largest_block_bytes + self.outside.nbytes
+        """Device bytes of parameters at most: ``(prefetch+1) x largest block + outside``,
+        plus the adapters kept on the device."""
+        return ((self.options.prefetch + 1) * self.largest_block_bytes + self.outside.nbytes
+                + self.on_device.nbytes)
 
     def __str__(self) -> str:
         o = self.options
@@ -111,10 +123,16 @@ class OffloadPlan:
         for p in rest.params:
             extra = f" (tied: {', '.join(p.owners)})" if len(p.owners) > 1 else ""
             lines.append(f"  {p.name:<40} {p.shape!s:<24} {mb(p.nbytes):>12}{extra}")
+        kept = self.on_device
+        if kept.params:
+            lines.append(f"adapters kept on the device: {len(kept.params)} params,"
+                         f" {mb(kept.nbytes)}")
         lines.append(f"buffers resident on the device: {len(self.buffers)}")
+        plus = f" + {mb(kept.nbytes)}" if kept.params else ""
         lines.append(
-            f"device parameter bytes at most: (prefetch+1) x largest block + outside ="
-            f" {o.prefetch + 1} x {mb(self.largest_block_bytes)} + {mb(rest.nbytes)}"
+            f"device parameter bytes at most: (prefetch+1) x largest block + outside"
+            f"{' + adapters' if kept.params else ''} ="
+            f" {o.prefetch + 1} x {mb(self.largest_block_bytes)} + {mb(rest.nbytes)}{plus}"
             f" = {mb(self.device_budget)}"
         )
         return "\n".join(lines)
@@ -130,6 +148,8 @@ class Layout:
     names: dict[int, str]  # id -> its first registration name (its store key)
     owners: dict[int, list[tuple[nn.Module, str]]]
     group_of: dict[int, int]  # parameter id -> index into block_modules, or -1: outside
+    # adapters kept on the device (``adapters="device"``): id -> parameter, not in ``params``
+    kept: dict[int, nn.Parameter] | None = None
 
 
 def check_options(prefetch: int, compute_dtype: torch.dtype | None) -> None:
@@ -175,9 +195,33 @@ def plan_offload(
                   compute_dtype=compute_dtype).plan
 
 
+def adapter_modules(root: nn.Module) -> set[int]:
+    """Ids of the modules that hold adapters: inside a wrapper (a module with a ``base_layer``
+    submodule, as PEFT's tuner layers are) but not inside its ``base_layer``."""
+    out: set[int] = set()
+    for m in root.modules():
+        base = m._modules.get("base_layer")
+        if not isinstance(base, nn.Module):
+            continue
+        inner = {id(x) for x in base.modules()}
+        out.update(id(x) for x in m.modules() if x is not m and id(x) not in inner)
+        out.add(id(m))  # its own parameters too (none in PEFT's layers)
+    return out
+
+
+def is_adapter(p: torch.Tensor, owners: list[tuple[nn.Module, str]], mods: set[int]) -> bool:
+    """Whether a parameter registered by ``owners`` is an adapter kept on the device: all its
+    owners hold adapters, and it has values (one created on ``meta`` rests in the store,
+    pending, like any other)."""
+    return bool(owners) and all(id(m) in mods for m, _ in owners) and not p.is_meta
+
+
 def layout(model: nn.Module, *, device: torch.device, blocks: Iterable[nn.Module] | None,
-           prefetch: int, compute_dtype: torch.dtype | None) -> Layout:
-    """`plan_offload`, keeping the module objects the plan names."""
+           prefetch: int, compute_dtype: torch.dtype | None,
+           adapters: str | set[int] = "store") -> Layout:
+    """`plan_offload`, keeping the module objects the plan names; ``adapters="device"``
+    leaves adapters (see `adapter_modules`) out of the groups, kept on the device (a set:
+    the ids of the parameters kept there)."""
     check_options(prefetch, compute_dtype)
     auto = blocks is None
     block_mods = find_blocks(model) if auto else check_blocks(model, list(blocks))
@@ -208,14 +252,26 @@ def layout(model: nn.Module, *, device: torch.device, blocks: Iterable[nn.Module
         # A parameter belongs to a block only if every module registering it is inside
         # that block; tied parameters shared across blocks are kept outside, fetched once.
         group_of[pid] = homes.pop() if len(homes) == 1 else -1
+    kept: dict[int, nn.Parameter] = {}
+    if isinstance(adapters, set):
+        kept = {pid: p for pid, p in params.items() if pid in adapters}
+    elif adapters == "device":
+        mods = adapter_modules(model)
+        kept = {pid: p for pid, p in params.items() if is_adapter(p, owners[pid], mods)}
+    params = {pid: p for pid, p in params.items() if pid not in kept}
     members: list[list[ParamPlan]] = [[] for _ in block_mods]
     outside: list[ParamPlan] = []
-    for pid, p in params.items():
+    on_device: list[ParamPlan] = []
+    for pid, p in [*params.items(), *kept.items()]:
+        packed = packed_nbytes(p) if is_packed(p) else None
         cdtype = compute_dtype if compute_dtype is not None and p.is_floating_point() \
-            else p.dtype
+            and packed is None else p.dtype
         pp = ParamPlan(pnames[pid][0], tuple(pnames[pid]), tuple(p.shape), p.dtype, cdtype,
-                       tuple(f"{type(m).__name__}.{a}" for m, a in owners[pid]))
-        (members[group_of[pid]] if group_of[pid] >= 0 else outside).append(pp)
+                       tuple(f"{type(m).__name__}.{a}" for m, a in owners[pid]), packed)
+        if pid in kept:
+            on_device.append(pp)
+        else:
+            (members[group_of[pid]] if group_of[pid] >= 0 else outside).append(pp)
     # Found blocks whose parameters all went outside (e.g. a tied embedding) are dropped.
     keep = [i for i in range(len(block_mods)) if members[i] or not auto]
     renumber = {old: new for new, old in enumerate(keep)}
@@ -229,6 +285,7 @@ def layout(model: nn.Module, *, device: torch.device, blocks: Iterable[nn.Module
                                tuple(members[i])) for j, i in enumerate(keep)),
         outside=GroupPlan(OUTSIDE, "", tuple(outside)),
         buffers=buffers,
+        on_device=GroupPlan(ON_DEVICE, "", tuple(on_device)),
     )
     return Layout(plan, block_mods, params, {pid: n[0] for pid, n in pnames.items()}, owners,
-                  group_of)
+                  group_of, kept)

@@ -40,6 +40,7 @@ from headroom.residency._adopt import _LIVE, forget_values, rescan, strip_hooks,
 from headroom.residency._dtensor import conversions
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
+from headroom.residency._packed import Packed, read_parts, state_entries
 from headroom.residency._use import Use
 from headroom.store import Store, StoreFullError, add_into, is_accelerator
 from headroom.transfer import (
@@ -200,6 +201,13 @@ class Offload:
         self.claims: set[str] = set()  # the store keys this model holds (claimed_keys)
         self.by_dev: dict[int, Slot] = {}
         self.by_param: dict[int, Slot] = {}
+        # quantized parameters resting packed, and each by its master's and device copy's id
+        self.packed: list[Packed] = []
+        self.by_packed: dict[int, Packed] = {}
+        # hr.offload(adapters=...): "device" keeps adapters there, ordinary parameters
+        # (`kept`: id -> parameter), not offloaded
+        self.adapters = "store"
+        self.kept: dict[int, nn.Parameter] = {}
         self.handles: list[Any] = []
         self.order: list[Group] = []  # forward order of the last forward
         self._order_now: list[Group] = []
@@ -364,13 +372,34 @@ class Offload:
         [Note: uses outside a block]); anything else as it is."""
         slot = self.by_param.get(id(value))
         if slot is None:
-            return value
+            q = self.by_packed.get(id(value))
+            if q is None or value is not q.param:
+                return value
+            self.res.ensure(q.group)
+            self._keep_outside(q.group)
+            return q.dev
         block = slot.group
         self.res.ensure(block)
         dev = slot.dev
         if dev.requires_grad != slot.param.requires_grad:
             dev.requires_grad_(slot.param.requires_grad)
         self._handed[id(dev)] = (slot, dev.requires_grad)
+        self._keep_outside(block)
+        return dev
+
+    def keeps_place(self, old: torch.Tensor, new: torch.Tensor) -> bool:
+        """Whether a module's parameter ``old``, a master of this model, stays in place of
+        ``new`` (a ``meta`` tensor ``Module._apply`` writes in; see `_outside.ParamDict`)."""
+        s = self.by_param.get(id(old)) or self.by_packed.get(id(old))
+        if self.kept.get(id(old)) is old:
+            pass  # an adapter kept on the device
+        elif s is None or s.param is not old:
+            return False  # not a master (a device copy being hidden: its master comes back)
+        ours = (self.by_param, self.by_dev, self.by_packed)
+        return not any(id(new) in d for d in ours) and tuple(old.shape) == tuple(new.shape) \
+            and old.dtype == new.dtype
+
+    def _keep_outside(self, block: Group) -> None:
         if id(block) not in self._outside:
             self._outside[id(block)] = block
             if torch.is_grad_enabled():
@@ -378,7 +407,6 @@ class Offload:
                     fn(block)
             if self._root_running and block is not self.rest and block not in self._order_now:
                 self._order_now.append(block)  # prefetched there next time
-        return dev
 
     def _close_window(self) -> None:
         """The forward's reads outside their blocks are over (its backward ended, broke off,
@@ -599,6 +627,8 @@ class Offload:
             for t in (s.param, s.dev, s.param.grad, s.dev.grad):
                 if t is not None:
                     keep.add(id(t))
+        for q in self.packed:
+            keep.update((id(q.param), id(q.dev)))
         # Buffers still on meta (built there, filled on the device when first needed) stay
         # pending: the move is to the offload's own device, checked above.
         return base(module, lambda t: t if id(t) in keep or t.is_meta else fn(t), recurse)
@@ -679,7 +709,8 @@ class Offload:
         self._order_now.append(block)
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
-        if torch.is_grad_enabled() and any(not s.dev.requires_grad for s in block.slots):
+        if torch.is_grad_enabled() and (block.packed or any(not s.dev.requires_grad
+                                                              for s in block.slots)):
             new = self._watch_inputs(block, args, kwargs)
             entry[1] = new is not None
             return new
@@ -710,7 +741,8 @@ class Offload:
         self._maybe_release(block)
 
     def _maybe_release(self, block: Group) -> None:
-        if block is self.rest and any(not s.dev.requires_grad for s in block.slots):
+        if block is self.rest and (block.packed or any(not s.dev.requires_grad
+                                                        for s in block.slots)):
             # Frozen parameters outside the blocks (a final norm under LoRA) may still be
             # needed for input gradients, and nothing watches those here: end of backward.
             return
@@ -1190,8 +1222,20 @@ class Offload:
             state_dict[prefix + attr] = (
                 host if host is not None else self.store.read(slot.binding.handle).result()
             )
+        for attr, t in module._parameters.items():
+            q = self.by_packed.get(id(t))
+            if q is None or prefix + attr not in state_dict or all(
+                    self.store.host_tensor(h) is not None for h in q.handles.values()):
+                continue  # a master over the store's own memory gave its values already
+            state_dict.update(state_entries(q, read_parts(q, self.store), prefix, attr))
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
+        if any(id(t) in self.by_packed and prefix + a in state_dict
+               for a, t in module._parameters.items()):
+            # The loader copies into the master's parts, which are the store's (in host
+            # memory, or StoreTensors writing the disk): prefetched device copies go stale.
+            self.drop_announced()
+            self.res.mover.wait_reads()
         for attr, t in module._parameters.items():
             slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
             key = prefix + attr

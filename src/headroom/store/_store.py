@@ -291,3 +291,11 @@ def _check_plain(key: str, t: torch.Tensor) -> None:
             " local shard (t.to_local()), or use hr.offload on the fully_shard'ed model, which"
             " stores each rank's shards"
         )
+    if hasattr(type(t), "__tensor_flatten__"):
+        # A wrapper subclass (torchao's quantized tensors) has no memory of its own: its
+        # values are its inner tensors, and copying its "bytes" would read nothing (or crash).
+        raise TypeError(
+            f"{key!r} is a {type(t).__name__}, a tensor subclass whose values are its inner"
+            " tensors; a store holds plain tensors: store each inner tensor (hr.offload keeps"
+            " quantized parameters this way)"
+        )

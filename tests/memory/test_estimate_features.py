@@ -171,6 +171,22 @@ def test_bf16_model_offloaded_with_fp32_masters(params, state, tmp_path):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_bf16_model_in_host_memory_keeps_no_undo_copies(overlap, tmp_path):
+    # A step that writes no disk (bf16 values, fp32 masters and state all in host memory) keeps
+    # no copies of what it updates: it runs last (see [Note: the entry plan]); the dry run
+    # takes the same plan (it priced copies of every slice: 1.78x).
+    from tests.memory._models import with_features
+
+    model, args, _ = build("mlp", tmp_path)
+    model.to(torch.bfloat16)
+    args = tuple(a.to(torch.bfloat16) for a in args)
+    opt = with_features(model, tmp_path, offload=("cpu", 1), host=("cpu", overlap))
+    mem = measure(model, args, opt, steps=3)
+    est = estimate(model, args, loss_fn=loss_fn, optimizer=opt)
+    assert abs(est.peak - mem.peak) <= 0.05 * mem.peak, (est.peak, mem.peak)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_gradients_held_on_the_device_as_measured(overlap, tmp_path):
     """grad_accumulation="device": every gradient stays on the device until the step reads it
     (or, with overlap, until the final backward completes it): the estimate holds them too,

@@ -1,14 +1,13 @@
 """`hr.HostOptimizer` in a dry run: its entries, gradient hand-offs and step, on ``meta`` tensors.
 
-The same decisions as `headroom.optim.HostOptimizer`: a parameter on the CPU in fp32 is its own
-master (*alias*); a parameter offloaded by `hr.offload` is stepped through its store (*bound*;
-its master is the store's host tensor, or on disk); any other gets an fp32 master and gradient
-in host memory, where its gradient goes as soon as it is complete (*hosted*). Masters held in
-memory are stepped by PyTorch's own optimizer class; the others, and all of them when the state
-rests on a store, take the sliced step, which here is `headroom.optim._sliced.SliceRunner`
-itself, reading from and writing to a `MetaStore`. Inside ``final_backward`` (``overlap``) a
-bucket of parameters is stepped as soon as its gradients are complete, here at that moment on
-the backward thread rather than on a worker beside it.
+Where each parameter's tensors rest and what protects them during a step are
+`headroom.optim.HostOptimizer`'s own decisions (`headroom.optim._plan`, see [Note: the entry
+plan]), executed here over `MetaStore` s: masters held in memory are stepped by PyTorch's own
+optimizer class, the others by `headroom.optim._sliced.SliceRunner` itself, with the spares,
+undo tensors (stood in for by the handles they mirror: the same bytes move) and copies in
+memory the plan names. Inside ``final_backward`` (``overlap``) a bucket of parameters is stepped
+as soon as its gradients are complete, here at that moment on the backward thread rather than
+on a worker beside it.
 """
 
 from __future__ import annotations
@@ -19,29 +18,29 @@ from typing import Any
 
 import torch
 
-from headroom.optim._entries import ALIAS as _ALIAS
-from headroom.optim._entries import BOUND as _BOUND
-from headroom.optim._entries import HOSTED as _HOSTED
 from headroom.optim._entries import MASTER_DTYPES as _MASTER_DTYPES
+from headroom.optim._plan import EntryPlan, Guard, Home, Kind, Master, Rest, Run, StepPlan
+from headroom.optim._plan import may_write_disk as _may_write_disk
+from headroom.optim._plan import plan_entry as _plan_entry
+from headroom.optim._plan import plan_step as _plan_step
 from headroom.store import MetaStore, Places
 from headroom.transfer import weak_post_accumulate_grad_hook
 
 
 class _SimParam:
-    __slots__ = ("param", "group", "kind", "master", "grad_host", "slot", "store", "streamed",
+    __slots__ = ("param", "group", "plan", "master", "grad_host", "slot", "store",
                  "state_handles", "small", "initialized", "count", "launched", "bucket",
-                 "fired", "has_grad_host", "lowp", "master_handle", "sim")
+                 "fired", "has_grad_host", "master_handle", "sim")
 
-    def __init__(self, param: torch.Tensor, group: int) -> None:
+    def __init__(self, param: torch.Tensor, group: int, plan: EntryPlan) -> None:
         self.param = param
         self.group = group
-        self.kind = _ALIAS
+        self.plan = plan
         self.master: torch.Tensor | None = None
         self.grad_host: torch.Tensor | None = None  # hosted: the host gradient
         self.has_grad_host = False
         self.slot: Any = None  # bound: the offload dry run's slot
         self.store: MetaStore | None = None  # bound: the store of that slot
-        self.streamed = False
         self.state_handles: dict[str, Any] = {}
         self.small: dict[str, Any] = {}
         self.initialized = False
@@ -49,23 +48,35 @@ class _SimParam:
         self.launched = False
         self.bucket: list[_SimParam] | None = None
         self.fired = False
-        self.lowp = False  # bound and low precision: an fp32 master of its own in the state
         self.master_handle: Any = None  # store, fed back into the parameter (the shadow)
         self.sim: Any = None  # bound: the offload dry run holding its slot
 
+    @property
+    def kind(self) -> Kind:
+        return self.plan.kind
+
+    @property
+    def streamed(self) -> bool:
+        return self.plan.sliced
+
+    @property
+    def lowp(self) -> bool:
+        """Bound and low precision: an fp32 master of its own beside the state."""
+        return self.plan.lowp
+
     def has_grad(self) -> bool:
-        if self.kind == _ALIAS:
+        if self.kind == Kind.ALIAS:
             return self.param.grad is not None
-        if self.kind == _BOUND:
+        if self.kind == Kind.BOUND:
             return self.slot.has_grad
         return self.has_grad_host
 
     def grad_tensor(self) -> torch.Tensor | None:
-        if self.kind == _ALIAS:
+        if self.kind == Kind.ALIAS:
             return self.param.grad
         if not self.has_grad():
             return None
-        if self.kind == _BOUND:
+        if self.kind == Kind.BOUND:
             return self.store.host_tensor(self.slot.grad_handle)
         return self.grad_host
 
@@ -111,6 +122,8 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._inner: torch.optim.Optimizer | None = None
         self._inner_index: dict[int, int] = {}
         self._layouts: dict[int, Any] = {}
+        self._keep_early = False  # steps in final_backward keep copies (see HostOptimizer)
+        self._txn: Any = None  # the undo record of the step in progress
         probe = torch.zeros(2, 3)  # a matrix: Muon takes nothing else
         defaults = dict(self._cls([probe], **self._kwargs).defaults)
         super().__init__(params, defaults)
@@ -132,37 +145,40 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 self._inner.add_param_group({**hp, "params": masters})
             self._inner_index[gi] = len(self._inner.param_groups) - 1
         for e in entries:
-            if e.kind == _BOUND:
+            if e.kind == Kind.BOUND:
                 e.slot.listeners.append(self._on_grad)
             elif e.param.requires_grad:
                 weak_post_accumulate_grad_hook(e.param, self._on_grad)  # see its NOTE
 
     def _entry(self, p: torch.Tensor, gi: int) -> _SimParam:
-        e = _SimParam(p, gi)
         found = self._slots.get(id(p))
-        if found is not None:
-            sim, slot = found
-            e.kind = _BOUND
+        sim, slot = found if found is not None else (None, None)
+        host = None if slot is None else sim.store.host_tensor(slot.handle)
+        rest = None if slot is None else Rest.MEMORY if host is not None else Rest.DISK
+        plan = _plan_entry(
+            store=rest,
+            # (an FSDP2 shard resting in host memory is on the CPU too)
+            on_cpu=self._cpu or self._places.where(p.untyped_storage()._cdata) == "host",
+            master_dtype=(p.dtype if slot is None else slot.handle.dtype) in _MASTER_DTYPES,
+            row_sparse=False, state_store=not self._state_on_host,
+            exchange=rest is Rest.DISK,  # a meta store on "disk" stands for a DiskStore
+            atomic=self._atomic)
+        e = _SimParam(p, gi, plan)
+        if plan.kind == Kind.BOUND:
             e.sim = sim
             e.slot = slot
             e.store = sim.store
-            host = sim.store.host_tensor(slot.handle)
-            if host is not None and host.dtype in _MASTER_DTYPES:
+            if plan.master is Master.STORE_VIEW:
                 e.master = host
-            e.lowp = slot.handle.dtype not in _MASTER_DTYPES
             if e.lowp and slot.grad_handle is None:
                 # as HostOptimizer asks the store (want_fp32_grad): an fp32 gradient
                 slot.grad_dtype = torch.float32
-        elif (self._cpu or self._places.where(p.untyped_storage()._cdata) == "host") \
-                and p.dtype in _MASTER_DTYPES:
-            # on the CPU in fp32 (an FSDP2 shard resting in host memory too): its own master
+        elif plan.kind == Kind.ALIAS:
             e.master = p.detach()
         else:
-            e.kind = _HOSTED
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             e.master = self._places.on_host(torch.empty(p.shape, dtype=dtype, device="meta"))
             e.grad_host = self._places.on_host(torch.empty(p.shape, dtype=dtype, device="meta"))
-        e.streamed = not self._state_on_host or e.master is None
         return e
 
     def stores(self) -> list[MetaStore]:
@@ -174,7 +190,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         e = self._entries.get(id(p))
         if e is None:
             return
-        if e.kind == _HOSTED and p.grad is not None:
+        if e.kind == Kind.HOSTED and p.grad is not None:
             g = p.grad
             with self._places.host_code(), torch.no_grad():
                 if e.has_grad_host:
@@ -191,7 +207,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 if self._in_flight_bytes >= self._bucket_bytes:
                     self._in_flight, self._in_flight_bytes = [], 0
             del g
-        elif e.kind == _BOUND and self._final:
+        elif e.kind == Kind.BOUND and self._final:
             e.sim.flush(e.slot)  # its step starts now (grad_accumulation="device")
         e.count += 1
         if e.count == 1:
@@ -201,7 +217,7 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             if all(x.fired for x in e.bucket):
                 for x in e.bucket:
                     x.launched = True
-                self._step_entries(e.bucket)
+                self._step_entries(e.bucket, early=True)
 
     @contextlib.contextmanager
     def final_backward(self, enabled: bool = True) -> Iterator[None]:
@@ -220,6 +236,9 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             size += e.param.numel() * 4
             if size >= self._bucket_bytes:
                 cur, size = [], 0
+        # as HostOptimizer: steps started now keep copies if step() may still fail (a disk)
+        self._keep_early = self._atomic and any(
+            _may_write_disk(e.plan, self._state_rest(e)) for e in self._order)
         self._final = True
         try:
             yield
@@ -231,6 +250,9 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
     def step(self, closure=None) -> None:
         self._in_flight, self._in_flight_bytes = [], 0
         self._step_entries([e for e in self._order if not e.launched])
+        if self._txn is not None:
+            self._txn.end()  # what the step kept for an undo is dropped when it ends
+            self._txn = None
         if self._arrival:
             self._last_arrival = self._arrival
         for e in self._order:
@@ -241,18 +263,35 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         self._refresh_state_view()
 
     @torch.no_grad()
-    def _step_entries(self, batch: list[_SimParam]) -> None:
+    def _step_entries(self, batch: list[_SimParam], *, early: bool = False) -> None:
         with self._places.host_code():
-            self._step_on_host(batch)
+            self._step_on_host(batch, early=early)
 
-    def _step_on_host(self, batch: list[_SimParam]) -> None:
+    def _state_rest(self, e: _SimParam) -> Rest | None:
+        """As `HostOptimizer._state_rest`."""
+        h = next(iter(e.state_handles.values()), e.master_handle)
+        if h is None:
+            return None
+        store = self._state_store or self._aux
+        return Rest.MEMORY if store.host_tensor(h) is not None else Rest.DISK
+
+    def _step_plan(self, e: _SimParam, keep_all: bool) -> StepPlan:
+        return _plan_step(e.plan, state=self._state_rest(e) or Rest.MEMORY,
+                          has_state=bool(e.state_handles), rows=False,
+                          fresh=e.lowp and not e.initialized, keep_all=keep_all)
+
+    def _step_on_host(self, batch: list[_SimParam], *, early: bool) -> None:
         from headroom.optim._sliced import SlicedParam, probe_layout
         from headroom.optim._undo import Txn
 
         for e in batch:  # sums held on the device go to the store before the step reads them
-            if e.kind == _BOUND:
+            if e.kind == Kind.BOUND:
                 e.sim.flush(e.slot)
 
+        keep_all = early and self._keep_early
+        if self._txn is None:
+            self._txn = Txn()
+        txn = self._txn
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         for e in streamed:
@@ -269,24 +308,6 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
             if e.lowp:
                 e.master_handle = store.alloc(f"{id(e)}/master", tuple(e.param.shape),
                                               torch.float32)
-        if in_mem:
-            groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
-            saved = {}
-            for gi, inner in groups.items():
-                for k, v in self.param_groups[gi].items():
-                    if k != "params":
-                        inner[k] = v
-                saved[gi] = inner["params"]
-                inner["params"] = [e.master for e in in_mem if e.group == gi]
-            for e in in_mem:
-                e.master.grad = e.grad_tensor()
-            try:
-                self._inner.step()
-            finally:
-                for e in in_mem:
-                    e.master.grad = None
-                for gi, inner in groups.items():
-                    inner["params"] = saved[gi]
         if streamed:
             items = []
             for e in streamed:
@@ -314,30 +335,73 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
                 ), e.group, {k: v for k, v in self.param_groups[e.group].items()
                              if k != "params"}))
             # The step keeps the old values of what it overwrites until it ends (see
-            # [Note: all-or-nothing step]), as HostOptimizer._undo_handles decides: copies in
-            # host memory count here; what rests in host memory keeps its old values on a disk
-            # the step writes anyway; state (and a bf16 parameter's fp32 master) on disk goes
-            # to spares, and an offloaded parameter on disk to a spare exchanged into place
-            # (one write of the new values, no undo copy); other disk tensors (rows of a lazy
-            # step) to undo tensors.
-            # atomic=False keeps nothing (spares only).
-            txn = Txn() if self._atomic else None
-            for (src, _, _), e in zip(items, streamed, strict=True):
-                src.spare, src.undo = _undo_plan(src, e)
-                if txn is None:
-                    src.undo = {}
-            with torch.device("meta"):  # its landing buffers too
-                results = self._slicer.step_many(items, txn)
-            if txn is not None:
-                txn.end()
-            for e, small in zip(streamed, results, strict=True):
-                e.small = small
-                e.initialized = True
+            # [Note: all-or-nothing step]) as HostOptimizer's plan says (see [Note: the entry
+            # plan]): spares and undo tensors are stood in for by the handles they mirror.
+            plans = [self._step_plan(e, keep_all) for e in streamed]
+            for (src, _, _), e, plan in zip(items, streamed, plans, strict=True):
+                if plan.run is not Run.LAST:
+                    src.spare, src.undo = self._guarded(e, src, plan)
+            for run, t in ((Run.KEPT, txn), (Run.BARE, None), (Run.LAST, None)):
+                todo = [(k, item) for k, (item, plan) in enumerate(zip(items, plans, strict=True))
+                        if plan.run is run]
+                if not todo:
+                    continue
+                with torch.device("meta"):  # its landing buffers too
+                    results = self._slicer.step_many([item for _, item in todo], t)
+                for (k, _), small in zip(todo, results, strict=True):
+                    streamed[k].small = small
+                    streamed[k].initialized = True
+        if in_mem:
+            for e in in_mem:
+                if self._step_plan(e, keep_all).master is Guard.COPY:
+                    txn.ram(e.master, None, e.master.clone())
+                    for v in self._inner.state.get(e.master, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            txn.ram(v, None, v.clone())
+            groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
+            saved = {}
+            for gi, inner in groups.items():
+                for k, v in self.param_groups[gi].items():
+                    if k != "params":
+                        inner[k] = v
+                saved[gi] = inner["params"]
+                inner["params"] = [e.master for e in in_mem if e.group == gi]
+            for e in in_mem:
+                e.master.grad = e.grad_tensor()
+            try:
+                self._inner.step()
+            finally:
+                for e in in_mem:
+                    e.master.grad = None
+                for gi, inner in groups.items():
+                    inner["params"] = saved[gi]
         for e in in_mem + streamed:
-            if e.kind == _HOSTED:
+            if e.kind == Kind.HOSTED:
                 e.param.detach().copy_(e.master)
                 if not self._cpu:
                     self.link_bytes += e.param.numel() * e.param.element_size()
+
+    def _guarded(self, e: _SimParam, src: Any, plan: StepPlan) -> tuple[dict, dict]:
+        """``(spare, undo)`` of a sliced step, as `HostOptimizer._undo_handles` makes them
+        from ``plan``, each stood in for by the handle it mirrors (same shape and dtype)."""
+        stores = {Home.STATE: src.state_store, Home.PARAM: e.store}
+        first = next(iter(src.state_handles.values()), None)
+        roles = []
+        if src.master is None:
+            roles.append(("p", plan.master, plan.master_at, src.master_handle))
+        elif first is not None:
+            roles.append(("p", plan.master, plan.master_at, first))
+        roles += [(k, plan.state, plan.state_at, h) for k, h in src.state_handles.items()]
+        if src.shadow is not None:
+            roles.append(("lp", plan.value, plan.value_at, src.shadow[1]))
+        spare: dict[str, Any] = {}
+        undo: dict[str, tuple[Any, Any]] = {}
+        for name, guard, at, h in roles:
+            if guard in (Guard.SPARE, Guard.EXCHANGE):
+                spare[name] = h
+            elif guard is Guard.UNDO:
+                undo[name] = (stores[at], h)
+        return spare, undo
 
     def _refresh_state_view(self) -> None:
         view: dict = {}
@@ -359,53 +423,9 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         for e in self._order:
             if e.param.grad is not None:
                 e.param.grad = None
-            if e.kind == _BOUND:
+            if e.kind == Kind.BOUND:
                 e.slot.has_grad = False
             e.has_grad_host = False
             e.count = 0
         self._arrival = []
 
-
-def _undo_plan(src: Any, e: _SimParam) -> tuple[dict, dict]:
-    """``(spare, undo)`` of a dry sliced step: `HostOptimizer._undo_handles`'s choices over
-    meta stores (a meta store without host tensors stands for a `DiskStore`, which can
-    exchange). Spares and undo tensors are stood in for by the handles they mirror (same
-    shape and dtype, so the same bytes move)."""
-    st = src.state_store
-
-    def on_disk(store: Any, h: Any) -> bool:
-        return store.host_tensor(h) is None
-
-    first = next(iter(src.state_handles.values()), None)
-    disk = None
-    if first is not None and on_disk(st, first):
-        disk = st
-    elif e.store is not None and on_disk(e.store, e.slot.handle):
-        disk = e.store  # the parameter's own store
-    want: dict[str, tuple[Any, Any]] = {}
-    if src.master is None and not (src.shadow is not None and not src.initialized):
-        want["p"] = (src.master_store, src.master_handle)
-    for k, h in src.state_handles.items():
-        want[k] = (st, h)
-    if src.shadow is not None:
-        want["lp"] = src.shadow
-    if src.master is not None and disk is not None and first is not None:
-        want["p"] = (disk, first)
-    spare: dict[str, Any] = {}
-    undo: dict[str, tuple[Any, Any]] = {}
-    for name, (store, h) in want.items():
-        where = store
-        if name == "p" and src.master is not None:
-            pass  # a master in memory: its old values on ``disk``
-        elif not on_disk(store, h):
-            if disk is None:
-                continue  # kept in memory (the in-place step's copy)
-            where = disk
-        whole = where is store and src.rows is None
-        if whole and (name in src.state_handles or (name == "p" and e.lowp)):
-            spare[name] = h  # ours: new values to a spare, swapped in when the step ends
-        elif whole and on_disk(store, h) and src.master is None:
-            spare[name] = h  # the offloaded parameter's own tensor: exchanged into place
-        else:
-            undo[name] = (where, h)
-    return spare, undo

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from headroom.optim._plan import EntryPlan, Kind
 from headroom.optim._sliced import ProbeError, probe_step
 from headroom.store import Handle
 from headroom.transfer import ParamBinding, sync_grad
@@ -25,7 +26,7 @@ __all__ = [
 # (benchmarks/optimizer_impl.py).
 FUSED_DEFAULT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 LAZY = (torch.optim.Adam, torch.optim.AdamW)
-ALIAS, HOSTED, BOUND = "alias", "hosted", "bound"
+ALIAS, HOSTED, BOUND = Kind.ALIAS, Kind.HOSTED, Kind.BOUND
 MASTER_DTYPES = (torch.float32, torch.float64)
 
 
@@ -45,22 +46,21 @@ class Entry:
     """Book-keeping for one parameter."""
 
     __slots__ = (
-        "param", "index", "group", "kind", "master", "own", "bound", "sparse", "streamed",
+        "param", "index", "group", "plan", "master", "own", "bound", "sparse",
         "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
         "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
         "xspare", "seen", "follow", "value_seen", "value_mark", "written",
     )
 
-    def __init__(self, param: torch.Tensor, index: int, group: int) -> None:
+    def __init__(self, param: torch.Tensor, index: int, group: int, plan: EntryPlan) -> None:
         self.param = param
         self.index = index
         self.group = group
-        self.kind = ALIAS
+        self.plan = plan  # where its tensors rest, see [Note: the entry plan]
         self.master: torch.Tensor | None = None  # in-memory fp32 master (None: in a store)
         self.own: ParamBinding | None = None  # HOSTED: our host master + gradient
         self.bound: ParamBinding | None = None  # BOUND: the store-resident parameter's binding
         self.sparse = False
-        self.streamed = False  # state rests in handles (sliced step) rather than in memory
         self.state_handles: dict[str, Handle] = {}
         self.small: dict[str, Any] = {}
         self.initialized = False
@@ -109,10 +109,18 @@ class Entry:
         return n
 
     @property
+    def kind(self) -> Kind:
+        return self.plan.kind
+
+    @property
+    def streamed(self) -> bool:
+        """Its state rests in handles (sliced step) rather than in the wrapped optimizer."""
+        return self.plan.sliced
+
+    @property
     def lowp(self) -> bool:
         """A store-resident parameter whose stored value is not its master (bf16, fp16)."""
-        return self.kind == BOUND and self.bound.handle.dtype not in MASTER_DTYPES
-
+        return self.plan.lowp
 
     @property
     def binding(self) -> ParamBinding | None:

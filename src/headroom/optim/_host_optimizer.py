@@ -37,6 +37,17 @@ from headroom.optim._entries import (
 from headroom.optim._follow import follow_, follow_stored, init_stored, written_mark
 from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
+from headroom.optim._plan import (
+    Guard,
+    Home,
+    Master,
+    Rest,
+    Run,
+    StepPlan,
+    may_write_disk,
+    plan_entry,
+    plan_step,
+)
 from headroom.optim._sliced import (
     ELEMENTWISE,
     SPARSE_COALESCED,
@@ -114,16 +125,6 @@ class _Kept(Exception):  # noqa: N818 - carries an error raised with the step le
     def __init__(self, exc: BaseException) -> None:
         super().__init__(str(exc))
         self.exc = exc
-
-
-def _in_place_host(src: SlicedParam) -> bool:
-    """Whether a sliced step updates host memory in place (a master or state resting there,
-    or the rows of a lazy step): what only an undo copy could put back."""
-    if src.rows is not None or src.master is not None:
-        return True
-    if src.master_store is not None and src.master_store.host_tensor(src.master_handle) is not None:
-        return True
-    return any(src.state_store.host_tensor(h) is not None for h in src.state_handles.values())
 
 
 @dataclass(frozen=True)
@@ -448,30 +449,35 @@ class HostOptimizer(torch.optim.Optimizer):
                 "must be on one device. Move the model to one device (model.to(device)) or use "
                 "one HostOptimizer per device"
             )
-        e = Entry(p, index, gi)
-        e.sparse = id(p) in self._row_sparse_ids
-        if e.sparse and _is_dtensor(p):
+        sparse = id(p) in self._row_sparse_ids
+        if sparse and _is_dtensor(p):
             raise ValueError(
                 "row_sparse is not supported for sharded (FSDP2) parameters; drop row_sparse")
-        if e.sparse and p.dim() < 2:
+        if sparse and p.dim() < 2:
             raise ValueError(
                 f"row_sparse parameter of shape {tuple(p.shape)} has no rows; pass only 2-D "
                 "(or larger) parameters such as embedding or classifier weights"
             )
-        if b is not None:
-            e.kind = BOUND
+        host = None if b is None else b.store.host_tensor(b.handle)
+        plan = plan_entry(
+            store=None if b is None else Rest.MEMORY if host is not None else Rest.DISK,
+            on_cpu=dev.type == "cpu",
+            master_dtype=(p.dtype if b is None else b.handle.dtype) in MASTER_DTYPES,
+            row_sparse=sparse, state_store=self._state_store is not None,
+            exchange=b is not None and b.store.can_exchange, atomic=self._atomic)
+        e = Entry(p, index, gi, plan)
+        e.sparse = sparse
+        if plan.kind == BOUND:
             e.bound = b
             # FSDP2 calls a shard's post-accumulate-grad hooks after its reduce-scatter.
             e.sharded = _is_dtensor(p)
-            host = b.store.host_tensor(b.handle)
-            if host is not None and host.dtype in MASTER_DTYPES:
+            if plan.master is Master.STORE_VIEW:
                 e.master = host
             if e.lowp:
                 # Fp32 master and state for a bf16/fp16 parameter (kept beside the state,
                 # see `_allocate_state`), and its gradient accumulated in fp32 by the producer.
                 want_fp32_grad(b)
-        elif dev.type == "cpu" and p.dtype in MASTER_DTYPES:
-            e.kind = ALIAS
+        elif plan.kind == ALIAS:
             # On the CPU in fp32 the parameter is its own master: no copy, and the
             # gradient stays in param.grad, where torch's own utilities find it.
             e.master = p.detach()
@@ -485,7 +491,6 @@ class HostOptimizer(torch.optim.Optimizer):
                     "the shards hr.offload moved to a store, and fp32 shards on the CPU, are "
                     "stepped. Offload every FSDP2 unit (hr.offload(model, ...)), or step the "
                     "units left on the device with a torch.optim optimizer of their own")
-            e.kind = HOSTED
             if self._host is None:
                 self._host = resolve_store("cpu", dev)
                 self._mover = Mover(dev, self._host)
@@ -500,7 +505,6 @@ class HostOptimizer(torch.optim.Optimizer):
             e.master = self._host.host_tensor(mh)
             with torch.no_grad():
                 e.master.copy_(p.detach())
-        e.streamed = (self._state_store is not None or e.sparse or e.master is None)
         if e.streamed and self._cls not in ELEMENTWISE:
             raise ValueError(
                 f"{self._cls.__name__} cannot step parameters whose master rests on disk (it is "
@@ -649,9 +653,10 @@ class HostOptimizer(torch.optim.Optimizer):
         # time. Started during final_backward while step() may still fail (a disk takes part),
         # they keep copies of their slices instead.
         keep_all = early and self._keep_early
-        ram = [(e, src) for e, src in todo if not keep_all and not self._writes_disk(src)]
-        kept = [(e, src) for e, src in todo if keep_all or self._writes_disk(src)]
-        self._prepare_undo(kept, txn)
+        plans = {id(e): self._step_plan(e, src, keep_all) for e, src in todo}
+        ram = [(e, src) for e, src in todo if plans[id(e)].run is Run.LAST]
+        kept = [(e, src) for e, src in todo if plans[id(e)].run is not Run.LAST]
+        self._prepare_undo(kept, txn, plans)
         if kept:
             for e, src in kept:
                 txn.entry(e)
@@ -665,9 +670,8 @@ class HostOptimizer(torch.optim.Optimizer):
             # atomic=False: no undo copies. Steps that write only spares (everything they
             # update rests on disk) stay undoable; those updating host memory in place are
             # not, from the moment they start.
-            bare, spared = [], []
-            for e, src in kept:
-                (spared if self._atomic or not _in_place_host(src) else bare).append((e, src))
+            spared = [(e, src) for e, src in kept if plans[id(e)].run is Run.KEPT]
+            bare = [(e, src) for e, src in kept if plans[id(e)].run is Run.BARE]
             if spared:
                 self._sliced_step(spared, hparams, txn)
             if bare:
@@ -775,24 +779,21 @@ class HostOptimizer(torch.optim.Optimizer):
             follow_stored(store, e.master_handle, b.store, b.handle)
             e.follow = False
 
-    @staticmethod
-    def _writes_disk(src: SlicedParam) -> bool:
-        """Whether a sliced step writes a tensor that does not rest in host memory."""
-        if src.master is None and src.master_store.host_tensor(src.master_handle) is None:
-            return True
-        if any(src.state_store.host_tensor(h) is None for h in src.state_handles.values()):
-            return True
-        return src.shadow is not None and src.shadow[0].host_tensor(src.shadow[1]) is None
-
-    def _entry_writes_disk(self, e: Entry) -> bool:
-        """`_writes_disk` before the step is prepared (a state store yet without ``e``'s
-        tensors counts as a disk)."""
-        if e.kind == BOUND and e.bound.store.host_tensor(e.bound.handle) is None:
-            return True
-        if not e.streamed or self._state_store is None:
-            return False
+    def _state_rest(self, e: Entry) -> Rest | None:
+        """Where ``e``'s state store keeps its tensors (its first state tensor, else the fp32
+        master beside the state); ``None`` while it has none."""
         h = next(iter(e.state_handles.values()), e.master_handle)
-        return h is None or self._state_store.host_tensor(h) is None
+        store = self._state_store or self._aux
+        if h is None or store is None:
+            return None
+        return Rest.MEMORY if store.host_tensor(h) is not None else Rest.DISK
+
+    def _step_plan(self, e: Entry, src: SlicedParam, keep_all: bool) -> StepPlan:
+        """What protects ``e``'s sliced step (see [Note: the entry plan])."""
+        return plan_step(e.plan, state=self._state_rest(e) or Rest.MEMORY,
+                         has_state=bool(e.state_handles), rows=src.rows is not None,
+                         fresh=src.shadow is not None and not src.initialized,
+                         keep_all=keep_all)
 
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
         """Step in-memory masters with the wrapped optimizer (only these, in one call; sparse
@@ -840,39 +841,26 @@ class HostOptimizer(torch.optim.Optimizer):
                 self._txn = Txn()
             return self._txn
 
-    def _undo_handles(self, e: Entry, src: SlicedParam) -> dict[str, tuple[Store, Handle]]:
-        """Undo tensors for what ``e``'s sliced step overwrites in stores without host memory
-        (scratch keys in the same store; made once, reused every step)."""
-        want: dict[str, tuple[Store, Handle]] = {}
-        if src.master is None and not (src.shadow is not None and not src.initialized):
-            want["p"] = (src.master_store, src.master_handle)
-        for k, h in src.state_handles.items():
-            want[k] = (src.state_store, h)
+    def _undo_handles(self, e: Entry, src: SlicedParam,
+                      plan: StepPlan) -> dict[str, tuple[Store, Handle]]:
+        """Spares (into ``src.spare``) and undo tensors (returned) for what ``e``'s sliced step
+        overwrites, as ``plan`` guards them; made once, reused every step."""
+        stores = {Home.STATE: src.state_store,
+                  Home.PARAM: None if e.bound is None else e.bound.store}
+        first = next(iter(src.state_handles.values()), None)
+        roles: list[tuple[str, Guard | None, Home | None, Store, Handle]] = []
+        if src.master is None:
+            roles.append(("p", plan.master, plan.master_at, src.master_store, src.master_handle))
+        elif first is not None:  # a master in memory: an undo tensor of its shape and dtype
+            roles.append(("p", plan.master, plan.master_at, src.state_store, first))
+        roles += [(k, plan.state, plan.state_at, src.state_store, h)
+                  for k, h in src.state_handles.items()]
         if src.shadow is not None:
-            want["lp"] = src.shadow
+            roles.append(("lp", plan.value, plan.value_at, *src.shadow))
         out = {}
         spare = {}
-        # What rests in host memory keeps its old values on a disk the step writes anyway
-        # (the state store, or that of a parameter offloaded to a disk), rather than as a
-        # second copy in memory.
-        disk = None
-        first = next(iter(src.state_handles.values()), None)
-        if first is not None and src.state_store.host_tensor(first) is None:
-            disk = src.state_store
-        elif e.kind == BOUND and e.bound.store.host_tensor(e.bound.handle) is None:
-            disk = e.bound.store
-        if src.master is not None and disk is not None and first is not None:
-            want["p"] = (disk, first)  # (a handle of the master's shape and dtype)
-        for name, (store, h) in want.items():
-            where = store
-            if name == "p" and src.master is not None:
-                pass  # the master in memory: its undo tensor on ``disk``
-            elif store.host_tensor(h) is not None:
-                if disk is None:
-                    continue  # the step keeps a copy of the slice in memory
-                where = disk
-            if where is store and src.rows is None and (
-                    name in src.state_handles or (name == "p" and e.lowp)):
+        for name, guard, at, store, h in roles:
+            if guard is Guard.SPARE:
                 # Ours (state, the fp32 master of a bf16 parameter), and every row is
                 # written: new values go to a spare, swapped in at the end of the step (lazy
                 # Adam writes some rows only: it keeps old ones).
@@ -882,9 +870,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     other = h.key[:-1] if h.key.endswith("~") else h.key + "~"
                     sp = e.spare[name] = store.alloc(other, h.shape, h.dtype, zero=False)
                 spare[name] = sp
-                continue
-            if where is store and src.rows is None and store.can_exchange and \
-                    src.master is None:
+            elif guard is Guard.EXCHANGE:
                 # The offloaded parameter's own tensor ("p", "lp"), which its model reads
                 # through the same handle: new values go to a spare in its store, exchanged
                 # into place (contents, not handles) when the step ends.
@@ -897,18 +883,18 @@ class HostOptimizer(torch.optim.Optimizer):
                         store.free(store.get(key))
                     x = e.xspare[name] = (store, store.alloc_spare(h, key))
                 spare[name] = x[1]
-                continue
-            if not self._atomic:
-                continue  # nothing kept (atomic=False)
-            key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
-            u = e.undo.get(name)
-            if u is None or u[0] is not where or key not in where or \
-                    where.get(key) is not u[1] or u[1].shape != h.shape or u[1].dtype != h.dtype:
-                if key in where:
-                    where.free(where.get(key))
-                u = (where, where.alloc(key, h.shape, h.dtype, zero=False))
-                e.undo[name] = u
-            out[name] = u
+            elif guard is Guard.UNDO:
+                where = stores[at]
+                key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
+                u = e.undo.get(name)
+                if u is None or u[0] is not where or key not in where or \
+                        where.get(key) is not u[1] or u[1].shape != h.shape or \
+                        u[1].dtype != h.dtype:
+                    if key in where:
+                        where.free(where.get(key))
+                    u = (where, where.alloc(key, h.shape, h.dtype, zero=False))
+                    e.undo[name] = u
+                out[name] = u
         src.spare = spare
         return out
 
@@ -924,13 +910,14 @@ class HostOptimizer(torch.optim.Optimizer):
                 handles[k], e.spare[k] = e.spare[k], handles[k]
         e.state_handles = handles
 
-    def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn) -> None:
+    def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn,
+                      plans: dict[int, StepPlan]) -> None:
         """Undo tensors and journal space for the sliced steps of ``todo``, before any update
         (a full store fails here, with nothing changed)."""
         writes: dict[int, tuple[Store, int]] = {}
         for e, src in todo:
             try:
-                src.undo = self._undo_handles(e, src)
+                src.undo = self._undo_handles(e, src, plans[id(e)])
             except (StoreFullError, OSError) as ex:
                 if not isinstance(ex, StoreFullError) and ex.errno not in (
                         errno.ENOSPC, errno.EDQUOT):
@@ -1279,7 +1266,7 @@ class HostOptimizer(torch.optim.Optimizer):
             # worth it only when step() may still fail after them (see [Note: all-or-nothing
             # step]): when some of it writes a disk.
             self._keep_early = self._atomic and any(
-                self._entry_writes_disk(e) for e in self._order)
+                may_write_disk(e.plan, self._state_rest(e)) for e in self._order)
             if self._overlap.enabled:
                 # Before backward, not in the steps it starts: reading a parameter on an
                 # accelerator from the worker would wait for the backward queued before it.

@@ -125,9 +125,10 @@ def _train_lora(mode: str, store: str | None, headroom: bool, tmp_path):
     torch.manual_seed(5)  # the adapters' initialization draws random numbers
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=data, peft_config=lora,
                          optimizer_cls_and_kwargs=opt, processing_class=tokenizer())
-    if store is not None:  # the adapters TRL made joined the store, trainable, in fp32
+    if store is not None:  # the adapters TRL made stay on the device (hr.offload's default
+        # adapters="device"), outside the store, trainable, in fp32
         lora = [p for n, p in trainer.model.named_parameters() if "lora_" in n]
-        assert lora and all(binding(p) is not None and p.requires_grad for p in lora)
+        assert lora and all(binding(p) is None and p.requires_grad for p in lora)
         assert {p.dtype for p in lora} == {torch.float32}
     return train_logged(trainer, trainer.model)
 

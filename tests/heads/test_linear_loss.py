@@ -237,6 +237,28 @@ def test_retained_graph_second_backward_recomputes():
         torch.testing.assert_close(2 * a, c, rtol=1e-6, atol=1e-9)
 
 
+def test_in_place_change_before_backward_is_refused_like_autograd():
+    # x @ weight.T + bias: autograd refuses a backward after weight changed in place (it would
+    # use the changed values); so does linear_loss. A change of bias is refused too: a second
+    # backward through a retained graph recomputes the logits from it.
+    x, w, b = _params(12, 8, 200, bias=True)
+    targets = random_targets(12, 200)
+    dense = dense_loss(x @ w.T + b, dense_target(targets, 12, 200, torch.float32), "bce")
+    ours = hr.linear_loss(x, w, targets, bias=b, slice_size=64)
+    with torch.no_grad():
+        w.add_(1.0)
+    for out in (dense, ours):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+    with torch.no_grad():
+        w.sub_(1.0)
+    out = hr.linear_loss(x, w, targets, bias=b, slice_size=64)
+    with torch.no_grad():
+        b.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
 def test_gradients_accumulate_like_autograd():
     x, w, b = _params(12, 8, 200, bias=True)
     targets = random_targets(12, 200)

@@ -409,7 +409,9 @@ class _LinearLoss(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.needs = (need_x, need_w, need_b and bias is not None)
         loss, ctx.grads, row_max, row_sum = loss_forward(x, params, plan, ctx.needs)
-        ctx.save_for_backward(x, row_max, row_sum)
+        # NOTE: the params' own tensors are saved too, so that autograd refuses a backward
+        # after an in-place change of them, as it does for x @ weight.T + bias
+        ctx.save_for_backward(x, row_max, row_sum, *params.versioned)
         ctx.params, ctx.plan = params, plan
         return loss
 
@@ -418,7 +420,7 @@ class _LinearLoss(torch.autograd.Function):
         _refuse_double_backward(
             "linear_loss", "the same loss on dense logits x @ weight.T + bias"
         )
-        x, row_max, row_sum = ctx.saved_tensors
+        x, row_max, row_sum = ctx.saved_tensors[:3]
         if ctx.grads is not None:
             gx, gw, gb = ctx.grads
             # Handed out once; a second backward through a retained graph recomputes.

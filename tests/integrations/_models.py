@@ -128,3 +128,23 @@ def count_holds(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(Offload, "_hold", hold)
     return n
+
+
+def interrupt_lora_step(model: torch.nn.Module, where: str) -> None:
+    """Ctrl-C (a KeyboardInterrupt) in the ``forward`` or ``backward`` of one LoRA adapter of
+    a PEFT-wrapped Llama's second layer, mid-step; the step is left as the interrupt left it."""
+    import pytest
+
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B.default
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    h = (layer.register_forward_hook(interrupt) if where == "forward"
+         else layer.register_full_backward_hook(interrupt))
+    ids = torch.randint(0, 96, (2, 8))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        h.remove()

@@ -16,6 +16,7 @@ import torch
 import headroom as hr
 from headroom.residency import state_of
 from headroom.transfer import binding
+from tests.integrations._models import interrupt_lora_step
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -328,17 +329,7 @@ def test_interrupted_lora_step_on_disk_retries_exactly(where, tmp_path):
     hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
     model = _wrap(model)
     opt = _optimizer(model, "host")
-    layer = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B.default
-
-    def interrupt(*args):
-        raise KeyboardInterrupt
-
-    h = (layer.register_forward_hook(interrupt) if where == "forward"
-         else layer.register_full_backward_hook(interrupt))
-    ids = torch.randint(0, 96, (2, 8))
-    with pytest.raises(KeyboardInterrupt):
-        model(input_ids=ids, labels=ids).loss.backward()
-    h.remove()
+    interrupt_lora_step(model, where)
     opt.zero_grad()
     if where == "forward":  # headroom's guards saw it; a backward cleans up at the next step
         assert not any(b.resident for b in state_of(model.base_model.model).blocks)

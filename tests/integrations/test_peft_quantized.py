@@ -18,6 +18,7 @@ import torch
 import headroom as hr
 from headroom.residency import offload_states
 from headroom.transfer import binding
+from tests.integrations._models import interrupt_lora_step
 from tests.residency._quant import kind_param, quantize_linears
 
 transformers = pytest.importorskip("transformers")
@@ -174,17 +175,7 @@ def test_interrupted_step_over_a_quantized_base_retries_exactly(kind, where, tmp
     hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
     model = _wrap(model)
     opt = _optimizer(model, "host")
-    layer = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B.default
-
-    def interrupt(*args):
-        raise KeyboardInterrupt
-
-    h = (layer.register_forward_hook(interrupt) if where == "forward"
-         else layer.register_full_backward_hook(interrupt))
-    ids = torch.randint(0, 96, (2, 8))
-    with pytest.raises(KeyboardInterrupt):
-        model(input_ids=ids, labels=ids).loss.backward()
-    h.remove()
+    interrupt_lora_step(model, where)
     opt.zero_grad()
     assert _train(model, opt) == want
     got, exp = _adapters(model), _adapters(ref)

@@ -19,7 +19,17 @@ from typing import Any
 import torch
 
 from headroom.optim._entries import MASTER_DTYPES as _MASTER_DTYPES
-from headroom.optim._plan import EntryPlan, Guard, Home, Kind, Master, Rest, Run, StepPlan
+from headroom.optim._plan import (
+    EntryPlan,
+    Guard,
+    Home,
+    Kind,
+    Master,
+    Planned,
+    Rest,
+    Run,
+    StepPlan,
+)
 from headroom.optim._plan import may_write_disk as _may_write_disk
 from headroom.optim._plan import plan_entry as _plan_entry
 from headroom.optim._plan import plan_step as _plan_step
@@ -27,7 +37,7 @@ from headroom.store import MetaStore, Places
 from headroom.transfer import weak_post_accumulate_grad_hook
 
 
-class _SimParam:
+class _SimParam(Planned):
     __slots__ = ("param", "group", "plan", "master", "grad_host", "slot", "store",
                  "state_handles", "small", "initialized", "count", "launched", "bucket",
                  "fired", "has_grad_host", "master_handle", "sim")
@@ -50,19 +60,6 @@ class _SimParam:
         self.fired = False
         self.master_handle: Any = None  # store, fed back into the parameter (the shadow)
         self.sim: Any = None  # bound: the offload dry run holding its slot
-
-    @property
-    def kind(self) -> Kind:
-        return self.plan.kind
-
-    @property
-    def streamed(self) -> bool:
-        return self.plan.sliced
-
-    @property
-    def lowp(self) -> bool:
-        """Bound and low precision: an fp32 master of its own beside the state."""
-        return self.plan.lowp
 
     def has_grad(self) -> bool:
         if self.kind == Kind.ALIAS:

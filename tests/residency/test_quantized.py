@@ -307,3 +307,27 @@ def test_reopened_disk_store_takes_the_new_values(kind, tmp_path):
     _offload(b, DiskStore(tmp_path / "store"))
     x = torch.randn(2, 3, 64)
     assert torch.equal(b(x), ref(x))
+
+
+# the rows of docs/lora.md's "Bytes per parameter" table, by the start of their first cell
+LORA_PAGE_ROWS = {"ao_int8": "int8 (torchao", "bnb_nf4": "NF4 (bitsandbytes",
+                  "bnb_nf4_dq": "NF4, double"}
+
+
+@pytest.mark.parametrize("kind", kind_param(list(LORA_PAGE_ROWS)))
+def test_bytes_per_weight_of_the_lora_page_are_the_packed_parts(kind):
+    # docs/lora.md's table: bytes per weight counted from weights the libraries quantized,
+    # rows of 8192 inputs (code books spread over more rows there: 2e-4 apart at most), and
+    # one 70B decoder layer (855.6 M weights) at that rate
+    import re
+    from pathlib import Path
+
+    from headroom.residency import packed_nbytes
+
+    page = (Path(__file__).parents[2] / "docs" / "lora.md").read_text()
+    line = next(x for x in page.splitlines() if x.startswith(f"| {LORA_PAGE_ROWS[kind]}"))
+    per_weight, layer_gb = (float(v) for v in re.findall(r"\| ([\d.]+)(?: GB)? ", line + " ")[:2])
+    m = nn.Sequential(nn.Linear(8192, 1024, bias=False)).to(torch.bfloat16)
+    quantize_linears(m, kind, dtype=torch.bfloat16)
+    assert abs(packed_nbytes(m[0].weight) / (8192 * 1024) - per_weight) <= 2e-4
+    assert round(per_weight * 855.6e6 / 1e9, 3) == pytest.approx(layer_gb, abs=1e-3)

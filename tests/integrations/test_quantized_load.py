@@ -146,3 +146,41 @@ def test_transformers_quantization_configs_then_offload(how, store, tmp_path):
     assert len(state.packed) == 14
     assert train(model) == train(ref)
     assert torch.equal(_logits(model), _logits(ref))
+
+
+@pytest.mark.parametrize("kind", kind_param(["ao_int8"]))
+def test_interrupted_quantizing_load_then_a_retry_is_refused_and_a_fresh_load_is_exact(
+        kind, tmp_path):
+    # Ctrl-C in quantize= at the second block leaves the first blocks quantized: a second
+    # load_weights would write full-precision bytes into their packed parts (before: EFAULT
+    # from the read, or bytes written where the placeholder storage points); it is refused
+    # before anything is written, naming the fix, which then loads exactly
+    cfg = _config(layers=3)
+    ref = _saved(tmp_path, cfg)
+    quantize_linears(ref.model.layers, kind)
+    calls = []
+
+    def interrupted(block):
+        calls.append(block)
+        quantize_linears(block, kind)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    with pytest.raises(KeyboardInterrupt):
+        hr.load_weights(model, tmp_path / "base", quantize=interrupted)
+    with pytest.raises(TypeError, match="quantized weights.*nothing was loaded.*on meta again"):
+        hr.load_weights(model, tmp_path / "base", quantize=lambda b: quantize_linears(b, kind))
+    # a model quantized outside headroom is refused the same way
+    plain = transformers.LlamaForCausalLM(cfg)
+    quantize_linears(plain.model.layers, kind)
+    with pytest.raises(TypeError, match="quantized weights"):
+        hr.load_weights(plain, tmp_path / "base")
+    state_of(model).store.close()
+    with torch.device("meta"):  # the fix the error names
+        model = transformers.LlamaForCausalLM(cfg)
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w2"))
+    hr.load_weights(model, tmp_path / "base", quantize=lambda b: quantize_linears(b, kind))
+    assert torch.equal(_logits(model), _logits(ref))

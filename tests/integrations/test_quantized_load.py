@@ -171,7 +171,7 @@ def test_interrupted_quantizing_load_then_a_retry_is_refused_and_a_fresh_load_is
     hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
     with pytest.raises(KeyboardInterrupt):
         hr.load_weights(model, tmp_path / "base", quantize=interrupted)
-    with pytest.raises(TypeError, match="quantized weights.*nothing was loaded.*on meta again"):
+    with pytest.raises(TypeError, match="quantized weights.*nothing was written.*on meta again"):
         hr.load_weights(model, tmp_path / "base", quantize=lambda b: quantize_linears(b, kind))
     # a model quantized outside headroom is refused the same way
     plain = transformers.LlamaForCausalLM(cfg)
@@ -184,3 +184,25 @@ def test_interrupted_quantizing_load_then_a_retry_is_refused_and_a_fresh_load_is
     hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w2"))
     hr.load_weights(model, tmp_path / "base", quantize=lambda b: quantize_linears(b, kind))
     assert torch.equal(_logits(model), _logits(ref))
+
+
+@pytest.mark.parametrize("kind", kind_param(["ao_int8", "bnb_nf4_dq"]))
+def test_hr_save_and_load_of_a_quantized_base_are_refused_naming_the_fix(kind, tmp_path):
+    # hr.save wrote the packed weight's placeholder (torchao: NotImplementedError mid-write);
+    # it is refused before a file is opened, and hr.load before it writes into the model
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config())
+    quantize_linears(model.model.layers, kind)
+    hr.offload(model, device="cpu", store=hr.DiskStore(tmp_path / "w"))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    before = _logits(model)
+    with pytest.raises(TypeError, match="hr.save cannot handle quantized weights.*"
+                                        "nothing was written.*save_pretrained"):
+        hr.save(tmp_path / "ck", model)
+    assert not (tmp_path / "ck").exists()
+    plain = transformers.LlamaForCausalLM(_config())
+    hr.save(tmp_path / "plain", plain)
+    with pytest.raises(TypeError, match="hr.load cannot handle quantized weights"):
+        hr.load(tmp_path / "plain", model, strict=False)
+    assert torch.equal(_logits(model), before)

@@ -43,6 +43,7 @@ from headroom.checkpoint._file import (
     seal_header,
     temp_path,
 )
+from headroom.checkpoint._names import refuse_quantized
 from headroom.optim import HostOptimizer, saved_view
 from headroom.residency import offload_states
 from headroom.store import Handle, Store
@@ -185,10 +186,18 @@ def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Te
     return out
 
 
+_QUANTIZED_FIX = (
+    "hr.save and hr.load keep plain tensors only. Save what trains: PEFT's"
+    " model.save_pretrained(dir) writes the adapters (the quantized base is reloaded from its"
+    " own checkpoint), and torch.save(optimizer.state_dict()) the optimizer's state")
+
+
 def _model_items(model: nn.Module) -> tuple[list[_Item], list[str]]:
     items = []
     names = []
-    for name, t in _named_tensors(model).items():
+    named = _named_tensors(model)
+    refuse_quantized(named.items(), "hr.save", _QUANTIZED_FIX)
+    for name, t in named.items():
         b = binding(t) if isinstance(t, torch.Tensor) else None
         if b is not None:
             items.append(_Item(f"model/{name}", store=b.store, handle=b.handle))
@@ -454,6 +463,7 @@ def _load(
         meta = r.meta
         _check_meta(r, meta)
         sd = _named_tensors(model, fill=False)  # about to be written: no need to initialize
+        refuse_quantized(sd.items(), "hr.load", _QUANTIZED_FIX)
         _check_model(r, sd, meta["model"], strict)
         if optimizer is not None:
             if "optimizer" not in meta:

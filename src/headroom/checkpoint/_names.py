@@ -12,15 +12,18 @@ checkpoint; they are loaded when the files hold them and otherwise keep their va
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
+
+from headroom.residency import is_packed
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.checkpoint._weights import _Target
 
-__all__ = ["checkpoint_names"]
+__all__ = ["checkpoint_names", "refuse_quantized"]
 
 _BASE = "base_layer"
 
@@ -72,3 +75,17 @@ def _prefix(names: list[str], available: Collection[str]) -> str:
         if h > hits:
             best, hits = cand, h
     return best
+
+
+def refuse_quantized(named: Iterable[tuple[str, torch.Tensor | None]], what: str,
+                     fix: str) -> None:
+    """Raise ``TypeError`` naming the quantized weights (packed codes and scales, see
+    `headroom.residency.is_packed`; a DTensor is not one) among ``named``, before ``what``
+    has written anything, with ``fix``."""
+    quantized = [(n, type(t).__name__) for n, t in named if t is not None and is_packed(t)
+                 and not isinstance(getattr(t, "_local_tensor", None), torch.Tensor)]
+    if quantized:
+        listed = ", ".join(f"{n} ({c})" for n, c in quantized[:5])
+        more = " ..." if len(quantized) > 5 else ""
+        raise TypeError(f"{what} cannot handle quantized weights: {listed}{more}"
+                        f" ({len(quantized)} in all); nothing was written. {fix}")

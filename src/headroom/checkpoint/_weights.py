@@ -29,8 +29,8 @@ from headroom.checkpoint._file import (
     remove_stale_temps,
     temp_path,
 )
-from headroom.checkpoint._names import checkpoint_names
-from headroom.residency import is_packed, offload_states, quantize_block
+from headroom.checkpoint._names import checkpoint_names, refuse_quantized
+from headroom.residency import offload_states, quantize_block
 from headroom.store import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
@@ -304,7 +304,11 @@ def load_weights(
                 + "; ".join(problems)
                 + ("" if not strict else ". Pass strict=False to load the tensors that match")
             )
-        _refuse_quantized(plan)
+        refuse_quantized(
+            [(name, tgt.tensor) for tgt, name in plan], "load_weights",
+            "Load before quantizing: build the model on meta, hr.offload it, then"
+            " hr.load_weights(model, path, quantize=fn) (a load with quantize= that was"
+            " interrupted left its first blocks quantized: build the model on meta again)")
         sums = [(records.get(id(where[name][0])) or {}).get(name) for _, name in plan]
         checked = sum(where[name][1].nbytes for (_, name), c in zip(plan, sums, strict=True)
                       if c is not None)
@@ -415,23 +419,6 @@ def _verify(f: SafetensorsFile, info: TensorInfo, expected: int, state: str) -> 
             f"{str(f.path)!r} is damaged: tensor {info.name!r} (file bytes {info.offset}-"
             f"{info.offset + info.nbytes}) has CRC32C {got:08x}, save_weights recorded"
             f" {expected:08x}; {state}. {_FIX[0].upper()}{_FIX[1:]}"
-        )
-
-
-def _refuse_quantized(plan: list[tuple[_Target, str]]) -> None:
-    """Raise before anything is written if a checkpoint tensor would go into a quantized weight
-    (its bytes are packed codes and scales, not the checkpoint's values)."""
-    quantized = [(name, type(tgt.tensor).__name__) for tgt, name in plan
-                 if tgt.tensor is not None and is_packed(tgt.tensor)
-                 and not isinstance(getattr(tgt.tensor, "_local_tensor", None), torch.Tensor)]
-    if quantized:
-        listed = ", ".join(f"{n} ({c})" for n, c in quantized[:5])
-        raise TypeError(
-            f"load_weights cannot write a checkpoint's values into quantized weights: {listed}"
-            f"{' ...' if len(quantized) > 5 else ''} ({len(quantized)} in all); nothing was"
-            " loaded. Load before quantizing: build the model on meta, hr.offload it, then"
-            " hr.load_weights(model, path, quantize=fn) (a load with quantize= that was"
-            " interrupted left its first blocks quantized: build the model on meta again)"
         )
 
 

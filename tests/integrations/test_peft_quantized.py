@@ -37,11 +37,11 @@ def _quiet(one_thread):
         yield
 
 
-def _base(kind: str, *, ckpt: bool = False):
+def _base(kind: str, *, ckpt: bool = False, vocab: int = 96):
     torch.manual_seed(0)
     # (64 wide: bitsandbytes repacks 4-bit weights for its CPU kernel at inference, which
     # needs rows of at least one 64-value block)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                                    num_hidden_layers=2, num_attention_heads=2,
                                    num_key_value_heads=1, max_position_embeddings=16)
     model = transformers.LlamaForCausalLM(cfg)
@@ -68,12 +68,12 @@ def _optimizer(model, opt: str):
     return torch.optim.AdamW(params, lr=1e-2, foreach=False)
 
 
-def _train(model, opt) -> list[float]:
+def _train(model, opt, vocab: int = 96) -> list[float]:
     g = torch.Generator().manual_seed(1)
     losses = []
     model.train()
     for _ in range(STEPS):
-        ids = torch.randint(0, 96, (2, 8), generator=g)
+        ids = torch.randint(0, vocab, (2, 8), generator=g)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -180,3 +180,19 @@ def test_interrupted_step_over_a_quantized_base_retries_exactly(kind, where, tmp
     assert _train(model, opt) == want
     got, exp = _adapters(model), _adapters(ref)
     assert got.keys() == exp.keys() and all(torch.equal(got[k], exp[k]) for k in got)
+
+
+@pytest.mark.parametrize("kind", kind_param(["ao_int8", "bnb_nf4_dq"]))
+def test_a_real_vocabulary_puts_the_head_in_a_block_of_its_own_and_trains_exactly(kind,
+                                                                                    tmp_path):
+    # 32k classes: the output layer (8 MiB) is a block of its own, fetched beside the
+    # quantized decoder layers; LoRA training stays bitwise the resident quantized model's
+    ref = _wrap(_base(kind, vocab=32000))
+    want = _train(ref, _optimizer(ref, "torch"), vocab=32000)
+    for store in ("cpu", "disk"):
+        model = _base(kind, vocab=32000)
+        hr.offload(model, device="cpu", store=_store(store, tmp_path))
+        (_, _, state), = offload_states(model)
+        assert state.blocks[-1].module is model.lm_head
+        model = _wrap(model)
+        assert _train(model, _optimizer(model, "torch"), vocab=32000) == want, store

@@ -35,7 +35,7 @@ test: $(VENV)/.installed
 
 # The suite on the oldest and the newest torch headroom supports (pyproject.toml's range: the
 # oldest is also headroom/__init__.py's _TORCH_MIN), each in a venv of its own.
-TORCH_oldest := torch==2.10.0
+TORCH_oldest := torch==2.13.0
 TORCH_newest := torch==2.14.1
 
 .venv-torch-%/.installed: pyproject.toml setup.py src/headroom/nn/_bitkernels.c

@@ -106,21 +106,10 @@ class TensorSlices:
         prefetch: slices copied ahead when streaming host rows.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        prefetch: int = 1,
-    ) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.device = device
-        self.dtype = dtype
-        self.num_classes = weight.shape[0]
-        self.has_bias = bias is not None
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 device: torch.device, dtype: torch.dtype, prefetch: int = 1) -> None:
+        self.weight, self.bias, self.device, self.dtype = weight, bias, device, dtype
+        self.num_classes, self.has_bias = weight.shape[0], bias is not None
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
@@ -159,16 +148,9 @@ class TensorGradSink:
         prefetch: ring depth of the background copies for a host weight.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        need_weight: bool,
-        prefetch: int = 1,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 device: torch.device, dtype: torch.dtype, need_weight: bool,
+                 prefetch: int = 1) -> None:
         self.grad_weight = torch.empty_like(weight) if need_weight else None
         self.grad_bias = None if bias is None else torch.empty_like(bias)
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)

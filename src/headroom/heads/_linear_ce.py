@@ -1121,6 +1121,16 @@ def _refuse_double_backward(what: str, dense: str) -> None:
 _DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)")
 
 
+def _outputs(ctx: Any, fwd: CrossEntropyForward, opts: CrossEntropyOptions,
+             shape: torch.Size) -> tuple[torch.Tensor, ...]:
+    """An autograd Function's `outputs`: the accuracy and predictions not differentiable, an
+    unused output's gradient ``None``."""
+    ctx.set_materialize_grads(False)
+    out = outputs(fwd, opts, shape)
+    ctx.mark_non_differentiable(out[2], out[3])
+    return out
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """`sliced_forward` and `sliced_backward` under autograd, for the weight slices of
     ``params`` (a tensor's, or a store's: `HugeClassifier`); ``dense`` names the call and its
@@ -1137,10 +1147,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # after an in-place change of them (it would use the changed values).
         ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
         ctx.params, ctx.opts, ctx.dense, ctx.has_bias = params, opts, dense, bias is not None
-        ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, target.shape)
-        ctx.mark_non_differentiable(out[2], out[3])
-        return out
+        return _outputs(ctx, fwd, opts, target.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
@@ -1164,10 +1171,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows,
                                    needs=(need_x, need_w, bias is not None and need_b))
         ctx.save_for_backward(*grads)
-        ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, target.shape)
-        ctx.mark_non_differentiable(out[2], out[3])
-        return out
+        return _outputs(ctx, fwd, opts, target.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]

@@ -41,7 +41,6 @@ from headroom.nn._common import (
     _hooks_enabled,
     _pending,
     _relu_outputs,
-    _sites,
     _top_hooks,
     _use_count,
     activation_call,
@@ -51,7 +50,6 @@ from headroom.nn._common import (
     note_consumer,
     records_graph,
     register_relu_output,
-    relu_sites,
     run_saving_less,
     save_less,
     settle_pending,
@@ -105,9 +103,12 @@ def _unpack_layout(
     return out.copy_(passes)
 
 
-def _restride(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+def _run(ctx, x: torch.Tensor, inplace: bool, fn, fn_, *args) -> torch.Tensor:
+    """``fn_(x, *args)`` with ``x`` marked dirty when ``inplace``, else ``fn(x, *args)``."""
+    if inplace:
+        ctx.mark_dirty(x)
+        return fn_(x, *args)
+    return fn(x, *args)
 
 
 def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -527,11 +528,7 @@ class _ReLUBits:
 class _ReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        if inplace:
-            ctx.mark_dirty(x)
-            out = torch.relu_(x)
-        else:
-            out = torch.relu(x)
+        out = _run(ctx, x, inplace, torch.relu, torch.relu_)
         # PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
         # A ReLU output is never negative, so "passes" is ``out != 0`` (one cast). Backward
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
@@ -562,14 +559,8 @@ class ReLU(nn.ReLU):
         if _relu_outputs:
             note_consumer(self, input)
         relu = torch.relu_ if self.inplace else torch.relu
-        # (activation_call and hooks_free inlined: this runs at every ReLU call)
-        sites = _sites.get(id(self))
-        if sites is None or sites.module() is not self:
-            sites = relu_sites(self)
-        site = (type(input.grad_fn), input.shape[1:])
-        call = sites.calls.get(site)
-        if call is None:
-            call = sites.call(site)
+        sites, site, call = activation_call(self, input)
+        # (hooks_free inlined: this runs at every ReLU call)
         if _LATE and _top_hooks(False) is None and _hooks_enabled():
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
@@ -593,13 +584,9 @@ class ReLU(nn.ReLU):
 class _LeakyReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, slope: float, inplace: bool) -> torch.Tensor:
-        if inplace:
-            ctx.mark_dirty(x)
-            out = F.leaky_relu_(x, slope)
-            saved = out  # PyTorch's in-place backward reads the result
-        else:
-            saved = x  # PyTorch's backward reads the input
-            out = F.leaky_relu(x, slope)
+        out = _run(ctx, x, inplace, F.leaky_relu, F.leaky_relu_, slope)
+        # PyTorch's backward reads the input, its in-place backward the result
+        saved = out if inplace else x
         ctx.save_for_backward(pack_gt(saved))
         ctx.shape, ctx.stride, ctx.memory_order = saved.shape, saved.stride(), False
         ctx.slope, ctx.inplace = slope, inplace
@@ -642,11 +629,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
 class _HardtanhFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
-        if inplace:
-            ctx.mark_dirty(x)
-            out = F.hardtanh_(x, lo, hi)
-        else:
-            out = F.hardtanh(x, lo, hi)
+        out = _run(ctx, x, inplace, F.hardtanh, F.hardtanh_, lo, hi)
         # hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
         # meets the same conditions (clamped values equal the bounds). Backward hands the same
         # kernel ``lo`` and a value strictly inside; a NaN keeps the tensor (see Late).

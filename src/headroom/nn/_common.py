@@ -543,6 +543,8 @@ class KeepsNoInput:
 class PoolOrPad(KeepsNoInput):
     """Pools and pads: PyTorch's node saves the input (replaced by its shape) and indices."""
 
+    _hr_dims: int  # spatial dimensions, set by `per_dimension`
+
     def _hr_pack(self, input: torch.Tensor):
         return shape_of_floats
 

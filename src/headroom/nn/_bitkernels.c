@@ -349,6 +349,15 @@ static void run_grad(const uint8_t *bits, const void *g, void *dst, int64_t n, i
         }                                                                \
     } while (0)
 
+/* A TypeError naming the arguments expected, unless COND holds. */
+#define CHECK_NARGS(COND, EXPECTED)                                      \
+    do {                                                                 \
+        if (!(COND)) {                                                   \
+            PyErr_SetString(PyExc_TypeError, "expected " EXPECTED);      \
+            return NULL;                                                 \
+        }                                                                \
+    } while (0)
+
 /* The bit patterns of 1.0 per dtype code. */
 static const uint64_t ONE[4] = {0x3f800000u, 0x3ff0000000000000ull, 0x3c00u, 0x3f80u};
 
@@ -384,10 +393,7 @@ static PyObject *do_pack(PyObject *const *args, test_t *t) {
 
 static PyObject *py_pack_nonzero(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "expected (src, n, dst, dtype)");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 4, "(src, n, dst, dtype)");
     test_t t = {0, 0.0, 0.0, 0};
     PyObject *r = do_pack(args, &t);
     if (r == NULL) return NULL;
@@ -397,10 +403,7 @@ static PyObject *py_pack_nonzero(PyObject *self, PyObject *const *args, Py_ssize
 
 static PyObject *py_pack_cmp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "expected (src, n, dst, dtype, op, lo, hi)");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 7, "(src, n, dst, dtype, op, lo, hi)");
     test_t t = {(int)PyLong_AsLong(args[4]), PyFloat_AsDouble(args[5]),
                 PyFloat_AsDouble(args[6]), 0};
     if (PyErr_Occurred()) return NULL;
@@ -413,10 +416,7 @@ static PyObject *py_pack_cmp(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "expected (bits, n, dst, dtype[, zero, one])");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 4 || nargs == 6, "(bits, n, dst, dtype[, zero, one])");
     void *src, *dst;
     long long n;
     long dtype;
@@ -433,10 +433,7 @@ static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyObject *py_grad(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "expected (bits, grad, n, dst, dtype, scale, slope)");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 7, "(bits, grad, n, dst, dtype, scale, slope)");
     const uint8_t *bits = PyLong_AsVoidPtr(args[0]);
     const void *g = PyLong_AsVoidPtr(args[1]);
     long long n = PyLong_AsLongLong(args[2]);

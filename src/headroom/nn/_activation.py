@@ -53,6 +53,7 @@ from headroom.nn._common import (
     run_saving_less,
     save_less,
     settle_pending,
+    unchanged,
 )
 
 
@@ -269,15 +270,6 @@ class Late:
         if self.tensor is not None:
             self.bits = None
 
-    def _kept(self, t: torch.Tensor) -> torch.Tensor:
-        if t._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
-                f"{t._version}; expected version {self.version} instead."
-            )
-        return t
-
     def _stride(self) -> tuple[int, ...]:
         # None: the contiguous strides of ``shape`` (the common case leaves them unset)
         stride = self.stride
@@ -292,7 +284,7 @@ class Late:
         ``kernel`` on the unpacked stand-in."""
         t = self.tensor
         if t is not None:
-            return kernel(grad, self._kept(t))
+            return kernel(grad, unchanged(t, self.version))
         if (
             not torch.is_grad_enabled()
             and grad.dtype == self.dtype
@@ -308,7 +300,7 @@ class Late:
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if t is not None:
-            return self._kept(t)
+            return unchanged(t, self.version)
         native = _bitmask._native
         if self.ptr and native is not None and not _grad_enabled() and not is_tracking():
             # The common case (a contiguous float32 1/0 mask, packed at ``ptr``, unpacked
@@ -498,10 +490,6 @@ def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tenso
     if passes.stride() == grad.stride() and passes.is_contiguous():
         return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
     return torch.ops.aten.threshold_backward(grad, passes, 0)
-
-
-def _needs_graph(x: torch.Tensor) -> bool:
-    return records_graph() and x.requires_grad
 
 
 class _ReLUBits:

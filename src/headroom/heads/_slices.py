@@ -176,19 +176,15 @@ class TensorGradSink:
     def commit(
         self, start: int, stop: int, grad_w: torch.Tensor | None, grad_b: torch.Tensor | None
     ) -> None:
-        s = self.streamer
-        if grad_w is not None and not self._direct:
-            assert self.grad_weight is not None
-            if s is not None:
-                s.push("w", self.grad_weight[start:stop], grad_w, accumulate=False)
+        for name, full, g in (("w", self.grad_weight, None if self._direct else grad_w),
+                              ("b", self.grad_bias, grad_b)):
+            if g is None:
+                continue
+            assert full is not None
+            if self.streamer is not None:
+                self.streamer.push(name, full[start:stop], g, accumulate=False)
             else:
-                self.grad_weight[start:stop].copy_(grad_w)
-        if grad_b is not None:
-            assert self.grad_bias is not None
-            if s is not None:
-                s.push("b", self.grad_bias[start:stop], grad_b, accumulate=False)
-            else:
-                self.grad_bias[start:stop].copy_(grad_b)
+                full[start:stop].copy_(g)
 
     def finish(self) -> None:
         if self.streamer is not None:

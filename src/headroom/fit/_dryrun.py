@@ -279,6 +279,8 @@ class RealTensorsAsMeta(TorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # its own dispatch comes back here with its local tensors
         kwargs = kwargs or {}
         flat = _flat([*args, *kwargs.values()])
         has_meta = any(a.device.type == "meta" for a in flat)

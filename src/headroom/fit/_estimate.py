@@ -378,8 +378,7 @@ def estimate(
         features.install(meta_model)
     args, kwargs = _dryrun.to_meta((example_args, dict(example_kwargs or {})))
     loss_fn = loss_fn or _dryrun.default_loss
-    params = [p for p in (meta_model.parameters() if sharded is None else sharded.masters())
-              if p.requires_grad]
+    params = [p for p in meta_model.parameters() if p.requires_grad]  # sharded ones: FSDP2's
     if features is not None:
         opt = features.optimizer(params, optimizer, dict(optimizer_kwargs or {}))
     else:

@@ -290,11 +290,16 @@ class ShardedDryRun:
         accelerated: the target is an accelerator (host shards are copied to it and back).
 
     Raises:
-        RuntimeError: the installed torch's FSDP2 cannot run in a dry run.
+        RuntimeError: a torch without ``torch.distributed``, or whose FSDP2 cannot run in a
+            dry run.
     """
 
     def __init__(self, root: nn.Module, spec: ShardSpec, places: Any, *,
                  accelerated: bool) -> None:
+        if not torch.distributed.is_available():
+            raise RuntimeError(
+                "world_size=/mesh= estimates run torch's FSDP2, and this torch build has no"
+                " torch.distributed: estimate on a build that has it (Linux wheels do)")
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -305,7 +310,6 @@ class ShardedDryRun:
         self.places = places
         self.accelerated = accelerated
         self.link_bytes = 0
-        self.root = root
         if spec.units is None:
             from headroom.residency import find_blocks
 
@@ -358,10 +362,6 @@ class ShardedDryRun:
         if not self.accelerated and world > 1:
             group._reduce_scatter_comm = _gloo_reduce_scatter()
         self.all_host = self.all_host and host
-
-    def masters(self) -> list[nn.Parameter]:
-        """The sharded parameters (what ``model.parameters()`` yields between steps)."""
-        return list(self.root.parameters())
 
     def all_on_host(self) -> bool:
         return self.all_host

@@ -163,3 +163,20 @@ def test_an_estimate_inside_a_distributed_job_leaves_its_process_groups_as_they_
     for i in range(next(_sharded._FAKE_GROUPS)):  # every fake group made so far
         with pytest.raises(RuntimeError, match="headroom_dry_run_"):
             _resolve_process_group(f"headroom_dry_run_{i}")
+
+
+def test_a_torch_whose_fsdp2_cannot_run_on_meta_gets_a_clear_error(monkeypatch):
+    # the dry run changes attributes of the objects fully_shard makes; a torch without one
+    # is named, never estimated wrong, and the fake process group is unregistered
+    from torch._C._distributed_c10d import _resolve_process_group
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from headroom.fit import _sharded
+
+    monkeypatch.delattr(FSDPParamGroup, "_validate_no_meta_params")
+    with pytest.raises(RuntimeError, match="FSDP2 .* cannot run in headroom's dry run"
+                                           r" \(AttributeError.*_validate_no_meta_params"):
+        _est(2)
+    last = next(_sharded._FAKE_GROUPS) - 1
+    with pytest.raises(RuntimeError, match=f"headroom_dry_run_{last}"):
+        _resolve_process_group(f"headroom_dry_run_{last}")

@@ -347,20 +347,18 @@ class ShardedDryRun:
 
     def _to_meta(self, group: Any, host: bool, world: int) -> None:
         meta = torch.device("meta")
-        group._validate_no_meta_params = group._validate_cpu_offload_params = _nothing
-        group.device = meta
-        group._all_gather_output = torch.empty(0, device=meta)
+        _replace(group, _validate_no_meta_params=_nothing, _validate_cpu_offload_params=_nothing,
+                 device=meta, _all_gather_output=torch.empty(0, device=meta))
         for fp in group.fsdp_params:
-            fp.device = meta
+            _replace(fp, device=meta)
             if host:
                 self.places.on_host(fp.sharded_param._local_tensor)
                 self.places.on_host(fp._sharded_param_data)
         if host:  # its all-gathers and reduce-scatters copy from and to the host
-            for method in ("unshard", "post_backward"):
-                setattr(group, method, partial(_with_mode, _HostCopies(self),
-                                               getattr(group, method)))
+            _replace(group, **{m: partial(_with_mode, _HostCopies(self), getattr(group, m))
+                               for m in ("unshard", "post_backward")})
         if not self.accelerated and world > 1:
-            group._reduce_scatter_comm = _gloo_reduce_scatter()
+            _replace(group, _reduce_scatter_comm=_gloo_reduce_scatter())
         self.all_host = self.all_host and host
 
     def all_on_host(self) -> bool:
@@ -386,6 +384,12 @@ class ShardedDryRun:
 
 def _nothing() -> None:
     return None
+
+
+def _replace(obj: Any, **attrs: Any) -> None:
+    for name, value in attrs.items():
+        getattr(obj, name)  # AttributeError where this torch's FSDP2 has no such attribute
+        setattr(obj, name, value)
 
 
 def _gloo_reduce_scatter() -> Any:

@@ -155,7 +155,8 @@ class HostOptimizerDryRun(torch.optim.Optimizer):
         plan = _plan_entry(
             store=rest,
             # (an FSDP2 shard resting in host memory is on the CPU too)
-            on_cpu=self._cpu or self._places.where(p.untyped_storage()._cdata) == "host",
+            on_cpu=self._cpu or self._places.where(
+                getattr(p, "_local_tensor", p).untyped_storage()._cdata) == "host",
             master_dtype=(p.dtype if slot is None else slot.handle.dtype) in _MASTER_DTYPES,
             row_sparse=False, state_store=not self._state_on_host,
             exchange=rest is Rest.DISK,  # a meta store on "disk" stands for a DiskStore

@@ -138,11 +138,17 @@ class _MarkMade(TorchDispatchMode):
         if made:
             # views and in-place results are the inputs' storages, not new ones (an op's
             # arguments are tensors or lists of them: `flat_tensors` finds them all)
-            given = {t.untyped_storage()._cdata for t in flat_tensors([*args, *kwargs.values()])}
+            # (a DTensor's storage is its local shard's)
+            given = {_local(t).untyped_storage()._cdata
+                     for t in flat_tensors([*args, *kwargs.values()])}
             for t in made:
-                if t.untyped_storage()._cdata not in given:
-                    self.places._mark_made(t)
+                if _local(t).untyped_storage()._cdata not in given:
+                    self.places._mark_made(_local(t))
         return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
 
 
 class MetaStore:

@@ -9,9 +9,8 @@ changes is here, and only here:
   `MetaStore` s; a parameter rests in host memory where `Places` says so (every one on a ``cpu``
   target), and one the offload dry run holds is bound to its slot (`_SlotBinding`);
 - its steps run as host code (`Places.host_code`), sliced ones with their landing buffers on
-  ``meta``; those started inside ``final_backward`` run
-  at once on the backward thread, not on a worker (the tracker's dispatch mode sees one
-  thread);
+  ``meta``; those started inside ``final_backward`` run at once on the backward thread, not on
+  a worker (the tracker's dispatch mode sees one thread);
 - masters start as having followed their parameters (a dry run has no values to compare);
 - a gradient copied to the host stays on the device, in flight, until a bucket's worth has
   gone or ``step()`` starts.
@@ -28,7 +27,7 @@ import torch
 from headroom.optim._follow import written_mark
 from headroom.optim._host_optimizer import HostOptimizer
 from headroom.store import Handle, MetaStore, Places
-from headroom.transfer import ParamBinding
+from headroom.transfer import ParamBinding, binding
 
 __all__ = ["DryHostOptimizer"]
 
@@ -114,8 +113,8 @@ class DryHostOptimizer(HostOptimizer):
                  cpu: bool) -> None:
         self._places = places
         self._cpu = cpu
-        self._slots = {k: _SlotBinding(sim, slot)
-                       for sim in offloaded for k, slot in sim.by_master.items()}
+        self._slots = {k: (sim, slot) for sim in offloaded for k, slot in sim.by_master.items()}
+        self._bound: dict[int, _SlotBinding] = {}  # made for the parameters it is given
         state = options.state_store
         super().__init__(
             params, options.optimizer_class,
@@ -133,7 +132,12 @@ class DryHostOptimizer(HostOptimizer):
         fn()
 
     def _binding(self, p: torch.Tensor) -> ParamBinding | None:
-        return self._slots.get(id(p))
+        found = self._slots.get(id(p))
+        if found is None:
+            return binding(p)
+        if id(p) not in self._bound:
+            self._bound[id(p)] = _SlotBinding(*found)
+        return self._bound[id(p)]
 
     def _on_cpu(self, p: torch.Tensor) -> bool:
         # (an FSDP2 shard resting in host memory is on the CPU too)

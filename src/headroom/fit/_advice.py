@@ -50,7 +50,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     peak = base.peak
     if peak <= 0:
         return []
-    blocks = _block_names(model)
+    blocks = block_names(model)
     cpu = base.device == "cpu"
     timing = _Timing(base, cpu)
     options: list[_Option] = []
@@ -375,7 +375,8 @@ def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:
     return None
 
 
-def _block_names(model: nn.Module) -> list[str]:
+def block_names(model: nn.Module) -> list[str]:
+    """The qualified names of the model's blocks (`headroom.residency.find_blocks`)."""
     from headroom.residency import find_blocks
 
     names = {id(m): n for n, m in model.named_modules()}

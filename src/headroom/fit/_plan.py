@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from headroom.fit import _dryrun
+from headroom.fit._advice import block_names
 from headroom.fit._estimate import Estimate, estimate, parse_device
 from headroom.fit._lm import lm_patch_run, lm_patching
 from headroom.fit._time import Speeds, activation_ways, default_speeds, dry_run_time, step_time
@@ -630,8 +631,6 @@ class Search:
                  optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
                  slice_bytes: int | None = None, world_size: int | None = None,
                  fp32_masters: bool | None = None, lm_loss: bool | None = None) -> None:
-        from headroom.residency import find_blocks
-
         self.model = model
         self.args = example_args
         self.opt_cls = _opt_class(optimizer)
@@ -640,8 +639,7 @@ class Search:
         kind = torch.device(device).type
         self.on_cpu = kind == "cpu"
         self.speeds = speeds or default_speeds(kind, disk)
-        names = {id(m): n for n, m in model.named_modules()}
-        self.blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
+        self.blocks = block_names(model)
         n = len(self.blocks)
         ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
         self.world = world_size

@@ -9,7 +9,9 @@ parameters on the device itself (it sets ``Offload.ddp_allowed``); any other DDP
   ``AttributeError`` through), a property of the guarded classes (`residency._guard`).
 - DDP built first, or over a module above an offloaded one: the offloaded model's forward sees
   DDP's forward running (DDP sets ``DistributedDataParallel._get_active_ddp_module()`` around
-  its call of the module), whose module holds it.
+  its call of the module), whose module holds it. DDP's experimental Python reducer (compiled
+  autograd with ``optimize_ddp="python_reducer"``) sets no such flag: there only a DDP built
+  over an offloaded root or block is refused.
 """
 
 from __future__ import annotations

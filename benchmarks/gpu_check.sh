@@ -57,7 +57,7 @@ stage tests_gpu $((200 * T)) "${PYTEST[@]}" -m gpu --junitxml="$LOG/tests_gpu.xm
 stage tests_on_device $((120 * T)) "${PYTEST[@]}" -m "not gpu and not slow" -k "cuda" \
   --junitxml="$LOG/tests_on_device.xml"
 stage tests_sanitizer $((120 * T)) env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" -m gpu \
-  tests/residency/test_offload_gpu_races.py tests/transfer tests/optim
+  tests/residency/test_offload_gpu_races.py tests/transfer tests/store tests/optim
 fi
 if [[ $WHAT != tests && $WHAT != quick ]]; then
 [[ -n ${PEERS:-} ]] && export PYTHONPATH=$PEERS${PYTHONPATH:+:$PYTHONPATH}

@@ -18,7 +18,7 @@ import torch
 
 from headroom.store import DiskStore, StoreCorruptError
 from headroom.store import _ledger as ledger_mod
-from tests.transfer._disk_files import edit_index, read_index, sealed, signed, write_index
+from tests.store._disk_files import edit_index, read_index, sealed, signed, write_index
 
 # Keys a bit apart: a flip in one can make it another ('0' ^ 1 == '1').
 KEYS = ["layers.0.weight", "layers.1.weight", "layers.2.weight", "layers.3.weight",
@@ -312,7 +312,7 @@ def test_a_free_journaled_but_not_unlinked_still_opens(tmp_path, monkeypatch):
 
 
 def test_a_kill_between_the_journaled_free_and_the_unlink_still_opens(tmp_path):
-    from tests.transfer.test_disk_safety import Child
+    from tests.store.test_disk_safety import Child
 
     folder = tmp_path / "s"
     child = Child("free", folder)

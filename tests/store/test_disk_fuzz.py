@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from headroom.store import DiskStore, StoreCorruptError, StoreFullError
 from headroom.store import _segments as seg
-from tests.transfer._disk_files import read_index, sealed
+from tests.store._disk_files import read_index, sealed
 
 SECRET = bytes(range(256)) * 4
 FREE = 8 << 20  # what the disk is said to have free while fuzzing

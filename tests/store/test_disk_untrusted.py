@@ -16,7 +16,7 @@ import torch
 from headroom.store import DiskStore, HostStore, StoreCorruptError, StoreFullError
 from headroom.store import _recover as recover_mod
 from headroom.store import _segments as seg
-from tests.transfer._disk_files import edit_index, read_index
+from tests.store._disk_files import edit_index, read_index
 
 SECRET = bytes(range(64))
 

@@ -24,7 +24,7 @@ from headroom.store import DiskStore, StoreCorruptError, StoreFullError
 from headroom.store import _disk as disk_mod
 from headroom.store import _ledger as ledger_mod
 from headroom.store import _segments as seg
-from tests.transfer._crash_child import SHAPES, stream_ops
+from tests.store._crash_child import SHAPES, stream_ops
 
 CHILD = Path(__file__).with_name("_crash_child.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,6 +17,7 @@ memory that does not go through tensors.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 _ROUND = 512
 _SMALL = 1 << 20  # largest request served by the small pool
@@ -42,17 +43,15 @@ def segment_size(size: int) -> int:
     return _ROUND_LARGE * ((size + _ROUND_LARGE - 1) // _ROUND_LARGE)
 
 
+@dataclass(slots=True, eq=False)
 class _Block:
-    __slots__ = ("segment", "small", "offset", "size", "free", "prev", "next")
-
-    def __init__(self, segment: int, small: bool, offset: int, size: int) -> None:
-        self.segment = segment
-        self.small = small
-        self.offset = offset
-        self.size = size
-        self.free = True
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
+    segment: int
+    small: bool
+    offset: int
+    size: int
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
 
 
 class CachingAllocatorModel:

@@ -58,10 +58,6 @@ _active: MemoryTracker | None = None
 _active_where = ""
 
 
-def _active_tracker() -> MemoryTracker | None:
-    return _active
-
-
 def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` runs compiled code (``torch.compile(module)`` or ``module.compile()``)."""
     dynamo = sys.modules.get("torch._dynamo")  # torch.compile imports it

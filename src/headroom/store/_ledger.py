@@ -49,6 +49,7 @@ import stat
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -216,6 +217,15 @@ def _corrupt(path: Path, file: Path, what: str, *, recover: bool = False
         " model into it and hr.load(checkpoint, model, optimizer)", str(path))
 
 
+@contextlib.contextmanager
+def _refused(path: Path, file: Path, what: str) -> Iterator[None]:
+    """A malformed value met inside raises `_corrupt` naming ``file``, ``what`` and the value."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _corrupt(path, file, f"{what} ({e!r})") from None
+
+
 def _acquire(path: Path) -> int:
     """Open and lock the folder's lock file (released by the OS when the process dies)."""
     try:
@@ -366,7 +376,6 @@ class Ledger:
         self.inflight: dict[int, dict] = {}  # seq of a "w" record -> the record
         self.seq = 0
         self.counter = 0
-        self.found_index = False
         self.was_clean = True  # the last session closed (as found when opening)
         self.had_writes = False  # it changed something after its last flush
         self.dirty = False
@@ -419,7 +428,6 @@ class Ledger:
         data = None
         raw = _read_meta(index)
         if raw is not None:
-            self.found_index = True
             body, sealed = _unseal(raw)
             if sealed is False:
                 raise _corrupt(self.path, index, "does not match its checksum (damaged on disk"
@@ -442,10 +450,8 @@ class Ledger:
                 # Versions 1 and 2 had no checksum; a later one without it lost it to damage.
                 raise _corrupt(self.path, index, f"has no valid checksum field (version"
                                f" {data.get('version')!r} ends with one; damaged or edited)")
-            try:
+            with _refused(self.path, index, "has an invalid entry"):
                 self._load_index(data)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise _corrupt(self.path, index, f"has an invalid entry ({e!r})") from None
         replayed = self._replay()
         if data is None and not replayed and any(
                 _BIN.fullmatch(n) for n in os.listdir(self.path)):
@@ -497,7 +503,7 @@ class Ledger:
         stay inside the folder]); later allocations are numbered after it."""
         if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
             raise ValueError(f"{what} {file!r}")
-        counter = _int(int(file.split("-", 1)[0]), f"number of {what} {file!r}",
+        counter = _int(int(file.split("-", 1)[0]), f"file number in {what} {file!r}",
                        hi=MAX_COUNTER)
         self.counter = max(self.counter, counter)
 
@@ -506,8 +512,7 @@ class Ledger:
             raise TypeError(f"key {key!r} is not a string")
         if key in self.entries:
             raise ValueError(f"{key!r} is allocated twice")
-        if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
-            raise ValueError(f"file name {file!r} of {key!r}")
+        self._file_name(file, f"file name of {key!r}")
         if file in self._files:
             raise ValueError(f"file {file!r} of {key!r} belongs to another tensor too")
         if file in self.freed:
@@ -519,8 +524,6 @@ class Ledger:
             n *= _int(s, f"dimension of {key!r}", hi=MAX_TENSOR_BYTES)
             if n > MAX_TENSOR_BYTES:
                 raise ValueError(f"shape {shape} of {key!r}: more than {MAX_TENSOR_BYTES} bytes")
-        counter = _int(int(file.split("-", 1)[0]), f"file number of {key!r}", hi=MAX_COUNTER)
-        self.counter = max(self.counter, counter)
         self._files.add(file)
         return {"file": file, "shape": list(shape), "dtype": dtype, "nbytes": n}
 
@@ -565,10 +568,8 @@ class Ledger:
             if s != self.seq + 1:
                 raise _corrupt(self.path, journal, f"record {no} has sequence number {s}, "
                                f"expected {self.seq + 1} (records are missing)")
-            try:
+            with _refused(self.path, journal, f"record {no} is invalid"):
                 self._apply(rec)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise _corrupt(self.path, journal, f"record {no} is invalid ({e!r})") from None
             self.seq = s
             records.append(rec)
         return records

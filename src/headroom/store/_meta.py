@@ -86,21 +86,22 @@ class Places:
         self._made: dict[int, weakref.ref] = {}  # made by host code, while they live
 
     def on_host(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        self.host.add(st._cdata)
-        self._keep.append(st)
-        return t
+        return self._name(t, self.host)
 
     def no_memory(self, t: torch.Tensor) -> torch.Tensor:
+        return self._name(t, self.nowhere)
+
+    def _name(self, t: torch.Tensor, where: set[int]) -> torch.Tensor:
         st = t.untyped_storage()
-        self.nowhere.add(st._cdata)
+        where.add(st._cdata)
         self._keep.append(st)
         return t
 
     @contextlib.contextmanager
     def host_code(self) -> Iterator[None]:
         """Tensors made inside are host memory (a step that runs on the host), also those the
-        tracker sees only later (optimizer state made in the untracked first step)."""
+        tracker sees only later (optimizer state made in the untracked first step): a dispatch
+        mode notes the storage of every ``meta`` tensor an op makes."""
         self.depth += 1
         try:
             with _MarkMade(self):
@@ -124,21 +125,19 @@ class Places:
 
 
 class _MarkMade(TorchDispatchMode):
-    """Notes the storages of every ``meta`` tensor an op makes (see `Places.host_code`)."""
-
     def __init__(self, places: Places) -> None:
         super().__init__()
         self.places = places
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         made = [t for t in outs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         if made:
             # views and in-place results are the inputs' storages, not new ones (an op's
             # arguments are tensors or lists of them: `flat_tensors` finds them all)
-            given = {t.untyped_storage()._cdata for t in flat_tensors([*args, *kwargs.values()])}
+            given = {t.untyped_storage()._cdata
+                     for t in flat_tensors([*args, *(kwargs or {}).values()])}
             for t in made:
                 if t.untyped_storage()._cdata not in given:
                     self.places._mark_made(t)

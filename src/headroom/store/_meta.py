@@ -109,12 +109,6 @@ class Places:
         finally:
             self.depth -= 1
 
-    def _mark_made(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key not in self._made:
-            self._made[key] = weakref.ref(st, lambda _, k=key: self._made.pop(k, None))
-
     def where(self, key: int) -> str | None:
         """``"nowhere"``, ``"host"`` or ``None`` (the compute device) for a new storage."""
         if key in self.nowhere:
@@ -122,6 +116,12 @@ class Places:
         if key in self.host or self.depth > 0 or key in self._made:
             return "host"
         return None
+
+    def _mark_made(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._made:
+            self._made[key] = weakref.ref(st, lambda _, k=key: self._made.pop(k, None))
 
 
 class _MarkMade(TorchDispatchMode):

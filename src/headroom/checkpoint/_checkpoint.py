@@ -37,11 +37,14 @@ from headroom.checkpoint._file import (
     CheckpointCorruptError,
     Checksums,
     Reader,
+    Seal,
     available_memory,
     build_header,
     byte_view,
+    fsync_dir,
     seal_header,
-    temp_path,
+    store_slices,
+    write_file,
 )
 from headroom.checkpoint._names import refuse_quantized
 from headroom.optim import HostOptimizer, saved_view
@@ -91,21 +94,10 @@ class _Item:
             sums.add(self.name, t, temporary=t.data_ptr() != host.data_ptr())
             _write_bytes(f, t)
             return
-        if not h.shape:
-            t = self.store.read(h).result()
-            sums.add(self.name, t, temporary=True)
-            _write_bytes(f, t)
-            return
-        per = max(1, _CHUNK // max(1, h.row_nbytes))
-        # Read slice i+1 while slice i is written: disk reads overlap file writes (and
-        # the checksum of slice i, on the checksum thread, overlaps its write too).
-        nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
-        for a in range(0, h.shape[0], per):
-            cur = nxt
-            b = min(a + per, h.shape[0])
-            if b < h.shape[0]:
-                nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
-            t = cur.result()
+        # Disk reads overlap file writes (and the checksum of a slice, on the checksum
+        # thread, overlaps its write too).
+        slices = store_slices(self.store, h, _CHUNK) if h.shape else [self.store.read(h).result()]
+        for t in slices:
             sums.add(self.name, t, temporary=True)
             _write_bytes(f, t)
 
@@ -249,9 +241,6 @@ def _optimizer_items(
     return items, meta
 
 
-_fdatasync = getattr(os, "fdatasync", os.fsync)
-
-
 def save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -328,49 +317,23 @@ def _save(
     if checksums:
         meta["crc32c"] = {it.name: PLACEHOLDER for it in items}
     blob = build_header(meta, items)
-    directory = os.path.dirname(os.path.abspath(path))
-    with temp_path(path) as tmp:
-        sums = Checksums(checksums)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(len(blob).to_bytes(8, "little"))
-                f.write(blob)
-                for it in items:
-                    it.write_to(f, sums)
-                if checksums:
-                    f.flush()
-                    # The data goes to the disk while the checksums are computed; the
-                    # header rewritten below then costs one more sync of a single page.
-                    sums.start()
-                    os.fsync(f.fileno())
-                crcs = sums.finish()
-                if checksums:
-                    meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
-                    final = seal_header(build_header(meta, items))
-                    if len(final) != len(blob):
-                        raise AssertionError("the checksums changed the header's length")
-                    f.seek(8)
-                    f.write(final)
-                f.flush()
-                if checksums:
-                    _fdatasync(f.fileno())  # one page changed since the fsync above
-                else:
-                    os.fsync(f.fileno())
-            # os.replace is atomic on POSIX and Windows: readers see the old file or new.
-            os.replace(tmp, path)
-        except BaseException:
-            sums.close()
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+    def write(f: BinaryIO) -> None:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for it in items:
+            it.write_to(f, sums)
+
+    def sealed(crcs: dict[str, int]) -> bytes:
+        meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
+        return seal_header(build_header(meta, items))
+
+    sums = Checksums(checksums)
     try:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # pragma: no cover - directories cannot be fsynced on some systems
-        pass
+        write_file(path, write, Seal(sums, sealed, len(blob)) if checksums else None)
+    finally:
+        sums.close()
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 class _LazyState(Mapping):

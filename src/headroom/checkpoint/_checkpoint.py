@@ -46,7 +46,7 @@ from headroom.checkpoint._file import (
     store_slices,
     write_file,
 )
-from headroom.checkpoint._names import refuse_quantized
+from headroom.checkpoint._names import module_tensors, refuse_quantized
 from headroom.optim import HostOptimizer, saved_view
 from headroom.residency import offload_states
 from headroom.store import Handle, Store
@@ -166,16 +166,7 @@ def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Te
             state.init_pending()  # values for what was created on meta and never loaded
         else:
             state.drop_announced()  # values about to be written: prefetched copies would be stale
-    out: dict[str, torch.Tensor] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        for n, p in m._parameters.items():
-            if p is not None:
-                out[prefix + n] = p
-        for n, b in m._buffers.items():
-            if b is not None and n not in m._non_persistent_buffers_set:
-                out[prefix + n] = b
-    return out
+    return {name: t for name, _, _, t, _ in module_tensors(model)}
 
 
 _QUANTIZED_FIX = (

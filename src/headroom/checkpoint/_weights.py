@@ -32,7 +32,7 @@ from headroom.checkpoint._file import (
     store_slices,
     write_file,
 )
-from headroom.checkpoint._names import checkpoint_names, refuse_quantized
+from headroom.checkpoint._names import checkpoint_names, module_tensors, refuse_quantized
 from headroom.residency import offload_states, quantize_block
 from headroom.store import (
     MAX_HEADER_BYTES,
@@ -189,19 +189,12 @@ def _where(files: list[SafetensorsFile], weight_map: dict[str, str] | None,
 
 def _targets(model: nn.Module) -> list[_Target]:
     by_id: dict[int, _Target] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        items = [(n, t, False) for n, t in m._parameters.items()]
-        items += [(n, t, True) for n, t in m._buffers.items()
-                  if n not in m._non_persistent_buffers_set]
-        for n, t, is_buffer in items:
-            if t is None:
-                continue
-            tgt = by_id.setdefault(id(t), _Target(t, is_buffer))
-            if prefix + n not in tgt.names:
-                tgt.names.append(prefix + n)
-            if (m, n) not in tgt.owners:
-                tgt.owners.append((m, n))
+    for name, m, attr, t, is_buffer in module_tensors(model):
+        tgt = by_id.setdefault(id(t), _Target(t, is_buffer))
+        if name not in tgt.names:
+            tgt.names.append(name)
+        if (m, attr) not in tgt.owners:
+            tgt.owners.append((m, attr))
     return list(by_id.values())
 
 

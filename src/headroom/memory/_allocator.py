@@ -111,16 +111,10 @@ class CachingAllocatorModel:
             if other is not None and other.free:
                 self._remove(other, small)
                 if other is block.prev:
-                    other.size += block.size
-                    other.next = block.next
-                    if block.next is not None:
-                        block.next.prev = other
+                    _absorb(other, block)
                     block = other
                 else:
-                    block.size += other.size
-                    block.next = other.next
-                    if other.next is not None:
-                        other.next.prev = block
+                    _absorb(block, other)
         self._insert(block, small)
 
     def _insert(self, block: _Block, small: bool) -> None:
@@ -133,3 +127,11 @@ class CachingAllocatorModel:
             pool.pop(i)
         else:  # pragma: no cover - pools are kept consistent above
             pool[:] = [e for e in pool if e[3] is not block]
+
+
+def _absorb(left: _Block, right: _Block) -> None:
+    """Merge free ``right`` into its neighbour ``left``."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left

@@ -603,10 +603,13 @@ class MemoryTracker:
                     f"{root_name}.{name}" if (multi and name) else name or root_name
                 )
                 self._classes.setdefault(self._names[id(m)], type(m).__name__)
-            for p in m.parameters(recurse=False):
-                self._see_param(p, PARAMETERS, m)
-            for b in m.buffers(recurse=False):
-                self._see(b, BUFFERS)
+            self._see_module(m)
+
+    def _see_module(self, m: nn.Module) -> None:
+        for p in m.parameters(recurse=False):
+            self._see_param(p, PARAMETERS, m)
+        for b in m.buffers(recurse=False):
+            self._see(b, BUFFERS)
 
     def _remember_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         ctx = self._context
@@ -648,10 +651,7 @@ class MemoryTracker:
         if name is None:
             name = self._names[id(module)] = type(module).__name__
             self._classes.setdefault(name, name)
-            for p in module.parameters(recurse=False):
-                self._see_param(p, PARAMETERS, module)
-            for b in module.buffers(recurse=False):
-                self._see(b, BUFFERS)
+            self._see_module(module)
         self._stack.append(name)
 
     def _post_fw(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -687,8 +687,8 @@ class MemoryTracker:
             return "forward"
         return "other"
 
-    def _module_label(self) -> str:
-        phase = self._phase()
+    def _module_label(self, phase: str | None = None) -> str:
+        phase = phase or self._phase()
         if phase == "forward":
             return self._stack[-1]
         if phase == "backward":
@@ -702,12 +702,7 @@ class MemoryTracker:
         with self._lock:
             self._dirty = False
             phase = self._phase()
-            if phase == "forward":
-                label = (phase, self._stack[-1])
-            elif phase == "backward":
-                label = (phase, self._bwd_module)
-            else:
-                label = (phase, "")
+            label = (phase, self._module_label(phase))
             idx = self._label_index.get(label)
             if idx is None:
                 idx = self._label_index[label] = len(self._labels)

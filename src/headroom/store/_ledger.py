@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from headroom.store._safetensors import DuplicateKey, unique_keys
 from headroom.store._segments import BAD, Segments, crc, put, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError
 
@@ -86,24 +87,11 @@ _SEAL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\Z')
 _SEAL_BYTES = 18  # len(b',"crc":"xxxxxxxx"}')
 
 
-class _DuplicateKey(ValueError):
-    """A JSON object of the index or journal names one key twice."""
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(f"the key {k!r} appears twice in one object")
-        out[k] = v
-    return out
-
-
 def _loads(raw: bytes):
     """JSON of the index or a journal record; an object naming a key twice is refused (a
     damaged or edited name may have become another tensor's, whose entry the parser would then
     silently replace)."""
-    return json.loads(raw, object_pairs_hook=_no_duplicates)
+    return json.loads(raw, object_pairs_hook=unique_keys)
 
 
 def _seal(body: bytes) -> bytes:
@@ -436,7 +424,7 @@ class Ledger:
                 data = _loads(body)
                 if not isinstance(data, dict):
                     raise ValueError("not a JSON object")
-            except _DuplicateKey as e:
+            except DuplicateKey as e:
                 raise _corrupt(self.path, index, f"is damaged or edited: {e}") from None
             except (ValueError, RecursionError) as e:
                 raise _corrupt(self.path, index, f"is unreadable, truncated or garbled ({e})")\
@@ -546,7 +534,7 @@ class Ledger:
                 if line[8:9] != b" " or int(line[:8], 16) != crc(body):
                     raise ValueError("checksum")
                 rec = _loads(body)
-            except _DuplicateKey as e:
+            except DuplicateKey as e:
                 raise _corrupt(self.path, journal, f"record {no} is invalid ({e})") from None
             except (ValueError, RecursionError):
                 bad = no

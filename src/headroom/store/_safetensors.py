@@ -22,15 +22,8 @@ import torch
 
 from headroom.store._segments import crc
 
-__all__ = [
-    "MAX_HEADER_BYTES",
-    "HeaderError",
-    "SafetensorsFile",
-    "TensorInfo",
-    "open_regular",
-    "parse_header",
-    "safetensors_dtypes",
-]
+__all__ = ["MAX_HEADER_BYTES", "DuplicateKey", "HeaderError", "SafetensorsFile", "TensorInfo",
+           "open_regular", "parse_header", "safetensors_dtypes", "unique_keys"]
 
 _CODES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -76,12 +69,17 @@ def _constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _pairs(pairs: list) -> dict:
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice (a parser would silently keep the last value)."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """``json.loads``'s ``object_pairs_hook`` that refuses a key named twice."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {dup!r} appears twice in one object")
+        raise DuplicateKey(f"the key {dup!r} appears twice in one object")
     return out
 
 
@@ -118,7 +116,7 @@ def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, Tenso
     except UnicodeDecodeError as e:
         raise HeaderError(f"its header is not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
-        header = json.loads(text, parse_constant=_constant, object_pairs_hook=_pairs)
+        header = json.loads(text, parse_constant=_constant, object_pairs_hook=unique_keys)
     except RecursionError:
         raise HeaderError("its header is JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, NaN, a duplicate key, an integer too long

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import re
@@ -22,6 +21,7 @@ from headroom.store._handle import Handle
 from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
 from headroom.store._pools import Pool, stop_pool
 from headroom.store._recover import file_crcs, open_checks
+from headroom.store._safetensors import buffer_view
 from headroom.store._segments import BAD, combine, crc, scan
 from headroom.store._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
@@ -47,16 +47,6 @@ def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> N
         written[0] += n
         buf = buf[n:]
         offset += n
-
-
-def _view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive."""
-    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize their
-    # storage to 0 between uses.
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -576,7 +566,7 @@ class DiskStore(Store):
         this piece's share of the segments the read covers."""
         covered = check.covered()
         with self._counted("read", extents):
-            mv = _view(t)
+            mv = buffer_view(t)
             fd = open_file(path, os.O_RDONLY, key=check.key)
             try:
                 if covered:
@@ -625,7 +615,7 @@ class DiskStore(Store):
         # The CRC of each extent is taken from the source buffer here, in the I/O thread (crc32c
         # releases the GIL), before the first byte goes out: a write the process does not live to
         # finish is then still recognised as complete or torn when the store reopens.
-        mv = _view(t)
+        mv = buffer_view(t)
         if len(extents) <= MAX_EXTENTS:
             x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
         else:
@@ -672,7 +662,7 @@ class DiskStore(Store):
                      extents: list[tuple[int, int, int]]) -> None:
         fd = self._open_for_write(key, path)
         try:
-            self._pwrite_extents(fd, _view(t), extents, [0])
+            self._pwrite_extents(fd, buffer_view(t), extents, [0])
         except OSError as e:
             raise self._io_error(e, path) from e
         finally:

@@ -22,10 +22,9 @@ import warnings
 from concurrent.futures import Executor
 from pathlib import Path
 
-import torch
-
 from headroom.store._ledger import Ledger, not_regular, open_file
-from headroom.store._segments import combine, crc, crc_of_range, zeros_crc
+from headroom.store._safetensors import crc_of_file
+from headroom.store._segments import combine, crc_of_range, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError, StoreFullError
 
 __all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text"]
@@ -37,21 +36,13 @@ ASIDE = ".unaccounted"  # what recover=True appends to the name of a file it can
 
 def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
     """CRC32C of ``length`` bytes of ``path`` at ``start``; ``None`` if the file is shorter."""
-    buf = torch.empty(min(length, _BUF), dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
     try:
         fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        c, off, left = 0, start, length
-        while left:
-            n = os.preadv(fd, [mv[:min(left, len(mv))]], off)
-            if n == 0:
-                return None
-            c = crc(mv[:n], c)
-            off, left = off + n, left - n
-        if not page_cache:
+        c = crc_of_file(fd, start, length, memoryview(bytearray(min(length, _BUF))))
+        if c is not None and not page_cache:
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

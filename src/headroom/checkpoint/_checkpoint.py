@@ -81,17 +81,11 @@ class _Item:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def write_to(self, f: BinaryIO, sums: Checksums) -> None:
-        if self.tensor is not None:
-            src = self.tensor.detach()
+        h = self.handle
+        src = self.tensor.detach() if self.tensor is not None else self.store.host_tensor(h)
+        if src is not None:
             t = src.cpu().contiguous()
             sums.add(self.name, t, temporary=t.data_ptr() != src.data_ptr())
-            _write_bytes(f, t)
-            return
-        h = self.handle
-        host = self.store.host_tensor(h)
-        if host is not None:
-            t = host.contiguous()
-            sums.add(self.name, t, temporary=t.data_ptr() != host.data_ptr())
             _write_bytes(f, t)
             return
         # Disk reads overlap file writes (and the checksum of a slice, on the checksum

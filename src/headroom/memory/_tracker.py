@@ -842,22 +842,21 @@ class MemoryTracker:
         """
         self._check_used()
         if device is None:
-            value, cats = self._peak_view(self._peak)
-            alloc = dict(self._peak.allocator)
-            for d, (a, r) in self._alloc_max.items():
-                alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = a, r
-            return DeviceStats(value, cats, self.max_by_category, self.current, alloc)
-        name = device_name(torch.device(device))
-        if name not in self._dev_peak:
-            seen = ", ".join(self._current) or "none"
-            raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")
-        value, cats = self._peak_view(self._dev_peak[name])
-        with self._lock:
-            mx = dict(zip(CATEGORIES, self._max[name], strict=True))
-            cur = sum(self._current[name])
-        alloc = dict(self._dev_peak[name].allocator)
-        if name in self._alloc_max:
-            alloc[f"{name}/max_allocated"], alloc[f"{name}/max_reserved"] = self._alloc_max[name]
+            peak, names = self._peak, list(self._alloc_max)
+            mx, cur = self.max_by_category, self.current
+        else:
+            name = device_name(torch.device(device))
+            if name not in self._dev_peak:
+                seen = ", ".join(self._current) or "none"
+                raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")
+            peak, names = self._dev_peak[name], [name] if name in self._alloc_max else []
+            with self._lock:
+                mx = dict(zip(CATEGORIES, self._max[name], strict=True))
+                cur = sum(self._current[name])
+        value, cats = self._peak_view(peak)
+        alloc = dict(peak.allocator)
+        for d in names:
+            alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = self._alloc_max[d]
         return DeviceStats(value, cats, mx, cur, alloc)
 
     # ------------------------------------------------------------------ reports

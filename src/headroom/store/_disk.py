@@ -409,13 +409,9 @@ class DiskStore(Store):
                            thread_name_prefix="hr-disk-w")
         self._closed = False
         self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
+        ledger = None
         try:
-            self._ledger = Ledger.open(self.path, overwrite=overwrite, recover=recover)
-        except BaseException:
-            self._pool.shutdown()
-            self._wpool.shutdown()
-            raise
-        try:
+            self._ledger = ledger = Ledger.open(self.path, overwrite=overwrite, recover=recover)
             open_checks(self._ledger, self._pool, verify=verify, recover=recover,
                         page_cache=page_cache)
             for name in self._ledger.orphans():
@@ -426,7 +422,8 @@ class DiskStore(Store):
                 self._ledger.free(key)  # scratch of a process that stopped: worth nothing
                 self._ledger.remove(name)
         except BaseException:
-            self._ledger.release()
+            if ledger is not None:
+                ledger.release()
             self._pool.shutdown()
             self._wpool.shutdown()
             raise

@@ -165,13 +165,8 @@ def _read_meta(path: Path) -> bytes | None:
         fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def forked_error(what: str, pid: int) -> RuntimeError:
@@ -654,18 +649,19 @@ class Ledger:
         """Journal a new tensor; returns its file name (``NNNNNN-name.bin``)."""
         with self.lock:
             file = f"{self.counter + 1:06d}-{name}.bin"
-            rec = {"op": "alloc", "k": key, "f": file, "shape": list(shape), "dtype": dtype}
-            self._append(rec)
-            self._apply(rec)
-            self._maybe_compact()
+            self._record({"op": "alloc", "k": key, "f": file, "shape": list(shape),
+                          "dtype": dtype})
             return file
 
     def free(self, key: str) -> None:
         with self.lock:
-            rec = {"op": "free", "k": key}
-            self._append(rec)
-            self._apply(rec)
-            self._maybe_compact()
+            self._record({"op": "free", "k": key})
+
+    def _record(self, rec: dict) -> None:
+        """Journal ``rec``, then apply it (caller holds ``lock``)."""
+        self._append(rec)
+        self._apply(rec)
+        self._maybe_compact()
 
     def exchange(self, pairs: list[tuple[str, str]]) -> None:
         """Journal and apply an exchange of the files of each pair of keys (one record: a

@@ -4,17 +4,9 @@ The file is a standard safetensors file: tensors named ``model/<state_dict key>`
 ``optimizer/<param index>/<state key>``, and the rest (optimizer class, hyperparameters,
 parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
 It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
-never gathered whole), to a temporary file next to ``path`` that replaces ``path`` only once it
-is complete and on disk: a crash mid-save leaves the previous checkpoint intact, and the next
-save on the same host removes the temporary file the crashed process left.
-
-Integrity (format version 2): the JSON holds a CRC32C of every tensor's bytes as they lie in
-the file (``"crc32c"``), and one of the header itself (``"header_crc32c"``, computed with its
-own eight hex digits read as ``0``). The header comes before the data, so it is written first
-with placeholders of the same width and rewritten in place once the data is written. `load`
-checks the header before it parses it and every tensor before it uses it. Version 1 files
-(no checksums) still load, unverified. The file format itself (header, checksums, checked
-reading, temporary files) lives in `headroom.checkpoint._file`.
+never gathered whole) and replaces ``path`` only once complete and on disk (see `save`). Its
+checksums (format version 2; version 1 files, without them, still load unverified), temporary
+files and checked reading live in `headroom.checkpoint._file`.
 """
 
 from __future__ import annotations

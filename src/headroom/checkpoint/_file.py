@@ -2,10 +2,12 @@
 
 A checkpoint is a standard safetensors file whose header carries, in its headroom JSON, the
 CRC32C of every tensor's bytes as they lie in the file and one of the header itself (format
-version 2). `Checksums` computes them while `save` writes, `seal_header` puts them into the
-header, `temp_path` names the temporary file and removes the ones crashed saves left, and
-`Reader` opens a file, checks everything that can be checked without the data, and hands out
-tensors verified against their checksums.
+version 2; the header's own with its eight hex digits read as ``0``). `Checksums` computes them
+while `save` writes, `seal_header` puts them into the header, `write_file` writes a file under a
+temporary name (`temp_path`, which removes the ones crashed saves left) and renames it once
+synced, its header first written with placeholders of the same width and rewritten (`Seal`)
+once the data is; `Reader` opens a file, checks everything that can be checked without the
+data, and hands out tensors verified against their checksums.
 """
 
 from __future__ import annotations
@@ -178,8 +180,6 @@ def remove_stale_temps(path: str) -> list[str]:
         entries = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
     except OSError:
         return removed
-
-
     for name in entries:
         parts = name[len(prefix):].rsplit("-", 2)
         if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():

@@ -69,10 +69,6 @@ class _Target:
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
-def _files(path: Path) -> list[Path]:
-    return _sources(path)[0]
-
-
 def _sources(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The files of the checkpoint at ``path``, and its index's name -> file map (if any)."""
     if path.is_file():

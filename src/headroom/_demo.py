@@ -13,6 +13,7 @@ Every number printed is measured in this run by ``hr.track_memory``, and every "
 
 from __future__ import annotations
 
+import copy
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import headroom as hr
+from headroom.memory import format_bytes
 
 
 class _Block(nn.Module):
@@ -71,8 +75,6 @@ def _train(model, opt, x_all, y_all, steps: int, *, bar=None, mem=None) -> None:
         if bar is not None:
             bar.update(1)
             if step % 10 == 0 and mem is not None:
-                from headroom.memory import format_bytes
-
                 bar.set_postfix(loss=f"{loss.item():.3f}", peak=format_bytes(mem.peak))
 
 
@@ -85,8 +87,6 @@ def progress(total: int, desc: str) -> Any:
 
 
 def _part_track(steps: int, out: Path, plot: bool) -> list[Path]:
-    import headroom as hr
-
     print("== 1. where memory goes: hr.track_memory on a training run")
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
@@ -113,8 +113,6 @@ def _part_track(steps: int, out: Path, plot: bool) -> list[Path]:
 
 
 def _part_offload(steps: int) -> None:
-    import headroom as hr
-
     print("\n== 2. parameters, gradients and Adam state on disk: hr.offload + hr.HostOptimizer")
     g = torch.Generator().manual_seed(0)
     x_all, y_all = _task(4096, 64, 10, g)
@@ -159,8 +157,6 @@ def _part_offload(steps: int) -> None:
 
 
 def _part_convert() -> None:
-    import headroom as hr
-
     print("\n== 3. keep less for backward: hr.convert, fine-tuning only the norms")
 
     def cnn() -> nn.Module:
@@ -192,8 +188,6 @@ def _part_convert() -> None:
 
 
 def _part_classes() -> None:
-    import headroom as hr
-
     print("\n== 4. cross-entropy over 131072 classes without the batch x classes logits")
     torch.manual_seed(0)
     b, d, c = 256, 64, 131072
@@ -221,8 +215,6 @@ def _part_classes() -> None:
 
 
 def _part_hf() -> None:
-    import headroom as hr
-
     print("\n== 5. a Hugging Face model from its safetensors: on disk, fine-tuned in bf16, saved")
     try:
         import transformers
@@ -270,10 +262,6 @@ def _part_hf() -> None:
 
 
 def _part_activations() -> None:
-    import copy
-
-    import headroom as hr
-
     print("\n== 6. what backward needs rests on disk: hr.offload_activations")
     torch.manual_seed(0)
     plain = nn.Sequential(*[_Block(256) for _ in range(6)])

@@ -1,18 +1,14 @@
 """The one owner of headroom's saved-tensor hooks: how its users of them compose.
 
-PyTorch applies only the innermost ``saved_tensors_hooks`` pair to a saved tensor. headroom has
-two kinds of users: *observers*, which must see every saved tensor and learn when autograd lets
-go of it (the memory tracker), and one *keeper*, which decides what autograd keeps in place of
-the tensor (activation offload keeps a ticket to a store). Pushed separately, the inner one
-would hide saved tensors from the outer one. So each of them enters here, and headroom pushes
-one pair that does all of it: every observer sees the tensor, then the keeper (if any) packs it.
-Entering and leaving is last in, first out, like PyTorch's own stack; a hook pushed by someone
-else in between (a checkpoint region) stays innermost, as it would without headroom.
-
-[Note: saved-tensor hooks] headroom's users of saved-tensor hooks (the memory tracker observes
-every saved tensor; activation offload keeps a ticket instead of the tensor) enter through this
-module, which pushes one pair that serves all of them, so neither hides saved tensors from the
-other. ``headroom.nn``'s own per-op hooks run only where no other hooks are active
+[Note: saved-tensor hooks] PyTorch applies only the innermost ``saved_tensors_hooks`` pair to a
+saved tensor. headroom has two kinds of users: *observers*, which must see every saved tensor and
+learn when autograd lets go of it (the memory tracker), and one *keeper*, which decides what
+autograd keeps in place of the tensor (activation offload keeps a ticket to a store). Pushed
+separately, the inner one would hide saved tensors from the outer one. So each of them enters here,
+and headroom pushes one pair that does all of it: every observer sees the tensor, then the keeper
+(if any) packs it. Entering and leaving is last in, first out, like PyTorch's own stack; a hook
+pushed by someone else in between (a checkpoint region) stays innermost, as it would without
+headroom. ``headroom.nn``'s own per-op hooks run only where no other hooks are active
 (``nn._common.hooks_free``).
 """
 
@@ -80,24 +76,21 @@ def _pop() -> None:
 
 
 @contextlib.contextmanager
-def observing(observer: Observer) -> Iterator[None]:
+def _entered(users: list, user: Any) -> Iterator[None]:
+    users.append(user)
+    _push()
+    try:
+        yield
+    finally:
+        _pop()
+        users.remove(user)
+
+
+def observing(observer: Observer) -> contextlib.AbstractContextManager[None]:
     """Within the block, ``observer`` sees every tensor autograd saves on this thread."""
-    _observers.append(observer)
-    _push()
-    try:
-        yield
-    finally:
-        _pop()
-        _observers.remove(observer)
+    return _entered(_observers, observer)
 
 
-@contextlib.contextmanager
-def keeping(keeper: Keeper) -> Iterator[None]:
+def keeping(keeper: Keeper) -> contextlib.AbstractContextManager[None]:
     """Within the block, ``keeper`` decides what autograd keeps for each saved tensor."""
-    _keepers.append(keeper)
-    _push()
-    try:
-        yield
-    finally:
-        _pop()
-        _keepers.remove(keeper)
+    return _entered(_keepers, keeper)

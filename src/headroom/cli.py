@@ -44,7 +44,6 @@ def _find_module(name: str) -> str | None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if args.module:
         # Like `python -m`, the current folder comes first on sys.path.

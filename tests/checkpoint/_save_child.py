@@ -65,12 +65,12 @@ def save_and_signal(folder: str, seed: int, shard: int, stop_at: int, sig: int) 
 def save_and_kill_at_seal(folder: str, seed: int) -> None:
     """Save model(seed) into folder, killed (SIGKILL) once the data is written, before the
     header is rewritten with its checksums."""
-    from headroom.checkpoint import _weights
+    from headroom.checkpoint import _file
 
     def kill(self) -> bytes:
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)
         raise AssertionError("not killed")  # pragma: no cover
 
-    _weights._Seal.header = kill
+    _file.Seal.header = kill
     save_weights(model(seed), folder)

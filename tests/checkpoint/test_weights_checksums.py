@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import headroom as hr
-from headroom.checkpoint import _weights
+from headroom.checkpoint import _file, _weights
 from headroom.store import DiskStore
 
 from . import _save_child as child
@@ -319,7 +319,7 @@ def test_an_exception_while_saving_leaves_the_previous_checkpoint(tmp_path, wher
     if where == "data":
         monkeypatch.setattr(_weights, "_chunks", failing_chunks)
     else:
-        monkeypatch.setattr(_weights._Seal, "header", failing_header)
+        monkeypatch.setattr(_file.Seal, "header", failing_header)
     with pytest.raises(OSError, match="injected"):
         hr.save_weights(child.model(1), folder)
     monkeypatch.undo()

@@ -4,17 +4,9 @@ The file is a standard safetensors file: tensors named ``model/<state_dict key>`
 ``optimizer/<param index>/<state key>``, and the rest (optimizer class, hyperparameters,
 parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
 It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
-never gathered whole), to a temporary file next to ``path`` that replaces ``path`` only once it
-is complete and on disk: a crash mid-save leaves the previous checkpoint intact, and the next
-save on the same host removes the temporary file the crashed process left.
-
-Integrity (format version 2): the JSON holds a CRC32C of every tensor's bytes as they lie in
-the file (``"crc32c"``), and one of the header itself (``"header_crc32c"``, computed with its
-own eight hex digits read as ``0``). The header comes before the data, so it is written first
-with placeholders of the same width and rewritten in place once the data is written. `load`
-checks the header before it parses it and every tensor before it uses it. Version 1 files
-(no checksums) still load, unverified. The file format itself (header, checksums, checked
-reading, temporary files) lives in `headroom.checkpoint._file`.
+never gathered whole) and replaces ``path`` only once complete and on disk (see `save`). Its
+checksums (format version 2; version 1 files, without them, still load unverified), temporary
+files and checked reading live in `headroom.checkpoint._file`.
 """
 
 from __future__ import annotations
@@ -37,13 +29,16 @@ from headroom.checkpoint._file import (
     CheckpointCorruptError,
     Checksums,
     Reader,
+    Seal,
     available_memory,
     build_header,
     byte_view,
+    fsync_dir,
     seal_header,
-    temp_path,
+    store_slices,
+    write_file,
 )
-from headroom.checkpoint._names import refuse_quantized
+from headroom.checkpoint._names import module_tensors, refuse_quantized
 from headroom.optim import HostOptimizer, saved_view
 from headroom.residency import offload_states
 from headroom.store import Handle, Store
@@ -78,34 +73,17 @@ class _Item:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def write_to(self, f: BinaryIO, sums: Checksums) -> None:
-        if self.tensor is not None:
-            src = self.tensor.detach()
+        h = self.handle
+        src = self.tensor.detach() if self.tensor is not None else self.store.host_tensor(h)
+        if src is not None:
             t = src.cpu().contiguous()
             sums.add(self.name, t, temporary=t.data_ptr() != src.data_ptr())
             _write_bytes(f, t)
             return
-        h = self.handle
-        host = self.store.host_tensor(h)
-        if host is not None:
-            t = host.contiguous()
-            sums.add(self.name, t, temporary=t.data_ptr() != host.data_ptr())
-            _write_bytes(f, t)
-            return
-        if not h.shape:
-            t = self.store.read(h).result()
-            sums.add(self.name, t, temporary=True)
-            _write_bytes(f, t)
-            return
-        per = max(1, _CHUNK // max(1, h.row_nbytes))
-        # Read slice i+1 while slice i is written: disk reads overlap file writes (and
-        # the checksum of slice i, on the checksum thread, overlaps its write too).
-        nxt = self.store.read_rows(h, slice(0, min(per, h.shape[0])))
-        for a in range(0, h.shape[0], per):
-            cur = nxt
-            b = min(a + per, h.shape[0])
-            if b < h.shape[0]:
-                nxt = self.store.read_rows(h, slice(b, min(b + per, h.shape[0])))
-            t = cur.result()
+        # Disk reads overlap file writes (and the checksum of a slice, on the checksum
+        # thread, overlaps its write too).
+        slices = store_slices(self.store, h, _CHUNK) if h.shape else [self.store.read(h).result()]
+        for t in slices:
             sums.add(self.name, t, temporary=True)
             _write_bytes(f, t)
 
@@ -174,16 +152,7 @@ def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Te
             state.init_pending()  # values for what was created on meta and never loaded
         else:
             state.drop_announced()  # values about to be written: prefetched copies would be stale
-    out: dict[str, torch.Tensor] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        for n, p in m._parameters.items():
-            if p is not None:
-                out[prefix + n] = p
-        for n, b in m._buffers.items():
-            if b is not None and n not in m._non_persistent_buffers_set:
-                out[prefix + n] = b
-    return out
+    return {name: t for name, _, _, t, _ in module_tensors(model)}
 
 
 _QUANTIZED_FIX = (
@@ -247,9 +216,6 @@ def _optimizer_items(
     if inner_class is not None:
         meta["inner_class"] = inner_class
     return items, meta
-
-
-_fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 def save(
@@ -328,49 +294,23 @@ def _save(
     if checksums:
         meta["crc32c"] = {it.name: PLACEHOLDER for it in items}
     blob = build_header(meta, items)
-    directory = os.path.dirname(os.path.abspath(path))
-    with temp_path(path) as tmp:
-        sums = Checksums(checksums)
-        try:
-            with open(tmp, "wb") as f:
-                f.write(len(blob).to_bytes(8, "little"))
-                f.write(blob)
-                for it in items:
-                    it.write_to(f, sums)
-                if checksums:
-                    f.flush()
-                    # The data goes to the disk while the checksums are computed; the
-                    # header rewritten below then costs one more sync of a single page.
-                    sums.start()
-                    os.fsync(f.fileno())
-                crcs = sums.finish()
-                if checksums:
-                    meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
-                    final = seal_header(build_header(meta, items))
-                    if len(final) != len(blob):
-                        raise AssertionError("the checksums changed the header's length")
-                    f.seek(8)
-                    f.write(final)
-                f.flush()
-                if checksums:
-                    _fdatasync(f.fileno())  # one page changed since the fsync above
-                else:
-                    os.fsync(f.fileno())
-            # os.replace is atomic on POSIX and Windows: readers see the old file or new.
-            os.replace(tmp, path)
-        except BaseException:
-            sums.close()
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+    def write(f: BinaryIO) -> None:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for it in items:
+            it.write_to(f, sums)
+
+    def sealed(crcs: dict[str, int]) -> bytes:
+        meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
+        return seal_header(build_header(meta, items))
+
+    sums = Checksums(checksums)
     try:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # pragma: no cover - directories cannot be fsynced on some systems
-        pass
+        write_file(path, write, Seal(sums, sealed, len(blob)) if checksums else None)
+    finally:
+        sums.close()
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 class _LazyState(Mapping):

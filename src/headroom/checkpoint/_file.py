@@ -2,10 +2,12 @@
 
 A checkpoint is a standard safetensors file whose header carries, in its headroom JSON, the
 CRC32C of every tensor's bytes as they lie in the file and one of the header itself (format
-version 2). `Checksums` computes them while `save` writes, `seal_header` puts them into the
-header, `temp_path` names the temporary file and removes the ones crashed saves left, and
-`Reader` opens a file, checks everything that can be checked without the data, and hands out
-tensors verified against their checksums.
+version 2; the header's own with its eight hex digits read as ``0``). `Checksums` computes them
+while `save` writes, `seal_header` puts them into the header, `write_file` writes a file under a
+temporary name (`temp_path`, which removes the ones crashed saves left) and renames it once
+synced, its header first written with placeholders of the same width and rewritten (`Seal`)
+once the data is; `Reader` opens a file, checks everything that can be checked without the
+data, and hands out tensors verified against their checksums.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ import re
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 import crc32c
 import torch
 
 from headroom.store import (
     MAX_HEADER_BYTES,
+    Handle,
     HeaderError,
+    Store,
     open_regular,
     parse_header,
     safetensors_dtypes,
@@ -41,12 +46,16 @@ __all__ = [
     "CheckpointCorruptError",
     "Checksums",
     "Reader",
+    "Seal",
     "available_memory",
     "build_header",
     "byte_view",
+    "fsync_dir",
     "remove_stale_temps",
     "seal_header",
+    "store_slices",
     "temp_path",
+    "write_file",
 ]
 
 FORMAT = "headroom-checkpoint"
@@ -171,8 +180,6 @@ def remove_stale_temps(path: str) -> list[str]:
         entries = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
     except OSError:
         return removed
-
-
     for name in entries:
         parts = name[len(prefix):].rsplit("-", 2)
         if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
@@ -206,6 +213,83 @@ def temp_path(path: str) -> Iterator[str]:
     finally:
         with _OURS_LOCK:
             _OURS.discard(token)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the names in directory ``path`` durable (where the system lets a directory sync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - directories cannot be opened on some systems
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - nor fsynced on some
+        pass
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Seal:
+    """A file's header, rewritten once the checksums of the bytes written are known."""
+
+    sums: Checksums
+    build: Callable[[dict[str, int]], bytes]
+    length: int
+
+    def header(self) -> bytes:
+        final = self.build(self.sums.finish())
+        if len(final) != self.length:  # pragma: no cover - fixed-width digits
+            raise AssertionError("safetensors header changed length when sealed")
+        return final
+
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def write_file(path: str | os.PathLike, write: Callable[[BinaryIO], None],
+               seal: Seal | None = None) -> None:
+    """``write(f)`` into a temporary file next to ``path``, sync it and rename it to ``path``:
+    readers find the old file or the new one, whole. A failure removes the temporary file.
+
+    ``seal``: once ``write`` returns, its header replaces as many bytes from byte 8 on.
+    """
+    with temp_path(os.fspath(path)) as tmp:
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                if seal is not None:
+                    # The data goes to the disk while the last checksums are computed; the
+                    # header rewritten then costs one more sync of a page.
+                    seal.sums.start()
+                    os.fsync(f.fileno())
+                    f.seek(8)
+                    f.write(seal.header())
+                    f.flush()
+                    _fdatasync(f.fileno())
+                else:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic on POSIX and Windows
+        except BaseException:
+            if seal is not None:
+                seal.sums.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def store_slices(store: Store, h: Handle, chunk: int) -> Iterator[torch.Tensor]:
+    """The rows of ``h`` read from ``store`` in slices of about ``chunk`` bytes; slice i+1 is
+    read while slice i is used."""
+    per = max(1, chunk // max(1, h.row_nbytes))
+    rows = h.shape[0]
+    nxt = store.read_rows(h, slice(0, min(per, rows)))
+    for a in range(0, rows, per):
+        cur, b = nxt, min(a + per, rows)
+        if b < rows:
+            nxt = store.read_rows(h, slice(b, min(b + per, rows)))
+        yield cur.result()
 
 
 def build_header(meta: dict[str, Any], items: list[Any]) -> bytes:

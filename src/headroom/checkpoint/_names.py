@@ -12,7 +12,7 @@ checkpoint; they are loaded when the files hold them and otherwise keep their va
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,9 +23,23 @@ from headroom.residency import is_packed
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.checkpoint._weights import _Target
 
-__all__ = ["checkpoint_names", "refuse_quantized"]
+__all__ = ["checkpoint_names", "module_tensors", "refuse_quantized"]
 
 _BASE = "base_layer"
+
+
+def module_tensors(model: nn.Module
+                   ) -> Iterator[tuple[str, nn.Module, str, torch.Tensor, bool]]:
+    """``(state_dict name, module, attribute, tensor, is_buffer)`` of every parameter and
+    persistent buffer, a tied one under each of its names, without reading any store."""
+    for mname, m in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        for n, p in m._parameters.items():
+            if p is not None:
+                yield prefix + n, m, n, p, False
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                yield prefix + n, m, n, b, True
 
 
 def checkpoint_names(model: nn.Module, targets: list[_Target],

@@ -24,12 +24,15 @@ from torch import nn
 from headroom.checkpoint._file import (
     CheckpointCorruptError,
     Checksums,
+    Seal,
     available_memory,
     byte_view,
+    fsync_dir,
     remove_stale_temps,
-    temp_path,
+    store_slices,
+    write_file,
 )
-from headroom.checkpoint._names import checkpoint_names, refuse_quantized
+from headroom.checkpoint._names import checkpoint_names, module_tensors, refuse_quantized
 from headroom.residency import offload_states, quantize_block
 from headroom.store import (
     MAX_HEADER_BYTES,
@@ -64,10 +67,6 @@ class _Target:
     buffer: bool
     names: list[str] = field(default_factory=list)
     owners: list[tuple[nn.Module, str]] = field(default_factory=list)
-
-
-def _files(path: Path) -> list[Path]:
-    return _sources(path)[0]
 
 
 def _sources(path: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -186,19 +185,12 @@ def _where(files: list[SafetensorsFile], weight_map: dict[str, str] | None,
 
 def _targets(model: nn.Module) -> list[_Target]:
     by_id: dict[int, _Target] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        items = [(n, t, False) for n, t in m._parameters.items()]
-        items += [(n, t, True) for n, t in m._buffers.items()
-                  if n not in m._non_persistent_buffers_set]
-        for n, t, is_buffer in items:
-            if t is None:
-                continue
-            tgt = by_id.setdefault(id(t), _Target(t, is_buffer))
-            if prefix + n not in tgt.names:
-                tgt.names.append(prefix + n)
-            if (m, n) not in tgt.owners:
-                tgt.owners.append((m, n))
+    for name, m, attr, t, is_buffer in module_tensors(model):
+        tgt = by_id.setdefault(id(t), _Target(t, is_buffer))
+        if name not in tgt.names:
+            tgt.names.append(name)
+        if (m, attr) not in tgt.owners:
+            tgt.owners.append((m, attr))
     return list(by_id.values())
 
 
@@ -567,19 +559,6 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - directories cannot be opened on some systems
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - nor fsynced on some
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_weights(
     model: nn.Module,
     path: str | os.PathLike,
@@ -690,13 +669,13 @@ def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
             if n > 1:
                 landed.append(out / name)
         if n > 1:
-            _fsync_dir(out)  # the shards' names are on disk before an index names them
+            fsync_dir(out)  # the shards' names are on disk before an index names them
             total = sum(it[3] for shard in shards for it in shard)
             index = json.dumps({
                 "metadata": {"total_size": total},
                 "weight_map": {it[0]: name for name, shard in zip(names, shards, strict=True)
                                for it in shard}}, indent=2).encode()
-            _write_file(out / _INDEX, [index])
+            write_file(out / _INDEX, lambda f: f.write(index))
             written.append(out / _INDEX)
         landed = []
     except BaseException:
@@ -710,14 +689,14 @@ def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
     # The new checkpoint is complete and in place, and durably so before anything old goes.
     # Readers take model.safetensors before an index, so an earlier single file (which hides a
     # new index) goes first: its removal is the moment a sharded save becomes the checkpoint.
-    _fsync_dir(out)
+    fsync_dir(out)
     keep = set(names) | ({_INDEX} if n > 1 else set())
     stale = sorted(before - keep, key=lambda f: f != "model.safetensors")
     for name in stale:
         with contextlib.suppress(FileNotFoundError):
             (out / name).unlink()
     _remove_dead_temps(out)
-    _fsync_dir(out)
+    fsync_dir(out)
     return written
 
 
@@ -737,50 +716,6 @@ def _remove_dead_temps(out: Path) -> None:
             targets.add(m.group(1))
     for target in targets:
         remove_stale_temps(str(out / target))
-
-
-@dataclass
-class _Seal:
-    """A file's header, rewritten once the checksums of the bytes written are known."""
-
-    sums: Checksums
-    build: Callable[[dict[str, int]], bytes]
-    length: int
-
-    def header(self) -> bytes:
-        final = self.build(self.sums.finish())
-        if len(final) != self.length:  # pragma: no cover - fixed-width digits
-            raise AssertionError("safetensors header changed length when sealed")
-        return final
-
-
-def _write_file(path: Path, parts, seal: _Seal | None = None) -> None:
-    """Write ``parts`` (byte buffers) to a temporary file, sync it and rename it to ``path``.
-
-    ``seal``: once the parts are written, its header replaces as many bytes from byte 8 on.
-    """
-    with temp_path(str(path)) as tmp:
-        try:
-            with open(tmp, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                if seal is not None:
-                    # The data goes to the disk while the last checksums are computed; the
-                    # header rewritten then costs one more sync of a page.
-                    seal.sums.start()
-                    os.fsync(f.fileno())
-                    f.seek(8)
-                    f.write(seal.header())
-                    f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if seal is not None:
-                seal.sums.close()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
 
 @torch.no_grad()
@@ -805,17 +740,17 @@ def _write_shard(path: Path, shard: list) -> None:
     # the file is synced and renamed. One pass over the store, as without them; the CRCs run
     # on a helper thread while the main one writes (see `Checksums`).
     blob = header({})
-    seal = _Seal(Checksums(True), header, len(blob))
+    seal = Seal(Checksums(True), header, len(blob))
 
-    def parts():
-        yield len(blob).to_bytes(8, "little")
-        yield blob
+    def write(f) -> None:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
         for name, tgt, to, _ in shard:
             for chunk, temporary in _chunks(tgt.tensor, to):
                 seal.sums.add(name, chunk, temporary=temporary)
-                yield byte_view(chunk)
+                f.write(byte_view(chunk))
 
-    _write_file(path, parts(), seal)
+    write_file(path, write, seal)
 
 
 def _chunks(t: torch.Tensor, to: torch.dtype):
@@ -826,14 +761,8 @@ def _chunks(t: torch.Tensor, to: torch.dtype):
         host = b.store.host_tensor(b.handle)
         h = b.handle
         if host is None and h.shape:
-            per = max(1, _CHUNK // max(1, h.row_nbytes))
-            nxt = b.store.read_rows(h, slice(0, min(per, h.shape[0])))
-            for a in range(0, h.shape[0], per):
-                cur = nxt
-                stop = min(a + per, h.shape[0])
-                if stop < h.shape[0]:  # the next slice is read while this one is written
-                    nxt = b.store.read_rows(h, slice(stop, min(stop + per, h.shape[0])))
-                yield cur.result().to(to).contiguous(), True
+            for rows in store_slices(b.store, h, _CHUNK):
+                yield rows.to(to).contiguous(), True
             return
         t = host if host is not None else b.store.read(h).result()
     t = t.detach()

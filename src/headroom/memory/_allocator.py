@@ -17,6 +17,7 @@ memory that does not go through tensors.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 _ROUND = 512
 _SMALL = 1 << 20  # largest request served by the small pool
@@ -42,17 +43,15 @@ def segment_size(size: int) -> int:
     return _ROUND_LARGE * ((size + _ROUND_LARGE - 1) // _ROUND_LARGE)
 
 
+@dataclass(slots=True, eq=False)
 class _Block:
-    __slots__ = ("segment", "small", "offset", "size", "free", "prev", "next")
-
-    def __init__(self, segment: int, small: bool, offset: int, size: int) -> None:
-        self.segment = segment
-        self.small = small
-        self.offset = offset
-        self.size = size
-        self.free = True
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
+    segment: int
+    small: bool
+    offset: int
+    size: int
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
 
 
 class CachingAllocatorModel:
@@ -112,16 +111,10 @@ class CachingAllocatorModel:
             if other is not None and other.free:
                 self._remove(other, small)
                 if other is block.prev:
-                    other.size += block.size
-                    other.next = block.next
-                    if block.next is not None:
-                        block.next.prev = other
+                    _absorb(other, block)
                     block = other
                 else:
-                    block.size += other.size
-                    block.next = other.next
-                    if other.next is not None:
-                        other.next.prev = block
+                    _absorb(block, other)
         self._insert(block, small)
 
     def _insert(self, block: _Block, small: bool) -> None:
@@ -134,3 +127,11 @@ class CachingAllocatorModel:
             pool.pop(i)
         else:  # pragma: no cover - pools are kept consistent above
             pool[:] = [e for e in pool if e[3] is not block]
+
+
+def _absorb(left: _Block, right: _Block) -> None:
+    """Merge free ``right`` into its neighbour ``left``."""
+    left.size += right.size
+    left.next = right.next
+    if right.next is not None:
+        right.next.prev = left

@@ -62,18 +62,8 @@ class DeviceStats:
 class StorageInfo:
     """What the tracker knows of one live storage."""
 
-    __slots__ = (
-        "key",
-        "device",
-        "nbytes",
-        "cat",
-        "seq",
-        "module",
-        "saved",
-        "ref",
-        "retro",
-        "__weakref__",
-    )
+    __slots__ = ("key", "device", "nbytes", "cat", "seq", "module", "saved", "ref", "retro",
+                 "__weakref__")
 
     def __init__(self, key: int, device: str, nbytes: int, cat: int, seq: int) -> None:
         self.key = key

@@ -125,11 +125,7 @@ def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> 
 
 
 def _peak_sample(mem: MemoryTracker) -> Any:
-    best, sample = -1, None
-    for s in mem.timeline:
-        if s.total > best:
-            best, sample = s.total, s
-    return sample
+    return max(mem.timeline, key=lambda s: s.total, default=None)  # the first at the peak
 
 
 def _moment(mem: MemoryTracker, sample: Any) -> str:
@@ -173,15 +169,13 @@ def to_dict(mem: MemoryTracker) -> dict[str, Any]:
             "label": [s.label for s in timeline],
             "bytes": {c: [s.by_category[c] for s in timeline] for c in CATEGORIES},
         },
-        "rss_timeline": {
-            "time_s": [round(t, 6) for t, _ in mem.rss_timeline],
-            "bytes": [b for _, b in mem.rss_timeline],
-        },
-        "resting_timeline": {
-            "time_s": [round(t, 6) for t, _ in mem.resting_timeline],
-            "bytes": [b for _, b in mem.resting_timeline],
-        },
+        "rss_timeline": _series(mem.rss_timeline),
+        "resting_timeline": _series(mem.resting_timeline),
     }
+
+
+def _series(samples: list[tuple[float, int]]) -> dict[str, list]:
+    return {"time_s": [round(t, 6) for t, _ in samples], "bytes": [b for _, b in samples]}
 
 
 def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
@@ -204,12 +198,9 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
          x_axis: str = "time", rss: bool = True) -> None:
     """Write `figure` as a PNG to ``path``: a finished file, or (a write that fails) the file
     that was there before and no partial one beside it."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     fig = figure(mem, title=title, x_axis=x_axis, rss=rss)
+    import matplotlib.pyplot as plt  # with the backend `figure` chose
+
     tmp = Path(path).with_name(Path(path).name + ".tmp.png")
     try:
         fig.savefig(tmp)

@@ -58,10 +58,6 @@ _active: MemoryTracker | None = None
 _active_where = ""
 
 
-def _active_tracker() -> MemoryTracker | None:
-    return _active
-
-
 def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` runs compiled code (``torch.compile(module)`` or ``module.compile()``)."""
     dynamo = sys.modules.get("torch._dynamo")  # torch.compile imports it
@@ -607,10 +603,13 @@ class MemoryTracker:
                     f"{root_name}.{name}" if (multi and name) else name or root_name
                 )
                 self._classes.setdefault(self._names[id(m)], type(m).__name__)
-            for p in m.parameters(recurse=False):
-                self._see_param(p, PARAMETERS, m)
-            for b in m.buffers(recurse=False):
-                self._see(b, BUFFERS)
+            self._see_module(m)
+
+    def _see_module(self, m: nn.Module) -> None:
+        for p in m.parameters(recurse=False):
+            self._see_param(p, PARAMETERS, m)
+        for b in m.buffers(recurse=False):
+            self._see(b, BUFFERS)
 
     def _remember_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         ctx = self._context
@@ -652,10 +651,7 @@ class MemoryTracker:
         if name is None:
             name = self._names[id(module)] = type(module).__name__
             self._classes.setdefault(name, name)
-            for p in module.parameters(recurse=False):
-                self._see_param(p, PARAMETERS, module)
-            for b in module.buffers(recurse=False):
-                self._see(b, BUFFERS)
+            self._see_module(module)
         self._stack.append(name)
 
     def _post_fw(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -691,8 +687,8 @@ class MemoryTracker:
             return "forward"
         return "other"
 
-    def _module_label(self) -> str:
-        phase = self._phase()
+    def _module_label(self, phase: str | None = None) -> str:
+        phase = phase or self._phase()
         if phase == "forward":
             return self._stack[-1]
         if phase == "backward":
@@ -706,12 +702,7 @@ class MemoryTracker:
         with self._lock:
             self._dirty = False
             phase = self._phase()
-            if phase == "forward":
-                label = (phase, self._stack[-1])
-            elif phase == "backward":
-                label = (phase, self._bwd_module)
-            else:
-                label = (phase, "")
+            label = (phase, self._module_label(phase))
             idx = self._label_index.get(label)
             if idx is None:
                 idx = self._label_index[label] = len(self._labels)
@@ -851,22 +842,21 @@ class MemoryTracker:
         """
         self._check_used()
         if device is None:
-            value, cats = self._peak_view(self._peak)
-            alloc = dict(self._peak.allocator)
-            for d, (a, r) in self._alloc_max.items():
-                alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = a, r
-            return DeviceStats(value, cats, self.max_by_category, self.current, alloc)
-        name = device_name(torch.device(device))
-        if name not in self._dev_peak:
-            seen = ", ".join(self._current) or "none"
-            raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")
-        value, cats = self._peak_view(self._dev_peak[name])
-        with self._lock:
-            mx = dict(zip(CATEGORIES, self._max[name], strict=True))
-            cur = sum(self._current[name])
-        alloc = dict(self._dev_peak[name].allocator)
-        if name in self._alloc_max:
-            alloc[f"{name}/max_allocated"], alloc[f"{name}/max_reserved"] = self._alloc_max[name]
+            peak, names = self._peak, list(self._alloc_max)
+            mx, cur = self.max_by_category, self.current
+        else:
+            name = device_name(torch.device(device))
+            if name not in self._dev_peak:
+                seen = ", ".join(self._current) or "none"
+                raise ValueError(f"no tensors were tracked on {name!r}; devices seen: {seen}")
+            peak, names = self._dev_peak[name], [name] if name in self._alloc_max else []
+            with self._lock:
+                mx = dict(zip(CATEGORIES, self._max[name], strict=True))
+                cur = sum(self._current[name])
+        value, cats = self._peak_view(peak)
+        alloc = dict(peak.allocator)
+        for d in names:
+            alloc[f"{d}/max_allocated"], alloc[f"{d}/max_reserved"] = self._alloc_max[d]
         return DeviceStats(value, cats, mx, cur, alloc)
 
     # ------------------------------------------------------------------ reports

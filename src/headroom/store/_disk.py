@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import re
@@ -22,6 +21,7 @@ from headroom.store._handle import Handle
 from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
 from headroom.store._pools import Pool, stop_pool
 from headroom.store._recover import file_crcs, open_checks
+from headroom.store._safetensors import buffer_view
 from headroom.store._segments import BAD, combine, crc, scan
 from headroom.store._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
@@ -47,16 +47,6 @@ def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> N
         written[0] += n
         buf = buf[n:]
         offset += n
-
-
-def _view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive."""
-    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize their
-    # storage to 0 between uses.
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -408,11 +398,8 @@ class DiskStore(Store):
         self.verify_reads = (not page_cache) if verify_reads is None else verify_reads
         self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0,
                        "writes": 0, "write_busy_s": 0.0, "read_write_overlap_s": 0.0}
-        self._active_reads = 0
-        self._active_writes = 0
-        self._read_since = 0.0
-        self._write_since = 0.0
-        self._both_since = 0.0
+        self._active = {"read": 0, "write": 0}  # operations in flight
+        self._since = {"read": 0.0, "write": 0.0, "both": 0.0}  # when each became busy
         # Reads and writes get their own threads: a read (usually a prefetch that compute
         # will wait for) never queues behind gradient or state writes, which nobody waits for
         # right away; fewer write threads also leave the disk to the reads more often.
@@ -422,13 +409,9 @@ class DiskStore(Store):
                            thread_name_prefix="hr-disk-w")
         self._closed = False
         self._stashes: dict = {}  # pooled `Stash` objects by device, see `Stash.shared`
+        ledger = None
         try:
-            self._ledger = Ledger.open(self.path, overwrite=overwrite, recover=recover)
-        except BaseException:
-            self._pool.shutdown()
-            self._wpool.shutdown()
-            raise
-        try:
+            self._ledger = ledger = Ledger.open(self.path, overwrite=overwrite, recover=recover)
             open_checks(self._ledger, self._pool, verify=verify, recover=recover,
                         page_cache=page_cache)
             for name in self._ledger.orphans():
@@ -439,7 +422,8 @@ class DiskStore(Store):
                 self._ledger.free(key)  # scratch of a process that stopped: worth nothing
                 self._ledger.remove(name)
         except BaseException:
-            self._ledger.release()
+            if ledger is not None:
+                ledger.release()
             self._pool.shutdown()
             self._wpool.shutdown()
             raise
@@ -549,28 +533,22 @@ class DiskStore(Store):
     def _busy(self, kind: str, delta: int, nbytes: int = 0) -> None:
         """Count one read or write starting (``delta=1``) or ending (``-1``)."""
         now = time.perf_counter()
+        active, since = self._active, self._since
         with self._lock:
-            both = self._active_reads > 0 and self._active_writes > 0
-            if kind == "read":
-                if delta > 0 and self._active_reads == 0:
-                    self._read_since = now
-                self._active_reads += delta
-                if delta < 0 and self._active_reads == 0:
-                    self._stats["read_busy_s"] += now - self._read_since
-            else:
-                if delta > 0 and self._active_writes == 0:
-                    self._write_since = now
-                self._active_writes += delta
-                if delta < 0 and self._active_writes == 0:
-                    self._stats["write_busy_s"] += now - self._write_since
-            now_both = self._active_reads > 0 and self._active_writes > 0
+            both = active["read"] > 0 and active["write"] > 0
+            if delta > 0 and active[kind] == 0:
+                since[kind] = now
+            active[kind] += delta
+            if delta < 0 and active[kind] == 0:
+                self._stats[f"{kind}_busy_s"] += now - since[kind]
+            now_both = active["read"] > 0 and active["write"] > 0
             if now_both and not both:
-                self._both_since = now
+                since["both"] = now
             elif both and not now_both:
-                self._stats["read_write_overlap_s"] += now - self._both_since
+                self._stats["read_write_overlap_s"] += now - since["both"]
             if delta < 0:
                 self._stats["bytes_read" if kind == "read" else "bytes_written"] += nbytes
-                self._stats["reads" if kind == "read" else "writes"] += 1
+                self._stats[kind + "s"] += 1
 
     def _drop_cache(self, fd: int, offset: int, length: int, written: bool) -> None:
         if self.page_cache:
@@ -584,10 +562,8 @@ class DiskStore(Store):
         """Read ``extents`` (``(byte in t, byte in file, length)``) into ``t``, checksumming
         this piece's share of the segments the read covers."""
         covered = check.covered()
-        self._busy("read", 1)
-        n = 0
-        try:
-            mv = _view(t)
+        with self._counted("read", extents):
+            mv = buffer_view(t)
             fd = open_file(path, os.O_RDONLY, key=check.key)
             try:
                 if covered:
@@ -605,64 +581,67 @@ class DiskStore(Store):
                     " optimizer))")) from None
             finally:
                 os.close(fd)
+        return t
+
+    @contextlib.contextmanager
+    def _counted(self, kind: str, extents: list[tuple[int, int, int]]):
+        """One read or write in flight (`stats`); its bytes count once it succeeds."""
+        self._busy(kind, 1)
+        n = 0
+        try:
+            yield
             n = sum(length for _, _, length in extents)
         finally:
-            self._busy("read", -1, n)
-        return t
+            self._busy(kind, -1, n)
 
     def _write_job(self, key: str, path: str, t: torch.Tensor,
                    extents: list[tuple[int, int, int]]) -> None:
         """Write ``extents`` of ``t``, journaled before and after. See [Note: DiskStore journal]."""
+        with self._counted("write", extents):
+            if key.startswith(SCRATCH) and not self.verify_reads and key not in self._checked:
+                # Scratch bytes are dropped unchecked when the store reopens, and nothing reads
+                # them back verified: a checksum and two journal records would buy nothing.
+                # See [Note: scratch keys].
+                self._ledger.forget_segments(key)  # no stale checksum of the old bytes
+                self._write_plain(key, path, t, extents)
+            else:
+                self._write_journaled(key, path, t, extents)
+
+    def _write_journaled(self, key: str, path: str, t: torch.Tensor,
+                         extents: list[tuple[int, int, int]]) -> None:
         # The CRC of each extent is taken from the source buffer here, in the I/O thread (crc32c
         # releases the GIL), before the first byte goes out: a write the process does not live to
         # finish is then still recognised as complete or torn when the store reopens.
-        self._busy("write", 1)
-        n = 0
-        if key.startswith(SCRATCH) and not self.verify_reads and key not in self._checked:
-            # Scratch bytes are dropped unchecked when the store reopens, and nothing reads
-            # them back verified: a checksum and two journal records would buy nothing.
-            # See [Note: scratch keys].
-            try:
-                self._ledger.forget_segments(key)  # no stale checksum of the old bytes
-                self._write_plain(key, path, t, extents)
-                n = sum(length for _, _, length in extents)
-            finally:
-                self._busy("write", -1, n)
-            return
+        mv = buffer_view(t)
+        if len(extents) <= MAX_EXTENTS:
+            x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
+        else:
+            lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
+            x = [[lo, hi - lo, None]]
+        # Opened before the write is journaled: a file that cannot be opened (or is a link,
+        # refused) leaves no record of a write that never started.
+        fd = self._open_for_write(key, path)
         try:
-            mv = _view(t)
-            if len(extents) <= MAX_EXTENTS:
-                x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
-            else:
-                lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
-                x = [[lo, hi - lo, None]]
-            # Opened before the write is journaled: a file that cannot be opened (or is a link,
-            # refused) leaves no record of a write that never started.
-            fd = self._open_for_write(key, path)
             try:
-                try:
-                    rid = self._ledger.begin_write(key, x)
-                except OSError as e:
-                    raise self._io_error(e, str(self.path)) from e
-                written = [0]
-                try:
-                    self._pwrite_extents(fd, mv, extents, written)
-                except OSError as e:
-                    # Part of a failed write may have reached the file; those ranges are then
-                    # marked bad (reads raise) rather than silently mixing old and new bytes.
-                    self._ledger.end_write(rid, "bad" if written[0] else "none")
-                    raise self._io_error(e, path) from e
-            finally:
-                os.close(fd)
-            try:
-                self._ledger.end_write(rid, "ok")
-            except OSError as e:  # the data is in place; its record could not be added
+                rid = self._ledger.begin_write(key, x)
+            except OSError as e:
                 raise self._io_error(e, str(self.path)) from e
-            with self._lock:
-                self._unsynced.add(path)
-            n = sum(length for _, _, length in extents)
+            written = [0]
+            try:
+                self._pwrite_extents(fd, mv, extents, written)
+            except OSError as e:
+                # Part of a failed write may have reached the file; those ranges are then
+                # marked bad (reads raise) rather than silently mixing old and new bytes.
+                self._ledger.end_write(rid, "bad" if written[0] else "none")
+                raise self._io_error(e, path) from e
         finally:
-            self._busy("write", -1, n)
+            os.close(fd)
+        try:
+            self._ledger.end_write(rid, "ok")
+        except OSError as e:  # the data is in place; its record could not be added
+            raise self._io_error(e, str(self.path)) from e
+        with self._lock:
+            self._unsynced.add(path)
 
     def _open_for_write(self, key: str, path: str) -> int:
         try:
@@ -680,7 +659,7 @@ class DiskStore(Store):
                      extents: list[tuple[int, int, int]]) -> None:
         fd = self._open_for_write(key, path)
         try:
-            self._pwrite_extents(fd, _view(t), extents, [0])
+            self._pwrite_extents(fd, buffer_view(t), extents, [0])
         except OSError as e:
             raise self._io_error(e, path) from e
         finally:
@@ -808,17 +787,25 @@ class DiskStore(Store):
 
     def read(self, handle: Handle, out: torch.Tensor | None = None) -> Future:
         out = self._out(handle, out, handle.shape)
-        if handle.nbytes == 0:
+        return self._read(handle, out, [(0, 0, handle.nbytes)] if handle.nbytes else [])
+
+    def _read(self, handle: Handle, out: torch.Tensor,
+              extents: list[tuple[int, int, int]]) -> Future:
+        if not extents:
             return done(out)
         with self._lock:  # the scalings of exactly the operations queued before this read
             scales = list(self._scales.get(handle.key, ()))
-            fut = self._submit_io(handle, "read", out, [(0, 0, handle.nbytes)])
+            fut = self._submit_io(handle, "read", out, extents)
         return _scaled(fut, scales) if scales else fut
+
+    @staticmethod
+    def _check_host(handle: Handle, src: torch.Tensor) -> None:
+        if src.device.type != "cpu" or not src.is_contiguous():
+            raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
         self._check_src(handle, src, handle.shape)
-        if src.device.type != "cpu" or not src.is_contiguous():
-            raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
+        self._check_host(handle, src)
         if handle.nbytes == 0:
             return done(None)
         with self._lock:
@@ -881,19 +868,12 @@ class DiskStore(Store):
     ) -> Future:
         rows = self._check_rows(handle, rows)
         out = self._out(handle, out, self._rows_shape(handle, rows))
-        extents = self._extents(handle, rows)
-        if not extents:
-            return done(out)
-        with self._lock:
-            scales = list(self._scales.get(handle.key, ()))
-            fut = self._submit_io(handle, "read", out, extents)
-        return _scaled(fut, scales) if scales else fut
+        return self._read(handle, out, self._extents(handle, rows))
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
         rows = self._check_rows(handle, rows)
         self._check_src(handle, src, self._rows_shape(handle, rows))
-        if src.device.type != "cpu" or not src.is_contiguous():
-            raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
+        self._check_host(handle, src)
         extents = self._extents(handle, rows)
         if not extents:
             return done(None)

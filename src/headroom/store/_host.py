@@ -3,7 +3,6 @@ device), and a pool of reusable page-locked buffers."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from concurrent.futures import Future
@@ -11,7 +10,7 @@ from concurrent.futures import Future
 import torch
 
 from headroom.store._handle import Handle
-from headroom.store._pinned import PinnedArena, Slab, _backend, alloc_slab, spent
+from headroom.store._pinned import PinnedArena, Slab, _backend, alloc_slab, release_all, spent
 from headroom.store._store import Store, StoreFullError, done, is_accelerator
 
 __all__ = ["HostStore", "PinnedPool", "add_into", "resolve_store"]
@@ -76,7 +75,7 @@ class PinnedPool:
         self._lock = threading.Lock()
         # A pool dropped without `clear` (a mover or stash never closed) gives its page-locked
         # bytes back to the process budget all the same.
-        weakref.finalize(self, _release_slabs, self._slabs)
+        weakref.finalize(self, release_all, self._slabs)
 
     @property
     def total_bytes(self) -> int:
@@ -146,14 +145,6 @@ class PinnedPool:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a 1-D uint8 view (any dtype)."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def _release_slabs(slabs: dict[int, Slab]) -> None:
-    # A pool collected without clear(), perhaps at interpreter exit: best effort.
-    for slab in list(slabs.values()):
-        with contextlib.suppress(Exception):
-            slab.release()
-    slabs.clear()
 
 
 class HostStore(Store):

@@ -49,10 +49,12 @@ import stat
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from headroom.store._safetensors import DuplicateKey, unique_keys
 from headroom.store._segments import BAD, Segments, crc, put, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError
 
@@ -85,24 +87,11 @@ _SEAL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\Z')
 _SEAL_BYTES = 18  # len(b',"crc":"xxxxxxxx"}')
 
 
-class _DuplicateKey(ValueError):
-    """A JSON object of the index or journal names one key twice."""
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(f"the key {k!r} appears twice in one object")
-        out[k] = v
-    return out
-
-
 def _loads(raw: bytes):
     """JSON of the index or a journal record; an object naming a key twice is refused (a
     damaged or edited name may have become another tensor's, whose entry the parser would then
     silently replace)."""
-    return json.loads(raw, object_pairs_hook=_no_duplicates)
+    return json.loads(raw, object_pairs_hook=unique_keys)
 
 
 def _seal(body: bytes) -> bytes:
@@ -176,13 +165,8 @@ def _read_meta(path: Path) -> bytes | None:
         fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def forked_error(what: str, pid: int) -> RuntimeError:
@@ -214,6 +198,15 @@ def _corrupt(path: Path, file: Path, what: str, *, recover: bool = False
         " Restore the folder from a backup, or start over from a checkpoint:"
         " DiskStore(path, overwrite=True) (deletes only the store's files), hr.offload the"
         " model into it and hr.load(checkpoint, model, optimizer)", str(path))
+
+
+@contextlib.contextmanager
+def _refused(path: Path, file: Path, what: str) -> Iterator[None]:
+    """A malformed value met inside raises `_corrupt` naming ``file``, ``what`` and the value."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _corrupt(path, file, f"{what} ({e!r})") from None
 
 
 def _acquire(path: Path) -> int:
@@ -366,7 +359,6 @@ class Ledger:
         self.inflight: dict[int, dict] = {}  # seq of a "w" record -> the record
         self.seq = 0
         self.counter = 0
-        self.found_index = False
         self.was_clean = True  # the last session closed (as found when opening)
         self.had_writes = False  # it changed something after its last flush
         self.dirty = False
@@ -419,7 +411,6 @@ class Ledger:
         data = None
         raw = _read_meta(index)
         if raw is not None:
-            self.found_index = True
             body, sealed = _unseal(raw)
             if sealed is False:
                 raise _corrupt(self.path, index, "does not match its checksum (damaged on disk"
@@ -428,7 +419,7 @@ class Ledger:
                 data = _loads(body)
                 if not isinstance(data, dict):
                     raise ValueError("not a JSON object")
-            except _DuplicateKey as e:
+            except DuplicateKey as e:
                 raise _corrupt(self.path, index, f"is damaged or edited: {e}") from None
             except (ValueError, RecursionError) as e:
                 raise _corrupt(self.path, index, f"is unreadable, truncated or garbled ({e})")\
@@ -442,10 +433,8 @@ class Ledger:
                 # Versions 1 and 2 had no checksum; a later one without it lost it to damage.
                 raise _corrupt(self.path, index, f"has no valid checksum field (version"
                                f" {data.get('version')!r} ends with one; damaged or edited)")
-            try:
+            with _refused(self.path, index, "has an invalid entry"):
                 self._load_index(data)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise _corrupt(self.path, index, f"has an invalid entry ({e!r})") from None
         replayed = self._replay()
         if data is None and not replayed and any(
                 _BIN.fullmatch(n) for n in os.listdir(self.path)):
@@ -497,7 +486,7 @@ class Ledger:
         stay inside the folder]); later allocations are numbered after it."""
         if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
             raise ValueError(f"{what} {file!r}")
-        counter = _int(int(file.split("-", 1)[0]), f"number of {what} {file!r}",
+        counter = _int(int(file.split("-", 1)[0]), f"file number in {what} {file!r}",
                        hi=MAX_COUNTER)
         self.counter = max(self.counter, counter)
 
@@ -506,8 +495,7 @@ class Ledger:
             raise TypeError(f"key {key!r} is not a string")
         if key in self.entries:
             raise ValueError(f"{key!r} is allocated twice")
-        if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
-            raise ValueError(f"file name {file!r} of {key!r}")
+        self._file_name(file, f"file name of {key!r}")
         if file in self._files:
             raise ValueError(f"file {file!r} of {key!r} belongs to another tensor too")
         if file in self.freed:
@@ -519,8 +507,6 @@ class Ledger:
             n *= _int(s, f"dimension of {key!r}", hi=MAX_TENSOR_BYTES)
             if n > MAX_TENSOR_BYTES:
                 raise ValueError(f"shape {shape} of {key!r}: more than {MAX_TENSOR_BYTES} bytes")
-        counter = _int(int(file.split("-", 1)[0]), f"file number of {key!r}", hi=MAX_COUNTER)
-        self.counter = max(self.counter, counter)
         self._files.add(file)
         return {"file": file, "shape": list(shape), "dtype": dtype, "nbytes": n}
 
@@ -543,7 +529,7 @@ class Ledger:
                 if line[8:9] != b" " or int(line[:8], 16) != crc(body):
                     raise ValueError("checksum")
                 rec = _loads(body)
-            except _DuplicateKey as e:
+            except DuplicateKey as e:
                 raise _corrupt(self.path, journal, f"record {no} is invalid ({e})") from None
             except (ValueError, RecursionError):
                 bad = no
@@ -565,10 +551,8 @@ class Ledger:
             if s != self.seq + 1:
                 raise _corrupt(self.path, journal, f"record {no} has sequence number {s}, "
                                f"expected {self.seq + 1} (records are missing)")
-            try:
+            with _refused(self.path, journal, f"record {no} is invalid"):
                 self._apply(rec)
-            except (KeyError, TypeError, ValueError, AttributeError) as e:
-                raise _corrupt(self.path, journal, f"record {no} is invalid ({e!r})") from None
             self.seq = s
             records.append(rec)
         return records
@@ -665,18 +649,19 @@ class Ledger:
         """Journal a new tensor; returns its file name (``NNNNNN-name.bin``)."""
         with self.lock:
             file = f"{self.counter + 1:06d}-{name}.bin"
-            rec = {"op": "alloc", "k": key, "f": file, "shape": list(shape), "dtype": dtype}
-            self._append(rec)
-            self._apply(rec)
-            self._maybe_compact()
+            self._record({"op": "alloc", "k": key, "f": file, "shape": list(shape),
+                          "dtype": dtype})
             return file
 
     def free(self, key: str) -> None:
         with self.lock:
-            rec = {"op": "free", "k": key}
-            self._append(rec)
-            self._apply(rec)
-            self._maybe_compact()
+            self._record({"op": "free", "k": key})
+
+    def _record(self, rec: dict) -> None:
+        """Journal ``rec``, then apply it (caller holds ``lock``)."""
+        self._append(rec)
+        self._apply(rec)
+        self._maybe_compact()
 
     def exchange(self, pairs: list[tuple[str, str]]) -> None:
         """Journal and apply an exchange of the files of each pair of keys (one record: a

@@ -86,33 +86,28 @@ class Places:
         self._made: dict[int, weakref.ref] = {}  # made by host code, while they live
 
     def on_host(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        self.host.add(st._cdata)
-        self._keep.append(st)
-        return t
+        return self._name(t, self.host)
 
     def no_memory(self, t: torch.Tensor) -> torch.Tensor:
+        return self._name(t, self.nowhere)
+
+    def _name(self, t: torch.Tensor, where: set[int]) -> torch.Tensor:
         st = t.untyped_storage()
-        self.nowhere.add(st._cdata)
+        where.add(st._cdata)
         self._keep.append(st)
         return t
 
     @contextlib.contextmanager
     def host_code(self) -> Iterator[None]:
         """Tensors made inside are host memory (a step that runs on the host), also those the
-        tracker sees only later (optimizer state made in the untracked first step)."""
+        tracker sees only later (optimizer state made in the untracked first step): a dispatch
+        mode notes the storage of every ``meta`` tensor an op makes."""
         self.depth += 1
         try:
             with _MarkMade(self):
                 yield
         finally:
             self.depth -= 1
-
-    def _mark_made(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key not in self._made:
-            self._made[key] = weakref.ref(st, lambda _, k=key: self._made.pop(k, None))
 
     def where(self, key: int) -> str | None:
         """``"nowhere"``, ``"host"`` or ``None`` (the compute device) for a new storage."""
@@ -122,17 +117,20 @@ class Places:
             return "host"
         return None
 
+    def _mark_made(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self._made:
+            self._made[key] = weakref.ref(st, lambda _, k=key: self._made.pop(k, None))
+
 
 class _MarkMade(TorchDispatchMode):
-    """Notes the storages of every ``meta`` tensor an op makes (see `Places.host_code`)."""
-
     def __init__(self, places: Places) -> None:
         super().__init__()
         self.places = places
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         made = [t for t in outs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         if made:
@@ -140,7 +138,7 @@ class _MarkMade(TorchDispatchMode):
             # arguments are tensors or lists of them: `flat_tensors` finds them all)
             # (a DTensor's storage is its local shard's)
             given = {_local(t).untyped_storage()._cdata
-                     for t in flat_tensors([*args, *kwargs.values()])}
+                     for t in flat_tensors([*args, *(kwargs or {}).values()])}
             for t in made:
                 if _local(t).untyped_storage()._cdata not in given:
                     self.places._mark_made(_local(t))

@@ -32,7 +32,8 @@ import torch
 
 from headroom.store._store import StoreFullError
 
-__all__ = ["PinnedArena", "Slab", "alloc_slab", "pinned_bytes", "set_pinned_limit", "spent"]
+__all__ = ["PinnedArena", "Slab", "alloc_slab", "pinned_bytes", "release_all", "set_pinned_limit",
+           "spent"]
 
 _MIN_SLAB = 1 << 20
 ALIGN = 64  # carved tensors start on a cache line, as torch's own host allocations do
@@ -265,7 +266,7 @@ class PinnedArena:
         self._free: dict[int, list[list[int]]] = {}  # id(slab) -> sorted [start, end] spans
         self._carved: dict[int, tuple[Slab, int, int]] = {}  # data_ptr -> (slab, start, end)
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _release_all, self._slabs)
+        self._finalizer = weakref.finalize(self, release_all, self._slabs)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -374,9 +375,10 @@ def _floor(n: int) -> int:
     return n // ALIGN * ALIGN
 
 
-def _release_all(slabs: list[Slab]) -> None:
-    # An arena collected without close(), perhaps at interpreter exit: best effort.
-    for s in list(slabs):
+def release_all(slabs: list[Slab] | dict[int, Slab]) -> None:
+    """Release the slabs of an arena or pool collected without ``close()``/``clear()``,
+    perhaps at interpreter exit: best effort."""
+    for s in list(slabs.values() if isinstance(slabs, dict) else slabs):
         with contextlib.suppress(Exception):
             s.release()
     slabs.clear()

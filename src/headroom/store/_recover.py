@@ -22,10 +22,9 @@ import warnings
 from concurrent.futures import Executor
 from pathlib import Path
 
-import torch
-
 from headroom.store._ledger import Ledger, not_regular, open_file
-from headroom.store._segments import combine, crc, crc_of_range, zeros_crc
+from headroom.store._safetensors import crc_of_file
+from headroom.store._segments import combine, crc_of_range, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError, StoreFullError
 
 __all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text"]
@@ -37,21 +36,13 @@ ASIDE = ".unaccounted"  # what recover=True appends to the name of a file it can
 
 def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
     """CRC32C of ``length`` bytes of ``path`` at ``start``; ``None`` if the file is shorter."""
-    buf = torch.empty(min(length, _BUF), dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
     try:
         fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
-        c, off, left = 0, start, length
-        while left:
-            n = os.preadv(fd, [mv[:min(left, len(mv))]], off)
-            if n == 0:
-                return None
-            c = crc(mv[:n], c)
-            off, left = off + n, left - n
-        if not page_cache:
+        c = crc_of_file(fd, start, length, memoryview(bytearray(min(length, _BUF))))
+        if c is not None and not page_cache:
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -81,14 +72,24 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
 
 def problem_text(path: Path, ledger: Ledger, problems: list[tuple[str, int, int, str]]) -> str:
     """``'key' (file F, bytes a-b: why)`` for each problem, at most 10."""
-    items = [f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
-             for k, s, e, why in problems[:10]]
-    more = f" and {len(problems) - 10} more" if len(problems) > 10 else ""
-    return "; ".join(items) + more
+    return _first10([f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
+                     for k, s, e, why in problems[:10]], "; ", len(problems))
+
+
+def _first10(items: list[str], sep: str = ", ", total: int | None = None) -> str:
+    """The first 10 of ``items`` (``total`` in all), then how many more."""
+    more = (len(items) if total is None else total) - 10
+    return sep.join(items[:10]) + (f" and {more} more" if more > 0 else "")
+
+
+def _resolve_unfinished(ledger: Ledger, keys) -> None:
+    """The writes to ``keys`` in flight when the last process stopped reached nothing kept."""
+    for rid in [rid for rid, w in ledger.inflight.items() if w["k"] in keys]:
+        ledger.resolve(rid, "none")
 
 
 def _unaccounted_error(path: Path, names: list[str]) -> StoreCorruptError:
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    shown = _first10(names)
     return StoreCorruptError(
         f"DiskStore {str(path)!r}: {len(names)} tensor file(s) in the folder are accounted for"
         f" by neither index.json nor journal.jsonl (no tensor owns them and no free of them was"
@@ -132,8 +133,8 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
     sizes: dict[str, int] = {}
     # Scratch keys of a stopped process are dropped after opening (`scratch_keys`), unchecked.
-    for rid in [rid for rid, w in ledger.inflight.items() if w["k"].startswith(SCRATCH)]:
-        ledger.resolve(rid, "none")
+    _resolve_unfinished(ledger, [w["k"] for w in ledger.inflight.values()
+                                 if w["k"].startswith(SCRATCH)])
     for key, e in ledger.entries.items():
         if key.startswith(SCRATCH):
             continue
@@ -175,17 +176,13 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
                 states.append("old")
             else:
                 states.append("torn")
-        if all(s == "new" for s in states):
-            ledger.resolve(rid, "ok")
-        elif all(s == "old" for s in states):
-            ledger.resolve(rid, "none")
-        else:
-            ledger.resolve(rid, "none")
+        new, old = all(s == "new" for s in states), all(s == "old" for s in states)
+        ledger.resolve(rid, "ok" if new else "none")
+        if not (new or old):
             problems += [(w["k"], int(o), int(o) + int(ln),
                           "a write was in flight when the process stopped and only part of it"
                           " reached the file") for o, ln, _ in w["x"]]
-    for rid in [rid for rid, w in ledger.inflight.items() if w["k"] in lost]:
-        ledger.resolve(rid, "none")
+    _resolve_unfinished(ledger, lost)
 
     if verify:
         known = [(k, s, t, c) for k, e in ledger.entries.items()
@@ -228,9 +225,8 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
             " bytes raises StoreCorruptError until they are written again), then"
             " hr.load(checkpoint, model, optimizer); or start over with DiskStore(path,"
             " overwrite=True)", str(path), keys)
+    _resolve_unfinished(ledger, dropped)
     for key in dropped:
-        for rid in [r for r, w in ledger.inflight.items() if w["k"] == key]:
-            ledger.resolve(rid, "none")
         ledger.drop(key)
     for key in recreate:
         if key not in dropped:
@@ -241,10 +237,8 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
             ledger.mark_bad(k, s, t)
     aside = _move_aside(path, unaccounted)
     if problems or dropped or aside or ledger.skipped is not None:
-        gone = "; ".join(repr(k) for k in dropped[:10]) + (
-            f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
-        moved = ", ".join(aside[:10]) + (f" and {len(aside) - 10} more" if len(aside) > 10
-                                          else "")
+        gone = _first10([repr(k) for k in dropped], "; ")
+        moved = _first10(aside)
         warnings.warn(
             f"DiskStore {str(path)!r} opened with recover=True;"
             + (f" damaged and unreadable until rewritten: {text}." if problems else "")

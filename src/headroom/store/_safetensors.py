@@ -22,15 +22,9 @@ import torch
 
 from headroom.store._segments import crc
 
-__all__ = [
-    "MAX_HEADER_BYTES",
-    "HeaderError",
-    "SafetensorsFile",
-    "TensorInfo",
-    "open_regular",
-    "parse_header",
-    "safetensors_dtypes",
-]
+__all__ = ["MAX_HEADER_BYTES", "DuplicateKey", "HeaderError", "SafetensorsFile", "TensorInfo",
+           "buffer_view", "crc_of_file", "open_regular", "parse_header", "safetensors_dtypes",
+           "unique_keys"]
 
 _CODES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -76,12 +70,17 @@ def _constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _pairs(pairs: list) -> dict:
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice (a parser would silently keep the last value)."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """``json.loads``'s ``object_pairs_hook`` that refuses a key named twice."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"key {dup!r} appears twice in one object")
+        raise DuplicateKey(f"the key {dup!r} appears twice in one object")
     return out
 
 
@@ -118,7 +117,7 @@ def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, Tenso
     except UnicodeDecodeError as e:
         raise HeaderError(f"its header is not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
-        header = json.loads(text, parse_constant=_constant, object_pairs_hook=_pairs)
+        header = json.loads(text, parse_constant=_constant, object_pairs_hook=unique_keys)
     except RecursionError:
         raise HeaderError("its header is JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, NaN, a duplicate key, an integer too long
@@ -189,11 +188,27 @@ def open_regular(path: str | os.PathLike) -> int:
     return fd
 
 
-def _buffer_view(t: torch.Tensor) -> memoryview:
+def buffer_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive."""
+    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize
+    # their storage to 0 between uses.
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def crc_of_file(fd: int, start: int, length: int, buf: memoryview) -> int | None:
+    """CRC32C of ``length`` bytes of ``fd`` at ``start``, read through ``buf``; ``None`` if the
+    file ends first."""
+    value = 0
+    while length:
+        got = os.preadv(fd, [buf[:min(length, len(buf))]], start)
+        if got == 0:
+            return None
+        value = crc(buf[:got], value)
+        start, length = start + got, length - got
+    return value
 
 
 class SafetensorsFile:
@@ -253,7 +268,7 @@ class SafetensorsFile:
         else:
             rb = info.row_nbytes
             first, n = info.offset + start * rb, (stop - start) * rb
-        view = _buffer_view(out)
+        view = buffer_view(out)
         if len(view) != n:
             raise ValueError(f"read of {name!r} rows {start}:{stop}: buffer of {len(view)}"
                              f" bytes for {n}")
@@ -270,14 +285,10 @@ class SafetensorsFile:
         reused buffer: the tensor is never whole in memory, and its pages stay in the page cache
         for a read that follows."""
         info = self.tensors[name]
-        view = memoryview(bytearray(min(piece, info.nbytes)))
-        first, stop, value = info.offset, info.offset + info.nbytes, 0
-        while first < stop:
-            got = os.preadv(self._fd, [view[:min(piece, stop - first)]], first)
-            if got == 0:
-                raise OSError(errno.EIO, f"unexpected end of {self.path}")
-            value = crc(view[:got], value)
-            first += got
+        buf = memoryview(bytearray(min(piece, info.nbytes)))
+        value = crc_of_file(self._fd, info.offset, info.nbytes, buf)
+        if value is None:
+            raise OSError(errno.EIO, f"unexpected end of {self.path}")
         return value
 
     def close(self) -> None:

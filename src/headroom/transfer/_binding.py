@@ -230,9 +230,8 @@ def grad_ready(param: torch.Tensor) -> None:
     if b is not None:
         if b.relay is not None:
             b.relay(param)
-            return
-        for fn in tuple(b.listeners):
-            fn(param)
+        else:
+            relay_done(param)
 
 
 def relay_done(param: torch.Tensor) -> None:

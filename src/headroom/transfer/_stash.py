@@ -146,10 +146,7 @@ class Stash:
         if self.accelerated:
             self._reap()
             k.host = self._pool.take(n)
-            with self._ready_lock:
-                ev = self._out_ready
-                ev.record(self._mod.current_stream(self.device))
-                self._d2h.wait_event(ev)  # ordered after the compute that wrote the bytes
+            self._after_compute(self._d2h, self._out_ready)  # which wrote the bytes
             with self._mod.stream(self._d2h):
                 k.host.copy_(src, non_blocking=True)
                 k.out_event = self._mod.Event()
@@ -230,11 +227,14 @@ class Stash:
         else:
             k.into.copy_(k.host)
 
-    def _h2d_copy(self, k: StashTicket) -> None:
+    def _after_compute(self, stream: Any, ev: Any) -> None:
+        """Order side ``stream`` after the compute stream's work so far (``ev`` recorded anew)."""
         with self._ready_lock:
-            ev = self._back_ready
             ev.record(self._mod.current_stream(self.device))
-            self._h2d.wait_event(ev)  # the storage was (re)allocated on the compute stream
+            stream.wait_event(ev)
+
+    def _h2d_copy(self, k: StashTicket) -> None:
+        self._after_compute(self._h2d, self._back_ready)  # where the storage was (re)allocated
         with self._mod.stream(self._h2d):
             k.into.copy_(k.host, non_blocking=True)
             k.back_event = self._mod.Event()

@@ -448,13 +448,7 @@ _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 def _note_edits(func, args: tuple, kwargs: dict) -> None:
     """Tell the sources of the `StoreTensor` arguments ``func`` writes (in-place and ``out=``
     ones, lists included) that their values change (`Source.edited`)."""
-    where = _WRITES.get(func)
-    if where is None:
-        where = _WRITES[func] = tuple(
-            (i, a.name) for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write)
-    for i, name in where:
-        x = args[i] if i < len(args) else kwargs.get(name)
+    for x in _written(func, args, kwargs):
         for t in (x if isinstance(x, (list, tuple)) else (x,)):
             if isinstance(t, StoreTensor):
                 t._source.edited()
@@ -497,18 +491,15 @@ def _first(args, kwargs) -> StoreTensor:
     return next(x for x in flat if isinstance(x, StoreTensor))
 
 
-def _written(func, args, kwargs) -> list[Any]:
+def _written(func, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments (tensors or lists of tensors) that ``func`` writes, per its schema."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        if a.kwarg_only or i >= len(args):
-            if a.name in kwargs:
-                out.append(kwargs[a.name])
-        else:
-            out.append(args[i])
-    return out
+    where = _WRITES.get(func)
+    if where is None:
+        where = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    return [args[i] if i < len(args) else kwargs[name]
+            for i, name in where if i < len(args) or name in kwargs]
 
 
 def _run(func, args, kwargs):

@@ -507,3 +507,31 @@ def test_an_optimizer_wrapper_saves_and_loads_as_its_optimizer(tmp_path, saved_t
         assert torch.equal(a, b)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_a_tensor_with_no_rows_is_saved_checksummed_and_loaded(tmp_path, store):
+    """A parameter with no rows (an empty head, a pruned layer) resting in a store: `save`
+    and `save_weights` checksum it (that of no bytes) and it loads back."""
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        m[1].weight = torch.nn.Parameter(torch.randn(0, 4))
+        m[1].bias = torch.nn.Parameter(torch.randn(0))
+        return m
+
+    model = build()
+    where = hr.DiskStore(tmp_path / "store") if store == "disk" else "cpu"
+    hr.offload(model, device="cpu", store=where, blocks=[model[0], model[1]])
+    hr.save(tmp_path / "ck.safetensors", model)
+    with safe_open(tmp_path / "ck.safetensors", "pt") as f:
+        sums = json.loads(f.metadata()["headroom"])["crc32c"]
+    assert sums["model/1.weight"] == f"{crc32c.crc32c(b''):08x}"
+    back = build()
+    with torch.no_grad():
+        back[0].weight.zero_()
+    hr.load(tmp_path / "ck.safetensors", back)
+    assert torch.equal(back[0].weight, model[0].weight.detach().cpu())
+    assert back[1].weight.shape == (0, 4)
+    files = hr.save_weights(model, tmp_path / "weights")
+    assert load_file(files[0])["1.weight"].shape == (0, 4)

@@ -74,6 +74,7 @@ class _Item:
 
     def write_to(self, f: BinaryIO, sums: Checksums) -> None:
         h = self.handle
+        sums.begin(self.name)  # (a tensor with no rows yields no slice)
         src = self.tensor.detach() if self.tensor is not None else self.store.host_tensor(h)
         if src is not None:
             t = src.cpu().contiguous()

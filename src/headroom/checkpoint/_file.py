@@ -95,12 +95,16 @@ class Checksums:
         self._temporary: deque[Future] = deque()
         self._later: list[tuple[str, torch.Tensor]] = []
 
+    def begin(self, name: str) -> None:
+        """Start ``name``'s checksum (that of no bytes, for a tensor with no elements)."""
+        self.values.setdefault(name, 0)
+
     def add(self, name: str, t: torch.Tensor, *, temporary: bool) -> None:
         """Extend ``name``'s checksum by ``t``'s bytes (``t`` must stay unchanged until done).
 
         ``temporary``: ``t`` is a buffer made for this save, freed once written.
         """
-        self.values.setdefault(name, 0)
+        self.begin(name)
         if self._pool is None or t.numel() == 0:
             return
         if not temporary:

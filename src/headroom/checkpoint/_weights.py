@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -746,6 +747,7 @@ def _write_shard(path: Path, shard: list) -> None:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for name, tgt, to, _ in shard:
+            seal.sums.begin(name)  # (a tensor with no rows yields no chunk)
             for chunk, temporary in _chunks(tgt.tensor, to):
                 seal.sums.add(name, chunk, temporary=temporary)
                 f.write(byte_view(chunk))
@@ -771,7 +773,7 @@ def _chunks(t: torch.Tensor, to: torch.dtype):
         out = t.to("cpu", to).reshape(1)
         yield out, out.untyped_storage().data_ptr() != base
         return
-    per = max(1, _CHUNK // max(1, t[0].numel() * t.element_size()))
+    per = max(1, _CHUNK // max(1, math.prod(t.shape[1:]) * t.element_size()))
     for a in range(0, t.shape[0], per):
         out = t[a:a + per].to("cpu", to).contiguous()
         yield out, out.untyped_storage().data_ptr() != base

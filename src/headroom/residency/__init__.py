@@ -3,13 +3,13 @@
 from headroom.residency._adapters import init_adapters
 from headroom.residency._autograd import OffloadedParameter, StoredParameter
 from headroom.residency._blocks import find_blocks
-from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._dtensor import check_sharded
 from headroom.residency._group import Group, Slot
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
     offload,
+    offload_dry_run,
     offload_states,
     prefetch,
     state_of,
@@ -32,8 +32,6 @@ __all__ = [
     "MODULE_ATTRS",
     "AfterBackward",
     "GroupPlan",
-    "OffloadConfig",
-    "OffloadDryRun",
     "OffloadOptions",
     "OffloadPlan",
     "Group",
@@ -45,14 +43,13 @@ __all__ = [
     "tensor_outputs",
     "Phase",
     "check_sharded",
-    "configs_of",
     "describe",
     "init_adapters",
     "is_packed",
     "find_blocks",
-    "is_offload_hook",
     "meta_like",
     "offload",
+    "offload_dry_run",
     "packed_nbytes",
     "offload_states",
     "plan_offload",

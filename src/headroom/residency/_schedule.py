@@ -49,6 +49,7 @@ from headroom.transfer import (
     StoreTensor,
     grad_ready,
     is_stored_grad,
+    stored_view,
     stream_module,
     value_edits,
 )
@@ -1275,9 +1276,9 @@ def _sync_requires_grad(group: Group) -> None:
                 s.dev.requires_grad_(s.param.requires_grad)
 
 
-def _stored_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:
+def _stored_grad(p: torch.Tensor, b: ParamBinding) -> torch.Tensor:
     """``p.grad`` for a gradient that rests on disk or in another dtype than ``p``."""
-    return StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)
+    return stored_view(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)
 
 
 def _grad_handle(store: Store, b: ParamBinding):

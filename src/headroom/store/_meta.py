@@ -155,9 +155,12 @@ class MetaStore:
     prices at the store's bandwidth.
     """
 
+    pinned = False
+
     def __init__(self, places: Places, *, host: bool) -> None:
         self.places = places
         self.host = host
+        self.holds_host_memory = host
         self._tensors: dict[str, torch.Tensor] = {}
         self._handles: dict[str, Handle] = {}
         self.read_bytes = 0
@@ -187,8 +190,27 @@ class MetaStore:
             self._tensors[key] = self.places.on_host(t)
         return h
 
+    def put(self, key: str, t: torch.Tensor) -> Handle:
+        """Keep ``t`` (a ``meta`` tensor: host memory, or at rest on disk, which is none)."""
+        if not self.host:
+            self.places.no_memory(t)
+        return self.adopt(key, t)
+
+    def free(self, h: Handle) -> None:
+        self._handles.pop(h.key, None)
+        self._tensors.pop(h.key, None)
+
+    def reserve(self, sizes: Any) -> None:
+        pass
+
     def host_tensor(self, h: Handle) -> torch.Tensor | None:
         return self._tensors.get(h.key)
+
+    def stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A ``meta`` tensor holding no memory, for a tensor whose values rest here (where a
+        real store hands out a `headroom.transfer.StoreTensor`); unseen by dispatch modes."""
+        with torch._C._DisableTorchDispatch():
+            return self.places.no_memory(torch.empty(shape, dtype=dtype, device="meta"))
 
     def read(self, h: Handle, out: torch.Tensor | None = None) -> Future:
         self.read_bytes += h.nbytes

@@ -219,8 +219,8 @@ def offload(
         _install_optimizer_hook()  # torch.optim refused on shards on disk
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
                                         compute_dtype=compute_dtype, prefetch=prefetch)
-    return _offload(model, dev, resolve_store(store, dev), blocks, prefetch, compute_dtype,
-                    grad_accumulation, adapters)
+    return _offload(model, dev, store, blocks, prefetch, compute_dtype, grad_accumulation,
+                    adapters)
 
 
 def offload_dry_run(model: nn.Module, store: MetaStore, *, blocks: Iterable[nn.Module] | None,
@@ -256,7 +256,7 @@ def _kept_ids(module: nn.Module, kept: Iterable[str] | None, adapters: str) -> s
     return {pid for pid, ms in owned.items() if all(id(m) in mods for m in ms)}
 
 
-def _offload(model: nn.Module, dev: torch.device, st: Store | MetaStore,
+def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore,
              blocks: Iterable[nn.Module] | None, prefetch: int,
              compute_dtype: torch.dtype | None, grad_accumulation: str, adapters: str, *,
              kept: str | set[int] | None = None) -> nn.Module:
@@ -274,6 +274,7 @@ def _offload(model: nn.Module, dev: torch.device, st: Store | MetaStore,
             )
     lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
                  compute_dtype=compute_dtype, adapters=adapters if kept is None else kept)
+    st = store if isinstance(store, MetaStore) else resolve_store(store, dev)
     if dev.type == "cpu" and st.holds_host_memory:
         warnings.warn(
             "hr.offload with device='cpu' and a host-memory store saves no memory (it keeps a"

@@ -149,10 +149,13 @@ class MetaStore:
     """A store for dry runs: ``host=True`` keeps ``meta`` tensors (standing for host memory),
     ``host=False`` keeps nothing (standing for a disk). Reads and writes finish at once.
 
-    It answers the calls `headroom.optim._sliced.SliceRunner` and the dry-run features make
-    (``alloc``, ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``), and counts
+    It answers the calls `headroom.optim._sliced.SliceRunner`, `hr.offload`'s code (run on a
+    dry run's copy of the model) and the dry-run features make (``put``, ``alloc``,
+    ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``, ``free``), and counts
     the bytes they move (``read_bytes``, ``written_bytes``), what the planner's time model
-    prices at the store's bandwidth.
+    prices at the store's bandwidth. Code that runs on real stores and dry runs alike asks
+    ``isinstance(store, MetaStore)`` where the two differ: ``meta`` values given to it are
+    known (not pending), and what rests on its disk is a `stand_in` holding no memory.
     """
 
     pinned = False

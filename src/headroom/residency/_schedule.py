@@ -913,7 +913,9 @@ class Offload:
                 p.grad = _stored_grad(p, b)
         # Post-accumulate-grad fires once per backward, after every use of the
         # parameter (tied weights included), so this gradient is complete: tell listeners
-        # (inside HostOptimizer.final_backward() its step starts on the worker thread).
+        # (inside HostOptimizer.final_backward() its step starts on the worker thread), the
+        # device gradient dropped first (a listener may step at once, as a dry run's does).
+        del g
         grad_ready(p)
         self._grad_done(slot)
 

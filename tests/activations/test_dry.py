@@ -48,6 +48,27 @@ def test_default_prefetch_is_the_features(tmp_path):
     assert DEFAULT_PREFETCH == 256 << 20 and DEFAULT_MIN_BYTES == 1 << 20
 
 
+def test_refill_ahead_to_the_byte(tmp_path):
+    """The dry run is the feature's own keeper: with its default refill-ahead budget the peak
+    is the measured one to the byte (in the step whose disk writes kept up with the forward:
+    the dry run takes writes as done at once)."""
+    model, args = _model()
+    store = hr.DiskStore(tmp_path / "a")
+
+    def step():
+        with hr.offload_activations(store=store, min_bytes=MIN):
+            model(*args).sum().backward()
+        model.zero_grad()
+
+    step()
+    peaks = []
+    for _ in range(3):
+        with hr.track_memory(model=model) as mem:
+            step()
+        peaks.append(mem.peak)
+    assert _estimated(model, args) == min(peaks)
+
+
 def test_modules_as_measured(tmp_path):
     """Only what the listed modules save moves, given by name or as the model's submodules.
 

@@ -35,9 +35,10 @@ from headroom.memory import annotate, note_resting
 from headroom.store import DiskStore, HeapTrimmer, Store, release_pages
 from headroom.transfer import Stash, StashTicket, resize_storage
 
-__all__ = ["DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH", "empty_cache", "offload_activations"]
+__all__ = ["DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH", "empty_cache", "offload_activations",
+           "offload_activations_dry_run"]
 
-# the defaults of `offload_activations` (and of its dry run, `headroom.activations._dry`)
+# the defaults of `offload_activations` (and of its dry run, `offload_activations_dry_run`)
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_PREFETCH = 256 << 20
 
@@ -106,12 +107,41 @@ class _Ticket:
         self.owner._release(self.entry)
 
 
+class _InstantStash:
+    """The stash of a dry run (`offload_activations_dry_run`): its ``meta`` storages hold no
+    bytes, so every copy is done when it starts. ``moved`` counts the bytes sent out (each
+    comes back once for backward)."""
+
+    def __init__(self) -> None:
+        self.moved = 0
+
+    def stash(self, storage: torch.UntypedStorage) -> StashTicket:
+        self.moved += storage.nbytes()
+        return StashTicket(storage.nbytes())
+
+    def out_done(self, k: StashTicket) -> bool:
+        return True
+
+    def wait_out(self, k: StashTicket) -> None:
+        pass
+
+    def prefetch(self, k: StashTicket, storage: torch.UntypedStorage) -> None:
+        pass
+
+    restore = prefetch
+    drop = wait_out
+
+
 class _Offloader:
-    """The keeper: stashes saved tensors, frees their device memory, restores them ahead."""
+    """The keeper: stashes saved tensors, frees their device memory, restores them ahead.
+
+    ``instant``: a dry run's (on ``meta`` tensors, see `offload_activations_dry_run`).
+    """
 
     def __init__(self, store: Any, min_bytes: int, prefetch: int,
-                 modules: list[nn.Module] | None) -> None:
+                 modules: list[nn.Module] | None, *, instant: _InstantStash | None = None) -> None:
         self.store = store
+        self._instant = instant
         self._where = "host" if store is None else "disk"
         self._trimmer = HeapTrimmer()  # for what backward frees on the CPU, see `_release`
         self.min_bytes = min_bytes
@@ -156,7 +186,8 @@ class _Offloader:
     # ------------------------------------------------------------------ pack / unpack
     def pack(self, t: torch.Tensor) -> Any:
         self._sweep()
-        if self._depth <= 0 or _parameter_like(t) or t.device.type == "meta" or _no_storage(t):
+        if self._depth <= 0 or _parameter_like(t) or _no_storage(t) or (
+                t.device.type == "meta" and self._instant is None):
             return t
         storage = t.untyped_storage()
         # A storage that cannot be resized (memory NumPy or DLPack lent, such as the bit masks
@@ -292,7 +323,9 @@ class _Offloader:
         e.anchor = None
 
     # ------------------------------------------------------------------ lifetime
-    def _stash(self, device: torch.device) -> Stash:
+    def _stash(self, device: torch.device) -> Stash | _InstantStash:
+        if self._instant is not None:
+            return self._instant
         s = self._stashes.get(device)
         if s is None:
             s = self._stashes[device] = Stash.shared(device, self.store)
@@ -427,7 +460,26 @@ def offload_activations(
             if not isinstance(m, nn.Module):
                 raise TypeError("modules must be torch.nn.Module objects (the blocks whose"
                                 f" saved tensors to offload), got {type(m).__name__}")
-    offloader = _Offloader(store, min_bytes, prefetch, modules or None)
+    with _offloading(_Offloader(store, min_bytes, prefetch, modules or None)):
+        yield
+
+
+@contextlib.contextmanager
+def offload_activations_dry_run(*, min_bytes: int = DEFAULT_MIN_BYTES,
+                                prefetch: int = DEFAULT_PREFETCH,
+                                modules: Iterable[nn.Module] | None = None
+                                ) -> Iterator[_InstantStash]:
+    """`offload_activations` over a dry run's ``meta`` tensors (`hr.estimate`): the copies to
+    the store are taken as done at once. Yields the stash, whose ``moved`` counts the bytes
+    sent to the store."""
+    stash = _InstantStash()
+    with _offloading(_Offloader(None, min_bytes, prefetch, list(modules) if modules else None,
+                                instant=stash)):
+        yield stash
+
+
+@contextlib.contextmanager
+def _offloading(offloader: _Offloader) -> Iterator[None]:
     try:
         with keeping(offloader):
             yield

@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from headroom._providers import advice_provider
-from headroom._saved_hooks import keeping
-from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, OffloadedActivations
+from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, offload_activations_dry_run
 from headroom.fit import _dryrun
 from headroom.memory import (
     CATEGORIES,
@@ -390,7 +389,7 @@ def estimate(
 
     act = _activation_options(offload_activations, model, meta_model)
 
-    keepers: list[OffloadedActivations] = []
+    keepers: list[Any] = []  # the activation offload's stash, as it counts what it moved
 
     @contextlib.contextmanager
     def kept() -> Iterator[None]:
@@ -398,12 +397,9 @@ def estimate(
         if offload_activations is None:
             yield
             return
-        keepers.append(OffloadedActivations(meta_model, **act))
-        try:
-            with keeping(keepers[-1]):
-                yield
-        finally:
-            keepers[-1].close()
+        with offload_activations_dry_run(**act) as stash:
+            keepers.append(stash)
+            yield
 
     def inputs() -> list[Any]:
         # each micro-batch's inputs are made before the tracked step (as a data loader makes

@@ -3,15 +3,19 @@
 `hr.estimate` asks this module (lazily: the memory layer imports nothing above it when it
 loads) whenever the step uses `hr.offload` (a model already offloaded, or the ``offload=``
 what-if) or an `hr.HostOptimizer` (an instance, or its options). `DryRunFeatures` then makes the
-``meta`` copy of the model without the offload machinery, installs `OffloadDryRun` on it and
-builds a `DryHostOptimizer` (the host optimizer itself, over meta stores), so the dry run keeps
-on the device what the real schedule keeps.
+``meta`` copy of the model without the offload machinery and offloads it with `hr.offload`'s
+own code (`headroom.residency.offload_dry_run`) into `MetaStore`s, moved by an `InstantMover`,
+and builds a `DryHostOptimizer` (the host optimizer itself, over meta stores), so the dry run
+keeps on the device what the real schedule keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,12 +23,137 @@ from torch import nn
 
 from headroom.fit import _dryrun
 from headroom.optim import DryHostOptimizer
-from headroom.residency import OffloadConfig, OffloadDryRun, configs_of
-from headroom.store import Places
+from headroom.residency import Offload, offload_dry_run, offload_states
+from headroom.store import MetaStore, Places
+from headroom.transfer import MAX_STAGED_BYTES, Mover, ParamBinding, Ticket
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The options of one `hr.offload` call, as a dry run replays them.
+
+    Attributes:
+        module: qualified name of the offloaded module (``""``: the model itself).
+        store: ``"host"`` or ``"disk"``.
+        prefetch: blocks fetched ahead.
+        blocks: qualified names (inside ``module``) of the blocks, or ``None``: found as
+            `hr.offload` finds them.
+        compute_dtype: the device copies' dtype for floating-point parameters, or ``None``.
+        grad_accumulation: ``"store"`` or ``"device"`` (see `hr.offload`).
+        adapters: ``"device"`` or ``"store"`` (see `hr.offload`).
+        kept: qualified names (inside ``module``) of the parameters kept on the device, as
+            an offloaded model keeps them, or ``None``: as ``adapters`` says.
+    """
+
+    module: str = ""
+    store: str = "host"
+    prefetch: int = 1
+    blocks: tuple[str, ...] | None = None
+    compute_dtype: torch.dtype | None = None
+    grad_accumulation: str = "store"
+    adapters: str = "device"
+    kept: tuple[str, ...] | None = None
+
+
+def configs_of(model: nn.Module) -> list[OffloadConfig]:
+    """The `OffloadConfig` of every `hr.offload` applied to ``model`` or its submodules."""
+    out = []
+    for name, m, state in offload_states(model):
+        inner = {id(sub): n for n, sub in m.named_modules()}
+        kept = tuple(n for n, p in m.named_parameters(remove_duplicate=False)
+                     if state.kept.get(id(p)) is p)
+        out.append(OffloadConfig(
+            module=name,
+            store="host" if state.store.holds_host_memory else "disk",
+            prefetch=state.prefetch,
+            blocks=tuple(inner[id(b.module)] for b in state.blocks),
+            compute_dtype=state.compute_dtype,
+            grad_accumulation=state.grad_accumulation,
+            adapters=getattr(state, "adapters", "device"),
+            kept=kept,
+        ))
+    return out
+
+
+def is_offload_hook(fn: Any) -> bool:
+    """Whether a module hook belongs to an `hr.offload` state (not copied into dry runs)."""
+    # hr.offload registers its hooks wrapped by torch.compiler.disable
+    fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+    while isinstance(fn, partial):
+        if any(isinstance(a, Offload) for a in fn.args):
+            return True
+        fn = fn.func
+    if isinstance(getattr(fn, "__self__", None), Offload):
+        return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            if isinstance(cell.cell_contents, Offload):
+                return True
+        except ValueError:  # an empty cell
+            continue
+    return False
+
+
+class InstantMover(Mover):
+    """`headroom.transfer.Mover` for a dry run's `MetaStore`: every copy is done when it starts.
+
+    A fetch is complete when it starts, and a gradient written to disk is gone from memory when
+    it is handed over (a real disk write keeps it until written). On an accelerator
+    (``accelerated``) the bytes over the host link are counted in the store's, and the
+    gradients handed to the host stay on the device until the copies are reaped: past
+    `headroom.transfer.MAX_STAGED_BYTES` in flight, and when the schedule waits for them to
+    land (`synchronize`: the end of backward).
+    """
+
+    def __init__(self, store: MetaStore, *, accelerated: bool) -> None:
+        super().__init__("meta", store)
+        self.link = accelerated
+        self._sent: deque[torch.Tensor] = deque()
+        self._sent_bytes = 0
+
+    def fetch_many(self, items: list, *, after: Any = None, batch: Any = None) -> list[Ticket]:
+        tickets = []
+        for h, dst in items:
+            host = self.store.host_tensor(h)
+            if host is None:
+                self.store.read(h, out=dst)
+            else:
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+                    dst.detach().copy_(host)
+                if self.link:
+                    self.store.read_bytes += h.nbytes
+            tickets.append(Ticket(dst, done=True))
+        return tickets
+
+    def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
+        gh = b.grad_handle
+        b.has_grad = True
+        if self.link:  # on the device until its copy to the host is reaped
+            self._sent.append(grad)
+            self._sent_bytes += grad.numel() * grad.element_size()
+            while self._sent_bytes > MAX_STAGED_BYTES:
+                done = self._sent.popleft()
+                self._sent_bytes -= done.numel() * done.element_size()
+        host = self.store.host_tensor(gh)
+        with torch.no_grad():
+            if host is not None:
+                host.add_(grad) if accumulate else host.copy_(grad)
+                if self.link:
+                    self.store.written_bytes += gh.nbytes
+                return
+            if accumulate:  # read, add, write back
+                self.store.read_bytes += gh.nbytes
+            if grad.dtype != gh.dtype:
+                grad = grad.to(gh.dtype)  # the disk write gets a copy in its dtype
+            self.store.write(gh, grad)
+
+    def synchronize(self) -> None:
+        self._sent.clear()
+        self._sent_bytes = 0
 
 
 def host_options(optimizer: Any) -> Any:
@@ -88,12 +217,12 @@ class DryRunFeatures:
             self.configs = [offload_config(offload)]
         self.host = host_options(optimizer)
         self.cpu = target == "cpu"
-        self.sims: list[OffloadDryRun] = []
+        self.offloads: list[Offload] = []  # the dry run's own hr.offload states
 
     def meta_copy(self, model: nn.Module) -> nn.Module:
         """A ``meta`` copy of ``model`` as it was before `hr.offload` (hooks and guards left
         out), or a plain meta copy of a model that is not offloaded."""
-        from headroom.residency import MODULE_ATTRS, is_offload_hook
+        from headroom.residency import MODULE_ATTRS
 
         memo: dict[int, Any] = {}
         offloaded = False
@@ -123,7 +252,14 @@ class DryRunFeatures:
     def install(self, meta_model: nn.Module) -> None:
         """Offload the copy as the configurations say (after `hr.convert` and checkpointing)."""
         for c in self.configs:
-            self.sims.append(OffloadDryRun(meta_model, c, self.places, accelerated=not self.cpu))
+            module = meta_model.get_submodule(c.module) if c.module else meta_model
+            store = MetaStore(self.places, host=c.store == "host")
+            state = offload_dry_run(
+                module, store, prefetch=c.prefetch, compute_dtype=c.compute_dtype,
+                blocks=None if c.blocks is None else [module.get_submodule(n) for n in c.blocks],
+                grad_accumulation=c.grad_accumulation, adapters=c.adapters, kept=c.kept)
+            state.res.mover = InstantMover(store, accelerated=not self.cpu)
+            self.offloads.append(state)
 
     def optimizer(self, params: list[nn.Parameter], base: Any,
                   kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
@@ -135,11 +271,11 @@ class DryRunFeatures:
 
                 options = replace(options, optimizer_kwargs={**options.optimizer_kwargs,
                                                              **kwargs})
-            self._opt = DryHostOptimizer(params, options, self.places, self.sims, cpu=self.cpu)
+            self._opt = DryHostOptimizer(params, options, self.places, cpu=self.cpu)
             return self._opt
         opt = _dryrun.make_optimizer(base, params, kwargs)
-        masters = {id(s.master) for sim in self.sims for s in sim.slots}
-        if opt is not None and self.sims and all(id(p) in masters for p in params):
+        masters = {id(s.param) for st in self.offloads for s in st.slots}
+        if opt is not None and self.offloads and all(id(p) in masters for p in params):
             # every parameter is a master in a store: torch's optimizer steps them on the host
             self._host_step = True
         return opt
@@ -150,7 +286,7 @@ class DryRunFeatures:
 
     def _totals(self) -> dict[str, int]:
         out = {"disk_read": 0, "disk_write": 0, "link": 0}
-        stores = [sim.store for sim in self.sims]
+        stores = [st.store for st in self.offloads]
         if isinstance(self._opt, DryHostOptimizer):
             stores += self._opt.stores()
             out["link"] += self._opt.link_bytes

@@ -7,7 +7,7 @@ changes is here, and only here:
 
 - the host store of masters and gradients, the state's store and its host memory are
   `MetaStore` s; a parameter rests in host memory where `Places` says so (every one on a ``cpu``
-  target), and one the offload dry run holds is bound to its slot (`_SlotBinding`);
+  target), and one the offload dry run holds is bound as `hr.offload` binds it;
 - its steps run as host code (`Places.host_code`), sliced ones with their landing buffers on
   ``meta``; those started inside ``final_backward`` run at once on the backward thread, not on
   a worker (the tracker's dispatch mode sees one thread);
@@ -18,7 +18,6 @@ changes is here, and only here:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,32 +26,9 @@ import torch
 from headroom.optim._follow import written_mark
 from headroom.optim._host_optimizer import HostOptimizer
 from headroom.store import Handle, MetaStore, Places
-from headroom.transfer import ParamBinding, binding
+from headroom.transfer import ParamBinding
 
 __all__ = ["DryHostOptimizer"]
-
-
-def _slot_field(name: str) -> property:
-    return property(lambda self: getattr(self._slot, name),
-                    lambda self, v: setattr(self._slot, name, v))
-
-
-class _SlotBinding(ParamBinding):
-    """The binding of a parameter the offload dry run (`headroom.residency.OffloadDryRun`)
-    holds in a slot: its gradient's handle, whether it holds one and its dtype are the slot's,
-    and a read of the gradient hands over what the slot holds back on the device."""
-
-    grad_handle = _slot_field("grad_handle")
-    has_grad = _slot_field("has_grad")
-    grad_dtype = _slot_field("grad_dtype")
-
-    def __init__(self, sim: Any, slot: Any) -> None:
-        object.__setattr__(self, "_slot", slot)
-        super().__init__(store=sim.store, handle=slot.handle, grad_handle=slot.grad_handle,
-                         has_grad=slot.has_grad, grad_dtype=slot.grad_dtype,
-                         grad_sync=lambda: None,  # one per binding: each is flushed
-                         grad_flush=functools.partial(sim.flush, slot),
-                         listeners=slot.listeners)
 
 
 class _InstantMover:
@@ -105,16 +81,13 @@ class DryHostOptimizer(HostOptimizer):
         options: the real optimizer's `headroom.optim.HostOptimizerOptions` (its
             ``state_store``: ``"cpu"``, or a store or ``"disk"``, taken as a disk).
         places: where the dry run's tensors stand.
-        offloaded: the offload dry runs, whose slots hold the offloaded parameters.
         cpu: the target is ``cpu``.
     """
 
-    def __init__(self, params: Any, options: Any, places: Places, offloaded: list[Any], *,
+    def __init__(self, params: Any, options: Any, places: Places, *,
                  cpu: bool) -> None:
         self._places = places
         self._cpu = cpu
-        self._slots = {k: (sim, slot) for sim in offloaded for k, slot in sim.by_master.items()}
-        self._bound: dict[int, _SlotBinding] = {}  # made for the parameters it is given
         state = options.state_store
         super().__init__(
             params, options.optimizer_class,
@@ -130,14 +103,6 @@ class DryHostOptimizer(HostOptimizer):
     @staticmethod
     def _now(fn: Callable[[], None]) -> None:
         fn()
-
-    def _binding(self, p: torch.Tensor) -> ParamBinding | None:
-        found = self._slots.get(id(p))
-        if found is None:
-            return binding(p)
-        if id(p) not in self._bound:
-            self._bound[id(p)] = _SlotBinding(*found)
-        return self._bound[id(p)]
 
     def _on_cpu(self, p: torch.Tensor) -> bool:
         # (an FSDP2 shard resting in host memory is on the CPU too)

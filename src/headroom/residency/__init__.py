@@ -4,7 +4,6 @@ from headroom.residency import _events as events
 from headroom.residency._adopt import holds, rescan
 from headroom.residency._autograd import OffloadedParameter, StoredParameter
 from headroom.residency._blocks import find_blocks
-from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._dtensor import check_sharded
 from headroom.residency._group import Group, Slot
 from headroom.residency._guard import guarded_state
@@ -16,6 +15,7 @@ from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
     offload,
+    offload_dry_run,
     offload_states,
     prefetch,
     state_of,
@@ -38,8 +38,6 @@ __all__ = [
     "MODULE_ATTRS",
     "AfterBackward",
     "GroupPlan",
-    "OffloadConfig",
-    "OffloadDryRun",
     "OffloadOptions",
     "OffloadPlan",
     "Group",
@@ -51,7 +49,6 @@ __all__ = [
     "tensor_outputs",
     "Phase",
     "check_sharded",
-    "configs_of",
     "describe",
     "events",
     "guarded_state",
@@ -63,9 +60,9 @@ __all__ = [
     "unset_tensor",
     "is_packed",
     "find_blocks",
-    "is_offload_hook",
     "meta_like",
     "offload",
+    "offload_dry_run",
     "packed_nbytes",
     "offload_states",
     "plan_offload",

@@ -36,9 +36,9 @@ from headroom.residency._packed import (
     refusal,
     rest_master,
 )
-from headroom.residency._plan import Layout, OffloadPlan, check_options, layout
+from headroom.residency._plan import Layout, OffloadPlan, adapter_modules, check_options, layout
 from headroom.residency._schedule import _LIVE, Offload, Phase, _GroupRole, in_backward
-from headroom.store import Store, claimed_keys, resolve_store, trim_heap
+from headroom.store import MetaStore, Store, claimed_keys, resolve_store, trim_heap
 from headroom.transfer import (
     HandleSource,
     StoreTensor,
@@ -46,6 +46,7 @@ from headroom.transfer import (
     binding,
     check_device,
     resize_storage,
+    stored_view,
     unbind,
     weak_post_accumulate_grad_hook,
 )
@@ -220,6 +221,47 @@ def offload(
         _install_optimizer_hook()  # torch.optim refused on shards on disk
         return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
                                         compute_dtype=compute_dtype, prefetch=prefetch)
+    return _offload(model, dev, store, blocks, prefetch, compute_dtype, grad_accumulation,
+                    adapters)
+
+
+def offload_dry_run(model: nn.Module, store: MetaStore, *, blocks: Iterable[nn.Module] | None,
+                    prefetch: int, compute_dtype: torch.dtype | None, grad_accumulation: str,
+                    adapters: str, kept: Iterable[str] | None) -> Offload:
+    """`offload` on a dry run's ``meta`` copy of a model (`headroom.fit`), onto the ``meta``
+    device, the masters in ``store``; ``kept``: the names of the parameters kept on the
+    device, as an offloaded model keeps them, or ``None``: as ``adapters`` says."""
+    with warnings.catch_warnings():  # what it says of the model, the estimate says too
+        warnings.simplefilter("ignore")
+        _offload(model, torch.device("meta"), store, blocks, prefetch, compute_dtype,
+                 grad_accumulation, adapters, kept=_kept_ids(model, kept, adapters))
+    return model.__dict__[_ATTR]
+
+
+def _kept_ids(module: nn.Module, kept: Iterable[str] | None, adapters: str) -> str | set[int]:
+    """What `layout` keeps on the device in a dry run's ``meta`` copy (`offload_dry_run`).
+
+    NOTE: every parameter of the copy is ``meta``, which `layout` takes for an adapter still
+    without values (one that rests in the store): the adapters are named here instead.
+    """
+    if kept is not None:
+        named = dict(module.named_parameters(remove_duplicate=False))
+        return {id(named[n]) for n in kept if n in named}
+    if adapters != "device":
+        return "store"
+    mods = adapter_modules(module)
+    owned: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owned.setdefault(id(p), []).append(m)
+    return {pid for pid, ms in owned.items() if all(id(m) in mods for m in ms)}
+
+
+def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore,
+             blocks: Iterable[nn.Module] | None, prefetch: int,
+             compute_dtype: torch.dtype | None, grad_accumulation: str, adapters: str, *,
+             kept: str | set[int] | None = None) -> nn.Module:
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"
@@ -233,15 +275,15 @@ def offload(
                 " another headroom feature); unoffload it first"
             )
     lay = layout(model, device=dev, blocks=blocks, prefetch=prefetch,
-                 compute_dtype=compute_dtype, adapters=adapters)
-    st = resolve_store(store, dev)
+                 compute_dtype=compute_dtype, adapters=adapters if kept is None else kept)
+    st = store if isinstance(store, MetaStore) else resolve_store(store, dev)
     if dev.type == "cpu" and st.holds_host_memory:
         warnings.warn(
             "hr.offload with device='cpu' and a host-memory store saves no memory (it keeps a"
             " master and a device copy in the same RAM); it is meant for testing the mechanics."
             " Use store=hr.DiskStore(path) to train beyond RAM on a CPU.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     state = Offload(model, dev, st, prefetch, compute_dtype, grad_accumulation)
     state.adapters = adapters
@@ -331,7 +373,7 @@ def offload(
             " that is resident for the whole step (no memory saved on the device); pass"
             " blocks=[...] with the submodules to fetch one at a time",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     return model
 
@@ -363,7 +405,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         resume = name in st and p.device.type == "meta"
         # One created on meta gets room in the store now and its values later, from a
         # checkpoint or its module's initialization (see headroom.residency._meta).
-        pending = p.device.type == "meta" and not resume
+        pending = p.device.type == "meta" and not resume and not isinstance(st, MetaStore)
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
         g = lay.group_of[pid]
@@ -396,7 +438,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
             # NOTE: values on disk: the master is a tensor whose ops run on the stored values
             # (torch's utilities and frameworks read it, and its gradient, as tensors).
             master = nn.Parameter(
-                StoreTensor(HandleSource(st, handle, prepare=state.init_pending),
+                stored_view(HandleSource(st, handle, prepare=state.init_pending),
                             tuple(p.shape), dtype=p.dtype),
                 requires_grad=p.requires_grad)
         mark(master)  # torch.autograd.grad(loss, params) reaches the device copy

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from headroom.store import Handle, Store
-from headroom.transfer import HandleSource, StoreTensor, resize_storage
+from headroom.store import Handle, MetaStore, Store
+from headroom.transfer import HandleSource, StoreTensor, resize_storage, stored_view
 
 __all__ = [
     "Packed", "Packing", "as_stored", "check_packable", "is_packed", "meta_like",
@@ -98,7 +98,7 @@ def check_packable(st: Store, claimed: set[str], p: torch.Tensor, name: str,
     for k, (shape, dtype) in packing.specs.items():
         key = part_key(name, k)
         if key not in st:
-            if p.device.type == "meta":
+            if p.device.type == "meta" and not isinstance(st, MetaStore):  # (a dry run's)
                 raise ValueError(
                     f"the quantized parameter {name!r} is on the meta device and {st!r} holds"
                     f" no value for it ({key!r}): quantize real weights (or load them) before"
@@ -382,8 +382,10 @@ def stored_spec(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, 
 
 
 def as_stored(t: torch.Tensor) -> torch.Tensor:
-    """A part's value as it is written to a store (host memory, contiguous, its bytes)."""
-    return _bytes_view(t.detach().to("cpu").contiguous())
+    """A part's value as it is written to a store (host memory, contiguous, its bytes; a dry
+    run's stays ``meta``)."""
+    t = t.detach()
+    return _bytes_view((t if t.is_meta else t.to("cpu")).contiguous())
 
 
 def _from_stored(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -512,10 +514,11 @@ def rest_master(packing: Packing, store: Store, handles: dict[str, Handle]) -> t
         host = store.host_tensor(h)
         if host is not None:
             got[k] = _from_stored(host, dtype)
-        elif (packing.kind in ("bnb4", "bnb8") and k == "data") or dtype not in _PLAIN_DTYPES:
+        elif ((packing.kind in ("bnb4", "bnb8") and k == "data") or dtype not in _PLAIN_DTYPES) \
+                and not isinstance(store, MetaStore):  # (a dry run's stand-ins hold nothing)
             got[k] = torch.empty(shape, dtype=dtype, device="meta")
         else:
-            got[k] = StoreTensor(HandleSource(store, h), shape, dtype=dtype)
+            got[k] = stored_view(HandleSource(store, h), shape, dtype=dtype)
     return packing.rebuild(got)
 
 

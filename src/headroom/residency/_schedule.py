@@ -49,6 +49,7 @@ from headroom.transfer import (
     StoreTensor,
     grad_ready,
     is_stored_grad,
+    stored_view,
     stream_module,
     value_edits,
 )
@@ -890,7 +891,9 @@ class Offload:
                 p.grad = _stored_grad(p, b)
         # Post-accumulate-grad fires once per backward, after every use of the
         # parameter (tied weights included), so this gradient is complete: tell listeners
-        # (inside HostOptimizer.final_backward() its step starts on the worker thread).
+        # (inside HostOptimizer.final_backward() its step starts on the worker thread), the
+        # device gradient dropped first (a listener may step at once, as a dry run's does).
+        del g
         grad_ready(p)
         self._grad_done(slot)
 
@@ -1253,9 +1256,9 @@ def _sync_requires_grad(group: Group) -> None:
                 s.dev.requires_grad_(s.param.requires_grad)
 
 
-def _stored_grad(p: torch.Tensor, b: ParamBinding) -> StoreTensor:
+def _stored_grad(p: torch.Tensor, b: ParamBinding) -> torch.Tensor:
     """``p.grad`` for a gradient that rests on disk or in another dtype than ``p``."""
-    return StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)
+    return stored_view(GradSource(b), tuple(p.shape), dtype=p.dtype, device=p.device)
 
 
 def _grad_handle(store: Store, b: ParamBinding):

@@ -154,11 +154,16 @@ class MetaStore(Store):
     ``host=False`` keeps nothing (standing for a disk, which can exchange tensors). Reads and
     writes finish at once.
 
-    It answers the calls `headroom.optim.HostOptimizer` (run over a dry run's ``meta``
-    tensors), `headroom.optim._sliced.SliceRunner` and the dry-run features make, and counts
+    It answers the calls `headroom.optim.HostOptimizer` and `hr.offload`'s code (run on a dry
+    run's ``meta`` copy of the model), `headroom.optim._sliced.SliceRunner` and the dry-run
+    features make, and counts
     the bytes they move (``read_bytes``, ``written_bytes``), what the planner's time model
-    prices at the store's bandwidth.
+    prices at the store's bandwidth. Code that runs on real stores and dry runs alike asks
+    ``isinstance(store, MetaStore)`` where the two differ: ``meta`` values given to it are
+    known (not pending), and what rests on its disk is a `stand_in` holding no memory.
     """
+
+    pinned = False
 
     def __init__(self, places: Places, *, host: bool) -> None:
         super().__init__(max_bytes=None)
@@ -204,8 +209,23 @@ class MetaStore(Store):
             self._tensors[key] = self.places.on_host(t)
         return h
 
+    def put(self, key: str, t: torch.Tensor) -> Handle:
+        """Keep ``t`` (a ``meta`` tensor: host memory, or at rest on disk, which is none)."""
+        if not self.host:
+            self.places.no_memory(t)
+        return self.adopt(key, t)
+
+    def reserve(self, sizes: Any) -> None:
+        pass
+
     def host_tensor(self, h: Handle) -> torch.Tensor | None:
         return self._tensors.get(h.key)
+
+    def stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A ``meta`` tensor holding no memory, for a tensor whose values rest here (where a
+        real store hands out a `headroom.transfer.StoreTensor`); unseen by dispatch modes."""
+        with torch._C._DisableTorchDispatch():
+            return self.places.no_memory(torch.empty(shape, dtype=dtype, device="meta"))
 
     def read(self, h: Handle, out: torch.Tensor | None = None) -> Future:
         self.read_bytes += h.nbytes

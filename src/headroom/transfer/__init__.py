@@ -35,6 +35,7 @@ from headroom.transfer._store_tensor import (
     Source,
     StoreTensor,
     is_stored_grad,
+    stored_view,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "on_grad_ready",
     "relay_done",
     "resize_storage",
+    "stored_view",
     "stream_module",
     "sync_grad",
     "unbind",

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from headroom.store import Handle, Store
+from headroom.store import Handle, MetaStore, Store
 from headroom.transfer._binding import ParamBinding, note_value_edit, sync_grad
 from headroom.transfer._pickle import keep_for_child
 
 __all__ = ["GradSource", "HandleSource", "HeldSource", "Source", "StoreTensor", "ViewSource",
-           "is_stored_grad"]
+           "is_stored_grad", "stored_view"]
 
 _aten = torch.ops.aten
 _ALIASES = (_aten.detach.default, _aten.alias.default)
@@ -581,8 +581,8 @@ def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
     there: a `StoreTensor` over it, or, resting in host memory in the parameter's dtype, that
     tensor itself (or a view of all of it); a sparse gradient: ``b.grad_sparse`` itself.
     Anything else was put there by someone else."""
-    if isinstance(t, StoreTensor):
-        src = t._source
+    src = getattr(t, "_source", None)  # a StoreTensor, or a dry run's stand-in (stored_view)
+    if src is not None:
         return isinstance(src, GradSource) and src.binding is b
     if b.grad_sparse is not None or t.is_sparse:
         return t is b.grad_sparse
@@ -590,5 +590,21 @@ def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
     if h is None:
         return False
     host = b.store.host_tensor(h)
-    return (host is not None and t.device.type == "cpu" and t.data_ptr() == host.data_ptr()
-            and t.dtype == host.dtype and t.numel() == host.numel())
+    if host is None or t.dtype != host.dtype or t.numel() != host.numel():
+        return False
+    if t.is_meta:  # a dry run's host tensor (`headroom.store.MetaStore`): no data pointer
+        return host.is_meta and t.untyped_storage()._cdata == host.untyped_storage()._cdata
+    return t.device.type == "cpu" and t.data_ptr() == host.data_ptr()
+
+
+def stored_view(source: Source, shape: tuple[int, ...], *, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor standing for values that rest in ``source``'s store: a `StoreTensor`, whose
+    ops run on them; in a dry run (a `headroom.store.MetaStore`, which keeps no values) a
+    ``meta`` tensor that holds no memory, with the same ``_source``."""
+    store = source.binding.store if isinstance(source, GradSource) else source.store
+    if not isinstance(store, MetaStore):
+        return StoreTensor(source, shape, dtype=dtype, device=device)
+    t = store.stand_in(shape, dtype)
+    t._source = source
+    return t

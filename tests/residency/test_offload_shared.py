@@ -191,3 +191,42 @@ def test_unfrozen_masters_train_on_copies():
     assert torch.equal(emb.weight, ref_emb.weight)
     for (n, p), q in zip(body.named_parameters(), ref_body.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("opt", ["torch", "host"])
+def test_unfrozen_after_prefetch_trains_like_plain(opt):
+    """A block announced with `hr.prefetch` while frozen (its device copies show the masters)
+    and unfrozen before its forward trains as on the plain model: stepped after its backward
+    by torch.optim, or inside it by `HostOptimizer.final_backward`."""
+    emb, body = _pair()
+    ref_emb, ref_body = copy.deepcopy(emb), copy.deepcopy(body)
+    hr.offload(body, device="cpu", store="cpu")
+    seen = _resident(body)
+
+    def make(e, b):
+        params = [*e.parameters(), *b.parameters()]
+        if opt == "host":
+            return hr.HostOptimizer(params, torch.optim.SGD, lr=0.1)
+        return torch.optim.SGD(params, lr=0.1)
+
+    o, ref_o = make(emb, body), make(ref_emb, ref_body)
+    for i in range(3):
+        if i == 1:
+            hr.prefetch(body[0])
+            assert len(seen) == 12  # the first step's; announced, not used yet
+            body[0].requires_grad_(True)
+            ref_body[0].requires_grad_(True)
+        for b, e, oo in ((body, emb, o), (ref_body, ref_emb, ref_o)):
+            loss = b(e(_ids(i))).square().mean()
+            if opt == "host" and b is body:
+                with oo.final_backward():
+                    loss.backward()
+            else:
+                loss.backward()
+            oo.step()
+            oo.zero_grad()
+    # shown the masters' memory when fetched frozen (announced: before unfreezing)
+    assert [same for same, _, _ in seen] == [True] * 24 + [False] * 12
+    assert torch.equal(emb.weight, ref_emb.weight)
+    for (n, p), q in zip(body.named_parameters(), ref_body.parameters(), strict=True):
+        assert torch.equal(p, q), n

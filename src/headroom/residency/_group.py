@@ -25,12 +25,15 @@ points its device copy at the master's own memory (``dev.data = host``, the devi
 its version counter), and `release` gives it back its own empty storage. What the modules
 compute with is the master's value, as a copy would be; a write to the master while resident
 (``load_state_dict``, ``p.data`` edits, a master rebound and synced) shows at once, which a
-copy would show only after the next fetch; optimizers write only masters with a gradient,
-never shared at fetch. Never resized while shared (it would free the master): `release` is
-the only way back. Views of a device copy that autograd saved keep the storage they were made
-on: one filled by a copy (a forward while the parameter trained) is filled by a copy again as
-long as anything but the device copy holds it, never swapped for the master's under them.
-Masters on disk, or cast to another compute dtype, are copied as before.
+copy would show only after the next fetch. Optimizers write masters that have a gradient:
+none is shared at fetch, and one unfrozen while resident (after `hr.prefetch`) is written
+before the step only once its gradient is complete (`HostOptimizer`'s steps in the final
+backward), when no backward node reads it any more. Never resized while shared (it would free
+the master): `release` is the only way back. Views of a device copy that autograd saved keep
+the storage they were made on: one filled by a copy (a forward while the parameter trained)
+is filled by a copy again as long as anything but the device copy holds it, never swapped for
+the master's under them. Masters on disk, or cast to another compute dtype, are copied as
+before.
 """
 
 from __future__ import annotations

@@ -240,6 +240,16 @@ def test_fit_is_on_top():
                                              "residency", "nn", "heads"}
 
 
+def test_integrations_sit_above_what_they_compensate_for():
+    # residency/ and optim/ emit events; integrations/ (PEFT, DDP) subscribes, imported by
+    # hr.offload through _providers, never by a layer below it
+    order = _architecture_order()
+    assert order.index("integrations") > max(order.index(p) for p in
+                                             ("residency", "optim", "distributed"))
+    edges, _ = _graph()
+    assert sorted(a for a, bs in edges.items() if "integrations" in bs) == []
+
+
 def test_private_imports_across_packages_are_few():
     _, private = _graph()
     assert private <= ALLOWED_PRIVATE, sorted(private - ALLOWED_PRIVATE)

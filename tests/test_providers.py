@@ -34,3 +34,28 @@ def test_the_default_provider_is_fits():
 
     _providers.set_advice_provider(None)
     assert _providers.advice_provider() is advise
+
+
+def test_offload_loads_the_integrations_that_subscribe_to_its_events():
+    # residency/ never imports integrations/ (above it): the first hr.offload loads it through
+    # the loader the package root set, and its subscribers are in place for that model
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings
+import torch.nn as nn
+from headroom.residency import events, offload
+assert "headroom.integrations" not in sys.modules
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model = offload(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device="cpu", store="cpu")
+from headroom.integrations import _ddp, _peft
+print("headroom.integrations" in sys.modules, _ddp._under_ddp in events.before_forward,
+      _peft.sync_merges.__module__, sorted(events.guard_members),
+      "_ddp_params_and_buffers_to_ignore" in type(model).__dict__)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert run.stdout.split() == ["True", "True", "headroom.integrations._peft",
+                                  "['_ddp_params_and_buffers_to_ignore']", "True"], run.stderr

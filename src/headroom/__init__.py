@@ -58,9 +58,14 @@ def _load_fit() -> None:
     import headroom.fit  # noqa: F401  (registers the advice of memory reports)
 
 
+def _load_integrations() -> None:
+    import headroom.integrations  # noqa: F401  (subscribes to residency's events)
+
+
 # The package root is above every layer (its table names them all): it tells the memory layer
 # how to load the one that gives reports their advice, so that memory/ never imports fit/.
 _providers.set_advice_loader(_load_fit)
+_providers.set_integrations_loader(_load_integrations)
 
 # Public names resolve lazily, so `import headroom` stays cheap (no matplotlib) and each layer
 # loads only when used. The table is the public API contract.
@@ -76,7 +81,6 @@ _EXPORTS: dict[str, str] = {
     "unoffload": "headroom.residency",
     "describe": "headroom.residency",
     "prefetch": "headroom.residency",
-    "init_adapters": "headroom.residency",
     # optim/
     "HostOptimizer": "headroom.optim",
     # checkpoint/
@@ -96,6 +100,8 @@ _EXPORTS: dict[str, str] = {
     "patch_causal_lm": "headroom.heads",
     # distributed/
     "data_parallel": "headroom.distributed",
+    # integrations/
+    "init_adapters": "headroom.integrations",
     # fit/
     "estimate": "headroom.fit",
     "Estimate": "headroom.fit",

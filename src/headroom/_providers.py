@@ -1,10 +1,13 @@
 """What a lower layer asks of a higher one without importing it.
 
-A memory report ends with advice: what each technique would save, from dry runs of the step
-with it (`headroom.fit`, the layer on top of every technique). The tracker asks
+Two such requests. A memory report ends with advice: what each technique would save, from
+dry runs of the step with it (`headroom.fit`, the layer on top of every technique). The tracker
+asks
 `advice_provider()` for the function that gives it; `headroom.fit` registers its own when
 imported, and the first request loads it through the loader that the package root (above every
-layer) sets. This module imports nothing of headroom.
+layer) sets. And `hr.offload` loads `headroom.integrations` (what the libraries around an
+offloaded model need, subscribed to residency's events) before its first model, through
+`load_integrations`. This module imports nothing of headroom.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 _registered: Callable[..., list[str]] | None = None  # headroom.fit's
 _override: Callable[..., list[str]] | None = None
 _loader: Callable[[], None] | None = None  # imports headroom.fit (set by the package root)
+_integrations: Callable[[], None] | None = None  # imports headroom.integrations (the root's)
 
 
 def register_advice(fn: Callable[..., list[str]]) -> None:
@@ -47,3 +51,15 @@ def advice_provider() -> Callable[..., list[str]]:
     if _registered is None:
         raise RuntimeError("headroom.fit registered no advice provider")
     return _registered
+
+
+def set_integrations_loader(fn: Callable[[], None]) -> None:
+    """Called by the package root: ``fn()`` imports `headroom.integrations`."""
+    global _integrations
+    _integrations = fn
+
+
+def load_integrations() -> None:
+    """Import `headroom.integrations` (it subscribes to residency's events); cheap once done."""
+    if _integrations is not None:
+        _integrations()

@@ -46,11 +46,13 @@ def _cats(d: dict) -> dict:
     return {k: d[k] for k in ("parameters", "gradients", "optimizer_state")}
 
 
-def step(rank: int, world: int, *, offloaded: bool = False, bf16: bool = False) -> dict:
+def step(rank: int, world: int, *, offloaded: bool = False, bf16: bool = False,
+         nested: bool = False) -> dict:
     """One tracked steady-state step of FSDP2 (blocks and root fully_shard'ed, AdamW),
     with hr.offload(store="cpu") of the shards and HostOptimizer when ``offloaded``, and the
     estimates of it: of the model before fully_shard with world_size= (and with the mesh),
-    and of the sharded model itself (the only one with ``bf16``: MixedPrecisionPolicy)."""
+    and of the sharded model itself (the only one with ``bf16``: MixedPrecisionPolicy; with
+    ``nested``: each block's fc1 a unit of its own inside the block's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -76,6 +78,8 @@ def step(rank: int, world: int, *, offloaded: bool = False, bf16: bool = False) 
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                             reduce_dtype=torch.float32)} if bf16 else {}
     for block in model.layers:
+        if nested:
+            fully_shard(block.fc1, mesh=mesh, **kw)
         fully_shard(block, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
     if offloaded:

@@ -156,6 +156,13 @@ def refusals(rank: int, world: int, tmp: str) -> dict:
         hr.offload(m, device="cpu", store=store)
         out[f"shard_offloaded_{name}_block"] = _error(lambda m=m: fully_shard(m.layers[0]))
         out[f"shard_offloaded_{name}_root"] = _error(lambda m=m: fully_shard(m))
+    # ... and over a module holding an offloaded model (fully_shard lists its modules' own
+    # parameters, the offloaded root's among them)
+    for name, store in (("cpu", "cpu"), ("disk", DiskStore(os.path.join(tmp, f"parent{rank}")))):
+        m = Net()
+        hr.offload(m, device="cpu", store=store)
+        out[f"shard_offloaded_{name}_parent"] = _error(
+            lambda m=m: fully_shard(torch.nn.Sequential(m)))
     # A layer inside an offloaded block: fully_shard lists nothing of headroom's; refused at
     # the next forward.
     m = Net()

@@ -108,7 +108,7 @@ def test_offload_onto_a_disk_store_of_an_earlier_run_is_refused(world2):
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])
-@pytest.mark.parametrize("where", ["block", "root"])
+@pytest.mark.parametrize("where", ["block", "root", "parent"])
 def test_fully_shard_over_offloaded_model_is_refused(world2, store, where):
     for r in world2["refusals"]:
         msg = r[f"shard_offloaded_{store}_{where}"]

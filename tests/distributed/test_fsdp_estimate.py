@@ -29,6 +29,7 @@ def world2():
         "plain": (f"{W}:step", {}),
         "offloaded": (f"{W}:step", {"offloaded": True}),
         "bf16": (f"{W}:step", {"bf16": True}),
+        "nested": (f"{W}:step", {"nested": True}),
         "refusals": (f"{W}:refusals", {}),
     }, timeout=120)
 
@@ -55,6 +56,14 @@ def test_estimate_of_a_mixed_precision_model(world2):
     assert _within(r0["own"], r0["peak"], r0["block"]), (r0["own"], r0["peak"])
     assert r0["own_max"] == r0["max"]
     assert r0["own"] < r0["what_if"]  # the fp32 step's estimate
+
+
+def test_estimate_of_units_inside_units(world2):
+    # a unit inside a block's unit keeps its own parameters: FSDP2 gathers them only for it
+    r0 = world2["nested"][0]
+    assert _within(r0["own"], r0["peak"], r0["block"]), (r0["own"], r0["peak"])
+    assert r0["own_max"] == r0["max"]
+    assert r0["own"] < r0["what_if"]  # blocks gathered whole
 
 
 def test_a_sharded_model_is_estimated_over_its_own_mesh(world2):

@@ -151,6 +151,23 @@ def test_host_optimizer_whose_constructor_makes_state(tmp_path):
                         optimizer=opts, device=target).peak > 0
 
 
+def test_host_optimizer_options_step_as_the_optimizer_does():
+    """The dry run steps HostOptimizer itself: AdamW's options without ``fused`` step the fused
+    kernel HostOptimizer picks, op for op as ``fused=True`` and as an instance do (torch's
+    per-tensor loop would be 9x the ops)."""
+    from headroom.optim import HostOptimizerOptions
+
+    model, args = build("mlp", None)[:2]
+    given = [HostOptimizerOptions(torch.optim.AdamW, kw, "cpu", False, 1 << 20, 32 << 20)
+             for kw in ({}, {"fused": True})]
+    given.append(hr.HostOptimizer(model.parameters(), torch.optim.AdamW, overlap=False))
+    ests = [estimate(model, args, loss_fn=loss_fn, optimizer=o, device="cuda") for o in given]
+    steps = [[op for op in est.ops if op[3]] for est in ests]
+    assert steps[0] == steps[1] == steps[2] and 0 < len(steps[0]) < 40
+    assert ests[0].peak == ests[1].peak == ests[2].peak
+    assert ests[0].transfers == ests[1].transfers == ests[2].transfers
+
+
 @pytest.mark.parametrize(("params", "state"), [("cpu", "disk"), ("disk", "cpu"), ("disk", "disk")])
 def test_bf16_model_offloaded_with_fp32_masters(params, state, tmp_path):
     # A bf16 parameter in a store gets an fp32 master of its own in the optimizer's store.

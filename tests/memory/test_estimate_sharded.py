@@ -139,3 +139,44 @@ def test_plan_per_rank_offloads_the_shards_when_the_budget_needs_it():
         p.apply(Net(256))
     with pytest.raises(ValueError, match="world_size must be"):
         hr.plan(Net(), x, budget="1GiB", device="cuda", world_size=0)
+
+
+def test_an_estimate_inside_a_distributed_job_leaves_its_process_groups_as_they_are():
+    # the dry run shards over a fake process group of its own: never the default group, and
+    # gone after the estimate (so is the name FSDP2 looks the meta device's streams up by)
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _resolve_process_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from headroom.fit import _sharded
+
+    outside = _est(2).peak
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        world = dist.group.WORLD
+        assert _est(2).peak == outside  # rank 3 of 4 estimates rank 0 of 2 alike
+        assert dist.group.WORLD is world and dist.get_rank() == 3
+        assert dist.get_world_size() == 4
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized() and "meta" not in vars(torch)
+    for i in range(next(_sharded._FAKE_GROUPS)):  # every fake group made so far
+        with pytest.raises(RuntimeError, match="headroom_dry_run_"):
+            _resolve_process_group(f"headroom_dry_run_{i}")
+
+
+def test_a_torch_whose_fsdp2_cannot_run_on_meta_gets_a_clear_error(monkeypatch):
+    # the dry run changes attributes of the objects fully_shard makes; a torch without one
+    # is named, never estimated wrong, and the fake process group is unregistered
+    from torch._C._distributed_c10d import _resolve_process_group
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from headroom.fit import _sharded
+
+    monkeypatch.delattr(FSDPParamGroup, "_validate_no_meta_params")
+    with pytest.raises(RuntimeError, match="FSDP2 .* cannot run in headroom's dry run"
+                                           r" \(AttributeError.*_validate_no_meta_params"):
+        _est(2)
+    last = next(_sharded._FAKE_GROUPS) - 1
+    with pytest.raises(RuntimeError, match=f"headroom_dry_run_{last}"):
+        _resolve_process_group(f"headroom_dry_run_{last}")

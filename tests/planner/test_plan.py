@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -396,8 +398,11 @@ def test_fp32_masters_has_no_effect_on_fp32_parameters(plain, tmp_path):
 
 
 def test_fp32_masters_on_an_accelerator_plan_keeps_the_optimizer_on_the_host():
+    # NOTE: an accelerator's memory 150x the host's, and a link that costs: with SPEEDS (host
+    # as fast as the device, a free link) the host optimizer's fused step is the faster one
+    speeds = dataclasses.replace(SPEEDS, memory=1.5e12, link=12e9)
     kw = dict(loss_fn=bf16_loss, budget="1GiB", device="cuda", optimizer=torch.optim.AdamW,
-              speeds=SPEEDS, slice_bytes=SLICE)
+              speeds=speeds, slice_bytes=SLICE)
     p = plan(bf16_model(), (XB,), fp32_masters=True, **kw)
     assert p.choice.optimizer_state == "host" and p.choice.params == "device"
     assert plan(bf16_model(), (XB,), **kw).choice.optimizer_state == "device"

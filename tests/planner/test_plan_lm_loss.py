@@ -143,6 +143,18 @@ def test_lm_loss_option(plain_peak):
     assert not p.choice.lm_loss and all(not c.lm_loss for c, _, _ in p.candidates)
 
 
+def test_lm_loss_refused_for_a_patched_dry_run_that_raises_without_a_message():
+    def loss_fn(out):
+        if out.logits is None:  # patched: the loss_fn needs the logits it no longer gets
+            raise RuntimeError()
+        return out.loss
+
+    ids = IDS[:, :8] % 256
+    with pytest.raises(ValueError, match=r"its dry run fails \(RuntimeError: \)"):
+        plan(llama(vocab=256), (ids,), example_kwargs={"labels": ids}, loss_fn=loss_fn,
+             budget="1GiB", device="cpu", speeds=SPEEDS, lm_loss=True)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_checkpointed_blocks_keep_no_kv_cache_in_training(masked):
     # Llama keeps a key/value cache in training too (use_cache=True): checkpointed as a plan

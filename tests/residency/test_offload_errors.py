@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import socket
+import sys
 import warnings
 
 import pytest
@@ -181,6 +182,15 @@ def _ddp_worker(rank: int, world: int, port: int, case: str, out) -> None:
                 out.put((rank, "no error"))
             except RuntimeError as e:
                 out.put((rank, str(e)))
+        elif case == "ddp_then_inner":  # DDP first, then hr.offload of the module inside it
+            model = _TwoHeads()
+            ddp = DDP(model)
+            _offload(model)
+            try:
+                ddp(torch.randn(4, 8)).sum().backward()
+                out.put((rank, "no error"))
+            except RuntimeError as e:
+                out.put((rank, str(e)))
         else:
             model = _TwoHeads()
             _offload(model.heads)
@@ -195,7 +205,7 @@ def _ddp_worker(rank: int, world: int, port: int, case: str, out) -> None:
 
 
 @pytest.mark.parametrize("case", ["root", "parent", "ddp_first", "ddp_first_part",
-                                  "hr_data_parallel_first", "fsdp1_first"])
+                                  "hr_data_parallel_first", "fsdp1_first", "ddp_then_inner"])
 def test_ddp_over_an_offloaded_model_is_refused(case):
     # A fork server that has imported torch and torch._dynamo (DDP's constructor imports it,
     # seconds each time) once, shared with tests/distributed: the ranks start without either.
@@ -215,7 +225,7 @@ def test_ddp_over_an_offloaded_model_is_refused(case):
                 p.kill()
     assert set(results) == {0, 1}
     for msg in results.values():
-        if case in ("root", "parent"):
+        if case in ("root", "parent", "ddp_then_inner"):
             assert "DistributedDataParallel cannot wrap a model offloaded" in msg, msg
             assert "hr.data_parallel(model)" in msg, msg  # the supported way
         elif case == "hr_data_parallel_first":
@@ -228,6 +238,35 @@ def test_ddp_over_an_offloaded_model_is_refused(case):
             assert f"hr.offload got {where}, wrapped by DistributedDataParallel" in msg, msg
             assert "model = hr.data_parallel(model)" in msg, msg
             assert "before accelerator.prepare" in msg, msg
+
+
+def test_listing_and_forward_inspect_no_frames(monkeypatch):
+    # DDP's forward and fully_shard are told apart without walking the stack: with FSDP2
+    # imported and a process group up, a training loop's parameter listing, forward and
+    # backward of an offloaded model inspect no frames
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_init  # noqa: F401
+
+    model = _offload(_net())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        calls = []
+        real = sys._getframe
+
+        def counting(depth=0):
+            calls.append(depth)
+            return real(depth + 1)
+
+        monkeypatch.setattr(sys, "_getframe", counting)
+        names = [n for n, _ in model.named_parameters()]
+        params = list(model.parameters())
+        model(torch.randn(2, 8)).sum().backward()
+        monkeypatch.undo()
+        assert calls == []
+        assert len(names) == len(params) == 6
+    finally:
+        dist.destroy_process_group()
 
 
 def test_data_parallel_wrapper_then_offload_is_refused():

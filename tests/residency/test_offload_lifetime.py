@@ -196,3 +196,61 @@ def test_spawned_process_gets_a_plain_copy_of_an_offloaded_model(tmp_path):
         ref.load_state_dict(expected[name])
         with torch.no_grad():
             assert torch.equal(model(x), ref(x))
+
+
+
+# Run in a fresh process: models that other tests of this process keep alive (module-scoped
+# fixtures) rightly keep the hooks installed.
+_HOOKS_CHILD = """
+import gc, sys, warnings
+import torch.nn as nn
+from torch.nn.modules import module
+import headroom as hr
+from headroom.residency import state_of
+
+def counts():
+    return (len(module._global_module_registration_hooks),
+            len(module._global_parameter_registration_hooks))
+
+def offload():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # store="cpu" with device="cpu": a test of mechanics
+        return hr.offload(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device="cpu",
+                          store="cpu")
+
+unoffload = sys.argv[1] == "unoffload"
+before = counts()
+a, b = offload(), offload()
+out = [before, counts()]
+a[0].extra = nn.Linear(2, 2)  # adoption works through them
+out.append(any(s.name == "0.extra.weight" for s in state_of(a).slots))
+if unoffload:
+    hr.unoffload(a)
+del a
+gc.collect()
+out.append(counts())  # b still needs them
+if unoffload:
+    hr.unoffload(b)
+del b
+gc.collect()
+out.append(counts())
+c = offload()  # a new model installs them again
+out.append(counts())
+hr.unoffload(c)
+out.append(counts())
+print(out)
+"""
+
+
+@pytest.mark.parametrize("drop", ["collected", "unoffload"])
+def test_process_wide_registration_hooks_live_only_while_a_model_is_offloaded(drop):
+    # torch's registration hooks see every module of the process: installed with the first
+    # offloaded model (one pair, shared), gone with the last one (dropped and collected, or
+    # unoffloaded)
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _HOOKS_CHILD, drop], capture_output=True,
+                         text=True, timeout=120, check=True)
+    none, one = (0, 0), (1, 1)
+    assert run.stdout.strip() == str([none, one, True, one, none, one, none]), run.stderr

@@ -10,6 +10,7 @@ Nothing is a rule of thumb.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     peak = base.peak
     if peak <= 0:
         return []
-    blocks = _block_names(model)
+    blocks = block_names(model)
     cpu = base.device == "cpu"
     timing = _Timing(base, cpu)
     options: list[_Option] = []
@@ -79,7 +80,11 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     from headroom.nn import convert
 
     saving("hr.convert", _BITWISE, prepare=lambda m: convert(m, inplace=True))
-    lm_patch = _lm_patch_estimate(model, args, common, optimizer, optimizer_kwargs)
+    from headroom.fit._lm import lm_patch_run
+
+    lm_patch = lm_patch_run(model, lambda prepare: estimate(
+        model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, prepare=prepare,
+        **common))[0]
     if lm_patch is not None:
         options.append(_Option(
             "hr.patch_causal_lm(model) (the model's loss from its hidden states, without its"
@@ -127,12 +132,9 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     logits = _largest_logits(model, args, kwargs, device)
     lines.append("  " + _largest_share(base, blocks, logits))
     ranked = sorted(options, key=lambda o: -o.saving)
-    n = 0
-    for o in ranked:
-        if o.saving > 0:
-            n += 1
-            lines.append(f"  {n}. {o.label}: saves about {format_bytes(o.saving)}"
-                         f" ({100 * o.saving / peak:.0f}%); {o.cost()}")
+    for n, o in enumerate((o for o in ranked if o.saving > 0), 1):
+        lines.append(f"  {n}. {o.label}: saves about {format_bytes(o.saving)}"
+                     f" ({100 * o.saving / peak:.0f}%); {o.cost()}")
     nothing = [o.label for o in ranked if o.saving <= 0]
     if nothing:
         lines.append("  saves nothing here: " + "; ".join(nothing))
@@ -151,16 +153,15 @@ _HALF_TIME = ("step time not modeled (half-precision matmuls are faster on GPUs 
               " cores, often slower on CPUs)")
 
 
+@dataclass(eq=False)
 class _Option:
     """One technique's line: what it saves and what it costs."""
 
-    def __init__(self, label: str, saving: int, exact: str, time: float | None,
-                 untimed: str | None) -> None:
-        self.label = label
-        self.saving = saving
-        self.exact = exact
-        self.time = time  # the step time with it over the plain step's
-        self.untimed = untimed  # what to say when the time model says nothing
+    label: str
+    saving: int
+    exact: str
+    time: float | None  # the step time with it over the plain step's
+    untimed: str | None  # what to say when the time model says nothing
 
     def cost(self) -> str:
         if self.time is None:
@@ -188,14 +189,11 @@ class _Timing:
             self.speeds = None
 
     def seconds(self, est: Estimate, *, host_step: bool) -> float:
-        from headroom.fit._time import step_time
+        from headroom.fit._time import dry_run_time
 
-        moved = {k: v for k, v in est.transfers.items() if not (self.cpu and k == "link")}
-        a = est.activation_bytes_moved
-        if a:  # on a CPU only a disk frees memory; an accelerator's go to host memory
-            for way in (("disk_read", "disk_write") if self.cpu else ("link", "link")):
-                moved[way] = moved.get(way, 0) + a
-        return step_time(est.ops, self.speeds, host_step=host_step, moved=moved)
+        # on a CPU only a disk frees memory; an accelerator's activations go to host memory
+        return dry_run_time(est, self.speeds, activations="disk" if self.cpu else "host",
+                            on_cpu=self.cpu, host_step=host_step)
 
     def relative(self, est: Estimate, *, host_step: bool) -> float | None:
         if self.speeds is None or not self.base:
@@ -340,25 +338,6 @@ def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int, *,
             f" {name}.weight, labels) computes the same loss without ever holding them")
 
 
-def _lm_patch_estimate(model: nn.Module, args: tuple, common: dict[str, Any], optimizer: Any,
-                       optimizer_kwargs: dict | None) -> Estimate | None:
-    """The dry run with `hr.patch_causal_lm` for a causal LM whose step computes its loss
-    from labels; ``None`` where the patch does not apply."""
-    from headroom.fit._lm import lm_patch_refusal, lm_patching
-
-    if lm_patch_refusal(model) is not None:
-        return None
-    patched: list[bool] = []
-    try:
-        est = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                       prepare=lm_patching(patched), **common)
-    except Exception:  # the step reads the logits (a loss_fn of its own): not for it
-        return None
-    if not any(patched):
-        return None
-    return est
-
-
 def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                     device: str) -> tuple[int, str, tuple[int, ...]] | None:
     """Bytes, module name and shape of the largest output of an ``nn.Linear`` with at least
@@ -396,7 +375,8 @@ def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:
     return None
 
 
-def _block_names(model: nn.Module) -> list[str]:
+def block_names(model: nn.Module) -> list[str]:
+    """The qualified names of the model's blocks (`headroom.residency.find_blocks`)."""
     from headroom.residency import find_blocks
 
     names = {id(m): n for n, m in model.named_modules()}

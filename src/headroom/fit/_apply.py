@@ -17,30 +17,28 @@ from torch import nn
 from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
 
 
-class _ForwardScope:
-    """Enters ``hr.offload_activations(...)`` before the model's forward, leaves it after."""
+class ActivationOffloadHandle:
+    """Returned by `offload_activations_in_forward`; ``remove()`` takes the hooks off.
 
-    def __init__(self, kwargs: dict[str, Any]) -> None:
-        self.kwargs = kwargs
-        self.stack: list[contextlib.AbstractContextManager] = []
+    Its hooks enter ``hr.offload_activations(...)`` before the model's forward, leave it after.
+    """
 
-    def enter(self, module: nn.Module, args: Any) -> None:
+    def __init__(self, model: nn.Module, kwargs: dict[str, Any]) -> None:
+        self._kwargs = kwargs
+        self._stack: list[contextlib.AbstractContextManager] = []
+        self._handles = [model.register_forward_pre_hook(self._enter),
+                         model.register_forward_hook(self._leave, always_call=True)]
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
         from headroom.activations import offload_activations
 
-        ctx = offload_activations(**self.kwargs)
+        ctx = offload_activations(**self._kwargs)
         ctx.__enter__()
-        self.stack.append(ctx)
+        self._stack.append(ctx)
 
-    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack:
-            self.stack.pop().__exit__(None, None, None)
-
-
-class ActivationOffloadHandle:
-    """Returned by `offload_activations_in_forward`; ``remove()`` takes the hooks off."""
-
-    def __init__(self, handles: list[Any]) -> None:
-        self._handles = handles
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop().__exit__(None, None, None)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -73,8 +71,4 @@ def offload_activations_in_forward(model: nn.Module, *, store: Any = "cpu",
     kwargs = {"store": store, "min_bytes": min_bytes, "prefetch": prefetch}
     with offload_activations(**kwargs):  # the options' own checks, before any hook
         pass
-    scope = _ForwardScope(kwargs)
-    return ActivationOffloadHandle([
-        model.register_forward_pre_hook(scope.enter),
-        model.register_forward_hook(scope.leave, always_call=True),
-    ])
+    return ActivationOffloadHandle(model, kwargs)

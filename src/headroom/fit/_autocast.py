@@ -89,21 +89,15 @@ class MetaAutocast:
     def __enter__(self) -> MetaAutocast:
         self._outer = current()
         _active.amp = self
-        torch.autocast = _Region
-        torch.amp.autocast = _Region
-        torch.is_autocast_enabled = _is_enabled
-        torch.get_autocast_dtype = _get_dtype
-        torch.amp.is_autocast_available = _is_available
+        for module, name, ours, _ in _PATCHES:
+            setattr(module, name, ours)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _active.amp = self._outer
         if self._outer is None:
-            torch.autocast = _AUTOCAST
-            torch.amp.autocast = _AMP_AUTOCAST
-            torch.is_autocast_enabled = _IS_ENABLED
-            torch.get_autocast_dtype = _GET_DTYPE
-            torch.amp.is_autocast_available = _IS_AVAILABLE
+            for module, name, _, torchs in _PATCHES:
+                setattr(module, name, torchs)
 
     @property
     def enabled(self) -> bool:
@@ -343,6 +337,14 @@ def _get_dtype(device_type: str) -> torch.dtype:
 
 def _is_available(device_type: str) -> bool:
     return device_type == "meta" or _IS_AVAILABLE(device_type)
+
+
+# (module, name, the dry run's, torch's own): what entering a `MetaAutocast` replaces
+_PATCHES = ((torch, "autocast", _Region, _AUTOCAST),
+            (torch.amp, "autocast", _Region, _AMP_AUTOCAST),
+            (torch, "is_autocast_enabled", _is_enabled, _IS_ENABLED),
+            (torch, "get_autocast_dtype", _get_dtype, _GET_DTYPE),
+            (torch.amp, "is_autocast_available", _is_available, _IS_AVAILABLE))
 
 
 def check_autocast(dtype: Any, device: str) -> torch.dtype | None:

@@ -60,18 +60,18 @@ def add_parsers(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    prog = f"headroom {args.command_name}"
+    def fail(message: Any, code: int) -> int:
+        print(f"headroom {args.command_name}: {message}", file=sys.stderr)
+        return code
+
     if args.batch < 1 or args.seq < 1:
-        print(f"{prog}: --batch and --seq must be at least 1", file=sys.stderr)
-        return 2
+        return fail("--batch and --seq must be at least 1", 2)
     if args.world_size is not None and args.world_size < 1:
-        print(f"{prog}: --world-size must be at least 1", file=sys.stderr)
-        return 2
+        return fail("--world-size must be at least 1", 2)
     try:
         model, config, how = _model(args)
     except (OSError, ValueError, ImportError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)
     import torch
 
     import headroom as hr
@@ -88,8 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         est = hr.estimate(model, (), example_kwargs=kwargs, optimizer=optimizer,
                           device=args.device, world_size=args.world_size)
     except (RuntimeError, TypeError, ValueError) as e:
-        print(f"{prog}: the dry run failed: {e}", file=sys.stderr)
-        return 1
+        return fail(f"the dry run failed: {e}", 1)
     print(f"{type(model).__name__} from {how}: {_count(model)} parameters ({args.dtype}),"
           f" batch {args.batch} x {args.seq} tokens, optimizer {args.optimizer},"
           f" device {est.device}"
@@ -105,20 +104,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.budget is None:
         return 0
     if optimizer is None:
-        print(f"{prog}: a plan needs an optimizer (--optimizer adamw, sgd, ...)", file=sys.stderr)
-        return 2
+        return fail("a plan needs an optimizer (--optimizer adamw, sgd, ...)", 2)
     from headroom.fit import PlanError, plan
 
     try:
         p = plan(model, (), example_kwargs=kwargs, budget=args.budget, device=args.device,
                  optimizer=optimizer, disk=args.disk, world_size=args.world_size,
                  fp32_masters=args.fp32_masters, lm_loss=args.lm_loss)
-    except PlanError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
-    except ValueError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a PlanError (nothing fits) or bad input
+        return fail(e, 1 if isinstance(e, PlanError) else 2)
     print()
     print(p)
     if args.command_name == "plan":
@@ -211,16 +205,10 @@ def _model_class(transformers: Any, config: Any) -> Any:
 
 
 def _build_code(args: argparse.Namespace, how: str, cls: str) -> str:
-    if args.config:
-        load = (f"config = transformers.AutoConfig.for_model(**json.load(open({how!r})))")
-    else:
-        load = f"config = transformers.AutoConfig.from_pretrained({how!r})"
-    return "\n".join([
-        "import json",
-        "import transformers",
-        load,
-        f"model = transformers.{cls}(config)  # or load your weights",
-    ])
+    load = (f"for_model(**json.load(open({how!r})))" if args.config
+            else f"from_pretrained({how!r})")
+    return (f"import json\nimport transformers\nconfig = transformers.AutoConfig.{load}\n"
+            f"model = transformers.{cls}(config)  # or load your weights")
 
 
 def _count(model: Any) -> str:

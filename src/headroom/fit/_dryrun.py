@@ -19,6 +19,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -279,6 +280,9 @@ class RealTensorsAsMeta(TorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dtensor = sys.modules.get("torch.distributed.tensor")  # none exist before its import
+        if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
+            return NotImplemented  # its own dispatch comes back here with its local tensors
         kwargs = kwargs or {}
         flat = _flat([*args, *kwargs.values()])
         has_meta = any(a.device.type == "meta" for a in flat)

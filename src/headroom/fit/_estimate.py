@@ -57,8 +57,8 @@ class _DryRunTracker(MemoryTracker):
         st = None
         if isinstance(t, torch.Tensor) and (self._alloc_model is not None
                                             or self._places is not None):
-            try:
-                st = t.untyped_storage()
+            try:  # a DTensor's: its local shard's (FSDP2's shards)
+                st = getattr(t, "_local_tensor", t).untyped_storage()
             except (RuntimeError, NotImplementedError):
                 st = None
         known = st is not None and st._cdata in self._infos
@@ -378,8 +378,7 @@ def estimate(
         features.install(meta_model)
     args, kwargs = _dryrun.to_meta((example_args, dict(example_kwargs or {})))
     loss_fn = loss_fn or _dryrun.default_loss
-    params = [p for p in (meta_model.parameters() if sharded is None else sharded.masters())
-              if p.requires_grad]
+    params = [p for p in meta_model.parameters() if p.requires_grad]  # sharded ones: FSDP2's
     if features is not None:
         opt = features.optimizer(params, optimizer, dict(optimizer_kwargs or {}))
     else:
@@ -441,7 +440,8 @@ def estimate(
     # foreach path there, as it does on the device
     on_device = target.split(":")[0] != "cpu" and (features is None or (
         sharded is not None and features.host is None and not sharded.all_on_host()))
-    with torch.random.fork_rng(devices=[]), attention, _dryrun.FusedOnMeta(), \
+    with sharded.running() if sharded is not None else contextlib.nullcontext(), \
+            torch.random.fork_rng(devices=[]), attention, _dryrun.FusedOnMeta(), \
             _dryrun.ForeachOnMeta(on_device), _values_needed(), _dryrun.RealTensorsAsMeta():
         if opt is not None:
             # creates the optimizer state (and a host store's gradients): the tracked step is

@@ -4,7 +4,8 @@
 loads) whenever the step uses `hr.offload` (a model already offloaded, or the ``offload=``
 what-if) or an `hr.HostOptimizer` (an instance, or its options). `DryRunFeatures` then makes the
 ``meta`` copy of the model without the offload machinery, installs `OffloadDryRun` on it and
-builds a `HostOptimizerDryRun`, so the dry run keeps on the device what the real schedule keeps.
+builds a `DryHostOptimizer` (the host optimizer itself, over meta stores), so the dry run keeps
+on the device what the real schedule keeps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from headroom.fit import _dryrun
-from headroom.optim import HostOptimizerDryRun
+from headroom.optim import DryHostOptimizer
 from headroom.residency import OffloadConfig, OffloadDryRun, configs_of
 from headroom.store import Places
 
@@ -134,8 +135,7 @@ class DryRunFeatures:
 
                 options = replace(options, optimizer_kwargs={**options.optimizer_kwargs,
                                                              **kwargs})
-            self._opt = HostOptimizerDryRun(params, options, self.places, self.sims,
-                                            cpu=self.cpu)
+            self._opt = DryHostOptimizer(params, options, self.places, self.sims, cpu=self.cpu)
             return self._opt
         opt = _dryrun.make_optimizer(base, params, kwargs)
         masters = {id(s.master) for sim in self.sims for s in sim.slots}
@@ -151,7 +151,7 @@ class DryRunFeatures:
     def _totals(self) -> dict[str, int]:
         out = {"disk_read": 0, "disk_write": 0, "link": 0}
         stores = [sim.store for sim in self.sims]
-        if isinstance(self._opt, HostOptimizerDryRun):
+        if isinstance(self._opt, DryHostOptimizer):
             stores += self._opt.stores()
             out["link"] += self._opt.link_bytes
         for st in stores:

@@ -4,6 +4,7 @@ applies to a model, and the dry run's copy patched as `Plan.apply` patches the m
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -33,3 +34,22 @@ def lm_patching(patched: list[bool] | None = None) -> Callable[[nn.Module], None
                 lambda _m, _a, out: patched.append(getattr(out, "logits", 0) is None))
 
     return prepare
+
+
+def lm_patch_run(model: nn.Module, run: Callable[[Callable[[nn.Module], None]], Any],
+                 ) -> tuple[Any, str | None]:
+    """``(run(prepare), None)`` for a dry run of ``model`` with the patch as `lm_patching`'s
+    ``prepare``, or ``(None, why)`` where the patch does not apply to the step."""
+    why = lm_patch_refusal(model)
+    if why is not None:
+        return None, why
+    patched: list[bool] = []
+    try:
+        est = run(lm_patching(patched))
+    except Exception as e:  # e.g. a loss_fn reading the logits, None when patched
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return None, f"its dry run fails ({type(e).__name__}: {first})"
+    if not any(patched):
+        return None, ("the step computes no loss from labels inside the model (pass labels= in"
+                      " example_kwargs; loss_fn, if any, reading output.loss)")
+    return est, None

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from headroom.fit import _dryrun
+from headroom.fit._advice import block_names
 from headroom.fit._estimate import Estimate, estimate, parse_device
-from headroom.fit._lm import lm_patch_refusal, lm_patching
-from headroom.fit._time import Speeds, default_speeds, step_time
+from headroom.fit._lm import lm_patch_run, lm_patching
+from headroom.fit._time import Speeds, activation_ways, default_speeds, dry_run_time, step_time
 from headroom.memory import CATEGORIES, format_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -223,41 +224,33 @@ class Plan:
             if c.params != "device":
                 lines.append(f"hr.offload({model_name}, device=mesh.device_type, store=\"cpu\")")
         elif c.params != "device":
-            store = "\"cpu\"" if c.params == "host" else f"hr.DiskStore({self._disk('params')!r})"
-            lines.append(f"hr.offload({model_name}, device={self.device!r}, store={store},"
-                         " prefetch=1)")
+            lines.append(f"hr.offload({model_name}, device={self.device!r},"
+                         f" store={self._store_code(c.params, 'params')}, prefetch=1)")
         elif self.device != "cpu":
             lines.append(f"{model_name}.to({self.device!r})")
         if c.activations != "device":
-            store = ("\"cpu\"" if c.activations == "host"
-                     else f"hr.DiskStore({self._disk('activations')!r})")
             lines.append("from headroom.fit import offload_activations_in_forward")
             lines.append("# every forward (and the backward of what it saved) under"
                          " hr.offload_activations")
-            lines.append(f"offload_activations_in_forward({model_name}, store={store},"
+            lines.append(f"offload_activations_in_forward({model_name},"
+                         f" store={self._store_code(c.activations, 'activations')},"
                          f" min_bytes={c.activation_min_bytes}, prefetch=0)")
         if c.optimizer_state != "device":
-            store = ("\"cpu\"" if c.optimizer_state == "host"
-                     else f"hr.DiskStore({self._disk('optimizer')!r})")
             kw = "".join(f", {k}={v!r}" for k, v in self._host_kwargs().items())
             lines.append(f"opt = hr.HostOptimizer({params}, {opt},"
-                         f" state_store={store}, slice_bytes={self.slice_bytes},"
-                         f" overlap=False{kw})")
+                         f" state_store={self._store_code(c.optimizer_state, 'optimizer')},"
+                         f" slice_bytes={self.slice_bytes}, overlap=False{kw})")
         else:
             kw = "".join(f", {k}={v!r}" for k, v in self.optimizer_kwargs.items())
             lines.append(f"opt = {opt}({params}{kw})")
         return "\n".join(lines)
 
-    def _shard(self, model: nn.Module) -> None:
-        """``fully_shard`` of each block, then the root, over this job's ranks."""
+    def _check_job(self) -> None:
+        """Refuse a sharded plan outside a job of its ``world_size`` ranks."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        if not dist.is_available() or not dist.is_initialized() or \
-                dist.get_world_size() != self.world_size:
-            have = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
-                else None
+        have = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        if have != self.world_size:
             raise RuntimeError(
                 f"this plan shards the model over {self.world_size} ranks (FSDP2), but"
                 + (" torch.distributed is not initialized" if have is None else
@@ -265,10 +258,6 @@ class Plan:
                 + ": apply it on every rank of a job of that size (torchrun"
                 f" --nproc-per-node={self.world_size}), after"
                 " torch.distributed.init_process_group()")
-        mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,))
-        for name in self.blocks:
-            fully_shard(model.get_submodule(name), mesh=mesh)
-        fully_shard(model, mesh=mesh)
 
     def _host_kwargs(self) -> dict[str, Any]:
         return _host_kwargs(_opt_class(self.optimizer), self.optimizer_kwargs, self.device)
@@ -277,6 +266,14 @@ class Plan:
         if self.disk is None:  # pragma: no cover - disk choices need disk=
             raise ValueError("this plan needs disk=")
         return str(Path(self.disk) / sub)
+
+    def _store(self, where: str, sub: str) -> Any:
+        from headroom.store import DiskStore
+
+        return "cpu" if where == "host" else DiskStore(self._disk(sub))
+
+    def _store_code(self, where: str, sub: str) -> str:
+        return '"cpu"' if where == "host" else f"hr.DiskStore({self._disk(sub)!r})"
 
     def apply(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the plan to ``model`` (the one planned for) and build its optimizer.
@@ -303,15 +300,10 @@ class Plan:
         from headroom.nn import convert
         from headroom.optim import HostOptimizer
         from headroom.residency import offload
-        from headroom.store import DiskStore
 
         c = self.choice
         if self.world_size is not None:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()
-                    and dist.get_world_size() == self.world_size):
-                self._shard(model)  # raises, naming the job it needs
+            self._check_job()
         for name in c.checkpoint:
             try:
                 model.get_submodule(name)
@@ -326,22 +318,26 @@ class Plan:
             patch_causal_lm(model)
         _dryrun.checkpoint_modules(model, c.checkpoint)
         if self.world_size is not None:
-            self._shard(model)
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,))
+            for name in self.blocks:
+                fully_shard(model.get_submodule(name), mesh=mesh)
+            fully_shard(model, mesh=mesh)
             if c.params != "device":
                 offload(model, device=torch.device(self.device).type, store="cpu")
         elif c.params != "device":
-            store = "cpu" if c.params == "host" else DiskStore(self._disk("params"))
-            offload(model, device=self.device, store=store, prefetch=1)
+            offload(model, device=self.device, store=self._store(c.params, "params"), prefetch=1)
         elif self.device != "cpu":
             model.to(self.device)
         if c.activations != "device":
-            store = "cpu" if c.activations == "host" else DiskStore(self._disk("activations"))
-            offload_activations_in_forward(model, store=store,
+            offload_activations_in_forward(model, store=self._store(c.activations, "activations"),
                                            min_bytes=c.activation_min_bytes, prefetch=0)
         cls = _opt_class(self.optimizer)
         if c.optimizer_state != "device":
-            store = "cpu" if c.optimizer_state == "host" else DiskStore(self._disk("optimizer"))
-            opt = HostOptimizer(_trained(model), cls, state_store=store,
+            opt = HostOptimizer(_trained(model), cls,
+                                state_store=self._store(c.optimizer_state, "optimizer"),
                                 slice_bytes=self.slice_bytes, overlap=False,
                                 **self._host_kwargs())
         else:
@@ -349,13 +345,10 @@ class Plan:
         return model, opt
 
 
-def _trained(model: nn.Module) -> Any:
-    """The parameters the optimizer steps: all, or the trainable ones where some are frozen
-    (a frozen quantized weight is no tensor an optimizer takes)."""
-    params = list(model.parameters())
-    if all(p.requires_grad for p in params):
-        return params
-    return [p for p in params if p.requires_grad]
+def _trained(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer steps: the trainable ones (a frozen quantized weight is no
+    tensor an optimizer takes)."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _seconds(t: float) -> str:
@@ -406,9 +399,7 @@ def _host_kwargs(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
 
 def _opt_name(optimizer: Any) -> str:
     cls = _opt_class(optimizer)
-    mod = cls.__module__
-    if mod.startswith("torch.optim"):
-        return f"torch.optim.{cls.__name__}"
+    mod = "torch.optim" if cls.__module__.startswith("torch.optim") else cls.__module__
     return f"{mod}.{cls.__name__}"
 
 
@@ -640,8 +631,6 @@ class Search:
                  optimizer_kwargs: dict[str, Any] | None = None, speeds: Speeds | None = None,
                  slice_bytes: int | None = None, world_size: int | None = None,
                  fp32_masters: bool | None = None, lm_loss: bool | None = None) -> None:
-        from headroom.residency import find_blocks
-
         self.model = model
         self.args = example_args
         self.opt_cls = _opt_class(optimizer)
@@ -650,8 +639,7 @@ class Search:
         kind = torch.device(device).type
         self.on_cpu = kind == "cpu"
         self.speeds = speeds or default_speeds(kind, disk)
-        names = {id(m): n for n, m in model.named_modules()}
-        self.blocks = [names[id(b)] for b in find_blocks(model) if id(b) in names]
+        self.blocks = block_names(model)
         n = len(self.blocks)
         ks = sorted({0, *(math.ceil(n * q / 4) for q in (1, 2, 3, 4))}) if n else [0]
         self.world = world_size
@@ -702,12 +690,12 @@ class Search:
                 self.candidates.append(_Candidate(choice, self._time(base, choice)))
 
     def run(self, conv: bool, k: int, act: bool, lm: bool = False,
-            patched: list[bool] | None = None) -> Estimate:
+            lm_prepare: Callable[[nn.Module], None] | None = None) -> Estimate:
         key = (conv, k, act, lm)
         if key not in self.runs:
             self.runs[key] = estimate(
                 self.model, self.args, optimizer=self.opt_cls, optimizer_kwargs=self.opt_kw,
-                checkpoint=self.blocks[:k], prepare=_prepare_fn(conv, lm, patched),
+                checkpoint=self.blocks[:k], prepare=_prepare_fn(conv, lm, lm_prepare),
                 offload_activations={"min_bytes": self.min_bytes, "prefetch": 0} if act
                 else None, **self.common)
         return self.runs[key]
@@ -717,18 +705,8 @@ class Search:
         the plain step's peak; without it when asked, or when it does not apply."""
         if wanted is False or self.world is not None:
             return [False]
-        why = lm_patch_refusal(self.model)
-        est = None
-        if why is None:
-            patched: list[bool] = []
-            try:
-                est = self.run(False, 0, False, True, patched)
-            except Exception as e:  # e.g. a loss_fn reading the logits, None when patched
-                why = f"its dry run fails ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-            else:
-                if not any(patched):
-                    why = ("the step computes no loss from labels inside the model (pass"
-                           " labels= in example_kwargs; loss_fn, if any, reading output.loss)")
+        est, why = lm_patch_run(self.model, lambda prepare: self.run(False, 0, False, True,
+                                                                     prepare))
         if wanted:
             if why is not None:
                 raise ValueError("lm_loss=True, but hr.patch_causal_lm does not apply to this"
@@ -737,7 +715,28 @@ class Search:
         return [False] + ([True] if why is None and est.peak < self.plain.peak else [])
 
     def _time(self, r: Estimate, c: Choice) -> float:
-        return _time(r, c, self.sizes, self.speeds, self.on_cpu)
+        """Seconds per step of ``c`` on top of its run ``r``'s ops (see `step_time`), transfers
+        counted from the sizes (before the dry run of the whole plan counts them)."""
+        s, on_cpu = self.sizes, self.on_cpu
+        moved = {"disk_read": 0, "disk_write": 0, "link": 0}
+        if c.params != "device":
+            way = "disk_read" if c.params == "disk" else "link"
+            moved[way] += 2 * s.params  # fetched for forward and again for backward
+            moved["disk_write" if c.params == "disk" else "link"] += s.trainable  # gradients out
+        state = s.trainable * s.state_keys
+        if c.optimizer_state == "disk":
+            moved["disk_read"] += state
+            moved["disk_write"] += state
+            if c.params == "disk":  # the sliced step reads masters and gradients, writes masters
+                moved["disk_read"] += 2 * s.trainable
+                moved["disk_write"] += s.trainable
+        if c.optimizer_state != "device" and not on_cpu and c.params == "device":
+            moved["link"] += 2 * s.trainable  # gradients to the host, parameters back
+        for way in activation_ways(c.activations, on_cpu):
+            moved[way] += r.activation_bytes_moved
+        if on_cpu:
+            moved.pop("link")
+        return step_time(r.ops, self.speeds, host_step=_host_step(c, on_cpu), moved=moved)
 
     def refine(self, c: _Candidate) -> None:
         r = self.run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device",
@@ -746,15 +745,31 @@ class Search:
         c.lower = _lower(r, c.choice)
 
     def whole(self, c: _Candidate) -> int:
+        """The dry run of the whole plan: every technique of ``c`` as `Plan.apply` sets it up."""
         if c.peak is None:
-            est = _estimate_choice(self.model, self.args, c.choice, self.opt_cls, self.opt_kw,
-                                   self.slice_bytes, self.common,
-                                   _prepare_fn(c.choice.convert, c.choice.lm_loss))
+            ch, optimizer, kwargs = c.choice, self.opt_cls, self.opt_kw
+            if ch.optimizer_state != "device":
+                from headroom.optim import HostOptimizerOptions
+
+                optimizer = HostOptimizerOptions(
+                    self.opt_cls, _host_kwargs(self.opt_cls, self.opt_kw, self.common["device"]),
+                    "cpu" if ch.optimizer_state == "host" else "disk", False, self.slice_bytes,
+                    32 << 20)
+                kwargs = {}
+            offload = None if ch.params == "device" else {"store": "cpu"} if self.world else {
+                "store": "cpu" if ch.params == "host" else "disk", "prefetch": 1}
+            est = estimate(
+                self.model, self.args, optimizer=optimizer, optimizer_kwargs=kwargs,
+                checkpoint=ch.checkpoint, prepare=_prepare_fn(ch.convert, ch.lm_loss),
+                offload_activations=None if ch.activations == "device" else
+                {"min_bytes": ch.activation_min_bytes, "prefetch": 0}, offload=offload,
+                **self.common)
             c.margin = self.sizes.largest_param if (
                 self.on_cpu and c.choice.params == "disk") else 0
             c.peak = est.peak_reserved + c.margin
             c.at_peak = dict(est.peak_by_category)
-            c.time_s = _time_whole(est, c.choice, self.speeds, self.on_cpu)
+            c.time_s = dry_run_time(est, self.speeds, activations=c.choice.activations,
+                                    on_cpu=self.on_cpu, host_step=_host_step(c.choice, self.on_cpu))
         return c.peak
 
     def plan_of(self, c: _Candidate, budget: int) -> Plan:
@@ -777,14 +792,14 @@ def _low_precision(model: nn.Module) -> bool:
                and p.dtype not in (torch.float32, torch.float64) for p in model.parameters())
 
 
-def _prepare_fn(conv: bool, lm: bool, patched: list[bool] | None = None):
+def _prepare_fn(conv: bool, lm: bool, lm_prepare: Callable[[nn.Module], None] | None = None):
     """What `Plan.apply` does to the model before checkpointing, for a dry run's copy:
     ``hr.convert``, then `hr.patch_causal_lm` (see `headroom.fit._lm.lm_patching`)."""
     if not conv and not lm:
         return None
     from headroom.nn import convert as _convert
 
-    patch = lm_patching(patched) if lm else None
+    patch = (lm_prepare or lm_patching()) if lm else None
 
     def prepare(m: nn.Module) -> nn.Module:
         if conv:
@@ -803,40 +818,12 @@ def _activation_min_bytes(plain: Estimate) -> int:
     return int(min(1 << 20, max(4 << 10, acts // 256)))
 
 
-def _estimate_choice(model, example_args, c: Choice, opt_cls, opt_kw, slice_bytes, common,
-                     prepare) -> Estimate:
-    """The dry run of the whole plan: every technique of ``c`` as `Plan.apply` sets it up."""
-    optimizer: Any = opt_cls
-    kwargs = opt_kw
-    if c.optimizer_state != "device":
-        from headroom.optim import HostOptimizerOptions
-
-        host_kw = _host_kwargs(opt_cls, opt_kw, common["device"])
-        optimizer = HostOptimizerOptions(opt_cls, host_kw,
-                                         "cpu" if c.optimizer_state == "host" else "disk",
-                                         False, slice_bytes, 32 << 20)
-        kwargs = {}
-    return estimate(
-        model, example_args, optimizer=optimizer, optimizer_kwargs=kwargs,
-        checkpoint=c.checkpoint, prepare=prepare,
-        offload_activations=None if c.activations == "device" else
-        {"min_bytes": c.activation_min_bytes, "prefetch": 0},
-        offload=None if c.params == "device" else
-        {"store": "cpu" if c.params == "host" else "disk", "prefetch": 1}
-        if common.get("world_size") is None else {"store": "cpu"},
-        **common)
-
-
 @dataclass(frozen=True)
 class _Sizes:
     params: int  # bytes of all parameters as they rest (quantized ones packed)
     largest_param: int  # bytes of the largest trainable parameter (its gradient)
     state_keys: int
-    trainable: int = -1  # bytes of the trainable parameters (gradients, optimizer state)
-
-    def __post_init__(self) -> None:
-        if self.trainable < 0:
-            object.__setattr__(self, "trainable", self.params)
+    trainable: int  # bytes of the trainable parameters (gradients, optimizer state)
 
 
 def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
@@ -877,45 +864,5 @@ def _lower(r: Estimate, c: Choice) -> int:
     return low
 
 
-def _time_whole(est: Estimate, c: Choice, sp: Speeds, on_cpu: bool) -> float:
-    """Seconds per step from the dry run of the whole plan: its ops (the host optimizer's
-    sliced step, the offload schedule's copies) and the bytes its stores moved."""
-    moved = {k: v for k, v in est.transfers.items() if not (on_cpu and k == "link")}
-    a = est.activation_bytes_moved
-    if c.activations == "disk":
-        moved["disk_write"] = moved.get("disk_write", 0) + a
-        moved["disk_read"] = moved.get("disk_read", 0) + a
-    elif c.activations == "host" and not on_cpu:
-        moved["link"] = moved.get("link", 0) + 2 * a
-    host_step = c.optimizer_state != "device" and not on_cpu
-    return step_time(est.ops, sp, host_step=host_step, moved=moved)
-
-
-def _time(r: Estimate, c: Choice, s: _Sizes, sp: Speeds, on_cpu: bool) -> float:
-    """Seconds per step of ``c`` on top of its run ``r``'s ops (see `step_time`), transfers
-    counted from the sizes (before the dry run of the whole plan counts them)."""
-    moved = {"disk_read": 0, "disk_write": 0, "link": 0}
-    if c.params != "device":
-        way = "disk_read" if c.params == "disk" else "link"
-        moved[way] += 2 * s.params  # fetched for forward and again for backward
-        moved["disk_write" if c.params == "disk" else "link"] += s.trainable  # gradients out
-    state = s.trainable * s.state_keys
-    if c.optimizer_state == "disk":
-        moved["disk_read"] += state
-        moved["disk_write"] += state
-        if c.params == "disk":  # the sliced step reads masters and gradients, writes masters
-            moved["disk_read"] += 2 * s.trainable
-            moved["disk_write"] += s.trainable
-    if c.optimizer_state != "device" and not on_cpu and c.params == "device":
-        moved["link"] += 2 * s.trainable  # gradients to the host, parameters back
-    if c.activations != "device":
-        a = r.activation_bytes_moved
-        if c.activations == "disk":
-            moved["disk_write"] += a
-            moved["disk_read"] += a
-        elif not on_cpu:
-            moved["link"] += 2 * a
-    if on_cpu:
-        moved.pop("link")
-    host_step = c.optimizer_state != "device" and not on_cpu
-    return step_time(r.ops, sp, host_step=host_step, moved=moved)
+def _host_step(c: Choice, on_cpu: bool) -> bool:
+    return c.optimizer_state != "device" and not on_cpu

@@ -1,50 +1,36 @@
 """FSDP2 (``fully_shard``) in a dry run: one rank's memory of a sharded training step.
 
 `hr.estimate(..., world_size=N)` (or ``mesh=``, or a model already ``fully_shard``ed) runs the
-step on a ``meta`` copy whose units (each block, then the root) behave as FSDP2's do in
-torch 2.13, allocation for allocation, for the rank that holds the most (rank 0: dim 0 of each
-parameter is split in ``ceil(d0 / N)`` rows, padded to a multiple of ``N``):
-
-- between uses a unit keeps only its padded shards (the parameters the optimizer steps);
-- before a unit's forward its shards are all-gathered into one flat buffer (the padded size of
-  the unit), copied out into the unsharded parameters (padded too), and the flat buffer is kept
-  until the next unit's copy-out (FSDP2 overlaps that copy with the next all-gather); the root
-  frees the last one at the end of its forward. With one rank there is no flat buffer: the
-  shards are copied into the unsharded parameters;
-- after its forward a unit frees its unsharded parameters (``reshard_after_forward``), except
-  the root, which keeps them until the end of backward (FSDP2's default for the root);
-- in backward a unit is all-gathered again (the flat buffer freed at once), and the unit before
-  it in forward order is all-gathered ahead (its flat buffer alive until its own backward);
-- once a unit's backward is done (the gradients of its inputs are computed, or at the end of
-  backward for a unit whose inputs need none, such as the root), its unsharded parameters are
-  freed, its gradients are copied into a flat reduce-scatter input (padded, in the reduce
-  dtype) and freed, and the reduce-scatter output (1/N of it) holds the unit's sharded
-  gradients; the input stays alive until the next unit's reduce-scatter (FSDP2 keeps one), the
-  last until the end of backward. On the CPU (gloo) the reduce-scatter also copies its input.
+step on a ``meta`` copy sharded by torch's own ``fully_shard`` (each block, then the root, or
+the model's own units, with its ``MixedPrecisionPolicy`` and ``reshard_after_forward``), as
+the rank that holds the most (rank 0: dim 0 of each parameter split in ``ceil(d0 / N)`` rows,
+padded to a multiple of ``N``). Shards, all-gather and reduce-scatter buffers and unsharded
+units are FSDP2's own; see [Note: FSDP2 itself in a dry run] for how it runs on ``meta``.
 
 Units whose shards rest in host memory (`hr.offload` of the sharded model with
-``store="cpu"``, or FSDP2's ``CPUOffloadPolicy``) keep shards, sharded gradients and the
-optimizer's state on the host: on an accelerator the device holds the shard copies only during
-the all-gather, and the reduce-scatter output until its copy to the host.
+``store="cpu"``, or FSDP2's ``CPUOffloadPolicy``) run with ``CPUOffloadPolicy``: shards,
+sharded gradients and the optimizer's state stay on the host; on an accelerator the device
+holds the shard copies only during the all-gather, and the reduce-scatter output until its
+copy to the host. On the CPU (gloo) a reduce-scatter also copies its input, as gloo does.
 
 Collectives move no bytes in a dry run; their time is not priced by `hr.plan`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import math
+import itertools
 import sys
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
-
-from headroom.residency import AfterBackward
+from torch.overrides import TorchFunctionMode
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
                "_backward_pre_hooks")
@@ -213,312 +199,220 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 # ------------------------------------------------------------------ the dry run
-def _padded_rows(rows: int, world: int) -> int:
-    return math.ceil(rows / world) * world
+# [Note: FSDP2 itself in a dry run]
+# The dry run applies torch's own ``fully_shard`` to the ``meta`` copy, over a mesh of a fake
+# process group (torch's ``FakeProcessGroup``: collectives that move nothing and return at
+# once) built here and never made the default group: a user estimating inside a real
+# distributed job keeps their process groups as they are, and the fake one is registered
+# under a name of its own only while the dry run lives. Every buffer FSDP2 makes (padded
+# shards, all-gather and reduce-scatter buffers, unsharded units, mixed-precision casts) is
+# then FSDP2's own, so the estimate follows the installed torch.
+#
+# FSDP2 takes ``meta`` parameters only to ``to_empty`` them before a step; the dry run takes
+# it through the step by changing the objects ``fully_shard`` made, never torch's code:
+# - each parameter group skips its checks that parameters are materialized (and, with
+#   ``CPUOffloadPolicy``, on the CPU): ``meta`` stands for the device, or for the host;
+# - the groups and their parameters compute on ``meta``, the mesh's device staying ``cpu``;
+#   FSDP2 looks a device's stream module up as ``torch.<device type>``, so while the step
+#   runs (`ShardedDryRun.running`) ``torch.meta`` names ``torch.cpu``, whose streams and
+#   events are no-ops, as ``meta``'s would be;
+# - shards that rest in host memory are marked so (`headroom.store.Places`), and FSDP2's
+#   copies of them to the device and of their reduced gradients back, no-ops between
+#   ``meta`` tensors, are made as new ``meta`` tensors (`_HostCopies`);
+# - on a CPU target each reduce-scatter also copies its input, as gloo does (the fake group
+#   copies nothing).
+# A torch whose FSDP2 lacks one of these attributes gets a clear error, not a wrong number;
+# tests/memory/test_estimate_sharded.py checks the estimates byte for byte.
+_FAKE_GROUPS = itertools.count()
 
 
-class _Slot:
-    __slots__ = ("owners", "shape", "numel", "padded", "master", "flat", "unsharded",
-                 "requires_grad")
+def _fake_mesh(world: int) -> Any:
+    """A 1-D ``cpu`` mesh of ``world`` ranks over a fake process group, this process rank 0
+    (the rank that holds the padded rows); its group is registered under a name of its own."""
+    from torch._C._distributed_c10d import (
+        FakeProcessGroup,
+        HashStore,
+        ProcessGroup,
+        _register_process_group,
+    )
+    from torch.distributed.device_mesh import DeviceMesh
 
-    def __init__(self, owners, p: nn.Parameter, world: int, dtype: torch.dtype,
-                 host: bool, places: Any) -> None:
-        self.owners = owners
-        self.shape = tuple(p.shape)
-        rows = self.shape[0] if self.shape else 1
-        rest = math.prod(self.shape[1:]) if self.shape else 1
-        prow = _padded_rows(rows, world)
-        self.numel = p.numel()
-        self.padded = prow * rest
-        self.requires_grad = p.requires_grad
-        shard_shape = (prow // world, *self.shape[1:]) if self.shape else (1,)
-        # rank 0's shard: the padded one (the tensor the optimizer steps)
-        master = torch.empty(shard_shape, dtype=p.dtype, device="meta")
-        if host:
-            places.on_host(master)
-        self.master = nn.Parameter(master, requires_grad=p.requires_grad)
-        flat = torch.empty(self.padded, dtype=dtype, device="meta")
-        torch.ops.inductor.resize_storage_bytes_(flat, 0)
-        self.flat = flat  # FSDP2's all-gather output of this parameter (padded)
-        self.unsharded = nn.Parameter(flat[:self.numel].view(self.shape),
-                                      requires_grad=p.requires_grad)
-
-    def show(self, t: torch.Tensor) -> None:
-        for module, attr in self.owners:
-            module._parameters[attr] = t
+    backend = FakeProcessGroup._create_internal(0, world)
+    group = ProcessGroup(HashStore(), 0, world)
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.CUSTOM, backend)
+    group._set_group_name(f"headroom_dry_run_{next(_FAKE_GROUPS)}")
+    _register_process_group(group.group_name, group)
+    mesh = DeviceMesh("cpu", torch.arange(world), _init_backend=False, _rank=0)
+    mesh._dim_group_names = [group.group_name]
+    mesh._pg_registry[group.group_name] = group  # the registry above holds it weakly
+    return mesh
 
 
-class _Unit:
-    def __init__(self, name: str, module: nn.Module, reshard: bool, host: bool) -> None:
-        self.name = name
-        self.module = module
-        self.reshard = reshard
-        self.host = host
-        self.slots: list[_Slot] = []
-        self.unsharded = False
-        self.gathered: torch.Tensor | None = None  # all-gather output awaiting copy-out
-        self.pending = False
-        self.forward_indices: list[int] = []
-        self.bwd_state = ""  # "", "pre" (in backward), "post" (reduce-scattered)
+class _HostCopies(TorchFunctionMode):
+    """FSDP2's copies (``.to``) between host shards and the device, which are no-ops between
+    ``meta`` tensors: to the device (of a host shard) and to ``cpu`` (a reduced gradient)
+    make new tensors on an accelerator, counted in ``link_bytes`` of ``run``; on the CPU both
+    are the tensor itself, as there."""
+
+    def __init__(self, run: ShardedDryRun) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.to or not args[0].is_meta:
+            return func(*args, **kwargs)
+        t, run = args[0], self.run
+        # a reduced gradient (floating point, in backward) copied to its host shard
+        to_host = t.is_floating_point() and torch._C._current_graph_task_id() != -1 and any(
+            isinstance(a, torch.device | str) and torch.device(a).type == "cpu"
+            for a in (*args[1:], kwargs.get("device")))
+        if not to_host and t.untyped_storage()._cdata not in run.places.host:
+            return func(*args, **kwargs)
+        if not run.accelerated:
+            return t
+        with run.places.host_code() if to_host else contextlib.nullcontext(), torch.no_grad():
+            out = torch.empty_like(t)
+        run.link_bytes += out.nbytes
+        return out
 
 
 class ShardedDryRun:
-    """FSDP2 over ``spec.world`` ranks on a dry run's ``meta`` model (see the module doc).
+    """FSDP2 over ``spec.world`` ranks on a dry run's ``meta`` model: torch's ``fully_shard``
+    of each unit (each block, then the root, or ``spec.units``) over a fake process group
+    (see [Note: FSDP2 itself in a dry run]).
 
     Args:
-        root: the ``meta`` copy of the whole model (unsharded; changed in place).
+        root: the ``meta`` copy of the whole model (unsharded; sharded in place).
         spec: the sharding.
         places: where the dry run's tensors stand (host shards).
         accelerated: the target is an accelerator (host shards are copied to it and back).
+
+    Raises:
+        RuntimeError: a torch without ``torch.distributed``, or whose FSDP2 cannot run in a
+            dry run.
     """
 
     def __init__(self, root: nn.Module, spec: ShardSpec, places: Any, *,
                  accelerated: bool) -> None:
-        self.world = spec.world
+        if not torch.distributed.is_available():
+            raise RuntimeError(
+                "world_size=/mesh= estimates run torch's FSDP2, and this torch build has no"
+                " torch.distributed: estimate on a build that has it (Linux wheels do)")
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
         self.places = places
         self.accelerated = accelerated
-        self.param_dtype = spec.param_dtype
-        self.reduce_dtype = spec.reduce_dtype
+        self.link_bytes = 0
         if spec.units is None:
             from headroom.residency import find_blocks
 
             names = {id(m): n for n, m in root.named_modules()}
-            unit_names = [names[id(b)] for b in find_blocks(root) if id(b) in names]
-            unit_names = [n for n in unit_names if n] + [""]
+            units = [names[id(b)] for b in find_blocks(root) if id(b) in names]
         else:
-            unit_names = list(spec.units)
-        # FSDP2 manages a parameter in the first fully_shard call that sees it: blocks first,
-        # then the root (which gets the rest, tied ones included)
-        order = [n for n in unit_names if n] + [""]
-        self.units: list[_Unit] = []
-        taken: set[int] = set()
-        for name in order:
-            module = root.get_submodule(name) if name else root
-            unit = _Unit(name, module, spec.reshard.get(name, name != ""),
-                         name in spec.host or "*" in spec.host)
-            owners: dict[int, list[tuple[nn.Module, str]]] = {}
-            params: dict[int, nn.Parameter] = {}
-            for m in module.modules():
-                for attr, p in m._parameters.items():
-                    if p is None or id(p) in taken:
-                        continue
-                    params.setdefault(id(p), p)
-                    owners.setdefault(id(p), []).append((m, attr))
-            for pid, p in params.items():
-                dtype = self.param_dtype if (self.param_dtype is not None
-                                             and p.is_floating_point()) else p.dtype
-                slot = _Slot(owners[pid], p, self.world, dtype, unit.host, places)
-                slot.show(slot.master)
-                unit.slots.append(slot)
-                taken.update((pid, id(slot.master)))
-            self.units.append(unit)
-        self.root = self.units[-1]
-        self.post_forward_order: list[_Unit] = []
-        self.ag_state: torch.Tensor | None = None  # the last forward all-gather, kept
-        self.rs_states: list[torch.Tensor] = []  # reduce-scatter inputs kept (FSDP2: one)
-        self.link_bytes = 0
-        self._bwd_task = -1
-        for unit in self.units:
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit),
-                                                  prepend=True, with_kwargs=True)
-            unit.module.register_forward_hook(partial(self._post_forward, unit))
+            units = list(spec.units)
+        self.mesh = _fake_mesh(spec.world)
+        self._close = weakref.finalize(self, _unregister, self.mesh._dim_group_names[0])
+        mp = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
+        self.all_host = True
+        try:
+            # inner units first (as FSDP2 needs), the root last: it gets the rest, tied
+            # parameters included
+            for name in sorted(dict.fromkeys([*units, ""]),
+                               key=lambda n: -(n.count(".") + 1) if n else 0):
+                host = name in spec.host or "*" in spec.host
+                module = root.get_submodule(name) if name else root
+                kw = {} if name not in spec.reshard else {
+                    "reshard_after_forward": spec.reshard[name]}
+                fully_shard(module, mesh=self.mesh, mp_policy=mp, **kw, offload_policy=(
+                    CPUOffloadPolicy(False) if host else OffloadPolicy()))
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    self._to_meta(group, host, spec.world)
+        except AttributeError as e:
+            self.close()
+            raise RuntimeError(
+                f"this torch's FSDP2 ({torch.__version__}) cannot run in headroom's dry run"
+                f" ({type(e).__name__}: {e}); estimate without world_size=/mesh=, or use a"
+                " torch headroom states it supports") from e
+        except BaseException:
+            self.close()
+            raise
 
-    def masters(self) -> list[nn.Parameter]:
-        """The sharded parameters (what ``model.parameters()`` yields between steps)."""
-        return [s.master for u in self.units for s in u.slots]
+    def _to_meta(self, group: Any, host: bool, world: int) -> None:
+        meta = torch.device("meta")
+        _replace(group, _validate_no_meta_params=_nothing, _validate_cpu_offload_params=_nothing,
+                 device=meta, _all_gather_output=torch.empty(0, device=meta))
+        for fp in group.fsdp_params:
+            _replace(fp, device=meta)
+            if host:
+                self.places.on_host(fp.sharded_param._local_tensor)
+                self.places.on_host(fp._sharded_param_data)
+        if host:  # its all-gathers and reduce-scatters copy from and to the host
+            _replace(group, **{m: partial(_with_mode, _HostCopies(self), getattr(group, m))
+                               for m in ("unshard", "post_backward")})
+        if not self.accelerated and world > 1:
+            _replace(group, _reduce_scatter_comm=_gloo_reduce_scatter())
+        self.all_host = self.all_host and host
 
     def all_on_host(self) -> bool:
-        return all(u.host for u in self.units if u.slots)
+        return self.all_host
 
-    # ------------------------------------------------------------------ all-gather
-    def _unshard(self, unit: _Unit) -> None:
-        if unit.unsharded or unit.pending or not unit.slots:
-            return
-        unit.pending = True
-        if self.world == 1:
-            return
-        temps = []
-        if unit.host and self.accelerated:  # each shard copied to the device first
-            for s in unit.slots:
-                temps.append(torch.empty(s.padded // self.world, dtype=s.master.dtype,
-                                         device="meta"))
-                self.link_bytes += temps[-1].numel() * temps[-1].element_size()
-        if self.param_dtype is not None:  # cast for the all-gather input
-            temps.append(torch.empty(sum(s.padded for s in unit.slots) // self.world,
-                                     dtype=unit.slots[0].flat.dtype, device="meta"))
-        unit.gathered = torch.empty(sum(s.padded for s in unit.slots),
-                                    dtype=unit.slots[0].flat.dtype, device="meta")
-        del temps
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The context the dry run's steps run in; the fake process group is gone after it."""
+        had = "meta" in vars(torch)
+        try:
+            if not had:
+                torch.meta = torch.cpu  # see the Note
+            yield
+        finally:
+            if not had:
+                del torch.meta
+            self.close()
 
-    def _wait(self, unit: _Unit, *, forward: bool) -> None:
-        if not unit.pending:
-            return
-        unit.pending = False
-        if forward and self.ag_state is not None:
-            self.ag_state = None  # the previous unit's all-gather output
-        for s in unit.slots:
-            torch.ops.inductor.resize_storage_bytes_(s.flat, s.flat.numel()
-                                                     * s.flat.element_size())
-            s.show(s.unsharded)
-            if s.unsharded.requires_grad != s.master.requires_grad:
-                s.unsharded.requires_grad_(s.master.requires_grad)
-        unit.unsharded = True
-        if forward and self.world > 1:
-            self.ag_state = unit.gathered
-        unit.gathered = None
-
-    def _reshard(self, unit: _Unit) -> None:
-        if not unit.unsharded:
-            return
-        for s in unit.slots:
-            s.show(s.master)
-            torch.ops.inductor.resize_storage_bytes_(s.flat, 0)
-        unit.unsharded = False
-
-    # ------------------------------------------------------------------ forward
-    def _pre_forward(self, unit: _Unit, module, args, kwargs):
-        if torch._C._current_graph_task_id() != -1:  # recomputation (checkpointing)
-            self._unshard(unit)
-            self._wait(unit, forward=False)
-            return None
-        self._unshard(unit)
-        self._wait(unit, forward=True)
-        if not torch.is_grad_enabled():
-            return None
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not idx:
-            return None  # its backward ends at the end of backward (FSDP2 likewise)
-        outs = AfterBackward.apply(partial(self._post_backward, unit), *[flat[i] for i in idx])
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        for j, i in enumerate(idx):
-            flat[i] = outs[j]
-        from torch.utils._pytree import tree_unflatten
-
-        return tree_unflatten(flat, spec)
-
-    def _post_forward(self, unit: _Unit, module, args, output):
-        if torch._C._current_graph_task_id() != -1:
-            return None
-        if unit.reshard:
-            self._reshard(unit)
-        unit.forward_indices.append(len(self.post_forward_order))
-        self.post_forward_order.append(unit)
-        if torch.is_grad_enabled():
-            for t in _outputs(output):
-                if t.requires_grad:
-                    t.register_hook(partial(self._pre_backward, unit))
-        if unit is self.root:
-            self.ag_state = None  # the root frees the last all-gather output
-        return None
-
-    # ------------------------------------------------------------------ backward
-    def _pre_backward(self, unit: _Unit, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._bwd_task:
-            self._bwd_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if unit.bwd_state:
-            return
-        unit.bwd_state = "pre"
-        self._unshard(unit)
-        self._wait(unit, forward=False)
-        if unit.forward_indices:
-            i = unit.forward_indices.pop()
-            if i > 0:  # the unit before it in forward order, all-gathered ahead
-                self._unshard(self.post_forward_order[i - 1])
-
-    def _post_backward(self, unit: _Unit) -> None:
-        if unit.bwd_state == "post":
-            return
-        unit.bwd_state = "post"
-        grads = []
-        with_grad = []
-        for s in unit.slots:
-            g = s.unsharded.grad
-            if g is not None:
-                grads.append(g)
-                with_grad.append(s)
-                s.unsharded.grad = None
-        self._reshard(unit)
-        while self.rs_states:
-            self.rs_states.pop(0)
-        if not grads:
-            return
-        reduce_dtype = self.reduce_dtype or grads[0].dtype
-        total = sum(s.padded for s in with_grad)
-        rs_in = torch.empty(total, dtype=reduce_dtype, device="meta")
-        with torch.no_grad():
-            off = 0
-            for s, g in zip(with_grad, grads, strict=True):
-                rs_in.narrow(0, off, s.numel).copy_(g.reshape(-1))
-                off += s.padded
-        del grads, g
-        out = torch.empty(total // self.world, dtype=reduce_dtype, device="meta")
-        if self.world > 1 and not self.accelerated:
-            # gloo (the CPU's backend) reduce-scatters through a copy of the input
-            scratch = rs_in.clone()
-            del scratch
-        orig = with_grad[0].master.dtype
-        if out.dtype != orig:
-            out = out.to(orig)
-        off = 0
-        for s in with_grad:
-            n = s.padded // self.world
-            piece = out.narrow(0, off, n).view(s.master.shape)
-            off += n
-            if unit.host and self.accelerated:
-                # made as host memory before the tracker sees it
-                with self.places.host_code(), torch.no_grad():
-                    host = torch.empty(s.master.shape, dtype=orig, device="meta")
-                    host.copy_(piece)
-                self.link_bytes += host.numel() * host.element_size()
-                piece = host
-            p = s.master
-            if p.grad is not None:
-                with torch.no_grad():
-                    p.grad.add_(piece)
-            else:
-                p.grad = piece
-            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
-                hook(p)
-        del out, piece
-        self.rs_states.append(rs_in)
-
-    def _end_backward(self) -> None:
-        for unit in self.units:  # the root first, as FSDP2 walks its states
-            if unit is self.root and unit.bwd_state != "post":
-                self._post_backward(unit)
-        for unit in self.units:
-            if unit.bwd_state != "post":
-                self._post_backward(unit)
-        for unit in self.units:
-            unit.bwd_state = ""
-            unit.forward_indices.clear()
-            unit.pending = False
-            unit.gathered = None
-        self.post_forward_order = []
-        self.rs_states = []
-        self._bwd_task = -1
+    def close(self) -> None:
+        """Unregisters the fake process group (idempotent; also when the dry run is dropped)."""
+        self._close()
 
 
-def _outputs(output: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(output)
-    out = [x for x in leaves if isinstance(x, torch.Tensor)]
-    if out:
-        return out
-    stack = [output]
-    while stack:  # model-output classes pytree does not know
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif hasattr(x, "__dict__") and not isinstance(x, nn.Module):
-            stack.extend(vars(x).values())
-    return out
+def _nothing() -> None:
+    return None
+
+
+def _replace(obj: Any, **attrs: Any) -> None:
+    for name, value in attrs.items():
+        getattr(obj, name)  # AttributeError where this torch's FSDP2 has no such attribute
+        setattr(obj, name, value)
+
+
+def _gloo_reduce_scatter() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class GlooReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, *args, **kwargs):
+            copy = input_tensor.clone()  # gloo reduce-scatters through a copy of its input
+            del copy
+            return super().__call__(output_tensor, input_tensor, *args, **kwargs)
+
+    return GlooReduceScatter()
+
+
+def _with_mode(mode: TorchFunctionMode, method: Any, *args: Any, **kwargs: Any) -> Any:
+    with mode:
+        return method(*args, **kwargs)
+
+
+def _unregister(name: str) -> None:
+    from torch._C._distributed_c10d import _unregister_process_group
+
+    _unregister_process_group(name)
 
 
 def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:

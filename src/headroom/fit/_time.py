@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -88,7 +89,6 @@ def measure_speeds(disk: str | os.PathLike | None = None, *, refresh: bool = Fal
     if not refresh and key in _CACHE:
         return _CACHE[key]
     path = _cache_file()
-    stored: dict = {}
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -112,9 +112,6 @@ def measure_speeds(disk: str | os.PathLike | None = None, *, refresh: bool = Fal
         os.replace(tmp, path)
     except OSError:  # a read-only home: measured again in the next process
         pass
-    for k, v in asdict(sp).items():
-        if v == 1e30:
-            object.__setattr__(sp, k, float("inf"))
     return sp
 
 
@@ -232,3 +229,21 @@ def step_time(ops: list[tuple[int, int, str, bool]], sp: Speeds, *, host_step: b
     for way, nbytes in moved.items():
         t += nbytes / getattr(sp, way)
     return t
+
+
+def activation_ways(where: str, on_cpu: bool) -> tuple[str, ...]:
+    """The ways saved activations sent to ``where`` (``"host"``, ``"disk"``) move, once each."""
+    if where == "disk":
+        return "disk_read", "disk_write"
+    return ("link", "link") if where == "host" and not on_cpu else ()
+
+
+def dry_run_time(est: Any, sp: Speeds, *, activations: str, on_cpu: bool,
+                 host_step: bool) -> float:
+    """Seconds per step of an `Estimate`: its ops, the bytes its stores moved, and its
+    activations offloaded to ``activations`` (``"device"``: none)."""
+    moved = {k: v for k, v in est.transfers.items() if not (on_cpu and k == "link")}
+    a = est.activation_bytes_moved
+    for way in activation_ways(activations, on_cpu) if a else ():
+        moved[way] = moved.get(way, 0) + a
+    return step_time(est.ops, sp, host_step=host_step, moved=moved)

@@ -271,7 +271,6 @@ class HugeClassifier(nn.Module):
                 stacklevel=2,
             )
         prefix = key if key is not None else f"huge_classifier.{next(_ids)}"
-        self._prefix = prefix
         reopened = f"{prefix}.weight" in self.store
         shape = (self.num_classes, self.in_features)
         shapes = {f"{prefix}.weight": shape}

@@ -237,11 +237,35 @@ class LsePass(NamedTuple):
     argmax: torch.Tensor | None
 
 
+def logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+           out: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T + b`` into ``out``."""
+    return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
+
+
 def _cap_(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """``softcap * tanh(z / softcap)`` in place, in the order dense models compute it."""
     if softcap is not None:
         z.div_(softcap).tanh_().mul_(softcap)
     return z
+
+
+def _cap_with_slope_(z: torch.Tensor, softcap: float, d: torch.Tensor) -> torch.Tensor:
+    """`_cap_`, with ``ds/dz = 1 - tanh(z / softcap)**2`` written into ``d``."""
+    z.div_(softcap).tanh_()
+    torch.mul(z, z, out=d).neg_().add_(1.0)
+    return z.mul_(softcap)
+
+
+def _sub_uniform_(g: torch.Tensor, uniform: torch.Tensor | None,
+                  class_weight: torch.Tensor | None) -> None:
+    """``g[b, c] -= uniform[b] * class_weight[c]`` (``class_weight`` None: 1)."""
+    if uniform is None:
+        return
+    if class_weight is None:
+        g.sub_(uniform.unsqueeze(1))
+    else:
+        g.addr_(uniform, class_weight, alpha=-1)
 
 
 def lse_pass(
@@ -284,11 +308,7 @@ def lse_pass(
     with closing(source.slices(bounds)) as slices:
         for i, (start, stop, w, b) in enumerate(slices):
             z = flat[: batch * (stop - start)].view(batch, stop - start)
-            if b is None:
-                torch.mm(x, w.t(), out=z)
-            else:
-                torch.addmm(b, x, w.t(), out=z)
-            _cap_(z, softcap)
+            _cap_(logits(x, w, b, z), softcap)
             targets.gather(i, z, start, stop)
             if z_sum is not None:
                 if class_weight is None:
@@ -324,14 +344,13 @@ def grad_pass(
     row_max: torch.Tensor,
     row_sum: torch.Tensor,
     scale: torch.Tensor,
+    target_scale: torch.Tensor,
     *,
     slice_size: int,
-    label_smoothing: float,
     need_x: bool,
     sink: GradSink | None,
     need_weight: bool,
     need_bias: bool,
-    target_scale: torch.Tensor | None = None,
     softcap: float | None = None,
     class_weight: torch.Tensor | None = None,
     uniform_scale: torch.Tensor | None = None,
@@ -340,9 +359,8 @@ def grad_pass(
 
     The gradient of the loss with respect to the (capped) logit ``s[b, c]`` is
     ``scale[b] * softmax[b, c] - uniform_scale[b] * u[c] - target_scale[b] * target[b, c]``,
-    where ``u`` is ``class_weight`` (or 1), ``target_scale`` defaults to
-    ``(1 - eps) * scale`` and ``uniform_scale`` to ``eps / C * scale``; with ``softcap`` it is
-    multiplied by ``ds/dz = 1 - tanh(z / softcap)**2``.
+    where ``u`` is ``class_weight`` (or 1); with ``softcap`` it is multiplied by
+    ``ds/dz = 1 - tanh(z / softcap)**2``.
 
     Args:
         x: ``(B, D)`` in the accumulation dtype on the compute device.
@@ -352,16 +370,15 @@ def grad_pass(
         row_sum: ``(B,)`` from :func:`lse_pass`.
         scale: ``(B,)`` per-row factor of the softmax (incoming gradient, ``1/n`` for mean, 0
             for ignored rows).
+        target_scale: ``(B,)`` factor of the target term.
         slice_size: classes per slice.
-        label_smoothing: ``eps``.
         need_x: whether to return the gradient of ``x``.
         sink: receives the weight and bias gradient slices (``None``: neither is wanted).
         need_weight: whether to form the weight gradient (one matrix product per slice).
         need_bias: whether to hand bias gradient slices to the sink.
-        target_scale: ``(B,)`` factor of the target term, if not ``(1 - eps) * scale``.
         softcap: the logits' soft cap, as in `lse_pass`.
         class_weight: ``(C,)`` weights ``u`` of the uniform term.
-        uniform_scale: ``(B,)`` factor of the uniform term, if not ``eps / C * scale``.
+        uniform_scale: ``(B,)`` factor of the uniform term (``None``: no such term).
 
     Returns:
         The ``(B, D)`` gradient of ``x`` in the accumulation dtype, or ``None``.
@@ -375,11 +392,7 @@ def grad_pass(
     # the log-sum-exp's magnitude, further from float64 than PyTorch's dense fp32.
     factor = (scale.double() / row_sum).to(dt).unsqueeze(1)
     neg_max = (-row_max).unsqueeze(1)
-    if target_scale is None:
-        target_scale = (1.0 - label_smoothing) * scale
     target_scale = target_scale.to(dt)
-    if uniform_scale is None and label_smoothing > 0:
-        uniform_scale = (label_smoothing / num_classes) * scale
     uniform = None if uniform_scale is None else uniform_scale.to(dt)
 
     grad_x = torch.zeros_like(x) if need_x else None
@@ -400,21 +413,11 @@ def grad_pass(
                     torch.add(b.unsqueeze(0), neg_max, out=g)
                     g.addmm_(x, w.t())
             else:
-                if b is None:
-                    torch.mm(x, w.t(), out=g)
-                else:
-                    torch.addmm(b, x, w.t(), out=g)
                 assert dcap is not None
                 d = dcap[: batch * (stop - start)].view(batch, stop - start)
-                g.div_(softcap).tanh_()
-                torch.mul(g, g, out=d).neg_().add_(1.0)
-                g.mul_(softcap).add_(neg_max)
+                _cap_with_slope_(logits(x, w, b, g), softcap, d).add_(neg_max)
             g.exp_().mul_(factor)
-            if uniform is not None:
-                if class_weight is None:
-                    g.sub_(uniform.unsqueeze(1))
-                else:
-                    g.addr_(uniform, class_weight[start:stop], alpha=-1)
+            _sub_uniform_(g, uniform, None if class_weight is None else class_weight[start:stop])
             targets.subtract(i, g, start, stop, target_scale)
             if softcap is not None:
                 g.mul_(d)
@@ -674,50 +677,6 @@ def grad_coefficients(
     return coef, r * (1.0 - eps) * wy, uniform
 
 
-def ce_backward(
-    x: torch.Tensor,
-    source: SliceSource,
-    t: torch.Tensor,
-    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    grad_loss: torch.Tensor | None,
-    grad_lse: torch.Tensor | None,
-    opts: CrossEntropyOptions,
-    *,
-    slice_size: int,
-    need_x: bool,
-    sink: GradSink | None,
-    need_weight: bool,
-    need_bias: bool,
-) -> torch.Tensor | None:
-    """Gradients of `ce_forward`'s loss (and returned log-sum-exp) by `grad_pass`, with the
-    factors of `grad_coefficients`.
-
-    Args:
-        x: ``(N, D)`` in the accumulation dtype.
-        source: the weight slices.
-        t: ``(N,)`` int64 targets.
-        saved: ``(row_max, row_sum, denominator, n_valid)`` from `ce_forward`.
-        grad_loss: incoming gradient of the loss (``None``: the loss was not used).
-        grad_lse: incoming gradient of the returned ``(N,)`` log-sum-exp, or ``None``.
-        opts: the options of the forward.
-        slice_size: classes per slice.
-        need_x: whether to return the gradient of ``x``.
-        sink: receives the weight and bias gradients.
-        need_weight: whether to form the weight gradient.
-        need_bias: whether to form the bias gradient.
-    """
-    row_max, row_sum, denominator, n_valid = saved
-    coef, target_scale, uniform = grad_coefficients(
-        t, log_sum_exp(row_max, row_sum), denominator, n_valid, grad_loss, grad_lse, opts,
-        source.num_classes)
-    return grad_pass(
-        x, source, OneHot(t), row_max, row_sum, coef, slice_size=slice_size,
-        label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_weight,
-        need_bias=need_bias, target_scale=target_scale, softcap=opts.softcap,
-        class_weight=opts.class_weight, uniform_scale=uniform,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # the one-pass path: chunks of rows over the whole vocabulary
 
@@ -776,18 +735,12 @@ def row_pass(
     for a in range(0, n, rows):
         b = min(a + rows, n)
         xs, ts = x[a:b], t[a:b]
-        z = flat[: (b - a) * num_classes].view(b - a, num_classes)
-        if bias is None:
-            torch.mm(xs, weight.t(), out=z)
-        else:
-            torch.addmm(bias, xs, weight.t(), out=z)
+        z = logits(xs, weight, bias, flat[: (b - a) * num_classes].view(b - a, num_classes))
         d = None
         if cap is not None:
             assert dflat is not None
             d = dflat[: (b - a) * num_classes].view(b - a, num_classes)
-            z.div_(cap).tanh_()
-            torch.mul(z, z, out=d).neg_().add_(1.0)
-            z.mul_(cap)
+            _cap_with_slope_(z, cap, d)
         valid = ts != opts.ignore_index
         local = torch.where(valid, ts, torch.zeros_like(ts)).unsqueeze(1)
         z_target[a:b] = z.gather(1, local).squeeze(1)
@@ -808,11 +761,7 @@ def row_pass(
         coef, target_scale, uniform = grad_coefficients(
             ts, chunk_lse, denominator, n_valid, one, None, opts, num_classes)
         z.mul_((coef / sums).to(dt).unsqueeze(1))
-        if uniform is not None:
-            if cw is None:
-                z.sub_(uniform.to(dt).unsqueeze(1))
-            else:
-                z.addr_(uniform.to(dt), cw, alpha=-1)
+        _sub_uniform_(z, None if uniform is None else uniform.to(dt), cw)
         z.scatter_add_(1, local, -target_scale.to(dt).unsqueeze(1))
         if d is not None:
             z.mul_(d)
@@ -1037,7 +986,8 @@ def sliced_backward(
     grads: tuple[torch.Tensor | None, torch.Tensor | None], opts: CrossEntropyOptions,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The gradients of ``(x, weight, bias)`` of `sliced_forward`'s outputs.
+    """The gradients of ``(x, weight, bias)`` of `sliced_forward`'s outputs, by `grad_pass`
+    with the factors of `grad_coefficients`.
 
     Args:
         saved: ``(row_max, row_sum, denominator, n_valid)`` of the forward.
@@ -1054,13 +1004,17 @@ def sliced_backward(
     source = params.source(opts.slice_size)
     sink = params.sink(opts.slice_size, weight=need_w, bias=need_b) if (
         need_w or need_b) else None
+    t = target.reshape(-1).long()
+    row_max, row_sum, denominator, n_valid = saved
     with landing(sink), no_autocast(x.device):
-        grad_x = ce_backward(
-            x.reshape(-1, x.shape[-1]).to(opts.accum_dtype), source,
-            target.reshape(-1).long(), saved, grad_loss, grad_lse, opts,
-            slice_size=opts.slice_size, need_x=need_x, sink=sink, need_weight=need_w,
-            need_bias=need_b,
-        )
+        coef, target_scale, uniform = grad_coefficients(
+            t, log_sum_exp(row_max, row_sum), denominator, n_valid, grad_loss, grad_lse, opts,
+            source.num_classes)
+        grad_x = grad_pass(
+            x.reshape(-1, x.shape[-1]).to(opts.accum_dtype), source, OneHot(t), row_max,
+            row_sum, coef, target_scale, slice_size=opts.slice_size, need_x=need_x, sink=sink,
+            need_weight=need_w, need_bias=need_b, softcap=opts.softcap,
+            class_weight=opts.class_weight, uniform_scale=uniform)
     gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
     return (None if grad_x is None else grad_x.to(x.dtype).reshape(x.shape)), gw, gb
 
@@ -1121,6 +1075,16 @@ def _refuse_double_backward(what: str, dense: str) -> None:
 _DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)")
 
 
+def _outputs(ctx: Any, fwd: CrossEntropyForward, opts: CrossEntropyOptions,
+             shape: torch.Size) -> tuple[torch.Tensor, ...]:
+    """An autograd Function's `outputs`: the accuracy and predictions not differentiable, an
+    unused output's gradient ``None``."""
+    ctx.set_materialize_grads(False)
+    out = outputs(fwd, opts, shape)
+    ctx.mark_non_differentiable(out[2], out[3])
+    return out
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """`sliced_forward` and `sliced_backward` under autograd, for the weight slices of
     ``params`` (a tensor's, or a store's: `HugeClassifier`); ``dense`` names the call and its
@@ -1137,10 +1101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # after an in-place change of them (it would use the changed values).
         ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
         ctx.params, ctx.opts, ctx.dense, ctx.has_bias = params, opts, dense, bias is not None
-        ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, target.shape)
-        ctx.mark_non_differentiable(out[2], out[3])
-        return out
+        return _outputs(ctx, fwd, opts, target.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
@@ -1164,10 +1125,7 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows,
                                    needs=(need_x, need_w, bias is not None and need_b))
         ctx.save_for_backward(*grads)
-        ctx.set_materialize_grads(False)
-        out = outputs(fwd, opts, target.shape)
-        ctx.mark_non_differentiable(out[2], out[3])
-        return out
+        return _outputs(ctx, fwd, opts, target.shape)
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]

@@ -34,6 +34,7 @@ from headroom.heads._linear_ce import (
     _refuse_double_backward,
     grad_pass,
     log_sum_exp,
+    logits,
     lse_pass,
     pick_slice_size,
 )
@@ -271,10 +272,7 @@ def separable_pass(
             size = batch * (stop - start)
             z = flat[:size].view(batch, stop - start)
             tmp = flat[batch * n: batch * n + size].view(batch, stop - start)
-            if b is None:
-                torch.mm(x, w.t(), out=z)
-            else:
-                torch.addmm(b, x, w.t(), out=z)
+            logits(x, w, b, z)
             r, c, v = pos.rows[lo:hi], pos.cols[lo:hi] - start, plan.values[lo:hi]
             if kind is not None:
                 part, g = _separable_slice(kind, z, tmp, r, c, plan.pos_coef[lo:hi], v,
@@ -385,11 +383,10 @@ def loss_backward(
                 (x.shape[0],), scale, dtype=plan.accum_dtype, device=x.device)
             assert plan.softmax_scale is not None and row_max is not None and row_sum is not None
             gx = grad_pass(
-                xa, params.source(plan.slice_size),
-                PositiveLogits(plan.pos, plan.pos_coef), row_max, row_sum,
-                row_scale * plan.softmax_scale, slice_size=plan.slice_size,
-                label_smoothing=0.0, need_x=need_x, sink=sink, need_weight=need_w,
-                need_bias=need_b, target_scale=row_scale,
+                xa, params.source(plan.slice_size), PositiveLogits(plan.pos, plan.pos_coef),
+                row_max, row_sum, row_scale * plan.softmax_scale, row_scale,
+                slice_size=plan.slice_size, need_x=need_x, sink=sink, need_weight=need_w,
+                need_bias=need_b,
             )
         else:
             _, gx = separable_pass(

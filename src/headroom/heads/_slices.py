@@ -106,21 +106,10 @@ class TensorSlices:
         prefetch: slices copied ahead when streaming host rows.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        prefetch: int = 1,
-    ) -> None:
-        self.weight = weight
-        self.bias = bias
-        self.device = device
-        self.dtype = dtype
-        self.num_classes = weight.shape[0]
-        self.has_bias = bias is not None
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 device: torch.device, dtype: torch.dtype, prefetch: int = 1) -> None:
+        self.weight, self.bias, self.device, self.dtype = weight, bias, device, dtype
+        self.num_classes, self.has_bias = weight.shape[0], bias is not None
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
@@ -159,16 +148,9 @@ class TensorGradSink:
         prefetch: ring depth of the background copies for a host weight.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        need_weight: bool,
-        prefetch: int = 1,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 device: torch.device, dtype: torch.dtype, need_weight: bool,
+                 prefetch: int = 1) -> None:
         self.grad_weight = torch.empty_like(weight) if need_weight else None
         self.grad_bias = None if bias is None else torch.empty_like(bias)
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
@@ -194,19 +176,15 @@ class TensorGradSink:
     def commit(
         self, start: int, stop: int, grad_w: torch.Tensor | None, grad_b: torch.Tensor | None
     ) -> None:
-        s = self.streamer
-        if grad_w is not None and not self._direct:
-            assert self.grad_weight is not None
-            if s is not None:
-                s.push("w", self.grad_weight[start:stop], grad_w, accumulate=False)
+        for name, full, g in (("w", self.grad_weight, None if self._direct else grad_w),
+                              ("b", self.grad_bias, grad_b)):
+            if g is None:
+                continue
+            assert full is not None
+            if self.streamer is not None:
+                self.streamer.push(name, full[start:stop], g, accumulate=False)
             else:
-                self.grad_weight[start:stop].copy_(grad_w)
-        if grad_b is not None:
-            assert self.grad_bias is not None
-            if s is not None:
-                s.push("b", self.grad_bias[start:stop], grad_b, accumulate=False)
-            else:
-                self.grad_bias[start:stop].copy_(grad_b)
+                full[start:stop].copy_(g)
 
     def finish(self) -> None:
         if self.streamer is not None:

@@ -23,10 +23,6 @@ from headroom.heads import _slices
 from headroom.store import Handle, Store
 
 
-def _to(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(device=device, dtype=dtype, non_blocking=True)
-
-
 class _Ring:
     """Two reusable host buffers for row slices of one handle (plus the futures using them)."""
 
@@ -67,26 +63,12 @@ class StoreSlices:
         prefetch: slices copied ahead when host-store rows stream to an accelerator.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        weight: Handle,
-        bias: Handle | None,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_rows: int,
-        prefetch: int = 1,
-    ) -> None:
-        self.store = store
-        self.weight = weight
-        self.prefetch = prefetch
-        self.bias = bias
-        self.device = device
-        self.dtype = dtype
-        self.num_classes = weight.shape[0]
-        self.has_bias = bias is not None
-        self.max_rows = max_rows
+    def __init__(self, store: Store, weight: Handle, bias: Handle | None, *,
+                 device: torch.device, dtype: torch.dtype, max_rows: int,
+                 prefetch: int = 1) -> None:
+        self.store, self.weight, self.bias, self.max_rows = store, weight, bias, max_rows
+        self.device, self.dtype, self.prefetch = device, dtype, prefetch
+        self.num_classes, self.has_bias = weight.shape[0], bias is not None
 
     def slices(
         self, bounds: list[tuple[int, int]]
@@ -94,16 +76,10 @@ class StoreSlices:
         host_w = self.store.host_tensor(self.weight)
         host_b = None if self.bias is None else self.store.host_tensor(self.bias)
         if host_w is not None and (self.bias is None or host_b is not None):
-            streamer = _slices.host_streamer(host_w.device, self.device, prefetch=self.prefetch)
-            if streamer is not None:
-                for start, stop, (w, b) in streamer.stream([host_w, host_b], bounds,
-                                                           dtype=self.dtype):
-                    yield start, stop, w, b
-                return
-            for start, stop in bounds:
-                w = _to(host_w[start:stop], self.device, self.dtype)
-                b = None if host_b is None else _to(host_b[start:stop], self.device, self.dtype)
-                yield start, stop, w, b
+            # the store's resting tensors, sliced (or streamed) as any host weight is
+            yield from _slices.TensorSlices(host_w, host_b, device=self.device,
+                                            dtype=self.dtype, prefetch=self.prefetch
+                                            ).slices(bounds)
             return
         rings = [_Ring(self.weight, self.max_rows)]
         if self.bias is not None:
@@ -111,27 +87,24 @@ class StoreSlices:
 
         def issue(i: int) -> list[Future]:
             start, stop = bounds[i]
-            futs = []
             for ring in rings:
                 buf = ring.take(i, stop - start)
-                fut = self.store.read_rows(ring.handle, slice(start, stop), out=buf)
-                ring.pending[i % 2] = fut
-                futs.append(fut)
-            return futs
+                ring.pending[i % 2] = self.store.read_rows(ring.handle, slice(start, stop),
+                                                           out=buf)
+            return [ring.pending[i % 2] for ring in rings]
 
         try:
             nxt = issue(0) if bounds else []
             for i, (start, stop) in enumerate(bounds):
-                cur = nxt
-                host = [f.result() for f in cur]
+                host = [f.result() for f in nxt]
                 for ring in rings:
                     ring.pending[i % 2] = None
                 # Start the next read before computing on this slice (prefetch depth 1);
                 # the buffer it fills is the one the previous slice used, which is done.
                 nxt = issue(i + 1) if i + 1 < len(bounds) else []
-                w = _to(host[0], self.device, self.dtype)
-                b = _to(host[1], self.device, self.dtype) if self.bias is not None else None
-                yield start, stop, w, b
+                w, *b = (t.to(device=self.device, dtype=self.dtype, non_blocking=True)
+                         for t in host)
+                yield start, stop, w, (b[0] if b else None)
         finally:
             for ring in rings:
                 ring.drain()
@@ -151,24 +124,11 @@ class StoreGradSink:
         prefetch: ring depth of background gradient copies from an accelerator to a host store.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        weight_grad: Handle | None,
-        bias_grad: Handle | None,
-        *,
-        accumulate: bool,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_rows: int,
-        prefetch: int = 1,
-    ) -> None:
-        self.store = store
-        self.wg = weight_grad
-        self.bg = bias_grad
-        self.accumulate = accumulate
-        self.device = device
-        self.dtype = dtype
+    def __init__(self, store: Store, weight_grad: Handle | None, bias_grad: Handle | None, *,
+                 accumulate: bool, device: torch.device, dtype: torch.dtype, max_rows: int,
+                 prefetch: int = 1) -> None:
+        self.store, self.wg, self.bg, self.accumulate = store, weight_grad, bias_grad, accumulate
+        self.device, self.dtype = device, dtype
         self.host_wg = None if weight_grad is None else store.host_tensor(weight_grad)
         self.host_bg = None if bias_grad is None else store.host_tensor(bias_grad)
         self._rings: dict[str, _Ring] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     local = getattr(t, "_local_tensor", None)
@@ -16,6 +18,8 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse tensors, subclasses without storage
         return None
+    if st.device.type == "meta" and type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        return None  # a wrapper subclass's placeholder in a dry run (values elsewhere)
     if st.device.type != "meta" and st.nbytes():
         try:
             st.data_ptr()

@@ -41,7 +41,6 @@ from headroom.nn._common import (
     _hooks_enabled,
     _pending,
     _relu_outputs,
-    _sites,
     _top_hooks,
     _use_count,
     activation_call,
@@ -51,10 +50,10 @@ from headroom.nn._common import (
     note_consumer,
     records_graph,
     register_relu_output,
-    relu_sites,
     run_saving_less,
     save_less,
     settle_pending,
+    unchanged,
 )
 
 
@@ -105,9 +104,12 @@ def _unpack_layout(
     return out.copy_(passes)
 
 
-def _restride(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
-    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+def _run(ctx, x: torch.Tensor, inplace: bool, fn, fn_, *args) -> torch.Tensor:
+    """``fn_(x, *args)`` with ``x`` marked dirty when ``inplace``, else ``fn(x, *args)``."""
+    if inplace:
+        ctx.mark_dirty(x)
+        return fn_(x, *args)
+    return fn(x, *args)
 
 
 def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -268,15 +270,6 @@ class Late:
         if self.tensor is not None:
             self.bits = None
 
-    def _kept(self, t: torch.Tensor) -> torch.Tensor:
-        if t._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
-                f"{t._version}; expected version {self.version} instead."
-            )
-        return t
-
     def _stride(self) -> tuple[int, ...]:
         # None: the contiguous strides of ``shape`` (the common case leaves them unset)
         stride = self.stride
@@ -291,7 +284,7 @@ class Late:
         ``kernel`` on the unpacked stand-in."""
         t = self.tensor
         if t is not None:
-            return kernel(grad, self._kept(t))
+            return kernel(grad, unchanged(t, self.version))
         if (
             not torch.is_grad_enabled()
             and grad.dtype == self.dtype
@@ -307,7 +300,7 @@ class Late:
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if t is not None:
-            return self._kept(t)
+            return unchanged(t, self.version)
         native = _bitmask._native
         if self.ptr and native is not None and not _grad_enabled() and not is_tracking():
             # The common case (a contiguous float32 1/0 mask, packed at ``ptr``, unpacked
@@ -499,10 +492,6 @@ def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tenso
     return torch.ops.aten.threshold_backward(grad, passes, 0)
 
 
-def _needs_graph(x: torch.Tensor) -> bool:
-    return records_graph() and x.requires_grad
-
-
 class _ReLUBits:
     """A ReLU result packed at save time (pack hook of ``ReluBackward0``), where this torch
     lacks the storage use count that :class:`Late` needs."""
@@ -527,11 +516,7 @@ class _ReLUBits:
 class _ReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        if inplace:
-            ctx.mark_dirty(x)
-            out = torch.relu_(x)
-        else:
-            out = torch.relu(x)
+        out = _run(ctx, x, inplace, torch.relu, torch.relu_)
         # PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
         # A ReLU output is never negative, so "passes" is ``out != 0`` (one cast). Backward
         # hands threshold_backward a tensor that is positive exactly where the mask is set: the
@@ -562,14 +547,8 @@ class ReLU(nn.ReLU):
         if _relu_outputs:
             note_consumer(self, input)
         relu = torch.relu_ if self.inplace else torch.relu
-        # (activation_call and hooks_free inlined: this runs at every ReLU call)
-        sites = _sites.get(id(self))
-        if sites is None or sites.module() is not self:
-            sites = relu_sites(self)
-        site = (type(input.grad_fn), input.shape[1:])
-        call = sites.calls.get(site)
-        if call is None:
-            call = sites.call(site)
+        sites, site, call = activation_call(self, input)
+        # (hooks_free inlined: this runs at every ReLU call)
         if _LATE and _top_hooks(False) is None and _hooks_enabled():
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
@@ -593,13 +572,9 @@ class ReLU(nn.ReLU):
 class _LeakyReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, slope: float, inplace: bool) -> torch.Tensor:
-        if inplace:
-            ctx.mark_dirty(x)
-            out = F.leaky_relu_(x, slope)
-            saved = out  # PyTorch's in-place backward reads the result
-        else:
-            saved = x  # PyTorch's backward reads the input
-            out = F.leaky_relu(x, slope)
+        out = _run(ctx, x, inplace, F.leaky_relu, F.leaky_relu_, slope)
+        # PyTorch's backward reads the input, its in-place backward the result
+        saved = out if inplace else x
         ctx.save_for_backward(pack_gt(saved))
         ctx.shape, ctx.stride, ctx.memory_order = saved.shape, saved.stride(), False
         ctx.slope, ctx.inplace = slope, inplace
@@ -642,11 +617,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
 class _HardtanhFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
-        if inplace:
-            ctx.mark_dirty(x)
-            out = F.hardtanh_(x, lo, hi)
-        else:
-            out = F.hardtanh(x, lo, hi)
+        out = _run(ctx, x, inplace, F.hardtanh, F.hardtanh_, lo, hi)
         # hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
         # meets the same conditions (clamped values equal the bounds). Backward hands the same
         # kernel ``lo`` and a value strictly inside; a NaN keeps the tensor (see Late).

@@ -338,8 +338,25 @@ static void run_grad(const uint8_t *bits, const void *g, void *dst, int64_t n, i
     grad_scalar(bits, g, dst, n, dtype, b0, bytes, scale, slope);
 }
 
-/* Above this many elements the GIL is released while the kernel runs. */
+/* Run CALL, without the GIL from this many elements on. */
 #define RELEASE_GIL_FROM ((int64_t)1 << 16)
+#define RUN(n, CALL)                                                     \
+    do {                                                                 \
+        if ((n) >= RELEASE_GIL_FROM) {                                   \
+            Py_BEGIN_ALLOW_THREADS CALL; Py_END_ALLOW_THREADS            \
+        } else {                                                         \
+            CALL;                                                        \
+        }                                                                \
+    } while (0)
+
+/* A TypeError naming the arguments expected, unless COND holds. */
+#define CHECK_NARGS(COND, EXPECTED)                                      \
+    do {                                                                 \
+        if (!(COND)) {                                                   \
+            PyErr_SetString(PyExc_TypeError, "expected " EXPECTED);      \
+            return NULL;                                                 \
+        }                                                                \
+    } while (0)
 
 /* The bit patterns of 1.0 per dtype code. */
 static const uint64_t ONE[4] = {0x3f800000u, 0x3ff0000000000000ull, 0x3c00u, 0x3f80u};
@@ -370,22 +387,13 @@ static PyObject *do_pack(PyObject *const *args, test_t *t) {
     long long n;
     long dtype;
     if (parse(args, F64, &src, &n, &dst, &dtype) < 0) return NULL;
-    if (n >= RELEASE_GIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        run_pack(src, dst, (int64_t)n, (int)dtype, t);
-        Py_END_ALLOW_THREADS
-    } else {
-        run_pack(src, dst, (int64_t)n, (int)dtype, t);
-    }
+    RUN(n, run_pack(src, dst, (int64_t)n, (int)dtype, t));
     return PyBool_FromLong(t->nan_seen);
 }
 
 static PyObject *py_pack_nonzero(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "expected (src, n, dst, dtype)");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 4, "(src, n, dst, dtype)");
     test_t t = {0, 0.0, 0.0, 0};
     PyObject *r = do_pack(args, &t);
     if (r == NULL) return NULL;
@@ -395,10 +403,7 @@ static PyObject *py_pack_nonzero(PyObject *self, PyObject *const *args, Py_ssize
 
 static PyObject *py_pack_cmp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "expected (src, n, dst, dtype, op, lo, hi)");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 7, "(src, n, dst, dtype, op, lo, hi)");
     test_t t = {(int)PyLong_AsLong(args[4]), PyFloat_AsDouble(args[5]),
                 PyFloat_AsDouble(args[6]), 0};
     if (PyErr_Occurred()) return NULL;
@@ -411,10 +416,7 @@ static PyObject *py_pack_cmp(PyObject *self, PyObject *const *args, Py_ssize_t n
 
 static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "expected (bits, n, dst, dtype[, zero, one])");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 4 || nargs == 6, "(bits, n, dst, dtype[, zero, one])");
     void *src, *dst;
     long long n;
     long dtype;
@@ -425,22 +427,13 @@ static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nar
         one = (uint64_t)PyLong_AsUnsignedLongLong(args[5]);
         if (PyErr_Occurred()) return NULL;
     }
-    if (n >= RELEASE_GIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        run_unpack(src, dst, (int64_t)n, (int)dtype, zero, one);
-        Py_END_ALLOW_THREADS
-    } else {
-        run_unpack(src, dst, (int64_t)n, (int)dtype, zero, one);
-    }
+    RUN(n, run_unpack(src, dst, (int64_t)n, (int)dtype, zero, one));
     Py_RETURN_NONE;
 }
 
 static PyObject *py_grad(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "expected (bits, grad, n, dst, dtype, scale, slope)");
-        return NULL;
-    }
+    CHECK_NARGS(nargs == 7, "(bits, grad, n, dst, dtype, scale, slope)");
     const uint8_t *bits = PyLong_AsVoidPtr(args[0]);
     const void *g = PyLong_AsVoidPtr(args[1]);
     long long n = PyLong_AsLongLong(args[2]);
@@ -457,13 +450,7 @@ static PyObject *py_grad(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "null pointer");
         return NULL;
     }
-    if (n >= RELEASE_GIL_FROM) {
-        Py_BEGIN_ALLOW_THREADS
-        run_grad(bits, g, dst, (int64_t)n, (int)dtype, scale, slope);
-        Py_END_ALLOW_THREADS
-    } else {
-        run_grad(bits, g, dst, (int64_t)n, (int)dtype, scale, slope);
-    }
+    RUN(n, run_grad(bits, g, dst, (int64_t)n, (int)dtype, scale, slope));
     Py_RETURN_NONE;
 }
 

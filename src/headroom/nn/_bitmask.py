@@ -26,6 +26,8 @@ Three implementations give the same bytes:
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 
@@ -50,13 +52,6 @@ _PACK = 0x0102040810204080
 _SPREAD = 0x0101010101010101
 # 0x8040201008040201 does not fit in a signed int64; this is the same bit pattern.
 _SELECT = 0x8040201008040201 - (1 << 64)
-
-
-def _numel(shape: torch.Size | tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def native_kernels() -> str | None:
@@ -124,10 +119,7 @@ def pack_nonzero(x: torch.Tensor) -> torch.Tensor:
         if x.dtype in _NUMPY_FLOATS:
             return torch.from_numpy(np.packbits(x.detach().numpy() != 0, bitorder="little"))
         return torch.from_numpy(np.packbits(x.bool().numpy(), bitorder="little"))
-    numel = x.numel()
-    buf = _scratch_bool(numel, x.device)
-    buf[:numel].copy_(x.reshape(-1))
-    return _pack_scratch(buf, numel)
+    return pack_bool(x)  # its copy into a bool buffer is the cast
 
 
 # Tests :func:`pack_test` can pack (the C kernels' op codes).
@@ -172,20 +164,21 @@ def pack_test(
     return pack_bool(test), nan
 
 
-def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Pack ``x <= threshold`` (NaN is never ``<=``)."""
+def _pack_compared(compare, x: torch.Tensor, threshold: float) -> torch.Tensor:
     numel = x.numel()
     buf = _scratch_bool(numel, x.device)
-    torch.le(x.reshape(-1), threshold, out=buf[:numel])
+    compare(x.reshape(-1), threshold, out=buf[:numel])
     return _pack_scratch(buf, numel)
+
+
+def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
+    """Pack ``x <= threshold`` (NaN is never ``<=``)."""
+    return _pack_compared(torch.le, x, threshold)
 
 
 def pack_gt(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
     """Pack ``x > threshold`` (NaN is never ``>``)."""
-    numel = x.numel()
-    buf = _scratch_bool(numel, x.device)
-    torch.gt(x.reshape(-1), threshold, out=buf[:numel])
-    return _pack_scratch(buf, numel)
+    return _pack_compared(torch.gt, x, threshold)
 
 
 def unpack_nonzero(
@@ -197,7 +190,7 @@ def unpack_nonzero(
     normalizing and is enough for the kernels it feeds (``threshold_backward`` and
     ``leaky_relu_backward`` test ``> 0``) once cast to the gradient's dtype.
     """
-    numel = _numel(shape)
+    numel = math.prod(shape)
     if use_numpy is None:
         use_numpy = bits.device.type == "cpu"
     if use_numpy:
@@ -208,35 +201,27 @@ def unpack_nonzero(
     return words.view(torch.uint8)[:numel].view(shape)
 
 
-_LUTS: dict[tuple[torch.dtype, tuple[float, float] | None], np.ndarray] = {}
-
-
+@functools.cache
 def _lut(dtype: torch.dtype, values: tuple[float, float] | None = None) -> np.ndarray:
     """256 x 8 table: row ``b`` holds bit ``i`` of ``b`` in column ``i``, as ``dtype`` (1 and 0,
     or ``values[1]`` and ``values[0]``)."""
-    lut = _LUTS.get((dtype, values))
-    if lut is None:
-        rows = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
-        table = torch.from_numpy(rows).to(dtype)
-        if values is not None:
-            table = torch.where(table != 0, values[1], values[0]).to(dtype)
-        lut = _LUTS[(dtype, values)] = table.numpy()
-    return lut
+    rows = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+    table = torch.from_numpy(rows).to(dtype)
+    if values is not None:
+        table = torch.where(table != 0, values[1], values[0]).to(dtype)
+    return table.numpy()
 
 
 _UNSIGNED = {torch.float32: torch.int32, torch.float64: torch.int64}
-_PATTERNS: dict[tuple[torch.dtype, tuple[float, float]], tuple[int, int]] = {}
 
 
+@functools.cache
 def _patterns(dtype: torch.dtype, values: tuple[float, float]) -> tuple[int, int]:
     """The bit patterns of ``values`` in ``dtype``, as unsigned integers (the C unpack's)."""
-    got = _PATTERNS.get((dtype, values))
-    if got is None:
-        width = torch.empty((), dtype=dtype).element_size() * 8
-        ints = torch.tensor(values, dtype=dtype).view(_UNSIGNED.get(dtype, torch.int16))
-        zero, one = (int(v) % (1 << width) for v in ints.tolist())
-        got = _PATTERNS[(dtype, values)] = (zero, one)
-    return got
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    ints = torch.tensor(values, dtype=dtype).view(_UNSIGNED.get(dtype, torch.int16))
+    zero, one = (int(v) % (1 << width) for v in ints.tolist())
+    return zero, one
 
 
 class _Buffer:
@@ -343,7 +328,7 @@ def unpack_as(
     # arrays (fewer page faults than a ``torch.empty`` buffer). While headroom's memory tracker
     # runs, the buffer comes from PyTorch so that the tracker sees it.
     if bits.device.type == "cpu" and _native is not None and dtype in _NATIVE_CODES:
-        numel = _numel(shape)
+        numel = math.prod(shape)
         if not bits.is_contiguous() or bits.dtype != torch.uint8 or bits.numel() * 8 < numel:
             raise ValueError(f"a packed mask of {bits.numel()} bytes cannot hold {numel} bits")
         if is_tracking():
@@ -354,14 +339,11 @@ def unpack_as(
             out = torch.from_numpy(np.empty(numel, dtype=_NATIVE_NUMPY[dtype]))
         else:
             out = torch.empty(numel, dtype=dtype)
-        if values is None:
-            _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype])
-        else:
-            zero, one = _patterns(dtype, values)
-            _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype], zero, one)
+        _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype],
+                       *(() if values is None else _patterns(dtype, values)))
         return out.view(shape)
     if bits.device.type == "cpu" and dtype in _NUMPY_FLOATS:
-        numel = _numel(shape)
+        numel = math.prod(shape)
         rows = (numel + 7) // 8
         if reuse and not is_tracking():
             out = _reusable_buffer(rows * 8, dtype)
@@ -375,7 +357,7 @@ def unpack_as(
         np.take(_lut(dtype, values), bits.numpy()[:rows], axis=0, out=table, mode="wrap")
         return (out[:numel] if numel % 8 else out).view(shape)
     if values is not None:
-        passes = unpack_nonzero(bits, shape).ne(0)
+        passes = unpack_bool(bits, shape)
         full = torch.full(shape, values[0], dtype=dtype, device=bits.device)
         return full.masked_fill_(passes, values[1])
     return unpack_nonzero(bits, shape).to(dtype)

@@ -199,14 +199,18 @@ class Kept:
         self.version = t._version
 
     def unpack(self) -> torch.Tensor:
-        t = self.tensor
-        if t._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-                f"expected version {self.version} instead."
-            )
-        return t
+        return unchanged(self.tensor, self.version)
+
+
+def unchanged(t: torch.Tensor, version: int) -> torch.Tensor:
+    """``t``, refused as PyTorch refuses a saved tensor changed in place since ``version``."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead."
+        )
+    return t
 
 
 # The unpack hook of every fast-path save: ``packed.unpack()``, called from C without a Python
@@ -542,6 +546,8 @@ class KeepsNoInput:
 
 class PoolOrPad(KeepsNoInput):
     """Pools and pads: PyTorch's node saves the input (replaced by its shape) and indices."""
+
+    _hr_dims: int  # spatial dimensions, set by `per_dimension`
 
     def _hr_pack(self, input: torch.Tensor):
         return shape_of_floats

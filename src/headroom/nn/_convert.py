@@ -12,43 +12,20 @@ from torch.nn.utils import parametrize
 from headroom.nn import _activation, _conv, _dropout, _linear, _norm, _pad, _pool
 from headroom.nn._common import install_root_hooks, seed_consumer
 
-_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Conv1d: _conv.Conv1d,
-    nn.Conv2d: _conv.Conv2d,
-    nn.Conv3d: _conv.Conv3d,
-    nn.ConvTranspose1d: _conv.ConvTranspose1d,
-    nn.ConvTranspose2d: _conv.ConvTranspose2d,
-    nn.ConvTranspose3d: _conv.ConvTranspose3d,
-    nn.BatchNorm1d: _norm.BatchNorm1d,
-    nn.BatchNorm2d: _norm.BatchNorm2d,
-    nn.BatchNorm3d: _norm.BatchNorm3d,
-    nn.LayerNorm: _norm.LayerNorm,
-    nn.GroupNorm: _norm.GroupNorm,
-    nn.ReLU: _activation.ReLU,
-    nn.LeakyReLU: _activation.LeakyReLU,
-    nn.Hardtanh: _activation.Hardtanh,
-    nn.ReLU6: _activation.ReLU6,
-    nn.Dropout: _dropout.Dropout,
-    nn.MaxPool1d: _pool.MaxPool1d,
-    nn.MaxPool2d: _pool.MaxPool2d,
-    nn.MaxPool3d: _pool.MaxPool3d,
-    nn.AdaptiveMaxPool1d: _pool.AdaptiveMaxPool1d,
-    nn.AdaptiveMaxPool2d: _pool.AdaptiveMaxPool2d,
-    nn.AdaptiveMaxPool3d: _pool.AdaptiveMaxPool3d,
-    nn.AvgPool1d: _pool.AvgPool1d,
-    nn.AvgPool2d: _pool.AvgPool2d,
-    nn.AvgPool3d: _pool.AvgPool3d,
-    nn.AdaptiveAvgPool1d: _pool.AdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool2d: _pool.AdaptiveAvgPool2d,
-    nn.AdaptiveAvgPool3d: _pool.AdaptiveAvgPool3d,
-    nn.ReflectionPad1d: _pad.ReflectionPad1d,
-    nn.ReflectionPad2d: _pad.ReflectionPad2d,
-    nn.ReflectionPad3d: _pad.ReflectionPad3d,
-    nn.ReplicationPad1d: _pad.ReplicationPad1d,
-    nn.ReplicationPad2d: _pad.ReplicationPad2d,
-    nn.ReplicationPad3d: _pad.ReplicationPad3d,
-    nn.Linear: _linear.Linear,
-}
+# each twin's torch.nn class has its name
+_SWAPS: dict[type[nn.Module], type[nn.Module]] = {getattr(nn, twin.__name__): twin for twin in (
+    _conv.Conv1d, _conv.Conv2d, _conv.Conv3d,
+    _conv.ConvTranspose1d, _conv.ConvTranspose2d, _conv.ConvTranspose3d,
+    _norm.BatchNorm1d, _norm.BatchNorm2d, _norm.BatchNorm3d, _norm.LayerNorm, _norm.GroupNorm,
+    _activation.ReLU, _activation.LeakyReLU, _activation.Hardtanh, _activation.ReLU6,
+    _dropout.Dropout, _linear.Linear,
+    _pool.MaxPool1d, _pool.MaxPool2d, _pool.MaxPool3d,
+    _pool.AdaptiveMaxPool1d, _pool.AdaptiveMaxPool2d, _pool.AdaptiveMaxPool3d,
+    _pool.AvgPool1d, _pool.AvgPool2d, _pool.AvgPool3d,
+    _pool.AdaptiveAvgPool1d, _pool.AdaptiveAvgPool2d, _pool.AdaptiveAvgPool3d,
+    _pad.ReflectionPad1d, _pad.ReflectionPad2d, _pad.ReflectionPad3d,
+    _pad.ReplicationPad1d, _pad.ReplicationPad2d, _pad.ReplicationPad3d,
+)}
 _TWINS = frozenset(_SWAPS.values())
 
 # --- classes for subclasses of the swapped layers ------------------------------------------------

@@ -22,14 +22,7 @@ from headroom.nn._common import (
     records_graph,
 )
 
-_BACKWARD = {
-    ("reflect", 1): torch.ops.aten.reflection_pad1d_backward,
-    ("reflect", 2): torch.ops.aten.reflection_pad2d_backward,
-    ("reflect", 3): torch.ops.aten.reflection_pad3d_backward,
-    ("replicate", 1): torch.ops.aten.replication_pad1d_backward,
-    ("replicate", 2): torch.ops.aten.replication_pad2d_backward,
-    ("replicate", 3): torch.ops.aten.replication_pad3d_backward,
-}
+_KERNEL = {"reflect": "reflection_pad{}d_backward", "replicate": "replication_pad{}d_backward"}
 
 
 class _PadFunction(torch.autograd.Function):
@@ -38,7 +31,7 @@ class _PadFunction(torch.autograd.Function):
         out = F.pad(x, pad, mode=mode)
         ctx.meta = TensorMeta(x)
         ctx.pad = list(pad)
-        ctx.backward_op = _BACKWARD[(mode, len(pad) // 2)]
+        ctx.backward_op = getattr(torch.ops.aten, _KERNEL[mode].format(len(pad) // 2))
         return out
 
     @staticmethod

@@ -50,32 +50,37 @@ class _ShapeOnlyPool(torch.autograd.Function):
         return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
 
 
-class _MaxPool(PoolOrPad):
-    _hr_dims: int
+def _pool(pool: PoolOrPad, fn: type[torch.autograd.Function], input: torch.Tensor, op: str,
+          args: tuple, bwd_args: tuple):
+    """``fn`` over aten's ``op`` (``op.format(2)`` or ``op.format(3)``, and its ``_backward``)
+    for ``pool``'s dimensions; the 1-d ones are the 2-d kernels on ``unsqueeze(-2)``, as in
+    aten."""
+    n = pool._hr_dims
+    name = op.format(3 if n == 3 else 2)
+    fwd, bwd = getattr(aten, name), getattr(aten, f"{name}_backward")
+    if n != 1:
+        return fn.apply(input, fwd, args, bwd, bwd_args)
+    out = fn.apply(input.unsqueeze(-2), fwd, args, bwd, bwd_args)
+    return tuple(t.squeeze(-2) for t in out) if isinstance(out, tuple) else out.squeeze(-2)
 
+
+def _windows(pool: PoolOrPad, *names: str) -> list[list[int]]:
+    """``kernel_size``, ``stride`` (default: the kernel), ``padding`` and ``names`` as lists;
+    for one dimension as the 2-d kernels take them (a leading 1, or 0 for the padding)."""
+    n = pool._hr_dims
+    k = list(_ntuple(n)(pool.kernel_size))
+    s = list(_ntuple(n)(pool.stride)) if pool.stride is not None else k
+    out = [k, s, list(_ntuple(n)(pool.padding))]
+    out += [list(_ntuple(n)(getattr(pool, name))) for name in names]
+    if n == 1:
+        out = [[0 if i == 2 else 1, *v] for i, v in enumerate(out)]
+    return out
+
+
+class _MaxPool(PoolOrPad):
     def _hr_forward(self, input: torch.Tensor):
-        n = self._hr_dims
-        k = list(_ntuple(n)(self.kernel_size))
-        s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
-        p = list(_ntuple(n)(self.padding))
-        d = list(_ntuple(n)(self.dilation))
-        if n == 1:
-            # aten's max_pool1d_with_indices is max_pool2d_with_indices on unsqueeze(-2).
-            x = input.unsqueeze(-2)
-            args = ([1, k[0]], [1, s[0]], [0, p[0]], [1, d[0]], self.ceil_mode)
-            out, idx = _IndexedPool.apply(
-                x, aten.max_pool2d_with_indices, args, aten.max_pool2d_with_indices_backward, args
-            )
-            out, idx = out.squeeze(-2), idx.squeeze(-2)
-        else:
-            fwd = aten.max_pool2d_with_indices if n == 2 else aten.max_pool3d_with_indices
-            bwd = (
-                aten.max_pool2d_with_indices_backward
-                if n == 2
-                else aten.max_pool3d_with_indices_backward
-            )
-            args = (k, s, p, d, self.ceil_mode)
-            out, idx = _IndexedPool.apply(input, fwd, args, bwd, args)
+        args = (*_windows(self, "dilation"), self.ceil_mode)
+        out, idx = _pool(self, _IndexedPool, input, "max_pool{}d_with_indices", args, args)
         return (out, idx) if self.return_indices else out
 
 
@@ -84,27 +89,17 @@ MaxPool1d, MaxPool2d, MaxPool3d = per_dimension(
     "``nn.{name}`` that keeps indices and the input's shape, not the input.")
 
 
-class _AdaptiveMaxPool(PoolOrPad):
-    _hr_dims: int
+def _output_size(pool: PoolOrPad, input: torch.Tensor) -> list[int]:
+    n = pool._hr_dims
+    if n == 1:
+        return [1, _ntuple(1)(pool.output_size)[0]]
+    return list(_list_with_default(_ntuple(n)(pool.output_size), input.size()))
 
+
+class _AdaptiveMaxPool(PoolOrPad):
     def _hr_forward(self, input: torch.Tensor):
-        n = self._hr_dims
-        if n == 1:
-            # aten's adaptive_max_pool1d is adaptive_max_pool2d on unsqueeze(-2).
-            size = [1, _ntuple(1)(self.output_size)[0]]
-            out, idx = _IndexedPool.apply(
-                input.unsqueeze(-2),
-                aten.adaptive_max_pool2d,
-                (size,),
-                aten.adaptive_max_pool2d_backward,
-                (),
-            )
-            out, idx = out.squeeze(-2), idx.squeeze(-2)
-        else:
-            size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
-            fwd = aten.adaptive_max_pool2d if n == 2 else aten.adaptive_max_pool3d
-            bwd = aten.adaptive_max_pool2d_backward if n == 2 else aten.adaptive_max_pool3d_backward
-            out, idx = _IndexedPool.apply(input, fwd, (size,), bwd, ())
+        size = _output_size(self, input)
+        out, idx = _pool(self, _IndexedPool, input, "adaptive_max_pool{}d", (size,), ())
         return (out, idx) if self.return_indices else out
 
 
@@ -114,24 +109,11 @@ AdaptiveMaxPool1d, AdaptiveMaxPool2d, AdaptiveMaxPool3d = per_dimension(
 
 
 class _AvgPool(PoolOrPad):
-    _hr_dims: int
-
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
-        n = self._hr_dims
-        k = list(_ntuple(n)(self.kernel_size))
-        s = list(_ntuple(n)(self.stride)) if self.stride is not None else k
-        p = list(_ntuple(n)(self.padding))
-        if n == 1:
-            # aten's avg_pool1d is avg_pool2d on unsqueeze(-2), no divisor_override.
-            args = ([1, k[0]], [1, s[0]], [0, p[0]], self.ceil_mode, self.count_include_pad, None)
-            out = _ShapeOnlyPool.apply(
-                input.unsqueeze(-2), aten.avg_pool2d, args, aten.avg_pool2d_backward, args
-            )
-            return out.squeeze(-2)
-        fwd = aten.avg_pool2d if n == 2 else aten.avg_pool3d
-        bwd = aten.avg_pool2d_backward if n == 2 else aten.avg_pool3d_backward
-        args = (k, s, p, self.ceil_mode, self.count_include_pad, self.divisor_override)
-        return _ShapeOnlyPool.apply(input, fwd, args, bwd, args)
+        # avg_pool1d has no divisor_override
+        args = (*_windows(self), self.ceil_mode, self.count_include_pad,
+                getattr(self, "divisor_override", None))
+        return _pool(self, _ShapeOnlyPool, input, "avg_pool{}d", args, args)
 
 
 AvgPool1d, AvgPool2d, AvgPool3d = per_dimension(
@@ -140,30 +122,12 @@ AvgPool1d, AvgPool2d, AvgPool3d = per_dimension(
 
 
 class _AdaptiveAvgPool(PoolOrPad):
-    _hr_dims: int
-
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
-        n = self._hr_dims
-        if n == 1:
-            # aten's adaptive_avg_pool1d is adaptive_avg_pool2d on unsqueeze(-2).
-            size = [1, _ntuple(1)(self.output_size)[0]]
-            if size[1] == 1:
-                return self._hr_torch_forward(input)  # a mean in aten, which saves nothing
-            out = _ShapeOnlyPool.apply(
-                input.unsqueeze(-2),
-                aten._adaptive_avg_pool2d,
-                (size,),
-                aten._adaptive_avg_pool2d_backward,
-                (),
-            )
-            return out.squeeze(-2)
-        size = list(_list_with_default(_ntuple(n)(self.output_size), input.size()))
+        size = _output_size(self, input)
         # An all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
-        if all(v == 1 for v in size) or input.is_quantized:
+        if all(v == 1 for v in size) or (self._hr_dims > 1 and input.is_quantized):
             return self._hr_torch_forward(input)
-        fwd = aten._adaptive_avg_pool2d if n == 2 else aten._adaptive_avg_pool3d
-        bwd = aten._adaptive_avg_pool2d_backward if n == 2 else aten._adaptive_avg_pool3d_backward
-        return _ShapeOnlyPool.apply(input, fwd, (size,), bwd, ())
+        return _pool(self, _ShapeOnlyPool, input, "_adaptive_avg_pool{}d", (size,), ())
 
 
 AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d = per_dimension(

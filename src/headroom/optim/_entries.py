@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from headroom.optim._plan import EntryPlan, Kind, Planned
+from headroom.optim._plan import EntryPlan, Kind
 from headroom.optim._sliced import ProbeError, probe_step
 from headroom.store import Handle
 from headroom.transfer import ParamBinding, sync_grad
@@ -42,7 +42,7 @@ class Bucket:
         self.remaining = len(entries)
 
 
-class Entry(Planned):
+class Entry:
     """Book-keeping for one parameter."""
 
     __slots__ = (
@@ -95,6 +95,21 @@ class Entry(Planned):
         # PyTorch records (an in-place op on it, nn.init, load_state_dict, `.data = t`) since
         # changes it (see _follow.py); None before the first step
         self.written: tuple[int, int] | None = None
+
+    @property
+    def kind(self) -> Kind:
+        """How the optimizer holds the parameter."""
+        return self.plan.kind
+
+    @property
+    def streamed(self) -> bool:
+        """Its state rests in handles (sliced step) rather than in the wrapped optimizer."""
+        return self.plan.sliced
+
+    @property
+    def lowp(self) -> bool:
+        """A store-resident parameter whose stored value is not its master (bf16, fp16)."""
+        return self.plan.lowp
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -60,6 +60,7 @@ from headroom.optim._sliced import (
 from headroom.optim._undo import DeferInterrupt, Txn
 from headroom.store import SCRATCH, Handle, Store, StoreFullError, resolve_store
 from headroom.transfer import (
+    ListenerHandle,
     Mover,
     ParamBinding,
     StoreTensor,
@@ -67,7 +68,6 @@ from headroom.transfer import (
     binding,
     flush_grad,
     is_stored_grad,
-    on_grad_ready,
     sync_grad,
     value_edits,
     weak_method,
@@ -328,7 +328,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     "List each parameter once"
                 )
         if self._state_store is not None and params is not None and any(
-                _is_dtensor(p) and binding(p) is None for p in params):
+                _is_dtensor(p) and self._binding(p) is None for p in params):
             raise NotImplementedError(
                 f"state_store={self._state_store!r} with sharded (FSDP2) parameters in host"
                 " memory is not supported; use state_store='cpu' (each rank keeps the state of"
@@ -375,7 +375,10 @@ class HostOptimizer(torch.optim.Optimizer):
             # offload layer, not through autograd on this tensor: it tells us when done.
             # Held weakly, as the hook below: the parameters (which outlive an optimizer
             # dropped and made again) must not keep it alive, with its stores and threads.
-            self._hooks.append(on_grad_ready(e.param, weak_method(self._on_grad)))
+            # (`on_grad_ready` on the binding its entry was planned for)
+            fn = weak_method(self._on_grad)
+            e.bound.listeners.append(fn)
+            self._hooks.append(ListenerHandle(e.bound, fn))
         elif e.param.requires_grad:
             self._hooks.append(weak_post_accumulate_grad_hook(e.param, self._on_grad))
         else:
@@ -398,7 +401,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "HostOptimizer for the new parameter list (moving state with state_dict())"
             )
         for e in self._order:
-            b = binding(e.param)
+            b = self._binding(e.param)
             if e.kind == ALIAS and b is None and _storage(e.master) != _storage(e.param):
                 raise RuntimeError(
                     f"the data of a parameter of shape {tuple(e.param.shape)} was replaced"
@@ -422,23 +425,36 @@ class HostOptimizer(torch.optim.Optimizer):
         """Room for the host masters and gradients of a group's parameters on an accelerator
         (or not in fp32), carved from one slab of page-locked memory."""
         hosted = [p for p in params if isinstance(p, torch.Tensor) and p.is_floating_point()
-                  and binding(p) is None and not (p.device.type == "cpu"
-                                                  and p.dtype in MASTER_DTYPES)]
+                  and self._binding(p) is None
+                  and not (self._on_cpu(p) and p.dtype in MASTER_DTYPES)]
         devices = {p.device for p in hosted}
         if len(devices) != 1 or (self._device is not None and self._device not in devices):
             return  # nothing, or a mistake `_make_entry` reports
-        if self._host is None:
-            self._host = resolve_store("cpu", hosted[0].device)
-            self._mover = Mover(hosted[0].device, self._host)
+        self._open_host(hosted[0].device)
         self._host.reserve([p.numel() * (8 if p.dtype == torch.float64 else 4)
                             for p in hosted for _ in range(2)])
+
+    # NOTE: the three seams a dry run (`headroom.optim._dry`) replaces: where a parameter is
+    # bound to a store, whether it rests in host memory, and the host store with its mover.
+    _binding = staticmethod(binding)
+
+    @staticmethod
+    def _on_cpu(p: torch.Tensor) -> bool:
+        """Whether ``p`` (not offloaded) is in host memory, where it can be its own master."""
+        return p.device.type == "cpu"
+
+    def _open_host(self, device: torch.device) -> None:
+        """The host store of masters and gradients of parameters on ``device``, and its mover."""
+        if self._host is None:
+            self._host = resolve_store("cpu", device)
+            self._mover = Mover(device, self._host)
 
     def _make_entry(self, p: torch.Tensor, gi: int, index: int) -> Entry:
         if not isinstance(p, torch.Tensor) or not p.is_floating_point():
             raise TypeError(f"HostOptimizer steps floating-point tensors, got {type(p)} "
                             f"{getattr(p, 'dtype', '')}")
         dev = p.device
-        b = binding(p)
+        b = self._binding(p)
         if b is not None:
             pass  # store-resident: its master's device (host or meta) is not a compute device
         elif self._device is None:
@@ -461,7 +477,7 @@ class HostOptimizer(torch.optim.Optimizer):
         host = None if b is None else b.store.host_tensor(b.handle)
         plan = plan_entry(
             store=None if b is None else Rest.MEMORY if host is not None else Rest.DISK,
-            on_cpu=dev.type == "cpu",
+            on_cpu=self._on_cpu(p),
             master_dtype=(p.dtype if b is None else b.handle.dtype) in MASTER_DTYPES,
             row_sparse=sparse, state_store=self._state_store is not None,
             exchange=b is not None and b.store.can_exchange, atomic=self._atomic)
@@ -491,9 +507,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     "the shards hr.offload moved to a store, and fp32 shards on the CPU, are "
                     "stepped. Offload every FSDP2 unit (hr.offload(model, ...)), or step the "
                     "units left on the device with a torch.optim optimizer of their own")
-            if self._host is None:
-                self._host = resolve_store("cpu", dev)
-                self._mover = Mover(dev, self._host)
+            self._open_host(dev)
             key = f"{self._key_prefix}/{e.index}"
             # Masters and gradients in fp32 (fp64 stays fp64): low-precision parameters
             # get full-precision updates and gradient accumulation.
@@ -874,29 +888,29 @@ class HostOptimizer(torch.optim.Optimizer):
                 # The offloaded parameter's own tensor ("p", "lp"), which its model reads
                 # through the same handle: new values go to a spare in its store, exchanged
                 # into place (contents, not handles) when the step ends.
-                key = f"{SCRATCH}{self._key_prefix}/spare/{e.index}/{name}"
-                x = e.xspare.get(name)
-                if x is None or x[0] is not store or key not in store or \
-                        store.get(key) is not x[1] or x[1].shape != h.shape or \
-                        x[1].dtype != h.dtype:
-                    if key in store:
-                        store.free(store.get(key))
-                    x = e.xspare[name] = (store, store.alloc_spare(h, key))
-                spare[name] = x[1]
+                spare[name] = self._scratch(e, e.xspare, "spare", name, store, h,
+                                            lambda key, s=store, h=h: s.alloc_spare(h, key))[1]
             elif guard is Guard.UNDO:
-                where = stores[at]
-                key = f"{SCRATCH}{self._key_prefix}/undo/{e.index}/{name}"
-                u = e.undo.get(name)
-                if u is None or u[0] is not where or key not in where or \
-                        where.get(key) is not u[1] or u[1].shape != h.shape or \
-                        u[1].dtype != h.dtype:
-                    if key in where:
-                        where.free(where.get(key))
-                    u = (where, where.alloc(key, h.shape, h.dtype, zero=False))
-                    e.undo[name] = u
-                out[name] = u
+                out[name] = self._scratch(e, e.undo, "undo", name, stores[at], h,
+                                          lambda key, s=stores[at], h=h: s.alloc(
+                                              key, h.shape, h.dtype, zero=False))
         src.spare = spare
         return out
+
+    def _scratch(self, e: Entry, kept: dict[str, tuple[Store, Handle]], kind: str, name: str,
+                 store: Store, h: Handle,
+                 make: Callable[[str], Handle]) -> tuple[Store, Handle]:
+        """``kept[name]``: a scratch tensor of ``h``'s shape and dtype in ``store`` (``kind``
+        a spare or an undo tensor of ``e``'s), made by ``make(key)`` once and reused while the
+        store still holds it."""
+        key = f"{SCRATCH}{self._key_prefix}/{kind}/{e.index}/{name}"
+        x = kept.get(name)
+        if x is None or x[0] is not store or key not in store or store.get(key) is not x[1] \
+                or x[1].shape != h.shape or x[1].dtype != h.dtype:
+            if key in store:
+                store.free(store.get(key))
+            x = kept[name] = (store, make(key))
+        return x
 
     @staticmethod
     def _swap_spare(e: Entry, keys: tuple[str, ...]) -> None:

@@ -1,9 +1,9 @@
 """Where a `HostOptimizer` entry's tensors rest and what protects them during a step.
 
 [Note: the entry plan]
-`HostOptimizer` and its dry run (`headroom.optim._dry`, what `hr.estimate` and `hr.plan` run)
-take these decisions here, and only here: the optimizer executes the plan, the dry run executes
-the same plan over meta stores.
+`HostOptimizer` takes these decisions here, and only here, and executes them; its dry run
+(`headroom.optim._dry`, what `hr.estimate` and `hr.plan` run) is the same optimizer over meta
+stores.
 
 Where an entry rests (`plan_entry`, once per parameter):
 
@@ -62,7 +62,7 @@ import enum
 import functools
 from dataclasses import dataclass
 
-__all__ = ["Guard", "Home", "Kind", "Master", "Rest", "Run", "EntryPlan", "Planned", "StepPlan",
+__all__ = ["Guard", "Home", "Kind", "Master", "Rest", "Run", "EntryPlan", "StepPlan",
            "may_write_disk", "plan_entry", "plan_step"]
 
 
@@ -147,27 +147,6 @@ class EntryPlan:
     def lowp(self) -> bool:
         """An offloaded bf16/fp16 parameter (its fp32 master rests beside the state)."""
         return self.master is Master.STATE
-
-
-class Planned:
-    """What an entry (HostOptimizer's, or its dry run's) reads from its ``plan``."""
-
-    __slots__ = ()
-    plan: EntryPlan
-
-    @property
-    def kind(self) -> Kind:
-        return self.plan.kind
-
-    @property
-    def streamed(self) -> bool:
-        """Its state rests in handles (sliced step) rather than in the wrapped optimizer."""
-        return self.plan.sliced
-
-    @property
-    def lowp(self) -> bool:
-        """A store-resident parameter whose stored value is not its master (bf16, fp16)."""
-        return self.plan.lowp
 
 
 @dataclass(frozen=True)

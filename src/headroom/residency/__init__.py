@@ -1,11 +1,17 @@
 """Parameters kept off the device: residency of groups of parameters, blocks, `offload`."""
 
-from headroom.residency._adapters import init_adapters
+from headroom.residency import _events as events
+from headroom.residency._adopt import holds, rescan
 from headroom.residency._autograd import OffloadedParameter, StoredParameter
 from headroom.residency._blocks import find_blocks
 from headroom.residency._dry import OffloadConfig, OffloadDryRun, configs_of, is_offload_hook
 from headroom.residency._dtensor import check_sharded
 from headroom.residency._group import Group, Slot
+from headroom.residency._guard import guarded_state
+from headroom.residency._meta import _lost_adapters as lost_adapters
+from headroom.residency._meta import _own_slots as own_slots
+from headroom.residency._meta import _still_unset as still_unset
+from headroom.residency._meta import _unset as unset_tensor
 from headroom.residency._offload import (
     MODULE_ATTRS,
     describe,
@@ -47,7 +53,14 @@ __all__ = [
     "check_sharded",
     "configs_of",
     "describe",
-    "init_adapters",
+    "events",
+    "guarded_state",
+    "holds",
+    "lost_adapters",
+    "own_slots",
+    "rescan",
+    "still_unset",
+    "unset_tensor",
     "is_packed",
     "find_blocks",
     "is_offload_hook",

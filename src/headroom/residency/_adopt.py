@@ -3,30 +3,20 @@
 A model may gain parameters once it is offloaded: ``peft.get_peft_model`` wraps layers and adds
 adapter weights, a user attaches a new head. They are offloaded like the others, into the group
 of the block that holds them (or the group outside the blocks), as if they had been there at
-``hr.offload``: a torch module registration hook (``register_module_module_registration_hook``)
-sees a module or parameter being attached to a module of the offloaded model and places its new
-parameters in the store right then, before any optimizer can list them. Parameters dropped
-from the model (``unload()`` of the adapters) leave the store, their values going back into the
-parameter objects as host tensors.
-
-Values lost on the way. A library that builds new parameters "next to" existing ones moves them
-to the device of the existing weight; for a `DiskStore` that is ``meta`` (the masters are
-placeholders), so the values computed on the CPU would be lost (PEFT initializes adapters on
-the CPU, drawing random numbers, then moves them to the base weight's device). While a model
-offloaded to such a store lives, parameters registered anywhere keep a second reference to
-their storage until the next forward of an offloaded model; a parameter found on ``meta`` when
-it is adopted takes the values its storage held. Parameters that were on ``meta`` from the
-start stay pending, as at ``hr.offload`` (see `headroom.residency._meta`).
+``hr.offload``: torch's process-wide module and parameter registration hooks see a module or
+parameter being attached to a module of the offloaded model and place its new parameters in the
+store right then, before any optimizer can list them. The hooks are installed with the first
+live offloaded model and removed when the last one is unoffloaded or collected. Parameters
+dropped from the model (``unload()`` of the adapters) leave the store, their values going back
+into the parameter objects as host tensors. A parameter found on ``meta`` when it is adopted
+takes the values a subscriber of `_events.lost_values` kept for it (PEFT moves new adapters to
+the base weight's device; see `headroom.integrations`); one on ``meta`` from the start stays
+pending, as at ``hr.offload`` (see `headroom.residency._meta`).
 
 Masters changed behind the store's back. With ``store="cpu"`` a master's ``.data`` is the
 store's host tensor; code that rebinds it (``p.data = new``, as PEFT's ``safe_merge`` does)
 would leave the store with the old value: `sync_masters` writes such a value into the store and
 rebinds the master to it again.
-
-Merging adapters into a base resting on disk: a wrapper that reports merged adapters
-(``merged_adapters``, PEFT's tuner layers: ``merge_adapter()``, ``merge_and_unload()``) ran its
-merge on placeholders; it is merged again on the stored values, and the result written to the
-store, before the next forward or when it is unwrapped (`sync_merges`).
 """
 
 from __future__ import annotations
@@ -38,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
-from torch.utils.weak import WeakIdKeyDictionary
 
+from headroom.residency import _events
 from headroom.residency._group import Group, Slot
 from headroom.residency._outside import keep_on_device
 from headroom.residency._packed import Packed, check_packable, is_packed, read_parts
@@ -51,13 +41,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
 __all__ = [
-    "current_plan", "forget_values", "install", "rescan", "retire", "retire_packed", "strip_hooks",
-    "sync_masters", "sync_merges",
+    "current_plan", "holds", "install", "release_hooks", "rescan", "retire", "retire_packed",
+    "strip_hooks", "sync_masters",
 ]
 
-# module -> {attr: a second reference to the storage its parameter was registered with}
-_ALIASES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_HANDLES: list = []
+_HANDLES: list = []  # the registration hooks' handles, while a model is offloaded
 
 # Live offloaded models (an Offload adds itself; unoffload and a failed offload take it out),
 # for the optimizer-step hook (see `_schedule.before_optimizer_step`) and for adoption.
@@ -88,12 +76,9 @@ class _Members:
         self.hooked: set[int] = set()  # modules with the state-dict hooks of hr.offload
         self.dirty = False
         self.plan_stale = False  # parameters joined or left since the plan was made
-        self.wrappers: list[weakref.ref] = []  # modules wrapping a base_layer (PEFT)
         # slot id -> its master's host tensor in the store, and that tensor's address
         self.hosts: dict[int, tuple[torch.Tensor | None, int]] = {}
         self.refresh(state)
-        for r in self.wrappers:  # merged before hr.offload: into the values it stored
-            _applied_now(r())
         for s in state.slots:
             for m, _ in s.owners:
                 self.hooked.add(id(m))
@@ -105,7 +90,6 @@ class _Members:
             names.setdefault(id(m), f"{n}." if n else "")
             self.refs[id(m)] = weakref.ref(m)
         state.module_names = names
-        self.wrappers = [weakref.ref(m) for m in state.model.modules() if _is_wrapper(m)]
         self.home = {}
         for b in state.blocks:
             for m in b.module.modules():
@@ -123,6 +107,7 @@ def install(state: Offload) -> None:
     """Watch ``state``'s model for parameters added after `hr.offload` (called by it)."""
     setattr(state, _MEMBERS, _Members(state))
     _copyable(state, [*state.slots, *state.packed])
+    _events.emit(_events.on_offload, state)
     if not _HANDLES:
         from torch.nn.modules.module import (
             register_module_module_registration_hook,
@@ -131,6 +116,18 @@ def install(state: Offload) -> None:
 
         _HANDLES.append(register_module_module_registration_hook(_on_module))
         _HANDLES.append(register_module_parameter_registration_hook(_on_param))
+    # NOTE: the hooks see every module of the process; with no offloaded model left they go
+    # (a collected model runs no unoffload: the finalizer covers it)
+    weakref.finalize(state, release_hooks)
+
+
+def release_hooks() -> None:
+    """Remove the registration hooks when no offloaded model is left (their last one was
+    unoffloaded, failed to offload, or was collected)."""
+    if any(_members(s) is not None for s in list(_LIVE)):
+        return
+    while _HANDLES:
+        _HANDLES.pop().remove()
 
 
 def _live() -> list[tuple[Offload, _Members]]:
@@ -143,6 +140,12 @@ def _members(state: Offload) -> _Members | None:
 
 def _is_wrapper(m: nn.Module) -> bool:
     return isinstance(m._modules.get("base_layer"), nn.Module)
+
+
+def holds(state: Offload, module: nn.Module) -> bool:
+    """Whether ``module`` belongs to ``state``'s model (as of the last rescan or adoption)."""
+    info = _members(state)
+    return info is not None and info.has(module)
 
 
 def _busy(state: Offload) -> bool:
@@ -160,14 +163,10 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
     live = _live()
     if not live or param is None or is_lazy(param):
         return None  # a lazy module's parameter has neither values nor a shape yet
-    if param.device.type != "meta" and binding(param) is None and not is_packed(param) \
-            and any(not s.store.holds_host_memory for s, _ in live):
-        # See the module docstring: values a later move to meta would destroy.
-        _ALIASES.setdefault(module, {})[name] = param.detach()
-    elif module in _ALIASES:
-        # a quantized weight replacing one (it rests packed, never moved to meta): the values
-        # of what it replaces are not kept (a quantized load would hold every layer's)
-        _ALIASES[module].pop(name, None)
+    # values a later move to meta would destroy (placeholders of a store off host memory)
+    keep = param.device.type != "meta" and binding(param) is None and not is_packed(param) \
+        and any(not s.store.holds_host_memory for s, _ in live)
+    _events.emit(_events.on_parameter_registered, module, name, param, keep)
     found = _owner(module)
     if found is None:
         return None
@@ -232,13 +231,11 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
         _adopt(state, info, items, info.home.get(id(parent)))
     home = info.home.get(id(parent))
     for mname, m in sub.named_modules(remove_duplicate=False):
-        if _is_wrapper(m):
-            info.wrappers.append(weakref.ref(m))
-            _applied_now(m)
         info.refs[id(m)] = weakref.ref(m)
         state.module_names[id(m)] = f"{prefix}{mname}." if mname else prefix
         if home is not None:
             info.home[id(m)] = home
+        _events.emit(_events.on_module_added, state, m)
     return None
 
 
@@ -252,7 +249,7 @@ def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parame
     for m, attr, p, _full in items:
         value = p
         if p.is_meta:
-            alias = _ALIASES.get(m, {}).get(attr)
+            alias = _events.lost_value(m, attr)
             if alias is None or alias.shape != p.shape or alias.device.type == "meta":
                 continue  # no values: rests in the store, pending (hr.init_adapters, a load)
             value = nn.Parameter(alias.to(state.device, p.dtype), requires_grad=p.requires_grad)
@@ -284,7 +281,7 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
         names[id(p)] = full
         value = p
         if p.device.type == "meta":
-            alias = _ALIASES.get(m, {}).get(attr)
+            alias = _events.lost_value(m, attr)
             if alias is not None and alias.shape == p.shape and alias.device.type == "cpu":
                 value = nn.Parameter(alias.to(p.dtype), requires_grad=p.requires_grad)
         params[id(p)] = value
@@ -352,88 +349,10 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
         return
     sync_masters(state, inside)
     if id(keep) in old_ids:
-        sync_merges(state, old, inside)
+        _events.emit(_events.on_module_replaced, state, old, keep, inside)
     gone = [s for s in inside if not _inside(s, keep_ids)]
     if gone:
         retire(state, gone)
-
-
-# On a wrapper module: the adapters merged into the stored base (see `sync_merges`).
-_APPLIED = "_headroom_merged"
-
-
-def _merged(layer: nn.Module) -> tuple:
-    return tuple(getattr(layer, "merged_adapters", None) or ())
-
-
-def _applied_now(layer: nn.Module | None) -> None:
-    if layer is not None and _APPLIED not in layer.__dict__:
-        layer.__dict__[_APPLIED] = _merged(layer)
-
-
-def _wrapper_slots(state: Offload, layer: nn.Module) -> list[Slot]:
-    ids = {id(m) for m in layer.modules()}
-    return [s for s in state.slots if _inside(s, ids)]
-
-
-def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = None) -> None:
-    """Bring the stored base of a wrapper (PEFT tuner layer) in line with the adapters it
-    reports merged (``merged_adapters``). Its own ``merge()``/``unmerge()`` ran on ``meta``
-    placeholders (a `DiskStore`) and changed nothing: they run again here on host copies of
-    the stored values, and the base is written back."""
-    cur = list(_merged(layer))
-    done = list(layer.__dict__.get(_APPLIED, ()))
-    if cur == done:
-        return
-    slots = _wrapper_slots(state, layer) if slots is None else slots
-    layer.__dict__[_APPLIED] = tuple(cur)
-    if all(state.store.host_tensor(s.binding.handle) is not None
-           or isinstance(s.param, StoreTensor) for s in slots):
-        # Masters in host memory, or StoreTensors (their in-place ops write to the store):
-        # the wrapper's own merge changed the stored values.
-        return
-    merge, unmerge = getattr(layer, "merge", None), getattr(layer, "unmerge", None)
-    if not callable(merge) or not callable(unmerge):
-        raise RuntimeError(
-            f"{type(layer).__name__} reports merged adapters {cur} but has no merge()/unmerge();"
-            " its base rests on disk, where a merge of placeholders changes nothing. Unload"
-            " without merging, or hr.unoffload(model) before merging"
-        )
-    state.init_pending()
-    base = layer._modules.get("base_layer")
-    base_ids = {id(m) for m in base.modules()} if base is not None else set()
-    st = state.store
-    temps = {}
-    for s in slots:
-        temps[id(s)] = nn.Parameter(st.read(s.binding.handle).result(),
-                                    requires_grad=s.param.requires_grad)
-        s.show(temps[id(s)])
-    try:
-        _merge_on(layer, merge, unmerge, done, cur)
-        state.res.mover.wait_reads()
-        for s in slots:
-            if _inside(s, base_ids):
-                h = s.binding.handle
-                st.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
-                s.binding.has_value = True
-    except BaseException:
-        layer.__dict__[_APPLIED] = tuple(done)
-        raise
-    finally:
-        layer.merged_adapters[:] = cur
-        for s in slots:
-            s.show(s.param)
-
-
-@torch.no_grad()
-def _merge_on(layer: nn.Module, merge, unmerge, done: list[str], cur: list[str]) -> None:
-    """Unmerge what the stored base holds, merge what the layer reports (on host copies)."""
-    layer.merged_adapters[:] = done
-    if done:
-        unmerge()
-    layer.merged_adapters[:] = []
-    if cur:
-        merge(adapter_names=cur)
 
 
 def retire(state: Offload, slots: list[Slot]) -> None:
@@ -534,16 +453,7 @@ def rescan(state: Offload) -> None:
     if info is None:
         return
     sync_masters(state)
-    for p in state.kept.values():
-        if p.device != state.device and not p.is_meta:
-            # moved by the library that made it (PEFT puts new adapters on the base weight's
-            # device, where the master rests): back to the device, the same object
-            with torch.no_grad():
-                p.data = p.data.to(state.device)
-    for r in info.wrappers:
-        m = r()
-        if m is not None and m.__dict__.get(_APPLIED) != _merged(m) and info.has(m):
-            sync_merges(state, m)
+    _events.emit(_events.between_steps, state)
     if not info.dirty:
         return
     info.dirty = False
@@ -603,11 +513,6 @@ def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
         if id(m) not in info.hooked:
             info.hooked.add(id(m))
             _hook_state_dict(state, m)
-
-
-def forget_values() -> None:
-    """Drop the second references of registered parameters (at a forward: adoption is over)."""
-    _ALIASES.clear()
 
 
 # ---------------------------------------------------------------------- copies

@@ -101,6 +101,19 @@ def check_sharded(model: nn.Module, what: str) -> bool:
 _FSDP_CODES: tuple | None = None
 
 
+def _being_sharded(module: nn.Module, recurse: bool) -> bool:
+    """Whether ``fully_shard`` is listing ``module``'s parameters. Applied to ``module`` itself,
+    it registered itself in the module (torch's composable-API registry) before listing them;
+    applied to a module above, it lists each module it manages with ``recurse=False`` and
+    leaves no mark on them before: only then is the stack walked (never on the listing of a
+    training loop, which recurses)."""
+    from torch.distributed._composable.contract import REGISTRY_KEY
+
+    if "fully_shard" in (module.__dict__.get(REGISTRY_KEY) or ()):
+        return True
+    return not recurse and _called_from_fully_shard()
+
+
 def _called_from_fully_shard(depth: int = 64) -> bool:
     global _FSDP_CODES
     if "torch.distributed.fsdp._fully_shard._fsdp_init" not in sys.modules:
@@ -119,18 +132,19 @@ def _called_from_fully_shard(depth: int = 64) -> bool:
     return False
 
 
-def check_not_sharding(module: nn.Module, *, listing: bool, whole: bool = False) -> None:
+def check_not_sharding(module: nn.Module, *, listing: bool, recurse: bool = True,
+                       whole: bool = False) -> None:
     """Raise if ``fully_shard`` is being applied to (or has wrapped) an offloaded module.
 
-    Called where an offloaded root or block lists its parameters (``listing``: walks the
-    stack, which sees ``fully_shard`` at its call) and where it is called (``whole``, for the
-    root: a submodule inside a block, which lists nothing of ours when it is sharded, is seen
-    before the next forward).
+    Called where an offloaded root or block lists its parameters (``listing``, ``recurse``
+    as given to ``named_parameters``: sees ``fully_shard`` at its call, see `_being_sharded`)
+    and where it is called (``whole``, for the root: a submodule inside a block, which lists
+    nothing of ours when it is sharded, is seen before the next forward).
     """
     cls = _fsdp_module_class()
     if cls is None:
         return
-    if (isinstance(module, cls) or (listing and _called_from_fully_shard())
+    if (isinstance(module, cls) or (listing and _being_sharded(module, recurse))
             or (whole and _any_sharded(module, cls))):
         raise RuntimeError(
             f"fully_shard cannot wrap a model offloaded with hr.offload (here"

@@ -2,14 +2,14 @@
 
 Module hooks cannot see everything an offloaded model must react to: a forward that raises a
 ``KeyboardInterrupt`` skips even ``always_call`` forward hooks (they catch ``Exception`` only),
-``model.half()`` or ``model.to(...)`` rewrite parameters through ``Module._apply``,
-``DistributedDataParallel`` reads the module's parameters at construction, and a backward that
-broke off in someone else's hook leaves no trace until the parameters are listed again. So the
-root and each block get a subclass of their own class (as ``torch.nn.utils.parametrize`` and
-FSDP2's ``fully_shard`` do) that routes those entry points to the offload state, and makes
-``copy.deepcopy`` give a plain copy (`headroom.residency._copy`), which is also what pickling
-(``torch.save(model)``) saves. The subclass keeps the
-class's name, module and qualname; `remove` restores the original class.
+``model.half()`` or ``model.to(...)`` rewrite parameters through ``Module._apply``, and a
+backward that broke off in someone else's hook leaves no trace until the parameters are listed
+again. So the root and each block get a subclass of their own class (as
+``torch.nn.utils.parametrize`` and FSDP2's ``fully_shard`` do) that routes those entry points to
+the offload state, and makes ``copy.deepcopy`` give a plain copy (`headroom.residency._copy`),
+which is also what pickling (``torch.save(model)``) saves. The subclass keeps the class's name,
+module and qualname, and has the attributes `headroom.integrations` adds
+(`_events.guard_members`: DDP's construction-time check); `remove` restores the original class.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from headroom.residency import _dtensor
+from headroom.residency import _dtensor, _events
 from headroom.transfer import keep_for_child
 
-__all__ = ["Role", "install", "remove"]
+__all__ = ["Role", "guarded_state", "install", "remove"]
 
 _ROLE = "_headroom_role"
 _OFFLOAD = "_headroom_offload"  # the offload state, on the offloaded module
@@ -42,9 +42,6 @@ class Role(Protocol):
 
     def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
         """Handle ``module._apply(fn, recurse)``; ``base`` is the original class's ``_apply``."""
-
-    def wrapped_by_ddp(self, module: nn.Module) -> None:
-        """``DistributedDataParallel`` is wrapping the module; raises the error to show."""
 
     def settle(self) -> None:
         """Parameters are about to be listed: finish any clean-up still pending."""
@@ -77,29 +74,12 @@ def _guarded_class(cls: type) -> type:
             return cls._apply(self, fn, recurse)
         return role.apply(self, fn, recurse, cls._apply)
 
-    def named_parameters(self, *args, **kwargs):
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
         role = self.__dict__.get(_ROLE)
         if role is not None:
-            _dtensor.check_not_sharding(self, listing=True)
+            _dtensor.check_not_sharding(self, listing=True, recurse=recurse)
             role.settle()
-        return cls.named_parameters(self, *args, **kwargs)
-
-    def _ddp_ignore(self):
-        # DistributedDataParallel asks for this attribute at construction (hasattr lets
-        # any error but AttributeError through), so wrapping an offloaded model fails there.
-        role = self.__dict__.get(_ROLE)
-        if role is not None:
-            role.wrapped_by_ddp(self)
-        try:
-            return self.__dict__["_ddp_params_and_buffers_to_ignore"]
-        except KeyError:
-            raise AttributeError("_ddp_params_and_buffers_to_ignore") from None
-
-    def _ddp_ignore_set(self, value):
-        role = self.__dict__.get(_ROLE)
-        if role is not None:
-            role.wrapped_by_ddp(self)
-        self.__dict__["_ddp_params_and_buffers_to_ignore"] = value
+        return cls.named_parameters(self, prefix, recurse, remove_duplicate)
 
     def __deepcopy__(self, memo):
         role = self.__dict__.get(_ROLE)
@@ -134,7 +114,7 @@ def _guarded_class(cls: type) -> type:
         "__copy__": __copy__,
         "_apply": _apply,
         "named_parameters": named_parameters,
-        "_ddp_params_and_buffers_to_ignore": property(_ddp_ignore, _ddp_ignore_set),
+        **_events.guard_members,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
@@ -145,7 +125,7 @@ def _guarded_class(cls: type) -> type:
 
 
 def install(module: nn.Module, role: Role) -> None:
-    """Route ``module``'s call, ``_apply`` and DDP's construction-time check to ``role``."""
+    """Route ``module``'s call, ``_apply`` and parameter listing to ``role``."""
     module.__dict__[_ROLE] = role
     if "_headroom_base" not in type(module).__dict__:
         module.__class__ = _guarded_class(type(module))
@@ -157,3 +137,9 @@ def remove(module: nn.Module) -> None:
     base = type(module).__dict__.get("_headroom_base")
     if base is not None:
         module.__class__ = base
+
+
+def guarded_state(module: nn.Module) -> Any:
+    """The offload state of a guarded module (an offloaded root or block), or None."""
+    role = module.__dict__.get(_ROLE)
+    return None if role is None else getattr(role, "state", role)

@@ -179,9 +179,7 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
 
 
 def _unset(shape, dtype: torch.dtype) -> torch.Tensor:
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.full(shape, float("nan"), dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
+    return _unset_into(torch.empty(shape, dtype=dtype))
 
 
 def _unset_into(t: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from headroom import _providers
 from headroom.residency import _adopt, _dtensor, _guard, _outside
 from headroom.residency._autograd import mark, unmark
 from headroom.residency._group import DeviceCopy, Group, Slot
@@ -198,6 +199,7 @@ def offload(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"hr.offload takes a torch.nn.Module, got {type(model).__name__}")
+    _providers.load_integrations()  # what the libraries around the model need (subscribed)
     _check_not_replicated(model)
     dev = check_device(device)
     check_options(prefetch, compute_dtype)
@@ -464,6 +466,7 @@ def _place_packed(state: Offload, st: Store, dev: torch.device, p: torch.Tensor,
 def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
     """Undo a failed `offload`: parameters back in their modules, store entries freed."""
     _LIVE.discard(state)
+    _adopt.release_hooks()
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
@@ -685,6 +688,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     for b in state.blocks:
         _guard.remove(b.module)
     _LIVE.discard(state)
+    _adopt.release_hooks()
     for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             _outside.remove(m)

@@ -54,22 +54,21 @@ def _bnb() -> Any:
     return sys.modules.get("bitsandbytes")
 
 
-def _bnb_class(name: str) -> type | None:
-    bnb = _bnb()
-    return getattr(getattr(bnb, "nn", None), name, None) if bnb is not None else None
+def _bnb_kind(p: torch.Tensor) -> str | None:
+    """``"bnb4"`` for a bitsandbytes ``Params4bit``, ``"bnb8"`` for an ``Int8Params``."""
+    for kind, name in (("bnb4", "Params4bit"), ("bnb8", "Int8Params")):
+        c = getattr(getattr(_bnb(), "nn", None), name, None)
+        if c is not None and isinstance(p, c):
+            return kind
+    return None
 
 
 def is_packed(p: torch.Tensor) -> bool:
     """Whether ``p`` is a quantized parameter (a tensor subclass with parts of its own), which
     `hr.offload` keeps packed rather than as one plain tensor."""
-    cls = type(p)
-    if cls in (torch.Tensor, nn.Parameter) or isinstance(p, StoreTensor):
+    if type(p) in (torch.Tensor, nn.Parameter) or isinstance(p, StoreTensor):
         return False
-    for name in ("Params4bit", "Int8Params"):
-        c = _bnb_class(name)
-        if c is not None and isinstance(p, c):
-            return True
-    return hasattr(cls, "__tensor_flatten__")
+    return _bnb_kind(p) is not None or hasattr(type(p), "__tensor_flatten__")
 
 
 def refusal(p: torch.Tensor, name: str, owners: list | tuple = ()) -> str | None:
@@ -197,10 +196,10 @@ def packing_of(p: torch.Tensor, name: str, owners: list | tuple = (),
     Raises:
         _Unsupported: ``p``'s class cannot be split (the message says why).
     """
-    c4, c8 = _bnb_class("Params4bit"), _bnb_class("Int8Params")
-    if c4 is not None and isinstance(p, c4):
+    kind = _bnb_kind(p)
+    if kind == "bnb4":
         return _bnb4(p, name)
-    if c8 is not None and isinstance(p, c8):
+    if kind == "bnb8":
         return _bnb8(p, name, owners)
     if hasattr(type(p), "__tensor_flatten__"):
         return _flatten(p, name)

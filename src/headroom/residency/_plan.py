@@ -11,6 +11,7 @@ offloaded model runs with. ``str(plan)`` is the table `describe` prints.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,10 +55,7 @@ class ParamPlan:
         """Bytes of its device copy."""
         if self.packed is not None:
             return self.packed
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.compute_dtype.itemsize
+        return math.prod(self.shape) * self.compute_dtype.itemsize
 
 
 @dataclass(frozen=True)

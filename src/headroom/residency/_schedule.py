@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import sys
 import threading
 from dataclasses import dataclass
 from functools import partial
@@ -36,7 +35,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
-from headroom.residency._adopt import _LIVE, forget_values, rescan, strip_hooks, sync_masters
+from headroom.residency import _events
+from headroom.residency._adopt import _LIVE, rescan, strip_hooks, sync_masters
 from headroom.residency._dtensor import conversions
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
@@ -117,9 +117,6 @@ class _GroupRole:
 
     def settle(self) -> None:
         self.state.settle_if_idle()
-
-    def wrapped_by_ddp(self, module: nn.Module) -> None:
-        self.state.wrapped_by_ddp(module)
 
     def strip_hooks(self, copy: nn.Module) -> None:
         strip_hooks(self.state, copy)
@@ -577,24 +574,6 @@ class Offload:
     def strip_hooks(self, copy: nn.Module) -> None:
         strip_hooks(self, copy)
 
-    def wrapped_by_ddp(self, module: nn.Module) -> None:
-        if self.ddp_allowed:
-            return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
-        raise RuntimeError(
-            f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
-            f" {type(module).__name__}), whichever came first: autograd runs on the device"
-            " copies while DDP hooks the stored parameters, so no gradient would be all-reduced"
-            " and the replicas would silently diverge. Use model = hr.data_parallel(model)"
-            " instead of DistributedDataParallel(model), after hr.offload: it runs DDP for the"
-            " parameters on the device and all-reduces the offloaded ones itself (with"
-            " accelerate: before accelerator.prepare, which then gets the optimizer and data"
-            " loaders only)"
-        )
-
-    def _check_not_under_ddp(self, module: nn.Module) -> None:
-        if _ddp_frames() and _called_from_ddp():
-            self.wrapped_by_ddp(module)
-
     def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
         """``module._apply(fn)`` (``.to()``, ``.half()``, ``.cuda()``, ...) on a guarded module.
 
@@ -640,10 +619,9 @@ class Offload:
             show(self.rest)
             return None
         self.use.enter_forward()  # waits while another thread runs the model
-        self._check_not_under_ddp(module)
         self._settle()
         self.init_pending()
-        forget_values()
+        _events.emit(_events.before_forward, self, module)
         self._root_running = True
         self._order_now = []
         self._active = []
@@ -692,7 +670,7 @@ class Offload:
         entry = [block, False]
         self._active.append(entry)
         if not self._root_running:  # called on its own, e.g. one head of a ModuleList
-            self._check_not_under_ddp(module)
+            _events.emit(_events.before_forward, self, module)
             if self._bwd:
                 self.abort_backward()
             self.init_pending()
@@ -1308,31 +1286,6 @@ def _warn_recovery(e: BaseException) -> None:  # pragma: no cover - defensive
         RuntimeWarning,
         stacklevel=3,
     )
-
-
-_DDP_CODES: tuple | None = None
-
-
-def _ddp_frames() -> bool:
-    """Whether a DistributedDataParallel could be running (torch.distributed in use)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
-
-
-def _called_from_ddp(depth: int = 64) -> bool:
-    """Whether this call runs inside ``DistributedDataParallel.forward`` (walks the frames)."""
-    global _DDP_CODES
-    if _DDP_CODES is None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        _DDP_CODES = (DDP.forward.__code__, DDP._run_ddp_forward.__code__)
-    f = sys._getframe(2)
-    while f is not None and depth > 0:
-        if f.f_code in _DDP_CODES:
-            return True
-        f = f.f_back
-        depth -= 1
-    return False
 
 
 def _warn_inert(name: str) -> None:

@@ -71,6 +71,14 @@ def _set_data(fp, flat: torch.Tensor, length: int) -> None:
         dim, 0, length)
 
 
+def _wait_all(reads: list) -> None:
+    """Wait for every read of ``[(shard, buffer, future)]``, failed or not: no read may land in
+    a buffer after it is given back."""
+    for _, _, fut in reads:
+        with contextlib.suppress(BaseException):
+            fut.result()
+
+
 class DiskShards:
     """The shards of a sharded model's units on a `DiskStore` and the hooks that read them.
 
@@ -207,10 +215,8 @@ class DiskShards:
 
     def _discard(self, gid: int) -> None:
         _, reads = self._ahead.pop(gid)
-        for _, flat, fut in reads:  # no read may land in a buffer after it is given back
-            with contextlib.suppress(BaseException):
-                fut.result()
-            self.resident_bytes -= flat.nbytes
+        _wait_all(reads)
+        self.resident_bytes -= sum(flat.nbytes for _, flat, _ in reads)
 
     def _load_group(self, group) -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -246,8 +252,7 @@ class DiskShards:
                 continue
             reads = self._issue(self.by_group[gid])
             self._ahead[gid] = (self.epoch, reads)
-            for _, flat, _ in reads:
-                self._count(flat.nbytes)
+            self._count(sum(flat.nbytes for _, flat, _ in reads))
 
     # ------------------------------------------------------------------ reads and drops
     def _issue(self, shards: list[_Shard]) -> list:
@@ -266,9 +271,7 @@ class DiskShards:
                 reads.append((sh, flat, self.store.read(
                     sh.handle, out=view.narrow(dim, 0, sh.length))))
         except BaseException:
-            for _, _, fut in reads:  # no read may land in a buffer after this
-                with contextlib.suppress(BaseException):
-                    fut.result()
+            _wait_all(reads)
             raise
         return reads
 
@@ -278,11 +281,9 @@ class DiskShards:
             for _, _, fut in reads:
                 fut.result()
         except BaseException:
-            for _, flat, fut in reads:
-                with contextlib.suppress(BaseException):
-                    fut.result()
-                if counted:
-                    self.resident_bytes -= flat.nbytes
+            _wait_all(reads)
+            if counted:
+                self.resident_bytes -= sum(flat.nbytes for _, flat, _ in reads)
             raise
         for sh, flat, _ in reads:
             if sh.resident:  # read again (an all-gather that never completed): replaced

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from headroom.store._handle import Handle
-from headroom.store._store import done
+from headroom.store._store import Store, done
 from headroom.store._values import keeps_values, known_values
 
 
@@ -138,36 +138,45 @@ class _MarkMade(TorchDispatchMode):
         if made:
             # views and in-place results are the inputs' storages, not new ones (an op's
             # arguments are tensors or lists of them: `flat_tensors` finds them all)
-            given = {t.untyped_storage()._cdata for t in flat_tensors([*args, *kwargs.values()])}
+            # (a DTensor's storage is its local shard's)
+            given = {_local(t).untyped_storage()._cdata
+                     for t in flat_tensors([*args, *kwargs.values()])}
             for t in made:
-                if t.untyped_storage()._cdata not in given:
-                    self.places._mark_made(t)
+                if _local(t).untyped_storage()._cdata not in given:
+                    self.places._mark_made(_local(t))
         return out
 
 
-class MetaStore:
-    """A store for dry runs: ``host=True`` keeps ``meta`` tensors (standing for host memory),
-    ``host=False`` keeps nothing (standing for a disk). Reads and writes finish at once.
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
 
-    It answers the calls `headroom.optim._sliced.SliceRunner` and the dry-run features make
-    (``alloc``, ``host_tensor``, ``read``, ``write``, ``read_rows``, ``write_rows``), and counts
+
+class MetaStore(Store):
+    """A store for dry runs: ``host=True`` keeps ``meta`` tensors (standing for host memory),
+    ``host=False`` keeps nothing (standing for a disk, which can exchange tensors). Reads and
+    writes finish at once.
+
+    It answers the calls `headroom.optim.HostOptimizer` (run over a dry run's ``meta``
+    tensors), `headroom.optim._sliced.SliceRunner` and the dry-run features make, and counts
     the bytes they move (``read_bytes``, ``written_bytes``), what the planner's time model
     prices at the store's bandwidth.
     """
 
     def __init__(self, places: Places, *, host: bool) -> None:
+        super().__init__(max_bytes=None)
         self.places = places
         self.host = host
         self._tensors: dict[str, torch.Tensor] = {}
-        self._handles: dict[str, Handle] = {}
         self.read_bytes = 0
         self.written_bytes = 0
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._handles
+    @property
+    def holds_host_memory(self) -> bool:  # type: ignore[override]
+        return self.host
 
-    def get(self, key: str) -> Handle:
-        return self._handles[key]
+    @property
+    def can_exchange(self) -> bool:  # type: ignore[override]
+        return not self.host
 
     def alloc(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, *,
               zero: bool = True) -> Handle:
@@ -178,6 +187,16 @@ class MetaStore:
                 torch.empty(shape, dtype=dtype, device="meta")
             self._tensors[key] = self.places.on_host(t)
         return h
+
+    def free(self, h: Handle) -> None:
+        self._handles.pop(h.key, None)
+        self._tensors.pop(h.key, None)
+
+    def alloc_spare(self, h: Handle, key: str) -> Handle:
+        return self.alloc(key, h.shape, h.dtype, zero=False)
+
+    def exchange(self, pairs: list[tuple[Handle, Handle]]) -> None:
+        pass  # an index change: no bytes move
 
     def adopt(self, key: str, t: torch.Tensor) -> Handle:
         """Make ``t`` (a ``meta`` tensor) the host tensor kept under ``key``."""

@@ -145,13 +145,20 @@ def check_not_sharding(module: nn.Module, *, listing: bool, recurse: bool = True
     if cls is None:
         return
     if (isinstance(module, cls) or (listing and _being_sharded(module, recurse))
-            or (whole and any(isinstance(m, cls) for m in module.modules()))):
+            or (whole and _any_sharded(module, cls))):
         raise RuntimeError(
             f"fully_shard cannot wrap a model offloaded with hr.offload (here"
             f" {type(module).__name__}): FSDP2 would shard the stored masters while the"
             " modules compute with headroom's device copies, so training would be silently"
             f" wrong. Call hr.unoffload(model), then shard; {ORDER}"
         )
+
+
+def _any_sharded(module: nn.Module, cls: type) -> bool:
+    # NOTE: fully_shard gives each module it wraps a class of its own deriving from FSDPModule
+    # (a plain mixin): with no such class in the process, nothing is sharded, and the walk of
+    # every module at each forward of the root is skipped.
+    return bool(cls.__subclasses__()) and any(isinstance(m, cls) for m in module.modules())
 
 
 # ------------------------------------------------------------------ hr.offload of a sharded model

@@ -18,6 +18,22 @@ backward (version counters preserved; FSDP2 frees unsharded parameters the same 
 backward hooks of `headroom.residency._schedule`, or anything that activates a group by hand.
 What the modules compute with is separate too: `show` puts a group's device copies into them,
 `hide` the masters again.
+
+[Note: shared device copies] When the device is the CPU and a master rests in host memory in
+the compute dtype, a frozen one (no ``requires_grad``, no gradient) is not copied: `fetch`
+points its device copy at the master's own memory (``dev.data = host``, the device copy keeping
+its version counter), and `release` gives it back its own empty storage. What the modules
+compute with is the master's value, as a copy would be; a write to the master while resident
+(``load_state_dict``, ``p.data`` edits, a master rebound and synced) shows at once, which a
+copy would show only after the next fetch. Optimizers write masters that have a gradient:
+none is shared at fetch, and one unfrozen while resident (after `hr.prefetch`) is written
+before the step only once its gradient is complete (`HostOptimizer`'s steps in the final
+backward), when no backward node reads it any more. Never resized while shared (it would free
+the master): `release` is the only way back. Views of a device copy that autograd saved keep
+the storage they were made on: one filled by a copy (a forward while the parameter trained)
+is filled by a copy again as long as anything but the device copy holds it, never swapped for
+the master's under them. Masters on disk, or cast to another compute dtype, are copied as
+before.
 """
 
 from __future__ import annotations
@@ -52,7 +68,8 @@ class DeviceCopy(nn.Parameter):
 class Slot:
     """One unique offloaded parameter: master, device copy, where it is registered."""
 
-    __slots__ = ("name", "owners", "param", "dev", "binding", "ticket", "group", "nbytes")
+    __slots__ = ("name", "owners", "param", "dev", "binding", "ticket", "group", "nbytes",
+                 "own", "shared")
 
     def __deepcopy__(self, memo):
         return self  # offload bookkeeping is shared by copies of hooks, never copied
@@ -67,12 +84,17 @@ class Slot:
         self.ticket: Ticket | None = None
         self.group: Group | None = None
         self.nbytes = dev.numel() * dev.element_size()
+        # See [Note: shared device copies]: the device copy's own storage, kept while it
+        # shows its master's memory (`shared`).
+        self.own: torch.Tensor | None = None
+        self.shared = False
 
     def show(self, t: nn.Parameter) -> None:
         # Write the module's parameter dict directly: `setattr` would re-register and
-        # refuse swapping a parameter while its module runs.
+        # refuse swapping a parameter while its module runs. `dict.__setitem__` skips a
+        # ParamDict's own (`_outside`), which only guards moves to meta and lets these through.
         for module, attr in self.owners:
-            module._parameters[attr] = t
+            dict.__setitem__(module._parameters, attr, t)
 
 
 class Group:
@@ -122,6 +144,8 @@ class Residency:
         # 32 MiB 1.24x for 0.57x, never 1.04x for 0.91x.
         self._trimmer = (HeapTrimmer(32 << 20) if device.type == "cpu"
                          and not store.holds_host_memory else None)
+        # See [Note: shared device copies].
+        self._shares = device.type == "cpu" and store.holds_host_memory
 
     def fetch(self, group: Group) -> None:
         """Start bringing a group to the device (no wait; the modules still hold the masters).
@@ -131,23 +155,45 @@ class Residency:
         if group.resident:
             return
         group.resident = True  # first: a fetch that fails half-way is released whole
+        copied = []
         with torch._C.DisableTorchFunctionSubclass():  # masters' reads as plain tensors'
             for s in group.slots:
                 _check_master(s)
+                if not (self._shares and self._share(s)):
+                    copied.append(s)
         items = []
-        for s in group.slots:
+        for s in copied:
             resize_storage(s.dev, s.nbytes)
             items.append((s.binding.handle, s.dev))
         for q in group.packed:
             _check_packed(q)
             items += q.items()
         tickets = self.mover.fetch_many(items)
-        for s, t in zip(group.slots, tickets, strict=False):
+        for s, t in zip(copied, tickets, strict=False):
             s.ticket = t
-        i = len(group.slots)
+        i = len(copied)
         for q in group.packed:
             q.tickets = tickets[i:i + len(q.parts)]
             i += len(q.parts)
+
+    def _share(self, s: Slot) -> bool:
+        """Make ``s``'s device copy show its master's memory, if it may (see
+        [Note: shared device copies]); masters read as plain tensors."""
+        p = s.param
+        if p.requires_grad or s.dev.requires_grad or p.grad is not None or s.binding.has_grad:
+            return False
+        host = self.store.host_tensor(s.binding.handle)
+        if host is None or host.dtype != s.dev.dtype:
+            return False
+        if s.own is None:
+            s.own = s.dev.detach()  # keeps the device copy's own (empty) storage
+        if torch._C._storage_Use_Count(s.own.untyped_storage()._cdata) > _OWN_ONLY:
+            # Views of it that autograd saved (a forward that copied, its backward to come)
+            # read that storage, not the device copy's: refilled, as that forward had it.
+            return False
+        s.dev.data = host  # the version counter stays the device copy's
+        s.shared = True
+        return True
 
     def ensure(self, group: Group) -> None:
         """Make a group resident and ready for compute (the current stream is ordered after
@@ -169,6 +215,10 @@ class Residency:
             return
         hide(group)
         for s in group.slots:
+            if s.shared:  # its master's memory stays; the device copy gets its own back
+                s.dev.data = s.own
+                s.shared = False
+                continue
             if s.ticket is not None:  # a prefetch that was never used
                 # Wait even when quiet: a disk read may still be landing in the storage, and
                 # the free below is ordered after the copy on the current stream.
@@ -203,6 +253,11 @@ class Residency:
     def close(self) -> None:
         """Land what is in flight and give the mover's page-locked staging back."""
         self.mover.close()
+
+
+# References to a device copy's own storage when nothing but its two tensors (and the storage
+# object asking) holds it.
+_OWN_ONLY = 3
 
 
 def show(group: Group) -> None:

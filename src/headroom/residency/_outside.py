@@ -22,7 +22,12 @@ import torch
 import torch.nn as nn
 from torch.compiler import is_compiling
 
+from headroom.residency._group import DeviceCopy
+
 __all__ = ["ParamDict", "install", "keep_on_device", "remove"]
+
+
+_AS_IS = (DeviceCopy, nn.Parameter, type(None))
 
 
 class ParamDict(dict):
@@ -35,7 +40,11 @@ class ParamDict(dict):
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if is_compiling():  # NOTE: traced code sees the dict as it is (blocks share graphs)
+        # A device copy shown in a forward is what to use already, and neither ``None`` nor a
+        # plain parameter is a master (hr.offload gives masters classes of their own:
+        # `_autograd.mark`; quantized ones have theirs); traced code sees the dict as it is
+        # (NOTE: blocks share graphs).
+        if type(value) in _AS_IS or is_compiling():
             return value
         state = self._state()
         if state is not None and state.reads_outside:

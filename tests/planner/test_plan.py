@@ -60,15 +60,40 @@ def plain():
     return mem.peak, final_params(model)
 
 
+@pytest.fixture(scope="module")
+def plan_at(plain, tmp_path_factory):
+    """``plan_at(fraction)``: the plan of model_fn for that fraction of the plain peak, searched
+    once per module (a search is many dry runs); each fraction has a disk folder of its own."""
+    # NOTE: a plan is not changed by reading it or by apply (which builds a new optimizer over
+    # the model it is given), so the tests that ask for the same plan share one search.
+    plans: dict = {}
+
+    def at(fraction: float, **kw):
+        key = (fraction, tuple(sorted(kw.items())))
+        if key not in plans:
+            plans[key] = plan(model_fn(), (X,), loss_fn=loss_fn, budget=int(plain[0] * fraction),
+                              device="cpu", optimizer=torch.optim.AdamW,
+                              optimizer_kwargs={"lr": 1e-2}, speeds=SPEEDS, slice_bytes=SLICE,
+                              disk=tmp_path_factory.mktemp("plan"), **kw)
+        return plans[key]
+
+    return at
+
+
+@pytest.fixture(scope="module")
+def plan_1gib():
+    """The plan of model_fn for a budget that holds the plain step."""
+    return plan(model_fn(), (X,), loss_fn=loss_fn, budget="1GiB", device="cpu",
+                optimizer=torch.optim.AdamW, speeds=SPEEDS)
+
+
 @pytest.mark.parametrize("fraction", [0.75, 0.25])
-def test_applied_plan_fits_and_trains_bitwise(plain, fraction, tmp_path):
+def test_applied_plan_fits_and_trains_bitwise(plain, plan_at, fraction):
     """0.75 of the plain peak: the optimizer state and step go to disk; 0.25: the parameters
     too (half the peak chooses the same as 0.25)."""
     peak, expected = plain
     budget = int(peak * fraction)
-    p = plan(model_fn(), (X,), loss_fn=loss_fn, budget=budget, device="cpu",
-             optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-2}, disk=tmp_path,
-             speeds=SPEEDS, slice_bytes=SLICE)
+    p = plan_at(fraction)
     assert p.peak <= budget
     assert "estimated peak" in str(p) and "hr." in p.code()
     compile(p.code(), "<plan>", "exec")
@@ -114,27 +139,23 @@ def test_an_optimizer_instance_is_refused_naming_the_class_and_its_arguments():
              optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
 
 
-def test_plain_fits_when_budget_is_large():
-    p = plan(model_fn(), (X,), loss_fn=loss_fn, budget="1GiB", device="cpu",
-             optimizer=torch.optim.AdamW, speeds=SPEEDS)
+def test_plain_fits_when_budget_is_large(plan_1gib):
+    p = plan_1gib
     assert p.choice.describe() == ["nothing: the plain step fits"]
     model, opt = p.apply(model_fn())
     assert type(opt) is torch.optim.AdamW
 
 
-def test_a_plan_names_the_fastest_plan_over_its_budget(plain, tmp_path):
-    peak, _ = plain
-    budget = int(peak * 0.75)
-    p = plan(model_fn(), (X,), loss_fn=loss_fn, budget=budget, device="cpu",
-             optimizer=torch.optim.AdamW, disk=tmp_path, speeds=SPEEDS, slice_bytes=SLICE)
+def test_a_plan_names_the_fastest_plan_over_its_budget(plain, plan_at, plan_1gib):
+    budget = int(plain[0] * 0.75)
+    p = plan_at(0.75)
     choice, alt_peak, alt_time = p.faster_over_budget
     assert alt_peak > budget and alt_time < p.time_s
     assert choice == hr.planner.Choice(activation_min_bytes=p.choice.activation_min_bytes)
     text = str(p)
     assert "the fastest plan over the budget" in text and "nothing: the plain step\n" in text
     # nothing is faster than the plain step, so a plan that keeps it names no alternative
-    assert plan(model_fn(), (X,), loss_fn=loss_fn, budget="1GiB", device="cpu",
-                optimizer=torch.optim.AdamW, speeds=SPEEDS).faster_over_budget is None
+    assert plan_1gib.faster_over_budget is None
 
 
 def test_impossible_budget_says_smallest_and_what_dominates(tmp_path):
@@ -387,12 +408,8 @@ def test_fp32_masters_false_updates_in_bf16_bitwise_the_plain_step(tmp_path):
         _bf16_plan(budget, disk=tmp_path, fp32_masters=False)
 
 
-def test_fp32_masters_has_no_effect_on_fp32_parameters(plain, tmp_path):
-    peak, _ = plain
-    budget = int(peak * 0.75)
-    kw = dict(loss_fn=loss_fn, budget=budget, device="cpu", optimizer=torch.optim.AdamW,
-              disk=tmp_path, speeds=SPEEDS, slice_bytes=SLICE)
-    plans = {m: plan(model_fn(), (X,), fp32_masters=m, **kw) for m in (None, True, False)}
+def test_fp32_masters_has_no_effect_on_fp32_parameters(plan_at):
+    plans = {None: plan_at(0.75), **{m: plan_at(0.75, fp32_masters=m) for m in (True, False)}}
     assert len({p.choice for p in plans.values()}) == 1
     assert not plans[True].fp32_masters
 

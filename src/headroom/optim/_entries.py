@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ class Bucket:
     def __init__(self, entries: list[Entry]) -> None:
         self.entries = entries
         self.remaining = len(entries)
+        for e in entries:
+            e.bucket = self
 
 
 class Entry:
@@ -118,10 +121,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def binding(self) -> ParamBinding | None:

@@ -541,23 +541,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "step() final (that step already used the gradients it had)"
             )
         if e.kind == HOSTED and p.grad is not None:
-            if p.grad.is_sparse:
-                # A sparse gradient stays where autograd sums it (small: the rows used), and
-                # is read in fp32 by the step (`Entry.grad_tensor`).
-                e.own.has_grad = True
-            elif not isinstance(p.grad, StoreTensor):
-                g = p.grad
-                # param.grad was None: this backward starts the gradient afresh, as in torch
-                # (zero_grad() of the model or of this optimizer, or the first backward).
-                self._mover.push_grad(g, e.own, accumulate=False)
-                # Free the device gradient now (the mover keeps it until its copy has run): at
-                # most the gradients in flight to the host stay on the device.
-                p.grad = None
-                del g
-                # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
-                # param.grad: it reads (and scales) the host gradient the step uses. A later
-                # backward accumulates into it (autograd's add_ runs on the host gradient).
-                p.grad = host_grad(p, e.own, self._mover)
+            self._take_grad(e, p.grad)
             # Everything backward does with this parameter is queued by now, on this stream:
             # its new value is copied back after this point, whichever thread issues the copy.
             e.ready = self._mover.mark(e.ready)
@@ -583,6 +567,24 @@ class HostOptimizer(torch.optim.Optimizer):
         for b in syncs.values():
             sync_grad(b)
 
+    def _take_grad(self, e: Entry, g: torch.Tensor) -> None:
+        """Take ``g`` (``param.grad`` of a HOSTED entry) as its gradient, unless it is already
+        the host gradient backward left there."""
+        if g.is_sparse:
+            # A sparse gradient stays where autograd sums it (small: the rows used), and
+            # is read in fp32 by the step (`Entry.grad_tensor`).
+            e.own.has_grad = True
+        elif not is_stored_grad(g, e.own):
+            # Free the device gradient now (the mover keeps it until its copy has run): at
+            # most the gradients in flight to the host stay on the device. It starts the
+            # gradient afresh, as in torch (param.grad was None, or was assigned).
+            e.param.grad = None
+            self._mover.push_grad(g, e.own, accumulate=False)
+            # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
+            # param.grad: it reads (and scales) the host gradient the step uses. A later
+            # backward accumulates into it (autograd's add_ runs on the host gradient).
+            e.param.grad = host_grad(e.param, e.own, self._mover)
+
     def _take_assigned_grads(self) -> None:
         """Take what was done to ``param.grad`` since backward left it there, as torch's
         optimizers see it: a tensor assigned to it (``p.grad = g``) replaces the accumulated
@@ -598,16 +600,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 continue  # an ALIAS steps param.grad itself; a shard, FSDP2's local tensor
             # Backward hands the gradient to the mover and leaves param.grad reading the
             # host gradient (a StoreTensor); anything else there was put there since.
-            g = e.param.grad
-            if g is None:
+            if e.param.grad is None:
                 e.own.has_grad = False  # a copy still on its way lands unread; the next
                 # backward starts the gradient afresh (param.grad is None)
-            elif g.is_sparse:
-                e.own.has_grad = True  # stays where it is (see `_on_grad`)
-            elif not is_stored_grad(g, e.own):
-                e.param.grad = None
-                self._mover.push_grad(g, e.own, accumulate=False)
-                e.param.grad = host_grad(e.param, e.own, self._mover)
+            else:
+                self._take_grad(e, e.param.grad)
 
     def _check_launched(self) -> None:
         """Refuse a step whose early part used gradients changed since (``param.grad``
@@ -990,35 +987,31 @@ class HostOptimizer(torch.optim.Optimizer):
                 "zero_grad()) to continue exactly"
             )
 
-    def _drop_step(self) -> None:
-        """Forget a step in progress without undoing or committing it (its values are about
-        to be replaced: `load_state_dict`)."""
-        self._overlap.settle()
-        with self._tickets_lock:
-            txn, self._txn = self._txn, None
-        if txn is not None:
-            txn.end()
-        self._overlap.abort(self._order)
-        for e in self._order:
-            e.stepped = False
-
-    def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
-        """A step failed: put the old values back and say on ``exc`` what it left."""
+    def _drop_step(self, undo: bool = False) -> tuple[list[BaseException], int]:
+        """End the step in progress, undone (``undo``: returns what failed to go back and how
+        many parameters were updated unprotected) or not (its values are about to be replaced:
+        `load_state_dict`)."""
         self._overlap.settle()  # nothing may still be stepping on the worker
         with self._tickets_lock:
             txn, self._txn = self._txn, None
-        if self._mover is not None:
+        if undo and self._mover is not None:
             with contextlib.suppress(BaseException):
                 self._mover.synchronize()
         errors: list[BaseException] = []
         unprotected = 0
         if txn is not None:
-            unprotected = txn.unprotected
-            errors = txn.undo()
+            if undo:
+                unprotected = txn.unprotected
+                errors = txn.undo()
             txn.end()
         self._overlap.abort(self._order)
         for e in self._order:
             e.stepped = False
+        return errors, unprotected
+
+    def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
+        """A step failed: put the old values back and say on ``exc`` what it left."""
+        errors, unprotected = self._drop_step(undo=True)
         if errors or unprotected:
             why = (f"putting the old values back failed ({type(errors[0]).__name__}: "
                    f"{errors[0]})" if errors else
@@ -1471,9 +1464,6 @@ class HostOptimizer(torch.optim.Optimizer):
         return total
 
     # ------------------------------------------------------------------ state dicts
-    def _index_state(self, e: Entry) -> dict[str, Any] | None:
-        return _state.index_state(self, e)
-
     def state_dict(self) -> dict[str, Any]:
         """The same structure as ``optimizer_class(...).state_dict()`` for these parameters.
 

@@ -145,10 +145,10 @@ class Overlap:
             cur.append(e)
             size += e.numel * 4
             if size >= self.bucket_bytes:
-                _bucket(cur)
+                Bucket(cur)
                 cur, size = [], 0
         if cur:
-            _bucket(cur)
+            Bucket(cur)
 
     def gradient_complete(self, e: Entry) -> None:
         """``e``'s gradient of this backward is complete: start its bucket once all are in."""
@@ -213,9 +213,3 @@ class Overlap:
             e.seen = None
         self.launched_hparams = {}
         self.failed = None
-
-
-def _bucket(entries: list[Entry]) -> None:
-    b = Bucket(entries)
-    for e in entries:
-        e.bucket = b

@@ -196,9 +196,7 @@ _ALIGN = _vector_lanes()
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:])
     rows = max(1, slice_bytes // max(1, row * 4))
     step = _ALIGN // math.gcd(row, _ALIGN) if row else 1
     return max(step, rows // step * step)
@@ -225,10 +223,7 @@ class SliceRunner:
     def _buf(self, name: str, parity: int, handle: Handle, n_rows: int) -> torch.Tensor:
         """A reusable landing buffer for ``n_rows`` rows of ``handle`` (double-buffered)."""
         shape = (n_rows, *handle.shape[1:])
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * handle.dtype.itemsize
+        nbytes = math.prod(shape) * handle.dtype.itemsize
         buf = self._bufs.get((name, parity))
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -237,10 +232,6 @@ class SliceRunner:
         # otherwise count it as parameters or gradients through the inner optimizer's hooks).
         annotate(buf, "optimizer_state")
         return buf[:nbytes].view(handle.dtype).view(shape)
-
-    def release_buffers(self) -> None:
-        """Drop the landing buffers (they are re-created on the next sliced step)."""
-        self._bufs.clear()
 
     def _optimizer(self, gi: int, group: dict[str, Any]) -> torch.optim.Optimizer:
         opt = self._opts.get(gi)
@@ -266,10 +257,6 @@ class SliceRunner:
         with torch.device("cpu"):
             tmp = self.cls([work], **ctor_kwargs(self.cls, group))
         return dict(tmp.state.get(work, {}))
-
-    def step(self, src: SlicedParam, gi: int, group: dict[str, Any]) -> dict[str, Any]:
-        """Step one parameter; returns its new small state. State handles must exist."""
-        return self.step_many([(src, gi, group)])[0]
 
     def step_many(
         self, items: list[tuple[SlicedParam, int, dict[str, Any]]], txn: Txn | None = None
@@ -411,7 +398,7 @@ class SliceRunner:
                                                          t.contiguous()))
             # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
-            if fresh or not _is_in_place(cur["p"]):
+            if fresh or isinstance(cur["p"], Future):
                 writes.append(src.master_store.write_rows(
                     src.master_handle if fresh else src.spare.get("p", src.master_handle),
                     rows, work))
@@ -589,10 +576,6 @@ def _result(x: Any) -> torch.Tensor:
     if isinstance(x, Future):
         return x.result()
     return x
-
-
-def _is_in_place(x: Any) -> bool:
-    return not isinstance(x, Future)
 
 
 def _is_view_of(t: torch.Tensor, src: Any) -> bool:

@@ -811,13 +811,11 @@ class HostOptimizer(torch.optim.Optimizer):
         gradients in a second call without the fused kernel that was chosen for them)."""
         grads = {id(e): e.grad_tensor() for e in entries}
         sparse = [e for e in entries if grads[id(e)].is_sparse] if self._unfuse_sparse else []
+        dense = [e for e in entries if not grads[id(e)].is_sparse] if sparse else entries
+        if dense:
+            self._inner_call(dense, grads, hparams)
         if sparse:
-            dense = [e for e in entries if not grads[id(e)].is_sparse]
-            if dense:
-                self._inner_call(dense, grads, hparams)
             self._inner_call(sparse, grads, hparams, unfused=True)
-        else:
-            self._inner_call(entries, grads, hparams)
 
     def _inner_call(self, entries: list[Entry], grads: dict[int, torch.Tensor],
                     hparams: dict[int, dict[str, Any]], *, unfused: bool = False) -> None:
@@ -1421,35 +1419,21 @@ class HostOptimizer(torch.optim.Optimizer):
         if self._mover is not None:
             self._mover.synchronize()
         self._sync_bound(self._order)
-        if any(e.has_grad() and e.grad_tensor() is not None and e.grad_tensor().is_sparse
-               for e in self._order):
+        grads = [(e, e.grad_tensor()) for e in self._order if e.has_grad()]
+        if any(g is not None and g.is_sparse for _, g in grads):
             raise RuntimeError(
                 "clip_grad_norm_ over sparse gradients (nn.Embedding(sparse=True)) is not "
                 "supported, as torch.nn.utils.clip_grad_norm_ cannot take the norm of a sparse "
                 "tensor either; nothing was clipped. Clip only the dense parameters' gradients,"
                 " or use sparse=False")
-        norm_type = float(norm_type)
-        in_mem: list[torch.Tensor] = []
-        norms: list[torch.Tensor] = []
-        disk: list[Entry] = []
-        for e in self._order:
-            if not e.has_grad():
-                continue
-            g = e.grad_tensor()
-            if g is not None:
-                in_mem.append(g)
-                norms.append(None)  # filled below, in parameter order
-            else:
-                b = e.binding
-                norms.append(torch.linalg.vector_norm(
-                    b.store.read(b.grad_handle).result(), norm_type))
-                disk.append(e)
-        if not norms:
+        if not grads:
             return torch.tensor(0.0)
-        if in_mem:
-            # torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
-            mem_norms = iter(torch._foreach_norm(in_mem, norm_type))
-            norms = [next(mem_norms) if n is None else n for n in norms]
+        norm_type = float(norm_type)
+        in_mem = [g for _, g in grads if g is not None]
+        # torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
+        mem_norms = iter(torch._foreach_norm(in_mem, norm_type) if in_mem else ())
+        norms = [next(mem_norms) if g is not None else torch.linalg.vector_norm(
+            e.binding.store.read(e.binding.grad_handle).result(), norm_type) for e, g in grads]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
             raise RuntimeError(
@@ -1459,8 +1443,9 @@ class HostOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         if in_mem:
             torch._foreach_mul_(in_mem, coef)
-        for e in disk:
-            e.grad_scale = coef if e.grad_scale is None else e.grad_scale * coef
+        for e, g in grads:
+            if g is None:  # on disk: scaled as the step reads it
+                e.grad_scale = coef if e.grad_scale is None else e.grad_scale * coef
         return total
 
     # ------------------------------------------------------------------ state dicts

@@ -433,27 +433,21 @@ class SliceRunner:
                 txn.ram_from(loaded.t, None, undo, rows)
                 return
             old = _result(loaded).clone()  # the update changes the landed slice in place
-            in_place = isinstance(loaded, _InPlace)
-            if undo is None:
-                if in_place:
-                    txn.ram(loaded.t, None, old)
-                    return
-                if mem is not None:
-                    txn.ram(mem, rows, old)
-                    return
-            elif mem is not None:  # a master in memory, its old values kept on a disk
-                rec = (loaded.t, None) if in_place else (mem, rows)
-                pending.append((undo[0].write_rows(undo[1], rows, old),
-                                ("ram-from", *rec, undo, rows),
-                                (loaded.t, None, old) if in_place else None))
-                return
-            if undo is None:
-                txn.stored_copy(store, handle, rows, old)
-                return
-            # in place (a host tensor): updated before the undo write is known to have landed
+            # in place (a host tensor): updated before an undo write is known to have landed
             ram = (loaded.t, None, old) if isinstance(loaded, _InPlace) else None
-            pending.append((undo[0].write_rows(undo[1], rows, old),
-                            (store, handle, rows, undo), ram))
+            if undo is None:
+                if ram is None and mem is not None:
+                    ram = (mem, rows, old)
+                if ram is not None:
+                    txn.ram(*ram)
+                else:
+                    txn.stored_copy(store, handle, rows, old)
+                return
+            if mem is not None:  # a master in memory, its old values kept on a disk
+                rec = ("ram-from", *(ram[:2] if ram else (mem, rows)), undo, rows)
+            else:
+                rec = (store, handle, rows, undo)
+            pending.append((undo[0].write_rows(undo[1], rows, old), rec, ram))
 
         fresh = src.shadow is not None and not src.initialized
         # (a master made from the low-precision value is new: nothing to keep)

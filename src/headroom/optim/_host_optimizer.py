@@ -647,10 +647,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             self._mover.synchronize()
         self._sync_bound(batch)
-        if early:
-            hparams = {e.group: self._overlap.launched_hparams[e.group] for e in batch}
-        else:
-            hparams = {e.group: self._hparams(e.group) for e in batch}
+        snap = self._overlap.launched_hparams.__getitem__ if early else self._hparams
+        hparams = {e.group: snap(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._check_sparse_sliced(streamed, hparams)
@@ -744,7 +742,6 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _sliced_step(self, todo: list[tuple[Entry, SlicedParam]],
                      hparams: dict[int, dict[str, Any]], txn: Txn | None) -> None:
-        """Step ``todo`` slice by slice (their old values kept in ``txn``, if given)."""
         results = self._slicer.step_many(
             [(src, e.group, hparams[e.group]) for e, src in todo], txn)
         for (e, _), small in zip(todo, results, strict=True):

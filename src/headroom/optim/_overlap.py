@@ -17,6 +17,7 @@ from typing import Any
 
 from headroom.memory import track_this_thread
 from headroom.optim._entries import Bucket, Entry, same
+from headroom.optim._undo import wait_all
 from headroom.store import owned_pool
 
 __all__ = ["Overlap"]
@@ -76,9 +77,7 @@ class Overlap:
     def settle(self) -> None:
         """Wait for everything submitted, dropping errors (their step is being undone)."""
         futures, self._futures = self._futures, []
-        for f in futures:
-            with contextlib.suppress(BaseException):
-                f.exception()
+        wait_all(futures)
 
     @property
     def busy(self) -> bool:

@@ -321,8 +321,8 @@ class SliceRunner:
                 # Host-memory slices with an undo tensor on disk: written out from the resting
                 # tensor itself (no copy), now, while an earlier slice is updated; the update
                 # of this one waits for it (`_keep`).
-                views = [("p", got["p"])] if not (src.shadow is not None and
-                                                  not src.initialized) else []
+                views = [] if src.shadow is not None and not src.initialized else [
+                    ("p", got["p"])]
                 views += [(k, v) for k, v in got.get("s", {}).items() if k not in src.spare]
                 got["undo"] = {name: src.undo[name][0].write_rows(src.undo[name][1], rows, v.t)
                                for name, v in views

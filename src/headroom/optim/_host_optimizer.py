@@ -922,17 +922,17 @@ class HostOptimizer(torch.optim.Optimizer):
         (a full store fails here, with nothing changed)."""
         writes: dict[int, tuple[Store, int]] = {}
         for e, src in todo:
+            stores = [s for s in dict.fromkeys((src.state_store, src.master_store,
+                                                src.shadow and src.shadow[0])) if s is not None]
             try:
                 src.undo = self._undo_handles(e, src, plans[id(e)])
             except (StoreFullError, OSError) as ex:
                 if not isinstance(ex, StoreFullError) and ex.errno not in (
                         errno.ENOSPC, errno.EDQUOT):
                     raise  # not a full store: its own error names the cause
-                stores = ", ".join(repr(x) for x in {id(x): x for x in (
-                    src.state_store, src.master_store, src.shadow and src.shadow[0])
-                    if x is not None}.values())
+                names = ", ".join(map(repr, stores))
                 raise StoreFullError(
-                    f"HostOptimizer.step() needs room in {stores} for a second copy of what "
+                    f"HostOptimizer.step() needs room in {names} for a second copy of what "
                     "it updates (spares of the state and of offloaded parameters, and undo "
                     f"copies of what rests in host memory, kept until the step ends): {ex}. "
                     "Nothing was updated; free space or raise max_bytes of the store, then "
@@ -944,8 +944,7 @@ class HostOptimizer(torch.optim.Optimizer):
             # Each slice writes every tensor, its undo copy, and (undone) once more; spares
             # exchanged into place: a record, and one more to exchange them back.
             per = 3 * (len(src.state_handles) + 2) * slices + 2
-            for store in {src.state_store, src.master_store,
-                          src.shadow[0] if src.shadow else None} - {None}:
+            for store in stores:
                 old = writes.get(id(store), (store, 0))
                 writes[id(store)] = (store, old[1] + per)
         for store, count in writes.values():

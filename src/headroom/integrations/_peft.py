@@ -168,10 +168,9 @@ def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = Non
     state.init_pending()
     base = layer._modules.get("base_layer")
     base_ids = {id(m) for m in base.modules()} if base is not None else set()
-    st = state.store
     temps = {}
     for s in slots:
-        temps[id(s)] = nn.Parameter(st.read(s.binding.handle).result(),
+        temps[id(s)] = nn.Parameter(state.store.read(s.binding.handle).result(),
                                     requires_grad=s.param.requires_grad)
         s.show(temps[id(s)])
     try:
@@ -179,9 +178,7 @@ def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = Non
         state.res.mover.wait_reads()
         for s in slots:
             if _inside(s, base_ids):
-                h = s.binding.handle
-                st.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
-                s.binding.has_value = True
+                _store(state, s, temps[id(s)])
     except BaseException:
         layer.__dict__[_APPLIED] = tuple(done)
         raise
@@ -252,8 +249,7 @@ def init_adapters(model: nn.Module) -> list[str]:
         # every initializer is found before any runs: a refusal leaves nothing half done
         todo = [(modules, _initializer(wrapper, adapter, modules, configs.get(adapter),
                                        f"{wname}." if wname else ""))
-                for wname, wrapper in state.model.named_modules()
-                if isinstance(wrapper._modules.get("base_layer"), nn.Module)
+                for wname, wrapper in state.model.named_modules() if _is_wrapper(wrapper)
                 for adapter, modules in _lost_of(state, wrapper, lost).items()]
         for modules, init in todo:
             done += _run(state, modules, init)
@@ -335,10 +331,14 @@ def _run(state, modules: list[nn.Module], init: Callable[[], None]) -> list[str]
             f"hr.init_adapters: PEFT's initializer did not set {', '.join(left)}; nothing was"
             " written for them. Load saved adapters (peft.set_peft_model_state_dict)")
     for _, _, s in pending:
-        h = s.binding.handle
-        state.store.write(h, temps[id(s)].detach().to(h.dtype).contiguous()).result()
-        s.binding.has_value = True
+        _store(state, s, temps[id(s)])
     return names
+
+
+def _store(state: Offload, s: Slot, value: torch.Tensor) -> None:
+    h = s.binding.handle
+    state.store.write(h, value.detach().to(h.dtype).contiguous()).result()
+    s.binding.has_value = True
 
 
 events.on_parameter_registered.append(_registered)

@@ -106,7 +106,6 @@ class DryHostOptimizer(HostOptimizer):
 
     def _on_cpu(self, p: torch.Tensor) -> bool:
         # (an FSDP2 shard resting in host memory is on the CPU too)
-        # (an FSDP2 shard resting in host memory is on the CPU too)
         return self._cpu or self._places.where(
             getattr(p, "_local_tensor", p).untyped_storage()._cdata) == "host"
 

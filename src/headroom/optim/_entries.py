@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,61 +42,56 @@ class Bucket:
     def __init__(self, entries: list[Entry]) -> None:
         self.entries = entries
         self.remaining = len(entries)
+        for e in entries:
+            e.bucket = self
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Entry:
     """Book-keeping for one parameter."""
 
-    __slots__ = (
-        "param", "index", "group", "plan", "master", "own", "bound", "sparse",
-        "state_handles", "small", "initialized", "count", "launched", "grad_scale", "bucket",
-        "fired", "master_handle", "ready", "hooked", "stepped", "undo", "spare", "sharded",
-        "xspare", "seen", "follow", "value_seen", "value_mark", "written",
-    )
-
-    def __init__(self, param: torch.Tensor, index: int, group: int, plan: EntryPlan) -> None:
-        self.param = param
-        self.index = index
-        self.group = group
-        self.plan = plan  # where its tensors rest, see [Note: the entry plan]
-        self.master: torch.Tensor | None = None  # in-memory fp32 master (None: in a store)
-        self.own: ParamBinding | None = None  # HOSTED: our host master + gradient
-        self.bound: ParamBinding | None = None  # BOUND: the store-resident parameter's binding
-        self.sparse = False
-        self.state_handles: dict[str, Handle] = {}
-        self.small: dict[str, Any] = {}
-        self.initialized = False
-        self.count = 0  # gradients received since the last step
-        self.launched = False  # its step started during a final backward
-        self.grad_scale: torch.Tensor | None = None
-        self.bucket: Bucket | None = None
-        self.fired = False  # its gradient of the current final backward is complete
-        # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
-        self.master_handle: Handle | None = None
-        # an event at its gradient-ready point (on the stream backward ran on), reused
-        self.ready: object | None = None
-        self.hooked = False  # its gradient-complete hook is registered
-        self.stepped = False  # it took the step in progress (during final_backward or step())
-        self.undo: dict[str, tuple[Any, Handle]] = {}  # its undo tensors, see _undo.py
-        self.spare: dict[str, Handle] = {}  # state tensors the next step writes, see _undo.py
-        # spares of the offloaded parameter's own tensors in its store ("p", "lp"), exchanged
-        # into place when a step ends
-        self.xspare: dict[str, tuple[Any, Handle]] = {}
-        # A DTensor (FSDP2 shard) bound to a store: its master is the local shard there, its
-        # gradient the local tensor of the DTensor FSDP2 leaves in param.grad.
-        self.sharded = False
-        # its gradient as its step started inside a final backward (`grad_mark`)
-        self.seen: tuple | None = None
-        # a store-resident bf16/fp16 parameter: whether its step compares the value with its
-        # master (see _follow.py), and the store's count of writes to the value
-        # (`headroom.transfer.value_edits`) at its last step / at the one starting now
-        self.follow = False
-        self.value_seen: int | None = None
-        self.value_mark: int | None = None
-        # the parameter's (version counter, data pointer) after its last step: a write
-        # PyTorch records (an in-place op on it, nn.init, load_state_dict, `.data = t`) since
-        # changes it (see _follow.py); None before the first step
-        self.written: tuple[int, int] | None = None
+    param: torch.Tensor
+    index: int
+    group: int
+    plan: EntryPlan  # where its tensors rest, see [Note: the entry plan]
+    master: torch.Tensor | None = None  # in-memory fp32 master (None: in a store)
+    own: ParamBinding | None = None  # HOSTED: our host master + gradient
+    bound: ParamBinding | None = None  # BOUND: the store-resident parameter's binding
+    sparse: bool = False
+    state_handles: dict[str, Handle] = field(default_factory=dict)
+    small: dict[str, Any] = field(default_factory=dict)
+    initialized: bool = False
+    count: int = 0  # gradients received since the last step
+    launched: bool = False  # its step started during a final backward
+    grad_scale: torch.Tensor | None = None
+    bucket: Bucket | None = None
+    fired: bool = False  # its gradient of the current final backward is complete
+    # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
+    master_handle: Handle | None = None
+    # an event at its gradient-ready point (on the stream backward ran on), reused
+    ready: object | None = None
+    hooked: bool = False  # its gradient-complete hook is registered
+    stepped: bool = False  # it took the step in progress (during final_backward or step())
+    undo: dict[str, tuple[Any, Handle]] = field(default_factory=dict)  # see _undo.py
+    spare: dict[str, Handle] = field(default_factory=dict)  # state the next step writes
+    # spares of the offloaded parameter's own tensors in its store ("p", "lp"), exchanged
+    # into place when a step ends
+    xspare: dict[str, tuple[Any, Handle]] = field(default_factory=dict)
+    # A DTensor (FSDP2 shard) bound to a store: its master is the local shard there, its
+    # gradient the local tensor of the DTensor FSDP2 leaves in param.grad.
+    sharded: bool = False
+    # its gradient as its step started inside a final backward (`grad_mark`)
+    seen: tuple | None = None
+    # a store-resident bf16/fp16 parameter: whether its step compares the value with its
+    # master (see _follow.py), and the store's count of writes to the value
+    # (`headroom.transfer.value_edits`) at its last step / at the one starting now
+    follow: bool = False
+    value_seen: int | None = None
+    value_mark: int | None = None
+    # the parameter's (version counter, data pointer) after its last step: a write
+    # PyTorch records (an in-place op on it, nn.init, load_state_dict, `.data = t`) since
+    # changes it (see _follow.py); None before the first step
+    written: tuple[int, int] | None = None
 
     @property
     def kind(self) -> Kind:
@@ -118,10 +115,7 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def binding(self) -> ParamBinding | None:

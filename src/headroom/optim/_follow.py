@@ -116,12 +116,10 @@ def follow_stored(master_store: Store, master: Handle, value_store: Store,
         if follow_(m, value_store.read(value).result()):
             master_store.write(master, m).result()
         return
-    host_m = master_store.host_tensor(master)
-    host_v = value_store.host_tensor(value)
+    in_memory = master_store.host_tensor(master) is not None
     for rows in _row_slices(master):
-        m = host_m[rows] if host_m is not None else master_store.read_rows(master, rows).result()
-        v = host_v[rows] if host_v is not None else value_store.read_rows(value, rows).result()
-        if follow_(m, v) and host_m is None:
+        m = _rows(master_store, master, rows)
+        if follow_(m, _rows(value_store, value, rows)) and not in_memory:
             master_store.write_rows(master, rows, m).result()
 
 
@@ -131,7 +129,12 @@ def init_stored(master_store: Store, master: Handle, value_store: Store, value: 
     if not master.shape:
         master_store.write(master, value_store.read(value).result().to(master.dtype)).result()
         return
-    host_v = value_store.host_tensor(value)
     for rows in _row_slices(master):
-        v = host_v[rows] if host_v is not None else value_store.read_rows(value, rows).result()
+        v = _rows(value_store, value, rows)
         master_store.write_rows(master, rows, v.to(master.dtype).contiguous()).result()
+
+
+def _rows(store: Store, h: Handle, rows: slice) -> torch.Tensor:
+    """Rows of ``h``: a view of its host tensor, or a copy read from the store."""
+    host = store.host_tensor(h)
+    return host[rows] if host is not None else store.read_rows(h, rows).result()

@@ -541,23 +541,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "step() final (that step already used the gradients it had)"
             )
         if e.kind == HOSTED and p.grad is not None:
-            if p.grad.is_sparse:
-                # A sparse gradient stays where autograd sums it (small: the rows used), and
-                # is read in fp32 by the step (`Entry.grad_tensor`).
-                e.own.has_grad = True
-            elif not isinstance(p.grad, StoreTensor):
-                g = p.grad
-                # param.grad was None: this backward starts the gradient afresh, as in torch
-                # (zero_grad() of the model or of this optimizer, or the first backward).
-                self._mover.push_grad(g, e.own, accumulate=False)
-                # Free the device gradient now (the mover keeps it until its copy has run): at
-                # most the gradients in flight to the host stay on the device.
-                p.grad = None
-                del g
-                # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
-                # param.grad: it reads (and scales) the host gradient the step uses. A later
-                # backward accumulates into it (autograd's add_ runs on the host gradient).
-                p.grad = host_grad(p, e.own, self._mover)
+            self._take_grad(e, p.grad)
             # Everything backward does with this parameter is queued by now, on this stream:
             # its new value is copied back after this point, whichever thread issues the copy.
             e.ready = self._mover.mark(e.ready)
@@ -583,6 +567,24 @@ class HostOptimizer(torch.optim.Optimizer):
         for b in syncs.values():
             sync_grad(b)
 
+    def _take_grad(self, e: Entry, g: torch.Tensor) -> None:
+        """Take ``g`` (``param.grad`` of a HOSTED entry) as its gradient, unless it is already
+        the host gradient backward left there."""
+        if g.is_sparse:
+            # A sparse gradient stays where autograd sums it (small: the rows used), and
+            # is read in fp32 by the step (`Entry.grad_tensor`).
+            e.own.has_grad = True
+        elif not is_stored_grad(g, e.own):
+            # Free the device gradient now (the mover keeps it until its copy has run): at
+            # most the gradients in flight to the host stay on the device. It starts the
+            # gradient afresh, as in torch (param.grad was None, or was assigned).
+            e.param.grad = None
+            self._mover.push_grad(g, e.own, accumulate=False)
+            # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
+            # param.grad: it reads (and scales) the host gradient the step uses. A later
+            # backward accumulates into it (autograd's add_ runs on the host gradient).
+            e.param.grad = host_grad(e.param, e.own, self._mover)
+
     def _take_assigned_grads(self) -> None:
         """Take what was done to ``param.grad`` since backward left it there, as torch's
         optimizers see it: a tensor assigned to it (``p.grad = g``) replaces the accumulated
@@ -598,16 +600,11 @@ class HostOptimizer(torch.optim.Optimizer):
                 continue  # an ALIAS steps param.grad itself; a shard, FSDP2's local tensor
             # Backward hands the gradient to the mover and leaves param.grad reading the
             # host gradient (a StoreTensor); anything else there was put there since.
-            g = e.param.grad
-            if g is None:
+            if e.param.grad is None:
                 e.own.has_grad = False  # a copy still on its way lands unread; the next
                 # backward starts the gradient afresh (param.grad is None)
-            elif g.is_sparse:
-                e.own.has_grad = True  # stays where it is (see `_on_grad`)
-            elif not is_stored_grad(g, e.own):
-                e.param.grad = None
-                self._mover.push_grad(g, e.own, accumulate=False)
-                e.param.grad = host_grad(e.param, e.own, self._mover)
+            else:
+                self._take_grad(e, e.param.grad)
 
     def _check_launched(self) -> None:
         """Refuse a step whose early part used gradients changed since (``param.grad``
@@ -650,10 +647,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if any(e.kind == HOSTED for e in batch) and self._mover is not None:
             self._mover.synchronize()
         self._sync_bound(batch)
-        if early:
-            hparams = {e.group: self._overlap.launched_hparams[e.group] for e in batch}
-        else:
-            hparams = {e.group: self._hparams(e.group) for e in batch}
+        snap = self._overlap.launched_hparams.__getitem__ if early else self._hparams
+        hparams = {e.group: snap(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
         streamed = [e for e in batch if e.streamed and e.has_grad()]
         self._check_sparse_sliced(streamed, hparams)
@@ -747,7 +742,6 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _sliced_step(self, todo: list[tuple[Entry, SlicedParam]],
                      hparams: dict[int, dict[str, Any]], txn: Txn | None) -> None:
-        """Step ``todo`` slice by slice (their old values kept in ``txn``, if given)."""
         results = self._slicer.step_many(
             [(src, e.group, hparams[e.group]) for e, src in todo], txn)
         for (e, _), small in zip(todo, results, strict=True):
@@ -814,13 +808,11 @@ class HostOptimizer(torch.optim.Optimizer):
         gradients in a second call without the fused kernel that was chosen for them)."""
         grads = {id(e): e.grad_tensor() for e in entries}
         sparse = [e for e in entries if grads[id(e)].is_sparse] if self._unfuse_sparse else []
+        dense = [e for e in entries if not grads[id(e)].is_sparse] if sparse else entries
+        if dense:
+            self._inner_call(dense, grads, hparams)
         if sparse:
-            dense = [e for e in entries if not grads[id(e)].is_sparse]
-            if dense:
-                self._inner_call(dense, grads, hparams)
             self._inner_call(sparse, grads, hparams, unfused=True)
-        else:
-            self._inner_call(entries, grads, hparams)
 
     def _inner_call(self, entries: list[Entry], grads: dict[int, torch.Tensor],
                     hparams: dict[int, dict[str, Any]], *, unfused: bool = False) -> None:
@@ -930,17 +922,17 @@ class HostOptimizer(torch.optim.Optimizer):
         (a full store fails here, with nothing changed)."""
         writes: dict[int, tuple[Store, int]] = {}
         for e, src in todo:
+            stores = [s for s in dict.fromkeys((src.state_store, src.master_store,
+                                                src.shadow and src.shadow[0])) if s is not None]
             try:
                 src.undo = self._undo_handles(e, src, plans[id(e)])
             except (StoreFullError, OSError) as ex:
                 if not isinstance(ex, StoreFullError) and ex.errno not in (
                         errno.ENOSPC, errno.EDQUOT):
                     raise  # not a full store: its own error names the cause
-                stores = ", ".join(repr(x) for x in {id(x): x for x in (
-                    src.state_store, src.master_store, src.shadow and src.shadow[0])
-                    if x is not None}.values())
+                names = ", ".join(map(repr, stores))
                 raise StoreFullError(
-                    f"HostOptimizer.step() needs room in {stores} for a second copy of what "
+                    f"HostOptimizer.step() needs room in {names} for a second copy of what "
                     "it updates (spares of the state and of offloaded parameters, and undo "
                     f"copies of what rests in host memory, kept until the step ends): {ex}. "
                     "Nothing was updated; free space or raise max_bytes of the store, then "
@@ -952,8 +944,7 @@ class HostOptimizer(torch.optim.Optimizer):
             # Each slice writes every tensor, its undo copy, and (undone) once more; spares
             # exchanged into place: a record, and one more to exchange them back.
             per = 3 * (len(src.state_handles) + 2) * slices + 2
-            for store in {src.state_store, src.master_store,
-                          src.shadow[0] if src.shadow else None} - {None}:
+            for store in stores:
                 old = writes.get(id(store), (store, 0))
                 writes[id(store)] = (store, old[1] + per)
         for store, count in writes.values():
@@ -990,35 +981,31 @@ class HostOptimizer(torch.optim.Optimizer):
                 "zero_grad()) to continue exactly"
             )
 
-    def _drop_step(self) -> None:
-        """Forget a step in progress without undoing or committing it (its values are about
-        to be replaced: `load_state_dict`)."""
-        self._overlap.settle()
-        with self._tickets_lock:
-            txn, self._txn = self._txn, None
-        if txn is not None:
-            txn.end()
-        self._overlap.abort(self._order)
-        for e in self._order:
-            e.stepped = False
-
-    def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
-        """A step failed: put the old values back and say on ``exc`` what it left."""
+    def _drop_step(self, undo: bool = False) -> tuple[list[BaseException], int]:
+        """End the step in progress, undone (``undo``: returns what failed to go back and how
+        many parameters were updated unprotected) or not (its values are about to be replaced:
+        `load_state_dict`)."""
         self._overlap.settle()  # nothing may still be stepping on the worker
         with self._tickets_lock:
             txn, self._txn = self._txn, None
-        if self._mover is not None:
+        if undo and self._mover is not None:
             with contextlib.suppress(BaseException):
                 self._mover.synchronize()
         errors: list[BaseException] = []
         unprotected = 0
         if txn is not None:
-            unprotected = txn.unprotected
-            errors = txn.undo()
+            if undo:
+                unprotected = txn.unprotected
+                errors = txn.undo()
             txn.end()
         self._overlap.abort(self._order)
         for e in self._order:
             e.stepped = False
+        return errors, unprotected
+
+    def _abort(self, exc: BaseException, *, backward: bool = False) -> None:
+        """A step failed: put the old values back and say on ``exc`` what it left."""
+        errors, unprotected = self._drop_step(undo=True)
         if errors or unprotected:
             why = (f"putting the old values back failed ({type(errors[0]).__name__}: "
                    f"{errors[0]})" if errors else
@@ -1428,35 +1415,21 @@ class HostOptimizer(torch.optim.Optimizer):
         if self._mover is not None:
             self._mover.synchronize()
         self._sync_bound(self._order)
-        if any(e.has_grad() and e.grad_tensor() is not None and e.grad_tensor().is_sparse
-               for e in self._order):
+        grads = [(e, e.grad_tensor()) for e in self._order if e.has_grad()]
+        if any(g is not None and g.is_sparse for _, g in grads):
             raise RuntimeError(
                 "clip_grad_norm_ over sparse gradients (nn.Embedding(sparse=True)) is not "
                 "supported, as torch.nn.utils.clip_grad_norm_ cannot take the norm of a sparse "
                 "tensor either; nothing was clipped. Clip only the dense parameters' gradients,"
                 " or use sparse=False")
-        norm_type = float(norm_type)
-        in_mem: list[torch.Tensor] = []
-        norms: list[torch.Tensor] = []
-        disk: list[Entry] = []
-        for e in self._order:
-            if not e.has_grad():
-                continue
-            g = e.grad_tensor()
-            if g is not None:
-                in_mem.append(g)
-                norms.append(None)  # filled below, in parameter order
-            else:
-                b = e.binding
-                norms.append(torch.linalg.vector_norm(
-                    b.store.read(b.grad_handle).result(), norm_type))
-                disk.append(e)
-        if not norms:
+        if not grads:
             return torch.tensor(0.0)
-        if in_mem:
-            # torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
-            mem_norms = iter(torch._foreach_norm(in_mem, norm_type))
-            norms = [next(mem_norms) if n is None else n for n in norms]
+        norm_type = float(norm_type)
+        in_mem = [g for _, g in grads if g is not None]
+        # torch._foreach_norm is what torch.nn.utils.clip_grad_norm_ uses on CPU.
+        mem_norms = iter(torch._foreach_norm(in_mem, norm_type) if in_mem else ())
+        norms = [next(mem_norms) if g is not None else torch.linalg.vector_norm(
+            e.binding.store.read(e.binding.grad_handle).result(), norm_type) for e, g in grads]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
             raise RuntimeError(
@@ -1466,14 +1439,12 @@ class HostOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         if in_mem:
             torch._foreach_mul_(in_mem, coef)
-        for e in disk:
-            e.grad_scale = coef if e.grad_scale is None else e.grad_scale * coef
+        for e, g in grads:
+            if g is None:  # on disk: scaled as the step reads it
+                e.grad_scale = coef if e.grad_scale is None else e.grad_scale * coef
         return total
 
     # ------------------------------------------------------------------ state dicts
-    def _index_state(self, e: Entry) -> dict[str, Any] | None:
-        return _state.index_state(self, e)
-
     def state_dict(self) -> dict[str, Any]:
         """The same structure as ``optimizer_class(...).state_dict()`` for these parameters.
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from headroom.memory import track_this_thread
 from headroom.optim._entries import Bucket, Entry, same
+from headroom.optim._undo import wait_all
 from headroom.store import owned_pool
 
 __all__ = ["Overlap"]
@@ -76,9 +77,7 @@ class Overlap:
     def settle(self) -> None:
         """Wait for everything submitted, dropping errors (their step is being undone)."""
         futures, self._futures = self._futures, []
-        for f in futures:
-            with contextlib.suppress(BaseException):
-                f.exception()
+        wait_all(futures)
 
     @property
     def busy(self) -> bool:
@@ -145,10 +144,10 @@ class Overlap:
             cur.append(e)
             size += e.numel * 4
             if size >= self.bucket_bytes:
-                _bucket(cur)
+                Bucket(cur)
                 cur, size = [], 0
         if cur:
-            _bucket(cur)
+            Bucket(cur)
 
     def gradient_complete(self, e: Entry) -> None:
         """``e``'s gradient of this backward is complete: start its bucket once all are in."""
@@ -213,9 +212,3 @@ class Overlap:
             e.seen = None
         self.launched_hparams = {}
         self.failed = None
-
-
-def _bucket(entries: list[Entry]) -> None:
-    b = Bucket(entries)
-    for e in entries:
-        e.bucket = b

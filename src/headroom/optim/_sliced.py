@@ -196,9 +196,7 @@ _ALIGN = _vector_lanes()
 
 
 def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:])
     rows = max(1, slice_bytes // max(1, row * 4))
     step = _ALIGN // math.gcd(row, _ALIGN) if row else 1
     return max(step, rows // step * step)
@@ -225,10 +223,7 @@ class SliceRunner:
     def _buf(self, name: str, parity: int, handle: Handle, n_rows: int) -> torch.Tensor:
         """A reusable landing buffer for ``n_rows`` rows of ``handle`` (double-buffered)."""
         shape = (n_rows, *handle.shape[1:])
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * handle.dtype.itemsize
+        nbytes = math.prod(shape) * handle.dtype.itemsize
         buf = self._bufs.get((name, parity))
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -237,10 +232,6 @@ class SliceRunner:
         # otherwise count it as parameters or gradients through the inner optimizer's hooks).
         annotate(buf, "optimizer_state")
         return buf[:nbytes].view(handle.dtype).view(shape)
-
-    def release_buffers(self) -> None:
-        """Drop the landing buffers (they are re-created on the next sliced step)."""
-        self._bufs.clear()
 
     def _optimizer(self, gi: int, group: dict[str, Any]) -> torch.optim.Optimizer:
         opt = self._opts.get(gi)
@@ -266,10 +257,6 @@ class SliceRunner:
         with torch.device("cpu"):
             tmp = self.cls([work], **ctor_kwargs(self.cls, group))
         return dict(tmp.state.get(work, {}))
-
-    def step(self, src: SlicedParam, gi: int, group: dict[str, Any]) -> dict[str, Any]:
-        """Step one parameter; returns its new small state. State handles must exist."""
-        return self.step_many([(src, gi, group)])[0]
 
     def step_many(
         self, items: list[tuple[SlicedParam, int, dict[str, Any]]], txn: Txn | None = None
@@ -334,8 +321,8 @@ class SliceRunner:
                 # Host-memory slices with an undo tensor on disk: written out from the resting
                 # tensor itself (no copy), now, while an earlier slice is updated; the update
                 # of this one waits for it (`_keep`).
-                views = [("p", got["p"])] if not (src.shadow is not None and
-                                                  not src.initialized) else []
+                views = [] if src.shadow is not None and not src.initialized else [
+                    ("p", got["p"])]
                 views += [(k, v) for k, v in got.get("s", {}).items() if k not in src.spare]
                 got["undo"] = {name: src.undo[name][0].write_rows(src.undo[name][1], rows, v.t)
                                for name, v in views
@@ -411,7 +398,7 @@ class SliceRunner:
                                                          t.contiguous()))
             # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
-            if fresh or not _is_in_place(cur["p"]):
+            if fresh or isinstance(cur["p"], Future):
                 writes.append(src.master_store.write_rows(
                     src.master_handle if fresh else src.spare.get("p", src.master_handle),
                     rows, work))
@@ -446,27 +433,21 @@ class SliceRunner:
                 txn.ram_from(loaded.t, None, undo, rows)
                 return
             old = _result(loaded).clone()  # the update changes the landed slice in place
-            in_place = isinstance(loaded, _InPlace)
-            if undo is None:
-                if in_place:
-                    txn.ram(loaded.t, None, old)
-                    return
-                if mem is not None:
-                    txn.ram(mem, rows, old)
-                    return
-            elif mem is not None:  # a master in memory, its old values kept on a disk
-                rec = (loaded.t, None) if in_place else (mem, rows)
-                pending.append((undo[0].write_rows(undo[1], rows, old),
-                                ("ram-from", *rec, undo, rows),
-                                (loaded.t, None, old) if in_place else None))
-                return
-            if undo is None:
-                txn.stored_copy(store, handle, rows, old)
-                return
-            # in place (a host tensor): updated before the undo write is known to have landed
+            # in place (a host tensor): updated before an undo write is known to have landed
             ram = (loaded.t, None, old) if isinstance(loaded, _InPlace) else None
-            pending.append((undo[0].write_rows(undo[1], rows, old),
-                            (store, handle, rows, undo), ram))
+            if undo is None:
+                if ram is None and mem is not None:
+                    ram = (mem, rows, old)
+                if ram is not None:
+                    txn.ram(*ram)
+                else:
+                    txn.stored_copy(store, handle, rows, old)
+                return
+            if mem is not None:  # a master in memory, its old values kept on a disk
+                rec = ("ram-from", *(ram[:2] if ram else (mem, rows)), undo, rows)
+            else:
+                rec = (store, handle, rows, undo)
+            pending.append((undo[0].write_rows(undo[1], rows, old), rec, ram))
 
         fresh = src.shadow is not None and not src.initialized
         # (a master made from the low-precision value is new: nothing to keep)
@@ -589,10 +570,6 @@ def _result(x: Any) -> torch.Tensor:
     if isinstance(x, Future):
         return x.result()
     return x
-
-
-def _is_in_place(x: Any) -> bool:
-    return not isinstance(x, Future)
 
 
 def _is_view_of(t: torch.Tensor, src: Any) -> bool:

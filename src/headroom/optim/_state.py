@@ -59,16 +59,9 @@ def _local(t: Any) -> Any:
 def state_dict(opt: HostOptimizer) -> dict[str, Any]:
     """See `HostOptimizer.state_dict`."""
     opt._wait()
-    groups = []
-    for gi, g in enumerate(opt.param_groups):
-        packed = {k: v for k, v in g.items() if k != "params"}
-        packed["params"] = [e.index for e in opt._order if e.group == gi]
-        groups.append(packed)
-    state = {}
-    for e in opt._order:
-        st = index_state(opt, e)
-        if st:
-            state[e.index] = st
+    groups = [{**opt._hparams(gi), "params": [e.index for e in opt._order if e.group == gi]}
+              for gi in range(len(opt.param_groups))]
+    state = {e.index: st for e in opt._order if (st := index_state(opt, e))}
     return {"state": state, "param_groups": groups}
 
 
@@ -132,15 +125,11 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
                     e.master.copy_(master)
                 opt._masters_loaded.add(id(e))
     if opt._inner is not None:
-        inner_ids = {}
         order = [e for e in opt._order if not e.streamed]
-        for i, e in enumerate(order):
-            inner_ids[e] = i
-        inner_groups = []
-        for gi in sorted(opt._inner_index):
-            packed = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
-            packed["params"] = [inner_ids[e] for e in order if e.group == gi]
-            inner_groups.append(packed)
+        inner_ids = {e: i for i, e in enumerate(order)}
+        inner_groups = [{**opt._hparams(gi), "params": [inner_ids[e] for e in order
+                                                         if e.group == gi]}
+                        for gi in sorted(opt._inner_index)]
         opt._inner.load_state_dict({
             "state": {inner_ids[e]: st for e, st in inner_sd_state.items()},
             "param_groups": inner_groups,
@@ -168,7 +157,6 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
                    for k, v in st.items() if k not in e.state_handles and k != "master"}
         e.initialized = True
     opt._refresh_state_view()
-
 
 
 @dataclass(frozen=True)
@@ -210,8 +198,8 @@ class SavedView:
 def saved_view(opt: HostOptimizer) -> SavedView:
     """The state of ``opt`` for a checkpoint, after its step in flight (if any) ended."""
     opt._wait()
-    groups = [({k: v for k, v in g.items() if k != "params"},
-               [opt._entries[id(p)].index for p in g["params"]]) for g in opt.param_groups]
+    groups = [(opt._hparams(gi), [opt._entries[id(p)].index for p in g["params"]])
+              for gi, g in enumerate(opt.param_groups)]
     store = opt._state_store or opt._aux
     params = []
     for e in opt._order:

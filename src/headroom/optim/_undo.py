@@ -134,11 +134,6 @@ class Txn:
         """Whether spares wait to be exchanged into place (`run_exchanges`)."""
         return bool(self._exchanges)
 
-    @property
-    def empty(self) -> bool:
-        return (not self._records and not self._entries and not self.unprotected
-                and not self._exchanges)
-
     # ------------------------------------------------------------------ the end
     def undo(self) -> list[BaseException]:
         """Put the old values back, newest first; returns what failed (empty: all back)."""
@@ -148,20 +143,10 @@ class Txn:
                 if rec[0] == "call":
                     rec[1]()
                 elif rec[0] == "ram":
-                    _, t, rows, old = rec
-                    if rows is None:
-                        t.copy_(old)
-                    elif isinstance(rows, slice):
-                        t[rows].copy_(old)
-                    else:
-                        t.index_copy_(0, rows, old)
+                    _put(*rec[1:])
                 elif rec[0] == "ram-from":
                     _, t, rows, (ustore, uhandle), urows = rec
-                    old = ustore.read_rows(uhandle, urows).result()
-                    if rows is None:
-                        t.copy_(old)
-                    else:
-                        t.index_copy_(0, rows, old)
+                    _put(t, rows, ustore.read_rows(uhandle, urows).result())
                 elif rec[0] == "store":
                     _, store, handle, rows, (ustore, uhandle) = rec
                     old = ustore.read_rows(uhandle, rows).result()
@@ -181,19 +166,30 @@ class Txn:
                 fn()
             except BaseException as ex:  # noqa: BLE001 - as above
                 errors.append(ex)
+        self._clear()
+        return errors
+
+    def _clear(self) -> None:
         self._records, self._entries, self._after, self._commit = [], {}, [], []
         self._exchanges = []
-        return errors
 
     def end(self) -> None:
         """The step is over (committed or undone): drop what was kept, end reservations."""
-        self._records, self._entries, self._after, self._commit = [], {}, [], []
-        self._exchanges = []
+        self._clear()
         self.unprotected = 0
         stores, self.stores = self.stores, set()
         for s in stores:
             with contextlib.suppress(Exception):  # a closed store holds nothing
                 s.release_writes()
+
+
+def _put(t: torch.Tensor, rows: Any, old: torch.Tensor) -> None:
+    if rows is None:
+        t.copy_(old)
+    elif isinstance(rows, slice):
+        t[rows].copy_(old)
+    else:
+        t.index_copy_(0, rows, old)
 
 
 def wait_all(futures: list[Future]) -> None:

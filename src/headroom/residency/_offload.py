@@ -217,9 +217,10 @@ def offload(
                 " model.set_requires_gradient_sync(False) for all but the last backward keeps"
                 " the unsharded gradients there until it")
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
-        _install_optimizer_hook()  # torch.optim refused on shards on disk
-        return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
-                                        compute_dtype=compute_dtype, prefetch=prefetch)
+        _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
+                                 compute_dtype=compute_dtype, prefetch=prefetch)
+        _need(_dtensor.sharded_state_of(model))  # torch.optim refused on shards on disk
+        return model
     for name, m in model.named_modules():
         if hasattr(m, _ATTR):
             where = "the model" if m is model else f"its submodule {name!r}"
@@ -272,6 +273,7 @@ def offload(
     # the next owner (the finalizer holds the sets, not the state).
     weakref.finalize(state, claimed.difference_update, state.claims)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
+    _need(state)
     try:
         _place(state, st, dev, compute_dtype, lay, claimed, placed)
     except BaseException:
@@ -316,7 +318,6 @@ def offload(
             h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
             h.append(m.register_load_state_dict_pre_hook(
                 partial(Offload.load_state_dict_pre_hook, state)))
-    _install_optimizer_hook()
     if dev.type == "cpu":
         trim_heap()  # the device copies were allocated once above, and freed
     object.__setattr__(model, _ATTR, state)
@@ -336,7 +337,6 @@ def offload(
     return model
 
 
-_guard_handle = None
 # The parameter objects hr.offload replaced (a master on disk is a new StoreTensor parameter):
 # an optimizer built before hr.offload still holds them, and would step tensors the model no
 # longer uses. id -> the object (a weak reference: the model no longer holds it).
@@ -414,6 +414,9 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         placed.append((slot, params[pid], created))
         if master is not params[pid]:
             _REPLACED[id(params[pid])] = params[pid]
+            _need(params[pid])
+        if isinstance(master, StoreTensor):
+            _need(master)
         claimed.add(name)
         state.claims.add(name)
         target.slots.append(slot)
@@ -467,6 +470,7 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
     """Undo a failed `offload`: parameters back in their modules, store entries freed."""
     _LIVE.discard(state)
     _adopt.release_hooks()
+    _end_need(state)
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
@@ -474,6 +478,8 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
             _unplace_packed(state, st, claimed, slot, original, created)
             continue
         _REPLACED.pop(id(original), None)  # back in its module
+        _end_need(original)
+        _end_need(slot.param)
         host = st.host_tensor(slot.binding.handle)
         if original is slot.param and host is not None:
             with torch.no_grad():
@@ -524,60 +530,125 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
         )
 
 
-def _install_optimizer_hook() -> None:
+# [Note: the optimizer hooks live while something needs them]
+# torch's global optimizer step hooks see every optimizer of the process. They are installed
+# when the first thing they guard appears and removed when the last one goes: a live offload
+# state (plain or sharded; its device copies live and are refused with it), a parameter
+# `offload` replaced (an optimizer built before it still holds it) and a master on disk (a
+# store binding). Each is counted in _NEEDS (id -> its weakref.finalize), so garbage
+# collection ends its need as `unoffload` does.
+_NEEDS: dict[int, weakref.finalize] = {}
+_HOOKS: list = []  # the two handles while installed
+_RUNNING: list = []  # one entry per hook body running (list append/pop: atomic, lock-free)
+# optimizer -> (its groups' parameter lists, _EPOCH then, whether it holds anything guarded)
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EPOCH = [0]  # bumped whenever what is guarded changes: every verdict is recomputed
+
+
+def _need(obj) -> None:
+    """Keep the optimizer hooks installed while ``obj`` lives (or until `_end_need`)."""
+    _EPOCH[0] += 1
+    if id(obj) not in _NEEDS:
+        _NEEDS[id(obj)] = weakref.finalize(obj, _forget, id(obj))
+    if not _HOOKS:
+        _HOOKS.extend((register_optimizer_step_pre_hook(_before_step),
+                       register_optimizer_step_post_hook(_after_step)))
+
+
+def _end_need(obj) -> None:
+    """``obj`` no longer needs the hooks (unoffloaded, or put back by a failed offload)."""
+    f = _NEEDS.get(id(obj))
+    if f is not None and (f.peek() or (None,))[0] is obj:
+        f()
+
+
+def _forget(key: int) -> None:
+    # NOTE: runs in finalizers, on any thread: no locks, no joins. torch iterates the hook
+    # dicts while it calls the hooks, so while a hook body runs the handles stay (the next
+    # need's end removes them; meanwhile the hooks return at once).
+    _EPOCH[0] += 1
+    _NEEDS.pop(key, None)
+    if not _NEEDS and not _RUNNING:
+        while _HOOKS:
+            _HOOKS.pop().remove()
+
+
+def _guarded(opt) -> bool:
+    """Whether ``opt`` holds a parameter the hooks guard; cached per optimizer until its
+    groups or what is guarded change, so an unrelated optimizer's step costs O(groups)."""
+    lists = [g["params"] for g in opt.param_groups]
+    seen = _VERDICTS.get(opt)
+    if seen is not None and seen[1] == _EPOCH[0] and len(seen[0]) == len(lists) and all(
+            a is b and n == len(b) for (a, n), b in zip(seen[0], lists, strict=True)):
+        return seen[2]
+    hit = any(_REPLACED.get(id(p)) is p or type(p) is DeviceCopy or binding(p) is not None
+              for ps in lists for p in ps)
+    _VERDICTS[opt] = ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit)
+    return hit
+
+
+def _stepped(opt) -> list[Offload]:
+    # Only models with a parameter in this optimizer: another optimizer's step (perhaps
+    # on a host optimizer's worker thread, while this model runs) changes none of theirs.
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    return [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]
+
+
+def _before_step(opt, args, kwargs) -> None:
     """Before any optimizer step: release device copies the step would make stale, and make
     ``torch.optim`` optimizers fail clearly on parameters that live on disk."""
-    global _guard_handle
-    if _guard_handle is not None:
+    if getattr(opt, "_headroom_private", False) or not _NEEDS:
+        return  # a slice of a HostOptimizer's step (once per slice: kept cheap)
+    _RUNNING.append(None)
+    try:
+        if _guarded(opt):
+            for state in _stepped(opt):
+                state.before_optimizer_step()
+            _refuse(opt)
+    finally:
+        _RUNNING.pop()
+
+
+def _refuse(opt) -> None:
+    own = type(opt).__module__.startswith("headroom.")
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if _REPLACED.get(id(p)) is p:
+                raise RuntimeError(
+                    f"{type(opt).__name__} was built before hr.offload, which replaced"
+                    f" a parameter of shape {tuple(p.shape)} by one whose values rest in"
+                    " the store: this optimizer would step a tensor the model no longer"
+                    " uses. Nothing was stepped; build the optimizer after hr.offload,"
+                    " from model.parameters()")
+            if type(p) is DeviceCopy:
+                raise RuntimeError(
+                    f"{type(opt).__name__} was given the device copies of offloaded"
+                    " parameters (model.parameters() was listed during the model's forward"
+                    " or backward), which training never updates. Build the optimizer from"
+                    " model.parameters() outside forward and backward"
+                )
+            # Headroom's own optimizers read parameters through their bindings.
+            if not own and binding(p) is not None and (
+                    isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
+                raise RuntimeError(
+                    f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
+                    " their values are on disk, not in memory. Use"
+                    f" hr.HostOptimizer(model.parameters(), torch.optim.{type(opt).__name__},"
+                    " ...) which streams them through the store, or offload with"
+                    " store='cpu'"
+                )
+
+
+def _after_step(opt, args, kwargs) -> None:
+    if getattr(opt, "_headroom_private", False) or not _NEEDS:
         return
-
-    def stepped(opt) -> list[Offload]:
-        # Only models with a parameter in this optimizer: another optimizer's step (perhaps
-        # on a host optimizer's worker thread, while this model runs) changes none of theirs.
-        ids = {id(p) for g in opt.param_groups for p in g["params"]}
-        return [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]
-
-    def before_step(opt, args, kwargs):
-        if getattr(opt, "_headroom_private", False):
-            return  # a slice of a HostOptimizer's step (once per slice: kept cheap)
-        for state in stepped(opt):
-            state.before_optimizer_step()
-        own = type(opt).__module__.startswith("headroom.")
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if _REPLACED.get(id(p)) is p:
-                    raise RuntimeError(
-                        f"{type(opt).__name__} was built before hr.offload, which replaced"
-                        f" a parameter of shape {tuple(p.shape)} by one whose values rest in"
-                        " the store: this optimizer would step a tensor the model no longer"
-                        " uses. Nothing was stepped; build the optimizer after hr.offload,"
-                        " from model.parameters()")
-                if type(p) is DeviceCopy:
-                    raise RuntimeError(
-                        f"{type(opt).__name__} was given the device copies of offloaded"
-                        " parameters (model.parameters() was listed during the model's forward"
-                        " or backward), which training never updates. Build the optimizer from"
-                        " model.parameters() outside forward and backward"
-                    )
-                # Headroom's own optimizers read parameters through their bindings.
-                if not own and binding(p) is not None and (
-                        isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
-                    raise RuntimeError(
-                        f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
-                        " their values are on disk, not in memory. Use"
-                        f" hr.HostOptimizer(model.parameters(), torch.optim.{type(opt).__name__},"
-                        " ...) which streams them through the store, or offload with"
-                        " store='cpu'"
-                    )
-
-    def after_step(opt, args, kwargs):
-        if getattr(opt, "_headroom_private", False):
-            return
-        for state in stepped(opt):
-            state.after_optimizer_step()
-
-    _guard_handle = (register_optimizer_step_pre_hook(before_step),
-                     register_optimizer_step_post_hook(after_step))
+    _RUNNING.append(None)
+    try:
+        if _guarded(opt):
+            for state in _stepped(opt):
+                state.after_optimizer_step()
+    finally:
+        _RUNNING.pop()
 
 
 def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
@@ -669,8 +740,10 @@ def unoffload(model: nn.Module) -> nn.Module:
     Example:
         >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
-    if _dtensor.sharded_state_of(model) is not None:
-        return _dtensor.unoffload_sharded(model)
+    if (sharded := _dtensor.sharded_state_of(model)) is not None:
+        _dtensor.unoffload_sharded(model)
+        _end_need(sharded)
+        return model
     state = state_of(model)
     if Phase.BACKWARD in state.phase and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
@@ -689,6 +762,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         _guard.remove(b.module)
     _LIVE.discard(state)
     _adopt.release_hooks()
+    _end_need(state)
     for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             _outside.remove(m)
@@ -711,6 +785,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         release_claim(state, b.handle.key)
         unbind(s.param)
         unmark(s.param)
+        _end_need(s.param)  # a master on disk: replaced below, no longer bound
         if isinstance(s.param, StoreTensor):
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)
         else:

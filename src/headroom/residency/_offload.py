@@ -5,6 +5,7 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import warnings
@@ -540,8 +541,8 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
 _NEEDS: dict[int, weakref.finalize] = {}
 _HOOKS: list = []  # the two handles while installed
 _RUNNING: list = []  # one entry per hook body running (list append/pop: atomic, lock-free)
-# optimizer -> (its groups' parameter lists, _EPOCH then, whether it holds anything guarded)
-_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# on an optimizer: (its groups' parameter lists, _EPOCH then, whether it holds anything guarded)
+_VERDICT = "_headroom_guarded"
 _EPOCH = [0]  # bumped whenever what is guarded changes: every verdict is recomputed
 
 
@@ -577,13 +578,16 @@ def _guarded(opt) -> bool:
     """Whether ``opt`` holds a parameter the hooks guard; cached per optimizer until its
     groups or what is guarded change, so an unrelated optimizer's step costs O(groups)."""
     lists = [g["params"] for g in opt.param_groups]
-    seen = _VERDICTS.get(opt)
+    seen = getattr(opt, _VERDICT, None)
     if seen is not None and seen[1] == _EPOCH[0] and len(seen[0]) == len(lists) and all(
             a is b and n == len(b) for (a, n), b in zip(seen[0], lists, strict=True)):
         return seen[2]
     hit = any(_REPLACED.get(id(p)) is p or type(p) is DeviceCopy or binding(p) is not None
               for ps in lists for p in ps)
-    _VERDICTS[opt] = ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit)
+    # NOTE: on the optimizer, not in a map keyed by it: the lists it holds anyway stay its
+    # own (a module-level map would hold a dropped model one collection longer)
+    with contextlib.suppress(AttributeError):
+        setattr(opt, _VERDICT, ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit))
     return hit
 
 

@@ -5,7 +5,6 @@ See `headroom.residency._schedule` for how blocks move between the store and the
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import warnings
@@ -532,17 +531,15 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
 
 
 # [Note: the optimizer hooks live while something needs them]
-# torch's global optimizer step hooks see every optimizer of the process. They are installed
-# when the first thing they guard appears and removed when the last one goes: a live offload
-# state (plain or sharded; its device copies live and are refused with it), a parameter
-# `offload` replaced (an optimizer built before it still holds it) and a master on disk (a
-# store binding). Each is counted in _NEEDS (id -> its weakref.finalize), so garbage
-# collection ends its need as `unoffload` does.
+# torch's global optimizer step hooks see every optimizer of the process: installed with the
+# first thing they guard, removed with the last (unoffloaded, put back by a failed offload, or
+# collected: weakref.finalize): a live offload state (plain or sharded; its device copies are
+# refused with it), a parameter `offload` replaced (an optimizer built before holds it), a
+# master on disk. _NEEDS: id -> its finalizer.
 _NEEDS: dict[int, weakref.finalize] = {}
 _HOOKS: list = []  # the two handles while installed
 _RUNNING: list = []  # one entry per hook body running (list append/pop: atomic, lock-free)
-# on an optimizer: (its groups' parameter lists, _EPOCH then, whether it holds anything guarded)
-_VERDICT = "_headroom_guarded"
+_VERDICT = "_headroom_guarded"  # on an optimizer: (its param lists, _EPOCH, holds guarded?)
 _EPOCH = [0]  # bumped whenever what is guarded changes: every verdict is recomputed
 
 
@@ -552,12 +549,11 @@ def _need(obj) -> None:
     if id(obj) not in _NEEDS:
         _NEEDS[id(obj)] = weakref.finalize(obj, _forget, id(obj))
     if not _HOOKS:
-        _HOOKS.extend((register_optimizer_step_pre_hook(_before_step),
-                       register_optimizer_step_post_hook(_after_step)))
+        _HOOKS.extend((register_optimizer_step_pre_hook(partial(_on_step, False)),
+                       register_optimizer_step_post_hook(partial(_on_step, True))))
 
 
 def _end_need(obj) -> None:
-    """``obj`` no longer needs the hooks (unoffloaded, or put back by a failed offload)."""
     f = _NEEDS.get(id(obj))
     if f is not None and (f.peek() or (None,))[0] is obj:
         f()
@@ -586,28 +582,25 @@ def _guarded(opt) -> bool:
               for ps in lists for p in ps)
     # NOTE: on the optimizer, not in a map keyed by it: the lists it holds anyway stay its
     # own (a module-level map would hold a dropped model one collection longer)
-    with contextlib.suppress(AttributeError):
-        setattr(opt, _VERDICT, ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit))
+    setattr(opt, _VERDICT, ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit))
     return hit
 
 
-def _stepped(opt) -> list[Offload]:
-    # Only models with a parameter in this optimizer: another optimizer's step (perhaps
-    # on a host optimizer's worker thread, while this model runs) changes none of theirs.
-    ids = {id(p) for g in opt.param_groups for p in g["params"]}
-    return [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]
-
-
-def _before_step(opt, args, kwargs) -> None:
+def _on_step(after: bool, opt, args, kwargs) -> None:
     """Before any optimizer step: release device copies the step would make stale, and make
-    ``torch.optim`` optimizers fail clearly on parameters that live on disk."""
+    ``torch.optim`` optimizers fail clearly on parameters that live on disk; after it, fetch."""
     if getattr(opt, "_headroom_private", False) or not _NEEDS:
         return  # a slice of a HostOptimizer's step (once per slice: kept cheap)
     _RUNNING.append(None)
     try:
-        if _guarded(opt):
-            for state in _stepped(opt):
-                state.before_optimizer_step()
+        if not _guarded(opt):
+            return
+        # Only models with a parameter in this optimizer: another optimizer's step (perhaps
+        # on a host optimizer's worker thread, while this model runs) changes none of theirs.
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        for state in [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]:
+            (state.after_optimizer_step if after else state.before_optimizer_step)()
+        if not after:
             _refuse(opt)
     finally:
         _RUNNING.pop()
@@ -641,18 +634,6 @@ def _refuse(opt) -> None:
                     " ...) which streams them through the store, or offload with"
                     " store='cpu'"
                 )
-
-
-def _after_step(opt, args, kwargs) -> None:
-    if getattr(opt, "_headroom_private", False) or not _NEEDS:
-        return
-    _RUNNING.append(None)
-    try:
-        if _guarded(opt):
-            for state in _stepped(opt):
-                state.after_optimizer_step()
-    finally:
-        _RUNNING.pop()
 
 
 def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:

@@ -314,6 +314,26 @@ def test_an_optimizer_built_before_offload_steps_exactly_or_is_refused(store, ki
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_an_optimizer_that_stepped_before_offload_is_refused_after_it_and_unoffload(tmp_path):
+    # The step hooks remember per optimizer that it holds nothing offloaded (an unrelated
+    # optimizer costs no walk over its parameters): that verdict must not survive hr.offload
+    # of its parameters, nor the refusal of the parameters it replaced survive hr.unoffload.
+    other = _offload(_net())  # the hooks are installed, verdicts are kept
+    model = _net()
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    _train(model, early, steps=1)  # an unrelated optimizer: verdict "nothing guarded"
+    _offload(model, DiskStore(tmp_path / "s", threads=2))
+    for offloaded in (True, False):  # while offloaded, then after hr.unoffload
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match="built before hr.offload.*Nothing was stepped"):
+            _train(model, early, steps=1)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        if offloaded:
+            model.zero_grad(set_to_none=True)
+            hr.unoffload(model)
+    del other
+
+
 def test_a_host_optimizer_across_unoffload_is_refused_and_its_state_moves(store):
     # Kept across hr.unoffload it would step for where the parameters rested before; the fix
     # its message names (a new HostOptimizer, the state moved over) trains on exactly.

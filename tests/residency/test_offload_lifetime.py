@@ -205,12 +205,15 @@ _HOOKS_CHILD = """
 import gc, sys, warnings
 import torch.nn as nn
 from torch.nn.modules import module
+from torch.optim import optimizer
 import headroom as hr
 from headroom.residency import state_of
 
 def counts():
     return (len(module._global_module_registration_hooks),
-            len(module._global_parameter_registration_hooks))
+            len(module._global_parameter_registration_hooks),
+            len(optimizer._global_optimizer_pre_hooks),
+            len(optimizer._global_optimizer_post_hooks))
 
 def offload():
     with warnings.catch_warnings():
@@ -244,7 +247,8 @@ print(out)
 
 @pytest.mark.parametrize("drop", ["collected", "unoffload"])
 def test_process_wide_registration_hooks_live_only_while_a_model_is_offloaded(drop):
-    # torch's registration hooks see every module of the process: installed with the first
+    # torch's registration and optimizer step hooks see every module and optimizer of the
+    # process: installed with the first
     # offloaded model (one pair, shared), gone with the last one (dropped and collected, or
     # unoffloaded)
     import subprocess
@@ -252,5 +256,5 @@ def test_process_wide_registration_hooks_live_only_while_a_model_is_offloaded(dr
 
     run = subprocess.run([sys.executable, "-c", _HOOKS_CHILD, drop], capture_output=True,
                          text=True, timeout=120, check=True)
-    none, one = (0, 0), (1, 1)
+    none, one = (0, 0, 0, 0), (1, 1, 1, 1)
     assert run.stdout.strip() == str([none, one, True, one, none, one, none]), run.stderr

@@ -218,9 +218,10 @@ def offload(
                 " model.set_requires_gradient_sync(False) for all but the last backward keeps"
                 " the unsharded gradients there until it")
         # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
-        _install_optimizer_hook()  # torch.optim refused on shards on disk
-        return _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
-                                        compute_dtype=compute_dtype, prefetch=prefetch)
+        _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
+                                 compute_dtype=compute_dtype, prefetch=prefetch)
+        _need(_dtensor.sharded_state_of(model))  # torch.optim refused on shards on disk
+        return model
     return _offload(model, dev, store, blocks, prefetch, compute_dtype, grad_accumulation,
                     adapters)
 
@@ -314,6 +315,7 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
     # the next owner (the finalizer holds the sets, not the state).
     weakref.finalize(state, claimed.difference_update, state.claims)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
+    _need(state)
     try:
         _place(state, st, dev, compute_dtype, lay, claimed, placed)
     except BaseException:
@@ -358,7 +360,6 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
             h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
             h.append(m.register_load_state_dict_pre_hook(
                 partial(Offload.load_state_dict_pre_hook, state)))
-    _install_optimizer_hook()
     if dev.type == "cpu":
         trim_heap()  # the device copies were allocated once above, and freed
     object.__setattr__(model, _ATTR, state)
@@ -378,7 +379,6 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
     return model
 
 
-_guard_handle = None
 # The parameter objects hr.offload replaced (a master on disk is a new StoreTensor parameter):
 # an optimizer built before hr.offload still holds them, and would step tensors the model no
 # longer uses. id -> the object (a weak reference: the model no longer holds it).
@@ -456,6 +456,9 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         placed.append((slot, params[pid], created))
         if master is not params[pid]:
             _REPLACED[id(params[pid])] = params[pid]
+            _need(params[pid])
+        if isinstance(master, StoreTensor):
+            _need(master)
         claimed.add(name)
         state.claims.add(name)
         target.slots.append(slot)
@@ -509,6 +512,7 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
     """Undo a failed `offload`: parameters back in their modules, store entries freed."""
     _LIVE.discard(state)
     _adopt.release_hooks()
+    _end_need(state)
     for h in state.handles:
         h.remove()
     for slot, original, created in reversed(placed):
@@ -516,6 +520,8 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
             _unplace_packed(state, st, claimed, slot, original, created)
             continue
         _REPLACED.pop(id(original), None)  # back in its module
+        _end_need(original)
+        _end_need(slot.param)
         host = st.host_tensor(slot.binding.handle)
         if original is slot.param and host is not None:
             with torch.no_grad():
@@ -566,60 +572,110 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
         )
 
 
-def _install_optimizer_hook() -> None:
-    """Before any optimizer step: release device copies the step would make stale, and make
-    ``torch.optim`` optimizers fail clearly on parameters that live on disk."""
-    global _guard_handle
-    if _guard_handle is not None:
-        return
+# [Note: the optimizer hooks live while something needs them]
+# torch's global optimizer step hooks see every optimizer of the process: installed with the
+# first thing they guard, removed with the last (unoffloaded, put back by a failed offload, or
+# collected: weakref.finalize): a live offload state (plain or sharded; its device copies are
+# refused with it), a parameter `offload` replaced (an optimizer built before holds it), a
+# master on disk. _NEEDS: id -> its finalizer.
+_NEEDS: dict[int, weakref.finalize] = {}
+_HOOKS: list = []  # the two handles while installed
+_RUNNING: list = []  # one entry per hook body running (list append/pop: atomic, lock-free)
+_VERDICT = "_headroom_guarded"  # on an optimizer: (its param lists, _EPOCH, holds guarded?)
+_EPOCH = [0]  # bumped whenever what is guarded changes: every verdict is recomputed
 
-    def stepped(opt) -> list[Offload]:
+
+def _need(obj) -> None:
+    """Keep the optimizer hooks installed while ``obj`` lives (or until `_end_need`)."""
+    _EPOCH[0] += 1
+    if id(obj) not in _NEEDS:
+        _NEEDS[id(obj)] = weakref.finalize(obj, _forget, id(obj))
+    if not _HOOKS:
+        _HOOKS.extend((register_optimizer_step_pre_hook(partial(_on_step, False)),
+                       register_optimizer_step_post_hook(partial(_on_step, True))))
+
+
+def _end_need(obj) -> None:
+    f = _NEEDS.get(id(obj))
+    if f is not None and (f.peek() or (None,))[0] is obj:
+        f()
+
+
+def _forget(key: int) -> None:
+    # NOTE: runs in finalizers, on any thread: no locks, no joins. torch iterates the hook
+    # dicts while it calls the hooks, so while a hook body runs the handles stay (the next
+    # need's end removes them; meanwhile the hooks return at once).
+    _EPOCH[0] += 1
+    _NEEDS.pop(key, None)
+    if not _NEEDS and not _RUNNING:
+        while _HOOKS:
+            _HOOKS.pop().remove()
+
+
+def _guarded(opt) -> bool:
+    """Whether ``opt`` holds a parameter the hooks guard; cached per optimizer until its
+    groups or what is guarded change, so an unrelated optimizer's step costs O(groups)."""
+    lists = [g["params"] for g in opt.param_groups]
+    seen = getattr(opt, _VERDICT, None)
+    if seen is not None and seen[1] == _EPOCH[0] and len(seen[0]) == len(lists) and all(
+            a is b and n == len(b) for (a, n), b in zip(seen[0], lists, strict=True)):
+        return seen[2]
+    hit = any(_REPLACED.get(id(p)) is p or type(p) is DeviceCopy or binding(p) is not None
+              for ps in lists for p in ps)
+    # NOTE: on the optimizer, not in a map keyed by it: the lists it holds anyway stay its
+    # own (a module-level map would hold a dropped model one collection longer)
+    setattr(opt, _VERDICT, ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit))
+    return hit
+
+
+def _on_step(after: bool, opt, args, kwargs) -> None:
+    """Before any optimizer step: release device copies the step would make stale, and make
+    ``torch.optim`` optimizers fail clearly on parameters that live on disk; after it, fetch."""
+    if getattr(opt, "_headroom_private", False) or not _NEEDS:
+        return  # a slice of a HostOptimizer's step (once per slice: kept cheap)
+    _RUNNING.append(None)
+    try:
+        if not _guarded(opt):
+            return
         # Only models with a parameter in this optimizer: another optimizer's step (perhaps
         # on a host optimizer's worker thread, while this model runs) changes none of theirs.
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
-        return [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]
+        for state in [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]:
+            (state.after_optimizer_step if after else state.before_optimizer_step)()
+        if not after:
+            _refuse(opt)
+    finally:
+        _RUNNING.pop()
 
-    def before_step(opt, args, kwargs):
-        if getattr(opt, "_headroom_private", False):
-            return  # a slice of a HostOptimizer's step (once per slice: kept cheap)
-        for state in stepped(opt):
-            state.before_optimizer_step()
-        own = type(opt).__module__.startswith("headroom.")
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if _REPLACED.get(id(p)) is p:
-                    raise RuntimeError(
-                        f"{type(opt).__name__} was built before hr.offload, which replaced"
-                        f" a parameter of shape {tuple(p.shape)} by one whose values rest in"
-                        " the store: this optimizer would step a tensor the model no longer"
-                        " uses. Nothing was stepped; build the optimizer after hr.offload,"
-                        " from model.parameters()")
-                if type(p) is DeviceCopy:
-                    raise RuntimeError(
-                        f"{type(opt).__name__} was given the device copies of offloaded"
-                        " parameters (model.parameters() was listed during the model's forward"
-                        " or backward), which training never updates. Build the optimizer from"
-                        " model.parameters() outside forward and backward"
-                    )
-                # Headroom's own optimizers read parameters through their bindings.
-                if not own and binding(p) is not None and (
-                        isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
-                    raise RuntimeError(
-                        f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
-                        " their values are on disk, not in memory. Use"
-                        f" hr.HostOptimizer(model.parameters(), torch.optim.{type(opt).__name__},"
-                        " ...) which streams them through the store, or offload with"
-                        " store='cpu'"
-                    )
 
-    def after_step(opt, args, kwargs):
-        if getattr(opt, "_headroom_private", False):
-            return
-        for state in stepped(opt):
-            state.after_optimizer_step()
-
-    _guard_handle = (register_optimizer_step_pre_hook(before_step),
-                     register_optimizer_step_post_hook(after_step))
+def _refuse(opt) -> None:
+    own = type(opt).__module__.startswith("headroom.")
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if _REPLACED.get(id(p)) is p:
+                raise RuntimeError(
+                    f"{type(opt).__name__} was built before hr.offload, which replaced"
+                    f" a parameter of shape {tuple(p.shape)} by one whose values rest in"
+                    " the store: this optimizer would step a tensor the model no longer"
+                    " uses. Nothing was stepped; build the optimizer after hr.offload,"
+                    " from model.parameters()")
+            if type(p) is DeviceCopy:
+                raise RuntimeError(
+                    f"{type(opt).__name__} was given the device copies of offloaded"
+                    " parameters (model.parameters() was listed during the model's forward"
+                    " or backward), which training never updates. Build the optimizer from"
+                    " model.parameters() outside forward and backward"
+                )
+            # Headroom's own optimizers read parameters through their bindings.
+            if not own and binding(p) is not None and (
+                    isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
+                raise RuntimeError(
+                    f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
+                    " their values are on disk, not in memory. Use"
+                    f" hr.HostOptimizer(model.parameters(), torch.optim.{type(opt).__name__},"
+                    " ...) which streams them through the store, or offload with"
+                    " store='cpu'"
+                )
 
 
 def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
@@ -711,8 +767,10 @@ def unoffload(model: nn.Module) -> nn.Module:
     Example:
         >>> model = hr.unoffload(model)   # doctest: +SKIP
     """
-    if _dtensor.sharded_state_of(model) is not None:
-        return _dtensor.unoffload_sharded(model)
+    if (sharded := _dtensor.sharded_state_of(model)) is not None:
+        _dtensor.unoffload_sharded(model)
+        _end_need(sharded)
+        return model
     state = state_of(model)
     if Phase.BACKWARD in state.phase and in_backward():
         raise RuntimeError("cannot unoffload during a backward pass")
@@ -731,6 +789,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         _guard.remove(b.module)
     _LIVE.discard(state)
     _adopt.release_hooks()
+    _end_need(state)
     for s in [*state.slots, *state.packed]:
         for m, _ in s.owners:
             _outside.remove(m)
@@ -753,6 +812,7 @@ def unoffload(model: nn.Module) -> nn.Module:
         release_claim(state, b.handle.key)
         unbind(s.param)
         unmark(s.param)
+        _end_need(s.param)  # a master on disk: replaced below, no longer bound
         if isinstance(s.param, StoreTensor):
             p = nn.Parameter(value, requires_grad=s.param.requires_grad)
         else:

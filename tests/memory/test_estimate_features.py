@@ -290,3 +290,20 @@ def test_gradients_held_on_the_device_as_measured(overlap, tmp_path):
     if not overlap:  # all held at once until step(), counted as gradients
         assert ests["device"].max_by_category["gradients"] == grads
         assert ests["store"].max_by_category["gradients"] < grads // 2
+
+
+def test_frozen_blocks_in_host_memory_on_a_cpu_target_to_the_byte():
+    """Frozen blocks offloaded to host memory on the CPU: their device copies show the masters'
+    memory (no copy per step), and the estimate, which runs the same code, says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)], nn.Linear(256, 8))
+    for block in model[:4]:
+        block.requires_grad_(False)
+    hr.offload(model, device="cpu", store="cpu", blocks=list(model[:4]))
+    x = torch.randn(16, 256)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    mem = measure(model, (x,), opt, loss=torch.sum)
+    est = estimate(model, (x,), loss_fn=torch.sum, optimizer=opt)
+    assert mem.peak < 1.1 * 4 * (256 * 257 * 4)  # the masters, not masters and copies
+    assert est.peak == mem.peak
+    assert est.max_by_category == mem.max_by_category

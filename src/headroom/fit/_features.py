@@ -259,6 +259,8 @@ class DryRunFeatures:
                 blocks=None if c.blocks is None else [module.get_submodule(n) for n in c.blocks],
                 grad_accumulation=c.grad_accumulation, adapters=c.adapters, kept=c.kept)
             state.res.mover = InstantMover(store, accelerated=not self.cpu)
+            # a CPU target's frozen device copies show their masters' memory, as for real
+            state.res.shares = self.cpu and store.host
             self.offloads.append(state)
 
     def optimizer(self, params: list[nn.Parameter], base: Any,

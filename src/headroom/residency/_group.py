@@ -145,7 +145,7 @@ class Residency:
         self._trimmer = (HeapTrimmer(32 << 20) if device.type == "cpu"
                          and not store.holds_host_memory else None)
         # See [Note: shared device copies].
-        self._shares = device.type == "cpu" and store.holds_host_memory
+        self.shares = device.type == "cpu" and store.holds_host_memory
 
     def fetch(self, group: Group) -> None:
         """Start bringing a group to the device (no wait; the modules still hold the masters).
@@ -159,7 +159,7 @@ class Residency:
         with torch._C.DisableTorchFunctionSubclass():  # masters' reads as plain tensors'
             for s in group.slots:
                 _check_master(s)
-                if not (self._shares and self._share(s)):
+                if not (self.shares and self._share(s)):
                     copied.append(s)
         items = []
         for s in copied:

@@ -101,3 +101,34 @@ def test_parameter_replaced_after_offload_takes_its_place(store, tmp_path):
             for m in (ref, model)]
     _train((ref, model), opts)
     _same(model, ref)
+
+
+def test_a_failed_join_leaves_the_offloaded_model_as_it_was(tmp_path, monkeypatch):
+    """Placing a new layer fails half-way (a full disk, say): the new layer's parameters are
+    back in its module and the model keeps its offload (schedule, hooks, optimizer checks)
+    and trains like plain."""
+    from headroom.residency import _adopt
+
+    torch.manual_seed(0)
+    ref = Transformer(d=8, n=3)
+    model = copy.deepcopy(ref)
+    _offload(model, "disk", tmp_path)
+    state = state_of(model)
+    place, unplace = _adopt._placement
+
+    def failing(state, st, dev, dtype, lay, claimed, placed):
+        place(state, st, dev, dtype, lay, claimed, placed)
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(_adopt, "_placement", (failing, unplace))
+    extra = nn.Linear(8, 8)
+    with pytest.raises(OSError, match="no space"):
+        model.layers[1].extra = extra
+    monkeypatch.setattr(_adopt, "_placement", (place, unplace))
+    assert binding(extra.weight) is None and state_of(model) is state
+    assert state in _adopt._LIVE and state.handles
+    assert not hasattr(model.layers[1], "extra")
+    opts = [hr.HostOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, fused=False)
+            for m in (ref, model)]
+    _train((ref, model), opts)
+    _same(model, ref)

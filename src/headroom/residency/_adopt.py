@@ -52,15 +52,15 @@ _HANDLES: list = []  # the registration hooks' handles, while a model is offload
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 # How hr.offload places parameters and undoes a failed placement (`_offload._place` and
-# `_rollback`, handed down by that module, which builds on this one, when imported): parameters
+# `_unplace`, handed down by that module, which builds on this one, when imported): parameters
 # added later are placed the same way.
 _placement: tuple[Callable, Callable] | None = None
 
 
-def use_placement(place: Callable, rollback: Callable) -> None:
+def use_placement(place: Callable, unplace: Callable) -> None:
     """Called by `headroom.residency._offload` when imported."""
     global _placement
-    _placement = (place, rollback)
+    _placement = (place, unplace)
 # NOTE: an offload state's `_Members` rests on the state itself, not in a module-level map
 # keyed by the state: its groups lead back to the state (group -> module -> guard role ->
 # state), so a weak-keyed map would keep every offloaded model alive for good.
@@ -265,7 +265,7 @@ def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parame
 def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> list[Slot]:
     """Place parameters new to the model in its store, in ``home``'s group (None: outside)."""
     assert _placement is not None  # install() is called by hr.offload only
-    _place, _rollback = _placement
+    _place, _unplace = _placement
     params: dict[int, nn.Parameter] = {}  # registered parameter's id -> what is placed
     names: dict[int, str] = {}
     owners: dict[int, list] = {}
@@ -308,7 +308,7 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
     try:
         _place(state, st, state.device, state.compute_dtype, lay, claimed, placed)
     except BaseException:
-        _rollback(state, st, claimed, placed)
+        _unplace(state, st, claimed, placed)  # the parameters already there stay offloaded
         raise
     _copyable(state, [slot for slot, _, _ in placed])
     info.plan_stale = True

@@ -515,6 +515,12 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
     _end_need(state)
     for h in state.handles:
         h.remove()
+    _unplace(state, st, claimed, placed)
+
+
+def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
+    """Undo the placement of ``placed`` (parameters back in their modules, store entries
+    freed); the rest of the offloaded model is left as it is."""
     for slot, original, created in reversed(placed):
         if slot is None or isinstance(slot, Packed):
             _unplace_packed(state, st, claimed, slot, original, created)
@@ -533,9 +539,14 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
         state.claims.discard(slot.binding.handle.key)
+        for coll in (slot.group.slots, state.slots):  # as `_unplace_packed` does
+            if slot in coll:
+                coll.remove(slot)
+        state.by_dev.pop(id(slot.dev), None)
+        state.by_param.pop(id(slot.param), None)
 
 
-_adopt.use_placement(_place, _rollback)  # parameters added later are placed alike
+_adopt.use_placement(_place, _unplace)  # parameters added later are placed alike
 
 
 def release_claim(state: Offload, key: str) -> None:

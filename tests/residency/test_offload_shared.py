@@ -230,3 +230,40 @@ def test_unfrozen_after_prefetch_trains_like_plain(opt):
     assert torch.equal(emb.weight, ref_emb.weight)
     for (n, p), q in zip(body.named_parameters(), ref_body.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_interrupted_step_leaves_the_masters_and_trains_like_plain(where):
+    """Ctrl-C in a block's forward or backward while its device copies show the masters'
+    memory: the copies get their own (empty) storage back (at once, or at the next parameter
+    listing after backward), the masters are untouched, and the step run again trains
+    bitwise like plain."""
+    emb, body = _pair()
+    ref_emb, ref_body = copy.deepcopy(emb), copy.deepcopy(body)
+    hr.offload(body, device="cpu", store="cpu")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_emb.parameters(), lr=0.1)
+    for i in range(2):
+        _step(emb, body, opt, _ids(i))
+        _step(ref_emb, ref_body, ref_opt, _ids(i))
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    def in_backward(module, args, out):
+        out.register_hook(interrupt)  # raised when backward reaches this block
+
+    handle = body[1].register_forward_hook(interrupt if where == "forward" else in_backward)
+    with pytest.raises(KeyboardInterrupt):
+        _step(emb, body, opt, _ids(2))
+    handle.remove()
+    opt.zero_grad()
+    list(body.parameters())  # after a backward cut short, listing releases (docs/offload.md)
+    state = state_of(body)
+    assert all(s.dev.untyped_storage().nbytes() == 0 and not s.shared for s in state.slots)
+    for (n, p), q in zip(body.named_parameters(), ref_body.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    for i in range(2, 4):
+        assert torch.equal(_step(emb, body, opt, _ids(i)),
+                           _step(ref_emb, ref_body, ref_opt, _ids(i)))
+    assert torch.equal(emb.weight, ref_emb.weight)

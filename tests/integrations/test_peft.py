@@ -491,3 +491,50 @@ def test_switching_adapters_with_model_zero_grad_steps_only_the_active_one(store
     for name in ("one", "two"):  # each adapter was trained in its steps
         k = next(k for k in want if f".lora_A.{name}." in k)
         assert not torch.equal(want[k], fresh[k]), k
+
+
+def test_lora_over_a_bf16_base_in_host_memory_with_a_32k_vocabulary():
+    """A bf16 base with a 32k vocabulary (the output layer a block of its own) in host memory on
+    the CPU, LoRA on every linear layer, clipped: bitwise the resident PEFT model, and the frozen
+    base is not copied per step (its device copies show the stored weights)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.n += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=32000, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).requires_grad_(False)
+    lora = peft.LoraConfig(r=8, target_modules="all-linear")
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    hr.offload(base, device="cpu", store="cpu")
+    assert [s.name for s in state_of(base).blocks[-1].slots] == ["lm_head.weight"]
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, lora)
+    ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(0))
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+            for m in (ref, model)]
+    copies = []
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((ref, model), opts, strict=True):
+            Copies.n = 0
+            with Copies():
+                loss = m(input_ids=ids, labels=ids).loss
+                loss.backward()
+            copies.append(Copies.n)
+            torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+    assert copies[-1] == copies[-2]  # forward and backward copy no more than the resident model
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(p, q), n

@@ -267,3 +267,29 @@ def test_interrupted_step_leaves_the_masters_and_trains_like_plain(where):
         assert torch.equal(_step(emb, body, opt, _ids(i)),
                            _step(ref_emb, ref_body, ref_opt, _ids(i)))
     assert torch.equal(emb.weight, ref_emb.weight)
+
+
+def test_shared_blocks_are_fetched_once_per_step(monkeypatch):
+    """A block whose device copies all show their masters stays resident from its forward to
+    the end of the backward: not fetched again for the backward, its inputs not watched."""
+    from headroom.residency._group import Residency
+    from headroom.residency._schedule import _AfterBackward
+
+    emb, body = _pair()
+    ref_emb, ref_body = copy.deepcopy(emb), copy.deepcopy(body)
+    hr.offload(body, device="cpu", store="cpu")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_emb.parameters(), lr=0.1)
+    for i in range(2):
+        _step(emb, body, opt, _ids(i))
+        _step(ref_emb, ref_body, ref_opt, _ids(i))
+    shares, real = [], Residency._share
+    monkeypatch.setattr(Residency, "_share", lambda self, s: shares.append(s) or real(self, s))
+    watched, real_apply = [], _AfterBackward.apply
+    monkeypatch.setattr(_AfterBackward, "apply", lambda *a: watched.append(1) or real_apply(*a))
+    loss = _step(emb, body, opt, _ids(2))
+    assert torch.equal(loss, _step(ref_emb, ref_body, ref_opt, _ids(2)))
+    assert torch.equal(emb.weight, ref_emb.weight)
+    slots = state_of(body).slots
+    assert len(shares) == len(slots) and watched == []  # before: each block's twice, 3 watched
+    assert all(s.dev.untyped_storage().nbytes() == 0 and not s.shared for s in slots)

@@ -33,7 +33,9 @@ the master): `release` is the only way back. Views of a device copy that autogra
 the storage they were made on: one filled by a copy (a forward while the parameter trained)
 is filled by a copy again as long as anything but the device copy holds it, never swapped for
 the master's under them. Masters on disk, or cast to another compute dtype, are copied as
-before.
+before. A group whose device copies all show their masters (`Group.free`) stays resident from
+its forward to the end of the backward: releasing it would free nothing, and fetching it again
+would cost time.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class Group:
         # quantized parameters resting packed (see [Note: packed parameters]); frozen
         self.packed: list[Packed] = []
         self.resident = False
+        # resident with every device copy showing its master's memory (see [Note: shared
+        # device copies]): releasing it frees nothing
+        self.free = False
         self.grads_left = 0
         self.inputs_pending = 0  # forward calls whose input gradients are not computed yet
 
@@ -168,6 +173,7 @@ class Residency:
         for q in group.packed:
             _check_packed(q)
             items += q.items()
+        group.free = not items
         tickets = self.mover.fetch_many(items)
         for s, t in zip(copied, tickets, strict=False):
             s.ticket = t
@@ -238,7 +244,7 @@ class Residency:
                         raise
             q.tickets = []
             q.free()
-        group.resident = False
+        group.resident = group.free = False
         if self._trimmer is not None:
             self._trimmer.freed(group.nbytes)
 

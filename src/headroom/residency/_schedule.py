@@ -647,7 +647,8 @@ class Offload:
         if not outs:
             self._close_window()
         for b in self.blocks:  # prefetched past the end, or skipped by this forward
-            if id(b) not in self._outside:  # read outside: kept for the backward
+            # read outside, or free to keep (see `post_forward`): kept for the backward
+            if id(b) not in self._outside and not (outs and b.free):
                 self._idle_release(b)
         if outs:
             # `rest` stays resident for backward, but the modules hold the masters again.
@@ -688,8 +689,8 @@ class Offload:
         self._order_now.append(block)
         order = self.order if block in self.order else self.blocks
         self._prefetch(order, order.index(block), 1)
-        if torch.is_grad_enabled() and (block.packed or any(not s.dev.requires_grad
-                                                              for s in block.slots)):
+        if torch.is_grad_enabled() and not block.free and (
+                block.packed or any(not s.dev.requires_grad for s in block.slots)):
             new = self._watch_inputs(block, args, kwargs)
             entry[1] = new is not None
             return new
@@ -744,7 +745,14 @@ class Offload:
                 hook = partial(self.pre_backward, block)
                 for t in _outputs(output):
                     t.register_hook(hook)
-            if id(block) not in self._outside:  # else kept for a use outside its forward
+            if id(block) in self._outside:
+                pass  # kept for a use outside its forward
+            elif block.free and torch.is_grad_enabled():
+                # Its device copies show their masters' memory: released at the end of
+                # backward, not fetched again for it (nor its inputs watched: see
+                # `pre_forward`). The modules hold the masters again meanwhile.
+                hide(block)
+            else:
                 self.res.release(block)
         finally:
             if found:

@@ -1,16 +1,13 @@
 """`save` / `load`: model and optimizer checkpoints as one safetensors file, JSON inside, no pickle.
 
-The file is a standard safetensors file: tensors named ``model/<state_dict key>`` and
-``optimizer/<param index>/<state key>``, and the rest (optimizer class, hyperparameters,
-parameter names and shapes, user extras) as JSON under the header's ``__metadata__["headroom"]``.
-It is written tensor by tensor (parameters and state resting on disk are streamed in slices,
-never gathered whole) and replaces ``path`` only once complete and on disk (see `save`). Its
-checksums (format version 2; version 1 files, without them, still load unverified), temporary
-files and checked reading live in `headroom.checkpoint._file`.
+Tensors are named ``model/<state_dict key>`` and ``optimizer/<param index>/<state key>``; the
+rest (optimizer class, hyperparameters, extras) is JSON under ``__metadata__["headroom"]``.
+Checksums, temporary files and checked reading: `headroom.checkpoint._file`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections import deque
@@ -143,9 +140,7 @@ def _unjson(value: Any, get: Callable[[str], torch.Tensor]) -> Any:
 
 def _named_tensors(model: nn.Module, *, fill: bool = True) -> dict[str, torch.Tensor]:
     """``state_dict(keep_vars=True)``, without materializing store-resident parameters."""
-    # An offloaded model's ``state_dict()`` reads every parameter from its store into memory at
-    # once; walking the modules instead yields the bound masters, which are then streamed slice by
-    # slice.
+    # (An offloaded model's ``state_dict()`` would read every parameter into memory at once.)
     if not any(binding(p) is not None for p in model.parameters()):
         return dict(model.state_dict(keep_vars=True))
     for _, _, state in offload_states(model):
@@ -164,17 +159,13 @@ _QUANTIZED_FIX = (
 
 def _model_items(model: nn.Module) -> tuple[list[_Item], list[str]]:
     items = []
-    names = []
     named = _named_tensors(model)
     refuse_quantized(named.items(), "hr.save", _QUANTIZED_FIX)
     for name, t in named.items():
         b = binding(t) if isinstance(t, torch.Tensor) else None
-        if b is not None:
-            items.append(_Item(f"model/{name}", store=b.store, handle=b.handle))
-        else:
-            items.append(_Item(f"model/{name}", tensor=t))
-        names.append(name)
-    return items, names
+        items.append(_Item(f"model/{name}", tensor=t) if b is None
+                     else _Item(f"model/{name}", store=b.store, handle=b.handle))
+    return items, list(named)
 
 
 def _optimizer_items(
@@ -228,14 +219,10 @@ def save(
 ) -> None:
     """Save ``model`` (and ``optimizer``) to one checksummed safetensors file, atomically.
 
-    Parameters and optimizer state that rest on disk are streamed into the file slice by
-    slice. Every tensor's CRC32C (of its bytes as written) and one of the header go into the
-    header, computed on a second thread while the data is written. The file is written under
-    a temporary name next to ``path`` (``.<name>.tmp-<host>-<pid>-<token>``) and replaces
-    ``path`` only when complete and synced: a crash mid-save leaves the old checkpoint intact.
-    A ``kill -9`` leaves the temporary file behind; the next `save` to ``path`` from the same
-    host removes the temporary files of ``path`` whose process is gone (never one of a live
-    process, nor one from another host, which it cannot check).
+    What rests on disk is streamed slice by slice. The header holds every tensor's CRC32C and
+    its own. The file is written as ``.<name>.tmp-<host>-<pid>-<token>`` next to ``path`` and
+    renamed once synced: a crash mid-save leaves the old checkpoint intact, and the next `save`
+    to ``path`` from the same host removes temporary files whose process is gone.
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
@@ -294,7 +281,8 @@ def _save(
     items += json_tensors
     if checksums:
         meta["crc32c"] = {it.name: PLACEHOLDER for it in items}
-    blob = build_header(meta, items)
+    table = [(it.name, it.dtype, it.shape, it.nbytes) for it in items]
+    blob = build_header({"headroom": json.dumps(meta)}, table)
 
     def write(f: BinaryIO) -> None:
         f.write(len(blob).to_bytes(8, "little"))
@@ -304,7 +292,7 @@ def _save(
 
     def sealed(crcs: dict[str, int]) -> bytes:
         meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
-        return seal_header(build_header(meta, items))
+        return seal_header(build_header({"headroom": json.dumps(meta)}, table))
 
     sums = Checksums(checksums)
     try:
@@ -345,27 +333,16 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in place.
 
-    Parameters resting in a store are written into their store; tensors are read from the
-    file memory-mapped, one at a time, so a checkpoint larger than RAM loads into an
-    offloaded model and a disk-state optimizer.
+    Tensors are read memory-mapped, one at a time, into their store where they rest in one,
+    so a checkpoint larger than RAM loads. Each is checked against its CRC32C (and the header
+    against its own): a damaged file raises `CheckpointCorruptError`, never loads silently.
 
-    Every tensor is checked against the CRC32C `save` recorded, and the header against its
-    own, so a damaged file raises `CheckpointCorruptError` and never loads silently.
-
-    What a failed load leaves: the file's length, its header (checksum, JSON, tensor table)
-    and the layout (keys, shapes, optimizer class and parameter count) are checked before
-    anything changes. When the file's data fits in half the available memory (the usual
-    case), every tensor is then verified before the first is loaded, so a corrupt file leaves
-    ``model`` and ``optimizer`` exactly as they were; the page cache keeps what that pass read
-    for the load itself. A bigger file is verified tensor by tensor, each in full just before
-    it is loaded: a flipped byte in, say, the 10th tensor stops the load there, with the 9
-    tensors before it loaded, it and the rest untouched (model tensors come first, in the
-    model's order; a corrupt optimizer tensor leaves the model fully loaded and the optimizer
-    with its new hyperparameters and part of its new state). The error says which case it is.
-
-    Version 1 files (saved before checksums) load unverified; `save` them again to add
-    checksums. A tensor bigger than the page cache (a store-resident weight bigger than RAM)
-    is read from the disk twice: once to verify it, once to load it.
+    Length, header and layout (keys, shapes, optimizer class and size) are checked before
+    anything changes. When the data fits in half the available memory, every tensor is then
+    verified before the first is loaded, so a corrupt file changes nothing. A bigger file is
+    verified tensor by tensor just before each is loaded: a bad 10th tensor stops the load
+    with the 9 before it loaded (model first, then optimizer); the error says which case it
+    is. Version 1 files (no checksums) load unverified; `save` them again to add checksums.
 
     Args:
         path: the file `save` wrote.
@@ -413,13 +390,11 @@ def _load(
         avail = available_memory()
         in_store = any(binding(t) is not None for t in sd.values())
         if r.crcs and not in_store and r.data_bytes <= avail // 2:
-            # All first, so that a corrupt file changes nothing: the page cache keeps what
-            # this pass read for the load itself, which then costs no second disk read.
+            # All first, so a corrupt file changes nothing; the page cache keeps what it read.
             r.verify_all()
         elif r.crcs:
-            # Each tensor in full before any of it is used, checksummed on a helper thread
-            # ahead of the load: the load's writes (to a store, or to a model bigger than half
-            # the memory) overlap the next tensors' reads, as without checksums.
+            # Each tensor in full before it is used, on a helper thread ahead of the load, so
+            # the load's writes overlap the next tensors' reads.
             r.verify_ahead(sorted((k for k in r.names() if not k.startswith("json/")),
                                   key=lambda k: r.entries[k][2]),
                            window=max(_AHEAD_MIN, min(_AHEAD_MAX, avail // 8)))
@@ -434,12 +409,10 @@ def _load(
 
 
 def _check_meta(r: Reader, meta: dict[str, Any]) -> None:
-    """Check the layout of the headroom JSON before anything is loaded.
+    """Check every field `load` reads before anything is loaded.
 
-    The header's checksum catches damage, not a file written or edited by hand (its checksum
-    recomputed) nor a version 1 file: every field `load` reads is checked here, so such a file is
-    refused with a `CheckpointCorruptError` naming the field before the model or optimizer
-    changes, never with a raw ``TypeError`` / ``KeyError`` or after the model was loaded.
+    The checksum misses a file edited by hand (checksum recomputed) or of version 1: such a file
+    gets a `CheckpointCorruptError` naming the field, not a ``KeyError`` half-way through.
     """
     def bad(what: str) -> None:
         r._corrupt(f"its headroom metadata is malformed: {what}", edited=True)
@@ -595,10 +568,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], pat
             if k in g and not _same_kind(v, g[k]):
                 raise ValueError(
                     f"checkpoint {path!r}: hyperparameter {k!r} of parameter group {gi} is "
-                    f"{_short(v)} where the optimizer has {_short(g[k])}; the file was edited or "
-                    "saved from another optimizer: fix the value in the file, or load without "
-                    "the optimizer"
-                )
+                    f"{_short(v)} where the optimizer has {_short(g[k])} (an edited file, or"
+                    " another optimizer's); fix it in the file, or load without the optimizer")
 
 
 def _same_kind(saved: Any, current: Any) -> bool:

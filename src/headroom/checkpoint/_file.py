@@ -1,13 +1,9 @@
 """The checkpoint file: a safetensors header with checksums, temporary files, checked reading.
 
-A checkpoint is a standard safetensors file whose header carries, in its headroom JSON, the
-CRC32C of every tensor's bytes as they lie in the file and one of the header itself (format
-version 2; the header's own with its eight hex digits read as ``0``). `Checksums` computes them
-while `save` writes, `seal_header` puts them into the header, `write_file` writes a file under a
-temporary name (`temp_path`, which removes the ones crashed saves left) and renames it once
-synced, its header first written with placeholders of the same width and rewritten (`Seal`)
-once the data is; `Reader` opens a file, checks everything that can be checked without the
-data, and hands out tensors verified against their checksums.
+The header's headroom JSON holds the CRC32C of every tensor's bytes and of the header itself
+(format version 2; its own eight hex digits read as ``0``), written as placeholders of the same
+width and filled in (`Seal`) once the data is written. `Reader` checks what it can before
+handing out tensors verified against their checksums.
 """
 
 from __future__ import annotations
@@ -82,11 +78,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 class Checksums:
     """CRC32C of each tensor's bytes as written, computed on a helper thread."""
-    # crc32c releases the GIL. Buffers made for this save (slices streamed from a store, copies from
-    # an accelerator) are checksummed on the helper thread while the main thread writes them; the
-    # model's own tensors, which stay alive anyway, are checksummed by `finish` while the main
-    # thread waits for the data's fsync, when the CPU has nothing else to do. One worker keeps each
-    # tensor's chunks in order (chunk i+1's CRC continues from chunk i's).
+    # NOTE: crc32c releases the GIL. Buffers made for this save are summed while the main thread
+    # writes them; the model's own tensors (alive anyway) while it waits for the fsync. One
+    # worker keeps a tensor's chunks in order (chunk i+1's CRC continues from chunk i's).
 
     def __init__(self, enabled: bool) -> None:
         self.values: dict[str, int] = {}
@@ -100,10 +94,8 @@ class Checksums:
         self.values.setdefault(name, 0)
 
     def add(self, name: str, t: torch.Tensor, *, temporary: bool) -> None:
-        """Extend ``name``'s checksum by ``t``'s bytes (``t`` must stay unchanged until done).
-
-        ``temporary``: ``t`` is a buffer made for this save, freed once written.
-        """
+        """Extend ``name``'s checksum by ``t`` (unchanged until done; ``temporary``: made for
+        this save, freed once written)."""
         self.begin(name)
         if self._pool is None or t.numel() == 0:
             return
@@ -112,7 +104,7 @@ class Checksums:
             return
         fut = self._submit(name, t)
         self._temporary.append(fut)
-        # Bounded, so streamed slices are not kept alive faster than they are summed.
+        # Bounded: streamed slices are not kept alive faster than they are summed.
         while len(self._temporary) > 2:
             self._temporary.popleft().result()
 
@@ -172,10 +164,9 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_temps(path: str) -> list[str]:
     """Remove temporary files of ``path`` left by dead processes of this host; return them.
 
-    A temporary file is named ``.<name>.tmp-<host>-<pid>-<token>``. It is stale when its host
-    is this one and its process is gone (or, for this process's own pid, when it is not one of
-    this process's saves in progress: a process before it had the same pid, as in containers).
-    Files of other hosts (a shared file system) and of live processes are never touched.
+    ``.<name>.tmp-<host>-<pid>-<token>`` is stale when its host is this one and its process is
+    gone (for this process's pid: not one of its saves in progress, as a container reuses
+    pids). Files of other hosts and of live processes are never touched.
     """
     directory = os.path.dirname(os.path.abspath(path))
     prefix = _tmp_prefix(path)
@@ -205,8 +196,7 @@ def remove_stale_temps(path: str) -> list[str]:
 
 @contextlib.contextmanager
 def temp_path(path: str) -> Iterator[str]:
-    """A new temporary file name next to ``path``, after removing stale ones of ``path``."""
-    # Stale files go first, so the space they hold is free for this save.
+    """A new temporary file name next to ``path``, after removing stale ones (freeing space)."""
     remove_stale_temps(path)
     token = os.urandom(4).hex()
     directory = os.path.dirname(os.path.abspath(path))
@@ -253,19 +243,16 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 def write_file(path: str | os.PathLike, write: Callable[[BinaryIO], None],
                seal: Seal | None = None) -> None:
-    """``write(f)`` into a temporary file next to ``path``, sync it and rename it to ``path``:
-    readers find the old file or the new one, whole. A failure removes the temporary file.
-
-    ``seal``: once ``write`` returns, its header replaces as many bytes from byte 8 on.
-    """
+    """``write(f)`` into a temporary file next to ``path``, synced, then renamed to ``path``:
+    readers find the old file or the new one, whole; a failure removes the temporary file.
+    ``seal``: once ``write`` returns, its header is written over the bytes from byte 8 on."""
     with temp_path(os.fspath(path)) as tmp:
         try:
             with open(tmp, "wb") as f:
                 write(f)
                 f.flush()
                 if seal is not None:
-                    # The data goes to the disk while the last checksums are computed; the
-                    # header rewritten then costs one more sync of a page.
+                    # The data syncs while the last checksums run; the header costs one page.
                     seal.sums.start()
                     os.fsync(f.fileno())
                     f.seek(8)
@@ -284,8 +271,7 @@ def write_file(path: str | os.PathLike, write: Callable[[BinaryIO], None],
 
 
 def store_slices(store: Store, h: Handle, chunk: int) -> Iterator[torch.Tensor]:
-    """The rows of ``h`` read from ``store`` in slices of about ``chunk`` bytes; slice i+1 is
-    read while slice i is used."""
+    """``h``'s rows in slices of about ``chunk`` bytes, slice i+1 read while slice i is used."""
     per = max(1, chunk // max(1, h.row_nbytes))
     rows = h.shape[0]
     nxt = store.read_rows(h, slice(0, min(per, rows)))
@@ -296,19 +282,17 @@ def store_slices(store: Store, h: Handle, chunk: int) -> Iterator[torch.Tensor]:
         yield cur.result()
 
 
-def build_header(meta: dict[str, Any], items: list[Any]) -> bytes:
-    """The safetensors header: its JSON, padded with spaces to a multiple of 8 bytes.
-
-    ``items`` have a ``name``, ``dtype``, ``shape`` and ``nbytes``, in file order.
-    """
-    header: dict[str, Any] = {"__metadata__": {"headroom": json.dumps(meta)}}
+def build_header(metadata: dict[str, str], items: list[tuple]) -> bytes:
+    """The safetensors header of ``items`` (``(name, dtype, shape, nbytes)`` in file order)
+    under ``metadata``, padded with spaces to a multiple of 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for it in items:
-        if it.name in header:
-            raise ValueError(f"duplicate tensor name {it.name!r} in checkpoint")
-        header[it.name] = {"dtype": DTYPES[it.dtype], "shape": list(it.shape),
-                           "data_offsets": [offset, offset + it.nbytes]}
-        offset += it.nbytes
+    for name, dtype, shape, nbytes in items:
+        if name in header:
+            raise ValueError(f"duplicate tensor name {name!r} in checkpoint")
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     if len(blob) > MAX_HEADER_BYTES:  # no reader (this one, safetensors) would open the file
         raise ValueError(f"the checkpoint's header would be {len(blob)} bytes, above the "
@@ -341,10 +325,8 @@ def _no_constant(name: str) -> None:
 class Reader:
     """A checkpoint file, checked and memory-mapped: its metadata and its tensors by name.
 
-    Everything that can be checked without reading the data is checked on opening (length,
-    header checksum, JSON, tensor table), so such damage is reported before `load` changes
-    anything. Tensors are zero-copy views of a private mapping of the file, checked against
-    their CRC32C when they are asked for, before they are handed out.
+    Length, header checksum, JSON and tensor table are checked on opening, before `load`
+    changes anything. Tensors are zero-copy views of a private mapping, verified when asked for.
     """
 
     def __init__(self, path: str, *, verify: bool) -> None:
@@ -391,8 +373,7 @@ class Reader:
                 self.crcs = self._checksums()
             self.data_bytes = data
             if data:
-                # A private (copy-on-write) mapping, so the views handed out are writable
-                # tensors without a copy, and the file itself can never be changed through them.
+                # Copy-on-write: views are writable tensors, and never change the file.
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 self._mv = memoryview(self._mm)
         self._verified: set[str] = set()
@@ -483,12 +464,8 @@ class Reader:
         return value
 
     def verify_ahead(self, names: list[str], window: int) -> None:
-        """Verify ``names`` on a helper thread, in this order, ahead of their use.
-
-        `verify` (and `tensor`) of one of them then waits for the helper instead of reading
-        it; the helper stays at most ``window`` bytes (but at least one tensor) ahead of the
-        last of them used, so what it read is still in the page cache when it is used.
-        """
+        """Verify ``names`` on a helper thread, in this order, ahead of their use, at most
+        ``window`` bytes (or one tensor) ahead, so what it read is still in the page cache."""
         if self._ahead is None and self.crcs:
             planned = [n for n in names if n in self.crcs and n not in self._verified]
             self._ahead = _Ahead(self, planned, window)
@@ -514,9 +491,6 @@ class Reader:
 
     def tensor(self, name: str) -> torch.Tensor:
         """``name`` as a view of the mapped file (verified first); clone what must outlive it."""
-        # The checksum pass is what reads the tensor from the disk (one thread faulting the mapping
-        # in); using the view then reads the page cache. No helper thread checksums ahead: it would
-        # compete for the cores with the intra-op threads of the copy that uses the view.
         dtype, shape, start, stop = self._entry(name)
         self.verify(name)
         if stop == start:
@@ -583,8 +557,7 @@ class _Ahead:
                 self._cond.notify_all()
 
     def result(self, name: str) -> int | None:
-        """The helper's CRC32C of ``name`` once it has it; ``None``: not planned, or it stopped
-        before (then the caller computes it)."""
+        """The helper's CRC32C of ``name``; ``None``: not planned, or stopped (caller computes)."""
         i = self._pos.get(name)
         if i is None:
             return None
@@ -603,11 +576,8 @@ class _Ahead:
 
 
 def available_memory() -> int:
-    """Bytes of memory this process can still fill without swapping (0 when unknown).
-
-    ``MemAvailable`` (Linux), else the free pages the OS reports, capped by a cgroup v2 memory
-    limit (containers).
-    """
+    """Bytes this process can still fill without swapping (0 when unknown): ``MemAvailable``
+    or the free pages, capped by a cgroup v2 memory limit."""
     avail = 0
     try:
         with open("/proc/meminfo") as f:

@@ -1,13 +1,9 @@
 """The names a wrapped model's tensors have in a checkpoint of the model before it was wrapped.
 
-Adapter libraries wrap a model and some of its layers: PEFT's ``get_peft_model`` puts the model
-under ``base_model.model.`` and each adapted layer's original module under ``base_layer``, so
-``model.layers.0.self_attn.q_proj.weight`` of the base checkpoint is
-``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` in the wrapped model.
-`checkpoint_names` gives `load_weights` both names, so a base checkpoint loads into a wrapped
-model with every base tensor checked as strictly as in an unwrapped one. Tensors that belong to
-the wrappers themselves (the adapters: siblings of a ``base_layer``) are not expected in a base
-checkpoint; they are loaded when the files hold them and otherwise keep their values.
+PEFT puts the model under ``base_model.model.`` and each adapted layer's module under
+``base_layer``; `checkpoint_names` gives `load_weights` both names, so a base checkpoint loads
+into a wrapped model as strictly as into an unwrapped one. The adapters (siblings of a
+``base_layer``) are loaded when the files hold them and otherwise keep their values.
 """
 
 from __future__ import annotations
@@ -93,9 +89,8 @@ def _prefix(names: list[str], available: Collection[str]) -> str:
 
 def refuse_quantized(named: Iterable[tuple[str, torch.Tensor | None]], what: str,
                      fix: str) -> None:
-    """Raise ``TypeError`` naming the quantized weights (packed codes and scales, see
-    `headroom.residency.is_packed`; a DTensor is not one) among ``named``, before ``what``
-    has written anything, with ``fix``."""
+    """Raise ``TypeError`` naming the quantized weights among ``named`` (`is_packed`; not a
+    DTensor), before ``what`` has written anything, with ``fix``."""
     quantized = [(n, type(t).__name__) for n, t in named if t is not None and is_packed(t)
                  and not isinstance(getattr(t, "_local_tensor", None), torch.Tensor)]
     if quantized:

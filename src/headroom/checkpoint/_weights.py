@@ -1,10 +1,7 @@
 """`load_weights` / `save_weights`: a model's tensors from and to safetensors, via its store.
 
-The checkpoint may be one file or a folder as ``save_pretrained`` writes it (``model.safetensors``,
-or shards with ``model.safetensors.index.json``). Each tensor is read a few megabytes of rows at
-a time and written where the parameter rests: the store of an offloaded model (host memory or a
-`DiskStore`), or the tensor itself. So a model built on ``meta`` and offloaded is filled without
-ever existing whole in memory.
+One file or a folder as ``save_pretrained`` writes it, read and written a few megabytes of rows
+at a time where the parameter rests, so a model built on ``meta`` is never whole in memory.
 """
 
 from __future__ import annotations
@@ -23,10 +20,12 @@ import torch
 from torch import nn
 
 from headroom.checkpoint._file import (
+    DTYPES,
     CheckpointCorruptError,
     Checksums,
     Seal,
     available_memory,
+    build_header,
     byte_view,
     fsync_dir,
     remove_stale_temps,
@@ -41,22 +40,21 @@ from headroom.store import (
     Store,
     TensorInfo,
     open_regular,
-    safetensors_dtypes,
 )
 from headroom.transfer import binding
 
 __all__ = ["load_weights", "save_weights"]
 
 _INDEX = "model.safetensors.index.json"
-# The shard names `save_weights` writes: save_pretrained's, or with a tag when a file of that
-# name is already in the folder (the previous save's, kept whole until the new index lands).
+# save_pretrained's shard names, or with a tag when the folder holds that name already (the
+# previous save's, kept until the new index lands).
 _SHARD = re.compile(r"model(-[0-9a-f]{8})?-\d{5}-of-\d{5}\.safetensors")
-# The `__metadata__` key under which `save_weights` records each tensor's dtype, shape and
-# CRC32C (a JSON object: name -> [dtype code, shape, 8 hex digits]); see `_check_record`.
+# `__metadata__` key of each tensor's [dtype code, shape, 8 hex digits of CRC32C] (JSON).
 _RECORD = "headroom_crc32c"
 _FIX = ("download or save the checkpoint again, or pass verify=False to load it as it is")
-# File bytes read per chunk. Two chunks in flight (one being written while the next is
-# read) plus a dtype conversion bound the memory a load adds, whatever the model's size.
+_AGAIN = "write the checkpoint again"
+_MIXED = f"the index and its shards come from different saves; {_AGAIN}"
+# Bytes per chunk: two in flight plus a dtype conversion bound what a load adds to memory.
 _CHUNK = 8 << 20
 
 
@@ -90,18 +88,15 @@ def _sources(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         raise FileNotFoundError(f"no *.safetensors file in {str(path)!r}")
     shards = [f.name for f in found if _SHARD.fullmatch(f.name)]
     if shards:
-        raise ValueError(
-            f"{str(path)!r} holds shards ({', '.join(shards[:3])}) but no {_INDEX}: a save that"
-            " was interrupted before its index was written, or a copy that missed it; write"
-            " the checkpoint again, or copy the index too"
-        )
+        raise ValueError(f"{str(path)!r} holds shards ({', '.join(shards[:3])}) but no {_INDEX}"
+                         " (an interrupted save, or a copy that missed it); write the checkpoint"
+                         " again, or copy the index too")
     return [_inside(path, f.name, None) for f in found], None
 
 
 def _read_index(index: Path) -> dict[str, str]:
     def bad(why: str) -> ValueError:
-        return ValueError(f"{str(index)!r} is not a valid safetensors index ({why}); write the"
-                          " checkpoint again")
+        return ValueError(f"{str(index)!r} is not a valid safetensors index ({why}); {_AGAIN}")
 
     with open(open_regular(index), "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -123,19 +118,13 @@ def _read_index(index: Path) -> dict[str, str]:
 
 
 def _inside(folder: Path, name: str, index: Path | None) -> Path:
-    """``folder / name``, refused unless it resolves inside ``folder``.
-
-    An index names files of its own folder: no absolute path, no ``..``, no symbolic link that
-    leads out, so a hand-made index cannot make `load_weights` read another file. The one link
-    followed out is the Hugging Face cache's: a ``snapshots/<revision>`` file pointing into the
-    same repository's ``blobs`` folder.
-    """
+    """``folder / name``, refused unless it resolves inside ``folder`` (or, from the Hugging
+    Face cache's ``snapshots/<revision>``, its ``blobs``): a hand-made index reads no other file."""
     where = f"the index {str(index)!r} names" if index is not None else f"{str(folder)!r} holds"
     parts = Path(name).parts
     if not name or "\0" in name or Path(name).is_absolute() or ".." in parts:
         raise ValueError(f"{where} file {name!r}, which is not a file name inside the"
-                         " checkpoint's folder; an index names files of its own folder: fix it,"
-                         " or write the checkpoint again")
+                         f" checkpoint's folder; fix the index, or {_AGAIN}")
     root = os.path.realpath(folder)
     roots = [root]
     if os.path.basename(os.path.dirname(root)) == "snapshots":
@@ -146,7 +135,7 @@ def _inside(folder: Path, name: str, index: Path | None) -> Path:
                          f" folder (to {real!r}); replace the link by the file itself")
     if not os.path.exists(real):
         raise FileNotFoundError(f"{where} file {name!r}, which is missing; copy it into"
-                                f" {str(folder)!r}, or write the checkpoint again")
+                                f" {str(folder)!r}, or {_AGAIN}")
     return folder / name
 
 
@@ -158,10 +147,8 @@ def _where(files: list[SafetensorsFile], weight_map: dict[str, str] | None,
         for name in f.tensors:
             if name in seen:
                 raise ValueError(
-                    f"tensor {name!r} is in both {str(seen[name].path)!r} and {str(f.path)!r}:"
-                    " a checkpoint holds each tensor once (these are files of two different"
-                    " saves?); write the checkpoint again, or remove the stale file"
-                )
+                    f"tensor {name!r} is in both {str(seen[name].path)!r} and {str(f.path)!r}"
+                    f" (files of two saves?); {_AGAIN}, or remove the stale file")
             seen[name] = f
     if weight_map is not None:
         by_name = {os.path.normpath(f.path): f for f in files}
@@ -171,16 +158,12 @@ def _where(files: list[SafetensorsFile], weight_map: dict[str, str] | None,
                 raise ValueError(
                     f"{str(folder / _INDEX)!r} puts tensor {name!r} in {fname!r}, which does"
                     f" not hold it{'' if name not in seen else f' ({str(seen[name].path)!r} does)'}"
-                    ": the index and its shards come from different saves; write the"
-                    " checkpoint again"
-                )
+                    f": {_MIXED}")
         extra = [n for n in seen if n not in weight_map]
         if extra:
             raise ValueError(
                 f"{str(folder / _INDEX)!r} does not list tensors its shards hold ({extra[:5]},"
-                f" {len(extra)} in all, e.g. in {str(seen[extra[0]].path)!r}): the index and"
-                " its shards come from different saves; write the checkpoint again"
-            )
+                f" {len(extra)} in all, e.g. in {str(seen[extra[0]].path)!r}): {_MIXED}")
     return {name: (f, f.tensors[name]) for name, f in seen.items()}
 
 
@@ -195,10 +178,13 @@ def _targets(model: nn.Module) -> list[_Target]:
     return list(by_id.values())
 
 
-def _offload_states(model: nn.Module) -> dict[int, object]:
+def _offload_states(model: nn.Module, what: str) -> dict[int, object]:
     """Module id -> the offload state of the offloaded (sub)model it belongs to."""
     out: dict[int, object] = {}
     for _, m, state in offload_states(model):
+        if state.busy:
+            raise RuntimeError(f"{what} during the model's forward or backward; call it"
+                               " between steps")
         for sub in m.modules():
             out[id(sub)] = state
     return out
@@ -210,58 +196,39 @@ def load_weights(
 ) -> None:
     """Fill ``model``'s parameters and persistent buffers from safetensors files.
 
-    Works on an offloaded model (the values go straight into its store, host memory or disk,
-    a few megabytes at a time) and on an ordinary one; a model built on ``meta`` gets its
-    values here instead of being initialized at random (see `hr.offload`). Names are the
-    model's ``state_dict()`` keys; tied parameters need only one of their names in the files
-    (``save_pretrained`` writes one). Values are converted to the parameter's dtype when the
-    file's differs. Keys, shapes and headers are all checked before anything is written.
+    An offloaded model's values go straight into its store, a few megabytes at a time; one
+    built on ``meta`` gets its values here. Names are ``state_dict()`` keys (tied parameters
+    need one of theirs); values are cast to the parameter's dtype. Keys, shapes and headers
+    are checked before anything is written.
 
-    Files `save_weights` wrote record each tensor's dtype, shape and CRC32C, and with
-    ``verify=True`` every tensor loaded is checked against them: a flipped byte, or a header
-    edited in place (a dtype ``F32`` -> ``I32``, a shape ``[4, 6]`` -> ``[6, 4]``), raises
-    `CheckpointCorruptError` instead of loading other values. Headers are checked against the
-    record before any data is read. When the tensors to load fit in half the available memory
-    (the usual case), all are verified before the first is written, so a damaged file leaves
-    the model unchanged; the page cache keeps what that pass read for the load itself. Larger
-    checkpoints are verified tensor by tensor, each in full just before it is written: a
-    damaged tensor stops the load with the tensors before it loaded, it and the rest unchanged
-    (the error says which). Either way a tensor is read a few megabytes at a time, and nothing
-    unverified is written. Files without a record (written by ``save_pretrained``, the
-    ``safetensors`` package, or other tools) have nothing to verify and load as they are.
+    Files `save_weights` wrote record each tensor's dtype, shape and CRC32C: a flipped byte or
+    a header edited in place raises `CheckpointCorruptError`. When the tensors fit in half the
+    available memory, all are verified before the first is written (a damaged file changes
+    nothing); otherwise each just before it is written (the error says what was loaded).
+    Nothing unverified is written. Files of other writers have no record and load as they are.
 
     Args:
         model: the model (offloaded or not). Not during its forward or backward.
-        path: a ``.safetensors`` file, or a folder with ``model.safetensors`` or shards and
-            their ``model.safetensors.index.json`` (what ``save_pretrained`` writes).
-        strict: the files must hold every parameter and persistent buffer of the model and
-            nothing else. With ``strict=False`` extra tensors are ignored, and parameters
-            missing from the files keep their values (or, created on ``meta``, are initialized
-            by their module when first needed).
-        verify: check the tensors against the checksums `save_weights` recorded (above).
-            ``verify=False`` loads a file whose checksums fail as it is, and skips the
-            checksum pass (one more read of each tensor, from the page cache).
-        quantize: for a model offloaded with ``hr.offload`` (typically built on ``meta``):
-            called on each block once its values are read (``fn(block)`` changes it in place:
-            torchao's ``quantize_(block, config)``, or nn.Linear swapped for a bitsandbytes
-            layer already moved to a device, which quantizes it); what it replaces rests
-            packed in the store, as any quantized parameter of an offloaded model, and only
-            one block's values are in memory at a time. Parameters outside the blocks load as
-            they are.
-
-    Each tensor is read from the file the index names. The index may name files of its own
-    folder only (no absolute path, no ``..``, no link leading out of the folder, except the
-    Hugging Face cache's ``snapshots`` -> ``blobs`` links), and every header is checked as
-    the ``safetensors`` package checks it before any tensor is read.
+        path: a ``.safetensors`` file, or a folder as ``save_pretrained`` writes it; its index
+            may name files of the folder only (no ``..``, no link out but the Hugging Face
+            cache's ``snapshots`` -> ``blobs``).
+        strict: the files hold every parameter and persistent buffer and nothing else. With
+            ``strict=False`` extra tensors are ignored and missing ones keep their values (or,
+            created on ``meta``, are initialized by their module when first needed).
+        verify: check the tensors against the checksums `save_weights` recorded.
+            ``verify=False`` loads a file whose checksums fail, and skips the checksum pass.
+        quantize: for a model offloaded with ``hr.offload``: ``fn(block)``, called on each
+            block once its values are read, changes it in place (torchao's
+            ``quantize_(block, config)``, or a swap for bitsandbytes layers); what it replaces
+            rests packed in the store, one block's values in memory at a time. Parameters
+            outside the blocks load as they are.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or a file its index names is missing.
-        CheckpointCorruptError: (a ``ValueError``) a tensor's bytes do not match their
-            CRC32C, or a header does not match its recorded names, dtypes and shapes; names
-            the file, the tensor, the values and what was loaded.
-        ValueError: missing or unexpected keys, or shape mismatches (all named); a damaged file
-            or index, a tensor in two files, an index and shards of different saves, shards
-            without their index, an index entry outside the folder (each named).
+        CheckpointCorruptError: (a ``ValueError``) a tensor or header does not match what was
+            recorded; names the file, the tensor and what was loaded.
+        ValueError: keys or shapes differ (all named); a damaged file or index, a tensor in two
+            files, an index and shards of different saves or apart, a file outside the folder.
         RuntimeError: the model is in the middle of a forward or backward.
 
     Example:
@@ -270,16 +237,13 @@ def load_weights(
         >>> hr.offload(model, device="cuda", store=hr.DiskStore("/scratch/w"))   # doctest: +SKIP
         >>> hr.load_weights(model, "checkpoint_dir")                  # doctest: +SKIP
     """
-    states = _offload_states(model)
+    states = _offload_states(model, "load_weights")
     if quantize is not None and not states:
         raise ValueError(
             "load_weights(quantize=...) quantizes the blocks of a model offloaded with"
-            " hr.offload as their values arrive; offload the model first (built on meta, it is"
-            " never whole in memory), or load it and quantize it yourself")
+            " hr.offload as their values arrive; offload the model first, or load it and"
+            " quantize it yourself")
     for state in {id(s): s for s in states.values()}.values():
-        if state.busy:
-            raise RuntimeError("load_weights during the model's forward or backward; call it"
-                               " between steps")
         state.drop_announced()  # values about to be written: prefetched copies would be stale
     paths, weight_map = _sources(Path(path))
     files: list[SafetensorsFile] = []
@@ -305,9 +269,8 @@ def load_weights(
         sums = [(records.get(id(where[name][0])) or {}).get(name) for _, name in plan]
         checked = sum(where[name][1].nbytes for (_, name), c in zip(plan, sums, strict=True)
                       if c is not None)
-        # NOTE: as `hr.load`: all first when the page cache can keep what that pass reads for
-        # the load itself (a damaged file then changes nothing); otherwise each tensor in full
-        # just before it is written, so nothing unverified is ever written.
+        # NOTE: as `hr.load`: all first when the page cache keeps what that pass reads (a
+        # damaged file changes nothing); otherwise each tensor just before it is written.
         first = checked > 0 and checked <= available_memory() // 2
         if first:
             for (_, name), c in zip(plan, sums, strict=True):
@@ -365,12 +328,9 @@ def _corrupt(f: SafetensorsFile, why: str) -> CheckpointCorruptError:
 
 
 def _check_record(f: SafetensorsFile) -> dict[str, int] | None:
-    """The CRC32C `save_weights` recorded for each tensor of ``f`` (``None``: no record, as in
-    files other writers made), once the record's names, dtypes and shapes are the header's.
-
-    The data's checksum alone would miss a header edited in place (a dtype F32 -> I32, or a
-    shape [4, 6] -> [6, 4], reinterprets the same bytes): the record repeats both.
-    """
+    """The CRC32C `save_weights` recorded for each tensor of ``f`` (``None``: no record), once
+    the record's names, dtypes and shapes are the header's: the data's checksum alone would
+    miss a header edited in place (F32 -> I32, [4, 6] -> [6, 4] reinterpret the same bytes)."""
     raw = f.metadata.get(_RECORD)
     if raw is None:
         return None
@@ -397,7 +357,7 @@ def _check_record(f: SafetensorsFile) -> dict[str, int] | None:
                           f" lacks {gone[:5]} it was saved with")
     for name, info in f.tensors.items():
         code, shape, _ = record[name]
-        now = _CODES[info.dtype]
+        now = DTYPES[info.dtype]
         if code != now or tuple(shape) != info.shape:
             raise _corrupt(f, f"tensor {name!r} is {now} {list(info.shape)} in its header,"
                               f" saved as {code} {shape}")
@@ -522,7 +482,6 @@ def _stream(f: SafetensorsFile, info: TensorInfo, write: Callable) -> None:
 
 
 # ------------------------------------------------------------------------------ save_weights
-_CODES = {v: k for k, v in safetensors_dtypes().items()}
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -551,13 +510,11 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype={dtype!r} is not a torch.dtype; pass one such as torch.bfloat16,"
                         " or None to keep each tensor's own")
-    if not dtype.is_floating_point or dtype not in _CODES:
+    if not dtype.is_floating_point or dtype not in DTYPES:
         raise ValueError(
-            f"dtype={dtype} is not a floating-point dtype safetensors holds: dtype= casts the"
-            " floating-point tensors (integer and bool ones keep theirs), and float weights cast"
-            " to an integer type would be lost; pass torch.bfloat16, torch.float16 or"
-            " torch.float32, or None"
-        )
+            f"dtype={dtype} is not a floating-point dtype safetensors holds (dtype= casts the"
+            " floating-point tensors only, integer and bool ones keep theirs); pass"
+            " torch.bfloat16, torch.float16 or torch.float32, or None")
 
 
 def save_weights(
@@ -571,24 +528,18 @@ def save_weights(
     ``save_pretrained`` does: ``model.safetensors``, or shards with their
     ``model.safetensors.index.json``, so ``from_pretrained`` (and `load_weights`) read them.
 
-    An offloaded model's parameters are streamed from its store a few megabytes at a time,
-    never gathered in memory. Tied parameters are written once, under their first name (their
-    module registration order: the embedding before an output head tied to it), as
-    ``save_pretrained`` does. A Hugging Face model's ``config`` (and generation config) is
-    written beside them.
+    An offloaded model's parameters are streamed from its store a few megabytes at a time.
+    Tied parameters are written once, under their first name, as ``save_pretrained`` does; a
+    Hugging Face model's ``config`` (and generation config) is written beside them. Each file's
+    ``__metadata__`` records every tensor's dtype, shape and CRC32C (``headroom_crc32c``), which
+    `load_weights` verifies; other readers ignore it.
 
-    Each file's ``__metadata__`` records, besides ``"format": "pt"``, every tensor's dtype,
-    shape and the CRC32C of the bytes written (one JSON string under ``headroom_crc32c``),
-    which `load_weights` verifies; ``from_pretrained`` and the ``safetensors`` package read the
-    files as any others.
-
-    A save replaces the checkpoint already in ``path`` as one unit: readers (this function's
-    `load_weights`, ``from_pretrained``) find the old checkpoint or the new one, whole, whenever
-    the save is interrupted (an exception, Ctrl-C, ``kill -9``, a power loss). Each file is
-    written under a temporary name, synced and renamed; shards get new names when the folder
-    already holds files of the usual names (``model-<tag>-00001-of-00003.safetensors``), the
-    index is written last, atomically, and only then are the previous save's files removed. An
-    interrupted save's temporary files and shards are removed by the next save into the folder.
+    A save replaces the checkpoint in ``path`` as one unit: readers find the old checkpoint or
+    the new one, whole, whenever the save is interrupted (an exception, Ctrl-C, ``kill -9``, a
+    power loss). Files are written under temporary names, synced and renamed; shards get new
+    names when the folder holds the usual ones (``model-<tag>-00001-of-00003.safetensors``);
+    the index goes last, and only then are the previous save's files removed. The next save
+    into the folder removes what an interrupted one left.
 
     Args:
         model: the model (offloaded or not); not during its forward or backward.
@@ -614,11 +565,8 @@ def save_weights(
     """
     _check_dtype(dtype)
     limit = _size(max_shard_size)
-    states = _offload_states(model)
+    states = _offload_states(model, "save_weights")
     for state in {id(s): s for s in states.values()}.values():
-        if state.busy:
-            raise RuntimeError("save_weights during the model's forward or backward; call it"
-                               " between steps")
         state.init_pending()  # values for what was created on meta and never loaded
     out = Path(path)
     items = []
@@ -628,7 +576,7 @@ def save_weights(
             raise RuntimeError(f"{tgt.names[0]!r} is on the meta device and has no values;"
                                " load or initialize it before saving")
         to = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        if to not in _CODES:
+        if to not in DTYPES:
             raise TypeError(f"cannot save {tgt.names[0]!r}: safetensors has no {to}")
         items.append((tgt.names[0], tgt, to, t.numel() * to.itemsize))
     shards: list[list] = [[]]
@@ -687,9 +635,8 @@ def _write_checkpoint(out: Path, shards: list[list]) -> list[Path]:
                 with contextlib.suppress(OSError):
                     f.unlink()
         raise
-    # The new checkpoint is complete and in place, and durably so before anything old goes.
-    # Readers take model.safetensors before an index, so an earlier single file (which hides a
-    # new index) goes first: its removal is the moment a sharded save becomes the checkpoint.
+    # Durably in place before anything old goes. Readers take model.safetensors before an
+    # index, so an earlier one goes first: its removal is when a sharded save takes over.
     fsync_dir(out)
     keep = set(names) | ({_INDEX} if n > 1 else set())
     stale = sorted(before - keep, key=lambda f: f != "model.safetensors")
@@ -721,25 +668,17 @@ def _remove_dead_temps(out: Path) -> None:
 
 @torch.no_grad()
 def _write_shard(path: Path, shard: list) -> None:
-    def header(sums: dict[str, int]) -> bytes:
-        record = {name: [_CODES[to], list(tgt.tensor.shape), f"{sums.get(name, 0):08x}"]
-                  for name, tgt, to, _ in shard}
-        # "format": "pt" is what from_pretrained looks for; the record is one string value,
-        # as safetensors metadata must be.
-        head: dict = {"__metadata__": {"format": "pt", _RECORD: json.dumps(
-            record, separators=(",", ":"))}}
-        offset = 0
-        for name, tgt, to, nbytes in shard:
-            head[name] = {"dtype": _CODES[to], "shape": list(tgt.tensor.shape),
-                          "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        blob = json.dumps(head, separators=(",", ":")).encode()
-        return blob + b" " * (-len(blob) % 8)
+    table = [(name, to, tgt.tensor.shape, nbytes) for name, tgt, to, nbytes in shard]
 
-    # NOTE: the checksums are of the bytes written, known once they are: the header goes out
-    # with zeros in their place and is rewritten, the same length (8 hex digits each), before
-    # the file is synced and renamed. One pass over the store, as without them; the CRCs run
-    # on a helper thread while the main one writes (see `Checksums`).
+    def header(sums: dict[str, int]) -> bytes:
+        record = {name: [DTYPES[to], list(tgt.tensor.shape), f"{sums.get(name, 0):08x}"]
+                  for name, tgt, to, _ in shard}
+        # "format": "pt" is what from_pretrained looks for; metadata values are strings.
+        return build_header(
+            {"format": "pt", _RECORD: json.dumps(record, separators=(",", ":"))}, table)
+
+    # NOTE: the checksums are known once the bytes are written: the header goes out with zeros
+    # in their place and is rewritten, the same length, before the file is synced and renamed.
     blob = header({})
     seal = Seal(Checksums(True), header, len(blob))
 
@@ -756,8 +695,8 @@ def _write_shard(path: Path, shard: list) -> None:
 
 
 def _chunks(t: torch.Tensor, to: torch.dtype):
-    """``t``'s values in ``to``, a few megabytes of rows at a time, read from its store if it
-    rests in one; each with whether it is a copy made for this (not memory of the model)."""
+    """``t``'s values in ``to``, a few megabytes of rows at a time (from its store if it rests
+    in one), each with whether it is a copy made for this."""
     b = binding(t)
     if b is not None:
         host = b.store.host_tensor(b.handle)

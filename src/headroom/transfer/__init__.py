@@ -1,7 +1,5 @@
-"""How tensors move: the mover, stash/restore, parameter bindings, StoreTensor, the row streamer.
-
-Tensors rest in `headroom.store`'s stores; this layer moves their bytes between the device and
-those stores, and is the only one that knows about streams and events.
+"""How tensors move between the device and `headroom.store`'s stores: the mover, stash/restore,
+parameter bindings, StoreTensor, the row streamer; the one layer that knows streams and events.
 """
 
 from headroom.transfer._binding import (
@@ -12,7 +10,6 @@ from headroom.transfer._binding import (
     binding,
     flush_grad,
     grad_ready,
-    note_value_edit,
     on_grad_ready,
     relay_done,
     sync_grad,
@@ -32,7 +29,6 @@ from headroom.transfer._store_tensor import (
     GradSource,
     HandleSource,
     HeldSource,
-    Source,
     StoreTensor,
     is_stored_grad,
     stored_view,
@@ -48,7 +44,6 @@ __all__ = [
     "StashTicket",
     "GradSource",
     "HandleSource",
-    "Source",
     "StoreTensor",
     "HeldSource",
     "Ticket",
@@ -60,7 +55,6 @@ __all__ = [
     "is_stored_grad",
     "keep_for_child",
     "grad_ready",
-    "note_value_edit",
     "on_grad_ready",
     "relay_done",
     "resize_storage",

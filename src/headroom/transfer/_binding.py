@@ -1,16 +1,8 @@
 """Store-resident parameters: which store holds a parameter's master copy and its gradient.
 
-Besides where things rest, a binding carries one small signal between the code that *produces*
-a store-resident gradient (the offload layer) and the code that *consumes* it (an optimizer):
-`on_grad_ready` registers a listener, the producer calls `grad_ready` once the parameter's
-gradient of one backward pass is complete, and a consumer calls `sync_grad` before reading it
-(the producer's writes may still be in flight then; a producer that sums several backward
-passes' gradients before the store, ``hr.offload(..., grad_accumulation="device")``, hands
-that sum over then, or at once on `flush_grad` from a consumer that reads the gradient as soon
-as it is ready). Listeners are removed with the handle
-`on_grad_ready` returns, like a ``torch`` hook. A *relay* (data parallel, which averages the
-gradient across processes first) may stand between the two: `grad_ready` then hands the
-parameter to it alone, and it calls `relay_done` once the gradient is final.
+A binding also carries the gradient-ready signal from the producer of a store-resident gradient
+(the offload layer) to its consumer (an optimizer): `on_grad_ready`, `grad_ready`, `sync_grad`,
+`flush_grad`, and a *relay* (data parallel) that may stand between them (`relay_done`).
 """
 
 from __future__ import annotations
@@ -35,8 +27,7 @@ _VALUE_EDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def note_value_edit(store: Store, key: str) -> None:
-    """Record that the values stored under ``key`` were written by someone other than their
-    consumer (see `value_edits`)."""
+    """Count a write of the values under ``key`` by someone other than their consumer."""
     counts = _VALUE_EDITS.get(store)
     if counts is None:
         counts = _VALUE_EDITS[store] = {}
@@ -44,14 +35,10 @@ def note_value_edit(store: Store, key: str) -> None:
 
 
 def value_edits(store: Store, key: str) -> int:
-    """How many times the values of a store-resident parameter under ``key`` were written
-    other than by its optimizer's step: whole values (whoever writes one sets
-    ``binding.has_value``: ``hr.load``, ``hr.load_weights``, ``load_state_dict``,
-    initialization) and in-place ops through a `StoreTensor` over them (``p.copy_``,
-    ``nn.init.*``, ``p.data = t``). A consumer that keeps a copy of the values (an optimizer's
-    fp32 master of a bf16 parameter on disk) compares it with the count it last saw to know
-    that the stored values changed, without reading them. Values in host memory can also be
-    changed through the tensor itself, unseen here: compare the values there."""
+    """How many times the values under ``key`` were written other than by the optimizer's
+    step: whole values (``binding.has_value`` set) and in-place ops through a `StoreTensor`.
+    A consumer keeping a copy (an fp32 master) compares counts instead of reading the values;
+    values in host memory can also change through the tensor itself, unseen here."""
     counts = _VALUE_EDITS.get(store)
     return 0 if counts is None else counts.get(key, 0)
 
@@ -66,40 +53,27 @@ class ParamBinding:
         store: the store holding the master copy (and the gradient).
         handle: the master copy.
         grad_handle: the accumulated gradient, or ``None`` if the parameter gets none.
-        grad_rows: rows of ``grad_handle`` that hold a non-zero gradient (sorted LongTensor), or
-            ``None`` for a dense gradient. Producers of sparse row gradients set it; consumers
-            may touch only those rows.
-        has_grad: ``grad_handle`` (or ``grad_sparse``) holds a gradient that has not been
-            consumed yet. Producers set it when they write a gradient; consumers (an
-            optimizer's ``zero_grad``) clear it, and the next producer then overwrites instead
-            of accumulating.
-        grad_sparse: the gradient when it is a sparse COO tensor (``nn.Embedding(sparse=True)``),
-            in host memory as autograd accumulates it (entries in order, not coalesced: a
-            sparse optimizer step depends on both), or ``None``. While set, it is the gradient
-            and ``grad_handle`` holds nothing of it.
-        grad_sync: set by the producer: blocks until every gradient it has handed over so far
-            rests in ``grad_handle`` (its writes may run in the background; a sum held back
-            on the device is handed over first). ``None``: the gradient is in place as soon
-            as `grad_ready` fires.
-        grad_flush: set by a producer that may hold gradients back (summed on the device
-            across backward passes): hands what it holds for this parameter to the store now,
-            without waiting for it to land. ``None``: nothing is ever held back.
-        grad_adopt: set by the producer: makes the stored gradient what ``param.grad`` says
-            where it was changed since the producer left it there (see `adopt_grad`).
-            ``None``: ``param.grad`` is not the producer's to watch.
-        grad_dtype: the dtype a producer allocates ``grad_handle`` in (``None``: the
-            parameter's). A consumer that wants full-precision accumulation of a low-precision
-            parameter's gradient (an optimizer with fp32 masters) sets ``torch.float32``.
-        grad_edits: how many in-place changes were made to the stored gradient through a
-            tensor over it (``param.grad`` a `StoreTensor`: clipping, unscaling, ``mul_``):
-            a consumer that started using the gradient can tell that it changed since.
-        has_value: ``False`` while ``handle`` holds no value yet (a parameter created on
-            ``meta``, still to be loaded or initialized): consumers must not read it then.
-            Whoever writes the whole value sets it (which counts in `value_edits`).
-        listeners: callables ``fn(param)`` that `grad_ready` calls (see `on_grad_ready`).
-        relay: ``fn(param)`` that `grad_ready` calls instead of the listeners, or ``None``: a
-            consumer that changes the gradient before anyone may read it (data parallel
-            averaging it across processes) calls `relay_done` when it is final.
+        grad_rows: the rows of ``grad_handle`` that may be non-zero (sorted LongTensor; set by
+            producers of sparse row gradients, consumers touch only these), or ``None``.
+        has_grad: a gradient not consumed yet is stored. Producers set it; consumers
+            (``zero_grad``) clear it, and the next producer then overwrites.
+        grad_sparse: a sparse COO gradient in host memory as autograd accumulates it (not
+            coalesced: a sparse step depends on the entries' order), or ``None``; while set,
+            ``grad_handle`` holds nothing of it.
+        grad_sync: set by the producer: blocks until every gradient handed over so far rests
+            in ``grad_handle``. ``None``: in place as soon as `grad_ready` fires.
+        grad_flush: set by a producer that may hold sums back on the device: hands them to the
+            store now, without waiting. ``None``: nothing is held back.
+        grad_adopt: set by the producer: see `adopt_grad`. ``None``: nothing to adopt.
+        grad_dtype: the dtype ``grad_handle`` is allocated in (``None``: the parameter's); a
+            consumer with fp32 masters sets ``torch.float32``.
+        grad_edits: in-place changes made to the stored gradient through a `StoreTensor`
+            (clipping, unscaling), so a consumer can tell it changed.
+        has_value: ``False`` while ``handle`` holds no value yet (created on ``meta``); whoever
+            writes the whole value sets it (counted in `value_edits`).
+        listeners: callables ``fn(param)`` that `grad_ready` calls.
+        relay: ``fn(param)`` that `grad_ready` calls instead of the listeners (data parallel
+            averaging across processes), which calls `relay_done` when final; or ``None``.
     """
 
     store: Store
@@ -132,8 +106,7 @@ class ListenerHandle:
     __slots__ = ("_binding", "_fn")
 
     def __init__(self, b: ParamBinding, fn: Callable[[torch.Tensor], None]) -> None:
-        # Weakly, as torch's hook handles: a handle kept (by a finalizer, say) must not keep
-        # the parameter's binding, and through it the model's offload state, alive.
+        # Weakly, as torch's hook handles: a kept handle must not keep the offload state alive.
         self._binding: weakref.ref[ParamBinding] | None = weakref.ref(b)
         self._fn = fn
 
@@ -193,15 +166,13 @@ def binding(param: torch.Tensor) -> ParamBinding | None:
 def on_grad_ready(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> ListenerHandle:
     """Call ``fn(param)`` each time a backward pass has finished ``param``'s gradient.
 
-    The producer of a store-resident gradient (the offload layer) fires it from the backward
-    thread, once per backward pass, after handing the gradient to the store; with gradient
-    accumulation it fires once per micro-batch, so the listener counts. Before reading the
-    gradient (e.g. on another thread), call `sync_grad`.
+    Fired from the backward thread once per backward pass (per micro-batch), after the
+    gradient was handed to the store; call `sync_grad` before reading it.
 
     Args:
         param: a store-resident parameter (one that `bind` was called on).
-        fn: called with ``param``; runs inside autograd's backward, so keep it short and hand
-            heavy work to another thread. An exception it raises fails the backward pass.
+        fn: called with ``param`` inside autograd's backward (keep it short); an exception it
+            raises fails the backward pass.
 
     Returns:
         A handle whose ``remove()`` unregisters ``fn``.
@@ -221,11 +192,8 @@ def on_grad_ready(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> Li
 
 
 def grad_ready(param: torch.Tensor) -> None:
-    """Tell ``param``'s listeners that its gradient of this backward pass is complete.
-
-    Producers call it after handing the gradient to the store (`Mover.push_grad`); the
-    binding's ``grad_sync`` is what makes the handed-over bytes readable.
-    """
+    """Tell ``param``'s listeners (or its relay) that its gradient of this backward pass is
+    complete; producers call it after handing the gradient to the store."""
     b = binding(param)
     if b is not None:
         if b.relay is not None:
@@ -243,19 +211,16 @@ def relay_done(param: torch.Tensor) -> None:
 
 
 def flush_grad(b: ParamBinding) -> None:
-    """Have ``b``'s producer hand over any gradient it holds back, now (does not wait: see
-    `sync_grad`). For a consumer about to read the gradient of the backward that just made it
-    complete (a step during ``final_backward``), from that backward's thread."""
+    """Have ``b``'s producer hand over any gradient it holds back, now, without waiting (for a
+    step during ``final_backward``, from that backward's thread)."""
     if b.grad_flush is not None:
         b.grad_flush()
 
 
 def adopt_grad(b: ParamBinding) -> None:
     """Have ``b``'s producer take what was done to ``param.grad`` since it left it there: a
-    tensor assigned to it becomes the stored gradient (``has_grad``), ``None`` clears the
-    stored gradient (``has_grad`` false: an optimizer skips the parameter, as torch's skip a
-    parameter whose ``.grad`` is ``None``). For a consumer about to read the gradient or ask
-    `ParamBinding.has_grad`, between backward passes."""
+    tensor assigned becomes the stored gradient, ``None`` clears it (``has_grad`` false). For a
+    consumer about to read the gradient or ``has_grad``, between backward passes."""
     if b.grad_adopt is not None:
         b.grad_adopt()
 
@@ -273,9 +238,8 @@ def unbind(param: torch.Tensor) -> None:
 
 
 def weak_method(method: Callable[..., None], *args: object) -> Callable[..., None]:
-    """``partial(method, *args)`` holding the object of the bound ``method`` weakly: once it is
-    collected, calls do nothing. For a listener (`on_grad_ready`) or hook that must not keep its
-    owner alive; ``args`` must not lead to the owner either."""
+    """``partial(method, *args)`` holding ``method``'s object weakly (calls do nothing once it
+    is collected), for a listener or hook that must not keep its owner alive; nor may ``args``."""
     ref = weakref.WeakMethod(method)
 
     def call(*more: object) -> None:
@@ -291,9 +255,8 @@ def weak_post_accumulate_grad_hook(tensor: torch.Tensor, method: Callable[..., N
     """``tensor.register_post_accumulate_grad_hook(partial(method, *args))``, holding the
     object of the bound ``method`` weakly (see `weak_method`).
 
-    NOTE: Python's garbage collector does not see a tensor's post-accumulate-grad hooks (torch
-    leaves them out of the tensor's traversal), so a hook leading back to the tensor (an offload
-    state or an optimizer holding the parameter it is registered on) makes a cycle that is never
-    collected: the model, its store, threads and folder lock would live until the process ends.
+    NOTE: the garbage collector does not see a tensor's post-accumulate-grad hooks, so a hook
+    leading back to the tensor makes a cycle never collected: the model, its store, threads
+    and folder lock would live until the process ends.
     """
     return tensor.register_post_accumulate_grad_hook(weak_method(method, *args))

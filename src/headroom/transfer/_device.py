@@ -10,15 +10,13 @@ __all__ = ["check_device", "stream_module"]
 def check_device(device: str | torch.device) -> torch.device:
     """The compute device ``device`` names, checked to exist here, with an explicit index.
 
-    Every public entry point that takes ``device=`` calls this first, so a missing accelerator
-    is reported at once, by name, instead of failing later deep inside pinned-memory or stream
-    code. Accelerators get an explicit index (``"cuda"`` becomes ``cuda:<current index>``), so
-    the result compares equal to ``tensor.device`` of tensors created there; ``"cpu"`` (with or
-    without an index) becomes ``cpu``, as CPU tensors report it.
+    Every public entry point taking ``device=`` calls this first, so a missing accelerator is
+    named at once. The result compares equal to ``tensor.device`` of tensors created there
+    (``"cuda"`` becomes ``cuda:<current index>``, ``"cpu:0"`` becomes ``cpu``).
 
     Args:
-        device: ``"cpu"``, an accelerator type (``"cuda"``, ``"xpu"``, ... — whatever
-            ``torch.accelerator`` reports), optionally with an index, or a ``torch.device``.
+        device: ``"cpu"``, an accelerator type ``torch.accelerator`` reports, optionally with
+            an index, or a ``torch.device``.
 
     Returns:
         The normalized ``torch.device``.
@@ -59,12 +57,10 @@ _NEEDS = ("Stream", "Event", "stream", "current_stream")
 
 
 def stream_module(device: torch.device):
-    """The device module (``torch.cuda``, ``torch.xpu``, ...) whose side streams and events the
-    transfer layer orders its copies with.
+    """The device module (``torch.cuda``, ...) whose streams and events order the copies.
 
     Raises:
-        RuntimeError: the accelerator has no streams and events to order copies with (MPS
-            today): headroom cannot overlap copies with compute there, and does not pretend to.
+        RuntimeError: the accelerator has no streams and events (MPS).
     """
     mod = torch.get_device_module(device.type)
     missing = [n for n in _NEEDS if not hasattr(mod, n)]

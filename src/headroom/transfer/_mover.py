@@ -1,28 +1,24 @@
 """The mover: store -> device for parameters, device -> store for gradients.
 
-This is the one place that knows about streams, events and page-locked staging buffers for
-parameters. On an accelerator, copies run on two side streams (``h2d``, ``d2h``) ordered with
-the stream that computes by events, so a prefetch overlaps compute and gradients leave while
-backward goes on. On the CPU the same calls run synchronously, except disk reads, which run on
-the store's I/O threads and so overlap compute there too.
+On an accelerator, copies run on two side streams (``h2d``, ``d2h``) ordered with the computing
+stream by events, so prefetches overlap compute and gradients leave while backward goes on. On
+the CPU the same calls run synchronously, except disk reads (the store's I/O threads).
 
-Threads: the forward/backward thread fetches and pushes gradients, an optimizer's worker thread
-may fetch (copy-backs) and wait for gradients, and the mover's own landing thread adds staged
-gradients into the store. A lock guards the mover's queues and the issuing of copies; it is
-never held while the host waits for the device or for I/O, so backward never stalls behind an
-optimizer waiting for its gradients.
+Threads: the forward/backward thread fetches and pushes gradients, an optimizer's worker may
+fetch and wait for gradients, and the mover's landing thread adds staged gradients into the
+store. The lock guarding queues and issuing is never held while the host waits for the device
+or for I/O, so backward never stalls behind an optimizer waiting for its gradients.
 
 [Note: copies in flight] On an accelerator every copy is issued on a side stream of
-``transfer/`` and ordered, where it is issued, after the stream that produced what it reads or
-last used what it overwrites (an event recorded there, waited for by the side stream); the
-consumer orders its own stream after the copy's completion event, or the host waits for it
-before reading or writing host memory the copy uses. Memory a copy may still use is not freed
-before that: device memory is handed to the caching allocator with ``record_stream`` or freed on
-a stream ordered after the copy; host memory from a page-locked slab goes back to a pool when
+``transfer/``, ordered after the stream that produced what it reads or last used what it
+overwrites (an event recorded there); the consumer's stream waits for the copy's completion
+event, or the host waits before touching host memory the copy uses. Memory a copy may still use
+is not freed before that: device memory goes to the caching allocator with ``record_stream`` or
+is freed on a stream ordered after the copy; page-locked host memory goes back to a pool when
 its next user is ordered after the copy, and to the system only after a host wait
 (`Mover.synchronize`/``wait_reads``/``close``, ``Stash.close``, the end of a ``RowStreamer``
 pass); a store tensor is freed only once the copies using it are done (``hr.unoffload``
-synchronizes the mover first). Nothing adds a device-wide synchronization to get ordering.
+synchronizes the mover first). No device-wide synchronization is added for ordering.
 ``tests/_streams.py`` checks all of this on the CPU.
 """
 
@@ -53,8 +49,8 @@ from headroom.transfer._device import stream_module
 
 __all__ = ["Mover", "Ticket"]
 
-# Bound the page-locked staging of gradients waiting to be added into the store; past it the
-# backward thread waits for the oldest landing, but never for a single gradient on its own.
+# Page-locked staging of gradients waiting to land; past it backward waits for the oldest
+# landing (never for a gradient alone in it).
 _MAX_STAGED_BYTES = 256 << 20
 
 
@@ -98,8 +94,7 @@ class Mover:
         store: the store the tensors rest in.
 
     Raises:
-        RuntimeError: an accelerator without streams and events (see
-            `headroom.transfer.check_device`'s companion ``stream_module``).
+        RuntimeError: an accelerator without streams and events (`stream_module`).
 
     Example:
         >>> store = HostStore(); h = store.put("w", torch.ones(3))
@@ -128,8 +123,7 @@ class Mover:
             self._d2h = self._mod.Stream(self.device)
             self._pool = PinnedPool(pin=True, device=self.device)
             self._inflight: deque = deque()  # (event, staging) of H2D copies out of staging
-            # One event per side stream orders it after the computing stream: a wait captures
-            # the event's state when issued, so it is recorded again for the next copy.
+            # One event per side stream, recorded again for each copy (a wait captures it).
             self._h2d_after = self._mod.Event()
             self._d2h_after = self._mod.Event()
             self._events: list = []  # done events of retired copies, for reuse
@@ -139,16 +133,10 @@ class Mover:
               batch: _Batch | None = None) -> Ticket:
         """Start filling ``dst`` (on the device, storage allocated) with ``handle``'s value.
 
-        Casts to ``dst.dtype`` if it differs (e.g. fp32 master to a bf16 compute copy). Does
-        not bump ``dst``'s version counter, so autograd's saved references stay valid.
-
-        Args:
-            handle: the stored value.
-            dst: where it goes.
-            after: events the copy must be ordered after instead of the calling thread's
-                current stream (a worker thread copying back parameters that backward read on
-                another stream records an event there and passes it).
-            batch: from `fetch_many`: copies that share one completion event.
+        Casts to ``dst.dtype``; does not bump ``dst``'s version counter (autograd's saved
+        references stay valid). ``after``: events to order the copy after instead of the
+        current stream (a worker thread copying back what backward read on another stream).
+        ``batch``: from `fetch_many`, copies sharing one completion event.
         """
         return self.fetch_many([(handle, dst)], after=after, batch=batch)[0]
 
@@ -177,8 +165,7 @@ class Mover:
                             issued=threading.Event()))
                         continue
                     if not self.store.pinned:
-                        # A copy from pageable memory would make the host wait for the device:
-                        # copy on the host into page-locked staging, which the device reads.
+                        # Pageable memory would make the host wait: stage it page-locked.
                         src = self._pool.take(handle.nbytes).view(handle.dtype).view(
                             handle.shape)
                         src.copy_(host)
@@ -186,8 +173,7 @@ class Mover:
                         host = src
                     with torch.no_grad(), self._mod.stream(self._h2d), \
                             torch.autograd._unsafe_preserve_version_counter(dst):
-                        # Ordered after the computing stream (the event just waited for): the
-                        # storage was (re)allocated there, and what read it before is done.
+                        # After the computing stream, where the storage was (re)allocated.
                         dst.copy_(host, non_blocking=True)
                     tickets.append(Ticket(dst, batch=batch))
             finally:
@@ -196,15 +182,13 @@ class Mover:
                     batch.event.record(self._h2d)
                     self._inflight.extend((batch.event, src) for src in staged)
                     if len(tickets) < len(items):
-                        # Failed half-way: whoever frees these storages next is ordered after
-                        # the copies already issued into them.
+                        # Failed half-way: who frees these storages waits for copies issued.
                         self._mod.current_stream(self.device).wait_event(batch.event)
         try:
             for (handle, _), t in zip(items, tickets, strict=True):
                 if t.staging is not None:
                     t.future = self.store.read(handle, out=t.staging)
-                    # The copy to the device is issued as soon as the read lands, on whichever
-                    # thread completes it: the device copy overlaps compute, not only the read.
+                    # The device copy is issued as the read lands, on the thread completing it.
                     t.future.add_done_callback(
                         lambda _f, t=t: self._bg(self._issue_staged)(t))
         except BaseException:
@@ -222,8 +206,7 @@ class Mover:
                 dst.copy_(host)
             return Ticket(dst, done=True)
         if dst.dtype == handle.dtype and dst.is_contiguous():
-            # Read straight into the parameter's memory on an I/O thread: the
-            # prefetch overlaps compute even on the CPU.
+            # Straight into the parameter on an I/O thread: overlaps compute on the CPU too.
             return Ticket(dst, future=self.store.read(handle, out=dst))
         return Ticket(dst, future=self.store.read(handle))
 
@@ -243,8 +226,7 @@ class Mover:
             with self._lock, torch.no_grad(), device_guard(self.device), \
                     self._mod.stream(self._h2d), \
                     torch.autograd._unsafe_preserve_version_counter(t.dst):
-                # The h2d stream was ordered after the computing stream when the fetch
-                # started (the storage was allocated there); copies keep issue order.
+                # h2d was ordered after the computing stream when the fetch started.
                 t.dst.copy_(t.staging, non_blocking=True)
                 t.batch = _Batch(self._event())
                 t.batch.event.record(self._h2d)
@@ -278,15 +260,14 @@ class Mover:
                 cur.wait_event(b.event)
 
     def wait_reads(self) -> None:
-        """Block until every copy to the device issued so far has read its host memory (before
-        the host writes what they read, e.g. `load_state_dict` into masters)."""
+        """Block until every copy to the device issued so far has read its host memory."""
         if self.accelerated:
             self._h2d.synchronize()
             self._reclaim()
 
     def mark(self, event: object | None = None) -> object | None:
-        """An event recorded now on the calling thread's current stream (``event`` recorded
-        again when given), for `fetch`'s ``after``; ``None`` on the CPU."""
+        """An event (``event`` if given) recorded now on the current stream, for `fetch`'s
+        ``after``; ``None`` on the CPU."""
         if not self.accelerated:
             return None
         ev = event if event is not None else self._mod.Event()
@@ -308,11 +289,10 @@ class Mover:
     def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
         """Move a finished gradient into ``b.grad_handle``: add to it or overwrite it.
 
-        The caller may drop ``grad`` at once. Call `synchronize` before reading the stored
-        gradient. On an accelerator the copy is ordered after the calling thread's current
-        stream (where backward produced ``grad``) and lands in the background: overwriting a
-        page-locked host gradient of the same dtype, straight into it; otherwise through
-        page-locked staging, added (or cast, or written to disk) on the mover's landing thread.
+        The caller may drop ``grad`` at once; call `synchronize` before reading the stored
+        gradient. On an accelerator the copy is ordered after the current stream and lands in
+        the background: straight into a page-locked host gradient it overwrites, otherwise
+        through staging, landed on the mover's landing thread.
         """
         gh = b.grad_handle
         if gh is None:
@@ -338,8 +318,7 @@ class Mover:
                 (host if direct else staging).copy_(grad, non_blocking=True)
                 ev = self._event()
                 ev.record(self._d2h)
-            # The caching allocator keeps the gradient's memory until the copy is done: no
-            # host wait, and the device memory is free as soon as the copy has run.
+            # The allocator keeps the gradient's memory until the copy is done: no host wait.
             grad.record_stream(self._d2h)
             landing = _Landing(ev, gh.key, staging, nbytes)
             self._landings[next(self._serial)] = landing
@@ -381,8 +360,8 @@ class Mover:
 
     def _land(self, grad: torch.Tensor, gh: Handle, accumulate: bool, *,
               staged: bool = False) -> Future | None:
-        """Land a host gradient in the store; a disk write still in flight when ``staged``
-        is returned (the caller keeps ``grad`` until it is done), else tracked here."""
+        """Land a host gradient in the store; when ``staged``, a disk write in flight is
+        returned (the caller keeps ``grad`` until it is done), else tracked here."""
         store = self.store
         host = store.host_tensor(gh)
         with torch.no_grad():
@@ -396,8 +375,8 @@ class Mover:
                 if staged:
                     self._accumulate(gh, grad)  # already on the landing thread
                     return None
-                # Read-add-write on the mover's own thread, so backward does not wait
-                # for the disk; one thread keeps pushes to the same gradient in order.
+                # On the mover's one thread: backward does not wait for the disk, and pushes
+                # to one gradient stay in order.
                 self._grads_disk(self._accumulator().submit(self._accumulate, gh, grad),
                                  2 * gh.nbytes)
                 return None
@@ -421,8 +400,7 @@ class Mover:
         self.store.write(gh, acc).result()
 
     def _grads_disk(self, fut: Future, nbytes: int) -> None:
-        # A pending write keeps its gradient alive; bound those bytes so host memory
-        # stays at a few tensors however many parameters the model has.
+        # A pending write keeps its gradient alive: bound those bytes.
         with self._lock:
             self._disk_writes.append((fut, nbytes))
             self._writing += nbytes
@@ -440,7 +418,8 @@ class Mover:
         return fn
 
     def synchronize(self) -> None:
-        """Wait until every gradient pushed so far rests in the store.
+        """Wait until every gradient pushed so far rests in the store (backward goes on).
+
 
         Holds no lock the pushing thread needs while waiting: backward goes on meanwhile.
 

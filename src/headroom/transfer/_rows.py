@@ -1,8 +1,5 @@
-"""The row streamer: row slices of host tensors to the device, gradient rows back, overlapped.
-
-Used by the huge classifier head, whose weight is streamed slice by slice. Like the mover, it
-is one of the places that know about side streams, events and page-locked staging buffers.
-"""
+"""The row streamer: row slices of host tensors to the device, gradient rows back, overlapped
+(used by the huge classifier head, whose weight is streamed slice by slice)."""
 
 from __future__ import annotations
 
@@ -17,9 +14,8 @@ __all__ = ["RowStreamer"]
 
 _shared_pool: dict[torch.device, PinnedPool] | None = None
 
-# Staging buffers are cached across passes (pinning is slow); past this many bytes the
-# cache is dropped at the end of a pass, so that slice sizes changing with the batch do not pile
-# up page-locked memory. Not a hard limit: a pass takes what its ring needs.
+# Staging is cached across passes (pinning is slow), dropped at a pass's end past this many
+# bytes so that slice sizes changing with the batch do not pile up. Not a hard limit.
 _ROW_STAGING_CACHE = 1 << 30
 
 
@@ -38,24 +34,17 @@ class RowStreamer:
     """Streams row slices of host tensors to the device, and gradient rows back, overlapped.
 
     `stream` yields slice ``i`` on the device while slices ``i+1 .. i+prefetch`` are copied on a
-    side stream; the compute stream waits (an event, not the host) only for the slice it is
-    about to use. A host tensor that is not page-locked is first copied into page-locked
-    staging buffers, ``prefetch + 1`` of them reused in a ring; a buffer is refilled only after
-    the device copy out of it has finished. `push` does the reverse for gradient slices: the copy
-    to the host runs on a second side stream, and the host-side landing (copy or add into the
-    destination rows) happens when that ring slot is next needed, or in `finish`.
-
-    On the CPU (``device="cpu"``) the same calls run synchronously: slices are views (or casts)
-    of the host rows and pushes copy or add at once.
+    side stream; the compute stream waits (an event) only for the slice it uses. Pageable host
+    tensors go through ``prefetch + 1`` page-locked staging buffers reused in a ring. `push`
+    does the reverse for gradient slices, landing each (copy or add into the destination rows)
+    when its ring slot is next needed, or in `finish`. On the CPU the same calls run at once.
 
     Args:
         device: the compute device.
-        prefetch: slices copied ahead of the one computing. ``1`` overlaps each copy with one
-            slice of compute; more absorbs jitter in copy or compute times at the cost of one
-            more slice of device memory (and, for pageable sources, of page-locked staging)
-            per step of depth; ``0`` copies on the side stream without overlap.
-        pool: page-locked staging pool (default: one shared per process and device, within
-            the process's page-locked budget).
+        prefetch: slices copied ahead of the one computing (``1`` overlaps each copy with one
+            slice of compute; more absorbs jitter, at one more slice of device memory and
+            staging each; ``0``: no overlap).
+        pool: page-locked staging pool (default: one shared per process and device).
 
     Raises:
         ValueError: ``prefetch < 0``.
@@ -86,8 +75,7 @@ class RowStreamer:
                               pool if pool is not None else _row_staging_pool(self.device))
 
     def _use_streams(self, mod, pool: PinnedPool) -> None:
-        # Separate from __init__ so tests can drive the accelerator bookkeeping on the
-        # CPU with a stand-in device module whose streams and events do nothing.
+        # Separate so tests can drive it on the CPU with a stand-in device module.
         self.accelerated = True
         self._mod = mod
         self._pool = pool
@@ -104,9 +92,8 @@ class RowStreamer:
     ):
         """Yield ``(start, stop, [rows on the device or None, ...])`` for each ``bounds`` entry.
 
-        Each yielded tensor is valid until the consumer asks for the next slice (its device
-        memory is reused by the ring): use it, do not keep it. Once the iteration ends (or is
-        closed) every copy out of ``tensors`` has finished, so the host may write them again.
+        Each yielded tensor is valid until the next slice is asked for (the ring reuses its
+        memory). Once the iteration ends (or is closed) the host may write ``tensors`` again.
 
         Args:
             tensors: host tensors with the same number of rows (``None`` entries stay ``None``).
@@ -132,8 +119,7 @@ class RowStreamer:
         mod, ring = self._mod, self.prefetch + 1
         compute = mod.current_stream(self.device)
         max_rows = max((stop - start for start, stop in bounds), default=0)
-        # Rows of a contiguous page-locked tensor (a pinned host store) go to the device
-        # straight from where they rest; anything else goes through page-locked staging.
+        # Contiguous page-locked rows go straight to the device; the rest through staging.
         direct = [t is not None and t.is_contiguous() and t.is_pinned() for t in tensors]
         row_elems = [0 if t is None else t[:1].numel() for t in tensors]
         dev_bufs = [[None] * ring for _ in tensors]
@@ -157,8 +143,7 @@ class RowStreamer:
                         dev_bufs[c][k] = torch.empty(max_rows * row_elems[c], dtype=t.dtype,
                                                      device=self.device)
                 # Allocated on the compute stream, whose queued kernels may still use that
-                # memory (the caching allocator gives a freed block back to its stream at
-                # once): the side stream's first copies into it are ordered after them.
+                # memory: the side stream's first copies into it wait for them.
                 fresh = mod.Event()
                 fresh.record(compute)
                 self._h2d.wait_event(fresh)
@@ -182,8 +167,7 @@ class RowStreamer:
                         self._trace.append(("stage", j, k, buf.data_ptr()))
                 dst = dev_bufs[c][k][:n].view(shape)
                 with mod.stream(self._h2d):
-                    # Ordered after the compute that last read this slot (release) or that
-                    # allocated it (fresh), and, for staging, after the host filled it.
+                    # After the compute that last read this slot (release) or allocated it.
                     dst.copy_(src, non_blocking=True)
                 outs.append(dst)
                 if self._trace is not None:
@@ -196,13 +180,11 @@ class RowStreamer:
                 copied[k] = ev
 
         issued = 0
-        # No autograd context is held across the yield (it would leak into the consumer's
-        # code); the tensors are detached, so the copies record nothing anyway.
+        # No autograd context across the yield (it would leak); the tensors are detached.
         try:
             for i, (start, stop) in enumerate(bounds):
                 if i > 0:
-                    # Every kernel reading slice i-1 is enqueued by now; the copy
-                    # that will overwrite its buffers waits for them on the device.
+                    # Kernels reading slice i-1 are enqueued: its next copy waits for them.
                     ev = mod.Event()
                     ev.record(compute)
                     release[(i - 1) % ring] = ev
@@ -215,11 +197,9 @@ class RowStreamer:
                     outs = [None if o is None else o.to(dtype) for o in outs]
                 yield start, stop, outs
         finally:
-            # A pinned source is read by the device with no host wait; wait once at the
-            # end so that an optimizer step (or any host write) after the pass cannot race the
-            # last copies. Copies finish in issue order on the one side stream, so this also
-            # orders the freeing of the device buffers and the staging's return to the pool
-            # after every copy, those of slices never delivered (closed early) included.
+            # One host wait at the end, so a host write after the pass cannot race the last
+            # copies; copies finish in issue order, so this also orders freeing the device
+            # buffers and pooling the staging after every copy (undelivered ones included).
             if last[0] is not None:
                 last[0].synchronize()
             for bufs in staging:
@@ -237,11 +217,8 @@ class RowStreamer:
         return max(2, self.prefetch + 1)
 
     def out(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A device buffer to compute the next slice pushed under ``key`` into (ring-reused).
-
-        Blocks only if the copy out of this ring slot (``prefetch + 1`` pushes ago, at least
-        two) has not finished yet.
-        """
+        """A device buffer to compute the next slice pushed under ``key`` into (ring-reused;
+        blocks only while the copy out of this slot, ``max(2, prefetch + 1)`` pushes ago, runs)."""
         n = math.prod(shape)
         k = self._count.get(key, 0) % self._ring()
         self._land(key, k)
@@ -255,8 +232,8 @@ class RowStreamer:
     def push(self, key: str, dst: torch.Tensor, src: torch.Tensor, *, accumulate: bool) -> None:
         """Copy (or add) device rows ``src`` into host rows ``dst`` (cast to ``dst.dtype``).
 
-        In the background on an accelerator: call `finish` before reading ``dst``. ``src`` may be
-        dropped at once (it is kept alive until copied); pushes under one ``key`` land in order.
+        In the background on an accelerator (`finish` before reading ``dst``); ``src`` may be
+        dropped at once; pushes under one ``key`` land in order.
         """
         if tuple(dst.shape) != tuple(src.shape):
             raise ValueError(f"push {key!r}: rows of shape {tuple(src.shape)} into {dst.shape}")

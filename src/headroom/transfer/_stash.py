@@ -1,16 +1,9 @@
 """Anonymous tensors kept in a store for a while: stash the bytes away, bring them back later.
 
-`Stash` moves the bytes of a tensor's storage out of the compute device into host memory or a
-`DiskStore`, and back into a storage of the same size when asked, ahead of time if asked early
-(`prefetch`). It knows nothing of what the bytes mean: activation offload (which tensors, when to
-free the device memory, when to fetch) is built on it. Storage is pooled by size, so a training
-loop that stashes the same sizes every step allocates (and, on disk, creates files) only on its
-first step.
-
-On an accelerator the copies run on side streams ordered after the compute stream by events, and
-the compute stream waits (an event, not the host) before it uses restored bytes. On the CPU a
-host store copies at once; a `DiskStore` reads and writes on its own threads, straight from and
-into the tensor's memory.
+`Stash` moves a storage's bytes off the compute device into host memory or a `DiskStore` and
+back (ahead of time with `prefetch`), knowing nothing of what they mean; activation offload is
+built on it. Space is pooled by size, so a loop stashing the same sizes allocates on its first
+step only.
 """
 
 from __future__ import annotations
@@ -33,8 +26,7 @@ __all__ = ["Stash", "StashTicket"]
 _KEY = SCRATCH + "stash"
 _ids = itertools.count()
 
-# Shared stashes (`Stash.shared`): host ones by device here, disk ones on their store (the store
-# is alive as long as they are), which this set finds again for `Stash.release_shared`.
+# `Stash.shared`: host ones by device; disk ones on their store, found again through this set.
 _host_shared: dict[torch.device, Stash] = {}
 _disks_shared: weakref.WeakSet = weakref.WeakSet()
 
@@ -85,28 +77,23 @@ class Stash:
         self._handles: dict[int, list[Handle]] = defaultdict(list)
         self._prefix = f"{_KEY}/{next(_ids)}"
         self._made = 0
-        # Host buffers a dropped ticket's copies on the side streams may still use, with those
-        # copies' events: pooled again once they have completed (a drop never waits). The
-        # device bytes those copies use go back to the allocator at once, marked as used by
-        # the side stream (``record_stream``), so they are not reused before the copy is done.
+        # Host buffers a dropped ticket's side-stream copies may still use, with their events:
+        # pooled again once those completed (a drop never waits).
         self._held: list[tuple[list[Any], torch.Tensor]] = []
         if self.accelerated:
             self._mod = stream_module(self.device)
             self._d2h = self._mod.Stream(self.device)
             self._h2d = self._mod.Stream(self.device)
-            # The compute stream's progress at a copy's start, one event per side stream,
-            # recorded again for each copy: a stream's wait takes the event as recorded at the
-            # time of the wait, so reusing it orders each copy exactly as a fresh one would
-            # (record and wait under one lock: a shared stash may serve several threads).
+            # One event per side stream, recorded on the compute stream again for each copy
+            # (a wait takes it as recorded then); under one lock, for a shared stash's threads.
             self._out_ready = self._mod.Event()
             self._back_ready = self._mod.Event()
             self._ready_lock = threading.Lock()
 
     @classmethod
     def shared(cls, device: str | torch.device, store: Store | None) -> Stash:
-        """The process's stash for ``device`` and ``store``, kept between users: a training
-        loop that stashes every step reuses its buffers (page-locked memory is slow to
-        allocate) and files. `release_shared` gives their pooled space back."""
+        """The process's stash for ``device`` and ``store``, kept between users so a training
+        loop reuses its page-locked buffers and files (`release_shared` frees them)."""
         device = torch.device(device)
         if isinstance(store, DiskStore):
             table = store._stashes
@@ -125,8 +112,7 @@ class Stash:
             s.close()
         for store in list(_disks_shared):
             if store._closed:
-                # Its space went with it (scratch files are dropped when a folder is opened
-                # again); its file handles are closed, so there is nothing to free here.
+                # Its scratch space and file handles went with it: nothing to free.
                 _disks_shared.discard(store)
                 continue
             for s in store._stashes.values():
@@ -255,12 +241,8 @@ class Stash:
 
     # ------------------------------------------------------------------ space
     def drop(self, k: StashTicket) -> None:
-        """Give the stashed bytes' space back (pooled for the next stash of that size).
-
-        A copy on a side stream that may still use the host buffer (the copy out of a tensor
-        backward needed at once, a copy back never waited for) is not waited for: the buffer
-        is pooled again once that copy's event has completed.
-        """
+        """Give the stashed bytes' space back (pooled for the next stash of that size); a host
+        buffer a side-stream copy may still use is pooled once its event completed."""
         for fut in (k.out, k.back):
             if fut is not None:
                 fut.exception()  # an I/O still using the buffer must finish first
@@ -311,9 +293,8 @@ class Stash:
     def close(self) -> None:
         """Free what the stash pooled (its disk files too)."""
         if self.accelerated:
-            # A restored ticket's copy back may still read its pooled host buffer, and a
-            # dropped ticket's copies may still use its held one, both going back to the
-            # system below: wait for this stash's own copies (nothing else).
+            # Copies back may still read pooled buffers, and dropped tickets' copies held
+            # ones, all going back to the system: wait for this stash's own copies only.
             self._h2d.synchronize()
             held, self._held = self._held, []
             for events, host in held:

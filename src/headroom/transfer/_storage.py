@@ -10,9 +10,8 @@ __all__ = ["resize_storage"]
 def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
     """Resize ``tensor``'s storage to ``nbytes`` (0 frees it, keeping the tensor object valid).
 
-    Autograd keeps references to tensors, not to their bytes, so a tensor whose storage was
-    freed after its forward can be refilled before its backward. Goes through
-    ``torch.ops.inductor.resize_storage_bytes_`` (an op, unlike ``UntypedStorage.resize_``) so
-    dispatch-mode trackers, `headroom.track_memory` among them, see the memory come and go.
+    Autograd keeps references to tensors, not bytes, so a storage freed after forward can be
+    refilled before backward. An op (unlike ``UntypedStorage.resize_``), so dispatch-mode
+    trackers such as `headroom.track_memory` see the memory come and go.
     """
     torch.ops.inductor.resize_storage_bytes_(tensor, nbytes)

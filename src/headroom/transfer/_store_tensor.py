@@ -1,31 +1,15 @@
 """`StoreTensor`: a tensor whose values rest in a store, for code that reads ``p`` and ``p.grad``.
 
-A parameter offloaded to a `DiskStore` has no values in memory, and a gradient kept in fp32
-for a bf16 parameter cannot be its ``.grad`` (torch wants the parameter's dtype there). Yet
-``torch.nn.utils.clip_grad_norm_``, ``GradScaler.unscale_``, ``p.grad.norm()`` and the training
-frameworks built on them read and scale ``p.grad`` as a tensor. A `StoreTensor` is that tensor:
-a wrapper subclass (no storage of its own) with the shape, dtype and device the parameter
-reports, whose every op runs on the values the store holds:
-
-- reductions and other functional ops (``linalg_vector_norm``, ``_foreach_norm``,
-  ``isfinite``, ``clone``, ``to``) read the whole value once (zero-copy from a host store) and
-  give an ordinary tensor;
-- in-place ops (``mul_``, ``_foreach_mul_``, ``clamp_``, ``_amp_foreach_non_finite_check_and_
-  unscale_``, ``zero_``, ``copy_``, the ``add_`` autograd accumulates with) change the stored
-  value: in place in host memory, read-modify-write on disk, except that a gradient on disk
-  scaled by a number (``mul_``, as clipping does) is not read or written: the store records the
-  scaling and applies it whenever the gradient is next read (`DiskStore.scale_`);
-- ``foreach`` ops run one tensor at a time, so at most one value is in memory at once;
-- ``detach`` (``p.data``, ``p.detach()``) gives another `StoreTensor` over the same values.
-
-Every op computes on the whole value with torch's own kernel, so results are bitwise those of
-the same op on a plain tensor holding the stored values. The values are in the store's dtype,
-which may differ from the reported one: the fp32 gradient of a bf16 parameter (what an
-optimizer with fp32 masters steps) reports ``bfloat16`` as torch requires, and ops on it
-compute in fp32 and return fp32.
-
-Views (``p.grad.view(-1)``, slicing) of values in host memory alias the store's memory; views
-of values on disk are `StoreTensor` objects too, so writing into them writes the store.
+A parameter on a `DiskStore` has no values in memory, and an fp32 gradient of a bf16 parameter
+cannot be its ``.grad``; yet clipping, ``GradScaler.unscale_`` and training frameworks read and
+scale ``p.grad`` as a tensor. A `StoreTensor` is a wrapper subclass (no storage) with the
+parameter's shape, dtype and device whose every op runs on the stored values, with torch's own
+kernel, so results are bitwise those on a plain tensor holding them (computed in the stored
+dtype, which may be wider than the reported one). Functional ops read the value once and give
+an ordinary tensor; in-place ops change the stored value (read-modify-write on disk, except a
+scaling ``mul_``, which `DiskStore.scale_` records and applies at the next read); ``foreach``
+ops run one tensor at a time; ``detach`` and views of values not in host memory give
+`StoreTensor` objects over the same values, so writing into them writes the store.
 """
 
 from __future__ import annotations
@@ -88,8 +72,8 @@ class Source:
         return False
 
     def scale(self, op: Any, factor: Any) -> bool:
-        """Scale the values in place by a scalar without reading them now (``op``: an in-place
-        element-wise op, see `DiskStore.scale_`); False: not handled."""
+        """Scale the values by a scalar without reading them now (`DiskStore.scale_`); False:
+        not handled."""
         return False
 
     def clear(self) -> bool:
@@ -111,13 +95,8 @@ def _read(store: Store, h: Handle) -> tuple[torch.Tensor, bool]:
 
 
 class HandleSource(Source):
-    """The values of one store handle (an offloaded parameter's master).
-
-    Args:
-        store, handle: where the values rest.
-        prepare: called before every read or write (e.g. fill values still pending for a
-            model built on ``meta``).
-    """
+    """The values of one store handle (an offloaded parameter's master); ``prepare`` is called
+    before every read or write (e.g. to fill values still pending for a model built on meta)."""
 
     def __init__(self, store: Store, handle: Handle, *,
                  prepare: Callable[[], None] | None = None) -> None:
@@ -154,13 +133,8 @@ class GradSource(Source):
     """The accumulated gradient of a store-resident parameter (``binding.grad_handle``).
 
     Reads wait for the gradient's producer (`sync_grad`); a gradient cleared since the tensor
-    was handed out (``zero_grad``) raises rather than reading whatever the store holds.
-
-    Args:
-        b: the parameter's binding.
-        push: adds a new gradient to the stored one (``fn(grad)``), used when autograd
-            accumulates into ``param.grad`` (e.g. `headroom.transfer.Mover.push_grad`, which
-            copies from an accelerator in the background); ``None``: an ordinary ``add_``.
+    was handed out (``zero_grad``) raises. ``push(grad)`` adds a new gradient when autograd
+    accumulates into ``param.grad`` (`Mover.push_grad`); ``None``: an ordinary ``add_``.
     """
 
     def __init__(self, b: ParamBinding, *,
@@ -180,9 +154,7 @@ class GradSource(Source):
         if b.grad_handle is None or not b.has_grad:
             raise RuntimeError(
                 f"the gradient of {b.handle.key!r} was cleared (zero_grad) after this tensor was"
-                " taken from param.grad; read param.grad again (it is None until the next"
-                " backward)"
-            )
+                " taken from param.grad; read param.grad again (None until the next backward)")
         sync_grad(b)
         return b.grad_handle
 
@@ -192,8 +164,7 @@ class GradSource(Source):
 
     def scale(self, op: Any, factor: Any) -> bool:
         # NOTE: clipping scales every gradient after reading it for the norm; on disk the
-        # scaling is recorded instead, and applied as the gradient is next read (by the
-        # optimizer step, slice by slice): one read and one write of every gradient fewer.
+        # scaling is recorded and applied at the next read: one read and write fewer each.
         store = self.binding.store
         defer = getattr(store, "scale_", None)
         if defer is None or self.live():
@@ -202,17 +173,15 @@ class GradSource(Source):
         return True
 
     def clear(self) -> bool:
-        # zero_grad(set_to_none=False): a sum its producer holds back is dropped, not handed
-        # over to be overwritten, and nothing is read.
+        # zero_grad(set_to_none=False): a sum held back is dropped, and nothing is read.
         b = self.binding
         if b.grad_handle is None:
             return False  # never stored: the read raises, naming it
         if not b.has_grad:
             return True  # cleared already: the next backward starts it afresh, as from zeros
         h = b.grad_handle
-        # Until the zeros are in, the gradient reads as cleared: a read raises, and the next
-        # backward starts it afresh (as from zeros). An error or Ctrl-C half-way leaves no mix
-        # of the stored gradient without the sum its producer held back.
+        # Until the zeros are in, the gradient reads as cleared (a read raises, the next
+        # backward starts afresh): an interrupt half-way leaves no partial state.
         b.has_grad = False
         sync_grad(b)  # a sum held back is dropped; what was handed over before lands first
         host = b.store.host_tensor(h)
@@ -242,8 +211,7 @@ class GradSource(Source):
 
 
 class HeldSource(Source):
-    """Values held in memory: those of a parameter that left its store (its `StoreTensor` keeps
-    the values it had rather than reading whatever later takes its place in the store)."""
+    """The values a parameter had when it left its store, held (not what later takes its place)."""
 
     def __init__(self, value: torch.Tensor, describe: str) -> None:
         self.value = value
@@ -266,8 +234,7 @@ class HeldSource(Source):
 
 
 class ViewSource(Source):
-    """A view (``view``, ``reshape``, ``t``, slicing, ...) of another source's values: read as
-    that view of the whole value, written through it."""
+    """A view (``view``, slicing, ...) of another source's values, read and written through it."""
 
     def __init__(self, base: Source, func: Any, args: tuple, kwargs: dict, index: int | None):
         self.base = base
@@ -304,15 +271,9 @@ class ViewSource(Source):
 
 
 class StoreTensor(torch.Tensor):
-    """A tensor whose values rest in a store (see the module docstring).
-
-    Args:
-        source: where the values are (`HandleSource`, `GradSource`).
-        shape: the shape (the stored one).
-        dtype: the dtype it reports (the parameter's); ops compute in the stored dtype.
-        device: the device it reports (the parameter's).
-        requires_grad: as for any tensor (``nn.Parameter(StoreTensor(...))`` works).
-    """
+    """A tensor whose values rest in ``source`` (see the module docstring), reporting ``shape``
+    (the stored one), ``dtype`` and ``device`` (the parameter's); ops compute in the stored
+    dtype. ``nn.Parameter(StoreTensor(...))`` works."""
 
     _source: Source
 
@@ -333,25 +294,20 @@ class StoreTensor(torch.Tensor):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        # NOTE: ``param.data = x`` swaps the tensor's implementation below the dispatcher: on a
-        # wrapper its values would be ignored while the store kept the old ones. The new value
-        # is written into the store instead (PEFT's safe merge rebinds the weight this way).
+        # NOTE: ``param.data = x`` swaps the implementation below the dispatcher, ignored by a
+        # wrapper; the value is written into the store instead (PEFT's safe merge does this).
         if not isinstance(value, torch.Tensor) or value.shape != self.shape:
             raise RuntimeError(
                 f"cannot rebind .data of a tensor whose values rest in a store"
-                f" ({self._source.describe()}) to"
-                f" {getattr(value, 'shape', type(value).__name__)}: its shape is fixed by the"
-                f" store ({tuple(self.shape)}). Assign a tensor of that shape, or"
-                " hr.unoffload(model) first"
-            )
+                f" ({self._source.describe()}) to {getattr(value, 'shape', type(value).__name__)}:"
+                f" its shape is fixed by the store ({tuple(self.shape)}). Assign a tensor of that"
+                " shape, or hr.unoffload(model) first")
         if value.dtype != self.dtype:  # .half(), .to(dtype) of a module: nothing converted
             raise RuntimeError(
                 f"cannot convert a tensor whose values rest in a store"
                 f" ({self._source.describe()}) from {self.dtype} to {value.dtype}: the store"
-                " keeps its dtype. Convert the model before hr.offload, use"
-                " hr.offload(..., compute_dtype=...) for lower-precision compute, or"
-                " hr.unoffload(model) first"
-            )
+                " keeps its dtype. Convert the model before hr.offload, use hr.offload(...,"
+                " compute_dtype=...) for lower-precision compute, or hr.unoffload(model) first")
         if isinstance(value, StoreTensor) and value._source.key() == self._source.key():
             return
         with torch.no_grad():
@@ -362,8 +318,7 @@ class StoreTensor(torch.Tensor):
                 f" values={self._source.describe()})")
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        # Pickling (torch.save, a spawned process's argument) gets what copy.deepcopy gives:
-        # the values, as a plain tensor of the reported dtype (a parameter stays one).
+        # Pickled as copy.deepcopy gives: the values, a plain tensor (or parameter).
         value = self.stored().to(self.dtype, copy=True)
         if getattr(self, "_is_param", False):
             value = torch.nn.Parameter(value, requires_grad=self.requires_grad)
@@ -400,8 +355,7 @@ class StoreTensor(torch.Tensor):
                 f"{func} on a tensor whose values rest in a store"
                 f" ({_first(args, kwargs)._source.describe()}) is not supported: it would"
                 " replace the store's tensor. Write its values instead (param.data.copy_(x)),"
-                " or hr.unoffload(model) first"
-            )
+                " or hr.unoffload(model) first")
         if (func is _aten.copy_.default and isinstance(args[1], StoreTensor)
                 and isinstance(args[0], StoreTensor)
                 and args[0]._source.key() == args[1]._source.key()):
@@ -446,8 +400,7 @@ _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
 def _note_edits(func, args: tuple, kwargs: dict) -> None:
-    """Tell the sources of the `StoreTensor` arguments ``func`` writes (in-place and ``out=``
-    ones, lists included) that their values change (`Source.edited`)."""
+    """`Source.edited` for the `StoreTensor` arguments ``func`` writes (lists included)."""
     for x in _written(func, args, kwargs):
         for t in (x if isinstance(x, (list, tuple)) else (x,)):
             if isinstance(t, StoreTensor):
@@ -463,8 +416,7 @@ def _is_scalar(x: Any) -> bool:
 
 
 def _own_scalar(x: Any) -> Any:
-    """The factor as recorded: a copy, so a later change of the caller's tensor does not
-    change a scaling already made."""
+    """A copy of the factor: changing the caller's tensor later changes no recorded scaling."""
     return x.detach().clone() if isinstance(x, torch.Tensor) else x
 
 
@@ -474,8 +426,7 @@ def _is_view(func) -> bool:
 
 
 def _view(func, args, kwargs):
-    """A view of values that are not in memory (on disk, or reported on an accelerator): a
-    `StoreTensor` over the view, so that writing into it writes the store."""
+    """A `StoreTensor` over a view of values not in host memory (writes go to the store)."""
     base: StoreTensor = args[0]
     shaped = torch.empty(base.shape, dtype=base.dtype, device="meta")
     out = func(shaped, *args[1:], **kwargs)
@@ -549,7 +500,7 @@ def _run(func, args, kwargs):
 
 def _foreach(func, args, kwargs):
     """A foreach op one index at a time where a `StoreTensor` is involved (one value in memory
-    at once), the other indices in one call as torch would run them."""
+    at once), the others in one call."""
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     n = len(args[lists[0]])
 
@@ -577,10 +528,9 @@ def _foreach(func, args, kwargs):
 
 
 def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
-    """Whether ``t`` (a ``param.grad``) is ``b``'s stored gradient as its producer leaves it
-    there: a `StoreTensor` over it, or, resting in host memory in the parameter's dtype, that
-    tensor itself (or a view of all of it); a sparse gradient: ``b.grad_sparse`` itself.
-    Anything else was put there by someone else."""
+    """Whether ``t`` (a ``param.grad``) is ``b``'s stored gradient as its producer leaves it:
+    a `StoreTensor` over it, the host tensor itself (in the parameter's dtype), or for a sparse
+    gradient ``b.grad_sparse``."""
     src = getattr(t, "_source", None)  # a StoreTensor, or a dry run's stand-in (stored_view)
     if src is not None:
         return isinstance(src, GradSource) and src.binding is b
@@ -599,9 +549,8 @@ def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:
 
 def stored_view(source: Source, shape: tuple[int, ...], *, dtype: torch.dtype,
                 device: torch.device | str = "cpu") -> torch.Tensor:
-    """A tensor standing for values that rest in ``source``'s store: a `StoreTensor`, whose
-    ops run on them; in a dry run (a `headroom.store.MetaStore`, which keeps no values) a
-    ``meta`` tensor that holds no memory, with the same ``_source``."""
+    """A `StoreTensor` over ``source``; in a dry run (`MetaStore`) a ``meta`` stand-in holding
+    no memory, with the same ``_source``."""
     store = source.binding.store if isinstance(source, GradSource) else source.store
     if not isinstance(store, MetaStore):
         return StoreTensor(source, shape, dtype=dtype, device=device)

@@ -206,3 +206,32 @@ def test_hr_save_and_load_of_a_quantized_base_are_refused_naming_the_fix(kind, t
     with pytest.raises(TypeError, match="hr.load cannot handle quantized weights"):
         hr.load(tmp_path / "plain", model, strict=False)
     assert torch.equal(_logits(model), before)
+
+
+@pytest.mark.parametrize("where", ["block", "outside"])
+def test_quantized_load_checked_tensor_by_tensor_names_what_was_loaded(where, tmp_path,
+                                                                       monkeypatch):
+    """A checkpoint verified tensor by tensor (bigger than half the memory: forced) with a
+    flipped bit: each tensor is checked once, and the error says what was loaded: the tensors
+    outside blocks load first, then block after block."""
+    from headroom.checkpoint import _weights
+    from tests.checkpoint.test_weights_checksums import _flip
+
+    monkeypatch.setattr(_weights, "available_memory", lambda: 0, raising=False)
+    torch.manual_seed(0)
+    hr.save_weights(transformers.LlamaForCausalLM(_config()), tmp_path / "w")
+    victim = "model.layers.1.mlp.up_proj.weight" if where == "block" else "model.norm.weight"
+    _flip(tmp_path / "w" / "model.safetensors", victim)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(_config())
+    hr.offload(model, device="cpu", store="cpu")
+    checked, real = [], _weights._verify
+    monkeypatch.setattr(_weights, "_verify", lambda f, info, *a: checked.append(info) or real(
+        f, info, *a))
+    want = (r"the blocks before it in this load were loaded and quantized; it and the blocks"
+            r" after it are unchanged" if where == "block" else
+            r"the \d+ tensors before it in this load were loaded; it, the \d+ after it and the"
+            r" blocks to quantize are unchanged")
+    with pytest.raises(hr.CheckpointCorruptError, match=want):
+        hr.load_weights(model, tmp_path / "w", quantize=lambda b: quantize_linears(b, "ao_int8"))
+    assert len(checked) == len({id(i) for i in checked})  # none checked twice

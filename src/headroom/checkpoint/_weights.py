@@ -278,13 +278,16 @@ def load_weights(
                     _verify(*where[name], c, "nothing was loaded: the model is unchanged")
         blocks = _by_block(plan, states) if quantize is not None else {}
         in_blocks = {id(tgt) for items in blocks.values() for tgt, _ in items}
-        for i, ((tgt, name), c) in enumerate(zip(plan, sums, strict=True)):
+        # the tensors outside blocks first, then block after block (each checked once)
+        alone = [(t, c) for t, c in zip(plan, sums, strict=True) if id(t[0]) not in in_blocks]
+        for i, ((tgt, name), c) in enumerate(alone):
             f, info = where[name]
             if c is not None and not first:
+                after = f"the {len(alone) - i - 1} after it"
+                rest = f", {after} and the blocks to quantize" if blocks else f" and {after}"
                 _verify(f, info, c, f"the {i} tensors before it in this load were loaded; it"
-                        f" and the {len(plan) - i - 1} after it are unchanged")
-            if id(tgt) not in in_blocks:
-                _load_one(tgt, f, info, states)
+                        f"{rest} are unchanged")
+            _load_one(tgt, f, info, states)
         sums_of = {id(tgt): c for (tgt, _), c in zip(plan, sums, strict=True)}
         for (state, group), items in blocks.items():
             values = {}

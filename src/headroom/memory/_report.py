@@ -95,8 +95,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
 
 
 def _module_row(mem: MemoryTracker, name: str) -> str:
-    """``"layers.1 (BatchNorm2d)"``: a module's name and its class (a root's name is its
-    class already)."""
+    """``"layers.1 (BatchNorm2d)"`` (a root's name is its class already)."""
     if not name:
         return "(outside any module)"
     cls = mem.module_class(name)
@@ -129,8 +128,7 @@ def _peak_sample(mem: MemoryTracker) -> Any:
 
 
 def _moment(mem: MemoryTracker, sample: Any) -> str:
-    """When a timeline sample was taken, in words: ``"the backward of layers.1
-    (BatchNorm2d)"``, ``"the optimizer step"``."""
+    """When a timeline sample was taken, in words: ``"the backward of layers.1 (BatchNorm2d)"``."""
     if sample.phase == "optimizer":
         return "the optimizer step"
     if sample.phase == "other":
@@ -196,8 +194,7 @@ _MANY_STEPS = 4
 
 def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None,
          x_axis: str = "time", rss: bool = True) -> None:
-    """Write `figure` as a PNG to ``path``: a finished file, or (a write that fails) the file
-    that was there before and no partial one beside it."""
+    """Write `figure` as a PNG to ``path``; a failed write leaves the previous file, no partial."""
     fig = figure(mem, title=title, x_axis=x_axis, rss=rss)
     import matplotlib.pyplot as plt  # with the backend `figure` chose
 
@@ -212,14 +209,12 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
 
 def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time",
            rss: bool = True) -> Any:
-    """A stacked timeline by category, the peak marked and labelled, the phases (forward,
-    backward, optimizer step) in a strip above it; the legend outside the axes, right of them.
+    """A stacked timeline by category, the peak marked, the phases in a strip above it; the
+    legend right of the axes. Returns the matplotlib figure (the caller closes it).
 
-    A run of several steps is drawn as two panels: the peak of every step (stacked by
-    category at that step's peak) and the timeline of the step that reached the overall peak.
-    ``x_axis="ops"`` numbers the samples instead of timing them (a dry run's wall time says
-    nothing about the device's); ``rss=False`` leaves out the process's RSS (a dry run's is the
-    estimating process's, not the step's). Returns the matplotlib figure (the caller closes it).
+    Many steps are drawn as two panels: each step's peak, and the step with the overall peak.
+    ``x_axis="ops"`` numbers the samples instead of timing them, and ``rss=False`` leaves out
+    the process's RSS: both for a dry run, whose wall time and RSS are not the step's.
     """
     import matplotlib
 
@@ -227,8 +222,7 @@ def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time"
     import matplotlib.pyplot as plt
 
     timeline = mem.timeline
-    # The axis starts at the first tracked allocation: a profiled script may spend most
-    # of its run importing libraries before any tensor exists.
+    # from the first tracked allocation: a profiled script may spend long importing first
     first = next((i for i, s in enumerate(timeline) if s.total > 0), 0)
     timeline = timeline[first:]
     steps = _steps(timeline)
@@ -314,23 +308,21 @@ def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x
     strip.tick_params(axis="x", labelbottom=False, length=0)
     if not timeline:
         return [], []
-    t_start = timeline[0].time_s
-    t_end = timeline[-1].time_s
+    times = np.array([s.time_s for s in timeline])
+    t_start, t_end = times[0], times[-1]
     if x_axis == "ops":
         x = np.arange(len(timeline), dtype=float)
         xlabel = "samples of the step, in order (one after each op that changed memory)"
-
-        def to_x(ts: np.ndarray) -> np.ndarray:
-            return np.interp(ts, [s.time_s for s in timeline], x)
     else:
         t_unit = "s" if t_end - t_start > 10 else "ms"
-        f = 1.0 if t_unit == "s" else 1e3
-        x = np.array([(s.time_s - t_start) * f for s in timeline])
+        x = (times - t_start) * (1.0 if t_unit == "s" else 1e3)
         xlabel = (f"time since the {'step' if where else 'first tracked allocation'} began"
                   f" ({t_unit})")
 
-        def to_x(ts: np.ndarray) -> np.ndarray:
-            return (ts - t_start) * f
+    def within(series: list[tuple[float, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """A series sampled at other times, in the step: its x on this axis, and its bytes."""
+        kept = np.array([(t, b) for t, b in series if t_start <= t <= t_end]).reshape(-1, 2)
+        return np.interp(kept[:, 0], times, x), kept[:, 1]
     x_end = x[-1] if x[-1] > x[0] else x[0] + 1
     scale, unit = _unit(max(max(s.total for s in timeline), mem.peak))
     ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
@@ -349,18 +341,15 @@ def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x
             handles.append(Patch(facecolor=color))
             labels.append(f"phase: {name}")
     totals = np.sum(ys, axis=0)
-    rest = [(t, b) for t, b in mem.resting_timeline if t_start <= t <= t_end]
-    if rest:
-        # Bytes moved to a store: what the device would otherwise hold, on the same axis.
-        (line,) = ax.step(to_x(np.array([t for t, _ in rest])),
-                          np.array([b for _, b in rest]) / scale, where="post",
-                          color="#C44E52", ls="--", lw=1.2, zorder=2)
+    rest_x, rest = within(mem.resting_timeline)
+    if len(rest):
+        (line,) = ax.step(rest_x, rest / scale, where="post", color="#C44E52", ls="--", lw=1.2,
+                          zorder=2)
         handles.append(line)
         labels.append("resting in stores (off the device)")
     k = int(np.argmax(totals))
     peak_y = max(totals[k], mem.peak / scale)
-    # a peak held for a single op can be narrower than a pixel: its stack drawn at least
-    # 0.6% of the axis wide, so that the stack reaches the mark
+    # a peak held for one op may be narrower than a pixel: draw its stack 0.6% of the axis wide
     width = (x[k + 1] if k + 1 < len(x) else x_end) - x[k]
     least = 0.006 * (x_end - x[0])
     if width < least:
@@ -372,24 +361,22 @@ def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x
             bottom += y[k]
         width = least
     at = x[k] + min(width, least) / 2  # the mark on the middle of the peak's stack
-    top = max(peak_y, max((b for _, b in rest), default=0) / scale)
+    top = max(peak_y, rest.max(initial=0) / scale)
     ax.set_ylim(0, top * 1.3 if top > 0 else 1)
     ax.set_xlim(x[0], x_end)
     _mark_peak(ax, mem, timeline[k], at, peak_y, (at - x[0]) / (x_end - x[0]))
     ax.set_ylabel(f"live tensor memory ({unit})")
     ax.set_xlabel(xlabel + (f"; {where}" if where else ""))
-    samples = [(t, b) for t, b in mem.rss_timeline if t_start <= t <= t_end] if rss else []
-    if samples:
+    rss_x, samples = within(mem.rss_timeline if rss else [])
+    if len(samples):
         ax2 = ax.twinx()
-        rscale, runit = _unit(max(b for _, b in samples))
-        (line,) = ax2.plot(to_x(np.array([t for t, _ in samples])),
-                           np.array([b for _, b in samples]) / rscale, color="black", lw=1,
-                           alpha=0.6)
-        ax2.set_ylim(0, max(b for _, b in samples) / rscale * 1.3)
+        rscale, runit = _unit(samples.max())
+        (line,) = ax2.plot(rss_x, samples / rscale, color="black", lw=1, alpha=0.6)
+        ax2.set_ylim(0, samples.max() / rscale * 1.3)
         ax2.set_ylabel(f"process RSS ({runit})")
         handles.append(line)
         labels.append("process RSS (right axis)")
-        # The stacked categories and the peak's mark are drawn over the RSS line.
+        # the categories and the peak's mark over the RSS line
         ax.set_zorder(ax2.get_zorder() + 1)
         ax.patch.set_visible(False)
     ax.grid(alpha=0.3, zorder=0)

@@ -110,8 +110,7 @@ def _part_offload(steps: int) -> None:
     x_all, y_all = _task(4096, 64, 10, g)
     torch.manual_seed(0)
     plain = DemoNet(depth=8)
-    torch.manual_seed(0)
-    model = DemoNet(depth=8)
+    model = copy.deepcopy(plain)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     with hr.track_memory(model=plain, optimizer=plain_opt) as mem_plain:
         _train(plain, plain_opt, x_all, y_all, steps)

@@ -84,11 +84,7 @@ class StoreReducer:
         self._used: set[int] = set()
         self._syncing = False  # this step's backward all-reduces
         self._bitmap: torch.Tensor | None = None
-        self._bitmap_work: Any = None
-        self._buckets: list[_Bucket] | None = None
-        self._next = 0  # next bucket to launch
-        self._done = 0  # next bucket to finish
-        self._in_backward = False
+        self._reset()
         self.bytes_reduced = 0  # bytes handed to all-reduce by this reducer, all steps
         self.last_step_bytes = 0
         for e in self.entries:
@@ -278,7 +274,7 @@ class StoreReducer:
 
     def _reset(self) -> None:
         self._in_backward = False
-        self._buckets = None
-        self._bitmap_work = None
-        self._next = self._done = 0
+        self._buckets: list[_Bucket] | None = None
+        self._bitmap_work: Any = None
+        self._next = self._done = 0  # next bucket to launch, to finish
 

@@ -33,13 +33,8 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
         s = mem.stats(dev) if mem.devices else mem.stats()
         lines.append(f"{heading} - {dev}")
         lines.append(f"{'category':<17}{'at peak':>12}{'max':>12}")
-        for cat in CATEGORIES:
-            lines.append(
-                f"{cat:<17}{format_bytes(s.peak_by_category[cat]):>12}"
-                f"{format_bytes(s.max_by_category[cat]):>12}"
-            )
-        lines.append(f"{'total (peak)':<17}{format_bytes(s.peak):>12}")
-        lines.append(f"{'live at end':<17}{format_bytes(s.current):>12}")
+        lines += [_row(c, s.peak_by_category[c], s.max_by_category[c]) for c in CATEGORIES]
+        lines += [_row("total (peak)", s.peak), _row("live at end", s.current)]
         alloc = {k.split("/", 1)[1]: v for k, v in s.allocator.items() if k.startswith(dev + "/")}
         if alloc:
             lines.append(
@@ -47,20 +42,18 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(alloc.items()))
             )
             if "reserved" in alloc and s.peak:
-                outside = alloc["reserved"] - s.peak
-                lines.append(
-                    f"{'reserved - peak':<17}{format_bytes(outside):>12}"
-                    "  (fragmentation, cached blocks, or memory outside tracked tensors)"
-                )
+                outside = _row("reserved - peak", alloc["reserved"] - s.peak)
+                lines.append(f"{outside}  (fragmentation, cached blocks, or memory outside tracked"
+                             " tensors)")
         lines.append("")
     by_module = mem.by_module
     if by_module:
         lines.append("activations saved for backward at their peak, by module")
         for name, nbytes in list(by_module.items())[:top_modules]:
-            lines.append(f"  {_module_row(mem, name):<40}{format_bytes(nbytes):>12}")
+            lines.append(_row(_module_row(mem, name), nbytes, width=40, indent=2))
         rest = list(by_module.values())[top_modules:]
         if rest:
-            lines.append(f"  {f'({len(rest)} more)':<40}{format_bytes(sum(rest)):>12}")
+            lines.append(_row(f"({len(rest)} more)", sum(rest), width=40, indent=2))
         lines.append("")
     resting = mem.resting_at_peak
     most = mem.resting_max
@@ -70,8 +63,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
         for where, cats in most.items():
             for cat, mx in cats.items():
                 at = resting.get(where, {}).get(cat, 0)
-                lines.append(f"  {where + '/' + cat:<25}{format_bytes(at):>12}"
-                             f"{format_bytes(mx):>12}")
+                lines.append(_row(f"{where}/{cat}", at, mx, width=25, indent=2))
         lines.append("")
     peak_sample = _peak_sample(mem)
     if peak_sample is not None:
@@ -92,6 +84,10 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
             lines.append("")
             lines.extend(more)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _row(label: str, *values: int, width: int = 17, indent: int = 0) -> str:
+    return " " * indent + f"{label:<{width}}" + "".join(f"{format_bytes(v):>12}" for v in values)
 
 
 def _module_row(mem: MemoryTracker, name: str) -> str:

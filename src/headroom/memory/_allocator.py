@@ -25,9 +25,7 @@ _ROUND_LARGE = 2 << 20
 
 def round_size(nbytes: int) -> int:
     """The block size the allocator uses for a request of ``nbytes``."""
-    if nbytes < _ROUND:
-        return _ROUND
-    return _ROUND * ((nbytes + _ROUND - 1) // _ROUND)
+    return _ROUND * max(1, -(-nbytes // _ROUND))
 
 
 def segment_size(size: int) -> int:
@@ -36,7 +34,7 @@ def segment_size(size: int) -> int:
         return _SMALL_SEGMENT
     if size < _MIN_LARGE_ALLOC:
         return _LARGE_SEGMENT
-    return _ROUND_LARGE * ((size + _ROUND_LARGE - 1) // _ROUND_LARGE)
+    return _ROUND_LARGE * -(-size // _ROUND_LARGE)
 
 
 @dataclass(slots=True, eq=False)

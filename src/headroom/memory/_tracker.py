@@ -134,9 +134,8 @@ class MemoryTracker:
     Args:
         model: module(s) whose parameters, buffers and gradients count from entry (others
             are found when they run).
-        optimizer: optimizer(s) whose state is counted from entry (others when they step).
-        max_samples: timeline bound; past it, samples merge in pairs keeping the larger, so
-            peaks survive. Trade-off: finer plots, more memory.
+        optimizer: optimizer(s) whose state counts from entry (others when they step).
+        max_samples: timeline bound; past it, samples merge in pairs keeping the larger.
         sample_allocator: also sample the accelerator allocator's allocated and reserved bytes
             (a cheap call per sample). Ignored on CPU.
 
@@ -924,11 +923,13 @@ def track_memory(
     from their first use, or from entry for those of ``model`` and ``optimizer``.
 
     Args:
-        model: module(s) to classify from the start (otherwise found when they run).
-        optimizer: optimizer(s) whose existing state to count from the start.
-        max_samples: bound on the timeline length; see :class:`MemoryTracker`.
-        sample_allocator: also sample the accelerator allocator's allocated/reserved bytes, which
-            shows fragmentation and memory outside PyTorch tensors.
+        model: module(s) whose parameters, buffers and gradients count from entry (others
+            are found when they run).
+        optimizer: optimizer(s) whose state counts from entry (others when they step).
+        max_samples: timeline bound; past it, samples merge in pairs keeping the larger, so
+            peaks survive. Trade-off: finer plots, more memory.
+        sample_allocator: also sample the accelerator allocator's allocated and reserved bytes
+            (a cheap call per sample; shows fragmentation). Ignored on CPU.
 
     Returns:
         A :class:`MemoryTracker` to use as a context manager; read its numbers inside or after.

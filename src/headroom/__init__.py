@@ -16,15 +16,9 @@ from headroom import _providers
 
 __version__ = "0.1.0"
 
-# The oldest PyTorch headroom runs on, as pyproject.toml's dependency says: the oldest release on
-# which the whole suite passes (`make test-torch-range` runs it there and on the newest). headroom
-# uses a few of torch's private functions where no public one exists: whether saved-tensor hooks
-# are active, storage use counts (which count a storage's Python object from 2.10; on 2.8 and
-# 2.9 a step of a model hr.convert'ed is measured peaking above PyTorch's own), FSDP2's state.
-# On 2.10.0 the suite gave 4 failures and 20 errors (FSDP2's reset_iter_state missing, the
-# estimate of a HostOptimizer instance calling .item() on meta, a dry run's memo changing an
-# estimate, Trainer with torch.compile over an offloaded model); 2.11 and 2.12 were not run.
-# An older torch is refused here, not by an error deep inside a layer.
+# NOTE: the oldest torch on which the whole suite passes (`make test-torch-range`; as
+# pyproject.toml says): headroom uses a few private torch functions whose behaviour changed
+# before it. An older torch is refused here, not by an error deep inside a layer.
 _TORCH_MIN = (2, 13)
 
 
@@ -62,13 +56,11 @@ def _load_integrations() -> None:
     import headroom.integrations  # noqa: F401  (subscribes to residency's events)
 
 
-# The package root is above every layer (its table names them all): it tells the memory layer
-# how to load the one that gives reports their advice, so that memory/ never imports fit/.
+# The root, above every layer, tells _providers how to load fit/ and integrations/.
 _providers.set_advice_loader(_load_fit)
 _providers.set_integrations_loader(_load_integrations)
 
-# Public names resolve lazily, so `import headroom` stays cheap (no matplotlib) and each layer
-# loads only when used. The table is the public API contract.
+# Public names (the API contract) resolve lazily: `import headroom` stays cheap.
 _EXPORTS: dict[str, str] = {
     # memory/
     "track_memory": "headroom.memory",

@@ -1,12 +1,5 @@
 """``headroom demo``: headroom's features on small models, each measured live against plain PyTorch.
 
-1. where memory goes: a tracked training run with its report and timeline plot;
-2. parameters, gradients and optimizer state on disk (``hr.offload`` + ``hr.HostOptimizer``);
-3. layers that keep less for backward (``hr.convert``) when only some parameters train;
-4. cross-entropy over many classes without the ``batch x classes`` logits;
-5. a Hugging Face model from its safetensors, on disk, fine-tuned in bf16 and saved back;
-6. the tensors autograd saves for backward resting on disk (``hr.offload_activations``).
-
 Every number printed is measured in this run by ``hr.track_memory``, and every "exact" is a
 ``torch.equal`` (or, for the loss over classes, ``torch.testing.assert_close``) check.
 """
@@ -79,8 +72,7 @@ def _train(model, opt, x_all, y_all, steps: int, *, bar=None, mem=None) -> None:
 
 
 def progress(total: int, desc: str) -> Any:
-    """A progress bar on stderr when stderr is a terminal; none (not a line written) when it
-    is a file or a pipe, where each redraw would be one more line of the log."""
+    """A progress bar on stderr when a terminal; none in a file or pipe (a line per redraw)."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=None)
@@ -118,8 +110,7 @@ def _part_offload(steps: int) -> None:
     x_all, y_all = _task(4096, 64, 10, g)
     torch.manual_seed(0)
     plain = DemoNet(depth=8)
-    torch.manual_seed(0)
-    model = DemoNet(depth=8)
+    model = copy.deepcopy(plain)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     with hr.track_memory(model=plain, optimizer=plain_opt) as mem_plain:
         _train(plain, plain_opt, x_all, y_all, steps)

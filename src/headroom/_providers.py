@@ -1,13 +1,8 @@
-"""What a lower layer asks of a higher one without importing it.
+"""What a lower layer asks of a higher one without importing it; imports nothing of headroom.
 
-Two such requests. A memory report ends with advice: what each technique would save, from
-dry runs of the step with it (`headroom.fit`, the layer on top of every technique). The tracker
-asks
-`advice_provider()` for the function that gives it; `headroom.fit` registers its own when
-imported, and the first request loads it through the loader that the package root (above every
-layer) sets. And `hr.offload` loads `headroom.integrations` (what the libraries around an
-offloaded model need, subscribed to residency's events) before its first model, through
-`load_integrations`. This module imports nothing of headroom.
+Reports get their advice from `advice_provider()` (`headroom.fit` registers it when imported,
+through the loader the package root sets), and `hr.offload` loads `headroom.integrations` before
+its first model through `load_integrations`.
 """
 
 from __future__ import annotations
@@ -21,11 +16,8 @@ _integrations: Callable[[], None] | None = None  # imports headroom.integrations
 
 
 def register_advice(fn: Callable[..., list[str]]) -> None:
-    """Called by `headroom.fit` when imported: ``fn`` gives the advice of reports.
-
-    ``fn(model, args, *, kwargs, loss_fn, optimizer, optimizer_kwargs, device, base, measured)``
-    returns the lines of advice (see `headroom.fit._advice.advise`).
-    """
+    """Called by `headroom.fit` when imported: ``fn`` (`headroom.fit._advice.advise`) gives the
+    lines of advice of reports."""
     global _registered
     _registered = fn
 

@@ -10,6 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from headroom import __version__
+
 DESCRIPTION = """\
 headroom: train and run PyTorch models that do not fit in accelerator memory, and see where
 memory goes.
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="headroom", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=f"headroom {__version__}")
     sub = parser.add_subparsers(
         dest="command", metavar="{demo,profile,estimate,plan}", title="commands"
     )
@@ -152,12 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
     return parser
-
-
-def _version() -> str:
-    from headroom import __version__
-
-    return f"headroom {__version__}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,8 @@
 """`hr.data_parallel`: data-parallel training of a model that may have offloaded parts.
 
-Parameters on the device go through PyTorch's own ``DistributedDataParallel`` (its bucketing and
-its overlap with backward). Parameters offloaded by `hr.offload` rest in a store and autograd
-never sees them (it sees their device copies): DDP is told to ignore them, and
-`headroom.distributed._reducer.StoreReducer` all-reduces their gradients as they reach the
-store, only those that some rank used, on a process group of its own.
+Device parameters go through PyTorch's ``DistributedDataParallel``; DDP ignores the offloaded
+ones (autograd sees only their device copies), whose used gradients `StoreReducer` all-reduces
+on a process group of its own.
 """
 
 from __future__ import annotations
@@ -39,28 +37,23 @@ def data_parallel(
     """Wrap ``model`` for data-parallel training on ``torch.distributed``.
 
     Like ``DistributedDataParallel(model)``, for a model whose parts may be offloaded with
-    `hr.offload` (task heads, blocks, or the whole model). Call it on every rank, after
-    ``hr.offload`` and before building the optimizer; use the returned module for forward.
-    After each backward the gradients are averaged over the ranks, wherever they rest. Rank 0's
-    parameters (and buffers) are copied to the others here.
+    `hr.offload`. Call it on every rank after ``hr.offload`` and before building the optimizer;
+    use the returned module for forward. Each backward averages the gradients over the ranks,
+    wherever they rest. Rank 0's parameters (and buffers) are copied to the others here.
 
-    Which gradients travel: device-resident parameters all go through DDP, as DDP always does.
-    Of the offloaded ones, only those some rank's forward used since the last synchronized
-    backward: a parameter no rank used keeps ``grad is None``, so the optimizer leaves it alone
-    (no weight decay or momentum on a head without data). A small asynchronous all-reduce of a
-    bitmap, launched right after forward, agrees on that set; buckets are then all-reduced
-    while backward goes on.
+    Device parameters all go through DDP. Of the offloaded ones, only those some rank's forward
+    used since the last synchronized backward travel; the others keep ``grad is None``, so the
+    optimizer leaves them alone (no weight decay on a head without data). An asynchronous
+    all-reduce of a bitmap after forward agrees on that set; buckets all-reduce during backward.
 
     Args:
         model: the model (``hr.offload`` already applied to it or to its parts).
-        process_group: the ranks taking part (default: the default group). headroom creates
-            a group with the same ranks for the offloaded gradients, so its collectives never
-            interleave with DDP's.
+        process_group: the ranks taking part (default: the default group). The offloaded
+            gradients use a group of their own with the same ranks, apart from DDP's.
         bucket_bytes: gradient bytes per all-reduce of offloaded parameters. Smaller buckets
             start earlier; each is one collective.
-        timeout: seconds (or a ``timedelta``) a collective of headroom's group may wait for the
-            other ranks before raising `CollectiveError`; default: ``process_group``'s own
-            (``init_process_group(timeout=...)``). DDP's collectives use ``process_group``'s.
+        timeout: seconds (or a ``timedelta``) headroom's collectives wait for the other ranks
+            before raising `CollectiveError`; default: ``process_group``'s own.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (``find_unused_parameters``,
             ``broadcast_buffers``, ``gradient_as_bucket_view``, ``device_ids``, ...).
 
@@ -100,11 +93,9 @@ class DataParallel(nn.Module):
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if check_sharded(model, "hr.data_parallel"):
             raise RuntimeError(
-                "hr.data_parallel cannot wrap a fully_shard'ed (FSDP2) model: FSDP2 already"
-                " reduce-scatters its gradients, and its parameters are shards, not replicas."
-                " Train the fully_shard'ed model directly (hr.offload(model, device=...,"
-                " store='cpu') after fully_shard keeps each rank's shards in host memory);"
-                " use hr.data_parallel for unsharded models only"
+                "hr.data_parallel cannot wrap a fully_shard'ed (FSDP2) model: its parameters are"
+                " shards that FSDP2 reduce-scatters itself. Train it directly (hr.offload after"
+                " fully_shard keeps each rank's shards off the device)"
             )
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             raise ValueError("the model is already wrapped for data parallel; pass the inner"
@@ -125,14 +116,13 @@ class DataParallel(nn.Module):
             if id(p) not in offloaded:
                 raise RuntimeError(
                     f"parameter {name!r} rests in a store but was not offloaded by hr.offload"
-                    " (e.g. a HugeClassifier's weight): hr.data_parallel cannot all-reduce its"
+                    " (a HugeClassifier's weight?), so hr.data_parallel cannot all-reduce its"
                     " gradient. Keep such heads out of the data-parallel model"
                 )
             ignore.append(name)
         ranks = dist.get_process_group_ranks(pg)
-        # A group of its own, created on every rank in the same order (new_group is collective).
-        # Gloo whatever DDP uses: offloaded gradients rest in host memory or on disk, so they
-        # are all-reduced there rather than copied to an accelerator and back.
+        # NOTE: new_group is collective (every rank, same order); gloo whatever DDP uses, as the
+        # offloaded gradients rest on the host.
         self._group = dist.new_group(ranks=ranks, timeout=timeout,
                                      backend="gloo") if states else None
         for st in states:
@@ -192,8 +182,8 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients locally (as DDP's ``no_sync``);
-        the first synchronized backward after them all-reduces the accumulated sums."""
+        """Backward passes inside accumulate locally (as DDP's ``no_sync``); the next
+        synchronized one all-reduces the sums."""
         old = self._sync
         self._sync = False
         try:
@@ -204,8 +194,7 @@ class DataParallel(nn.Module):
 
     @property
     def bytes_reduced(self) -> int:
-        """Bytes headroom handed to all-reduce for offloaded parameters so far (its own group;
-        DDP's traffic is not counted)."""
+        """Bytes headroom all-reduced for offloaded parameters so far (not DDP's)."""
         return self.reducer.bytes_reduced if self.reducer is not None else 0
 
     def close(self) -> None:

@@ -1,19 +1,12 @@
 """All-reduce of store-resident gradients: only those some rank used, bucketed, overlapped.
 
-Autograd never sees an offloaded parameter's master: its gradient reaches the store through the
-offload schedule, which then fires the gradient-ready signal (`headroom.transfer.grad_ready`).
-`StoreReducer` is that signal's relay: it holds the signal back from the optimizer until the
-gradient is averaged across ranks, then passes it on (`headroom.transfer.relay_done`).
-
-Which gradients travel is agreed without stalling backward: right after forward every rank
-knows the parameters it will contribute (the blocks its forward used, plus gradients kept from
-`no_sync` micro-batches), and an asynchronous all-reduce of that bitmap is launched then; it has
-the loss and the start of backward to complete. Parameters no rank contributes are left out
-(their gradients stay ``None``); the others are packed in a fixed order, the same on every rank,
-into buckets of about ``bucket_bytes`` that are all-reduced as soon as this rank's share of
-each is in (gradients of blocks this rank did not use count as zeros and are in at once). Each
-bucket also carries one count per parameter, the number of ranks that had a gradient for it, so
-a parameter of a used block that no rank's backward reached keeps ``None`` as well.
+`StoreReducer` relays the gradient-ready signal (`headroom.transfer.grad_ready`): the optimizer
+hears it (`relay_done`) once the gradient is averaged across ranks. After forward, an
+asynchronous all-reduce of a bitmap agrees on the parameters some rank contributes (used
+blocks, plus gradients kept from `no_sync`); the rest keep ``None``. The others are packed in
+the same order on every rank into buckets of about ``bucket_bytes``, each all-reduced once this
+rank's share is in (unused blocks count as zeros). A bucket carries a count per parameter of the
+ranks that had a gradient, so a parameter no rank's backward reached keeps ``None`` too.
 """
 
 from __future__ import annotations
@@ -68,8 +61,8 @@ class StoreReducer:
 
     Args:
         states: the offload states whose parameters take part.
-        group: a process group used by nothing else (its collectives are issued in one order
-            on every rank, which a group shared with DDP's reducer would not guarantee).
+        group: a process group used by nothing else, so its collectives keep one order on
+            every rank.
         bucket_bytes: bytes of gradient per all-reduce.
         timeout: how long a collective may wait for the other ranks.
     """
@@ -91,11 +84,7 @@ class StoreReducer:
         self._used: set[int] = set()
         self._syncing = False  # this step's backward all-reduces
         self._bitmap: torch.Tensor | None = None
-        self._bitmap_work: Any = None
-        self._buckets: list[_Bucket] | None = None
-        self._next = 0  # next bucket to launch
-        self._done = 0  # next bucket to finish
-        self._in_backward = False
+        self._reset()
         self.bytes_reduced = 0  # bytes handed to all-reduce by this reducer, all steps
         self.last_step_bytes = 0
         for e in self.entries:
@@ -120,8 +109,7 @@ class StoreReducer:
     def begin_forward(self, sync: bool) -> None:
         """A forward starts; ``sync``: its backward all-reduces (not inside ``no_sync``)."""
         if self._in_backward or (self._buckets is not None and self._next < len(self._buckets)):
-            # The previous backward broke off (or never ran): its collectives are not
-            # reusable. Every rank that got here resets the same way.
+            # the previous backward broke off (or never ran): every rank resets the same way
             self._reset()
         self._used = set()
         self._syncing = sync and torch.is_grad_enabled()
@@ -165,22 +153,21 @@ class StoreReducer:
             return
         if not self._in_backward:
             raise RuntimeError(
-                "hr.data_parallel did not see this backward start from the model's outputs"
-                " (backward must run through the tensors the wrapped model returned, once per"
-                " forward); the gradients of offloaded parameters would not be all-reduced"
+                "hr.data_parallel did not see this backward start from the model's outputs, so"
+                " offloaded gradients would not be all-reduced: run backward through the wrapped"
+                " model's outputs, once per forward"
             )
         self._layout()
         if e.bucket is None:
             raise RuntimeError(
                 f"hr.data_parallel: offloaded parameter {e.slot.name!r} got a gradient, but no"
-                " rank's forward used its block, so it is not part of this step's all-reduce."
-                " Use a block's parameters only through its forward (call the block module)"
+                " rank's forward used its block (so no all-reduce): use its parameters only"
+                " through the block's forward"
             )
         if e.bucket.launched:
             raise RuntimeError(
                 f"hr.data_parallel: offloaded parameter {e.slot.name!r} got a second gradient"
-                " in one backward after it was all-reduced; run one backward per forward (use"
-                " no_sync() for gradient accumulation)"
+                " after its all-reduce; run one backward per forward (no_sync() to accumulate)"
             )
         if not e.pending:
             e.pending = True  # used although its block's forward was not seen: wait for it
@@ -281,14 +268,13 @@ class StoreReducer:
             raise CollectiveError(
                 f"hr.data_parallel: {what} failed on rank {self.rank} of {self.world}: another"
                 f" rank failed, stopped, or did not reach this backward within"
-                f" {self.timeout.total_seconds():g} s ({type(err).__name__}: {err}). Gradients"
-                " of this step are incomplete and the process group is unusable: stop every"
-                " rank and restart them from the last checkpoint (hr.save / hr.load)"
+                f" {self.timeout.total_seconds():g} s ({type(err).__name__}: {err}). The process"
+                " group is unusable: restart every rank from the last checkpoint (hr.load)"
             ) from err
 
     def _reset(self) -> None:
         self._in_backward = False
-        self._buckets = None
-        self._bitmap_work = None
-        self._next = self._done = 0
+        self._buckets: list[_Bucket] | None = None
+        self._bitmap_work: Any = None
+        self._next = self._done = 0  # next bucket to launch, to finish
 

@@ -1,10 +1,5 @@
-"""What the libraries around an offloaded model need, subscribed to residency's events.
-
-Each module compensates for one peer: `_peft` (adapters' values, merges into a base on disk,
-`init_adapters`), `_ddp` (DistributedDataParallel refused over an offloaded model). Importing
-the package subscribes them (`headroom.residency.events`); ``hr.offload`` imports it before its
-first model.
-"""
+"""What the libraries around an offloaded model need (`_peft`, `_ddp`), subscribed to
+residency's events on import; ``hr.offload`` imports it before its first model."""
 
 from headroom.integrations import _ddp, _peft  # noqa: F401  (subscribe)
 from headroom.integrations._peft import init_adapters

@@ -1,17 +1,10 @@
 """DistributedDataParallel over an offloaded model, refused whichever came first.
 
-Autograd runs on the device copies while DDP hooks the stored parameters, so no gradient would
-be all-reduced and the replicas would silently diverge. ``hr.data_parallel`` runs DDP for the
-parameters on the device itself (it sets ``Offload.ddp_allowed``); any other DDP is refused:
-
-- DDP built over an offloaded root or block: its constructor asks the module for
-  ``_ddp_params_and_buffers_to_ignore`` (``hasattr``, which lets any error but
-  ``AttributeError`` through), a property of the guarded classes (`residency._guard`).
-- DDP built first, or over a module above an offloaded one: the offloaded model's forward sees
-  DDP's forward running (DDP sets ``DistributedDataParallel._get_active_ddp_module()`` around
-  its call of the module), whose module holds it. DDP's experimental Python reducer (compiled
-  autograd with ``optimize_ddp="python_reducer"``) sets no such flag: there only a DDP built
-  over an offloaded root or block is refused.
+DDP would hook the stored parameters while autograd runs on device copies: no all-reduce. Only
+``hr.data_parallel``'s own DDP (``Offload.ddp_allowed``) passes. DDP built over an offloaded
+root or block asks it for ``_ddp_params_and_buffers_to_ignore``, a guarded property that raises;
+DDP built first or above one is seen from forward (``_get_active_ddp_module()``), except under
+the Python reducer of compiled autograd, which sets no such flag.
 """
 
 from __future__ import annotations
@@ -28,19 +21,15 @@ _IGNORE = "_ddp_params_and_buffers_to_ignore"
 
 
 def refuse(state: Offload, module: nn.Module) -> None:
-    """Raise the error for DDP wrapping ``module`` of ``state``'s model (unless it is
-    ``hr.data_parallel``'s own)."""
+    """Refuse DDP over ``module`` of ``state``'s model, unless it is ``hr.data_parallel``'s."""
     if state.ddp_allowed:
-        return  # hr.data_parallel's own DDP, over the parameters that are not offloaded
+        return
     raise RuntimeError(
         f"DistributedDataParallel cannot wrap a model offloaded with hr.offload (here"
-        f" {type(module).__name__}), whichever came first: autograd runs on the device"
-        " copies while DDP hooks the stored parameters, so no gradient would be all-reduced"
-        " and the replicas would silently diverge. Use model = hr.data_parallel(model)"
-        " instead of DistributedDataParallel(model), after hr.offload: it runs DDP for the"
-        " parameters on the device and all-reduces the offloaded ones itself (with"
-        " accelerate: before accelerator.prepare, which then gets the optimizer and data"
-        " loaders only)"
+        f" {type(module).__name__}): DDP hooks the stored parameters while autograd runs on"
+        " device copies, so the replicas would silently diverge. Use model ="
+        " hr.data_parallel(model) after hr.offload instead (with accelerate: before"
+        " accelerator.prepare, which then gets the optimizer and data loaders only)"
     )
 
 
@@ -64,7 +53,6 @@ def _ignore_set(self: nn.Module, value) -> None:
 
 
 def _under_ddp(state: Offload, module: nn.Module) -> None:
-    """Before a forward: refuse when a DDP forward over this module is running."""
     if state.ddp_allowed:
         return
     dist = sys.modules.get("torch.distributed")

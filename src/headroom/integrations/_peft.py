@@ -1,28 +1,16 @@
 """What PEFT's adapters need of an offloaded model: values kept, merges replayed, new runs.
 
-Values lost on the way. A library that builds new parameters "next to" existing ones moves them
-to the device of the existing weight; for a `DiskStore` that is ``meta`` (the masters are
-placeholders), so the values computed on the CPU would be lost (PEFT initializes adapters on
-the CPU, drawing random numbers, then moves them to the base weight's device). While a model
-offloaded to such a store lives, parameters registered anywhere keep a second reference to
-their storage until the next forward of an offloaded model; a parameter found on ``meta`` when
-it is adopted takes the values its storage held (`residency._events.lost_values`). Adapters
-kept on the device (``hr.offload(adapters="device")``) that PEFT moved next to the base weight
-go back to the device between steps.
+Values: PEFT draws new adapters on the CPU, then moves them next to the base weight, ``meta``
+for a `DiskStore`. So while such a model lives, registered parameters keep a second reference
+to their storage until the next forward, and one found on ``meta`` when adopted takes those
+values (`residency._events.lost_values`). Adapters kept on the device that PEFT moved go back
+between steps.
 
-Merging adapters into a base resting on disk: a wrapper that reports merged adapters
-(``merged_adapters``, PEFT's tuner layers: ``merge_adapter()``, ``merge_and_unload()``) ran its
-merge on placeholders; it is merged again on the stored values, and the result written to the
-store, before the next forward or when it is unwrapped (`sync_merges`).
+Merges: a wrapper reporting ``merged_adapters`` merged placeholders over a base on disk; the
+merge is replayed on the stored values before the next forward or at unwrapping (`sync_merges`).
 
-`init_adapters`: fresh adapters for a model that was wrapped while on ``meta``. Loading the
-base checkpoint with `headroom.load_weights` fills the base; the adapters stay without values,
-and the first forward refuses them (see `headroom.residency._meta`) rather than initialize them
-some other way. To start a new run from such a model, `init_adapters` draws them with PEFT's
-own initializer, the one ``get_peft_model`` would have run: LoRA's ``reset_lora_parameters``
-with the adapter's ``init_lora_weights`` (``lora_A`` Kaiming-uniform or Gaussian, ``lora_B``
-zero), on temporary host tensors in place of the adapter's parameters, and writes the values
-into the store.
+`init_adapters`: adapters of a model wrapped on ``meta`` have no values; it draws them with
+PEFT's own initializer on temporary host tensors and writes them to the store.
 """
 
 from __future__ import annotations
@@ -59,8 +47,7 @@ def _registered(module: nn.Module, name: str, param: nn.Parameter, keep: bool) -
     if keep:  # see the module docstring
         _ALIASES.setdefault(module, {})[name] = param.detach()
     elif module in _ALIASES:
-        # a quantized weight replacing one (it rests packed, never moved to meta): the values
-        # of what it replaces are not kept (a quantized load would hold every layer's)
+        # a quantized weight replacing one: the old values go (else a quantized load holds all)
         _ALIASES[module].pop(name, None)
 
 
@@ -77,8 +64,7 @@ def _forget_values(state: Offload, module: nn.Module) -> None:
 def _kept_back_on_device(state: Offload) -> None:
     for p in state.kept.values():
         if p.device != state.device and not p.is_meta:
-            # moved by the library that made it (PEFT puts new adapters on the base weight's
-            # device, where the master rests): back to the device, the same object
+            # moved next to the base weight by PEFT: back to the device, the same object
             with torch.no_grad():
                 p.data = p.data.to(state.device)
 
@@ -141,10 +127,8 @@ def _inside(slot: Slot, ids: set[int]) -> bool:
 
 
 def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = None) -> None:
-    """Bring the stored base of a wrapper (PEFT tuner layer) in line with the adapters it
-    reports merged (``merged_adapters``). Its own ``merge()``/``unmerge()`` ran on ``meta``
-    placeholders (a `DiskStore`) and changed nothing: they run again here on host copies of
-    the stored values, and the base is written back."""
+    """Bring a wrapper's stored base in line with its ``merged_adapters``: its ``merge()`` /
+    ``unmerge()`` ran on placeholders, so they run again on host copies and the base is stored."""
     cur = list(_merged(layer))
     done = list(layer.__dict__.get(_APPLIED, ()))
     if cur == done:
@@ -155,8 +139,7 @@ def sync_merges(state: Offload, layer: nn.Module, slots: list[Slot] | None = Non
     layer.__dict__[_APPLIED] = tuple(cur)
     if all(state.store.host_tensor(s.binding.handle) is not None
            or isinstance(s.param, StoreTensor) for s in slots):
-        # Masters in host memory, or StoreTensors (their in-place ops write to the store):
-        # the wrapper's own merge changed the stored values.
+        # host masters, or StoreTensors (in-place ops write through): the merge was stored
         return
     merge, unmerge = getattr(layer, "merge", None), getattr(layer, "unmerge", None)
     if not callable(merge) or not callable(unmerge):
@@ -203,14 +186,11 @@ def _merge_on(layer: nn.Module, merge, unmerge, done: list[str], cur: list[str])
 def init_adapters(model: nn.Module) -> list[str]:
     """Initialize adapters that were created while the model was on ``meta``, as PEFT does.
 
-    For the flow "build on ``meta`` → ``peft.get_peft_model`` → `headroom.offload` →
-    `headroom.load_weights` (the base checkpoint)" when no saved adapters exist yet (a new LoRA
-    run). Each adapter without values is drawn by PEFT's own initializer for the layer
-    (``reset_lora_parameters`` with the adapter config's ``init_lora_weights``: Kaiming-uniform
-    ``lora_A`` and zero ``lora_B`` by default; ``"gaussian"``; ``False``: the layers' own
-    ``reset_parameters``), from torch's global random generator, layer by layer in the model's
-    order, and written into the store. Adapters that have values (loaded, or created after
-    `headroom.offload`) and the base are left as they are.
+    For "build on ``meta`` → ``peft.get_peft_model`` → `headroom.offload` →
+    `headroom.load_weights` (the base)" in a new LoRA run. Each adapter without values is drawn
+    by PEFT's initializer (``reset_lora_parameters`` with the config's ``init_lora_weights``:
+    ``True``, ``"gaussian"``; ``False``: the layers' ``reset_parameters``) from torch's global
+    generator, in the model's order, and stored. Adapters with values and the base stay.
 
     Args:
         model: the offloaded model, or a module containing it (the ``PeftModel``). Not during
@@ -221,8 +201,7 @@ def init_adapters(model: nn.Module) -> list[str]:
 
     Raises:
         RuntimeError: the model is not offloaded, or is in a forward or backward; an adapter
-            type or ``init_lora_weights`` (PiSSA, OLoRA, DoRA's magnitude, ... which read the
-            base weights) it cannot initialize (named, with the alternatives).
+            type or ``init_lora_weights`` it cannot initialize (DoRA, PiSSA, OLoRA, ...).
 
     Example:
         >>> with torch.device("meta"):                                     # doctest: +SKIP
@@ -233,9 +212,8 @@ def init_adapters(model: nn.Module) -> list[str]:
     """
     states = [s for _, _, s in offload_states(model)]
     if not states:
-        raise RuntimeError(
-            "hr.init_adapters: the model is not offloaded; PEFT initializes the adapters of a"
-            " model that is not (call hr.offload(model, ...) first)")
+        raise RuntimeError("hr.init_adapters: the model is not offloaded (PEFT initializes such"
+                           " adapters itself); call hr.offload(model, ...) first")
     configs = _configs(model)
     done: list[str] = []
     for state in states:
@@ -270,8 +248,7 @@ def _configs(model: nn.Module) -> dict:
 
 
 def _lost_of(state, wrapper: nn.Module, lost: set[int]) -> dict[str, list[nn.Module]]:
-    """Adapter name -> the modules holding its parameters that have no values, in ``wrapper``
-    (its ``ModuleDict`` entries such as ``lora_A[name]``; ``ParameterDict`` s keyed by name)."""
+    """Adapter name -> ``wrapper``'s modules holding its parameters without values."""
     out: dict[str, list[nn.Module]] = {}
     for cname, child in wrapper._modules.items():
         if cname == "base_layer" or child is None:
@@ -311,8 +288,7 @@ def _initializer(wrapper: nn.Module, adapter: str, modules: list[nn.Module], con
 
 
 def _run(state, modules: list[nn.Module], init: Callable[[], None]) -> list[str]:
-    """Run ``init`` on temporary host tensors in place of ``modules``' parameters; store those
-    that had no values."""
+    """Run ``init`` on host tensors in place of ``modules``' parameters; store the unset ones."""
     own = [(m, a, s) for m in modules for a, s in own_slots(state, m)]
     temps = {id(s): nn.Parameter(unset_tensor(s.binding.handle.shape, s.binding.handle.dtype),
                                  requires_grad=s.param.requires_grad) for _, _, s in own}

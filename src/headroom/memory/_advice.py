@@ -1,8 +1,6 @@
 """Advice at the end of reports: what would cut the peak most, from dry runs of the step.
 
-The figures come from the advice provider (`headroom.fit`, the layer that knows the techniques,
-registers it), asked for only when a report wants them: the memory layer never imports it and
-stays below every other layer.
+The figures come from `headroom.fit` through `headroom._providers`, which memory/ never imports.
 """
 
 from __future__ import annotations
@@ -24,11 +22,9 @@ def tracker_advice(mem: MemoryTracker) -> list[str]:
     if model is None:
         return ["(no advice: the model that ran is no longer alive; report before it is freed)"]
     if _fsdp_sharded(model):
-        ctx["advice"] = [
-            "(no advice: the model is sharded with FSDP2 (fully_shard), and the dry runs behind"
-            " the advice do not model its all-gathers and reduce-scatters; the figures above"
-            " are this rank's)"
-        ]
+        ctx["advice"] = ["(no advice: the model is sharded with FSDP2 (fully_shard), whose"
+                         " collectives the dry runs do not model; the figures above are this"
+                         " rank's)"]
         return ctx["advice"]
     p = next(iter([*model.parameters(), *model.buffers()]), None)
     device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"

@@ -1,17 +1,13 @@
 """A model of PyTorch's CUDA caching allocator, for estimates on CUDA-like devices.
 
-The allocator never hands out a tensor's exact size. It rounds every request up to a multiple
-of 512 bytes; requests up to 1 MiB come from 2 MiB segments (the small pool); larger requests
-take a segment of their own, 20 MiB for requests under 10 MiB and the request rounded up to
-2 MiB above that, or reuse a free block of a cached segment, best fit, splitting it when the rest
-is worth keeping. Freed blocks merge with free neighbours and stay cached (``reserved``) until
-``torch.cuda.empty_cache()``, which a training step does not call.
+Requests round up to 512 bytes; up to 1 MiB they come from 2 MiB segments (the small pool),
+larger ones from a free cached block (best fit, split when the rest is worth keeping) or a
+segment of their own (20 MiB under 10 MiB, else rounded up to 2 MiB). Freed blocks merge with
+free neighbours and stay ``reserved`` (a training step never calls ``empty_cache()``).
 
-What it does not model: several streams (blocks freed on one stream and reused on another wait
-for events), ``expandable_segments``, ``max_split_size_mb`` and other ``PYTORCH_CUDA_ALLOC_CONF``
-settings, rounding to power-of-two divisions (``roundup_power2_divisions``), the CUDA context and
-cuBLAS/cuDNN workspaces (hundreds of MiB outside the allocator), and kernels' internal scratch
-memory that does not go through tensors.
+Not modelled: several streams, ``PYTORCH_CUDA_ALLOC_CONF`` settings (``expandable_segments``,
+``max_split_size_mb``, ``roundup_power2_divisions``), the CUDA context and library workspaces,
+and kernels' scratch memory outside tensors.
 """
 
 from __future__ import annotations
@@ -29,9 +25,7 @@ _ROUND_LARGE = 2 << 20
 
 def round_size(nbytes: int) -> int:
     """The block size the allocator uses for a request of ``nbytes``."""
-    if nbytes < _ROUND:
-        return _ROUND
-    return _ROUND * ((nbytes + _ROUND - 1) // _ROUND)
+    return _ROUND * max(1, -(-nbytes // _ROUND))
 
 
 def segment_size(size: int) -> int:
@@ -40,7 +34,7 @@ def segment_size(size: int) -> int:
         return _SMALL_SEGMENT
     if size < _MIN_LARGE_ALLOC:
         return _LARGE_SEGMENT
-    return _ROUND_LARGE * ((size + _ROUND_LARGE - 1) // _ROUND_LARGE)
+    return _ROUND_LARGE * -(-size // _ROUND_LARGE)
 
 
 @dataclass(slots=True, eq=False)
@@ -85,8 +79,7 @@ class CachingAllocatorModel:
             self.peak_reserved = max(self.peak_reserved, self.reserved)
             self.segments_peak = max(self.segments_peak, self._segments)
         rest = block.size - size
-        # The allocator splits a small block if at least 512 bytes remain, a large one if more
-        # than 1 MiB remains.
+        # split a small block if at least 512 bytes remain, a large one if more than 1 MiB
         if (small and rest >= _ROUND) or (not small and rest > _SMALL):
             tail = _Block(block.segment, small, block.offset + size, rest)
             tail.prev, tail.next = block, block.next

@@ -29,14 +29,9 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 def inner_tensors(t: torch.Tensor, owner: object = None) -> list[torch.Tensor]:
-    """The plain tensors holding a quantized weight's values, or ``[t]`` for any other tensor.
-
-    A wrapper subclass (``__tensor_flatten__``, torchao's quantized tensors): its inner tensors,
-    nested ones walked. bitsandbytes' weights (recognized by their attributes, not imported):
-    a 4-bit weight's packed codes and its ``quant_state`` (absmax, code book, and for double
-    quantization the nested state and offset); an 8-bit weight's int8 rows and scales
-    (``SCB``, kept by ``owner``'s ``state`` once the layer has run a forward).
-    """
+    """The plain tensors holding a quantized weight's values, or ``[t]`` for any other tensor:
+    a wrapper subclass's inner tensors (torchao), a bitsandbytes weight with its ``quant_state``
+    tensors (4-bit) or its ``SCB`` scales (8-bit; on ``owner.state`` after a forward)."""
     if isinstance(getattr(t, "_local_tensor", None), torch.Tensor):
         return [t]
     if not hasattr(type(t), "__tensor_flatten__"):

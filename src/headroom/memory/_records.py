@@ -59,25 +59,23 @@ class DeviceStats:
     allocator: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class StorageInfo:
     """What the tracker knows of one live storage."""
 
-    __slots__ = ("key", "device", "nbytes", "cat", "seq", "module", "saved", "ref", "retro",
-                 "__weakref__")
-
-    def __init__(self, key: int, device: str, nbytes: int, cat: int, seq: int) -> None:
-        self.key = key
-        self.device = device
-        self.nbytes = nbytes
-        self.cat = cat
-        self.seq = seq
-        self.module = ""
-        self.saved = 0
-        self.ref: weakref.ref | None = None
-        # may a role found later be applied to peaks already past? (see MemoryTracker._reclass)
-        self.retro = True
+    key: int
+    device: str
+    nbytes: int
+    cat: int
+    seq: int
+    module: str = ""
+    saved: int = 0
+    ref: weakref.ref | None = None
+    # may a role found later be applied to peaks already past? (see MemoryTracker._reclass)
+    retro: bool = True
 
 
+@dataclass(slots=True, eq=False)
 class Peak:
     """A running peak whose per-category snapshot is taken lazily."""
     # Between a new peak and the next decrease nothing is freed, and any allocation would make a new
@@ -85,30 +83,22 @@ class Peak:
     # snapshot then (not at every new maximum) keeps the hot path O(1), and role discoveries made in
     # between (an output turning out to be saved for backward) land in the right category.
 
-    __slots__ = ("value", "seq", "pending", "cats", "allocator", "resting")
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.seq = -1
-        self.pending = False
-        self.cats = [0] * _NCAT
-        self.allocator: dict[str, int] = {}
-        self.resting: dict[tuple[str, str], int] = {}
+    value: int = 0
+    seq: int = -1
+    pending: bool = False
+    cats: list[int] = field(default_factory=lambda: [0] * _NCAT)
+    allocator: dict[str, int] = field(default_factory=dict)
+    resting: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
+@dataclass(slots=True, eq=False)
 class SavedToken:
-    """Kept by autograd beside a saved tensor while tracking; its release means autograd let go.
-
-    Knowing when autograd lets go of a saved tensor (its graph freed after backward) lets an
-    output still held by the user afterwards stop counting as an activation. It holds no
-    tensor: activation offload may keep the bytes elsewhere meanwhile.
+    """Kept by autograd beside a saved tensor: its release (the graph freed) ends the tensor's
+    count as an activation. It holds no tensor (activation offload may keep the bytes elsewhere).
     """
 
-    __slots__ = ("info", "tracker")
-
-    def __init__(self, info: StorageInfo, tracker: MemoryTracker) -> None:
-        self.info = info
-        self.tracker = tracker
+    info: StorageInfo
+    tracker: MemoryTracker
 
     def __del__(self) -> None:
         self.tracker._unsave(self.info)

@@ -33,13 +33,8 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
         s = mem.stats(dev) if mem.devices else mem.stats()
         lines.append(f"{heading} - {dev}")
         lines.append(f"{'category':<17}{'at peak':>12}{'max':>12}")
-        for cat in CATEGORIES:
-            lines.append(
-                f"{cat:<17}{format_bytes(s.peak_by_category[cat]):>12}"
-                f"{format_bytes(s.max_by_category[cat]):>12}"
-            )
-        lines.append(f"{'total (peak)':<17}{format_bytes(s.peak):>12}")
-        lines.append(f"{'live at end':<17}{format_bytes(s.current):>12}")
+        lines += [_row(c, s.peak_by_category[c], s.max_by_category[c]) for c in CATEGORIES]
+        lines += [_row("total (peak)", s.peak), _row("live at end", s.current)]
         alloc = {k.split("/", 1)[1]: v for k, v in s.allocator.items() if k.startswith(dev + "/")}
         if alloc:
             lines.append(
@@ -47,20 +42,18 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(alloc.items()))
             )
             if "reserved" in alloc and s.peak:
-                outside = alloc["reserved"] - s.peak
-                lines.append(
-                    f"{'reserved - peak':<17}{format_bytes(outside):>12}"
-                    "  (fragmentation, cached blocks, or memory outside tracked tensors)"
-                )
+                outside = _row("reserved - peak", alloc["reserved"] - s.peak)
+                lines.append(f"{outside}  (fragmentation, cached blocks, or memory outside tracked"
+                             " tensors)")
         lines.append("")
     by_module = mem.by_module
     if by_module:
         lines.append("activations saved for backward at their peak, by module")
         for name, nbytes in list(by_module.items())[:top_modules]:
-            lines.append(f"  {_module_row(mem, name):<40}{format_bytes(nbytes):>12}")
+            lines.append(_row(_module_row(mem, name), nbytes, width=40, indent=2))
         rest = list(by_module.values())[top_modules:]
         if rest:
-            lines.append(f"  {f'({len(rest)} more)':<40}{format_bytes(sum(rest)):>12}")
+            lines.append(_row(f"({len(rest)} more)", sum(rest), width=40, indent=2))
         lines.append("")
     resting = mem.resting_at_peak
     most = mem.resting_max
@@ -70,8 +63,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
         for where, cats in most.items():
             for cat, mx in cats.items():
                 at = resting.get(where, {}).get(cat, 0)
-                lines.append(f"  {where + '/' + cat:<25}{format_bytes(at):>12}"
-                             f"{format_bytes(mx):>12}")
+                lines.append(_row(f"{where}/{cat}", at, mx, width=25, indent=2))
         lines.append("")
     peak_sample = _peak_sample(mem)
     if peak_sample is not None:
@@ -94,9 +86,12 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _row(label: str, *values: int, width: int = 17, indent: int = 0) -> str:
+    return " " * indent + f"{label:<{width}}" + "".join(f"{format_bytes(v):>12}" for v in values)
+
+
 def _module_row(mem: MemoryTracker, name: str) -> str:
-    """``"layers.1 (BatchNorm2d)"``: a module's name and its class (a root's name is its
-    class already)."""
+    """``"layers.1 (BatchNorm2d)"`` (a root's name is its class already)."""
     if not name:
         return "(outside any module)"
     cls = mem.module_class(name)
@@ -129,8 +124,7 @@ def _peak_sample(mem: MemoryTracker) -> Any:
 
 
 def _moment(mem: MemoryTracker, sample: Any) -> str:
-    """When a timeline sample was taken, in words: ``"the backward of layers.1
-    (BatchNorm2d)"``, ``"the optimizer step"``."""
+    """When a timeline sample was taken, in words: ``"the backward of layers.1 (BatchNorm2d)"``."""
     if sample.phase == "optimizer":
         return "the optimizer step"
     if sample.phase == "other":
@@ -196,8 +190,7 @@ _MANY_STEPS = 4
 
 def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = None,
          x_axis: str = "time", rss: bool = True) -> None:
-    """Write `figure` as a PNG to ``path``: a finished file, or (a write that fails) the file
-    that was there before and no partial one beside it."""
+    """Write `figure` as a PNG to ``path``; a failed write leaves the previous file, no partial."""
     fig = figure(mem, title=title, x_axis=x_axis, rss=rss)
     import matplotlib.pyplot as plt  # with the backend `figure` chose
 
@@ -212,14 +205,12 @@ def plot(mem: MemoryTracker, path: str | os.PathLike, *, title: str | None = Non
 
 def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time",
            rss: bool = True) -> Any:
-    """A stacked timeline by category, the peak marked and labelled, the phases (forward,
-    backward, optimizer step) in a strip above it; the legend outside the axes, right of them.
+    """A stacked timeline by category, the peak marked, the phases in a strip above it; the
+    legend right of the axes. Returns the matplotlib figure (the caller closes it).
 
-    A run of several steps is drawn as two panels: the peak of every step (stacked by
-    category at that step's peak) and the timeline of the step that reached the overall peak.
-    ``x_axis="ops"`` numbers the samples instead of timing them (a dry run's wall time says
-    nothing about the device's); ``rss=False`` leaves out the process's RSS (a dry run's is the
-    estimating process's, not the step's). Returns the matplotlib figure (the caller closes it).
+    Many steps are drawn as two panels: each step's peak, and the step with the overall peak.
+    ``x_axis="ops"`` numbers the samples instead of timing them, and ``rss=False`` leaves out
+    the process's RSS: both for a dry run, whose wall time and RSS are not the step's.
     """
     import matplotlib
 
@@ -227,8 +218,7 @@ def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time"
     import matplotlib.pyplot as plt
 
     timeline = mem.timeline
-    # The axis starts at the first tracked allocation: a profiled script may spend most
-    # of its run importing libraries before any tensor exists.
+    # from the first tracked allocation: a profiled script may spend long importing first
     first = next((i for i, s in enumerate(timeline) if s.total > 0), 0)
     timeline = timeline[first:]
     steps = _steps(timeline)
@@ -314,23 +304,21 @@ def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x
     strip.tick_params(axis="x", labelbottom=False, length=0)
     if not timeline:
         return [], []
-    t_start = timeline[0].time_s
-    t_end = timeline[-1].time_s
+    times = np.array([s.time_s for s in timeline])
+    t_start, t_end = times[0], times[-1]
     if x_axis == "ops":
         x = np.arange(len(timeline), dtype=float)
         xlabel = "samples of the step, in order (one after each op that changed memory)"
-
-        def to_x(ts: np.ndarray) -> np.ndarray:
-            return np.interp(ts, [s.time_s for s in timeline], x)
     else:
         t_unit = "s" if t_end - t_start > 10 else "ms"
-        f = 1.0 if t_unit == "s" else 1e3
-        x = np.array([(s.time_s - t_start) * f for s in timeline])
+        x = (times - t_start) * (1.0 if t_unit == "s" else 1e3)
         xlabel = (f"time since the {'step' if where else 'first tracked allocation'} began"
                   f" ({t_unit})")
 
-        def to_x(ts: np.ndarray) -> np.ndarray:
-            return (ts - t_start) * f
+    def within(series: list[tuple[float, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """A series sampled at other times, in the step: its x on this axis, and its bytes."""
+        kept = np.array([(t, b) for t, b in series if t_start <= t <= t_end]).reshape(-1, 2)
+        return np.interp(kept[:, 0], times, x), kept[:, 1]
     x_end = x[-1] if x[-1] > x[0] else x[0] + 1
     scale, unit = _unit(max(max(s.total for s in timeline), mem.peak))
     ys = [np.array([s.by_category[c] for s in timeline]) / scale for c in CATEGORIES]
@@ -349,18 +337,15 @@ def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x
             handles.append(Patch(facecolor=color))
             labels.append(f"phase: {name}")
     totals = np.sum(ys, axis=0)
-    rest = [(t, b) for t, b in mem.resting_timeline if t_start <= t <= t_end]
-    if rest:
-        # Bytes moved to a store: what the device would otherwise hold, on the same axis.
-        (line,) = ax.step(to_x(np.array([t for t, _ in rest])),
-                          np.array([b for _, b in rest]) / scale, where="post",
-                          color="#C44E52", ls="--", lw=1.2, zorder=2)
+    rest_x, rest = within(mem.resting_timeline)
+    if len(rest):
+        (line,) = ax.step(rest_x, rest / scale, where="post", color="#C44E52", ls="--", lw=1.2,
+                          zorder=2)
         handles.append(line)
         labels.append("resting in stores (off the device)")
     k = int(np.argmax(totals))
     peak_y = max(totals[k], mem.peak / scale)
-    # a peak held for a single op can be narrower than a pixel: its stack drawn at least
-    # 0.6% of the axis wide, so that the stack reaches the mark
+    # a peak held for one op may be narrower than a pixel: draw its stack 0.6% of the axis wide
     width = (x[k + 1] if k + 1 < len(x) else x_end) - x[k]
     least = 0.006 * (x_end - x[0])
     if width < least:
@@ -372,24 +357,22 @@ def _plot_timeline(ax: Any, strip: Any, mem: MemoryTracker, timeline: list, *, x
             bottom += y[k]
         width = least
     at = x[k] + min(width, least) / 2  # the mark on the middle of the peak's stack
-    top = max(peak_y, max((b for _, b in rest), default=0) / scale)
+    top = max(peak_y, rest.max(initial=0) / scale)
     ax.set_ylim(0, top * 1.3 if top > 0 else 1)
     ax.set_xlim(x[0], x_end)
     _mark_peak(ax, mem, timeline[k], at, peak_y, (at - x[0]) / (x_end - x[0]))
     ax.set_ylabel(f"live tensor memory ({unit})")
     ax.set_xlabel(xlabel + (f"; {where}" if where else ""))
-    samples = [(t, b) for t, b in mem.rss_timeline if t_start <= t <= t_end] if rss else []
-    if samples:
+    rss_x, samples = within(mem.rss_timeline if rss else [])
+    if len(samples):
         ax2 = ax.twinx()
-        rscale, runit = _unit(max(b for _, b in samples))
-        (line,) = ax2.plot(to_x(np.array([t for t, _ in samples])),
-                           np.array([b for _, b in samples]) / rscale, color="black", lw=1,
-                           alpha=0.6)
-        ax2.set_ylim(0, max(b for _, b in samples) / rscale * 1.3)
+        rscale, runit = _unit(samples.max())
+        (line,) = ax2.plot(rss_x, samples / rscale, color="black", lw=1, alpha=0.6)
+        ax2.set_ylim(0, samples.max() / rscale * 1.3)
         ax2.set_ylabel(f"process RSS ({runit})")
         handles.append(line)
         labels.append("process RSS (right axis)")
-        # The stacked categories and the peak's mark are drawn over the RSS line.
+        # the categories and the peak's mark over the RSS line
         ax.set_zorder(ax2.get_zorder() + 1)
         ax.patch.set_visible(False)
     ax.grid(alpha=0.3, zorder=0)

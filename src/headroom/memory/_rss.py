@@ -1,11 +1,8 @@
-"""The process's resident memory (RSS) over a tracked region, beside the tensors tracked in it.
+"""The process's resident memory (RSS) over a tracked region, beside its tensors.
 
-Tracked bytes are live tensors; RSS is what the operating system charges the process, which is
-what decides whether the OOM killer comes on a CPU box. The two differ by the interpreter and
-libraries, by memory the C allocator keeps after tensors are freed, and by anything allocated
-outside PyTorch. `RSSWatch` samples RSS on a background thread (every few milliseconds) and
-takes the exact peak from the kernel's own high-water mark when the region raised it; it never
-resets that mark, which the user's own tools may be reading.
+RSS decides whether the OOM killer comes on a CPU box. `RSSWatch` samples it on a background
+thread and takes the exact peak from the kernel's high-water mark when the region raised it;
+it never resets that mark, which the user's own tools may be reading.
 """
 
 from __future__ import annotations
@@ -101,8 +98,7 @@ class RSSWatch:
             self.samples.append((time.perf_counter() - self._t0, self.end))
         sampled = max((r for _, r in self.samples), default=None)
         hwm = peak_rss()
-        # The kernel's high-water mark is exact, but it covers the whole process life:
-        # it is this region's peak only if the region raised it.
+        # the high-water mark covers the process's life: the region's peak only if it raised it
         if hwm is not None and self._hwm0 is not None and hwm > self._hwm0:
             self.peak = hwm
         else:

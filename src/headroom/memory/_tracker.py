@@ -1,10 +1,7 @@
 """Live memory tracking: every tensor storage, per device, attributed to one category.
 
-The tracker sees allocations through a ``TorchDispatchMode`` (every op's outputs, and inputs that
-existed before it started), frees through weak references to storages, and roles through
-PyTorch's own hooks: saved-tensor hooks (activations), post-accumulate-grad hooks (gradients),
-global optimizer step hooks (optimizer state) and global module hooks (parameters, buffers, and
-which module is running).
+Allocations are seen through a ``TorchDispatchMode``, frees through weak references to storages,
+roles through PyTorch's saved-tensor, post-accumulate-grad, optimizer-step and module hooks.
 """
 
 from __future__ import annotations
@@ -58,6 +55,14 @@ _active: MemoryTracker | None = None
 _active_where = ""
 
 
+def _listed(x: Any, cls: type, what: str, cls_name: str) -> list:
+    out = [x] if isinstance(x, cls) else list(x or [])
+    for o in out:
+        if not isinstance(o, cls):
+            raise TypeError(f"{what} must be {cls_name} or a list of them, got {type(o)}")
+    return out
+
+
 def _compiled(module: nn.Module) -> bool:
     """Whether ``module`` runs compiled code (``torch.compile(module)`` or ``module.compile()``)."""
     dynamo = sys.modules.get("torch._dynamo")  # torch.compile imports it
@@ -68,8 +73,7 @@ def _compiled(module: nn.Module) -> bool:
 
 
 def _autocast_in_use(args: Any, kwargs: Any) -> torch.dtype | None:
-    """The dtype of the autocast region a forward runs in, for its inputs' device (the
-    advice's dry runs run in it too), or ``None``."""
+    """The autocast dtype a forward runs in on its inputs' device (for the advice's dry runs)."""
     from torch.utils._pytree import tree_flatten
 
     t = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
@@ -90,11 +94,8 @@ def is_tracking() -> bool:
 
 def track_this_thread() -> contextlib.AbstractContextManager:
     """Count this thread's tensor ops in the active tracker too (a no-op when none is active,
-    or in the thread that entered it).
-
-    A tracker sees ops through a dispatch mode of the thread that entered it; a worker thread
-    computing on its behalf (``HostOptimizer``'s steps overlapped with backward) enters it
-    here, or its temporaries would go unseen.
+    or in the thread that entered it): its dispatch mode sees only that thread, so a worker
+    computing for it (``HostOptimizer``'s steps overlapped with backward) enters it here.
     """
     tracker = _active
     if tracker is None or tracker._mode is None or tracker._owner == threading.get_ident():
@@ -117,8 +118,7 @@ class _Mode(TorchDispatchMode):
             tracker._see_inputs(kwargs.values())
         out = func(*args, **(kwargs or {}))
         if func is _RESIZE_STORAGE_BYTES:
-            # A parameter whose storage is refilled (an offloaded one coming back to the
-            # device) counts as a parameter even if the tracker first saw it being created.
+            # a refilled parameter (offloaded, coming back) is one even if first seen created
             cat = PARAMETERS if isinstance(args[0], nn.Parameter) else OTHER
             tracker._see(args[0], cat, check_size=True)
         tracker._see_outputs(out)
@@ -129,22 +129,18 @@ class _Mode(TorchDispatchMode):
 class MemoryTracker:
     """Tracks live tensor memory per device and attributes every byte to one category.
 
-    Use it through :func:`track_memory`. Tracking never changes results: it only observes (the
-    saved-tensor hooks hand autograd back the very same tensors).
+    Use it through :func:`track_memory`. Tracking only observes: results never change.
 
     Args:
-        model: module(s) whose parameters, buffers and gradients exist before entry, so they are
-            classified and counted from the start. Modules that run inside are found by themselves.
-        optimizer: optimizer(s) whose state exists before entry. Optimizers that step inside are
-            found by themselves.
-        max_samples: the timeline keeps at most this many samples; past that, samples are merged
-            in pairs (keeping the larger) so peaks survive. Trade-off: finer plots, more memory.
-        sample_allocator: also sample the accelerator caching allocator's allocated and reserved
-            bytes (a cheap call per timeline sample). Ignored on CPU.
+        model: module(s) whose parameters, buffers and gradients count from entry (others
+            are found when they run).
+        optimizer: optimizer(s) whose state counts from entry (others when they step).
+        max_samples: timeline bound; past it, samples merge in pairs keeping the larger.
+        sample_allocator: also sample the accelerator allocator's allocated and reserved bytes
+            (a cheap call per sample). Ignored on CPU.
 
     Raises:
-        RuntimeError: when entered while another tracker is active (nesting is not supported), or
-            entered twice.
+        RuntimeError: when entered while another tracker is active, or entered twice.
     """
 
     def __init__(
@@ -157,18 +153,9 @@ class MemoryTracker:
     ) -> None:
         if max_samples < 2:
             raise ValueError(f"max_samples must be at least 2, got {max_samples}")
-        self._models = [model] if isinstance(model, nn.Module) else list(model or [])
-        self._optimizers = (
-            [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
-        )
-        for m in self._models:
-            if not isinstance(m, nn.Module):
-                raise TypeError(f"model must be an nn.Module or a list of them, got {type(m)}")
-        for o in self._optimizers:
-            if not isinstance(o, torch.optim.Optimizer):
-                raise TypeError(
-                    f"optimizer must be a torch.optim.Optimizer or a list of them, got {type(o)}"
-                )
+        self._models = _listed(model, nn.Module, "model", "an nn.Module")
+        self._optimizers = _listed(optimizer, torch.optim.Optimizer, "optimizer",
+                                   "a torch.optim.Optimizer")
         self._max_samples = max_samples
         self._sample_allocator = sample_allocator
         self._lock = threading.RLock()
@@ -206,14 +193,12 @@ class MemoryTracker:
         self._owner = 0  # the thread that entered the region (its dispatch mode)
         self._saved_hooks: Any = None
         self._rss = RSSWatch()
-        # Bytes headroom moved off the compute device and keeps in a store ("host", "disk"),
-        # by (where, category): not live tensor memory of the device, shown beside it.
+        # bytes headroom keeps in a store ("host", "disk") by (where, category), beside the device's
         self._resting: dict[tuple[str, str], int] = {}
         self._resting_max: dict[tuple[str, str], int] = {}
         self._resting_samples: list[tuple[float, int]] = []
         self._meta_as: str | None = None  # set by the estimator: what meta tensors stand for
-        # the first root forward's model and input shapes, and the optimizer: for advice
-        self._context: dict[str, Any] = {}
+        self._context: dict[str, Any] = {}  # the first forward's model, inputs: for advice
         self._warned_compiled = False  # said once per region that compiled code runs eagerly
 
     # ------------------------------------------------------------------ context manager
@@ -259,17 +244,15 @@ class MemoryTracker:
         self._handles.append(
             nn.modules.module.register_module_forward_hook(self._post_fw, always_call=True)
         )
-        # A parameter created inside the region (a model built there, as in `headroom
-        # profile`) is first seen as a new tensor; registering it in a module says what it is.
+        # a parameter created inside the region is first seen as a new tensor: its module says
         self._handles.append(nn.modules.module.register_module_parameter_registration_hook(
             lambda module, name, p: None if p is None else self._see_param(p, PARAMETERS, module)))
         self._handles.append(register_optimizer_step_pre_hook(self._pre_step))
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
         tracker = self
 
-        # `UntypedStorage.resize_` is not an op, so no dispatch mode sees it; offloading
-        # frees and refills parameters this way. Wrapping it while tracking is what PyTorch's own
-        # MemTracker does too.
+        # NOTE: `UntypedStorage.resize_` (how offloading frees and refills parameters) is not an
+        # op, so no dispatch mode sees it; PyTorch's own MemTracker wraps it too.
         def resize_(storage: torch.UntypedStorage, size: int):
             result = _ORIG_STORAGE_RESIZE(storage, size)
             tracker._resized(storage)
@@ -320,8 +303,7 @@ class MemoryTracker:
                 if self._state != "active":
                     return None
                 if st.device.type == "meta":
-                    # Meta tensors take no memory, except in a dry run (the estimator), where
-                    # they stand for the tensors of the device estimated.
+                    # meta tensors stand for the device's only in a dry run (the estimator)
                     if self._meta_as is None:
                         return None
                     dev = self._meta_as
@@ -418,8 +400,7 @@ class MemoryTracker:
 
     def _decreased(self) -> None:
         if self._peak.pending:
-            # A peak inside an op (temporaries freed before it returns) would be missed by
-            # per-op sampling; this sample is the state at the peak itself.
+            # a peak inside an op (temporaries freed before it returns): sample it here
             self._sample(force=True)
         for p in self._peaks():
             if p.pending:
@@ -441,8 +422,8 @@ class MemoryTracker:
         peak.cats = cats
         peak.resting = {k: v for k, v in self._resting.items() if v}
         if self._sample_allocator:
-            # "active" (blocks in use, including those waiting on other streams) costs a
-            # full stats query, so it is read once per local peak, not at every new maximum.
+            # "active" (blocks in use or waiting on other streams) costs a full stats query:
+            # read once per local peak, not at every new maximum
             devices = list(self._current) if peak is self._peak else [device]
             for d in devices:
                 active = allocator_active(d)
@@ -450,7 +431,6 @@ class MemoryTracker:
                     peak.allocator[f"{d}/active"] = active
 
     def _act_change(self, module: str, delta: int) -> None:
-        """Activation bytes per module, and a snapshot of them when activations peak."""
         if delta < 0 and self._act_pending:
             self._act_at_peak = {k: v for k, v in self._act_by_module.items() if v}
             self._act_pending = False
@@ -482,7 +462,6 @@ class MemoryTracker:
         self._seq += 1
         delta = nbytes - info.nbytes
         info.nbytes = nbytes
-        # A resized storage counts as newly allocated for retroactive reclassification.
         info.seq = self._seq
         if info.cat == ACTIVATIONS:
             self._act_change(info.module, delta)
@@ -630,18 +609,15 @@ class MemoryTracker:
         if not self._warned_compiled and _compiled(module):
             self._warned_compiled = True
             warnings.warn(
-                f"hr.track_memory: {type(module).__name__} was compiled with torch.compile, but"
-                " PyTorch runs compiled code eagerly while a dispatch mode (the tracker's) is"
-                " active, so this region ran, and was measured, as the eager model: the"
-                " compiled kernels may keep more or less. To measure the compiled run, read the"
-                " allocator around it without the tracker (torch.cuda.max_memory_allocated(),"
-                " torch.cuda.memory._record_memory_history(); the process RSS on the CPU)",
+                f"hr.track_memory: {type(module).__name__} is compiled, but PyTorch runs compiled"
+                " code eagerly under the tracker's dispatch mode, so this region was measured as"
+                " the eager model. To measure the compiled run, read the allocator without the"
+                " tracker (torch.cuda.max_memory_allocated(); the process RSS on the CPU)",
                 UserWarning, stacklevel=2)
         if not self._stack and id(module) not in self._names:
             self._add_root(module)
             if self._meta_as is None and not self._context:
-                # A model first seen now (built inside the region): its own hook, registered
-                # just now, runs from its next call on; keyword inputs are known from then.
+                # built inside the region: its own hook runs from its next call (with kwargs)
                 from headroom.store import to_meta
 
                 self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
@@ -655,12 +631,11 @@ class MemoryTracker:
         self._stack.append(name)
 
     def _post_fw(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            name = self._stack.pop()
-        else:
+        if not self._stack:
             return
-        # A pre-hook on the output's autograd node names the module whose backward is about
-        # to run; the innermost module registers first, so outer containers do not overwrite it.
+        name = self._stack.pop()
+        # A pre-hook on the output's node names the module whose backward runs; the innermost
+        # module registers first, so outer containers do not overwrite it.
         node = getattr(output, "grad_fn", None) if isinstance(output, torch.Tensor) else None
         if node is not None and id(node) not in self._hooked_nodes:
             self._hooked_nodes.add(id(node))
@@ -745,12 +720,9 @@ class MemoryTracker:
 
     @property
     def rss(self) -> dict[str, int | None]:
-        """The process's resident memory in bytes over the region: ``start``, ``peak``, ``end``.
-
-        What the operating system charges the process (interpreter, libraries, memory the C
-        allocator keeps, anything outside PyTorch), beside the tracked tensors; ``None`` values
-        where it cannot be read. Available after the region ends.
-        """
+        """The process's resident memory in bytes over the region: ``start``, ``peak``, ``end``
+        (``None`` where unreadable; after the region ends). It includes the interpreter,
+        libraries, memory the C allocator keeps and anything outside PyTorch."""
         self._check_used()
         return {"start": self._rss.start, "peak": self._rss.peak, "end": self._rss.end}
 
@@ -771,11 +743,8 @@ class MemoryTracker:
         """Each category's own maximum over the run (summed over devices per device maximum)."""
         self._check_used()
         with self._lock:
-            out = [0] * _NCAT
-            for mx in self._max.values():
-                for i, v in enumerate(mx):
-                    out[i] += v
-            return dict(zip(CATEGORIES, out, strict=True))
+            per_device = zip([0] * _NCAT, *self._max.values(), strict=True)
+            return dict(zip(CATEGORIES, map(sum, per_device), strict=True))
 
     @property
     def current(self) -> int:
@@ -791,21 +760,14 @@ class MemoryTracker:
             return dict(zip(CATEGORIES, self._all, strict=True))
 
     @property
-    def peak_by_device(self) -> dict[str, int]:
-        """Each device's own peak."""
-        self._check_used()
-        return {d: p.value for d, p in self._dev_peak.items()}
-
-    @property
     def devices(self) -> list[str]:
         """Devices on which tensors were seen, e.g. ``["cpu", "cuda:0"]``."""
         return list(self._current)
 
     @property
     def by_module(self) -> dict[str, int]:
-        """Who holds the activations: bytes saved for backward per module at the moment
-        activations peaked (``max_by_category["activations"]``), largest first. ``""`` holds
-        tensors saved outside any module (e.g. by a loss function)."""
+        """Bytes saved for backward per module when activations peaked, largest first (``""``:
+        outside any module, e.g. a loss function)."""
         self._check_used()
         with self._lock:
             if self._act_pending:
@@ -863,9 +825,8 @@ class MemoryTracker:
     def report(self, *, file=None, top_modules: int = 10, advice: bool = True) -> str:
         """Print (to ``file``, default stdout) and return a readable table of the numbers.
 
-        With ``advice`` (and the model that ran still alive) it ends with what would cut the
-        peak most: each technique's saving from a dry run of the step (`headroom.estimate`)
-        with the shapes of the first forward of the model and the optimizer seen stepping.
+        With ``advice`` (and the model still alive) it ends with what would cut the peak most:
+        each technique's saving from a dry run (`headroom.estimate`) of the step seen.
         """
         from headroom.memory._report import format_report
 
@@ -902,10 +863,8 @@ class MemoryTracker:
     @property
     def resting(self) -> dict[str, dict[str, int]]:
         """Bytes headroom keeps off the compute device in a store now (or at exit), as
-        ``{where: {category: bytes}}`` with ``where`` ``"host"`` or ``"disk"``; e.g. the
-        activations `offload_activations` moved out. Not part of :attr:`peak`: this is what
-        the device did not have to hold. (Host copies are also tensors on ``"cpu"``, counted
-        there when the compute device is the CPU.)"""
+        ``{where: {category: bytes}}``, ``where`` ``"host"`` or ``"disk"``. Not part of
+        :attr:`peak` (host copies do count on ``"cpu"`` when the compute device is the CPU)."""
         self._check_used()
         with self._lock:
             return self._nested(self._resting)
@@ -959,18 +918,18 @@ def track_memory(
 ) -> MemoryTracker:
     """Track live tensor memory per device while code runs, by category.
 
-    Every tensor storage that is created, or used, inside the block is counted once (views share
-    their storage) until it is freed, and attributed to one of ``parameters``, ``gradients``,
-    ``optimizer_state``, ``activations`` (saved by autograd for backward), ``buffers`` or ``other``.
-    Tensors that existed before entry count from their first use, or from entry for the
-    parameters, gradients, buffers and optimizer state of ``model`` and ``optimizer``.
+    Every storage created or used inside the block counts once until freed, in one of
+    :data:`CATEGORIES` (``activations``: saved by autograd for backward). Older tensors count
+    from their first use, or from entry for those of ``model`` and ``optimizer``.
 
     Args:
-        model: module(s) to classify from the start (otherwise found when they run).
-        optimizer: optimizer(s) whose existing state to count from the start.
-        max_samples: bound on the timeline length; see :class:`MemoryTracker`.
-        sample_allocator: also sample the accelerator allocator's allocated/reserved bytes, which
-            shows fragmentation and memory outside PyTorch tensors.
+        model: module(s) whose parameters, buffers and gradients count from entry (others
+            are found when they run).
+        optimizer: optimizer(s) whose state counts from entry (others when they step).
+        max_samples: timeline bound; past it, samples merge in pairs keeping the larger, so
+            peaks survive. Trade-off: finer plots, more memory.
+        sample_allocator: also sample the accelerator allocator's allocated and reserved bytes
+            (a cheap call per sample; shows fragmentation). Ignored on CPU.
 
     Returns:
         A :class:`MemoryTracker` to use as a context manager; read its numbers inside or after.
@@ -984,9 +943,9 @@ def track_memory(
         >>> mem.peak, mem.peak_by_category["activations"]
         >>> mem.report(); mem.plot("memory.png")
 
-    Saved tensors are seen through ``torch.autograd.graph.saved_tensors_hooks``: tensors saved
-    under other saved-tensor hooks opened inside the block (activation checkpointing, activation
-    offloading) are not activations for the tracker, which is what those features are for.
+    Tensors saved under other saved-tensor hooks opened inside the block (activation
+    checkpointing, activation offloading) are not activations for the tracker, which is what
+    those features are for.
     """
     return MemoryTracker(
         model=model, optimizer=optimizer, max_samples=max_samples, sample_allocator=sample_allocator
@@ -994,10 +953,7 @@ def track_memory(
 
 
 def annotate(tensor: torch.Tensor, category: str) -> None:
-    """Tell the active tracker (if any) which category ``tensor``'s storage belongs to.
-
-    Used by headroom's own layers (e.g. host-side optimizer state); a no-op when no tracker is
-    active, so it costs nothing in normal runs.
+    """Tell the active tracker (if any; else a no-op) which category ``tensor``'s storage is.
 
     Raises:
         ValueError: if ``category`` is not a known category.
@@ -1009,9 +965,8 @@ def annotate(tensor: torch.Tensor, category: str) -> None:
 
 
 def note_resting(where: str, category: str, nbytes: int) -> None:
-    """Tell the active tracker (if any) that ``nbytes`` of ``category`` now rest in a store
-    (``where``: ``"host"`` or ``"disk"``) instead of on the compute device; negative when they
-    come back or are dropped. A no-op when no tracker is active.
+    """Tell the active tracker (if any; else a no-op) that ``nbytes`` of ``category`` now rest
+    in a store (``where``: ``"host"`` or ``"disk"``); negative when they come back or are dropped.
 
     Raises:
         ValueError: if ``category`` is not a known category or ``where`` is not a store kind.

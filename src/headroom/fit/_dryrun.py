@@ -478,6 +478,14 @@ def _meta_stand_in(t: Any) -> Any:
     return t
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """The qualified names of the model's blocks (`headroom.residency.find_blocks`)."""
+    from headroom.residency import find_blocks
+
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(b)] for b in find_blocks(model) if id(b) in names]
+
+
 def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> None:
     """Wrap the forward of each named submodule in non-reentrant activation checkpointing, as
     `hr.plan` applies it.

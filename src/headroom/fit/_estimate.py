@@ -90,8 +90,8 @@ class Estimate:
         max_by_category: each category's own maximum over the step.
         by_module: activation bytes saved for backward per module when activations peaked,
             largest first.
-        allocator: for CUDA-like devices, the allocator model's ``peak_allocated`` (rounded
-            blocks), ``peak_reserved`` (segments mapped) and ``segments``; empty for ``cpu``.
+        allocator: on CUDA-like devices, the allocator model's ``peak_allocated``,
+            ``peak_reserved`` and ``segments``; empty for ``cpu``.
         options: the what-if options the step ran with.
         ops: ``(flops, bytes, kind, in_optimizer_step)`` per op (`hr.plan`'s time model).
         activation_bytes_moved: with ``offload_activations``, the bytes sent to the store.
@@ -216,20 +216,16 @@ def estimate(
 
     The step is ``loss_fn(model(*example_args, **example_kwargs)).backward()``, then
     ``optimizer.step()`` and ``zero_grad()``, in steady state (the optimizer's state exists,
-    gradients do not). It runs on a ``meta`` copy of the model: nothing is allocated, ``model``
-    is not changed, and a model built on ``meta`` is estimated the same way.
-
-    headroom's features run in the dry run as for real: `hr.offload` (or the ``offload=``
-    what-if) keeps on the device what its schedule keeps, and an `hr.HostOptimizer` steps
-    where it steps (with ``overlap``, inside its ``final_backward()``). Store reads and writes
-    are taken as done at once, so a step whose disk lags behind backward can measure above the
-    estimate by the gradients not yet written (CPU target; at most 64 MiB or one gradient).
+    gradients do not), on a ``meta`` copy of the model: nothing is allocated and ``model``
+    (which may be on ``meta``) is not changed. `hr.offload` and `hr.HostOptimizer` run their
+    own code in it. Store reads and writes are taken as done at once, so a CPU step whose disk
+    lags behind backward can measure above it by the gradients not yet written (at most 64 MiB
+    or one gradient).
 
     Args:
         model: the model, its parameters anywhere (``meta`` included), offloaded or not.
         example_args: the inputs of one step, a tuple (or a single tensor): their shapes and
-            dtypes matter, and the values of integer and boolean ones (ids, attention masks,
-            labels), which models read to choose their path (or ``meta`` tensors, no values).
+            dtypes matter, and the values of integer and boolean ones (ids, masks, labels).
         loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
             model returns one, else the sum of its (first) tensor output.
         optimizer: a ``torch.optim.Optimizer`` class, an instance (its class and
@@ -253,19 +249,17 @@ def estimate(
             ``prefetch``, ``blocks``, ``compute_dtype``, ``grad_accumulation``, and
             ``module`` (the submodule offloaded; default the model). With ``world_size``:
             ``{"store": "cpu"}`` (optionally ``blocks``), each rank's shards in host memory.
-        world_size: what-if: one rank's step of FSDP2 over this many ranks, ``fully_shard``
-            of each block and then the root, FSDP2's defaults (see `headroom.fit._sharded`),
-            for the rank holding the most. A ``fully_shard``ed model is estimated over its
-            own mesh without it.
+        world_size: what-if: the step of the rank holding the most under FSDP2 over this many
+            ranks, ``fully_shard`` of each block and the root with FSDP2's defaults. A
+            ``fully_shard``ed model is estimated over its own mesh without it.
         mesh: the 1-D ``DeviceMesh`` FSDP2 would shard over, instead of ``world_size``.
         autocast: what-if: the forward and the loss inside ``torch.autocast`` of the target
             device in this dtype (``torch.bfloat16`` or ``torch.float16``), PyTorch's own casts
             (see `headroom.fit._autocast`). ``None``: as the model runs (its regions for
             ``"meta"`` are the target's autocast).
         micro_batches: what-if: gradient accumulation, the inputs' first dimension split as
-            ``tensor_split`` does: one forward and backward of ``loss / micro_batches`` per
-            micro-batch, each one's inputs alive only for it, then one optimizer step.
-            ``loss_fn`` sees each micro-batch's output.
+            ``tensor_split`` does: a forward and backward of ``loss / micro_batches`` per
+            micro-batch (``loss_fn`` sees its output), then one optimizer step.
 
     Returns:
         An :class:`Estimate`.
@@ -331,10 +325,8 @@ def estimate(
         if isinstance(replaced, nn.Module):
             meta_model = replaced
     if spec is not None:
-        from headroom.fit._sharded import ShardedDryRun
-
-        sharded = ShardedDryRun(meta_model, spec, features.places,
-                                accelerated=target != "cpu")
+        sharded = _sharded.ShardedDryRun(meta_model, spec, features.places,
+                                         accelerated=target != "cpu")
     elif features is not None:
         features.install(meta_model)
     args, kwargs = _dryrun.to_meta((example_args, dict(example_kwargs or {})))
@@ -346,7 +338,7 @@ def estimate(
         opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
     final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
     on_host = features.step_context if features is not None else contextlib.nullcontext
-    if sharded is not None and sharded.all_on_host() and features.host is None:
+    if sharded is not None and sharded.all_host and features.host is None:
         on_host = features.places.host_code  # torch's optimizer steps the host shards
 
     act = _activation_options(offload_activations, model, meta_model)
@@ -387,12 +379,12 @@ def estimate(
         else:
             meta_model.zero_grad(set_to_none=True)
 
-    alloc = CachingAllocatorModel() if _has_caching_allocator(target) else None
+    alloc = CachingAllocatorModel() if target.split(":")[0] in _CACHING_ALLOCATORS else None
     attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
     # fork_rng: the caller's random state stays as it was; foreach: where torch.optim steps
     # the accelerator's tensors (not the host's)
     on_device = target.split(":")[0] != "cpu" and (features is None or (
-        sharded is not None and features.host is None and not sharded.all_on_host()))
+        sharded is not None and features.host is None and not sharded.all_host))
     with sharded.running() if sharded is not None else contextlib.nullcontext(), \
             torch.random.fork_rng(devices=[]), attention, _dryrun.KernelsOnMeta("fused"), \
             _dryrun.KernelsOnMeta("foreach", on_device), _values_needed(), \
@@ -579,8 +571,7 @@ def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
     return f"{dev.type}:{dev.index or 0}"
 
 
-def _has_caching_allocator(device: str) -> bool:
-    return device.split(":")[0] in ("cuda", "xpu", "hip", "mtia")
+_CACHING_ALLOCATORS = ("cuda", "xpu", "hip", "mtia")
 
 
 @contextlib.contextmanager
@@ -601,6 +592,3 @@ def _values_needed():
                 " measure with hr.track_memory()."
             ) from e
         raise
-
-
-__all__ = ["Estimate", "estimate"]

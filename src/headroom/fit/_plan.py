@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from headroom.fit import _dryrun
-from headroom.fit._advice import block_names
+from headroom.fit._dryrun import block_names
 from headroom.fit._estimate import Estimate, estimate, parse_device
 from headroom.fit._lm import lm_patch_run, lm_patching
 from headroom.fit._time import Speeds, activation_ways, default_speeds, dry_run_time, step_time
@@ -155,8 +155,7 @@ class Plan:
     frozen: bool = False  # frozen parameters (a quantized base): the optimizer gets the rest
 
     def __str__(self) -> str:
-        # On CUDA-like devices peaks are the allocator model's reserved bytes, which is what
-        # the budget is compared with; an estimate's report shows allocated bytes.
+        # on CUDA-like devices the budget is compared with reserved bytes, not allocated ones
         kind = " reserved" if not self.device.startswith("cpu") else ""
         ranks = ("" if self.world_size is None else
                  f" (each of {self.world_size} ranks, FSDP2 fully_shard of each block and the"
@@ -395,8 +394,7 @@ class _Candidate:
     margin: int = 0
 
 
-# Whole dry runs the search may make beyond the first fitting one, looking for the smallest
-# peak when nothing fits.
+# whole dry runs looking for the smallest peak when nothing fits
 _MAX_WHOLE_RUNS = 4
 
 
@@ -421,16 +419,13 @@ def plan(
 ) -> Plan:
     """Choose what to turn on so that one training step fits ``budget`` bytes on ``device``.
 
-    Considers `hr.convert`, non-reentrant checkpointing of the first k blocks (k in quarters),
-    activation offload (`hr.offload_activations`), parameter offload (`hr.offload`,
-    ``prefetch=1``), the optimizer's state and step off the device (`hr.HostOptimizer`), each
-    to host memory or ``disk``, and for a causal LM computing its loss from ``labels``, that
-    loss without its logits (`hr.patch_causal_lm`). The fastest combination whose estimated
-    peak (a dry run of the whole plan, see `hr.estimate`) fits the budget is returned. Training
-    with the plan gives bitwise the parameters of the plain step on the same device, with two
-    exceptions, each with its option: `hr.HostOptimizer` trains bf16/fp16 parameters from fp32
-    masters (``fp32_masters``), and `hr.patch_causal_lm` computes the loss in fp32 slices,
-    equal to rounding (``lm_loss``). On ``cpu`` only stores on disk are considered.
+    Considers `hr.convert`, checkpointing of the first k blocks, and moving activations
+    (`hr.offload_activations`), parameters (`hr.offload`) or the optimizer's state and step
+    (`hr.HostOptimizer`) to host memory or ``disk`` (on ``cpu``: only ``disk``), and a causal
+    LM's loss without its logits (`hr.patch_causal_lm`); returns the fastest combination whose
+    dry run (see `hr.estimate`) fits. Training with it is bitwise the plain step on the same
+    device, but for fp32 masters of bf16/fp16 parameters (``fp32_masters``) and the LM loss,
+    equal to rounding (``lm_loss``).
 
     Args:
         model: the model (parameters anywhere, ``meta`` included); not changed.
@@ -439,27 +434,23 @@ def plan(
         budget: bytes the step may use on ``device``: an int or a string such as ``"8GiB"``;
             on CUDA-like devices compared with the allocator model's reserved bytes.
         device: the device to plan for.
-        optimizer: the ``torch.optim.Optimizer`` class (its arguments in ``optimizer_kwargs``).
-            `Plan.apply` builds ``optimizer(params, **optimizer_kwargs)`` or `hr.HostOptimizer`
-            over the same; on ``cpu`` with the implementation the plain call picks, so that
-            training is bitwise that without headroom.
+        optimizer: the ``torch.optim.Optimizer`` class (its arguments in ``optimizer_kwargs``)
+            `Plan.apply` builds, or `hr.HostOptimizer` over it (on ``cpu`` with the kernel the
+            plain call picks, bitwise).
         loss_fn: as for `hr.estimate`.
         disk: a folder for stores on disk; without it only host memory is used.
         exact: only exact techniques (``False`` is not searched yet: it plans as ``True``).
         example_kwargs, optimizer_kwargs: as for `hr.estimate`.
         speeds: the time model's speeds (default: `headroom.fit._time.default_speeds`:
             measured once on ``cpu``, declared for accelerators).
-        slice_bytes: the host optimizer's slice size for state on disk; default: small enough
-            that the slices in flight are a small part of the state.
-        world_size, mesh: plan one rank of FSDP2 over this many ranks (or this 1-D
-            ``DeviceMesh``), as for `hr.estimate`: ``budget`` is each rank's, and parameter
-            offload keeps each rank's shards and their optimizer state in host memory (no
-            disk). `Plan.apply` then ``fully_shard``s each block and the root. Step times do
-            not price the collectives.
-        fp32_masters: for trainable bf16/fp16 parameters: ``True`` keeps only plans that train
-            them from fp32 masters (`hr.HostOptimizer`), ``False`` only plans that update them
-            in their own dtype, bitwise the plain step (the optimizer and parameters on the
-            device), ``None`` (default) the fastest of either. No effect on fp32/fp64.
+        slice_bytes: the host optimizer's slice size for state on disk (default: 1/8 of the
+            largest parameter moved, from 4 KiB to 16 MiB).
+        world_size, mesh: plan one rank of FSDP2, as for `hr.estimate`: ``budget`` is each
+            rank's; shards and their optimizer state may rest in host memory (not on disk).
+            `Plan.apply` ``fully_shard``s each block and the root. Collectives are not timed.
+        fp32_masters: for trainable bf16/fp16 parameters: ``True`` only plans training them
+            from fp32 masters (`hr.HostOptimizer`), ``False`` only plans bitwise the plain step
+            (the optimizer on the device), ``None`` (default) either.
         lm_loss: for a causal LM whose loss comes from ``labels`` (``loss_fn``, if any,
             reading ``output.loss``): ``True`` keeps only plans with `hr.patch_causal_lm`,
             ``False`` only plans without, ``None`` (default) with it only where no plan without
@@ -618,15 +609,10 @@ class Search:
         if self.fp32_masters and self.on_cpu:
             # the host optimizer in the device's own memory: masters, not savings
             state_places = ["device", "host", *places[1:]]
-        self.sizes = _sizes(model, self.opt_cls, self.opt_kw)
-        if world_size is not None:  # one rank's shards move
-            self.sizes = _Sizes(-(-self.sizes.params // world_size),
-                                -(-self.sizes.largest_param // world_size),
-                                self.sizes.state_keys, -(-self.sizes.trainable // world_size))
+        self.sizes = _sizes(model, self.opt_cls, self.opt_kw, world_size or 1)
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
-        # one dry run per setting that changes the ops (convert, checkpointing, activation
-        # offload, the LM-loss patch; host and disk move the same bytes)
+        # one dry run per setting that changes the ops (host and disk move the same bytes)
         self.runs: dict[tuple[bool, int, bool, bool], Estimate] = {
             (False, 0, False, False): self.plain}
         conv_options = [False] + ([True] if self.run(True, 0, False).peak < self.plain.peak
@@ -783,7 +769,8 @@ class _Sizes:
     trainable: int  # bytes of the trainable parameters (gradients, optimizer state)
 
 
-def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
+def _sizes(model: nn.Module, opt_cls, opt_kw, world: int) -> _Sizes:
+    """The sizes of one rank's shards (``world``: ranks FSDP2 shards over)."""
     from headroom.residency import is_packed, packed_nbytes
 
     params = {id(p): p for p in model.parameters()}
@@ -799,7 +786,8 @@ def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
                    if isinstance(v, torch.Tensor) and v.shape == probe.shape)
     except Exception:
         keys = 2
-    return _Sizes(sum(resting), max(nbytes, default=0), keys, sum(nbytes))
+    return _Sizes(-(-sum(resting) // world), -(-max(nbytes, default=0) // world), keys,
+                  -(-sum(nbytes) // world))
 
 
 def _lower(r: Estimate, c: Choice) -> int:

@@ -434,9 +434,9 @@ def plan(
         budget: bytes the step may use on ``device``: an int or a string such as ``"8GiB"``;
             on CUDA-like devices compared with the allocator model's reserved bytes.
         device: the device to plan for.
-        optimizer: the ``torch.optim.Optimizer`` class (its arguments in ``optimizer_kwargs``)
-            `Plan.apply` builds, or `hr.HostOptimizer` over it (on ``cpu`` with the kernel the
-            plain call picks, bitwise).
+        optimizer: the ``torch.optim.Optimizer`` class `Plan.apply` builds (its arguments in
+            ``optimizer_kwargs``), or `hr.HostOptimizer` over it; on ``cpu`` with the kernel the
+            plain call picks, so that training is bitwise.
         loss_fn: as for `hr.estimate`.
         disk: a folder for stores on disk; without it only host memory is used.
         exact: only exact techniques (``False`` is not searched yet: it plans as ``True``).

@@ -1,9 +1,6 @@
 """What fits: `hr.estimate` (the memory of a step, from a dry run), `hr.plan` (what to turn on
-for a budget), and the advice at the end of reports.
-
-The top layer: it imports every feature (each runs its own dry run, beside the feature) and no
-feature imports it. The memory tracker's reports get their advice through the provider this
-package registers when imported (`headroom._providers`).
+for a budget), and the advice ending reports (registered with `headroom._providers`: the top
+layer, which no feature imports).
 """
 
 from headroom._providers import register_advice as _register_advice

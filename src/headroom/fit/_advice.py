@@ -1,11 +1,5 @@
-"""What would cut the peak most: figures from dry runs of the step with each technique.
-
-Used at the end of `Estimate.report()` and of the tracker's report (and so of ``headroom
-profile``). Every figure is an estimate of the step with one technique turned on, against the
-same step without it, headroom's techniques and the classic knobs (mixed precision, gradient
-accumulation, an optimizer with less state) ranked together; each line also gives the step
-time of the time model and whether results stay bitwise, equal to rounding or change.
-Nothing is a rule of thumb.
+"""What would cut the peak most: figures from dry runs of the step with each technique, ending
+`Estimate.report()` and the tracker's report. Nothing is a rule of thumb.
 """
 
 from __future__ import annotations
@@ -18,6 +12,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from headroom.activations import DEFAULT_MIN_BYTES as _ACTIVATION_MIN_BYTES
+from headroom.fit._dryrun import block_names
 from headroom.fit._estimate import Estimate, estimate
 from headroom.memory import format_bytes
 
@@ -27,21 +22,12 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
            device: str, base: Estimate | None = None,
            measured: int | None = None, resting_activations: int = 0,
            autocast: torch.dtype | None = None) -> list[str]:
-    """Lines of advice for one step of ``model`` on ``device``, largest saving first.
+    """Lines of advice for one step of ``model`` on ``device``, largest saving first: each
+    technique's saving from a dry run with it, its relative step time (`headroom.fit._time`)
+    and whether results stay bitwise, equal to rounding, or change.
 
-    Every technique is a dry run of the step with it: headroom's own (activation offload,
-    checkpointing the blocks, `hr.convert`, `hr.patch_causal_lm`, `hr.HostOptimizer`,
-    `hr.offload`) and the classic ones (mixed precision under ``torch.autocast``, gradient
-    accumulation over smaller micro-batches, an optimizer with less state). Each line gives
-    the saving, the step time the time model gives the step with it against the step without
-    it (`headroom.fit._time`), and what happens to the results: bitwise the same, equal to
-    rounding, or different numerics.
-
-    ``resting_activations``: bytes of activations the measured run kept in stores at most
-    (activation offload was on there); the figures are then for the step without it, and
-    activation offload is reported as on rather than offered. ``autocast``: the dtype of the
-    autocast region the measured forward ran in; every dry run runs in it, and mixed
-    precision is reported as on rather than offered.
+    ``resting_activations`` (activations the measured run kept in stores) and ``autocast``
+    (the measured forward's region) report those techniques as on rather than offer them.
     """
     common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs, autocast=autocast)
     if base is None:
@@ -155,8 +141,6 @@ _HALF_TIME = ("step time not modeled (half-precision matmuls are faster on GPUs 
 
 @dataclass(eq=False)
 class _Option:
-    """One technique's line: what it saves and what it costs."""
-
     label: str
     saving: int
     exact: str
@@ -175,8 +159,7 @@ class _Option:
 
 
 class _Timing:
-    """The step time of a technique's dry run against the plain step's (`step_time` at the
-    device's speeds: measured on ``cpu``, declared for accelerators)."""
+    """A dry run's step time relative to the plain step's, at the device's default speeds."""
 
     def __init__(self, base: Estimate, cpu: bool) -> None:
         self.cpu = cpu
@@ -191,7 +174,7 @@ class _Timing:
     def seconds(self, est: Estimate, *, host_step: bool) -> float:
         from headroom.fit._time import dry_run_time
 
-        # on a CPU only a disk frees memory; an accelerator's activations go to host memory
+        # on a CPU only a disk frees memory
         return dry_run_time(est, self.speeds, activations="disk" if self.cpu else "host",
                             on_cpu=self.cpu, host_step=host_step)
 
@@ -203,8 +186,7 @@ class _Timing:
 
 def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate,
              saving: Any, *, autocast: torch.dtype | None) -> None:
-    """The classic knobs: mixed precision (autocast in bf16 and fp16, unless the step runs in
-    it already) and gradient accumulation over 2 and 4 micro-batches, each a dry run."""
+    """Mixed precision (bf16, fp16) unless on already, gradient accumulation over 2 and 4."""
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if torch.float32 in floats and autocast is None:
         dev = base.device.split(":")[0]
@@ -230,8 +212,7 @@ def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base:
 
 
 def _merge_half(options: list[_Option]) -> None:
-    """One line for autocast in bf16 and in fp16 when they save the same (both are 2-byte
-    types under the same op lists: they do, unless some op's kernel differs)."""
+    """One line for autocast in bf16 and in fp16 when they save the same."""
     half = [o for o in options if o.label.startswith("mixed precision")]
     if len(half) != 2 or half[0].saving != half[1].saving:
         return
@@ -244,16 +225,13 @@ def _merge_half(options: list[_Option]) -> None:
 
 
 def _smaller_optimizer(opt_cls: type) -> tuple[str, Any, dict[str, Any]] | None:
-    """An optimizer with less state than ``opt_cls`` (Adam's two moments per parameter):
-    ``torch.optim.Adafactor`` (factored second moments, no first), or ``None``."""
+    """``torch.optim.Adafactor`` (factored second moments) for Adam/AdamW, else ``None``."""
     adafactor = getattr(torch.optim, "Adafactor", None)
     if adafactor is None or not issubclass(opt_cls, (torch.optim.Adam, torch.optim.AdamW)):
         return None
 
     class Adafactor(adafactor):
-        """Adafactor whose step runs on ``meta`` tensors: it reads norms of the parameters and
-        the update (``.item()``) for its step size only, which shapes no allocation; on
-        ``meta`` they are taken as 1."""
+        """Adafactor on ``meta``: the norms it reads (``.item()``) set only its step size."""
 
         def step(self, closure: Any = None) -> Any:
             with _ScalarsOfMeta():
@@ -263,7 +241,7 @@ def _smaller_optimizer(opt_cls: type) -> tuple[str, Any, dict[str, Any]] | None:
 
 
 class _ScalarsOfMeta(TorchFunctionMode):
-    """``Tensor.item()`` of a ``meta`` tensor is 1.0 (see `_smaller_optimizer`)."""
+    """``Tensor.item()`` of a ``meta`` tensor is 1.0."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.item and args[0].device.type == "meta":
@@ -273,8 +251,7 @@ class _ScalarsOfMeta(TorchFunctionMode):
 
 def _largest_share(base: Estimate, blocks: list[str],
                    logits: tuple[int, str, tuple[int, ...]] | None) -> str:
-    """The category largest at the peak, in a sentence: its bytes and share, and for
-    activations, the blocks' part of them."""
+    """The category largest at the peak, in a sentence."""
     peak = base.peak
     cat, nbytes = max(base.peak_by_category.items(), key=lambda kv: kv[1])
     what = _CATEGORY_WORDS.get(cat, cat)
@@ -297,15 +274,13 @@ _CATEGORY_WORDS = {
 }
 
 
-# A classifier head is worth a line when its output has at least this many classes and it and
-# its gradient are at least this share of the peak.
+# a head worth a line: at least this many classes, logits and gradient this share of the peak
 _HEAD_MIN_CLASSES = 1024
 _HEAD_MIN_SHARE = 0.2
 
 
 def _other_parts(other: int, logits: tuple[int, str, tuple[int, ...]] | None) -> str:
-    """What "other" holds: the logits and their gradient when a wide head made them, the rest
-    inputs, outputs and temporaries of single ops (a softmax's result, a cast)."""
+    """What "other" holds: the logits of a wide head and their gradient, and single ops'."""
     rest = "inputs, outputs and temporaries of single ops (a softmax's result, a cast)"
     if logits is None:
         return rest
@@ -319,10 +294,8 @@ def _other_parts(other: int, logits: tuple[int, str, tuple[int, ...]] | None) ->
 
 def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int, *,
                  patch: bool = False) -> str | None:
-    """A line naming the largest output of a wide ``nn.Linear`` (a language model's logits, a
-    classifier over many classes) when it and its gradient are a large share of the peak:
-    `hr.patch_causal_lm` (when its line is above) or `hr.linear_cross_entropy` never
-    materializes them."""
+    """A line naming a wide ``nn.Linear``'s logits when they and their gradient are a large
+    share of the peak, and what never holds them."""
     if logits is None:
         return None
     nbytes, name, shape = logits
@@ -340,8 +313,7 @@ def _logits_line(logits: tuple[int, str, tuple[int, ...]] | None, peak: int, *,
 
 def _largest_logits(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None,
                     device: str) -> tuple[int, str, tuple[int, ...]] | None:
-    """Bytes, module name and shape of the largest output of an ``nn.Linear`` with at least
-    `_HEAD_MIN_CLASSES` outputs in a forward on ``meta``, or ``None``."""
+    """``(bytes, name, shape)`` of the largest output of a wide ``nn.Linear``, or ``None``."""
     from headroom.fit._dryrun import AttentionAsOnDevice, RealTensorsAsMeta, meta_copy, to_meta
 
     meta = meta_copy(model)
@@ -375,17 +347,8 @@ def _opt_cls(optimizer: Any) -> type[torch.optim.Optimizer] | None:
     return None
 
 
-def block_names(model: nn.Module) -> list[str]:
-    """The qualified names of the model's blocks (`headroom.residency.find_blocks`)."""
-    from headroom.residency import find_blocks
-
-    names = {id(m): n for n, m in model.named_modules()}
-    return [names[id(b)] for b in find_blocks(model) if id(b) in names]
-
-
 def _names(names: list[str]) -> str:
-    """``["layers.0", "layers.1"]`` -> ``"layers.0 to layers.1"`` when they are all the
-    children of one module numbered in a row, else the names (the first four)."""
+    """``"layers.0 to layers.5"`` for numbered children in a row, else the first four names."""
     parents = {n.rpartition(".")[0] for n in names}
     last = [n.rpartition(".")[2] for n in names]
     if len(parents) == 1 and len(names) > 2 and all(x.isdigit() for x in last) and \

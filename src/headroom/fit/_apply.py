@@ -1,10 +1,6 @@
-"""Activation offload for every forward of a model, as a plan applies it.
-
-`hr.offload_activations` is a context manager around a step's forward (and backward); a plan
-returns a model and an optimizer, not a training loop, so `Plan.apply` enters it in a forward
-pre-hook of the model and leaves it in a forward hook that runs even when the forward raises.
-Tensors saved inside are restored whenever their backward runs, so the backward needs no
-wrapping.
+"""Activation offload for every forward of a model, as a plan applies it: a plan returns a
+model, not a training loop, so forward hooks enter and leave `hr.offload_activations` (saved
+tensors come back whenever their backward runs, so backward needs no wrapping).
 """
 
 from __future__ import annotations
@@ -18,10 +14,7 @@ from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH
 
 
 class ActivationOffloadHandle:
-    """Returned by `offload_activations_in_forward`; ``remove()`` takes the hooks off.
-
-    Its hooks enter ``hr.offload_activations(...)`` before the model's forward, leave it after.
-    """
+    """Returned by `offload_activations_in_forward`; ``remove()`` takes its hooks off."""
 
     def __init__(self, model: nn.Module, kwargs: dict[str, Any]) -> None:
         self._kwargs = kwargs
@@ -50,12 +43,11 @@ def offload_activations_in_forward(model: nn.Module, *, store: Any = "cpu",
                                    min_bytes: int = DEFAULT_MIN_BYTES,
                                    prefetch: int = DEFAULT_PREFETCH) -> ActivationOffloadHandle:
     """Run every forward of ``model`` under ``hr.offload_activations(store, min_bytes=...,
-    prefetch=...)``: what a training loop would write as ``with hr.offload_activations(...):``
-    around its forward.
+    prefetch=...)``, as ``with hr.offload_activations(...):`` around it in a training loop.
 
-    The options are `hr.offload_activations`' (see there; a `hr.DiskStore` is used by every
-    forward in turn). A forward that raises leaves the context all the same (the hook runs
-    always); saved tensors of a forward whose backward never runs are dropped with the graph.
+    The options are `hr.offload_activations`' (a `hr.DiskStore` serves every forward in turn).
+    A forward that raises leaves the context all the same; saved tensors of a forward whose
+    backward never runs are dropped with the graph.
 
     Raises:
         ValueError: the options `hr.offload_activations` refuses (checked here, before any

@@ -1,24 +1,10 @@
 """Autocast in a dry run: the target device's ``torch.autocast`` applied to ``meta`` tensors.
 
-Autocast casts only tensors of its own device (a CUDA region casts CUDA tensors, a CPU region
-CPU tensors), so the ``meta`` tensors of a dry run pass through any region unchanged. The dry
-run therefore runs autocast's casts itself, above autograd as autocast does (a cast is an
-autograd node; the op saves the cast copies for backward), and asks PyTorch which casts they
-are: each function call of an autocast region is run once more, on ``FakeTensor`` stand-ins of
-the target device inside a real autocast region of that device, and the casts autocast makes
-there (of which argument, to which dtype) and the result's dtype are what the dry run does.
-Nothing of autocast's op lists is re-typed here; only its cache of cast parameters (a leaf
-that requires a gradient, cast to the lower precision, is cast once per region and kept until
-the outermost region exits) is modeled from its documented rule.
-
-A region for ``"meta"`` (``torch.autocast(x.device.type, ...)`` in model code,
-`torch.utils.checkpoint`'s recomputation), or for an accelerator target's own device type, is
-the target's autocast for the dry run: it turns the casting on or off, and
-``torch.is_autocast_enabled`` / ``get_autocast_dtype`` of those types answer for it. A Python
-function (``F.layer_norm``, ``F.multi_head_attention_forward``) is not one call: the calls it
-makes are cast one by one, as autocast casts the ops they reach. Casts made inside an op that
-PyTorch composes of others in C++ on an intermediate result (not an argument) are not
-repeated, but the result gets autocast's dtype.
+Autocast casts only tensors of its own device, so ``meta`` ones pass any region unchanged: the
+dry run makes the casts itself, above autograd, asking PyTorch which they are by running each
+call once more on ``FakeTensor``s of the target inside a real region (docs/estimate.md). Only
+autocast's cache of cast parameters is modeled, from its documented rule. Regions for
+``"meta"`` or an accelerator target's own type are the target's autocast.
 """
 
 from __future__ import annotations
@@ -39,8 +25,7 @@ _IS_ENABLED = torch.is_autocast_enabled
 _GET_DTYPE = torch.get_autocast_dtype
 _IS_AVAILABLE = torch.amp.is_autocast_available
 
-# Calls a Python function under a mode with the mode still on for what it calls (torch >= 2.13;
-# before, such a function's arguments are cast as one op's).
+# runs a Python function with the mode still on for its calls (torch >= 2.13)
 _REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
 
 _LOWER = (torch.float16, torch.bfloat16)
@@ -68,14 +53,10 @@ def current() -> MetaAutocast | None:
 
 
 class MetaAutocast:
-    """The target device's autocast for the ``meta`` tensors of one dry run.
+    """The target's autocast (``device_type``) for the ``meta`` tensors of one dry run.
 
-    Entered around the dry run (`headroom.fit._dryrun.AttentionAsOnDevice` enters it): while
-    it is, ``torch.autocast("meta", ...)`` (and ``torch.amp.autocast``) opens a region of the
-    target's autocast; `region` opens one from the estimator.
-
-    Args:
-        device_type: the target's device type (``"cpu"``, ``"cuda"``, ...).
+    While entered (by `headroom.fit._dryrun.AttentionAsOnDevice`), ``torch.autocast("meta")``
+    opens a region of it; `region` opens one from the estimator.
     """
 
     def __init__(self, device_type: str) -> None:
@@ -139,8 +120,8 @@ class MetaAutocast:
                 mode.__exit__(None, None, None)
 
     def cast_args(self, func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
-        """``args`` and ``kwargs`` as autocast passes them to ``func`` (casts made), and the
-        dtypes of the result autocast gives (``None``: as they come)."""
+        """``args`` and ``kwargs`` cast as autocast casts them for ``func``, and the result's
+        dtypes (``None``: as they come)."""
         if not self.enabled:
             return args, kwargs, None
         flat, spec = tree_flatten((args, kwargs))
@@ -176,8 +157,7 @@ class MetaAutocast:
         return out
 
     def _plan(self, func: Any, flat: list, spec: Any, tensors: list[int]) -> Any:
-        """``(casts, result dtypes)`` of ``func`` under the target's autocast, from a run on
-        fake tensors of the target device (remembered by the arguments' metadata)."""
+        """``(casts, result dtypes)`` of ``func`` (`_ask_autocast`), remembered by metadata."""
         try:
             key = (func, self._regions[-1][1], spec, tuple(
                 (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in flat))
@@ -207,8 +187,7 @@ class _CastMode(TorchFunctionMode):
         if not self.amp.enabled or name in _PASS or name.endswith(("__get__", "__set__")):
             return func(*args, **kwargs)
         if _REDISPATCH is not None and isinstance(func, FunctionType):
-            # a Python function (F.layer_norm, F.multi_head_attention_forward): autocast
-            # acts on the ops it calls, so they are seen one by one
+            # a Python function (F.layer_norm): autocast acts on the ops it calls, one by one
             with self:
                 return _REDISPATCH(func, types, args, kwargs)
         args, kwargs, out_dtypes = self.amp.cast_args(func, args, kwargs)
@@ -226,9 +205,8 @@ class _CastMode(TorchFunctionMode):
 
 def _ask_autocast(func: Any, flat: list, spec: Any, tensors: list[int], device_type: str,
                   dtype: torch.dtype) -> tuple[list[tuple[int, torch.dtype]], list] | None:
-    """Run ``func`` on fake tensors of ``device_type`` under its autocast (``dtype``); the
-    casts autocast made of the arguments and the result's dtypes, or ``None`` when the call
-    cannot run on fake tensors (an op that needs values: autocast casts none of those)."""
+    """The casts autocast (``dtype``) makes of ``func``'s arguments on fake tensors of
+    ``device_type``, and the result's dtypes; ``None`` where fake tensors cannot run it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -278,8 +256,7 @@ def _ask_autocast(func: Any, flat: list, spec: Any, tensors: list[int], device_t
 
 
 class _Region(_AUTOCAST):
-    """``torch.autocast`` while a dry run runs: a region for ``"meta"`` is the target's
-    autocast for the dry run's tensors (see `MetaAutocast`); other devices are torch's own."""
+    """``torch.autocast`` in a dry run: the target's for emulated types, else torch's own."""
 
     def __init__(self, device_type: str, dtype: torch.dtype | None = None,
                  enabled: bool = True, cache_enabled: bool | None = None) -> None:
@@ -311,10 +288,8 @@ class _Region(_AUTOCAST):
 
 def _emulated(device_type: Any) -> bool:
     """Whether autocast of ``device_type`` is the dry run's: ``"meta"``, and an accelerator
-    target's own type (code naming ``"cuda"`` speaks of the device the dry run stands for,
-    whose tensors are all ``meta`` in it). A CPU target's regions for ``"cpu"`` stay torch's:
-    the dry run computes known values on the CPU, and checkpointing restores the CPU's state
-    beside the device's."""
+    target's own type. NOTE: a CPU target's ``"cpu"`` regions stay torch's: known values are
+    computed on the CPU, and checkpointing restores the CPU's state beside the device's."""
     if device_type == "meta":
         return True
     amp = current()
@@ -348,12 +323,8 @@ _PATCHES = ((torch, "autocast", _Region, _AUTOCAST),
 
 
 def check_autocast(dtype: Any, device: str) -> torch.dtype | None:
-    """The ``autocast=`` what-if of `hr.estimate`: ``None``, ``torch.float16`` or
-    ``torch.bfloat16``, for a device type with an autocast.
-
-    Raises:
-        ValueError: another value, or a device type without autocast.
-    """
+    """``autocast=`` of `hr.estimate` checked: ``None``, ``torch.float16`` or ``torch.bfloat16``
+    for a device type with an autocast; else a ValueError."""
     if dtype is None:
         return None
     if dtype not in _LOWER:
@@ -364,6 +335,3 @@ def check_autocast(dtype: Any, device: str) -> torch.dtype | None:
     if not _IS_AVAILABLE(device_type):
         raise ValueError(f"autocast= : torch.autocast has no {device_type!r} device type")
     return dtype
-
-
-__all__ = ["MetaAutocast", "check_autocast", "current"]

@@ -43,15 +43,13 @@ def add_parsers(sub: Any) -> None:
                        help="one rank of FSDP2 over this many ranks (fully_shard of each block"
                             " and the root); the budget is each rank's")
         p.add_argument("--fp32-masters", action=argparse.BooleanOptionalAction, default=None,
-                       help="with --dtype bfloat16/float16: only plans that train from fp32"
-                            " masters (hr.HostOptimizer), or with --no-fp32-masters only plans"
-                            " that update in that dtype, bitwise the plain step (default:"
-                            " either)")
+                       help="with --dtype bfloat16/float16: only plans training from fp32"
+                            " masters (hr.HostOptimizer), or only plans bitwise the plain step"
+                            " (default: either)")
         p.add_argument("--lm-loss", action=argparse.BooleanOptionalAction, default=None,
-                       help="a causal LM's loss without its logits (hr.patch_causal_lm, equal"
-                            " to its own loss to rounding): only plans with it, or with"
-                            " --no-lm-loss only plans without (default: with it only where"
-                            " nothing without it fits)")
+                       help="only plans with a causal LM's loss without logits"
+                            " (hr.patch_causal_lm, equal to rounding), or only without"
+                            " (default: with it only where nothing without it fits)")
         p.add_argument("--json", dest="json_out", help="also write the estimate as JSON here")
         if name == "estimate":
             p.add_argument("--no-advice", action="store_true",
@@ -80,8 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     opt_name = _OPTIMIZERS[args.optimizer]
     optimizer = getattr(torch.optim, opt_name) if opt_name else None
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    # NOTE: real (if all-zero) token ids: the dry run reads the values of integer inputs, as
-    # the loss does (which labels are ignored)
+    # NOTE: real (all-zero) ids: the dry run reads integer inputs' values, as the loss does
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     kwargs = {"input_ids": ids, "labels": ids} if vocab else {"input_ids": ids}
     try:
@@ -161,8 +158,7 @@ def _model(args: argparse.Namespace):
             raise ValueError(f"the cached config of {args.model!r} is not valid:"
                              f" {_one_line(e)}") from None
         how = args.model
-    # learned position tables (GPT-2, BERT) index out of range beyond this length, and RoPE
-    # models are configured for it: an estimate beyond it describes no model that runs
+    # beyond it learned position tables index out of range: no model that runs
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and not isinstance(limit, bool) and args.seq > limit:
         raise ValueError(
@@ -184,8 +180,7 @@ def _model(args: argparse.Namespace):
     return model, config, how
 
 
-def _one_line(e: BaseException) -> str:
-    """An exception's message on one line (hub validation errors span several)."""
+def _one_line(e: BaseException) -> str:  # hub validation errors span several lines
     return " ".join(str(e).split()) or type(e).__name__
 
 

@@ -1,16 +1,7 @@
 """A training step run on ``meta`` tensors: what the estimator executes instead of the real step.
 
-The step runs the model's own code, so every op PyTorch would run is seen with its real shapes
-and dtypes, but no tensor holds data. Four things make a meta run behave like the target device:
-
-- the model is copied onto ``meta`` without copying any data (the copy shares nothing with the
-  original, so the dry run can never change the user's model);
-- ``scaled_dot_product_attention`` on ``meta`` would take PyTorch's math path (which keeps the
-  whole attention matrix); it is redirected to the fused kernel the target device would choose;
-- autocast regions for ``"meta"`` (and the estimator's ``autocast=`` what-if) cast as the target
-  device's autocast does (`headroom.fit._autocast`);
-- the optimizer runs one step untracked first, so the tracked step is in steady state (its state
-  already exists), like every step of a training run but the first.
+The model's own code runs on a ``meta`` copy sharing nothing with it, with attention on the
+fused kernel and autocast the target device would use (`headroom.fit._autocast`).
 """
 
 from __future__ import annotations
@@ -40,14 +31,10 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are ``meta`` tensors of the same shapes.
+    """A copy of ``model`` with ``meta`` parameters and buffers, ties kept, no data copied.
 
-    Ties survive (a parameter shared by two modules is one parameter in the copy); no data is
-    copied, so a model of any size is copied in milliseconds. ``memo`` maps ``id()`` of further
-    objects to what stands for them in the copy (``copy.deepcopy``'s memo).
-
-    Raises:
-        TypeError: for a model that cannot be deep-copied.
+    ``memo`` is ``copy.deepcopy``'s for further objects; a TypeError for a model that cannot be
+    deep-copied.
     """
     memo = dict(memo or {})
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -80,23 +67,16 @@ def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Mod
 
 class AttentionAsOnDevice:
     """Runs ``scaled_dot_product_attention`` on ``meta`` through the fused kernel
-    ``device_type`` would use.
+    ``device_type`` would use (on ``meta`` PyTorch's math path keeps the attention matrix).
 
-    On ``cpu`` PyTorch picks its flash kernel for CPU; on CUDA-like devices the memory-efficient
-    kernel (it takes masks and fp32; the flash kernel keeps the same-sized log-sum-exp). Both
-    keep only the output and one float per query row for backward, not the attention matrix.
-    Grouped-query attention (``enable_gqa`` with fewer key heads) runs the flash kernel in half
-    precision without a mask (the key and value heads kept as given); otherwise it has no
-    fused kernel on CUDA: the math path, as PyTorch runs it.
-    With dropout, CUDA-like devices still run a fused kernel (it keeps the random generator's
-    seed and offset, not a mask), while PyTorch's CPU kernel refuses dropout, so on ``cpu`` the
-    math path is kept, as it is for nested tensors.
+    ``cpu``: the kernel PyTorch's CPU attention picks. CUDA-like: the memory-efficient kernel
+    (masks, fp32, dropout); grouped-query attention takes flash in half precision without a
+    mask, else the math path, as PyTorch runs it.
 
-    The function is replaced in ``torch.nn.functional`` for the duration of the dry run (a
-    ``TorchFunctionMode`` would not see calls made from inside other functional ops, such as
-    ``multi_head_attention_forward``); calls on tensors that are not ``meta`` go to PyTorch's.
-    Entering it also enters the target's autocast for ``meta`` tensors (`MetaAutocast`), which
-    casts the attention's arguments as autocast would before the kernel is chosen.
+    NOTE: the function is replaced in ``torch.nn.functional`` while entered: a
+    ``TorchFunctionMode`` would not see calls from other functional ops
+    (``multi_head_attention_forward``). Entering also enters the target's autocast for
+    ``meta`` tensors (`MetaAutocast`), which casts the arguments before the kernel is chosen.
     """
 
     def __init__(self, device_type: str) -> None:
@@ -104,8 +84,6 @@ class AttentionAsOnDevice:
 
     def __enter__(self) -> AttentionAsOnDevice:
         F.scaled_dot_product_attention = self._call
-        # autocast of the target device for meta tensors (regions for "meta", as layers open
-        # them for their input's device, are the target's)
         self._amp = MetaAutocast(self.device_type)
         self._amp.__enter__()
         self._packed = _unpacked_on_meta()
@@ -125,7 +103,6 @@ class AttentionAsOnDevice:
         return self._amp.region(dtype=dtype)
 
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # autocast casts the arguments of scaled_dot_product_attention before any kernel
         args, kwargs, _ = self._amp.cast_args(_SDPA, args, kwargs)
         out = self._fused(*args, **kwargs)
         return _SDPA(*args, **kwargs) if out is None else out
@@ -137,13 +114,10 @@ class AttentionAsOnDevice:
         if self.device_type == "cpu":
             if _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) != 1:
                 return None  # PyTorch's math path, as on the CPU
-            mask = attn_mask
-            if mask is not None and mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            mask = _float_mask(attn_mask, q)
             if q.dim() == 3:
-                # Inputs without a head dimension (which torch 2.14's CPU attention runs fused,
-                # and 2.13's through the math path: the choice above is torch's own): the
-                # kernel takes them as one batch of heads, and keeps them so for backward.
+                # no head dimension (torch's choice above runs these fused from 2.14): the
+                # kernel takes them as one batch of heads, and keeps them so for backward
                 if mask is not None and mask.dim() > 3:
                     return None
                 one = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
@@ -155,32 +129,32 @@ class AttentionAsOnDevice:
         if q.dim() != 4:
             return None
         if enable_gqa and k.size(-3) != q.size(-3):
-            # Grouped-query attention: of CUDA's fused kernels only flash (and cuDNN) take it,
-            # in half precision, without a mask, heads up to 256 wide; otherwise PyTorch runs
-            # the math path, which keeps the attention matrix for backward.
+            # grouped-query attention: only flash (and cuDNN) take it, in half precision,
+            # without a mask, heads up to 256 wide; it keeps the key and value heads as given
             if (q.dtype not in (torch.float16, torch.bfloat16) or attn_mask is not None
                     or q.size(-1) > 256):
                 return None
-            # flash keeps the key and value heads as given (not repeated), and the log-sum-exp
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, dropout_p, is_causal, False, scale=scale)[0]
-        bias = attn_mask
+        bias = _float_mask(attn_mask, q)
         if bias is not None:
-            if bias.dtype == torch.bool:
-                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
             bias = bias.expand(q.size(0), q.size(1), q.size(2), k.size(2))
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
 
 
-def _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
-    """The kernel PyTorch's CPU attention picks for these inputs (``SDPBackend``'s number:
-    0 the math path, 1 flash), asked of PyTorch itself.
+def _float_mask(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    # a boolean mask as the additive one of q's dtype the kernels take (the same bytes shape)
+    if mask is not None and mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+    return mask
 
-    NOTE: the choice reads shapes, dtypes, strides of the last dimension, dropout and which
-    inputs require gradients (a mask that requires one, as T5's learned position bias, takes
-    the math path: the CPU flash kernel has no gradient for it), never values; so it is asked
-    with CPU stand-ins of one row each, broadcast to the inputs' shapes.
+
+def _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The kernel PyTorch's CPU attention picks (``SDPBackend``: 0 math, 1 flash).
+
+    NOTE: the choice reads no values (shapes, dtypes, last strides, dropout, which inputs
+    require gradients), so it is asked with CPU stand-ins of one row each, broadcast.
     """
 
     def stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -196,17 +170,10 @@ def _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> 
 
 
 def _unpacked_on_meta() -> tuple[Any, Callable] | None:
-    """Make transformers' search for packed sequences answer "one sequence per row" for
-    ``meta`` position ids of unknown values; returns what to put back.
-
-    NOTE: without a KV cache (``use_cache=False``, which gradient checkpointing forces)
-    transformers' attention masks look for several sequences packed in one row by reading the
-    position ids' values. Given ones and generated ones (``arange``) have known values (see
-    [Note: known values in a dry run]) and are searched as on a real device; others (from
-    inputs given as ``meta`` tensors) are taken as one sequence per row.
+    """Make transformers' search for packed sequences (it reads position ids' values) answer
+    "one sequence per row" for ``meta`` ids of unknown values (see [Note: known values in a
+    dry run]); returns what to put back.
     """
-    import sys
-
     module = sys.modules.get("transformers.masking_utils")
     original = getattr(module, "find_packed_sequence_indices", None)
     if original is None:
@@ -223,60 +190,37 @@ def _unpacked_on_meta() -> tuple[Any, Callable] | None:
     return module, original
 
 
-class FusedOnMeta:
-    """Lets ``torch.optim``'s ``fused=True`` optimizers step ``meta`` parameters.
+class KernelsOnMeta:
+    """Adds ``meta`` to the devices ``torch.optim``'s ``kind`` kernels take, while entered.
 
-    Their constructors refuse devices outside a fixed list; PyTorch's fused Adam and AdamW
-    kernels have ``meta`` implementations (in-place, nothing allocated), and `RealTensorsAsMeta`
-    skips the others. The list is extended for the duration of the dry run.
+    ``"fused"``: ``fused=True`` optimizers step ``meta`` parameters (fused Adam and AdamW have
+    ``meta`` kernels; `RealTensorsAsMeta` skips the others). ``"foreach"``, ``enabled`` for an
+    accelerator: the default ``foreach`` path, with its list-sized temporaries, as there.
     """
 
-    def __enter__(self) -> FusedOnMeta:
+    def __init__(self, kind: str, enabled: bool = True) -> None:
+        self.getter, self.enabled = f"_get_{kind}_kernels_supported_devices", enabled
+
+    def __enter__(self) -> KernelsOnMeta:
         import torch.optim.optimizer as _optimizer
 
         self._module = _optimizer
-        self._orig = _optimizer._get_fused_kernels_supported_devices
-        orig = self._orig
-        _optimizer._get_fused_kernels_supported_devices = lambda: [*orig(), "meta"]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._module._get_fused_kernels_supported_devices = self._orig
-
-
-class ForeachOnMeta:
-    """``torch.optim``'s default choice for a step on an accelerator: ``foreach`` (one list op
-    for every tensor of a group, with list-sized temporaries: AdamW's ``sqrt`` of its second
-    moments is a copy of the whole state's size). Its test of the parameters' device sees
-    ``meta``; it is told ``meta`` stands for the target (``enabled``) for the dry run."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-
-    def __enter__(self) -> ForeachOnMeta:
-        import torch.optim.optimizer as _optimizer
-
-        self._module = _optimizer
-        self._orig = _optimizer._get_foreach_kernels_supported_devices
+        self._orig = orig = getattr(_optimizer, self.getter)
         if self.enabled:
-            orig = self._orig
-            _optimizer._get_foreach_kernels_supported_devices = lambda: [*orig(), "meta"]
+            setattr(_optimizer, self.getter, lambda: [*orig(), "meta"])
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._module._get_foreach_kernels_supported_devices = self._orig
+        setattr(self._module, self.getter, self._orig)
 
 
 class RealTensorsAsMeta(TorchDispatchMode):
-    """Ops that mix ``meta`` tensors with real ones (a target tensor a loss function closes
-    over, a mask built outside the model, an optimizer's state slice in a host buffer) get
-    ``meta`` stand-ins for the real ones.
+    """Gives ops that mix ``meta`` tensors with real ones (a target a loss function closes
+    over, a host buffer) ``meta`` stand-ins for the real ones.
 
-    Entered below the tracker's mode, so the tracker still sees the real tensor (as a measured
-    run would: it is used inside the step) before it is swapped. Fused optimizer kernels that
-    have no ``meta`` implementation update their arguments in place and allocate nothing: on
-    ``meta`` tensors they are skipped. Ops whose inputs have known values also run on those
-    values (see [Note: known values in a dry run]).
+    Entered below the tracker's mode, so the tracker still sees the real tensor used in the
+    step. Fused optimizer kernels without a ``meta`` implementation allocate nothing: skipped.
+    Ops on known values also run on them (see [Note: known values in a dry run]).
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -316,20 +260,16 @@ class RealTensorsAsMeta(TorchDispatchMode):
 # [Note: known values in a dry run]
 # The integer inputs of a step (ids, attention masks, labels) keep their values beside their
 # meta stand-ins (`headroom.store.to_meta`), and every op whose tensor inputs all have known
-# values (or are real) also runs on those values, on the CPU, below the tracker: the ``meta``
-# result is still what the memory is counted from, the CPU one is its values. So do small
-# results that read no values (``arange``, ``ones_like``: a backward's seed). Models read such
-# values to choose their path (transformers skips an all-ones padding mask, builds a 4-D mask
-# otherwise); a dry run then takes the path the real step takes, and an op that needs values
-# (``.item()``, ``nonzero``) gets them. Values are never guessed: an op writing unknown values
-# into a storage drops the values of every tensor on it.
+# values (or are real), or that reads no values (``arange``, ``ones_like``), also runs on the
+# CPU below the tracker: memory is counted from the ``meta`` result, values come from the CPU
+# one. Models read such values to choose their path (transformers skips an all-ones padding
+# mask), so a dry run takes the real step's path, and ``.item()`` or ``nonzero`` get values.
+# Values are never guessed: an op writing unknown values into a storage drops its values.
 
-# Values of results that read no values (factories, ``*_like``) are kept up to this size (the
-# others up to `headroom.store.known_values`' ``max_bytes``): small ones (positions, a seed)
-# are read; zeros the size of a parameter are only written over.
+# Values of results that read no values are kept up to this size (the others up to
+# `known_values`' ``max_bytes``): positions and a seed are read, parameter-sized zeros are not.
 _MAX_FRESH_BYTES = 1 << 20
 
-# Ops whose results read only the shape and dtype of their tensor argument.
 _VALUE_FREE = {getattr(torch.ops.aten, name) for name in (
     "ones_like", "zeros_like", "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
     "new_empty", "new_empty_strided") if hasattr(torch.ops.aten, name)}
@@ -337,9 +277,8 @@ _VALUE_FREE = {getattr(torch.ops.aten, name) for name in (
 
 def _real_inputs(func, args: tuple, kwargs: dict, flat: list[torch.Tensor]
                  ) -> tuple[tuple, dict, int] | None:
-    """``args`` and ``kwargs`` with every ``meta`` tensor replaced by its known values and a
-    ``meta`` device by the CPU, and the largest result whose values are kept; or ``None``
-    when some ``meta`` input has no known values (or the op draws random numbers)."""
+    """``args`` and ``kwargs`` on known values and the CPU, and the largest result whose values
+    are kept; or ``None`` where a ``meta`` input has no known values (or for random ops)."""
     if torch.Tag.nondeterministic_seeded in func.tags:
         return None
     free = func.overloadpacket in _VALUE_FREE
@@ -379,8 +318,7 @@ def _has_meta_output(out: Any) -> bool:
 
 
 def _keep_values(func, out: Any, values: tuple[tuple, dict, int]) -> bool:
-    """Run ``func`` on the known values of its inputs and keep the results as the values of
-    its ``meta`` results (up to the size ``values`` gives); whether it did."""
+    """Whether ``func`` ran on known values, its results kept as those of ``out``."""
     metas = tree_flatten(out)[0]
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta"
            and t.untyped_storage().nbytes() > values[2] for t in metas):
@@ -401,9 +339,8 @@ def _keep_values(func, out: Any, values: tuple[tuple, dict, int]) -> bool:
 
 
 def _from_values(kwargs: dict, real: Any) -> Any:
-    """The result of an op whose ``meta`` kernel needs values, from its result on the known
-    values: ``meta`` tensors of the same layout (their values kept), or the result itself
-    where the op asked for a real device (``.cpu()``) or returns no tensor (``.item()``)."""
+    """``real`` (an op's result on known values) as ``meta`` tensors with those values, or as it
+    is where the op asked for a real device (``.cpu()``) or returns no tensor (``.item()``)."""
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != "meta":
         return real
@@ -419,8 +356,7 @@ def _from_values(kwargs: dict, real: Any) -> Any:
 
 
 def _forget_written(func, args: tuple, kwargs: dict) -> None:
-    """Drop the known values of the ``meta`` storages ``func`` writes (its new values there
-    are not known)."""
+    """Drop the known values of the ``meta`` storages ``func`` writes."""
     written = _WRITTEN.get(func)
     if written is None:
         written = _WRITTEN[func] = tuple(
@@ -444,14 +380,10 @@ _FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
 class _MetaResults:
     """What ops on ``meta`` tensors return, remembered by the metadata of their arguments.
 
-    Many of PyTorch's ``meta`` kernels are Python (``torch._refs``): an optimizer's step on one
-    slice of a parameter takes milliseconds of them, and the dry runs of a plan repeat the same
-    ops on the same shapes thousands of times. On ``meta`` an op's result depends on nothing
-    but the metadata of its arguments (there are no values), so an op seen before with the same
-    metadata gets its result without the kernel: a new tensor of the remembered shape, strides
-    and dtype (the same storage bytes), or for an in-place op its ``self``. Only such ops are
-    remembered: one tensor returned, not a view, nothing written but an in-place ``self``.
-    An op that fails is never remembered (its error repeats on the next call).
+    NOTE: many ``meta`` kernels are Python (``torch._refs``) and a plan's dry runs repeat the
+    same ops thousands of times; on ``meta`` a result depends only on its arguments' metadata.
+    Remembered: ops returning one new tensor (not a view) or their in-place ``self``, never an
+    op that failed.
     """
 
     _kinds: dict[Any, str | None] = {}  # op -> "new", "self" or None (always the kernel)
@@ -513,8 +445,7 @@ def _result_kind(func) -> str | None:
 
 
 def _key(items: Any, storages: dict[int, int]) -> tuple:
-    """The metadata of ``items`` that a ``meta`` kernel can see; ``storages`` numbers the
-    storages in order of appearance, so that arguments sharing one share the number."""
+    """The metadata of ``items`` a ``meta`` kernel sees; ``storages`` numbers storages."""
     out = []
     for a in items:
         if isinstance(a, torch.Tensor):
@@ -547,15 +478,22 @@ def _meta_stand_in(t: Any) -> Any:
     return t
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """The qualified names of the model's blocks (`headroom.residency.find_blocks`)."""
+    from headroom.residency import find_blocks
+
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names[id(b)] for b in find_blocks(model) if id(b) in names]
+
+
 def checkpoint_modules(model: nn.Module, names: Iterable[str]) -> None:
     """Wrap the forward of each named submodule in non-reentrant activation checkpointing, as
     `hr.plan` applies it.
 
-    A checkpointed submodule called in training with a key/value cache (transformers'
-    ``cache``, ``past_key_values``, ``past_key_value`` or ``layer_past``, and ``use_cache``)
-    runs without it, as under transformers' own gradient checkpointing: backward's
-    recomputation would append its keys and values to the cache again and attend over both
-    (layers that declare ``_can_checkpoint_with_cache``, which only read it, keep it).
+    In training, a checkpointed submodule runs without a key/value cache (``cache``,
+    ``past_key_values``, ``past_key_value``, ``layer_past``, ``use_cache``), as under
+    transformers' gradient checkpointing: recomputation would append to it again (layers with
+    ``_can_checkpoint_with_cache`` keep it).
 
     Raises:
         AttributeError: ``model`` has no submodule of one of the names.
@@ -585,8 +523,7 @@ def _checkpointed(module: nn.Module, forward: Callable, *args: Any, **kwargs: An
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """What a step differentiates when no ``loss_fn`` is given: ``output.loss`` if the model
-    returns one (Hugging Face models given labels), else the sum of the first tensor output."""
+    """The loss without ``loss_fn``: ``output.loss``, else the sum of the first tensor output."""
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -640,14 +577,9 @@ _NO_WORK = {"detach", "view", "_unsafe_view", "alias", "as_strided", "expand", "
 
 
 class OpCounter(TorchDispatchMode):
-    """The work of every op of a dry run: FLOPs (PyTorch's own formulas,
-    ``torch.utils.flop_counter``), bytes read and written, and whether it ran inside
-    ``optimizer.step()``; what the planner's time model prices (`headroom.fit._time`).
-
-    Attributes:
-        ops: ``(flops, bytes, kind, in_step)`` per op; ``kind`` is ``"mm"`` (matmuls,
-            attention), ``"conv"`` or ``""`` (element-wise and the rest).
-    """
+    """What the time model (`headroom.fit._time`) prices: ``ops``, ``(flops, bytes, kind,
+    in_step)`` per op, FLOPs from ``torch.utils.flop_counter``, ``kind`` ``"mm"``, ``"conv"``
+    or ``""``, ``in_step`` inside ``optimizer.step()``."""
 
     def __init__(self, in_step: Callable[[], bool]) -> None:
         super().__init__()

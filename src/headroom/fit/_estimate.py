@@ -1,12 +1,8 @@
 """`estimate`: the memory of one training step, from a dry run on ``meta`` tensors.
 
-The step (forward, loss, backward, optimizer step) runs under the same tracker as
-`track_memory`, with one difference: ``meta`` storages count as storages of the target device.
-Every category, the per-module activation bytes and the timeline therefore mean exactly what they
-mean in a measured run, and the report, JSON and plot are the tracker's own. For CUDA-like
-targets the sequence of allocations and frees is also replayed through a model of the caching
-allocator (`headroom.memory.CachingAllocatorModel`), which gives the rounded ``allocated`` and the
-``reserved`` bytes a real run would show.
+The step runs under `track_memory`'s tracker with ``meta`` storages counted as the target's, so
+every figure means what it means in a measured run; CUDA-like targets also get the caching
+allocator model's ``allocated`` and ``reserved`` bytes.
 """
 
 from __future__ import annotations
@@ -31,18 +27,12 @@ from headroom.memory import (
     StorageInfo,
     format_bytes,
 )
-
-# the tracker's reports, which an estimate's are (`headroom.memory`'s own module)
 from headroom.memory._report import _atomic_write, format_estimate, plot, to_dict
 
 
 class _DryRunTracker(MemoryTracker):
-    """The tracker, counting ``meta`` storages as ``device``'s and replaying them through an
-    allocator model when ``device`` has a caching allocator.
-
-    ``places`` (the dry run of headroom's features, `headroom.store.Places`) names
-    ``meta`` storages that stand for host memory (counted as ``"cpu"``) or for nothing.
-    """
+    """The tracker, counting ``meta`` storages as ``device``'s (or, by ``places``, as host
+    memory or nothing) and replaying them through ``allocator``."""
 
     def __init__(self, device: str, allocator: CachingAllocatorModel | None,
                  places: Any = None, **kwargs: Any):
@@ -100,14 +90,11 @@ class Estimate:
         max_by_category: each category's own maximum over the step.
         by_module: activation bytes saved for backward per module when activations peaked,
             largest first.
-        allocator: for CUDA-like devices, the caching allocator model's ``peak_allocated``
-            (blocks rounded to 512 bytes), ``peak_reserved`` (segments mapped) and ``segments``;
-            empty for ``cpu``.
+        allocator: on CUDA-like devices, the allocator model's ``peak_allocated``,
+            ``peak_reserved`` and ``segments``; empty for ``cpu``.
         options: the what-if options the step ran with.
-        ops: the work of every op of the step, ``(flops, bytes, kind, in_optimizer_step)``
-            (what `hr.plan`'s time model prices).
-        activation_bytes_moved: with ``offload_activations``, the bytes sent to the store
-            (each comes back once for backward).
+        ops: ``(flops, bytes, kind, in_optimizer_step)`` per op (`hr.plan`'s time model).
+        activation_bytes_moved: with ``offload_activations``, the bytes sent to the store.
         transfers: with ``hr.offload`` or ``hr.HostOptimizer``, the bytes the step moves:
             ``disk_read``, ``disk_write``, and ``link`` (host <-> accelerator).
     """
@@ -137,16 +124,14 @@ class Estimate:
 
     @property
     def advice(self) -> list[str]:
-        """What would cut the peak most, each technique's saving from a dry run with it (lines
-        of text; computed on first use, a few more dry runs)."""
+        """What would cut the peak most, from a dry run with each technique (lines of text;
+        computed on first use)."""
         if self._advice is None:
             self._advice = self._advise()
         return self._advice
 
     def _advise(self) -> list[str]:
-        # Advice for the plain step the estimate ran (none for a what-if). It runs estimates
-        # of its own (headroom.fit._advice imports this module), so it is reached through the
-        # provider headroom.fit registers rather than imported here.
+        # for the plain step only; through the provider: headroom.fit._advice imports this
         ctx = self._context
         model = ctx["model"]() if ctx else None
         if model is None:
@@ -162,7 +147,7 @@ class Estimate:
 
     @property
     def timeline(self):
-        """The tracker's timeline of the dry run (times are those of the dry run itself)."""
+        """The tracker's timeline of the dry run (its times are the dry run's)."""
         return self.tracker.timeline
 
     @property
@@ -203,9 +188,8 @@ class Estimate:
         _atomic_write(path, json.dumps(self.to_dict(), indent=1).encode())
 
     def plot(self, path, *, title: str | None = None) -> None:
-        """Write the dry run's step as a PNG: the same categories and phases as
-        `track_memory`'s plots, along the step's ops (the dry run's own time and the
-        estimating process's RSS say nothing about the device)."""
+        """Write the dry run's step as a PNG, as `track_memory`'s plots, along the step's ops
+        (the dry run's time and RSS say nothing about the device)."""
         plot(self.tracker, path, title=title or f"headroom estimate ({self.device})",
              x_axis="ops", rss=False)
 
@@ -230,94 +214,69 @@ def estimate(
 ) -> Estimate:
     """Estimate the memory of one training step without running it on real tensors.
 
-    The step is ``loss_fn(model(*example_args, **example_kwargs)).backward()`` followed by
-    ``optimizer.step()`` and ``zero_grad()``, in steady state: the optimizer's state already
-    exists, gradients do not (``zero_grad(set_to_none=True)``, PyTorch's default). It runs on a
-    copy of the model on the ``meta`` device, so nothing is allocated and ``model`` is not
-    changed; a model built on ``meta`` (too big for this machine) is estimated the same way.
-
-    headroom's own features run in the dry run as they run for real: a model under
-    `hr.offload` (or the ``offload=`` what-if) keeps on the device what its schedule keeps
-    (the blocks fetched with ``prefetch``, gradients on their way to the store), and an
-    `hr.HostOptimizer` as ``optimizer=`` steps where it steps (its state in host memory or
-    sliced through a store); with ``overlap`` the backward runs inside its
-    ``final_backward()``. Reads and writes of stores are taken as done at once: a gradient
-    whose write to a `hr.DiskStore` has not run yet when the next block computes is still in
-    host memory, so a step whose disk lags behind backward can measure above the estimate by
-    those gradients (for a CPU target; at most 64 MiB of them, or one larger gradient).
+    The step is ``loss_fn(model(*example_args, **example_kwargs)).backward()``, then
+    ``optimizer.step()`` and ``zero_grad()``, in steady state (the optimizer's state exists,
+    gradients do not), on a ``meta`` copy of the model: nothing is allocated and ``model``
+    (which may be on ``meta``) is not changed. `hr.offload` and `hr.HostOptimizer` run their
+    own code in it. Store reads and writes are taken as done at once, so a CPU step whose disk
+    lags behind backward can measure above it by the gradients not yet written (at most 64 MiB
+    or one gradient).
 
     Args:
         model: the model, its parameters anywhere (``meta`` included), offloaded or not.
-        example_args: the inputs of one step, a tuple (or a single tensor), as the step gets
-            them: their shapes and dtypes matter, and the values of integer and boolean ones
-            (ids, attention masks with their padding, labels), which models read to choose
-            their path (they may be ``meta`` tensors too, without values).
+        example_args: the inputs of one step, a tuple (or a single tensor): their shapes and
+            dtypes matter, and the values of integer and boolean ones (ids, masks, labels).
         loss_fn: maps the model's output to the scalar loss. Default: ``output.loss`` when the
             model returns one, else the sum of its (first) tensor output.
-        optimizer: a ``torch.optim.Optimizer`` class (e.g. ``torch.optim.AdamW``), an instance
-            (its class and hyperparameters are used; an `hr.HostOptimizer` also its options),
+        optimizer: a ``torch.optim.Optimizer`` class, an instance (its class and
+            hyperparameters; an `hr.HostOptimizer` also its options),
             `headroom.optim.HostOptimizerOptions` (what-if: the host optimizer), or a function
             of the parameters returning one. ``None``: forward and backward only.
         device: the device to estimate for, e.g. ``"cuda"``; default: the model's device
-            (required when the model is on ``meta``). CUDA-like devices also get the caching
-            allocator's rounding (see `Estimate.allocator`).
+            (required on ``meta``). CUDA-like devices also get `Estimate.allocator`.
         example_kwargs: keyword inputs of the model.
         optimizer_kwargs: keyword arguments for ``optimizer`` when it is a class or factory.
         checkpoint: qualified names of submodules to run under non-reentrant activation
             checkpointing (what-if: the model itself is not changed).
-        offload_activations: what-if: the step as under ``hr.offload_activations(min_bytes=
-            ..., prefetch=..., modules=...)``, given as ``min_bytes`` (an int; ``prefetch=0``)
-            or a dict of those options, with the feature's defaults (``modules``: qualified
-            names or submodules of ``model``): saved storages of at least ``min_bytes`` leave
-            the device once the forward drops them and come back when backward needs them,
-            with storages saved before refilled ahead within ``prefetch`` bytes. ``None``: off.
+        offload_activations: what-if: the step under ``hr.offload_activations`` with these
+            options: ``min_bytes`` (an int; ``prefetch=0``) or a dict of ``min_bytes``,
+            ``prefetch`` and ``modules`` (qualified names or submodules of ``model``), with the
+            feature's defaults. ``None``: off.
         prepare: what-if hook: called with the ``meta`` copy before the step (it may change it
             in place or return a replacement), e.g. ``headroom.convert``.
-        offload: what-if: the step as under ``hr.offload(model, **offload)``, a dict of its
-            options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`), ``prefetch``,
-            ``blocks`` (qualified names), ``compute_dtype``, ``grad_accumulation``, and
-            ``module`` (the qualified name
-            of the submodule offloaded; default the model). For a model not offloaded yet.
-            With ``world_size``: ``{"store": "cpu"}`` (optionally ``blocks``), each rank's
-            shards in its host memory, as `hr.offload` of a ``fully_shard``ed model.
-        world_size: what-if: one rank's step of FSDP2 over this many ranks, ``fully_shard``
-            applied to each block (found as `hr.offload` finds them) and then to the root,
-            with FSDP2's defaults (see `headroom.fit._sharded` for what is modeled): padded
-            shards, gradients and optimizer state for the rank holding the most, the
-            all-gathered units alive at once, the reduce-scatter buffers. A model already
-            ``fully_shard``ed is estimated over its own mesh without this argument.
+        offload: what-if, for a model not offloaded yet: the step under ``hr.offload(model,
+            **offload)``, options ``store`` (``"cpu"``, ``"disk"`` or a `hr.DiskStore`),
+            ``prefetch``, ``blocks``, ``compute_dtype``, ``grad_accumulation``, and
+            ``module`` (the submodule offloaded; default the model). With ``world_size``:
+            ``{"store": "cpu"}`` (optionally ``blocks``), each rank's shards in host memory.
+        world_size: what-if: the step of the rank holding the most under FSDP2 over this many
+            ranks, ``fully_shard`` of each block and the root with FSDP2's defaults. A
+            ``fully_shard``ed model is estimated over its own mesh without it.
         mesh: the 1-D ``DeviceMesh`` FSDP2 would shard over, instead of ``world_size``.
-        autocast: what-if: the forward and the loss inside ``torch.autocast(device_type,
-            dtype=autocast)`` of the target device (``torch.bfloat16`` or ``torch.float16``),
-            backward and the optimizer step outside it, as mixed-precision training runs them.
-            Autocast's casts are PyTorch's own (see `headroom.fit._autocast`). ``None``: as the
-            model runs (a region for ``"meta"``, ``torch.autocast(x.device.type)`` in the
-            model's code, is the target's autocast in the dry run).
-        micro_batches: what-if: gradient accumulation over this many micro-batches, the
-            inputs' first dimension split as ``tensor_split`` splits it (every tensor input
-            whose first dimension is the first input's): one forward and backward per
-            micro-batch of ``loss / micro_batches``, gradients accumulating, then one
-            optimizer step. Each micro-batch's inputs exist only for its own forward and
-            backward, as a data loader of that batch size gives them. ``loss_fn`` sees each
-            micro-batch's output (one that closes over tensors of the whole batch fails).
+        autocast: what-if: the forward and the loss inside ``torch.autocast`` of the target
+            device in this dtype (``torch.bfloat16`` or ``torch.float16``), PyTorch's own casts
+            (see `headroom.fit._autocast`). ``None``: as the model runs (its regions for
+            ``"meta"`` are the target's autocast).
+        micro_batches: what-if: gradient accumulation, the inputs' first dimension split as
+            ``tensor_split`` does: a forward and backward of ``loss / micro_batches`` per
+            micro-batch (``loss_fn`` sees its output), then one optimizer step.
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
-        ValueError: if ``device`` is missing for a model on ``meta`` or is not a torch device;
+        ValueError: ``device`` missing for a model on ``meta`` or not a torch device;
             ``autocast`` not ``None``, ``torch.float16`` or ``torch.bfloat16``;
-            ``micro_batches`` not an int from 1 to the batch size;
-            an ``offload=`` or ``offload_activations=`` option that is not one of those above
-            (or ``offload=`` for a model already offloaded); ``world_size`` not an int >= 1, a
-            mesh that is not 1-D, either disagreeing with a sharded model's mesh, a store on
-            disk for shards, or ``world_size`` for a model under `hr.offload`.
-        TypeError: if ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
-            is not given, or ``optimizer`` is not an optimizer class, instance or factory;
+            ``micro_batches`` not an int from 1 to the batch size; an ``offload=`` or
+            ``offload_activations=`` option not above (or ``offload=`` for a model already
+            offloaded); ``world_size`` not an int >= 1, a mesh not 1-D, either disagreeing
+            with a sharded model's mesh, a store on disk for shards, or ``world_size`` for a
+            model under `hr.offload`.
+        TypeError: ``model`` is not an ``nn.Module``; the output has no loss and ``loss_fn``
+            is not given; ``optimizer`` is not an optimizer class, instance or factory;
             ``mesh`` is not a ``DeviceMesh``.
-        RuntimeError: if the model's forward needs values a dry run does not know (``.item()``
-            or ``nonzero`` of what is computed from floating-point inputs or parameters); the
-            message names the op. Nothing is changed: the estimate runs on a copy.
+        RuntimeError: the forward needs values a dry run does not know (``.item()`` or
+            ``nonzero`` of what comes from floating-point inputs or parameters), naming the op.
 
     Example:
         >>> est = hr.estimate(model, (x,), optimizer=torch.optim.AdamW, device="cuda")
@@ -337,14 +296,15 @@ def estimate(
                "offload_activations": offload_activations, "prepare": prepare,
                "offload": offload, "world_size": None if spec is None else spec.world,
                "autocast": amp_dtype, "micro_batches": micro}
-    features = None
-    sharded = None
-    if spec is not None:
-        # FSDP2: its dry run shards the copy (and keeps offloaded shards on the host)
-        from headroom.fit import _sharded
+    features = sharded = None
+    if spec is not None or _uses_features(model, optimizer, offload):
+        # hr.offload, hr.HostOptimizer, FSDP2: their dry runs live with the features
         from headroom.fit._features import DryRunFeatures
 
-        features = DryRunFeatures(model, optimizer, None, target)
+        features = DryRunFeatures(model, optimizer, offload if spec is None else None, target)
+    if spec is not None:
+        from headroom.fit import _sharded
+
         if features.host is not None and not (isinstance(features.host.state_store, str)
                                               and features.host.state_store == "cpu"):
             raise ValueError(
@@ -353,11 +313,7 @@ def estimate(
                 " state of its own shards in host memory)")
         meta_model = (_sharded.meta_copy(model) if _sharded.fsdp_units(model)
                       else _dryrun.meta_copy(model))
-    elif _uses_features(model, optimizer, offload):
-        # hr.offload or hr.HostOptimizer: their dry runs live with the features
-        from headroom.fit._features import DryRunFeatures
-
-        features = DryRunFeatures(model, optimizer, offload, target)
+    elif features is not None:
         meta_model = features.meta_copy(model)
     else:
         meta_model = _dryrun.meta_copy(model)
@@ -369,10 +325,8 @@ def estimate(
         if isinstance(replaced, nn.Module):
             meta_model = replaced
     if spec is not None:
-        from headroom.fit._sharded import ShardedDryRun
-
-        sharded = ShardedDryRun(meta_model, spec, features.places,
-                                accelerated=target != "cpu")
+        sharded = _sharded.ShardedDryRun(meta_model, spec, features.places,
+                                         accelerated=target != "cpu")
     elif features is not None:
         features.install(meta_model)
     args, kwargs = _dryrun.to_meta((example_args, dict(example_kwargs or {})))
@@ -384,16 +338,15 @@ def estimate(
         opt = _dryrun.make_optimizer(optimizer, params, dict(optimizer_kwargs or {}))
     final = getattr(opt, "final_backward", None)  # the host optimizer steps during backward
     on_host = features.step_context if features is not None else contextlib.nullcontext
-    if sharded is not None and sharded.all_on_host() and features.host is None:
+    if sharded is not None and sharded.all_host and features.host is None:
         on_host = features.places.host_code  # torch's optimizer steps the host shards
 
     act = _activation_options(offload_activations, model, meta_model)
 
-    keepers: list[Any] = []  # the activation offload's stash, as it counts what it moved
+    keepers: list[Any] = []  # the activation offload's stashes, which count what they moved
 
     @contextlib.contextmanager
-    def kept() -> Iterator[None]:
-        # inside the tracker's own hooks, so that it still sees every saved tensor
+    def kept() -> Iterator[None]:  # inside the tracker's hooks: it sees every saved tensor
         if offload_activations is None:
             yield
             return
@@ -401,9 +354,7 @@ def estimate(
             keepers.append(stash)
             yield
 
-    def inputs() -> list[Any]:
-        # each micro-batch's inputs are made before the tracked step (as a data loader makes
-        # them), and each is dropped after its backward
+    def inputs() -> list[Any]:  # made before the step, each dropped after its backward
         return [(args, kwargs)] if micro == 1 else _split_inputs(args, kwargs, micro)
 
     def step(parts: list[Any]) -> None:
@@ -428,20 +379,17 @@ def estimate(
         else:
             meta_model.zero_grad(set_to_none=True)
 
-    alloc = CachingAllocatorModel() if _has_caching_allocator(target) else None
+    alloc = CachingAllocatorModel() if target.split(":")[0] in _CACHING_ALLOCATORS else None
     attention = _dryrun.AttentionAsOnDevice(target.split(":")[0])
-    # fork_rng: layers that save and restore generator states (dropout) leave the caller's
-    # random state as it was
-    # torch.optim stepping the target accelerator's tensors (not the host's) takes its
-    # foreach path there, as it does on the device
+    # fork_rng: the caller's random state stays as it was; foreach: where torch.optim steps
+    # the accelerator's tensors (not the host's)
     on_device = target.split(":")[0] != "cpu" and (features is None or (
-        sharded is not None and features.host is None and not sharded.all_on_host()))
+        sharded is not None and features.host is None and not sharded.all_host))
     with sharded.running() if sharded is not None else contextlib.nullcontext(), \
-            torch.random.fork_rng(devices=[]), attention, _dryrun.FusedOnMeta(), \
-            _dryrun.ForeachOnMeta(on_device), _values_needed(), _dryrun.RealTensorsAsMeta():
-        if opt is not None:
-            # creates the optimizer state (and a host store's gradients): the tracked step is
-            # a steady-state one
+            torch.random.fork_rng(devices=[]), attention, _dryrun.KernelsOnMeta("fused"), \
+            _dryrun.KernelsOnMeta("foreach", on_device), _values_needed(), \
+            _dryrun.RealTensorsAsMeta():
+        if opt is not None:  # creates the state: the tracked step is a steady-state one
             with kept():
                 step(inputs())
         parts = inputs()
@@ -470,7 +418,6 @@ def estimate(
 
 def _check_micro_batches(micro_batches: Any, args: tuple, kwargs: dict[str, Any] | None
                          ) -> int:
-    """``micro_batches`` checked against the batch of the inputs."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) \
             or micro_batches < 1:
         raise ValueError(f"micro_batches= must be an int >= 1, got {micro_batches!r}")
@@ -492,8 +439,7 @@ def _batch_size(args: tuple, kwargs: dict[str, Any] | None) -> int | None:
 
 
 def _split_inputs(args: tuple, kwargs: dict[str, Any], parts: int) -> list[tuple[tuple, dict]]:
-    """The inputs of each micro-batch: every tensor whose first dimension is the batch split
-    as ``tensor_split`` does, each piece a tensor of its own (as a data loader gives it)."""
+    """Each micro-batch's inputs: batch-sized tensors ``tensor_split``, each piece cloned."""
     batch = _batch_size(args, kwargs)
     flat, spec = tree_flatten((args, kwargs))
     pieces = [t.tensor_split(parts) if isinstance(t, torch.Tensor) and t.dim() > 0
@@ -506,8 +452,7 @@ def _split_inputs(args: tuple, kwargs: dict[str, Any], parts: int) -> list[tuple
 
 
 def _activation_options(what_if: Any, model: nn.Module, meta_model: nn.Module) -> dict[str, Any]:
-    """The options of the activation offload dry run: ``hr.offload_activations``' own, with
-    its defaults; ``modules`` (names or submodules of ``model``) as the ``meta`` copy's."""
+    """``offload_activations=`` as the dry run's options (``modules``: the copy's)."""
     if what_if is None:
         return {}
     if isinstance(what_if, Mapping):
@@ -532,8 +477,7 @@ def _activation_options(what_if: Any, model: nn.Module, meta_model: nn.Module) -
 
 
 def _meta_modules(given: Any, model: nn.Module, meta_model: nn.Module) -> list[nn.Module]:
-    """The submodules of the ``meta`` copy that stand for ``given`` (qualified names, or
-    submodules of ``model``)."""
+    """The ``meta`` copy's submodules for ``given`` (names, or submodules of ``model``)."""
     if isinstance(given, (str, nn.Module)):
         given = [given]
     names = {id(m): n for n, m in model.named_modules()}
@@ -553,8 +497,7 @@ def _meta_modules(given: Any, model: nn.Module, meta_model: nn.Module) -> list[n
 
 
 def _shard_spec(model: nn.Module, world_size: Any, mesh: Any, offload: Any) -> Any:
-    """The FSDP2 sharding the step runs with (a `headroom.fit._sharded.ShardSpec`): the
-    model's own when it is ``fully_shard``ed, else ``world_size=``/``mesh=``'s; or None."""
+    """The step's FSDP2 `ShardSpec`: the model's own, else ``world_size=``/``mesh=``'s, or None."""
     from headroom.fit import _sharded
     from headroom.residency import offload_states
 
@@ -569,24 +512,21 @@ def _shard_spec(model: nn.Module, world_size: Any, mesh: Any, offload: Any) -> A
         if offload is not None:
             raise ValueError(
                 "offload= is a what-if for a model not offloaded yet; a fully_shard'ed model is"
-                " estimated as it is (hr.offload of its shards included): drop offload=, or"
-                " estimate the model before fully_shard with world_size=N and"
-                " offload={'store': 'cpu'}")
+                " estimated as it is: drop offload=, or estimate the model before fully_shard"
+                " with world_size=N and offload={'store': 'cpu'}")
         return spec
     if world is None:
         return None
     if isinstance(model, nn.Module) and offload_states(model):
         raise ValueError(
-            "world_size= estimates FSDP2 (fully_shard of each block and the root) of a model"
-            " not offloaded yet, and fully_shard cannot wrap a model under hr.offload: estimate"
-            " the model before hr.offload with world_size=N and offload={'store': 'cpu'} (each"
-            " rank's shards in its host memory)")
+            "world_size= estimates FSDP2 of a model not offloaded yet, and fully_shard cannot"
+            " wrap a model under hr.offload: estimate the model before hr.offload with"
+            " world_size=N and offload={'store': 'cpu'}")
     host = frozenset() if offload is None else _sharded.host_units(offload, None)
     return _sharded.ShardSpec(world, host=host)
 
 
 def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
-    """Whether the step uses hr.offload or hr.HostOptimizer (their dry runs are theirs)."""
     from headroom.residency import offload_states
 
     if offload is not None or offload_states(model):
@@ -596,8 +536,7 @@ def _uses_features(model: nn.Module, optimizer: Any, offload: Any) -> bool:
 
 
 def parse_device(device: str | torch.device) -> torch.device:
-    """``device`` as a ``torch.device``, or a ValueError naming it (it need not exist here:
-    estimates and plans are made for accelerators this machine may not have)."""
+    """``device`` as a ``torch.device`` (it need not exist here), or a ValueError naming it."""
     try:
         return torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -632,8 +571,7 @@ def _target_device(model: nn.Module, device: str | torch.device | None) -> str:
     return f"{dev.type}:{dev.index or 0}"
 
 
-def _has_caching_allocator(device: str) -> bool:
-    return device.split(":")[0] in ("cuda", "xpu", "hip", "mtia")
+_CACHING_ALLOCATORS = ("cuda", "xpu", "hip", "mtia")
 
 
 @contextlib.contextmanager
@@ -648,14 +586,9 @@ def _values_needed():
         if "meta" in text or "item()" in text or "data-dependent" in text.lower():
             raise RuntimeError(
                 "the dry run hit an op that needs tensor values it does not know"
-                f" ({text.splitlines()[0][:300]}). A dry run knows the values of integer and"
-                " boolean inputs (ids, attention masks, labels) and of what is computed from"
-                " them alone, not those of floating-point inputs, parameters, inputs given as"
-                " meta tensors, or what is computed from them; a forward that branches on"
-                " those (.item(), nonzero, boolean indexing) cannot be estimated: move that"
-                " logic out of the forward, or measure with hr.track_memory()."
+                f" ({text.splitlines()[0][:300]}): it knows those of integer and boolean inputs"
+                " and what is computed from them alone, not of floating-point inputs or"
+                " parameters. Move a branch on those (.item(), nonzero) out of the forward, or"
+                " measure with hr.track_memory()."
             ) from e
         raise
-
-
-__all__ = ["Estimate", "estimate"]

@@ -1,12 +1,5 @@
-"""headroom's own features in a dry run: parameter offload and the host optimizer.
-
-`hr.estimate` asks this module (lazily: the memory layer imports nothing above it when it
-loads) whenever the step uses `hr.offload` (a model already offloaded, or the ``offload=``
-what-if) or an `hr.HostOptimizer` (an instance, or its options). `DryRunFeatures` then makes the
-``meta`` copy of the model without the offload machinery and offloads it with `hr.offload`'s
-own code (`headroom.residency.offload_dry_run`) into `MetaStore`s, moved by an `InstantMover`,
-and builds a `DryHostOptimizer` (the host optimizer itself, over meta stores), so the dry run
-keeps on the device what the real schedule keeps.
+"""headroom's own features in a dry run: `hr.offload` (its own code, `offload_dry_run`, into
+`MetaStore`s moved by an `InstantMover`) and the host optimizer (`DryHostOptimizer`).
 """
 
 from __future__ import annotations
@@ -34,20 +27,9 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks",
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """The options of one `hr.offload` call, as a dry run replays them.
-
-    Attributes:
-        module: qualified name of the offloaded module (``""``: the model itself).
-        store: ``"host"`` or ``"disk"``.
-        prefetch: blocks fetched ahead.
-        blocks: qualified names (inside ``module``) of the blocks, or ``None``: found as
-            `hr.offload` finds them.
-        compute_dtype: the device copies' dtype for floating-point parameters, or ``None``.
-        grad_accumulation: ``"store"`` or ``"device"`` (see `hr.offload`).
-        adapters: ``"device"`` or ``"store"`` (see `hr.offload`).
-        kept: qualified names (inside ``module``) of the parameters kept on the device, as
-            an offloaded model keeps them, or ``None``: as ``adapters`` says.
-    """
+    """The options of one `hr.offload` call (see there), as a dry run replays them:
+    ``module`` (``""``: the model), ``store`` (``"host"`` or ``"disk"``), ``blocks`` and
+    ``kept`` (names inside ``module``; ``None``: as `hr.offload` chooses)."""
 
     module: str = ""
     store: str = "host"
@@ -99,14 +81,10 @@ def is_offload_hook(fn: Any) -> bool:
 
 
 class InstantMover(Mover):
-    """`headroom.transfer.Mover` for a dry run's `MetaStore`: every copy is done when it starts.
-
-    A fetch is complete when it starts, and a gradient written to disk is gone from memory when
-    it is handed over (a real disk write keeps it until written). On an accelerator
-    (``accelerated``) the bytes over the host link are counted in the store's, and the
-    gradients handed to the host stay on the device until the copies are reaped: past
-    `headroom.transfer.MAX_STAGED_BYTES` in flight, and when the schedule waits for them to
-    land (`synchronize`: the end of backward).
+    """`headroom.transfer.Mover` for a dry run's `MetaStore`: every copy is done when it starts
+    (a gradient written to disk is gone when handed over). On an accelerator the link's bytes
+    are counted, and gradients sent to the host stay on the device until reaped: past
+    `MAX_STAGED_BYTES` in flight, and at `synchronize` (the end of backward).
     """
 
     def __init__(self, store: MetaStore, *, accelerated: bool) -> None:
@@ -166,11 +144,7 @@ def host_options(optimizer: Any) -> Any:
 
 
 def offload_config(what_if: Mapping[str, Any] | OffloadConfig) -> OffloadConfig:
-    """The ``offload=`` what-if of `hr.estimate` as an `OffloadConfig`.
-
-    Raises:
-        ValueError: an unknown key, or a store that is neither host memory nor a disk.
-    """
+    """The ``offload=`` what-if of `hr.estimate` as an `OffloadConfig` (or a ValueError)."""
     if isinstance(what_if, OffloadConfig):
         return what_if
     known = {"store", "prefetch", "blocks", "compute_dtype", "grad_accumulation", "module"}
@@ -197,14 +171,8 @@ def offload_config(what_if: Mapping[str, Any] | OffloadConfig) -> OffloadConfig:
 
 
 class DryRunFeatures:
-    """Parameter offload and the host optimizer, as a dry run of one step runs them.
-
-    Args:
-        model: the user's model (offloaded or not; not changed).
-        optimizer: what `hr.estimate` was given as ``optimizer=``.
-        offload: the ``offload=`` what-if, or ``None``.
-        target: the device estimated (``"cpu"``, ``"cuda:0"``, ...).
-    """
+    """Parameter offload and the host optimizer in a dry run of ``model`` (not changed), from
+    `hr.estimate`'s ``optimizer=`` and ``offload=``, for the device ``target``."""
 
     def __init__(self, model: nn.Module, optimizer: Any, offload: Any, target: str) -> None:
         self.places = Places()
@@ -220,8 +188,7 @@ class DryRunFeatures:
         self.offloads: list[Offload] = []  # the dry run's own hr.offload states
 
     def meta_copy(self, model: nn.Module) -> nn.Module:
-        """A ``meta`` copy of ``model`` as it was before `hr.offload` (hooks and guards left
-        out), or a plain meta copy of a model that is not offloaded."""
+        """A ``meta`` copy of ``model`` as it was before `hr.offload`."""
         from headroom.residency import MODULE_ATTRS
 
         memo: dict[int, Any] = {}
@@ -265,7 +232,7 @@ class DryRunFeatures:
 
     def optimizer(self, params: list[nn.Parameter], base: Any,
                   kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
-        """The dry run's optimizer: the host optimizer's, or ``base`` as `hr.estimate` makes it."""
+        """The dry run's host optimizer, or ``base`` as `hr.estimate` makes it."""
         if self.host is not None:
             options = self.host
             if kwargs:
@@ -305,13 +272,10 @@ class DryRunFeatures:
         self._mark = self._totals()
 
     def transfers(self) -> dict[str, int]:
-        """Bytes moved since `mark`: read from and written to disk, over the host link."""
+        """Bytes moved since `mark`, by way: ``disk_read``, ``disk_write``, ``link``."""
         now, before = self._totals(), self._mark or {}
         return {k: v - before.get(k, 0) for k, v in now.items()}
 
     def step_context(self) -> contextlib.AbstractContextManager:
         """Around ``optimizer.step()``: host memory when the optimizer steps host masters."""
         return self.places.host_code() if self._host_step else contextlib.nullcontext()
-
-
-__all__ = ["DryRunFeatures", "host_options", "offload_config"]

@@ -22,9 +22,8 @@ def lm_patch_refusal(model: nn.Module) -> str | None:
 
 
 def lm_patching(patched: list[bool] | None = None) -> Callable[[nn.Module], None]:
-    """A ``prepare`` for a dry run's copy: `hr.patch_causal_lm` as every step after the first
-    runs it. ``patched`` gets, for each forward, whether the patch computed the loss (the
-    output's ``logits`` left out), which it does only for a training forward with labels."""
+    """A ``prepare`` for a dry run's copy: `hr.patch_causal_lm` as steps after the first run
+    it; ``patched`` gets, per forward, whether the patch computed the loss."""
     from headroom.heads import patch_causal_lm_dry_run
 
     def prepare(model: nn.Module) -> None:
@@ -38,8 +37,7 @@ def lm_patching(patched: list[bool] | None = None) -> Callable[[nn.Module], None
 
 def lm_patch_run(model: nn.Module, run: Callable[[Callable[[nn.Module], None]], Any],
                  ) -> tuple[Any, str | None]:
-    """``(run(prepare), None)`` for a dry run of ``model`` with the patch as `lm_patching`'s
-    ``prepare``, or ``(None, why)`` where the patch does not apply to the step."""
+    """``(run(lm_patching(...)), None)``, or ``(None, why)`` where the patch does not apply."""
     why = lm_patch_refusal(model)
     if why is not None:
         return None, why

@@ -1,12 +1,8 @@
 """`plan`: the fastest combination of headroom's techniques whose estimated peak fits a budget.
 
-Every combination of the techniques gets a step time (`headroom.fit._time`, from a dry run
-of what changes the ops: ``hr.convert``, checkpointing of the first k blocks, activation
-offload) and a lower bound of its peak (that dry run's timeline with the bytes of whatever
-leaves the device taken out). In order of time, combinations whose lower bound fits are then
-estimated whole, by a dry run with all their techniques (`hr.estimate` runs ``hr.offload``'s
-schedule and the host optimizer's step as they run), and the first that fits the budget wins:
-the plan's peak is that dry run's, the same figure `hr.estimate` gives for the applied plan.
+Combinations are tried fastest first (time and a lower bound of the peak from a dry run of what
+changes the ops); the first whose dry run of the whole plan fits wins, so the plan's peak is
+what `hr.estimate` gives for the applied plan.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ import torch
 from torch import nn
 
 from headroom.fit import _dryrun
-from headroom.fit._advice import block_names
+from headroom.fit._dryrun import block_names
 from headroom.fit._estimate import Estimate, estimate, parse_device
 from headroom.fit._lm import lm_patch_run, lm_patching
 from headroom.fit._time import Speeds, activation_ways, default_speeds, dry_run_time, step_time
@@ -73,16 +69,14 @@ class Choice:
     Attributes:
         convert: swap layers for ``headroom.nn`` ones (`hr.convert`).
         checkpoint: qualified names of the blocks run under non-reentrant checkpointing.
-        params: where parameters rest between uses: ``"device"``, ``"host"`` or ``"disk"``
-            (`hr.offload` with ``prefetch=1``).
+        params: where parameters rest: ``"device"``, ``"host"`` or ``"disk"`` (`hr.offload`).
         optimizer_state: ``"device"`` (the optimizer itself), ``"host"`` or ``"disk"``
             (`hr.HostOptimizer`).
         activations: where tensors saved for backward rest: ``"device"``, ``"host"`` or
             ``"disk"`` (`hr.offload_activations` around every forward, ``prefetch=0``).
         activation_min_bytes: the ``min_bytes`` of activation offload.
-        lm_loss: a causal LM's loss from its hidden states, without its logits
-            (`hr.patch_causal_lm`; never with ``convert``, which converts the output layer the
-            patch needs as a plain ``nn.Linear``).
+        lm_loss: a causal LM's loss without its logits (`hr.patch_causal_lm`; never with
+            ``convert``, which converts the output layer the patch needs plain).
     """
 
     convert: bool = False
@@ -125,19 +119,18 @@ class Plan:
 
     Attributes:
         choice: the techniques (a `Choice`).
-        peak: estimated peak bytes on the device with them: the dry run of the whole plan
-            (for CUDA-like devices the allocator model's reserved bytes), plus ``margin``.
-        margin: room kept for a gradient on its way to disk (on ``cpu`` with parameters on
-            disk: the largest gradient; a disk write keeps its gradient until it lands, which
-            the dry run takes as done when issued); 0 otherwise.
+        peak: estimated peak bytes on the device: the dry run of the whole plan (on CUDA-like
+            devices the allocator model's reserved bytes), plus ``margin``.
+        margin: on ``cpu`` with parameters on disk, the largest gradient (a disk write keeps
+            it until it lands; the dry run takes writes as done when issued); else 0.
         time_s: estimated seconds per step (see `headroom.fit._time`).
         plain_peak, plain_time_s: the same for the plain step.
         budget: the budget asked for.
         device: the device planned for.
         speeds: the speeds the times were estimated with.
-        candidates: every combination considered: ``(choice, peak, time_s)``; ``peak`` is the
-            whole dry run's for those estimated whole, a lower bound for those the search
-            refined, else ``None``; ``time_s`` a lower bound for those not refined (see `plan`).
+        candidates: every combination considered: ``(choice, peak, time_s)``; ``peak`` of the
+            whole dry run, else a lower bound or ``None``; ``time_s`` a lower bound where not
+            refined (see `plan`).
     """
 
     choice: Choice
@@ -159,13 +152,10 @@ class Plan:
     world_size: int | None = None
     blocks: tuple[str, ...] = ()
     fp32_masters: bool = False
-    # the model has frozen parameters (a quantized base under adapters): the optimizer gets
-    # the trainable ones
-    frozen: bool = False
+    frozen: bool = False  # frozen parameters (a quantized base): the optimizer gets the rest
 
     def __str__(self) -> str:
-        # On CUDA-like devices peaks are the allocator model's reserved bytes, which is what
-        # the budget is compared with; an estimate's report shows allocated bytes.
+        # on CUDA-like devices the budget is compared with reserved bytes, not allocated ones
         kind = " reserved" if not self.device.startswith("cpu") else ""
         ranks = ("" if self.world_size is None else
                  f" (each of {self.world_size} ranks, FSDP2 fully_shard of each block and the"
@@ -246,7 +236,6 @@ class Plan:
         return "\n".join(lines)
 
     def _check_job(self) -> None:
-        """Refuse a sharded plan outside a job of its ``world_size`` ranks."""
         import torch.distributed as dist
 
         have = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
@@ -279,21 +268,18 @@ class Plan:
         """Apply the plan to ``model`` (the one planned for) and build its optimizer.
 
         Returns:
-            ``(model, optimizer)``: the model to train (a new module tree sharing the
-            parameters when ``hr.convert`` is chosen, else ``model`` itself, changed in place;
-            patched by `hr.patch_causal_lm` when the plan has the LM loss without logits)
-            and the optimizer over its parameters.
+            ``(model, optimizer)``: the model to train (with ``hr.convert``, a new module tree
+            sharing the parameters; else ``model``, changed in place) and the optimizer over
+            its trainable parameters.
 
         Raises:
-            ValueError: if ``model`` lacks a block the plan checkpoints (not the model planned);
-                checked before anything changes.
+            ValueError: ``model`` lacks a block the plan checkpoints (not the model planned).
             RuntimeError: a plan made with ``world_size=N`` applied outside a job of ``N``
-                ranks (``torch.distributed`` initialized); checked before anything changes.
+                ranks. Both are checked before anything changes.
 
         The steps run in order (``hr.convert``, `hr.patch_causal_lm`, checkpointing,
-        ``hr.offload``, activation offload, the optimizer); if one raises (a full disk, a
-        device that is missing), the ones before it stay applied: rebuild the model rather
-        than retry on it.
+        ``hr.offload``, activation offload, the optimizer); if one raises (a full disk), the
+        ones before it stay applied: rebuild the model rather than retry on it.
         """
         from headroom.fit._apply import offload_activations_in_forward
         from headroom.heads import patch_causal_lm
@@ -346,8 +332,7 @@ class Plan:
 
 
 def _trained(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters the optimizer steps: the trainable ones (a frozen quantized weight is no
-    tensor an optimizer takes)."""
+    # a frozen quantized weight is no tensor an optimizer takes
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -369,9 +354,7 @@ def _opt_class(optimizer: Any) -> type[torch.optim.Optimizer]:
         raise TypeError(
             f"hr.plan needs optimizer= as a class with its keyword arguments in"
             f" optimizer_kwargs (optimizer={name}, optimizer_kwargs={{'lr': ...}}), got an"
-            f" instance of {type(optimizer).__name__}: Plan.apply builds the optimizer over the"
-            f" model it applies to, and would lose the instance's hyperparameters"
-        )
+            f" instance of {type(optimizer).__name__}, whose hyperparameters would be lost")
     raise TypeError(
         f"hr.plan needs optimizer= as a torch.optim.Optimizer class (e.g. torch.optim.AdamW),"
         f" got {optimizer!r}"
@@ -380,10 +363,8 @@ def _opt_class(optimizer: Any) -> type[torch.optim.Optimizer]:
 
 def _host_kwargs(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
                  device: str | torch.device) -> dict[str, Any]:
-    """The keyword arguments with which `HostOptimizer` steps as ``cls(params, **kwargs)``
-    steps them on a CPU ``device``: torch's own implementation there, not the fused kernel
-    HostOptimizer picks for Adam, AdamW and Adagrad when neither ``fused`` nor ``foreach`` is
-    given (on an accelerator the plain step runs other kernels anyway: HostOptimizer's own)."""
+    """``kwargs`` for `HostOptimizer` to step as ``cls(params, **kwargs)`` does on a CPU
+    ``device`` (``fused=False`` where it would pick the fused kernel)."""
     kwargs = dict(kwargs)
     if torch.device(device).type != "cpu" or "fused" in kwargs or "foreach" in kwargs:
         return kwargs
@@ -413,8 +394,7 @@ class _Candidate:
     margin: int = 0
 
 
-# Whole dry runs the search may make beyond the first fitting one, looking for the smallest
-# peak when nothing fits.
+# whole dry runs looking for the smallest peak when nothing fits
 _MAX_WHOLE_RUNS = 4
 
 
@@ -439,65 +419,42 @@ def plan(
 ) -> Plan:
     """Choose what to turn on so that one training step fits ``budget`` bytes on ``device``.
 
-    Considers `hr.convert`, non-reentrant checkpointing of the first k of the model's blocks
-    (k in quarters of the blocks), activation offload (`hr.offload_activations`) to host memory
-    or ``disk``, parameter offload (`hr.offload`, ``prefetch=1``) to host memory or ``disk``,
-    the optimizer's state and step on the host or on ``disk`` (`hr.HostOptimizer`), and, for a
-    causal LM that computes its loss from ``labels``, that loss without its logits
-    (`hr.patch_causal_lm`). Every combination gets an estimated step time; the fastest one
-    whose estimated peak (a dry run of the whole plan, see `hr.estimate`) fits the budget is
-    returned. All of these techniques are exact: training with the plan gives bitwise the
-    parameters of the plain step on the same device, with two exceptions, each with its
-    option: `hr.HostOptimizer` trains bf16/fp16 parameters from fp32 masters (fp32 gradients
-    and state), more precise than the plain step, which updates them in their own dtype, and
-    so not bitwise equal to it (``fp32_masters``); `hr.patch_causal_lm` computes the model's
-    own loss in fp32 slices over the vocabulary, equal to it to rounding, not bitwise
-    (``lm_loss``). On ``cpu`` host memory is the device's, so only stores on disk are
-    considered.
+    Considers `hr.convert`, checkpointing of the first k blocks, and moving activations
+    (`hr.offload_activations`), parameters (`hr.offload`) or the optimizer's state and step
+    (`hr.HostOptimizer`) to host memory or ``disk`` (on ``cpu``: only ``disk``), and a causal
+    LM's loss without its logits (`hr.patch_causal_lm`); returns the fastest combination whose
+    dry run (see `hr.estimate`) fits. Training with it is bitwise the plain step on the same
+    device, but for fp32 masters of bf16/fp16 parameters (``fp32_masters``) and the LM loss,
+    equal to rounding (``lm_loss``).
 
     Args:
         model: the model (parameters anywhere, ``meta`` included); not changed.
         example_args: one step's inputs, as for `hr.estimate` (shapes and dtypes matter, and
             the values of integer and boolean ones: ids, attention masks, labels).
-        budget: bytes the step may use on ``device``: an int or a string such as ``"8GiB"``.
-            For CUDA-like devices the budget is compared with the caching allocator model's
-            reserved bytes.
+        budget: bytes the step may use on ``device``: an int or a string such as ``"8GiB"``;
+            on CUDA-like devices compared with the allocator model's reserved bytes.
         device: the device to plan for.
-        optimizer: the ``torch.optim.Optimizer`` class to train with (its keyword arguments in
-            ``optimizer_kwargs``). `Plan.apply` builds it as ``optimizer(params,
-            **optimizer_kwargs)``, or `hr.HostOptimizer` over the same class and arguments; on
-            a ``cpu`` device with the implementation ``optimizer(params)`` picks there (torch's
-            single-tensor one where ``fused``/``foreach`` is not given), so that training is
-            bitwise that of the call without headroom.
+        optimizer: the ``torch.optim.Optimizer`` class `Plan.apply` builds (its arguments in
+            ``optimizer_kwargs``), or `hr.HostOptimizer` over it; on ``cpu`` with the kernel the
+            plain call picks, so that training is bitwise.
         loss_fn: as for `hr.estimate`.
         disk: a folder for stores on disk; without it only host memory is used.
-        exact: only exact techniques. ``False`` would also allow lower precision, which this
-            version does not search yet (it plans as if ``True``).
+        exact: only exact techniques (``False`` is not searched yet: it plans as ``True``).
         example_kwargs, optimizer_kwargs: as for `hr.estimate`.
         speeds: the time model's speeds (default: `headroom.fit._time.default_speeds`:
             measured once on ``cpu``, declared for accelerators).
-        slice_bytes: the host optimizer's slice size for state on disk; default: small enough
-            that the slices in flight are a small part of the state.
-        world_size, mesh: plan one rank of FSDP2 over this many ranks (or this 1-D
-            ``DeviceMesh``), as for `hr.estimate`: ``budget`` is each rank's, and parameter
-            offload means each rank's shards (and their optimizer state) in its host memory
-            (`hr.offload` of the sharded model, with `hr.HostOptimizer`); stores on disk are
-            not considered for shards. `Plan.apply` then ``fully_shard``s each block and the
-            root. Step times do not price the collectives.
-        fp32_masters: for a model with trainable bf16/fp16 parameters: ``True`` keeps only
-            plans that train them from fp32 masters (the optimizer on the host or disk,
-            `hr.HostOptimizer`; on ``cpu`` also with its state in host memory), as mixed
-            precision training with master weights does; ``False`` only plans that update
-            them in their own dtype, bitwise the plain step (the optimizer on the device, so
-            parameters stay there too); ``None`` (default) either, whichever is fastest
-            within the budget (``print(plan)`` says when masters are added). No effect on
-            fp32/fp64 parameters, which are their own masters.
-        lm_loss: for a causal LM whose step computes its loss from ``labels`` (a
-            ``transformers`` model whose output layer `hr.patch_causal_lm` takes; ``loss_fn``
+        slice_bytes: the host optimizer's slice size for state on disk (default: 1/8 of the
+            largest parameter moved, from 4 KiB to 16 MiB).
+        world_size, mesh: plan one rank of FSDP2, as for `hr.estimate`: ``budget`` is each
+            rank's; shards and their optimizer state may rest in host memory (not on disk).
+            `Plan.apply` ``fully_shard``s each block and the root. Collectives are not timed.
+        fp32_masters: for trainable bf16/fp16 parameters: ``True`` only plans training them
+            from fp32 masters (`hr.HostOptimizer`), ``False`` only plans bitwise the plain step
+            (the optimizer on the device), ``None`` (default) either.
+        lm_loss: for a causal LM whose loss comes from ``labels`` (``loss_fn``, if any,
             reading ``output.loss``): ``True`` keeps only plans with `hr.patch_causal_lm`,
-            ``False`` only plans without (bitwise the plain step), ``None`` (default) plans
-            with it only where no plan without it fits the budget. Not considered for
-            ``world_size``.
+            ``False`` only plans without, ``None`` (default) with it only where no plan without
+            it fits. Not considered for ``world_size``.
 
     Returns:
         A `Plan`; ``print(plan)`` shows it, ``plan.apply(model)`` returns ``(model, optimizer)``.
@@ -509,8 +466,7 @@ def plan(
             not a torch device; ``lm_loss=True`` for a step the patch does not apply to.
         TypeError: ``model`` is not an ``nn.Module``.
 
-    ``model`` is never changed: every dry run uses a copy on ``meta``, so an error from one
-    (a forward that needs values, a failing ``loss_fn``) leaves it as it was.
+    Every dry run uses a ``meta`` copy, so an error in one leaves ``model`` as it was.
 
     Example:
         >>> plan = hr.plan(model, (x,), budget="8GiB", device="cuda",
@@ -549,8 +505,7 @@ def plan(
         if chosen is not None:
             break
     if chosen is None:
-        # every candidate was refined; branch and bound on the lower bounds for the smallest
-        # peak and what dominates it
+        # every candidate was refined: branch and bound on the lower bounds for the smallest peak
         best = None
         for j, c in enumerate(sorted(candidates, key=lambda c: c.lower)):
             if (best is not None and c.lower >= best.peak) or j >= _MAX_WHOLE_RUNS:
@@ -576,9 +531,8 @@ def plan(
             best.peak,
         )
     result = search.plan_of(chosen, budget_b)
-    # The nearest alternative a user may prefer (a little more memory for a much faster step):
-    # the fastest candidate faster than the chosen one, estimated whole.
-    # A whole run only makes a time more exact (larger), so a few tries suffice.
+    # the fastest plan over the budget, a user may prefer it; a whole run only makes a time
+    # larger, so a few tries suffice
     faster = sorted((c for c in candidates if c is not chosen and c.time_s < chosen.time_s),
                     key=lambda c: c.time_s)
     for alt in faster[:_MAX_ALTERNATIVE_RUNS]:
@@ -596,9 +550,8 @@ def _fastest_fitting(search: Search, candidates: list[_Candidate], budget: int
                      ) -> _Candidate | None:
     """The fastest of ``candidates`` whose whole dry run fits ``budget``, or ``None``.
 
-    Best first on time: a candidate is refined (its own run) when it comes up, and estimated
-    whole (peak and time) when its lower bound fits; each step only makes its time more exact
-    (larger), so the first that comes up whole and fitting is the fastest that fits.
+    Best first on time: refining and running whole only make a time larger, so the first that
+    comes up whole and fitting is the fastest that fits.
     """
     heap = [(c.time_s, i, c) for i, c in enumerate(candidates)]
     heapq.heapify(heap)
@@ -618,11 +571,10 @@ _NOTHING = "nothing: the plain step fits"
 
 
 class Search:
-    """The combinations `plan` considers for one model and step, and their dry runs.
+    """The combinations `plan` considers, and their dry runs (each made once, shared).
 
-    ``candidates`` start with a lower bound of their time; `refine` gives one its own dry run
-    (its time, a lower bound of its peak), `whole` the dry run of the whole plan (its peak).
-    Dry runs are shared between candidates and made once.
+    `refine` gives a candidate its own run's time and a lower bound of its peak, `whole` the
+    dry run of the whole plan.
     """
 
     def __init__(self, model: nn.Module, example_args: tuple | Any, *,
@@ -657,15 +609,10 @@ class Search:
         if self.fp32_masters and self.on_cpu:
             # the host optimizer in the device's own memory: masters, not savings
             state_places = ["device", "host", *places[1:]]
-        self.sizes = _sizes(model, self.opt_cls, self.opt_kw)
-        if world_size is not None:  # one rank's shards move
-            self.sizes = _Sizes(-(-self.sizes.params // world_size),
-                                -(-self.sizes.largest_param // world_size),
-                                self.sizes.state_keys, -(-self.sizes.trainable // world_size))
+        self.sizes = _sizes(model, self.opt_cls, self.opt_kw, world_size or 1)
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
-        # one dry run per setting that changes the ops (convert, checkpointing, activation
-        # offload, the LM-loss patch; host and disk move the same bytes)
+        # one dry run per setting that changes the ops (host and disk move the same bytes)
         self.runs: dict[tuple[bool, int, bool, bool], Estimate] = {
             (False, 0, False, False): self.plain}
         conv_options = [False] + ([True] if self.run(True, 0, False).peak < self.plain.peak
@@ -701,8 +648,8 @@ class Search:
         return self.runs[key]
 
     def _lm_options(self, wanted: bool | None) -> list[bool]:
-        """Whether plans have the LM-loss patch: with it when asked, or when its dry run cuts
-        the plain step's peak; without it when asked, or when it does not apply."""
+        """With the LM-loss patch when asked or when it cuts the plain peak; without it when
+        asked or where it does not apply."""
         if wanted is False or self.world is not None:
             return [False]
         est, why = lm_patch_run(self.model, lambda prepare: self.run(False, 0, False, True,
@@ -715,8 +662,7 @@ class Search:
         return [False] + ([True] if why is None and est.peak < self.plain.peak else [])
 
     def _time(self, r: Estimate, c: Choice) -> float:
-        """Seconds per step of ``c`` on top of its run ``r``'s ops (see `step_time`), transfers
-        counted from the sizes (before the dry run of the whole plan counts them)."""
+        """Seconds per step of ``c`` over ``r``'s ops, transfers counted from the sizes."""
         s, on_cpu = self.sizes, self.on_cpu
         moved = {"disk_read": 0, "disk_write": 0, "link": 0}
         if c.params != "device":
@@ -745,7 +691,7 @@ class Search:
         c.lower = _lower(r, c.choice)
 
     def whole(self, c: _Candidate) -> int:
-        """The dry run of the whole plan: every technique of ``c`` as `Plan.apply` sets it up."""
+        """The peak of the dry run of the whole plan, as `Plan.apply` sets it up."""
         if c.peak is None:
             ch, optimizer, kwargs = c.choice, self.opt_cls, self.opt_kw
             if ch.optimizer_state != "device":
@@ -773,7 +719,6 @@ class Search:
         return c.peak
 
     def plan_of(self, c: _Candidate, budget: int) -> Plan:
-        """The `Plan` of a candidate (refined and estimated whole)."""
         plain_time = self._time(self.plain, Choice(activation_min_bytes=self.min_bytes))
         return Plan(c.choice, c.peak, c.time_s, self.plain.peak_reserved, plain_time, budget,
                     self.plain.device, self.opt_cls, self.opt_kw,
@@ -786,15 +731,13 @@ class Search:
 
 
 def _low_precision(model: nn.Module) -> bool:
-    """Whether any trainable parameter is bf16/fp16 (`hr.HostOptimizer` gives those fp32
-    masters; the optimizer on the device updates them in their own dtype)."""
+    """Whether a trainable parameter is bf16/fp16 (`hr.HostOptimizer` gives it fp32 masters)."""
     return any(p.requires_grad and p.is_floating_point()
                and p.dtype not in (torch.float32, torch.float64) for p in model.parameters())
 
 
 def _prepare_fn(conv: bool, lm: bool, lm_prepare: Callable[[nn.Module], None] | None = None):
-    """What `Plan.apply` does to the model before checkpointing, for a dry run's copy:
-    ``hr.convert``, then `hr.patch_causal_lm` (see `headroom.fit._lm.lm_patching`)."""
+    """`Plan.apply`'s ``hr.convert`` then `hr.patch_causal_lm`, for a dry run's copy."""
     if not conv and not lm:
         return None
     from headroom.nn import convert as _convert
@@ -812,8 +755,8 @@ def _prepare_fn(conv: bool, lm: bool, lm_prepare: Callable[[nn.Module], None] | 
 
 
 def _activation_min_bytes(plain: Estimate) -> int:
-    """hr.offload_activations' default (1 MiB), or 1/256 of the activations when that is
-    smaller (at least 4 KiB), so that a small model's saved tensors are not all below it."""
+    """1 MiB (the default), or 1/256 of the activations (at least 4 KiB) when smaller, so that
+    a small model's saved tensors are not all below it."""
     acts = plain.max_by_category.get("activations", 0)
     return int(min(1 << 20, max(4 << 10, acts // 256)))
 
@@ -826,7 +769,8 @@ class _Sizes:
     trainable: int  # bytes of the trainable parameters (gradients, optimizer state)
 
 
-def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
+def _sizes(model: nn.Module, opt_cls, opt_kw, world: int) -> _Sizes:
+    """The sizes of one rank's shards (``world``: ranks FSDP2 shards over)."""
     from headroom.residency import is_packed, packed_nbytes
 
     params = {id(p): p for p in model.parameters()}
@@ -842,13 +786,13 @@ def _sizes(model: nn.Module, opt_cls, opt_kw) -> _Sizes:
                    if isinstance(v, torch.Tensor) and v.shape == probe.shape)
     except Exception:
         keys = 2
-    return _Sizes(sum(resting), max(nbytes, default=0), keys, sum(nbytes))
+    return _Sizes(-(-sum(resting) // world), -(-max(nbytes, default=0) // world), keys,
+                  -(-sum(nbytes) // world))
 
 
 def _lower(r: Estimate, c: Choice) -> int:
-    """A lower bound of the peak of ``c``: the run's timeline without the bytes that leave the
-    device (all parameters, gradients and optimizer state of what is offloaded; none of them
-    stays whole). On ``cpu`` only stores on disk leave."""
+    """A lower bound of the peak of ``c``: the run's timeline without the categories that leave
+    the device (on ``cpu`` only stores on disk leave)."""
     drop = set()
     cpu = r.device == "cpu"
     if c.params != "device" and not (cpu and c.params == "host"):

@@ -1,19 +1,8 @@
 """FSDP2 (``fully_shard``) in a dry run: one rank's memory of a sharded training step.
 
-`hr.estimate(..., world_size=N)` (or ``mesh=``, or a model already ``fully_shard``ed) runs the
-step on a ``meta`` copy sharded by torch's own ``fully_shard`` (each block, then the root, or
-the model's own units, with its ``MixedPrecisionPolicy`` and ``reshard_after_forward``), as
-the rank that holds the most (rank 0: dim 0 of each parameter split in ``ceil(d0 / N)`` rows,
-padded to a multiple of ``N``). Shards, all-gather and reduce-scatter buffers and unsharded
-units are FSDP2's own; see [Note: FSDP2 itself in a dry run] for how it runs on ``meta``.
-
-Units whose shards rest in host memory (`hr.offload` of the sharded model with
-``store="cpu"``, or FSDP2's ``CPUOffloadPolicy``) run with ``CPUOffloadPolicy``: shards,
-sharded gradients and the optimizer's state stay on the host; on an accelerator the device
-holds the shard copies only during the all-gather, and the reduce-scatter output until its
-copy to the host. On the CPU (gloo) a reduce-scatter also copies its input, as gloo does.
-
-Collectives move no bytes in a dry run; their time is not priced by `hr.plan`.
+The ``meta`` copy is sharded by torch's own ``fully_shard`` (see [Note: FSDP2 itself in a dry
+run]), as the rank holding the most (rank 0: padded rows). Units resting in host memory run
+with ``CPUOffloadPolicy``. Collectives move no bytes; `hr.plan` does not price their time.
 """
 
 from __future__ import annotations
@@ -44,13 +33,11 @@ class ShardSpec:
 
     Attributes:
         world: ranks in the (1-D) mesh.
-        units: qualified names of the ``fully_shard``ed modules (``""``: the root), or
-            ``None``: each block (found as `hr.offload` finds them) and the root.
-        reshard: per unit name, whether it frees its unsharded parameters after forward;
-            units not named: ``True`` for blocks, ``False`` for the root (FSDP2's defaults).
-        host: names of the units whose shards rest in host memory.
-        param_dtype, reduce_dtype: FSDP2's ``MixedPrecisionPolicy`` (``None``: the
-            parameters' own dtype).
+        units: names of the ``fully_shard``ed modules (``""``: the root), or ``None``: each
+            block and the root.
+        reshard: per unit, ``reshard_after_forward`` (unnamed units: FSDP2's defaults).
+        host: names of the units whose shards rest in host memory (``"*"``: all).
+        param_dtype, reduce_dtype: FSDP2's ``MixedPrecisionPolicy``.
         device: the mesh's device, for a model already sharded (else ``None``).
     """
 
@@ -64,13 +51,8 @@ class ShardSpec:
 
 
 def check_world(world_size: Any, mesh: Any) -> int | None:
-    """The world size given as ``world_size=`` or ``mesh=`` (a 1-D ``DeviceMesh``), or None.
-
-    Raises:
-        ValueError: ``world_size`` is not an int >= 1; a mesh that is not 1-D; both given and
-            different.
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
-    """
+    """The world size given as ``world_size=`` or ``mesh=`` (a 1-D ``DeviceMesh``), or None;
+    a ValueError or TypeError for anything else."""
     world = None
     if world_size is not None:
         if isinstance(world_size, bool) or not hasattr(world_size, "__index__") \
@@ -109,11 +91,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def spec_of(model: nn.Module) -> ShardSpec:
-    """The `ShardSpec` of a model whose modules were ``fully_shard``ed.
-
-    Raises:
-        ValueError: a mesh that is not 1-D (HSDP), or a root that is not ``fully_shard``ed.
-    """
+    """The `ShardSpec` of a ``fully_shard``ed model; a ValueError for HSDP or an unsharded root."""
     units = fsdp_units(model)
     if not units or units[0][0] != "":
         raise ValueError(
@@ -152,9 +130,7 @@ def spec_of(model: nn.Module) -> ShardSpec:
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
-    """A ``meta`` copy of a ``fully_shard``ed model as it was before ``fully_shard``: each
-    parameter whole (its global shape), the modules of their own classes, no FSDP2 hooks or
-    state (and no `hr.offload` record)."""
+    """A ``meta`` copy of a ``fully_shard``ed model as before ``fully_shard`` (and `hr.offload`)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
@@ -200,35 +176,24 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 # ------------------------------------------------------------------ the dry run
 # [Note: FSDP2 itself in a dry run]
-# The dry run applies torch's own ``fully_shard`` to the ``meta`` copy, over a mesh of a fake
-# process group (torch's ``FakeProcessGroup``: collectives that move nothing and return at
-# once) built here and never made the default group: a user estimating inside a real
-# distributed job keeps their process groups as they are, and the fake one is registered
-# under a name of its own only while the dry run lives. Every buffer FSDP2 makes (padded
-# shards, all-gather and reduce-scatter buffers, unsharded units, mixed-precision casts) is
-# then FSDP2's own, so the estimate follows the installed torch.
-#
-# FSDP2 takes ``meta`` parameters only to ``to_empty`` them before a step; the dry run takes
-# it through the step by changing the objects ``fully_shard`` made, never torch's code:
-# - each parameter group skips its checks that parameters are materialized (and, with
-#   ``CPUOffloadPolicy``, on the CPU): ``meta`` stands for the device, or for the host;
-# - the groups and their parameters compute on ``meta``, the mesh's device staying ``cpu``;
-#   FSDP2 looks a device's stream module up as ``torch.<device type>``, so while the step
-#   runs (`ShardedDryRun.running`) ``torch.meta`` names ``torch.cpu``, whose streams and
-#   events are no-ops, as ``meta``'s would be;
-# - shards that rest in host memory are marked so (`headroom.store.Places`), and FSDP2's
-#   copies of them to the device and of their reduced gradients back, no-ops between
-#   ``meta`` tensors, are made as new ``meta`` tensors (`_HostCopies`);
-# - on a CPU target each reduce-scatter also copies its input, as gloo does (the fake group
-#   copies nothing).
-# A torch whose FSDP2 lacks one of these attributes gets a clear error, not a wrong number;
-# tests/memory/test_estimate_sharded.py checks the estimates byte for byte.
+# torch's own ``fully_shard`` shards the ``meta`` copy over a mesh of a ``FakeProcessGroup``
+# (collectives that move nothing), never the default group and registered under a name of its
+# own only while the dry run lives, so a real job's groups stay as they are. Every buffer
+# (padded shards, all-gather and reduce-scatter buffers, mixed-precision casts) is FSDP2's own.
+# The dry run patches the objects ``fully_shard`` made, never torch's code:
+# - parameter groups skip their checks that parameters are materialized (and on the CPU);
+# - groups and parameters compute on ``meta``; FSDP2 finds streams in ``torch.<device type>``,
+#   so while the step runs ``torch.meta`` names ``torch.cpu`` (no-op streams);
+# - host shards are marked (`headroom.store.Places`) and FSDP2's copies to and from them,
+#   no-ops between ``meta`` tensors, made new tensors (`_HostCopies`);
+# - on a CPU target each reduce-scatter copies its input, as gloo does.
+# A torch whose FSDP2 lacks one of these attributes gets a clear error, not a wrong number
+# (tests/memory/test_estimate_sharded.py checks the estimates byte for byte).
 _FAKE_GROUPS = itertools.count()
 
 
 def _fake_mesh(world: int) -> Any:
-    """A 1-D ``cpu`` mesh of ``world`` ranks over a fake process group, this process rank 0
-    (the rank that holds the padded rows); its group is registered under a name of its own."""
+    """A 1-D ``cpu`` mesh of ``world`` ranks over a fake process group, this process rank 0."""
     from torch._C._distributed_c10d import (
         FakeProcessGroup,
         HashStore,
@@ -250,10 +215,8 @@ def _fake_mesh(world: int) -> Any:
 
 
 class _HostCopies(TorchFunctionMode):
-    """FSDP2's copies (``.to``) between host shards and the device, which are no-ops between
-    ``meta`` tensors: to the device (of a host shard) and to ``cpu`` (a reduced gradient)
-    make new tensors on an accelerator, counted in ``link_bytes`` of ``run``; on the CPU both
-    are the tensor itself, as there."""
+    """FSDP2's copies (``.to``) of host shards to the device and of reduced gradients back: new
+    tensors on an accelerator (counted in ``run.link_bytes``), the tensor itself on the CPU."""
 
     def __init__(self, run: ShardedDryRun) -> None:
         super().__init__()
@@ -264,7 +227,6 @@ class _HostCopies(TorchFunctionMode):
         if func is not torch.Tensor.to or not args[0].is_meta:
             return func(*args, **kwargs)
         t, run = args[0], self.run
-        # a reduced gradient (floating point, in backward) copied to its host shard
         to_host = t.is_floating_point() and torch._C._current_graph_task_id() != -1 and any(
             isinstance(a, torch.device | str) and torch.device(a).type == "cpu"
             for a in (*args[1:], kwargs.get("device")))
@@ -279,20 +241,10 @@ class _HostCopies(TorchFunctionMode):
 
 
 class ShardedDryRun:
-    """FSDP2 over ``spec.world`` ranks on a dry run's ``meta`` model: torch's ``fully_shard``
-    of each unit (each block, then the root, or ``spec.units``) over a fake process group
-    (see [Note: FSDP2 itself in a dry run]).
-
-    Args:
-        root: the ``meta`` copy of the whole model (unsharded; sharded in place).
-        spec: the sharding.
-        places: where the dry run's tensors stand (host shards).
-        accelerated: the target is an accelerator (host shards are copied to it and back).
-
-    Raises:
-        RuntimeError: a torch without ``torch.distributed``, or whose FSDP2 cannot run in a
-            dry run.
-    """
+    """``fully_shard`` of ``root`` (the ``meta`` copy, in place) as ``spec`` says, over a fake
+    process group (see [Note: FSDP2 itself in a dry run]); ``places`` marks host shards,
+    ``accelerated`` says they are copied to the device and back. A RuntimeError where this
+    torch's FSDP2 cannot run in a dry run."""
 
     def __init__(self, root: nn.Module, spec: ShardSpec, places: Any, *,
                  accelerated: bool) -> None:
@@ -310,20 +262,15 @@ class ShardedDryRun:
         self.places = places
         self.accelerated = accelerated
         self.link_bytes = 0
-        if spec.units is None:
-            from headroom.residency import find_blocks
+        from headroom.fit._dryrun import block_names
 
-            names = {id(m): n for n, m in root.named_modules()}
-            units = [names[id(b)] for b in find_blocks(root) if id(b) in names]
-        else:
-            units = list(spec.units)
+        units = block_names(root) if spec.units is None else list(spec.units)
         self.mesh = _fake_mesh(spec.world)
         self._close = weakref.finalize(self, _unregister, self.mesh._dim_group_names[0])
         mp = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
         self.all_host = True
         try:
-            # inner units first (as FSDP2 needs), the root last: it gets the rest, tied
-            # parameters included
+            # inner units first, the root last: it gets the rest, tied parameters included
             for name in sorted(dict.fromkeys([*units, ""]),
                                key=lambda n: -(n.count(".") + 1) if n else 0):
                 host = name in spec.host or "*" in spec.host
@@ -347,8 +294,9 @@ class ShardedDryRun:
 
     def _to_meta(self, group: Any, host: bool, world: int) -> None:
         meta = torch.device("meta")
-        _replace(group, _validate_no_meta_params=_nothing, _validate_cpu_offload_params=_nothing,
-                 device=meta, _all_gather_output=torch.empty(0, device=meta))
+        _replace(group, _validate_no_meta_params=lambda: None,
+                 _validate_cpu_offload_params=lambda: None, device=meta,
+                 _all_gather_output=torch.empty(0, device=meta))
         for fp in group.fsdp_params:
             _replace(fp, device=meta)
             if host:
@@ -361,12 +309,9 @@ class ShardedDryRun:
             _replace(group, _reduce_scatter_comm=_gloo_reduce_scatter())
         self.all_host = self.all_host and host
 
-    def all_on_host(self) -> bool:
-        return self.all_host
-
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """The context the dry run's steps run in; the fake process group is gone after it."""
+        """The context of the dry run's steps; the fake process group is gone after it."""
         had = "meta" in vars(torch)
         try:
             if not had:
@@ -378,12 +323,8 @@ class ShardedDryRun:
             self.close()
 
     def close(self) -> None:
-        """Unregisters the fake process group (idempotent; also when the dry run is dropped)."""
+        """Unregisters the fake process group (idempotent)."""
         self._close()
-
-
-def _nothing() -> None:
-    return None
 
 
 def _replace(obj: Any, **attrs: Any) -> None:
@@ -416,13 +357,8 @@ def _unregister(name: str) -> None:
 
 
 def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
-    """The units whose shards rest in host memory under the ``offload=`` what-if of a sharded
-    step: every unit, or those named in ``blocks``.
-
-    Raises:
-        ValueError: options that do not apply to a sharded model (a store on disk,
-            ``compute_dtype``, unknown keys).
-    """
+    """The units resting in host memory under ``offload=`` of a sharded step (``"*"``: all);
+    a ValueError for options that do not apply to a sharded model."""
     known = {"store", "prefetch", "blocks"}
     extra = set(offload) - known - {"compute_dtype", "module"}
     if extra:
@@ -432,10 +368,8 @@ def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
 
     if not (store in ("cpu", "host") or (isinstance(store, Store) and store.holds_host_memory)):
         raise ValueError(
-            "offload= of a sharded step takes store='cpu' (each rank's shards in its host"
-            " memory); the estimate does not model shards on disk yet, though hr.offload takes"
-            " a DiskStore for a fully_shard'ed model. On an accelerator its device memory is"
-            " that of store='cpu': estimate with store='cpu'")
+            "offload= of a sharded step takes store='cpu': the estimate does not model shards"
+            " on disk, whose device memory on an accelerator is that of store='cpu'")
     if offload.get("compute_dtype") is not None:
         raise ValueError(
             "offload= compute_dtype does not apply to a sharded step: FSDP2's"
@@ -447,6 +381,3 @@ def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
     if blocks is None:
         return frozenset(["*"])
     return frozenset(blocks)
-
-
-__all__ = ["ShardSpec", "ShardedDryRun", "check_world", "host_units", "meta_copy", "spec_of"]

@@ -1,16 +1,9 @@
 """How long a step takes under a plan: the dry run's ops priced at measured speeds, plus transfers.
 
-Every op of a plan's dry run (forward, backward with its recomputation, optimizer step) is
-priced as a roofline with a fixed cost: ``max(FLOPs / rate, bytes / memory) + op``, where
-``rate`` is the matmul or convolution speed, ``memory`` the bandwidth element-wise ops stream
-at and ``op`` what one op costs beyond its work (dispatch, autograd, Python). Bytes moved to
-and from stores are added at their bandwidths, with no overlap credited (headroom overlaps
-prefetch and optimizer I/O with compute, so real steps are at most this long when the speeds
-are right).
-
-On ``cpu`` the speeds are measured on this machine (`measure_speeds`, once: the figures are
-kept in a file under the user's cache folder, per machine, thread count and store folder).
-Accelerators get declared figures: pass ``speeds=`` to `hr.plan` with your own.
+Each op costs ``max(FLOPs / rate, bytes / memory) + op``; bytes moved to and from stores are
+added at their bandwidths with no overlap credited (headroom overlaps them, so real steps are
+at most this long). ``cpu`` speeds are measured once per machine (`measure_speeds`);
+accelerators get declared figures (``speeds=`` of `hr.plan` overrides them).
 """
 
 from __future__ import annotations
@@ -65,8 +58,7 @@ class Speeds:
 
 
 def default_speeds(device: str, disk: str | os.PathLike | None = None) -> Speeds:
-    """``cpu``: `measure_speeds` (cached); accelerators: declared figures of a current
-    data-center GPU over PCIe (override with ``speeds=``)."""
+    """``cpu``: `measure_speeds`; accelerators: a data-center GPU over PCIe, declared."""
     if device.split(":")[0] == "cpu":
         return measure_speeds(disk)
     return Speeds(matmul=50e12, conv=30e12, memory=1.5e12, op=10e-6, disk_read=2e9,
@@ -74,16 +66,14 @@ def default_speeds(device: str, disk: str | os.PathLike | None = None) -> Speeds
 
 
 def measure_speeds(disk: str | os.PathLike | None = None, *, refresh: bool = False) -> Speeds:
-    """This CPU's speeds, measured once and kept (in this process and in a file).
+    """This CPU's speeds, measured once and kept in this process and in
+    ``$XDG_CACHE_HOME/headroom/speeds.json`` (``~/.cache`` without it).
 
     ``matmul``: a 512 x 512 fp32 matmul; ``conv``: a 3 x 3 convolution, 64 channels, 56 x 56;
-    ``memory``: an in-place add of two 64 MiB tensors (three streams); ``op``: a training step
-    of a tiny MLP (8 layers of width 8, batch 1) divided by its ops; ``disk_*``: a 64 MiB
-    tensor written to and read back from a `DiskStore` in ``disk`` (a temporary folder when
-    ``None``; a read soon after a write may come from the page cache, as it does in training).
-    Each the fastest of ``torch.utils.benchmark``'s blocks of runs (the disk: of three), at the
-    current intra-op thread count: what the machine achieves when nothing else runs.
-    The file is ``$XDG_CACHE_HOME/headroom/speeds.json`` (``~/.cache`` without it).
+    ``memory``: an in-place add of two 64 MiB tensors; ``op``: a tiny MLP's training step per
+    op; ``disk_*``: a 64 MiB tensor written to and read back from a `DiskStore` in ``disk`` (a
+    temporary folder when ``None``; reads may come from the page cache, as in training). Each
+    the fastest of several runs at the current thread count.
     """
     key = _key(disk)
     if not refresh and key in _CACHE:
@@ -135,8 +125,7 @@ def _key(disk) -> str:
 
 
 def _best(stmt: str, globals_: dict) -> float:
-    """Seconds per run of ``stmt``: the fastest block of runs, what the machine achieves when
-    nothing else competes for it (other load only ever slows a block down)."""
+    """Seconds per run of ``stmt``: the fastest block (other load only slows one down)."""
     from torch.utils.benchmark import Timer
 
     m = Timer(stmt, globals=globals_, num_threads=torch.get_num_threads()).blocked_autorange(
@@ -165,7 +154,6 @@ def _memory() -> float:
 
 
 def _op() -> float:
-    """Seconds per op of a training step whose ops do almost no work."""
     from headroom.fit._dryrun import OpCounter
 
     torch.manual_seed(0)
@@ -188,7 +176,9 @@ def _op() -> float:
 def _disk(folder) -> tuple[float, float]:
     from headroom.store import DiskStore
 
-    with tempfile.TemporaryDirectory(dir=_existing(folder)) as tmp:
+    if folder is not None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=None if folder is None else str(folder)) as tmp:
         store = DiskStore(Path(tmp) / "speeds")
         try:
             t = torch.ones(16 << 20)
@@ -207,18 +197,10 @@ def _disk(folder) -> tuple[float, float]:
     return t.numel() * 4 / min(reads), t.numel() * 4 / min(writes)
 
 
-def _existing(folder) -> str | None:
-    if folder is None:
-        return None
-    p = Path(folder)
-    p.mkdir(parents=True, exist_ok=True)
-    return str(p)
-
-
 def step_time(ops: list[tuple[int, int, str, bool]], sp: Speeds, *, host_step: bool,
               moved: dict[str, int]) -> float:
-    """Seconds of one step: its ops (those of the optimizer step on the host when
-    ``host_step``) and ``moved`` bytes by way: ``"disk_read"``, ``"disk_write"``, ``"link"``."""
+    """Seconds of one step: its ops (the optimizer step's on the host when ``host_step``) and
+    ``moved`` bytes by way (``"disk_read"``, ``"disk_write"``, ``"link"``)."""
     t = 0.0
     for flops, nbytes, kind, in_step in ops:
         if host_step and in_step:
@@ -240,8 +222,7 @@ def activation_ways(where: str, on_cpu: bool) -> tuple[str, ...]:
 
 def dry_run_time(est: Any, sp: Speeds, *, activations: str, on_cpu: bool,
                  host_step: bool) -> float:
-    """Seconds per step of an `Estimate`: its ops, the bytes its stores moved, and its
-    activations offloaded to ``activations`` (``"device"``: none)."""
+    """Seconds per step of an `Estimate`, its activations offloaded to ``activations``."""
     moved = {k: v for k, v in est.transfers.items() if not (on_cpu and k == "link")}
     a = est.activation_bytes_moved
     for way in activation_ways(activations, on_cpu) if a else ():

@@ -192,7 +192,6 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
         adapters = {id(m) for m in sub.modules()} if inside else adapter_modules(sub)
         info.adapter_mods |= adapters
     items = []
-    seen: set[int] = set()
     for mname, m in sub.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
             if p is None or id(p) in state.by_param or id(p) in state.by_dev \
@@ -200,7 +199,6 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
                 continue
             full = f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}"
             items.append((m, attr, p, full))
-            seen.add(id(p))
     if adapters:
         kept = {id(p) for p in _keep(state, [it for it in items if id(it[0]) in adapters])}
         items = [it for it in items if id(it[0]._parameters[it[1]]) not in kept]

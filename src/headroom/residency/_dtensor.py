@@ -176,14 +176,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
                     blocks: Iterable[nn.Module] | None,
                     compute_dtype: torch.dtype | None, prefetch: int = 1) -> nn.Module:
     """`hr.offload` of a model whose blocks and root were ``fully_shard``ed (a `DiskStore`:
-    see `headroom.residency._sharded_disk`).
-
-    Raises:
-        ValueError: ``compute_dtype`` (use FSDP2's ``MixedPrecisionPolicy``); ``blocks`` that
-            are not ``fully_shard``ed modules of ``model``.
-        RuntimeError: the model is offloaded already, is inside a forward or backward, or its
-            mesh's device is not ``device``.
-    """
+    `headroom.residency._sharded_disk`); each refusal says its cause and fix."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 

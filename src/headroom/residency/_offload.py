@@ -163,7 +163,7 @@ def offload(
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``device`` is not available, or the model (or a part of it) is already
             offloaded; DTensor parameters that FSDP2 does not manage.
-        NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
+        NotImplementedError: ``grad_accumulation="device"`` for a ``fully_shard``ed model.
         ValueError: bad ``blocks``, ``prefetch``, ``compute_dtype`` or
             ``grad_accumulation``; a quantized parameter that cannot rest packed.
         StoreFullError / PermissionError: the store cannot hold the parameters.
@@ -497,12 +497,6 @@ def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None
 _adopt.use_placement(_place, _unplace)  # parameters added later are placed alike
 
 
-def release_claim(state: Offload, key: str) -> None:
-    """``state``'s model no longer uses ``key`` of its store (see [Note: one writer per key])."""
-    claimed_keys(state.store).discard(key)
-    state.claims.discard(key)
-
-
 def _unplace_packed(state: Offload, st: Store, claimed: set[str], q: Packed | None,
                     original: torch.Tensor, created: list[str]) -> None:
     """Undo `_place_packed`."""
@@ -754,7 +748,8 @@ def unoffload(model: nn.Module) -> nn.Module:
                 grad = st.read(b.grad_handle).result().to(state.device)
             st.free(b.grad_handle)
         st.free(b.handle)
-        release_claim(state, b.handle.key)
+        claimed_keys(st).discard(b.handle.key)  # [Note: one writer per key]
+        state.claims.discard(b.handle.key)
         unbind(s.param)
         unmark(s.param)
         _end_need(s.param)  # a master on disk: replaced below, no longer bound

@@ -119,11 +119,8 @@ class _GroupRole:
 
 
 class Phase(enum.Flag):
-    """Where an offloaded model is in its step (see [Note: resting state]).
-
-    ``FORWARD`` and ``BACKWARD`` can hold together: a forward inside a backward (activation
-    checkpointing recomputes) or a backward of an earlier graph during a forward.
-    """
+    """Where an offloaded model is in its step ([Note: resting state]); ``FORWARD`` and
+    ``BACKWARD`` can hold together (a recomputation inside a backward, and the reverse)."""
 
     RESTING = 0  # outside forward and backward: modules hold the masters
     FORWARD = enum.auto()  # the root's or some block's forward is running
@@ -132,17 +129,9 @@ class Phase(enum.Flag):
 
 @dataclass
 class _Held:
-    """A gradient summed on the device across backward passes, not yet in the store
-    (``hr.offload(..., grad_accumulation="device")``).
-
-    Attributes:
-        slot: whose gradient.
-        acc: the sum so far, on the device, in the stored gradient's dtype.
-        fresh: the sum began after the stored gradient was cleared (``zero_grad``): it
-            replaces the stored one; otherwise it is added to it.
-        stream: the stream the sum was formed on (``None`` on the CPU): its hand-over is
-            ordered after that stream's work.
-    """
+    """``slot``'s gradient summed on the device (``acc``, in the stored dtype) across backward
+    passes, not yet in the store; ``fresh``: it replaces the stored one (cleared since), else
+    is added; ``stream``: where it was formed (the hand-over is ordered after it)."""
 
     slot: Slot
     acc: torch.Tensor
@@ -393,12 +382,9 @@ class Offload:
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Group | None) -> None:
-        """A forward (of the root when ``block`` is None) raised: back to the resting state.
-
-        A block that fails inside the root's forward releases itself (the caller may catch the
-        error and go on); the root, or a block called on its own, releases everything. Never
-        raises: the error being propagated is the one to report.
-        """
+        """A forward (of the root when ``block`` is None) raised: back to the resting state. A
+        block failing inside the root's forward releases itself (the caller may go on); else
+        everything is released. Never raises (the error propagating is the one to report)."""
         if in_backward():
             # a recomputation (checkpointing; it may stop itself on purpose): the backward's
             # own clean-up covers it
@@ -438,11 +424,8 @@ class Offload:
             self.use.exit_forward(whole=not self.in_forward)
 
     def abort_backward(self) -> None:
-        """A backward broke off (an exception in a hook, Ctrl-C): release everything it held.
-
-        Gradients already handed to the store stay there and are visible (``param.grad`` is
-        set), as in plain PyTorch; ``zero_grad()`` clears them. Never raises.
-        """
+        """A backward broke off: release everything it held. Gradients already in the store
+        stay visible, as in plain PyTorch. Never raises."""
         try:
             self._bwd = False
             self._bwd_task = -1

@@ -31,12 +31,10 @@ from headroom.residency._plan import (
 )
 from headroom.residency._quantize import quantize_block
 from headroom.residency._schedule import Offload, Phase
-from headroom.residency._schedule import _AfterBackward as AfterBackward
 from headroom.residency._schedule import _outputs as tensor_outputs
 
 __all__ = [
     "MODULE_ATTRS",
-    "AfterBackward",
     "GroupPlan",
     "OffloadOptions",
     "OffloadPlan",

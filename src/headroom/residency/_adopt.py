@@ -1,39 +1,31 @@
 """Parameters that join an offloaded model after `hr.offload` (adapters such as LoRA's).
 
-A model may gain parameters once it is offloaded: ``peft.get_peft_model`` wraps layers and adds
-adapter weights, a user attaches a new head. They are offloaded like the others, into the group
-of the block that holds them (or the group outside the blocks), as if they had been there at
-``hr.offload``: torch's process-wide module and parameter registration hooks see a module or
-parameter being attached to a module of the offloaded model and place its new parameters in the
-store right then, before any optimizer can list them. The hooks are installed with the first
-live offloaded model and removed when the last one is unoffloaded or collected. Parameters
-dropped from the model (``unload()`` of the adapters) leave the store, their values going back
-into the parameter objects as host tensors. A parameter found on ``meta`` when it is adopted
-takes the values a subscriber of `_events.lost_values` kept for it (PEFT moves new adapters to
-the base weight's device; see `headroom.integrations`); one on ``meta`` from the start stays
-pending, as at ``hr.offload`` (see `headroom.residency._meta`).
-
-Masters changed behind the store's back. With ``store="cpu"`` a master's ``.data`` is the
-store's host tensor; code that rebinds it (``p.data = new``, as PEFT's ``safe_merge`` does)
-would leave the store with the old value: `sync_masters` writes such a value into the store and
-rebinds the master to it again.
+torch's process-wide module and parameter registration hooks (installed while an offloaded model
+lives) place a parameter attached to the model in the store at once, in the group of the block
+holding it, before any optimizer can list it. Parameters dropped from the model leave the store,
+their values going back into the parameter objects. One found on ``meta`` takes the values a
+`_events.lost_values` subscriber kept for it; one on ``meta`` from the start stays pending
+(`headroom.residency._meta`). `sync_masters` writes a host master rebound behind the store's
+back (``p.data = new``, as PEFT's ``safe_merge`` does) into the store.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
 
-from headroom.residency import _events
+from headroom.residency import _events, _outside
 from headroom.residency._group import Group, Slot
 from headroom.residency._outside import keep_on_device
 from headroom.residency._packed import Packed, check_packable, is_packed, read_parts
-from headroom.residency._plan import Layout, adapter_modules
+from headroom.residency._plan import Layout, adapter_modules, layout
 from headroom.store import HostStore, claimed_keys
 from headroom.transfer import HeldSource, StoreTensor, binding, unbind
 
@@ -41,29 +33,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
 __all__ = [
-    "current_plan", "holds", "install", "release_hooks", "rescan", "retire", "retire_packed",
-    "strip_hooks", "sync_masters",
+    "current_plan", "holds", "hook_state_dict", "install", "release_hooks", "rescan", "retire",
+    "retire_packed", "strip_hooks", "sync_masters",
 ]
 
 _HANDLES: list = []  # the registration hooks' handles, while a model is offloaded
-
-# Live offloaded models (an Offload adds itself; unoffload and a failed offload take it out),
-# for the optimizer-step hook (see `_schedule.before_optimizer_step`) and for adoption.
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-# How hr.offload places parameters and undoes a failed placement (`_offload._place` and
-# `_unplace`, handed down by that module, which builds on this one, when imported): parameters
-# added later are placed the same way.
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # live offload states (for the step hooks too)
+# `_offload._place` and `_unplace`, handed down by `_offload` (above this module) on import
 _placement: tuple[Callable, Callable] | None = None
 
 
 def use_placement(place: Callable, unplace: Callable) -> None:
-    """Called by `headroom.residency._offload` when imported."""
     global _placement
     _placement = (place, unplace)
-# NOTE: an offload state's `_Members` rests on the state itself, not in a module-level map
-# keyed by the state: its groups lead back to the state (group -> module -> guard role ->
-# state), so a weak-keyed map would keep every offloaded model alive for good.
+
+
+# NOTE: `_Members` rests on the state: a weak-keyed map would keep every state alive (its
+# groups lead back to it)
 _MEMBERS = "_adopt_members"
 
 
@@ -116,14 +102,11 @@ def install(state: Offload) -> None:
 
         _HANDLES.append(register_module_module_registration_hook(_on_module))
         _HANDLES.append(register_module_parameter_registration_hook(_on_param))
-    # NOTE: the hooks see every module of the process; with no offloaded model left they go
-    # (a collected model runs no unoffload: the finalizer covers it)
     weakref.finalize(state, release_hooks)
 
 
 def release_hooks() -> None:
-    """Remove the registration hooks when no offloaded model is left (their last one was
-    unoffloaded, failed to offload, or was collected)."""
+    """Remove the registration hooks when no offloaded model is left."""
     if any(_members(s) is not None for s in list(_LIVE)):
         return
     while _HANDLES:
@@ -148,10 +131,6 @@ def holds(state: Offload, module: nn.Module) -> bool:
     return info is not None and info.has(module)
 
 
-def _busy(state: Offload) -> bool:
-    return state.busy
-
-
 def _owner(module: nn.Module) -> tuple[Offload, _Members] | None:
     for state, info in _live():
         if info.has(module):
@@ -172,13 +151,11 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
         return None
     state, info = found
     info.dirty = True  # what this parameter replaces may have left the model (see rescan)
-    if _busy(state) or binding(param) is not None or id(param) in state.by_packed \
+    if state.busy or binding(param) is not None or id(param) in state.by_packed \
             or state.kept.get(id(param)) is param:
         return None
     old = module._parameters.get(name)  # still registered: torch calls the hook first
-    if old is not None and old is not param:
-        # A parameter replaced in place (PEFT's fp32 cast of bf16 adapters): the old one
-        # leaves the store, freeing its name for the new one.
+    if old is not None and old is not param:  # replaced in place: the old one leaves
         slot = state.by_param.get(id(old)) or state.by_dev.get(id(old))
         if slot is not None and [(id(m), a) for m, a in slot.owners] == [(id(module), name)]:
             retire(state, [slot])
@@ -203,7 +180,7 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
         return None
     state, info = found
     info.dirty = True
-    if _busy(state):
+    if state.busy:
         return None
     old = parent._modules.get(name)
     if old is not None and old is not sub:
@@ -215,7 +192,6 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
         adapters = {id(m) for m in sub.modules()} if inside else adapter_modules(sub)
         info.adapter_mods |= adapters
     items = []
-    seen: set[int] = set()
     for mname, m in sub.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
             if p is None or id(p) in state.by_param or id(p) in state.by_dev \
@@ -223,7 +199,6 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
                 continue
             full = f"{prefix}{mname}.{attr}" if mname else f"{prefix}{attr}"
             items.append((m, attr, p, full))
-            seen.add(id(p))
     if adapters:
         kept = {id(p) for p in _keep(state, [it for it in items if id(it[0]) in adapters])}
         items = [it for it in items if id(it[0]._parameters[it[1]]) not in kept]
@@ -240,11 +215,8 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
 
 
 def _keep(state: Offload, items: list, *, assign: bool = True) -> list[nn.Parameter]:
-    """Keep adapters new to the model on the device (``hr.offload(adapters="device")``):
-    those with values, or created on the CPU and moved to ``meta`` since (their values
-    remembered, see the module docstring). Returns the parameters kept, each registered in
-    its module in place of the one given (unless not ``assign``: the registration hook
-    returns it instead)."""
+    """Keep adapters new to the model on the device (``adapters="device"``), those with values
+    (or remembered ones); returns them, registered in place of those given if ``assign``."""
     out = []
     for m, attr, p, _full in items:
         value = p
@@ -287,7 +259,7 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
         params[id(p)] = value
     if not params:
         return []
-    if _busy(state):
+    if state.busy:
         raise RuntimeError("parameters cannot join an offloaded model during its forward or"
                            " backward")
     state.drop_announced()
@@ -315,15 +287,12 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
     for m, _attr, _p, _ in items:
         if id(m) not in info.hooked:
             info.hooked.add(id(m))
-            _hook_state_dict(state, m)
+            hook_state_dict(state, m)
     return [slot for slot, _, _ in placed]
 
 
-def _hook_state_dict(state: Offload, m: nn.Module) -> None:
-    from functools import partial
-
-    from headroom.residency import _outside
-
+def hook_state_dict(state: Offload, m: nn.Module) -> None:
+    """Route ``m``'s parameter reads and state dict through ``state``."""
     _outside.install(state, m)
     cls = type(state)  # Offload
     state.handles.append(m.register_state_dict_post_hook(partial(cls.state_dict_hook, state)))
@@ -355,13 +324,17 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
         retire(state, gone)
 
 
-def retire(state: Offload, slots: list[Slot]) -> None:
-    """Take parameters that left the model out of the store: their values go back into the
-    parameter objects (host tensors), their gradients are dropped."""
-    st = state.store
+def _release_all(state: Offload) -> None:
     state.drop_announced()
     for g in [*state.blocks, state.rest]:
         state.res.release(g)
+
+
+def retire(state: Offload, slots: list[Slot]) -> None:
+    """Parameters that left the model leave the store: values back in the objects (host
+    tensors), gradients dropped."""
+    st = state.store
+    _release_all(state)
     state.sync_grads()
     gone = {id(s) for s in slots}
     for s in slots:
@@ -396,12 +369,10 @@ def retire(state: Offload, slots: list[Slot]) -> None:
 
 
 def retire_packed(state: Offload, packed: list[Packed]) -> None:
-    """Take quantized parameters that left the model out of the store: each master holds host
-    copies of its parts again (see [Note: packed parameters])."""
+    """Quantized parameters that left the model leave the store, holding host copies of their
+    parts ([Note: packed parameters])."""
     st = state.store
-    state.drop_announced()
-    for g in [*state.blocks, state.rest]:
-        state.res.release(g)
+    _release_all(state)
     gone = {id(q) for q in packed}
     for q in packed:
         q.keep_values(read_parts(q, st))
@@ -446,9 +417,8 @@ def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
 
 
 def rescan(state: Offload) -> None:
-    """Between steps: adopt what the registration hooks could not (added during a forward,
-    or written into a module's parameter table directly), drop what left the model, and check
-    masters rebound behind the store's back."""
+    """Between steps: adopt what the registration hooks missed (added during a forward, or
+    past them), drop what left the model, sync rebound masters."""
     info = _members(state)
     if info is None:
         return
@@ -496,8 +466,8 @@ def rescan(state: Offload) -> None:
 
 def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
             home: Group | None) -> None:
-    """A stored parameter registered in other places now (tied after hr.offload): it is shown
-    wherever it is registered, in the group that holds all of them (outside blocks if none)."""
+    """A stored parameter registered elsewhere now (tied after hr.offload): shown there, in
+    the group holding all its owners (else outside blocks)."""
     target = home if home is not None else state.rest
     if slot.group is not target:
         for g in (slot.group, target):
@@ -512,7 +482,7 @@ def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
     for m, _ in owners:
         if id(m) not in info.hooked:
             info.hooked.add(id(m))
-            _hook_state_dict(state, m)
+            hook_state_dict(state, m)
 
 
 # ---------------------------------------------------------------------- copies
@@ -559,12 +529,8 @@ def _copy_packed(state_ref: weakref.ref, q: Packed, memo: dict) -> torch.Tensor:
 
 
 def _copyable(state: Offload, slots: list) -> None:
-    # NOTE: a master on disk is a ``meta`` placeholder; a deep copy of it (PEFT's
-    # modules_to_save copies a layer) would have no values. The instance attribute makes
-    # copy.deepcopy read them from the store instead (nn.Parameter.__deepcopy__ is looked up
-    # on the instance first).
-    from functools import partial
-
+    # NOTE: a deep copy of a master on disk (a ``meta`` placeholder; PEFT's modules_to_save)
+    # reads the store through this instance attribute, which copy.deepcopy looks up first
     ref = weakref.ref(state)
     for s in slots:
         if s.param.device.type == "meta":
@@ -574,10 +540,6 @@ def _copyable(state: Offload, slots: list) -> None:
 
 def current_plan(state: Offload):
     """The plan of `hr.describe`, brought up to date when parameters joined or left."""
-    from dataclasses import replace
-
-    from headroom.residency._plan import layout
-
     info = _members(state)
     if info is not None and info.plan_stale:
         info.plan_stale = False

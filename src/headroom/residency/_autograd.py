@@ -1,20 +1,11 @@
 """``torch.autograd.grad`` and ``backward(inputs=...)`` over the masters of an offloaded model.
 
-Autograd differentiates the device copies (see [Note: masters and device copies]); the masters
-that ``model.parameters()`` yields are not in the graph, so on their own these calls would find
-them unused (``allow_unused=True`` would return ``None`` for every one). Each master therefore
-becomes an instance of a subclass of its class (`OffloadedParameter` for ``nn.Parameter``,
-`StoredParameter` for a `StoreTensor` on disk) whose ``__torch_function__`` receives those two
-calls, which torch hands to it because a master is among their tensors, and runs them with
-every master replaced by its device copy:
-
-- ``torch.autograd.grad(loss, params)``: the device copies' gradients, in each master's dtype
-  and on its device (bitwise those of the plain model on the same device in fp32);
-  ``allow_unused``, ``materialize_grads``, ``retain_graph`` and ``grad_outputs`` as torch does;
-- ``loss.backward(inputs=params)``, ``torch.autograd.backward(..., inputs=params)``: only the
-  named parameters' gradients accumulate, and reach the store as any backward's do.
-
-Every other function runs as for the base class (results are ordinary tensors).
+Autograd differentiates the device copies ([Note: masters and device copies]), so the masters
+would be unused inputs. Each master becomes an instance of a subclass of its class
+(`OffloadedParameter`, `StoredParameter` on disk) whose ``__torch_function__`` runs those two
+calls with every master replaced by its device copy: ``grad`` returns gradients in each master's
+dtype and on its device (bitwise the plain model's in fp32), ``backward(inputs=...)``
+accumulates only the named ones, into the store. Every other function runs as for the base class.
 """
 
 from __future__ import annotations
@@ -47,10 +38,8 @@ class OffloadedParameter(nn.Parameter):
 
     __torch_function__ = classmethod(_torch_function)
 
-    # NOTE: a master is never in an autograd graph (the device copies are), so ``p.data`` can
-    # share its version counter, which plain ``.data`` does not: an in-place write through it
-    # (``p.data.mul_(m)``, older initializers) is then seen as a write to the parameter, and an
-    # optimizer's fp32 master follows it (see headroom.optim._follow).
+    # NOTE: a master is never in a graph, so ``p.data`` shares its version counter: an in-place
+    # write through it (``p.data.mul_(m)``) is seen, and an fp32 master follows it (optim._follow)
     @property
     def data(self) -> torch.Tensor:
         return self.detach()
@@ -78,17 +67,15 @@ _BASE = {sub: base for base, sub in _SUBCLASS.items()}
 
 
 def mark(master: torch.Tensor) -> None:
-    """Let ``master`` take part in ``torch.autograd.grad`` / ``backward(inputs=...)``.
-
-    Masters of other classes (quantized weights resting packed) are left alone: they do not
-    train, and torch refuses them as inputs (they do not require grad)."""
+    """Let ``master`` take part in ``torch.autograd.grad`` / ``backward(inputs=...)`` (other
+    classes, quantized weights that do not train, are left alone)."""
     sub = _SUBCLASS.get(type(master))
     if sub is not None:
         master.__class__ = sub
 
 
 def unmark(master: torch.Tensor) -> None:
-    """Give ``master`` its own class back (`hr.unoffload`)."""
+    """Give ``master`` its own class back."""
     base = _BASE.get(type(master))
     if base is not None:
         master.__class__ = base
@@ -106,8 +93,8 @@ def _slot_of(t: Any) -> tuple[Any, Any] | None:
 
 
 def _redirect(func, args: tuple, kwargs: dict) -> Any:
-    """Run ``torch.autograd.grad`` / ``backward`` with masters in ``inputs`` replaced by their
-    device copies; convert the gradients ``grad`` returns to the masters' dtype and device."""
+    """Run ``func`` with masters in ``inputs`` replaced by their device copies; ``grad``'s
+    results in the masters' dtype and device."""
     bound = _SIGNATURES[func].bind(*args, **kwargs)
     inputs = bound.arguments.get("inputs")
     single = isinstance(inputs, torch.Tensor)
@@ -119,10 +106,8 @@ def _redirect(func, args: tuple, kwargs: dict) -> Any:
         if hit is None:
             continue
         state, slot = hit
-        # NOTE: a master frozen before the forward has a device copy outside the graph: it
-        # stays itself, a leaf the graph does not use, which torch reports (or returns None
-        # for, or zeros) exactly as for an unused parameter of a plain model; one frozen
-        # since is refused by torch as not requiring grad, as in plain PyTorch.
+        # NOTE: a master frozen before the forward stays itself, unused by the graph, as torch
+        # reports an unused parameter; one frozen since is refused by torch, as plainly
         if not (t.requires_grad and slot.dev.requires_grad):
             continue
         items[i] = slot.dev

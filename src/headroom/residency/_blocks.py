@@ -16,13 +16,9 @@ def _param_bytes(module: nn.Module) -> int:
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The largest group of similar sibling modules: a transformer's layers, a CNN's stages.
 
-    Every module's children are grouped by class; groups of at least two children that hold
-    parameters are candidates, and the one holding the most parameter bytes wins (ties go to an
-    ``nn.ModuleList``/``nn.Sequential`` parent, then to the group found first). Children keep
-    their registration order, which is the usual execution order.
-
-    Returns:
-        The blocks, or an empty list when the model has no repeated structure.
+    Of the groups of two or more same-class children holding parameters, the one with the most
+    parameter bytes wins (ties: an ``nn.ModuleList``/``nn.Sequential`` parent, then the first
+    found), in registration order; empty when the model has no repeated structure.
     """
     best: list[nn.Module] = []
     best_key: tuple[int, int] = (0, 0)
@@ -47,11 +43,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def check_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """Validate user-given blocks: submodules of ``model``, not the model, not nested, unique.
-
-    Raises:
-        ValueError: naming the offending block and how to fix the list.
-    """
+    """Validate user-given blocks: submodules of ``model``, not the model, not nested, unique;
+    raises ValueError naming the offending block."""
     if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise ValueError("blocks must be a list of submodules (or an nn.ModuleList), not a module")
     blocks = list(blocks)
@@ -77,9 +70,8 @@ def check_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
 
 
 def with_outside_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """Add, as blocks of their own, large modules outside the found blocks (an untied embedding
-    or output head): at least half the largest block. Smaller ones stay with the parameters that
-    are resident for the whole step. Returned in module order (the usual execution order)."""
+    """Add, as blocks of their own, modules outside the found blocks holding at least half the
+    largest block (an untied embedding or head); in module order."""
     names = {id(m): n for n, m in model.named_modules()}
     block_names = [names[id(b)] for b in blocks]
     threshold = max(_param_bytes(b) for b in blocks) // 2
@@ -97,10 +89,7 @@ def with_outside_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Mo
                 continue
             if holds_block(names.get(id(child), "")):
                 stack.append(child)
-            elif _param_bytes(child) >= threshold > 0:
-                # A large outside module with repeated structure of its own (the encoder
-                # next to a decoder's layers) is split into its own blocks rather than fetched
-                # whole.
+            elif _param_bytes(child) >= threshold > 0:  # split if repeated itself (an encoder)
                 sub = find_blocks(child)
                 extra.extend(with_outside_blocks(child, sub) if sub else [child])
     order = {id(m): i for i, m in enumerate(model.modules())}

@@ -1,19 +1,11 @@
 """Sharded models (FSDP2's ``fully_shard``): each rank's local shards in a headroom store.
 
-FSDP2 stays in charge of sharding and of every collective. What headroom changes is where a
-unit's *local shard* rests between uses: `offload_sharded` moves the padded local shard of each
-parameter of the chosen FSDP2 units into a host-memory store (page-locked when the mesh's device
-is an accelerator) and marks the parameter for FSDP2's own host path (``FSDPParam``'s
-``offload_to_cpu``): FSDP2 then copies the shard to the device right before that unit's
-all-gather, and copies the reduce-scattered gradient shard back to host memory, where the
-optimizer (``torch.optim`` or `headroom.HostOptimizer`) steps the local shards. Unlike
-``CPUOffloadPolicy``, which is all-or-nothing, any subset of units can rest there (the others
-stay on the device).
-
-The wrong orders are refused where they can be seen (`check_not_sharding`, `check_sharded`):
-``fully_shard`` over a model already offloaded by `hr.offload` (its masters are not what the
-modules compute with, so FSDP2 would shard the wrong tensors), and DTensor parameters that FSDP2
-does not manage. See docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+FSDP2 keeps the sharding and every collective. `offload_sharded` moves the padded local shard of
+each parameter of the chosen units (any subset, unlike ``CPUOffloadPolicy``) into a host-memory
+store and puts it on FSDP2's own host path (``offload_to_cpu``): FSDP2 copies it to the device
+before the unit's all-gather and the gradient shard back to the host, where the optimizer steps.
+`check_not_sharding` and `check_sharded` refuse the wrong orders (``fully_shard`` after
+`hr.offload`; DTensors FSDP2 does not manage). See docs/data_parallel.md.
 """
 
 from __future__ import annotations
@@ -73,18 +65,9 @@ def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_sharded(model: nn.Module, what: str) -> bool:
-    """Whether ``model`` is sharded by FSDP2; raises for DTensor parameters FSDP2 does not own.
-
-    Args:
-        model: the model.
-        what: the entry point asking (for the message).
-
-    Raises:
-        RuntimeError: a DTensor parameter outside any ``fully_shard``ed module (tensor
-            parallel, ``distribute_tensor``): headroom cannot store it.
-    """
-    sharded = bool(fsdp_modules(model))
-    if sharded:
+    """Whether ``model`` is sharded by FSDP2; raises for DTensor parameters FSDP2 does not own
+    (``what``: the entry point asking, for the message)."""
+    if fsdp_modules(model):
         return True
     for name, p in model.named_parameters():
         if is_dtensor(p):
@@ -102,11 +85,9 @@ _FSDP_CODES: tuple | None = None
 
 
 def _being_sharded(module: nn.Module, recurse: bool) -> bool:
-    """Whether ``fully_shard`` is listing ``module``'s parameters. Applied to ``module`` itself,
-    it registered itself in the module (torch's composable-API registry) before listing them;
-    applied to a module above, it lists each module it manages with ``recurse=False`` and
-    leaves no mark on them before: only then is the stack walked (never on the listing of a
-    training loop, which recurses)."""
+    """Whether ``fully_shard`` is listing ``module``'s parameters: it registered itself in the
+    module first, or (applied above) lists it with ``recurse=False``, when the stack is walked
+    (never for a training loop's listing, which recurses)."""
     from torch.distributed._composable.contract import REGISTRY_KEY
 
     if "fully_shard" in (module.__dict__.get(REGISTRY_KEY) or ()):
@@ -134,13 +115,9 @@ def _called_from_fully_shard(depth: int = 64) -> bool:
 
 def check_not_sharding(module: nn.Module, *, listing: bool, recurse: bool = True,
                        whole: bool = False) -> None:
-    """Raise if ``fully_shard`` is being applied to (or has wrapped) an offloaded module.
-
-    Called where an offloaded root or block lists its parameters (``listing``, ``recurse``
-    as given to ``named_parameters``: sees ``fully_shard`` at its call, see `_being_sharded`)
-    and where it is called (``whole``, for the root: a submodule inside a block, which lists
-    nothing of ours when it is sharded, is seen before the next forward).
-    """
+    """Raise if ``fully_shard`` is being applied to (or has wrapped) an offloaded module: at
+    its parameter listing (``listing``, ``recurse``), or its call (``whole``, for the root:
+    a sharded submodule inside a block is seen before the next forward)."""
     cls = _fsdp_module_class()
     if cls is None:
         return
@@ -155,9 +132,8 @@ def check_not_sharding(module: nn.Module, *, listing: bool, recurse: bool = True
 
 
 def _any_sharded(module: nn.Module, cls: type) -> bool:
-    # NOTE: fully_shard gives each module it wraps a class of its own deriving from FSDPModule
-    # (a plain mixin): with no such class in the process, nothing is sharded, and the walk of
-    # every module at each forward of the root is skipped.
+    # NOTE: fully_shard gives each module it wraps a subclass of FSDPModule: with none in the
+    # process nothing is sharded, and the walk at each forward is skipped
     return bool(cls.__subclasses__()) and any(isinstance(m, cls) for m in module.modules())
 
 
@@ -199,18 +175,8 @@ def _fsdp_params(module: nn.Module) -> list:
 def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Store,
                     blocks: Iterable[nn.Module] | None,
                     compute_dtype: torch.dtype | None, prefetch: int = 1) -> nn.Module:
-    """`hr.offload` of a model whose blocks and root were ``fully_shard``ed; see the module doc.
-
-    With a store that holds no host memory (a `DiskStore`), each unit's shards are read into
-    host memory for its all-gather and the next ``prefetch`` units' are read ahead (see
-    `headroom.residency._sharded_disk`); with host memory, FSDP2 copies from the store.
-
-    Raises:
-        ValueError: ``compute_dtype`` (use FSDP2's ``MixedPrecisionPolicy``); ``blocks`` that
-            are not ``fully_shard``ed modules of ``model``.
-        RuntimeError: the model is offloaded already, is inside a forward or backward, or its
-            mesh's device is not ``device``.
-    """
+    """`hr.offload` of a model whose blocks and root were ``fully_shard``ed (a `DiskStore`:
+    `headroom.residency._sharded_disk`); each refusal says its cause and fix."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
@@ -274,9 +240,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
         for h in state.handles.values():
             st.free(h)
         raise
-    # Interrupted half-way (an error, Ctrl-C), the parameters moved so far go back to the
-    # device and the store is freed: the model is left as FSDP2 alone had it, not half-offloaded
-    # with no record hr.unoffload could undo.
+    # interrupted half-way, what moved goes back and the store is freed: as FSDP2 alone had it
     model.__dict__[_ATTR] = state
     try:
         for key, fp, _ in pending:
@@ -294,7 +258,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
 
 def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
                      prefetch: int) -> nn.Module:
-    """The shards of ``pending`` into a store without host memory (see `_sharded_disk`)."""
+    """The shards of ``pending`` into a store without host memory."""
     disk = DiskShards(state.store, state.device, prefetch=prefetch)
     try:
         for key, fp, group in pending:
@@ -303,8 +267,7 @@ def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
         for sh in disk.shards.values():
             state.store.free(sh.handle)
         raise
-    # From here on nothing reads the disk: an interruption puts back what was moved (from
-    # the shards still in memory) and frees the store, as for host memory.
+    # from here nothing reads the disk: an interruption undoes all, as for host memory
     state.disk = disk
     state.handles = {k: sh.handle for k, sh in disk.shards.items()}
     model.__dict__[_ATTR] = state
@@ -326,7 +289,7 @@ def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
             m.__dict__.pop("_apply", None)
         for key, fp in state.params.items():
             unbind(fp.sharded_param)
-            _rest_back(fp, originals[key].to(state.device), state.device)
+            _set_shard(fp, originals[key].to(state.device), state.device, host=False)
         model.__dict__.pop(_ATTR, None)
         for h in state.handles.values():
             state.store.free(h)
@@ -342,36 +305,37 @@ def _local_name(unit: nn.Module, module: nn.Module, attr: str) -> str:
 
 
 def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
-    """Make ``flat`` (host memory) the FSDPParam's padded local shard, for FSDP2's host path."""
+    _set_shard(fp, flat, "cpu", host=True, pin=pin)
+
+
+def _set_shard(fp, flat: torch.Tensor, grad_device, *, host: bool, pin: bool = False) -> None:
+    """Make ``flat`` (1-D, padded) the FSDPParam's local shard: in host memory on FSDP2's host
+    path (``host``), or on the mesh's device off it."""
     old = fp.sharded_param
     shard_dim = fp.fsdp_placement.dim
     length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
     local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
     grad = old.grad
-    # NOTE: a new DTensor whose device is the host (a DTensor's device is its local tensor's):
-    # FSDP2 copies it to the mesh's device before the all-gather and puts the reduce-scattered
-    # gradient shard beside it. The optimizer must be built after this (as after fully_shard).
-    # Built before the FSDPParam is changed, so a failure here leaves it as it was.
+    # NOTE: a new DTensor on the host (its device is its local tensor's): FSDP2 copies it to
+    # the mesh's device before the all-gather. Built before the FSDPParam is changed, so a
+    # failure leaves it as it was.
     new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
     if grad is not None:
-        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to("cpu"))
-    # The parameter object stays the one the model had: an optimizer built before hr.offload
-    # holds it, and now steps (or, where it cannot, refuses) the shard in the store rather
-    # than a tensor the model no longer uses.
+        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(grad_device))
+    # the parameter object stays (an optimizer built before holds it): its contents swapped
     _swap(old, new)
     fp._sharded_param_data = flat
-    fp.offload_to_cpu = True
-    # NOTE: only if the store's memory is page-locked: FSDP2 re-pins a shard that is not
-    # (a copy, at its lazy init), which would part the parameter from the store.
-    fp.pin_memory = pin and flat.is_pinned()
+    fp.offload_to_cpu = host
+    # NOTE: only if page-locked: FSDP2 re-pins (copies) a shard that is not, at its lazy init,
+    # which would part the parameter from the store
+    fp.pin_memory = host and pin and flat.is_pinned()
     fp.sharded_param = old
     fp._setattr_on_modules(old)
 
 
 def conversions(fn, dtypes, device: torch.device) -> list[tuple[torch.dtype, torch.Tensor]]:
-    """What ``fn`` (the function of a ``Module._apply``: ``.half()``, ``.to()``, ...) makes of an
-    empty tensor of each of ``dtypes`` on ``device``: ``(dtype, result)`` pairs, for the
-    results that are tensors. Checked before anything of a model changes."""
+    """``(dtype, result)`` of ``fn`` (a ``Module._apply``'s) on an empty tensor of each of
+    ``dtypes`` on ``device``, where the result is a tensor."""
     out = []
     for dtype in sorted(dtypes, key=str):
         got = fn(torch.empty(0, dtype=dtype, device=device))
@@ -394,8 +358,7 @@ def _swap(old: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def _guard_moves(model: nn.Module, state: ShardedOffload) -> None:
-    """``.half()``, ``.to(...)``, ``.cuda()`` on the model or any module over an offloaded
-    shard (``Module._apply``, FSDP2's included) go through `_guarded_apply` first."""
+    """``Module._apply`` of any module over an offloaded shard goes through `_guarded_apply`."""
     ids = {id(fp.sharded_param) for fp in state.params.values()}
     for m in model.modules():
         if any(id(p) in ids for p in m.parameters()):
@@ -404,10 +367,9 @@ def _guard_moves(model: nn.Module, state: ShardedOffload) -> None:
 
 
 def _guarded_apply(model: nn.Module, module: nn.Module, fn, recurse: bool = True):
-    """``module._apply(fn)`` over offloaded shards, which rest on the host and in the store:
-    a conversion of their dtype, or a move to another device than the mesh's, is refused
-    before anything changes (FSDP2 would copy them out of the store, or fail in forward); a
-    move to the mesh's device leaves them where they are and applies to the rest."""
+    """``module._apply(fn)`` over offloaded shards: a dtype conversion or a move off the mesh's
+    device is refused before anything changes; a move to it leaves them and applies to the
+    rest."""
     state = sharded_state_of(model)
     base = type(module)._apply
     if state is None:  # unoffloaded since
@@ -417,25 +379,18 @@ def _guarded_apply(model: nn.Module, module: nn.Module, fn, recurse: bool = True
         if out.dtype != dtype:
             raise RuntimeError(
                 f"{type(module).__name__} holds shards offloaded with hr.offload, which stay"
-                f" {dtype} in the store; converting them to {out.dtype} (.half(), .to(dtype))"
-                " is not done behind the store's back (FSDP2 itself does not support it after"
-                " fully_shard). To compute in another dtype give fully_shard a"
-                " MixedPrecisionPolicy(param_dtype=...); to change the stored dtype,"
+                f" {dtype} in the store; converting them to {out.dtype} is not done behind the"
+                " store's back. Give fully_shard a MixedPrecisionPolicy(param_dtype=...), or"
                 " hr.unoffload(model), convert, and offload again")
         if out.device.type != "cpu" and torch.device(out.device).type != state.device.type:
             raise RuntimeError(
                 f"{type(module).__name__} holds shards offloaded with hr.offload(device="
                 f"{str(state.device)!r}); moving them to {out.device} is not done behind the"
                 " store's back. Call hr.unoffload(model) first, then move it")
-    keep = set()
-    for fp in state.params.values():
-        for t in (fp.sharded_param, fp.sharded_param.grad):
-            if t is not None:
-                keep.add(id(t))
-    # NOTE: Module._apply swaps a DTensor parameter with a new one built from fn's result
-    # (torch.utils.swap_tensors), even when fn returns it unchanged: that would drop what the
-    # shard carries (its store binding, the host optimizer's gradient hooks). A shard kept
-    # here is not swapped.
+    keep = {id(t) for fp in state.params.values()
+            for t in (fp.sharded_param, fp.sharded_param.grad) if t is not None}
+    # NOTE: Module._apply swaps a DTensor parameter even when fn returns it unchanged, which
+    # would drop what the shard carries (its binding, gradient hooks): kept ones are not
     swap = torch.utils.swap_tensors
 
     def swap_unless_kept(t1, t2):
@@ -459,29 +414,10 @@ def unoffload_sharded(model: nn.Module) -> nn.Module:
         state.disk.unwrap()
         state.disk.drop_all()
         for key, fp in state.params.items():
-            _rest_back(fp, state.disk.take_back(state.disk.shards[key]).to(state.device),
-                       state.device)
+            flat = state.disk.take_back(state.disk.shards[key]).to(state.device)
+            _set_shard(fp, flat, state.device, host=False)
         return model
     for key, fp in state.params.items():
-        _rest_back(fp, fp._sharded_param_data.to(state.device).clone(), state.device)
+        _set_shard(fp, fp._sharded_param_data.to(state.device).clone(), state.device, host=False)
         state.store.free(state.handles[key])
     return model
-
-
-def _rest_back(fp, flat: torch.Tensor, device: torch.device) -> None:
-    """Make ``flat`` (1-D, padded, on the mesh's device) the FSDPParam's shard, off the host
-    path."""
-    fp.offload_to_cpu = False
-    fp.pin_memory = False
-    old = fp.sharded_param
-    shard_dim = fp.fsdp_placement.dim
-    length = old._local_tensor.size(shard_dim) if old._local_tensor.numel() > 0 else 0
-    local = flat.view(fp.padded_sharded_param_size).narrow(shard_dim, 0, length)
-    grad = old.grad
-    fp._sharded_param_data = flat
-    new = nn.Parameter(fp.to_sharded_dtensor(local), requires_grad=old.requires_grad)
-    if grad is not None:
-        new.grad = fp.to_sharded_dtensor(grad._local_tensor.to(device))
-    _swap(old, new)  # the same parameter object, as for hr.offload
-    fp.sharded_param = old
-    fp._setattr_on_modules(old)

@@ -1,15 +1,11 @@
 """Guards around an offloaded model's root and blocks: failures, dtype/device moves, wrappers.
 
-Module hooks cannot see everything an offloaded model must react to: a forward that raises a
-``KeyboardInterrupt`` skips even ``always_call`` forward hooks (they catch ``Exception`` only),
-``model.half()`` or ``model.to(...)`` rewrite parameters through ``Module._apply``, and a
-backward that broke off in someone else's hook leaves no trace until the parameters are listed
-again. So the root and each block get a subclass of their own class (as
-``torch.nn.utils.parametrize`` and FSDP2's ``fully_shard`` do) that routes those entry points to
-the offload state, and makes ``copy.deepcopy`` give a plain copy (`headroom.residency._copy`),
-which is also what pickling (``torch.save(model)``) saves. The subclass keeps the class's name,
-module and qualname, and has the attributes `headroom.integrations` adds
-(`_events.guard_members`: DDP's construction-time check); `remove` restores the original class.
+Module hooks miss what an offloaded model must react to: a ``KeyboardInterrupt`` skips even
+``always_call`` forward hooks, ``.half()``/``.to()`` go through ``Module._apply``, and a backward
+that broke off leaves no trace until the parameters are listed. So the root and each block get a
+subclass of their own class (as ``parametrize`` and ``fully_shard`` do, keeping its name) that
+routes those to the offload state, gives a plain ``copy.deepcopy`` and pickle
+(`headroom.residency._copy`), and has `_events.guard_members`; `remove` restores the class.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ __all__ = ["Role", "guarded_state", "install", "remove"]
 
 _ROLE = "_headroom_role"
 _OFFLOAD = "_headroom_offload"  # the offload state, on the offloaded module
-#: The attributes `offload` sets on modules (the state on the offloaded module, the role of
-#: each block): what a copy of the model that drops the offload leaves out.
+#: The attributes `offload` sets on modules: what a copy that drops the offload leaves out.
 MODULE_ATTRS = (_OFFLOAD, _ROLE)
 _CLASSES: dict[type, type] = {}
 
@@ -91,13 +86,10 @@ def _guarded_class(cls: type) -> type:
                                   leave_out=MODULE_ATTRS)
 
     def __reduce_ex__(self, protocol):
-        # pickle (torch.save(model), a spawned process's argument): the plain copy that
-        # copy.deepcopy gives, under the original class. The guarded class itself cannot be
-        # pickled: it is not importable under the name it carries.
+        # pickled as the plain copy under the original class (the guarded one is not
+        # importable), loaded as operator.getitem([copy], 0): no headroom needed
         if self.__dict__.get(_ROLE) is None:
             return cls.__reduce_ex__(self, protocol)
-        # Unpickled as operator.getitem([copy], 0): loading needs neither headroom nor the
-        # guarded class, only the model's own classes.
         plain = copy.deepcopy(self)
         keep_for_child(plain)  # see its NOTE
         return operator.getitem, ([plain], 0)

@@ -1,20 +1,11 @@
-"""Parameters and buffers of an offloaded model that were created on ``meta``: values on demand.
+"""Parameters and buffers of an offloaded model created on ``meta``: values on demand.
 
-A model built on the ``meta`` device has shapes but no values. `hr.offload` gives each such
-parameter room in the store and marks it *pending*; the values come either from
-`headroom.load_weights` / ``load_state_dict`` / `headroom.load` (which write them and clear the
-mark), or, for whatever is still pending when a value is first needed (the first forward,
-``state_dict()``, `headroom.save`, `headroom.unoffload`), from the model's own initialization,
-module by module in registration order: the module's ``reset_parameters()``, or a Hugging Face
-model's ``_init_weights(module)``. So a model built on ``meta`` and loaded from a checkpoint is
-never initialized at random first, and one that is not loaded is initialized as the model
-initializes itself: for modules whose constructor calls ``reset_parameters()`` the values a CPU
-build gets (when nothing else drew random numbers in between); a Hugging Face model built on the
-CPU draws twice (each layer's constructor, then ``_init_weights``), so its values differ from
-the meta-built one's, from the same distributions.
-
-Buffers created on ``meta`` (e.g. a rotary embedding's ``inv_freq``) are filled the same way, on
-the compute device.
+Each such parameter gets room in the store and is *pending* until a load writes it; whatever is
+still pending when a value is first needed (the first forward, ``state_dict()``, `hr.save`) is
+initialized as the model initializes itself, module by module in registration order (its
+``reset_parameters()``, or a Hugging Face model's ``_init_weights``): a model loaded from a
+checkpoint is never initialized at random first. Buffers on ``meta`` (a rotary embedding's
+``inv_freq``) are filled the same way, on the compute device.
 """
 
 from __future__ import annotations
@@ -44,12 +35,8 @@ def initializer(root: nn.Module, module: nn.Module) -> Callable[[], None] | None
 
 @torch.no_grad()
 def init_pending(state: Offload, *, lost_ok: bool = False) -> None:
-    """Give every pending parameter and buffer of ``state``'s model its initial value.
-
-    Raises:
-        RuntimeError: some have no way to be initialized (their module has no
-            ``reset_parameters()`` and the model no ``_init_weights``); names them and the fix.
-    """
+    """Give every pending parameter and buffer of ``state``'s model its initial value; raises
+    naming those with no way to be initialized."""
     if not state.pending_modules:
         return
     order = {id(m): i for i, m in enumerate(state.model.modules())}
@@ -80,8 +67,7 @@ def init_pending(state: Offload, *, lost_ok: bool = False) -> None:
 
 
 def prune_pending(state: Offload) -> None:
-    """Forget the modules with nothing pending any more (loaded, or taken out of the model):
-    the list holds them strongly."""
+    """Forget the modules with nothing pending any more (the dict holds them strongly)."""
     state.pending_modules = {k: m for k, m in state.pending_modules.items()
                              if any(not s.binding.has_value for _, s in _own_slots(state, m))
                              or any(b is not None and b.device.type == "meta"
@@ -89,10 +75,9 @@ def prune_pending(state: Offload) -> None:
 
 
 def _lost_adapters(state: Offload, lost_ok: bool) -> set[int]:
-    """Adapters created on ``meta`` (PEFT wrapped a model built on meta: it initialized them on
-    the CPU, then moved them to the base weight's device) have lost their initial values, and
-    the model's own initialization is not theirs (a LoRA ``B`` starts at zero). Refuse rather
-    than initialize them some other way; ``lost_ok``: return their modules, left pending."""
+    """Refuse adapters created on ``meta`` (PEFT wrapped a model built on meta): their initial
+    values are lost, and the model's initialization is not theirs (a LoRA ``B`` starts at
+    zero). ``lost_ok``: return their modules, left pending."""
     wrappers = [f"{n}." for n, m in state.model.named_modules()
                 if isinstance(m._modules.get("base_layer"), nn.Module)]
     if not wrappers:
@@ -127,9 +112,8 @@ def _own_slots(state: Offload, module: nn.Module):
 
 
 def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots, buffers) -> None:
-    """Run ``init`` on host tensors in place of ``module``'s own parameters (a pending one's in
-    the store's own memory where the store has it, else a temporary); store the pending ones;
-    keep the buffers it filled, on the compute device."""
+    """Run ``init`` on host tensors in place of ``module``'s parameters (a pending one's in the
+    store's memory where it has some), store the pending ones, keep the filled buffers."""
     own = list(_own_slots(state, module))
     pending = {id(s) for _, s in slots}
     temps = {}
@@ -137,9 +121,7 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
     for attr, s in own:
         h = s.binding.handle
         host = state.store.host_tensor(h) if id(s) in pending else None
-        if host is not None:
-            # No temporary and no copy into the store: the store's memory is the tensor the
-            # initializer fills (nothing reads it before has_value is set).
+        if host is not None:  # filled in the store (nothing reads it before has_value)
             t = _unset_into(host)
             in_place[attr] = host
         else:
@@ -154,8 +136,7 @@ def _run_init(state: Offload, module: nn.Module, init: Callable[[], None], slots
     finally:
         for attr, s in own:
             module._parameters[attr] = s.param
-    # An initializer that does not know this module (a Hugging Face _init_weights for a
-    # custom layer) leaves the NaNs in place: report it rather than store garbage.
+    # an initializer that does not know this module leaves the NaNs: refused, not stored
     left = [a for a, _ in slots if _still_unset(temps[a])]
     left += [n for n, _ in buffers if _still_unset(module._buffers[n])]
     if left:
@@ -190,6 +171,5 @@ def _still_unset(t: torch.Tensor) -> bool:
     if not (t.is_floating_point() or t.is_complex()):
         return False
     t = t.detach()
-    # A NaN anywhere makes the sum NaN: one read, no mask. A NaN sum without one (inf - inf)
-    # falls back to the element-wise check.
+    # a NaN makes the sum NaN (one read, no mask); a NaN sum without one (inf - inf) is rechecked
     return bool(torch.isnan(t.sum())) and bool(torch.isnan(t).any())

@@ -1,7 +1,4 @@
-"""Parameter offload, the public entry points: `offload`, `unoffload`, `describe`.
-
-See `headroom.residency._schedule` for how blocks move between the store and the device.
-"""
+"""Parameter offload's public entry points: `offload`, `unoffload`, `describe`, `prefetch`."""
 
 from __future__ import annotations
 
@@ -57,8 +54,7 @@ _ATTR = _guard._OFFLOAD
 
 
 def _replica_wrapper(m: nn.Module) -> str | None:
-    """The name of the data-parallel wrapper ``m`` is, or ``None``: ``DistributedDataParallel``,
-    ``DataParallel``, FSDP1's ``FullyShardedDataParallel`` or headroom's own."""
+    """The name of the data-parallel wrapper ``m`` is, or ``None``."""
     if getattr(type(m), "_headroom_data_parallel", False):
         return "hr.data_parallel"
     from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -74,9 +70,7 @@ def _replica_wrapper(m: nn.Module) -> str | None:
 
 
 def _check_not_replicated(model: nn.Module) -> None:
-    """Refuse a model that a data-parallel wrapper already holds (the wrapper itself, or one
-    inside it): the wrapper hooked the parameters before headroom moved them, so it would never
-    see a gradient and the replicas would silently drift apart."""
+    """Refuse a model a data-parallel wrapper already holds (or holds a part of)."""
     for name, m in model.named_modules():
         kind = _replica_wrapper(m)
         if kind is None:
@@ -89,15 +83,12 @@ def _check_not_replicated(model: nn.Module) -> None:
         fix = ("use FSDP2 instead (fully_shard each block and the root, then hr.offload:"
                " docs/data_parallel.md)" if "FSDP1" in kind else
                "unwrap it (model = wrapped.module), hr.offload(model, ...), then"
-               " model = hr.data_parallel(model), which runs DDP for the parameters on the device"
-               " and all-reduces the offloaded gradients itself. With accelerate: call hr.offload"
-               " and hr.data_parallel before accelerator.prepare, and pass prepare the optimizer"
-               " and data loaders only, not the model")
+               " model = hr.data_parallel(model). With accelerate: call both before"
+               " accelerator.prepare, and pass prepare the optimizer and data loaders only")
         raise RuntimeError(
             f"hr.offload got {where}, wrapped by {kind} (e.g. by accelerate's prepare): the"
-            " wrapper hooked the parameters before headroom moved them to a store, so no"
-            " offloaded gradient would reach it and the replicas would silently diverge. Offload"
-            f" before wrapping: {fix}")
+            " wrapper hooked the parameters before headroom moved them, so no offloaded"
+            f" gradient would reach it and the replicas would silently diverge. {fix}")
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -115,69 +106,55 @@ def offload(
     """Keep ``model``'s parameters and gradients in a store; stream each block to ``device``.
 
     Changes the model in place and returns it. Afterwards ``model.parameters()`` yields the
-    *masters*: with ``store="cpu"`` they are host tensors whose ``.grad`` is filled by backward,
-    so ``torch.optim.AdamW(model.parameters())`` works unchanged and steps on the host (as in
-    ZeRO-offload); with a `DiskStore` they are `headroom.transfer.StoreTensor` objects on the CPU
-    whose ops (and their ``.grad``'s: ``clip_grad_norm_``, ``GradScaler``, ``p.grad.norm()``)
-    run on the values on disk, and an optimizer must go through the store
-    (``hr.HostOptimizer``). Inputs must be on ``device``; buffers are moved there and stay.
+    *masters*: with ``store="cpu"`` host tensors whose ``.grad`` backward fills, so any
+    ``torch.optim`` optimizer steps them on the host (as in ZeRO-offload); with a `DiskStore`
+    `headroom.transfer.StoreTensor` objects whose ops (and their ``.grad``'s) run on the values
+    on disk, stepped through the store by ``hr.HostOptimizer``. Inputs must be on ``device``;
+    buffers are moved there and stay.
 
     A model whose blocks and root were sharded with FSDP2's ``fully_shard`` keeps each rank's
-    local shards in the store instead (FSDP2 keeps its collectives and copies each unit's shard
-    to ``device`` before its all-gather; with a `DiskStore` each unit's shards are read into
-    host memory for its all-gather, ``prefetch`` units ahead; ``blocks`` are then
-    ``fully_shard``ed modules): see docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+    local shards in the store instead (``blocks`` are then ``fully_shard``ed modules): see
+    docs/data_parallel.md, "Sharded: FSDP2 + headroom".
 
-    Nothing outside the model and its optimizer keeps what this makes alive: dropped (with or
-    without `unoffload`), the model, its store and the store's threads, files and folder lock go
-    at the next garbage collection. Pickled (``torch.save``, a spawned process's argument) or
-    ``copy.deepcopy``-ed, it gives a plain model holding the current values.
+    Nothing outside the model and its optimizer keeps what this makes alive: dropped, the model,
+    its store and the store's threads, files and lock go at the next garbage collection.
+    Pickled or ``copy.deepcopy``-ed, it gives a plain model holding the current values.
 
     Args:
-        model: the model; quantized parameters (bitsandbytes' ``Params4bit`` and
-            ``Int8Params``, torchao's quantized tensors) rest in the store packed, as they are
-            (see headroom.residency._packed), and do not train; its parameters may be
-            anywhere, including the ``meta`` device:
-            such parameters get their values in the store from ``hr.load_weights`` or, if
-            still unfilled when a value is first needed (the first forward, ``hr.save``), from
-            their module's own initialization, one module at a time, so a model bigger than
-            RAM never exists whole.
+        model: the model; quantized parameters (bitsandbytes', torchao's) rest in the store
+            packed and do not train. Parameters on the ``meta`` device get their values from
+            ``hr.load_weights`` or, if still unfilled when first needed, from their module's
+            own initialization, one module at a time (the model never exists whole).
         device: where computation runs (``"cuda"``, any ``torch.accelerator``, or ``"cpu"``).
         store: ``"cpu"`` (host memory; pinned from a pool with a byte budget when ``device``
             is an accelerator) or a store such as ``hr.DiskStore(path)`` for models bigger than
             host memory (slower: disk bandwidth bounds each step).
         blocks: the submodules fetched and released together; by default the largest group of
-            similar siblings (a transformer's layers, a CNN's stages), plus any module outside
-            them holding at least half a block of parameters (an untied embedding or head).
-            The remaining parameters, and any shared by several blocks, form one more group that
-            is resident from the start of forward to the end of backward. Smaller blocks use
-            less device memory but give transfers less compute to hide behind.
+            similar siblings (a transformer's layers), plus any module outside them holding at
+            least half a block of parameters (an untied embedding or head). The rest, and
+            parameters shared by several blocks, form one group resident from the start of
+            forward to the end of backward. Smaller blocks use less device memory but give
+            transfers less compute to hide behind.
         prefetch: how many blocks ahead to start fetching (forward order, and reverse order in
             backward). Each costs one block of device memory; 0 disables overlap.
         compute_dtype: dtype of the device copies of floating-point parameters (e.g.
-            ``torch.bfloat16``); masters and gradients in the store stay in their own dtype
-            (fp32), gradients accumulate there. Opt-in and not bitwise equal to fp32 training.
-        grad_accumulation: where the gradients of several backward passes before a step
-            (gradient accumulation) are summed. ``"store"``: each backward's gradient goes to
-            the store and is added there (on the host, or read, added and written back on
-            disk). ``"device"``: a gradient that ``param.grad`` reads through the store (on a
-            `DiskStore`; and in host memory the fp32 gradients `hr.HostOptimizer` keeps for
-            bf16/fp16 parameters) is summed on ``device`` instead, in the stored gradient's
-            dtype (bitwise the same sum), and handed to the store once, when it is read (the
-            optimizer's step, ``param.grad``, ``clip_grad_norm_``, `hr.data_parallel`'s
-            all-reduce after ``no_sync`` micro-batches) or, inside
-            ``HostOptimizer.final_backward``, as the last backward completes it. Costs one
-            gradient per parameter on ``device`` (4 bytes per parameter in fp32) from the
-            first backward to the step; saves the host's or the disk's traffic of every
-            backward but one.
-        adapters: where adapters live: the parameters of PEFT's tuner layers (LoRA's
-            ``lora_A``/``lora_B``, ...; a module with a ``base_layer`` holds them beside it),
-            whether wrapped before ``hr.offload`` or after. ``"device"``: they stay on
-            ``device`` as ordinary parameters (hundreds of tiny tensors, which a store would
-            cost a fixed amount of work each per step; any optimizer steps them there).
-            ``"store"``: offloaded with their layers' blocks like every other parameter.
-            Adapters created on ``meta`` rest in the store either way, until loaded or
-            initialized (`hr.init_adapters`).
+            ``torch.bfloat16``); masters and gradients in the store keep their own dtype. Not
+            bitwise equal to fp32 training.
+        grad_accumulation: where the gradients of several backward passes before a step are
+            summed. ``"store"``: in the store (on disk: read, added, written back).
+            ``"device"``: a gradient read through the store (on a `DiskStore`, or the fp32
+            gradients `hr.HostOptimizer` keeps for bf16/fp16 parameters) is summed on
+            ``device`` in the stored dtype (bitwise the same sum) and handed to the store once,
+            when read (the step, ``param.grad``, ``clip_grad_norm_``, `hr.data_parallel`'s
+            all-reduce) or as the last backward of ``HostOptimizer.final_backward`` completes
+            it. Costs one gradient per parameter on ``device`` until the step; saves the store
+            traffic of every backward but one.
+        adapters: where the parameters of PEFT's tuner layers (LoRA's ``lora_A``/``lora_B``;
+            beside a ``base_layer``) live, wrapped before ``hr.offload`` or after.
+            ``"device"``: ordinary parameters on ``device`` (hundreds of tiny tensors a store
+            would cost work each per step). ``"store"``: offloaded with their blocks. Adapters
+            created on ``meta`` rest in the store either way until loaded or initialized
+            (`hr.init_adapters`).
 
     Returns:
         ``model``.
@@ -186,11 +163,9 @@ def offload(
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: ``device`` is not available, or the model (or a part of it) is already
             offloaded; DTensor parameters that FSDP2 does not manage.
-        NotImplementedError: a `DiskStore` for a ``fully_shard``ed model.
+        NotImplementedError: ``grad_accumulation="device"`` for a ``fully_shard``ed model.
         ValueError: bad ``blocks``, ``prefetch``, ``compute_dtype`` or
-            ``grad_accumulation``; a quantized parameter that cannot rest packed (it requires
-            grad, is not quantized yet, or its class cannot be split into plain tensors; the
-            message says which).
+            ``grad_accumulation``; a quantized parameter that cannot rest packed.
         StoreFullError / PermissionError: the store cannot hold the parameters.
 
     Example:
@@ -213,11 +188,9 @@ def offload(
         if grad_accumulation != "store":
             raise NotImplementedError(
                 "grad_accumulation='device' is not supported for a fully_shard()ed model: FSDP2"
-                " reduce-scatters every backward's gradients into the shards; leave the default"
-                " ('store'). To sum micro-batches on the device, use FSDP2's own:"
-                " model.set_requires_gradient_sync(False) for all but the last backward keeps"
-                " the unsharded gradients there until it")
-        # Each rank's local shards rest in the store; FSDP2 keeps its collectives.
+                " reduce-scatters every backward's gradients into the shards: leave the"
+                " default. To sum micro-batches on the device, call"
+                " model.set_requires_gradient_sync(False) for all but the last backward")
         _dtensor.offload_sharded(model, device=dev, store=store, blocks=blocks,
                                  compute_dtype=compute_dtype, prefetch=prefetch)
         _need(_dtensor.sharded_state_of(model))  # torch.optim refused on shards on disk
@@ -229,9 +202,8 @@ def offload(
 def offload_dry_run(model: nn.Module, store: MetaStore, *, blocks: Iterable[nn.Module] | None,
                     prefetch: int, compute_dtype: torch.dtype | None, grad_accumulation: str,
                     adapters: str, kept: Iterable[str] | None) -> Offload:
-    """`offload` on a dry run's ``meta`` copy of a model (`headroom.fit`), onto the ``meta``
-    device, the masters in ``store``; ``kept``: the names of the parameters kept on the
-    device, as an offloaded model keeps them, or ``None``: as ``adapters`` says."""
+    """`offload` of a dry run's ``meta`` copy of a model (`headroom.fit`) onto ``meta``;
+    ``kept``: the names of the parameters kept on the device, or ``None``: as ``adapters``."""
     with warnings.catch_warnings():  # what it says of the model, the estimate says too
         warnings.simplefilter("ignore")
         _offload(model, torch.device("meta"), store, blocks, prefetch, compute_dtype,
@@ -240,11 +212,8 @@ def offload_dry_run(model: nn.Module, store: MetaStore, *, blocks: Iterable[nn.M
 
 
 def _kept_ids(module: nn.Module, kept: Iterable[str] | None, adapters: str) -> str | set[int]:
-    """What `layout` keeps on the device in a dry run's ``meta`` copy (`offload_dry_run`).
-
-    NOTE: every parameter of the copy is ``meta``, which `layout` takes for an adapter still
-    without values (one that rests in the store): the adapters are named here instead.
-    """
+    """What `layout` keeps on the device in a dry run's copy: named here, as `layout` takes a
+    ``meta`` adapter for one without values (resting in the store)."""
     if kept is not None:
         named = dict(module.named_parameters(remove_duplicate=False))
         return {id(named[n]) for n in kept if n in named}
@@ -296,9 +265,7 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
     first_name = lay.names
     claimed = claimed_keys(st)
     if any(first_name[pid] in claimed for pid in lay.params):
-        # A model that is unreachable but caught in a reference cycle still holds its keys
-        # until the cycle collector runs: collect once before calling it a conflict.
-        gc.collect()
+        gc.collect()  # an unreachable model in a reference cycle holds its keys until then
     for pid, p in lay.params.items():  # validate before changing anything
         name = first_name[pid]
         if is_packed(p):
@@ -311,8 +278,7 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
                     " head; give each model its own store (or DiskStore directory)"
                 )
             _check_stored(st.get(name), p, name)
-    # The model's claims end with it: a model dropped without hr.unoffload leaves its keys to
-    # the next owner (the finalizer holds the sets, not the state).
+    # a model dropped without hr.unoffload leaves its keys (the finalizer holds the sets)
     weakref.finalize(state, claimed.difference_update, state.claims)
     placed: list[tuple[Slot, nn.Parameter, bool]] = []
     _need(state)
@@ -332,12 +298,10 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
                     m._buffers[bname] = buf.to(dev)
                 state.buffers.append(f"{mname}.{bname}" if mname else bname)
 
-    # Hooks: root, blocks, state dict.
-    # NOTE: the forward hooks fetch, release and swap parameters: never traced into a graph by
-    # torch.compile. Disabled for dynamo, each is a graph break, so a compiled offloaded model
-    # is cut at its blocks' edges and each block's forward is a graph of its own, whose backward
-    # runs between headroom's backward hooks as in eager mode. (Disabled here rather than where
-    # they are defined: that would import torch._dynamo with headroom.residency.)
+    # NOTE: the forward hooks fetch, release and swap parameters: never traced by
+    # torch.compile. Each is a graph break, so each block's forward is a graph of its own,
+    # whose backward runs between headroom's hooks as in eager mode. (Disabled here: where they
+    # are defined would import torch._dynamo with headroom.residency.)
     eager = torch.compiler.disable
     h = state.handles
     h.append(model.register_forward_pre_hook(eager(state.root_pre_forward), with_kwargs=True,
@@ -350,20 +314,12 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
                                                     with_kwargs=True, prepend=True))
         h.append(b.module.register_forward_hook(eager(partial(state.post_forward, b)),
                                                 with_kwargs=True))
-    seen_mods: set[int] = set()
-    for s in [*state.slots, *state.packed]:
-        for m, _ in s.owners:
-            if id(m) in seen_mods:
-                continue
-            seen_mods.add(id(m))
-            _outside.install(state, m)
-            h.append(m.register_state_dict_post_hook(partial(Offload.state_dict_hook, state)))
-            h.append(m.register_load_state_dict_pre_hook(
-                partial(Offload.load_state_dict_pre_hook, state)))
+    for m in {id(m): m for s in [*state.slots, *state.packed] for m, _ in s.owners}.values():
+        _adopt.hook_state_dict(state, m)
     if dev.type == "cpu":
         trim_heap()  # the device copies were allocated once above, and freed
     object.__setattr__(model, _ATTR, state)
-    # After every other step succeeded: a failed offload leaves the classes alone.
+    # last: a failed offload leaves the classes alone
     _guard.install(model, state)
     for b in state.blocks:
         _guard.install(b.module, _GroupRole(state, b))
@@ -379,9 +335,7 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
     return model
 
 
-# The parameter objects hr.offload replaced (a master on disk is a new StoreTensor parameter):
-# an optimizer built before hr.offload still holds them, and would step tensors the model no
-# longer uses. id -> the object (a weak reference: the model no longer holds it).
+# id -> a parameter object hr.offload replaced (weakly): an optimizer built before holds it
 _REPLACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -390,7 +344,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
     """Move every parameter's master into the store and give it a device copy and hooks."""
     owners, params, first_name = lay.owners, lay.params, lay.names
     packed = {pid for pid, p in params.items() if is_packed(p)}
-    # The masters new to the store, carved from one slab when it is page-locked host memory.
+    # the masters new to the store: one slab when it is page-locked host memory
     st.reserve([p.numel() * p.element_size() for pid, p in params.items()
                 if first_name[pid] not in st and pid not in packed])
     for pid, p in params.items():
@@ -400,11 +354,9 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
             _place_packed(state, st, dev, p, name, owners[pid],
                           state.blocks[g] if g >= 0 else state.rest, claimed, placed)
             continue
-        # A parameter already in the store (a DiskStore reopened by a later run) is
-        # resumed when the model has no values for it (meta) and overwritten when it has.
+        # one already in the store (a DiskStore reopened) is resumed when the model has no
+        # values for it (meta), else overwritten; one new on meta gets its values later (_meta)
         resume = name in st and p.device.type == "meta"
-        # One created on meta gets room in the store now and its values later, from a
-        # checkpoint or its module's initialization (see headroom.residency._meta).
         pending = p.device.type == "meta" and not resume and not isinstance(st, MetaStore)
         if not p.is_leaf:
             raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
@@ -434,9 +386,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 master.data = host
             if master.grad is not None:
                 master.grad = None
-        else:
-            # NOTE: values on disk: the master is a tensor whose ops run on the stored values
-            # (torch's utilities and frameworks read it, and its gradient, as tensors).
+        else:  # on disk: a tensor whose ops run on the stored values
             master = nn.Parameter(
                 stored_view(HandleSource(st, handle, prepare=state.init_pending),
                             tuple(p.shape), dtype=p.dtype),
@@ -466,9 +416,8 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
         state.by_dev[id(dev_param)] = slot
         state.by_param[id(master)] = slot
         if p.is_floating_point() or p.is_complex():
-            # Hooks need requires_grad at registration and survive toggling it, so a
-            # parameter frozen now still routes its gradient if it is unfrozen later.
-            # The hooks hold the state weakly (see weak_post_accumulate_grad_hook).
+            # registered with requires_grad on (they survive toggling it: one frozen now still
+            # routes its gradient once unfrozen); they hold the state weakly
             for t, fn, args in ((dev_param, state.grad_hook, ()),
                                 (master, state.bypass_hook, (slot.name,))):
                 rg = t.requires_grad
@@ -519,8 +468,7 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
 
 
 def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
-    """Undo the placement of ``placed`` (parameters back in their modules, store entries
-    freed); the rest of the offloaded model is left as it is."""
+    """Undo the placement of ``placed`` alone (parameters back, store entries freed)."""
     for slot, original, created in reversed(placed):
         if slot is None or isinstance(slot, Packed):
             _unplace_packed(state, st, claimed, slot, original, created)
@@ -539,7 +487,7 @@ def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
         state.claims.discard(slot.binding.handle.key)
-        for coll in (slot.group.slots, state.slots):  # as `_unplace_packed` does
+        for coll in (slot.group.slots, state.slots):
             if slot in coll:
                 coll.remove(slot)
         state.by_dev.pop(id(slot.dev), None)
@@ -549,15 +497,9 @@ def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None
 _adopt.use_placement(_place, _unplace)  # parameters added later are placed alike
 
 
-def release_claim(state: Offload, key: str) -> None:
-    """``state``'s model no longer uses ``key`` of its store (see [Note: one writer per key])."""
-    claimed_keys(state.store).discard(key)
-    state.claims.discard(key)
-
-
 def _unplace_packed(state: Offload, st: Store, claimed: set[str], q: Packed | None,
                     original: torch.Tensor, created: list[str]) -> None:
-    """Undo `_place_packed`: the original parameter back in its modules, new entries freed."""
+    """Undo `_place_packed`."""
     if q is not None:
         q.unbind_owners()
         q.show(original)
@@ -585,10 +527,9 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
 
 # [Note: the optimizer hooks live while something needs them]
 # torch's global optimizer step hooks see every optimizer of the process: installed with the
-# first thing they guard, removed with the last (unoffloaded, put back by a failed offload, or
-# collected: weakref.finalize): a live offload state (plain or sharded; its device copies are
-# refused with it), a parameter `offload` replaced (an optimizer built before holds it), a
-# master on disk. _NEEDS: id -> its finalizer.
+# first thing they guard, removed with the last (unoffloaded, undone, or collected): a live
+# offload state (plain or sharded), a parameter `offload` replaced, a master on disk.
+# _NEEDS: id -> its finalizer.
 _NEEDS: dict[int, weakref.finalize] = {}
 _HOOKS: list = []  # the two handles while installed
 _RUNNING: list = []  # one entry per hook body running (list append/pop: atomic, lock-free)
@@ -613,9 +554,8 @@ def _end_need(obj) -> None:
 
 
 def _forget(key: int) -> None:
-    # NOTE: runs in finalizers, on any thread: no locks, no joins. torch iterates the hook
-    # dicts while it calls the hooks, so while a hook body runs the handles stay (the next
-    # need's end removes them; meanwhile the hooks return at once).
+    # NOTE: runs in finalizers, on any thread: no locks, no joins. While a hook body runs
+    # (torch iterates the hook dicts) the handles stay; the next need's end removes them.
     _EPOCH[0] += 1
     _NEEDS.pop(key, None)
     if not _NEEDS and not _RUNNING:
@@ -625,7 +565,7 @@ def _forget(key: int) -> None:
 
 def _guarded(opt) -> bool:
     """Whether ``opt`` holds a parameter the hooks guard; cached per optimizer until its
-    groups or what is guarded change, so an unrelated optimizer's step costs O(groups)."""
+    groups or what is guarded change (an unrelated optimizer's step costs O(groups))."""
     lists = [g["params"] for g in opt.param_groups]
     seen = getattr(opt, _VERDICT, None)
     if seen is not None and seen[1] == _EPOCH[0] and len(seen[0]) == len(lists) and all(
@@ -633,8 +573,7 @@ def _guarded(opt) -> bool:
         return seen[2]
     hit = any(_REPLACED.get(id(p)) is p or type(p) is DeviceCopy or binding(p) is not None
               for ps in lists for p in ps)
-    # NOTE: on the optimizer, not in a map keyed by it: the lists it holds anyway stay its
-    # own (a module-level map would hold a dropped model one collection longer)
+    # NOTE: on the optimizer: a module-level map would hold a dropped model longer
     setattr(opt, _VERDICT, ([(ps, len(ps)) for ps in lists], _EPOCH[0], hit))
     return hit
 
@@ -648,8 +587,7 @@ def _on_step(after: bool, opt, args, kwargs) -> None:
     try:
         if not _guarded(opt):
             return
-        # Only models with a parameter in this optimizer: another optimizer's step (perhaps
-        # on a host optimizer's worker thread, while this model runs) changes none of theirs.
+        # only models with a parameter in this optimizer (another's step changes none)
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         for state in [st for st in list(_LIVE) if any(id(s.param) in ids for s in st.slots)]:
             (state.after_optimizer_step if after else state.before_optimizer_step)()
@@ -665,45 +603,37 @@ def _refuse(opt) -> None:
         for p in group["params"]:
             if _REPLACED.get(id(p)) is p:
                 raise RuntimeError(
-                    f"{type(opt).__name__} was built before hr.offload, which replaced"
-                    f" a parameter of shape {tuple(p.shape)} by one whose values rest in"
-                    " the store: this optimizer would step a tensor the model no longer"
-                    " uses. Nothing was stepped; build the optimizer after hr.offload,"
-                    " from model.parameters()")
+                    f"{type(opt).__name__} was built before hr.offload, which replaced a"
+                    f" parameter of shape {tuple(p.shape)}: this optimizer would step a tensor"
+                    " the model no longer uses. Nothing was stepped; build the optimizer after"
+                    " hr.offload, from model.parameters()")
             if type(p) is DeviceCopy:
                 raise RuntimeError(
                     f"{type(opt).__name__} was given the device copies of offloaded"
-                    " parameters (model.parameters() was listed during the model's forward"
-                    " or backward), which training never updates. Build the optimizer from"
-                    " model.parameters() outside forward and backward"
-                )
-            # Headroom's own optimizers read parameters through their bindings.
+                    " parameters (listed during the model's forward or backward), which"
+                    " training never updates. Build the optimizer from model.parameters()"
+                    " outside forward and backward")
             if not own and binding(p) is not None and (
                     isinstance(p, StoreTensor) or _dtensor.is_dtensor(p)):
                 raise RuntimeError(
                     f"{type(opt).__name__} cannot step parameters offloaded to a DiskStore:"
-                    " their values are on disk, not in memory. Use"
-                    f" hr.HostOptimizer(model.parameters(), torch.optim.{type(opt).__name__},"
-                    " ...) which streams them through the store, or offload with"
-                    " store='cpu'"
-                )
+                    " their values are on disk. Use hr.HostOptimizer(model.parameters(),"
+                    f" torch.optim.{type(opt).__name__}, ...), or offload with store='cpu'")
 
 
 def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
     """Announce the blocks the next forward will use, so they move to the device now.
 
-    For a schedule the caller knows and forward order does not tell: a multi-task model
-    whose heads are offloaded (``hr.offload(model.heads, ..., prefetch=0)``) uses one head per
-    batch, and the loader knows the next batch's task. Called before the current step's
-    forward, the next task's head is fetched while the current step runs (on an accelerator
-    on a side stream; with a `DiskStore` by the store's read threads) and is ready when its
-    forward comes. Each call replaces the previous announcement of the same offloaded model.
+    For a schedule forward order does not tell: a multi-task model whose heads are offloaded
+    (``hr.offload(model.heads, ..., prefetch=0)``) uses one head per batch, and the loader
+    knows the next task. Called before the current step's forward, the next head is fetched
+    while the step runs. Each call replaces the model's previous announcement.
 
     An announced block stays on the device until a forward uses it, and across an optimizer
-    step unless one of its parameters has a gradient (the step may change those: they are
-    released before it and fetched again after it). A failed forward or backward,
-    ``load_state_dict``, ``hr.load``, ``hr.load_weights`` and `unoffload` drop announcements.
-    Costs one block of device memory per announced block.
+    step unless one of its parameters has a gradient (then released before it, fetched again
+    after). A failed forward or backward, ``load_state_dict``, ``hr.load``,
+    ``hr.load_weights`` and `unoffload` drop announcements. Costs one block of device memory
+    per announced block.
 
     Args:
         blocks: one block of an offloaded model (e.g. ``model.heads[t]``) or several; an empty
@@ -739,9 +669,8 @@ def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
 
 
 def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
-    """Every live offload within ``model``: ``(name, module, state)`` of each module that
-    `offload` was applied to (``model`` itself has the name ``""``), in module order. Other
-    packages ask this instead of reading the attribute the state rests in."""
+    """``(name, module, state)`` of each module within ``model`` that `offload` was applied
+    to, in module order (``model`` itself: ``""``)."""
     return [(n, m, m.__dict__[_ATTR]) for n, m in model.named_modules() if _ATTR in m.__dict__]
 
 
@@ -768,9 +697,8 @@ def unoffload(model: nn.Module) -> nn.Module:
     """Undo `offload`: parameters (and gradients) come back onto the device as plain tensors.
 
     Masters that lived on disk are replaced by new ``nn.Parameter`` objects (re-create the
-    optimizer); with ``store="cpu"`` the same parameter objects are kept. The store's tensors
-    are freed. (A model dropped without it frees all the same once garbage-collected: its store,
-    the store's threads and folder lock, its claims on the store's keys.)
+    optimizer); with ``store="cpu"`` the same objects are kept. The store's tensors are freed
+    (as they are when a model dropped without it is collected).
 
     Raises:
         RuntimeError: the model is not offloaded, or a backward pass is in progress.
@@ -820,7 +748,8 @@ def unoffload(model: nn.Module) -> nn.Module:
                 grad = st.read(b.grad_handle).result().to(state.device)
             st.free(b.grad_handle)
         st.free(b.handle)
-        release_claim(state, b.handle.key)
+        claimed_keys(st).discard(b.handle.key)  # [Note: one writer per key]
+        state.claims.discard(b.handle.key)
         unbind(s.param)
         unmark(s.param)
         _end_need(s.param)  # a master on disk: replaced below, no longer bound
@@ -840,9 +769,8 @@ def unoffload(model: nn.Module) -> nn.Module:
 def describe(model: nn.Module) -> OffloadPlan:
     """The plan an offloaded model runs with: blocks, what stays resident and why, the budget.
 
-    ``print()`` it for a table; its fields are data (``plan.blocks``, ``plan.outside``,
-    ``plan.device_budget``). `headroom.residency.plan_offload` gives the same for a model that
-    is not offloaded (one on ``meta`` too).
+    ``print()`` it for a table; its fields are data (``plan.blocks``, ``plan.device_budget``).
+    `headroom.residency.plan_offload` gives the same for a model not offloaded.
 
     Raises:
         RuntimeError: the model is not offloaded.

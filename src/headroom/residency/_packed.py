@@ -1,23 +1,15 @@
 """Quantized parameters resting packed: bitsandbytes' and torchao's weights as they are.
 
-[Note: packed parameters] A quantized weight is not one plain tensor. torchao's quantized
-tensors (``Int8Tensor``, ``IntxUnpackedToInt8Tensor``, ``Float8Tensor``, ...) are wrapper
-subclasses whose values are inner tensors (``__tensor_flatten__`` names them); bitsandbytes'
-``Params4bit`` holds packed 4-bit codes and a ``quant_state`` (absmax, code book, and for double
-quantization a nested state), ``Int8Params`` int8 rows and their scales (``SCB``). A `Packing`
-splits such a parameter into its *parts*, plain tensors, and rebuilds the same class from parts.
-
-`hr.offload` keeps each part in the store as an entry of its own (``"<name>#<part>"``), so the
-store holds the quantized bytes, never a dequantized copy. The *master* the module holds at rest
-is the same class rebuilt over the store's host tensors (``store="cpu"``), or over
-`StoreTensor` parts whose ops read the disk (a bitsandbytes weight's packed codes are ``meta``
-there: its class needs a tensor with memory). The *device copy* is the same class rebuilt once
-over persistent parts on the device, whose storages are resized to 0 while not resident and
-refilled at every fetch (the same scheme as plain parameters, see [Note: masters and device
-copies]): what autograd saved of it stays valid across a release and a re-fetch.
-
-Quantized weights do not train: a packed parameter must not require grad, has no gradient in
-the store and takes no part in the optimizer's step.
+[Note: packed parameters] A quantized weight is not one plain tensor: torchao's are wrapper
+subclasses over inner tensors (``__tensor_flatten__``), bitsandbytes' ``Params4bit`` holds
+packed codes and a ``quant_state``, ``Int8Params`` int8 rows and scales (``SCB``). A `Packing`
+splits one into plain *parts* and rebuilds the same class from them. Each part is a store entry
+of its own (``"<name>#<part>"``): the store holds the quantized bytes, never a dequantized copy.
+The *master* is the class rebuilt over the store's host tensors, or over `StoreTensor` parts
+reading the disk (``meta`` where the class needs memory). The *device copy* is rebuilt once over
+persistent device parts resized to 0 while not resident ([Note: masters and device copies]), so
+what autograd saved of it stays valid across a release and a re-fetch. Quantized weights do not
+train: no gradient, no optimizer step.
 """
 
 from __future__ import annotations
@@ -55,7 +47,6 @@ def _bnb() -> Any:
 
 
 def _bnb_kind(p: torch.Tensor) -> str | None:
-    """``"bnb4"`` for a bitsandbytes ``Params4bit``, ``"bnb8"`` for an ``Int8Params``."""
     for kind, name in (("bnb4", "Params4bit"), ("bnb8", "Int8Params")):
         c = getattr(getattr(_bnb(), "nn", None), name, None)
         if c is not None and isinstance(p, c):
@@ -64,8 +55,7 @@ def _bnb_kind(p: torch.Tensor) -> str | None:
 
 
 def is_packed(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a quantized parameter (a tensor subclass with parts of its own), which
-    `hr.offload` keeps packed rather than as one plain tensor."""
+    """Whether ``p`` is a quantized parameter (a tensor subclass with parts of its own)."""
     if type(p) in (torch.Tensor, nn.Parameter) or isinstance(p, StoreTensor):
         return False
     return _bnb_kind(p) is not None or hasattr(type(p), "__tensor_flatten__")
@@ -119,9 +109,8 @@ def check_packable(st: Store, claimed: set[str], p: torch.Tensor, name: str,
 
 def meta_like(p: torch.Tensor, owners: list | tuple = (),
               ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
-    """A quantized parameter's twin on ``meta`` (the same class over ``meta`` parts, for a dry
-    run) and the stand-ins, by ``id``, for tensors ``owners`` keep of it (an 8-bit layer's
-    ``state.CB`` and ``state.SCB``), or ``None`` where it cannot be split."""
+    """A quantized parameter's twin over ``meta`` parts (for a dry run) and stand-ins, by
+    ``id``, for tensors ``owners`` keep of it (``state.CB``/``SCB``); ``None`` if unsplittable."""
     try:
         packing, _ = packing_of(p, "", owners)
     except _Unsupported:
@@ -130,9 +119,8 @@ def meta_like(p: torch.Tensor, owners: list | tuple = (),
     twin = packing.rebuild(parts)
     stand_ins: dict[int, torch.Tensor] = {}
     if packing.kind == "bnb8":
-        # NOTE: the twin holds its scales where the weight does now (on the weight until the
-        # layer's first forward moves them to its state): a twin without them would make the
-        # dry run's forward quantize again, which the real step does not do.
+        # NOTE: scales where the weight holds them now, or the dry run's forward would
+        # quantize again, which the real step does not
         twin.CB = parts["data"] if p.CB is not None else None
         twin.SCB = parts["SCB"] if p.SCB is not None else None
         for m, _ in owners:
@@ -145,8 +133,7 @@ def meta_like(p: torch.Tensor, owners: list | tuple = (),
 
 
 def packed_nbytes(p: torch.Tensor) -> int | None:
-    """Bytes of a quantized parameter's parts (its real size), or ``None`` where it cannot
-    be split (it is then refused at ``hr.offload``). Reads no values (works on ``meta``)."""
+    """Bytes of a quantized parameter's parts, or ``None`` if unsplittable; reads no values."""
     try:
         return packing_of(p, "")[0].nbytes
     except _Unsupported:
@@ -156,18 +143,8 @@ def packed_nbytes(p: torch.Tensor) -> int | None:
 # ---------------------------------------------------------------------------------- packings
 @dataclass(eq=False)
 class Packing:
-    """How one quantized parameter splits into plain parts and is rebuilt from them.
-
-    Attributes:
-        kind: ``"flatten"`` (``__tensor_flatten__``), ``"bnb4"`` (``Params4bit``) or
-            ``"bnb8"`` (``Int8Params``).
-        cls: the parameter's class.
-        specs: each part's name, shape and dtype, in order.
-        build: rebuilds the parameter from a dict of parts (each of its spec's shape and
-            dtype; ``meta`` for a part that has no memory).
-        is_param: the parameter was an ``nn.Parameter`` (torchao's are subclass instances
-            marked as parameters).
-    """
+    """How one quantized parameter splits into plain parts (``specs``: name -> shape and
+    dtype) and is rebuilt from them (``build``); ``kind``: ``"flatten"``, ``"bnb4"``, ``"bnb8"``."""
 
     kind: str
     cls: type
@@ -178,7 +155,6 @@ class Packing:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all parts: the quantized size."""
         return sum(math.prod(s) * d.itemsize for s, d in self.specs.values())
 
     def rebuild(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -190,12 +166,8 @@ class Packing:
 
 def packing_of(p: torch.Tensor, name: str, owners: list | tuple = (),
                ) -> tuple[Packing, dict[str, torch.Tensor]]:
-    """``p``'s `Packing` and its parts now (plain tensors, as ``p`` holds them); ``owners``:
-    the ``(module, attr)`` registering it (an 8-bit layer keeps its weight's scales).
-
-    Raises:
-        _Unsupported: ``p``'s class cannot be split (the message says why).
-    """
+    """``p``'s `Packing` and its parts now; ``owners``: its ``(module, attr)`` registrations
+    (an 8-bit layer keeps its scales). Raises `_Unsupported` saying why it cannot be split."""
     kind = _bnb_kind(p)
     if kind == "bnb4":
         return _bnb4(p, name)
@@ -263,8 +235,7 @@ def _flatten(p: torch.Tensor, name: str) -> tuple[Packing, dict[str, torch.Tenso
 
     specs = {k: _spec(v) for k, v in parts.items()}
     packing = Packing("flatten", type(p), specs, build, is_param=isinstance(p, nn.Parameter))
-    # A rebuild must give back what the parameter was (same class, shape and dtype): a
-    # subclass whose flatten loses something is refused rather than streamed wrong.
+    # a subclass whose rebuild loses something is refused rather than streamed wrong
     try:
         probe = build({k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in specs.items()})
     except Exception as e:  # noqa: BLE001 - reported as the reason
@@ -292,9 +263,7 @@ def _bnb4(p: torch.Tensor, name: str) -> tuple[Packing, dict[str, torch.Tensor]]
             " its module is moved to a device): call .to(device) on the model (or load it with"
             " a BitsAndBytesConfig) before hr.offload")
     data = p.data
-    if getattr(qs, "packing_format_for_cpu", False):
-        # bitsandbytes repacks a weight for its CPU kernel at an inference forward; its own
-        # state_dict packs it back the same way: the store keeps the portable layout.
+    if getattr(qs, "packing_format_for_cpu", False):  # repacked for a CPU kernel: undone
         data, qs = F._convert_weight_packed_for_cpu_inverse(data, qs)
         p.data, p.quant_state = data, qs
     parts = {"data": _check_plain_part(data, f"{name!r}'s packed codes"),
@@ -359,16 +328,12 @@ def _bnb8(p: torch.Tensor, name: str, owners) -> tuple[Packing, dict[str, torch.
         return cls(data=data, requires_grad=False, has_fp16_weights=False,
                    CB=data if data.device.type != "meta" else None, SCB=got["SCB"])
 
-    # NOTE: Linear8bitLt computes with its module state's CB and SCB (its first forward moves
-    # them there from the weight): the device copy's parts are put there (`Packed.restore`).
-
     return Packing("bnb8", cls, {k: _spec(v) for k, v in parts.items()}, build), parts
 
 
 # ----------------------------------------------------------------------------- packed slots
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as its part rests in a store: itself, or its bytes (uint8) for a dtype not every
-    store keeps (float8 codes)."""
+    """``t``, or its bytes for a dtype not every store keeps (float8 codes)."""
     return t if t.dtype in _PLAIN_DTYPES else t.view(torch.uint8)
 
 
@@ -382,8 +347,7 @@ def stored_spec(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, 
 
 
 def as_stored(t: torch.Tensor) -> torch.Tensor:
-    """A part's value as it is written to a store (host memory, contiguous, its bytes; a dry
-    run's stays ``meta``)."""
+    """A part's value as written to a store (host, contiguous, its bytes; ``meta`` stays)."""
     t = t.detach()
     return _bytes_view((t if t.is_meta else t.to("cpu")).contiguous())
 
@@ -393,19 +357,8 @@ def _from_stored(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Packed:
-    """One offloaded quantized parameter: its parts in the store, master, device copy.
-
-    Attributes:
-        name: its first registration name (store keys ``name#part``).
-        owners: ``(module, attr)`` of every registration.
-        packing: how it splits and is rebuilt.
-        handles: each part's store handle.
-        param: the master (the modules hold it at rest).
-        dev: the device copy (shown to the modules while its group is resident).
-        parts: the device copy's persistent parts (storage of 0 bytes while not resident).
-        group: the group it is fetched with.
-        nbytes: bytes of its parts (the quantized size; also on the device when resident).
-    """
+    """One offloaded quantized parameter: part ``handles`` in the store, master ``param``,
+    device copy ``dev`` over persistent ``parts`` (0 bytes while not resident)."""
 
     __slots__ = ("name", "owners", "packing", "handles", "param", "dev", "parts", "targets",
                  "tickets", "group", "nbytes")
@@ -451,13 +404,9 @@ class Packed:
             resize_storage(t, 0)
 
     def restore(self) -> None:
-        """Point the device copy at its persistent parts again.
-
-        bitsandbytes changes a weight at some forwards: a 4-bit weight is repacked for its CPU
-        kernel at an inference forward (``.data`` rebound, ``quant_state`` changed in place),
-        and an 8-bit layer computes with its module state's ``CB``/``SCB``, which its first
-        forward takes from the weight. What autograd saved of a forward keeps the objects it
-        saved (the parts it references are the persistent ones)."""
+        """Point the device copy at its persistent parts again: bitsandbytes repacks a 4-bit
+        weight at an inference forward, and an 8-bit layer computes with its module state's
+        ``CB``/``SCB`` (its first forward takes them from the weight)."""
         kind = self.packing.kind
         if kind == "bnb4":
             with torch.no_grad():
@@ -474,8 +423,7 @@ class Packed:
                     st.CB, st.SCB = data, self.parts["SCB"]
 
     def keep_values(self, parts: dict[str, torch.Tensor]) -> None:
-        """The master holds ``parts`` (host copies) from now on, not the store's: it leaves
-        the store (taken out of the model, or `hr.unoffload`)."""
+        """The master holds ``parts`` (host copies), not the store's: it leaves the store."""
         p = self.param
         kind = self.packing.kind
         with torch.no_grad():
@@ -504,10 +452,8 @@ class Packed:
 
 
 def rest_master(packing: Packing, store: Store, handles: dict[str, Handle]) -> torch.Tensor:
-    """The master at rest: the parameter's class over the store's host tensors, or over
-    `StoreTensor` parts whose ops read the disk (``meta`` parts where that cannot be: the
-    packed codes of a bitsandbytes weight, whose class needs memory, and parts resting as
-    bytes)."""
+    """The master at rest: the class over the store's host tensors or `StoreTensor` parts
+    (``meta`` for bitsandbytes' packed codes, whose class needs memory, and byte parts)."""
     got = {}
     for k, h in handles.items():
         shape, dtype = packing.specs[k]
@@ -534,9 +480,8 @@ def read_parts(packed: Packed, store: Store) -> dict[str, torch.Tensor]:
 
 def state_entries(q: Packed, parts: dict[str, torch.Tensor], prefix: str,
                   attr: str) -> dict[str, torch.Tensor]:
-    """The ``state_dict`` entries the owning module writes for the parameter, from host
-    copies of its parts: the parameter itself, and bitsandbytes' own keys beside it (a 4-bit
-    weight's ``quant_state`` components, an 8-bit layer's ``SCB``)."""
+    """The ``state_dict`` entries of the parameter from host copies of its parts, bitsandbytes'
+    own keys beside it (a 4-bit ``quant_state``'s, an 8-bit layer's ``SCB``)."""
     value = q.packing.rebuild(parts)
     out = {prefix + attr: value.detach()}
     if q.packing.kind == "bnb4":

@@ -1,12 +1,9 @@
 """Offload plans as data: which parameters go into which group, and what the device holds.
 
-`plan_offload` works out, for a model and the options of `hr.offload`, the blocks (found or
-given), the parameters of each (a parameter belongs to a block only if every module registering
-it is inside that block; tied parameters shared by several blocks, and parameters outside any,
-form the *outside* group), their device bytes, and the device budget. It needs no store and
-reads no values, so it runs on a model built on ``meta``: a planner can compare plans before
-anything is moved. `hr.offload` applies the plan it computes; `hr.describe` returns the plan an
-offloaded model runs with. ``str(plan)`` is the table `describe` prints.
+`plan_offload` works out the blocks, each one's parameters (a parameter is in a block only if
+every module registering it is inside it; the rest form the *outside* group), their device bytes
+and the device budget, reading no values (a model on ``meta`` works). ``str(plan)`` is the table
+`hr.describe` prints.
 """
 
 from __future__ import annotations
@@ -208,18 +205,16 @@ def adapter_modules(root: nn.Module) -> set[int]:
 
 
 def is_adapter(p: torch.Tensor, owners: list[tuple[nn.Module, str]], mods: set[int]) -> bool:
-    """Whether a parameter registered by ``owners`` is an adapter kept on the device: all its
-    owners hold adapters, and it has values (one created on ``meta`` rests in the store,
-    pending, like any other)."""
+    """Whether a parameter is an adapter kept on the device: all its ``owners`` hold adapters
+    and it has values (one on ``meta`` rests in the store, pending)."""
     return bool(owners) and all(id(m) in mods for m, _ in owners) and not p.is_meta
 
 
 def layout(model: nn.Module, *, device: torch.device, blocks: Iterable[nn.Module] | None,
            prefetch: int, compute_dtype: torch.dtype | None,
            adapters: str | set[int] = "store") -> Layout:
-    """`plan_offload`, keeping the module objects the plan names; ``adapters="device"``
-    leaves adapters (see `adapter_modules`) out of the groups, kept on the device (a set:
-    the ids of the parameters kept there)."""
+    """`plan_offload` with the module objects; ``adapters="device"`` (or a set of parameter
+    ids) keeps adapters out of the groups, on the device."""
     check_options(prefetch, compute_dtype)
     auto = blocks is None
     block_mods = find_blocks(model) if auto else check_blocks(model, list(blocks))
@@ -247,8 +242,6 @@ def layout(model: nn.Module, *, device: torch.device, blocks: Iterable[nn.Module
     group_of: dict[int, int] = {}
     for pid in params:
         homes = set().union(*(homes_of.get(id(m), {-1}) for m, _ in owners[pid]))
-        # A parameter belongs to a block only if every module registering it is inside
-        # that block; tied parameters shared across blocks are kept outside, fetched once.
         group_of[pid] = homes.pop() if len(homes) == 1 else -1
     kept: dict[int, nn.Parameter] = {}
     if isinstance(adapters, set):

@@ -1,12 +1,7 @@
-"""Quantizing an offloaded model block by block, as its values arrive (``hr.load_weights(...,
-quantize=fn)``): the whole model never sits in memory, in full precision or quantized.
-
-For each block, its parameters' values are shown to its modules as host tensors, ``fn(block)``
-runs (torchao's ``quantize_``, a swap of ``nn.Linear`` for a bitsandbytes layer moved to a
-device, ...), and then what ``fn`` replaced rests packed in the store (adopted as any parameter
-joining the model is, see `headroom.residency._adopt` and [Note: packed parameters]) while the
-full-precision entries it replaced leave the store; what ``fn`` left alone is written into the
-store as a load would. At most one block's values (and their quantized form) are in memory.
+"""Quantizing an offloaded model block by block as its values arrive (``hr.load_weights(...,
+quantize=fn)``): ``fn(block)`` runs over host values, what it replaced rests packed in the store
+([Note: packed parameters]) and the full-precision entries leave it; what it left alone is
+written as a load would. At most one block's values are in memory.
 """
 
 from __future__ import annotations
@@ -30,20 +25,9 @@ __all__ = ["quantize_block"]
 
 def quantize_block(state: Offload, group: Group, values: dict[int, torch.Tensor],
                    fn: Callable[[nn.Module], object]) -> None:
-    """Run ``fn`` on ``group``'s module over host values of its parameters and keep the result
-    in the store.
-
-    Args:
-        state: the model's offload state (at rest).
-        group: a block.
-        values: slot id -> the parameter's value (a host tensor of its dtype); parameters not
-            given keep the value the store holds (read for ``fn``).
-        fn: changes the block in place (quantizes it).
-
-    Raises:
-        RuntimeError: during a forward or backward; a parameter without any value.
-        Whatever ``fn`` raises: the block then holds its masters again, the store unchanged
-        for what ``fn`` had not replaced yet.
+    """Run ``fn`` on ``group``'s module over host values of its parameters (``values``: slot
+    id -> value; others read from the store) and keep the result in the store. If ``fn``
+    raises, the block holds its masters again, the store unchanged for what it had not replaced.
     """
     if state.busy:
         raise RuntimeError("quantizing a block during the model's forward or backward")
@@ -60,8 +44,7 @@ def quantize_block(state: Offload, group: Group, values: dict[int, torch.Tensor]
         temps[id(s)] = nn.Parameter(v, requires_grad=s.param.requires_grad)
         s.show(temps[id(s)])
     state.res.mover.wait_reads()
-    # NOTE: fn may read the block (a state_dict() to copy it into a quantized layer), which
-    # would give every other pending module of the model its initial values first
+    # NOTE: fn may read the block (state_dict()), which would initialize every pending module
     pending, state.pending_modules = state.pending_modules, {}
     try:
         fn(group.module)
@@ -80,8 +63,7 @@ def quantize_block(state: Offload, group: Group, values: dict[int, torch.Tensor]
                 s.show(s.param)
             else:
                 replaced.append(s)
-        if replaced:
-            # its values are the temporaries fn consumed: nothing of them to keep
+        if replaced:  # their values are the temporaries fn consumed
             for s in replaced:
                 s.binding.has_value = False
             retire(state, replaced)
@@ -90,7 +72,6 @@ def quantize_block(state: Offload, group: Group, values: dict[int, torch.Tensor]
     trim_heap()  # the block's full-precision values go back to the OS, not to malloc's pool
     for s in slots:
         if s not in state.slots:
-            # NOTE: a retired slot is in reference cycles (its binding's callbacks): until the
-            # garbage collector runs, its owners would keep fn's old modules, and with them
-            # this block's full-precision values, alive
+            # NOTE: a retired slot is in reference cycles: its owners would keep fn's old
+            # modules (full-precision values) alive until a collection
             s.owners = []

@@ -1,23 +1,19 @@
 """When offloaded parameters move: the forward and backward hooks of an offloaded model.
 
-A group's forward pre-hook makes it resident (waiting for a prefetch started earlier) and shows
-its device copies to the modules; the forward post-hook hides them and releases the group. A
-hook on the group's outputs fires before its backward and fetches it again; it is released as
-soon as all its gradients are in (and, with frozen parameters, its input gradients), each
-device copy's post-accumulate-grad hook having handed its gradient to the store. The moving
+A group's forward pre-hook makes it resident and shows its device copies; its post-hook hides
+and releases it. A hook on its outputs fetches it again before its backward, and it is released
+once all its gradients (with frozen parameters, its input gradients too) are in. The moving
 itself is `headroom.residency._group.Residency`'s.
 
-[Note: resting state] Outside forward and backward an offloaded model's modules hold the
-masters and no device copy holds memory, except blocks announced with `hr.prefetch` (resident,
-not shown to the modules; dropped by failures, released before an optimizer step when they have
-a gradient). Every path that leaves a forward or backward, including failures, returns there;
-an optimizer step (`Offload.before_optimizer_step`) never runs with stale device copies. A
-forward or backward that
-breaks off half-way (an exception, ``KeyboardInterrupt``) puts the model back there: at once
-when headroom sees it (a failure inside the guarded root or a block, see
-`headroom.residency._guard`, or in headroom's own backward hooks); otherwise (another hook
-raising in backward) at the next forward or ``named_parameters()``; see `Offload.abort_forward`,
-`Offload.abort_backward` and `Offload.settle_if_idle`.
+[Note: resting state] Outside forward and backward an offloaded model's modules hold the masters
+and no device copy holds memory, except blocks announced with `hr.prefetch` (resident, not shown;
+dropped by failures, released before an optimizer step when they have a gradient). Every path
+out of a forward or backward, failures included, returns there, so an optimizer step
+(`Offload.before_optimizer_step`) never runs with stale device copies. A forward or backward that
+breaks off (an exception, ``KeyboardInterrupt``) returns there at once when headroom sees it (in
+the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward
+hooks), else at the next forward or ``named_parameters()`` (`Offload.abort_forward`,
+`Offload.abort_backward`, `Offload.settle_if_idle`).
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -96,8 +93,6 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-
-
 class _GroupRole:
     """A block's side of the guard protocol (`headroom.residency._guard.Role`)."""
 
@@ -124,11 +119,8 @@ class _GroupRole:
 
 
 class Phase(enum.Flag):
-    """Where an offloaded model is in its step (see [Note: resting state]).
-
-    ``FORWARD`` and ``BACKWARD`` can hold together: a forward inside a backward (activation
-    checkpointing recomputes) or a backward of an earlier graph during a forward.
-    """
+    """Where an offloaded model is in its step ([Note: resting state]); ``FORWARD`` and
+    ``BACKWARD`` can hold together (a recomputation inside a backward, and the reverse)."""
 
     RESTING = 0  # outside forward and backward: modules hold the masters
     FORWARD = enum.auto()  # the root's or some block's forward is running
@@ -137,17 +129,9 @@ class Phase(enum.Flag):
 
 @dataclass
 class _Held:
-    """A gradient summed on the device across backward passes, not yet in the store
-    (``hr.offload(..., grad_accumulation="device")``).
-
-    Attributes:
-        slot: whose gradient.
-        acc: the sum so far, on the device, in the stored gradient's dtype.
-        fresh: the sum began after the stored gradient was cleared (``zero_grad``): it
-            replaces the stored one; otherwise it is added to it.
-        stream: the stream the sum was formed on (``None`` on the CPU): its hand-over is
-            ordered after that stream's work.
-    """
+    """``slot``'s gradient summed on the device (``acc``, in the stored dtype) across backward
+    passes, not yet in the store; ``fresh``: it replaces the stored one (cleared since), else
+    is added; ``stream``: where it was formed (the hand-over is ordered after it)."""
 
     slot: Slot
     acc: torch.Tensor
@@ -159,9 +143,8 @@ class Offload:
     """Per-model state: blocks, the mover and every hook (removed again by `unoffload`)."""
 
     def __deepcopy__(self, memo):
-        # A copy of a module (PEFT's modules_to_save copies a layer) copies its hooks, whose
-        # arguments lead here: they share this state rather than copying the store with it.
-        # Guarded modules drop those hooks from their copies (`_guard`).
+        # NOTE: a copied module (PEFT's modules_to_save) copies its hooks, whose arguments lead
+        # here: shared, not copied with the store (guarded modules drop them, `_guard`).
         return self
 
     @property
@@ -199,12 +182,9 @@ class Offload:
         self.claims: set[str] = set()  # the store keys this model holds (claimed_keys)
         self.by_dev: dict[int, Slot] = {}
         self.by_param: dict[int, Slot] = {}
-        # quantized parameters resting packed, and each by its master's and device copy's id
         self.packed: list[Packed] = []
-        self.by_packed: dict[int, Packed] = {}
-        # hr.offload(adapters=...): "device" keeps adapters there, ordinary parameters
-        # (`kept`: id -> parameter), not offloaded
-        self.adapters = "store"
+        self.by_packed: dict[int, Packed] = {}  # by its master's and device copy's id
+        self.adapters = "store"  # "device": adapters stay there, in `kept` (id -> parameter)
         self.kept: dict[int, nn.Parameter] = {}
         self.handles: list[Any] = []
         self.order: list[Group] = []  # forward order of the last forward
@@ -215,9 +195,8 @@ class Offload:
         self._bwd_task = -1
         self._bwd_seen: set[int] = set()
         self._bypass: list[str] = []
-        # See [Note: uses outside a block] (_outside.py): groups whose device copies were read
-        # outside their forward, kept resident until the backward ends; whether a forward with
-        # gradients waits for its backward; internal code that must see the masters.
+        # [Note: uses outside a block] (_outside.py): groups read outside their forward, kept
+        # until the backward ends; a forward with gradients awaiting its backward; masters only.
         self._outside: dict[int, Group] = {}
         self._awaiting = False
         self._masters_only = 0
@@ -227,37 +206,28 @@ class Offload:
         # modules with parameters or buffers created on meta and not filled yet (see _meta)
         self.pending_modules: dict[int, nn.Module] = {}
         self.module_names: dict[int, str] = {}
-        # Blocks announced by `hr.prefetch` for the next forward: fetched now, kept resident
-        # (outside forward and backward too) until a forward uses them or a new announcement,
-        # an optimizer step that may change them, or a failure drops them.
+        # `hr.prefetch`'s blocks for the next forward: resident until a forward uses them, a
+        # new announcement, an optimizer step that may change them, or a failure drops them
         self.announced: list[Group] = []
-        # what each announced slot's master was when its device copy was fetched (`_mark`)
-        self._marks: dict[int, tuple] = {}
-        # Listeners told which blocks a forward with gradients used (hr.data_parallel).
-        self.used_listeners: list[Any] = []
-        # Set by hr.data_parallel: DistributedDataParallel may wrap this model.
-        self.ddp_allowed = False
+        self._marks: dict[int, tuple] = {}  # announced slot id -> `_mark` at its fetch
+        self.used_listeners: list[Any] = []  # told the blocks a forward used (data_parallel)
+        self.ddp_allowed = False  # set by hr.data_parallel: DDP may wrap this model
         self._refetch = False
-        # one forward or backward at a time across threads (see headroom.residency._use)
-        self.use = Use()
-        # grad_accumulation="device": gradients of several backward passes summed on the
-        # device, handed to the store when read (see _Held)
-        self.grad_accumulation = grad_accumulation
-        self._inert_warned = False  # said once that a gradient cannot be held (_warn_inert)
+        self.use = Use()  # one forward or backward at a time across threads
+        self.grad_accumulation = grad_accumulation  # "device": sums held there (`_Held`)
+        self._inert_warned = False  # `_warn_inert` said once
         self._held: dict[int, _Held] = {}
         self._held_lock = threading.Lock()
-        # slots whose held sums were handed over since the last wait that succeeded, and those
+        # slots whose held sums were handed over since the last successful wait, and those
         # whose sum went down with a failed write (their stored gradient is stale)
         self._unconfirmed: set[int] = set()
         self._lost: dict[int, str] = {}
         self._streams = stream_module(device) if is_accelerator(device) else None
-        # torch.autograd.grad over masters running (see headroom.residency._autograd), and
-        # the slots whose device copies have a hook that sees their gradients captured
+        # torch.autograd.grad over masters running (`_autograd`); slots hooked for captures
         self.captures_in_flight = 0
         self._capture_hooked: set[int] = set()
         self._capture_lock = threading.Lock()
-        # sparse gradients as autograd hands them to the device copies (see `_sparse_grad`)
-        self._sparse_raw: dict[int, torch.Tensor] = {}
+        self._sparse_raw: dict[int, torch.Tensor] = {}  # as autograd hands them (`_keep_raw`)
         self._sparse_hooked: set[int] = set()
         _LIVE.add(self)
 
@@ -307,10 +277,8 @@ class Offload:
         self._note_marks()
 
     def _mark(self, s: Slot) -> tuple:
-        """What tells that ``s``'s master was written since its device copy was fetched: the
-        store's count of writes to it (`value_edits`: all a value on disk can take) and, for a
-        master in host memory, its version counter and memory (in-place ops through it,
-        ``.data =``)."""
+        """What changes when ``s``'s master is written: the store's count of writes to it and,
+        in host memory, its version counter and memory (in-place ops, ``.data =``)."""
         p = s.param
         edits = value_edits(self.store, s.binding.handle.key)
         if isinstance(p, StoreTensor) or p.device.type != "cpu":
@@ -321,9 +289,8 @@ class Offload:
         self._marks = {id(s): self._mark(s) for b in self.announced for s in b.slots}
 
     def _written_since_fetch(self, block: Group) -> bool:
-        """Whether an announced block's masters changed after its device copies were fetched
-        (writes between `hr.prefetch` and the forward). On a CPU device the values are
-        compared too: ``p.data`` in-place writes leave no other trace."""
+        """Whether an announced block's masters were written since its fetch. On a CPU device
+        the values are compared too: ``p.data`` in-place writes leave no other trace."""
         if any(self._marks.get(id(s)) != self._mark(s) for s in block.slots):
             return True
         if self.device.type != "cpu":
@@ -340,10 +307,8 @@ class Offload:
             self.res.release(b, quiet=True)
 
     def init_pending(self, *, lost_ok: bool = False) -> None:
-        """Values for whatever was created on meta and not loaded yet (see `_meta`), after
-        adopting parameters added to the model since `hr.offload` (see `_adopt`).
-        ``lost_ok``: leave adapters whose values were lost pending (for ``state_dict()``,
-        which shows them as ``meta``) instead of raising."""
+        """Adopt what joined the model (`_adopt`), then give values to what was created on
+        meta (`_meta`); ``lost_ok``: leave adapters with lost values pending, not raise."""
         self._masters_only += 1  # initializers write the masters, never device copies
         try:
             rescan(self)
@@ -365,9 +330,8 @@ class Offload:
         return self._awaiting and torch.is_grad_enabled()
 
     def use_outside(self, value: Any) -> Any:
-        """``value`` read from a module's parameters while the model is in use: a master's
-        device copy, its group fetched and kept resident until the backward ends (see
-        [Note: uses outside a block]); anything else as it is."""
+        """For a master read while the model is in use, its device copy, its group kept
+        resident ([Note: uses outside a block]); anything else as it is."""
         slot = self.by_param.get(id(value))
         if slot is None:
             q = self.by_packed.get(id(value))
@@ -386,8 +350,8 @@ class Offload:
         return dev
 
     def keeps_place(self, old: torch.Tensor, new: torch.Tensor) -> bool:
-        """Whether a module's parameter ``old``, a master of this model, stays in place of
-        ``new`` (a ``meta`` tensor ``Module._apply`` writes in; see `_outside.ParamDict`)."""
+        """Whether ``old``, a master of this model, stays in place of ``new`` (a ``meta``
+        tensor ``Module._apply`` writes in; `_outside.ParamDict`)."""
         s = self.by_param.get(id(old)) or self.by_packed.get(id(old))
         if self.kept.get(id(old)) is old:
             pass  # an adapter kept on the device
@@ -407,9 +371,8 @@ class Offload:
                 self._order_now.append(block)  # prefetched there next time
 
     def _close_window(self) -> None:
-        """The forward's reads outside their blocks are over (its backward ended, broke off,
-        or another forward starts): what was kept for them may go, and ``requires_grad_`` set
-        on a device copy read then reaches its master, as if it had been set on the master."""
+        """The forward's reads outside their blocks are over: what was kept for them may go,
+        and ``requires_grad_`` set on a device copy read then reaches its master."""
         self._outside = {}
         self._awaiting = False
         handed, self._handed = self._handed, {}
@@ -419,16 +382,12 @@ class Offload:
 
     # ------------------------------------------------------------------ failures
     def abort_forward(self, block: Group | None) -> None:
-        """A forward (of the root when ``block`` is None) raised: back to the resting state.
-
-        A block that fails inside the root's forward releases itself (the caller may catch the
-        error and go on); the root, or a block called on its own, releases everything. Never
-        raises: the error being propagated is the one to report.
-        """
+        """A forward (of the root when ``block`` is None) raised: back to the resting state. A
+        block failing inside the root's forward releases itself (the caller may go on); else
+        everything is released. Never raises (the error propagating is the one to report)."""
         if in_backward():
-            # A recomputation inside backward (activation checkpointing), which may even
-            # stop itself with an exception on purpose; the backward goes on or breaks off,
-            # and a backward that breaks off is cleaned up then.
+            # a recomputation (checkpointing; it may stop itself on purpose): the backward's
+            # own clean-up covers it
             return
         if not self.use.try_enter():
             return  # another thread runs the model: this call failed before it started
@@ -465,11 +424,8 @@ class Offload:
             self.use.exit_forward(whole=not self.in_forward)
 
     def abort_backward(self) -> None:
-        """A backward broke off (an exception in a hook, Ctrl-C): release everything it held.
-
-        Gradients already handed to the store stay there and are visible (``param.grad`` is
-        set), as in plain PyTorch; ``zero_grad()`` clears them. Never raises.
-        """
+        """A backward broke off: release everything it held. Gradients already in the store
+        stay visible, as in plain PyTorch. Never raises."""
         try:
             self._bwd = False
             self._bwd_task = -1
@@ -500,8 +456,8 @@ class Offload:
             self._idle_release(b)
 
     def settle_if_idle(self) -> None:
-        """Outside forward and backward: back to the resting state, finishing the clean-up of a
-        backward that broke off outside headroom's hooks (or never ran)."""
+        """Outside forward and backward: back to the resting state (a backward that broke off
+        outside headroom's hooks, or never ran, is cleaned up)."""
         if in_backward() or not self.use.enter_short(wait_for_backward=True):
             return
         try:
@@ -510,10 +466,8 @@ class Offload:
             if self._bwd:
                 self.abort_backward()
                 return
-            # Reads from here on get the masters (the model is at rest for whoever lists its
-            # parameters). A backward still to come re-fetches what it needs, with the same
-            # values; not what was read outside its block (see [Note: uses outside a block]),
-            # whose backward may come before any hook could fetch it again: kept until then.
+            # Reads get the masters from here. A backward to come re-fetches what it needs,
+            # but not what was read outside its block ([Note: uses outside a block]): kept.
             keep = self._outside
             self._close_window()
             self._outside = keep
@@ -525,8 +479,7 @@ class Offload:
 
     def before_optimizer_step(self) -> None:
         """An optimizer is about to change masters: drop device copies a step would outdate."""
-        # waits for another thread's forward; not for a backward, in which HostOptimizer steps
-        # early on its worker thread
+        # not waiting for a backward: HostOptimizer steps early in one, on its worker thread
         if not self.use.enter_short(wait_for_backward=False):
             return
         try:
@@ -537,14 +490,12 @@ class Offload:
     def _before_optimizer_step(self) -> None:
         if self.busy:
             return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
-        # A master rebound since the last forward (``p.data = t``) goes into the store now: an
-        # optimizer stepping the store (HostOptimizer) would otherwise step the old value, and
-        # the next forward write the unstepped new one over the result.
+        # A master rebound since (``p.data = t``) goes into the store now, or a step through
+        # the store (HostOptimizer) would step the old value.
         sync_masters(self)
         for b in [*self.blocks, self.rest]:
-            # Optimizers step only parameters with a gradient (torch.optim skips
-            # ``grad is None``, HostOptimizer a binding without ``has_grad``), so an announced
-            # block without any keeps valid device copies across the step.
+            # optimizers step only parameters with a gradient: an announced block without
+            # any keeps valid device copies across the step
             if b in self.announced and not any(
                     s.param.grad is not None or s.binding.has_grad for s in b.slots):
                 continue
@@ -576,12 +527,8 @@ class Offload:
         strip_hooks(self, copy)
 
     def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
-        """``module._apply(fn)`` (``.to()``, ``.half()``, ``.cuda()``, ...) on a guarded module.
-
-        Allowed, for buffers and everything not offloaded, when it leaves offloaded parameters'
-        dtype and device as they are (e.g. ``.to(device)`` with the compute device, ``.float()``
-        of an fp32 model); otherwise an error before anything changes.
-        """
+        """``module._apply(fn)`` (``.to()``, ``.half()``, ...) on a guarded module: applied to
+        what is not offloaded when it keeps the offloaded dtypes and device, else refused."""
         if self.busy:
             raise RuntimeError(
                 "cannot move or convert an offloaded model during its forward or backward")
@@ -590,27 +537,18 @@ class Offload:
             if out.dtype != dtype:
                 raise RuntimeError(
                     f"{type(module).__name__} is offloaded with hr.offload, whose stored"
-                    f" parameters stay {dtype}; converting them to {out.dtype} (.half(),"
-                    " .to(dtype), ...) is not done behind the store's back. To compute in"
-                    f" {out.dtype}, offload with hr.offload(..., compute_dtype={out.dtype}); to"
-                    " change the stored dtype, hr.unoffload(model), convert, and offload again"
-                )
+                    f" parameters stay {dtype}; converting them to {out.dtype} is not done"
+                    f" behind the store's back. Use hr.offload(..., compute_dtype={out.dtype}),"
+                    " or hr.unoffload(model), convert, and offload again")
             if _normalized(out.device) != self.device:
                 raise RuntimeError(
                     f"{type(module).__name__} is offloaded with hr.offload(device="
                     f"{str(self.device)!r}); moving it to {out.device} is not done behind the"
-                    " store's back. Call hr.unoffload(model) first, then move it (or offload it"
-                    " again with the new device)"
-                )
-        keep = set()
-        for s in self.slots:
-            for t in (s.param, s.dev, s.param.grad, s.dev.grad):
-                if t is not None:
-                    keep.add(id(t))
-        for q in self.packed:
-            keep.update((id(q.param), id(q.dev)))
-        # Buffers still on meta (built there, filled on the device when first needed) stay
-        # pending: the move is to the offload's own device, checked above.
+                    " store's back. Call hr.unoffload(model) first, then move it")
+        keep = {id(t) for s in self.slots for t in (s.param, s.dev, s.param.grad, s.dev.grad)
+                if t is not None}
+        keep.update(i for q in self.packed for i in (id(q.param), id(q.dev)))
+        # buffers still on meta stay pending: the move is to the offload's own device
         return base(module, lambda t: t if id(t) in keep or t.is_meta else fn(t), recurse)
 
     # ------------------------------------------------------------------ forward hooks
@@ -697,9 +635,8 @@ class Offload:
         return None
 
     def _watch_inputs(self, block: Group, args, kwargs):
-        # With frozen parameters, "all parameter gradients are in" does not mean the
-        # block's backward is over (frozen weights are still needed for input gradients), so
-        # the block is also held until the gradients of its inputs are computed.
+        # With frozen parameters the block's backward is not over when its parameter gradients
+        # are in (input gradients still need the frozen weights): held until those are done.
         idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         keys = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
         if not idx and not keys:
@@ -815,9 +752,8 @@ class Offload:
                 self.use.exit_forward()
 
     def _alloc_grads(self) -> None:
-        """Room for every gradient this backward can produce, before any of them lands."""
-        # A store that is full fails here, at the start of backward with nothing written, rather
-        # than half-way with some gradients stored and others not.
+        """Room for every gradient this backward can produce, before any lands: a full store
+        fails here with nothing written, not half-way."""
         with _masters_as_tensors():
             todo = [s for s in self.slots if s.dev.requires_grad and s.param.requires_grad
                     and s.binding.grad_handle is None]
@@ -852,20 +788,17 @@ class Offload:
         b = slot.binding
         p = slot.param
         if not p.requires_grad:
-            # NOTE: autograd gives a leaf no gradient when its requires_grad is off at the
-            # moment the gradient arrives, even though it was on in forward (AccumulateGrad
-            # checks the flag then). The device copy is the leaf here and the master is what
-            # the user froze: drop the gradient as plain PyTorch does, and go on with the
-            # block's bookkeeping (its copies are released as usual).
+            # NOTE: a master frozen since forward: AccumulateGrad checks the flag when the
+            # gradient arrives and plain PyTorch drops it; the device copy is the leaf here,
+            # so it is dropped here, the block's bookkeeping going on.
             self._grad_done(slot)
             return
         store = self.store
         self.adopt_grad(slot)  # a gradient assigned since: accumulate onto it, as torch does
         if b.grad_handle is None:
             b.grad_handle = _grad_handle(store, b)
-        # A gradient kept in another dtype than the parameter (fp32 for a bf16 one, for
-        # an optimizer with fp32 masters) or on disk cannot be param.grad itself: it gets a
-        # StoreTensor over the stored gradient instead.
+        # a gradient on disk or in another dtype (fp32 for a bf16 parameter) cannot be
+        # param.grad itself: that is a StoreTensor over the stored gradient
         host = store.host_tensor(b.grad_handle) if b.grad_handle.dtype == p.dtype else None
         cur = p.grad
         if isinstance(cur, StoreTensor) and not b.has_grad:
@@ -877,9 +810,7 @@ class Offload:
         if g is None:
             pass  # kept in memory as a sparse gradient (`_sparse_grad`)
         elif host is None and self.grad_accumulation == "device":
-            # Held on the device: every read of the stored gradient (param.grad is a
-            # StoreTensor, the optimizer's step, hr.data_parallel's all-reduce) hands the sum
-            # over first (`sync_grad`, `read_grad`).
+            # held on the device: every read of the stored gradient hands the sum over first
             self._hold(slot, g, fresh=cur is None)
             b.has_grad = True
             if cur is None:
@@ -893,21 +824,18 @@ class Offload:
                 p.grad = host
         else:
             self.res.push_grad(g, b, accumulate=cur is not None)
-            if cur is None:
-                # `zero_grad()` sets it to None, which tells the next backward to overwrite
-                # the stored gradient, not accumulate.
+            if cur is None:  # zero_grad()'s None: overwritten, not accumulated
                 p.grad = _stored_grad(p, b)
-        # Post-accumulate-grad fires once per backward, after every use of the
-        # parameter (tied weights included), so this gradient is complete: tell listeners
-        # (inside HostOptimizer.final_backward() its step starts on the worker thread), the
-        # device gradient dropped first (a listener may step at once, as a dry run's does).
+        # Post-accumulate-grad fires once per backward, after every use (tied weights too):
+        # the gradient is complete. Listeners are told (HostOptimizer may step at once), the
+        # device gradient dropped first.
         del g
         grad_ready(p)
         self._grad_done(slot)
 
     def watch_captures(self, slot: Slot) -> None:
         """Count ``slot``'s gradient as done when ``torch.autograd.grad`` captures it (its
-        device copy's AccumulateGrad, whose hook `_grad_hook` is, does not run then)."""
+        AccumulateGrad, and `_grad_hook`, do not run then)."""
         with self._capture_lock:  # one hook per device copy, whichever thread asks first
             if id(slot) in self._capture_hooked:
                 return
@@ -923,16 +851,13 @@ class Offload:
             return
         try:
             runs = torch._C._will_engine_execute_node(get_gradient_edge(slot.dev).node)
-        except RuntimeError:
-            # NOTE: torch raises here for a leaf that torch.autograd.grad captures: its
-            # gradient is complete now, and no AccumulateGrad (no `_grad_hook`) follows.
+        except RuntimeError:  # NOTE: a captured leaf: no AccumulateGrad follows
             runs = False
         if not runs:
             self._grad_done(slot)
 
     def _grad_done(self, slot: Slot) -> None:
-        """``slot``'s device copy has had its gradient of this backward: release its group
-        once all of them are in."""
+        """``slot``'s gradient of this backward is in: release its group once all are."""
         block = slot.group
         if id(block) in self._bwd_seen:
             block.grads_left -= 1
@@ -941,26 +866,19 @@ class Offload:
 
     def _sparse_grad(self, slot: Slot, g: torch.Tensor,
                      cur: torch.Tensor | None) -> torch.Tensor | None:
-        """Accumulate a sparse gradient (``nn.Embedding(sparse=True)``) as autograd does for a
-        parameter of its own; returns a dense sum still to be stored whole, else ``None``.
+        """Accumulate a sparse gradient (``nn.Embedding(sparse=True)``) as autograd does;
+        returns a dense sum still to be stored whole, else ``None``.
 
-        A sparse gradient stays sparse, in host memory (``binding.grad_sparse``, also
-        ``param.grad``): a later sparse one is added to it in place (autograd's
-        ``variable_grad += new_grad``), a dense one makes the sum dense; a sparse one added to a
-        dense stored gradient is added into it in place.
+        A sparse gradient stays sparse in host memory (``binding.grad_sparse``, also
+        ``param.grad``), in the parameter's dtype: a later sparse one is added in place, a dense
+        one makes the sum dense; added to a dense stored gradient, it goes into it in place.
         """
-        # NOTE: not written densely into the store: torch's sparse steps (SGD adds the entries
-        # one by one, Adagrad and SparseAdam coalesce them, all touch only the rows named)
-        # differ bitwise from their dense steps, so the optimizer must get the sparse tensor
-        # as torch would: the same entries in the same order. How `+=` lays out the sum
-        # (appended, or merged when both operands' values are contiguous) depends on the
-        # tensor autograd hands over before storing it (a stored first gradient is a copy with
-        # contiguous values): that one is kept for the sum (`_keep_raw`).
+        # NOTE: not stored densely: torch's sparse steps differ bitwise from dense ones, so the
+        # optimizer gets the same entries in the same order as torch would. How `+=` lays out
+        # the sum depends on the tensor autograd handed over (a stored copy has contiguous
+        # values): that one is kept for the sum (`_keep_raw`).
         b = slot.binding
         p = slot.param
-        # in the parameter's dtype, as autograd sums them (a consumer wanting fp32 sums of a
-        # bf16 parameter, `grad_dtype`, gets fp32 dense sums only: param.grad must keep p's
-        # dtype, and a sparse gradient is only that)
         dtype = p.dtype
         raw = self._sparse_raw.pop(id(slot), None)
         if id(slot) not in self._sparse_hooked and g.is_sparse:
@@ -1001,8 +919,8 @@ class Offload:
             self._sparse_raw.pop(key, None)
 
     def _hold(self, slot: Slot, g: torch.Tensor, *, fresh: bool) -> None:
-        """Add ``g`` to ``slot``'s gradient held on the device (or start it: ``fresh``, or
-        nothing held), in the stored gradient's dtype: the sum the store would form."""
+        """Add ``g`` to ``slot``'s sum held on the device (start it: ``fresh``, or none held),
+        in the stored gradient's dtype: the sum the store would form."""
         dtype = slot.binding.grad_handle.dtype
         mod = self._streams
         stream = mod.current_stream(self.device) if mod is not None else None
@@ -1012,15 +930,13 @@ class Offload:
                 self._lost.pop(id(slot), None)  # the gradient starts afresh
             if held is None or fresh:
                 if g.dtype == dtype and g.is_contiguous() and g._base is None:
-                    acc = g  # autograd's gradient, no longer referenced elsewhere (a view
-                    # would keep its whole base alive)
+                    acc = g  # autograd's, referenced nowhere else (not a view of a base)
                 else:
                     acc = torch.empty(g.shape, dtype=dtype, device=g.device).copy_(g)
                 annotate(acc, "gradients")  # a gradient, though no parameter's .grad
                 self._held[id(slot)] = _Held(slot, acc, fresh, stream)
                 return
-            if stream is not None and held.stream is not stream:
-                # summed on another stream before: order this add after it
+            if stream is not None and held.stream is not stream:  # summed on another before
                 stream.wait_stream(held.stream)
                 held.acc.record_stream(stream)
                 held.stream = stream
@@ -1031,9 +947,8 @@ class Offload:
                     held.acc.add_(g)
 
     def flush_grads(self, slot: Slot | None = None) -> None:
-        """Hand the gradients held on the device (``slot``'s, or all) to the store; does not
-        wait for them to land (`sync_grads`). A sum whose gradient was cleared since
-        (``zero_grad``) is dropped."""
+        """Hand the sums held on the device (``slot``'s, or all) to the store, not waiting
+        for them to land; one whose gradient was cleared since is dropped."""
         with self._held_lock:
             if slot is None:
                 todo, self._held = list(self._held.values()), {}
@@ -1058,12 +973,8 @@ class Offload:
                 raise
 
     def sync_grad_of(self, slot: Slot) -> None:
-        """Wait until ``slot``'s gradient rests in the store (its sum held on the device
-        handed over first).
-
-        Raises:
-            RuntimeError: its sum was lost with a failed write (see `_wait_landed`).
-        """
+        """Wait until ``slot``'s gradient rests in the store, its held sum handed over first;
+        raises if that sum was lost with a failed write (`_wait_landed`)."""
         self.flush_grads(slot)
         self._wait_landed()
         if id(slot) in self._lost:
@@ -1072,13 +983,13 @@ class Offload:
                 self._lost.pop(id(slot), None)  # cleared since: nothing to read
             else:
                 raise RuntimeError(
-                    f"the gradient of {slot.name!r} was lost: its sum of this iteration's"
-                    f" backward passes (grad_accumulation='device') failed to reach the store"
-                    f" ({self._lost[id(slot)]}). Call zero_grad() and run the iteration again")
+                    f"the gradient of {slot.name!r} was lost: its sum held on the device"
+                    f" failed to reach the store ({self._lost[id(slot)]}). Call zero_grad()"
+                    " and run the iteration again")
 
     def _wait_landed(self) -> None:
-        """`Residency.sync_grads`, noting which held sums a failed write took with it: they
-        left the device, so their stored gradients stay stale until cleared."""
+        """`Residency.sync_grads`, noting the held sums a failed write took with it (their
+        stored gradients stay stale until cleared)."""
         try:
             self.res.sync_grads()
         except BaseException as e:
@@ -1089,10 +1000,8 @@ class Offload:
                 self._lost.update(dict.fromkeys(gone, why))
                 if hasattr(e, "add_note"):
                     e.add_note(
-                        f"headroom: the gradients of {len(gone)} parameter(s), summed on the"
-                        " device (grad_accumulation='device'), went to the store with the"
-                        " write that failed and cannot be read back: call zero_grad() and run"
-                        " the iteration again")
+                        f"headroom: {len(gone)} gradient sum(s) held on the device went with"
+                        " the failed write: call zero_grad() and run the iteration again")
             raise
         with self._held_lock:
             self._unconfirmed.clear()
@@ -1110,22 +1019,19 @@ class Offload:
             names, self._bypass = self._bypass, []
             raise RuntimeError(
                 f"parameter(s) {sorted(set(names))} were used while the model was at rest"
-                " (outside any forward of it, and not between a forward and its backward), so"
-                " their gradient bypassed the store and is wrong. Read them from their module"
-                " during the model's forward, or after a forward and before its backward, where"
-                " reads give the device copy and gradients reach the store; or keep a reference"
-                " to the module and call it rather than holding the parameter object itself"
-            )
+                " (outside its forward, and not between a forward and its backward), so their"
+                " gradient bypassed the store and is wrong. Read them from their module during"
+                " the forward or before its backward, or call the module rather than holding"
+                " the parameter object")
 
     def sync_grads(self) -> None:
-        """Wait until every gradient pushed so far rests in the store (any thread), those
-        held on the device handed over first."""
+        """Wait until every gradient so far rests in the store, held sums handed over first."""
         self.flush_grads()
         self._wait_landed()
 
     def read_grad(self, slot: Slot) -> torch.Tensor | None:
-        """The slot's accumulated gradient as a host tensor (the store's own one on the host,
-        a copy from disk), or ``None`` when its master has none."""
+        """The slot's gradient as a host tensor (the store's own, or a copy from disk), or
+        ``None``."""
         self.adopt_grad(slot)
         b = slot.binding
         if slot.param.grad is None or b.grad_handle is None:
@@ -1135,17 +1041,13 @@ class Offload:
                 f"the gradient of {slot.name!r} is sparse (nn.Embedding(sparse=True)), which"
                 " hr.data_parallel does not average; use sparse=False for the offloaded"
                 " modules of a data-parallel model")
-        # Only this slot's held sum goes over: the others may still be summing (a later
-        # hand-over of theirs would cost one more write each).
-        self.sync_grad_of(slot)
+        self.sync_grad_of(slot)  # only this one's: the others may still be summing
         host = self.store.host_tensor(b.grad_handle)
         return host if host is not None else self.store.read(b.grad_handle).result()
 
     def adopt_grad(self, slot: Slot) -> None:
-        """Make the stored gradient what ``param.grad`` says where it changed since backward
-        left it there (`headroom.transfer.adopt_grad`): a tensor assigned to it becomes the
-        stored gradient; ``None`` (``model.zero_grad()``, ``p.grad = None``) clears it, with
-        any sum held on the device."""
+        """Make the stored gradient what ``param.grad`` says if it changed since backward: an
+        assigned tensor is stored; ``None`` clears it, with any sum held on the device."""
         b = slot.binding
         cur = slot.param.grad
         if cur is None:
@@ -1221,8 +1123,7 @@ class Offload:
     def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
         if any(id(t) in self.by_packed and prefix + a in state_dict
                for a, t in module._parameters.items()):
-            # The loader copies into the master's parts, which are the store's (in host
-            # memory, or StoreTensors writing the disk): prefetched device copies go stale.
+            # the loader writes the master's parts, the store's: prefetched copies go stale
             self.drop_announced()
             self.res.mover.wait_reads()
         for attr, t in module._parameters.items():
@@ -1236,13 +1137,10 @@ class Offload:
                 continue  # the default loader reports the mismatch
             if self.announced:
                 self.drop_announced()  # their device copies would hold the old values
-            # A copy to the device may still be reading the master (a block fetched ahead):
-            # the host write waits for it.
-            self.res.mover.wait_reads()
+            self.res.mover.wait_reads()  # a fetch ahead may still read the master
             self.store.write(h, value.detach().to("cpu", h.dtype).contiguous()).result()
             slot.binding.has_value = True
-            # The default loader then copies into whatever the module holds; give it a
-            # placeholder of the same kind so that copy is a no-op.
+            # the default loader then copies into what the module holds: made a no-op
             cur = module._parameters[attr]
             if cur.device.type == "meta":
                 state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
@@ -1251,8 +1149,7 @@ class Offload:
 
 
 # NOTE: masters catch torch.autograd.grad in __torch_function__ (see _autograd), which every
-# attribute read and op of theirs goes through; headroom's own reads at every forward, fetch
-# and gradient skip it.
+# read and op of theirs goes through; headroom's own reads skip it.
 _masters_as_tensors = torch._C.DisableTorchFunctionSubclass
 
 
@@ -1289,8 +1186,6 @@ def _normalized(device: torch.device) -> torch.device:
 
 
 def _warn_recovery(e: BaseException) -> None:  # pragma: no cover - defensive
-    import warnings
-
     warnings.warn(
         f"headroom could not fully restore an offloaded model after a failed forward/backward"
         f" ({type(e).__name__}: {e}); call hr.unoffload(model) and offload it again",
@@ -1300,12 +1195,9 @@ def _warn_recovery(e: BaseException) -> None:  # pragma: no cover - defensive
 
 
 def _warn_inert(name: str) -> None:
-    import warnings
-
     warnings.warn(
         f"hr.offload(grad_accumulation='device'): the gradient of {name!r} (and any like it) is"
-        " summed in host memory all the same: it rests there in the parameter's own dtype and"
-        " param.grad is that host tensor, whose reads cannot wait for a sum held elsewhere."
-        " Sums are held on the device for gradients read through the store: on a DiskStore,"
-        " and the fp32 gradients hr.HostOptimizer keeps for bf16/fp16 parameters",
+        " summed in host memory all the same: param.grad is that host tensor, whose reads"
+        " cannot wait for a sum held elsewhere. Sums are held on the device for gradients on a"
+        " DiskStore, and the fp32 gradients hr.HostOptimizer keeps for bf16/fp16 parameters",
         UserWarning, stacklevel=4)

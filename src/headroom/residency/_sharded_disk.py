@@ -1,26 +1,15 @@
 """Local shards of FSDP2 units on a `DiskStore`: read into host memory for each all-gather.
 
-With ``store=DiskStore(...)``, `offload_sharded` keeps each rank's *unpadded* local shard of
-every parameter of the chosen units in the store (one tensor per parameter, named by its
-fully qualified name), and the unit on FSDP2's host path (``offload_to_cpu``). Between uses,
-the FSDPParam's padded shard is a placeholder without memory and the DTensor parameter's local
-tensor a `StoreTensor` over the stored shard (`DiskShards.rest`). FSDP2 reads the shard in
-exactly two places, both inside its parameter group: the all-gather inputs (``unshard``) and,
-with a world of one, the copy in ``wait_for_unshard``.
-So the group's two methods are wrapped (on the instance; whoever calls them, its own
-pre-forward, pre-backward, prefetches or ``model.unshard()``): ``unshard`` first reads the
-group's shards from the disk into fresh host buffers (or takes those read ahead, see [Note:
-sharded reads ahead]), and once ``wait_for_unshard`` has returned (the shard has been copied
-into the all-gather buffers) the buffers are dropped; so does FSDP2's ``reset_iter_state``
-(after an exception) for an all-gather that never completed.
-
-The optimizer steps the shards where they rest (`HostOptimizer` finds them bound to the store:
-`headroom.transfer.binding`), and the next ``unshard`` reads the new values: a shard is read
-afresh for every all-gather, never reused from an earlier pass. Gradient shards stay where
-FSDP2 puts them (host DTensors in ``param.grad``), so ``clip_grad_norm_`` acts on them.
-
-``model.state_dict()`` reads the shards from the store (new DTensors); ``load_state_dict``
-writes them back (each shard is read, loaded into and written back to the store).
+Each rank's *unpadded* local shard of every parameter of the chosen units rests in the store
+under its qualified name, the unit on FSDP2's host path. Between uses the FSDPParam's padded
+shard is a placeholder without memory and the DTensor's local tensor a `StoreTensor` over the
+stored shard (`DiskShards.rest`). FSDP2 reads a shard only in its parameter group's ``unshard``
+and ``wait_for_unshard``, so those are wrapped on the instance: ``unshard`` first reads the
+group's shards into fresh host buffers (or takes those read ahead), dropped once
+``wait_for_unshard`` returns, or at ``reset_iter_state`` after an exception. A shard is read
+afresh for every all-gather, so the optimizer steps it where it rests (`HostOptimizer` finds it
+bound). Gradient shards stay where FSDP2 puts them (host DTensors). ``state_dict`` reads the
+shards from the store; ``load_state_dict`` writes them back.
 """
 
 from __future__ import annotations
@@ -51,42 +40,34 @@ class _Shard:
 
 
 def placeholder(fp) -> torch.Tensor:
-    """A 1-D tensor of the padded shard's numel and dtype, for `release` once its views are
-    made (a tensor without memory cannot be viewed)."""
+    """A 1-D tensor of the padded shard's size, to `release` once viewed (a tensor without
+    memory cannot be viewed)."""
     return torch.empty(fp.padded_sharded_param_size.numel(), dtype=fp._sharded_param_data.dtype)
 
 
 def release(t: torch.Tensor) -> None:
-    """Give ``t``'s memory back; its views keep their shapes, without memory."""
     t.untyped_storage().resize_(0)
 
 
 def _set_data(fp, flat: torch.Tensor, length: int) -> None:
-    """Make ``flat`` (1-D, padded numel) the FSDPParam's padded shard and its DTensor's data."""
+    """Make ``flat`` (1-D, padded) the FSDPParam's shard and, in place, its DTensor's data."""
     dim = fp.fsdp_placement.dim
     fp._sharded_param_data = flat
-    # NOTE: the DTensor object stays (optimizers and modules hold it); only its local tensor
-    # changes, as FSDP2 itself does when it re-pads a shard.
     fp.sharded_param._local_tensor = flat.view(fp.padded_sharded_param_size).narrow(
         dim, 0, length)
 
 
 def _wait_all(reads: list) -> None:
-    """Wait for every read of ``[(shard, buffer, future)]``, failed or not: no read may land in
-    a buffer after it is given back."""
+    """Wait for every read of ``[(shard, buffer, future)]``, failed or not (none may land in
+    a buffer given back)."""
     for _, _, fut in reads:
         with contextlib.suppress(BaseException):
             fut.result()
 
 
 class DiskShards:
-    """The shards of a sharded model's units on a `DiskStore` and the hooks that read them.
-
-    Args:
-        store: the rank's store.
-        device: the FSDP2 mesh's device.
-        prefetch: how many units to read ahead of the one being unsharded (same pass).
-    """
+    """The shards of a sharded model's units on a `DiskStore` and the hooks that read them;
+    ``prefetch``: units read ahead of the one being unsharded."""
 
     def __init__(self, store: Store, device: torch.device, *, prefetch: int = 1) -> None:
         self.store = store
@@ -110,14 +91,13 @@ class DiskShards:
 
     # ------------------------------------------------------------------ setup
     def put(self, key: str, fp, group) -> None:
-        """Write ``fp``'s unpadded local shard under ``key`` (the shard stays as it is)."""
+        """Write ``fp``'s unpadded local shard under ``key``."""
         if key in self.store:
             raise RuntimeError(
-                f"{self.store!r} already holds {key!r} (a store of an earlier run, reopened):"
-                " hr.offload of a sharded model writes the model's current shards. Give it an"
-                " empty folder or DiskStore(path, overwrite=True); to resume training, load a"
-                " torch.distributed.checkpoint after hr.offload"
-            )
+                f"{self.store!r} already holds {key!r} (a store of an earlier run): hr.offload"
+                " of a sharded model writes its current shards. Give it an empty folder or"
+                " DiskStore(path, overwrite=True); to resume, load a"
+                " torch.distributed.checkpoint after hr.offload")
         local = fp.sharded_param._local_tensor
         dim = fp.fsdp_placement.dim
         length = local.size(dim) if local.numel() > 0 else 0
@@ -129,18 +109,11 @@ class DiskShards:
             self.groups.append(group)
 
     def bind(self, sh: _Shard) -> None:
-        """Bind the (new) DTensor parameter of ``sh`` to its tensor in the store."""
         bind(sh.fp.sharded_param, sh.handle, store=self.store)
 
     def rest(self, sh: _Shard) -> None:
-        """Between all-gathers: the DTensor's local tensor reads and writes the store.
-
-        Its padded shard is a placeholder without memory, which FSDP2 reads only inside the
-        wrapped ``unshard``. Code of the user's that reaches the parameter meanwhile (``p.norm()``,
-        ``p.to_local()``, an EMA, ``p.data.mul_()``) gets a `StoreTensor`: reads come from the
-        disk, in-place writes go to it (the next all-gather reads them), exactly, rather than
-        touching a tensor without memory.
-        """
+        """Between all-gathers the DTensor's local tensor is a `StoreTensor`: the user's reads
+        of it (``p.norm()``, an EMA) come from the disk, in-place writes go there."""
         sh.fp.sharded_param._local_tensor = StoreTensor(
             HandleSource(self.store, sh.handle), tuple(sh.handle.shape),
             dtype=sh.handle.dtype, device=torch.device("cpu"))
@@ -148,9 +121,7 @@ class DiskShards:
     def wrap_all(self) -> None:
         """Wrap the parameter groups' ``unshard`` and ``wait_for_unshard`` (see the module doc)."""
         for g in self.groups:
-            # FSDP2's lazy init re-pads each shard from the DTensor's local tensor; ours are
-            # padded already, and a placeholder has nothing to re-pad.
-            g._reset_sharded_params = True
+            g._reset_sharded_params = True  # ours are padded: FSDP2's lazy init must not
             self._wrap(g)
 
     def _wrap(self, group) -> None:
@@ -172,14 +143,10 @@ class DiskShards:
         group.unshard = read_then_unshard
         group.wait_for_unshard = wait_then_drop
         reset = getattr(group, "_reset_iter_state", None)
-        if reset is None:
-            # an older torch (2.11) has no reset after an exception in forward or backward:
-            # shards read for an all-gather that never ran stay read until the unit's next one
+        if reset is None:  # torch 2.11: read shards stay until the unit's next all-gather
             return
 
-        def reset_then_drop():
-            # After an exception in forward or backward (FSDP2's reset_iter_state): the
-            # shards read for an all-gather that never completed are given back.
+        def reset_then_drop():  # after an exception: shards of an unfinished all-gather go
             reset()
             self.new_epoch()
             self._settle(shards)
@@ -197,13 +164,11 @@ class DiskShards:
 
     # ------------------------------------------------------------------ reads ahead
     # [Note: sharded reads ahead]
-    # A unit's shards are read when FSDP2 unshards it, and the next ``prefetch`` units of the
-    # same pass (in the order the previous pass of that kind unsharded them: forward, or
-    # backward) are read ahead then, in the background. A read ahead is used only within the
-    # pass it was issued in (an *epoch*): the shards change only between passes (the
-    # optimizer's step, load_state_dict), so a read from an earlier epoch may be stale and is
-    # discarded. A new epoch starts at each forward of the model, when unshards switch
-    # between forward and backward, and at FSDP2's reset_iter_state.
+    # When FSDP2 unshards a unit, the next ``prefetch`` units of the same pass (in the order of
+    # the previous pass of that kind) are read in the background. A read ahead is used only in
+    # its pass (an *epoch*): shards change only between passes, so an older read may be stale.
+    # A new epoch starts at each forward, when unshards switch direction, and at
+    # reset_iter_state.
     def new_epoch(self) -> None:
         """Close the pass in progress: discard what was read ahead for it."""
         if self._kind is not None and self._seq:
@@ -256,7 +221,7 @@ class DiskShards:
 
     # ------------------------------------------------------------------ reads and drops
     def _issue(self, shards: list[_Shard]) -> list:
-        """Start reading ``shards`` into fresh host buffers; ``[(shard, buffer, future)]``."""
+        """Start reading ``shards`` into fresh host buffers: ``[(shard, buffer, future)]``."""
         pin = is_accelerator(self.device)
         reads = []
         try:
@@ -276,7 +241,6 @@ class DiskShards:
         return reads
 
     def _land(self, reads: list, *, counted: bool = False) -> None:
-        """Wait for ``reads`` and make their buffers the shards' data."""
         try:
             for _, _, fut in reads:
                 fut.result()
@@ -295,7 +259,6 @@ class DiskShards:
             self.reads += 1
 
     def load(self, shards: list[_Shard]) -> None:
-        """Read ``shards`` from the store into fresh host buffers (their current values)."""
         self._settle(shards)
         self._land(self._issue(shards))
 
@@ -304,7 +267,6 @@ class DiskShards:
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     def drop(self, shards: list[_Shard]) -> None:
-        """Give the host buffers of ``shards`` back (placeholders in their place)."""
         for sh in shards:
             if sh.resident:
                 self.resident_bytes -= sh.fp._sharded_param_data.nbytes
@@ -318,8 +280,7 @@ class DiskShards:
         if not is_accelerator(self.device):
             self.drop(shards)
             return
-        # The copy to the device may still be reading the page-locked buffers: they are
-        # dropped once the work queued so far on this stream is done.
+        # the copy to the device may still read the pinned buffers: dropped after it
         ev = torch.Event(device=self.device)
         ev.record()
         self._pending.append((ev, shards))
@@ -357,7 +318,6 @@ class DiskShards:
 
     # ------------------------------------------------------------------ state dict
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
-        """``model.state_dict()``: each offloaded shard read from the store (a new DTensor)."""
         for sh in self.shards.values():
             name = prefix + sh.key
             if name in state_dict:
@@ -365,11 +325,9 @@ class DiskShards:
                 state_dict[name] = sh.fp.to_sharded_dtensor(local)
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
-        """Before ``load_state_dict`` copies into the parameters: their shards in memory."""
-        self.load_all()
+        self.load_all()  # loaded into in memory, then written back by the post hook
 
     def load_state_dict_post_hook(self, module, incompatible_keys) -> None:
-        """After it: the loaded shards written to the store, their memory given back."""
         try:
             for sh in self.shards.values():
                 if sh.resident:
@@ -379,10 +337,9 @@ class DiskShards:
             self.drop_all()
 
     def hook(self, model: nn.Module) -> None:
-        # Each forward of the model is a new pass (before FSDP2's own pre-forward hook).
-        self.hooks.append(model.register_forward_pre_hook(
-            partial(DiskShards.forward_pre_hook, self), prepend=True))
         # (partial, not bound methods: torch marks the hook objects it is given)
+        self.hooks.append(model.register_forward_pre_hook(  # a new pass, before FSDP2's hook
+            partial(DiskShards.forward_pre_hook, self), prepend=True))
         self.hooks.append(model.register_state_dict_post_hook(
             partial(DiskShards.state_dict_hook, self)))
         self.hooks.append(model.register_load_state_dict_pre_hook(self.load_state_dict_pre_hook))
@@ -391,7 +348,7 @@ class DiskShards:
 
     # ------------------------------------------------------------------ undo
     def take_back(self, sh: _Shard) -> torch.Tensor:
-        """The padded 1-D shard read from the store (for `unoffload_sharded`); frees it."""
+        """The padded 1-D shard read from the store (`unoffload_sharded`); frees it."""
         self.load([sh])
         flat = sh.fp._sharded_param_data
         self.resident_bytes -= flat.nbytes

@@ -1,18 +1,10 @@
 """One user at a time: an offloaded model's forward or backward, across threads.
 
-An offloaded model's device copies and its schedule are shared by everything that runs it: a
-forward in one thread releases (resizes to 0 bytes) the device copies another thread's forward
-or backward is computing with. So one forward (the thread running it, reentrant) or one
-backward (the autograd graph task running it) uses the model at a time, and a forward or
-backward from another thread waits until it is done, at the boundary of the whole call. The
-result is that of plain PyTorch running the calls in that order; a forward between another
-thread's forward and its backward is allowed (the backward fetches again what it needs), as
-in one thread.
-
-A backward's use ends with its final callback. A backward that breaks off (an exception in
-someone else's hook, ``KeyboardInterrupt``) never runs that callback; its use ends when autograd
-drops the graph task, which holds the callback object: a weak reference to that object releases
-the use then, and the next user cleans up what the backward left (`Offload.abort_backward`).
+A forward in one thread would release the device copies another thread computes with, so one
+forward (a thread, reentrant) or one backward (a graph task) uses the model at a time; others
+wait at the boundary of the whole call, giving plain PyTorch's result for that order. A
+backward's use ends with its final callback or, if it breaks off, when autograd drops the graph
+task holding that callback (a weak reference); the next user cleans up (`Offload.abort_backward`).
 """
 
 from __future__ import annotations
@@ -45,10 +37,8 @@ class _EndBackward:
 
 
 class Use:
-    """Who runs an offloaded model now: nobody, a forward (a thread) or a backward (a graph
-    task). Short operations (listing parameters, an optimizer step's releases, a copy) take it
-    like a forward for their duration. Waiters get it in the order they asked, so a thread
-    running forwards in a loop cannot starve another one's training."""
+    """Who runs an offloaded model now: nobody, a forward (a thread; short operations too) or
+    a backward (a graph task). Waiters get it in the order they asked (none starves)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())
@@ -61,8 +51,7 @@ class Use:
         return self._owner == ("f", threading.get_ident())
 
     def _take(self, owner: tuple, give_up: Callable[[], bool] | None = None) -> bool:
-        """Wait for a turn (holding ``_cond``) and own the model as ``owner``; ``False`` when
-        ``give_up()`` says so first."""
+        """Wait for a turn (holding ``_cond``) and own the model; ``False`` if ``give_up()``."""
         if self._owner is None and not self._queue:
             self._owner = owner
             return True
@@ -87,8 +76,7 @@ class Use:
 
     # ---------------------------------------------------------------- forward
     def enter_forward(self) -> None:
-        """Start (or nest) a forward in this thread; waits while another thread's forward or a
-        backward uses the model."""
+        """Start (or nest) a forward in this thread, waiting for other users."""
         with self._cond:
             if not self._mine():
                 self._take(("f", threading.get_ident()))
@@ -105,10 +93,9 @@ class Use:
             return True
 
     def enter_short(self, *, wait_for_backward: bool) -> bool:
-        """Take the model for a short operation, nested in this thread's forward if one runs;
-        waits for another thread's forward. A running backward is waited for only with
-        ``wait_for_backward`` and when the caller is not inside it; otherwise returns ``False``
-        (not taken). Pair a ``True`` with `exit_forward`."""
+        """Take the model for a short operation (nested in this thread's forward), waiting for
+        another thread's forward; for a backward only with ``wait_for_backward`` and outside
+        it, else ``False``. Pair a ``True`` with `exit_forward`."""
         def give_up() -> bool:
             return self._owner is not None and self._owner[0] == "b" and (
                 not wait_for_backward
@@ -129,16 +116,10 @@ class Use:
             if self._depth <= 0:
                 self._free()
 
-    def in_forward_here(self) -> bool:
-        """Whether this thread's forward (or short operation) uses the model now."""
-        return self._mine()
-
     # ---------------------------------------------------------------- backward
     def enter_backward(self, task: int, end: Callable[[], None]) -> Callable[[], None]:
-        """Start graph task ``task``'s backward, waiting while another thread uses the model;
-        returns the callable to queue as its final callback (it runs ``end``, then ends the
-        use). A backward inside this thread's own forward of the model runs within that
-        forward's use."""
+        """Start graph task ``task``'s backward, waiting for other users (inside this thread's
+        forward: within its use); returns the final callback (``end``, then the use ends)."""
         with self._cond:
             cb = _EndBackward(self, task, end)
             if not self._mine():

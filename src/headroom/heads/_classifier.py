@@ -60,10 +60,19 @@ class _StoreParams:
         self.dtype = dtype
 
     def source(self, slice_size: int) -> StoreSlices:
-        return self.head._source(slice_size, self.dtype)
+        h = self.head
+        return StoreSlices(h.store, h._wh, h._bh, device=h.device, dtype=self.dtype,
+                           max_rows=min(slice_size, h.num_classes), prefetch=h.prefetch)
 
     def sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
-        return self.head._sink(slice_size, self.dtype, weight=weight, bias=bias)
+        h = self.head
+        acc = h._accumulating()  # before _grad_handle, which may reset has_grad
+        wb, bb = binding(h.weight), None if h.bias is None else binding(h.bias)
+        return StoreGradSink(
+            h.store, h._grad_handle(wb) if (weight and wb is not None) else None,
+            h._grad_handle(bb) if (bias and bb is not None) else None,
+            accumulate=acc, device=h.device, dtype=self.dtype,
+            max_rows=min(slice_size, h.num_classes), prefetch=h.prefetch)
 
     def landed(self, sink, *, weight: bool, bias: bool) -> tuple[None, None]:
         self.head._grads_landed(weight=weight, bias=bias, rows=None)
@@ -363,28 +372,9 @@ class HugeClassifier(nn.Module):
     def _dtype_for(self, features: torch.Tensor) -> torch.dtype:
         return compute_dtype(self.dtype, features.dtype)
 
-    def _source(self, slice_size: int, dtype: torch.dtype) -> StoreSlices:
-        return StoreSlices(
-            self.store, self._wh, self._bh, device=self.device, dtype=dtype,
-            max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
-        )
-
     def _accumulating(self) -> bool:
         b = binding(self.weight)
         return b is not None and b.has_grad and self.weight.grad is not None
-
-    def _sink(self, slice_size: int, dtype: torch.dtype, *, weight: bool,
-              bias: bool) -> StoreGradSink:
-        acc = self._accumulating()
-        wb = binding(self.weight)
-        bb = binding(self.bias) if self.bias is not None else None
-        return StoreGradSink(
-            self.store,
-            self._grad_handle(wb) if (weight and wb is not None) else None,
-            self._grad_handle(bb) if (bias and bb is not None) else None,
-            accumulate=acc, device=self.device, dtype=dtype,
-            max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
-        )
 
     def _grad_handle(self, b: ParamBinding) -> Handle:
         """``b``'s gradient tensor in the store, made anew (zeroed, in ``b.grad_dtype``) where
@@ -517,19 +507,16 @@ class HugeClassifier(nn.Module):
         Args:
             features: ``(..., in_features)`` on ``device``.
             labels: ``features.shape[:-1]`` integer classes or ``ignore_index``; or the
-                positives of each row: ``(offsets, indices)``, ``(offsets, indices, values)``,
-                a list of per-row index tensors or a ``torch.sparse_csr_tensor``.
-            loss: with multi-label targets, ``"bce"`` (default), ``"squared_hinge"``,
-                ``"softmax"``, ``"softmax_sum"`` or a function ``fn(scores, targets, classes)``
-                (see `headroom.linear_loss`; in the sampled mode ``classes`` is the slice's
-                int64 tensor of class ids).
+                positives of each row in a form `headroom.linear_loss` takes.
+            loss: with multi-label targets, ``"bce"`` (default) or another loss of
+                `headroom.linear_loss` (in the sampled mode a function's ``classes`` is the
+                slice's int64 tensor of class ids).
             pos_weight: with ``"bce"``/``"squared_hinge"``, as in `headroom.linear_loss`.
-            ignore_rows: with multi-label targets, rows that count for nothing (bool,
-                ``features.shape[:-1]``).
+            ignore_rows: with multi-label targets, as in `headroom.linear_loss`.
             ignore_index: with class ids, as in ``F.cross_entropy``.
             label_smoothing: with class ids, as in ``F.cross_entropy``.
-            reduction: ``"mean"``, ``"sum"`` or ``"none"`` (see `headroom.linear_loss` for
-                what ``"mean"`` divides by with multi-label targets).
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as `headroom.linear_loss` and
+                `headroom.linear_cross_entropy` take it.
             softcap, shift, z_loss, class_weight, return_lse, return_accuracy,
                 return_predictions, loss_dtype: with class ids (and ``sample_rate == 1``), as
                 in `headroom.linear_cross_entropy`.
@@ -720,7 +707,7 @@ class HugeClassifier(nn.Module):
         s = max(self._slice_for(batch, dtype), min(k, self.num_classes))
         best_v = torch.full((batch, 0), -math.inf, dtype=dtype, device=self.device)
         best_i = torch.empty((batch, 0), dtype=torch.int64, device=self.device)
-        for start, stop, w, b in self._source(s, dtype).slices(
+        for start, stop, w, b in _StoreParams(self, dtype).source(s).slices(
                 slice_bounds(self.num_classes, s)):
             z = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
             v, i = torch.topk(z, min(k, stop - start), dim=1)

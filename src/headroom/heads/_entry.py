@@ -44,15 +44,14 @@ def linear_cross_entropy(
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
 
-    The classes are processed in slices: forward keeps an online log-sum-exp, and backward
-    recomputes each slice's logits to form the exact gradients of ``x``, ``weight`` and ``bias``.
-    Peak extra memory is one ``B x slice_size`` buffer (two with ``softcap``) plus a few ``B``-
-    and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
-    loss, gradients wanted and a weight on ``x``'s device in ``accum_dtype``, chunks of rows
-    over all classes (within the same budget, at most half the rows) give loss and gradients in
-    one pass of three products instead of four. Rows whose target is ``ignore_index`` skip the
-    products when the loss is reduced and the log-sum-exp not returned. Under ``torch.compile``
-    (``fullgraph=True`` too) the call is one custom operator running this eager code.
+    Forward keeps an online log-sum-exp over slices of classes; backward recomputes each slice's
+    logits for the exact gradients. Peak extra memory is one ``B x slice_size`` buffer (two with
+    ``softcap``) and a few ``B``- and ``B x D``-sized tensors, whatever ``C``. With automatic
+    slices, a scalar loss, gradients wanted and the weight on ``x``'s device in ``accum_dtype``,
+    chunks of rows (at most half, within the same budget) give loss and gradients in one pass of
+    three products instead of four. Ignored rows skip the products when the loss is reduced and
+    the lse not returned. Under ``torch.compile`` (``fullgraph=True`` too) the call is one
+    custom operator running this eager code.
 
     For language models: ``shift=True`` predicts token ``t + 1`` from position ``t`` (``x`` is
     ``(..., seq, D)``, ``target`` the unshifted labels, as a Hugging Face model's ``labels``),
@@ -61,44 +60,41 @@ def linear_cross_entropy(
 
     Args:
         x: ``(..., D)`` features, on the compute device.
-        weight: ``(C, D)`` class weights, on ``x``'s device, or in host memory while ``x`` is on
-            an accelerator (then slices stream to the device in both passes, ``prefetch`` ahead
-            on a side stream, and the weight gradient streams back the same way).
+        weight: ``(C, D)``, on ``x``'s device, or in host memory while ``x`` is on an
+            accelerator (slices then stream there in both passes, ``prefetch`` ahead on a side
+            stream, and the weight gradient streams back).
         target: ``x.shape[:-1]`` integer class indices in ``[0, C)`` or ``ignore_index``.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
-        slice_size: classes per slice. ``None`` picks one from a logits budget
-            (:data:`DEFAULT_LOGITS_BUDGET`, capped at a cache-friendly few thousand classes).
-            Larger slices cost memory without speeding up the products; very small ones
-            (below a few hundred) make them inefficient.
+        slice_size: classes per slice; ``None``: from :data:`DEFAULT_LOGITS_BUDGET`, at most a
+            cache-friendly few thousand. Larger ones cost memory without speeding up the
+            products; below a few hundred the products get inefficient.
         ignore_index: target value whose rows contribute neither loss nor gradient.
         label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``: the target becomes
             ``(1 - eps) * onehot + eps / C``.
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target;
             with ``shift``, without its last ``shift`` positions).
-        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3's final logit
-            soft-capping); ``None`` (default): the logits as they are.
+        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3); ``None``: the
+            logits as they are.
         shift: ``True`` (or an int ``k``): row ``t`` of each sequence predicts ``target`` at
             ``t + k``; the last ``k`` positions predict nothing (the labels move, not ``x``).
-        z_loss: adds ``z_loss * lse**2`` per row not ignored (PaLM's z-loss), averaged over
-            those rows for ``"mean"`` (by their count, also with ``class_weight``).
-        class_weight: ``(C,)`` weight of each class, as ``weight=`` of ``F.cross_entropy``:
-            a row's loss is scaled by its target's weight and ``"mean"`` divides by the sum of
-            those weights; with label smoothing the uniform part is weighted per class too.
+        z_loss: adds ``z_loss * lse**2`` per row not ignored, averaged over those rows for
+            ``"mean"`` (by their count, also with ``class_weight``).
+        class_weight: ``(C,)``, as ``weight=`` of ``F.cross_entropy``: a row's loss is scaled
+            by its target's weight and ``"mean"`` divides by their sum; label smoothing's
+            uniform part is weighted per class too.
         return_lse: also return each row's log-sum-exp (differentiable).
         return_accuracy: also return the fraction of rows not ignored whose largest logit is
             the target.
         return_predictions: also return each row's predicted class (-1 on ignored rows).
-        loss_dtype: dtype of the returned loss (and log-sum-exp). ``None`` (default): float32
-            for float16/bfloat16 inputs, ``x``'s dtype otherwise (the loss accumulates in
-            float64 either way).
-        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None`` (default):
-            float32 for float32/bf16/fp16 inputs (each weight slice upcast), float64 for
-            float64 inputs. Gradients have the input dtype.
-        prefetch: with a host weight on an accelerator, how many slices are copied ahead of
-            the one computing. ``1`` hides each copy behind one slice of compute; deeper
-            absorbs uneven times at one more slice of device memory (and of page-locked
-            staging, for a weight not pinned); ``0`` does not overlap. Unused for a weight on
-            ``x``'s device.
+        loss_dtype: dtype of the returned loss (and lse). ``None``: float32 for float16/bfloat16
+            inputs, ``x``'s dtype otherwise (the loss accumulates in float64 either way).
+        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None``: float32 for
+            float32/bf16/fp16 inputs (each weight slice upcast), float64 for float64 inputs.
+            Gradients have the input dtype.
+        prefetch: with a host weight on an accelerator, slices copied ahead of the one
+            computing: ``1`` hides each copy behind one slice of compute; deeper absorbs uneven
+            times at one more slice of device memory (and page-locked staging for a weight not
+            pinned); ``0`` does not overlap. Unused for a weight on ``x``'s device.
 
     Returns:
         The loss, a scalar or (``reduction="none"``) shaped like ``target`` (with ``shift``,
@@ -111,9 +107,8 @@ def linear_cross_entropy(
             ``class_weight`` that is not a floating tensor.
         ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
             disagree, wrong shapes, bad options. All checked before any compute.
-        RuntimeError: from backward with ``create_graph=True`` (double backward, e.g. a
-            gradient penalty), which is not supported: use ``F.cross_entropy`` on dense logits
-            for that term.
+        RuntimeError: from a backward with ``create_graph=True`` (e.g. a gradient penalty):
+            use ``F.cross_entropy`` on dense logits for that term.
 
     Example:
         >>> x = torch.randn(8, 16, requires_grad=True)

@@ -114,6 +114,11 @@ class _HostParameter(nn.Parameter):
             host.copy_(value.detach().clone() if _overlaps(value, host) else value)
 
 
+def _union(rows: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    """Row ids in either (``None``: all rows)."""
+    return None if rows is None or more is None else torch.unique(torch.cat([rows, more]))
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and (
         a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
@@ -399,12 +404,7 @@ class HugeClassifier(nn.Module):
             b = binding(p)
             assert b is not None and b.grad_handle is not None
             was = b.has_grad and p.grad is not None
-            if rows is None:
-                b.grad_rows = None
-            elif not was:
-                b.grad_rows = rows
-            elif b.grad_rows is not None:
-                b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
+            b.grad_rows = _union(b.grad_rows, rows) if was else rows
             b.has_grad = True
             host = self.store.host_tensor(b.grad_handle)
             # as offloaded parameters: the store's gradient tensor, or one whose ops reach it;
@@ -414,10 +414,7 @@ class HugeClassifier(nn.Module):
             elif not isinstance(p.grad, StoreTensor):
                 p.grad = StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype)
         if weight:
-            if rows is None:
-                self._dirty = None
-            elif self._dirty is not None:
-                self._dirty = torch.unique(torch.cat([self._dirty, rows]))
+            self._dirty = _union(self._dirty, rows)
 
     def _zero_rows_for_sparse_overwrite(self) -> None:
         """Before a row-sparse overwrite, zero every gradient row that may hold old values."""
@@ -653,14 +650,13 @@ class HugeClassifier(nn.Module):
         return loss
 
     def _hook_sparse_grads(self, w: torch.Tensor, b: torch.Tensor | None, rows: torch.Tensor):
-        pending = {"w": w, "b": b}
-        expected = {"w"} | ({"b"} if b is not None else set())
+        pending = {k: t for k, t in (("w", w), ("b", b)) if t is not None}
         arrived: dict[str, torch.Tensor] = {}
 
         def landed(name: str, t: torch.Tensor) -> None:
             arrived[name] = t.grad.detach().to("cpu", self.dtype)
             t.grad = None
-            if set(arrived) != expected:
+            if set(arrived) != set(pending):
                 return
             acc = self._accumulating()
             if not acc:
@@ -676,8 +672,7 @@ class HugeClassifier(nn.Module):
             self._grads_landed(weight=True, bias=b is not None, rows=rows)
 
         for name, t in pending.items():
-            if t is not None:
-                t.register_post_accumulate_grad_hook(lambda t, n=name: landed(n, t))
+            t.register_post_accumulate_grad_hook(lambda t, n=name: landed(n, t))
 
     @torch.no_grad()
     def topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

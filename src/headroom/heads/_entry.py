@@ -154,8 +154,8 @@ def linear_loss(
 ) -> torch.Tensor:
     """Exact multi-label loss of ``x @ weight.T + bias`` without the ``B x C`` logits or targets.
 
-    Equal to the loss on the full logits against the dense target ``T`` (``T[b, c]``: 1, or the
-    given value, at the positives; 0 elsewhere), computed one slice of classes at a time:
+    Equal to the loss on the full logits against the dense target ``T`` (1, or the given value,
+    at the positives; 0 elsewhere), computed one slice of classes at a time:
 
     * ``"bce"``: ``F.binary_cross_entropy_with_logits(logits, T, pos_weight=pos_weight)``.
     * ``"squared_hinge"``: ``pw * T * max(0, 1 - z)**2 + (1 - T) * max(0, 1 + z)**2`` per
@@ -163,47 +163,41 @@ def linear_loss(
     * ``"softmax"``: ``F.cross_entropy(logits, T / T.sum(1, keepdim=True))``: the mean of
       ``-log p`` over a row's positives (weighted by their values); 0 for a row without any.
     * ``"softmax_sum"``: ``F.cross_entropy(logits, T)``: their sum.
-    * a function ``fn(scores, targets, classes)``: called once per slice with the slice's
-      ``B x S`` logits ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` target
-      ``targets`` (0, and 1 or the values at the positives, in the scores' dtype) and
-      ``classes``, the slice's ``range`` of class ids. It returns the slice's loss summed over
-      its elements (a 0-d tensor), and autograd differentiates it slice by slice; the loss of
-      a slice may depend only on that slice. ``scores`` and ``targets`` are reused buffers:
-      valid during the call.
+    * a function ``fn(scores, targets, classes)``: called per slice with its ``B x S`` logits
+      ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` ``targets`` (``T``'s, in
+      the scores' dtype) and ``classes``, its ``range`` of class ids; it returns the slice's
+      summed loss (a 0-d tensor), which may depend on that slice only, and autograd
+      differentiates it. ``scores`` and ``targets`` are reused buffers, valid during the call.
 
     With gradients wanted and ``reduction`` not ``"none"``, the separable losses and a function
-    form loss and gradients in forward's one pass (three products per slice, as many as the
-    dense computation); backward scales them. A softmax runs a pass in forward and one in
-    backward. Peak extra memory is two ``B x slice_size`` buffers, the gradients of ``weight``
-    and ``x``, and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile`` the call is
-    one custom operator running this eager code (built-in losses, CSR targets of tensors).
+    form loss and gradients in forward's one pass (three products per slice, as the dense
+    computation); backward scales them. A softmax runs a pass in forward and one in backward.
+    Peak extra memory: two ``B x slice_size`` buffers, the gradients of ``weight`` and ``x``,
+    and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile`` the call is one custom
+    operator running this eager code (built-in losses, CSR targets of tensors).
 
     Args:
         x: ``(..., D)`` features on the compute device.
-        weight: ``(C, D)`` class weights, on ``x``'s device or in host memory while ``x`` is on
-            an accelerator (slices then stream to the device, as for `linear_cross_entropy`).
-        targets: the positives of each row (of ``x.shape[:-1]`` flattened): a CSR tuple
-            ``(offsets, indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``,
-            ``len(offsets) == rows + 1``), ``(offsets, indices, values)`` with a target value
-            per positive (soft labels), a list with one tensor of class ids per row, or a
-            ``torch.sparse_csr_tensor`` of shape ``(rows, C)``. Any order within a row; a class
-            may appear once per row.
+        weight: ``(C, D)``, on ``x``'s device or in host memory while ``x`` is on an accelerator
+            (slices then stream, as for `linear_cross_entropy`).
+        targets: the positives of each row (of ``x.shape[:-1]`` flattened): CSR ``(offsets,
+            indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``),
+            ``(offsets, indices, values)`` with a target value per positive, a list of one
+            tensor of class ids per row, or a ``torch.sparse_csr_tensor`` ``(rows, C)``. Any
+            order within a row; a class at most once per row.
         loss: ``"bce"``, ``"squared_hinge"``, ``"softmax"``, ``"softmax_sum"`` or a function.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
         pos_weight: weight of the positive term of ``"bce"``/``"squared_hinge"``: a float or a
             ``(C,)`` tensor, as in ``F.binary_cross_entropy_with_logits`` (not differentiated).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row sums over the classes, shape
-            ``x.shape[:-1]``; not the ``B x C`` of ``F.binary_cross_entropy_with_logits``).
-            ``"mean"`` divides the sum by what PyTorch's dense loss divides by: the number of
-            elements (counted rows x ``C``) for ``"bce"``/``"squared_hinge"``, the number of
-            counted rows for a softmax and a function.
-        slice_size: classes per slice; ``None`` picks one from a logits budget
-            (`DEFAULT_LOGITS_BUDGET` for the buffers, at most a cache-friendly few thousand).
-        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``; rows that are ``True``
-            contribute neither loss nor gradient (and are not counted by ``"mean"``).
-        accum_dtype: dtype of logits, loss and gradient accumulation. ``None`` (default):
-            float32 for float32/bf16/fp16 inputs, float64 for float64 inputs (loss and
-            gradients at float64 rounding); results are returned in ``x``'s dtype.
+            ``x.shape[:-1]``). ``"mean"`` divides by what PyTorch's dense loss divides by:
+            counted rows x ``C`` for ``"bce"``/``"squared_hinge"``, counted rows otherwise.
+        slice_size: classes per slice; ``None``: from `DEFAULT_LOGITS_BUDGET` for the buffers,
+            at most a cache-friendly few thousand.
+        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``: rows that are ``True``
+            contribute neither loss nor gradient (nor count for ``"mean"``).
+        accum_dtype: dtype of logits, loss and gradient accumulation. ``None``: float32 for
+            float32/bf16/fp16 inputs, float64 for float64 inputs; results in ``x``'s dtype.
         prefetch: slices copied ahead when a host weight streams to an accelerator.
 
     Returns:

@@ -444,6 +444,9 @@ class CrossEntropyOptions:
                     "class_weight requires grad, but gets no gradient here (as in "
                     "F.cross_entropy); pass class_weight.detach()")
         accum_dtype = compute_dtype(dtype, accum_dtype=self.accum_dtype)
+        # half-precision inputs return a float32 loss, as peers do
+        half = dtype in (torch.float16, torch.bfloat16)
+        loss_dtype = self.loss_dtype or (torch.float32 if half else dtype)
         check_slicing(reduction=self.reduction, slice_size=self.slice_size,
                       prefetch=self.prefetch, accum_dtype=accum_dtype)
         if not 0.0 <= self.label_smoothing <= 1.0:
@@ -451,7 +454,7 @@ class CrossEntropyOptions:
         return replace(
             self, label_smoothing=float(self.label_smoothing), shift=shift,
             softcap=None if softcap is None else float(softcap), z_loss=float(z_loss),
-            loss_dtype=default_loss_dtype(dtype, self.loss_dtype), accum_dtype=accum_dtype)
+            loss_dtype=loss_dtype, accum_dtype=accum_dtype)
 
     def returned(
         self, out: tuple[torch.Tensor, ...]
@@ -725,13 +728,6 @@ def unshift_rows(rows: torch.Tensor, shape: torch.Size, shift: int) -> torch.Ten
     """Per-row values of the shifted rows, shaped ``shape[:-1] + (seq - shift,)``."""
     rows = rows.reshape(shape)
     return rows[..., : shape[-1] - shift] if shift else rows
-
-
-def default_loss_dtype(dtype: torch.dtype, loss_dtype: torch.dtype | None) -> torch.dtype:
-    """float32 for half-precision inputs (as peers return), the inputs' dtype otherwise."""
-    if loss_dtype is not None:
-        return loss_dtype
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def outputs(

@@ -87,7 +87,8 @@ def _refuse_other(p: torch.Tensor, value: Any, what: str) -> None:
         raise RuntimeError(
             f"cannot {what} a HugeClassifier parameter ({p.dtype} {tuple(p.shape)}) to {got}: "
             "its store keeps shape and dtype. Pass a tensor of that shape and dtype "
-            "(head.load_weight(weight, bias) converts the dtype), or build the head with it")
+            "(head.load_weight(weight, bias) converts the dtype), or build the head with "
+            "another dtype=")
 
 
 class _HostParameter(nn.Parameter):

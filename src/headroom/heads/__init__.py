@@ -1,9 +1,5 @@
-"""Exact losses over huge numbers of classes, streamed slice by slice over the classes.
-
-Softmax cross-entropy with one label per row (`linear_cross_entropy`), multi-label and per-class
-losses (`linear_loss`), `HugeClassifier`, whose weight rests in a store, and `patch_causal_lm`,
-which gives a causal language model's training loss without its logits.
-"""
+"""Exact losses over huge numbers of classes, streamed slice by slice over the classes: one
+label per row, multi-label, a head whose weight rests in a store, a causal LM's loss."""
 
 from headroom.heads._causal_lm import CausalLMPatch, patch_causal_lm
 from headroom.heads._classifier import HugeClassifier

@@ -1,21 +1,11 @@
 """`patch_causal_lm`: a causal language model's training loss without its logits.
 
-A Hugging Face causal LM computes ``logits = lm_head(hidden)`` (``batch x seq x vocab``), maybe
-soft-caps them, and then the loss. Patched, a training forward with ``labels`` hands ``lm_head``
-an empty slice of the hidden states instead (so the model's own code runs unchanged and builds
-no logits), and computes the loss from the full hidden states with `linear_cross_entropy`:
-shifted labels, ``ignore_index``, the model's soft cap and ``num_items_in_batch`` as the model's
-loss function uses them.
+Hooks only: the model's pre-hook takes ``labels`` out, the output layer's pre-hook computes the
+loss from its hidden states with `linear_cross_entropy` (while its weight is there, also when
+offloaded) and passes on an empty slice, so the model builds no logits; the model's hook puts
+the loss into the output. The first call compares one position's logits with the patch's.
 """
 
-# Hooks only (no forward replaced, no class special-cased by name): a forward pre-hook on the
-# model takes ``labels`` out of its arguments, a forward pre-hook on the output layer computes
-# the loss from the hidden states it is given (while its weight is there: an offloaded one is
-# resident exactly then) and passes on an empty slice, and a forward hook on the model puts the
-# loss into the output. Anything the model does between ``lm_head`` and the loss that the
-# patch does not know of (a logit scale, say) is caught on the first patched call, which keeps
-# one position per sequence and compares the model's logits there with the patch's.
-#
 # NOTE: an offloaded output layer's weight is fetched again for backward by a hook on the
 # layer's output, so the loss's backward must run after that hook: the loss reaches the caller
 # through the layer's (empty) output, `_Carry` and `_Take` linking the two in autograd.
@@ -97,10 +87,8 @@ class CausalLMPatch:
 
     def __init__(self, model: nn.Module, lm_head: nn.Linear, softcap: float | None,
                  slice_size: int | None) -> None:
-        self.model = model
-        self.lm_head = lm_head
-        self.softcap = softcap
-        self.slice_size = slice_size
+        self.model, self.lm_head, self.softcap, self.slice_size = (
+            model, lm_head, softcap, slice_size)
         self._call: _Call | None = None
         self._checked = False
         self._names = _leading_arg_names(model)
@@ -139,9 +127,7 @@ class CausalLMPatch:
 
     # ------------------------------------------------------------------ hooks
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-        # A forward that raised (even KeyboardInterrupt) left nothing behind that counts:
-        # every call starts afresh.
-        self._call = None
+        self._call = None  # a forward that raised left nothing that counts
         if not module.training:
             return None
         if "labels" not in kwargs and "labels" in self._names[: len(args)]:
@@ -154,19 +140,16 @@ class CausalLMPatch:
         if head is not self.lm_head:
             raise RuntimeError(
                 f"patch_causal_lm: the model's output layer is now {type(head).__name__}, not "
-                "the nn.Linear that was patched (was it wrapped, e.g. by LoRA on lm_head?); "
-                "the patch would miss what the new layer adds. Remove the patch "
-                "(handle.remove()), or keep lm_head out of the adapter's target_modules")
+                "the nn.Linear that was patched (wrapped, e.g. by LoRA on lm_head?). Remove the "
+                "patch (handle.remove()), or keep lm_head out of the adapter's target_modules")
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels")
         self._call = _Call(
             labels=labels, shift_labels=kwargs.get("shift_labels"),
             num_items_in_batch=kwargs.get("num_items_in_batch"),
             ignore_index=int(kwargs.get("ignore_index", -100)), check=not self._checked,
-            # hr.offload shows the modules their parameters' device copies only inside their
-            # forward: here the output layer still holds the stored master (read as held:
-            # reading the attribute now would fetch the layer, see [Note: uses outside a
-            # block])
+            # the output layer holds its stored master here (read as held: the attribute would
+            # fetch the layer, see [Note: uses outside a block])
             offloaded=binding(dict.get(self.lm_head._parameters, "weight")) is not None)
         return args, kwargs
 
@@ -175,8 +158,7 @@ class CausalLMPatch:
         if call is None or call.loss is not None or not args:
             return None
         if not _in_forward_of(self.model):
-            # A forward stopped by KeyboardInterrupt runs no forward hook: its call is still
-            # armed here, and this is someone calling lm_head directly.
+            # a forward stopped by KeyboardInterrupt left its call armed; lm_head called directly
             self._call = None
             return None
         hidden = args[0]
@@ -186,8 +168,7 @@ class CausalLMPatch:
         if call.check:
             call.expected = self._logits(hidden[..., -1:, :], weight, bias)
             call.low_precision = hidden.dtype != torch.float32
-        # The model slices and post-processes what lm_head returns as usual; on the first call
-        # one position per sequence (checked in _after), afterwards none.
+        # one position per sequence on the first call (checked in _after), then none
         keep = hidden[..., -1:, :] if call.check else hidden[..., :0, :]
         return (keep, *args[1:])
 
@@ -205,8 +186,7 @@ class CausalLMPatch:
         if call.loss is None:
             raise RuntimeError(
                 f"patch_causal_lm: {type(module).__name__}'s forward never called its output "
-                "layer, so there are no hidden states to compute the loss from; this model "
-                "does not compute its logits with get_output_embeddings(): remove the patch")
+                "layer (get_output_embeddings()), so there is no loss: remove the patch")
         logits = output[0] if isinstance(output, tuple) else output["logits"]
         if call.check:
             self._check(call, logits)
@@ -216,9 +196,8 @@ class CausalLMPatch:
             if not (isinstance(logits, torch.Tensor) and logits.requires_grad):
                 raise RuntimeError(
                     "patch_causal_lm: the model's logits do not depend on its output layer's "
-                    "output in autograd, which the patched loss of an offloaded output layer "
-                    "needs (its weight is fetched for backward through that output); remove "
-                    "the patch (handle.remove()), or keep the output layer out of hr.offload")
+                    "output in autograd, through which an offloaded layer's weight is fetched "
+                    "for backward; remove the patch, or keep the output layer out of hr.offload")
             loss = _Take.apply(logits, loss, call)
         if isinstance(output, tuple):
             return (loss, *output[1:])
@@ -229,9 +208,7 @@ class CausalLMPatch:
     # ------------------------------------------------------------------ the loss
     @staticmethod
     def _features(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype != weight.dtype:
-            # Under autocast the hidden states can be half precision while the weight is not;
-            # upcasting them is exact (and the loss computes in fp32 either way).
+        if hidden.dtype != weight.dtype:  # autocast: upcasting is exact
             hidden = hidden.to(weight.dtype)
         return hidden
 
@@ -253,9 +230,7 @@ class CausalLMPatch:
             softcap=self.softcap, ignore_index=call.ignore_index,
             reduction="mean" if n is None else "sum", slice_size=self.slice_size)
         assert isinstance(loss, torch.Tensor)
-        if n is not None:
-            # as transformers' loss does: the sum over this batch's tokens divided by the
-            # number of tokens in the whole (accumulated) batch
+        if n is not None:  # as transformers: over the whole accumulated batch's tokens
             loss = loss / (n.to(loss.device) if torch.is_tensor(n) else n)
         return loss
 
@@ -289,9 +264,8 @@ class CausalLMPatch:
                     "patch_causal_lm: the model's logits are not lm_head(hidden)"
                     + (f" soft-capped at {self.softcap}" if self.softcap else "")
                     + f" (largest difference {err:.3g} at logits up to {scale - 1:.3g}): the "
-                    "model transforms them in a way the patch does not know (a logit scale or "
-                    "a soft cap its config does not name as final_logit_softcapping). Its loss "
-                    "would differ: remove the patch (handle.remove())")
+                    "model transforms them in a way the patch does not know (a logit scale, a "
+                    "soft cap not in its config), so its loss would differ: remove the patch")
 
 
 def _in_forward_of(model: nn.Module, depth: int = 64) -> bool:
@@ -334,20 +308,17 @@ def _softcap(model: nn.Module) -> float | None:
 def patch_causal_lm(model: nn.Module, *, slice_size: int | None = None) -> CausalLMPatch:
     """Make ``model(input_ids, labels=labels).loss`` never build the ``tokens x vocab`` logits.
 
-    For Hugging Face ``transformers`` causal LMs (Llama, Mistral, Qwen2, Gemma 2/3, GPT-2 and
-    others whose logits are ``get_output_embeddings()(hidden)``, maybe soft-capped by
-    ``config.final_logit_softcapping``), also wrapped by ``peft``. In training mode with
-    ``labels``, the loss is `linear_cross_entropy` of the last hidden states and the output
-    layer's weight: the model's own loss (labels shifted by one, ``ignore_index=-100``, the
-    soft cap, ``num_items_in_batch`` or ``shift_labels`` when given), computed slice by slice
-    over the vocabulary in fp32 whatever the model's dtype; the output's ``logits`` is
-    ``None``. In eval mode, or without ``labels``, the model runs as before and returns its
-    logits. Nothing is stored in the model's state: checkpoints, ``state_dict`` and optimizers
-    are unaffected.
+    For Hugging Face ``transformers`` causal LMs whose logits are
+    ``get_output_embeddings()(hidden)``, maybe soft-capped by ``config.final_logit_softcapping``
+    (Llama, Mistral, Qwen2, Gemma 2/3, GPT-2, ...), also wrapped by ``peft``. In training mode
+    with ``labels``, the loss is the model's own (labels shifted by one, ``ignore_index=-100``,
+    the soft cap, ``num_items_in_batch`` or ``shift_labels`` when given) by
+    `linear_cross_entropy`, in fp32 whatever the model's dtype; the output's ``logits`` is
+    ``None``. In eval mode, or without ``labels``, the model runs as before. Nothing is stored
+    in the model's state (checkpoints, ``state_dict`` and optimizers are unaffected).
 
-    The first patched training call keeps the logits of one position per sequence and checks
-    them against the patch's own computation, so a model that post-processes its logits in a
-    way the patch does not know (a logit scale) is refused instead of trained on another loss.
+    The first patched training call checks the logits of one position per sequence against the
+    patch's, so a model that post-processes them otherwise (a logit scale) is refused.
 
     Args:
         model: a causal LM (a ``transformers`` ``PreTrainedModel`` or a ``peft`` model around

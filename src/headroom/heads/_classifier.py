@@ -1,11 +1,5 @@
-"""`HugeClassifier`: a linear head with an exact loss whose weight rests in a store.
-
-The loss is softmax cross-entropy (one class id per row) or a multi-label loss (the positives
-of each row, `headroom.linear_loss`'s losses). The ``num_classes x in_features`` weight (and
-bias) rest in host memory or on disk and are read slice by slice in both passes of the exact
-sliced loss; gradients are written back to the store slice by slice, where
-`headroom.HostOptimizer` (or, with ``store="cpu"``, any ``torch.optim`` optimizer) finds them.
-"""
+"""`HugeClassifier`: a linear head with an exact loss whose weight rests in a store, read (and
+its gradient written) slice by slice."""
 
 from __future__ import annotations
 
@@ -26,13 +20,11 @@ from headroom.heads._linear_ce import (
     DEFAULT_LOGITS_BUDGET,
     CrossEntropyOptions,
     LinearCrossEntropyOutput,
-    _check_target,
     _LinearCrossEntropy,
-    check_label_shape,
+    check_labels,
     compute_dtype,
     pick_slice_size,
     plan,
-    shift_target,
 )
 from headroom.heads._linear_loss import SliceLoss, multilabel_loss
 from headroom.heads._slices import TensorParams, slice_bounds
@@ -53,9 +45,6 @@ from headroom.transfer import (
 __all__ = ["HugeClassifier"]
 
 _ids = itertools.count()
-
-
-# the double-backward error's names for the call and its dense equivalent
 _DENSE = ("HugeClassifier's loss",
           "F.cross_entropy(features @ head.read_weight().T, labels) on dense logits")
 
@@ -71,10 +60,19 @@ class _StoreParams:
         self.dtype = dtype
 
     def source(self, slice_size: int) -> StoreSlices:
-        return self.head._source(slice_size, self.dtype)
+        h = self.head
+        return StoreSlices(h.store, h._wh, h._bh, device=h.device, dtype=self.dtype,
+                           max_rows=min(slice_size, h.num_classes), prefetch=h.prefetch)
 
     def sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
-        return self.head._sink(slice_size, self.dtype, weight=weight, bias=bias)
+        h = self.head
+        acc = h._accumulating()  # before _grad_handle, which may reset has_grad
+        wb, bb = binding(h.weight), None if h.bias is None else binding(h.bias)
+        return StoreGradSink(
+            h.store, h._grad_handle(wb) if (weight and wb is not None) else None,
+            h._grad_handle(bb) if (bias and bb is not None) else None,
+            accumulate=acc, device=h.device, dtype=self.dtype,
+            max_rows=min(slice_size, h.num_classes), prefetch=h.prefetch)
 
     def landed(self, sink, *, weight: bool, bias: bool) -> tuple[None, None]:
         self.head._grads_landed(weight=weight, bias=bias, rows=None)
@@ -87,21 +85,16 @@ def _refuse_other(p: torch.Tensor, value: Any, what: str) -> None:
         got = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                else type(value).__name__)
         raise RuntimeError(
-            f"cannot {what} a HugeClassifier parameter ({p.dtype} {tuple(p.shape)}, resting in"
-            f" its store) to {got}: the store keeps its shape and dtype. Pass a"
-            f" {p.dtype} tensor of shape {tuple(p.shape)} (head.load_weight(weight, bias)"
-            " converts the dtype), or build the head with another dtype="
-        )
+            f"cannot {what} a HugeClassifier parameter ({p.dtype} {tuple(p.shape)}) to {got}: "
+            "its store keeps shape and dtype. Pass a tensor of that shape and dtype "
+            "(head.load_weight(weight, bias) converts the dtype), or build the head with "
+            "another dtype=")
 
 
 class _HostParameter(nn.Parameter):
-    """A parameter whose data is a host store's tensor, and stays it.
-
-    ``param.data = t`` (``torch.nn.utils.vector_to_parameters``, initializers that build a
-    tensor elsewhere) would swap the tensor's memory for ``t``'s: the parameter would then
-    train values the store, and so the head's loss, never sees. Here it copies ``t`` into the
-    store's tensor instead.
-    """
+    """A parameter whose data is a host store's tensor, and stays it: ``.data = t`` copies
+    ``t`` into the store's tensor (swapping the memory would train values the loss never
+    reads)."""
 
     @property
     def data(self) -> torch.Tensor:
@@ -122,73 +115,65 @@ class _HostParameter(nn.Parameter):
             host.copy_(value.detach().clone() if _overlaps(value, host) else value)
 
 
+def _union(rows: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    """Row ids in either (``None``: all rows)."""
+    return None if rows is None or more is None else torch.unique(torch.cat([rows, more]))
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device:
-        return False
-    sa, sb = a.untyped_storage(), b.untyped_storage()
-    return sa.data_ptr() == sb.data_ptr()
+    return a.device == b.device and (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 class HugeClassifier(nn.Module):
     """Linear classifier + exact loss over a huge number of classes.
 
     Softmax cross-entropy with one class id per row, or multi-label targets (the positives of
-    each row) with one-vs-all BCE, squared hinge, a multi-positive softmax or a user's per-slice
-    loss, as `headroom.linear_loss` computes them.
+    each row) with any loss of `headroom.linear_loss`.
 
     The weight never sits whole on the compute device: it rests in ``store`` and is read one
-    slice of classes at a time, in forward (the loss: for softmax an online log-sum-exp) and
-    again in backward (the exact gradient of that slice, written back to the store; a gradient
-    lands in the store only in backward, so multi-label losses run two passes here too, where
-    `headroom.linear_loss` forms their gradients in forward's one pass). Device memory is one
-    ``batch x slice_size`` logits buffer plus ``prefetch + 1`` weight slices (and as many
-    gradient slices on their way back), whatever ``num_classes`` is.
+    slice of classes at a time, in forward (the loss) and again in backward (the exact gradient
+    of each slice, written back to the store; so multi-label losses run two passes here, where
+    `headroom.linear_loss` runs one). Device memory is one ``batch x slice_size`` logits buffer
+    plus ``prefetch + 1`` weight slices (and as many gradient slices), whatever ``num_classes``.
 
-    Parameters and gradients: ``weight`` (and ``bias``) are parameters bound to the store
-    (``headroom.transfer.binding``). With ``store="cpu"`` the parameter's data *is* the store's
-    host tensor and its ``.grad`` is the store's gradient tensor, so any ``torch.optim`` optimizer
-    can step it; with a `DiskStore` the parameter is a ``meta`` placeholder, the values live in
-    files, and `headroom.HostOptimizer` steps them (with ``row_sparse=[head.weight]`` in the
-    sampled mode). Gradients accumulate across backward passes until ``zero_grad``.
-    ``module.to(...)`` / ``.cuda()`` / ``.half()`` leave the store-resident parameters where and
-    as they rest: the compute device is ``device=`` and the stored dtype is ``dtype=``.
-    ``state_dict()`` of a disk-backed head holds ``meta`` placeholders; checkpoint with
-    ``headroom.save`` / ``headroom.load``, which stream store-resident parameters.
+    ``weight`` (and ``bias``) are parameters bound to the store (``headroom.transfer.binding``).
+    With ``store="cpu"`` the parameter's data *is* the store's host tensor and its ``.grad`` the
+    store's gradient tensor, so any ``torch.optim`` optimizer can step it; with a `DiskStore`
+    the parameter is a ``meta`` placeholder and `headroom.HostOptimizer` steps the files (with
+    ``row_sparse=[head.weight]`` in the sampled mode). Gradients accumulate until ``zero_grad``.
+    ``module.to(...)`` / ``.cuda()`` / ``.half()`` leave them where and as they rest (compute on
+    ``device=``, stored in ``dtype=``). A disk-backed head's ``state_dict()`` holds ``meta``
+    placeholders: checkpoint with ``headroom.save`` / ``headroom.load``.
 
     Args:
         num_classes: number of classes ``C``.
         in_features: feature size ``D``.
         bias: whether to learn a per-class bias (rests in the store too).
-        device: the compute device (features and labels live there); checked at once with
-            `headroom.transfer.check_device` and kept with an index (``"cuda"`` becomes
-            ``cuda:0``, the current device), so that features created there match it.
+        device: the compute device, checked with `headroom.transfer.check_device` and kept
+            with an index (``"cuda"`` becomes the current ``cuda:N``).
         store: ``"cpu"`` (host memory, pinned when ``device`` is an accelerator) or a store such
-            as ``headroom.DiskStore(path)`` (files; for weights bigger than RAM, costs disk reads
-            of the whole weight twice per training step and writes of its gradient once).
+            as ``headroom.DiskStore(path)`` (for weights bigger than RAM: reads the whole weight
+            twice per training step and writes its gradient once).
         slice_size: classes per slice; ``None`` picks one per batch from a logits budget (a few
             hundred MB). Bigger slices cost device memory and do not speed up the products.
         sample_rate: ``1.0`` (default) is the exact loss. ``< 1`` is an opt-in *approximation*
-            (as Partial FC does; negative sampling for multi-label targets): each forward uses
-            all classes that appear in the batch (as labels or positives) plus uniformly sampled
-            other classes, ``ceil(sample_rate * C)`` in all (at least the positives), and the
-            loss runs over those only. Gradients are row-sparse:
-            only the sampled rows get one (``binding(weight).grad_rows``). Faster and lighter
-            for millions of classes; not the same loss. ``topk`` always uses all classes.
+            (Partial FC; negative sampling for multi-label targets): each forward uses the
+            classes in the batch (labels or positives) plus uniform other classes,
+            ``ceil(sample_rate * C)`` in all, and only those rows get a gradient
+            (``binding(weight).grad_rows``). Faster and lighter for millions of classes; not
+            the same loss. ``topk`` always uses all classes.
         dtype: dtype of the weight in the store. Logits and gradients accumulate in the
-            widest of fp32, ``dtype`` and the features' dtype: fp32 for fp32/bf16/fp16,
-            fp64 for an fp64 weight or fp64 features (exact to fp64 rounding).
-        key: name prefix of the tensors in the store (defaults to a fresh unique name). Give
-            one to find the tensors again in a reopened `DiskStore`: when the store already
-            holds ``key``'s weight, its values are kept (not re-initialized). A key is held
-            by its head until the head is garbage-collected: a second live head with the same
-            key in the same store object is refused (it would share the weight).
+            widest of fp32, ``dtype`` and the features' dtype.
+        key: name prefix of the tensors in the store (default: a fresh unique name). A store
+            that already holds ``key``'s weight (a reopened `DiskStore`) keeps its values. A
+            second live head with the same key in the same store is refused (it would share
+            the weight); the key frees when its head is garbage-collected.
         prefetch: with ``store="cpu"`` on an accelerator, how many slices are copied to the
-            device ahead of the one computing (on a side stream, straight from the pinned
-            store; gradient slices go back the same way). ``1`` hides each copy behind one
-            slice of compute; deeper absorbs uneven timings at one more slice of device memory
-            per step; ``0`` does not overlap. A `DiskStore` always reads one slice ahead.
-        generator: a CPU ``torch.Generator`` for the negatives of the sampled mode, so that
-            they are reproducible without touching the global random state (``None``: the
+            device ahead of the one computing (gradient slices go back the same way). ``1``
+            hides each copy behind one slice of compute; deeper absorbs uneven timings at one
+            more slice of device memory; ``0`` does not overlap. A `DiskStore` reads one ahead.
+        generator: a CPU ``torch.Generator`` for the sampled mode's negatives (``None``: the
             global generator).
 
     Raises:
@@ -256,14 +241,11 @@ class HugeClassifier(nn.Module):
         self.slice_size = slice_size
         self.sample_rate = float(sample_rate)
         self.dtype = dtype
-        # the head's compute dtype; float64 features compute in float64 on any head
         self.accum_dtype = compute_dtype(dtype)
         self.prefetch = prefetch
         self.generator = generator
         self.store = resolve_store(store, self.device)
         if self.device.type == "cpu" and isinstance(store, str):
-            # "cpu" on a cpu device is legal (it is the exact path tests use); it just
-            # saves no device memory, which the design asks to say.
             warnings.warn(
                 "HugeClassifier(device='cpu', store='cpu') keeps the weight in ordinary memory: "
                 "this exercises the streaming mechanics but saves no memory; use "
@@ -282,7 +264,7 @@ class HugeClassifier(nn.Module):
         before = {k for k in keys if k in self.store}
         release = self._claim(prefix, keys)
         try:
-            # Weight, bias and their gradients from one slab of a pinned host store.
+            # weight, bias and their gradients from one slab of a pinned host store
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             self.store.reserve([math.prod(shapes[n]) * itemsize for n in shapes
                                 for k in (n, f"{n}.grad") if k not in self.store])
@@ -291,10 +273,8 @@ class HugeClassifier(nn.Module):
             self.weight = self._param(self._wh)
             self.bias = self._param(self._bh) if self._bh is not None else None
         except BaseException:
-            # A failed head takes back what it allocated (a later head with this key
-            # would take the uninitialized tensors for trained ones) and frees its key at once,
-            # not when it is collected: a traceback kept for the user (a notebook's last
-            # error) would hold it, and the key, alive.
+            # NOTE: free what it allocated (a later head with this key would take uninitialized
+            # tensors for trained ones) and the key now: a kept traceback would hold the head
             for k in keys:
                 if k not in before and k in self.store:
                     self.store.free(self.store.get(k))
@@ -303,39 +283,28 @@ class HugeClassifier(nn.Module):
         # rows of the gradients holding values since the last overwrite; None: maybe all rows
         self._dirty: torch.Tensor | None = torch.empty(0, dtype=torch.int64)
         self.last_sampled_classes: torch.Tensor | None = None
-        if not reopened:
-            # A key already in the store (a reopened DiskStore) keeps its trained values.
+        if not reopened:  # a reopened DiskStore's key keeps its trained values
             self.reset_parameters()
 
     # ------------------------------------------------------------------ storage
     def _claim(self, prefix: str, keys: list[str]) -> weakref.finalize:
-        """Reserve ``keys`` of the store for this head until it is garbage-collected.
-
-        See [Note: one writer per key] in headroom.store._claims.
-
-        Returns:
-            The finalizer that releases them (calling it releases them now, once).
-        """
+        """Reserve ``keys`` of the store for this head until it is garbage-collected; returns
+        the finalizer that releases them. See [Note: one writer per key] in
+        headroom.store._claims."""
         claimed = claimed_keys(self.store)
         taken = [k for k in keys if k in claimed]
         if taken:
-            # A head that is unreachable but caught in a reference cycle still holds its
-            # keys until the cycle collector runs; collect once before calling it a conflict.
-            gc.collect()
+            gc.collect()  # an unreachable head in a reference cycle holds its keys until then
             taken = [k for k in keys if k in claimed]
         if taken:
             raise RuntimeError(
                 f"key={prefix!r}: {taken[0]!r} in {self.store!r} is in use by another live "
-                "HugeClassifier (or offloaded model); two heads with one key would silently "
-                "share, and both train, one weight. Pass another key= (or leave it out for a "
-                "fresh one), or drop every reference to the other head first (del head; its "
-                "keys free when it is garbage-collected, and a new head with this key then "
-                "resumes its values)"
-            )
+                "HugeClassifier (or offloaded model); both would train one weight. Pass another "
+                "key= (or none), or drop every reference to the other head first (del head: "
+                "its keys free when it is collected, and a new head resumes their values)")
         claimed.update(keys)
-        # Weakref.finalize holds the set and the keys, not the head: the claim ends when
-        # the head is collected (re-running a notebook cell after `del head` works), while the
-        # values stay in the store for the next head with this key.
+        # the finalizer holds the set and keys, not the head: the claim ends with the head,
+        # the values stay in the store
         return weakref.finalize(self, claimed.difference_update, keys)
 
     def _check_stored(self, key: str, shape: tuple[int, ...]) -> None:
@@ -347,37 +316,30 @@ class HugeClassifier(nn.Module):
                     f"not {shape} {self.dtype}; pass another key="
                 )
 
-    def _alloc(self, key: str, shape: tuple[int, ...]) -> Handle:
+    def _alloc(self, key: str, shape: tuple[int, ...], *, zero: bool = False) -> Handle:
         if key in self.store:
             return self.store.get(key)
-        return self.store.alloc(key, shape, self.dtype, zero=False)
+        return self.store.alloc(key, shape, self.dtype, zero=zero)
 
     def _param(self, h: Handle) -> nn.Parameter:
         # NOTE: every write to the parameter reaches the store: in host memory its data *is*
-        # the store's tensor (and ``.data = t`` copies ``t`` in, see `_HostParameter`); on
-        # disk it is a `StoreTensor`, whose in-place ops (``copy_``, ``nn.init.*``,
-        # ``load_state_dict``) and ``.data = t`` write the stored values.
+        # the store's tensor (`_HostParameter`); on disk it is a `StoreTensor`, whose in-place
+        # ops and ``.data = t`` write the stored values.
         host = self.store.host_tensor(h)
         if host is not None:
             p = _HostParameter(host, requires_grad=True)
         else:
             p = nn.Parameter(StoreTensor(HandleSource(self.store, h), h.shape, dtype=h.dtype),
                              requires_grad=True)
-        gkey = f"{h.key}.grad"
-        gh = self.store.get(gkey) if gkey in self.store else self.store.alloc(
-            gkey, h.shape, h.dtype, zero=True
-        )
+        gh = self._alloc(f"{h.key}.grad", h.shape, zero=True)
         bind(p, h, grad_handle=gh, store=self.store)
         return p
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialize like ``nn.Linear``: uniform in ``+-1/sqrt(in_features)``, slice by slice.
-
-        Same distribution as ``nn.Linear`` (kaiming-uniform with ``a=sqrt(5)``), written one
-        slice at a time so a weight bigger than RAM never sits whole in memory. Not the same
-        random numbers as an ``nn.Linear`` of this size.
-        """
+        """Initialize like ``nn.Linear``: uniform in ``+-1/sqrt(in_features)``, slice by slice
+        (a weight bigger than RAM never sits whole in memory; other random numbers than an
+        ``nn.Linear``'s)."""
         bound = 1.0 / math.sqrt(self.in_features)
         rows = max(1, (64 << 20) // (self.in_features * 4))
         for start, stop in slice_bounds(self.num_classes, rows):
@@ -414,37 +376,15 @@ class HugeClassifier(nn.Module):
             self.store.write(self._bh, bias.detach().to("cpu", self.dtype).contiguous()).result()
 
     def _dtype_for(self, features: torch.Tensor) -> torch.dtype:
-        """The dtype a call on ``features`` computes in: the widest of float32, the stored
-        weight's and the features' (float64 stays float64; bf16/fp16 accumulate in float32)."""
         return compute_dtype(self.dtype, features.dtype)
-
-    def _source(self, slice_size: int, dtype: torch.dtype) -> StoreSlices:
-        return StoreSlices(
-            self.store, self._wh, self._bh, device=self.device, dtype=dtype,
-            max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
-        )
 
     def _accumulating(self) -> bool:
         b = binding(self.weight)
         return b is not None and b.has_grad and self.weight.grad is not None
 
-    def _sink(self, slice_size: int, dtype: torch.dtype, *, weight: bool,
-              bias: bool) -> StoreGradSink:
-        acc = self._accumulating()
-        wb = binding(self.weight)
-        bb = binding(self.bias) if self.bias is not None else None
-        return StoreGradSink(
-            self.store,
-            self._grad_handle(wb) if (weight and wb is not None) else None,
-            self._grad_handle(bb) if (bias and bb is not None) else None,
-            accumulate=acc, device=self.device, dtype=dtype,
-            max_rows=min(slice_size, self.num_classes), prefetch=self.prefetch,
-        )
-
     def _grad_handle(self, b: ParamBinding) -> Handle:
-        """``b``'s gradient tensor in the store, made (zeroed, in ``b.grad_dtype``) where a
-        consumer dropped it: `headroom.HostOptimizer` asks for an fp32 gradient of a bf16/fp16
-        weight by freeing the one in the weight's dtype."""
+        """``b``'s gradient tensor in the store, made anew (zeroed, in ``b.grad_dtype``) where
+        `headroom.HostOptimizer` freed it to ask for fp32."""
         if b.grad_handle is None:
             key = f"{b.handle.key}.grad"
             dtype = b.grad_dtype or b.handle.dtype
@@ -465,27 +405,17 @@ class HugeClassifier(nn.Module):
             b = binding(p)
             assert b is not None and b.grad_handle is not None
             was = b.has_grad and p.grad is not None
-            if rows is None:
-                b.grad_rows = None
-            elif not was:
-                b.grad_rows = rows
-            elif b.grad_rows is not None:
-                b.grad_rows = torch.unique(torch.cat([b.grad_rows, rows]))
+            b.grad_rows = _union(b.grad_rows, rows) if was else rows
             b.has_grad = True
             host = self.store.host_tensor(b.grad_handle)
-            # As offloaded parameters do: the store's gradient tensor itself (in host memory,
-            # in the parameter's dtype) or a tensor whose ops read and write the stored one
-            # (on disk, or fp32 for a low-precision weight); zero_grad() sets it to None,
-            # which makes the next backward overwrite instead of accumulate.
+            # as offloaded parameters: the store's gradient tensor, or one whose ops reach it;
+            # zero_grad() sets it to None, so the next backward overwrites
             if host is not None and host.dtype == p.dtype:
                 p.grad = host
             elif not isinstance(p.grad, StoreTensor):
                 p.grad = StoreTensor(GradSource(b), tuple(p.shape), dtype=p.dtype)
         if weight:
-            if rows is None:
-                self._dirty = None
-            elif self._dirty is not None:
-                self._dirty = torch.unique(torch.cat([self._dirty, rows]))
+            self._dirty = _union(self._dirty, rows)
 
     def _zero_rows_for_sparse_overwrite(self) -> None:
         """Before a row-sparse overwrite, zero every gradient row that may hold old values."""
@@ -507,24 +437,20 @@ class HugeClassifier(nn.Module):
         self._dirty = torch.empty(0, dtype=torch.int64)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # The loss reads the store, not the module's attribute: a tensor put in place of a
-        # store-resident parameter (``head.weight = nn.Parameter(w)``, ``load_state_dict(...,
-        # assign=True)``) would be listed and stepped while the loss kept the stored values.
+        # the loss reads the store: a tensor put in a bound parameter's place would be stepped
+        # while the loss kept the stored values
         params = self.__dict__.get("_parameters")
         cur = None if params is None else params.get(name)
         if cur is not None and value is not cur and binding(cur) is not None:
             raise RuntimeError(
-                f"HugeClassifier.{name} rests in the head's store ({self.store!r}), which the"
-                f" loss reads: a tensor assigned in its place would never be used. Write its"
-                f" values instead: head.{name}.copy_(t) under torch.no_grad(),"
-                " head.load_weight(weight, bias), or load_state_dict(sd) without assign=True"
-            )
+                f"HugeClassifier.{name} rests in the head's store ({self.store!r}), which the "
+                "loss reads: a tensor assigned in its place would never be used. Write its "
+                f"values: head.{name}.copy_(t) under torch.no_grad(), head.load_weight(weight, "
+                "bias), or load_state_dict(sd) without assign=True")
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        # `model.to("cuda")` on a model that contains this head must not copy the
-        # store-resident weight to the device (that is what the head exists to avoid) nor
-        # detach the parameters from their store binding; they stay where they rest.
+        # model.to("cuda") leaves the store-resident parameters where they rest, bound
         params = self._parameters
         self._parameters = {k: v for k, v in params.items() if v is None or binding(v) is None}
         try:
@@ -534,21 +460,16 @@ class HugeClassifier(nn.Module):
             self._parameters = {k: kept.get(k, v) for k, v in params.items()}
 
     # ------------------------------------------------------------------ compute
-    def _check(self, features: torch.Tensor, labels: torch.Tensor | None) -> None:
+    def _check(self, features: torch.Tensor) -> None:
         if features.dim() < 1 or features.shape[-1] != self.in_features:
-            raise ValueError(
-                f"features must end in in_features={self.in_features}, got shape "
-                f"{tuple(features.shape)}"
-            )
+            raise ValueError(f"features must end in in_features={self.in_features}, got shape "
+                             f"{tuple(features.shape)}")
         if not features.is_floating_point():
             raise TypeError(f"features must be floating point, got {features.dtype}")
         if features.device != self.device:
             raise ValueError(
                 f"features are on {features.device} but this head computes on {self.device}; "
-                "move them with .to(device)"
-            )
-        if labels is not None:
-            check_label_shape(labels, features, names=("labels", "features"))
+                "move them with .to(device)")
 
     def _slice_for(self, batch: int, dtype: torch.dtype) -> int:
         if self.slice_size is not None:
@@ -578,25 +499,22 @@ class HugeClassifier(nn.Module):
     ) -> torch.Tensor | LinearCrossEntropyOutput:
         """The loss of ``features @ weight.T + bias`` against ``labels``.
 
-        A tensor of class ids (one per row) trains softmax cross-entropy; multi-label targets
-        (the positives of each row, as for `headroom.linear_loss`) train ``loss``.
+        Class ids (one per row) train softmax cross-entropy; multi-label targets (the
+        positives of each row, as for `headroom.linear_loss`) train ``loss``.
 
         Args:
             features: ``(..., in_features)`` on ``device``.
             labels: ``features.shape[:-1]`` integer classes or ``ignore_index``; or the
-                positives of each row: ``(offsets, indices)``, ``(offsets, indices, values)``,
-                a list of per-row index tensors or a ``torch.sparse_csr_tensor``.
-            loss: with multi-label targets, ``"bce"`` (default), ``"squared_hinge"``,
-                ``"softmax"``, ``"softmax_sum"`` or a function ``fn(scores, targets, classes)``
-                (see `headroom.linear_loss`; in the sampled mode ``classes`` is the slice's
-                int64 tensor of class ids).
+                positives of each row in a form `headroom.linear_loss` takes.
+            loss: with multi-label targets, ``"bce"`` (default) or another loss of
+                `headroom.linear_loss` (in the sampled mode a function's ``classes`` is the
+                slice's int64 tensor of class ids).
             pos_weight: with ``"bce"``/``"squared_hinge"``, as in `headroom.linear_loss`.
-            ignore_rows: with multi-label targets, rows that count for nothing (bool,
-                ``features.shape[:-1]``).
+            ignore_rows: with multi-label targets, as in `headroom.linear_loss`.
             ignore_index: with class ids, as in ``F.cross_entropy``.
             label_smoothing: with class ids, as in ``F.cross_entropy``.
-            reduction: ``"mean"``, ``"sum"`` or ``"none"`` (see `headroom.linear_loss` for
-                what ``"mean"`` divides by with multi-label targets).
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as `headroom.linear_loss` and
+                `headroom.linear_cross_entropy` take it.
             softcap, shift, z_loss, class_weight, return_lse, return_accuracy,
                 return_predictions, loss_dtype: with class ids (and ``sample_rate == 1``), as
                 in `headroom.linear_cross_entropy`.
@@ -638,13 +556,9 @@ class HugeClassifier(nn.Module):
         # the head's slice_size was checked when it was built
         opts = replace(opts.checked(num_classes=self.num_classes, dtype=features.dtype),
                        slice_size=self.slice_size)
-        self._check(features, labels)
-        if opts.shift and features.dim() < 2:
-            raise ValueError(f"shift={opts.shift} needs features of shape (..., seq, "
-                             f"in_features), got {tuple(features.shape)}")
-        if not (labels.dtype.is_floating_point or labels.dtype == torch.bool):
-            labels = shift_target(labels, opts.shift, ignore_index)
-        _check_target(labels, self.num_classes, ignore_index)
+        self._check(features)
+        labels = check_labels(features, labels, opts, num_classes=self.num_classes,
+                              names=("labels", "features"))
         if self.sample_rate < 1.0:
             if given:
                 raise ValueError(
@@ -653,8 +567,7 @@ class HugeClassifier(nn.Module):
                     "reduction apply")
             return self._sampled_forward(features, labels, ignore_index, label_smoothing,
                                          reduction)
-        # rows ignored are not read against the weight slices, as in linear_cross_entropy: a
-        # batch with its prompts masked does half the products or less
+        # ignored rows are not read against the weight slices, as in linear_cross_entropy
         p = plan(features, labels, opts, num_classes=self.num_classes, one_pass=False)
         params = _StoreParams(self, p.opts.accum_dtype)
         out = _LinearCrossEntropy.apply(p.x, self.weight, self.bias, p.target, params, p.opts,
@@ -662,7 +575,7 @@ class HugeClassifier(nn.Module):
         return opts.returned(p.all_rows(out))
 
     def _multilabel(self, features, targets, *, loss, pos_weight, ignore_rows, reduction):
-        self._check(features, None)
+        self._check(features)
         dtype = self._dtype_for(features)
         kw = dict(num_classes=self.num_classes, loss=loss, pos_weight=pos_weight,
                   reduction=reduction, slice_size=self.slice_size, ignore_rows=ignore_rows,
@@ -693,8 +606,8 @@ class HugeClassifier(nn.Module):
         n_neg = min(want - pos.numel(), self.num_classes - pos.numel())
         if n_neg <= 0:
             return pos
-        # Random keys with the positives forced to the front, then the n_pos + n_neg
-        # smallest: uniform negatives without replacement in O(C), no Python loops.
+        # the n_pos + n_neg smallest random keys, the positives' forced lowest: uniform
+        # negatives without replacement in O(C)
         keys = torch.rand(self.num_classes, generator=self.generator)
         keys[pos] = -1.0
         chosen = torch.topk(keys, pos.numel() + n_neg, largest=False, sorted=False).indices
@@ -703,11 +616,8 @@ class HugeClassifier(nn.Module):
     def _sampled_rows(
         self, positives: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Sample the classes and read their rows: ``(classes, weight rows, bias rows)``.
-
-        The rows are leaves that require grad when training; `_hook_sparse_grads` lands their
-        gradients in the store.
-        """
+        """Sample the classes and read their rows: ``(classes, weight rows, bias rows)``,
+        leaves whose gradients `_hook_sparse_grads` lands in the store."""
         rows = self._sample(positives)
         self.last_sampled_classes = rows
         w = self.store.read_rows(self._wh, rows).result().to(self.device)
@@ -726,8 +636,7 @@ class HugeClassifier(nn.Module):
         local = torch.searchsorted(rows.to(labels.device), labels.long())
         local = torch.where(labels == ignore_index, torch.full_like(local, ignore_index), local)
         dtype = self._dtype_for(features)
-        # float64 features meet the rows in float64 (the rows' gradient is rounded to the
-        # stored dtype as it leaves them); other features take the stored dtype
+        # float64 features meet the rows in float64; others take the stored dtype
         wx, bx = w, b
         if features.dtype == torch.float64 and w.dtype != torch.float64:
             wx = w.to(torch.float64)
@@ -742,14 +651,13 @@ class HugeClassifier(nn.Module):
         return loss
 
     def _hook_sparse_grads(self, w: torch.Tensor, b: torch.Tensor | None, rows: torch.Tensor):
-        pending = {"w": w, "b": b}
-        expected = {"w"} | ({"b"} if b is not None else set())
+        pending = {k: t for k, t in (("w", w), ("b", b)) if t is not None}
         arrived: dict[str, torch.Tensor] = {}
 
         def landed(name: str, t: torch.Tensor) -> None:
             arrived[name] = t.grad.detach().to("cpu", self.dtype)
             t.grad = None
-            if set(arrived) != expected:
+            if set(arrived) != set(pending):
                 return
             acc = self._accumulating()
             if not acc:
@@ -765,15 +673,14 @@ class HugeClassifier(nn.Module):
             self._grads_landed(weight=True, bias=b is not None, rows=rows)
 
         for name, t in pending.items():
-            if t is not None:
-                t.register_post_accumulate_grad_hook(lambda t, n=name: landed(n, t))
+            t.register_post_accumulate_grad_hook(lambda t, n=name: landed(n, t))
 
     @torch.no_grad()
     def topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` highest logits per row and their classes, streaming slices.
 
-        Never holds more than one ``batch x slice`` block of logits plus ``2k`` candidates per
-        row; always uses every class (also with ``sample_rate < 1``).
+        Holds one ``batch x slice`` block of logits plus ``2k`` candidates per row at most;
+        always uses every class (also with ``sample_rate < 1``).
 
         Args:
             features: ``(..., in_features)`` on ``device``.
@@ -786,7 +693,7 @@ class HugeClassifier(nn.Module):
         Raises:
             ValueError: ``k`` out of range; bad feature shape or device.
         """
-        self._check(features, None)
+        self._check(features)
         if not 1 <= k <= self.num_classes:
             raise ValueError(f"k must be in [1, {self.num_classes}], got {k}")
         lead = features.shape[:-1]
@@ -796,7 +703,7 @@ class HugeClassifier(nn.Module):
         s = max(self._slice_for(batch, dtype), min(k, self.num_classes))
         best_v = torch.full((batch, 0), -math.inf, dtype=dtype, device=self.device)
         best_i = torch.empty((batch, 0), dtype=torch.int64, device=self.device)
-        for start, stop, w, b in self._source(s, dtype).slices(
+        for start, stop, w, b in _StoreParams(self, dtype).source(s).slices(
                 slice_bounds(self.num_classes, s)):
             z = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
             v, i = torch.topk(z, min(k, stop - start), dim=1)

@@ -1,20 +1,12 @@
 """`linear_cross_entropy` and `linear_loss` inside ``torch.compile``: one opaque operator each.
 
-The passes loop over class slices in Python, write into reused buffers and look at the labels'
-values (checks, dropping ignored rows), none of which a graph can hold. Under compilation each
-function therefore becomes a custom operator (``headroom::linear_cross_entropy``,
-``headroom::linear_loss``) that runs the eager code, so ``torch.compile(fullgraph=True)`` keeps
-one graph and the numbers are the eager ones: its forward runs the eager forward, and its
-backward either scales the gradients the forward formed (the one-pass path, as eager does) or
-runs the eager backward on a recomputed forward (the sliced path: one product per slice more
-than eager). The operators and the eager autograd Functions run the same plain forward and
-backward functions (autograd does not record inside an operator's implementation).
+The passes loop over slices in Python, write into reused buffers and look at the labels' values,
+none of which a graph can hold; so each function becomes a custom operator running the eager
+forward and backward functions (the sliced path's backward recomputes the forward).
 
-Each operator's name ends with a fingerprint of this file and of the schema of its options
-(``headroom::linear_loss_<hex>``).
-Inductor's and AOTAutograd's on-disk caches key a compiled graph by the names of its operators,
-not by their fake kernels: under a fixed name, a graph compiled against an older fake kernel
-(other output strides, say) would be loaded after an upgrade and fail inductor's stride check.
+NOTE: each operator's name ends with a fingerprint of this file and of its options' schema:
+inductor's on-disk caches key a graph by operator names, not fake kernels, and would load a
+graph compiled against an older fake kernel after an upgrade.
 """
 
 from __future__ import annotations
@@ -34,17 +26,15 @@ from headroom.heads._slices import TensorParams
 __all__ = ["compiled_linear_cross_entropy", "compiled_linear_loss"]
 
 def _fingerprint(schema: str) -> str:
-    """Of this file and the operators' options (they come from another file's dataclass)."""
     try:
         text = Path(__file__).read_bytes()
-    except OSError:  # no source beside the module (a zipped install): the version stands in
+    except OSError:  # no source beside the module (a zipped install)
         from headroom import __version__ as text  # type: ignore[assignment]
         text = str(text).encode()
     return hashlib.sha256(text + schema.encode()).hexdigest()[:12]
 
 
-# `CrossEntropyOptions` as the operators' plain arguments, one per field in its order: the
-# schema (from the fields' types) and the to/from pair, `_to_args` and `_options`.
+# `CrossEntropyOptions` as the operator's plain arguments, one per field in its order
 _SCHEMA_TYPES = {"int": "int", "int | None": "int?", "float": "float", "float | None": "float?",
                  "str": "str", "bool": "bool", "torch.Tensor | None": "Tensor?",
                  "torch.dtype | None": "ScalarType?"}
@@ -62,25 +52,27 @@ def _to_args(opts: lce.CrossEntropyOptions) -> tuple:
 
 
 def _options(args: tuple) -> tuple[lce.CrossEntropyOptions, list[bool]]:
-    """The options and ``needs`` from the operator's arguments after ``bias``."""
     return lce.CrossEntropyOptions(*args[:len(_FIELDS)]), args[len(_FIELDS)]
 
 
 def _dense(t: Tensor) -> Tensor:
-    """A fake gradient of ``t``: contiguous whatever ``t``'s strides, as the real ones are (a
-    fake output's strides must match the real output's, which inductor asserts)."""
+    """A fake gradient of ``t``: contiguous, as the real ones are (inductor asserts strides)."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
 def _fake_grads(x: Tensor, weight: Tensor, bias: Tensor | None, needs: list[bool]
                 ) -> tuple[Tensor, Tensor, Tensor]:
-    empty = x.new_empty(0)
-    return (_dense(x) if needs[0] else empty, _dense(weight) if needs[1] else empty,
-            _dense(bias) if needs[2] and bias is not None else empty)
+    return tuple(x.new_empty(0) if t is None or not need else _dense(t)
+                 for t, need in zip((x, weight, bias), needs[:3], strict=True))
+
+
+def _real(x: Tensor, ts: tuple) -> tuple:
+    """Outputs as the fake kernels give them: contiguous, ``None`` an empty tensor."""
+    return tuple(x.new_empty(0) if t is None else t.contiguous() for t in ts)
 
 
 def _plan(x, weight, target, bias, opts, needs) -> lce.Planned:
-    """The eager checks and plan of the call, with the path chosen outside (``needs[3]``)."""
+    """The eager checks and plan, with the path chosen outside (``needs[3]``)."""
     target = lce.check_call(x, weight, target, bias, opts)
     return lce.plan(x, target, opts, num_classes=weight.shape[0], one_pass=needs[3])
 
@@ -98,8 +90,7 @@ def _forward_impl(x, weight, target, bias, *args):
         grads = (None, None, None)
     out = p.all_rows(lce.outputs(fwd, p.opts, p.target.shape))
     asked = (True, opts.return_lse, opts.return_accuracy, opts.return_predictions)
-    return tuple(x.new_empty(0) if t is None or not want else t.contiguous()
-                 for t, want in zip((*out, *grads), (*asked, True, True, True), strict=True))
+    return _real(x, (*(t if want else None for t, want in zip(out, asked, strict=True)), *grads))
 
 
 def _params(weight, bias, x, opts) -> TensorParams:
@@ -142,8 +133,7 @@ def _backward_impl(grad_loss, grad_lse, x, weight, target, bias, *args):
     fwd = lce.sliced_forward(p.x, p.target, params, p.opts)
     gx, gw, gb = lce.sliced_backward(p.x, p.target, params, fwd[4:], (grad_loss, grad_lse),
                                      p.opts, tuple(needs[:3]))
-    return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
-                 for g in (lce.rows_grad(gx, p.keep, x.shape), gw, gb))
+    return _real(x, (lce.rows_grad(gx, p.keep, x.shape), gw, gb))
 
 
 _backward = torch.library.custom_op(
@@ -156,18 +146,18 @@ def _(grad_loss, grad_lse, x, weight, target, bias, *args):
     return _fake_grads(x, weight, bias, _options(args)[1])
 
 
-def _save_inputs(ctx, inputs: tuple, formed: tuple) -> None:
-    """Keep an operator's inputs and the gradients its forward ``formed`` for its backward."""
+def _setup(ctx, inputs: tuple, output: tuple) -> None:
+    """Keep an operator's inputs and the gradients its forward formed (its last three outputs)."""
     # NOTE: tensors go through save_for_backward (a compiled graph's backward gets them only
     # so); ctx keeps the other inputs
     ctx.is_tensor = [isinstance(a, Tensor) for a in inputs]
     ctx.inputs = [None if t else a for a, t in zip(inputs, ctx.is_tensor, strict=True)]
-    ctx.save_for_backward(*(a for a in inputs if isinstance(a, Tensor)), *formed)
+    ctx.save_for_backward(*(a for a in inputs if isinstance(a, Tensor)), *output[-3:])
 
 
 def _grads(ctx, grad: Tensor, backward) -> tuple:
-    """The gradients of ``(x, weight, bias)`` for the incoming ``grad``: those the forward
-    formed, scaled (eager's backward of the one-pass path), or ``backward(*inputs)``'s."""
+    """The gradients of ``(x, weight, bias)`` for ``grad``: those the forward formed, scaled
+    (as eager's one-pass path), or ``backward(*inputs)``'s."""
     saved = iter(ctx.saved_tensors)
     inputs = [next(saved) if t else a for a, t in zip(ctx.inputs, ctx.is_tensor, strict=True)]
     needs = inputs[-1]
@@ -175,10 +165,6 @@ def _grads(ctx, grad: Tensor, backward) -> tuple:
         return lce.scale_grads(tuple(saved), grad, tuple(needs[:3]), in_place=False)
     return tuple(g if want else None
                  for g, want in zip(backward(*inputs), needs[:3], strict=True))
-
-
-def _setup(ctx, inputs, output) -> None:
-    _save_inputs(ctx, inputs, output[4:])
 
 
 def _grad(ctx, grad_loss, grad_lse, _acc, _pred, _gx, _gw, _gb):
@@ -193,8 +179,8 @@ def compiled_linear_cross_entropy(
     x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
     opts: lce.CrossEntropyOptions,
 ) -> Tensor | lce.LinearCrossEntropyOutput:
-    """`linear_cross_entropy` as the operator, its options `checked`; the checks of shapes run
-    here, those of the labels' values inside the operator (they raise from it as in eager)."""
+    """`linear_cross_entropy` as the operator, its options `checked`; the labels' values are
+    checked inside it."""
     lce.check_linear(x, weight, bias)
     lce.check_label_shape(target, x, names=("target", "x"))
     grad = torch.is_grad_enabled()
@@ -236,12 +222,10 @@ def _ml_forward(
     out, grads, _, _ = ll.loss_forward(c.x, c.params, c.plan, tuple(needs[:3]))
     if grads is None:
         grads = (None, None, None)
-    else:
-        # as eager: the gradients formed in forward, for an incoming gradient of 1
+    else:  # as eager: formed in forward, for an incoming gradient of 1
         gx = None if grads[0] is None else grads[0].to(x.dtype)
         grads = (lce.rows_grad(gx, c.keep, x.shape), *grads[1:])
-    return tuple(x.new_empty(0) if t is None else t.contiguous()
-                 for t in (c.all_rows(out), *grads))  # type: ignore[return-value]
+    return _real(x, (c.all_rows(out), *grads))  # type: ignore[return-value]
 
 
 @_ml_forward.register_fake
@@ -267,8 +251,7 @@ def _ml_backward(
         grad = grad.reshape(-1)[c.keep]  # reduction="none": the rows kept
     gx, gw, gb = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
     gx = lce.rows_grad(None if gx is None else gx.to(x.dtype), c.keep, x.shape)
-    return tuple(x.new_empty(0) if g is None else g.contiguous()  # as the fake ones
-                 for g in (gx, gw, gb))  # type: ignore[return-value]
+    return _real(x, (gx, gw, gb))  # type: ignore[return-value]
 
 
 @_ml_backward.register_fake
@@ -277,16 +260,12 @@ def _(grad, x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_
     return _fake_grads(x, weight, bias, needs)
 
 
-def _ml_setup(ctx, inputs, output) -> None:
-    _save_inputs(ctx, inputs, output[1:])
-
-
 def _ml_grad(ctx, grad, _gx, _gw, _gb):
     gx, gw, gb = _grads(ctx, grad, lambda *inputs: _ml_backward(grad, *inputs))
     return (gx, gw, None, None, None, gb) + (None,) * 9
 
 
-_ml_forward.register_autograd(_ml_grad, setup_context=_ml_setup)
+_ml_forward.register_autograd(_ml_grad, setup_context=_setup)
 
 
 def compiled_linear_loss(

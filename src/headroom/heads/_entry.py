@@ -44,68 +44,57 @@ def linear_cross_entropy(
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
 
-    The classes are processed in slices: a forward pass keeps an online log-sum-exp, and backward
-    recomputes each slice's logits to form the exact gradients of ``x``, ``weight`` and ``bias``.
-    Peak extra memory is one ``B x slice_size`` buffer (two with ``softcap``) plus a few ``B``-
-    and ``B x D``-sized tensors, whatever the number of classes. With automatic slices, a scalar
-    loss, a weight on ``x``'s device in ``accum_dtype`` and gradients wanted, chunks of rows
-    over all classes (within the same logits budget, at most half the rows) give the loss and
-    the gradients in one pass of three products instead of four; backward scales them. Rows
-    whose target is ``ignore_index`` do not reach the products when the loss is reduced and
-    the log-sum-exp is not returned. Under ``torch.compile`` (``fullgraph=True`` included) the
-    call is one custom operator that runs this eager code: the same loss and gradients.
+    Forward keeps an online log-sum-exp over slices of classes; backward recomputes each slice's
+    logits for the exact gradients. Peak extra memory is one ``B x slice_size`` buffer (two with
+    ``softcap``) and a few ``B``- and ``B x D``-sized tensors, whatever ``C``. With automatic
+    slices, a scalar loss, gradients wanted and the weight on ``x``'s device in ``accum_dtype``,
+    chunks of rows (at most half, within the same budget) give loss and gradients in one pass of
+    three products instead of four. Ignored rows skip the products when the loss is reduced and
+    the lse not returned. Under ``torch.compile`` (``fullgraph=True`` too) the call is one
+    custom operator running this eager code.
 
-    For language models: ``shift=True`` predicts token ``t + 1`` from position ``t``
-    (``x`` is ``(..., seq, D)``, ``target`` the unshifted ``(..., seq)`` labels, as a Hugging
-    Face model's ``labels``), ``softcap`` caps the logits as Gemma 2/3 do, ``z_loss`` adds
-    PaLM's ``z_loss * lse**2``, and the extra outputs give the log-sum-exp, the accuracy and the
-    predicted tokens without the logits.
+    For language models: ``shift=True`` predicts token ``t + 1`` from position ``t`` (``x`` is
+    ``(..., seq, D)``, ``target`` the unshifted labels, as a Hugging Face model's ``labels``),
+    ``softcap`` caps the logits as Gemma 2/3 do, ``z_loss`` adds PaLM's ``z_loss * lse**2``, and
+    the extra outputs give log-sum-exp, accuracy and predicted tokens without the logits.
 
     Args:
         x: ``(..., D)`` features, on the compute device.
-        weight: ``(C, D)`` class weights, on ``x``'s device, or in host memory while ``x`` is on
-            an accelerator (then slices are streamed to the device in both passes, the next
-            ``prefetch`` copied on a side stream while the current one computes, and the weight
-            gradient streams back to host memory the same way).
+        weight: ``(C, D)``, on ``x``'s device, or in host memory while ``x`` is on an
+            accelerator (slices then stream there in both passes, ``prefetch`` ahead on a side
+            stream, and the weight gradient streams back).
         target: ``x.shape[:-1]`` integer class indices in ``[0, C)`` or ``ignore_index``.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
-        slice_size: classes per slice. ``None`` picks one from a logits budget
-            (:data:`DEFAULT_LOGITS_BUDGET`, capped at a cache-friendly few thousand classes).
-            Larger slices cost more memory and do not speed up the matrix products; very small
-            slices (below a few hundred) make the products inefficient.
+        slice_size: classes per slice; ``None``: from :data:`DEFAULT_LOGITS_BUDGET`, at most a
+            cache-friendly few thousand. Larger ones cost memory without speeding up the
+            products; below a few hundred the products get inefficient.
         ignore_index: target value whose rows contribute neither loss nor gradient.
         label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``: the target becomes
             ``(1 - eps) * onehot + eps / C``.
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target;
             with ``shift``, without its last ``shift`` positions).
-        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3's final logit
-            soft-capping); ``None`` (default) leaves the logits as they are.
+        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3); ``None``: the
+            logits as they are.
         shift: ``True`` (or an int ``k``): row ``t`` of each sequence predicts ``target`` at
-            ``t + k``; the last ``k`` positions predict nothing. Computed by shifting the labels
-            (no copy of ``x``).
-        z_loss: adds ``z_loss * lse**2`` per row not ignored (PaLM's z-loss; ``lse`` the
-            log-sum-exp of the logits), averaged over those rows for ``"mean"`` (divided by
-            their count, also with ``class_weight``).
-        class_weight: ``(C,)`` weight of each class, as ``weight=`` of ``F.cross_entropy``:
-            a row's loss is scaled by its target's weight and ``"mean"`` divides by the sum of
-            those weights; with label smoothing the uniform part is weighted per class too.
+            ``t + k``; the last ``k`` positions predict nothing (the labels move, not ``x``).
+        z_loss: adds ``z_loss * lse**2`` per row not ignored, averaged over those rows for
+            ``"mean"`` (by their count, also with ``class_weight``).
+        class_weight: ``(C,)``, as ``weight=`` of ``F.cross_entropy``: a row's loss is scaled
+            by its target's weight and ``"mean"`` divides by their sum; label smoothing's
+            uniform part is weighted per class too.
         return_lse: also return each row's log-sum-exp (differentiable).
         return_accuracy: also return the fraction of rows not ignored whose largest logit is
             the target.
         return_predictions: also return each row's predicted class (-1 on ignored rows).
-        loss_dtype: dtype of the returned loss (and log-sum-exp). ``None`` (default): float32
-            for float16/bfloat16 inputs, whose dtype cannot hold the loss's precision (the
-            loss is accumulated in float64 either way), and ``x``'s dtype otherwise.
-        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None`` (default):
-            float32 for float32/bf16/fp16 inputs (with bf16/fp16 it keeps the loss and
-            gradients accurate at the cost of upcasting each weight slice), float64 for
-            float64 inputs (loss and gradients at float64 rounding). Gradients have the input
-            dtype.
-        prefetch: with a host weight on an accelerator, how many slices are copied ahead of
-            the one computing. ``1`` hides each copy behind one slice of compute; deeper
-            absorbs uneven copy or compute times at one more slice of device memory (and of
-            page-locked staging, for a weight that is not pinned) per step; ``0`` does not
-            overlap. Ignored when the weight is on ``x``'s device.
+        loss_dtype: dtype of the returned loss (and lse). ``None``: float32 for float16/bfloat16
+            inputs, ``x``'s dtype otherwise (the loss accumulates in float64 either way).
+        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None``: float32 for
+            float32/bf16/fp16 inputs (each weight slice upcast), float64 for float64 inputs.
+            Gradients have the input dtype.
+        prefetch: with a host weight on an accelerator, slices copied ahead of the one
+            computing: ``1`` hides each copy behind one slice of compute; deeper absorbs uneven
+            times at one more slice of device memory (and page-locked staging for a weight not
+            pinned); ``0`` does not overlap. Unused for a weight on ``x``'s device.
 
     Returns:
         The loss, a scalar or (``reduction="none"``) shaped like ``target`` (with ``shift``,
@@ -118,9 +107,8 @@ def linear_cross_entropy(
             ``class_weight`` that is not a floating tensor.
         ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
             disagree, wrong shapes, bad options. All checked before any compute.
-        RuntimeError: from backward, when it runs with ``create_graph=True`` (double backward,
-            e.g. a gradient penalty through the loss), which is not supported: use
-            ``F.cross_entropy`` on dense logits for that term.
+        RuntimeError: from a backward with ``create_graph=True`` (e.g. a gradient penalty):
+            use ``F.cross_entropy`` on dense logits for that term.
 
     Example:
         >>> x = torch.randn(8, 16, requires_grad=True)
@@ -166,9 +154,8 @@ def linear_loss(
 ) -> torch.Tensor:
     """Exact multi-label loss of ``x @ weight.T + bias`` without the ``B x C`` logits or targets.
 
-    Equal to the loss computed on the full logits against the dense target ``T`` (``T[b, c]``
-    is the target value of class ``c`` in row ``b``: 1 at the positives, or the given values,
-    and 0 elsewhere), computed one slice of classes at a time:
+    Equal to the loss on the full logits against the dense target ``T`` (1, or the given value,
+    at the positives; 0 elsewhere), computed one slice of classes at a time:
 
     * ``"bce"``: ``F.binary_cross_entropy_with_logits(logits, T, pos_weight=pos_weight)``.
     * ``"squared_hinge"``: ``pw * T * max(0, 1 - z)**2 + (1 - T) * max(0, 1 + z)**2`` per
@@ -176,49 +163,41 @@ def linear_loss(
     * ``"softmax"``: ``F.cross_entropy(logits, T / T.sum(1, keepdim=True))``: the mean of
       ``-log p`` over a row's positives (weighted by their values); 0 for a row without any.
     * ``"softmax_sum"``: ``F.cross_entropy(logits, T)``: their sum.
-    * a function ``fn(scores, targets, classes)``: called once per slice with the slice's
-      ``B x S`` logits ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` target
-      ``targets`` (0, and 1 or the values at the positives, in the scores' dtype) and
-      ``classes``, the slice's ``range`` of class ids. It returns the slice's loss summed over
-      its elements (a 0-d tensor), and autograd differentiates it slice by slice; the loss of
-      a slice may depend only on that slice. ``scores`` and ``targets`` are reused buffers:
-      valid during the call.
+    * a function ``fn(scores, targets, classes)``: called per slice with its ``B x S`` logits
+      ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` ``targets`` (``T``'s, in
+      the scores' dtype) and ``classes``, its ``range`` of class ids; it returns the slice's
+      summed loss (a 0-d tensor), which may depend on that slice only, and autograd
+      differentiates it. ``scores`` and ``targets`` are reused buffers, valid during the call.
 
-    The separable losses and a function run one pass over the classes in forward, which also
-    forms the gradients (three matrix products per slice, as many as the dense computation),
-    when gradients are wanted and ``reduction`` is not ``"none"``; backward then only scales
-    them. A softmax needs the log-sum-exp first: a pass in forward, and one in backward. Peak
-    extra memory is two ``B x slice_size`` buffers plus the gradients of ``weight`` and ``x``
-    (formed in forward), and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile``
-    the call is one custom operator running this eager code (built-in losses and CSR targets
-    of tensors only).
+    With gradients wanted and ``reduction`` not ``"none"``, the separable losses and a function
+    form loss and gradients in forward's one pass (three products per slice, as the dense
+    computation); backward scales them. A softmax runs a pass in forward and one in backward.
+    Peak extra memory: two ``B x slice_size`` buffers, the gradients of ``weight`` and ``x``,
+    and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile`` the call is one custom
+    operator running this eager code (built-in losses, CSR targets of tensors).
 
     Args:
         x: ``(..., D)`` features on the compute device.
-        weight: ``(C, D)`` class weights, on ``x``'s device or in host memory while ``x`` is on
-            an accelerator (slices then stream to the device, as for `linear_cross_entropy`).
-        targets: the positives of each row (of ``x.shape[:-1]`` flattened): a CSR tuple
-            ``(offsets, indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``,
-            ``len(offsets) == rows + 1``), ``(offsets, indices, values)`` with a target value
-            per positive (soft labels), a list with one tensor of class ids per row, or a
-            ``torch.sparse_csr_tensor`` of shape ``(rows, C)``. Any order within a row; a class
-            may appear once per row.
+        weight: ``(C, D)``, on ``x``'s device or in host memory while ``x`` is on an accelerator
+            (slices then stream, as for `linear_cross_entropy`).
+        targets: the positives of each row (of ``x.shape[:-1]`` flattened): CSR ``(offsets,
+            indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``),
+            ``(offsets, indices, values)`` with a target value per positive, a list of one
+            tensor of class ids per row, or a ``torch.sparse_csr_tensor`` ``(rows, C)``. Any
+            order within a row; a class at most once per row.
         loss: ``"bce"``, ``"squared_hinge"``, ``"softmax"``, ``"softmax_sum"`` or a function.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
         pos_weight: weight of the positive term of ``"bce"``/``"squared_hinge"``: a float or a
             ``(C,)`` tensor, as in ``F.binary_cross_entropy_with_logits`` (not differentiated).
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row sums over the classes, shape
-            ``x.shape[:-1]``; not the ``B x C`` of ``F.binary_cross_entropy_with_logits``).
-            ``"mean"`` divides the sum by what PyTorch's dense loss divides by: the number of
-            elements (counted rows x ``C``) for ``"bce"``/``"squared_hinge"``, the number of
-            counted rows for a softmax and a function.
-        slice_size: classes per slice; ``None`` picks one from a logits budget
-            (`DEFAULT_LOGITS_BUDGET` for the buffers, at most a cache-friendly few thousand).
-        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``; rows that are ``True``
-            contribute neither loss nor gradient (and are not counted by ``"mean"``).
-        accum_dtype: dtype of logits, loss and gradient accumulation. ``None`` (default):
-            float32 for float32/bf16/fp16 inputs, float64 for float64 inputs (loss and
-            gradients at float64 rounding); results are returned in ``x``'s dtype.
+            ``x.shape[:-1]``). ``"mean"`` divides by what PyTorch's dense loss divides by:
+            counted rows x ``C`` for ``"bce"``/``"squared_hinge"``, counted rows otherwise.
+        slice_size: classes per slice; ``None``: from `DEFAULT_LOGITS_BUDGET` for the buffers,
+            at most a cache-friendly few thousand.
+        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``: rows that are ``True``
+            contribute neither loss nor gradient (nor count for ``"mean"``).
+        accum_dtype: dtype of logits, loss and gradient accumulation. ``None``: float32 for
+            float32/bf16/fp16 inputs, float64 for float64 inputs; results in ``x``'s dtype.
         prefetch: slices copied ahead when a host weight streams to an accelerator.
 
     Returns:

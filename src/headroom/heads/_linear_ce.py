@@ -1,18 +1,8 @@
-"""Exact linear + cross-entropy over many classes, computed slice by slice over the classes.
+"""Exact linear + cross-entropy over many classes, slice by slice over the classes.
 
-``linear_cross_entropy(x, weight, target)`` equals ``F.cross_entropy(x @ weight.T + bias, target)``
-(same ``ignore_index``, ``label_smoothing`` and ``reduction`` semantics) without ever holding the
-``batch x num_classes`` logits:
-
-* forward: one pass over class slices keeps an online log-sum-exp per row (running max and
-  running sum of exponentials), picks out the target logit and, with label smoothing, the sum of
-  the logits. Only the per-row log-sum-exp is saved for backward.
-* backward: a second pass recomputes each slice's logits, turns them into
-  ``scale * (softmax - (1 - eps) * onehot - eps / C)`` in place, and does
-  ``grad_x += g @ W_s`` and ``grad_W_s = g.T @ x``.
-
-That is four matrix products where the dense version needs three; everything else works in place
-on one reused ``batch x slice`` buffer (no extra passes, no allocation per slice).
+Forward keeps an online log-sum-exp per row; backward recomputes each slice's logits and turns
+them into the gradient in place, in one reused ``batch x slice`` buffer. Chunks of rows over all
+classes (`row_pass`) form loss and gradients in one pass where they fit the logits budget.
 """
 
 from __future__ import annotations
@@ -35,9 +25,8 @@ from headroom.heads._slices import (
 
 __all__ = ["DEFAULT_LOGITS_BUDGET", "LinearCrossEntropyOutput", "compute_dtype", "pick_slice_size"]
 
-# A few hundred MB is the default budget; within that, slices of a few thousand
-# classes keep the reused buffer in the last-level cache for the elementwise passes, which run
-# at cache speed instead of memory speed. Larger slices do not make the matrix products faster.
+# NOTE: slices of a few thousand classes keep the reused buffer in the last-level cache for the
+# elementwise passes; larger slices do not make the matrix products faster.
 DEFAULT_LOGITS_BUDGET = 256 * 2**20
 _CACHE_FRIENDLY_SLICE = 8192
 
@@ -45,14 +34,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def compute_dtype(*dtypes: torch.dtype, accum_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The dtype the passes compute in: ``accum_dtype`` when given, else the widest of float32
-    and ``dtypes`` (the inputs'): float16/bfloat16 inputs accumulate in float32, float64 ones
-    stay float64.
-
-    Example:
-        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
-        (torch.float32, torch.float64)
-    """
+    """``accum_dtype`` when given, else the widest of float32 and ``dtypes`` (the inputs')."""
     if accum_dtype is not None:
         return accum_dtype
     out = torch.float32
@@ -101,8 +83,7 @@ def _check_target(
     if target.numel() == 0:
         return
     bad = ((target < 0) | (target >= num_classes)) & (target != ignore_index)
-    # One host sync on an accelerator; an out-of-range label would otherwise silently
-    # read another row (or nothing) and give a wrong loss.
+    # one host sync: an out-of-range label would silently read another row
     if bool(bad.any()):
         first = target[bad].flatten()[0].item()
         count = int(bad.sum())
@@ -115,7 +96,6 @@ def _check_target(
 def check_slicing(
     *, reduction: str, slice_size: int | None, prefetch: int, accum_dtype: torch.dtype
 ) -> None:
-    """Checks of the options shared by the sliced losses."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if slice_size is not None and (not isinstance(slice_size, int) or slice_size < 1):
@@ -127,7 +107,7 @@ def check_slicing(
 
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Checks shared by the sliced losses: shapes, dtypes and devices of ``x @ weight.T + bias``."""
+    """Shapes, dtypes and devices of ``x @ weight.T + bias``."""
     if weight.dim() != 2:
         raise ValueError(
             f"weight must be 2-D (num_classes, in_features), got shape {tuple(weight.shape)}"
@@ -198,18 +178,14 @@ class LabelTargets(Protocol):
 
 
 class OneHot:
-    """One target class per row (rows whose scale is 0 may hold anything).
-
-    Args:
-        target: ``(B,)`` int64 on the compute device.
-    """
+    """One target class per row, ``target`` ``(B,)`` int64 (rows whose scale is 0: anything)."""
 
     def __init__(self, target: torch.Tensor) -> None:
         self.target = target
         self.logits = torch.zeros(0)
 
     def _local(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Column of each row's target within ``start:stop`` (clamped) and whether it lies there."""
+        """Each row's target column in ``start:stop`` (clamped), and whether it lies there."""
         inside = (self.target >= start) & (self.target < stop)
         local = (self.target - start).clamp_(0, stop - start - 1)
         return local.unsqueeze(1), inside
@@ -229,7 +205,6 @@ class OneHot:
 
 
 class LsePass(NamedTuple):
-    """What `lse_pass` found per row (see there)."""
 
     row_max: torch.Tensor
     row_sum: torch.Tensor
@@ -239,7 +214,6 @@ class LsePass(NamedTuple):
 
 def logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
            out: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T + b`` into ``out``."""
     return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
 
 
@@ -279,22 +253,11 @@ def lse_pass(
     class_weight: torch.Tensor | None = None,
     want_argmax: bool = False,
 ) -> LsePass:
-    """Online log-sum-exp over class slices; ``targets`` records its logits on the way.
+    """Online log-sum-exp of ``x`` ``(B, D)`` (accumulation dtype) over the class slices.
 
-    Args:
-        x: ``(B, D)`` in the accumulation dtype on the compute device.
-        source: the weight slices.
-        targets: where the target logits are (`OneHot`, or several positives per row).
-        slice_size: classes per slice.
-        want_logit_sum: also return the sum of each row's logits (label smoothing), weighted
-            by ``class_weight`` when given.
-        softcap: logits are ``softcap * tanh(z / softcap)`` (``None``: ``z``).
-        class_weight: ``(C,)`` per-class weights in the accumulation dtype, or ``None``.
-        want_argmax: also return each row's first largest logit's class (int64).
-
-    Returns:
-        An `LsePass`: each row's largest logit ``m`` (accumulation dtype), ``sum(exp(z - m))``
-        (float64), the (weighted) sum of its logits, and its argmax; see `log_sum_exp`.
+    ``targets`` records the target logits on the way. Returns each row's largest logit ``m``,
+    ``sum(exp(z - m))`` (float64), with ``want_logit_sum`` the sum of its logits (weighted by
+    ``class_weight``), with ``want_argmax`` its first largest logit's class.
     """
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
@@ -322,9 +285,7 @@ def lse_pass(
             else:
                 slice_max = z.amax(1)
             new_max = torch.maximum(run_max, slice_max)
-            # Rescale the running sum to the new max before adding this slice (online
-            # softmax); the B-sized running sum is float64, so the many slices of a huge class
-            # count add no rounding of their own.
+            # online softmax; the running sum is float64, so many slices add no rounding
             run_sum.mul_(torch.exp((run_max - new_max).double()))
             z.sub_(new_max.unsqueeze(1)).exp_()
             run_sum += z.sum(1)
@@ -355,41 +316,18 @@ def grad_pass(
     class_weight: torch.Tensor | None = None,
     uniform_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Recompute each slice's logits and form the gradients of x, weight and bias.
+    """Recompute each slice's logits (after `lse_pass`) and form the gradients.
 
-    The gradient of the loss with respect to the (capped) logit ``s[b, c]`` is
+    The gradient with respect to the (capped) logit ``s[b, c]`` is
     ``scale[b] * softmax[b, c] - uniform_scale[b] * u[c] - target_scale[b] * target[b, c]``,
-    where ``u`` is ``class_weight`` (or 1); with ``softcap`` it is multiplied by
-    ``ds/dz = 1 - tanh(z / softcap)**2``.
-
-    Args:
-        x: ``(B, D)`` in the accumulation dtype on the compute device.
-        source: the weight slices.
-        targets: where the targets are (rows with ``scale == 0`` may hold anything).
-        row_max: ``(B,)`` from :func:`lse_pass`.
-        row_sum: ``(B,)`` from :func:`lse_pass`.
-        scale: ``(B,)`` per-row factor of the softmax (incoming gradient, ``1/n`` for mean, 0
-            for ignored rows).
-        target_scale: ``(B,)`` factor of the target term.
-        slice_size: classes per slice.
-        need_x: whether to return the gradient of ``x``.
-        sink: receives the weight and bias gradient slices (``None``: neither is wanted).
-        need_weight: whether to form the weight gradient (one matrix product per slice).
-        need_bias: whether to hand bias gradient slices to the sink.
-        softcap: the logits' soft cap, as in `lse_pass`.
-        class_weight: ``(C,)`` weights ``u`` of the uniform term.
-        uniform_scale: ``(B,)`` factor of the uniform term (``None``: no such term).
-
-    Returns:
-        The ``(B, D)`` gradient of ``x`` in the accumulation dtype, or ``None``.
+    ``u`` being ``class_weight`` (or 1); with ``softcap`` times ``1 - tanh(z / softcap)**2``.
+    Weight and bias gradient slices go to ``sink``; returns ``x``'s gradient (or ``None``).
     """
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
     num_classes = source.num_classes
-    # Softmax * scale as exp(z - m) * (scale / sum), m the row's largest logit: where the
-    # softmax is large, z - m is small, so rounding its argument costs what the dense softmax's
-    # does. Folding the log-sum-exp into the exponent (one pass less) rounds the argument at
-    # the log-sum-exp's magnitude, further from float64 than PyTorch's dense fp32.
+    # NOTE: exp(z - m) * (scale / sum), not exp(z - lse): z - m is small where the softmax is
+    # large, so it rounds as the dense softmax does; z - lse would round at the lse's magnitude.
     factor = (scale.double() / row_sum).to(dt).unsqueeze(1)
     neg_max = (-row_max).unsqueeze(1)
     target_scale = target_scale.to(dt)
@@ -398,7 +336,6 @@ def grad_pass(
     grad_x = torch.zeros_like(x) if need_x else None
     width = min(slice_size, num_classes)
     flat = torch.empty(batch * width, dtype=dt, device=dev)
-    # ds/dz of the soft cap, kept beside the logits while they turn into the gradient
     dcap = torch.empty(batch * width, dtype=dt, device=dev) if softcap is not None else None
     bounds = slice_bounds(num_classes, slice_size)
     targets.prepare(bounds, dt)
@@ -424,36 +361,29 @@ def grad_pass(
             if grad_x is not None:
                 grad_x.addmm_(g, w)
             if sink is not None:
-                gb = g.sum(0) if need_bias else None
-                gw = None
-                if need_weight:
-                    gw = sink.out(start, stop)
-                    torch.mm(g.t(), x, out=gw)
-                sink.commit(start, stop, gw, gb)
+                commit_grads(sink, g, x, start, stop, weight=need_weight, bias=need_bias)
     return grad_x
+
+
+def commit_grads(sink: GradSink, g: torch.Tensor, x: torch.Tensor, start: int, stop: int, *,
+                 weight: bool, bias: bool, alpha: float = 1.0) -> None:
+    """Hand ``g.T @ x`` and ``alpha * g.sum(0)``, slice ``start:stop``'s gradients, to ``sink``."""
+    gb = g.sum(0) if bias else None
+    if gb is not None and alpha != 1.0:
+        gb.mul_(alpha)
+    gw = sink.out(start, stop) if weight else None
+    if gw is not None:
+        torch.mm(g.t(), x, out=gw)
+    sink.commit(start, stop, gw, gb)
 
 
 @dataclass(frozen=True, eq=False)
 class CrossEntropyOptions:
-    """The keywords of one softmax cross-entropy call, as `linear_cross_entropy` takes them.
+    """The keywords of one `linear_cross_entropy` call, as it takes them.
 
-    Built once where a call enters and checked there (`checked`); the passes, the autograd
-    Functions and the compiled operator all take this one object.
-
-    Attributes:
-        ignore_index: target value whose rows count for nothing.
-        label_smoothing: ``eps``.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-        softcap: logits are ``softcap * tanh(z / softcap)``, or ``None``.
-        shift: row ``t`` predicts the label at ``t + shift`` (an int once checked).
-        z_loss: factor of the mean (or sum) of ``lse**2`` over the rows not ignored.
-        class_weight: ``(C,)`` per-class weights, as ``weight=`` of ``F.cross_entropy``, or
-            ``None``; on the compute device in the accumulation dtype once planned (`plan`).
-        return_lse, return_accuracy, return_predictions: the extra outputs asked for.
-        loss_dtype: dtype of the returned loss and log-sum-exp (resolved by `checked`).
-        slice_size: classes per slice (``None``: picked per call by `plan`).
-        accum_dtype: dtype of logits and accumulation (resolved by `checked`).
-        prefetch: slices copied ahead when a host weight streams to an accelerator.
+    Checked where a call enters (`checked`, which resolves ``shift``, ``loss_dtype`` and
+    ``accum_dtype``); `plan` picks ``slice_size`` and moves ``class_weight`` to the compute
+    device. The passes, the autograd Functions and the compiled operator take this one object.
     """
 
     ignore_index: int = -100
@@ -473,7 +403,6 @@ class CrossEntropyOptions:
 
     @property
     def want_argmax(self) -> bool:
-        """Whether forward finds each row's predicted class."""
         return self.return_accuracy or self.return_predictions
 
     def given(self) -> list[str]:
@@ -489,11 +418,9 @@ class CrossEntropyOptions:
         return [k for k, v in set_.items() if v]
 
     def checked(self, *, num_classes: int, dtype: torch.dtype) -> CrossEntropyOptions:
-        """These options checked (before any compute) and normalized for inputs of ``dtype``:
-        ``shift`` an int, numbers floats, ``loss_dtype`` and ``accum_dtype`` resolved."""
+        """These options checked (before any compute) and normalized for inputs of ``dtype``."""
         softcap, z_loss, shift, cw = self.softcap, self.z_loss, self.shift, self.class_weight
-        # comparisons, not math.isfinite: under torch.compile(dynamic=True) a float can be
-        # symbolic, and a comparison guards on it where math.isfinite breaks the graph
+        # NOTE: comparisons, not math.isfinite, which breaks the graph on a symbolic float
         if softcap is not None and not (isinstance(softcap, (int, float))
                                         and 0 < softcap < math.inf):
             raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
@@ -517,6 +444,9 @@ class CrossEntropyOptions:
                     "class_weight requires grad, but gets no gradient here (as in "
                     "F.cross_entropy); pass class_weight.detach()")
         accum_dtype = compute_dtype(dtype, accum_dtype=self.accum_dtype)
+        # half-precision inputs return a float32 loss, as peers do
+        half = dtype in (torch.float16, torch.bfloat16)
+        loss_dtype = self.loss_dtype or (torch.float32 if half else dtype)
         check_slicing(reduction=self.reduction, slice_size=self.slice_size,
                       prefetch=self.prefetch, accum_dtype=accum_dtype)
         if not 0.0 <= self.label_smoothing <= 1.0:
@@ -524,13 +454,12 @@ class CrossEntropyOptions:
         return replace(
             self, label_smoothing=float(self.label_smoothing), shift=shift,
             softcap=None if softcap is None else float(softcap), z_loss=float(z_loss),
-            loss_dtype=default_loss_dtype(dtype, self.loss_dtype), accum_dtype=accum_dtype)
+            loss_dtype=loss_dtype, accum_dtype=accum_dtype)
 
     def returned(
         self, out: tuple[torch.Tensor, ...]
     ) -> torch.Tensor | LinearCrossEntropyOutput:
-        """What the call returns from ``(loss, lse, accuracy, predictions)``: the loss, or
-        with a ``return_*`` flag a `LinearCrossEntropyOutput` of what was asked for."""
+        """The loss, or with a ``return_*`` flag a `LinearCrossEntropyOutput` of ``out``."""
         loss, lse, acc, pred = out
         if not (self.return_lse or self.want_argmax):
             return loss
@@ -565,20 +494,13 @@ def ce_forward(
     x: torch.Tensor, source: SliceSource, t: torch.Tensor, opts: CrossEntropyOptions, *,
     slice_size: int,
 ) -> CrossEntropyForward:
-    """The loss of ``x @ W.T + b`` against ``t`` with every option, one pass over the slices.
+    """The loss of ``x`` ``(N, D)`` against ``t`` ``(N,)`` int64, one pass over the slices.
 
     Per row not ignored, with ``s`` the (capped) logits, ``L`` their log-sum-exp, ``w`` the
     class weights (1 without), ``W = sum(w)`` and ``y`` the target:
     ``(1 - eps) * w_y * (L - s_y) + eps / C * (W * L - sum_c w_c s_c) + z_loss * L**2``.
     ``"mean"`` divides the cross-entropy part by ``sum(w_y)`` (as ``F.cross_entropy`` does)
     and the z-loss part by the number of rows not ignored.
-
-    Args:
-        x: ``(N, D)`` in the accumulation dtype on the compute device.
-        source: the weight slices.
-        t: ``(N,)`` int64 targets (valid or ``ignore_index``).
-        opts: the options.
-        slice_size: classes per slice.
     """
     targets = OneHot(t)
     p = lse_pass(x, source, targets, slice_size=slice_size,
@@ -603,7 +525,7 @@ def _finish(
     z_target: torch.Tensor, logit_sum: torch.Tensor | None, argmax: torch.Tensor | None,
     row_max: torch.Tensor, row_sum: torch.Tensor,
 ) -> CrossEntropyForward:
-    """The loss and extra outputs from each row's log-sum-exp and target logit (float64)."""
+    """The loss and extra outputs from each row's log-sum-exp and target logit."""
     eps = opts.label_smoothing
     valid, wy, denominator, n_valid = _counts(t, opts)
     rows = wy * (lse - z_target.double())
@@ -622,8 +544,7 @@ def _finish(
     if opts.reduction == "none":
         loss = rows if zrows is None else rows + zrows
     else:
-        # "mean" divides by the (weighted) count of rows not ignored, nan when there are
-        # none, as F.cross_entropy does; the z-loss by the plain count.
+        # nan when every row is ignored, as F.cross_entropy
         loss = rows.sum() / denominator if opts.reduction == "mean" else rows.sum()
         if zrows is not None:
             loss = loss + (zrows.sum() / n_valid if opts.reduction == "mean" else zrows.sum())
@@ -645,8 +566,7 @@ def grad_coefficients(
     With ``r`` the factor of a row's cross-entropy in the reduced loss and ``r_z`` that of its
     z-loss, the gradient with respect to the logit ``s_c`` is
     ``p_c * (r * ((1 - eps) * w_y + eps * W / C) + 2 * z_loss * L * r_z + dlse)
-    - r * (1 - eps) * w_y * [c == y] - r * eps / C * w_c``; this returns the three row factors
-    (float64), for the rows of ``t`` (all rows, or one chunk of them).
+    - r * (1 - eps) * w_y * [c == y] - r * eps / C * w_c``: the three row factors (float64).
     """
     eps = opts.label_smoothing
     valid = t != opts.ignore_index
@@ -681,18 +601,15 @@ def grad_coefficients(
 # the one-pass path: chunks of rows over the whole vocabulary
 
 
-# Below this many rows per chunk the weight gradient, accumulated once per chunk, costs more
-# memory traffic than the recomputed product it saves.
+# NOTE: below this many rows per chunk, accumulating the weight gradient once per chunk costs
+# more memory traffic than the recomputed product it saves.
 _MIN_CHUNK_ROWS = 256
 
 
 def rows_per_chunk(n_rows: int, num_classes: int, *, softcap: bool,
                    budget_bytes: int = DEFAULT_LOGITS_BUDGET, itemsize: int = 4) -> int | None:
-    """Rows whose full logits fit the budget, or ``None`` when the one-pass path does not pay.
-
-    Never all rows of a batch at once (at most half of them): whole logits are what this
-    function exists to avoid. ``itemsize``: bytes per logit (the compute dtype's).
-    """
+    """Rows whose full logits fit the budget (at most half of them: whole logits are what this
+    avoids), or ``None`` when the one-pass path does not pay; ``itemsize``: bytes per logit."""
     fit = budget_bytes // (num_classes * itemsize * (2 if softcap else 1))
     rows = min(fit, -(-n_rows // 2))
     if not (rows >= min(_MIN_CHUNK_ROWS, -(-n_rows // 2)) and rows >= 1):
@@ -708,10 +625,8 @@ def row_pass(
 ) -> tuple[CrossEntropyForward, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Loss and gradients (for an incoming gradient of 1) in one pass over chunks of rows.
 
-    Each chunk's logits over the whole vocabulary are formed once: the softmax, the loss terms
-    and the gradient come from that one product, and ``grad_x`` and ``grad_W`` take the other
-    two, three products in all (the class-sliced passes need four). For a scalar loss only: the
-    gradient waits in memory for backward, which scales it.
+    Each chunk's logits over all classes come from one product, the gradients from two more
+    (the class-sliced passes need four). For a scalar loss: backward scales the gradients.
     """
     n = x.shape[0]
     num_classes = weight.shape[0]
@@ -725,8 +640,7 @@ def row_pass(
     logit_sum = torch.empty(n, dtype=dt, device=dev) if eps > 0 else None
     argmax = torch.empty(n, dtype=torch.int64, device=dev) if opts.want_argmax else None
     grad_x = torch.empty_like(x) if need_x else None
-    # the first chunk writes the weight gradient (no pass to zero a C x D tensor first)
-    grad_w = torch.empty_like(weight) if need_weight else None
+    grad_w = torch.empty_like(weight) if need_weight else None  # the first chunk writes it
     grad_b = torch.zeros_like(bias) if (need_bias and bias is not None) else None
     want_grad = need_x or need_weight or grad_b is not None
     one = torch.ones((), dtype=torch.float64, device=dev)
@@ -785,8 +699,8 @@ class LinearCrossEntropyOutput(NamedTuple):
         loss: the loss, as without the extra outputs.
         lse: each row's log-sum-exp of the (capped) logits, shaped like the per-row loss
             (differentiable; ``None`` unless ``return_lse``).
-        accuracy: the fraction of rows not ignored whose largest logit is the target (0-d
-            float; nan when every row is ignored; ``None`` unless ``return_accuracy``).
+        accuracy: the fraction of rows not ignored whose largest logit is the target (0-d;
+            nan when every row is ignored; ``None`` unless ``return_accuracy``).
         predictions: each row's class with the largest logit (int64, the first on ties), -1
             on ignored rows (``None`` unless ``return_predictions``).
     """
@@ -798,11 +712,8 @@ class LinearCrossEntropyOutput(NamedTuple):
 
 
 def shift_target(target: torch.Tensor, shift: int, ignore_index: int) -> torch.Tensor:
-    """``target[..., shift:]`` padded back to its length with ``ignore_index``.
-
-    Row ``t`` then holds the label of position ``t + shift``, so the features need no copy: the
-    last ``shift`` positions of each sequence are ignored instead of dropped.
-    """
+    """``target[..., shift:]`` padded back to its length with ``ignore_index``: the features
+    need no copy, the last ``shift`` positions are ignored instead of dropped."""
     if shift == 0:
         return target
     if target.dim() < 1 or target.shape[-1] <= shift:
@@ -817,13 +728,6 @@ def unshift_rows(rows: torch.Tensor, shape: torch.Size, shift: int) -> torch.Ten
     """Per-row values of the shifted rows, shaped ``shape[:-1] + (seq - shift,)``."""
     rows = rows.reshape(shape)
     return rows[..., : shape[-1] - shift] if shift else rows
-
-
-def default_loss_dtype(dtype: torch.dtype, loss_dtype: torch.dtype | None) -> torch.dtype:
-    """float32 for half-precision inputs (as peers return), the inputs' dtype otherwise."""
-    if loss_dtype is not None:
-        return loss_dtype
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def outputs(
@@ -841,8 +745,7 @@ def outputs(
 
 
 def grad_rows(grad: torch.Tensor | None, shape: torch.Size, shift: int) -> torch.Tensor | None:
-    """A per-row incoming gradient of the unshifted rows back on all ``N`` rows (0 where
-    shifted out)."""
+    """A per-row incoming gradient back on all ``N`` rows (0 where shifted out)."""
     if grad is None or shift == 0:
         return None if grad is None else grad.reshape(-1)
     full = grad.new_zeros(shape)
@@ -855,28 +758,33 @@ def grad_rows(grad: torch.Tensor | None, shape: torch.Size, shift: int) -> torch
 # the autograd Functions below and by the compiled operator)
 
 
+def check_labels(x: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions, *,
+                 num_classes: int, names: tuple[str, str] = ("target", "x")) -> torch.Tensor:
+    """The checks of a call's labels (its options are `checked`); returns them shifted."""
+    if opts.shift and x.dim() < 2:
+        raise ValueError(f"shift={opts.shift} needs {names[1]} of shape (..., seq, features), "
+                         f"got {tuple(x.shape)}")
+    if isinstance(target, torch.Tensor) and not (
+            target.dtype.is_floating_point or target.dtype == torch.bool):
+        target = shift_target(target, opts.shift, opts.ignore_index)
+    check_label_shape(target, x, names=names)
+    _check_target(target, num_classes, opts.ignore_index)
+    return target
+
+
 def check_call(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     opts: CrossEntropyOptions,
 ) -> torch.Tensor:
-    """The checks of a call's tensors (its options are `checked`); returns the labels shifted."""
-    if opts.shift and x.dim() < 2:
-        raise ValueError(
-            f"shift={opts.shift} needs x of shape (..., seq, features), got {tuple(x.shape)}")
-    if isinstance(target, torch.Tensor) and not (
-            target.dtype.is_floating_point or target.dtype == torch.bool):
-        target = shift_target(target, opts.shift, opts.ignore_index)
     check_linear(x, weight, bias)
-    check_label_shape(target, x, names=("target", "x"))
-    _check_target(target, weight.shape[0], opts.ignore_index)
-    return target
+    return check_labels(x, target, opts, num_classes=weight.shape[0])
 
 
 def one_pass(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: CrossEntropyOptions,
     *, batch: int,
 ) -> bool:
-    """Whether `linear_cross_entropy` takes the one-pass path (gradients formed in forward)."""
+    """Whether `linear_cross_entropy` takes the one-pass path (`row_pass`)."""
     return (opts.slice_size is None and opts.reduction != "none" and not opts.return_lse
             and torch.is_grad_enabled()
             and (x.requires_grad or weight.requires_grad
@@ -896,18 +804,9 @@ def _kept_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
 
 
 class Planned(NamedTuple):
-    """The rows one call computes, and its options for them (see `plan`).
-
-    Attributes:
-        x: the features computed: ``x``, or ``(K, D)`` of the rows kept.
-        target: their labels (shifted).
-        opts: the call's options with ``slice_size`` picked, ``class_weight`` on the compute
-            device in the accumulation dtype, and ``shift`` 0 for the rows kept.
-        keep: indices of the rows kept, or ``None`` (all rows).
-        shape: the shape of all rows' labels.
-        shift: the call's shift.
-        chunk: rows per chunk of the one-pass path, or ``None`` (the class-sliced path).
-    """
+    """The rows one call computes (``x``, or the ``(K, D)`` rows ``keep``), their shifted
+    labels, the options for them (`plan`), all rows' label ``shape`` and ``shift``, and the
+    rows per ``chunk`` of the one-pass path (``None``: the class-sliced path)."""
 
     x: torch.Tensor
     target: torch.Tensor
@@ -929,8 +828,7 @@ class Planned(NamedTuple):
 
 def rows_grad(gx: torch.Tensor | None, keep: torch.Tensor | None, x_shape: torch.Size
               ) -> torch.Tensor | None:
-    """The gradient of an ``x_shape`` input from ``gx``, that of its rows ``keep`` (``None``:
-    all), zero on the other rows."""
+    """The gradient of an ``x_shape`` input from ``gx``, that of its rows ``keep``."""
     if gx is not None and keep is not None:
         full = gx.new_zeros((math.prod(x_shape[:-1]), x_shape[-1]))
         gx = full.index_add_(0, keep, gx.reshape(-1, x_shape[-1]))
@@ -953,14 +851,13 @@ def plan(
     batch = math.prod(target.shape)
     chunk = None
     if one_pass:
-        # decided on all rows (a fact of shapes, as a compiled graph needs it), chunked on
-        # the rows kept; fewer rows fit the same budget
+        # decided on all rows (a compiled graph needs a fact of shapes), chunked on those kept
         chunk = rows_per_chunk(batch, num_classes, softcap=opts.softcap is not None,
                                itemsize=x.element_size())
         assert chunk is not None
     slice_size = opts.slice_size
     if slice_size is None:
-        # with softcap backward keeps a second buffer (ds/dz) beside the logits
+        # with softcap, backward keeps ds/dz beside the logits
         budget = DEFAULT_LOGITS_BUDGET // (2 if opts.softcap is not None else 1)
         slice_size = pick_slice_size(batch, num_classes, accum_dtype=opts.accum_dtype,
                                      budget_bytes=budget)
@@ -986,14 +883,8 @@ def sliced_backward(
     grads: tuple[torch.Tensor | None, torch.Tensor | None], opts: CrossEntropyOptions,
     needs: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The gradients of ``(x, weight, bias)`` of `sliced_forward`'s outputs, by `grad_pass`
-    with the factors of `grad_coefficients`.
-
-    Args:
-        saved: ``(row_max, row_sum, denominator, n_valid)`` of the forward.
-        grads: the incoming gradients of the loss and of the log-sum-exp (``None``: unused).
-        needs: which of ``x``, the weight and the bias (one that exists) want a gradient.
-    """
+    """The gradients of ``(x, weight, bias)`` (as ``needs`` asks) for ``grads``, those of the
+    loss and the lse, by `grad_pass`; ``saved`` is ``CrossEntropyForward[4:]``."""
     need_x, need_w, need_b = needs
     grad_loss, grad_lse = grads
     if opts.reduction == "none":
@@ -1023,8 +914,7 @@ def rows_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
     opts: CrossEntropyOptions, *, rows: int, needs: tuple[bool, bool, bool],
 ) -> tuple[CrossEntropyForward, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """`row_pass` of ``x`` ``(..., D)``: the forward and the gradients of ``(x, weight,
-    bias)`` for an incoming gradient of 1."""
+    """`row_pass` of ``x`` ``(..., D)``."""
     with no_autocast(x.device):
         fwd, gx, gw, gb = row_pass(
             x.reshape(-1, x.shape[-1]), weight, bias, target.reshape(-1).long(), opts, rows=rows,
@@ -1050,26 +940,21 @@ def scale_grads(
 
 
 def no_autocast(device: torch.device) -> torch.autocast:
-    """Autocast off for the passes: they pick their own dtypes (``accum_dtype``), and the
-    buffers they write with ``out=`` must keep them (an autocast region, e.g. a Trainer's
-    ``bf16=True``, would otherwise run the products in half precision)."""
+    """Autocast off: the passes compute in ``accum_dtype``, into ``out=`` buffers of it (a
+    Trainer's ``bf16=True`` would run the products in half precision)."""
     return torch.autocast(device.type, enabled=False)
 
 
 def _refuse_double_backward(what: str, dense: str) -> None:
-    """Raise when a backward runs with grad mode on, that is under ``create_graph=True``."""
-    # The passes write into reused buffers (``out=``, in-place exp), which autograd cannot
-    # differentiate; without this check a double backward fails deep inside with "addmm():
-    # functions with out=... arguments don't support automatic differentiation", which names
-    # neither the cause nor the fix.
+    """Raise when a backward runs under ``create_graph=True``."""
+    # NOTE: the passes write into reused buffers, which autograd cannot differentiate; it would
+    # fail deep inside with an error naming neither the cause nor the fix
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{what} does not support double backward: a backward with create_graph=True (a "
-            "gradient penalty through the loss, a Hessian-vector product) ran through it, and "
-            "its sliced backward is not differentiable. Compute such a penalty on "
-            f"{dense} (it materializes the batch x classes logits), or take the penalty of "
-            "another term; a plain backward (create_graph=False) is supported"
-        )
+            "gradient penalty, a Hessian-vector product) ran through its sliced backward, which "
+            f"is not differentiable. Compute such a penalty on {dense}, which materializes the "
+            "logits, or on another term")
 
 
 _DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)")
@@ -1077,8 +962,7 @@ _DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)"
 
 def _outputs(ctx: Any, fwd: CrossEntropyForward, opts: CrossEntropyOptions,
              shape: torch.Size) -> tuple[torch.Tensor, ...]:
-    """An autograd Function's `outputs`: the accuracy and predictions not differentiable, an
-    unused output's gradient ``None``."""
+    """`outputs` of an autograd Function: accuracy and predictions not differentiable."""
     ctx.set_materialize_grads(False)
     out = outputs(fwd, opts, shape)
     ctx.mark_non_differentiable(out[2], out[3])
@@ -1086,9 +970,8 @@ def _outputs(ctx: Any, fwd: CrossEntropyForward, opts: CrossEntropyOptions,
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """`sliced_forward` and `sliced_backward` under autograd, for the weight slices of
-    ``params`` (a tensor's, or a store's: `HugeClassifier`); ``dense`` names the call and its
-    dense equivalent for the double-backward error."""
+    """`sliced_forward` and `sliced_backward` under autograd, for the slices of ``params`` (a
+    tensor's, or a store's); ``dense`` names the call and its dense twin for errors."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -1097,8 +980,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dense: tuple[str, str],
     ):
         fwd = sliced_forward(x, target, params, opts)
-        # NOTE: the params' own tensors are saved too, so that autograd refuses a backward
-        # after an in-place change of them (it would use the changed values).
+        # NOTE: the params' tensors are saved too: autograd then refuses a backward after an
+        # in-place change of them (it would use the changed values)
         ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
         ctx.params, ctx.opts, ctx.dense, ctx.has_bias = params, opts, dense, bias is not None
         return _outputs(ctx, fwd, opts, target.shape)
@@ -1133,8 +1016,8 @@ class _LinearCrossEntropyRows(torch.autograd.Function):
         assert grad_lse is None  # the lse is not returned on this path
         if grad_loss is None:
             return None, None, None, None, None, None
-        # NOTE: the saved gradients are scaled in place: this graph's backward runs once (a
-        # second one fails as any freed graph does, the gradients being its saved tensors).
+        # NOTE: scaled in place: they are the saved tensors, so a second backward fails as any
+        # freed graph's does
         return (*scale_grads(ctx.saved_tensors, grad_loss, ctx.needs_input_grad[:3],
                              in_place=True), None, None, None)
 

@@ -1,21 +1,9 @@
 """Exact linear + multi-label (per-class) losses over many classes, slice by slice.
 
-``linear_loss(x, weight, (offsets, indices), loss=...)`` equals the same loss on the full logits
-``x @ weight.T + bias`` against the dense multi-hot target, without either ever existing:
-
-* separable losses (``"bce"``, ``"squared_hinge"``, a user's ``fn(scores, targets, classes)``):
-  the loss and gradient of a slice of classes depend on that slice's logits only, so one pass
-  does it all: ``z = x @ W_s.T``, the slice's loss, its gradient ``g`` (in place, or by autograd
-  for a user's function), ``grad_x += g @ W_s`` and ``grad_W_s = g.T @ x``. Three matrix
-  products, as many as the dense computation.
-* multi-label softmax (``"softmax"``, ``"softmax_sum"``): the online log-sum-exp pass of
-  ``linear_cross_entropy`` with several positives per row, and its recompute pass in backward.
-
-A separable element loss is ``pw_c * t * l_pos(z) + (1 - t) * l_neg(z)`` for a target value
-``t`` (1 at a positive, 0 elsewhere) and ``pos_weight`` ``pw``: exactly
-``F.binary_cross_entropy_with_logits`` for ``l_pos(z) = softplus(-z)``,
-``l_neg(z) = softplus(z)``. Each slice applies ``l_neg`` to all its logits in bulk, then corrects
-its few positives, so a row with five positives among a million classes costs five gathers.
+Separable losses (``"bce"``, ``"squared_hinge"``, a user's function) need only a slice's logits
+for its loss and gradient: one pass, three products. An element's loss is
+``pw * t * l_pos(z) + (1 - t) * l_neg(z)``; each slice applies ``l_neg`` in bulk, then corrects
+its few positives. A multi-label softmax runs the two passes of ``_linear_ce``.
 """
 
 from __future__ import annotations
@@ -32,6 +20,7 @@ import torch.nn.functional as F
 from headroom.heads._linear_ce import (
     DEFAULT_LOGITS_BUDGET,
     _refuse_double_backward,
+    commit_grads,
     grad_pass,
     log_sum_exp,
     logits,
@@ -52,8 +41,7 @@ __all__ = ["LOSSES", "multilabel_loss"]
 LOSSES = ("bce", "squared_hinge", "softmax", "softmax_sum")
 _SOFTMAX = ("softmax", "softmax_sum")
 
-# The separable passes hold the slice's logits and a scratch of the same size (the bulk
-# loss's, or a loss function's B x S targets): two buffers, so each gets half the logits budget.
+# the separable passes hold the logits and a scratch of their size: half the budget each
 _BUFFERS = 2
 
 SliceLoss = Callable[[torch.Tensor, torch.Tensor, range | torch.Tensor], torch.Tensor]
@@ -76,9 +64,8 @@ class _Separable:
 
 
 def _softplus_threshold(dtype: torch.dtype) -> float:
-    """Above this, ``softplus(z)`` is ``z`` to the dtype's rounding (``log1p(exp(-z))`` is
-    below half an ulp of ``z``): torch's 20 for float32 and narrower, 40 for float64, whose
-    ``softplus(25)`` is ``25 + 1.4e-11``."""
+    """Above this, ``softplus(z)`` rounds to ``z``: torch's 20 for float32 and narrower, 40 for
+    float64 (whose ``softplus(25)`` is ``25 + 1.4e-11``)."""
     return 40.0 if dtype == torch.float64 else 20.0
 
 
@@ -122,13 +109,10 @@ def _separable_slice(
     a: torch.Tensor, v: torch.Tensor, want_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss of one slice of logits ``z``; with ``want_grad``, ``z`` becomes dloss/dz.
-
-    ``r, c, v, a``: the slice's positives (row, column in the slice, target value ``t``,
-    ``pw * t``).
-    """
+    ``r, c, v, a``: the positives' row, column in the slice, value ``t`` and ``pw * t``."""
     zp = z[r, c]
     rows = kind.bulk(z, tmp, want_grad)
-    # The bulk counted neg(z) at the positives too; their loss is a*pos(z) + (1-t)*neg(z).
+    # the bulk counted neg(z) at the positives too
     rows.index_add_(0, r, a * kind.pos(zp) - v * kind.neg(zp))
     if want_grad:
         z[r, c] = (1.0 - v) * kind.dneg(zp) + a * kind.dpos(zp)
@@ -163,27 +147,20 @@ def _user_slice(
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else (
             type(loss).__name__)
-        raise TypeError(
-            "the loss function must return its slice's loss summed over the slice's elements, a "
-            f"0-d floating tensor; got {got}. End it with .sum()"
-        )
+        raise TypeError("the loss function must return its slice's summed loss, a 0-d "
+                        f"floating tensor; got {got}. End it with .sum()")
     if not want_grad:
         return loss.detach(), z
     if loss.grad_fn is None:
         raise RuntimeError(
-            "the loss function's result does not depend on `scores` through autograd (was "
-            "`scores` detached, or the loss computed without grad?), so it would train nothing; "
-            "compute the loss from `scores` with differentiable torch operations"
-        )
+            "the loss function's result does not depend on `scores` through autograd (detached, "
+            "or computed without grad?), so it would train nothing; compute it from `scores` "
+            "with differentiable torch operations")
     if _foreign_leaves(loss, scores):
-        # Only d(loss)/d(scores) is taken, slice by slice; a learnable tensor inside fn
-        # would silently get no gradient.
         raise RuntimeError(
-            "the loss function uses tensors that require grad besides `scores` (a learnable "
-            "parameter, or an output of a model); headroom differentiates it only with respect "
-            "to `scores`, so they would get no gradient. Pass them detached, or compute that "
-            "part of the loss outside"
-        )
+            "the loss function uses tensors that require grad besides `scores`; headroom "
+            "differentiates it only with respect to `scores`, so they would get no gradient. "
+            "Pass them detached, or compute that part of the loss outside")
     (g,) = torch.autograd.grad(loss, scores)
     return loss.detach(), g
 
@@ -194,21 +171,11 @@ def _user_slice(
 
 @dataclass(frozen=True)
 class LossSpec:
-    """One call's loss: what to compute over which positives.
+    """One call's loss over the positives of the rows that count (`make_plan`).
 
-    Attributes:
-        loss: a name in `LOSSES` or a user's slice loss.
-        pos: the positives (of the rows that count).
-        num_classes: classes of the weight the slices come from.
-        pos_coef: ``(nnz,)`` ``pw * t`` (separable) or the softmax weight of each positive.
-        values: ``(nnz,)`` target value ``t`` of each positive.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-        denominator: what ``"mean"`` divides the sum by.
-        slice_size: classes per slice.
-        class_ids: the class id of each weight row for a user's loss (``None``: the row index).
-        one_pass: form the gradients in forward.
-        accum_dtype: dtype of logits and accumulation.
-        softmax_scale: ``(rows,)`` factor of the softmax term in a softmax row's gradient.
+    ``pos_coef`` is each positive's ``pw * t`` (separable) or softmax weight, ``values`` its
+    ``t``; ``class_ids`` the class of each weight row (``None``: the row index);
+    ``softmax_scale`` the per-row factor of a softmax row's softmax term.
     """
 
     loss: str | SliceLoss
@@ -236,23 +203,9 @@ def separable_pass(
     need_weight: bool = False,
     need_bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One pass over the class slices: loss, and with ``scale``, the gradients.
-
-    Args:
-        plan: the loss (separable or a user's).
-        x: ``(B, D)`` in the accumulation dtype on the compute device.
-        source: the weight slices.
-        scale: ``None`` (loss only), a number (the gradient of the summed loss is multiplied
-            by it) or a ``(B,)`` per-row factor.
-        need_x: return the gradient of ``x``.
-        sink: receives weight and bias gradient slices, or ``None``.
-        need_weight: form the weight gradient.
-        need_bias: form the bias gradient.
-
-    Returns:
-        ``(loss, grad_x or None)``: the loss as float64, per row ``(B,)`` for a built-in loss
-        and a 0-d sum for a user's.
-    """
+    """One pass over the class slices: the loss (float64, per row for a built-in loss, a 0-d
+    sum for a user's) and, with ``scale`` (a number or a per-row factor of the summed loss's
+    gradient), the gradients: ``x``'s returned, weight and bias slices to ``sink``."""
     batch, dt, dev = x.shape[0], x.dtype, x.device
     want_grad = scale is not None
     n = min(plan.slice_size, source.num_classes)
@@ -264,8 +217,8 @@ def separable_pass(
     bounds = slice_bounds(source.num_classes, plan.slice_size)
     ranges = pos.ranges(bounds)
     alpha = scale if want_grad and not isinstance(scale, torch.Tensor) else 1.0
-    # A scalar factor rides on x for the weight gradient (B x D, once) and on the products'
-    # alpha for x's, instead of a multiply pass over each gradient slice.
+    # NOTE: a scalar factor rides on x (B x D, once) and on the products' alpha, not on each
+    # gradient slice
     x_w = x * alpha if alpha != 1.0 and sink is not None else x
     with closing(source.slices(bounds)) as slices:
         for (start, stop, w, b), (lo, hi) in zip(slices, ranges, strict=True):
@@ -289,15 +242,8 @@ def separable_pass(
             if grad_x is not None:
                 grad_x.addmm_(g, w, alpha=alpha)
             if sink is not None:
-                gb = gw = None
-                if need_bias:
-                    gb = g.sum(0)
-                    if alpha != 1.0:
-                        gb.mul_(alpha)
-                if need_weight:
-                    gw = sink.out(start, stop)
-                    torch.mm(g.t(), x_w, out=gw)
-                sink.commit(start, stop, gw, gb)
+                commit_grads(sink, g, x_w, start, stop, weight=need_weight, bias=need_bias,
+                             alpha=alpha)
     assert total is not None
     return total, grad_x
 
@@ -316,8 +262,7 @@ def _softmax_rows(plan: LossSpec, x: torch.Tensor, source: SliceSource) -> tuple
 def _reduce(plan: LossSpec, loss: torch.Tensor) -> torch.Tensor:
     if plan.reduction == "none":
         return loss
-    total = loss.sum()
-    # 0/0 = nan for no rows, as F.binary_cross_entropy_with_logits and F.cross_entropy.
+    total = loss.sum()  # 0/0 = nan for no rows, as torch's losses
     return total / plan.denominator if plan.reduction == "mean" else total
 
 
@@ -336,13 +281,9 @@ Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 def loss_forward(
     x: torch.Tensor, params: ParamSlices, plan: LossSpec, needs: tuple[bool, bool, bool]
 ) -> tuple[torch.Tensor, Grads | None, torch.Tensor | None, torch.Tensor | None]:
-    """The sliced multi-label loss of ``x`` ``(B, D)``.
-
-    Returns:
-        ``(loss, grads, row_max, row_sum)``: the reduced loss in ``x``'s dtype; with
-        ``plan.one_pass`` the gradients of ``(x, weight, bias)`` for an incoming gradient of 1
-        (``x``'s in the accumulation dtype), else ``None``; a softmax's log-sum-exp parts.
-    """
+    """The sliced multi-label loss of ``x`` ``(B, D)`` (in its dtype); with ``plan.one_pass``
+    the gradients of ``(x, weight, bias)`` for an incoming 1 (``x``'s in the accumulation
+    dtype), else ``None``; and a softmax's log-sum-exp parts."""
     xa = x.to(plan.accum_dtype)
     need_x, need_w, need_b = needs
     grads = row_max = row_sum = None
@@ -369,8 +310,8 @@ def loss_backward(
     saved: tuple[torch.Tensor | None, torch.Tensor | None], grad_out: torch.Tensor,
     needs: tuple[bool, bool, bool],
 ) -> Grads:
-    """The gradients of `loss_forward`'s loss (``x``'s in the accumulation dtype), by a pass
-    over the slices; ``saved`` is its ``(row_max, row_sum)``."""
+    """The gradients of `loss_forward`'s loss by a pass over the slices; ``saved`` is its
+    ``(row_max, row_sum)``."""
     need_x, need_w, need_b = needs
     row_max, row_sum = saved
     xa = x.to(plan.accum_dtype)
@@ -398,16 +339,15 @@ def loss_backward(
 
 
 class _LinearLoss(torch.autograd.Function):
-    """`loss_forward` and `loss_backward` under autograd; gradients formed in forward (one
-    pass) are scaled in backward."""
+    """`loss_forward` and `loss_backward` under autograd."""
 
     @staticmethod
     def forward(ctx: Any, x, weight, bias, params: ParamSlices, plan: LossSpec):  # type: ignore[override]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         ctx.needs = (need_x, need_w, need_b and bias is not None)
         loss, ctx.grads, row_max, row_sum = loss_forward(x, params, plan, ctx.needs)
-        # NOTE: the params' own tensors are saved too, so that autograd refuses a backward
-        # after an in-place change of them, as it does for x @ weight.T + bias
+        # NOTE: the params' tensors are saved too: autograd refuses a backward after an
+        # in-place change of them, as for x @ weight.T + bias
         ctx.save_for_backward(x, row_max, row_sum, *params.versioned)
         ctx.params, ctx.plan = params, plan
         return loss
@@ -420,8 +360,7 @@ class _LinearLoss(torch.autograd.Function):
         x, row_max, row_sum = ctx.saved_tensors[:3]
         if ctx.grads is not None:
             gx, gw, gb = ctx.grads
-            # Handed out once; a second backward through a retained graph recomputes.
-            ctx.grads = None
+            ctx.grads = None  # handed out once; a retained graph's second backward recomputes
             if not bool(grad_out == 1):
                 g = float(grad_out)
                 for t in (gx, gw, gb):
@@ -446,8 +385,7 @@ def _check_pos_weight(
     if callable(loss) or loss in _SOFTMAX:
         raise ValueError(
             "pos_weight weighs the positive term of 'bce' and 'squared_hinge'; a softmax has no "
-            "such term, and a loss function applies its own weights (it gets the targets)"
-        )
+            "such term, and a loss function applies its own weights: drop it")
     if isinstance(pos_weight, (int, float)):
         return
     if not isinstance(pos_weight, torch.Tensor) or not pos_weight.is_floating_point():
@@ -458,10 +396,8 @@ def _check_pos_weight(
             f"one; got shape {tuple(pos_weight.shape)}"
         )
     if pos_weight.requires_grad:
-        raise ValueError(
-            "pos_weight requires grad, but the sliced loss does not differentiate it (it would "
-            "silently get none); pass pos_weight.detach()"
-        )
+        raise ValueError("pos_weight requires grad, but the sliced loss does not differentiate "
+                         "it; pass pos_weight.detach()")
 
 
 def make_plan(
@@ -475,11 +411,8 @@ def make_plan(
     one_pass: bool,
     accum_dtype: torch.dtype,
 ) -> LossSpec:
-    """The plan of one call, for positives over all classes (``pos.num_classes``).
-
-    With ``class_ids`` (sorted, holding every positive class) the weight rows are those classes
-    only: the loss over a sample of the classes.
-    """
+    """The plan of one call; with ``class_ids`` (sorted, holding every positive class) the
+    weight rows are those classes only (a sampled loss)."""
     dt, dev = accum_dtype, pos.rows.device
     values = pos.value_or_one(dt)
     coef = values
@@ -520,16 +453,9 @@ def make_plan(
 
 
 class MultilabelCall(NamedTuple):
-    """One checked multi-label call (see `multilabel_call`).
-
-    Attributes:
-        x: ``(K, D)`` features of the rows that count.
-        weight, bias: what autograd differentiates (a sample's rows in the sampled loss).
-        params: where their slices are.
-        plan: the loss.
-        keep: indices of the rows that count, or ``None`` (all).
-        lead: ``x``'s shape without its features.
-    """
+    """One checked multi-label call (`multilabel_call`): the ``(K, D)`` features of the rows
+    that count (``keep``, ``None``: all), what autograd differentiates (a sample's rows in the
+    sampled loss), where their slices are, the loss, and ``x``'s shape without features."""
 
     x: torch.Tensor
     weight: torch.Tensor
@@ -567,26 +493,21 @@ def multilabel_call(
                                         torch.Tensor | None]] | None = None,
     grads: bool | None = None,
 ) -> MultilabelCall:
-    """Validate, drop ignored rows and plan the sliced loss (shared by the entry points).
+    """Validate, drop ignored rows and plan the sliced loss of ``x`` ``(..., D)``.
 
-    Args:
-        x: ``(..., D)`` features; ``weight``/``bias`` only tell autograd what needs a gradient
-            (``params`` says where their slices are).
-        sample: for a sampled (approximate) loss: given the positives, picks the classes and
-            returns ``(class ids, params, weight, bias)`` for exactly those rows; ``params``
-            is then ``None``.
-        grads: whether gradients are wanted (``None``: from grad mode and ``requires_grad``).
+    ``weight``/``bias`` tell autograd what needs a gradient, ``params`` where their slices are.
+    ``sample`` (a sampled loss; ``params`` then ``None``) picks the classes from the positives
+    and returns ``(class ids, params, weight, bias)`` of those rows. ``grads``: whether
+    gradients are wanted (``None``: from grad mode and ``requires_grad``).
     """
     if not (isinstance(loss, str) and loss in LOSSES) and not callable(loss):
         raise ValueError(
             f"loss must be one of {LOSSES} or a function fn(scores, targets, classes) returning "
-            f"the slice's summed loss, got {loss!r}"
-        )
+            f"the slice's summed loss, got {loss!r}")
     if callable(loss) and reduction == "none":
         raise ValueError(
             "reduction='none' needs per-row losses, and a loss function returns one sum per "
-            "slice; use 'sum' or 'mean', or return per-row terms from a built-in loss"
-        )
+            "slice; use 'sum' or 'mean', or a built-in loss")
     _check_pos_weight(pos_weight, loss, num_classes)
     lead = x.shape[:-1]
     batch = math.prod(lead)

@@ -1,16 +1,8 @@
-"""Where class-weight slices come from and where their gradients go.
+"""Where class-weight slices come from and where their gradients go: a tensor on the compute
+device (views), a host tensor streamed to an accelerator (`RowStreamer`), or a store.
 
-The two passes of the sliced cross-entropy (``_linear_ce.py``) only ever ask for "the weight
-(and bias) rows ``start:stop`` on the compute device, in the accumulation dtype" and hand back
-"the gradient of rows ``start:stop``". This module hides where those rows rest: a tensor on the
-compute device (views, no copy), a host tensor while the compute device is an accelerator
-(streamed slice by slice by the transfer layer's `RowStreamer`, with prefetch), or a store
-(``HugeClassifier``, read slice by slice).
+Streamed slices are copies of the same rows, so results are bitwise the unstreamed path's.
 """
-
-# Keeping this a tiny internal interface means the transfer layer's streamer (streams, events,
-# pinned buffers) plugs in here without the numerics changing: streamed slices are copies of the
-# same rows, so results are bitwise those of the unstreamed path.
 
 from __future__ import annotations
 
@@ -33,8 +25,7 @@ def host_streamer(
     src_device: torch.device, device: torch.device, *, prefetch: int
 ) -> RowStreamer | None:
     """A streamer when rows resting on ``src_device`` (host) feed an accelerator, else ``None``."""
-    # The one switch between "views of a tensor on the compute device" and "streamed host
-    # rows"; tests replace it to drive the streamed path on the CPU.
+    # the one switch between views and streamed rows: tests replace it to stream on the CPU
     if src_device.type != "cpu" or not is_accelerator(device):
         return None
     return RowStreamer(device, prefetch=prefetch)
@@ -42,13 +33,9 @@ def host_streamer(
 
 @contextmanager
 def landing(sink: GradSink | None) -> Iterator[None]:
-    """Wait for every gradient ``sink`` was handed, when the block ends or raises.
-
-    On an exception (Ctrl-C included) the writes already issued land before it propagates; the
-    first error is the one reported.
-    """
-    # None may land later, after the caller has cleared the gradients (``zero_grad``) to start
-    # over.
+    """Wait for every gradient ``sink`` was handed, when the block ends or raises (the first
+    error is reported)."""
+    # NOTE: none may land later, after the caller has cleared the gradients to start over
     try:
         yield
     except BaseException:
@@ -92,19 +79,8 @@ class GradSink(Protocol):
 
 
 class TensorSlices:
-    """Slices of an in-memory weight tensor, moved to ``device`` and cast to ``dtype`` if needed.
-
-    When the weight is already on ``device`` in ``dtype`` the slices are views (no copy). When it
-    rests in host memory and ``device`` is an accelerator, slices are streamed: the next
-    ``prefetch`` slices are copied on a side stream while the current one computes.
-
-    Args:
-        weight: ``(num_classes, in_features)``.
-        bias: ``(num_classes,)`` or ``None``.
-        device: the compute device.
-        dtype: the accumulation dtype the passes compute in.
-        prefetch: slices copied ahead when streaming host rows.
-    """
+    """Slices of an in-memory weight (and bias), on ``device`` in ``dtype``: views where it
+    already is, streamed ``prefetch`` ahead from host memory to an accelerator."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
                  device: torch.device, dtype: torch.dtype, prefetch: int = 1) -> None:
@@ -113,7 +89,6 @@ class TensorSlices:
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
-        # A no-op (no copy) when the tensor is already on the device in the dtype.
         return t.to(device=self.device, dtype=self.dtype, non_blocking=True)
 
     def slices(
@@ -132,21 +107,9 @@ class TensorSlices:
 
 
 class TensorGradSink:
-    """Writes slice gradients into full-size gradient tensors shaped like weight and bias.
-
-    When the weight's gradient can be written in place (same device and dtype as the
-    accumulation), ``out`` hands out a view of it and ``commit`` does nothing: no extra copy.
-    For a host weight computed on an accelerator, gradient slices go back to host memory in the
-    background (the transfer layer's `RowStreamer`) while the next slice computes.
-
-    Args:
-        weight: the weight the gradient is for (gives shape, dtype, device).
-        bias: the bias or ``None`` (no bias gradient).
-        device: the compute device.
-        dtype: the accumulation dtype.
-        need_weight: whether to make a weight gradient at all.
-        prefetch: ring depth of the background copies for a host weight.
-    """
+    """Writes slice gradients into full gradient tensors like ``weight`` and ``bias``: views
+    of them where device and dtype allow (no copy), streamed back in the background for a host
+    weight on an accelerator."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
                  device: torch.device, dtype: torch.dtype, need_weight: bool,
@@ -195,8 +158,6 @@ class ParamSlices(Protocol):
     """Where the weight (and bias) slices come from and where their gradients go."""
 
     one_pass: bool
-    # tensors an autograd Function saves, so that an in-place change of them before backward
-    # is refused (backward would read the changed values)
     versioned: tuple[torch.Tensor | None, ...]
 
     def source(self, slice_size: int) -> SliceSource: ...
@@ -213,9 +174,8 @@ class ParamSlices(Protocol):
 class TensorParams:
     """A weight (and bias) tensor, sliced with `TensorSlices`, gradients in `TensorGradSink`."""
 
-    # Gradients go to tensors of this call's own, so they can be formed in forward (one pass)
-    # and handed to autograd in backward; a store's gradient must not change before backward,
-    # so a store head runs two passes (``one_pass = False``).
+    # NOTE: gradients go to this call's own tensors, so forward can form them; a store's must
+    # not change before backward (``one_pass = False`` there)
     one_pass = True
 
     def __init__(

@@ -1,16 +1,10 @@
-"""Class-weight slices read from a store, and slice gradients written back to it.
+"""Class-weight slices read from a store, and slice gradients written back to it (the only
+part of ``heads/`` that talks to a store).
 
-The sliced passes of ``_linear_ce.py`` see these through the same two small interfaces as an
-in-memory weight (`SliceSource`, `GradSink`); this module is the only part of ``heads/`` that
-talks to a store.
+A host store's resting tensor is sliced (or streamed) as any host weight; a disk store is read
+into two rotating buffers, the next slice's read in flight while the current one computes, and
+gradients leave through two more whose writes complete in the background.
 """
-
-# A host store hands out its resting tensor (``host_tensor``), so slices are views and cost no
-# copy on the CPU, and on an accelerator are streamed by the transfer layer's `RowStreamer`
-# (side-stream copies with prefetch, straight from the pinned store, gradient slices back the
-# same way); a disk store is read into two rotating buffers, the next slice's read in flight
-# while the current one computes (double buffering), and gradients leave through two rotating
-# buffers whose writes complete in the background.
 
 from __future__ import annotations
 
@@ -51,17 +45,8 @@ class _Ring:
 
 
 class StoreSlices:
-    """Weight (and bias) row slices of store-resident tensors, on the compute device.
-
-    Args:
-        store: the store holding them.
-        weight: handle of the ``(C, D)`` weight.
-        bias: handle of the ``(C,)`` bias or ``None``.
-        device: the compute device.
-        dtype: the accumulation dtype.
-        max_rows: the largest slice that will be asked for (sizes the disk buffers).
-        prefetch: slices copied ahead when host-store rows stream to an accelerator.
-    """
+    """Weight (and bias) row slices of store-resident tensors, on ``device`` in ``dtype``;
+    ``max_rows``, the largest slice, sizes the disk buffers."""
 
     def __init__(self, store: Store, weight: Handle, bias: Handle | None, *,
                  device: torch.device, dtype: torch.dtype, max_rows: int,
@@ -76,7 +61,6 @@ class StoreSlices:
         host_w = self.store.host_tensor(self.weight)
         host_b = None if self.bias is None else self.store.host_tensor(self.bias)
         if host_w is not None and (self.bias is None or host_b is not None):
-            # the store's resting tensors, sliced (or streamed) as any host weight is
             yield from _slices.TensorSlices(host_w, host_b, device=self.device,
                                             dtype=self.dtype, prefetch=self.prefetch
                                             ).slices(bounds)
@@ -99,8 +83,7 @@ class StoreSlices:
                 host = [f.result() for f in nxt]
                 for ring in rings:
                     ring.pending[i % 2] = None
-                # Start the next read before computing on this slice (prefetch depth 1);
-                # the buffer it fills is the one the previous slice used, which is done.
+                # the next read, into the previous slice's buffer, before computing on this one
                 nxt = issue(i + 1) if i + 1 < len(bounds) else []
                 w, *b = (t.to(device=self.device, dtype=self.dtype, non_blocking=True)
                          for t in host)
@@ -111,18 +94,8 @@ class StoreSlices:
 
 
 class StoreGradSink:
-    """Writes (or accumulates) slice gradients into store-resident gradient tensors.
-
-    Args:
-        store: the store.
-        weight_grad: handle of the ``(C, D)`` weight gradient, or ``None`` (not wanted).
-        bias_grad: handle of the ``(C,)`` bias gradient, or ``None``.
-        accumulate: add to what the gradient tensors hold (``False``: overwrite).
-        device: the compute device.
-        dtype: the accumulation dtype the slices are computed in.
-        max_rows: the largest slice.
-        prefetch: ring depth of background gradient copies from an accelerator to a host store.
-    """
+    """Writes (or with ``accumulate``, adds) slice gradients into the store's gradient
+    tensors ``weight_grad`` and ``bias_grad`` (``None``: not wanted)."""
 
     def __init__(self, store: Store, weight_grad: Handle | None, bias_grad: Handle | None, *,
                  accumulate: bool, device: torch.device, dtype: torch.dtype, max_rows: int,
@@ -135,11 +108,10 @@ class StoreGradSink:
         self._count = 0
         self._tmp: torch.Tensor | None = None
         self._max_rows = max_rows
-        # Overwriting a host gradient in the compute dtype on the CPU can write the matrix
-        # product straight into the store's tensor: no buffer, no copy.
         host = self.host_wg if self.host_wg is not None else self.host_bg
         self.streamer = None if host is None else _slices.host_streamer(
             host.device, device, prefetch=prefetch)
+        # overwriting a host gradient in the compute dtype on the CPU: the product writes it
         self._direct = (
             self.host_wg is not None and not accumulate and device.type == "cpu"
             and weight_grad is not None and weight_grad.dtype == dtype and self.streamer is None
@@ -191,7 +163,6 @@ class StoreGradSink:
         self._count += 1
 
     def finish(self) -> None:
-        """Wait until every gradient write has landed."""
         if self.streamer is not None:
             self.streamer.finish()
         for ring in self._rings.values():

@@ -1,15 +1,8 @@
 """Multi-label targets without a dense ``batch x classes`` tensor: the positives of each row.
 
-A user gives the positives of a batch as a CSR pair ``(offsets, indices)`` (row ``b``'s classes
-are ``indices[offsets[b]:offsets[b + 1]]``), a CSR triple ``(offsets, indices, values)`` with a
-target value per positive, a list of per-row index tensors, or a ``torch.sparse_csr`` tensor.
-`parse_targets` validates any of them once and returns `Positives`: the same entries sorted by
-class, so that the positives of any class slice are one contiguous run.
+`parse_targets` validates any accepted form once and returns `Positives`, sorted by class: the
+positives of any class slice are then one contiguous run, found by one ``searchsorted``.
 """
-
-# Sorted by class (then row), a slice's positives are found with one ``searchsorted`` per pass
-# for all slices, and each slice touches only its own ``nnz`` entries: nothing of size
-# ``batch x classes`` (or ``classes``) is ever built, however many classes there are.
 
 from __future__ import annotations
 
@@ -28,15 +21,8 @@ _FORMS = (
 
 @dataclass(frozen=True)
 class Positives:
-    """The positive entries of a ``batch x num_classes`` multi-label target, sorted by class.
-
-    Attributes:
-        batch: number of rows.
-        num_classes: number of classes.
-        rows: ``(nnz,)`` int64 row of each positive.
-        cols: ``(nnz,)`` int64 class of each positive, non-decreasing (ties sorted by row).
-        values: ``(nnz,)`` target value of each positive, or ``None`` (all 1).
-    """
+    """The positives of a ``batch x num_classes`` multi-label target: ``(nnz,)`` int64
+    ``rows`` and ``cols`` (sorted by class, then row) and ``values`` (``None``: all 1)."""
 
     batch: int
     num_classes: int
@@ -49,7 +35,6 @@ class Positives:
         return self.rows.numel()
 
     def value_or_one(self, dtype: torch.dtype) -> torch.Tensor:
-        """``values`` (or ones) in ``dtype``."""
         if self.values is None:
             return torch.ones(self.nnz, dtype=dtype, device=self.rows.device)
         return self.values.to(dtype)
@@ -131,24 +116,8 @@ def _from_user(targets: object, batch: int) -> tuple[torch.Tensor, torch.Tensor,
 def parse_targets(
     targets: object, *, batch: int, num_classes: int, device: torch.device
 ) -> Positives:
-    """Validate multi-label targets and sort their positives by class.
-
-    Args:
-        targets: see the module docstring for the accepted forms. ``values`` (optional) are
-            the target values of the positives (1 when omitted); every other entry is 0.
-        batch: rows of the features (after flattening leading dimensions).
-        num_classes: number of classes.
-        device: the compute device (the positives are moved there).
-
-    Returns:
-        The positives, sorted by class then row.
-
-    Raises:
-        TypeError: an unknown form; non-integer offsets or indices; non-floating values.
-        ValueError: offsets of the wrong length, not starting at 0, decreasing, or not ending
-            at ``len(indices)``; a class outside ``[0, num_classes)``; a class listed twice in
-            one row; values of the wrong length or not finite. All before any compute.
-    """
+    """Validate multi-label targets (`linear_loss`'s forms) of ``batch`` rows and return their
+    positives on ``device``, sorted by class then row."""
     if isinstance(targets, torch.Tensor) and tuple(targets.shape) != (batch, num_classes):
         raise ValueError(
             f"targets: a sparse target must have shape (rows, num_classes) = "
@@ -164,8 +133,7 @@ def parse_targets(
         )
     offsets, indices = offsets.to(device), indices.to(device)
     lengths = offsets.diff()
-    # One host sync for all checks together; a bad structure would otherwise read
-    # positives of the wrong rows (or past the end) and give a wrong loss without an error.
+    # one host sync for all checks: a bad structure would silently read the wrong rows
     bad_start = offsets[0] != 0
     bad_end = offsets[-1] != indices.numel()
     bad_order = (lengths < 0).any()
@@ -220,12 +188,8 @@ def parse_targets(
 
 
 class PositiveLogits:
-    """Several positives per row as the targets of a softmax (see ``_linear_ce.LabelTargets``).
-
-    Args:
-        pos: the positives.
-        weights: ``(nnz,)`` weight of each positive's ``-log p`` term in its row's loss.
-    """
+    """Several positives per row as the targets of a softmax (``_linear_ce.LabelTargets``),
+    ``weights`` ``(nnz,)`` of each positive's ``-log p`` term."""
 
     def __init__(self, pos: Positives, weights: torch.Tensor) -> None:
         self.pos = pos

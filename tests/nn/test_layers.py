@@ -41,6 +41,7 @@ LAYERS = {
         CONV,
     ),
     "Conv2d-same-even": (lambda: nn.Conv2d(4, 6, 4, padding="same"), (2, 4, 9, 9), CONV),
+    "Conv2d-same-unbatched": (lambda: nn.Conv2d(4, 6, 4, padding="same"), (4, 9, 9), CONV),
     "Conv2d-same-dilated": (
         lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2),
         (2, 4, 9, 9),

@@ -1,10 +1,6 @@
-"""Pooling layers that keep only indices (max) or nothing (average) plus the input's shape.
-
-``MaxPool2DWithIndicesBackward0`` saves the input next to the indices, and
-``AvgPool2DBackward0``/``AdaptiveAvgPool2DBackward0`` save the input, but their backward kernels
-read only the input's sizes. These layers call the same aten kernels and hand backward an
-uninitialized stand-in of the input's shape (see :class:`headroom.nn._common.TensorMeta`).
-"""
+"""Pooling layers that keep only indices (max) or nothing (average) plus the input's shape:
+PyTorch's nodes save the input too, but their backward kernels read only its sizes (see
+:class:`headroom.nn._common.TensorMeta`)."""
 
 from __future__ import annotations
 
@@ -52,9 +48,8 @@ class _ShapeOnlyPool(torch.autograd.Function):
 
 def _pool(pool: PoolOrPad, fn: type[torch.autograd.Function], input: torch.Tensor, op: str,
           args: tuple, bwd_args: tuple):
-    """``fn`` over aten's ``op`` (``op.format(2)`` or ``op.format(3)``, and its ``_backward``)
-    for ``pool``'s dimensions; the 1-d ones are the 2-d kernels on ``unsqueeze(-2)``, as in
-    aten."""
+    """``fn`` over aten's ``op`` (formatted with 2 or 3) and its ``_backward``; 1-d pools are
+    the 2-d kernels on ``unsqueeze(-2)``, as in aten."""
     n = pool._hr_dims
     name = op.format(3 if n == 3 else 2)
     fwd, bwd = getattr(aten, name), getattr(aten, f"{name}_backward")

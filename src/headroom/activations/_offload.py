@@ -57,13 +57,12 @@ def _no_storage(t: torch.Tensor) -> bool:
 class _StashedStorage:
     """One storage whose bytes rest in the stash."""
 
-    __slots__ = ("anchor", "ticket", "nbytes", "index", "packs", "freed", "restored", "dead")
+    __slots__ = ("anchor", "ticket", "nbytes", "packs", "freed", "restored", "dead")
 
-    def __init__(self, anchor: torch.Tensor, ticket: StashTicket, index: int) -> None:
+    def __init__(self, anchor: torch.Tensor, ticket: StashTicket) -> None:
         self.anchor = anchor  # the first saved tensor on the storage: holds storage and version
         self.ticket = ticket
         self.nbytes = ticket.nbytes
-        self.index = index
         self.packs = 0
         self.freed = False  # device storage resized to 0
         self.restored = False  # refilled (or being refilled) for backward
@@ -104,14 +103,10 @@ class _InstantStash:
     def out_done(self, k: StashTicket) -> bool:
         return True
 
-    def wait_out(self, k: StashTicket) -> None:
+    def wait_out(self, *args) -> None:  # as every other step of a copy: done already
         pass
 
-    def prefetch(self, k: StashTicket, storage: torch.UntypedStorage) -> None:
-        pass
-
-    restore = prefetch
-    drop = wait_out
+    prefetch = restore = drop = wait_out
 
 
 class _Offloader:
@@ -130,7 +125,6 @@ class _Offloader:
         self._entries: dict[int, _StashedStorage] = {}  # storage key -> live entry
         self._order: list[_StashedStorage] = []  # live entries in the order they were saved
         self._pending: list[_StashedStorage] = []  # stashed, device memory not freed yet
-        self._count = 0
         self._restored_bytes = 0  # restored for backward and not released yet
         self._closed = False
         self._depth = 0 if modules is not None else 1
@@ -174,8 +168,7 @@ class _Offloader:
             # A view keeps its base alive (and with it the storage): the base is the anchor.
             base = t._base if t._base is not None else t
             stash = self._stash(t.device)
-            entry = _StashedStorage(base, stash.stash(storage), self._count)
-            self._count += 1
+            entry = _StashedStorage(base, stash.stash(storage))
             self._entries[key] = entry
             self._order.append(entry)
             self._pending.append(entry)

@@ -318,13 +318,6 @@ def _prune_made(st) -> None:
     st.made = [ref for ref in st.made if (h := ref()) is not None and h.tensor is not None]
 
 
-def _hold_late(
-    call: Call, op: int, lo: float, hi: float, watched: torch.Tensor, saved
-) -> None:
-    """Keep what a node saved of ``watched`` (its ``_raw_saved_<name>``) in a :class:`Late`."""
-    save_less(saved, Late(call, op, lo, hi, watched).hold)
-
-
 _LATE = UNSHARED is not None and _use_count is not None
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -397,32 +390,23 @@ def _fuses(x: torch.Tensor) -> bool:
     )
 
 
-def _relu_kernel(grad, saved):
-    return torch.ops.aten.threshold_backward(grad, saved, 0)
-
-
-def _leaky_relu_kernel(grad, saved, slope: float, inplace: bool):
-    return torch.ops.aten.leaky_relu_backward(grad, saved, slope, inplace)
-
-
-def _hardtanh_kernel(grad, saved, lo: float, hi: float):
-    return torch.ops.aten.hardtanh_backward(grad, saved, lo, hi)
-
-
 @functools.lru_cache(maxsize=64)  # specs are immutable: shared by every module
 def _leaky_relu_spec(slope: float, inplace: bool) -> _Spec:
-    kernel = functools.partial(_leaky_relu_kernel, slope=slope, inplace=inplace)
+    kernel = functools.partial(
+        torch.ops.aten.leaky_relu_backward, negative_slope=slope, self_is_result=inplace
+    )
     fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
     return _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
 
 
 @functools.lru_cache(maxsize=64)
 def _hardtanh_spec(lo: float, hi: float, inplace: bool) -> _Spec:
-    kernel = functools.partial(_hardtanh_kernel, lo=lo, hi=hi)
+    kernel = functools.partial(torch.ops.aten.hardtanh_backward, min_val=lo, max_val=hi)
     fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
     return _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
 
 
+_relu_kernel = functools.partial(torch.ops.aten.threshold_backward, threshold=0)
 _RELU = _Spec(torch.relu, False, True, NONZERO, 0.0, 0.0, _relu_kernel)
 _RELU_ = _Spec(torch.relu_, True, True, NONZERO, 0.0, 0.0, _relu_kernel)
 
@@ -493,7 +477,6 @@ class ReLU(nn.ReLU):
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
             out = relu(input)
-            # (_hold_late, inlined)
             save_less(out.grad_fn._raw_saved_result, Late(call, NONZERO, 0.0, 0.0, out).hold)
             return out
         # Under the caller's hooks (or without the use count) the choice is made now.
@@ -538,10 +521,10 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
             return _apply_late(input, _leaky_relu_spec(slope, inplace), call)
         if inplace:
             out = F.leaky_relu_(input, slope)  # LeakyReluBackward1 saves the result
-            _hold_late(call, GREATER, 0.0, 0.0, out, out.grad_fn._raw_saved_result)
+            save_less(out.grad_fn._raw_saved_result, Late(call, GREATER, 0.0, 0.0, out).hold)
         else:
             out = F.leaky_relu(input, slope)  # LeakyReluBackward0 saves the input
-            _hold_late(call, GREATER, 0.0, 0.0, input, out.grad_fn._raw_saved_self)
+            save_less(out.grad_fn._raw_saved_self, Late(call, GREATER, 0.0, 0.0, input).hold)
         return out
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -591,7 +574,7 @@ class _HardtanhMixin(KeepsNoInput):
         if inplace or _fuses(input):
             return _apply_late(input, _hardtanh_spec(lo, hi, inplace), call)
         out = F.hardtanh(input, lo, hi)  # HardtanhBackward0 saves the input
-        _hold_late(call, INSIDE, lo, hi, input, out.grad_fn._raw_saved_self)
+        save_less(out.grad_fn._raw_saved_self, Late(call, INSIDE, lo, hi, input).hold)
         return out
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:

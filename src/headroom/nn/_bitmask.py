@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from headroom.memory import is_tracking
+from headroom.nn._common import _use_count  # None where this torch lacks it: nothing reused
 
 try:
     if os.environ.get("HEADROOM_NATIVE", "1") == "0":
@@ -198,8 +199,6 @@ class _Reusable(threading.local):
 
 
 _reusable = _Reusable()
-# A private PyTorch function; where a version lacks it, nothing is reused.
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _free_buffer(numel: int, dtype: torch.dtype) -> _Buffer | None:
@@ -268,11 +267,10 @@ def unpack_as(
         numel = math.prod(shape)
         if not bits.is_contiguous() or bits.dtype != torch.uint8 or bits.numel() * 8 < numel:
             raise ValueError(f"a packed mask of {bits.numel()} bytes cannot hold {numel} bits")
-        if is_tracking():
-            out = torch.empty(numel, dtype=dtype)
-        elif reuse:
+        tracking = is_tracking()
+        if reuse and not tracking:
             out = _reusable_buffer(numel, dtype)
-        elif dtype in _NATIVE_NUMPY:  # NumPy's allocator
+        elif dtype in _NATIVE_NUMPY and not tracking:  # NumPy's allocator
             out = torch.from_numpy(np.empty(numel, dtype=_NATIVE_NUMPY[dtype]))
         else:
             out = torch.empty(numel, dtype=dtype)
@@ -282,11 +280,10 @@ def unpack_as(
     if bits.device.type == "cpu" and dtype in _NUMPY_FLOATS:
         numel = math.prod(shape)
         rows = (numel + 7) // 8
-        if reuse and not is_tracking():
-            out = _reusable_buffer(rows * 8, dtype)
-            table = out.numpy().reshape(rows, 8)
-        elif is_tracking():
-            out = torch.empty(rows * 8, dtype=dtype)
+        tracking = is_tracking()
+        if reuse or tracking:
+            n = rows * 8
+            out = torch.empty(n, dtype=dtype) if tracking else _reusable_buffer(n, dtype)
             table = out.numpy().reshape(rows, 8)
         else:
             table = np.empty((rows, 8), dtype=_lut(dtype).dtype)

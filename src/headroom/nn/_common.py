@@ -387,14 +387,6 @@ class ReLUSites:
         self.seeds: list[weakref.ref] = []  # weak consumers known from an nn.Sequential
         self.calls: dict[tuple, Call] = {}  # call site -> its late decisions
 
-    def call(self, site: tuple) -> Call:
-        got = self.calls.get(site)
-        if got is None:
-            if len(self.calls) > 64:  # call sites of many input shapes: keep the recent ones
-                self.calls.clear()
-            got = self.calls[site] = Call()
-        return got
-
 
 def activation_call(module: nn.Module, x: torch.Tensor) -> tuple[ReLUSites, tuple, Call]:
     """The record of activation ``module``, the call site of its call on ``x`` (the producing
@@ -406,7 +398,9 @@ def activation_call(module: nn.Module, x: torch.Tensor) -> tuple[ReLUSites, tupl
     site = (type(x.grad_fn), x.shape[1:])
     got = sites.calls.get(site)
     if got is None:
-        got = sites.call(site)
+        if len(sites.calls) > 64:  # call sites of many input shapes: keep the recent ones
+            sites.calls.clear()
+        got = sites.calls[site] = Call()
     return sites, site, got
 
 
@@ -502,10 +496,8 @@ def note_consumer(consumer: nn.Module, x: torch.Tensor) -> None:
     if entry is None or entry[0].expired() or entry[0].cdata != key:
         return
     consumers = entry[1].sites.setdefault(entry[2], [])
-    for ref in consumers:
-        if ref() is consumer:
-            return
-    consumers.append(weakref.ref(consumer))
+    if all(ref() is not consumer for ref in consumers):
+        consumers.append(weakref.ref(consumer))
 
 
 def seed_consumer(relu: nn.Module, consumer: nn.Module) -> None:
@@ -522,13 +514,7 @@ def consumers_keep_output(sites: ReLUSites, site: tuple) -> bool:
         if call is not None and call.keep is not None:
             return call.keep
         consumers = sites.seeds
-    if not consumers:
-        return True
-    for ref in consumers:
-        c = ref()
-        if c is None or c._hr_saves_input():
-            return True
-    return False
+    return not consumers or any((c := ref()) is None or c._hr_saves_input() for ref in consumers)
 
 
 def per_dimension(module: str, base: type, torch_classes: tuple[type, ...], doc: str,

@@ -12,20 +12,14 @@ from torch.nn.utils import parametrize
 from headroom.nn import _activation, _conv, _dropout, _linear, _norm, _pad, _pool
 from headroom.nn._common import install_root_hooks, seed_consumer
 
-# each twin's torch.nn class has its name
-_SWAPS: dict[type[nn.Module], type[nn.Module]] = {getattr(nn, twin.__name__): twin for twin in (
-    _conv.Conv1d, _conv.Conv2d, _conv.Conv3d,
-    _conv.ConvTranspose1d, _conv.ConvTranspose2d, _conv.ConvTranspose3d,
-    _norm.BatchNorm1d, _norm.BatchNorm2d, _norm.BatchNorm3d, _norm.LayerNorm, _norm.GroupNorm,
-    _activation.ReLU, _activation.LeakyReLU, _activation.Hardtanh, _activation.ReLU6,
-    _dropout.Dropout, _linear.Linear,
-    _pool.MaxPool1d, _pool.MaxPool2d, _pool.MaxPool3d,
-    _pool.AdaptiveMaxPool1d, _pool.AdaptiveMaxPool2d, _pool.AdaptiveMaxPool3d,
-    _pool.AvgPool1d, _pool.AvgPool2d, _pool.AvgPool3d,
-    _pool.AdaptiveAvgPool1d, _pool.AdaptiveAvgPool2d, _pool.AdaptiveAvgPool3d,
-    _pad.ReflectionPad1d, _pad.ReflectionPad2d, _pad.ReflectionPad3d,
-    _pad.ReplicationPad1d, _pad.ReplicationPad2d, _pad.ReplicationPad3d,
-)}
+# Every public module class defined in these modules is the twin of the torch.nn class of its name.
+_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    getattr(nn, name): twin
+    for module in (_activation, _conv, _dropout, _linear, _norm, _pad, _pool)
+    for name, twin in vars(module).items()
+    if isinstance(twin, type) and issubclass(twin, nn.Module) and not name.startswith("_")
+    and twin.__module__ == module.__name__
+}
 _TWINS = frozenset(_SWAPS.values())
 
 # --- classes for subclasses of the swapped layers ------------------------------------------------

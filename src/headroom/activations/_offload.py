@@ -1,11 +1,7 @@
-"""Activation offload: tensors saved for backward rest in a store between forward and backward.
-
-A saved-tensor keeper (`headroom._saved_hooks`): a saved tensor's storage is copied to the
-store (`headroom.transfer.Stash`) and autograd keeps a ticket; once the copy is out and only
-autograd uses the storage, it is resized to 0 under the tensor (which keeps its identity and
-version). Backward refills it and, within a byte budget, the ones saved before it. See
-docs/activation_offload.md for what is not moved.
-"""
+"""Activation offload: a saved-tensor keeper (`headroom._saved_hooks`) copies each saved
+storage to a store (`headroom.transfer.Stash`), frees it once only autograd uses it (resized to 0
+under the tensor, which keeps identity and version), and refills it in backward, with the ones
+saved before it within a byte budget. docs/activation_offload.md says what is not moved."""
 
 from __future__ import annotations
 

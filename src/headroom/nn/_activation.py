@@ -1,10 +1,7 @@
-"""Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway.
-
-They run PyTorch's own op and keep the tensor its node saves in a :class:`Late` holder that
-packs a mask once nothing else references the storage (see [Note: deciding late] in
-:mod:`headroom.nn._common`); under the caller's saved-tensor hooks they decide in forward
-(:class:`_ReLUMask` and friends).
-"""
+"""Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway: a
+:class:`Late` holder keeps what PyTorch's node saves until it can pack a mask (see [Note:
+deciding late] in :mod:`headroom.nn._common`); under the caller's saved-tensor hooks they
+decide in forward (:class:`_ReLUMask` and friends)."""
 
 from __future__ import annotations
 
@@ -36,6 +33,7 @@ from headroom.nn._common import (
     _top_hooks,
     _use_count,
     activation_call,
+    channels_last_dense,
     consumers_keep_output,
     first_order_only,
     hooks_free,
@@ -49,19 +47,12 @@ from headroom.nn._common import (
 )
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` is channels-last dense, so it packs and unpacks in memory order."""
-    if t.dim() == 4:
-        return t.is_contiguous(memory_format=torch.channels_last)
-    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
-
-
 def _pack_layout(
     t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0
 ) -> tuple[torch.Tensor, bool, bool]:
-    """``pack_test(t, op, lo, hi)`` (in memory order where :func:`_dense`: no layout copy),
+    """``pack_test(t, op, lo, hi)`` (in memory order where channels-last: no layout copy),
     whether in memory order, and whether a NaN was seen (``INSIDE`` only)."""
-    if not t.is_contiguous() and _dense(t):
+    if not t.is_contiguous() and channels_last_dense(t):
         bits, nan = pack_test(t.as_strided((t.numel(),), (1,)), op, lo, hi)
         return bits, True, nan
     bits, nan = pack_test(t, op, lo, hi)
@@ -120,18 +111,12 @@ def _hardtanh_values(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, f
 
 class Late:
     """The tensor an activation's node saves, kept whole until nothing else references its
-    storage, then packed to a 1-bit mask (see [Note: deciding late]).
-
-    Made for the tensor ``watched`` the caller holds; :meth:`hold` is the pack hook of the
-    node's save of it (``op``: NONZERO for ReLU, GREATER for LeakyReLU, INSIDE ``lo < x < hi``
-    for Hardtanh). The decision goes to ``call``, the call site's
-    :class:`headroom.nn._common.Call`.
-    """
-    # Unpacked, the mask is a tensor positive exactly where it is set (for Hardtanh ``lo`` and a
-    # value inside), laid out like the original: PyTorch's own kernel then gives bitwise its
-    # gradient. A Hardtanh input with a NaN stays whole: PyTorch's kernel passes the gradient at
-    # a NaN in its scalar loop and not in its vector loop. The unpacked floats live only inside
-    # the node's backward, so they may use a reused buffer (not in a double backward).
+    storage, then packed to a 1-bit mask (see [Note: deciding late]). :meth:`hold` is the pack
+    hook of the node's save of ``watched`` (``op``: NONZERO for ReLU, GREATER for LeakyReLU,
+    INSIDE ``lo < x < hi`` for Hardtanh); the decision goes to the call site's ``call``."""
+    # Unpacked, the mask is positive exactly where set (Hardtanh: ``lo`` and a value inside),
+    # laid out like the original, for PyTorch's own kernel. A Hardtanh input with a NaN stays
+    # whole: PyTorch's kernel passes the gradient at a NaN in its scalar loop, not its vector one.
 
     __slots__ = (
         "tensor",
@@ -258,7 +243,7 @@ class Late:
             and grad.dtype == self.dtype
             and grad.shape == self.shape
             and grad.stride() == self._stride()
-            and (_dense(grad) if self.memory_order else grad.is_contiguous())
+            and (channels_last_dense(grad) if self.memory_order else grad.is_contiguous())
         ):
             out = grad_through(self.bits, grad, scale=scale, slope=slope)
             if out is not None:
@@ -325,14 +310,12 @@ _grad_enabled = torch.is_grad_enabled
 
 # --- one Function for large or cloning activations -----------------------------------------------
 #
-# On PyTorch's node, backward unpacks a mask into floats (a full write) that the kernel reads;
-# a Python Function costs a fixed few tens of microseconds. From _FUSE_FROM elements on, one
-# fused pass from the bits (bitwise the same) is cheaper; PyTorch's hardtanh_ even saves a
-# clone of its input. Those calls run this Function.
+# On PyTorch's node backward unpacks a mask into floats that the kernel reads; from _FUSE_FROM
+# elements on, this Function's one fused pass from the bits (bitwise the same) costs less than
+# that, and hardtanh_ would save a clone of its input.
 _FUSE_FROM = 1 << 18  # elements
-# Where the call site's last holder packed a mask, a holder this large packs right after the op,
-# while the tensor is in cache; the decision stays late (an unneeded mask is dropped at the
-# root's end). Mask and tensor both live until it settles: not worth it for small tensors.
+# Where the call site's last holder packed a mask, a holder this large packs right after the op
+# (tensor in cache); an unneeded one goes at the root's end. Small ones would only add to peaks.
 _PACK_AHEAD_FROM = 1 << 15  # elements
 
 

@@ -1,12 +1,9 @@
-"""Bit-packed boolean masks: element ``i`` (row-major) is bit ``i % 8`` of ``uint8`` byte ``i//8``.
+"""Bit-packed masks: element ``i`` (row-major) is bit ``i % 8`` of ``uint8`` byte ``i // 8``.
 
-Three implementations give the same bytes: contiguous CPU tensors use the C kernels of
-``headroom.nn._bitkernels`` where built (``HEADROOM_NATIVE=0`` before import turns them off);
-other CPU tensors NumPy's ``packbits``/``unpackbits`` on zero-copy views, and a table lookup per
-byte to unpack to floats; other devices a multiply trick on 64-bit words: the eight 0/1 bytes
-of a word times ``0x0102040810204080`` put the packed byte in the top byte with no carries
-(the partial products' bit positions are distinct); unpacking spreads the byte over 8 bytes
-and keeps bit ``i`` in byte ``i``.
+Same bytes three ways: the C kernels of ``headroom.nn._bitkernels`` for contiguous CPU tensors
+where built (``HEADROOM_NATIVE=0`` before import turns them off), NumPy for other CPU tensors, and
+elsewhere a multiply on 64-bit words: eight 0/1 bytes times ``0x0102040810204080`` gather their
+bits in the top byte, carry-free; unpacking spreads a byte over 8 and keeps bit ``i`` of byte ``i``.
 """
 
 from __future__ import annotations

@@ -140,16 +140,21 @@ _standins: dict[torch.dtype, torch.Tensor] = {}
 _standin_views: dict[tuple, torch.Tensor] = {}
 
 
+def channels_last_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense in channels-last order (and so packs in memory order)."""
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
 # --- PyTorch's own autograd node, keeping less --------------------------------------------------
 #
-# A Python autograd.Function costs tens of microseconds per call on CPU. Where PyTorch's op
-# computes what we want and only saves too much, it runs under saved-tensor hooks that replace
-# what is not needed by a stand-in or a bit mask: backward stays PyTorch's C++ node. Only where
-# this thread has no saved-tensor hooks of its own (checkpointing, activation offload, the memory
-# tracker), from which ours would hide the tensors: those runs take the Function path.
+# A Python autograd.Function costs tens of microseconds per call on CPU: where PyTorch's op only
+# saves too much, it runs under saved-tensor hooks that swap what is not needed for a stand-in or
+# a mask. Only where this thread has no saved-tensor hooks (checkpointing, activation offload,
+# the memory tracker), from which ours would hide the tensors.
 #
-# NOTE: PyTorch has no public query for active saved-tensor hooks; these private ones exist
-# from torch 2.8 on (headroom/__init__.py refuses an older torch).
+# NOTE: no public query for active saved-tensor hooks; these exist from torch 2.8 (required).
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
 
@@ -354,12 +359,10 @@ def install_root_hooks(root: nn.Module) -> None:
 
 # --- which layer consumes a ReLU's output (under a caller's saved-tensor hooks) ------------------
 #
-# Under the caller's saved-tensor hooks (hr.track_memory, checkpointing) a ReLU's save goes to
-# those hooks at once, so it cannot decide late and chooses in forward. Headroom consumers look
-# their input's storage up in the registry below and record (ReLU, call site) -> consumer; later
-# such forwards ask them whether they will save their input. Else the ReLU follows its last late
-# decision (``calls``), else the layer convert() found after it in an nn.Sequential, else it
-# keeps its output as PyTorch does.
+# Under the caller's saved-tensor hooks a ReLU's save goes to them at once, so it decides in
+# forward: from the headroom consumers that found their input in the registry below at this call
+# site, else its last late decision (``calls``), else the layer convert() found after it in an
+# nn.Sequential, else it keeps its output as PyTorch does.
 
 
 class Call:
@@ -374,9 +377,8 @@ class Call:
 
 class ReLUSites:
     """What one converted ReLU module knows of the layers that consume its output."""
-    # Outside the module (in ``_sites``, by id, dropped with it) so models pickle and deep
-    # copies start afresh. Plain dicts and lists, atomic under the GIL: cheaper per ReLU forward
-    # than a WeakKeyDictionary and a lock.
+    # In ``_sites`` (by id), not the module: models pickle and deep copies start afresh. Plain
+    # dicts and lists, atomic under the GIL: cheaper than a WeakKeyDictionary and a lock.
 
     __slots__ = ("module", "sites", "seeds", "calls", "__weakref__")
 
@@ -432,11 +434,8 @@ def shape_of_floats(t: torch.Tensor) -> Kept | TensorMeta:
 
 
 class KeepsNoInput:
-    """Mixin of layers whose backward reads no values of their input, or one bit of each
-    (pools, pads, LeakyReLU, Hardtanh): without the caller's saved-tensor hooks, the layer's
-    :meth:`_hr_fast` path, else the twin's forward under :meth:`_hr_pack`'s pack hook; under
-    them ``_hr_forward``.
-    """
+    """Layers whose backward reads one bit of each input value or none (pools, pads, LeakyReLU,
+    Hardtanh): :meth:`_hr_fast`, else :meth:`_hr_pack`'s hook, else (hooks) ``_hr_forward``."""
 
     def _hr_saves_input(self) -> bool:
         return False

@@ -94,9 +94,7 @@ def _target(module: nn.Module, cls: type | None = None) -> type | str | None:
     guarded = cls.__dict__.get("_headroom_base")  # hr.offload's guarded class
     if isinstance(guarded, type):
         inner = _target(module, guarded)
-        if isinstance(inner, type):
-            return _rebased(cls, inner, _headroom_base=inner)
-        return inner
+        return _rebased(cls, inner, _headroom_base=inner) if isinstance(inner, type) else inner
     if parametrize.is_parametrized(module) and cls.__bases__:
         inner = _target(module, cls.__bases__[0])
         return _rebased(cls, inner) if isinstance(inner, type) else inner
@@ -161,11 +159,8 @@ def _what(cls: type) -> str:
 
 
 def convert_report(model: nn.Module) -> ConvertReport:
-    """Which modules of ``model`` are headroom layers, and why the other layers are not.
-
-    Works on a converted model (what :func:`convert` did) and on an unconverted one (what it
-    would leave alone). Containers (modules with children) are not listed.
-    """
+    """Which modules of ``model`` are headroom layers, and why the other leaf modules are not
+    (on a converted model: what :func:`convert` did; on another: what it would leave alone)."""
     converted, left = [], []
     for name, m in model.named_modules():
         cls = type(m)

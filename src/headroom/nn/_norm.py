@@ -13,6 +13,7 @@ from headroom.nn._common import (
     TensorMeta,
     _pending,
     _relu_outputs,
+    channels_last_dense,
     first_order_only,
     note_consumer,
     per_dimension,
@@ -210,12 +211,9 @@ class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
     def _hr_bias_only(self, input: torch.Tensor) -> torch.Tensor:
         # The layout aten.group_norm hands native_group_norm (suggested format on CPU).
         fmt = torch.contiguous_format
-        if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
-            fmt = torch.channels_last if not input.is_contiguous() else fmt
-        elif input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
-            fmt = torch.channels_last_3d if not input.is_contiguous() else fmt
-        if input.device.type not in ("cpu", "xpu"):
-            fmt = torch.contiguous_format
+        dense = not input.is_contiguous() and channels_last_dense(input)
+        if dense and input.device.type in ("cpu", "xpu"):
+            fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
         x = input.contiguous(memory_format=fmt)
         n, c = x.shape[0], x.shape[1]
         hxw = x.numel() // (n * c) if n * c else 0

@@ -223,6 +223,9 @@ class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
             return aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
 
         def bwd(grad, x, mean, rstd):
+            # As PyTorch's node: the kernel reads the gradient (expanded for a ``.sum()`` loss)
+            # as dense in the input's layout.
+            grad = grad if grad.device.type == "xpu" else grad.contiguous(memory_format=fmt)
             return aten.native_group_norm_backward(
                 grad, x, mean, rstd, weight, n, c, hxw, groups, [False, False, True]
             )[2]

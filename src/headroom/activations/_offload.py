@@ -305,8 +305,8 @@ class _Offloader:
         with _HOOK_LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
-            if not _ACTIVE:
-                _suspend_global_hook()
+            if not _ACTIVE and _GLOBAL_HOOK is not None:
+                _GLOBAL_HOOK.remove()  # module calls take the fast path again; the key is kept
         self._closed = True
 
 
@@ -338,12 +338,6 @@ def _install_global_hook() -> None:
         # put back under the key it had (see above)
         nn.modules.module._global_forward_hooks[_GLOBAL_HOOK.id] = _after_any_module
         nn.modules.module._global_forward_hooks_always_called[_GLOBAL_HOOK.id] = True
-
-
-def _suspend_global_hook() -> None:
-    """No context is open: module calls take the fast path again (the handle keeps the key)."""
-    if _GLOBAL_HOOK is not None:
-        _GLOBAL_HOOK.remove()
 
 
 def empty_cache() -> None:

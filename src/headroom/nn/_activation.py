@@ -91,9 +91,9 @@ def _run(ctx, x: torch.Tensor, inplace: bool, fn, fn_, *args) -> torch.Tensor:
     return fn(x, *args)
 
 
-def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
+def _unpack_like(ctx, grad: torch.Tensor, values: tuple[float, float] | None = None):
     (bits,) = ctx.saved_tensors
-    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype)
+    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype, values=values)
 
 
 @functools.cache
@@ -535,15 +535,7 @@ class _HardtanhFunction(torch.autograd.Function):
         if ctx.keep:
             (x,) = ctx.saved_tensors
         else:
-            (bits,) = ctx.saved_tensors
-            x = _unpack_layout(
-                bits,
-                ctx.shape,
-                ctx.stride,
-                False,
-                grad.dtype,
-                values=_hardtanh_values(ctx.lo, ctx.hi, grad.dtype),
-            )
+            x = _unpack_like(ctx, grad, _hardtanh_values(ctx.lo, ctx.hi, grad.dtype))
         return torch.ops.aten.hardtanh_backward(grad, x, ctx.lo, ctx.hi), None, None, None
 
 

@@ -207,16 +207,12 @@ def _copy_tree(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
 def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -> nn.Module:
     """Swap ``torch.nn`` layers for ``headroom.nn`` layers that save only what backward needs.
 
-    Each converted layer saves only what its backward needs, decided from which of its input
-    and parameters require grad and from what else keeps those tensors; outputs and gradients
-    stay bitwise the unconverted model's, and it never keeps a byte more than PyTorch. The new
-    classes subclass the ``torch.nn`` ones: ``isinstance``, ``state_dict`` keys, parameters,
-    buffers and hooks are unchanged. Converting twice changes nothing.
-
-    Layers whose class is one of the ``torch.nn`` classes in ``headroom.nn.__all__`` become
-    that headroom class; a subclass of one (timm's ``Conv2dSame``) becomes ``class Sub(Sub,
-    headroom twin)``, its own methods kept. An uninitialized lazy module (``nn.LazyConv2d``) is
-    left alone: convert after its first forward.
+    Layers of the ``torch.nn`` classes named in ``headroom.nn.__all__`` become that headroom
+    class (``isinstance``, ``state_dict`` keys, parameters, buffers and hooks unchanged); a
+    subclass of one (timm's ``Conv2dSame``) becomes ``class Sub(Sub, headroom twin)``, its own
+    methods kept; an uninitialized lazy module is left alone (convert after its first forward).
+    Outputs and gradients are bitwise the unconverted model's, and no byte more than PyTorch's
+    is kept. Converting twice changes nothing.
 
     Args:
         model: the model (or a single layer) to convert.
@@ -250,8 +246,7 @@ def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -
             f"convert() expects a torch.nn.Module, got {type(model).__name__}; "
             "pass the model (or layer) itself."
         )
-    targets = {id(m): _target(m) for m in model.modules()}
-    if not any(isinstance(t, type) for t in targets.values()):
+    if not any(isinstance(_target(m), type) for m in model.modules()):
         if verbose:
             print(convert_report(model))
         return model

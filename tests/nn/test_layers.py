@@ -41,6 +41,7 @@ LAYERS = {
         CONV,
     ),
     "Conv2d-same-even": (lambda: nn.Conv2d(4, 6, 4, padding="same"), (2, 4, 9, 9), CONV),
+    "Conv2d-same-unbatched": (lambda: nn.Conv2d(4, 6, 4, padding="same"), (4, 9, 9), CONV),
     "Conv2d-same-dilated": (
         lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2),
         (2, 4, 9, 9),
@@ -152,6 +153,21 @@ def test_layer_matches_torch_and_saves_less(name, hooks):
             assert b[4] <= a[4], where
             if _strict(strict, mode, train, hooks):
                 assert b[4] < a[4], where
+
+
+@pytest.mark.parametrize("grad", ["sum", "permuted"])
+def test_group_norm_bias_only_matches_for_non_contiguous_output_grads(grad):
+    """Only the bias trains: the gradient of a ``.sum()`` loss (expanded) or a permuted one
+    reaches the kernel in the input's layout, as through PyTorch's node."""
+    plain, ours = twin(nn.GroupNorm(2, 4))
+    for m in (plain, ours):
+        m.weight.requires_grad_(False)
+    x = torch.randn(3, 4, 5, 5)
+    gy = torch.randn(5, 5, 3, 4).permute(2, 3, 0, 1)
+    loss = (lambda y: y.sum()) if grad == "sum" else (lambda y: (y * gy).sum())
+    (want,) = torch.autograd.grad(loss(plain(x)), plain.bias)
+    (got,) = torch.autograd.grad(loss(ours(x)), ours.bias)
+    assert torch.equal(got, want)
 
 
 def test_conv_frozen_weight_saves_nothing_and_bias_only_saves_nothing():

@@ -1,22 +1,7 @@
-"""Activation offload: tensors saved for backward rest in a store between forward and backward.
-
-A saved-tensor *keeper* (see `headroom._saved_hooks`): when autograd saves a tensor, the bytes of
-its storage start moving to the store (`headroom.transfer.Stash`) and autograd keeps a small
-ticket instead. The device memory is freed as soon as the copy is out and nothing but autograd
-needed the storage any more (the forward has moved on): the storage is resized to 0 under the
-tensor, which stays (so do its version counter and identity). In backward, asking for one tensor
-refills its storage and starts refilling the ones saved before it, in reverse order, within a
-byte budget, so they arrive while the current block computes.
-
-On the CPU, freeing is giving the storage's own pages back to the OS (resident memory is the
-only saving there), and what backward frees is trimmed from the heap as restored bytes go.
-
-Not moved: parameters and their views (``weight.t()``), device copies of offloaded parameters,
-tensors below ``min_bytes``, storages another tensor still uses (their bytes would not be freed),
-sparse and nested tensors (no single storage to move).
-Views of one storage move once. Inside a ``torch.utils.checkpoint`` region, checkpoint's own
-hooks decide, so only what checkpoint keeps (the region's inputs) is offloaded.
-"""
+"""Activation offload: a saved-tensor keeper (`headroom._saved_hooks`) copies each saved
+storage to a store (`headroom.transfer.Stash`), frees it once only autograd uses it (resized to 0
+under the tensor, which keeps identity and version), and refills it in backward, with the ones
+saved before it within a byte budget. docs/activation_offload.md says what is not moved."""
 
 from __future__ import annotations
 
@@ -35,10 +20,7 @@ from headroom.memory import annotate, note_resting
 from headroom.store import DiskStore, HeapTrimmer, Store, release_pages
 from headroom.transfer import Stash, StashTicket, resize_storage
 
-__all__ = ["DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH", "empty_cache", "offload_activations",
-           "offload_activations_dry_run"]
-
-# the defaults of `offload_activations` (and of its dry run, `offload_activations_dry_run`)
+# the defaults of `offload_activations` and its dry run
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_PREFETCH = 256 << 20
 
@@ -46,11 +28,9 @@ _use_count = torch._C._storage_Use_Count
 
 
 def _only_ours(e: _StashedStorage) -> bool:
-    """Whether nothing but this entry uses the anchor tensor and its storage any more (asked
-    once the stash's copy is out, so the stash holds no reference either)."""
-    # The anchor: referenced by the entry and by getrefcount's argument only, held by no C++
-    # owner but its Python object, and the only tensor on its storage (two storage references:
-    # the anchor's and the temporary storage object asked for here).
+    """Whether nothing but this entry uses the anchor and its storage (once the copy is out)."""
+    # Referenced by the entry and getrefcount's argument, no C++ owner but its Python object,
+    # and the only tensor on its storage (the anchor's and this call's storage objects).
     return (sys.getrefcount(e.anchor) <= 2 and e.anchor._use_count() <= 1
             and _use_count(e.anchor.untyped_storage()._cdata) <= 2)
 
@@ -60,8 +40,7 @@ def _parameter_like(t: torch.Tensor) -> bool:
 
 
 def _no_storage(t: torch.Tensor) -> bool:
-    """Sparse (COO, CSR, ...) and nested tensors, and subclasses without one storage of their
-    own: kept where they are (autograd keeps the tensor itself, as without offload)."""
+    """Sparse and nested tensors, and subclasses without one storage of their own."""
     if t.layout != torch.strided or t.is_nested:
         return True
     try:
@@ -74,13 +53,12 @@ def _no_storage(t: torch.Tensor) -> bool:
 class _StashedStorage:
     """One storage whose bytes rest in the stash."""
 
-    __slots__ = ("anchor", "ticket", "nbytes", "index", "packs", "freed", "restored", "dead")
+    __slots__ = ("anchor", "ticket", "nbytes", "packs", "freed", "restored", "dead")
 
-    def __init__(self, anchor: torch.Tensor, ticket: StashTicket, index: int) -> None:
+    def __init__(self, anchor: torch.Tensor, ticket: StashTicket) -> None:
         self.anchor = anchor  # the first saved tensor on the storage: holds storage and version
         self.ticket = ticket
         self.nbytes = ticket.nbytes
-        self.index = index
         self.packs = 0
         self.freed = False  # device storage resized to 0
         self.restored = False  # refilled (or being refilled) for backward
@@ -108,9 +86,8 @@ class _Ticket:
 
 
 class _InstantStash:
-    """The stash of a dry run (`offload_activations_dry_run`): its ``meta`` storages hold no
-    bytes, so every copy is done when it starts. ``moved`` counts the bytes sent out (each
-    comes back once for backward)."""
+    """The stash of a dry run: ``meta`` storages hold no bytes, so every copy is done when it
+    starts. ``moved`` counts the bytes sent out."""
 
     def __init__(self) -> None:
         self.moved = 0
@@ -122,21 +99,15 @@ class _InstantStash:
     def out_done(self, k: StashTicket) -> bool:
         return True
 
-    def wait_out(self, k: StashTicket) -> None:
+    def wait_out(self, *args) -> None:  # as every other step of a copy: done already
         pass
 
-    def prefetch(self, k: StashTicket, storage: torch.UntypedStorage) -> None:
-        pass
-
-    restore = prefetch
-    drop = wait_out
+    prefetch = restore = drop = wait_out
 
 
 class _Offloader:
-    """The keeper: stashes saved tensors, frees their device memory, restores them ahead.
-
-    ``instant``: a dry run's (on ``meta`` tensors, see `offload_activations_dry_run`).
-    """
+    """The keeper: stashes saved tensors, frees their device memory, restores them ahead
+    (``instant``: a dry run's stash)."""
 
     def __init__(self, store: Any, min_bytes: int, prefetch: int,
                  modules: list[nn.Module] | None, *, instant: _InstantStash | None = None) -> None:
@@ -150,22 +121,16 @@ class _Offloader:
         self._entries: dict[int, _StashedStorage] = {}  # storage key -> live entry
         self._order: list[_StashedStorage] = []  # live entries in the order they were saved
         self._pending: list[_StashedStorage] = []  # stashed, device memory not freed yet
-        self._count = 0
         self._restored_bytes = 0  # restored for backward and not released yet
         self._closed = False
         self._depth = 0 if modules is not None else 1
-        # A module's forward ending is when its saved tensors stop being used by anything but
-        # autograd: sweep then, not only when the next tensor is saved (the last module's
-        # tensors would otherwise stay until backward).
         self._handles = []
         with _HOOK_LOCK:
             _install_global_hook()
             _ACTIVE.append(self)
         # NOTE: under torch.compile the scope hooks run outside the graphs (a graph break at
-        # each scoped module's edges), so the depth is right when the compiled region's saved
-        # tensors are packed. (Disabled here, not at import: that would import torch._dynamo.)
-        # The global hook, `_after_any_module`, is skipped while tracing instead: the sweep is
-        # no graph op, and the next pack or module outside the graph sweeps anyway.
+        # each scoped module's edges), so the depth is right when compiled saves are packed.
+        # (Disabled here, not at import, which would import torch._dynamo.)
         for m in modules or ():
             self._handles.append(m.register_forward_pre_hook(
                 torch.compiler.disable(self._enter_module)))
@@ -190,8 +155,7 @@ class _Offloader:
                 t.device.type == "meta" and self._instant is None):
             return t
         storage = t.untyped_storage()
-        # A storage that cannot be resized (memory NumPy or DLPack lent, such as the bit masks
-        # of headroom.nn) could not be freed after its copy: it stays where it is.
+        # Not resizable (memory NumPy or DLPack lent): it could not be freed after its copy.
         if storage.nbytes() < self.min_bytes or not storage.resizable():
             return t
         key = storage._cdata
@@ -200,8 +164,7 @@ class _Offloader:
             # A view keeps its base alive (and with it the storage): the base is the anchor.
             base = t._base if t._base is not None else t
             stash = self._stash(t.device)
-            entry = _StashedStorage(base, stash.stash(storage), self._count)
-            self._count += 1
+            entry = _StashedStorage(base, stash.stash(storage))
             self._entries[key] = entry
             self._order.append(entry)
             self._pending.append(entry)
@@ -231,11 +194,8 @@ class _Offloader:
 
     # ------------------------------------------------------------------ device memory
     def _sweep(self) -> None:
-        """Free the device memory of entries whose bytes are out and that only autograd uses.
-
-        Copies still in flight hold their storage; past ``prefetch`` bytes of those, the
-        oldest are waited for, so the forward never runs more than that ahead of the store.
-        """
+        """Free the device memory of entries whose bytes are out and that only autograd uses;
+        wait for the oldest copies in flight past ``prefetch`` bytes of them."""
         keep = []
         waiting = 0
         for e in self._pending:
@@ -260,16 +220,14 @@ class _Offloader:
         self._pending = [e for e in keep if not e.freed]
 
     def _free(self, e: _StashedStorage) -> None:
-        # On the CPU the saving is in the process's resident memory or it is none, and the
-        # heap would keep freed pages: they go back to the OS before the heap gets the
-        # storage (see `headroom.store._heap`), and nothing else of the heap's is touched.
+        # On the CPU the saving is resident memory only: the pages go back to the OS before
+        # the heap gets the storage (see `headroom.store._heap`).
         release_pages(e.anchor)
         resize_storage(e.anchor, 0)
         e.freed = True
         note_resting(self._where, "activations", e.nbytes)
 
-    def _refill(self, e: _StashedStorage) -> None:
-        """Give a freed entry its device memory back (the bytes follow)."""
+    def _refill(self, e: _StashedStorage) -> None:  # the bytes follow
         resize_storage(e.anchor, e.nbytes)
         e.restored = True
         self._restored_bytes += e.nbytes
@@ -288,8 +246,7 @@ class _Offloader:
         e.freed = False
 
     def _prefetch_before(self, e: _StashedStorage) -> None:
-        """Start refilling entries saved before ``e`` (backward goes there next), newest
-        first, while the restored bytes stay within the budget."""
+        """Start refilling entries saved before ``e``, newest first, within the budget."""
         i = self._order.index(e) if e in self._order else -1
         for prev in reversed(self._order[:max(i, 0)]):
             if self._restored_bytes + prev.nbytes > self.prefetch:
@@ -311,11 +268,8 @@ class _Offloader:
         if e.restored:
             self._restored_bytes -= e.nbytes
             if e.anchor.device.type == "cpu":
-                # What backward frees (gradients of activations, a checkpoint's recompute)
-                # would otherwise stay in the heap, spread over the pages the forward gave
-                # back, and the resident memory would creep back towards plain PyTorch's: the
-                # heap is trimmed every few restored MiB (see docs/activation_offload.md and
-                # the peak-RSS test of tests/activations).
+                # Else what backward frees stays in the heap over the pages the forward gave
+                # back, and resident memory creeps back to plain PyTorch's.
                 self._trimmer.freed(e.nbytes)
         elif e.freed:  # never needed by a backward
             note_resting(self._where, "activations", -e.nbytes)
@@ -332,9 +286,8 @@ class _Offloader:
         return s
 
     def finish(self) -> None:
-        """The context ends: what was saved after the last module's forward (functional ops
-        at the end of a forward, a forward without modules) is freed too, once its copy is
-        out, unless something besides autograd still holds it (the output)."""
+        """The context ends: free what was saved after the last module's forward too, once
+        its copy is out, unless something besides autograd holds it (the output)."""
         self._sweep()
         for e in list(self._pending):
             # NOTE: e.anchor is not bound to a local name: the reference counts are exact
@@ -352,23 +305,23 @@ class _Offloader:
         with _HOOK_LOCK:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
-            if not _ACTIVE:
-                _suspend_global_hook()
+            if not _ACTIVE and _GLOBAL_HOOK is not None:
+                _GLOBAL_HOOK.remove()  # module calls take the fast path again; the key is kept
         self._closed = True
 
 
-# Offloaders in use (nested contexts, other threads). One global module hook serves them all.
-# A global hook takes every module call in the process off nn.Module's fast path (about 1.6 us
-# a call on a CPU), so it is there only while a context is open. It keeps its key when taken
-# out and put back: a hook registered again gets a new key, which torch.compile guards on, so a
-# new context each step would recompile every compiled module each step.
+# Offloaders in use (nested contexts, other threads), served by one global module hook that
+# sweeps when a module's forward ends. It takes every module call off nn.Module's fast path, so
+# it is there only while a context is open, and keeps its key when put back: torch.compile
+# guards on the key, so a new one each step would recompile every compiled module.
 _ACTIVE: list[_Offloader] = []
 _GLOBAL_HOOK: Any = None  # the hook's handle, kept (with its key) while the hook is out
 _HOOK_LOCK = threading.Lock()
 
 
 def _after_any_module(module, args, output) -> None:
-    # NOTE: no reference to the output kept here while sweeping: `_only_ours` counts them
+    # NOTE: no reference to the output kept here while sweeping: `_only_ours` counts them.
+    # Skipped while tracing: the next pack or module outside the graph sweeps anyway.
     del module, args, output
     if not _ACTIVE or torch.compiler.is_compiling():
         return
@@ -387,17 +340,9 @@ def _install_global_hook() -> None:
         nn.modules.module._global_forward_hooks_always_called[_GLOBAL_HOOK.id] = True
 
 
-def _suspend_global_hook() -> None:
-    """No context is open: module calls take the fast path again (the handle keeps the key)."""
-    if _GLOBAL_HOOK is not None:
-        _GLOBAL_HOOK.remove()
-
-
 def empty_cache() -> None:
-    """Give back the host memory (and disk space) activation offload keeps for the next step.
-
-    Saved tensors that backward has not used yet keep theirs.
-    """
+    """Give back the host memory (and disk space) activation offload keeps for the next step;
+    saved tensors that backward has not used yet keep theirs."""
     Stash.release_shared()
 
 
@@ -411,11 +356,10 @@ def offload_activations(
 ) -> Iterator[None]:
     """Keep the tensors autograd saves for backward in a store, not on the compute device.
 
-    Wrap forward and backward (or forward only: tensors saved inside are restored whenever
-    backward runs). Each saved tensor's storage is copied to the store as it is saved and its
-    device memory freed once the forward no longer uses it; backward refills them just ahead
-    of use. Gradients are bitwise those of plain PyTorch. Storages that cannot be resized
-    (memory lent by NumPy or DLPack, such as ``headroom.nn``'s bit masks) stay where they are.
+    Wrap forward and backward (or forward only). Each saved tensor's storage is copied to the
+    store and its device memory freed once the forward no longer uses it; backward refills
+    them just ahead of use, bitwise plain PyTorch. Storages that cannot be resized (memory
+    lent by NumPy or DLPack, such as ``headroom.nn``'s bit masks) stay where they are.
 
     Args:
         store: ``"cpu"`` (host memory, page-locked on an accelerator) or a `DiskStore`. On a
@@ -469,9 +413,8 @@ def offload_activations_dry_run(*, min_bytes: int = DEFAULT_MIN_BYTES,
                                 prefetch: int = DEFAULT_PREFETCH,
                                 modules: Iterable[nn.Module] | None = None
                                 ) -> Iterator[_InstantStash]:
-    """`offload_activations` over a dry run's ``meta`` tensors (`hr.estimate`): the copies to
-    the store are taken as done at once. Yields the stash, whose ``moved`` counts the bytes
-    sent to the store."""
+    """`offload_activations` over a dry run's ``meta`` tensors (`hr.estimate`), copies done at
+    once; yields the stash, whose ``moved`` counts the bytes sent to the store."""
     stash = _InstantStash()
     with _offloading(_Offloader(None, min_bytes, prefetch, list(modules) if modules else None,
                                 instant=stash)):

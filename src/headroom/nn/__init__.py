@@ -1,9 +1,5 @@
-"""Memory-saving layers for selective differentiation, and ``convert(model)`` to use them.
-
-Each layer subclasses its ``torch.nn`` twin and saves for backward only what this backward needs,
-decided at forward time from which of its input and parameters require grad; results are
-bitwise equal to ``torch.nn``. See ``docs/selective_layers.md`` for what each layer saves, and
-:func:`convert_report` for what ``convert`` did to a model.
+"""Memory-saving layers: each subclasses its ``torch.nn`` twin, saves for backward only what
+this backward needs, bitwise ``torch.nn``'s results (``docs/selective_layers.md``); ``convert``.
 """
 
 from headroom.nn._activation import Hardtanh, LeakyReLU, ReLU, ReLU6

@@ -1,18 +1,7 @@
-"""Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway.
-
-PyTorch's ReLU keeps its whole output (32 bits per element in fp32) to know, in backward, where
-the gradient passes; LeakyReLU, Hardtanh and ReLU6 keep their whole input (their output when in
-place) for the same reason. One bit per element is enough (:mod:`headroom.nn._bitmask`).
-
-But the tensor PyTorch keeps is often kept by another node anyway (a ReLU's output by the next
-convolution whose weight trains, an in-place LeakyReLU's result likewise, a ReLU output by the
-product of a squeeze-excitation block): keeping it then costs nothing, since both saved
-references share one storage, and a mask would be an extra 1/32. So these layers run PyTorch's
-own op, keep the tensor its node saves in a :class:`Late` holder, and decide after their
-consumers ran: a 1-bit mask when nothing else references the storage, else the tensor as is
-(see [Note: deciding late] in :mod:`headroom.nn._common`). Under saved-tensor hooks of the
-caller's they decide in forward instead (:class:`_ReLUMask` and friends).
-"""
+"""Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway: a
+:class:`Late` holder keeps what PyTorch's node saves until it can pack a mask (see [Note:
+deciding late] in :mod:`headroom.nn._common`); under the caller's saved-tensor hooks they
+decide in forward (:class:`_ReLUMask` and friends)."""
 
 from __future__ import annotations
 
@@ -44,6 +33,7 @@ from headroom.nn._common import (
     _top_hooks,
     _use_count,
     activation_call,
+    channels_last_dense,
     consumers_keep_output,
     first_order_only,
     hooks_free,
@@ -57,21 +47,12 @@ from headroom.nn._common import (
 )
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill one stretch of its storage in a permuted (channels-last)
-    order, so that they can be packed and unpacked in memory order."""
-    if t.dim() == 4:
-        return t.is_contiguous(memory_format=torch.channels_last)
-    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
-
-
 def _pack_layout(
     t: torch.Tensor, op: int = NONZERO, lo: float = 0.0, hi: float = 0.0
 ) -> tuple[torch.Tensor, bool, bool]:
-    """``pack_test(t, op, lo, hi)``, whether packed in memory order (``t`` channels-last, see
-    :func:`_dense`) rather than row-major order, and whether a NaN was seen (``INSIDE`` only).
-    Memory order packs and unpacks without a layout copy."""
-    if not t.is_contiguous() and _dense(t):
+    """``pack_test(t, op, lo, hi)`` (in memory order where channels-last: no layout copy),
+    whether in memory order, and whether a NaN was seen (``INSIDE`` only)."""
+    if not t.is_contiguous() and channels_last_dense(t):
         bits, nan = pack_test(t.as_strided((t.numel(),), (1,)), op, lo, hi)
         return bits, True, nan
     bits, nan = pack_test(t, op, lo, hi)
@@ -89,11 +70,9 @@ def _unpack_layout(
     values: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """The mask of :func:`_pack_layout` as ``dtype`` values (1/0, or ``values``), laid out with
-    ``stride`` like the tensor PyTorch's backward would have read.
-    """
-    # The strides matter for bitwise equality downstream: an element-wise backward kernel
-    # lays its output out like its inputs, and the next backward (a batch norm, say) takes a
-    # different reduction order for a channels-last gradient than for a contiguous one.
+    ``stride`` like the tensor PyTorch's backward would have read."""
+    # The strides matter bitwise downstream: the backward kernel lays its output out like its
+    # inputs, and a next backward (a batch norm) reduces in another order for channels-last.
     if memory_order:
         flat = unpack_as(bits, (bits.numel() * 8,), dtype, reuse=reuse, values=values)
         return flat.as_strided(shape, stride)
@@ -112,48 +91,32 @@ def _run(ctx, x: torch.Tensor, inplace: bool, fn, fn_, *args) -> torch.Tensor:
     return fn(x, *args)
 
 
-def _unpack_like(ctx, grad: torch.Tensor) -> torch.Tensor:
-    """The mask saved by a Function's forward as ``grad.dtype`` values (see _unpack_layout)."""
+def _unpack_like(ctx, grad: torch.Tensor, values: tuple[float, float] | None = None):
     (bits,) = ctx.saved_tensors
-    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype)
+    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype, values=values)
 
 
 @functools.cache
 def _hardtanh_values(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, float] | None:
-    """Stand-in values for ``hardtanh_backward``, which passes the gradient where
-    ``lo < x < hi`` in ``dtype``: ``(lo, a value strictly inside)``, or None where 0.0 and 1.0
-    already are such a pair (``0 <= lo < 1 < hi``, ReLU6)."""
+    """Stand-in values for ``hardtanh_backward`` (passes where ``lo < x < hi`` in ``dtype``):
+    ``(lo, a value strictly inside)``, or None where 0 and 1 are such a pair (ReLU6)."""
     lo_d, hi_d = (torch.tensor(v, dtype=dtype).item() for v in (lo, hi))
     if lo_d >= 0.0 and lo_d < 1.0 < hi_d:
         return None
     inside = torch.tensor((lo_d + hi_d) / 2, dtype=dtype).item()
     if not lo_d < inside < hi_d:
-        # No value of the dtype lies strictly between the bounds, so no mask bit is set
-        # and the "inside" value is never written.
-        inside = lo_d
+        inside = lo_d  # none in this dtype: no mask bit is set, the value is never written
     return (lo_d, inside)
 
 
 class Late:
-    """The tensor an activation's PyTorch node saves, kept whole until it is known whether
-    anything else references its storage; then, if nothing does, packed to a 1-bit mask.
-
-    ``Late(call, op, lo, hi, watched)`` is made for the tensor ``watched`` that the caller holds
-    (the op's output, or its input where the node saves that); :meth:`hold` is then the pack
-    hook (:func:`headroom.nn._common.save_less`) of what ``ReluBackward0`` (``op=NONZERO``: the
-    result's non-zeros), ``LeakyReluBackward0``/``1`` (``GREATER``: ``x > 0``) or
-    ``HardtanhBackward0`` (``INSIDE``: ``lo < x < hi``) saved: an alias of ``watched`` without
-    the autograd graph. ``call`` is the :class:`headroom.nn._common.Call` of the call site,
-    where the holder leaves its decision. :meth:`settle` is called when ``watched`` is freed, by
-    :func:`headroom.nn._common.settle_pending` and at the end of a converted root's forward.
-    """
-    # On unpack, backward gets the tensor, or a tensor positive exactly where the mask is
-    # set (for Hardtanh, ``lo`` and a value strictly inside), laid out like the original: the
-    # very kernel PyTorch runs then gives bitwise its own gradient. A Hardtanh input holding a
-    # NaN stays whole: PyTorch's kernel passes the gradient at a NaN in its scalar loop and
-    # stops it in its vector loop, so no bit says which. The unpacked floats are needed only
-    # inside the node's backward, which drops them when it returns, so they may live in a
-    # reused buffer, except in a double backward (grad mode on), whose graph keeps them.
+    """The tensor an activation's node saves, kept whole until nothing else references its
+    storage, then packed to a 1-bit mask (see [Note: deciding late]). :meth:`hold` is the pack
+    hook of the node's save of ``watched`` (``op``: NONZERO for ReLU, GREATER for LeakyReLU,
+    INSIDE ``lo < x < hi`` for Hardtanh); the decision goes to the call site's ``call``."""
+    # Unpacked, the mask is positive exactly where set (Hardtanh: ``lo`` and a value inside),
+    # laid out like the original, for PyTorch's own kernel. A Hardtanh input with a NaN stays
+    # whole: PyTorch's kernel passes the gradient at a NaN in its scalar loop, not its vector one.
 
     __slots__ = (
         "tensor",
@@ -186,7 +149,6 @@ class Late:
         self.bits = None
         self.call = call
         self.checks = 0
-        # This thread's pending lists (see headroom.nn._common._Pending)
         st = _pending
         st.seq = self.seq = st.seq + 1
         ref = weakref.ref(self)
@@ -194,17 +156,13 @@ class Late:
         made.append(ref)
         if len(made) > 512 and not st.roots:
             _prune_made(st)
-        # The moment the caller drops its last reference to ``watched`` (a variable rebound in
-        # nn.Sequential's loop, a skip connection popped) is often the earliest one at which
-        # nothing else references the storage: try then. Until then the storage cannot be
-        # unshared (``watched`` itself references it). The callback holds this object weakly
-        # (no reference cycle keeps a whole tensor alive).
+        # The caller dropping ``watched`` (a variable rebound in nn.Sequential's loop) is often
+        # the earliest moment the storage can be unshared: try then (weakly: no cycle).
         self.watch = weakref.ref(watched, functools.partial(_released, ref))
 
     def hold(self, t: torch.Tensor) -> Late:
-        """Keep ``t`` (an alias of the watched tensor without the autograd graph: holding the
-        tensor itself would make a reference cycle through its node, which holds this object);
-        the pack hook. Returns this object."""
+        """The pack hook: keep ``t``, an alias of the watched tensor without the graph (the
+        tensor itself would make a cycle through its node, which holds this object)."""
         self.tensor = t
         call = self.call
         if call is not None:
@@ -214,8 +172,8 @@ class Late:
         return self
 
     def settle(self, dying: int = 0, counted: bool = False) -> bool:
-        """Pack the tensor if nothing else references its storage (but ``dying`` tensors about
-        to be freed; ``counted``: the caller has just checked that); whether it is decided."""
+        """Pack the tensor if nothing else (but ``dying`` tensors; ``counted``: checked by the
+        caller) references its storage; whether it is decided."""
         t = self.tensor
         if t is None:
             return True
@@ -232,13 +190,12 @@ class Late:
         return True
 
     def pack(self) -> bool:
-        """Compute the mask (the tensor stays until :meth:`settle` drops it); False where it
-        must stay whole (a NaN for Hardtanh)."""
+        """Compute the mask (the tensor stays until :meth:`settle`); False where it must stay
+        whole (a NaN for Hardtanh)."""
         t = self.tensor
         native = _bitmask._native
         if native is not None and t.is_cpu and t.is_contiguous():
-            # The common case (a contiguous float32/float64 CPU tensor) without the generic
-            # dispatch: this runs per activation. ``stride`` None means contiguous.
+            # The common case without the generic dispatch. ``stride`` None: contiguous.
             dtype = t.dtype
             code = 0 if dtype is torch.float32 else 1 if dtype is torch.float64 else -1
             if code >= 0:
@@ -266,22 +223,18 @@ class Late:
         return True
 
     def drop_mask(self) -> None:
-        """Drop a mask computed ahead (:meth:`pack`) while the tensor is still kept whole."""
-        if self.tensor is not None:
+        if self.tensor is not None:  # still kept whole: a mask packed ahead goes
             self.bits = None
 
     def _stride(self) -> tuple[int, ...]:
-        # None: the contiguous strides of ``shape`` (the common case leaves them unset)
         stride = self.stride
         if stride is None:
             stride = self.stride = _contiguous_strides(self.shape)
         return stride
 
     def grad(self, grad: torch.Tensor, kernel, scale: bool = False, slope: float = 0.0):
-        """The activation's input gradient (for :class:`_LateFunction`): PyTorch's backward
-        ``kernel(grad, saved)`` on the kept tensor, or straight from the mask in one pass
-        (where grad is laid out like the mask and no double backward records a graph), or
-        ``kernel`` on the unpacked stand-in."""
+        """The input gradient for :class:`_LateFunction`: ``kernel(grad, saved)`` on the kept
+        tensor, else one pass over the mask where the layouts allow, else ``kernel`` on it."""
         t = self.tensor
         if t is not None:
             return kernel(grad, unchanged(t, self.version))
@@ -290,7 +243,7 @@ class Late:
             and grad.dtype == self.dtype
             and grad.shape == self.shape
             and grad.stride() == self._stride()
-            and (_dense(grad) if self.memory_order else grad.is_contiguous())
+            and (channels_last_dense(grad) if self.memory_order else grad.is_contiguous())
         ):
             out = grad_through(self.bits, grad, scale=scale, slope=slope)
             if out is not None:
@@ -303,9 +256,8 @@ class Late:
             return unchanged(t, self.version)
         native = _bitmask._native
         if self.ptr and native is not None and not _grad_enabled() and not is_tracking():
-            # The common case (a contiguous float32 1/0 mask, packed at ``ptr``, unpacked
-            # inside the node's backward) without the generic dispatch, into a view of the
-            # reused buffer (_bitmask.reusable_float32, whose common case is inlined here).
+            # The common case (a contiguous float32 1/0 mask at ``ptr``) without the generic
+            # dispatch, into _bitmask.reusable_float32's buffer (its common case inlined).
             buf = _bitmask._reusable.buffers.get(torch.float32)
             got = None
             if buf is not None and _use_count(buf.key) == buf.unshared:
@@ -335,33 +287,20 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
     """The caller's tensor a :class:`Late` holder watches is being freed: try to settle."""
-    # Python calls this while deallocating the tensor, whose own reference to the storage
-    # goes right after (PyTorch frees a tensor's Python object only when nothing in C++ holds
-    # the tensor too; else it keeps the object alive), so one more reference is expected.
-    # Not inside backward, where the graph drops saved tensors: settling there would pack a
-    # mask that the node reading it is about to unpack.
+    # The dying tensor's own storage reference goes right after this: one more is expected.
+    # Not inside backward, where settling would pack a mask that the node is about to unpack.
     holder = holder_ref()
     if holder is None or holder.tensor is None or _graph_task_id() != -1:
         return
     if _use_count(holder.key) == UNSHARED + 1:
         holder.settle(1, True)
     else:
-        # Something else still shares the storage (a view, another saved tensor): it may go
-        # at any time, so try again at the next layer starts.
-        _pending.young.append(holder_ref)
+        _pending.young.append(holder_ref)  # still shared (a view): try at next layer starts
 
 
 def _prune_made(st) -> None:
-    # Layers called on their own (no converted root's end settles): drop the dead and decided
+    # Layers called on their own (no root's end settles): drop the dead and decided
     st.made = [ref for ref in st.made if (h := ref()) is not None and h.tensor is not None]
-
-
-def _hold_late(
-    call: Call, op: int, lo: float, hi: float, watched: torch.Tensor, saved
-) -> None:
-    """Keep what a node saved (``saved``: its ``_raw_saved_<name>``, an alias of ``watched``)
-    in a :class:`Late` holder at call site ``call``."""
-    save_less(saved, Late(call, op, lo, hi, watched).hold)
 
 
 _LATE = UNSHARED is not None and _use_count is not None
@@ -371,20 +310,12 @@ _grad_enabled = torch.is_grad_enabled
 
 # --- one Function for large or cloning activations -----------------------------------------------
 #
-# On PyTorch's own node, backward unpacks a mask into a float stand-in (a full write) that
-# the kernel then reads: memory traffic that grows with the tensor, while a Python
-# autograd.Function costs a fixed few tens of microseconds per call. From _FUSE_FROM elements on,
-# one fused pass from the bits is the cheaper of the two; PyTorch's in-place hardtanh_
-# (ReLU6(inplace=True)) even saves a clone of its input, a full copy the Function does not make.
-# So those calls run this Function, whose backward is the same PyTorch kernel on the kept
-# tensor, or one fused pass over the mask (bitwise the same values).
+# On PyTorch's node backward unpacks a mask into floats that the kernel reads; from _FUSE_FROM
+# elements on, this Function's one fused pass from the bits (bitwise the same) costs less than
+# that, and hardtanh_ would save a clone of its input.
 _FUSE_FROM = 1 << 18  # elements
-# Where the last holder at a call site packed a mask, a holder of at least this many elements
-# packs its mask right after the op, while the tensor is still in the CPU's cache (packing it
-# when it settles would read it from memory again). The decision itself stays late: a mask packed
-# ahead but not needed is dropped at the root's end at the latest. Until the holder settles, the
-# mask and the tensor are both alive: 1/32 more bytes for a moment, which for a small tensor
-# could add to the forward's peak without any gain in time.
+# Where the call site's last holder packed a mask, a holder this large packs right after the op
+# (tensor in cache); an unneeded one goes at the root's end. Small ones would only add to peaks.
 _PACK_AHEAD_FROM = 1 << 15  # elements
 
 
@@ -417,12 +348,9 @@ class _LateFunction(torch.autograd.Function):
         return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
 
 
-# NOTE: the fast path calls autograd.Function's C ``apply`` directly: the Python classmethod in
-# front of it binds default arguments for a ``setup_context`` (this Function has none) and
-# unwraps dead functorch wrappers (the fast path never runs inside a torch.func transform, see
-# records_graph). Likewise its backward node calls ``backward`` directly instead of going
-# through BackwardCFunction.apply, which looks for an overridden ``vjp`` on every call (there is
-# none). Both run once per large or in-place activation call.
+# NOTE: the C ``apply`` directly: the Python classmethod binds defaults for a setup_context
+# (none here) and unwraps functorch wrappers (never here, see records_graph). The backward node
+# likewise skips BackwardCFunction.apply's per-call search for a ``vjp`` override (none).
 _late_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LateFunction)
 _LateFunction._backward_cls.apply = _LateFunction.backward
 
@@ -435,12 +363,6 @@ def _apply_late(x: torch.Tensor, spec: _Spec, call: Call | None = None) -> torch
     return out
 
 
-def _call_of(module: nn.Module, x: torch.Tensor) -> Call:
-    """Where the holder of ``module``'s call on ``x`` leaves its decision (see
-    :func:`headroom.nn._common.activation_call`)."""
-    return activation_call(module, x)[2]
-
-
 def _fuses(x: torch.Tensor) -> bool:
     """Whether an activation on ``x`` runs :class:`_LateFunction` for its fused backward."""
     return (
@@ -451,50 +373,38 @@ def _fuses(x: torch.Tensor) -> bool:
     )
 
 
-def _relu_kernel(grad, saved):
-    return torch.ops.aten.threshold_backward(grad, saved, 0)
-
-
-def _leaky_relu_kernel(grad, saved, slope: float, inplace: bool):
-    return torch.ops.aten.leaky_relu_backward(grad, saved, slope, inplace)
-
-
-def _hardtanh_kernel(grad, saved, lo: float, hi: float):
-    return torch.ops.aten.hardtanh_backward(grad, saved, lo, hi)
-
-
-# Specs are immutable and depend only on these arguments: built once, shared by every module.
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)  # specs are immutable: shared by every module
 def _leaky_relu_spec(slope: float, inplace: bool) -> _Spec:
-    kernel = functools.partial(_leaky_relu_kernel, slope=slope, inplace=inplace)
+    kernel = functools.partial(
+        torch.ops.aten.leaky_relu_backward, negative_slope=slope, self_is_result=inplace
+    )
     fn = functools.partial(F.leaky_relu_ if inplace else F.leaky_relu, negative_slope=slope)
     return _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
 
 
 @functools.lru_cache(maxsize=64)
 def _hardtanh_spec(lo: float, hi: float, inplace: bool) -> _Spec:
-    kernel = functools.partial(_hardtanh_kernel, lo=lo, hi=hi)
+    kernel = functools.partial(torch.ops.aten.hardtanh_backward, min_val=lo, max_val=hi)
     fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)
     return _Spec(fn, inplace, inplace, INSIDE, lo, hi, kernel)
 
 
+_relu_kernel = functools.partial(torch.ops.aten.threshold_backward, threshold=0)
 _RELU = _Spec(torch.relu, False, True, NONZERO, 0.0, 0.0, _relu_kernel)
 _RELU_ = _Spec(torch.relu_, True, True, NONZERO, 0.0, 0.0, _relu_kernel)
 
 
 def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tensor:
-    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``."""
-    # The kernel is element-wise, so when both inputs share one layout its output may
-    # alias ``passes`` exactly: that saves one full-size allocation per backward, and the
-    # output layout is the one PyTorch would pick anyway.
+    """PyTorch's ReLU backward kernel, ``passes <= 0 ? 0 : grad``, into ``passes`` where both
+    share one layout (one full-size allocation fewer, the layout PyTorch would pick)."""
     if passes.stride() == grad.stride() and passes.is_contiguous():
         return torch.ops.aten.threshold_backward.grad_input(grad, passes, 0, grad_input=passes)
     return torch.ops.aten.threshold_backward(grad, passes, 0)
 
 
 class _ReLUBits:
-    """A ReLU result packed at save time (pack hook of ``ReluBackward0``), where this torch
-    lacks the storage use count that :class:`Late` needs."""
+    """A ReLU result packed at save time (``ReluBackward0``'s pack hook) where :class:`Late`
+    cannot run."""
 
     __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
 
@@ -517,11 +427,8 @@ class _ReLUMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
         out = _run(ctx, x, inplace, torch.relu, torch.relu_)
-        # PyTorch's threshold_backward zeroes the gradient where ``out <= 0`` (NaN passes).
-        # A ReLU output is never negative, so "passes" is ``out != 0`` (one cast). Backward
-        # hands threshold_backward a tensor that is positive exactly where the mask is set: the
-        # very kernel PyTorch runs, so the result is bitwise the same (a bool mask with
-        # masked_fill or where is exact too, but those mixed-dtype kernels are much slower).
+        # threshold_backward passes the gradient where ``out > 0`` or NaN: ``out != 0`` for a
+        # ReLU output. Backward hands it a tensor positive exactly there: bitwise the same.
         bits, ctx.memory_order, _ = _pack_layout(out)
         ctx.save_for_backward(bits)
         ctx.shape, ctx.stride = out.shape, out.stride()
@@ -553,12 +460,9 @@ class ReLU(nn.ReLU):
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
             out = relu(input)
-            # (_hold_late, inlined)
             save_less(out.grad_fn._raw_saved_result, Late(call, NONZERO, 0.0, 0.0, out).hold)
             return out
-        # Under the caller's saved-tensor hooks (or without the use count) the choice is
-        # made now: from the consumers seen at this call site in earlier such forwards, else
-        # from what a holder decided at the last fast-path forward, else from an nn.Sequential.
+        # Under the caller's hooks (or without the use count) the choice is made now.
         if consumers_keep_output(sites, site):
             out = super().forward(input)
         elif hooks_free():
@@ -583,9 +487,7 @@ class _LeakyReLUMask(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        # leaky_relu_backward reads only the sign of the tensor it is given, so a tensor
-        # positive exactly where the mask is set gives bitwise PyTorch's own result.
-        sign = _unpack_like(ctx, grad)
+        sign = _unpack_like(ctx, grad)  # leaky_relu_backward reads only the sign
         gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
         return gx, None, None
 
@@ -597,15 +499,15 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
         if not _LATE or (self.inplace and self.negative_slope < 0):
             return None
         slope, inplace = float(self.negative_slope), self.inplace
-        call = _call_of(self, input)
+        call = activation_call(self, input)[2]
         if _fuses(input):
             return _apply_late(input, _leaky_relu_spec(slope, inplace), call)
         if inplace:
             out = F.leaky_relu_(input, slope)  # LeakyReluBackward1 saves the result
-            _hold_late(call, GREATER, 0.0, 0.0, out, out.grad_fn._raw_saved_result)
+            save_less(out.grad_fn._raw_saved_result, Late(call, GREATER, 0.0, 0.0, out).hold)
         else:
             out = F.leaky_relu(input, slope)  # LeakyReluBackward0 saves the input
-            _hold_late(call, GREATER, 0.0, 0.0, input, out.grad_fn._raw_saved_self)
+            save_less(out.grad_fn._raw_saved_self, Late(call, GREATER, 0.0, 0.0, input).hold)
         return out
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -618,12 +520,10 @@ class _HardtanhFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
         out = _run(ctx, x, inplace, F.hardtanh, F.hardtanh_, lo, hi)
-        # hardtanh_backward zeroes the gradient where ``x <= lo or x >= hi``; the output
-        # meets the same conditions (clamped values equal the bounds). Backward hands the same
-        # kernel ``lo`` and a value strictly inside; a NaN keeps the tensor (see Late).
+        # The output is inside (lo, hi) exactly where the input is; a NaN keeps what
+        # PyTorch's node saves (see Late).
         bits, nan = pack_test(out, INSIDE, lo, hi)
         ctx.keep = nan
-        # What PyTorch's node would save (the input, or the result when in place).
         ctx.save_for_backward((out if inplace else x).detach() if nan else bits)
         ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
         ctx.lo, ctx.hi = lo, hi
@@ -635,15 +535,7 @@ class _HardtanhFunction(torch.autograd.Function):
         if ctx.keep:
             (x,) = ctx.saved_tensors
         else:
-            (bits,) = ctx.saved_tensors
-            x = _unpack_layout(
-                bits,
-                ctx.shape,
-                ctx.stride,
-                False,
-                grad.dtype,
-                values=_hardtanh_values(ctx.lo, ctx.hi, grad.dtype),
-            )
+            x = _unpack_like(ctx, grad, _hardtanh_values(ctx.lo, ctx.hi, grad.dtype))
         return torch.ops.aten.hardtanh_backward(grad, x, ctx.lo, ctx.hi), None, None, None
 
 
@@ -652,12 +544,12 @@ class _HardtanhMixin(KeepsNoInput):
         if not _LATE or self.min_val > self.max_val:
             return None
         lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace
-        call = _call_of(self, input)
+        call = activation_call(self, input)[2]
         # In place always through the Function: PyTorch's hardtanh_ node saves a clone.
         if inplace or _fuses(input):
             return _apply_late(input, _hardtanh_spec(lo, hi, inplace), call)
         out = F.hardtanh(input, lo, hi)  # HardtanhBackward0 saves the input
-        _hold_late(call, INSIDE, lo, hi, input, out.grad_fn._raw_saved_self)
+        save_less(out.grad_fn._raw_saved_self, Late(call, INSIDE, lo, hi, input).hold)
         return out
 
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:

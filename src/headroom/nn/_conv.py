@@ -1,12 +1,6 @@
-"""Convolutions that save only what this backward needs.
-
-``ConvolutionBackward0`` in PyTorch keeps the input and the weight whatever requires grad
-(pytorch/pytorch#133566): a frozen convolution in a fine-tuned network still holds its whole
-input until backward. Here the forward looks at which of input, weight and bias require grad and
-keeps the input only if the weight's gradient is needed, the weight only if the input's gradient
-is needed. Backward calls the same ``aten.convolution_backward`` kernel with the same
-``output_mask`` as PyTorch, so gradients are bitwise equal.
-"""
+"""Convolutions that keep the input only if the weight trains, the weight only if the input
+needs a gradient (PyTorch keeps both: pytorch/pytorch#133566); backward is the same
+``aten.convolution_backward`` call, so gradients are bitwise equal."""
 
 from __future__ import annotations
 
@@ -37,8 +31,8 @@ class _ConvFunction(torch.autograd.Function):
             x, weight, bias, stride, padding, dilation, transposed, out_padding, groups
         )
         need_x, need_w, _ = ctx.needs_input_grad[:3]
-        # grad_input needs the weight and the input's shape; grad_weight needs the input
-        # and the weight's shape; grad_bias needs neither. Save exactly that.
+        # grad_input needs the weight and the input's shape; grad_weight the input and the
+        # weight's shape; grad_bias neither.
         ctx.save_for_backward(x if need_w else None, weight if need_x else None)
         ctx.x_meta = None if need_w else TensorMeta(x)
         ctx.w_meta = None if need_x else TensorMeta(weight)
@@ -62,8 +56,7 @@ class _ConvFunction(torch.autograd.Function):
 
 
 def _conv_node_type() -> type:
-    # The class of PyTorch's convolution node, from one tiny convolution (whatever grad mode,
-    # inference mode or default device the importer runs under).
+    # From one tiny convolution, whatever modes or default device the importer runs under.
     with torch.inference_mode(False), torch.enable_grad():
         x = torch.zeros(1, 1, 1, device="cpu", requires_grad=True)
         return type(torch.nn.functional.conv1d(x, torch.zeros(1, 1, 1, device="cpu")).grad_fn)
@@ -74,10 +67,7 @@ _CONV_NODE = _conv_node_type()
 
 def _save_shapes(out: torch.Tensor, input_shape: bool, weight_shape: bool) -> torch.Tensor:
     """Replace what ``out``'s ``ConvolutionBackward0`` saved of the input and/or the weight by
-    its shape; returns ``out``."""
-    # grad_input needs the weight and the input's shape; grad_weight needs the input and the
-    # weight's shape; grad_bias needs neither. A tensor left alone keeps PyTorch's own
-    # in-place modification check.
+    its shape (see _ConvFunction); returns ``out``."""
     node = out.grad_fn
     if type(node) is not _CONV_NODE:
         # An unbatched input: aten batches it, convolves and squeezes the batch dimension
@@ -96,11 +86,8 @@ _any_autocast = torch._C._is_any_autocast_enabled  # cheaper than parsing a devi
 
 
 def _fast(input: torch.Tensor) -> bool:
-    # PyTorch's own convolution under saved-tensor hooks (see headroom.nn._common):
-    # the same node and kernels as nn.ConvNd, keeping the input only if the weight trains and
-    # the weight only if the input needs a gradient. Autocast casts inputs before the node
-    # saves them (the casted copies would not be recognized), so it takes the Function path.
-    # (hooks_free(), inlined: this runs at every convolution call.)
+    # PyTorch's own node with :func:`_save_shapes`: hooks_free() (inlined) and no autocast,
+    # whose casted copies would not be recognized.
     return (
         _top_hooks(False) is None
         and _hooks_enabled()
@@ -109,9 +96,7 @@ def _fast(input: torch.Tensor) -> bool:
 
 
 def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    # autocast's rule for its lower-precision ops (conv1d/2d/3d, conv_transpose*): cast
-    # floating-point arguments other than float64 to the autocast dtype. Autocast hooks those
-    # ops, not aten.convolution that we call, so the cast is done here, before the Function.
+    # Autocast's rule for convolutions, which it applies to conv*d, not aten.convolution.
     if t is None or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
         return t
     return t.to(dtype)
@@ -126,8 +111,7 @@ def _needs_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _same_padding(
     x: torch.Tensor, weight: torch.Tensor, dilation: tuple[int, ...]
 ) -> tuple[torch.Tensor, list[int]]:
-    # Mirrors aten's handling of padding="same": symmetric padding where the total is even,
-    # and a zero-padded copy for the odd remainder on the right (same ops, same order).
+    # As aten does for padding="same": symmetric, and a padded copy for an odd remainder.
     dims = weight.dim() - 2
     left, extra = [], [0] * (2 * dims)
     for i in range(dims):
@@ -145,8 +129,7 @@ class _ConvMixin:
 
     _hr_dims: int
 
-    def _hr_saves_input(self) -> bool:
-        # Only a zeros-padded convolution saves a tensor that shares its input's storage.
+    def _hr_saves_input(self) -> bool:  # a tensor sharing the input's storage
         return (
             weight_trains(self)
             and self.padding_mode == "zeros"
@@ -182,9 +165,7 @@ class _ConvMixin:
 
 class _Conv(_ConvMixin):
     def _conv_forward(self, input, weight, bias):
-        # records_graph() first: under torch.fx.symbolic_trace it raises its clear error
-        # before a flag of a proxy is tested.
-        if not records_graph():
+        if not records_graph():  # first: raises its clear error under FX before a proxy test
             return super()._conv_forward(input, weight, bias)
         x_grad, w_grad = input.requires_grad, weight.requires_grad
         if not (x_grad or w_grad or (bias is not None and bias.requires_grad)):
@@ -194,9 +175,7 @@ class _Conv(_ConvMixin):
         if _relu_outputs:
             note_consumer(self, input)
         if self.padding_mode == "zeros":
-            if x_grad and w_grad:
-                # Both gradients needed: PyTorch saves input and weight, as we would; its own
-                # path skips a Python autograd.Function (speed) and keeps double backward.
+            if x_grad and w_grad:  # PyTorch saves what we would, faster, double backward too
                 return super()._conv_forward(input, weight, bias)
             if _fast(input):
                 out = super()._conv_forward(input, weight, bias)
@@ -207,12 +186,9 @@ class _Conv(_ConvMixin):
             return self._hr_conv(x, weight, bias, zeros, zeros)
         if self.padding == "valid":
             return self._hr_conv(input, weight, bias, zeros, zeros)
-        if self.padding == "same":
-            unbatched = input.dim() == self._hr_dims + 1
-            x = input.unsqueeze(0) if unbatched else input
-            x, left = _same_padding(x, weight, self.dilation)
-            out = self._hr_conv(x, weight, bias, left, zeros)
-            return out.squeeze(0) if unbatched else out
+        if self.padding == "same":  # (an unbatched input: _hr_conv batches it)
+            x, left = _same_padding(input, weight, self.dilation)
+            return self._hr_conv(x, weight, bias, left, zeros)
         return self._hr_conv(input, weight, bias, self.padding, zeros)
 
 

@@ -12,35 +12,24 @@ from torch.nn.utils import parametrize
 from headroom.nn import _activation, _conv, _dropout, _linear, _norm, _pad, _pool
 from headroom.nn._common import install_root_hooks, seed_consumer
 
-# each twin's torch.nn class has its name
-_SWAPS: dict[type[nn.Module], type[nn.Module]] = {getattr(nn, twin.__name__): twin for twin in (
-    _conv.Conv1d, _conv.Conv2d, _conv.Conv3d,
-    _conv.ConvTranspose1d, _conv.ConvTranspose2d, _conv.ConvTranspose3d,
-    _norm.BatchNorm1d, _norm.BatchNorm2d, _norm.BatchNorm3d, _norm.LayerNorm, _norm.GroupNorm,
-    _activation.ReLU, _activation.LeakyReLU, _activation.Hardtanh, _activation.ReLU6,
-    _dropout.Dropout, _linear.Linear,
-    _pool.MaxPool1d, _pool.MaxPool2d, _pool.MaxPool3d,
-    _pool.AdaptiveMaxPool1d, _pool.AdaptiveMaxPool2d, _pool.AdaptiveMaxPool3d,
-    _pool.AvgPool1d, _pool.AvgPool2d, _pool.AvgPool3d,
-    _pool.AdaptiveAvgPool1d, _pool.AdaptiveAvgPool2d, _pool.AdaptiveAvgPool3d,
-    _pad.ReflectionPad1d, _pad.ReflectionPad2d, _pad.ReflectionPad3d,
-    _pad.ReplicationPad1d, _pad.ReplicationPad2d, _pad.ReplicationPad3d,
-)}
+# Every public module class defined in these modules is the twin of the torch.nn class of its name.
+_SWAPS: dict[type[nn.Module], type[nn.Module]] = {
+    getattr(nn, name): twin
+    for module in (_activation, _conv, _dropout, _linear, _norm, _pad, _pool)
+    for name, twin in vars(module).items()
+    if isinstance(twin, type) and issubclass(twin, nn.Module) and not name.startswith("_")
+    and twin.__module__ == module.__name__
+}
 _TWINS = frozenset(_SWAPS.values())
 
 # --- classes for subclasses of the swapped layers ------------------------------------------------
 #
-# A subclass of nn.Conv2d (timm's Conv2dSame, transformers' ConvNextLayerNorm, a QAT or
-# weight-standardized convolution) may override forward or any other method. It is converted to
-# ``class Sub(Sub, headroom twin)``: the subclass's own methods come first, so its forward is
-# kept, and wherever it calls up into the torch.nn class (super().forward(), _conv_forward) it
-# reaches the twin, which computes bitwise what the torch.nn method computes, keeping less. Two
-# kinds of subclass are made by PyTorch or headroom on the fly and expect ``__bases__[0]`` (or
-# ``_headroom_base``) to be the class they wrapped, so they are rebuilt over the converted class
-# instead: a parametrized module's class (torch.nn.utils.parametrize) and hr.offload's guarded
-# class. An uninitialized lazy module (nn.LazyConv2d) turns itself into its torch.nn class at
-# its first forward, which would drop the conversion: it is left alone (convert after one
-# forward).
+# A subclass of a swapped class (timm's Conv2dSame) becomes ``class Sub(Sub, twin)``: its own
+# methods come first, and where they call up into the torch.nn class they reach the twin.
+# Classes made on the fly that expect ``__bases__[0]`` (or ``_headroom_base``) to be the class
+# they wrap (parametrize's, hr.offload's guard) are rebuilt over the converted class instead.
+# An uninitialized lazy module would turn into its torch.nn class at its first forward: left
+# alone.
 
 _DERIVED: dict[type, type] = {}
 
@@ -96,8 +85,7 @@ def _converted(cls: type) -> bool:
 
 
 def _target(module: nn.Module, cls: type | None = None) -> type | str | None:
-    """The class ``module`` (of class ``cls``) converts to; a reason why it is left alone; or
-    None where it is no layer headroom has a twin for (or is converted already)."""
+    """The class ``module`` converts to, why it is left alone, or None (no twin, or done)."""
     cls = type(module) if cls is None else cls
     if cls in _SWAPS:
         return _SWAPS[cls]
@@ -106,9 +94,7 @@ def _target(module: nn.Module, cls: type | None = None) -> type | str | None:
     guarded = cls.__dict__.get("_headroom_base")  # hr.offload's guarded class
     if isinstance(guarded, type):
         inner = _target(module, guarded)
-        if isinstance(inner, type):
-            return _rebased(cls, inner, _headroom_base=inner)
-        return inner
+        return _rebased(cls, inner, _headroom_base=inner) if isinstance(inner, type) else inner
     if parametrize.is_parametrized(module) and cls.__bases__:
         inner = _target(module, cls.__bases__[0])
         return _rebased(cls, inner) if isinstance(inner, type) else inner
@@ -158,7 +144,6 @@ _NO_TWIN = (
 
 
 def _what(cls: type) -> str:
-    """What a converted class is, in words."""
     twin = next(c for c in cls.__mro__ if c in _TWINS)
     if cls is twin:
         return f"headroom.nn.{twin.__name__}"
@@ -174,11 +159,8 @@ def _what(cls: type) -> str:
 
 
 def convert_report(model: nn.Module) -> ConvertReport:
-    """Which modules of ``model`` are headroom layers, and why the other layers are not.
-
-    Works on a converted model (what :func:`convert` did) and on an unconverted one (what it
-    would leave alone). Containers (modules with children) are not listed.
-    """
+    """Which modules of ``model`` are headroom layers, and why the other leaf modules are not
+    (on a converted model: what :func:`convert` did; on another: what it would leave alone)."""
     converted, left = [], []
     for name, m in model.named_modules():
         cls = type(m)
@@ -199,20 +181,15 @@ def convert_report(model: nn.Module) -> ConvertReport:
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
-    # Not copy.copy, which goes through __reduce_ex__: a parametrized module's class
-    # refuses that (torch.nn.utils.parametrize allows state_dict and deepcopy only).
+    # Not copy.copy, whose __reduce_ex__ a parametrized module's class refuses.
     new = object.__new__(type(module))
     new.__dict__.update(module.__dict__)
     for key, value in list(new.__dict__.items()):
         if isinstance(value, dict | set | list):
-            # Containers (parameters, buffers, children, hooks) are copied one level deep:
-            # the copy holds the very same Parameter, buffer and hook objects, but adding or
-            # removing one on either model does not change the other.
+            # One level deep: the same Parameters, buffers and hooks, in containers of its own.
             new.__dict__[key] = copy.copy(value)
     if module.__dict__.get("_is_fsdp_managed_module"):
-        # FSDP2 swaps sharded and unsharded parameters in the original module's dict around
-        # each forward (its hooks know the original modules only); sharing that dict lets the
-        # copy compute with what FSDP2 put there.
+        # FSDP2 swaps parameters in the original module's dict around each forward: share it.
         new.__dict__["_parameters"] = module._parameters
     return new
 
@@ -230,31 +207,20 @@ def _copy_tree(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
 def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -> nn.Module:
     """Swap ``torch.nn`` layers for ``headroom.nn`` layers that save only what backward needs.
 
-    Each converted layer decides, from which of its input and parameters require grad and
-    from what else keeps the tensors it would save, what its backward needs, and saves only
-    that; outputs and gradients stay bitwise equal to the unconverted model (same aten
-    kernels). From the first forward on, a converted model keeps no byte more than PyTorch
-    would. The new classes subclass the ``torch.nn`` ones, so ``isinstance`` checks,
-    ``state_dict`` keys, parameters, buffers and hooks are unchanged. Converting a converted
-    model changes nothing.
-
-    Layers whose class is exactly one of the ``torch.nn`` classes in ``headroom.nn.__all__``
-    become that headroom class. A subclass of one of them (timm's ``Conv2dSame``, transformers'
-    ``ConvNextLayerNorm``) becomes ``class Sub(Sub, headroom twin)``: its own ``forward`` and
-    other methods are kept, and where they call the ``torch.nn`` method the twin runs (same
-    result, less kept). An uninitialized lazy module (``nn.LazyConv2d``) is left alone: it
-    turns itself into a plain ``torch.nn`` class at its first forward; convert after that.
-    ``verbose=True`` prints what was converted and what was left alone and why
-    (:func:`convert_report` gives the same as data).
+    Layers of the ``torch.nn`` classes named in ``headroom.nn.__all__`` become that headroom
+    class (``isinstance``, ``state_dict`` keys, parameters, buffers and hooks unchanged); a
+    subclass of one (timm's ``Conv2dSame``) becomes ``class Sub(Sub, headroom twin)``, its own
+    methods kept; an uninitialized lazy module is left alone (convert after its first forward).
+    Outputs and gradients are bitwise the unconverted model's, and no byte more than PyTorch's
+    is kept. Converting twice changes nothing.
 
     Args:
         model: the model (or a single layer) to convert.
-        inplace: ``False`` (default) returns a new module tree whose modules hold the *same*
-            Parameter and buffer objects and hooks as ``model`` (so an optimizer built on
-            ``model.parameters()`` trains both, and no parameter memory is duplicated) and
-            leaves ``model`` itself unchanged. ``True`` changes the classes of ``model``'s own
-            modules and returns ``model``: no copy at all, but the original is converted.
-        verbose: print the :class:`ConvertReport` of the converted model.
+        inplace: ``False`` (default) returns a new module tree holding the *same* Parameter and
+            buffer objects and hooks as ``model`` (one optimizer trains both; no parameter
+            memory duplicated), ``model`` unchanged. ``True`` converts ``model``'s own modules.
+        verbose: print the :class:`ConvertReport` (what was converted, what was left alone
+            and why; :func:`convert_report` gives it as data).
 
     Returns:
         The converted model. ``model`` itself when ``inplace=True`` or when nothing needed
@@ -271,19 +237,16 @@ def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -
         'headroom.nn._conv'
 
     Note:
-        Converted layers support one backward per forward graph, like most custom autograd
-        functions: double backward (``create_graph=True`` through them) raises an error.
-        The model's root gets a forward pre-hook and an always-called forward hook: when its
-        forward returns, the activations settle what they keep (see
-        ``docs/selective_layers.md``).
+        Double backward (``create_graph=True``) through converted layers raises an error.
+        The root gets a forward pre-hook and an always-called forward hook, where activations
+        settle what they keep (see ``docs/selective_layers.md``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"convert() expects a torch.nn.Module, got {type(model).__name__}; "
             "pass the model (or layer) itself."
         )
-    targets = {id(m): _target(m) for m in model.modules()}
-    if not any(isinstance(t, type) for t in targets.values()):
+    if not any(isinstance(_target(m), type) for m in model.modules()):
         if verbose:
             print(convert_report(model))
         return model
@@ -300,10 +263,8 @@ def convert(model: nn.Module, *, inplace: bool = False, verbose: bool = False) -
 
 
 def _seed_sequential_consumers(root: nn.Module) -> None:
-    # Under saved-tensor hooks of the caller's a ReLU decides in its forward (see
-    # headroom.nn._activation); nn.Sequential's forward feeds each child's output to the next
-    # child, so the layer after a ReLU is its consumer and the choice is right from the first
-    # forward there too.
+    # In an nn.Sequential the layer after a ReLU is its consumer: a ReLU deciding in forward
+    # (under the caller's hooks) is right from the first forward.
     for m in root.modules():
         cls = type(m)
         if cls.__dict__.get("_headroom_base", cls) is not nn.Sequential:

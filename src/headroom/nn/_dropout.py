@@ -1,22 +1,11 @@
-"""Dropout that keeps where its mask was drawn from, instead of the mask.
+"""Dropout that keeps the generator's position instead of its mask.
 
-On CPU PyTorch's dropout draws ``noise = empty_like(x).bernoulli_(1 - p).div_(1 - p)`` and
-returns ``x * noise``; autograd keeps ``noise``, a full float tensor. On CUDA it runs the fused
-``native_dropout`` kernel and keeps a ``bool`` mask. Here the forward runs exactly those ops and
-keeps only the generator's position from just before them; backward puts the generator at that
-position, draws the same noise again with the same ops (the same random numbers in the same
-order) and restores it. The result is bitwise equal to ``nn.Dropout`` under the same seed, for
-any ``p`` on CPU and CUDA, and the surrounding random stream is left exactly as PyTorch leaves
-it.
-
-- CUDA: the Philox generator's position is its seed and offset (16 bytes).
-- CPU: the Mersenne Twister has no offset: its position is its 624 words and an index (2504
-  bytes, kept as a NumPy array; ``get_state()`` returns them padded to 5056). PyTorch 2.13's
-  CPU ``bernoulli_`` takes two words per element, so no shorter record of them exists. Where
-  PyTorch's own noise is no larger (up to 626 float32 elements), that noise is kept instead:
-  never more than PyTorch keeps.
+Forward runs PyTorch's own ops (CPU: ``bernoulli_`` noise; CUDA: ``native_dropout``) and keeps
+the generator's position from just before them (CUDA: Philox seed and offset, 16 bytes; CPU:
+the Mersenne Twister's 624 words and index, 2504 bytes, or PyTorch's own noise where that is no
+larger); backward redraws the same noise from there and restores the generator: bitwise
+``nn.Dropout``, and the random stream as PyTorch leaves it, for one extra ``bernoulli_``.
 """
-# The trade-off is time: backward redraws the noise (one extra ``bernoulli_``).
 
 from __future__ import annotations
 
@@ -28,9 +17,8 @@ from headroom.nn._common import first_order_only, note_consumer, records_graph, 
 
 _ALIGN = 16  # bytes: the widest vectorized access of the CUDA dropout kernel
 
-# The CPU generator's state as get_state() returns it (CPUGeneratorImplState, little-endian
-# POD): seed u64 @0, left i32 @8, seeded i32 @12, next u64 @16, 624 words as u64 @24, then the
-# cached normal samples, which bernoulli_ neither reads nor writes.
+# CPUGeneratorImplState as get_state() returns it: seed u64 @0, left i32 @8, seeded i32 @12,
+# next u64 @16, 624 words as u64 @24, then cached normal samples (bernoulli_ leaves them).
 _STATE_BYTES = 5056
 _WORDS = slice(24, 24 + 8 * 624)
 _POSITION_BYTES = 4 * 626  # left, next and the 624 words, as uint32
@@ -72,7 +60,7 @@ def _fused(x: torch.Tensor, p: float) -> bool:
 
 
 def _like(ref_size, ref_stride, offset_bytes: int, dtype, device) -> torch.Tensor:
-    """An uninitialized tensor with the given strides whose address has the same alignment."""
+    """An uninitialized tensor with these strides, at ``offset_bytes`` past an alignment."""
     if offset_bytes == 0:
         return torch.empty_strided(ref_size, ref_stride, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -1,9 +1,5 @@
-"""``nn.Linear`` that reports to the ReLU before it whether it keeps its input.
-
-PyTorch's ``AddmmBackward0`` already saves the input only when the weight trains, so this layer
-computes exactly what ``nn.Linear`` computes, through the same call; it exists so that a converted
-ReLU feeding a frozen ``Linear`` knows it can keep a 1-bit mask instead of its output.
-"""
+"""``nn.Linear`` (whose node saves the input only if the weight trains, already) reporting that
+to the ReLU before it, which can then keep a 1-bit mask instead of its output."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Normalization layers that skip the input when this backward does not need it.
-
-- ``BatchNorm`` in eval mode (running statistics) with a frozen ``weight``: the input's gradient
-  is ``grad * weight / sqrt(running_var + eps)`` and needs no input, yet PyTorch saves it.
-- ``BatchNorm``/``LayerNorm``/``GroupNorm`` where only ``bias`` trains and the input needs no
-  gradient: ``grad_bias`` is a sum of the output gradient and needs no input either.
-
-In every other case these layers run PyTorch's own forward (same kernels, same saved tensors, no
-overhead). Where they differ they call the aten forward/backward kernels PyTorch's autograd
-uses, so results are bitwise equal.
+"""Normalization layers that skip the input where backward does not need it: a ``BatchNorm``
+in eval mode with a frozen ``weight``, and any of them where only ``bias`` trains. Elsewhere
+PyTorch's own forward runs; where they differ they call PyTorch's aten kernels (bitwise equal).
 """
 
 from __future__ import annotations
@@ -20,6 +13,7 @@ from headroom.nn._common import (
     TensorMeta,
     _pending,
     _relu_outputs,
+    channels_last_dense,
     first_order_only,
     note_consumer,
     per_dimension,
@@ -55,8 +49,7 @@ class _BatchNormFunction(torch.autograd.Function):
             x if keep_x else None, weight if need_x else None, save_mean, save_invstd, reserve
         )
         ctx.meta = None if keep_x else TensorMeta(x)
-        # Running statistics are module buffers (resident anyway); eval backward reads them.
-        ctx.running = (running_mean, running_var)
+        ctx.running = (running_mean, running_var)  # module buffers, resident anyway
         ctx.training, ctx.eps, ctx.impl = training, eps, impl
         return out
 
@@ -106,9 +99,7 @@ class _BatchNorm:
                 note_consumer(self, input)
             if self.training:
                 return super().forward(input)  # the input's gradient needs the input itself
-        # The input is skipped only where the weight is frozen and the input needs no
-        # gradient, or does in eval mode (running statistics); weight_trains reads _parameters
-        # first, which is faster than Module.__getattr__ on this per-layer path.
+        # Skipped only with a frozen weight, where the input needs no gradient or in eval mode.
         if weight_trains(self):
             return super().forward(input)
         bias = self._parameters.get("bias")
@@ -151,10 +142,8 @@ BatchNorm1d, BatchNorm2d, BatchNorm3d = per_dimension(
 
 
 class _BiasOnlyNorm(torch.autograd.Function):
-    """``fwd(x) -> (out, mean, rstd)``; backward ``bwd(grad, x, mean, rstd)`` reading x's shape.
-
-    ``weight`` and ``bias`` are passed only so that autograd knows which of them train.
-    """
+    """``fwd(x) -> (out, mean, rstd)``; backward ``bwd(grad, x, mean, rstd)`` reading x's shape
+    (``weight`` and ``bias`` are passed for autograd to see which train)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, fwd, bwd):
@@ -189,9 +178,7 @@ class _BiasOnlyMixin:
             or torch.is_autocast_enabled(input.device.type)
             or not self._hr_applies(input)
         ):
-            # autocast runs layer_norm/group_norm in float32 on some devices; PyTorch's
-            # path does that.
-            return super().forward(input)
+            return super().forward(input)  # (autocast: float32 on some devices)
         return self._hr_bias_only(input)
 
 
@@ -222,15 +209,11 @@ class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
         return input.dim() >= 2
 
     def _hr_bias_only(self, input: torch.Tensor) -> torch.Tensor:
-        # aten.group_norm hands native_group_norm a copy contiguous in the input's
-        # suggested memory format on CPU; do the same so the kernel sees the same layout.
+        # The layout aten.group_norm hands native_group_norm (suggested format on CPU).
         fmt = torch.contiguous_format
-        if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
-            fmt = torch.channels_last if not input.is_contiguous() else fmt
-        elif input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
-            fmt = torch.channels_last_3d if not input.is_contiguous() else fmt
-        if input.device.type not in ("cpu", "xpu"):
-            fmt = torch.contiguous_format
+        dense = not input.is_contiguous() and channels_last_dense(input)
+        if dense and input.device.type in ("cpu", "xpu"):
+            fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
         x = input.contiguous(memory_format=fmt)
         n, c = x.shape[0], x.shape[1]
         hxw = x.numel() // (n * c) if n * c else 0
@@ -240,6 +223,9 @@ class GroupNorm(_BiasOnlyMixin, nn.GroupNorm):
             return aten.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
 
         def bwd(grad, x, mean, rstd):
+            # As PyTorch's node: the kernel reads the gradient (expanded for a ``.sum()`` loss)
+            # as dense in the input's layout.
+            grad = grad if grad.device.type == "xpu" else grad.contiguous(memory_format=fmt)
             return aten.native_group_norm_backward(
                 grad, x, mean, rstd, weight, n, c, hxw, groups, [False, False, True]
             )[2]

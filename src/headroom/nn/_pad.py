@@ -1,10 +1,6 @@
-"""Reflection and replication padding that keep only the input's shape for backward.
-
-PyTorch's ``ReflectionPad*Backward0`` and ``ReplicationPad*Backward0`` save the whole input,
-but their backward kernels read only its sizes. This matters on its own (``nn.ReflectionPad2d``
-in style-transfer and GAN generators) and inside convolutions with ``padding_mode="reflect"`` or
-``"replicate"``, where PyTorch keeps both the unpadded and the padded input.
-"""
+"""Reflection and replication padding that keep only the input's shape for backward (PyTorch's
+nodes save the input, whose sizes alone their kernels read), alone and inside convolutions with
+``padding_mode="reflect"`` or ``"replicate"``."""
 
 from __future__ import annotations
 

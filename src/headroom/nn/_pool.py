@@ -1,10 +1,6 @@
-"""Pooling layers that keep only indices (max) or nothing (average) plus the input's shape.
-
-``MaxPool2DWithIndicesBackward0`` saves the input next to the indices, and
-``AvgPool2DBackward0``/``AdaptiveAvgPool2DBackward0`` save the input, but their backward kernels
-read only the input's sizes. These layers call the same aten kernels and hand backward an
-uninitialized stand-in of the input's shape (see :class:`headroom.nn._common.TensorMeta`).
-"""
+"""Pooling layers that keep only indices (max) or nothing (average) plus the input's shape:
+PyTorch's nodes save the input too, but their backward kernels read only its sizes (see
+:class:`headroom.nn._common.TensorMeta`)."""
 
 from __future__ import annotations
 
@@ -17,50 +13,35 @@ from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only, per_dim
 aten = torch.ops.aten
 
 
-class _IndexedPool(torch.autograd.Function):
-    """``fwd(x, *args) -> (out, indices)``; backward ``bwd(grad, x, *bwd_args, indices)``."""
+class _PoolFunction(torch.autograd.Function):
+    """``fwd(x, *args) -> out`` or ``(out, indices)``; backward ``bwd(grad, x, *bwd_args)``,
+    with ``indices`` last where there are, reading x's shape only."""
 
     @staticmethod
     def forward(ctx, x, fwd, args, bwd, bwd_args):
-        out, indices = fwd(x, *args)
-        ctx.mark_non_differentiable(indices)
-        ctx.save_for_backward(indices)
+        out = fwd(x, *args)
+        if isinstance(out, tuple):  # (out, indices)
+            ctx.mark_non_differentiable(out[1])
+            ctx.save_for_backward(out[1])
         ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
-        return out, indices
+        return out
 
     @staticmethod
     @first_order_only
-    def backward(ctx, grad, _grad_indices):
-        (indices,) = ctx.saved_tensors
-        gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, indices)
+    def backward(ctx, grad, *_grad_indices):
+        gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, *ctx.saved_tensors)
         return gx, None, None, None, None
 
 
-class _ShapeOnlyPool(torch.autograd.Function):
-    """``fwd(x, *args) -> out``; backward ``bwd(grad, x, *bwd_args)`` reading x's shape only."""
-
-    @staticmethod
-    def forward(ctx, x, fwd, args, bwd, bwd_args):
-        ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
-        return fwd(x, *args)
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad):
-        return ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args), None, None, None, None
-
-
-def _pool(pool: PoolOrPad, fn: type[torch.autograd.Function], input: torch.Tensor, op: str,
-          args: tuple, bwd_args: tuple):
-    """``fn`` over aten's ``op`` (``op.format(2)`` or ``op.format(3)``, and its ``_backward``)
-    for ``pool``'s dimensions; the 1-d ones are the 2-d kernels on ``unsqueeze(-2)``, as in
-    aten."""
+def _pool(pool: PoolOrPad, input: torch.Tensor, op: str, args: tuple, bwd_args: tuple):
+    """:class:`_PoolFunction` over aten's ``op`` (formatted with 2 or 3) and its ``_backward``;
+    1-d pools are the 2-d kernels on ``unsqueeze(-2)``, as in aten."""
     n = pool._hr_dims
     name = op.format(3 if n == 3 else 2)
     fwd, bwd = getattr(aten, name), getattr(aten, f"{name}_backward")
     if n != 1:
-        return fn.apply(input, fwd, args, bwd, bwd_args)
-    out = fn.apply(input.unsqueeze(-2), fwd, args, bwd, bwd_args)
+        return _PoolFunction.apply(input, fwd, args, bwd, bwd_args)
+    out = _PoolFunction.apply(input.unsqueeze(-2), fwd, args, bwd, bwd_args)
     return tuple(t.squeeze(-2) for t in out) if isinstance(out, tuple) else out.squeeze(-2)
 
 
@@ -80,7 +61,7 @@ def _windows(pool: PoolOrPad, *names: str) -> list[list[int]]:
 class _MaxPool(PoolOrPad):
     def _hr_forward(self, input: torch.Tensor):
         args = (*_windows(self, "dilation"), self.ceil_mode)
-        out, idx = _pool(self, _IndexedPool, input, "max_pool{}d_with_indices", args, args)
+        out, idx = _pool(self, input, "max_pool{}d_with_indices", args, args)
         return (out, idx) if self.return_indices else out
 
 
@@ -99,7 +80,7 @@ def _output_size(pool: PoolOrPad, input: torch.Tensor) -> list[int]:
 class _AdaptiveMaxPool(PoolOrPad):
     def _hr_forward(self, input: torch.Tensor):
         size = _output_size(self, input)
-        out, idx = _pool(self, _IndexedPool, input, "adaptive_max_pool{}d", (size,), ())
+        out, idx = _pool(self, input, "adaptive_max_pool{}d", (size,), ())
         return (out, idx) if self.return_indices else out
 
 
@@ -113,7 +94,7 @@ class _AvgPool(PoolOrPad):
         # avg_pool1d has no divisor_override
         args = (*_windows(self), self.ceil_mode, self.count_include_pad,
                 getattr(self, "divisor_override", None))
-        return _pool(self, _ShapeOnlyPool, input, "avg_pool{}d", args, args)
+        return _pool(self, input, "avg_pool{}d", args, args)
 
 
 AvgPool1d, AvgPool2d, AvgPool3d = per_dimension(
@@ -127,7 +108,7 @@ class _AdaptiveAvgPool(PoolOrPad):
         # An all-ones output is a mean in aten, which saves nothing; keep PyTorch's path.
         if all(v == 1 for v in size) or (self._hr_dims > 1 and input.is_quantized):
             return self._hr_torch_forward(input)
-        return _pool(self, _ShapeOnlyPool, input, "_adaptive_avg_pool{}d", (size,), ())
+        return _pool(self, input, "_adaptive_avg_pool{}d", (size,), ())
 
 
 AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d = per_dimension(

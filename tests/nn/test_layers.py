@@ -555,3 +555,17 @@ def test_activation_masks_in_a_model(act, nan, dtype, path, monkeypatch):
         saved = numel * x.element_size() if keeps_whole else (numel + 7) // 8
         # the pool keeps int64 indices; the activation a 1-bit mask (or the tensor whole)
         assert b[4] == 2 * 8 * 4 * 4 * 8 + saved < a[4], (a[4], b[4])
+
+
+@pytest.mark.parametrize("make", [lambda z: nn.LeakyReLU(z), lambda z: nn.Hardtanh(z, 1.0)],
+                         ids=["LeakyReLU", "Hardtanh"])
+def test_signed_zero_options_keep_their_sign(make):
+    """``-0.0`` after ``0.0`` as a slope or bound, on a tensor big enough for the native path:
+    the sign bits of the output are torch's (``-0.0 == 0.0`` as a cache key)."""
+    x = torch.randn(1 << 18)
+    x[::3] = 0.0
+    x = -x.abs() if isinstance(make(0.0), nn.Hardtanh) else x
+    for z in (0.0, -0.0):
+        plain, ours = twin(make(z))
+        out, want = ours(x.clone().requires_grad_()), plain(x.clone().requires_grad_())
+        assert torch.equal(torch.signbit(out), torch.signbit(want)), z

@@ -6,6 +6,7 @@ decide in forward (:class:`_ReLUMask` and friends)."""
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 import torch
@@ -96,7 +97,18 @@ def _unpack_like(ctx, grad: torch.Tensor, values: tuple[float, float] | None = N
     return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype, values=values)
 
 
-@functools.cache
+def _signed_cache(fn):
+    """``lru_cache`` that also keys on the sign of float arguments: ``-0.0 == 0.0`` as a key,
+    but the ops' results differ in sign."""
+    cached = functools.lru_cache(maxsize=64)(lambda signs, *args: fn(*args))
+
+    @functools.wraps(fn)
+    def call(*args):
+        return cached(tuple(math.copysign(1.0, a) for a in args if isinstance(a, float)), *args)
+    return call
+
+
+@_signed_cache
 def _hardtanh_values(lo: float, hi: float, dtype: torch.dtype) -> tuple[float, float] | None:
     """Stand-in values for ``hardtanh_backward`` (passes where ``lo < x < hi`` in ``dtype``):
     ``(lo, a value strictly inside)``, or None where 0 and 1 are such a pair (ReLU6)."""
@@ -373,7 +385,7 @@ def _fuses(x: torch.Tensor) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=64)  # specs are immutable: shared by every module
+@_signed_cache  # specs are immutable: shared by every module
 def _leaky_relu_spec(slope: float, inplace: bool) -> _Spec:
     kernel = functools.partial(
         torch.ops.aten.leaky_relu_backward, negative_slope=slope, self_is_result=inplace
@@ -382,7 +394,7 @@ def _leaky_relu_spec(slope: float, inplace: bool) -> _Spec:
     return _Spec(fn, inplace, inplace, GREATER, 0.0, 0.0, kernel, True, slope)
 
 
-@functools.lru_cache(maxsize=64)
+@_signed_cache
 def _hardtanh_spec(lo: float, hi: float, inplace: bool) -> _Spec:
     kernel = functools.partial(torch.ops.aten.hardtanh_backward, min_val=lo, max_val=hi)
     fn = functools.partial(F.hardtanh_ if inplace else F.hardtanh, min_val=lo, max_val=hi)

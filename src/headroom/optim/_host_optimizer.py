@@ -682,8 +682,7 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _follow_writes(self, entries: list[Entry]) -> None:
         """Masters take what was written into their parameters since the last step (see
-        headroom.optim._follow): here for masters in memory, during the sliced step for those
-        of store-resident bf16/fp16 parameters."""
+        _follow.py); those of store-resident bf16/fp16 parameters during the sliced step."""
         for e in entries:
             if e.kind == HOSTED:
                 if e.written == written_mark(e.param):
@@ -703,8 +702,6 @@ class HostOptimizer(torch.optim.Optimizer):
             if e.sparse:  # ... of the rows it steps: the others get theirs now
                 init_stored(store, e.master_handle, b.store, b.handle)
             return
-        # values in memory change through the parameter (its version counter, its data
-        # pointer); on disk, and through the store, as the store counts
         e.follow = e.value_mark != e.value_seen or (
             in_memory and e.written != written_mark(e.param))
         if e.follow and e.sparse and not in_memory:
@@ -713,8 +710,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.follow = False
 
     def _state_rest(self, e: Entry) -> Rest | None:
-        """Where ``e``'s state store keeps its tensors (its first state tensor, else the fp32
-        master beside the state); ``None`` while it has none."""
+        """Where ``e``'s state store keeps its tensors; ``None`` while it has none."""
         h = next(iter(e.state_handles.values()), e.master_handle)
         store = self._state_store or self._aux
         if h is None or store is None:
@@ -729,8 +725,8 @@ class HostOptimizer(torch.optim.Optimizer):
                          keep_all=keep_all)
 
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
-        """Step in-memory masters with the wrapped optimizer (only these, in one call; sparse
-        gradients in a second call without the fused kernel that was chosen for them)."""
+        """Step in-memory masters with the wrapped optimizer in one call (sparse gradients in
+        a second one, unfused)."""
         grads = {id(e): e.grad_tensor() for e in entries}
         sparse = [e for e in entries if grads[id(e)].is_sparse] if self._unfuse_sparse else []
         dense = [e for e in entries if not grads[id(e)].is_sparse] if sparse else entries
@@ -741,10 +737,9 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _inner_call(self, entries: list[Entry], grads: dict[int, torch.Tensor],
                     hparams: dict[int, dict[str, Any]], *, unfused: bool = False) -> None:
-        # The inner optimizer sees only these masters (and their gradients): its per-call
-        # Python work then scales with the batch, not with the model.
+        # Only these masters: its per-call Python work scales with the batch, not the model.
         saved = {}
-        # Look the inner groups up each time: load_state_dict replaces those dicts.
+        # looked up each time: load_state_dict replaces those dicts
         inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
         for gi, inner in inner_groups.items():
             for k, v in hparams.get(gi, {}).items():
@@ -774,8 +769,8 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _undo_handles(self, e: Entry, src: SlicedParam,
                       plan: StepPlan) -> dict[str, tuple[Store, Handle]]:
-        """Spares (into ``src.spare``) and undo tensors (returned) for what ``e``'s sliced step
-        overwrites, as ``plan`` guards them; made once, reused every step."""
+        """Spares (into ``src.spare``) and undo tensors (returned) as ``plan`` guards ``e``'s
+        sliced step; made once, reused every step."""
         stores = {Home.STATE: src.state_store,
                   Home.PARAM: None if e.bound is None else e.bound.store}
         first = next(iter(src.state_handles.values()), None)
@@ -791,20 +786,14 @@ class HostOptimizer(torch.optim.Optimizer):
         out = {}
         spare = {}
         for name, guard, at, store, h in roles:
-            if guard is Guard.SPARE:
-                # Ours (state, the fp32 master of a bf16 parameter), and every row is
-                # written: new values go to a spare, swapped in at the end of the step (lazy
-                # Adam writes some rows only: it keeps old ones).
+            if guard is Guard.SPARE:  # ours: new values to a spare, handles swap at the end
                 sp = e.spare.get(name)
                 if sp is None or sp.key not in store or store.get(sp.key) is not sp:
                     # the two alternate between the state's key and the same key with "~"
                     other = h.key[:-1] if h.key.endswith("~") else h.key + "~"
                     sp = e.spare[name] = store.alloc(other, h.shape, h.dtype, zero=False)
                 spare[name] = sp
-            elif guard is Guard.EXCHANGE:
-                # The offloaded parameter's own tensor ("p", "lp"), which its model reads
-                # through the same handle: new values go to a spare in its store, exchanged
-                # into place (contents, not handles) when the step ends.
+            elif guard is Guard.EXCHANGE:  # the model's tensor: contents exchanged at the end
                 spare[name] = self._scratch(e, e.xspare, "spare", name, store, h,
                                             lambda key, s=store, h=h: s.alloc_spare(h, key))[1]
             elif guard is Guard.UNDO:
@@ -817,9 +806,8 @@ class HostOptimizer(torch.optim.Optimizer):
     def _scratch(self, e: Entry, kept: dict[str, tuple[Store, Handle]], kind: str, name: str,
                  store: Store, h: Handle,
                  make: Callable[[str], Handle]) -> tuple[Store, Handle]:
-        """``kept[name]``: a scratch tensor of ``h``'s shape and dtype in ``store`` (``kind``
-        a spare or an undo tensor of ``e``'s), made by ``make(key)`` once and reused while the
-        store still holds it."""
+        """``kept[name]``: a scratch tensor like ``h`` in ``store``, made by ``make(key)`` once
+        and reused while the store holds it."""
         key = f"{SCRATCH}{self._key_prefix}/{kind}/{e.index}/{name}"
         x = kept.get(name)
         if x is None or x[0] is not store or key not in store or store.get(key) is not x[1] \
@@ -831,8 +819,7 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _swap_spare(e: Entry, keys: tuple[str, ...]) -> None:
-        """The step ended: the spares hold the new state (and master), the old ones become
-        the spares."""
+        """The step ended: the spares become current, the old tensors the spares."""
         handles = dict(e.state_handles)
         for k in keys:
             if k == "p":  # the fp32 master of a bf16/fp16 parameter
@@ -843,8 +830,8 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn,
                       plans: dict[int, StepPlan]) -> None:
-        """Undo tensors and journal space for the sliced steps of ``todo``, before any update
-        (a full store fails here, with nothing changed)."""
+        """Undo tensors and journal space for ``todo``, before any update (a full store fails
+        here, with nothing changed)."""
         writes: dict[int, tuple[Store, int]] = {}
         for e, src in todo:
             stores = [s for s in dict.fromkeys((src.state_store, src.master_store,
@@ -858,16 +845,14 @@ class HostOptimizer(torch.optim.Optimizer):
                 names = ", ".join(map(repr, stores))
                 raise StoreFullError(
                     f"HostOptimizer.step() needs room in {names} for a second copy of what "
-                    "it updates (spares of the state and of offloaded parameters, and undo "
-                    f"copies of what rests in host memory, kept until the step ends): {ex}. "
+                    f"it updates (spares and undo copies, kept until the step ends): {ex}. "
                     "Nothing was updated; free space or raise max_bytes of the store, then "
                     "call step() again") from ex
             shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
             rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())
             slices = -(-max(rows, 1) // _rows_per_slice(shape, self._slicer.slice_bytes)) \
                 if shape else 1
-            # Each slice writes every tensor, its undo copy, and (undone) once more; spares
-            # exchanged into place: a record, and one more to exchange them back.
+            # per slice: every tensor, its undo copy, once more undone; exchanges: 2 records
             per = 3 * (len(src.state_handles) + 2) * slices + 2
             for store in stores:
                 old = writes.get(id(store), (store, 0))
@@ -882,9 +867,7 @@ class HostOptimizer(torch.optim.Optimizer):
             self._overlap.check_hparams()
         except RuntimeError as exc:
             txn = self._txn
-            if txn is not None and txn.unprotected:
-                # Those steps cannot be undone: leave them, and let a step() with the value
-                # set back finish the others (nothing else changed yet).
+            if txn is not None and txn.unprotected:  # cannot be undone: left as they are
                 exc.add_note(
                     "headroom: the parameters stepped during final_backward() keep that step; "
                     "set the value back and call step() again to finish the step for the "
@@ -900,16 +883,13 @@ class HostOptimizer(torch.optim.Optimizer):
         elif hasattr(exc, "add_note"):
             exc.add_note(
                 "headroom: this backward failed inside HostOptimizer.final_backward() after "
-                "some parameters (with state in host memory, whose old values are not kept) "
-                "had already taken this step; step() finishes the step for the others (with "
-                "the gradients they have), or restore the last checkpoint (hr.load, then "
-                "zero_grad()) to continue exactly"
-            )
+                "some parameters (state in host memory, old values not kept) had already "
+                "taken this step; step() finishes it for the others, or restore the last "
+                "checkpoint (hr.load, then zero_grad()) to continue exactly")
 
     def _drop_step(self, undo: bool = False) -> tuple[list[BaseException], int]:
         """End the step in progress, undone (``undo``: returns what failed to go back and how
-        many parameters were updated unprotected) or not (its values are about to be replaced:
-        `load_state_dict`)."""
+        many parameters were updated unprotected) or not (`load_state_dict` replaces it)."""
         self._overlap.settle()  # nothing may still be stepping on the worker
         with self._tickets_lock:
             txn, self._txn = self._txn, None
@@ -939,21 +919,19 @@ class HostOptimizer(torch.optim.Optimizer):
             self._torn = (
                 "an earlier HostOptimizer.step() failed part-way and could not be undone "
                 f"({why}): parameters and optimizer state now mix old and new values. Load the "
-                "last checkpoint (hr.load(path, model, optimizer) or load_state_dict) before "
-                "training on")
+                "last checkpoint (hr.load or load_state_dict) before training on")
             note = ("headroom: HostOptimizer.step() failed part-way and could not be undone "
                     f"({why}): parameters and optimizer state now MIX old and new values; "
                     "step() refuses until a checkpoint is loaded (hr.load or load_state_dict)")
         elif backward:
             note = ("headroom: this backward failed inside HostOptimizer.final_backward() "
-                    "after some parameters had started this step; their step was undone: every "
-                    "parameter and all optimizer state hold their values from before it. The "
+                    "after some parameters had started this step; their step was undone. The "
                     "gradients are those of the failed backward: zero_grad() and run the "
                     "iteration again")
         else:
-            note = ("headroom: HostOptimizer.step() was undone: every parameter and all "
-                    "optimizer state hold their values from before this step, and the "
-                    "gradients are kept. Remove the cause and call step() again")
+            note = ("headroom: HostOptimizer.step() was undone: parameters and optimizer "
+                    "state are as before it, the gradients kept. Remove the cause and call "
+                    "step() again")
         if hasattr(exc, "add_note"):
             exc.add_note(note)
 
@@ -970,9 +948,7 @@ class HostOptimizer(torch.optim.Optimizer):
             grad = grad.to(self._state_dtype(e))
             if self._cls in SPARSE_COALESCED:
                 grad = grad.coalesce()  # what their step does first (see SPARSE_COALESCED)
-            if e.initialized:
-                # torch's sparse steps touch only the rows named: only those are read and
-                # written (the first step goes over every row, making the state everywhere)
+            if e.initialized:  # only the rows named (the first step makes every row's state)
                 rows = grad._indices()[0].unique(sorted=True)
         if e.lowp:
             master_store, master_handle = self._state_store or self._aux, e.master_handle
@@ -1007,10 +983,8 @@ class HostOptimizer(torch.optim.Optimizer):
         return torch.nonzero(nz).flatten()
 
     def _allocate_state(self, entries: list[Entry]) -> None:
-        """Allocate the state of every entry about to take its first sliced step, up front."""
-        # Allocating before anything is updated makes a full store fail the step whole: no parameter
-        # has moved and no state is half-written (DiskStore reserves the blocks at allocation, so
-        # later writes cannot run out of space).
+        """Allocate the state of entries about to take their first sliced step, before any
+        update: a full store fails the step whole (DiskStore reserves blocks at allocation)."""
         todo = [e for e in entries
                 if not e.state_handles and not (e.lowp and e.master_handle is not None)]
         if not todo:
@@ -1073,10 +1047,8 @@ class HostOptimizer(torch.optim.Optimizer):
             return  # updated in place / written back to the store
         p = e.param
         if self._mover is not None and self._mover.accelerated:
-            # Overwrites the parameter: ordered after backward's last use of it (the event at
-            # its gradient-ready point, on the stream backward ran on) and, from step(),
-            # after what the calling thread queued since (``now``); a worker thread's own
-            # current stream has nothing to do with it.
+            # after backward's last use of it (``e.ready``) and, from step(), what the calling
+            # thread queued since (``now``); not the worker's own current stream
             after = [ev for ev in (e.ready, now) if ev is not None]
             t = self._mover.fetch(e.own.handle, p.data, after=after or None)
             with self._tickets_lock:
@@ -1134,9 +1106,8 @@ class HostOptimizer(torch.optim.Optimizer):
             self._finish_iteration()
         if defer.pending:
             exc = KeyboardInterrupt()
-            exc.add_note("headroom: Ctrl-C came while HostOptimizer.step() was past the point "
-                         "where it could be undone: the step completed, every parameter and "
-                         "all optimizer state hold the new values")
+            exc.add_note("headroom: Ctrl-C came while HostOptimizer.step() could no longer be "
+                         "undone: the step completed; parameters and state hold the new values")
             raise exc
         return loss
 
@@ -1163,13 +1134,11 @@ class HostOptimizer(torch.optim.Optimizer):
         """Declare the backward pass inside as the last one before ``step()``: each parameter's
         step starts as soon as its gradient is complete, overlapped with the rest of backward.
 
-        Every other backward pass only accumulates, so the result is bitwise that of
-        ``overlap=False`` whatever the number of micro-batches per step. Inside, gradients are
-        final: `clip_grad_norm_` afterwards, a further backward pass before ``step()``, or a
-        hyperparameter changed between backward and ``step()`` raise (some parameters have
-        already stepped by then); a backward that fails inside leaves the parameters that
-        already stepped stepped (see the docs' "Failure and recovery"). A no-op with
-        ``overlap=False``.
+        Every other backward only accumulates: bitwise ``overlap=False`` whatever the number
+        of micro-batches. Inside, gradients are final: `clip_grad_norm_` afterwards, a further
+        backward before ``step()``, or a hyperparameter changed before ``step()`` raise; a
+        backward that fails inside leaves the parameters that already stepped stepped (see the
+        docs' "Failure and recovery"). A no-op with ``overlap=False``.
 
         Args:
             enabled: ``False`` makes it a no-op, for loops that decide per micro-batch.
@@ -1188,14 +1157,11 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         if enabled:
             self._check_groups()
-            # Steps started during backward can be undone only if they keep their old values;
-            # worth it only when step() may still fail after them (see [Note: all-or-nothing
-            # step]): when some of it writes a disk.
+            # early steps keep old values only where step() may still fail: a disk is written
             self._keep_early = self._atomic and any(
                 may_write_disk(e.plan, self._state_rest(e)) for e in self._order)
             if self._overlap.enabled:
-                # Before backward, not in the steps it starts: reading a parameter on an
-                # accelerator from the worker would wait for the backward queued before it.
+                # now: the worker reading a device parameter would wait for the backward
                 self._follow_writes([e for e in self._order if e.kind == HOSTED])
                 self._hosted_followed = True
         with self._overlap.final_backward(self._order, enabled):
@@ -1227,18 +1193,12 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         self._wait()
         if self._mover is not None:
-            # Gradient copies to the host may still be queued (an accelerator's side
-            # stream); they must land before the host gradients are cleared, or they would
-            # land afterwards, into the next iteration's sum.
-            self._mover.synchronize()
+            self._mover.synchronize()  # queued copies would land in the next iteration's sum
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "zero_grad() after some parameters already took this step inside "
-                "final_backward(): call step() first to finish it. If that backward failed, "
-                "step() finishes the step for the others with the gradients they have; to "
-                "continue exactly, restore the last checkpoint (hr.load, then zero_grad()) "
-                "instead"
-            )
+                "final_backward(): call step() first to finish it, or to continue exactly "
+                "restore the last checkpoint (hr.load, then zero_grad())")
         for e in self._order:
             p = e.param
             zeroed = False  # the stored gradient zeroed through param.grad (read nothing)
@@ -1304,9 +1264,8 @@ class HostOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Clip the gradients of all parameters by their total norm, wherever they rest.
 
-        The same computation as ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, then the
-        norm of those), so the result is bitwise equal on the same gradients. Gradients on
-        disk are read once for the norm and scaled as they are read by the step.
+        Bitwise ``torch.nn.utils.clip_grad_norm_`` on the same gradients. Gradients on disk
+        are read once for the norm and scaled as the step reads them.
 
         Args:
             max_norm: largest allowed total norm.
@@ -1328,15 +1287,13 @@ class HostOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "HostOptimizer.clip_grad_norm_ sees only this rank's shards of sharded (FSDP2)"
                 " parameters; use torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which"
-                " reduces the norm over the ranks (the gradients are DTensors in param.grad)"
-            )
+                " reduces the norm over the ranks")
         self._overlap.clips = True
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "clip_grad_norm_() after final_backward(): some parameters already took this "
-                "step with unclipped gradients. Clipping needs every gradient before any step: "
-                "drop the `with opt.final_backward():` when clipping"
-            )
+                "step with unclipped gradients; drop the `with opt.final_backward():` when "
+                "clipping")
         if self._mover is not None:
             self._mover.synchronize()
         self._sync_bound(self._order)
@@ -1344,9 +1301,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if any(g is not None and g.is_sparse for _, g in grads):
             raise RuntimeError(
                 "clip_grad_norm_ over sparse gradients (nn.Embedding(sparse=True)) is not "
-                "supported, as torch.nn.utils.clip_grad_norm_ cannot take the norm of a sparse "
-                "tensor either; nothing was clipped. Clip only the dense parameters' gradients,"
-                " or use sparse=False")
+                "supported, as in torch; nothing was clipped. Clip only the dense parameters' "
+                "gradients, or use sparse=False")
         if not grads:
             return torch.tensor(0.0)
         norm_type = float(norm_type)
@@ -1388,11 +1344,9 @@ class HostOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Re-read the master copies from the parameters after they changed outside ``step``.
 
-        Only for parameters on an accelerator or not in fp32 (elsewhere the parameter is its
-        own master), and not needed for writes between steps: each step makes the masters
-        follow them (see headroom.optim._follow). `headroom.load` calls it. Masters just loaded by
-        `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
-        precise than the parameter.
+        Only for parameters on an accelerator or not in fp32; writes between steps need it
+        not (each step's masters follow them). `headroom.load` calls it. fp32 masters just
+        loaded by `load_state_dict` are kept: more precise than the parameter.
         """
         self._wait()
         if self._mover is not None:

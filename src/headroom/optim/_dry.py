@@ -65,15 +65,9 @@ class _InstantMover:
 
 
 class DryHostOptimizer(HostOptimizer):
-    """`HostOptimizer` with the given options over a dry run's parameters.
-
-    Args:
-        params: the parameters (masters of offloaded ones), as the real one would get them.
-        options: the real optimizer's `headroom.optim.HostOptimizerOptions` (its
-            ``state_store``: ``"cpu"``, or a store or ``"disk"``, taken as a disk).
-        places: where the dry run's tensors stand.
-        cpu: the target is ``cpu``.
-    """
+    """`HostOptimizer` with the real one's `HostOptimizerOptions` (a ``state_store`` other
+    than ``"cpu"`` taken as a disk) over a dry run's ``params``, its tensors where ``places``
+    says (``cpu``: the target is the CPU)."""
 
     def __init__(self, params: Any, options: Any, places: Places, *,
                  cpu: bool) -> None:

@@ -112,10 +112,9 @@ class EntryPlan:
     Attributes:
         kind: how the optimizer holds the parameter.
         master: where its master rests.
-        sliced: stepped slice by slice with state in handles (else whole, by the wrapped
-            optimizer, state in its dict).
+        sliced: stepped slice by slice, state in handles (else whole, state in a dict).
         store: where the offloaded parameter's store keeps it (``None``: not offloaded).
-        state_store: the state goes to ``state_store`` (a `Store`), not host memory.
+        state_store: the state goes to a `Store`, not host memory.
         exchange: the offloaded parameter's store can exchange tensors.
         atomic: the optimizer's ``atomic``.
     """
@@ -156,17 +155,9 @@ class StepPlan:
 
 def plan_entry(*, store: Rest | None, on_cpu: bool, master_dtype: bool, row_sparse: bool,
                state_store: bool, exchange: bool = False, atomic: bool = True) -> EntryPlan:
-    """Where an entry's tensors rest.
-
-    Args:
-        store: where the parameter's store keeps it, if offloaded by hr.offload.
-        on_cpu: the parameter is on the CPU (in host memory), if not offloaded.
-        master_dtype: the parameter (its stored value) is fp32 or fp64.
-        row_sparse: it takes lazy (row-sparse) steps.
-        state_store: the optimizer state goes to a `Store`, not host memory.
-        exchange: its store can exchange tensors (offloaded parameters).
-        atomic: the optimizer's ``atomic``.
-    """
+    """Where an entry's tensors rest (arguments as `EntryPlan`'s attributes; ``on_cpu``: the
+    parameter, not offloaded, is in host memory; ``master_dtype``: it, or its stored value,
+    is fp32 or fp64)."""
     if store is not None:
         kind = Kind.BOUND
         if not master_dtype:

@@ -187,11 +187,9 @@ def wait_all(futures: list[Future]) -> None:
 
 
 class DeferInterrupt:
-    """Hold Ctrl-C (SIGINT) back while `armed`, and raise it when the block ends.
-
-    Before `arm`, Ctrl-C raises `KeyboardInterrupt` at once (the step can still be undone).
-    Only in the main thread with Python's default handler installed; elsewhere a no-op.
-    """
+    """Hold Ctrl-C back once `arm` ran (before, it raises at once: the step can still be
+    undone); the caller raises it after. Only in the main thread under Python's default
+    handler; elsewhere a no-op."""
 
     def __init__(self) -> None:
         self.armed = False

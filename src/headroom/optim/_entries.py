@@ -18,10 +18,8 @@ __all__ = [
     "Entry", "check_class", "probe_cpu", "same", "want_fp32_grad",
 ]
 
-# NOTE: PyTorch's fused CPU kernels run at the memory-bandwidth limit, so we write none. Torch's
-# CPU default (neither ``fused`` nor ``foreach``) is kept unless it costs over 5% of a training
-# step: Adam, AdamW and Adagrad step several times slower that way, so they get the fused
-# kernel; SGD's default costs about 1% of a CPU step (benchmarks/optimizer_impl.py).
+# NOTE: torch's CPU default is kept unless it costs over 5% of a training step; Adam, AdamW and
+# Adagrad get the fused kernel (docs/host_optimizer.md, benchmarks/optimizer_impl.py).
 FUSED_DEFAULT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 LAZY = (torch.optim.Adam, torch.optim.AdamW)
 ALIAS, HOSTED, BOUND = Kind.ALIAS, Kind.HOSTED, Kind.BOUND

@@ -1,16 +1,7 @@
-"""Masters that follow values written into their parameters between steps.
-
-A parameter whose master is a copy (bf16/fp16 with an fp32 master, on an accelerator with a
-host master) gets its value from the master at every step, so a value written in between
-(``p.copy_(w)``, ``nn.init.*``, ``load_state_dict``, ``hr.load_weights``) must become the
-master's first: where the parameter no longer holds the master rounded to its dtype (bit for
-bit), the master takes its value; elsewhere it keeps its extra precision.
-
-Only where a write may have happened is compared: a parameter in memory whose version counter
-or data pointer moved since its last step (``p.data = t``); a value in a store that counted a
-write (`headroom.transfer.value_edits`). An in-place write through ``p.data`` of a plain
-parameter leaves no trace, so it is not followed (write under ``torch.no_grad()`` instead); an
-offloaded master's ``p.data`` shares its version counter, so there it is.
+"""Masters that follow values written into their parameters between steps: where the
+parameter no longer holds its master rounded to its dtype (bit for bit), the master takes its
+value. Compared only where PyTorch or the store recorded a write (`written_mark`,
+`headroom.transfer.value_edits`); see docs/host_optimizer.md, "Writes into parameters".
 """
 
 from __future__ import annotations

@@ -146,52 +146,39 @@ class HostOptimizerOptions:
 class HostOptimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose state and step live in host memory (or on disk).
 
-    Each parameter gets an fp32 master in host memory (a CPU fp32 parameter is its own
-    master); its gradient moves to the host as soon as autograd completes it (on an
-    accelerator, on a side stream); PyTorch's own optimizer class updates the master on the
-    host and the result is copied back. Parameters offloaded by `hr.offload` are stepped
-    through their store. The result is bitwise that of ``optimizer_class`` on the same CPU
-    tensors. ``zero_grad``, ``state_dict``, ``load_state_dict``, ``param_groups`` and LR
-    schedulers work as usual; ``param.grad`` reads the host gradient the step uses (in fp32, a
-    `headroom.transfer.StoreTensor`), so ``clip_grad_norm_``, ``GradScaler`` and frameworks
-    that clip act on it.
+    Each parameter gets an fp32 master in host memory (a CPU fp32 parameter is its own);
+    its gradient moves there as soon as autograd completes it; ``optimizer_class`` steps the
+    master, bitwise as on CPU tensors, and the result is copied back (offloaded parameters:
+    through their store). ``param.grad`` reads the host gradient the step uses (fp32, a
+    `headroom.transfer.StoreTensor`), so ``clip_grad_norm_``, ``GradScaler`` and LR
+    schedulers work as usual. See docs/host_optimizer.md.
 
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
             one device (store-resident parameters count as on their compute device).
-        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU, stepped
-            bitwise as it steps CPU tensors; except that Adam, AdamW and Adagrad without
-            ``fused`` or ``foreach`` get the fused CPU kernel (bitwise ``fused=True``: several
-            times faster, equal to torch's default only to rounding; pass ``fused=False`` for
-            that). Sparse gradients, which the fused kernel refuses, step as torch steps them.
-        state_store: where optimizer state rests: ``"cpu"`` (host memory, the fastest), or
-            ``headroom.DiskStore(path)`` (any `Store`), streamed through the step in slices
-            with reads, update and writes overlapped (each state tensor read and written once
-            per step); needs an element-wise optimizer (Adam, AdamW, SGD, Adagrad, RMSprop,
-            Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, SparseAdam).
-        overlap: inside `final_backward` (the last backward before ``step()``), start each
-            parameter's step on a worker thread as soon as its gradient is complete;
-            ``step()`` waits for those and steps the rest. Bitwise ``overlap=False``, for any
-            number of backward passes per step; offloaded parameters take part too
-            (`headroom.transfer.on_grad_ready`). Inside `final_backward` gradients are final:
-            no `clip_grad_norm_`, no further backward before ``step()``, hyperparameters set
-            before backward.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU; Adam,
+            AdamW and Adagrad without ``fused`` or ``foreach`` get the fused CPU kernel
+            (bitwise ``fused=True``; torch's default only to rounding: ``fused=False`` for it).
+        state_store: where optimizer state rests: ``"cpu"`` (host memory, the fastest), or a
+            `Store` such as ``headroom.DiskStore(path)``, streamed through the step in slices
+            (each state tensor read and written once per step; element-wise optimizers only).
+        overlap: inside `final_backward` (the last backward before ``step()``), step each
+            parameter on a worker thread as soon as its gradient is complete; ``step()``
+            steps the rest. Bitwise ``overlap=False``; inside, gradients are final (no
+            `clip_grad_norm_`, no further backward, hyperparameters set before backward).
         row_sparse: parameters (2-D or more: embeddings, huge classifiers) stepped by *lazy
-            Adam*: only rows with a non-zero gradient (or their binding's ``grad_rows``) are
-            read, updated and written; other rows' moments are not decayed and get no weight
-            decay. Adam and AdamW only; equal to dense Adam only if every row has a gradient.
+            Adam* (Adam, AdamW): only rows with a non-zero gradient are read, updated and
+            written; other rows' moments are not decayed and get no weight decay.
         slice_bytes: fp32 bytes of one slice in the sliced (disk) step. Larger slices amortize
             per-call costs; smaller ones bound the host memory in flight (about 8 slices).
         bucket_bytes: with ``overlap``, parameters are bucketed in last iteration's gradient
             order, about this many fp32 bytes each; a bucket steps once all its gradients are
             in. Smaller buckets overlap more; each costs a hand-off to the worker.
         atomic: a step that fails part-way (a disk error) is undone: what it overwrites in
-            host memory keeps its old values, on a disk the step writes anyway, until the step
-            ends. ``False``: no such copies (bf16 parameters on a `DiskStore`, fp32 masters and
-            state in host memory: 12 of 18 bytes written per parameter and step saved); a step
-            failing part-way in host memory then leaves old and new values mixed, says so, and
-            ``step()`` refuses until a checkpoint is loaded (what rests on disk still goes to
-            spares: undone). Ctrl-C waits for the step.
+            host memory keeps its old values (on a disk the step writes anyway) until it ends.
+            ``False``: no such copies (bf16 parameters on a `DiskStore`, state in host memory:
+            12 of 18 bytes written per parameter and step saved); a failure while host memory
+            is updated then leaves a mix, and ``step()`` refuses until a checkpoint is loaded.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -508,10 +495,11 @@ class HostOptimizer(torch.optim.Optimizer):
             self._arrival.append(e)
         self._overlap.gradient_complete(e)
 
-    @staticmethod
-    def _sync_bound(entries: list[Entry]) -> None:
-        """Wait for store-resident gradients still on their way into the store, or held back
-        on the device (``grad_accumulation="device"``)."""
+    def _sync_grads(self, entries: list[Entry]) -> None:
+        """Wait for the gradients of ``entries`` still on their way to the host or into a
+        store, or held back on the device (``grad_accumulation="device"``)."""
+        if self._mover is not None and any(e.kind == HOSTED for e in entries):
+            self._mover.synchronize()
         syncs = {id(e.bound.grad_sync): e.bound for e in entries
                  if e.kind == BOUND and e.bound.grad_sync is not None}
         for b in syncs.values():
@@ -581,9 +569,7 @@ class HostOptimizer(torch.optim.Optimizer):
         if not batch:
             return
         txn = self._open_txn()
-        if any(e.kind == HOSTED for e in batch) and self._mover is not None:
-            self._mover.synchronize()
-        self._sync_bound(batch)
+        self._sync_grads(batch)
         snap = self._overlap.launched_hparams.__getitem__ if early else self._hparams
         hparams = {e.group: snap(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
@@ -1134,11 +1120,10 @@ class HostOptimizer(torch.optim.Optimizer):
         """Declare the backward pass inside as the last one before ``step()``: each parameter's
         step starts as soon as its gradient is complete, overlapped with the rest of backward.
 
-        Every other backward only accumulates: bitwise ``overlap=False`` whatever the number
-        of micro-batches. Inside, gradients are final: `clip_grad_norm_` afterwards, a further
-        backward before ``step()``, or a hyperparameter changed before ``step()`` raise; a
-        backward that fails inside leaves the parameters that already stepped stepped (see the
-        docs' "Failure and recovery"). A no-op with ``overlap=False``.
+        Other backward passes only accumulate: bitwise ``overlap=False``. Inside, gradients
+        are final: `clip_grad_norm_` afterwards, a further backward, or a hyperparameter
+        changed before ``step()`` raise (docs: "Failure and recovery"). A no-op with
+        ``overlap=False``.
 
         Args:
             enabled: ``False`` makes it a no-op, for loops that decide per micro-batch.
@@ -1245,9 +1230,7 @@ class HostOptimizer(torch.optim.Optimizer):
             raise KeyError("parameter is not managed by this HostOptimizer")
         self._take_assigned_grads()
         self._wait()
-        if e.kind == HOSTED and self._mover is not None:
-            self._mover.synchronize()
-        self._sync_bound([e])
+        self._sync_grads([e])
         if not e.has_grad():
             return None
         g = e.grad_tensor()
@@ -1294,9 +1277,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 "clip_grad_norm_() after final_backward(): some parameters already took this "
                 "step with unclipped gradients; drop the `with opt.final_backward():` when "
                 "clipping")
-        if self._mover is not None:
-            self._mover.synchronize()
-        self._sync_bound(self._order)
+        self._sync_grads(self._order)
         grads = [(e, e.grad_tensor()) for e in self._order if e.has_grad()]
         if any(g is not None and g.is_sparse for _, g in grads):
             raise RuntimeError(

@@ -110,13 +110,10 @@ class EntryPlan:
     """Where one entry's tensors rest (see [Note: the entry plan]).
 
     Attributes:
-        kind: how the optimizer holds the parameter.
-        master: where its master rests.
         sliced: stepped slice by slice, state in handles (else whole, state in a dict).
         store: where the offloaded parameter's store keeps it (``None``: not offloaded).
         state_store: the state goes to a `Store`, not host memory.
         exchange: the offloaded parameter's store can exchange tensors.
-        atomic: the optimizer's ``atomic``.
     """
 
     kind: Kind
@@ -189,7 +186,6 @@ def plan_step(plan: EntryPlan, *, state: Rest, has_state: bool, rows: bool, fres
     """What protects the entry's tensors in one step.
 
     Args:
-        plan: the entry's plan.
         state: where its state store keeps its tensors.
         has_state: it has state tensors (the class keeps per-element state).
         rows: the step touches some rows only (lazy Adam, a later sparse gradient).

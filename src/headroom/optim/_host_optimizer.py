@@ -52,7 +52,7 @@ from headroom.optim._sliced import (
     SliceRunner,
     _rows_per_slice,
     ctor_kwargs,
-    probe_layout,
+    probe_shaped,
 )
 from headroom.optim._undo import DeferInterrupt, Txn
 from headroom.store import SCRATCH, Handle, Store, StoreFullError, resolve_store
@@ -272,7 +272,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._tickets_lock = threading.Lock()  # copy-backs come from the worker thread too
         self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes,
                                    unfuse_sparse=self._unfuse_sparse)
-        self._layouts: dict[int, Any] = {}
+        self._shaped_keys: dict[int, tuple[str, ...]] = {}
         self._arrival: list[Entry] = []  # first-gradient order in this iteration
         self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
         self._tickets: list[Any] = []
@@ -983,9 +983,8 @@ class HostOptimizer(torch.optim.Optimizer):
         made: list[Handle] = []
         try:
             for e in todo:
-                layout = self._layout(e.group)
                 handles = {}
-                for k in layout.shaped:
+                for k in self._shaped(e.group):
                     h = store.alloc(f"{self._key_prefix}/{e.index}/{k}",
                                     e.shape, self._state_dtype(e), zero=True)
                     made.append(h)
@@ -1006,7 +1005,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.state_handles = {}
                 e.master_handle = None
             need = sum(
-                e.numel * 4 * (len(self._layout(e.group).shaped) + e.lowp)
+                e.numel * 4 * (len(self._shaped(e.group)) + e.lowp)
                 for e in todo)
             if isinstance(ex, (StoreFullError, OSError)):
                 raise StoreFullError(
@@ -1022,11 +1021,11 @@ class HostOptimizer(torch.optim.Optimizer):
             return e.master.dtype
         return e.bound.handle.dtype if e.bound.handle.dtype in MASTER_DTYPES else torch.float32
 
-    def _layout(self, gi: int):
-        lay = self._layouts.get(gi)
-        if lay is None:
-            lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
-        return lay
+    def _shaped(self, gi: int) -> tuple[str, ...]:
+        keys = self._shaped_keys.get(gi)
+        if keys is None:
+            keys = self._shaped_keys[gi] = probe_shaped(self._cls, self.param_groups[gi])
+        return keys
 
     def _copy_back(self, e: Entry, now: object | None = None) -> None:
         if e.kind == ALIAS or e.kind == BOUND:

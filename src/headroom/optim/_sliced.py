@@ -23,8 +23,8 @@ from headroom.optim._follow import follow_
 from headroom.optim._undo import Txn, wait_all
 from headroom.store import Handle, Store
 
-__all__ = ["ELEMENTWISE", "SPARSE_COALESCED", "ProbeError", "SliceRunner", "StateLayout",
-           "probe_layout", "probe_step", "sparse_rows"]
+__all__ = ["ELEMENTWISE", "SPARSE_COALESCED", "ProbeError", "SliceRunner", "probe_shaped",
+           "probe_step", "sparse_rows"]
 
 # Only element-wise updates may be sliced; others (Adafactor, Muon, LBFGS) are refused.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
@@ -38,15 +38,6 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # one by one, in their order: it gets them as they are.
 SPARSE_COALESCED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adagrad, torch.optim.SparseAdam)
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """An optimizer's per-parameter state keys, from a one-step probe: ``shaped`` like the
-    parameter (sliced with it), ``small`` the rest (step counts, scalars; kept in memory)."""
-
-    shaped: tuple[str, ...]
-    small: tuple[str, ...] = field(default=())
 
 
 def ctor_kwargs(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
@@ -85,16 +76,12 @@ def probe_step(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
     raise ProbeError(*errors)
 
 
-def probe_layout(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> StateLayout:
-    """Step ``cls`` once on a tiny parameter to learn the layout of its state."""
+def probe_shaped(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of ``cls``'s state tensors shaped like the parameter (sliced with it; the rest,
+    step counts and scalars, stays in memory), from a one-step probe."""
     opt, p = probe_step(cls, ctor_kwargs(cls, group))
-    shaped, small = [], []
-    for k, v in opt.state[p].items():
-        if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3):
-            shaped.append(k)
-        else:
-            small.append(k)
-    return StateLayout(tuple(shaped), tuple(small))
+    return tuple(k for k, v in opt.state[p].items()
+                 if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3))
 
 
 def sparse_rows(g: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:

@@ -194,10 +194,8 @@ def saved_view(opt: HostOptimizer) -> SavedView:
     store = opt._state_store or opt._aux
     params = []
     for e in opt._order:
-        if not e.streamed:
+        if not (e.streamed and e.initialized):  # (no state yet: None)
             params.append(ParamState(e.index, e.param, index_state(opt, e) or None, {}, None))
-        elif not e.initialized:
-            params.append(ParamState(e.index, e.param, None, {}, None))
         else:
             resting = dict(e.state_handles)
             if e.master_handle is not None:

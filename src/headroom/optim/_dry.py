@@ -1,19 +1,11 @@
-"""`hr.HostOptimizer` in a dry run: `HostOptimizer` itself, over ``meta`` tensors.
+"""`hr.HostOptimizer` in a dry run: `HostOptimizer` itself over ``meta`` tensors.
 
-`hr.estimate` and `hr.plan` step the real optimizer over the dry run's ``meta`` copy of the
-model: its own entries, plans (see [Note: the entry plan]), spares, undo tensors, copies and
-buckets, over `MetaStore` s, with a mover that finishes every copy at once. What a dry run
-changes is here, and only here:
-
-- the host store of masters and gradients, the state's store and its host memory are
-  `MetaStore` s; a parameter rests in host memory where `Places` says so (every one on a ``cpu``
-  target), and one the offload dry run holds is bound as `hr.offload` binds it;
-- its steps run as host code (`Places.host_code`), sliced ones with their landing buffers on
-  ``meta``; those started inside ``final_backward`` run at once on the backward thread, not on
-  a worker (the tracker's dispatch mode sees one thread);
-- masters start as having followed their parameters (a dry run has no values to compare);
-- a gradient copied to the host stays on the device, in flight, until a bucket's worth has
-  gone or ``step()`` starts.
+`hr.estimate` and `hr.plan` step the real optimizer (entries, plans, spares, undo tensors,
+buckets) over `MetaStore` s with a mover that finishes every copy at once. What differs is
+here only: stores are `MetaStore` s (host memory where `Places` says); steps run as host code,
+landing buffers on ``meta``, and those of ``final_backward`` at once on the backward thread
+(the tracker sees one thread); masters start as followed; a gradient sent to the host stays
+on the device until a bucket's worth has gone or ``step()`` starts.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ __all__ = ["DryHostOptimizer"]
 
 class _InstantMover:
     """`headroom.transfer.Mover` in a dry run: every copy done at once; counts the bytes over
-    the host link (``link``: the target is an accelerator)."""
+    the host link (``link``)."""
 
     accelerated = True
 
@@ -53,8 +45,7 @@ class _InstantMover:
         if self.link:
             nbytes = grad.numel() * grad.element_size()
             self.link_bytes += nbytes
-            # on the device until the worker reaps the copies, a bucket's worth at a time
-            self.in_flight.append(grad)
+            self.in_flight.append(grad)  # until reaped, a bucket's worth at a time
             self._in_flight_bytes += nbytes
             if self._in_flight_bytes >= self.bucket_bytes:
                 self.reap()
@@ -74,15 +65,9 @@ class _InstantMover:
 
 
 class DryHostOptimizer(HostOptimizer):
-    """`HostOptimizer` with the given options over a dry run's parameters.
-
-    Args:
-        params: the parameters (masters of offloaded ones), as the real one would get them.
-        options: the real optimizer's `headroom.optim.HostOptimizerOptions` (its
-            ``state_store``: ``"cpu"``, or a store or ``"disk"``, taken as a disk).
-        places: where the dry run's tensors stand.
-        cpu: the target is ``cpu``.
-    """
+    """`HostOptimizer` with the real one's `HostOptimizerOptions` (a ``state_store`` other
+    than ``"cpu"`` taken as a disk) over a dry run's ``params``, its tensors where ``places``
+    says (``cpu``: the target is the CPU)."""
 
     def __init__(self, params: Any, options: Any, places: Places, *,
                  cpu: bool) -> None:
@@ -104,8 +89,7 @@ class DryHostOptimizer(HostOptimizer):
     def _now(fn: Callable[[], None]) -> None:
         fn()
 
-    def _on_cpu(self, p: torch.Tensor) -> bool:
-        # (an FSDP2 shard resting in host memory is on the CPU too)
+    def _on_cpu(self, p: torch.Tensor) -> bool:  # (an FSDP2 shard in host memory too)
         return self._cpu or self._places.where(
             getattr(p, "_local_tensor", p).untyped_storage()._cdata) == "host"
 

@@ -18,14 +18,8 @@ __all__ = [
     "Entry", "check_class", "probe_cpu", "same", "want_fp32_grad",
 ]
 
-# NOTE: PyTorch's fused CPU kernels run at the memory-bandwidth limit (as fast as hand-written
-# CPU Adam kernels), so there is no reason to write our own. ``cls(params)`` with neither
-# ``fused`` nor ``foreach`` steps CPU tensors one tensor at a time (torch never picks fused by
-# itself; foreach, its pick on accelerators, is bitwise the same on the CPU for these four).
-# HostOptimizer takes that default unless it costs more than 5% of a training step: Adam,
-# AdamW and Adagrad step several times slower that way, so they get the fused kernel (bitwise
-# ``cls(..., fused=True)``); SGD's default costs about 1% of a CPU step
-# (benchmarks/optimizer_impl.py).
+# NOTE: torch's CPU default is kept unless it costs over 5% of a training step; Adam, AdamW and
+# Adagrad get the fused kernel (docs/host_optimizer.md, benchmarks/optimizer_impl.py).
 FUSED_DEFAULT = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 LAZY = (torch.optim.Adam, torch.optim.AdamW)
 ALIAS, HOSTED, BOUND = Kind.ALIAS, Kind.HOSTED, Kind.BOUND
@@ -33,9 +27,8 @@ MASTER_DTYPES = (torch.float32, torch.float64)
 
 
 class Bucket:
-    """Parameters whose gradients complete close together; stepped together when all are in."""
-    # One hand-off to the worker per bucket (not per parameter) keeps the two threads from trading
-    # the GIL on every gradient, which costs more than it overlaps for small tensors.
+    """Parameters whose gradients complete close together; stepped together when all are in
+    (one hand-off to the worker each: trading the GIL per gradient costs more than it saves)."""
 
     __slots__ = ("entries", "remaining")
 
@@ -66,36 +59,26 @@ class Entry:
     grad_scale: torch.Tensor | None = None
     bucket: Bucket | None = None
     fired: bool = False  # its gradient of the current final backward is complete
-    # a store-resident bf16/fp16 parameter's fp32 master, beside its state (else None)
-    master_handle: Handle | None = None
-    # an event at its gradient-ready point (on the stream backward ran on), reused
-    ready: object | None = None
+    master_handle: Handle | None = None  # a lowp parameter's fp32 master, beside its state
+    ready: object | None = None  # an event at its gradient-ready point, reused
     hooked: bool = False  # its gradient-complete hook is registered
     stepped: bool = False  # it took the step in progress (during final_backward or step())
     undo: dict[str, tuple[Any, Handle]] = field(default_factory=dict)  # see _undo.py
     spare: dict[str, Handle] = field(default_factory=dict)  # state the next step writes
-    # spares of the offloaded parameter's own tensors in its store ("p", "lp"), exchanged
-    # into place when a step ends
+    # spares of the offloaded parameter's own tensors ("p", "lp"), exchanged in at the end
     xspare: dict[str, tuple[Any, Handle]] = field(default_factory=dict)
-    # A DTensor (FSDP2 shard) bound to a store: its master is the local shard there, its
-    # gradient the local tensor of the DTensor FSDP2 leaves in param.grad.
+    # an FSDP2 shard bound to a store: master its local shard, gradient param.grad's local
     sharded: bool = False
-    # its gradient as its step started inside a final backward (`grad_mark`)
-    seen: tuple | None = None
-    # a store-resident bf16/fp16 parameter: whether its step compares the value with its
-    # master (see _follow.py), and the store's count of writes to the value
-    # (`headroom.transfer.value_edits`) at its last step / at the one starting now
+    seen: tuple | None = None  # `grad_mark` as its step started inside a final backward
+    # lowp (see _follow.py): whether its step compares value and master; the store's count
+    # of writes to the value (`value_edits`) at its last step / at the one starting now
     follow: bool = False
     value_seen: int | None = None
     value_mark: int | None = None
-    # the parameter's (version counter, data pointer) after its last step: a write
-    # PyTorch records (an in-place op on it, nn.init, load_state_dict, `.data = t`) since
-    # changes it (see _follow.py); None before the first step
-    written: tuple[int, int] | None = None
+    written: tuple[int, int] | None = None  # `written_mark` after its last step
 
     @property
     def kind(self) -> Kind:
-        """How the optimizer holds the parameter."""
         return self.plan.kind
 
     @property
@@ -122,17 +105,14 @@ class Entry:
         return self.own if self.kind == HOSTED else self.bound
 
     def grad_mark(self) -> tuple:
-        """What tells a later change of ``param.grad``: the tensor there, its version counter
-        (in-place ops on a plain tensor) and its binding's edit count (in-place ops through a
-        `StoreTensor`, foreach ops included). In-place ops on a DTensor (an FSDP2 shard's
-        gradient) bump neither: only its replacement shows."""
+        """What tells a later change of ``param.grad``: the tensor, its version counter and its
+        binding's edit count (`StoreTensor` ops). A DTensor's shows only its replacement."""
         g = self.param.grad
         b = None if self.kind == ALIAS else self.binding
         return (g, None if g is None else g._version, 0 if b is None else b.grad_edits)
 
     def grad_changed(self) -> bool:
-        """Whether ``param.grad`` changed since `seen` was taken (assigned, set to ``None``,
-        or changed in place where `grad_mark` can tell)."""
+        """Whether ``param.grad`` changed since `seen` was taken (as `grad_mark` tells)."""
         if self.seen is None:
             return False
         now = self.grad_mark()
@@ -157,7 +137,6 @@ class Entry:
         if b.grad_sparse is not None:
             return b.grad_sparse  # a sparse gradient, in host memory
         if self.kind == HOSTED and self.param.grad is not None and self.param.grad.is_sparse:
-            # left where autograd summed it (see HostOptimizer._on_grad), stepped in fp32
             return self.param.grad.to("cpu", self.master.dtype)
         if b.grad_handle is None:
             return None
@@ -178,19 +157,15 @@ def check_class(cls: Any) -> None:
 
 
 def probe_cpu(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build and step ``cls`` on a CPU tensor; returns its defaults or explains why it can't.
-
-    The probe is a matrix (Muon steps matrices only) with a dense gradient, or a sparse one
-    where the step takes sparse gradients only (SparseAdam): see `probe_step`.
-    """
+    """``cls``'s defaults, once `probe_step` steps it on the CPU; else why it cannot."""
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     try:
         opt, _ = probe_step(cls, kwargs)
     except ProbeError as e:
         raise ValueError(
-            f"{cls.__name__}({args}) cannot step on CPU tensors ({e}). HostOptimizer runs the "
-            "step in host memory: pick options that run on the CPU (e.g. fused=False, "
-            "capturable=False) or an optimizer with a CPU implementation"
+            f"{cls.__name__}({args}) cannot step on CPU tensors ({e}), where HostOptimizer runs"
+            " it: pick options that run on the CPU (e.g. fused=False, capturable=False) or an"
+            " optimizer with a CPU implementation"
         ) from e.dense
     except Exception as e:  # noqa: BLE001 - the constructor's own reason, passed on
         raise ValueError(

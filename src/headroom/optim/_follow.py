@@ -1,24 +1,7 @@
-"""Masters that follow values written into their parameters between steps.
-
-A parameter whose master is a copy (bf16/fp16 parameters with an fp32 master, parameters on an
-accelerator with a host master) gets its new value from the master at every step. A value
-written into the parameter in between (``p.copy_(w)``, ``nn.init.*``, ``p.data.mul_(mask)``,
-``load_state_dict``, ``hr.load_weights``) must become the master's, or the step would write
-the old value back over it. So before a step, the master follows the parameter element by
-element: where the parameter no longer holds the master rounded to its dtype (bit for bit), the
-master takes the parameter's value; elsewhere it keeps its extra precision. A parameter nobody
-wrote is left as it is, so this changes nothing for plain training.
-
-A step compares only where a write may have happened, so plain training costs nothing: a
-parameter in memory (on the device, or in a host store) after PyTorch recorded a write to it
-since its last step (its version counter moved: an in-place op on it, ``nn.init.*``,
-``copy_`` under ``no_grad``, ``load_state_dict``; or its data pointer did: ``p.data = t``); a
-value resting in a store after the store counted a write to it
-(`headroom.transfer.value_edits`). An in-place write through ``p.data`` (``p.data.mul_(m)``)
-moves neither on a plain parameter: PyTorch keeps no trace of it, so it is not followed (the
-next step starts from the master); write through the parameter under ``torch.no_grad()``
-instead. An offloaded master's ``p.data`` shares its version counter
-(`headroom.residency.OffloadedParameter`), so there it is followed too.
+"""Masters that follow values written into their parameters between steps: where the
+parameter no longer holds its master rounded to its dtype (bit for bit), the master takes its
+value. Compared only where PyTorch or the store recorded a write (`written_mark`,
+`headroom.transfer.value_edits`); see docs/host_optimizer.md, "Writes into parameters".
 """
 
 from __future__ import annotations
@@ -32,9 +15,7 @@ __all__ = ["follow_", "follow_stored", "init_stored", "written_mark"]
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int]:
-    """What a write PyTorch records changes: ``p``'s version counter (in-place ops on it) and
-    its data pointer (``p.data = t``); a tensor without storage of its own (values on disk)
-    has only the first."""
+    """``p``'s version counter and data pointer (0 without storage of its own)."""
     try:
         ptr = p.data_ptr()
     except RuntimeError:
@@ -47,10 +28,9 @@ _NP_CHUNK = 1 << 18  # elements per numpy pass: temporaries that stay in cache
 
 
 def _unchanged(master: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``value`` holds ``master`` rounded to its dtype, bit for bit: the answer of
-    every step where nothing was written, so it takes the fast ways (numpy's vectorized
-    comparison; float32 to bfloat16 rounding as bit arithmetic). ``False`` may also mean
-    "not known this way" (a NaN in the master): the caller then compares exactly."""
+    """Whether ``value`` holds ``master`` rounded to its dtype, bit for bit, the fast way
+    (numpy; fp32 to bf16 rounding as bit arithmetic). ``False`` may also mean "not known"
+    (a NaN in the master): the caller then compares exactly."""
     bits = _BITS[value.element_size()]
     if not (master.is_contiguous() and value.is_contiguous()):
         return False
@@ -89,9 +69,8 @@ def _follow_part(master: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 def follow_(master: torch.Tensor, value: torch.Tensor) -> bool:
-    """Make ``master`` take ``value`` where ``master`` rounded to ``value``'s dtype differs
-    from it bit for bit (NaN payloads and signed zeros included). Both host tensors of one
-    shape; ``master`` is changed in place. Returns whether any element changed."""
+    """``master`` takes ``value`` (host tensors of one shape) where ``master`` rounded to its
+    dtype differs from it bit for bit (NaNs, signed zeros too); returns whether any did."""
     if not master.is_contiguous() or master.numel() <= _CHUNK:
         return _follow_part(master, value)
     m, v = master.view(-1), value.reshape(-1)
@@ -109,8 +88,7 @@ def _row_slices(handle: Handle) -> list[slice]:
 
 def follow_stored(master_store: Store, master: Handle, value_store: Store,
                   value: Handle) -> None:
-    """`follow_` for a master and a value resting in stores, a slice of rows at a time (rows
-    of the master written back only where they changed)."""
+    """`follow_` for a master and a value resting in stores, rows at a time."""
     if not master.shape:
         m = master_store.read(master).result()
         if follow_(m, value_store.read(value).result()):
@@ -124,8 +102,7 @@ def follow_stored(master_store: Store, master: Handle, value_store: Store,
 
 
 def init_stored(master_store: Store, master: Handle, value_store: Store, value: Handle) -> None:
-    """The whole master made from the value (a row-sparse first step touches only some rows,
-    and the others must hold the value too)."""
+    """The whole master made from the value (for rows a row-sparse first step skips)."""
     if not master.shape:
         master_store.write(master, value_store.read(value).result().to(master.dtype)).result()
         return

@@ -1,9 +1,7 @@
 """`HostOptimizer`: optimizer state and the step off the device, overlapped with backward.
 
-Adam keeps two fp32 tensors per parameter; for a model that barely fits, the optimizer is what
-breaks the device. The host optimizer keeps fp32 master weights, gradients and optimizer state
-in host memory (or state on disk) and runs PyTorch's own optimizer there, block by block as
-gradients arrive, so the device holds neither state nor more than the gradients in flight.
+fp32 masters, gradients and optimizer state rest in host memory (state also on disk), where
+PyTorch's own optimizer steps them, block by block as gradients arrive.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from headroom.optim._entries import (
     want_fp32_grad,
 )
 from headroom.optim._follow import follow_, follow_stored, init_stored, written_mark
-from headroom.optim._grads import host_grad
 from headroom.optim._overlap import Overlap
 from headroom.optim._plan import (
     Guard,
@@ -55,11 +52,12 @@ from headroom.optim._sliced import (
     SliceRunner,
     _rows_per_slice,
     ctor_kwargs,
-    probe_layout,
+    probe_shaped,
 )
 from headroom.optim._undo import DeferInterrupt, Txn
 from headroom.store import SCRATCH, Handle, Store, StoreFullError, resolve_store
 from headroom.transfer import (
+    GradSource,
     ListenerHandle,
     Mover,
     ParamBinding,
@@ -83,8 +81,7 @@ def _remove_all(hooks: list[Any]) -> None:
     hooks.clear()
 
 def _storage(t: torch.Tensor) -> int:
-    """Where ``t``'s values are (a DTensor's: its local shard's); -1 for values that are not
-    in memory (a tensor over a store)."""
+    """Where ``t``'s values are (a DTensor's: its local shard's); -1: not in memory."""
     local = t._local_tensor if _is_dtensor(t) else t
     try:
         return local.untyped_storage().data_ptr()
@@ -99,9 +96,8 @@ def _hp_text(hp: dict[str, Any]) -> str:
 
 def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
                        unfused: bool) -> tuple[str, ...]:
-    """The state ``cls`` keeps as sparse tensors when stepping a sparse gradient with
-    hyperparameters ``hp`` (learned from a tiny step); ``()`` also when it refuses sparse
-    gradients (the step itself then raises the class's own reason)."""
+    """The state keys ``cls`` keeps sparse for a sparse gradient under ``hp`` (from a tiny
+    step); ``()`` also where it refuses sparse gradients (the step then raises its reason)."""
     kw = ctor_kwargs(cls, hp)
     if unfused and kw.get("fused"):
         kw["fused"] = False
@@ -114,6 +110,13 @@ def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
     except Exception:  # noqa: BLE001 - the real step reports it
         return ()
     return tuple(k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.is_sparse)
+
+
+def _host_grad(p: torch.Tensor, b: ParamBinding, mover: Mover) -> StoreTensor:
+    """``param.grad`` of a HOSTED parameter: ``p``'s shape, dtype and device over ``b``'s
+    host gradient; a later backward's gradient is added through ``mover``."""
+    src = GradSource(b, push=lambda g: mover.push_grad(g, b, accumulate=True))
+    return StoreTensor(src, tuple(p.shape), dtype=p.dtype, device=p.device)
 
 
 def _is_dtensor(p: object) -> bool:
@@ -143,65 +146,39 @@ class HostOptimizerOptions:
 class HostOptimizer(torch.optim.Optimizer):
     """A ``torch.optim`` optimizer whose state and step live in host memory (or on disk).
 
-    Each parameter gets an fp32 master copy in host memory (for parameters on the CPU in fp32
-    the parameter itself is the master); its gradient moves to the host as soon as autograd
-    finishes accumulating it (a post-accumulate-grad hook; on an accelerator through the
-    transfer layer's mover on a side stream); PyTorch's own optimizer class updates the master
-    on the host and the result is copied back. Parameters offloaded by `hr.offload` are
-    read from and written back to their store. The result is bitwise that of
-    ``optimizer_class`` itself on the same CPU tensors.
-
-    It is a ``torch.optim.Optimizer``: ``zero_grad``, ``step``, ``state_dict``,
-    ``load_state_dict``, ``param_groups`` and LR schedulers work as usual. Gradients of
-    parameters on an accelerator or not in fp32 move to the host as soon as backward finishes
-    them; ``param.grad`` then reads that host gradient (in fp32, a
-    `headroom.transfer.StoreTensor`), so ``torch.nn.utils.clip_grad_norm_``, ``GradScaler`` and
-    frameworks that clip act on the gradients the step uses.
+    Each parameter gets an fp32 master in host memory (a CPU fp32 parameter is its own);
+    its gradient moves there as soon as autograd completes it; ``optimizer_class`` steps the
+    master, bitwise as on CPU tensors, and the result is copied back (offloaded parameters:
+    through their store). ``param.grad`` reads the host gradient the step uses (fp32, a
+    `headroom.transfer.StoreTensor`), so ``clip_grad_norm_``, ``GradScaler`` and LR
+    schedulers work as usual. See docs/host_optimizer.md.
 
     Args:
         params: parameters or parameter groups, as for any ``torch.optim`` optimizer. All on
             one device (store-resident parameters count as on their compute device).
-        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU. It
-            steps as ``optimizer_class(masters, **optimizer_kwargs)`` steps CPU tensors, bitwise,
-            with one exception: for Adam, AdamW and Adagrad, unless ``fused`` or ``foreach`` is
-            given, the fused CPU kernel (bitwise ``optimizer_class(..., fused=True)``, equal to
-            torch's default only to rounding, and several times faster); pass ``fused=False``
-            for bitwise ``optimizer_class(...)``. Sparse gradients, which the fused kernel refuses,
-            step in torch's default implementation, as torch steps them.
-        state_store: where optimizer state rests. ``"cpu"``: host memory, the fastest.
-            ``headroom.DiskStore(path)`` (or any `Store`): on disk, streamed through the step in
-            slices with reads, update and writes overlapped; needs an element-wise optimizer
-            (Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop,
-            SparseAdam). Costs disk bandwidth on
-            every step (read and write each state tensor once).
-        overlap: inside `final_backward` (the last backward pass before ``step()``), start a
-            parameter's step on a worker thread as soon as its gradient is complete, while
-            backward goes on; ``step()`` then waits for those and steps the rest. Bitwise the
-            same result as ``overlap=False``, for any number of backward passes per step: only
-            a backward the loop declares final steps early, every other one just accumulates.
-            Parameters offloaded by `hr.offload` take part too (the offload layer signals
-            each complete gradient, `headroom.transfer.on_grad_ready`, and the step waits for
-            its bytes to land in the store). Trade-off: a worker thread, and inside
-            `final_backward` the gradients are final: no `clip_grad_norm_` and no further
-            backward before ``step()``, hyperparameters set before backward.
-        row_sparse: parameters (2-D or more, e.g. embeddings and huge classifier weights) that
-            take *lazy Adam* steps: only rows with a non-zero gradient (or the rows named by
-            their binding's ``grad_rows``) are read, updated and written; the moments of other
-            rows are not decayed and get no weight decay that step. Adam and AdamW only. Not
-            the same result as dense Adam unless every row has a gradient.
+        optimizer_class: any ``torch.optim.Optimizer`` subclass that runs on the CPU; Adam,
+            AdamW and Adagrad without ``fused`` or ``foreach`` get the fused CPU kernel
+            (bitwise ``fused=True``; torch's default only to rounding: ``fused=False`` for it).
+        state_store: where optimizer state rests: ``"cpu"`` (host memory, the fastest), or a
+            `Store` such as ``headroom.DiskStore(path)``, streamed through the step in slices
+            (each state tensor read and written once per step; element-wise optimizers only).
+        overlap: inside `final_backward` (the last backward before ``step()``), step each
+            parameter on a worker thread as soon as its gradient is complete; ``step()``
+            steps the rest. Bitwise ``overlap=False``; inside, gradients are final (no
+            `clip_grad_norm_`, no further backward, hyperparameters set before backward).
+        row_sparse: parameters (2-D or more: embeddings, huge classifiers) stepped by *lazy
+            Adam* (Adam, AdamW): only rows with a non-zero gradient are read, updated and
+            written; other rows' moments are not decayed and get no weight decay.
         slice_bytes: fp32 bytes of one slice in the sliced (disk) step. Larger slices amortize
             per-call costs; smaller ones bound the host memory in flight (about 8 slices).
-        bucket_bytes: with ``overlap``, parameters are grouped in the order their gradients
-            arrived in the previous iteration into buckets of about this many fp32 bytes; a
-            bucket's step starts once all its gradients are in. Smaller buckets start earlier
-            and overlap more; each costs one hand-off to the worker thread.
+        bucket_bytes: with ``overlap``, parameters are bucketed in last iteration's gradient
+            order, about this many fp32 bytes each; a bucket steps once all its gradients are
+            in. Smaller buckets overlap more; each costs a hand-off to the worker.
         atomic: a step that fails part-way (a disk error) is undone: what it overwrites in
-            host memory keeps its old values, on a disk the step writes anyway, until the step
-            ends. ``False``: no such copies (for bf16 parameters on a `DiskStore` with fp32
-            masters and state in host memory: 12 bytes written per parameter and step fewer,
-            of 18); a step that fails part-way while updating host memory then leaves old and
-            new values mixed, says so, and ``step()`` refuses until a checkpoint is loaded
-            (what rests on disk still goes to spares: undone). Ctrl-C waits for the step.
+            host memory keeps its old values (on a disk the step writes anyway) until it ends.
+            ``False``: no such copies (bf16 parameters on a `DiskStore`, state in host memory:
+            12 of 18 bytes written per parameter and step saved); a failure while host memory
+            is updated then leaves a mix, and ``step()`` refuses until a checkpoint is loaded.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr``, ``betas``, ...).
 
     Raises:
@@ -239,9 +216,8 @@ class HostOptimizer(torch.optim.Optimizer):
                 " graph, to differentiate through it; HostOptimizer steps fp32 masters in host"
                 " memory outside autograd, so there would be no graph. Drop differentiable=True,"
                 " or use the torch optimizer itself for steps to differentiate through")
-        # NOTE: the fused CPU kernel refuses sparse gradients, which torch's default
-        # (for-loop) implementation steps: when it was chosen here, not asked for, sparse
-        # gradients step in that implementation instead (`_inner_step`, `SliceRunner`).
+        # NOTE: the fused kernel refuses sparse gradients: where it was chosen here, not asked
+        # for, they step in torch's default implementation (`_inner_step`, `SliceRunner`).
         self._unfuse_sparse = (optimizer_class in FUSED_DEFAULT and "fused" not in kwargs
                                and "foreach" not in kwargs)
         if self._unfuse_sparse:
@@ -296,7 +272,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._tickets_lock = threading.Lock()  # copy-backs come from the worker thread too
         self._slicer = SliceRunner(optimizer_class, slice_bytes=slice_bytes,
                                    unfuse_sparse=self._unfuse_sparse)
-        self._layouts: dict[int, Any] = {}
+        self._shaped_keys: dict[int, tuple[str, ...]] = {}
         self._arrival: list[Entry] = []  # first-gradient order in this iteration
         self._masters_loaded: set[int] = set()  # entries whose master load_state_dict set
         self._tickets: list[Any] = []
@@ -322,19 +298,14 @@ class HostOptimizer(torch.optim.Optimizer):
             param_group = {**param_group, "params": params}
             if len({id(p) for p in params}) != len(params):
                 raise ValueError(
-                    "a parameter is listed twice in one parameter group; HostOptimizer keeps "
-                    "one master and one gradient per parameter, so it would step it once where "
-                    "torch.optim steps it twice (and warns that this will become an error). "
-                    "List each parameter once"
-                )
+                    "a parameter is listed twice in one parameter group; HostOptimizer would "
+                    "step it once where torch.optim steps it twice. List each parameter once")
         if self._state_store is not None and params is not None and any(
                 _is_dtensor(p) and self._binding(p) is None for p in params):
             raise NotImplementedError(
                 f"state_store={self._state_store!r} with sharded (FSDP2) parameters in host"
-                " memory is not supported; use state_store='cpu' (each rank keeps the state of"
-                " its own shards in host memory), or offload the shards to a disk too"
-                " (hr.offload(model, store=hr.DiskStore(path)))"
-            )
+                " memory is not supported; use state_store='cpu', or offload the shards to a"
+                " disk too (hr.offload(model, store=hr.DiskStore(path)))")
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
@@ -371,11 +342,9 @@ class HostOptimizer(torch.optim.Optimizer):
         if e.hooked:
             return
         if e.kind == BOUND and not e.sharded:
-            # A store-resident parameter's gradient reaches the store through the
-            # offload layer, not through autograd on this tensor: it tells us when done.
-            # Held weakly, as the hook below: the parameters (which outlive an optimizer
-            # dropped and made again) must not keep it alive, with its stores and threads.
-            # (`on_grad_ready` on the binding its entry was planned for)
+            # The offload layer, not autograd on this tensor, says when its gradient is in
+            # the store (`on_grad_ready`). Held weakly, as the hook below: parameters outlive
+            # an optimizer dropped and made again, and must not keep it alive.
             fn = weak_method(self._on_grad)
             e.bound.listeners.append(fn)
             self._hooks.append(ListenerHandle(e.bound, fn))
@@ -386,8 +355,7 @@ class HostOptimizer(torch.optim.Optimizer):
         e.hooked = True
 
     def _check_groups(self) -> None:
-        """Refuse parameter lists changed behind the optimizer's back, before anything steps;
-        hook parameters unfrozen since."""
+        """Refuse parameter lists changed behind its back; hook parameters unfrozen since."""
         now = [tuple(id(p) for p in g["params"]) for g in self.param_groups]
         if now != self._group_params:
             pairs = zip(now, self._group_params, strict=False)
@@ -395,35 +363,30 @@ class HostOptimizer(torch.optim.Optimizer):
                       min(len(now), len(self._group_params)))
             raise RuntimeError(
                 f"param_groups[{gi}]['params'] was changed after the parameters were added "
-                "(or groups were removed): HostOptimizer keeps a master copy, state and a "
-                "gradient hook per parameter and cannot follow that. Nothing was stepped. Add "
-                "parameters with opt.add_param_group({'params': [...]}), or build a new "
-                "HostOptimizer for the new parameter list (moving state with state_dict())"
-            )
+                "(or groups were removed), which HostOptimizer cannot follow. Nothing was "
+                "stepped. Use opt.add_param_group({'params': [...]}), or build a new "
+                "HostOptimizer (moving state with state_dict())")
         for e in self._order:
             b = self._binding(e.param)
             if e.kind == ALIAS and b is None and _storage(e.master) != _storage(e.param):
                 raise RuntimeError(
                     f"the data of a parameter of shape {tuple(e.param.shape)} was replaced"
                     " after this HostOptimizer was built (hr.offload of an FSDP2 model, or"
-                    " p.data = ...): it steps the parameter's data in place and would step"
-                    " the old one. Nothing was stepped; build the HostOptimizer after the"
-                    " change, from model.parameters()")
+                    " p.data = ...): it would step the old data. Nothing was stepped; build"
+                    " the HostOptimizer after the change")
             if (b is not None) != (e.kind == BOUND) or (b is not None and b is not e.bound):
                 raise RuntimeError(
                     f"a parameter of shape {tuple(e.param.shape)} was "
                     + ("offloaded with hr.offload" if b is not None else "unoffloaded")
                     + " after this HostOptimizer was built, which planned its step for where"
-                    " the parameter rested then (its values and gradient are elsewhere now)."
-                    " Nothing was stepped; build the HostOptimizer after hr.offload (and again"
-                    " after hr.unoffload), from model.parameters(), and move the state over"
-                    " with new.load_state_dict(old.state_dict())")
+                    " it rested then. Nothing was stepped; build the HostOptimizer after"
+                    " hr.offload (and again after hr.unoffload), moving the state over with"
+                    " new.load_state_dict(old.state_dict())")
             if not e.hooked:
                 self._hook(e)
 
     def _reserve_host(self, params: list[torch.Tensor]) -> None:
-        """Room for the host masters and gradients of a group's parameters on an accelerator
-        (or not in fp32), carved from one slab of page-locked memory."""
+        """Room for a group's HOSTED masters and gradients, from one page-locked slab."""
         hosted = [p for p in params if isinstance(p, torch.Tensor) and p.is_floating_point()
                   and self._binding(p) is None
                   and not (self._on_cpu(p) and p.dtype in MASTER_DTYPES)]
@@ -440,11 +403,10 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _on_cpu(p: torch.Tensor) -> bool:
-        """Whether ``p`` (not offloaded) is in host memory, where it can be its own master."""
+        """Whether ``p`` (not offloaded) is in host memory."""
         return p.device.type == "cpu"
 
     def _open_host(self, device: torch.device) -> None:
-        """The host store of masters and gradients of parameters on ``device``, and its mover."""
         if self._host is None:
             self._host = resolve_store("cpu", device)
             self._mover = Mover(device, self._host)
@@ -461,19 +423,15 @@ class HostOptimizer(torch.optim.Optimizer):
             self._device = dev
         elif dev != self._device:
             raise ValueError(
-                f"HostOptimizer got parameters on {self._device} and on {dev}: all parameters "
-                "must be on one device. Move the model to one device (model.to(device)) or use "
-                "one HostOptimizer per device"
-            )
+                f"HostOptimizer got parameters on {self._device} and on {dev}: all must be on "
+                "one device. Move the model to one device, or use one HostOptimizer per device")
         sparse = id(p) in self._row_sparse_ids
         if sparse and _is_dtensor(p):
             raise ValueError(
                 "row_sparse is not supported for sharded (FSDP2) parameters; drop row_sparse")
         if sparse and p.dim() < 2:
-            raise ValueError(
-                f"row_sparse parameter of shape {tuple(p.shape)} has no rows; pass only 2-D "
-                "(or larger) parameters such as embedding or classifier weights"
-            )
+            raise ValueError(f"row_sparse parameter of shape {tuple(p.shape)} has no rows; "
+                             "pass only 2-D (or larger) parameters")
         host = None if b is None else b.store.host_tensor(b.handle)
         plan = plan_entry(
             store=None if b is None else Rest.MEMORY if host is not None else Rest.DISK,
@@ -489,28 +447,19 @@ class HostOptimizer(torch.optim.Optimizer):
             e.sharded = _is_dtensor(p)
             if plan.master is Master.STORE_VIEW:
                 e.master = host
-            if e.lowp:
-                # Fp32 master and state for a bf16/fp16 parameter (kept beside the state,
-                # see `_allocate_state`), and its gradient accumulated in fp32 by the producer.
+            if e.lowp:  # an fp32 master beside the state (`_allocate_state`), fp32 gradients
                 want_fp32_grad(b)
-        elif plan.kind == ALIAS:
-            # On the CPU in fp32 the parameter is its own master: no copy, and the
-            # gradient stays in param.grad, where torch's own utilities find it.
+        elif plan.kind == ALIAS:  # its own master; the gradient stays in param.grad
             e.master = p.detach()
         else:
             if _is_dtensor(p):
-                # its master would need the local shard's host copy, and its gradient and
-                # every copy back the DTensor's local tensors: not done
                 raise NotImplementedError(
                     f"HostOptimizer cannot step a sharded (FSDP2) parameter of shape "
-                    f"{tuple(p.shape)} ({p.dtype} on {dev}) that hr.offload did not offload: only "
-                    "the shards hr.offload moved to a store, and fp32 shards on the CPU, are "
-                    "stepped. Offload every FSDP2 unit (hr.offload(model, ...)), or step the "
+                    f"{tuple(p.shape)} ({p.dtype} on {dev}) that hr.offload did not offload (only"
+                    " those, and fp32 shards on the CPU). Offload every FSDP2 unit, or step the "
                     "units left on the device with a torch.optim optimizer of their own")
             self._open_host(dev)
             key = f"{self._key_prefix}/{e.index}"
-            # Masters and gradients in fp32 (fp64 stays fp64): low-precision parameters
-            # get full-precision updates and gradient accumulation.
             mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32
             mh = self._host.alloc(key + "/master", tuple(p.shape), mdtype, zero=False)
             gh = self._host.alloc(key + "/grad", tuple(p.shape), mdtype, zero=False)
@@ -520,10 +469,8 @@ class HostOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 e.master.copy_(p.detach())
         if e.streamed and self._cls not in ELEMENTWISE:
-            raise ValueError(
-                f"{self._cls.__name__} cannot step parameters whose master rests on disk (it is "
-                "not element-wise); use an element-wise optimizer such as AdamW"
-            )
+            raise ValueError(f"{self._cls.__name__} cannot step parameters whose master rests"
+                             " on disk (it is not element-wise); use one such as AdamW")
         return e
 
     # ------------------------------------------------------------------ gradients
@@ -532,34 +479,27 @@ class HostOptimizer(torch.optim.Optimizer):
         if e is None:
             return
         if e.launched:
-            # reported here (step() then finishes with the gradients it had): not again as a
-            # change of param.grad by someone else (`_check_launched`)
-            e.seen = e.grad_mark()
+            e.seen = e.grad_mark()  # reported here, not again by `_check_launched`
             raise RuntimeError(
                 "a parameter received another gradient after its step had started inside "
                 "HostOptimizer.final_backward(); declare only the last backward pass before "
-                "step() final (that step already used the gradients it had)"
-            )
+                "step() final")
         if e.kind == HOSTED and p.grad is not None:
             self._take_grad(e, p.grad)
-            # Everything backward does with this parameter is queued by now, on this stream:
-            # its new value is copied back after this point, whichever thread issues the copy.
+            # backward's uses of it are queued on this stream: its copy-back goes after this
             e.ready = self._mover.mark(e.ready)
         elif e.kind == BOUND and self._overlap.final:
-            # its step starts now: a gradient summed on the device (grad_accumulation=
-            # "device") goes to the store at once, ordered on this backward's stream
-            flush_grad(e.bound)
+            flush_grad(e.bound)  # its step starts now: a sum held on the device goes now
         e.count += 1
         if e.count == 1:
             self._arrival.append(e)
         self._overlap.gradient_complete(e)
 
-    @staticmethod
-    def _sync_bound(entries: list[Entry]) -> None:
-        """Before reading store-resident gradients: a gradient may still be on its way into
-        the store (a disk write, an accumulation) when its producer signals it, or held back
-        on the device (``grad_accumulation="device"``); its producer hands it over and waits
-        for it here."""
+    def _sync_grads(self, entries: list[Entry]) -> None:
+        """Wait for the gradients of ``entries`` still on their way to the host or into a
+        store, or held back on the device (``grad_accumulation="device"``)."""
+        if self._mover is not None and any(e.kind == HOSTED for e in entries):
+            self._mover.synchronize()
         syncs = {id(e.bound.grad_sync): e.bound for e in entries
                  if e.kind == BOUND and e.bound.grad_sync is not None}
         for b in syncs.values():
@@ -568,28 +508,21 @@ class HostOptimizer(torch.optim.Optimizer):
             sync_grad(b)
 
     def _take_grad(self, e: Entry, g: torch.Tensor) -> None:
-        """Take ``g`` (``param.grad`` of a HOSTED entry) as its gradient, unless it is already
-        the host gradient backward left there."""
-        if g.is_sparse:
-            # A sparse gradient stays where autograd sums it (small: the rows used), and
-            # is read in fp32 by the step (`Entry.grad_tensor`).
+        """Take ``g`` (a HOSTED ``param.grad``) as its gradient, unless it is the host one."""
+        if g.is_sparse:  # stays where autograd sums it, read in fp32 (`Entry.grad_tensor`)
             e.own.has_grad = True
         elif not is_stored_grad(g, e.own):
-            # Free the device gradient now (the mover keeps it until its copy has run): at
-            # most the gradients in flight to the host stay on the device. It starts the
-            # gradient afresh, as in torch (param.grad was None, or was assigned).
+            # Freed now (the mover keeps it until copied): only gradients in flight stay on
+            # the device. It starts the gradient afresh, as in torch.
             e.param.grad = None
             self._mover.push_grad(g, e.own, accumulate=False)
-            # torch's utilities (clip_grad_norm_, GradScaler.unscale_) and frameworks read
-            # param.grad: it reads (and scales) the host gradient the step uses. A later
-            # backward accumulates into it (autograd's add_ runs on the host gradient).
-            e.param.grad = host_grad(e.param, e.own, self._mover)
+            # param.grad reads (and scales) the host gradient the step uses; a later backward
+            # adds into it (through the mover, as the first one went).
+            e.param.grad = _host_grad(e.param, e.own, self._mover)
 
     def _take_assigned_grads(self) -> None:
-        """Take what was done to ``param.grad`` since backward left it there, as torch's
-        optimizers see it: a tensor assigned to it (``p.grad = g``) replaces the accumulated
-        gradient; ``None`` (``model.zero_grad()``, ``p.grad = None``) clears it, and the step
-        skips the parameter. Not for parameters whose step has started (`_check_launched`)."""
+        """Take what was done to ``param.grad`` since backward, as torch's optimizers see it:
+        a tensor assigned replaces the gradient; ``None`` clears it (the step skips it)."""
         for e in self._order:
             if e.launched:
                 continue
@@ -598,31 +531,24 @@ class HostOptimizer(torch.optim.Optimizer):
                 continue
             if e.kind != HOSTED:
                 continue  # an ALIAS steps param.grad itself; a shard, FSDP2's local tensor
-            # Backward hands the gradient to the mover and leaves param.grad reading the
-            # host gradient (a StoreTensor); anything else there was put there since.
             if e.param.grad is None:
-                e.own.has_grad = False  # a copy still on its way lands unread; the next
-                # backward starts the gradient afresh (param.grad is None)
+                e.own.has_grad = False  # a copy still on its way lands unread
             else:
                 self._take_grad(e, e.param.grad)
 
     def _check_launched(self) -> None:
-        """Refuse a step whose early part used gradients changed since (``param.grad``
-        assigned, set to ``None`` or changed in place, by clipping for instance, after its
-        step started inside `final_backward`)."""
+        """Refuse a step whose early part used gradients changed since."""
         changed = [e for e in self._order if e.launched and e.grad_changed()]
         if changed:
             raise RuntimeError(
                 f"param.grad of {len(changed)} parameter(s) was changed (assigned, set to None"
                 " or changed in place, e.g. by torch.nn.utils.clip_grad_norm_) after their"
-                " step had started inside HostOptimizer.final_backward(): their gradients were"
-                " complete then, and that step used them. To clip, unscale or change gradients,"
-                " run the last backward outside final_backward(): the step then waits in"
-                " step() until every gradient is final"
-            )
+                " step had started inside HostOptimizer.final_backward(), which used them. To"
+                " clip, unscale or change gradients, run the last backward outside"
+                " final_backward()")
 
     def _wait(self) -> None:
-        """Wait for the steps and copies running on the worker; re-raise their first error."""
+        """Wait for the worker; on its first error, undo the step and re-raise."""
         try:
             self._overlap.wait()
         except BaseException as exc:
@@ -637,16 +563,13 @@ class HostOptimizer(torch.optim.Optimizer):
     def _step_entries(self, batch: list[Entry], *, early: bool = False) -> None:
         """Step ``batch``, keeping what it changes in this step's undo record.
 
-        See [Note: all-or-nothing step]: what can fail runs first (allocation, the first step
-        of state created now, the sliced steps through stores), each with the old values kept;
-        the whole-tensor update of host-memory state runs last, in one call into PyTorch.
+        See [Note: all-or-nothing step]: what can fail runs first, its old values kept;
+        updates of host-memory state that keep no copies run last.
         """
         if not batch:
             return
         txn = self._open_txn()
-        if any(e.kind == HOSTED for e in batch) and self._mover is not None:
-            self._mover.synchronize()
-        self._sync_bound(batch)
+        self._sync_grads(batch)
         snap = self._overlap.launched_hparams.__getitem__ if early else self._hparams
         hparams = {e.group: snap(e.group) for e in batch}
         in_mem = [e for e in batch if not e.streamed and e.has_grad()]
@@ -657,10 +580,7 @@ class HostOptimizer(torch.optim.Optimizer):
                              if not (e.kind == HOSTED and self._hosted_followed)])
         todo = [(e, self._source(e)) for e in streamed]
         todo = [(e, src) for e, src in todo if src is not None]
-        # Sliced steps that write no disk (master, state and value all in host memory) keep no
-        # copies: like the in-memory kernel below they run last, unprotected, one slice at a
-        # time. Started during final_backward while step() may still fail (a disk takes part),
-        # they keep copies of their slices instead.
+        # Steps started during final_backward while step() may still fail keep copies.
         keep_all = early and self._keep_early
         plans = {id(e): self._step_plan(e, src, keep_all) for e, src in todo}
         ram = [(e, src) for e, src in todo if plans[id(e)].run is Run.LAST]
@@ -676,9 +596,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     if name in src.spare:
                         h = src.master_handle if name == "p" else src.shadow[1]
                         txn.exchange(store, h, src.spare[name])
-            # atomic=False: no undo copies. Steps that write only spares (everything they
-            # update rests on disk) stay undoable; those updating host memory in place are
-            # not, from the moment they start.
+            # Run.BARE (atomic=False): updates host memory in place, undoable no more
             spared = [(e, src) for e, src in kept if plans[id(e)].run is Run.KEPT]
             bare = [(e, src) for e, src in kept if plans[id(e)].run is Run.BARE]
             if spared:
@@ -691,15 +609,12 @@ class HostOptimizer(torch.optim.Optimizer):
         if not early:
             if (ram or in_mem or txn.exchanging) and self._defer is not None:
                 self._defer.arm()  # from here on the step completes; Ctrl-C waits for it
-            # The offloaded parameters take their new values (before what cannot be undone).
-            txn.run_exchanges()
+            txn.run_exchanges()  # before what cannot be undone
         if ram:
             txn.unprotected += len(ram)
             self._sliced_step(ram, hparams, None)
         if in_mem:
-            if keep_all:
-                # Started during final_backward while step() may still fail (a disk): keep
-                # their old values too (a master and state not made yet are dropped).
+            if keep_all:  # (state not made yet is dropped)
                 for e in in_mem:
                     txn.ram(e.master, None, e.master.clone())
                     st = self._inner.state.get(e.master)
@@ -709,34 +624,30 @@ class HostOptimizer(torch.optim.Optimizer):
                     for v in st.values():
                         if isinstance(v, torch.Tensor):
                             txn.ram(v, None, v.clone())
-            else:
-                # Last, after everything that can fail: one call into PyTorch's kernel (it
-                # allocates only state it creates on a first step). Not copied: see _undo.py.
+            else:  # last, uncopied: see [Note: all-or-nothing step]
                 txn.unprotected += len(in_mem)
             self._inner_step(in_mem, hparams)
         for e in streamed + in_mem:
             if e.kind == HOSTED:
                 txn.after_undo(lambda e=e: self._copy_back(e))
             e.stepped = True
-        # From step(): copy-backs are also ordered after what this thread queued until now
-        # (one event for all of them); on the worker, after each parameter's own event only.
+        # from step(), copy-backs also go after what this thread queued (one event for all)
         now = None if early or self._mover is None else self._mover.mark()
         for e in streamed + in_mem:
             self._copy_back(e, now)
 
     def _check_sparse_sliced(self, entries: list[Entry],
                              hparams: dict[int, dict[str, Any]]) -> None:
-        """Refuse sparse gradients whose step would make sparse state (SGD's momentum) for
-        parameters stepped slice by slice (their state rests in a store, dense)."""
+        """Refuse sparse gradients that would make sparse state (SGD's momentum) in a sliced
+        step (its state is dense)."""
         for gi in sorted({e.group for e in entries
                           if e.grad_tensor() is not None and e.grad_tensor().is_sparse}):
             keys = _sparse_state_keys(self._cls, hparams[gi], unfused=self._unfuse_sparse)
             if keys:
                 raise ValueError(
                     f"{self._cls.__name__} with {_hp_text(hparams[gi])} keeps state for a sparse"
-                    f" gradient as sparse tensors ({', '.join(keys)}), and parameters whose"
-                    " master or optimizer state rests in a store (a DiskStore, or state_store)"
-                    " step slice by slice over dense state. Keep both in host memory"
+                    f" gradient as sparse tensors ({', '.join(keys)}), but a master or state"
+                    " resting in a store steps over dense state. Keep both in host memory"
                     " (hr.offload(..., store='cpu') and state_store='cpu'), or use options"
                     " without that state (SGD: momentum=0)")
 
@@ -757,8 +668,7 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _follow_writes(self, entries: list[Entry]) -> None:
         """Masters take what was written into their parameters since the last step (see
-        headroom.optim._follow): here for masters in memory, during the sliced step for those
-        of store-resident bf16/fp16 parameters."""
+        _follow.py); those of store-resident bf16/fp16 parameters during the sliced step."""
         for e in entries:
             if e.kind == HOSTED:
                 if e.written == written_mark(e.param):
@@ -778,8 +688,6 @@ class HostOptimizer(torch.optim.Optimizer):
             if e.sparse:  # ... of the rows it steps: the others get theirs now
                 init_stored(store, e.master_handle, b.store, b.handle)
             return
-        # values in memory change through the parameter (its version counter, its data
-        # pointer); on disk, and through the store, as the store counts
         e.follow = e.value_mark != e.value_seen or (
             in_memory and e.written != written_mark(e.param))
         if e.follow and e.sparse and not in_memory:
@@ -788,8 +696,7 @@ class HostOptimizer(torch.optim.Optimizer):
             e.follow = False
 
     def _state_rest(self, e: Entry) -> Rest | None:
-        """Where ``e``'s state store keeps its tensors (its first state tensor, else the fp32
-        master beside the state); ``None`` while it has none."""
+        """Where ``e``'s state store keeps its tensors; ``None`` while it has none."""
         h = next(iter(e.state_handles.values()), e.master_handle)
         store = self._state_store or self._aux
         if h is None or store is None:
@@ -804,8 +711,8 @@ class HostOptimizer(torch.optim.Optimizer):
                          keep_all=keep_all)
 
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
-        """Step in-memory masters with the wrapped optimizer (only these, in one call; sparse
-        gradients in a second call without the fused kernel that was chosen for them)."""
+        """Step in-memory masters with the wrapped optimizer in one call (sparse gradients in
+        a second one, unfused)."""
         grads = {id(e): e.grad_tensor() for e in entries}
         sparse = [e for e in entries if grads[id(e)].is_sparse] if self._unfuse_sparse else []
         dense = [e for e in entries if not grads[id(e)].is_sparse] if sparse else entries
@@ -816,10 +723,9 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _inner_call(self, entries: list[Entry], grads: dict[int, torch.Tensor],
                     hparams: dict[int, dict[str, Any]], *, unfused: bool = False) -> None:
-        # The inner optimizer sees only these masters (and their gradients): its per-call
-        # Python work then scales with the batch, not with the model.
+        # Only these masters: its per-call Python work scales with the batch, not the model.
         saved = {}
-        # Look the inner groups up each time: load_state_dict replaces those dicts.
+        # looked up each time: load_state_dict replaces those dicts
         inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
         for gi, inner in inner_groups.items():
             for k, v in hparams.get(gi, {}).items():
@@ -849,8 +755,8 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _undo_handles(self, e: Entry, src: SlicedParam,
                       plan: StepPlan) -> dict[str, tuple[Store, Handle]]:
-        """Spares (into ``src.spare``) and undo tensors (returned) for what ``e``'s sliced step
-        overwrites, as ``plan`` guards them; made once, reused every step."""
+        """Spares (into ``src.spare``) and undo tensors (returned) as ``plan`` guards ``e``'s
+        sliced step; made once, reused every step."""
         stores = {Home.STATE: src.state_store,
                   Home.PARAM: None if e.bound is None else e.bound.store}
         first = next(iter(src.state_handles.values()), None)
@@ -866,20 +772,14 @@ class HostOptimizer(torch.optim.Optimizer):
         out = {}
         spare = {}
         for name, guard, at, store, h in roles:
-            if guard is Guard.SPARE:
-                # Ours (state, the fp32 master of a bf16 parameter), and every row is
-                # written: new values go to a spare, swapped in at the end of the step (lazy
-                # Adam writes some rows only: it keeps old ones).
+            if guard is Guard.SPARE:  # ours: new values to a spare, handles swap at the end
                 sp = e.spare.get(name)
                 if sp is None or sp.key not in store or store.get(sp.key) is not sp:
                     # the two alternate between the state's key and the same key with "~"
                     other = h.key[:-1] if h.key.endswith("~") else h.key + "~"
                     sp = e.spare[name] = store.alloc(other, h.shape, h.dtype, zero=False)
                 spare[name] = sp
-            elif guard is Guard.EXCHANGE:
-                # The offloaded parameter's own tensor ("p", "lp"), which its model reads
-                # through the same handle: new values go to a spare in its store, exchanged
-                # into place (contents, not handles) when the step ends.
+            elif guard is Guard.EXCHANGE:  # the model's tensor: contents exchanged at the end
                 spare[name] = self._scratch(e, e.xspare, "spare", name, store, h,
                                             lambda key, s=store, h=h: s.alloc_spare(h, key))[1]
             elif guard is Guard.UNDO:
@@ -892,9 +792,8 @@ class HostOptimizer(torch.optim.Optimizer):
     def _scratch(self, e: Entry, kept: dict[str, tuple[Store, Handle]], kind: str, name: str,
                  store: Store, h: Handle,
                  make: Callable[[str], Handle]) -> tuple[Store, Handle]:
-        """``kept[name]``: a scratch tensor of ``h``'s shape and dtype in ``store`` (``kind``
-        a spare or an undo tensor of ``e``'s), made by ``make(key)`` once and reused while the
-        store still holds it."""
+        """``kept[name]``: a scratch tensor like ``h`` in ``store``, made by ``make(key)`` once
+        and reused while the store holds it."""
         key = f"{SCRATCH}{self._key_prefix}/{kind}/{e.index}/{name}"
         x = kept.get(name)
         if x is None or x[0] is not store or key not in store or store.get(key) is not x[1] \
@@ -906,8 +805,7 @@ class HostOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _swap_spare(e: Entry, keys: tuple[str, ...]) -> None:
-        """The step ended: the spares hold the new state (and master), the old ones become
-        the spares."""
+        """The step ended: the spares become current, the old tensors the spares."""
         handles = dict(e.state_handles)
         for k in keys:
             if k == "p":  # the fp32 master of a bf16/fp16 parameter
@@ -918,8 +816,8 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _prepare_undo(self, todo: list[tuple[Entry, SlicedParam]], txn: Txn,
                       plans: dict[int, StepPlan]) -> None:
-        """Undo tensors and journal space for the sliced steps of ``todo``, before any update
-        (a full store fails here, with nothing changed)."""
+        """Undo tensors and journal space for ``todo``, before any update (a full store fails
+        here, with nothing changed)."""
         writes: dict[int, tuple[Store, int]] = {}
         for e, src in todo:
             stores = [s for s in dict.fromkeys((src.state_store, src.master_store,
@@ -933,16 +831,14 @@ class HostOptimizer(torch.optim.Optimizer):
                 names = ", ".join(map(repr, stores))
                 raise StoreFullError(
                     f"HostOptimizer.step() needs room in {names} for a second copy of what "
-                    "it updates (spares of the state and of offloaded parameters, and undo "
-                    f"copies of what rests in host memory, kept until the step ends): {ex}. "
+                    f"it updates (spares and undo copies, kept until the step ends): {ex}. "
                     "Nothing was updated; free space or raise max_bytes of the store, then "
                     "call step() again") from ex
             shape = src.master_handle.shape if src.master is None else tuple(src.master.shape)
             rows = (shape[0] if shape else 1) if src.rows is None else int(src.rows.numel())
             slices = -(-max(rows, 1) // _rows_per_slice(shape, self._slicer.slice_bytes)) \
                 if shape else 1
-            # Each slice writes every tensor, its undo copy, and (undone) once more; spares
-            # exchanged into place: a record, and one more to exchange them back.
+            # per slice: every tensor, its undo copy, once more undone; exchanges: 2 records
             per = 3 * (len(src.state_handles) + 2) * slices + 2
             for store in stores:
                 old = writes.get(id(store), (store, 0))
@@ -957,9 +853,7 @@ class HostOptimizer(torch.optim.Optimizer):
             self._overlap.check_hparams()
         except RuntimeError as exc:
             txn = self._txn
-            if txn is not None and txn.unprotected:
-                # Those steps cannot be undone: leave them, and let a step() with the value
-                # set back finish the others (nothing else changed yet).
+            if txn is not None and txn.unprotected:  # cannot be undone: left as they are
                 exc.add_note(
                     "headroom: the parameters stepped during final_backward() keep that step; "
                     "set the value back and call step() again to finish the step for the "
@@ -975,16 +869,13 @@ class HostOptimizer(torch.optim.Optimizer):
         elif hasattr(exc, "add_note"):
             exc.add_note(
                 "headroom: this backward failed inside HostOptimizer.final_backward() after "
-                "some parameters (with state in host memory, whose old values are not kept) "
-                "had already taken this step; step() finishes the step for the others (with "
-                "the gradients they have), or restore the last checkpoint (hr.load, then "
-                "zero_grad()) to continue exactly"
-            )
+                "some parameters (state in host memory, old values not kept) had already "
+                "taken this step; step() finishes it for the others, or restore the last "
+                "checkpoint (hr.load, then zero_grad()) to continue exactly")
 
     def _drop_step(self, undo: bool = False) -> tuple[list[BaseException], int]:
         """End the step in progress, undone (``undo``: returns what failed to go back and how
-        many parameters were updated unprotected) or not (its values are about to be replaced:
-        `load_state_dict`)."""
+        many parameters were updated unprotected) or not (`load_state_dict` replaces it)."""
         self._overlap.settle()  # nothing may still be stepping on the worker
         with self._tickets_lock:
             txn, self._txn = self._txn, None
@@ -1014,21 +905,19 @@ class HostOptimizer(torch.optim.Optimizer):
             self._torn = (
                 "an earlier HostOptimizer.step() failed part-way and could not be undone "
                 f"({why}): parameters and optimizer state now mix old and new values. Load the "
-                "last checkpoint (hr.load(path, model, optimizer) or load_state_dict) before "
-                "training on")
+                "last checkpoint (hr.load or load_state_dict) before training on")
             note = ("headroom: HostOptimizer.step() failed part-way and could not be undone "
                     f"({why}): parameters and optimizer state now MIX old and new values; "
                     "step() refuses until a checkpoint is loaded (hr.load or load_state_dict)")
         elif backward:
             note = ("headroom: this backward failed inside HostOptimizer.final_backward() "
-                    "after some parameters had started this step; their step was undone: every "
-                    "parameter and all optimizer state hold their values from before it. The "
+                    "after some parameters had started this step; their step was undone. The "
                     "gradients are those of the failed backward: zero_grad() and run the "
                     "iteration again")
         else:
-            note = ("headroom: HostOptimizer.step() was undone: every parameter and all "
-                    "optimizer state hold their values from before this step, and the "
-                    "gradients are kept. Remove the cause and call step() again")
+            note = ("headroom: HostOptimizer.step() was undone: parameters and optimizer "
+                    "state are as before it, the gradients kept. Remove the cause and call "
+                    "step() again")
         if hasattr(exc, "add_note"):
             exc.add_note(note)
 
@@ -1045,9 +934,7 @@ class HostOptimizer(torch.optim.Optimizer):
             grad = grad.to(self._state_dtype(e))
             if self._cls in SPARSE_COALESCED:
                 grad = grad.coalesce()  # what their step does first (see SPARSE_COALESCED)
-            if e.initialized:
-                # torch's sparse steps touch only the rows named: only those are read and
-                # written (the first step goes over every row, making the state everywhere)
+            if e.initialized:  # only the rows named (the first step makes every row's state)
                 rows = grad._indices()[0].unique(sorted=True)
         if e.lowp:
             master_store, master_handle = self._state_store or self._aux, e.master_handle
@@ -1082,10 +969,8 @@ class HostOptimizer(torch.optim.Optimizer):
         return torch.nonzero(nz).flatten()
 
     def _allocate_state(self, entries: list[Entry]) -> None:
-        """Allocate the state of every entry about to take its first sliced step, up front."""
-        # Allocating before anything is updated makes a full store fail the step whole: no parameter
-        # has moved and no state is half-written (DiskStore reserves the blocks at allocation, so
-        # later writes cannot run out of space).
+        """Allocate the state of entries about to take their first sliced step, before any
+        update: a full store fails the step whole (DiskStore reserves blocks at allocation)."""
         todo = [e for e in entries
                 if not e.state_handles and not (e.lowp and e.master_handle is not None)]
         if not todo:
@@ -1098,9 +983,8 @@ class HostOptimizer(torch.optim.Optimizer):
         made: list[Handle] = []
         try:
             for e in todo:
-                layout = self._layout(e.group)
                 handles = {}
-                for k in layout.shaped:
+                for k in self._shaped(e.group):
                     h = store.alloc(f"{self._key_prefix}/{e.index}/{k}",
                                     e.shape, self._state_dtype(e), zero=True)
                     made.append(h)
@@ -1121,7 +1005,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 e.state_handles = {}
                 e.master_handle = None
             need = sum(
-                e.numel * 4 * (len(self._layout(e.group).shaped) + e.lowp)
+                e.numel * 4 * (len(self._shaped(e.group)) + e.lowp)
                 for e in todo)
             if isinstance(ex, (StoreFullError, OSError)):
                 raise StoreFullError(
@@ -1137,21 +1021,19 @@ class HostOptimizer(torch.optim.Optimizer):
             return e.master.dtype
         return e.bound.handle.dtype if e.bound.handle.dtype in MASTER_DTYPES else torch.float32
 
-    def _layout(self, gi: int):
-        lay = self._layouts.get(gi)
-        if lay is None:
-            lay = self._layouts[gi] = probe_layout(self._cls, self.param_groups[gi])
-        return lay
+    def _shaped(self, gi: int) -> tuple[str, ...]:
+        keys = self._shaped_keys.get(gi)
+        if keys is None:
+            keys = self._shaped_keys[gi] = probe_shaped(self._cls, self.param_groups[gi])
+        return keys
 
     def _copy_back(self, e: Entry, now: object | None = None) -> None:
         if e.kind == ALIAS or e.kind == BOUND:
             return  # updated in place / written back to the store
         p = e.param
         if self._mover is not None and self._mover.accelerated:
-            # Overwrites the parameter: ordered after backward's last use of it (the event at
-            # its gradient-ready point, on the stream backward ran on) and, from step(),
-            # after what the calling thread queued since (``now``); a worker thread's own
-            # current stream has nothing to do with it.
+            # after backward's last use of it (``e.ready``) and, from step(), what the calling
+            # thread queued since (``now``); not the worker's own current stream
             after = [ev for ev in (e.ready, now) if ev is not None]
             t = self._mover.fetch(e.own.handle, p.data, after=after or None)
             with self._tickets_lock:
@@ -1209,9 +1091,8 @@ class HostOptimizer(torch.optim.Optimizer):
             self._finish_iteration()
         if defer.pending:
             exc = KeyboardInterrupt()
-            exc.add_note("headroom: Ctrl-C came while HostOptimizer.step() was past the point "
-                         "where it could be undone: the step completed, every parameter and "
-                         "all optimizer state hold the new values")
+            exc.add_note("headroom: Ctrl-C came while HostOptimizer.step() could no longer be "
+                         "undone: the step completed; parameters and state hold the new values")
             raise exc
         return loss
 
@@ -1238,12 +1119,9 @@ class HostOptimizer(torch.optim.Optimizer):
         """Declare the backward pass inside as the last one before ``step()``: each parameter's
         step starts as soon as its gradient is complete, overlapped with the rest of backward.
 
-        Every other backward pass only accumulates, so the result is bitwise that of
-        ``overlap=False`` whatever the number of micro-batches per step. Inside, gradients are
-        final: `clip_grad_norm_` afterwards, a further backward pass before ``step()``, or a
-        hyperparameter changed between backward and ``step()`` raise (some parameters have
-        already stepped by then); a backward that fails inside leaves the parameters that
-        already stepped stepped (see the docs' "Failure and recovery"). A no-op with
+        Other backward passes only accumulate: bitwise ``overlap=False``. Inside, gradients
+        are final: `clip_grad_norm_` afterwards, a further backward, or a hyperparameter
+        changed before ``step()`` raise (docs: "Failure and recovery"). A no-op with
         ``overlap=False``.
 
         Args:
@@ -1263,14 +1141,11 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         if enabled:
             self._check_groups()
-            # Steps started during backward can be undone only if they keep their old values;
-            # worth it only when step() may still fail after them (see [Note: all-or-nothing
-            # step]): when some of it writes a disk.
+            # early steps keep old values only where step() may still fail: a disk is written
             self._keep_early = self._atomic and any(
                 may_write_disk(e.plan, self._state_rest(e)) for e in self._order)
             if self._overlap.enabled:
-                # Before backward, not in the steps it starts: reading a parameter on an
-                # accelerator from the worker would wait for the backward queued before it.
+                # now: the worker reading a device parameter would wait for the backward
                 self._follow_writes([e for e in self._order if e.kind == HOSTED])
                 self._hosted_followed = True
         with self._overlap.final_backward(self._order, enabled):
@@ -1302,18 +1177,12 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         self._wait()
         if self._mover is not None:
-            # Gradient copies to the host may still be queued (an accelerator's side
-            # stream); they must land before the host gradients are cleared, or they would
-            # land afterwards, into the next iteration's sum.
-            self._mover.synchronize()
+            self._mover.synchronize()  # queued copies would land in the next iteration's sum
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "zero_grad() after some parameters already took this step inside "
-                "final_backward(): call step() first to finish it. If that backward failed, "
-                "step() finishes the step for the others with the gradients they have; to "
-                "continue exactly, restore the last checkpoint (hr.load, then zero_grad()) "
-                "instead"
-            )
+                "final_backward(): call step() first to finish it, or to continue exactly "
+                "restore the last checkpoint (hr.load, then zero_grad())")
         for e in self._order:
             p = e.param
             zeroed = False  # the stored gradient zeroed through param.grad (read nothing)
@@ -1360,9 +1229,7 @@ class HostOptimizer(torch.optim.Optimizer):
             raise KeyError("parameter is not managed by this HostOptimizer")
         self._take_assigned_grads()
         self._wait()
-        if e.kind == HOSTED and self._mover is not None:
-            self._mover.synchronize()
-        self._sync_bound([e])
+        self._sync_grads([e])
         if not e.has_grad():
             return None
         g = e.grad_tensor()
@@ -1379,9 +1246,8 @@ class HostOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Clip the gradients of all parameters by their total norm, wherever they rest.
 
-        The same computation as ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, then the
-        norm of those), so the result is bitwise equal on the same gradients. Gradients on
-        disk are read once for the norm and scaled as they are read by the step.
+        Bitwise ``torch.nn.utils.clip_grad_norm_`` on the same gradients. Gradients on disk
+        are read once for the norm and scaled as the step reads them.
 
         Args:
             max_norm: largest allowed total norm.
@@ -1403,25 +1269,20 @@ class HostOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "HostOptimizer.clip_grad_norm_ sees only this rank's shards of sharded (FSDP2)"
                 " parameters; use torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which"
-                " reduces the norm over the ranks (the gradients are DTensors in param.grad)"
-            )
+                " reduces the norm over the ranks")
         self._overlap.clips = True
         if any(e.launched for e in self._order):
             raise RuntimeError(
                 "clip_grad_norm_() after final_backward(): some parameters already took this "
-                "step with unclipped gradients. Clipping needs every gradient before any step: "
-                "drop the `with opt.final_backward():` when clipping"
-            )
-        if self._mover is not None:
-            self._mover.synchronize()
-        self._sync_bound(self._order)
+                "step with unclipped gradients; drop the `with opt.final_backward():` when "
+                "clipping")
+        self._sync_grads(self._order)
         grads = [(e, e.grad_tensor()) for e in self._order if e.has_grad()]
         if any(g is not None and g.is_sparse for _, g in grads):
             raise RuntimeError(
                 "clip_grad_norm_ over sparse gradients (nn.Embedding(sparse=True)) is not "
-                "supported, as torch.nn.utils.clip_grad_norm_ cannot take the norm of a sparse "
-                "tensor either; nothing was clipped. Clip only the dense parameters' gradients,"
-                " or use sparse=False")
+                "supported, as in torch; nothing was clipped. Clip only the dense parameters' "
+                "gradients, or use sparse=False")
         if not grads:
             return torch.tensor(0.0)
         norm_type = float(norm_type)
@@ -1463,11 +1324,9 @@ class HostOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Re-read the master copies from the parameters after they changed outside ``step``.
 
-        Only for parameters on an accelerator or not in fp32 (elsewhere the parameter is its
-        own master), and not needed for writes between steps: each step makes the masters
-        follow them (see headroom.optim._follow). `headroom.load` calls it. Masters just loaded by
-        `load_state_dict` (the fp32 master of a bf16/fp16 parameter) are kept: they are more
-        precise than the parameter.
+        Only for parameters on an accelerator or not in fp32; writes between steps need it
+        not (each step's masters follow them). `headroom.load` calls it. fp32 masters just
+        loaded by `load_state_dict` are kept: more precise than the parameter.
         """
         self._wait()
         if self._mover is not None:

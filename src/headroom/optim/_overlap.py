@@ -1,10 +1,8 @@
 """Steps that start during the final backward pass (`HostOptimizer.final_backward`).
 
-Only a backward the loop declares final (the last before ``step()``) may start steps: there a
-parameter's gradient is complete as soon as autograd (or the offload layer, for store-resident
-parameters) signals it, whatever the number of micro-batches. Parameters are grouped in buckets
-in the order their gradients arrived last time (like DDP's rebuilt buckets, so each completes as
-early as possible); a complete bucket is stepped on one worker thread while backward goes on.
+Only there is a gradient complete once signalled, whatever the number of micro-batches.
+Parameters are bucketed in last time's gradient order (as DDP rebuilds its buckets); a
+complete bucket is stepped on one worker thread while backward goes on.
 """
 
 from __future__ import annotations
@@ -26,13 +24,9 @@ __all__ = ["Overlap"]
 class Overlap:
     """The worker thread, the buckets and the hyperparameters steps started with.
 
-    Args:
-        step_entries: steps a batch of entries (called on the worker with ``early=True``).
-        hparams: the current hyperparameters of a parameter group.
-        failed_backward: called with the exception when a final backward fails after some
-            steps started (they have finished by then).
-        enabled: ``False`` makes `final_backward` a no-op.
-        bucket_bytes: fp32 bytes per bucket.
+    ``step_entries`` steps a batch (on the worker, ``early=True``); ``hparams(gi)`` is a
+    group's current hyperparameters; ``failed_backward(exc)`` is called when a final backward
+    fails after some steps started (and ended); ``bucket_bytes``: fp32 bytes per bucket.
     """
 
     def __init__(self, step_entries: Callable[..., None], hparams: Callable[[int], dict],
@@ -75,7 +69,7 @@ class Overlap:
             raise err
 
     def settle(self) -> None:
-        """Wait for everything submitted, dropping errors (their step is being undone)."""
+        """Wait for everything submitted, dropping errors (the step is being undone)."""
         futures, self._futures = self._futures, []
         wait_all(futures)
 
@@ -107,10 +101,9 @@ class Overlap:
             return
         if self.clips:
             raise RuntimeError(
-                "final_backward() steps parameters during backward, before every gradient is "
-                "known, but this optimizer clips gradients (clip_grad_norm_), which needs all of "
-                "them first. Drop the `with opt.final_backward():` (the step then runs in "
-                "step()), or stop clipping"
+                "final_backward() steps parameters before every gradient is known, but this "
+                "optimizer clips gradients (clip_grad_norm_). Drop the `with "
+                "opt.final_backward():` (the step then runs in step()), or stop clipping"
             )
         if self.final or any(e.launched for e in entries):
             raise RuntimeError(
@@ -131,9 +124,8 @@ class Overlap:
             self.final = False
 
     def _arm(self, entries: list[Entry]) -> None:
-        """Buckets for this final backward, in the order gradients arrived in last time."""
-        # Before any gradient was seen, reverse registration order approximates the
-        # order of backward.
+        """Buckets for this final backward, in last time's gradient order (at first, reverse
+        registration order)."""
         order = self.last_arrival or list(reversed(entries))
         for e in entries:
             e.bucket = None
@@ -164,16 +156,13 @@ class Overlap:
             x.launched = True
             x.seen = x.grad_mark()  # step() checks it is unchanged
         with self._lock:
-            # The hyperparameters are taken now, on this thread, and the worker steps
-            # with exactly these: a change made before the worker gets to run is then still
-            # detected at step() rather than silently picked up by some parameters only.
+            # taken now, on this thread: a change before the worker runs is caught at step()
             for x in bucket.entries:
                 self.launched_hparams.setdefault(x.group, self._hparams(x.group))
             self._ready.extend(bucket.entries)
         try:
             self.submit(self._drain)
-        except BaseException as ex:  # noqa: BLE001 - e.g. no thread could be started
-            # Overlap is only an optimization: what was not handed over is stepped by step().
+        except BaseException as ex:  # noqa: BLE001 - e.g. no thread: step() steps these
             self.failed = ex
             with self._lock:
                 left = [x for x in self._ready if x in bucket.entries]
@@ -190,9 +179,9 @@ class Overlap:
                 if not same(v, now.get(k)):
                     raise RuntimeError(
                         f"param_groups[{gi}][{k!r}] changed from {v!r} to {now.get(k)!r} after "
-                        "HostOptimizer had started stepping parameters with the old value "
-                        "during final_backward(). Set hyperparameters before backward (LR "
-                        "schedulers do: call scheduler.step() after opt.step())"
+                        "parameters had started stepping with the old value in "
+                        "final_backward(). Set hyperparameters before backward (call "
+                        "scheduler.step() after opt.step())"
                     )
 
     def finish(self, entries: list[Entry], arrival: list[Entry]) -> None:

@@ -1,9 +1,8 @@
 """Where a `HostOptimizer` entry's tensors rest and what protects them during a step.
 
 [Note: the entry plan]
-`HostOptimizer` takes these decisions here, and only here, and executes them; its dry run
-(`headroom.optim._dry`, what `hr.estimate` and `hr.plan` run) is the same optimizer over meta
-stores.
+`HostOptimizer` takes these decisions here, and only here; its dry run (`_dry.py`, run by
+`hr.estimate` and `hr.plan`) is the same optimizer over meta stores.
 
 Where an entry rests (`plan_entry`, once per parameter):
 
@@ -21,39 +20,25 @@ anywhere else (accelerator  an fp32 (fp64) copy in     whole [1]   an fp32 copy 
 or bf16/fp16)               host memory (``OWN``)                  memory; copied back
 ==========================  =========================  ==========  =========================
 
-[1] *whole*: by the wrapped optimizer in one call, state in its own dict in host memory; but
-*sliced* (`headroom.optim._sliced.SliceRunner`, state in handles) when ``state_store`` is a
-store, or the parameter is ``row_sparse``.
+[1] *whole*: by the wrapped optimizer in one call, state in its dict in host memory; but
+*sliced* (`_sliced.SliceRunner`, state in handles) with a ``state_store`` or ``row_sparse``.
 
-What protects each tensor during a step (`plan_step`; the step is all-or-nothing, see
-[Note: all-or-nothing step]). Roles: the master (``"p"``), each state tensor, and the
-low-precision value of an offloaded bf16/fp16 parameter (``"lp"``). Inputs besides the entry's
-plan: whether its state store holds the state in memory or on disk, whether it has state
-tensors at all, whether this step touches some rows only (lazy Adam, a sparse gradient after
-the first step), whether the master is made this step from the value (``fresh``), and whether
-this is a step started inside ``final_backward`` that keeps copies (``keep_all``: ``atomic``,
-and some entry writes a disk, which may still fail in ``step()``).
+What protects each role in a step (`plan_step`, inputs in its Args; see [Note: all-or-nothing
+step]): the master (``"p"``), each state tensor, an offloaded bf16/fp16 value (``"lp"``).
 
-* A whole step: a copy of master and state in memory if ``keep_all``, else nothing (it runs
-  last, after everything that can fail: `Run.LAST`).
-* A sliced step that writes no disk (master, state and value in memory), unless
-  ``keep_all``: nothing, run last (`Run.LAST`).
-* Any other sliced step, per role:
+* A whole step, or a sliced one that writes no disk: nothing, run last (`Run.LAST`); with
+  ``keep_all``, a copy in memory instead.
+* Any other sliced step, per role (the *disk*: the state store if the state rests on disk,
+  else the offloaded parameter's store if on disk, else none):
 
-  - the *disk* is the state store when the state rests on disk, else the offloaded
-    parameter's store when that is on disk, else none;
-  - a role resting on disk, every row written: ``SPARE`` for the optimizer's own tensors (state,
-    the fp32 master of a bf16 parameter; handles swap when the step ends), ``EXCHANGE`` for the
-    offloaded parameter's own tensor (its value, which the model reads through its handle: a
-    spare in its store exchanged into place) where the store can exchange;
-  - a role resting in memory while there is a disk: an ``UNDO`` tensor on that disk (the old
-    values there instead of a second copy in memory); a master in memory only if there is
-    state;
-  - otherwise an ``UNDO`` tensor in its own store if on disk (rows, or a store that cannot
-    exchange), else ``COPY`` (the old slice in host memory);
-  - ``atomic=False``: no ``UNDO`` (``COPY`` in its place while nothing rests in memory, which
-    updates in place), and when the step updates host memory in place, no ``COPY`` either: the
-    step runs unprotected (`Run.BARE`), spares and exchanges still used.
+  - on disk, every row written: ``SPARE`` for the optimizer's own tensors (handles swap when
+    the step ends); ``EXCHANGE`` for the offloaded parameter's value, which the model reads
+    through its handle (a spare exchanged into place), where its store can exchange;
+  - in memory while there is a disk: an ``UNDO`` tensor on that disk, not a second copy in
+    memory (a master in memory only if there is state);
+  - otherwise ``UNDO`` in its own store if on disk (rows, or no exchange), else ``COPY``;
+  - ``atomic=False``: no ``UNDO`` (``COPY`` while nothing rests in memory); a step updating
+    host memory in place keeps no ``COPY`` either (`Run.BARE`), spares and exchanges still used.
 """
 
 from __future__ import annotations
@@ -75,7 +60,7 @@ class Kind(enum.StrEnum):
 
 
 class Rest(enum.Enum):
-    """Where a store keeps a tensor: as host memory handed out zero-copy, or not (a disk)."""
+    """Where a store keeps a tensor: host memory handed out zero-copy, or not (a disk)."""
 
     MEMORY = "memory"
     DISK = "disk"
@@ -125,14 +110,10 @@ class EntryPlan:
     """Where one entry's tensors rest (see [Note: the entry plan]).
 
     Attributes:
-        kind: how the optimizer holds the parameter.
-        master: where its master rests.
-        sliced: stepped slice by slice with state in handles (else whole, by the wrapped
-            optimizer, state in its dict).
+        sliced: stepped slice by slice, state in handles (else whole, state in a dict).
         store: where the offloaded parameter's store keeps it (``None``: not offloaded).
-        state_store: the state goes to ``state_store`` (a `Store`), not host memory.
+        state_store: the state goes to a `Store`, not host memory.
         exchange: the offloaded parameter's store can exchange tensors.
-        atomic: the optimizer's ``atomic``.
     """
 
     kind: Kind
@@ -171,17 +152,9 @@ class StepPlan:
 
 def plan_entry(*, store: Rest | None, on_cpu: bool, master_dtype: bool, row_sparse: bool,
                state_store: bool, exchange: bool = False, atomic: bool = True) -> EntryPlan:
-    """Where an entry's tensors rest.
-
-    Args:
-        store: where the parameter's store keeps it, if offloaded by hr.offload.
-        on_cpu: the parameter is on the CPU (in host memory), if not offloaded.
-        master_dtype: the parameter (its stored value) is fp32 or fp64.
-        row_sparse: it takes lazy (row-sparse) steps.
-        state_store: the optimizer state goes to a `Store`, not host memory.
-        exchange: its store can exchange tensors (offloaded parameters).
-        atomic: the optimizer's ``atomic``.
-    """
+    """Where an entry's tensors rest (arguments as `EntryPlan`'s attributes; ``on_cpu``: the
+    parameter, not offloaded, is in host memory; ``master_dtype``: it, or its stored value,
+    is fp32 or fp64)."""
     if store is not None:
         kind = Kind.BOUND
         if not master_dtype:
@@ -198,9 +171,8 @@ def plan_entry(*, store: Rest | None, on_cpu: bool, master_dtype: bool, row_spar
 
 
 def may_write_disk(plan: EntryPlan, state: Rest | None) -> bool:
-    """Whether the entry's step may write a disk, before its state exists (``state``: where
-    its first state tensor, else its master beside the state, rests; ``None``: none yet, counted
-    as a disk)."""
+    """Whether the entry's step may write a disk (``state``: `HostOptimizer._state_rest`;
+    ``None``, no state yet, counts as a disk)."""
     if plan.store is Rest.DISK:
         return True
     if not plan.sliced or not plan.state_store:
@@ -214,10 +186,9 @@ def plan_step(plan: EntryPlan, *, state: Rest, has_state: bool, rows: bool, fres
     """What protects the entry's tensors in one step.
 
     Args:
-        plan: the entry's plan.
         state: where its state store keeps its tensors.
         has_state: it has state tensors (the class keeps per-element state).
-        rows: the step touches some rows only.
+        rows: the step touches some rows only (lazy Adam, a later sparse gradient).
         fresh: its fp32 master is made this step from its low-precision value.
         keep_all: a step started inside ``final_backward`` that keeps its old values (some
             entry writes a disk, so ``step()`` may still fail).

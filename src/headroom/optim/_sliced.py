@@ -1,16 +1,10 @@
-"""Running a ``torch.optim`` optimizer on slices of a parameter whose state rests in a store.
+"""Running a ``torch.optim`` optimizer slice by slice over tensors resting in a store.
 
-The host optimizer keeps optimizer state in host memory by default, where PyTorch's own
-optimizer steps whole tensors. When the state (or the master weights) rest in a store that is
-not plain host memory (a `DiskStore`), or when only some rows of a parameter take a step
-(row-sparse mode), the step runs slice by slice: read the master, gradient and state rows of a
-slice, let PyTorch's optimizer update that slice, write the results back. Reads of the next
-slice and writes of the previous one overlap the update of the current one.
-
-This is exact for element-wise optimizers (Adam, AdamW, SGD, Adagrad, RMSprop, ...): each
-element's update depends only on that element and on per-tensor scalars (the step count), which
-every slice carries as its own copy. A sparse gradient is sliced by rows (`sparse_rows`); after
-the first step only the rows it names are read and written.
+Read a slice's master, gradient and state rows, step them with PyTorch's optimizer, write them
+back; the next slice's reads and the last one's writes overlap the update. Exact for
+element-wise optimizers: each element's update depends only on it and on per-tensor scalars
+(step counts), which every slice carries as its own copy. A sparse gradient is sliced by rows
+(`sparse_rows`); after the first step only the rows it names are read and written.
 """
 
 from __future__ import annotations
@@ -29,38 +23,21 @@ from headroom.optim._follow import follow_
 from headroom.optim._undo import Txn, wait_all
 from headroom.store import Handle, Store
 
-__all__ = ["ELEMENTWISE", "SPARSE_COALESCED", "ProbeError", "SliceRunner", "StateLayout",
-           "probe_layout", "probe_step", "sparse_rows"]
+__all__ = ["ELEMENTWISE", "SPARSE_COALESCED", "ProbeError", "SliceRunner", "probe_shaped",
+           "probe_step", "sparse_rows"]
 
-# Only optimizers whose update is element-wise may be sliced. Others (Adafactor's factored
-# row/column statistics, Muon's orthogonalized matrices, LBFGS) are refused for sliced state
-# rather than silently changed.
+# Only element-wise updates may be sliced; others (Adafactor, Muon, LBFGS) are refused.
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name)
     for name in ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam",
                  "Adadelta", "ASGD", "Rprop", "SparseAdam")
     if hasattr(torch.optim, name)
 )
-# NOTE: torch's steps on sparse gradients (SGD, Adagrad, SparseAdam; the others refuse them)
-# touch only the rows the gradient names. Adagrad and SparseAdam coalesce the gradient first,
-# summing duplicate rows in an order of torch's own that slices of it would not repeat: they
-# get slices of the coalesced whole. SGD adds the entries one by one, in their order: it gets
-# them as they are.
+# NOTE: Adagrad and SparseAdam coalesce a sparse gradient first, summing duplicate rows in an
+# order slices would not repeat: they get slices of the coalesced whole. SGD adds the entries
+# one by one, in their order: it gets them as they are.
 SPARSE_COALESCED: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adagrad, torch.optim.SparseAdam)
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Which per-parameter state entries an optimizer keeps, learned from a one-step probe.
-
-    Attributes:
-        shaped: keys of state tensors shaped like the parameter (sliced with it).
-        small: keys of everything else (step counters and other scalars), kept in memory.
-    """
-
-    shaped: tuple[str, ...]
-    small: tuple[str, ...] = field(default=())
 
 
 def ctor_kwargs(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> dict[str, Any]:
@@ -81,15 +58,9 @@ class ProbeError(Exception):
 
 def probe_step(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
                ) -> tuple[torch.optim.Optimizer, torch.Tensor]:
-    """Build ``cls`` over a small CPU matrix and step it once: returns it and the parameter.
-
-    The parameter is 2-D (Muon steps matrices only); its gradient is dense, or sparse when the
-    step refuses a dense one (SparseAdam takes only sparse gradients).
-
-    Raises:
-        ProbeError: neither gradient steps (the errors of both).
-        Exception: whatever the constructor raises for these options.
-    """
+    """``cls`` built over a small CPU matrix (Muon steps only matrices) and stepped once with a
+    dense gradient, else a sparse one (SparseAdam), and the matrix. Raises `ProbeError` if
+    neither steps, and what the constructor raises for these options."""
     errors = []
     for sparse in (False, True):
         p = torch.zeros(2, 3)
@@ -105,21 +76,17 @@ def probe_step(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
     raise ProbeError(*errors)
 
 
-def probe_layout(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> StateLayout:
-    """Step ``cls`` once on a tiny parameter to learn the layout of its state."""
+def probe_shaped(cls: type[torch.optim.Optimizer], group: dict[str, Any]) -> tuple[str, ...]:
+    """The keys of ``cls``'s state tensors shaped like the parameter (sliced with it; the rest,
+    step counts and scalars, stays in memory), from a one-step probe."""
     opt, p = probe_step(cls, ctor_kwargs(cls, group))
-    shaped, small = [], []
-    for k, v in opt.state[p].items():
-        if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3):
-            shaped.append(k)
-        else:
-            small.append(k)
-    return StateLayout(tuple(shaped), tuple(small))
+    return tuple(k for k, v in opt.state[p].items()
+                 if isinstance(v, torch.Tensor) and tuple(v.shape) == (2, 3))
 
 
 def sparse_rows(g: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` (a slice, or sorted row indices) of a sparse COO gradient, as a sparse
-    tensor of that many rows: its entries there in their order, coalesced if ``g`` is."""
+    """Rows ``rows`` (a slice, or sorted indices) of a sparse COO gradient: its entries there
+    in their order, coalesced if ``g`` is."""
     idx, vals = g._indices(), g._values()
     first = idx[0]
     if isinstance(rows, slice):
@@ -149,12 +116,9 @@ def _clone_small(v: Any) -> Any:
 class SlicedParam:
     """Where one parameter's master, gradient and state rest for a sliced step.
 
-    Exactly one of ``master`` (an in-memory fp32 tensor updated in place) or
-    ``master_handle`` (in ``master_store``) is set; the same holds for the gradient. A
-    low-precision parameter (bf16, fp16) has an fp32 master of its own: ``shadow`` names where
-    its low-precision value rests; the master is created from it on the first step
-    (``initialized`` false) and the value is rewritten from the master after every slice.
-    A gradient in another dtype than the master is cast to it.
+    One of ``master`` (in memory, updated in place) or ``master_handle`` is set; so for the
+    gradient (cast to the master's dtype). A bf16/fp16 parameter's value rests at ``shadow``:
+    its fp32 master is made from it on the first step, and it is rewritten from the master.
     """
 
     master: torch.Tensor | None
@@ -170,28 +134,22 @@ class SlicedParam:
     initialized: bool
     rows: torch.Tensor | None = None  # row-sparse mode: sorted rows to touch; None = all rows
     shadow: tuple[Store, Handle] | None = None  # the low-precision value the master feeds
-    # Undo tensors (same store, shape and dtype) of what rests on disk: "p" (master), the
-    # state keys, "lp" (the low-precision value). See [Note: all-or-nothing step].
+    # by role ("p" master, state keys, "lp" value), see [Note: all-or-nothing step]: undo
+    # tensors of what is kept, and spares the new values go to
     undo: dict[str, tuple[Store, Handle]] = field(default_factory=dict)
-    # Tensors whose new values go to a second tensor of the same store instead of over the
-    # old ones (the two swap when the step ends): nothing to keep, no extra write. State keys,
-    # and "p" / "lp" (the master / the low-precision value) where the store can exchange.
     spare: dict[str, Handle] = field(default_factory=dict)
-    # Compare the master with the low-precision value before updating (the value may have been
-    # written since the last step; see headroom.optim._follow)
-    follow: bool = False
+    follow: bool = False  # the master follows a value written since (see _follow.py)
 
 
 def _vector_lanes() -> int:
-    """fp32 lanes of the widest vector this CPU's kernels use (16 up to AVX-512; an SVE
-    capability names its width in bits)."""
+    """fp32 lanes of this CPU's widest kernel vector (16 up to AVX-512; SVE names its bits)."""
     bits = "".join(c for c in torch.backends.cpu.get_cpu_capability() if c.isdigit())
     return max(16, int(bits) // 32) if len(bits) >= 3 else 16
 
 
-# NOTE: the fused CPU kernels step a vector's worth of elements at a time and the last few
-# of a tensor one by one, which rounds differently (fused multiply-adds): every slice starts at
-# a multiple of the vector width, so each element is stepped as it is in the whole tensor.
+# NOTE: the fused CPU kernels step the tail of a tensor element by element, which rounds
+# differently (fused multiply-adds): slices start at multiples of the vector width, so each
+# element is stepped as in the whole tensor.
 _ALIGN = _vector_lanes()
 
 
@@ -203,33 +161,26 @@ def _rows_per_slice(shape: tuple[int, ...], slice_bytes: int) -> int:
 
 
 class SliceRunner:
-    """Steps parameters slice by slice with a private instance of the user's optimizer class.
-
-    Args:
-        cls: the ``torch.optim.Optimizer`` subclass.
-        slice_bytes: target fp32 bytes of one slice of the master weight.
-    """
+    """Steps parameters slice by slice with private instances of the optimizer class ``cls``
+    (``slice_bytes``: fp32 bytes of a master slice)."""
 
     def __init__(self, cls: type[torch.optim.Optimizer], *, slice_bytes: int,
                  unfuse_sparse: bool = False) -> None:
         self.cls = cls
         self.slice_bytes = slice_bytes
-        # the fused kernel was chosen for the user (not asked for): sparse gradients, which it
-        # refuses, step in the class's own implementation, as torch's default steps them
         self.unfuse_sparse = unfuse_sparse
         self._opts: dict[int, torch.optim.Optimizer] = {}
         self._bufs: dict[tuple[str, int], torch.Tensor] = {}
 
     def _buf(self, name: str, parity: int, handle: Handle, n_rows: int) -> torch.Tensor:
-        """A reusable landing buffer for ``n_rows`` rows of ``handle`` (double-buffered)."""
+        """A reusable landing buffer for ``n_rows`` rows of ``handle``."""
         shape = (n_rows, *handle.shape[1:])
         nbytes = math.prod(shape) * handle.dtype.itemsize
         buf = self._bufs.get((name, parity))
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
             self._bufs[(name, parity)] = buf
-        # The optimizer's own working memory, whatever the slice holds (a tracker would
-        # otherwise count it as parameters or gradients through the inner optimizer's hooks).
+        # working memory, whatever the slice holds (not parameters or gradients to a tracker)
         annotate(buf, "optimizer_state")
         return buf[:nbytes].view(handle.dtype).view(shape)
 
@@ -239,9 +190,7 @@ class SliceRunner:
             placeholder = torch.zeros(1)
             opt = self.cls([placeholder], **ctor_kwargs(self.cls, group))
             opt.state.clear()
-            # It steps slices of headroom's own tensors, never a model's parameters: the
-            # global step hooks hr.offload installs have nothing to do for it.
-            opt._headroom_private = True
+            opt._headroom_private = True  # hr.offload's global step hooks skip it
             self._opts[gi] = opt
         inner = opt.param_groups[0]
         for k, v in group.items():
@@ -250,10 +199,8 @@ class SliceRunner:
         return opt
 
     def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        # Most optimizers create state lazily in step(); a few (Adagrad) create it in the
-        # constructor. A throwaway instance on the slice covers both. Tensors it makes from
-        # nothing (Adagrad's step count) are host tensors, as the step runs on the host: made
-        # under a meta default device (a dry run) they would have no value to read.
+        # A throwaway instance covers state made in the constructor (Adagrad) or in step();
+        # on the CPU: under a dry run's meta default device, made-up tensors have no value.
         with torch.device("cpu"):
             tmp = self.cls([work], **ctor_kwargs(self.cls, group))
         return dict(tmp.state.get(work, {}))
@@ -261,15 +208,11 @@ class SliceRunner:
     def step_many(
         self, items: list[tuple[SlicedParam, int, dict[str, Any]]], txn: Txn | None = None
     ) -> list[dict[str, Any]]:
-        """Step several parameters as one pipeline of slices; returns their new small states.
-
-        With ``txn``, the old values of every slice are kept in it before the slice is
-        overwritten (see [Note: all-or-nothing step]); on an exception every write issued has
-        finished (or failed) before it propagates.
+        """Step several parameters as one pipeline of slices (the disk stays busy between
+        parameters); returns their new small states. With ``txn``, each slice's old values
+        are kept in it first (see [Note: all-or-nothing step]); on an exception every write
+        issued has ended before it propagates.
         """
-        # One pipeline across parameters (not one per parameter) keeps the disk busy between
-        # parameters: the first slice of the next parameter is read while the last slice of this one
-        # is updated and written.
         results: list[dict[str, Any]] = [src.small for src, _, _ in items]
         slices: list[tuple[int, int, int]] = []  # (item, first row, end row)
         for k, (src, gi, group) in enumerate(items):
@@ -279,9 +222,7 @@ class SliceRunner:
                 continue
             n_rows = shape[0] if src.rows is None else int(src.rows.numel())
             if n_rows == 0 and (src.rows is None or _is_sparse(src.grad)):
-                # nothing to update (an FSDP2 rank's empty shard, a sparse gradient without
-                # entries), but the scalars (step counts) advance, as torch's optimizer
-                # advances them on an empty tensor or gradient
+                # an empty shard or sparse gradient: step counts advance, as in torch
                 results[k] = self._step_empty(src, self._optimizer(gi, group), group,
                                               (0, *shape[1:]))
                 continue
@@ -313,14 +254,11 @@ class SliceRunner:
                     for key, h in src.state_handles.items()
                 }
                 if src.shadow is not None and (src.follow or (
-                        txn is not None and "lp" not in src.spare)):
-                    # the low-precision value about to be overwritten: compared with the
-                    # master, and kept for an undo
+                        txn is not None and "lp" not in src.spare)):  # to follow, or to keep
                     got["lp"] = self._load(None, *src.shadow, rows, ("lp", par, b - a))
             if txn is not None:
-                # Host-memory slices with an undo tensor on disk: written out from the resting
-                # tensor itself (no copy), now, while an earlier slice is updated; the update
-                # of this one waits for it (`_keep`).
+                # host slices with an undo tensor on disk: written from the resting tensor now,
+                # while an earlier slice is updated; this one's update waits (`_keep`)
                 views = [] if src.shadow is not None and not src.initialized else [
                     ("p", got["p"])]
                 views += [(k, v) for k, v in got.get("s", {}).items() if k not in src.spare]
@@ -346,8 +284,7 @@ class SliceRunner:
             opt = self._optimizer(gi, group)
             cur = nxt
             if i + 1 < len(slices):
-                # Wait for the writes that used the other half of the double buffer,
-                # then start the next slice's reads: they overlap this slice's update.
+                # the other buffer's writes done, the next reads overlap this update
                 for f in pending_writes[(i + 1) % 2]:
                     f.result()
                 pending_writes[(i + 1) % 2] = []
@@ -356,8 +293,7 @@ class SliceRunner:
             grad = _result(cur["g"])
             rows = cur["rows"]
             kept = [] if txn is None else self._keep(src, cur, rows, txn)
-            if src.follow and src.initialized:
-                # after its old values are kept: the master takes what was written since
+            if src.follow and src.initialized:  # after its old values are kept
                 follow_(work, _result(cur["lp"]))
             if src.shadow is not None and not src.initialized:
                 work = work.float()  # the fp32 master starts from the low-precision value
@@ -365,8 +301,7 @@ class SliceRunner:
             if grad.dtype != work.dtype:
                 grad = grad.to(work.dtype)
                 owned = True
-            if src.grad_scale is not None:
-                # Scale a landed copy in place; never the resting gradient itself.
+            if src.grad_scale is not None:  # in place only in a landed copy
                 grad = grad.mul_(src.grad_scale) if owned else grad.mul(src.grad_scale)
             resting = cur.get("s", {})
             state = self._run(opt, group, src, work, grad,
@@ -374,9 +309,8 @@ class SliceRunner:
             writes = pending_writes[i % 2]
             failed = None
             for fut, rec, ram in kept:
-                # New values go out only once the old ones are kept (a failed undo write
-                # stops the step here, with this slice's old values still in place, or, for
-                # a host tensor already updated in place, kept in memory after all).
+                # new values go out once the old ones are kept (a failed undo write stops
+                # here; a host tensor already updated in place keeps them in memory)
                 writes.append(fut)
                 try:
                     fut.result()
@@ -396,7 +330,6 @@ class SliceRunner:
                     continue  # updated in place in the resting host tensor
                 writes.append(src.state_store.write_rows(src.spare.get(key, h), rows,
                                                          t.contiguous()))
-            # A master made from the low-precision value is new: written out too.
             fresh = src.shadow is not None and not src.initialized
             if fresh or isinstance(cur["p"], Future):
                 writes.append(src.master_store.write_rows(
@@ -419,9 +352,8 @@ class SliceRunner:
 
     def _keep(self, src: SlicedParam, cur: dict[str, Any], rows: slice | torch.Tensor,
               txn: Txn) -> list[tuple[Future, tuple, tuple | None]]:
-        """Keep the old values of what this slice overwrites (before its update runs): copies
-        in ``txn`` for host memory, writes to the undo tensors for stores (returned, with the
-        record to add once each has landed)."""
+        """Keep the old values this slice overwrites: copies in ``txn``, or undo writes
+        (returned, each with the record to add once it landed)."""
         pending: list[tuple[Future, tuple, tuple | None]] = []
 
         def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
@@ -463,10 +395,8 @@ class SliceRunner:
 
     def _run(self, opt, group, src: SlicedParam, work: torch.Tensor, grad: torch.Tensor,
              shaped: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
-        """Step ``opt`` on one tensor (a slice or a whole parameter); returns its new state.
-
-        ``shaped`` gives the resting per-element state (called only once initialized).
-        """
+        """Step ``opt`` on one tensor; returns its new state (``shaped()``: the resting
+        per-element state, once initialized)."""
         if src.initialized:
             state = shaped()
             state.update({k: _clone_small(v) for k, v in src.small.items()})
@@ -491,7 +421,7 @@ class SliceRunner:
 
     def _step_empty(self, src: SlicedParam, opt, group, shape: tuple[int, ...]
                     ) -> dict[str, Any]:
-        """The new small state of a parameter with no elements (nothing is read or written)."""
+        """The new small state of a parameter with no elements."""
         dtype = src.master_handle.dtype if src.master is None else src.master.dtype
         work = torch.empty(shape, dtype=dtype)
         grad = sparse_rows(src.grad, slice(0, 0)) if _is_sparse(src.grad) else \
@@ -543,7 +473,7 @@ class SliceRunner:
         self, mem: torch.Tensor | None, store: Store | None, handle: Handle | None,
         rows: slice | torch.Tensor, buf: tuple[str, int, int],
     ) -> Any:
-        """A slice: a view of an in-memory tensor, of a resting host tensor, or a read future."""
+        """A slice: a view of a tensor in memory or resting in a host store, or a read future."""
         if mem is not None:
             if isinstance(rows, slice):
                 return _InPlace(mem[rows])

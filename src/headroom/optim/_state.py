@@ -39,9 +39,8 @@ def index_state(opt: HostOptimizer, e: Entry) -> dict[str, Any] | None:
 
 
 def _as_param(e: Entry, local: torch.Tensor) -> torch.Tensor:
-    """A state tensor of a sharded (FSDP2) parameter as a DTensor sharded like it, as torch's
-    optimizers keep it: torch.distributed.checkpoint saves each rank's shard of it (a plain
-    tensor would count as replicated: one rank's saved for all) and reshards it on load."""
+    """A sharded (FSDP2) parameter's state tensor as a DTensor sharded like it, as torch keeps
+    it (torch.distributed.checkpoint would save a plain tensor as replicated: one rank's)."""
     if not e.sharded:
         return local
     from torch.distributed.tensor import DTensor
@@ -52,7 +51,7 @@ def _as_param(e: Entry, local: torch.Tensor) -> torch.Tensor:
 
 
 def _local(t: Any) -> Any:
-    """The local shard of a DTensor (state of a sharded parameter, see `_as_param`)."""
+    """The local shard of a DTensor (see `_as_param`)."""
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
@@ -66,8 +65,8 @@ def state_dict(opt: HostOptimizer) -> dict[str, Any]:
 
 
 def _key(k: Any) -> Any:
-    """A parameter's key in a state dict: its index (also written as a string, as JSON does)
-    or its name (torch.distributed.checkpoint's get_state_dict names parameters)."""
+    """A parameter's key in a state dict: its index (maybe a string, as in JSON) or its name
+    (torch.distributed.checkpoint's get_state_dict)."""
     return int(k) if isinstance(k, str) and k.isdigit() else k
 
 
@@ -77,13 +76,8 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
     if opt._mover is not None:
         opt._mover.wait_reads()  # copy-backs still reading the masters written below
     saved = state_dict["param_groups"]
-    if len(saved) != len(opt.param_groups):
-        raise ValueError(
-            f"loaded state dict has {len(saved)} parameter groups, this optimizer has "
-            f"{len(opt.param_groups)}"
-        )
     sizes = [len(g["params"]) for g in opt.param_groups]
-    if sizes != [len(g["params"]) for g in saved]:
+    if sizes != [len(g["params"]) for g in saved]:  # in number or size
         raise ValueError(
             "loaded state dict has parameter groups of sizes "
             f"{[len(g['params']) for g in saved]}, this optimizer has {sizes}"
@@ -101,9 +95,8 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
             " optimizer_class), or through torch.distributed.checkpoint.state_dict's"
             " get_state_dict/set_state_dict"
         )
-    # every parameter's state is replaced: a mix left by a failed step ends, and so does a
-    # step left part-way by a final backward that failed (its early updates are overwritten,
-    # nothing of it is committed: the spares it wrote are not exchanged in)
+    # every state is replaced: a mix left by a failed step ends, and so does a step left
+    # part-way by a failed final backward (nothing of it committed or exchanged in)
     opt._drop_step()
     opt._torn = None
     for sg, g in zip(saved, opt.param_groups, strict=True):
@@ -146,9 +139,7 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
                 raise ValueError(f"loaded state of parameter {e.index} lacks {k!r}")
             t = _local(st[k]).detach().to("cpu", h.dtype).reshape(h.shape).contiguous()
             store.write(h, t).result()
-        if e.lowp:
-            # A state dict without the fp32 master (e.g. from the plain optimizer
-            # class) starts it from the parameter's stored low-precision value.
+        if e.lowp:  # without an fp32 master (the plain class's), from the stored value
             master = _local(st["master"]) if "master" in st else \
                 e.bound.store.read(e.bound.handle).result()
             t = master.detach().to("cpu", torch.float32).reshape(e.master_handle.shape)
@@ -166,10 +157,10 @@ class ParamState:
     Attributes:
         index: its index in the wrapped class's state dict.
         param: the parameter.
-        state: the state held in memory (tensors and scalars; with ``"master"``, the fp32
-            master of a bf16/fp16 parameter, where that rests in memory); ``None``: no state yet.
-        resting: the state tensors that rest in ``store`` (``"master"`` among them for a
-            store-resident bf16/fp16 parameter): read slice by slice rather than into memory.
+        state: the state in memory (``"master"``: a bf16/fp16 parameter's fp32 master, where
+            in memory); ``None``: no state yet.
+        resting: the state tensors resting in ``store`` (``"master"`` too for a lowp
+            parameter), read slice by slice.
         store: where ``resting`` is (``None`` when nothing rests).
     """
 
@@ -203,10 +194,8 @@ def saved_view(opt: HostOptimizer) -> SavedView:
     store = opt._state_store or opt._aux
     params = []
     for e in opt._order:
-        if not e.streamed:
+        if not (e.streamed and e.initialized):  # (no state yet: None)
             params.append(ParamState(e.index, e.param, index_state(opt, e) or None, {}, None))
-        elif not e.initialized:
-            params.append(ParamState(e.index, e.param, None, {}, None))
         else:
             resting = dict(e.state_handles)
             if e.master_handle is not None:

@@ -1,39 +1,29 @@
 """What one optimizer step changed, kept until the step ends so a failed step can be undone.
 
 [Note: all-or-nothing step]
-A `HostOptimizer` step updates many tensors: masters in memory, state and masters in stores,
-one slice at a time. What rests on disk is not overwritten: each such tensor has a spare of the
-same shape in its store; the step reads the current one, writes the spare, and the two trade
-places when the step ends, so an undo has nothing to put back and the step does no more I/O
-than an in-place one. The optimizer's own tensors (state, the fp32 master of a bf16 parameter)
-swap handles; a parameter offloaded to a `DiskStore` (its fp32 value or its bf16 value), whose
-handle the model reads, swaps contents with its spare (`Store.exchange`: an index change, one
-journal record per store, so a store reopened after ``kill -9`` has every parameter of the step
-old or every one new). The exchanges run once the step cannot be interrupted any more (Ctrl-C
-held back) and before anything that cannot be undone; one that fails is exchanged back. Until
-then the model reads the old values whole, also while steps run during ``final_backward``.
-Before a slice of any other tensor is overwritten (host memory, or rows of a row-sparse step),
-its old values are kept: a copy in host memory, or, when a disk takes part, written to an undo
-tensor of their own (a scratch key, see [Note: scratch keys]) on that disk, so a step over a
-`DiskStore` holds no second copy of the state in memory. (Updating state in host memory after
-the parameters instead, by running the kernel again, would read as many bytes as the undo
-copies write, and a failed read then could not be undone.) The new values of a slice go out
-only once its old values are kept. When anything inside the step raises, every kept slice is
-written back (newest first) and the per-parameter scalars (step counts) are restored:
-parameters and state are then exactly as before the step, and the gradients are still there,
-so calling ``step()`` again redoes it. When the step ends, what was kept is dropped.
+What rests on disk is not overwritten: the step writes a spare of the same shape in its store,
+and the two trade places when the step ends (no undo, no extra I/O). The optimizer's own
+tensors swap handles; an offloaded parameter's value, whose handle the model reads, swaps
+contents (`Store.exchange`: one journal record per store, so after ``kill -9`` every parameter
+of the step is old or every one new). Exchanges run once Ctrl-C is held back and before
+anything that cannot be undone; one that fails is exchanged back. Until then the model reads
+the old values whole, also during ``final_backward``.
+Before a slice of any other tensor (host memory, rows of a row-sparse step) is overwritten,
+its old values are kept: a copy in host memory, or, when a disk takes part, an undo tensor
+(a scratch key, see [Note: scratch keys]) on that disk, so no second copy of the state sits in
+memory. (Re-running the kernel instead would read as many bytes, and a failed read could not
+be undone.) A slice's new values go out only once its old ones are kept. When the step
+raises, kept slices are written back newest first and the scalars (step counts) restored:
+all is as before, gradients too, and ``step()`` again redoes it.
 
-What a step updates without touching a disk is not copied: tensors stepped whole in host
-memory by the wrapped optimizer (state in host memory), and sliced steps whose master, state
-and low-precision value all rest in host memory (a bf16 model offloaded with ``store="cpu"``;
-copies of every slice kept until the step ends would cost 14 bytes per parameter). Their
-update is PyTorch's kernel on the resting tensors, which allocates nothing once the state
-exists (a sliced step: at most a slice of temporaries at a time), so it runs last, after
-everything that can fail, with Ctrl-C held back until the step ends (`DeferInterrupt`). Steps
-started during ``final_backward`` keep a copy of those when something that can fail (a disk)
-may follow in ``step()``. What is left that cannot be undone (an error inside that kernel, e.g.
-out of memory while the first step creates the state) is reported as a mix, and ``step()``
-refuses until a checkpoint is loaded.
+What a step updates without touching a disk is not copied (tensors stepped whole in host
+memory; sliced steps with master, state and value in host memory, where copies would cost 14
+bytes per parameter): PyTorch's kernel on the resting tensors allocates nothing once the state
+exists (a slice of temporaries at most), so it runs last, after everything that can fail,
+Ctrl-C held back (`DeferInterrupt`). Steps started during ``final_backward`` copy those when a
+disk may still fail in ``step()``. An error left that cannot be undone (in that kernel, e.g.
+out of memory making the first state) is reported as a mix; ``step()`` refuses until a
+checkpoint is loaded.
 """
 
 from __future__ import annotations
@@ -64,6 +54,10 @@ class Txn:
         self.stores: set = set()  # stores holding a write reservation for this step
 
     # ------------------------------------------------------------------ recording
+    def _add(self, *rec: Any) -> None:
+        with self._lock:
+            self._records.append(rec)
+
     def entry(self, e: Any) -> None:
         """Keep ``e``'s per-parameter scalars (step counts...) and flags as they are now."""
         with self._lock:
@@ -74,24 +68,20 @@ class Txn:
 
     def ram(self, t: torch.Tensor, rows: Any, old: torch.Tensor) -> None:
         """``t[rows]`` (``rows`` None: all of ``t``) held ``old`` (a copy) before the step."""
-        with self._lock:
-            self._records.append(("ram", t, rows, old))
+        self._add("ram", t, rows, old)
 
     def stored(self, store: Any, handle: Any, rows: Any, undo: tuple[Any, Any]) -> None:
         """Rows of ``handle`` were copied to the same rows of ``undo`` = (store, handle)."""
-        with self._lock:
-            self._records.append(("store", store, handle, rows, undo))
+        self._add("store", store, handle, rows, undo)
 
     def ram_from(self, t: Any, rows: Any, undo: tuple[Any, Any], urows: Any) -> None:
-        """``t[rows]`` (``rows`` None: all of ``t``, a view) held what rows ``urows`` of the
-        undo tensor ``undo`` = (store, handle) now hold."""
-        with self._lock:
-            self._records.append(("ram-from", t, rows, undo, urows))
+        """``t[rows]`` (``rows`` None: all of ``t``) held what rows ``urows`` of the undo
+        tensor ``undo`` = (store, handle) now hold."""
+        self._add("ram-from", t, rows, undo, urows)
 
     def stored_copy(self, store: Any, handle: Any, rows: Any, old: torch.Tensor) -> None:
         """``handle``'s ``rows`` (None: all of it) held ``old`` (a host copy) before the step."""
-        with self._lock:
-            self._records.append(("store-copy", store, handle, rows, old))
+        self._add("store-copy", store, handle, rows, old)
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when the step ends well (e.g. make the spare state tensors current)."""
@@ -99,15 +89,13 @@ class Txn:
             self._commit.append(fn)
 
     def exchange(self, store: Any, handle: Any, spare: Any) -> None:
-        """When the step ends well, ``handle`` (a tensor the optimizer does not own) takes
-        the contents of ``spare``, which the step wrote instead, by `run_exchanges`."""
+        """At `run_exchanges`, ``handle`` (not the optimizer's) takes ``spare``'s contents."""
         with self._lock:
             self._exchanges.append((store, handle, spare))
 
     def run_exchanges(self) -> None:
-        """Exchange every pending spare into place: one `Store.exchange` per store (a journal
-        record each), each recorded so that an undo exchanges it back. Runs once the step can
-        no longer be interrupted, before anything that cannot be undone."""
+        """Exchange every pending spare into place, one `Store.exchange` per store, each
+        recorded so that an undo exchanges it back."""
         with self._lock:
             todo, self._exchanges = self._exchanges, []
         by_store: dict[int, tuple[Any, list]] = {}
@@ -115,23 +103,22 @@ class Txn:
             by_store.setdefault(id(store), (store, []))[1].append((h, sp))
         for store, pairs in by_store.values():
             store.exchange(pairs)
-            with self._lock:
-                self._records.append(("call", lambda s=store, p=pairs: s.exchange(p)))
+            self._add("call", lambda s=store, p=pairs: s.exchange(p))
 
     def commit(self) -> None:
-        """The step succeeded: run the commit actions (plain assignments), then `end`."""
+        """The step succeeded: run the commit actions, then `end`."""
         for fn in self._commit:
             fn()
         self.end()
 
     def after_undo(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once the old values are back (e.g. copy a master back to its parameter)."""
+        """Run ``fn`` once the old values are back."""
         with self._lock:
             self._after.append(fn)
 
     @property
     def exchanging(self) -> bool:
-        """Whether spares wait to be exchanged into place (`run_exchanges`)."""
+        """Whether spares wait for `run_exchanges`."""
         return bool(self._exchanges)
 
     # ------------------------------------------------------------------ the end
@@ -200,11 +187,9 @@ def wait_all(futures: list[Future]) -> None:
 
 
 class DeferInterrupt:
-    """Hold Ctrl-C (SIGINT) back while `armed`, and raise it when the block ends.
-
-    Before `arm`, Ctrl-C raises `KeyboardInterrupt` at once (the step can still be undone).
-    Only in the main thread with Python's default handler installed; elsewhere a no-op.
-    """
+    """Hold Ctrl-C back once `arm` ran (before, it raises at once: the step can still be
+    undone); the caller raises it after. Only in the main thread under Python's default
+    handler; elsewhere a no-op."""
 
     def __init__(self) -> None:
         self.armed = False

@@ -27,14 +27,14 @@ from headroom.store._safetensors import crc_of_file
 from headroom.store._segments import combine, crc_of_range, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError, StoreFullError
 
-__all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text"]
+__all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text", "range_crc"]
 
 _PIECE = 16 << 20  # a range is checksummed in pieces of this size, spread over the threads
 _BUF = 4 << 20
 ASIDE = ".unaccounted"  # what recover=True appends to the name of a file it cannot account for
 
 
-def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
+def range_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
     """CRC32C of ``length`` bytes of ``path`` at ``start``; ``None`` if the file is shorter."""
     try:
         fd = open_file(path, os.O_RDONLY)
@@ -55,7 +55,7 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
     jobs = []
     for path, start, end in ranges:
         pieces = [(s, min(end, s + _PIECE)) for s in range(start, end, _PIECE)]
-        jobs.append([(s, e, pool.submit(_piece_crc, path, s, e - s, page_cache))
+        jobs.append([(s, e, pool.submit(range_crc, path, s, e - s, page_cache))
                      for s, e in pieces])
     out: list[int | None] = []
     for pieces in jobs:

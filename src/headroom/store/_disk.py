@@ -21,7 +21,7 @@ from headroom.store._handle import Handle
 from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
 from headroom.store._pools import Pool, stop_pool
 from headroom.store._recover import open_checks, range_crc
-from headroom.store._safetensors import buffer_view
+from headroom.store._safetensors import buffer_view, pread_into
 from headroom.store._segments import BAD, combine, crc, scan
 from headroom.store._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
@@ -30,15 +30,6 @@ __all__ = ["DiskStore"]
 
 class _ShortFile(OSError):
     """A tensor file ended before the bytes a read needs (it was truncated since opening)."""
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n == 0:
-            raise _ShortFile(errno.EIO, "unexpected end of file")
-        buf = buf[n:]
-        offset += n
 
 
 def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> None:
@@ -185,7 +176,7 @@ class _ReadCheck:
             first = 0
             for c0 in range(off, end, _CHECK_CHUNK):
                 c1 = min(c0 + _CHECK_CHUNK, end)
-                _pread_into(fd, mv[pos + c0 - off:pos + c1 - off], c0)
+                pread_into(fd, mv[pos + c0 - off:pos + c1 - off], c0, _ShortFile)
                 q = first
                 while q < len(shares) and shares[q][1] < c1:
                     share = shares[q]
@@ -507,7 +498,7 @@ class DiskStore(Store):
                     check.read(fd, mv, extents, covered)
                 else:
                     for pos, offset, length in extents:
-                        _pread_into(fd, mv[pos:pos + length], offset)
+                        pread_into(fd, mv[pos:pos + length], offset, _ShortFile)
                 for _, offset, length in extents:
                     self._drop_cache(fd, offset, length, False)
             except _ShortFile:

@@ -13,7 +13,7 @@ from headroom.store._heap import HeapTrimmer, release_pages, trim_heap
 from headroom.store._host import HostStore, PinnedPool, add_into, as_bytes, resolve_store
 from headroom.store._meta import MetaStore, Places, flat_tensors, to_meta
 from headroom.store._pinned import PinnedArena, device_guard, pinned_bytes, set_pinned_limit
-from headroom.store._pools import owned_pool, stop_pool
+from headroom.store._pools import owned_pool
 from headroom.store._safetensors import (
     MAX_HEADER_BYTES,
     HeaderError,
@@ -64,7 +64,6 @@ __all__ = [
     "resolve_store",
     "safetensors_dtypes",
     "set_pinned_limit",
-    "stop_pool",
     "to_meta",
     "trim_heap",
 ]

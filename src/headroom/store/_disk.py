@@ -121,16 +121,6 @@ def _settle(pending: dict[str, Future], lock: threading.RLock, key: str, fut: Fu
             del pending[key]
 
 
-def _apply_scales(t: torch.Tensor, scales: list[tuple[Callable, object]]) -> None:
-    """Apply recorded in-place scalings (see `DiskStore.scale_`) to values just read, in order."""
-    with torch.no_grad():
-        for op, factor in scales:
-            if op.__name__.startswith("_foreach"):
-                op([t], factor)
-            else:
-                op(t, factor)
-
-
 class _ReadCheck:
     """Checksums of one read: segments it covers whole are verified before its future resolves.
 
@@ -147,8 +137,7 @@ class _ReadCheck:
 
     def covered(self) -> list[list]:
         """Segments with a known CRC that the read covers (raises if it touches bad bytes)."""
-        # Looked up when a piece runs, not at submission: operations on a key run in order, so the
-        # segments then describe exactly the bytes this read finds.
+        # Looked up when a piece runs (operations on a key run in order): the bytes it finds.
         segs = self.store._ledger.segments(self.key)
         covered, bad = scan(segs, [(off, off + length) for _, off, length in self.extents])
         if bad:
@@ -204,16 +193,18 @@ class _ReadCheck:
                     f"read CRC32C {got:08x}, stored {want:08x}: the file was changed or damaged"
                     " on disk. Rewrite the tensor (hr.load(checkpoint, model, optimizer)), or"
                     " reopen with DiskStore(path, recover=True) to find all damage"))
-        if self.scales:
-            _apply_scales(self.out, self.scales)
+        if self.scales:  # the recorded scalings (see `DiskStore.scale_`), in order
+            with torch.no_grad():
+                for op, factor in self.scales:
+                    op([self.out] if op.__name__.startswith("_foreach") else self.out, factor)
 
 
 _STORES: weakref.WeakSet[DiskStore] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    # Another thread of the parent may have held a store's lock at the fork: fresh locks let
-    # the child's calls reach the error that says the store is not theirs, instead of hanging.
+    # A parent thread may have held a store's lock at the fork: fresh locks let the child's
+    # calls reach the error saying the store is not theirs, instead of hanging.
     for store in list(_STORES):
         store._lock = threading.RLock()
 
@@ -235,47 +226,34 @@ class DiskStore(Store):
     Reads land in preallocated host tensors (``os.preadv``, no extra copy); writes go out with
     ``os.pwritev``. Operations on one key run in issue order, on different keys concurrently.
 
-    Crash safety (see [Note: DiskStore journal]): a journal records every allocation, free and
-    write with the CRC32C of what it writes; an index snapshot is written by `flush`, `close`
-    and as the journal grows. A store whose process was killed reopens with every tensor
-    holding its last completed write, checked against its checksums; a tensor a write was
-    tearing raises `StoreCorruptError` (or opens marked damaged with ``recover=True``). After a
-    power loss the store is safe as of the last `flush` (which fsyncs). Metadata that fails its
-    checksum, names a key twice, or leaves a tensor file unaccounted for is refused when
-    opening, naming the file and the fix. A lock file keeps a second store (in any process) out
-    of the folder, and no file is opened through a symbolic link (see [Note: DiskStore files
-    stay inside the folder]).
-
-    The store belongs to the process that opened it: in a forked child every method raises
-    `RuntimeError` and `close` does nothing. It cannot be pickled or copied (`TypeError`). A
-    store garbage-collected without `close` ends its threads, closes its files and unlocks the
-    folder (its index left clean, without the final sync of `close`).
+    Crash safety (docs/offload.md; [Note: DiskStore journal]): a store whose process was killed
+    reopens with every tensor holding its last completed write, checked against its checksums;
+    a torn one raises `StoreCorruptError` (or opens marked damaged with ``recover=True``). After
+    a power loss the store is safe as of the last `flush`. A lock file keeps a second store out
+    of the folder. The store belongs to the process that opened it (a forked child's calls
+    raise `RuntimeError`) and cannot be pickled or copied (`TypeError`); one collected without
+    `close` still ends its threads and unlocks the folder, its index left clean.
 
     Args:
-        path: directory for the files; created if missing. If it holds a DiskStore's files the
-            tensors there are reopened (see `keys`, `get`). A non-empty directory without them
-            is refused rather than mixed with.
+        path: directory for the files; created if missing. A DiskStore's files there are
+            reopened (see `keys`, `get`); a non-empty directory without them is refused.
         max_bytes: byte budget for the store, an int (``64 << 30`` for 64 GiB); ``None`` means
             the free space of the disk.
         threads: background read threads, at least 1 (writes get half as many, at least one).
             Reads of 8 MiB or more are split across them; more help fast NVMe drives.
         page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
-            them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
-            writes): a model bigger than RAM does not evict everything else from the cache,
-            and every read really comes from the disk; writes cost a sync each.
+            them after each read and write (writes cost a data sync each): a model bigger than
+            RAM does not evict everything else, and every read comes from the disk.
         verify: when reopening, read every tensor back and check it against its checksums
             (``False`` checks only the writes in flight when a previous process stopped).
         verify_reads: check the checksums of the byte ranges a read covers whole before the
-            read completes (a CRC32C pass in the I/O threads). ``None`` (the default): on with
-            ``page_cache=False``, where every read comes from the disk and the check costs
-            little next to it; off with the page cache, where it would cost about half again
-            the read time. ``True`` checks every read anyway.
+            read completes. ``None`` (the default): on with ``page_cache=False``, where it costs
+            little next to the disk; off with the page cache, where it would cost about half
+            again the read time.
         recover: open a store whose tensors fail their checks anyway: the damaged byte ranges
-            raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load`` of a
-            checkpoint). Tensor files nothing accounts for are renamed ``NAME.unaccounted``
-            (kept, no longer the store's); a damaged last journal record is skipped (its
-            change is lost). A warning lists each. A damaged index, or a damaged record with
-            others after it, is refused all the same.
+            raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load``). Tensor
+            files nothing accounts for are renamed ``NAME.unaccounted``; a damaged last journal
+            record is skipped. A warning lists each. A damaged index is refused all the same.
         overwrite: delete the DiskStore files in ``path`` (index, journal, ``NNNNNN-*.bin``)
             and start empty; other files there are kept.
 
@@ -287,10 +265,9 @@ class DiskStore(Store):
             or an empty directory).
         RuntimeError: another store (in this process or another) has ``path`` open; from any
             method, used in a forked child.
-        StoreCorruptError: when opening, a tensor fails its checks, the metadata is broken
-            or a tensor file is accounted for by nothing; from reads, a checksum mismatch or a
-            damaged range; from anything, a symbolic link or a non-regular file where one of
-            the store's files was.
+        StoreCorruptError: when opening, a tensor fails its checks, the metadata is broken or a
+            tensor file is unaccounted for; from reads, a checksum mismatch or a damaged range;
+            from anything, a symbolic link or a non-regular file where a store file was.
         StoreFullError: from `put`/`alloc` when the budget or the disk is full; when opening,
             a missing tensor file that the disk has no room to create again.
 
@@ -360,9 +337,8 @@ class DiskStore(Store):
                 self._ledger.remove(name)
             self._ledger.start()
             for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
-                name = self._ledger.entries[key]["file"]
-                self._ledger.free(key)  # scratch of a process that stopped: worth nothing
-                self._ledger.remove(name)
+                # scratch of a process that stopped: worth nothing
+                self._ledger.remove(self._ledger.free(key))
         except BaseException:
             if ledger is not None:
                 ledger.release()
@@ -419,8 +395,7 @@ class DiskStore(Store):
                     prev.exception()  # wait; its error was reported to its own caller
                 return fn(*args)
 
-            # No deadlock across the two pools: a task waits only for one submitted before it,
-            # and each pool starts its tasks in submission order.
+            # No deadlock: a task waits only for an earlier one; pools start tasks in order.
             pool = self._wpool if write else self._pool
             futs = [pool.submit(run, fn, args) for fn, args in parts]
             fut = futs[0] if len(futs) == 1 and finish is None else \
@@ -438,8 +413,7 @@ class DiskStore(Store):
             return self._submit_parts(handle.key, [(self._write_job, (handle.key, path, t,
                                                                       extents))], None,
                                       write=True)
-        # A large read goes out as several smaller ones at once: the disk then has more
-        # requests in flight, and a prefetch of one big tensor does not wait behind one thread.
+        # A large read goes out in pieces at once: more requests in flight for the disk.
         check = _ReadCheck(self, handle.key, extents, self.verify_reads, t, scales)
         return self._submit_parts(
             handle.key, [(self._read_job, (path, t, p, check))
@@ -620,8 +594,7 @@ class DiskStore(Store):
             fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, key=key)
             created = True
             try:
-                # Blocks reserved now (they read as zeros): a full disk fails here, not in a
-                # background write halfway through training.
+                # Blocks reserved now (read as zeros): a full disk fails here, not mid-training.
                 if handle.nbytes:
                     os.posix_fallocate(fd, 0, handle.nbytes)
             finally:
@@ -714,14 +687,8 @@ class DiskStore(Store):
             scales = list(self._scales.get(handle.key, ()))
             return self._submit_io(handle, "read", out, extents, scales)
 
-    @staticmethod
-    def _check_host(handle: Handle, src: torch.Tensor) -> None:
-        if src.device.type != "cpu" or not src.is_contiguous():
-            raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
-
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
-        self._check_src(handle, src, handle.shape)
-        self._check_host(handle, src)
+        self._check_src(handle, src, handle.shape, "write to")
         if handle.nbytes == 0:
             return done(None)
         with self._lock:
@@ -784,8 +751,7 @@ class DiskStore(Store):
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
         rows = self._check_rows(handle, rows)
-        self._check_src(handle, src, self._rows_shape(handle, rows))
-        self._check_host(handle, src)
+        self._check_src(handle, src, self._rows_shape(handle, rows), "write to")
         extents = self._extents(handle, rows)
         if not extents:
             return done(None)
@@ -832,8 +798,7 @@ class DiskStore(Store):
             prev.exception()
         with self._lock:
             self._scales.pop(handle.key, None)
-            name = self._ledger.entries[handle.key]["file"]
-            self._ledger.free(handle.key)  # journaled before the file goes
+            name = self._ledger.free(handle.key)  # journaled before the file goes
             self._checked.discard(handle.key)
             self._release(handle)
         self._ledger.remove(name)
@@ -851,8 +816,7 @@ class DiskStore(Store):
             pending = list(self._pending.values())
         for fut in pending:
             fut.result()
-        # Unknown checksums (parts of segments that row writes cut into) are read back, each
-        # as an operation on its key, so it sees exactly the bytes written before it.
+        # Unknown checksums are read back, each as an operation on its key (in order).
         futs = []
         for key in self.keys():
             try:

@@ -65,11 +65,7 @@ def release_pages(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
 
 
 class HeapTrimmer:
-    """Counts freed host bytes; trims the heap each time ``threshold`` bytes were freed.
-
-    Args:
-        threshold: bytes freed between trims (a trim costs about as much as unmapping them).
-    """
+    """Counts freed host bytes; trims the heap each time ``threshold`` bytes were freed."""
 
     def __init__(self, threshold: int = 8 << 20) -> None:
         self.threshold = threshold

@@ -15,8 +15,7 @@ from headroom.store._store import Store, StoreFullError, done, is_accelerator
 
 __all__ = ["HostStore", "PinnedPool", "add_into", "resolve_store"]
 
-# Elements converted at a time by `add_into`: 8 MiB of fp32, cache-sized, and enough for each
-# core's share of one add to be worth a thread.
+# Elements `add_into` converts at a time: 8 MiB of fp32, cache-sized, worth a thread per core.
 _ADD_CHUNK = 1 << 21
 _scratch = threading.local()
 
@@ -291,9 +290,6 @@ def resolve_store(store: str | Store, device: str | torch.device | None = None) 
 
     Raises:
         ValueError: an unknown store name.
-
-    Example:
-        >>> store = resolve_store("cpu", "cpu")
     """
     if isinstance(store, Store):
         return store

@@ -244,12 +244,6 @@ def _int(v, what: str, *, lo: int = 0, hi: int | None = None) -> int:
     return v
 
 
-def _crc_field(c, what: str):
-    if c is None or c == BAD:
-        return c
-    return _int(c, what, hi=0xFFFFFFFF)
-
-
 def _segments(key: str, segs, nbytes: int) -> Segments:
     """Checked checksum segments of ``key``: sorted, disjoint, inside ``[0, nbytes)``."""
     if not isinstance(segs, list):
@@ -262,7 +256,9 @@ def _segments(key: str, segs, nbytes: int) -> Segments:
         s, t, c = seg
         _int(s, f"segment start of {key!r}", lo=end)
         _int(t, f"segment end of {key!r} ({nbytes} bytes)", lo=s + 1, hi=nbytes)
-        out.append([s, t, _crc_field(c, f"checksum segment of {key!r}")])
+        if c is not None and c != BAD:
+            _int(c, f"checksum segment of {key!r}", hi=0xFFFFFFFF)
+        out.append([s, t, c])
         end = t
     return out
 
@@ -317,9 +313,8 @@ _OPEN: weakref.WeakSet[Ledger] = weakref.WeakSet()  # ledgers of this process's 
 
 
 def _after_fork_in_child() -> None:
-    # A forked child's copies of the lock and journal descriptors are closed before it runs
-    # anything else: the lock dies with the process that opened the store, and the child
-    # cannot append to its journal.
+    # A forked child's copies of the lock and journal descriptors are closed at once: the lock
+    # dies with the process that opened the store, and the child cannot append to its journal.
     for ledger in list(_OPEN):
         ledger.lock = threading.Lock()  # perhaps held by another thread of the parent
         ledger.release()
@@ -521,8 +516,7 @@ class Ledger:
                 raise _corrupt(self.path, journal, f"record {no} is invalid ({e})") from None
             except (ValueError, RecursionError):
                 bad = no
-                # A last record cut short by a kill lacks its newline (written last): ignored.
-                # One that has it is whole and was damaged since.
+                # A last record cut short by a kill lacks its newline: ignored (see the Note).
                 if no < len(lines) and not any(lines[no:]):
                     if not self.recover:
                         raise _corrupt(self.path, journal, (
@@ -619,8 +613,7 @@ class Ledger:
             if n != len(line):  # a short write to a regular file: disk full
                 raise OSError(28, "No space left on device (journal)")
         except OSError:
-            # A torn line before later records would make the journal unreadable: cut it off
-            # (the record never happened; this frees reserved blocks too).
+            # A torn line would make the journal unreadable: cut off, the record never happened.
             with contextlib.suppress(OSError):
                 os.ftruncate(self._jfd, self._jbytes)
             self._reserved_to = min(self._reserved_to, self._jbytes)
@@ -638,9 +631,12 @@ class Ledger:
                           "dtype": dtype})
             return file
 
-    def free(self, key: str) -> None:
+    def free(self, key: str) -> str:
+        """Journal that ``key`` is freed; returns its file's name, to `remove` after."""
         with self.lock:
+            name = self.entries[key]["file"]
             self._record({"op": "free", "k": key})
+            return name
 
     def _record(self, rec: dict) -> None:
         """Journal ``rec``, then apply it (caller holds ``lock``)."""
@@ -698,8 +694,7 @@ class Ledger:
         if self._jfd < 0 or self._held \
                 or self._jbytes <= max(COMPACT_BYTES, 2 * self._index_bytes):
             return
-        # NOTE: the change is journaled already; a compaction that fails (a full disk) leaves
-        # the journal whole and valid, and the next change tries again.
+        # NOTE: a compaction that fails (a full disk) leaves the journal valid; the next retries.
         with contextlib.suppress(OSError):
             self._compact(clean=False)
 
@@ -787,16 +782,14 @@ class Ledger:
                       and not stat.S_ISDIR(os.lstat(self.path / n).st_mode))
 
     def orphans(self) -> list[str]:
-        """Files that opening removes: those of freed tensors still there, and an index a
-        compaction did not finish (``index.json.tmp``)."""
+        """Files opening removes: freed tensors' files still there, and ``index.json.tmp``."""
         tmp = INDEX + ".tmp"
         left = [tmp] if os.path.lexists(self.path / tmp) \
             and not stat.S_ISDIR(os.lstat(self.path / tmp).st_mode) else []
         return left + [n for n in self._loose() if n in self.freed]
 
     def unaccounted(self) -> list[str]:
-        """Tensor files in the folder that neither a tensor nor a recorded free accounts for
-        (refused by `open_checks`)."""
+        """Tensor files in the folder no tensor or recorded free accounts for (`open_checks`)."""
         return [n for n in self._loose() if n not in self.freed]
 
     def remove(self, name: str) -> None:

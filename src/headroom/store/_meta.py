@@ -64,10 +64,8 @@ def flat_tensors(items: list[Any]) -> list[torch.Tensor]:
 
 
 class Places:
-    """Which ``meta`` storages of a dry run are host memory, and which are no memory at all.
-
-    Storages are named by their ``_cdata`` key, held for the whole dry run.
-    """
+    """Which ``meta`` storages of a dry run (by ``_cdata`` key, held for the whole dry run) are
+    host memory, and which are no memory at all."""
 
     def __init__(self) -> None:
         self.host: set[int] = set()
@@ -124,8 +122,7 @@ class _MarkMade(TorchDispatchMode):
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         made = [t for t in outs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         if made:
-            # views and in-place results are the inputs' storages, not new ones (a DTensor's
-            # storage is its local shard's)
+            # views and in-place results are the inputs' storages (a DTensor's: its shard's)
             given = {_local(t).untyped_storage()._cdata
                      for t in flat_tensors([*args, *(kwargs or {}).values()])}
             for t in made:

@@ -44,8 +44,7 @@ class _Ledger:
     """Page-locked bytes this process holds through headroom, against a limit."""
 
     def __init__(self) -> None:
-        # Reentrant: slabs are also released by finalizers, which a garbage collection may run
-        # in a thread that is inside `take`.
+        # Reentrant: finalizers release slabs, perhaps in a thread that is inside `take`.
         self.lock = threading.RLock()
         self.spent = 0
         self.limit: int | None = None  # None: default_pinned_budget(), read when first needed
@@ -138,8 +137,7 @@ class Slab:
             _LEDGER.give(self.spent)
         del t
         if self.backend == "cache" and self.pinned and torch.accelerator.is_available():
-            # The caching allocator keeps a freed block for reuse; only emptying its cache
-            # returns the memory (blocks still in use, anyone's, stay).
+            # Only emptying the caching allocator's cache returns a freed block's memory.
             torch.accelerator.empty_host_cache()
 
 
@@ -198,8 +196,7 @@ def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) ->
         return Slab(torch.empty(nbytes, dtype=torch.uint8), cost, False, backend, device)
     _LEDGER.take(cost)
     try:
-        # Under the device's guard: a context created on the current device for cuda:1 must
-        # not be GPU 0's.
+        # Under the device's guard: a context this creates for cuda:1 must not be GPU 0's.
         with device_guard(device):
             if backend == "register":
                 return _registered(nbytes, cost, device)

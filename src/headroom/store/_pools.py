@@ -40,14 +40,10 @@ class Pool(ThreadPoolExecutor):
 
 
 def stop_pool(pool: ThreadPoolExecutor) -> None:
-    """Tell ``pool``'s threads to end once idle, without waiting for them. Idempotent; safe
-    from one of the pool's own threads.
-
-    NOTE: finalizers call this wherever a garbage collection starts, perhaps in a thread
-    starting up while it holds ``threading``'s lock of ending threads, which ``Thread.join``
-    takes: joining there would hang every thread start for good. So nothing here waits;
-    ``close()`` methods wait for their threads.
-    """
+    """Tell ``pool``'s threads to end once idle, without waiting for them (idempotent)."""
+    # NOTE: finalizers call this wherever a garbage collection starts, perhaps in a thread
+    # starting up while it holds ``threading``'s lock of ending threads, which ``Thread.join``
+    # takes: joining there would hang every thread start for good. ``close()`` waits instead.
     pool.shutdown(wait=False)
 
 

@@ -85,14 +85,13 @@ def _resolve_unfinished(ledger: Ledger, keys) -> None:
 
 
 def _unaccounted_error(path: Path, names: list[str]) -> StoreCorruptError:
-    shown = _first10(names)
     return StoreCorruptError(
         f"DiskStore {str(path)!r}: {len(names)} tensor file(s) in the folder are accounted for"
-        f" by neither index.json nor journal.jsonl: {shown}. A tensor's index entry may be lost"
-        " (damaged, or a power loss after the last flush()), or the file put there by hand. The"
-        " folder was not changed. Restore index.json and journal.jsonl from their backup; or"
-        f" open with DiskStore(path, recover=True), which renames each to NAME{ASIDE} (not"
-        " deleted) and opens without them, then hr.load(checkpoint, model, optimizer); or"
+        f" by neither index.json nor journal.jsonl: {_first10(names)}. A tensor's index entry"
+        " may be lost (damaged, or a power loss after the last flush()), or the file put there"
+        " by hand. The folder was not changed. Restore index.json and journal.jsonl from their"
+        f" backup; or open with DiskStore(path, recover=True), which renames each to NAME{ASIDE}"
+        " (not deleted) and opens without them, then hr.load(checkpoint, model, optimizer); or"
         " start over with DiskStore(path, overwrite=True)", str(path))
 
 

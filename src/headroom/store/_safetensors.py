@@ -96,13 +96,10 @@ def _text(s: str, what: str) -> str:
 
 
 def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, TensorInfo], int]:
-    """Parse the JSON header of a safetensors file whose data starts at byte ``base``.
-
-    Returns the ``__metadata__`` strings, each tensor's `TensorInfo` (offsets in the file) in
-    header order, and the data section's length. Checked as the ``safetensors`` package checks
-    it: UTF-8 JSON (no NaN, no duplicate keys, bounded nesting), known dtypes, integers in
-    ``0..2**64-1``, string metadata, each byte range the size its shape says, and the ranges
-    tiling the data section in order.
+    """Parse the JSON header of a safetensors file whose data starts at byte ``base``: its
+    ``__metadata__`` strings, each tensor's `TensorInfo` in header order, and the data
+    section's length. Checked as the ``safetensors`` package checks it (UTF-8 JSON, known
+    dtypes, integers in ``0..2**64-1``, byte ranges tiling the data section in order).
 
     Raises:
         HeaderError: saying which of these fails.

@@ -12,8 +12,7 @@ import threading
 
 import crc32c as _crc32c
 
-__all__ = ["BAD", "Segments", "combine", "crc", "crc_of_range", "put", "scan", "within",
-           "zeros_crc"]
+__all__ = ["BAD", "Segments", "combine", "crc", "crc_of_range", "put", "scan", "zeros_crc"]
 
 BAD = "bad"
 Crc = int | str | None
@@ -146,17 +145,6 @@ def _join(segs: Segments, lo: int, hi: int) -> None:
             k += 1
 
 
-def within(segs: Segments, start: int, end: int) -> list[list]:
-    """The segments lying entirely inside ``[start, end)``."""
-    starts = [s[0] for s in segs]
-    i = bisect.bisect_left(starts, start)
-    out = []
-    while i < len(segs) and segs[i][1] <= end:
-        out.append(segs[i])
-        i += 1
-    return out
-
-
 def scan(segs: Segments, ranges: list[tuple[int, int]]) -> tuple[list[list], list[list]]:
     """For sorted, disjoint ``ranges``: the known segments entirely inside one of them, and the
     bad segments overlapping any."""
@@ -178,12 +166,12 @@ def scan(segs: Segments, ranges: list[tuple[int, int]]) -> tuple[list[list], lis
 
 def crc_of_range(segs: Segments, start: int, end: int) -> int | None:
     """The CRC of ``[start, end)`` when known segments tile it exactly, else ``None``."""
-    parts = within(segs, start, end)
-    if not parts or parts[0][0] != start or parts[-1][1] != end:
-        return None
-    out = 0
-    for k, (s, e, c) in enumerate(parts):
-        if not isinstance(c, int) or (k and parts[k - 1][1] != s):
+    i = bisect.bisect_left([s[0] for s in segs], start)
+    out, at = None, start
+    while i < len(segs) and segs[i][1] <= end:
+        s, e, c = segs[i]
+        if s != at or not isinstance(c, int):
             return None
-        out = c if k == 0 else combine(out, c, e - s)
-    return out
+        out = c if out is None else combine(out, c, e - s)
+        at, i = e, i + 1
+    return out if at == end else None

@@ -52,9 +52,8 @@ def done(value: Any = None) -> Future:
 class Store(abc.ABC):
     """Where tensors rest between uses. Subclasses: `HostStore`, `DiskStore`.
 
-    Every method that moves bytes returns a `concurrent.futures.Future`; a store may complete it
-    at once (host memory) or from background threads (disk). Operations on one key run in the
-    order they were issued.
+    Every method that moves bytes returns a `concurrent.futures.Future`, completed at once (host
+    memory) or from background threads (disk); operations on one key run in issue order.
     """
 
     def __init__(self, *, max_bytes: int | None) -> None:
@@ -104,11 +103,7 @@ class Store(abc.ABC):
             return [k for k in self._handles if not k.startswith(SCRATCH)]
 
     def get(self, key: str) -> Handle:
-        """The handle stored under ``key``.
-
-        Raises:
-            KeyError: nothing is stored under ``key``.
-        """
+        """The handle stored under ``key`` (`KeyError` naming the store if none)."""
         with self._lock:
             try:
                 return self._handles[key]
@@ -143,7 +138,9 @@ class Store(abc.ABC):
             raise KeyError(f"{handle.key!r} is not in {self!r} (freed, or from another store)")
 
     @staticmethod
-    def _check_src(handle: Handle, src: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def _check_src(handle: Handle, src: torch.Tensor, shape: tuple[int, ...],
+                   host: str | None = None) -> None:
+        """Check ``src``'s type, dtype and shape, and with ``host`` that it is host memory."""
         if not isinstance(src, torch.Tensor):
             raise TypeError(f"expected a tensor for {handle.key!r}, got {type(src).__name__}")
         _check_plain(handle.key, src)
@@ -154,14 +151,14 @@ class Store(abc.ABC):
         if tuple(src.shape) != shape:
             raise ValueError(
                 f"shape mismatch for {handle.key!r}: expected {shape}, got {tuple(src.shape)}")
+        if host and (src.device.type != "cpu" or not src.is_contiguous()):
+            raise ValueError(f"{host} {handle.key!r} must be a contiguous host (cpu) tensor")
 
     @staticmethod
     def _out(handle: Handle, out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         if out is None:
             return torch.empty(shape, dtype=handle.dtype)
-        Store._check_src(handle, out, shape)
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out for {handle.key!r} must be a contiguous host (cpu) tensor")
+        Store._check_src(handle, out, shape, "out for")
         return out
 
     @staticmethod
@@ -224,9 +221,8 @@ class Store(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot exchange tensors")
 
     def exchange(self, pairs: list[tuple[Handle, Handle]]) -> None:
-        """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype), all
-        pairs at once and in O(1) per pair, for every holder of either handle.
-        `NotImplementedError` unless `can_exchange`."""
+        """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype) at once,
+        in O(1) per pair, for every holder of either (only where `can_exchange`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot exchange tensors")
 
     def reserve(self, sizes) -> None:  # noqa: B027 - optional hook

@@ -74,8 +74,7 @@ known_values = KnownValues()
 
 
 def keeps_values(t: torch.Tensor) -> bool:
-    """Whether `to_meta` keeps ``t``'s values: integer and boolean tensors of at most
-    `MAX_KNOWN_BYTES`."""
+    """Whether `to_meta` keeps ``t``'s values: integer or boolean, at most `MAX_KNOWN_BYTES`."""
     return (not t.dtype.is_floating_point and not t.dtype.is_complex
             and t.device.type != "meta" and t.layout == torch.strided
             and t.numel() * t.element_size() <= MAX_KNOWN_BYTES)

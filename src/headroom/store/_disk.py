@@ -667,10 +667,8 @@ class DiskStore(Store):
                         raise self._io_error(e, str(self.path)) from e
                     for a, b in pairs:  # deferred scalings go with the bytes they scale
                         sa, sb = self._scales.pop(a.key, None), self._scales.pop(b.key, None)
-                        if sb is not None:
-                            self._scales[a.key] = sb
-                        if sa is not None:
-                            self._scales[b.key] = sa
+                        self._scales.update({k: v for k, v in ((a.key, sb), (b.key, sa))
+                                             if v is not None})
                     return
             for f in prev:
                 f.exception()  # wait; its error went to its own caller

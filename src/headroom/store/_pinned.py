@@ -112,8 +112,7 @@ class Slab:
     """One allocation of host memory (a 1-D uint8 tensor), page-locked unless ``pinned`` is
     false, and what it costs; `release` gives it back."""
 
-    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_device", "_unregister",
-                 "__weakref__")
+    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_unregister", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, spent_bytes: int, pinned: bool, backend: str,
                  device: torch.device | None, unregister: weakref.finalize | None = None) -> None:
@@ -122,7 +121,6 @@ class Slab:
         self.spent = spent_bytes
         self.pinned = pinned  # really page-locked (false: plain memory standing in for it)
         self.backend = backend  # "plain" slabs are not counted in the page-locked budget
-        self._device = device
         self._unregister = unregister  # registered memory: run once, at release or when freed
 
     def release(self) -> None:
@@ -149,8 +147,7 @@ def _unregister(ptr: int, cost: int, device: torch.device | None) -> None:
 
 
 def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
-    """``cost`` bytes (whole pages) page-locked with ``cudaHostRegister``, as a slab of
-    ``nbytes``.
+    """``cost`` bytes (whole pages) page-locked with ``cudaHostRegister``, a slab of ``nbytes``.
 
     NOTE: the range starts on a page boundary, so its pages are this slab's alone (registering a
     page a neighbour's registration holds fails) and the storage starts where the registration

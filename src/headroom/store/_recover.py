@@ -69,13 +69,12 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
 def problem_text(path: Path, ledger: Ledger, problems: list[tuple[str, int, int, str]]) -> str:
     """``'key' (file F, bytes a-b: why)`` for each problem, at most 10."""
     return _first10([f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
-                     for k, s, e, why in problems[:10]], "; ", len(problems))
+                     for k, s, e, why in problems], "; ")
 
 
-def _first10(items: list[str], sep: str = ", ", total: int | None = None) -> str:
-    """The first 10 of ``items`` (``total`` in all), then how many more."""
-    more = (len(items) if total is None else total) - 10
-    return sep.join(items[:10]) + (f" and {more} more" if more > 0 else "")
+def _first10(items: list[str], sep: str = ", ") -> str:
+    """The first 10 of ``items``, then how many more."""
+    return sep.join(items[:10]) + (f" and {len(items) - 10} more" if len(items) > 10 else "")
 
 
 def _resolve_unfinished(ledger: Ledger, keys) -> None:

@@ -230,9 +230,9 @@ class DiskStore(Store):
     reopens with every tensor holding its last completed write, checked against its checksums;
     a torn one raises `StoreCorruptError` (or opens marked damaged with ``recover=True``). After
     a power loss the store is safe as of the last `flush`. A lock file keeps a second store out
-    of the folder. The store belongs to the process that opened it (a forked child's calls
-    raise `RuntimeError`) and cannot be pickled or copied (`TypeError`); one collected without
-    `close` still ends its threads and unlocks the folder, its index left clean.
+    of the folder. The store belongs to the process that opened it (in a forked child methods
+    raise `RuntimeError`, `close` does nothing) and cannot be pickled or copied (`TypeError`);
+    one collected without `close` still ends its threads and unlocks the folder, index clean.
 
     Args:
         path: directory for the files; created if missing. A DiskStore's files there are
@@ -499,67 +499,50 @@ class DiskStore(Store):
                    extents: list[tuple[int, int, int]]) -> None:
         """Write ``extents`` of ``t``, journaled before and after. See [Note: DiskStore journal]."""
         with self._counted("write", extents):
+            mv = buffer_view(t)
             if key.startswith(SCRATCH) and not self.verify_reads and key not in self._checked:
                 # Nothing checks these bytes (see [Note: scratch keys]): no checksum, no records.
                 self._ledger.forget_segments(key)  # no stale checksum of the old bytes
-                self._write_plain(key, path, t, extents)
+                x = None
+            elif len(extents) <= MAX_EXTENTS:
+                # The CRCs are taken in the I/O thread before the first byte goes out: a write the
+                # process does not live to finish is still recognised as complete or torn.
+                x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
             else:
-                self._write_journaled(key, path, t, extents)
-
-    def _write_journaled(self, key: str, path: str, t: torch.Tensor,
-                         extents: list[tuple[int, int, int]]) -> None:
-        # The CRCs are taken in the I/O thread before the first byte goes out: a write the
-        # process does not live to finish is still recognised as complete or torn on reopen.
-        mv = buffer_view(t)
-        if len(extents) <= MAX_EXTENTS:
-            x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
-        else:
-            lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
-            x = [[lo, hi - lo, None]]
-        # Opened before the write is journaled: no record of a write that never started.
-        fd = self._open_for_write(key, path)
-        try:
-            try:
-                rid = self._ledger.begin_write(key, x)
+                lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
+                x = [[lo, hi - lo, None]]
+            try:  # opened before the write is journaled: no record of one that never started
+                fd = open_file(path, os.O_WRONLY, key=key)
             except OSError as e:
-                raise self._io_error(e, str(self.path)) from e
-            written = [0]
+                raise self._io_error(e, path) from e
+            rid, written = None, [0]
             try:
+                if x is not None:
+                    rid = self._journaled(self._ledger.begin_write, key, x)
                 self._pwrite_extents(fd, mv, extents, written)
             except OSError as e:
-                # Part may have reached the file: marked bad, not silently old and new mixed.
-                self._ledger.end_write(rid, "bad" if written[0] else "none")
+                if rid is not None:  # part may have reached the file: marked bad, not mixed
+                    self._ledger.end_write(rid, "bad" if written[0] else "none")
                 raise self._io_error(e, path) from e
-        finally:
-            os.close(fd)
-        try:
-            self._ledger.end_write(rid, "ok")
-        except OSError as e:  # the data is in place; its record could not be added
-            raise self._io_error(e, str(self.path)) from e
-        with self._lock:
-            self._unsynced.add(path)
+            finally:
+                os.close(fd)
+            if rid is not None:  # the data is in place; its record may still fail
+                self._journaled(self._ledger.end_write, rid, "ok")
+                with self._lock:
+                    self._unsynced.add(path)
 
-    def _open_for_write(self, key: str, path: str) -> int:
+    def _journaled(self, change: Callable, *args):
+        """``change(*args)``, a journaled change of the ledger; a full disk is `StoreFullError`."""
         try:
-            return open_file(path, os.O_WRONLY, key=key)
+            return change(*args)
         except OSError as e:
-            raise self._io_error(e, path) from e
+            raise self._io_error(e, str(self.path)) from e
 
     def _pwrite_extents(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
                         written: list[int]) -> None:
         for pos, offset, length in extents:
             _pwrite_from(fd, mv[pos:pos + length], offset, written)
             self._drop_cache(fd, offset, length, True)
-
-    def _write_plain(self, key: str, path: str, t: torch.Tensor,
-                     extents: list[tuple[int, int, int]]) -> None:
-        fd = self._open_for_write(key, path)
-        try:
-            self._pwrite_extents(fd, buffer_view(t), extents, [0])
-        except OSError as e:
-            raise self._io_error(e, path) from e
-        finally:
-            os.close(fd)
 
     # ------------------------------------------------------------------ protocol
     def alloc(
@@ -661,10 +644,7 @@ class DiskStore(Store):
             with self._lock:
                 prev = [f for k in keys if (f := self._pending.get(k)) is not None]
                 if not prev:
-                    try:
-                        self._ledger.exchange([(a.key, b.key) for a, b in pairs])
-                    except OSError as e:
-                        raise self._io_error(e, str(self.path)) from e
+                    self._journaled(self._ledger.exchange, [(a.key, b.key) for a, b in pairs])
                     for a, b in pairs:  # deferred scalings go with the bytes they scale
                         sa, sb = self._scales.pop(a.key, None), self._scales.pop(b.key, None)
                         self._scales.update({k: v for k, v in ((a.key, sb), (b.key, sa))
@@ -780,8 +760,7 @@ class DiskStore(Store):
         return Path(self._file(handle))
 
     def damaged(self) -> dict[str, list[tuple[int, int]]]:
-        """Byte ranges marked damaged (by ``recover=True`` or a write that failed part-way),
-        by key; they raise `StoreCorruptError` on read until rewritten."""
+        """Byte ranges, by key, marked damaged (they raise on read until written again)."""
         with self._ledger.lock:
             out = {k: [(s, e) for s, e, c in v["segments"] if c == BAD]
                    for k, v in self._ledger.entries.items()}

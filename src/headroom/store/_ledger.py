@@ -94,8 +94,7 @@ def _seal(body: bytes) -> bytes:
 
 
 def _unseal(raw: bytes) -> tuple[bytes, bool | None]:
-    """``(body, ok)``: the index without its checksum field and whether it matches (``None``:
-    no such field)."""
+    """``(body, ok)``: the index without its checksum field, and whether it matches (or None)."""
     m = _SEAL.search(raw, max(0, len(raw) - _SEAL_BYTES))
     if m is None:
         return raw, None
@@ -465,8 +464,8 @@ class Ledger:
             self.freed.add(file)
 
     def _file_name(self, file, what: str) -> None:
-        """Check a tensor file name from the index or journal (see [Note: DiskStore files stay
-        inside the folder]); later allocations are numbered after it."""
+        """Check a tensor file name (see [Note: DiskStore files stay inside the folder]); later
+        allocations are numbered after it."""
         if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
             raise ValueError(f"{what} {file!r}")
         counter = _int(int(file.split("-", 1)[0]), f"file number in {what} {file!r}",
@@ -645,8 +644,7 @@ class Ledger:
         self._maybe_compact()
 
     def exchange(self, pairs: list[tuple[str, str]]) -> None:
-        """Journal and apply an exchange of the files of each pair of keys (one record: a
-        reopen sees all of them or none)."""
+        """Journal and apply an exchange of the files of each pair of keys, in one record."""
         with self.lock:
             rec = {"op": "x", "pairs": [[a, b] for a, b in pairs]}
             self._exchange(rec["pairs"], apply=False)  # checked before it is journaled
@@ -722,8 +720,7 @@ class Ledger:
                 e["segments"] = []
 
     def drop(self, key: str) -> None:
-        """Forget a tensor found unusable when opening (no record: the open snapshots); its
-        file is removed with the other freed files."""
+        """Forget a tensor found unusable when opening (no record: the open snapshots)."""
         with self.lock:
             e = self.entries.pop(key)
             self._files.discard(e["file"])
@@ -813,8 +810,7 @@ class Ledger:
                     os.close(fd)
 
     def finish(self) -> None:
-        """At garbage collection without `close`: every write has finished (the I/O jobs hold
-        the store), so the snapshot is clean. Nothing in a forked child."""
+        """At garbage collection without `close` (no write is left): a clean snapshot, unlocked."""
         if os.getpid() != self._pid:
             return
         if self._jfd >= 0:

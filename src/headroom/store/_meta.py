@@ -202,8 +202,7 @@ class MetaStore(Store):
         return self._tensors.get(h.key)
 
     def stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A ``meta`` tensor holding no memory for values resting here (a real store's
-        `headroom.transfer.StoreTensor`); unseen by dispatch modes."""
+        """A ``meta`` tensor, unseen by dispatch modes, for values resting here (no memory)."""
         with torch._C._DisableTorchDispatch():
             return self.places.no_memory(torch.empty(shape, dtype=dtype, device="meta"))
 

@@ -68,8 +68,7 @@ _LEDGER = _Ledger()
 
 
 def pinned_bytes() -> int:
-    """Bytes of page-locked host memory headroom holds now (all stores, pools and stashes),
-    counted as the runtime spends them."""
+    """Bytes of page-locked host memory headroom holds now, as the runtime spends them."""
     return _LEDGER.spent
 
 
@@ -124,8 +123,7 @@ class Slab:
         self._unregister = unregister  # registered memory: run once, at release or when freed
 
     def release(self) -> None:
-        """Give the memory back (idempotent). Copies using it must have finished: the caller
-        orders this after them (a host wait on their events)."""
+        """Give the memory back (idempotent); copies using it must have finished."""
         t, self.tensor = self.tensor, None
         if t is None:
             return

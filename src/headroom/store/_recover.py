@@ -152,16 +152,10 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     got = iter(file_crcs(ranges, pool, page_cache))
     for rid, w in pending:
         segs = ledger.entries[w["k"]]["segments"]
-        states = []
-        for off, length, new in w["x"]:
-            now = next(got)
-            if now is not None and now == new:
-                states.append("new")
-            elif now is not None and now == crc_of_range(segs, off, off + length):
-                states.append("old")
-            else:
-                states.append("torn")
-        new, old = all(s == "new" for s in states), all(s == "old" for s in states)
+        found = [(next(got), x) for x in w["x"]]  # each extent's bytes now: new, old or torn
+        new = all(c is not None and c == x[2] for c, x in found)
+        old = all(c is not None and c != x[2] and c == crc_of_range(segs, x[0], x[0] + x[1])
+                  for c, x in found)
         ledger.resolve(rid, "ok" if new else "none")
         if not (new or old):
             problems += [(w["k"], int(o), int(o) + int(ln),

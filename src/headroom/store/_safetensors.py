@@ -199,8 +199,7 @@ def pread_into(fd: int, buf: memoryview, offset: int, short: type[OSError] = OSE
 
 
 def crc_of_file(fd: int, start: int, length: int, buf: memoryview) -> int | None:
-    """CRC32C of ``length`` bytes of ``fd`` at ``start``, read through ``buf``; ``None`` if the
-    file ends first."""
+    """CRC32C of ``length`` bytes of ``fd`` at ``start`` read through ``buf`` (None: too short)."""
     value = 0
     while length:
         got = os.preadv(fd, [buf[:min(length, len(buf))]], start)
@@ -276,8 +275,7 @@ class SafetensorsFile:
         return out
 
     def crc32c(self, name: str, *, piece: int = 1 << 20) -> int:
-        """CRC32C of tensor ``name``'s bytes in the file, read ``piece`` bytes at a time into one
-        reused buffer (the tensor is never whole in memory)."""
+        """CRC32C of tensor ``name``'s bytes, read ``piece`` bytes at a time into one buffer."""
         info = self.tensors[name]
         buf = memoryview(bytearray(min(piece, info.nbytes)))
         value = crc_of_file(self._fd, info.offset, info.nbytes, buf)

@@ -166,9 +166,8 @@ class MetaStore(Store):
         h = Handle.of(key, shape, dtype, self)
         self._handles[key] = h
         if self.host:
-            t = torch.zeros(shape, dtype=dtype, device="meta") if zero else \
-                torch.empty(shape, dtype=dtype, device="meta")
-            self._tensors[key] = self.places.on_host(t)
+            make = torch.zeros if zero else torch.empty
+            self._tensors[key] = self.places.on_host(make(shape, dtype=dtype, device="meta"))
         return h
 
     def free(self, h: Handle) -> None:

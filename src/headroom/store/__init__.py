@@ -1,12 +1,9 @@
 """Where tensors rest: stores in host memory and on disk, and what they are made of.
 
-A store hands out handles to tensors at rest: `HostStore` (host memory, page-locked when it
-feeds an accelerator, within one process-wide budget), `DiskStore` (files with an index,
-journal and checksums, recovered at open, read and written by thread pools), `MetaStore` (a
-dry run's, with the places of its ``meta`` tensors and the known values of integer inputs).
-Also here: page-locked memory, freed host memory given back to the system, claims of keys,
-and safetensors files read by byte range. Nothing here knows streams or events: moving bytes
-between a device and a store is `headroom.transfer`'s, the layer above.
+`HostStore` (host memory, page-locked when it feeds an accelerator), `DiskStore` (files with an
+index, journal and checksums) and `MetaStore` (a dry run's); also page-locked memory, heap
+trimming, claims of keys and safetensors files read by byte range. Moving bytes between a
+device and a store is `headroom.transfer`'s, the layer above.
 """
 
 from headroom.store._claims import claimed_keys
@@ -16,7 +13,7 @@ from headroom.store._heap import HeapTrimmer, release_pages, trim_heap
 from headroom.store._host import HostStore, PinnedPool, add_into, as_bytes, resolve_store
 from headroom.store._meta import MetaStore, Places, flat_tensors, to_meta
 from headroom.store._pinned import PinnedArena, device_guard, pinned_bytes, set_pinned_limit
-from headroom.store._pools import owned_pool, stop_pool
+from headroom.store._pools import owned_pool
 from headroom.store._safetensors import (
     MAX_HEADER_BYTES,
     HeaderError,
@@ -67,7 +64,6 @@ __all__ = [
     "resolve_store",
     "safetensors_dtypes",
     "set_pinned_limit",
-    "stop_pool",
     "to_meta",
     "trim_heap",
 ]

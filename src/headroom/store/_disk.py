@@ -20,8 +20,8 @@ import torch
 from headroom.store._handle import Handle
 from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
 from headroom.store._pools import Pool, stop_pool
-from headroom.store._recover import file_crcs, open_checks
-from headroom.store._safetensors import buffer_view
+from headroom.store._recover import open_checks, range_crc
+from headroom.store._safetensors import buffer_view, pread_into
 from headroom.store._segments import BAD, combine, crc, scan
 from headroom.store._store import SCRATCH, Store, StoreCorruptError, StoreFullError, done
 
@@ -30,15 +30,6 @@ __all__ = ["DiskStore"]
 
 class _ShortFile(OSError):
     """A tensor file ended before the bytes a read needs (it was truncated since opening)."""
-
-
-def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n == 0:
-            raise _ShortFile(errno.EIO, "unexpected end of file")
-        buf = buf[n:]
-        offset += n
 
 
 def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> None:
@@ -130,68 +121,35 @@ def _settle(pending: dict[str, Future], lock: threading.RLock, key: str, fut: Fu
             del pending[key]
 
 
-def _apply_scales(t: torch.Tensor, scales: list[tuple[Callable, object]]) -> torch.Tensor:
-    """The recorded in-place scalings of a tensor, applied to values just read, in order: the
-    same op (elementwise) on the same values as when it was recorded."""
-    with torch.no_grad():
-        for op, factor in scales:
-            if op.__name__.startswith("_foreach"):
-                op([t], factor)
-            else:
-                op(t, factor)
-    return t
-
-
-def _scaled(fut: Future, scales: list[tuple[Callable, object]]) -> Future:
-    out: Future = Future()
-
-    def finish(f: Future) -> None:
-        e = f.exception()
-        if e is not None:
-            out.set_exception(e)
-            return
-        try:
-            out.set_result(_apply_scales(f.result(), scales))
-        except BaseException as ex:  # noqa: BLE001 - handed to the waiter
-            out.set_exception(ex)
-
-    fut.add_done_callback(finish)
-    return out
-
-
 class _ReadCheck:
     """Checksums of one read: segments it covers whole are verified before its future resolves.
 
-    Every piece of a split read computes the CRCs of its share of those segments in its own
-    thread (right after reading them, while they are in cache); `finish` combines the shares.
+    Each piece of a split read computes the CRCs of its share of those segments in its own
+    thread, right after reading them; `finish` combines the shares, then applies ``scales``.
     """
 
     def __init__(self, store: DiskStore, key: str, extents: list[tuple[int, int, int]],
-                 verify: bool) -> None:
+                 verify: bool, out: torch.Tensor, scales: list) -> None:
         self.store, self.key, self.extents, self.verify = store, key, extents, verify
+        self.out, self.scales = out, scales
         self.parts: list[tuple[tuple, int, int, int]] = []  # (segment, start, end, crc)
         self.lock = threading.Lock()
 
     def covered(self) -> list[list]:
         """Segments with a known CRC that the read covers (raises if it touches bad bytes)."""
-        # Looked up when a piece runs, not at submission: operations on a key run in order, so the
-        # segments then describe exactly the bytes this read finds.
+        # Looked up when a piece runs (operations on a key run in order): the bytes it finds.
         segs = self.store._ledger.segments(self.key)
         covered, bad = scan(segs, [(off, off + length) for _, off, length in self.extents])
         if bad:
             raise self.store._corrupt(self.key, bad[0][0], bad[0][1], (
-                "these bytes are marked damaged (a torn or failed write, kept by"
-                " recover=True); they read again once written again: write the tensor"
-                " (hr.load(checkpoint, model, optimizer) rewrites every parameter)"))
+                "these bytes are marked damaged (a torn or failed write, kept by recover=True)"
+                " until written again, e.g. by hr.load(checkpoint, model, optimizer)"))
         return covered if self.verify else []
 
     def read(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
              covered: list) -> None:
-        """Read this piece's ``extents`` into ``mv`` with the CRCs of its share of each covered
-        segment (both lists sorted by file offset).
-        """
-        # In chunks, each checksummed right after it lands, while it is still in the CPU cache,
-        # rather than a second pass over memory after the whole read.
+        """Read ``extents`` into ``mv`` with the CRCs of this piece's share of each covered
+        segment (both sorted by file offset), each chunk checksummed while still in cache."""
         found = []
         k = 0
         for pos, off, length in extents:
@@ -207,7 +165,7 @@ class _ReadCheck:
             first = 0
             for c0 in range(off, end, _CHECK_CHUNK):
                 c1 = min(c0 + _CHECK_CHUNK, end)
-                _pread_into(fd, mv[pos + c0 - off:pos + c1 - off], c0)
+                pread_into(fd, mv[pos + c0 - off:pos + c1 - off], c0, _ShortFile)
                 q = first
                 while q < len(shares) and shares[q][1] < c1:
                     share = shares[q]
@@ -235,14 +193,18 @@ class _ReadCheck:
                     f"read CRC32C {got:08x}, stored {want:08x}: the file was changed or damaged"
                     " on disk. Rewrite the tensor (hr.load(checkpoint, model, optimizer)), or"
                     " reopen with DiskStore(path, recover=True) to find all damage"))
+        if self.scales:  # the recorded scalings (see `DiskStore.scale_`), in order
+            with torch.no_grad():
+                for op, factor in self.scales:
+                    op([self.out] if op.__name__.startswith("_foreach") else self.out, factor)
 
 
 _STORES: weakref.WeakSet[DiskStore] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    # Another thread of the parent may have held a store's lock at the fork: fresh locks let
-    # the child's calls reach the error that says the store is not theirs, instead of hanging.
+    # A parent thread may have held a store's lock at the fork: fresh locks let the child's
+    # calls reach the error saying the store is not theirs, instead of hanging.
     for store in list(_STORES):
         store._lock = threading.RLock()
 
@@ -251,9 +213,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _finish(ledger: Ledger, *pools: Pool) -> None:
-    """A store garbage-collected without `DiskStore.close`: its threads are told to end (no
-    job is left: each would hold the store; see `stop_pool`), then the ledger finishes (see
-    `Ledger.finish`)."""
+    """A store garbage-collected without `DiskStore.close` (no job is left: each holds it)."""
     if os.getpid() == ledger._pid:  # a forked child has no threads of the parent's pools
         for pool in pools:
             stop_pool(pool)
@@ -263,66 +223,37 @@ def _finish(ledger: Ledger, *pools: Pool) -> None:
 class DiskStore(Store):
     """Tensors in files under ``path``, one file per tensor, moved by background threads.
 
-    Reads land in preallocated host tensors (``os.preadv`` straight into their memory, no extra
-    copy); writes go out with ``os.pwritev``. Operations on the same key run in issue order; on
-    different keys they run concurrently. Another process reopens the store with
-    ``DiskStore(path)``.
+    Reads land in preallocated host tensors (``os.preadv``, no extra copy); writes go out with
+    ``os.pwritev``. Operations on one key run in issue order, on different keys concurrently.
 
-    Crash safety: a journal in the folder records every allocation, free and write as it
-    happens, with the CRC32C of what each write puts in the file, each record with a CRC32C of
-    its own; an index snapshot, checksummed as a whole, is written by `flush`, `close`, and
-    whenever the journal grows past its threshold (at the latest when a `reserve_writes`
-    promise ends). A store whose process was killed reopens with every tensor, each holding its
-    last completed write, checked against its checksums; a tensor a write was tearing at the
-    kill raises `StoreCorruptError` (or opens marked damaged with ``recover=True``). After a
-    power loss the store is safe as of the last `flush` (which fsyncs). Metadata that does not
-    vouch for itself is refused when opening, naming the file and the fix: an index or journal
-    record that fails its checksum, a key named twice, a tensor file that no tensor owns and no
-    recorded free accounts for (it is never deleted: it may hold a tensor whose index entry was
-    lost). A lock file keeps a second store (in any process) out of the folder.
-    Every file the store opens is one it named in ``path``, never reached through a symbolic
-    link; sizes read from the index and journal are checked against the tensors, the files and
-    the disk's free space before use. See [Note: DiskStore files stay inside the folder].
-
-    The store belongs to the process that opened it: in a child forked from it (a DataLoader
-    worker, ``multiprocessing``'s fork start method) every method raises `RuntimeError` at once,
-    `close` does nothing, and the folder's lock stays with the parent. It cannot be pickled or
-    copied (`TypeError`): another process opens ``DiskStore(path)`` once this one is closed. A
-    store garbage-collected without `close` ends its threads, closes its files and unlocks the
-    folder (its index left clean, without the final sync of `close`).
+    Crash safety (docs/offload.md; [Note: DiskStore journal]): a store whose process was killed
+    reopens with every tensor holding its last completed write, checked against its checksums;
+    a torn one raises `StoreCorruptError` (or opens marked damaged with ``recover=True``). After
+    a power loss the store is safe as of the last `flush`. A lock file keeps a second store out
+    of the folder. The store belongs to the process that opened it (in a forked child methods
+    raise `RuntimeError`, `close` does nothing) and cannot be pickled or copied (`TypeError`);
+    one collected without `close` still ends its threads and unlocks the folder, index clean.
 
     Args:
-        path: directory for the files; created if missing. If it holds a DiskStore's files the
-            tensors there are reopened (see `keys`, `get`). A non-empty directory without them
-            is refused rather than mixed with.
+        path: directory for the files; created if missing. A DiskStore's files there are
+            reopened (see `keys`, `get`); a non-empty directory without them is refused.
         max_bytes: byte budget for the store, an int (``64 << 30`` for 64 GiB); ``None`` means
             the free space of the disk.
         threads: background read threads, at least 1 (writes get half as many, at least one).
-            Reads of 8 MiB or more are split across them. More threads help fast NVMe drives
-            with many tensors in flight.
+            Reads of 8 MiB or more are split across them; more help fast NVMe drives.
         page_cache: keep the files' pages in the OS page cache (the default). ``False`` drops
-            them after each read and write (``posix_fadvise(DONTNEED)``, after a data sync for
-            writes): a model bigger than RAM then does not evict everything else from the
-            cache, and every read really comes from the disk; writes cost a sync each.
+            them after each read and write (writes cost a data sync each): a model bigger than
+            RAM does not evict everything else, and every read comes from the disk.
         verify: when reopening, read every tensor back and check it against its checksums
-            (reads the whole store once; ``False`` checks only the writes that were in flight
-            when a previous process stopped).
-        verify_reads: check the checksums of the byte ranges a read covers whole (whole-tensor
-            reads, and row reads of slices that were written as such) before the read completes,
-            with a CRC32C pass over those bytes in the I/O threads. ``None`` (the default): on
-            with ``page_cache=False``, where every read comes from the disk and the check costs
-            little next to it; off with the page cache, where reads are mostly memory copies of
-            bytes checked when the store was opened or written by it, and checking them again
-            would cost about half again the read time. ``True`` checks every read anyway.
+            (``False`` checks only the writes in flight when a previous process stopped).
+        verify_reads: check the checksums of the byte ranges a read covers whole before the
+            read completes. ``None`` (the default): on with ``page_cache=False``, where it costs
+            little next to the disk; off with the page cache, where it would cost about half
+            again the read time.
         recover: open a store whose tensors fail their checks anyway: the damaged byte ranges
-            raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load`` of a
-            checkpoint); the other tensors are usable as they are. Tensor files nothing
-            accounts for are renamed ``NAME.unaccounted`` (kept, not deleted, and no longer the
-            store's) and the store opens without them; a damaged last journal record is
-            skipped (the change it recorded is lost). A warning lists each. A damaged index,
-            or a damaged record with others after it, is refused all the same: nothing in it
-            can be trusted (restore the folder, or start over with ``overwrite=True`` and
-            ``hr.load`` a checkpoint).
+            raise `StoreCorruptError` on read until rewritten (e.g. by ``hr.load``). Tensor
+            files nothing accounts for are renamed ``NAME.unaccounted``; a damaged last journal
+            record is skipped. A warning lists each. A damaged index is refused all the same.
         overwrite: delete the DiskStore files in ``path`` (index, journal, ``NNNNNN-*.bin``)
             and start empty; other files there are kept.
 
@@ -334,10 +265,9 @@ class DiskStore(Store):
             or an empty directory).
         RuntimeError: another store (in this process or another) has ``path`` open; from any
             method, used in a forked child.
-        StoreCorruptError: when opening, a tensor fails its checks, the metadata is broken
-            (fails its checksum, names a key twice) or a tensor file is accounted for by
-            nothing; from reads, a checksum mismatch or a damaged range; from anything, a
-            symbolic link or a non-regular file where one of the store's files was.
+        StoreCorruptError: when opening, a tensor fails its checks, the metadata is broken or a
+            tensor file is unaccounted for; from reads, a checksum mismatch or a damaged range;
+            from anything, a symbolic link or a non-regular file where a store file was.
         StoreFullError: from `put`/`alloc` when the budget or the disk is full; when opening,
             a missing tensor file that the disk has no room to create again.
 
@@ -380,29 +310,18 @@ class DiskStore(Store):
         self._pid = os.getpid()
         _STORES.add(self)
         self.path = Path(path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise PermissionError(
-                f"DiskStore path {str(self.path)!r} is not writable ({e.strerror or e}); pass a"
-                " directory you can write to, e.g. on a local disk with free space"
-            ) from e
         self._pending: dict[str, Future] = {}
-        # key -> in-place scalings not yet written (see `scale_`), applied in order
-        self._scales: dict[str, list[tuple[Callable, object]]] = {}
+        self._scales: dict[str, list[tuple[Callable, object]]] = {}  # see `scale_`
         self._unsynced: set[str] = set()
-        # Scratch keys written with checksums and journal records all the same: spares that
-        # become a tensor's bytes by `exchange` (see `alloc_spare`).
-        self._checked: set[str] = set()
+        self._checked: set[str] = set()  # scratch keys journaled all the same (`alloc_spare`)
         self.page_cache = page_cache
         self.verify_reads = (not page_cache) if verify_reads is None else verify_reads
         self._stats = {"bytes_read": 0, "bytes_written": 0, "read_busy_s": 0.0, "reads": 0,
                        "writes": 0, "write_busy_s": 0.0, "read_write_overlap_s": 0.0}
         self._active = {"read": 0, "write": 0}  # operations in flight
         self._since = {"read": 0.0, "write": 0.0, "both": 0.0}  # when each became busy
-        # Reads and writes get their own threads: a read (usually a prefetch that compute
-        # will wait for) never queues behind gradient or state writes, which nobody waits for
-        # right away; fewer write threads also leave the disk to the reads more often.
+        # NOTE: reads (prefetches that compute waits for) get their own threads, so they never
+        # queue behind writes nobody waits for; fewer write threads leave the disk to reads.
         self._threads = threads
         self._pool = Pool(max_workers=self._threads, thread_name_prefix="hr-disk")
         self._wpool = Pool(max_workers=max(1, self._threads // 2),
@@ -418,9 +337,8 @@ class DiskStore(Store):
                 self._ledger.remove(name)
             self._ledger.start()
             for key in [k for k in self._ledger.entries if k.startswith(SCRATCH)]:
-                name = self._ledger.entries[key]["file"]
-                self._ledger.free(key)  # scratch of a process that stopped: worth nothing
-                self._ledger.remove(name)
+                # scratch of a process that stopped: worth nothing
+                self._ledger.remove(self._ledger.free(key))
         except BaseException:
             if ledger is not None:
                 ledger.release()
@@ -430,9 +348,7 @@ class DiskStore(Store):
         for key, e in self._ledger.entries.items():
             self._handles[key] = Handle.of(key, tuple(e["shape"]), DTYPES[e["dtype"]], self)
             self._used += e["nbytes"]
-        # The finalizer holds the ledger (plain data, no reference back to the store) and the
-        # pools, so a store garbage-collected without close() still leaves a clean index,
-        # unlocks, and ends its I/O threads.
+        # The finalizer holds no reference back to the store: see `_finish`.
         self._finalizer = weakref.finalize(self, _finish, self._ledger, self._pool, self._wpool)
 
     def __repr__(self) -> str:
@@ -440,12 +356,10 @@ class DiskStore(Store):
 
     def _not_portable(self) -> str:
         return (
-            f"{self!r} cannot be pickled or copied: it owns its folder in this process (the"
-            " folder's lock and journal) and its I/O threads. To use the folder in another"
-            " process, pass the path and open DiskStore(path) there once this process has"
-            " closed the store (store.close()); to hand over a model offloaded to it, pass the"
-            " model (it pickles, as copy.deepcopy copies it, into a plain model holding its"
-            " values)")
+            f"{self!r} cannot be pickled or copied: it owns its folder's lock and journal and its"
+            " I/O threads in this process. Open DiskStore(path) in the other process once this"
+            " one is closed (store.close()), or pass the offloaded model (it pickles into a"
+            " plain model holding its values)")
 
     def _corrupt(self, key: str, start: int, end: int, why: str) -> StoreCorruptError:
         file = self._ledger.entries.get(key, {}).get("file", "?")
@@ -454,16 +368,14 @@ class DiskStore(Store):
             str(self.path), (key,))
 
     def _own(self) -> None:
-        """Raise at once in a forked child (the store's threads and folder are its parent's)
-        or once the store is closed."""
+        """Raise in a forked child (threads and folder are the parent's) or once closed."""
         if os.getpid() != self._pid:
             raise forked_error(repr(self), self._pid)
         if self._closed:
             raise RuntimeError(
-                f"{self!r} is closed (close() was called): nothing can be read or written"
-                " through it any more. Close a store after its last use (once the model and"
-                " optimizer that keep tensors in it are done); to go on, open the folder"
-                " again with DiskStore(path) and offload into it, or hr.load a checkpoint")
+                f"{self!r} is closed (close() was called): close a store after its last use;"
+                " to go on, open the folder again with DiskStore(path) and offload into it,"
+                " or hr.load a checkpoint")
 
     # ------------------------------------------------------------------ I/O plumbing
     def _file(self, handle: Handle) -> str:
@@ -472,11 +384,8 @@ class DiskStore(Store):
 
     def _submit_parts(self, key: str, parts: list[tuple], result, *, write: bool = False,
                       finish: Callable[[], None] | None = None) -> Future:
-        """Run ``fn(*args)`` of every part concurrently, after the previous operation on ``key``.
-
-        One part and no ``finish``: its own future. Otherwise a future that resolves to
-        ``result`` when all are done and ``finish()`` has returned (or to the first error).
-        """
+        """Run ``fn(*args)`` of every part concurrently, after the previous operation on ``key``;
+        a future of ``result`` once all are done and ``finish()`` returned (see `_all_of`)."""
         self._own()
         with self._lock:
             prev = self._pending.get(key)
@@ -486,29 +395,26 @@ class DiskStore(Store):
                     prev.exception()  # wait; its error was reported to its own caller
                 return fn(*args)
 
-            # No deadlock across the two pools: a task waits only for an operation
-            # submitted before it, and each pool starts its tasks in submission order.
+            # No deadlock: a task waits only for an earlier one; pools start tasks in order.
             pool = self._wpool if write else self._pool
             futs = [pool.submit(run, fn, args) for fn, args in parts]
             fut = futs[0] if len(futs) == 1 and finish is None else \
                 _all_of(futs, result, finish)
             self._pending[key] = fut
         # NOTE: callbacks run after the caller's wait returns: this one holds the table, not
-        # the store, so a caller that drops the store then is not racing an I/O thread.
+        # the store, so a caller that drops the store then does not race an I/O thread.
         fut.add_done_callback(partial(_settle, self._pending, self._lock, key))
         return fut
 
     def _submit_io(self, handle: Handle, kind: str, t: torch.Tensor,
-                   extents: list[tuple[int, int, int]]) -> Future:
+                   extents: list[tuple[int, int, int]], scales: list = ()) -> Future:
         path = self._file(handle)
         if kind == "write":
             return self._submit_parts(handle.key, [(self._write_job, (handle.key, path, t,
                                                                       extents))], None,
                                       write=True)
-        # A large read goes out as several smaller ones at once: the disk then has more
-        # requests in flight (see benchmarks/results/README.md), and a prefetch of one big
-        # tensor no longer waits behind a single thread.
-        check = _ReadCheck(self, handle.key, extents, self.verify_reads)
+        # A large read goes out in pieces at once: more requests in flight for the disk.
+        check = _ReadCheck(self, handle.key, extents, self.verify_reads, t, scales)
         return self._submit_parts(
             handle.key, [(self._read_job, (path, t, p, check))
                          for p in _split(extents, self._threads)], t, finish=check.finish)
@@ -517,16 +423,13 @@ class DiskStore(Store):
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return StoreFullError(
                 f"disk full while writing {path} (a file of {self!r}); free space there or"
-                " give DiskStore a directory on a larger disk"
-            )
+                " give DiskStore a directory on a larger disk")
         return e
 
     def stats(self) -> dict[str, float]:
-        """I/O counters since creation: ``bytes_read``, ``bytes_written``, ``reads``,
-        ``writes``, ``read_busy_s`` / ``write_busy_s`` (wall seconds during which at least one
-        read / write was in flight, so ``bytes_read / read_busy_s`` is the achieved read
-        throughput) and ``read_write_overlap_s`` (seconds with both in flight: reads sharing
-        the disk with writes). Checksum time counts as part of each read and write."""
+        """I/O counters since creation: ``bytes_read``, ``bytes_written``, ``reads``, ``writes``,
+        ``read_busy_s`` / ``write_busy_s`` (wall seconds with a read / write in flight, checksums
+        included) and ``read_write_overlap_s`` (seconds with both in flight)."""
         with self._lock:
             return dict(self._stats)
 
@@ -559,8 +462,7 @@ class DiskStore(Store):
 
     def _read_job(self, path: str, t: torch.Tensor, extents: list[tuple[int, int, int]],
                   check: _ReadCheck) -> torch.Tensor:
-        """Read ``extents`` (``(byte in t, byte in file, length)``) into ``t``, checksumming
-        this piece's share of the segments the read covers."""
+        """Read ``extents`` (``(byte in t, byte in file, length)``) into ``t``, checked."""
         covered = check.covered()
         with self._counted("read", extents):
             mv = buffer_view(t)
@@ -570,15 +472,14 @@ class DiskStore(Store):
                     check.read(fd, mv, extents, covered)
                 else:
                     for pos, offset, length in extents:
-                        _pread_into(fd, mv[pos:pos + length], offset)
+                        pread_into(fd, mv[pos:pos + length], offset, _ShortFile)
                 for _, offset, length in extents:
                     self._drop_cache(fd, offset, length, False)
             except _ShortFile:
                 raise self._corrupt(check.key, extents[0][1], extents[-1][1] + extents[-1][2], (
-                    "the file is shorter than the tensor (truncated by something else since the"
-                    " store opened it); restore the folder, or reopen with DiskStore(path,"
-                    " recover=True) and write the tensor again (hr.load(checkpoint, model,"
-                    " optimizer))")) from None
+                    "the file is shorter than the tensor (truncated since the store opened it);"
+                    " restore the folder, or reopen with DiskStore(path, recover=True) and"
+                    " hr.load(checkpoint, model, optimizer)")) from None
             finally:
                 os.close(fd)
         return t
@@ -598,72 +499,50 @@ class DiskStore(Store):
                    extents: list[tuple[int, int, int]]) -> None:
         """Write ``extents`` of ``t``, journaled before and after. See [Note: DiskStore journal]."""
         with self._counted("write", extents):
+            mv = buffer_view(t)
             if key.startswith(SCRATCH) and not self.verify_reads and key not in self._checked:
-                # Scratch bytes are dropped unchecked when the store reopens, and nothing reads
-                # them back verified: a checksum and two journal records would buy nothing.
-                # See [Note: scratch keys].
+                # Nothing checks these bytes (see [Note: scratch keys]): no checksum, no records.
                 self._ledger.forget_segments(key)  # no stale checksum of the old bytes
-                self._write_plain(key, path, t, extents)
+                x = None
+            elif len(extents) <= MAX_EXTENTS:
+                # The CRCs are taken in the I/O thread before the first byte goes out: a write the
+                # process does not live to finish is still recognised as complete or torn.
+                x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
             else:
-                self._write_journaled(key, path, t, extents)
-
-    def _write_journaled(self, key: str, path: str, t: torch.Tensor,
-                         extents: list[tuple[int, int, int]]) -> None:
-        # The CRC of each extent is taken from the source buffer here, in the I/O thread (crc32c
-        # releases the GIL), before the first byte goes out: a write the process does not live to
-        # finish is then still recognised as complete or torn when the store reopens.
-        mv = buffer_view(t)
-        if len(extents) <= MAX_EXTENTS:
-            x = [[off, length, crc(mv[pos:pos + length])] for pos, off, length in extents]
-        else:
-            lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
-            x = [[lo, hi - lo, None]]
-        # Opened before the write is journaled: a file that cannot be opened (or is a link,
-        # refused) leaves no record of a write that never started.
-        fd = self._open_for_write(key, path)
-        try:
-            try:
-                rid = self._ledger.begin_write(key, x)
+                lo, hi = extents[0][1], extents[-1][1] + extents[-1][2]
+                x = [[lo, hi - lo, None]]
+            try:  # opened before the write is journaled: no record of one that never started
+                fd = open_file(path, os.O_WRONLY, key=key)
             except OSError as e:
-                raise self._io_error(e, str(self.path)) from e
-            written = [0]
+                raise self._io_error(e, path) from e
+            rid, written = None, [0]
             try:
+                if x is not None:
+                    rid = self._journaled(self._ledger.begin_write, key, x)
                 self._pwrite_extents(fd, mv, extents, written)
             except OSError as e:
-                # Part of a failed write may have reached the file; those ranges are then
-                # marked bad (reads raise) rather than silently mixing old and new bytes.
-                self._ledger.end_write(rid, "bad" if written[0] else "none")
+                if rid is not None:  # part may have reached the file: marked bad, not mixed
+                    self._ledger.end_write(rid, "bad" if written[0] else "none")
                 raise self._io_error(e, path) from e
-        finally:
-            os.close(fd)
-        try:
-            self._ledger.end_write(rid, "ok")
-        except OSError as e:  # the data is in place; its record could not be added
-            raise self._io_error(e, str(self.path)) from e
-        with self._lock:
-            self._unsynced.add(path)
+            finally:
+                os.close(fd)
+            if rid is not None:  # the data is in place; its record may still fail
+                self._journaled(self._ledger.end_write, rid, "ok")
+                with self._lock:
+                    self._unsynced.add(path)
 
-    def _open_for_write(self, key: str, path: str) -> int:
+    def _journaled(self, change: Callable, *args):
+        """``change(*args)``, a journaled change of the ledger; a full disk is `StoreFullError`."""
         try:
-            return open_file(path, os.O_WRONLY, key=key)
+            return change(*args)
         except OSError as e:
-            raise self._io_error(e, path) from e
+            raise self._io_error(e, str(self.path)) from e
 
     def _pwrite_extents(self, fd: int, mv: memoryview, extents: list[tuple[int, int, int]],
                         written: list[int]) -> None:
         for pos, offset, length in extents:
             _pwrite_from(fd, mv[pos:pos + length], offset, written)
             self._drop_cache(fd, offset, length, True)
-
-    def _write_plain(self, key: str, path: str, t: torch.Tensor,
-                     extents: list[tuple[int, int, int]]) -> None:
-        fd = self._open_for_write(key, path)
-        try:
-            self._pwrite_extents(fd, buffer_view(t), extents, [0])
-        except OSError as e:
-            raise self._io_error(e, path) from e
-        finally:
-            os.close(fd)
 
     # ------------------------------------------------------------------ protocol
     def alloc(
@@ -683,8 +562,7 @@ class DiskStore(Store):
         if handle.nbytes > free:
             raise StoreFullError(
                 f"disk full: {key!r} needs {handle.nbytes} bytes, {free} free under"
-                f" {self.path}; free space or use a directory on a larger disk"
-            )
+                f" {self.path}; free space or use a directory on a larger disk")
         self._reserve(handle)
         try:
             name = self._ledger.alloc(key, re.sub(r"[^A-Za-z0-9_.-]", "_", named)[:80],
@@ -699,8 +577,7 @@ class DiskStore(Store):
             fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, key=key)
             created = True
             try:
-                # Reserve the blocks now so a full disk fails here, early, rather than in
-                # a background write halfway through training. Reserved blocks read as zeros.
+                # Blocks reserved now (read as zeros): a full disk fails here, not mid-training.
                 if handle.nbytes:
                     os.posix_fallocate(fd, 0, handle.nbytes)
             finally:
@@ -725,9 +602,8 @@ class DiskStore(Store):
 
     def alloc_spare(self, handle: Handle, key: str) -> Handle:
         """A tensor under ``key`` of ``handle``'s shape and dtype, to be exchanged with it
-        (`exchange`). A scratch ``key`` (see [Note: scratch keys]) is dropped on reopen, as
-        any scratch key, but written with checksums and journal records like ``handle``: the
-        bytes it holds may become ``handle``'s.
+        (`exchange`). A scratch ``key`` is dropped on reopen, but written with checksums and
+        journal records like ``handle``, whose bytes it may become.
 
         Raises:
             StoreFullError: the budget or the disk cannot hold it.
@@ -741,14 +617,12 @@ class DiskStore(Store):
 
     def exchange(self, pairs: list[tuple[Handle, Handle]]) -> None:
         """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype), all
-        pairs at once: afterwards ``a`` reads what ``b`` held and ``b`` what ``a`` held, for
-        every holder of either handle. Only the index changes (files and checksums trade
-        places), no byte is copied.
+        pairs at once, for every holder of either handle: files and checksums trade places in
+        the index, no byte is copied.
 
-        Operations on those tensors issued before finish first (reads see the old bytes);
-        issue none from another thread while it runs. One journal record: a store reopened
-        after ``kill -9`` sees every pair exchanged or none; after a power loss, as of the
-        last `flush`.
+        Operations on those tensors issued before finish first; issue none from another thread
+        while it runs. One journal record: a store reopened after ``kill -9`` sees every pair
+        exchanged or none (after a power loss, as of the last `flush`).
 
         Raises:
             KeyError: a handle is not in this store.
@@ -761,9 +635,8 @@ class DiskStore(Store):
             self._check(a)
             self._check(b)
             if (a.shape, a.dtype) != (b.shape, b.dtype) or a.key == b.key:
-                raise ValueError(
-                    f"DiskStore.exchange needs two tensors of one shape and dtype, got {a} and"
-                    f" {b}")
+                raise ValueError(f"DiskStore.exchange needs two tensors of one shape and dtype,"
+                                 f" got {a} and {b}")
         keys = [k for a, b in pairs for k in (a.key, b.key)]
         if len(set(keys)) != len(keys):
             raise ValueError("DiskStore.exchange: a tensor is in more than one pair")
@@ -771,16 +644,11 @@ class DiskStore(Store):
             with self._lock:
                 prev = [f for k in keys if (f := self._pending.get(k)) is not None]
                 if not prev:
-                    try:
-                        self._ledger.exchange([(a.key, b.key) for a, b in pairs])
-                    except OSError as e:
-                        raise self._io_error(e, str(self.path)) from e
+                    self._journaled(self._ledger.exchange, [(a.key, b.key) for a, b in pairs])
                     for a, b in pairs:  # deferred scalings go with the bytes they scale
                         sa, sb = self._scales.pop(a.key, None), self._scales.pop(b.key, None)
-                        if sb is not None:
-                            self._scales[a.key] = sb
-                        if sa is not None:
-                            self._scales[b.key] = sa
+                        self._scales.update({k: v for k, v in ((a.key, sb), (b.key, sa))
+                                             if v is not None})
                     return
             for f in prev:
                 f.exception()  # wait; its error went to its own caller
@@ -795,23 +663,15 @@ class DiskStore(Store):
             return done(out)
         with self._lock:  # the scalings of exactly the operations queued before this read
             scales = list(self._scales.get(handle.key, ()))
-            fut = self._submit_io(handle, "read", out, extents)
-        return _scaled(fut, scales) if scales else fut
-
-    @staticmethod
-    def _check_host(handle: Handle, src: torch.Tensor) -> None:
-        if src.device.type != "cpu" or not src.is_contiguous():
-            raise ValueError(f"write to {handle.key!r} needs a contiguous host (cpu) tensor")
+            return self._submit_io(handle, "read", out, extents, scales)
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
-        self._check_src(handle, src, handle.shape)
-        self._check_host(handle, src)
+        self._check_src(handle, src, handle.shape, "write to")
         if handle.nbytes == 0:
             return done(None)
         with self._lock:
             fut = self._submit_io(handle, "write", src, [(0, 0, handle.nbytes)])
-            # The whole value replaced; dropped only once the write is queued, so a write that
-            # fails to start (or is interrupted before) leaves the scaling to later reads.
+            # Dropped once the write is queued: one that fails to start keeps the scalings.
             self._scales.pop(handle.key, None)
         return fut
 
@@ -820,13 +680,11 @@ class DiskStore(Store):
         ``op([t], factor)`` for a ``_foreach`` op), an element-wise in-place op such as
         ``torch.ops.aten.mul_.Tensor`` with a 0-dim ``factor``.
 
-        Nothing is read or written now. Every later read (whole or rows) applies the recorded
-        ops, in order, to the values it reads, so it gets bitwise what it would read had the
-        tensor been scaled and written back; a later whole `write` replaces them. Before a row
-        write, `flush`, `close` or `file_of` the scaled value is written out (read, scaled,
-        written), so the file holds it from then on. Until then the file holds the values
-        before scaling: after ``kill -9`` the tensor reopens unscaled (for gradient clipping,
-        which is what this is for, the gradients of an interrupted step are not kept anyway).
+        Nothing is read or written now: every later read applies the recorded ops, in order,
+        to what it reads (bitwise the scaled value); a whole `write` replaces them. A row
+        write, `flush`, `close` or `file_of` writes the scaled value out first. Until then the
+        file holds the unscaled values, which a store reopened after ``kill -9`` reads (for
+        gradient clipping, the gradients of an interrupted step are not kept anyway).
 
         Raises:
             KeyError: ``handle`` is not in this store.
@@ -848,8 +706,7 @@ class DiskStore(Store):
                 scales = list(self._scales.get(k, ()))
             fut = self.write(h, self.read(h).result())
             if fut.exception() is not None:
-                # The write failed: the file still holds the value before the scalings (or,
-                # partly written, bytes marked damaged, which raise), so they stay recorded.
+                # The file still holds the unscaled value (or damaged bytes): they stay recorded.
                 with self._lock:
                     self._scales[k] = scales + self._scales.get(k, [])
                 fut.result()
@@ -872,8 +729,7 @@ class DiskStore(Store):
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
         rows = self._check_rows(handle, rows)
-        self._check_src(handle, src, self._rows_shape(handle, rows))
-        self._check_host(handle, src)
+        self._check_src(handle, src, self._rows_shape(handle, rows), "write to")
         extents = self._extents(handle, rows)
         if not extents:
             return done(None)
@@ -883,8 +739,7 @@ class DiskStore(Store):
             return self._submit_io(handle, "write", src, extents)
 
     def reserve_writes(self, count: int) -> None:
-        # Two records per write (begin and done), each at most this long for a write of one
-        # range of rows (more ranges: about 40 bytes each).
+        # Two records per write (begin and done), each at most this long for one range of rows.
         self._own()
         try:
             self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
@@ -905,8 +760,7 @@ class DiskStore(Store):
         return Path(self._file(handle))
 
     def damaged(self) -> dict[str, list[tuple[int, int]]]:
-        """Byte ranges marked damaged (by ``recover=True`` or a write that failed part-way),
-        by key; they raise `StoreCorruptError` on read until rewritten."""
+        """Byte ranges, by key, marked damaged (they raise on read until written again)."""
         with self._ledger.lock:
             out = {k: [(s, e) for s, e, c in v["segments"] if c == BAD]
                    for k, v in self._ledger.entries.items()}
@@ -921,15 +775,14 @@ class DiskStore(Store):
             prev.exception()
         with self._lock:
             self._scales.pop(handle.key, None)
-            name = self._ledger.entries[handle.key]["file"]
-            self._ledger.free(handle.key)  # journaled before the file goes
+            name = self._ledger.free(handle.key)  # journaled before the file goes
             self._checked.discard(handle.key)
             self._release(handle)
         self._ledger.remove(name)
 
     def _fill_job(self, key: str, path: str, unknown: list[tuple[int, int]]) -> None:
-        for (s, e), c in zip(unknown, file_crcs([(path, s, e) for s, e in unknown],
-                                                _InThread(), self.page_cache), strict=True):
+        for s, e in unknown:
+            c = range_crc(path, s, e - s, self.page_cache)
             if c is not None:
                 self._ledger.set_known(key, s, e, c)
 
@@ -940,8 +793,7 @@ class DiskStore(Store):
             pending = list(self._pending.values())
         for fut in pending:
             fut.result()
-        # Checksums not known (parts of segments that row writes cut into) are read back,
-        # each as an operation on its key, so it sees exactly the bytes written before it.
+        # Unknown checksums are read back, each as an operation on its key (in order).
         futs = []
         for key in self.keys():
             try:
@@ -968,8 +820,7 @@ class DiskStore(Store):
         self._ledger.compact(clean=clean, flushed=True)
 
     def _free_scratch(self) -> None:
-        """Free every scratch key (see [Note: scratch keys]): the stashes' pooled files, and
-        those of activations a graph still holds, whose restore then raises."""
+        """Free every scratch key (see [Note: scratch keys]); a restore of one then raises."""
         for stash in list(self._stashes.values()):
             stash.close()
         self._stashes.clear()
@@ -981,10 +832,10 @@ class DiskStore(Store):
     def flush(self) -> None:
         """Wait for all pending reads and writes, make them durable and snapshot the index.
 
-        Checksums the store does not know yet (parts of the file that row writes cut out of a
-        larger written range) are computed by reading those bytes back; the files written since
-        the last flush are fsynced, then ``index.json`` is replaced atomically and the journal
-        emptied. After a power loss, the store is intact as of the last flush.
+        Unknown checksums (of bytes row writes cut out of a written range) are computed by
+        reading those bytes back; the files written since the last flush are fsynced, then
+        ``index.json`` is replaced atomically and the journal emptied. After a power loss, the
+        store is intact as of the last flush.
 
         Raises:
             OSError: the first error of a pending write that nobody waited for.
@@ -993,10 +844,9 @@ class DiskStore(Store):
 
     def close(self) -> None:
         """Flush, mark the folder closed cleanly, stop the I/O threads and unlock the folder.
-        The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (activations
-        offloaded here, see `headroom.offload_activations`) is freed: a backward that still
-        needs activations stashed here raises instead. Afterwards every method raises
-        `RuntimeError` (closed); a second ``close()`` does nothing."""
+        The tensors' files stay; reopen with ``DiskStore(path)``. Scratch space (offloaded
+        activations) is freed: a backward that still needs it raises instead. Afterwards every
+        method raises `RuntimeError` (closed); a second ``close()`` does nothing."""
         if self._closed or os.getpid() != self._pid:
             return  # in a forked child: the parent's store, which stays open there
         try:
@@ -1009,15 +859,3 @@ class DiskStore(Store):
             self._finalizer.detach()
             self._ledger.release()
 
-
-class _InThread:
-    """An executor that runs each call at once in the calling thread (already an I/O thread)."""
-
-    @staticmethod
-    def submit(fn, *args) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
-            fut.set_exception(e)
-        return fut

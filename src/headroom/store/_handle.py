@@ -13,15 +13,8 @@ __all__ = ["Handle", "check_rows", "row_count"]
 
 @dataclass(frozen=True)
 class Handle:
-    """A tensor kept in a store.
-
-    Args:
-        key: the name it was stored under (unique within its store).
-        shape: its shape.
-        dtype: its dtype.
-        nbytes: its size in bytes.
-        store: the store that issued it (not part of equality).
-    """
+    """A tensor kept in a store: its ``key`` (unique within the store), shape, dtype, size in
+    bytes, and the ``store`` that issued it (not part of equality)."""
 
     key: str
     shape: tuple[int, ...]
@@ -36,8 +29,7 @@ class Handle:
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"shape {shape} for {key!r} has a negative size")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return Handle(key, shape, dtype, math.prod(shape) * itemsize, store)
+        return Handle(key, shape, dtype, math.prod(shape) * dtype.itemsize, store)
 
     @property
     def numel(self) -> int:
@@ -52,12 +44,7 @@ class Handle:
 
 
 def check_rows(handle: Handle, rows: slice | torch.Tensor) -> slice | torch.Tensor:
-    """Validate a row selection for ``read_rows``/``write_rows``; returns it normalized.
-
-    Raises:
-        ValueError: the handle has no rows, the slice has a step, or the indices are not a sorted
-            1-D integer tensor within range.
-    """
+    """A row selection for ``read_rows``/``write_rows``, checked (`ValueError`) and normalized."""
     if len(handle.shape) < 1:
         raise ValueError(f"{handle.key!r} is 0-dimensional; row access needs a tensor with rows")
     n = handle.shape[0]

@@ -1,19 +1,11 @@
 """Giving freed host memory back to the operating system when large buffers churn.
 
-glibc's ``malloc`` serves a large request with ``mmap`` and returns it with ``munmap`` on free,
-until the first such free: then it raises its threshold to that size (up to 32 MiB) and serves
-later requests of that size from the heap, where freed memory mostly stays with the process.
-Offloading on the CPU frees a block's worth of parameters after every use and allocates it again
-for the next, so after the first step the process's resident memory grows well past what is
-live (``benchmarks/rss_disk_training.py`` measures it). `HeapTrimmer` returns it
-(``malloc_trim``) once enough bytes were freed since the last time, at the moments the caller
-knows a large buffer was freed. Elsewhere (not glibc) it does nothing.
-
-A trim returns *every* free page of the heap, the temporaries PyTorch freed a moment ago among
-them, and each is faulted in again (zeroed by the kernel) at its next use: on a training step
-that is most of the step's memory, every step. Where the caller is about to free one buffer,
-`release_pages` gives back exactly its pages instead (``madvise(MADV_DONTNEED)`` on the whole
-pages inside it, Linux only), and the heap keeps the rest as it would have.
+glibc serves large requests with ``mmap`` until the first such free, then from the heap, where
+freed memory mostly stays with the process: offloading on the CPU frees and reallocates a
+block's parameters every use, so resident memory grows past what is live. `HeapTrimmer`
+returns it (``malloc_trim``) once enough bytes were freed. A trim returns *every* free page,
+each faulted in again at its next use; `release_pages` gives back exactly one buffer's pages
+instead (``madvise(MADV_DONTNEED)``, Linux only). Elsewhere both do nothing.
 """
 
 from __future__ import annotations
@@ -55,12 +47,9 @@ def trim_heap() -> bool:
 def release_pages(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
     """Give the whole pages of a host storage (or a tensor's) back to the OS now.
 
-    For a storage that is about to be freed (or refilled before any read): its bytes read as
-    zeros afterwards, and the allocator's own bookkeeping (before the storage, or in its first
-    bytes once freed) is never touched. Only the process's private memory from PyTorch's CPU
-    allocator is released: a storage that is shared, lent (NumPy, a file mapping) or not on the
-    CPU is left as it is. Returns False where nothing was released (unsupported system, such a
-    storage, or one smaller than a page).
+    For a storage about to be freed or refilled: its bytes read as zeros afterwards. Only
+    private memory of PyTorch's CPU allocator is released (not shared, lent or device storage).
+    Returns False where nothing was released.
     """
     if _madvise is None or os.environ.get("HEADROOM_TRIM_HEAP", "1") == "0":
         return False
@@ -76,11 +65,7 @@ def release_pages(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
 
 
 class HeapTrimmer:
-    """Counts freed host bytes; trims the heap each time ``threshold`` bytes were freed.
-
-    Args:
-        threshold: bytes freed between trims (a trim costs about as much as unmapping them).
-    """
+    """Counts freed host bytes; trims the heap each time ``threshold`` bytes were freed."""
 
     def __init__(self, threshold: int = 8 << 20) -> None:
         self.threshold = threshold

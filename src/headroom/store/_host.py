@@ -1,5 +1,5 @@
-"""Host memory: a store of host tensors (page-locked, carved from a few slabs, when feeding a
-device), and a pool of reusable page-locked buffers."""
+"""Host memory: a store of host tensors (page-locked slabs when feeding a device), and a pool
+of reusable page-locked buffers."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from headroom.store._store import Store, StoreFullError, done, is_accelerator
 
 __all__ = ["HostStore", "PinnedPool", "add_into", "resolve_store"]
 
-# Elements converted at a time by `add_into`: 8 MiB of fp32, cache-sized, and enough for
-# every core's share of one add to be worth a thread.
+# Elements `add_into` converts at a time: 8 MiB of fp32, cache-sized, worth a thread per core.
 _ADD_CHUNK = 1 << 21
 _scratch = threading.local()
 
@@ -24,11 +23,9 @@ _scratch = threading.local()
 def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.add_(src)``, bitwise, faster on the host when ``src`` is a narrower float.
 
-    A CPU ``add_`` across dtypes (an fp32 gradient plus a bf16 one) takes a path about 5-7
-    times slower than a cast and a same-dtype add. When ``dst.dtype`` is the promoted dtype
-    (the cast of ``src`` is exact, so the sum is the same), the cast goes through a small
-    scratch buffer of this thread's, chunk by chunk: no temporary the size of the tensor, which
-    would fault in fresh pages on every call.
+    NOTE: a CPU ``add_`` across dtypes takes a path 5-7 times slower than a cast and a
+    same-dtype add. When ``dst.dtype`` is the promoted dtype (the cast is exact), ``src`` is
+    cast chunk by chunk through a scratch buffer of this thread's (no tensor-sized temporary).
     """
     if (dst.dtype == src.dtype or torch.promote_types(dst.dtype, src.dtype) != dst.dtype
             or dst.device.type != "cpu" or src.device.type != "cpu"
@@ -52,10 +49,9 @@ def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 class PinnedPool:
     """Reusable host byte buffers, page-locked when ``pin`` is true, under a byte budget.
 
-    Buffers are cached by size when given back, so steady-state training allocates no new
-    page-locked memory (pinning is slow: it maps and locks every page). Each buffer is a slab
-    of its own (see `headroom.store._pinned`): it counts what the runtime spends for it, and
-    `forget`, `clear` and the trimming under the budget give its memory back to the system.
+    Buffers are cached by size when given back, so steady-state training pins no new memory.
+    Each is a slab of its own (see `headroom.store._pinned`), which `forget`, `clear` and the
+    trimming under the budget give back to the system.
 
     Args:
         pin: allocate page-locked memory (plain memory where no accelerator runtime can pin).
@@ -73,8 +69,7 @@ class PinnedPool:
         self._slabs: dict[int, Slab] = {}  # data_ptr of a buffer handed out or cached -> slab
         self._total = 0
         self._lock = threading.Lock()
-        # A pool dropped without `clear` (a mover or stash never closed) gives its page-locked
-        # bytes back to the process budget all the same.
+        # A pool dropped without `clear` gives its bytes back to the process budget all the same.
         weakref.finalize(self, release_all, self._slabs)
 
     @property
@@ -94,8 +89,7 @@ class PinnedPool:
                 if self._total + cost > self.max_bytes:
                     raise StoreFullError(
                         f"store full: budget {self.max_bytes} bytes, need {self._total + cost};"
-                        " raise budget (max_bytes=) or use DiskStore"
-                    )
+                        " raise budget (max_bytes=) or use DiskStore")
             slab = alloc_slab(nbytes, pin=self.pin, device=self.device)
             buf = slab.tensor[:nbytes]
             self._slabs[buf.data_ptr()] = slab
@@ -103,8 +97,7 @@ class PinnedPool:
             return buf
 
     def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from `take` for reuse (copies using it must be ordered before the
-        next `take` hands it out: the caller waits for them, or for their events)."""
+        """Return a buffer from `take` for reuse (the caller orders copies using it first)."""
         with self._lock:
             self._free.setdefault(buf.numel() * buf.element_size(), []).append(
                 buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf)
@@ -150,23 +143,19 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class HostStore(Store):
     """Tensors resting in host memory; reads and writes complete at once.
 
-    A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`):
-    pinned bytes are spent once per slab rather than rounded up per tensor, count against the
-    process's page-locked budget (`headroom.store.pinned_bytes`), and go back to the system
-    when the tensors in a slab are freed (``free``, ``close``, `hr.unoffload`) or the store is
-    garbage-collected. A store cannot be pickled or copied (`TypeError`): its tensors are this
-    process's, used in place by what is bound to them.
+    A pinned store carves its tensors out of a few large page-locked slabs (a `PinnedArena`),
+    counted against the process's page-locked budget (`headroom.store.pinned_bytes`) and given
+    back to the system when a slab's tensors are freed or the store is garbage-collected. A
+    store cannot be pickled or copied (`TypeError`).
 
     Args:
         pin: page-lock the tensors so copies to an accelerator run asynchronously on a side
-            stream. Costs pinning time once and memory the OS cannot swap; `resolve_store` turns
-            it on when the compute device is an accelerator. Where no accelerator runtime can
-            pin (a CPU-only build) the slabs are plain memory, counted the same way.
+            stream (costs pinning time once and memory the OS cannot swap); `resolve_store`
+            turns it on for an accelerator. Without an accelerator runtime the slabs are plain
+            memory, counted the same way.
         max_bytes: byte budget, on what the store's memory costs (whole slabs when pinned);
-            ``None``: no limit of its own (a pinned store still stays within the process's
-            page-locked budget, half of physical memory by default).
-        device: the accelerator a pinned store feeds (its context pins the memory; default:
-            the current accelerator).
+            ``None``: no limit of its own (the process's page-locked budget still holds).
+        device: the accelerator a pinned store feeds (default: the current accelerator).
 
     Raises:
         StoreFullError: from `put`/`alloc` when the budget is exhausted.
@@ -205,8 +194,7 @@ class HostStore(Store):
         return self._arena.spent_bytes if self._arena is not None else self._used
 
     def reserve(self, sizes) -> None:
-        """Room for tensors of these byte sizes, allocated next, in one slab when pinned (no
-        tail wasted between slabs); a hint, nothing is allocated when not pinned."""
+        """Room for tensors of these byte sizes, allocated next, in one slab when pinned."""
         if self._arena is not None:
             self._arena.reserve(list(sizes))
 
@@ -276,8 +264,7 @@ class HostStore(Store):
         return done(None)
 
     def free(self, handle: Handle) -> None:
-        """Forget the tensor; a pinned store's slab goes back to the system once nothing in it
-        is left. Copies that use the tensor must have finished (e.g. `Mover.synchronize`)."""
+        """Forget the tensor (copies using it must have finished); an empty slab is released."""
         self._check(handle)
         with self._lock:
             _, buf = self._tensors.pop(handle.key)
@@ -297,16 +284,12 @@ def resolve_store(store: str | Store, device: str | torch.device | None = None) 
     """Turn the ``store=`` argument of the public API into a `Store`.
 
     Args:
-        store: ``"cpu"`` for host memory (a `HostStore`, page-locked in slabs within the
-            process's page-locked budget when ``device`` is an accelerator), or a `Store`
-            instance (e.g. ``DiskStore(path)``), returned as is.
+        store: ``"cpu"`` for host memory (a `HostStore`, page-locked when ``device`` is an
+            accelerator), or a `Store` instance (e.g. ``DiskStore(path)``), returned as is.
         device: the compute device the store feeds.
 
     Raises:
         ValueError: an unknown store name.
-
-    Example:
-        >>> store = resolve_store("cpu", "cpu")
     """
     if isinstance(store, Store):
         return store
@@ -314,7 +297,5 @@ def resolve_store(store: str | Store, device: str | torch.device | None = None) 
         dev = torch.device(device) if device is not None else torch.device("cpu")
         acc = is_accelerator(dev)
         return HostStore(pin=acc, device=dev if acc else None)
-    raise ValueError(
-        f"unknown store {store!r}: use 'cpu' (host memory) or a store object such as"
-        " headroom.DiskStore(path)"
-    )
+    raise ValueError(f"unknown store {store!r}: use 'cpu' (host memory) or a store object such"
+                     " as headroom.DiskStore(path)")

@@ -1,38 +1,34 @@
 """What a `DiskStore` folder holds: an index snapshot, an append-only journal and a lock file.
 
 [Note: DiskStore journal]
-The folder's metadata is ``index.json`` (a snapshot: tensors, files, checksum segments, the
-writes in flight, the files freed and perhaps not unlinked yet, the sequence number it
-includes, whether the session that wrote it closed) plus ``journal.jsonl`` (records after that
-snapshot, one per line: ``<crc32c hex> <json>``, each with the next sequence number). The index
-ends with ``"crc":"xxxxxxxx"``, the CRC32C of its bytes without that field, checked before it is
-parsed (versions 1 and 2 had none and still open). No object in either may name a key twice.
-The store journals an ``alloc`` before creating the file, a ``free`` before unlinking it, an
-``x`` when tensors exchange files (`DiskStore.exchange`, one record for all pairs), and each
-write twice: ``w`` with the CRC of every extent before the first byte goes out, ``d`` (done:
-``ok``, ``none`` written, or ``bad`` = failed part-way) after the last. Reopening replays the
-journal over the snapshot; a ``w`` without its ``d`` is a write the process did not finish,
-checked against the file (new bytes, old bytes, or torn). A last record without its newline
-was cut short by a kill mid-append and is ignored; one with it that fails its CRC was damaged
-later and is refused. Every tensor file in the folder is accounted for: an entry owns it, or a
-recorded ``free`` (the journal's, or the snapshot's list, from which the file leaves once
-unlinked) lets opening remove it; any other is refused, never deleted (it may be a tensor whose
-entry was lost). Appends are not fsynced: a killed process's writes are in the page cache,
-which reaches the disk anyway; `DiskStore.flush` fsyncs data and index, so after a power loss
-the store is safe as of the last flush (a tensor file allocated after it whose record the power
-loss took is refused as unaccounted). Compaction (index rewritten via tmp + fsync + rename,
-then the journal truncated) holds the ledger lock, so no record falls between the two; it runs
-after any change once the journal is past `COMPACT_BYTES` and twice the index, except while
-journal space is reserved (`Ledger.reserve`), and then when the reservation ends.
+The folder's metadata is ``index.json`` (a snapshot: tensors, files, checksum segments, writes
+in flight, files freed and perhaps not unlinked yet, its sequence number, whether its session
+closed) plus ``journal.jsonl`` (records after it, one per line: ``<crc32c hex> <json>``, each
+with the next sequence number). The index ends with ``"crc":"xxxxxxxx"``, the CRC32C of its
+bytes without that field, checked before parsing (versions 1 and 2 had none and still open). No
+object in either may name a key twice. The store journals an ``alloc`` before creating a file,
+a ``free`` before unlinking it, an ``x`` when tensors exchange files (one record for all pairs),
+and each write twice: ``w`` with the CRC of every extent before the first byte goes out, ``d``
+(``ok``, ``none`` written, or ``bad`` = failed part-way) after the last. Reopening replays the
+journal over the snapshot; a ``w`` without its ``d`` is checked against the file (new bytes, old
+bytes, or torn). A last record without its newline was cut short by a kill and is ignored; one
+with it that fails its CRC was damaged later and is refused. Every tensor file in the folder is
+accounted for: an entry owns it, or a recorded ``free`` lets opening remove it; any other is
+refused, never deleted (it may be a tensor whose entry was lost). Appends are not fsynced (a
+killed process's writes reach the disk from the page cache); `DiskStore.flush` fsyncs data and
+index, so after a power loss the store is safe as of the last flush (a file allocated after it
+whose record was lost is refused as unaccounted). Compaction (index written via tmp + fsync +
+rename, then the journal truncated) holds the ledger lock, so no record falls between the two;
+it runs once the journal is past `COMPACT_BYTES` and twice the index, except while journal space
+is reserved (`Ledger.reserve`), and then when the reservation ends.
 
 [Note: DiskStore files stay inside the folder]
 Every file a store opens is ``<folder>/<name>`` with a name it made itself (``NNNNNN-*.bin``
 names from the index are checked against that pattern: no ``/``, so no ``..`` or absolute
-path) and is opened with `open_file`: ``O_NOFOLLOW`` (a symbolic link put where a file was is
-refused, not followed, whether or not a checksum would have caught it) and only a regular file
-(a FIFO or device is refused without blocking). Every size and offset read from the index or
-the journal is checked against the tensor's size before use, and a tensor's size against its
-file or the disk's free space before anything is read or allocated.
+path), opened with `open_file`: ``O_NOFOLLOW`` (a symbolic link is refused, not followed) and
+only a regular file (a FIFO or device is refused without blocking). Every size and offset read
+from the index or journal is checked against the tensor's size before use, and a tensor's size
+against its file or the disk's free space before anything is read or allocated.
 """
 
 from __future__ import annotations
@@ -70,27 +66,25 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )}
-# Compaction rewrites the whole index, so it waits until the journal is both past a
-# fixed size and twice the index: amortized, journaling stays linear in the records written.
+# NOTE: compaction rewrites the whole index, so it waits until the journal is past a fixed size
+# and twice the index: amortized, journaling stays linear in the records written.
 COMPACT_BYTES = 4 << 20
 MAX_EXTENTS = 32  # a write of more row runs records one unknown span instead of a CRC each
-# Bounds on numbers read from the index or journal, far above anything real: a hand-edited or
-# damaged value beyond them is refused before it sizes a loop, a table or a file name.
+# Bounds far above anything real on numbers read from the index or journal: a damaged value is
+# refused before it sizes a loop, a table or a file name.
 MAX_TENSOR_BYTES = 1 << 60
 MAX_COUNTER = 10**12
 _NAME_MAX = 200
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _VERSION = 3  # the index version written; 1 and 2 (no checksum of their own) are still read
-# An index of version 3 ends with this field: the CRC32C of the file's bytes with the field
-# left out (``,"crc":"xxxxxxxx"`` removed), checked over the raw bytes before they are parsed.
+# Version 3 ends with the CRC32C of the index's bytes without this field (see the Note).
 _SEAL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\Z')
 _SEAL_BYTES = 18  # len(b',"crc":"xxxxxxxx"}')
 
 
 def _loads(raw: bytes):
-    """JSON of the index or a journal record; an object naming a key twice is refused (a
-    damaged or edited name may have become another tensor's, whose entry the parser would then
-    silently replace)."""
+    """JSON of the index or a journal record; a key named twice is refused (a damaged name may
+    have become another tensor's, whose entry the parser would silently replace)."""
     return json.loads(raw, object_pairs_hook=unique_keys)
 
 
@@ -100,8 +94,7 @@ def _seal(body: bytes) -> bytes:
 
 
 def _unseal(raw: bytes) -> tuple[bytes, bool | None]:
-    """``(body, ok)``: the index without its checksum field and whether the checksum matches
-    (``None`` when there is no such field: an index of version 1 or 2, or a damaged one)."""
+    """``(body, ok)``: the index without its checksum field, and whether it matches (or None)."""
     m = _SEAL.search(raw, max(0, len(raw) - _SEAL_BYTES))
     if m is None:
         return raw, None
@@ -121,14 +114,8 @@ def is_store_file(name: str) -> bool:
 
 def open_file(path: str | os.PathLike, flags: int, mode: int = 0o644, *,
               key: str | None = None) -> int:
-    """``os.open`` of a file in a store's folder that never follows a symbolic link and opens
-    only a regular file (see [Note: DiskStore files stay inside the folder]).
-
-    Raises:
-        StoreCorruptError: ``path`` is a symbolic link, or not a regular file; nothing was read
-            or written through it.
-        OSError: as ``os.open`` (``FileNotFoundError`` when absent).
-    """
+    """``os.open`` of a regular file in a store's folder, never through a symbolic link (see
+    [Note: DiskStore files stay inside the folder]); `StoreCorruptError` otherwise."""
     try:
         fd = os.open(path, flags | _OPEN_FLAGS, mode)
     except OSError as e:
@@ -151,12 +138,12 @@ def not_regular(path: str | os.PathLike, what: str, key: str | None) -> StoreCor
     folder, name = os.path.split(path)
     whose = f" (the file of tensor {key!r})" if key is not None else ""
     return StoreCorruptError(
-        f"DiskStore {folder!r}: {name}{whose} {what}. A DiskStore reads and writes only regular"
-        " files inside its folder, never through a link that could point anywhere; nothing was"
-        " read or written through it. Put the file itself there (e.g. cp --remove-destination"
-        f" \"$(readlink -f {path})\" {path}), or delete it and open the store with"
-        " recover=True (the tensor then reads as damaged until written again, e.g. by"
-        " hr.load(checkpoint, model, optimizer))", folder, (key,) if key is not None else ())
+        f"DiskStore {folder!r}: {name}{whose} {what}; a DiskStore uses only regular files in its"
+        " folder, never a link, and nothing was read or written through it. Put the file itself"
+        f" there (e.g. cp --remove-destination \"$(readlink -f {path})\" {path}), or delete it"
+        " and open the store with recover=True (the tensor reads as damaged until written"
+        " again, e.g. by hr.load(checkpoint, model, optimizer))", folder,
+        (key,) if key is not None else ())
 
 
 def _read_meta(path: Path) -> bytes | None:
@@ -172,11 +159,10 @@ def _read_meta(path: Path) -> bytes | None:
 def forked_error(what: str, pid: int) -> RuntimeError:
     return RuntimeError(
         f"{what} was opened in process {pid} and is used here in process {os.getpid()}, a child"
-        " forked from it (os.fork, multiprocessing's fork start method, a DataLoader worker):"
-        " the child has none of the store's I/O threads and does not own its folder, so it"
-        " cannot read or write through it. Use the store only in the process that opened it;"
-        " keep offloaded models out of worker processes (e.g. build the DataLoader's dataset"
-        " without them), or open a DiskStore on a folder of the child's own")
+        " forked from it (os.fork, multiprocessing's fork start method, a DataLoader worker),"
+        " which has none of its I/O threads and does not own its folder. Use the store only in"
+        " the process that opened it: keep offloaded models out of worker processes, or open a"
+        " DiskStore on a folder of the child's own")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -190,14 +176,14 @@ def _fsync_dir(path: Path) -> None:
 def _corrupt(path: Path, file: Path, what: str, *, recover: bool = False
              ) -> StoreCorruptError:
     """The metadata ``file`` is broken; the fixes (``recover``: recover=True is one)."""
-    skip = (" Open it with DiskStore(path, recover=True) to skip that record (the change it"
-            " recorded is lost, and a warning says so), then hr.load(checkpoint, model,"
-            " optimizer);" if recover else "")
+    skip = (" Open it with DiskStore(path, recover=True) to skip that record (its change is"
+            " lost; a warning says so), then hr.load(checkpoint, model, optimizer);"
+            if recover else "")
     return StoreCorruptError(
         f"DiskStore {str(path)!r}: {file.name} {what}. The folder was not changed.{skip}"
-        " Restore the folder from a backup, or start over from a checkpoint:"
-        " DiskStore(path, overwrite=True) (deletes only the store's files), hr.offload the"
-        " model into it and hr.load(checkpoint, model, optimizer)", str(path))
+        " Restore the folder from a backup, or start over: DiskStore(path, overwrite=True)"
+        " (deletes only the store's files), hr.offload the model into it and"
+        " hr.load(checkpoint, model, optimizer)", str(path))
 
 
 @contextlib.contextmanager
@@ -209,15 +195,18 @@ def _refused(path: Path, file: Path, what: str) -> Iterator[None]:
         raise _corrupt(path, file, f"{what} ({e!r})") from None
 
 
+def _not_writable(path: Path, e: OSError) -> PermissionError:
+    return PermissionError(
+        f"DiskStore path {str(path)!r} is not writable ({e.strerror or e}); pass a directory"
+        " you can write to, e.g. on a local disk with free space")
+
+
 def _acquire(path: Path) -> int:
     """Open and lock the folder's lock file (released by the OS when the process dies)."""
     try:
         fd = open_file(path / LOCK, os.O_RDWR | os.O_CREAT)
     except OSError as e:
-        raise PermissionError(
-            f"DiskStore path {str(path)!r} is not writable ({e.strerror or e}); pass a"
-            " directory you can write to, e.g. on a local disk with free space"
-        ) from e
+        raise _not_writable(path, e) from e
     for attempt in range(2):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -239,25 +228,19 @@ def _acquire(path: Path) -> int:
                    if holder == os.getpid() else
                    f"process {holder}" if holder else "another process")
             raise RuntimeError(
-                f"DiskStore folder {str(path)!r} is already open in {who}. A folder serves one"
-                " store at a time (two would overwrite each other's files); close the other"
-                " store, or give this one another folder"
+                f"DiskStore folder {str(path)!r} is already open in {who}; a folder serves one"
+                " store at a time: close the other store, or give this one another folder"
             ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
 
 def _int(v, what: str, *, lo: int = 0, hi: int | None = None) -> int:
     """``v`` if it is an int (not a bool) in ``[lo, hi]``; else `ValueError` naming ``what``."""
     if type(v) is not int or v < lo or (hi is not None and v > hi):
         raise ValueError(f"{what} {v!r}")
     return v
-
-
-def _crc_field(c, what: str):
-    if c is None or c == BAD:
-        return c
-    return _int(c, what, hi=0xFFFFFFFF)
 
 
 def _segments(key: str, segs, nbytes: int) -> Segments:
@@ -272,7 +255,9 @@ def _segments(key: str, segs, nbytes: int) -> Segments:
         s, t, c = seg
         _int(s, f"segment start of {key!r}", lo=end)
         _int(t, f"segment end of {key!r} ({nbytes} bytes)", lo=s + 1, hi=nbytes)
-        out.append([s, t, _crc_field(c, f"checksum segment of {key!r}")])
+        if c is not None and c != BAD:
+            _int(c, f"checksum segment of {key!r}", hi=0xFFFFFFFF)
+        out.append([s, t, c])
         end = t
     return out
 
@@ -297,8 +282,7 @@ _LIBC = None
 
 def _keep_size_fallocate(fd: int, offset: int, length: int) -> None:
     """Allocate blocks of ``fd`` past its end without changing its size (Linux
-    ``FALLOC_FL_KEEP_SIZE``): appends then land in them. Elsewhere (or on a file system
-    without it) nothing is reserved."""
+    ``FALLOC_FL_KEEP_SIZE``), for appends to land in; elsewhere nothing is reserved."""
     global _LIBC
     if _LIBC is None:
         try:
@@ -316,8 +300,7 @@ def _keep_size_fallocate(fd: int, offset: int, length: int) -> None:
 
 
 def _scratch(rec: dict) -> bool:
-    """Whether a journal record changes a scratch key (``"d"`` records, which end a write,
-    count with the write they end)."""
+    """Whether a journal record changes a scratch key (a ``"d"`` counts with its write)."""
     if rec.get("op") == "x":
         pairs = rec.get("pairs")
         return isinstance(pairs, list) and all(
@@ -329,9 +312,8 @@ _OPEN: weakref.WeakSet[Ledger] = weakref.WeakSet()  # ledgers of this process's 
 
 
 def _after_fork_in_child() -> None:
-    # A forked child gets copies of the lock and journal descriptors. Closed here, before the
-    # child runs anything else, so the lock lives and dies with the process that opened the
-    # store (not with a child that outlives it) and the child cannot append to its journal.
+    # A forked child's copies of the lock and journal descriptors are closed at once: the lock
+    # dies with the process that opened the store, and the child cannot append to its journal.
     for ledger in list(_OPEN):
         ledger.lock = threading.Lock()  # perhaps held by another thread of the parent
         ledger.release()
@@ -343,17 +325,15 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class Ledger:
     """The folder's metadata in memory and on disk. See [Note: DiskStore journal].
 
-    Every change goes through one method that updates memory and appends its journal record
-    under one lock. No reference to the store, so the store's finalizer can close it.
+    Each change updates memory and appends its journal record under one lock. No reference to
+    the store, so the store's finalizer can close it.
     """
 
     def __init__(self, path: Path, lock_fd: int, *, recover: bool = False) -> None:
         self.path = path
         self.entries: dict[str, dict] = {}  # key -> file, shape, dtype, nbytes, segments
         self._files: set[str] = set()  # the entries' file names
-        # Files of tensors freed (journaled) and perhaps not unlinked yet: the only tensor
-        # files in the folder that no entry owns and that opening removes. See `unaccounted`.
-        self.freed: set[str] = set()
+        self.freed: set[str] = set()  # freed (journaled), perhaps not unlinked: `unaccounted`
         self.recover = recover
         self.skipped: int | None = None  # a damaged last journal record skipped (recover)
         self.inflight: dict[int, dict] = {}  # seq of a "w" record -> the record
@@ -375,24 +355,27 @@ class Ledger:
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: Path, *, overwrite: bool, recover: bool = False) -> Ledger:
-        """Lock the folder and read its metadata (nothing in it is changed yet). With
-        ``recover`` a damaged last journal record is skipped (`skipped`) instead of refused.
+        """Create and lock the folder and read its metadata (nothing in it is changed yet).
+        With ``recover`` a damaged last journal record is skipped (`skipped`), not refused.
 
         Raises:
+            PermissionError: the folder cannot be created or written.
             FileExistsError: a non-empty folder that is not a DiskStore's (without ``overwrite``).
             RuntimeError: the folder is open in another store.
             StoreCorruptError: the index or the journal cannot be read.
         """
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _not_writable(path, e) from e
         names = [n for n in os.listdir(path) if not n.startswith(".")]
         ours = {INDEX, JOURNAL, LOCK} & set(names)
         if names and not ours and not overwrite:
             shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
             raise FileExistsError(
                 f"DiskStore folder {str(path)!r} is not empty ({shown}) and holds no DiskStore"
-                " index or journal, so it is not a store this version can reopen (perhaps one"
-                " stopped before its index was written, or an unrelated folder). Pass an empty"
-                " or new directory, or overwrite=True to delete the DiskStore files there"
-                " (index, journal, lock, NNNNNN-*.bin; other files are kept)")
+                " index or journal. Pass an empty or new directory, or overwrite=True to delete"
+                " the DiskStore files there (index, journal, lock, NNNNNN-*.bin; others stay)")
         fd = _acquire(path)
         ledger = cls(path, fd, recover=recover)
         try:
@@ -446,11 +429,10 @@ class Ledger:
             elif any(off + length > e["nbytes"] for off, length, _ in w["x"]):
                 raise _corrupt(self.path, index, f"or {JOURNAL} has a write in flight to bytes"
                                f" beyond the end of {w['k']!r} ({e['nbytes']} bytes)")
-        clean = bool(data.get("clean", True)) if data is not None else True
-        self.was_clean = clean and not replayed and not self.inflight
-        self.had_writes = bool(data.get("dirty", False)) if data is not None else False
-        self.had_writes |= any(r["op"] in ("alloc", "free", "w", "x") and not _scratch(r)
-                               for r in replayed)
+        data = data or {}
+        self.was_clean = bool(data.get("clean", True)) and not replayed and not self.inflight
+        self.had_writes = bool(data.get("dirty", False)) or any(
+            r["op"] in ("alloc", "free", "w", "x") and not _scratch(r) for r in replayed)
 
     def _load_index(self, data: dict) -> None:
         self.seq = _int(data.get("seq", 0), "sequence number")
@@ -482,8 +464,8 @@ class Ledger:
             self.freed.add(file)
 
     def _file_name(self, file, what: str) -> None:
-        """Check a tensor file name from the index or journal (see [Note: DiskStore files
-        stay inside the folder]); later allocations are numbered after it."""
+        """Check a tensor file name (see [Note: DiskStore files stay inside the folder]); later
+        allocations are numbered after it."""
         if not isinstance(file, str) or len(file) > _NAME_MAX or _BIN.fullmatch(file) is None:
             raise ValueError(f"{what} {file!r}")
         counter = _int(int(file.split("-", 1)[0]), f"file number in {what} {file!r}",
@@ -533,14 +515,13 @@ class Ledger:
                 raise _corrupt(self.path, journal, f"record {no} is invalid ({e})") from None
             except (ValueError, RecursionError):
                 bad = no
-                # The last record cut short by a kill mid-append lacks its newline (the last
-                # byte written): ignored. One that has it is whole and was damaged since.
+                # A last record cut short by a kill lacks its newline: ignored (see the Note).
                 if no < len(lines) and not any(lines[no:]):
                     if not self.recover:
                         raise _corrupt(self.path, journal, (
                             f"record {no} (the last) is damaged: its checksum or JSON does not"
-                            " match, and it is whole (it ends with its newline), so no kill"
-                            " tore it while it was written"), recover=True) from None
+                            " match, and it is whole (ends with its newline): no kill tore it"),
+                            recover=True) from None
                     self.skipped = no
                 continue
             s = rec.get("s") if isinstance(rec, dict) else None
@@ -588,8 +569,7 @@ class Ledger:
             raise ValueError(f"unknown operation {op!r}")
 
     def _exchange(self, pairs, *, apply: bool = True) -> None:
-        """Swap the files (and their checksums) of each pair of keys: each key then names the
-        bytes the other one named. Checked whole before anything changes."""
+        """Swap the files and checksums of each pair of keys, checked whole before any changes."""
         if not isinstance(pairs, list):
             raise TypeError(f"exchanged pairs {pairs!r} are not a list")
         seen: set[str] = set()
@@ -632,17 +612,14 @@ class Ledger:
             if n != len(line):  # a short write to a regular file: disk full
                 raise OSError(28, "No space left on device (journal)")
         except OSError:
-            # A torn line followed by later records would make the journal unreadable: cut
-            # it off (the record never happened). Truncating frees reserved blocks too.
+            # A torn line would make the journal unreadable: cut off, the record never happened.
             with contextlib.suppress(OSError):
                 os.ftruncate(self._jfd, self._jbytes)
             self._reserved_to = min(self._reserved_to, self._jbytes)
             raise
         self.seq += 1
         self._jbytes += n
-        # Scratch bytes are worth nothing once the process is gone (see [Note: scratch keys]):
-        # changing them is not a change a reopened store has to warn about.
-        self.dirty |= not _scratch(rec)
+        self.dirty |= not _scratch(rec)  # no warning for scratch: see [Note: scratch keys]
         return self.seq
 
     def alloc(self, key: str, name: str, shape: tuple[int, ...], dtype: str) -> str:
@@ -653,9 +630,12 @@ class Ledger:
                           "dtype": dtype})
             return file
 
-    def free(self, key: str) -> None:
+    def free(self, key: str) -> str:
+        """Journal that ``key`` is freed; returns its file's name, to `remove` after."""
         with self.lock:
+            name = self.entries[key]["file"]
             self._record({"op": "free", "k": key})
+            return name
 
     def _record(self, rec: dict) -> None:
         """Journal ``rec``, then apply it (caller holds ``lock``)."""
@@ -664,14 +644,11 @@ class Ledger:
         self._maybe_compact()
 
     def exchange(self, pairs: list[tuple[str, str]]) -> None:
-        """Journal and apply an exchange of the files of each pair of keys (one record: a
-        reopen sees all of them or none)."""
+        """Journal and apply an exchange of the files of each pair of keys, in one record."""
         with self.lock:
             rec = {"op": "x", "pairs": [[a, b] for a, b in pairs]}
             self._exchange(rec["pairs"], apply=False)  # checked before it is journaled
-            self._append(rec)
-            self._exchange(rec["pairs"])
-            self._maybe_compact()
+            self._record(rec)
 
     def begin_write(self, key: str, extents: list[list]) -> int:
         """Journal a write about to start: ``[file offset, length, crc or None]`` each."""
@@ -689,8 +666,8 @@ class Ledger:
             self._maybe_compact()
 
     def reserve(self, nbytes: int) -> None:
-        """Allocate ``nbytes`` more of journal space now, so that the records of writes
-        promised not to fail cannot run out of space; `unreserve` ends the promise.
+        """Allocate ``nbytes`` more of journal space now for the records of writes promised
+        not to fail; `unreserve` ends the promise.
 
         Raises:
             OSError: the disk cannot hold them (``ENOSPC``); nothing was reserved.
@@ -703,22 +680,19 @@ class Ledger:
             self._held += nbytes
 
     def unreserve(self) -> None:
-        """End every reservation; compact the journal if it grew past its threshold while
-        they held compaction off (a step that reserves for its whole length, every step)."""
+        """End every reservation; compact the journal if it grew past its threshold meanwhile."""
         with self.lock:
             self._held = 0
             self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        """Compact once the journal is past its threshold, after any change (caller holds
-        ``lock``). Not while journal space is reserved: compaction writes a new index (new
-        blocks) and truncating the journal would give the reserved blocks back; `unreserve`
-        compacts then, so a reservation that spans every write still gets compactions."""
+        """Compact once the journal is past its threshold (caller holds ``lock``). Not while
+        journal space is reserved (truncating would give the reserved blocks back):
+        `unreserve` compacts then."""
         if self._jfd < 0 or self._held \
                 or self._jbytes <= max(COMPACT_BYTES, 2 * self._index_bytes):
             return
-        # NOTE: the change is journaled and applied already; a compaction that fails (a full
-        # disk) leaves the journal whole and valid, and the next change tries again.
+        # NOTE: a compaction that fails (a full disk) leaves the journal valid; the next retries.
         with contextlib.suppress(OSError):
             self._compact(clean=False)
 
@@ -739,16 +713,14 @@ class Ledger:
                 put(e["segments"], start, end, value, seg_cap(e["nbytes"]))
 
     def forget_segments(self, key: str) -> None:
-        """No checksum is known for ``key``'s bytes any more, and none will be looked for (a
-        scratch key written without journal records; dropped unchecked on reopen)."""
+        """No checksum is known for ``key``'s bytes any more (a scratch key written unjournaled)."""
         with self.lock:
             e = self.entries.get(key)
             if e is not None:
                 e["segments"] = []
 
     def drop(self, key: str) -> None:
-        """Forget a tensor found unusable when opening (no record: the open snapshots); what
-        is left of its file is removed with the other freed files (`orphans`)."""
+        """Forget a tensor found unusable when opening (no record: the open snapshots)."""
         with self.lock:
             e = self.entries.pop(key)
             self._files.discard(e["file"])
@@ -801,34 +773,27 @@ class Ledger:
                 self._reserved_to = self._held
 
     def _loose(self) -> list[str]:
-        """Names in the folder of tensor files (or links, or anything but a directory, which
-        a store never makes and leaves alone) that no tensor owns."""
+        """Names of tensor files in the folder (anything but a directory) no tensor owns."""
         return sorted(n for n in os.listdir(self.path)
                       if _BIN.fullmatch(n) and n not in self._files
                       and not stat.S_ISDIR(os.lstat(self.path / n).st_mode))
 
     def orphans(self) -> list[str]:
-        """Files that opening removes: those of freed tensors still there (the process
-        stopped between the journaled free and the unlink), and an index a compaction did not
-        finish (``index.json.tmp``)."""
+        """Files opening removes: freed tensors' files still there, and ``index.json.tmp``."""
         tmp = INDEX + ".tmp"
         left = [tmp] if os.path.lexists(self.path / tmp) \
             and not stat.S_ISDIR(os.lstat(self.path / tmp).st_mode) else []
         return left + [n for n in self._loose() if n in self.freed]
 
     def unaccounted(self) -> list[str]:
-        """Tensor files in the folder that neither a tensor nor a recorded free accounts for:
-        an index entry removed or damaged, a file put there by hand, or an allocation whose
-        journal record a power loss took. Opening refuses them (see `open_checks`)."""
+        """Tensor files in the folder no tensor or recorded free accounts for (`open_checks`)."""
         return [n for n in self._loose() if n not in self.freed]
 
     def remove(self, name: str) -> None:
-        """Unlink ``name``, the file of a freed tensor (its free is journaled), and forget it
-        once gone. A directory standing there was not made by a store: left alone."""
+        """Unlink ``name``, the file of a freed tensor (a directory there is left alone)."""
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             os.unlink(self.path / name)
-        with self.lock:
-            self.freed.discard(name)
+        self.forget_freed(name)
 
     def forget_freed(self, name: str) -> None:
         """``name`` was never this store's file (an allocation found it there): not removed."""
@@ -845,9 +810,7 @@ class Ledger:
                     os.close(fd)
 
     def finish(self) -> None:
-        """At garbage collection without `close`: every write has finished (the I/O jobs hold
-        the store), so the snapshot is clean; unknown segments stay unknown. Nothing in a
-        forked child: the folder belongs to the parent's store."""
+        """At garbage collection without `close` (no write is left): a clean snapshot, unlocked."""
         if os.getpid() != self._pid:
             return
         if self._jfd >= 0:

@@ -1,13 +1,9 @@
 """Where the tensors of a dry run stand: the compute device, host memory, or nowhere.
 
-Every tensor of a dry run is a ``meta`` tensor, which the estimator's tracker counts as the
-target device's. The dry runs of headroom's features (parameter offload, the host optimizer)
-also make tensors that stand for host memory (masters and gradients in a host store, optimizer
-state, the host optimizer's step) or for nothing at all (a parameter's placeholder while its
-value rests on disk). `Places` tells the tracker which; `MetaStore` is the store those features
-rest in during a dry run: it keeps ``meta`` tensors where a host store keeps host tensors, and
-nothing where a disk keeps files, and finishes every read and write at once. `to_meta` and
-`flat_tensors` are the small helpers every dry run shares.
+Every tensor of a dry run is a ``meta`` tensor, counted as the target device's unless `Places`
+names its storage host memory (masters, optimizer state, a host step) or no memory at all (a
+parameter whose value rests on disk). `MetaStore` is the store features rest in during a dry
+run; `to_meta` and `flat_tensors` are helpers every dry run shares.
 """
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ from headroom.store._values import keeps_values, known_values
 def to_meta(obj: Any) -> Any:
     """``obj`` with every tensor replaced by a ``meta`` tensor of the same shape and dtype.
 
-    A tensor given twice (``labels=input_ids``) gets one stand-in, as it is one tensor in the
-    step. The values of integer and boolean tensors (ids, masks, labels) are kept beside their
-    stand-ins (`headroom.store._values`), for the dry run to read.
+    A tensor given twice (``labels=input_ids``) gets one stand-in. The values of integer and
+    boolean tensors are kept beside their stand-ins (`headroom.store._values`).
     """
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -51,16 +46,14 @@ def to_meta(obj: Any) -> Any:
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     if keeps_values(t):
-        # NOTE: unseen by dispatch modes: a tracker recording a step's inputs must not count
-        # the copy as the step's memory
+        # NOTE: unseen by dispatch modes: a tracker must not count the copy as the step's memory
         with torch._C._DisableTorchDispatch():
             known_values.put(out, t.detach().to("cpu", copy=True))
     return out.requires_grad_(t.requires_grad)
 
 
 def flat_tensors(items: list[Any]) -> list[torch.Tensor]:
-    """The tensors among ``items`` and inside the lists and tuples among them (an op's
-    arguments are tensors or lists of them)."""
+    """The tensors among ``items`` and inside the lists and tuples among them."""
     out = []
     for a in items:
         if isinstance(a, torch.Tensor):
@@ -71,12 +64,8 @@ def flat_tensors(items: list[Any]) -> list[torch.Tensor]:
 
 
 class Places:
-    """Which ``meta`` storages of a dry run are host memory, and which are no memory at all.
-
-    On a ``cpu`` target host memory is the device's, so "host" storages count there too; on an
-    accelerator they count as ``"cpu"``, beside the device. Storages are named by their
-    ``_cdata`` key: the features hold every storage they name for the whole dry run.
-    """
+    """Which ``meta`` storages of a dry run (by ``_cdata`` key, held for the whole dry run) are
+    host memory, and which are no memory at all."""
 
     def __init__(self) -> None:
         self.host: set[int] = set()
@@ -100,8 +89,7 @@ class Places:
     @contextlib.contextmanager
     def host_code(self) -> Iterator[None]:
         """Tensors made inside are host memory (a step that runs on the host), also those the
-        tracker sees only later (optimizer state made in the untracked first step): a dispatch
-        mode notes the storage of every ``meta`` tensor an op makes."""
+        tracker sees only later: a dispatch mode notes every ``meta`` storage an op makes."""
         self.depth += 1
         try:
             with _MarkMade(self):
@@ -134,9 +122,7 @@ class _MarkMade(TorchDispatchMode):
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         made = [t for t in outs if isinstance(t, torch.Tensor) and t.device.type == "meta"]
         if made:
-            # views and in-place results are the inputs' storages, not new ones (an op's
-            # arguments are tensors or lists of them: `flat_tensors` finds them all)
-            # (a DTensor's storage is its local shard's)
+            # views and in-place results are the inputs' storages (a DTensor's: its shard's)
             given = {_local(t).untyped_storage()._cdata
                      for t in flat_tensors([*args, *(kwargs or {}).values()])}
             for t in made:
@@ -152,15 +138,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class MetaStore(Store):
     """A store for dry runs: ``host=True`` keeps ``meta`` tensors (standing for host memory),
     ``host=False`` keeps nothing (standing for a disk, which can exchange tensors). Reads and
-    writes finish at once.
-
-    It answers the calls `headroom.optim.HostOptimizer` and `hr.offload`'s code (run on a dry
-    run's ``meta`` copy of the model), `headroom.optim._sliced.SliceRunner` and the dry-run
-    features make, and counts
-    the bytes they move (``read_bytes``, ``written_bytes``), what the planner's time model
-    prices at the store's bandwidth. Code that runs on real stores and dry runs alike asks
-    ``isinstance(store, MetaStore)`` where the two differ: ``meta`` values given to it are
-    known (not pending), and what rests on its disk is a `stand_in` holding no memory.
+    writes finish at once, counted in ``read_bytes`` and ``written_bytes`` (for the planner's
+    time model). Code shared with real stores asks ``isinstance(store, MetaStore)`` where they
+    differ: values given to it are known, and what rests on its disk is a `stand_in`.
     """
 
     pinned = False
@@ -186,9 +166,8 @@ class MetaStore(Store):
         h = Handle.of(key, shape, dtype, self)
         self._handles[key] = h
         if self.host:
-            t = torch.zeros(shape, dtype=dtype, device="meta") if zero else \
-                torch.empty(shape, dtype=dtype, device="meta")
-            self._tensors[key] = self.places.on_host(t)
+            make = torch.zeros if zero else torch.empty
+            self._tensors[key] = self.places.on_host(make(shape, dtype=dtype, device="meta"))
         return h
 
     def free(self, h: Handle) -> None:
@@ -222,8 +201,7 @@ class MetaStore(Store):
         return self._tensors.get(h.key)
 
     def stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A ``meta`` tensor holding no memory, for a tensor whose values rest here (where a
-        real store hands out a `headroom.transfer.StoreTensor`); unseen by dispatch modes."""
+        """A ``meta`` tensor, unseen by dispatch modes, for values resting here (no memory)."""
         with torch._C._DisableTorchDispatch():
             return self.places.no_memory(torch.empty(shape, dtype=dtype, device="meta"))
 

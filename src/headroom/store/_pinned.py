@@ -1,22 +1,14 @@
-"""Page-locked host memory: slabs counted as the runtime really spends them, one budget for the
+"""Page-locked host memory: slabs counted as the runtime spends them, one budget for the
 process, and arenas that carve many tensors out of a few slabs.
 
-torch's caching host allocator (behind ``pin_memory=True``) rounds every allocation up to a
-power of two and keeps freed blocks cached for reuse: pinning each master and gradient on its
-own costs 1.3x (transformer shapes) to 2x (a 5.12 GB weight takes 8 GiB) the tensor bytes, and
-freeing them gives nothing back to the system. Here page-locked memory comes in slabs:
-
-* on CUDA, ordinary host memory of exactly the slab's size, page-locked with
-  ``cudaHostRegister`` and unregistered when the slab is released, so its bytes go back to the
-  system at once;
-* on other accelerators (ROCm and XPU included), from the caching host allocator in
-  power-of-two sizes (which it then spends exactly), its cache emptied when a slab is released;
-* without an accelerator runtime (a CPU-only build), plain memory standing in for it: the same
-  slabs, carving and accounting (the budget included), so CI runs the logic that feeds a device.
-
-Every slab's bytes count against one process-wide budget for page-locked memory (half of
-physical memory unless `set_pinned_limit` says otherwise), since page-locked memory is taken
-from everything else on the machine.
+torch's caching host allocator rounds each allocation up to a power of two and keeps freed
+blocks cached, so pinning each tensor on its own costs up to 2x its bytes and freeing gives
+nothing back. Here page-locked memory comes in slabs: on CUDA, host memory of exactly the
+slab's size registered with ``cudaHostRegister`` (unregistered, and given back, on release);
+on other accelerators, the caching allocator's power-of-two blocks, its cache emptied on
+release; without an accelerator runtime, plain memory carved and counted the same way, so CI
+runs that logic. Every slab counts against one process-wide budget (half of physical memory
+unless `set_pinned_limit` says otherwise).
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ class _Ledger:
     """Page-locked bytes this process holds through headroom, against a limit."""
 
     def __init__(self) -> None:
-        # Reentrant: slabs are also released by finalizers, which a garbage collection may run
-        # in a thread that is inside `take`.
+        # Reentrant: finalizers release slabs, perhaps in a thread that is inside `take`.
         self.lock = threading.RLock()
         self.spent = 0
         self.limit: int | None = None  # None: default_pinned_budget(), read when first needed
@@ -64,10 +55,8 @@ class _Ledger:
             if self.spent + n > limit:
                 raise StoreFullError(
                     f"page-locked memory full: {self.spent} bytes pinned, {n} more needed, limit"
-                    f" {limit} (half of physical memory unless set); raise it with"
-                    " headroom.store.set_pinned_limit(bytes), free pinned stores (close(),"
-                    " hr.unoffload), or keep tensors on disk (DiskStore)"
-                )
+                    f" {limit}; raise it with headroom.store.set_pinned_limit(bytes), free pinned"
+                    " stores (close(), hr.unoffload), or keep tensors on disk (DiskStore)")
             self.spent += n
 
     def give(self, n: int) -> None:
@@ -79,8 +68,7 @@ _LEDGER = _Ledger()
 
 
 def pinned_bytes() -> int:
-    """Bytes of page-locked host memory headroom holds now (all stores, pools and stashes),
-    counted as the runtime spends them."""
+    """Bytes of page-locked host memory headroom holds now, as the runtime spends them."""
     return _LEDGER.spent
 
 
@@ -96,9 +84,8 @@ def set_pinned_limit(nbytes: int | None) -> None:
 
 
 def _backend(pin: bool, device: torch.device | None) -> str:
-    """How a slab is made: ``register`` (a CUDA build: exact size, registered), ``cache`` (other
-    accelerators, ROCm included: the caching host allocator), ``stand-in`` (no accelerator
-    runtime: plain memory, counted like page-locked memory), or ``plain`` (not pinning)."""
+    """How a slab is made: ``register`` (CUDA), ``cache`` (other accelerators, ROCm included),
+    ``stand-in`` (no accelerator runtime) or ``plain`` (not pinning); see the module docstring."""
     if not pin:
         return "plain"
     if device is not None and device.type == "cuda" and torch.version.cuda is not None \
@@ -110,8 +97,7 @@ def _backend(pin: bool, device: torch.device | None) -> str:
 
 
 def spent(nbytes: int, backend: str) -> int:
-    """What a slab of ``nbytes`` costs with ``backend``: the caching allocator's power of two,
-    whole pages for registered memory, the bytes themselves otherwise."""
+    """What a slab of ``nbytes`` costs with ``backend``."""
     if nbytes <= 0:
         return 0
     if backend == "cache":
@@ -125,8 +111,7 @@ class Slab:
     """One allocation of host memory (a 1-D uint8 tensor), page-locked unless ``pinned`` is
     false, and what it costs; `release` gives it back."""
 
-    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_device", "_unregister",
-                 "__weakref__")
+    __slots__ = ("tensor", "nbytes", "spent", "pinned", "backend", "_unregister", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, spent_bytes: int, pinned: bool, backend: str,
                  device: torch.device | None, unregister: weakref.finalize | None = None) -> None:
@@ -135,14 +120,10 @@ class Slab:
         self.spent = spent_bytes
         self.pinned = pinned  # really page-locked (false: plain memory standing in for it)
         self.backend = backend  # "plain" slabs are not counted in the page-locked budget
-        self._device = device
-        # Registered memory: unregisters it and gives its bytes back to the budget, once, at
-        # `release` or when the memory itself is freed (a slab dropped without `release`).
-        self._unregister = unregister
+        self._unregister = unregister  # registered memory: run once, at release or when freed
 
     def release(self) -> None:
-        """Give the memory back (idempotent). Copies using it must have finished: the caller
-        orders this after them (a host wait on their events)."""
+        """Give the memory back (idempotent); copies using it must have finished."""
         t, self.tensor = self.tensor, None
         if t is None:
             return
@@ -152,8 +133,7 @@ class Slab:
             _LEDGER.give(self.spent)
         del t
         if self.backend == "cache" and self.pinned and torch.accelerator.is_available():
-            # The caching allocator keeps a freed block for reuse; only emptying its cache
-            # returns the memory (blocks still in use, anyone's, stay).
+            # Only emptying the caching allocator's cache returns a freed block's memory.
             torch.accelerator.empty_host_cache()
 
 
@@ -165,14 +145,11 @@ def _unregister(ptr: int, cost: int, device: torch.device | None) -> None:
 
 
 def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
-    """``cost`` bytes (whole pages) page-locked with ``cudaHostRegister``, as a slab of
-    ``nbytes``.
+    """``cost`` bytes (whole pages) page-locked with ``cudaHostRegister``, a slab of ``nbytes``.
 
-    The range starts on a page boundary inside a larger allocation, so its pages are this slab's
-    alone (the driver locks pages: registering one that a neighbour's registration holds fails),
-    and the tensor's storage starts where the registration does (``is_pinned`` asks the runtime
-    about the storage's first byte). The registration is undone before the memory is freed:
-    at `Slab.release`, or by the finalizer of the array that owns it.
+    NOTE: the range starts on a page boundary, so its pages are this slab's alone (registering a
+    page a neighbour's registration holds fails) and the storage starts where the registration
+    does (``is_pinned`` asks about its first byte). It is unregistered before it is freed.
     """
     raw = np.empty(cost + _PAGE, dtype=np.uint8)
     skip = -raw.ctypes.data % _PAGE
@@ -191,7 +168,7 @@ def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
 
 def device_guard(device: torch.device | None):
     """``device`` made current (its runtime's ``device`` context), or a null context on the CPU,
-    on ``meta``, or where its runtime is not available."""
+    ``meta``, or without its runtime."""
     mod = None
     if device is not None and device.type not in ("cpu", "meta"):
         mod = getattr(torch, device.type, None)
@@ -202,11 +179,8 @@ def device_guard(device: torch.device | None):
 
 
 def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) -> Slab:
-    """A slab of at least ``nbytes`` host bytes, page-locked for ``device`` when ``pin``.
-
-    Pinned bytes are taken from the process budget first. Where no accelerator runtime can pin
-    (a CPU-only build) the slab is plain memory, sized and counted (budget included) as
-    registered memory is, so that the logic around it runs in CI.
+    """A slab of at least ``nbytes`` host bytes, page-locked for ``device`` when ``pin``
+    (taken from the process budget first; see the module docstring).
 
     Raises:
         StoreFullError: the page-locked budget cannot hold it.
@@ -217,8 +191,7 @@ def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) ->
         return Slab(torch.empty(nbytes, dtype=torch.uint8), cost, False, backend, device)
     _LEDGER.take(cost)
     try:
-        # Under the device's own guard: the runtime creates a context on the current device
-        # when none exists, which for cuda:1 must not be GPU 0.
+        # Under the device's guard: a context this creates for cuda:1 must not be GPU 0's.
         with device_guard(device):
             if backend == "register":
                 return _registered(nbytes, cost, device)
@@ -237,13 +210,11 @@ def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) ->
 
 
 class PinnedArena:
-    """Host tensors carved out of a few large slabs: pinned bytes spent once per slab, not per
-    tensor, and given back to the system when a slab has nothing carved out of it any more.
+    """Host tensors carved out of a few large slabs: pinned bytes spent once per slab, and
+    given back to the system when a slab has nothing carved out of it any more.
 
-    Each slab keeps its free spans sorted by offset; `take` carves the first span that fits (a
-    new slab when none does: as large as the arena so far, between 1 MiB and ``slab_bytes``, or
-    the request itself when larger), `give` merges a span back with its neighbours and
-    releases a slab that became wholly free.
+    `take` carves the first free span that fits (a new slab when none does), `give` merges a
+    span back with its neighbours and releases a slab that became wholly free.
 
     Args:
         pin: page-lock the slabs (see `alloc_slab`).
@@ -275,7 +246,7 @@ class PinnedArena:
         return sum(s.spent for s in self._slabs)
 
     @property
-    def slab_count(self) -> int:
+    def slab_count(self) -> int:  # for tests and benchmarks
         return len(self._slabs)
 
     @property
@@ -285,8 +256,7 @@ class PinnedArena:
 
     # ------------------------------------------------------------------ carving
     def reserve(self, sizes) -> None:
-        """Make room for tensors of these byte sizes, carved next, in one slab sized to them (a
-        caller that knows its total, such as `hr.offload` for the masters, wastes no tail)."""
+        """Make room for tensors of these byte sizes, carved next, in one slab sized to them."""
         need = sum(max(_aligned(n), ALIGN) for n in sizes if n > 0)
         with self._lock:
             if need <= 0 or self._largest_free() >= need:
@@ -299,8 +269,7 @@ class PinnedArena:
         with self._lock:
             found = self._find(need)
             if found is None:
-                # Slabs grow with the arena (each as big as all before it, from 1 MiB up to
-                # slab_bytes), so a small store does not pin a large slab for a few tensors.
+                # Slabs grow with the arena (1 MiB up to slab_bytes): a small store pins little.
                 grow = min(self.slab_bytes, max(self.spent_bytes, _MIN_SLAB))
                 self._new_slab(max(need, grow))
                 found = self._find(need)
@@ -310,8 +279,7 @@ class PinnedArena:
             return t
 
     def give(self, t: torch.Tensor) -> None:
-        """Give a tensor from `take` back (its span is free for the next `take`; a slab left
-        with nothing carved is released). Copies using it must have finished."""
+        """Give a tensor from `take` back; copies using it must have finished."""
         with self._lock:
             slab, start, end = self._carved.pop(t.data_ptr())
             spans = self._free[id(slab)]
@@ -325,8 +293,8 @@ class PinnedArena:
                 self._drop(slab)
 
     def close(self) -> None:
-        """Release every slab (tensors still carved keep their memory, no longer pinned
-        for registered slabs; do not use them for copies)."""
+        """Release every slab (tensors still carved keep their memory, perhaps no longer
+        pinned: do not use them for copies)."""
         with self._lock:
             for s in list(self._slabs):
                 self._drop(s)
@@ -355,8 +323,7 @@ class PinnedArena:
             raise StoreFullError(
                 f"store full: budget {self.max_bytes} bytes, {self.spent_bytes} in use and"
                 f" {cost} more needed for a slab of page-locked memory; raise budget"
-                " (max_bytes=) or use DiskStore"
-            )
+                " (max_bytes=) or use DiskStore")
         slab = alloc_slab(nbytes, pin=self.pin, device=self.device)
         self._slabs.append(slab)
         self._free[id(slab)] = [[0, _floor(slab.nbytes)]]
@@ -376,8 +343,7 @@ def _floor(n: int) -> int:
 
 
 def release_all(slabs: list[Slab] | dict[int, Slab]) -> None:
-    """Release the slabs of an arena or pool collected without ``close()``/``clear()``,
-    perhaps at interpreter exit: best effort."""
+    """Release the slabs of an arena or pool collected without ``close()`` (best effort)."""
     for s in list(slabs.values() if isinstance(slabs, dict) else slabs):
         with contextlib.suppress(Exception):
             s.release()

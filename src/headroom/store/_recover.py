@@ -1,14 +1,10 @@
 """Reopening a `DiskStore`: finish the journal's story, verify checksums, decide what opens.
 
 See [Note: DiskStore journal]. A write the previous process did not finish is checked against
-the file: all of its new bytes there (it completed; the process stopped before journaling it),
-all of the old (it never started), or a mix: torn. A file an allocation left missing or short
-is recreated when nothing was written to it (it held zeros). With ``verify`` every segment with
-a known checksum is read back too. A tensor file that neither a tensor nor a recorded free
-accounts for (`Ledger.unaccounted`) is refused: it may hold a tensor whose index entry was
-lost. Problems raise `StoreCorruptError` before anything in the folder changes, unless
-``recover``: then the damaged byte ranges are marked bad and raise on read until rewritten, and
-unaccounted files are moved aside (renamed ``NAME.unaccounted``), never deleted.
+the file: all new bytes (completed), all old (never started), or a mix (torn). A missing or
+short file that was never written is recreated (it held zeros). Problems raise
+`StoreCorruptError` before anything in the folder changes, unless ``recover``: then damaged
+ranges are marked bad and unaccounted files are renamed ``NAME.unaccounted``, never deleted.
 """
 
 from __future__ import annotations
@@ -27,14 +23,14 @@ from headroom.store._safetensors import crc_of_file
 from headroom.store._segments import combine, crc_of_range, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError, StoreFullError
 
-__all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text"]
+__all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text", "range_crc"]
 
 _PIECE = 16 << 20  # a range is checksummed in pieces of this size, spread over the threads
 _BUF = 4 << 20
-ASIDE = ".unaccounted"  # what recover=True appends to the name of a file it cannot account for
+ASIDE = ".unaccounted"  # recover=True renames a file it cannot account for with this suffix
 
 
-def _piece_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
+def range_crc(path: str, start: int, length: int, page_cache: bool) -> int | None:
     """CRC32C of ``length`` bytes of ``path`` at ``start``; ``None`` if the file is shorter."""
     try:
         fd = open_file(path, os.O_RDONLY)
@@ -55,7 +51,7 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
     jobs = []
     for path, start, end in ranges:
         pieces = [(s, min(end, s + _PIECE)) for s in range(start, end, _PIECE)]
-        jobs.append([(s, e, pool.submit(_piece_crc, path, s, e - s, page_cache))
+        jobs.append([(s, e, pool.submit(range_crc, path, s, e - s, page_cache))
                      for s, e in pieces])
     out: list[int | None] = []
     for pieces in jobs:
@@ -73,35 +69,29 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
 def problem_text(path: Path, ledger: Ledger, problems: list[tuple[str, int, int, str]]) -> str:
     """``'key' (file F, bytes a-b: why)`` for each problem, at most 10."""
     return _first10([f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
-                     for k, s, e, why in problems[:10]], "; ", len(problems))
+                     for k, s, e, why in problems], "; ")
 
 
-def _first10(items: list[str], sep: str = ", ", total: int | None = None) -> str:
-    """The first 10 of ``items`` (``total`` in all), then how many more."""
-    more = (len(items) if total is None else total) - 10
-    return sep.join(items[:10]) + (f" and {more} more" if more > 0 else "")
+def _first10(items: list[str], sep: str = ", ") -> str:
+    """The first 10 of ``items``, then how many more."""
+    return sep.join(items[:10]) + (f" and {len(items) - 10} more" if len(items) > 10 else "")
 
 
 def _resolve_unfinished(ledger: Ledger, keys) -> None:
-    """The writes to ``keys`` in flight when the last process stopped reached nothing kept."""
+    """The writes to ``keys`` in flight when the last process stopped count as not written."""
     for rid in [rid for rid, w in ledger.inflight.items() if w["k"] in keys]:
         ledger.resolve(rid, "none")
 
 
 def _unaccounted_error(path: Path, names: list[str]) -> StoreCorruptError:
-    shown = _first10(names)
     return StoreCorruptError(
         f"DiskStore {str(path)!r}: {len(names)} tensor file(s) in the folder are accounted for"
-        f" by neither index.json nor journal.jsonl (no tensor owns them and no free of them was"
-        f" recorded): {shown}. A tensor's index entry may have been removed or damaged (opened"
-        " without it, its values would be lost and the tensor initialized afresh), the file"
-        " put there by hand, or created after the last flush() by an allocation whose journal"
-        " record a power loss took. The folder was not changed. Restore index.json and"
-        " journal.jsonl from the backup these files belong to; or open with"
-        f" DiskStore(path, recover=True), which renames each to NAME{ASIDE} (nothing is"
-        " deleted: remove them once you no longer need them) and opens the store without"
-        " them, then hr.load(checkpoint, model, optimizer) restores what they held; or start"
-        " over with DiskStore(path, overwrite=True)", str(path))
+        f" by neither index.json nor journal.jsonl: {_first10(names)}. A tensor's index entry"
+        " may be lost (damaged, or a power loss after the last flush()), or the file put there"
+        " by hand. The folder was not changed. Restore index.json and journal.jsonl from their"
+        f" backup; or open with DiskStore(path, recover=True), which renames each to NAME{ASIDE}"
+        " (not deleted) and opens without them, then hr.load(checkpoint, model, optimizer); or"
+        " start over with DiskStore(path, overwrite=True)", str(path))
 
 
 def _move_aside(path: Path, names: list[str]) -> list[str]:
@@ -119,12 +109,7 @@ def _move_aside(path: Path, names: list[str]) -> list[str]:
 
 def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
                 page_cache: bool) -> None:
-    """Check a store being opened; raise, or mark damage (``recover``), and warn as needed.
-
-    Raises:
-        StoreCorruptError: torn writes, checksum mismatches, missing files or tensor files
-            nothing accounts for, without ``recover``. Nothing in the folder has changed then.
-    """
+    """Check a store being opened; raise (nothing changed), or mark damage (``recover``)."""
     path = ledger.path
     unaccounted = ledger.unaccounted()
     if unaccounted and not recover:
@@ -132,7 +117,7 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     problems: list[tuple[str, int, int, str]] = []
     recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
     sizes: dict[str, int] = {}
-    # Scratch keys of a stopped process are dropped after opening (`scratch_keys`), unchecked.
+    # Scratch keys of a stopped process are dropped after opening, unchecked.
     _resolve_unfinished(ledger, [w["k"] for w in ledger.inflight.values()
                                  if w["k"].startswith(SCRATCH)])
     for key, e in ledger.entries.items():
@@ -167,16 +152,10 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     got = iter(file_crcs(ranges, pool, page_cache))
     for rid, w in pending:
         segs = ledger.entries[w["k"]]["segments"]
-        states = []
-        for off, length, new in w["x"]:
-            now = next(got)
-            if now is not None and now == new:
-                states.append("new")
-            elif now is not None and now == crc_of_range(segs, off, off + length):
-                states.append("old")
-            else:
-                states.append("torn")
-        new, old = all(s == "new" for s in states), all(s == "old" for s in states)
+        found = [(next(got), x) for x in w["x"]]  # each extent's bytes now: new, old or torn
+        new = all(c is not None and c == x[2] for c, x in found)
+        old = all(c is not None and c != x[2] and c == crc_of_range(segs, x[0], x[0] + x[1])
+                  for c, x in found)
         ledger.resolve(rid, "ok" if new else "none")
         if not (new or old):
             problems += [(w["k"], int(o), int(o) + int(ln),
@@ -195,8 +174,7 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
                 problems.append((k, s, t, "the bytes do not match their checksum" if now is not
                                  None else "the file is shorter than the tensor"))
 
-    # Sizes come from the index and journal: the disk must hold what is recreated before a
-    # byte is allocated (a hand-edited size fails here, not in posix_fallocate).
+    # Sizes come from the index and journal: checked against the free space before allocating.
     free = shutil.disk_usage(path).free
     dropped: list[str] = []
     for key in sorted(recreate, key=lambda k: ledger.entries[k]["nbytes"]):
@@ -211,20 +189,17 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
         raise StoreFullError(
             f"DiskStore {str(path)!r}: the file of {len(dropped)} tensor(s) is missing or short"
             f" and the disk has {shutil.disk_usage(path).free} bytes free, too few to create it"
-            f" again: {shown}. The folder was not changed. Free space there; or, if the index or"
-            " journal claims sizes the store never had (edited or damaged), open it with"
-            " DiskStore(path, recover=True), which drops these tensors (a warning lists them),"
-            " or start over with DiskStore(path, overwrite=True)")
+            f" again: {shown}. The folder was not changed. Free space there; or, if the sizes"
+            " are damaged, open it with DiskStore(path, recover=True), which drops these"
+            " tensors, or start over with DiskStore(path, overwrite=True)")
     text = problem_text(path, ledger, problems)
     keys = tuple(dict.fromkeys(k for k, *_ in problems))
     if problems and not recover:
         raise StoreCorruptError(
             f"DiskStore {str(path)!r}: {len(keys)} tensor(s) do not hold what the store wrote:"
-            f" {text}. The folder was not changed. To continue from a checkpoint, open it with"
-            " DiskStore(path, recover=True) (the other tensors open as they are; reading these"
-            " bytes raises StoreCorruptError until they are written again), then"
-            " hr.load(checkpoint, model, optimizer); or start over with DiskStore(path,"
-            " overwrite=True)", str(path), keys)
+            f" {text}. The folder was not changed. Open it with DiskStore(path, recover=True)"
+            " (these bytes raise until written again), then hr.load(checkpoint, model,"
+            " optimizer); or start over with DiskStore(path, overwrite=True)", str(path), keys)
     _resolve_unfinished(ledger, dropped)
     for key in dropped:
         ledger.drop(key)
@@ -254,16 +229,14 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
         checked = "all checksums verified" if verify else \
             "writes in flight checked; verify=False skipped the other checksums"
         warnings.warn(
-            f"DiskStore {str(path)!r} was not closed (its process stopped) after changing"
-            f" tensors since its last flush(). Each tensor holds its last completed write"
-            f" ({checked}), but a training step may have been partly applied (some tensors"
-            " updated, others not): for an exact continuation resume from a checkpoint"
-            " (hr.load)", UserWarning, stacklevel=3)
+            f"DiskStore {str(path)!r} was not closed after changing tensors since its last"
+            f" flush(). Each tensor holds its last completed write ({checked}), but a training"
+            " step may have been partly applied: for an exact continuation resume from a"
+            " checkpoint (hr.load)", UserWarning, stacklevel=3)
 
 
 def _recreate(file: Path, n: int, new: bool) -> None:
-    """Make ``file`` ``n`` zero bytes with its blocks reserved; a file this creates is removed
-    again when that fails, so a failed open leaves the folder as it found it."""
+    """Make ``file`` ``n`` zero bytes, blocks reserved (a new file is removed on failure)."""
     fd = open_file(file, os.O_RDWR | os.O_CREAT)
     try:
         os.ftruncate(fd, 0)

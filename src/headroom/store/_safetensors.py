@@ -1,11 +1,8 @@
 """Reading safetensors files row range by row range, without mapping them into memory.
 
-``safetensors.safe_open`` maps the file: every page read stays resident in the process
-(``RssFile``) until the file is closed, so loading a checkpoint that way grows the process by the
-checkpoint's size. Here tensors are read with ``preadv`` into buffers the caller owns, a few
-megabytes at a time; the pages stay in the OS page cache, not in the process. The format is the
-published one: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
-shape and byte range, then the data.
+``safetensors.safe_open`` maps the file, so every page read stays resident in the process until
+it is closed. Here tensors are read with ``preadv`` into buffers the caller owns, a few megabytes
+at a time: the pages stay in the OS page cache, not in the process.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ import torch
 from headroom.store._segments import crc
 
 __all__ = ["MAX_HEADER_BYTES", "DuplicateKey", "HeaderError", "SafetensorsFile", "TensorInfo",
-           "buffer_view", "crc_of_file", "open_regular", "parse_header", "safetensors_dtypes",
-           "unique_keys"]
+           "buffer_view", "crc_of_file", "open_regular", "parse_header", "pread_into",
+           "safetensors_dtypes", "unique_keys"]
 
 _CODES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -60,8 +57,7 @@ class HeaderError(ValueError):
     """What is wrong with a safetensors header (each reader words its own error around it)."""
 
 
-# What the ``safetensors`` package accepts, no more: a longer header, a value above 2**64 - 1
-# (Rust's ``usize``) or a byte count that overflows it are refused there too.
+# What the ``safetensors`` package accepts: no longer header, no value above Rust's ``usize``.
 MAX_HEADER_BYTES = 100_000_000
 _USIZE = (1 << 64) - 1
 
@@ -100,14 +96,10 @@ def _text(s: str, what: str) -> str:
 
 
 def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, TensorInfo], int]:
-    """Parse the JSON header of a safetensors file whose data starts at byte ``base``.
-
-    Returns the ``__metadata__`` strings, each tensor's `TensorInfo` (offsets in the file) in
-    header order, and the data section's length. Checked as the ``safetensors`` package checks
-    them: UTF-8 JSON (no NaN, no duplicate keys, nesting bounded), an object of tensors whose
-    entries are objects with a known dtype, a shape and two data offsets that are integers in
-    ``0..2**64-1``, metadata of string values, each byte range the size its shape and dtype say,
-    and the ranges tiling the data section from its start in order (no overlap, no gap).
+    """Parse the JSON header of a safetensors file whose data starts at byte ``base``: its
+    ``__metadata__`` strings, each tensor's `TensorInfo` in header order, and the data
+    section's length. Checked as the ``safetensors`` package checks it (UTF-8 JSON, known
+    dtypes, integers in ``0..2**64-1``, byte ranges tiling the data section in order).
 
     Raises:
         HeaderError: saying which of these fails.
@@ -168,10 +160,8 @@ def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, Tenso
 
 
 def open_regular(path: str | os.PathLike) -> int:
-    """A read-only descriptor of the regular file at ``path``.
-
-    Opened without blocking, so a FIFO or a device put where a file was expected is refused at
-    once instead of hanging or reading forever.
+    """A read-only descriptor of the regular file at ``path`` (opened without blocking: a FIFO
+    or device is refused at once).
 
     Raises:
         FileNotFoundError: no such file.
@@ -190,17 +180,26 @@ def open_regular(path: str | os.PathLike) -> int:
 
 def buffer_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous host tensor's memory; the caller keeps ``t`` alive."""
-    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize
-    # their storage to 0 between uses.
+    # Not ``t.numpy()``: that marks the storage non-resizable, and offloaded parameters resize it.
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def pread_into(fd: int, buf: memoryview, offset: int, short: type[OSError] = OSError,
+               what: object = "file") -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; raises ``short`` if the file ends first."""
+    while len(buf):
+        n = os.preadv(fd, [buf], offset)
+        if n == 0:
+            raise short(errno.EIO, f"unexpected end of {what}")
+        buf = buf[n:]
+        offset += n
+
+
 def crc_of_file(fd: int, start: int, length: int, buf: memoryview) -> int | None:
-    """CRC32C of ``length`` bytes of ``fd`` at ``start``, read through ``buf``; ``None`` if the
-    file ends first."""
+    """CRC32C of ``length`` bytes of ``fd`` at ``start`` read through ``buf`` (None: too short)."""
     value = 0
     while length:
         got = os.preadv(fd, [buf[:min(length, len(buf))]], start)
@@ -223,9 +222,10 @@ class SafetensorsFile:
             broken, or it is longer than its header describes (names the file).
     """
 
+    _fd = -1
+
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self._fd = -1
         self._fd = open_regular(self.path)
         try:
             self.tensors, self.metadata = self._read_header()
@@ -236,8 +236,7 @@ class SafetensorsFile:
     def _bad(self, why: str) -> ValueError:
         return ValueError(
             f"{str(self.path)!r} is not a readable safetensors file ({why}); the file may be"
-            " truncated or damaged: write it again, or download it again"
-        )
+            " truncated or damaged: write it again, or download it again")
 
     def _read_header(self) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         size = os.fstat(self._fd).st_size
@@ -272,18 +271,11 @@ class SafetensorsFile:
         if len(view) != n:
             raise ValueError(f"read of {name!r} rows {start}:{stop}: buffer of {len(view)}"
                              f" bytes for {n}")
-        while len(view):
-            got = os.preadv(self._fd, [view], first)
-            if got == 0:
-                raise OSError(errno.EIO, f"unexpected end of {self.path}")
-            view = view[got:]
-            first += got
+        pread_into(self._fd, view, first, what=self.path)
         return out
 
     def crc32c(self, name: str, *, piece: int = 1 << 20) -> int:
-        """CRC32C of tensor ``name``'s bytes in the file, read ``piece`` bytes at a time into one
-        reused buffer: the tensor is never whole in memory, and its pages stay in the page cache
-        for a read that follows."""
+        """CRC32C of tensor ``name``'s bytes, read ``piece`` bytes at a time into one buffer."""
         info = self.tensors[name]
         buf = memoryview(bytearray(min(piece, info.nbytes)))
         value = crc_of_file(self._fd, info.offset, info.nbytes, buf)
@@ -302,7 +294,4 @@ class SafetensorsFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", -1)
-        if fd >= 0:
-            os.close(fd)
+    __del__ = close

@@ -1,9 +1,8 @@
 """Checksums of a file as byte segments: CRC32C per range, combined and trimmed as rows change.
 
-A tensor file is covered by sorted, non-overlapping segments ``[start, end, crc]``. ``crc`` is
-the CRC32C of those bytes, ``None`` when not known (the rest of a segment that a row write cut
-into), or `BAD` when the bytes are known to be wrong (a torn write, kept by ``recover=True``)
-and must not be read until rewritten.
+A tensor file is covered by sorted, non-overlapping segments ``[start, end, crc]``: ``crc`` is
+the CRC32C of those bytes, ``None`` when not known (the rest of a segment a row write cut
+into), or `BAD` for bytes known wrong (a torn write, kept by ``recover=True``).
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ import threading
 
 import crc32c as _crc32c
 
-__all__ = ["BAD", "Segments", "combine", "crc", "crc_of_range", "put", "scan", "within",
-           "zeros_crc"]
+__all__ = ["BAD", "Segments", "combine", "crc", "crc_of_range", "put", "scan", "zeros_crc"]
 
 BAD = "bad"
 Crc = int | str | None
@@ -29,12 +27,9 @@ def crc(buf, value: int = 0) -> int:
 
 
 # ------------------------------------------------------------------ combining CRCs
-# appending zero bytes to the CRC register is linear over GF(2), so "the CRC of A then B"
-# follows from crc(A), crc(B) and len(B): crc(AB) = Z^len(B) crc(A) ^ crc(B), where Z is the
-# operator "append one zero byte" (the pre/post inversions cancel in the XOR). Z^(2^k) is kept
-# as four byte-indexed tables, so combining costs a few hundred operations, not a pass over B.
-# This lets segments be merged, split reads be verified piece by piece in parallel, and the
-# CRC of a zero-filled (newly allocated) file be known without reading it.
+# Appending zero bytes to the CRC register is linear over GF(2): crc(AB) = Z^len(B) crc(A) ^
+# crc(B), where Z appends one zero byte (the pre/post inversions cancel). Z^(2^k) is kept as
+# four byte-indexed tables, so combining costs a few hundred operations, not a pass over B.
 _powers: list[tuple[list[int], ...]] = []
 _powers_lock = threading.Lock()
 
@@ -110,10 +105,9 @@ def _merge(a: list, b: list) -> list:
 def put(segs: Segments, start: int, end: int, c: Crc, cap: int) -> None:
     """Record that bytes ``[start, end)`` now have checksum ``c`` (in place).
 
-    Segments cut by the new one keep their other parts, unknown (or still bad). Neighbours that
-    are both unknown or both bad are joined. Past ``cap`` segments, neighbours are merged pairwise
-    (two known CRCs combine into one; anything with an unknown part is unknown; anything with a
-    bad part is bad), so sparse row writes keep memory and index size bounded.
+    Segments cut by the new one keep their other parts, unknown (or still bad); unknown or bad
+    neighbours are joined. Past ``cap`` segments, neighbours are merged pairwise (bad wins over
+    unknown, unknown over known), so sparse row writes keep the index bounded.
     """
     if end <= start:
         return
@@ -151,20 +145,9 @@ def _join(segs: Segments, lo: int, hi: int) -> None:
             k += 1
 
 
-def within(segs: Segments, start: int, end: int) -> list[list]:
-    """The segments lying entirely inside ``[start, end)``."""
-    starts = [s[0] for s in segs]
-    i = bisect.bisect_left(starts, start)
-    out = []
-    while i < len(segs) and segs[i][1] <= end:
-        out.append(segs[i])
-        i += 1
-    return out
-
-
 def scan(segs: Segments, ranges: list[tuple[int, int]]) -> tuple[list[list], list[list]]:
-    """For sorted, disjoint ``ranges``: the known segments lying entirely inside one of them,
-    and the bad segments overlapping any (one binary search per range)."""
+    """For sorted, disjoint ``ranges``: the known segments entirely inside one of them, and the
+    bad segments overlapping any."""
     starts = [s[0] for s in segs]
     has_bad = any(s[2] == BAD for s in segs)
     covered: list[list] = []
@@ -183,12 +166,12 @@ def scan(segs: Segments, ranges: list[tuple[int, int]]) -> tuple[list[list], lis
 
 def crc_of_range(segs: Segments, start: int, end: int) -> int | None:
     """The CRC of ``[start, end)`` when known segments tile it exactly, else ``None``."""
-    parts = within(segs, start, end)
-    if not parts or parts[0][0] != start or parts[-1][1] != end:
-        return None
-    out = 0
-    for k, (s, e, c) in enumerate(parts):
-        if not isinstance(c, int) or (k and parts[k - 1][1] != s):
+    i = bisect.bisect_left([s[0] for s in segs], start)
+    out, at = None, start
+    while i < len(segs) and segs[i][1] <= end:
+        s, e, c = segs[i]
+        if s != at or not isinstance(c, int):
             return None
-        out = c if k == 0 else combine(out, c, e - s)
-    return out
+        out = c if out is None else combine(out, c, e - s)
+        at, i = e, i + 1
+    return out if at == end else None

@@ -16,7 +16,7 @@ __all__ = ["Store", "StoreCorruptError", "StoreFullError", "done"]
 
 
 # [Note: scratch keys] Keys under this prefix hold scratch bytes (activations between forward
-# and backward): worth nothing once their process is gone or their store closed, so a reopened
+# and backward), worth nothing once their process is gone or their store closed: a reopened
 # DiskStore drops them unchecked, `DiskStore.close` frees them, `Store.keys` leaves them out,
 # and a DiskStore writes them without checksums unless its reads verify them.
 SCRATCH = "headroom-scratch/"
@@ -27,9 +27,8 @@ class StoreFullError(RuntimeError):
 
 
 class StoreCorruptError(RuntimeError):
-    """Raised when a store's files do not hold what it wrote: a checksum mismatch, a torn write,
-    a missing tensor file, or unreadable metadata. The message names the folder, the tensors,
-    files and byte ranges, and how to recover.
+    """Raised when a store's files do not hold what it wrote (a checksum mismatch, a torn write,
+    a missing file, broken metadata); the message names what and where, and how to recover.
 
     Attributes:
         path: the store's folder (``None`` when not known).
@@ -53,9 +52,8 @@ def done(value: Any = None) -> Future:
 class Store(abc.ABC):
     """Where tensors rest between uses. Subclasses: `HostStore`, `DiskStore`.
 
-    Every method that moves bytes returns a `concurrent.futures.Future`; a store may complete it
-    at once (host memory) or from background threads (disk). Operations on one key run in the
-    order they were issued.
+    Every method that moves bytes returns a `concurrent.futures.Future`, completed at once (host
+    memory) or from background threads (disk); operations on one key run in issue order.
     """
 
     def __init__(self, *, max_bytes: int | None) -> None:
@@ -83,17 +81,14 @@ class Store(abc.ABC):
     # ------------------------------------------------------------------ pickling
     def __reduce_ex__(self, protocol: int) -> Any:
         # NOTE: a store is this process's memory, files and threads, shared by whatever is
-        # bound to it: no copy of it would be the same store, so pickle (a spawned process's
-        # argument) and copy.deepcopy refuse it with the way that works.
+        # bound to it: no copy would be the same store, so pickle and deepcopy refuse it.
         raise TypeError(self._not_portable())
 
     def _not_portable(self) -> str:
-        """Why the store cannot be pickled or copied, and what to do instead."""
         return (
             f"{self!r} cannot be pickled or copied: its tensors are this process's, shared by"
-            " the models and heads bound to them. Pass the model instead (an offloaded model"
-            " pickles, as copy.deepcopy copies it, into a plain model holding its values), or"
-            " the tensors themselves (store.read(store.get(key)).result())")
+            " what is bound to them. Pass the model instead (an offloaded model pickles into a"
+            " plain model holding its values), or the tensors (store.read(h).result())")
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -102,18 +97,13 @@ class Store(abc.ABC):
         return self._used
 
     def keys(self) -> list[str]:
-        """The keys of the tensors in the store. Scratch space that headroom takes from it
-        (activations between forward and backward, see [Note: scratch keys]) is not listed;
-        `used_bytes` counts it."""
+        """The keys of the tensors in the store; scratch keys (see [Note: scratch keys]) are not
+        listed, `used_bytes` counts them."""
         with self._lock:
             return [k for k in self._handles if not k.startswith(SCRATCH)]
 
     def get(self, key: str) -> Handle:
-        """The handle stored under ``key``.
-
-        Raises:
-            KeyError: nothing is stored under ``key``.
-        """
+        """The handle stored under ``key`` (`KeyError` naming the store if none)."""
         with self._lock:
             try:
                 return self._handles[key]
@@ -127,14 +117,12 @@ class Store(abc.ABC):
         with self._lock:
             if handle.key in self._handles:
                 raise KeyError(
-                    f"{handle.key!r} is already in {self!r}; free() it first or pick another key"
-                )
+                    f"{handle.key!r} is already in {self!r}; free() it first or pick another key")
             if self.max_bytes is not None and self._used + handle.nbytes > self.max_bytes:
                 raise StoreFullError(
                     f"store full: budget {self.max_bytes} bytes, need {self._used + handle.nbytes}"
                     f" ({handle.nbytes} for {handle.key!r}); raise budget (max_bytes=) or use"
-                    " DiskStore"
-                )
+                    " DiskStore")
             self._handles[handle.key] = handle
             self._used += handle.nbytes
 
@@ -150,27 +138,27 @@ class Store(abc.ABC):
             raise KeyError(f"{handle.key!r} is not in {self!r} (freed, or from another store)")
 
     @staticmethod
-    def _check_src(handle: Handle, src: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def _check_src(handle: Handle, src: torch.Tensor, shape: tuple[int, ...],
+                   host: str | None = None) -> None:
+        """Check ``src``'s type, dtype and shape, and with ``host`` that it is host memory."""
         if not isinstance(src, torch.Tensor):
             raise TypeError(f"expected a tensor for {handle.key!r}, got {type(src).__name__}")
         _check_plain(handle.key, src)
         if src.dtype != handle.dtype:
             raise TypeError(
                 f"dtype mismatch for {handle.key!r}: stored as {handle.dtype}, got {src.dtype};"
-                f" cast with .to({handle.dtype})"
-            )
+                f" cast with .to({handle.dtype})")
         if tuple(src.shape) != shape:
             raise ValueError(
-                f"shape mismatch for {handle.key!r}: expected {shape}, got {tuple(src.shape)}"
-            )
+                f"shape mismatch for {handle.key!r}: expected {shape}, got {tuple(src.shape)}")
+        if host and (src.device.type != "cpu" or not src.is_contiguous()):
+            raise ValueError(f"{host} {handle.key!r} must be a contiguous host (cpu) tensor")
 
     @staticmethod
     def _out(handle: Handle, out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         if out is None:
             return torch.empty(shape, dtype=handle.dtype)
-        Store._check_src(handle, out, shape)
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out for {handle.key!r} must be a contiguous host (cpu) tensor")
+        Store._check_src(handle, out, shape, "out for")
         return out
 
     @staticmethod
@@ -224,37 +212,25 @@ class Store(abc.ABC):
     def free(self, handle: Handle) -> None:
         """Forget the tensor and give its space back."""
 
-    #: Whether `exchange` is supported: a store whose tensors are not host memory handed out
-    #: zero-copy, where two tensors can swap contents by a change of metadata.
+    #: Whether `exchange` is supported (tensors can swap contents by a change of metadata).
     can_exchange: bool = False
 
     def alloc_spare(self, handle: Handle, key: str) -> Handle:
-        """A tensor under ``key`` of ``handle``'s shape and dtype, meant to be exchanged with
-        it (`exchange`); contents undefined. Only where `can_exchange`.
-
-        Raises:
-            NotImplementedError: this store cannot exchange tensors.
-        """
+        """A tensor under ``key`` of ``handle``'s shape and dtype, to be exchanged with it
+        (`exchange`); contents undefined. `NotImplementedError` unless `can_exchange`."""
         raise NotImplementedError(f"{type(self).__name__} cannot exchange tensors")
 
     def exchange(self, pairs: list[tuple[Handle, Handle]]) -> None:
-        """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype), all
-        pairs at once and in O(1) per pair: afterwards ``a`` reads what ``b`` held and ``b``
-        what ``a`` held, for every holder of either handle. Only where `can_exchange`.
-
-        Raises:
-            NotImplementedError: this store cannot exchange tensors.
-        """
+        """Swap the contents of each pair of tensors ``(a, b)`` (same shape and dtype) at once,
+        in O(1) per pair, for every holder of either (only where `can_exchange`)."""
         raise NotImplementedError(f"{type(self).__name__} cannot exchange tensors")
 
     def reserve(self, sizes) -> None:  # noqa: B027 - optional hook
-        """A hint: tensors of these byte sizes are about to be allocated (a pinned host store
-        then carves them from one slab sized to fit)."""
+        """A hint: tensors of these byte sizes are about to be allocated."""
 
     def reserve_writes(self, count: int) -> None:  # noqa: B027 - optional hook
-        """Promise that the next ``count`` writes into tensors already allocated cannot fail
-        for lack of space: reserve what they need besides their own bytes (a `DiskStore`'s
-        journal records) now, until `release_writes`.
+        """Promise that the next ``count`` writes into allocated tensors cannot fail for lack
+        of space: reserve what they need besides their bytes now, until `release_writes`.
 
         Raises:
             StoreFullError: the space is not there; nothing was reserved.
@@ -282,20 +258,15 @@ def is_accelerator(device: torch.device) -> bool:
 
 
 def _check_plain(key: str, t: torch.Tensor) -> None:
-    # A DTensor's bytes are not its own (its storage is its shard's, or none): copying or
-    # checksumming it as a whole tensor fails, or reads memory it does not own.
+    # A DTensor's storage is its shard's (or none): copied whole, it reads memory not its own.
     dt = sys.modules.get("torch.distributed.tensor")
     if dt is not None and isinstance(t, dt.DTensor):
         raise TypeError(
             f"{key!r} is a DTensor (a sharded tensor); a store holds plain tensors: store its"
-            " local shard (t.to_local()), or use hr.offload on the fully_shard'ed model, which"
-            " stores each rank's shards"
-        )
+            " local shard (t.to_local()), or hr.offload the fully_shard'ed model")
     if hasattr(type(t), "__tensor_flatten__"):
-        # A wrapper subclass (torchao's quantized tensors) has no memory of its own: its
-        # values are its inner tensors, and copying its "bytes" would read nothing (or crash).
+        # A wrapper subclass (torchao's quantized tensors) has no memory of its own.
         raise TypeError(
             f"{key!r} is a {type(t).__name__}, a tensor subclass whose values are its inner"
             " tensors; a store holds plain tensors: store each inner tensor (hr.offload keeps"
-            " quantized parameters this way)"
-        )
+            " quantized parameters this way)")

@@ -456,8 +456,9 @@ class HostOptimizer(torch.optim.Optimizer):
                 raise NotImplementedError(
                     f"HostOptimizer cannot step a sharded (FSDP2) parameter of shape "
                     f"{tuple(p.shape)} ({p.dtype} on {dev}) that hr.offload did not offload (only"
-                    " those, and fp32 shards on the CPU). Offload every FSDP2 unit, or step the "
-                    "units left on the device with a torch.optim optimizer of their own")
+                    " those, and fp32 shards on the CPU). Offload every FSDP2 unit"
+                    " (hr.offload(model, ...)), or step the units left on the device with a"
+                    " torch.optim optimizer of their own")
             self._open_host(dev)
             key = f"{self._key_prefix}/{e.index}"
             mdtype = torch.float64 if p.dtype == torch.float64 else torch.float32

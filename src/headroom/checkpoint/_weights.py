@@ -213,10 +213,9 @@ def load_weights(
         verify: check the tensors against the checksums `save_weights` recorded; ``False`` loads
             a file whose checksums fail, and skips the checksum pass.
         quantize: for a model offloaded with ``hr.offload``: ``fn(block)``, called on each block
-            once its values are read, changes it in place (torchao's ``quantize_(block,
-            config)``, or a swap for bitsandbytes layers); what it replaces rests packed in the
-            store, one block's values in memory at a time. Parameters outside the blocks load as
-            they are.
+            once its values are read, quantizes it in place; the result rests packed, one block
+            at full precision at a time (docs/lora.md, "The recipe"). Parameters outside the
+            blocks load as they are.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or a file its index names is missing.

@@ -219,10 +219,8 @@ def save(
 ) -> None:
     """Save ``model`` (and ``optimizer``) to one checksummed safetensors file, atomically.
 
-    What rests on disk is streamed slice by slice. The header holds every tensor's CRC32C and
-    its own. The file is written as ``.<name>.tmp-<host>-<pid>-<token>`` next to ``path`` and
-    renamed once synced: a crash mid-save leaves the old checkpoint intact, and the next `save`
-    to ``path`` from the same host removes temporary files whose process is gone.
+    What rests on disk is streamed slice by slice; a crash mid-save leaves the old checkpoint
+    intact. See docs/host_optimizer.md, "Checkpoints: `hr.save` / `hr.load`".
 
     Args:
         path: the file to write (conventionally ``*.safetensors``).
@@ -333,16 +331,9 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save` into ``model`` (and ``optimizer``) in place.
 
-    Tensors are read memory-mapped, one at a time, into their store where they rest in one,
-    so a checkpoint larger than RAM loads. Each is checked against its CRC32C (and the header
-    against its own): a damaged file raises `CheckpointCorruptError`, never loads silently.
-
-    Length, header and layout (keys, shapes, optimizer class and size) are checked before
-    anything changes. When the data fits in half the available memory, every tensor is then
-    verified before the first is loaded, so a corrupt file changes nothing. A bigger file is
-    verified tensor by tensor just before each is loaded: a bad 10th tensor stops the load
-    with the 9 before it loaded (model first, then optimizer); the error says which case it
-    is. Version 1 files (no checksums) load unverified; `save` them again to add checksums.
+    Tensors stream into their stores (a checkpoint larger than RAM loads), each checked against
+    its CRC32C; what a damaged file leaves loaded: see docs/host_optimizer.md, "Checkpoints:
+    `hr.save` / `hr.load`".
 
     Args:
         path: the file `save` wrote.

@@ -196,16 +196,11 @@ def load_weights(
 ) -> None:
     """Fill ``model``'s parameters and persistent buffers from safetensors files.
 
-    An offloaded model's values go straight into its store, a few megabytes at a time; one
-    built on ``meta`` gets its values here. Names are ``state_dict()`` keys (tied parameters
-    need one of theirs); values are cast to the parameter's dtype. Keys, shapes and headers
-    are checked before anything is written.
-
-    Files `save_weights` wrote record each tensor's dtype, shape and CRC32C: a flipped byte or
-    a header edited in place raises `CheckpointCorruptError`. When the tensors fit in half the
-    available memory, all are verified before the first is written (a damaged file changes
-    nothing); otherwise each just before it is written (the error says what was loaded).
-    Nothing unverified is written. Files of other writers have no record and load as they are.
+    An offloaded model's values go straight into its store, a few megabytes at a time; one built
+    on ``meta`` gets its values here. Names are ``state_dict()`` keys (tied parameters need one of
+    theirs); values are cast to the parameter's dtype. Keys, shapes, headers and the checksums
+    `save_weights` recorded are checked before they are written: see docs/offload.md, "Models
+    bigger than RAM from their checkpoint" ("Checksums": what a damaged file leaves).
 
     Args:
         model: the model (offloaded or not). Not during its forward or backward.
@@ -215,13 +210,12 @@ def load_weights(
         strict: the files hold every parameter and persistent buffer and nothing else. With
             ``strict=False`` extra tensors are ignored and missing ones keep their values (or,
             created on ``meta``, are initialized by their module when first needed).
-        verify: check the tensors against the checksums `save_weights` recorded.
-            ``verify=False`` loads a file whose checksums fail, and skips the checksum pass.
-        quantize: for a model offloaded with ``hr.offload``: ``fn(block)``, called on each
-            block once its values are read, changes it in place (torchao's
-            ``quantize_(block, config)``, or a swap for bitsandbytes layers); what it replaces
-            rests packed in the store, one block's values in memory at a time. Parameters
-            outside the blocks load as they are.
+        verify: check the tensors against the checksums `save_weights` recorded; ``False`` loads
+            a file whose checksums fail, and skips the checksum pass.
+        quantize: for a model offloaded with ``hr.offload``: ``fn(block)``, called on each block
+            once its values are read, quantizes it in place; the result rests packed, one block
+            at full precision at a time (docs/lora.md, "The recipe"). Parameters outside the
+            blocks load as they are.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or a file its index names is missing.
@@ -527,22 +521,15 @@ def save_weights(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
 ) -> list[Path]:
-    """Write ``model``'s parameters and persistent buffers as safetensors, as
-    ``save_pretrained`` does: ``model.safetensors``, or shards with their
-    ``model.safetensors.index.json``, so ``from_pretrained`` (and `load_weights`) read them.
+    """Write ``model``'s parameters and persistent buffers as ``save_pretrained`` does.
 
-    An offloaded model's parameters are streamed from its store a few megabytes at a time.
-    Tied parameters are written once, under their first name, as ``save_pretrained`` does; a
-    Hugging Face model's ``config`` (and generation config) is written beside them. Each file's
-    ``__metadata__`` records every tensor's dtype, shape and CRC32C (``headroom_crc32c``), which
-    `load_weights` verifies; other readers ignore it.
-
-    A save replaces the checkpoint in ``path`` as one unit: readers find the old checkpoint or
-    the new one, whole, whenever the save is interrupted (an exception, Ctrl-C, ``kill -9``, a
-    power loss). Files are written under temporary names, synced and renamed; shards get new
-    names when the folder holds the usual ones (``model-<tag>-00001-of-00003.safetensors``);
-    the index goes last, and only then are the previous save's files removed. The next save
-    into the folder removes what an interrupted one left.
+    ``model.safetensors``, or shards with their ``model.safetensors.index.json``, which
+    ``from_pretrained`` (and `load_weights`) read; an offloaded model's parameters stream from its
+    store. Tied parameters are written once, under their first name; a Hugging Face model's
+    ``config`` (and generation config) beside them; each file's ``__metadata__`` records every
+    tensor's dtype, shape and CRC32C. A save replaces the checkpoint in ``path`` as one unit
+    (shards get new names, ``model-<tag>-00001-of-00003.safetensors``, when the folder holds the
+    usual ones). See docs/offload.md, "Models bigger than RAM from their checkpoint".
 
     Args:
         model: the model (offloaded or not); not during its forward or backward.

@@ -38,13 +38,9 @@ def data_parallel(
 
     Like ``DistributedDataParallel(model)``, for a model whose parts may be offloaded with
     `hr.offload`. Call it on every rank after ``hr.offload`` and before building the optimizer;
-    use the returned module for forward. Each backward averages the gradients over the ranks,
-    wherever they rest. Rank 0's parameters (and buffers) are copied to the others here.
-
-    Device parameters all go through DDP. Of the offloaded ones, only those some rank's forward
-    used since the last synchronized backward travel; the others keep ``grad is None``, so the
-    optimizer leaves them alone (no weight decay on a head without data). An asynchronous
-    all-reduce of a bitmap after forward agrees on that set; buckets all-reduce during backward.
+    use the returned module for forward. Rank 0's parameters (and buffers) are copied to the
+    others here. Of the offloaded parameters only those some rank's forward used travel; the
+    others keep ``grad is None``. See docs/data_parallel.md, "What is communicated, and when".
 
     Args:
         model: the model (``hr.offload`` already applied to it or to its parts).

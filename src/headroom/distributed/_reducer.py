@@ -1,12 +1,9 @@
 """All-reduce of store-resident gradients: only those some rank used, bucketed, overlapped.
 
-`StoreReducer` relays the gradient-ready signal (`headroom.transfer.grad_ready`): the optimizer
-hears it (`relay_done`) once the gradient is averaged across ranks. After forward, an
-asynchronous all-reduce of a bitmap agrees on the parameters some rank contributes (used
-blocks, plus gradients kept from `no_sync`); the rest keep ``None``. The others are packed in
-the same order on every rank into buckets of about ``bucket_bytes``, each all-reduced once this
-rank's share is in (unused blocks count as zeros). A bucket carries a count per parameter of the
-ranks that had a gradient, so a parameter no rank's backward reached keeps ``None`` too.
+The exchange is docs/data_parallel.md, "What is communicated, and when"; `StoreReducer` relays
+the gradient-ready signal (`relay_done`) once a gradient is averaged. A bucket carries a count
+per parameter of the ranks that had a gradient, so a parameter no rank's backward reached
+keeps ``None``.
 """
 
 from __future__ import annotations

@@ -308,22 +308,16 @@ def _softcap(model: nn.Module) -> float | None:
 def patch_causal_lm(model: nn.Module, *, slice_size: int | None = None) -> CausalLMPatch:
     """Make ``model(input_ids, labels=labels).loss`` never build the ``tokens x vocab`` logits.
 
-    For Hugging Face ``transformers`` causal LMs whose logits are
-    ``get_output_embeddings()(hidden)``, maybe soft-capped by ``config.final_logit_softcapping``
-    (Llama, Mistral, Qwen2, Gemma 2/3, GPT-2, ...), also wrapped by ``peft``. In training mode
-    with ``labels``, the loss is the model's own (labels shifted by one, ``ignore_index=-100``,
-    the soft cap, ``num_items_in_batch`` or ``shift_labels`` when given) by
-    `linear_cross_entropy`, in fp32 whatever the model's dtype; the output's ``logits`` is
-    ``None``. In eval mode, or without ``labels``, the model runs as before. Nothing is stored
-    in the model's state (checkpoints, ``state_dict`` and optimizers are unaffected).
-
-    The first patched training call checks the logits of one position per sequence against the
-    patch's, so a model that post-processes them otherwise (a logit scale) is refused.
+    For ``transformers`` causal LMs (also inside ``peft``) whose logits are
+    ``get_output_embeddings()(hidden)``, maybe soft-capped: in training mode with ``labels`` the
+    loss is the model's own, by `linear_cross_entropy` in fp32, and ``logits`` is ``None``; in
+    eval mode or without ``labels`` the model runs as before. See docs/huge_classifier.md, "One
+    line for a Hugging Face model".
 
     Args:
         model: a causal LM (a ``transformers`` ``PreTrainedModel`` or a ``peft`` model around
             one) whose ``get_output_embeddings()`` is an ``nn.Linear``.
-        slice_size: vocabulary entries per slice (``None``: from the logits budget, see
+        slice_size: vocabulary entries per slice (``None``: from the logits budget, as in
             `linear_cross_entropy`).
 
     Returns:
@@ -334,8 +328,8 @@ def patch_causal_lm(model: nn.Module, *, slice_size: int | None = None) -> Causa
         TypeError: the model has no ``get_output_embeddings()`` returning an ``nn.Linear``
             (e.g. LoRA on ``lm_head``).
         RuntimeError: the model is already patched. From a forward: the output layer was
-            replaced after patching, or the first call's logits show a transformation the
-            patch does not know.
+            replaced after patching, or the first call's logits show a transformation the patch
+            does not know (a logit scale).
 
     Example:
         >>> handle = hr.patch_causal_lm(model)

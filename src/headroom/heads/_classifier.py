@@ -129,61 +129,44 @@ class HugeClassifier(nn.Module):
     """Linear classifier + exact loss over a huge number of classes.
 
     Softmax cross-entropy with one class id per row, or multi-label targets (the positives of
-    each row) with any loss of `headroom.linear_loss`.
-
-    The weight never sits whole on the compute device: it rests in ``store`` and is read one
-    slice of classes at a time, in forward (the loss) and again in backward (the exact gradient
-    of each slice, written back to the store; so multi-label losses run two passes here, where
-    `headroom.linear_loss` runs one). Device memory is one ``batch x slice_size`` logits buffer
-    plus ``prefetch + 1`` weight slices (and as many gradient slices), whatever ``num_classes``.
-
-    ``weight`` (and ``bias``) are parameters bound to the store (``headroom.transfer.binding``).
-    With ``store="cpu"`` the parameter's data *is* the store's host tensor and its ``.grad`` the
-    store's gradient tensor, so any ``torch.optim`` optimizer can step it; with a `DiskStore`
-    the parameter is a ``meta`` placeholder and `headroom.HostOptimizer` steps the files (with
-    ``row_sparse=[head.weight]`` in the sampled mode). Gradients accumulate until ``zero_grad``.
-    ``module.to(...)`` / ``.cuda()`` / ``.half()`` leave them where and as they rest (compute on
-    ``device=``, stored in ``dtype=``). A disk-backed head's ``state_dict()`` holds ``meta``
-    placeholders: checkpoint with ``headroom.save`` / ``headroom.load``.
+    each row) with any loss of `headroom.linear_loss`. The weight rests in ``store`` and is read
+    one slice of classes at a time in forward and again in backward; device memory is one
+    ``batch x slice_size`` logits buffer plus ``prefetch + 1`` weight slices (and as many
+    gradient slices), whatever ``num_classes``. Gradients accumulate in the store until
+    ``zero_grad``; ``module.to(...)`` / ``.half()`` leave ``weight`` and ``bias`` where and as they
+    rest. What the parameters are, how writes to them land and how to checkpoint: see
+    docs/huge_classifier.md, "Writing the weight", "How it works" and "Limits".
 
     Args:
         num_classes: number of classes ``C``.
         in_features: feature size ``D``.
         bias: whether to learn a per-class bias (rests in the store too).
-        device: the compute device, checked with `headroom.transfer.check_device` and kept
-            with an index (``"cuda"`` becomes the current ``cuda:N``).
+        device: the compute device, kept with an index (``"cuda"`` becomes the current
+            ``cuda:N``).
         store: ``"cpu"`` (host memory, pinned when ``device`` is an accelerator) or a store such
             as ``headroom.DiskStore(path)`` (for weights bigger than RAM: reads the whole weight
             twice per training step and writes its gradient once).
-        slice_size: classes per slice; ``None`` picks one per batch from a logits budget (a few
-            hundred MB). Bigger slices cost device memory and do not speed up the products.
-        sample_rate: ``1.0`` (default) is the exact loss. ``< 1`` is an opt-in *approximation*
-            (Partial FC; negative sampling for multi-label targets): each forward uses the
-            classes in the batch (labels or positives) plus uniform other classes,
-            ``ceil(sample_rate * C)`` in all, and only those rows get a gradient
-            (``binding(weight).grad_rows``). Faster and lighter for millions of classes; not
-            the same loss. ``topk`` always uses all classes.
-        dtype: dtype of the weight in the store. Logits and gradients accumulate in the
-            widest of fp32, ``dtype`` and the features' dtype.
-        key: name prefix of the tensors in the store (default: a fresh unique name). A store
-            that already holds ``key``'s weight (a reopened `DiskStore`) keeps its values. A
-            second live head with the same key in the same store is refused (it would share
-            the weight); the key frees when its head is garbage-collected.
-        prefetch: with ``store="cpu"`` on an accelerator, how many slices are copied to the
-            device ahead of the one computing (gradient slices go back the same way). ``1``
-            hides each copy behind one slice of compute; deeper absorbs uneven timings at one
-            more slice of device memory; ``0`` does not overlap. A `DiskStore` reads one ahead.
+        slice_size: classes per slice; ``None`` picks one per batch from a logits budget. Bigger
+            slices cost device memory and do not speed up the products.
+        sample_rate: ``1.0`` (default) is the exact loss; ``< 1`` an opt-in *approximation* over
+            ``ceil(sample_rate * C)`` classes per forward (docs/huge_classifier.md, "How it works").
+        dtype: dtype of the weight in the store. Logits and gradients accumulate in the widest of
+            fp32, ``dtype`` and the features' dtype.
+        key: name prefix of the tensors in the store (default: a fresh unique name); a reopened
+            `DiskStore`'s values under ``key`` are kept. One live head per key and store.
+        prefetch: with ``store="cpu"`` on an accelerator, slices copied ahead of the one
+            computing, as in `headroom.linear_cross_entropy` (a `DiskStore` reads one ahead).
         generator: a CPU ``torch.Generator`` for the sampled mode's negatives (``None``: the
             global generator).
 
     Raises:
-        ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a generator not on the CPU;
-            a store that cannot hold the weight, or holds ``key``'s tensors with another shape
-            or dtype; a ``device`` that is not a torch device, or ``"meta"``.
+        ValueError: bad sizes, ``sample_rate`` or ``prefetch``; a generator not on the CPU; a
+            store that cannot hold the weight, or holds ``key``'s tensors with another shape or
+            dtype; a ``device`` that is not a torch device, or ``"meta"``.
         TypeError: ``num_classes`` or ``in_features`` is not an int.
-        RuntimeError: ``device`` is not available on this machine; ``key`` is in use by
-            another live head (or offloaded model) in ``store``. From backward: a double
-            backward (``create_graph=True``), which is not supported.
+        RuntimeError: ``device`` is not available here; ``key`` is in use by another live head
+            (or offloaded model) in ``store``. From backward: a double backward
+            (``create_graph=True``).
 
     Example:
         >>> head = HugeClassifier(100_000, 64, device="cpu")
@@ -499,22 +482,20 @@ class HugeClassifier(nn.Module):
     ) -> torch.Tensor | LinearCrossEntropyOutput:
         """The loss of ``features @ weight.T + bias`` against ``labels``.
 
-        Class ids (one per row) train softmax cross-entropy; multi-label targets (the
-        positives of each row, as for `headroom.linear_loss`) train ``loss``.
-
         Args:
             features: ``(..., in_features)`` on ``device``.
-            labels: ``features.shape[:-1]`` integer classes or ``ignore_index``; or the
-                positives of each row in a form `headroom.linear_loss` takes.
+            labels: ``features.shape[:-1]`` integer classes or ``ignore_index`` (softmax
+                cross-entropy); or the positives of each row in a form `headroom.linear_loss` takes
+                (trains ``loss``).
             loss: with multi-label targets, ``"bce"`` (default) or another loss of
-                `headroom.linear_loss` (in the sampled mode a function's ``classes`` is the
-                slice's int64 tensor of class ids).
+                `headroom.linear_loss` (in the sampled mode a function's ``classes`` is the slice's
+                int64 tensor of class ids).
             pos_weight: with ``"bce"``/``"squared_hinge"``, as in `headroom.linear_loss`.
             ignore_rows: with multi-label targets, as in `headroom.linear_loss`.
             ignore_index: with class ids, as in ``F.cross_entropy``.
             label_smoothing: with class ids, as in ``F.cross_entropy``.
-            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as `headroom.linear_loss` and
-                `headroom.linear_cross_entropy` take it.
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as in `headroom.linear_loss` and
+                `headroom.linear_cross_entropy`.
             softcap, shift, z_loss, class_weight, return_lse, return_accuracy,
                 return_predictions, loss_dtype: with class ids (and ``sample_rate == 1``), as
                 in `headroom.linear_cross_entropy`.
@@ -677,10 +658,9 @@ class HugeClassifier(nn.Module):
 
     @torch.no_grad()
     def topk(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` highest logits per row and their classes, streaming slices.
+        """The ``k`` highest logits per row and their classes, streaming all classes.
 
-        Holds one ``batch x slice`` block of logits plus ``2k`` candidates per row at most;
-        always uses every class (also with ``sample_rate < 1``).
+        Holds one ``batch x slice`` block of logits plus ``2k`` candidates per row at most.
 
         Args:
             features: ``(..., in_features)`` on ``device``.

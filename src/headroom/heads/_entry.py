@@ -44,71 +44,52 @@ def linear_cross_entropy(
 ) -> torch.Tensor | LinearCrossEntropyOutput:
     """Exact ``F.cross_entropy(x @ weight.T + bias, target)`` without the ``B x C`` logits.
 
-    Forward keeps an online log-sum-exp over slices of classes; backward recomputes each slice's
-    logits for the exact gradients. Peak extra memory is one ``B x slice_size`` buffer (two with
-    ``softcap``) and a few ``B``- and ``B x D``-sized tensors, whatever ``C``. With automatic
-    slices, a scalar loss, gradients wanted and the weight on ``x``'s device in ``accum_dtype``,
-    chunks of rows (at most half, within the same budget) give loss and gradients in one pass of
-    three products instead of four. Ignored rows skip the products when the loss is reduced and
-    the lse not returned. Under ``torch.compile`` (``fullgraph=True`` too) the call is one
-    custom operator running this eager code.
-
-    For language models: ``shift=True`` predicts token ``t + 1`` from position ``t`` (``x`` is
-    ``(..., seq, D)``, ``target`` the unshifted labels, as a Hugging Face model's ``labels``),
-    ``softcap`` caps the logits as Gemma 2/3 do, ``z_loss`` adds PaLM's ``z_loss * lse**2``, and
-    the extra outputs give log-sum-exp, accuracy and predicted tokens without the logits.
+    Peak extra memory: one ``B x slice_size`` buffer (two with ``softcap``) and a few ``B``- and
+    ``B x D``-sized tensors, whatever ``C``. See docs/huge_classifier.md, "How it works",
+    "Language models" and "torch.compile".
 
     Args:
         x: ``(..., D)`` features, on the compute device.
         weight: ``(C, D)``, on ``x``'s device, or in host memory while ``x`` is on an
-            accelerator (slices then stream there in both passes, ``prefetch`` ahead on a side
-            stream, and the weight gradient streams back).
+            accelerator (slices stream there, ``prefetch`` ahead; the gradient streams back).
         target: ``x.shape[:-1]`` integer class indices in ``[0, C)`` or ``ignore_index``.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
         slice_size: classes per slice; ``None``: from :data:`DEFAULT_LOGITS_BUDGET`, at most a
-            cache-friendly few thousand. Larger ones cost memory without speeding up the
-            products; below a few hundred the products get inefficient.
+            few thousand. Larger costs memory without speeding up the products.
         ignore_index: target value whose rows contribute neither loss nor gradient.
-        label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``: the target becomes
-            ``(1 - eps) * onehot + eps / C``.
+        label_smoothing: ``eps`` in ``[0, 1]``, as in ``F.cross_entropy``.
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"`` (shape of target;
             with ``shift``, without its last ``shift`` positions).
-        softcap: the loss sees ``softcap * tanh(logits / softcap)`` (Gemma 2/3); ``None``: the
-            logits as they are.
+        softcap: the loss sees ``softcap * tanh(logits / softcap)``; ``None``: no cap.
         shift: ``True`` (or an int ``k``): row ``t`` of each sequence predicts ``target`` at
-            ``t + k``; the last ``k`` positions predict nothing (the labels move, not ``x``).
-        z_loss: adds ``z_loss * lse**2`` per row not ignored, averaged over those rows for
-            ``"mean"`` (by their count, also with ``class_weight``).
-        class_weight: ``(C,)``, as ``weight=`` of ``F.cross_entropy``: a row's loss is scaled
-            by its target's weight and ``"mean"`` divides by their sum; label smoothing's
-            uniform part is weighted per class too.
+            ``t + k`` (the labels move, not ``x``); the last ``k`` positions predict nothing.
+        z_loss: adds ``z_loss * lse**2`` per row not ignored (``"mean"``: divided by their
+            count, also with ``class_weight``).
+        class_weight: ``(C,)``, as ``weight=`` of ``F.cross_entropy`` (label smoothing's uniform
+            part weighted per class too).
         return_lse: also return each row's log-sum-exp (differentiable).
-        return_accuracy: also return the fraction of rows not ignored whose largest logit is
-            the target.
+        return_accuracy: also return the fraction of rows not ignored whose top logit is the target.
         return_predictions: also return each row's predicted class (-1 on ignored rows).
-        loss_dtype: dtype of the returned loss (and lse). ``None``: float32 for float16/bfloat16
-            inputs, ``x``'s dtype otherwise (the loss accumulates in float64 either way).
-        accum_dtype: dtype of logits, softmax and gradient accumulation. ``None``: float32 for
-            float32/bf16/fp16 inputs (each weight slice upcast), float64 for float64 inputs.
-            Gradients have the input dtype.
-        prefetch: with a host weight on an accelerator, slices copied ahead of the one
-            computing: ``1`` hides each copy behind one slice of compute; deeper absorbs uneven
-            times at one more slice of device memory (and page-locked staging for a weight not
-            pinned); ``0`` does not overlap. Unused for a weight on ``x``'s device.
+        loss_dtype: dtype of the loss (and lse); ``None``: float32 for float16/bfloat16 inputs,
+            ``x``'s dtype otherwise (the loss accumulates in float64 either way).
+        accum_dtype: dtype of logits, softmax and accumulation; ``None``: float32, float64 for
+            float64 inputs. Gradients have the input dtype.
+        prefetch: slices of a host weight copied ahead to the accelerator: ``1`` hides each copy,
+            deeper absorbs uneven times at one slice of device memory (and page-locked staging for
+            an unpinned weight) each, ``0`` does not overlap.
 
     Returns:
-        The loss, a scalar or (``reduction="none"``) shaped like ``target`` (with ``shift``,
-        without its last ``shift`` positions), in ``loss_dtype``. With any ``return_*`` flag, a
-        `LinearCrossEntropyOutput` ``(loss, lse, accuracy, predictions)`` holding what was
-        asked for (``None`` elsewhere).
+        The loss, a scalar or (``reduction="none"``) per row, in ``loss_dtype``. With any
+        ``return_*`` flag, a `LinearCrossEntropyOutput` ``(loss, lse, accuracy, predictions)``
+        (``None`` for what was not asked for).
 
     Raises:
         TypeError: ``target`` not an integer tensor; ``x``/``weight`` dtypes differ; a
             ``class_weight`` that is not a floating tensor.
-        ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), feature sizes that
-            disagree, wrong shapes, bad options. All checked before any compute.
-        RuntimeError: from a backward with ``create_graph=True`` (e.g. a gradient penalty):
-            use ``F.cross_entropy`` on dense logits for that term.
+        ValueError: labels outside ``[0, C)`` (other than ``ignore_index``), wrong shapes, bad
+            options; all checked before any compute.
+        RuntimeError: a backward with ``create_graph=True`` (e.g. a gradient penalty): use
+            ``F.cross_entropy`` on dense logits for that term.
 
     Example:
         >>> x = torch.randn(8, 16, requires_grad=True)
@@ -155,49 +136,37 @@ def linear_loss(
     """Exact multi-label loss of ``x @ weight.T + bias`` without the ``B x C`` logits or targets.
 
     Equal to the loss on the full logits against the dense target ``T`` (1, or the given value,
-    at the positives; 0 elsewhere), computed one slice of classes at a time:
-
-    * ``"bce"``: ``F.binary_cross_entropy_with_logits(logits, T, pos_weight=pos_weight)``.
-    * ``"squared_hinge"``: ``pw * T * max(0, 1 - z)**2 + (1 - T) * max(0, 1 + z)**2`` per
-      element (DiSMEC's loss with labels ``2T - 1``).
-    * ``"softmax"``: ``F.cross_entropy(logits, T / T.sum(1, keepdim=True))``: the mean of
-      ``-log p`` over a row's positives (weighted by their values); 0 for a row without any.
-    * ``"softmax_sum"``: ``F.cross_entropy(logits, T)``: their sum.
-    * a function ``fn(scores, targets, classes)``: called per slice with its ``B x S`` logits
-      ``scores`` (in ``accum_dtype``, requiring grad), its ``B x S`` ``targets`` (``T``'s, in
-      the scores' dtype) and ``classes``, its ``range`` of class ids; it returns the slice's
-      summed loss (a 0-d tensor), which may depend on that slice only, and autograd
-      differentiates it. ``scores`` and ``targets`` are reused buffers, valid during the call.
-
-    With gradients wanted and ``reduction`` not ``"none"``, the separable losses and a function
-    form loss and gradients in forward's one pass (three products per slice, as the dense
-    computation); backward scales them. A softmax runs a pass in forward and one in backward.
-    Peak extra memory: two ``B x slice_size`` buffers, the gradients of ``weight`` and ``x``,
-    and a few ``B``- and ``nnz``-sized tensors. Under ``torch.compile`` the call is one custom
-    operator running this eager code (built-in losses, CSR targets of tensors).
+    at the positives; 0 elsewhere), one slice of classes at a time. Peak extra memory: two
+    ``B x slice_size`` buffers, the gradients of ``weight`` and ``x``, and a few ``B``- and
+    ``nnz``-sized tensors. See docs/huge_classifier.md, "Multi-label and per-class losses" (each
+    loss's formula, and the passes) and "torch.compile".
 
     Args:
         x: ``(..., D)`` features on the compute device.
         weight: ``(C, D)``, on ``x``'s device or in host memory while ``x`` is on an accelerator
             (slices then stream, as for `linear_cross_entropy`).
         targets: the positives of each row (of ``x.shape[:-1]`` flattened): CSR ``(offsets,
-            indices)`` (row ``b``'s classes are ``indices[offsets[b]:offsets[b+1]]``),
-            ``(offsets, indices, values)`` with a target value per positive, a list of one
-            tensor of class ids per row, or a ``torch.sparse_csr_tensor`` ``(rows, C)``. Any
-            order within a row; a class at most once per row.
-        loss: ``"bce"``, ``"squared_hinge"``, ``"softmax"``, ``"softmax_sum"`` or a function.
+            indices)`` (row ``b``: ``indices[offsets[b]:offsets[b+1]]``), ``(offsets, indices,
+            values)`` with a value per positive, a list of class-id tensors (one per row), or a
+            ``torch.sparse_csr_tensor`` ``(rows, C)``. Any order; a class at most once per row.
+        loss: ``"bce"``, ``"squared_hinge"``, ``"softmax"``, ``"softmax_sum"``, or a function
+            ``fn(scores, targets, classes)`` called per slice with the ``B x S`` logits (in
+            ``accum_dtype``, requiring grad), ``T``'s ``B x S`` slice (same dtype) and the
+            slice's ``range`` of class ids, returning the slice's summed loss as a 0-d tensor that
+            depends on that slice only. ``scores``/``targets`` are reused buffers, valid during
+            the call.
         bias: optional ``(C,)``, same device and dtype as ``weight``.
         pos_weight: weight of the positive term of ``"bce"``/``"squared_hinge"``: a float or a
             ``(C,)`` tensor, as in ``F.binary_cross_entropy_with_logits`` (not differentiated).
-        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row sums over the classes, shape
-            ``x.shape[:-1]``). ``"mean"`` divides by what PyTorch's dense loss divides by:
-            counted rows x ``C`` for ``"bce"``/``"squared_hinge"``, counted rows otherwise.
-        slice_size: classes per slice; ``None``: from `DEFAULT_LOGITS_BUDGET` for the buffers,
-            at most a cache-friendly few thousand.
-        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``: rows that are ``True``
-            contribute neither loss nor gradient (nor count for ``"mean"``).
-        accum_dtype: dtype of logits, loss and gradient accumulation. ``None``: float32 for
-            float32/bf16/fp16 inputs, float64 for float64 inputs; results in ``x``'s dtype.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-row sums, shape ``x.shape[:-1]``).
+            ``"mean"`` divides as PyTorch's dense loss does: by counted rows x ``C`` for
+            ``"bce"``/``"squared_hinge"``, by counted rows otherwise.
+        slice_size: classes per slice; ``None``: from `DEFAULT_LOGITS_BUDGET`, at most a few
+            thousand.
+        ignore_rows: optional bool tensor shaped like ``x.shape[:-1]``: ``True`` rows contribute
+            neither loss nor gradient (nor count for ``"mean"``).
+        accum_dtype: dtype of logits, loss and accumulation; ``None``: float32, float64 for
+            float64 inputs. Results in ``x``'s dtype.
         prefetch: slices copied ahead when a host weight streams to an accelerator.
 
     Returns:
@@ -206,12 +175,11 @@ def linear_loss(
     Raises:
         TypeError: targets of an unknown form or with non-integer indices; ``x``/``weight``
             dtypes differ; a function that does not return a 0-d floating tensor.
-        ValueError: a class outside ``[0, C)``, a class listed twice in a row, malformed
-            offsets, shapes that disagree, a bad option (``pos_weight`` that requires grad, or
-            with a softmax); all before any compute.
-        RuntimeError: a function whose loss uses other tensors requiring grad (they would
-            get no gradient) or does not depend on ``scores``; a double backward
-            (``create_graph=True``).
+        ValueError: a class outside ``[0, C)`` or twice in a row, malformed offsets, shapes that
+            disagree, a bad option (``pos_weight`` that requires grad, or with a softmax); all
+            before any compute.
+        RuntimeError: a function whose loss uses other tensors requiring grad or does not depend
+            on ``scores``; a double backward (``create_graph=True``).
 
     Example:
         >>> x = torch.randn(4, 16, requires_grad=True)

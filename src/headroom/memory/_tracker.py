@@ -132,12 +132,7 @@ class MemoryTracker:
     Use it through :func:`track_memory`. Tracking only observes: results never change.
 
     Args:
-        model: module(s) whose parameters, buffers and gradients count from entry (others
-            are found when they run).
-        optimizer: optimizer(s) whose state counts from entry (others when they step).
-        max_samples: timeline bound; past it, samples merge in pairs keeping the larger.
-        sample_allocator: also sample the accelerator allocator's allocated and reserved bytes
-            (a cheap call per sample). Ignored on CPU.
+        model, optimizer, max_samples, sample_allocator: as in :func:`track_memory`.
 
     Raises:
         RuntimeError: when entered while another tracker is active, or entered twice.
@@ -919,8 +914,9 @@ def track_memory(
     """Track live tensor memory per device while code runs, by category.
 
     Every storage created or used inside the block counts once until freed, in one of
-    :data:`CATEGORIES` (``activations``: saved by autograd for backward). Older tensors count
-    from their first use, or from entry for those of ``model`` and ``optimizer``.
+    :data:`CATEGORIES`; results never change. What counts as what (and what under other
+    saved-tensor hooks does not count as activations): see docs/memory.md, "What is counted, and
+    how" and "Trade-offs and limits".
 
     Args:
         model: module(s) whose parameters, buffers and gradients count from entry (others
@@ -942,10 +938,6 @@ def track_memory(
         ...     model(x).sum().backward(); opt.step()
         >>> mem.peak, mem.peak_by_category["activations"]
         >>> mem.report(); mem.plot("memory.png")
-
-    Tensors saved under other saved-tensor hooks opened inside the block (activation
-    checkpointing, activation offloading) are not activations for the tracker, which is what
-    those features are for.
     """
     return MemoryTracker(
         model=model, optimizer=optimizer, max_samples=max_samples, sample_allocator=sample_allocator

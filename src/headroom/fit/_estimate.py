@@ -292,7 +292,8 @@ def estimate(
 
     amp_dtype = check_autocast(autocast, target)
     micro = _check_micro_batches(micro_batches, example_args, example_kwargs)
-    options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
+    checkpoint = list(checkpoint)  # once: an iterator is used up by its first pass
+    options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": checkpoint,
                "offload_activations": offload_activations, "prepare": prepare,
                "offload": offload, "world_size": None if spec is None else spec.world,
                "autocast": amp_dtype, "micro_batches": micro}

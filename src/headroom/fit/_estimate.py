@@ -312,8 +312,8 @@ def estimate(
                 f"hr.HostOptimizer with state_store={features.host.state_store!r} does not"
                 " take sharded (FSDP2) parameters; use state_store='cpu' (each rank keeps the"
                 " state of its own shards in host memory)")
-        meta_model = (_sharded.meta_copy(model) if _sharded.fsdp_units(model)
-                      else _dryrun.meta_copy(model))
+        meta_model = _dryrun.meta_copy(
+            model, plain=_sharded.before_fully_shard if _sharded.fsdp_units(model) else None)
     elif features is not None:
         meta_model = features.meta_copy(model)
     else:

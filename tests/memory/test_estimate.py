@@ -131,6 +131,20 @@ def test_checkpoint_and_convert_as_measured():
     assert est.peak_by_category["activations"] < plain.peak_by_category["activations"]
 
 
+def test_checkpoint_takes_an_iterator():
+    # an iterator of names is read once: the same estimate as the list, not the plain step's
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+                            for _ in range(3)])
+    args = (torch.randn(64, 64),)
+    listed = estimate(model, args, optimizer=None, checkpoint=["0", "1"])
+    given = estimate(model, args, optimizer=None, checkpoint=(n for n in ["0", "1"]))
+    plain = estimate(model, args, optimizer=None)
+    acts = "activations"
+    assert listed.peak_by_category[acts] < plain.peak_by_category[acts]
+    assert given.peak == listed.peak
+    assert given.peak_by_category == listed.peak_by_category
+
+
 def test_cuda_target_on_a_cpu_only_build():
     est = estimate(transformer(), (torch.randn(4, 16, 32),), optimizer=torch.optim.AdamW,
                    device="cuda")

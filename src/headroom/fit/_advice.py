@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,78 +30,33 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     ``resting_activations`` (activations the measured run kept in stores) and ``autocast``
     (the measured forward's region) report those techniques as on rather than offer them.
     """
-    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs, autocast=autocast)
+    common = dict(loss_fn=loss_fn, device=device, example_kwargs=kwargs, autocast=autocast,
+                  optimizer=optimizer, optimizer_kwargs=optimizer_kwargs)
     if base is None:
-        base = estimate(model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs,
-                        **common)
+        base = estimate(model, args, **common)
     peak = base.peak
     if peak <= 0:
         return []
-    blocks = block_names(model)
-    cpu = base.device == "cpu"
-    timing = _Timing(base, cpu)
-    options: list[_Option] = []
-    failed: list[str] = []
-
-    def saving(label: str, exact: str, *, untimed: str | None = None,
-               host_step: bool = False, hint: str = "", **what_if: Any) -> None:
-        what_if.setdefault("optimizer", optimizer)
-        what_if.setdefault("optimizer_kwargs", optimizer_kwargs)
-        try:
-            est = estimate(model, args, **{**common, **what_if})
-        except Exception as e:  # one technique the step cannot take is one line, not all
-            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-            failed.append(f"  {label}: not estimated ({type(e).__name__}: {first}){hint}")
-            return
-        time = None if untimed else timing.relative(est, host_step=host_step)
-        options.append(_Option(label, peak - est.peak, exact, time, untimed))
-
-    if not resting_activations:
-        saving(f"activation offload (hr.offload_activations, min_bytes"
-               f"={format_bytes(_ACTIVATION_MIN_BYTES)})", _BITWISE,
-               offload_activations=_ACTIVATION_MIN_BYTES)
-    if blocks:
-        saving(f"checkpointing the {len(blocks)} blocks ({_names(blocks)})",
-               _BITWISE + " (the blocks' forward runs again in backward)", checkpoint=blocks)
-
-    from headroom.nn import convert
-
-    saving("hr.convert", _BITWISE, prepare=lambda m: convert(m, inplace=True))
     from headroom.fit._lm import lm_patch_run
 
-    lm_patch = lm_patch_run(model, lambda prepare: estimate(
-        model, args, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, prepare=prepare,
-        **common))[0]
-    if lm_patch is not None:
-        options.append(_Option(
-            "hr.patch_causal_lm(model) (the model's loss from its hidden states, without its"
-            " logits)", peak - lm_patch.peak, "equal to rounding (the loss in fp32 slices)",
-            timing.relative(lm_patch, host_step=False), None))
-    _classic(model, args, kwargs, base, saving, autocast=autocast)
+    blocks = block_names(model)
+    timing = _Timing(base, base.device == "cpu")
+    lm_patch = lm_patch_run(model, lambda prepare: estimate(model, args, prepare=prepare,
+                                                            **common))[0]
+    options: list[_Option] = []
+    failed: list[str] = []
+    for o in _options(model, args, kwargs, base, blocks, optimizer, optimizer_kwargs,
+                      lm_patch=lm_patch, resting=bool(resting_activations), autocast=autocast):
+        try:
+            est = o.est if o.est is not None else estimate(model, args, **{**common, **o.what_if})
+        except Exception as e:  # one technique the step cannot take is one line, not all
+            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            failed.append(f"  {o.label}: not estimated ({type(e).__name__}: {first}){o.hint}")
+            continue
+        o.saving = peak - est.peak
+        o.time = None if o.untimed else timing.relative(est, host_step=o.host_step)
+        options.append(o)
     _merge_half(options)
-    opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
-    from headroom.residency import offload_states
-
-    offloaded = bool(offload_states(model))
-    if opt_cls is not None:
-        from headroom.optim import HostOptimizerOptions
-
-        where = "disk" if cpu else "host"
-        kw = dict(optimizer_kwargs or {})
-        largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
-        host = HostOptimizerOptions(opt_cls, kw, "disk" if cpu else "cpu", False,
-                                    max(4 << 10, min(16 << 20, largest // 8)), 32 << 20)
-        saving(f"hr.HostOptimizer (state on {where})", _BITWISE + " (the same optimizer)",
-               optimizer=host, optimizer_kwargs=None, host_step=not cpu)
-        if not offloaded:
-            saving(f"hr.offload with hr.HostOptimizer ({where})", _BITWISE, optimizer=host,
-                   optimizer_kwargs=None, offload={"store": where, "prefetch": 1},
-                   host_step=not cpu)
-        smaller = _smaller_optimizer(opt_cls)
-        if smaller is not None:
-            saving(f"{smaller[0]} instead of {opt_cls.__name__}",
-                   "different training (another optimizer: tune it again)",
-                   optimizer=smaller[1], optimizer_kwargs=smaller[2])
     lines = ["what would cut the peak most (a dry run of the step with each technique;"
              " largest saving first):"]
     if measured is not None:
@@ -128,9 +84,33 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     line = _logits_line(logits, peak, patch=lm_patch is not None)
     if line:
         lines.append(line)
-    if cpu:
+    if base.device == "cpu":
         lines.append("  (on cpu, only stores on disk free memory: host memory is the device's)")
     return lines
+
+
+def _options(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate,
+             blocks: list[str], optimizer: Any, optimizer_kwargs: dict | None, *,
+             lm_patch: Estimate | None, resting: bool, autocast: torch.dtype | None
+             ) -> Iterator[_Option]:
+    """The techniques to advise, in the order of their lines for equal savings."""
+    from headroom.nn import convert
+
+    if not resting:
+        yield _Option(f"activation offload (hr.offload_activations, min_bytes"
+                      f"={format_bytes(_ACTIVATION_MIN_BYTES)})", _BITWISE,
+                      {"offload_activations": _ACTIVATION_MIN_BYTES})
+    if blocks:
+        yield _Option(f"checkpointing the {len(blocks)} blocks ({_names(blocks)})",
+                      _BITWISE + " (the blocks' forward runs again in backward)",
+                      {"checkpoint": blocks})
+    yield _Option("hr.convert", _BITWISE, {"prepare": lambda m: convert(m, inplace=True)})
+    if lm_patch is not None:
+        yield _Option("hr.patch_causal_lm(model) (the model's loss from its hidden states,"
+                      " without its logits)", "equal to rounding (the loss in fp32 slices)", {},
+                      est=lm_patch)
+    yield from _classic(model, args, kwargs, base, autocast=autocast)
+    yield from _optimizers(model, optimizer, optimizer_kwargs, cpu=base.device == "cpu")
 
 
 _BITWISE = "bitwise the same results"
@@ -141,11 +121,18 @@ _HALF_TIME = ("step time not modeled (half-precision matmuls are faster on GPUs 
 
 @dataclass(eq=False)
 class _Option:
+    """A technique to advise: a dry run of the step with ``what_if`` (`hr.estimate`'s options),
+    or ``est`` made already, then the peak it saves and its step time over the plain step's."""
+
     label: str
-    saving: int
     exact: str
-    time: float | None  # the step time with it over the plain step's
-    untimed: str | None  # what to say when the time model says nothing
+    what_if: dict[str, Any]
+    untimed: str | None = None  # what to say in place of the time model's figure
+    host_step: bool = False
+    hint: str = ""  # after the line of a dry run that fails
+    est: Estimate | None = None
+    saving: int = 0
+    time: float | None = None
 
     def cost(self) -> str:
         if self.time is None:
@@ -184,8 +171,8 @@ class _Timing:
         return self.seconds(est, host_step=host_step) / self.base
 
 
-def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate,
-             saving: Any, *, autocast: torch.dtype | None) -> None:
+def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate, *,
+             autocast: torch.dtype | None) -> Iterator[_Option]:
     """Mixed precision (bf16, fp16) unless on already, gradient accumulation over 2 and 4."""
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if torch.float32 in floats and autocast is None:
@@ -193,9 +180,9 @@ def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base:
         for dtype, name, extra in (
                 (torch.bfloat16, "bf16", ""),
                 (torch.float16, "fp16", "; fp16 also needs torch.amp.GradScaler")):
-            saving(f"mixed precision: autocast in {name} (torch.autocast({dev!r},"
-                   f" dtype={dtype}))", f"different numerics (matmuls in {name}){extra}",
-                   untimed=_HALF_TIME, autocast=dtype)
+            yield _Option(f"mixed precision: autocast in {name} (torch.autocast({dev!r},"
+                          f" dtype={dtype}))", f"different numerics (matmuls in {name}){extra}",
+                          {"autocast": dtype}, untimed=_HALF_TIME)
     from headroom.fit._estimate import _batch_size
 
     batch = _batch_size(args, kwargs)
@@ -205,10 +192,37 @@ def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base:
              "equal to rounding (the gradients summed over micro-batches)")
     for k in (2, 4):
         if batch is not None and batch >= k:
-            saving(f"gradient accumulation over {k} micro-batches (batch {batch} ->"
-                   f" {-(-batch // k)})", exact, micro_batches=k,
-                   hint="; a loss_fn that reads tensors of the whole batch (labels it closes"
-                        " over) cannot take a micro-batch: pass them to the model as inputs")
+            yield _Option(f"gradient accumulation over {k} micro-batches (batch {batch} ->"
+                          f" {-(-batch // k)})", exact, {"micro_batches": k},
+                          hint="; a loss_fn that reads tensors of the whole batch (labels"
+                               " it closes over) cannot take a micro-batch: pass them to the"
+                               " model as inputs")
+
+
+def _optimizers(model: nn.Module, optimizer: Any, optimizer_kwargs: dict | None, *, cpu: bool
+                ) -> Iterator[_Option]:
+    """`hr.HostOptimizer`, with `hr.offload` unless on already, and a smaller optimizer."""
+    opt_cls = _opt_cls(optimizer)  # None for an hr.HostOptimizer's options: in use already
+    if opt_cls is None:
+        return
+    from headroom.optim import HostOptimizerOptions
+    from headroom.residency import offload_states
+
+    where = "disk" if cpu else "host"
+    largest = max((p.numel() * p.element_size() for p in model.parameters()), default=0)
+    host = {"optimizer": HostOptimizerOptions(
+        opt_cls, dict(optimizer_kwargs or {}), "disk" if cpu else "cpu", False,
+        max(4 << 10, min(16 << 20, largest // 8)), 32 << 20), "optimizer_kwargs": None}
+    yield _Option(f"hr.HostOptimizer (state on {where})", _BITWISE + " (the same optimizer)", host,
+                  host_step=not cpu)
+    if not offload_states(model):
+        yield _Option(f"hr.offload with hr.HostOptimizer ({where})", _BITWISE,
+                      {**host, "offload": {"store": where, "prefetch": 1}}, host_step=not cpu)
+    smaller = _smaller_optimizer(opt_cls)
+    if smaller is not None:
+        yield _Option(f"{smaller[0]} instead of {opt_cls.__name__}",
+                      "different training (another optimizer: tune it again)",
+                      {"optimizer": smaller[1], "optimizer_kwargs": smaller[2]})
 
 
 def _merge_half(options: list[_Option]) -> None:

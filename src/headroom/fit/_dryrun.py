@@ -30,12 +30,16 @@ from headroom.store import to_meta as to_meta  # the estimator's: `_dryrun.to_me
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
-def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Module:
+def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None,
+              plain: Callable[[nn.Module], tuple[type, dict] | None] | None = None
+              ) -> nn.Module:
     """A copy of ``model`` with ``meta`` parameters and buffers, ties kept, no data copied.
 
-    ``memo`` is ``copy.deepcopy``'s for further objects; a TypeError for a model that cannot be
-    deep-copied.
+    ``memo`` is ``copy.deepcopy``'s for further objects; ``plain(module)`` gives a module's class
+    and ``__dict__`` as before a wrapper (`hr.offload`, ``fully_shard``), or ``None`` to copy it
+    as it is. A TypeError for a model that cannot be deep-copied.
     """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # none exist before its import
     memo = dict(memo or {})
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for mod in model.modules():
@@ -50,18 +54,29 @@ def meta_copy(model: nn.Module, *, memo: dict[int, Any] | None = None) -> nn.Mod
         if twin is not None:
             m, stand_ins = twin
             memo.update(stand_ins)
-        else:
-            m = torch.empty_like(t, device="meta")
+        else:  # an FSDP2 shard: the whole parameter
+            m = (torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                 if dtensor is not None and isinstance(t, dtensor.DTensor)
+                 else torch.empty_like(t, device="meta"))
             if isinstance(t, nn.Parameter):
                 m = nn.Parameter(m, requires_grad=t.requires_grad)
         memo[id(t)] = m
+    shells = []
+    for mod in model.modules() if plain is not None else ():
+        before = plain(mod)
+        if before is not None:
+            memo[id(mod)] = shell = before[0].__new__(before[0])
+            shells.append((shell, before[1]))
     try:
+        for shell, d in shells:
+            shell.__dict__.update(copy.deepcopy(d, memo))
         return copy.deepcopy(model, memo)
     except Exception as e:
         raise TypeError(
             f"the estimator could not copy the model onto the meta device ({type(e).__name__}:"
-            f" {e}). Estimate the plain model (before changes that attach stores or threads)"
-            " and pass the technique as an option instead."
+            f" {e}). Estimate the plain model (before changes that attach stores, threads or"
+            " fully_shard; world_size=N estimates FSDP2) and pass the technique as an option"
+            " instead."
         ) from e
 
 

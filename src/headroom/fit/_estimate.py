@@ -292,7 +292,8 @@ def estimate(
 
     amp_dtype = check_autocast(autocast, target)
     micro = _check_micro_batches(micro_batches, example_args, example_kwargs)
-    options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": list(checkpoint),
+    checkpoint = list(checkpoint)  # once: an iterator is used up by its first pass
+    options = {"loss_fn": loss_fn, "optimizer": optimizer, "checkpoint": checkpoint,
                "offload_activations": offload_activations, "prepare": prepare,
                "offload": offload, "world_size": None if spec is None else spec.world,
                "autocast": amp_dtype, "micro_batches": micro}
@@ -311,8 +312,8 @@ def estimate(
                 f"hr.HostOptimizer with state_store={features.host.state_store!r} does not"
                 " take sharded (FSDP2) parameters; use state_store='cpu' (each rank keeps the"
                 " state of its own shards in host memory)")
-        meta_model = (_sharded.meta_copy(model) if _sharded.fsdp_units(model)
-                      else _dryrun.meta_copy(model))
+        meta_model = _dryrun.meta_copy(
+            model, plain=_sharded.before_fully_shard if _sharded.fsdp_units(model) else None)
     elif features is not None:
         meta_model = features.meta_copy(model)
     else:

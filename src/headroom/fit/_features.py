@@ -207,14 +207,14 @@ class DryRunFeatures:
                     memo[id(hooks)] = type(hooks)(
                         (k, v) for k, v in hooks.items()
                         if not is_offload_hook(getattr(v, "hook", v)))
-        copy = _dryrun.meta_copy(model, memo=memo)
-        for m in copy.modules():
-            for attr in MODULE_ATTRS:
-                m.__dict__.pop(attr, None)
+
+        def plain(m: nn.Module) -> tuple[type, dict] | None:
             base = type(m).__dict__.get("_headroom_base")
-            if base is not None:
-                m.__class__ = base
-        return copy
+            if base is None and not any(a in m.__dict__ for a in MODULE_ATTRS):
+                return None
+            return base or type(m), {k: v for k, v in m.__dict__.items() if k not in MODULE_ATTRS}
+
+        return _dryrun.meta_copy(model, memo=memo, plain=plain)
 
     def install(self, meta_model: nn.Module) -> None:
         """Offload the copy as the configurations say (after `hr.convert` and checkpointing)."""

@@ -190,50 +190,79 @@ class Plan:
 
     def code(self, model_name: str = "model") -> str:
         """Python that applies the plan by hand, the same as :meth:`apply`."""
-        c, lines = self.choice, ["import torch", "import headroom as hr"]
-        opt = _opt_name(self.optimizer)
-        params = (f"[p for p in {model_name}.parameters() if p.requires_grad]" if self.frozen
-                  else f"{model_name}.parameters()")
+        lines = ["import torch", "import headroom as hr"]
+        for step in self._steps(model_name):
+            lines += step.code(model_name)
+        return "\n".join(lines)
+
+    def _steps(self, m: str) -> list[_Step]:
+        """The steps of `apply`, and of `code` with the model named ``m``."""
+        from headroom.fit._apply import offload_activations_in_forward
+        from headroom.heads import patch_causal_lm
+        from headroom.nn import convert
+        from headroom.optim import HostOptimizer
+        from headroom.residency import offload
+
+        c, model = self.choice, _Arg(m, lambda env: env["model"])
+        steps = []
         if c.convert:
-            lines.append(f"{model_name} = hr.convert({model_name})")
+            steps.append(_Step(_fn("hr.convert", convert), (model,), out="model"))
         if c.lm_loss:
-            lines.append(f"hr.patch_causal_lm({model_name})")
+            steps.append(_Step(_fn("hr.patch_causal_lm", patch_causal_lm), (model,)))
         if c.checkpoint:
-            lines.append("from headroom.fit import checkpoint_modules")
-            lines.append("# non-reentrant checkpointing (no key/value cache in training)")
-            lines.append(f"checkpoint_modules({model_name}, {list(c.checkpoint)!r})")
+            steps.append(_Step(
+                _fn("checkpoint_modules", _dryrun.checkpoint_modules),
+                (model, _lit(list(c.checkpoint))),
+                notes=("from headroom.fit import checkpoint_modules",
+                       "# non-reentrant checkpointing (no key/value cache in training)")))
         if self.world_size is not None:
             # FSDP2 first, then headroom's store for each rank's shards
-            lines.append("from torch.distributed.device_mesh import init_device_mesh")
-            lines.append("from torch.distributed.fsdp import fully_shard")
-            lines.append(f"mesh = init_device_mesh({torch.device(self.device).type!r},"
-                         f" ({self.world_size},))")
-            lines.append(f"for name in {list(self.blocks)!r}:")
-            lines.append(f"    fully_shard({model_name}.get_submodule(name), mesh=mesh)")
-            lines.append(f"fully_shard({model_name}, mesh=mesh)")
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = {"mesh": _Arg("mesh", lambda env: env["mesh"])}
+            block = _Arg(f"{m}.get_submodule(name)",
+                         lambda env: env["model"].get_submodule(env["name"]))
+            steps += [
+                _Step(_fn("init_device_mesh", init_device_mesh),
+                      (_lit(torch.device(self.device).type), _lit((self.world_size,))),
+                      out="mesh", notes=(
+                          "from torch.distributed.device_mesh import init_device_mesh",
+                          "from torch.distributed.fsdp import fully_shard")),
+                _Step(_fn("fully_shard", fully_shard), (block,), mesh, each=self.blocks),
+                _Step(_fn("fully_shard", fully_shard), (model,), mesh)]
             if c.params != "device":
-                lines.append(f"hr.offload({model_name}, device=mesh.device_type, store=\"cpu\")")
+                steps.append(_Step(_fn("hr.offload", offload), (model,), {
+                    "device": _Arg("mesh.device_type", lambda env: env["mesh"].device_type),
+                    "store": self._store("host", "params")}))
         elif c.params != "device":
-            lines.append(f"hr.offload({model_name}, device={self.device!r},"
-                         f" store={self._store_code(c.params, 'params')}, prefetch=1)")
+            steps.append(_Step(_fn("hr.offload", offload), (model,), {
+                "device": _lit(self.device), "store": self._store(c.params, "params"),
+                "prefetch": _lit(1)}))
         elif self.device != "cpu":
-            lines.append(f"{model_name}.to({self.device!r})")
+            steps.append(_Step(_Arg(f"{m}.to", lambda env: env["model"].to),
+                               (_lit(self.device),)))
         if c.activations != "device":
-            lines.append("from headroom.fit import offload_activations_in_forward")
-            lines.append("# every forward (and the backward of what it saved) under"
-                         " hr.offload_activations")
-            lines.append(f"offload_activations_in_forward({model_name},"
-                         f" store={self._store_code(c.activations, 'activations')},"
-                         f" min_bytes={c.activation_min_bytes}, prefetch=0)")
+            steps.append(_Step(
+                _fn("offload_activations_in_forward", offload_activations_in_forward), (model,),
+                {"store": self._store(c.activations, "activations"),
+                 "min_bytes": _lit(c.activation_min_bytes), "prefetch": _lit(0)},
+                notes=("from headroom.fit import offload_activations_in_forward",
+                       "# every forward (and the backward of what it saved) under"
+                       " hr.offload_activations")))
+        # a frozen quantized weight is no tensor an optimizer takes
+        params = _Arg(f"[p for p in {m}.parameters() if p.requires_grad]" if self.frozen
+                      else f"{m}.parameters()",
+                      lambda env: [p for p in env["model"].parameters() if p.requires_grad])
+        opt = _fn(_opt_name(self.optimizer), _opt_class(self.optimizer))
         if c.optimizer_state != "device":
-            kw = "".join(f", {k}={v!r}" for k, v in self._host_kwargs().items())
-            lines.append(f"opt = hr.HostOptimizer({params}, {opt},"
-                         f" state_store={self._store_code(c.optimizer_state, 'optimizer')},"
-                         f" slice_bytes={self.slice_bytes}, overlap=False{kw})")
-        else:
-            kw = "".join(f", {k}={v!r}" for k, v in self.optimizer_kwargs.items())
-            lines.append(f"opt = {opt}({params}{kw})")
-        return "\n".join(lines)
+            return [*steps, _Step(
+                _fn("hr.HostOptimizer", HostOptimizer), (params, opt),
+                {"state_store": self._store(c.optimizer_state, "optimizer"),
+                 "slice_bytes": _lit(self.slice_bytes), "overlap": _lit(False)},
+                extra={k: _lit(v) for k, v in self._host_kwargs().items()}, out="opt")]
+        return [*steps, _Step(opt, (params,), out="opt",
+                              extra={k: _lit(v) for k, v in self.optimizer_kwargs.items()})]
 
     def _check_job(self) -> None:
         import torch.distributed as dist
@@ -256,13 +285,13 @@ class Plan:
             raise ValueError("this plan needs disk=")
         return str(Path(self.disk) / sub)
 
-    def _store(self, where: str, sub: str) -> Any:
+    def _store(self, where: str, sub: str) -> _Arg:
+        if where == "host":
+            return _Arg('"cpu"', lambda env: "cpu")
         from headroom.store import DiskStore
 
-        return "cpu" if where == "host" else DiskStore(self._disk(sub))
-
-    def _store_code(self, where: str, sub: str) -> str:
-        return '"cpu"' if where == "host" else f"hr.DiskStore({self._disk(sub)!r})"
+        path = self._disk(sub)
+        return _Arg(f"hr.DiskStore({path!r})", lambda env: DiskStore(path))
 
     def apply(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Apply the plan to ``model`` (the one planned for) and build its optimizer.
@@ -281,16 +310,9 @@ class Plan:
         ``hr.offload``, activation offload, the optimizer); if one raises (a full disk), the
         ones before it stay applied: rebuild the model rather than retry on it.
         """
-        from headroom.fit._apply import offload_activations_in_forward
-        from headroom.heads import patch_causal_lm
-        from headroom.nn import convert
-        from headroom.optim import HostOptimizer
-        from headroom.residency import offload
-
-        c = self.choice
         if self.world_size is not None:
             self._check_job()
-        for name in c.checkpoint:
+        for name in self.choice.checkpoint:
             try:
                 model.get_submodule(name)
             except AttributeError:
@@ -298,42 +320,60 @@ class Plan:
                     f"the plan checkpoints block {name!r}, which this model does not have: apply"
                     " a plan to the model it was made for"
                 ) from None
-        if c.convert:
-            model = convert(model)
-        if c.lm_loss:
-            patch_causal_lm(model)
-        _dryrun.checkpoint_modules(model, c.checkpoint)
-        if self.world_size is not None:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh(torch.device(self.device).type, (self.world_size,))
-            for name in self.blocks:
-                fully_shard(model.get_submodule(name), mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            if c.params != "device":
-                offload(model, device=torch.device(self.device).type, store="cpu")
-        elif c.params != "device":
-            offload(model, device=self.device, store=self._store(c.params, "params"), prefetch=1)
-        elif self.device != "cpu":
-            model.to(self.device)
-        if c.activations != "device":
-            offload_activations_in_forward(model, store=self._store(c.activations, "activations"),
-                                           min_bytes=c.activation_min_bytes, prefetch=0)
-        cls = _opt_class(self.optimizer)
-        if c.optimizer_state != "device":
-            opt = HostOptimizer(_trained(model), cls,
-                                state_store=self._store(c.optimizer_state, "optimizer"),
-                                slice_bytes=self.slice_bytes, overlap=False,
-                                **self._host_kwargs())
-        else:
-            opt = cls(_trained(model), **self.optimizer_kwargs)
-        return model, opt
+        env = {"model": model}
+        for step in self._steps("model"):
+            step.run(env)
+        return env["model"], env["opt"]
 
 
-def _trained(model: nn.Module) -> list[nn.Parameter]:
-    # a frozen quantized weight is no tensor an optimizer takes
-    return [p for p in model.parameters() if p.requires_grad]
+@dataclass(frozen=True)
+class _Arg:
+    """A value in a plan's steps: its Python text, and how `Plan.apply` gets it from what the
+    steps before bound (``model``, ``mesh``, ``name`` of a loop)."""
+
+    text: str
+    get: Callable[[dict[str, Any]], Any]
+
+
+def _lit(value: Any) -> _Arg:
+    return _Arg(repr(value), lambda env: value)
+
+
+def _fn(text: str, fn: Callable) -> _Arg:
+    return _Arg(text, lambda env: fn)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """``out = fn(*args, **kwargs, **extra)`` after ``notes`` (the code's imports and comments),
+    once for each ``name`` in ``each`` when given."""
+
+    fn: _Arg
+    args: tuple[_Arg, ...] = ()
+    kwargs: dict[str, _Arg] = field(default_factory=dict)
+    extra: dict[str, _Arg] = field(default_factory=dict)  # the optimizer's own
+    out: str | None = None
+    notes: tuple[str, ...] = ()
+    each: tuple[str, ...] | None = None
+
+    def code(self, m: str) -> list[str]:
+        call = ", ".join([a.text for a in self.args] + [
+            f"{k}={v.text}" for kw in (self.kwargs, self.extra) for k, v in kw.items()])
+        line = f"{self.fn.text}({call})"
+        if self.out is not None:
+            line = f"{m if self.out == 'model' else self.out} = {line}"
+        if self.each is None:
+            return [*self.notes, line]
+        return [*self.notes, f"for name in {list(self.each)!r}:", f"    {line}"]
+
+    def run(self, env: dict[str, Any]) -> None:
+        for name in (None,) if self.each is None else self.each:
+            env["name"] = name
+            out = self.fn.get(env)(*[a.get(env) for a in self.args],
+                                   **{k: v.get(env) for k, v in self.kwargs.items()},
+                                   **{k: v.get(env) for k, v in self.extra.items()})
+        if self.out is not None:
+            env[self.out] = out
 
 
 def _seconds(t: float) -> str:

@@ -8,7 +8,6 @@ with ``CPUOffloadPolicy``. Collectives move no bytes; `hr.plan` does not price t
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import sys
 import weakref
@@ -129,49 +128,31 @@ def spec_of(model: nn.Module) -> ShardSpec:
                      device)
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A ``meta`` copy of a ``fully_shard``ed model as before ``fully_shard`` (and `hr.offload`)."""
+def before_fully_shard(m: nn.Module) -> tuple[type, dict] | None:
+    """A module's class and ``__dict__`` as before ``fully_shard`` (and `hr.offload`), for
+    `_dryrun.meta_copy`; ``None`` for a module not sharded."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"),
-                                   requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    shells = []
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            base = next(c for c in type(m).__mro__[1:]
-                        if not issubclass(c, FSDPModule))  # the class before fully_shard
-            shell = base.__new__(base)
-            memo[id(m)] = shell
-            shells.append((m, shell))
-    for m, shell in shells:
-        d = {}
-        for k, v in m.__dict__.items():
-            if k.startswith("__composable_api") or k.startswith("_headroom_"):
-                continue  # FSDP2's state, headroom's record of its store
-            if k in _STATE_DICT_HOOKS:
-                v = type(v)()
-            elif k in _HOOK_DICTS:
-                v = type(v)((i, h) for i, h in v.items()
-                            if not isinstance(getattr(h, "__self__", None), FSDPState))
-            d[k] = v
-        for k in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
-                  "_forward_hooks_always_called"):
-            if k in d:
-                keep = set(d.get("_forward_pre_hooks", {})) | set(d.get("_forward_hooks", {}))
-                d[k] = type(d[k])((i, v) for i, v in d[k].items() if i in keep)
-        try:
-            shell.__dict__.update(copy.deepcopy(d, memo))
-        except Exception as e:
-            raise TypeError(
-                f"the estimator could not copy the sharded model onto the meta device"
-                f" ({type(e).__name__}: {e}); estimate the model before fully_shard with"
-                " world_size=N instead") from e
-    return memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
+    if not isinstance(m, FSDPModule):
+        return None
+    base = next(c for c in type(m).__mro__[1:] if not issubclass(c, FSDPModule))
+    d = {}
+    for k, v in m.__dict__.items():
+        if k.startswith("__composable_api") or k.startswith("_headroom_"):
+            continue  # FSDP2's state, headroom's record of its store
+        if k in _STATE_DICT_HOOKS:
+            v = type(v)()
+        elif k in _HOOK_DICTS:
+            v = type(v)((i, h) for i, h in v.items()
+                        if not isinstance(getattr(h, "__self__", None), FSDPState))
+        d[k] = v
+    for k in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called"):
+        if k in d:
+            keep = set(d.get("_forward_pre_hooks", {})) | set(d.get("_forward_hooks", {}))
+            d[k] = type(d[k])((i, v) for i, v in d[k].items() if i in keep)
+    return base, d
 
 
 # ------------------------------------------------------------------ the dry run

@@ -232,20 +232,26 @@ def test_unfrozen_after_prefetch_trains_like_plain(opt):
         assert torch.equal(p, q), n
 
 
+def _warm_pair():
+    """(embedding, offloaded body, optimizer) and the plain twin, two steps in."""
+    emb, body = _pair()
+    ref_emb, ref_body = copy.deepcopy(emb), copy.deepcopy(body)
+    hr.offload(body, device="cpu", store="cpu")
+    pairs = ((emb, body, torch.optim.SGD(emb.parameters(), lr=0.1)),
+             (ref_emb, ref_body, torch.optim.SGD(ref_emb.parameters(), lr=0.1)))
+    for i in range(2):
+        for e, b, o in pairs:
+            _step(e, b, o, _ids(i))
+    return pairs
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_interrupted_step_leaves_the_masters_and_trains_like_plain(where):
     """Ctrl-C in a block's forward or backward while its device copies show the masters'
     memory: the copies get their own (empty) storage back (at once, or at the next parameter
     listing after backward), the masters are untouched, and the step run again trains
     bitwise like plain."""
-    emb, body = _pair()
-    ref_emb, ref_body = copy.deepcopy(emb), copy.deepcopy(body)
-    hr.offload(body, device="cpu", store="cpu")
-    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref_emb.parameters(), lr=0.1)
-    for i in range(2):
-        _step(emb, body, opt, _ids(i))
-        _step(ref_emb, ref_body, ref_opt, _ids(i))
+    (emb, body, opt), (ref_emb, ref_body, ref_opt) = _warm_pair()
 
     def interrupt(*args):
         raise KeyboardInterrupt
@@ -275,14 +281,7 @@ def test_shared_blocks_are_fetched_once_per_step(monkeypatch):
     from headroom.residency._group import Residency
     from headroom.residency._schedule import _AfterBackward
 
-    emb, body = _pair()
-    ref_emb, ref_body = copy.deepcopy(emb), copy.deepcopy(body)
-    hr.offload(body, device="cpu", store="cpu")
-    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref_emb.parameters(), lr=0.1)
-    for i in range(2):
-        _step(emb, body, opt, _ids(i))
-        _step(ref_emb, ref_body, ref_opt, _ids(i))
+    (emb, body, opt), (ref_emb, ref_body, ref_opt) = _warm_pair()
     shares, real = [], Residency._share
     monkeypatch.setattr(Residency, "_share", lambda self, s: shares.append(s) or real(self, s))
     watched, real_apply = [], _AfterBackward.apply

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from headroom.residency._packed import Packed
+from headroom.residency._packed import Packed, trains
 from headroom.store import HeapTrimmer, Store
 from headroom.transfer import Mover, ParamBinding, Ticket, resize_storage
 
@@ -266,10 +266,7 @@ def hide(group: Group) -> None:
 
 def _check_packed(q: Packed) -> None:
     if q.param.requires_grad:
-        raise RuntimeError(
-            f"the quantized parameter {q.name!r} ({type(q.param).__name__}) was set to require"
-            " grad after hr.offload: quantized weights rest packed and do not train. Freeze it"
-            " again (requires_grad_(False)) and train adapters over it (peft.get_peft_model)")
+        raise RuntimeError(trains(q.param, q.name, "was set to require grad after hr.offload"))
 
 
 def _check_master(s: Slot) -> None:

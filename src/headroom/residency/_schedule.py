@@ -10,7 +10,7 @@ dropped by failures, released before an optimizer step when they have a gradient
 out of a forward or backward, failures included, returns there, so an optimizer step never
 runs with stale device copies: at once where headroom sees the failure (the guarded root or a
 block, `headroom.residency._guard`, or its backward hooks), else at the next forward or
-``named_parameters()`` (`Offload.abort_forward`, `Offload.abort_backward`, `settle_if_idle`).
+``named_parameters()`` (`Offload.abort_forward`, `Offload.abort_backward`, `Offload.settle`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
 from headroom.residency import _events
-from headroom.residency._adopt import _LIVE, rescan, strip_hooks, sync_masters
+from headroom.residency._adopt import _LIVE, rescan, sync_masters
 from headroom.residency._dtensor import refuse_conversion
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
@@ -59,7 +59,7 @@ def in_backward() -> bool:
 def _outputs(output: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(output)
     if not any(isinstance(x, torch.Tensor) for x in leaves):
-        # Objects pytree does not know (e.g. some model-output classes) are walked by hand.
+        # objects pytree does not know (some model-output classes): walked by hand
         leaves = []
         stack = [output]
         while stack:
@@ -109,10 +109,7 @@ class _GroupRole:
         return self.state.apply(module, fn, recurse, base)
 
     def settle(self) -> None:
-        self.state.settle_if_idle()
-
-    def strip_hooks(self, copy: nn.Module) -> None:
-        strip_hooks(self.state, copy)
+        self.state.settle()
 
 
 class Phase(enum.Flag):
@@ -256,9 +253,7 @@ class Offload:
         if self.busy:
             raise RuntimeError(
                 "hr.prefetch was called during a forward or backward of the offloaded model;"
-                " announce the next batch's blocks between steps (before forward, or after"
-                " backward)"
-            )
+                " announce the next batch's blocks between steps")
         old, self.announced = self.announced, []
         for b in old:
             if b not in blocks:
@@ -458,7 +453,7 @@ class Offload:
             if id(b) not in keep:
                 self._idle_release(b)
 
-    def settle_if_idle(self) -> None:
+    def settle(self) -> None:
         """Outside forward and backward: back to the resting state (a backward that broke off
         outside headroom's hooks, or never ran, is cleaned up)."""
         if in_backward() or not self.use.enter_short(wait_for_backward=True):
@@ -511,12 +506,6 @@ class Offload:
     # ------------------------------------------------------------------ guard protocol
     def call_failed(self, module: nn.Module) -> None:
         self.abort_forward(None)
-
-    def settle(self) -> None:
-        self.settle_if_idle()
-
-    def strip_hooks(self, copy: nn.Module) -> None:
-        strip_hooks(self, copy)
 
     def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
         """``module._apply(fn)`` (``.to()``, ``.half()``, ...) on a guarded module: applied to
@@ -794,9 +783,8 @@ class Offload:
             self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None:  # zero_grad()'s None: overwritten, not accumulated
                 p.grad = _stored_grad(p, b)
-        # Post-accumulate-grad fires once per backward, after every use (tied weights too):
-        # the gradient is complete. Listeners are told (HostOptimizer may step at once), the
-        # device gradient dropped first.
+        # post-accumulate-grad fires once per backward, after every use (tied weights too):
+        # complete. Listeners are told (HostOptimizer may step at once), g dropped first.
         del g
         grad_ready(p)
         self._grad_done(slot)
@@ -835,16 +823,13 @@ class Offload:
     def _sparse_grad(self, slot: Slot, g: torch.Tensor,
                      cur: torch.Tensor | None) -> torch.Tensor | None:
         """Accumulate a sparse gradient (``nn.Embedding(sparse=True)``) as autograd does;
-        returns a dense sum still to be stored whole, else ``None``.
-
-        A sparse gradient stays sparse in host memory (``binding.grad_sparse``, also
-        ``param.grad``), in the parameter's dtype: a later sparse one is added in place, a dense
-        one makes the sum dense; added to a dense stored gradient, it goes into it in place.
-        """
-        # NOTE: not stored densely: torch's sparse steps differ bitwise from dense ones, so the
-        # optimizer gets the same entries in the same order as torch would. How `+=` lays out
-        # the sum depends on the tensor autograd handed over (a stored copy has contiguous
-        # values): that one is kept for the sum (`_keep_raw`).
+        returns a dense sum still to be stored whole, else ``None``. It stays sparse in host
+        memory (``binding.grad_sparse``, also ``param.grad``) in the parameter's dtype: a later
+        sparse one is added in place, a dense one makes the sum dense; a dense stored gradient
+        takes it in place."""
+        # NOTE: not stored densely: torch's sparse steps differ bitwise from dense ones. How
+        # `+=` lays out the sum depends on the tensor autograd handed over (a stored copy has
+        # contiguous values): that one is kept for the sum (`_keep_raw`).
         b = slot.binding
         p = slot.param
         dtype = p.dtype

@@ -244,7 +244,7 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
     model.__dict__[_ATTR] = state
     try:
         for key, fp, _ in pending:
-            _set_shard(fp, st.host_tensor(state.handles[key]), "cpu", host=True, pin=pin)
+            _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
             state.params[key] = fp
         _guard_moves(model, state)
     except BaseException:
@@ -275,7 +275,7 @@ def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
         originals = {k: sh.fp._sharded_param_data for k, sh in disk.shards.items()}
         for key, sh in disk.shards.items():
             ph = placeholder(sh.fp)
-            _set_shard(sh.fp, ph, "cpu", host=True)
+            _rest_in(sh.fp, ph, pin=False)
             release(ph)
             state.params[key] = sh.fp
             bind(sh.fp.sharded_param, sh.handle, store=state.store)
@@ -302,6 +302,10 @@ def _local_name(unit: nn.Module, module: nn.Module, attr: str) -> str:
         if m is module:
             return f"{n}.{attr}" if n else attr
     return attr  # pragma: no cover - FSDP2 registers parameters of the unit's modules
+
+
+def _rest_in(fp, flat: torch.Tensor, *, pin: bool) -> None:
+    _set_shard(fp, flat, "cpu", host=True, pin=pin)
 
 
 def _set_shard(fp, flat: torch.Tensor, grad_device, *, host: bool, pin: bool = False) -> None:

@@ -121,7 +121,7 @@ class Residency:
     def __init__(self, device: torch.device, store: Store) -> None:
         self.device = device
         self.store = store
-        # thread-safe: an optimizer's worker may wait for gradients (`sync_grads`) the
+        # thread-safe: an optimizer's worker may wait for gradients (`Mover.synchronize`) the
         # backward thread pushes
         self.mover = Mover(device, store)
         # NOTE: on the CPU, device copies are host memory freed and allocated group after
@@ -226,17 +226,9 @@ class Residency:
         if self._trimmer is not None:
             self._trimmer.freed(group.nbytes)
 
-    def sync_grads(self) -> None:
-        """Wait until every gradient pushed so far rests in the store (any thread)."""
-        self.mover.synchronize()
-
     def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
         """Hand a finished gradient to the store (see `headroom.transfer.Mover.push_grad`)."""
         self.mover.push_grad(grad, b, accumulate=accumulate)
-
-    def close(self) -> None:
-        """Land what is in flight and give the mover's page-locked staging back."""
-        self.mover.close()
 
 
 # references to a device copy's own storage held by its two tensors and the asking storage

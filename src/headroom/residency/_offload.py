@@ -711,7 +711,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     state.sync_grads()
     for b in [*state.blocks, state.rest]:
         state.res.release(b)
-    state.res.close()  # copies landed, staging memory back to the system
+    state.res.mover.close()  # copies landed, staging memory back to the system
     for h in state.handles:
         h.remove()
     st = state.store

@@ -941,10 +941,10 @@ class Offload:
                     " and run the iteration again")
 
     def _wait_landed(self) -> None:
-        """`Residency.sync_grads`, noting the held sums a failed write took with it (their
+        """`Mover.synchronize`, noting the held sums a failed write took with it (their
         stored gradients stay stale until cleared)."""
         try:
-            self.res.sync_grads()
+            self.res.mover.synchronize()
         except BaseException as e:
             with self._held_lock:
                 gone, self._unconfirmed = self._unconfirmed, set()

@@ -667,9 +667,6 @@ def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
     return [(n, m, m.__dict__[_ATTR]) for n, m in model.named_modules() if _ATTR in m.__dict__]
 
 
-MODULE_ATTRS = _guard.MODULE_ATTRS
-
-
 def state_of(model: nn.Module) -> Offload:
     """The live offload state of an offloaded model, for tests and debugging.
 

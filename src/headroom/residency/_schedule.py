@@ -449,9 +449,9 @@ class Offload:
         keep = self._outside if keep_outside else {}
         self._close_window()
         self._outside = keep
-        for b in [*self.blocks, self.rest]:
-            if id(b) not in keep:
-                self._idle_release(b)
+        groups = [*self.blocks, self.rest]
+        for b in [g for g in groups if id(g) not in keep] if keep else groups:
+            self._idle_release(b)
 
     def settle(self) -> None:
         """Outside forward and backward: back to the resting state (a backward that broke off
@@ -745,9 +745,8 @@ class Offload:
         b = slot.binding
         p = slot.param
         if not p.requires_grad:
-            # NOTE: a master frozen since forward: AccumulateGrad checks the flag when the
-            # gradient arrives and plain PyTorch drops it; the device copy is the leaf here,
-            # so it is dropped here, the block's bookkeeping going on.
+            # NOTE: frozen since forward: plain PyTorch's AccumulateGrad drops the gradient;
+            # the device copy is the leaf here, so it is dropped here, bookkeeping going on
             self._grad_done(slot)
             return
         store = self.store

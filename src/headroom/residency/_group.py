@@ -111,12 +111,7 @@ class Group:
 
 
 class Residency:
-    """Moves groups of offloaded parameters between their store and the compute device.
-
-    Args:
-        device: the compute device.
-        store: where the masters (and gradients) rest.
-    """
+    """Moves groups of offloaded parameters between ``store`` and the compute ``device``."""
 
     def __init__(self, device: torch.device, store: Store) -> None:
         self.device = device

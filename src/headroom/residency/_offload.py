@@ -668,15 +668,8 @@ def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
 
 
 def state_of(model: nn.Module) -> Offload:
-    """The live offload state of an offloaded model, for tests and debugging.
-
-    Its groups (``blocks``, ``rest``: ``resident``, ``slots``), ``store`` and ``res`` show what
-    is on the device now. Not a stable API: `describe` gives the plan, `headroom.track_memory`
-    the bytes.
-
-    Raises:
-        RuntimeError: the model is not offloaded.
-    """
+    """The live offload state of an offloaded model, for tests and debugging (not a stable API:
+    `describe` gives the plan, `headroom.track_memory` the bytes); raises if not offloaded."""
     state = getattr(model, _ATTR, None)
     if state is None:
         raise RuntimeError("the model is not offloaded (call hr.offload(model, device=...) first)")

@@ -38,7 +38,6 @@ _PLAIN_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, to
 
 
 def part_key(name: str, part: str) -> str:
-    """The store key of one part of the packed parameter ``name``."""
     return f"{name}#{part}"
 
 

@@ -241,31 +241,28 @@ class Offload:
 
     def announce(self, blocks: list[Group]) -> None:
         """The next forward uses ``blocks``: start fetching them, and drop older announcements."""
-        # not taken inside this model's own backward, which `_announce` refuses
+        # not taken inside this model's own backward, refused below
         taken = self.use.enter_short(wait_for_backward=True)
         try:
-            self._announce(blocks)
+            if self.busy:
+                raise RuntimeError(
+                    "hr.prefetch was called during a forward or backward of the offloaded"
+                    " model; announce the next batch's blocks between steps")
+            old, self.announced = self.announced, []
+            for b in old:
+                if b not in blocks:
+                    self.res.release(b)
+            self.announced = list(dict.fromkeys(blocks))
+            try:
+                for b in self.announced:
+                    self.res.fetch(b)
+            except BaseException:
+                self.drop_announced()
+                raise
+            self._note_marks()
         finally:
             if taken:
                 self.use.exit_forward()
-
-    def _announce(self, blocks: list[Group]) -> None:
-        if self.busy:
-            raise RuntimeError(
-                "hr.prefetch was called during a forward or backward of the offloaded model;"
-                " announce the next batch's blocks between steps")
-        old, self.announced = self.announced, []
-        for b in old:
-            if b not in blocks:
-                self.res.release(b)
-        self.announced = list(dict.fromkeys(blocks))
-        try:
-            for b in self.announced:
-                self.res.fetch(b)
-        except BaseException:
-            self.drop_announced()
-            raise
-        self._note_marks()
 
     def _mark(self, s: Slot) -> tuple:
         """What changes when ``s``'s master is written: the store's count of writes to it and,
@@ -470,24 +467,21 @@ class Offload:
         if not self.use.enter_short(wait_for_backward=False):
             return
         try:
-            self._before_optimizer_step()
+            if self.busy:
+                return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+            # a master rebound since (``p.data = t``) goes into the store now, or a step
+            # through the store (HostOptimizer) would step the old value
+            sync_masters(self)
+            for b in [*self.blocks, self.rest]:
+                # optimizers step only parameters with a gradient: an announced block
+                # without any keeps valid device copies across the step
+                if b in self.announced and not any(
+                        s.param.grad is not None or s.binding.has_grad for s in b.slots):
+                    continue
+                self.res.release(b)
+            self._refetch = True
         finally:
             self.use.exit_forward()
-
-    def _before_optimizer_step(self) -> None:
-        if self.busy:
-            return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
-        # A master rebound since (``p.data = t``) goes into the store now, or a step through
-        # the store (HostOptimizer) would step the old value.
-        sync_masters(self)
-        for b in [*self.blocks, self.rest]:
-            # optimizers step only parameters with a gradient: an announced block without
-            # any keeps valid device copies across the step
-            if b in self.announced and not any(
-                    s.param.grad is not None or s.binding.has_grad for s in b.slots):
-                continue
-            self.res.release(b)
-        self._refetch = True
 
     def after_optimizer_step(self) -> None:
         """Fetch again what `before_optimizer_step` released of the announced blocks."""

@@ -6,13 +6,12 @@ from headroom.residency._autograd import OffloadedParameter, StoredParameter
 from headroom.residency._blocks import find_blocks
 from headroom.residency._dtensor import check_sharded
 from headroom.residency._group import Group, Slot
-from headroom.residency._guard import guarded_state
+from headroom.residency._guard import MODULE_ATTRS, guarded_state
 from headroom.residency._meta import _lost_adapters as lost_adapters
 from headroom.residency._meta import _own_slots as own_slots
 from headroom.residency._meta import _still_unset as still_unset
 from headroom.residency._meta import _unset as unset_tensor
 from headroom.residency._offload import (
-    MODULE_ATTRS,
     describe,
     offload,
     offload_dry_run,

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "current_plan", "holds", "hook_state_dict", "install", "release_hooks", "rescan", "retire",
-    "retire_packed", "strip_hooks", "sync_masters",
+    "retire_packed", "sync_masters",
 ]
 
 _HANDLES: list = []  # the registration hooks' handles, while a model is offloaded
@@ -486,23 +486,6 @@ def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
 
 
 # ---------------------------------------------------------------------- copies
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-
-
-def strip_hooks(state: Offload, module: nn.Module) -> None:
-    """Remove ``state``'s hooks from a deep copy of one of its modules (and its submodules)."""
-    ids = {h.id for h in state.handles if hasattr(h, "id")}
-    for m in module.modules():
-        for attr in _HOOK_DICTS:
-            d = m.__dict__.get(attr)
-            if d:
-                for k in [k for k in d if k in ids]:
-                    del d[k]
-
-
 def _copy_master(state_ref: weakref.ref, slot: Slot, memo: dict) -> nn.Parameter:
     """``copy.deepcopy`` of a master resting on disk: a host parameter with its value."""
     state = state_ref()

@@ -11,7 +11,7 @@ before the unit's all-gather and the gradient shard back to the host, where the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from headroom.residency._sharded_disk import DiskShards, placeholder, release
 from headroom.store import Handle, Store, is_accelerator
-from headroom.transfer import unbind
+from headroom.transfer import bind, unbind
 
 __all__ = [
     "ShardedOffload",
@@ -278,7 +278,7 @@ def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
             _rest_in(sh.fp, ph, pin=False)
             release(ph)
             state.params[key] = sh.fp
-            disk.bind(sh)
+            bind(sh.fp.sharded_param, sh.handle, store=state.store)
             disk.rest(sh)
         disk.wrap_all()
         disk.hook(model)
@@ -333,15 +333,27 @@ def _set_shard(fp, flat: torch.Tensor, grad_device, *, host: bool, pin: bool = F
     fp._setattr_on_modules(old)
 
 
-def conversions(fn, dtypes, device: torch.device) -> list[tuple[torch.dtype, torch.Tensor]]:
-    """``(dtype, result)`` of ``fn`` (a ``Module._apply``'s) on an empty tensor of each of
-    ``dtypes`` on ``device``, where the result is a tensor."""
-    out = []
+def refuse_conversion(fn, dtypes, device: torch.device, what: str, dtype_fix: str, *,
+                      moves_ok: Callable[[torch.device], bool], probe=None) -> None:
+    """Raise if ``fn`` (a ``Module._apply``'s) converts an empty tensor of one of ``dtypes`` on
+    ``probe`` (default: the offload's ``device``) to another dtype, or moves it where
+    ``moves_ok`` refuses. ``what``: the module's part of the message; ``dtype_fix``: how to
+    compute in another dtype (``{}``: that dtype)."""
     for dtype in sorted(dtypes, key=str):
-        got = fn(torch.empty(0, dtype=dtype, device=device))
-        if isinstance(got, torch.Tensor):
-            out.append((dtype, got))
-    return out
+        out = fn(torch.empty(0, dtype=dtype, device=probe or device))
+        if not isinstance(out, torch.Tensor):
+            continue
+        if out.dtype != dtype:
+            raise RuntimeError(
+                f"{what} offloaded with hr.offload, whose stored parameters stay {dtype};"
+                f" converting them to {out.dtype} is not done behind the store's back."
+                f" {dtype_fix.format(out.dtype)}, or hr.unoffload(model), convert, and offload"
+                " again")
+        if not moves_ok(out.device):
+            raise RuntimeError(
+                f"{what} offloaded with hr.offload(device={str(device)!r}); moving it to"
+                f" {out.device} is not done behind the store's back. Call hr.unoffload(model)"
+                " first, then move it")
 
 
 def _swap(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -374,19 +386,10 @@ def _guarded_apply(model: nn.Module, module: nn.Module, fn, recurse: bool = True
     base = type(module)._apply
     if state is None:  # unoffloaded since
         return base(module, fn, recurse)
-    dtypes = {fp.sharded_param.dtype for fp in state.params.values()}
-    for dtype, out in conversions(fn, dtypes, torch.device("cpu")):
-        if out.dtype != dtype:
-            raise RuntimeError(
-                f"{type(module).__name__} holds shards offloaded with hr.offload, which stay"
-                f" {dtype} in the store; converting them to {out.dtype} is not done behind the"
-                " store's back. Give fully_shard a MixedPrecisionPolicy(param_dtype=...), or"
-                " hr.unoffload(model), convert, and offload again")
-        if out.device.type != "cpu" and torch.device(out.device).type != state.device.type:
-            raise RuntimeError(
-                f"{type(module).__name__} holds shards offloaded with hr.offload(device="
-                f"{str(state.device)!r}); moving them to {out.device} is not done behind the"
-                " store's back. Call hr.unoffload(model) first, then move it")
+    refuse_conversion(fn, {fp.sharded_param.dtype for fp in state.params.values()},
+                      state.device, f"{type(module).__name__} holds shards",
+                      "Give fully_shard a MixedPrecisionPolicy(param_dtype=...)",
+                      moves_ok=lambda d: d.type in ("cpu", state.device.type), probe="cpu")
     keep = {id(t) for fp in state.params.values()
             for t in (fp.sharded_param, fp.sharded_param.grad) if t is not None}
     # NOTE: Module._apply swaps a DTensor parameter even when fn returns it unchanged, which

@@ -47,7 +47,6 @@ guard_members: dict[str, Any] = {}
 
 
 def emit(callbacks: list[Callable[..., Any]], *args: Any) -> None:
-    """Call each callback of ``callbacks`` with ``args``."""
     for fn in callbacks:
         fn(*args)
 

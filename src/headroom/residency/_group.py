@@ -1,41 +1,32 @@
 """The residency primitive: groups of offloaded parameters, fetched to the device and released.
 
-[Note: masters and device copies] Optimizers and checkpoints see masters (``binding(p)`` for
-those resting in a store); autograd sees device copies. A master's value is written only through
-its store (`HostOptimizer`, ``hr.load``, ``load_state_dict``, ``hr.load_weights``), and whoever
-writes a whole value marks ``binding.has_value``.
+[Note: masters and device copies] Every offloaded parameter keeps two tensors. The *master* is
+the ``nn.Parameter`` the model registers, which optimizers and checkpoints see (``binding(p)``):
+with ``store="cpu"`` its data *is* the store's host tensor, with a `DiskStore` it is a
+`StoreTensor` whose ops run on the values on disk. Its value is written only through its store
+(`HostOptimizer`, ``hr.load``, ``load_state_dict``, ``hr.load_weights``), and whoever writes a
+whole value marks ``binding.has_value``. The *device copy*, which autograd sees, is a second
+leaf parameter on the compute device whose storage is resized to 0 while its group is not
+resident. Autograd saves the device copies themselves, not their bytes, so a group released
+after its forward is fetched again, into the same tensors, before its backward (version
+counters preserved; FSDP2 frees unsharded parameters the same way).
 
-Every offloaded parameter keeps two tensors. The *master* is the ``nn.Parameter`` the model
-registers and optimizers see: with ``store="cpu"`` its data *is* the store's host tensor
-(zero-copy); with a `DiskStore` it is a `StoreTensor` whose ops run on the values on disk. The
-*device copy* is a second leaf parameter on the compute device whose storage is resized to 0
-while its group is not resident. Autograd saves the device copies themselves, not their bytes,
-so a group released after its forward is fetched again, into the same tensors, before its
-backward (version counters preserved; FSDP2 frees unsharded parameters the same way).
+`Residency` moves groups (`fetch`, `ensure`, `release`); when is the caller's business (the
+hooks of `headroom.residency._schedule`). `show` puts a group's device copies into its
+modules, `hide` the masters again.
 
-`Residency` moves groups: `fetch` (start the copies), `ensure` (wait for them), `release`
-(free the device storage). Which group moves when is the caller's business: the forward and
-backward hooks of `headroom.residency._schedule`, or anything that activates a group by hand.
-What the modules compute with is separate too: `show` puts a group's device copies into them,
-`hide` the masters again.
-
-[Note: shared device copies] When the device is the CPU and a master rests in host memory in
-the compute dtype, a frozen one (no ``requires_grad``, no gradient) is not copied: `fetch`
-points its device copy at the master's own memory (``dev.data = host``, the device copy keeping
-its version counter), and `release` gives it back its own empty storage. What the modules
-compute with is the master's value, as a copy would be; a write to the master while resident
-(``load_state_dict``, ``p.data`` edits, a master rebound and synced) shows at once, which a
-copy would show only after the next fetch. Optimizers write masters that have a gradient:
-none is shared at fetch, and one unfrozen while resident (after `hr.prefetch`) is written
-before the step only once its gradient is complete (`HostOptimizer`'s steps in the final
-backward), when no backward node reads it any more. Never resized while shared (it would free
-the master): `release` is the only way back. Views of a device copy that autograd saved keep
-the storage they were made on: one filled by a copy (a forward while the parameter trained)
-is filled by a copy again as long as anything but the device copy holds it, never swapped for
-the master's under them. Masters on disk, or cast to another compute dtype, are copied as
-before. A group whose device copies all show their masters (`Group.free`) stays resident from
-its forward to the end of the backward: releasing it would free nothing, and fetching it again
-would cost time.
+[Note: shared device copies] On a CPU device, a frozen master (no ``requires_grad``, no
+gradient) resting in host memory in the compute dtype is not copied: `fetch` points its device
+copy at the master's memory (``dev.data = host``, the device copy keeping its version counter)
+and `release` gives it back its own empty storage. A write to the master while resident
+(``load_state_dict``, ``p.data`` edits) shows at once, where a copy would show it after the
+next fetch. Masters with a gradient are not shared; one unfrozen while resident (after
+`hr.prefetch`) is written by `HostOptimizer` only once its gradient is complete, when no
+backward node reads it. Never resized while shared (that frees the master): `release` is the
+only way back. Views of a device copy that autograd saved keep the storage they were made on:
+one filled by a copy is filled by a copy again while anything else holds it. A group whose
+device copies all show their masters (`Group.free`) stays resident from its forward to the end
+of the backward: releasing it would free nothing, fetching it again would cost time.
 """
 
 from __future__ import annotations
@@ -43,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from headroom.residency._packed import Packed
+from headroom.residency._packed import Packed, trains
 from headroom.store import HeapTrimmer, Store
 from headroom.transfer import Mover, ParamBinding, Ticket, resize_storage
 
@@ -86,15 +77,13 @@ class Slot:
         self.ticket: Ticket | None = None
         self.group: Group | None = None
         self.nbytes = dev.numel() * dev.element_size()
-        # See [Note: shared device copies]: the device copy's own storage, kept while it
-        # shows its master's memory (`shared`).
+        # the device copy's own storage, kept while it shows its master's (`shared`)
         self.own: torch.Tensor | None = None
         self.shared = False
 
     def show(self, t: nn.Parameter) -> None:
-        # Write the module's parameter dict directly: `setattr` would re-register and
-        # refuse swapping a parameter while its module runs. `dict.__setitem__` skips a
-        # ParamDict's own (`_outside`), which only guards moves to meta and lets these through.
+        # NOTE: not `setattr`, which re-registers and refuses a swap while the module runs;
+        # `dict.__setitem__` skips a ParamDict's own (`_outside`), which guards moves to meta.
         for module, attr in self.owners:
             dict.__setitem__(module._parameters, attr, t)
 
@@ -112,9 +101,7 @@ class Group:
         # quantized parameters resting packed (see [Note: packed parameters]); frozen
         self.packed: list[Packed] = []
         self.resident = False
-        # resident with every device copy showing its master's memory (see [Note: shared
-        # device copies]): releasing it frees nothing
-        self.free = False
+        self.free = False  # resident, every device copy showing its master's memory
         self.grads_left = 0
         self.inputs_pending = 0  # forward calls whose input gradients are not computed yet
 
@@ -124,52 +111,40 @@ class Group:
 
 
 class Residency:
-    """Moves groups of offloaded parameters between their store and the compute device.
-
-    Args:
-        device: the compute device.
-        store: where the masters (and gradients) rest.
-    """
+    """Moves groups of offloaded parameters between ``store`` and the compute ``device``."""
 
     def __init__(self, device: torch.device, store: Store) -> None:
         self.device = device
         self.store = store
-        # Thread-safe: the backward thread fetches and pushes gradients while an optimizer's
-        # worker thread may wait for them (`sync_grads`); neither blocks the other.
+        # thread-safe: an optimizer's worker may wait for gradients (`Mover.synchronize`) the
+        # backward thread pushes
         self.mover = Mover(device, store)
-        # On the CPU the device copies are host memory, freed and allocated again group
-        # after group; see headroom.store._heap for why that memory must be given back.
-        # Not when the masters rest in host memory too: the model is in RAM then, whatever
-        # the heap keeps, and trimming would only cost time (10-20% of a step of
-        # benchmarks/offload_overhead.py, which faults the pages in again at every refill).
-        # Every 32 MiB freed, not at every block: a trim also hands back what autograd freed a
-        # moment ago, faulted in again at its next use. Fine-tuning GPT-2 small from a DiskStore
-        # under Trainer (benchmarks/trainer_finetune.py, 2048 tokens, checkpointed): trimming
-        # at each of its 28 MiB blocks took 1.46x plain's step time for 0.54x its RSS, every
-        # 32 MiB 1.24x for 0.57x, never 1.04x for 0.91x.
+        # NOTE: on the CPU, device copies are host memory freed and allocated group after
+        # group (see headroom.store._heap). Not trimmed when the masters rest in host memory
+        # too: the model is in RAM then, and trimming cost 10-20% of a step of
+        # benchmarks/offload_overhead.py. Every 32 MiB, not every block: a trim also hands
+        # back what autograd just freed. GPT-2 small from a DiskStore under Trainer
+        # (benchmarks/trainer_finetune.py, 2048 tokens, checkpointed), step time and RSS vs
+        # plain: trim per 28 MiB block 1.46x/0.54x, per 32 MiB 1.24x/0.57x, never 1.04x/0.91x.
         self._trimmer = (HeapTrimmer(32 << 20) if device.type == "cpu"
                          and not store.holds_host_memory else None)
         # See [Note: shared device copies].
         self.shares = device.type == "cpu" and store.holds_host_memory
 
     def fetch(self, group: Group) -> None:
-        """Start bringing a group to the device (no wait; the modules still hold the masters).
-
-        On an accelerator the group's copies share one event ordering them after the
-        computing stream and one signalling that they are done."""
+        """Start bringing a group to the device (no wait; the modules still hold the masters);
+        on an accelerator its copies share one event before them and one after."""
         if group.resident:
             return
         group.resident = True  # first: a fetch that fails half-way is released whole
-        copied = []
+        copied, items = [], []
         with torch._C.DisableTorchFunctionSubclass():  # masters' reads as plain tensors'
             for s in group.slots:
                 _check_master(s)
                 if not (self.shares and self._share(s)):
+                    resize_storage(s.dev, s.nbytes)
                     copied.append(s)
-        items = []
-        for s in copied:
-            resize_storage(s.dev, s.nbytes)
-            items.append((s.binding.handle, s.dev))
+                    items.append((s.binding.handle, s.dev))
         for q in group.packed:
             _check_packed(q)
             items += q.items()
@@ -183,8 +158,8 @@ class Residency:
             i += len(q.parts)
 
     def _share(self, s: Slot) -> bool:
-        """Make ``s``'s device copy show its master's memory, if it may (see
-        [Note: shared device copies]); masters read as plain tensors."""
+        """Make ``s``'s device copy show its master's memory if it may ([Note: shared device
+        copies]); masters read as plain tensors."""
         p = s.param
         if p.requires_grad or s.dev.requires_grad or p.grad is not None or s.binding.has_grad:
             return False
@@ -194,8 +169,7 @@ class Residency:
         if s.own is None:
             s.own = s.dev.detach()  # keeps the device copy's own (empty) storage
         if torch._C._storage_Use_Count(s.own.untyped_storage()._cdata) > _OWN_ONLY:
-            # Views of it that autograd saved (a forward that copied, its backward to come)
-            # read that storage, not the device copy's: refilled, as that forward had it.
+            # views autograd saved (a forward that copied, its backward to come) read it
             return False
         s.dev.data = host  # the version counter stays the device copy's
         s.shared = True
@@ -226,8 +200,7 @@ class Residency:
                 s.shared = False
                 continue
             if s.ticket is not None:  # a prefetch that was never used
-                # Wait even when quiet: a disk read may still be landing in the storage, and
-                # the free below is ordered after the copy on the current stream.
+                # waited even when quiet: a disk read may still land in the storage
                 try:
                     self.mover.wait(s.ticket)
                 except Exception:
@@ -248,21 +221,12 @@ class Residency:
         if self._trimmer is not None:
             self._trimmer.freed(group.nbytes)
 
-    def sync_grads(self) -> None:
-        """Wait until every gradient pushed so far rests in the store (any thread)."""
-        self.mover.synchronize()
-
     def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
         """Hand a finished gradient to the store (see `headroom.transfer.Mover.push_grad`)."""
         self.mover.push_grad(grad, b, accumulate=accumulate)
 
-    def close(self) -> None:
-        """Land what is in flight and give the mover's page-locked staging back."""
-        self.mover.close()
 
-
-# References to a device copy's own storage when nothing but its two tensors (and the storage
-# object asking) holds it.
+# references to a device copy's own storage held by its two tensors and the asking storage
 _OWN_ONLY = 3
 
 
@@ -289,10 +253,7 @@ def hide(group: Group) -> None:
 
 def _check_packed(q: Packed) -> None:
     if q.param.requires_grad:
-        raise RuntimeError(
-            f"the quantized parameter {q.name!r} ({type(q.param).__name__}) was set to require"
-            " grad after hr.offload: quantized weights rest packed and do not train. Freeze it"
-            " again (requires_grad_(False)) and train adapters over it (peft.get_peft_model)")
+        raise RuntimeError(trains(q.param, q.name, "was set to require grad after hr.offload"))
 
 
 def _check_master(s: Slot) -> None:

@@ -41,9 +41,6 @@ class Role(Protocol):
     def settle(self) -> None:
         """Parameters are about to be listed: finish any clean-up still pending."""
 
-    def strip_hooks(self, copy: nn.Module) -> None:
-        """Remove the hooks of the offload from ``copy`` (a deep copy of the module)."""
-
 
 def _guarded_class(cls: type) -> type:
     sub = _CLASSES.get(cls)

@@ -105,20 +105,17 @@ def offload(
 ) -> nn.Module:
     """Keep ``model``'s parameters and gradients in a store; stream each block to ``device``.
 
-    Changes the model in place and returns it. Afterwards ``model.parameters()`` yields the
-    *masters*: with ``store="cpu"`` host tensors whose ``.grad`` backward fills, so any
-    ``torch.optim`` optimizer steps them on the host (as in ZeRO-offload); with a `DiskStore`
+    Changes the model in place and returns it. ``model.parameters()`` then yields the
+    *masters*: with ``store="cpu"`` host tensors whose ``.grad`` backward fills, which any
+    ``torch.optim`` optimizer steps on the host (as in ZeRO-offload); with a `DiskStore`
     `headroom.transfer.StoreTensor` objects whose ops (and their ``.grad``'s) run on the values
-    on disk, stepped through the store by ``hr.HostOptimizer``. Inputs must be on ``device``;
-    buffers are moved there and stay.
+    on disk, stepped by ``hr.HostOptimizer``. Inputs must be on ``device``; buffers move there.
 
-    A model whose blocks and root were sharded with FSDP2's ``fully_shard`` keeps each rank's
-    local shards in the store instead (``blocks`` are then ``fully_shard``ed modules): see
-    docs/data_parallel.md, "Sharded: FSDP2 + headroom".
+    A model whose blocks and root were ``fully_shard``ed (FSDP2) keeps each rank's local shards
+    in the store instead (``blocks``: ``fully_shard``ed modules); see docs/data_parallel.md.
 
-    Nothing outside the model and its optimizer keeps what this makes alive: dropped, the model,
-    its store and the store's threads, files and lock go at the next garbage collection.
-    Pickled or ``copy.deepcopy``-ed, it gives a plain model holding the current values.
+    Dropped, the model, its store and the store's threads, files and lock go at the next garbage
+    collection. Pickled or ``copy.deepcopy``-ed, it gives a plain model with the current values.
 
     Args:
         model: the model; quantized parameters (bitsandbytes', torchao's) rest in the store
@@ -132,9 +129,8 @@ def offload(
         blocks: the submodules fetched and released together; by default the largest group of
             similar siblings (a transformer's layers), plus any module outside them holding at
             least half a block of parameters (an untied embedding or head). The rest, and
-            parameters shared by several blocks, form one group resident from the start of
-            forward to the end of backward. Smaller blocks use less device memory but give
-            transfers less compute to hide behind.
+            parameters shared by several blocks, form one group resident from forward to the end
+            of backward. Smaller blocks use less device memory but hide transfers less.
         prefetch: how many blocks ahead to start fetching (forward order, and reverse order in
             backward). Each costs one block of device memory; 0 disables overlap.
         compute_dtype: dtype of the device copies of floating-point parameters (e.g.
@@ -298,10 +294,9 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
                     m._buffers[bname] = buf.to(dev)
                 state.buffers.append(f"{mname}.{bname}" if mname else bname)
 
-    # NOTE: the forward hooks fetch, release and swap parameters: never traced by
-    # torch.compile. Each is a graph break, so each block's forward is a graph of its own,
-    # whose backward runs between headroom's hooks as in eager mode. (Disabled here: where they
-    # are defined would import torch._dynamo with headroom.residency.)
+    # NOTE: the hooks swap parameters: not traced by torch.compile, each a graph break, so each
+    # block's forward is a graph whose backward runs between headroom's hooks as in eager mode
+    # (disabled here: where they are defined would import torch._dynamo with residency)
     eager = torch.compiler.disable
     h = state.handles
     h.append(model.register_forward_pre_hook(eager(state.root_pre_forward), with_kwargs=True,
@@ -527,9 +522,8 @@ def _check_stored(handle, p: torch.Tensor, name: str) -> None:
 
 # [Note: the optimizer hooks live while something needs them]
 # torch's global optimizer step hooks see every optimizer of the process: installed with the
-# first thing they guard, removed with the last (unoffloaded, undone, or collected): a live
-# offload state (plain or sharded), a parameter `offload` replaced, a master on disk.
-# _NEEDS: id -> its finalizer.
+# first thing they guard (a live offload state, plain or sharded; a parameter `offload`
+# replaced; a master on disk), removed with the last. _NEEDS: id -> its finalizer.
 _NEEDS: dict[int, weakref.finalize] = {}
 _HOOKS: list = []  # the two handles while installed
 _RUNNING: list = []  # one entry per hook body running (list append/pop: atomic, lock-free)
@@ -624,16 +618,15 @@ def _refuse(opt) -> None:
 def prefetch(blocks: nn.Module | Iterable[nn.Module]) -> None:
     """Announce the blocks the next forward will use, so they move to the device now.
 
-    For a schedule forward order does not tell: a multi-task model whose heads are offloaded
-    (``hr.offload(model.heads, ..., prefetch=0)``) uses one head per batch, and the loader
-    knows the next task. Called before the current step's forward, the next head is fetched
-    while the step runs. Each call replaces the model's previous announcement.
+    For an order forward does not tell: a multi-task model with offloaded heads
+    (``hr.offload(model.heads, ..., prefetch=0)``) uses one head per batch, and the loader knows
+    the next task; announced before this step's forward, it is fetched while the step runs.
+    Each call replaces the model's previous announcement.
 
     An announced block stays on the device until a forward uses it, and across an optimizer
-    step unless one of its parameters has a gradient (then released before it, fetched again
-    after). A failed forward or backward, ``load_state_dict``, ``hr.load``,
-    ``hr.load_weights`` and `unoffload` drop announcements. Costs one block of device memory
-    per announced block.
+    step unless one of its parameters has a gradient (released before, fetched again after).
+    A failed forward or backward, ``load_state_dict``, ``hr.load``, ``hr.load_weights`` and
+    `unoffload` drop announcements. Each costs one block of device memory.
 
     Args:
         blocks: one block of an offloaded model (e.g. ``model.heads[t]``) or several; an empty
@@ -674,19 +667,9 @@ def offload_states(model: nn.Module) -> list[tuple[str, nn.Module, Offload]]:
     return [(n, m, m.__dict__[_ATTR]) for n, m in model.named_modules() if _ATTR in m.__dict__]
 
 
-MODULE_ATTRS = _guard.MODULE_ATTRS
-
-
 def state_of(model: nn.Module) -> Offload:
-    """The live offload state of an offloaded model, for tests and debugging.
-
-    Its groups (``blocks``, ``rest``; each with ``resident`` and ``slots``), ``store`` and
-    residency (``res``) show what is on the device now. Not a stable API: use `describe` for
-    the plan and `headroom.track_memory` for bytes.
-
-    Raises:
-        RuntimeError: the model is not offloaded.
-    """
+    """The live offload state of an offloaded model, for tests and debugging (not a stable API:
+    `describe` gives the plan, `headroom.track_memory` the bytes); raises if not offloaded."""
     state = getattr(model, _ATTR, None)
     if state is None:
         raise RuntimeError("the model is not offloaded (call hr.offload(model, device=...) first)")
@@ -696,9 +679,8 @@ def state_of(model: nn.Module) -> Offload:
 def unoffload(model: nn.Module) -> nn.Module:
     """Undo `offload`: parameters (and gradients) come back onto the device as plain tensors.
 
-    Masters that lived on disk are replaced by new ``nn.Parameter`` objects (re-create the
-    optimizer); with ``store="cpu"`` the same objects are kept. The store's tensors are freed
-    (as they are when a model dropped without it is collected).
+    Masters that lived on disk become new ``nn.Parameter`` objects (re-create the optimizer);
+    with ``store="cpu"`` the objects are kept. The store's tensors are freed.
 
     Raises:
         RuntimeError: the model is not offloaded, or a backward pass is in progress.
@@ -719,7 +701,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     state.sync_grads()
     for b in [*state.blocks, state.rest]:
         state.res.release(b)
-    state.res.close()  # copies landed, staging memory back to the system
+    state.res.mover.close()  # copies landed, staging memory back to the system
     for h in state.handles:
         h.remove()
     st = state.store

@@ -29,7 +29,7 @@ from headroom.transfer import HandleSource, StoreTensor, resize_storage, stored_
 __all__ = [
     "Packed", "Packing", "as_stored", "check_packable", "is_packed", "meta_like",
     "packed_nbytes", "packing_of", "part_key", "read_parts", "refusal", "rest_master",
-    "state_entries", "stored_spec",
+    "state_entries", "stored_spec", "trains",
 ]
 
 # dtypes every store keeps as they are; other parts (float8 codes) rest as their bytes (uint8)
@@ -38,7 +38,6 @@ _PLAIN_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, to
 
 
 def part_key(name: str, part: str) -> str:
-    """The store key of one part of the packed parameter ``name``."""
     return f"{name}#{part}"
 
 
@@ -64,14 +63,19 @@ def is_packed(p: torch.Tensor) -> bool:
 def refusal(p: torch.Tensor, name: str, owners: list | tuple = ()) -> str | None:
     """Why the packed parameter ``p`` cannot be offloaded, or ``None`` when it can."""
     if p.requires_grad:
-        return (f"the quantized parameter {name!r} ({type(p).__name__}) requires grad:"
-                " quantized weights rest packed and do not train. Freeze it"
-                " (p.requires_grad_(False)) and train adapters over it (peft.get_peft_model)")
+        return trains(p, name, "requires grad")
     try:
         packing_of(p, name, owners)
     except _Unsupported as e:
         return str(e)
     return None
+
+
+def trains(p: torch.Tensor, name: str, how: str) -> str:
+    """Why the quantized parameter ``p`` cannot require grad (``how`` it does)."""
+    return (f"the quantized parameter {name!r} ({type(p).__name__}) {how}: quantized weights"
+            " rest packed and do not train. Freeze it (requires_grad_(False)) and train adapters"
+            " over it (peft.get_peft_model)")
 
 
 class _Unsupported(Exception):

@@ -1,19 +1,16 @@
 """When offloaded parameters move: the forward and backward hooks of an offloaded model.
 
-A group's forward pre-hook makes it resident and shows its device copies; its post-hook hides
-and releases it. A hook on its outputs fetches it again before its backward, and it is released
-once all its gradients (with frozen parameters, its input gradients too) are in. The moving
-itself is `headroom.residency._group.Residency`'s.
+A group's forward pre-hook makes it resident and shows its device copies, its post-hook hides
+and releases it; a hook on its outputs fetches it again before its backward, and it is released
+once all its gradients (with frozen parameters, its input gradients too) are in.
 
 [Note: resting state] Outside forward and backward an offloaded model's modules hold the masters
 and no device copy holds memory, except blocks announced with `hr.prefetch` (resident, not shown;
 dropped by failures, released before an optimizer step when they have a gradient). Every path
-out of a forward or backward, failures included, returns there, so an optimizer step
-(`Offload.before_optimizer_step`) never runs with stale device copies. A forward or backward that
-breaks off (an exception, ``KeyboardInterrupt``) returns there at once when headroom sees it (in
-the guarded root or a block, see `headroom.residency._guard`, or in headroom's own backward
-hooks), else at the next forward or ``named_parameters()`` (`Offload.abort_forward`,
-`Offload.abort_backward`, `Offload.settle_if_idle`).
+out of a forward or backward, failures included, returns there, so an optimizer step never
+runs with stale device copies: at once where headroom sees the failure (the guarded root or a
+block, `headroom.residency._guard`, or its backward hooks), else at the next forward or
+``named_parameters()`` (`Offload.abort_forward`, `Offload.abort_backward`, `Offload.settle`).
 """
 
 from __future__ import annotations
@@ -33,8 +30,8 @@ from torch.utils._pytree import tree_flatten
 
 from headroom.memory import annotate
 from headroom.residency import _events
-from headroom.residency._adopt import _LIVE, rescan, strip_hooks, sync_masters
-from headroom.residency._dtensor import conversions
+from headroom.residency._adopt import _LIVE, rescan, sync_masters
+from headroom.residency._dtensor import refuse_conversion
 from headroom.residency._group import Group, Residency, Slot, hide, show
 from headroom.residency._meta import init_pending
 from headroom.residency._packed import Packed, read_parts, state_entries
@@ -62,7 +59,7 @@ def in_backward() -> bool:
 def _outputs(output: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(output)
     if not any(isinstance(x, torch.Tensor) for x in leaves):
-        # Objects pytree does not know (e.g. some model-output classes) are walked by hand.
+        # objects pytree does not know (some model-output classes): walked by hand
         leaves = []
         stack = [output]
         while stack:
@@ -112,10 +109,7 @@ class _GroupRole:
         return self.state.apply(module, fn, recurse, base)
 
     def settle(self) -> None:
-        self.state.settle_if_idle()
-
-    def strip_hooks(self, copy: nn.Module) -> None:
-        strip_hooks(self.state, copy)
+        self.state.settle()
 
 
 class Phase(enum.Flag):
@@ -241,40 +235,34 @@ class Offload:
                 continue
             self.res.fetch(order[i])
 
-    def _idle_release(self, b: Group) -> None:
-        """Release ``b`` unless an announcement keeps it for the next forward."""
+    def _idle_release(self, b: Group) -> None:  # unless announced for the next forward
         if b not in self.announced:
             self.res.release(b)
 
     def announce(self, blocks: list[Group]) -> None:
         """The next forward uses ``blocks``: start fetching them, and drop older announcements."""
-        # not taken inside this model's own backward, which `_announce` refuses
+        # not taken inside this model's own backward, refused below
         taken = self.use.enter_short(wait_for_backward=True)
         try:
-            self._announce(blocks)
+            if self.busy:
+                raise RuntimeError(
+                    "hr.prefetch was called during a forward or backward of the offloaded"
+                    " model; announce the next batch's blocks between steps")
+            old, self.announced = self.announced, []
+            for b in old:
+                if b not in blocks:
+                    self.res.release(b)
+            self.announced = list(dict.fromkeys(blocks))
+            try:
+                for b in self.announced:
+                    self.res.fetch(b)
+            except BaseException:
+                self.drop_announced()
+                raise
+            self._note_marks()
         finally:
             if taken:
                 self.use.exit_forward()
-
-    def _announce(self, blocks: list[Group]) -> None:
-        if self.busy:
-            raise RuntimeError(
-                "hr.prefetch was called during a forward or backward of the offloaded model;"
-                " announce the next batch's blocks between steps (before forward, or after"
-                " backward)"
-            )
-        old, self.announced = self.announced, []
-        for b in old:
-            if b not in blocks:
-                self.res.release(b)
-        self.announced = list(dict.fromkeys(blocks))
-        try:
-            for b in self.announced:
-                self.res.fetch(b)
-        except BaseException:
-            self.drop_announced()
-            raise
-        self._note_marks()
 
     def _mark(self, s: Slot) -> tuple:
         """What changes when ``s``'s master is written: the store's count of writes to it and,
@@ -413,11 +401,7 @@ class Offload:
             self._active = []
             self._root_running = False
             self._order_now = []
-            self.announced = []
-            self._close_window()
-            for b in [*self.blocks, self.rest]:
-                hide(b)
-                self.res.release(b, quiet=True)
+            self._drop_all()
         except BaseException as e:  # pragma: no cover - nothing above is expected to raise
             _warn_recovery(e)
         finally:
@@ -430,12 +414,7 @@ class Offload:
             self._bwd = False
             self._bwd_task = -1
             self._bwd_seen = set()
-            self.announced = []
-            self._close_window()
-            for b in [*self.blocks, self.rest]:
-                b.inputs_pending = 0
-                hide(b)
-                self.res.release(b, quiet=True)
+            self._drop_all(pending=True)
             for _ in range(len(self.slots) + 1):  # let every gradient write in flight land
                 try:
                     self.sync_grads()
@@ -445,35 +424,40 @@ class Offload:
         except BaseException as e:  # pragma: no cover - nothing above is expected to raise
             _warn_recovery(e)
 
-    def _settle(self) -> None:
-        """Before a new forward: nothing of a forward or backward that broke off stays."""
-        if self._bwd:  # not inside a backward here: one broke off without its final callback
-            self.abort_backward()
+    def _drop_all(self, *, pending: bool = False) -> None:
+        """On a failure path: announcements forgotten, every group hidden and released
+        (``pending``: its input gradients no longer awaited)."""
+        self.announced = []
         self._close_window()
         for b in [*self.blocks, self.rest]:
-            # Only leftovers are resident here (e.g. `rest`, kept for a backward that
-            # never ran); a pending backward re-fetches what it needs, with the same values.
+            if pending:
+                b.inputs_pending = 0
+            hide(b)
+            self.res.release(b, quiet=True)
+
+    def _settle(self, *, keep_outside: bool = False) -> None:
+        """Outside a backward: nothing of a forward or backward that broke off stays. Only
+        leftovers are resident (e.g. `rest`, kept for a backward that never ran); a backward
+        still to come re-fetches what it needs, but not what was read outside its block
+        ([Note: uses outside a block]), kept with ``keep_outside``."""
+        if self._bwd:  # one broke off without its final callback
+            self.abort_backward()
+            return
+        keep = self._outside if keep_outside else {}
+        self._close_window()
+        self._outside = keep
+        groups = [*self.blocks, self.rest]
+        for b in [g for g in groups if id(g) not in keep] if keep else groups:
             self._idle_release(b)
 
-    def settle_if_idle(self) -> None:
+    def settle(self) -> None:
         """Outside forward and backward: back to the resting state (a backward that broke off
         outside headroom's hooks, or never ran, is cleaned up)."""
         if in_backward() or not self.use.enter_short(wait_for_backward=True):
             return
         try:
-            if self.in_forward:
-                return
-            if self._bwd:
-                self.abort_backward()
-                return
-            # Reads get the masters from here. A backward to come re-fetches what it needs,
-            # but not what was read outside its block ([Note: uses outside a block]): kept.
-            keep = self._outside
-            self._close_window()
-            self._outside = keep
-            for b in [*self.blocks, self.rest]:
-                if id(b) not in keep:
-                    self._idle_release(b)
+            if not self.in_forward:
+                self._settle(keep_outside=True)
         finally:
             self.use.exit_forward()
 
@@ -483,24 +467,21 @@ class Offload:
         if not self.use.enter_short(wait_for_backward=False):
             return
         try:
-            self._before_optimizer_step()
+            if self.busy:
+                return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
+            # a master rebound since (``p.data = t``) goes into the store now, or a step
+            # through the store (HostOptimizer) would step the old value
+            sync_masters(self)
+            for b in [*self.blocks, self.rest]:
+                # optimizers step only parameters with a gradient: an announced block
+                # without any keeps valid device copies across the step
+                if b in self.announced and not any(
+                        s.param.grad is not None or s.binding.has_grad for s in b.slots):
+                    continue
+                self.res.release(b)
+            self._refetch = True
         finally:
             self.use.exit_forward()
-
-    def _before_optimizer_step(self) -> None:
-        if self.busy:
-            return  # mid-step (e.g. HostOptimizer stepping early on its worker thread)
-        # A master rebound since (``p.data = t``) goes into the store now, or a step through
-        # the store (HostOptimizer) would step the old value.
-        sync_masters(self)
-        for b in [*self.blocks, self.rest]:
-            # optimizers step only parameters with a gradient: an announced block without
-            # any keeps valid device copies across the step
-            if b in self.announced and not any(
-                    s.param.grad is not None or s.binding.has_grad for s in b.slots):
-                continue
-            self.res.release(b)
-        self._refetch = True
 
     def after_optimizer_step(self) -> None:
         """Fetch again what `before_optimizer_step` released of the announced blocks."""
@@ -520,31 +501,15 @@ class Offload:
     def call_failed(self, module: nn.Module) -> None:
         self.abort_forward(None)
 
-    def settle(self) -> None:
-        self.settle_if_idle()
-
-    def strip_hooks(self, copy: nn.Module) -> None:
-        strip_hooks(self, copy)
-
     def apply(self, module: nn.Module, fn: Any, recurse: bool, base: Any) -> nn.Module:
         """``module._apply(fn)`` (``.to()``, ``.half()``, ...) on a guarded module: applied to
         what is not offloaded when it keeps the offloaded dtypes and device, else refused."""
         if self.busy:
             raise RuntimeError(
                 "cannot move or convert an offloaded model during its forward or backward")
-        for dtype, out in conversions(fn, {s.binding.handle.dtype for s in self.slots},
-                                      self.device):
-            if out.dtype != dtype:
-                raise RuntimeError(
-                    f"{type(module).__name__} is offloaded with hr.offload, whose stored"
-                    f" parameters stay {dtype}; converting them to {out.dtype} is not done"
-                    f" behind the store's back. Use hr.offload(..., compute_dtype={out.dtype}),"
-                    " or hr.unoffload(model), convert, and offload again")
-            if _normalized(out.device) != self.device:
-                raise RuntimeError(
-                    f"{type(module).__name__} is offloaded with hr.offload(device="
-                    f"{str(self.device)!r}); moving it to {out.device} is not done behind the"
-                    " store's back. Call hr.unoffload(model) first, then move it")
+        refuse_conversion(fn, {s.binding.handle.dtype for s in self.slots}, self.device,
+                          f"{type(module).__name__} is", "Use hr.offload(..., compute_dtype={})",
+                          moves_ok=lambda d: _normalized(d) == self.device)
         keep = {id(t) for s in self.slots for t in (s.param, s.dev, s.param.grad, s.dev.grad)
                 if t is not None}
         keep.update(i for q in self.packed for i in (id(q.param), id(q.dev)))
@@ -566,14 +531,11 @@ class Offload:
         self._active = []
         self.res.ensure(self.rest)
         show(self.rest)
-        # requires_grad_() on masters after hr.offload (freezing, PEFT) reaches the device
-        # copies autograd differentiates; blocks do the same in their pre-forward.
-        _sync_requires_grad(self.rest)
+        _sync_requires_grad(self.rest)  # requires_grad_() since hr.offload (freezing, PEFT)
         if torch.is_grad_enabled():
             for fn in self.used_listeners:
                 fn(self.rest)
-        order = self.order or self.blocks
-        self._prefetch(order, -1, 1)
+        self._prefetch(self.order or self.blocks, -1, 1)
         return None
 
     def root_post_forward(self, module, args, kwargs, output):
@@ -585,11 +547,9 @@ class Offload:
         if not outs:
             self._close_window()
         for b in self.blocks:  # prefetched past the end, or skipped by this forward
-            # read outside, or free to keep (see `post_forward`): kept for the backward
-            if id(b) not in self._outside and not (outs and b.free):
+            if id(b) not in self._outside and not (outs and b.free):  # else kept for backward
                 self._idle_release(b)
-        if outs:
-            # `rest` stays resident for backward, but the modules hold the masters again.
+        if outs:  # `rest` stays resident for backward; the modules hold the masters again
             hide(self.rest)
             self._awaiting = True
             hook = partial(self.pre_backward, self.rest)
@@ -660,16 +620,13 @@ class Offload:
     def _maybe_release(self, block: Group) -> None:
         if block is self.rest and (block.packed or any(not s.dev.requires_grad
                                                         for s in block.slots)):
-            # Frozen parameters outside the blocks (a final norm under LoRA) may still be
-            # needed for input gradients, and nothing watches those here: end of backward.
-            return
+            return  # frozen ones (a final norm under LoRA) may serve input gradients until the end
         if id(block) in self._bwd_seen and block.grads_left == 0 and block.inputs_pending == 0 \
                 and id(block) not in self._outside:
             self.res.release(block)
 
     def post_forward(self, block: Group, module, args, kwargs, output):
-        if in_backward():
-            # Keep the block: its backward, which triggered this recomputation, runs next.
+        if in_backward():  # a recomputation: kept for its block's backward, which runs next
             return None
         found = False
         for i in range(len(self._active) - 1, -1, -1):
@@ -685,10 +642,7 @@ class Offload:
             if id(block) in self._outside:
                 pass  # kept for a use outside its forward
             elif block.free and torch.is_grad_enabled():
-                # Its device copies show their masters' memory: released at the end of
-                # backward, not fetched again for it (nor its inputs watched: see
-                # `pre_forward`). The modules hold the masters again meanwhile.
-                hide(block)
+                hide(block)  # kept until the end of backward ([Note: shared device copies])
             else:
                 self.res.release(block)
         finally:
@@ -706,18 +660,16 @@ class Offload:
 
     def _pre_backward(self, block: Group) -> None:
         task = torch._C._current_graph_task_id()
-        # Keyed by the graph task, so a backward that died half-way (an exception in a
-        # hook skips the final callback) does not leave the next one without its cleanup.
+        # keyed by the graph task: a backward that died half-way (no final callback) does not
+        # leave the next one without its cleanup
         if not self._bwd or task != self._bwd_task:
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     "backward with create_graph=True (double backward, e.g. a gradient penalty)"
-                    " through a model offloaded with hr.offload is not supported: the device"
-                    " copies of its parameters are released after each block's backward, so the"
-                    " graph it would create could not be differentiated again. Compute the"
-                    " penalty on an unoffloaded model (hr.unoffload), or use a penalty that needs"
-                    " no second-order gradient"
-                )
+                    " through a model offloaded with hr.offload is not supported: device copies"
+                    " are released after each block's backward, so the graph could not be"
+                    " differentiated again. Use hr.unoffload, or a penalty with no second-order"
+                    " gradient")
             # waits while another thread runs the model; the callback ends the use
             end = self.use.enter_backward(task, self.end_backward)
             if self._bwd:
@@ -732,8 +684,7 @@ class Offload:
         self._bwd_seen.add(id(block))
         block.grads_left = sum(1 for s in block.slots if s.dev.requires_grad)
         self.res.ensure(block)
-        # Shown, not only resident: activation checkpointing inside a block recomputes
-        # its submodules without calling the block (no pre-forward hook to show them then).
+        # shown: checkpointing inside a block recomputes submodules without its pre-forward
         show(block)
         if block is not self.rest and block in self.order:
             self._prefetch(self.order, self.order.index(block), -1)
@@ -788,9 +739,8 @@ class Offload:
         b = slot.binding
         p = slot.param
         if not p.requires_grad:
-            # NOTE: a master frozen since forward: AccumulateGrad checks the flag when the
-            # gradient arrives and plain PyTorch drops it; the device copy is the leaf here,
-            # so it is dropped here, the block's bookkeeping going on.
+            # NOTE: frozen since forward: plain PyTorch's AccumulateGrad drops the gradient;
+            # the device copy is the leaf here, so it is dropped here, bookkeeping going on
             self._grad_done(slot)
             return
         store = self.store
@@ -826,9 +776,8 @@ class Offload:
             self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None:  # zero_grad()'s None: overwritten, not accumulated
                 p.grad = _stored_grad(p, b)
-        # Post-accumulate-grad fires once per backward, after every use (tied weights too):
-        # the gradient is complete. Listeners are told (HostOptimizer may step at once), the
-        # device gradient dropped first.
+        # post-accumulate-grad fires once per backward, after every use (tied weights too):
+        # complete. Listeners are told (HostOptimizer may step at once), g dropped first.
         del g
         grad_ready(p)
         self._grad_done(slot)
@@ -867,16 +816,13 @@ class Offload:
     def _sparse_grad(self, slot: Slot, g: torch.Tensor,
                      cur: torch.Tensor | None) -> torch.Tensor | None:
         """Accumulate a sparse gradient (``nn.Embedding(sparse=True)``) as autograd does;
-        returns a dense sum still to be stored whole, else ``None``.
-
-        A sparse gradient stays sparse in host memory (``binding.grad_sparse``, also
-        ``param.grad``), in the parameter's dtype: a later sparse one is added in place, a dense
-        one makes the sum dense; added to a dense stored gradient, it goes into it in place.
-        """
-        # NOTE: not stored densely: torch's sparse steps differ bitwise from dense ones, so the
-        # optimizer gets the same entries in the same order as torch would. How `+=` lays out
-        # the sum depends on the tensor autograd handed over (a stored copy has contiguous
-        # values): that one is kept for the sum (`_keep_raw`).
+        returns a dense sum still to be stored whole, else ``None``. It stays sparse in host
+        memory (``binding.grad_sparse``, also ``param.grad``) in the parameter's dtype: a later
+        sparse one is added in place, a dense one makes the sum dense; a dense stored gradient
+        takes it in place."""
+        # NOTE: not stored densely: torch's sparse steps differ bitwise from dense ones. How
+        # `+=` lays out the sum depends on the tensor autograd handed over (a stored copy has
+        # contiguous values): that one is kept for the sum (`_keep_raw`).
         b = slot.binding
         p = slot.param
         dtype = p.dtype
@@ -988,10 +934,10 @@ class Offload:
                     " and run the iteration again")
 
     def _wait_landed(self) -> None:
-        """`Residency.sync_grads`, noting the held sums a failed write took with it (their
+        """`Mover.synchronize`, noting the held sums a failed write took with it (their
         stored gradients stay stale until cleared)."""
         try:
-            self.res.sync_grads()
+            self.res.mover.synchronize()
         except BaseException as e:
             with self._held_lock:
                 gone, self._unconfirmed = self._unconfirmed, set()

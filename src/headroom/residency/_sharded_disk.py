@@ -3,13 +3,11 @@
 Each rank's *unpadded* local shard of every parameter of the chosen units rests in the store
 under its qualified name, the unit on FSDP2's host path. Between uses the FSDPParam's padded
 shard is a placeholder without memory and the DTensor's local tensor a `StoreTensor` over the
-stored shard (`DiskShards.rest`). FSDP2 reads a shard only in its parameter group's ``unshard``
-and ``wait_for_unshard``, so those are wrapped on the instance: ``unshard`` first reads the
-group's shards into fresh host buffers (or takes those read ahead), dropped once
-``wait_for_unshard`` returns, or at ``reset_iter_state`` after an exception. A shard is read
-afresh for every all-gather, so the optimizer steps it where it rests (`HostOptimizer` finds it
-bound). Gradient shards stay where FSDP2 puts them (host DTensors). ``state_dict`` reads the
-shards from the store; ``load_state_dict`` writes them back.
+stored shard (`DiskShards.rest`). FSDP2 reads shards only in a group's ``unshard`` and
+``wait_for_unshard``, wrapped on the instance: ``unshard`` first reads the group's shards into
+fresh host buffers (or takes those read ahead), dropped once ``wait_for_unshard`` returns, or at
+``reset_iter_state`` after an exception. Read afresh for every all-gather, a shard is stepped
+where it rests (`HostOptimizer` finds it bound). Gradient shards stay where FSDP2 puts them.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import torch.nn as nn
 
 from headroom.memory import annotate
 from headroom.store import Handle, Store, is_accelerator
-from headroom.transfer import HandleSource, StoreTensor, bind, unbind
+from headroom.transfer import HandleSource, StoreTensor, unbind
 
 __all__ = ["DiskShards", "placeholder", "release"]
 
@@ -81,8 +79,7 @@ class DiskShards:
         self.peak_resident_bytes = 0
         self.reads = 0  # shard reads from the store (one per parameter per all-gather)
         self._pending: list[tuple[object, list[_Shard]]] = []  # (event, shards): accelerator
-        # Reads ahead: see [Note: sharded reads ahead].
-        self.epoch = 0
+        self.epoch = 0  # [Note: sharded reads ahead]
         self._kind: str | None = None  # the pass the last unshard belonged to
         self._seq: list[object] = []  # groups unsharded so far in this pass, in order
         self._orders: dict[str, list[object]] = {}  # the same, of the last pass of each kind
@@ -107,9 +104,6 @@ class DiskShards:
         self.by_group.setdefault(id(group), []).append(sh)
         if group not in self.groups:
             self.groups.append(group)
-
-    def bind(self, sh: _Shard) -> None:
-        bind(sh.fp.sharded_param, sh.handle, store=self.store)
 
     def rest(self, sh: _Shard) -> None:
         """Between all-gathers the DTensor's local tensor is a `StoreTensor`: the user's reads
@@ -165,10 +159,9 @@ class DiskShards:
     # ------------------------------------------------------------------ reads ahead
     # [Note: sharded reads ahead]
     # When FSDP2 unshards a unit, the next ``prefetch`` units of the same pass (in the order of
-    # the previous pass of that kind) are read in the background. A read ahead is used only in
-    # its pass (an *epoch*): shards change only between passes, so an older read may be stale.
-    # A new epoch starts at each forward, when unshards switch direction, and at
-    # reset_iter_state.
+    # the previous pass of that kind) are read in the background, used only in that pass (an
+    # *epoch*; shards change between passes). A new epoch starts at each forward, when unshards
+    # switch direction, and at reset_iter_state.
     def new_epoch(self) -> None:
         """Close the pass in progress: discard what was read ahead for it."""
         if self._kind is not None and self._seq:
@@ -302,10 +295,6 @@ class DiskShards:
                 ev.synchronize()
         self._reap()
 
-    def load_all(self) -> None:
-        self.new_epoch()
-        self.load(list(self.shards.values()))
-
     def drop_all(self) -> None:
         self.new_epoch()
         for ev, _ in self._pending:
@@ -325,7 +314,8 @@ class DiskShards:
                 state_dict[name] = sh.fp.to_sharded_dtensor(local)
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
-        self.load_all()  # loaded into in memory, then written back by the post hook
+        self.new_epoch()  # all read into memory, written back by the post hook
+        self.load(list(self.shards.values()))
 
     def load_state_dict_post_hook(self, module, incompatible_keys) -> None:
         try:

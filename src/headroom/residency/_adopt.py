@@ -391,6 +391,16 @@ def retire_packed(state: Offload, packed: list[Packed]) -> None:
 
 
 # ---------------------------------------------------------------------- between steps
+def _rebound(s: Slot, hosts: dict, st: HostStore) -> bool:
+    known = hosts.get(id(s))
+    if known is None:
+        h = st.host_tensor(s.binding.handle)
+        known = hosts[id(s)] = (h, h.data_ptr() if h is not None else 0)
+    host, ptr = known
+    p = s.param
+    return host is not None and p.data_ptr() != ptr and p.device.type == "cpu"
+
+
 def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
     """Masters in host memory whose ``.data`` was rebound since: their value into the store."""
     st = state.store
@@ -398,15 +408,11 @@ def sync_masters(state: Offload, slots: list[Slot] | None = None) -> None:
         return  # masters elsewhere are placeholders: nothing to rebind
     info = _members(state)
     hosts = info.hosts if info is not None else {}
-    for s in state.slots if slots is None else slots:
-        known = hosts.get(id(s))
-        if known is None:
-            h = st.host_tensor(s.binding.handle)
-            known = hosts[id(s)] = (h, h.data_ptr() if h is not None else 0)
-        host, ptr = known
-        p = s.param
-        if host is None or p.data_ptr() == ptr or p.device.type != "cpu":
-            continue
+    with torch._C.DisableTorchFunctionSubclass():  # masters' reads as plain tensors'
+        rebound = [s for s in (state.slots if slots is None else slots)
+                   if _rebound(s, hosts, st)]
+    for s in rebound:
+        host, p = hosts[id(s)][0], s.param
         if p.shape != host.shape or p.dtype != host.dtype:
             continue  # reported where it is fetched (see _group._check_master)
         state.res.mover.wait_reads()

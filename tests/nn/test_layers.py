@@ -569,3 +569,16 @@ def test_signed_zero_options_keep_their_sign(make):
         plain, ours = twin(make(z))
         out, want = ours(x.clone().requires_grad_()), plain(x.clone().requires_grad_())
         assert torch.equal(torch.signbit(out), torch.signbit(want)), z
+
+
+def test_masks_kept_until_exit_leave_the_interpreter_quietly():
+    """Activation outputs alive when the interpreter exits: their holders' release callbacks
+    run while modules are torn down, and must not pack (which printed "Exception ignored")."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom headroom.nn import Hardtanh\nx = torch.randn(1 << 18)\n"
+            "a = -x.abs().clone().requires_grad_()\nz = Hardtanh(0.0, 1.0)(a)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "Exception ignored" not in out.stderr, out.stderr

@@ -208,8 +208,9 @@ def test_hr_save_and_load_of_a_quantized_base_are_refused_naming_the_fix(kind, t
     assert torch.equal(_logits(model), before)
 
 
+@pytest.mark.parametrize("kind", kind_param(["ao_int8"]))
 @pytest.mark.parametrize("where", ["block", "outside"])
-def test_quantized_load_checked_tensor_by_tensor_names_what_was_loaded(where, tmp_path,
+def test_quantized_load_checked_tensor_by_tensor_names_what_was_loaded(where, kind, tmp_path,
                                                                        monkeypatch):
     """A checkpoint verified tensor by tensor (bigger than half the memory: forced) with a
     flipped bit: each tensor is checked once, and the error says what was loaded: the tensors
@@ -233,5 +234,5 @@ def test_quantized_load_checked_tensor_by_tensor_names_what_was_loaded(where, tm
             r"the \d+ tensors before it in this load were loaded; it, the \d+ after it and the"
             r" blocks to quantize are unchanged")
     with pytest.raises(hr.CheckpointCorruptError, match=want):
-        hr.load_weights(model, tmp_path / "w", quantize=lambda b: quantize_linears(b, "ao_int8"))
+        hr.load_weights(model, tmp_path / "w", quantize=lambda b: quantize_linears(b, kind))
     assert len(checked) == len({id(i) for i in checked})  # none checked twice

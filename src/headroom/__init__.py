@@ -57,8 +57,7 @@ def _load_integrations() -> None:
 
 
 # The root, above every layer, tells _providers how to load fit/ and integrations/.
-_providers.set_advice_loader(_load_fit)
-_providers.set_integrations_loader(_load_integrations)
+_providers.set_loaders(advice=_load_fit, integrations=_load_integrations)
 
 # Public names (the API contract) resolve lazily: `import headroom` stays cheap.
 _EXPORTS: dict[str, str] = {

@@ -22,10 +22,11 @@ def register_advice(fn: Callable[..., list[str]]) -> None:
     _registered = fn
 
 
-def set_advice_loader(fn: Callable[[], None]) -> None:
-    """Called by the package root: ``fn()`` imports `headroom.fit`, which registers its advice."""
-    global _loader
-    _loader = fn
+def set_loaders(*, advice: Callable[[], None], integrations: Callable[[], None]) -> None:
+    """Called by the package root: ``advice()`` imports `headroom.fit` (which registers its
+    advice), ``integrations()`` imports `headroom.integrations`."""
+    global _loader, _integrations
+    _loader, _integrations = advice, integrations
 
 
 def set_advice_provider(fn: Callable[..., list[str]] | None) -> None:
@@ -43,12 +44,6 @@ def advice_provider() -> Callable[..., list[str]]:
     if _registered is None:
         raise RuntimeError("headroom.fit registered no advice provider")
     return _registered
-
-
-def set_integrations_loader(fn: Callable[[], None]) -> None:
-    """Called by the package root: ``fn()`` imports `headroom.integrations`."""
-    global _integrations
-    _integrations = fn
 
 
 def load_integrations() -> None:

@@ -36,11 +36,10 @@ def _find_module(name: str) -> str | None:
     try:
         # A dotted name imports its parent packages: a missing one raises here.
         spec = importlib.util.find_spec(name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            return f"no module named {name!r}"
-        return f"error while finding module {name!r} ({type(e).__name__}: {e})"
     except Exception as e:  # noqa: BLE001 - a parent package's own import failed
+        if isinstance(e, ModuleNotFoundError) and e.name is not None and (
+                name == e.name or name.startswith(e.name + ".")):
+            return f"no module named {name!r}"
         return f"error while finding module {name!r} ({type(e).__name__}: {e})"
     return None if spec is not None else f"no module named {name!r}"
 

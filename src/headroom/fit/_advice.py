@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
     from headroom.fit._lm import lm_patch_run
 
     blocks = block_names(model)
-    timing = _Timing(base, base.device == "cpu")
+    timing = _timing(base)
     lm_patch = lm_patch_run(model, lambda prepare: estimate(model, args, prepare=prepare,
                                                             **common))[0]
     options: list[_Option] = []
@@ -54,7 +54,7 @@ def advise(model: nn.Module, args: tuple, *, kwargs: dict[str, Any] | None = Non
             failed.append(f"  {o.label}: not estimated ({type(e).__name__}: {first}){o.hint}")
             continue
         o.saving = peak - est.peak
-        o.time = None if o.untimed else timing.relative(est, host_step=o.host_step)
+        o.time = None if o.untimed else timing(est, host_step=o.host_step)
         options.append(o)
     _merge_half(options)
     lines = ["what would cut the peak most (a dry run of the step with each technique;"
@@ -145,30 +145,23 @@ class _Option:
         return f"{when} (time model); {self.exact}"
 
 
-class _Timing:
+def _timing(base: Estimate) -> Callable[..., float | None]:
     """A dry run's step time relative to the plain step's, at the device's default speeds."""
+    from headroom.fit._time import default_speeds, dry_run_time
 
-    def __init__(self, base: Estimate, cpu: bool) -> None:
-        self.cpu = cpu
-        try:
-            from headroom.fit._time import default_speeds
+    cpu = base.device == "cpu"
 
-            self.speeds = default_speeds(base.device)
-            self.base = self.seconds(base, host_step=False)
-        except Exception:  # no speeds, no times: the savings still stand
-            self.speeds = None
-
-    def seconds(self, est: Estimate, *, host_step: bool) -> float:
-        from headroom.fit._time import dry_run_time
-
+    def seconds(est: Estimate, *, host_step: bool) -> float:
         # on a CPU only a disk frees memory
-        return dry_run_time(est, self.speeds, activations="disk" if self.cpu else "host",
-                            on_cpu=self.cpu, host_step=host_step)
+        return dry_run_time(est, speeds, activations="disk" if cpu else "host", on_cpu=cpu,
+                            host_step=host_step)
 
-    def relative(self, est: Estimate, *, host_step: bool) -> float | None:
-        if self.speeds is None or not self.base:
-            return None
-        return self.seconds(est, host_step=host_step) / self.base
+    try:
+        speeds = default_speeds(base.device)
+        plain = seconds(base, host_step=False)
+    except Exception:  # no speeds, no times: the savings still stand
+        plain = 0
+    return lambda est, *, host_step: seconds(est, host_step=host_step) / plain if plain else None
 
 
 def _classic(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None, base: Estimate, *,

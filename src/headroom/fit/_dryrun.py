@@ -11,7 +11,7 @@ import copy
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -129,18 +129,17 @@ class AttentionAsOnDevice:
         if self.device_type == "cpu":
             if _cpu_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) != 1:
                 return None  # PyTorch's math path, as on the CPU
-            mask = _float_mask(attn_mask, q)
-            if q.dim() == 3:
+            mask, heads = _float_mask(attn_mask, q), q.dim() == 4
+            if not heads:
                 # no head dimension (torch's choice above runs these fused from 2.14): the
                 # kernel takes them as one batch of heads, and keeps them so for backward
                 if mask is not None and mask.dim() > 3:
                     return None
-                one = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+                q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
                 mask = mask.unsqueeze(0) if mask is not None and mask.dim() == 3 else mask
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    *one, 0.0, is_causal, attn_mask=mask, scale=scale)[0].squeeze(0)
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+            return out if heads else out.squeeze(0)
         if q.dim() != 4:
             return None
         if enable_gqa and k.size(-3) != q.size(-3):
@@ -205,28 +204,24 @@ def _unpacked_on_meta() -> tuple[Any, Callable] | None:
     return module, original
 
 
-class KernelsOnMeta:
+@contextlib.contextmanager
+def kernels_on_meta(kind: str, enabled: bool = True) -> Iterator[None]:
     """Adds ``meta`` to the devices ``torch.optim``'s ``kind`` kernels take, while entered.
 
     ``"fused"``: ``fused=True`` optimizers step ``meta`` parameters (fused Adam and AdamW have
     ``meta`` kernels; `RealTensorsAsMeta` skips the others). ``"foreach"``, ``enabled`` for an
     accelerator: the default ``foreach`` path, with its list-sized temporaries, as there.
     """
+    import torch.optim.optimizer as _optimizer
 
-    def __init__(self, kind: str, enabled: bool = True) -> None:
-        self.getter, self.enabled = f"_get_{kind}_kernels_supported_devices", enabled
-
-    def __enter__(self) -> KernelsOnMeta:
-        import torch.optim.optimizer as _optimizer
-
-        self._module = _optimizer
-        self._orig = orig = getattr(_optimizer, self.getter)
-        if self.enabled:
-            setattr(_optimizer, self.getter, lambda: [*orig(), "meta"])
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        setattr(self._module, self.getter, self._orig)
+    getter = f"_get_{kind}_kernels_supported_devices"
+    orig = getattr(_optimizer, getter)
+    if enabled:
+        setattr(_optimizer, getter, lambda: [*orig(), "meta"])
+    try:
+        yield
+    finally:
+        setattr(_optimizer, getter, orig)
 
 
 class RealTensorsAsMeta(TorchDispatchMode):

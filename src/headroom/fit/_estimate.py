@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -344,16 +344,10 @@ def estimate(
 
     act = _activation_options(offload_activations, model, meta_model)
 
-    keepers: list[Any] = []  # the activation offload's stashes, which count what they moved
-
-    @contextlib.contextmanager
-    def kept() -> Iterator[None]:  # inside the tracker's hooks: it sees every saved tensor
-        if offload_activations is None:
-            yield
-            return
-        with offload_activations_dry_run(**act) as stash:
-            keepers.append(stash)
-            yield
+    def kept() -> contextlib.AbstractContextManager:  # its stash counts what it moved
+        # inside the tracker's hooks: it sees every saved tensor
+        return (contextlib.nullcontext() if offload_activations is None
+                else offload_activations_dry_run(**act))
 
     def inputs() -> list[Any]:  # made before the step, each dropped after its backward
         return [(args, kwargs)] if micro == 1 else _split_inputs(args, kwargs, micro)
@@ -387,8 +381,8 @@ def estimate(
     on_device = target.split(":")[0] != "cpu" and (features is None or (
         sharded is not None and features.host is None and not sharded.all_host))
     with sharded.running() if sharded is not None else contextlib.nullcontext(), \
-            torch.random.fork_rng(devices=[]), attention, _dryrun.KernelsOnMeta("fused"), \
-            _dryrun.KernelsOnMeta("foreach", on_device), _values_needed(), \
+            torch.random.fork_rng(devices=[]), attention, _dryrun.kernels_on_meta("fused"), \
+            _dryrun.kernels_on_meta("foreach", on_device), _values_needed(), \
             _dryrun.RealTensorsAsMeta():
         if opt is not None:  # creates the state: the tracked step is a steady-state one
             with kept():
@@ -400,11 +394,11 @@ def estimate(
         if features is not None:
             features.mark()
         link = sharded.link_bytes if sharded is not None else 0
-        with tracker, counter, kept():
+        with tracker, counter, kept() as stash:
             step(parts)
     est = Estimate(tracker, target, alloc, options)
     est.ops = counter.ops
-    est.activation_bytes_moved = keepers[-1].moved if keepers else 0
+    est.activation_bytes_moved = stash.moved if stash is not None else 0
     est.transfers = features.transfers() if features is not None else {}
     if sharded is not None and target != "cpu":
         est.transfers["link"] = est.transfers.get("link", 0) + sharded.link_bytes - link
@@ -445,11 +439,9 @@ def _split_inputs(args: tuple, kwargs: dict[str, Any], parts: int) -> list[tuple
     flat, spec = tree_flatten((args, kwargs))
     pieces = [t.tensor_split(parts) if isinstance(t, torch.Tensor) and t.dim() > 0
               and t.shape[0] == batch else None for t in flat]
-    out = []
-    for i in range(parts):
-        mine = [p[i].clone() if p is not None else t for t, p in zip(flat, pieces, strict=True)]
-        out.append(tree_unflatten(mine, spec))
-    return out
+    return [tree_unflatten([p[i].clone() if p is not None else t
+                            for t, p in zip(flat, pieces, strict=True)], spec)
+            for i in range(parts)]
 
 
 def _activation_options(what_if: Any, model: nn.Module, meta_model: nn.Module) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +39,18 @@ def parse_bytes(value: int | float | str) -> int:
         if not math.isfinite(value):
             raise ValueError(f"a byte budget must be a finite number of bytes, got {value};"
                              " pass e.g. budget=\"8GiB\"")
-        if value <= 0:
-            raise ValueError(f"a byte budget must be positive, got {value}")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read {value!r} as a number of bytes; write e.g. 8589934592, \"8GiB\","
-            " \"512MiB\" or \"8GB\""
-        )
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"cannot read {value!r} as a number of bytes; write e.g. 8589934592, \"8GiB\","
+                " \"512MiB\" or \"8GB\""
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
         raise ValueError(f"a byte budget must be positive, got {value!r}")
-    return n
+    return int(n)
 
 
 class PlanError(ValueError):
@@ -280,17 +279,14 @@ class Plan:
     def _host_kwargs(self) -> dict[str, Any]:
         return _host_kwargs(_opt_class(self.optimizer), self.optimizer_kwargs, self.device)
 
-    def _disk(self, sub: str) -> str:
-        if self.disk is None:  # pragma: no cover - disk choices need disk=
-            raise ValueError("this plan needs disk=")
-        return str(Path(self.disk) / sub)
-
     def _store(self, where: str, sub: str) -> _Arg:
         if where == "host":
             return _Arg('"cpu"', lambda env: "cpu")
+        if self.disk is None:  # pragma: no cover - disk choices need disk=
+            raise ValueError("this plan needs disk=")
         from headroom.store import DiskStore
 
-        path = self._disk(sub)
+        path = str(Path(self.disk) / sub)
         return _Arg(f"hr.DiskStore({path!r})", lambda env: DiskStore(path))
 
     def apply(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -637,8 +633,7 @@ class Search:
         self.world = world_size
         self.common = dict(loss_fn=loss_fn, device=device, example_kwargs=example_kwargs,
                            world_size=world_size)
-        self.plain = estimate(model, example_args, optimizer=self.opt_cls,
-                              optimizer_kwargs=self.opt_kw, **self.common)
+        self.plain = self._estimate(Choice())
         self.min_bytes = _activation_min_bytes(self.plain)
         places = ["device"] + ([] if self.on_cpu else ["host"]) + (
             ["disk"] if disk is not None else [])
@@ -653,10 +648,9 @@ class Search:
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
         # one dry run per setting that changes the ops (host and disk move the same bytes)
-        self.runs: dict[tuple[bool, int, bool, bool], Estimate] = {
-            (False, 0, False, False): self.plain}
-        conv_options = [False] + ([True] if self.run(True, 0, False).peak < self.plain.peak
-                                  else [])
+        self.runs: dict[Choice, Estimate] = {self._ops(Choice()): self.plain}
+        conv_options = [False] + ([True] if self.run(Choice(convert=True)).peak
+                                  < self.plain.peak else [])
         lm_options = self._lm_options(lm_loss)
         self.candidates: list[_Candidate] = []
         for conv, k, act, lm in itertools.product(conv_options, ks, places, lm_options):
@@ -673,27 +667,52 @@ class Search:
                                 self.min_bytes, lm)
                 # checkpointing only adds recomputation and activation offload only
                 # transfers: the time on top of the run without them is a lower bound
-                base = self.run(conv, 0, False, lm)
+                base = self.run(Choice(convert=conv, lm_loss=lm))
                 self.candidates.append(_Candidate(choice, self._time(base, choice)))
 
-    def run(self, conv: bool, k: int, act: bool, lm: bool = False,
-            lm_prepare: Callable[[nn.Module], None] | None = None) -> Estimate:
-        key = (conv, k, act, lm)
+    def _ops(self, ch: Choice) -> Choice:
+        """``ch`` as far as it changes the ops: parameters and state on the device, activations
+        offloaded to one place (host and disk move the same bytes)."""
+        return replace(ch, params="device", optimizer_state="device",
+                       activations="device" if ch.activations == "device" else "host",
+                       activation_min_bytes=self.min_bytes)
+
+    def run(self, ch: Choice, lm_prepare: Callable[[nn.Module], None] | None = None
+            ) -> Estimate:
+        """The dry run of what ``ch`` changes in the ops (`_ops`), made once."""
+        key = self._ops(ch)
         if key not in self.runs:
-            self.runs[key] = estimate(
-                self.model, self.args, optimizer=self.opt_cls, optimizer_kwargs=self.opt_kw,
-                checkpoint=self.blocks[:k], prepare=_prepare_fn(conv, lm, lm_prepare),
-                offload_activations={"min_bytes": self.min_bytes, "prefetch": 0} if act
-                else None, **self.common)
+            self.runs[key] = self._estimate(key, lm_prepare)
         return self.runs[key]
+
+    def _estimate(self, ch: Choice, lm_prepare: Callable[[nn.Module], None] | None = None
+                  ) -> Estimate:
+        """The dry run of the whole plan ``ch``, as `Plan.apply` sets it up."""
+        optimizer, kwargs = self.opt_cls, self.opt_kw
+        if ch.optimizer_state != "device":
+            from headroom.optim import HostOptimizerOptions
+
+            optimizer = HostOptimizerOptions(
+                self.opt_cls, _host_kwargs(self.opt_cls, self.opt_kw, self.common["device"]),
+                "cpu" if ch.optimizer_state == "host" else "disk", False, self.slice_bytes,
+                32 << 20)
+            kwargs = {}
+        offload = None if ch.params == "device" else {"store": "cpu"} if self.world else {
+            "store": "cpu" if ch.params == "host" else "disk", "prefetch": 1}
+        return estimate(
+            self.model, self.args, optimizer=optimizer, optimizer_kwargs=kwargs,
+            checkpoint=ch.checkpoint, prepare=_prepare_fn(ch.convert, ch.lm_loss, lm_prepare),
+            offload_activations=None if ch.activations == "device" else
+            {"min_bytes": ch.activation_min_bytes, "prefetch": 0}, offload=offload,
+            **self.common)
 
     def _lm_options(self, wanted: bool | None) -> list[bool]:
         """With the LM-loss patch when asked or when it cuts the plain peak; without it when
         asked or where it does not apply."""
         if wanted is False or self.world is not None:
             return [False]
-        est, why = lm_patch_run(self.model, lambda prepare: self.run(False, 0, False, True,
-                                                                     prepare))
+        est, why = lm_patch_run(self.model,
+                                lambda prepare: self.run(Choice(lm_loss=True), prepare))
         if wanted:
             if why is not None:
                 raise ValueError("lm_loss=True, but hr.patch_causal_lm does not apply to this"
@@ -725,31 +744,14 @@ class Search:
         return step_time(r.ops, self.speeds, host_step=_host_step(c, on_cpu), moved=moved)
 
     def refine(self, c: _Candidate) -> None:
-        r = self.run(c.choice.convert, len(c.choice.checkpoint), c.choice.activations != "device",
-                     c.choice.lm_loss)
+        r = self.run(c.choice)
         c.time_s = self._time(r, c.choice)
         c.lower = _lower(r, c.choice)
 
     def whole(self, c: _Candidate) -> int:
         """The peak of the dry run of the whole plan, as `Plan.apply` sets it up."""
         if c.peak is None:
-            ch, optimizer, kwargs = c.choice, self.opt_cls, self.opt_kw
-            if ch.optimizer_state != "device":
-                from headroom.optim import HostOptimizerOptions
-
-                optimizer = HostOptimizerOptions(
-                    self.opt_cls, _host_kwargs(self.opt_cls, self.opt_kw, self.common["device"]),
-                    "cpu" if ch.optimizer_state == "host" else "disk", False, self.slice_bytes,
-                    32 << 20)
-                kwargs = {}
-            offload = None if ch.params == "device" else {"store": "cpu"} if self.world else {
-                "store": "cpu" if ch.params == "host" else "disk", "prefetch": 1}
-            est = estimate(
-                self.model, self.args, optimizer=optimizer, optimizer_kwargs=kwargs,
-                checkpoint=ch.checkpoint, prepare=_prepare_fn(ch.convert, ch.lm_loss),
-                offload_activations=None if ch.activations == "device" else
-                {"min_bytes": ch.activation_min_bytes, "prefetch": 0}, offload=offload,
-                **self.common)
+            est = self._estimate(c.choice)
             c.margin = self.sizes.largest_param if (
                 self.on_cpu and c.choice.params == "disk") else 0
             c.peak = est.peak_reserved + c.margin

@@ -89,9 +89,15 @@ def measure_speeds(disk: str | os.PathLike | None = None, *, refresh: bool = Fal
             return _CACHE[key]
         except (KeyError, TypeError, ValueError):
             pass
-    memory, op = _memory(), _op()
+    n, m = 512, 16 << 20
+    memory = 3 * 4 * m / _best("a.add_(b)", {"a": torch.zeros(m), "b": torch.ones(m)})
+    op = _op()
     read, write = _disk(disk)
-    sp = Speeds(matmul=_matmul(), conv=_conv(), memory=memory, op=op, disk_read=read,
+    matmul = 2 * n**3 / _best("a @ b", {"a": torch.randn(n, n), "b": torch.randn(n, n)})
+    conv = 2 * 64 * 64 * 9 * 56 * 56 / _best("f(x, w, padding=1)", {
+        "f": torch.nn.functional.conv2d, "x": torch.randn(1, 64, 56, 56),
+        "w": torch.randn(64, 64, 3, 3)})
+    sp = Speeds(matmul=matmul, conv=conv, memory=memory, op=op, disk_read=read,
                 disk_write=write, host_memory=memory, host_op=op)
     _CACHE[key] = sp
     stored[key] = {k: (v if v != float("inf") else 1e30) for k, v in asdict(sp).items()}
@@ -131,26 +137,6 @@ def _best(stmt: str, globals_: dict) -> float:
     m = Timer(stmt, globals=globals_, num_threads=torch.get_num_threads()).blocked_autorange(
         min_run_time=0.2)
     return min(m.times)
-
-
-def _matmul() -> float:
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _best("a @ b", {"a": a, "b": b})
-
-
-def _conv() -> float:
-    x = torch.randn(1, 64, 56, 56)
-    w = torch.randn(64, 64, 3, 3)
-    flops = 2 * 64 * 64 * 9 * 56 * 56
-    f = torch.nn.functional.conv2d
-    return flops / _best("f(x, w, padding=1)", {"f": f, "x": x, "w": w})
-
-
-def _memory() -> float:
-    n = 16 << 20
-    a, b = torch.zeros(n), torch.ones(n)
-    return 3 * 4 * n / _best("a.add_(b)", {"a": a, "b": b})
 
 
 def _op() -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -38,14 +39,12 @@ class Keeper(Protocol):
         """The tensor back, for backward."""
 
 
+@dataclass(slots=True, eq=False)
 class _Saved:
     """What autograd keeps when observers are active: the keeper's object, and their tokens."""
 
-    __slots__ = ("kept", "tokens")
-
-    def __init__(self, kept: Any, tokens: tuple) -> None:
-        self.kept = kept
-        self.tokens = tokens
+    kept: Any
+    tokens: tuple
 
 
 _observers: list[Observer] = []

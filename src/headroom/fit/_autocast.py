@@ -9,9 +9,7 @@ autocast's cache of cast parameters is modeled, from its documented rule. Region
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from types import FunctionType
 from typing import Any
 
@@ -56,7 +54,7 @@ class MetaAutocast:
     """The target's autocast (``device_type``) for the ``meta`` tensors of one dry run.
 
     While entered (by `headroom.fit._dryrun.AttentionAsOnDevice`), ``torch.autocast("meta")``
-    opens a region of it; `region` opens one from the estimator.
+    opens a region of it.
     """
 
     def __init__(self, device_type: str) -> None:
@@ -87,16 +85,6 @@ class MetaAutocast:
     @property
     def dtype(self) -> torch.dtype:
         return self._regions[-1][1] if self._regions else _GET_DTYPE(self.device_type)
-
-    @contextlib.contextmanager
-    def region(self, *, dtype: torch.dtype | None = None, enabled: bool = True,
-               cache_enabled: bool | None = None) -> Iterator[None]:
-        """A region of the target's autocast (``dtype``: its default when ``None``)."""
-        self.push(enabled, dtype, cache_enabled)
-        try:
-            yield
-        finally:
-            self.pop()
 
     def push(self, enabled: bool, dtype: torch.dtype | None,
              cache_enabled: bool | None) -> None:

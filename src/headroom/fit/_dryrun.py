@@ -115,7 +115,7 @@ class AttentionAsOnDevice:
         """A region of the target's autocast in ``dtype`` (none for ``None``)."""
         if dtype is None:
             return contextlib.nullcontext()
-        return self._amp.region(dtype=dtype)
+        return torch.autocast("meta", dtype=dtype)  # while entered: the target's
 
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         args, kwargs, _ = self._amp.cast_args(_SDPA, args, kwargs)

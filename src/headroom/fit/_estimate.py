@@ -515,7 +515,7 @@ def _shard_spec(model: nn.Module, world_size: Any, mesh: Any, offload: Any) -> A
             "world_size= estimates FSDP2 of a model not offloaded yet, and fully_shard cannot"
             " wrap a model under hr.offload: estimate the model before hr.offload with"
             " world_size=N and offload={'store': 'cpu'}")
-    host = frozenset() if offload is None else _sharded.host_units(offload, None)
+    host = frozenset() if offload is None else _sharded.host_units(offload)
     return _sharded.ShardSpec(world, host=host)
 
 

@@ -259,7 +259,9 @@ class Plan:
                 _fn("hr.HostOptimizer", HostOptimizer), (params, opt),
                 {"state_store": self._store(c.optimizer_state, "optimizer"),
                  "slice_bytes": _lit(self.slice_bytes), "overlap": _lit(False)},
-                extra={k: _lit(v) for k, v in self._host_kwargs().items()}, out="opt")]
+                extra={k: _lit(v) for k, v in _host_kwargs(
+                    _opt_class(self.optimizer), self.optimizer_kwargs, self.device).items()},
+                out="opt")]
         return [*steps, _Step(opt, (params,), out="opt",
                               extra={k: _lit(v) for k, v in self.optimizer_kwargs.items()})]
 
@@ -275,9 +277,6 @@ class Plan:
                 + ": apply it on every rank of a job of that size (torchrun"
                 f" --nproc-per-node={self.world_size}), after"
                 " torch.distributed.init_process_group()")
-
-    def _host_kwargs(self) -> dict[str, Any]:
-        return _host_kwargs(_opt_class(self.optimizer), self.optimizer_kwargs, self.device)
 
     def _store(self, where: str, sub: str) -> _Arg:
         if where == "host":
@@ -647,7 +646,6 @@ class Search:
         self.sizes = _sizes(model, self.opt_cls, self.opt_kw, world_size or 1)
         self.slice_bytes = slice_bytes or max(4 << 10, min(16 << 20,
                                                            self.sizes.largest_param // 8))
-        # one dry run per setting that changes the ops (host and disk move the same bytes)
         self.runs: dict[Choice, Estimate] = {self._ops(Choice()): self.plain}
         conv_options = [False] + ([True] if self.run(Choice(convert=True)).peak
                                   < self.plain.peak else [])
@@ -671,15 +669,14 @@ class Search:
                 self.candidates.append(_Candidate(choice, self._time(base, choice)))
 
     def _ops(self, ch: Choice) -> Choice:
-        """``ch`` as far as it changes the ops: parameters and state on the device, activations
-        offloaded to one place (host and disk move the same bytes)."""
+        """``ch`` as far as it changes the ops (host and disk move the same bytes)."""
         return replace(ch, params="device", optimizer_state="device",
                        activations="device" if ch.activations == "device" else "host",
                        activation_min_bytes=self.min_bytes)
 
     def run(self, ch: Choice, lm_prepare: Callable[[nn.Module], None] | None = None
             ) -> Estimate:
-        """The dry run of what ``ch`` changes in the ops (`_ops`), made once."""
+        """The dry run of `_ops` of ``ch``, made once."""
         key = self._ops(ch)
         if key not in self.runs:
             self.runs[key] = self._estimate(key, lm_prepare)

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -122,10 +122,8 @@ def spec_of(model: nn.Module) -> ShardSpec:
             host.add(name)
         pdt = group.mp_policy.param_dtype
         rdt = group.mp_policy.reduce_dtype
-    if rdt == pdt:
-        rdt = None
-    return ShardSpec(world or 1, tuple(n for n, _ in units), reshard, frozenset(host), pdt, rdt,
-                     device)
+    return ShardSpec(world or 1, tuple(n for n, _ in units), reshard, frozenset(host), pdt,
+                     None if rdt == pdt else rdt, device)
 
 
 def before_fully_shard(m: nn.Module) -> tuple[type, dict] | None:
@@ -337,7 +335,7 @@ def _unregister(name: str) -> None:
     _unregister_process_group(name)
 
 
-def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
+def host_units(offload: Any) -> frozenset[str]:
     """The units resting in host memory under ``offload=`` of a sharded step (``"*"``: all);
     a ValueError for options that do not apply to a sharded model."""
     known = {"store", "prefetch", "blocks"}
@@ -359,6 +357,4 @@ def host_units(offload: Any, units: Iterable[str] | None) -> frozenset[str]:
         raise ValueError("offload= module does not apply to a sharded step (the whole model"
                          " is offloaded; choose units with blocks=)")
     blocks = offload.get("blocks")
-    if blocks is None:
-        return frozenset(["*"])
-    return frozenset(blocks)
+    return frozenset(["*"] if blocks is None else blocks)

@@ -1,7 +1,7 @@
 """Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway: a
 :class:`Late` holder keeps what PyTorch's node saves until it can pack a mask (see [Note:
 deciding late] in :mod:`headroom.nn._common`); under the caller's saved-tensor hooks they
-decide in forward (:class:`_ReLUMask` and friends)."""
+decide in forward (:class:`_MaskFunction`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from headroom.nn._bitmask import (
     INSIDE,
     NONZERO,
     grad_through,
-    pack_gt,
     pack_test,
     unpack_as,
 )
@@ -83,19 +82,6 @@ def _unpack_layout(
         return passes
     out = torch.empty_strided(shape, stride, dtype=dtype, device=passes.device)
     return out.copy_(passes)
-
-
-def _run(ctx, x: torch.Tensor, inplace: bool, fn, fn_, *args) -> torch.Tensor:
-    """``fn_(x, *args)`` with ``x`` marked dirty when ``inplace``, else ``fn(x, *args)``."""
-    if inplace:
-        ctx.mark_dirty(x)
-        return fn_(x, *args)
-    return fn(x, *args)
-
-
-def _unpack_like(ctx, grad: torch.Tensor, values: tuple[float, float] | None = None):
-    (bits,) = ctx.saved_tensors
-    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype, values=values)
 
 
 def _signed_cache(fn):
@@ -437,21 +423,34 @@ class _ReLUBits:
         )
 
 
-class _ReLUMask(torch.autograd.Function):
+class _MaskFunction(torch.autograd.Function):
+    """A :class:`_Spec` activation deciding in forward (under the caller's saved-tensor hooks):
+    the mask of what PyTorch's node saves, unpacked for PyTorch's kernel (as :class:`Late`)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        out = _run(ctx, x, inplace, torch.relu, torch.relu_)
-        # threshold_backward passes the gradient where ``out > 0`` or NaN: ``out != 0`` for a
-        # ReLU output. Backward hands it a tensor positive exactly there: bitwise the same.
-        bits, ctx.memory_order, _ = _pack_layout(out)
-        ctx.save_for_backward(bits)
-        ctx.shape, ctx.stride = out.shape, out.stride()
+    def forward(ctx, x: torch.Tensor, spec: _Spec) -> torch.Tensor:
+        if spec.inplace:
+            ctx.mark_dirty(x)
+        out = spec.fn(x)
+        saved = out if spec.saves_result else x
+        bits, ctx.memory_order, nan = _pack_layout(saved, spec.op, spec.lo, spec.hi)
+        ctx.save_for_backward(saved.detach() if nan else bits)  # a NaN (Hardtanh): kept whole
+        ctx.spec, ctx.keep = spec, nan
+        ctx.shape, ctx.stride = saved.shape, saved.stride()
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        return _threshold_backward(grad, _unpack_like(ctx, grad)), None
+        spec = ctx.spec
+        (saved,) = ctx.saved_tensors
+        if ctx.keep:
+            return spec.kernel(grad, saved), None
+        values = _hardtanh_values(spec.lo, spec.hi, grad.dtype) if spec.op == INSIDE else None
+        mask = _unpack_layout(saved, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype,
+                              values=values)
+        # The mask is this call's own: ReLU's kernel may write its result into it.
+        return (_threshold_backward if spec.op == NONZERO else spec.kernel)(grad, mask), None
 
 
 class ReLU(nn.ReLU):
@@ -482,28 +481,9 @@ class ReLU(nn.ReLU):
         elif hooks_free():
             out = run_saving_less(_ReLUBits, relu, input)
         else:
-            out = _ReLUMask.apply(input, self.inplace)
+            out = _MaskFunction.apply(input, _RELU_ if self.inplace else _RELU)
         register_relu_output(sites, site, out)
         return out
-
-
-class _LeakyReLUMask(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, slope: float, inplace: bool) -> torch.Tensor:
-        out = _run(ctx, x, inplace, F.leaky_relu, F.leaky_relu_, slope)
-        # PyTorch's backward reads the input, its in-place backward the result
-        saved = out if inplace else x
-        ctx.save_for_backward(pack_gt(saved))
-        ctx.shape, ctx.stride, ctx.memory_order = saved.shape, saved.stride(), False
-        ctx.slope, ctx.inplace = slope, inplace
-        return out
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad: torch.Tensor):
-        sign = _unpack_like(ctx, grad)  # leaky_relu_backward reads only the sign
-        gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
-        return gx, None, None
 
 
 class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
@@ -527,30 +507,8 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
             return self._hr_torch_forward(input)  # PyTorch raises its own error for this
-        return _LeakyReLUMask.apply(input, float(self.negative_slope), self.inplace)
-
-
-class _HardtanhFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
-        out = _run(ctx, x, inplace, F.hardtanh, F.hardtanh_, lo, hi)
-        # The output is inside (lo, hi) exactly where the input is; a NaN keeps what
-        # PyTorch's node saves (see Late).
-        bits, nan = pack_test(out, INSIDE, lo, hi)
-        ctx.keep = nan
-        ctx.save_for_backward((out if inplace else x).detach() if nan else bits)
-        ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
-        ctx.lo, ctx.hi = lo, hi
-        return out
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.keep:
-            (x,) = ctx.saved_tensors
-        else:
-            x = _unpack_like(ctx, grad, _hardtanh_values(ctx.lo, ctx.hi, grad.dtype))
-        return torch.ops.aten.hardtanh_backward(grad, x, ctx.lo, ctx.hi), None, None, None
+        return _MaskFunction.apply(
+            input, _leaky_relu_spec(float(self.negative_slope), self.inplace))
 
 
 class _HardtanhMixin(KeepsNoInput):
@@ -570,7 +528,7 @@ class _HardtanhMixin(KeepsNoInput):
         if self.min_val > self.max_val:
             return self._hr_torch_forward(input)  # PyTorch raises its own error for this
         lo, hi = float(self.min_val), float(self.max_val)
-        return _HardtanhFunction.apply(input, lo, hi, self.inplace)
+        return _MaskFunction.apply(input, _hardtanh_spec(lo, hi, self.inplace))
 
 
 class Hardtanh(_HardtanhMixin, nn.Hardtanh):

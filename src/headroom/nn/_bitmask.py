@@ -123,23 +123,6 @@ def pack_test(
     return pack_bool(test), nan
 
 
-def _pack_compared(compare, x: torch.Tensor, threshold: float) -> torch.Tensor:
-    numel = x.numel()
-    buf = _scratch_bool(numel, x.device)
-    compare(x.reshape(-1), threshold, out=buf[:numel])
-    return _pack_scratch(buf, numel)
-
-
-def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Pack ``x <= threshold`` (NaN is never ``<=``)."""
-    return _pack_compared(torch.le, x, threshold)
-
-
-def pack_gt(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Pack ``x > threshold`` (NaN is never ``>``)."""
-    return _pack_compared(torch.gt, x, threshold)
-
-
 def unpack_nonzero(
     bits: torch.Tensor, shape: torch.Size | tuple[int, ...], *, use_numpy: bool | None = None
 ) -> torch.Tensor:

@@ -140,6 +140,26 @@ _standins: dict[torch.dtype, torch.Tensor] = {}
 _standin_views: dict[tuple, torch.Tensor] = {}
 
 
+class ShapeOnlyFunction(torch.autograd.Function):
+    """``fwd(x, *args) -> out`` or ``(out, indices)``; backward ``bwd(grad, x, *bwd_args)``,
+    with ``indices`` last where there are, reading x's shape only (pools, pads)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, args, bwd, bwd_args):
+        out = fwd(x, *args)
+        if isinstance(out, tuple):  # (out, indices)
+            ctx.mark_non_differentiable(out[1])
+            ctx.save_for_backward(out[1])
+        ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad, *_grad_indices):
+        gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, *ctx.saved_tensors)
+        return gx, None, None, None, None
+
+
 def channels_last_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` is dense in channels-last order (and so packs in memory order)."""
     if t.dim() == 4:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,10 +176,6 @@ def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-def write_json(mem: MemoryTracker, path: str | os.PathLike) -> None:
-    _atomic_write(path, json.dumps(to_dict(mem), indent=1).encode())
 
 
 # A run with more steps than this is drawn as its peak step plus a per-step envelope: hundreds

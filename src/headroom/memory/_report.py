@@ -64,7 +64,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
                 at = resting.get(where, {}).get(cat, 0)
                 lines.append(_row(f"{where}/{cat}", at, mx, width=25, indent=2))
         lines.append("")
-    peak_sample = _peak_sample(mem)
+    peak_sample = max(mem.timeline, key=lambda s: s.total, default=None)  # the first at the peak
     if peak_sample is not None:
         lines.append(f"peak reached during {_moment(mem, peak_sample)}")
     rss = mem.rss if rss else {"peak": None}
@@ -116,10 +116,6 @@ def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> 
         lines.append("")
         lines.extend(est.advice)
     return "\n".join(lines) + "\n"
-
-
-def _peak_sample(mem: MemoryTracker) -> Any:
-    return max(mem.timeline, key=lambda s: s.total, default=None)  # the first at the peak
 
 
 def _moment(mem: MemoryTracker, sample: Any) -> str:

@@ -751,13 +751,9 @@ class MemoryTracker:
     @_reading
     def timeline(self) -> list[TimelineSample]:
         """Samples after each op that changed memory (merged in pairs past ``max_samples``)."""
-        out = []
-        for s in self._samples:
-            phase, _, module = self._labels[s[1]].partition(":")
-            out.append(
-                TimelineSample(s[0], phase, module, dict(zip(CATEGORIES, s[3:], strict=True)))
-            )
-        return out
+        # a label is "phase:module"
+        return [TimelineSample(s[0], *self._labels[s[1]].split(":", 1),
+                               dict(zip(CATEGORIES, s[3:], strict=True))) for s in self._samples]
 
     def stats(self, device: str | torch.device | None = None) -> DeviceStats:
         """The numbers for one device, or for all devices together with ``device=None``.

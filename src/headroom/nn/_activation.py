@@ -37,11 +37,9 @@ from headroom.nn._common import (
     channels_last_dense,
     consumers_keep_output,
     first_order_only,
-    hooks_free,
     note_consumer,
     records_graph,
     register_relu_output,
-    run_saving_less,
     save_less,
     settle_pending,
     unchanged,
@@ -154,7 +152,8 @@ class Late:
         made = st.made
         made.append(ref)
         if len(made) > 512 and not st.roots:
-            _prune_made(st)
+            # Layers called on their own (no root's end settles): drop the dead and decided
+            st.made = [r for r in made if (h := r()) is not None and h.tensor is not None]
         # The caller dropping ``watched`` (a variable rebound in nn.Sequential's loop) is often
         # the earliest moment the storage can be unshared: try then (weakly: no cycle).
         self.watch = weakref.ref(watched, functools.partial(_released, ref))
@@ -298,12 +297,6 @@ def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
         _pending.young.append(holder_ref)  # still shared (a view): try at next layer starts
 
 
-def _prune_made(st) -> None:
-    # Layers called on their own (no root's end settles): drop the dead and decided
-    st.made = [ref for ref in st.made if (h := ref()) is not None and h.tensor is not None]
-
-
-_LATE = UNSHARED is not None and _use_count is not None
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 
@@ -320,7 +313,7 @@ _PACK_AHEAD_FROM = 1 << 15  # elements
 
 
 class _Spec:
-    """How :class:`_LateFunction` runs one activation and its backward."""
+    """How :class:`_LateFunction` and :class:`_MaskFunction` run an activation and its backward."""
 
     __slots__ = ("fn", "inplace", "saves_result", "op", "lo", "hi", "kernel", "scale", "slope")
 
@@ -402,27 +395,6 @@ def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tenso
     return torch.ops.aten.threshold_backward(grad, passes, 0)
 
 
-class _ReLUBits:
-    """A ReLU result packed at save time (``ReluBackward0``'s pack hook) where :class:`Late`
-    cannot run."""
-
-    __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self.bits, self.memory_order, _ = _pack_layout(out)
-        self.shape, self.stride, self.dtype = out.shape, out.stride(), out.dtype
-
-    def unpack(self) -> torch.Tensor:
-        return _unpack_layout(
-            self.bits,
-            self.shape,
-            self.stride,
-            self.memory_order,
-            self.dtype,
-            reuse=not torch.is_grad_enabled(),
-        )
-
-
 class _MaskFunction(torch.autograd.Function):
     """A :class:`_Spec` activation deciding in forward (under the caller's saved-tensor hooks):
     the mask of what PyTorch's node saves, unpacked for PyTorch's kernel (as :class:`Late`)."""
@@ -469,17 +441,15 @@ class ReLU(nn.ReLU):
         relu = torch.relu_ if self.inplace else torch.relu
         sites, site, call = activation_call(self, input)
         # (hooks_free inlined: this runs at every ReLU call)
-        if _LATE and _top_hooks(False) is None and _hooks_enabled():
+        if _top_hooks(False) is None and _hooks_enabled():
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
             out = relu(input)
             save_less(out.grad_fn._raw_saved_result, Late(call, NONZERO, 0.0, 0.0, out).hold)
             return out
-        # Under the caller's hooks (or without the use count) the choice is made now.
+        # Under the caller's hooks the choice is made now.
         if consumers_keep_output(sites, site):
             out = super().forward(input)
-        elif hooks_free():
-            out = run_saving_less(_ReLUBits, relu, input)
         else:
             out = _MaskFunction.apply(input, _RELU_ if self.inplace else _RELU)
         register_relu_output(sites, site, out)
@@ -490,7 +460,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     """``nn.LeakyReLU`` that keeps a 1-bit sign mask, or nothing its consumers do not keep."""
 
     def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
-        if not _LATE or (self.inplace and self.negative_slope < 0):
+        if self.inplace and self.negative_slope < 0:
             return None
         slope, inplace = float(self.negative_slope), self.inplace
         call = activation_call(self, input)[2]
@@ -513,7 +483,7 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
 
 class _HardtanhMixin(KeepsNoInput):
     def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
-        if not _LATE or self.min_val > self.max_val:
+        if self.min_val > self.max_val:
             return None
         lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace
         call = activation_call(self, input)[2]

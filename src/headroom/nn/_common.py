@@ -241,14 +241,12 @@ def save_less(saved, pack) -> None:
 # root's forward returns, from the first forward on; one still shared then keeps the tensor
 # whole, as PyTorch does, adding no byte.
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_use_count = torch._C._storage_Use_Count
 
 
-def _unshared_count() -> int | None:
+def _unshared_count() -> int:
     """The use count of a storage referenced by one tensor only, after ``untyped_storage()``
-    was called on it (as a holder does), or None where torch lacks the function."""
-    if _use_count is None:
-        return None
+    was called on it (as a holder does)."""
     t = torch.empty(1)
     held = t.detach()
     key = t.untyped_storage()._cdata
@@ -333,21 +331,15 @@ def _grad_tensors(output, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-class _SettleAtBackward:
+def _settle_at_backward(holders: list[weakref.ref], grad) -> None:
     """Tensor hook on a root's outputs: settle the holders left over at its forward's end when
-    backward starts, once the forward's arguments and the caller's variables are gone."""
-
-    __slots__ = ("holders",)
-
-    def __init__(self, holders: list[weakref.ref]) -> None:
-        self.holders = holders
-
-    def __call__(self, grad):
-        holders, self.holders = self.holders, []
-        for ref in holders:
-            holder = ref()
-            if holder is not None:
-                holder.settle()
+    backward starts (once: the first output's hook empties the list), once the forward's
+    arguments and the caller's variables are gone."""
+    refs, holders[:] = holders[:], []
+    for ref in refs:
+        holder = ref()
+        if holder is not None:
+            holder.settle()
 
 
 def _root_pre_hook(module, args) -> None:
@@ -364,7 +356,7 @@ def _root_hook(module, args, output) -> None:
     roots = _pending.roots
     leftover = _settle_root(roots.pop() if roots else 0)
     if leftover and output is not None:
-        hook = _SettleAtBackward(leftover)
+        hook = functools.partial(_settle_at_backward, leftover)
         for t in _grad_tensors(output):
             t.register_hook(hook)
 
@@ -432,13 +424,13 @@ _registry_lock = threading.Lock()
 _relu_outputs: dict[int, tuple[StorageWeakRef, ReLUSites, tuple]] = {}
 
 
-def weight_trains(module: nn.Module) -> bool:
-    """``module.weight.requires_grad``, without the slow ``Module.__getattr__`` where the
-    weight is in ``_parameters`` (a parametrized one is not)."""
-    weight = module._parameters.get("weight")
-    if weight is None:
-        weight = module.weight
-    return weight is not None and weight.requires_grad
+def trains(module: nn.Module, name: str = "weight") -> bool:
+    """``module.<name>.requires_grad`` (False for None), without the slow
+    ``Module.__getattr__`` where the parameter is in ``_parameters`` (a parametrized one is not)."""
+    param = module._parameters.get(name)
+    if param is None:
+        param = getattr(module, name)
+    return param is not None and param.requires_grad
 
 
 def relu_sites(module: nn.Module) -> ReLUSites:

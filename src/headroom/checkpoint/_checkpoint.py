@@ -518,11 +518,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], pat
             raise ValueError(f"checkpoint {path!r}: optimizer parameter {i} ({info.get('name')}):"
                              f" checkpoint shape {info['shape']}, parameter {list(p.shape)}")
     sizes = [len(g["params"]) for g in meta["groups"]]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
         raise ValueError(f"checkpoint {path!r}: its optimizer's parameter groups hold {sizes} "
-                         "parameters, this one's "
-                         f"{[len(g['params']) for g in optimizer.param_groups]}; build the "
-                         "optimizer with the same groups")
+                         f"parameters, this one's {ours}; build the optimizer with the same groups")
     for gi, (saved, g) in enumerate(zip(meta["groups"], optimizer.param_groups, strict=True)):
         for k, v in saved["hparams"].items():
             if k in g and not _same_kind(v, g[k]):

@@ -213,9 +213,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
     except OSError:  # pragma: no cover - directories cannot be opened on some systems
         return
     try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - nor fsynced on some
-        pass
+        with contextlib.suppress(OSError):  # nor fsynced on some
+            os.fsync(fd)
     finally:
         os.close(fd)
 

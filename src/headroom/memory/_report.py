@@ -223,10 +223,9 @@ def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time"
         shown = timeline[lo:hi]
         peak_steps = sum(1 for a, b in steps
                          if max(s.total for s in timeline[a:b]) == timeline[k].total)
-        where = (f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
-                 if peak_steps == 1 else
-                 f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the first of the"
-                 f" {peak_steps} that reach the peak")
+        where = f"step {steps.index((lo, hi)) + 1} of {len(steps)}, " + (
+            "the one with the peak" if peak_steps == 1
+            else f"the first of the {peak_steps} that reach the peak")
     else:
         fig = plt.figure(figsize=(12, 5.5), dpi=110, layout="constrained")
         strip, ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [0.12, 3]})

@@ -100,12 +100,10 @@ def _autocast_in_use(args: Any, kwargs: Any) -> torch.dtype | None:
 
     t = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
     device_type = t.device.type if t is not None else "cpu"
-    try:
+    with contextlib.suppress(RuntimeError):
         if torch.amp.is_autocast_available(device_type) \
                 and torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
-    except RuntimeError:
-        pass
     return None
 
 
@@ -403,8 +401,7 @@ class MemoryTracker:
             # a peak inside an op (temporaries freed before it returns): sample it here
             self._sample(force=True)
         for p in self._peaks():
-            if p.pending:
-                self._snapshot(p)
+            self._snapshot(p)  # (those pending)
 
     def _peaks(self) -> list[Peak]:
         return [self._peak, *self._dev_peak.values()]

@@ -230,12 +230,12 @@ class Late:
             stride = self.stride = _contiguous_strides(self.shape)
         return stride
 
-    def grad(self, grad: torch.Tensor, kernel, scale: bool = False, slope: float = 0.0):
-        """The input gradient for :class:`_LateFunction`: ``kernel(grad, saved)`` on the kept
-        tensor, else one pass over the mask where the layouts allow, else ``kernel`` on it."""
+    def grad(self, grad: torch.Tensor, spec: _Spec):
+        """The input gradient for :class:`_LateFunction`: ``spec.kernel(grad, saved)`` on the
+        kept tensor, else one pass over the mask where the layouts allow, else the kernel on it."""
         t = self.tensor
         if t is not None:
-            return kernel(grad, unchanged(t, self.version))
+            return spec.kernel(grad, unchanged(t, self.version))
         if (
             not torch.is_grad_enabled()
             and grad.dtype == self.dtype
@@ -243,10 +243,10 @@ class Late:
             and grad.stride() == self._stride()
             and (channels_last_dense(grad) if self.memory_order else grad.is_contiguous())
         ):
-            out = grad_through(self.bits, grad, scale=scale, slope=slope)
+            out = grad_through(self.bits, grad, scale=spec.scale, slope=spec.slope)
             if out is not None:
                 return out
-        return kernel(grad, self.unpack())
+        return spec.kernel(grad, self.unpack())
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
@@ -337,8 +337,7 @@ class _LateFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec
-        return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
+        return ctx.holder.grad(grad, ctx.spec), None, None
 
 
 # NOTE: the C ``apply`` directly: the Python classmethod binds defaults for a setup_context

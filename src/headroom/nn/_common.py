@@ -8,6 +8,7 @@ import operator
 import threading
 import types
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -377,14 +378,12 @@ def install_root_hooks(root: nn.Module) -> None:
 # nn.Sequential, else it keeps its output as PyTorch does.
 
 
+@dataclass(slots=True, eq=False)
 class Call:
     """One call site of an activation: ``keep`` is what its last holder decided (None before
     any, True for kept whole or undecided, False for a packed mask)."""
 
-    __slots__ = ("keep",)
-
-    def __init__(self) -> None:
-        self.keep: bool | None = None
+    keep: bool | None = None
 
 
 class ReLUSites:

@@ -103,15 +103,16 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     with torch.no_grad():
         model.head.weight.add_(1.0)
     calls = {"n": 0}
-    real = _checkpoint._write_bytes
+    real = _checkpoint._Item.chunks
 
-    def failing(f, t):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError(28, "No space left on device")
-        real(f, t)
+    def failing(item):
+        for chunk in real(item):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(28, "No space left on device")
+            yield chunk
 
-    monkeypatch.setattr(_checkpoint, "_write_bytes", failing)
+    monkeypatch.setattr(_checkpoint._Item, "chunks", failing)
     with pytest.raises(OSError, match="No space"):
         hr.save(path, model)
     assert path.read_bytes() == old  # the previous checkpoint is untouched

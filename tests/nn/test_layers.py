@@ -297,23 +297,32 @@ def test_kept_weight_modified_in_place_raises_like_torch():
             y.sum().backward()
 
 
+def _packed(out: torch.Tensor):
+    """``out`` packed as the activations pack a mask: the bits, and a function unpacking them
+    (into a reused buffer where grad mode is off, as inside a backward)."""
+    from headroom.nn._activation import _pack_layout, _unpack_layout
+
+    bits, memory_order, _ = _pack_layout(out)
+    shape, stride, dtype = out.shape, out.stride(), out.dtype
+    return bits, lambda: _unpack_layout(bits, shape, stride, memory_order, dtype,
+                                        reuse=not torch.is_grad_enabled())
+
+
 def test_relu_mask_buffer_is_reused_only_when_free():
     """The fast path unpacks a ReLU mask into a reused buffer, never one that is still held."""
-    from headroom.nn._activation import _ReLUBits
-
     out = torch.relu(torch.randn(4, 64))
-    first = _ReLUBits(out)
+    _, unpack = _packed(out)
     with torch.no_grad():  # as inside ReluBackward0
-        a = first.unpack()
-        b = _ReLUBits((out == 0).float()).unpack()  # `a` is still held: a fresh buffer
+        a = unpack()
+        b = _packed((out == 0).float())[1]()  # `a` is still held: a fresh buffer
     assert a.data_ptr() != b.data_ptr()
     assert torch.equal(a, (out != 0).float()) and torch.equal(b, (out == 0).float())
     ptr = b.data_ptr()
     del a, b
     with torch.no_grad():
-        c = first.unpack()  # nothing holds the buffer any more: reused
+        c = unpack()  # nothing holds the buffer any more: reused
     assert c.data_ptr() == ptr and torch.equal(c, (out != 0).float())
-    d = first.unpack()  # grad mode on (a double backward): always fresh
+    d = unpack()  # grad mode on (a double backward): always fresh
     assert d.data_ptr() != c.data_ptr() and torch.equal(d, c)
 
 
@@ -372,18 +381,16 @@ def test_double_backward_through_a_function_layer_raises(hooks):
 
 @pytest.mark.parametrize("fmt", ["channels_last", "channels_last_3d", "sliced"])
 def test_relu_mask_of_other_layouts(fmt):
-    from headroom.nn._activation import _ReLUBits
-
     if fmt == "channels_last":
         out = torch.relu(torch.randn(2, 5, 3, 7)).to(memory_format=torch.channels_last)
     elif fmt == "channels_last_3d":
         out = torch.relu(torch.randn(2, 3, 4, 3, 5)).to(memory_format=torch.channels_last_3d)
     else:
         out = torch.relu(torch.randn(6, 9))[:, 1:8]
-    packed = _ReLUBits(out)
-    assert packed.bits.numel() == (out.numel() + 7) // 8
+    bits, unpack = _packed(out)
+    assert bits.numel() == (out.numel() + 7) // 8
     with torch.no_grad():
-        got = packed.unpack()
+        got = unpack()
     assert got.shape == out.shape and got.stride() == out.stride()
     assert torch.equal(got, (out != 0).float())
 

@@ -13,7 +13,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,16 +24,13 @@ from headroom.checkpoint._file import (
     PLACEHOLDER,
     VERSION,
     CheckpointCorruptError,
-    Checksums,
     Reader,
-    Seal,
     available_memory,
     build_header,
-    byte_view,
     fsync_dir,
     seal_header,
     store_slices,
-    write_file,
+    write_tensors,
 )
 from headroom.checkpoint._names import module_tensors, refuse_quantized
 from headroom.optim import HostOptimizer, saved_view
@@ -69,27 +66,19 @@ class _Item:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def write_to(self, f: BinaryIO, sums: Checksums) -> None:
+    def chunks(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        """The bytes to write, each with whether it is a copy (see `write_tensors`)."""
         h = self.handle
-        sums.begin(self.name)  # (a tensor with no rows yields no slice)
         src = self.tensor.detach() if self.tensor is not None else self.store.host_tensor(h)
         if src is not None:
             t = src.cpu().contiguous()
-            sums.add(self.name, t, temporary=t.data_ptr() != src.data_ptr())
-            _write_bytes(f, t)
+            yield t, t.data_ptr() != src.data_ptr()
             return
         # Disk reads overlap file writes (and the checksum of a slice, on the checksum
         # thread, overlaps its write too).
         slices = store_slices(self.store, h, _CHUNK) if h.shape else [self.store.read(h).result()]
         for t in slices:
-            sums.add(self.name, t, temporary=True)
-            _write_bytes(f, t)
-
-
-def _write_bytes(f: BinaryIO, t: torch.Tensor) -> None:
-    if t.numel() == 0:
-        return
-    f.write(byte_view(t))
+            yield t, True
 
 
 def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
@@ -172,37 +161,28 @@ def _optimizer_items(
     optimizer: torch.optim.Optimizer, model: nn.Module, tensors: list[_Item]
 ) -> tuple[list[_Item], dict[str, Any]]:
     pname = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    items: list[_Item] = []
-    groups = []
-    params: list[dict[str, Any]] = []
-    small: dict[str, dict[str, Any]] = {}
-    inner_class = None
     if isinstance(optimizer, HostOptimizer):
         view = saved_view(optimizer)
-        inner_class = view.inner_class
-        for gi, (hp, indices) in enumerate(view.groups):
-            groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
-                           "params": indices})
-        for ps in view.params:
-            params.append({"name": pname.get(id(ps.param)), "shape": list(ps.param.shape)})
-            if ps.state is None:
-                continue
-            # resting state (and a store-resident bf16/fp16 parameter's master) streams from
-            # its store; the rest (with an in-memory fp32 master) is saved from memory
-            for k, h in ps.resting.items():
-                items.append(_Item(f"optimizer/{ps.index}/{k}", store=ps.store, handle=h))
-            small[str(ps.index)] = _state_items(ps.index, ps.state, items, tensors)
+        hparams, inner_class = view.groups, view.inner_class
+        order = [ps.param for ps in view.params]
+        states = [(ps.index, ps.state, ps.resting, ps.store) for ps in view.params
+                  if ps.state is not None]
     else:
         sd = optimizer.state_dict()
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        for gi, g in enumerate(sd["param_groups"]):
-            hp = {k: v for k, v in g.items() if k != "params"}
-            groups.append({"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors),
-                           "params": list(g["params"])})
-        for p in order:
-            params.append({"name": pname.get(id(p)), "shape": list(p.shape)})
-        for idx, st in sd["state"].items():
-            small[str(idx)] = _state_items(idx, st, items, tensors)
+        hparams = [({k: v for k, v in g.items() if k != "params"}, list(g["params"]))
+                   for g in sd["param_groups"]]
+        order, inner_class = [p for g in optimizer.param_groups for p in g["params"]], None
+        states = [(idx, st, {}, None) for idx, st in sd["state"].items()]
+    groups = [{"hparams": _jsonable(hp, f"param_groups[{gi}]", tensors), "params": indices}
+              for gi, (hp, indices) in enumerate(hparams)]
+    params = [{"name": pname.get(id(p)), "shape": list(p.shape)} for p in order]
+    items: list[_Item] = []
+    small: dict[str, dict[str, Any]] = {}
+    for idx, st, resting, store in states:
+        # resting state (and a store-resident bf16/fp16 parameter's master) streams from
+        # its store; the rest (with an in-memory fp32 master) is saved from memory
+        items += [_Item(f"optimizer/{idx}/{k}", store=store, handle=h) for k, h in resting.items()]
+        small[str(idx)] = _state_items(idx, st, items, tensors)
     meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
             "small": small}
     if inner_class is not None:
@@ -277,26 +257,15 @@ def _save(
         items += opt_items
     meta["extra"] = _jsonable(dict(extra or {}), "extra", json_tensors)
     items += json_tensors
-    if checksums:
-        meta["crc32c"] = {it.name: PLACEHOLDER for it in items}
     table = [(it.name, it.dtype, it.shape, it.nbytes) for it in items]
-    blob = build_header({"headroom": json.dumps(meta)}, table)
 
-    def write(f: BinaryIO) -> None:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for it in items:
-            it.write_to(f, sums)
+    def header(crcs: dict[str, int]) -> bytes:
+        if checksums:  # placeholders of the same width before the data is written
+            meta["crc32c"] = {it.name: f"{crcs.get(it.name, 0):08x}" for it in items}
+        blob = build_header({"headroom": json.dumps(meta)}, table)
+        return seal_header(blob) if checksums else blob
 
-    def sealed(crcs: dict[str, int]) -> bytes:
-        meta["crc32c"] = {it.name: f"{crcs[it.name]:08x}" for it in items}
-        return seal_header(build_header({"headroom": json.dumps(meta)}, table))
-
-    sums = Checksums(checksums)
-    try:
-        write_file(path, write, Seal(sums, sealed, len(blob)) if checksums else None)
-    finally:
-        sums.close()
+    write_tensors(path, header, ((it.name, it.chunks()) for it in items), checksums=checksums)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -549,11 +518,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, meta: dict[str, Any], pat
             raise ValueError(f"checkpoint {path!r}: optimizer parameter {i} ({info.get('name')}):"
                              f" checkpoint shape {info['shape']}, parameter {list(p.shape)}")
     sizes = [len(g["params"]) for g in meta["groups"]]
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
         raise ValueError(f"checkpoint {path!r}: its optimizer's parameter groups hold {sizes} "
-                         "parameters, this one's "
-                         f"{[len(g['params']) for g in optimizer.param_groups]}; build the "
-                         "optimizer with the same groups")
+                         f"parameters, this one's {ours}; build the optimizer with the same groups")
     for gi, (saved, g) in enumerate(zip(meta["groups"], optimizer.param_groups, strict=True)):
         for k, v in saved["hparams"].items():
             if k in g and not _same_kind(v, g[k]):

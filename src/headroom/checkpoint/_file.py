@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -40,18 +40,15 @@ __all__ = [
     "PLACEHOLDER",
     "VERSION",
     "CheckpointCorruptError",
-    "Checksums",
     "Reader",
-    "Seal",
     "available_memory",
     "build_header",
-    "byte_view",
     "fsync_dir",
     "remove_stale_temps",
     "seal_header",
     "store_slices",
-    "temp_path",
     "write_file",
+    "write_tensors",
 ]
 
 FORMAT = "headroom-checkpoint"
@@ -216,9 +213,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
     except OSError:  # pragma: no cover - directories cannot be opened on some systems
         return
     try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - nor fsynced on some
-        pass
+        with contextlib.suppress(OSError):  # nor fsynced on some
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -268,6 +264,33 @@ def write_file(path: str | os.PathLike, write: Callable[[BinaryIO], None],
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def write_tensors(path: str | os.PathLike, header: Callable[[dict[str, int]], bytes],
+                  tensors: Iterable[tuple[str, Iterable[tuple[torch.Tensor, bool]]]], *,
+                  checksums: bool = True) -> None:
+    """A safetensors file through `write_file`: ``header({})``, then each named tensor's
+    chunks ``(contiguous host tensor, whether made for this write)``. With ``checksums``,
+    ``header(crc32c by name)`` (the same length) replaces the first header before the rename."""
+    # NOTE: the checksums are known once the bytes are written: the header goes out with zeros
+    # in their place and is rewritten, the same length, before the file is synced and renamed.
+    blob = header({})
+    sums = Checksums(checksums)
+
+    def write(f: BinaryIO) -> None:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, chunks in tensors:
+            sums.begin(name)  # (a tensor with no rows yields no chunk)
+            for t, temporary in chunks:
+                sums.add(name, t, temporary=temporary)
+                if t.numel():
+                    f.write(byte_view(t))
+
+    try:
+        write_file(path, write, Seal(sums, header, len(blob)) if checksums else None)
+    finally:
+        sums.close()
 
 
 def store_slices(store: Store, h: Handle, chunk: int) -> Iterator[torch.Tensor]:

@@ -22,26 +22,23 @@ from torch import nn
 from headroom.checkpoint._file import (
     DTYPES,
     CheckpointCorruptError,
-    Checksums,
-    Seal,
     available_memory,
     build_header,
-    byte_view,
     fsync_dir,
     remove_stale_temps,
     store_slices,
     write_file,
+    write_tensors,
 )
 from headroom.checkpoint._names import checkpoint_names, module_tensors, refuse_quantized
 from headroom.residency import offload_states, quantize_block
 from headroom.store import (
     MAX_HEADER_BYTES,
     SafetensorsFile,
-    Store,
     TensorInfo,
     open_regular,
 )
-from headroom.transfer import binding
+from headroom.transfer import ParamBinding, binding
 
 __all__ = ["load_weights", "save_weights"]
 
@@ -293,7 +290,7 @@ def load_weights(
                             " quantized; it and the blocks after it are unchanged")
                 slot = state.by_param[id(tgt.tensor)]
                 v = torch.empty(tuple(info.shape), dtype=slot.binding.handle.dtype)
-                _stream(f, info, _into_tensor(v))
+                _stream(f, info, v)
                 values[id(slot)] = v
             quantize_block(state, group, values, quantize)
             del values
@@ -391,12 +388,10 @@ def _match(targets: list[_Target], where: dict, strict: bool):
     problems = []
     if shapes:
         problems.append(f"shapes differ for {', '.join(shapes[:8])}")
-    if strict and missing:
-        problems.append(f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-                        f" ({len(missing)} in all)")
-    if strict and unexpected:
-        problems.append(f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
-                        f" ({len(unexpected)} in all)")
+    for what, names in (("missing", missing), ("unexpected", unexpected)):
+        if strict and names:
+            problems.append(f"{what} {names[:8]}{' ...' if len(names) > 8 else ''}"
+                            f" ({len(names)} in all)")
     return plan, problems
 
 
@@ -406,10 +401,7 @@ def _load_one(tgt: _Target, f: SafetensorsFile, info: TensorInfo, states: dict) 
     b = binding(t) if not tgt.buffer else None
     if b is not None:
         host = b.store.host_tensor(b.handle)
-        if host is not None:
-            _stream(f, info, _into_tensor(host))
-        else:
-            _stream(f, info, _into_store(b.store, b.handle))
+        _stream(f, info, host if host is not None else b)
         b.has_value = True
         return
     if t.device.type == "meta":
@@ -421,39 +413,20 @@ def _load_one(tgt: _Target, f: SafetensorsFile, info: TensorInfo, states: dict) 
         for m, attr in tgt.owners:
             (m._buffers if tgt.buffer else m._parameters)[attr] = new
         t = new
-    _stream(f, info, _into_tensor(t.detach()))
+    _stream(f, info, t.detach())
 
 
-def _into_tensor(dst: torch.Tensor) -> Callable:
-    def write(a: int, b: int, src: torch.Tensor | None) -> Future | None:
-        part = dst[a:b] if dst.dim() else dst
-        if src is None:  # read straight into it
-            return part
-        part.copy_(src.reshape(part.shape))
-        return None
-
-    write.direct = dst.device.type == "cpu" and dst.is_contiguous()  # type: ignore[attr-defined]
-    write.dtype = dst.dtype  # type: ignore[attr-defined]
-    return write
-
-
-def _into_store(store: Store, handle) -> Callable:
-    def write(a: int, b: int, src: torch.Tensor | None) -> Future | None:
-        if not handle.shape:
-            return store.write(handle, src.reshape(()).contiguous())
-        return store.write_rows(handle, slice(a, b), src.contiguous())
-
-    write.direct = False  # type: ignore[attr-defined]
-    write.dtype = handle.dtype  # type: ignore[attr-defined]
-    return write
-
-
-def _stream(f: SafetensorsFile, info: TensorInfo, write: Callable) -> None:
-    """Copy a tensor from the file in chunks of rows: read chunk i+1 while chunk i is written."""
+def _stream(f: SafetensorsFile, info: TensorInfo, dst: torch.Tensor | ParamBinding) -> None:
+    """Copy a tensor from the file into ``dst`` (a tensor, or the store a binding names) in
+    chunks of rows: read chunk i+1 while chunk i is written."""
+    store = None if isinstance(dst, torch.Tensor) else dst.store
+    dtype = dst.dtype if store is None else dst.handle.dtype
     rows = info.shape[0] if info.shape else 1
     per = max(1, _CHUNK // max(1, info.row_nbytes)) if info.shape else 1
     rest = info.shape[1:]
-    direct = write.direct and write.dtype == info.dtype
+    # a host tensor of the file's dtype is read into straight
+    direct = (store is None and dst.device.type == "cpu" and dst.is_contiguous()
+              and dtype == info.dtype)
     bufs: list[torch.Tensor | None] = [None, None]
     pending: list[Future | None] = [None, None]
     for i, a in enumerate(range(0, rows, per)):
@@ -463,16 +436,22 @@ def _stream(f: SafetensorsFile, info: TensorInfo, write: Callable) -> None:
             pending[k].result()  # its buffer is reused below
             pending[k] = None
         shape = (b - a, *rest) if info.shape else ()
+        part = (dst[a:b] if dst.dim() else dst) if store is None else None
         if direct:
-            f.read_rows(info.name, a, b, write(a, b, None))
+            f.read_rows(info.name, a, b, part)
             continue
         n = (b - a) * info.row_nbytes if info.shape else info.nbytes
         if bufs[k] is None or bufs[k].numel() < n:
             bufs[k] = torch.empty(n, dtype=torch.uint8)
         buf = bufs[k][:n].view(info.dtype).view(shape)
         f.read_rows(info.name, a, b, buf)
-        src = buf if buf.dtype == write.dtype else buf.to(write.dtype)
-        pending[k] = write(a, b, src)
+        src = buf if buf.dtype == dtype else buf.to(dtype)
+        if part is not None:
+            part.copy_(src.reshape(part.shape))
+        elif dst.handle.shape:
+            pending[k] = store.write_rows(dst.handle, slice(a, b), src.contiguous())
+        else:
+            pending[k] = store.write(dst.handle, src.reshape(()).contiguous())
     for p in pending:
         if p is not None:
             p.result()
@@ -667,21 +646,7 @@ def _write_shard(path: Path, shard: list) -> None:
         return build_header(
             {"format": "pt", _RECORD: json.dumps(record, separators=(",", ":"))}, table)
 
-    # NOTE: the checksums are known once the bytes are written: the header goes out with zeros
-    # in their place and is rewritten, the same length, before the file is synced and renamed.
-    blob = header({})
-    seal = Seal(Checksums(True), header, len(blob))
-
-    def write(f) -> None:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for name, tgt, to, _ in shard:
-            seal.sums.begin(name)  # (a tensor with no rows yields no chunk)
-            for chunk, temporary in _chunks(tgt.tensor, to):
-                seal.sums.add(name, chunk, temporary=temporary)
-                f.write(byte_view(chunk))
-
-    write_file(path, write, seal)
+    write_tensors(path, header, ((name, _chunks(tgt.tensor, to)) for name, tgt, to, _ in shard))
 
 
 def _chunks(t: torch.Tensor, to: torch.dtype):

@@ -29,7 +29,17 @@ def tracker_advice(mem: MemoryTracker) -> list[str]:
     p = next(iter([*model.parameters(), *model.buffers()]), None)
     device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"
     resting = max((by.get("activations", 0) for by in mem.resting_max.values()), default=0)
-    ctx["advice"] = _advise(model, ctx, device, None, mem.peak, resting)
+    try:
+        from headroom._providers import advice_provider
+
+        ctx["advice"] = advice_provider()(
+            model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
+            optimizer=ctx.get("optimizer"), optimizer_kwargs=ctx.get("optimizer_kwargs"),
+            device=device, base=None, measured=mem.peak, resting_activations=resting,
+            autocast=ctx.get("autocast"))
+    except Exception as e:  # advice never breaks a report
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        ctx["advice"] = [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
     return ctx["advice"]
 
 
@@ -37,19 +47,3 @@ def _fsdp_sharded(model: Any) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     cls = getattr(fsdp, "FSDPModule", None)
     return cls is not None and any(isinstance(m, cls) for m in model.modules())
-
-
-def _advise(model: Any, ctx: dict[str, Any], device: str, base: Any,
-            measured: int | None = None, resting_activations: int = 0) -> list[str]:
-    try:
-        from headroom._providers import advice_provider
-
-        advise = advice_provider()
-        return advise(model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
-                      optimizer=ctx.get("optimizer"),
-                      optimizer_kwargs=ctx.get("optimizer_kwargs"), device=device, base=base,
-                      measured=measured, resting_activations=resting_activations,
-                      autocast=ctx.get("autocast"))
-    except Exception as e:  # advice never breaks a report
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,7 +64,7 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
                 at = resting.get(where, {}).get(cat, 0)
                 lines.append(_row(f"{where}/{cat}", at, mx, width=25, indent=2))
         lines.append("")
-    peak_sample = _peak_sample(mem)
+    peak_sample = max(mem.timeline, key=lambda s: s.total, default=None)  # the first at the peak
     if peak_sample is not None:
         lines.append(f"peak reached during {_moment(mem, peak_sample)}")
     rss = mem.rss if rss else {"peak": None}
@@ -117,10 +116,6 @@ def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> 
         lines.append("")
         lines.extend(est.advice)
     return "\n".join(lines) + "\n"
-
-
-def _peak_sample(mem: MemoryTracker) -> Any:
-    return max(mem.timeline, key=lambda s: s.total, default=None)  # the first at the peak
 
 
 def _moment(mem: MemoryTracker, sample: Any) -> str:
@@ -179,10 +174,6 @@ def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_json(mem: MemoryTracker, path: str | os.PathLike) -> None:
-    _atomic_write(path, json.dumps(to_dict(mem), indent=1).encode())
-
-
 # A run with more steps than this is drawn as its peak step plus a per-step envelope: hundreds
 # of steps on one time axis are a comb no one can read.
 _MANY_STEPS = 4
@@ -232,10 +223,9 @@ def figure(mem: MemoryTracker, *, title: str | None = None, x_axis: str = "time"
         shown = timeline[lo:hi]
         peak_steps = sum(1 for a, b in steps
                          if max(s.total for s in timeline[a:b]) == timeline[k].total)
-        where = (f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the one with the peak"
-                 if peak_steps == 1 else
-                 f"step {steps.index((lo, hi)) + 1} of {len(steps)}, the first of the"
-                 f" {peak_steps} that reach the peak")
+        where = f"step {steps.index((lo, hi)) + 1} of {len(steps)}, " + (
+            "the one with the peak" if peak_steps == 1
+            else f"the first of the {peak_steps} that reach the peak")
     else:
         fig = plt.figure(figsize=(12, 5.5), dpi=110, layout="constrained")
         strip, ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [0.12, 3]})

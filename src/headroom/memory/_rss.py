@@ -96,10 +96,7 @@ class RSSWatch:
         self.end = current_rss()
         if self.end is not None:
             self.samples.append((time.perf_counter() - self._t0, self.end))
-        sampled = max((r for _, r in self.samples), default=None)
         hwm = peak_rss()
         # the high-water mark covers the process's life: the region's peak only if it raised it
-        if hwm is not None and self._hwm0 is not None and hwm > self._hwm0:
-            self.peak = hwm
-        else:
-            self.peak = sampled
+        raised = hwm is not None and self._hwm0 is not None and hwm > self._hwm0
+        self.peak = hwm if raised else max((r for _, r in self.samples), default=None)

@@ -7,6 +7,8 @@ roles through PyTorch's saved-tensor, post-accumulate-grad, optimizer-step and m
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import sys
 import threading
 import time
@@ -25,6 +27,7 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from headroom._saved_hooks import observing
+from headroom.memory import _report
 from headroom.memory._categories import (
     ACTIVATIONS,
     BUFFERS,
@@ -55,6 +58,25 @@ _active: MemoryTracker | None = None
 _active_where = ""
 
 
+def _weakly(ref: weakref.ref, method, arg: Any, *_: Any) -> None:
+    """``method(tracker, arg)`` while the tracker ``ref`` lives: the callbacks of storages and
+    autograd nodes, which may outlive it, hold it weakly."""
+    tracker = ref()
+    if tracker is not None:
+        method(tracker, arg)
+
+
+def _reading(fn):
+    """A property of the tracker's numbers: refused before the region ran, read under its lock."""
+
+    def read(self: MemoryTracker):
+        self._check_used()
+        with self._lock:
+            return fn(self)
+
+    return property(functools.wraps(fn)(read))
+
+
 def _listed(x: Any, cls: type, what: str, cls_name: str) -> list:
     out = [x] if isinstance(x, cls) else list(x or [])
     for o in out:
@@ -78,12 +100,10 @@ def _autocast_in_use(args: Any, kwargs: Any) -> torch.dtype | None:
 
     t = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
     device_type = t.device.type if t is not None else "cpu"
-    try:
+    with contextlib.suppress(RuntimeError):
         if torch.amp.is_autocast_available(device_type) \
                 and torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
-    except RuntimeError:
-        pass
     return None
 
 
@@ -306,7 +326,8 @@ class MemoryTracker:
                     dev = device_name(t.device)
                 self._seq += 1
                 info = StorageInfo(key, dev, st.nbytes(), cat, self._seq)
-                info.ref = weakref.ref(st, self._make_free_cb(info))
+                on_free = functools.partial(_weakly, weakref.ref(self), MemoryTracker._freed, info)
+                info.ref = weakref.ref(st, on_free)
                 self._infos[key] = info
                 if cat == ACTIVATIONS:
                     info.module = self._module_label()
@@ -324,34 +345,16 @@ class MemoryTracker:
     def _see_inputs(self, args: Iterable[Any]) -> None:
         infos = self._infos
         for a in args:
-            if isinstance(a, torch.Tensor):
-                st = storage_of(a)
-                if st is not None and st._cdata not in infos:
-                    self._see(a, PARAMETERS if isinstance(a, nn.Parameter) else OTHER)
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        st = storage_of(b)
-                        if st is not None and st._cdata not in infos:
-                            self._see(b, PARAMETERS if isinstance(b, nn.Parameter) else OTHER)
+            for b in a if isinstance(a, (list, tuple)) else (a,):  # tensors, and lists of them
+                if isinstance(b, torch.Tensor):
+                    st = storage_of(b)
+                    if st is not None and st._cdata not in infos:
+                        self._see(b, PARAMETERS if isinstance(b, nn.Parameter) else OTHER)
 
     def _see_outputs(self, out: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            self._see(out, OTHER, check_size=True)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self._see(o, OTHER, check_size=True)
-
-    def _make_free_cb(self, info: StorageInfo):
-        tracker_ref = weakref.ref(self)
-
-        def on_free(_ref: weakref.ref) -> None:
-            tracker = tracker_ref()
-            if tracker is not None:
-                tracker._freed(info)
-
-        return on_free
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self._see(o, OTHER, check_size=True)
 
     # ------------------------------------------------------------------ accounting
     def _add(self, device: str, cat: int, nbytes: int) -> None:
@@ -398,8 +401,7 @@ class MemoryTracker:
             # a peak inside an op (temporaries freed before it returns): sample it here
             self._sample(force=True)
         for p in self._peaks():
-            if p.pending:
-                self._snapshot(p)
+            self._snapshot(p)  # (those pending)
 
     def _peaks(self) -> list[Peak]:
         return [self._peak, *self._dev_peak.values()]
@@ -408,18 +410,14 @@ class MemoryTracker:
         if not peak.pending:
             return
         peak.pending = False
-        if peak is self._peak:
-            device = None
-            cats = list(self._all)
-        else:
-            device = next(d for d, p in self._dev_peak.items() if p is peak)
-            cats = list(self._current[device])
-        peak.cats = cats
+        device = None if peak is self._peak else next(
+            d for d, p in self._dev_peak.items() if p is peak)
+        peak.cats = list(self._all if device is None else self._current[device])
         peak.resting = {k: v for k, v in self._resting.items() if v}
         if self._sample_allocator:
             # "active" (blocks in use or waiting on other streams) costs a full stats query:
             # read once per local peak, not at every new maximum
-            devices = list(self._current) if peak is self._peak else [device]
+            devices = list(self._current) if device is None else [device]
             for d in devices:
                 active = allocator_active(d)
                 if active is not None:
@@ -518,13 +516,10 @@ class MemoryTracker:
         with self._lock:
             info.saved -= 1
             if info.saved == 0 and info.cat == ACTIVATIONS and self._infos.get(info.key) is info:
-                self._reclass_live(info, OTHER)
-
-    def _reclass_live(self, info: StorageInfo, cat: int) -> None:
-        # Leaving a role is not a discovery about the past: no retroactive correction.
-        self._decreased()
-        info.retro = False
-        self._reclass(info, cat)
+                # Leaving a role is not a discovery about the past: no retroactive correction.
+                self._decreased()
+                info.retro = False
+                self._reclass(info, OTHER)
 
     def _see_param(self, p: torch.Tensor, cat: int, owner: nn.Module | None = None) -> None:
         for t in inner_tensors(p, owner):  # a quantized weight's bytes: its parts'
@@ -613,11 +608,8 @@ class MemoryTracker:
             self._add_root(module)
             if self._meta_as is None and not self._context:
                 # built inside the region: its own hook runs from its next call (with kwargs)
-                from headroom.store import to_meta
-
-                self._context = {"model": weakref.ref(module), "args": to_meta(tuple(args)),
-                                 "kwargs": {}, "partial": True,
-                                 "autocast": _autocast_in_use(args, {})}
+                self._remember_inputs(module, args, {})
+                self._context["partial"] = True
         name = self._names.get(id(module))
         if name is None:
             name = self._names[id(module)] = type(module).__name__
@@ -636,17 +628,11 @@ class MemoryTracker:
             self._hooked_nodes.add(id(node))
             if len(self._hooked_nodes) > 100_000:
                 self._hooked_nodes.clear()
-            node.register_prehook(self._bwd_hook(name))
+            node.register_prehook(
+                functools.partial(_weakly, weakref.ref(self), MemoryTracker._in_backward_of, name))
 
-    def _bwd_hook(self, name: str):
-        tracker_ref = weakref.ref(self)
-
-        def hook(grad_outputs):
-            tracker = tracker_ref()
-            if tracker is not None:
-                tracker._bwd_module = name
-
-        return hook
+    def _in_backward_of(self, name: str) -> None:
+        self._bwd_module = name
 
     def _phase(self) -> str:
         if self._in_optimizer:
@@ -682,14 +668,9 @@ class MemoryTracker:
                 self._decimate()
 
     def _decimate(self) -> None:
-        s = self._samples
-        kept = []
-        for i in range(0, len(s) - 1, 2):
-            a, b = s[i], s[i + 1]
-            kept.append(a if sum(a[3:]) >= sum(b[3:]) else b)
-        if len(s) % 2:
-            kept.append(s[-1])
-        self._samples = kept
+        s = self._samples  # pairs merged into the first of their larger (an odd last one kept)
+        kept = [max(a, b, key=lambda x: sum(x[3:])) for a, b in zip(s[::2], s[1::2], strict=False)]
+        self._samples = kept + s[2 * len(kept):]
 
     # ------------------------------------------------------------------ public numbers
     def _check_used(self) -> None:
@@ -707,86 +688,69 @@ class MemoryTracker:
             cats = dict(zip(CATEGORIES, peak.cats, strict=True))
             return peak.value, cats
 
-    @property
+    @_reading
     def peak(self) -> int:
         """Most bytes live at once, all tracked devices together."""
-        self._check_used()
         return self._peak.value
 
-    @property
+    @_reading
     def rss(self) -> dict[str, int | None]:
         """The process's resident memory in bytes over the region: ``start``, ``peak``, ``end``
         (``None`` where unreadable; after the region ends). It includes the interpreter,
         libraries, memory the C allocator keeps and anything outside PyTorch."""
-        self._check_used()
         return {"start": self._rss.start, "peak": self._rss.peak, "end": self._rss.end}
 
-    @property
+    @_reading
     def rss_timeline(self) -> list[tuple[float, int]]:
         """RSS samples ``(seconds since entry, bytes)``, a few milliseconds apart."""
-        self._check_used()
         return list(self._rss.samples)
 
-    @property
+    @_reading
     def peak_by_category(self) -> dict[str, int]:
         """Bytes per category at the moment of :attr:`peak` (they sum to it)."""
-        self._check_used()
         return self._peak_view(self._peak)[1]
 
-    @property
+    @_reading
     def max_by_category(self) -> dict[str, int]:
         """Each category's own maximum over the run (summed over devices per device maximum)."""
-        self._check_used()
-        with self._lock:
-            per_device = zip([0] * _NCAT, *self._max.values(), strict=True)
-            return dict(zip(CATEGORIES, map(sum, per_device), strict=True))
+        per_device = zip([0] * _NCAT, *self._max.values(), strict=True)
+        return dict(zip(CATEGORIES, map(sum, per_device), strict=True))
 
-    @property
+    @_reading
     def current(self) -> int:
         """Bytes live now; after exit, bytes that were live at exit."""
-        self._check_used()
         return self._total
 
-    @property
+    @_reading
     def current_by_category(self) -> dict[str, int]:
         """Bytes per category now (or at exit)."""
-        self._check_used()
-        with self._lock:
-            return dict(zip(CATEGORIES, self._all, strict=True))
+        return dict(zip(CATEGORIES, self._all, strict=True))
 
     @property
     def devices(self) -> list[str]:
         """Devices on which tensors were seen, e.g. ``["cpu", "cuda:0"]``."""
         return list(self._current)
 
-    @property
+    @_reading
     def by_module(self) -> dict[str, int]:
         """Bytes saved for backward per module when activations peaked, largest first (``""``:
         outside any module, e.g. a loss function)."""
-        self._check_used()
-        with self._lock:
-            if self._act_pending:
-                by_module = {k: v for k, v in self._act_by_module.items() if v}
-            else:
-                by_module = dict(self._act_at_peak)
+        if self._act_pending:
+            by_module = {k: v for k, v in self._act_by_module.items() if v}
+        else:
+            by_module = dict(self._act_at_peak)
         return dict(sorted(by_module.items(), key=lambda kv: -kv[1]))
 
     def module_class(self, name: str) -> str | None:
         """The class of the module `by_module` calls ``name`` (``None`` if none was seen)."""
         return self._classes.get(name)
 
-    @property
+    @_reading
     def timeline(self) -> list[TimelineSample]:
         """Samples after each op that changed memory (merged in pairs past ``max_samples``)."""
-        self._check_used()
-        with self._lock:
-            out = []
-            for s in self._samples:
-                phase, _, module = self._labels[s[1]].partition(":")
-                out.append(
-                    TimelineSample(s[0], phase, module, dict(zip(CATEGORIES, s[3:], strict=True)))
-                )
-            return out
+        # a label is "phase:module"
+        return [TimelineSample(s[0], *self._labels[s[1]].split(":", 1),
+                               dict(zip(CATEGORIES, s[3:], strict=True))) for s in self._samples]
 
     def stats(self, device: str | torch.device | None = None) -> DeviceStats:
         """The numbers for one device, or for all devices together with ``device=None``.
@@ -823,29 +787,21 @@ class MemoryTracker:
         With ``advice`` (and the model still alive) it ends with what would cut the peak most:
         each technique's saving from a dry run (`headroom.estimate`) of the step seen.
         """
-        from headroom.memory._report import format_report
-
-        text = format_report(self, top_modules=top_modules, advice=advice)
+        text = _report.format_report(self, top_modules=top_modules, advice=advice)
         print(text, file=file)
         return text
 
     def to_dict(self) -> dict[str, Any]:
         """Everything the tracker measured, as plain JSON-ready data."""
-        from headroom.memory._report import to_dict
-
-        return to_dict(self)
+        return _report.to_dict(self)
 
     def to_json(self, path) -> None:
         """Write :meth:`to_dict` as JSON to ``path``."""
-        from headroom.memory._report import write_json
-
-        write_json(self, path)
+        _report._atomic_write(path, json.dumps(self.to_dict(), indent=1).encode())
 
     def plot(self, path, *, title: str | None = None) -> None:
         """Write a PNG stacked timeline by category with the peak marked (needs matplotlib)."""
-        from headroom.memory._report import plot
-
-        plot(self, path, title=title)
+        _report.plot(self, path, title=title)
 
     # ------------------------------------------------------------------ resting in stores
     @staticmethod
@@ -855,37 +811,29 @@ class MemoryTracker:
             out.setdefault(where, {})[cat] = v
         return out
 
-    @property
+    @_reading
     def resting(self) -> dict[str, dict[str, int]]:
         """Bytes headroom keeps off the compute device in a store now (or at exit), as
         ``{where: {category: bytes}}``, ``where`` ``"host"`` or ``"disk"``. Not part of
         :attr:`peak` (host copies do count on ``"cpu"`` when the compute device is the CPU)."""
-        self._check_used()
-        with self._lock:
-            return self._nested(self._resting)
+        return self._nested(self._resting)
 
-    @property
+    @_reading
     def resting_at_peak(self) -> dict[str, dict[str, int]]:
         """:attr:`resting` at the moment of :attr:`peak`."""
-        self._check_used()
-        with self._lock:
-            if self._peak.pending and self._state == "active":
-                return self._nested({k: v for k, v in self._resting.items() if v})
-            return self._nested(self._peak.resting)
+        if self._peak.pending and self._state == "active":
+            return self._nested({k: v for k, v in self._resting.items() if v})
+        return self._nested(self._peak.resting)
 
-    @property
+    @_reading
     def resting_max(self) -> dict[str, dict[str, int]]:
         """Each entry of :attr:`resting` at its own maximum over the run."""
-        self._check_used()
-        with self._lock:
-            return self._nested(self._resting_max)
+        return self._nested(self._resting_max)
 
-    @property
+    @_reading
     def resting_timeline(self) -> list[tuple[float, int]]:
         """``(seconds since entry, bytes resting in all stores)`` after each change."""
-        self._check_used()
-        with self._lock:
-            return list(self._resting_samples)
+        return list(self._resting_samples)
 
     def _rest(self, where: str, category: str, delta: int) -> None:
         with self._lock:

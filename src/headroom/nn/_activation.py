@@ -1,7 +1,7 @@
 """Activations whose backward keeps a 1-bit mask, or nothing that is not kept anyway: a
 :class:`Late` holder keeps what PyTorch's node saves until it can pack a mask (see [Note:
 deciding late] in :mod:`headroom.nn._common`); under the caller's saved-tensor hooks they
-decide in forward (:class:`_ReLUMask` and friends)."""
+decide in forward (:class:`_MaskFunction`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from headroom.nn._bitmask import (
     INSIDE,
     NONZERO,
     grad_through,
-    pack_gt,
     pack_test,
     unpack_as,
 )
@@ -38,11 +37,9 @@ from headroom.nn._common import (
     channels_last_dense,
     consumers_keep_output,
     first_order_only,
-    hooks_free,
     note_consumer,
     records_graph,
     register_relu_output,
-    run_saving_less,
     save_less,
     settle_pending,
     unchanged,
@@ -83,19 +80,6 @@ def _unpack_layout(
         return passes
     out = torch.empty_strided(shape, stride, dtype=dtype, device=passes.device)
     return out.copy_(passes)
-
-
-def _run(ctx, x: torch.Tensor, inplace: bool, fn, fn_, *args) -> torch.Tensor:
-    """``fn_(x, *args)`` with ``x`` marked dirty when ``inplace``, else ``fn(x, *args)``."""
-    if inplace:
-        ctx.mark_dirty(x)
-        return fn_(x, *args)
-    return fn(x, *args)
-
-
-def _unpack_like(ctx, grad: torch.Tensor, values: tuple[float, float] | None = None):
-    (bits,) = ctx.saved_tensors
-    return _unpack_layout(bits, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype, values=values)
 
 
 def _signed_cache(fn):
@@ -168,7 +152,8 @@ class Late:
         made = st.made
         made.append(ref)
         if len(made) > 512 and not st.roots:
-            _prune_made(st)
+            # Layers called on their own (no root's end settles): drop the dead and decided
+            st.made = [r for r in made if (h := r()) is not None and h.tensor is not None]
         # The caller dropping ``watched`` (a variable rebound in nn.Sequential's loop) is often
         # the earliest moment the storage can be unshared: try then (weakly: no cycle).
         self.watch = weakref.ref(watched, functools.partial(_released, ref))
@@ -245,12 +230,12 @@ class Late:
             stride = self.stride = _contiguous_strides(self.shape)
         return stride
 
-    def grad(self, grad: torch.Tensor, kernel, scale: bool = False, slope: float = 0.0):
-        """The input gradient for :class:`_LateFunction`: ``kernel(grad, saved)`` on the kept
-        tensor, else one pass over the mask where the layouts allow, else ``kernel`` on it."""
+    def grad(self, grad: torch.Tensor, spec: _Spec):
+        """The input gradient for :class:`_LateFunction`: ``spec.kernel(grad, saved)`` on the
+        kept tensor, else one pass over the mask where the layouts allow, else the kernel on it."""
         t = self.tensor
         if t is not None:
-            return kernel(grad, unchanged(t, self.version))
+            return spec.kernel(grad, unchanged(t, self.version))
         if (
             not torch.is_grad_enabled()
             and grad.dtype == self.dtype
@@ -258,10 +243,10 @@ class Late:
             and grad.stride() == self._stride()
             and (channels_last_dense(grad) if self.memory_order else grad.is_contiguous())
         ):
-            out = grad_through(self.bits, grad, scale=scale, slope=slope)
+            out = grad_through(self.bits, grad, scale=spec.scale, slope=spec.slope)
             if out is not None:
                 return out
-        return kernel(grad, self.unpack())
+        return spec.kernel(grad, self.unpack())
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
@@ -312,12 +297,6 @@ def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
         _pending.young.append(holder_ref)  # still shared (a view): try at next layer starts
 
 
-def _prune_made(st) -> None:
-    # Layers called on their own (no root's end settles): drop the dead and decided
-    st.made = [ref for ref in st.made if (h := ref()) is not None and h.tensor is not None]
-
-
-_LATE = UNSHARED is not None and _use_count is not None
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 
@@ -334,7 +313,7 @@ _PACK_AHEAD_FROM = 1 << 15  # elements
 
 
 class _Spec:
-    """How :class:`_LateFunction` runs one activation and its backward."""
+    """How :class:`_LateFunction` and :class:`_MaskFunction` run an activation and its backward."""
 
     __slots__ = ("fn", "inplace", "saves_result", "op", "lo", "hi", "kernel", "scale", "slope")
 
@@ -358,8 +337,7 @@ class _LateFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec
-        return ctx.holder.grad(grad, spec.kernel, spec.scale, spec.slope), None, None
+        return ctx.holder.grad(grad, ctx.spec), None, None
 
 
 # NOTE: the C ``apply`` directly: the Python classmethod binds defaults for a setup_context
@@ -416,42 +394,34 @@ def _threshold_backward(grad: torch.Tensor, passes: torch.Tensor) -> torch.Tenso
     return torch.ops.aten.threshold_backward(grad, passes, 0)
 
 
-class _ReLUBits:
-    """A ReLU result packed at save time (``ReluBackward0``'s pack hook) where :class:`Late`
-    cannot run."""
+class _MaskFunction(torch.autograd.Function):
+    """A :class:`_Spec` activation deciding in forward (under the caller's saved-tensor hooks):
+    the mask of what PyTorch's node saves, unpacked for PyTorch's kernel (as :class:`Late`)."""
 
-    __slots__ = ("bits", "shape", "stride", "dtype", "memory_order")
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self.bits, self.memory_order, _ = _pack_layout(out)
-        self.shape, self.stride, self.dtype = out.shape, out.stride(), out.dtype
-
-    def unpack(self) -> torch.Tensor:
-        return _unpack_layout(
-            self.bits,
-            self.shape,
-            self.stride,
-            self.memory_order,
-            self.dtype,
-            reuse=not torch.is_grad_enabled(),
-        )
-
-
-class _ReLUMask(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, inplace: bool) -> torch.Tensor:
-        out = _run(ctx, x, inplace, torch.relu, torch.relu_)
-        # threshold_backward passes the gradient where ``out > 0`` or NaN: ``out != 0`` for a
-        # ReLU output. Backward hands it a tensor positive exactly there: bitwise the same.
-        bits, ctx.memory_order, _ = _pack_layout(out)
-        ctx.save_for_backward(bits)
-        ctx.shape, ctx.stride = out.shape, out.stride()
+    def forward(ctx, x: torch.Tensor, spec: _Spec) -> torch.Tensor:
+        if spec.inplace:
+            ctx.mark_dirty(x)
+        out = spec.fn(x)
+        saved = out if spec.saves_result else x
+        bits, ctx.memory_order, nan = _pack_layout(saved, spec.op, spec.lo, spec.hi)
+        ctx.save_for_backward(saved.detach() if nan else bits)  # a NaN (Hardtanh): kept whole
+        ctx.spec, ctx.keep = spec, nan
+        ctx.shape, ctx.stride = saved.shape, saved.stride()
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad: torch.Tensor):
-        return _threshold_backward(grad, _unpack_like(ctx, grad)), None
+        spec = ctx.spec
+        (saved,) = ctx.saved_tensors
+        if ctx.keep:
+            return spec.kernel(grad, saved), None
+        values = _hardtanh_values(spec.lo, spec.hi, grad.dtype) if spec.op == INSIDE else None
+        mask = _unpack_layout(saved, ctx.shape, ctx.stride, ctx.memory_order, grad.dtype,
+                              values=values)
+        # The mask is this call's own: ReLU's kernel may write its result into it.
+        return (_threshold_backward if spec.op == NONZERO else spec.kernel)(grad, mask), None
 
 
 class ReLU(nn.ReLU):
@@ -470,47 +440,26 @@ class ReLU(nn.ReLU):
         relu = torch.relu_ if self.inplace else torch.relu
         sites, site, call = activation_call(self, input)
         # (hooks_free inlined: this runs at every ReLU call)
-        if _LATE and _top_hooks(False) is None and _hooks_enabled():
+        if _top_hooks(False) is None and _hooks_enabled():
             if input.numel() >= _FUSE_FROM and _fuses(input):
                 return _apply_late(input, _RELU_ if self.inplace else _RELU, call)
             out = relu(input)
             save_less(out.grad_fn._raw_saved_result, Late(call, NONZERO, 0.0, 0.0, out).hold)
             return out
-        # Under the caller's hooks (or without the use count) the choice is made now.
+        # Under the caller's hooks the choice is made now.
         if consumers_keep_output(sites, site):
             out = super().forward(input)
-        elif hooks_free():
-            out = run_saving_less(_ReLUBits, relu, input)
         else:
-            out = _ReLUMask.apply(input, self.inplace)
+            out = _MaskFunction.apply(input, _RELU_ if self.inplace else _RELU)
         register_relu_output(sites, site, out)
         return out
-
-
-class _LeakyReLUMask(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, slope: float, inplace: bool) -> torch.Tensor:
-        out = _run(ctx, x, inplace, F.leaky_relu, F.leaky_relu_, slope)
-        # PyTorch's backward reads the input, its in-place backward the result
-        saved = out if inplace else x
-        ctx.save_for_backward(pack_gt(saved))
-        ctx.shape, ctx.stride, ctx.memory_order = saved.shape, saved.stride(), False
-        ctx.slope, ctx.inplace = slope, inplace
-        return out
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad: torch.Tensor):
-        sign = _unpack_like(ctx, grad)  # leaky_relu_backward reads only the sign
-        gx = torch.ops.aten.leaky_relu_backward(grad, sign, ctx.slope, ctx.inplace)
-        return gx, None, None
 
 
 class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     """``nn.LeakyReLU`` that keeps a 1-bit sign mask, or nothing its consumers do not keep."""
 
     def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
-        if not _LATE or (self.inplace and self.negative_slope < 0):
+        if self.inplace and self.negative_slope < 0:
             return None
         slope, inplace = float(self.negative_slope), self.inplace
         call = activation_call(self, input)[2]
@@ -527,35 +476,13 @@ class LeakyReLU(KeepsNoInput, nn.LeakyReLU):
     def _hr_forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.inplace and self.negative_slope < 0:
             return self._hr_torch_forward(input)  # PyTorch raises its own error for this
-        return _LeakyReLUMask.apply(input, float(self.negative_slope), self.inplace)
-
-
-class _HardtanhFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, lo: float, hi: float, inplace: bool) -> torch.Tensor:
-        out = _run(ctx, x, inplace, F.hardtanh, F.hardtanh_, lo, hi)
-        # The output is inside (lo, hi) exactly where the input is; a NaN keeps what
-        # PyTorch's node saves (see Late).
-        bits, nan = pack_test(out, INSIDE, lo, hi)
-        ctx.keep = nan
-        ctx.save_for_backward((out if inplace else x).detach() if nan else bits)
-        ctx.shape, ctx.stride, ctx.memory_order = out.shape, out.stride(), False
-        ctx.lo, ctx.hi = lo, hi
-        return out
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.keep:
-            (x,) = ctx.saved_tensors
-        else:
-            x = _unpack_like(ctx, grad, _hardtanh_values(ctx.lo, ctx.hi, grad.dtype))
-        return torch.ops.aten.hardtanh_backward(grad, x, ctx.lo, ctx.hi), None, None, None
+        return _MaskFunction.apply(
+            input, _leaky_relu_spec(float(self.negative_slope), self.inplace))
 
 
 class _HardtanhMixin(KeepsNoInput):
     def _hr_fast(self, input: torch.Tensor) -> torch.Tensor | None:
-        if not _LATE or self.min_val > self.max_val:
+        if self.min_val > self.max_val:
             return None
         lo, hi, inplace = float(self.min_val), float(self.max_val), self.inplace
         call = activation_call(self, input)[2]
@@ -570,7 +497,7 @@ class _HardtanhMixin(KeepsNoInput):
         if self.min_val > self.max_val:
             return self._hr_torch_forward(input)  # PyTorch raises its own error for this
         lo, hi = float(self.min_val), float(self.max_val)
-        return _HardtanhFunction.apply(input, lo, hi, self.inplace)
+        return _MaskFunction.apply(input, _hardtanh_spec(lo, hi, self.inplace))
 
 
 class Hardtanh(_HardtanhMixin, nn.Hardtanh):

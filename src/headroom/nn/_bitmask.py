@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from headroom.memory import is_tracking
-from headroom.nn._common import _use_count  # None where this torch lacks it: nothing reused
+from headroom.nn._common import _use_count
 
 try:
     if os.environ.get("HEADROOM_NATIVE", "1") == "0":
@@ -28,9 +28,8 @@ except ImportError:  # not built (no C compiler at install), or turned off
 
 # dtype -> the kernels' dtype code (packing: the first two only)
 _NATIVE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
-_NATIVE_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
 
-_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 _PACK = 0x0102040810204080
 _SPREAD = 0x0101010101010101
 # 0x8040201008040201 does not fit in a signed int64; this is the same bit pattern.
@@ -123,23 +122,6 @@ def pack_test(
     return pack_bool(test), nan
 
 
-def _pack_compared(compare, x: torch.Tensor, threshold: float) -> torch.Tensor:
-    numel = x.numel()
-    buf = _scratch_bool(numel, x.device)
-    compare(x.reshape(-1), threshold, out=buf[:numel])
-    return _pack_scratch(buf, numel)
-
-
-def pack_le(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Pack ``x <= threshold`` (NaN is never ``<=``)."""
-    return _pack_compared(torch.le, x, threshold)
-
-
-def pack_gt(x: torch.Tensor, threshold: float = 0.0) -> torch.Tensor:
-    """Pack ``x > threshold`` (NaN is never ``>``)."""
-    return _pack_compared(torch.gt, x, threshold)
-
-
 def unpack_nonzero(
     bits: torch.Tensor, shape: torch.Size | tuple[int, ...], *, use_numpy: bool | None = None
 ) -> torch.Tensor:
@@ -198,14 +180,11 @@ class _Reusable(threading.local):
 _reusable = _Reusable()
 
 
-def _free_buffer(numel: int, dtype: torch.dtype) -> _Buffer | None:
-    """This thread's reusable ``dtype`` buffer, grown to at least ``numel`` elements, or None
-    where torch cannot say whether it is free."""
+def _free_buffer(numel: int, dtype: torch.dtype) -> _Buffer:
+    """This thread's reusable ``dtype`` buffer, grown to at least ``numel`` elements."""
     # A mask is needed as floats only inside the node's backward; a fresh allocation each time
     # costs page faults. Reused only while the use count shows no view held outside the cache:
     # a caller keeping the tensor (double backward) leaves it to that caller and gets a new one.
-    if _use_count is None:
-        return None
     buffers = _reusable.buffers
     buf = buffers.get(dtype)
     if buf is not None and buf.flat.numel() >= numel and _use_count(buf.key) == buf.unshared:
@@ -216,10 +195,7 @@ def _free_buffer(numel: int, dtype: torch.dtype) -> _Buffer | None:
 
 def _reusable_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat CPU ``dtype`` buffer of ``numel`` elements that nothing else uses right now."""
-    buf = _free_buffer(numel, dtype)
-    if buf is None:
-        return torch.empty(numel, dtype=dtype)
-    return buf.flat[:numel]
+    return _free_buffer(numel, dtype).flat[:numel]
 
 
 def reusable_float32(shape: torch.Size) -> tuple[torch.Tensor, int, int]:
@@ -233,9 +209,6 @@ def reusable_float32(shape: torch.Size) -> tuple[torch.Tensor, int, int]:
             return got
     n = shape.numel()
     buf = _free_buffer(n, torch.float32)
-    if buf is None:
-        out = torch.empty(shape)
-        return out, out.data_ptr(), n
     if len(buf.views) > 256:  # many shapes: keep the recent ones (none is held: buf is free)
         buf.views.clear()
         buf.unshared = buf.base
@@ -267,8 +240,8 @@ def unpack_as(
         tracking = is_tracking()
         if reuse and not tracking:
             out = _reusable_buffer(numel, dtype)
-        elif dtype in _NATIVE_NUMPY and not tracking:  # NumPy's allocator
-            out = torch.from_numpy(np.empty(numel, dtype=_NATIVE_NUMPY[dtype]))
+        elif dtype in _NUMPY_FLOATS and not tracking:  # NumPy's allocator
+            out = torch.from_numpy(np.empty(numel, dtype=_NUMPY_FLOATS[dtype]))
         else:
             out = torch.empty(numel, dtype=dtype)
         _native.unpack(bits.data_ptr(), numel, out.data_ptr(), _NATIVE_CODES[dtype],

@@ -8,6 +8,7 @@ import operator
 import threading
 import types
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,6 +141,26 @@ _standins: dict[torch.dtype, torch.Tensor] = {}
 _standin_views: dict[tuple, torch.Tensor] = {}
 
 
+class ShapeOnlyFunction(torch.autograd.Function):
+    """``fwd(x, *args) -> out`` or ``(out, indices)``; backward ``bwd(grad, x, *bwd_args)``,
+    with ``indices`` last where there are, reading x's shape only (pools, pads)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, args, bwd, bwd_args):
+        out = fwd(x, *args)
+        if isinstance(out, tuple):  # (out, indices)
+            ctx.mark_non_differentiable(out[1])
+            ctx.save_for_backward(out[1])
+        ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad, *_grad_indices):
+        gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, *ctx.saved_tensors)
+        return gx, None, None, None, None
+
+
 def channels_last_dense(t: torch.Tensor) -> bool:
     """Whether ``t`` is dense in channels-last order (and so packs in memory order)."""
     if t.dim() == 4:
@@ -221,14 +242,12 @@ def save_less(saved, pack) -> None:
 # root's forward returns, from the first forward on; one still shared then keeps the tensor
 # whole, as PyTorch does, adding no byte.
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_use_count = torch._C._storage_Use_Count
 
 
-def _unshared_count() -> int | None:
+def _unshared_count() -> int:
     """The use count of a storage referenced by one tensor only, after ``untyped_storage()``
-    was called on it (as a holder does), or None where torch lacks the function."""
-    if _use_count is None:
-        return None
+    was called on it (as a holder does)."""
     t = torch.empty(1)
     held = t.detach()
     key = t.untyped_storage()._cdata
@@ -313,21 +332,15 @@ def _grad_tensors(output, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-class _SettleAtBackward:
+def _settle_at_backward(holders: list[weakref.ref], grad) -> None:
     """Tensor hook on a root's outputs: settle the holders left over at its forward's end when
-    backward starts, once the forward's arguments and the caller's variables are gone."""
-
-    __slots__ = ("holders",)
-
-    def __init__(self, holders: list[weakref.ref]) -> None:
-        self.holders = holders
-
-    def __call__(self, grad):
-        holders, self.holders = self.holders, []
-        for ref in holders:
-            holder = ref()
-            if holder is not None:
-                holder.settle()
+    backward starts (once: the first output's hook empties the list), once the forward's
+    arguments and the caller's variables are gone."""
+    refs, holders[:] = holders[:], []
+    for ref in refs:
+        holder = ref()
+        if holder is not None:
+            holder.settle()
 
 
 def _root_pre_hook(module, args) -> None:
@@ -344,7 +357,7 @@ def _root_hook(module, args, output) -> None:
     roots = _pending.roots
     leftover = _settle_root(roots.pop() if roots else 0)
     if leftover and output is not None:
-        hook = _SettleAtBackward(leftover)
+        hook = functools.partial(_settle_at_backward, leftover)
         for t in _grad_tensors(output):
             t.register_hook(hook)
 
@@ -365,14 +378,12 @@ def install_root_hooks(root: nn.Module) -> None:
 # nn.Sequential, else it keeps its output as PyTorch does.
 
 
+@dataclass(slots=True, eq=False)
 class Call:
     """One call site of an activation: ``keep`` is what its last holder decided (None before
     any, True for kept whole or undecided, False for a packed mask)."""
 
-    __slots__ = ("keep",)
-
-    def __init__(self) -> None:
-        self.keep: bool | None = None
+    keep: bool | None = None
 
 
 class ReLUSites:
@@ -412,13 +423,13 @@ _registry_lock = threading.Lock()
 _relu_outputs: dict[int, tuple[StorageWeakRef, ReLUSites, tuple]] = {}
 
 
-def weight_trains(module: nn.Module) -> bool:
-    """``module.weight.requires_grad``, without the slow ``Module.__getattr__`` where the
-    weight is in ``_parameters`` (a parametrized one is not)."""
-    weight = module._parameters.get("weight")
-    if weight is None:
-        weight = module.weight
-    return weight is not None and weight.requires_grad
+def trains(module: nn.Module, name: str = "weight") -> bool:
+    """``module.<name>.requires_grad`` (False for None), without the slow
+    ``Module.__getattr__`` where the parameter is in ``_parameters`` (a parametrized one is not)."""
+    param = module._parameters.get(name)
+    if param is None:
+        param = getattr(module, name)
+    return param is not None and param.requires_grad
 
 
 def relu_sites(module: nn.Module) -> ReLUSites:

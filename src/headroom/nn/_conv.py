@@ -19,7 +19,7 @@ from headroom.nn._common import (
     records_graph,
     save_less,
     settle_pending,
-    weight_trains,
+    trains,
 )
 from headroom.nn._pad import pad as _pad
 
@@ -103,6 +103,7 @@ def _autocast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
 
 
 def _needs_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # records_graph() first: it raises its clear error under FX before a proxy test
     return records_graph() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
@@ -130,15 +131,12 @@ class _ConvMixin:
     _hr_dims: int
 
     def _hr_saves_input(self) -> bool:  # a tensor sharing the input's storage
+        # (not an asymmetric padding="same": it convolves a padded copy, see _same_padding)
         return (
-            weight_trains(self)
+            trains(self)
             and self.padding_mode == "zeros"
-            and not (isinstance(self.padding, str) and self._hr_asymmetric_same())
-        )
-
-    def _hr_asymmetric_same(self) -> bool:
-        return self.padding == "same" and any(
-            d * (k - 1) % 2 for d, k in zip(self.dilation, self.kernel_size, strict=True)
+            and not (self.padding == "same" and any(
+                d * (k - 1) % 2 for d, k in zip(self.dilation, self.kernel_size, strict=True)))
         )
 
     def _hr_conv(self, x, weight, bias, padding, output_padding) -> torch.Tensor:
@@ -165,11 +163,9 @@ class _ConvMixin:
 
 class _Conv(_ConvMixin):
     def _conv_forward(self, input, weight, bias):
-        if not records_graph():  # first: raises its clear error under FX before a proxy test
+        if not _needs_graph(input, weight, bias):
             return super()._conv_forward(input, weight, bias)
         x_grad, w_grad = input.requires_grad, weight.requires_grad
-        if not (x_grad or w_grad or (bias is not None and bias.requires_grad)):
-            return super()._conv_forward(input, weight, bias)
         if _pending.young:
             settle_pending()
         if _relu_outputs:

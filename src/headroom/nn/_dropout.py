@@ -69,6 +69,11 @@ def _like(ref_size, ref_stride, offset_bytes: int, dtype, device) -> torch.Tenso
     return buf.as_strided(ref_size, ref_stride, offset_bytes // itemsize)
 
 
+def _noise(out: torch.Tensor, p: float) -> torch.Tensor:
+    """PyTorch's dropout noise, drawn into ``out``: ``bernoulli_(1 - p)``, scaled by it."""
+    return out.bernoulli_(1 - p).div_(1 - p)
+
+
 class _DropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
@@ -90,9 +95,7 @@ class _DropoutFunction(torch.autograd.Function):
                 ctx.position = _position(state)
             if ctx.position is None:
                 ctx.state = state
-        noise = torch.empty_like(x)
-        noise.bernoulli_(1 - p)
-        noise.div_(1 - p)
+        noise = _noise(torch.empty_like(x), p)
         ctx.size, ctx.stride = noise.size(), noise.stride()
         ctx.dtype, ctx.device = noise.dtype, noise.device
         if small:
@@ -116,11 +119,8 @@ class _DropoutFunction(torch.autograd.Function):
                 like = _like(ctx.size, ctx.stride, ctx.offset, ctx.dtype, ctx.device)
                 _, mask = torch.ops.aten.native_dropout(like, ctx.p, True)
             else:
-                noise = torch.empty_strided(
-                    ctx.size, ctx.stride, dtype=ctx.dtype, device=ctx.device
-                )
-                noise.bernoulli_(1 - ctx.p)
-                noise.div_(1 - ctx.p)
+                noise = _noise(torch.empty_strided(
+                    ctx.size, ctx.stride, dtype=ctx.dtype, device=ctx.device), ctx.p)
         finally:
             gen.set_state(now)
         if ctx.fused:
@@ -137,9 +137,8 @@ class Dropout(nn.Dropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         p = self.p
-        if not (self.training and 0 < p < 1 and records_graph() and input.requires_grad):
-            return super().forward(input)
-        if input.numel() == 0:
+        if not (self.training and 0 < p < 1 and records_graph() and input.requires_grad
+                and input.numel()):
             return super().forward(input)
         settle_pending()
         note_consumer(self, input)

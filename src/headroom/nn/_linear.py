@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headroom.nn._common import note_consumer, records_graph, settle_pending, weight_trains
+from headroom.nn._common import note_consumer, records_graph, settle_pending, trains
 
 
 class Linear(nn.Linear):
     """``nn.Linear``, unchanged, that tells the ReLU before it whether it keeps its input."""
 
     def _hr_saves_input(self) -> bool:
-        return weight_trains(self)
+        return trains(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if records_graph():

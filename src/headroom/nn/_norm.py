@@ -19,14 +19,10 @@ from headroom.nn._common import (
     per_dimension,
     records_graph,
     settle_pending,
-    weight_trains,
+    trains,
 )
 
 aten = torch.ops.aten
-
-
-def _rg(t: torch.Tensor | None) -> bool:
-    return t is not None and t.requires_grad
 
 
 class _BatchNormFunction(torch.autograd.Function):
@@ -86,7 +82,7 @@ class _BatchNormFunction(torch.autograd.Function):
 
 class _BatchNorm:
     def _hr_saves_input(self) -> bool:
-        return self.training or (self.running_mean is None) or _rg(self.weight)
+        return self.training or (self.running_mean is None) or trains(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not records_graph():
@@ -100,15 +96,8 @@ class _BatchNorm:
             if self.training:
                 return super().forward(input)  # the input's gradient needs the input itself
         # Skipped only with a frozen weight, where the input needs no gradient or in eval mode.
-        if weight_trains(self):
-            return super().forward(input)
-        bias = self._parameters.get("bias")
-        if bias is None:
-            bias = self.bias  # a parametrized bias, or None
-        if not (need_x or (bias is not None and bias.requires_grad)):
-            return super().forward(input)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        if need_x and bn_training:
+        if trains(self) or not (need_x or trains(self, "bias")) or (need_x and bn_training):
             return super().forward(input)
         # Same bookkeeping as nn.BatchNorm's forward (momentum, num_batches_tracked).
         self._check_input_dim(input)
@@ -173,8 +162,8 @@ class _BiasOnlyMixin:
             note_consumer(self, input)
             return super().forward(input)
         if (
-            _rg(self.weight)
-            or not _rg(self.bias)
+            trains(self)
+            or not trains(self, "bias")
             or torch.is_autocast_enabled(input.device.type)
             or not self._hr_applies(input)
         ):

@@ -10,30 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.nn._common import (
-    PoolOrPad,
-    TensorMeta,
-    first_order_only,
-    per_dimension,
-    records_graph,
-)
+from headroom.nn._common import PoolOrPad, ShapeOnlyFunction, per_dimension, records_graph
 
 _KERNEL = {"reflect": "reflection_pad{}d_backward", "replicate": "replication_pad{}d_backward"}
-
-
-class _PadFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, pad: tuple[int, ...], mode: str) -> torch.Tensor:
-        out = F.pad(x, pad, mode=mode)
-        ctx.meta = TensorMeta(x)
-        ctx.pad = list(pad)
-        ctx.backward_op = getattr(torch.ops.aten, _KERNEL[mode].format(len(pad) // 2))
-        return out
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.backward_op(grad, ctx.meta.empty(), ctx.pad), None, None
 
 
 def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
@@ -45,7 +24,8 @@ def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
         and x.requires_grad
         and records_graph()
     ):
-        return _PadFunction.apply(x, padding, mode)
+        bwd = getattr(torch.ops.aten, _KERNEL[mode].format(len(padding) // 2))
+        return ShapeOnlyFunction.apply(x, F.pad, (padding, mode), bwd, (list(padding),))
     return F.pad(x, padding, mode=mode)
 
 

@@ -8,40 +8,20 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _list_with_default, _ntuple
 
-from headroom.nn._common import PoolOrPad, TensorMeta, first_order_only, per_dimension
+from headroom.nn._common import PoolOrPad, ShapeOnlyFunction, per_dimension
 
 aten = torch.ops.aten
 
 
-class _PoolFunction(torch.autograd.Function):
-    """``fwd(x, *args) -> out`` or ``(out, indices)``; backward ``bwd(grad, x, *bwd_args)``,
-    with ``indices`` last where there are, reading x's shape only."""
-
-    @staticmethod
-    def forward(ctx, x, fwd, args, bwd, bwd_args):
-        out = fwd(x, *args)
-        if isinstance(out, tuple):  # (out, indices)
-            ctx.mark_non_differentiable(out[1])
-            ctx.save_for_backward(out[1])
-        ctx.meta, ctx.bwd, ctx.bwd_args = TensorMeta(x), bwd, bwd_args
-        return out
-
-    @staticmethod
-    @first_order_only
-    def backward(ctx, grad, *_grad_indices):
-        gx = ctx.bwd(grad, ctx.meta.empty(), *ctx.bwd_args, *ctx.saved_tensors)
-        return gx, None, None, None, None
-
-
 def _pool(pool: PoolOrPad, input: torch.Tensor, op: str, args: tuple, bwd_args: tuple):
-    """:class:`_PoolFunction` over aten's ``op`` (formatted with 2 or 3) and its ``_backward``;
+    """:class:`ShapeOnlyFunction` over aten's ``op`` (formatted with 2 or 3) and its ``_backward``;
     1-d pools are the 2-d kernels on ``unsqueeze(-2)``, as in aten."""
     n = pool._hr_dims
     name = op.format(3 if n == 3 else 2)
     fwd, bwd = getattr(aten, name), getattr(aten, f"{name}_backward")
     if n != 1:
-        return _PoolFunction.apply(input, fwd, args, bwd, bwd_args)
-    out = _PoolFunction.apply(input.unsqueeze(-2), fwd, args, bwd, bwd_args)
+        return ShapeOnlyFunction.apply(input, fwd, args, bwd, bwd_args)
+    out = ShapeOnlyFunction.apply(input.unsqueeze(-2), fwd, args, bwd, bwd_args)
     return tuple(t.squeeze(-2) for t in out) if isinstance(out, tuple) else out.squeeze(-2)
 
 

@@ -123,13 +123,11 @@ def open_file(path: str | os.PathLike, flags: int, mode: int = 0o644, *,
             raise
         raise not_regular(path, "is a symbolic link", key) from None
     try:
-        st = os.fstat(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise not_regular(path, "is not a regular file", key)
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise not_regular(path, "is not a regular file", key)
     return fd
 
 

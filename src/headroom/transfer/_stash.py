@@ -146,29 +146,26 @@ class Stash:
             k.source = None
         return k
 
-    def out_done(self, k: StashTicket) -> bool:
-        """Whether the storage may be freed now (its bytes have left it), without waiting."""
+    def out_done(self, k: StashTicket, *, wait: bool = False) -> bool:
+        """Whether the storage may be freed now (its bytes have left it); ``wait``: once
+        they have."""
         if k.source is None:
             return True
         if k.out_event is not None:
-            if not k.out_event.query():
+            if wait:
+                k.out_event.synchronize()
+            elif not k.out_event.query():
                 return False
             self._left_device(k)
             return True
-        if k.out is not None and not k.out.done():
+        if not wait and k.out is not None and not k.out.done():
             return False
         self._left_storage(k)
         return True
 
     def wait_out(self, k: StashTicket) -> None:
         """Wait until the storage may be freed (its bytes have left it)."""
-        if k.source is None:
-            return
-        if k.out_event is not None:
-            k.out_event.synchronize()
-            self._left_device(k)
-            return
-        self._left_storage(k)
+        self.out_done(k, wait=True)
 
     def _left_device(self, k: StashTicket) -> None:
         k.out_event = None

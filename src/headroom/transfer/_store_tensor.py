@@ -368,11 +368,7 @@ class StoreTensor(torch.Tensor):
                 and args[0]._source.clear()):
             return args[0]
         if func is _aten._foreach_zero_.default:  # zero_grad(set_to_none=False, foreach=True)
-            rest = [t for t in args[0]
-                    if not (isinstance(t, StoreTensor) and t._source.clear())]
-            if rest:
-                _foreach(func, (rest,), kwargs)
-            return None
+            return _foreach_unhandled(func, args, kwargs, lambda s: s.clear())
         if func in _SCALE_OPS and _is_one(args[1]):
             # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
             # to 1) then costs no read and write of every gradient on disk.
@@ -380,11 +376,7 @@ class StoreTensor(torch.Tensor):
         if func in _SCALE_OPS and _is_scalar(args[1]):
             if func in _FOREACH_SCALE_OPS:
                 factor = _own_scalar(args[1])
-                rest = [t for t in args[0]
-                        if not (isinstance(t, StoreTensor) and t._source.scale(func, factor))]
-                if rest:
-                    _foreach(func, (rest, args[1]), kwargs)
-                return None
+                return _foreach_unhandled(func, args, kwargs, lambda s: s.scale(func, factor))
             if isinstance(args[0], StoreTensor) and args[0]._source.scale(
                     func, _own_scalar(args[1])):
                 return args[0]
@@ -460,7 +452,6 @@ def _run(func, args, kwargs):
     dev = wrappers[0].device
     written = _written(func, args, kwargs)
     written_ids = {id(t) for w in written for t in (w if isinstance(w, (list, tuple)) else [w])}
-    mutates = bool(written)
     values: dict[tuple, tuple[torch.Tensor, bool]] = {}
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, host copy) written by func
     new_flat = []
@@ -478,8 +469,8 @@ def _run(func, args, kwargs):
         else:
             new_flat.append(x)
     a, k = tree_unflatten(new_flat, spec)
-    if mutates:
-        out = func(*a, **k)
+    out = func(*a, **k)
+    if written:
         for x in wrappers:
             if id(x) in written_ids:
                 v, live = values[x._source.key()]
@@ -490,12 +481,18 @@ def _run(func, args, kwargs):
         if func._schema.returns and func._schema.returns[0].alias_info is not None:
             return written[0]
         return out
-    out = func(*a, **k)
     if dev.type != "cpu":
         flat_out, spec_out = tree_flatten(out)
         out = tree_unflatten([o.to(dev) if isinstance(o, torch.Tensor) else o
                               for o in flat_out], spec_out)
     return out
+
+
+def _foreach_unhandled(func, args, kwargs, handled: Callable[[Source], bool]) -> None:
+    """A foreach op on the tensors of ``args[0]`` whose source ``handled`` did not take."""
+    rest = [t for t in args[0] if not (isinstance(t, StoreTensor) and handled(t._source))]
+    if rest:
+        _foreach(func, (rest, *args[1:]), kwargs)
 
 
 def _foreach(func, args, kwargs):
@@ -516,15 +513,11 @@ def _foreach(func, args, kwargs):
         out = func(*sub(plain), **kwargs)
         if isinstance(out, (list, tuple)):
             results.update(zip(plain, out, strict=True))
-    for i in range(n):
-        if i in results or i in plain:
-            continue
+    for i in sorted(set(range(n)).difference(plain)):
         out = _run(func, sub([i]), kwargs)
         if isinstance(out, (list, tuple)):
             results[i] = out[0]
-    if not results:
-        return None
-    return [results[i] for i in range(n)]
+    return [results[i] for i in range(n)] if results else None
 
 
 def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from headroom.store._handle import Handle
-from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
+from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, fsync, open_file
 from headroom.store._pools import Pool, stop_pool
 from headroom.store._recover import open_checks, range_crc
 from headroom.store._safetensors import buffer_view, pread_into
@@ -738,12 +738,7 @@ class DiskStore(Store):
         try:
             self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise StoreFullError(
-                f"{self!r} is full: the disk under {self.path} has no room for the journal"
-                f" records of {count} writes ({e.strerror or e}); free space there or give"
-                " DiskStore a directory on a larger disk") from e
+            raise self._io_error(e, f"the journal records of {count} writes") from e
 
     def release_writes(self) -> None:
         self._ledger.unreserve()
@@ -803,25 +798,9 @@ class DiskStore(Store):
         with self._lock:
             unsynced, self._unsynced = self._unsynced, set()
         for path in unsynced:
-            try:
-                fd = open_file(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # freed since
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):  # freed since
+                fsync(path)
         self._ledger.compact(clean=clean, flushed=True)
-
-    def _free_scratch(self) -> None:
-        """Free every scratch key (see [Note: scratch keys]); a restore of one then raises."""
-        for stash in list(self._stashes.values()):
-            stash.close()
-        self._stashes.clear()
-        with self._lock:
-            scratch = [h for k, h in self._handles.items() if k.startswith(SCRATCH)]
-        for handle in scratch:
-            self.free(handle)
 
     def flush(self) -> None:
         """Wait for all pending reads and writes, make them durable and snapshot the index.
@@ -844,7 +823,14 @@ class DiskStore(Store):
         if self._closed or os.getpid() != self._pid:
             return  # in a forked child: the parent's store, which stays open there
         try:
-            self._free_scratch()
+            # Every scratch key is freed (see [Note: scratch keys]): a restore of one raises.
+            for stash in list(self._stashes.values()):
+                stash.close()
+            self._stashes.clear()
+            with self._lock:
+                scratch = [h for k, h in self._handles.items() if k.startswith(SCRATCH)]
+            for handle in scratch:
+                self.free(handle)
             self._sync(clean=True)
         finally:
             self._closed = True

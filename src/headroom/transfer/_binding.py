@@ -113,11 +113,9 @@ class ListenerHandle:
         self._binding = None
         if b is not None:
             # By identity, so two registrations of the same function stay independent.
-            ls = b.listeners
-            for i, f in enumerate(ls):
-                if f is self._fn:
-                    del ls[i]
-                    break
+            i = next((i for i, f in enumerate(b.listeners) if f is self._fn), None)
+            if i is not None:
+                del b.listeners[i]
 
 
 def bind(

@@ -156,30 +156,23 @@ class Stash:
                 k.out_event.synchronize()
             elif not k.out_event.query():
                 return False
-            self._left_device(k)
+            k.out_event = k.source = None
+            if self.disk is not None and k.nbytes:
+                # Staging -> disk on the store's threads; the staging buffer stays with the
+                # ticket (a restore before the write is done copies from it, not the disk).
+                k.out = self.disk.write(k.handle, k.host)
             return True
-        if not wait and k.out is not None and not k.out.done():
-            return False
-        self._left_storage(k)
+        if k.out is not None:
+            if not wait and not k.out.done():
+                return False
+            fut, k.out = k.out, None
+            fut.result()  # raises the write's error
+        k.source = None
         return True
 
     def wait_out(self, k: StashTicket) -> None:
         """Wait until the storage may be freed (its bytes have left it)."""
         self.out_done(k, wait=True)
-
-    def _left_device(self, k: StashTicket) -> None:
-        k.out_event = None
-        k.source = None
-        if self.disk is not None and k.nbytes:
-            # Staging -> disk on the store's threads; the staging buffer stays with the ticket
-            # (a restore before the write is done copies from it, without reading the disk).
-            k.out = self.disk.write(k.handle, k.host)
-
-    def _left_storage(self, k: StashTicket) -> None:
-        if k.out is not None:
-            fut, k.out = k.out, None
-            fut.result()  # raises the write's error
-        k.source = None
 
     # ------------------------------------------------------------------ back
     def prefetch(self, k: StashTicket, storage: torch.UntypedStorage) -> None:

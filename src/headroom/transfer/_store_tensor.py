@@ -1,15 +1,11 @@
-"""`StoreTensor`: a tensor whose values rest in a store, for code that reads ``p`` and ``p.grad``.
+"""`StoreTensor`: a tensor whose values rest in a store, for code that reads ``p`` and ``p.grad``
+(clipping, ``GradScaler.unscale_``, training frameworks; see docs/frameworks.md).
 
-A parameter on a `DiskStore` has no values in memory, and an fp32 gradient of a bf16 parameter
-cannot be its ``.grad``; yet clipping, ``GradScaler.unscale_`` and training frameworks read and
-scale ``p.grad`` as a tensor. A `StoreTensor` is a wrapper subclass (no storage) with the
-parameter's shape, dtype and device whose every op runs on the stored values, with torch's own
-kernel, so results are bitwise those on a plain tensor holding them (computed in the stored
-dtype, which may be wider than the reported one). Functional ops read the value once and give
-an ordinary tensor; in-place ops change the stored value (read-modify-write on disk, except a
-scaling ``mul_``, which `DiskStore.scale_` records and applies at the next read); ``foreach``
-ops run one tensor at a time; ``detach`` and views of values not in host memory give
-`StoreTensor` objects over the same values, so writing into them writes the store.
+A wrapper subclass (no storage) with the parameter's shape, dtype and device; every op runs
+torch's own kernel on the stored values, bitwise as on a plain tensor holding them (in the stored
+dtype, which may be wider). Functional ops read the value once; in-place ops write it back (a
+scaling ``mul_`` on disk is recorded instead: `DiskStore.scale_`); ``foreach`` ops run one tensor
+at a time; ``detach`` and views of values not in host memory are `StoreTensor` objects over them.
 """
 
 from __future__ import annotations
@@ -346,7 +342,10 @@ class StoreTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        _note_edits(func, args, kwargs)
+        for x in _written(func, args, kwargs):  # `Source.edited` of what ``func`` writes
+            for t in (x if isinstance(x, (list, tuple)) else (x,)):
+                if isinstance(t, StoreTensor):
+                    t._source.edited()
         if func in _ALIASES:
             src = args[0]
             return StoreTensor(src._source, tuple(src.shape), dtype=src.dtype, device=src.device)
@@ -389,14 +388,6 @@ class StoreTensor(torch.Tensor):
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _note_edits(func, args: tuple, kwargs: dict) -> None:
-    """`Source.edited` for the `StoreTensor` arguments ``func`` writes (lists included)."""
-    for x in _written(func, args, kwargs):
-        for t in (x if isinstance(x, (list, tuple)) else (x,)):
-            if isinstance(t, StoreTensor):
-                t._source.edited()
 
 
 def _is_scalar(x: Any) -> bool:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from headroom.store._safetensors import DuplicateKey, unique_keys
+from headroom.store._safetensors import DuplicateKey, open_regular, unique_keys
 from headroom.store._segments import BAD, Segments, crc, put, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError
 
@@ -75,7 +75,6 @@ MAX_EXTENTS = 32  # a write of more row runs records one unknown span instead of
 MAX_TENSOR_BYTES = 1 << 60
 MAX_COUNTER = 10**12
 _NAME_MAX = 200
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _VERSION = 3  # the index version written; 1 and 2 (no checksum of their own) are still read
 # Version 3 ends with the CRC32C of the index's bytes without this field (see the Note).
 _SEAL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\Z')
@@ -117,18 +116,12 @@ def open_file(path: str | os.PathLike, flags: int, mode: int = 0o644, *,
     """``os.open`` of a regular file in a store's folder, never through a symbolic link (see
     [Note: DiskStore files stay inside the folder]); `StoreCorruptError` otherwise."""
     try:
-        fd = os.open(path, flags | _OPEN_FLAGS, mode)
+        return open_regular(path, flags=flags | os.O_NOFOLLOW, mode=mode,
+                            refuse=lambda: not_regular(path, "is not a regular file", key))
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
         raise not_regular(path, "is a symbolic link", key) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise not_regular(path, "is not a regular file", key)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def not_regular(path: str | os.PathLike, what: str, key: str | None) -> StoreCorruptError:

@@ -4,6 +4,7 @@ end, then runs. Training on top stays bitwise plain PyTorch."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import warnings
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import headroom as hr
-from headroom.store import DiskStore
+from headroom.store import DiskStore, StoreFullError
 from headroom.store import _ledger as ledger_mod
 from tests.optim._models import batch, make_model
 
@@ -49,6 +50,24 @@ def test_release_of_a_reservation_compacts_a_journal_past_its_threshold(tmp_path
         warnings.simplefilter("ignore")  # not closed: a step may be partly applied
         t = DiskStore(snap)
     assert torch.equal(t.read(t.get("x")).result(), expect)
+    t.close()
+
+
+def test_a_reservation_the_disk_cannot_hold_is_store_full(tmp_path, monkeypatch):
+    s = DiskStore(tmp_path / "s")
+    h = s.put("x", torch.ones(4))
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(ledger_mod, "_keep_size_fallocate", no_space)
+    with pytest.raises(StoreFullError, match="journal records of 3 writes"):
+        s.reserve_writes(3)
+    monkeypatch.undo()
+    s.write(h, torch.full((4,), 2.0)).result()  # nothing was reserved, the store goes on
+    s.close()
+    t = DiskStore(tmp_path / "s")
+    assert torch.equal(t.read(t.get("x")).result(), torch.full((4,), 2.0))
     t.close()
 
 

@@ -19,8 +19,4 @@ def claimed_keys(store: Store) -> set[str]:
     a key already in the set, and discard theirs when they let go (``hr.unoffload``, a
     `HugeClassifier` collected). Keys stay in the store, so a new owner can resume their values.
     """
-    keys = getattr(store, _ATTR, None)
-    if keys is None:
-        keys = set()
-        setattr(store, _ATTR, keys)
-    return keys
+    return vars(store).setdefault(_ATTR, set())

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from headroom.store._handle import Handle
-from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, open_file
+from headroom.store._ledger import DTYPES, MAX_EXTENTS, Ledger, forked_error, fsync, open_file
 from headroom.store._pools import Pool, stop_pool
 from headroom.store._recover import open_checks, range_crc
 from headroom.store._safetensors import buffer_view, pread_into
@@ -42,15 +42,12 @@ def _pwrite_from(fd: int, buf: memoryview, offset: int, written: list[int]) -> N
 
 def _runs(rows: torch.Tensor) -> list[tuple[int, int, int]]:
     """Consecutive runs of sorted row indices as ``(first_row, count, position_in_rows)``."""
-    if rows.numel() == 0:
-        return []
     r = rows.tolist()
     runs = []
-    start = pos = 0
+    start = 0
     for i in range(1, len(r) + 1):
         if i == len(r) or r[i] != r[i - 1] + 1:
-            runs.append((r[start], i - start, pos))
-            pos += i - start
+            runs.append((r[start], i - start, start))
             start = i
     return runs
 
@@ -406,18 +403,10 @@ class DiskStore(Store):
         fut.add_done_callback(partial(_settle, self._pending, self._lock, key))
         return fut
 
-    def _submit_io(self, handle: Handle, kind: str, t: torch.Tensor,
-                   extents: list[tuple[int, int, int]], scales: list = ()) -> Future:
-        path = self._file(handle)
-        if kind == "write":
-            return self._submit_parts(handle.key, [(self._write_job, (handle.key, path, t,
-                                                                      extents))], None,
-                                      write=True)
-        # A large read goes out in pieces at once: more requests in flight for the disk.
-        check = _ReadCheck(self, handle.key, extents, self.verify_reads, t, scales)
-        return self._submit_parts(
-            handle.key, [(self._read_job, (path, t, p, check))
-                         for p in _split(extents, self._threads)], t, finish=check.finish)
+    def _submit_write(self, handle: Handle, src: torch.Tensor,
+                      extents: list[tuple[int, int, int]]) -> Future:
+        job = (self._write_job, (handle.key, self._file(handle), src, extents))
+        return self._submit_parts(handle.key, [job], None, write=True)
 
     def _io_error(self, e: OSError, path: str) -> OSError:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -662,15 +651,20 @@ class DiskStore(Store):
         if not extents:
             return done(out)
         with self._lock:  # the scalings of exactly the operations queued before this read
-            scales = list(self._scales.get(handle.key, ()))
-            return self._submit_io(handle, "read", out, extents, scales)
+            path = self._file(handle)
+            check = _ReadCheck(self, handle.key, extents, self.verify_reads, out,
+                               list(self._scales.get(handle.key, ())))
+            # A large read goes out in pieces at once: more requests in flight for the disk.
+            return self._submit_parts(
+                handle.key, [(self._read_job, (path, out, p, check))
+                             for p in _split(extents, self._threads)], out, finish=check.finish)
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
         self._check_src(handle, src, handle.shape, "write to")
         if handle.nbytes == 0:
             return done(None)
         with self._lock:
-            fut = self._submit_io(handle, "write", src, [(0, 0, handle.nbytes)])
+            fut = self._submit_write(handle, src, [(0, 0, handle.nbytes)])
             # Dropped once the write is queued: one that fails to start keeps the scalings.
             self._scales.pop(handle.key, None)
         return fut
@@ -736,7 +730,7 @@ class DiskStore(Store):
         if handle.key in self._scales:  # the other rows keep their scaled values
             self._write_out_scales([handle.key])
         with self._lock:  # the file looked up and the write queued with no `exchange` between
-            return self._submit_io(handle, "write", src, extents)
+            return self._submit_write(handle, src, extents)
 
     def reserve_writes(self, count: int) -> None:
         # Two records per write (begin and done), each at most this long for one range of rows.
@@ -744,12 +738,7 @@ class DiskStore(Store):
         try:
             self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise StoreFullError(
-                f"{self!r} is full: the disk under {self.path} has no room for the journal"
-                f" records of {count} writes ({e.strerror or e}); free space there or give"
-                " DiskStore a directory on a larger disk") from e
+            raise self._io_error(e, f"the journal records of {count} writes") from e
 
     def release_writes(self) -> None:
         self._ledger.unreserve()
@@ -809,25 +798,9 @@ class DiskStore(Store):
         with self._lock:
             unsynced, self._unsynced = self._unsynced, set()
         for path in unsynced:
-            try:
-                fd = open_file(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # freed since
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):  # freed since
+                fsync(path)
         self._ledger.compact(clean=clean, flushed=True)
-
-    def _free_scratch(self) -> None:
-        """Free every scratch key (see [Note: scratch keys]); a restore of one then raises."""
-        for stash in list(self._stashes.values()):
-            stash.close()
-        self._stashes.clear()
-        with self._lock:
-            scratch = [h for k, h in self._handles.items() if k.startswith(SCRATCH)]
-        for handle in scratch:
-            self.free(handle)
 
     def flush(self) -> None:
         """Wait for all pending reads and writes, make them durable and snapshot the index.
@@ -850,7 +823,14 @@ class DiskStore(Store):
         if self._closed or os.getpid() != self._pid:
             return  # in a forked child: the parent's store, which stays open there
         try:
-            self._free_scratch()
+            # Every scratch key is freed (see [Note: scratch keys]): a restore of one raises.
+            for stash in list(self._stashes.values()):
+                stash.close()
+            self._stashes.clear()
+            with self._lock:
+                scratch = [h for k, h in self._handles.items() if k.startswith(SCRATCH)]
+            for handle in scratch:
+                self.free(handle)
             self._sync(clean=True)
         finally:
             self._closed = True

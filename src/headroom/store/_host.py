@@ -3,6 +3,7 @@ of reusable page-locked buffers."""
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from concurrent.futures import Future
@@ -113,7 +114,8 @@ class PinnedPool:
             self._total -= slab.spent
             slab.release()
 
-    def _trim(self, need: int) -> None:
+    def _trim(self, need: float) -> None:
+        """Release cached buffers, largest first, until ``need`` bytes are freed."""
         for size in sorted(self._free, reverse=True):
             bufs = self._free[size]
             while bufs and need > 0:
@@ -129,10 +131,7 @@ class PinnedPool:
     def clear(self) -> None:
         """Drop all cached buffers (their memory goes back to the system)."""
         with self._lock:
-            for bufs in self._free.values():
-                for buf in bufs:
-                    self._release(buf)
-            self._free.clear()
+            self._trim(math.inf)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -221,22 +220,19 @@ class HostStore(Store):
             self._tensors[key] = (t, buf)
         return handle
 
-    def _tensor(self, handle: Handle) -> torch.Tensor:
+    def host_tensor(self, handle: Handle) -> torch.Tensor:
         self._check(handle)
         return self._tensors[handle.key][0]
 
-    def host_tensor(self, handle: Handle) -> torch.Tensor | None:
-        return self._tensor(handle)
-
     def read(self, handle: Handle, out: torch.Tensor | None = None) -> Future:
-        t = self._tensor(handle)
+        t = self.host_tensor(handle)
         if out is None:
             return done(t.clone())
         self._out(handle, out, handle.shape).copy_(t)
         return done(out)
 
     def write(self, handle: Handle, src: torch.Tensor) -> Future:
-        t = self._tensor(handle)
+        t = self.host_tensor(handle)
         self._check_src(handle, src, handle.shape)
         t.copy_(src)
         return done(None)
@@ -244,7 +240,7 @@ class HostStore(Store):
     def read_rows(
         self, handle: Handle, rows: slice | torch.Tensor, out: torch.Tensor | None = None
     ) -> Future:
-        t = self._tensor(handle)
+        t = self.host_tensor(handle)
         rows = self._check_rows(handle, rows)
         dst = self._out(handle, out, self._rows_shape(handle, rows))
         if isinstance(rows, slice):
@@ -254,7 +250,7 @@ class HostStore(Store):
         return done(dst)
 
     def write_rows(self, handle: Handle, rows: slice | torch.Tensor, src: torch.Tensor) -> Future:
-        t = self._tensor(handle)
+        t = self.host_tensor(handle)
         rows = self._check_rows(handle, rows)
         self._check_src(handle, src, self._rows_shape(handle, rows))
         if isinstance(rows, slice):

@@ -50,12 +50,12 @@ from pathlib import Path
 
 import torch
 
-from headroom.store._safetensors import DuplicateKey, unique_keys
+from headroom.store._safetensors import DuplicateKey, open_regular, unique_keys
 from headroom.store._segments import BAD, Segments, crc, put, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError
 
-__all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "is_store_file", "forked_error",
-           "not_regular", "open_file"]
+__all__ = ["DTYPES", "INDEX", "JOURNAL", "LOCK", "Ledger", "forked_error", "fsync",
+           "is_store_file", "not_regular", "open_file"]
 
 INDEX = "index.json"
 JOURNAL = "journal.jsonl"
@@ -75,7 +75,6 @@ MAX_EXTENTS = 32  # a write of more row runs records one unknown span instead of
 MAX_TENSOR_BYTES = 1 << 60
 MAX_COUNTER = 10**12
 _NAME_MAX = 200
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _VERSION = 3  # the index version written; 1 and 2 (no checksum of their own) are still read
 # Version 3 ends with the CRC32C of the index's bytes without this field (see the Note).
 _SEAL = re.compile(rb',"crc":"([0-9a-f]{8})"\}\Z')
@@ -117,20 +116,12 @@ def open_file(path: str | os.PathLike, flags: int, mode: int = 0o644, *,
     """``os.open`` of a regular file in a store's folder, never through a symbolic link (see
     [Note: DiskStore files stay inside the folder]); `StoreCorruptError` otherwise."""
     try:
-        fd = os.open(path, flags | _OPEN_FLAGS, mode)
+        return open_regular(path, flags=flags | os.O_NOFOLLOW, mode=mode,
+                            refuse=lambda: not_regular(path, "is not a regular file", key))
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
         raise not_regular(path, "is a symbolic link", key) from None
-    try:
-        st = os.fstat(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise not_regular(path, "is not a regular file", key)
-    return fd
 
 
 def not_regular(path: str | os.PathLike, what: str, key: str | None) -> StoreCorruptError:
@@ -165,8 +156,8 @@ def forked_error(what: str, pid: int) -> RuntimeError:
         " DiskStore on a folder of the child's own")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync(path: str | os.PathLike, *, folder: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY) if folder else open_file(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -277,21 +268,17 @@ def _write_record(rec) -> dict:
     return rec
 
 
-_LIBC = None
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+except (OSError, AttributeError):  # no libc fallocate: journal space is not reserved
+    _LIBC = None
 
 
 def _keep_size_fallocate(fd: int, offset: int, length: int) -> None:
     """Allocate blocks of ``fd`` past its end without changing its size (Linux
     ``FALLOC_FL_KEEP_SIZE``), for appends to land in; elsewhere nothing is reserved."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-            _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                                        ctypes.c_int64]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if not _LIBC or length <= 0:
+    if _LIBC is None or length <= 0:
         return
     if _LIBC.fallocate(fd, 1, offset, length) != 0:
         err = ctypes.get_errno()
@@ -735,8 +722,7 @@ class Ledger:
     def start(self) -> None:
         """Begin a session: snapshot the (recovered) state as not clean, open the journal."""
         self._jfd = open_file(self.path / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        self.dirty = False
-        self.compact(clean=False)
+        self.compact(clean=False, flushed=True)
 
     def compact(self, *, clean: bool, flushed: bool = False) -> None:
         """Write the index (atomically, fsynced) and empty the journal."""
@@ -762,7 +748,7 @@ class Ledger:
         finally:
             os.close(fd)
         os.replace(tmp, self.path / INDEX)
-        _fsync_dir(self.path)
+        fsync(self.path, folder=True)
         os.ftruncate(self._jfd, 0)
         self._jbytes = 0
         self._reserved_to = 0

@@ -35,21 +35,16 @@ def to_meta(obj: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             if id(t) in seen:
                 return seen[id(t)][1]
-            out = _stand_in(t)
+            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            if keeps_values(t):
+                # NOTE: unseen by dispatch modes: no tracker counts the copy as the step's memory
+                with torch._C._DisableTorchDispatch():
+                    known_values.put(out, t.detach().to("cpu", copy=True))
             seen[id(t)] = (t, out)  # t kept: its id stays its own while the map is made
-            return out
+            return out.requires_grad_(t.requires_grad)
         return t
 
     return tree_map(one, obj)
-
-
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    if keeps_values(t):
-        # NOTE: unseen by dispatch modes: a tracker must not count the copy as the step's memory
-        with torch._C._DisableTorchDispatch():
-            known_values.put(out, t.detach().to("cpu", copy=True))
-    return out.requires_grad_(t.requires_grad)
 
 
 def flat_tensors(items: list[Any]) -> list[torch.Tensor]:
@@ -143,8 +138,6 @@ class MetaStore(Store):
     differ: values given to it are known, and what rests on its disk is a `stand_in`.
     """
 
-    pinned = False
-
     def __init__(self, places: Places, *, host: bool) -> None:
         super().__init__(max_bytes=None)
         self.places = places
@@ -193,9 +186,6 @@ class MetaStore(Store):
         if not self.host:
             self.places.no_memory(t)
         return self.adopt(key, t)
-
-    def reserve(self, sizes: Any) -> None:
-        pass
 
     def host_tensor(self, h: Handle) -> torch.Tensor | None:
         return self._tensors.get(h.key)

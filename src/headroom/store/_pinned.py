@@ -169,13 +169,11 @@ def _registered(nbytes: int, cost: int, device: torch.device | None) -> Slab:
 def device_guard(device: torch.device | None):
     """``device`` made current (its runtime's ``device`` context), or a null context on the CPU,
     ``meta``, or without its runtime."""
-    mod = None
-    if device is not None and device.type not in ("cpu", "meta"):
-        mod = getattr(torch, device.type, None)
-    guard = getattr(mod, "device", None) if mod is not None else None
-    if guard is None or not getattr(mod, "is_available", lambda: False)():
+    mod = getattr(torch, device.type, None) if device is not None \
+        and device.type not in ("cpu", "meta") else None
+    if not hasattr(mod, "device") or not getattr(mod, "is_available", lambda: False)():
         return contextlib.nullcontext()
-    return guard(device)
+    return mod.device(device)
 
 
 def alloc_slab(nbytes: int, *, pin: bool, device: torch.device | None = None) -> Slab:
@@ -259,9 +257,9 @@ class PinnedArena:
         """Make room for tensors of these byte sizes, carved next, in one slab sized to them."""
         need = sum(max(_aligned(n), ALIGN) for n in sizes if n > 0)
         with self._lock:
-            if need <= 0 or self._largest_free() >= need:
-                return
-            self._new_slab(need)
+            if need > 0 and need > max(
+                    (e - s for spans in self._free.values() for s, e in spans), default=0):
+                self._new_slab(need)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 tensor of exactly ``nbytes`` carved from a slab (contents undefined)."""
@@ -301,9 +299,6 @@ class PinnedArena:
             self._carved.clear()
 
     # ------------------------------------------------------------------ internals
-    def _largest_free(self) -> int:
-        return max((e - s for spans in self._free.values() for s, e in spans), default=0)
-
     def _find(self, need: int) -> tuple[Slab, int] | None:
         for slab in self._slabs:
             spans = self._free[id(slab)]

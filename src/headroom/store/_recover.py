@@ -23,7 +23,7 @@ from headroom.store._safetensors import crc_of_file
 from headroom.store._segments import combine, crc_of_range, zeros_crc
 from headroom.store._store import SCRATCH, StoreCorruptError, StoreFullError
 
-__all__ = ["ASIDE", "file_crcs", "open_checks", "problem_text", "range_crc"]
+__all__ = ["ASIDE", "file_crcs", "open_checks", "range_crc"]
 
 _PIECE = 16 << 20  # a range is checksummed in pieces of this size, spread over the threads
 _BUF = 4 << 20
@@ -55,21 +55,12 @@ def file_crcs(ranges: list[tuple[str, int, int]], pool: Executor,
                      for s, e in pieces])
     out: list[int | None] = []
     for pieces in jobs:
-        c: int | None = 0
-        for k, (s, e, fut) in enumerate(pieces):
+        c: int | None = 0  # the CRC of no bytes; combined with a piece's, that piece's
+        for s, e, fut in pieces:
             part = fut.result()
-            if part is None or c is None:
-                c = None
-                continue
-            c = part if k == 0 else combine(c, part, e - s)
+            c = None if part is None or c is None else combine(c, part, e - s)
         out.append(c)
     return out
-
-
-def problem_text(path: Path, ledger: Ledger, problems: list[tuple[str, int, int, str]]) -> str:
-    """``'key' (file F, bytes a-b: why)`` for each problem, at most 10."""
-    return _first10([f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
-                     for k, s, e, why in problems], "; ")
 
 
 def _first10(items: list[str], sep: str = ", ") -> str:
@@ -81,17 +72,6 @@ def _resolve_unfinished(ledger: Ledger, keys) -> None:
     """The writes to ``keys`` in flight when the last process stopped count as not written."""
     for rid in [rid for rid, w in ledger.inflight.items() if w["k"] in keys]:
         ledger.resolve(rid, "none")
-
-
-def _unaccounted_error(path: Path, names: list[str]) -> StoreCorruptError:
-    return StoreCorruptError(
-        f"DiskStore {str(path)!r}: {len(names)} tensor file(s) in the folder are accounted for"
-        f" by neither index.json nor journal.jsonl: {_first10(names)}. A tensor's index entry"
-        " may be lost (damaged, or a power loss after the last flush()), or the file put there"
-        " by hand. The folder was not changed. Restore index.json and journal.jsonl from their"
-        f" backup; or open with DiskStore(path, recover=True), which renames each to NAME{ASIDE}"
-        " (not deleted) and opens without them, then hr.load(checkpoint, model, optimizer); or"
-        " start over with DiskStore(path, overwrite=True)", str(path))
 
 
 def _move_aside(path: Path, names: list[str]) -> list[str]:
@@ -113,7 +93,15 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
     path = ledger.path
     unaccounted = ledger.unaccounted()
     if unaccounted and not recover:
-        raise _unaccounted_error(path, unaccounted)
+        raise StoreCorruptError(
+            f"DiskStore {str(path)!r}: {len(unaccounted)} tensor file(s) in the folder are"
+            f" accounted for by neither index.json nor journal.jsonl: {_first10(unaccounted)}."
+            " A tensor's index entry may be lost (damaged, or a power loss after the last"
+            " flush()), or the file put there by hand. The folder was not changed. Restore"
+            " index.json and journal.jsonl from their backup; or open with DiskStore(path,"
+            f" recover=True), which renames each to NAME{ASIDE} (not deleted) and opens without"
+            " them, then hr.load(checkpoint, model, optimizer); or start over with"
+            " DiskStore(path, overwrite=True)", str(path))
     problems: list[tuple[str, int, int, str]] = []
     recreate: list[str] = []  # keys whose missing or short file is recreated (zero-filled)
     sizes: dict[str, int] = {}
@@ -192,7 +180,8 @@ def open_checks(ledger: Ledger, pool: Executor, *, verify: bool, recover: bool,
             f" again: {shown}. The folder was not changed. Free space there; or, if the sizes"
             " are damaged, open it with DiskStore(path, recover=True), which drops these"
             " tensors, or start over with DiskStore(path, overwrite=True)")
-    text = problem_text(path, ledger, problems)
+    text = _first10([f"{k!r} ({ledger.entries[k]['file']}, bytes {s}-{e}: {why})"
+                     for k, s, e, why in problems], "; ")
     keys = tuple(dict.fromkeys(k for k, *_ in problems))
     if problems and not recover:
         raise StoreCorruptError(

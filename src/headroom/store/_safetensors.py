@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,19 +160,21 @@ def parse_header(raw: bytes, base: int) -> tuple[dict[str, str], dict[str, Tenso
     return meta, tensors, length
 
 
-def open_regular(path: str | os.PathLike) -> int:
-    """A read-only descriptor of the regular file at ``path`` (opened without blocking: a FIFO
-    or device is refused at once).
+def open_regular(path: str | os.PathLike, *, flags: int = os.O_RDONLY, mode: int = 0o644,
+                 refuse: Callable[[], Exception] | None = None) -> int:
+    """A descriptor of the regular file at ``path`` (read-only unless ``flags`` say otherwise;
+    opened without blocking: a FIFO or device is refused at once, as ``refuse()`` if given).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: ``path`` is not a regular file (named).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{str(path)!r} is not a regular file (a device, FIFO or"
-                             " folder); point at the checkpoint file itself")
+            raise refuse() if refuse is not None else ValueError(
+                f"{str(path)!r} is not a regular file (a device, FIFO or folder); point at the"
+                " checkpoint file itself")
     except BaseException:
         os.close(fd)
         raise

@@ -174,10 +174,7 @@ class Store(abc.ABC):
         """
         _check_plain(key, tensor)
         handle = self.alloc(key, tuple(tensor.shape), tensor.dtype, zero=False)
-        src = tensor.detach()
-        if src.device.type != "cpu":
-            src = src.cpu()
-        self.write(handle, src.contiguous()).result()
+        self.write(handle, tensor.detach().cpu().contiguous()).result()
         return handle
 
     @abc.abstractmethod

@@ -28,9 +28,7 @@ _VALUE_EDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def note_value_edit(store: Store, key: str) -> None:
     """Count a write of the values under ``key`` by someone other than their consumer."""
-    counts = _VALUE_EDITS.get(store)
-    if counts is None:
-        counts = _VALUE_EDITS[store] = {}
+    counts = _VALUE_EDITS.setdefault(store, {})
     counts[key] = counts.get(key, 0) + 1
 
 
@@ -115,11 +113,9 @@ class ListenerHandle:
         self._binding = None
         if b is not None:
             # By identity, so two registrations of the same function stay independent.
-            ls = b.listeners
-            for i, f in enumerate(ls):
-                if f is self._fn:
-                    del ls[i]
-                    break
+            i = next((i for i, f in enumerate(b.listeners) if f is self._fn), None)
+            if i is not None:
+                del b.listeners[i]
 
 
 def bind(
@@ -196,10 +192,7 @@ def grad_ready(param: torch.Tensor) -> None:
     complete; producers call it after handing the gradient to the store."""
     b = binding(param)
     if b is not None:
-        if b.relay is not None:
-            b.relay(param)
-        else:
-            relay_done(param)
+        (b.relay if b.relay is not None else relay_done)(param)
 
 
 def relay_done(param: torch.Tensor) -> None:

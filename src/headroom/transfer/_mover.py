@@ -418,10 +418,8 @@ class Mover:
         return fn
 
     def synchronize(self) -> None:
-        """Wait until every gradient pushed so far rests in the store (backward goes on).
-
-
-        Holds no lock the pushing thread needs while waiting: backward goes on meanwhile.
+        """Wait until every gradient pushed so far rests in the store, holding no lock the
+        pushing thread needs: backward goes on meanwhile.
 
         Raises:
             OSError / StoreFullError: an error of a background write.

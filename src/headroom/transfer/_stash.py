@@ -146,43 +146,33 @@ class Stash:
             k.source = None
         return k
 
-    def out_done(self, k: StashTicket) -> bool:
-        """Whether the storage may be freed now (its bytes have left it), without waiting."""
+    def out_done(self, k: StashTicket, *, wait: bool = False) -> bool:
+        """Whether the storage may be freed now (its bytes have left it); ``wait``: once
+        they have."""
         if k.source is None:
             return True
         if k.out_event is not None:
-            if not k.out_event.query():
+            if wait:
+                k.out_event.synchronize()
+            elif not k.out_event.query():
                 return False
-            self._left_device(k)
+            k.out_event = k.source = None
+            if self.disk is not None and k.nbytes:
+                # Staging -> disk on the store's threads; the staging buffer stays with the
+                # ticket (a restore before the write is done copies from it, not the disk).
+                k.out = self.disk.write(k.handle, k.host)
             return True
-        if k.out is not None and not k.out.done():
-            return False
-        self._left_storage(k)
+        if k.out is not None:
+            if not wait and not k.out.done():
+                return False
+            fut, k.out = k.out, None
+            fut.result()  # raises the write's error
+        k.source = None
         return True
 
     def wait_out(self, k: StashTicket) -> None:
         """Wait until the storage may be freed (its bytes have left it)."""
-        if k.source is None:
-            return
-        if k.out_event is not None:
-            k.out_event.synchronize()
-            self._left_device(k)
-            return
-        self._left_storage(k)
-
-    def _left_device(self, k: StashTicket) -> None:
-        k.out_event = None
-        k.source = None
-        if self.disk is not None and k.nbytes:
-            # Staging -> disk on the store's threads; the staging buffer stays with the ticket
-            # (a restore before the write is done copies from it, without reading the disk).
-            k.out = self.disk.write(k.handle, k.host)
-
-    def _left_storage(self, k: StashTicket) -> None:
-        if k.out is not None:
-            fut, k.out = k.out, None
-            fut.result()  # raises the write's error
-        k.source = None
+        self.out_done(k, wait=True)
 
     # ------------------------------------------------------------------ back
     def prefetch(self, k: StashTicket, storage: torch.UntypedStorage) -> None:

@@ -1,15 +1,11 @@
-"""`StoreTensor`: a tensor whose values rest in a store, for code that reads ``p`` and ``p.grad``.
+"""`StoreTensor`: a tensor whose values rest in a store, for code that reads ``p`` and ``p.grad``
+(clipping, ``GradScaler.unscale_``, training frameworks; see docs/frameworks.md).
 
-A parameter on a `DiskStore` has no values in memory, and an fp32 gradient of a bf16 parameter
-cannot be its ``.grad``; yet clipping, ``GradScaler.unscale_`` and training frameworks read and
-scale ``p.grad`` as a tensor. A `StoreTensor` is a wrapper subclass (no storage) with the
-parameter's shape, dtype and device whose every op runs on the stored values, with torch's own
-kernel, so results are bitwise those on a plain tensor holding them (computed in the stored
-dtype, which may be wider than the reported one). Functional ops read the value once and give
-an ordinary tensor; in-place ops change the stored value (read-modify-write on disk, except a
-scaling ``mul_``, which `DiskStore.scale_` records and applies at the next read); ``foreach``
-ops run one tensor at a time; ``detach`` and views of values not in host memory give
-`StoreTensor` objects over the same values, so writing into them writes the store.
+A wrapper subclass (no storage) with the parameter's shape, dtype and device; every op runs
+torch's own kernel on the stored values, bitwise as on a plain tensor holding them (in the stored
+dtype, which may be wider). Functional ops read the value once; in-place ops write it back (a
+scaling ``mul_`` on disk is recorded instead: `DiskStore.scale_`); ``foreach`` ops run one tensor
+at a time; ``detach`` and views of values not in host memory are `StoreTensor` objects over them.
 """
 
 from __future__ import annotations
@@ -346,7 +342,10 @@ class StoreTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        _note_edits(func, args, kwargs)
+        for x in _written(func, args, kwargs):  # `Source.edited` of what ``func`` writes
+            for t in (x if isinstance(x, (list, tuple)) else (x,)):
+                if isinstance(t, StoreTensor):
+                    t._source.edited()
         if func in _ALIASES:
             src = args[0]
             return StoreTensor(src._source, tuple(src.shape), dtype=src.dtype, device=src.device)
@@ -368,11 +367,7 @@ class StoreTensor(torch.Tensor):
                 and args[0]._source.clear()):
             return args[0]
         if func is _aten._foreach_zero_.default:  # zero_grad(set_to_none=False, foreach=True)
-            rest = [t for t in args[0]
-                    if not (isinstance(t, StoreTensor) and t._source.clear())]
-            if rest:
-                _foreach(func, (rest,), kwargs)
-            return None
+            return _foreach_unhandled(func, args, kwargs, lambda s: s.clear())
         if func in _SCALE_OPS and _is_one(args[1]):
             # NOTE: x * 1 is x bit for bit: clipping that does not clip (coefficient clamped
             # to 1) then costs no read and write of every gradient on disk.
@@ -380,11 +375,7 @@ class StoreTensor(torch.Tensor):
         if func in _SCALE_OPS and _is_scalar(args[1]):
             if func in _FOREACH_SCALE_OPS:
                 factor = _own_scalar(args[1])
-                rest = [t for t in args[0]
-                        if not (isinstance(t, StoreTensor) and t._source.scale(func, factor))]
-                if rest:
-                    _foreach(func, (rest, args[1]), kwargs)
-                return None
+                return _foreach_unhandled(func, args, kwargs, lambda s: s.scale(func, factor))
             if isinstance(args[0], StoreTensor) and args[0]._source.scale(
                     func, _own_scalar(args[1])):
                 return args[0]
@@ -397,14 +388,6 @@ class StoreTensor(torch.Tensor):
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-
-def _note_edits(func, args: tuple, kwargs: dict) -> None:
-    """`Source.edited` for the `StoreTensor` arguments ``func`` writes (lists included)."""
-    for x in _written(func, args, kwargs):
-        for t in (x if isinstance(x, (list, tuple)) else (x,)):
-            if isinstance(t, StoreTensor):
-                t._source.edited()
 
 
 def _is_scalar(x: Any) -> bool:
@@ -460,7 +443,6 @@ def _run(func, args, kwargs):
     dev = wrappers[0].device
     written = _written(func, args, kwargs)
     written_ids = {id(t) for w in written for t in (w if isinstance(w, (list, tuple)) else [w])}
-    mutates = bool(written)
     values: dict[tuple, tuple[torch.Tensor, bool]] = {}
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, host copy) written by func
     new_flat = []
@@ -478,8 +460,8 @@ def _run(func, args, kwargs):
         else:
             new_flat.append(x)
     a, k = tree_unflatten(new_flat, spec)
-    if mutates:
-        out = func(*a, **k)
+    out = func(*a, **k)
+    if written:
         for x in wrappers:
             if id(x) in written_ids:
                 v, live = values[x._source.key()]
@@ -490,12 +472,18 @@ def _run(func, args, kwargs):
         if func._schema.returns and func._schema.returns[0].alias_info is not None:
             return written[0]
         return out
-    out = func(*a, **k)
     if dev.type != "cpu":
         flat_out, spec_out = tree_flatten(out)
         out = tree_unflatten([o.to(dev) if isinstance(o, torch.Tensor) else o
                               for o in flat_out], spec_out)
     return out
+
+
+def _foreach_unhandled(func, args, kwargs, handled: Callable[[Source], bool]) -> None:
+    """A foreach op on the tensors of ``args[0]`` whose source ``handled`` did not take."""
+    rest = [t for t in args[0] if not (isinstance(t, StoreTensor) and handled(t._source))]
+    if rest:
+        _foreach(func, (rest, *args[1:]), kwargs)
 
 
 def _foreach(func, args, kwargs):
@@ -516,15 +504,11 @@ def _foreach(func, args, kwargs):
         out = func(*sub(plain), **kwargs)
         if isinstance(out, (list, tuple)):
             results.update(zip(plain, out, strict=True))
-    for i in range(n):
-        if i in results or i in plain:
-            continue
+    for i in sorted(set(range(n)).difference(plain)):
         out = _run(func, sub([i]), kwargs)
         if isinstance(out, (list, tuple)):
             results[i] = out[0]
-    if not results:
-        return None
-    return [results[i] for i in range(n)]
+    return [results[i] for i in range(n)] if results else None
 
 
 def is_stored_grad(t: torch.Tensor, b: ParamBinding) -> bool:

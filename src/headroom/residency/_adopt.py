@@ -52,8 +52,6 @@ class _Members:
     """Which modules belong to an offloaded model, their names and the group holding them."""
 
     def __init__(self, state: Offload) -> None:
-        self.refs: dict[int, weakref.ref] = {}
-        self.home: dict[int, Group] = {}
         # modules with the state-dict hooks of hr.offload
         self.hooked = {id(m) for s in state.slots for m, _ in s.owners}
         self.dirty = False
@@ -64,15 +62,12 @@ class _Members:
 
     def refresh(self, state: Offload) -> None:
         names = {}
-        self.refs = {}
+        self.refs: dict[int, weakref.ref] = {}
         for n, m in state.model.named_modules(remove_duplicate=False):
             names.setdefault(id(m), f"{n}." if n else "")
             self.refs[id(m)] = weakref.ref(m)
         state.module_names = names
-        self.home = {}
-        for b in state.blocks:
-            for m in b.module.modules():
-                self.home[id(m)] = b
+        self.home: dict[int, Group] = {id(m): b for b in state.blocks for m in b.module.modules()}
         # modules holding adapters, which stay on the device (hr.offload(adapters="device"))
         self.adapter_mods = adapter_modules(state.model) if state.adapters == "device" \
             else set()
@@ -112,10 +107,6 @@ def _live() -> list[tuple[Offload, _Members]]:
 
 def _members(state: Offload) -> _Members | None:
     return getattr(state, _MEMBERS, None)
-
-
-def _is_wrapper(m: nn.Module) -> bool:
-    return isinstance(m._modules.get("base_layer"), nn.Module)
 
 
 def holds(state: Offload, module: nn.Module) -> bool:
@@ -179,7 +170,8 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
     prefix = f"{state.module_names.get(id(parent), '')}{name}."
     adapters = set()
     if state.adapters == "device":
-        inside = id(parent) in info.adapter_mods or (_is_wrapper(parent) and name != "base_layer")
+        inside = id(parent) in info.adapter_mods or (
+            isinstance(parent._modules.get("base_layer"), nn.Module) and name != "base_layer")
         adapters = {id(m) for m in sub.modules()} if inside else adapter_modules(sub)
         info.adapter_mods |= adapters
     items = []

@@ -90,17 +90,15 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclass(eq=False, slots=True)
 class _GroupRole:
     """A block's side of the guard protocol (`headroom.residency._guard.Role`)."""
 
-    __slots__ = ("state", "block")
+    state: Offload
+    block: Group
 
     def __deepcopy__(self, memo):
         return self  # see Offload.__deepcopy__
-
-    def __init__(self, state: Offload, block: Group) -> None:
-        self.state = state
-        self.block = block
 
     def call_failed(self, module: nn.Module) -> None:
         self.state.abort_forward(self.block)

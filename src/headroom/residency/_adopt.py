@@ -436,21 +436,15 @@ def rescan(state: Offload) -> None:
     if gone:
         retire(state, gone)
     state.kept = {i: p for i, p in state.kept.items() if i in present}
-    for pid, regs in list(present.items()):
-        if pid in state.kept or pid in state.by_param or pid in state.by_dev \
-                or pid in state.by_packed:
-            continue
-        if all(id(m) in info.adapter_mods for m, *_ in regs):
-            kept = _keep(state, regs)
-            if kept:
-                present.pop(pid)
     for pid, regs in present.items():
         if pid in state.kept:
             continue
-        homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
-                 for m, *_ in regs}
-        home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
         slot = state.by_param.get(pid) or state.by_dev.get(pid) or state.by_packed.get(pid)
+        if slot is None and all(id(m) in info.adapter_mods for m, *_ in regs) \
+                and _keep(state, regs):
+            continue  # an adapter with values, kept on the device
+        homes = {id(info.home.get(id(m))) for m, *_ in regs}  # (None: outside blocks)
+        home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
         if slot is None:
             _adopt(state, info, regs, home)
         elif {(id(m), a) for m, a in slot.owners} != {(id(m), a) for m, a, *_ in regs}:

@@ -56,9 +56,9 @@ def check_blocks(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
             raise ValueError("the model itself cannot be a block; pass its layers instead")
         if id(b) not in names:
             raise ValueError(f"block {type(b).__name__} is not a submodule of the model")
-    ids = {id(b) for b in blocks}
-    if len(ids) != len(blocks):
+    if len({id(b) for b in blocks}) != len(blocks):
         raise ValueError("blocks lists the same module twice")
+    ids = {id(b) for b in blocks}
     for b in blocks:
         for sub in b.modules():
             if sub is not b and id(sub) in ids:

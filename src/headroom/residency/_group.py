@@ -200,26 +200,26 @@ class Residency:
                 s.shared = False
                 continue
             if s.ticket is not None:  # a prefetch that was never used
-                self._wait_unused([s.ticket], quiet)
+                # waited even when quiet: a disk read may still land in the storage
+                try:
+                    self.mover.wait(s.ticket)
+                except Exception:
+                    if not quiet:
+                        raise
                 s.ticket = None
             resize_storage(s.dev, 0)
         for q in group.packed:
-            if q.tickets:  # a prefetch that was never used
-                self._wait_unused(q.tickets, quiet)
-                q.tickets = []
+            for t in q.tickets:  # a prefetch that was never used
+                try:
+                    self.mover.wait(t)
+                except Exception:
+                    if not quiet:
+                        raise
+            q.tickets = []
             q.free()
         group.resident = group.free = False
         if self._trimmer is not None:
             self._trimmer.freed(group.nbytes)
-
-    def _wait_unused(self, tickets: list[Ticket], quiet: bool) -> None:
-        # a prefetch that was never used, waited even when quiet: a disk read may still land
-        for t in tickets:
-            try:
-                self.mover.wait(t)
-            except Exception:
-                if not quiet:
-                    raise
 
     def push_grad(self, grad: torch.Tensor, b: ParamBinding, *, accumulate: bool) -> None:
         """Hand a finished gradient to the store (see `headroom.transfer.Mover.push_grad`)."""

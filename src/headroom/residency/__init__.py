@@ -21,26 +21,17 @@ from headroom.residency._offload import (
     unoffload,
 )
 from headroom.residency._packed import is_packed, meta_like, packed_nbytes
-from headroom.residency._plan import (
-    GroupPlan,
-    OffloadOptions,
-    OffloadPlan,
-    ParamPlan,
-    plan_offload,
-)
+from headroom.residency._plan import OffloadPlan, plan_offload
 from headroom.residency._quantize import quantize_block
 from headroom.residency._schedule import Offload, Phase
 from headroom.residency._schedule import _outputs as tensor_outputs
 
 __all__ = [
     "MODULE_ATTRS",
-    "GroupPlan",
-    "OffloadOptions",
     "OffloadPlan",
     "Group",
     "Offload",
     "OffloadedParameter",
-    "ParamPlan",
     "Slot",
     "StoredParameter",
     "tensor_outputs",

@@ -26,26 +26,21 @@ from headroom.residency._group import Group, Slot
 from headroom.residency._outside import keep_on_device
 from headroom.residency._packed import Packed, check_packable, is_packed, read_parts
 from headroom.residency._plan import Layout, adapter_modules, layout
-from headroom.store import HostStore, claimed_keys
+from headroom.store import HostStore, Store, claimed_keys
 from headroom.transfer import HeldSource, StoreTensor, binding, unbind
 
 if TYPE_CHECKING:  # pragma: no cover
     from headroom.residency._schedule import Offload
 
 __all__ = [
-    "current_plan", "holds", "hook_state_dict", "install", "release_hooks", "rescan", "retire",
-    "retire_packed", "sync_masters",
+    "current_plan", "forget", "free_packed", "free_slot", "holds", "hook_state_dict", "install",
+    "release_all", "release_hooks", "rescan", "retire", "sync_masters",
 ]
 
 _HANDLES: list = []  # the registration hooks' handles, while a model is offloaded
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # live offload states (for the step hooks too)
-# `_offload._place` and `_unplace`, handed down by `_offload` (above this module) on import
+# `_offload._place` and `_unplace`, set by `_offload` (above this module) on import
 _placement: tuple[Callable, Callable] | None = None
-
-
-def use_placement(place: Callable, unplace: Callable) -> None:
-    global _placement
-    _placement = (place, unplace)
 
 
 # NOTE: `_Members` rests on the state: a weak-keyed map would keep every state alive (its
@@ -57,29 +52,22 @@ class _Members:
     """Which modules belong to an offloaded model, their names and the group holding them."""
 
     def __init__(self, state: Offload) -> None:
-        self.refs: dict[int, weakref.ref] = {}
-        self.home: dict[int, Group] = {}
-        self.hooked: set[int] = set()  # modules with the state-dict hooks of hr.offload
+        # modules with the state-dict hooks of hr.offload
+        self.hooked = {id(m) for s in state.slots for m, _ in s.owners}
         self.dirty = False
         self.plan_stale = False  # parameters joined or left since the plan was made
         # slot id -> its master's host tensor in the store, and that tensor's address
         self.hosts: dict[int, tuple[torch.Tensor | None, int]] = {}
         self.refresh(state)
-        for s in state.slots:
-            for m, _ in s.owners:
-                self.hooked.add(id(m))
 
     def refresh(self, state: Offload) -> None:
         names = {}
-        self.refs = {}
+        self.refs: dict[int, weakref.ref] = {}
         for n, m in state.model.named_modules(remove_duplicate=False):
             names.setdefault(id(m), f"{n}." if n else "")
             self.refs[id(m)] = weakref.ref(m)
         state.module_names = names
-        self.home = {}
-        for b in state.blocks:
-            for m in b.module.modules():
-                self.home[id(m)] = b
+        self.home: dict[int, Group] = {id(m): b for b in state.blocks for m in b.module.modules()}
         # modules holding adapters, which stay on the device (hr.offload(adapters="device"))
         self.adapter_mods = adapter_modules(state.model) if state.adapters == "device" \
             else set()
@@ -121,10 +109,6 @@ def _members(state: Offload) -> _Members | None:
     return getattr(state, _MEMBERS, None)
 
 
-def _is_wrapper(m: nn.Module) -> bool:
-    return isinstance(m._modules.get("base_layer"), nn.Module)
-
-
 def holds(state: Offload, module: nn.Module) -> bool:
     """Whether ``module`` belongs to ``state``'s model (as of the last rescan or adoption)."""
     info = _members(state)
@@ -156,12 +140,10 @@ def _on_param(module: nn.Module, name: str, param: nn.Parameter):
         return None
     old = module._parameters.get(name)  # still registered: torch calls the hook first
     if old is not None and old is not param:  # replaced in place: the old one leaves
-        slot = state.by_param.get(id(old)) or state.by_dev.get(id(old))
+        slot = state.by_param.get(id(old)) or state.by_dev.get(id(old)) \
+            or state.by_packed.get(id(old))
         if slot is not None and [(id(m), a) for m, a in slot.owners] == [(id(module), name)]:
             retire(state, [slot])
-        q = state.by_packed.get(id(old))
-        if q is not None and [(id(m), a) for m, a in q.owners] == [(id(module), name)]:
-            retire_packed(state, [q])
     prefix = state.module_names.get(id(module), "")
     item = (module, name, param, prefix + name)
     if id(module) in info.adapter_mods:
@@ -188,7 +170,8 @@ def _on_module(parent: nn.Module, name: str, sub: nn.Module | None):
     prefix = f"{state.module_names.get(id(parent), '')}{name}."
     adapters = set()
     if state.adapters == "device":
-        inside = id(parent) in info.adapter_mods or (_is_wrapper(parent) and name != "base_layer")
+        inside = id(parent) in info.adapter_mods or (
+            isinstance(parent._modules.get("base_layer"), nn.Module) and name != "base_layer")
         adapters = {id(m) for m in sub.modules()} if inside else adapter_modules(sub)
         info.adapter_mods |= adapters
     items = []
@@ -284,11 +267,15 @@ def _adopt(state: Offload, info: _Members, items: list, home: Group | None) -> l
         raise
     _copyable(state, [slot for slot, _, _ in placed])
     info.plan_stale = True
-    for m, _attr, _p, _ in items:
+    _hook_new(state, info, [m for m, *_ in items])
+    return [slot for slot, _, _ in placed]
+
+
+def _hook_new(state: Offload, info: _Members, modules: list[nn.Module]) -> None:
+    for m in modules:
         if id(m) not in info.hooked:
             info.hooked.add(id(m))
             hook_state_dict(state, m)
-    return [slot for slot, _, _ in placed]
 
 
 def hook_state_dict(state: Offload, m: nn.Module) -> None:
@@ -309,10 +296,9 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
     """``old`` leaves the model; ``keep`` (perhaps a module inside it) takes its place."""
     old_ids = {id(m) for m in old.modules()}
     keep_ids = {id(m) for m in keep.modules()}
-    gone_packed = [q for q in state.packed
-                   if _inside(q, old_ids) and not _inside(q, {id(m) for m in keep.modules()})]
+    gone_packed = [q for q in state.packed if _inside(q, old_ids) and not _inside(q, keep_ids)]
     if gone_packed:
-        retire_packed(state, gone_packed)
+        retire(state, gone_packed)
     inside = [s for s in state.slots if _inside(s, old_ids)]
     if not inside:
         return
@@ -324,28 +310,28 @@ def _drop(state: Offload, info: _Members, old: nn.Module, *, keep: nn.Module) ->
         retire(state, gone)
 
 
-def _release_all(state: Offload) -> None:
+def release_all(state: Offload) -> None:
     state.drop_announced()
     for g in [*state.blocks, state.rest]:
         state.res.release(g)
 
 
-def retire(state: Offload, slots: list[Slot]) -> None:
+def retire(state: Offload, gone: list[Slot | Packed]) -> None:
     """Parameters that left the model leave the store: values back in the objects (host
-    tensors), gradients dropped."""
+    tensors; a quantized one's host copies of its parts, [Note: packed parameters]),
+    gradients dropped."""
     st = state.store
-    _release_all(state)
-    state.sync_grads()
-    gone = {id(s) for s in slots}
-    for s in slots:
+    release_all(state)
+    if any(isinstance(s, Slot) for s in gone):
+        state.sync_grads()
+    for s in gone:
+        if isinstance(s, Packed):
+            s.keep_values(read_parts(s, st))
+            free_packed(s, st)
+            continue
         b = s.binding
         value = st.read(b.handle).result().clone() if b.has_value else None
-        if b.grad_handle is not None:
-            st.free(b.grad_handle)
-        st.free(b.handle)
-        claimed_keys(st).discard(b.handle.key)
-        state.claims.discard(b.handle.key)
-        unbind(s.param)
+        free_slot(state, s)
         p = s.param
         p.grad = None
         if value is not None:
@@ -356,38 +342,43 @@ def retire(state: Offload, slots: list[Slot]) -> None:
                 s.show(p)
             else:
                 p.data = value
-        state.by_param.pop(id(s.param), None)
-        state.by_dev.pop(id(s.dev), None)
-    state.slots = [s for s in state.slots if id(s) not in gone]
+    forget(state, gone)
     info = _members(state)
     if info is not None:
         info.plan_stale = True
-        for i in gone:
-            info.hosts.pop(i, None)
-    for g in [*state.blocks, state.rest]:
-        g.slots = [s for s in g.slots if id(s) not in gone]
+        for s in gone:
+            info.hosts.pop(id(s), None)
 
 
-def retire_packed(state: Offload, packed: list[Packed]) -> None:
-    """Quantized parameters that left the model leave the store, holding host copies of their
-    parts ([Note: packed parameters])."""
-    st = state.store
-    _release_all(state)
-    gone = {id(q) for q in packed}
-    for q in packed:
-        q.keep_values(read_parts(q, st))
-        q.unbind_owners()
-        for h in q.handles.values():
-            st.free(h)
-            claimed_keys(st).discard(h.key)
-        state.by_packed.pop(id(q.param), None)
-        state.by_packed.pop(id(q.dev), None)
-    state.packed = [q for q in state.packed if id(q) not in gone]
-    for g in [*state.blocks, state.rest]:
-        g.packed = [q for q in g.packed if id(q) not in gone]
-    info = _members(state)
-    if info is not None:
-        info.plan_stale = True
+def free_slot(state: Offload, s: Slot) -> None:
+    """Free a slot's store entries and claims, and unbind its master."""
+    st, b = state.store, s.binding
+    if b.grad_handle is not None:
+        st.free(b.grad_handle)
+    st.free(b.handle)
+    claimed_keys(st).discard(b.handle.key)  # [Note: one writer per key]
+    state.claims.discard(b.handle.key)
+    unbind(s.param)
+
+
+def free_packed(q: Packed, st: Store) -> None:
+    """Free a quantized parameter's parts in the store; its 8-bit layer forgets them."""
+    q.unbind_owners()
+    for h in q.handles.values():
+        st.free(h)
+        claimed_keys(st).discard(h.key)
+
+
+def forget(state: Offload, gone: list) -> None:
+    """Take slots and packed parameters out of ``state``'s lists and maps."""
+    ids = {id(s) for s in gone}
+    for s in gone:
+        for d in (state.by_param, state.by_dev, state.by_packed):
+            d.pop(id(s.param), None)
+            d.pop(id(s.dev), None)
+    for holder in [state, *state.blocks, state.rest]:
+        holder.slots = [s for s in holder.slots if id(s) not in ids]
+        holder.packed = [q for q in holder.packed if id(q) not in ids]
 
 
 # ---------------------------------------------------------------------- between steps
@@ -440,30 +431,20 @@ def rescan(state: Offload) -> None:
         for attr, p in m._parameters.items():
             if p is not None:
                 present.setdefault(id(p), []).append((m, attr, p, prefix + attr))
-    gone = [s for s in state.slots
+    gone = [s for s in [*state.slots, *state.packed]
             if id(s.param) not in present and id(s.dev) not in present]
     if gone:
         retire(state, gone)
-    gone_packed = [q for q in state.packed
-                   if id(q.param) not in present and id(q.dev) not in present]
-    if gone_packed:
-        retire_packed(state, gone_packed)
     state.kept = {i: p for i, p in state.kept.items() if i in present}
-    for pid, regs in list(present.items()):
-        if pid in state.kept or pid in state.by_param or pid in state.by_dev \
-                or pid in state.by_packed:
-            continue
-        if all(id(m) in info.adapter_mods for m, *_ in regs):
-            kept = _keep(state, regs)
-            if kept:
-                present.pop(pid)
     for pid, regs in present.items():
         if pid in state.kept:
             continue
-        homes = {id(info.home.get(id(m))) if info.home.get(id(m)) is not None else None
-                 for m, *_ in regs}
-        home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
         slot = state.by_param.get(pid) or state.by_dev.get(pid) or state.by_packed.get(pid)
+        if slot is None and all(id(m) in info.adapter_mods for m, *_ in regs) \
+                and _keep(state, regs):
+            continue  # an adapter with values, kept on the device
+        homes = {id(info.home.get(id(m))) for m, *_ in regs}  # (None: outside blocks)
+        home = info.home.get(id(regs[0][0])) if len(homes) == 1 else None
         if slot is None:
             _adopt(state, info, regs, home)
         elif {(id(m), a) for m, a in slot.owners} != {(id(m), a) for m, a, *_ in regs}:
@@ -485,35 +466,26 @@ def _rehome(state: Offload, info: _Members, slot: Slot | Packed, owners: list,
         info.plan_stale = True
     slot.owners = owners
     slot.show(slot.param)
-    for m, _ in owners:
-        if id(m) not in info.hooked:
-            info.hooked.add(id(m))
-            hook_state_dict(state, m)
+    _hook_new(state, info, [m for m, _ in owners])
 
 
 # ---------------------------------------------------------------------- copies
-def _copy_master(state_ref: weakref.ref, slot: Slot, memo: dict) -> nn.Parameter:
-    """``copy.deepcopy`` of a master resting on disk: a host parameter with its value."""
+def _copy(state_ref: weakref.ref, s: Slot | Packed, memo: dict) -> torch.Tensor:
+    """``copy.deepcopy`` of a master resting on disk: a host parameter with its value (a
+    quantized one: the same class over host copies of its parts)."""
     state = state_ref()
-    if state is None or slot not in state.slots:
-        raise RuntimeError(f"copy of {slot.name!r}: its model is no longer offloaded")
-    if not slot.binding.has_value:
-        state.init_pending()
-    state.sync_grads()
-    value = state.store.read(slot.binding.handle).result()
-    out = nn.Parameter(value, requires_grad=slot.param.requires_grad)
-    memo[id(slot.param)] = out
-    return out
-
-
-def _copy_packed(state_ref: weakref.ref, q: Packed, memo: dict) -> torch.Tensor:
-    """``copy.deepcopy`` of a quantized master resting on disk: the same class over host
-    copies of its parts."""
-    state = state_ref()
-    if state is None or q not in state.packed:
-        raise RuntimeError(f"copy of {q.name!r}: its model is no longer offloaded")
-    out = q.packing.rebuild(read_parts(q, state.store))
-    memo[id(q.param)] = out
+    packed = isinstance(s, Packed)
+    if state is None or s not in (state.packed if packed else state.slots):
+        raise RuntimeError(f"copy of {s.name!r}: its model is no longer offloaded")
+    if packed:
+        out = s.packing.rebuild(read_parts(s, state.store))
+    else:
+        if not s.binding.has_value:
+            state.init_pending()
+        state.sync_grads()
+        value = state.store.read(s.binding.handle).result()
+        out = nn.Parameter(value, requires_grad=s.param.requires_grad)
+    memo[id(s.param)] = out
     return out
 
 
@@ -523,8 +495,7 @@ def _copyable(state: Offload, slots: list) -> None:
     ref = weakref.ref(state)
     for s in slots:
         if s.param.device.type == "meta":
-            copy = _copy_packed if isinstance(s, Packed) else _copy_master
-            s.param.__deepcopy__ = partial(copy, ref, s)
+            s.param.__deepcopy__ = partial(_copy, ref, s)
 
 
 def current_plan(state: Offload):

@@ -230,69 +230,47 @@ def offload_sharded(model: nn.Module, *, device: torch.device, store: str | Stor
             info = fp._module_info
             prefix = f"{uname}." if uname else ""
             pending.append((f"{prefix}{_local_name(m, info.module, info.param_name)}", fp, group))
-    if not st.holds_host_memory:
-        return _offload_to_disk(model, state, pending, prefetch)
-    pin = is_accelerator(device)
+    # a store without host memory: the shards read for each all-gather (`DiskShards`)
+    disk = None if st.holds_host_memory else DiskShards(st, device, prefetch=prefetch)
     try:
-        for key, fp, _ in pending:
-            state.handles[key] = st.put(key, fp._sharded_param_data.detach())
+        for key, fp, group in pending:
+            state.handles[key] = (st.put(key, fp._sharded_param_data.detach()) if disk is None
+                                  else disk.put(key, fp, group))
     except BaseException:
         for h in state.handles.values():
             st.free(h)
         raise
-    # interrupted half-way, what moved goes back and the store is freed: as FSDP2 alone had it
+    # from here nothing reads the store: interrupted half-way, what moved goes back and the
+    # store is freed, as FSDP2 alone had it
+    state.disk = disk
     model.__dict__[_ATTR] = state
+    originals = {key: fp._sharded_param_data for key, fp, _ in pending}
+    pin = is_accelerator(device) and disk is None
     try:
         for key, fp, _ in pending:
-            _rest_in(fp, st.host_tensor(state.handles[key]), pin=pin)
+            h = state.handles[key]
+            flat = st.host_tensor(h) if disk is None else placeholder(fp)
+            _rest_in(fp, flat, pin=pin)
             state.params[key] = fp
+            if disk is not None:
+                release(flat)
+                bind(fp.sharded_param, h, store=st)
+                disk.rest(disk.shards[key])
+        if disk is not None:
+            disk.wrap_all()
+            disk.hook(model)
         _guard_moves(model, state)
     except BaseException:
-        unoffload_sharded(model)  # the moved ones back, their handles freed, unguarded
-        for key, h in state.handles.items():
-            if key not in state.params:
-                st.free(h)
-        raise
-    return model
-
-
-def _offload_to_disk(model: nn.Module, state: ShardedOffload, pending: list,
-                     prefetch: int) -> nn.Module:
-    """The shards of ``pending`` into a store without host memory."""
-    disk = DiskShards(state.store, state.device, prefetch=prefetch)
-    try:
-        for key, fp, group in pending:
-            disk.put(key, fp, group)
-    except BaseException:
-        for sh in disk.shards.values():
-            state.store.free(sh.handle)
-        raise
-    # from here nothing reads the disk: an interruption undoes all, as for host memory
-    state.disk = disk
-    state.handles = {k: sh.handle for k, sh in disk.shards.items()}
-    model.__dict__[_ATTR] = state
-    try:
-        originals = {k: sh.fp._sharded_param_data for k, sh in disk.shards.items()}
-        for key, sh in disk.shards.items():
-            ph = placeholder(sh.fp)
-            _rest_in(sh.fp, ph, pin=False)
-            release(ph)
-            state.params[key] = sh.fp
-            bind(sh.fp.sharded_param, sh.handle, store=state.store)
-            disk.rest(sh)
-        disk.wrap_all()
-        disk.hook(model)
-        _guard_moves(model, state)
-    except BaseException:
-        disk.unwrap()
+        if disk is not None:
+            disk.unwrap()
         for m in state.guarded:
             m.__dict__.pop("_apply", None)
         for key, fp in state.params.items():
             unbind(fp.sharded_param)
-            _set_shard(fp, originals[key].to(state.device), state.device, host=False)
+            _set_shard(fp, originals[key].to(device), device, host=False)
         model.__dict__.pop(_ATTR, None)
         for h in state.handles.values():
-            state.store.free(h)
+            st.free(h)
         raise
     return model
 
@@ -413,14 +391,15 @@ def unoffload_sharded(model: nn.Module) -> nn.Module:
     state = model.__dict__.pop(_ATTR)
     for m in state.guarded:
         m.__dict__.pop("_apply", None)
-    if state.disk is not None:
-        state.disk.unwrap()
-        state.disk.drop_all()
-        for key, fp in state.params.items():
-            flat = state.disk.take_back(state.disk.shards[key]).to(state.device)
-            _set_shard(fp, flat, state.device, host=False)
-        return model
+    disk = state.disk
+    if disk is not None:
+        disk.unwrap()
+        disk.drop_all()
     for key, fp in state.params.items():
-        _set_shard(fp, fp._sharded_param_data.to(state.device).clone(), state.device, host=False)
-        state.store.free(state.handles[key])
+        if disk is not None:
+            flat = disk.take_back(disk.shards[key]).to(state.device)
+        else:
+            flat = fp._sharded_param_data.to(state.device).clone()
+            state.store.free(state.handles[key])
+        _set_shard(fp, flat, state.device, host=False)
     return model

@@ -27,10 +27,9 @@ from headroom.residency._packed import (
     as_stored,
     check_packable,
     is_packed,
-    packing_of,
+    packable,
     part_key,
     read_parts,
-    refusal,
     rest_master,
 )
 from headroom.residency._plan import Layout, OffloadPlan, adapter_modules, check_options, layout
@@ -254,8 +253,6 @@ def _offload(model: nn.Module, dev: torch.device, store: str | Store | MetaStore
     state = Offload(model, dev, st, prefetch, compute_dtype, grad_accumulation)
     state.adapters = adapters
     state.plan = replace(lay.plan, store=repr(st))
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    state.module_names = {i: f"{n}." if n else "" for i, n in names.items()}
     state.blocks = [Group(g.name, m) for g, m in zip(lay.plan.blocks, lay.block_modules,
                                                      strict=True)]
     first_name = lay.names
@@ -344,19 +341,17 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
                 if first_name[pid] not in st and pid not in packed])
     for pid, p in params.items():
         name = first_name[pid]
+        g = lay.group_of[pid]
+        target = state.blocks[g] if g >= 0 else state.rest
         if pid in packed:
-            g = lay.group_of[pid]
-            _place_packed(state, st, dev, p, name, owners[pid],
-                          state.blocks[g] if g >= 0 else state.rest, claimed, placed)
+            _place_packed(state, st, dev, p, name, owners[pid], target, claimed, placed)
             continue
         # one already in the store (a DiskStore reopened) is resumed when the model has no
         # values for it (meta), else overwritten; one new on meta gets its values later (_meta)
         resume = name in st and p.device.type == "meta"
         pending = p.device.type == "meta" and not resume and not isinstance(st, MetaStore)
         if not p.is_leaf:
-            raise ValueError(f"parameter {first_name[pid]!r} is not a leaf tensor")
-        g = lay.group_of[pid]
-        target = state.blocks[g] if g >= 0 else state.rest
+            raise ValueError(f"parameter {name!r} is not a leaf tensor")
         cdtype = compute_dtype if (compute_dtype is not None and p.is_floating_point()) \
             else p.dtype
         created = name not in st
@@ -379,8 +374,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
             master = p
             with torch.no_grad():
                 master.data = host
-            if master.grad is not None:
-                master.grad = None
+            master.grad = None
         else:  # on disk: a tensor whose ops run on the stored values
             master = nn.Parameter(
                 stored_view(HandleSource(st, handle, prepare=state.init_pending),
@@ -424,10 +418,7 @@ def _place(state: Offload, st: Store, dev: torch.device, compute_dtype, lay: Lay
 def _place_packed(state: Offload, st: Store, dev: torch.device, p: torch.Tensor, name: str,
                   owners: list, target: Group, claimed: set[str], placed: list) -> None:
     """Put a quantized parameter's parts in the store (see [Note: packed parameters])."""
-    why = refusal(p, name, owners)
-    if why is not None:
-        raise ValueError(f"hr.offload cannot keep {why}")
-    packing, parts = packing_of(p, name, owners)
+    packing, parts = packable(p, name, owners)
     handles = {}
     created = []
     entry = [None, p, created]
@@ -465,8 +456,16 @@ def _rollback(state: Offload, st: Store, claimed: set[str], placed: list) -> Non
 def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None:
     """Undo the placement of ``placed`` alone (parameters back, store entries freed)."""
     for slot, original, created in reversed(placed):
-        if slot is None or isinstance(slot, Packed):
-            _unplace_packed(state, st, claimed, slot, original, created)
+        if slot is None or isinstance(slot, Packed):  # `_place_packed`'s
+            if slot is not None:
+                slot.unbind_owners()
+                slot.show(original)
+                for h in slot.handles.values():
+                    claimed.discard(h.key)
+            for key in created:
+                if key in st:
+                    st.free(st.get(key))
+                claimed.discard(key)
             continue
         _REPLACED.pop(id(original), None)  # back in its module
         _end_need(original)
@@ -482,33 +481,10 @@ def _unplace(state: Offload, st: Store, claimed: set[str], placed: list) -> None
             st.free(slot.binding.handle)
         claimed.discard(slot.binding.handle.key)
         state.claims.discard(slot.binding.handle.key)
-        for coll in (slot.group.slots, state.slots):
-            if slot in coll:
-                coll.remove(slot)
-        state.by_dev.pop(id(slot.dev), None)
-        state.by_param.pop(id(slot.param), None)
+    _adopt.forget(state, [slot for slot, _, _ in placed if slot is not None])
 
 
-_adopt.use_placement(_place, _unplace)  # parameters added later are placed alike
-
-
-def _unplace_packed(state: Offload, st: Store, claimed: set[str], q: Packed | None,
-                    original: torch.Tensor, created: list[str]) -> None:
-    """Undo `_place_packed`."""
-    if q is not None:
-        q.unbind_owners()
-        q.show(original)
-        for coll in (q.group.packed, state.packed):
-            if q in coll:
-                coll.remove(q)
-        state.by_packed.pop(id(q.param), None)
-        state.by_packed.pop(id(q.dev), None)
-        for h in q.handles.values():
-            claimed.discard(h.key)
-    for key in created:
-        if key in st:
-            st.free(st.get(key))
-        claimed.discard(key)
+_adopt._placement = (_place, _unplace)  # parameters added later are placed alike
 
 
 def _check_stored(handle, p: torch.Tensor, name: str) -> None:
@@ -699,8 +675,7 @@ def unoffload(model: nn.Module) -> nn.Module:
     state.drop_announced()
     state.init_pending()
     state.sync_grads()
-    for b in [*state.blocks, state.rest]:
-        state.res.release(b)
+    _adopt.release_all(state)
     state.res.mover.close()  # copies landed, staging memory back to the system
     for h in state.handles:
         h.remove()
@@ -716,23 +691,15 @@ def unoffload(model: nn.Module) -> nn.Module:
             _outside.remove(m)
     for q in state.packed:
         value = q.packing.rebuild({k: v.to(state.device) for k, v in read_parts(q, st).items()})
-        q.unbind_owners()
-        for h in q.handles.values():
-            st.free(h)
-            claimed_keys(st).discard(h.key)
+        _adopt.free_packed(q, st)
         q.show(value)
     for s in state.slots:
         b = s.binding
         value = st.read(b.handle).result().to(state.device)
         grad = None
-        if b.grad_handle is not None:
-            if s.param.grad is not None:
-                grad = st.read(b.grad_handle).result().to(state.device)
-            st.free(b.grad_handle)
-        st.free(b.handle)
-        claimed_keys(st).discard(b.handle.key)  # [Note: one writer per key]
-        state.claims.discard(b.handle.key)
-        unbind(s.param)
+        if b.grad_handle is not None and s.param.grad is not None:
+            grad = st.read(b.grad_handle).result().to(state.device)
+        _adopt.free_slot(state, s)
         unmark(s.param)
         _end_need(s.param)  # a master on disk: replaced below, no longer bound
         if isinstance(s.param, StoreTensor):

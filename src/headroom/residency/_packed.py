@@ -28,7 +28,7 @@ from headroom.transfer import HandleSource, StoreTensor, resize_storage, stored_
 
 __all__ = [
     "Packed", "Packing", "as_stored", "check_packable", "is_packed", "meta_like",
-    "packed_nbytes", "packing_of", "part_key", "read_parts", "refusal", "rest_master",
+    "packable", "packed_nbytes", "packing_of", "part_key", "read_parts", "rest_master",
     "state_entries", "stored_spec", "trains",
 ]
 
@@ -60,15 +60,16 @@ def is_packed(p: torch.Tensor) -> bool:
     return _bnb_kind(p) is not None or hasattr(type(p), "__tensor_flatten__")
 
 
-def refusal(p: torch.Tensor, name: str, owners: list | tuple = ()) -> str | None:
-    """Why the packed parameter ``p`` cannot be offloaded, or ``None`` when it can."""
-    if p.requires_grad:
-        return trains(p, name, "requires grad")
-    try:
-        packing_of(p, name, owners)
-    except _Unsupported as e:
-        return str(e)
-    return None
+def packable(p: torch.Tensor, name: str, owners: list | tuple = (),
+             ) -> tuple[Packing, dict[str, torch.Tensor]]:
+    """`packing_of` a quantized parameter to offload; raises ValueError saying why it cannot."""
+    why = trains(p, name, "requires grad") if p.requires_grad else None
+    if why is None:
+        try:
+            return packing_of(p, name, owners)
+        except _Unsupported as e:
+            why = str(e)
+    raise ValueError(f"hr.offload cannot keep {why}")
 
 
 def trains(p: torch.Tensor, name: str, how: str) -> str:
@@ -85,10 +86,7 @@ class _Unsupported(Exception):
 def check_packable(st: Store, claimed: set[str], p: torch.Tensor, name: str,
                    owners: list) -> None:
     """Refuse, before anything changes, a quantized parameter that cannot rest packed."""
-    why = refusal(p, name, owners)
-    if why is not None:
-        raise ValueError(f"hr.offload cannot keep {why}")
-    packing, _ = packing_of(p, name, owners)
+    packing, _ = packable(p, name, owners)
     for k, (shape, dtype) in packing.specs.items():
         key = part_key(name, k)
         if key not in st:

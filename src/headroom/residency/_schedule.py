@@ -90,17 +90,15 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclass(eq=False, slots=True)
 class _GroupRole:
     """A block's side of the guard protocol (`headroom.residency._guard.Role`)."""
 
-    __slots__ = ("state", "block")
+    state: Offload
+    block: Group
 
     def __deepcopy__(self, memo):
         return self  # see Offload.__deepcopy__
-
-    def __init__(self, state: Offload, block: Group) -> None:
-        self.state = state
-        self.block = block
 
     def call_failed(self, module: nn.Module) -> None:
         self.state.abort_forward(self.block)
@@ -381,14 +379,10 @@ class Offload:
             return  # another thread runs the model: this call failed before it started
         try:
             if block is not None:
-                found = False
-                for i in range(len(self._active) - 1, -1, -1):
-                    if self._active[i][0] is block:
-                        _, watched = self._active.pop(i)
-                        if watched:
-                            block.inputs_pending = max(0, block.inputs_pending - 1)
-                        found = True
-                        break
+                at = [i for i, (b, _) in enumerate(self._active) if b is block]
+                found = bool(at)
+                if found and self._active.pop(at[-1])[1]:  # its input gradients: not awaited
+                    block.inputs_pending = max(0, block.inputs_pending - 1)
                 hide(block)
                 self.res.release(block, quiet=True)
                 if self.in_forward:
@@ -765,17 +759,14 @@ class Offload:
             b.has_grad = True
             if cur is None:
                 p.grad = _stored_grad(p, b)
-        elif host is not None:
-            if self.grad_accumulation == "device" and not self._inert_warned:
+        else:
+            if host is not None and self.grad_accumulation == "device" \
+                    and not self._inert_warned:
                 self._inert_warned = True
                 _warn_inert(slot.name)
             self.res.push_grad(g, b, accumulate=cur is not None)
-            if cur is None:
-                p.grad = host
-        else:
-            self.res.push_grad(g, b, accumulate=cur is not None)
             if cur is None:  # zero_grad()'s None: overwritten, not accumulated
-                p.grad = _stored_grad(p, b)
+                p.grad = host if host is not None else _stored_grad(p, b)
         # post-accumulate-grad fires once per backward, after every use (tied weights too):
         # complete. Listeners are told (HostOptimizer may step at once), g dropped first.
         del g
@@ -1047,24 +1038,24 @@ class Offload:
         if self.pending_modules:  # once per module: not the whole-model check of init_pending
             init_pending(self, lost_ok=True)
         for attr, t in module._parameters.items():
+            key = prefix + attr
             slot = self.by_dev.get(id(t)) or self.by_param.get(id(t))
-            if slot is None or prefix + attr not in state_dict:
+            q = self.by_packed.get(id(t))
+            if key not in state_dict:
+                continue
+            # (a packed master over the store's own memory gave its values already)
+            if q is not None and any(self.store.host_tensor(h) is None
+                                     for h in q.handles.values()):
+                state_dict.update(state_entries(q, read_parts(q, self.store), prefix, attr))
+            if slot is None:
                 continue
             sync_masters(self, [slot])
+            h = slot.binding.handle
             if not slot.binding.has_value:  # no value anywhere (see _meta): not made up
-                h = slot.binding.handle
-                state_dict[prefix + attr] = torch.empty(h.shape, dtype=h.dtype, device="meta")
+                state_dict[key] = torch.empty(h.shape, dtype=h.dtype, device="meta")
                 continue
-            host = self.store.host_tensor(slot.binding.handle)
-            state_dict[prefix + attr] = (
-                host if host is not None else self.store.read(slot.binding.handle).result()
-            )
-        for attr, t in module._parameters.items():
-            q = self.by_packed.get(id(t))
-            if q is None or prefix + attr not in state_dict or all(
-                    self.store.host_tensor(h) is not None for h in q.handles.values()):
-                continue  # a master over the store's own memory gave its values already
-            state_dict.update(state_entries(q, read_parts(q, self.store), prefix, attr))
+            host = self.store.host_tensor(h)
+            state_dict[key] = host if host is not None else self.store.read(h).result()
 
     def load_state_dict_pre_hook(self, module, state_dict, prefix, *args) -> None:
         if any(id(t) in self.by_packed and prefix + a in state_dict

@@ -87,8 +87,8 @@ class DiskShards:
         self.ahead_used = 0  # groups whose all-gather found their shards read ahead
 
     # ------------------------------------------------------------------ setup
-    def put(self, key: str, fp, group) -> None:
-        """Write ``fp``'s unpadded local shard under ``key``."""
+    def put(self, key: str, fp, group) -> Handle:
+        """Write ``fp``'s unpadded local shard under ``key``; returns its handle."""
         if key in self.store:
             raise RuntimeError(
                 f"{self.store!r} already holds {key!r} (a store of an earlier run): hr.offload"
@@ -104,6 +104,7 @@ class DiskShards:
         self.by_group.setdefault(id(group), []).append(sh)
         if group not in self.groups:
             self.groups.append(group)
+        return h
 
     def rest(self, sh: _Shard) -> None:
         """Between all-gathers the DTensor's local tensor is a `StoreTensor`: the user's reads

@@ -85,10 +85,8 @@ class Use:
     def try_enter(self) -> bool:
         """Take (or nest) a use in this thread if nobody else has one; never waits."""
         with self._cond:
-            if not self._mine():
-                if self._owner is not None or self._queue:
-                    return False
-                self._owner = ("f", threading.get_ident())
+            if not self._mine() and not self._take(("f", threading.get_ident()), lambda: True):
+                return False
             self._depth += 1
             return True
 

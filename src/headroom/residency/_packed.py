@@ -436,9 +436,10 @@ class Packed:
                     for n in path:
                         owner = getattr(owner, n)
                     setattr(owner, last, v)
+            elif p.device.type == "meta":  # a DiskStore's placeholder: a parameter with memory
+                self.show(self.packing.rebuild(parts))
             else:
-                if p.device.type != "meta":  # else a placeholder (a DiskStore's) stays one
-                    p.data = parts["data"]
+                p.data = parts["data"]
                 if kind == "bnb4":
                     p.quant_state = self.packing.extra["state"](parts)
                 else:

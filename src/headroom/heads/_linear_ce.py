@@ -772,14 +772,6 @@ def check_labels(x: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOption
     return target
 
 
-def check_call(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-    opts: CrossEntropyOptions,
-) -> torch.Tensor:
-    check_linear(x, weight, bias)
-    return check_labels(x, target, opts, num_classes=weight.shape[0])
-
-
 def one_pass(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: CrossEntropyOptions,
     *, batch: int,
@@ -960,80 +952,62 @@ def _refuse_double_backward(what: str, dense: str) -> None:
 _DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)")
 
 
-def _outputs(ctx: Any, fwd: CrossEntropyForward, opts: CrossEntropyOptions,
-             shape: torch.Size) -> tuple[torch.Tensor, ...]:
-    """`outputs` of an autograd Function: accuracy and predictions not differentiable."""
-    ctx.set_materialize_grads(False)
-    out = outputs(fwd, opts, shape)
-    ctx.mark_non_differentiable(out[2], out[3])
-    return out
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """`sliced_forward` and `sliced_backward` under autograd, for the slices of ``params`` (a
-    tensor's, or a store's); ``dense`` names the call and its dense twin for errors."""
+    tensor's, or a store's); ``dense`` names the call and its dense twin for errors. With
+    ``rows``, the one-pass path (`rows_forward`): gradients formed in forward (for a scalar
+    loss), scaled in backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        target: torch.Tensor, params: ParamSlices, opts: CrossEntropyOptions,
-        dense: tuple[str, str],
+        target: torch.Tensor, params: ParamSlices | None, opts: CrossEntropyOptions,
+        dense: tuple[str, str], rows: int | None = None,
     ):
-        fwd = sliced_forward(x, target, params, opts)
-        # NOTE: the params' tensors are saved too: autograd then refuses a backward after an
-        # in-place change of them (it would use the changed values)
-        ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
-        ctx.params, ctx.opts, ctx.dense, ctx.has_bias = params, opts, dense, bias is not None
-        return _outputs(ctx, fwd, opts, target.shape)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        ctx.needs = (need_x, need_w, need_b and bias is not None)
+        if rows is None:
+            assert params is not None
+            fwd = sliced_forward(x, target, params, opts)
+            # NOTE: the params' tensors are saved too: autograd then refuses a backward after an
+            # in-place change of them (it would use the changed values)
+            ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
+        else:
+            fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows, needs=ctx.needs)
+            ctx.save_for_backward(*grads)
+        ctx.params, ctx.opts, ctx.dense, ctx.one_pass = params, opts, dense, rows is not None
+        ctx.set_materialize_grads(False)
+        out = outputs(fwd, opts, target.shape)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
         _refuse_double_backward(*ctx.dense)
-        x, target, *saved = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grads = sliced_backward(x, target, ctx.params, tuple(saved[:4]), (grad_loss, grad_lse),
-                                ctx.opts, (need_x, need_w, need_b and ctx.has_bias))
-        return (*grads, None, None, None, None)
-
-
-class _LinearCrossEntropyRows(torch.autograd.Function):
-    """The one-pass path: gradients formed in forward (for a scalar loss), scaled in backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        target: torch.Tensor, opts: CrossEntropyOptions, rows: int,
-    ):
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows,
-                                   needs=(need_x, need_w, bias is not None and need_b))
-        ctx.save_for_backward(*grads)
-        return _outputs(ctx, fwd, opts, target.shape)
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
-        _refuse_double_backward(*_DENSE)
-        assert grad_lse is None  # the lse is not returned on this path
-        if grad_loss is None:
-            return None, None, None, None, None, None
-        # NOTE: scaled in place: they are the saved tensors, so a second backward fails as any
-        # freed graph's does
-        return (*scale_grads(ctx.saved_tensors, grad_loss, ctx.needs_input_grad[:3],
-                             in_place=True), None, None, None)
+        if not ctx.one_pass:
+            x, target, *saved = ctx.saved_tensors
+            grads = sliced_backward(x, target, ctx.params, tuple(saved[:4]),
+                                    (grad_loss, grad_lse), ctx.opts, ctx.needs)
+        elif grad_loss is None:
+            grads = (None, None, None)
+        else:
+            assert grad_lse is None  # the lse is not returned on this path
+            # NOTE: scaled in place: they are the saved tensors, so a second backward fails as
+            # any freed graph's does
+            grads = scale_grads(ctx.saved_tensors, grad_loss, ctx.needs_input_grad[:3],
+                                in_place=True)
+        return (*grads, None, None, None, None, None)
 
 
 def linear_cross_entropy_eager(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     opts: CrossEntropyOptions,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
-    """`linear_cross_entropy` with its options `checked`, outside ``torch.compile``."""
-    target = check_call(x, weight, target, bias, opts)
+    """`linear_cross_entropy` outside ``torch.compile``, after `checked` and `check_linear`."""
+    target = check_labels(x, target, opts, num_classes=weight.shape[0])
     p = plan(x, target, opts, num_classes=weight.shape[0],
              one_pass=one_pass(x, weight, bias, opts, batch=math.prod(target.shape)))
-    if p.chunk is not None:
-        out = _LinearCrossEntropyRows.apply(p.x, weight, bias, p.target, p.opts, p.chunk)
-    else:
-        params = TensorParams(weight, bias, device=x.device, dtype=p.opts.accum_dtype,
-                              prefetch=p.opts.prefetch)
-        out = _LinearCrossEntropy.apply(p.x, weight, bias, p.target, params, p.opts, _DENSE)
+    params = None if p.chunk is not None else TensorParams(
+        weight, bias, device=x.device, dtype=p.opts.accum_dtype, prefetch=p.opts.prefetch)
+    out = _LinearCrossEntropy.apply(p.x, weight, bias, p.target, params, p.opts, _DENSE, p.chunk)
     return opts.returned(p.all_rows(out))

@@ -241,7 +241,7 @@ def _ml_backward(
     _, _, row_max, row_sum = ll.loss_forward(c.x, c.params, c.plan, wanted)
     if c.keep is not None and grad.dim() > 0:
         grad = grad.reshape(-1)[c.keep]  # reduction="none": the rows kept
-    gx, gw, gb = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
+    _, (gx, gw, gb) = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
     gx = lce.rows_grad(None if gx is None else gx.to(x.dtype), c.keep, x.shape)
     return _real(x, (gx, gw, gb))  # type: ignore[return-value]
 

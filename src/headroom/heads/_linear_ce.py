@@ -383,7 +383,7 @@ class CrossEntropyOptions:
 
     Checked where a call enters (`checked`, which resolves ``shift``, ``loss_dtype`` and
     ``accum_dtype``); `plan` picks ``slice_size`` and moves ``class_weight`` to the compute
-    device. The passes, the autograd Functions and the compiled operator take this one object.
+    device. The passes, the autograd Function and the compiled operator take this one object.
     """
 
     ignore_index: int = -100
@@ -755,7 +755,7 @@ def grad_rows(grad: torch.Tensor | None, shape: torch.Size, shift: int) -> torch
 
 # ---------------------------------------------------------------------------------------------
 # one call: its checks, the rows it computes, and its two passes as plain functions (run by
-# the autograd Functions below and by the compiled operator)
+# the autograd Function below and by the compiled operator)
 
 
 def check_labels(x: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions, *,

@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from headroom.heads._entry import linear_cross_entropy
 from headroom.heads._linear_ce import (
-    DEFAULT_LOGITS_BUDGET,
     CrossEntropyOptions,
     LinearCrossEntropyOutput,
     _LinearCrossEntropy,
@@ -457,8 +456,7 @@ class HugeClassifier(nn.Module):
     def _slice_for(self, batch: int, dtype: torch.dtype) -> int:
         if self.slice_size is not None:
             return max(1, min(self.slice_size, self.num_classes))
-        return pick_slice_size(batch, self.num_classes, accum_dtype=dtype,
-                               budget_bytes=DEFAULT_LOGITS_BUDGET)
+        return pick_slice_size(batch, self.num_classes, accum_dtype=dtype)
 
     def forward(
         self,

@@ -277,8 +277,7 @@ def compiled_linear_loss(
             "under torch.compile, linear_loss takes targets as a CSR tuple of tensors "
             "(offsets, indices) or (offsets, indices, values); convert other forms before "
             "the compiled region")
-    offsets, indices = targets[0], targets[1]
-    values = targets[2] if len(targets) == 3 else None
+    offsets, indices, values = (*targets, None)[:3]
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
     one = any(needs) and reduction != "none" and loss not in ("softmax", "softmax_sum")

@@ -204,14 +204,6 @@ class OneHot:
         g.scatter_add_(1, local, -(coef * inside).unsqueeze(1))
 
 
-class LsePass(NamedTuple):
-
-    row_max: torch.Tensor
-    row_sum: torch.Tensor
-    logit_sum: torch.Tensor | None
-    argmax: torch.Tensor | None
-
-
 def logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
            out: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
@@ -252,12 +244,12 @@ def lse_pass(
     softcap: float | None = None,
     class_weight: torch.Tensor | None = None,
     want_argmax: bool = False,
-) -> LsePass:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Online log-sum-exp of ``x`` ``(B, D)`` (accumulation dtype) over the class slices.
 
     ``targets`` records the target logits on the way. Returns each row's largest logit ``m``,
     ``sum(exp(z - m))`` (float64), with ``want_logit_sum`` the sum of its logits (weighted by
-    ``class_weight``), with ``want_argmax`` its first largest logit's class.
+    ``class_weight``), with ``want_argmax`` its first largest logit's class (else ``None``).
     """
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
@@ -290,7 +282,7 @@ def lse_pass(
             z.sub_(new_max.unsqueeze(1)).exp_()
             run_sum += z.sum(1)
             run_max = new_max
-    return LsePass(run_max, run_sum, z_sum, arg)
+    return run_max, run_sum, z_sum, arg
 
 
 def log_sum_exp(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
@@ -503,11 +495,11 @@ def ce_forward(
     and the z-loss part by the number of rows not ignored.
     """
     targets = OneHot(t)
-    p = lse_pass(x, source, targets, slice_size=slice_size,
-                 want_logit_sum=opts.label_smoothing > 0, softcap=opts.softcap,
-                 class_weight=opts.class_weight, want_argmax=opts.want_argmax)
-    return _finish(t, opts, source.num_classes, log_sum_exp(p.row_max, p.row_sum),
-                   targets.logits, p.logit_sum, p.argmax, p.row_max, p.row_sum)
+    row_max, row_sum, logit_sum, argmax = lse_pass(
+        x, source, targets, slice_size=slice_size, want_logit_sum=opts.label_smoothing > 0,
+        softcap=opts.softcap, class_weight=opts.class_weight, want_argmax=opts.want_argmax)
+    return _finish(t, opts, source.num_classes, log_sum_exp(row_max, row_sum), targets.logits,
+                   logit_sum, argmax, row_max, row_sum)
 
 
 def _counts(t: torch.Tensor, opts: CrossEntropyOptions

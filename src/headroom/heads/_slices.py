@@ -94,10 +94,8 @@ class TensorSlices:
         self, bounds: list[tuple[int, int]]
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
         if self.streamer is not None:
-            for start, stop, (w, b) in self.streamer.stream(
-                [self.weight, self.bias], bounds, dtype=self.dtype
-            ):
-                yield start, stop, w, b
+            stream = self.streamer.stream([self.weight, self.bias], bounds, dtype=self.dtype)
+            yield from ((start, stop, w, b) for start, stop, (w, b) in stream)
             return
         for start, stop in bounds:
             w = self._move(self.weight[start:stop])

@@ -239,10 +239,9 @@ class _Offloader:
             return
         if not e.freed:
             return
-        stash = self._stash(e.anchor.device)
         if not e.restored:
             self._refill(e)
-        stash.restore(e.ticket, e.anchor.untyped_storage())
+        self._stash(e.anchor.device).restore(e.ticket, e.anchor.untyped_storage())
         e.freed = False
 
     def _prefetch_before(self, e: _StashedStorage) -> None:

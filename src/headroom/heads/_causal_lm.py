@@ -63,17 +63,14 @@ class _Take(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, loss: torch.Tensor, call: _Call):  # type: ignore[override]
-        ctx.call = call
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        ctx.logits_device = logits.device
+        ctx.call, ctx.like = call, dict(size=logits.shape, dtype=logits.dtype, device=logits.device)
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         ctx.call.grad[:] = [grad]
         # zeros (not None) so that backward goes on through the logits to `_Carry`
-        return torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype,
-                           device=ctx.logits_device), None, None
+        return torch.zeros(**ctx.like), None, None
 
 
 class CausalLMPatch:

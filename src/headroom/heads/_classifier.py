@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from headroom.heads._entry import linear_cross_entropy
 from headroom.heads._linear_ce import (
-    DEFAULT_LOGITS_BUDGET,
     CrossEntropyOptions,
     LinearCrossEntropyOutput,
     _LinearCrossEntropy,
@@ -27,8 +26,8 @@ from headroom.heads._linear_ce import (
     plan,
 )
 from headroom.heads._linear_loss import SliceLoss, multilabel_loss
-from headroom.heads._slices import TensorParams, slice_bounds
-from headroom.heads._store_io import StoreGradSink, StoreSlices
+from headroom.heads._slices import GradSink, TensorParams, slice_bounds
+from headroom.heads._store_io import StoreSlices, store_grad_sink
 from headroom.heads._targets import Positives
 from headroom.store import Handle, Store, claimed_keys, is_accelerator, resolve_store
 from headroom.transfer import (
@@ -64,11 +63,11 @@ class _StoreParams:
         return StoreSlices(h.store, h._wh, h._bh, device=h.device, dtype=self.dtype,
                            max_rows=min(slice_size, h.num_classes), prefetch=h.prefetch)
 
-    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> StoreGradSink:
+    def sink(self, slice_size: int, *, weight: bool, bias: bool) -> GradSink:
         h = self.head
         acc = h._accumulating()  # before _grad_handle, which may reset has_grad
         wb, bb = binding(h.weight), None if h.bias is None else binding(h.bias)
-        return StoreGradSink(
+        return store_grad_sink(
             h.store, h._grad_handle(wb) if (weight and wb is not None) else None,
             h._grad_handle(bb) if (bias and bb is not None) else None,
             accumulate=acc, device=h.device, dtype=self.dtype,
@@ -457,8 +456,7 @@ class HugeClassifier(nn.Module):
     def _slice_for(self, batch: int, dtype: torch.dtype) -> int:
         if self.slice_size is not None:
             return max(1, min(self.slice_size, self.num_classes))
-        return pick_slice_size(batch, self.num_classes, accum_dtype=dtype,
-                               budget_bytes=DEFAULT_LOGITS_BUDGET)
+        return pick_slice_size(batch, self.num_classes, accum_dtype=dtype)
 
     def forward(
         self,
@@ -619,11 +617,10 @@ class HugeClassifier(nn.Module):
         dtype = self._dtype_for(features)
         # float64 features meet the rows in float64; others take the stored dtype
         wx, bx = w, b
-        if features.dtype == torch.float64 and w.dtype != torch.float64:
-            wx = w.to(torch.float64)
-            bx = None if b is None else b.to(torch.float64)
+        if features.dtype == torch.float64:
+            wx, bx = w.double(), None if b is None else b.double()
         loss = linear_cross_entropy(
-            features.to(wx.dtype) if features.dtype != wx.dtype else features, wx, local, bx,
+            features.to(wx.dtype), wx, local, bx,
             slice_size=self._slice_for(labels.numel(), dtype), ignore_index=ignore_index,
             label_smoothing=eps, reduction=reduction, accum_dtype=dtype,
         )
@@ -680,7 +677,8 @@ class HugeClassifier(nn.Module):
         dtype = self._dtype_for(features)
         x = features.reshape(-1, self.in_features).to(dtype)
         batch = x.shape[0]
-        s = max(self._slice_for(batch, dtype), min(k, self.num_classes))
+        # NOTE: a first slice of at least k classes: then every topk below has k candidates
+        s = max(self._slice_for(batch, dtype), k)
         best_v = torch.full((batch, 0), -math.inf, dtype=dtype, device=self.device)
         best_i = torch.empty((batch, 0), dtype=torch.int64, device=self.device)
         for start, stop, w, b in _StoreParams(self, dtype).source(s).slices(
@@ -689,8 +687,7 @@ class HugeClassifier(nn.Module):
             v, i = torch.topk(z, min(k, stop - start), dim=1)
             cand_v = torch.cat([best_v, v], dim=1)
             cand_i = torch.cat([best_i, i + start], dim=1)
-            kk = min(k, cand_v.shape[1])
-            best_v, pos = torch.topk(cand_v, kk, dim=1)
+            best_v, pos = torch.topk(cand_v, k, dim=1)
             best_i = torch.gather(cand_i, 1, pos)
         return best_v.reshape(*lead, k), best_i.reshape(*lead, k)
 

@@ -71,15 +71,16 @@ def _real(x: Tensor, ts: tuple) -> tuple:
     return tuple(x.new_empty(0) if t is None else t.contiguous() for t in ts)
 
 
-def _plan(x, weight, target, bias, opts, needs) -> lce.Planned:
-    """The eager checks and plan, with the path chosen outside (``needs[3]``)."""
-    target = lce.check_call(x, weight, target, bias, opts)
+def _plan(x, weight, target, opts, needs) -> lce.Planned:
+    """The labels' checks and the plan, with the path chosen outside (``needs[3]``)."""
+    # NOTE: shapes, dtypes and devices were checked where the operator is called
+    target = lce.check_labels(x, target, opts, num_classes=weight.shape[0])
     return lce.plan(x, target, opts, num_classes=weight.shape[0], one_pass=needs[3])
 
 
 def _forward_impl(x, weight, target, bias, *args):
     opts, needs = _options(args)
-    p = _plan(x, weight, target, bias, opts, needs)
+    p = _plan(x, weight, target, opts, needs)
     if p.chunk is not None:
         # as eager: the gradients (for an incoming gradient of 1) formed with the loss
         fwd, gx, gw, gb = lce.rows_forward(p.x, weight, bias, p.target, p.opts, rows=p.chunk,
@@ -103,17 +104,12 @@ _forward = torch.library.custom_op(
     schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
-def _shifted(target: Tensor, shift: int) -> list:
-    shape = list(target.shape)
-    if shift:
-        shape[-1] -= shift
-    return shape
-
-
 @_forward.register_fake
 def _(x, weight, target, bias, *args):
     opts, needs = _options(args)
-    rows = _shifted(target, opts.shift)
+    rows = list(target.shape)
+    if opts.shift:
+        rows[-1] -= opts.shift
     empty = x.new_empty(0)
     dt = opts.loss_dtype
     loss = x.new_empty(rows if opts.reduction == "none" else [], dtype=dt)
@@ -128,7 +124,7 @@ def _backward_impl(grad_loss, grad_lse, x, weight, target, bias, *args):
     """The eager backward on a recomputed forward."""
     opts, needs = _options(args)
     grad_lse = grad_lse if opts.return_lse else None  # else the gradient of a placeholder
-    p = _plan(x, weight, target, bias, opts, needs)
+    p = _plan(x, weight, target, opts, needs)
     params = _params(weight, bias, x, p.opts)
     fwd = lce.sliced_forward(p.x, p.target, params, p.opts)
     gx, gw, gb = lce.sliced_backward(p.x, p.target, params, fwd[4:], (grad_loss, grad_lse),
@@ -179,9 +175,8 @@ def compiled_linear_cross_entropy(
     x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
     opts: lce.CrossEntropyOptions,
 ) -> Tensor | lce.LinearCrossEntropyOutput:
-    """`linear_cross_entropy` as the operator, its options `checked`; the labels' values are
-    checked inside it."""
-    lce.check_linear(x, weight, bias)
+    """`linear_cross_entropy` as the operator, after `checked` and `check_linear`; the labels'
+    values are checked inside it."""
     lce.check_label_shape(target, x, names=("target", "x"))
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
@@ -197,13 +192,10 @@ def compiled_linear_cross_entropy(
 def _ml_call(x, weight, offsets, indices, values, bias, pos_weight_t, pos_weight_f,
              ignore_rows, loss, reduction, slice_size, accum_dtype, prefetch, needs
              ) -> ll.MultilabelCall:
-    """The eager checks and plan of the call."""
+    """The plan of the call, the labels' checks with it (`linear_loss` checked the rest)."""
     targets = (offsets, indices) if values is None else (offsets, indices, values)
     pos_weight = pos_weight_t if pos_weight_t is not None else pos_weight_f
     params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)
-    lce.check_slicing(reduction=reduction, slice_size=slice_size or None, prefetch=prefetch,
-                      accum_dtype=accum_dtype)
-    lce.check_linear(x, weight, bias)
     return ll.multilabel_call(
         x, weight, bias, targets, params, num_classes=weight.shape[0], loss=loss,
         pos_weight=pos_weight, reduction=reduction, slice_size=slice_size or None,
@@ -249,7 +241,7 @@ def _ml_backward(
     _, _, row_max, row_sum = ll.loss_forward(c.x, c.params, c.plan, wanted)
     if c.keep is not None and grad.dim() > 0:
         grad = grad.reshape(-1)[c.keep]  # reduction="none": the rows kept
-    gx, gw, gb = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
+    _, (gx, gw, gb) = ll.loss_backward(c.x, c.params, c.plan, (row_max, row_sum), grad, wanted)
     gx = lce.rows_grad(None if gx is None else gx.to(x.dtype), c.keep, x.shape)
     return _real(x, (gx, gw, gb))  # type: ignore[return-value]
 
@@ -285,11 +277,7 @@ def compiled_linear_loss(
             "under torch.compile, linear_loss takes targets as a CSR tuple of tensors "
             "(offsets, indices) or (offsets, indices, values); convert other forms before "
             "the compiled region")
-    lce.check_slicing(reduction=reduction, slice_size=slice_size, prefetch=prefetch,
-                      accum_dtype=accum_dtype)
-    lce.check_linear(x, weight, bias)
-    offsets, indices = targets[0], targets[1]
-    values = targets[2] if len(targets) == 3 else None
+    offsets, indices, values = (*targets, None)[:3]
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias)]
     one = any(needs) and reduction != "none" and loss not in ("softmax", "softmax_sum")

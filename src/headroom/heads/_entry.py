@@ -111,6 +111,7 @@ def linear_cross_entropy(
         accum_dtype=accum_dtype, prefetch=prefetch,
     ).checked(num_classes=weight.shape[0] if weight.dim() == 2 else 0,
               dtype=getattr(x, "dtype", torch.float32))
+    check_linear(x, weight, bias)
     if torch.compiler.is_compiling():
         # one opaque operator in the graph (the passes are data-dependent Python)
         from headroom.heads._compiled import compiled_linear_cross_entropy
@@ -190,6 +191,9 @@ def linear_loss(
         >>> loss.backward()
     """
     accum_dtype = compute_dtype(getattr(x, "dtype", torch.float32), accum_dtype=accum_dtype)
+    check_slicing(reduction=reduction, slice_size=slice_size, prefetch=prefetch,
+                  accum_dtype=accum_dtype)
+    check_linear(x, weight, bias)
     if torch.compiler.is_compiling():
         # one opaque operator in the graph (the passes are data-dependent Python)
         from headroom.heads._compiled import compiled_linear_loss
@@ -198,9 +202,6 @@ def linear_loss(
             x, weight, targets, loss=loss, bias=bias, pos_weight=pos_weight,
             reduction=reduction, slice_size=slice_size, ignore_rows=ignore_rows,
             accum_dtype=accum_dtype, prefetch=prefetch)
-    check_slicing(reduction=reduction, slice_size=slice_size, prefetch=prefetch,
-                  accum_dtype=accum_dtype)
-    check_linear(x, weight, bias)
     params = TensorParams(weight, bias, device=x.device, dtype=accum_dtype, prefetch=prefetch)
     return multilabel_loss(
         x, weight, bias, targets, params, num_classes=weight.shape[0], loss=loss,

@@ -204,14 +204,6 @@ class OneHot:
         g.scatter_add_(1, local, -(coef * inside).unsqueeze(1))
 
 
-class LsePass(NamedTuple):
-
-    row_max: torch.Tensor
-    row_sum: torch.Tensor
-    logit_sum: torch.Tensor | None
-    argmax: torch.Tensor | None
-
-
 def logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
            out: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
@@ -252,12 +244,12 @@ def lse_pass(
     softcap: float | None = None,
     class_weight: torch.Tensor | None = None,
     want_argmax: bool = False,
-) -> LsePass:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Online log-sum-exp of ``x`` ``(B, D)`` (accumulation dtype) over the class slices.
 
     ``targets`` records the target logits on the way. Returns each row's largest logit ``m``,
     ``sum(exp(z - m))`` (float64), with ``want_logit_sum`` the sum of its logits (weighted by
-    ``class_weight``), with ``want_argmax`` its first largest logit's class.
+    ``class_weight``), with ``want_argmax`` its first largest logit's class (else ``None``).
     """
     batch = x.shape[0]
     dt, dev = x.dtype, x.device
@@ -290,7 +282,7 @@ def lse_pass(
             z.sub_(new_max.unsqueeze(1)).exp_()
             run_sum += z.sum(1)
             run_max = new_max
-    return LsePass(run_max, run_sum, z_sum, arg)
+    return run_max, run_sum, z_sum, arg
 
 
 def log_sum_exp(row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
@@ -383,7 +375,7 @@ class CrossEntropyOptions:
 
     Checked where a call enters (`checked`, which resolves ``shift``, ``loss_dtype`` and
     ``accum_dtype``); `plan` picks ``slice_size`` and moves ``class_weight`` to the compute
-    device. The passes, the autograd Functions and the compiled operator take this one object.
+    device. The passes, the autograd Function and the compiled operator take this one object.
     """
 
     ignore_index: int = -100
@@ -503,11 +495,11 @@ def ce_forward(
     and the z-loss part by the number of rows not ignored.
     """
     targets = OneHot(t)
-    p = lse_pass(x, source, targets, slice_size=slice_size,
-                 want_logit_sum=opts.label_smoothing > 0, softcap=opts.softcap,
-                 class_weight=opts.class_weight, want_argmax=opts.want_argmax)
-    return _finish(t, opts, source.num_classes, log_sum_exp(p.row_max, p.row_sum),
-                   targets.logits, p.logit_sum, p.argmax, p.row_max, p.row_sum)
+    row_max, row_sum, logit_sum, argmax = lse_pass(
+        x, source, targets, slice_size=slice_size, want_logit_sum=opts.label_smoothing > 0,
+        softcap=opts.softcap, class_weight=opts.class_weight, want_argmax=opts.want_argmax)
+    return _finish(t, opts, source.num_classes, log_sum_exp(row_max, row_sum), targets.logits,
+                   logit_sum, argmax, row_max, row_sum)
 
 
 def _counts(t: torch.Tensor, opts: CrossEntropyOptions
@@ -755,7 +747,7 @@ def grad_rows(grad: torch.Tensor | None, shape: torch.Size, shift: int) -> torch
 
 # ---------------------------------------------------------------------------------------------
 # one call: its checks, the rows it computes, and its two passes as plain functions (run by
-# the autograd Functions below and by the compiled operator)
+# the autograd Function below and by the compiled operator)
 
 
 def check_labels(x: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOptions, *,
@@ -770,14 +762,6 @@ def check_labels(x: torch.Tensor, target: torch.Tensor, opts: CrossEntropyOption
     check_label_shape(target, x, names=names)
     _check_target(target, num_classes, opts.ignore_index)
     return target
-
-
-def check_call(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-    opts: CrossEntropyOptions,
-) -> torch.Tensor:
-    check_linear(x, weight, bias)
-    return check_labels(x, target, opts, num_classes=weight.shape[0])
 
 
 def one_pass(
@@ -960,80 +944,62 @@ def _refuse_double_backward(what: str, dense: str) -> None:
 _DENSE = ("linear_cross_entropy", "F.cross_entropy(x @ weight.T + bias, target)")
 
 
-def _outputs(ctx: Any, fwd: CrossEntropyForward, opts: CrossEntropyOptions,
-             shape: torch.Size) -> tuple[torch.Tensor, ...]:
-    """`outputs` of an autograd Function: accuracy and predictions not differentiable."""
-    ctx.set_materialize_grads(False)
-    out = outputs(fwd, opts, shape)
-    ctx.mark_non_differentiable(out[2], out[3])
-    return out
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     """`sliced_forward` and `sliced_backward` under autograd, for the slices of ``params`` (a
-    tensor's, or a store's); ``dense`` names the call and its dense twin for errors."""
+    tensor's, or a store's); ``dense`` names the call and its dense twin for errors. With
+    ``rows``, the one-pass path (`rows_forward`): gradients formed in forward (for a scalar
+    loss), scaled in backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        target: torch.Tensor, params: ParamSlices, opts: CrossEntropyOptions,
-        dense: tuple[str, str],
+        target: torch.Tensor, params: ParamSlices | None, opts: CrossEntropyOptions,
+        dense: tuple[str, str], rows: int | None = None,
     ):
-        fwd = sliced_forward(x, target, params, opts)
-        # NOTE: the params' tensors are saved too: autograd then refuses a backward after an
-        # in-place change of them (it would use the changed values)
-        ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
-        ctx.params, ctx.opts, ctx.dense, ctx.has_bias = params, opts, dense, bias is not None
-        return _outputs(ctx, fwd, opts, target.shape)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        ctx.needs = (need_x, need_w, need_b and bias is not None)
+        if rows is None:
+            assert params is not None
+            fwd = sliced_forward(x, target, params, opts)
+            # NOTE: the params' tensors are saved too: autograd then refuses a backward after an
+            # in-place change of them (it would use the changed values)
+            ctx.save_for_backward(x, target, *fwd[4:], *params.versioned)
+        else:
+            fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows, needs=ctx.needs)
+            ctx.save_for_backward(*grads)
+        ctx.params, ctx.opts, ctx.dense, ctx.one_pass = params, opts, dense, rows is not None
+        ctx.set_materialize_grads(False)
+        out = outputs(fwd, opts, target.shape)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
         _refuse_double_backward(*ctx.dense)
-        x, target, *saved = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grads = sliced_backward(x, target, ctx.params, tuple(saved[:4]), (grad_loss, grad_lse),
-                                ctx.opts, (need_x, need_w, need_b and ctx.has_bias))
-        return (*grads, None, None, None, None)
-
-
-class _LinearCrossEntropyRows(torch.autograd.Function):
-    """The one-pass path: gradients formed in forward (for a scalar loss), scaled in backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        target: torch.Tensor, opts: CrossEntropyOptions, rows: int,
-    ):
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        fwd, *grads = rows_forward(x, weight, bias, target, opts, rows=rows,
-                                   needs=(need_x, need_w, bias is not None and need_b))
-        ctx.save_for_backward(*grads)
-        return _outputs(ctx, fwd, opts, target.shape)
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss, grad_lse, _acc, _pred):  # type: ignore[override]
-        _refuse_double_backward(*_DENSE)
-        assert grad_lse is None  # the lse is not returned on this path
-        if grad_loss is None:
-            return None, None, None, None, None, None
-        # NOTE: scaled in place: they are the saved tensors, so a second backward fails as any
-        # freed graph's does
-        return (*scale_grads(ctx.saved_tensors, grad_loss, ctx.needs_input_grad[:3],
-                             in_place=True), None, None, None)
+        if not ctx.one_pass:
+            x, target, *saved = ctx.saved_tensors
+            grads = sliced_backward(x, target, ctx.params, tuple(saved[:4]),
+                                    (grad_loss, grad_lse), ctx.opts, ctx.needs)
+        elif grad_loss is None:
+            grads = (None, None, None)
+        else:
+            assert grad_lse is None  # the lse is not returned on this path
+            # NOTE: scaled in place: they are the saved tensors, so a second backward fails as
+            # any freed graph's does
+            grads = scale_grads(ctx.saved_tensors, grad_loss, ctx.needs_input_grad[:3],
+                                in_place=True)
+        return (*grads, None, None, None, None, None)
 
 
 def linear_cross_entropy_eager(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
     opts: CrossEntropyOptions,
 ) -> torch.Tensor | LinearCrossEntropyOutput:
-    """`linear_cross_entropy` with its options `checked`, outside ``torch.compile``."""
-    target = check_call(x, weight, target, bias, opts)
+    """`linear_cross_entropy` outside ``torch.compile``, after `checked` and `check_linear`."""
+    target = check_labels(x, target, opts, num_classes=weight.shape[0])
     p = plan(x, target, opts, num_classes=weight.shape[0],
              one_pass=one_pass(x, weight, bias, opts, batch=math.prod(target.shape)))
-    if p.chunk is not None:
-        out = _LinearCrossEntropyRows.apply(p.x, weight, bias, p.target, p.opts, p.chunk)
-    else:
-        params = TensorParams(weight, bias, device=x.device, dtype=p.opts.accum_dtype,
-                              prefetch=p.opts.prefetch)
-        out = _LinearCrossEntropy.apply(p.x, weight, bias, p.target, params, p.opts, _DENSE)
+    params = None if p.chunk is not None else TensorParams(
+        weight, bias, device=x.device, dtype=p.opts.accum_dtype, prefetch=p.opts.prefetch)
+    out = _LinearCrossEntropy.apply(p.x, weight, bias, p.target, params, p.opts, _DENSE, p.chunk)
     return opts.returned(p.all_rows(out))

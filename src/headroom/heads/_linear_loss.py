@@ -284,24 +284,15 @@ def loss_forward(
     """The sliced multi-label loss of ``x`` ``(B, D)`` (in its dtype); with ``plan.one_pass``
     the gradients of ``(x, weight, bias)`` for an incoming 1 (``x``'s in the accumulation
     dtype), else ``None``; and a softmax's log-sum-exp parts."""
-    xa = x.to(plan.accum_dtype)
-    need_x, need_w, need_b = needs
     grads = row_max = row_sum = None
     if plan.loss in _SOFTMAX:
-        loss, row_max, row_sum = _softmax_rows(plan, xa, params.source(plan.slice_size))
+        loss, row_max, row_sum = _softmax_rows(plan, x.to(plan.accum_dtype),
+                                               params.source(plan.slice_size))
     elif plan.one_pass:
-        sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
-            need_w or need_b) else None
-        with landing(sink):
-            loss, gx = separable_pass(
-                plan, xa, params.source(plan.slice_size),
-                scale=_gradient_scale(plan, torch.ones(())), need_x=need_x, sink=sink,
-                need_weight=need_w, need_bias=need_b,
-            )
-        gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
-        grads = (gx, gw, gb)
+        loss, grads = loss_backward(x, params, plan, (None, None), torch.ones(()), needs)
     else:
-        loss, _ = separable_pass(plan, xa, params.source(plan.slice_size), scale=None)
+        loss, _ = separable_pass(plan, x.to(plan.accum_dtype), params.source(plan.slice_size),
+                                 scale=None)
     return _reduce(plan, loss).to(x.dtype), grads, row_max, row_sum
 
 
@@ -309,15 +300,17 @@ def loss_backward(
     x: torch.Tensor, params: ParamSlices, plan: LossSpec,
     saved: tuple[torch.Tensor | None, torch.Tensor | None], grad_out: torch.Tensor,
     needs: tuple[bool, bool, bool],
-) -> Grads:
-    """The gradients of `loss_forward`'s loss by a pass over the slices; ``saved`` is its
-    ``(row_max, row_sum)``."""
+) -> tuple[torch.Tensor | None, Grads]:
+    """The gradients of `loss_forward`'s loss by a pass over the slices, with a separable
+    loss's per-row loss (that pass forms it; else ``None``); ``saved`` is ``(row_max, row_sum)``
+    of `loss_forward`."""
     need_x, need_w, need_b = needs
     row_max, row_sum = saved
     xa = x.to(plan.accum_dtype)
     scale = _gradient_scale(plan, grad_out)
     sink = params.sink(plan.slice_size, weight=need_w, bias=need_b) if (
         need_w or need_b) else None
+    loss = None
     with landing(sink):
         if plan.loss in _SOFTMAX:
             row_scale = scale if isinstance(scale, torch.Tensor) else torch.full(
@@ -330,12 +323,12 @@ def loss_backward(
                 need_bias=need_b,
             )
         else:
-            _, gx = separable_pass(
+            loss, gx = separable_pass(
                 plan, xa, params.source(plan.slice_size), scale=scale, need_x=need_x,
                 sink=sink, need_weight=need_w, need_bias=need_b,
             )
     gw, gb = params.landed(sink, weight=need_w, bias=need_b) if sink else (None, None)
-    return gx, gw, gb
+    return loss, (gx, gw, gb)
 
 
 class _LinearLoss(torch.autograd.Function):
@@ -367,8 +360,8 @@ class _LinearLoss(torch.autograd.Function):
                     if t is not None:
                         t.mul_(g)
         else:
-            gx, gw, gb = loss_backward(x, ctx.params, ctx.plan, (row_max, row_sum), grad_out,
-                                       ctx.needs)
+            _, (gx, gw, gb) = loss_backward(x, ctx.params, ctx.plan, (row_max, row_sum),
+                                            grad_out, ctx.needs)
         gx = None if gx is None else gx.to(x.dtype)
         return gx, gw, gb, None, None
 

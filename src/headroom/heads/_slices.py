@@ -51,7 +51,6 @@ class SliceSource(Protocol):
     """Rows of a ``(num_classes, in_features)`` weight and an optional bias, slice by slice."""
 
     num_classes: int
-    has_bias: bool
 
     def slices(
         self, bounds: list[tuple[int, int]]
@@ -85,7 +84,7 @@ class TensorSlices:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
                  device: torch.device, dtype: torch.dtype, prefetch: int = 1) -> None:
         self.weight, self.bias, self.device, self.dtype = weight, bias, device, dtype
-        self.num_classes, self.has_bias = weight.shape[0], bias is not None
+        self.num_classes = weight.shape[0]
         self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
@@ -95,10 +94,8 @@ class TensorSlices:
         self, bounds: list[tuple[int, int]]
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
         if self.streamer is not None:
-            for start, stop, (w, b) in self.streamer.stream(
-                [self.weight, self.bias], bounds, dtype=self.dtype
-            ):
-                yield start, stop, w, b
+            stream = self.streamer.stream([self.weight, self.bias], bounds, dtype=self.dtype)
+            yield from ((start, stop, w, b) for start, stop, (w, b) in stream)
             return
         for start, stop in bounds:
             w = self._move(self.weight[start:stop])
@@ -107,19 +104,20 @@ class TensorSlices:
 
 
 class TensorGradSink:
-    """Writes slice gradients into full gradient tensors like ``weight`` and ``bias``: views
-    of them where device and dtype allow (no copy), streamed back in the background for a host
-    weight on an accelerator."""
+    """Writes (with ``accumulate``, adds) slice gradients into the full gradient tensors
+    ``grad_weight`` and ``grad_bias`` (``None``: not wanted): views of them where device and
+    dtype allow (no copy), streamed back in the background from an accelerator to host ones."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                 device: torch.device, dtype: torch.dtype, need_weight: bool,
-                 prefetch: int = 1) -> None:
-        self.grad_weight = torch.empty_like(weight) if need_weight else None
-        self.grad_bias = None if bias is None else torch.empty_like(bias)
-        self.streamer = host_streamer(weight.device, device, prefetch=prefetch)
+    def __init__(self, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, *,
+                 device: torch.device, dtype: torch.dtype, prefetch: int = 1,
+                 accumulate: bool = False) -> None:
+        self.grad_weight, self.grad_bias, self.accumulate = grad_weight, grad_bias, accumulate
+        full = grad_weight if grad_weight is not None else grad_bias
+        assert full is not None
+        self.streamer = host_streamer(full.device, device, prefetch=prefetch)
         self._direct = (
-            need_weight and weight.device == device and weight.dtype == dtype
-            and self.streamer is None
+            grad_weight is not None and not accumulate and grad_weight.device == device
+            and grad_weight.dtype == dtype and self.streamer is None
         )
         self._device = device
         self._dtype = dtype
@@ -141,13 +139,15 @@ class TensorGradSink:
     ) -> None:
         for name, full, g in (("w", self.grad_weight, None if self._direct else grad_w),
                               ("b", self.grad_bias, grad_b)):
-            if g is None:
+            if g is None or full is None:
                 continue
-            assert full is not None
+            dst = full[start:stop]
             if self.streamer is not None:
-                self.streamer.push(name, full[start:stop], g, accumulate=False)
+                self.streamer.push(name, dst, g, accumulate=self.accumulate)
+            elif self.accumulate:
+                dst.add_(g.to(device=dst.device, dtype=dst.dtype))
             else:
-                full[start:stop].copy_(g)
+                dst.copy_(g)
 
     def finish(self) -> None:
         if self.streamer is not None:
@@ -192,9 +192,9 @@ class TensorParams:
 
     def sink(self, slice_size: int, *, weight: bool, bias: bool) -> GradSink:
         return TensorGradSink(
-            self.weight, self.bias if bias else None, device=self.device, dtype=self.dtype,
-            need_weight=weight, prefetch=self.prefetch,
-        )
+            torch.empty_like(self.weight) if weight else None,
+            torch.empty_like(self.bias) if (bias and self.bias is not None) else None,
+            device=self.device, dtype=self.dtype, prefetch=self.prefetch)
 
     def landed(
         self, sink: GradSink, *, weight: bool, bias: bool

@@ -1,9 +1,9 @@
 """Class-weight slices read from a store, and slice gradients written back to it (the only
 part of ``heads/`` that talks to a store).
 
-A host store's resting tensor is sliced (or streamed) as any host weight; a disk store is read
-into two rotating buffers, the next slice's read in flight while the current one computes, and
-gradients leave through two more whose writes complete in the background.
+A host store's resting tensors are sliced (or streamed) and written as any host tensors; a disk
+store is read into two rotating buffers, the next slice's read in flight while the current one
+computes, and gradients leave through two more whose writes complete in the background.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class StoreSlices:
                  prefetch: int = 1) -> None:
         self.store, self.weight, self.bias, self.max_rows = store, weight, bias, max_rows
         self.device, self.dtype, self.prefetch = device, dtype, prefetch
-        self.num_classes, self.has_bias = weight.shape[0], bias is not None
+        self.num_classes = weight.shape[0]
 
     def slices(
         self, bounds: list[tuple[int, int]]
@@ -80,9 +80,7 @@ class StoreSlices:
         try:
             nxt = issue(0) if bounds else []
             for i, (start, stop) in enumerate(bounds):
-                host = [f.result() for f in nxt]
-                for ring in rings:
-                    ring.pending[i % 2] = None
+                host = [f.result() for f in nxt]  # (`take` and `drain` wait on it again: done)
                 # the next read, into the previous slice's buffer, before computing on this one
                 nxt = issue(i + 1) if i + 1 < len(bounds) else []
                 w, *b = (t.to(device=self.device, dtype=self.dtype, non_blocking=True)
@@ -93,54 +91,45 @@ class StoreSlices:
                 ring.drain()
 
 
+def store_grad_sink(store: Store, weight_grad: Handle | None, bias_grad: Handle | None, *,
+                    accumulate: bool, device: torch.device, dtype: torch.dtype, max_rows: int,
+                    prefetch: int = 1) -> _slices.GradSink:
+    """A sink writing (with ``accumulate``, adding) slice gradients into the store's gradient
+    tensors ``weight_grad`` and ``bias_grad`` (``None``: not wanted): a `TensorGradSink` into
+    a host store's resting tensors, else a `StoreGradSink`."""
+    handles = (weight_grad, bias_grad)
+    host = [None if h is None else store.host_tensor(h) for h in handles]
+    if any(t is not None for t in host) and all(
+            (h is None) == (t is None) for h, t in zip(handles, host, strict=True)):
+        return _slices.TensorGradSink(*host, device=device, dtype=dtype, prefetch=prefetch,
+                                      accumulate=accumulate)
+    return StoreGradSink(store, weight_grad, bias_grad, accumulate=accumulate, device=device,
+                         dtype=dtype, max_rows=max_rows)
+
+
 class StoreGradSink:
     """Writes (or with ``accumulate``, adds) slice gradients into the store's gradient
-    tensors ``weight_grad`` and ``bias_grad`` (``None``: not wanted)."""
+    tensors ``weight_grad`` and ``bias_grad`` (``None``: not wanted), through two rotating host
+    buffers each."""
 
     def __init__(self, store: Store, weight_grad: Handle | None, bias_grad: Handle | None, *,
-                 accumulate: bool, device: torch.device, dtype: torch.dtype, max_rows: int,
-                 prefetch: int = 1) -> None:
+                 accumulate: bool, device: torch.device, dtype: torch.dtype,
+                 max_rows: int) -> None:
         self.store, self.wg, self.bg, self.accumulate = store, weight_grad, bias_grad, accumulate
         self.device, self.dtype = device, dtype
-        self.host_wg = None if weight_grad is None else store.host_tensor(weight_grad)
-        self.host_bg = None if bias_grad is None else store.host_tensor(bias_grad)
         self._rings: dict[str, _Ring] = {}
         self._count = 0
         self._tmp: torch.Tensor | None = None
         self._max_rows = max_rows
-        host = self.host_wg if self.host_wg is not None else self.host_bg
-        self.streamer = None if host is None else _slices.host_streamer(
-            host.device, device, prefetch=prefetch)
-        # overwriting a host gradient in the compute dtype on the CPU: the product writes it
-        self._direct = (
-            self.host_wg is not None and not accumulate and device.type == "cpu"
-            and weight_grad is not None and weight_grad.dtype == dtype and self.streamer is None
-        )
 
     def out(self, start: int, stop: int) -> torch.Tensor:
-        if self._direct:
-            assert self.host_wg is not None
-            return self.host_wg[start:stop]
         assert self.wg is not None
         n, d = stop - start, self.wg.shape[1]
-        if self.streamer is not None and self.host_wg is not None:
-            return self.streamer.out("w", (n, d), self.dtype)
-        if self._tmp is None or self._tmp.numel() < n * d:
+        if self._tmp is None:
             self._tmp = torch.empty(self._max_rows * d, device=self.device, dtype=self.dtype)
         return self._tmp[: n * d].view(n, d)
 
-    def _land(self, name: str, handle: Handle, host: torch.Tensor | None, start: int,
-              stop: int, src: torch.Tensor) -> None:
-        if host is not None:
-            dst = host[start:stop]
-            if self.streamer is not None:
-                self.streamer.push(name, dst, src, accumulate=self.accumulate)
-                return
-            if self.accumulate:
-                dst.add_(src.to(device="cpu", dtype=handle.dtype))
-            else:
-                dst.copy_(src)
-            return
+    def _land(self, name: str, handle: Handle, start: int, stop: int, src: torch.Tensor) -> None:
         ring = self._rings.get(name)
         if ring is None:
             ring = self._rings[name] = _Ring(handle, self._max_rows)
@@ -155,15 +144,12 @@ class StoreGradSink:
     def commit(
         self, start: int, stop: int, grad_w: torch.Tensor | None, grad_b: torch.Tensor | None
     ) -> None:
-        if grad_w is not None and not self._direct:
-            assert self.wg is not None
-            self._land("w", self.wg, self.host_wg, start, stop, grad_w)
+        if grad_w is not None and self.wg is not None:
+            self._land("w", self.wg, start, stop, grad_w)
         if grad_b is not None and self.bg is not None:
-            self._land("b", self.bg, self.host_bg, start, stop, grad_b)
+            self._land("b", self.bg, start, stop, grad_b)
         self._count += 1
 
     def finish(self) -> None:
-        if self.streamer is not None:
-            self.streamer.finish()
         for ring in self._rings.values():
             ring.drain()

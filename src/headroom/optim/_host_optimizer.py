@@ -112,13 +112,6 @@ def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
     return tuple(k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.is_sparse)
 
 
-def _host_grad(p: torch.Tensor, b: ParamBinding, mover: Mover) -> StoreTensor:
-    """``param.grad`` of a HOSTED parameter: ``p``'s shape, dtype and device over ``b``'s
-    host gradient; a later backward's gradient is added through ``mover``."""
-    src = GradSource(b, push=lambda g: mover.push_grad(g, b, accumulate=True))
-    return StoreTensor(src, tuple(p.shape), dtype=p.dtype, device=p.device)
-
-
 def _is_dtensor(p: object) -> bool:
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(p, mod.DTensor)
@@ -515,11 +508,13 @@ class HostOptimizer(torch.optim.Optimizer):
         elif not is_stored_grad(g, e.own):
             # Freed now (the mover keeps it until copied): only gradients in flight stay on
             # the device. It starts the gradient afresh, as in torch.
-            e.param.grad = None
-            self._mover.push_grad(g, e.own, accumulate=False)
+            p, b, mover = e.param, e.own, self._mover
+            p.grad = None
+            mover.push_grad(g, b, accumulate=False)
             # param.grad reads (and scales) the host gradient the step uses; a later backward
-            # adds into it (through the mover, as the first one went).
-            e.param.grad = _host_grad(e.param, e.own, self._mover)
+            # adds into it through the mover (which it holds, not this optimizer).
+            src = GradSource(b, push=lambda x: mover.push_grad(x, b, accumulate=True))
+            p.grad = StoreTensor(src, tuple(p.shape), dtype=p.dtype, device=p.device)
 
     def _take_assigned_grads(self) -> None:
         """Take what was done to ``param.grad`` since backward, as torch's optimizers see it:
@@ -819,7 +814,7 @@ class HostOptimizer(torch.optim.Optimizer):
                       plans: dict[int, StepPlan]) -> None:
         """Undo tensors and journal space for ``todo``, before any update (a full store fails
         here, with nothing changed)."""
-        writes: dict[int, tuple[Store, int]] = {}
+        writes: dict[Store, int] = defaultdict(int)
         for e, src in todo:
             stores = [s for s in dict.fromkeys((src.state_store, src.master_store,
                                                 src.shadow and src.shadow[0])) if s is not None]
@@ -842,9 +837,8 @@ class HostOptimizer(torch.optim.Optimizer):
             # per slice: every tensor, its undo copy, once more undone; exchanges: 2 records
             per = 3 * (len(src.state_handles) + 2) * slices + 2
             for store in stores:
-                old = writes.get(id(store), (store, 0))
-                writes[id(store)] = (store, old[1] + per)
-        for store, count in writes.values():
+                writes[store] += per
+        for store, count in writes.items():
             store.reserve_writes(count)
             txn.stores.add(store)
 
@@ -1106,7 +1100,9 @@ class HostOptimizer(torch.optim.Optimizer):
             txn, self._txn = self._txn, None
         if txn is not None:
             txn.commit()  # the spare state becomes current; the old values are dropped
-        self._overlap.finish(self._order, self._arrival)
+        if self._arrival:
+            self._overlap.last_arrival = self._arrival
+        self._overlap.abort(self._order)
         for e in self._order:
             e.count = 0
             e.stepped = False

@@ -184,12 +184,6 @@ class Overlap:
                         "scheduler.step() after opt.step())"
                     )
 
-    def finish(self, entries: list[Entry], arrival: list[Entry]) -> None:
-        """The step is over: remember the arrival order, forget buckets and launches."""
-        if arrival:
-            self.last_arrival = arrival
-        self.abort(entries)
-
     def abort(self, entries: list[Entry]) -> None:
         """Forget buckets and launches (the step ended, or was undone)."""
         with self._lock:

@@ -9,6 +9,7 @@ element-wise optimizers: each element's update depends only on it and on per-ten
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -314,10 +315,7 @@ class SliceRunner:
                 writes.append(fut)
                 try:
                     fut.result()
-                    if rec[0] == "ram-from":
-                        txn.ram_from(*rec[1:])
-                    else:
-                        txn.stored(*rec)
+                    rec()
                 except BaseException as ex:  # noqa: BLE001 - re-raised below
                     failed = failed or ex
                     if ram is not None:
@@ -351,10 +349,10 @@ class SliceRunner:
                 f.result()
 
     def _keep(self, src: SlicedParam, cur: dict[str, Any], rows: slice | torch.Tensor,
-              txn: Txn) -> list[tuple[Future, tuple, tuple | None]]:
+              txn: Txn) -> list[tuple[Future, Callable[[], None], tuple | None]]:
         """Keep the old values this slice overwrites: copies in ``txn``, or undo writes
         (returned, each with the record to add once it landed)."""
-        pending: list[tuple[Future, tuple, tuple | None]] = []
+        pending: list[tuple[Future, Callable[[], None], tuple | None]] = []
 
         def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
                  handle: Handle | None, name: str) -> None:
@@ -376,9 +374,10 @@ class SliceRunner:
                     txn.stored_copy(store, handle, rows, old)
                 return
             if mem is not None:  # a master in memory, its old values kept on a disk
-                rec = ("ram-from", *(ram[:2] if ram else (mem, rows)), undo, rows)
+                rec = functools.partial(txn.ram_from, *(ram[:2] if ram else (mem, rows)), undo,
+                                        rows)
             else:
-                rec = (store, handle, rows, undo)
+                rec = functools.partial(txn.stored, store, handle, rows, undo)
             pending.append((undo[0].write_rows(undo[1], rows, old), rec, ram))
 
         fresh = src.shadow is not None and not src.initialized

@@ -82,10 +82,8 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
             "loaded state dict has parameter groups of sizes "
             f"{[len(g['params']) for g in saved]}, this optimizer has {sizes}"
         )
-    id_map = {}
-    for sg, g in zip(saved, opt.param_groups, strict=True):
-        for old, p in zip(sg["params"], g["params"], strict=True):
-            id_map[_key(old)] = opt._entries[id(p)]
+    id_map = {_key(old): opt._entries[id(p)] for sg, g in zip(saved, opt.param_groups, strict=True)
+              for old, p in zip(sg["params"], g["params"], strict=True)}
     states = state_dict["state"]
     unknown = [k for k in states if _key(k) not in id_map]
     if unknown:  # before anything changes

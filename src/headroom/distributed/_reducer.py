@@ -168,11 +168,9 @@ class StoreReducer:
                 f"hr.data_parallel: offloaded parameter {e.slot.name!r} got a second gradient"
                 " after its all-reduce; run one backward per forward (no_sync() to accumulate)"
             )
-        if not e.pending:
-            e.pending = True  # used although its block's forward was not seen: wait for it
-            e.bucket.waiting += 1
-        e.local = True
-        e.bucket.waiting -= 1
+        if e.pending:  # (one used although its block's forward was not seen was not counted)
+            e.bucket.waiting -= 1
+        e.pending = e.local = True
         self._launch_ready()
         self._finish_ready(block=False)
 

@@ -306,8 +306,7 @@ class HostOptimizer(torch.optim.Optimizer):
         try:
             self._reserve_host(group["params"])
             for p in group["params"]:
-                e = self._make_entry(p, gi, len(self._order) + len(entries))
-                entries.append(e)
+                entries.append(self._make_entry(p, gi, len(self._order) + len(entries)))
         except BaseException:
             self.param_groups.pop()
             for e in entries:  # give back the host masters already made
@@ -522,14 +521,12 @@ class HostOptimizer(torch.optim.Optimizer):
         for e in self._order:
             if e.launched:
                 continue
+            # (an ALIAS steps param.grad itself; a shard, FSDP2's local tensor)
             if e.kind == BOUND and not e.sharded:
                 adopt_grad(e.bound)  # the offload layer's gradient (see adopt_grad)
-                continue
-            if e.kind != HOSTED:
-                continue  # an ALIAS steps param.grad itself; a shard, FSDP2's local tensor
-            if e.param.grad is None:
+            elif e.kind == HOSTED and e.param.grad is None:
                 e.own.has_grad = False  # a copy still on its way lands unread
-            else:
+            elif e.kind == HOSTED:
                 self._take_grad(e, e.param.grad)
 
     def _check_launched(self) -> None:
@@ -578,7 +575,10 @@ class HostOptimizer(torch.optim.Optimizer):
         todo = [(e, src) for e, src in todo if src is not None]
         # Steps started during final_backward while step() may still fail keep copies.
         keep_all = early and self._keep_early
-        plans = {id(e): self._step_plan(e, src, keep_all) for e, src in todo}
+        plans = {id(e): plan_step(e.plan, state=self._state_rest(e) or Rest.MEMORY,
+                                  has_state=bool(e.state_handles), rows=src.rows is not None,
+                                  fresh=src.shadow is not None and not src.initialized,
+                                  keep_all=keep_all) for e, src in todo}
         ram = [(e, src) for e, src in todo if plans[id(e)].run is Run.LAST]
         kept = [(e, src) for e, src in todo if plans[id(e)].run is not Run.LAST]
         self._prepare_undo(kept, txn, plans)
@@ -699,13 +699,6 @@ class HostOptimizer(torch.optim.Optimizer):
             return None
         return Rest.MEMORY if store.host_tensor(h) is not None else Rest.DISK
 
-    def _step_plan(self, e: Entry, src: SlicedParam, keep_all: bool) -> StepPlan:
-        """What protects ``e``'s sliced step (see [Note: the entry plan])."""
-        return plan_step(e.plan, state=self._state_rest(e) or Rest.MEMORY,
-                         has_state=bool(e.state_handles), rows=src.rows is not None,
-                         fresh=src.shadow is not None and not src.initialized,
-                         keep_all=keep_all)
-
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
         """Step in-memory masters with the wrapped optimizer in one call (sparse gradients in
         a second one, unfused)."""
@@ -724,8 +717,7 @@ class HostOptimizer(torch.optim.Optimizer):
         # looked up each time: load_state_dict replaces those dicts
         inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
         for gi, inner in inner_groups.items():
-            for k, v in hparams.get(gi, {}).items():
-                inner[k] = v
+            inner.update(hparams.get(gi, {}))
             saved[gi] = inner["params"]
             inner["params"] = [e.master for e in entries if e.group == gi]
             if unfused:
@@ -1308,7 +1300,11 @@ class HostOptimizer(torch.optim.Optimizer):
 
         State resting on disk is read into memory; `headroom.save` streams it instead.
         """
-        return _state.state_dict(self)
+        self._wait()
+        groups = [{**self._hparams(gi), "params": [e.index for e in self._order if e.group == gi]}
+                  for gi in range(len(self.param_groups))]
+        state = {e.index: st for e in self._order if (st := _state.index_state(self, e))}
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from `state_dict` (or from the plain ``optimizer_class``).
@@ -1348,11 +1344,6 @@ class HostOptimizer(torch.optim.Optimizer):
         self._overlap.close()
         if self._mover is not None:
             self._mover.close()  # lands what is in flight, gives the staging back
-
-    def __del__(self) -> None:
-        overlap = getattr(self, "_overlap", None)
-        if overlap is not None:
-            overlap.close(wait=False)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

@@ -85,11 +85,10 @@ class Overlap:
             with track_this_thread():  # an active hr.track_memory sees the step's tensors
                 self._step_entries(batch, early=True)
 
-    def close(self, *, wait: bool = True) -> None:
-        if wait:
-            self.wait()
+    def close(self) -> None:
+        self.wait()
         if self._pool is not None:
-            self._pool.shutdown(wait=wait)
+            self._pool.shutdown()
             self._pool = None
 
     # ------------------------------------------------------------------ final backward

@@ -13,8 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from headroom.optim._host_optimizer import HostOptimizer
     from headroom.store import Handle, Store
 
-__all__ = ["ParamState", "SavedView", "index_state", "load_state_dict", "saved_view",
-           "state_dict"]
+__all__ = ["ParamState", "SavedView", "index_state", "load_state_dict", "saved_view"]
 
 
 def index_state(opt: HostOptimizer, e: Entry) -> dict[str, Any] | None:
@@ -53,15 +52,6 @@ def _as_param(e: Entry, local: torch.Tensor) -> torch.Tensor:
 def _local(t: Any) -> Any:
     """The local shard of a DTensor (see `_as_param`)."""
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
-
-
-def state_dict(opt: HostOptimizer) -> dict[str, Any]:
-    """See `HostOptimizer.state_dict`."""
-    opt._wait()
-    groups = [{**opt._hparams(gi), "params": [e.index for e in opt._order if e.group == gi]}
-              for gi in range(len(opt.param_groups))]
-    state = {e.index: st for e in opt._order if (st := index_state(opt, e))}
-    return {"state": state, "param_groups": groups}
 
 
 def _key(k: Any) -> Any:

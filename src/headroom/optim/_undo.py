@@ -134,20 +134,16 @@ class Txn:
                 fn()
             except BaseException as ex:  # noqa: BLE001 - reported to the caller, all tried
                 errors.append(ex)
-        self._clear()
         return errors
 
     def _restore_entries(self) -> None:
         for e, small, initialized, grad_scale in self._entries.values():
             e.small, e.initialized, e.grad_scale = small, initialized, grad_scale
 
-    def _clear(self) -> None:
-        self._records, self._entries, self._after, self._commit = [], {}, [], []
-        self._exchanges = []
-
     def end(self) -> None:
         """The step is over (committed or undone): drop what was kept, end reservations."""
-        self._clear()
+        self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self._exchanges = []
         self.unprotected = 0
         stores, self.stores = self.stores, set()
         for s in stores:

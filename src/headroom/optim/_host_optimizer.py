@@ -89,11 +89,6 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-def _hp_text(hp: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in hp.items() if k not in ("params", "foreach",
-                                                                    "fused", "differentiable"))
-
-
 def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
                        unfused: bool) -> tuple[str, ...]:
     """The state keys ``cls`` keeps sparse for a sparse gradient under ``hp`` (from a tiny
@@ -314,9 +309,8 @@ class HostOptimizer(torch.optim.Optimizer):
                     self._host.free(e.own.handle)
                     self._host.free(e.own.grad_handle)
             raise
-        for e in entries:
-            self._entries[id(e.param)] = e
-            self._order.append(e)
+        self._entries.update((id(e.param), e) for e in entries)
+        self._order += entries
         masters = [e.master for e in entries if not e.streamed]
         hp = {k: v for k, v in group.items() if k != "params"}
         if masters:
@@ -561,7 +555,8 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         if not batch:
             return
-        txn = self._open_txn()
+        with self._tickets_lock:  # (the worker's steps and step()'s share one)
+            txn = self._txn = self._txn or Txn()
         self._sync_grads(batch)
         snap = self._overlap.launched_hparams.__getitem__ if early else self._hparams
         hparams = {e.group: snap(e.group) for e in batch}
@@ -640,8 +635,10 @@ class HostOptimizer(torch.optim.Optimizer):
                           if e.grad_tensor() is not None and e.grad_tensor().is_sparse}):
             keys = _sparse_state_keys(self._cls, hparams[gi], unfused=self._unfuse_sparse)
             if keys:
+                hp = ", ".join(f"{k}={v!r}" for k, v in hparams[gi].items()
+                               if k not in ("params", "foreach", "fused", "differentiable"))
                 raise ValueError(
-                    f"{self._cls.__name__} with {_hp_text(hparams[gi])} keeps state for a sparse"
+                    f"{self._cls.__name__} with {hp} keeps state for a sparse"
                     f" gradient as sparse tensors ({', '.join(keys)}), but a master or state"
                     " resting in a store steps over dense state. Keep both in host memory"
                     " (hr.offload(..., store='cpu') and state_store='cpu'), or use options"
@@ -735,12 +732,6 @@ class HostOptimizer(torch.optim.Optimizer):
                     inner["fused"] = True
 
     # ------------------------------------------------------------------ all or nothing
-    def _open_txn(self) -> Txn:
-        with self._tickets_lock:
-            if self._txn is None:
-                self._txn = Txn()
-            return self._txn
-
     def _undo_handles(self, e: Entry, src: SlicedParam,
                       plan: StepPlan) -> dict[str, tuple[Store, Handle]]:
         """Spares (into ``src.spare``) and undo tensors (returned) as ``plan`` guards ``e``'s

@@ -193,10 +193,7 @@ class SliceRunner:
             opt.state.clear()
             opt._headroom_private = True  # hr.offload's global step hooks skip it
             self._opts[gi] = opt
-        inner = opt.param_groups[0]
-        for k, v in group.items():
-            if k != "params":
-                inner[k] = v
+        opt.param_groups[0].update(group)  # hyperparameters only (`_hparams`: no "params")
         return opt
 
     def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -324,7 +321,8 @@ class SliceRunner:
                 raise failed
             for key, h in src.state_handles.items():
                 t = state[key]
-                if _is_view_of(t, cur.get("s", {}).get(key)):
+                v = resting.get(key)
+                if isinstance(v, _InPlace) and t is v.t:
                     continue  # updated in place in the resting host tensor
                 writes.append(src.state_store.write_rows(src.spare.get(key, h), rows,
                                                          t.contiguous()))
@@ -499,8 +497,3 @@ def _result(x: Any) -> torch.Tensor:
     if isinstance(x, Future):
         return x.result()
     return x
-
-
-def _is_view_of(t: torch.Tensor, src: Any) -> bool:
-    return isinstance(src, _InPlace) and t is src.t
-

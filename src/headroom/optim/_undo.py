@@ -175,26 +175,23 @@ class DeferInterrupt:
     def __init__(self) -> None:
         self.armed = False
         self.pending = False
-        self._old: Any = None
-        self._active = False
+        self._old: Any = None  # the handler replaced (Python's default), while active
 
     def __enter__(self) -> DeferInterrupt:
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._old = signal.signal(signal.SIGINT, self._handler)
-            self._active = True
         return self
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.armed:
-            self.pending = True
-            return
-        raise KeyboardInterrupt
+        if not self.armed:
+            raise KeyboardInterrupt
+        self.pending = True
 
     def arm(self) -> None:
         self.armed = True
 
     def __exit__(self, *exc: Any) -> None:
-        if self._active:
+        if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
-            self._active = False
+            self._old = None

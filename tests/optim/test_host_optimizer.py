@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -114,6 +117,24 @@ def test_final_backward_steps_during_backward():
     assert all(moved), "parameters were not updated before step()"
     opt.step()
     opt.zero_grad()
+
+
+def test_worker_thread_ends_with_an_optimizer_dropped_without_close():
+    _, _, b, opt = _pair(overlap=True, bucket_bytes=1024)
+    before = set(threading.enumerate())
+    with opt.final_backward():
+        loss_fn(b, 1).backward()
+    mine = [t for t in threading.enumerate()
+            if t not in before and t.name.startswith("hr-host-step")]
+    assert mine, "no worker thread was started"
+    opt.step()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    for t in mine:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in mine)
 
 
 def test_a_plain_backward_never_steps_early():

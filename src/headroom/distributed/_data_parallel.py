@@ -124,10 +124,9 @@ class DataParallel(nn.Module):
         for st in states:
             st.ddp_allowed = True
             st.init_pending()
-        device_params = [p for n, p in model.named_parameters() if binding(p) is None]
         # Not a submodule: the state dict, parameters() and repr show `module` once.
         ddp = None
-        if any(p.requires_grad for p in device_params):
+        if any(p.requires_grad and binding(p) is None for p in model.parameters()):
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
             ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
         else:

@@ -44,6 +44,8 @@ class _Bucket:
     def __init__(self, entries: list[_ReducedGrad]) -> None:
         self.entries = entries
         self.waiting = sum(1 for e in entries if e.pending)
+        for e in entries:
+            e.bucket = self
         self.buffer: torch.Tensor | None = None
         self.work: Any = None
         self.launched = False
@@ -128,7 +130,7 @@ class StoreReducer:
         self._bitmap_work = dist.all_reduce(bitmap, group=self.group, async_op=True)
         self._buckets = None
         self._next = self._done = 0
-        self.last_step_bytes = bitmap.numel() * bitmap.element_size()
+        self.last_step_bytes = bitmap.nbytes
         self.bytes_reduced += self.last_step_bytes
         fired = [False]
 
@@ -166,11 +168,9 @@ class StoreReducer:
                 f"hr.data_parallel: offloaded parameter {e.slot.name!r} got a second gradient"
                 " after its all-reduce; run one backward per forward (no_sync() to accumulate)"
             )
-        if not e.pending:
-            e.pending = True  # used although its block's forward was not seen: wait for it
-            e.bucket.waiting += 1
-        e.local = True
-        e.bucket.waiting -= 1
+        if e.pending:  # (one used although its block's forward was not seen was not counted)
+            e.bucket.waiting -= 1
+        e.pending = e.local = True
         self._launch_ready()
         self._finish_ready(block=False)
 
@@ -189,7 +189,7 @@ class StoreReducer:
         cur: list[_ReducedGrad] = []
         size = 0
         for e in used:
-            nbytes = e.numel * torch.empty((), dtype=e.dtype).element_size()
+            nbytes = e.numel * e.dtype.itemsize
             if cur and (size + nbytes > self.bucket_bytes or cur[0].dtype != e.dtype):
                 buckets.append(_Bucket(cur))
                 cur, size = [], 0
@@ -197,9 +197,6 @@ class StoreReducer:
             size += nbytes
         if cur:
             buckets.append(_Bucket(cur))
-        for bk in buckets:
-            for e in bk.entries:
-                e.bucket = bk
         self._buckets = buckets
 
     def _launch_ready(self) -> None:
@@ -223,9 +220,8 @@ class StoreReducer:
         bk.buffer = buf
         bk.launched = True
         bk.work = dist.all_reduce(buf, group=self.group, async_op=True)
-        nbytes = buf.numel() * buf.element_size()
-        self.last_step_bytes += nbytes
-        self.bytes_reduced += nbytes
+        self.last_step_bytes += buf.nbytes
+        self.bytes_reduced += buf.nbytes
 
     def _finish_ready(self, *, block: bool) -> None:
         while self._done < self._next:

@@ -89,11 +89,6 @@ def _storage(t: torch.Tensor) -> int:
         return -1
 
 
-def _hp_text(hp: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in hp.items() if k not in ("params", "foreach",
-                                                                    "fused", "differentiable"))
-
-
 def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
                        unfused: bool) -> tuple[str, ...]:
     """The state keys ``cls`` keeps sparse for a sparse gradient under ``hp`` (from a tiny
@@ -110,13 +105,6 @@ def _sparse_state_keys(cls: type[torch.optim.Optimizer], hp: dict[str, Any], *,
     except Exception:  # noqa: BLE001 - the real step reports it
         return ()
     return tuple(k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.is_sparse)
-
-
-def _host_grad(p: torch.Tensor, b: ParamBinding, mover: Mover) -> StoreTensor:
-    """``param.grad`` of a HOSTED parameter: ``p``'s shape, dtype and device over ``b``'s
-    host gradient; a later backward's gradient is added through ``mover``."""
-    src = GradSource(b, push=lambda g: mover.push_grad(g, b, accumulate=True))
-    return StoreTensor(src, tuple(p.shape), dtype=p.dtype, device=p.device)
 
 
 def _is_dtensor(p: object) -> bool:
@@ -313,8 +301,7 @@ class HostOptimizer(torch.optim.Optimizer):
         try:
             self._reserve_host(group["params"])
             for p in group["params"]:
-                e = self._make_entry(p, gi, len(self._order) + len(entries))
-                entries.append(e)
+                entries.append(self._make_entry(p, gi, len(self._order) + len(entries)))
         except BaseException:
             self.param_groups.pop()
             for e in entries:  # give back the host masters already made
@@ -322,9 +309,8 @@ class HostOptimizer(torch.optim.Optimizer):
                     self._host.free(e.own.handle)
                     self._host.free(e.own.grad_handle)
             raise
-        for e in entries:
-            self._entries[id(e.param)] = e
-            self._order.append(e)
+        self._entries.update((id(e.param), e) for e in entries)
+        self._order += entries
         masters = [e.master for e in entries if not e.streamed]
         hp = {k: v for k, v in group.items() if k != "params"}
         if masters:
@@ -515,11 +501,13 @@ class HostOptimizer(torch.optim.Optimizer):
         elif not is_stored_grad(g, e.own):
             # Freed now (the mover keeps it until copied): only gradients in flight stay on
             # the device. It starts the gradient afresh, as in torch.
-            e.param.grad = None
-            self._mover.push_grad(g, e.own, accumulate=False)
+            p, b, mover = e.param, e.own, self._mover
+            p.grad = None
+            mover.push_grad(g, b, accumulate=False)
             # param.grad reads (and scales) the host gradient the step uses; a later backward
-            # adds into it (through the mover, as the first one went).
-            e.param.grad = _host_grad(e.param, e.own, self._mover)
+            # adds into it through the mover (which it holds, not this optimizer).
+            src = GradSource(b, push=lambda x: mover.push_grad(x, b, accumulate=True))
+            p.grad = StoreTensor(src, tuple(p.shape), dtype=p.dtype, device=p.device)
 
     def _take_assigned_grads(self) -> None:
         """Take what was done to ``param.grad`` since backward, as torch's optimizers see it:
@@ -527,14 +515,12 @@ class HostOptimizer(torch.optim.Optimizer):
         for e in self._order:
             if e.launched:
                 continue
+            # (an ALIAS steps param.grad itself; a shard, FSDP2's local tensor)
             if e.kind == BOUND and not e.sharded:
                 adopt_grad(e.bound)  # the offload layer's gradient (see adopt_grad)
-                continue
-            if e.kind != HOSTED:
-                continue  # an ALIAS steps param.grad itself; a shard, FSDP2's local tensor
-            if e.param.grad is None:
+            elif e.kind == HOSTED and e.param.grad is None:
                 e.own.has_grad = False  # a copy still on its way lands unread
-            else:
+            elif e.kind == HOSTED:
                 self._take_grad(e, e.param.grad)
 
     def _check_launched(self) -> None:
@@ -569,7 +555,8 @@ class HostOptimizer(torch.optim.Optimizer):
         """
         if not batch:
             return
-        txn = self._open_txn()
+        with self._tickets_lock:  # (the worker's steps and step()'s share one)
+            txn = self._txn = self._txn or Txn()
         self._sync_grads(batch)
         snap = self._overlap.launched_hparams.__getitem__ if early else self._hparams
         hparams = {e.group: snap(e.group) for e in batch}
@@ -583,7 +570,10 @@ class HostOptimizer(torch.optim.Optimizer):
         todo = [(e, src) for e, src in todo if src is not None]
         # Steps started during final_backward while step() may still fail keep copies.
         keep_all = early and self._keep_early
-        plans = {id(e): self._step_plan(e, src, keep_all) for e, src in todo}
+        plans = {id(e): plan_step(e.plan, state=self._state_rest(e) or Rest.MEMORY,
+                                  has_state=bool(e.state_handles), rows=src.rows is not None,
+                                  fresh=src.shadow is not None and not src.initialized,
+                                  keep_all=keep_all) for e, src in todo}
         ram = [(e, src) for e, src in todo if plans[id(e)].run is Run.LAST]
         kept = [(e, src) for e, src in todo if plans[id(e)].run is not Run.LAST]
         self._prepare_undo(kept, txn, plans)
@@ -645,8 +635,10 @@ class HostOptimizer(torch.optim.Optimizer):
                           if e.grad_tensor() is not None and e.grad_tensor().is_sparse}):
             keys = _sparse_state_keys(self._cls, hparams[gi], unfused=self._unfuse_sparse)
             if keys:
+                hp = ", ".join(f"{k}={v!r}" for k, v in hparams[gi].items()
+                               if k not in ("params", "foreach", "fused", "differentiable"))
                 raise ValueError(
-                    f"{self._cls.__name__} with {_hp_text(hparams[gi])} keeps state for a sparse"
+                    f"{self._cls.__name__} with {hp} keeps state for a sparse"
                     f" gradient as sparse tensors ({', '.join(keys)}), but a master or state"
                     " resting in a store steps over dense state. Keep both in host memory"
                     " (hr.offload(..., store='cpu') and state_store='cpu'), or use options"
@@ -704,13 +696,6 @@ class HostOptimizer(torch.optim.Optimizer):
             return None
         return Rest.MEMORY if store.host_tensor(h) is not None else Rest.DISK
 
-    def _step_plan(self, e: Entry, src: SlicedParam, keep_all: bool) -> StepPlan:
-        """What protects ``e``'s sliced step (see [Note: the entry plan])."""
-        return plan_step(e.plan, state=self._state_rest(e) or Rest.MEMORY,
-                         has_state=bool(e.state_handles), rows=src.rows is not None,
-                         fresh=src.shadow is not None and not src.initialized,
-                         keep_all=keep_all)
-
     def _inner_step(self, entries: list[Entry], hparams: dict[int, dict[str, Any]]) -> None:
         """Step in-memory masters with the wrapped optimizer in one call (sparse gradients in
         a second one, unfused)."""
@@ -729,8 +714,7 @@ class HostOptimizer(torch.optim.Optimizer):
         # looked up each time: load_state_dict replaces those dicts
         inner_groups = {gi: self._inner.param_groups[k] for gi, k in self._inner_index.items()}
         for gi, inner in inner_groups.items():
-            for k, v in hparams.get(gi, {}).items():
-                inner[k] = v
+            inner.update(hparams.get(gi, {}))
             saved[gi] = inner["params"]
             inner["params"] = [e.master for e in entries if e.group == gi]
             if unfused:
@@ -748,12 +732,6 @@ class HostOptimizer(torch.optim.Optimizer):
                     inner["fused"] = True
 
     # ------------------------------------------------------------------ all or nothing
-    def _open_txn(self) -> Txn:
-        with self._tickets_lock:
-            if self._txn is None:
-                self._txn = Txn()
-            return self._txn
-
     def _undo_handles(self, e: Entry, src: SlicedParam,
                       plan: StepPlan) -> dict[str, tuple[Store, Handle]]:
         """Spares (into ``src.spare``) and undo tensors (returned) as ``plan`` guards ``e``'s
@@ -819,7 +797,7 @@ class HostOptimizer(torch.optim.Optimizer):
                       plans: dict[int, StepPlan]) -> None:
         """Undo tensors and journal space for ``todo``, before any update (a full store fails
         here, with nothing changed)."""
-        writes: dict[int, tuple[Store, int]] = {}
+        writes: dict[Store, int] = defaultdict(int)
         for e, src in todo:
             stores = [s for s in dict.fromkeys((src.state_store, src.master_store,
                                                 src.shadow and src.shadow[0])) if s is not None]
@@ -842,9 +820,8 @@ class HostOptimizer(torch.optim.Optimizer):
             # per slice: every tensor, its undo copy, once more undone; exchanges: 2 records
             per = 3 * (len(src.state_handles) + 2) * slices + 2
             for store in stores:
-                old = writes.get(id(store), (store, 0))
-                writes[id(store)] = (store, old[1] + per)
-        for store, count in writes.values():
+                writes[store] += per
+        for store, count in writes.items():
             store.reserve_writes(count)
             txn.stores.add(store)
 
@@ -1106,7 +1083,9 @@ class HostOptimizer(torch.optim.Optimizer):
             txn, self._txn = self._txn, None
         if txn is not None:
             txn.commit()  # the spare state becomes current; the old values are dropped
-        self._overlap.finish(self._order, self._arrival)
+        if self._arrival:
+            self._overlap.last_arrival = self._arrival
+        self._overlap.abort(self._order)
         for e in self._order:
             e.count = 0
             e.stepped = False
@@ -1312,7 +1291,11 @@ class HostOptimizer(torch.optim.Optimizer):
 
         State resting on disk is read into memory; `headroom.save` streams it instead.
         """
-        return _state.state_dict(self)
+        self._wait()
+        groups = [{**self._hparams(gi), "params": [e.index for e in self._order if e.group == gi]}
+                  for gi in range(len(self.param_groups))]
+        state = {e.index: st for e in self._order if (st := _state.index_state(self, e))}
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from `state_dict` (or from the plain ``optimizer_class``).
@@ -1352,11 +1335,6 @@ class HostOptimizer(torch.optim.Optimizer):
         self._overlap.close()
         if self._mover is not None:
             self._mover.close()  # lands what is in flight, gives the staging back
-
-    def __del__(self) -> None:
-        overlap = getattr(self, "_overlap", None)
-        if overlap is not None:
-            overlap.close(wait=False)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(

@@ -85,11 +85,10 @@ class Overlap:
             with track_this_thread():  # an active hr.track_memory sees the step's tensors
                 self._step_entries(batch, early=True)
 
-    def close(self, *, wait: bool = True) -> None:
-        if wait:
-            self.wait()
+    def close(self) -> None:
+        self.wait()
         if self._pool is not None:
-            self._pool.shutdown(wait=wait)
+            self._pool.shutdown()
             self._pool = None
 
     # ------------------------------------------------------------------ final backward
@@ -183,12 +182,6 @@ class Overlap:
                         "final_backward(). Set hyperparameters before backward (call "
                         "scheduler.step() after opt.step())"
                     )
-
-    def finish(self, entries: list[Entry], arrival: list[Entry]) -> None:
-        """The step is over: remember the arrival order, forget buckets and launches."""
-        if arrival:
-            self.last_arrival = arrival
-        self.abort(entries)
 
     def abort(self, entries: list[Entry]) -> None:
         """Forget buckets and launches (the step ended, or was undone)."""

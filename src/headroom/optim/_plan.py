@@ -173,11 +173,8 @@ def plan_entry(*, store: Rest | None, on_cpu: bool, master_dtype: bool, row_spar
 def may_write_disk(plan: EntryPlan, state: Rest | None) -> bool:
     """Whether the entry's step may write a disk (``state``: `HostOptimizer._state_rest`;
     ``None``, no state yet, counts as a disk)."""
-    if plan.store is Rest.DISK:
-        return True
-    if not plan.sliced or not plan.state_store:
-        return False
-    return state is not Rest.MEMORY
+    return plan.store is Rest.DISK or (plan.sliced and plan.state_store
+                                       and state is not Rest.MEMORY)
 
 
 @functools.cache

@@ -9,6 +9,7 @@ element-wise optimizers: each element's update depends only on it and on per-ten
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -192,10 +193,7 @@ class SliceRunner:
             opt.state.clear()
             opt._headroom_private = True  # hr.offload's global step hooks skip it
             self._opts[gi] = opt
-        inner = opt.param_groups[0]
-        for k, v in group.items():
-            if k != "params":
-                inner[k] = v
+        opt.param_groups[0].update(group)  # hyperparameters only (`_hparams`: no "params")
         return opt
 
     def _fresh_state(self, work: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -314,10 +312,7 @@ class SliceRunner:
                 writes.append(fut)
                 try:
                     fut.result()
-                    if rec[0] == "ram-from":
-                        txn.ram_from(*rec[1:])
-                    else:
-                        txn.stored(*rec)
+                    rec()
                 except BaseException as ex:  # noqa: BLE001 - re-raised below
                     failed = failed or ex
                     if ram is not None:
@@ -326,7 +321,8 @@ class SliceRunner:
                 raise failed
             for key, h in src.state_handles.items():
                 t = state[key]
-                if _is_view_of(t, cur.get("s", {}).get(key)):
+                v = resting.get(key)
+                if isinstance(v, _InPlace) and t is v.t:
                     continue  # updated in place in the resting host tensor
                 writes.append(src.state_store.write_rows(src.spare.get(key, h), rows,
                                                          t.contiguous()))
@@ -351,10 +347,10 @@ class SliceRunner:
                 f.result()
 
     def _keep(self, src: SlicedParam, cur: dict[str, Any], rows: slice | torch.Tensor,
-              txn: Txn) -> list[tuple[Future, tuple, tuple | None]]:
+              txn: Txn) -> list[tuple[Future, Callable[[], None], tuple | None]]:
         """Keep the old values this slice overwrites: copies in ``txn``, or undo writes
         (returned, each with the record to add once it landed)."""
-        pending: list[tuple[Future, tuple, tuple | None]] = []
+        pending: list[tuple[Future, Callable[[], None], tuple | None]] = []
 
         def keep(loaded: Any, mem: torch.Tensor | None, store: Store | None,
                  handle: Handle | None, name: str) -> None:
@@ -376,9 +372,10 @@ class SliceRunner:
                     txn.stored_copy(store, handle, rows, old)
                 return
             if mem is not None:  # a master in memory, its old values kept on a disk
-                rec = ("ram-from", *(ram[:2] if ram else (mem, rows)), undo, rows)
+                rec = functools.partial(txn.ram_from, *(ram[:2] if ram else (mem, rows)), undo,
+                                        rows)
             else:
-                rec = (store, handle, rows, undo)
+                rec = functools.partial(txn.stored, store, handle, rows, undo)
             pending.append((undo[0].write_rows(undo[1], rows, old), rec, ram))
 
         fresh = src.shadow is not None and not src.initialized
@@ -500,8 +497,3 @@ def _result(x: Any) -> torch.Tensor:
     if isinstance(x, Future):
         return x.result()
     return x
-
-
-def _is_view_of(t: torch.Tensor, src: Any) -> bool:
-    return isinstance(src, _InPlace) and t is src.t
-

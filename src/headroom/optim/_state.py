@@ -13,8 +13,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from headroom.optim._host_optimizer import HostOptimizer
     from headroom.store import Handle, Store
 
-__all__ = ["ParamState", "SavedView", "index_state", "load_state_dict", "saved_view",
-           "state_dict"]
+__all__ = ["ParamState", "SavedView", "index_state", "load_state_dict", "saved_view"]
 
 
 def index_state(opt: HostOptimizer, e: Entry) -> dict[str, Any] | None:
@@ -55,15 +54,6 @@ def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
-def state_dict(opt: HostOptimizer) -> dict[str, Any]:
-    """See `HostOptimizer.state_dict`."""
-    opt._wait()
-    groups = [{**opt._hparams(gi), "params": [e.index for e in opt._order if e.group == gi]}
-              for gi in range(len(opt.param_groups))]
-    state = {e.index: st for e in opt._order if (st := index_state(opt, e))}
-    return {"state": state, "param_groups": groups}
-
-
 def _key(k: Any) -> Any:
     """A parameter's key in a state dict: its index (maybe a string, as in JSON) or its name
     (torch.distributed.checkpoint's get_state_dict)."""
@@ -82,10 +72,8 @@ def load_state_dict(opt: HostOptimizer, state_dict: dict[str, Any]) -> None:
             "loaded state dict has parameter groups of sizes "
             f"{[len(g['params']) for g in saved]}, this optimizer has {sizes}"
         )
-    id_map = {}
-    for sg, g in zip(saved, opt.param_groups, strict=True):
-        for old, p in zip(sg["params"], g["params"], strict=True):
-            id_map[_key(old)] = opt._entries[id(p)]
+    id_map = {_key(old): opt._entries[id(p)] for sg, g in zip(saved, opt.param_groups, strict=True)
+              for old, p in zip(sg["params"], g["params"], strict=True)}
     states = state_dict["state"]
     unknown = [k for k in states if _key(k) not in id_map]
     if unknown:  # before anything changes

@@ -29,6 +29,7 @@ checkpoint is loaded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 from collections.abc import Callable
@@ -45,7 +46,7 @@ class Txn:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._records: list[tuple] = []
+        self._records: list[Callable[[], Any]] = []
         self._entries: dict[int, tuple] = {}
         self._after: list[Callable[[], None]] = []
         self._commit: list[Callable[[], None]] = []
@@ -54,9 +55,10 @@ class Txn:
         self.stores: set = set()  # stores holding a write reservation for this step
 
     # ------------------------------------------------------------------ recording
-    def _add(self, *rec: Any) -> None:
+    def _add(self, fn: Callable[[], Any]) -> None:
+        """``fn`` puts some old values back (undo runs these newest first)."""
         with self._lock:
-            self._records.append(rec)
+            self._records.append(fn)
 
     def entry(self, e: Any) -> None:
         """Keep ``e``'s per-parameter scalars (step counts...) and flags as they are now."""
@@ -68,20 +70,22 @@ class Txn:
 
     def ram(self, t: torch.Tensor, rows: Any, old: torch.Tensor) -> None:
         """``t[rows]`` (``rows`` None: all of ``t``) held ``old`` (a copy) before the step."""
-        self._add("ram", t, rows, old)
+        self._add(lambda: _put(t, rows, old))
 
     def stored(self, store: Any, handle: Any, rows: Any, undo: tuple[Any, Any]) -> None:
         """Rows of ``handle`` were copied to the same rows of ``undo`` = (store, handle)."""
-        self._add("store", store, handle, rows, undo)
+        self._add(lambda: store.write_rows(
+            handle, rows, undo[0].read_rows(undo[1], rows).result()).result())
 
     def ram_from(self, t: Any, rows: Any, undo: tuple[Any, Any], urows: Any) -> None:
         """``t[rows]`` (``rows`` None: all of ``t``) held what rows ``urows`` of the undo
         tensor ``undo`` = (store, handle) now hold."""
-        self._add("ram-from", t, rows, undo, urows)
+        self._add(lambda: _put(t, rows, undo[0].read_rows(undo[1], urows).result()))
 
     def stored_copy(self, store: Any, handle: Any, rows: Any, old: torch.Tensor) -> None:
         """``handle``'s ``rows`` (None: all of it) held ``old`` (a host copy) before the step."""
-        self._add("store-copy", store, handle, rows, old)
+        self._add(lambda: (store.write(handle, old) if rows is None
+                           else store.write_rows(handle, rows, old)).result())
 
     def on_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when the step ends well (e.g. make the spare state tensors current)."""
@@ -103,7 +107,7 @@ class Txn:
             by_store.setdefault(id(store), (store, []))[1].append((h, sp))
         for store, pairs in by_store.values():
             store.exchange(pairs)
-            self._add("call", lambda s=store, p=pairs: s.exchange(p))
+            self._add(functools.partial(store.exchange, pairs))
 
     def commit(self) -> None:
         """The step succeeded: run the commit actions, then `end`."""
@@ -125,44 +129,21 @@ class Txn:
     def undo(self) -> list[BaseException]:
         """Put the old values back, newest first; returns what failed (empty: all back)."""
         errors: list[BaseException] = []
-        for rec in reversed(self._records):
-            try:
-                if rec[0] == "call":
-                    rec[1]()
-                elif rec[0] == "ram":
-                    _put(*rec[1:])
-                elif rec[0] == "ram-from":
-                    _, t, rows, (ustore, uhandle), urows = rec
-                    _put(t, rows, ustore.read_rows(uhandle, urows).result())
-                elif rec[0] == "store":
-                    _, store, handle, rows, (ustore, uhandle) = rec
-                    old = ustore.read_rows(uhandle, rows).result()
-                    store.write_rows(handle, rows, old).result()
-                else:
-                    _, store, handle, rows, old = rec
-                    if rows is None:
-                        store.write(handle, old).result()
-                    else:
-                        store.write_rows(handle, rows, old).result()
-            except BaseException as ex:  # noqa: BLE001 - reported to the caller, all tried
-                errors.append(ex)
-        for e, small, initialized, grad_scale in self._entries.values():
-            e.small, e.initialized, e.grad_scale = small, initialized, grad_scale
-        for fn in self._after:
+        for fn in [*reversed(self._records), self._restore_entries, *self._after]:
             try:
                 fn()
-            except BaseException as ex:  # noqa: BLE001 - as above
+            except BaseException as ex:  # noqa: BLE001 - reported to the caller, all tried
                 errors.append(ex)
-        self._clear()
         return errors
 
-    def _clear(self) -> None:
-        self._records, self._entries, self._after, self._commit = [], {}, [], []
-        self._exchanges = []
+    def _restore_entries(self) -> None:
+        for e, small, initialized, grad_scale in self._entries.values():
+            e.small, e.initialized, e.grad_scale = small, initialized, grad_scale
 
     def end(self) -> None:
         """The step is over (committed or undone): drop what was kept, end reservations."""
-        self._clear()
+        self._records, self._entries, self._after, self._commit = [], {}, [], []
+        self._exchanges = []
         self.unprotected = 0
         stores, self.stores = self.stores, set()
         for s in stores:
@@ -194,26 +175,23 @@ class DeferInterrupt:
     def __init__(self) -> None:
         self.armed = False
         self.pending = False
-        self._old: Any = None
-        self._active = False
+        self._old: Any = None  # the handler replaced (Python's default), while active
 
     def __enter__(self) -> DeferInterrupt:
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._old = signal.signal(signal.SIGINT, self._handler)
-            self._active = True
         return self
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.armed:
-            self.pending = True
-            return
-        raise KeyboardInterrupt
+        if not self.armed:
+            raise KeyboardInterrupt
+        self.pending = True
 
     def arm(self) -> None:
         self.armed = True
 
     def __exit__(self, *exc: Any) -> None:
-        if self._active:
+        if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
-            self._active = False
+            self._old = None

@@ -81,17 +81,6 @@ class _Item:
             yield t, True
 
 
-def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
-    """Queue parameter ``idx``'s state tensors as file items; return the rest as JSON."""
-    sm = {}
-    for k, v in st.items():
-        if isinstance(v, torch.Tensor):
-            items.append(_Item(f"optimizer/{idx}/{k}", tensor=v))
-        else:
-            sm[k] = _jsonable(v, f"state of parameter {idx}", tensors)
-    return sm
-
-
 def _jsonable(value: Any, where: str, tensors: list[_Item]) -> Any:
     if isinstance(value, torch.Tensor):
         name = f"json/{len(tensors)}"
@@ -182,7 +171,10 @@ def _optimizer_items(
         # resting state (and a store-resident bf16/fp16 parameter's master) streams from
         # its store; the rest (with an in-memory fp32 master) is saved from memory
         items += [_Item(f"optimizer/{idx}/{k}", store=store, handle=h) for k, h in resting.items()]
-        small[str(idx)] = _state_items(idx, st, items, tensors)
+        items += [_Item(f"optimizer/{idx}/{k}", tensor=v) for k, v in st.items()
+                  if isinstance(v, torch.Tensor)]
+        small[str(idx)] = {k: _jsonable(v, f"state of parameter {idx}", tensors)
+                           for k, v in st.items() if not isinstance(v, torch.Tensor)}
     meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
             "small": small}
     if inner_class is not None:

@@ -56,10 +56,9 @@ class _Item:
         self.tensor = tensor
         self.store = store
         self.handle = handle
-        src_dtype = tensor.dtype if tensor is not None else handle.dtype
-        if src_dtype not in DTYPES:
-            raise TypeError(f"cannot save {name!r}: dtype {src_dtype} has no safetensors code")
-        self.dtype = src_dtype
+        self.dtype = tensor.dtype if tensor is not None else handle.dtype
+        if self.dtype not in DTYPES:
+            raise TypeError(f"cannot save {name!r}: dtype {self.dtype} has no safetensors code")
         self.shape = tuple(tensor.shape) if tensor is not None else handle.shape
 
     @property

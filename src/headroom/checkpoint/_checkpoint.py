@@ -56,10 +56,9 @@ class _Item:
         self.tensor = tensor
         self.store = store
         self.handle = handle
-        src_dtype = tensor.dtype if tensor is not None else handle.dtype
-        if src_dtype not in DTYPES:
-            raise TypeError(f"cannot save {name!r}: dtype {src_dtype} has no safetensors code")
-        self.dtype = src_dtype
+        self.dtype = tensor.dtype if tensor is not None else handle.dtype
+        if self.dtype not in DTYPES:
+            raise TypeError(f"cannot save {name!r}: dtype {self.dtype} has no safetensors code")
         self.shape = tuple(tensor.shape) if tensor is not None else handle.shape
 
     @property
@@ -79,17 +78,6 @@ class _Item:
         slices = store_slices(self.store, h, _CHUNK) if h.shape else [self.store.read(h).result()]
         for t in slices:
             yield t, True
-
-
-def _state_items(idx: int, st: dict[str, Any], items: list, tensors: Any) -> dict[str, Any]:
-    """Queue parameter ``idx``'s state tensors as file items; return the rest as JSON."""
-    sm = {}
-    for k, v in st.items():
-        if isinstance(v, torch.Tensor):
-            items.append(_Item(f"optimizer/{idx}/{k}", tensor=v))
-        else:
-            sm[k] = _jsonable(v, f"state of parameter {idx}", tensors)
-    return sm
 
 
 def _jsonable(value: Any, where: str, tensors: list[_Item]) -> Any:
@@ -182,7 +170,10 @@ def _optimizer_items(
         # resting state (and a store-resident bf16/fp16 parameter's master) streams from
         # its store; the rest (with an in-memory fp32 master) is saved from memory
         items += [_Item(f"optimizer/{idx}/{k}", store=store, handle=h) for k, h in resting.items()]
-        small[str(idx)] = _state_items(idx, st, items, tensors)
+        items += [_Item(f"optimizer/{idx}/{k}", tensor=v) for k, v in st.items()
+                  if isinstance(v, torch.Tensor)]
+        small[str(idx)] = {k: _jsonable(v, f"state of parameter {idx}", tensors)
+                           for k, v in st.items() if not isinstance(v, torch.Tensor)}
     meta = {"class": type(optimizer).__name__, "groups": groups, "params": params,
             "small": small}
     if inner_class is not None:

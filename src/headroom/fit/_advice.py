@@ -233,11 +233,10 @@ def _merge_half(options: list[_Option]) -> None:
 
 def _smaller_optimizer(opt_cls: type) -> tuple[str, Any, dict[str, Any]] | None:
     """``torch.optim.Adafactor`` (factored second moments) for Adam/AdamW, else ``None``."""
-    adafactor = getattr(torch.optim, "Adafactor", None)
-    if adafactor is None or not issubclass(opt_cls, (torch.optim.Adam, torch.optim.AdamW)):
+    if not issubclass(opt_cls, (torch.optim.Adam, torch.optim.AdamW)):
         return None
 
-    class Adafactor(adafactor):
+    class Adafactor(torch.optim.Adafactor):
         """Adafactor on ``meta``: the norms it reads (``.item()``) set only its step size."""
 
         def step(self, closure: Any = None) -> Any:

@@ -23,9 +23,6 @@ _IS_ENABLED = torch.is_autocast_enabled
 _GET_DTYPE = torch.get_autocast_dtype
 _IS_AVAILABLE = torch.amp.is_autocast_available
 
-# runs a Python function with the mode still on for its calls (torch >= 2.13)
-_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
-
 _LOWER = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -174,10 +171,11 @@ class _CastMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if not self.amp.enabled or name in _PASS or name.endswith(("__get__", "__set__")):
             return func(*args, **kwargs)
-        if _REDISPATCH is not None and isinstance(func, FunctionType):
-            # a Python function (F.layer_norm): autocast acts on the ops it calls, one by one
+        if isinstance(func, FunctionType):
+            # a Python function (F.layer_norm): autocast acts on the ops it calls, one by one,
+            # run with the mode still on for them
             with self:
-                return _REDISPATCH(func, types, args, kwargs)
+                return torch.overrides.redispatch_function(func, types, args, kwargs)
         args, kwargs, out_dtypes = self.amp.cast_args(func, args, kwargs)
         out = func(*args, **kwargs)
         if out_dtypes is None:

@@ -382,9 +382,7 @@ def _forget_written(func, args: tuple, kwargs: dict) -> None:
 _WRITTEN: dict[Any, tuple[tuple[int, str, bool], ...]] = {}  # op -> the arguments it writes
 
 
-_FUSED_WITHOUT_META = {getattr(torch.ops.aten, name)
-                       for name in ("_fused_sgd_", "_fused_adagrad_")
-                       if hasattr(torch.ops.aten, name)}
+_FUSED_WITHOUT_META = {torch.ops.aten._fused_sgd_, torch.ops.aten._fused_adagrad_}
 
 
 class _MetaResults:

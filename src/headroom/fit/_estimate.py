@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from headroom._providers import advice_provider
 from headroom.activations import DEFAULT_MIN_BYTES, DEFAULT_PREFETCH, offload_activations_dry_run
 from headroom.fit import _dryrun
 from headroom.memory import (
@@ -27,7 +26,7 @@ from headroom.memory import (
     StorageInfo,
     format_bytes,
 )
-from headroom.memory._report import _atomic_write, format_estimate, plot, to_dict
+from headroom.memory._report import _atomic_write, advise, format_estimate, plot, to_dict
 
 
 class _DryRunTracker(MemoryTracker):
@@ -131,19 +130,10 @@ class Estimate:
         return self._advice
 
     def _advise(self) -> list[str]:
-        # for the plain step only; through the provider: headroom.fit._advice imports this
+        # for the plain step only
         ctx = self._context
         model = ctx["model"]() if ctx else None
-        if model is None:
-            return []
-        try:
-            return advice_provider()(
-                model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
-                optimizer=ctx.get("optimizer"), optimizer_kwargs=ctx.get("optimizer_kwargs"),
-                device=self.device, base=self)
-        except Exception as e:  # advice never breaks a report
-            first = str(e).splitlines()[0][:200] if str(e) else ""
-            return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
+        return [] if model is None else advise(model, ctx, device=self.device, base=self)
 
     @property
     def timeline(self):

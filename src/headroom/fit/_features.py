@@ -15,14 +15,11 @@ import torch
 from torch import nn
 
 from headroom.fit import _dryrun
+from headroom.fit._sharded import _HOOK_DICTS, _STATE_DICT_HOOKS
 from headroom.optim import DryHostOptimizer
 from headroom.residency import Offload, offload_dry_run, offload_states
 from headroom.store import MetaStore, Places
 from headroom.transfer import MAX_STAGED_BYTES, Mover, ParamBinding, Ticket
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 @dataclass(frozen=True)
@@ -201,7 +198,7 @@ class DryRunFeatures:
                     offloaded = True
             if not offloaded:
                 continue
-            for attr in _HOOK_DICTS:
+            for attr in (*_HOOK_DICTS, *_STATE_DICT_HOOKS):
                 hooks = m.__dict__.get(attr)
                 if hooks:
                     memo[id(hooks)] = type(hooks)(

@@ -231,6 +231,7 @@ class ShardedDryRun:
             raise RuntimeError(
                 "world_size=/mesh= estimates run torch's FSDP2, and this torch build has no"
                 " torch.distributed: estimate on a build that has it (Linux wheels do)")
+        from torch._C._distributed_c10d import _unregister_process_group
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -245,7 +246,8 @@ class ShardedDryRun:
 
         units = block_names(root) if spec.units is None else list(spec.units)
         self.mesh = _fake_mesh(spec.world)
-        self._close = weakref.finalize(self, _unregister, self.mesh._dim_group_names[0])
+        self._close = weakref.finalize(self, _unregister_process_group,
+                                       self.mesh._dim_group_names[0])
         mp = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
         self.all_host = True
         try:
@@ -327,12 +329,6 @@ def _gloo_reduce_scatter() -> Any:
 def _with_mode(mode: TorchFunctionMode, method: Any, *args: Any, **kwargs: Any) -> Any:
     with mode:
         return method(*args, **kwargs)
-
-
-def _unregister(name: str) -> None:
-    from torch._C._distributed_c10d import _unregister_process_group
-
-    _unregister_process_group(name)
 
 
 def host_units(offload: Any) -> frozenset[str]:

@@ -41,8 +41,8 @@ def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``; exact bytes below 1 KiB."""
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{sign}{n:.1f} TiB"

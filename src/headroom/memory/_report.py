@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,6 @@ def format_report(mem: MemoryTracker, *, top_modules: int = 10,
             " anything outside PyTorch)"
         )
     if advice:
-        from headroom.memory._advice import tracker_advice
-
         more = tracker_advice(mem)
         if more:
             lines.append("")
@@ -116,6 +115,51 @@ def format_estimate(est: Any, *, top_modules: int = 10, advice: bool = True) -> 
         lines.append("")
         lines.extend(est.advice)
     return "\n".join(lines) + "\n"
+
+
+# Advice at the end of reports, from dry runs of the step: the figures come from `headroom.fit`
+# through `headroom._providers`, which memory/ never imports.
+def tracker_advice(mem: MemoryTracker) -> list[str]:
+    ctx = mem._context
+    if not ctx:
+        return []
+    if "advice" in ctx:  # computed once: a report printed and written costs one set of dry runs
+        return ctx["advice"]
+    model = ctx["model"]()
+    if model is None:
+        return ["(no advice: the model that ran is no longer alive; report before it is freed)"]
+    if _fsdp_sharded(model):
+        ctx["advice"] = ["(no advice: the model is sharded with FSDP2 (fully_shard), whose"
+                         " collectives the dry runs do not model; the figures above are this"
+                         " rank's)"]
+        return ctx["advice"]
+    p = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = str(p.device) if p is not None and p.device.type != "meta" else "cpu"
+    resting = max((by.get("activations", 0) for by in mem.resting_max.values()), default=0)
+    ctx["advice"] = advise(model, ctx, device=device, base=None, measured=mem.peak,
+                           resting_activations=resting)
+    return ctx["advice"]
+
+
+def advise(model: Any, ctx: dict[str, Any], **more: Any) -> list[str]:
+    """The advice for the step ``ctx`` holds (the tracker's or an estimate's), through the
+    provider; a failed dry run is one line of it, never an error."""
+    from headroom._providers import advice_provider
+
+    try:
+        return advice_provider()(
+            model, ctx["args"], kwargs=ctx.get("kwargs"), loss_fn=ctx.get("loss_fn"),
+            optimizer=ctx.get("optimizer"), optimizer_kwargs=ctx.get("optimizer_kwargs"),
+            autocast=ctx.get("autocast"), **more)
+    except Exception as e:  # advice never breaks a report
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return [f"(no advice: a dry run of the step failed: {type(e).__name__}: {first})"]
+
+
+def _fsdp_sharded(model: Any) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    cls = getattr(fsdp, "FSDPModule", None)
+    return cls is not None and any(isinstance(m, cls) for m in model.modules())
 
 
 def _moment(mem: MemoryTracker, sample: Any) -> str:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import headroom as hr
+from headroom.heads import _linear_ce
 from headroom.store import DiskStore
 from headroom.transfer import binding
 from tests.heads.test_linear_loss import assert_as_exact_as_torch
@@ -124,7 +125,7 @@ def test_rows_path_chunks_and_scales():
     # several chunks (never all rows at once), an incoming gradient other than 1, and a
     # gradient only for some inputs
     x, w, b, y = _inputs(shape=(4, 150), scale=2.0)
-    rows = hr.heads._linear_ce.rows_per_chunk(600, C, softcap=False)
+    rows = _linear_ce.rows_per_chunk(600, C, softcap=False)
     assert rows == 300
     for need in ("xwb", "w", "x"):
         xs, ws, bs = (t.detach().clone().requires_grad_(k in need)

@@ -155,6 +155,16 @@ def test_cuda_target_on_a_cpu_only_build():
     assert a["peak_reserved"] % (2 << 20) == 0
 
 
+def test_allocator_model_frees_what_the_step_frees():
+    # every tensor here is a multiple of the allocator's 512-byte rounding: its live bytes at
+    # their peak are the estimate's peak exactly when it hears of every free (the dry run's
+    # tracker passes them on); without, it counts each activation ever made
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                            for _ in range(4)])
+    est = estimate(model, (torch.randn(256, 512),), optimizer=torch.optim.AdamW, device="cuda")
+    assert est.allocator["peak_allocated"] == est.peak
+
+
 def test_reports(tmp_path):
     est = estimate(mlp(), (torch.randn(8, 64),), optimizer=torch.optim.AdamW, device="cuda")
     with open(tmp_path / "r.txt", "w") as f:

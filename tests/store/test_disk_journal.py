@@ -61,7 +61,7 @@ def test_a_reservation_the_disk_cannot_hold_is_store_full(tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
     monkeypatch.setattr(ledger_mod, "_keep_size_fallocate", no_space)
-    with pytest.raises(StoreFullError, match="journal records of 3 writes"):
+    with pytest.raises(StoreFullError, match=r"journal records of 3 writes \(No space left"):
         s.reserve_writes(3)
     monkeypatch.undo()
     s.write(h, torch.full((4,), 2.0)).result()  # nothing was reserved, the store goes on

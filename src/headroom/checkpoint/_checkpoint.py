@@ -251,8 +251,8 @@ def _save(
     table = [(it.name, it.dtype, it.shape, it.nbytes) for it in items]
 
     def header(crcs: dict[str, int]) -> bytes:
-        if checksums:  # placeholders of the same width before the data is written
-            meta["crc32c"] = {it.name: f"{crcs.get(it.name, 0):08x}" for it in items}
+        if checksums:  # zeros of the same width before the data is written, then every sum
+            meta["crc32c"] = {it.name: f"{crcs[it.name] if crcs else 0:08x}" for it in items}
         blob = build_header({"headroom": json.dumps(meta)}, table)
         return seal_header(blob) if checksums else blob
 

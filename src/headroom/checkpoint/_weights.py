@@ -640,7 +640,7 @@ def _write_shard(path: Path, shard: list) -> None:
     table = [(name, to, tgt.tensor.shape, nbytes) for name, tgt, to, nbytes in shard]
 
     def header(sums: dict[str, int]) -> bytes:
-        record = {name: [DTYPES[to], list(tgt.tensor.shape), f"{sums.get(name, 0):08x}"]
+        record = {name: [DTYPES[to], list(tgt.tensor.shape), f"{sums[name] if sums else 0:08x}"]
                   for name, tgt, to, _ in shard}
         # "format": "pt" is what from_pretrained looks for; metadata values are strings.
         return build_header(

@@ -58,12 +58,12 @@ _active: MemoryTracker | None = None
 _active_where = ""
 
 
-def _weakly(ref: weakref.ref, method, arg: Any, *_: Any) -> None:
-    """``method(tracker, arg)`` while the tracker ``ref`` lives: the callbacks of storages and
-    autograd nodes, which may outlive it, hold it weakly."""
+def _weakly(ref: weakref.ref, method: str, arg: Any, *_: Any) -> None:
+    """``tracker.<method>(arg)`` while the tracker ``ref`` lives: the callbacks of storages and
+    autograd nodes, which may outlive it, hold it weakly (by name: a subclass's own method)."""
     tracker = ref()
     if tracker is not None:
-        method(tracker, arg)
+        getattr(tracker, method)(arg)
 
 
 def _reading(fn):
@@ -326,7 +326,7 @@ class MemoryTracker:
                     dev = device_name(t.device)
                 self._seq += 1
                 info = StorageInfo(key, dev, st.nbytes(), cat, self._seq)
-                on_free = functools.partial(_weakly, weakref.ref(self), MemoryTracker._freed, info)
+                on_free = functools.partial(_weakly, weakref.ref(self), "_freed", info)
                 info.ref = weakref.ref(st, on_free)
                 self._infos[key] = info
                 if cat == ACTIVATIONS:
@@ -629,7 +629,7 @@ class MemoryTracker:
             if len(self._hooked_nodes) > 100_000:
                 self._hooked_nodes.clear()
             node.register_prehook(
-                functools.partial(_weakly, weakref.ref(self), MemoryTracker._in_backward_of, name))
+                functools.partial(_weakly, weakref.ref(self), "_in_backward_of", name))
 
     def _in_backward_of(self, name: str) -> None:
         self._bwd_module = name

@@ -283,13 +283,14 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _released(holder_ref: weakref.ref, _tensor_ref) -> None:
+def _released(holder_ref: weakref.ref, _tensor_ref, _finalizing=sys.is_finalizing) -> None:
     """The caller's tensor a :class:`Late` holder watches is being freed: try to settle."""
     # The dying tensor's own storage reference goes right after this: one more is expected.
     # Not inside backward, where settling would pack a mask that the node is about to unpack.
-    # Nor while the interpreter exits: modules are torn down, and nothing will read the mask.
+    # Nor while the interpreter exits: modules are torn down (`sys` may already be None: the
+    # check is bound here), and nothing will read the mask.
     holder = holder_ref()
-    if holder is None or holder.tensor is None or sys.is_finalizing() or _graph_task_id() != -1:
+    if holder is None or holder.tensor is None or _finalizing() or _graph_task_id() != -1:
         return
     if _use_count(holder.key) == UNSHARED + 1:
         holder.settle(1, True)

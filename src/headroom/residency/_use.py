@@ -85,8 +85,10 @@ class Use:
     def try_enter(self) -> bool:
         """Take (or nest) a use in this thread if nobody else has one; never waits."""
         with self._cond:
-            if not self._mine() and not self._take(("f", threading.get_ident()), lambda: True):
-                return False
+            if not self._mine():
+                if self._owner is not None or self._queue:
+                    return False  # no ticket queued: waiters are not woken by a failed try
+                self._owner = ("f", threading.get_ident())
             self._depth += 1
             return True
 

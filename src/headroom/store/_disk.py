@@ -738,7 +738,12 @@ class DiskStore(Store):
         try:
             self._ledger.reserve(max(0, count) * 2 * _RECORD_BYTES)
         except OSError as e:
-            raise self._io_error(e, f"the journal records of {count} writes") from e
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise StoreFullError(
+                f"{self!r} is full: the disk under {self.path} has no room for the journal"
+                f" records of {count} writes ({e.strerror or e}); free space there or give"
+                " DiskStore a directory on a larger disk") from e
 
     def release_writes(self) -> None:
         self._ledger.unreserve()
